@@ -1,0 +1,34 @@
+"""``python -m frontend --config RUN_DIR/config.json --index I`` (supervisord runs this)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="frontend")
+    parser.add_argument("--config", required=True, help="the resolved config.json in the run dir")
+    parser.add_argument("--index", type=int, required=True)
+    args = parser.parse_args()
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+    from aiohttp import web
+
+    from frontend.app import create_app
+    from shmserve import config, logs, topology
+
+    cfg = config.load_resolved(args.config)
+    logs.configure(cfg.logging, f"frontend-{args.index}")
+    path = topology.frontend_socket(cfg, args.index)
+    path.unlink(missing_ok=True)  # a killed predecessor's socket file
+    web.run_app(create_app(cfg, args.index), path=str(path), print=None,
+                shutdown_timeout=cfg.server.drain_timeout_s, access_log=None,
+                handle_signals=True)
+    path.unlink(missing_ok=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,155 @@
+"""The aiohttp application: resources under typed keys, one middleware for ids, timing, errors,
+metrics and the access log line.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import time
+import uuid
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from aiohttp import web
+
+from frontend import codec, metrics
+from frontend.dispatch import Dispatcher
+from frontend.errors import ApiError
+from frontend.pool import WorkerPool
+from frontend.tokenizer import TextEncoder
+from shmserve import arena as shm
+from shmserve import topology
+from shmserve.config import Config
+from shmserve.models import ModelSpec, inspect
+
+log = logging.getLogger("shmserve.frontend")
+access = logging.getLogger("shmserve.access")
+
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+
+
+@dataclass(frozen=True, slots=True)
+class ServedModel:
+    spec: ModelSpec
+    encoder: TextEncoder
+
+
+class Models:
+    """Configured models by name and alias; the first one is the default."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.by_name: dict[str, ServedModel] = {}
+        self._names: dict[str, str] = {}
+        for model_cfg in cfg.models:
+            spec = inspect(model_cfg, with_revision=False)  # workers report the revision
+            self.by_name[spec.name] = ServedModel(spec, TextEncoder(spec, cfg.limits.truncate))
+            for name in (model_cfg.name, *model_cfg.aliases):
+                self._names[name] = spec.name
+        self.default = cfg.models[0].name
+
+    def resolve(self, name: str | None) -> ServedModel:
+        if name is None:
+            return self.by_name[self.default]
+        canonical = self._names.get(name)
+        if canonical is None:
+            raise ApiError("not_found", f"model {name!r} is not served; see GET /v1/models",
+                           param="model")
+        return self.by_name[canonical]
+
+
+CONFIG = web.AppKey("config", Config)
+INDEX = web.AppKey("index", int)
+MODELS = web.AppKey("models", Models)
+POOL = web.AppKey("pool", WorkerPool)
+DISPATCHER = web.AppKey("dispatcher", Dispatcher)
+INFLIGHT = web.AppKey("inflight", list)  # [count]: a mutable cell
+
+
+def request_id(request: web.Request) -> str:
+    return request["request_id"]
+
+
+@web.middleware
+async def observe(request: web.Request, handler) -> web.StreamResponse:
+    started = time.perf_counter()
+    sent = request.headers.get("X-Request-ID", "")
+    request["request_id"] = sent if _REQUEST_ID.match(sent) else uuid.uuid4().hex
+    request["log"] = {}
+    try:
+        response = await handler(request)
+    except ApiError as exc:
+        response = error_response(request, exc)
+    except web.HTTPException as exc:  # routing: unknown path, wrong method
+        kind = {404: "not_found", 405: "method_not_allowed", 413: "too_large"}.get(
+            exc.status, "bad_request")
+        response = error_response(request, ApiError(kind, exc.reason or "error"))
+    except Exception:  # the global handler: never a traceback to the client
+        log.exception("unhandled error", extra={"fields": {"request_id": request["request_id"]}})
+        response = error_response(request, ApiError(
+            "internal_error", f"internal error; quote request id {request['request_id']}"))
+    elapsed = time.perf_counter() - started
+    response.headers["X-Request-ID"] = request["request_id"]
+    response.headers["X-Process-Time"] = f"{elapsed * 1000:.2f}"
+    _record(request, response, elapsed)
+    return response
+
+
+def error_response(request: web.Request, exc: ApiError) -> web.Response:
+    request["log"]["error"] = exc.kind
+    return codec.render(request, exc.body(), status=exc.status, headers=exc.headers())
+
+
+def _record(request: web.Request, response: web.StreamResponse, elapsed: float) -> None:
+    route = request.match_info.route.resource
+    path = route.canonical if route is not None else "unmatched"
+    model = request.get("model", "")
+    metrics.REQUESTS.labels(path, model, str(response.status)).inc()
+    metrics.LATENCY.labels(path, model).observe(elapsed)
+    if path in ("/health", "/ready", "/metrics"):
+        return  # probes and scrapes would drown the access log
+    access.info("request", extra={"fields": {
+        "request_id": request["request_id"], "method": request.method, "route": path,
+        "model": model, "status": response.status, "total_ms": round(elapsed * 1000, 2),
+        **request["log"]}})
+
+
+async def _resources(app: web.Application) -> AsyncIterator[None]:
+    cfg, index = app[CONFIG], app[INDEX]
+    prefix = f"{topology.shm_prefix(cfg)}fe{index}-"
+    shm.sweep(prefix)  # a killed predecessor's arena
+    arena = shm.Arena(shm.arena_name(topology.instance_id(cfg), f"fe{index}"),
+                      cfg.shm.arena_mb << 20)
+    pool = WorkerPool(cfg)
+    await pool.start()
+    app[POOL] = pool
+    app[DISPATCHER] = Dispatcher(cfg, pool, arena)
+    log.info("frontend.started", extra={"fields": {"frontend": index, "pid": os.getpid(),
+                                                   "arena": arena.name}})
+    try:
+        yield
+    finally:
+        await pool.close()
+        arena.close(unlink=True)
+        log.info("frontend.stopped", extra={"fields": {"frontend": index}})
+
+
+def create_app(cfg: Config, index: int = 0) -> web.Application:
+    from frontend import routes
+
+    app = web.Application(middlewares=[observe],
+                          client_max_size=_bytes(cfg.nginx.client_max_body_size))
+    app[CONFIG] = cfg
+    app[INDEX] = index
+    app[MODELS] = Models(cfg)
+    app[INFLIGHT] = [0]
+    app.cleanup_ctx.append(_resources)
+    routes.add_routes(app)
+    return app
+
+
+def _bytes(size: str) -> int:
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    size = size.strip().lower()
+    return int(size[:-1]) * units[size[-1]] if size[-1] in units else int(size)

@@ -1,0 +1,78 @@
+"""Request bodies in, response bodies out: JSON or msgpack, negotiated per request.
+
+Requests: by Content-Type (``application/json``; ``application/msgpack`` or
+``application/x-msgpack``); a missing Content-Type is read as JSON. Responses: msgpack when the
+Accept header names a msgpack type, JSON otherwise. In msgpack responses, float vectors are raw
+little-endian float32 bytes (``bin``), one per vector: `np.frombuffer(b, "<f4")` reads them.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import msgpack
+import numpy as np
+from aiohttp import web
+
+from frontend.errors import ApiError
+
+JSON = "application/json"
+MSGPACK = "application/msgpack"
+_MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack")
+
+
+def wants_msgpack(request: web.Request) -> bool:
+    accept = request.headers.get("Accept", "")
+    return any(t in accept for t in _MSGPACK_TYPES)
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+async def read_body(request: web.Request) -> Any:
+    ctype = request.content_type  # aiohttp defaults a missing header to application/octet-stream
+    raw = await request.read()
+    if not raw:
+        raise ApiError("bad_request", "empty request body")
+    if ctype in _MSGPACK_TYPES:
+        try:
+            return msgpack.unpackb(raw, raw=False, strict_map_key=False, max_buffer_size=len(raw))
+        except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, ValueError,
+                TypeError) as exc:
+            raise ApiError("bad_request", f"malformed msgpack body: {exc}") from None
+    if ctype == JSON or "Content-Type" not in request.headers:
+        try:
+            return json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
+        except UnicodeDecodeError:
+            raise ApiError("bad_request", "request body is not valid UTF-8") from None
+        except RecursionError:
+            raise ApiError("bad_request", "JSON body is nested too deeply") from None
+        except ValueError as exc:
+            raise ApiError("bad_request", f"malformed JSON body: {exc}") from None
+    raise ApiError("unsupported_media_type",
+                   f"Content-Type {ctype!r} is not supported; send {JSON} or {MSGPACK}")
+
+
+def render(request: web.Request, body: dict[str, Any], status: int = 200,
+           headers: dict[str, str] | None = None) -> web.Response:
+    if wants_msgpack(request):
+        return web.Response(body=msgpack.packb(body, use_bin_type=True, default=_numpy_default),
+                            status=status, content_type=MSGPACK, headers=headers)
+    return web.Response(body=json.dumps(body, separators=(",", ":"), default=_numpy_default),
+                        status=status, content_type=JSON, headers=headers)
+
+
+def vectors(array: np.ndarray, as_msgpack: bool) -> list[Any]:
+    """Rows of a float32 matrix: raw LE float32 bytes for msgpack, float lists for JSON."""
+    if as_msgpack:
+        data = np.ascontiguousarray(array, dtype="<f4")
+        return [row.tobytes() for row in data]
+    return array.tolist()
+
+
+def _numpy_default(value: Any) -> Any:
+    if isinstance(value, np.generic):
+        return value.item()
+    raise TypeError(f"cannot encode {type(value).__name__}")

@@ -1,0 +1,123 @@
+"""One request's trip to a worker and back: shared-memory slot, worker choice, retries, deadline.
+
+The slot (token ids, offsets, output rows) is allocated once per request and freed when nobody
+can touch it any more: the handler is done with it and no worker holds it (see `Lease`). A
+request whose worker dies is resubmitted to another live worker, up to
+`frontends.retry_on_worker_loss` times: inference is idempotent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from frontend.errors import ApiError
+from frontend.pool import WorkerGone, WorkerPool
+from frontend.tokenizer import Encoded
+from shmserve.arena import Arena, ArenaFull
+from shmserve.config import Config
+from shmserve.protocol import Error, Result, Submit
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    vectors: np.ndarray  # float32 [n, dim], a private copy
+    result: Result
+    revision: str
+    worker: int
+
+
+class Lease:
+    """A slot's holders: the handler plus each worker that may still write to it."""
+
+    def __init__(self, arena: Arena, offset: int) -> None:
+        self._arena, self._offset, self._holders = arena, offset, 1
+
+    def hold(self) -> None:
+        self._holders += 1
+
+    def release(self) -> None:
+        self._holders -= 1
+        if self._holders == 0:
+            self._arena.free(self._offset)
+
+
+def _align(n: int) -> int:
+    return -(-n // 64) * 64
+
+
+class Dispatcher:
+    def __init__(self, cfg: Config, pool: WorkerPool, arena: Arena) -> None:
+        self.cfg = cfg
+        self.pool = pool
+        self.arena = arena
+
+    async def run(self, model: str, dim: int, enc: Encoded, request_id: str, deadline: float,
+                  priority: int = 0) -> Outcome:
+        n = enc.offsets.shape[0] - 1
+        off_bytes = _align(enc.offsets.nbytes)
+        ids_bytes = _align(enc.ids.nbytes)
+        try:
+            base = self.arena.alloc(off_bytes + ids_bytes + n * dim * 4)
+        except ArenaFull:
+            raise ApiError("overloaded", "too many requests in flight on this frontend",
+                           retry_after=1) from None
+        lease = Lease(self.arena, base)
+        try:
+            offsets = self.arena.handle(base, "int32", enc.offsets.shape)
+            ids = self.arena.handle(base + off_bytes, "int32", enc.ids.shape)
+            output = self.arena.handle(base + off_bytes + ids_bytes, "float32", (n, dim))
+            self.arena.view(offsets)[:] = enc.offsets
+            self.arena.view(ids)[:] = enc.ids
+            for _ in range(self.cfg.frontends.retry_on_worker_loss + 1):
+                link = await self.pool.wait_for_worker(
+                    model, min(self.cfg.frontends.no_worker_wait_s, deadline - time.time()))
+                if link is None:
+                    if time.time() >= deadline:
+                        raise ApiError("timeout", "deadline passed waiting for a worker")
+                    raise ApiError("unavailable", "no live worker for this model",
+                                   retry_after=1)
+                seq = self.pool.next_seq()
+                msg = Submit(seq, request_id, model, ids, offsets, output, deadline, priority)
+                lease.hold()
+                future = self.pool.submit(link, msg, n, lease.release)
+                try:
+                    reply = await asyncio.wait_for(asyncio.shield(future),
+                                                   max(0.0, deadline - time.time()))
+                except WorkerGone:
+                    continue
+                except asyncio.CancelledError:  # the client went away
+                    self._abandon(link, seq, future)
+                    raise
+                except TimeoutError:
+                    self._abandon(link, seq, future)
+                    raise ApiError("timeout", "request deadline passed "
+                                   "(X-Request-Timeout or frontends.request_timeout_s)") from None
+                if isinstance(reply, Error):
+                    raise ApiError.from_worker(reply.code, reply.message)
+                vectors = self.arena.view(output).copy()
+                revision = self._revision(link, model)
+                return Outcome(vectors, reply, revision, link.index)
+            raise ApiError("unavailable", "workers kept failing; retries exhausted "
+                           "(frontends.retry_on_worker_loss)", retry_after=1)
+        finally:
+            lease.release()
+
+    def _abandon(self, link, seq: int, future: asyncio.Future) -> None:
+        """Stop waiting; the worker keeps the slot until it answers the abort (or dies)."""
+        future.add_done_callback(_consume)
+        self.pool.abort(link, seq)
+
+    def _revision(self, link, model: str) -> str:
+        for info in link.beat.models if link.beat else ():
+            if info.name == model:
+                return info.revision
+        return ""
+
+
+def _consume(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()  # mark retrieved: the handler is gone

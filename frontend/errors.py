@@ -1,0 +1,72 @@
+"""The two error families, and the one place that maps them to HTTP.
+
+* `ApiError`: one request fails (bad input, overload, deadline...). Its `kind` decides the
+  status through `STATUS`; the body is ``{"error": {"type", "message", "param"?}}``.
+* `WorkerGone` (in `frontend.pool`): a worker died with requests pending; the dispatcher retries
+  them elsewhere, and only turns it into an `ApiError("unavailable")` when no worker is left.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shmserve.protocol import ErrorCode
+
+STATUS: dict[str, int] = {
+    "bad_request": 400,
+    "unauthorized": 401,
+    "not_found": 404,
+    "method_not_allowed": 405,
+    "too_large": 413,
+    "unsupported_media_type": 415,
+    "invalid_request": 422,
+    "overloaded": 429,
+    "internal_error": 500,
+    "unavailable": 503,
+    "timeout": 504,
+}
+
+_FROM_WORKER: dict[ErrorCode, str] = {
+    ErrorCode.INVALID: "internal_error",  # the frontend built the buffers: a bug, not bad input
+    ErrorCode.OVERLOADED: "overloaded",
+    ErrorCode.DEADLINE: "timeout",
+    ErrorCode.UNKNOWN_MODEL: "not_found",
+    ErrorCode.ABORTED: "timeout",
+    ErrorCode.UNAVAILABLE: "unavailable",
+    ErrorCode.INTERNAL: "internal_error",
+}
+
+
+class ApiError(Exception):
+    def __init__(self, kind: str, message: str, param: str | None = None,
+                 retry_after: int | None = None) -> None:
+        super().__init__(message)
+        if kind not in STATUS:
+            raise ValueError(f"unknown error kind {kind!r}")
+        self.kind = kind
+        self.message = message
+        self.param = param
+        self.retry_after = retry_after
+
+    @property
+    def status(self) -> int:
+        return STATUS[self.kind]
+
+    def body(self) -> dict[str, Any]:
+        error: dict[str, Any] = {"type": self.kind, "message": self.message}
+        if self.param is not None:
+            error["param"] = self.param
+        return {"error": error}
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after)} if self.retry_after is not None else {}
+
+    @classmethod
+    def from_worker(cls, code: ErrorCode, message: str) -> "ApiError":
+        kind = _FROM_WORKER.get(code, "internal_error")
+        return cls(kind, message, retry_after=1 if kind in ("overloaded", "unavailable") else None)
+
+
+def status_of(exc: BaseException) -> int:
+    """The HTTP status for any exception a handler lets escape (500 when it is not an ApiError)."""
+    return exc.status if isinstance(exc, ApiError) else 500

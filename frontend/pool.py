@@ -1,0 +1,235 @@
+"""The frontend's client of the workers: `submit`, `abort`, `close`, and who is alive.
+
+One DEALER socket per worker. One receive task per socket resolves a map of pending futures;
+one heartbeat task pings every worker and declares a worker dead after
+`workers.heartbeat_timeout_s` of silence, or when its heartbeat shows a new pid. A dead worker's
+pending requests all fail with `WorkerGone` at once, and so do they if a receive task dies:
+nothing waits forever.
+
+Each pending entry carries `on_settled`, called exactly once when the worker can no longer touch
+the request's shared-memory slot (its terminal reply arrived, or it was declared dead).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import zmq
+import zmq.asyncio
+
+from shmserve import topology, wire
+from shmserve.config import Config
+from shmserve.protocol import (PROTOCOL_VERSION, Abort, Error, Heartbeat, Ping, Result, Submit)
+from shmserve.wire import WireError
+
+log = logging.getLogger("shmserve.frontend")
+
+
+class WorkerGone(Exception):
+    """The worker a request was sent to died (or restarted) before answering."""
+
+
+@dataclass(slots=True, eq=False)
+class Pending:
+    future: asyncio.Future
+    texts: int
+    on_settled: Callable[[], None]
+
+
+@dataclass(slots=True, eq=False)
+class WorkerLink:
+    index: int
+    endpoint: str
+    socket: zmq.asyncio.Socket
+    beat: Heartbeat | None = None
+    last_beat: float = 0.0  # monotonic
+    alive: bool = False
+    pending: dict[int, Pending] = field(default_factory=dict)
+    outstanding: int = 0  # texts submitted here and not yet answered
+
+    @property
+    def ready(self) -> bool:
+        return self.alive and self.beat is not None and self.beat.ready
+
+
+class WorkerPool:
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self._ctx = zmq.asyncio.Context()
+        self._seq = itertools.count(1)
+        self.links = [self._link(i) for i in range(len(topology.worker_devices(cfg)))]
+        self._tasks: list[asyncio.Task] = []
+        self._changed = asyncio.Event()  # set whenever a worker becomes ready
+        self.restarts_seen = 0
+
+    def _link(self, index: int) -> WorkerLink:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue messages for a worker not connected
+        sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        endpoint = topology.worker_endpoint(self.cfg, index)
+        sock.connect(endpoint)
+        return WorkerLink(index, endpoint, sock)
+
+    async def start(self) -> None:
+        for link in self.links:
+            self._tasks.append(asyncio.create_task(self._receive(link), name=f"recv-{link.index}"))
+        self._tasks.append(asyncio.create_task(self._heartbeats(), name="heartbeats"))
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for link in self.links:
+            self._fail_pending(link, "frontend is shutting down")
+            link.socket.close(linger=0)  # close sockets before terminating the context
+        self._ctx.term()
+
+    # ---- state ------------------------------------------------------------------------------
+
+    @property
+    def all_ready(self) -> bool:
+        return all(link.ready for link in self.links)
+
+    def ready_links(self, model: str) -> list[WorkerLink]:
+        return [link for link in self.links
+                if link.ready and any(m.name == model for m in link.beat.models)]
+
+    def pick(self, model: str) -> WorkerLink | None:
+        """The ready worker with the least outstanding work (ours, then what it reports)."""
+        links = self.ready_links(model)
+        if not links:
+            return None
+        return min(links, key=lambda l: (l.outstanding, l.beat.queued_texts, l.index))
+
+    async def wait_for_worker(self, model: str, timeout: float) -> WorkerLink | None:
+        deadline = time.monotonic() + timeout
+        while (link := self.pick(model)) is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), left)
+            except TimeoutError:
+                return None
+        return link
+
+    def model_info(self, model: str):
+        for link in self.links:
+            if link.beat is not None:
+                for info in link.beat.models:
+                    if info.name == model:
+                        return info
+        return None
+
+    # ---- requests ---------------------------------------------------------------------------
+
+    def next_seq(self) -> int:
+        return next(self._seq)
+
+    def submit(self, link: WorkerLink, msg: Submit, texts: int,
+               on_settled: Callable[[], None]) -> asyncio.Future:
+        """Send `msg`; the future resolves to Result or Error, or fails with WorkerGone."""
+        future = asyncio.get_running_loop().create_future()
+        try:
+            link.socket.send_multipart(wire.encode(msg), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            # Not connected (IMMEDIATE): the worker never saw it, so the slot is free again.
+            on_settled()
+            future.set_exception(WorkerGone(f"worker {link.index} is not connected"))
+            return future
+        link.pending[msg.seq] = Pending(future, texts, on_settled)
+        link.outstanding += texts
+        return future
+
+    def abort(self, link: WorkerLink, seq: int) -> None:
+        if seq in link.pending:
+            try:
+                link.socket.send_multipart(wire.encode(Abort(seq)), flags=zmq.NOBLOCK)
+            except zmq.Again:
+                pass  # the worker is gone; its death settles the request
+
+    # ---- tasks ------------------------------------------------------------------------------
+
+    async def _receive(self, link: WorkerLink) -> None:
+        try:
+            while True:
+                frames = await link.socket.recv_multipart()
+                try:
+                    msg = wire.decode(frames)
+                except WireError as exc:
+                    log.warning("dropped a malformed reply from worker %d: %s", link.index, exc)
+                    continue
+                if isinstance(msg, Heartbeat):
+                    self._on_heartbeat(link, msg)
+                elif isinstance(msg, (Result, Error)):
+                    self._settle(link, msg)
+        except asyncio.CancelledError:
+            raise
+        except BaseException:
+            log.exception("receive task of worker %d failed", link.index)
+            link.alive = False
+            self._fail_pending(link, "frontend receive task failed")
+            raise
+
+    def _settle(self, link: WorkerLink, msg: Result | Error) -> None:
+        pending = link.pending.pop(msg.seq, None)
+        if pending is None:
+            return  # its worker was already declared dead; the request moved on
+        link.outstanding -= pending.texts
+        pending.on_settled()
+        if not pending.future.done():
+            pending.future.set_result(msg)
+
+    def _on_heartbeat(self, link: WorkerLink, beat: Heartbeat) -> None:
+        if beat.protocol_version != PROTOCOL_VERSION:
+            if link.alive or link.beat is None:
+                log.error("worker %d speaks protocol %d, this frontend %d; ignoring it",
+                          link.index, beat.protocol_version, PROTOCOL_VERSION)
+            link.alive = False
+            return
+        if link.beat is not None and link.beat.pid != beat.pid:
+            self.restarts_seen += 1
+            self._fail_pending(link, f"worker {link.index} restarted")
+            log.info("frontend.worker_restarted", extra={"fields": {"worker": link.index,
+                                                                    "pid": beat.pid}})
+        was_ready = link.ready
+        link.beat, link.last_beat, link.alive = beat, time.monotonic(), True
+        if link.ready and not was_ready:
+            log.info("frontend.worker_ready", extra={"fields": {"worker": link.index,
+                                                                "device": beat.device}})
+            self._changed.set()
+
+    async def _heartbeats(self) -> None:
+        interval = self.cfg.workers.heartbeat_interval_s
+        timeout = self.cfg.workers.heartbeat_timeout_s
+        while True:
+            now = time.monotonic()
+            for link in self.links:
+                try:
+                    link.socket.send_multipart(wire.encode(Ping(time.time())), flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    pass  # not connected; silence below decides
+                if link.alive and now - link.last_beat > timeout:
+                    link.alive = False
+                    log.warning("frontend.worker_lost", extra={"fields": {
+                        "worker": link.index, "silent_s": round(now - link.last_beat, 2),
+                        "pending": len(link.pending)}})
+                    self._fail_pending(link, f"worker {link.index} stopped answering")
+            await asyncio.sleep(interval)
+
+    def _fail_pending(self, link: WorkerLink, reason: str) -> None:
+        pending, link.pending, link.outstanding = link.pending, {}, 0
+        for entry in pending.values():
+            entry.on_settled()
+            if not entry.future.done():
+                entry.future.set_exception(WorkerGone(reason))

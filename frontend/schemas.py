@@ -1,0 +1,78 @@
+"""Request validation at the HTTP edge: bodies in, typed requests out, or a 4xx naming the field.
+
+"One value or a list" is resolved here; nothing past this module sees it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from frontend.errors import ApiError
+from shmserve.config import LimitsConfig
+
+ENCODING_FORMATS = ("float", "base64")
+
+
+@dataclass(frozen=True, slots=True)
+class EmbedRequest:
+    texts: list[str]
+    model: str | None
+    encoding_format: str = "float"
+
+
+def parse_openai_embeddings(body: Any, limits: LimitsConfig) -> EmbedRequest:
+    body = _mapping(body)
+    if "input" not in body:
+        raise ApiError("invalid_request", "'input' is required", param="input")
+    raw = body["input"]
+    texts = [raw] if isinstance(raw, str) else raw
+    texts = _texts(texts, "input", limits)
+    fmt = body.get("encoding_format", "float")
+    if fmt is None:
+        fmt = "float"
+    if fmt not in ENCODING_FORMATS:
+        raise ApiError("invalid_request", "'encoding_format' must be 'float' or 'base64'",
+                       param="encoding_format")
+    return EmbedRequest(texts, _model(body), fmt)
+
+
+def parse_predict(body: Any, limits: LimitsConfig) -> EmbedRequest:
+    body = _mapping(body)
+    if "texts" not in body:
+        raise ApiError("invalid_request", "'texts' is required", param="texts")
+    return EmbedRequest(_texts(body["texts"], "texts", limits), _model(body))
+
+
+def _mapping(body: Any) -> dict:
+    if not isinstance(body, dict):
+        raise ApiError("invalid_request", "the request body must be an object")
+    return body
+
+
+def _model(body: dict) -> str | None:
+    model = body.get("model")
+    if model is not None and (not isinstance(model, str) or not model):
+        raise ApiError("invalid_request", "'model' must be a non-empty string", param="model")
+    return model
+
+
+def _texts(value: Any, param: str, limits: LimitsConfig) -> list[str]:
+    if not isinstance(value, list):
+        raise ApiError("invalid_request", f"'{param}' must be a string or a list of strings",
+                       param=param)
+    if not value:
+        raise ApiError("invalid_request", f"'{param}' must not be empty", param=param)
+    if len(value) > limits.max_texts_per_request:
+        raise ApiError("too_large", f"'{param}' has {len(value)} texts; the limit is "
+                       f"{limits.max_texts_per_request} (limits.max_texts_per_request)",
+                       param=param)
+    for i, text in enumerate(value):
+        if not isinstance(text, str):
+            raise ApiError("invalid_request", f"'{param}[{i}]' must be a string", param=param)
+        if not text:
+            raise ApiError("invalid_request", f"'{param}[{i}]' must not be empty", param=param)
+        if len(text) > limits.max_text_chars:
+            raise ApiError("too_large", f"'{param}[{i}]' has {len(text)} characters; the limit "
+                           f"is {limits.max_text_chars} (limits.max_text_chars)", param=param)
+    return value

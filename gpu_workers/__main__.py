@@ -1,0 +1,39 @@
+"""``python -m gpu_workers --config RUN_DIR/config.json --index I`` (supervisord runs this)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="gpu_workers")
+    parser.add_argument("--config", required=True, help="the resolved config.json in the run dir")
+    parser.add_argument("--index", type=int, required=True)
+    args = parser.parse_args()
+
+    from shmserve import config, logs
+
+    cfg = config.load_resolved(args.config)
+    # Thread counts must be set before torch does any work: nginx, the frontends and the
+    # workers share few cores.
+    threads = str(cfg.workers.torch_threads)
+    os.environ.setdefault("OMP_NUM_THREADS", threads)
+    os.environ.setdefault("MKL_NUM_THREADS", threads)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", cfg.workers.cuda_alloc_conf)
+    logs.configure(cfg.logging, f"worker-{args.index}")
+
+    from gpu_workers.worker import main as run
+
+    try:
+        return run(cfg, args.index)
+    except Exception:
+        logging.getLogger("shmserve.worker").exception("worker.failed")
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,110 @@
+"""Batch formation: a pure function from queued texts and limits to the next batch.
+
+No model, no sockets, no clock of its own: the worker passes `now` in, so every rule here is
+unit-tested directly.
+
+Rules:
+  * The anchor is the oldest text of the highest priority present: it is always in the next batch,
+    so nothing waits behind a stream of newer work of its own priority. (Lower priorities run
+    whenever no higher one is queued; the worker's bounded queue caps how long that can be.)
+  * Only texts of the anchor's model join it.
+  * Among those, texts are taken in order of closeness in length to the batch, so the batch holds
+    similar lengths: padded tokens (texts x longest) stay under `max_batch_tokens`, the count under
+    `max_batch_size`, and padded / real tokens under `max_pad_ratio` (the length bucketing).
+  * The batch waits for company at most `max_wait_ms` after its oldest text arrived, and not at all
+    once a full batch is queued.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import Generic, Protocol, Sequence, TypeVar
+
+
+class Text(Protocol):
+    @property
+    def model(self) -> str: ...
+    @property
+    def length(self) -> int: ...
+    @property
+    def priority(self) -> int: ...
+    @property
+    def arrived(self) -> float: ...
+
+
+T = TypeVar("T", bound=Text)
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    max_batch_size: int
+    max_batch_tokens: int
+    max_wait_s: float
+    max_pad_ratio: float = 1.5
+
+
+@dataclass(frozen=True, slots=True)
+class Batch(Generic[T]):
+    texts: list[T]  # sorted by length
+    padded_len: int
+
+    @property
+    def real_tokens(self) -> int:
+        return sum(t.length for t in self.texts)
+
+    @property
+    def padded_tokens(self) -> int:
+        return self.padded_len * len(self.texts)
+
+
+def anchor_index(queue: Sequence[Text]) -> int:
+    best = 0
+    for i in range(1, len(queue)):
+        if queue[i].priority > queue[best].priority:
+            best = i
+    return best
+
+
+def wait_time(queue: Sequence[Text], now: float, limits: Limits) -> float:
+    """Seconds to wait before forming a batch; 0 means form it now. The queue is not empty."""
+    if len(queue) >= limits.max_batch_size:
+        return 0.0
+    if sum(t.length for t in queue) >= limits.max_batch_tokens:
+        return 0.0
+    oldest = min(t.arrived for t in queue)
+    return max(0.0, oldest + limits.max_wait_s - now)
+
+
+def form_batch(queue: Sequence[T], limits: Limits) -> tuple[Batch[T], list[T]]:
+    """Split a non-empty queue (arrival order) into the next batch and the rest (arrival order)."""
+    anchor = queue[anchor_index(queue)]
+    same = sorted((t for t in queue if t.model == anchor.model), key=lambda t: t.length)
+    lengths = [t.length for t in same]
+    # Position of the anchor itself among equal lengths (identity, not equality).
+    pos = bisect.bisect_left(lengths, anchor.length)
+    while same[pos] is not anchor:
+        pos += 1
+    lo, hi = pos, pos  # the batch is same[lo:hi + 1]
+    longest, real = anchor.length, max(anchor.length, 1)
+    while hi - lo + 1 < limits.max_batch_size:
+        count = hi - lo + 2
+        options = []  # (padding it adds, side, new longest, text)
+        if lo > 0:  # a shorter text pads itself up to the longest
+            options.append((longest - same[lo - 1].length, -1, longest, same[lo - 1]))
+        if hi + 1 < len(same):  # a longer text pads every text already in the batch
+            text = same[hi + 1]
+            options.append(((text.length - longest) * (count - 1), 1, text.length, text))
+        for _, side, new_len, text in sorted(options, key=lambda o: o[0]):
+            new_real = real + max(text.length, 1)
+            padded = new_len * count
+            if padded <= limits.max_batch_tokens and padded <= limits.max_pad_ratio * new_real:
+                lo, hi = (lo - 1, hi) if side < 0 else (lo, hi + 1)
+                longest, real = new_len, new_real
+                break
+        else:
+            break
+    chosen = same[lo:hi + 1]
+    taken = {id(t) for t in chosen}
+    rest = [t for t in queue if id(t) not in taken]
+    return Batch(chosen, max(t.length for t in chosen)), rest

@@ -1,0 +1,95 @@
+"""The worker's socket thread: it never waits on the model.
+
+It owns the ROUTER socket the frontends connect to and an inproc PULL socket on which the model
+thread pushes finished replies (ZeroMQ sockets are not thread-safe, so each thread keeps its own).
+Pings are answered here at once, so heartbeats flow even in the middle of a long batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Callable
+
+import zmq
+
+from shmserve import wire
+from shmserve.protocol import Abort, Error, Heartbeat, Ping, Submit
+from shmserve.wire import WireError
+
+log = logging.getLogger("shmserve.worker")
+
+REPLIES = "inproc://replies"
+
+
+class SocketThread(threading.Thread):
+    def __init__(self, ctx: zmq.Context, endpoint: str,
+                 on_submit: Callable[[bytes, Submit], Error | None],
+                 on_abort: Callable[[bytes, Abort], None],
+                 heartbeat: Callable[[Ping], Heartbeat]) -> None:
+        super().__init__(name="sockets", daemon=True)
+        self._ctx = ctx
+        self._endpoint = endpoint
+        self._on_submit = on_submit
+        self._on_abort = on_abort
+        self._heartbeat = heartbeat
+        self._stop = threading.Event()
+        self.bound = threading.Event()
+        self.failure: BaseException | None = None
+        # Bind the reply socket now so the model thread may connect before this thread runs.
+        self._replies = ctx.socket(zmq.PULL)
+        self._replies.bind(REPLIES)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def run(self) -> None:
+        router = self._ctx.socket(zmq.ROUTER)
+        try:
+            router.setsockopt(zmq.LINGER, 1000)
+            router.setsockopt(zmq.ROUTER_MANDATORY, 0)  # a vanished peer's replies are dropped
+            router.setsockopt(zmq.RCVHWM, 0)
+            router.setsockopt(zmq.SNDHWM, 0)
+            router.bind(self._endpoint)
+            self.bound.set()
+            self._loop(router)
+        except BaseException as exc:  # noqa: BLE001 - reported to the main thread, which exits
+            self.failure = exc
+            log.exception("socket thread failed")
+        finally:
+            router.close(linger=1000)
+            self._replies.close(linger=0)
+
+    def _loop(self, router: zmq.Socket) -> None:
+        poller = zmq.Poller()
+        poller.register(router, zmq.POLLIN)
+        poller.register(self._replies, zmq.POLLIN)
+        while not self._stop.is_set():
+            for sock, _ in poller.poll(100):
+                if sock is self._replies:
+                    # Send every reply already queued before reading more requests.
+                    while True:
+                        try:
+                            router.send_multipart(self._replies.recv_multipart(zmq.NOBLOCK))
+                        except zmq.Again:
+                            break
+                else:
+                    self._handle(router, router.recv_multipart(copy=True))
+
+    def _handle(self, router: zmq.Socket, frames: list[bytes]) -> None:
+        peer, body = frames[0], frames[1:]
+        try:
+            msg = wire.decode(body)
+        except WireError as exc:
+            log.warning("dropped a malformed message: %s", exc)
+            return
+        if isinstance(msg, Ping):
+            router.send_multipart([peer, *wire.encode(self._heartbeat(msg))])
+        elif isinstance(msg, Submit):
+            error = self._on_submit(peer, msg)
+            if error is not None:
+                router.send_multipart([peer, *wire.encode(error)])
+        elif isinstance(msg, Abort):
+            self._on_abort(peer, msg)
+        else:
+            log.warning("unexpected %s from a frontend", type(msg).__name__)

@@ -1,0 +1,177 @@
+"""Shared-memory arenas: the only module that turns `ShmHandle`s into numpy views.
+
+An arena is a file under /dev/shm mapped with `mmap`; we do not use
+`multiprocessing.shared_memory`, whose resource tracker (Python 3.11) may unlink a segment when
+any attaching process exits.
+
+Ownership, stated once:
+  * Each frontend process creates exactly one arena, named
+    ``shmserve-<instance>-fe<index>-<pid>``, and is its only allocator. It allocates one slot
+    per request (token ids, offsets and the output rows), writes the inputs, and frees the slot
+    when the worker's terminal reply (Result or Error) arrives, or when that worker is declared
+    dead. A slot is never freed while a live worker may still write to it, so an aborted or
+    timed-out request keeps its slot until the worker answers.
+  * Between Submit and its terminal reply, the slot's output rows are lent to the one worker the
+    request went to; nobody else writes them.
+  * The creator unlinks its arena on clean exit. A killed frontend's arena is swept by the next
+    process of the same index (`sweep` with its prefix) and by ``shmserve up``/``down`` (the
+    instance prefix), so /dev/shm does not grow across restarts.
+  * Workers only attach (`Attachments`), and drop a mapping once its file is gone.
+
+tmpfs allocates pages only when touched, so a large arena costs nothing until it is used.
+"""
+
+from __future__ import annotations
+
+import bisect
+import mmap
+import os
+from pathlib import Path
+
+import numpy as np
+
+from shmserve.protocol import ShmHandle
+
+SHM_DIR = Path("/dev/shm")
+ALIGN = 64
+
+
+class ArenaFull(MemoryError):
+    """No free range is large enough; the caller answers 429 (too much in flight)."""
+
+
+def arena_name(instance: str, role: str, pid: int | None = None) -> str:
+    return f"shmserve-{instance}-{role}-{os.getpid() if pid is None else pid}"
+
+
+def sweep(prefix: str, directory: Path = SHM_DIR) -> list[str]:
+    """Remove every segment whose name starts with `prefix` (left behind by a killed process)."""
+    removed = []
+    for path in directory.glob(prefix + "*"):
+        try:
+            path.unlink()
+            removed.append(path.name)
+        except FileNotFoundError:
+            pass
+    return removed
+
+
+class Arena:
+    """A shared-memory region with a first-fit allocator; one owner allocates and frees."""
+
+    def __init__(self, name: str, size: int, directory: Path = SHM_DIR) -> None:
+        self.name = name
+        self.size = size
+        self.path = directory / name
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            self._mm = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self._buf = np.frombuffer(self._mm, dtype=np.uint8)
+        self._free_starts = [0]  # sorted start offsets of free ranges
+        self._free_sizes = {0: size}
+        self._used: dict[int, int] = {}
+
+    @property
+    def bytes_used(self) -> int:
+        return sum(self._used.values())
+
+    def alloc(self, nbytes: int) -> int:
+        need = max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
+        for start in self._free_starts:
+            have = self._free_sizes[start]
+            if have >= need:
+                self._take(start, have, need)
+                return start
+        raise ArenaFull(f"arena {self.name}: no {need} free bytes ({self.bytes_used} of "
+                        f"{self.size} in use); raise shm.arena_mb")
+
+    def _take(self, start: int, have: int, need: int) -> None:
+        i = bisect.bisect_left(self._free_starts, start)
+        del self._free_starts[i]
+        del self._free_sizes[start]
+        if have > need:
+            rest = start + need
+            self._free_starts.insert(i, rest)
+            self._free_sizes[rest] = have - need
+        self._used[start] = need
+
+    def free(self, offset: int) -> None:
+        size = self._used.pop(offset)  # KeyError: a double free is a bug, let it surface
+        i = bisect.bisect_left(self._free_starts, offset)
+        # Coalesce with the following free range, then with the preceding one.
+        if i < len(self._free_starts) and self._free_starts[i] == offset + size:
+            size += self._free_sizes.pop(self._free_starts.pop(i))
+        if i > 0:
+            prev = self._free_starts[i - 1]
+            if prev + self._free_sizes[prev] == offset:
+                self._free_sizes[prev] += size
+                return
+        self._free_starts.insert(i, offset)
+        self._free_sizes[offset] = size
+
+    def handle(self, offset: int, dtype: str, shape: tuple[int, ...]) -> ShmHandle:
+        nbytes = int(np.dtype(dtype).itemsize * int(np.prod(shape, dtype=np.int64)))
+        return ShmHandle(self.name, offset, nbytes, dtype, tuple(int(s) for s in shape))
+
+    def view(self, handle: ShmHandle) -> np.ndarray:
+        return _view(self._buf, handle)
+
+    def close(self, unlink: bool = True) -> None:
+        self._buf = None  # release the exported buffer before closing the map
+        try:
+            self._mm.close()
+        except BufferError:
+            pass  # a caller still holds a view; the mapping goes with the process
+        if unlink:
+            try:
+                self.path.unlink()
+            except FileNotFoundError:
+                pass
+
+
+class Attachments:
+    """A worker's read/write mappings of frontend arenas, keyed by arena name."""
+
+    def __init__(self, directory: Path = SHM_DIR) -> None:
+        self._dir = directory
+        self._maps: dict[str, tuple[mmap.mmap, np.ndarray]] = {}
+
+    def view(self, handle: ShmHandle) -> np.ndarray:
+        entry = self._maps.get(handle.arena)
+        if entry is None:
+            entry = self._attach(handle.arena)
+        return _view(entry[1], handle)
+
+    def _attach(self, name: str) -> tuple[mmap.mmap, np.ndarray]:
+        if "/" in name or not name.startswith("shmserve-"):
+            raise ValueError(f"not a shmserve arena: {name!r}")
+        self._drop_vanished()
+        fd = os.open(self._dir / name, os.O_RDWR)
+        try:
+            mm = mmap.mmap(fd, 0)
+        finally:
+            os.close(fd)
+        entry = (mm, np.frombuffer(mm, dtype=np.uint8))
+        self._maps[name] = entry
+        return entry
+
+    def _drop_vanished(self) -> None:
+        # A restarted frontend has a new arena; forget mappings whose file was unlinked.
+        for name in [n for n in self._maps if not (self._dir / n).exists()]:
+            del self._maps[name]  # the mmap is closed when the last view goes
+
+    def close(self) -> None:
+        self._maps.clear()
+
+
+def _view(buf: np.ndarray, handle: ShmHandle) -> np.ndarray:
+    end = handle.offset + handle.nbytes
+    if handle.offset < 0 or end > buf.size:
+        raise ValueError(f"handle outside arena {handle.arena}: {handle.offset}+{handle.nbytes}")
+    dtype = np.dtype(handle.dtype)
+    if dtype.itemsize * int(np.prod(handle.shape, dtype=np.int64)) != handle.nbytes:
+        raise ValueError(f"handle shape {handle.shape} {handle.dtype} != {handle.nbytes} bytes")
+    return buf[handle.offset:end].view(dtype).reshape(handle.shape)

@@ -1,0 +1,328 @@
+"""Layered configuration, loaded once into a frozen typed object.
+
+Layers, later wins:
+  1. ``configs/base.yaml``
+  2. ``configs/<env>.yaml`` where env comes from ``SHMSERVE_ENV`` (default ``dev``)
+  3. an optional extra file (``--config PATH`` or ``SHMSERVE_CONFIG``)
+  4. environment variables ``SHMSERVE__SECTION__KEY=value``: the path is the key's path in
+     lower case joined by double underscores, a list index is a number
+     (``SHMSERVE__MODELS__0__SOURCE=/models/e5``); the value is parsed as a YAML scalar or
+     flow sequence, so ``8``, ``true``, ``[0, 1]`` and ``auto`` all work.
+
+Mappings are deep-merged; lists and scalars are replaced. The merged tree is validated into
+:class:`Config`; any bad value raises :class:`ConfigError` naming the key. Unknown keys are
+errors too, so a typo never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Mapping
+
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+CONFIG_DIR = REPO_ROOT / "configs"
+ENV_PREFIX = "SHMSERVE__"
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, malformed or out of range; the message names the key."""
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8080
+    run_dir: str = "run"  # relative paths are taken from the repository root
+    drain_timeout_s: float = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class NginxConfig:
+    binary: str = "nginx"
+    worker_processes: int = 1
+    worker_connections: int = 4096
+    client_max_body_size: str = "8m"
+    client_header_buffer_size: str = "4k"
+    large_client_header_buffers: str = "4 16k"
+    client_body_timeout_s: int = 30
+    client_header_timeout_s: int = 15
+    send_timeout_s: int = 60
+    proxy_read_timeout_s: int = 120
+    upstream_keepalive: int = 64
+    admin_loopback_only: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class FrontendConfig:
+    count: int = 2
+    max_inflight: int = 1024  # requests admitted per frontend before 429
+    request_timeout_s: float = 30.0  # default deadline of a request
+    retry_on_worker_loss: int = 2  # resubmissions to another worker when one dies
+    no_worker_wait_s: float = 5.0  # how long a request waits for a live worker before 503
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    devices: str | list[int] = "auto"  # auto | cpu | [0, 1, 3]
+    cpu_workers: int = 1  # CPU workers when no GPU is used
+    torch_threads: int = 2
+    queue_texts: int = 4096  # bounded queue per worker, in texts
+    heartbeat_interval_s: float = 0.5
+    heartbeat_timeout_s: float = 3.0
+    cuda_alloc_conf: str = "expandable_segments:True"
+    ready_timeout_s: float = 300.0
+
+
+@dataclass(frozen=True, slots=True)
+class BatchingConfig:
+    max_batch_size: int = 32  # texts per forward
+    max_batch_tokens: int = 8192  # padded tokens per forward (batch size x longest)
+    max_wait_ms: float = 2.0  # how long the oldest text may wait for company
+    max_pad_ratio: float = 1.5  # padded / real tokens a batch may reach (length grouping)
+
+
+@dataclass(frozen=True, slots=True)
+class LimitsConfig:
+    max_texts_per_request: int = 256
+    max_text_chars: int = 100_000
+    truncate: bool = True  # False: over-long texts are refused with 413
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    name: str
+    source: str  # a directory, or "package:NAME" for a Python package that ships one
+    aliases: list[str] = field(default_factory=list)
+    task: Literal["embedding"] = "embedding"
+    pooling: Literal["auto", "mean", "cls", "last"] = "auto"
+    normalize: Literal["auto", "true", "false"] = "auto"
+    max_input_tokens: int = 0  # 0: the model's own limit
+    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    revision: str = ""  # empty: a digest of the weights
+
+
+@dataclass(frozen=True, slots=True)
+class ShmConfig:
+    arena_mb: int = 256  # per frontend; tmpfs pages are only used when touched
+
+
+@dataclass(frozen=True, slots=True)
+class LoggingConfig:
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    format: Literal["json", "text"] = "json"
+    log_inputs: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    models: list[ModelConfig]
+    server: ServerConfig = ServerConfig()
+    nginx: NginxConfig = NginxConfig()
+    frontends: FrontendConfig = FrontendConfig()
+    workers: WorkerConfig = WorkerConfig()
+    batching: BatchingConfig = BatchingConfig()
+    limits: LimitsConfig = LimitsConfig()
+    shm: ShmConfig = ShmConfig()
+    logging: LoggingConfig = LoggingConfig()
+
+    @property
+    def run_dir(self) -> Path:
+        path = Path(self.server.run_dir)
+        return path if path.is_absolute() else REPO_ROOT / path
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
+
+
+# Range checks beyond the types: key path -> (predicate, what is expected).
+_CHECKS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
+    "server.port": (lambda v: 1 <= v <= 65535, "a port from 1 to 65535"),
+    "server.drain_timeout_s": (lambda v: v >= 0, "a number >= 0"),
+    "nginx.worker_processes": (lambda v: v >= 1, "an integer >= 1"),
+    "frontends.count": (lambda v: 1 <= v <= 64, "an integer from 1 to 64"),
+    "frontends.max_inflight": (lambda v: v >= 1, "an integer >= 1"),
+    "frontends.request_timeout_s": (lambda v: v > 0, "a number > 0"),
+    "frontends.retry_on_worker_loss": (lambda v: v >= 0, "an integer >= 0"),
+    "frontends.no_worker_wait_s": (lambda v: v >= 0, "a number >= 0"),
+    "workers.devices": (lambda v: v in ("auto", "cpu") or (isinstance(v, list) and v
+                        and all(d >= 0 for d in v)), "auto, cpu or a list of GPU indices"),
+    "workers.cpu_workers": (lambda v: 1 <= v <= 64, "an integer from 1 to 64"),
+    "workers.torch_threads": (lambda v: v >= 1, "an integer >= 1"),
+    "workers.queue_texts": (lambda v: v >= 1, "an integer >= 1"),
+    "workers.heartbeat_interval_s": (lambda v: v > 0, "a number > 0"),
+    "workers.heartbeat_timeout_s": (lambda v: v > 0, "a number > 0"),
+    "batching.max_batch_size": (lambda v: v >= 1, "an integer >= 1"),
+    "batching.max_batch_tokens": (lambda v: v >= 1, "an integer >= 1"),
+    "batching.max_wait_ms": (lambda v: v >= 0, "a number >= 0"),
+    "batching.max_pad_ratio": (lambda v: v >= 1, "a number >= 1"),
+    "limits.max_texts_per_request": (lambda v: v >= 1, "an integer >= 1"),
+    "limits.max_text_chars": (lambda v: v >= 1, "an integer >= 1"),
+    "shm.arena_mb": (lambda v: 1 <= v <= 65536, "an integer from 1 to 65536"),
+}
+
+
+def load(env: str | None = None, extra: str | Path | None = None,
+         environ: Mapping[str, str] | None = None) -> Config:
+    """Merge the layers described in the module docstring and validate them."""
+    environ = os.environ if environ is None else environ
+    env = env or environ.get("SHMSERVE_ENV", "dev")
+    tree = _read_yaml(CONFIG_DIR / "base.yaml")
+    env_file = CONFIG_DIR / f"{env}.yaml"
+    if not env_file.is_file():
+        raise ConfigError(f"SHMSERVE_ENV: no config file {env_file}")
+    tree = deep_merge(tree, _read_yaml(env_file))
+    extra = extra or environ.get("SHMSERVE_CONFIG")
+    if extra:
+        tree = deep_merge(tree, _read_yaml(Path(extra)))
+    tree = apply_env_overrides(tree, environ)
+    return from_tree(tree)
+
+
+def from_tree(tree: Mapping[str, Any]) -> Config:
+    return _build(Config, tree, "")
+
+
+def load_resolved(path: str | Path) -> Config:
+    """Read the validated config that ``shmserve up`` wrote into the run directory."""
+    return from_tree(json.loads(Path(path).read_text()))
+
+
+def deep_merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in over.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+            merged[key] = deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def apply_env_overrides(tree: dict[str, Any], environ: Mapping[str, str]) -> dict[str, Any]:
+    tree = json.loads(json.dumps(tree))  # a private deep copy we may mutate
+    for name in sorted(environ):
+        if not name.startswith(ENV_PREFIX):
+            continue
+        parts = [p.lower() for p in name[len(ENV_PREFIX):].split("__")]
+        try:
+            value = yaml.safe_load(environ[name]) if environ[name] != "" else ""
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{name}: not a YAML value ({exc.__class__.__name__})") from None
+        node: Any = tree
+        for i, part in enumerate(parts):
+            last = i == len(parts) - 1
+            key: Any = int(part) if isinstance(node, list) and part.isdigit() else part
+            if isinstance(node, list):
+                if not isinstance(key, int) or key >= len(node):
+                    raise ConfigError(f"{name}: no list item {part!r} at {'.'.join(parts[:i])}")
+            elif not isinstance(node, dict):
+                raise ConfigError(f"{name}: {'.'.join(parts[:i])} is not a section")
+            if last:
+                node[key] = value
+            else:
+                if isinstance(node, dict) and key not in node:
+                    node[key] = {}
+                node = node[key]
+    return tree
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: invalid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping")
+    return data
+
+
+def _build(cls: type, tree: Any, prefix: str) -> Any:
+    if not isinstance(tree, Mapping):
+        raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {_show(tree)}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(tree) - names)
+    if unknown:
+        raise ConfigError(f"{_join(prefix, unknown[0])}: unknown key")
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        key = _join(prefix, f.name)
+        if f.name not in tree:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ConfigError(f"{key}: required")
+            continue
+        value = _coerce(hints[f.name], tree[f.name], key)
+        check = _CHECKS.get(key)
+        if check and not check[0](value):
+            raise ConfigError(f"{key}: expected {check[1]}, got {_show(tree[f.name])}")
+        kwargs[f.name] = value
+    return cls(**kwargs)
+
+
+def _coerce(hint: Any, value: Any, key: str) -> Any:
+    origin = typing.get_origin(hint)
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, key)
+    if origin in (typing.Union, types.UnionType):
+        errors = []
+        for option in typing.get_args(hint):
+            try:
+                return _coerce(option, value, key)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(f"{key}: expected {_describe(hint)}, got {_show(value)}")
+    if origin is Literal:
+        allowed = typing.get_args(hint)
+        text = str(value).lower() if isinstance(value, bool) else value
+        if text not in allowed:
+            raise ConfigError(f"{key}: expected one of {', '.join(map(str, allowed))}, "
+                              f"got {_show(value)}")
+        return text
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {_show(value)}")
+        (item,) = typing.get_args(hint)
+        return [_coerce(item, v, f"{key}[{i}]") for i, v in enumerate(value)]
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true or false, got {_show(value)}")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: expected an integer, got {_show(value)}")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}: expected a number, got {_show(value)}")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise ConfigError(f"{key}: expected a string, got {_show(value)}")
+        return str(value)
+    raise ConfigError(f"{key}: unsupported type {hint}")  # a bug in the schema, not the input
+
+
+def _describe(hint: Any) -> str:
+    names = []
+    for option in typing.get_args(hint):
+        names.append("a list" if typing.get_origin(option) is list else getattr(option, "__name__",
+                                                                                 str(option)))
+    return " or ".join(names)
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

@@ -1,0 +1,59 @@
+"""Logging setup shared by every process: JSON lines (or plain text) on stdout.
+
+supervisord captures each program's stdout into its own rotated file under the run directory.
+Fields passed with ``extra={"fields": {...}}`` become top-level JSON keys, so a request id or a
+batch id is a field, not part of a message string.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+
+from shmserve.config import LoggingConfig
+
+
+class JsonFormatter(logging.Formatter):
+    def __init__(self, process: str) -> None:
+        super().__init__()
+        self.process = process
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = {
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+            + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "process": self.process,
+            "pid": os.getpid(),
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        line.update(getattr(record, "fields", None) or {})
+        if record.exc_info:
+            line["exception"] = self.formatException(record.exc_info)
+        return json.dumps(line, default=str)
+
+
+class TextFormatter(logging.Formatter):
+    def __init__(self, process: str) -> None:
+        super().__init__(f"%(asctime)s %(levelname)s {process} %(name)s: %(message)s")
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = super().format(record)
+        fields = getattr(record, "fields", None)
+        if fields:
+            text += " " + " ".join(f"{k}={v}" for k, v in fields.items())
+        return text
+
+
+def configure(cfg: LoggingConfig, process: str) -> None:
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(JsonFormatter(process) if cfg.format == "json" else TextFormatter(process))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(cfg.level.upper())
+    for noisy in ("aiohttp.access",):  # the frontend writes its own access line per request
+        logging.getLogger(noisy).setLevel(logging.WARNING)

@@ -1,0 +1,69 @@
+"""Where every process lives: run-directory layout, worker devices, socket and arena names.
+
+One function per fact, so the CLI, the renderers, the frontends and the workers agree.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+from shmserve.config import Config
+
+CPU = "cpu"
+
+
+def instance_id(cfg: Config) -> str:
+    """A short stable id of this deployment (its run directory), used in shared-memory names."""
+    return hashlib.sha1(str(cfg.run_dir.resolve()).encode()).hexdigest()[:8]
+
+
+def shm_prefix(cfg: Config) -> str:
+    return f"shmserve-{instance_id(cfg)}-"
+
+
+def visible_gpus() -> list[int]:
+    """GPU indices the driver shows, found without importing torch."""
+    root = Path("/proc/driver/nvidia/gpus")
+    count = len(list(root.iterdir())) if root.is_dir() else 0
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        ids = [int(x) for x in visible.split(",") if x.strip().isdigit()]
+        return [i for i in ids if i < count]
+    return list(range(count))
+
+
+def worker_devices(cfg: Config) -> list[str]:
+    """One entry per worker process: a GPU index as a string (its CUDA_VISIBLE_DEVICES) or cpu."""
+    devices = cfg.workers.devices
+    if devices == "auto":
+        gpus = visible_gpus()
+        return [str(g) for g in gpus] if gpus else [CPU] * cfg.workers.cpu_workers
+    if devices == CPU:
+        return [CPU] * cfg.workers.cpu_workers
+    return [str(d) for d in devices]
+
+
+def socket_dir(cfg: Config) -> Path:
+    return cfg.run_dir / "sockets"
+
+
+def frontend_socket(cfg: Config, index: int) -> Path:
+    return socket_dir(cfg) / f"frontend-{index}.sock"
+
+
+def worker_endpoint(cfg: Config, index: int) -> str:
+    return f"ipc://{socket_dir(cfg) / f'worker-{index}.ipc'}"
+
+
+def metrics_dir(cfg: Config) -> Path:
+    return cfg.run_dir / "metrics"
+
+
+def log_dir(cfg: Config) -> Path:
+    return cfg.run_dir / "logs"
+
+
+def resolved_config_path(cfg: Config) -> Path:
+    return cfg.run_dir / "config.json"
