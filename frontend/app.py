@@ -87,8 +87,7 @@ async def observe(request: web.Request, handler) -> web.StreamResponse:
         response = error_response(request, ApiError(kind, exc.reason or "error"))
     except Exception:  # the global handler: never a traceback to the client
         log.exception("unhandled error", extra={"fields": {"request_id": request["request_id"]}})
-        response = error_response(request, ApiError(
-            "internal_error", f"internal error; quote request id {request['request_id']}"))
+        response = error_response(request, ApiError("internal_error", "internal error"))
     elapsed = time.perf_counter() - started
     response.headers["X-Request-ID"] = request["request_id"]
     response.headers["X-Process-Time"] = f"{elapsed * 1000:.2f}"
@@ -98,6 +97,9 @@ async def observe(request: web.Request, handler) -> web.StreamResponse:
 
 def error_response(request: web.Request, exc: ApiError) -> web.Response:
     request["log"]["error"] = exc.kind
+    if exc.status >= 500 and request["request_id"] not in exc.message:
+        exc = ApiError(exc.kind, f"{exc.message} (request id {request['request_id']})",
+                       exc.param, exc.retry_after)
     return codec.render(request, exc.body(), status=exc.status, headers=exc.headers())
 
 

@@ -1,0 +1,38 @@
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from tests.stack import Stack  # noqa: E402
+from tests.tinymodel import build_tiny_bert  # noqa: E402
+
+TINY_MAX_TOKENS = 64
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    return build_tiny_bert(tmp_path_factory.mktemp("models") / "tiny", max_positions=TINY_MAX_TOKENS)
+
+
+def tiny_overrides(tiny_model, **extra):
+    tree = {
+        "models": [{"name": "tiny", "aliases": ["tiny-alias"], "source": str(tiny_model),
+                    "revision": "tiny-r1"}],
+        "frontends": {"count": 2},
+        "workers": {"devices": "cpu", "cpu_workers": 1, "torch_threads": 1},
+        "limits": {"max_texts_per_request": 64, "truncate": False},
+        "batching": {"max_batch_size": 16, "max_wait_ms": 2},
+    }
+    for section, values in extra.items():
+        tree[section] = {**tree.get(section, {}), **values} if isinstance(values, dict) else values
+    return tree
+
+
+@pytest.fixture(scope="session")
+def tiny_stack(tmp_path_factory, tiny_model):
+    stack = Stack(tmp_path_factory.mktemp("tiny-stack"), tiny_overrides(tiny_model))
+    stack.up()
+    yield stack
+    stack.down()

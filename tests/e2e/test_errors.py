@@ -1,0 +1,162 @@
+"""Every error status, provoked through nginx, with the error body in the negotiated format."""
+
+import json
+
+import msgpack
+import pytest
+
+from tests.conftest import tiny_overrides
+from tests.stack import Stack
+from tests.tinymodel import build_tiny_bert
+
+
+def error_of(raw: bytes, as_msgpack: bool = False) -> dict:
+    body = msgpack.unpackb(raw) if as_msgpack else json.loads(raw)
+    assert set(body) == {"error"}, body
+    assert isinstance(body["error"]["type"], str) and body["error"]["message"]
+    return body["error"]
+
+
+@pytest.fixture(scope="module")
+def strict_stack(tmp_path_factory, tiny_model):
+    """One frontend, a tiny worker queue, a short wait for workers, and a second model whose
+    embedding table is smaller than its tokenizer's vocabulary: its forward fails."""
+    broken = build_tiny_bert(tmp_path_factory.mktemp("models") / "broken", seed=1)
+    cfg = json.loads((broken / "config.json").read_text())
+    cfg["vocab_size"] = 1000
+    (broken / "config.json").write_text(json.dumps(cfg))
+    import torch
+    from safetensors.torch import load_file, save_file
+    weights = load_file(broken / "model.safetensors")
+    key = next(k for k in weights if k.endswith("word_embeddings.weight"))
+    weights[key] = weights[key][:1000].clone()
+    save_file({k: v.contiguous() for k, v in weights.items()}, broken / "model.safetensors",
+              metadata={"format": "pt"})
+    del torch
+    overrides = tiny_overrides(tiny_model, frontends={"count": 1, "no_worker_wait_s": 0.5},
+                               workers={"queue_texts": 8},
+                               limits={"max_texts_per_request": 16})
+    overrides["models"].append({"name": "broken", "source": str(broken), "revision": "b1"})
+    stack = Stack(tmp_path_factory.mktemp("strict-stack"), overrides)
+    stack.up()
+    yield stack
+    stack.down()
+
+
+@pytest.mark.parametrize("body,ctype,kind", [
+    (b'{"texts": [', "application/json", "bad_request"),
+    (b'{"texts": ["a"]} trailing', "application/json", "bad_request"),
+    (b'{"texts": [NaN]}', "application/json", "bad_request"),
+    (b"\xff\xfe{}", "application/json", "bad_request"),
+    (b"\xc1\xc1", "application/msgpack", "bad_request"),
+    (b"texts=a", "application/x-www-form-urlencoded", "unsupported_media_type"),
+])
+def test_malformed_bodies(tiny_stack, body, ctype, kind):
+    status, headers, raw = tiny_stack.request("POST", "/predict", body, {"Content-Type": ctype})
+    assert status == (415 if kind == "unsupported_media_type" else 400)
+    assert error_of(raw)["type"] == kind
+    assert headers["Content-Type"].startswith("application/json")
+    assert headers["X-Request-ID"]
+
+
+def test_malformed_msgpack_answers_in_msgpack(tiny_stack):
+    status, headers, raw = tiny_stack.request(
+        "POST", "/predict", b"\xc1", {"Content-Type": "application/msgpack",
+                                      "Accept": "application/msgpack"})
+    assert status == 400 and headers["Content-Type"].startswith("application/msgpack")
+    assert error_of(raw, as_msgpack=True)["type"] == "bad_request"
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/predict", {}, "texts"),
+    ("/predict", {"texts": []}, "texts"),
+    ("/predict", {"texts": "not a list"}, "texts"),
+    ("/predict", {"texts": ["ok", 3]}, "texts"),
+    ("/predict", {"texts": ["ok", ""]}, "texts"),
+    ("/predict", {"texts": ["ok"], "model": 5}, "model"),
+    ("/v1/embeddings", {"model": "tiny"}, "input"),
+    ("/v1/embeddings", {"input": [None]}, "input"),
+    ("/v1/embeddings", {"input": "x", "encoding_format": "int8"}, "encoding_format"),
+    ("/predict", [1, 2], None),
+])
+def test_missing_empty_or_wrongly_typed_fields_are_422(tiny_stack, path, body, param):
+    status, _, err = tiny_stack.post_json(path, body)
+    assert status == 422, err
+    assert err["error"]["type"] == "invalid_request"
+    assert err["error"].get("param") == param
+
+
+def test_too_many_texts_is_413(tiny_stack):
+    status, _, err = tiny_stack.post_json("/predict", {"texts": ["a"] * 65})
+    assert status == 413 and "limits.max_texts_per_request" in err["error"]["message"]
+
+
+def test_over_long_text_without_truncation_is_413(tiny_stack):
+    status, _, err = tiny_stack.post_json("/v1/embeddings", {"input": ["fine", "word " * 200]})
+    assert status == 413 and err["error"]["param"] == "input"
+    assert "input[1]" in err["error"]["message"]
+
+
+def test_unknown_model_is_404(tiny_stack):
+    status, _, err = tiny_stack.post_json("/v1/embeddings", {"input": "x", "model": "gpt-9"})
+    assert status == 404 and err["error"]["param"] == "model"
+
+
+def test_unknown_route_and_method(tiny_stack):
+    status, _, raw = tiny_stack.get("/nope")
+    assert status == 404 and error_of(raw)["type"] == "not_found"
+    status, _, raw = tiny_stack.get("/predict")
+    assert status == 405 and error_of(raw)["type"] == "method_not_allowed"
+
+
+@pytest.mark.parametrize("accept,as_msgpack", [("application/json", False),
+                                               ("application/msgpack", True)])
+def test_body_over_the_nginx_limit_is_413_from_nginx(tiny_stack, accept, as_msgpack):
+    body = b'{"texts": ["' + b"a" * (9 << 20) + b'"]}'
+    status, headers, raw = tiny_stack.request("POST", "/predict", body,
+                                              {"Content-Type": "application/json",
+                                               "Accept": accept})
+    assert status == 413
+    assert error_of(raw, as_msgpack)["type"] == "request_too_large"
+
+
+def test_deadline_passed_is_504(tiny_stack):
+    status, _, err = tiny_stack.post_json("/predict", {"texts": ["late"] * 8},
+                                          {"X-Request-Timeout": "0.000001"})
+    assert status == 504 and err["error"]["type"] == "timeout"
+
+
+def test_bad_timeout_header_is_422(tiny_stack):
+    status, _, err = tiny_stack.post_json("/predict", {"texts": ["x"]},
+                                          {"X-Request-Timeout": "soon"})
+    assert status == 422 and err["error"]["param"] == "X-Request-Timeout"
+
+
+def test_worker_queue_full_is_429_with_retry_after(strict_stack):
+    status, headers, err = strict_stack.post_json("/predict", {"texts": ["x"] * 9})
+    assert status == 429 and err["error"]["type"] == "overloaded"
+    assert int(headers["Retry-After"]) >= 1
+    assert strict_stack.post_json("/predict", {"texts": ["x"] * 8})[0] == 200
+
+
+def test_unexpected_failure_is_500_with_request_id_and_worker_survives(strict_stack):
+    status, headers, err = strict_stack.post_json(
+        "/predict", {"texts": ["words beyond the first thousand ids"], "model": "broken"},
+        {"X-Request-ID": "boom-1"})
+    assert status == 500 and err["error"]["type"] == "internal_error"
+    assert "boom-1" in err["error"]["message"]
+    assert "Traceback" not in json.dumps(err)
+    assert strict_stack.post_json("/predict", {"texts": ["still fine"]})[0] == 200
+
+
+def test_no_live_worker_is_503_then_service_returns(strict_stack):
+    strict_stack.ctl("stop", "workers:*")
+    try:
+        status, headers, err = strict_stack.post_json("/predict", {"texts": ["x"]})
+        assert status == 503 and err["error"]["type"] == "unavailable"
+        assert headers.get("Retry-After")
+        assert strict_stack.get("/ready")[0] == 503
+    finally:
+        strict_stack.ctl("start", "workers:*")
+    strict_stack.wait_until(lambda: strict_stack.get("/ready")[0] == 200, 120, "ready again")
+    assert strict_stack.post_json("/predict", {"texts": ["back"]})[0] == 200

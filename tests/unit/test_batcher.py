@@ -1,0 +1,89 @@
+from dataclasses import dataclass
+
+import pytest
+
+from gpu_workers.batcher import Limits, anchor_index, form_batch, wait_time
+
+
+@dataclass(eq=False)
+class T:
+    length: int
+    arrived: float = 0.0
+    model: str = "m"
+    priority: int = 0
+
+
+LIMITS = Limits(max_batch_size=8, max_batch_tokens=1024, max_wait_s=0.005, max_pad_ratio=1.5)
+
+
+def drain(queue, limits=LIMITS):
+    batches = []
+    while queue:
+        batch, queue = form_batch(queue, limits)
+        batches.append(batch)
+    return batches
+
+
+def test_every_text_lands_in_exactly_one_batch():
+    queue = [T(n, arrived=i) for i, n in enumerate([5, 300, 7, 6, 120, 8, 9, 130, 5, 5, 5, 250])]
+    batches = drain(list(queue))
+    seen = [id(t) for b in batches for t in b.texts]
+    assert sorted(seen) == sorted(id(t) for t in queue)
+
+
+def test_limits_hold_for_every_batch():
+    queue = [T(n, arrived=i) for i, n in enumerate([3, 40, 41, 39, 200, 5, 6, 7, 8, 9, 10, 11,
+                                                    12, 13, 500, 60, 61, 62, 63, 64])]
+    for batch in drain(queue):
+        assert len(batch.texts) <= LIMITS.max_batch_size
+        assert batch.padded_len == max(t.length for t in batch.texts)
+        if len(batch.texts) > 1:  # a single over-budget text still runs alone
+            assert batch.padded_tokens <= LIMITS.max_batch_tokens
+            assert batch.padded_tokens <= LIMITS.max_pad_ratio * batch.real_tokens
+
+
+def test_lengths_are_grouped_to_cut_padding():
+    queue = [T(n, arrived=i) for i, n in enumerate([10, 200, 11, 190, 12, 195, 9, 205])]
+    groups = sorted(sorted(t.length for t in b.texts) for b in drain(queue))
+    assert groups == [[9, 10, 11, 12], [190, 195, 200, 205]]
+
+
+def test_oldest_text_is_always_in_the_next_batch():
+    old = T(400, arrived=0.0)
+    queue = [old] + [T(10, arrived=1.0 + i) for i in range(20)]
+    batch, rest = form_batch(queue, LIMITS)
+    assert old in batch.texts
+    assert len(rest) == 20  # the short ones were not padded up to 400
+
+
+def test_higher_priority_goes_first_and_rest_keeps_arrival_order():
+    queue = [T(10, arrived=0, priority=0), T(50, arrived=1, priority=1),
+             T(11, arrived=2, priority=0)]
+    assert anchor_index(queue) == 1
+    batch, rest = form_batch(queue, LIMITS)
+    assert queue[1] in batch.texts
+    assert [t.arrived for t in rest] == sorted(t.arrived for t in rest)
+
+
+def test_models_never_share_a_batch():
+    queue = [T(10, model="a", arrived=0), T(10, model="b", arrived=1), T(10, model="a", arrived=2)]
+    batch, rest = form_batch(queue, LIMITS)
+    assert {t.model for t in batch.texts} == {"a"} and len(batch.texts) == 2
+    assert [t.model for t in rest] == ["b"]
+
+
+def test_equal_lengths_fill_up_to_batch_size():
+    queue = [T(16, arrived=i) for i in range(20)]
+    sizes = [len(b.texts) for b in drain(queue)]
+    assert sizes == [8, 8, 4]
+
+
+@pytest.mark.parametrize("queue,now,expected", [
+    ([T(10, arrived=1.0)], 1.0, 0.005),  # alone: wait for company
+    ([T(10, arrived=1.0)], 1.003, 0.002),
+    ([T(10, arrived=1.0)], 2.0, 0.0),  # waited long enough
+    ([T(10, arrived=1.0) for _ in range(8)], 1.0, 0.0),  # a full batch is queued
+    ([T(600, arrived=1.0), T(600, arrived=1.0)], 1.0, 0.0),  # the token budget is reached
+])
+def test_wait_time(queue, now, expected):
+    assert wait_time(queue, now, LIMITS) == pytest.approx(expected)

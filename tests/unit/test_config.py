@@ -1,0 +1,72 @@
+import pytest
+
+from shmserve import config
+from shmserve.config import ConfigError
+
+
+def test_defaults_load_and_are_frozen():
+    cfg = config.load(environ={})
+    assert cfg.models[0].name == "all-MiniLM-L6-v2"
+    assert cfg.server.port == 8080
+    with pytest.raises(AttributeError):
+        cfg.server.port = 1
+
+
+def test_env_file_is_merged_over_base():
+    prod = config.load(env="prod", environ={})
+    assert prod.server.host == "0.0.0.0" and prod.frontends.count == 4
+    assert prod.batching.max_batch_size == 32  # untouched keys keep base values
+
+
+def test_extra_file_then_environment_win(tmp_path):
+    extra = tmp_path / "extra.yaml"
+    extra.write_text("batching:\n  max_wait_ms: 7\nfrontends:\n  count: 3\n")
+    cfg = config.load(extra=extra, environ={"SHMSERVE__FRONTENDS__COUNT": "5",
+                                            "SHMSERVE__WORKERS__DEVICES": "[0, 2]",
+                                            "SHMSERVE__MODELS__0__DTYPE": "bf16"})
+    assert cfg.batching.max_wait_ms == 7.0
+    assert cfg.frontends.count == 5
+    assert cfg.workers.devices == [0, 2]
+    assert cfg.models[0].dtype == "bf16"
+
+
+def test_deep_merge_keeps_siblings():
+    assert config.deep_merge({"a": {"x": 1, "y": 2}, "b": [1]}, {"a": {"y": 3}, "b": [2]}) == \
+        {"a": {"x": 1, "y": 3}, "b": [2]}
+
+
+@pytest.mark.parametrize("name,value,key", [
+    ("SHMSERVE__BATCHING__MAX_WAIT_MS", "soon", "batching.max_wait_ms"),
+    ("SHMSERVE__BATCHING__MAX_WAIT_MS", "-1", "batching.max_wait_ms"),
+    ("SHMSERVE__SERVER__PORT", "70000", "server.port"),
+    ("SHMSERVE__FRONTENDS__COUNT", "true", "frontends.count"),
+    ("SHMSERVE__WORKERS__DEVICES", "gpu", "workers.devices"),
+    ("SHMSERVE__MODELS__0__DTYPE", "fp8", "models[0].dtype"),
+    ("SHMSERVE__BATCHING__MAX_WAITMS", "1", "batching.max_waitms"),
+    ("SHMSERVE__MODELS__3__DTYPE", "fp32", "SHMSERVE__MODELS__3__DTYPE"),
+    ("SHMSERVE__LIMITS__TRUNCATE", "maybe", "limits.truncate"),
+])
+def test_bad_values_name_the_key(name, value, key):
+    with pytest.raises(ConfigError, match=key.replace("[", r"\[").replace("]", r"\]")):
+        config.load(environ={name: value})
+
+
+def test_unknown_env_and_bad_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="SHMSERVE_ENV"):
+        config.load(env="nope", environ={})
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("server: [unclosed\n")
+    with pytest.raises(ConfigError, match="invalid YAML"):
+        config.load(extra=bad, environ={})
+
+
+def test_models_are_required():
+    with pytest.raises(ConfigError, match="models: required"):
+        config.from_tree({})
+
+
+def test_resolved_round_trip(tmp_path):
+    cfg = config.load(environ={})
+    path = tmp_path / "config.json"
+    path.write_text(cfg.to_json())
+    assert config.load_resolved(path) == cfg

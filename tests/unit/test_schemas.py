@@ -1,0 +1,49 @@
+import pytest
+
+from frontend.errors import ApiError, STATUS
+from frontend.schemas import parse_openai_embeddings, parse_predict
+from shmserve.config import LimitsConfig
+from shmserve.protocol import ErrorCode
+
+LIMITS = LimitsConfig(max_texts_per_request=4, max_text_chars=20, truncate=True)
+
+
+def test_one_value_or_a_list_is_resolved_at_the_edge():
+    assert parse_openai_embeddings({"input": "a"}, LIMITS).texts == ["a"]
+    req = parse_openai_embeddings({"input": ["a", "b"], "model": "m",
+                                   "encoding_format": "base64", "user": "u"}, LIMITS)
+    assert req.texts == ["a", "b"] and req.model == "m" and req.encoding_format == "base64"
+    assert parse_predict({"texts": ["x"]}, LIMITS).model is None
+
+
+@pytest.mark.parametrize("body,status,param", [
+    ({"input": []}, 422, "input"),
+    ({"input": ""}, 422, "input"),
+    ({"input": [1]}, 422, "input"),
+    ({"input": {"a": 1}}, 422, "input"),
+    ({"input": ["a"] * 5}, 413, "input"),
+    ({"input": "x" * 21}, 413, "input"),
+    ({"input": "a", "model": ""}, 422, "model"),
+    ({"input": "a", "encoding_format": 1}, 422, "encoding_format"),
+    ("input", 422, None),
+])
+def test_bad_bodies(body, status, param):
+    with pytest.raises(ApiError) as info:
+        parse_openai_embeddings(body, LIMITS)
+    assert info.value.status == status and info.value.param == param
+
+
+def test_every_worker_error_code_maps_to_a_status():
+    for code in ErrorCode:
+        err = ApiError.from_worker(code, "m")
+        assert err.status in STATUS.values()
+    assert ApiError.from_worker(ErrorCode.OVERLOADED, "m").headers() == {"Retry-After": "1"}
+    assert ApiError.from_worker(ErrorCode.DEADLINE, "m").status == 504
+
+
+def test_error_body_shape():
+    err = ApiError("invalid_request", "bad", param="input")
+    assert err.body() == {"error": {"type": "invalid_request", "message": "bad",
+                                    "param": "input"}}
+    with pytest.raises(ValueError):
+        ApiError("no_such_kind", "x")

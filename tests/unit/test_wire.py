@@ -1,0 +1,58 @@
+import msgpack
+import pytest
+
+from shmserve import wire
+from shmserve.protocol import (KIND_OF, Abort, Error, ErrorCode, Heartbeat, Kind, ModelInfo, Ping,
+                               Result, ShmHandle, Submit)
+
+HANDLE = ShmHandle("shmserve-abc-fe0-1", 128, 4 * 6, "int32", (6,))
+MESSAGES = [
+    Ping(1.5),
+    Heartbeat(1, 0, 4242, True, "cpu", (ModelInfo("m", "embedding", 384, 256, "fp32", "ab12"),),
+              3, 4096, 1.5),
+    Heartbeat(1, 3, 1, False, "loading", (), 0, 1, 0.0),
+    Submit(7, "req-1", "m", HANDLE, ShmHandle("a", 0, 0, "int32", (0,)),
+           ShmHandle("a", 64, 4 * 2 * 384, "float32", (2, 384)), 1e9, -1),
+    Result(7, 0.5, 12.25, 32, 100),
+    Error(7, ErrorCode.OVERLOADED, "queue full"),
+    Abort(2**40),
+]
+
+
+@pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: type(m).__name__)
+def test_round_trip_is_two_frames_with_the_kind_first(msg):
+    frames = wire.encode(msg)
+    assert len(frames) == 2
+    assert frames[0] == bytes((KIND_OF[type(msg)],))
+    back = wire.decode(frames)
+    assert back == msg
+    assert type(back) is type(msg)
+
+
+def test_enums_and_tuples_come_back_typed():
+    back = wire.decode(wire.encode(MESSAGES[5]))
+    assert back.code is ErrorCode.OVERLOADED
+    submit = wire.decode(wire.encode(MESSAGES[3]))
+    assert submit.output.shape == (2, 384) and isinstance(submit.output.shape, tuple)
+
+
+def test_large_message_round_trips():
+    long_id = "x" * 100_000
+    msg = Submit(1, long_id, "m", HANDLE, HANDLE, HANDLE, 0.0, 0)
+    assert wire.decode(wire.encode(msg)).request_id == long_id
+
+
+@pytest.mark.parametrize("frames", [
+    [b"\x01"],
+    [b"\x01", b"\x91\xcb", b"extra"],
+    [b"", msgpack.packb([1.0])],
+    [b"\x63", msgpack.packb([1.0])],  # unknown kind
+    [bytes((Kind.PING,)), b"\xc1"],  # invalid msgpack
+    [bytes((Kind.PING,)), msgpack.packb([1.0, 2.0])],  # wrong arity
+    [bytes((Kind.PING,)), msgpack.packb(["1.0"])],  # wrong type
+    [bytes((Kind.RESULT,)), msgpack.packb([True, 0.0, 0.0, 1, 1])],  # bool is not an int
+    [bytes((Kind.ERROR,)), msgpack.packb([1, 99, "x"])],  # unknown error code
+])
+def test_garbage_raises_wire_error(frames):
+    with pytest.raises(wire.WireError):
+        wire.decode(frames)
