@@ -140,10 +140,9 @@ class WorkerPool:
                on_settled: Callable[[], None]) -> asyncio.Future:
         """Send `msg`; the future resolves to Result or Error, or fails with WorkerGone."""
         future = asyncio.get_running_loop().create_future()
-        try:
-            link.socket.send_multipart(wire.encode(msg), flags=zmq.NOBLOCK)
-        except zmq.Again:
-            # Not connected (IMMEDIATE): the worker never saw it, so the slot is free again.
+        if not _send_now(link.socket, wire.encode(msg)):
+            # Not connected (IMMEDIATE): the worker is gone, and never saw this message.
+            self._declare_dead(link, "connection lost")
             on_settled()
             future.set_exception(WorkerGone(f"worker {link.index} is not connected"))
             return future
@@ -153,10 +152,7 @@ class WorkerPool:
 
     def abort(self, link: WorkerLink, seq: int) -> None:
         if seq in link.pending:
-            try:
-                link.socket.send_multipart(wire.encode(Abort(seq)), flags=zmq.NOBLOCK)
-            except zmq.Again:
-                pass  # the worker is gone; its death settles the request
+            _send_now(link.socket, wire.encode(Abort(seq)))  # if gone, its death settles it
 
     # ---- tasks ------------------------------------------------------------------------------
 
@@ -215,17 +211,16 @@ class WorkerPool:
         while True:
             now = time.monotonic()
             for link in self.links:
-                try:
-                    link.socket.send_multipart(wire.encode(Ping(time.time())), flags=zmq.NOBLOCK)
-                except zmq.Again:
-                    pass  # not connected; silence below decides
+                _send_now(link.socket, wire.encode(Ping(time.time())))  # silence decides below
                 if link.alive and now - link.last_beat > timeout:
-                    link.alive = False
-                    log.warning("frontend.worker_lost", extra={"fields": {
-                        "worker": link.index, "silent_s": round(now - link.last_beat, 2),
-                        "pending": len(link.pending)}})
-                    self._fail_pending(link, f"worker {link.index} stopped answering")
+                    self._declare_dead(link, f"silent for {now - link.last_beat:.1f}s")
             await asyncio.sleep(interval)
+
+    def _declare_dead(self, link: WorkerLink, reason: str) -> None:
+        link.alive = False
+        log.warning("frontend.worker_lost", extra={"fields": {
+            "worker": link.index, "reason": reason, "pending": len(link.pending)}})
+        self._fail_pending(link, f"worker {link.index} lost: {reason}")
 
     def _fail_pending(self, link: WorkerLink, reason: str) -> None:
         pending, link.pending, link.outstanding = link.pending, {}, 0
@@ -233,3 +228,19 @@ class WorkerPool:
             entry.on_settled()
             if not entry.future.done():
                 entry.future.set_exception(WorkerGone(reason))
+
+
+def _send_now(sock: zmq.asyncio.Socket, frames: list[bytes]) -> bool:
+    """Send without waiting; False when the peer is not connected (zmq.Again).
+
+    zmq.asyncio reports a NOBLOCK send's failure through the returned future, not by raising,
+    and that future is already done."""
+    future = sock.send_multipart(frames, flags=zmq.NOBLOCK)
+    if not future.done():
+        return True
+    error = future.exception()
+    if error is None:
+        return True
+    if isinstance(error, zmq.Again):
+        return False
+    raise error

@@ -11,10 +11,13 @@ import logging
 import numpy as np
 import torch
 from transformers import AutoConfig, AutoModel
+from transformers.utils import logging as hf_logging
 
 from shmserve.models import ModelSpec, weights_file
 
 log = logging.getLogger("shmserve.worker")
+
+hf_logging.disable_progress_bar()  # a progress bar per load would clutter the JSON log
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -33,7 +33,7 @@ class SocketThread(threading.Thread):
         self._on_submit = on_submit
         self._on_abort = on_abort
         self._heartbeat = heartbeat
-        self._stop = threading.Event()
+        self._halt = threading.Event()
         self.bound = threading.Event()
         self.failure: BaseException | None = None
         # Bind the reply socket now so the model thread may connect before this thread runs.
@@ -41,7 +41,7 @@ class SocketThread(threading.Thread):
         self._replies.bind(REPLIES)
 
     def stop(self) -> None:
-        self._stop.set()
+        self._halt.set()
 
     def run(self) -> None:
         router = self._ctx.socket(zmq.ROUTER)
@@ -64,7 +64,7 @@ class SocketThread(threading.Thread):
         poller = zmq.Poller()
         poller.register(router, zmq.POLLIN)
         poller.register(self._replies, zmq.POLLIN)
-        while not self._stop.is_set():
+        while not self._halt.is_set():
             for sock, _ in poller.poll(100):
                 if sock is self._replies:
                     # Send every reply already queued before reading more requests.

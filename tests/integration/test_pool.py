@@ -1,0 +1,153 @@
+"""The frontend's worker client against a real worker subprocess (no nginx, no supervisord)."""
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import yaml
+
+from frontend.dispatch import Dispatcher
+from frontend.errors import ApiError
+from frontend.pool import WorkerGone, WorkerPool
+from frontend.tokenizer import Encoded
+from shmserve import arena as shm
+from shmserve import config, topology
+from shmserve.protocol import Error, ErrorCode, Result, Submit
+from tests.conftest import tiny_overrides
+from tests.stack import REPO
+
+
+@pytest.fixture
+def cfg(tmp_path, tiny_model):
+    overrides = tiny_overrides(tiny_model)
+    env = {"SHMSERVE__SERVER__RUN_DIR": str(tmp_path / "run")}
+    extra = tmp_path / "extra.yaml"
+    extra.write_text(yaml.safe_dump(overrides))
+    cfg = config.load(env="test", extra=extra, environ=env)
+    (cfg.run_dir / "sockets").mkdir(parents=True)
+    (cfg.run_dir / "config.json").write_text(cfg.to_json())
+    return cfg
+
+
+def start_worker(cfg):
+    with (cfg.run_dir / "worker.log").open("ab") as log:
+        return subprocess.Popen([sys.executable, "-m", "gpu_workers", "--config",
+                                 str(cfg.run_dir / "config.json"), "--index", "0"], cwd=REPO,
+                                env={**os.environ, "OMP_NUM_THREADS": "1"},
+                                stdout=log, stderr=subprocess.STDOUT)
+
+
+def encoded(n_texts: int, length: int) -> Encoded:
+    ids = np.full(n_texts * length, 1000, np.int32)
+    ids[::length] = 101
+    return Encoded(ids, np.arange(0, n_texts * length + 1, length, dtype=np.int32), 0)
+
+
+async def ready_pool(cfg, timeout=60.0) -> WorkerPool:
+    pool = WorkerPool(cfg)
+    await pool.start()
+    if await pool.wait_for_worker("tiny", timeout) is None:
+        await pool.close()
+        raise AssertionError("worker never became ready")
+    return pool
+
+
+def test_round_trip_deadline_and_kill(cfg):
+    worker = start_worker(cfg)
+    arena = shm.Arena(shm.arena_name(topology.instance_id(cfg), "fe0"), 1 << 22)
+
+    async def scenario():
+        pool = await ready_pool(cfg)
+        dispatcher = Dispatcher(cfg, pool, arena)
+        try:
+            out = await dispatcher.run("tiny", 32, encoded(3, 5), "r1", time.time() + 10)
+            assert out.vectors.shape == (3, 32) and isinstance(out.result, Result)
+            np.testing.assert_allclose(np.linalg.norm(out.vectors, axis=1), 1, atol=1e-5)
+            assert arena.bytes_used == 0  # the slot went back once the worker answered
+
+            # A deadline already passed: the worker drops it before inference.
+            with pytest.raises(ApiError) as info:
+                await dispatcher.run("tiny", 32, encoded(1, 5), "r2", time.time() - 1)
+            assert info.value.status == 504
+
+            # Unknown model at the worker: a per-request error, the worker lives on.
+            link = pool.pick("tiny")
+            seq = pool.next_seq()
+            handle = arena.handle(arena.alloc(64), "int32", (2,))
+            settled = []
+            reply = await pool.submit(link, Submit(seq, "r3", "nope", handle, handle, handle,
+                                                   time.time() + 5, 0), 1,
+                                      lambda: settled.append(1))
+            assert isinstance(reply, Error) and reply.code is ErrorCode.UNKNOWN_MODEL
+            assert settled == [1]
+            arena.free(handle.offset)
+
+            # SIGKILL: pending requests fail with WorkerGone within the heartbeat timeout.
+            futures = [pool.submit(pool.pick("tiny"), Submit(
+                pool.next_seq(), f"k{i}", "tiny", *_slot(arena, 64, 32), time.time() + 30, 0),
+                64, lambda: None) for i in range(4)]
+            worker.send_signal(signal.SIGKILL)
+            started = time.monotonic()
+            results = await asyncio.gather(*futures, return_exceptions=True)
+            waited = time.monotonic() - started
+            assert waited < cfg.workers.heartbeat_timeout_s + 2
+            # Some may have finished before the kill; none hangs, the rest report the loss.
+            assert all(isinstance(r, (Result, WorkerGone)) for r in results), results
+            assert pool.pick("tiny") is None
+        finally:
+            await pool.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        worker.kill()
+        worker.wait()
+        arena.close()
+
+
+def _slot(arena, n, dim):
+    length = 40
+    off = arena.alloc(4 * (n + 1) + 64 + 4 * n * length + 64 + 4 * n * dim)
+    offsets = arena.handle(off, "int32", (n + 1,))
+    ids_off = off + -(-4 * (n + 1) // 64) * 64
+    ids = arena.handle(ids_off, "int32", (n * length,))
+    out = arena.handle(ids_off + -(-4 * n * length // 64) * 64, "float32", (n, dim))
+    arena.view(offsets)[:] = np.arange(0, n * length + 1, length)
+    arena.view(ids)[:] = 1000
+    return ids, offsets, out
+
+
+def test_restarted_worker_is_taken_back(cfg):
+    worker = start_worker(cfg)
+
+    async def scenario():
+        pool = await ready_pool(cfg)
+        try:
+            first_pid = pool.links[0].beat.pid
+            worker.send_signal(signal.SIGKILL)
+            worker.wait()
+            replacement = start_worker(cfg)
+            try:
+                deadline = time.monotonic() + 60
+                link = pool.links[0]
+                while not (link.ready and link.beat.pid == replacement.pid):
+                    assert time.monotonic() < deadline, "replacement never became ready"
+                    await asyncio.sleep(0.05)
+                assert replacement.pid != first_pid
+                assert pool.pick("tiny") is link
+            finally:
+                replacement.send_signal(signal.SIGTERM)
+                assert replacement.wait(30) == 0  # graceful stop exits 0
+        finally:
+            await pool.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        worker.kill()
+        worker.wait()
