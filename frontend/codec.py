@@ -38,7 +38,7 @@ async def read_body(request: web.Request) -> Any:
         raise ApiError("bad_request", "empty request body")
     if ctype in _MSGPACK_TYPES:
         try:
-            return msgpack.unpackb(raw, raw=False, strict_map_key=False, max_buffer_size=len(raw))
+            return msgpack.unpackb(raw, raw=False)  # strict map keys: str or bytes only
         except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, ValueError,
                 TypeError) as exc:
             raise ApiError("bad_request", f"malformed msgpack body: {exc}") from None

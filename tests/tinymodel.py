@@ -55,6 +55,7 @@ def reference_embeddings(model_dir: Path, texts: list[str], max_tokens: int):
 
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     tok.enable_truncation(max_length=max_tokens)
+    tok.no_padding()  # the shipped tokenizer.json pads to 128
     model = AutoModel.from_pretrained(model_dir, use_safetensors=True).eval()
     out = []
     with torch.inference_mode():

@@ -117,7 +117,7 @@ def test_body_over_the_nginx_limit_is_413_from_nginx(tiny_stack, accept, as_msgp
                                               {"Content-Type": "application/json",
                                                "Accept": accept})
     assert status == 413
-    assert error_of(raw, as_msgpack)["type"] == "request_too_large"
+    assert error_of(raw, as_msgpack)["type"] == "too_large"
 
 
 def test_deadline_passed_is_504(tiny_stack):

@@ -1,0 +1,304 @@
+"""``shmserve``: render a deployment and drive its supervisord.
+
+    shmserve up [--wait] [--timeout S] [--foreground]   render, clean stale state, start
+    shmserve down                                        stop everything, clean up
+    shmserve status                                      supervisorctl status + GET /ready
+    shmserve restart frontends|workers|nginx|PROGRAM
+    shmserve ctl ARGS...                                 supervisorctl with this deployment's -c
+    shmserve config                                      the resolved config as JSON
+
+``--env`` and ``--config`` (or SHMSERVE_ENV and SHMSERVE_CONFIG) choose the deployment for
+every command: its run directory holds the rendered configs, sockets, logs and pid files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import xmlrpc.client
+from collections.abc import Callable
+from pathlib import Path
+
+from shmserve import arena, config, nginxrun, render, topology
+from shmserve.config import Config, ConfigError
+
+GROUPS = {"frontends": "frontends:*", "workers": "workers:*", "nginx": "nginx"}
+LOG_TAIL_LINES = 20
+
+
+class CliError(RuntimeError):
+    """A command cannot go on; the message says why and what to change."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except (ConfigError, render.RenderError, CliError) as exc:
+        print(f"shmserve: {exc}", file=sys.stderr)
+        return 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--env", help="configs/ENV.yaml over base.yaml (default: SHMSERVE_ENV "
+                        "or dev)")
+    common.add_argument("--config", help="an extra YAML file over those (or SHMSERVE_CONFIG)")
+    parser = argparse.ArgumentParser(
+        prog="shmserve", description="Render a deployment and drive its supervisord.")
+    sub = parser.add_subparsers(required=True, metavar="COMMAND")
+
+    def command(name: str, run: Callable[[argparse.Namespace], int],
+                help: str) -> argparse.ArgumentParser:
+        cmd = sub.add_parser(name, parents=[common], help=help, description=help)
+        cmd.set_defaults(run=run)
+        return cmd
+
+    up_cmd = command("up", up, "render the run directory and start supervisord")
+    up_cmd.add_argument("--wait", action="store_true", help="wait until GET /ready answers 200")
+    up_cmd.add_argument("--timeout", type=float, help="seconds --wait waits "
+                        "(default: workers.ready_timeout_s)")
+    up_cmd.add_argument("--foreground", action="store_true",
+                        help="run supervisord in the foreground (containers)")
+    command("down", down, "stop every process and remove sockets and shared memory")
+    command("status", status, "supervisorctl status, then the body of GET /ready")
+    restart_cmd = command("restart", restart, "restart a group or one program")
+    restart_cmd.add_argument("target", help="frontends | workers | nginx | a program name "
+                             "(frontend-0, worker-1)")
+    ctl_cmd = command("ctl", ctl, "run supervisorctl against this deployment")
+    ctl_cmd.add_argument("ctl_args", nargs=argparse.REMAINDER, metavar="ARGS")
+    command("config", show_config, "print the resolved config as JSON")
+    return parser
+
+
+def up(args: argparse.Namespace) -> int:
+    cfg = _load(args)
+    pid = supervisord_pid(cfg)
+    if pid is not None:
+        raise CliError(f"already running (supervisord pid {pid}, run_dir {cfg.run_dir}); "
+                       "`shmserve down` first, or `shmserve restart` a group")
+    if args.wait and args.foreground:
+        raise CliError("--wait and --foreground exclude each other")
+    render.render(cfg)
+    clean_stale(cfg, metrics=True)
+    argv = [tool("supervisord"), "-c", str(render.supervisord_conf(cfg))]
+    if args.foreground:
+        os.execv(argv[0], [*argv, "--nodaemon"])
+    done = subprocess.run(argv, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise CliError(f"supervisord did not start: {(done.stderr or done.stdout).strip()}")
+    _wait_for(lambda: supervisord_pid(cfg) is not None and render.supervisor_socket(cfg).exists(),
+              10.0, f"supervisord did not come up; see {topology.log_dir(cfg)}/supervisord.log")
+    print(f"shmserve: started (run_dir {cfg.run_dir})")
+    if not args.wait:
+        return 0
+    timeout = args.timeout if args.timeout is not None else cfg.workers.ready_timeout_s
+    return wait_ready(cfg, timeout)
+
+
+def down(args: argparse.Namespace) -> int:
+    cfg = _load(args)
+    pid = supervisord_pid(cfg)
+    if pid is None:
+        print(f"shmserve: not running (run_dir {cfg.run_dir})")
+    else:
+        subprocess.run(_ctl_argv(cfg, "shutdown"), check=False)
+        # supervisord stops its three groups one after another, each within stopwaitsecs.
+        limit = 3 * render.stopwaitsecs(cfg) + 10
+        _wait_for(lambda: not _alive(pid), limit,
+                  f"supervisord (pid {pid}) still runs after {limit} s")
+        print("shmserve: stopped")
+    if render.nginx_conf(cfg).exists():
+        nginxrun.kill_all(render.nginx_conf(cfg))
+    clean_stale(cfg, metrics=False)
+    return 0
+
+
+def status(args: argparse.Namespace) -> int:
+    cfg = _load(args)
+    if supervisord_pid(cfg) is None:
+        print(f"shmserve: not running (run_dir {cfg.run_dir})")
+        return 3
+    rc = subprocess.run(_ctl_argv(cfg, "status"), check=False).returncode
+    code, body = http_get(ready_url(cfg))
+    print(f"\nGET {ready_url(cfg)}: {code or 'no answer'}")
+    if body:
+        try:
+            print(json.dumps(json.loads(body), indent=2))
+        except ValueError:
+            print(body.decode(errors="replace"))
+    return rc or (0 if code == 200 else 1)
+
+
+def restart(args: argparse.Namespace) -> int:
+    cfg = _load(args)
+    return subprocess.run(_ctl_argv(cfg, "restart", restart_target(args.target)),
+                          check=False).returncode
+
+
+def ctl(args: argparse.Namespace) -> int:
+    rest = deployment_flags(args, args.ctl_args)
+    return subprocess.run(_ctl_argv(_load(args), *rest), check=False).returncode
+
+
+def deployment_flags(args: argparse.Namespace, argv: list[str]) -> list[str]:
+    """Take --env/--config out of a pass-through argv (`ctl stop workers:* --config f`) into args;
+    supervisorctl's commands have no such options."""
+    rest: list[str] = []
+    it = iter(argv)
+    for arg in it:
+        name, eq, value = arg.partition("=")
+        if name in ("--env", "--config"):
+            setattr(args, name[2:], value if eq else next(it, None))
+            if getattr(args, name[2:]) is None:
+                raise CliError(f"{name} needs a value")
+        else:
+            rest.append(arg)
+    return rest
+
+
+def show_config(args: argparse.Namespace) -> int:
+    print(render.resolved(_load(args)).to_json())
+    return 0
+
+
+def restart_target(name: str) -> str:
+    """supervisorctl's name for a group or a program: frontend-1 is frontends:frontend-1."""
+    if name in GROUPS:
+        return GROUPS[name]
+    if name.startswith("frontend-"):
+        return f"frontends:{name}"
+    if name.startswith("worker-"):
+        return f"workers:{name}"
+    return name
+
+
+def wait_ready(cfg: Config, timeout: float) -> int:
+    """Poll GET /ready until 200; on timeout or a program that gave up, show the logs."""
+    url = ready_url(cfg)
+    deadline = time.monotonic() + timeout
+    while True:
+        fatal = [p["name"] for p in process_info(cfg) if p["statename"] == "FATAL"]
+        code, _ = http_get(url)
+        if code == 200:
+            print(f"shmserve: ready at {base_url(cfg)}")
+            return 0
+        if fatal or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    print_log_tails(cfg)
+    why = (f"{', '.join(fatal)} gave up (FATAL)" if fatal else
+           f"{url} not ready after {timeout:g} s; raise workers.ready_timeout_s or --timeout")
+    print(f"shmserve: {why}; logs in {topology.log_dir(cfg)}", file=sys.stderr)
+    return 1
+
+
+def process_info(cfg: Config) -> list[dict]:
+    """supervisord's view of every process, over its XML-RPC socket ([] when unreachable)."""
+    from supervisor.xmlrpc import SupervisorTransport
+
+    transport = SupervisorTransport(None, None, f"unix://{render.supervisor_socket(cfg)}")
+    try:
+        with xmlrpc.client.ServerProxy("http://localhost", transport) as proxy:
+            return proxy.supervisor.getAllProcessInfo()
+    except (OSError, xmlrpc.client.Error):
+        return []
+
+
+def print_log_tails(cfg: Config) -> None:
+    for log in sorted(topology.log_dir(cfg).glob("*.log")):
+        lines = log.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
+        print(f"--- {log} (last {len(lines)} lines)", file=sys.stderr)
+        for line in lines:
+            print(line, file=sys.stderr)
+
+
+def base_url(cfg: Config) -> str:
+    host = cfg.server.host
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+    return f"http://[{host}]:{cfg.server.port}" if ":" in host else \
+        f"http://{host}:{cfg.server.port}"
+
+
+def ready_url(cfg: Config) -> str:
+    return f"{base_url(cfg)}/ready"
+
+
+def http_get(url: str, timeout: float = 2.0) -> tuple[int | None, bytes]:
+    """(status, body), or (None, b"") when nothing answered. Ignores *_proxy variables."""
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(url, timeout=timeout) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+    except (OSError, ValueError):
+        return None, b""
+
+
+def clean_stale(cfg: Config, metrics: bool) -> None:
+    """Remove what killed processes left: shared memory, socket files, (metrics files)."""
+    arena.sweep(topology.shm_prefix(cfg))
+    dirs = [topology.socket_dir(cfg)] + ([topology.metrics_dir(cfg)] if metrics else [])
+    for directory in dirs:
+        for path in directory.glob("*") if directory.is_dir() else ():
+            if not path.is_dir():
+                path.unlink(missing_ok=True)
+
+
+def supervisord_pid(cfg: Config) -> int | None:
+    """The pid of this deployment's running supervisord, from its pid file."""
+    try:
+        pid = int(render.supervisord_pidfile(cfg).read_text().strip())
+    except (OSError, ValueError):
+        return None
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return None
+    return pid if _alive(pid) and b"supervisord" in cmdline else None
+
+
+def tool(name: str) -> str:
+    """supervisord/supervisorctl: the one beside this Python (the venv's) first."""
+    beside = Path(sys.executable).parent / name
+    found = str(beside) if os.access(beside, os.X_OK) else shutil.which(name)
+    if found is None:
+        raise CliError(f"{name} not found; install shmserve's dependencies (scripts/install)")
+    return found
+
+
+def _ctl_argv(cfg: Config, *args: str) -> list[str]:
+    return [tool("supervisorctl"), "-c", str(render.supervisord_conf(cfg)), *args]
+
+
+def _load(args: argparse.Namespace) -> Config:
+    return config.load(env=args.env, extra=args.config)
+
+
+def _alive(pid: int) -> bool:
+    """True while pid runs; a zombie (exited, not yet reaped by a parent we are not) is dead."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
+def _wait_for(condition: Callable[[], bool], timeout: float, error: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise CliError(error)
+        time.sleep(0.1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

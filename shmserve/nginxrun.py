@@ -1,0 +1,98 @@
+"""``python -m shmserve.nginxrun [--binary PATH] CONF``: how supervisord starts nginx.
+
+The trap: when nginx's master dies by SIGKILL, its workers live on and keep the listening
+socket, so the master supervisord starts next cannot bind and crash-loops. Before it execs
+nginx, this launcher SIGKILLs every nginx process of this deployment still around.
+
+How a process is known to be ours: the launcher leaves CONF open, without close-on-exec, across
+the exec, so the master and every worker it forks hold a descriptor on CONF. A process is ours
+when its comm is ``nginx`` and one of its ``/proc/PID/fd`` links is CONF (or ``CONF (deleted)``
+once a re-render replaced the file). An environment marker would not do: nginx writes its
+process title over its environ area, so ``/proc/PID/environ`` no longer shows it.
+
+exec keeps the pid, so supervisord's signals (QUIT to stop) reach the master directly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import sys
+import time
+from pathlib import Path
+
+PROC = Path("/proc")
+DELETED = " (deleted)"
+
+
+def find(conf: Path, proc: Path = PROC) -> list[int]:
+    """Pids of nginx processes holding CONF open."""
+    wanted = {str(conf), str(conf) + DELETED}
+    pids = []
+    for entry in proc.iterdir():
+        if entry.name.isdigit() and _comm(entry) == "nginx" and _holds(entry, wanted):
+            pids.append(int(entry.name))
+    return sorted(pids)
+
+
+def kill_all(conf: Path, timeout_s: float = 10.0, proc: Path = PROC) -> list[int]:
+    """SIGKILL every nginx process holding CONF; return once none is left (or raise)."""
+    deadline = time.monotonic() + timeout_s
+    killed: list[int] = []
+    while pids := find(conf, proc):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"nginx processes {pids} holding {conf} outlived SIGKILL "
+                               f"for {timeout_s} s")
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        killed.extend(p for p in pids if p not in killed)
+        time.sleep(0.02)  # a killed process drops its descriptors as it exits
+    return killed
+
+
+def _comm(entry: Path) -> str:
+    try:
+        return (entry / "comm").read_text().strip()
+    except OSError:  # gone, or not ours to read
+        return ""
+
+
+def _holds(entry: Path, wanted: set[str]) -> bool:
+    try:
+        fds = list((entry / "fd").iterdir())
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            if os.readlink(fd) in wanted:
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m shmserve.nginxrun")
+    parser.add_argument("--binary", default="nginx", help="the nginx executable")
+    parser.add_argument("conf", type=Path, help="the rendered <run_dir>/nginx/nginx.conf")
+    args = parser.parse_args(argv)
+    conf = args.conf.resolve()
+    binary = shutil.which(args.binary) or args.binary
+    killed = kill_all(conf)
+    if killed:
+        print(f"nginxrun: killed leftover nginx processes {killed}", flush=True)
+    marker = os.open(conf, os.O_RDONLY)  # the descriptor that marks our processes; see above
+    os.set_inheritable(marker, True)
+    argv_nginx = [binary, "-e", "stderr", "-p", f"{conf.parent}/", "-c", str(conf)]
+    print(f"nginxrun: exec {' '.join(argv_nginx)}", flush=True)
+    os.execv(binary, argv_nginx)
+    return 1  # not reached: execv replaces this process or raises
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,300 @@
+"""Render a deployment's run directory from its validated config.
+
+``render(cfg)`` writes, under ``cfg.run_dir`` (mode 0700)::
+
+    config.json            the config every process loads (workers.devices resolved)
+    supervisord.conf       from the template /supervisord.conf
+    nginx/nginx.conf       from the template /nginx/nginx.conf, checked with ``nginx -t``
+    nginx/errors/*         pre-encoded bodies (.json, .msgpack) of the errors nginx makes itself
+    sockets/ logs/ metrics/ nginx/temp/
+
+Templates use lower-case ``@NAME@`` placeholders (``$`` and ``%`` belong to nginx and
+supervisord); a supervisord section whose header holds ``@index@`` is written once per process
+of its kind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import grp
+import json
+import math
+import os
+import pwd
+import re
+import resource
+import shlex
+import shutil
+import subprocess
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+import msgpack
+
+from shmserve import topology
+from shmserve.config import REPO_ROOT, Config
+
+SUPERVISORD_TEMPLATE = REPO_ROOT / "supervisord.conf"
+NGINX_TEMPLATE = REPO_ROOT / "nginx" / "nginx.conf"
+SBIN_DIRS = ("/usr/sbin", "/usr/local/sbin", "/usr/local/nginx/sbin")
+MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes, the last one a NUL
+_SAFE_PATH = re.compile(r"^[A-Za-z0-9._/+-]+$")  # nothing nginx or supervisord would parse
+_PLACEHOLDER = re.compile(r"@([a-z_]+)@")
+_REPEATED = re.compile(r"^\[program:([a-z]+)-@index@\]")
+
+# Errors nginx produces itself: status -> (type, message), with the same types as the frontends
+# (frontend.errors.STATUS) so a client handles one vocabulary.
+NGINX_ERRORS: dict[int, tuple[str, str]] = {
+    400: ("bad_request", "malformed HTTP request"),
+    403: ("forbidden", "admin routes answer loopback clients only (nginx.admin_loopback_only)"),
+    404: ("not_found", "no such route"),
+    408: ("request_timeout", "the request did not arrive in time "
+          "(nginx.client_header_timeout_s, nginx.client_body_timeout_s)"),
+    413: ("too_large", "request body larger than nginx.client_max_body_size ({max_body})"),
+    414: ("headers_too_large", "request line too long (nginx.large_client_header_buffers)"),
+    494: ("headers_too_large", "request headers too large (nginx.large_client_header_buffers)"),
+    500: ("internal_error", "internal error in nginx"),
+    502: ("unavailable", "no frontend answered; see `shmserve status`"),
+    503: ("unavailable", "no frontend answered; see `shmserve status`"),
+    504: ("timeout", "no frontend answered within nginx.proxy_read_timeout_s"),
+}
+
+
+class RenderError(RuntimeError):
+    """The config cannot be rendered into a working deployment; the message names the key."""
+
+
+# Paths of the rendered files, shared with the CLI.
+def supervisord_conf(cfg: Config) -> Path:
+    return cfg.run_dir / "supervisord.conf"
+
+
+def supervisord_pidfile(cfg: Config) -> Path:
+    return cfg.run_dir / "supervisord.pid"
+
+
+def supervisor_socket(cfg: Config) -> Path:
+    return cfg.run_dir / "supervisor.sock"
+
+
+def nginx_dir(cfg: Config) -> Path:
+    return cfg.run_dir / "nginx"
+
+
+def nginx_conf(cfg: Config) -> Path:
+    return nginx_dir(cfg) / "nginx.conf"
+
+
+def render(cfg: Config) -> None:
+    cfg = resolved(cfg)
+    _check_paths(cfg)
+    binary = nginx_binary(cfg)
+    _make_dirs(cfg)
+    _write(topology.resolved_config_path(cfg), cfg.to_json() + "\n")
+    _write_error_pages(cfg)
+    _write(nginx_conf(cfg), render_nginx(cfg))
+    _write(supervisord_conf(cfg), render_supervisord(cfg, binary))
+    check_nginx(cfg, binary)
+
+
+def resolved(cfg: Config) -> Config:
+    """The config with an absolute run_dir and the worker devices decided (no more "auto")."""
+    devices = topology.worker_devices(cfg)
+    chosen: str | list[int] = (topology.CPU if topology.CPU in devices
+                               else [int(d) for d in devices])
+    return dataclasses.replace(
+        cfg, server=dataclasses.replace(cfg.server, run_dir=str(cfg.run_dir)),
+        workers=dataclasses.replace(cfg.workers, devices=chosen))
+
+
+def nginx_binary(cfg: Config) -> str:
+    name = cfg.nginx.binary
+    found = shutil.which(name)
+    if found is None and "/" not in name:
+        found = next((str(Path(d) / name) for d in SBIN_DIRS
+                      if os.access(Path(d) / name, os.X_OK)), None)
+    if found is None:
+        raise RenderError(f"nginx.binary: {name!r} is not on PATH nor in {', '.join(SBIN_DIRS)};"
+                          " install nginx (scripts/install does) or set nginx.binary")
+    return str(Path(found).resolve())
+
+
+def render_nginx(cfg: Config) -> str:
+    n = cfg.nginx
+    host = f"[{cfg.server.host}]" if ":" in cfg.server.host else cfg.server.host
+    servers = [f"        server unix:{topology.frontend_socket(cfg, i)} max_fails=0;"
+               for i in range(cfg.frontends.count)]
+    admin = ("            allow 127.0.0.1;\n            allow ::1;\n            deny all;"
+             if n.admin_loopback_only else
+             "            # nginx.admin_loopback_only is false: open to every client")
+    return fill(NGINX_TEMPLATE.read_text(), {
+        "user_directive": _user_directive(),
+        "worker_processes": str(n.worker_processes),
+        "worker_connections": str(n.worker_connections),
+        "nginx_dir": str(nginx_dir(cfg)),
+        "log_dir": str(topology.log_dir(cfg)),
+        "client_max_body_size": n.client_max_body_size,
+        "client_header_buffer_size": n.client_header_buffer_size,
+        "large_client_header_buffers": n.large_client_header_buffers,
+        "client_body_timeout": f"{n.client_body_timeout_s}s",
+        "client_header_timeout": f"{n.client_header_timeout_s}s",
+        "send_timeout": f"{n.send_timeout_s}s",
+        "proxy_read_timeout": f"{n.proxy_read_timeout_s}s",
+        "upstream_servers": "\n".join(servers),
+        "upstream_keepalive": str(n.upstream_keepalive),
+        "listen": f"{host}:{cfg.server.port}",
+        "frontend_count": str(cfg.frontends.count),
+        "admin_access": admin,
+    })
+
+
+def render_supervisord(cfg: Config, nginx: str) -> str:
+    python = sys.executable
+    config_json = str(topology.resolved_config_path(cfg))
+    devices = topology.worker_devices(cfg)
+    common = {
+        "run_dir": str(cfg.run_dir),
+        "log_dir": str(topology.log_dir(cfg)),
+        "repo_root": str(REPO_ROOT).replace("%", "%%"),
+        "supervisor_socket": str(supervisor_socket(cfg)),
+        "minfds": str(_minfds(cfg)),
+        "stopwaitsecs": str(stopwaitsecs(cfg)),
+        "common_environment": environment({
+            "PROMETHEUS_MULTIPROC_DIR": str(topology.metrics_dir(cfg)),
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "PYTHONUNBUFFERED": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            "SHMSERVE_RUN_DIR": str(cfg.run_dir),
+        }),
+        "nginx_command": command(python, "-m", "shmserve.nginxrun", "--binary", nginx,
+                                 str(nginx_conf(cfg))),
+        "frontend_programs": ",".join(f"frontend-{i}" for i in range(cfg.frontends.count)),
+        "worker_programs": ",".join(f"worker-{i}" for i in range(len(devices))),
+    }
+    frontends = [{"index": str(i), "frontend_command": command(
+        python, "-m", "frontend", "--config", config_json, "--index", str(i))}
+        for i in range(cfg.frontends.count)]
+    workers = [{"index": str(i), "worker_command": command(
+        python, "-m", "gpu_workers", "--config", config_json, "--index", str(i)),
+        "worker_environment": environment(worker_environment(cfg, device))}
+        for i, device in enumerate(devices)]
+    return fill_sections(SUPERVISORD_TEMPLATE.read_text(), common,
+                         {"frontend": frontends, "worker": workers})
+
+
+def stopwaitsecs(cfg: Config) -> int:
+    """How long supervisord waits for a stopping process before SIGKILL: the drain, and some."""
+    return math.ceil(cfg.server.drain_timeout_s) + 5
+
+
+def worker_environment(cfg: Config, device: str) -> dict[str, str]:
+    threads = str(cfg.workers.torch_threads)
+    return {
+        "CUDA_VISIBLE_DEVICES": "" if device == topology.CPU else device,
+        "PYTORCH_CUDA_ALLOC_CONF": cfg.workers.cuda_alloc_conf,
+        "OMP_NUM_THREADS": threads,
+        "MKL_NUM_THREADS": threads,
+    }
+
+
+def check_nginx(cfg: Config, binary: str) -> None:
+    """Run ``nginx -t`` on the rendered config; its complaint becomes a RenderError."""
+    argv = [binary, "-t", "-q", "-e", "stderr", "-p", f"{nginx_dir(cfg)}/",
+            "-c", str(nginx_conf(cfg))]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+    if done.returncode != 0:
+        problem = (done.stderr or done.stdout).strip()
+        raise RenderError(f"nginx rejects {nginx_conf(cfg)} (check the nginx.* keys): {problem}")
+
+
+def fill(template: str, values: Mapping[str, str]) -> str:
+    def one(match: re.Match[str]) -> str:
+        try:
+            return values[match.group(1)]
+        except KeyError:
+            raise RenderError(f"template placeholder @{match.group(1)}@ has no value") from None
+    return _PLACEHOLDER.sub(one, template)
+
+
+def fill_sections(template: str, common: Mapping[str, str],
+                  repeats: Mapping[str, list[dict[str, str]]]) -> str:
+    """Fill an ini template, writing each ``[program:KIND-@index@]`` section once per item."""
+    out = []
+    for section in re.split(r"(?m)^(?=\[)", template):
+        kind = _REPEATED.match(section)
+        items = repeats[kind.group(1)] if kind else [{}]
+        out.extend(fill(section, {**common, **item}) for item in items)
+    return "".join(out)
+
+
+def environment(values: Mapping[str, str]) -> str:
+    """A supervisord ``environment=`` value: quoted pairs, ``%`` doubled for its expansion."""
+    for key, value in values.items():
+        if '"' in value:
+            raise RenderError(f"environment {key}: a double quote cannot be passed: {value!r}")
+    return ",".join(f'{key}="{value.replace("%", "%%")}"' for key, value in values.items())
+
+
+def command(*argv: str) -> str:
+    return " ".join(shlex.quote(arg) for arg in argv).replace("%", "%%")
+
+
+def error_body(cfg: Config, status: int) -> dict[str, dict[str, str]]:
+    kind, message = NGINX_ERRORS[status]
+    return {"error": {"type": kind,
+                      "message": message.format(max_body=cfg.nginx.client_max_body_size)}}
+
+
+def _write_error_pages(cfg: Config) -> None:
+    errors = nginx_dir(cfg) / "errors"
+    for status in NGINX_ERRORS:
+        body = error_body(cfg, status)
+        _write(errors / f"{status}.json", json.dumps(body, separators=(",", ":")) + "\n")
+        _write(errors / f"{status}.msgpack", msgpack.packb(body))
+
+
+def _user_directive() -> str:
+    # A root master would run its workers as `nobody`, who cannot enter the 0700 run directory
+    # nor connect to the frontends' sockets; they run as the user who renders instead.
+    if os.geteuid() != 0:
+        return "# not root: workers run as the master's user"
+    return f"user {pwd.getpwuid(os.geteuid()).pw_name} {grp.getgrgid(os.getegid()).gr_name};"
+
+
+def _minfds(cfg: Config) -> int:
+    # nginx holds two descriptors per proxied connection; supervisord raises every child's soft
+    # limit to this, but never past the hard limit (it refuses to start if asked to).
+    want = max(4096, 2 * cfg.nginx.worker_connections * cfg.nginx.worker_processes + 1024)
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    return want if hard == resource.RLIM_INFINITY else min(want, hard)
+
+
+def _check_paths(cfg: Config) -> None:
+    if not _SAFE_PATH.match(str(cfg.run_dir)):
+        raise RenderError(f"server.run_dir: {str(cfg.run_dir)!r} may hold only letters, digits "
+                          "and . _ / + - (it is written unquoted into nginx's config)")
+    last_worker = len(topology.worker_devices(cfg)) - 1
+    sockets = [supervisor_socket(cfg), topology.frontend_socket(cfg, cfg.frontends.count - 1),
+               Path(topology.worker_endpoint(cfg, last_worker).removeprefix("ipc://"))]
+    for path in sockets:
+        if len(str(path).encode()) > MAX_SOCKET_PATH:
+            raise RenderError(f"server.run_dir: socket path {path} is longer than the "
+                              f"{MAX_SOCKET_PATH} bytes a unix socket allows; choose a shorter one")
+
+
+def _make_dirs(cfg: Config) -> None:
+    cfg.run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    cfg.run_dir.chmod(0o700)  # mkdir's mode is cut by the umask and ignored for an existing dir
+    for path in (topology.socket_dir(cfg), topology.log_dir(cfg), topology.metrics_dir(cfg),
+                 nginx_dir(cfg), nginx_dir(cfg) / "temp", nginx_dir(cfg) / "errors"):
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+
+
+def _write(path: Path, data: str | bytes) -> None:
+    # Write, then rename: a process reading the file never sees half of it.
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(data.encode() if isinstance(data, str) else data)
+    tmp.chmod(0o600)
+    os.replace(tmp, path)

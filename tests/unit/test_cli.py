@@ -1,0 +1,143 @@
+"""The CLI without a running stack: deployment selection, targets, stale-state cleanup, refusals.
+
+Booting the real stack through `shmserve up` and `down` is what tests/e2e does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from shmserve import arena, cli, render, topology
+from shmserve.config import REPO_ROOT
+from tests.unit.test_render import free_port, make_config, wait_until
+
+
+@pytest.fixture
+def deployment(tmp_path, monkeypatch):
+    """Select a deployment the way a user does: environment overrides over configs/test.yaml."""
+    run_dir = tmp_path / "run"
+    monkeypatch.setenv("SHMSERVE_ENV", "test")
+    monkeypatch.delenv("SHMSERVE_CONFIG", raising=False)
+    monkeypatch.setenv("SHMSERVE__SERVER__RUN_DIR", str(run_dir))
+    monkeypatch.setenv("SHMSERVE__SERVER__PORT", str(free_port()))
+    monkeypatch.setenv("SHMSERVE__WORKERS__DEVICES", "cpu")
+    monkeypatch.setenv("SHMSERVE__WORKERS__CPU_WORKERS", "2")
+    return make_config(run_dir)
+
+
+def test_config_prints_the_resolved_config(deployment, capsys):
+    assert cli.main(["config"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["server"]["run_dir"] == str(deployment.run_dir)
+    assert printed["workers"]["devices"] == "cpu" and printed["workers"]["cpu_workers"] == 2
+
+
+def test_an_extra_config_file_selects_the_deployment(deployment, tmp_path, capsys):
+    extra = tmp_path / "extra.yaml"
+    extra.write_text("frontends:\n  count: 5\n")
+    assert cli.main(["config", "--config", str(extra)]) == 0
+    assert json.loads(capsys.readouterr().out)["frontends"]["count"] == 5
+
+
+def test_a_bad_value_exits_2_naming_the_key(deployment, monkeypatch, capsys):
+    monkeypatch.setenv("SHMSERVE__SERVER__PORT", "0")
+    assert cli.main(["config"]) == 2
+    assert "server.port" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name,target", [
+    ("frontends", "frontends:*"), ("workers", "workers:*"), ("nginx", "nginx"),
+    ("frontend-1", "frontends:frontend-1"), ("worker-0", "workers:worker-0"),
+    ("workers:worker-2", "workers:worker-2")])
+def test_restart_targets(name, target):
+    assert cli.restart_target(name) == target
+
+
+def test_ctl_takes_deployment_flags_from_anywhere():
+    args = argparse.Namespace(env=None, config=None)
+    rest = cli.deployment_flags(args, ["tail", "-f", "nginx", "--config", "x.yaml", "--env=prod"])
+    assert rest == ["tail", "-f", "nginx"]
+    assert (args.config, args.env) == ("x.yaml", "prod")
+
+
+def test_down_when_not_running_still_removes_stale_state(deployment, capsys):
+    render.render(deployment)
+    stale_socket = topology.frontend_socket(deployment, 0)
+    stale_socket.touch()
+    segment = arena.SHM_DIR / f"{topology.shm_prefix(deployment)}fe0-1"
+    segment.touch()
+    other = arena.SHM_DIR / "shmserve-otherdep-fe0-1"  # another deployment's: left alone
+    other.touch()
+    try:
+        assert cli.main(["down"]) == 0
+        assert "not running" in capsys.readouterr().out
+        assert not stale_socket.exists() and not segment.exists() and other.exists()
+    finally:
+        segment.unlink(missing_ok=True)
+        other.unlink(missing_ok=True)
+
+
+def test_status_when_not_running_exits_3(deployment, capsys):
+    assert cli.main(["status"]) == 3
+    assert str(deployment.run_dir) in capsys.readouterr().out
+
+
+def test_up_refuses_while_this_deployments_supervisord_runs(deployment, capsys):
+    pidfile = render.supervisord_pidfile(deployment)
+    pidfile.parent.mkdir(parents=True)
+    # Any live process whose command line names supervisord passes for one.
+    fake = subprocess.Popen(["supervisord-standin", "300"], executable=shutil.which("sleep"))
+    try:
+        # The kernel sets a new command line a moment after Popen has returned.
+        wait_until(lambda: b"supervisord" in Path(f"/proc/{fake.pid}/cmdline").read_bytes())
+        pidfile.write_text(f"{fake.pid}\n")
+        assert cli.supervisord_pid(deployment) == fake.pid
+        assert cli.main(["up"]) == 2
+        assert "already running" in capsys.readouterr().err
+    finally:
+        fake.kill()
+        fake.wait()
+    assert cli.supervisord_pid(deployment) is None  # a stale pid file is not a running stack
+
+
+def test_clean_stale_empties_metrics_only_when_asked(deployment):
+    render.render(deployment)
+    metric = topology.metrics_dir(deployment) / "counter_123.db"
+    metric.touch()
+    cli.clean_stale(deployment, metrics=False)
+    assert metric.exists()
+    cli.clean_stale(deployment, metrics=True)
+    assert not metric.exists() and topology.metrics_dir(deployment).is_dir()
+
+
+def test_wait_ready_gives_up_naming_the_key(deployment, capsys):
+    render.render(deployment)
+    (topology.log_dir(deployment) / "worker-0.log").write_text("loading...\nboom\n")
+    assert cli.wait_ready(deployment, timeout=0.3) == 1
+    err = capsys.readouterr().err
+    assert "workers.ready_timeout_s" in err and "boom" in err
+
+
+def test_urls_for_wildcard_hosts(tmp_path):
+    cfg = make_config(tmp_path, server={"host": "0.0.0.0", "port": 1234})
+    assert cli.ready_url(cfg) == "http://127.0.0.1:1234/ready"
+    cfg = make_config(tmp_path, server={"host": "::", "port": 1234})
+    assert cli.base_url(cfg) == "http://[::1]:1234"
+    assert cli.http_get(f"http://127.0.0.1:{free_port()}/ready") == (None, b"")
+
+
+def test_console_script_and_module_entry_point():
+    env = {**os.environ, "SHMSERVE_ENV": "test"}
+    done = subprocess.run([sys.executable, "-m", "shmserve.cli", "--help"], cwd=REPO_ROOT,
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "restart" in done.stdout
+    script = shutil.which("shmserve", path=os.path.dirname(sys.executable))
+    assert script is not None, "pip install -e . installs the shmserve console script"

@@ -1,0 +1,265 @@
+"""Rendering a run directory: config.json, supervisord.conf, nginx.conf and nginx's error pages.
+
+The supervisord config is read back by supervisord's own parser; the nginx config is checked by
+``nginx -t`` and, at the end, served by a real nginx (no frontend behind it) on an ephemeral port.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import math
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pytest
+from supervisor.datatypes import RestartUnconditionally
+from supervisor.options import ServerOptions
+
+from shmserve import config, nginxrun, render, topology
+from shmserve.config import REPO_ROOT, Config
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_config(run_dir: Path, **sections: dict[str, Any]) -> Config:
+    tree: dict[str, Any] = {
+        "models": [{"name": "m", "source": "/nonexistent/m"}],
+        "server": {"run_dir": str(run_dir), "port": free_port(), "drain_timeout_s": 7.5},
+        "workers": {"devices": "cpu"},
+    }
+    return config.from_tree(config.deep_merge(tree, sections))
+
+
+def programs(cfg: Config) -> dict[str, Any]:
+    """supervisord's own reading of the rendered file: program name -> ProcessConfig."""
+    options = ServerOptions()
+    options.configfile = str(render.supervisord_conf(cfg))
+    options.process_config(do_usage=False)
+    return {p.name: (group.name, p) for group in options.process_group_configs
+            for p in group.process_configs}
+
+
+def test_gpu_devices_get_one_worker_each(tmp_path):
+    cfg = make_config(tmp_path / "run", workers={"devices": [0, 1]})
+    render.render(cfg)
+    found = programs(cfg)
+    workers = {name: p for name, (group, p) in found.items() if group == "workers"}
+    assert sorted(workers) == ["worker-0", "worker-1"]
+    devices = [workers[f"worker-{i}"].environment["CUDA_VISIBLE_DEVICES"] for i in (0, 1)]
+    assert devices == ["0", "1"]
+    assert workers["worker-1"].command.endswith(
+        f"-m gpu_workers --config {cfg.run_dir}/config.json --index 1")
+    resolved = config.load_resolved(topology.resolved_config_path(cfg))
+    assert resolved.workers.devices == [0, 1]
+
+
+def test_cpu_serving_gets_cpu_workers_without_a_gpu(tmp_path):
+    cfg = make_config(tmp_path / "run", workers={"devices": "cpu", "cpu_workers": 3,
+                                                 "torch_threads": 1})
+    render.render(cfg)
+    workers = [p for group, p in programs(cfg).values() if group == "workers"]
+    assert len(workers) == 3
+    for worker in workers:
+        env = worker.environment
+        assert env["CUDA_VISIBLE_DEVICES"] == ""
+        assert env["OMP_NUM_THREADS"] == env["MKL_NUM_THREADS"] == "1"
+        assert env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    assert config.load_resolved(topology.resolved_config_path(cfg)).workers.devices == "cpu"
+
+
+def test_every_program_is_supervised_the_same_way(tmp_path):
+    cfg = make_config(tmp_path / "run", frontends={"count": 3})
+    render.render(cfg)
+    found = programs(cfg)
+    assert {name: group for name, (group, _) in found.items()} == {
+        "frontend-0": "frontends", "frontend-1": "frontends", "frontend-2": "frontends",
+        "worker-0": "workers", "nginx": "nginx"}
+    for name, (_, p) in found.items():
+        assert p.autorestart is RestartUnconditionally, name
+        assert p.startsecs == 1 and p.startretries >= 100, name
+        assert p.stopasgroup and p.killasgroup and p.redirect_stderr, name
+        assert p.stopwaitsecs >= math.ceil(cfg.server.drain_timeout_s) + 5, name
+        assert p.stdout_logfile == f"{cfg.run_dir}/logs/{name}.log", name
+        assert p.directory == str(REPO_ROOT), name
+        assert p.command.startswith(sys.executable + " -m "), name
+        assert p.environment["PROMETHEUS_MULTIPROC_DIR"] == str(cfg.run_dir / "metrics"), name
+        assert p.environment["SHMSERVE_RUN_DIR"] == str(cfg.run_dir), name
+        assert p.environment["HF_HUB_OFFLINE"] == p.environment["TRANSFORMERS_OFFLINE"] == "1"
+    assert found["frontend-2"][1].command.endswith("--index 2")
+    # Workers start first and stop last; nginx starts last and stops first.
+    assert found["worker-0"][1].priority < found["frontend-0"][1].priority < \
+        found["nginx"][1].priority
+
+
+def test_nginx_config_names_every_frontend_and_passes_nginx_t(tmp_path):
+    cfg = make_config(tmp_path / "run", frontends={"count": 3},
+                      nginx={"client_max_body_size": "3m", "upstream_keepalive": 7})
+    render.render(cfg)
+    text = render.nginx_conf(cfg).read_text()
+    for i in range(3):
+        assert f"server unix:{cfg.run_dir}/sockets/frontend-{i}.sock" in text
+    assert "proxy_next_upstream_tries 3;" in text and "keepalive 7;" in text
+    assert "client_max_body_size 3m;" in text
+    assert f"listen 127.0.0.1:{cfg.server.port} " in text
+    assert "proxy_intercept_errors on" not in text
+    render.check_nginx(cfg, render.nginx_binary(cfg))  # raises when nginx -t fails
+
+
+def test_admin_routes_are_loopback_only_unless_configured(tmp_path):
+    closed = make_config(tmp_path / "a")
+    render.render(closed)
+    assert "deny all;" in render.nginx_conf(closed).read_text()
+    opened = make_config(tmp_path / "b", nginx={"admin_loopback_only": False})
+    render.render(opened)
+    assert "deny all;" not in render.nginx_conf(opened).read_text()
+
+
+def test_error_pages_exist_in_both_formats_with_the_error_shape(tmp_path):
+    cfg = make_config(tmp_path / "run", nginx={"client_max_body_size": "5m"})
+    render.render(cfg)
+    errors = render.nginx_dir(cfg) / "errors"
+    for status in (400, 403, 404, 408, 413, 414, 494, 500, 502, 503, 504):
+        as_json = json.loads((errors / f"{status}.json").read_text())
+        as_msgpack = msgpack.unpackb((errors / f"{status}.msgpack").read_bytes())
+        assert as_json == as_msgpack
+        assert set(as_json) == {"error"} and set(as_json["error"]) == {"type", "message"}
+        assert f"error_page {status} " in render.nginx_conf(cfg).read_text()
+    too_large = json.loads((errors / "413.json").read_text())["error"]
+    assert too_large["type"] == "too_large"
+    assert "nginx.client_max_body_size (5m)" in too_large["message"]
+
+
+def test_run_dir_is_private_and_has_its_folders(tmp_path):
+    cfg = make_config(tmp_path / "run")
+    render.render(cfg)
+    assert cfg.run_dir.stat().st_mode & 0o777 == 0o700
+    for sub in ("sockets", "logs", "metrics", "nginx/temp", "nginx/errors"):
+        assert (cfg.run_dir / sub).is_dir(), sub
+
+
+def test_nginx_t_failure_names_the_problem(tmp_path):
+    cfg = make_config(tmp_path / "run", nginx={"client_max_body_size": "eight"})
+    with pytest.raises(render.RenderError, match=r"nginx rejects .*client_max_body_size"):
+        render.render(cfg)
+
+
+def test_missing_nginx_binary_names_the_key(tmp_path):
+    cfg = make_config(tmp_path / "run", nginx={"binary": "no-such-nginx"})
+    with pytest.raises(render.RenderError, match="nginx.binary"):
+        render.render(cfg)
+
+
+def test_socket_paths_over_the_unix_limit_name_the_key(tmp_path):
+    cfg = make_config(tmp_path / ("x" * 100))
+    with pytest.raises(render.RenderError, match="server.run_dir"):
+        render.render(cfg)
+
+
+def test_placeholders_and_quoting():
+    with pytest.raises(render.RenderError, match="@nope@"):
+        render.fill("a @nope@ b", {})
+    assert render.environment({"A": "50%", "B": ""}) == 'A="50%%",B=""'
+    assert render.command("/a b/python", "-m", "x") == "'/a b/python' -m x"
+    with pytest.raises(render.RenderError, match="double quote"):
+        render.environment({"A": 'say "hi"'})
+
+
+# nginx itself, with nothing behind it: the error pages it serves.
+
+@pytest.fixture(scope="module")
+def bare_nginx(tmp_path_factory):
+    cfg = make_config(tmp_path_factory.mktemp("nginx") / "run", frontends={"count": 1},
+                      nginx={"client_max_body_size": "1k", "large_client_header_buffers": "2 1k"})
+    render.render(cfg)
+    conf = render.nginx_conf(cfg)
+    log = (topology.log_dir(cfg) / "nginx.log").open("w")
+    proc = subprocess.Popen([sys.executable, "-m", "shmserve.nginxrun", "--binary",
+                             render.nginx_binary(cfg), str(conf)], stdout=log, stderr=log)
+    try:
+        wait_until(lambda: _answers(cfg.server.port) or proc.poll() is not None, 30)
+        assert proc.poll() is None, (topology.log_dir(cfg) / "nginx.log").read_text()
+        yield cfg
+    finally:
+        proc.send_signal(signal.SIGQUIT)
+        proc.wait(timeout=30)
+        nginxrun.kill_all(conf)
+        log.close()
+
+
+def request(cfg: Config, method: str, path: str, body: bytes | None = None,
+            headers: dict[str, str] | None = None) -> tuple[int, http.client.HTTPMessage, bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", cfg.server.port, timeout=10)
+    try:
+        conn.request(method, path, body=body, headers=headers or {})
+        response = conn.getresponse()
+        return response.status, response.headers, response.read()
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("accept", ["application/json", "application/msgpack",
+                                    "application/x-msgpack, */*;q=0.1", ""])
+def test_no_frontend_is_a_502_in_the_accepted_format(bare_nginx, accept):
+    status, headers, body = request(bare_nginx, "POST", "/v1/embeddings", b"{}",
+                                    {"Accept": accept} if accept else {})
+    assert status == 502
+    if "msgpack" in accept:
+        assert headers["Content-Type"] == "application/msgpack"
+        error = msgpack.unpackb(body)["error"]
+    else:
+        assert headers["Content-Type"] == "application/json"
+        error = json.loads(body)["error"]
+    assert error["type"] == "unavailable"
+
+
+def test_body_over_the_limit_is_a_413_with_the_config_key(bare_nginx):
+    status, headers, body = request(bare_nginx, "POST", "/v1/embeddings", b"x" * 4096,
+                                    {"Accept": "application/msgpack"})
+    assert status == 413 and headers["Content-Type"] == "application/msgpack"
+    error = msgpack.unpackb(body)["error"]
+    assert error["type"] == "too_large"
+    assert "nginx.client_max_body_size" in error["message"]
+
+
+def test_headers_over_the_limit_are_a_431(bare_nginx):
+    status, _, body = request(bare_nginx, "GET", "/ready", headers={"X-Big": "b" * 8000})
+    assert status == 431
+    assert json.loads(body)["error"]["type"] == "headers_too_large"
+
+
+def test_request_id_is_the_clients_or_nginxs_own(bare_nginx):
+    _, headers, _ = request(bare_nginx, "GET", "/ready", headers={"X-Request-ID": "client-7"})
+    assert headers.get_all("X-Request-ID") == ["client-7"]
+    _, headers, _ = request(bare_nginx, "GET", "/ready", headers={"X-Request-ID": "bad id!"})
+    assert len(headers["X-Request-ID"]) == 32 and headers["X-Request-ID"] != "bad id!"
+
+
+def test_error_pages_are_not_reachable_from_outside(bare_nginx):
+    status, _, body = request(bare_nginx, "GET", "/_shmserve_errors/502.json")
+    assert status == 404 and json.loads(body)["error"]["type"] == "not_found"
+
+
+def _answers(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        return True
+    except OSError:
+        return False
+
+
+def wait_until(condition, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.02)
