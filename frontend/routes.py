@@ -83,7 +83,8 @@ async def _embed(request: web.Request, parsed: schemas.EmbedRequest,
             enc = model.encoder.encode(parsed.texts, param)
         request["tokenize_ms"] = (time.perf_counter() - started) * 1000
         outcome = await request.app[DISPATCHER].run(
-            model.spec.name, model.spec.dim, enc, request["request_id"], deadline)
+            model.spec.name, model.spec.dim, enc, request["request_id"], deadline,
+            _priority(request, parsed, cfg.frontends.default_priority))
     finally:
         inflight[0] -= 1
         gauge.dec()
@@ -97,6 +98,14 @@ async def _embed(request: web.Request, parsed: schemas.EmbedRequest,
                           queue_ms=round(outcome.result.queue_ms, 3),
                           inference_ms=round(outcome.result.inference_ms, 3))
     return model, outcome, enc
+
+
+def _priority(request: web.Request, parsed: schemas.EmbedRequest, default: int) -> int:
+    """The body's `priority` field, else the X-Priority header, else the configured default."""
+    if parsed.priority is not None:
+        return parsed.priority
+    header = request.headers.get("X-Priority")
+    return default if header is None else schemas.parse_priority(header, "X-Priority")
 
 
 def _timeout(request: web.Request, default: float) -> float:

@@ -12,6 +12,8 @@ from frontend.errors import ApiError
 from shmserve.config import LimitsConfig
 
 ENCODING_FORMATS = ("float", "base64")
+PRIORITY_NAMES = {"low": -1, "normal": 0, "high": 1}
+PRIORITY_RANGE = (-10, 10)
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,6 +21,7 @@ class EmbedRequest:
     texts: list[str]
     model: str | None
     encoding_format: str = "float"
+    priority: int | None = None  # from the body; the X-Priority header is read by the route
 
 
 def parse_openai_embeddings(body: Any, limits: LimitsConfig) -> EmbedRequest:
@@ -34,14 +37,15 @@ def parse_openai_embeddings(body: Any, limits: LimitsConfig) -> EmbedRequest:
     if fmt not in ENCODING_FORMATS:
         raise ApiError("invalid_request", "'encoding_format' must be 'float' or 'base64'",
                        param="encoding_format")
-    return EmbedRequest(texts, _model(body), fmt)
+    return EmbedRequest(texts, _model(body), fmt, _body_priority(body))
 
 
 def parse_predict(body: Any, limits: LimitsConfig) -> EmbedRequest:
     body = _mapping(body)
     if "texts" not in body:
         raise ApiError("invalid_request", "'texts' is required", param="texts")
-    return EmbedRequest(_texts(body["texts"], "texts", limits), _model(body))
+    return EmbedRequest(_texts(body["texts"], "texts", limits), _model(body),
+                        priority=_body_priority(body))
 
 
 def _mapping(body: Any) -> dict:
@@ -76,3 +80,24 @@ def _texts(value: Any, param: str, limits: LimitsConfig) -> list[str]:
             raise ApiError("too_large", f"'{param}[{i}]' has {len(text)} characters; the limit "
                            f"is {limits.max_text_chars} (limits.max_text_chars)", param=param)
     return value
+
+
+def parse_priority(value: object, param: str) -> int:
+    """A priority level: low | normal | high, or an integer in [-10, 10]; higher runs first."""
+    if isinstance(value, str):
+        if value.strip().lower() in PRIORITY_NAMES:
+            return PRIORITY_NAMES[value.strip().lower()]
+        try:
+            value = int(value)
+        except ValueError:
+            value = None
+    if isinstance(value, int) and not isinstance(value, bool) and \
+            PRIORITY_RANGE[0] <= value <= PRIORITY_RANGE[1]:
+        return value
+    raise ApiError("invalid_request", f"'{param}' must be low, normal, high or an integer from "
+                   f"{PRIORITY_RANGE[0]} to {PRIORITY_RANGE[1]}", param=param)
+
+
+def _body_priority(body: dict) -> int | None:
+    value = body.get("priority")
+    return None if value is None else parse_priority(value, "priority")

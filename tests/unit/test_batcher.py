@@ -13,13 +13,15 @@ class T:
     priority: int = 0
 
 
-LIMITS = Limits(max_batch_size=8, max_batch_tokens=1024, max_wait_s=0.005, max_pad_ratio=1.5)
+LIMITS = Limits(max_batch_size=8, max_batch_tokens=1024, max_wait_s=0.005, max_pad_ratio=1.5,
+                starvation_s=1.0)
+NOW = 0.5  # no text below has waited past LIMITS.starvation_s
 
 
 def drain(queue, limits=LIMITS):
     batches = []
     while queue:
-        batch, queue = form_batch(queue, limits)
+        batch, queue = form_batch(queue, limits, NOW)
         batches.append(batch)
     return batches
 
@@ -51,7 +53,7 @@ def test_lengths_are_grouped_to_cut_padding():
 def test_oldest_text_is_always_in_the_next_batch():
     old = T(400, arrived=0.0)
     queue = [old] + [T(10, arrived=1.0 + i) for i in range(20)]
-    batch, rest = form_batch(queue, LIMITS)
+    batch, rest = form_batch(queue, LIMITS, NOW)
     assert old in batch.texts
     assert len(rest) == 20  # the short ones were not padded up to 400
 
@@ -59,15 +61,15 @@ def test_oldest_text_is_always_in_the_next_batch():
 def test_higher_priority_goes_first_and_rest_keeps_arrival_order():
     queue = [T(10, arrived=0, priority=0), T(50, arrived=1, priority=1),
              T(11, arrived=2, priority=0)]
-    assert anchor_index(queue) == 1
-    batch, rest = form_batch(queue, LIMITS)
+    assert anchor_index(queue, NOW, LIMITS) == 1
+    batch, rest = form_batch(queue, LIMITS, NOW)
     assert queue[1] in batch.texts
     assert [t.arrived for t in rest] == sorted(t.arrived for t in rest)
 
 
 def test_models_never_share_a_batch():
     queue = [T(10, model="a", arrived=0), T(10, model="b", arrived=1), T(10, model="a", arrived=2)]
-    batch, rest = form_batch(queue, LIMITS)
+    batch, rest = form_batch(queue, LIMITS, NOW)
     assert {t.model for t in batch.texts} == {"a"} and len(batch.texts) == 2
     assert [t.model for t in rest] == ["b"]
 
@@ -87,3 +89,28 @@ def test_equal_lengths_fill_up_to_batch_size():
 ])
 def test_wait_time(queue, now, expected):
     assert wait_time(queue, now, LIMITS) == pytest.approx(expected)
+
+
+def test_a_starving_low_priority_text_runs_next():
+    low = T(10, arrived=0.0, priority=0)
+    highs = [T(10, arrived=0.1 + i / 100, priority=5) for i in range(20)]
+    queue = [low] + highs
+    assert queue[anchor_index(queue, 0.5, LIMITS)].priority == 5  # not starving yet
+    assert anchor_index(queue, 1.2, LIMITS) == 0  # waited past starvation_s: it goes first
+    batch, _ = form_batch(queue, LIMITS, 1.2)
+    assert low in batch.texts
+
+
+def test_priority_never_starves_under_a_steady_stream():
+    """Simulated: high-priority texts keep arriving faster than batches drain; the one low one
+    still runs within starvation_s plus one batch."""
+    low = T(10, arrived=0.0, priority=0)
+    queue, now, step = [low], 0.0, 0.05
+    for i in range(200):
+        queue += [T(10, arrived=now, priority=1) for _ in range(9)]
+        batch, queue = form_batch(queue, LIMITS, now)
+        if low in batch.texts:
+            break
+        now += step
+    assert low in batch.texts
+    assert now <= LIMITS.starvation_s + step
