@@ -68,8 +68,7 @@ class Worker:
         self.cfg = cfg
         self.index = index
         self.limits = Limits(cfg.batching.max_batch_size, cfg.batching.max_batch_tokens,
-                             cfg.batching.max_wait_ms / 1000.0, cfg.batching.max_pad_ratio,
-                             cfg.batching.starvation_ms / 1000.0)
+                             cfg.batching.max_wait_ms / 1000.0, cfg.batching.max_pad_ratio)
         self.specs = {m.name: inspect(m) for m in cfg.models}
         self.models: dict = {}
         self.device_label = "loading"
@@ -182,7 +181,8 @@ class Worker:
             if delay > 0 and not self.stopping.is_set():
                 self._take_inbox(block=True, timeout=delay)
                 continue
-            batch, self._queue = form_batch(self._queue, self.limits, now)
+            fair_turn = self._batches % self.cfg.batching.fair_share_every == 0
+            batch, self._queue = form_batch(self._queue, self.limits, fair_turn)
             self._run(batch)
         self._fail_all(ErrorCode.UNAVAILABLE, "worker stopped before running this request")
 

@@ -93,8 +93,7 @@ class InProcess:
                       zip(enc.offsets[:-1], enc.offsets[1:])]
         self.chunk = users * texts
         self.limits = Limits(cfg.batching.max_batch_size, cfg.batching.max_batch_tokens,
-                             cfg.batching.max_wait_ms / 1000, cfg.batching.max_pad_ratio,
-                             cfg.batching.starvation_ms / 1000)
+                             cfg.batching.max_wait_ms / 1000, cfg.batching.max_pad_ratio)
         self.cursor = 0
 
     def window(self, seconds: float) -> dict:
@@ -104,7 +103,7 @@ class InProcess:
             self.cursor += self.chunk
             queue = chunk
             while queue:
-                batch, queue = form_batch(queue, self.limits, 0.0)
+                batch, queue = form_batch(queue, self.limits)
                 ids = np.zeros((len(batch.texts), batch.padded_len), np.int64)
                 for j, t in enumerate(batch.texts):
                     ids[j, :t.length] = t.ids

@@ -68,6 +68,7 @@ class FrontendConfig:
     retry_on_worker_loss: int = 2  # resubmissions to another worker when one dies
     no_worker_wait_s: float = 5.0  # how long a request waits for a live worker before 503
     default_priority: int = 0  # X-Priority / "priority" when a request names none
+    listen_backlog: int = 4096  # unix-socket accept queue; a full one makes nginx answer 502
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,7 +90,7 @@ class BatchingConfig:
     max_batch_tokens: int = 8192  # padded tokens per forward (batch size x longest)
     max_wait_ms: float = 2.0  # how long the oldest text may wait for company
     max_pad_ratio: float = 1.5  # padded / real tokens a batch may reach (length grouping)
-    starvation_ms: float = 1000.0  # a text queued this long runs next, whatever its priority
+    fair_share_every: int = 4  # every Nth batch starts from the oldest text, any priority
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,6 +156,7 @@ _CHECKS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "frontends.request_timeout_s": (lambda v: v > 0, "a number > 0"),
     "frontends.retry_on_worker_loss": (lambda v: v >= 0, "an integer >= 0"),
     "frontends.no_worker_wait_s": (lambda v: v >= 0, "a number >= 0"),
+    "frontends.listen_backlog": (lambda v: v >= 1, "an integer >= 1"),
     "frontends.default_priority": (lambda v: -10 <= v <= 10, "an integer from -10 to 10"),
     "workers.low_priority_queue_share": (lambda v: 0 < v <= 1, "a number in (0, 1]"),
     "workers.devices": (lambda v: v in ("auto", "cpu") or (isinstance(v, list) and v
@@ -168,7 +170,7 @@ _CHECKS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "batching.max_batch_tokens": (lambda v: v >= 1, "an integer >= 1"),
     "batching.max_wait_ms": (lambda v: v >= 0, "a number >= 0"),
     "batching.max_pad_ratio": (lambda v: v >= 1, "a number >= 1"),
-    "batching.starvation_ms": (lambda v: v >= 0, "a number >= 0"),
+    "batching.fair_share_every": (lambda v: v >= 1, "an integer >= 1"),
     "limits.max_texts_per_request": (lambda v: v >= 1, "an integer >= 1"),
     "limits.max_text_chars": (lambda v: v >= 1, "an integer >= 1"),
     "shm.arena_mb": (lambda v: 1 <= v <= 65536, "an integer from 1 to 65536"),

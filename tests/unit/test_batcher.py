@@ -13,15 +13,13 @@ class T:
     priority: int = 0
 
 
-LIMITS = Limits(max_batch_size=8, max_batch_tokens=1024, max_wait_s=0.005, max_pad_ratio=1.5,
-                starvation_s=1.0)
-NOW = 0.5  # no text below has waited past LIMITS.starvation_s
+LIMITS = Limits(max_batch_size=8, max_batch_tokens=1024, max_wait_s=0.005, max_pad_ratio=1.5)
 
 
 def drain(queue, limits=LIMITS):
     batches = []
     while queue:
-        batch, queue = form_batch(queue, limits, NOW)
+        batch, queue = form_batch(queue, limits)
         batches.append(batch)
     return batches
 
@@ -53,7 +51,7 @@ def test_lengths_are_grouped_to_cut_padding():
 def test_oldest_text_is_always_in_the_next_batch():
     old = T(400, arrived=0.0)
     queue = [old] + [T(10, arrived=1.0 + i) for i in range(20)]
-    batch, rest = form_batch(queue, LIMITS, NOW)
+    batch, rest = form_batch(queue, LIMITS)
     assert old in batch.texts
     assert len(rest) == 20  # the short ones were not padded up to 400
 
@@ -61,15 +59,15 @@ def test_oldest_text_is_always_in_the_next_batch():
 def test_higher_priority_goes_first_and_rest_keeps_arrival_order():
     queue = [T(10, arrived=0, priority=0), T(50, arrived=1, priority=1),
              T(11, arrived=2, priority=0)]
-    assert anchor_index(queue, NOW, LIMITS) == 1
-    batch, rest = form_batch(queue, LIMITS, NOW)
+    assert anchor_index(queue) == 1
+    batch, rest = form_batch(queue, LIMITS)
     assert queue[1] in batch.texts
     assert [t.arrived for t in rest] == sorted(t.arrived for t in rest)
 
 
 def test_models_never_share_a_batch():
     queue = [T(10, model="a", arrived=0), T(10, model="b", arrived=1), T(10, model="a", arrived=2)]
-    batch, rest = form_batch(queue, LIMITS, NOW)
+    batch, rest = form_batch(queue, LIMITS)
     assert {t.model for t in batch.texts} == {"a"} and len(batch.texts) == 2
     assert [t.model for t in rest] == ["b"]
 
@@ -91,26 +89,25 @@ def test_wait_time(queue, now, expected):
     assert wait_time(queue, now, LIMITS) == pytest.approx(expected)
 
 
-def test_a_starving_low_priority_text_runs_next():
+def test_a_fair_turn_starts_from_the_oldest_text_of_any_priority():
     low = T(10, arrived=0.0, priority=0)
     highs = [T(10, arrived=0.1 + i / 100, priority=5) for i in range(20)]
     queue = [low] + highs
-    assert queue[anchor_index(queue, 0.5, LIMITS)].priority == 5  # not starving yet
-    assert anchor_index(queue, 1.2, LIMITS) == 0  # waited past starvation_s: it goes first
-    batch, _ = form_batch(queue, LIMITS, 1.2)
+    assert queue[anchor_index(queue)].priority == 5
+    assert anchor_index(queue, fair_turn=True) == 0
+    batch, _ = form_batch(queue, LIMITS, fair_turn=True)
     assert low in batch.texts
 
 
-def test_priority_never_starves_under_a_steady_stream():
-    """Simulated: high-priority texts keep arriving faster than batches drain; the one low one
-    still runs within starvation_s plus one batch."""
-    low = T(10, arrived=0.0, priority=0)
-    queue, now, step = [low], 0.0, 0.05
-    for i in range(200):
-        queue += [T(10, arrived=now, priority=1) for _ in range(9)]
-        batch, queue = form_batch(queue, LIMITS, now)
+def test_lower_priority_never_starves_under_a_steady_stream():
+    """High-priority texts (of another length, so they never share a batch with it) keep
+    arriving faster than batches drain; with fair turns every 4th batch, the low one runs
+    within 4 batches."""
+    low = T(200, arrived=0.0, priority=0)
+    queue, every = [low], 4
+    for count in range(40):
+        queue += [T(10, arrived=1.0 + count, priority=1) for _ in range(9)]
+        batch, queue = form_batch(queue, LIMITS, fair_turn=count % every == 0 and count > 0)
         if low in batch.texts:
             break
-        now += step
-    assert low in batch.texts
-    assert now <= LIMITS.starvation_s + step
+    assert low in batch.texts and count == every
