@@ -22,6 +22,9 @@ _THREAD_TOKENIZE_CHARS = 4096
 
 
 def add_routes(app: web.Application) -> None:
+    from frontend import admin
+
+    admin.add_routes(app)
     app.router.add_post("/v1/embeddings", embeddings)
     app.router.add_post("/predict", predict)
     app.router.add_get("/v1/models", list_models)

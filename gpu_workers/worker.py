@@ -69,7 +69,7 @@ class Worker:
         self.index = index
         self.limits = Limits(cfg.batching.max_batch_size, cfg.batching.max_batch_tokens,
                              cfg.batching.max_wait_ms / 1000.0, cfg.batching.max_pad_ratio)
-        self.specs = {m.name: inspect(m) for m in cfg.models}
+        self.specs = {m.name: inspect(m, roots=cfg.model_root_paths) for m in cfg.models}
         self.models: dict = {}
         self.device_label = "loading"
         self.ready = False

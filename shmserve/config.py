@@ -126,8 +126,18 @@ class LoggingConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class AdminConfig:
+    # Bearer token for /admin/*; empty turns the admin routes off (404). Prefer the environment
+    # (SHMSERVE__ADMIN__TOKEN) to a file; nginx.admin_loopback_only limits them to loopback.
+    token: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class Config:
     models: list[ModelConfig]
+    # Model directories must lie under one of these (relative: to the repository root);
+    # "package:NAME" sources are installed code and always allowed.
+    model_roots: list[str] = field(default_factory=lambda: ["models"])
     server: ServerConfig = ServerConfig()
     nginx: NginxConfig = NginxConfig()
     frontends: FrontendConfig = FrontendConfig()
@@ -136,11 +146,16 @@ class Config:
     limits: LimitsConfig = LimitsConfig()
     shm: ShmConfig = ShmConfig()
     logging: LoggingConfig = LoggingConfig()
+    admin: AdminConfig = AdminConfig()
 
     @property
     def run_dir(self) -> Path:
         path = Path(self.server.run_dir)
         return path if path.is_absolute() else REPO_ROOT / path
+
+    @property
+    def model_root_paths(self) -> list[Path]:
+        return [p if p.is_absolute() else REPO_ROOT / p for p in map(Path, self.model_roots)]
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)

@@ -56,3 +56,21 @@ def test_kill_9_then_restart_keeps_shm_flat_and_down_leaves_nothing(stack):
     assert not list((stack.run_dir / "sockets").glob("*"))
     with socket.socket() as probe:  # nginx is gone: nothing listens on the public port
         assert probe.connect_ex(("127.0.0.1", stack.port)) != 0
+
+
+def test_up_refuses_models_outside_the_roots_and_pickle_only(tmp_path, tiny_model):
+    outside = Stack(tmp_path / "outside", {**tiny_overrides(tiny_model),
+                                           "model_roots": [str(tmp_path / "elsewhere")]})
+    proc = outside.cli("up", check=False)
+    assert proc.returncode != 0 and "outside the model roots" in proc.stderr + proc.stdout
+    pickled = tmp_path / "models" / "pickled"
+    pickled.mkdir(parents=True)
+    for name in ("config.json", "tokenizer.json"):
+        (pickled / name).write_bytes((tiny_model / name).read_bytes())
+    (pickled / "pytorch_model.bin").write_bytes(b"\x80\x04not loaded")
+    overrides = tiny_overrides(tiny_model)
+    overrides["models"] = [{"name": "p", "source": str(pickled)}]
+    overrides["model_roots"] = [str(pickled.parent)]
+    proc = Stack(tmp_path / "pickle", overrides).cli("up", check=False)
+    assert proc.returncode != 0 and "safetensors only" in proc.stderr + proc.stdout
+    assert not (tmp_path / "pickle" / "run" / "supervisord.pid").exists()  # nothing started
