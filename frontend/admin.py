@@ -1,19 +1,34 @@
 """Admin routes under /admin/: a bearer token (admin.token) compared in constant time; with no
-token configured the routes answer 404, as if they did not exist."""
+token configured the routes answer 404, as if they did not exist.
+
+    GET  /admin/models                   each model's variants and weights, and per worker its
+                                         active revision, loading state and standby revision
+    POST /admin/models/{name}/reload     {"source"?, "revision"?, "variant"?}: hot reload
+                                         (frontend.reload); an empty body reloads the current
+                                         source from disk
+    PUT  /admin/models/{name}/split      {"weights": {VARIANT: number}}: A/B weights for every
+                                         frontend (frontend.variants)
+"""
 
 from __future__ import annotations
 
 import hmac
+import math
 
 from aiohttp import web
 
-from frontend import codec
-from frontend.app import CONFIG, MODELS, POOL
+from frontend import codec, reload
+from frontend.app import CONFIG, MODELS, POOL, SPLITS, ServedModel
 from frontend.errors import ApiError
+from frontend.variants import Variant
+from shmserve import state
 
 
 def add_routes(app: web.Application) -> None:
     app.router.add_get("/admin/models", list_models)
+    # {name:.+}: model names may hold slashes (org/model)
+    app.router.add_post("/admin/models/{name:.+}/reload", reload_model)
+    app.router.add_put("/admin/models/{name:.+}/split", set_split)
 
 
 def authorize(request: web.Request) -> None:
@@ -28,21 +43,93 @@ def authorize(request: web.Request) -> None:
 
 
 async def list_models(request: web.Request) -> web.Response:
-    """Each model's active revision and loading state, per worker."""
+    """Each model's variants, and per worker its active revision and loading state."""
     authorize(request)
-    pool = request.app[POOL]
+    pool, splits = request.app[POOL], request.app[SPLITS]
     models = []
     for name, served in request.app[MODELS].by_name.items():
-        workers = []
-        for link in pool.links:
-            info = next((m for m in link.beat.models if m.name == name), None) \
-                if link.beat else None
-            workers.append({
-                "worker": link.index, "alive": link.alive,
-                "state": "ready" if link.ready and info else
-                         ("loading" if link.alive else "down"),
-                "device": link.beat.device if link.beat else None,
-                "revision": info.revision if info else None,
-                "dtype": info.dtype if info else None})
-        models.append({"name": name, "task": served.spec.task, "workers": workers})
+        variants = []
+        weights = splits.weights(name, served.variants)
+        for variant, weight in zip(served.variants, weights):
+            workers = []
+            for link in pool.links:
+                info = next((m for m in link.beat.models if m.name == variant.unit), None) \
+                    if link.beat else None
+                if link.beat is not None and info is None:
+                    continue  # this worker does not host it (models.devices)
+                workers.append({
+                    "worker": link.index, "alive": link.alive,
+                    "state": "down" if not link.alive else
+                             info.state if link.ready and info else "loading",
+                    "device": link.beat.device if link.beat else None,
+                    "revision": (info.revision or None) if info else None,
+                    "standby": (info.standby or None) if info else None,
+                    "dtype": info.dtype if info else None})
+            entry = {"unit": variant.unit, "workers": workers}
+            if variant.name:
+                entry = {"name": variant.name, "weight": weight, **entry}
+            variants.append(entry)
+        model = {"name": name, "task": served.spec.task}
+        if served.variants[0].name:
+            model.update(variants=variants, sticky_key=served.sticky_key or None)
+        else:
+            model.update(workers=variants[0]["workers"])
+        models.append(model)
     return codec.render(request, {"models": models})
+
+
+async def reload_model(request: web.Request) -> web.Response:
+    authorize(request)
+    served = request.app[MODELS].resolve(request.match_info["name"])
+    body = await request.read()
+    body = codec.decode_body(body, request.content_type, "Content-Type" in request.headers) \
+        if body else {}
+    if not isinstance(body, dict):
+        raise ApiError("invalid_request", "the request body must be an object")
+    source, revision = _string(body, "source"), _string(body, "revision")
+    variant = _variant(served, _string(body, "variant"))
+    request["model"] = served.spec.name
+    answer = await reload.reload(request.app, served.spec.name, variant, source, revision)
+    return codec.render(request, answer)
+
+
+async def set_split(request: web.Request) -> web.Response:
+    authorize(request)
+    served = request.app[MODELS].resolve(request.match_info["name"])
+    names = [v.name for v in served.variants]
+    if not names[0]:
+        raise ApiError("invalid_request", f"model {served.spec.name!r} has no variants to split "
+                       "(models.variants)", param="model")
+    body = codec.decode_body(await request.read(), request.content_type,
+                             "Content-Type" in request.headers)
+    weights = body.get("weights") if isinstance(body, dict) else None
+    if not isinstance(weights, dict) or set(weights) != set(names) or not all(
+            isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w)
+            and w >= 0 for w in weights.values()) or sum(weights.values()) <= 0:
+        raise ApiError("invalid_request", f"'weights' must give every variant ({', '.join(names)})"
+                       " a number >= 0, not all 0", param="weights")
+    new = {k: float(w) for k, w in weights.items()}
+    state.update(request.app[CONFIG],
+                 lambda tree: tree["splits"].__setitem__(served.spec.name, new))
+    return codec.render(request, {"model": served.spec.name, "weights": new})
+
+
+def _variant(served: ServedModel, name: str) -> Variant:
+    names = [v.name for v in served.variants]
+    if not names[0]:
+        if name:
+            raise ApiError("invalid_request", f"model {served.spec.name!r} has no variants",
+                           param="variant")
+        return served.variants[0]
+    for variant in served.variants:
+        if variant.name == name:
+            return variant
+    raise ApiError("invalid_request", f"model {served.spec.name!r} is split: name its "
+                   f"'variant' ({', '.join(names)})", param="variant")
+
+
+def _string(body: dict, key: str) -> str:
+    value = body.get(key, "")
+    if not isinstance(value, str):
+        raise ApiError("invalid_request", f"'{key}' must be a string", param=key)
+    return value

@@ -4,6 +4,7 @@ metrics and the access log line.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
@@ -19,10 +20,12 @@ from frontend.dispatch import Dispatcher
 from frontend.errors import ApiError
 from frontend.pool import WorkerPool
 from frontend.tokenizer import TextEncoder
+from frontend.variants import Splits, Variant
 from shmserve import arena as shm
 from shmserve import topology
 from shmserve.config import Config
-from shmserve.models import ModelSpec, inspect
+from shmserve.models import ModelSpec, inspect, units
+from shmserve.state import Watch
 
 log = logging.getLogger("shmserve.frontend")
 access = logging.getLogger("shmserve.access")
@@ -32,8 +35,10 @@ _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 
 @dataclass(frozen=True, slots=True)
 class ServedModel:
-    spec: ModelSpec
-    encoder: TextEncoder
+    spec: ModelSpec  # its first variant's, under the model's name
+    encoder: TextEncoder  # its first variant's
+    variants: tuple[Variant, ...]  # one, unit named as the model, without an A/B split
+    sticky_key: str = ""
 
 
 class Models:
@@ -43,9 +48,16 @@ class Models:
         self.by_name: dict[str, ServedModel] = {}
         self._names: dict[str, str] = {}
         for model_cfg in cfg.models:
-            # Workers report the revision; the roots confine where models may come from.
-            spec = inspect(model_cfg, with_revision=False, roots=cfg.model_root_paths)
-            self.by_name[spec.name] = ServedModel(spec, TextEncoder(spec, cfg.limits.truncate))
+            variants = []
+            for unit in units(model_cfg):
+                # Workers report the revision; the roots confine where models may come from.
+                spec = inspect(unit.config, with_revision=False, roots=cfg.model_root_paths)
+                variants.append(Variant(unit.variant, unit.name, spec,
+                                        TextEncoder(spec, cfg.limits.truncate), unit.weight))
+            first = variants[0]
+            spec = dataclasses.replace(first.spec, name=model_cfg.name)
+            self.by_name[spec.name] = ServedModel(spec, first.encoder, tuple(variants),
+                                                  model_cfg.sticky_key)
             for name in (model_cfg.name, *model_cfg.aliases):
                 self._names[name] = spec.name
         self.default = cfg.models[0].name
@@ -66,6 +78,7 @@ MODELS = web.AppKey("models", Models)
 POOL = web.AppKey("pool", WorkerPool)
 DISPATCHER = web.AppKey("dispatcher", Dispatcher)
 INFLIGHT = web.AppKey("inflight", list)  # [count]: a mutable cell
+SPLITS = web.AppKey("splits", Splits)
 
 
 def request_id(request: web.Request) -> str:
@@ -108,7 +121,7 @@ def _record(request: web.Request, response: web.StreamResponse, elapsed: float) 
     route = request.match_info.route.resource
     path = route.canonical if route is not None else "unmatched"
     model = request.get("model", "")
-    metrics.REQUESTS.labels(path, model, str(response.status)).inc()
+    metrics.REQUESTS.labels(path, model, str(response.status), request.get("revision", "")).inc()
     metrics.LATENCY.labels(path, model).observe(elapsed)
     if path in ("/health", "/ready", "/metrics"):
         return  # probes and scrapes would drown the access log
@@ -147,6 +160,7 @@ def create_app(cfg: Config, index: int = 0) -> web.Application:
     app[INDEX] = index
     app[MODELS] = Models(cfg)
     app[INFLIGHT] = [0]
+    app[SPLITS] = Splits(Watch(cfg))
     app.cleanup_ctx.append(_resources)
     routes.add_routes(app)
     return app

@@ -26,7 +26,7 @@ from shmserve.protocol import Error, Result, Submit
 class Outcome:
     vectors: np.ndarray  # float32 [n, dim], a private copy
     result: Result
-    revision: str
+    revision: str  # of the weights that computed every row
     worker: int
 
 
@@ -60,8 +60,9 @@ class Dispatcher:
         n = enc.offsets.shape[0] - 1
         off_bytes = _align(enc.offsets.nbytes)
         ids_bytes = _align(enc.ids.nbytes)
+        seg_bytes = _align(enc.segments.nbytes) if enc.segments is not None else 0
         try:
-            base = self.arena.alloc(off_bytes + ids_bytes + n * dim * 4)
+            base = self.arena.alloc(off_bytes + ids_bytes + seg_bytes + n * dim * 4)
         except ArenaFull:
             raise ApiError("overloaded", "too many requests in flight on this frontend",
                            retry_after=1) from None
@@ -69,9 +70,14 @@ class Dispatcher:
         try:
             offsets = self.arena.handle(base, "int32", enc.offsets.shape)
             ids = self.arena.handle(base + off_bytes, "int32", enc.ids.shape)
-            output = self.arena.handle(base + off_bytes + ids_bytes, "float32", (n, dim))
+            segments = self.arena.handle(base + off_bytes + ids_bytes, "int32",
+                                         (n if enc.segments is not None else 0,))
+            output = self.arena.handle(base + off_bytes + ids_bytes + seg_bytes, "float32",
+                                       (n, dim))
             self.arena.view(offsets)[:] = enc.offsets
             self.arena.view(ids)[:] = enc.ids
+            if enc.segments is not None:
+                self.arena.view(segments)[:] = enc.segments
             for _ in range(self.cfg.frontends.retry_on_worker_loss + 1):
                 link = await self.pool.wait_for_worker(
                     model, min(self.cfg.frontends.no_worker_wait_s, deadline - time.time()))
@@ -81,7 +87,8 @@ class Dispatcher:
                     raise ApiError("unavailable", "no live worker for this model",
                                    retry_after=1)
                 seq = self.pool.next_seq()
-                msg = Submit(seq, request_id, model, ids, offsets, output, deadline, priority)
+                msg = Submit(seq, request_id, model, ids, offsets, output, deadline, priority,
+                             segments)
                 lease.hold()
                 future = self.pool.submit(link, msg, n, lease.release)
                 try:
@@ -99,8 +106,7 @@ class Dispatcher:
                 if isinstance(reply, Error):
                     raise ApiError.from_worker(reply.code, reply.message)
                 vectors = self.arena.view(output).copy()
-                revision = self._revision(link, model)
-                return Outcome(vectors, reply, revision, link.index)
+                return Outcome(vectors, reply, reply.revision, link.index)
             raise ApiError("unavailable", "workers kept failing; retries exhausted "
                            "(frontends.retry_on_worker_loss)", retry_after=1)
         finally:
@@ -110,12 +116,6 @@ class Dispatcher:
         """Stop waiting; the worker keeps the slot until it answers the abort (or dies)."""
         future.add_done_callback(_consume)
         self.pool.abort(link, seq)
-
-    def _revision(self, link, model: str) -> str:
-        for info in link.beat.models if link.beat else ():
-            if info.name == model:
-                return info.revision
-        return ""
 
 
 def _consume(future: asyncio.Future) -> None:

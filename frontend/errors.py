@@ -17,6 +17,7 @@ STATUS: dict[str, int] = {
     "unauthorized": 401,
     "not_found": 404,
     "method_not_allowed": 405,
+    "conflict": 409,
     "too_large": 413,
     "unsupported_media_type": 415,
     "invalid_request": 422,

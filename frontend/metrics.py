@@ -17,7 +17,8 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 
                    0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0, 30.0)
 
 REQUESTS = Counter("shmserve_requests_total", "HTTP requests answered by the frontends",
-                   ["route", "model", "status"])
+                   ["route", "model", "status", "revision"])  # revision: of the weights that
+                                                             # served it ("" without inference)
 LATENCY = Histogram("shmserve_request_duration_seconds",
                     "Time from the frontend receiving a request to its response",
                     ["route", "model"], buckets=LATENCY_BUCKETS)

@@ -24,7 +24,8 @@ import zmq.asyncio
 
 from shmserve import topology, wire
 from shmserve.config import Config
-from shmserve.protocol import (PROTOCOL_VERSION, Abort, Error, Heartbeat, Ping, Result, Submit)
+from shmserve.protocol import (PROTOCOL_VERSION, Abort, Commit, Error, Heartbeat, Ping, Reload,
+                               ReloadDone, Result, Submit)
 from shmserve.wire import WireError
 
 log = logging.getLogger("shmserve.frontend")
@@ -136,9 +137,10 @@ class WorkerPool:
     def next_seq(self) -> int:
         return next(self._seq)
 
-    def submit(self, link: WorkerLink, msg: Submit, texts: int,
+    def submit(self, link: WorkerLink, msg: Submit | Reload | Commit, texts: int,
                on_settled: Callable[[], None]) -> asyncio.Future:
-        """Send `msg`; the future resolves to Result or Error, or fails with WorkerGone."""
+        """Send `msg`; the future resolves to its reply (Result or Error for a Submit,
+        ReloadDone for a Reload or Commit), or fails with WorkerGone."""
         future = asyncio.get_running_loop().create_future()
         if not _send_now(link.socket, wire.encode(msg)):
             # Not connected (IMMEDIATE): the worker is gone, and never saw this message.
@@ -167,7 +169,7 @@ class WorkerPool:
                     continue
                 if isinstance(msg, Heartbeat):
                     self._on_heartbeat(link, msg)
-                elif isinstance(msg, (Result, Error)):
+                elif isinstance(msg, (Result, Error, ReloadDone)):
                     self._settle(link, msg)
         except asyncio.CancelledError:
             raise
@@ -177,7 +179,7 @@ class WorkerPool:
             self._fail_pending(link, "frontend receive task failed")
             raise
 
-    def _settle(self, link: WorkerLink, msg: Result | Error) -> None:
+    def _settle(self, link: WorkerLink, msg: Result | Error | ReloadDone) -> None:
         pending = link.pending.pop(msg.seq, None)
         if pending is None:
             return  # its worker was already declared dead; the request moved on

@@ -2,29 +2,23 @@
 
 from __future__ import annotations
 
-import asyncio
 import base64
-import time
 
 import numpy as np
 from aiohttp import web
 
 import shmserve
-from frontend import codec, metrics, schemas
-from frontend.app import CONFIG, DISPATCHER, INDEX, INFLIGHT, MODELS, POOL, ServedModel
+from frontend import codec, metrics, schemas, scores, tasks
+from frontend.app import CONFIG, MODELS, POOL, ServedModel
 from frontend.dispatch import Outcome
-from frontend.errors import ApiError
 from frontend.tokenizer import Encoded
-
-# Tokenize off the event loop when a request is this large (characters); small ones are faster
-# inline than a thread hop.
-_THREAD_TOKENIZE_CHARS = 4096
 
 
 def add_routes(app: web.Application) -> None:
     from frontend import admin
 
     admin.add_routes(app)
+    scores.add_routes(app)
     app.router.add_post("/v1/embeddings", embeddings)
     app.router.add_post("/predict", predict)
     app.router.add_get("/v1/models", list_models)
@@ -46,15 +40,18 @@ async def embeddings(request: web.Request) -> web.Response:
         rows = codec.vectors(outcome.vectors, as_msgpack)
     data = [{"object": "embedding", "index": i, "embedding": row} for i, row in enumerate(rows)]
     return codec.render(request, {
-        "object": "list", "data": data, "model": model.spec.name,
+        "object": "list", "data": data, "model": model.spec.name, "revision": outcome.revision,
         "usage": {"prompt_tokens": enc.tokens, "total_tokens": enc.tokens},
     }, headers=_stage_headers(request, outcome))
 
 
 async def predict(request: web.Request) -> web.Response:
+    """Embeddings, or a classification model's labels (frontend.scores)."""
     cfg = request.app[CONFIG]
     body = await codec.read_body(request)
     parsed = schemas.parse_predict(body, cfg.limits)
+    if request.app[MODELS].resolve(parsed.model).spec.task == "classification":
+        return await scores.predict(request, body, parsed)
     model, outcome, enc = await _embed(request, parsed, "texts")
     return codec.render(request, {
         "results": codec.vectors(outcome.vectors, codec.wants_msgpack(request)),
@@ -66,73 +63,14 @@ async def predict(request: web.Request) -> web.Response:
 
 async def _embed(request: web.Request, parsed: schemas.EmbedRequest,
                  param: str) -> tuple[ServedModel, Outcome, Encoded]:
-    cfg = request.app[CONFIG]
-    model = request.app[MODELS].resolve(parsed.model)
-    request["model"] = model.spec.name
-    deadline = time.time() + _timeout(request, cfg.frontends.request_timeout_s)
-    inflight = request.app[INFLIGHT]
-    if inflight[0] >= cfg.frontends.max_inflight:
-        raise ApiError("overloaded", f"{inflight[0]} requests in flight on this frontend "
-                       "(frontends.max_inflight)", retry_after=1)
-    inflight[0] += 1
-    gauge = metrics.INFLIGHT.labels(str(request.app[INDEX]))
-    gauge.inc()
-    try:
-        started = time.perf_counter()
-        if sum(map(len, parsed.texts)) > _THREAD_TOKENIZE_CHARS:
-            enc = await asyncio.get_running_loop().run_in_executor(
-                None, model.encoder.encode, parsed.texts, param)
-        else:
-            enc = model.encoder.encode(parsed.texts, param)
-        request["tokenize_ms"] = (time.perf_counter() - started) * 1000
-        outcome = await request.app[DISPATCHER].run(
-            model.spec.name, model.spec.dim, enc, request["request_id"], deadline,
-            _priority(request, parsed, cfg.frontends.default_priority))
-    finally:
-        inflight[0] -= 1
-        gauge.dec()
-    metrics.TEXTS.labels(model.spec.name).inc(len(parsed.texts))
-    metrics.TOKENS.labels(model.spec.name).inc(enc.tokens)
-    if enc.truncated:
-        metrics.TRUNCATED.labels(model.spec.name).inc(enc.truncated)
-    request["log"].update(texts=len(parsed.texts), tokens=enc.tokens,
-                          batch_size=outcome.result.batch_size, worker=outcome.worker,
-                          tokenize_ms=round(request["tokenize_ms"], 3),
-                          queue_ms=round(outcome.result.queue_ms, 3),
-                          inference_ms=round(outcome.result.inference_ms, 3))
-    return model, outcome, enc
+    model = tasks.resolve(request, parsed.model, "embedding")
+    ran = await tasks.run(request, model, lambda enc: enc.encode(parsed.texts, param),
+                          sum(map(len, parsed.texts)), priority=parsed.priority,
+                          user=parsed.user)
+    return model, ran.outcome, ran.enc
 
 
-def _priority(request: web.Request, parsed: schemas.EmbedRequest, default: int) -> int:
-    """The body's `priority` field, else the X-Priority header, else the configured default."""
-    if parsed.priority is not None:
-        return parsed.priority
-    header = request.headers.get("X-Priority")
-    return default if header is None else schemas.parse_priority(header, "X-Priority")
-
-
-def _timeout(request: web.Request, default: float) -> float:
-    raw = request.headers.get("X-Request-Timeout")
-    if raw is None:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        value = float("nan")
-    if not 0 < value <= 3600:
-        raise ApiError("invalid_request", "X-Request-Timeout must be seconds in (0, 3600]",
-                       param="X-Request-Timeout")
-    return value
-
-
-def _stage_headers(request: web.Request, outcome: Outcome) -> dict[str, str]:
-    return {
-        "X-Model-Revision": outcome.revision,
-        "X-Batch-Size": str(outcome.result.batch_size),
-        "X-Tokenization-Time": f"{request['tokenize_ms']:.3f}",
-        "X-Queue-Time": f"{outcome.result.queue_ms:.3f}",
-        "X-Inference-Time": f"{outcome.result.inference_ms:.3f}",
-    }
+_stage_headers = tasks.stage_headers  # the name frontend.tei imports
 
 
 async def list_models(request: web.Request) -> web.Response:

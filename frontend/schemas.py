@@ -22,6 +22,7 @@ class EmbedRequest:
     model: str | None
     encoding_format: str = "float"
     priority: int | None = None  # from the body; the X-Priority header is read by the route
+    user: str | None = None  # a client id; an A/B split may route by it (models.sticky_key)
 
 
 def parse_openai_embeddings(body: Any, limits: LimitsConfig) -> EmbedRequest:
@@ -37,7 +38,7 @@ def parse_openai_embeddings(body: Any, limits: LimitsConfig) -> EmbedRequest:
     if fmt not in ENCODING_FORMATS:
         raise ApiError("invalid_request", "'encoding_format' must be 'float' or 'base64'",
                        param="encoding_format")
-    return EmbedRequest(texts, _model(body), fmt, _body_priority(body))
+    return EmbedRequest(texts, _model(body), fmt, _body_priority(body), user(body))
 
 
 def parse_predict(body: Any, limits: LimitsConfig) -> EmbedRequest:
@@ -45,7 +46,14 @@ def parse_predict(body: Any, limits: LimitsConfig) -> EmbedRequest:
     if "texts" not in body:
         raise ApiError("invalid_request", "'texts' is required", param="texts")
     return EmbedRequest(_texts(body["texts"], "texts", limits), _model(body),
-                        priority=_body_priority(body))
+                        priority=_body_priority(body), user=user(body))
+
+
+def user(body: dict) -> str | None:
+    value = body.get("user")
+    if value is not None and not isinstance(value, str):
+        raise ApiError("invalid_request", "'user' must be a string", param="user")
+    return value
 
 
 def _mapping(body: Any) -> dict:

@@ -1,4 +1,5 @@
-"""Texts to one flat int32 token buffer plus offsets, with the model's fast tokenizer."""
+"""Texts (or query-document pairs) to one flat int32 token buffer plus offsets, with the model's
+fast tokenizer."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ class Encoded:
     ids: np.ndarray  # int32 [total tokens]
     offsets: np.ndarray  # int32 [n + 1]
     truncated: int  # texts cut to the model's limit
+    segments: np.ndarray | None = None  # int32 [n]: first-segment lengths of pairs (token type 0)
 
     @property
     def tokens(self) -> int:
@@ -34,7 +36,22 @@ class TextEncoder:
             self._tok.no_truncation()
 
     def encode(self, texts: list[str], param: str = "input") -> Encoded:
-        encodings = self._tok.encode_batch(texts, add_special_tokens=True)
+        return self._flatten(self._tok.encode_batch(texts, add_special_tokens=True), param)
+
+    def encode_pairs(self, query: str, documents: list[str],
+                     param: str = "documents") -> Encoded:
+        """(query, document) pairs as a cross-encoder reads them: [CLS] q [SEP] d [SEP], with
+        the pair cut longest-first to the model's limit (as transformers' tokenizers do)."""
+        encodings = self._tok.encode_batch([(query, d) for d in documents],
+                                           add_special_tokens=True)
+        # Token types are 0 for the first segment and 1 after it (all 0 for models whose
+        # template gives none, such as RoBERTa's); the worker rebuilds them from this length.
+        segments = np.fromiter((e.type_ids.index(1) if 1 in e.type_ids else len(e.ids)
+                                for e in encodings), np.int32, len(encodings))
+        flat = self._flatten(encodings, param)
+        return Encoded(flat.ids, flat.offsets, flat.truncated, segments)
+
+    def _flatten(self, encodings: list, param: str) -> Encoded:
         lengths = np.fromiter((len(e.ids) for e in encodings), np.int32, len(encodings))
         if not self.truncate:
             over = np.flatnonzero(lengths > self.max_tokens)
@@ -43,7 +60,7 @@ class TextEncoder:
                 raise ApiError("too_large", f"'{param}[{i}]' has {int(lengths[i])} tokens; the "
                                f"model's limit is {self.max_tokens} (or set limits.truncate)",
                                param=param)
-        offsets = np.zeros(len(texts) + 1, np.int32)
+        offsets = np.zeros(len(encodings) + 1, np.int32)
         np.cumsum(lengths, out=offsets[1:])
         ids = np.fromiter((t for e in encodings for t in e.ids), np.int32, int(offsets[-1]))
         truncated = sum(1 for e in encodings if e.overflowing) if self.truncate else 0

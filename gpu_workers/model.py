@@ -1,64 +1,116 @@
-"""A served model: safetensors weights in eval mode, one forward per batch, pooled outputs.
+"""A served model: safetensors weights in eval mode, one forward per batch, one row per text.
 
-Loading refuses pickle checkpoints and remote code. The forward pass takes a padded int64 batch
-built by the worker and returns float32 rows ready to be copied into shared memory.
+Loading refuses pickle checkpoints, remote code, and a scoring checkpoint whose head would be
+initialised at random. The forward pass takes a padded int64 batch built by the worker and
+returns float32 rows (gpu_workers.tasks) ready to be copied into shared memory.
+
+dtypes: fp32 | bf16 | fp16 as loaded; auto is bf16 where the device computes it natively, else
+fp32; int8 is dynamic quantization of every nn.Linear (weights int8 ahead of time, activations
+quantized per batch), for CPU workers only.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import logging
+import warnings
+from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import AutoConfig, AutoModel
+from transformers import AutoConfig
 from transformers.utils import logging as hf_logging
 
-from shmserve.models import ModelSpec, weights_file
+from gpu_workers import tasks
+from shmserve.models import ModelSourceError, ModelSpec, weights_file
 
 log = logging.getLogger("shmserve.worker")
 
 hf_logging.disable_progress_bar()  # a progress bar per load would clutter the JSON log
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+          "int8": torch.float32}  # int8 loads fp32 weights, then quantizes them
 
 
-class EmbeddingModel:
+class Model:
     def __init__(self, spec: ModelSpec, device: torch.device) -> None:
         weights_file(spec.directory)  # refuses a pickle-only directory with a clear message
-        self.spec = spec
+        spec = dataclasses.replace(spec, dtype=resolve_dtype(spec.dtype, device))
+        self.spec = spec  # with the dtype it runs in
         self.device = device
         config = AutoConfig.from_pretrained(spec.directory, trust_remote_code=False)
-        self.model = AutoModel.from_pretrained(
+        net, info = tasks.network_class(spec.task).from_pretrained(
             spec.directory,
             config=config,
             use_safetensors=True,
             trust_remote_code=False,
             dtype=DTYPES[spec.dtype],
             attn_implementation="sdpa",
-        ).to(device).eval()
+            output_loading_info=True,
+        )
+        missing = info.get("missing_keys") or []
+        if spec.task != "embedding" and missing:
+            raise ModelSourceError(f"{spec.directory}: weights lack {sorted(missing)[:4]}; a "
+                                   f"{spec.task} model needs its trained head")
+        net = net.eval()
+        if spec.dtype == "int8":
+            net = quantize_int8(net)
+        self.net = net.to(device)
+        self.head = tasks.head(spec)
         self.pad_id = int(getattr(config, "pad_token_id", 0) or 0)
+        self.token_types = "token_type_ids" in inspect.signature(self.net.forward).parameters
 
     @torch.inference_mode()
-    def forward(self, ids: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-        """ids: int64 [B, L] padded with anything; lengths: int [B]. Returns float32 [B, D]."""
+    def forward(self, ids: np.ndarray, lengths: np.ndarray,
+                segments: np.ndarray | None = None) -> np.ndarray:
+        """ids: int64 [B, L] padded with anything; lengths: int [B]; segments: int [B], the
+        length of each text's first segment (None: one segment). Returns float32 [B, width]."""
         input_ids = torch.from_numpy(ids).to(self.device, non_blocking=True)
         lens = torch.from_numpy(lengths.astype(np.int64)).to(self.device, non_blocking=True)
         positions = torch.arange(input_ids.shape[1], device=self.device)
         mask = positions[None, :] < lens[:, None]
         input_ids = input_ids.masked_fill(~mask, self.pad_id)
-        hidden = self.model(input_ids=input_ids, attention_mask=mask.long()).last_hidden_state
-        pooled = self._pool(hidden.float(), mask, lens)
-        if self.spec.normalize:
-            pooled = torch.nn.functional.normalize(pooled, p=2, dim=1)
-        return pooled.cpu().numpy()
+        extra = {}
+        if segments is not None and self.token_types:
+            first = torch.from_numpy(segments.astype(np.int64)).to(self.device)
+            extra["token_type_ids"] = ((positions[None, :] >= first[:, None]) & mask).long()
+        out = self.net(input_ids=input_ids, attention_mask=mask.long(), **extra)
+        return self.head(out, mask, lens).cpu().numpy()
 
-    def _pool(self, hidden: torch.Tensor, mask: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
-        if self.spec.pooling == "cls":
-            return hidden[:, 0]
-        if self.spec.pooling == "last":
-            return hidden[torch.arange(hidden.shape[0], device=hidden.device), lens - 1]
-        weights = mask.unsqueeze(-1).to(hidden.dtype)
-        return (hidden * weights).sum(1) / weights.sum(1).clamp(min=1e-9)
+
+def resolve_dtype(name: str, device: torch.device) -> str:
+    """The dtype a model of configured dtype `name` runs in on `device`."""
+    if name == "int8" and device.type != "cpu":
+        raise ModelSourceError("dtype int8 (dynamic quantization) runs on CPU workers only; use "
+                               "bf16 or fp16 on a GPU")
+    if name != "auto":
+        return name
+    if device.type == "cuda":
+        return "bf16" if torch.cuda.is_bf16_supported() else "fp32"
+    return "bf16" if cpu_has_bf16() else "fp32"
+
+
+def cpu_has_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
+    """True when the CPU multiplies bf16 natively (AVX512-BF16 or AMX), so bf16 is faster."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return False
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            flags = set(line.partition(":")[2].split())
+            return bool(flags & {"avx512_bf16", "amx_bf16"})
+    return False
+
+
+def quantize_int8(net: torch.nn.Module) -> torch.nn.Module:
+    # torch.ao.quantization is deprecated in favour of torchao, but is what this torch ships and
+    # runs on its CPU kernels (fbgemm/onednn); its deprecation notices are silenced here only.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*torch\.ao\.quantization is deprecated")
+        warnings.filterwarnings("ignore", message=r".*quantized tensor creation functions")
+        return torch.ao.quantization.quantize_dynamic(net, {torch.nn.Linear}, dtype=torch.qint8)
 
 
 def pick_device(threads: int) -> torch.device:
@@ -74,3 +126,10 @@ def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return f"cuda:{torch.cuda.get_device_name(device)}"
     return "cpu"
+
+
+def release(model: Model | None) -> None:
+    """Free what a replaced model held; on a GPU, return its memory to the driver."""
+    if model is not None and model.device.type == "cuda":
+        del model
+        torch.cuda.empty_cache()

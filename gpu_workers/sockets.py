@@ -2,7 +2,8 @@
 
 It owns the ROUTER socket the frontends connect to and an inproc PULL socket on which the model
 thread pushes finished replies (ZeroMQ sockets are not thread-safe, so each thread keeps its own).
-Pings are answered here at once, so heartbeats flow even in the middle of a long batch.
+Pings are answered here at once, so heartbeats flow even in the middle of a long batch. Reload
+and Commit go to the model thread, which owns the model slots.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Callable
 import zmq
 
 from shmserve import wire
-from shmserve.protocol import Abort, Error, Heartbeat, Ping, Submit
+from shmserve.protocol import Abort, Commit, Error, Heartbeat, Ping, Reload, Submit
 from shmserve.wire import WireError
 
 log = logging.getLogger("shmserve.worker")
@@ -26,13 +27,15 @@ class SocketThread(threading.Thread):
     def __init__(self, ctx: zmq.Context, endpoint: str,
                  on_submit: Callable[[bytes, Submit], Error | None],
                  on_abort: Callable[[bytes, Abort], None],
-                 heartbeat: Callable[[Ping], Heartbeat]) -> None:
+                 heartbeat: Callable[[Ping], Heartbeat],
+                 on_control: Callable[[bytes, Reload | Commit], None]) -> None:
         super().__init__(name="sockets", daemon=True)
         self._ctx = ctx
         self._endpoint = endpoint
         self._on_submit = on_submit
         self._on_abort = on_abort
         self._heartbeat = heartbeat
+        self._on_control = on_control
         self._halt = threading.Event()
         self.bound = threading.Event()
         self.failure: BaseException | None = None
@@ -91,5 +94,7 @@ class SocketThread(threading.Thread):
                 router.send_multipart([peer, *wire.encode(error)])
         elif isinstance(msg, Abort):
             self._on_abort(peer, msg)
+        elif isinstance(msg, (Reload, Commit)):
+            self._on_control(peer, msg)
         else:
             log.warning("unexpected %s from a frontend", type(msg).__name__)

@@ -1,33 +1,39 @@
 """One worker process: loads the models, batches queued texts, runs forwards, answers.
 
 Threads:
-  * main    : the model loop below (batch formation, forward, outputs into shared memory);
-  * sockets : `SocketThread`, all ZeroMQ I/O and heartbeats.
-The socket thread hands requests over through `self._inbox` (a thread-safe queue); the model
-thread pushes replies back through its own PUSH socket. Every Submit gets exactly one reply.
+  * main    : the model loop below (batch formation, forward, outputs into shared memory, the
+              model slots and their switches);
+  * sockets : `SocketThread`, all ZeroMQ I/O and heartbeats;
+  * load-*  : one per hot reload, loading and warming new weights (gpu_workers.slots).
+The socket thread hands requests, reloads and commits over through `self._inbox` (a thread-safe
+queue), and so do loader threads their outcome; the model thread pushes replies back through its
+own PUSH socket. Every Submit gets exactly one reply, and so does every Reload and Commit.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import dataclasses
 import queue
 import signal
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import zmq
 
 from gpu_workers.batcher import Batch, Limits, form_batch, wait_time
+from gpu_workers.slots import Built, Slot, Slots
 from gpu_workers.sockets import REPLIES, SocketThread
-from shmserve import topology, wire
+from shmserve import state, topology, wire
 from shmserve.arena import Attachments
-from shmserve.config import Config
-from shmserve.models import inspect
-from shmserve.protocol import (PROTOCOL_VERSION, Abort, Error, ErrorCode, Heartbeat, ModelInfo,
-                               Ping, Result, Submit)
+from shmserve.config import Config, ModelConfig
+from shmserve.models import ModelSourceError, ModelSpec, hosted, incompatible, inspect
+from shmserve.protocol import (PROTOCOL_VERSION, Abort, Commit, Error, ErrorCode, Heartbeat,
+                               ModelInfo, Ping, Reload, Result, Submit)
 
 log = logging.getLogger("shmserve.worker")
 
@@ -41,6 +47,8 @@ class Request:
     out: np.ndarray
     arrived: float
     remaining: int
+    segments: np.ndarray | None = None  # first-segment lengths of text pairs
+    slot: Slot | None = None  # pinned when the model thread takes the request in
     started: float = 0.0
     inference_ms: float = 0.0
     batch_size: int = 0
@@ -58,7 +66,7 @@ class QueuedText:
     arrived: float = field(init=False)
 
     def __post_init__(self) -> None:
-        self.model = self.request.msg.model
+        self.model = self.request.slot.key  # batches group by slot: one revision each
         self.priority = self.request.msg.priority
         self.arrived = self.request.arrived
 
@@ -69,8 +77,14 @@ class Worker:
         self.index = index
         self.limits = Limits(cfg.batching.max_batch_size, cfg.batching.max_batch_tokens,
                              cfg.batching.max_wait_ms / 1000.0, cfg.batching.max_pad_ratio)
-        self.specs = {m.name: inspect(m, roots=cfg.model_root_paths) for m in cfg.models}
-        self.models: dict = {}
+        self.configs = self._configs()
+        self.specs = {name: inspect(c, roots=cfg.model_root_paths)
+                      for name, c in self.configs.items()}
+        self.units = frozenset(self.specs)
+        self.slots: Slots | None = None  # once the device is known
+        self.device: Any = None
+        self._infos = tuple(ModelInfo(s.name, s.task, s.dim, s.max_tokens, s.dtype, "",
+                                      "loading", s.revision) for s in self.specs.values())
         self.device_label = "loading"
         self.ready = False
         self.stopping = threading.Event()
@@ -82,31 +96,51 @@ class Worker:
         self._attachments = Attachments()
         self._ctx = zmq.Context.instance()
         self._sockets = SocketThread(self._ctx, topology.worker_endpoint(cfg, index),
-                                     self.on_submit, self.on_abort, self.heartbeat)
+                                     self.on_submit, self.on_abort, self.heartbeat,
+                                     self.on_control)
         self._push: zmq.Socket | None = None
         self._batches = 0
+
+    def _configs(self) -> dict[str, ModelConfig]:
+        """The units this worker hosts, with the sources a reload left in the run state."""
+        overrides = state.read(self.cfg).sources
+        configs = {}
+        for unit in hosted(self.cfg, topology.worker_devices(self.cfg), self.index):
+            config, over = unit.config, overrides.get(unit.name)
+            if over is not None:
+                changed = dataclasses.replace(config, source=over["source"],
+                                              revision=over["revision"])
+                try:
+                    inspect(changed, with_revision=False, roots=self.cfg.model_root_paths)
+                    config = changed
+                except ModelSourceError as exc:
+                    log.error("worker.reloaded_source_gone", extra={"fields": {
+                        "model": unit.name, "source": over["source"], "error": str(exc)}})
+            configs[unit.name] = config
+        return configs
 
     # ---- socket thread side -------------------------------------------------------------
 
     def heartbeat(self, ping: Ping) -> Heartbeat:
-        infos = tuple(ModelInfo(s.name, s.task, s.dim, s.max_tokens, s.dtype, s.revision)
-                      for s in self.specs.values())
         return Heartbeat(PROTOCOL_VERSION, self.index, os.getpid(),
-                         self.ready and not self.stopping.is_set(), self.device_label, infos,
-                         self._queued_texts, self.cfg.workers.queue_texts, ping.sent_at)
+                         self.ready and not self.stopping.is_set(), self.device_label,
+                         self._infos, self._queued_texts, self.cfg.workers.queue_texts,
+                         ping.sent_at)
 
     def on_submit(self, peer: bytes, msg: Submit) -> Error | None:
         if not self.ready or self.stopping.is_set():
             return Error(msg.seq, ErrorCode.UNAVAILABLE, "worker is loading or draining")
-        if msg.model not in self.specs:
+        if msg.model not in self.units:
             return Error(msg.seq, ErrorCode.UNKNOWN_MODEL, f"model {msg.model!r} is not served")
         try:
             offsets = self._attachments.view(msg.offsets)
             ids = self._attachments.view(msg.token_ids)
             out = self._attachments.view(msg.output)
+            segments = self._attachments.view(msg.segments) if msg.segments.shape[0] else None
             n = offsets.shape[0] - 1
-            if n < 1 or out.shape[0] != n or int(offsets[-1]) > ids.shape[0]:
-                raise ValueError("offsets, ids and output disagree")
+            if n < 1 or out.shape[0] != n or int(offsets[-1]) > ids.shape[0] or (
+                    segments is not None and segments.shape[0] != n):
+                raise ValueError("offsets, ids, segments and output disagree")
         except (OSError, ValueError) as exc:
             return Error(msg.seq, ErrorCode.INVALID, f"bad buffers: {exc}")
         limit = self.cfg.workers.queue_texts
@@ -118,7 +152,7 @@ class Worker:
                              f"worker queue full ({self._queued_texts} texts queued); "
                              "raise workers.queue_texts or add workers")
             self._queued_texts += n
-        request = Request(peer, msg, ids, offsets, out, time.time(), n)
+        request = Request(peer, msg, ids, offsets, out, time.time(), n, segments)
         self._requests[(peer, msg.seq)] = request
         self._inbox.put(request)
         return None
@@ -128,30 +162,64 @@ class Worker:
         if request is not None:
             request.aborted = True  # the model thread answers it before its next batch
 
+    def on_control(self, peer: bytes, msg: Reload | Commit) -> None:
+        self._inbox.put((peer, msg))  # the model thread owns the slots
+
     # ---- model thread side --------------------------------------------------------------
 
     def load(self) -> None:
         import torch
 
-        from gpu_workers.model import EmbeddingModel, device_name, pick_device
+        from gpu_workers.model import device_name, pick_device, release
 
-        device = pick_device(self.cfg.workers.torch_threads)
+        self.device = pick_device(self.cfg.workers.torch_threads)
+        self.slots = Slots(self._build, release, self._inbox.put,
+                           self.cfg.admin.reload_timeout_s)
         for name, spec in self.specs.items():
             started = time.monotonic()
-            self.models[name] = EmbeddingModel(spec, device)
-            self._warm_up(self.models[name])
+            spec, model = self._load_model(spec)
+            self.slots.add(self.configs[name], spec, model)
             log.info("worker.loaded", extra={"fields": {
-                "model": name, "revision": spec.revision, "device": str(device),
-                "seconds": round(time.monotonic() - started, 2),
+                "model": name, "revision": spec.revision, "dtype": spec.dtype,
+                "device": str(self.device), "seconds": round(time.monotonic() - started, 2),
                 "torch_threads": torch.get_num_threads()}})
-        self.device_label = device_name(device)
+        self.device_label = device_name(self.device)
+        self._infos = self.slots.infos()
+
+    def _load_model(self, spec: ModelSpec) -> tuple[ModelSpec, Any]:
+        from gpu_workers.model import Model
+
+        model = Model(spec, self.device)
+        self._warm_up(model)
+        return model.spec, model
+
+    def _build(self, config: ModelConfig, active: ModelSpec) -> tuple[ModelSpec, Any]:
+        """A reload's new slot, on its loader thread. ModelSourceError: the source cannot be
+        served (answered INVALID); anything else (out of memory) is answered FAILED."""
+        import torch
+
+        spec = inspect(config, roots=self.cfg.model_root_paths)
+        why = incompatible(active, spec)
+        if why:
+            raise ModelSourceError(f"{spec.directory} cannot replace the served {active.name}: "
+                                   f"{why}; serving a different one needs a config change and "
+                                   "a restart")
+        try:
+            return self._load_model(spec)
+        except (ModelSourceError, torch.OutOfMemoryError, MemoryError):
+            raise
+        except Exception as exc:  # corrupt or unreadable weights, a config transformers refuses
+            raise ModelSourceError(f"cannot load {spec.directory}: {type(exc).__name__}: "
+                                   f"{exc}") from exc
 
     def _warm_up(self, model) -> None:
         """Run the largest batch shape the limits allow, so the first request pays no warm-up."""
         longest = model.spec.max_tokens
         batch = max(1, min(self.limits.max_batch_size, self.limits.max_batch_tokens // longest))
+        pairs = model.spec.task == "rerank"  # warm the token-type path a cross-encoder takes
         for shape in ((1, 8), (batch, longest)):
-            model.forward(np.ones(shape, np.int64), np.full(shape[0], shape[1], np.int64))
+            model.forward(np.ones(shape, np.int64), np.full(shape[0], shape[1], np.int64),
+                          np.full(shape[0], shape[1] // 2, np.int64) if pairs else None)
 
     def serve(self) -> None:
         self._push = self._ctx.socket(zmq.PUSH)
@@ -173,6 +241,7 @@ class Worker:
             self._take_inbox(block=not self._queue)
             now = time.time()
             self._drop_expired(now)
+            self.slots.expire(time.monotonic())
             if drain_deadline is not None and (not self._queue or now > drain_deadline):
                 break
             if not self._queue:
@@ -184,20 +253,43 @@ class Worker:
             fair_turn = self._batches % self.cfg.batching.fair_share_every == 0
             batch, self._queue = form_batch(self._queue, self.limits, fair_turn)
             self._run(batch)
+            self._collect()
         self._fail_all(ErrorCode.UNAVAILABLE, "worker stopped before running this request")
 
     def _take_inbox(self, block: bool, timeout: float = 0.1) -> None:
         try:
-            request = self._inbox.get(block=block, timeout=timeout if block else None)
+            item = self._inbox.get(block=block, timeout=timeout if block else None)
         except queue.Empty:
             return
         while True:
-            lengths = np.diff(request.offsets)
-            self._queue.extend(QueuedText(request, i, int(n)) for i, n in enumerate(lengths))
+            if isinstance(item, Request):
+                # Pinned to the slot active now: its texts all run on these weights.
+                item.slot = self.slots.active(item.msg.model)
+                lengths = np.diff(item.offsets)
+                self._queue.extend(QueuedText(item, i, int(n)) for i, n in enumerate(lengths))
+            else:
+                self._control(item)
             try:
-                request = self._inbox.get_nowait()
+                item = self._inbox.get_nowait()
             except queue.Empty:
                 return
+
+    def _control(self, item: tuple[bytes, Reload | Commit] | Built) -> None:
+        """Reload, Commit and loader outcomes: between two batches, on the model thread."""
+        if isinstance(item, Built):
+            replies = self.slots.built(item)
+        elif isinstance(item[1], Reload):
+            replies = self.slots.reload(*item)
+        else:
+            replies = self.slots.commit(*item)
+            self._collect()
+        self._infos = self.slots.infos()
+        for peer, reply in replies:
+            self._push.send_multipart([peer, *wire.encode(reply)])
+
+    def _collect(self) -> None:
+        if any(unit.retiring for unit in self.slots.units.values()):
+            self.slots.collect({t.model for t in self._queue})
 
     def _drop_expired(self, now: float) -> None:
         dropped = [t.request for t in self._queue if t.request.aborted or t.request.done
@@ -206,6 +298,7 @@ class Worker:
             return
         self._queue = [t for t in self._queue if not (t.request.aborted or t.request.done or (
             t.request.msg.deadline < now and not t.request.started))]
+        self._collect()
         for request in {id(r): r for r in dropped}.values():
             if request.done:
                 continue
@@ -221,18 +314,23 @@ class Worker:
 
     def _run(self, batch: Batch[QueuedText]) -> None:
         texts = batch.texts
+        slot = texts[0].request.slot  # the batcher never mixes slots
         ids = np.zeros((len(texts), batch.padded_len), np.int64)
         lengths = np.empty(len(texts), np.int64)
+        pairs = texts[0].request.segments is not None
+        segments = np.empty(len(texts), np.int64) if pairs else None
         for j, text in enumerate(texts):
             start, end = text.request.offsets[text.index], text.request.offsets[text.index + 1]
             ids[j, :end - start] = text.request.ids[start:end]
             lengths[j] = end - start
+            if pairs:
+                segments[j] = text.request.segments[text.index]
         began = time.time()
         for text in texts:
             if not text.request.started:
                 text.request.started = began
         try:
-            out = self.models[texts[0].model].forward(ids, lengths)
+            out = slot.model.forward(ids, lengths, segments)
         except Exception as exc:  # noqa: BLE001 - one bad batch fails its requests, not the worker
             log.exception("forward failed")
             for request in {id(t.request): t.request for t in texts}.values():
@@ -256,9 +354,10 @@ class Worker:
                 msg = request.msg
                 self._finish(request, Result(
                     msg.seq, (request.started - request.arrived) * 1000.0, request.inference_ms,
-                    request.batch_size, int(request.offsets[-1])))
+                    request.batch_size, int(request.offsets[-1]), slot.spec.revision))
         log.debug("batch", extra={"fields": {
-            "batch": self._batches, "texts": len(texts), "requests": len(touched),
+            "batch": self._batches, "model": slot.spec.name, "revision": slot.spec.revision,
+            "texts": len(texts), "requests": len(touched),
             "real_tokens": batch.real_tokens, "padded_tokens": batch.padded_tokens,
             "forward_ms": round(forward_ms, 2),
             "request_ids": [r.msg.request_id for r in touched.values()]}})

@@ -83,11 +83,11 @@ class InProcess:
         import torch
 
         from frontend.tokenizer import TextEncoder
-        from gpu_workers.model import EmbeddingModel
+        from gpu_workers.model import Model
 
         torch.set_num_threads(cfg.workers.torch_threads)
         spec = inspect(cfg.models[0], with_revision=False)
-        self.model = EmbeddingModel(spec, torch.device("cpu"))
+        self.model = Model(spec, torch.device("cpu"))
         enc = TextEncoder(spec, truncate=True).encode(corpus)
         self.texts = [Text(int(b - a), enc.ids[a:b]) for a, b in
                       zip(enc.offsets[:-1], enc.offsets[1:])]

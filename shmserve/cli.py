@@ -6,6 +6,9 @@
     shmserve restart frontends|workers|nginx|PROGRAM
     shmserve ctl ARGS...                                 supervisorctl with this deployment's -c
     shmserve config                                      the resolved config as JSON
+    shmserve models                                      GET /admin/models
+    shmserve reload NAME [SOURCE] [--revision R] [--variant V]   hot reload a model
+    shmserve split NAME VARIANT=WEIGHT...                A/B weights of a model
 
 ``--env`` and ``--config`` (or SHMSERVE_ENV and SHMSERVE_CONFIG) choose the deployment for
 every command: its run directory holds the rendered configs, sockets, logs and pid files.
@@ -26,7 +29,7 @@ import xmlrpc.client
 from collections.abc import Callable
 from pathlib import Path
 
-from shmserve import arena, config, models, nginxrun, render, topology
+from shmserve import arena, config, models, nginxrun, remote, render, state, topology
 from shmserve.config import Config, ConfigError
 
 GROUPS = {"frontends": "frontends:*", "workers": "workers:*", "nginx": "nginx"}
@@ -41,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         return args.run(args)
-    except (ConfigError, render.RenderError, CliError) as exc:
+    except (ConfigError, render.RenderError, CliError, remote.RemoteError) as exc:
         print(f"shmserve: {exc}", file=sys.stderr)
         return 2
 
@@ -75,6 +78,19 @@ def _parser() -> argparse.ArgumentParser:
     ctl_cmd = command("ctl", ctl, "run supervisorctl against this deployment")
     ctl_cmd.add_argument("ctl_args", nargs=argparse.REMAINDER, metavar="ARGS")
     command("config", show_config, "print the resolved config as JSON")
+    command("models", remote.list_models, "each model's revision and loading state per worker "
+            "(GET /admin/models, with admin.token)")
+    reload_cmd = command("reload", remote.reload, "load new weights for a model on every worker and "
+                         "switch to them without dropping a request")
+    reload_cmd.add_argument("name", help="the model")
+    reload_cmd.add_argument("source", nargs="?", default="", help="a model directory (under "
+                            "model_roots) or package:NAME; default: the current one, re-read")
+    reload_cmd.add_argument("--revision", default="", help="the new revision label (default: "
+                            "a digest of the weights)")
+    reload_cmd.add_argument("--variant", default="", help="the A/B variant to reload")
+    split_cmd = command("split", remote.split, "set the A/B weights of a model with variants")
+    split_cmd.add_argument("name", help="the model")
+    split_cmd.add_argument("weights", nargs="+", metavar="VARIANT=WEIGHT")
     return parser
 
 
@@ -86,14 +102,13 @@ def up(args: argparse.Namespace) -> int:
                        "`shmserve down` first, or `shmserve restart` a group")
     if args.wait and args.foreground:
         raise CliError("--wait and --foreground exclude each other")
-    for model in cfg.models:  # refuse a bad model before any process starts
-        try:
-            models.inspect(model, with_revision=False, roots=cfg.model_root_paths)
-            models.weights_file(models.resolve_source(model.source, cfg.model_root_paths))
-        except models.ModelSourceError as exc:
-            raise CliError(f"models: {model.name}: {exc}") from None
+    try:
+        models.check(cfg, topology.worker_devices(cfg))  # before any process starts
+    except models.ModelSourceError as exc:
+        raise CliError(f"models: {exc}") from None
     render.render(cfg)
     clean_stale(cfg, metrics=True)
+    state.remove(cfg)  # reloads and splits of an earlier run: at start the config is the truth
     argv = [tool("supervisord"), "-c", str(render.supervisord_conf(cfg))]
     if args.foreground:
         os.execv(argv[0], [*argv, "--nodaemon"])

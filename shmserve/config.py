@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -101,16 +102,37 @@ class LimitsConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class VariantConfig:
+    """One arm of an A/B split: its own weights, served under the model's name."""
+
+    name: str  # stable id of the arm ("a", "canary"): reloads and weights name it
+    source: str
+    revision: str = ""  # empty: a digest of the weights
+    weight: float = 1.0  # relative share of the model's requests
+
+
+@dataclass(frozen=True, slots=True)
 class ModelConfig:
     name: str
-    source: str  # a directory, or "package:NAME" for a Python package that ships one
+    # A directory, or "package:NAME" for a Python package that ships one. Required unless the
+    # model has variants, each with its own source.
+    source: str = ""
     aliases: list[str] = field(default_factory=list)
-    task: Literal["embedding"] = "embedding"
+    task: Literal["embedding", "classification", "rerank"] = "embedding"
     pooling: Literal["auto", "mean", "cls", "last"] = "auto"
     normalize: Literal["auto", "true", "false"] = "auto"
     max_input_tokens: int = 0  # 0: the model's own limit
-    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    # auto: bf16 where the device computes it natively (CUDA with bf16, a CPU with AVX512-BF16
+    # or AMX), else fp32. int8: dynamic quantization of the linear layers, CPU workers only.
+    dtype: Literal["fp32", "bf16", "fp16", "auto", "int8"] = "fp32"
     revision: str = ""  # empty: a digest of the weights
+    # Workers that load this model: GPU indices (as in workers.devices) when workers run on
+    # GPUs, worker indexes (0..cpu_workers-1) on CPU workers. Empty: every worker.
+    devices: list[int] = field(default_factory=list)
+    variants: list[VariantConfig] = field(default_factory=list)  # A/B arms, instead of source
+    # A/B: send a client's requests to the same arm: "header:NAME" (a request header) or "user"
+    # (the body's `user` field). Empty: each request is routed by weight alone.
+    sticky_key: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +152,9 @@ class AdminConfig:
     # Bearer token for /admin/*; empty turns the admin routes off (404). Prefer the environment
     # (SHMSERVE__ADMIN__TOKEN) to a file; nginx.admin_loopback_only limits them to loopback.
     token: str = ""
+    # How long a reload may take (load, warm up, switch) on every worker before it is called
+    # off; keep it under nginx.proxy_read_timeout_s so the caller gets the answer.
+    reload_timeout_s: float = 100.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,7 +214,11 @@ _CHECKS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "limits.max_texts_per_request": (lambda v: v >= 1, "an integer >= 1"),
     "limits.max_text_chars": (lambda v: v >= 1, "an integer >= 1"),
     "shm.arena_mb": (lambda v: 1 <= v <= 65536, "an integer from 1 to 65536"),
+    "admin.reload_timeout_s": (lambda v: v > 0, "a number > 0"),
 }
+
+_NAME = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+_STICKY = re.compile(r"^(user|header:[A-Za-z0-9-]{1,64})?$")
 
 
 def load(env: str | None = None, extra: str | Path | None = None,
@@ -210,7 +239,52 @@ def load(env: str | None = None, extra: str | Path | None = None,
 
 
 def from_tree(tree: Mapping[str, Any]) -> Config:
-    return _build(Config, tree, "")
+    cfg = _build(Config, tree, "")
+    _check_models(cfg)
+    if cfg.admin.reload_timeout_s >= cfg.nginx.proxy_read_timeout_s:
+        raise ConfigError(f"admin.reload_timeout_s: {cfg.admin.reload_timeout_s:g} must be under "
+                          f"nginx.proxy_read_timeout_s ({cfg.nginx.proxy_read_timeout_s}), or "
+                          "nginx cuts the reload call before its answer")
+    return cfg
+
+
+def _check_models(cfg: Config) -> None:
+    """What the types cannot say: names unique, a source or variants, sane A/B arms."""
+    if not cfg.models:
+        raise ConfigError("models: at least one model is required")
+    seen: set[str] = set()
+    for i, model in enumerate(cfg.models):
+        key = f"models[{i}]"
+        for name in (model.name, *model.aliases):
+            if name in seen:
+                raise ConfigError(f"{key}: the name {name!r} is used twice")
+            seen.add(name)
+        if "@" in model.name:
+            raise ConfigError(f"{key}.name: '@' is reserved (it joins a model and its variant)")
+        if bool(model.source) == bool(model.variants):
+            raise ConfigError(f"{key}: give either source or variants (an A/B split), not "
+                              f"{'both' if model.source else 'neither'}")
+        if model.variants and model.revision:
+            raise ConfigError(f"{key}.revision: with variants, each variant has its revision")
+        if len(set(model.devices)) != len(model.devices) or any(d < 0 for d in model.devices):
+            raise ConfigError(f"{key}.devices: expected distinct indices >= 0, "
+                              f"got {model.devices}")
+        if not _STICKY.match(model.sticky_key):
+            raise ConfigError(f"{key}.sticky_key: expected 'user' or 'header:NAME', "
+                              f"got {model.sticky_key!r}")
+        if model.sticky_key and not model.variants:
+            raise ConfigError(f"{key}.sticky_key: only a model with variants is split")
+        names = [v.name for v in model.variants]
+        for j, variant in enumerate(model.variants):
+            if not _NAME.match(variant.name):
+                raise ConfigError(f"{key}.variants[{j}].name: letters, digits and . _ - only, "
+                                  f"got {variant.name!r}")
+            if variant.weight < 0:
+                raise ConfigError(f"{key}.variants[{j}].weight: expected a number >= 0")
+        if len(set(names)) != len(names):
+            raise ConfigError(f"{key}.variants: names must differ, got {names}")
+        if model.variants and sum(v.weight for v in model.variants) <= 0:
+            raise ConfigError(f"{key}.variants: the weights must not all be 0")
 
 
 def load_resolved(path: str | Path) -> Config:

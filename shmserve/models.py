@@ -1,19 +1,30 @@
 """What a model directory says about itself, read without torch.
 
-Both sides need it: the frontend for the tokenizer and the input limit, the worker for pooling,
-normalisation and the weights. A source is a directory, or ``package:NAME`` for an installed
-Python package that ships one (``NAME.get_model_path()`` or a ``model/`` folder beside it).
+Both sides need it: the frontend for the tokenizer, the input limit and the labels, the worker
+for pooling, normalisation, the scoring head and the weights. A source is a directory, or
+``package:NAME`` for an installed Python package that ships one (a ``model/`` folder beside it).
+
+A configured model is served as one or more *units*, what a worker loads and what a Submit
+names: a model without variants is one unit of its own name; a model with A/B variants is one
+unit per variant, named ``MODEL@VARIANT``.
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib.util
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from shmserve.config import ModelConfig
+from shmserve.config import Config, ModelConfig
+
+TASKS = ("embedding", "classification", "rerank")
+# A cross-encoder's score, as sentence-transformers' CrossEncoder computes it: the activation it
+# saved with the model, else Sigmoid for one label.
+ACTIVATIONS = {"torch.nn.modules.activation.Sigmoid": "sigmoid", "torch.nn.Sigmoid": "sigmoid",
+               "torch.nn.modules.linear.Identity": "identity", "torch.nn.Identity": "identity"}
 
 
 class ModelSourceError(ValueError):
@@ -28,9 +39,71 @@ class ModelSpec:
     pooling: str  # mean | cls | last
     normalize: bool
     max_tokens: int
-    dim: int
+    dim: int  # the width of one output row: hidden size, number of labels, or 1 (rerank)
     dtype: str
     revision: str
+    labels: tuple[str, ...] = ()  # classification: label names by class index
+    activation: str = ""  # rerank: sigmoid | identity, applied to the logit
+
+
+@dataclass(frozen=True, slots=True)
+class Unit:
+    """What a worker loads: one model, or one A/B variant of it."""
+
+    name: str  # MODEL, or MODEL@VARIANT
+    model: str  # the configured model's name
+    variant: str  # "" for a model without variants
+    weight: float
+    config: ModelConfig  # the model's config with this unit's name, source and revision
+
+
+def units(model: ModelConfig) -> list[Unit]:
+    if not model.variants:
+        return [Unit(model.name, model.name, "", 1.0, model)]
+    return [Unit(f"{model.name}@{v.name}", model.name, v.name, v.weight,
+                 dataclasses.replace(model, name=f"{model.name}@{v.name}", source=v.source,
+                                     revision=v.revision, variants=[], sticky_key=""))
+            for v in model.variants]
+
+
+def hosted(cfg: Config, devices: list[str], index: int) -> list[Unit]:
+    """The units worker `index` loads; `devices` is topology.worker_devices(cfg)."""
+    return [u for m in cfg.models if _hosts(m, devices, index) for u in units(m)]
+
+
+def check(cfg: Config, devices: list[str]) -> None:
+    """Refuse, with ModelSourceError, a configured model that cannot be served: before any
+    process starts (`shmserve up`). `devices` is topology.worker_devices(cfg)."""
+    cpu = "cpu" in devices
+    for index, model in enumerate(cfg.models):
+        missing = [d for d in model.devices if not any(
+            _hosts(dataclasses.replace(model, devices=[d]), devices, i)
+            for i in range(len(devices)))]
+        if missing:
+            raise ModelSourceError(
+                f"models[{index}].devices: {missing} name no worker; the workers are "
+                + (f"worker indexes {list(range(len(devices)))}" if cpu else f"GPUs {devices}"))
+        for unit in units(model):
+            try:
+                inspect(unit.config, with_revision=False, roots=cfg.model_root_paths)
+                weights_file(resolve_source(unit.config.source, cfg.model_root_paths))
+            except ModelSourceError as exc:
+                raise ModelSourceError(f"{unit.name}: {exc}") from None
+        on_gpu = [d for i, d in enumerate(devices)
+                  if d != "cpu" and _hosts(model, devices, i)]
+        if model.dtype == "int8" and on_gpu:
+            raise ModelSourceError(
+                f"models[{index}].dtype: int8 (dynamic quantization) runs on CPU workers only, "
+                f"and {model.name} would load on GPUs {on_gpu}; use bf16 or fp16, or "
+                "workers.devices: cpu")
+
+
+def _hosts(model: ModelConfig, devices: list[str], index: int) -> bool:
+    if not model.devices:
+        return True
+    if devices[index] == "cpu":
+        return index in model.devices
+    return int(devices[index]) in model.devices
 
 
 def resolve_source(source: str, roots: list[Path] | None = None) -> Path:
@@ -85,6 +158,7 @@ def inspect(cfg: ModelConfig, with_revision: bool = True,
     revision = cfg.revision
     if not revision and with_revision:
         revision = weights_digest(weights_file(directory))
+    labels, activation = _head(cfg.task, model_cfg, directory)
     return ModelSpec(
         name=cfg.name,
         directory=directory,
@@ -92,18 +166,71 @@ def inspect(cfg: ModelConfig, with_revision: bool = True,
         pooling=_pooling(cfg.pooling, directory),
         normalize=_normalize(cfg.normalize, directory),
         max_tokens=limit,
-        dim=int(model_cfg["hidden_size"]),
+        dim={"embedding": int(model_cfg["hidden_size"]), "classification": len(labels),
+             "rerank": 1}[cfg.task],
         dtype=cfg.dtype,
         revision=revision,
+        labels=labels,
+        activation=activation,
     )
 
 
-def weights_digest(path: Path) -> str:
+def incompatible(active: ModelSpec, new: ModelSpec) -> str:
+    """Why `new` cannot replace `active` under a running frontend ("" when it can): frontends
+    tokenize with the active model's tokenizer and shape replies by its outputs."""
+    for what, old, now in (("task", active.task, new.task), ("output width", active.dim, new.dim),
+                           ("labels", active.labels, new.labels),
+                           ("input limit", active.max_tokens, new.max_tokens)):
+        if old != now:
+            return f"its {what} differs ({old!r} now, {now!r} in {new.directory})"
+    if file_digest(active.directory / "tokenizer.json") != \
+            file_digest(new.directory / "tokenizer.json"):
+        return f"its tokenizer.json differs from the served one ({active.directory})"
+    return ""
+
+
+def file_digest(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             digest.update(chunk)
-    return digest.hexdigest()[:12]
+    return digest.hexdigest()
+
+
+def _head(task: str, model_cfg: dict, directory: Path) -> tuple[tuple[str, ...], str]:
+    """(labels, activation) of a scoring model; refuses a checkpoint without a trained head."""
+    if task == "embedding":
+        return (), ""
+    architectures = model_cfg.get("architectures") or []
+    if not any(str(a).endswith("ForSequenceClassification") for a in architectures):
+        raise ModelSourceError(f"{directory}: task {task} needs a sequence-classification "
+                               f"checkpoint (config.json architectures: {architectures or 'none'})"
+                               "; a bare encoder would get an untrained head")
+    id2label = model_cfg.get("id2label") or {"0": "LABEL_0", "1": "LABEL_1"}
+    try:
+        labels = tuple(str(id2label[str(i)]) for i in range(len(id2label)))
+    except KeyError:
+        raise ModelSourceError(f"{directory}/config.json: id2label must map 0..N-1") from None
+    if task == "classification":
+        if len(labels) < 2:
+            raise ModelSourceError(f"{directory}: a classification model needs >= 2 labels; "
+                                   "one label is a cross-encoder (task rerank)")
+        return labels, ""
+    if len(labels) != 1:
+        raise ModelSourceError(f"{directory}: a rerank model (cross-encoder) has one output, "
+                               f"this one has {len(labels)} labels (task classification?)")
+    st = model_cfg.get("sentence_transformers") or {}
+    st_file = _read_json(directory / "config_sentence_transformers.json") or {}
+    path = (st.get("activation_fn") or model_cfg.get("sbert_ce_default_activation_function")
+            or st_file.get("activation_fn") or "torch.nn.modules.activation.Sigmoid")
+    if path not in ACTIVATIONS:
+        raise ModelSourceError(f"{directory}: cross-encoder activation {path!r} is not one of "
+                               f"{', '.join(sorted(ACTIVATIONS))}")
+    return (), ACTIVATIONS[path]
+
+
+def weights_digest(path: Path) -> str:
+    return file_digest(path)[:12]
 
 
 def _pooling(choice: str, directory: Path) -> str:

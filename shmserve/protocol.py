@@ -10,6 +10,12 @@ Exchange, frontend (DEALER, one per worker) <-> worker (ROUTER):
     Submit    ->                 one request; its buffers live in the frontend's arena
               <- Result | Error  exactly one terminal reply per Submit, aborted ones included
     Abort     ->                 best effort: drop the request if it has not run yet
+    Reload    ->                 load new weights for a model into a standby slot and warm it
+              <- ReloadDone      once staged (or failed); the active slot serves meanwhile
+    Commit    ->                 switch to the staged slot (keep) or drop it, between batches
+              <- ReloadDone
+A reload is two-phase so that a model switches on every worker or on none: the frontend commits
+only once every worker has staged the new weights (frontend.reload).
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import IntEnum
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 
 class Kind(IntEnum):
@@ -29,6 +35,9 @@ class Kind(IntEnum):
     RESULT = 4
     ERROR = 5
     ABORT = 6
+    RELOAD = 7
+    COMMIT = 8
+    RELOAD_DONE = 9
 
 
 class ErrorCode(IntEnum):
@@ -41,6 +50,15 @@ class ErrorCode(IntEnum):
     ABORTED = 5
     UNAVAILABLE = 6  # loading or draining: try another worker
     INTERNAL = 7
+
+
+class ReloadStatus(IntEnum):
+    """How a Reload or Commit went at one worker. `frontend.reload` maps each to an HTTP status."""
+
+    OK = 0
+    INVALID = 1  # the source cannot be served: path, format, corrupt weights, incompatible
+    BUSY = 2  # another reload of this model is loading or staged on this worker
+    FAILED = 3  # the worker could not load it (out of memory, ...)
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +79,9 @@ class ModelInfo:
     dim: int
     max_tokens: int
     dtype: str
-    revision: str
+    revision: str  # what the active slot serves
+    state: str  # ready | loading (a reload is loading into standby) | staged (awaits commit)
+    standby: str  # the revision loading or staged, "" when none
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,12 +106,15 @@ class Heartbeat:
 class Submit:
     seq: int  # unique per frontend process: matches the reply
     request_id: str  # the HTTP request id, for log lines in every process
-    model: str
+    model: str  # a unit: MODEL, or MODEL@VARIANT (shmserve.models)
     token_ids: ShmHandle  # int32 [total_tokens]
     offsets: ShmHandle  # int32 [n_texts + 1]
     output: ShmHandle  # float32 [n_texts, dim], written by the worker
     deadline: float  # unix time; work still queued past it is answered DEADLINE
     priority: int  # higher runs first
+    # int32 [n_texts]: tokens of each text's first segment (a cross-encoder's query with its
+    # special tokens); the rest get token type 1. Shape (0,) for single-segment inputs.
+    segments: ShmHandle
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +124,7 @@ class Result:
     inference_ms: float  # sum of the forward passes the request's texts ran in
     batch_size: int  # texts in the largest batch the request ran in
     tokens: int
+    revision: str  # of the weights that computed every row (a request never mixes revisions)
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,7 +139,32 @@ class Abort:
     seq: int
 
 
-Message = Ping | Heartbeat | Submit | Result | Error | Abort
+@dataclass(frozen=True, slots=True)
+class Reload:
+    seq: int
+    ticket: str  # names this reload in its Commit; the same on every worker
+    model: str  # a unit
+    source: str  # "" : the unit's current source, read again
+    revision: str  # "" : a digest of the new weights
+
+
+@dataclass(frozen=True, slots=True)
+class Commit:
+    seq: int
+    ticket: str
+    model: str
+    keep: bool  # True: switch to the staged slot; False: drop it (or stop its loading)
+
+
+@dataclass(frozen=True, slots=True)
+class ReloadDone:
+    seq: int
+    status: ReloadStatus
+    revision: str  # staged or now active
+    message: str
+
+
+Message = Ping | Heartbeat | Submit | Result | Error | Abort | Reload | Commit | ReloadDone
 
 KIND_OF: dict[type, Kind] = {
     Ping: Kind.PING,
@@ -124,4 +173,7 @@ KIND_OF: dict[type, Kind] = {
     Result: Kind.RESULT,
     Error: Kind.ERROR,
     Abort: Kind.ABORT,
+    Reload: Kind.RELOAD,
+    Commit: Kind.COMMIT,
+    ReloadDone: Kind.RELOAD_DONE,
 }

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 import typing
+from enum import IntEnum
 from typing import Any, Callable
 
 import msgpack
 
-from shmserve import protocol
 from shmserve.protocol import KIND_OF, Kind, Message
 
 
@@ -73,7 +73,7 @@ def _builder(hint: Any) -> Callable[[Any], Any]:
     if origin is tuple:
         item = _builder(typing.get_args(hint)[0])
         return lambda raw: tuple(item(v) for v in raw)
-    if isinstance(hint, type) and issubclass(hint, Kind | protocol.ErrorCode):
+    if isinstance(hint, type) and issubclass(hint, IntEnum):
         return hint
     if hint in (int, float, str, bool):
         def check(raw: Any, hint: type = hint) -> Any:

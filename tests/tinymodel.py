@@ -66,3 +66,54 @@ def reference_embeddings(model_dir: Path, texts: list[str], max_tokens: int):
             vec = hidden.mean(0)
             out.append(torch.nn.functional.normalize(vec, dim=0).numpy())
     return np.stack(out)
+
+
+def build_tiny_classifier(target: Path, *, num_labels: int = 3, seed: int = 0,
+                          max_positions: int = 64, hidden: int = 32,
+                          labels: list[str] | None = None) -> Path:
+    """A sequence-classification head on a small random BERT, saved as safetensors: with
+    num_labels=1 it is a cross-encoder (task rerank), with more a classifier."""
+    import torch
+    from transformers import BertConfig, BertForSequenceClassification
+
+    source = resolve_source(DEFAULT_SOURCE)
+    target.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    labels = labels or [f"label-{i}" for i in range(num_labels)]
+    config = BertConfig(vocab_size=30522, hidden_size=hidden, num_hidden_layers=2,
+                        num_attention_heads=2, intermediate_size=2 * hidden,
+                        max_position_embeddings=max_positions, num_labels=num_labels,
+                        id2label=dict(enumerate(labels)),
+                        label2id={name: i for i, name in enumerate(labels)},
+                        # Large random weights, so scores spread out and tell inputs apart
+                        # (with the default 0.02 every input scores about the same).
+                        initializer_range=0.5)
+    BertForSequenceClassification(config).eval().save_pretrained(target, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt",
+                 "special_tokens_map.json"):
+        shutil.copy(source / name, target / name)
+    return target
+
+
+def reference_scores(model_dir: Path, inputs: list, max_tokens: int):
+    """The model run directly in transformers, one input at a time: softmax probabilities for
+    texts (a classifier), or sigmoid scores for (query, document) pairs (a cross-encoder)."""
+    import numpy as np
+    import torch
+    from tokenizers import Tokenizer
+    from transformers import AutoModelForSequenceClassification
+
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    tok.enable_truncation(max_length=max_tokens)
+    tok.no_padding()
+    model = AutoModelForSequenceClassification.from_pretrained(model_dir,
+                                                               use_safetensors=True).eval()
+    out = []
+    with torch.inference_mode():
+        for item in inputs:
+            enc = tok.encode(*item) if isinstance(item, tuple) else tok.encode(item)
+            logits = model(input_ids=torch.tensor([enc.ids]),
+                           token_type_ids=torch.tensor([enc.type_ids])).logits[0]
+            out.append(torch.sigmoid(logits)[0] if isinstance(item, tuple)
+                       else torch.softmax(logits, -1))
+    return np.stack([o.numpy() for o in out])

@@ -70,3 +70,48 @@ def test_resolved_round_trip(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(cfg.to_json())
     assert config.load_resolved(path) == cfg
+
+
+def _models(*models, **top):
+    return {"models": list(models), **top}
+
+
+@pytest.mark.parametrize("tree,needle", [
+    (_models({"name": "m"}), r"models\[0\]: give either source or variants \(an A/B split\), "
+                             "not neither"),
+    (_models({"name": "m", "source": "x", "variants": [{"name": "a", "source": "y"}]}),
+     "not both"),
+    (_models({"name": "m", "source": "x"}, {"name": "n", "source": "y", "aliases": ["m"]}),
+     r"models\[1\]: the name 'm' is used twice"),
+    (_models({"name": "m@x", "source": "x"}), "'@' is reserved"),
+    (_models({"name": "m", "variants": [{"name": "a", "source": "x"},
+                                        {"name": "a", "source": "y"}]}), "names must differ"),
+    (_models({"name": "m", "variants": [{"name": "a/b", "source": "x"}]}),
+     r"variants\[0\].name: letters"),
+    (_models({"name": "m", "variants": [{"name": "a", "source": "x", "weight": 0}]}),
+     "must not all be 0"),
+    (_models({"name": "m", "variants": [{"name": "a", "source": "x", "weight": -1}]}),
+     r"variants\[0\].weight"),
+    (_models({"name": "m", "revision": "r", "variants": [{"name": "a", "source": "x"}]}),
+     "each variant has its revision"),
+    (_models({"name": "m", "source": "x", "sticky_key": "cookie:x"}), "sticky_key: expected"),
+    (_models({"name": "m", "source": "x", "sticky_key": "user"}), "only a model with variants"),
+    (_models({"name": "m", "source": "x", "devices": [0, 0]}), "devices: expected distinct"),
+    (_models({"name": "m", "source": "x", "task": "generation"}), r"models\[0\].task"),
+    (_models({"name": "m", "source": "x", "dtype": "int4"}), r"models\[0\].dtype"),
+    (_models({"name": "m", "source": "x"}, admin={"reload_timeout_s": 500}),
+     "admin.reload_timeout_s: 500 must be under nginx.proxy_read_timeout_s"),
+])
+def test_model_rules(tree, needle):
+    with pytest.raises(ConfigError, match=needle):
+        config.from_tree(tree)
+
+
+def test_variants_tasks_dtypes_and_pinning_load():
+    cfg = config.from_tree(_models(
+        {"name": "m", "task": "rerank", "dtype": "auto", "devices": [1], "sticky_key": "header:X-User",
+         "variants": [{"name": "a", "source": "x", "revision": "1", "weight": 9},
+                      {"name": "b", "source": "y"}]},
+        {"name": "c", "source": "z", "task": "classification", "dtype": "int8"}))
+    assert cfg.models[0].variants[1].weight == 1.0 and cfg.models[0].devices == [1]
+    assert (cfg.models[1].task, cfg.models[1].dtype) == ("classification", "int8")

@@ -41,3 +41,39 @@ def test_pickle_only_directory_is_refused(tmp_path):
     (tmp_path / "pytorch_model.bin").write_bytes(b"\x80\x04pickle")
     with pytest.raises(ModelSourceError, match="pickle checkpoints.*safetensors only"):
         weights_file(tmp_path)
+
+
+def test_units_hosting_and_the_start_check(model_dir, tmp_path):
+    from shmserve import config
+    from shmserve.models import check, hosted, units
+
+    root = str(model_dir.parent.parent)
+    cfg = config.from_tree({"model_roots": [root], "models": [
+        {"name": "plain", "source": str(model_dir)},
+        {"name": "ab", "devices": [1], "variants": [
+            {"name": "a", "source": str(model_dir), "revision": "r1"},
+            {"name": "b", "source": str(model_dir), "weight": 3}]}]})
+    ab = units(cfg.models[1])
+    assert [(u.name, u.variant, u.weight, u.config.revision) for u in ab] == [
+        ("ab@a", "a", 1.0, "r1"), ("ab@b", "b", 3.0, "")]
+    assert ab[0].config.name == "ab@a" and ab[0].config.variants == []
+    cpu = ["cpu", "cpu"]
+    assert [u.name for u in hosted(cfg, cpu, 0)] == ["plain"]
+    assert [u.name for u in hosted(cfg, cpu, 1)] == ["plain", "ab@a", "ab@b"]
+    # GPU workers are named by GPU index: [1] is the worker on GPU 1, here worker 0.
+    assert [u.name for u in hosted(cfg, ["1", "3"], 0)] == ["plain", "ab@a", "ab@b"]
+    check(cfg, cpu)
+    with pytest.raises(ModelSourceError, match=r"devices: \[1\] name no worker; the workers "
+                       r"are worker indexes \[0\]"):
+        check(cfg, ["cpu"])
+    with pytest.raises(ModelSourceError, match=r"name no worker; the workers are GPUs \['0'\]"):
+        check(cfg, ["0"])
+    int8 = config.from_tree({"model_roots": [root], "models": [
+        {"name": "q", "source": str(model_dir), "dtype": "int8"}]})
+    check(int8, cpu)
+    with pytest.raises(ModelSourceError, match="int8 .* CPU workers only"):
+        check(int8, ["0"])
+    outside = config.from_tree({"model_roots": [str(tmp_path)], "models": [
+        {"name": "ab", "variants": [{"name": "a", "source": str(model_dir)}]}]})
+    with pytest.raises(ModelSourceError, match="ab@a: .*outside the model roots"):
+        check(outside, cpu)

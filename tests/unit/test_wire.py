@@ -2,20 +2,29 @@ import msgpack
 import pytest
 
 from shmserve import wire
-from shmserve.protocol import (KIND_OF, Abort, Error, ErrorCode, Heartbeat, Kind, ModelInfo, Ping,
-                               Result, ShmHandle, Submit)
+from shmserve.protocol import (KIND_OF, Abort, Commit, Error, ErrorCode, Heartbeat, Kind,
+                               ModelInfo, Ping, Reload, ReloadDone, ReloadStatus, Result,
+                               ShmHandle, Submit)
 
 HANDLE = ShmHandle("shmserve-abc-fe0-1", 128, 4 * 6, "int32", (6,))
+EMPTY = ShmHandle("shmserve-abc-fe0-1", 128, 0, "int32", (0,))  # a single-segment request
 MESSAGES = [
     Ping(1.5),
-    Heartbeat(1, 0, 4242, True, "cpu", (ModelInfo("m", "embedding", 384, 256, "fp32", "ab12"),),
-              3, 4096, 1.5),
+    Heartbeat(1, 0, 4242, True, "cpu", (
+        ModelInfo("m", "embedding", 384, 256, "fp32", "ab12", "ready", ""),
+        ModelInfo("m@b", "classification", 3, 512, "int8", "r1", "loading", "r2")), 3, 4096, 1.5),
     Heartbeat(1, 3, 1, False, "loading", (), 0, 1, 0.0),
     Submit(7, "req-1", "m", HANDLE, ShmHandle("a", 0, 0, "int32", (0,)),
-           ShmHandle("a", 64, 4 * 2 * 384, "float32", (2, 384)), 1e9, -1),
-    Result(7, 0.5, 12.25, 32, 100),
+           ShmHandle("a", 64, 4 * 2 * 384, "float32", (2, 384)), 1e9, -1, EMPTY),
+    Submit(8, "req-2", "ce", HANDLE, HANDLE, ShmHandle("a", 64, 4 * 6, "float32", (6, 1)), 1e9,
+           0, ShmHandle("a", 128, 4 * 6, "int32", (6,))),
+    Result(7, 0.5, 12.25, 32, 100, "rev-2"),
     Error(7, ErrorCode.OVERLOADED, "queue full"),
     Abort(2**40),
+    Reload(3, "ticket-1", "m@b", "/models/m-v2", ""),
+    Commit(4, "ticket-1", "m@b", True),
+    Commit(5, "ticket-1", "m", False),
+    ReloadDone(3, ReloadStatus.BUSY, "", "another reload is in progress"),
 ]
 
 
@@ -30,15 +39,18 @@ def test_round_trip_is_two_frames_with_the_kind_first(msg):
 
 
 def test_enums_and_tuples_come_back_typed():
-    back = wire.decode(wire.encode(MESSAGES[5]))
+    back = wire.decode(wire.encode(MESSAGES[6]))
     assert back.code is ErrorCode.OVERLOADED
+    done = wire.decode(wire.encode(MESSAGES[-1]))
+    assert done.status is ReloadStatus.BUSY
+    assert wire.decode(wire.encode(MESSAGES[-2])).keep is False
     submit = wire.decode(wire.encode(MESSAGES[3]))
     assert submit.output.shape == (2, 384) and isinstance(submit.output.shape, tuple)
 
 
 def test_large_message_round_trips():
     long_id = "x" * 100_000
-    msg = Submit(1, long_id, "m", HANDLE, HANDLE, HANDLE, 0.0, 0)
+    msg = Submit(1, long_id, "m", HANDLE, HANDLE, HANDLE, 0.0, 0, EMPTY)
     assert wire.decode(wire.encode(msg)).request_id == long_id
 
 
@@ -50,7 +62,10 @@ def test_large_message_round_trips():
     [bytes((Kind.PING,)), b"\xc1"],  # invalid msgpack
     [bytes((Kind.PING,)), msgpack.packb([1.0, 2.0])],  # wrong arity
     [bytes((Kind.PING,)), msgpack.packb(["1.0"])],  # wrong type
-    [bytes((Kind.RESULT,)), msgpack.packb([True, 0.0, 0.0, 1, 1])],  # bool is not an int
+    [bytes((Kind.RESULT,)), msgpack.packb([True, 0.0, 0.0, 1, 1, "r"])],  # bool is not an int
+    [bytes((Kind.RESULT,)), msgpack.packb([1, 0.0, 0.0, 1, 1])],  # protocol 1's Result
+    [bytes((Kind.RELOAD_DONE,)), msgpack.packb([1, 7, "", "x"])],  # unknown reload status
+    [bytes((Kind.COMMIT,)), msgpack.packb([1, "t", "m", 1])],  # an int is not a bool
     [bytes((Kind.ERROR,)), msgpack.packb([1, 99, "x"])],  # unknown error code
 ])
 def test_garbage_raises_wire_error(frames):

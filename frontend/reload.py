@@ -1,0 +1,111 @@
+"""A hot reload, driven by the frontend that received the admin call, over its DEALER sockets to
+every worker that hosts the model (or the A/B variant):
+
+  1. Reload(ticket): each worker loads and warms the new weights into a standby slot while its
+     active slot keeps serving, and answers once staged, or why it could not.
+  2. If every worker staged: the run state records the new source (so a worker that restarts
+     loads it too), then Commit(keep): each switches between two batches and answers. Else
+     Commit(drop) to those that staged: nothing changed anywhere, and the call says why.
+
+So a model switches on every worker or on none. Each phase waits at most
+admin.reload_timeout_s; a worker that does not answer in time counts as failed. Every frontend
+learns the new revision from the replies it gets (Result.revision) and from heartbeats.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+from aiohttp import web
+
+from frontend.app import CONFIG, POOL
+from frontend.errors import ApiError
+from frontend.pool import WorkerGone, WorkerLink
+from frontend.variants import Variant
+from shmserve import state, topology
+from shmserve.models import hosted, units
+from shmserve.protocol import Commit, Reload, ReloadDone, ReloadStatus
+
+# The call's error is the first of these kinds among the workers' answers: a bad source first
+# (the caller can fix it), then a reload already in progress, then the workers' own failures.
+_KINDS = ("invalid_request", "conflict", "internal_error", "unavailable")
+_KIND_OF = {ReloadStatus.INVALID: "invalid_request", ReloadStatus.BUSY: "conflict",
+            ReloadStatus.FAILED: "internal_error"}
+
+
+async def reload(app: web.Application, model: str, variant: Variant, source: str,
+                 revision: str) -> dict:
+    """Reload `variant` of `model` everywhere; the answer body, or an ApiError."""
+    cfg, pool = app[CONFIG], app[POOL]
+    devices = topology.worker_devices(cfg)
+    hosts = [link for link in pool.links
+             if any(u.name == variant.unit for u in hosted(cfg, devices, link.index))]
+    down = [link.index for link in hosts if not link.ready]
+    if down:
+        raise ApiError("unavailable", f"workers {down} host {variant.unit} and are not ready; "
+                       "reload once GET /ready answers 200", retry_after=1)
+    ticket = uuid.uuid4().hex
+    timeout = cfg.admin.reload_timeout_s
+    staged = await _ask(pool, hosts, lambda seq: Reload(seq, ticket, variant.unit, source,
+                                                        revision), timeout)
+    if all(isinstance(r, ReloadDone) and r.status == ReloadStatus.OK for r in staged.values()):
+        current = state.read(cfg).sources.get(variant.unit, {}).get("source") or next(
+            u.config.source for m in cfg.models for u in units(m) if u.name == variant.unit)
+        state.update(cfg, lambda tree: tree["sources"].__setitem__(variant.unit, {
+            "source": source or current, "revision": revision}))
+        done = await _ask(pool, hosts, lambda seq: Commit(seq, ticket, variant.unit, True),
+                          timeout)
+        revisions = sorted({r.revision for r in done.values() if isinstance(r, ReloadDone)})
+        return {"model": model, **({"variant": variant.name} if variant.name else {}),
+                "revision": revisions[0] if len(revisions) == 1 else revisions,
+                "workers": _workers(done)}
+    keep = [link for link in hosts if isinstance(staged.get(link.index), ReloadDone)
+            and staged[link.index].status == ReloadStatus.OK]
+    await _ask(pool, keep, lambda seq: Commit(seq, ticket, variant.unit, False), timeout)
+    failed = {i: r for i, r in staged.items()
+              if not (isinstance(r, ReloadDone) and r.status == ReloadStatus.OK)}
+    kinds = {_KIND_OF[r.status] if isinstance(r, ReloadDone) else "unavailable"
+             for r in failed.values()}
+    kind = next(k for k in _KINDS if k in kinds)
+    details = "; ".join(f"worker {i}: {_text(r)}" for i, r in sorted(failed.items()))
+    raise ApiError(kind, f"reload of {variant.unit} failed, the served revision is unchanged: "
+                   f"{details}", param="source" if kind == "invalid_request" else None)
+
+
+async def _ask(pool, links: list[WorkerLink], make, timeout: float
+               ) -> dict[int, ReloadDone | BaseException]:
+    """Send one message to each link and collect the answers, at most `timeout` seconds."""
+    futures = {}
+    for link in links:
+        futures[link.index] = pool.submit(link, make(pool.next_seq()), 0, lambda: None)
+    if futures:
+        await asyncio.wait(futures.values(), timeout=timeout)
+    answers: dict[int, ReloadDone | BaseException] = {}
+    for index, future in futures.items():
+        if not future.done():
+            future.add_done_callback(_consume)
+            answers[index] = TimeoutError(f"no answer within {timeout:g} s "
+                                          "(admin.reload_timeout_s)")
+        else:
+            answers[index] = future.exception() or future.result()
+    return answers
+
+
+def _workers(answers: dict[int, ReloadDone | BaseException]) -> list[dict]:
+    return [{"worker": i, "ok": isinstance(r, ReloadDone) and r.status == ReloadStatus.OK,
+             "revision": r.revision if isinstance(r, ReloadDone) else None,
+             "message": _text(r)} for i, r in sorted(answers.items())]
+
+
+def _text(answer: ReloadDone | BaseException) -> str:
+    if isinstance(answer, ReloadDone):
+        return answer.message
+    if isinstance(answer, WorkerGone):
+        return f"lost during the reload ({answer})"
+    return str(answer)
+
+
+def _consume(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()  # nobody waits for it any more

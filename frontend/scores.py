@@ -1,0 +1,123 @@
+"""HTTP routes of the scoring tasks, in the shapes clients already send:
+
+    POST /v1/classify  {"input": str | [str], "model"?, "top_k"?}
+        -> {"object": "list", "model", "revision", "data": [{"object": "classification",
+            "index", "label", "probs", "num_classes", "labels": [{"label", "score"}]}], "usage"}
+           (vLLM's classify shape; `labels` is sorted by score and cut to top_k)
+    POST /predict      {"texts": [str], "model"?, "top_k"?} on a classification model
+        -> {"results": [[{"label", "score"}]], "model", "revision", "usage"}
+    POST /v1/rerank    {"query", "documents": [str | {"text"}], "model"?, "top_n"?,
+                        "return_documents"?}
+        -> {"id", "model", "revision", "results": [{"index", "relevance_score",
+            "document"?: {"text"}}], "usage"}   (Cohere's and Jina's shape, best first)
+
+Every body may also carry "priority" and "user" (an A/B sticky key, see models.sticky_key).
+The running itself is frontend.tasks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from aiohttp import web
+
+from frontend import codec, schemas, tasks
+from frontend.app import CONFIG
+from frontend.errors import ApiError
+from frontend.tasks import stage_headers
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/v1/classify", classify)
+    app.router.add_post("/v1/rerank", rerank)
+
+
+async def classify(request: web.Request) -> web.Response:
+    body = schemas._mapping(await codec.read_body(request))
+    if "input" not in body:
+        raise ApiError("invalid_request", "'input' is required", param="input")
+    raw = body["input"]
+    texts = schemas._texts([raw] if isinstance(raw, str) else raw, "input",
+                           request.app[CONFIG].limits)
+    top_k = _count(body, "top_k")
+    out = await tasks.classify(request, schemas._model(body), texts, param="input",
+                               priority=schemas._body_priority(body), user=schemas.user(body))
+    data = [{"object": "classification", "index": i, "label": out.labels[int(np.argmax(row))],
+             "probs": row.tolist(), "num_classes": len(out.labels),
+             "labels": ranked(row, out.labels, top_k)} for i, row in enumerate(out.probs)]
+    ran = out.ran
+    return codec.render(request, {
+        "object": "list", "model": ran.model.spec.name, "revision": ran.outcome.revision,
+        "data": data, "usage": _usage(ran.enc.tokens)},
+        headers=stage_headers(request, ran.outcome))
+
+
+async def predict(request: web.Request, body: dict, parsed: schemas.EmbedRequest
+                  ) -> web.Response:
+    """/predict on a classification model: label lists, best first."""
+    top_k = _count(body, "top_k")
+    out = await tasks.classify(request, parsed.model, parsed.texts, param="texts",
+                               priority=parsed.priority, user=parsed.user)
+    ran = out.ran
+    return codec.render(request, {
+        "results": [ranked(row, out.labels, top_k) for row in out.probs],
+        "model": ran.model.spec.name, "revision": ran.outcome.revision,
+        "usage": _usage(ran.enc.tokens)}, headers=stage_headers(request, ran.outcome))
+
+
+async def rerank(request: web.Request) -> web.Response:
+    body = schemas._mapping(await codec.read_body(request))
+    limits = request.app[CONFIG].limits
+    query = body.get("query")
+    if not isinstance(query, str):
+        raise ApiError("invalid_request", "'query' must be a string", param="query")
+    schemas._texts([query], "query", limits)
+    if "documents" not in body:
+        raise ApiError("invalid_request", "'documents' is required", param="documents")
+    documents = schemas._texts(_document_texts(body["documents"]), "documents", limits)
+    top_n = _count(body, "top_n")
+    back = body.get("return_documents", False)
+    if not isinstance(back, bool):
+        raise ApiError("invalid_request", "'return_documents' must be a boolean",
+                       param="return_documents")
+    out = await tasks.rerank(request, schemas._model(body), query, documents,
+                             priority=schemas._body_priority(body), user=schemas.user(body))
+    order = np.argsort(-out.scores, kind="stable")[:top_n]
+    results = []
+    for i in order.tolist():
+        result: dict[str, Any] = {"index": i, "relevance_score": float(out.scores[i])}
+        if back:
+            result["document"] = {"text": documents[i]}
+        results.append(result)
+    ran = out.ran
+    return codec.render(request, {
+        "id": request["request_id"], "model": ran.model.spec.name,
+        "revision": ran.outcome.revision, "results": results, "usage": _usage(ran.enc.tokens)},
+        headers=stage_headers(request, ran.outcome))
+
+
+def ranked(probs: np.ndarray, labels: tuple[str, ...], top_k: int | None
+           ) -> list[dict[str, Any]]:
+    order = np.argsort(-probs, kind="stable")[:top_k]
+    return [{"label": labels[i], "score": float(probs[i])} for i in order.tolist()]
+
+
+def _document_texts(value: Any) -> Any:
+    """Documents as strings; {"text": str} objects (as Cohere and Jina accept) are unwrapped."""
+    if not isinstance(value, list):
+        return value  # _texts names the error
+    return [v["text"] if isinstance(v, dict) and isinstance(v.get("text"), str) else v
+            for v in value]
+
+
+def _count(body: dict, key: str) -> int | None:
+    value = body.get(key)
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or
+                              value < 1):
+        raise ApiError("invalid_request", f"'{key}' must be an integer >= 1", param=key)
+    return value
+
+
+def _usage(tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": tokens, "total_tokens": tokens}

@@ -1,0 +1,183 @@
+"""Running a request through a model, whatever its task: the one pipeline every inference route
+shares, and the entry points of the scoring tasks for any route (TEI /rerank, KServe tensors):
+
+    resolve(request, name, task)                      -> ServedModel, or a 404/422 ApiError
+    run(request, model, encode, chars)                -> Ran: float32 rows [n, width] + metadata
+    classify(request, name, texts)                    -> Classified: probabilities [n, labels]
+    rerank(request, name, query, documents)           -> Reranked: scores [n], input order
+
+Each takes the aiohttp request: the deadline (X-Request-Timeout), priority (X-Priority, or the
+body's, passed in) and A/B sticky key come from it, a client that goes away cancels the work,
+and the access log line and metrics get the model, the revision that served and the timings.
+The caller renders the response; `stage_headers` gives the standard headers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+from aiohttp import web
+
+from frontend import metrics, schemas
+from frontend.app import CONFIG, DISPATCHER, INDEX, INFLIGHT, MODELS, SPLITS, ServedModel
+from frontend.dispatch import Outcome
+from frontend.errors import ApiError
+from frontend.tokenizer import Encoded, TextEncoder
+from frontend.variants import Variant
+
+# Tokenize off the event loop when a request is this large (characters); small ones are faster
+# inline than a thread hop.
+THREAD_TOKENIZE_CHARS = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class Ran:
+    model: ServedModel
+    variant: Variant  # the A/B variant that served ("" name without a split)
+    outcome: Outcome  # .vectors float32 [n, width]; .revision that computed every row
+    enc: Encoded
+
+
+@dataclass(frozen=True, slots=True)
+class Classified:
+    probs: np.ndarray  # float32 [n, num_labels]; each row sums to 1 (softmax)
+    labels: tuple[str, ...]  # label names by class index, from the model's config.json
+    ran: Ran
+
+
+@dataclass(frozen=True, slots=True)
+class Reranked:
+    scores: np.ndarray  # float32 [n], one per document in input order (sigmoid of the logit)
+    ran: Ran
+
+
+def resolve(request: web.Request, name: str | None, task: str) -> ServedModel:
+    """The named model, or the first configured model of `task`; it must be of `task`."""
+    models = request.app[MODELS]
+    if name is None:
+        served = next((m for m in models.by_name.values() if m.spec.task == task), None)
+        if served is None:
+            raise ApiError("not_found", f"no {task} model is served; see GET /v1/models",
+                           param="model")
+    else:
+        served = models.resolve(name)
+    request["model"] = served.spec.name
+    if served.spec.task != task:
+        raise ApiError("invalid_request", f"model {served.spec.name!r} is a "
+                       f"{served.spec.task} model; this route needs a {task} model",
+                       param="model")
+    return served
+
+
+async def classify(request: web.Request, name: str | None, texts: list[str], *,
+                   param: str = "input", priority: int | None = None,
+                   user: str | None = None) -> Classified:
+    served = resolve(request, name, "classification")
+    ran = await run(request, served, lambda enc: enc.encode(texts, param),
+                    sum(map(len, texts)), priority=priority, user=user)
+    return Classified(ran.outcome.vectors, ran.variant.spec.labels, ran)
+
+
+async def rerank(request: web.Request, name: str | None, query: str, documents: list[str], *,
+                 param: str = "documents", priority: int | None = None,
+                 user: str | None = None) -> Reranked:
+    served = resolve(request, name, "rerank")
+    ran = await run(request, served, lambda enc: enc.encode_pairs(query, documents, param),
+                    len(query) * len(documents) + sum(map(len, documents)),
+                    priority=priority, user=user)
+    return Reranked(np.ascontiguousarray(ran.outcome.vectors[:, 0]), ran)
+
+
+async def run(request: web.Request, served: ServedModel,
+              encode: Callable[[TextEncoder], Encoded], chars: int, *,
+              priority: int | None = None, user: str | None = None) -> Ran:
+    """Choose the variant, tokenize with `encode`, run on a worker, count and log."""
+    cfg = request.app[CONFIG]
+    request["model"] = served.spec.name
+    variant = request.app[SPLITS].choose(served.spec.name, served.variants,
+                                         sticky_key(request, served, user))
+    deadline = time.time() + timeout(request, cfg.frontends.request_timeout_s)
+    inflight = request.app[INFLIGHT]
+    if inflight[0] >= cfg.frontends.max_inflight:
+        raise ApiError("overloaded", f"{inflight[0]} requests in flight on this frontend "
+                       "(frontends.max_inflight)", retry_after=1)
+    inflight[0] += 1
+    gauge = metrics.INFLIGHT.labels(str(request.app[INDEX]))
+    gauge.inc()
+    try:
+        started = time.perf_counter()
+        if chars > THREAD_TOKENIZE_CHARS:
+            enc = await asyncio.get_running_loop().run_in_executor(None, encode, variant.encoder)
+        else:
+            enc = encode(variant.encoder)
+        request["tokenize_ms"] = (time.perf_counter() - started) * 1000
+        outcome = await request.app[DISPATCHER].run(
+            variant.unit, variant.spec.dim, enc, request["request_id"], deadline,
+            request_priority(request, priority, cfg.frontends.default_priority))
+    finally:
+        inflight[0] -= 1
+        gauge.dec()
+    texts = enc.offsets.shape[0] - 1
+    metrics.TEXTS.labels(served.spec.name).inc(texts)
+    metrics.TOKENS.labels(served.spec.name).inc(enc.tokens)
+    if enc.truncated:
+        metrics.TRUNCATED.labels(served.spec.name).inc(enc.truncated)
+    request["revision"] = outcome.revision
+    request["variant"] = variant.name
+    request["log"].update(texts=texts, tokens=enc.tokens, revision=outcome.revision,
+                          batch_size=outcome.result.batch_size, worker=outcome.worker,
+                          tokenize_ms=round(request["tokenize_ms"], 3),
+                          queue_ms=round(outcome.result.queue_ms, 3),
+                          inference_ms=round(outcome.result.inference_ms, 3))
+    if variant.name:
+        request["log"]["variant"] = variant.name
+    return Ran(served, variant, outcome, enc)
+
+
+def stage_headers(request: web.Request, outcome: Outcome) -> dict[str, str]:
+    """The headers of a successful inference response: revision, batch, stage timings."""
+    headers = {
+        "X-Model-Revision": outcome.revision,
+        "X-Batch-Size": str(outcome.result.batch_size),
+        "X-Tokenization-Time": f"{request['tokenize_ms']:.3f}",
+        "X-Queue-Time": f"{outcome.result.queue_ms:.3f}",
+        "X-Inference-Time": f"{outcome.result.inference_ms:.3f}",
+    }
+    if request.get("variant"):
+        headers["X-Model-Variant"] = request["variant"]  # the A/B arm that served
+    return headers
+
+
+def sticky_key(request: web.Request, served: ServedModel, user: str | None) -> str | None:
+    """The client key that pins a split model's requests to one variant, when configured."""
+    if not served.sticky_key:
+        return None
+    if served.sticky_key == "user":
+        return user
+    return request.headers.get(served.sticky_key.removeprefix("header:"))
+
+
+def request_priority(request: web.Request, body: int | None, default: int) -> int:
+    """The body's `priority` field, else the X-Priority header, else the configured default."""
+    if body is not None:
+        return body
+    header = request.headers.get("X-Priority")
+    return default if header is None else schemas.parse_priority(header, "X-Priority")
+
+
+def timeout(request: web.Request, default: float) -> float:
+    raw = request.headers.get("X-Request-Timeout")
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value <= 3600:
+        raise ApiError("invalid_request", "X-Request-Timeout must be seconds in (0, 3600]",
+                       param="X-Request-Timeout")
+    return value

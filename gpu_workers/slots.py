@@ -1,0 +1,210 @@
+"""A worker's models in slots, and their hot reload.
+
+Each unit (shmserve.models) has one active slot. A reload loads the new weights into a standby
+slot while the active one keeps serving, then switches between two batches; the old slot retires
+and is freed once no queued text is pinned to it. Texts are pinned to their unit's active slot
+when the model thread takes their request in, and the batcher groups texts by slot key, so no
+batch and no request ever mixes revisions.
+
+One reload at one worker:
+    Reload        -> loading   a loader thread builds the slot: source within the model roots,
+                               compatible with the active one, loaded, warmed up
+    (built)       -> staged    answered ReloadDone(OK); waits for the frontend's commit
+    Commit(keep)  -> active    the old slot retires
+    Commit(drop), or staged for longer than admin.reload_timeout_s: the staged slot is freed
+A failed load answers ReloadDone(INVALID | FAILED) and leaves the active slot as it was.
+
+Threads: every method runs on the model thread, except `build`, which runs on the loader thread
+and hands its outcome back through `post` (the worker's inbox): the table has one writer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from shmserve.config import ModelConfig
+from shmserve.models import ModelSourceError, ModelSpec
+from shmserve.protocol import Commit, ModelInfo, Reload, ReloadDone, ReloadStatus
+
+log = logging.getLogger("shmserve.worker")
+
+
+@dataclass(eq=False)
+class Slot:
+    key: str  # unique in this worker; the batcher groups texts by it
+    spec: ModelSpec
+    source: str
+    model: Any
+
+
+@dataclass(eq=False)
+class Job:
+    ticket: str
+    peer: bytes
+    seq: int
+    revision: str
+    cancelled: bool = False
+
+
+@dataclass(eq=False)
+class Unit:
+    config: ModelConfig
+    active: Slot
+    loading: Job | None = None
+    standby: Slot | None = None
+    staged: tuple[str, float] | None = None  # (ticket, monotonic time) of the standby
+    retiring: list[Slot] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class Built:
+    """A loader thread's outcome, posted to the model thread."""
+
+    unit: str
+    ticket: str
+    slot: Slot | None
+    error: BaseException | None
+
+
+Reply = tuple[bytes, ReloadDone]
+# (unit config with the new source and revision, the active spec) -> (new spec, loaded model)
+Build = Callable[[ModelConfig, ModelSpec], tuple[ModelSpec, Any]]
+
+
+class Slots:
+    def __init__(self, build: Build, release: Callable[[Any], None],
+                 post: Callable[[Built], None], stage_timeout_s: float) -> None:
+        self._build = build
+        self._release = release
+        self._post = post
+        self._stage_timeout = stage_timeout_s
+        self._ids = itertools.count()
+        self.units: dict[str, Unit] = {}
+
+    def add(self, config: ModelConfig, spec: ModelSpec, model: Any) -> None:
+        self.units[config.name] = Unit(config, self._slot(spec, config.source, model))
+
+    def active(self, unit: str) -> Slot:
+        return self.units[unit].active
+
+    def infos(self) -> tuple[ModelInfo, ...]:
+        out = []
+        for unit in self.units.values():
+            s = unit.active.spec
+            state, standby = "ready", ""
+            if unit.loading is not None and not unit.loading.cancelled:
+                state, standby = "loading", unit.loading.revision
+            elif unit.standby is not None:
+                state, standby = "staged", unit.standby.spec.revision
+            out.append(ModelInfo(s.name, s.task, s.dim, s.max_tokens, s.dtype, s.revision,
+                                 state, standby))
+        return tuple(out)
+
+    # ---- reload -------------------------------------------------------------------------
+
+    def reload(self, peer: bytes, msg: Reload) -> list[Reply]:
+        unit = self.units.get(msg.model)
+        if unit is None:
+            return [_reply(peer, msg.seq, ReloadStatus.INVALID, "",
+                           f"model {msg.model!r} is not loaded on this worker")]
+        if (unit.loading is not None and not unit.loading.cancelled) or unit.standby:
+            return [_reply(peer, msg.seq, ReloadStatus.BUSY, "",
+                           f"another reload of {msg.model!r} is in progress on this worker")]
+        source = msg.source or unit.active.source
+        config = dataclasses.replace(unit.config, source=source, revision=msg.revision)
+        unit.loading = Job(msg.ticket, peer, msg.seq, msg.revision)
+        active = unit.active.spec
+        threading.Thread(target=self._load, args=(msg.model, msg.ticket, config, active),
+                         name=f"load-{msg.model}", daemon=True).start()
+        log.info("worker.reload_started", extra={"fields": {
+            "model": msg.model, "source": source, "revision": msg.revision, "ticket": msg.ticket}})
+        return []
+
+    def _load(self, name: str, ticket: str, config: ModelConfig, active: ModelSpec) -> None:
+        """The loader thread: build, then hand the outcome to the model thread."""
+        try:
+            spec, model = self._build(config, active)
+            self._post(Built(name, ticket, self._slot(spec, config.source, model), None))
+        except BaseException as exc:  # noqa: BLE001 - reported to the caller of the reload
+            self._post(Built(name, ticket, None, exc))
+
+    def built(self, item: Built) -> list[Reply]:
+        unit = self.units[item.unit]
+        job = unit.loading
+        if job is None or job.ticket != item.ticket:  # cancelled, and replaced by a newer one
+            self._free(item.slot)
+            return []
+        unit.loading = None
+        if job.cancelled:
+            self._free(item.slot)
+            return []
+        if item.error is not None:
+            status = (ReloadStatus.INVALID if isinstance(item.error, ModelSourceError)
+                      else ReloadStatus.FAILED)
+            message = f"{type(item.error).__name__}: {item.error}"
+            log.warning("worker.reload_failed", extra={"fields": {
+                "model": item.unit, "ticket": job.ticket, "error": message}})
+            return [_reply(job.peer, job.seq, status, "", message)]
+        unit.standby, unit.staged = item.slot, (job.ticket, time.monotonic())
+        log.info("worker.reload_staged", extra={"fields": {
+            "model": item.unit, "revision": item.slot.spec.revision, "ticket": job.ticket}})
+        return [_reply(job.peer, job.seq, ReloadStatus.OK, item.slot.spec.revision, "staged")]
+
+    def commit(self, peer: bytes, msg: Commit) -> list[Reply]:
+        unit = self.units.get(msg.model)
+        if unit is not None and unit.standby is not None and unit.staged[0] == msg.ticket:
+            slot, unit.standby, unit.staged = unit.standby, None, None
+            if not msg.keep:
+                self._free(slot)
+                return [_reply(peer, msg.seq, ReloadStatus.OK, unit.active.spec.revision,
+                               "dropped")]
+            unit.retiring.append(unit.active)
+            unit.active = slot
+            log.info("worker.switched", extra={"fields": {
+                "model": msg.model, "revision": slot.spec.revision, "ticket": msg.ticket}})
+            return [_reply(peer, msg.seq, ReloadStatus.OK, slot.spec.revision, "switched")]
+        if unit is not None and unit.loading is not None and unit.loading.ticket == msg.ticket \
+                and not msg.keep:
+            unit.loading.cancelled = True  # its slot is freed when the loader thread is done
+            return [_reply(peer, msg.seq, ReloadStatus.OK, unit.active.spec.revision,
+                           "cancelled")]
+        return [_reply(peer, msg.seq, ReloadStatus.INVALID, "",
+                       f"no staged reload {msg.ticket} of {msg.model!r} here (it expired, or "
+                       "was never staged)")]
+
+    def expire(self, now: float) -> None:
+        """Free standby slots staged and never committed (their frontend went away)."""
+        for name, unit in self.units.items():
+            if unit.staged is not None and now - unit.staged[1] > self._stage_timeout:
+                log.warning("worker.reload_expired", extra={"fields": {
+                    "model": name, "ticket": unit.staged[0]}})
+                slot, unit.standby, unit.staged = unit.standby, None, None
+                self._free(slot)
+
+    def collect(self, pinned: set[str]) -> None:
+        """Free retired slots that no queued text is pinned to (`pinned`: their slot keys)."""
+        for unit in self.units.values():
+            for slot in [s for s in unit.retiring if s.key not in pinned]:
+                unit.retiring.remove(slot)
+                log.info("worker.slot_freed", extra={"fields": {
+                    "model": slot.spec.name, "revision": slot.spec.revision}})
+                self._free(slot)
+
+    def _slot(self, spec: ModelSpec, source: str, model: Any) -> Slot:
+        return Slot(f"{spec.name}#{next(self._ids)}", spec, source, model)
+
+    def _free(self, slot: Slot | None) -> None:
+        if slot is not None:
+            model, slot.model = slot.model, None
+            self._release(model)
+
+
+def _reply(peer: bytes, seq: int, status: ReloadStatus, revision: str,
+           message: str) -> Reply:
+    return peer, ReloadDone(seq, status, revision, message)

@@ -1,0 +1,51 @@
+"""What each task does with the network's output: one float32 row per text.
+
+    embedding       the pooled last hidden state (cls | mean | last token), L2-normalised when
+                    the model says so                                      -> [B, hidden]
+    classification  softmax over the sequence-classification logits     -> [B, num_labels]
+    rerank          a cross-encoder's one logit through its activation   -> [B, 1]
+                    (sigmoid unless the model saved another; as sentence-transformers'
+                    CrossEncoder.predict computes it)
+
+Heads run in float32 whatever the network's dtype, so probabilities sum to 1 and pooling does
+not lose precision.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from transformers import AutoModel, AutoModelForSequenceClassification
+
+from shmserve.models import ModelSpec
+
+Head = Callable[[object, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def network_class(task: str) -> type:
+    return AutoModel if task == "embedding" else AutoModelForSequenceClassification
+
+
+def head(spec: ModelSpec) -> Head:
+    if spec.task == "embedding":
+        return lambda out, mask, lens: _embed(spec, out.last_hidden_state.float(), mask, lens)
+    if spec.task == "classification":
+        return lambda out, mask, lens: torch.softmax(out.logits.float(), dim=-1)
+    if spec.activation == "identity":
+        return lambda out, mask, lens: out.logits.float()
+    return lambda out, mask, lens: torch.sigmoid(out.logits.float())
+
+
+def _embed(spec: ModelSpec, hidden: torch.Tensor, mask: torch.Tensor,
+           lens: torch.Tensor) -> torch.Tensor:
+    if spec.pooling == "cls":
+        pooled = hidden[:, 0]
+    elif spec.pooling == "last":
+        pooled = hidden[torch.arange(hidden.shape[0], device=hidden.device), lens - 1]
+    else:
+        weights = mask.unsqueeze(-1).to(hidden.dtype)
+        pooled = (hidden * weights).sum(1) / weights.sum(1).clamp(min=1e-9)
+    if spec.normalize:
+        pooled = torch.nn.functional.normalize(pooled, p=2, dim=1)
+    return pooled

@@ -1,0 +1,85 @@
+"""CLI commands that call the running stack's admin API through nginx, with admin.token:
+``shmserve models``, ``shmserve reload``, ``shmserve split``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import urllib.error
+import urllib.request
+from pathlib import Path
+from urllib.parse import quote
+
+from shmserve import config
+from shmserve.config import Config
+
+
+class RemoteError(RuntimeError):
+    """The call cannot be made; the message says what to change."""
+
+
+def list_models(args: argparse.Namespace) -> int:
+    status_code, body = admin_call(_load(args), "GET", "/admin/models")
+    print(json.dumps(body, indent=2))
+    return 0 if status_code == 200 else 1
+
+
+def reload(args: argparse.Namespace) -> int:
+    cfg = _load(args)
+    source = args.source
+    if source and not source.startswith("package:"):
+        source = str(Path(source).expanduser().resolve())  # the workers' cwd is not ours
+    body = {"source": source, "revision": args.revision, "variant": args.variant}
+    status_code, answer = admin_call(cfg, "POST", f"/admin/models/{quote(args.name)}/reload",
+                                     body, timeout=cfg.admin.reload_timeout_s + 30)
+    print(json.dumps(answer, indent=2))
+    return 0 if status_code == 200 else 1
+
+
+def split(args: argparse.Namespace) -> int:
+    weights = {}
+    for item in args.weights:
+        name, eq, value = item.partition("=")
+        try:
+            weights[name] = float(value)
+        except ValueError:
+            raise RemoteError(f"{item!r}: expected VARIANT=WEIGHT, a weight being a number") from None
+        if not eq:
+            raise RemoteError(f"{item!r}: expected VARIANT=WEIGHT")
+    status_code, answer = admin_call(_load(args), "PUT", f"/admin/models/{quote(args.name)}/split",
+                                     {"weights": weights})
+    print(json.dumps(answer, indent=2))
+    return 0 if status_code == 200 else 1
+
+
+def admin_call(cfg: Config, method: str, path: str, body: dict | None = None,
+               timeout: float = 30.0) -> tuple[int, object]:
+    """Call an admin route through nginx with admin.token; (status, decoded JSON body)."""
+    if not cfg.admin.token:
+        raise RemoteError("admin routes are off: set admin.token (SHMSERVE__ADMIN__TOKEN)")
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(_base_url(cfg) + path, data=data, method=method, headers={
+        "Authorization": f"Bearer {cfg.admin.token}", "Content-Type": "application/json"})
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(request, timeout=timeout) as response:
+            code, raw = response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        code, raw = exc.code, exc.read()
+    except OSError as exc:
+        raise RemoteError(f"{_base_url(cfg)} did not answer ({exc}); is the stack up?") from None
+    try:
+        return code, json.loads(raw)
+    except ValueError:
+        return code, raw.decode(errors="replace")
+
+
+
+def _base_url(cfg: Config) -> str:
+    from shmserve.cli import base_url
+
+    return base_url(cfg)
+
+
+def _load(args: argparse.Namespace) -> Config:
+    return config.load(env=args.env, extra=args.config)

@@ -1,0 +1,112 @@
+"""Changes made through the admin API while the stack runs, kept in one file in the run directory
+(``state.json``) so that every process agrees on them and a restarted one picks them up:
+
+    {"sources": {UNIT: {"source": str, "revision": str}},   reloaded models (shmserve.models)
+     "splits":  {MODEL: {VARIANT: weight}}}                   A/B weights
+
+Owners: a frontend writes it, only after the change took effect (a reload committed on every
+worker) or to make it take effect (a split), under an exclusive lock on ``state.lock``
+(read-modify-write), and replaces it atomically (write, then rename), so a reader never sees half
+a file. Workers read it when they start, before loading; frontends read it whenever it changed
+(`Watch`, one stat per look). ``shmserve up`` removes it: at start the config is the truth.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+from shmserve.config import Config
+
+log = logging.getLogger("shmserve.state")
+
+
+@dataclass(frozen=True, slots=True)
+class State:
+    sources: dict[str, dict[str, str]] = field(default_factory=dict)
+    splits: dict[str, dict[str, float]] = field(default_factory=dict)
+
+
+def path(cfg: Config) -> Path:
+    return cfg.run_dir / "state.json"
+
+
+def read(cfg: Config) -> State:
+    return _parse(path(cfg))
+
+
+def update(cfg: Config, change: Callable[[dict], None]) -> State:
+    """Apply `change` to the file's JSON tree under the lock; return the new state."""
+    with _locked(cfg):
+        file = path(cfg)
+        try:
+            tree = json.loads(file.read_text())
+        except (FileNotFoundError, ValueError):
+            tree = {}
+        tree.setdefault("sources", {})
+        tree.setdefault("splits", {})
+        change(tree)
+        tmp = file.with_name(f".{file.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(tree, indent=2, sort_keys=True) + "\n")
+        tmp.chmod(0o600)
+        os.replace(tmp, file)
+    return _parse(file)
+
+
+def remove(cfg: Config) -> None:
+    path(cfg).unlink(missing_ok=True)
+
+
+class Watch:
+    """The current state, read again only when the file changed (its inode, size or mtime)."""
+
+    def __init__(self, cfg: Config) -> None:
+        self._path = path(cfg)
+        self._stamp: tuple[int, int, int] | None = None
+        self.state = State()
+
+    def current(self) -> State:
+        try:
+            st = os.stat(self._path)
+            stamp = (st.st_ino, st.st_size, st.st_mtime_ns)
+        except FileNotFoundError:
+            stamp = None
+        if stamp != self._stamp:
+            self._stamp = stamp
+            self.state = _parse(self._path) if stamp is not None else State()
+        return self.state
+
+
+@contextmanager
+def _locked(cfg: Config) -> Iterator[None]:
+    fd = os.open(cfg.run_dir / "state.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
+def _parse(file: Path) -> State:
+    """The file's valid entries; a damaged file or entry is logged and ignored, never fatal."""
+    try:
+        tree = json.loads(file.read_text())
+    except FileNotFoundError:
+        return State()
+    except ValueError as exc:
+        log.error("state.unreadable", extra={"fields": {"path": str(file), "error": str(exc)}})
+        return State()
+    sources = {unit: {"source": str(v.get("source", "")), "revision": str(v.get("revision", ""))}
+               for unit, v in (tree.get("sources") or {}).items() if isinstance(v, dict)}
+    splits = {}
+    for model, weights in (tree.get("splits") or {}).items():
+        if isinstance(weights, dict) and all(isinstance(w, (int, float)) and w >= 0
+                                             for w in weights.values()):
+            splits[model] = {k: float(w) for k, w in weights.items()}
+    return State(sources, splits)

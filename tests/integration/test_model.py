@@ -1,0 +1,114 @@
+"""The worker's model in-process, per task and dtype, against the same model run directly in
+transformers (and sentence-transformers' CrossEncoder), fed as the frontend tokenizes."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from frontend.tokenizer import TextEncoder
+from gpu_workers.model import Model, cpu_has_bf16, resolve_dtype
+from shmserve.config import ModelConfig
+from shmserve.models import ModelSourceError, incompatible, inspect
+from tests.tinymodel import (build_tiny_bert, build_tiny_classifier, reference_embeddings,
+                             reference_scores)
+
+TEXTS = ["The quick brown fox jumps over the lazy dog.", "hello",
+         "Shared memory moves token ids between processes without copies.",
+         "word " * 80]  # over the 64-token limit: truncated
+QUERY = "what moves token ids between processes?"
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("task-models")
+    return {"clf": build_tiny_classifier(root / "clf", num_labels=3, seed=3),
+            "ce": build_tiny_classifier(root / "ce", num_labels=1, seed=4),
+            "emb": build_tiny_bert(root / "emb", seed=5)}
+
+
+def spec(directory, task, dtype="fp32", **extra):
+    return inspect(ModelConfig(name=task, source=str(directory), task=task, dtype=dtype,
+                               **extra))
+
+
+def run(model: Model, enc) -> np.ndarray:
+    lengths = np.diff(enc.offsets)
+    ids = np.zeros((len(lengths), int(lengths.max())), np.int64)
+    for i, (a, b) in enumerate(zip(enc.offsets[:-1], enc.offsets[1:])):
+        ids[i, :b - a] = enc.ids[a:b]
+    return model.forward(ids, lengths, enc.segments)
+
+
+def test_classification_is_softmax_of_the_sequence_classifier(models):
+    s = spec(models["clf"], "classification")
+    assert s.labels == ("label-0", "label-1", "label-2") and s.dim == 3
+    got = run(Model(s, torch.device("cpu")), TextEncoder(s, truncate=True).encode(TEXTS))
+    want = reference_scores(models["clf"], TEXTS, 64)
+    assert got.shape == (4, 3)
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    np.testing.assert_allclose(got.sum(1), 1, atol=1e-5)
+
+
+def test_rerank_scores_pairs_with_token_types_as_cross_encoder_does(models):
+    from sentence_transformers.cross_encoder import CrossEncoder
+
+    s = spec(models["ce"], "rerank")
+    assert (s.dim, s.activation) == (1, "sigmoid")
+    enc = TextEncoder(s, truncate=True).encode_pairs(QUERY, TEXTS)
+    assert enc.segments.tolist()[:2] == [10, 10]  # [CLS] 8 query tokens [SEP]
+    got = run(Model(s, torch.device("cpu")), enc)[:, 0]
+    want = reference_scores(models["ce"], [(QUERY, t) for t in TEXTS], 64)
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    assert got.std() > 0.05  # the scores tell the documents apart
+    cross = CrossEncoder(str(models["ce"]), device="cpu", max_length=64)
+    np.testing.assert_allclose(got, cross.predict([(QUERY, t) for t in TEXTS]), atol=1e-5)
+    # Token types matter: without them (all zero) the scores differ.
+    assert not np.allclose(run(Model(s, torch.device("cpu")),
+                               dataclasses.replace(enc, segments=None))[:, 0], got, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype,floor", [("bf16", 0.99), ("fp16", 0.999), ("int8", 0.99)])
+def test_reduced_dtypes_stay_close_to_fp32(models, dtype, floor):
+    s = spec(models["emb"], "embedding", dtype)
+    model = Model(s, torch.device("cpu"))
+    assert model.spec.dtype == dtype
+    got = run(model, TextEncoder(s, truncate=True).encode(TEXTS))
+    want = reference_embeddings(models["emb"], TEXTS, 64)
+    cosine = (got * want).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
+    assert cosine.min() >= floor, cosine
+
+
+def test_auto_and_int8_dtype_rules(tmp_path):
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    assert resolve_dtype("auto", cpu) == ("bf16" if cpu_has_bf16() else "fp32")
+    assert resolve_dtype("int8", cpu) == "int8"
+    with pytest.raises(ModelSourceError, match="int8.*CPU workers only"):
+        resolve_dtype("int8", gpu)
+    flags = tmp_path / "cpuinfo"
+    flags.write_text("processor: 0\nflags\t\t: fpu sse avx512f amx_bf16 avx512_vnni\n")
+    assert cpu_has_bf16(flags)
+    flags.write_text("processor: 0\nflags\t\t: fpu sse avx2\n")
+    assert not cpu_has_bf16(flags)
+    assert not cpu_has_bf16(tmp_path / "missing")
+
+
+def test_scoring_tasks_refuse_a_checkpoint_without_their_head(models, tmp_path):
+    with pytest.raises(ModelSourceError, match="sequence-classification checkpoint"):
+        spec(models["emb"], "classification")
+    with pytest.raises(ModelSourceError, match="one output, this one has 3 labels"):
+        spec(models["clf"], "rerank")
+    with pytest.raises(ModelSourceError, match="needs >= 2 labels"):
+        spec(models["ce"], "classification")
+
+
+def test_reload_compatibility(models, tmp_path):
+    emb = spec(models["emb"], "embedding")
+    other = build_tiny_bert(tmp_path / "other", seed=9)
+    assert incompatible(emb, spec(other, "embedding")) == ""
+    wider = build_tiny_bert(tmp_path / "wider", seed=9, hidden=48, heads=2)
+    assert "output width differs" in incompatible(emb, spec(wider, "embedding"))
+    (other / "tokenizer.json").write_text((other / "tokenizer.json").read_text()
+                                          .replace('"[UNK]"', '"[UNKNOWN]"'))
+    assert "tokenizer.json differs" in incompatible(emb, spec(other, "embedding"))

@@ -1,0 +1,132 @@
+"""The worker's slot table and its reload state machine, with a fake loader: no model, no
+sockets. The loader thread's outcome is collected from `post` as the model thread would."""
+
+import dataclasses
+import queue
+import threading
+from pathlib import Path
+
+import pytest
+
+from gpu_workers.slots import Built, Slots
+from shmserve.config import ModelConfig
+from shmserve.models import ModelSourceError, ModelSpec
+from shmserve.protocol import Commit, Reload, ReloadStatus
+
+SPEC = ModelSpec("m", Path("/models/a"), "embedding", "mean", True, 64, 32, "fp32", "r1")
+CONFIG = ModelConfig(name="m", source="/models/a")
+
+
+class Harness:
+    def __init__(self, stage_timeout_s: float = 60.0) -> None:
+        self.inbox: queue.Queue[Built] = queue.Queue()
+        self.released: list[str] = []
+        self.gate = threading.Event()
+        self.gate.set()
+        self.slots = Slots(self.build, lambda model: self.released.append(model), self.inbox.put,
+                           stage_timeout_s)
+        self.slots.add(CONFIG, SPEC, "model-r1")
+
+    def build(self, config: ModelConfig, active: ModelSpec):
+        self.gate.wait(10)
+        if "corrupt" in config.source:
+            raise ModelSourceError(f"cannot load {config.source}: header too large")
+        if "huge" in config.source:
+            raise MemoryError("out of memory")
+        revision = config.revision or "digest"
+        return dataclasses.replace(active, revision=revision), f"model-{revision}"
+
+    def built(self):
+        """What the model thread does when the loader posts its outcome."""
+        return self.slots.built(self.inbox.get(timeout=10))
+
+
+def test_reload_stages_then_commit_switches_and_frees_the_old_slot_when_unpinned():
+    h = Harness()
+    old = h.slots.active("m")
+    assert h.slots.reload(b"fe", Reload(1, "t1", "m", "/models/b", "r2")) == []
+    [(peer, done)] = h.built()
+    assert (peer, done.seq, done.status, done.revision) == (b"fe", 1, ReloadStatus.OK, "r2")
+    assert h.slots.active("m") is old  # staged only: the active slot keeps serving
+    assert [(i.revision, i.state, i.standby) for i in h.slots.infos()] == [("r1", "staged", "r2")]
+    [(_, done)] = h.slots.commit(b"fe", Commit(2, "t1", "m", True))
+    assert (done.status, done.revision, done.message) == (ReloadStatus.OK, "r2", "switched")
+    new = h.slots.active("m")
+    assert new.spec.revision == "r2" and new.key != old.key and new.source == "/models/b"
+    assert [(i.revision, i.state) for i in h.slots.infos()] == [("r2", "ready")]
+    h.slots.collect({old.key})  # a queued text is still pinned to the old slot
+    assert h.released == [] and old.model == "model-r1"
+    h.slots.collect(set())
+    assert h.released == ["model-r1"] and old.model is None
+
+
+def test_a_failed_load_leaves_the_active_slot_and_reports_why():
+    h = Harness()
+    h.slots.reload(b"fe", Reload(1, "t1", "m", "/models/corrupt", ""))
+    [(_, done)] = h.built()
+    assert done.status == ReloadStatus.INVALID and "header too large" in done.message
+    assert h.slots.active("m").spec.revision == "r1" and h.released == []
+    h.slots.reload(b"fe", Reload(2, "t2", "m", "/models/huge", ""))
+    [(_, done)] = h.built()
+    assert done.status == ReloadStatus.FAILED and "MemoryError" in done.message
+    assert [i.state for i in h.slots.infos()] == ["ready"]
+
+
+def test_one_reload_at_a_time_and_commits_need_their_ticket():
+    h = Harness()
+    h.gate.clear()  # the loader blocks: the reload stays in "loading"
+    h.slots.reload(b"fe", Reload(1, "t1", "m", "", "r2"))
+    assert [(i.state, i.standby) for i in h.slots.infos()] == [("loading", "r2")]
+    [(_, busy)] = h.slots.reload(b"fe2", Reload(5, "t9", "m", "/x", ""))
+    assert busy.status == ReloadStatus.BUSY
+    [(_, unknown)] = h.slots.reload(b"fe", Reload(6, "t9", "nope", "", ""))
+    assert unknown.status == ReloadStatus.INVALID
+    h.gate.set()
+    h.built()
+    [(_, wrong)] = h.slots.commit(b"fe2", Commit(7, "t9", "m", False))
+    assert wrong.status == ReloadStatus.INVALID  # another caller's drop leaves it staged
+    assert h.slots.infos()[0].state == "staged"
+    [(_, dropped)] = h.slots.commit(b"fe", Commit(8, "t1", "m", False))
+    assert dropped.message == "dropped" and h.released == ["model-r2"]
+    assert h.slots.active("m").spec.revision == "r1"
+    # Empty source: the active slot's source is read again.
+    h.slots.reload(b"fe", Reload(9, "t3", "m", "", ""))
+    h.built()
+    h.slots.commit(b"fe", Commit(10, "t3", "m", True))
+    assert h.slots.active("m").source == "/models/a"
+
+
+def test_a_drop_during_loading_cancels_and_frees_the_late_slot():
+    h = Harness()
+    h.gate.clear()
+    h.slots.reload(b"fe", Reload(1, "t1", "m", "", "r2"))
+    [(_, done)] = h.slots.commit(b"fe", Commit(2, "t1", "m", False))
+    assert done.message == "cancelled" and h.slots.infos()[0].state == "ready"
+    h.gate.set()
+    assert h.built() == [] and h.released == ["model-r2"]
+
+
+def test_a_staged_slot_never_committed_expires():
+    h = Harness(stage_timeout_s=0.0)
+    h.slots.reload(b"fe", Reload(1, "t1", "m", "", "r2"))
+    h.built()
+    h.slots.expire(float("inf"))
+    assert h.released == ["model-r2"] and h.slots.infos()[0].state == "ready"
+    [(_, late)] = h.slots.commit(b"fe", Commit(2, "t1", "m", True))
+    assert late.status == ReloadStatus.INVALID
+
+
+def test_revisions_never_mix_in_the_batcher():
+    """Texts pinned to two slots of one model are never batched together."""
+    from gpu_workers.batcher import Limits, form_batch
+
+    @dataclasses.dataclass
+    class Text:
+        model: str
+        length: int
+        priority: int = 0
+        arrived: float = 0.0
+
+    queue_ = [Text("m#0", 5), Text("m#1", 5), Text("m#0", 6), Text("m#1", 5)]
+    batch, rest = form_batch(queue_, Limits(32, 8192, 0.0, 10.0))
+    assert {t.model for t in batch.texts} == {"m#0"} and len(rest) == 2
