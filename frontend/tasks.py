@@ -67,10 +67,13 @@ def resolve(request: web.Request, name: str | None, task: str) -> ServedModel:
         served = models.resolve(name)
     request["model"] = served.spec.name
     if served.spec.task != task:
-        raise ApiError("invalid_request", f"model {served.spec.name!r} is a "
-                       f"{served.spec.task} model; this route needs a {task} model",
-                       param="model")
+        raise ApiError("invalid_request", f"model {served.spec.name!r} is {_a(served.spec.task)} "
+                       f"model; this route needs {_a(task)} model", param="model")
     return served
+
+
+def _a(task: str) -> str:
+    return f"an {task}" if task[0] in "aeiou" else f"a {task}"
 
 
 async def classify(request: web.Request, name: str | None, texts: list[str], *,

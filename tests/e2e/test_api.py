@@ -102,8 +102,9 @@ def test_metrics_parse_and_count_requests(tiny_stack):
         _, _, raw = tiny_stack.get("/metrics")
         for family in text_string_to_metric_families(raw.decode()):
             for sample in family.samples:
-                if sample.name == "shmserve_requests_total" and \
-                        sample.labels == {"route": "/predict", "model": "tiny", "status": "200"}:
+                if sample.name == "shmserve_requests_total" and sample.labels == {
+                        "route": "/predict", "model": "tiny", "status": "200",
+                        "revision": "tiny-r1"}:
                     return sample.value
         return 0.0
 

@@ -80,8 +80,9 @@ def test_round_trip_deadline_and_kill(cfg):
             seq = pool.next_seq()
             handle = arena.handle(arena.alloc(64), "int32", (2,))
             settled = []
+            empty = arena.handle(handle.offset, "int32", (0,))
             reply = await pool.submit(link, Submit(seq, "r3", "nope", handle, handle, handle,
-                                                   time.time() + 5, 0), 1,
+                                                   time.time() + 5, 0, empty), 1,
                                       lambda: settled.append(1))
             assert isinstance(reply, Error) and reply.code is ErrorCode.UNKNOWN_MODEL
             assert settled == [1]
@@ -89,7 +90,8 @@ def test_round_trip_deadline_and_kill(cfg):
 
             # SIGKILL: pending requests fail with WorkerGone within the heartbeat timeout.
             futures = [pool.submit(pool.pick("tiny"), Submit(
-                pool.next_seq(), f"k{i}", "tiny", *_slot(arena, 64, 32), time.time() + 30, 0),
+                pool.next_seq(), f"k{i}", "tiny", *_slot(arena, 64, 32), time.time() + 30, 0,
+                arena.handle(0, "int32", (0,))),
                 64, lambda: None) for i in range(4)]
             worker.send_signal(signal.SIGKILL)
             started = time.monotonic()

@@ -1,0 +1,212 @@
+"""Hot reload through nginx under continuous load, on two workers and two frontends.
+
+The tests share one stack and run in file order: each starts from the revision the previous one
+left (`served`), and says so.
+"""
+
+import json
+import os
+import shutil
+import signal
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+
+from tests.conftest import TINY_MAX_TOKENS, tiny_overrides
+from tests.stack import Stack
+from tests.tinymodel import build_tiny_bert, reference_embeddings
+
+TOKEN = "reload-token"
+ADMIN = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
+# More texts than batching.max_batch_size (16): every request spans several batches.
+TEXTS = [f"request text number {i} " + "word " * (i % 9) for i in range(20)]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory, tiny_model):
+    root = tmp_path_factory.mktemp("reload-models")
+    b = build_tiny_bert(root / "b", seed=7, max_positions=TINY_MAX_TOKENS)
+    return {"root": root, "a": tiny_model, "b": b,
+            "refs": {"a": reference_embeddings(tiny_model, TEXTS, TINY_MAX_TOKENS),
+                     "b": reference_embeddings(b, TEXTS, TINY_MAX_TOKENS)}}
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, models):
+    overrides = tiny_overrides(models["a"], workers={"cpu_workers": 2},
+                               admin={"token": TOKEN})
+    overrides["model_roots"].append(str(models["root"]))
+    s = Stack(tmp_path_factory.mktemp("reload-stack"), overrides)
+    s.up()
+    yield s
+    s.down()
+
+
+class Load:
+    """Closed-loop clients posting TEXTS; each outcome records when it started, its status, the
+    revision it reports and which model's vectors it holds ("a", "b", or "mixed")."""
+
+    def __init__(self, stack: Stack, refs: dict, clients: int = 4) -> None:
+        self.stack, self.refs = stack, refs
+        self.outcomes: list[tuple[float, str, str, str]] = []
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._threads = [threading.Thread(target=self._run) for _ in range(clients)]
+
+    def __enter__(self) -> "Load":
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(60)
+        assert not any(t.is_alive() for t in self._threads), "a client hung"
+
+    def _run(self) -> None:
+        data = json.dumps({"texts": TEXTS}).encode()
+        while not self._stop.is_set():
+            started = time.monotonic()
+            req = urllib.request.Request(self.stack.url + "/predict", data=data,
+                                         headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(req, timeout=30) as resp:
+                    body = json.loads(resp.read())
+                    outcome = (started, str(resp.status), body["revision"],
+                               self._which(np.array(body["results"], dtype=np.float32)))
+                    assert resp.headers["X-Model-Revision"] == body["revision"]
+            except urllib.error.HTTPError as exc:
+                outcome = (started, str(exc.code), "", "")
+            except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:
+                outcome = (started, f"conn:{type(exc).__name__}", "", "")
+            with self._lock:
+                self.outcomes.append(outcome)
+
+    def _which(self, rows: np.ndarray) -> str:
+        for name, ref in self.refs.items():
+            if np.allclose(rows, ref, atol=1e-5):
+                return name
+        return "mixed"
+
+    def mark(self) -> int:
+        with self._lock:
+            return len(self.outcomes)
+
+    def wait_for(self, count: int) -> None:
+        target = self.mark() + count
+        self.stack.wait_until(lambda: self.mark() >= target, 60, f"{count} more requests")
+
+
+def reload(stack: Stack, name: str, **body) -> tuple[int, dict]:
+    status, _, raw = stack.request("POST", f"/admin/models/{name}/reload",
+                                   json.dumps(body).encode(), ADMIN)
+    return status, json.loads(raw)
+
+
+def revisions(stack: Stack) -> list[tuple[str, str, str | None]]:
+    _, _, raw = stack.get("/admin/models", ADMIN)
+    [model] = json.loads(raw)["models"]
+    return [(w["state"], w["revision"], w["standby"]) for w in model["workers"]]
+
+
+def settles_on(stack: Stack, revision: str) -> None:
+    """GET /admin/models shows `revision` ready on both workers (it reads heartbeats, so it may
+    lag the reload call's answer by a heartbeat interval)."""
+    stack.wait_until(lambda: revisions(stack) == [("ready", revision, None)] * 2, 10,
+                     f"both workers to report {revision} ready")
+
+
+def test_reload_under_load_switches_every_worker_without_a_failure(stack, models):
+    """Served before: a (tiny-r1). After: b (tiny-r2)."""
+    assert revisions(stack) == [("ready", "tiny-r1", None)] * 2
+    with Load(stack, models["refs"]) as load:
+        load.wait_for(20)
+        status, answer = reload(stack, "tiny", source=str(models["b"]), revision="tiny-r2")
+        switched = time.monotonic()
+        assert status == 200, answer
+        load.wait_for(40)
+    assert answer["revision"] == "tiny-r2" and [w["ok"] for w in answer["workers"]] == [1, 1]
+    outcomes = load.outcomes
+    assert {o[1] for o in outcomes} == {"200"}, outcomes  # zero failed requests
+    # Every response holds exactly one revision's vectors, all rows, and says which.
+    assert {(o[2], o[3]) for o in outcomes} <= {("tiny-r1", "a"), ("tiny-r2", "b")}
+    assert any(o[3] == "a" for o in outcomes)
+    assert {o[3] for o in outcomes if o[0] > switched} == {"b"}  # after the switch: only b
+    settles_on(stack, "tiny-r2")
+
+
+@pytest.mark.parametrize("damage,needle", [
+    ("corrupt", "cannot load"),
+    ("missing", "no model.safetensors"),
+])
+def test_a_failed_reload_under_load_keeps_the_old_revision(stack, models, tmp_path, damage,
+                                                           needle):
+    """Served before and after: b (tiny-r2)."""
+    broken = models["root"] / f"broken-{damage}"
+    shutil.copytree(models["b"], broken)
+    weights = broken / "model.safetensors"
+    if damage == "corrupt":
+        weights.write_bytes(b"\xff" * 8 + os.urandom(4096))  # a header length past the file
+    else:
+        weights.unlink()
+    with Load(stack, models["refs"]) as load:
+        load.wait_for(10)
+        status, answer = reload(stack, "tiny", source=str(broken), revision="tiny-bad")
+        load.wait_for(20)
+    assert status == 422, answer
+    message = answer["error"]["message"]
+    assert needle in message and "the served revision is unchanged" in message, message
+    assert "worker 0" in message and "worker 1" in message
+    assert {(o[1], o[2], o[3]) for o in load.outcomes} == {("200", "tiny-r2", "b")}
+    settles_on(stack, "tiny-r2")
+
+
+def test_reload_refuses_what_it_must_not_load(stack, models, tmp_path):
+    """Served before and after: b (tiny-r2)."""
+    pickled = models["root"] / "pickled"
+    pickled.mkdir()
+    for name in ("config.json", "tokenizer.json"):
+        shutil.copy(models["b"] / name, pickled / name)
+    (pickled / "pytorch_model.bin").write_bytes(b"\x80\x04not loaded")
+    other_tokenizer = models["root"] / "other-tokenizer"
+    shutil.copytree(models["b"], other_tokenizer)
+    (other_tokenizer / "tokenizer.json").write_text(
+        (other_tokenizer / "tokenizer.json").read_text().replace('"[UNK]"', '"[UNKNOWN]"'))
+    outside = build_tiny_bert(tmp_path / "outside", max_positions=TINY_MAX_TOKENS)
+    for source, needle in ((str(pickled), "safetensors only"),
+                           (str(outside), "outside the model roots"),
+                           (str(other_tokenizer), "tokenizer.json differs"),
+                           ("package:no_such_model_pkg", "not installed")):
+        status, answer = reload(stack, "tiny", source=source)
+        assert status == 422 and needle in answer["error"]["message"], answer
+        assert answer["error"]["param"] == "source"
+    assert reload(stack, "nope")[0] == 404
+    assert reload(stack, "tiny", variant="a")[0] == 422  # a model without variants
+    status, _, _ = stack.request("POST", "/admin/models/tiny/reload", b"{}",
+                                 {"Content-Type": "application/json"})
+    assert status == 401
+    settles_on(stack, "tiny-r2")
+
+
+def test_cli_reload_and_a_restarted_worker_loads_the_reloaded_model(stack, models):
+    """Served before: b (tiny-r2). After: a, labelled tiny-r3, also on a restarted worker."""
+    proc = stack.cli("reload", "tiny", str(models["a"]), "--revision", "tiny-r3")
+    assert json.loads(proc.stdout)["revision"] == "tiny-r3"
+    old = int(stack.ctl("pid", "workers:worker-1").strip())
+    os.kill(old, signal.SIGKILL)
+    stack.wait_until(lambda: stack.ctl("pid", "workers:worker-1").strip() not in ("0", str(old)),
+                     60, "supervisord to restart worker-1")
+    stack.wait_until(lambda: stack.get("/ready")[0] == 200, 90, "ready again")
+    settles_on(stack, "tiny-r3")
+    for _ in range(6):  # whichever worker serves, it serves a as tiny-r3
+        status, _, body = stack.post_json("/predict", {"texts": TEXTS})
+        assert status == 200 and body["revision"] == "tiny-r3"
+        np.testing.assert_allclose(body["results"], models["refs"]["a"], atol=1e-5)
+    # The CLI reports a refused reload and exits 1.
+    proc = stack.cli("reload", "tiny", "package:no_such_model_pkg", check=False)
+    assert proc.returncode == 1 and "not installed" in proc.stdout

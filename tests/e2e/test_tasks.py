@@ -1,0 +1,225 @@
+"""Every task, dtype, A/B split and pinning through nginx, on one stack of tiny models built here
+and checked against the same models run directly in transformers."""
+
+import asyncio
+import json
+from collections import Counter, defaultdict
+
+import aiohttp
+import numpy as np
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.conftest import TINY_MAX_TOKENS, tiny_overrides
+from tests.stack import Stack
+from tests.tinymodel import (build_tiny_bert, build_tiny_classifier, reference_embeddings,
+                             reference_scores)
+
+TOKEN = "test-admin-token"
+ADMIN = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
+TEXTS = ["The quick brown fox jumps over the lazy dog.", "hello",
+         "Shared memory moves token ids between processes without copies.",
+         "An embedding is a vector that represents a piece of text."]
+LABELS = ["negative", "neutral", "positive"]
+AB_WEIGHT_B = 0.3
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory, tiny_model):
+    root = tmp_path_factory.mktemp("task-models")
+    return {"tiny": tiny_model,
+            "other": build_tiny_bert(root / "other", seed=1, max_positions=TINY_MAX_TOKENS),
+            "clf": build_tiny_classifier(root / "clf", labels=LABELS, seed=2),
+            "ce": build_tiny_classifier(root / "ce", num_labels=1, seed=3)}
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, dirs):
+    tiny, other = str(dirs["tiny"]), str(dirs["other"])
+    overrides = tiny_overrides(dirs["tiny"], workers={"cpu_workers": 2},
+                               admin={"token": TOKEN})
+    overrides["model_roots"] = sorted({str(d.parent) for d in dirs.values()})
+    overrides["limits"]["truncate"] = True  # over-long pairs are cut, as CrossEncoder does
+    overrides["models"] += [
+        {"name": "clf", "source": str(dirs["clf"]), "task": "classification",
+         "revision": "clf-r1", "devices": [1]},
+        {"name": "ce", "source": str(dirs["ce"]), "task": "rerank", "revision": "ce-r1"},
+        {"name": "ab", "sticky_key": "header:X-User", "variants": [
+            {"name": "a", "source": tiny, "revision": "ab-r1", "weight": 1 - AB_WEIGHT_B},
+            {"name": "b", "source": other, "revision": "ab-r2", "weight": AB_WEIGHT_B}]},
+        {"name": "ab-user", "sticky_key": "user", "variants": [
+            {"name": "a", "source": tiny, "revision": "u-r1"},
+            {"name": "b", "source": other, "revision": "u-r2"}]},
+        {"name": "q8", "source": tiny, "dtype": "int8", "devices": [0]},
+        {"name": "auto", "source": tiny, "dtype": "auto"}]
+    s = Stack(tmp_path_factory.mktemp("tasks-stack"), overrides)
+    s.up()
+    yield s
+    s.down()
+
+
+def admin_models(stack) -> dict:
+    status, _, raw = stack.get("/admin/models", ADMIN)
+    assert status == 200, raw
+    return {m["name"]: m for m in json.loads(raw)["models"]}
+
+
+def test_classify_is_the_softmax_of_the_classifier(stack, dirs):
+    want = reference_scores(dirs["clf"], TEXTS, TINY_MAX_TOKENS)
+    status, headers, body = stack.post_json("/v1/classify", {"model": "clf", "input": TEXTS,
+                                                             "top_k": 2})
+    assert status == 200, body
+    assert (body["model"], body["revision"], headers["X-Model-Revision"]) == \
+        ("clf", "clf-r1", "clf-r1")
+    got = np.array([d["probs"] for d in body["data"]], dtype=np.float32)
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    for row, item in zip(want, body["data"]):
+        best = np.argsort(-row)
+        assert item["label"] == LABELS[best[0]] and item["num_classes"] == 3
+        assert [x["label"] for x in item["labels"]] == [LABELS[i] for i in best[:2]]
+    assert body["usage"]["total_tokens"] > 4
+    # A bare string, no top_k: every label; the model is found without naming it.
+    status, _, body = stack.post_json("/v1/classify", {"input": TEXTS[0]})
+    assert status == 200 and len(body["data"]) == 1 and len(body["data"][0]["labels"]) == 3
+    # /predict on a classification model answers label lists, best first.
+    status, _, body = stack.post_json("/predict", {"model": "clf", "texts": TEXTS[:2],
+                                                   "top_k": 1})
+    assert status == 200, body
+    assert [[x["label"] for x in r] for r in body["results"]] == \
+        [[LABELS[int(np.argmax(w))]] for w in want[:2]]
+    np.testing.assert_allclose([r[0]["score"] for r in body["results"]], want[:2].max(1),
+                               atol=1e-5)
+
+
+def test_rerank_scores_pairs_best_first(stack, dirs):
+    query = "what moves token ids between processes?"
+    docs = TEXTS + ["word " * 80]  # the last pair is cut to the model's 64 tokens
+    want = reference_scores(dirs["ce"], [(query, d) for d in docs], TINY_MAX_TOKENS)
+    body_docs = [docs[0], {"text": docs[1]}, *docs[2:]]  # Cohere/Jina document objects too
+    status, headers, body = stack.post_json("/v1/rerank", {
+        "model": "ce", "query": query, "documents": body_docs, "return_documents": True})
+    assert status == 200, body
+    assert headers["X-Model-Revision"] == body["revision"] == "ce-r1"
+    results = body["results"]
+    assert [r["index"] for r in results] == np.argsort(-want, kind="stable").tolist()
+    np.testing.assert_allclose([r["relevance_score"] for r in results],
+                               want[[r["index"] for r in results]], atol=1e-5)
+    assert all(r["document"] == {"text": docs[r["index"]]} for r in results)
+    status, _, body = stack.post_json("/v1/rerank", {"query": query, "documents": docs,
+                                                     "top_n": 2})
+    assert status == 200 and [r["index"] for r in body["results"]] == \
+        [r["index"] for r in results[:2]]
+    assert "document" not in body["results"][0]
+
+
+@pytest.mark.parametrize("path,body,needle", [
+    ("/v1/embeddings", {"model": "clf", "input": "x"},
+     "'clf' is a classification model; this route needs an embedding model"),
+    ("/predict", {"model": "ce", "texts": ["x"]}, "'ce' is a rerank model"),
+    ("/v1/rerank", {"model": "tiny", "query": "q", "documents": ["d"]},
+     "needs a rerank model"),
+    ("/v1/classify", {"model": "ab", "input": ["x"]}, "needs a classification model"),
+    ("/v1/rerank", {"model": "ce", "query": "q", "documents": []}, "must not be empty"),
+    ("/v1/rerank", {"model": "ce", "query": "q", "documents": ["d"], "top_n": 0}, "top_n"),
+    ("/v1/classify", {"model": "clf", "input": ["x"], "top_k": "2"}, "top_k"),
+])
+def test_a_route_refuses_a_model_of_another_task(stack, path, body, needle):
+    status, _, answer = stack.post_json(path, body)
+    assert status == 422 and needle in answer["error"]["message"], answer
+
+
+def test_pinned_models_load_only_on_their_workers_and_dtypes_resolve(stack, dirs):
+    from gpu_workers.model import cpu_has_bf16
+
+    models = admin_models(stack)
+    assert [w["worker"] for w in models["clf"]["workers"]] == [1]
+    assert [w["worker"] for w in models["q8"]["workers"]] == [0]
+    assert [w["worker"] for w in models["tiny"]["workers"]] == [0, 1]
+    assert {(w["state"], w["revision"], w["standby"]) for w in models["clf"]["workers"]} == \
+        {("ready", "clf-r1", None)}
+    assert {w["dtype"] for w in models["q8"]["workers"]} == {"int8"}
+    assert {w["dtype"] for w in models["auto"]["workers"]} == \
+        {"bf16" if cpu_has_bf16() else "fp32"}
+    want = reference_embeddings(dirs["tiny"], TEXTS, TINY_MAX_TOKENS)
+    for model, floor in (("q8", 0.99), ("auto", 0.99)):
+        status, _, body = stack.post_json("/predict", {"model": model, "texts": TEXTS})
+        assert status == 200, body
+        got = np.array(body["results"], dtype=np.float32)
+        assert ((got * want).sum(1)).min() >= floor  # both sides are unit vectors
+
+
+async def _embed_many(stack, bodies, headers=None, concurrency=32):
+    """POST each body to /v1/embeddings; (variant, revision header, body revision, vector)."""
+    async with aiohttp.ClientSession(stack.url) as session:
+        gate = asyncio.Semaphore(concurrency)
+
+        async def one(i, body):
+            async with gate, session.post("/v1/embeddings", json=body,
+                                          headers=headers(i) if headers else None) as resp:
+                answer = await resp.json()
+                assert resp.status == 200, answer
+                return (resp.headers["X-Model-Variant"], resp.headers["X-Model-Revision"],
+                        answer["revision"], answer["data"][0]["embedding"])
+
+        return await asyncio.gather(*(one(i, b) for i, b in enumerate(bodies)))
+
+
+def test_ab_split_follows_the_weights_and_says_who_served(stack, dirs):
+    n = 2000
+    results = asyncio.run(_embed_many(stack, [{"model": "ab", "input": f"text {i % 7}"}
+                                              for i in range(n)]))
+    counts = Counter(r[0] for r in results)
+    assert abs(counts["b"] / n - AB_WEIGHT_B) <= 0.03, counts
+    refs = {"a": reference_embeddings(dirs["tiny"], [f"text {i}" for i in range(7)],
+                                      TINY_MAX_TOKENS),
+            "b": reference_embeddings(dirs["other"], [f"text {i}" for i in range(7)],
+                                      TINY_MAX_TOKENS)}
+    revision = {"a": "ab-r1", "b": "ab-r2"}
+    for i, (variant, header, body_revision, vector) in enumerate(results):
+        assert header == body_revision == revision[variant]
+        np.testing.assert_allclose(vector, refs[variant][i % 7], atol=1e-5)
+    _, _, raw = stack.get("/metrics")
+    served = {s.labels["revision"]: s.value for f in text_string_to_metric_families(raw.decode())
+              for s in f.samples if s.name == "shmserve_requests_total"
+              and s.labels.get("model") == "ab" and s.labels["status"] == "200"}
+    assert served["ab-r1"] >= counts["a"] and served["ab-r2"] >= counts["b"]
+
+
+def test_a_sticky_key_never_flips(stack):
+    keys = [f"user-{k}" for k in range(40)]
+    seen = defaultdict(set)
+    for field in ("header", "user"):
+        bodies, model = [], "ab" if field == "header" else "ab-user"
+        for round_ in range(10):
+            bodies += [{"model": model, "input": f"r{round_}",
+                        **({"user": k} if field == "user" else {})} for k in keys]
+        results = asyncio.run(_embed_many(
+            stack, bodies, headers=(lambda i: {"X-User": keys[i % 40]}) if field == "header"
+            else None))
+        for i, result in enumerate(results):
+            seen[(field, keys[i % 40])].add(result[0])
+        assert all(len(v) == 1 for v in seen.values()), seen  # never flips
+        assert {next(iter(v)) for (f, _), v in seen.items() if f == field} == {"a", "b"}
+
+
+def test_new_weights_apply_on_every_frontend(stack):
+    status, _, body = stack.request("PUT", "/admin/models/ab/split",
+                                    json.dumps({"weights": {"a": 0, "b": 1}}).encode(), ADMIN)
+    assert status == 200, body
+    results = asyncio.run(_embed_many(stack, [{"model": "ab", "input": "x"}] * 100))
+    assert {r[0] for r in results} == {"b"}  # two frontends, both already on the new weights
+    assert [v["weight"] for v in admin_models(stack)["ab"]["variants"]] == [0, 1]
+    for bad in ({"weights": {"a": 1}}, {"weights": {"a": 0, "b": 0}}, {"w": 1},
+                {"weights": {"a": -1, "b": 2}}):
+        status, _, raw = stack.request("PUT", "/admin/models/ab/split",
+                                       json.dumps(bad).encode(), ADMIN)
+        assert status == 422 and json.loads(raw)["error"]["param"] == "weights", raw
+    status, _, _ = stack.request("PUT", "/admin/models/tiny/split",
+                                 json.dumps({"weights": {"": 1}}).encode(), ADMIN)
+    assert status == 422
+    assert stack.request("PUT", "/admin/models/ab/split", b"{}")[0] == 401
+    # The CLI sets them back, through nginx with the configured token.
+    proc = stack.cli("split", "ab", f"a={1 - AB_WEIGHT_B}", f"b={AB_WEIGHT_B}")
+    assert json.loads(proc.stdout)["weights"] == {"a": 1 - AB_WEIGHT_B, "b": AB_WEIGHT_B}
+    results = asyncio.run(_embed_many(stack, [{"model": "ab", "input": "x"}] * 100))
+    assert Counter(r[0] for r in results)["a"] >= 60
