@@ -28,8 +28,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from shmserve.config import ModelConfig
-from shmserve.models import ModelSourceError, ModelSpec
+from shmserve import state, topology
+from shmserve.config import Config, ModelConfig
+from shmserve.models import ModelSourceError, ModelSpec, hosted, inspect
 from shmserve.protocol import Commit, ModelInfo, Reload, ReloadDone, ReloadStatus
 
 log = logging.getLogger("shmserve.worker")
@@ -203,6 +204,27 @@ class Slots:
         if slot is not None:
             model, slot.model = slot.model, None
             self._release(model)
+
+
+def hosted_configs(cfg: Config, index: int) -> dict[str, ModelConfig]:
+    """The units worker `index` hosts, with the sources a reload left in the run state (so a
+    restarted worker serves what the others serve); a recorded source that is gone is logged and
+    the configured one loaded instead."""
+    overrides = state.read(cfg).sources
+    configs = {}
+    for unit in hosted(cfg, topology.worker_devices(cfg), index):
+        config, over = unit.config, overrides.get(unit.name)
+        if over is not None:
+            changed = dataclasses.replace(config, source=over["source"],
+                                          revision=over["revision"])
+            try:
+                inspect(changed, with_revision=False, roots=cfg.model_root_paths)
+                config = changed
+            except ModelSourceError as exc:
+                log.error("worker.reloaded_source_gone", extra={"fields": {
+                    "model": unit.name, "source": over["source"], "error": str(exc)}})
+        configs[unit.name] = config
+    return configs
 
 
 def _reply(peer: bytes, seq: int, status: ReloadStatus, revision: str,

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import os
-import dataclasses
 import queue
 import signal
 import threading
@@ -26,12 +25,12 @@ import numpy as np
 import zmq
 
 from gpu_workers.batcher import Batch, Limits, form_batch, wait_time
-from gpu_workers.slots import Built, Slot, Slots
+from gpu_workers.slots import Built, Slot, Slots, hosted_configs
 from gpu_workers.sockets import REPLIES, SocketThread
-from shmserve import state, topology, wire
+from shmserve import topology, wire
 from shmserve.arena import Attachments
 from shmserve.config import Config, ModelConfig
-from shmserve.models import ModelSourceError, ModelSpec, hosted, incompatible, inspect
+from shmserve.models import ModelSourceError, ModelSpec, incompatible, inspect
 from shmserve.protocol import (PROTOCOL_VERSION, Abort, Commit, Error, ErrorCode, Heartbeat,
                                ModelInfo, Ping, Reload, Result, Submit)
 
@@ -77,7 +76,7 @@ class Worker:
         self.index = index
         self.limits = Limits(cfg.batching.max_batch_size, cfg.batching.max_batch_tokens,
                              cfg.batching.max_wait_ms / 1000.0, cfg.batching.max_pad_ratio)
-        self.configs = self._configs()
+        self.configs = hosted_configs(cfg, index)
         self.specs = {name: inspect(c, roots=cfg.model_root_paths)
                       for name, c in self.configs.items()}
         self.units = frozenset(self.specs)
@@ -100,24 +99,6 @@ class Worker:
                                      self.on_control)
         self._push: zmq.Socket | None = None
         self._batches = 0
-
-    def _configs(self) -> dict[str, ModelConfig]:
-        """The units this worker hosts, with the sources a reload left in the run state."""
-        overrides = state.read(self.cfg).sources
-        configs = {}
-        for unit in hosted(self.cfg, topology.worker_devices(self.cfg), self.index):
-            config, over = unit.config, overrides.get(unit.name)
-            if over is not None:
-                changed = dataclasses.replace(config, source=over["source"],
-                                              revision=over["revision"])
-                try:
-                    inspect(changed, with_revision=False, roots=self.cfg.model_root_paths)
-                    config = changed
-                except ModelSourceError as exc:
-                    log.error("worker.reloaded_source_gone", extra={"fields": {
-                        "model": unit.name, "source": over["source"], "error": str(exc)}})
-            configs[unit.name] = config
-        return configs
 
     # ---- socket thread side -------------------------------------------------------------
 
@@ -187,10 +168,10 @@ class Worker:
         self._infos = self.slots.infos()
 
     def _load_model(self, spec: ModelSpec) -> tuple[ModelSpec, Any]:
-        from gpu_workers.model import Model
+        from gpu_workers.model import Model, warm_up
 
         model = Model(spec, self.device)
-        self._warm_up(model)
+        warm_up(model, self.limits.max_batch_size, self.limits.max_batch_tokens)
         return model.spec, model
 
     def _build(self, config: ModelConfig, active: ModelSpec) -> tuple[ModelSpec, Any]:
@@ -211,15 +192,6 @@ class Worker:
         except Exception as exc:  # corrupt or unreadable weights, a config transformers refuses
             raise ModelSourceError(f"cannot load {spec.directory}: {type(exc).__name__}: "
                                    f"{exc}") from exc
-
-    def _warm_up(self, model) -> None:
-        """Run the largest batch shape the limits allow, so the first request pays no warm-up."""
-        longest = model.spec.max_tokens
-        batch = max(1, min(self.limits.max_batch_size, self.limits.max_batch_tokens // longest))
-        pairs = model.spec.task == "rerank"  # warm the token-type path a cross-encoder takes
-        for shape in ((1, 8), (batch, longest)):
-            model.forward(np.ones(shape, np.int64), np.full(shape[0], shape[1], np.int64),
-                          np.full(shape[0], shape[1] // 2, np.int64) if pairs else None)
 
     def serve(self) -> None:
         self._push = self._ctx.socket(zmq.PUSH)

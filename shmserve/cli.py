@@ -80,8 +80,8 @@ def _parser() -> argparse.ArgumentParser:
     command("config", show_config, "print the resolved config as JSON")
     command("models", remote.list_models, "each model's revision and loading state per worker "
             "(GET /admin/models, with admin.token)")
-    reload_cmd = command("reload", remote.reload, "load new weights for a model on every worker and "
-                         "switch to them without dropping a request")
+    reload_cmd = command("reload", remote.reload, "load new weights for a model on every "
+                         "worker and switch to them without dropping a request")
     reload_cmd.add_argument("name", help="the model")
     reload_cmd.add_argument("source", nargs="?", default="", help="a model directory (under "
                             "model_roots) or package:NAME; default: the current one, re-read")

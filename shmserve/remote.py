@@ -31,7 +31,7 @@ def reload(args: argparse.Namespace) -> int:
         source = str(Path(source).expanduser().resolve())  # the workers' cwd is not ours
     body = {"source": source, "revision": args.revision, "variant": args.variant}
     status_code, answer = admin_call(cfg, "POST", f"/admin/models/{quote(args.name)}/reload",
-                                     body, timeout=cfg.admin.reload_timeout_s + 30)
+                                     body, timeout=cfg.nginx.proxy_read_timeout_s + 10)
     print(json.dumps(answer, indent=2))
     return 0 if status_code == 200 else 1
 
@@ -43,7 +43,7 @@ def split(args: argparse.Namespace) -> int:
         try:
             weights[name] = float(value)
         except ValueError:
-            raise RemoteError(f"{item!r}: expected VARIANT=WEIGHT, a weight being a number") from None
+            raise RemoteError(f"{item!r}: expected VARIANT=WEIGHT, WEIGHT a number") from None
         if not eq:
             raise RemoteError(f"{item!r}: expected VARIANT=WEIGHT")
     status_code, answer = admin_call(_load(args), "PUT", f"/admin/models/{quote(args.name)}/split",

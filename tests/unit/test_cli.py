@@ -141,3 +141,16 @@ def test_console_script_and_module_entry_point():
     assert done.returncode == 0 and "restart" in done.stdout
     script = shutil.which("shmserve", path=os.path.dirname(sys.executable))
     assert script is not None, "pip install -e . installs the shmserve console script"
+
+
+def test_admin_commands_need_a_token_and_well_formed_weights(deployment, monkeypatch, capsys):
+    monkeypatch.delenv("SHMSERVE__ADMIN__TOKEN", raising=False)
+    assert cli.main(["reload", "m"]) == 2
+    assert "admin routes are off: set admin.token" in capsys.readouterr().err
+    monkeypatch.setenv("SHMSERVE__ADMIN__TOKEN", "t")
+    for bad in ("a", "a=x"):
+        assert cli.main(["split", "m", bad]) == 2
+        assert "expected VARIANT=WEIGHT" in capsys.readouterr().err
+    # Nothing listens on the deployment's port: a clear refusal, not a traceback.
+    assert cli.main(["models"]) == 2
+    assert "did not answer" in capsys.readouterr().err

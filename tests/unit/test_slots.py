@@ -6,7 +6,6 @@ import queue
 import threading
 from pathlib import Path
 
-import pytest
 
 from gpu_workers.slots import Built, Slots
 from shmserve.config import ModelConfig
