@@ -12,6 +12,7 @@ quantized per batch), for CPU workers only.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import inspect
 import logging
 import warnings
@@ -144,8 +145,9 @@ def device_name(device: torch.device) -> str:
     return "cpu"
 
 
-def release(model: Model | None) -> None:
-    """Free what a replaced model held; on a GPU, return its memory to the driver."""
-    if model is not None and model.device.type == "cuda":
-        del model
+def release(device: torch.device) -> None:
+    """Once a replaced model is unreferenced: collect it (its modules hold reference cycles)
+    and, on a GPU, return its cached memory to the driver."""
+    gc.collect()
+    if device.type == "cuda":
         torch.cuda.empty_cache()

@@ -79,8 +79,9 @@ Build = Callable[[ModelConfig, ModelSpec], tuple[ModelSpec, Any]]
 
 
 class Slots:
-    def __init__(self, build: Build, release: Callable[[Any], None],
+    def __init__(self, build: Build, release: Callable[[], None],
                  post: Callable[[Built], None], stage_timeout_s: float) -> None:
+        """`release` returns freed memory to the device once a slot dropped its model."""
         self._build = build
         self._release = release
         self._post = post
@@ -202,8 +203,8 @@ class Slots:
 
     def _free(self, slot: Slot | None) -> None:
         if slot is not None:
-            model, slot.model = slot.model, None
-            self._release(model)
+            slot.model = None  # the last reference: queued requests hold slots, never models
+            self._release()
 
 
 def hosted_configs(cfg: Config, index: int) -> dict[str, ModelConfig]:

@@ -154,7 +154,7 @@ class Worker:
         from gpu_workers.model import device_name, pick_device, release
 
         self.device = pick_device(self.cfg.workers.torch_threads)
-        self.slots = Slots(self._build, release, self._inbox.put,
+        self.slots = Slots(self._build, lambda: release(self.device), self._inbox.put,
                            self.cfg.admin.reload_timeout_s)
         for name, spec in self.specs.items():
             started = time.monotonic()

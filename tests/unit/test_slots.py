@@ -2,8 +2,10 @@
 sockets. The loader thread's outcome is collected from `post` as the model thread would."""
 
 import dataclasses
+import gc
 import queue
 import threading
+import weakref
 from pathlib import Path
 
 
@@ -16,15 +18,23 @@ SPEC = ModelSpec("m", Path("/models/a"), "embedding", "mean", True, 64, 32, "fp3
 CONFIG = ModelConfig(name="m", source="/models/a")
 
 
+class FakeModel:
+    def __init__(self, name: str, released: list[str]) -> None:
+        self.name = name
+        weakref.finalize(self, released.append, name)  # when it is really gone
+
+    def __eq__(self, other) -> bool:
+        return self.name == other
+
+
 class Harness:
     def __init__(self, stage_timeout_s: float = 60.0) -> None:
         self.inbox: queue.Queue[Built] = queue.Queue()
         self.released: list[str] = []
         self.gate = threading.Event()
         self.gate.set()
-        self.slots = Slots(self.build, lambda model: self.released.append(model), self.inbox.put,
-                           stage_timeout_s)
-        self.slots.add(CONFIG, SPEC, "model-r1")
+        self.slots = Slots(self.build, gc.collect, self.inbox.put, stage_timeout_s)
+        self.slots.add(CONFIG, SPEC, FakeModel("model-r1", self.released))
 
     def build(self, config: ModelConfig, active: ModelSpec):
         self.gate.wait(10)
@@ -33,11 +43,13 @@ class Harness:
         if "huge" in config.source:
             raise MemoryError("out of memory")
         revision = config.revision or "digest"
-        return dataclasses.replace(active, revision=revision), f"model-{revision}"
+        return (dataclasses.replace(active, revision=revision),
+                FakeModel(f"model-{revision}", self.released))
 
     def built(self):
         """What the model thread does when the loader posts its outcome."""
-        return self.slots.built(self.inbox.get(timeout=10))
+        item = self.inbox.get(timeout=10)
+        return self.slots.built(item)
 
 
 def test_reload_stages_then_commit_switches_and_frees_the_old_slot_when_unpinned():
