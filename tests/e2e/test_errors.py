@@ -156,7 +156,8 @@ def test_no_live_worker_is_503_then_service_returns(strict_stack):
         status, headers, err = strict_stack.post_json("/predict", {"texts": ["x"]})
         assert status == 503 and err["error"]["type"] == "unavailable"
         assert headers.get("Retry-After")
-        assert strict_stack.get("/ready")[0] == 503
+        status, _, raw = strict_stack.get("/ready")
+        assert status == 503 and json.loads(raw)["status"] == "loading"
     finally:
         strict_stack.ctl("start", "workers:*")
     strict_stack.wait_until(lambda: strict_stack.get("/ready")[0] == 200, 120, "ready again")
