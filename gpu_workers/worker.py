@@ -133,12 +133,12 @@ class Worker:
     def load(self) -> None:
         import torch
 
-        from gpu_workers.model import EmbeddingModel, device_name, pick_device
+        from gpu_workers.model import device_name, load_model, pick_device
 
         device = pick_device(self.cfg.workers.torch_threads)
         for name, spec in self.specs.items():
             started = time.monotonic()
-            self.models[name] = EmbeddingModel(spec, device)
+            self.models[name] = load_model(spec, device)
             self._warm_up(self.models[name])
             log.info("worker.loaded", extra={"fields": {
                 "model": name, "revision": spec.revision, "device": str(device),

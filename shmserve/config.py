@@ -105,7 +105,8 @@ class ModelConfig:
     name: str
     source: str  # a directory, or "package:NAME" for a Python package that ships one
     aliases: list[str] = field(default_factory=list)
-    task: Literal["embedding"] = "embedding"
+    # null: correctly shaped zeros without computing, to measure the serving pipeline alone
+    task: Literal["embedding", "null"] = "embedding"
     pooling: Literal["auto", "mean", "cls", "last"] = "auto"
     normalize: Literal["auto", "true", "false"] = "auto"
     max_input_tokens: int = 0  # 0: the model's own limit

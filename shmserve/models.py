@@ -83,6 +83,8 @@ def inspect(cfg: ModelConfig, with_revision: bool = True,
     if cfg.max_input_tokens:
         limit = min(limit, cfg.max_input_tokens)
     revision = cfg.revision
+    if not revision and cfg.task == "null":
+        revision = "null"
     if not revision and with_revision:
         revision = weights_digest(weights_file(directory))
     return ModelSpec(
