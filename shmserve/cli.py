@@ -22,11 +22,10 @@ import sys
 import time
 import urllib.error
 import urllib.request
-import xmlrpc.client
 from collections.abc import Callable
 from pathlib import Path
 
-from shmserve import arena, config, nginxrun, render, topology
+from shmserve import arena, config, nginxrun, processes, render, topology
 from shmserve.config import Config, ConfigError
 
 GROUPS = {"frontends": "frontends:*", "workers": "workers:*", "nginx": "nginx"}
@@ -201,15 +200,8 @@ def wait_ready(cfg: Config, timeout: float) -> int:
 
 
 def process_info(cfg: Config) -> list[dict]:
-    """supervisord's view of every process, over its XML-RPC socket ([] when unreachable)."""
-    from supervisor.xmlrpc import SupervisorTransport
-
-    transport = SupervisorTransport(None, None, f"unix://{render.supervisor_socket(cfg)}")
-    try:
-        with xmlrpc.client.ServerProxy("http://localhost", transport) as proxy:
-            return proxy.supervisor.getAllProcessInfo()
-    except (OSError, xmlrpc.client.Error):
-        return []
+    """supervisord's view of every process ([] when unreachable)."""
+    return processes.info(cfg)
 
 
 def print_log_tails(cfg: Config) -> None:

@@ -20,7 +20,7 @@ from typing import Any
 import msgpack
 import pytest
 from supervisor.datatypes import RestartUnconditionally
-from supervisor.options import ServerOptions
+from supervisor.options import EventListenerPoolConfig, ServerOptions
 
 from shmserve import config, nginxrun, render, topology
 from shmserve.config import REPO_ROOT, Config
@@ -47,7 +47,7 @@ def programs(cfg: Config) -> dict[str, Any]:
     options.configfile = str(render.supervisord_conf(cfg))
     options.process_config(do_usage=False)
     return {p.name: (group.name, p) for group in options.process_group_configs
-            for p in group.process_configs}
+            if not isinstance(group, EventListenerPoolConfig) for p in group.process_configs}
 
 
 def test_gpu_devices_get_one_worker_each(tmp_path):
