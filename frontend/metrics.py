@@ -37,13 +37,24 @@ INPUT_TOKENS = Histogram("shmserve_input_tokens", "Tokens per input text (after 
 TRUNCATED = Counter("shmserve_truncated_texts_total", "Texts cut to the model's limit", ["model"])
 REJECTED = Counter("shmserve_rejected_requests_total",
                    "Requests refused for overload (429): frontend in-flight limit or worker queue",
-                   ["route", "model"])
+                   ["model"])
 DEADLINES = Counter("shmserve_deadline_exceeded_total",
-                    "Requests whose deadline passed (504)", ["route", "model"])
+                    "Requests whose deadline passed (504)", ["model"])
 WORKER_RESTARTS = Counter("shmserve_worker_restarts_seen_total",
                           "Worker restarts a frontend noticed (a heartbeat with a new pid); "
                           "every frontend counts each restart: use max by (worker)",
                           ["frontend", "worker"])
+
+
+def start(models: list[str], frontend: int, workers: int) -> None:
+    """Create this frontend's series at zero, so they are exposed (and rate() works) before
+    their first event."""
+    for model in models:
+        for counter in (TEXTS, TOKENS, TRUNCATED, REJECTED, DEADLINES):
+            counter.labels(model)
+    for worker in range(workers):
+        WORKER_RESTARTS.labels(str(frontend), str(worker))
+    INFLIGHT.labels(str(frontend)).set(0)
 
 
 def observe_request(route: str, model: str, status: int, seconds: float) -> None:
@@ -51,9 +62,9 @@ def observe_request(route: str, model: str, status: int, seconds: float) -> None
     REQUESTS.labels(route, model, str(status)).inc()
     LATENCY.labels(route, model).observe(seconds)
     if status == 429:
-        REJECTED.labels(route, model).inc()
+        REJECTED.labels(model).inc()
     elif status == 504:
-        DEADLINES.labels(route, model).inc()
+        DEADLINES.labels(model).inc()
 
 
 def exposition(cfg: Config) -> tuple[bytes, str]:
