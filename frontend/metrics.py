@@ -50,8 +50,10 @@ def start(models: list[str], frontend: int, workers: int) -> None:
     """Create this frontend's series at zero, so they are exposed (and rate() works) before
     their first event."""
     for model in models:
-        for counter in (TEXTS, TOKENS, TRUNCATED, REJECTED, DEADLINES):
-            counter.labels(model)
+        for metric in (TEXTS, TOKENS, TRUNCATED, REJECTED, DEADLINES, INPUT_TOKENS):
+            metric.labels(model)
+        for stage in STAGES:
+            STAGE.labels(stage, model)
     for worker in range(workers):
         WORKER_RESTARTS.labels(str(frontend), str(worker))
     INFLIGHT.labels(str(frontend)).set(0)

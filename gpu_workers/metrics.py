@@ -73,15 +73,19 @@ class WorkerMetrics:
 
     def model_loaded(self, model: str, revision: str, dtype: str, device: str) -> None:
         MODEL_INFO.labels(self.worker, model, revision, dtype, device).set(1)
+        self._children(model)  # its batch series exist, at zero, before the first batch
 
-    def batch(self, model: str, requests: int, texts: int, real_tokens: int, padded_tokens: int,
-              forward_s: float) -> None:
+    def _children(self, model: str) -> tuple:
         children = self._batch.get(model)
         if children is None:
             children = self._batch[model] = tuple(
                 m.labels(self.worker, model) for m in (BATCH_REQUESTS, BATCH_TEXTS, BATCH_TOKENS,
                                                        BATCH_PADDING, PADDED_TOKENS, FORWARD))
-        requests_h, texts_h, tokens_h, padding_h, padded_c, forward_h = children
+        return children
+
+    def batch(self, model: str, requests: int, texts: int, real_tokens: int, padded_tokens: int,
+              forward_s: float) -> None:
+        requests_h, texts_h, tokens_h, padding_h, padded_c, forward_h = self._children(model)
         requests_h.observe(requests)
         texts_h.observe(texts)
         tokens_h.observe(real_tokens)
