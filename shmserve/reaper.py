@@ -5,7 +5,8 @@ killed frontend's in-flight count never lingers in GET /metrics.
 supervisord runs it as ``[eventlistener:reaper]`` for the PROCESS_STATE_EXITED, _STOPPED,
 _BACKOFF and _FATAL events. EXITED and STOPPED name the pid; BACKOFF (a process that died while
 starting) does not, so every event also sweeps the metrics directory for files of processes that
-no longer run (`shmserve.metrics.mark_dead`), which also covers events lost while it restarted.
+no longer run (`shmserve.metrics.mark_dead`); it sweeps once when it starts too, for what died
+while it was not listening.
 
 The listener protocol owns stdout; this process logs to stderr (its supervisord log file).
 """
@@ -60,6 +61,7 @@ def main() -> int:
     cfg = config.load_resolved(args.config)
     logs.configure(cfg.logging, "reaper", sys.stderr)  # stdout speaks to supervisord
     log.info("reaper.started", extra={"fields": {"dir": str(metrics.multiproc_dir())}})
+    handle("STARTED", "")  # what died while no reaper listened (its own restart)
     serve(sys.stdin, sys.stdout)
     return 0
 
