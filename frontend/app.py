@@ -89,10 +89,11 @@ async def observe(request: web.Request, handler) -> web.StreamResponse:
     except Exception:  # the global handler: never a traceback to the client
         log.exception("unhandled error", extra={"fields": {"request_id": request["request_id"]}})
         response = error_response(request, ApiError("internal_error", "internal error"))
-    elapsed = time.perf_counter() - started
+    ended = time.perf_counter()
+    elapsed = ended - started
     response.headers["X-Request-ID"] = request["request_id"]
     response.headers["X-Process-Time"] = f"{elapsed * 1000:.2f}"
-    _record(request, response, elapsed)
+    _record(request, response, elapsed, ended)
     return response
 
 
@@ -104,17 +105,26 @@ def error_response(request: web.Request, exc: ApiError) -> web.Response:
     return codec.render(request, exc.body(), status=exc.status, headers=exc.headers())
 
 
-def _record(request: web.Request, response: web.StreamResponse, elapsed: float) -> None:
+def _record(request: web.Request, response: web.StreamResponse, elapsed: float,
+            ended: float) -> None:
     route = request.match_info.route.resource
     path = route.canonical if route is not None else "unmatched"
     model = request.get("model", "")
-    metrics.REQUESTS.labels(path, model, str(response.status)).inc()
-    metrics.LATENCY.labels(path, model).observe(elapsed)
+    metrics.observe_request(path, model, response.status, elapsed)
+    stages = request.get("stages")  # set by a route that ran the embedding pipeline
+    if stages is not None and response.status < 400:
+        # The last stage ends here, once the response is rendered: reply arrival to now.
+        stages["transfer"] = max(0.0, ended - request["replied_at"])
+        stages["total"] = elapsed
+        response.headers["X-Total-Time"] = f"{elapsed * 1000:.3f}"
+        for stage, seconds in stages.items():
+            metrics.STAGE.labels(stage, model).observe(seconds)
+        request["log"]["transfer_ms"] = round(stages["transfer"] * 1000, 3)
     if path in ("/health", "/ready", "/metrics"):
         return  # probes and scrapes would drown the access log
     access.info("request", extra={"fields": {
         "request_id": request["request_id"], "method": request.method, "route": path,
-        "model": model, "status": response.status, "total_ms": round(elapsed * 1000, 2),
+        "model": model, "status": response.status, "total_ms": round(elapsed * 1000, 3),
         **request["log"]}})
 
 
@@ -124,7 +134,8 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     shm.sweep(prefix)  # a killed predecessor's arena
     arena = shm.Arena(shm.arena_name(topology.instance_id(cfg), f"fe{index}"),
                       cfg.shm.arena_mb << 20)
-    pool = WorkerPool(cfg)
+    pool = WorkerPool(cfg, frontend=index)
+    metrics.start(list(app[MODELS].by_name), index, len(pool.links))
     await pool.start()
     app[POOL] = pool
     app[DISPATCHER] = Dispatcher(cfg, pool, arena)
@@ -139,7 +150,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
 
 
 def create_app(cfg: Config, index: int = 0) -> web.Application:
-    from frontend import routes
+    from frontend import info, routes
 
     app = web.Application(middlewares=[observe],
                           client_max_size=_bytes(cfg.nginx.client_max_body_size))
@@ -149,6 +160,7 @@ def create_app(cfg: Config, index: int = 0) -> web.Application:
     app[INFLIGHT] = [0]
     app.cleanup_ctx.append(_resources)
     routes.add_routes(app)
+    info.add_routes(app)
     return app
 
 

@@ -28,6 +28,7 @@ class Outcome:
     result: Result
     revision: str
     worker: int
+    received_at: float  # perf_counter when the reply was back in the handler
 
 
 class Lease:
@@ -96,11 +97,12 @@ class Dispatcher:
                     self._abandon(link, seq, future)
                     raise ApiError("timeout", "request deadline passed "
                                    "(X-Request-Timeout or frontends.request_timeout_s)") from None
+                received = time.perf_counter()
                 if isinstance(reply, Error):
                     raise ApiError.from_worker(reply.code, reply.message)
                 vectors = self.arena.view(output).copy()
                 revision = self._revision(link, model)
-                return Outcome(vectors, reply, revision, link.index)
+                return Outcome(vectors, reply, revision, link.index, received)
             raise ApiError("unavailable", "workers kept failing; retries exhausted "
                            "(frontends.retry_on_worker_loss)", retry_after=1)
         finally:

@@ -15,6 +15,7 @@ from frontend.app import CONFIG, DISPATCHER, INDEX, INFLIGHT, MODELS, POOL, Serv
 from frontend.dispatch import Outcome
 from frontend.errors import ApiError
 from frontend.tokenizer import Encoded
+from shmserve.metrics import observe_many
 
 # Tokenize off the event loop when a request is this large (characters); small ones are faster
 # inline than a thread hop.
@@ -85,6 +86,10 @@ async def _embed(request: web.Request, parsed: schemas.EmbedRequest,
         else:
             enc = model.encoder.encode(parsed.texts, param)
         request["tokenize_ms"] = (time.perf_counter() - started) * 1000
+        request["log"].update(texts=len(parsed.texts), tokens=enc.tokens,
+                              tokenize_ms=round(request["tokenize_ms"], 3))
+        if cfg.logging.log_inputs:
+            request["log"]["inputs"] = parsed.texts
         outcome = await request.app[DISPATCHER].run(
             model.spec.name, model.spec.dim, enc, request["request_id"], deadline,
             _priority(request, parsed, cfg.frontends.default_priority))
@@ -95,9 +100,13 @@ async def _embed(request: web.Request, parsed: schemas.EmbedRequest,
     metrics.TOKENS.labels(model.spec.name).inc(enc.tokens)
     if enc.truncated:
         metrics.TRUNCATED.labels(model.spec.name).inc(enc.truncated)
-    request["log"].update(texts=len(parsed.texts), tokens=enc.tokens,
-                          batch_size=outcome.result.batch_size, worker=outcome.worker,
-                          tokenize_ms=round(request["tokenize_ms"], 3),
+    observe_many(metrics.INPUT_TOKENS.labels(model.spec.name), np.diff(enc.offsets))
+    # The middleware adds the transfer and total stages once the response is rendered.
+    request["stages"] = {"tokenize": request["tokenize_ms"] / 1000,
+                         "queue": outcome.result.queue_ms / 1000,
+                         "inference": outcome.result.inference_ms / 1000}
+    request["replied_at"] = outcome.received_at
+    request["log"].update(batch_size=outcome.result.batch_size, worker=outcome.worker,
                           queue_ms=round(outcome.result.queue_ms, 3),
                           inference_ms=round(outcome.result.inference_ms, 3))
     return model, outcome, enc
@@ -158,5 +167,6 @@ async def ready(request: web.Request) -> web.Response:
 
 
 async def metrics_route(request: web.Request) -> web.Response:
-    body, content_type = metrics.exposition()
+    body, content_type = await asyncio.get_running_loop().run_in_executor(
+        None, metrics.exposition, request.app[CONFIG])
     return web.Response(body=body, headers={"Content-Type": content_type})

@@ -21,6 +21,8 @@ import numpy as np
 import zmq
 
 from gpu_workers.batcher import Batch, Limits, form_batch, wait_time
+from gpu_workers.memory import MemoryCare, TorchAllocator
+from gpu_workers.metrics import WorkerMetrics
 from gpu_workers.sockets import REPLIES, SocketThread
 from shmserve import topology, wire
 from shmserve.arena import Attachments
@@ -85,10 +87,14 @@ class Worker:
                                      self.on_submit, self.on_abort, self.heartbeat)
         self._push: zmq.Socket | None = None
         self._batches = 0
+        self.metrics = WorkerMetrics(index)
+        self.metrics.set_ready(False)
+        self.memory: MemoryCare | None = None  # once the device is known
 
     # ---- socket thread side -------------------------------------------------------------
 
     def heartbeat(self, ping: Ping) -> Heartbeat:
+        self.metrics.set_queue_depth(self._queued_texts)  # fresh even while no batch runs
         infos = tuple(ModelInfo(s.name, s.task, s.dim, s.max_tokens, s.dtype, s.revision)
                       for s in self.specs.values())
         return Heartbeat(PROTOCOL_VERSION, self.index, os.getpid(),
@@ -144,7 +150,11 @@ class Worker:
                 "model": name, "revision": spec.revision, "device": str(device),
                 "seconds": round(time.monotonic() - started, 2),
                 "torch_threads": torch.get_num_threads()}})
+            self.metrics.model_loaded(name, spec.revision, spec.dtype, str(device))
         self.device_label = device_name(device)
+        w = self.cfg.workers
+        self.memory = MemoryCare(TorchAllocator(device), self.metrics, w.memory_check_batches,
+                                 w.heartbeat_interval_s, w.empty_cache_threshold)
 
     def _warm_up(self, model) -> None:
         """Run the largest batch shape the limits allow, so the first request pays no warm-up."""
@@ -161,6 +171,7 @@ class Worker:
             raise RuntimeError("socket thread did not bind within 10 s")
         self.load()
         self.ready = True
+        self.metrics.set_ready(True)
         log.info("worker.ready", extra={"fields": {"worker": self.index,
                                                     "device": self.device_label}})
         drain_deadline = None
@@ -169,6 +180,7 @@ class Worker:
                 raise RuntimeError("socket thread failed") from self._sockets.failure
             if self.stopping.is_set() and drain_deadline is None:
                 drain_deadline = time.time() + self.cfg.server.drain_timeout_s
+                self.metrics.set_ready(False)
                 log.info("worker.draining", extra={"fields": {"queued": len(self._queue)}})
             self._take_inbox(block=not self._queue)
             now = time.time()
@@ -176,6 +188,7 @@ class Worker:
             if drain_deadline is not None and (not self._queue or now > drain_deadline):
                 break
             if not self._queue:
+                self.memory.idle(now)
                 continue
             delay = wait_time(self._queue, now, self.limits)
             if delay > 0 and not self.stopping.is_set():
@@ -234,8 +247,10 @@ class Worker:
         try:
             out = self.models[texts[0].model].forward(ids, lengths)
         except Exception as exc:  # noqa: BLE001 - one bad batch fails its requests, not the worker
-            log.exception("forward failed")
-            for request in {id(t.request): t.request for t in texts}.values():
+            failed = {id(t.request): t.request for t in texts}.values()
+            log.exception("forward failed", extra={"fields": {
+                "request_ids": [r.msg.request_id for r in failed]}})
+            for request in failed:
                 self._finish(request, Error(request.msg.seq, ErrorCode.INTERNAL,
                                             f"forward failed: {type(exc).__name__}"))
             return
@@ -257,11 +272,18 @@ class Worker:
                 self._finish(request, Result(
                     msg.seq, (request.started - request.arrived) * 1000.0, request.inference_ms,
                     request.batch_size, int(request.offsets[-1])))
-        log.debug("batch", extra={"fields": {
-            "batch": self._batches, "texts": len(texts), "requests": len(touched),
-            "real_tokens": batch.real_tokens, "padded_tokens": batch.padded_tokens,
-            "forward_ms": round(forward_ms, 2),
-            "request_ids": [r.msg.request_id for r in touched.values()]}})
+        # After the replies, so observing never delays them.
+        real, padded = batch.real_tokens, batch.padded_tokens
+        self.metrics.batch(texts[0].model, len(touched), len(texts), real, padded,
+                           forward_ms / 1000.0)
+        self.metrics.set_queue_depth(self._queued_texts)
+        if self.cfg.logging.batch_log:
+            log.info("batch", extra={"fields": {
+                "batch": self._batches, "model": texts[0].model, "requests": len(touched),
+                "texts": len(texts), "real_tokens": real, "padded_tokens": padded,
+                "forward_ms": round(forward_ms, 3),
+                "request_ids": [r.msg.request_id for r in touched.values()]}})
+        self.memory.after_batch(time.time())
 
     def _finish(self, request: Request, reply: Result | Error) -> None:
         request.done = True

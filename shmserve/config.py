@@ -82,6 +82,8 @@ class WorkerConfig:
     heartbeat_timeout_s: float = 3.0
     cuda_alloc_conf: str = "expandable_segments:True"
     ready_timeout_s: float = 300.0
+    memory_check_batches: int = 100  # device memory is read every N batches (and when idle)
+    empty_cache_threshold: float = 0.3  # fragmentation above it: torch.cuda.empty_cache()
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +126,7 @@ class LoggingConfig:
     level: Literal["debug", "info", "warning", "error"] = "info"
     format: Literal["json", "text"] = "json"
     log_inputs: bool = False
+    batch_log: bool = True  # one info line per batch at the workers
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,6 +185,8 @@ _CHECKS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "workers.queue_texts": (lambda v: v >= 1, "an integer >= 1"),
     "workers.heartbeat_interval_s": (lambda v: v > 0, "a number > 0"),
     "workers.heartbeat_timeout_s": (lambda v: v > 0, "a number > 0"),
+    "workers.memory_check_batches": (lambda v: v >= 1, "an integer >= 1"),
+    "workers.empty_cache_threshold": (lambda v: 0 <= v <= 1, "a number from 0 to 1 (1: never)"),
     "batching.max_batch_size": (lambda v: v >= 1, "an integer >= 1"),
     "batching.max_batch_tokens": (lambda v: v >= 1, "an integer >= 1"),
     "batching.max_wait_ms": (lambda v: v >= 0, "a number >= 0"),

@@ -12,6 +12,7 @@ import logging
 import os
 import sys
 import time
+from typing import TextIO
 
 from shmserve.config import LoggingConfig
 
@@ -49,8 +50,8 @@ class TextFormatter(logging.Formatter):
         return text
 
 
-def configure(cfg: LoggingConfig, process: str) -> None:
-    handler = logging.StreamHandler(sys.stdout)
+def configure(cfg: LoggingConfig, process: str, stream: TextIO | None = None) -> None:
+    handler = logging.StreamHandler(stream or sys.stdout)
     handler.setFormatter(JsonFormatter(process) if cfg.format == "json" else TextFormatter(process))
     root = logging.getLogger()
     root.handlers[:] = [handler]
