@@ -67,17 +67,21 @@ POOL = web.AppKey("pool", WorkerPool)
 DISPATCHER = web.AppKey("dispatcher", Dispatcher)
 INFLIGHT = web.AppKey("inflight", list)  # [count]: a mutable cell
 
-
-def request_id(request: web.Request) -> str:
-    return request["request_id"]
+# Per-request storage, typed (aiohttp warns on plain string keys).
+REQUEST_ID = web.RequestKey("request_id", str)
+LOG_FIELDS = web.RequestKey("log", dict)  # extra fields for the access log line
+MODEL_NAME = web.RequestKey("model", str)
+TOKENIZE_MS = web.RequestKey("tokenize_ms", float)
+STAGES = web.RequestKey("stages", dict)  # seconds per stage, set by the embedding pipeline
+REPLIED_AT = web.RequestKey("replied_at", float)  # when the worker's reply arrived
 
 
 @web.middleware
 async def observe(request: web.Request, handler) -> web.StreamResponse:
     started = time.perf_counter()
     sent = request.headers.get("X-Request-ID", "")
-    request["request_id"] = sent if _REQUEST_ID.match(sent) else uuid.uuid4().hex
-    request["log"] = {}
+    request[REQUEST_ID] = sent if _REQUEST_ID.match(sent) else uuid.uuid4().hex
+    request[LOG_FIELDS] = {}
     try:
         response = await handler(request)
     except ApiError as exc:
@@ -87,20 +91,20 @@ async def observe(request: web.Request, handler) -> web.StreamResponse:
             exc.status, "bad_request")
         response = error_response(request, ApiError(kind, exc.reason or "error"))
     except Exception:  # the global handler: never a traceback to the client
-        log.exception("unhandled error", extra={"fields": {"request_id": request["request_id"]}})
+        log.exception("unhandled error", extra={"fields": {"request_id": request[REQUEST_ID]}})
         response = error_response(request, ApiError("internal_error", "internal error"))
     ended = time.perf_counter()
     elapsed = ended - started
-    response.headers["X-Request-ID"] = request["request_id"]
+    response.headers["X-Request-ID"] = request[REQUEST_ID]
     response.headers["X-Process-Time"] = f"{elapsed * 1000:.2f}"
     _record(request, response, elapsed, ended)
     return response
 
 
 def error_response(request: web.Request, exc: ApiError) -> web.Response:
-    request["log"]["error"] = exc.kind
-    if exc.status >= 500 and request["request_id"] not in exc.message:
-        exc = ApiError(exc.kind, f"{exc.message} (request id {request['request_id']})",
+    request[LOG_FIELDS]["error"] = exc.kind
+    if exc.status >= 500 and request[REQUEST_ID] not in exc.message:
+        exc = ApiError(exc.kind, f"{exc.message} (request id {request[REQUEST_ID]})",
                        exc.param, exc.retry_after)
     return codec.render(request, exc.body(), status=exc.status, headers=exc.headers())
 
@@ -109,23 +113,23 @@ def _record(request: web.Request, response: web.StreamResponse, elapsed: float,
             ended: float) -> None:
     route = request.match_info.route.resource
     path = route.canonical if route is not None else "unmatched"
-    model = request.get("model", "")
+    model = request.get(MODEL_NAME, "")
     metrics.observe_request(path, model, response.status, elapsed)
-    stages = request.get("stages")  # set by a route that ran the embedding pipeline
+    stages = request.get(STAGES)  # set by a route that ran the embedding pipeline
     if stages is not None and response.status < 400:
         # The last stage ends here, once the response is rendered: reply arrival to now.
-        stages["transfer"] = max(0.0, ended - request["replied_at"])
+        stages["transfer"] = max(0.0, ended - request[REPLIED_AT])
         stages["total"] = elapsed
         response.headers["X-Total-Time"] = f"{elapsed * 1000:.3f}"
         for stage, seconds in stages.items():
             metrics.STAGE.labels(stage, model).observe(seconds)
-        request["log"]["transfer_ms"] = round(stages["transfer"] * 1000, 3)
+        request[LOG_FIELDS]["transfer_ms"] = round(stages["transfer"] * 1000, 3)
     if path in ("/health", "/ready", "/metrics"):
         return  # probes and scrapes would drown the access log
     access.info("request", extra={"fields": {
-        "request_id": request["request_id"], "method": request.method, "route": path,
+        "request_id": request[REQUEST_ID], "method": request.method, "route": path,
         "model": model, "status": response.status, "total_ms": round(elapsed * 1000, 3),
-        **request["log"]}})
+        **request[LOG_FIELDS]}})
 
 
 async def _resources(app: web.Application) -> AsyncIterator[None]:

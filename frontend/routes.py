@@ -11,7 +11,8 @@ from aiohttp import web
 
 import shmserve
 from frontend import codec, metrics, schemas
-from frontend.app import CONFIG, DISPATCHER, INDEX, INFLIGHT, MODELS, POOL, ServedModel
+from frontend.app import (CONFIG, DISPATCHER, INDEX, INFLIGHT, LOG_FIELDS, MODEL_NAME, MODELS, POOL,
+                          REPLIED_AT, REQUEST_ID, STAGES, TOKENIZE_MS, ServedModel)
 from frontend.dispatch import Outcome
 from frontend.errors import ApiError
 from frontend.tokenizer import Encoded
@@ -69,7 +70,7 @@ async def _embed(request: web.Request, parsed: schemas.EmbedRequest,
                  param: str) -> tuple[ServedModel, Outcome, Encoded]:
     cfg = request.app[CONFIG]
     model = request.app[MODELS].resolve(parsed.model)
-    request["model"] = model.spec.name
+    request[MODEL_NAME] = model.spec.name
     deadline = time.time() + _timeout(request, cfg.frontends.request_timeout_s)
     inflight = request.app[INFLIGHT]
     if inflight[0] >= cfg.frontends.max_inflight:
@@ -85,13 +86,13 @@ async def _embed(request: web.Request, parsed: schemas.EmbedRequest,
                 None, model.encoder.encode, parsed.texts, param)
         else:
             enc = model.encoder.encode(parsed.texts, param)
-        request["tokenize_ms"] = (time.perf_counter() - started) * 1000
-        request["log"].update(texts=len(parsed.texts), tokens=enc.tokens,
-                              tokenize_ms=round(request["tokenize_ms"], 3))
+        request[TOKENIZE_MS] = (time.perf_counter() - started) * 1000
+        request[LOG_FIELDS].update(texts=len(parsed.texts), tokens=enc.tokens,
+                              tokenize_ms=round(request[TOKENIZE_MS], 3))
         if cfg.logging.log_inputs:
-            request["log"]["inputs"] = parsed.texts
+            request[LOG_FIELDS]["inputs"] = parsed.texts
         outcome = await request.app[DISPATCHER].run(
-            model.spec.name, model.spec.dim, enc, request["request_id"], deadline,
+            model.spec.name, model.spec.dim, enc, request[REQUEST_ID], deadline,
             _priority(request, parsed, cfg.frontends.default_priority))
     finally:
         inflight[0] -= 1
@@ -102,11 +103,11 @@ async def _embed(request: web.Request, parsed: schemas.EmbedRequest,
         metrics.TRUNCATED.labels(model.spec.name).inc(enc.truncated)
     observe_many(metrics.INPUT_TOKENS.labels(model.spec.name), np.diff(enc.offsets))
     # The middleware adds the transfer and total stages once the response is rendered.
-    request["stages"] = {"tokenize": request["tokenize_ms"] / 1000,
+    request[STAGES] = {"tokenize": request[TOKENIZE_MS] / 1000,
                          "queue": outcome.result.queue_ms / 1000,
                          "inference": outcome.result.inference_ms / 1000}
-    request["replied_at"] = outcome.received_at
-    request["log"].update(batch_size=outcome.result.batch_size, worker=outcome.worker,
+    request[REPLIED_AT] = outcome.received_at
+    request[LOG_FIELDS].update(batch_size=outcome.result.batch_size, worker=outcome.worker,
                           queue_ms=round(outcome.result.queue_ms, 3),
                           inference_ms=round(outcome.result.inference_ms, 3))
     return model, outcome, enc
@@ -138,7 +139,7 @@ def _stage_headers(request: web.Request, outcome: Outcome) -> dict[str, str]:
     return {
         "X-Model-Revision": outcome.revision,
         "X-Batch-Size": str(outcome.result.batch_size),
-        "X-Tokenization-Time": f"{request['tokenize_ms']:.3f}",
+        "X-Tokenization-Time": f"{request[TOKENIZE_MS]:.3f}",
         "X-Queue-Time": f"{outcome.result.queue_ms:.3f}",
         "X-Inference-Time": f"{outcome.result.inference_ms:.3f}",
     }

@@ -16,10 +16,6 @@ from tests.conftest import tiny_overrides
 from tests.integration.test_pool import start_worker
 
 
-# The app keeps per-request state under str keys (request["log"], ...), which this aiohttp
-# answers with NotAppKeyWarning (web.RequestKey is its new way); in the served processes that is
-# a warning, here it would be an error inside the handler.
-@pytest.mark.filterwarnings("ignore::aiohttp.web_exceptions.NotAppKeyWarning")
 def test_access_line_has_every_stage_and_the_inputs_when_asked(tmp_path, tiny_model, caplog):
     overrides = tiny_overrides(tiny_model, frontends={"count": 1},
                                logging={"log_inputs": True})
