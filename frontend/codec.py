@@ -19,12 +19,12 @@ from frontend.errors import ApiError
 
 JSON = "application/json"
 MSGPACK = "application/msgpack"
-_MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack")
+MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack")
 
 
 def wants_msgpack(request: web.Request) -> bool:
     accept = request.headers.get("Accept", "")
-    return any(t in accept for t in _MSGPACK_TYPES)
+    return any(t in accept for t in MSGPACK_TYPES)
 
 
 def _reject_constant(name: str) -> Any:
@@ -36,7 +36,7 @@ async def read_body(request: web.Request) -> Any:
     raw = await request.read()
     if not raw:
         raise ApiError("bad_request", "empty request body")
-    if ctype in _MSGPACK_TYPES:
+    if ctype in MSGPACK_TYPES:
         try:
             return msgpack.unpackb(raw, raw=False)  # strict map keys: str or bytes only
         except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, ValueError,

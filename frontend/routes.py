@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import time
 
 import numpy as np
 from aiohttp import web
 
 import shmserve
-from frontend import codec, metrics, schemas
+from frontend import codec, metrics, schemas, vectors
 from frontend.app import CONFIG, DISPATCHER, INDEX, INFLIGHT, MODELS, POOL, ServedModel
 from frontend.dispatch import Outcome
 from frontend.errors import ApiError
@@ -66,6 +67,7 @@ async def _embed(request: web.Request, parsed: schemas.EmbedRequest,
     cfg = request.app[CONFIG]
     model = request.app[MODELS].resolve(parsed.model)
     request["model"] = model.spec.name
+    vectors.check_dimensions(parsed.dimensions, model.spec.dim)
     deadline = time.time() + _timeout(request, cfg.frontends.request_timeout_s)
     inflight = request.app[INFLIGHT]
     if inflight[0] >= cfg.frontends.max_inflight:
@@ -76,26 +78,33 @@ async def _embed(request: web.Request, parsed: schemas.EmbedRequest,
     gauge.inc()
     try:
         started = time.perf_counter()
-        if sum(map(len, parsed.texts)) > _THREAD_TOKENIZE_CHARS:
+        if parsed.token_ids is not None:  # tokenized by the client
+            enc = model.encoder.from_ids(parsed.token_ids, param)
+        elif sum(map(len, parsed.texts)) > _THREAD_TOKENIZE_CHARS:
             enc = await asyncio.get_running_loop().run_in_executor(
-                None, model.encoder.encode, parsed.texts, param)
+                None, model.encoder.encode, parsed.texts, param, parsed.truncate,
+                parsed.truncation_direction)
         else:
-            enc = model.encoder.encode(parsed.texts, param)
+            enc = model.encoder.encode(parsed.texts, param, parsed.truncate,
+                                       parsed.truncation_direction)
         request["tokenize_ms"] = (time.perf_counter() - started) * 1000
         outcome = await request.app[DISPATCHER].run(
             model.spec.name, model.spec.dim, enc, request["request_id"], deadline)
     finally:
         inflight[0] -= 1
         gauge.dec()
-    metrics.TEXTS.labels(model.spec.name).inc(len(parsed.texts))
+    metrics.TEXTS.labels(model.spec.name).inc(enc.count)
     metrics.TOKENS.labels(model.spec.name).inc(enc.tokens)
     if enc.truncated:
         metrics.TRUNCATED.labels(model.spec.name).inc(enc.truncated)
-    request["log"].update(texts=len(parsed.texts), tokens=enc.tokens,
+    request["log"].update(texts=enc.count, tokens=enc.tokens,
                           batch_size=outcome.result.batch_size, worker=outcome.worker,
                           tokenize_ms=round(request["tokenize_ms"], 3),
                           queue_ms=round(outcome.result.queue_ms, 3),
                           inference_ms=round(outcome.result.inference_ms, 3))
+    if parsed.dimensions is not None:
+        outcome = dataclasses.replace(outcome, vectors=vectors.shorten(
+            outcome.vectors, parsed.dimensions, model.spec.normalize))
     return model, outcome, enc
 
 

@@ -14,6 +14,7 @@ def error_of(raw: bytes, as_msgpack: bool = False) -> dict:
     body = msgpack.unpackb(raw) if as_msgpack else json.loads(raw)
     assert set(body) == {"error"}, body
     assert isinstance(body["error"]["type"], str) and body["error"]["message"]
+    assert set(body["error"]) == {"message", "type", "param", "code"}  # OpenAI's shape
     return body["error"]
 
 
