@@ -1,4 +1,6 @@
-"""KServe v2 tensors in and out of HTTP bodies: JSON, Triton's binary tensor data extension, msgpack.
+"""KServe v2 tensors in and out of HTTP bodies: JSON and Triton's binary tensor data extension.
+
+JSON tensor data is read flat or nested, and written flat (row-major), as Triton writes it.
 
 Binary tensor data, both ways. With an ``Inference-Header-Content-Length: N`` header the body is::
 
@@ -149,7 +151,7 @@ def encode_response(head: dict[str, Any], outputs: list[tuple[Tensor, bool]]
             tails.append(raw)
         else:
             entry["data"] = ([b.decode("utf-8", "replace") for b in tensor.data]
-                             if tensor.datatype == BYTES else tensor.data.tolist())
+                             if tensor.datatype == BYTES else np.ravel(tensor.data).tolist())
         entries.append(entry)
     header = json.dumps({**head, "outputs": entries}, separators=(",", ":")).encode()
     if not tails:
