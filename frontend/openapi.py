@@ -1,7 +1,7 @@
 """``GET /openapi.json``: an OpenAPI 3.1 document of every public route, written by hand.
 
-It is built once per process from the config, so its examples name the served models and its
-limits (texts per request, characters per text) are the ones enforced. Every POST body may be
+It is built once per process from the config, so it names the served models (and their
+aliases) and its limits (texts per request, characters per text) are the ones enforced. Every POST body may be
 JSON or msgpack; every error is the `Error` schema (OpenAI's shape).
 """
 
@@ -85,7 +85,7 @@ def _op(tag: str, summary: str, responses: dict, body: dict | None = None,
 
 def _paths(models: list[str]) -> dict[str, dict]:
     model = {"name": "model", "in": "path", "required": True, "example": models[0],
-             "schema": {"type": "string"}}
+             "schema": {"enum": models}}
     version = {"name": "version", "in": "path", "required": True, "schema": {"type": "string"}}
     paths: dict[str, dict] = {
         "/predict": {"post": _op(
@@ -147,7 +147,7 @@ def _paths(models: list[str]) -> dict[str, dict]:
 
 
 def document(cfg: Config) -> dict[str, Any]:
-    models = [m.name for m in cfg.models]
+    models = [name for m in cfg.models for name in (m.name, *m.aliases)]  # any other: 404
     return {
         "openapi": "3.1.0",
         "info": {"title": "shmserve", "version": shmserve.__version__,
@@ -169,7 +169,8 @@ def _schemas(cfg: Config, models: list[str]) -> dict[str, Any]:
                                            "maxItems": limits.max_texts_per_request}],
               "description": "text(s), or token ids the client made: used as given (no "
                              "special tokens added), each in [0, vocab size)"}
-    model = {"type": "string", "minLength": 1, "example": models[0]}
+    model = {"enum": models, "description": "a served model's name or alias; the first "
+             "served model when absent"}
     nullable_bool = {"type": ["boolean", "null"]}
     usage = {"type": "object", "properties": {"prompt_tokens": {"type": "integer"},
                                                "total_tokens": {"type": "integer"}}}

@@ -35,4 +35,5 @@ def test_limits_and_model_names_come_from_the_config():
     doc = document(cfg)
     texts = doc["components"]["schemas"]["PredictRequest"]["properties"]["texts"]
     assert texts["maxItems"] == 7 and texts["items"]["maxLength"] == 99
-    assert doc["paths"]["/v2/models/{model}"]["get"]["parameters"][0]["example"] == "m1"
+    assert doc["paths"]["/v2/models/{model}"]["get"]["parameters"][0]["schema"] == {
+        "enum": ["m1"]}
