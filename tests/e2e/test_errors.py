@@ -157,6 +157,8 @@ def test_no_live_worker_is_503_then_service_returns(strict_stack):
         assert status == 503 and err["error"]["type"] == "unavailable"
         assert headers.get("Retry-After")
         assert strict_stack.get("/ready")[0] == 503
+        assert strict_stack.get("/v2/health/ready")[0] == 400  # KServe's "false" is a 4xx
+        assert json.loads(strict_stack.get("/v2/models/tiny/ready")[2])["ready"] is False
     finally:
         strict_stack.ctl("start", "workers:*")
     strict_stack.wait_until(lambda: strict_stack.get("/ready")[0] == 200, 120, "ready again")

@@ -2,6 +2,7 @@
 
 import base64
 
+import msgpack
 import numpy as np
 import openai
 import pytest
@@ -68,6 +69,16 @@ def test_dimensions_keeps_a_renormalised_prefix(client, native):
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
     full = client.embeddings.create(model="tiny", input=TEXTS, dimensions=32)
     np.testing.assert_allclose(rows(full), native, rtol=0, atol=1e-6)
+
+
+def test_msgpack_vectors_are_raw_float32(tiny_stack, native):
+    status, headers, raw = tiny_stack.request(
+        "POST", "/v1/embeddings", msgpack.packb({"input": TEXTS, "dimensions": 8}),
+        {"Content-Type": "application/msgpack", "Accept": "application/msgpack"})
+    assert status == 200 and headers["Content-Type"].startswith("application/msgpack")
+    got = np.stack([np.frombuffer(d["embedding"], "<f4") for d in msgpack.unpackb(raw)["data"]])
+    want = native[:, :8] / np.linalg.norm(native[:, :8], axis=1, keepdims=True)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("kwargs,error,param,code", [
