@@ -25,7 +25,10 @@ def main() -> int:
     path.unlink(missing_ok=True)  # a killed predecessor's socket file
     web.run_app(create_app(cfg, args.index), path=str(path), print=None,
                 shutdown_timeout=cfg.server.drain_timeout_s, access_log=None,
-                handle_signals=True)
+                handle_signals=True, backlog=cfg.frontends.listen_backlog,
+                # A client that goes away cancels its handler, which aborts its queued work
+                # at the worker (frontend.dispatch) instead of computing it for nobody.
+                handler_cancellation=True)
     path.unlink(missing_ok=True)
     return 0
 

@@ -43,7 +43,8 @@ class Models:
         self.by_name: dict[str, ServedModel] = {}
         self._names: dict[str, str] = {}
         for model_cfg in cfg.models:
-            spec = inspect(model_cfg, with_revision=False)  # workers report the revision
+            # Workers report the revision; the roots confine where models may come from.
+            spec = inspect(model_cfg, with_revision=False, roots=cfg.model_root_paths)
             self.by_name[spec.name] = ServedModel(spec, TextEncoder(spec, cfg.limits.truncate))
             for name in (model_cfg.name, *model_cfg.aliases):
                 self._names[name] = spec.name

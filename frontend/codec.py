@@ -32,8 +32,13 @@ def _reject_constant(name: str) -> Any:
 
 
 async def read_body(request: web.Request) -> Any:
-    ctype = request.content_type  # aiohttp defaults a missing header to application/octet-stream
-    raw = await request.read()
+    # aiohttp reports a missing Content-Type as application/octet-stream; tell them apart.
+    return decode_body(await request.read(), request.content_type,
+                       "Content-Type" in request.headers)
+
+
+def decode_body(raw: bytes, ctype: str, has_type: bool = True) -> Any:
+    """Bytes to a Python value, or ApiError (400 or 415): never any other exception."""
     if not raw:
         raise ApiError("bad_request", "empty request body")
     if ctype in MSGPACK_TYPES:
@@ -42,7 +47,7 @@ async def read_body(request: web.Request) -> Any:
         except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, ValueError,
                 TypeError) as exc:
             raise ApiError("bad_request", f"malformed msgpack body: {exc}") from None
-    if ctype == JSON or "Content-Type" not in request.headers:
+    if ctype == JSON or not has_type:
         try:
             return json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
         except UnicodeDecodeError:

@@ -27,7 +27,8 @@ with Triton's binary tensor data extension).
 Every POST body may be JSON (`Content-Type: application/json`) or msgpack
 (`application/msgpack`); a response is msgpack when `Accept` names msgpack, and then float vectors
 are raw little-endian float32 bytes. Request headers: `X-Request-ID` (echoed back; one is made
-when absent) and `X-Request-Timeout` (seconds, in (0, 3600]: the request's deadline).
+when absent), `X-Request-Timeout` (seconds, in (0, 3600]: the request's deadline) and
+`X-Priority` (low, normal, high or an integer in [-10, 10]).
 Errors, from every route and from nginx: `{"error": {"message", "type", "param", "code"}}`.
 """
 
@@ -106,6 +107,10 @@ def _paths(models: list[str]) -> dict[str, dict]:
         "/info": {"get": _op("tei", "Server and model information (TEI's /info)",
                              _ok(_ref("Info")))},
         "/openapi.json": {"get": _op("ops", "This document", _ok({"type": "object"}))},
+        "/admin/models": {"get": {**_op(
+            "admin", "Each model's revision and loading state per worker (loopback only; 404 "
+            "when admin.token is unset)", {**_ok({"type": "object"}), **_errors(401, 404)}),
+            "security": [{"bearer": []}]}},
         "/embed": {"post": _op(
             "tei", "TEI embed", {**_ok({"type": "array", "items": _ref("Vector")}),
                                  **_errors(*_POST_ERRORS)}, _body(_ref("TeiEmbedRequest")))},
@@ -153,9 +158,10 @@ def document(cfg: Config) -> dict[str, Any]:
         "info": {"title": "shmserve", "version": shmserve.__version__,
                  "description": _DESCRIPTION},
         "servers": [{"url": "/"}],
-        "tags": [{"name": n} for n in ("native", "openai", "tei", "kserve", "ops")],
+        "tags": [{"name": n} for n in ("native", "openai", "tei", "kserve", "ops", "admin")],
         "paths": _paths(models),
-        "components": {"schemas": _schemas(cfg, models)},
+        "components": {"schemas": _schemas(cfg, models), "securitySchemes": {
+            "bearer": {"type": "http", "scheme": "bearer", "description": "admin.token"}}},
     }
 
 
@@ -172,6 +178,9 @@ def _schemas(cfg: Config, models: list[str]) -> dict[str, Any]:
     model = {"enum": models, "description": "a served model's name or alias; the first "
              "served model when absent"}
     nullable_bool = {"type": ["boolean", "null"]}
+    priority = {"oneOf": [{"enum": ["low", "normal", "high"]},
+                          {"type": "integer", "minimum": -10, "maximum": 10}],
+                "description": "higher runs first; wins over the X-Priority header"}
     usage = {"type": "object", "properties": {"prompt_tokens": {"type": "integer"},
                                                "total_tokens": {"type": "integer"}}}
     direction = {"type": ["string", "null"], "enum": ["Right", "Left", "right", "left", None]}
@@ -187,7 +196,7 @@ def _schemas(cfg: Config, models: list[str]) -> dict[str, Any]:
                              {"type": "string", "description": "base64 (encoding_format) or, in "
                               "msgpack, raw little-endian float32 bytes"}]},
         "PredictRequest": {"type": "object", "required": ["texts"], "properties": {
-            "texts": texts, "model": model}},
+            "texts": texts, "model": model, "priority": priority}},
         "PredictResponse": {"type": "object", "properties": {
             "results": {"type": "array", "items": _ref("Vector")}, "model": {"type": "string"},
             "revision": {"type": "string"}, "usage": usage}},
@@ -197,7 +206,7 @@ def _schemas(cfg: Config, models: list[str]) -> dict[str, Any]:
             "dimensions": {"type": ["integer", "null"], "minimum": 1,
                            "description": "keep this many leading components, re-normalised "
                                           "(Matryoshka); at most the model's dimension"},
-            "user": {"type": ["string", "null"]}}},
+            "user": {"type": ["string", "null"]}, "priority": priority}},
         "EmbeddingsResponse": {"type": "object", "properties": {
             "object": {"const": "list"}, "model": {"type": "string"}, "usage": usage,
             "data": {"type": "array", "items": {"type": "object", "properties": {

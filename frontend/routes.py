@@ -23,6 +23,9 @@ _THREAD_TOKENIZE_CHARS = 4096
 
 
 def add_routes(app: web.Application) -> None:
+    from frontend import admin
+
+    admin.add_routes(app)
     app.router.add_post("/v1/embeddings", embeddings)
     app.router.add_post("/predict", predict)
     app.router.add_get("/v1/models", list_models)
@@ -89,7 +92,8 @@ async def _embed(request: web.Request, parsed: schemas.EmbedRequest,
                                        parsed.truncation_direction)
         request["tokenize_ms"] = (time.perf_counter() - started) * 1000
         outcome = await request.app[DISPATCHER].run(
-            model.spec.name, model.spec.dim, enc, request["request_id"], deadline)
+            model.spec.name, model.spec.dim, enc, request["request_id"], deadline,
+            _priority(request, parsed, cfg.frontends.default_priority))
     finally:
         inflight[0] -= 1
         gauge.dec()
@@ -106,6 +110,14 @@ async def _embed(request: web.Request, parsed: schemas.EmbedRequest,
         outcome = dataclasses.replace(outcome, vectors=vectors.shorten(
             outcome.vectors, parsed.dimensions, model.spec.normalize))
     return model, outcome, enc
+
+
+def _priority(request: web.Request, parsed: schemas.EmbedRequest, default: int) -> int:
+    """The body's `priority` field, else the X-Priority header, else the configured default."""
+    if parsed.priority is not None:
+        return parsed.priority
+    header = request.headers.get("X-Priority")
+    return default if header is None else schemas.parse_priority(header, "X-Priority")
 
 
 def _timeout(request: web.Request, default: float) -> float:

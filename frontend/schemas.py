@@ -12,6 +12,8 @@ from frontend.errors import ApiError
 from shmserve.config import LimitsConfig
 
 ENCODING_FORMATS = ("float", "base64")
+PRIORITY_NAMES = {"low": -1, "normal": 0, "high": 1}
+PRIORITY_RANGE = (-10, 10)
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,6 +21,7 @@ class EmbedRequest:
     texts: list[str]  # empty when token_ids is given
     model: str | None
     encoding_format: str = "float"
+    priority: int | None = None  # from the body; the X-Priority header is read by the route
     token_ids: list[list[int]] | None = None  # pre-tokenized input, used as given
     dimensions: int | None = None  # keep this many leading components (Matryoshka)
     truncate: bool | None = None  # None: limits.truncate
@@ -39,7 +42,8 @@ def parse_openai_embeddings(body: Any, limits: LimitsConfig) -> EmbedRequest:
     user = body.get("user")
     if user is not None and not isinstance(user, str):  # accepted, and not used
         raise ApiError("invalid_request", "'user' must be a string", param="user")
-    return EmbedRequest(texts, _model(body), fmt, ids, dimensions(body))
+    return EmbedRequest(texts, _model(body), fmt, _body_priority(body), token_ids=ids,
+                        dimensions=dimensions(body))
 
 
 def texts_or_ids(value: Any, param: str, limits: LimitsConfig
@@ -81,7 +85,8 @@ def parse_predict(body: Any, limits: LimitsConfig) -> EmbedRequest:
     body = _mapping(body)
     if "texts" not in body:
         raise ApiError("invalid_request", "'texts' is required", param="texts")
-    return EmbedRequest(_texts(body["texts"], "texts", limits), _model(body))
+    return EmbedRequest(_texts(body["texts"], "texts", limits), _model(body),
+                        priority=_body_priority(body))
 
 
 def _mapping(body: Any) -> dict:
@@ -119,6 +124,27 @@ def _texts(value: Any, param: str, limits: LimitsConfig) -> list[str]:
             raise ApiError("too_large", f"'{param}[{i}]' has {len(text)} characters; the limit "
                            f"is {limits.max_text_chars} (limits.max_text_chars)", param=param)
     return value
+
+
+def parse_priority(value: object, param: str) -> int:
+    """A priority level: low | normal | high, or an integer in [-10, 10]; higher runs first."""
+    if isinstance(value, str):
+        if value.strip().lower() in PRIORITY_NAMES:
+            return PRIORITY_NAMES[value.strip().lower()]
+        try:
+            value = int(value)
+        except ValueError:
+            value = None
+    if isinstance(value, int) and not isinstance(value, bool) and \
+            PRIORITY_RANGE[0] <= value <= PRIORITY_RANGE[1]:
+        return value
+    raise ApiError("invalid_request", f"'{param}' must be low, normal, high or an integer from "
+                   f"{PRIORITY_RANGE[0]} to {PRIORITY_RANGE[1]}", param=param)
+
+
+def _body_priority(body: dict) -> int | None:
+    value = body.get("priority")
+    return None if value is None else parse_priority(value, "priority")
 
 
 def _utf8(text: str) -> bool:

@@ -4,9 +4,12 @@ No model, no sockets, no clock of its own: the worker passes `now` in, so every 
 unit-tested directly.
 
 Rules:
-  * The anchor is the oldest text of the highest priority present: it is always in the next batch,
-    so nothing waits behind a stream of newer work of its own priority. (Lower priorities run
-    whenever no higher one is queued; the worker's bounded queue caps how long that can be.)
+  * The anchor is always in the next batch. Normally it is the oldest text of the highest
+    priority present; on a fair turn (the worker makes every Nth batch one, N being
+    `batching.fair_share_every`) it is the oldest text of all. So higher priorities go first,
+    and lower ones still get at least one batch in N while higher ones saturate the worker:
+    nothing starves, and a higher-priority text waits at most for the running batch and one
+    fair-turn batch.
   * Only texts of the anchor's model join it.
   * Among those, texts are taken in order of closeness in length to the batch, so the batch holds
     similar lengths: padded tokens (texts x longest) stay under `max_batch_tokens`, the count under
@@ -58,7 +61,9 @@ class Batch(Generic[T]):
         return self.padded_len * len(self.texts)
 
 
-def anchor_index(queue: Sequence[Text]) -> int:
+def anchor_index(queue: Sequence[Text], fair_turn: bool = False) -> int:
+    if fair_turn:
+        return min(range(len(queue)), key=lambda i: queue[i].arrived)
     best = 0
     for i in range(1, len(queue)):
         if queue[i].priority > queue[best].priority:
@@ -76,9 +81,10 @@ def wait_time(queue: Sequence[Text], now: float, limits: Limits) -> float:
     return max(0.0, oldest + limits.max_wait_s - now)
 
 
-def form_batch(queue: Sequence[T], limits: Limits) -> tuple[Batch[T], list[T]]:
+def form_batch(queue: Sequence[T], limits: Limits,
+               fair_turn: bool = False) -> tuple[Batch[T], list[T]]:
     """Split a non-empty queue (arrival order) into the next batch and the rest (arrival order)."""
-    anchor = queue[anchor_index(queue)]
+    anchor = queue[anchor_index(queue, fair_turn)]
     same = sorted((t for t in queue if t.model == anchor.model), key=lambda t: t.length)
     lengths = [t.length for t in same]
     # Position of the anchor itself among equal lengths (identity, not equality).

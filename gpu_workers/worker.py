@@ -69,7 +69,7 @@ class Worker:
         self.index = index
         self.limits = Limits(cfg.batching.max_batch_size, cfg.batching.max_batch_tokens,
                              cfg.batching.max_wait_ms / 1000.0, cfg.batching.max_pad_ratio)
-        self.specs = {m.name: inspect(m) for m in cfg.models}
+        self.specs = {m.name: inspect(m, roots=cfg.model_root_paths) for m in cfg.models}
         self.models: dict = {}
         self.device_label = "loading"
         self.ready = False
@@ -109,8 +109,11 @@ class Worker:
                 raise ValueError("offsets, ids and output disagree")
         except (OSError, ValueError) as exc:
             return Error(msg.seq, ErrorCode.INVALID, f"bad buffers: {exc}")
+        limit = self.cfg.workers.queue_texts
+        if msg.priority < 0:  # keep headroom for interactive work under a bulk flood
+            limit = int(limit * self.cfg.workers.low_priority_queue_share)
         with self._lock:
-            if self._queued_texts + n > self.cfg.workers.queue_texts:
+            if self._queued_texts + n > limit:
                 return Error(msg.seq, ErrorCode.OVERLOADED,
                              f"worker queue full ({self._queued_texts} texts queued); "
                              "raise workers.queue_texts or add workers")
@@ -178,7 +181,8 @@ class Worker:
             if delay > 0 and not self.stopping.is_set():
                 self._take_inbox(block=True, timeout=delay)
                 continue
-            batch, self._queue = form_batch(self._queue, self.limits)
+            fair_turn = self._batches % self.cfg.batching.fair_share_every == 0
+            batch, self._queue = form_batch(self._queue, self.limits, fair_turn)
             self._run(batch)
         self._fail_all(ErrorCode.UNAVAILABLE, "worker stopped before running this request")
 
@@ -205,6 +209,10 @@ class Worker:
         for request in {id(r): r for r in dropped}.values():
             if request.done:
                 continue
+            reason = "aborted" if request.aborted else "deadline"
+            log.info("request.dropped", extra={"fields": {
+                "request_id": request.msg.request_id, "reason": reason,
+                "texts": request.remaining}})
             if request.aborted:
                 self._finish(request, Error(request.msg.seq, ErrorCode.ABORTED, "aborted"))
             else:

@@ -26,7 +26,7 @@ import xmlrpc.client
 from collections.abc import Callable
 from pathlib import Path
 
-from shmserve import arena, config, nginxrun, render, topology
+from shmserve import arena, config, models, nginxrun, render, topology
 from shmserve.config import Config, ConfigError
 
 GROUPS = {"frontends": "frontends:*", "workers": "workers:*", "nginx": "nginx"}
@@ -86,6 +86,12 @@ def up(args: argparse.Namespace) -> int:
                        "`shmserve down` first, or `shmserve restart` a group")
     if args.wait and args.foreground:
         raise CliError("--wait and --foreground exclude each other")
+    for model in cfg.models:  # refuse a bad model before any process starts
+        try:
+            models.inspect(model, with_revision=False, roots=cfg.model_root_paths)
+            models.weights_file(models.resolve_source(model.source, cfg.model_root_paths))
+        except models.ModelSourceError as exc:
+            raise CliError(f"models: {model.name}: {exc}") from None
     render.render(cfg)
     clean_stale(cfg, metrics=True)
     argv = [tool("supervisord"), "-c", str(render.supervisord_conf(cfg))]

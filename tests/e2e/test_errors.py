@@ -38,6 +38,7 @@ def strict_stack(tmp_path_factory, tiny_model):
                                workers={"queue_texts": 8},
                                limits={"max_texts_per_request": 16})
     overrides["models"].append({"name": "broken", "source": str(broken), "revision": "b1"})
+    overrides["model_roots"].append(str(broken.parent))
     stack = Stack(tmp_path_factory.mktemp("strict-stack"), overrides)
     stack.up()
     yield stack
@@ -156,10 +157,34 @@ def test_no_live_worker_is_503_then_service_returns(strict_stack):
         status, headers, err = strict_stack.post_json("/predict", {"texts": ["x"]})
         assert status == 503 and err["error"]["type"] == "unavailable"
         assert headers.get("Retry-After")
-        assert strict_stack.get("/ready")[0] == 503
+        status, _, raw = strict_stack.get("/ready")
+        assert status == 503 and json.loads(raw)["status"] == "loading"
         assert strict_stack.get("/v2/health/ready")[0] == 400  # KServe's "false" is a 4xx
         assert json.loads(strict_stack.get("/v2/models/tiny/ready")[2])["ready"] is False
     finally:
         strict_stack.ctl("start", "workers:*")
     strict_stack.wait_until(lambda: strict_stack.get("/ready")[0] == 200, 120, "ready again")
     assert strict_stack.post_json("/predict", {"texts": ["back"]})[0] == 200
+
+
+def test_admin_routes_are_off_without_a_token(tiny_stack):
+    status, _, raw = tiny_stack.get("/admin/models", {"Authorization": "Bearer anything"})
+    assert status == 404 and json.loads(raw)["error"]["type"] == "not_found"
+
+
+def test_admin_routes_need_the_token(tmp_path, tiny_model):
+    stack = Stack(tmp_path / "admin", tiny_overrides(tiny_model, frontends={"count": 1}))
+    stack.env["SHMSERVE__ADMIN__TOKEN"] = "s3cret-token"
+    stack.up()
+    try:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret-token"},
+                        {"Authorization": "Basic s3cret-token"}):
+            status, _, raw = stack.get("/admin/models", headers)
+            assert status == 401 and json.loads(raw)["error"]["type"] == "unauthorized"
+        status, _, raw = stack.get("/admin/models", {"Authorization": "Bearer s3cret-token"})
+        assert status == 200
+        (model,) = json.loads(raw)["models"]
+        assert model["name"] == "tiny"
+        assert [(w["state"], w["revision"]) for w in model["workers"]] == [("ready", "tiny-r1")]
+    finally:
+        stack.down()

@@ -87,3 +87,27 @@ def test_equal_lengths_fill_up_to_batch_size():
 ])
 def test_wait_time(queue, now, expected):
     assert wait_time(queue, now, LIMITS) == pytest.approx(expected)
+
+
+def test_a_fair_turn_starts_from_the_oldest_text_of_any_priority():
+    low = T(10, arrived=0.0, priority=0)
+    highs = [T(10, arrived=0.1 + i / 100, priority=5) for i in range(20)]
+    queue = [low] + highs
+    assert queue[anchor_index(queue)].priority == 5
+    assert anchor_index(queue, fair_turn=True) == 0
+    batch, _ = form_batch(queue, LIMITS, fair_turn=True)
+    assert low in batch.texts
+
+
+def test_lower_priority_never_starves_under_a_steady_stream():
+    """High-priority texts (of another length, so they never share a batch with it) keep
+    arriving faster than batches drain; with fair turns every 4th batch, the low one runs
+    within 4 batches."""
+    low = T(200, arrived=0.0, priority=0)
+    queue, every = [low], 4
+    for count in range(40):
+        queue += [T(10, arrived=1.0 + count, priority=1) for _ in range(9)]
+        batch, queue = form_batch(queue, LIMITS, fair_turn=count % every == 0 and count > 0)
+        if low in batch.texts:
+            break
+    assert low in batch.texts and count == every

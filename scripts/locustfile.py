@@ -1,0 +1,62 @@
+"""Locust load profile for shmserve: real English sentences from the shared corpus.
+
+Environment:
+  SHMSERVE_BENCH_CORPUS   path to a JSON list of strings (default ../shared/bench/corpus.json)
+  SHMSERVE_BENCH_TEXTS    texts per request (default 1)
+  SHMSERVE_BENCH_API      openai (JSON /v1/embeddings, float) | msgpack (/predict, msgpack)
+  SHMSERVE_BENCH_MODEL    model name sent with each request (default: the server's default)
+
+Run by scripts/bench.py; also usable directly:
+  locust -f scripts/locustfile.py --headless -u 32 -r 32 -t 30s -H http://127.0.0.1:8080
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import threading
+from pathlib import Path
+
+import msgpack
+from locust import FastHttpUser, constant, task
+
+REPO = Path(__file__).resolve().parent.parent
+CORPUS = Path(os.environ.get("SHMSERVE_BENCH_CORPUS", REPO.parent / "shared/bench/corpus.json"))
+TEXTS_PER_REQUEST = int(os.environ.get("SHMSERVE_BENCH_TEXTS", "1"))
+API = os.environ.get("SHMSERVE_BENCH_API", "openai")
+MODEL = os.environ.get("SHMSERVE_BENCH_MODEL")
+
+_corpus = json.loads(CORPUS.read_text())
+_lock = threading.Lock()
+_cursor = itertools.count()
+
+
+def next_texts() -> list[str]:
+    """Consecutive corpus texts, shared by all users, so the server sees the corpus in order."""
+    with _lock:
+        start = next(_cursor) * TEXTS_PER_REQUEST
+    return [_corpus[(start + i) % len(_corpus)] for i in range(TEXTS_PER_REQUEST)]
+
+
+class EmbeddingUser(FastHttpUser):
+    wait_time = constant(0)  # closed loop: each user sends its next request at once
+
+    @task
+    def embed(self) -> None:
+        texts = next_texts()
+        if API == "msgpack":
+            body = {"texts": texts} | ({"model": MODEL} if MODEL else {})
+            with self.client.post("/predict", data=msgpack.packb(body), name="predict",
+                                  headers={"Content-Type": "application/msgpack",
+                                           "Accept": "application/msgpack"},
+                                  catch_response=True) as resp:
+                if resp.status_code != 200:
+                    resp.failure(f"status {resp.status_code}")
+        else:
+            body = {"input": texts, "encoding_format": "float"} | (
+                {"model": MODEL} if MODEL else {})
+            with self.client.post("/v1/embeddings", json=body, name="embeddings",
+                                  catch_response=True) as resp:
+                if resp.status_code != 200:
+                    resp.failure(f"status {resp.status_code}")

@@ -1,0 +1,118 @@
+"""Chaos under continuous load through nginx: kill each kind of process in turn and count.
+
+Run alone with `scripts/test -m chaos`; they are part of the default suite too.
+"""
+
+import os
+import signal
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+
+import pytest
+
+from tests.conftest import tiny_overrides
+from tests.stack import Stack
+
+pytestmark = pytest.mark.chaos
+
+
+class Load:
+    """Closed-loop clients that record the outcome of every request until stopped."""
+
+    def __init__(self, stack: Stack, clients: int = 6) -> None:
+        self.stack = stack
+        self.outcomes: list[str] = []
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._threads = [threading.Thread(target=self._run, args=(i,)) for i in range(clients)]
+
+    def __enter__(self) -> "Load":
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(60)
+        assert not any(t.is_alive() for t in self._threads), "a client hung"
+
+    def _run(self, i: int) -> None:
+        n = 0
+        while not self._stop.is_set():
+            n += 1
+            data = f'{{"texts": ["client {i} request {n}", "second text"]}}'.encode()
+            req = urllib.request.Request(self.stack.url + "/predict", data=data,
+                                         headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(req, timeout=30) as resp:
+                    outcome = str(resp.status)
+            except urllib.error.HTTPError as exc:
+                outcome = str(exc.code)
+            except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:
+                outcome = f"conn:{type(getattr(exc, 'reason', exc)).__name__}"
+            with self._lock:
+                self.outcomes.append(outcome)
+
+    def mark(self) -> int:
+        with self._lock:
+            return len(self.outcomes)
+
+    def since(self, mark: int) -> Counter:
+        with self._lock:
+            return Counter(self.outcomes[mark:])
+
+
+def pid_of(stack: Stack, program: str) -> int:
+    out = stack.ctl("pid", program).strip()
+    return int(out) if out.isdigit() else 0
+
+
+def kill_and_wait(stack: Stack, program: str, load: Load) -> Counter:
+    start = load.mark()
+    old = pid_of(stack, program)
+    os.kill(old, signal.SIGKILL)
+    stack.wait_until(lambda: pid_of(stack, program) not in (0, old), 60, f"{program} restart")
+    stack.wait_until(lambda: stack.get("/ready")[0] == 200, 90, "ready after the restart")
+    # Keep the load on a little past readiness, so requests of the recovered state count too.
+    target = load.mark() + 20
+    stack.wait_until(lambda: load.mark() >= target, 60, "requests after recovery")
+    return load.since(start)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, tiny_model):
+    s = Stack(tmp_path_factory.mktemp("chaos"), tiny_overrides(
+        tiny_model, frontends={"count": 2},
+        workers={"devices": "cpu", "cpu_workers": 2, "torch_threads": 1}))
+    s.up()
+    yield s
+    s.down()
+
+
+def test_worker_kill_costs_zero_failed_requests(stack):
+    with Load(stack) as load:
+        counts = kill_and_wait(stack, "workers:worker-0", load)
+    assert set(counts) == {"200"}, counts
+
+
+def test_frontend_kill_costs_zero_failed_requests(stack):
+    with Load(stack) as load:
+        counts = kill_and_wait(stack, "frontends:frontend-0", load)
+    assert set(counts) == {"200"}, counts
+
+
+def test_nginx_kill_every_request_completes_and_service_returns(stack):
+    with Load(stack) as load:
+        counts = kill_and_wait(stack, "nginx", load)
+        after = load.mark()
+        target = after + 20
+        stack.wait_until(lambda: load.mark() >= target, 60, "requests after nginx returned")
+        tail = load.since(after)
+    # While nginx is down a client can only be refused or cut off: nothing hangs (every client
+    # thread finished its loop), nothing else fails, and all requests after recovery succeed.
+    assert set(counts) <= {"200"} | {k for k in counts if k.startswith("conn:")}, counts
+    assert set(tail) == {"200"}, tail

@@ -1,0 +1,76 @@
+"""Process lifecycle through supervisord: kill -9 leaves no shared-memory growth, a clean stop
+leaves nothing behind."""
+
+import os
+import signal
+import socket
+from pathlib import Path
+
+import pytest
+
+from shmserve import config, topology
+from tests.conftest import tiny_overrides
+from tests.stack import Stack
+
+SHM = Path("/dev/shm")
+
+
+def segments(stack: Stack) -> list[str]:
+    cfg = config.load_resolved(stack.run_dir / "config.json")
+    return sorted(p.name for p in SHM.glob(topology.shm_prefix(cfg) + "*"))
+
+
+def pid_of(stack: Stack, program: str) -> int:
+    out = stack.ctl("pid", program).strip()
+    return int(out) if out.isdigit() else 0
+
+
+@pytest.fixture
+def stack(tmp_path, tiny_model):
+    s = Stack(tmp_path / "stack", tiny_overrides(tiny_model, frontends={"count": 2}))
+    s.up()
+    yield s
+    s.down()
+
+
+def test_kill_9_then_restart_keeps_shm_flat_and_down_leaves_nothing(stack):
+    before = segments(stack)
+    assert len(before) == 2  # one arena per frontend, none for workers
+
+    for program in ("frontends:frontend-0", "workers:worker-0", "frontends:frontend-1"):
+        old = pid_of(stack, program)
+        assert old > 0
+        os.kill(old, signal.SIGKILL)
+        stack.wait_until(lambda: pid_of(stack, program) not in (0, old), 60,
+                         f"supervisord to restart {program}")
+        stack.wait_until(lambda: stack.get("/ready")[0] == 200, 90, "ready again")
+        # Every request gets its answer after the restart.
+        for _ in range(4):
+            assert stack.post_json("/predict", {"texts": ["after a kill"]})[0] == 200
+        now = segments(stack)
+        assert len(now) == 2, now  # the dead frontend's arena was swept, not leaked
+
+    cfg = config.load_resolved(stack.run_dir / "config.json")
+    stack.down()
+    assert not list(SHM.glob(topology.shm_prefix(cfg) + "*"))
+    assert not list((stack.run_dir / "sockets").glob("*"))
+    with socket.socket() as probe:  # nginx is gone: nothing listens on the public port
+        assert probe.connect_ex(("127.0.0.1", stack.port)) != 0
+
+
+def test_up_refuses_models_outside_the_roots_and_pickle_only(tmp_path, tiny_model):
+    outside = Stack(tmp_path / "outside", {**tiny_overrides(tiny_model),
+                                           "model_roots": [str(tmp_path / "elsewhere")]})
+    proc = outside.cli("up", check=False)
+    assert proc.returncode != 0 and "outside the model roots" in proc.stderr + proc.stdout
+    pickled = tmp_path / "models" / "pickled"
+    pickled.mkdir(parents=True)
+    for name in ("config.json", "tokenizer.json"):
+        (pickled / name).write_bytes((tiny_model / name).read_bytes())
+    (pickled / "pytorch_model.bin").write_bytes(b"\x80\x04not loaded")
+    overrides = tiny_overrides(tiny_model)
+    overrides["models"] = [{"name": "p", "source": str(pickled)}]
+    overrides["model_roots"] = [str(pickled.parent)]
+    proc = Stack(tmp_path / "pickle", overrides).cli("up", check=False)
+    assert proc.returncode != 0 and "safetensors only" in proc.stderr + proc.stdout
+    assert not (tmp_path / "pickle" / "run" / "supervisord.pid").exists()  # nothing started

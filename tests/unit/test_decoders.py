@@ -1,0 +1,92 @@
+"""Property-based tests of the request decoders and validators: whatever bytes or values arrive,
+the result is a value or an ApiError with a 4xx status, never another exception."""
+
+import json
+
+import msgpack
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from frontend.codec import decode_body
+from frontend.errors import ApiError
+from frontend.schemas import parse_openai_embeddings, parse_predict, parse_priority
+from shmserve.config import LimitsConfig
+
+LIMITS = LimitsConfig(max_texts_per_request=8, max_text_chars=50, truncate=True)
+CTYPES = st.sampled_from(["application/json", "application/msgpack", "application/x-msgpack",
+                          "text/plain", "application/octet-stream"])
+SETTINGS = settings(max_examples=300, deadline=None, derandomize=True,
+                    suppress_health_check=[HealthCheck.too_slow])
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(min_value=-2**63, max_value=2**64 - 1)
+    | st.floats(allow_nan=False, allow_infinity=False) | st.text(),
+    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=8), inner,
+                                                                max_size=5),
+    max_leaves=30)
+
+
+def decodes_or_4xx(raw: bytes, ctype: str, has_type: bool = True):
+    try:
+        return decode_body(raw, ctype, has_type)
+    except ApiError as exc:
+        assert 400 <= exc.status < 500
+        return None
+
+
+@SETTINGS
+@given(raw=st.binary(max_size=512), ctype=CTYPES, has_type=st.booleans())
+def test_arbitrary_bytes(raw, ctype, has_type):
+    decodes_or_4xx(raw, ctype, has_type)
+
+
+@SETTINGS
+@given(value=json_values)
+def test_valid_encodings_round_trip(value):
+    assert decode_body(json.dumps(value).encode(), "application/json") == value
+    assert decode_body(msgpack.packb(value), "application/msgpack") == value
+
+
+@SETTINGS
+@given(value=json_values, cut=st.integers(min_value=0, max_value=64))
+def test_truncated_bodies(value, cut):
+    for raw, ctype in ((json.dumps(value).encode(), "application/json"),
+                       (msgpack.packb(value), "application/msgpack")):
+        decodes_or_4xx(raw[:max(0, len(raw) - cut)], ctype)
+
+
+body_values = st.one_of(
+    json_values,
+    st.fixed_dictionaries({"texts": json_values}, optional={"model": json_values,
+                                                             "priority": json_values}),
+    st.fixed_dictionaries({"input": json_values},
+                          optional={"model": json_values, "encoding_format": json_values,
+                                    "priority": json_values, "user": json_values}),
+    st.fixed_dictionaries({"texts": st.lists(st.text(max_size=60), max_size=10)}),
+    st.fixed_dictionaries({"input": st.lists(st.text(max_size=60), max_size=10)}),
+)
+
+
+@SETTINGS
+@given(body=body_values)
+def test_validators_accept_or_refuse_with_4xx(body):
+    for parse in (parse_predict, parse_openai_embeddings):
+        try:
+            req = parse(body, LIMITS)
+        except ApiError as exc:
+            assert exc.status in (413, 422)
+            continue
+        assert 1 <= len(req.texts) <= LIMITS.max_texts_per_request
+        assert all(isinstance(t, str) and 0 < len(t) <= LIMITS.max_text_chars
+                   for t in req.texts)
+
+
+@SETTINGS
+@given(value=json_values)
+def test_priority_values(value):
+    try:
+        level = parse_priority(value, "priority")
+    except ApiError as exc:
+        assert exc.status == 422
+    else:
+        assert -10 <= level <= 10
