@@ -1,8 +1,8 @@
 """``GET /openapi.json``: an OpenAPI 3.1 document of every public route, written by hand.
 
 It is built once per process from the config, so it names the served models (and their
-aliases) and its limits (texts per request, characters per text) are the ones enforced. Every POST body may be
-JSON or msgpack; every error is the `Error` schema (OpenAI's shape).
+aliases) and its limits (texts per request, characters per text) are the ones enforced. Every
+POST body may be JSON or msgpack; every error is the `Error` schema (OpenAI's shape).
 """
 
 from __future__ import annotations
