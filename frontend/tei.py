@@ -16,6 +16,7 @@ In msgpack responses (Accept), /embed vectors are raw little-endian float32 byte
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import numpy as np
@@ -24,7 +25,7 @@ from aiohttp import web
 from frontend import codec, vectors
 from frontend.app import CONFIG, MODELS
 from frontend.errors import ApiError
-from frontend.routes import _embed, _stage_headers
+from frontend.routes import _THREAD_TOKENIZE_CHARS, _embed, _stage_headers
 from frontend.schemas import (EmbedRequest, _mapping, _model, _texts, dimensions,
                               texts_or_ids)
 from shmserve.config import LimitsConfig
@@ -97,15 +98,24 @@ async def tokenize(request: web.Request) -> web.Response:
     _no_prompt(body)
     model = request.app[MODELS].resolve(_model(body))
     request["model"] = model.spec.name
-    encodings = model.encoder.tokenize(texts, special)
-    return codec.render(request, [_tokens(text, enc) for text, enc in zip(texts, encodings)])
+
+    def run() -> list[list[dict[str, Any]]]:
+        encodings = model.encoder.tokenize(texts, special)
+        return [_tokens(text, enc) for text, enc in zip(texts, encodings)]
+
+    if sum(map(len, texts)) > _THREAD_TOKENIZE_CHARS:  # as /predict: off the event loop
+        return codec.render(request, await asyncio.get_running_loop().run_in_executor(None, run))
+    return codec.render(request, run())
 
 
 def _tokens(text: str, encoding) -> list[dict[str, Any]]:
     """TEI's SimpleToken list: special tokens get their token text and no offsets; others the
     slice of the input they cover, with byte offsets (the tokenizer gives character ones)."""
-    byte_at = np.zeros(len(text) + 1, np.int64)
-    np.cumsum([len(c.encode("utf-8")) for c in text], out=byte_at[1:])
+    byte_at = np.arange(len(text) + 1)
+    if not text.isascii():  # UTF-8 length of each code point, summed
+        points = np.frombuffer(text.encode("utf-32-le"), "<u4")
+        sizes = 1 + (points >= 0x80) + (points >= 0x800) + (points >= 0x10000)
+        byte_at[1:] = np.cumsum(sizes)
     out = []
     for tid, token, (start, stop), special in zip(encoding.ids, encoding.tokens,
                                                    encoding.offsets,

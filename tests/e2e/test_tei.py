@@ -132,6 +132,14 @@ def test_tokenize_in_teis_shape(tiny_stack, tiny_model):
     assert status == 200 and [[t["text"] for t in row] for row in body] == [["a", "b"], ["c"]]
 
 
+def test_tokenize_is_never_truncated(tiny_stack):
+    text = "ü " * 2500  # over the model's limit, and tokenized off the event loop
+    status, _, body = tiny_stack.post_json("/tokenize", {"inputs": [text]})
+    assert status == 200 and len(body[0]) == 2502
+    assert body[0][-2] == {"id": body[0][1]["id"], "text": "ü", "special": False,
+                           "start": 3 * 2499, "stop": 3 * 2499 + 2}
+
+
 def test_tokenize_msgpack(tiny_stack):
     status, _, raw = tiny_stack.request(
         "POST", "/tokenize", msgpack.packb({"inputs": "hello"}),
