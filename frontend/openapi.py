@@ -88,7 +88,7 @@ def _paths(models: list[str]) -> dict[str, dict]:
     model = {"name": "model", "in": "path", "required": True, "example": models[0],
              "schema": {"enum": models}}
     version = {"name": "version", "in": "path", "required": True, "schema": {"type": "string"}}
-    paths: dict[str, dict] = {
+    return {
         "/predict": {"post": _op(
             "native", "Embed texts", {**_ok(_ref("PredictResponse")), **_errors(*_POST_ERRORS)},
             _body(_ref("PredictRequest")))},
@@ -127,7 +127,12 @@ def _paths(models: list[str]) -> dict[str, dict]:
         "/v2/health/ready": {"get": _op("kserve", "Server ready", {
             **_ok(_ref("Ready")),
             "400": {"description": "not ready", "content": _json(_ref("Ready"))}})},
+        **_kserve_paths(model, version),
     }
+
+
+def _kserve_paths(model: dict, version: dict) -> dict[str, dict]:
+    paths: dict[str, dict] = {}
     for prefix, params in (("/v2/models/{model}", [model]),
                            ("/v2/models/{model}/versions/{version}", [model, version])):
         paths[prefix] = {"get": _op("kserve", "Model metadata",
@@ -171,19 +176,25 @@ def _schemas(cfg: Config, models: list[str]) -> dict[str, Any]:
     texts = {"type": "array", "items": text, "minItems": 1,
              "maxItems": limits.max_texts_per_request}
     ids = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
-    inputs = {"oneOf": [text, texts, ids, {"type": "array", "items": ids, "minItems": 1,
-                                           "maxItems": limits.max_texts_per_request}],
-              "description": "text(s), or token ids the client made: used as given (no "
-                             "special tokens added), each in [0, vocab size)"}
-    model = {"enum": models, "description": "a served model's name or alias; the first "
-             "served model when absent"}
-    nullable_bool = {"type": ["boolean", "null"]}
+    parts = {
+        "text": text, "texts": texts,
+        "inputs": {"oneOf": [text, texts, ids, {"type": "array", "items": ids, "minItems": 1,
+                                                "maxItems": limits.max_texts_per_request}],
+                   "description": "text(s), or token ids the client made: used as given (no "
+                                  "special tokens added), each in [0, vocab size)"},
+        "model": {"enum": models, "description": "a served model's name or alias; the first "
+                  "served model when absent"},
+    }
+    return {**_native_schemas(parts), **_tei_schemas(parts), **_kserve_schemas()}
+
+
+def _native_schemas(parts: dict[str, Any]) -> dict[str, Any]:
+    """The native and OpenAI bodies, errors, and the operational routes' answers."""
     priority = {"oneOf": [{"enum": ["low", "normal", "high"]},
                           {"type": "integer", "minimum": -10, "maximum": 10}],
                 "description": "higher runs first; wins over the X-Priority header"}
     usage = {"type": "object", "properties": {"prompt_tokens": {"type": "integer"},
                                                "total_tokens": {"type": "integer"}}}
-    direction = {"type": ["string", "null"], "enum": ["Right", "Left", "right", "left", None]}
     return {
         "Error": {"type": "object", "required": ["error"], "properties": {"error": {
             "type": "object", "required": ["message", "type", "param", "code"], "properties": {
@@ -196,12 +207,12 @@ def _schemas(cfg: Config, models: list[str]) -> dict[str, Any]:
                              {"type": "string", "description": "base64 (encoding_format) or, in "
                               "msgpack, raw little-endian float32 bytes"}]},
         "PredictRequest": {"type": "object", "required": ["texts"], "properties": {
-            "texts": texts, "model": model, "priority": priority}},
+            "texts": parts["texts"], "model": parts["model"], "priority": priority}},
         "PredictResponse": {"type": "object", "properties": {
             "results": {"type": "array", "items": _ref("Vector")}, "model": {"type": "string"},
             "revision": {"type": "string"}, "usage": usage}},
         "EmbeddingsRequest": {"type": "object", "required": ["input"], "properties": {
-            "input": inputs, "model": model,
+            "input": parts["inputs"], "model": parts["model"],
             "encoding_format": {"type": ["string", "null"], "enum": ["float", "base64", None]},
             "dimensions": {"type": ["integer", "null"], "minimum": 1,
                            "description": "keep this many leading components, re-normalised "
@@ -222,6 +233,13 @@ def _schemas(cfg: Config, models: list[str]) -> dict[str, Any]:
         "Readiness": {"type": "object", "properties": {
             "status": {"enum": ["ready", "loading"]},
             "workers": {"type": "array", "items": {"type": "object"}}}},
+    }
+
+
+def _tei_schemas(parts: dict[str, Any]) -> dict[str, Any]:
+    nullable_bool = {"type": ["boolean", "null"]}
+    direction = {"type": ["string", "null"], "enum": ["Right", "Left", "right", "left", None]}
+    return {
         "Info": {"type": "object", "properties": {
             "model_id": {"type": "string"}, "model_sha": {"type": ["string", "null"]},
             "model_dtype": {"type": "string"}, "model_type": {"type": "object"},
@@ -231,24 +249,23 @@ def _schemas(cfg: Config, models: list[str]) -> dict[str, Any]:
             "max_client_batch_size": {"type": "integer"}, "auto_truncate": {"type": "boolean"},
             "tokenization_workers": {"type": "integer"}, "version": {"type": "string"}}},
         "TeiEmbedRequest": {"type": "object", "required": ["inputs"], "properties": {
-            "inputs": inputs, "model": model, "normalize": nullable_bool,
+            "inputs": parts["inputs"], "model": parts["model"], "normalize": nullable_bool,
             "truncate": nullable_bool, "truncation_direction": direction,
             "dimensions": {"type": ["integer", "null"], "minimum": 1},
             "prompt_name": {"type": "null"}}},
         "TeiRerankRequest": {"type": "object", "required": ["query", "texts"], "properties": {
-            "query": text, "texts": texts, "model": model, "raw_scores": nullable_bool,
-            "return_text": nullable_bool, "truncate": nullable_bool,
-            "truncation_direction": direction}},
+            "query": parts["text"], "texts": parts["texts"], "model": parts["model"],
+            "raw_scores": nullable_bool, "return_text": nullable_bool,
+            "truncate": nullable_bool, "truncation_direction": direction}},
         "Rank": {"type": "object", "properties": {"index": {"type": "integer"},
                                                   "score": {"type": "number"},
                                                   "text": {"type": "string"}}},
         "TeiTokenizeRequest": {"type": "object", "required": ["inputs"], "properties": {
-            "inputs": {"oneOf": [text, texts]}, "model": model,
+            "inputs": {"oneOf": [parts["text"], parts["texts"]]}, "model": parts["model"],
             "add_special_tokens": nullable_bool, "prompt_name": {"type": "null"}}},
         "SimpleToken": {"type": "object", "properties": {
             "id": {"type": "integer"}, "text": {"type": "string"}, "special": {"type": "boolean"},
             "start": {"type": ["integer", "null"]}, "stop": {"type": ["integer", "null"]}}},
-        **_kserve_schemas(),
     }
 
 
