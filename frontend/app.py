@@ -56,7 +56,7 @@ class Models:
         canonical = self._names.get(name)
         if canonical is None:
             raise ApiError("not_found", f"model {name!r} is not served; see GET /v1/models",
-                           param="model")
+                           param="model", code="model_not_found")
         return self.by_name[canonical]
 
 
@@ -105,7 +105,7 @@ def error_response(request: web.Request, exc: ApiError) -> web.Response:
     request[LOG_FIELDS]["error"] = exc.kind
     if exc.status >= 500 and request[REQUEST_ID] not in exc.message:
         exc = ApiError(exc.kind, f"{exc.message} (request id {request[REQUEST_ID]})",
-                       exc.param, exc.retry_after)
+                       exc.param, exc.retry_after, exc.code)
     return codec.render(request, exc.body(), status=exc.status, headers=exc.headers())
 
 
@@ -154,7 +154,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
 
 
 def create_app(cfg: Config, index: int = 0) -> web.Application:
-    from frontend import info, routes
+    from frontend import info, kserve, openapi, routes, tei
 
     app = web.Application(middlewares=[observe],
                           client_max_size=_bytes(cfg.nginx.client_max_body_size))
@@ -165,6 +165,9 @@ def create_app(cfg: Config, index: int = 0) -> web.Application:
     app.cleanup_ctx.append(_resources)
     routes.add_routes(app)
     info.add_routes(app)
+    tei.add_routes(app)
+    kserve.add_routes(app)
+    openapi.add_routes(app)
     return app
 
 

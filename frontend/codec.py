@@ -19,12 +19,12 @@ from frontend.errors import ApiError
 
 JSON = "application/json"
 MSGPACK = "application/msgpack"
-_MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack")
+MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack")
 
 
 def wants_msgpack(request: web.Request) -> bool:
     accept = request.headers.get("Accept", "")
-    return any(t in accept for t in _MSGPACK_TYPES)
+    return any(t in accept for t in MSGPACK_TYPES)
 
 
 async def read_body(request: web.Request) -> Any:
@@ -37,7 +37,7 @@ def decode_body(raw: bytes, ctype: str, has_type: bool = True) -> Any:
     """Bytes to a Python value, or ApiError (400 or 415): never any other exception."""
     if not raw:
         raise ApiError("bad_request", "empty request body")
-    if ctype in _MSGPACK_TYPES:
+    if ctype in MSGPACK_TYPES:
         try:
             return msgpack.unpackb(raw, raw=False)  # strict map keys: str or bytes only
         except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, ValueError,

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import time
 
 import numpy as np
 from aiohttp import web
 
 import shmserve
-from frontend import codec, metrics, schemas
+from frontend import codec, metrics, schemas, vectors
 from frontend.app import (CONFIG, DISPATCHER, INDEX, INFLIGHT, LOG_FIELDS, MODEL_NAME, MODELS, POOL,
                           REPLIED_AT, REQUEST_ID, STAGES, TOKENIZE_MS, ServedModel)
 from frontend.dispatch import Outcome
@@ -71,6 +72,7 @@ async def _embed(request: web.Request, parsed: schemas.EmbedRequest,
     cfg = request.app[CONFIG]
     model = request.app[MODELS].resolve(parsed.model)
     request[MODEL_NAME] = model.spec.name
+    vectors.check_dimensions(parsed.dimensions, model.spec.dim)
     deadline = time.time() + _timeout(request, cfg.frontends.request_timeout_s)
     inflight = request.app[INFLIGHT]
     if inflight[0] >= cfg.frontends.max_inflight:
@@ -81,15 +83,19 @@ async def _embed(request: web.Request, parsed: schemas.EmbedRequest,
     gauge.inc()
     try:
         started = time.perf_counter()
-        if sum(map(len, parsed.texts)) > _THREAD_TOKENIZE_CHARS:
+        if parsed.token_ids is not None:  # tokenized by the client
+            enc = model.encoder.from_ids(parsed.token_ids, param)
+        elif sum(map(len, parsed.texts)) > _THREAD_TOKENIZE_CHARS:
             enc = await asyncio.get_running_loop().run_in_executor(
-                None, model.encoder.encode, parsed.texts, param)
+                None, model.encoder.encode, parsed.texts, param, parsed.truncate,
+                parsed.truncation_direction)
         else:
-            enc = model.encoder.encode(parsed.texts, param)
+            enc = model.encoder.encode(parsed.texts, param, parsed.truncate,
+                                       parsed.truncation_direction)
         request[TOKENIZE_MS] = (time.perf_counter() - started) * 1000
-        request[LOG_FIELDS].update(texts=len(parsed.texts), tokens=enc.tokens,
-                              tokenize_ms=round(request[TOKENIZE_MS], 3))
-        if cfg.logging.log_inputs:
+        request[LOG_FIELDS].update(texts=enc.count, tokens=enc.tokens,
+                                   tokenize_ms=round(request[TOKENIZE_MS], 3))
+        if cfg.logging.log_inputs and parsed.texts is not None:
             request[LOG_FIELDS]["inputs"] = parsed.texts
         outcome = await request.app[DISPATCHER].run(
             model.spec.name, model.spec.dim, enc, request[REQUEST_ID], deadline,
@@ -97,19 +103,22 @@ async def _embed(request: web.Request, parsed: schemas.EmbedRequest,
     finally:
         inflight[0] -= 1
         gauge.dec()
-    metrics.TEXTS.labels(model.spec.name).inc(len(parsed.texts))
+    metrics.TEXTS.labels(model.spec.name).inc(enc.count)
     metrics.TOKENS.labels(model.spec.name).inc(enc.tokens)
     if enc.truncated:
         metrics.TRUNCATED.labels(model.spec.name).inc(enc.truncated)
     observe_many(metrics.INPUT_TOKENS.labels(model.spec.name), np.diff(enc.offsets))
     # The middleware adds the transfer and total stages once the response is rendered.
     request[STAGES] = {"tokenize": request[TOKENIZE_MS] / 1000,
-                         "queue": outcome.result.queue_ms / 1000,
-                         "inference": outcome.result.inference_ms / 1000}
+                       "queue": outcome.result.queue_ms / 1000,
+                       "inference": outcome.result.inference_ms / 1000}
     request[REPLIED_AT] = outcome.received_at
     request[LOG_FIELDS].update(batch_size=outcome.result.batch_size, worker=outcome.worker,
-                          queue_ms=round(outcome.result.queue_ms, 3),
-                          inference_ms=round(outcome.result.inference_ms, 3))
+                               queue_ms=round(outcome.result.queue_ms, 3),
+                               inference_ms=round(outcome.result.inference_ms, 3))
+    if parsed.dimensions is not None:
+        outcome = dataclasses.replace(outcome, vectors=vectors.shorten(
+            outcome.vectors, parsed.dimensions, model.spec.normalize))
     return model, outcome, enc
 
 

@@ -241,10 +241,11 @@ def command(*argv: str) -> str:
     return " ".join(shlex.quote(arg) for arg in argv).replace("%", "%%")
 
 
-def error_body(cfg: Config, status: int) -> dict[str, dict[str, str]]:
+def error_body(cfg: Config, status: int) -> dict[str, dict[str, str | None]]:
+    """The frontends' error shape (frontend.errors.ApiError.body): OpenAI's, with our types."""
     kind, message = NGINX_ERRORS[status]
-    return {"error": {"type": kind,
-                      "message": message.format(max_body=cfg.nginx.client_max_body_size)}}
+    return {"error": {"message": message.format(max_body=cfg.nginx.client_max_body_size),
+                      "type": kind, "param": None, "code": None}}
 
 
 def _write_error_pages(cfg: Config) -> None:
