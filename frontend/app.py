@@ -4,6 +4,7 @@ metrics and the access log line.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import re
@@ -27,6 +28,7 @@ from shmserve.models import ModelSpec, inspect
 log = logging.getLogger("shmserve.frontend")
 access = logging.getLogger("shmserve.access")
 
+CLIENT_CLOSED = 499  # nginx's status for a request whose client closed the connection
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 
 
@@ -90,6 +92,13 @@ async def observe(request: web.Request, handler) -> web.StreamResponse:
         kind = {404: "not_found", 405: "method_not_allowed", 413: "too_large"}.get(
             exc.status, "bad_request")
         response = error_response(request, ApiError(kind, exc.reason or "error"))
+    except asyncio.CancelledError:
+        # The client went away (the handler was cancelled): nothing to answer, but the request
+        # still gets its access line and metrics, as nginx's 499 "client closed request".
+        ended = time.perf_counter()
+        request[LOG_FIELDS]["error"] = "client_closed"
+        _record(request, web.Response(status=CLIENT_CLOSED), ended - started, ended)
+        raise
     except Exception:  # the global handler: never a traceback to the client
         log.exception("unhandled error", extra={"fields": {"request_id": request[REQUEST_ID]}})
         response = error_response(request, ApiError("internal_error", "internal error"))
