@@ -127,6 +127,7 @@ class LoggingConfig:
     format: Literal["json", "text"] = "json"
     log_inputs: bool = False
     batch_log: bool = True  # one info line per batch at the workers
+    flush_interval_ms: float = 200  # log lines are written out this often; 0: at once
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,6 +193,7 @@ _CHECKS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "batching.max_wait_ms": (lambda v: v >= 0, "a number >= 0"),
     "batching.max_pad_ratio": (lambda v: v >= 1, "a number >= 1"),
     "batching.fair_share_every": (lambda v: v >= 1, "an integer >= 1"),
+    "logging.flush_interval_ms": (lambda v: v >= 0, "a number >= 0"),
     "limits.max_texts_per_request": (lambda v: v >= 1, "an integer >= 1"),
     "limits.max_text_chars": (lambda v: v >= 1, "an integer >= 1"),
     "shm.arena_mb": (lambda v: 1 <= v <= 65536, "an integer from 1 to 65536"),

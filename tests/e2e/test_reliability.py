@@ -78,6 +78,7 @@ def test_client_disconnect_aborts_queued_work(tmp_path, slow_model):
         finally:
             os.kill(worker, signal.SIGCONT)
         stack.wait_until(lambda: "gone-1" in stack.log("worker-0"), 30, "the worker's drop line")
+        stack.wait_until(lambda: "gone-1" in stack.log("frontend-0"), 30, "the access line")
         access = [json.loads(line) for line in stack.log("frontend-0").splitlines()
                   if "gone-1" in line]
         assert [(a["status"], a["error"]) for a in access] == [(499, "client_closed")]
