@@ -14,6 +14,7 @@ def main() -> int:
     args = parser.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+    import uvloop
     from aiohttp import web
 
     from frontend.app import create_app
@@ -23,7 +24,9 @@ def main() -> int:
     logs.configure(cfg.logging, f"frontend-{args.index}")
     path = topology.frontend_socket(cfg, args.index)
     path.unlink(missing_ok=True)  # a killed predecessor's socket file
+    # uvloop: the frontends' per-request CPU is what bounds the pipeline on small models.
     web.run_app(create_app(cfg, args.index), path=str(path), print=None,
+                loop=uvloop.new_event_loop(),
                 shutdown_timeout=cfg.server.drain_timeout_s, access_log=None,
                 handle_signals=True, backlog=cfg.frontends.listen_backlog,
                 # A client that goes away cancels its handler, which aborts its queued work

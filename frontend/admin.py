@@ -18,7 +18,7 @@ import math
 from aiohttp import web
 
 from frontend import codec, reload
-from frontend.app import CONFIG, MODELS, POOL, SPLITS, ServedModel
+from frontend.app import CONFIG, MODEL_NAME, MODELS, POOL, SPLITS, ServedModel
 from frontend.errors import ApiError
 from frontend.variants import Variant
 from shmserve import state
@@ -88,7 +88,7 @@ async def reload_model(request: web.Request) -> web.Response:
         raise ApiError("invalid_request", "the request body must be an object")
     source, revision = _string(body, "source"), _string(body, "revision")
     variant = _variant(served, _string(body, "variant"))
-    request["model"] = served.spec.name
+    request[MODEL_NAME] = served.spec.name
     answer = await reload.reload(request.app, served.spec.name, variant, source, revision)
     return codec.render(request, answer)
 

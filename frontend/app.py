@@ -4,6 +4,7 @@ metrics and the access log line.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import os
@@ -30,6 +31,7 @@ from shmserve.state import Watch
 log = logging.getLogger("shmserve.frontend")
 access = logging.getLogger("shmserve.access")
 
+CLIENT_CLOSED = 499  # nginx's status for a request whose client closed the connection
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 
 
@@ -68,7 +70,7 @@ class Models:
         canonical = self._names.get(name)
         if canonical is None:
             raise ApiError("not_found", f"model {name!r} is not served; see GET /v1/models",
-                           param="model")
+                           param="model", code="model_not_found")
         return self.by_name[canonical]
 
 
@@ -80,17 +82,23 @@ DISPATCHER = web.AppKey("dispatcher", Dispatcher)
 INFLIGHT = web.AppKey("inflight", list)  # [count]: a mutable cell
 SPLITS = web.AppKey("splits", Splits)
 
-
-def request_id(request: web.Request) -> str:
-    return request["request_id"]
+# Per-request storage, typed (aiohttp warns on plain string keys).
+REQUEST_ID = web.RequestKey("request_id", str)
+LOG_FIELDS = web.RequestKey("log", dict)  # extra fields for the access log line
+MODEL_NAME = web.RequestKey("model", str)
+TOKENIZE_MS = web.RequestKey("tokenize_ms", float)
+STAGES = web.RequestKey("stages", dict)  # seconds per stage, set by the embedding pipeline
+REPLIED_AT = web.RequestKey("replied_at", float)  # when the worker's reply arrived
+REVISION = web.RequestKey("revision", str)  # of the weights that served the request
+VARIANT = web.RequestKey("variant", str)  # the A/B variant that served it ("" without a split)
 
 
 @web.middleware
 async def observe(request: web.Request, handler) -> web.StreamResponse:
     started = time.perf_counter()
     sent = request.headers.get("X-Request-ID", "")
-    request["request_id"] = sent if _REQUEST_ID.match(sent) else uuid.uuid4().hex
-    request["log"] = {}
+    request[REQUEST_ID] = sent if _REQUEST_ID.match(sent) else uuid.uuid4().hex
+    request[LOG_FIELDS] = {}
     try:
         response = await handler(request)
     except ApiError as exc:
@@ -99,36 +107,53 @@ async def observe(request: web.Request, handler) -> web.StreamResponse:
         kind = {404: "not_found", 405: "method_not_allowed", 413: "too_large"}.get(
             exc.status, "bad_request")
         response = error_response(request, ApiError(kind, exc.reason or "error"))
+    except asyncio.CancelledError:
+        # The client went away (the handler was cancelled): nothing to answer, but the request
+        # still gets its access line and metrics, as nginx's 499 "client closed request".
+        ended = time.perf_counter()
+        request[LOG_FIELDS]["error"] = "client_closed"
+        _record(request, web.Response(status=CLIENT_CLOSED), ended - started, ended)
+        raise
     except Exception:  # the global handler: never a traceback to the client
-        log.exception("unhandled error", extra={"fields": {"request_id": request["request_id"]}})
+        log.exception("unhandled error", extra={"fields": {"request_id": request[REQUEST_ID]}})
         response = error_response(request, ApiError("internal_error", "internal error"))
-    elapsed = time.perf_counter() - started
-    response.headers["X-Request-ID"] = request["request_id"]
+    ended = time.perf_counter()
+    elapsed = ended - started
+    response.headers["X-Request-ID"] = request[REQUEST_ID]
     response.headers["X-Process-Time"] = f"{elapsed * 1000:.2f}"
-    _record(request, response, elapsed)
+    _record(request, response, elapsed, ended)
     return response
 
 
 def error_response(request: web.Request, exc: ApiError) -> web.Response:
-    request["log"]["error"] = exc.kind
-    if exc.status >= 500 and request["request_id"] not in exc.message:
-        exc = ApiError(exc.kind, f"{exc.message} (request id {request['request_id']})",
-                       exc.param, exc.retry_after)
+    request[LOG_FIELDS]["error"] = exc.kind
+    if exc.status >= 500 and request[REQUEST_ID] not in exc.message:
+        exc = ApiError(exc.kind, f"{exc.message} (request id {request[REQUEST_ID]})",
+                       exc.param, exc.retry_after, exc.code)
     return codec.render(request, exc.body(), status=exc.status, headers=exc.headers())
 
 
-def _record(request: web.Request, response: web.StreamResponse, elapsed: float) -> None:
+def _record(request: web.Request, response: web.StreamResponse, elapsed: float,
+            ended: float) -> None:
     route = request.match_info.route.resource
     path = route.canonical if route is not None else "unmatched"
-    model = request.get("model", "")
-    metrics.REQUESTS.labels(path, model, str(response.status), request.get("revision", "")).inc()
-    metrics.LATENCY.labels(path, model).observe(elapsed)
+    model = request.get(MODEL_NAME, "")
+    metrics.observe_request(path, model, response.status, elapsed, request.get(REVISION, ""))
+    stages = request.get(STAGES)  # set by a route that ran the embedding pipeline
+    if stages is not None and response.status < 400:
+        # The last stage ends here, once the response is rendered: reply arrival to now.
+        stages["transfer"] = max(0.0, ended - request[REPLIED_AT])
+        stages["total"] = elapsed
+        response.headers["X-Total-Time"] = f"{elapsed * 1000:.3f}"
+        for stage, seconds in stages.items():
+            metrics.STAGE.labels(stage, model).observe(seconds)
+        request[LOG_FIELDS]["transfer_ms"] = round(stages["transfer"] * 1000, 3)
     if path in ("/health", "/ready", "/metrics"):
         return  # probes and scrapes would drown the access log
     access.info("request", extra={"fields": {
-        "request_id": request["request_id"], "method": request.method, "route": path,
-        "model": model, "status": response.status, "total_ms": round(elapsed * 1000, 2),
-        **request["log"]}})
+        "request_id": request[REQUEST_ID], "method": request.method, "route": path,
+        "model": model, "status": response.status, "total_ms": round(elapsed * 1000, 3),
+        **request[LOG_FIELDS]}})
 
 
 async def _resources(app: web.Application) -> AsyncIterator[None]:
@@ -137,7 +162,8 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     shm.sweep(prefix)  # a killed predecessor's arena
     arena = shm.Arena(shm.arena_name(topology.instance_id(cfg), f"fe{index}"),
                       cfg.shm.arena_mb << 20)
-    pool = WorkerPool(cfg)
+    pool = WorkerPool(cfg, frontend=index)
+    metrics.start(list(app[MODELS].by_name), index, len(pool.links))
     await pool.start()
     app[POOL] = pool
     app[DISPATCHER] = Dispatcher(cfg, pool, arena)
@@ -152,7 +178,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
 
 
 def create_app(cfg: Config, index: int = 0) -> web.Application:
-    from frontend import routes
+    from frontend import info, kserve, openapi, routes, tei
 
     app = web.Application(middlewares=[observe],
                           client_max_size=_bytes(cfg.nginx.client_max_body_size))
@@ -163,6 +189,10 @@ def create_app(cfg: Config, index: int = 0) -> web.Application:
     app[SPLITS] = Splits(Watch(cfg))
     app.cleanup_ctx.append(_resources)
     routes.add_routes(app)
+    info.add_routes(app)
+    tei.add_routes(app)
+    kserve.add_routes(app)
+    openapi.add_routes(app)
     return app
 
 

@@ -28,6 +28,7 @@ class Outcome:
     result: Result
     revision: str  # of the weights that computed every row
     worker: int
+    received_at: float  # perf_counter when the reply was back in the handler
 
 
 class Lease:
@@ -103,10 +104,11 @@ class Dispatcher:
                     self._abandon(link, seq, future)
                     raise ApiError("timeout", "request deadline passed "
                                    "(X-Request-Timeout or frontends.request_timeout_s)") from None
+                received = time.perf_counter()
                 if isinstance(reply, Error):
                     raise ApiError.from_worker(reply.code, reply.message)
                 vectors = self.arena.view(output).copy()
-                return Outcome(vectors, reply, reply.revision, link.index)
+                return Outcome(vectors, reply, reply.revision, link.index, received)
             raise ApiError("unavailable", "workers kept failing; retries exhausted "
                            "(frontends.retry_on_worker_loss)", retry_after=1)
         finally:

@@ -1,7 +1,9 @@
 """The two error families, and the one place that maps them to HTTP.
 
 * `ApiError`: one request fails (bad input, overload, deadline...). Its `kind` decides the
-  status through `STATUS`; the body is ``{"error": {"type", "message", "param"?}}``.
+  status through `STATUS`; the body is ``{"error": {"message", "type", "param", "code"}}``,
+  OpenAI's error shape (its `type` values are ours, `param` and `code` are null when unset), on
+  every route.
 * `WorkerGone` (in `frontend.pool`): a worker died with requests pending; the dispatcher retries
   them elsewhere, and only turns it into an `ApiError("unavailable")` when no worker is left.
 """
@@ -40,7 +42,7 @@ _FROM_WORKER: dict[ErrorCode, str] = {
 
 class ApiError(Exception):
     def __init__(self, kind: str, message: str, param: str | None = None,
-                 retry_after: int | None = None) -> None:
+                 retry_after: int | None = None, code: str | None = None) -> None:
         super().__init__(message)
         if kind not in STATUS:
             raise ValueError(f"unknown error kind {kind!r}")
@@ -48,16 +50,15 @@ class ApiError(Exception):
         self.message = message
         self.param = param
         self.retry_after = retry_after
+        self.code = code  # a finer machine-readable reason, e.g. "model_not_found"
 
     @property
     def status(self) -> int:
         return STATUS[self.kind]
 
     def body(self) -> dict[str, Any]:
-        error: dict[str, Any] = {"type": self.kind, "message": self.message}
-        if self.param is not None:
-            error["param"] = self.param
-        return {"error": error}
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
+                          "code": self.code}}
 
     def headers(self) -> dict[str, str]:
         return {"Retry-After": str(self.retry_after)} if self.retry_after is not None else {}

@@ -1,38 +1,77 @@
 """Prometheus metrics of a frontend process, aggregated over all processes at scrape time.
 
 supervisord sets PROMETHEUS_MULTIPROC_DIR for every program (``shmserve up`` empties it), so
-prometheus_client writes each process's values to files there and `/metrics` sums them.
+prometheus_client writes each process's values to files there and `/metrics` sums them (see
+`shmserve.metrics`). Labels stay low-cardinality: route (the matched route, not the path), model
+(a configured name), status, stage, frontend and worker indices.
 """
 
 from __future__ import annotations
 
-import os
+from prometheus_client import Counter, Gauge, Histogram
 
-from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
-                               generate_latest)
-from prometheus_client import multiprocess
+from shmserve import metrics as shared
+from shmserve import processes
+from shmserve.config import Config
 
-# Millisecond-scale latencies, in seconds as Prometheus prefers.
-LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1,
-                   0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0, 30.0)
+# Stages of one request, in order; each is a disjoint interval of the total, so they never add
+# up to more than it: tokenize (frontend), queue (worker: arrival to its first batch), inference
+# (worker: the forwards its texts ran in), transfer (frontend: reply arrival to the response
+# rendered), total (the frontend's whole handling, as X-Total-Time).
+STAGES = ("tokenize", "queue", "inference", "transfer", "total")
 
 REQUESTS = Counter("shmserve_requests_total", "HTTP requests answered by the frontends",
                    ["route", "model", "status", "revision"])  # revision: of the weights that
                                                              # served it ("" without inference)
 LATENCY = Histogram("shmserve_request_duration_seconds",
                     "Time from the frontend receiving a request to its response",
-                    ["route", "model"], buckets=LATENCY_BUCKETS)
+                    ["route", "model"], buckets=shared.LATENCY_BUCKETS)
+STAGE = Histogram("shmserve_stage_duration_seconds",
+                  "Time of each stage of successful embedding requests",
+                  ["stage", "model"], buckets=shared.LATENCY_BUCKETS)
 INFLIGHT = Gauge("shmserve_frontend_inflight_requests", "Requests being served per frontend",
                  ["frontend"], multiprocess_mode="livesum")
 TEXTS = Counter("shmserve_texts_total", "Texts embedded", ["model"])
 TOKENS = Counter("shmserve_tokens_total", "Tokens embedded (after truncation)", ["model"])
+INPUT_TOKENS = Histogram("shmserve_input_tokens", "Tokens per input text (after truncation)",
+                         ["model"], buckets=shared.TOKEN_BUCKETS)
 TRUNCATED = Counter("shmserve_truncated_texts_total", "Texts cut to the model's limit", ["model"])
+REJECTED = Counter("shmserve_rejected_requests_total",
+                   "Requests refused for overload (429): frontend in-flight limit or worker queue",
+                   ["model"])
+DEADLINES = Counter("shmserve_deadline_exceeded_total",
+                    "Requests whose deadline passed (504)", ["model"])
+WORKER_RESTARTS = Counter("shmserve_worker_restarts_seen_total",
+                          "Worker restarts a frontend noticed (a heartbeat with a new pid); "
+                          "every frontend counts each restart: use max by (worker)",
+                          ["frontend", "worker"])
 
 
-def exposition() -> tuple[bytes, str]:
-    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-        registry = CollectorRegistry()
-        multiprocess.MultiProcessCollector(registry)
-    else:  # a frontend run by hand, outside supervisord
-        from prometheus_client import REGISTRY as registry
-    return generate_latest(registry), CONTENT_TYPE_LATEST
+def start(models: list[str], frontend: int, workers: int) -> None:
+    """Create this frontend's series at zero, so they are exposed (and rate() works) before
+    their first event."""
+    for model in models:
+        for metric in (TEXTS, TOKENS, TRUNCATED, REJECTED, DEADLINES, INPUT_TOKENS):
+            metric.labels(model)
+        for stage in STAGES:
+            STAGE.labels(stage, model)
+    for worker in range(workers):
+        WORKER_RESTARTS.labels(str(frontend), str(worker))
+    INFLIGHT.labels(str(frontend)).set(0)
+
+
+def observe_request(route: str, model: str, status: int, seconds: float,
+                    revision: str = "") -> None:
+    """The per-request counters every route gets (the middleware calls this)."""
+    REQUESTS.labels(route, model, str(status), revision).inc()
+    LATENCY.labels(route, model).observe(seconds)
+    if status == 429:
+        REJECTED.labels(model).inc()
+    elif status == 504:
+        DEADLINES.labels(model).inc()
+
+
+def exposition(cfg: Config) -> tuple[bytes, str]:
+    """The whole deployment's metrics; blocking (files, supervisord's socket): run it off the
+    event loop."""
+    return shared.exposition([shared.ResidentMemory(lambda: processes.resident(cfg))])

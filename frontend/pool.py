@@ -22,6 +22,7 @@ from typing import Callable
 import zmq
 import zmq.asyncio
 
+from frontend import metrics
 from shmserve import topology, wire
 from shmserve.config import Config
 from shmserve.protocol import (PROTOCOL_VERSION, Abort, Commit, Error, Heartbeat, Ping, Reload,
@@ -59,8 +60,9 @@ class WorkerLink:
 
 
 class WorkerPool:
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, cfg: Config, frontend: int = 0) -> None:
         self.cfg = cfg
+        self.frontend = frontend  # this frontend's index, for its metrics
         self._ctx = zmq.asyncio.Context()
         self._seq = itertools.count(1)
         self.links = [self._link(i) for i in range(len(topology.worker_devices(cfg)))]
@@ -197,6 +199,7 @@ class WorkerPool:
             return
         if link.beat is not None and link.beat.pid != beat.pid:
             self.restarts_seen += 1
+            metrics.WORKER_RESTARTS.labels(str(self.frontend), str(link.index)).inc()
             self._fail_pending(link, f"worker {link.index} restarted")
             log.info("frontend.worker_restarted", extra={"fields": {"worker": link.index,
                                                                     "pid": beat.pid}})

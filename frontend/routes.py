@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import dataclasses
 
 import numpy as np
 from aiohttp import web
 
 import shmserve
-from frontend import codec, metrics, schemas, scores, tasks
+from frontend import codec, metrics, schemas, scores, tasks, vectors
 from frontend.app import CONFIG, MODELS, POOL, ServedModel
 from frontend.dispatch import Outcome
 from frontend.tokenizer import Encoded
@@ -64,13 +66,26 @@ async def predict(request: web.Request) -> web.Response:
 async def _embed(request: web.Request, parsed: schemas.EmbedRequest,
                  param: str) -> tuple[ServedModel, Outcome, Encoded]:
     model = tasks.resolve(request, parsed.model, "embedding")
-    ran = await tasks.run(request, model, lambda enc: enc.encode(parsed.texts, param),
-                          sum(map(len, parsed.texts)), priority=parsed.priority,
-                          user=parsed.user)
-    return model, ran.outcome, ran.enc
+    vectors.check_dimensions(parsed.dimensions, model.spec.dim)
+    if parsed.token_ids is not None:  # tokenized by the client
+        ran = await tasks.run(request, model, lambda enc: enc.from_ids(parsed.token_ids, param),
+                              0, priority=parsed.priority, user=parsed.user)
+    else:
+        ran = await tasks.run(
+            request, model, lambda enc: enc.encode(parsed.texts, param, parsed.truncate,
+                                                   parsed.truncation_direction),
+            sum(map(len, parsed.texts)), priority=parsed.priority, user=parsed.user,
+            inputs=parsed.texts)
+    outcome = ran.outcome
+    if parsed.dimensions is not None:
+        outcome = dataclasses.replace(outcome, vectors=vectors.shorten(
+            outcome.vectors, parsed.dimensions, model.spec.normalize))
+    return model, outcome, ran.enc
 
 
-_stage_headers = tasks.stage_headers  # the name frontend.tei imports
+# The names frontend.tei and frontend.kserve import.
+_THREAD_TOKENIZE_CHARS = tasks.THREAD_TOKENIZE_CHARS
+_stage_headers = tasks.stage_headers
 
 
 async def list_models(request: web.Request) -> web.Response:
@@ -96,5 +111,6 @@ async def ready(request: web.Request) -> web.Response:
 
 
 async def metrics_route(request: web.Request) -> web.Response:
-    body, content_type = metrics.exposition()
+    body, content_type = await asyncio.get_running_loop().run_in_executor(
+        None, metrics.exposition, request.app[CONFIG])
     return web.Response(body=body, headers={"Content-Type": content_type})

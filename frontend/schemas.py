@@ -18,10 +18,14 @@ PRIORITY_RANGE = (-10, 10)
 
 @dataclass(frozen=True, slots=True)
 class EmbedRequest:
-    texts: list[str]
+    texts: list[str]  # empty when token_ids is given
     model: str | None
     encoding_format: str = "float"
     priority: int | None = None  # from the body; the X-Priority header is read by the route
+    token_ids: list[list[int]] | None = None  # pre-tokenized input, used as given
+    dimensions: int | None = None  # keep this many leading components (Matryoshka)
+    truncate: bool | None = None  # None: limits.truncate
+    truncation_direction: str = "right"
     user: str | None = None  # a client id; an A/B split may route by it (models.sticky_key)
 
 
@@ -29,16 +33,50 @@ def parse_openai_embeddings(body: Any, limits: LimitsConfig) -> EmbedRequest:
     body = _mapping(body)
     if "input" not in body:
         raise ApiError("invalid_request", "'input' is required", param="input")
-    raw = body["input"]
-    texts = [raw] if isinstance(raw, str) else raw
-    texts = _texts(texts, "input", limits)
+    texts, ids = texts_or_ids(body["input"], "input", limits)
     fmt = body.get("encoding_format", "float")
     if fmt is None:
         fmt = "float"
     if fmt not in ENCODING_FORMATS:
         raise ApiError("invalid_request", "'encoding_format' must be 'float' or 'base64'",
                        param="encoding_format")
-    return EmbedRequest(texts, _model(body), fmt, _body_priority(body), user(body))
+    return EmbedRequest(texts, _model(body), fmt, _body_priority(body), token_ids=ids,
+                        dimensions=dimensions(body), user=user(body))
+
+
+def texts_or_ids(value: Any, param: str, limits: LimitsConfig
+                 ) -> tuple[list[str], list[list[int]] | None]:
+    """A string, a list of strings, one token-id list, or a list of token-id lists.
+
+    Token ids are checked here for shape and type only; the model's tokenizer checks their
+    range and length (`TextEncoder.from_ids`)."""
+    if isinstance(value, str):
+        return _texts([value], param, limits), None
+    if isinstance(value, list) and value and all(_is_int(v) for v in value):
+        return [], [value]
+    if isinstance(value, list) and value and all(isinstance(v, list) for v in value):
+        if len(value) > limits.max_texts_per_request:
+            raise ApiError("too_large", f"'{param}' has {len(value)} token lists; the limit is "
+                           f"{limits.max_texts_per_request} (limits.max_texts_per_request)",
+                           param=param)
+        for i, row in enumerate(value):
+            if not row or not all(_is_int(v) for v in row):
+                raise ApiError("invalid_request", f"'{param}[{i}]' must be a non-empty list of "
+                               "token ids (integers)", param=param)
+        return [], value
+    return _texts(value, param, limits), None
+
+
+def dimensions(body: dict) -> int | None:
+    value = body.get("dimensions")
+    if value is not None and (not _is_int(value) or value < 1):
+        raise ApiError("invalid_request", "'dimensions' must be an integer >= 1",
+                       param="dimensions")
+    return value
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def parse_predict(body: Any, limits: LimitsConfig) -> EmbedRequest:
@@ -84,6 +122,9 @@ def _texts(value: Any, param: str, limits: LimitsConfig) -> list[str]:
             raise ApiError("invalid_request", f"'{param}[{i}]' must be a string", param=param)
         if not text:
             raise ApiError("invalid_request", f"'{param}[{i}]' must not be empty", param=param)
+        if not text.isascii() and not _utf8(text):
+            raise ApiError("invalid_request", f"'{param}[{i}]' is not valid Unicode (a lone "
+                           "surrogate escape)", param=param)
         if len(text) > limits.max_text_chars:
             raise ApiError("too_large", f"'{param}[{i}]' has {len(text)} characters; the limit "
                            f"is {limits.max_text_chars} (limits.max_text_chars)", param=param)
@@ -109,3 +150,12 @@ def parse_priority(value: object, param: str) -> int:
 def _body_priority(body: dict) -> int | None:
     value = body.get("priority")
     return None if value is None else parse_priority(value, "priority")
+
+
+def _utf8(text: str) -> bool:
+    # JSON may escape a lone surrogate ("\\ud800"); the tokenizer cannot take one.
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

@@ -23,7 +23,7 @@ import numpy as np
 from aiohttp import web
 
 from frontend import codec, schemas, tasks
-from frontend.app import CONFIG
+from frontend.app import CONFIG, REQUEST_ID
 from frontend.errors import ApiError
 from frontend.tasks import stage_headers
 
@@ -92,7 +92,7 @@ async def rerank(request: web.Request) -> web.Response:
         results.append(result)
     ran = out.ran
     return codec.render(request, {
-        "id": request["request_id"], "model": ran.model.spec.name,
+        "id": request[REQUEST_ID], "model": ran.model.spec.name,
         "revision": ran.outcome.revision, "results": results, "usage": _usage(ran.enc.tokens)},
         headers=stage_headers(request, ran.outcome))
 

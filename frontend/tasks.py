@@ -23,11 +23,14 @@ import numpy as np
 from aiohttp import web
 
 from frontend import metrics, schemas
-from frontend.app import CONFIG, DISPATCHER, INDEX, INFLIGHT, MODELS, SPLITS, ServedModel
+from frontend.app import (CONFIG, DISPATCHER, INDEX, INFLIGHT, LOG_FIELDS, MODEL_NAME, MODELS,
+                          REPLIED_AT, REQUEST_ID, REVISION, SPLITS, STAGES, TOKENIZE_MS, VARIANT,
+                          ServedModel)
 from frontend.dispatch import Outcome
 from frontend.errors import ApiError
 from frontend.tokenizer import Encoded, TextEncoder
 from frontend.variants import Variant
+from shmserve.metrics import observe_many
 
 # Tokenize off the event loop when a request is this large (characters); small ones are faster
 # inline than a thread hop.
@@ -59,17 +62,23 @@ def resolve(request: web.Request, name: str | None, task: str) -> ServedModel:
     """The named model, or the first configured model of `task`; it must be of `task`."""
     models = request.app[MODELS]
     if name is None:
-        served = next((m for m in models.by_name.values() if m.spec.task == task), None)
+        served = next((m for m in models.by_name.values() if _serves(m, task)), None)
         if served is None:
             raise ApiError("not_found", f"no {task} model is served; see GET /v1/models",
-                           param="model")
+                           param="model", code="model_not_found")
     else:
         served = models.resolve(name)
-    request["model"] = served.spec.name
-    if served.spec.task != task:
-        raise ApiError("invalid_request", f"model {served.spec.name!r} is {_a(served.spec.task)} "
-                       f"model; this route needs {_a(task)} model", param="model")
+    request[MODEL_NAME] = served.spec.name
+    if not _serves(served, task):
+        raise ApiError("invalid_request", f"model {served.spec.name!r} is "
+                       f"{_a(served.spec.task)} model; this route needs {_a(task)} model",
+                       param="model", code="unsupported_task")
     return served
+
+
+def _serves(model: ServedModel, task: str) -> bool:
+    # The null model (zeros, no compute) stands in for an embedding model in pipeline benchmarks.
+    return model.spec.task == task or (task == "embedding" and model.spec.task == "null")
 
 
 def _a(task: str) -> str:
@@ -97,10 +106,13 @@ async def rerank(request: web.Request, name: str | None, query: str, documents: 
 
 async def run(request: web.Request, served: ServedModel,
               encode: Callable[[TextEncoder], Encoded], chars: int, *,
-              priority: int | None = None, user: str | None = None) -> Ran:
-    """Choose the variant, tokenize with `encode`, run on a worker, count and log."""
+              priority: int | None = None, user: str | None = None,
+              inputs: list[str] | None = None) -> Ran:
+    """Choose the variant, tokenize with `encode` (in a thread past THREAD_TOKENIZE_CHARS
+    characters), run on a worker, count and log; `inputs` go to the access line when
+    logging.log_inputs is on."""
     cfg = request.app[CONFIG]
-    request["model"] = served.spec.name
+    request[MODEL_NAME] = served.spec.name
     variant = request.app[SPLITS].choose(served.spec.name, served.variants,
                                          sticky_key(request, served, user))
     deadline = time.time() + timeout(request, cfg.frontends.request_timeout_s)
@@ -117,27 +129,36 @@ async def run(request: web.Request, served: ServedModel,
             enc = await asyncio.get_running_loop().run_in_executor(None, encode, variant.encoder)
         else:
             enc = encode(variant.encoder)
-        request["tokenize_ms"] = (time.perf_counter() - started) * 1000
+        request[TOKENIZE_MS] = (time.perf_counter() - started) * 1000
+        fields = request[LOG_FIELDS]
+        fields.update(texts=enc.count, tokens=enc.tokens,
+                      tokenize_ms=round(request[TOKENIZE_MS], 3))
+        if variant.name:
+            fields["variant"] = variant.name
+        if cfg.logging.log_inputs and inputs is not None:
+            fields["inputs"] = inputs
         outcome = await request.app[DISPATCHER].run(
-            variant.unit, variant.spec.dim, enc, request["request_id"], deadline,
+            variant.unit, variant.spec.dim, enc, request[REQUEST_ID], deadline,
             request_priority(request, priority, cfg.frontends.default_priority))
     finally:
         inflight[0] -= 1
         gauge.dec()
-    texts = enc.offsets.shape[0] - 1
-    metrics.TEXTS.labels(served.spec.name).inc(texts)
-    metrics.TOKENS.labels(served.spec.name).inc(enc.tokens)
+    name = served.spec.name
+    metrics.TEXTS.labels(name).inc(enc.count)
+    metrics.TOKENS.labels(name).inc(enc.tokens)
     if enc.truncated:
-        metrics.TRUNCATED.labels(served.spec.name).inc(enc.truncated)
-    request["revision"] = outcome.revision
-    request["variant"] = variant.name
-    request["log"].update(texts=texts, tokens=enc.tokens, revision=outcome.revision,
-                          batch_size=outcome.result.batch_size, worker=outcome.worker,
-                          tokenize_ms=round(request["tokenize_ms"], 3),
-                          queue_ms=round(outcome.result.queue_ms, 3),
-                          inference_ms=round(outcome.result.inference_ms, 3))
-    if variant.name:
-        request["log"]["variant"] = variant.name
+        metrics.TRUNCATED.labels(name).inc(enc.truncated)
+    observe_many(metrics.INPUT_TOKENS.labels(name), np.diff(enc.offsets))
+    # The middleware adds the transfer and total stages once the response is rendered.
+    request[STAGES] = {"tokenize": request[TOKENIZE_MS] / 1000,
+                       "queue": outcome.result.queue_ms / 1000,
+                       "inference": outcome.result.inference_ms / 1000}
+    request[REPLIED_AT] = outcome.received_at
+    request[REVISION] = outcome.revision
+    request[VARIANT] = variant.name
+    request[LOG_FIELDS].update(revision=outcome.revision, batch_size=outcome.result.batch_size,
+                               worker=outcome.worker, queue_ms=round(outcome.result.queue_ms, 3),
+                               inference_ms=round(outcome.result.inference_ms, 3))
     return Ran(served, variant, outcome, enc)
 
 
@@ -146,12 +167,12 @@ def stage_headers(request: web.Request, outcome: Outcome) -> dict[str, str]:
     headers = {
         "X-Model-Revision": outcome.revision,
         "X-Batch-Size": str(outcome.result.batch_size),
-        "X-Tokenization-Time": f"{request['tokenize_ms']:.3f}",
+        "X-Tokenization-Time": f"{request[TOKENIZE_MS]:.3f}",
         "X-Queue-Time": f"{outcome.result.queue_ms:.3f}",
         "X-Inference-Time": f"{outcome.result.inference_ms:.3f}",
     }
-    if request.get("variant"):
-        headers["X-Model-Variant"] = request["variant"]  # the A/B arm that served
+    if request.get(VARIANT):
+        headers["X-Model-Variant"] = request[VARIANT]  # the A/B arm that served
     return headers
 
 

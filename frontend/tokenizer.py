@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from tokenizers import Tokenizer
+from tokenizers import Encoding, Tokenizer
 
 from frontend.errors import ApiError
 from shmserve.models import ModelSpec
@@ -23,20 +23,43 @@ class Encoded:
     def tokens(self) -> int:
         return int(self.offsets[-1])
 
+    @property
+    def count(self) -> int:
+        return int(self.offsets.shape[0]) - 1
+
 
 class TextEncoder:
     def __init__(self, spec: ModelSpec, truncate: bool) -> None:
         self.max_tokens = spec.max_tokens
         self.truncate = truncate
-        self._tok = Tokenizer.from_file(str(spec.directory / "tokenizer.json"))
-        self._tok.no_padding()
-        if truncate:
-            self._tok.enable_truncation(max_length=spec.max_tokens)
-        else:
-            self._tok.no_truncation()
+        self._file = str(spec.directory / "tokenizer.json")
+        self._tok = self._load(truncate, "right")
+        self.vocab_size = self._tok.get_vocab_size()
+        # Per-request truncation settings (TEI's truncate, truncation_direction), made on first
+        # use: a tokenizer's truncation is its state, and requests run concurrently.
+        self._variants: dict[tuple[bool, str], Tokenizer] = {(truncate, "right"): self._tok}
 
-    def encode(self, texts: list[str], param: str = "input") -> Encoded:
-        return self._flatten(self._tok.encode_batch(texts, add_special_tokens=True), param)
+    def _variant(self, truncate: bool, direction: str) -> Tokenizer:
+        key = (truncate, direction if truncate else "right")
+        tok = self._variants.get(key)
+        if tok is None:
+            tok = self._variants[key] = self._load(*key)
+        return tok
+
+    def _load(self, truncate: bool, direction: str) -> Tokenizer:
+        tok = Tokenizer.from_file(self._file)
+        tok.no_padding()
+        if truncate:
+            tok.enable_truncation(max_length=self.max_tokens, direction=direction)
+        else:
+            tok.no_truncation()
+        return tok
+
+    def encode(self, texts: list[str], param: str = "input", truncate: bool | None = None,
+               direction: str = "right") -> Encoded:
+        truncate = self.truncate if truncate is None else truncate
+        tok = self._variant(truncate, direction)
+        return self._flatten(tok.encode_batch(texts, add_special_tokens=True), param, truncate)
 
     def encode_pairs(self, query: str, documents: list[str],
                      param: str = "documents") -> Encoded:
@@ -48,12 +71,12 @@ class TextEncoder:
         # template gives none, such as RoBERTa's); the worker rebuilds them from this length.
         segments = np.fromiter((e.type_ids.index(1) if 1 in e.type_ids else len(e.ids)
                                 for e in encodings), np.int32, len(encodings))
-        flat = self._flatten(encodings, param)
+        flat = self._flatten(encodings, param, self.truncate)
         return Encoded(flat.ids, flat.offsets, flat.truncated, segments)
 
-    def _flatten(self, encodings: list, param: str) -> Encoded:
+    def _flatten(self, encodings: list, param: str, truncate: bool) -> Encoded:
         lengths = np.fromiter((len(e.ids) for e in encodings), np.int32, len(encodings))
-        if not self.truncate:
+        if not truncate:
             over = np.flatnonzero(lengths > self.max_tokens)
             if over.size:
                 i = int(over[0])
@@ -63,5 +86,36 @@ class TextEncoder:
         offsets = np.zeros(len(encodings) + 1, np.int32)
         np.cumsum(lengths, out=offsets[1:])
         ids = np.fromiter((t for e in encodings for t in e.ids), np.int32, int(offsets[-1]))
-        truncated = sum(1 for e in encodings if e.overflowing) if self.truncate else 0
+        truncated = sum(1 for e in encodings if e.overflowing) if truncate else 0
         return Encoded(ids, offsets, truncated)
+
+    def from_ids(self, rows: list[list[int]], param: str = "input") -> Encoded:
+        """Token ids a client tokenized itself, used as given: no special tokens are added.
+
+        Each id must be in [0, vocab size); a row longer than the model's limit is cut to it
+        (limits.truncate) or refused with 413."""
+        truncated = 0
+        kept = []
+        for i, row in enumerate(rows):
+            low, high = min(row), max(row)  # Python ints: no overflow before the check
+            if low < 0 or high >= self.vocab_size:
+                raise ApiError("invalid_request", f"'{param}[{i}]' holds token id "
+                               f"{low if low < 0 else high}; ids must be in [0, "
+                               f"{self.vocab_size}) for this model's vocabulary", param=param)
+            if len(row) > self.max_tokens:
+                if not self.truncate:
+                    raise ApiError("too_large", f"'{param}[{i}]' has {len(row)} tokens; the "
+                                   f"model's limit is {self.max_tokens} (or set "
+                                   "limits.truncate)", param=param)
+                row = row[:self.max_tokens]
+                truncated += 1
+            kept.append(row)
+        offsets = np.zeros(len(kept) + 1, np.int32)
+        np.cumsum([len(r) for r in kept], out=offsets[1:])
+        ids = np.fromiter((t for r in kept for t in r), np.int32, int(offsets[-1]))
+        return Encoded(ids, offsets, truncated)
+
+    def tokenize(self, texts: list[str], add_special_tokens: bool = True) -> list[Encoding]:
+        """Full encodings (tokens, offsets, special-token masks), never truncated."""
+        return self._variant(False, "right").encode_batch(texts,
+                                                          add_special_tokens=add_special_tokens)

@@ -130,6 +130,23 @@ def quantize_int8(net: torch.nn.Module) -> torch.nn.Module:
             net, {torch.nn.Linear: quantization.per_channel_dynamic_qconfig}, dtype=torch.qint8)
 
 
+class NullModel:
+    """The `null` task: zeros of the right shape, no computation. It measures everything around
+    the model (nginx, frontends, shared memory, ZeroMQ, batching) on its own."""
+
+    def __init__(self, spec: ModelSpec, device: torch.device) -> None:
+        self.spec = spec
+        self.device = device
+
+    def forward(self, ids: np.ndarray, lengths: np.ndarray,
+                segments: np.ndarray | None = None) -> np.ndarray:
+        return np.zeros((ids.shape[0], self.spec.dim), np.float32)
+
+
+def load_model(spec: ModelSpec, device: torch.device) -> Model | NullModel:
+    return NullModel(spec, device) if spec.task == "null" else Model(spec, device)
+
+
 def pick_device(threads: int) -> torch.device:
     """The worker's device: the one GPU CUDA_VISIBLE_DEVICES shows it, else the CPU."""
     if torch.cuda.is_available():

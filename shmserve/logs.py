@@ -7,11 +7,14 @@ batch id is a field, not part of a message string.
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
 import sys
+import threading
 import time
+from typing import TextIO
 
 from shmserve.config import LoggingConfig
 
@@ -49,8 +52,39 @@ class TextFormatter(logging.Formatter):
         return text
 
 
-def configure(cfg: LoggingConfig, process: str) -> None:
-    handler = logging.StreamHandler(sys.stdout)
+class BufferedHandler(logging.StreamHandler):
+    """Writes through a 64 KiB buffer flushed every `interval` seconds (and on warnings and
+    above, and at exit). One log line per request would otherwise be one write to the pipe and
+    one wake-up of supervisord, which reads it: at a thousand requests a second that cost a
+    fifth of a core. A SIGKILL loses at most `interval` seconds of lines."""
+
+    def __init__(self, interval: float) -> None:
+        buffered = io.BufferedWriter(io.FileIO(os.dup(sys.stdout.fileno()), "w"), 1 << 16)
+        super().__init__(io.TextIOWrapper(buffered, encoding="utf-8", write_through=False))
+        self._interval = interval
+        self._stop = threading.Event()
+        threading.Thread(target=self._flusher, name="log-flush", daemon=True).start()
+
+    def _flusher(self) -> None:
+        while not self._stop.wait(self._interval):
+            self.flush()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        super().emit(record)
+        if record.levelno >= logging.WARNING:
+            self.flush()
+
+    def close(self) -> None:
+        self._stop.set()
+        self.flush()
+        super().close()
+
+
+def configure(cfg: LoggingConfig, process: str, stream: TextIO | None = None) -> None:
+    if stream is None and cfg.flush_interval_ms > 0:
+        handler: logging.StreamHandler = BufferedHandler(cfg.flush_interval_ms / 1000)
+    else:
+        handler = logging.StreamHandler(stream or sys.stdout)
     handler.setFormatter(JsonFormatter(process) if cfg.format == "json" else TextFormatter(process))
     root = logging.getLogger()
     root.handlers[:] = [handler]

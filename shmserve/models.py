@@ -20,7 +20,6 @@ from pathlib import Path
 
 from shmserve.config import Config, ModelConfig
 
-TASKS = ("embedding", "classification", "rerank")
 # A cross-encoder's score, as sentence-transformers' CrossEncoder computes it: the activation it
 # saved with the model, else Sigmoid for one label.
 ACTIVATIONS = {"torch.nn.modules.activation.Sigmoid": "sigmoid", "torch.nn.Sigmoid": "sigmoid",
@@ -156,6 +155,8 @@ def inspect(cfg: ModelConfig, with_revision: bool = True,
     if cfg.max_input_tokens:
         limit = min(limit, cfg.max_input_tokens)
     revision = cfg.revision
+    if not revision and cfg.task == "null":
+        revision = "null"
     if not revision and with_revision:
         revision = weights_digest(weights_file(directory))
     labels, activation = _head(cfg.task, model_cfg, directory)
@@ -166,8 +167,8 @@ def inspect(cfg: ModelConfig, with_revision: bool = True,
         pooling=_pooling(cfg.pooling, directory),
         normalize=_normalize(cfg.normalize, directory),
         max_tokens=limit,
-        dim={"embedding": int(model_cfg["hidden_size"]), "classification": len(labels),
-             "rerank": 1}[cfg.task],
+        dim={"classification": len(labels), "rerank": 1}.get(cfg.task,
+                                                              int(model_cfg["hidden_size"])),
         dtype=cfg.dtype,
         revision=revision,
         labels=labels,
@@ -199,7 +200,7 @@ def file_digest(path: Path) -> str:
 
 def _head(task: str, model_cfg: dict, directory: Path) -> tuple[tuple[str, ...], str]:
     """(labels, activation) of a scoring model; refuses a checkpoint without a trained head."""
-    if task == "embedding":
+    if task not in ("classification", "rerank"):
         return (), ""
     architectures = model_cfg.get("architectures") or []
     if not any(str(a).endswith("ForSequenceClassification") for a in architectures):

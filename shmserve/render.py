@@ -133,7 +133,6 @@ def render_nginx(cfg: Config) -> str:
         "worker_processes": str(n.worker_processes),
         "worker_connections": str(n.worker_connections),
         "nginx_dir": str(nginx_dir(cfg)),
-        "log_dir": str(topology.log_dir(cfg)),
         "client_max_body_size": n.client_max_body_size,
         "client_header_buffer_size": n.client_header_buffer_size,
         "large_client_header_buffers": n.large_client_header_buffers,
@@ -170,6 +169,7 @@ def render_supervisord(cfg: Config, nginx: str) -> str:
         }),
         "nginx_command": command(python, "-m", "shmserve.nginxrun", "--binary", nginx,
                                  str(nginx_conf(cfg))),
+        "reaper_command": command(python, "-m", "shmserve.reaper", "--config", config_json),
         "frontend_programs": ",".join(f"frontend-{i}" for i in range(cfg.frontends.count)),
         "worker_programs": ",".join(f"worker-{i}" for i in range(len(devices))),
     }
@@ -241,10 +241,11 @@ def command(*argv: str) -> str:
     return " ".join(shlex.quote(arg) for arg in argv).replace("%", "%%")
 
 
-def error_body(cfg: Config, status: int) -> dict[str, dict[str, str]]:
+def error_body(cfg: Config, status: int) -> dict[str, dict[str, str | None]]:
+    """The frontends' error shape (frontend.errors.ApiError.body): OpenAI's, with our types."""
     kind, message = NGINX_ERRORS[status]
-    return {"error": {"type": kind,
-                      "message": message.format(max_body=cfg.nginx.client_max_body_size)}}
+    return {"error": {"message": message.format(max_body=cfg.nginx.client_max_body_size),
+                      "type": kind, "param": None, "code": None}}
 
 
 def _write_error_pages(cfg: Config) -> None:

@@ -11,12 +11,14 @@ never travel here: messages carry `ShmHandle`s into a shared-memory arena.
 from __future__ import annotations
 
 import dataclasses
+import threading
 import typing
 from enum import IntEnum
 from typing import Any, Callable
 
 import msgpack
 
+from shmserve import protocol
 from shmserve.protocol import KIND_OF, Kind, Message
 
 
@@ -25,7 +27,10 @@ class WireError(ValueError):
 
 
 def encode(msg: Message) -> list[bytes]:
-    return [bytes((KIND_OF[type(msg)],)), msgpack.packb(_to_wire(msg), use_bin_type=True)]
+    packer = getattr(_local, "packer", None)
+    if packer is None:  # one per thread: a Packer's buffer is not safe to share
+        packer = _local.packer = msgpack.Packer(default=_fields_of, use_bin_type=True)
+    return [_KIND_FRAMES[type(msg)], packer.pack(msg)]
 
 
 def decode(frames: list[bytes] | list[Any]) -> Message:
@@ -44,16 +49,16 @@ def decode(frames: list[bytes] | list[Any]) -> Message:
         raise WireError(f"bad {Kind(head[0]).name} body: {exc}") from None
 
 
-def _to_wire(value: Any) -> Any:
-    if dataclasses.is_dataclass(value):
-        return [_to_wire(getattr(value, f.name)) for f in dataclasses.fields(value)]
-    if isinstance(value, (tuple, list)):
-        return [_to_wire(v) for v in value]
-    if isinstance(value, bool):  # before int: IntEnum checks below must not catch bools
-        return value
-    if isinstance(value, int):
-        return int(value)
-    return value
+def _fields_of(value: Any) -> list[Any]:
+    """msgpack's hook for what it cannot pack itself: a message dataclass, as its field list.
+    (Tuples pack as arrays, IntEnums as ints, natively.)"""
+    names = _FIELD_NAMES.get(type(value))
+    if names is None:
+        raise TypeError(f"cannot send {type(value).__name__}")
+    return [getattr(value, n) for n in names]
+
+
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
 
 
 def _builder(hint: Any) -> Callable[[Any], Any]:
@@ -90,3 +95,7 @@ def _builder(hint: Any) -> Callable[[Any], Any]:
 _BUILDERS: dict[Kind, Callable[[Any], Message]] = {
     kind: _builder(cls) for cls, kind in KIND_OF.items()
 }
+_KIND_FRAMES = {cls: bytes((kind,)) for cls, kind in KIND_OF.items()}
+for _cls in (*KIND_OF, protocol.ShmHandle, protocol.ModelInfo):
+    _FIELD_NAMES[_cls] = tuple(f.name for f in dataclasses.fields(_cls))
+_local = threading.local()

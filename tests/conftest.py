@@ -19,7 +19,8 @@ def tiny_model(tmp_path_factory):
 def tiny_overrides(tiny_model, **extra):
     tree = {
         "model_roots": [str(tiny_model.parent)],
-        "models": [{"name": "tiny", "aliases": ["tiny-alias"], "source": str(tiny_model),
+        "models": [{"name": "tiny", "aliases": ["tiny-alias", "test-org/tiny"],
+                    "source": str(tiny_model),
                     "revision": "tiny-r1"}],
         "frontends": {"count": 2},
         "workers": {"devices": "cpu", "cpu_workers": 1, "torch_threads": 1},

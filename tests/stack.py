@@ -22,6 +22,17 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 
 
+def corpus_path() -> Path:
+    """../shared/bench/corpus.json beside the checkout (in a git worktree: beside the main
+    checkout, which `git rev-parse --git-common-dir` names)."""
+    beside = REPO.parent / "shared" / "bench" / "corpus.json"
+    if beside.exists():
+        return beside
+    common = subprocess.run(["git", "rev-parse", "--path-format=absolute", "--git-common-dir"],
+                            cwd=REPO, capture_output=True, text=True).stdout.strip()
+    return Path(common).parent.parent / "shared" / "bench" / "corpus.json" if common else beside
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -76,6 +76,10 @@ def kill_and_wait(stack: Stack, program: str, load: Load) -> Counter:
     old = pid_of(stack, program)
     os.kill(old, signal.SIGKILL)
     stack.wait_until(lambda: pid_of(stack, program) not in (0, old), 60, f"{program} restart")
+    # RUNNING comes startsecs after the start: by then nginxrun has killed the workers the dead
+    # master left (they keep answering meanwhile) and the new master listens.
+    stack.wait_until(lambda: stack.ctl("status", program).split()[1:2] == ["RUNNING"], 60,
+                     f"{program} RUNNING")
     stack.wait_until(lambda: stack.get("/ready")[0] == 200, 90, "ready after the restart")
     # Keep the load on a little past readiness, so requests of the recovered state count too.
     target = load.mark() + 20

@@ -14,6 +14,7 @@ def error_of(raw: bytes, as_msgpack: bool = False) -> dict:
     body = msgpack.unpackb(raw) if as_msgpack else json.loads(raw)
     assert set(body) == {"error"}, body
     assert isinstance(body["error"]["type"], str) and body["error"]["message"]
+    assert set(body["error"]) == {"message", "type", "param", "code"}  # OpenAI's shape
     return body["error"]
 
 
@@ -156,7 +157,10 @@ def test_no_live_worker_is_503_then_service_returns(strict_stack):
         status, headers, err = strict_stack.post_json("/predict", {"texts": ["x"]})
         assert status == 503 and err["error"]["type"] == "unavailable"
         assert headers.get("Retry-After")
-        assert strict_stack.get("/ready")[0] == 503
+        status, _, raw = strict_stack.get("/ready")
+        assert status == 503 and json.loads(raw)["status"] == "loading"
+        assert strict_stack.get("/v2/health/ready")[0] == 400  # KServe's "false" is a 4xx
+        assert json.loads(strict_stack.get("/v2/models/tiny/ready")[2])["ready"] is False
     finally:
         strict_stack.ctl("start", "workers:*")
     strict_stack.wait_until(lambda: strict_stack.get("/ready")[0] == 200, 120, "ready again")

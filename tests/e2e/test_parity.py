@@ -1,14 +1,13 @@
 """The default model served through the whole stack equals sentence-transformers' encode."""
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tests.stack import Stack
+from tests.stack import Stack, corpus_path
 
-CORPUS = Path(__file__).resolve().parents[3] / "shared" / "bench" / "corpus.json"
+CORPUS = corpus_path()
 
 
 @pytest.fixture(scope="module")

@@ -66,7 +66,8 @@ def test_client_disconnect_aborts_queued_work(tmp_path, slow_model):
         # Freeze the worker, so the request below is still queued when its client leaves.
         os.kill(worker, signal.SIGSTOP)
         try:
-            body = json.dumps({"texts": [LONG] * 5}).encode()
+            # Short texts are tokenized inline, so once the handler waits it has submitted.
+            body = json.dumps({"texts": ["gone"] * 5}).encode()
             client = socket.create_connection(("127.0.0.1", stack.port))
             client.sendall(b"POST /predict HTTP/1.1\r\nHost: x\r\nX-Request-ID: gone-1\r\n"
                            b"Content-Type: application/json\r\nContent-Length: "
@@ -77,6 +78,10 @@ def test_client_disconnect_aborts_queued_work(tmp_path, slow_model):
         finally:
             os.kill(worker, signal.SIGCONT)
         stack.wait_until(lambda: "gone-1" in stack.log("worker-0"), 30, "the worker's drop line")
+        stack.wait_until(lambda: "gone-1" in stack.log("frontend-0"), 30, "the access line")
+        access = [json.loads(line) for line in stack.log("frontend-0").splitlines()
+                  if "gone-1" in line]
+        assert [(a["status"], a["error"]) for a in access] == [(499, "client_closed")]
         busy.join(60)
         assert results["a"] == 200
         lines = [json.loads(line) for line in stack.log("worker-0").splitlines()

@@ -45,6 +45,9 @@ def test_deep_merge_keeps_siblings():
     ("SHMSERVE__BATCHING__MAX_WAITMS", "1", "batching.max_waitms"),
     ("SHMSERVE__MODELS__3__DTYPE", "fp32", "SHMSERVE__MODELS__3__DTYPE"),
     ("SHMSERVE__LIMITS__TRUNCATE", "maybe", "limits.truncate"),
+    ("SHMSERVE__WORKERS__MEMORY_CHECK_BATCHES", "0", "workers.memory_check_batches"),
+    ("SHMSERVE__WORKERS__EMPTY_CACHE_THRESHOLD", "1.5", "workers.empty_cache_threshold"),
+    ("SHMSERVE__LOGGING__BATCH_LOG", "sometimes", "logging.batch_log"),
 ])
 def test_bad_values_name_the_key(name, value, key):
     with pytest.raises(ConfigError, match=key.replace("[", r"\[").replace("]", r"\]")):
@@ -70,6 +73,14 @@ def test_resolved_round_trip(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(cfg.to_json())
     assert config.load_resolved(path) == cfg
+
+
+def test_observability_defaults():
+    cfg = config.load(environ={})
+    assert cfg.workers.cuda_alloc_conf == "expandable_segments:True"
+    assert cfg.workers.memory_check_batches == 100
+    assert cfg.workers.empty_cache_threshold == 0.3
+    assert cfg.logging.batch_log is True and cfg.logging.log_inputs is False
 
 
 def _models(*models, **top):

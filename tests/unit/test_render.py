@@ -20,7 +20,7 @@ from typing import Any
 import msgpack
 import pytest
 from supervisor.datatypes import RestartUnconditionally
-from supervisor.options import ServerOptions
+from supervisor.options import EventListenerPoolConfig, ServerOptions
 
 from shmserve import config, nginxrun, render, topology
 from shmserve.config import REPO_ROOT, Config
@@ -47,7 +47,7 @@ def programs(cfg: Config) -> dict[str, Any]:
     options.configfile = str(render.supervisord_conf(cfg))
     options.process_config(do_usage=False)
     return {p.name: (group.name, p) for group in options.process_group_configs
-            for p in group.process_configs}
+            if not isinstance(group, EventListenerPoolConfig) for p in group.process_configs}
 
 
 def test_gpu_devices_get_one_worker_each(tmp_path):
@@ -133,7 +133,8 @@ def test_error_pages_exist_in_both_formats_with_the_error_shape(tmp_path):
         as_json = json.loads((errors / f"{status}.json").read_text())
         as_msgpack = msgpack.unpackb((errors / f"{status}.msgpack").read_bytes())
         assert as_json == as_msgpack
-        assert set(as_json) == {"error"} and set(as_json["error"]) == {"type", "message"}
+        assert set(as_json) == {"error"} and set(as_json["error"]) == {"type", "message", "param",
+                                                                   "code"}
         assert f"error_page {status} " in render.nginx_conf(cfg).read_text()
     too_large = json.loads((errors / "413.json").read_text())["error"]
     assert too_large["type"] == "too_large"
@@ -263,3 +264,34 @@ def wait_until(condition, timeout: float = 30) -> None:
     while not condition():
         assert time.monotonic() < deadline, "condition not met in time"
         time.sleep(0.02)
+
+
+def test_a_reaper_listens_for_every_exit_before_the_programs_start(tmp_path):
+    cfg = make_config(tmp_path / "run")
+    render.render(cfg)
+    options = ServerOptions()
+    options.configfile = str(render.supervisord_conf(cfg))
+    options.process_config(do_usage=False)
+    pools = [g for g in options.process_group_configs if isinstance(g, EventListenerPoolConfig)]
+    (pool,) = pools
+    assert pool.name == "reaper"
+    assert {e.__name__ for e in pool.pool_events} == {
+        "ProcessStateExitedEvent", "ProcessStateStoppedEvent", "ProcessStateBackoffEvent",
+        "ProcessStateFatalEvent"}
+    assert pool.priority < min(g.priority for g in options.process_group_configs
+                               if g is not pool)  # up first, down last
+    (p,) = pool.process_configs
+    assert p.command == f"{sys.executable} -m shmserve.reaper --config {cfg.run_dir}/config.json"
+    assert p.stderr_logfile == f"{cfg.run_dir}/logs/reaper.log" and not p.redirect_stderr
+    assert p.environment["PROMETHEUS_MULTIPROC_DIR"] == str(cfg.run_dir / "metrics")
+    assert p.autorestart is RestartUnconditionally
+
+
+def test_nginx_logs_go_through_supervisord(tmp_path):
+    """So they rotate like every other program's log (nginx.log under the run directory)."""
+    cfg = make_config(tmp_path / "run")
+    render.render(cfg)
+    conf = render.nginx_conf(cfg).read_text()
+    assert "error_log stderr warn;" in conf
+    assert "access_log /dev/stdout shmserve_json;" in conf
+    assert str(topology.log_dir(cfg)) not in conf

@@ -16,10 +16,27 @@ def test_one_value_or_a_list_is_resolved_at_the_edge():
     assert parse_predict({"texts": ["x"]}, LIMITS).model is None
 
 
+def test_token_ids_one_list_or_many():
+    one = parse_openai_embeddings({"input": [101, 7592, 102]}, LIMITS)
+    assert one.token_ids == [[101, 7592, 102]] and one.texts == []
+    many = parse_openai_embeddings({"input": [[1], [2, 3]], "dimensions": 8, "user": "u"},
+                                   LIMITS)
+    assert many.token_ids == [[1], [2, 3]] and many.dimensions == 8
+
+
 @pytest.mark.parametrize("body,status,param", [
     ({"input": []}, 422, "input"),
     ({"input": ""}, 422, "input"),
-    ({"input": [1]}, 422, "input"),
+    ({"input": [1.5]}, 422, "input"),
+    ({"input": [True]}, 422, "input"),  # a bool is no token id
+    ({"input": [[1, 2], []]}, 422, "input"),
+    ({"input": [[1, 2], ["a"]]}, 422, "input"),
+    ({"input": [[1]] * 5}, 413, "input"),
+    ({"input": ["a", 1]}, 422, "input"),
+    ({"input": "a", "dimensions": 0}, 422, "dimensions"),
+    ({"input": "a", "dimensions": "8"}, 422, "dimensions"),
+    ({"input": "a", "user": 5}, 422, "user"),
+    ({"input": "a\ud800"}, 422, "input"),  # a lone surrogate, as JSON can escape one
     ({"input": {"a": 1}}, 422, "input"),
     ({"input": ["a"] * 5}, 413, "input"),
     ({"input": "x" * 21}, 413, "input"),
@@ -44,6 +61,9 @@ def test_every_worker_error_code_maps_to_a_status():
 def test_error_body_shape():
     err = ApiError("invalid_request", "bad", param="input")
     assert err.body() == {"error": {"type": "invalid_request", "message": "bad",
-                                    "param": "input"}}
+                                    "param": "input", "code": None}}
+    # OpenAI's shape: every key is always there, null when unset.
+    assert ApiError("not_found", "x", code="model_not_found").body() == {"error": {
+        "type": "not_found", "message": "x", "param": None, "code": "model_not_found"}}
     with pytest.raises(ValueError):
         ApiError("no_such_kind", "x")

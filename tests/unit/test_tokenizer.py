@@ -34,3 +34,48 @@ def test_no_truncation_refuses_with_413(spec):
     with pytest.raises(ApiError) as info:
         TextEncoder(spec, truncate=False).encode(["short", "word " * 1000], param="texts")
     assert info.value.status == 413 and "texts[1]" in info.value.message
+
+
+def test_token_ids_are_used_as_given(spec):
+    encoder = TextEncoder(spec, truncate=False)
+    enc = encoder.from_ids([[7592, 2088], [101, 7592, 102]])
+    assert enc.ids.tolist() == [7592, 2088, 101, 7592, 102]  # no [CLS]/[SEP] added
+    assert enc.offsets.tolist() == [0, 2, 5] and enc.count == 2 and enc.truncated == 0
+    assert encoder.vocab_size == 30522
+
+
+@pytest.mark.parametrize("rows,status,where", [
+    ([[1, 30522]], 422, "30522"),
+    ([[5], [-1]], 422, "input[1]"),
+    ([[10**30]], 422, "30522"),  # never reaches numpy: no overflow
+    ([[1] * 257], 413, "257 tokens"),
+])
+def test_bad_token_ids(spec, rows, status, where):
+    with pytest.raises(ApiError) as info:
+        TextEncoder(spec, truncate=False).from_ids(rows)
+    assert info.value.status == status and where in info.value.message
+    assert info.value.param == "input"
+
+
+def test_over_long_token_ids_are_cut_when_truncating(spec):
+    enc = TextEncoder(spec, truncate=True).from_ids([[5] * 300, [6]])
+    assert enc.offsets.tolist() == [0, 256, 257] and enc.truncated == 1
+
+
+def test_per_request_truncation_overrides_the_config(spec):
+    encoder = TextEncoder(spec, truncate=False)
+    long = "word " * 1000
+    right = encoder.encode([long + "tail"], truncate=True)
+    left = encoder.encode([long + "tail"], truncate=True, direction="left")
+    assert right.tokens == left.tokens == 256
+    assert right.ids[0] == left.ids[0] == 101 and right.ids[-1] == left.ids[-1] == 102
+    assert right.ids[-2] != left.ids[-2]  # "tail" survives only a cut from the left
+    with pytest.raises(ApiError):
+        encoder.encode([long])  # the encoder's own setting is untouched
+
+
+def test_tokenize_gives_offsets_and_special_masks(spec):
+    (enc,) = TextEncoder(spec, truncate=True).tokenize(["héllo world"])
+    assert enc.tokens[0] == "[CLS]" and enc.special_tokens_mask[0] == 1
+    (bare,) = TextEncoder(spec, truncate=True).tokenize(["héllo world"], False)
+    assert 101 not in bare.ids

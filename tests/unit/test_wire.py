@@ -71,3 +71,23 @@ def test_large_message_round_trips():
 def test_garbage_raises_wire_error(frames):
     with pytest.raises(wire.WireError):
         wire.decode(frames)
+
+
+def test_encode_is_safe_from_several_threads():
+    """The worker encodes heartbeats in its socket thread while the model thread encodes
+    results: each must come out whole."""
+    import threading
+
+    errors = []
+
+    def run(msg):
+        for _ in range(3000):
+            if wire.decode(wire.encode(msg)) != msg:
+                errors.append(msg)
+
+    threads = [threading.Thread(target=run, args=(m,)) for m in (MESSAGES[1], MESSAGES[3])]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors

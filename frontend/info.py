@@ -1,0 +1,87 @@
+"""GET /info: what this deployment serves and its limits.
+
+The body holds shmserve's own keys (models, devices, limits, process counts, version) and, as
+top-level keys too, every field of Hugging Face text-embeddings-inference's GET /info, so TEI
+clients read it unchanged; those describe the default (first) model.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp import web
+
+import shmserve
+from frontend import codec
+from frontend.app import CONFIG, MODELS, POOL, Models
+from frontend.pool import WorkerPool
+from shmserve import topology
+from shmserve.config import Config
+
+# shmserve's names -> TEI's.
+TEI_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+TEI_POOLING = {"mean": "mean", "cls": "cls", "last": "last_token"}
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_get("/info", info)
+
+
+async def info(request: web.Request) -> web.Response:
+    app = request.app
+    return codec.render(request, describe(app[CONFIG], app[MODELS], app[POOL]))
+
+
+def describe(cfg: Config, models: Models, pool: WorkerPool) -> dict[str, Any]:
+    served = [_model(cfg, served.spec, pool) for served in models.by_name.values()]
+    default = next(m for m in served if m["name"] == models.default)
+    devices = topology.worker_devices(cfg)
+    return {
+        "version": shmserve.__version__,
+        "models": served,
+        "devices": [_device(i, device, pool) for i, device in enumerate(devices)],
+        "limits": {
+            "max_batch_tokens": cfg.batching.max_batch_tokens,
+            "max_batch_size": cfg.batching.max_batch_size,
+            "max_texts_per_request": cfg.limits.max_texts_per_request,
+            "max_input_tokens": default["max_input_tokens"],
+            "max_text_chars": cfg.limits.max_text_chars,
+            "max_inflight_per_frontend": cfg.frontends.max_inflight,
+            "truncate": cfg.limits.truncate,
+        },
+        "frontends": cfg.frontends.count,
+        "workers": len(devices),
+        # Hugging Face text-embeddings-inference's GET /info fields.
+        "model_id": default["name"],
+        "model_sha": default["revision"],
+        "model_dtype": TEI_DTYPES[default["dtype"]],
+        "model_type": {"embedding": {"pooling": TEI_POOLING[default["pooling"]]}},
+        "max_concurrent_requests": cfg.frontends.max_inflight * cfg.frontends.count,
+        "max_input_length": default["max_input_tokens"],
+        "max_batch_tokens": cfg.batching.max_batch_tokens,
+        "max_batch_requests": cfg.batching.max_batch_size,
+        "max_client_batch_size": cfg.limits.max_texts_per_request,
+        "auto_truncate": cfg.limits.truncate,
+        "tokenization_workers": cfg.frontends.count,
+        "sha": None,
+        "docker_label": None,
+    }
+
+
+def _model(cfg: Config, spec, pool: WorkerPool) -> dict[str, Any]:
+    reported = pool.model_info(spec.name)
+    # The workers hash the weights (the frontend does not read them); a configured revision is
+    # known at once.
+    revision = reported.revision if reported is not None else (spec.revision or None)
+    model_cfg = next(m for m in cfg.models if m.name == spec.name)
+    return {"name": spec.name, "aliases": list(model_cfg.aliases), "revision": revision,
+            "task": spec.task, "dtype": spec.dtype, "dim": spec.dim, "pooling": spec.pooling,
+            "normalize": spec.normalize, "max_input_tokens": spec.max_tokens}
+
+
+def _device(index: int, device: str, pool: WorkerPool) -> dict[str, Any]:
+    link = pool.links[index] if index < len(pool.links) else None
+    return {"worker": index,
+            "device": device if device == topology.CPU else f"cuda:{device}",
+            "name": link.beat.device if link is not None and link.beat is not None else None,
+            "ready": bool(link is not None and link.ready)}

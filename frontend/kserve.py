@@ -1,0 +1,216 @@
+"""KServe v2 / Open Inference Protocol over HTTP: what Triton's and KServe's clients speak.
+
+    GET  /v2                                    server metadata: name, version, extensions
+    GET  /v2/health/live | /v2/health/ready     200 when true, 400 when not (the protocol's 4xx)
+    GET  /v2/models/{m}[/versions/{v}]          model metadata: its input and output tensors
+    GET  /v2/models/{m}[/versions/{v}]/ready
+    POST /v2/models/{m}[/versions/{v}]/infer
+
+A model name may hold '/' (aliases like "org/name" do), as Triton's client sends it unescaped.
+A model's one version is its revision. The tensors a model takes and gives depend on its task:
+`TASKS` maps a task to its `Tensors`; a task without an entry answers 422 until its tensors are
+written (classification and rerank: pending the model-management issue). Body formats are in
+`frontend.tensors`; a msgpack request (by Content-Type) is the same object msgpack-encoded, and a
+msgpack response (by Accept) carries each output's data as its raw little-endian bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Awaitable, Callable
+
+import numpy as np
+from aiohttp import web
+
+import shmserve
+from frontend import codec, tensors
+from frontend.app import CONFIG, MODEL_NAME, MODELS, POOL, ServedModel
+from frontend.dispatch import Outcome
+from frontend.errors import ApiError
+from frontend.routes import _embed, _stage_headers
+from frontend.schemas import EmbedRequest, _texts
+from frontend.tensors import BYTES, Tensor
+
+EXTENSIONS = ["binary_tensor_data"]
+HEADER_LENGTH = "Inference-Header-Content-Length"
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    name: str
+    datatype: str
+    shape: tuple[int, ...]  # -1: any size
+
+    def metadata(self) -> dict:
+        return {"name": self.name, "datatype": self.datatype, "shape": list(self.shape)}
+
+
+# Runs a task's model on its decoded inputs: output arrays by name, and the dispatch outcome.
+Runner = Callable[[web.Request, ServedModel, dict[str, Tensor]],
+                  Awaitable[tuple[dict[str, np.ndarray], Outcome]]]
+
+
+@dataclass(frozen=True, slots=True)
+class Tensors:
+    """What one task's models take and give over this protocol, and how to run them."""
+
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    run: Runner
+
+
+async def _run_embedding(request: web.Request, model: ServedModel,
+                         inputs: dict[str, Tensor]) -> tuple[dict[str, np.ndarray], Outcome]:
+    texts = []
+    for i, raw in enumerate(inputs["text"].data):
+        try:
+            texts.append(raw.decode("utf-8"))
+        except UnicodeDecodeError:
+            raise ApiError("invalid_request", f"'text[{i}]' is not valid UTF-8",
+                           param="text") from None
+    parsed = EmbedRequest(_texts(texts, "text", request.app[CONFIG].limits), model.spec.name)
+    _, outcome, _ = await _embed(request, parsed, "text")
+    return {"embedding": outcome.vectors}, outcome
+
+
+def _embedding(model: ServedModel) -> Tensors:
+    return Tensors(inputs=(TensorSpec("text", BYTES, (-1,)),),
+                   outputs=(TensorSpec("embedding", "FP32", (-1, model.spec.dim)),),
+                   run=_run_embedding)
+
+
+# task -> its tensors. A cross-encoder ("rerank": query + texts -> FP32 [N] scores) and a
+# classifier ("classification": texts -> FP32 [N, labels]) plug in here.
+TASKS: dict[str, Callable[[ServedModel], Tensors]] = {"embedding": _embedding}
+
+
+def add_routes(app: web.Application) -> None:
+    router = app.router
+    router.add_get("/v2", server_metadata)
+    router.add_get("/v2/health/live", live)
+    router.add_get("/v2/health/ready", ready)
+    model = "/v2/models/{model:.+?}"
+    versioned = model + "/versions/{version:[^/]+}"
+    # Order matters: the first pattern that fits wins, and {model} may hold '/'.
+    for base in (versioned, model):
+        router.add_get(base + "/ready", model_ready)
+        router.add_post(base + "/infer", infer)
+    router.add_get(versioned, model_metadata)
+    router.add_get(model, model_metadata)
+
+
+async def server_metadata(request: web.Request) -> web.Response:
+    return codec.render(request, {"name": "shmserve", "version": shmserve.__version__,
+                                  "extensions": EXTENSIONS})
+
+
+async def live(request: web.Request) -> web.Response:
+    return codec.render(request, {"live": True})
+
+
+async def ready(request: web.Request) -> web.Response:
+    is_ready = request.app[POOL].all_ready
+    return codec.render(request, {"ready": is_ready}, status=200 if is_ready else 400)
+
+
+async def model_ready(request: web.Request) -> web.Response:
+    model = _model(request)
+    is_ready = bool(request.app[POOL].ready_links(model.spec.name))
+    return codec.render(request, {"name": model.spec.name, "ready": is_ready},
+                        status=200 if is_ready else 400)
+
+
+async def model_metadata(request: web.Request) -> web.Response:
+    model = _model(request)
+    spec = _tensors(model)
+    version = _version(request, model)
+    return codec.render(request, {
+        "name": model.spec.name, "versions": [version] if version else [],
+        "platform": "shmserve", "inputs": [t.metadata() for t in spec.inputs],
+        "outputs": [t.metadata() for t in spec.outputs]})
+
+
+async def infer(request: web.Request) -> web.Response:
+    model = _model(request)
+    spec = _tensors(model)
+    header, tail = await _read(request)
+    inputs = _inputs(spec, tensors.read_inputs(header, tail))
+    wanted = tensors.requested_outputs(header, [t.name for t in spec.outputs])
+    request_id = header.get("id")
+    if request_id is not None and not isinstance(request_id, str):
+        raise ApiError("invalid_request", "'id' must be a string", param="id")
+    results, outcome = await spec.run(request, model, inputs)
+    datatypes = {t.name: t.datatype for t in spec.outputs}
+    outputs = [(Tensor(name, datatypes[name], results[name].shape, results[name]), binary)
+               for name, binary in wanted]
+    head = {"model_name": model.spec.name, "model_version": _version(request, model)}
+    if request_id is not None:
+        head["id"] = request_id
+    headers = _stage_headers(request, outcome)
+    if codec.wants_msgpack(request):
+        return codec.render(request, {**head, "outputs": [
+            {"name": t.name, "datatype": t.datatype, "shape": list(t.shape),
+             "data": list(t.data) if t.datatype == BYTES else tensors.raw_bytes(t)}
+            for t, _ in outputs]}, headers=headers)
+    body, header_length = tensors.encode_response(head, outputs)
+    if header_length is None:
+        return web.Response(body=body, content_type=codec.JSON, headers=headers)
+    headers[HEADER_LENGTH] = str(header_length)
+    return web.Response(body=body, content_type="application/octet-stream", headers=headers)
+
+
+def _model(request: web.Request) -> ServedModel:
+    model = request.app[MODELS].resolve(request.match_info["model"])
+    request[MODEL_NAME] = model.spec.name
+    version = request.match_info.get("version")
+    if version is not None and version != _version(request, model):
+        raise ApiError("not_found", f"model {model.spec.name!r} has no version {version!r}; "
+                       f"it serves {_version(request, model) or 'none yet'!r}",
+                       param="model_version", code="model_not_found")
+    return model
+
+
+def _version(request: web.Request, model: ServedModel) -> str:
+    """The revision the workers report, else the configured one ("" until either is known)."""
+    info = request.app[POOL].model_info(model.spec.name)
+    return info.revision if info is not None and info.revision else model.spec.revision
+
+
+def _tensors(model: ServedModel) -> Tensors:
+    build = TASKS.get(model.spec.task)
+    if build is None:
+        raise ApiError("invalid_request", f"model {model.spec.name!r} is a {model.spec.task} "
+                       "model; its KServe tensors are not available yet", param="model",
+                       code="unsupported_task")
+    return build(model)
+
+
+async def _read(request: web.Request) -> tuple[dict, bytes]:
+    raw = await request.read()
+    if not raw:
+        raise ApiError("bad_request", "empty request body")
+    if request.content_type in codec.MSGPACK_TYPES:
+        return tensors.object_of(await codec.read_body(request), "the inference request"), b""
+    # Any other Content-Type is JSON: Triton's clients send none, or octet-stream with binary.
+    return tensors.split_body(raw, request.headers.get(HEADER_LENGTH))
+
+
+def _inputs(spec: Tensors, given: list[Tensor]) -> dict[str, Tensor]:
+    by_name = {t.name: t for t in given}
+    expected = {t.name: t for t in spec.inputs}
+    if set(by_name) != set(expected) or len(given) != len(by_name):
+        raise ApiError("invalid_request", f"inputs must be exactly {sorted(expected)}; got "
+                       f"{[t.name for t in given]}", param="inputs")
+    for name, tensor in by_name.items():
+        want = expected[name]
+        if tensor.datatype != want.datatype:
+            raise ApiError("invalid_request", f"input {name!r} must be {want.datatype}, not "
+                           f"{tensor.datatype}", param="inputs")
+        # A batch of scalars: [N], or [N, 1] as clients with a batch dimension send it.
+        if len(tensor.shape) == 2 and tensor.shape[1] == 1 and len(want.shape) == 1:
+            continue
+        if len(tensor.shape) != len(want.shape) or any(
+                w != -1 and g != w for g, w in zip(tensor.shape, want.shape)):
+            raise ApiError("invalid_request", f"input {name!r} has shape {list(tensor.shape)}; "
+                           f"expected {list(want.shape)} (-1: any size)", param="inputs")
+    return by_name

@@ -1,0 +1,155 @@
+"""Hugging Face text-embeddings-inference (TEI) routes, in TEI's request and response shapes.
+
+    POST /embed     {"inputs": str | [str] | [int] | [[int]], "normalize", "truncate",
+                     "truncation_direction", "dimensions", "prompt_name"} -> [[float]]
+    POST /rerank    {"query", "texts", "raw_scores", "return_text", ...} -> [{"index", "score"}]
+    POST /tokenize  {"inputs": str | [str], "add_special_tokens"} -> [[{"id", "text", "special",
+                     "start", "stop"}]]   (start/stop: byte offsets into the text, as TEI's)
+
+TEI's ``GET /info`` is served with the observability routes. Differences from TEI, on purpose:
+errors keep this server's body (OpenAI's shape, see frontend.errors), not TEI's
+``{"error", "error_type"}``; a body may name a "model" (TEI serves one); ``normalize: false`` is
+refused for a model that normalises inside (its raw vectors never leave the worker); /rerank
+answers 422 until cross-encoders are served (pending the model-management issue).
+In msgpack responses (Accept), /embed vectors are raw little-endian float32 bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+from aiohttp import web
+
+from frontend import codec, vectors
+from frontend.app import CONFIG, MODEL_NAME, MODELS
+from frontend.errors import ApiError
+from frontend.routes import _THREAD_TOKENIZE_CHARS, _embed, _stage_headers
+from frontend.schemas import (EmbedRequest, _mapping, _model, _texts, dimensions,
+                              texts_or_ids)
+from shmserve.config import LimitsConfig
+
+DIRECTIONS = {"right": "right", "Right": "right", "left": "left", "Left": "left"}
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/embed", embed)
+    app.router.add_post("/rerank", rerank)
+    app.router.add_post("/tokenize", tokenize)
+
+
+async def embed(request: web.Request) -> web.Response:
+    body = _mapping(await codec.read_body(request))
+    parsed, normalize = parse_embed(body, request.app[CONFIG].limits)
+    model = request.app[MODELS].resolve(parsed.model)
+    if not normalize and model.spec.normalize:
+        raise ApiError("invalid_request", f"model {model.spec.name!r} normalises its vectors "
+                       "itself; normalize=false cannot be served (models.normalize)",
+                       param="normalize")
+    model, outcome, _ = await _embed(request, parsed, "inputs")
+    rows = outcome.vectors
+    if normalize and not model.spec.normalize:
+        rows = vectors.normalize(rows)
+    return codec.render(request, codec.vectors(rows, codec.wants_msgpack(request)),
+                        headers=_stage_headers(request, outcome))
+
+
+def parse_embed(body: dict, limits: LimitsConfig) -> tuple[EmbedRequest, bool]:
+    if "inputs" not in body:
+        raise ApiError("invalid_request", "'inputs' is required", param="inputs")
+    texts, ids = texts_or_ids(body["inputs"], "inputs", limits)
+    normalize = _flag(body, "normalize", True)
+    _no_prompt(body)
+    truncate, direction = _truncation(body)
+    return EmbedRequest(texts, _model(body), token_ids=ids, dimensions=dimensions(body),
+                        truncate=truncate, truncation_direction=direction), normalize
+
+
+async def rerank(request: web.Request) -> web.Response:
+    body = _mapping(await codec.read_body(request))
+    limits = request.app[CONFIG].limits
+    query = body.get("query")
+    if not isinstance(query, str):
+        raise ApiError("invalid_request", "'query' must be a string", param="query")
+    _texts([query], "query", limits)
+    if "texts" not in body:
+        raise ApiError("invalid_request", "'texts' is required", param="texts")
+    _texts(body["texts"], "texts", limits)
+    _flag(body, "raw_scores", False)
+    _flag(body, "return_text", False)
+    _truncation(body)
+    model = request.app[MODELS].resolve(_model(body))
+    request[MODEL_NAME] = model.spec.name
+    # Cross-encoders come with the model-management issue; their scores plug in here.
+    kind = "an embedding" if model.spec.task == "embedding" else f"a {model.spec.task}"
+    raise ApiError("invalid_request", f"model {model.spec.name!r} is {kind} model; rerank "
+                   "needs a cross-encoder (task rerank), which this server does not serve yet",
+                   param="model", code="unsupported_task")
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    body = _mapping(await codec.read_body(request))
+    if "inputs" not in body:
+        raise ApiError("invalid_request", "'inputs' is required", param="inputs")
+    raw = body["inputs"]
+    texts = _texts([raw] if isinstance(raw, str) else raw, "inputs", request.app[CONFIG].limits)
+    special = _flag(body, "add_special_tokens", True)
+    _no_prompt(body)
+    model = request.app[MODELS].resolve(_model(body))
+    request[MODEL_NAME] = model.spec.name
+
+    def run() -> list[list[dict[str, Any]]]:
+        encodings = model.encoder.tokenize(texts, special)
+        return [_tokens(text, enc) for text, enc in zip(texts, encodings)]
+
+    if sum(map(len, texts)) > _THREAD_TOKENIZE_CHARS:  # as /predict: off the event loop
+        return codec.render(request, await asyncio.get_running_loop().run_in_executor(None, run))
+    return codec.render(request, run())
+
+
+def _tokens(text: str, encoding) -> list[dict[str, Any]]:
+    """TEI's SimpleToken list: special tokens get their token text and no offsets; others the
+    slice of the input they cover, with byte offsets (the tokenizer gives character ones)."""
+    byte_at = np.arange(len(text) + 1)
+    if not text.isascii():  # UTF-8 length of each code point, summed
+        points = np.frombuffer(text.encode("utf-32-le"), "<u4")
+        sizes = 1 + (points >= 0x80) + (points >= 0x800) + (points >= 0x10000)
+        byte_at[1:] = np.cumsum(sizes)
+    out = []
+    for tid, token, (start, stop), special in zip(encoding.ids, encoding.tokens,
+                                                   encoding.offsets,
+                                                   encoding.special_tokens_mask):
+        if special:
+            out.append({"id": tid, "text": token, "special": True, "start": None,
+                        "stop": None})
+        else:
+            out.append({"id": tid, "text": text[start:stop], "special": False,
+                        "start": int(byte_at[start]), "stop": int(byte_at[stop])})
+    return out
+
+
+def _flag(body: dict, key: str, default: bool) -> bool:
+    value = body.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ApiError("invalid_request", f"'{key}' must be a boolean", param=key)
+    return value
+
+
+def _truncation(body: dict) -> tuple[bool | None, str]:
+    truncate = body.get("truncate")
+    if truncate is not None and not isinstance(truncate, bool):
+        raise ApiError("invalid_request", "'truncate' must be a boolean", param="truncate")
+    direction = body.get("truncation_direction") or "right"
+    if direction not in DIRECTIONS:
+        raise ApiError("invalid_request", "'truncation_direction' must be 'Right' or 'Left'",
+                       param="truncation_direction")
+    return truncate, DIRECTIONS[direction]
+
+
+def _no_prompt(body: dict) -> None:
+    if body.get("prompt_name") is not None:
+        raise ApiError("invalid_request", "this server has no prompts configured; send "
+                       "'prompt_name' null", param="prompt_name")

@@ -1,0 +1,107 @@
+"""Prometheus metrics of a worker process, observed by the model thread once per batch.
+
+Nothing here runs per request: the frontends observe each request's stages from its Result.
+Gauges are written by one worker each (label ``worker``) in "livemostrecent" mode: a restarted
+worker's first value wins at once, and `shmserve.reaper` removes the dead process's files.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+from shmserve import metrics as shared
+
+_WM = ["worker", "model"]
+
+BATCH_REQUESTS = Histogram("shmserve_batch_requests", "Requests with texts in a batch", _WM,
+                           buckets=shared.COUNT_BUCKETS)
+BATCH_TEXTS = Histogram("shmserve_batch_texts", "Texts in a batch", _WM,
+                        buckets=shared.COUNT_BUCKETS)
+BATCH_TOKENS = Histogram("shmserve_batch_tokens", "Real (unpadded) tokens in a batch", _WM,
+                         buckets=shared.TOKEN_BUCKETS)
+BATCH_PADDING = Histogram("shmserve_batch_padding_ratio", "Padded tokens / real tokens of a "
+                          "batch (1: no padding)", _WM, buckets=shared.RATIO_BUCKETS)
+PADDED_TOKENS = Counter("shmserve_batch_padded_tokens_total",
+                        "Tokens the forwards computed, padding included", _WM)
+FORWARD = Histogram("shmserve_batch_forward_seconds", "Time of one forward pass, outputs on "
+                    "the host", _WM, buckets=shared.LATENCY_BUCKETS)
+QUEUE_DEPTH = Gauge("shmserve_worker_queue_depth", "Texts admitted and not yet answered",
+                    ["worker"], multiprocess_mode="livemostrecent")
+READY = Gauge("shmserve_worker_ready", "1 while the worker serves, 0 while loading or draining",
+              ["worker"], multiprocess_mode="livemostrecent")
+MODEL_INFO = Gauge("shmserve_model_info", "1 for each model a worker serves; the labels say "
+                   "which weights (revision: a digest of them, or the configured one)",
+                   ["worker", "model", "revision", "dtype", "device"],
+                   multiprocess_mode="livemostrecent")
+DEVICE_ALLOCATED = Gauge("shmserve_worker_device_allocated_bytes",
+                         "Device memory held by tensors", ["worker"],
+                         multiprocess_mode="livemostrecent")
+DEVICE_RESERVED = Gauge("shmserve_worker_device_reserved_bytes",
+                        "Device memory held by the caching allocator", ["worker"],
+                        multiprocess_mode="livemostrecent")
+DEVICE_PEAK = Gauge("shmserve_worker_device_peak_allocated_bytes",
+                    "Most device memory held by tensors since the worker started", ["worker"],
+                    multiprocess_mode="livemostrecent")
+FRAGMENTATION = Gauge("shmserve_worker_device_fragmentation_ratio",
+                      "(reserved - allocated) / reserved device memory at the last check",
+                      ["worker"], multiprocess_mode="livemostrecent")
+EMPTY_CACHE = Counter("shmserve_worker_empty_cache_total",
+                      "torch.cuda.empty_cache() calls made because fragmentation passed "
+                      "workers.empty_cache_threshold", ["worker"])
+
+# Written only by workers on a GPU: a CPU deployment does not expose them.
+DEVICE_ONLY = ("shmserve_worker_device_allocated_bytes", "shmserve_worker_device_reserved_bytes",
+               "shmserve_worker_device_peak_allocated_bytes",
+               "shmserve_worker_device_fragmentation_ratio")
+
+
+class WorkerMetrics:
+    """One worker's series, with the labelled children looked up once, not per batch."""
+
+    def __init__(self, worker: int) -> None:
+        self.worker = str(worker)
+        self._batch: dict[str, tuple] = {}
+        self._queue = QUEUE_DEPTH.labels(self.worker)
+        self._ready = READY.labels(self.worker)
+        self.empty_cache = EMPTY_CACHE.labels(self.worker)  # exposed at 0 from the start
+
+    def set_ready(self, ready: bool) -> None:
+        self._ready.set(1 if ready else 0)
+
+    def set_queue_depth(self, texts: int) -> None:
+        self._queue.set(texts)
+
+    def model_loaded(self, model: str, revision: str, dtype: str, device: str) -> None:
+        MODEL_INFO.labels(self.worker, model, revision, dtype, device).set(1)
+        self._children(model)  # its batch series exist, at zero, before the first batch
+
+    def model_switched(self, model: str, old_revision: str, revision: str, dtype: str,
+                       device: str) -> None:
+        """A hot reload replaced the weights: the old revision's info series drops to 0."""
+        MODEL_INFO.labels(self.worker, model, old_revision, dtype, device).set(0)
+        MODEL_INFO.labels(self.worker, model, revision, dtype, device).set(1)
+
+    def _children(self, model: str) -> tuple:
+        children = self._batch.get(model)
+        if children is None:
+            children = self._batch[model] = tuple(
+                m.labels(self.worker, model) for m in (BATCH_REQUESTS, BATCH_TEXTS, BATCH_TOKENS,
+                                                       BATCH_PADDING, PADDED_TOKENS, FORWARD))
+        return children
+
+    def batch(self, model: str, requests: int, texts: int, real_tokens: int, padded_tokens: int,
+              forward_s: float) -> None:
+        requests_h, texts_h, tokens_h, padding_h, padded_c, forward_h = self._children(model)
+        requests_h.observe(requests)
+        texts_h.observe(texts)
+        tokens_h.observe(real_tokens)
+        padding_h.observe(padded_tokens / max(real_tokens, 1))
+        padded_c.inc(padded_tokens)
+        forward_h.observe(forward_s)
+
+    def device_memory(self, allocated: int, reserved: int, peak: int,
+                      fragmentation: float) -> None:
+        DEVICE_ALLOCATED.labels(self.worker).set(allocated)
+        DEVICE_RESERVED.labels(self.worker).set(reserved)
+        DEVICE_PEAK.labels(self.worker).set(peak)
+        FRAGMENTATION.labels(self.worker).set(fragmentation)

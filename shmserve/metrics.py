@@ -1,0 +1,137 @@
+"""Prometheus plumbing every process shares: buckets, a bulk observe, the scrape-time registry,
+and the bookkeeping for processes that exit.
+
+The metrics themselves live beside the code that observes them (`frontend.metrics`,
+`gpu_workers.metrics`); all names start with ``shmserve_``.
+
+Multiprocess mode (prometheus_client): supervisord sets PROMETHEUS_MULTIPROC_DIR for every
+program and `shmserve up` empties it. Each process writes its values into files named after its
+pid; a scrape (any frontend's GET /metrics) sums them:
+  * counters and histograms of exited processes stay: what they counted happened, so totals
+    survive restarts and nothing is counted twice (a restarted process has a new pid, new files);
+  * gauges are "live" and their files are removed when their process exits (`mark_dead`, run by
+    `shmserve.reaper` on supervisord's process events), so a killed worker's queue depth or
+    in-flight count never lingers nor adds to its successor's.
+Resident memory is not written by anyone: it is read at scrape time for every process
+supervisord runs (`shmserve.processes`), so it covers nginx and supervisord too.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Callable, Iterable, Mapping
+
+import numpy as np
+import psutil
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import multiprocess
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+# Seconds, as Prometheus prefers, from 0.1 ms (tokenizing a short text) to 30 s.
+LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02,
+                   0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0, 30.0)
+COUNT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+TOKEN_BUCKETS = (4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
+RATIO_BUCKETS = (1.0, 1.05, 1.1, 1.2, 1.3, 1.5, 1.75, 2.0, 3.0, 5.0, 10.0)
+
+_LIVE_GAUGE_FILE = re.compile(r"^gauge_live[a-z]*_(\d+)\.db$")
+
+
+def observe_many(histogram, values: np.ndarray) -> None:
+    """Observe every value of `values` in one labelled histogram child, in a few file writes.
+
+    prometheus_client has no bulk observe; one `observe` per value costs a lock and two mmap
+    writes each, which adds up for hundreds of texts. This increments each bucket once by its
+    count (the same buckets `observe` would pick: the first upper bound >= value) and the sum
+    once. tests/unit/test_metrics.py checks it against `observe` on this prometheus_client.
+    """
+    values = np.asarray(values, dtype=np.float64).ravel()
+    if values.size == 0:
+        return
+    bounds = np.asarray(histogram._upper_bounds, dtype=np.float64)
+    counts = np.bincount(np.searchsorted(bounds, values, side="left"), minlength=bounds.size)
+    for bucket, count in zip(histogram._buckets, counts.tolist()):
+        if count:
+            bucket.inc(count)
+    histogram._sum.inc(float(values.sum()))
+
+
+def multiproc_dir() -> Path | None:
+    path = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    return Path(path) if path else None
+
+
+def registry(extra: Iterable[Collector] = ()) -> CollectorRegistry:
+    """What a scrape reads: every process's files (multiprocess mode), else this process's own
+    metrics (a frontend run by hand, a test), plus `extra` collectors."""
+    directory = multiproc_dir()
+    if directory is not None:
+        reg = CollectorRegistry()
+        multiprocess.MultiProcessCollector(reg, path=str(directory))
+    else:
+        from prometheus_client import REGISTRY
+
+        reg = CollectorRegistry()
+        reg.register(_Delegate(REGISTRY))
+    for collector in extra:
+        reg.register(collector)
+    return reg
+
+
+def exposition(extra: Iterable[Collector] = ()) -> tuple[bytes, str]:
+    return generate_latest(registry(extra)), CONTENT_TYPE_LATEST
+
+
+class ResidentMemory(Collector):
+    """``shmserve_process_resident_memory_bytes{program}``, read when scraped.
+
+    `read` returns program -> bytes (children included: nginx's workers count as nginx)."""
+
+    def __init__(self, read: Callable[[], Mapping[str, int]]) -> None:
+        self._read = read
+
+    def collect(self):
+        family = GaugeMetricFamily("shmserve_process_resident_memory_bytes",
+                                   "Resident memory of each process supervisord runs, with its "
+                                   "children, read at scrape time", labels=["program"])
+        for program, rss in sorted(self._read().items()):
+            family.add_metric([program], float(rss))
+        yield family
+
+
+class _Delegate(Collector):
+    """Lets a fresh registry serve the default one's metrics without re-registering them."""
+
+    def __init__(self, source) -> None:
+        self._source = source
+
+    def collect(self):
+        return self._source.collect()
+
+
+def mark_dead(directory: Path, pids: Iterable[int] = ()) -> list[int]:
+    """Remove the live-gauge files of `pids` and of every other process that no longer runs.
+
+    Returns the dead pids. Counter and histogram files are kept (see the module docstring)."""
+    candidates = set(pids)
+    for path in directory.glob("gauge_live*_*.db"):
+        match = _LIVE_GAUGE_FILE.match(path.name)
+        if match:
+            candidates.add(int(match.group(1)))
+    dead = sorted(pid for pid in candidates if not alive(pid))
+    for pid in dead:
+        multiprocess.mark_process_dead(pid, str(directory))
+    return dead
+
+
+def alive(pid: int) -> bool:
+    """True while pid runs; a zombie (exited, not yet reaped) is dead."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.AccessDenied:
+        return True

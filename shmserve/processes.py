@@ -1,0 +1,60 @@
+"""The deployment's processes as supervisord sees them, and the memory each one holds.
+
+Read over supervisord's XML-RPC unix socket, so any process of the deployment (the CLI, a
+frontend answering a scrape) can ask without being supervisord's parent or child.
+"""
+
+from __future__ import annotations
+
+import xmlrpc.client
+
+import psutil
+
+from shmserve import render
+from shmserve.config import Config
+
+
+def info(cfg: Config) -> list[dict]:
+    """supervisord's view of every process, over its XML-RPC socket ([] when unreachable)."""
+    from supervisor.xmlrpc import SupervisorTransport
+
+    transport = SupervisorTransport(None, None, f"unix://{render.supervisor_socket(cfg)}")
+    try:
+        with xmlrpc.client.ServerProxy("http://localhost", transport) as proxy:
+            return proxy.supervisor.getAllProcessInfo()
+    except (OSError, xmlrpc.client.Error):
+        return []
+
+
+def resident(cfg: Config, infos: list[dict] | None = None) -> dict[str, int]:
+    """Resident bytes per program (its process and their children: nginx's workers count as
+    nginx), plus supervisord's own; programs that are not running are left out."""
+    infos = info(cfg) if infos is None else infos
+    out: dict[str, int] = {}
+    try:
+        supervisord = int(render.supervisord_pidfile(cfg).read_text().strip())
+        out["supervisord"] = psutil.Process(supervisord).memory_info().rss
+    except (OSError, ValueError, psutil.Error):
+        pass
+    for proc in infos:
+        if proc.get("pid"):
+            rss = tree_rss(proc["pid"])
+            if rss is not None:
+                out[proc["name"]] = rss
+    return out
+
+
+def tree_rss(pid: int) -> int | None:
+    """Resident bytes of a process and all its descendants; None when it is gone."""
+    try:
+        root = psutil.Process(pid)
+        total = root.memory_info().rss
+        children = root.children(recursive=True)
+    except psutil.Error:
+        return None
+    for child in children:
+        try:
+            total += child.memory_info().rss
+        except psutil.Error:
+            continue  # exited meanwhile
+    return total

@@ -1,0 +1,70 @@
+"""``python -m shmserve.reaper``: supervisord's event listener that forgets exited processes'
+live gauges (prometheus_client's `mark_process_dead`), so a killed worker's queue depth or a
+killed frontend's in-flight count never lingers in GET /metrics.
+
+supervisord runs it as ``[eventlistener:reaper]`` for the PROCESS_STATE_EXITED, _STOPPED,
+_BACKOFF and _FATAL events. EXITED and STOPPED name the pid; BACKOFF (a process that died while
+starting) does not, so every event also sweeps the metrics directory for files of processes that
+no longer run (`shmserve.metrics.mark_dead`); it sweeps once when it starts too, for what died
+while it was not listening.
+
+The listener protocol owns stdout; this process logs to stderr (its supervisord log file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import TextIO
+
+from shmserve import config, logs, metrics
+
+log = logging.getLogger("shmserve.reaper")
+
+
+def handle(event: str, payload: str) -> list[int]:
+    """Mark dead what `event` reports, and whatever else died; returns the pids marked."""
+    directory = metrics.multiproc_dir()
+    if directory is None or not directory.is_dir():
+        return []
+    fields = dict(token.split(":", 1) for token in payload.split() if ":" in token)
+    pids = [int(fields["pid"])] if fields.get("pid", "").isdigit() else []
+    dead = metrics.mark_dead(directory, pids)
+    if dead:
+        log.info("reaper.marked_dead", extra={"fields": {
+            "event": event, "program": fields.get("processname"), "pids": dead}})
+    return dead
+
+
+def serve(stdin: TextIO, stdout: TextIO) -> None:
+    from supervisor.childutils import get_headers, listener
+
+    while True:
+        listener.ready(stdout)
+        line = stdin.readline()
+        if not line:
+            return  # supervisord is gone
+        headers = get_headers(line)
+        payload = stdin.read(int(headers["len"]))
+        try:
+            handle(headers.get("eventname", ""), payload)
+        except Exception:  # noqa: BLE001 - one bad event must not stop the listener
+            log.exception("reaper.failed")
+        listener.ok(stdout)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="shmserve.reaper")
+    parser.add_argument("--config", required=True, help="the resolved config.json in the run dir")
+    args = parser.parse_args()
+    cfg = config.load_resolved(args.config)
+    logs.configure(cfg.logging, "reaper", sys.stderr)  # stdout speaks to supervisord
+    log.info("reaper.started", extra={"fields": {"dir": str(metrics.multiproc_dir())}})
+    handle("STARTED", "")  # what died while no reaper listened (its own restart)
+    serve(sys.stdin, sys.stdout)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,170 @@
+"""``shmserve status``: what the running server says about itself, as a few tables.
+
+Each process's supervisord state, pid, uptime and resident memory; per worker its readiness,
+queue depth, recent throughput, batch shape and memory. Everything is read from outside, as a
+user would: supervisord's XML-RPC socket, then GET /ready and GET /metrics through nginx. Rates
+are differences between two samples (one second apart, or the --watch interval).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Callable, TextIO
+
+from prometheus_client.parser import text_string_to_metric_families
+
+Fetch = Callable[[str], tuple[int | None, bytes]]
+Labels = frozenset[tuple[str, str]]
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    at: float  # monotonic seconds
+    processes: list[dict]  # supervisord's getAllProcessInfo
+    ready_code: int | None
+    ready: dict  # GET /ready's body ({} when it did not answer)
+    metrics: dict[str, dict[Labels, float]] = field(default_factory=dict)  # sample name ->
+
+    def total(self, name: str, **labels: str) -> float | None:
+        """The sum of the samples of `name` whose labels include `labels`; None if none."""
+        found = [v for k, v in self.metrics.get(name, {}).items() if set(labels.items()) <= k]
+        return sum(found) if found else None
+
+
+def take(base_url: str, fetch: Fetch, processes: Callable[[], list[dict]]) -> Sample:
+    procs = processes()
+    code, body = fetch(f"{base_url}/ready")
+    try:
+        ready = json.loads(body) if body else {}
+    except ValueError:
+        ready = {}
+    mcode, mbody = fetch(f"{base_url}/metrics")
+    return Sample(time.monotonic(), procs, code, ready if isinstance(ready, dict) else {},
+                  parse_metrics(mbody.decode(errors="replace")) if mcode == 200 else {})
+
+
+def parse_metrics(text: str) -> dict[str, dict[Labels, float]]:
+    out: dict[str, dict[Labels, float]] = defaultdict(dict)
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[s.name][frozenset(s.labels.items())] = s.value
+    return dict(out)
+
+
+def render(cur: Sample, prev: Sample | None, title: str) -> str:
+    state = {200: "ready", 503: "not ready"}.get(cur.ready_code, "no answer from nginx")
+    lines = [f"{title}: {state}", ""]
+    lines += _table(["PROGRAM", "STATE", "PID", "UPTIME", "RSS"], _process_rows(cur))
+    lines.append("")
+    lines += _table(["WORKER", "DEVICE", "READY", "QUEUE", "TEXTS/S", "BATCHES/S", "TEXTS/BATCH",
+                     "PADDING", "DEV ALLOC", "DEV RESERVED", "FRAG", "RSS"],
+                    _worker_rows(cur, prev))
+    if prev is not None:
+        requests = _rate(cur, prev, "shmserve_stage_duration_seconds_count", stage="total")
+        lines += ["", f"embedding requests/s: {_num(requests)} (over the last "
+                      f"{cur.at - prev.at:.1f} s)"]
+    return "\n".join(lines)
+
+
+def _process_rows(cur: Sample) -> list[list[str]]:
+    rows = []
+    for p in sorted(cur.processes, key=lambda p: p["name"]):
+        up = p["now"] - p["start"] if p.get("pid") and p.get("start") else None
+        rss = cur.total("shmserve_process_resident_memory_bytes", program=p["name"])
+        rows.append([p["name"], p["statename"], str(p.get("pid") or "-"), _duration(up),
+                     _bytes(rss)])
+    rss = cur.total("shmserve_process_resident_memory_bytes", program="supervisord")
+    if rss is not None:
+        rows.append(["supervisord", "RUNNING", "-", "-", _bytes(rss)])
+    return rows
+
+
+def _worker_rows(cur: Sample, prev: Sample | None) -> list[list[str]]:
+    rows = []
+    for w in cur.ready.get("workers", []):
+        i = str(w.get("worker"))
+        queue = cur.total("shmserve_worker_queue_depth", worker=i)
+        texts = _rate(cur, prev, "shmserve_batch_texts_sum", worker=i)
+        batches = _rate(cur, prev, "shmserve_batch_texts_count", worker=i)
+        real = _delta(cur, prev, "shmserve_batch_tokens_sum", worker=i)
+        padded = _delta(cur, prev, "shmserve_batch_padded_tokens_total", worker=i)
+        rows.append([
+            i, str(w.get("device") or "-"),
+            "yes" if w.get("ready") else ("loading" if w.get("alive") else "no"),
+            _num(queue if queue is not None else w.get("queued_texts"), 0),
+            _num(texts), _num(batches),
+            _num(texts / batches if texts is not None and batches else None),
+            _num(padded / real if real and padded is not None else None, 2),
+            _bytes(cur.total("shmserve_worker_device_allocated_bytes", worker=i)),
+            _bytes(cur.total("shmserve_worker_device_reserved_bytes", worker=i)),
+            _num(cur.total("shmserve_worker_device_fragmentation_ratio", worker=i), 2),
+            _bytes(cur.total("shmserve_process_resident_memory_bytes", program=f"worker-{i}")),
+        ])
+    return rows
+
+
+def _delta(cur: Sample, prev: Sample | None, name: str, **labels: str) -> float | None:
+    if prev is None:
+        return None
+    now, before = cur.total(name, **labels), prev.total(name, **labels)
+    if now is None:
+        return None
+    return max(0.0, now - (before or 0.0))  # a reset (restart) reads as no progress
+
+
+def _rate(cur: Sample, prev: Sample | None, name: str, **labels: str) -> float | None:
+    delta = _delta(cur, prev, name, **labels)
+    return None if delta is None or cur.at <= prev.at else delta / (cur.at - prev.at)
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header, *rows]]
+
+
+def _num(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _bytes(value: float | None) -> str:
+    if value is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return "-"  # not reached
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    seconds = int(seconds)
+    days, rest = divmod(seconds, 86400)
+    text = f"{rest // 3600}:{rest % 3600 // 60:02d}:{rest % 60:02d}"
+    return f"{days}d {text}" if days else text
+
+
+def run(take_sample: Callable[[], Sample], title: str, out: TextIO, watch: float | None,
+        count: int | None, first_gap: float = 1.0) -> Sample:
+    """Print one table (two samples `first_gap` apart, for rates), or with `watch` refresh
+    every `watch` seconds until `count` frames (None: until interrupted). Returns the last."""
+    prev = take_sample()
+    time.sleep(first_gap if watch is None else min(first_gap, watch))
+    frames = 0
+    while True:
+        cur = take_sample()
+        if watch is not None and out.isatty():
+            out.write("\x1b[H\x1b[2J")  # clear the screen: a live view
+        elif frames:
+            out.write("\n")
+        out.write(render(cur, prev, title) + "\n")
+        out.flush()
+        frames += 1
+        if watch is None or (count is not None and frames >= count):
+            return cur
+        prev = cur
+        time.sleep(watch)

@@ -1,0 +1,71 @@
+"""deploy/grafana: the dashboard's shape and the example scrape config, without a stack.
+
+That every metric name it uses is one the server exposes is checked against a live stack in
+tests/e2e/test_observability.py."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import yaml
+
+from frontend import metrics as frontend_metrics
+from gpu_workers import metrics as worker_metrics
+from shmserve.config import REPO_ROOT
+
+GRAFANA = REPO_ROOT / "deploy" / "grafana"
+
+
+def dashboard() -> dict:
+    return json.loads((GRAFANA / "shmserve.json").read_text())
+
+
+def declared_samples() -> set[str]:
+    """Every sample name the code declares (what a scrape can show)."""
+    names = {"shmserve_process_resident_memory_bytes"}  # read at scrape time
+    for module in (frontend_metrics, worker_metrics):
+        for value in vars(module).values():
+            if hasattr(value, "_type") and hasattr(value, "_name"):
+                base = value._name
+                names |= {"counter": {f"{base}_total"}, "gauge": {base},
+                          "histogram": {f"{base}_bucket", f"{base}_sum", f"{base}_count"}}[
+                    value._type]
+    return names
+
+
+def test_every_panel_queries_prometheus_with_unique_ids():
+    dash = dashboard()
+    assert dash["uid"] == "shmserve" and dash["title"] == "shmserve"
+    panels = [p for p in dash["panels"] if p["type"] != "row"]
+    ids = [p["id"] for p in dash["panels"]]
+    assert len(ids) == len(set(ids))
+    for panel in panels:
+        assert panel["datasource"]["type"] == "prometheus", panel["title"]
+        assert panel["targets"], panel["title"]
+        for target in panel["targets"]:
+            assert target["expr"].count("(") == target["expr"].count(")"), target["expr"]
+
+
+def test_the_dashboard_covers_what_operators_ask():
+    text = json.dumps(dashboard())
+    titles = " ".join(p["title"].lower() for p in dashboard()["panels"])
+    for topic in ("throughput", "p50", "p99", "stage", "batch size", "padding", "queue depth",
+                  "memory"):
+        assert topic in titles, topic
+    for name in ("shmserve_worker_device_fragmentation_ratio", "shmserve_worker_ready",
+                 "shmserve_stage_duration_seconds_bucket"):
+        assert name in text
+
+
+def test_the_dashboard_uses_only_declared_metrics():
+    exprs = [t["expr"] for p in dashboard()["panels"] for t in p.get("targets", [])]
+    used = {n for e in exprs for n in re.findall(r"\bshmserve_[a-z0-9_]+", e)}
+    assert used <= declared_samples(), sorted(used - declared_samples())
+
+
+def test_the_scrape_config_targets_nginx_metrics():
+    cfg = yaml.safe_load((GRAFANA / "prometheus.yml").read_text())
+    (job,) = cfg["scrape_configs"]
+    assert job["metrics_path"] == "/metrics"
+    assert job["static_configs"][0]["targets"] == ["127.0.0.1:8080"]

@@ -1,0 +1,57 @@
+"""shmserve.client against the real stack: sync and async, msgpack and JSON, typed errors."""
+
+import numpy as np
+import pytest
+
+from shmserve.client import AsyncClient, Client, ShmserveError
+from tests.e2e.test_api import TEXTS
+
+
+@pytest.fixture(scope="module")
+def native(tiny_stack):
+    status, _, body = tiny_stack.post_json("/predict", {"texts": TEXTS})
+    assert status == 200
+    return np.array(body["results"], dtype=np.float32)
+
+
+@pytest.mark.parametrize("fmt", ["msgpack", "json"])
+def test_sync_client(tiny_stack, native, fmt):
+    with Client(tiny_stack.url, format=fmt, timeout=20) as client:
+        got = client.embed(TEXTS)
+        assert got.dtype == np.float32 and got.shape == (4, 32)
+        np.testing.assert_allclose(got, native, rtol=0, atol=1e-6)
+        one = client.embed(TEXTS[0], model="tiny-alias")
+        assert one.shape == (32,)
+        np.testing.assert_allclose(one, native[0], rtol=0, atol=1e-6)
+        assert client.models() == ["tiny"] and client.ready()
+        for _ in range(3):  # one keep-alive connection serves them all
+            client.embed(TEXTS[:1])
+
+
+@pytest.mark.parametrize("fmt", ["msgpack", "json"])
+async def test_async_client(tiny_stack, native, fmt):
+    async with AsyncClient(tiny_stack.url, format=fmt, model="tiny") as client:
+        got = await client.embed(TEXTS)
+        np.testing.assert_allclose(got, native, rtol=0, atol=1e-6)
+        assert (await client.embed("hello")).shape == (32,)
+        assert await client.models() == ["tiny"] and await client.ready()
+
+
+@pytest.mark.parametrize("fmt", ["msgpack", "json"])
+def test_errors_carry_status_and_body(tiny_stack, fmt):
+    with Client(tiny_stack.url, format=fmt) as client:
+        with pytest.raises(ShmserveError) as info:
+            client.embed(["x"], model="gpt-9")
+        err = info.value
+        assert err.status == 404 and err.code == "model_not_found" and err.param == "model"
+        assert err.body["error"]["type"] == "not_found" == err.type
+        with pytest.raises(ShmserveError) as info:
+            client.embed([])
+        assert info.value.status == 422 and info.value.param == "texts"
+
+
+async def test_async_errors_carry_status_and_body(tiny_stack):
+    async with AsyncClient(tiny_stack.url) as client:
+        with pytest.raises(ShmserveError) as info:
+            await client.embed(["word " * 200])
+        assert info.value.status == 413 and info.value.type == "too_large"

@@ -1,0 +1,132 @@
+"""KServe v2 through nginx with Triton's own HTTP client, and its bodies by hand."""
+
+import json
+import struct
+
+import msgpack
+import numpy as np
+import pytest
+import tritonclient.http as triton
+from tritonclient.utils import InferenceServerException
+
+from tests.e2e.test_api import TEXTS
+
+
+@pytest.fixture(scope="module")
+def client(tiny_stack):
+    with triton.InferenceServerClient(tiny_stack.url.removeprefix("http://")) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def native(tiny_stack):
+    status, _, body = tiny_stack.post_json("/predict", {"texts": TEXTS})
+    assert status == 200
+    return np.array(body["results"], dtype=np.float32)
+
+
+def text_input(texts, binary, shape=None):
+    tensor = triton.InferInput("text", shape or [len(texts)], "BYTES")
+    data = np.array([t.encode() for t in texts], dtype=np.object_)
+    tensor.set_data_from_numpy(data.reshape(shape or [len(texts)]), binary_data=binary)
+    return tensor
+
+
+def test_health_and_metadata(client):
+    assert client.is_server_live() and client.is_server_ready()
+    assert client.is_model_ready("tiny") and client.is_model_ready("tiny-alias")
+    assert client.is_model_ready("tiny", model_version="tiny-r1")
+    assert not client.is_model_ready("nope")
+    assert not client.is_model_ready("tiny", model_version="2")
+    server = client.get_server_metadata()
+    assert server["name"] == "shmserve" and "binary_tensor_data" in server["extensions"]
+    meta = client.get_model_metadata("tiny-alias")
+    assert meta == {"name": "tiny", "versions": ["tiny-r1"], "platform": "shmserve",
+                    "inputs": [{"name": "text", "datatype": "BYTES", "shape": [-1]}],
+                    "outputs": [{"name": "embedding", "datatype": "FP32", "shape": [-1, 32]}]}
+    assert client.get_model_metadata("tiny", model_version="tiny-r1")["name"] == "tiny"
+
+
+@pytest.mark.parametrize("binary_in", [True, False])
+@pytest.mark.parametrize("binary_out", [True, False])
+def test_infer_equals_the_native_api(client, native, binary_in, binary_out):
+    result = client.infer("tiny", [text_input(TEXTS, binary_in)],
+                          outputs=[triton.InferRequestedOutput("embedding",
+                                                               binary_data=binary_out)],
+                          request_id="kserve-1")
+    got = result.as_numpy("embedding")
+    assert got.dtype == np.float32 and got.shape == (4, 32)
+    np.testing.assert_allclose(got, native, rtol=0, atol=1e-6)
+    response = result.get_response()
+    assert response["model_name"] == "tiny" and response["model_version"] == "tiny-r1"
+    assert response["id"] == "kserve-1"
+    assert ("parameters" in response["outputs"][0]) == binary_out
+
+
+def test_infer_without_outputs_gets_binary_and_batch_dimension_is_accepted(client, native):
+    # No outputs named: the client asks binary_data_output for all of them.
+    result = client.infer("tiny", [text_input(TEXTS, True, shape=[4, 1])],
+                          model_version="tiny-r1")
+    np.testing.assert_allclose(result.as_numpy("embedding"), native, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("name,datatype,model,status,needle", [
+    ("texts", "BYTES", "tiny", "422", "inputs must be exactly"),
+    ("text", "FP32", "tiny", "422", "must be BYTES"),
+    ("text", "BYTES", "nope", "404", "not served"),
+])
+def test_infer_errors_reach_the_client(client, name, datatype, model, status, needle):
+    tensor = triton.InferInput(name, [1], datatype)
+    tensor.set_data_from_numpy(np.array([b"x"] if datatype == "BYTES" else [1.0],
+                                        dtype=np.object_ if datatype == "BYTES" else np.float32))
+    with pytest.raises(InferenceServerException) as info:
+        client.infer(model, [tensor])
+    assert info.value.status() == status and needle in str(info.value.message())
+
+
+def test_wrong_version_is_404(client):
+    with pytest.raises(InferenceServerException) as info:
+        client.infer("tiny", [text_input(["x"], True)], model_version="7")
+    assert info.value.status() == "404"
+
+
+def test_binary_request_by_hand(tiny_stack, native):
+    elements = b"".join(struct.pack("<I", len(t.encode())) + t.encode() for t in TEXTS)
+    header = json.dumps({"inputs": [{"name": "text", "datatype": "BYTES", "shape": [4],
+                                     "parameters": {"binary_data_size": len(elements)}}],
+                         "outputs": [{"name": "embedding",
+                                      "parameters": {"binary_data": True}}]}).encode()
+    status, headers, raw = tiny_stack.request(
+        "POST", "/v2/models/tiny/infer", header + elements,
+        {"Inference-Header-Content-Length": str(len(header)),
+         "Content-Type": "application/octet-stream"})
+    assert status == 200, raw
+    n = int(headers["Inference-Header-Content-Length"])
+    assert headers["Content-Type"].startswith("application/octet-stream")
+    out = json.loads(raw[:n])["outputs"][0]
+    assert out["parameters"]["binary_data_size"] == len(raw) - n == 4 * 32 * 4
+    np.testing.assert_allclose(np.frombuffer(raw[n:], "<f4").reshape(4, 32), native, atol=1e-6)
+    assert headers["X-Model-Revision"] == "tiny-r1"
+
+
+def test_msgpack_both_ways(tiny_stack, native):
+    body = msgpack.packb({"inputs": [{"name": "text", "datatype": "BYTES", "shape": [4],
+                                      "data": TEXTS}]})
+    status, headers, raw = tiny_stack.request(
+        "POST", "/v2/models/tiny/infer", body,
+        {"Content-Type": "application/msgpack", "Accept": "application/msgpack"})
+    assert status == 200, raw
+    out = msgpack.unpackb(raw)["outputs"][0]
+    assert out["shape"] == [4, 32] and out["datatype"] == "FP32"
+    np.testing.assert_allclose(np.frombuffer(out["data"], "<f4").reshape(4, 32), native,
+                               atol=1e-6)
+
+
+def test_model_names_with_a_slash(client, tiny_stack, native):
+    # Triton's client sends the name unescaped: /v2/models/test-org/tiny/...
+    assert client.is_model_ready("test-org/tiny")
+    assert client.get_model_metadata("test-org/tiny", model_version="tiny-r1")["name"] == "tiny"
+    result = client.infer("test-org/tiny", [text_input(TEXTS, True)])
+    np.testing.assert_allclose(result.as_numpy("embedding"), native, rtol=0, atol=1e-6)
+    status, _, raw = tiny_stack.get("/v2/models/other-org/tiny")
+    assert status == 404 and json.loads(raw)["error"]["code"] == "model_not_found"

@@ -1,0 +1,316 @@
+"""Observability from the outside, on a real stack of two frontends and one CPU worker: metrics
+that add up exactly to a known workload, stage headers, request ids in every process's log,
+GET /info, the Grafana dashboard against the live exposition, `shmserve status`, and what a
+killed process leaves behind (nothing live)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import aiohttp
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from gpu_workers.metrics import DEVICE_ONLY
+from shmserve.config import REPO_ROOT
+from tests.conftest import tiny_overrides
+from tests.stack import Stack
+
+STAGES = ("tokenize", "queue", "inference", "transfer", "total")
+SECRET = "never-log-this-sentence-7f3a"
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, tiny_model):
+    stack = Stack(tmp_path_factory.mktemp("obs-stack"),
+                  tiny_overrides(tiny_model, frontends={"count": 2}))
+    stack.up()
+    yield stack
+    stack.down()
+
+
+def scrape(stack: Stack) -> dict[str, list[tuple[dict, float]]]:
+    status, _, raw = stack.get("/metrics")
+    assert status == 200
+    out: dict[str, list[tuple[dict, float]]] = {}
+    for family in text_string_to_metric_families(raw.decode()):  # prometheus_client's parser
+        for s in family.samples:
+            out.setdefault(s.name, []).append((s.labels, s.value))
+    return out
+
+
+def total(samples, name: str, **labels: str) -> float:
+    return sum(v for l, v in samples.get(name, []) if labels.items() <= l.items())
+
+
+def log_lines(stack: Stack, program: str) -> list[dict]:
+    lines = []
+    for line in stack.log(program).splitlines():
+        try:
+            lines.append(json.loads(line))
+        except ValueError:  # a non-JSON line (nginx's own), or the last one, half written
+            continue
+    return [line for line in lines if isinstance(line, dict)]
+
+
+def send(stack: Stack, requests: list[tuple[str, dict, str]]) -> list[tuple[int, dict, dict]]:
+    """POST every (path, body, request id) at once through nginx."""
+    async def run():
+        async with aiohttp.ClientSession(stack.url) as session:
+            async def one(path, body, rid):
+                async with session.post(path, json=body, headers={"X-Request-ID": rid}) as resp:
+                    return resp.status, dict(resp.headers), await resp.json()
+            return await asyncio.gather(*(one(*r) for r in requests))
+    return asyncio.run(run())
+
+
+def test_known_workload_adds_up_exactly_across_frontends(stack):
+    words = ["alpha", "shared memory", "a much longer sentence about batching and padding",
+             "z", "tokens " * 9]
+    work = []
+    for i in range(24):
+        texts = [f"{words[(i + j) % 5]} {i}-{j}" for j in range(1 + i % 6)]
+        work.append(("/predict", {"texts": texts}, f"wl-p{i}"))
+    for i in range(16):
+        texts = [f"{words[(i * 3 + j) % 5]} e{i}-{j}" for j in range(1 + i % 4)]
+        work.append(("/v1/embeddings", {"input": texts}, f"wl-e{i}"))
+    n_texts = sum(len(b.get("texts") or b["input"]) for _, b, _ in work)
+    before = scrape(stack)
+    replies = send(stack, work)
+    assert all(status == 200 for status, _, _ in replies), replies
+    n_tokens = sum(body["usage"]["prompt_tokens"] for _, _, body in replies)
+    after = scrape(stack)
+
+    def delta(name, **labels):
+        return total(after, name, **labels) - total(before, name, **labels)
+
+    for route, count in (("/predict", 24), ("/v1/embeddings", 16)):
+        assert delta("shmserve_requests_total", route=route, model="tiny", status="200") == count
+        assert delta("shmserve_request_duration_seconds_count", route=route, model="tiny") == count
+    for stage in STAGES:
+        assert delta("shmserve_stage_duration_seconds_count", stage=stage, model="tiny") == 40
+    assert delta("shmserve_texts_total", model="tiny") == n_texts
+    assert delta("shmserve_tokens_total", model="tiny") == n_tokens
+    assert delta("shmserve_input_tokens_count", model="tiny") == n_texts
+    assert delta("shmserve_input_tokens_sum", model="tiny") == n_tokens
+    assert delta("shmserve_truncated_texts_total") == 0
+    assert delta("shmserve_rejected_requests_total") == 0
+    assert delta("shmserve_deadline_exceeded_total") == 0
+    # Stages are disjoint parts of the total.
+    parts = sum(delta("shmserve_stage_duration_seconds_sum", stage=s) for s in STAGES[:-1])
+    assert 0 < parts <= delta("shmserve_stage_duration_seconds_sum", stage="total")
+    assert total(after, "shmserve_frontend_inflight_requests") == 0
+
+    # The worker observes each batch just after its replies: wait for the last one.
+    def worker_texts():
+        return total(scrape(stack), "shmserve_batch_texts_sum", worker="0") - \
+            total(before, "shmserve_batch_texts_sum", worker="0")
+    stack.wait_until(lambda: worker_texts() >= n_texts, 30, "the worker's batch metrics")
+    final = scrape(stack)
+
+    def wdelta(name):
+        return total(final, name, worker="0", model="tiny") - \
+            total(before, name, worker="0", model="tiny")
+    assert wdelta("shmserve_batch_texts_sum") == n_texts
+    assert wdelta("shmserve_batch_tokens_sum") == n_tokens
+    batches = wdelta("shmserve_batch_texts_count")
+    assert 1 <= batches <= n_texts
+    for name in ("shmserve_batch_requests_count", "shmserve_batch_tokens_count",
+                 "shmserve_batch_padding_ratio_count", "shmserve_batch_forward_seconds_count"):
+        assert wdelta(name) == batches, name
+    assert wdelta("shmserve_batch_requests_sum") >= 40  # a request may span batches
+    assert wdelta("shmserve_batch_padded_tokens_total") >= n_tokens
+    assert wdelta("shmserve_batch_padding_ratio_sum") >= batches  # each ratio is >= 1
+
+    # Both frontends served part of it, and each wrote one access line per request.
+    def served():
+        return {i: [line["request_id"] for line in log_lines(stack, f"frontend-{i}")
+                    if line.get("message") == "request" and line["request_id"].startswith("wl-")]
+                for i in (0, 1)}
+    stack.wait_until(lambda: sum(map(len, served().values())) >= len(work), 30,
+                     "supervisord to write the access lines")
+    by_frontend = served()
+    assert by_frontend[0] and by_frontend[1], by_frontend
+    assert sorted(by_frontend[0] + by_frontend[1]) == sorted(rid for _, _, rid in work)
+
+
+def test_stage_headers_never_exceed_the_total(stack):
+    replies = send(stack, [("/predict", {"texts": ["one", "two words", "three words here"]},
+                            f"hdr-{i}") for i in range(6)])
+    for status, headers, body in replies:
+        assert status == 200
+        stages = [float(headers[h]) for h in ("X-Tokenization-Time", "X-Queue-Time",
+                                              "X-Inference-Time")]
+        total_ms = float(headers["X-Total-Time"])
+        assert all(0 <= s <= total_ms for s in stages), headers
+        assert sum(stages) <= total_ms + 0.002, headers  # headers are rounded to the microsecond
+        assert 1 <= int(headers["X-Batch-Size"]) <= 16
+        assert headers["X-Model-Revision"] == "tiny-r1"
+
+
+def test_request_id_is_in_nginx_frontend_and_worker_logs_and_inputs_are_not(stack):
+    rid = "trace-me-42"
+    status, headers, _ = stack.post_json("/predict", {"texts": [SECRET, "second"]},
+                                         {"X-Request-ID": rid})
+    assert status == 200 and headers["X-Request-ID"] == rid
+
+    def lines_with_id():
+        access = [line for i in (0, 1) for line in log_lines(stack, f"frontend-{i}")
+                  if line.get("request_id") == rid]
+        batches = [line for line in log_lines(stack, "worker-0")
+                   if line.get("message") == "batch" and rid in line["request_ids"]]
+        nginx = [line for line in log_lines(stack, "nginx") if line.get("request_id") == rid]
+        return access, batches, nginx
+    stack.wait_until(lambda: all(lines_with_id()), 30, f"{rid} in every log")
+    (access,), batches, (nginx,) = lines_with_id()
+    assert access["level"] == "info" and access["route"] == "/predict"
+    assert access["model"] == "tiny" and access["status"] == 200
+    assert access["texts"] == 2 and access["tokens"] > 2 and access["batch_size"] >= 1
+    for key in ("tokenize_ms", "queue_ms", "inference_ms", "transfer_ms", "total_ms"):
+        assert 0 <= access[key] <= access["total_ms"], key
+    assert "error" not in access
+    batch = batches[0]
+    assert batch["level"] == "info" and batch["process"] == "worker-0"
+    assert batch["texts"] >= 1 and batch["requests"] >= 1 and batch["forward_ms"] >= 0
+    assert batch["padded_tokens"] >= batch["real_tokens"] > 0
+    assert nginx["status"] == 200 and nginx["uri"] == "/predict"
+    # logging.log_inputs is false: the text is in no log at all.
+    for log in (stack.run_dir / "logs").glob("*.log"):
+        assert SECRET not in log.read_text(errors="replace"), log.name
+
+
+def test_failed_request_logs_its_error_type(stack):
+    status, _, _ = stack.post_json("/predict", {"texts": ["x"] * 65}, {"X-Request-ID": "too-many"})
+    assert status == 413
+
+    def line():
+        return [l for i in (0, 1) for l in log_lines(stack, f"frontend-{i}")
+                if l.get("request_id") == "too-many"]
+    stack.wait_until(line, 30, "the failed request's access line")
+    assert line()[0]["error"] == "too_large" and line()[0]["status"] == 413
+
+
+def test_metrics_expose_gauges_info_and_memory(stack):
+    samples = scrape(stack)
+    assert [v for l, v in samples["shmserve_worker_ready"]] == [1.0]
+    assert len(samples["shmserve_worker_queue_depth"]) == 1
+    (labels, value), = samples["shmserve_model_info"]
+    assert value == 1 and labels["model"] == "tiny" and labels["revision"] == "tiny-r1"
+    assert labels["dtype"] == "fp32" and labels["device"] == "cpu"
+    assert total(samples, "shmserve_worker_empty_cache_total") == 0
+    rss = {l["program"]: v for l, v in samples["shmserve_process_resident_memory_bytes"]}
+    assert set(rss) >= {"supervisord", "reaper", "nginx", "frontend-0", "frontend-1",
+                        "worker-0"}
+    assert all(v > 1 << 20 for v in rss.values()), rss
+    assert not set(DEVICE_ONLY) & set(samples)  # a CPU worker has no device allocator
+    names = {name for name in samples if name.startswith("shmserve_")}
+    assert names == set(samples)  # nothing else (no python_gc_*, no process_* of one process)
+
+
+def test_info_serves_shmserve_and_tei_fields(stack):
+    status, _, raw = stack.get("/info")
+    assert status == 200
+    info = json.loads(raw)
+    (model,) = info["models"]
+    assert model["name"] == "tiny" and model["revision"] == "tiny-r1"
+    assert model["task"] == "embedding" and model["dtype"] == "fp32" and model["dim"] == 32
+    assert info["devices"] == [{"worker": 0, "device": "cpu", "name": "cpu", "ready": True}]
+    assert info["limits"]["max_batch_tokens"] == 8192
+    assert info["limits"]["max_texts_per_request"] == 64
+    assert info["limits"]["max_input_tokens"] == 64
+    assert info["frontends"] == 2 and info["workers"] == 1 and info["version"]
+    tei = {"model_id": "tiny", "model_sha": "tiny-r1", "model_dtype": "float32",
+           "model_type": {"embedding": {"pooling": "mean"}}, "max_input_length": 64,
+           "max_batch_tokens": 8192, "max_batch_requests": 16, "max_client_batch_size": 64,
+           "auto_truncate": False, "tokenization_workers": 2,
+           "max_concurrent_requests": 2 * 1024}
+    assert {k: info[k] for k in tei} == tei
+    assert info["version"] == info["version"].strip() and "sha" in info
+
+
+def test_dashboard_refers_only_to_exposed_metrics(stack):
+    assert stack.post_json("/predict", {"texts": ["for the dashboard"]})[0] == 200
+    exposed = set(scrape(stack)) | set(DEVICE_ONLY)  # device gauges: GPU workers only
+    dashboard = json.loads((REPO_ROOT / "deploy" / "grafana" / "shmserve.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    used = {name for e in exprs for name in re.findall(r"\bshmserve_[a-z0-9_]+", e)}
+    assert used and used <= exposed, sorted(used - exposed)
+
+
+def status_cli(stack: Stack, *args: str):
+    return subprocess.run([sys.executable, "-m", "shmserve.cli", "status", *args, "--config",
+                           str(stack.config_file)], cwd=REPO_ROOT, env=stack.env,
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_status_shows_processes_and_workers(stack):
+    done = status_cli(stack)
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = done.stdout
+    assert ": ready" in out.splitlines()[0]
+    for program in ("worker-0", "frontend-0", "frontend-1", "nginx", "reaper", "supervisord"):
+        assert re.search(rf"^{program}\s+RUNNING\s", out, re.M), out
+    row = re.search(r"^0\s+cpu\s+yes\s+\d+\s", out, re.M)
+    assert row, out
+    assert "embedding requests/s" in out
+    watched = status_cli(stack, "--watch", "0.2", "--count", "2")
+    assert watched.returncode == 0, watched.stderr
+    assert watched.stdout.count("PROGRAM") == 2
+
+
+def test_status_piped_to_head_exits_quietly(stack):
+    cmd = (f"{sys.executable} -m shmserve.cli status --watch 0.1 --config "
+           f"{stack.config_file} | head -n 1")
+    done = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], cwd=REPO_ROOT,
+                          env=stack.env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == "" and len(done.stdout.splitlines()) == 1
+
+
+def test_killed_processes_leave_no_live_gauges(stack):
+    """Last in this module: it kills processes."""
+    metrics_dir = stack.run_dir / "metrics"
+    before = scrape(stack)
+    groups = {"worker": "workers:worker-0", "frontend": "frontends:frontend-1"}
+    old = {p: int(stack.ctl("pid", group).strip()) for p, group in groups.items()}
+    for pid in old.values():
+        assert list(metrics_dir.glob(f"gauge_live*_{pid}.db"))
+        os.kill(pid, signal.SIGKILL)
+    new = {}
+
+    def restarted():
+        for p, group in groups.items():
+            pid = stack.ctl("pid", group).strip()
+            if not pid.isdigit() or int(pid) in (0, old[p]):
+                return False
+            new[p] = int(pid)
+        return True
+    stack.wait_until(restarted, 60, "supervisord to restart both")
+    stack.wait_until(lambda: not any(list(metrics_dir.glob(f"gauge_live*_{pid}.db"))
+                                     for pid in old.values()), 30, "the reaper")
+    # Counters and histograms of the dead processes stay: nothing counted is lost.
+    for pid in old.values():
+        assert list(metrics_dir.glob(f"counter_{pid}.db"))
+
+    def new_worker_ready():
+        return any(line.get("message") == "worker.ready" and line["pid"] == new["worker"]
+                   for line in log_lines(stack, "worker-0"))
+    stack.wait_until(new_worker_ready, 120, "the new worker to load")
+    stack.wait_until(lambda: stack.get("/ready")[0] == 200, 30, "GET /ready")
+    after = scrape(stack)
+    assert [v for _, v in after["shmserve_worker_ready"]] == [1.0]  # one worker, once
+    assert len(after["shmserve_worker_queue_depth"]) == 1
+    assert len(after["shmserve_model_info"]) == 1
+    assert total(after, "shmserve_frontend_inflight_requests") == 0
+    assert total(after, "shmserve_requests_total") >= total(before, "shmserve_requests_total")
+    # frontend-0 saw worker-0 come back with a new pid; the new frontend-1 never knew the old.
+    stack.wait_until(lambda: total(scrape(stack), "shmserve_worker_restarts_seen_total",
+                                   frontend="0", worker="0") == 1, 30, "the restart seen")
+    assert total(scrape(stack), "shmserve_worker_restarts_seen_total", frontend="1") == 0
+    assert stack.post_json("/predict", {"texts": ["after the restart"]})[0] == 200

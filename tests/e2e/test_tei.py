@@ -1,0 +1,156 @@
+"""TEI's routes through nginx: huggingface_hub's InferenceClient (the client TEI users have),
+and TEI's request and response shapes by hand where that client has no method."""
+
+import json
+
+import huggingface_hub
+import msgpack
+import numpy as np
+import pytest
+from huggingface_hub import InferenceClient
+from huggingface_hub.errors import HfHubHTTPError
+
+from tests.e2e.test_api import TEXTS
+
+
+@pytest.fixture(autouse=True)
+def hub_online(monkeypatch):
+    # conftest sets HF_HUB_OFFLINE, and the hub's client then refuses every request, even to a
+    # local server. This module's clients only ever talk to the stack on 127.0.0.1.
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+
+
+@pytest.fixture(scope="module")
+def native(tiny_stack):
+    status, _, body = tiny_stack.post_json("/predict", {"texts": TEXTS})
+    assert status == 200
+    return np.array(body["results"], dtype=np.float32)
+
+
+@pytest.fixture(scope="module")
+def hub(tiny_stack):
+    with InferenceClient(model=tiny_stack.url + "/embed") as client:
+        yield client
+
+
+def test_feature_extraction_equals_the_native_api(hub, native):
+    got = hub.feature_extraction(TEXTS)
+    assert got.dtype == np.float32 and got.shape == (4, 32)
+    np.testing.assert_allclose(got, native, rtol=0, atol=1e-6)
+    one = hub.feature_extraction(TEXTS[0], normalize=True, truncate=False)
+    np.testing.assert_allclose(one, native[:1], rtol=0, atol=1e-6)
+
+
+def test_feature_extraction_truncates_when_asked(hub, tiny_stack):
+    long = "word " * 200  # over the tiny model's 64 tokens; the stack does not truncate itself
+    with pytest.raises(HfHubHTTPError) as info:
+        hub.feature_extraction(long)
+    assert info.value.response.status_code == 413
+    right = hub.feature_extraction(long + "tail", truncate=True)
+    left = hub.feature_extraction(long + "tail", truncate=True, truncation_direction="left")
+    assert right.shape == left.shape == (1, 32) and not np.allclose(right, left)
+
+
+def test_feature_extraction_dimensions(hub, native):
+    got = hub.feature_extraction(TEXTS, dimensions=8)
+    want = native[:, :8] / np.linalg.norm(native[:, :8], axis=1, keepdims=True)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+
+
+async def test_async_client(tiny_stack, native):
+    from huggingface_hub import AsyncInferenceClient
+
+    async with AsyncInferenceClient(model=tiny_stack.url + "/embed") as client:
+        got = await client.feature_extraction(TEXTS[:2])
+    np.testing.assert_allclose(got, native[:2], rtol=0, atol=1e-6)
+
+
+def test_embed_shapes_by_hand(tiny_stack, native, tiny_model):
+    status, _, body = tiny_stack.post_json("/embed", {"inputs": TEXTS[1]})
+    assert status == 200 and np.array(body).shape == (1, 32)  # always a list of vectors
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tiny_model / "tokenizer.json"))
+    tok.no_padding()
+    ids = [tok.encode(t).ids for t in TEXTS]
+    status, _, body = tiny_stack.post_json("/embed", {"inputs": ids, "model": "tiny-alias"})
+    assert status == 200
+    np.testing.assert_allclose(np.array(body, np.float32), native, rtol=0, atol=1e-6)
+
+
+def test_embed_msgpack_vectors_are_raw_float32(tiny_stack, native):
+    status, headers, raw = tiny_stack.request(
+        "POST", "/embed", msgpack.packb({"inputs": TEXTS}),
+        {"Content-Type": "application/msgpack", "Accept": "application/msgpack"})
+    assert status == 200 and headers["Content-Type"].startswith("application/msgpack")
+    got = np.stack([np.frombuffer(v, "<f4") for v in msgpack.unpackb(raw)])
+    np.testing.assert_allclose(got, native, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"inputs": TEXTS, "normalize": False}, "normalize"),  # the model normalises itself
+    ({"inputs": TEXTS, "prompt_name": "query"}, "prompt_name"),
+    ({"inputs": TEXTS, "truncation_direction": "up"}, "truncation_direction"),
+    ({"inputs": TEXTS, "dimensions": 64}, "dimensions"),
+    ({"inputs": []}, "inputs"),
+    ({}, "inputs"),
+])
+def test_embed_refusals(tiny_stack, body, param):
+    status, _, err = tiny_stack.post_json("/embed", body)
+    assert status == 422 and err["error"]["param"] == param
+
+
+def test_rerank_validates_then_explains_it_needs_a_cross_encoder(tiny_stack):
+    status, _, err = tiny_stack.post_json("/rerank", {"query": "q"})
+    assert status == 422 and err["error"]["param"] == "texts"
+    status, _, err = tiny_stack.post_json("/rerank", {"query": "q", "texts": TEXTS,
+                                                      "return_text": True})
+    assert status == 422 and err["error"]["code"] == "unsupported_task"
+    assert "'tiny' is an embedding model; rerank needs a cross-encoder" in err["error"]["message"]
+
+
+def test_tokenize_in_teis_shape(tiny_stack, tiny_model):
+    text = "héllo wörld"
+    status, _, body = tiny_stack.post_json("/tokenize", {"inputs": text})
+    assert status == 200 and len(body) == 1
+    tokens = body[0]
+    assert tokens[0] == {"id": 101, "text": "[CLS]", "special": True, "start": None,
+                         "stop": None}
+    assert tokens[-1]["text"] == "[SEP]" and tokens[-1]["special"]
+    raw = text.encode()
+    for token in tokens[1:-1]:  # byte offsets, as TEI gives them
+        assert not token["special"]
+        assert raw[token["start"]:token["stop"]].decode() == token["text"]
+    from tokenizers import Tokenizer
+
+    reference = Tokenizer.from_file(str(tiny_model / "tokenizer.json"))
+    reference.no_padding()  # the shipped tokenizer.json pads to 128
+    want = reference.encode(text).ids
+    assert [t["id"] for t in tokens] == want
+    status, _, body = tiny_stack.post_json("/tokenize", {"inputs": ["a b", "c"],
+                                                         "add_special_tokens": False})
+    assert status == 200 and [[t["text"] for t in row] for row in body] == [["a", "b"], ["c"]]
+
+
+def test_tokenize_is_never_truncated(tiny_stack):
+    text = "ü " * 2500  # over the model's limit, and tokenized off the event loop
+    status, _, body = tiny_stack.post_json("/tokenize", {"inputs": [text]})
+    assert status == 200 and len(body[0]) == 2502
+    assert body[0][-2] == {"id": body[0][1]["id"], "text": "ü", "special": False,
+                           "start": 3 * 2499, "stop": 3 * 2499 + 2}
+
+
+def test_tokenize_msgpack(tiny_stack):
+    status, _, raw = tiny_stack.request(
+        "POST", "/tokenize", msgpack.packb({"inputs": "hello"}),
+        {"Content-Type": "application/msgpack", "Accept": "application/msgpack"})
+    assert status == 200 and [t["text"] for t in msgpack.unpackb(raw)[0]] == [
+        "[CLS]", "hello", "[SEP]"]
+
+
+def test_errors_keep_this_servers_shape_and_reach_hub(hub):
+    with pytest.raises(HfHubHTTPError) as info:
+        hub.feature_extraction(TEXTS, dimensions=999)
+    assert info.value.response.status_code == 422
+    body = json.loads(info.value.response.content)
+    assert body["error"]["param"] == "dimensions"

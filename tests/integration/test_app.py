@@ -1,0 +1,61 @@
+"""The frontend app's middleware against a real worker subprocess (no nginx, no supervisord):
+what the access line carries with logging.log_inputs on (off: tests/e2e/test_observability.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+import yaml
+from aiohttp.test_utils import TestClient, TestServer
+
+from frontend.app import create_app
+from shmserve import config
+from tests.conftest import tiny_overrides
+from tests.integration.test_pool import start_worker
+
+
+def test_access_line_has_every_stage_and_the_inputs_when_asked(tmp_path, tiny_model, caplog):
+    overrides = tiny_overrides(tiny_model, frontends={"count": 1},
+                               logging={"log_inputs": True})
+    extra = tmp_path / "extra.yaml"
+    extra.write_text(yaml.safe_dump(overrides))
+    cfg = config.load(env="test", extra=extra,
+                      environ={"SHMSERVE__SERVER__RUN_DIR": str(tmp_path / "run")})
+    (cfg.run_dir / "sockets").mkdir(parents=True)
+    (cfg.run_dir / "config.json").write_text(cfg.to_json())
+    caplog.set_level(logging.INFO, logger="shmserve.access")
+    worker = start_worker(cfg)
+
+    async def scenario():
+        async with TestClient(TestServer(create_app(cfg, 0))) as client:
+            for _ in range(600):  # the worker loads the model: up to 60 s
+                async with client.get("/ready") as resp:
+                    if resp.status == 200:
+                        break
+                await asyncio.sleep(0.1)
+            async with client.post("/predict", json={"texts": ["keep me", "and me"]},
+                                   headers={"X-Request-ID": "inputs-1"}) as resp:
+                assert resp.status == 200, await resp.text()
+                headers = resp.headers
+            async with client.get("/info") as resp:
+                info = await resp.json()
+            return headers, info
+
+    try:
+        headers, info = asyncio.run(scenario())
+    finally:
+        worker.kill()
+        worker.wait()
+    for name in ("X-Tokenization-Time", "X-Queue-Time", "X-Inference-Time", "X-Total-Time",
+                 "X-Batch-Size", "X-Model-Revision"):
+        assert name in headers, name
+    (line,) = [r.fields for r in caplog.records
+               if r.name == "shmserve.access" and r.fields["request_id"] == "inputs-1"]
+    assert line["inputs"] == ["keep me", "and me"]
+    assert line["texts"] == 2 and line["status"] == 200 and line["route"] == "/predict"
+    for key in ("tokenize_ms", "queue_ms", "inference_ms", "transfer_ms"):
+        assert 0 <= line[key] <= line["total_ms"], key
+    assert info["model_id"] == "tiny" and info["frontends"] == 1
+    assert info["devices"][0]["ready"] is True

@@ -1,0 +1,114 @@
+"""shmserve.client without a server: arguments, headers, error bodies, transport failures."""
+
+import json
+import subprocess
+import sys
+
+import msgpack
+import numpy as np
+import pytest
+
+from shmserve.client import AsyncClient, Client, ShmserveError, _decode, _matrix
+from tests.stack import free_port
+
+
+def test_bad_arguments():
+    for kwargs in ({"url": "localhost:8080"}, {"url": "http://x", "format": "xml"},
+                   {"url": "http://x", "timeout": 0}):
+        with pytest.raises(ValueError):
+            Client(**kwargs)
+
+
+def test_headers_carry_format_deadline_and_request_id():
+    client = Client("http://127.0.0.1:1/prefix", timeout=2.5, format="json")
+    body, headers = client._embed_request("one", "m", "rid-1")
+    assert json.loads(body) == {"texts": ["one"], "model": "m"}
+    assert headers == {"Accept": "application/json", "Content-Type": "application/json",
+                       "X-Request-Timeout": "2.5", "X-Request-ID": "rid-1"}
+    body, headers = Client("http://h", model="d")._embed_request(["a", "b"], None, None)
+    assert msgpack.unpackb(body) == {"texts": ["a", "b"], "model": "d"}
+    assert headers["Content-Type"] == "application/msgpack"
+
+
+def test_error_bodies_become_typed_errors():
+    body = {"error": {"message": "no", "type": "not_found", "param": "model",
+                      "code": "model_not_found"}}
+    for ctype, raw in (("application/json", json.dumps(body).encode()),
+                       ("application/msgpack", msgpack.packb(body))):
+        with pytest.raises(ShmserveError) as info:
+            _decode(404, ctype, raw)
+        err = info.value
+        assert (err.status, err.type, err.param, err.code, err.message) == (
+            404, "not_found", "model", "model_not_found", "no")
+        assert err.body == body and str(err) == "404 no"
+    with pytest.raises(ShmserveError) as info:  # a proxy's HTML page, say
+        _decode(502, "text/html", b"<html>")
+    assert info.value.status == 502 and info.value.body is None
+
+
+def test_vectors_from_msgpack_bytes_or_json_lists():
+    m = np.arange(6, dtype=np.float32).reshape(2, 3)
+    np.testing.assert_array_equal(_matrix({"results": [r.tobytes() for r in m]}, False), m)
+    np.testing.assert_array_equal(_matrix({"results": m.tolist()}, False), m)
+    assert _matrix({"results": [m[0].tobytes()]}, True).shape == (3,)
+
+
+def test_nothing_listening_is_a_typed_error_without_status():
+    with Client(f"http://127.0.0.1:{free_port()}", timeout=5) as client:
+        with pytest.raises(ShmserveError) as info:
+            client.embed("x")
+    assert info.value.status is None and info.value.body is None
+
+
+async def test_async_nothing_listening():
+    async with AsyncClient(f"http://127.0.0.1:{free_port()}", timeout=5) as client:
+        with pytest.raises(ShmserveError) as info:
+            await client.ready()
+    assert info.value.status is None
+
+
+def test_importing_the_client_pulls_in_neither_aiohttp_nor_torch():
+    code = ("import sys, shmserve.client; "
+            "print(sorted(m for m in ('aiohttp', 'torch') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=60).stdout
+    assert out.strip() == "[]"
+
+
+def test_a_keepalive_connection_closed_while_idle_is_reopened_once():
+    """A server that answers one request per connection without saying so, as a server does
+    that times out an idle keep-alive connection between two requests."""
+    import socket
+    import threading
+
+    body = msgpack.packb({"results": [np.ones(2, "<f4").tobytes()]})
+    reply = (b"HTTP/1.1 200 OK\r\nContent-Type: application/msgpack\r\n"
+             b"Content-Length: %d\r\n\r\n" % len(body)) + body
+    listener = socket.create_server(("127.0.0.1", 0))
+    served = []
+
+    def serve():
+        for _ in range(2):
+            conn, _ = listener.accept()
+            with conn:
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    data += conn.recv(65536)
+                head, rest = data.split(b"\r\n\r\n", 1)
+                length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                                  if line.lower().startswith(b"content-length")))
+                while len(rest) < length:
+                    rest += conn.recv(65536)
+                conn.sendall(reply)
+                served.append(head.split(b"\r\n")[0])
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        with Client(f"http://127.0.0.1:{listener.getsockname()[1]}", timeout=10) as client:
+            assert client.embed("a").tolist() == [1.0, 1.0]
+            assert client.embed("b").tolist() == [1.0, 1.0]  # on a new connection
+        thread.join(10)
+        assert served == [b"POST /predict HTTP/1.1"] * 2
+    finally:
+        listener.close()

@@ -1,0 +1,93 @@
+"""shmserve.metrics without a stack: bulk observe, the dead-process sweep, the scrape registry."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from shmserve import metrics
+
+
+def samples(registry) -> dict[tuple[str, tuple], float]:
+    text = generate_latest(registry).decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(text) for s in f.samples
+            if not s.name.endswith("_created")}
+
+
+@pytest.mark.parametrize("values", [
+    [], [0], [4, 4, 4], [1, 3, 4, 5, 64, 65, 10**6], np.arange(0, 3000, 7), [0.5, 1.0, 1.05],
+])
+def test_observe_many_equals_one_observe_per_value(values):
+    bulk_reg, one_reg = CollectorRegistry(), CollectorRegistry()
+    buckets = metrics.TOKEN_BUCKETS + metrics.RATIO_BUCKETS[:3]
+    bulk = Histogram("h", "h", ["m"], buckets=sorted(set(buckets)), registry=bulk_reg)
+    one = Histogram("h", "h", ["m"], buckets=sorted(set(buckets)), registry=one_reg)
+    metrics.observe_many(bulk.labels("x"), np.asarray(values))
+    child = one.labels("x")
+    for v in values:
+        child.observe(float(v))
+    assert samples(bulk_reg) == samples(one_reg)
+
+
+def test_buckets_suit_milliseconds():
+    assert metrics.LATENCY_BUCKETS[0] <= 0.0001 and 0.001 in metrics.LATENCY_BUCKETS
+    assert list(metrics.LATENCY_BUCKETS) == sorted(metrics.LATENCY_BUCKETS)
+    assert metrics.RATIO_BUCKETS[0] == 1.0  # padded / real is never below one
+
+
+def test_mark_dead_removes_only_dead_processes_live_gauges(tmp_path):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    dead_pid, live_pid = int(dead.stdout), os.getpid()
+    names = [f"gauge_livesum_{dead_pid}.db", f"gauge_livemostrecent_{dead_pid}.db",
+             f"gauge_max_{dead_pid}.db", f"counter_{dead_pid}.db", f"histogram_{dead_pid}.db",
+             f"gauge_livesum_{live_pid}.db", "gauge_livesum_notapid.db"]
+    for name in names:
+        (tmp_path / name).write_bytes(b"")
+    assert metrics.mark_dead(tmp_path) == [dead_pid]
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == sorted(names[2:])  # counts stay; the live process's gauges stay
+
+
+def test_mark_dead_takes_named_pids_that_left_no_file(tmp_path):
+    assert metrics.mark_dead(tmp_path, [2**22 + 12345]) == [2**22 + 12345]
+    assert metrics.mark_dead(tmp_path, [os.getpid()]) == []
+
+
+def test_resident_memory_collector_and_registry_without_multiproc_dir(monkeypatch):
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    reader = metrics.ResidentMemory(lambda: {"worker-0": 5 << 20, "nginx": 1 << 20})
+    body, ctype = metrics.exposition([reader])
+    assert ctype.startswith("text/plain")
+    found = {(s.name, s.labels.get("program")): s.value
+             for f in text_string_to_metric_families(body.decode()) for s in f.samples}
+    assert found[("shmserve_process_resident_memory_bytes", "worker-0")] == 5 << 20
+    assert found[("shmserve_process_resident_memory_bytes", "nginx")] == 1 << 20
+
+
+def test_registry_reads_every_process_file(tmp_path, monkeypatch):
+    """Two processes write one counter and one live gauge; a scrape sums both, and after one is
+    marked dead its gauge is gone and its count stays."""
+    code = ("from prometheus_client import Counter, Gauge\n"
+            "Counter('t_requests', 'r').inc(3)\n"
+            "Gauge('t_inflight', 'i', multiprocess_mode='livesum').set(2)\n"
+            "import os; print(os.getpid())\n")
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
+    pids = [int(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                               text=True, check=True).stdout) for _ in range(2)]
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+
+    def read():
+        body, _ = metrics.exposition()
+        return {s.name: s.value for f in text_string_to_metric_families(body.decode())
+                for s in f.samples}
+    assert read() == {"t_requests_total": 6.0, "t_inflight": 4.0}
+    assert sorted(metrics.mark_dead(tmp_path)) == sorted(pids)
+    assert read() == {"t_requests_total": 6.0}

@@ -1,0 +1,58 @@
+"""The supervisord event listener that forgets exited processes' live gauges."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+
+from shmserve import reaper
+
+
+def dead_pid() -> int:
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    return int(done.stdout)
+
+
+def event(name: str, payload: str, serial: int = 1) -> str:
+    return (f"ver:3.0 server:supervisor serial:{serial} pool:reaper poolserial:{serial} "
+            f"eventname:{name} len:{len(payload)}\n{payload}")
+
+
+def test_an_exited_process_loses_its_live_gauges(tmp_path, monkeypatch):
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    pid = dead_pid()
+    for name in (f"gauge_livemostrecent_{pid}.db", f"gauge_livesum_{pid}.db",
+                 f"counter_{pid}.db"):
+        (tmp_path / name).write_bytes(b"")
+    payload = f"processname:worker-0 groupname:workers from_state:RUNNING expected:0 pid:{pid}"
+    assert reaper.handle("PROCESS_STATE_EXITED", payload) == [pid]
+    assert [p.name for p in tmp_path.iterdir()] == [f"counter_{pid}.db"]
+
+
+def test_events_without_a_pid_still_sweep(tmp_path, monkeypatch):
+    """BACKOFF (died while starting) names no pid; the sweep finds the dead one anyway."""
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    pid = dead_pid()
+    (tmp_path / f"gauge_livesum_{pid}.db").write_bytes(b"")
+    payload = "processname:frontend-1 groupname:frontends from_state:STARTING tries:1"
+    assert reaper.handle("PROCESS_STATE_BACKOFF", payload) == [pid]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_without_a_metrics_dir_it_does_nothing(monkeypatch):
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    assert reaper.handle("PROCESS_STATE_EXITED", "processname:x pid:1") == []
+
+
+def test_speaks_supervisords_listener_protocol(tmp_path, monkeypatch):
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    pid = dead_pid()
+    (tmp_path / f"gauge_livesum_{pid}.db").write_bytes(b"")
+    stdin = io.StringIO(event("PROCESS_STATE_EXITED", f"processname:w pid:{pid}", 1) +
+                        event("PROCESS_STATE_STOPPED", "processname:w pid:notanumber", 2))
+    stdout = io.StringIO()
+    reaper.serve(stdin, stdout)  # returns at EOF, as when supervisord goes away
+    assert stdout.getvalue() == "READY\nRESULT 2\nOKREADY\nRESULT 2\nOKREADY\n"
+    assert list(tmp_path.iterdir()) == []

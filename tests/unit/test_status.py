@@ -1,0 +1,114 @@
+"""`shmserve status`'s tables from canned answers: no stack."""
+
+from __future__ import annotations
+
+import io
+import itertools
+
+from shmserve import status
+
+PROCESSES = [
+    {"name": "worker-0", "statename": "RUNNING", "pid": 101, "start": 1000, "now": 4723},
+    {"name": "frontend-0", "statename": "RUNNING", "pid": 102, "start": 1000, "now": 1065},
+    {"name": "nginx", "statename": "BACKOFF", "pid": 0, "start": 0, "now": 1065},
+]
+READY = {"status": "ready", "workers": [
+    {"worker": 0, "alive": True, "ready": True, "device": "cuda:NVIDIA H200", "queued_texts": 3},
+    {"worker": 1, "alive": True, "ready": False, "device": "loading", "queued_texts": 0}]}
+
+
+def exposition(texts: float, batches: float, real: float, padded: float) -> str:
+    return f"""# HELP shmserve_batch_texts Texts in a batch
+# TYPE shmserve_batch_texts histogram
+shmserve_batch_texts_bucket{{le="+Inf",model="m",worker="0"}} {batches}
+shmserve_batch_texts_count{{model="m",worker="0"}} {batches}
+shmserve_batch_texts_sum{{model="m",worker="0"}} {texts}
+# HELP shmserve_batch_tokens Real tokens
+# TYPE shmserve_batch_tokens histogram
+shmserve_batch_tokens_bucket{{le="+Inf",model="m",worker="0"}} {batches}
+shmserve_batch_tokens_count{{model="m",worker="0"}} {batches}
+shmserve_batch_tokens_sum{{model="m",worker="0"}} {real}
+# HELP shmserve_batch_padded_tokens_total Padded
+# TYPE shmserve_batch_padded_tokens_total counter
+shmserve_batch_padded_tokens_total{{model="m",worker="0"}} {padded}
+# HELP shmserve_worker_queue_depth Queue
+# TYPE shmserve_worker_queue_depth gauge
+shmserve_worker_queue_depth{{worker="0"}} 7.0
+# HELP shmserve_worker_device_allocated_bytes A
+# TYPE shmserve_worker_device_allocated_bytes gauge
+shmserve_worker_device_allocated_bytes{{worker="0"}} 2147483648.0
+# HELP shmserve_worker_device_reserved_bytes R
+# TYPE shmserve_worker_device_reserved_bytes gauge
+shmserve_worker_device_reserved_bytes{{worker="0"}} 3221225472.0
+# HELP shmserve_worker_device_fragmentation_ratio F
+# TYPE shmserve_worker_device_fragmentation_ratio gauge
+shmserve_worker_device_fragmentation_ratio{{worker="0"}} 0.3333
+# HELP shmserve_process_resident_memory_bytes RSS
+# TYPE shmserve_process_resident_memory_bytes gauge
+shmserve_process_resident_memory_bytes{{program="worker-0"}} 1610612736.0
+shmserve_process_resident_memory_bytes{{program="frontend-0"}} 104857600.0
+shmserve_process_resident_memory_bytes{{program="supervisord"}} 20971520.0
+# HELP shmserve_stage_duration_seconds Stages
+# TYPE shmserve_stage_duration_seconds histogram
+shmserve_stage_duration_seconds_count{{model="m",stage="total"}} {batches * 2}
+"""
+
+
+def sample(at: float, texts: float, batches: float, real: float, padded: float,
+           ready_code: int = 200) -> status.Sample:
+    return status.Sample(at, PROCESSES, ready_code, READY,
+                         status.parse_metrics(exposition(texts, batches, real, padded)))
+
+
+def rows(text: str) -> dict[str, list[str]]:
+    return {line.split()[0]: line.split() for line in text.splitlines() if line.strip()}
+
+
+def test_tables_show_processes_and_workers_with_rates():
+    prev = sample(100.0, texts=1000, batches=100, real=10_000, padded=12_000)
+    cur = sample(102.0, texts=1400, batches=120, real=14_000, padded=17_000)
+    text = status.render(cur, prev, "shmserve test")
+    assert text.splitlines()[0] == "shmserve test: ready"
+    table = rows(text)
+    assert table["worker-0"][:4] == ["worker-0", "RUNNING", "101", "1:02:03"]
+    assert table["worker-0"][4:] == ["1.5", "GiB"]
+    assert table["nginx"][:4] == ["nginx", "BACKOFF", "-", "-"]
+    assert table["supervisord"][-2:] == ["20.0", "MiB"]
+    w0 = text.splitlines()[[l.split()[:1] for l in text.splitlines()].index(["0"])].split()
+    # worker, device (two words), ready, queue (metrics win over /ready), texts/s, batches/s,
+    # texts/batch, padding, allocated, reserved, fragmentation, rss
+    assert w0 == ["0", "cuda:NVIDIA", "H200", "yes", "7", "200.0", "10.0", "20.0", "1.25",
+                  "2.0", "GiB", "3.0", "GiB", "0.33", "1.5", "GiB"]
+    w1 = [l.split() for l in text.splitlines() if l.startswith("1 ")][0]
+    assert w1[:4] == ["1", "loading", "loading", "0"]  # alive, not ready; queue from /ready
+    assert "embedding requests/s: 20.0 (over the last 2.0 s)" in text
+
+
+def test_first_frame_without_a_previous_sample_has_no_rates():
+    text = status.render(sample(1.0, 10, 1, 10, 10, ready_code=None), None, "t")
+    assert text.splitlines()[0] == "t: no answer from nginx"
+    w0 = [l.split() for l in text.splitlines() if l.startswith("0 ")][0]
+    assert w0[5:9] == ["-", "-", "-", "-"] and "requests/s" not in text
+
+
+def test_a_restart_resets_counters_without_negative_rates():
+    prev = sample(1.0, 1000, 100, 100, 100)
+    cur = sample(2.0, 10, 1, 5, 5)
+    w0 = [l.split() for l in status.render(cur, prev, "t").splitlines() if l.startswith("0 ")][0]
+    assert w0[5:7] == ["0.0", "0.0"]
+
+
+def test_watch_prints_count_frames_and_returns_the_last():
+    clock = itertools.count()
+    samples = []
+
+    def take():
+        i = next(clock)
+        samples.append(sample(float(i), 10 * i, i, 10 * i, 10 * i))
+        return samples[-1]
+    out = io.StringIO()
+    last = status.run(take, "t", out, watch=0.001, count=3, first_gap=0)
+    assert out.getvalue().count("PROGRAM") == 3 and last is samples[-1] and len(samples) == 4
+    out = io.StringIO()
+    status.run(take, "t", out, watch=None, count=None, first_gap=0)
+    assert out.getvalue().count("PROGRAM") == 1

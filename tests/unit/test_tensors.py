@@ -1,0 +1,130 @@
+"""KServe bodies: JSON and binary tensor data, both ways, with awkward shapes and bad framing."""
+
+import json
+import struct
+
+import numpy as np
+import pytest
+
+from frontend import tensors
+from frontend.errors import ApiError
+from frontend.tensors import Tensor
+
+
+def binary_request(header: dict, *chunks: bytes) -> tuple[bytes, str]:
+    head = json.dumps(header).encode()
+    return head + b"".join(chunks), str(len(head))
+
+
+def bytes_elements(*items: bytes) -> bytes:
+    return b"".join(struct.pack("<I", len(b)) + b for b in items)
+
+
+def test_json_bytes_input_flat_or_nested():
+    header, tail = tensors.split_body(json.dumps({"inputs": [
+        {"name": "text", "datatype": "BYTES", "shape": [2, 1], "data": [["a"], ["ü"]]}]}).encode(),
+        None)
+    (t,) = tensors.read_inputs(header, tail)
+    assert t.name == "text" and t.shape == (2, 1) and t.data == [b"a", "ü".encode()]
+
+
+def test_binary_inputs_in_header_order_with_an_empty_string():
+    elements = bytes_elements(b"hello", b"", "ünï".encode())
+    floats = np.arange(6, dtype="<f4").reshape(2, 3)
+    raw, length = binary_request({"inputs": [
+        {"name": "text", "datatype": "BYTES", "shape": [3],
+         "parameters": {"binary_data_size": len(elements)}},
+        {"name": "x", "datatype": "FP32", "shape": [2, 3], "data": floats.ravel().tolist()},
+        {"name": "y", "datatype": "FP32", "shape": [2, 3],
+         "parameters": {"binary_data_size": floats.nbytes}}]}, elements, floats.tobytes())
+    text, x, y = tensors.read_inputs(*tensors.split_body(raw, length))
+    assert text.data == [b"hello", b"", "ünï".encode()]
+    np.testing.assert_array_equal(x.data, floats.ravel())
+    np.testing.assert_array_equal(y.data, floats.ravel())
+
+
+@pytest.mark.parametrize("header,tail,length,status", [
+    ({"inputs": []}, b"", None, 422),
+    ({"inputs": [{"name": "t", "datatype": "BYTES", "shape": [2], "data": ["a"]}]},
+     b"", None, 422),
+    ({"inputs": [{"name": "t", "datatype": "BYTES", "shape": [1], "data": [1]}]}, b"", None, 422),
+    ({"inputs": [{"name": "t", "datatype": "STRING", "shape": [1], "data": ["a"]}]},
+     b"", None, 422),
+    ({"inputs": [{"name": "t", "datatype": "BYTES", "shape": [-1], "data": ["a"]}]},
+     b"", None, 422),
+    ({"inputs": [{"name": "t", "datatype": "BYTES", "shape": [1]}]}, b"", None, 422),
+    # binary_data_size larger than what follows the header
+    ({"inputs": [{"name": "t", "datatype": "BYTES", "shape": [1],
+                  "parameters": {"binary_data_size": 99}}]}, bytes_elements(b"a"), "len", 400),
+    # bytes left over
+    ({"inputs": [{"name": "t", "datatype": "BYTES", "shape": [1], "data": ["a"]}]},
+     b"junk", "len", 400),
+    # a BYTES element's length prefix runs past its tensor
+    ({"inputs": [{"name": "t", "datatype": "BYTES", "shape": [1],
+                  "parameters": {"binary_data_size": 6}}]}, struct.pack("<I", 9) + b"ab",
+     "len", 422),
+    ({"inputs": [{"name": "t", "datatype": "FP32", "shape": [2],
+                  "parameters": {"binary_data_size": 4}}]}, b"\0\0\0\0", "len", 422),
+    ({"inputs": [{"name": "t", "datatype": "INT8", "shape": [1], "data": [300]}]},
+     b"", None, 422),
+    ({"inputs": [{"name": "t", "datatype": "BYTES", "shape": [1], "data": ["a"],
+                  "parameters": {"shared_memory_region": "r"}}]}, b"", None, 422),
+])
+def test_bad_inputs(header, tail, length, status):
+    head = json.dumps(header).encode()
+    with pytest.raises(ApiError) as info:
+        tensors.read_inputs(*tensors.split_body(head + tail,
+                                                str(len(head)) if length else None))
+    assert info.value.status == status, info.value.message
+
+
+@pytest.mark.parametrize("raw,length", [
+    (b"{", None), (b"[1]", None), (b'{"inputs": []}', "0"), (b'{"inputs": []}', "999"),
+    (b'{"inputs": []}', "ten"), (b'{"a": NaN}', None), (b"\xff", None),
+])
+def test_bad_framing(raw, length):
+    with pytest.raises(ApiError) as info:
+        tensors.split_body(raw, length)
+    assert info.value.status in (400, 422)
+
+
+def test_requested_outputs():
+    names = ["embedding", "other"]
+    assert tensors.requested_outputs({}, names) == [("embedding", False), ("other", False)]
+    assert tensors.requested_outputs({"parameters": {"binary_data_output": True}}, names) == [
+        ("embedding", True), ("other", True)]
+    assert tensors.requested_outputs({"parameters": {"binary_data_output": True}, "outputs": [
+        {"name": "other", "parameters": {"binary_data": False}}, {"name": "embedding"}]},
+        names) == [("other", False), ("embedding", True)]
+    for bad in ({"outputs": [{"name": "nope"}]}, {"outputs": "embedding"},
+                {"outputs": [{"name": "other", "parameters": {"classification": 2}}]},
+                {"parameters": {"binary_data_output": "yes"}}):
+        with pytest.raises(ApiError):
+            tensors.requested_outputs(bad, names)
+
+
+def test_response_json_then_binary_in_order():
+    emb = np.arange(8, dtype=np.float32).reshape(2, 4) / 3
+    labels = Tensor("labels", "BYTES", (2,), [b"x", "ÿ".encode()])
+    head = {"model_name": "m", "model_version": "1", "id": "r1"}
+    body, length = tensors.encode_response(head, [(Tensor("e", "FP32", (2, 4), emb), False)])
+    assert length is None
+    out = json.loads(body)
+    assert out["id"] == "r1" and out["outputs"][0]["shape"] == [2, 4]
+    np.testing.assert_array_equal(np.array(out["outputs"][0]["data"], np.float32), emb.ravel())
+
+    body, length = tensors.encode_response(head, [(Tensor("e", "FP32", (2, 4), emb), True),
+                                                  (labels, True)])
+    header = json.loads(body[:length])
+    e_size = header["outputs"][0]["parameters"]["binary_data_size"]
+    assert e_size == emb.nbytes and "data" not in header["outputs"][0]
+    np.testing.assert_array_equal(np.frombuffer(body[length:length + e_size], "<f4"),
+                                  emb.ravel())
+    assert body[length + e_size:] == bytes_elements(b"x", "ÿ".encode())
+
+
+def test_empty_tensor_round_trips():
+    raw, length = binary_request({"inputs": [{"name": "t", "datatype": "FP32", "shape": [0, 3],
+                                              "parameters": {"binary_data_size": 0}}]})
+    (t,) = tensors.read_inputs(*tensors.split_body(raw, length))
+    assert t.size == 0 and t.data.shape == (0,)
