@@ -12,6 +12,7 @@ token configured the routes answer 404, as if they did not exist.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import math
 
@@ -89,7 +90,12 @@ async def reload_model(request: web.Request) -> web.Response:
     source, revision = _string(body, "source"), _string(body, "revision")
     variant = _variant(served, _string(body, "variant"))
     request[MODEL_NAME] = served.spec.name
-    answer = await reload.reload(request.app, served.spec.name, variant, source, revision)
+    # Shielded: a caller that goes away must not stop a reload between its two phases (the run
+    # state written, the commits not sent); it finishes, and only the answer is lost.
+    task = asyncio.ensure_future(reload.reload(request.app, served.spec.name, variant, source,
+                                               revision))
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved if orphaned
+    answer = await asyncio.shield(task)
     return codec.render(request, answer)
 
 

@@ -60,9 +60,9 @@ async def reload(app: web.Application, model: str, variant: Variant, source: str
         return {"model": model, **({"variant": variant.name} if variant.name else {}),
                 "revision": revisions[0] if len(revisions) == 1 else revisions,
                 "workers": _workers(done)}
-    keep = [link for link in hosts if isinstance(staged.get(link.index), ReloadDone)
-            and staged[link.index].status == ReloadStatus.OK]
-    await _ask(pool, keep, lambda seq: Commit(seq, ticket, variant.unit, False), timeout)
+    # Drop everywhere: a worker that staged frees its standby, one still loading (it did not
+    # answer in time) cancels, one that failed has nothing and says so.
+    await _ask(pool, hosts, lambda seq: Commit(seq, ticket, variant.unit, False), timeout)
     failed = {i: r for i, r in staged.items()
               if not (isinstance(r, ReloadDone) and r.status == ReloadStatus.OK)}
     kinds = {_KIND_OF[r.status] if isinstance(r, ReloadDone) else "unavailable"
