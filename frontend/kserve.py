@@ -23,7 +23,7 @@ import numpy as np
 from aiohttp import web
 
 import shmserve
-from frontend import codec, tensors
+from frontend import codec, tasks, tensors
 from frontend.app import CONFIG, MODEL_NAME, MODELS, POOL, ServedModel
 from frontend.dispatch import Outcome
 from frontend.errors import ApiError
@@ -59,18 +59,41 @@ class Tensors:
     run: Runner
 
 
-async def _run_embedding(request: web.Request, model: ServedModel,
-                         inputs: dict[str, Tensor]) -> tuple[dict[str, np.ndarray], Outcome]:
+def _strings(request: web.Request, tensor: Tensor, name: str) -> list[str]:
+    """A BYTES tensor as validated texts (UTF-8, within the request limits)."""
     texts = []
-    for i, raw in enumerate(inputs["text"].data):
+    for i, raw in enumerate(tensor.data):
         try:
             texts.append(raw.decode("utf-8"))
         except UnicodeDecodeError:
-            raise ApiError("invalid_request", f"'text[{i}]' is not valid UTF-8",
-                           param="text") from None
-    parsed = EmbedRequest(_texts(texts, "text", request.app[CONFIG].limits), model.spec.name)
+            raise ApiError("invalid_request", f"'{name}[{i}]' is not valid UTF-8",
+                           param=name) from None
+    return _texts(texts, name, request.app[CONFIG].limits)
+
+
+async def _run_embedding(request: web.Request, model: ServedModel,
+                         inputs: dict[str, Tensor]) -> tuple[dict[str, np.ndarray], Outcome]:
+    parsed = EmbedRequest(_strings(request, inputs["text"], "text"), model.spec.name)
     _, outcome, _ = await _embed(request, parsed, "text")
     return {"embedding": outcome.vectors}, outcome
+
+
+async def _run_classification(request: web.Request, model: ServedModel,
+                              inputs: dict[str, Tensor]
+                              ) -> tuple[dict[str, np.ndarray], Outcome]:
+    out = await tasks.classify(request, model.spec.name,
+                               _strings(request, inputs["text"], "text"), param="text")
+    return {"probabilities": out.probs}, out.ran.outcome
+
+
+async def _run_rerank(request: web.Request, model: ServedModel,
+                      inputs: dict[str, Tensor]) -> tuple[dict[str, np.ndarray], Outcome]:
+    query = _strings(request, inputs["query"], "query")
+    if len(query) != 1:
+        raise ApiError("invalid_request", "'query' must hold exactly one text", param="query")
+    out = await tasks.rerank(request, model.spec.name, query[0],
+                             _strings(request, inputs["text"], "text"), param="text")
+    return {"score": out.scores}, out.ran.outcome
 
 
 def _embedding(model: ServedModel) -> Tensors:
@@ -79,9 +102,24 @@ def _embedding(model: ServedModel) -> Tensors:
                    run=_run_embedding)
 
 
-# task -> its tensors. A cross-encoder ("rerank": query + texts -> FP32 [N] scores) and a
-# classifier ("classification": texts -> FP32 [N, labels]) plug in here.
-TASKS: dict[str, Callable[[ServedModel], Tensors]] = {"embedding": _embedding}
+def _classification(model: ServedModel) -> Tensors:
+    return Tensors(inputs=(TensorSpec("text", BYTES, (-1,)),),
+                   outputs=(TensorSpec("probabilities", "FP32",
+                                       (-1, len(model.spec.labels))),),
+                   run=_run_classification)
+
+
+def _rerank(model: ServedModel) -> Tensors:
+    return Tensors(inputs=(TensorSpec("query", BYTES, (1,)), TensorSpec("text", BYTES, (-1,))),
+                   outputs=(TensorSpec("score", "FP32", (-1,)),),
+                   run=_run_rerank)
+
+
+# task -> its tensors: texts -> FP32 [N, D] embeddings; texts -> FP32 [N, labels] softmax
+# probabilities (labels in the model's metadata); one query + N texts -> FP32 [N] scores.
+TASKS: dict[str, Callable[[ServedModel], Tensors]] = {
+    "embedding": _embedding, "null": _embedding, "classification": _classification,
+    "rerank": _rerank}
 
 
 def add_routes(app: web.Application) -> None:
@@ -124,10 +162,12 @@ async def model_metadata(request: web.Request) -> web.Response:
     model = _model(request)
     spec = _tensors(model)
     version = _version(request, model)
-    return codec.render(request, {
-        "name": model.spec.name, "versions": [version] if version else [],
-        "platform": "shmserve", "inputs": [t.metadata() for t in spec.inputs],
-        "outputs": [t.metadata() for t in spec.outputs]})
+    body = {"name": model.spec.name, "versions": [version] if version else [],
+            "platform": "shmserve", "inputs": [t.metadata() for t in spec.inputs],
+            "outputs": [t.metadata() for t in spec.outputs]}
+    if model.spec.task == "classification":  # what each column of "probabilities" means
+        body["parameters"] = {"labels": list(model.spec.labels)}
+    return codec.render(request, body)
 
 
 async def infer(request: web.Request) -> web.Response:

@@ -10,7 +10,7 @@ TEI's ``GET /info`` is served with the observability routes. Differences from TE
 errors keep this server's body (OpenAI's shape, see frontend.errors), not TEI's
 ``{"error", "error_type"}``; a body may name a "model" (TEI serves one); ``normalize: false`` is
 refused for a model that normalises inside (its raw vectors never leave the worker); /rerank
-answers 422 until cross-encoders are served (pending the model-management issue).
+needs a cross-encoder (task rerank) and answers 422 `unsupported_task` for other models.
 In msgpack responses (Accept), /embed vectors are raw little-endian float32 bytes.
 """
 
@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 from aiohttp import web
 
-from frontend import codec, vectors
+from frontend import codec, tasks, vectors
 from frontend.app import CONFIG, MODEL_NAME, MODELS
 from frontend.errors import ApiError
 from frontend.routes import _THREAD_TOKENIZE_CHARS, _embed, _stage_headers
@@ -76,16 +76,19 @@ async def rerank(request: web.Request) -> web.Response:
     if "texts" not in body:
         raise ApiError("invalid_request", "'texts' is required", param="texts")
     _texts(body["texts"], "texts", limits)
-    _flag(body, "raw_scores", False)
-    _flag(body, "return_text", False)
+    raw_scores = _flag(body, "raw_scores", False)
+    return_text = _flag(body, "return_text", False)
     _truncation(body)
-    model = request.app[MODELS].resolve(_model(body))
-    request[MODEL_NAME] = model.spec.name
-    # Cross-encoders come with the model-management issue; their scores plug in here.
-    kind = "an embedding" if model.spec.task == "embedding" else f"a {model.spec.task}"
-    raise ApiError("invalid_request", f"model {model.spec.name!r} is {kind} model; rerank "
-                   "needs a cross-encoder (task rerank), which this server does not serve yet",
-                   param="model", code="unsupported_task")
+    texts = body["texts"]
+    out = await tasks.rerank(request, _model(body), query, texts, param="texts")
+    scores = out.scores
+    if raw_scores:  # the logit before the cross-encoder's sigmoid, as TEI's raw_scores
+        clipped = np.clip(scores.astype(np.float64), 1e-12, 1 - 1e-12)
+        scores = np.log(clipped / (1 - clipped))
+    order = np.argsort(-out.scores, kind="stable")
+    results = [{"index": int(i), "score": float(scores[i]),
+                **({"text": texts[i]} if return_text else {})} for i in order]
+    return codec.render(request, results, headers=tasks.stage_headers(request, out.ran.outcome))
 
 
 async def tokenize(request: web.Request) -> web.Response:

@@ -112,6 +112,51 @@ def test_rerank_scores_pairs_best_first(stack, dirs):
     assert "document" not in body["results"][0]
 
 
+def test_tei_rerank_on_the_cross_encoder(stack, dirs):
+    query = "what moves token ids between processes?"
+    want = reference_scores(dirs["ce"], [(query, d) for d in TEXTS], TINY_MAX_TOKENS)
+    status, headers, body = stack.post_json("/rerank", {"model": "ce", "query": query,
+                                                        "texts": TEXTS, "return_text": True})
+    assert status == 200, body
+    assert [r["index"] for r in body] == np.argsort(-want, kind="stable").tolist()
+    np.testing.assert_allclose([r["score"] for r in body], want[[r["index"] for r in body]],
+                               atol=1e-5)
+    assert all(r["text"] == TEXTS[r["index"]] for r in body)
+    assert headers["X-Model-Revision"] == "ce-r1"
+    status, _, raw = stack.post_json("/rerank", {"model": "ce", "query": query, "texts": TEXTS,
+                                                 "raw_scores": True})
+    logits = np.log(want / (1 - want))  # TEI's raw_scores: before the sigmoid
+    np.testing.assert_allclose([r["score"] for r in raw], logits[[r["index"] for r in raw]],
+                               atol=1e-4)
+    assert "text" not in raw[0]
+
+
+def test_kserve_classification_and_rerank_tensors(stack, dirs):
+    import tritonclient.http as triton
+
+    client = triton.InferenceServerClient(stack.url.removeprefix("http://"))
+    meta = client.get_model_metadata("clf")
+    assert meta["outputs"] == [{"name": "probabilities", "datatype": "FP32", "shape": [-1, 3]}]
+    assert meta["parameters"]["labels"] == LABELS
+    for binary in (True, False):
+        text = triton.InferInput("text", [len(TEXTS)], "BYTES")
+        text.set_data_from_numpy(np.array([t.encode() for t in TEXTS], dtype=object),
+                                 binary_data=binary)
+        out = triton.InferRequestedOutput("probabilities", binary_data=binary)
+        got = client.infer("clf", [text], outputs=[out]).as_numpy("probabilities")
+        np.testing.assert_allclose(got, reference_scores(dirs["clf"], TEXTS, TINY_MAX_TOKENS),
+                                   atol=1e-5)
+    query = triton.InferInput("query", [1], "BYTES")
+    query.set_data_from_numpy(np.array([b"what moves token ids?"], dtype=object))
+    docs = triton.InferInput("text", [len(TEXTS)], "BYTES")
+    docs.set_data_from_numpy(np.array([t.encode() for t in TEXTS], dtype=object))
+    scores = client.infer("ce", [query, docs]).as_numpy("score")
+    want = reference_scores(dirs["ce"], [("what moves token ids?", d) for d in TEXTS],
+                            TINY_MAX_TOKENS)
+    np.testing.assert_allclose(scores, want, atol=1e-5)
+    client.close()
+
+
 @pytest.mark.parametrize("path,body,needle", [
     ("/v1/embeddings", {"model": "clf", "input": "x"},
      "'clf' is a classification model; this route needs an embedding model"),

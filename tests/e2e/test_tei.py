@@ -101,12 +101,17 @@ def test_embed_refusals(tiny_stack, body, param):
 
 
 def test_rerank_validates_then_explains_it_needs_a_cross_encoder(tiny_stack):
+    """On an embedding model; scores from a cross-encoder: tests/e2e/test_tasks.py."""
     status, _, err = tiny_stack.post_json("/rerank", {"query": "q"})
     assert status == 422 and err["error"]["param"] == "texts"
     status, _, err = tiny_stack.post_json("/rerank", {"query": "q", "texts": TEXTS,
                                                       "return_text": True})
+    assert status == 404 and err["error"]["code"] == "model_not_found"
+    assert "no rerank model is served" in err["error"]["message"]
+    status, _, err = tiny_stack.post_json("/rerank", {"query": "q", "texts": TEXTS,
+                                                      "model": "tiny"})
     assert status == 422 and err["error"]["code"] == "unsupported_task"
-    assert "'tiny' is an embedding model; rerank needs a cross-encoder" in err["error"]["message"]
+    assert "this route needs a rerank model" in err["error"]["message"]
 
 
 def test_tokenize_in_teis_shape(tiny_stack, tiny_model):
