@@ -10,8 +10,9 @@ dtype, threads and batch policy, on the same texts grouped the way the server se
 consecutive chunks of users x texts); and, with --compare, the other server's window. Figures
 quoted are medians over rounds of the per-round ratios, with their range.
 
-Then: an open-loop sweep at 25/50/75/100% of the short scenario's saturation (latency against
-throughput, plotted), the pipeline capacity with the built-in `null` model (zeros, no compute:
+Then: an open-loop sweep at 25/50/75/100% of the short scenario's saturation (Poisson arrivals
+from an asyncio generator, since locust's users are a closed loop; latency against throughput,
+plotted), the pipeline capacity with the built-in `null` model (zeros, no compute:
 nginx, frontends, shared memory, ZeroMQ and batching alone), and vector parity against
 sentence-transformers fp32.
 
@@ -39,7 +40,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
 from benchkit import (CORPUS, Baseline, InProcess, OwnStack, Scenario,  # noqa: E402
-                      locust_window, min_cosine_to_fp32)
+                      locust_window, min_cosine_to_fp32, open_loop_window)
 
 from shmserve import config as config_mod  # noqa: E402
 
@@ -89,8 +90,7 @@ def sweep(args, url: str, saturation_rps: float) -> list[dict]:
     points = []
     for fraction in (0.25, 0.5, 0.75, 1.0):
         rate = max(1.0, saturation_rps * fraction)
-        scenario = Scenario(f"open-{fraction}", 64, "1", rate=rate)
-        window = locust_window(url, scenario, args.window, args.corpus)
+        window = open_loop_window(url, rate, args.window, args.corpus)
         points.append({"fraction": fraction, "offered_rps": rate, **window})
         print(f"open loop {fraction:.0%} ({rate:.0f} req/s offered): "
               f"{window['requests_per_s']:.1f} req/s, p50 {window['p50_ms']:.0f} ms, "

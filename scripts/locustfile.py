@@ -20,6 +20,7 @@ import random
 import threading
 from pathlib import Path
 
+import gevent
 import msgpack
 from locust import FastHttpUser, constant, constant_throughput, events, task
 
@@ -77,6 +78,9 @@ class EmbeddingUser(FastHttpUser):
         if RATE:
             users = self.environment.runner.target_user_count or 1
             self.wait_time = constant_throughput(RATE / users).__get__(self)
+            # Spread the users' phases over one period: started together, they would arrive
+            # in bursts of `users` requests, which measures a burst, not a rate.
+            gevent.sleep(random.uniform(0, users / RATE))
 
     @task
     def embed(self) -> None:
