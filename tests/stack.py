@@ -19,6 +19,8 @@ from typing import Any
 
 import yaml
 
+from shmserve.config import deep_merge
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -46,7 +48,7 @@ class Stack:
         self.port = free_port()
         tree = {"server": {"run_dir": str(self.run_dir), "port": self.port, "host": "127.0.0.1",
                            "drain_timeout_s": 5}}
-        tree = _merge(tree, overrides)
+        tree = deep_merge(tree, overrides)
         root.mkdir(parents=True, exist_ok=True)
         self.config_file = root / "stack.yaml"
         self.config_file.write_text(yaml.safe_dump(tree))
@@ -114,12 +116,3 @@ class Stack:
                                      f"{self.all_logs()}")
             time.sleep(0.05)
 
-
-def _merge(base: dict, over: dict) -> dict:
-    merged = dict(base)
-    for key, value in over.items():
-        if isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = _merge(merged[key], value)
-        else:
-            merged[key] = value
-    return merged
