@@ -33,7 +33,7 @@ async def info(request: web.Request) -> web.Response:
 
 
 def describe(cfg: Config, models: Models, pool: WorkerPool) -> dict[str, Any]:
-    served = [_model(cfg, served.spec, pool) for served in models.by_name.values()]
+    served = [_model(cfg, served, pool) for served in models.by_name.values()]
     default = next(m for m in served if m["name"] == models.default)
     devices = topology.worker_devices(cfg)
     return {
@@ -68,8 +68,10 @@ def describe(cfg: Config, models: Models, pool: WorkerPool) -> dict[str, Any]:
     }
 
 
-def _model(cfg: Config, spec, pool: WorkerPool) -> dict[str, Any]:
-    reported = pool.model_info(spec.name)
+def _model(cfg: Config, served, pool: WorkerPool) -> dict[str, Any]:
+    spec = served.spec
+    # Workers name an A/B arm MODEL@VARIANT; the first arm stands for the model here.
+    reported = pool.model_info(served.variants[0].unit)
     # The workers hash the weights (the frontend does not read them); a configured revision is
     # known at once.
     revision = reported.revision if reported is not None else (spec.revision or None)

@@ -153,7 +153,10 @@ async def ready(request: web.Request) -> web.Response:
 
 async def model_ready(request: web.Request) -> web.Response:
     model = _model(request)
-    is_ready = bool(request.app[POOL].ready_links(model.spec.name))
+    # Ready when every arm of the model (one without an A/B split) has a ready worker; workers
+    # name an arm MODEL@VARIANT.
+    pool = request.app[POOL]
+    is_ready = all(pool.ready_links(v.unit) for v in model.variants)
     return codec.render(request, {"name": model.spec.name, "ready": is_ready},
                         status=200 if is_ready else 400)
 
@@ -212,7 +215,7 @@ def _model(request: web.Request) -> ServedModel:
 
 def _version(request: web.Request, model: ServedModel) -> str:
     """The revision the workers report, else the configured one ("" until either is known)."""
-    info = request.app[POOL].model_info(model.spec.name)
+    info = request.app[POOL].model_info(model.variants[0].unit)  # an A/B model: its first arm
     return info.revision if info is not None and info.revision else model.spec.revision
 
 

@@ -268,3 +268,16 @@ def test_new_weights_apply_on_every_frontend(stack):
     assert json.loads(proc.stdout)["weights"] == {"a": 1 - AB_WEIGHT_B, "b": AB_WEIGHT_B}
     results = asyncio.run(_embed_many(stack, [{"model": "ab", "input": "x"}] * 100))
     assert Counter(r[0] for r in results)["a"] >= 60
+
+
+def test_ab_models_are_ready_and_versioned_on_kserve_and_info(stack):
+    """Workers name A/B arms MODEL@VARIANT; KServe readiness and /info still find the model."""
+    import tritonclient.http as triton
+
+    client = triton.InferenceServerClient(stack.url.removeprefix("http://"))
+    assert client.is_model_ready("ab")
+    assert client.get_model_metadata("ab")["versions"] == ["ab-r1"]  # its first arm
+    client.close()
+    status, _, raw = stack.get("/info")
+    models = {m["name"]: m for m in json.loads(raw)["models"]}
+    assert status == 200 and models["ab"]["revision"] == "ab-r1"
