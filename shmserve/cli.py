@@ -112,6 +112,9 @@ def up(args: argparse.Namespace) -> int:
     except models.ModelSourceError as exc:
         raise CliError(f"models: {exc}") from None
     render.render(cfg)
+    leftovers = processes.kill_orphans(cfg)  # a SIGKILLed supervisord left its children
+    if leftovers:
+        print(f"shmserve: killed processes a dead supervisord left behind: {leftovers}")
     clean_stale(cfg, metrics=True)
     state.remove(cfg)  # reloads and splits of an earlier run: at start the config is the truth
     argv = [tool("supervisord"), "-c", str(render.supervisord_conf(cfg))]
@@ -143,6 +146,7 @@ def down(args: argparse.Namespace) -> int:
         print("shmserve: stopped")
     if render.nginx_conf(cfg).exists():
         nginxrun.kill_all(render.nginx_conf(cfg))
+    processes.kill_orphans(cfg)
     clean_stale(cfg, metrics=False)
     return 0
 

@@ -6,7 +6,11 @@ frontend answering a scrape) can ask without being supervisord's parent or child
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 import xmlrpc.client
+from pathlib import Path
 
 import psutil
 
@@ -58,3 +62,43 @@ def tree_rss(pid: int) -> int | None:
         except psutil.Error:
             continue  # exited meanwhile
     return total
+
+
+def orphans(cfg: Config, proc: Path = Path("/proc")) -> list[int]:
+    """Processes of this deployment that outlived their supervisord (it was SIGKILLed): every
+    program supervisord starts carries SHMSERVE_RUN_DIR=<run_dir> in its environment. (nginx
+    writes its title over its environment; shmserve.nginxrun finds nginx by its config.)"""
+    marker = f"SHMSERVE_RUN_DIR={cfg.run_dir}".encode()
+    found = []
+    for entry in proc.iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+        except OSError:  # gone, or not ours to read
+            continue
+        if marker in environ.split(b"\0"):
+            found.append(int(entry.name))
+    return sorted(found)
+
+
+def kill_orphans(cfg: Config, timeout_s: float = 10.0) -> list[int]:
+    """SIGKILL this deployment's orphans; return once they are gone (zombies count as gone)."""
+    pids = orphans(cfg)
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + timeout_s
+    while any(_running(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return pids
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"

@@ -74,3 +74,26 @@ def test_up_refuses_models_outside_the_roots_and_pickle_only(tmp_path, tiny_mode
     proc = Stack(tmp_path / "pickle", overrides).cli("up", check=False)
     assert proc.returncode != 0 and "safetensors only" in proc.stderr + proc.stdout
     assert not (tmp_path / "pickle" / "run" / "supervisord.pid").exists()  # nothing started
+
+
+def test_a_sigkilled_supervisord_leaves_nothing_running_after_the_next_up(tmp_path, tiny_model):
+    from shmserve import processes
+
+    stack = Stack(tmp_path / "s", tiny_overrides(tiny_model, frontends={"count": 1}))
+    stack.up()
+    try:
+        cfg = config.load_resolved(stack.run_dir / "config.json")
+        children = processes.orphans(cfg)
+        assert len(children) >= 3  # frontend, worker, reaper (nginx is found by its config)
+        old_worker = pid_of(stack, "workers:worker-0")
+        supervisord = int((stack.run_dir / "supervisord.pid").read_text())
+        os.kill(supervisord, signal.SIGKILL)
+        stack.wait_until(lambda: not processes._running(supervisord), 10, "supervisord gone")
+        assert processes._running(old_worker)  # its children live on
+        stack.up()  # sweeps them, then starts afresh
+        assert not processes._running(old_worker)
+        assert not set(children) & set(processes.orphans(cfg))
+        assert stack.post_json("/predict", {"texts": ["fresh"]})[0] == 200
+    finally:
+        stack.down()
+    assert processes.orphans(cfg) == []
