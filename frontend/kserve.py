@@ -27,7 +27,7 @@ from frontend import codec, tasks, tensors
 from frontend.app import CONFIG, MODEL_NAME, MODELS, POOL, ServedModel
 from frontend.dispatch import Outcome
 from frontend.errors import ApiError
-from frontend.routes import _embed, _stage_headers
+from frontend.routes import embed
 from frontend.schemas import EmbedRequest, _texts
 from frontend.tensors import BYTES, Tensor
 
@@ -74,7 +74,7 @@ def _strings(request: web.Request, tensor: Tensor, name: str) -> list[str]:
 async def _run_embedding(request: web.Request, model: ServedModel,
                          inputs: dict[str, Tensor]) -> tuple[dict[str, np.ndarray], Outcome]:
     parsed = EmbedRequest(_strings(request, inputs["text"], "text"), model.spec.name)
-    _, outcome, _ = await _embed(request, parsed, "text")
+    _, outcome, _ = await embed(request, parsed, "text")
     return {"embedding": outcome.vectors}, outcome
 
 
@@ -189,7 +189,7 @@ async def infer(request: web.Request) -> web.Response:
     head = {"model_name": model.spec.name, "model_version": _version(request, model)}
     if request_id is not None:
         head["id"] = request_id
-    headers = _stage_headers(request, outcome)
+    headers = tasks.stage_headers(request, outcome)
     if codec.wants_msgpack(request):
         return codec.render(request, {**head, "outputs": [
             {"name": t.name, "datatype": t.datatype, "shape": list(t.shape),

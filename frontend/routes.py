@@ -33,7 +33,7 @@ async def embeddings(request: web.Request) -> web.Response:
     cfg = request.app[CONFIG]
     body = await codec.read_body(request)
     parsed = schemas.parse_openai_embeddings(body, cfg.limits)
-    model, outcome, enc = await _embed(request, parsed, "input")
+    model, outcome, enc = await embed(request, parsed, "input")
     as_msgpack = codec.wants_msgpack(request)
     if parsed.encoding_format == "base64":
         rows = [base64.b64encode(np.ascontiguousarray(r, "<f4").tobytes()).decode("ascii")
@@ -44,7 +44,7 @@ async def embeddings(request: web.Request) -> web.Response:
     return codec.render(request, {
         "object": "list", "data": data, "model": model.spec.name, "revision": outcome.revision,
         "usage": {"prompt_tokens": enc.tokens, "total_tokens": enc.tokens},
-    }, headers=_stage_headers(request, outcome))
+    }, headers=tasks.stage_headers(request, outcome))
 
 
 async def predict(request: web.Request) -> web.Response:
@@ -54,17 +54,18 @@ async def predict(request: web.Request) -> web.Response:
     parsed = schemas.parse_predict(body, cfg.limits)
     if request.app[MODELS].resolve(parsed.model).spec.task == "classification":
         return await scores.predict(request, body, parsed)
-    model, outcome, enc = await _embed(request, parsed, "texts")
+    model, outcome, enc = await embed(request, parsed, "texts")
     return codec.render(request, {
         "results": codec.vectors(outcome.vectors, codec.wants_msgpack(request)),
         "model": model.spec.name,
         "revision": outcome.revision,
         "usage": {"prompt_tokens": enc.tokens, "total_tokens": enc.tokens},
-    }, headers=_stage_headers(request, outcome))
+    }, headers=tasks.stage_headers(request, outcome))
 
 
-async def _embed(request: web.Request, parsed: schemas.EmbedRequest,
-                 param: str) -> tuple[ServedModel, Outcome, Encoded]:
+async def embed(request: web.Request, parsed: schemas.EmbedRequest,
+                param: str) -> tuple[ServedModel, Outcome, Encoded]:
+    """The embedding pipeline every embedding route shares (native, OpenAI, TEI, KServe)."""
     model = tasks.resolve(request, parsed.model, "embedding")
     vectors.check_dimensions(parsed.dimensions, model.spec.dim)
     if parsed.token_ids is not None:  # tokenized by the client
@@ -81,11 +82,6 @@ async def _embed(request: web.Request, parsed: schemas.EmbedRequest,
         outcome = dataclasses.replace(outcome, vectors=vectors.shorten(
             outcome.vectors, parsed.dimensions, model.spec.normalize))
     return model, outcome, ran.enc
-
-
-# The names frontend.tei and frontend.kserve import.
-_THREAD_TOKENIZE_CHARS = tasks.THREAD_TOKENIZE_CHARS
-_stage_headers = tasks.stage_headers
 
 
 async def list_models(request: web.Request) -> web.Response:

@@ -25,7 +25,7 @@ from aiohttp import web
 from frontend import codec, tasks, vectors
 from frontend.app import CONFIG, MODEL_NAME, MODELS
 from frontend.errors import ApiError
-from frontend.routes import _THREAD_TOKENIZE_CHARS, _embed, _stage_headers
+from frontend.routes import embed
 from frontend.schemas import (EmbedRequest, _mapping, _model, _texts, dimensions,
                               texts_or_ids)
 from shmserve.config import LimitsConfig
@@ -47,12 +47,12 @@ async def embed(request: web.Request) -> web.Response:
         raise ApiError("invalid_request", f"model {model.spec.name!r} normalises its vectors "
                        "itself; normalize=false cannot be served (models.normalize)",
                        param="normalize")
-    model, outcome, _ = await _embed(request, parsed, "inputs")
+    model, outcome, _ = await embed(request, parsed, "inputs")
     rows = outcome.vectors
     if normalize and not model.spec.normalize:
         rows = vectors.normalize(rows)
     return codec.render(request, codec.vectors(rows, codec.wants_msgpack(request)),
-                        headers=_stage_headers(request, outcome))
+                        headers=tasks.stage_headers(request, outcome))
 
 
 def parse_embed(body: dict, limits: LimitsConfig) -> tuple[EmbedRequest, bool]:
@@ -106,7 +106,7 @@ async def tokenize(request: web.Request) -> web.Response:
         encodings = model.encoder.tokenize(texts, special)
         return [_tokens(text, enc) for text, enc in zip(texts, encodings)]
 
-    if sum(map(len, texts)) > _THREAD_TOKENIZE_CHARS:  # as /predict: off the event loop
+    if sum(map(len, texts)) > tasks.THREAD_TOKENIZE_CHARS:  # as /predict: off the event loop
         return codec.render(request, await asyncio.get_running_loop().run_in_executor(None, run))
     return codec.render(request, run())
 
