@@ -23,11 +23,10 @@ import numpy as np
 from aiohttp import web
 
 import shmserve
-from frontend import codec, tasks, tensors
+from frontend import codec, routes, tasks, tensors
 from frontend.app import CONFIG, MODEL_NAME, MODELS, POOL, ServedModel
 from frontend.dispatch import Outcome
 from frontend.errors import ApiError
-from frontend.routes import embed
 from frontend.schemas import EmbedRequest, _texts
 from frontend.tensors import BYTES, Tensor
 
@@ -74,7 +73,7 @@ def _strings(request: web.Request, tensor: Tensor, name: str) -> list[str]:
 async def _run_embedding(request: web.Request, model: ServedModel,
                          inputs: dict[str, Tensor]) -> tuple[dict[str, np.ndarray], Outcome]:
     parsed = EmbedRequest(_strings(request, inputs["text"], "text"), model.spec.name)
-    _, outcome, _ = await embed(request, parsed, "text")
+    _, outcome, _ = await routes.embed(request, parsed, "text")
     return {"embedding": outcome.vectors}, outcome
 
 

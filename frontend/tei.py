@@ -22,10 +22,9 @@ from typing import Any
 import numpy as np
 from aiohttp import web
 
-from frontend import codec, tasks, vectors
+from frontend import codec, routes, tasks, vectors
 from frontend.app import CONFIG, MODEL_NAME, MODELS
 from frontend.errors import ApiError
-from frontend.routes import embed
 from frontend.schemas import (EmbedRequest, _mapping, _model, _texts, dimensions,
                               texts_or_ids)
 from shmserve.config import LimitsConfig
@@ -47,7 +46,7 @@ async def embed(request: web.Request) -> web.Response:
         raise ApiError("invalid_request", f"model {model.spec.name!r} normalises its vectors "
                        "itself; normalize=false cannot be served (models.normalize)",
                        param="normalize")
-    model, outcome, _ = await embed(request, parsed, "inputs")
+    model, outcome, _ = await routes.embed(request, parsed, "inputs")
     rows = outcome.vectors
     if normalize and not model.spec.normalize:
         rows = vectors.normalize(rows)
