@@ -5,65 +5,23 @@ Run alone with `scripts/test -m chaos`; they are part of the default suite too.
 
 import os
 import signal
-import threading
-import time
-import urllib.error
-import urllib.request
 from collections import Counter
 
 import pytest
 
 from tests.conftest import tiny_overrides
+from tests.load import Load as ClosedLoop
 from tests.stack import Stack
 
 pytestmark = pytest.mark.chaos
 
 
-class Load:
-    """Closed-loop clients that record the outcome of every request until stopped."""
-
+class Load(ClosedLoop):
     def __init__(self, stack: Stack, clients: int = 6) -> None:
-        self.stack = stack
-        self.outcomes: list[str] = []
-        self._stop = threading.Event()
-        self._lock = threading.Lock()
-        self._threads = [threading.Thread(target=self._run, args=(i,)) for i in range(clients)]
+        super().__init__(stack, clients)
 
-    def __enter__(self) -> "Load":
-        for t in self._threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        for t in self._threads:
-            t.join(60)
-        assert not any(t.is_alive() for t in self._threads), "a client hung"
-
-    def _run(self, i: int) -> None:
-        n = 0
-        while not self._stop.is_set():
-            n += 1
-            data = f'{{"texts": ["client {i} request {n}", "second text"]}}'.encode()
-            req = urllib.request.Request(self.stack.url + "/predict", data=data,
-                                         headers={"Content-Type": "application/json"})
-            try:
-                with urllib.request.urlopen(req, timeout=30) as resp:
-                    outcome = str(resp.status)
-            except urllib.error.HTTPError as exc:
-                outcome = str(exc.code)
-            except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:
-                outcome = f"conn:{type(getattr(exc, 'reason', exc)).__name__}"
-            with self._lock:
-                self.outcomes.append(outcome)
-
-    def mark(self) -> int:
-        with self._lock:
-            return len(self.outcomes)
-
-    def since(self, mark: int) -> Counter:
-        with self._lock:
-            return Counter(self.outcomes[mark:])
+    def body(self, client: int, n: int) -> bytes:
+        return f'{{"texts": ["client {client} request {n}", "second text"]}}'.encode()
 
 
 def pid_of(stack: Stack, program: str) -> int:

@@ -8,7 +8,6 @@ import aiohttp
 import msgpack
 import numpy as np
 import openai
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import TINY_MAX_TOKENS

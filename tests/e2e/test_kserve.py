@@ -18,13 +18,6 @@ def client(tiny_stack):
         yield client
 
 
-@pytest.fixture(scope="module")
-def native(tiny_stack):
-    status, _, body = tiny_stack.post_json("/predict", {"texts": TEXTS})
-    assert status == 200
-    return np.array(body["results"], dtype=np.float32)
-
-
 def text_input(texts, binary, shape=None):
     tensor = triton.InferInput("text", shape or [len(texts)], "BYTES")
     data = np.array([t.encode() for t in texts], dtype=np.object_)

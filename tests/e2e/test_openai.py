@@ -20,13 +20,6 @@ def client(tiny_stack):
 
 
 @pytest.fixture(scope="module")
-def native(tiny_stack):
-    status, _, body = tiny_stack.post_json("/predict", {"texts": TEXTS})
-    assert status == 200
-    return np.array(body["results"], dtype=np.float32)
-
-
-@pytest.fixture(scope="module")
 def tokenizer(tiny_model):
     tok = Tokenizer.from_file(str(tiny_model / "tokenizer.json"))
     tok.no_padding()

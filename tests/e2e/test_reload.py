@@ -8,15 +8,13 @@ import json
 import os
 import shutil
 import signal
-import threading
 import time
-import urllib.error
-import urllib.request
 
 import numpy as np
 import pytest
 
 from tests.conftest import TINY_MAX_TOKENS, tiny_overrides
+from tests.load import Load as ClosedLoop
 from tests.stack import Stack
 from tests.tinymodel import build_tiny_bert, reference_embeddings
 
@@ -46,60 +44,31 @@ def stack(tmp_path_factory, models):
     s.down()
 
 
-class Load:
+class Load(ClosedLoop):
     """Closed-loop clients posting TEXTS; each outcome records when it started, its status, the
     revision it reports and which model's vectors it holds ("a", "b", or "mixed")."""
 
     def __init__(self, stack: Stack, refs: dict, clients: int = 4) -> None:
-        self.stack, self.refs = stack, refs
-        self.outcomes: list[tuple[float, str, str, str]] = []
-        self._stop = threading.Event()
-        self._lock = threading.Lock()
-        self._threads = [threading.Thread(target=self._run) for _ in range(clients)]
+        super().__init__(stack, clients)
+        self.refs = refs
 
-    def __enter__(self) -> "Load":
-        for t in self._threads:
-            t.start()
-        return self
+    def body(self, client: int, n: int) -> bytes:
+        return json.dumps({"texts": TEXTS}).encode()
 
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        for t in self._threads:
-            t.join(60)
-        assert not any(t.is_alive() for t in self._threads), "a client hung"
+    def outcome(self, resp, started: float) -> tuple[float, str, str, str]:
+        body = json.loads(resp.read())
+        assert resp.headers["X-Model-Revision"] == body["revision"]
+        return (started, str(resp.status), body["revision"],
+                self._which(np.array(body["results"], dtype=np.float32)))
 
-    def _run(self) -> None:
-        data = json.dumps({"texts": TEXTS}).encode()
-        while not self._stop.is_set():
-            started = time.monotonic()
-            req = urllib.request.Request(self.stack.url + "/predict", data=data,
-                                         headers={"Content-Type": "application/json"})
-            try:
-                with urllib.request.urlopen(req, timeout=30) as resp:
-                    body = json.loads(resp.read())
-                    outcome = (started, str(resp.status), body["revision"],
-                               self._which(np.array(body["results"], dtype=np.float32)))
-                    assert resp.headers["X-Model-Revision"] == body["revision"]
-            except urllib.error.HTTPError as exc:
-                outcome = (started, str(exc.code), "", "")
-            except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:
-                outcome = (started, f"conn:{type(exc).__name__}", "", "")
-            with self._lock:
-                self.outcomes.append(outcome)
+    def failure(self, status: str, started: float) -> tuple[float, str, str, str]:
+        return (started, status, "", "")
 
     def _which(self, rows: np.ndarray) -> str:
         for name, ref in self.refs.items():
             if np.allclose(rows, ref, atol=1e-5):
                 return name
         return "mixed"
-
-    def mark(self) -> int:
-        with self._lock:
-            return len(self.outcomes)
-
-    def wait_for(self, count: int) -> None:
-        target = self.mark() + count
-        self.stack.wait_until(lambda: self.mark() >= target, 60, f"{count} more requests")
 
 
 def reload(stack: Stack, name: str, **body) -> tuple[int, dict]:

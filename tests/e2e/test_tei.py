@@ -21,13 +21,6 @@ def hub_online(monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def native(tiny_stack):
-    status, _, body = tiny_stack.post_json("/predict", {"texts": TEXTS})
-    assert status == 200
-    return np.array(body["results"], dtype=np.float32)
-
-
-@pytest.fixture(scope="module")
 def hub(tiny_stack):
     with InferenceClient(model=tiny_stack.url + "/embed") as client:
         yield client
