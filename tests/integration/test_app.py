@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import pytest
 import yaml
 from aiohttp.test_utils import TestClient, TestServer
 
