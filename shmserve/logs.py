@@ -58,8 +58,9 @@ class BufferedHandler(logging.StreamHandler):
     one wake-up of supervisord, which reads it: at a thousand requests a second that cost a
     fifth of a core. A SIGKILL loses at most `interval` seconds of lines."""
 
-    def __init__(self, interval: float) -> None:
-        buffered = io.BufferedWriter(io.FileIO(os.dup(sys.stdout.fileno()), "w"), 1 << 16)
+    def __init__(self, interval: float, fd: int | None = None) -> None:
+        fd = sys.stdout.fileno() if fd is None else fd
+        buffered = io.BufferedWriter(io.FileIO(os.dup(fd), "w"), 1 << 16)
         super().__init__(io.TextIOWrapper(buffered, encoding="utf-8", write_through=False))
         self._interval = interval
         self._stop = threading.Event()
@@ -70,7 +71,14 @@ class BufferedHandler(logging.StreamHandler):
             self.flush()
 
     def emit(self, record: logging.LogRecord) -> None:
-        super().emit(record)
+        # Not StreamHandler.emit: it flushes after every record, which would write each line
+        # through to the pipe and defeat the buffer. Handler.handle holds self.lock here.
+        try:
+            self.stream.write(self.format(record) + self.terminator)
+        except RecursionError:
+            raise
+        except Exception:  # noqa: BLE001 - as logging's own handlers: report, never raise
+            self.handleError(record)
         if record.levelno >= logging.WARNING:
             self.flush()
 
@@ -78,6 +86,8 @@ class BufferedHandler(logging.StreamHandler):
         self._stop.set()
         self.flush()
         super().close()
+        with self.lock:
+            self.stream.close()  # our own dup of the descriptor
 
 
 def configure(cfg: LoggingConfig, process: str, stream: TextIO | None = None) -> None:

