@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
-from benchkit import CORPUS, OwnStack, Scenario, locust_window  # noqa: E402
+from benchkit import CORPUS, OwnStack, Scenario, locust_window, open_loop_window  # noqa: E402
 
 from shmserve.config import deep_merge  # noqa: E402
 
@@ -56,6 +56,9 @@ def main() -> int:
     parser.add_argument("--scenario", choices=sorted(SCENARIOS), default="short")
     parser.add_argument("--rounds", type=int, default=4, help="ABBA rounds (2 windows each)")
     parser.add_argument("--window", type=int, default=10, help="seconds per window")
+    parser.add_argument("--rate", type=float, default=0.0,
+                        help="open loop instead: Poisson arrivals at this many requests/s of "
+                             "one text each (the figure is then p99 / p50 and its ratio)")
     parser.add_argument("--env", help="config env (as SHMSERVE_ENV)")
     args = parser.parse_args()
 
@@ -66,13 +69,16 @@ def main() -> int:
             OwnStack(args.env, None, deep_merge(overlay(args.b), extra)) as b:
         for stack in (a, b):  # warm both: first requests load lazily initialised paths
             locust_window(stack.url, scenario, 3, CORPUS)
-        ratios, p99s = [], []
+        ratios = []
         for r in range(args.rounds):
             order = (a, b) if r % 2 == 0 else (b, a)
-            got = {id(s): locust_window(s.url, scenario, args.window, CORPUS) for s in order}
+            got = {id(s): open_loop_window(s.url, args.rate, args.window, CORPUS) if args.rate
+                   else locust_window(s.url, scenario, args.window, CORPUS) for s in order}
             ra, rb = got[id(a)], got[id(b)]
+            if args.rate:
+                tails = [r["p99_ms"] / r["p50_ms"] for r in (ra, rb)]
+                print(f"round {r + 1}: A p99/p50 {tails[0]:.2f} | B p99/p50 {tails[1]:.2f}")
             ratios.append(rb[metric] / ra[metric])
-            p99s.append((ra["p99_ms"], rb["p99_ms"]))
             print(f"round {r + 1}: A {ra[metric]:.1f} {metric}, p50 {ra['p50_ms']:.0f} ms, "
                   f"p99 {ra['p99_ms']:.0f} ms | B {rb[metric]:.1f}, p50 {rb['p50_ms']:.0f} ms, "
                   f"p99 {rb['p99_ms']:.0f} ms | B/A {ratios[-1]:.3f}", flush=True)

@@ -39,7 +39,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
-from benchkit import (CORPUS, Baseline, InProcess, OwnStack, Scenario,  # noqa: E402
+from benchkit import (CORPUS, Baseline, OwnStack, Scenario, ceiling,  # noqa: E402
                       locust_window, min_cosine_to_fp32, open_loop_window)
 
 from shmserve import config as config_mod  # noqa: E402
@@ -51,7 +51,7 @@ SCENARIOS = {
 }
 
 
-def closed_loop(args, url: str, other: str | None, inproc: InProcess) -> dict:
+def closed_loop(args, url: str, other: str | None, inproc) -> dict:
     results = {}
     for name in args.only:
         scenario = SCENARIOS[name]
@@ -195,8 +195,10 @@ def main() -> int:
                         f"{cfg.batching.max_batch_tokens}, max_wait_ms "
                         f"{cfg.batching.max_wait_ms}, max_pad_ratio "
                         f"{cfg.batching.max_pad_ratio}"}
-    inproc = InProcess(cfg, corpus)
+    inproc = ceiling(cfg, args.corpus, args.env, args.config)
     with contextlib.ExitStack() as stack:
+        if hasattr(inproc, "close"):
+            stack.callback(inproc.close)
         url = args.url or stack.enter_context(OwnStack(args.env, args.config, {})).url
         other = None
         if args.compare == "baseline":

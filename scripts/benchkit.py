@@ -148,7 +148,7 @@ class InProcess:
     """The model alone (same dtype, threads and batch policy as the server's config), on the
     same corpus texts grouped the way the server sees them at a given concurrency."""
 
-    def __init__(self, cfg, corpus: list[str]) -> None:
+    def __init__(self, cfg, corpus: list[str], offset: int = 0) -> None:
         import torch
 
         from frontend.tokenizer import TextEncoder
@@ -164,7 +164,7 @@ class InProcess:
                       for a, b in zip(enc.offsets[:-1], enc.offsets[1:])]
         self.limits = Limits(cfg.batching.max_batch_size, cfg.batching.max_batch_tokens,
                              cfg.batching.max_wait_ms / 1000, cfg.batching.max_pad_ratio)
-        self.cursor = 0
+        self.cursor = offset
         self.window(2, 32)  # warm-up, as a worker warms up before it reports ready
 
     def window(self, seconds: float, chunk: int) -> dict:
@@ -182,6 +182,63 @@ class InProcess:
                     ids[j, :t.length] = t.ids
                 self.model.forward(ids, np.array([t.length for t in batch.texts]))
         return {"texts_per_s": done / (time.perf_counter() - started)}
+
+
+def ceiling(cfg, corpus: Path, env: str | None, extra: str | None):
+    """The in-process ceiling for the config's CPU workers: one InProcess when it runs one
+    worker; else as many processes as it runs workers, each with its thread count, run at once
+    and summed (each on its share of the clients' texts, as the frontends spread them)."""
+    from shmserve import topology
+
+    workers = len(topology.worker_devices(cfg))
+    if workers == 1:
+        return InProcess(cfg, json.loads(corpus.read_text()))
+    return _Ceilings(workers, corpus, env, extra)
+
+
+class _Ceilings:
+    def __init__(self, count: int, corpus: Path, env: str | None, extra: str | None) -> None:
+        self.procs = []
+        for i in range(count):
+            argv = [PYTHON, str(Path(__file__).resolve()), "ceiling-child", str(i * 1000),
+                    str(corpus)]
+            if extra:
+                argv += ["--config", extra]
+            child_env = {**os.environ, "SHMSERVE_ENV": env or os.environ.get("SHMSERVE_ENV",
+                                                                              "dev")}
+            self.procs.append(subprocess.Popen(argv, stdin=subprocess.PIPE,
+                                               stdout=subprocess.PIPE, text=True, cwd=REPO,
+                                               env=child_env))
+        for proc in self.procs:
+            if proc.stdout.readline().strip() != "ready":
+                raise SystemExit("an in-process ceiling child failed to start")
+
+    def window(self, seconds: float, chunk: int) -> dict:
+        share = max(1, round(chunk / len(self.procs)))
+        for proc in self.procs:  # all start together
+            proc.stdin.write(f"{seconds} {share}\n")
+            proc.stdin.flush()
+        results = [json.loads(proc.stdout.readline()) for proc in self.procs]
+        return {"texts_per_s": sum(r["texts_per_s"] for r in results)}
+
+    def close(self) -> None:
+        for proc in self.procs:
+            proc.stdin.close()
+            proc.wait(30)
+
+
+def _ceiling_child(argv: list[str]) -> None:
+    """One worker's share of the ceiling: windows on request (stdin), results on stdout."""
+    sys.path.insert(0, str(REPO))
+    from shmserve import config as config_mod
+
+    extra = argv[argv.index("--config") + 1] if "--config" in argv else None
+    cfg = config_mod.load(extra=extra)
+    inproc = InProcess(cfg, json.loads(Path(argv[1]).read_text()), offset=int(argv[0]))
+    print("ready", flush=True)
+    for line in sys.stdin:
+        seconds, chunk = line.split()
+        print(json.dumps(inproc.window(float(seconds), int(chunk))), flush=True)
 
 
 def fetch_vectors(url: str, texts: list[str]) -> np.ndarray:
@@ -241,11 +298,16 @@ def open_loop_window(url: str, rate: float, seconds: float, corpus: Path) -> dic
                 else:
                     failures += 1
 
-            tasks, begin, i = [], time.perf_counter(), 0
-            while time.perf_counter() - begin < seconds:
+            # Arrival times are drawn ahead and kept to on the clock (not sleep after sleep,
+            # which would drift below the rate by each iteration's own time).
+            tasks, begin, i, due = [], time.perf_counter(), 0, 0.0
+            while due < seconds:
+                delay = begin + due - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
                 tasks.append(asyncio.create_task(one(i)))
                 i += 1
-                await asyncio.sleep(rng.expovariate(rate))
+                due += rng.expovariate(rate)
             await asyncio.gather(*tasks)
             return latencies, failures, time.perf_counter() - begin
 
@@ -255,3 +317,7 @@ def open_loop_window(url: str, rate: float, seconds: float, corpus: Path) -> dic
     return {"requests": len(latencies) + failures, "failures": failures,
             "requests_per_s": len(latencies) / elapsed, "texts_per_s": len(latencies) / elapsed,
             "p50_ms": pick(0.5), "p99_ms": pick(0.99)}
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["ceiling-child"]:
+    _ceiling_child(sys.argv[2:])

@@ -145,7 +145,15 @@ def render_nginx(cfg: Config) -> str:
         "listen": f"{host}:{cfg.server.port}",
         "frontend_count": str(cfg.frontends.count),
         "admin_access": admin,
+        "access_log_buffer": access_log_buffer(cfg),
     })
+
+
+def access_log_buffer(cfg: Config) -> str:
+    """nginx's access lines buffered like the other processes' logs (logging.flush_interval_ms):
+    4 KiB, a pipe's atomic write (PIPE_BUF), so nginx workers never interleave partial lines."""
+    ms = cfg.logging.flush_interval_ms
+    return f" buffer=4k flush={max(1, round(ms))}ms" if ms > 0 else ""
 
 
 def render_supervisord(cfg: Config, nginx: str) -> str:

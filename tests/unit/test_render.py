@@ -293,5 +293,13 @@ def test_nginx_logs_go_through_supervisord(tmp_path):
     render.render(cfg)
     conf = render.nginx_conf(cfg).read_text()
     assert "error_log stderr warn;" in conf
-    assert "access_log /dev/stdout shmserve_json;" in conf
+    # Buffered as the Python processes' lines are (logging.flush_interval_ms), in writes no
+    # larger than a pipe's atomic write.
+    assert "access_log /dev/stdout shmserve_json buffer=4k flush=200ms;" in conf
     assert str(topology.log_dir(cfg)) not in conf
+
+
+def test_nginx_access_lines_are_written_at_once_when_log_flushing_is_off(tmp_path):
+    cfg = make_config(tmp_path / "run", logging={"flush_interval_ms": 0})
+    render.render(cfg)
+    assert "access_log /dev/stdout shmserve_json;" in render.nginx_conf(cfg).read_text()
