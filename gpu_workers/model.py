@@ -4,13 +4,14 @@ Loading refuses pickle checkpoints, remote code, and a scoring checkpoint whose 
 initialised at random. The forward pass takes a padded int64 batch built by the worker and
 returns float32 rows (gpu_workers.tasks) ready to be copied into shared memory.
 
-dtypes: fp32 | bf16 | fp16 as loaded; auto is bf16 where the device computes it natively, else
-fp32; int8 is dynamic quantization of every nn.Linear (weights int8 ahead of time, activations
+dtypes: fp32 | bf16 | fp16 as loaded; auto is bf16 where the device computes it natively and a
+probe agrees with fp32 (gpu_workers.parity), else fp32; int8 is dynamic quantization of every nn.Linear (weights int8 ahead of time, activations
 quantized per batch), for CPU workers only.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import gc
 import inspect
@@ -23,7 +24,7 @@ import torch
 from transformers import AutoConfig
 from transformers.utils import logging as hf_logging
 
-from gpu_workers import tasks
+from gpu_workers import parity, tasks
 from shmserve.models import ModelSourceError, ModelSpec, weights_file
 
 log = logging.getLogger("shmserve.worker")
@@ -37,8 +38,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
 class Model:
     def __init__(self, spec: ModelSpec, device: torch.device) -> None:
         weights_file(spec.directory)  # refuses a pickle-only directory with a clear message
-        spec = dataclasses.replace(spec, dtype=resolve_dtype(spec.dtype, device))
-        self.spec = spec  # with the dtype it runs in
+        dtype = resolve_dtype(spec.dtype, device)
+        guarded = spec.dtype == "auto" and dtype != "fp32"  # kept only if it agrees with fp32
         self.device = device
         config = AutoConfig.from_pretrained(spec.directory, trust_remote_code=False)
         net, info = tasks.network_class(spec.task).from_pretrained(
@@ -46,7 +47,7 @@ class Model:
             config=config,
             use_safetensors=True,
             trust_remote_code=False,
-            dtype=DTYPES[spec.dtype],
+            dtype=DTYPES["fp32" if guarded else dtype],
             attn_implementation="sdpa",
             output_loading_info=True,
         )
@@ -55,12 +56,43 @@ class Model:
             raise ModelSourceError(f"{spec.directory}: weights lack {sorted(missing)[:4]}; a "
                                    f"{spec.task} model needs its trained head")
         net = net.eval()
-        if spec.dtype == "int8":
+        if dtype == "int8":
             net = quantize_int8(net)
         self.net = net.to(device)
         self.head = tasks.head(spec)
         self.pad_id = int(getattr(config, "pad_token_id", 0) or 0)
         self.token_types = "token_type_ids" in inspect.signature(self.net.forward).parameters
+        self.agreement: float | None = None  # with fp32 on the probe, when dtype auto chose
+        if guarded:
+            dtype = self._choose(spec, dtype)
+        self.spec = dataclasses.replace(spec, dtype=dtype)  # with the dtype it runs in
+
+    def _choose(self, spec: ModelSpec, dtype: str) -> str:
+        """dtype auto: run the probe in fp32 and in `dtype`; keep whichever the agreement
+        allows. The fp32 weights are dropped once `dtype` is kept."""
+        fp32 = self.net
+        try:
+            probe = parity.probe_batch(spec)
+            want = self.forward(*probe)
+            self.net = copy.deepcopy(fp32).to(DTYPES[dtype])
+            self.agreement = parity.agreement(want, self.forward(*probe))
+        except Exception as exc:  # noqa: BLE001 - the check, not the model, is what failed here
+            # The model may still serve (a probe text may hit what real inputs never do); the
+            # unchecked dtype is not kept. Its own errors show on the requests that cause them.
+            log.warning("model.dtype_auto: the probe failed (%s: %s); serving fp32",
+                        type(exc).__name__, exc, extra={"fields": {"model": spec.name}})
+            self.net = fp32
+            return "fp32"
+        keep = self.agreement >= spec.auto_min_cosine
+        fields = {"model": spec.name, "candidate": dtype, "agreement": round(self.agreement, 6),
+                  "auto_min_cosine": spec.auto_min_cosine, "dtype": dtype if keep else "fp32"}
+        if keep:
+            log.info("model.dtype_auto", extra={"fields": fields})
+            return dtype
+        log.warning("model.dtype_auto: %s disagrees with fp32 on the probe; serving fp32",
+                    dtype, extra={"fields": fields})
+        self.net = fp32
+        return "fp32"
 
     @torch.inference_mode()
     def forward(self, ids: np.ndarray, lengths: np.ndarray,

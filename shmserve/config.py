@@ -126,8 +126,12 @@ class ModelConfig:
     normalize: Literal["auto", "true", "false"] = "auto"
     max_input_tokens: int = 0  # 0: the model's own limit
     # auto: bf16 where the device computes it natively (CUDA with bf16, a CPU with AVX512-BF16
-    # or AMX), else fp32. int8: dynamic quantization of the linear layers, CPU workers only.
-    dtype: Literal["fp32", "bf16", "fp16", "auto", "int8"] = "fp32"
+    # or AMX) and a probe agrees with fp32 (auto_min_cosine), else fp32. int8: dynamic
+    # quantization of the linear layers, CPU workers only.
+    # auto keeps bf16 only where a probe of texts run both ways agrees with fp32 to
+    # auto_min_cosine (gpu_workers.parity); else the model is served in fp32.
+    dtype: Literal["fp32", "bf16", "fp16", "auto", "int8"] = "auto"
+    auto_min_cosine: float = 0.999
     revision: str = ""  # empty: a digest of the weights
     # Workers that load this model: GPU indices (as in workers.devices) when workers run on
     # GPUs, worker indexes (0..cpu_workers-1) on CPU workers. Empty: every worker.
@@ -282,6 +286,9 @@ def _check_models(cfg: Config) -> None:
                               f"got {model.sticky_key!r}")
         if model.sticky_key and not model.variants:
             raise ConfigError(f"{key}.sticky_key: only a model with variants is split")
+        if not 0 < model.auto_min_cosine <= 1:
+            raise ConfigError(f"{key}.auto_min_cosine: expected a number in (0, 1], "
+                              f"got {model.auto_min_cosine}")
         names = [v.name for v in model.variants]
         for j, variant in enumerate(model.variants):
             if not _NAME.match(variant.name):

@@ -43,6 +43,7 @@ class ModelSpec:
     revision: str
     labels: tuple[str, ...] = ()  # classification: label names by class index
     activation: str = ""  # rerank: sigmoid | identity, applied to the logit
+    auto_min_cosine: float = 0.999  # dtype auto: the agreement with fp32 bf16 must reach
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,6 +174,7 @@ def inspect(cfg: ModelConfig, with_revision: bool = True,
         revision=revision,
         labels=labels,
         activation=activation,
+        auto_min_cosine=cfg.auto_min_cosine,
     )
 
 

@@ -21,6 +21,9 @@ def tiny_overrides(tiny_model, **extra):
         "model_roots": [str(tiny_model.parent)],
         "models": [{"name": "tiny", "aliases": ["tiny-alias", "test-org/tiny"],
                     "source": str(tiny_model),
+                    # fp32: tests compare vectors with fp32 references (dtype auto could pick
+                    # bf16 on a CPU with AMX); tests/e2e/test_tasks.py serves auto on purpose.
+                    "dtype": "fp32",
                     "revision": "tiny-r1"}],
         "frontends": {"count": 2},
         "workers": {"devices": "cpu", "cpu_workers": 1, "torch_threads": 1},

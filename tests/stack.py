@@ -83,6 +83,17 @@ class Stack:
         path = self.run_dir / "logs" / f"{program}.log"
         return path.read_text(errors="replace") if path.exists() else ""
 
+    def log_lines(self, program: str) -> list[dict]:
+        """A program's JSON log lines, parsed (lines that are not JSON objects are skipped:
+        nginx's own, or the last one, half written)."""
+        lines = []
+        for line in self.log(program).splitlines():
+            try:
+                lines.append(json.loads(line))
+            except ValueError:
+                continue
+        return [line for line in lines if isinstance(line, dict)]
+
     def all_logs(self, tail: int = 40) -> str:
         out = []
         for path in sorted((self.run_dir / "logs").glob("*.log")):

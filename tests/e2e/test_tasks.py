@@ -42,16 +42,22 @@ def stack(tmp_path_factory, dirs):
     overrides["limits"]["truncate"] = True  # over-long pairs are cut, as CrossEncoder does
     overrides["models"] += [
         {"name": "clf", "source": str(dirs["clf"]), "task": "classification",
-         "revision": "clf-r1", "devices": [1]},
-        {"name": "ce", "source": str(dirs["ce"]), "task": "rerank", "revision": "ce-r1"},
-        {"name": "ab", "sticky_key": "header:X-User", "variants": [
+         "revision": "clf-r1", "devices": [1], "dtype": "fp32"},
+        {"name": "ce", "source": str(dirs["ce"]), "task": "rerank", "revision": "ce-r1",
+         "dtype": "fp32"},
+        {"name": "ab", "sticky_key": "header:X-User", "dtype": "fp32", "variants": [
             {"name": "a", "source": tiny, "revision": "ab-r1", "weight": 1 - AB_WEIGHT_B},
             {"name": "b", "source": other, "revision": "ab-r2", "weight": AB_WEIGHT_B}]},
-        {"name": "ab-user", "sticky_key": "user", "variants": [
+        {"name": "ab-user", "sticky_key": "user", "dtype": "fp32", "variants": [
             {"name": "a", "source": tiny, "revision": "u-r1"},
             {"name": "b", "source": other, "revision": "u-r2"}]},
         {"name": "q8", "source": tiny, "dtype": "int8", "devices": [0]},
-        {"name": "auto", "source": tiny, "dtype": "auto"}]
+        # auto keeps bf16 where the CPU has it natively and the probe agrees to 0.99 (random
+        # tiny weights agree less closely than trained ones); "strict" asks for more than
+        # bf16 can give, so it serves fp32.
+        {"name": "auto", "source": tiny, "dtype": "auto", "auto_min_cosine": 0.99},
+        {"name": "strict", "source": tiny, "dtype": "auto", "auto_min_cosine": 1.0,
+         "devices": [0]}]
     s = Stack(tmp_path_factory.mktemp("tasks-stack"), overrides)
     s.up()
     yield s
@@ -185,8 +191,9 @@ def test_pinned_models_load_only_on_their_workers_and_dtypes_resolve(stack, dirs
     assert {w["dtype"] for w in models["q8"]["workers"]} == {"int8"}
     assert {w["dtype"] for w in models["auto"]["workers"]} == \
         {"bf16" if cpu_has_bf16() else "fp32"}
+    assert [(w["worker"], w["dtype"]) for w in models["strict"]["workers"]] == [(0, "fp32")]
     want = reference_embeddings(dirs["tiny"], TEXTS, TINY_MAX_TOKENS)
-    for model, floor in (("q8", 0.99), ("auto", 0.99)):
+    for model, floor in (("q8", 0.99), ("auto", 0.99), ("strict", 0.99999)):
         status, _, body = stack.post_json("/predict", {"model": model, "texts": TEXTS})
         assert status == 200, body
         got = np.array(body["results"], dtype=np.float32)

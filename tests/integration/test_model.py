@@ -112,3 +112,61 @@ def test_reload_compatibility(models, tmp_path):
     (other / "tokenizer.json").write_text((other / "tokenizer.json").read_text()
                                           .replace('"[UNK]"', '"[UNKNOWN]"'))
     assert "tokenizer.json differs" in incompatible(emb, spec(other, "embedding"))
+
+
+@pytest.fixture
+def native_bf16(monkeypatch):
+    """As on a CPU with AVX512-BF16 or AMX, whatever this one has (bf16 runs everywhere, only
+    slower without them), so the auto rule's probe runs on any machine."""
+    monkeypatch.setattr("gpu_workers.model.cpu_has_bf16", lambda: True)
+
+
+@pytest.mark.parametrize("task", ["embedding", "classification", "rerank"])
+def test_auto_keeps_bf16_where_the_probe_agrees(models, native_bf16, task):
+    directory = {"embedding": "emb", "classification": "clf", "rerank": "ce"}[task]
+    model = Model(spec(models[directory], task, "auto", auto_min_cosine=0.9),
+                  torch.device("cpu"))
+    assert model.spec.dtype == "bf16"
+    assert 0.9 <= model.agreement <= 1.0 + 1e-9
+    assert {p.dtype for p in model.net.parameters()} == {torch.bfloat16}
+
+
+def test_auto_serves_fp32_where_the_probe_disagrees(models, native_bf16, caplog):
+    s = spec(models["emb"], "embedding", "auto", auto_min_cosine=1.0)  # more than bf16 gives
+    model = Model(s, torch.device("cpu"))
+    assert model.spec.dtype == "fp32" and model.agreement < 1.0
+    assert {p.dtype for p in model.net.parameters()} == {torch.float32}
+    # The very fp32 weights it loaded, not a round trip through bf16.
+    got = run(model, TextEncoder(s, truncate=True).encode(TEXTS))
+    np.testing.assert_allclose(got, reference_embeddings(models["emb"], TEXTS, 64), atol=1e-5)
+    assert any("serving fp32" in r.getMessage() for r in caplog.records
+               if r.levelname == "WARNING")
+
+
+def test_auto_without_native_bf16_is_fp32_without_a_probe(models, monkeypatch):
+    monkeypatch.setattr("gpu_workers.model.cpu_has_bf16", lambda: False)
+    model = Model(spec(models["emb"], "embedding", "auto"), torch.device("cpu"))
+    assert model.spec.dtype == "fp32" and model.agreement is None
+
+
+def test_the_agreement_measure():
+    from gpu_workers.parity import agreement
+
+    a = np.array([[1.0, 0.0], [0.6, 0.8]])
+    assert agreement(a, a) == pytest.approx(1.0)
+    assert agreement(a, np.array([[1.0, 0.0], [0.8, 0.6]])) == pytest.approx(0.96)
+    scores = np.array([[2.0], [-4.0]])  # rerank: one score per row
+    assert agreement(scores, scores + [[0.0], [0.4]]) == pytest.approx(0.9)
+    assert agreement(a, np.array([[np.nan, 0.0], [0.6, 0.8]])) == float("-inf")
+    with pytest.raises(ValueError, match="shapes differ"):
+        agreement(a, scores)
+
+
+def test_a_failing_probe_leaves_the_model_serving_fp32(models, native_bf16, monkeypatch):
+    def broken(spec):
+        raise RuntimeError("no tokenizer")
+    monkeypatch.setattr("gpu_workers.parity.probe_batch", broken)
+    s = spec(models["emb"], "embedding", "auto")
+    model = Model(s, torch.device("cpu"))
+    assert model.spec.dtype == "fp32" and model.agreement is None
+    assert {p.dtype for p in model.net.parameters()} == {torch.float32}

@@ -110,6 +110,8 @@ def _models(*models, **top):
     (_models({"name": "m", "source": "x", "devices": [0, 0]}), "devices: expected distinct"),
     (_models({"name": "m", "source": "x", "task": "generation"}), r"models\[0\].task"),
     (_models({"name": "m", "source": "x", "dtype": "int4"}), r"models\[0\].dtype"),
+    (_models({"name": "m", "source": "x", "auto_min_cosine": 0}), "auto_min_cosine: expected"),
+    (_models({"name": "m", "source": "x", "auto_min_cosine": 1.5}), "auto_min_cosine: expected"),
     (_models({"name": "m", "source": "x"}, admin={"reload_timeout_s": 500}),
      "admin.reload_timeout_s: 500 must be under nginx.proxy_read_timeout_s"),
 ])
@@ -126,3 +128,9 @@ def test_variants_tasks_dtypes_and_pinning_load():
         {"name": "c", "source": "z", "task": "classification", "dtype": "int8"}))
     assert cfg.models[0].variants[1].weight == 1.0 and cfg.models[0].devices == [1]
     assert (cfg.models[1].task, cfg.models[1].dtype) == ("classification", "int8")
+
+
+def test_models_default_to_auto_with_the_parity_bound():
+    cfg = config.from_tree(_models({"name": "m", "source": "x"}))
+    assert (cfg.models[0].dtype, cfg.models[0].auto_min_cosine) == ("auto", 0.999)
+    assert config.load(environ={}).models[0].dtype == "auto"  # base.yaml's default model

@@ -76,6 +76,11 @@ def test_validators_accept_or_refuse_with_4xx(body):
         except ApiError as exc:
             assert exc.status in (413, 422)
             continue
+        if req.token_ids is not None:  # OpenAI's pre-tokenized input: texts stay empty
+            assert req.texts == []
+            assert 1 <= len(req.token_ids) <= LIMITS.max_texts_per_request
+            assert all(row and all(type(i) is int for i in row) for row in req.token_ids)
+            continue
         assert 1 <= len(req.texts) <= LIMITS.max_texts_per_request
         assert all(isinstance(t, str) and 0 < len(t) <= LIMITS.max_text_chars
                    for t in req.texts)
