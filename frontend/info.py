@@ -54,7 +54,7 @@ def describe(cfg: Config, models: Models, pool: WorkerPool) -> dict[str, Any]:
         # Hugging Face text-embeddings-inference's GET /info fields.
         "model_id": default["name"],
         "model_sha": default["revision"],
-        "model_dtype": TEI_DTYPES[default["dtype"]],
+        "model_dtype": TEI_DTYPES.get(default["dtype"], default["dtype"]),
         "model_type": {"embedding": {"pooling": TEI_POOLING[default["pooling"]]}},
         "max_concurrent_requests": cfg.frontends.max_inflight * cfg.frontends.count,
         "max_input_length": default["max_input_tokens"],
@@ -75,9 +75,11 @@ def _model(cfg: Config, served, pool: WorkerPool) -> dict[str, Any]:
     # The workers hash the weights (the frontend does not read them); a configured revision is
     # known at once.
     revision = reported.revision if reported is not None else (spec.revision or None)
+    # The dtype a worker runs (auto resolved there), else the configured one while loading.
+    dtype = reported.dtype if reported is not None and reported.dtype else spec.dtype
     model_cfg = next(m for m in cfg.models if m.name == spec.name)
     return {"name": spec.name, "aliases": list(model_cfg.aliases), "revision": revision,
-            "task": spec.task, "dtype": spec.dtype, "dim": spec.dim, "pooling": spec.pooling,
+            "task": spec.task, "dtype": dtype, "dim": spec.dim, "pooling": spec.pooling,
             "normalize": spec.normalize, "max_input_tokens": spec.max_tokens}
 
 

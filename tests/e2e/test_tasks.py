@@ -192,6 +192,12 @@ def test_pinned_models_load_only_on_their_workers_and_dtypes_resolve(stack, dirs
     assert {w["dtype"] for w in models["auto"]["workers"]} == \
         {"bf16" if cpu_has_bf16() else "fp32"}
     assert [(w["worker"], w["dtype"]) for w in models["strict"]["workers"]] == [(0, "fp32")]
+    # /info names the dtype the workers run, not the configured "auto".
+    status, _, info = stack.get("/info")
+    assert status == 200
+    dtypes = {m["name"]: m["dtype"] for m in json.loads(info)["models"]}
+    assert (dtypes["auto"], dtypes["strict"], dtypes["q8"]) == \
+        ("bf16" if cpu_has_bf16() else "fp32", "fp32", "int8")
     want = reference_embeddings(dirs["tiny"], TEXTS, TINY_MAX_TOKENS)
     for model, floor in (("q8", 0.99), ("auto", 0.99), ("strict", 0.99999)):
         status, _, body = stack.post_json("/predict", {"model": model, "texts": TEXTS})
