@@ -33,6 +33,7 @@ import platform
 import statistics
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -205,6 +206,9 @@ def main() -> int:
             other = stack.enter_context(Baseline(cfg.workers.torch_threads)).url
         elif args.compare:
             other = args.compare
+        with urllib.request.urlopen(url + "/info", timeout=10) as resp:
+            served = json.loads(resp.read())["models"][0]
+        summary["setup"] += f"; serving {served['name']} in {served['dtype']}"
         summary["closed_loop"] = closed_loop(args, url, other, inproc)
         summary["parity"] = {"shmserve": min_cosine_to_fp32(url, corpus[:128])}
         if other:
