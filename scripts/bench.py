@@ -203,7 +203,7 @@ def main() -> int:
         url = args.url or stack.enter_context(OwnStack(args.env, args.config, {})).url
         other = None
         if args.compare == "baseline":
-            other = stack.enter_context(Baseline(cfg.workers.torch_threads)).url
+            other = stack.enter_context(Baseline(config_mod.usable_cores())).url  # all cores
         elif args.compare:
             other = args.compare
         with urllib.request.urlopen(url + "/info", timeout=10) as resp:

@@ -75,8 +75,10 @@ class FrontendConfig:
 @dataclass(frozen=True, slots=True)
 class WorkerConfig:
     devices: str | list[int] = "auto"  # auto | cpu | [0, 1, 3]
-    cpu_workers: int = 1  # CPU workers when no GPU is used
-    torch_threads: int = 2
+    # CPU workers when no GPU is used, and intra-op threads per CPU worker. auto (both):
+    # one worker per usable core up to 8, the cores shared out as threads (`cpu_layout`).
+    cpu_workers: int | str = "auto"
+    torch_threads: int | str = "auto"
     queue_texts: int = 4096  # bounded queue per worker, in texts
     low_priority_queue_share: float = 0.75  # below-normal priority may fill this share of it
     heartbeat_interval_s: float = 0.5
@@ -210,8 +212,10 @@ _CHECKS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "workers.low_priority_queue_share": (lambda v: 0 < v <= 1, "a number in (0, 1]"),
     "workers.devices": (lambda v: v in ("auto", "cpu") or (isinstance(v, list) and v
                         and all(d >= 0 for d in v)), "auto, cpu or a list of GPU indices"),
-    "workers.cpu_workers": (lambda v: 1 <= v <= 64, "an integer from 1 to 64"),
-    "workers.torch_threads": (lambda v: v >= 1, "an integer >= 1"),
+    "workers.cpu_workers": (lambda v: v == "auto" or (isinstance(v, int) and 1 <= v <= 64),
+                            "auto or an integer from 1 to 64"),
+    "workers.torch_threads": (lambda v: v == "auto" or (isinstance(v, int) and v >= 1),
+                              "auto or an integer >= 1"),
     "workers.queue_texts": (lambda v: v >= 1, "an integer >= 1"),
     "workers.heartbeat_interval_s": (lambda v: v > 0, "a number > 0"),
     "workers.heartbeat_timeout_s": (lambda v: v > 0, "a number > 0"),
@@ -252,12 +256,47 @@ def load(env: str | None = None, extra: str | Path | None = None,
 
 def from_tree(tree: Mapping[str, Any]) -> Config:
     cfg = _build(Config, tree, "")
+    workers, threads = cpu_layout(cfg.workers.cpu_workers, cfg.workers.torch_threads)
+    cfg = dataclasses.replace(cfg, workers=dataclasses.replace(
+        cfg.workers, cpu_workers=workers, torch_threads=threads))
     _check_models(cfg)
     if cfg.admin.reload_timeout_s >= cfg.nginx.proxy_read_timeout_s:
         raise ConfigError(f"admin.reload_timeout_s: {cfg.admin.reload_timeout_s:g} must be under "
                           f"nginx.proxy_read_timeout_s ({cfg.nginx.proxy_read_timeout_s}), or "
                           "nginx cuts the reload call before its answer")
     return cfg
+
+
+MAX_AUTO_CPU_WORKERS = 8
+
+
+def cpu_layout(workers: int | str, threads: int | str,
+               cores: int | None = None) -> tuple[int, int]:
+    """CPU workers and torch threads per worker, `auto` resolved against the usable cores.
+
+    Both auto: one single-thread worker per core up to MAX_AUTO_CPU_WORKERS, then the cores
+    shared out as threads (2 cores: 2 x 1, measured 1.07x (fp32) to 1.27x (bf16) the texts/s of
+    1 x 2 on the development machine; 16 cores: 8 x 2). One auto: the other fills the cores."""
+    cores = usable_cores() if cores is None else cores
+    if workers == "auto":
+        workers = (min(cores, MAX_AUTO_CPU_WORKERS) if threads == "auto"
+                   else max(1, min(cores // threads, MAX_AUTO_CPU_WORKERS)))
+    if threads == "auto":
+        threads = max(1, cores // workers)
+    return workers, threads
+
+
+def usable_cores(cpu_max: Path = Path("/sys/fs/cgroup/cpu.max")) -> int:
+    """Cores this process may run on: its CPU affinity, bounded by a cgroup v2 CPU quota (a
+    container's `--cpus`, a Kubernetes CPU limit), rounded up."""
+    cores = len(os.sched_getaffinity(0))
+    try:
+        quota, period = cpu_max.read_text().split()[:2]
+        if quota != "max":
+            cores = min(cores, max(1, -(-int(quota) // int(period))))
+    except (OSError, ValueError):
+        pass
+    return cores
 
 
 def _check_models(cfg: Config) -> None:

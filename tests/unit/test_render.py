@@ -36,7 +36,7 @@ def make_config(run_dir: Path, **sections: dict[str, Any]) -> Config:
     tree: dict[str, Any] = {
         "models": [{"name": "m", "source": "/nonexistent/m"}],
         "server": {"run_dir": str(run_dir), "port": free_port(), "drain_timeout_s": 7.5},
-        "workers": {"devices": "cpu"},
+        "workers": {"devices": "cpu", "cpu_workers": 1},  # not auto: a count of its own
     }
     return config.from_tree(config.deep_merge(tree, sections))
 
