@@ -37,6 +37,8 @@ COUNT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 TOKEN_BUCKETS = (4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
 RATIO_BUCKETS = (1.0, 1.05, 1.1, 1.2, 1.3, 1.5, 1.75, 2.0, 3.0, 5.0, 10.0)
 
+_FEW = 4  # observe_many: up to this many values, one observe each (1.6 us against 8 us)
+
 _LIVE_GAUGE_FILE = re.compile(r"^gauge_live[a-z]*_(\d+)\.db$")
 
 
@@ -49,7 +51,9 @@ def observe_many(histogram, values: np.ndarray) -> None:
     once. tests/unit/test_metrics.py checks it against `observe` on this prometheus_client.
     """
     values = np.asarray(values, dtype=np.float64).ravel()
-    if values.size == 0:
+    if values.size <= _FEW:  # numpy's fixed cost is more than a few plain observes
+        for value in values.tolist():
+            histogram.observe(value)
         return
     bounds = np.asarray(histogram._upper_bounds, dtype=np.float64)
     counts = np.bincount(np.searchsorted(bounds, values, side="left"), minlength=bounds.size)
