@@ -176,6 +176,14 @@ def test_cli_reload_and_a_restarted_worker_loads_the_reloaded_model(stack, model
         status, _, body = stack.post_json("/predict", {"texts": TEXTS})
         assert status == 200 and body["revision"] == "tiny-r3"
         np.testing.assert_allclose(body["results"], models["refs"]["a"], atol=1e-5)
-    # The CLI reports a refused reload and exits 1.
-    proc = stack.cli("reload", "tiny", "package:no_such_model_pkg", check=False)
-    assert proc.returncode == 1 and "not installed" in proc.stdout
+    # The CLI reports a refused reload and exits 1. The frontend that takes the call may not
+    # have seen the restarted worker's heartbeat yet (GET /ready was answered by another one);
+    # then it refuses for that reason, rightly, and the call is made again.
+    def refused_for_its_source() -> bool:
+        proc = stack.cli("reload", "tiny", "package:no_such_model_pkg", check=False)
+        assert proc.returncode == 1, proc.stdout
+        if "are not ready" in proc.stdout:
+            return False
+        assert "not installed" in proc.stdout, proc.stdout
+        return True
+    stack.wait_until(refused_for_its_source, 30, "the reload refused for its source")
