@@ -289,7 +289,8 @@ def cpu_layout(workers: int | str, threads: int | str,
 def usable_cores(cpu_max: Path = Path("/sys/fs/cgroup/cpu.max")) -> int:
     """Cores this process may run on: its CPU affinity, bounded by a cgroup v2 CPU quota (a
     container's `--cpus`, a Kubernetes CPU limit), rounded up."""
-    cores = len(os.sched_getaffinity(0))
+    affinity = getattr(os, "sched_getaffinity", None)  # Linux; elsewhere every CPU counts
+    cores = len(affinity(0)) if affinity else (os.cpu_count() or 1)
     try:
         quota, period = cpu_max.read_text().split()[:2]
         if quota != "max":

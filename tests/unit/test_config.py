@@ -180,3 +180,12 @@ def test_bad_layouts_are_refused(key, value):
     with pytest.raises(ConfigError, match=f"workers.{key}"):
         config.from_tree({"models": [{"name": "m", "source": "x"}],
                           "workers": {key: value}})
+
+
+def test_usable_cores_without_an_affinity_call(monkeypatch, tmp_path):
+    """macOS has no os.sched_getaffinity: every CPU counts."""
+    import os
+
+    monkeypatch.delattr(os, "sched_getaffinity")
+    monkeypatch.setattr(os, "cpu_count", lambda: 6)
+    assert config.usable_cores(tmp_path / "missing") == 6
