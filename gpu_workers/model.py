@@ -5,8 +5,8 @@ initialised at random. The forward pass takes a padded int64 batch built by the 
 returns float32 rows (gpu_workers.tasks) ready to be copied into shared memory.
 
 dtypes: fp32 | bf16 | fp16 as loaded; auto is bf16 where the device computes it natively and a
-probe agrees with fp32 (gpu_workers.parity), else fp32; int8 is dynamic quantization of every nn.Linear (weights int8 ahead of time, activations
-quantized per batch), for CPU workers only.
+probe agrees with fp32 (gpu_workers.parity), else fp32; int8 is dynamic quantization of every
+nn.Linear (weights int8 ahead of time, activations quantized per batch), for CPU workers only.
 """
 
 from __future__ import annotations
@@ -88,6 +88,8 @@ class Model:
                   "auto_min_cosine": spec.auto_min_cosine, "dtype": dtype if keep else "fp32"}
         if keep:
             log.info("model.dtype_auto", extra={"fields": fields})
+            del fp32
+            release(self.device)  # the fp32 copy's memory back (on a GPU, to the driver)
             return dtype
         log.warning("model.dtype_auto: %s disagrees with fp32 on the probe; serving fp32",
                     dtype, extra={"fields": fields})
