@@ -20,21 +20,17 @@ import dataclasses
 import json
 import os
 import re
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
 import yaml
 
+from shmserve.typedtree import Check, ConfigError, build
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CONFIG_DIR = REPO_ROOT / "configs"
 ENV_PREFIX = "SHMSERVE__"
-
-
-class ConfigError(ValueError):
-    """A configuration value is missing, malformed or out of range; the message names the key."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,7 +194,7 @@ class Config:
 
 
 # Range checks beyond the types: key path -> (predicate, what is expected).
-_CHECKS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
+_CHECKS: dict[str, Check] = {
     "server.port": (lambda v: 1 <= v <= 65535, "a port from 1 to 65535"),
     "server.drain_timeout_s": (lambda v: v >= 0, "a number >= 0"),
     "nginx.worker_processes": (lambda v: v >= 1, "an integer >= 1"),
@@ -255,7 +251,7 @@ def load(env: str | None = None, extra: str | Path | None = None,
 
 
 def from_tree(tree: Mapping[str, Any]) -> Config:
-    cfg = _build(Config, tree, "")
+    cfg = build(Config, tree, _CHECKS)
     workers, threads = cpu_layout(cfg.workers.cpu_workers, cfg.workers.torch_threads)
     cfg = dataclasses.replace(cfg, workers=dataclasses.replace(
         cfg.workers, cpu_workers=workers, torch_threads=threads))
@@ -395,86 +391,3 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping")
     return data
-
-
-def _build(cls: type, tree: Any, prefix: str) -> Any:
-    if not isinstance(tree, Mapping):
-        raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {_show(tree)}")
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(tree) - names)
-    if unknown:
-        raise ConfigError(f"{_join(prefix, unknown[0])}: unknown key")
-    kwargs = {}
-    for f in dataclasses.fields(cls):
-        key = _join(prefix, f.name)
-        if f.name not in tree:
-            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise ConfigError(f"{key}: required")
-            continue
-        value = _coerce(hints[f.name], tree[f.name], key)
-        check = _CHECKS.get(key)
-        if check and not check[0](value):
-            raise ConfigError(f"{key}: expected {check[1]}, got {_show(tree[f.name])}")
-        kwargs[f.name] = value
-    return cls(**kwargs)
-
-
-def _coerce(hint: Any, value: Any, key: str) -> Any:
-    origin = typing.get_origin(hint)
-    if dataclasses.is_dataclass(hint):
-        return _build(hint, value, key)
-    if origin in (typing.Union, types.UnionType):
-        errors = []
-        for option in typing.get_args(hint):
-            try:
-                return _coerce(option, value, key)
-            except ConfigError as exc:
-                errors.append(str(exc))
-        raise ConfigError(f"{key}: expected {_describe(hint)}, got {_show(value)}")
-    if origin is Literal:
-        allowed = typing.get_args(hint)
-        text = str(value).lower() if isinstance(value, bool) else value
-        if text not in allowed:
-            raise ConfigError(f"{key}: expected one of {', '.join(map(str, allowed))}, "
-                              f"got {_show(value)}")
-        return text
-    if origin is list:
-        if not isinstance(value, list):
-            raise ConfigError(f"{key}: expected a list, got {_show(value)}")
-        (item,) = typing.get_args(hint)
-        return [_coerce(item, v, f"{key}[{i}]") for i, v in enumerate(value)]
-    if hint is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{key}: expected true or false, got {_show(value)}")
-        return value
-    if hint is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{key}: expected an integer, got {_show(value)}")
-        return value
-    if hint is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{key}: expected a number, got {_show(value)}")
-        return float(value)
-    if hint is str:
-        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
-            raise ConfigError(f"{key}: expected a string, got {_show(value)}")
-        return str(value)
-    raise ConfigError(f"{key}: unsupported type {hint}")  # a bug in the schema, not the input
-
-
-def _describe(hint: Any) -> str:
-    names = []
-    for option in typing.get_args(hint):
-        names.append("a list" if typing.get_origin(option) is list else getattr(option, "__name__",
-                                                                                 str(option)))
-    return " or ".join(names)
-
-
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
-
-
-def _show(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."

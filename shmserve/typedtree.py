@@ -1,0 +1,103 @@
+"""A parsed YAML tree into frozen dataclasses, strictly: unknown keys, missing required keys,
+wrong types and values outside their range are `ConfigError`s that name the key path
+(``workers.cpu_workers``, ``models[0].dtype``). The schema itself is shmserve.config."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from typing import Any, Callable, Literal, Mapping
+
+# Range checks beyond the types: key path -> (predicate, what is expected).
+Check = tuple[Callable[[Any], bool], str]
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, malformed or out of range; the message names the key."""
+
+
+def build(cls: type, tree: Any, checks: Mapping[str, Check], prefix: str = "") -> Any:
+    """`tree` (parsed YAML) as an instance of dataclass `cls`, every value checked against
+    its type hint, then against `checks[key path]` when there is one."""
+    if not isinstance(tree, Mapping):
+        raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {_show(tree)}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(tree) - names)
+    if unknown:
+        raise ConfigError(f"{_join(prefix, unknown[0])}: unknown key")
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        key = _join(prefix, f.name)
+        if f.name not in tree:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ConfigError(f"{key}: required")
+            continue
+        value = _coerce(hints[f.name], tree[f.name], key, checks)
+        check = checks.get(key)
+        if check and not check[0](value):
+            raise ConfigError(f"{key}: expected {check[1]}, got {_show(tree[f.name])}")
+        kwargs[f.name] = value
+    return cls(**kwargs)
+
+
+def _coerce(hint: Any, value: Any, key: str,
+            checks: Mapping[str, Check]) -> Any:
+    origin = typing.get_origin(hint)
+    if dataclasses.is_dataclass(hint):
+        return build(hint, value, checks, key)
+    if origin in (typing.Union, types.UnionType):
+        errors = []
+        for option in typing.get_args(hint):
+            try:
+                return _coerce(option, value, key, checks)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(f"{key}: expected {_describe(hint)}, got {_show(value)}")
+    if origin is Literal:
+        allowed = typing.get_args(hint)
+        text = str(value).lower() if isinstance(value, bool) else value
+        if text not in allowed:
+            raise ConfigError(f"{key}: expected one of {', '.join(map(str, allowed))}, "
+                              f"got {_show(value)}")
+        return text
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {_show(value)}")
+        (item,) = typing.get_args(hint)
+        return [_coerce(item, v, f"{key}[{i}]", checks) for i, v in enumerate(value)]
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true or false, got {_show(value)}")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: expected an integer, got {_show(value)}")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}: expected a number, got {_show(value)}")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise ConfigError(f"{key}: expected a string, got {_show(value)}")
+        return str(value)
+    raise ConfigError(f"{key}: unsupported type {hint}")  # a bug in the schema, not the input
+
+
+def _describe(hint: Any) -> str:
+    names = []
+    for option in typing.get_args(hint):
+        names.append("a list" if typing.get_origin(option) is list else getattr(option, "__name__",
+                                                                                 str(option)))
+    return " or ".join(names)
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
