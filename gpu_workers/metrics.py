@@ -10,6 +10,7 @@ from __future__ import annotations
 from prometheus_client import Counter, Gauge, Histogram
 
 from shmserve import metrics as shared
+from shmserve.models import ModelSpec
 
 _WM = ["worker", "model"]
 
@@ -75,11 +76,11 @@ class WorkerMetrics:
         MODEL_INFO.labels(self.worker, model, revision, dtype, device).set(1)
         self._children(model)  # its batch series exist, at zero, before the first batch
 
-    def model_switched(self, model: str, old_revision: str, revision: str, dtype: str,
-                       device: str) -> None:
-        """A hot reload replaced the weights: the old revision's info series drops to 0."""
-        MODEL_INFO.labels(self.worker, model, old_revision, dtype, device).set(0)
-        MODEL_INFO.labels(self.worker, model, revision, dtype, device).set(1)
+    def model_switched(self, model: str, old: ModelSpec, new: ModelSpec, device: str) -> None:
+        """A hot reload replaced the weights: the old revision's info series drops to 0. Each
+        series keeps its own dtype label: with dtype auto, old and new weights may differ."""
+        MODEL_INFO.labels(self.worker, model, old.revision, old.dtype, device).set(0)
+        MODEL_INFO.labels(self.worker, model, new.revision, new.dtype, device).set(1)
 
     def _children(self, model: str) -> tuple:
         children = self._batch.get(model)

@@ -273,8 +273,7 @@ class Worker:
             replies = self.slots.commit(peer, msg)
             after = self.slots.active(msg.model).spec if before is not None else None
             if after is not None and after is not before:
-                self.metrics.model_switched(msg.model, before.revision, after.revision,
-                                            after.dtype, str(self.device))
+                self.metrics.model_switched(msg.model, before, after, str(self.device))
             self._collect()
         self._infos = self.slots.infos()
         for peer, reply in replies:

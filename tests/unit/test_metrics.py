@@ -91,3 +91,26 @@ def test_registry_reads_every_process_file(tmp_path, monkeypatch):
     assert read() == {"t_requests_total": 6.0, "t_inflight": 4.0}
     assert sorted(metrics.mark_dead(tmp_path)) == sorted(pids)
     assert read() == {"t_requests_total": 6.0}
+
+
+def test_a_switch_retires_the_old_series_under_its_own_dtype():
+    """dtype auto may resolve differently for the old and the new weights (bf16, then fp32 when
+    the new ones miss the probe's bound): each series keeps its own labels."""
+    import dataclasses
+    from pathlib import Path
+
+    from prometheus_client import REGISTRY
+
+    from gpu_workers.metrics import WorkerMetrics
+    from shmserve.models import ModelSpec
+
+    old = ModelSpec("sw", Path("/m"), "embedding", "mean", True, 8, 4, "bf16", "r1")
+    new = dataclasses.replace(old, dtype="fp32", revision="r2")
+    WorkerMetrics(7).model_switched("sw", old, new, "cpu")
+
+    def value(revision, dtype):
+        return REGISTRY.get_sample_value("shmserve_model_info", {
+            "worker": "7", "model": "sw", "revision": revision, "dtype": dtype,
+            "device": "cpu"})
+    assert (value("r1", "bf16"), value("r2", "fp32")) == (0.0, 1.0)
+    assert value("r1", "fp32") is None  # no made-up series for the old weights
