@@ -69,14 +69,15 @@ def main() -> int:
             got = {id(s): open_loop_window(s.url, args.rate, args.window, CORPUS) if args.rate
                    else locust_window(s.url, scenario, args.window, CORPUS) for s in order}
             ra, rb = got[id(a)], got[id(b)]
-            if args.rate:
-                tails = [r["p99_ms"] / r["p50_ms"] for r in (ra, rb)]
-                print(f"round {r + 1}: A p99/p50 {tails[0]:.2f} | B p99/p50 {tails[1]:.2f}")
-            ratios.append(rb[metric] / ra[metric])
+            # Open loop: both sides get the offered rate, so the figure is the tail, p99/p50.
+            value = (lambda w: w["p99_ms"] / w["p50_ms"]) if args.rate else \
+                (lambda w: w[metric])
+            ratios.append(value(rb) / value(ra))
             print(f"round {r + 1}: A {ra[metric]:.1f} {metric}, p50 {ra['p50_ms']:.0f} ms, "
                   f"p99 {ra['p99_ms']:.0f} ms | B {rb[metric]:.1f}, p50 {rb['p50_ms']:.0f} ms, "
                   f"p99 {rb['p99_ms']:.0f} ms | B/A {ratios[-1]:.3f}", flush=True)
-    print(f"\n{args.scenario}: B / A {metric} median {statistics.median(ratios):.3f} "
+    what = "p99/p50" if args.rate else metric
+    print(f"\n{args.scenario}: B / A {what} median {statistics.median(ratios):.3f} "
           f"(range {min(ratios):.3f}-{max(ratios):.3f}, {len(ratios)} rounds)")
     return 0
 

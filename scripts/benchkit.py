@@ -52,8 +52,10 @@ class OwnStack:
         self.tmp = tempfile.TemporaryDirectory(prefix="shmserve-bench-")
         self.port = free_port()
         tree = yaml.safe_load(Path(extra).read_text()) or {} if extra else {}
-        tree = deep_merge(tree, {"server": {"port": self.port,
-                                            "run_dir": f"{self.tmp.name}/run"}, **overrides})
+        # The overrides go over the file; this stack's own port and run directory over both
+        # (a `server:` overlay, say drain_timeout_s, must not drop them).
+        tree = deep_merge(deep_merge(tree, overrides),
+                          {"server": {"port": self.port, "run_dir": f"{self.tmp.name}/run"}})
         self.config = Path(self.tmp.name) / "bench.yaml"
         self.config.write_text(yaml.safe_dump(tree))
         self.env = {k: v for k, v in os.environ.items() if k != "SHMSERVE_CONFIG"}

@@ -42,7 +42,9 @@ def bert_base(target: Path, dry_run: bool) -> Path:
 
     if dry_run:
         return build_tiny_bert(target, hidden=64, layers=2, heads=2, max_positions=128)
-    return build_tiny_bert(target, hidden=768, layers=12, heads=12, max_positions=512)
+    # BERT-base's shape: 768 wide, 12 layers and heads, a 3072-wide feed-forward.
+    return build_tiny_bert(target, hidden=768, layers=12, heads=12, intermediate=3072,
+                           max_positions=512)
 
 
 def spec_for(source: str, dtype: str):

