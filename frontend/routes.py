@@ -63,10 +63,12 @@ async def predict(request: web.Request) -> web.Response:
     }, headers=tasks.stage_headers(request, outcome))
 
 
-async def embed(request: web.Request, parsed: schemas.EmbedRequest,
-                param: str) -> tuple[ServedModel, Outcome, Encoded]:
-    """The embedding pipeline every embedding route shares (native, OpenAI, TEI, KServe)."""
-    model = tasks.resolve(request, parsed.model, "embedding")
+async def embed(request: web.Request, parsed: schemas.EmbedRequest, param: str,
+                model: ServedModel | None = None) -> tuple[ServedModel, Outcome, Encoded]:
+    """The embedding pipeline every embedding route shares (native, OpenAI, TEI, KServe).
+    `model`: what tasks.resolve already gave the caller for `parsed.model`."""
+    if model is None:
+        model = tasks.resolve(request, parsed.model, "embedding")
     vectors.check_dimensions(parsed.dimensions, model.spec.dim)
     if parsed.token_ids is not None:  # tokenized by the client
         ran = await tasks.run(request, model, lambda enc: enc.from_ids(parsed.token_ids, param),

@@ -41,12 +41,14 @@ def add_routes(app: web.Application) -> None:
 async def embed(request: web.Request) -> web.Response:
     body = _mapping(await codec.read_body(request))
     parsed, normalize = parse_embed(body, request.app[CONFIG].limits)
-    model = request.app[MODELS].resolve(parsed.model)
+    # The model that will serve: with no name, the first embedding model (not the first
+    # configured one, which may be a classifier).
+    model = tasks.resolve(request, parsed.model, "embedding")
     if not normalize and model.spec.normalize:
         raise ApiError("invalid_request", f"model {model.spec.name!r} normalises its vectors "
                        "itself; normalize=false cannot be served (models.normalize)",
                        param="normalize")
-    model, outcome, _ = await routes.embed(request, parsed, "inputs")
+    model, outcome, _ = await routes.embed(request, parsed, "inputs", model)
     rows = outcome.vectors
     if normalize and not model.spec.normalize:
         rows = vectors.normalize(rows)
