@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from frontend.errors import ApiError
-from frontend.pool import WorkerGone, WorkerPool
+from frontend.pool import WorkerGone, WorkerPool, consume
 from frontend.tokenizer import Encoded
 from shmserve.arena import Arena, ArenaFull
 from shmserve.config import Config
@@ -26,9 +26,13 @@ from shmserve.protocol import Error, Result, Submit
 class Outcome:
     vectors: np.ndarray  # float32 [n, dim], a private copy
     result: Result
-    revision: str  # of the weights that computed every row
     worker: int
     received_at: float  # perf_counter when the reply was back in the handler
+
+    @property
+    def revision(self) -> str:
+        """Of the weights that computed every row."""
+        return self.result.revision
 
 
 class Lease:
@@ -108,7 +112,7 @@ class Dispatcher:
                 if isinstance(reply, Error):
                     raise ApiError.from_worker(reply.code, reply.message)
                 vectors = self.arena.view(output).copy()
-                return Outcome(vectors, reply, reply.revision, link.index, received)
+                return Outcome(vectors, reply, link.index, received)
             raise ApiError("unavailable", "workers kept failing; retries exhausted "
                            "(frontends.retry_on_worker_loss)", retry_after=1)
         finally:
@@ -116,10 +120,5 @@ class Dispatcher:
 
     def _abandon(self, link, seq: int, future: asyncio.Future) -> None:
         """Stop waiting; the worker keeps the slot until it answers the abort (or dies)."""
-        future.add_done_callback(_consume)
+        future.add_done_callback(consume)
         self.pool.abort(link, seq)
-
-
-def _consume(future: asyncio.Future) -> None:
-    if not future.cancelled():
-        future.exception()  # mark retrieved: the handler is gone

@@ -249,3 +249,10 @@ def _send_now(sock: zmq.asyncio.Socket, frames: list[bytes]) -> bool:
     if isinstance(error, zmq.Again):
         return False
     raise error
+
+
+def consume(future: asyncio.Future) -> None:
+    """A done-callback for a reply future nobody awaits any more: its exception is marked
+    retrieved, so asyncio does not log it as never retrieved."""
+    if not future.cancelled():
+        future.exception()

@@ -21,7 +21,7 @@ from aiohttp import web
 
 from frontend.app import CONFIG, POOL
 from frontend.errors import ApiError
-from frontend.pool import WorkerGone, WorkerLink
+from frontend.pool import WorkerGone, WorkerLink, consume
 from frontend.variants import Variant
 from shmserve import state, topology
 from shmserve.models import hosted, units
@@ -84,7 +84,7 @@ async def _ask(pool, links: list[WorkerLink], make, timeout: float
     answers: dict[int, ReloadDone | BaseException] = {}
     for index, future in futures.items():
         if not future.done():
-            future.add_done_callback(_consume)
+            future.add_done_callback(consume)
             answers[index] = TimeoutError(f"no answer within {timeout:g} s "
                                           "(admin.reload_timeout_s)")
         else:
@@ -104,8 +104,3 @@ def _text(answer: ReloadDone | BaseException) -> str:
     if isinstance(answer, WorkerGone):
         return f"lost during the reload ({answer})"
     return str(answer)
-
-
-def _consume(future: asyncio.Future) -> None:
-    if not future.cancelled():
-        future.exception()  # nobody waits for it any more

@@ -7,13 +7,6 @@ from shmserve.client import AsyncClient, Client, ShmserveError
 from tests.e2e.test_api import TEXTS
 
 
-@pytest.fixture(scope="module")
-def native(tiny_stack):
-    status, _, body = tiny_stack.post_json("/predict", {"texts": TEXTS})
-    assert status == 200
-    return np.array(body["results"], dtype=np.float32)
-
-
 @pytest.mark.parametrize("fmt", ["msgpack", "json"])
 def test_sync_client(tiny_stack, native, fmt):
     with Client(tiny_stack.url, format=fmt, timeout=20) as client:
