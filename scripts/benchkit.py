@@ -101,7 +101,6 @@ class Scenario:
     users: int
     texts: str  # texts per request, or "mixed"
     api: str = "openai"
-    rate: float = 0.0  # open loop when > 0
 
     @property
     def texts_mean(self) -> float:
@@ -125,7 +124,6 @@ def locust_window(url: str, scenario: Scenario, seconds: int, corpus: Path) -> d
         prefix, texts_out = Path(tmp) / "w", Path(tmp) / "texts"
         env = {**os.environ, "SHMSERVE_BENCH_TEXTS": scenario.texts,
                "SHMSERVE_BENCH_API": scenario.api, "SHMSERVE_BENCH_CORPUS": str(corpus),
-               "SHMSERVE_BENCH_RATE": str(scenario.rate),
                "SHMSERVE_BENCH_TEXTS_OUT": str(texts_out)}
         cmd = [PYTHON, "-m", "locust", "-f", str(REPO / "scripts" / "locustfile.py"),
                "--headless", "-u", str(scenario.users), "-r", str(scenario.users),

@@ -3,7 +3,6 @@
 Environment:
   SHMSERVE_BENCH_CORPUS   path to a JSON list of strings (default ../shared/bench/corpus.json)
   SHMSERVE_BENCH_TEXTS    texts per request (default 1), or "mixed": 1 to 16, at random
-  SHMSERVE_BENCH_RATE     open loop: total requests/s over all users (default: closed loop)
   SHMSERVE_BENCH_API      openai (JSON /v1/embeddings, float) | msgpack (/predict, msgpack)
   SHMSERVE_BENCH_MODEL    model name sent with each request (default: the server's default)
 
@@ -20,15 +19,13 @@ import random
 import threading
 from pathlib import Path
 
-import gevent
 import msgpack
-from locust import FastHttpUser, constant, constant_throughput, events, task
+from locust import FastHttpUser, constant, events, task
 
 REPO = Path(__file__).resolve().parent.parent
 CORPUS = Path(os.environ.get("SHMSERVE_BENCH_CORPUS", REPO.parent / "shared/bench/corpus.json"))
 MIXED = os.environ.get("SHMSERVE_BENCH_TEXTS", "1") == "mixed"
 TEXTS_PER_REQUEST = 16 if MIXED else int(os.environ.get("SHMSERVE_BENCH_TEXTS", "1"))
-RATE = float(os.environ.get("SHMSERVE_BENCH_RATE", "0"))
 API = os.environ.get("SHMSERVE_BENCH_API", "openai")
 MODEL = os.environ.get("SHMSERVE_BENCH_MODEL")
 
@@ -71,16 +68,9 @@ def _report_texts(environment, **kwargs) -> None:
 
 
 class EmbeddingUser(FastHttpUser):
-    # Closed loop: each user sends its next request at once. Open loop: a fixed total rate.
+    # A closed loop: each user sends its next request at once. (The open loop, Poisson
+    # arrivals at a rate, is benchkit.open_loop_window: locust's users pace, they do not arrive.)
     wait_time = constant(0)
-
-    def on_start(self) -> None:
-        if RATE:
-            users = self.environment.runner.target_user_count or 1
-            self.wait_time = constant_throughput(RATE / users).__get__(self)
-            # Spread the users' phases over one period: started together, they would arrive
-            # in bursts of `users` requests, which measures a burst, not a rate.
-            gevent.sleep(random.uniform(0, users / RATE))
 
     @task
     def embed(self) -> None:

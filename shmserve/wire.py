@@ -18,7 +18,6 @@ from typing import Any, Callable
 
 import msgpack
 
-from shmserve import protocol
 from shmserve.protocol import KIND_OF, Kind, Message
 
 
@@ -65,6 +64,7 @@ def _builder(hint: Any) -> Callable[[Any], Any]:
     """A function that rebuilds a value of type `hint` from its wire form."""
     if dataclasses.is_dataclass(hint):
         names = [f.name for f in dataclasses.fields(hint)]
+        _FIELD_NAMES[hint] = tuple(names)  # what encode sends: every dataclass reachable here
         hints = typing.get_type_hints(hint)
         parts = [_builder(hints[n]) for n in names]
 
@@ -96,6 +96,4 @@ _BUILDERS: dict[Kind, Callable[[Any], Message]] = {
     kind: _builder(cls) for cls, kind in KIND_OF.items()
 }
 _KIND_FRAMES = {cls: bytes((kind,)) for cls, kind in KIND_OF.items()}
-for _cls in (*KIND_OF, protocol.ShmHandle, protocol.ModelInfo):
-    _FIELD_NAMES[_cls] = tuple(f.name for f in dataclasses.fields(_cls))
 _local = threading.local()
