@@ -146,7 +146,7 @@ def _record(request: web.Request, response: web.StreamResponse, elapsed: float,
         stages["total"] = elapsed
         response.headers["X-Total-Time"] = f"{elapsed * 1000:.3f}"
         for stage, seconds in stages.items():
-            metrics.STAGE.labels(stage, model).observe(seconds)
+            metrics.stage(stage, model).observe(seconds)
         request[LOG_FIELDS]["transfer_ms"] = round(stages["transfer"] * 1000, 3)
     if path in ("/health", "/ready", "/metrics"):
         return  # probes and scrapes would drown the access log

@@ -11,6 +11,7 @@ from __future__ import annotations
 from prometheus_client import Counter, Gauge, Histogram
 
 from shmserve import metrics as shared
+from shmserve.metrics import Children
 from shmserve import processes
 from shmserve.config import Config
 
@@ -47,6 +48,12 @@ WORKER_RESTARTS = Counter("shmserve_worker_restarts_seen_total",
                           ["frontend", "worker"])
 
 
+# The request path's children, cached (shmserve.metrics.Children): call as `texts(model)`.
+requests, latency, stage = Children(REQUESTS), Children(LATENCY), Children(STAGE)
+inflight, texts, tokens = Children(INFLIGHT), Children(TEXTS), Children(TOKENS)
+input_tokens, truncated = Children(INPUT_TOKENS), Children(TRUNCATED)
+
+
 def start(models: list[str], frontend: int, workers: int) -> None:
     """Create this frontend's series at zero, so they are exposed (and rate() works) before
     their first event."""
@@ -63,8 +70,8 @@ def start(models: list[str], frontend: int, workers: int) -> None:
 def observe_request(route: str, model: str, status: int, seconds: float,
                     revision: str = "") -> None:
     """The per-request counters every route gets (the middleware calls this)."""
-    REQUESTS.labels(route, model, str(status), revision).inc()
-    LATENCY.labels(route, model).observe(seconds)
+    requests(route, model, str(status), revision).inc()
+    latency(route, model).observe(seconds)
     if status == 429:
         REJECTED.labels(model).inc()
     elif status == 504:

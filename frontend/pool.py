@@ -1,6 +1,8 @@
 """The frontend's client of the workers: `submit`, `abort`, `close`, and who is alive.
 
-One DEALER socket per worker. One receive task per socket resolves a map of pending futures;
+One DEALER socket per worker. What a turn of the event loop sends to a worker goes as one
+ZeroMQ message, and a worker answers a batch's requests the same way (`shmserve.wire`). One
+receive task per socket resolves a map of pending futures;
 one heartbeat task pings every worker and declares a worker dead after
 `workers.heartbeat_timeout_s` of silence, or when its heartbeat shows a new pid. A dead worker's
 pending requests all fail with `WorkerGone` at once, and so do they if a receive task dies:
@@ -53,6 +55,8 @@ class WorkerLink:
     alive: bool = False
     pending: dict[int, Pending] = field(default_factory=dict)
     outstanding: int = 0  # texts submitted here and not yet answered
+    outbox: list[bytes] = field(default_factory=list)  # messages to send at the end of this
+                                                       # loop turn, as (kind, body) frame pairs
 
     @property
     def ready(self) -> bool:
@@ -144,19 +148,29 @@ class WorkerPool:
         """Send `msg`; the future resolves to its reply (Result or Error for a Submit,
         ReloadDone for a Reload or Commit), or fails with WorkerGone."""
         future = asyncio.get_running_loop().create_future()
-        if not _send_now(link.socket, wire.encode(msg)):
-            # Not connected (IMMEDIATE): the worker is gone, and never saw this message.
-            self._declare_dead(link, "connection lost")
-            on_settled()
-            future.set_exception(WorkerGone(f"worker {link.index} is not connected"))
-            return future
         link.pending[msg.seq] = Pending(future, texts, on_settled)
         link.outstanding += texts
+        self._post(link, msg)
         return future
 
     def abort(self, link: WorkerLink, seq: int) -> None:
-        if seq in link.pending:
-            _send_now(link.socket, wire.encode(Abort(seq)))  # if gone, its death settles it
+        if seq in link.pending:  # after its Submit, in the same outbox; if gone, its death
+            self._post(link, Abort(seq))  # settles it
+
+    def _post(self, link: WorkerLink, msg: Submit | Reload | Commit | Abort) -> None:
+        """Queue `msg` for `link`; every message queued in this turn of the event loop goes out
+        as one ZeroMQ message (wire.decode_all), so a burst of requests costs one send and one
+        wake-up of the worker, not one each."""
+        if not link.outbox:
+            asyncio.get_running_loop().call_soon(self._flush, link)
+        link.outbox.extend(wire.encode(msg))
+
+    def _flush(self, link: WorkerLink) -> None:
+        frames, link.outbox = link.outbox, []
+        if frames and not _send_now(link.socket, frames):
+            # Not connected (IMMEDIATE): the worker is gone and never saw these; its pending
+            # requests (these among them) fail with WorkerGone and move to another worker.
+            self._declare_dead(link, "connection lost")
 
     # ---- tasks ------------------------------------------------------------------------------
 
@@ -165,14 +179,17 @@ class WorkerPool:
             while True:
                 frames = await link.socket.recv_multipart()
                 try:
-                    msg = wire.decode(frames)
+                    messages = wire.decode_all(frames)  # a batch's replies come together
                 except WireError as exc:
-                    log.warning("dropped a malformed reply from worker %d: %s", link.index, exc)
-                    continue
-                if isinstance(msg, Heartbeat):
-                    self._on_heartbeat(link, msg)
-                elif isinstance(msg, (Result, Error, ReloadDone)):
-                    self._settle(link, msg)
+                    messages = [exc]
+                for msg in messages:
+                    if isinstance(msg, WireError):
+                        log.warning("dropped a malformed reply from worker %d: %s",
+                                    link.index, msg)
+                    elif isinstance(msg, Heartbeat):
+                        self._on_heartbeat(link, msg)
+                    elif isinstance(msg, (Result, Error, ReloadDone)):
+                        self._settle(link, msg)
         except asyncio.CancelledError:
             raise
         except BaseException:
@@ -228,7 +245,8 @@ class WorkerPool:
         self._fail_pending(link, f"worker {link.index} lost: {reason}")
 
     def _fail_pending(self, link: WorkerLink, reason: str) -> None:
-        pending, link.pending, link.outstanding = link.pending, {}, 0
+        # Unsent messages go too: their slots are released below and may be reused.
+        pending, link.pending, link.outstanding, link.outbox = link.pending, {}, 0, []
         for entry in pending.values():
             entry.on_settled()
             if not entry.future.done():

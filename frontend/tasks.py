@@ -121,7 +121,7 @@ async def run(request: web.Request, served: ServedModel,
         raise ApiError("overloaded", f"{inflight[0]} requests in flight on this frontend "
                        "(frontends.max_inflight)", retry_after=1)
     inflight[0] += 1
-    gauge = metrics.INFLIGHT.labels(str(request.app[INDEX]))
+    gauge = metrics.inflight(str(request.app[INDEX]))
     gauge.inc()
     try:
         started = time.perf_counter()
@@ -144,11 +144,11 @@ async def run(request: web.Request, served: ServedModel,
         inflight[0] -= 1
         gauge.dec()
     name = served.spec.name
-    metrics.TEXTS.labels(name).inc(enc.count)
-    metrics.TOKENS.labels(name).inc(enc.tokens)
+    metrics.texts(name).inc(enc.count)
+    metrics.tokens(name).inc(enc.tokens)
     if enc.truncated:
-        metrics.TRUNCATED.labels(name).inc(enc.truncated)
-    observe_many(metrics.INPUT_TOKENS.labels(name), np.diff(enc.offsets))
+        metrics.truncated(name).inc(enc.truncated)
+    observe_many(metrics.input_tokens(name), np.diff(enc.offsets))
     # The middleware adds the transfer and total stages once the response is rendered.
     request[STAGES] = {"tokenize": request[TOKENIZE_MS] / 1000,
                        "queue": outcome.result.queue_ms / 1000,

@@ -59,7 +59,9 @@ class TextEncoder:
                direction: str = "right") -> Encoded:
         truncate = self.truncate if truncate is None else truncate
         tok = self._variant(truncate, direction)
-        return self._flatten(tok.encode_batch(texts, add_special_tokens=True), param, truncate)
+        # _fast: without the character offsets, which nothing here reads.
+        return self._flatten(tok.encode_batch_fast(texts, add_special_tokens=True), param,
+                             truncate)
 
     def encode_pairs(self, query: str, documents: list[str],
                      param: str = "documents") -> Encoded:
@@ -75,6 +77,14 @@ class TextEncoder:
         return Encoded(flat.ids, flat.offsets, flat.truncated, segments)
 
     def _flatten(self, encodings: list, param: str, truncate: bool) -> Encoded:
+        if len(encodings) == 1:  # the common case, without the generators (~2x faster)
+            ids = np.array(encodings[0].ids, np.int32)
+            if not truncate and ids.shape[0] > self.max_tokens:
+                raise ApiError("too_large", f"'{param}[0]' has {ids.shape[0]} tokens; the "
+                               f"model's limit is {self.max_tokens} (or set limits.truncate)",
+                               param=param)
+            truncated = 1 if truncate and encodings[0].overflowing else 0
+            return Encoded(ids, np.array([0, ids.shape[0]], np.int32), truncated)
         lengths = np.fromiter((len(e.ids) for e in encodings), np.int32, len(encodings))
         if not truncate:
             over = np.flatnonzero(lengths > self.max_tokens)

@@ -80,12 +80,18 @@ class SocketThread(threading.Thread):
                     self._handle(router, router.recv_multipart(copy=True))
 
     def _handle(self, router: zmq.Socket, frames: list[bytes]) -> None:
-        peer, body = frames[0], frames[1:]
+        peer = frames[0]
         try:
-            msg = wire.decode(body)
+            messages = wire.decode_all(frames[1:])  # what a frontend sent in one loop turn
         except WireError as exc:
-            log.warning("dropped a malformed message: %s", exc)
-            return
+            messages = [exc]
+        for msg in messages:
+            if isinstance(msg, WireError):
+                log.warning("dropped a malformed message: %s", msg)
+            else:
+                self._dispatch(router, peer, msg)
+
+    def _dispatch(self, router: zmq.Socket, peer: bytes, msg) -> None:
         if isinstance(msg, Ping):
             router.send_multipart([peer, *wire.encode(self._heartbeat(msg))])
         elif isinstance(msg, Submit):

@@ -100,6 +100,8 @@ class Worker:
                                      self.on_submit, self.on_abort, self.heartbeat,
                                      self.on_control)
         self._push: zmq.Socket | None = None
+        # Replies not yet sent, by frontend: a batch's go out as one message each (wire).
+        self._outbox: dict[bytes, list[bytes]] = {}
         self._batches = 0
         self.metrics = WorkerMetrics(index)
         self.metrics.set_ready(False)
@@ -303,6 +305,7 @@ class Worker:
             else:
                 self._finish(request, Error(request.msg.seq, ErrorCode.DEADLINE,
                                             "deadline passed while queued"))
+        self._send_replies()
 
     def _run(self, batch: Batch[QueuedText]) -> None:
         texts = batch.texts
@@ -330,6 +333,7 @@ class Worker:
             for request in failed:
                 self._finish(request, Error(request.msg.seq, ErrorCode.INTERNAL,
                                             f"forward failed: {type(exc).__name__}"))
+            self._send_replies()
             return
         forward_ms = (time.time() - began) * 1000.0
         self._batches += 1
@@ -349,6 +353,7 @@ class Worker:
                 self._finish(request, Result(
                     msg.seq, (request.started - request.arrived) * 1000.0, request.inference_ms,
                     request.batch_size, int(request.offsets[-1]), slot.spec.revision))
+        self._send_replies()
         # After the replies, so observing never delays them.
         real, padded = batch.real_tokens, batch.padded_tokens
         self.metrics.batch(slot.spec.name, len(touched), len(texts), real, padded,
@@ -367,13 +372,20 @@ class Worker:
         self._requests.pop((request.peer, request.msg.seq), None)
         with self._lock:
             self._queued_texts -= request.offsets.shape[0] - 1
-        self._push.send_multipart([request.peer, *wire.encode(reply)])
+        self._outbox.setdefault(request.peer, []).extend(wire.encode(reply))
+
+    def _send_replies(self) -> None:
+        """Send every reply `_finish` queued: one message per frontend, (kind, body) pairs."""
+        outbox, self._outbox = self._outbox, {}
+        for peer, frames in outbox.items():
+            self._push.send_multipart([peer, *frames])
 
     def _fail_all(self, code: ErrorCode, message: str) -> None:
         self._take_inbox(block=False)
         for request in {id(t.request): t.request for t in self._queue}.values():
             if not request.done:
                 self._finish(request, Error(request.msg.seq, code, message))
+        self._send_replies()
         self._queue = []
 
     def close(self) -> None:

@@ -9,6 +9,11 @@ inline or as a file, deep-merged over the config the way `--config` is:
   .venv/bin/python scripts/ab.py --a 'logging: {flush_interval_ms: 0}' --b '{}' --scenario null
   .venv/bin/python scripts/ab.py --a '{}' --b 'workers: {torch_threads: 1}' --rounds 6
 
+Or A/B two revisions of the code with one overlay: `--a-rev REV` runs side A from a git worktree
+of REV (made under a temporary directory, removed after), e.g. this change against main:
+
+  .venv/bin/python scripts/ab.py --a-rev main --a '{}' --b '{}' --scenario null
+
 Scenarios: short (32 users x 1 text, JSON), bulk (4 x 32), mixed (16 x 1..16), null (64 users
 x 1 text, msgpack, the built-in null model: the serving pipeline alone).
 """
@@ -16,8 +21,11 @@ x 1 text, msgpack, the built-in null model: the serving pipeline alone).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import yaml
@@ -42,6 +50,26 @@ def overlay(text: str) -> dict:
     return tree
 
 
+@contextlib.contextmanager
+def checkout(rev: str | None):
+    """The repository root to run a side from: this one, or a worktree of `rev`."""
+    if rev is None:
+        yield REPO
+        return
+    with tempfile.TemporaryDirectory(prefix="shmserve-ab-") as tmp:
+        tree = Path(tmp) / "tree"
+        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(tree), rev],
+                       check=True, stdout=subprocess.DEVNULL)
+        shared = REPO.parent / "shared"  # the corpus and style sit beside the checkout
+        if shared.exists() and not (Path(tmp) / "shared").exists():
+            (Path(tmp) / "shared").symlink_to(shared)
+        try:
+            yield tree
+        finally:
+            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)],
+                           check=False)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -54,13 +82,16 @@ def main() -> int:
                         help="open loop instead: Poisson arrivals at this many requests/s of "
                              "one text each (the figure is then p99 / p50 and its ratio)")
     parser.add_argument("--env", help="config env (as SHMSERVE_ENV)")
+    parser.add_argument("--a-rev", help="run side A's code from this git revision (a worktree)")
+    parser.add_argument("--b-rev", help="run side B's code from this git revision")
     args = parser.parse_args()
 
     scenario = SCENARIOS[args.scenario]
     base = NULL_STACK if args.scenario == "null" else {}  # the sides' overlays go over it
     metric = "requests_per_s" if args.scenario == "null" else "texts_per_s"
-    with OwnStack(args.env, None, deep_merge(base, overlay(args.a))) as a, \
-            OwnStack(args.env, None, deep_merge(base, overlay(args.b))) as b:
+    with checkout(args.a_rev) as repo_a, checkout(args.b_rev) as repo_b, \
+            OwnStack(args.env, None, deep_merge(base, overlay(args.a)), repo_a) as a, \
+            OwnStack(args.env, None, deep_merge(base, overlay(args.b)), repo_b) as b:
         for stack in (a, b):  # warm both: first requests load lazily initialised paths
             locust_window(stack.url, scenario, 3, CORPUS)
         ratios = []

@@ -46,8 +46,11 @@ def wait_http(url: str, timeout: float) -> None:
 class OwnStack:
     """A shmserve stack in a temporary run directory on a free port, driven by the CLI."""
 
-    def __init__(self, env: str | None, extra: str | None, overrides: dict) -> None:
+    def __init__(self, env: str | None, extra: str | None, overrides: dict,
+                 repo: Path = REPO) -> None:
         from shmserve.config import deep_merge
+
+        self.repo = repo  # the checkout whose code runs (scripts/ab.py's --a-rev: a worktree)
 
         self.tmp = tempfile.TemporaryDirectory(prefix="shmserve-bench-")
         self.port = free_port()
@@ -64,7 +67,7 @@ class OwnStack:
 
     def _cli(self, *args: str) -> None:
         cmd = [PYTHON, "-m", "shmserve.cli", *args, "--config", str(self.config)]
-        subprocess.run(cmd, cwd=REPO, env=self.env, check=True, stdout=subprocess.DEVNULL)
+        subprocess.run(cmd, cwd=self.repo, env=self.env, check=True, stdout=subprocess.DEVNULL)
 
     def __enter__(self) -> "OwnStack":
         self._cli("up", "--wait")

@@ -16,6 +16,8 @@ import threading
 import time
 from typing import TextIO
 
+import orjson
+
 from shmserve.config import LoggingConfig
 
 
@@ -37,7 +39,11 @@ class JsonFormatter(logging.Formatter):
         line.update(getattr(record, "fields", None) or {})
         if record.exc_info:
             line["exception"] = self.formatException(record.exc_info)
-        return json.dumps(line, default=str)
+        try:  # orjson: ~8x json's speed, for a line per request
+            return orjson.dumps(line, default=str,
+                                option=orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY).decode()
+        except orjson.JSONEncodeError:  # what orjson refuses (integers past 64 bits)
+            return json.dumps(line, default=str)
 
 
 class TextFormatter(logging.Formatter):

@@ -63,6 +63,26 @@ def observe_many(histogram, values: np.ndarray) -> None:
     histogram._sum.inc(float(values.sum()))
 
 
+class Children:
+    """A labelled metric's children, cached by label values.
+
+    prometheus_client's `labels()` validates its arguments and takes a lock on every call
+    (~0.9 us here); a request path that labels eleven children per request looks them up here
+    instead. Label values must already be strings, and few (routes, models, statuses)."""
+
+    __slots__ = ("_metric", "_cache")
+
+    def __init__(self, metric) -> None:
+        self._metric = metric
+        self._cache: dict[tuple[str, ...], object] = {}
+
+    def __call__(self, *values: str):
+        child = self._cache.get(values)
+        if child is None:
+            child = self._cache[values] = self._metric.labels(*values)
+        return child
+
+
 def multiproc_dir() -> Path | None:
     path = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
     return Path(path) if path else None

@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import IntEnum
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3  # 3: a worker sends a batch's replies to a frontend as one message
 
 
 class Kind(IntEnum):

@@ -4,6 +4,9 @@
     frame 1   msgpack array of the message's fields, in declaration order; a nested
               dataclass is itself an array, tuples travel as arrays, IntEnums as ints
 
+A worker sends the replies a batch finished for one frontend as one ZeroMQ message of several
+such pairs (`decode_all`): one send and one wake-up per batch and frontend, not per request.
+
 A ROUTER socket prepends the peer identity frame; callers strip it before `decode`. Tensor bytes
 never travel here: messages carry `ShmHandle`s into a shared-memory arena.
 """
@@ -46,6 +49,20 @@ def decode(frames: list[bytes] | list[Any]) -> Message:
         return build(msgpack.unpackb(body, raw=False, use_list=True))
     except (ValueError, TypeError, msgpack.UnpackException) as exc:
         raise WireError(f"bad {Kind(head[0]).name} body: {exc}") from None
+
+
+def decode_all(frames: list[bytes] | list[Any]) -> list[Message | WireError]:
+    """Every message of a multi-message frame list ((kind, body) pairs), in order; a pair that
+    does not decode is its WireError in place, so one bad reply loses no other."""
+    if not frames or len(frames) % 2:
+        raise WireError(f"expected (kind, body) pairs, got {len(frames)} frames")
+    out: list[Message | WireError] = []
+    for i in range(0, len(frames), 2):
+        try:
+            out.append(decode(frames[i:i + 2]))
+        except WireError as exc:
+            out.append(exc)
+    return out
 
 
 def _fields_of(value: Any) -> list[Any]:

@@ -86,3 +86,18 @@ def test_close_writes_what_is_left(pipe):
     _logger(handler).info("last words")
     handler.close()
     assert json.loads(_read_all(read_fd))["message"] == "last words"
+
+
+def test_json_lines_carry_any_field_value():
+    """Fields are whatever callers pass: numpy scalars, non-string keys, objects, and integers
+    past 64 bits (which orjson refuses: the line falls back to the json module)."""
+    import numpy as np
+
+    formatter = logs.JsonFormatter("test")
+    record = logging.LogRecord("shmserve.t", logging.INFO, __file__, 1, "m %s", ("x",), None)
+    record.fields = {"n": np.int64(3), "f": np.float32(0.5), "keys": {1: "a"}, "obj": object()}
+    line = json.loads(formatter.format(record))
+    assert (line["message"], line["n"], line["f"], line["keys"]) == ("m x", 3, 0.5, {"1": "a"})
+    assert line["obj"].startswith("<object")
+    record.fields = {"big": 2**70}
+    assert json.loads(formatter.format(record))["big"] == 2**70

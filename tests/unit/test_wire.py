@@ -73,6 +73,20 @@ def test_garbage_raises_wire_error(frames):
         wire.decode(frames)
 
 
+def test_decode_all_reads_a_batch_of_replies_and_isolates_a_bad_one():
+    """A worker sends a batch's replies to one frontend as one message of (kind, body) pairs."""
+    replies = [MESSAGES[5], MESSAGES[6], Result(8, 1.0, 2.0, 3, 4, "rev-2")]
+    frames = [f for msg in replies for f in wire.encode(msg)]
+    assert wire.decode_all(frames) == replies
+    frames[2:4] = [bytes((Kind.RESULT,)), b"\xc1"]  # the second reply is garbage
+    got = wire.decode_all(frames)
+    assert got[0] == replies[0] and got[2] == replies[2]
+    assert isinstance(got[1], wire.WireError)
+    for bad in ([], [b"\x04"], frames[:3]):
+        with pytest.raises(wire.WireError):
+            wire.decode_all(bad)
+
+
 def test_encode_is_safe_from_several_threads():
     """The worker encodes heartbeats in its socket thread while the model thread encodes
     results: each must come out whole."""
