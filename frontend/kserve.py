@@ -27,7 +27,8 @@ from frontend import codec, routes, tasks, tensors
 from frontend.app import CONFIG, MODEL_NAME, MODELS, POOL, ServedModel
 from frontend.dispatch import Outcome
 from frontend.errors import ApiError
-from frontend.schemas import EmbedRequest, _texts
+from frontend import schemas
+from frontend.schemas import EmbedRequest
 from frontend.tensors import BYTES, Tensor
 
 EXTENSIONS = ["binary_tensor_data"]
@@ -67,7 +68,7 @@ def _strings(request: web.Request, tensor: Tensor, name: str) -> list[str]:
         except UnicodeDecodeError:
             raise ApiError("invalid_request", f"'{name}[{i}]' is not valid UTF-8",
                            param=name) from None
-    return _texts(texts, name, request.app[CONFIG].limits)
+    return schemas.texts(texts, name, request.app[CONFIG].limits)
 
 
 async def _run_embedding(request: web.Request, model: ServedModel,
@@ -232,7 +233,8 @@ async def _read(request: web.Request) -> tuple[dict, bytes]:
     if not raw:
         raise ApiError("bad_request", "empty request body")
     if request.content_type in codec.MSGPACK_TYPES:
-        return tensors.object_of(await codec.read_body(request), "the inference request"), b""
+        return tensors.object_of(codec.decode_body(raw, request.content_type),
+                                 "the inference request"), b""
     # Any other Content-Type is JSON: Triton's clients send none, or octet-stream with binary.
     return tensors.split_body(raw, request.headers.get(HEADER_LENGTH))
 

@@ -30,17 +30,15 @@ class EmbedRequest:
 
 
 def parse_openai_embeddings(body: Any, limits: LimitsConfig) -> EmbedRequest:
-    body = _mapping(body)
-    if "input" not in body:
-        raise ApiError("invalid_request", "'input' is required", param="input")
-    texts, ids = texts_or_ids(body["input"], "input", limits)
+    body = mapping(body)
+    given, ids = texts_or_ids(required(body, "input"), "input", limits)
     fmt = body.get("encoding_format", "float")
     if fmt is None:
         fmt = "float"
     if fmt not in ENCODING_FORMATS:
         raise ApiError("invalid_request", "'encoding_format' must be 'float' or 'base64'",
                        param="encoding_format")
-    return EmbedRequest(texts, _model(body), fmt, _body_priority(body), token_ids=ids,
+    return EmbedRequest(given, model_name(body), fmt, body_priority(body), token_ids=ids,
                         dimensions=dimensions(body), user=user(body))
 
 
@@ -51,8 +49,8 @@ def texts_or_ids(value: Any, param: str, limits: LimitsConfig
     Token ids are checked here for shape and type only; the model's tokenizer checks their
     range and length (`TextEncoder.from_ids`)."""
     if isinstance(value, str):
-        return _texts([value], param, limits), None
-    if isinstance(value, list) and value and all(_is_int(v) for v in value):
+        return texts([value], param, limits), None
+    if isinstance(value, list) and value and all(is_int(v) for v in value):
         return [], [value]
     if isinstance(value, list) and value and all(isinstance(v, list) for v in value):
         if len(value) > limits.max_texts_per_request:
@@ -60,31 +58,63 @@ def texts_or_ids(value: Any, param: str, limits: LimitsConfig
                            f"{limits.max_texts_per_request} (limits.max_texts_per_request)",
                            param=param)
         for i, row in enumerate(value):
-            if not row or not all(_is_int(v) for v in row):
+            if not row or not all(is_int(v) for v in row):
                 raise ApiError("invalid_request", f"'{param}[{i}]' must be a non-empty list of "
                                "token ids (integers)", param=param)
         return [], value
-    return _texts(value, param, limits), None
+    return texts(value, param, limits), None
 
 
 def dimensions(body: dict) -> int | None:
-    value = body.get("dimensions")
-    if value is not None and (not _is_int(value) or value < 1):
-        raise ApiError("invalid_request", "'dimensions' must be an integer >= 1",
-                       param="dimensions")
-    return value
+    return count(body, "dimensions")
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def count(body: dict, key: str) -> int | None:
+    """An optional integer >= 1 (top_k, top_n, dimensions)."""
+    value = body.get(key)
+    if value is not None and (not is_int(value) or value < 1):
+        raise ApiError("invalid_request", f"'{key}' must be an integer >= 1", param=key)
+    return value
+
+
+def flag(body: dict, key: str, default: bool) -> bool:
+    """An optional boolean; absent or null is `default`."""
+    value = body.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ApiError("invalid_request", f"'{key}' must be a boolean", param=key)
+    return value
+
+
+def one_or_many(value: Any, param: str, limits: LimitsConfig) -> list[str]:
+    """A string or a list of strings, as a list."""
+    return texts([value] if isinstance(value, str) else value, param, limits)
+
+
+def query(body: dict, limits: LimitsConfig) -> str:
+    """A rerank request's query: one string, held to the limits of any text."""
+    value = body.get("query")
+    if not isinstance(value, str):
+        raise ApiError("invalid_request", "'query' must be a string", param="query")
+    texts([value], "query", limits)
+    return value
+
+
+def required(body: dict, key: str) -> Any:
+    if key not in body:
+        raise ApiError("invalid_request", f"'{key}' is required", param=key)
+    return body[key]
+
+
 def parse_predict(body: Any, limits: LimitsConfig) -> EmbedRequest:
-    body = _mapping(body)
-    if "texts" not in body:
-        raise ApiError("invalid_request", "'texts' is required", param="texts")
-    return EmbedRequest(_texts(body["texts"], "texts", limits), _model(body),
-                        priority=_body_priority(body), user=user(body))
+    body = mapping(body)
+    return EmbedRequest(texts(required(body, "texts"), "texts", limits), model_name(body),
+                        priority=body_priority(body), user=user(body))
 
 
 def user(body: dict) -> str | None:
@@ -94,20 +124,20 @@ def user(body: dict) -> str | None:
     return value
 
 
-def _mapping(body: Any) -> dict:
+def mapping(body: Any) -> dict:
     if not isinstance(body, dict):
         raise ApiError("invalid_request", "the request body must be an object")
     return body
 
 
-def _model(body: dict) -> str | None:
+def model_name(body: dict) -> str | None:
     model = body.get("model")
     if model is not None and (not isinstance(model, str) or not model):
         raise ApiError("invalid_request", "'model' must be a non-empty string", param="model")
     return model
 
 
-def _texts(value: Any, param: str, limits: LimitsConfig) -> list[str]:
+def texts(value: Any, param: str, limits: LimitsConfig) -> list[str]:
     if not isinstance(value, list):
         raise ApiError("invalid_request", f"'{param}' must be a string or a list of strings",
                        param=param)
@@ -147,7 +177,7 @@ def parse_priority(value: object, param: str) -> int:
                    f"{PRIORITY_RANGE[0]} to {PRIORITY_RANGE[1]}", param=param)
 
 
-def _body_priority(body: dict) -> int | None:
+def body_priority(body: dict) -> int | None:
     value = body.get("priority")
     return None if value is None else parse_priority(value, "priority")
 

@@ -24,7 +24,6 @@ from aiohttp import web
 
 from frontend import codec, schemas, tasks
 from frontend.app import CONFIG, REQUEST_ID
-from frontend.errors import ApiError
 from frontend.tasks import stage_headers
 
 
@@ -34,15 +33,12 @@ def add_routes(app: web.Application) -> None:
 
 
 async def classify(request: web.Request) -> web.Response:
-    body = schemas._mapping(await codec.read_body(request))
-    if "input" not in body:
-        raise ApiError("invalid_request", "'input' is required", param="input")
-    raw = body["input"]
-    texts = schemas._texts([raw] if isinstance(raw, str) else raw, "input",
-                           request.app[CONFIG].limits)
-    top_k = _count(body, "top_k")
-    out = await tasks.classify(request, schemas._model(body), texts, param="input",
-                               priority=schemas._body_priority(body), user=schemas.user(body))
+    body = schemas.mapping(await codec.read_body(request))
+    texts = schemas.one_or_many(schemas.required(body, "input"), "input",
+                                request.app[CONFIG].limits)
+    top_k = schemas.count(body, "top_k")
+    out = await tasks.classify(request, schemas.model_name(body), texts, param="input",
+                               priority=schemas.body_priority(body), user=schemas.user(body))
     data = [{"object": "classification", "index": i, "label": out.labels[int(np.argmax(row))],
              "probs": row.tolist(), "num_classes": len(out.labels),
              "labels": ranked(row, out.labels, top_k)} for i, row in enumerate(out.probs)]
@@ -56,7 +52,7 @@ async def classify(request: web.Request) -> web.Response:
 async def predict(request: web.Request, body: dict, parsed: schemas.EmbedRequest
                   ) -> web.Response:
     """/predict on a classification model: label lists, best first."""
-    top_k = _count(body, "top_k")
+    top_k = schemas.count(body, "top_k")
     out = await tasks.classify(request, parsed.model, parsed.texts, param="texts",
                                priority=parsed.priority, user=parsed.user)
     ran = out.ran
@@ -67,22 +63,15 @@ async def predict(request: web.Request, body: dict, parsed: schemas.EmbedRequest
 
 
 async def rerank(request: web.Request) -> web.Response:
-    body = schemas._mapping(await codec.read_body(request))
+    body = schemas.mapping(await codec.read_body(request))
     limits = request.app[CONFIG].limits
-    query = body.get("query")
-    if not isinstance(query, str):
-        raise ApiError("invalid_request", "'query' must be a string", param="query")
-    schemas._texts([query], "query", limits)
-    if "documents" not in body:
-        raise ApiError("invalid_request", "'documents' is required", param="documents")
-    documents = schemas._texts(_document_texts(body["documents"]), "documents", limits)
-    top_n = _count(body, "top_n")
-    back = body.get("return_documents", False)
-    if not isinstance(back, bool):
-        raise ApiError("invalid_request", "'return_documents' must be a boolean",
-                       param="return_documents")
-    out = await tasks.rerank(request, schemas._model(body), query, documents,
-                             priority=schemas._body_priority(body), user=schemas.user(body))
+    query = schemas.query(body, limits)
+    documents = schemas.texts(_document_texts(schemas.required(body, "documents")),
+                              "documents", limits)
+    top_n = schemas.count(body, "top_n")
+    back = schemas.flag(body, "return_documents", False)
+    out = await tasks.rerank(request, schemas.model_name(body), query, documents,
+                             priority=schemas.body_priority(body), user=schemas.user(body))
     order = np.argsort(-out.scores, kind="stable")[:top_n]
     results = []
     for i in order.tolist():
@@ -109,14 +98,6 @@ def _document_texts(value: Any) -> Any:
         return value  # _texts names the error
     return [v["text"] if isinstance(v, dict) and isinstance(v.get("text"), str) else v
             for v in value]
-
-
-def _count(body: dict, key: str) -> int | None:
-    value = body.get(key)
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or
-                              value < 1):
-        raise ApiError("invalid_request", f"'{key}' must be an integer >= 1", param=key)
-    return value
 
 
 def _usage(tokens: int) -> dict[str, int]:

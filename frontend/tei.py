@@ -25,8 +25,8 @@ from aiohttp import web
 from frontend import codec, routes, tasks, vectors
 from frontend.app import CONFIG, MODEL_NAME, MODELS
 from frontend.errors import ApiError
-from frontend.schemas import (EmbedRequest, _mapping, _model, _texts, dimensions,
-                              texts_or_ids)
+from frontend.schemas import (EmbedRequest, dimensions, flag, mapping, model_name,
+                              one_or_many, query, required, texts, texts_or_ids)
 from shmserve.config import LimitsConfig
 
 DIRECTIONS = {"right": "right", "Right": "right", "left": "left", "Left": "left"}
@@ -39,7 +39,7 @@ def add_routes(app: web.Application) -> None:
 
 
 async def embed(request: web.Request) -> web.Response:
-    body = _mapping(await codec.read_body(request))
+    body = mapping(await codec.read_body(request))
     parsed, normalize = parse_embed(body, request.app[CONFIG].limits)
     # The model that will serve: with no name, the first embedding model (not the first
     # configured one, which may be a classifier).
@@ -57,57 +57,46 @@ async def embed(request: web.Request) -> web.Response:
 
 
 def parse_embed(body: dict, limits: LimitsConfig) -> tuple[EmbedRequest, bool]:
-    if "inputs" not in body:
-        raise ApiError("invalid_request", "'inputs' is required", param="inputs")
-    texts, ids = texts_or_ids(body["inputs"], "inputs", limits)
-    normalize = _flag(body, "normalize", True)
+    given, ids = texts_or_ids(required(body, "inputs"), "inputs", limits)
+    normalize = flag(body, "normalize", True)
     _no_prompt(body)
     truncate, direction = _truncation(body)
-    return EmbedRequest(texts, _model(body), token_ids=ids, dimensions=dimensions(body),
+    return EmbedRequest(given, model_name(body), token_ids=ids, dimensions=dimensions(body),
                         truncate=truncate, truncation_direction=direction), normalize
 
 
 async def rerank(request: web.Request) -> web.Response:
-    body = _mapping(await codec.read_body(request))
+    body = mapping(await codec.read_body(request))
     limits = request.app[CONFIG].limits
-    query = body.get("query")
-    if not isinstance(query, str):
-        raise ApiError("invalid_request", "'query' must be a string", param="query")
-    _texts([query], "query", limits)
-    if "texts" not in body:
-        raise ApiError("invalid_request", "'texts' is required", param="texts")
-    _texts(body["texts"], "texts", limits)
-    raw_scores = _flag(body, "raw_scores", False)
-    return_text = _flag(body, "return_text", False)
+    asked = query(body, limits)
+    documents = texts(required(body, "texts"), "texts", limits)
+    raw_scores = flag(body, "raw_scores", False)
+    return_text = flag(body, "return_text", False)
     _truncation(body)
-    texts = body["texts"]
-    out = await tasks.rerank(request, _model(body), query, texts, param="texts")
+    out = await tasks.rerank(request, model_name(body), asked, documents, param="texts")
     scores = out.scores
     if raw_scores:  # the logit before the cross-encoder's sigmoid, as TEI's raw_scores
         clipped = np.clip(scores.astype(np.float64), 1e-12, 1 - 1e-12)
         scores = np.log(clipped / (1 - clipped))
     order = np.argsort(-out.scores, kind="stable")
     results = [{"index": int(i), "score": float(scores[i]),
-                **({"text": texts[i]} if return_text else {})} for i in order]
+                **({"text": documents[i]} if return_text else {})} for i in order]
     return codec.render(request, results, headers=tasks.stage_headers(request, out.ran.outcome))
 
 
 async def tokenize(request: web.Request) -> web.Response:
-    body = _mapping(await codec.read_body(request))
-    if "inputs" not in body:
-        raise ApiError("invalid_request", "'inputs' is required", param="inputs")
-    raw = body["inputs"]
-    texts = _texts([raw] if isinstance(raw, str) else raw, "inputs", request.app[CONFIG].limits)
-    special = _flag(body, "add_special_tokens", True)
+    body = mapping(await codec.read_body(request))
+    given = one_or_many(required(body, "inputs"), "inputs", request.app[CONFIG].limits)
+    special = flag(body, "add_special_tokens", True)
     _no_prompt(body)
-    model = request.app[MODELS].resolve(_model(body))
+    model = request.app[MODELS].resolve(model_name(body))
     request[MODEL_NAME] = model.spec.name
 
     def run() -> list[list[dict[str, Any]]]:
-        encodings = model.encoder.tokenize(texts, special)
-        return [_tokens(text, enc) for text, enc in zip(texts, encodings)]
+        encodings = model.encoder.tokenize(given, special)
+        return [_tokens(text, enc) for text, enc in zip(given, encodings)]
 
-    if sum(map(len, texts)) > tasks.THREAD_TOKENIZE_CHARS:  # as /predict: off the event loop
+    if sum(map(len, given)) > tasks.THREAD_TOKENIZE_CHARS:  # as /predict: off the event loop
         return codec.render(request, await asyncio.get_running_loop().run_in_executor(None, run))
     return codec.render(request, run())
 
@@ -131,15 +120,6 @@ def _tokens(text: str, encoding) -> list[dict[str, Any]]:
             out.append({"id": tid, "text": text[start:stop], "special": False,
                         "start": int(byte_at[start]), "stop": int(byte_at[stop])})
     return out
-
-
-def _flag(body: dict, key: str, default: bool) -> bool:
-    value = body.get(key)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise ApiError("invalid_request", f"'{key}' must be a boolean", param=key)
-    return value
 
 
 def _truncation(body: dict) -> tuple[bool | None, str]:

@@ -25,8 +25,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import orjson
 
 from frontend.errors import ApiError
+from frontend.schemas import is_int
 
 # Numeric datatypes of the protocol, as little-endian numpy dtypes. BYTES is handled apart.
 DTYPES: dict[str, str] = {
@@ -90,7 +92,7 @@ def read_inputs(header: dict[str, Any], tail: bytes) -> list[Tensor]:
                            "send tensor data in the body", param="inputs")
         size = params.get("binary_data_size")
         if size is not None:
-            if not _is_int(size) or size < 0 or used + size > len(tail):
+            if not is_int(size) or size < 0 or used + size > len(tail):
                 raise ApiError("bad_request", f"input {name!r}: binary_data_size {size!r} does "
                                f"not fit the {len(tail) - used} bytes left after the header")
             data = _from_binary(name, datatype, shape, tail[used:used + size])
@@ -150,10 +152,13 @@ def encode_response(head: dict[str, Any], outputs: list[tuple[Tensor, bool]]
             entry["parameters"] = {"binary_data_size": len(raw)}
             tails.append(raw)
         else:
+            # A numeric array as it is: orjson writes each float32 as the shortest decimal
+            # that reads back as the same float32, as the other JSON routes do (frontend.codec).
             entry["data"] = ([b.decode("utf-8", "replace") for b in tensor.data]
-                             if tensor.datatype == BYTES else np.ravel(tensor.data).tolist())
+                             if tensor.datatype == BYTES
+                             else np.ascontiguousarray(np.ravel(tensor.data)))
         entries.append(entry)
-    header = json.dumps({**head, "outputs": entries}, separators=(",", ":")).encode()
+    header = orjson.dumps({**head, "outputs": entries}, option=orjson.OPT_SERIALIZE_NUMPY)
     if not tails:
         return header, None
     return header + b"".join(tails), len(header)
@@ -173,7 +178,7 @@ def _declaration(entry: dict[str, Any]) -> tuple[str, str, tuple[int, ...]]:
     if datatype != BYTES and datatype not in DTYPES:
         raise ApiError("invalid_request", f"input {name!r}: unknown datatype {datatype!r}",
                        param="inputs")
-    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+    if not isinstance(shape, list) or not all(is_int(d) and d >= 0 for d in shape):
         raise ApiError("invalid_request", f"input {name!r}: 'shape' must be a list of "
                        "non-negative integers", param="inputs")
     return name, datatype, tuple(shape)
@@ -243,10 +248,6 @@ def _flatten(data: Any) -> list[Any]:
         else:
             stack.pop()
     return flat
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _reject_constant(name: str) -> Any:

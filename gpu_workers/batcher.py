@@ -62,8 +62,9 @@ class Batch(Generic[T]):
 
 
 def anchor_index(queue: Sequence[Text], fair_turn: bool = False) -> int:
+    """The queue is in arrival order: its first text is the oldest."""
     if fair_turn:
-        return min(range(len(queue)), key=lambda i: queue[i].arrived)
+        return 0
     best = 0
     for i in range(1, len(queue)):
         if queue[i].priority > queue[best].priority:
@@ -72,13 +73,13 @@ def anchor_index(queue: Sequence[Text], fair_turn: bool = False) -> int:
 
 
 def wait_time(queue: Sequence[Text], now: float, limits: Limits) -> float:
-    """Seconds to wait before forming a batch; 0 means form it now. The queue is not empty."""
+    """Seconds to wait before forming a batch; 0 means form it now. The queue is not empty,
+    and in arrival order."""
     if len(queue) >= limits.max_batch_size:
         return 0.0
     if sum(t.length for t in queue) >= limits.max_batch_tokens:
         return 0.0
-    oldest = min(t.arrived for t in queue)
-    return max(0.0, oldest + limits.max_wait_s - now)
+    return max(0.0, queue[0].arrived + limits.max_wait_s - now)
 
 
 def form_batch(queue: Sequence[T], limits: Limits,

@@ -53,13 +53,21 @@ class Job:
     cancelled: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class Staged:
+    """A standby slot, loaded and warmed, waiting for its reload's commit."""
+
+    slot: Slot
+    ticket: str
+    since: float  # monotonic
+
+
 @dataclass(eq=False)
 class Unit:
     config: ModelConfig
     active: Slot
     loading: Job | None = None
-    standby: Slot | None = None
-    staged: tuple[str, float] | None = None  # (ticket, monotonic time) of the standby
+    standby: Staged | None = None
     retiring: list[Slot] = field(default_factory=list)
 
 
@@ -103,7 +111,7 @@ class Slots:
             if unit.loading is not None and not unit.loading.cancelled:
                 state, standby = "loading", unit.loading.revision
             elif unit.standby is not None:
-                state, standby = "staged", unit.standby.spec.revision
+                state, standby = "staged", unit.standby.slot.spec.revision
             out.append(ModelInfo(s.name, s.task, s.dim, s.max_tokens, s.dtype, s.revision,
                                  state, standby))
         return tuple(out)
@@ -115,7 +123,8 @@ class Slots:
         if unit is None:
             return [_reply(peer, msg.seq, ReloadStatus.INVALID, "",
                            f"model {msg.model!r} is not loaded on this worker")]
-        if (unit.loading is not None and not unit.loading.cancelled) or unit.standby:
+        if (unit.loading is not None and not unit.loading.cancelled) or \
+                unit.standby is not None:
             return [_reply(peer, msg.seq, ReloadStatus.BUSY, "",
                            f"another reload of {msg.model!r} is in progress on this worker")]
         source = msg.source or unit.active.source
@@ -153,15 +162,15 @@ class Slots:
             log.warning("worker.reload_failed", extra={"fields": {
                 "model": item.unit, "ticket": job.ticket, "error": message}})
             return [_reply(job.peer, job.seq, status, "", message)]
-        unit.standby, unit.staged = item.slot, (job.ticket, time.monotonic())
+        unit.standby = Staged(item.slot, job.ticket, time.monotonic())
         log.info("worker.reload_staged", extra={"fields": {
             "model": item.unit, "revision": item.slot.spec.revision, "ticket": job.ticket}})
         return [_reply(job.peer, job.seq, ReloadStatus.OK, item.slot.spec.revision, "staged")]
 
     def commit(self, peer: bytes, msg: Commit) -> list[Reply]:
         unit = self.units.get(msg.model)
-        if unit is not None and unit.standby is not None and unit.staged[0] == msg.ticket:
-            slot, unit.standby, unit.staged = unit.standby, None, None
+        if unit is not None and unit.standby is not None and unit.standby.ticket == msg.ticket:
+            slot, unit.standby = unit.standby.slot, None
             if not msg.keep:
                 self._free(slot)
                 return [_reply(peer, msg.seq, ReloadStatus.OK, unit.active.spec.revision,
@@ -183,10 +192,10 @@ class Slots:
     def expire(self, now: float) -> None:
         """Free standby slots staged and never committed (their frontend went away)."""
         for name, unit in self.units.items():
-            if unit.staged is not None and now - unit.staged[1] > self._stage_timeout:
+            if unit.standby is not None and now - unit.standby.since > self._stage_timeout:
                 log.warning("worker.reload_expired", extra={"fields": {
-                    "model": name, "ticket": unit.staged[0]}})
-                slot, unit.standby, unit.staged = unit.standby, None, None
+                    "model": name, "ticket": unit.standby.ticket}})
+                slot, unit.standby = unit.standby.slot, None
                 self._free(slot)
 
     def collect(self, pinned: set[str]) -> None:

@@ -60,9 +60,6 @@ def checkout(rev: str | None):
         tree = Path(tmp) / "tree"
         subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(tree), rev],
                        check=True, stdout=subprocess.DEVNULL)
-        shared = REPO.parent / "shared"  # the corpus and style sit beside the checkout
-        if shared.exists() and not (Path(tmp) / "shared").exists():
-            (Path(tmp) / "shared").symlink_to(shared)
         try:
             yield tree
         finally:

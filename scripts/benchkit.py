@@ -6,7 +6,6 @@ from __future__ import annotations
 import csv
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -19,14 +18,13 @@ import numpy as np
 import yaml
 
 REPO = Path(__file__).resolve().parent.parent
-CORPUS = REPO.parent / "shared" / "bench" / "corpus.json"
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from tests.stack import corpus_path, free_port  # noqa: E402  (the test harness's, shared)
+
+CORPUS = corpus_path()
 PYTHON = sys.executable
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_http(url: str, timeout: float) -> None:
@@ -143,10 +141,11 @@ def locust_window(url: str, scenario: Scenario, seconds: int, corpus: Path) -> d
         if requests == 0:
             raise SystemExit("locust sent no request")
         rps = float(agg["Requests/s"])
-        texts = int(texts_out.read_text()) if texts_out.exists() else 0
-        ok = requests - failures
-        return {"requests": requests, "failures": failures, "requests_per_s": rps * ok / requests,
-                "texts_per_s": rps * texts / requests if texts else 0.0,
+        sent = json.loads(texts_out.read_text()) if texts_out.exists() else {}
+        per_request = sent["texts"] / sent["requests"] if sent.get("requests") else 0.0
+        ok_rps = rps * (requests - failures) / requests
+        return {"requests": requests, "failures": failures, "requests_per_s": ok_rps,
+                "texts_per_s": ok_rps * per_request,
                 "p50_ms": float(agg["50%"]), "p99_ms": float(agg["99%"])}
 
 
@@ -160,29 +159,38 @@ class _Text:
 
 
 class InProcess:
-    """The model alone (same dtype, threads and batch policy as the server's config), on the
-    same corpus texts grouped the way the server sees them at a given concurrency."""
+    """The model alone on `device` with the batch policy `limits`, on corpus texts grouped the
+    way the server sees them at a given concurrency (`window`'s chunk). `from_config`: the
+    server's first model, dtype, threads and batching, on the CPU."""
 
-    def __init__(self, cfg, corpus: list[str], offset: int = 0) -> None:
-        import torch
-
+    def __init__(self, spec, device, limits, corpus: list[str], offset: int = 0) -> None:
         from frontend.tokenizer import TextEncoder
-        from gpu_workers.batcher import Limits
         from gpu_workers.model import Model
-        from shmserve.models import inspect
 
-        torch.set_num_threads(cfg.workers.torch_threads)
-        spec = inspect(cfg.models[0], with_revision=False)
-        self.model = Model(spec, torch.device("cpu"))
+        self.model = Model(spec, device)
         enc = TextEncoder(spec, truncate=True).encode(corpus)
         self.texts = [_Text(int(b - a), enc.ids[a:b])
                       for a, b in zip(enc.offsets[:-1], enc.offsets[1:])]
-        self.limits = Limits(cfg.batching.max_batch_size, cfg.batching.max_batch_tokens,
-                             cfg.batching.max_wait_ms / 1000, cfg.batching.max_pad_ratio)
+        self.limits = limits
         self.cursor = offset
         self.window(2, 32)  # warm-up, as a worker warms up before it reports ready
 
+    @classmethod
+    def from_config(cls, cfg, corpus: list[str], offset: int = 0) -> "InProcess":
+        import torch
+
+        from gpu_workers.batcher import Limits
+        from shmserve.models import inspect
+
+        torch.set_num_threads(cfg.workers.torch_threads)
+        limits = Limits(cfg.batching.max_batch_size, cfg.batching.max_batch_tokens,
+                        cfg.batching.max_wait_ms / 1000, cfg.batching.max_pad_ratio)
+        return cls(inspect(cfg.models[0], with_revision=False), torch.device("cpu"), limits,
+                   corpus, offset)
+
     def window(self, seconds: float, chunk: int) -> dict:
+        import torch
+
         from gpu_workers.batcher import form_batch
 
         done, started = 0, time.perf_counter()
@@ -196,6 +204,8 @@ class InProcess:
                 for j, t in enumerate(batch.texts):
                     ids[j, :t.length] = t.ids
                 self.model.forward(ids, np.array([t.length for t in batch.texts]))
+        if self.model.device.type == "cuda":
+            torch.cuda.synchronize()  # the outputs are copied back, but count every kernel
         return {"texts_per_s": done / (time.perf_counter() - started)}
 
 
@@ -207,7 +217,7 @@ def ceiling(cfg, corpus: Path, env: str | None, extra: str | None):
 
     workers = len(topology.worker_devices(cfg))
     if workers == 1:
-        return InProcess(cfg, json.loads(corpus.read_text()))
+        return InProcess.from_config(cfg, json.loads(corpus.read_text()))
     return _Ceilings(workers, corpus, env, extra)
 
 
@@ -244,12 +254,12 @@ class _Ceilings:
 
 def _ceiling_child(argv: list[str]) -> None:
     """One worker's share of the ceiling: windows on request (stdin), results on stdout."""
-    sys.path.insert(0, str(REPO))
     from shmserve import config as config_mod
 
     extra = argv[argv.index("--config") + 1] if "--config" in argv else None
     cfg = config_mod.load(extra=extra)
-    inproc = InProcess(cfg, json.loads(Path(argv[1]).read_text()), offset=int(argv[0]))
+    inproc = InProcess.from_config(cfg, json.loads(Path(argv[1]).read_text()),
+                                    offset=int(argv[0]))
     print("ready", flush=True)
     for line in sys.stdin:
         seconds, chunk = line.split()

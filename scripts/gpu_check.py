@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
-from benchkit import CORPUS, OwnStack, Scenario, locust_window  # noqa: E402
+from benchkit import CORPUS, InProcess, OwnStack, Scenario, locust_window  # noqa: E402
 
 
 def short_texts(n: int) -> list[str]:
@@ -85,41 +85,14 @@ def parity(device, texts: list[str]) -> dict:
 
 
 def ceiling(device, source: str, dtype: str, texts: list[str], seconds: float) -> float:
-    import torch
-
-    from frontend.tokenizer import TextEncoder
-    from gpu_workers.batcher import Limits, form_batch
-    from gpu_workers.model import Model
+    """The model alone on the GPU: chunks of 1,024 texts, up to 256 a batch."""
+    from gpu_workers.batcher import Limits
     from shmserve import config
 
     cfg = config.load(environ={})
-    spec = spec_for(source, dtype)
-    model = Model(spec, device)
-    enc = TextEncoder(spec, truncate=True).encode(texts)
-
-    class T:
-        __slots__ = ("length", "ids", "model", "priority", "arrived")
-
-        def __init__(self, a: int, b: int) -> None:
-            self.length, self.ids = b - a, enc.ids[a:b]
-            self.model, self.priority, self.arrived = "m", 0, 0.0
-
-    items = [T(int(a), int(b)) for a, b in zip(enc.offsets[:-1], enc.offsets[1:])]
     limits = Limits(256, 32768, cfg.batching.max_wait_ms / 1000, cfg.batching.max_pad_ratio)
-    done, started, cursor = 0, time.perf_counter(), 0
-    while time.perf_counter() - started < seconds:
-        queue = items[cursor:cursor + 1024] or items[:1024]
-        cursor = (cursor + 1024) % len(items)
-        while queue:
-            batch, queue = form_batch(queue, limits)
-            ids = np.zeros((len(batch.texts), batch.padded_len), np.int64)
-            for j, t in enumerate(batch.texts):
-                ids[j, :t.length] = t.ids
-            model.forward(ids, np.array([t.length for t in batch.texts]))
-            done += len(batch.texts)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return done / (time.perf_counter() - started)
+    return InProcess(spec_for(source, dtype), device, limits, texts).window(
+        seconds, 1024)["texts_per_s"]
 
 
 def served(source: str, model_root: str, dtype: str, seconds: int, dry_run: bool) -> dict:

@@ -45,7 +45,7 @@ def next_texts() -> list[str]:
     return [_corpus[(start + i) % len(_corpus)] for i in range(count)]
 
 
-_texts_sent = [0]
+_texts_sent = [0, 0]  # texts, and the successful requests that carried them
 
 
 @events.request.add_listener
@@ -53,18 +53,37 @@ def _count_texts(request_type, name, response_time, response_length, exception=N
                  context=None, **kwargs) -> None:
     if exception is None and context:
         _texts_sent[0] += context.get("texts", 0)
+        _texts_sent[1] += 1
 
 
-@events.reset_stats.add_listener
+_resets_at_spawn = [False]
+
+
+@events.init.add_listener
+def _on_init(environment, **kwargs) -> None:
+    _resets_at_spawn[0] = bool(environment.reset_stats)
+
+
+@events.reset_stats.add_listener  # the web UI's reset
 def _reset_texts(**kwargs) -> None:
-    _texts_sent[0] = 0
+    _texts_sent[:] = [0, 0]
+
+
+@events.spawning_complete.add_listener
+def _reset_texts_when_spawned(user_count, **kwargs) -> None:
+    # --reset-stats resets locust's own counts here, without firing reset_stats; the text
+    # count must restart with them, or texts/s counts the ramp-up's texts over the window.
+    if _resets_at_spawn[0]:
+        _texts_sent[:] = [0, 0]
 
 
 @events.quitting.add_listener
 def _report_texts(environment, **kwargs) -> None:
     out = os.environ.get("SHMSERVE_BENCH_TEXTS_OUT")
     if out:
-        Path(out).write_text(str(_texts_sent[0]))
+        # Texts per successful request, from both counts taken together: locust's CSV is
+        # written on a timer and may miss the last second's requests.
+        Path(out).write_text(json.dumps({"texts": _texts_sent[0], "requests": _texts_sent[1]}))
 
 
 class EmbeddingUser(FastHttpUser):

@@ -22,8 +22,6 @@ import shutil
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
@@ -100,7 +98,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def up(args: argparse.Namespace) -> int:
-    cfg = _load(args)
+    cfg = config.from_args(args)
     pid = supervisord_pid(cfg)
     if pid is not None:
         raise CliError(f"already running (supervisord pid {pid}, run_dir {cfg.run_dir}); "
@@ -133,7 +131,7 @@ def up(args: argparse.Namespace) -> int:
 
 
 def down(args: argparse.Namespace) -> int:
-    cfg = _load(args)
+    cfg = config.from_args(args)
     pid = supervisord_pid(cfg)
     if pid is None:
         print(f"shmserve: not running (run_dir {cfg.run_dir})")
@@ -141,7 +139,7 @@ def down(args: argparse.Namespace) -> int:
         subprocess.run(_ctl_argv(cfg, "shutdown"), check=False)
         # supervisord stops its three groups one after another, each within stopwaitsecs.
         limit = 3 * render.stopwaitsecs(cfg) + 10
-        _wait_for(lambda: not _alive(pid), limit,
+        _wait_for(lambda: not processes.alive(pid), limit,
                   f"supervisord (pid {pid}) still runs after {limit} s")
         print("shmserve: stopped")
     if render.nginx_conf(cfg).exists():
@@ -153,16 +151,16 @@ def down(args: argparse.Namespace) -> int:
 
 def status(args: argparse.Namespace) -> int:
     """0: every process runs and GET /ready says ready; 1: not so; 3: not running at all."""
-    cfg = _load(args)
+    cfg = config.from_args(args)
     if supervisord_pid(cfg) is None:
         print(f"shmserve: not running (run_dir {cfg.run_dir})")
         return 3
     if args.watch is not None and args.watch <= 0:
         raise CliError("--watch needs a positive number of seconds")
-    title = f"shmserve {__version__} at {base_url(cfg)} (run_dir {cfg.run_dir})"
+    title = f"shmserve {__version__} at {remote.base_url(cfg)} (run_dir {cfg.run_dir})"
     try:
         last = statusview.run(
-            lambda: statusview.take(base_url(cfg), http_get, lambda: process_info(cfg)),
+            lambda: statusview.take(remote.base_url(cfg), remote.http, lambda: process_info(cfg)),
             title, sys.stdout, args.watch, args.count)
     except KeyboardInterrupt:
         return 0
@@ -174,14 +172,14 @@ def status(args: argparse.Namespace) -> int:
 
 
 def restart(args: argparse.Namespace) -> int:
-    cfg = _load(args)
+    cfg = config.from_args(args)
     return subprocess.run(_ctl_argv(cfg, "restart", restart_target(args.target)),
                           check=False).returncode
 
 
 def ctl(args: argparse.Namespace) -> int:
     rest = deployment_flags(args, args.ctl_args)
-    return subprocess.run(_ctl_argv(_load(args), *rest), check=False).returncode
+    return subprocess.run(_ctl_argv(config.from_args(args), *rest), check=False).returncode
 
 
 def deployment_flags(args: argparse.Namespace, argv: list[str]) -> list[str]:
@@ -201,7 +199,7 @@ def deployment_flags(args: argparse.Namespace, argv: list[str]) -> list[str]:
 
 
 def show_config(args: argparse.Namespace) -> int:
-    print(render.resolved(_load(args)).to_json())
+    print(render.resolved(config.from_args(args)).to_json())
     return 0
 
 
@@ -222,9 +220,9 @@ def wait_ready(cfg: Config, timeout: float) -> int:
     deadline = time.monotonic() + timeout
     while True:
         fatal = [p["name"] for p in process_info(cfg) if p["statename"] == "FATAL"]
-        code, _ = http_get(url)
+        code, _ = remote.http(url)
         if code == 200:
-            print(f"shmserve: ready at {base_url(cfg)}")
+            print(f"shmserve: ready at {remote.base_url(cfg)}")
             return 0
         if fatal or time.monotonic() > deadline:
             break
@@ -249,27 +247,8 @@ def print_log_tails(cfg: Config) -> None:
             print(line, file=sys.stderr)
 
 
-def base_url(cfg: Config) -> str:
-    host = cfg.server.host
-    host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
-    return f"http://[{host}]:{cfg.server.port}" if ":" in host else \
-        f"http://{host}:{cfg.server.port}"
-
-
 def ready_url(cfg: Config) -> str:
-    return f"{base_url(cfg)}/ready"
-
-
-def http_get(url: str, timeout: float = 2.0) -> tuple[int | None, bytes]:
-    """(status, body), or (None, b"") when nothing answered. Ignores *_proxy variables."""
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    try:
-        with opener.open(url, timeout=timeout) as response:
-            return response.status, response.read()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read()
-    except (OSError, ValueError):
-        return None, b""
+    return f"{remote.base_url(cfg)}/ready"
 
 
 def clean_stale(cfg: Config, metrics: bool) -> None:
@@ -292,7 +271,7 @@ def supervisord_pid(cfg: Config) -> int | None:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return None
-    return pid if _alive(pid) and b"supervisord" in cmdline else None
+    return pid if processes.alive(pid) and b"supervisord" in cmdline else None
 
 
 def tool(name: str) -> str:
@@ -308,17 +287,6 @@ def _ctl_argv(cfg: Config, *args: str) -> list[str]:
     return [tool("supervisorctl"), "-c", str(render.supervisord_conf(cfg)), *args]
 
 
-def _load(args: argparse.Namespace) -> Config:
-    return config.load(env=args.env, extra=args.config)
-
-
-def _alive(pid: int) -> bool:
-    """True while pid runs; a zombie (exited, not yet reaped by a parent we are not) is dead."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
 
 
 def _wait_for(condition: Callable[[], bool], timeout: float, error: str) -> None:

@@ -338,6 +338,11 @@ def _check_models(cfg: Config) -> None:
             raise ConfigError(f"{key}.variants: the weights must not all be 0")
 
 
+def from_args(args) -> Config:
+    """The config a command line names with ``--env`` and ``--config`` (shmserve.cli)."""
+    return load(env=args.env, extra=args.config)
+
+
 def load_resolved(path: str | Path) -> Config:
     """Read the validated config that ``shmserve up`` wrote into the run directory."""
     return from_tree(json.loads(Path(path).read_text()))

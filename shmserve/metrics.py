@@ -24,11 +24,12 @@ from pathlib import Path
 from typing import Callable, Iterable, Mapping
 
 import numpy as np
-import psutil
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client import multiprocess
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from shmserve import processes
 
 # Seconds, as Prometheus prefers, from 0.1 ms (tokenizing a short text) to 30 s.
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02,
@@ -145,17 +146,7 @@ def mark_dead(directory: Path, pids: Iterable[int] = ()) -> list[int]:
         match = _LIVE_GAUGE_FILE.match(path.name)
         if match:
             candidates.add(int(match.group(1)))
-    dead = sorted(pid for pid in candidates if not alive(pid))
+    dead = sorted(pid for pid in candidates if not processes.alive(pid))
     for pid in dead:
         multiprocess.mark_process_dead(pid, str(directory))
     return dead
-
-
-def alive(pid: int) -> bool:
-    """True while pid runs; a zombie (exited, not yet reaped) is dead."""
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-    except psutil.AccessDenied:
-        return True

@@ -91,14 +91,16 @@ def kill_orphans(cfg: Config, timeout_s: float = 10.0) -> list[int]:
         except ProcessLookupError:
             pass
     deadline = time.monotonic() + timeout_s
-    while any(_running(pid) for pid in pids) and time.monotonic() < deadline:
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.02)
     return pids
 
 
-def _running(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """True while pid runs; a zombie (exited, not yet reaped by its parent) is dead."""
     try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
         return False
-    return state != "Z"
+    except psutil.AccessDenied:
+        return True

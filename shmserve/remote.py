@@ -19,13 +19,13 @@ class RemoteError(RuntimeError):
 
 
 def list_models(args: argparse.Namespace) -> int:
-    status_code, body = admin_call(_load(args), "GET", "/admin/models")
+    status_code, body = admin_call(config.from_args(args), "GET", "/admin/models")
     print(json.dumps(body, indent=2))
     return 0 if status_code == 200 else 1
 
 
 def reload(args: argparse.Namespace) -> int:
-    cfg = _load(args)
+    cfg = config.from_args(args)
     source = args.source
     if source and not source.startswith("package:"):
         source = str(Path(source).expanduser().resolve())  # the workers' cwd is not ours
@@ -46,7 +46,7 @@ def split(args: argparse.Namespace) -> int:
             raise RemoteError(f"{item!r}: expected VARIANT=WEIGHT, WEIGHT a number") from None
         if not eq:
             raise RemoteError(f"{item!r}: expected VARIANT=WEIGHT")
-    status_code, answer = admin_call(_load(args), "PUT", f"/admin/models/{quote(args.name)}/split",
+    status_code, answer = admin_call(config.from_args(args), "PUT", f"/admin/models/{quote(args.name)}/split",
                                      {"weights": weights})
     print(json.dumps(answer, indent=2))
     return 0 if status_code == 200 else 1
@@ -58,28 +58,33 @@ def admin_call(cfg: Config, method: str, path: str, body: dict | None = None,
     if not cfg.admin.token:
         raise RemoteError("admin routes are off: set admin.token (SHMSERVE__ADMIN__TOKEN)")
     data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(_base_url(cfg) + path, data=data, method=method, headers={
+    code, raw = http(base_url(cfg) + path, method, data, timeout=timeout, headers={
         "Authorization": f"Bearer {cfg.admin.token}", "Content-Type": "application/json"})
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    try:
-        with opener.open(request, timeout=timeout) as response:
-            code, raw = response.status, response.read()
-    except urllib.error.HTTPError as exc:
-        code, raw = exc.code, exc.read()
-    except OSError as exc:
-        raise RemoteError(f"{_base_url(cfg)} did not answer ({exc}); is the stack up?") from None
+    if code is None:
+        raise RemoteError(f"{base_url(cfg)} did not answer; is the stack up?")
     try:
         return code, json.loads(raw)
     except ValueError:
         return code, raw.decode(errors="replace")
 
 
+def base_url(cfg: Config) -> str:
+    """Where the deployment answers on this machine (a wildcard listen address: loopback)."""
+    host = cfg.server.host
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+    return f"http://[{host}]:{cfg.server.port}" if ":" in host else \
+        f"http://{host}:{cfg.server.port}"
 
-def _base_url(cfg: Config) -> str:
-    from shmserve.cli import base_url
 
-    return base_url(cfg)
-
-
-def _load(args: argparse.Namespace) -> Config:
-    return config.load(env=args.env, extra=args.config)
+def http(url: str, method: str = "GET", data: bytes | None = None, timeout: float = 2.0,
+         headers: dict[str, str] | None = None) -> tuple[int | None, bytes]:
+    """(status, body), or (None, b"") when nothing answered. Ignores *_proxy variables."""
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    request = urllib.request.Request(url, data=data, method=method, headers=headers or {})
+    try:
+        with opener.open(request, timeout=timeout) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+    except (OSError, ValueError):
+        return None, b""

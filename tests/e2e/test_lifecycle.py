@@ -88,10 +88,10 @@ def test_a_sigkilled_supervisord_leaves_nothing_running_after_the_next_up(tmp_pa
         old_worker = pid_of(stack, "workers:worker-0")
         supervisord = int((stack.run_dir / "supervisord.pid").read_text())
         os.kill(supervisord, signal.SIGKILL)
-        stack.wait_until(lambda: not processes._running(supervisord), 10, "supervisord gone")
-        assert processes._running(old_worker)  # its children live on
+        stack.wait_until(lambda: not processes.alive(supervisord), 10, "supervisord gone")
+        assert processes.alive(old_worker)  # its children live on
         stack.up()  # sweeps them, then starts afresh
-        assert not processes._running(old_worker)
+        assert not processes.alive(old_worker)
         assert not set(children) & set(processes.orphans(cfg))
         assert stack.post_json("/predict", {"texts": ["fresh"]})[0] == 200
     finally:

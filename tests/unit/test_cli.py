@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from shmserve import arena, cli, render, topology
+from shmserve import arena, cli, remote, render, topology
 from shmserve.config import REPO_ROOT
 from tests.unit.test_render import free_port, make_config, wait_until
 
@@ -130,8 +130,8 @@ def test_urls_for_wildcard_hosts(tmp_path):
     cfg = make_config(tmp_path, server={"host": "0.0.0.0", "port": 1234})
     assert cli.ready_url(cfg) == "http://127.0.0.1:1234/ready"
     cfg = make_config(tmp_path, server={"host": "::", "port": 1234})
-    assert cli.base_url(cfg) == "http://[::1]:1234"
-    assert cli.http_get(f"http://127.0.0.1:{free_port()}/ready") == (None, b"")
+    assert remote.base_url(cfg) == "http://[::1]:1234"
+    assert remote.http(f"http://127.0.0.1:{free_port()}/ready") == (None, b"")
 
 
 def test_console_script_and_module_entry_point():

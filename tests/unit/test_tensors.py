@@ -112,6 +112,8 @@ def test_response_json_then_binary_in_order():
     out = json.loads(body)
     assert out["id"] == "r1" and out["outputs"][0]["shape"] == [2, 4]
     np.testing.assert_array_equal(np.array(out["outputs"][0]["data"], np.float32), emb.ravel())
+    # float32 as its shortest decimal (0.33333334), not its float64 widening (0.3333333432674408)
+    assert b"0.33333334," in body and b"0.3333333432" not in body
 
     body, length = tensors.encode_response(head, [(Tensor("e", "FP32", (2, 4), emb), True),
                                                   (labels, True)])

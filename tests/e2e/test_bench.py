@@ -1,0 +1,34 @@
+"""The benchmark's own counting: a locust window's texts/s must be its requests/s times the
+texts each request carried (an earlier version counted the ramp-up's and the last second's
+texts against a request count that had neither, and overstated texts/s by up to a fifth)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from tests.stack import REPO, corpus_path
+
+sys.path.insert(0, str(REPO / "scripts"))
+
+benchkit = pytest.importorskip("benchkit")
+
+
+@pytest.fixture(scope="module")
+def short_corpus(tmp_path_factory):
+    """Corpus sentences that fit the tiny model's 64 tokens (it does not truncate)."""
+    path = tmp_path_factory.mktemp("corpus") / "short.json"
+    path.write_text(json.dumps([t for t in json.loads(corpus_path().read_text())
+                                if len(t) <= 80]))
+    return path
+
+
+@pytest.mark.parametrize("texts,api", [("1", "openai"), ("4", "msgpack")])
+def test_locust_window_counts_texts_per_request_exactly(tiny_stack, short_corpus, texts, api):
+    window = benchkit.locust_window(tiny_stack.url, benchkit.Scenario("w", 8, texts, api=api),
+                                    3, short_corpus)
+    assert window["failures"] == 0 and window["requests"] > 50
+    assert window["texts_per_s"] == pytest.approx(window["requests_per_s"] * int(texts),
+                                                  rel=1e-9)
