@@ -2,8 +2,8 @@
 
 The slot (token ids, offsets, output rows) is allocated once per request and freed when nobody
 can touch it any more: the handler is done with it and no worker holds it (see `Lease`). A
-request whose worker dies is resubmitted to another live worker, up to
-`frontends.retry_on_worker_loss` times: inference is idempotent.
+request whose worker dies, or answers that it is loading or draining, is resubmitted to another
+live worker, up to `frontends.retry_on_worker_loss` times: inference is idempotent.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from frontend.pool import WorkerGone, WorkerPool, consume
 from frontend.tokenizer import Encoded
 from shmserve.arena import Arena, ArenaFull
 from shmserve.config import Config
-from shmserve.protocol import Error, Result, Submit
+from shmserve.protocol import Error, ErrorCode, Result, Submit
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +109,12 @@ class Dispatcher:
                     raise ApiError("timeout", "request deadline passed "
                                    "(X-Request-Timeout or frontends.request_timeout_s)") from None
                 received = time.perf_counter()
+                if isinstance(reply, Error) and reply.code is ErrorCode.UNAVAILABLE:
+                    # Loading or draining: a worker restarted faster than its heartbeats showed,
+                    # or one stopping. It ran nothing; another worker (or it, once its next
+                    # heartbeat says ready) takes the request.
+                    self.pool.mark_unready(link)
+                    continue
                 if isinstance(reply, Error):
                     raise ApiError.from_worker(reply.code, reply.message)
                 vectors = self.arena.view(output).copy()

@@ -18,7 +18,7 @@ import asyncio
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import zmq
@@ -156,6 +156,12 @@ class WorkerPool:
     def abort(self, link: WorkerLink, seq: int) -> None:
         if seq in link.pending:  # after its Submit, in the same outbox; if gone, its death
             self._post(link, Abort(seq))  # settles it
+
+    def mark_unready(self, link: WorkerLink) -> None:
+        """The worker answered that it is loading or draining: route around it until its next
+        heartbeat says otherwise."""
+        if link.beat is not None and link.beat.ready:
+            link.beat = replace(link.beat, ready=False)
 
     def _post(self, link: WorkerLink, msg: Submit | Reload | Commit | Abort) -> None:
         """Queue `msg` for `link`; every message queued in this turn of the event loop goes out

@@ -1,0 +1,80 @@
+"""Dispatcher: which worker a request goes to when the first one turns it away."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+
+from frontend.dispatch import Dispatcher
+from frontend.errors import ApiError
+from frontend.pool import WorkerLink
+from frontend.tokenizer import Encoded
+from shmserve import config
+from shmserve.arena import Arena
+from shmserve.protocol import Error, ErrorCode, Heartbeat, ModelInfo, Result
+
+MODEL = ModelInfo("m", "embedding", 4, 16, "fp32", "r1", "ready", "")
+
+
+class FakePool:
+    """Two ready workers; each answers every Submit with what `answers` holds for it."""
+
+    def __init__(self, answers: dict[int, ErrorCode | None]) -> None:
+        self.links = [WorkerLink(i, f"ipc://w{i}", None, alive=True,
+                                 beat=Heartbeat(3, i, 100 + i, True, "cpu", (MODEL,), 0, 64, 0.0))
+                      for i in range(2)]
+        self.answers = answers
+        self.sent: list[int] = []
+        self._seq = 0
+
+    async def wait_for_worker(self, model: str, timeout: float):
+        ready = [link for link in self.links if link.ready]
+        return ready[0] if ready else None
+
+    def next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    def submit(self, link, msg, texts, on_settled):
+        self.sent.append(link.index)
+        future = asyncio.get_running_loop().create_future()
+        code = self.answers[link.index]
+        future.set_result(Result(msg.seq, 0.1, 1.0, 1, 3, "r1") if code is None
+                          else Error(msg.seq, code, "no"))
+        on_settled()
+        return future
+
+    def mark_unready(self, link) -> None:
+        from dataclasses import replace
+
+        link.beat = replace(link.beat, ready=False)
+
+
+@pytest.fixture
+def arena(tmp_path):
+    arena = Arena("shmserve-test-dispatch", 1 << 20, directory=tmp_path)
+    yield arena
+    arena.close()
+
+
+def run(pool, arena):
+    cfg = config.load(environ={})
+    enc = Encoded(np.array([101, 7, 102], np.int32), np.array([0, 3], np.int32), 0)
+    return asyncio.run(Dispatcher(cfg, pool, arena).run("m", 4, enc, "req", time.time() + 5))
+
+
+def test_a_worker_that_is_loading_or_draining_hands_the_request_to_another(arena):
+    pool = FakePool({0: ErrorCode.UNAVAILABLE, 1: None})
+    outcome = run(pool, arena)
+    assert outcome.worker == 1 and pool.sent == [0, 1]
+    assert not pool.links[0].ready  # routed around until its next heartbeat
+
+
+def test_other_worker_errors_are_the_answer(arena):
+    pool = FakePool({0: ErrorCode.OVERLOADED, 1: None})
+    with pytest.raises(ApiError) as err:
+        run(pool, arena)
+    assert err.value.status == 429 and pool.sent == [0]
