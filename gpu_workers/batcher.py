@@ -14,6 +14,9 @@ Rules:
   * Among those, texts are taken in order of closeness in length to the batch, so the batch holds
     similar lengths: padded tokens (texts x longest) stay under `max_batch_tokens`, the count under
     `max_batch_size`, and padded / real tokens under `max_pad_ratio` (the length bucketing).
+  * A model that runs several length groups in one pass (gpu_workers.packed) gets them merged
+    (`form_pass`): after the first batch, further batches of the same model join the pass while
+    its texts fit `max_batch_size` and its padded tokens `max_batch_tokens`.
   * The batch waits for company at most `max_wait_ms` after its oldest text arrived, and not at all
     once a full batch is queued.
 """
@@ -22,7 +25,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
-from typing import Generic, Protocol, Sequence, TypeVar
+from typing import Callable, Generic, Protocol, Sequence, TypeVar
 
 
 class Text(Protocol):
@@ -115,3 +118,26 @@ def form_batch(queue: Sequence[T], limits: Limits,
     taken = {id(t) for t in chosen}
     rest = [t for t in queue if id(t) not in taken]
     return Batch(chosen, max(t.length for t in chosen)), rest
+
+
+def form_pass(queue: Sequence[T], limits: Limits, fair_turn: bool = False,
+              merges: Callable[[T], bool] = lambda text: False
+              ) -> tuple[list[Batch[T]], list[T]]:
+    """The next forward pass: its batches (length groups), and the rest of the queue (arrival
+    order). One batch, unless `merges` says the first batch's model runs groups in one pass:
+    then also the batches `form_batch` would form next, while they are of that model and the
+    pass stays within the limits."""
+    first, rest = form_batch(queue, limits, fair_turn)
+    batches = [first]
+    texts, padded = len(first.texts), first.padded_tokens
+    merge = merges(first.texts[0])
+    while merge and rest:
+        nxt, after = form_batch(rest, limits)
+        if (nxt.texts[0].model != first.texts[0].model
+                or texts + len(nxt.texts) > limits.max_batch_size
+                or padded + nxt.padded_tokens > limits.max_batch_tokens):
+            break
+        batches.append(nxt)
+        rest = after
+        texts, padded = texts + len(nxt.texts), padded + nxt.padded_tokens
+    return batches, rest

@@ -24,7 +24,7 @@ import torch
 from transformers import AutoConfig
 from transformers.utils import logging as hf_logging
 
-from gpu_workers import parity, tasks
+from gpu_workers import packed, parity, tasks
 from shmserve.models import ModelSourceError, ModelSpec, weights_file
 
 log = logging.getLogger("shmserve.worker")
@@ -58,14 +58,21 @@ class Model:
         net = net.eval()
         if dtype == "int8":
             net = quantize_int8(net)
-        self.net = net.to(device)
         self.head = tasks.head(spec)
         self.pad_id = int(getattr(config, "pad_token_id", 0) or 0)
-        self.token_types = "token_type_ids" in inspect.signature(self.net.forward).parameters
+        self.token_types = "token_type_ids" in inspect.signature(net.forward).parameters
+        # An embedding model with BERT's layers runs several length groups in one pass
+        # (gpu_workers.packed); int8's quantized linears keep the network's own forward.
+        self._packs = spec.task == "embedding" and dtype != "int8" and packed.supports(net)
+        self._use(net.to(device))
         self.agreement: float | None = None  # with fp32 on the probe, when dtype auto chose
         if guarded:
             dtype = self._choose(spec, dtype)
         self.spec = dataclasses.replace(spec, dtype=dtype)  # with the dtype it runs in
+
+    def _use(self, net: torch.nn.Module) -> None:
+        self.net = net
+        self.packed = packed.PackedEncoder(net) if self._packs else None
 
     def _choose(self, spec: ModelSpec, dtype: str) -> str:
         """dtype auto: run the probe in fp32 and in `dtype`; keep whichever the agreement
@@ -74,14 +81,14 @@ class Model:
         try:
             probe = parity.probe_batch(spec)
             want = self.forward(*probe)
-            self.net = copy.deepcopy(fp32).to(DTYPES[dtype])
+            self._use(copy.deepcopy(fp32).to(DTYPES[dtype]))
             self.agreement = parity.agreement(want, self.forward(*probe))
         except Exception as exc:  # noqa: BLE001 - the check, not the model, is what failed here
             # The model may still serve (a probe text may hit what real inputs never do); the
             # unchecked dtype is not kept. Its own errors show on the requests that cause them.
             log.warning("model.dtype_auto: the probe failed (%s: %s); serving fp32",
                         type(exc).__name__, exc, extra={"fields": {"model": spec.name}})
-            self.net = fp32
+            self._use(fp32)
             return "fp32"
         keep = self.agreement >= spec.auto_min_cosine
         fields = {"model": spec.name, "candidate": dtype, "agreement": round(self.agreement, 6),
@@ -93,25 +100,50 @@ class Model:
             return dtype
         log.warning("model.dtype_auto: %s disagrees with fp32 on the probe; serving fp32",
                     dtype, extra={"fields": fields})
-        self.net = fp32
+        self._use(fp32)
         return "fp32"
 
-    @torch.inference_mode()
+    @property
+    def packs(self) -> bool:
+        """True when `forward_groups` runs several groups in one pass (worth merging them)."""
+        return self.packed is not None
+
     def forward(self, ids: np.ndarray, lengths: np.ndarray,
                 segments: np.ndarray | None = None) -> np.ndarray:
         """ids: int64 [B, L] padded with anything; lengths: int [B]; segments: int [B], the
         length of each text's first segment (None: one segment). Returns float32 [B, width]."""
+        return self.forward_groups([(ids, lengths, segments)])
+
+    @torch.inference_mode()
+    def forward_groups(self, groups: list[tuple[np.ndarray, np.ndarray, np.ndarray | None]]
+                       ) -> np.ndarray:
+        """Several (ids, lengths, segments) groups, as `forward` takes one; their rows, in
+        order. One pass where the network packs (gpu_workers.packed), else one per group."""
+        inputs = [self._inputs(*group) for group in groups]
+        if self.packed is not None:
+            hidden = self.packed([packed.Group(ids, mask, types)
+                                  for ids, mask, _, types in inputs])
+            rows = [self.head(packed.Output(h), mask, lens)
+                    for h, (_, mask, lens, _) in zip(hidden, inputs)]
+        else:
+            rows = []
+            for ids, mask, lens, types in inputs:
+                extra = {} if types is None else {"token_type_ids": types}
+                out = self.net(input_ids=ids, attention_mask=mask.long(), **extra)
+                rows.append(self.head(out, mask, lens))
+        return torch.cat(rows).cpu().numpy()
+
+    def _inputs(self, ids: np.ndarray, lengths: np.ndarray, segments: np.ndarray | None):
         input_ids = torch.from_numpy(ids).to(self.device, non_blocking=True)
         lens = torch.from_numpy(lengths.astype(np.int64)).to(self.device, non_blocking=True)
         positions = torch.arange(input_ids.shape[1], device=self.device)
         mask = positions[None, :] < lens[:, None]
         input_ids = input_ids.masked_fill(~mask, self.pad_id)
-        extra = {}
+        types = None
         if segments is not None and self.token_types:
             first = torch.from_numpy(segments.astype(np.int64)).to(self.device)
-            extra["token_type_ids"] = ((positions[None, :] >= first[:, None]) & mask).long()
-        out = self.net(input_ids=input_ids, attention_mask=mask.long(), **extra)
-        return self.head(out, mask, lens).cpu().numpy()
+            types = ((positions[None, :] >= first[:, None]) & mask).long()
+        return input_ids, mask, lens, types
 
 
 def warm_up(model: Model, max_batch_size: int, max_batch_tokens: int) -> None:
@@ -172,9 +204,15 @@ class NullModel:
         self.spec = spec
         self.device = device
 
+    packs = False
+
     def forward(self, ids: np.ndarray, lengths: np.ndarray,
                 segments: np.ndarray | None = None) -> np.ndarray:
         return np.zeros((ids.shape[0], self.spec.dim), np.float32)
+
+    def forward_groups(self, groups: list[tuple[np.ndarray, np.ndarray, np.ndarray | None]]
+                       ) -> np.ndarray:
+        return np.zeros((sum(g[0].shape[0] for g in groups), self.spec.dim), np.float32)
 
 
 def load_model(spec: ModelSpec, device: torch.device) -> Model | NullModel:

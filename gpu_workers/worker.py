@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from gpu_workers.batcher import Batch, Limits, form_batch, wait_time
+from gpu_workers.batcher import Batch, Limits, form_pass, wait_time
 from gpu_workers.memory import MemoryCare, TorchAllocator
 from gpu_workers.metrics import WorkerMetrics
 from gpu_workers.slots import Built, Slot, Slots, hosted_configs
@@ -239,8 +239,8 @@ class Worker:
                 self._take_inbox(block=True, timeout=delay)
                 continue
             fair_turn = self._batches % self.cfg.batching.fair_share_every == 0
-            batch, self._queue = form_batch(self._queue, self.limits, fair_turn)
-            self._run(batch)
+            batches, self._queue = form_pass(self._queue, self.limits, fair_turn, _packs)
+            self._run(batches)
             self._collect()
         self._fail_all(ErrorCode.UNAVAILABLE, "worker stopped before running this request")
 
@@ -307,25 +307,31 @@ class Worker:
                                             "deadline passed while queued"))
         self._send_replies()
 
-    def _run(self, batch: Batch[QueuedText]) -> None:
-        texts = batch.texts
+    def _run(self, batches: list[Batch[QueuedText]]) -> None:
+        """One forward pass over `batches` (length groups of one slot; several only for a
+        model that packs them, see gpu_workers.packed)."""
+        texts = [text for batch in batches for text in batch.texts]
         slot = texts[0].request.slot  # the batcher never mixes slots
-        ids = np.zeros((len(texts), batch.padded_len), np.int64)
-        lengths = np.empty(len(texts), np.int64)
         pairs = texts[0].request.segments is not None
-        segments = np.empty(len(texts), np.int64) if pairs else None
-        for j, text in enumerate(texts):
-            start, end = text.request.offsets[text.index], text.request.offsets[text.index + 1]
-            ids[j, :end - start] = text.request.ids[start:end]
-            lengths[j] = end - start
-            if pairs:
-                segments[j] = text.request.segments[text.index]
+        groups = []
+        for batch in batches:
+            ids = np.zeros((len(batch.texts), batch.padded_len), np.int64)
+            lengths = np.empty(len(batch.texts), np.int64)
+            segments = np.empty(len(batch.texts), np.int64) if pairs else None
+            for j, text in enumerate(batch.texts):
+                offsets = text.request.offsets
+                start, end = offsets[text.index], offsets[text.index + 1]
+                ids[j, :end - start] = text.request.ids[start:end]
+                lengths[j] = end - start
+                if pairs:
+                    segments[j] = text.request.segments[text.index]
+            groups.append((ids, lengths, segments))
         began = time.time()
         for text in texts:
             if not text.request.started:
                 text.request.started = began
         try:
-            out = slot.model.forward(ids, lengths, segments)
+            out = slot.model.forward_groups(groups)
         except Exception as exc:  # noqa: BLE001 - one bad batch fails its requests, not the worker
             failed = {id(t.request): t.request for t in texts}.values()
             log.exception("forward failed", extra={"fields": {
@@ -355,14 +361,16 @@ class Worker:
                     request.batch_size, int(request.offsets[-1]), slot.spec.revision))
         self._send_replies()
         # After the replies, so observing never delays them.
-        real, padded = batch.real_tokens, batch.padded_tokens
+        real = sum(batch.real_tokens for batch in batches)
+        padded = sum(batch.padded_tokens for batch in batches)
         self.metrics.batch(slot.spec.name, len(touched), len(texts), real, padded,
                            forward_ms / 1000.0)
         self.metrics.set_queue_depth(self._queued_texts)
         if self.cfg.logging.batch_log:
             log.info("batch", extra={"fields": {
                 "batch": self._batches, "model": slot.spec.name, "revision": slot.spec.revision,
-                "requests": len(touched), "texts": len(texts), "real_tokens": real,
+                "requests": len(touched), "texts": len(texts), "groups": len(batches),
+                "real_tokens": real,
                 "padded_tokens": padded, "forward_ms": round(forward_ms, 3),
                 "request_ids": [r.msg.request_id for r in touched.values()]}})
         self.memory.after_batch(time.time())
@@ -395,6 +403,11 @@ class Worker:
             self._push.close(linger=1000)
         self._attachments.close()
         self._ctx.term()
+
+
+def _packs(text: QueuedText) -> bool:
+    """Whether the pass `text` starts may merge length groups (its model packs them)."""
+    return getattr(text.request.slot.model, "packs", False)
 
 
 def main(cfg: Config, index: int) -> int:

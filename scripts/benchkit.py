@@ -191,19 +191,23 @@ class InProcess:
     def window(self, seconds: float, chunk: int) -> dict:
         import torch
 
-        from gpu_workers.batcher import form_batch
+        from gpu_workers.batcher import form_pass
 
+        merges = lambda text: self.model.packs  # noqa: E731 - as the worker decides
         done, started = 0, time.perf_counter()
         while time.perf_counter() - started < seconds:
             queue = [self.texts[(self.cursor + i) % len(self.texts)] for i in range(chunk)]
             self.cursor += chunk
             done += chunk
             while queue:
-                batch, queue = form_batch(queue, self.limits)
-                ids = np.zeros((len(batch.texts), batch.padded_len), np.int64)
-                for j, t in enumerate(batch.texts):
-                    ids[j, :t.length] = t.ids
-                self.model.forward(ids, np.array([t.length for t in batch.texts]))
+                batches, queue = form_pass(queue, self.limits, merges=merges)
+                groups = []
+                for batch in batches:
+                    ids = np.zeros((len(batch.texts), batch.padded_len), np.int64)
+                    for j, t in enumerate(batch.texts):
+                        ids[j, :t.length] = t.ids
+                    groups.append((ids, np.array([t.length for t in batch.texts]), None))
+                self.model.forward_groups(groups)
         if self.model.device.type == "cuda":
             torch.cuda.synchronize()  # the outputs are copied back, but count every kernel
         return {"texts_per_s": done / (time.perf_counter() - started)}

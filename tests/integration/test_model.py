@@ -170,3 +170,32 @@ def test_a_failing_probe_leaves_the_model_serving_fp32(models, native_bf16, monk
     model = Model(s, torch.device("cpu"))
     assert model.spec.dtype == "fp32" and model.agreement is None
     assert {p.dtype for p in model.net.parameters()} == {torch.float32}
+
+
+@pytest.mark.parametrize("dtype,floor", [("fp32", 0.999999), ("bf16", 0.999)])
+def test_length_groups_in_one_pass_equal_the_networks_own_forward(models, dtype, floor):
+    """An embedding model with BERT's layers runs several groups in one pass (its linear layers
+    over every group's real tokens, attention group by group): each row must equal what the
+    network computes on that group alone, padded."""
+    model = Model(spec(models["emb"], "embedding", dtype), torch.device("cpu"))
+    assert model.packs
+    rng = np.random.default_rng(7)
+    groups = []
+    for rows, width in ((3, 5), (1, 40), (4, 64), (2, 1)):
+        lengths = rng.integers(1, width + 1, rows)
+        lengths[0] = width
+        groups.append((rng.integers(1000, 1100, (rows, width)), lengths, None))
+    got = model.forward_groups(groups)
+    packed, model.packed = model.packed, None  # the network's own forward, group by group
+    try:
+        want = np.concatenate([model.forward(*group) for group in groups])
+    finally:
+        model.packed = packed
+    assert got.shape == want.shape == (10, model.spec.dim)
+    cosine = (got * want).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
+    assert cosine.min() >= floor
+
+
+def test_scoring_models_and_int8_keep_the_networks_own_forward(models):
+    assert not Model(spec(models["clf"], "classification"), torch.device("cpu")).packs
+    assert not Model(spec(models["emb"], "embedding", "int8"), torch.device("cpu")).packs

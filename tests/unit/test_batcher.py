@@ -2,7 +2,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from gpu_workers.batcher import Limits, anchor_index, form_batch, wait_time
+from gpu_workers.batcher import Limits, anchor_index, form_batch, form_pass, wait_time
 
 
 @dataclass(eq=False)
@@ -111,3 +111,26 @@ def test_lower_priority_never_starves_under_a_steady_stream():
         if low in batch.texts:
             break
     assert low in batch.texts and count == every
+
+
+def test_a_pass_merges_length_groups_only_for_a_model_that_packs_them():
+    queue = [T(n, arrived=i) for i, n in enumerate([5, 300, 7, 6, 120, 8, 130, 5])]
+    single, rest = form_pass(queue, LIMITS)
+    assert len(single) == 1 and single[0].texts == form_batch(queue, LIMITS)[0].texts
+    batches, rest = form_pass(queue, LIMITS, merges=lambda text: True)
+    assert len(batches) > 1
+    texts = [t for b in batches for t in b.texts]
+    assert len(texts) <= LIMITS.max_batch_size
+    assert sum(b.padded_tokens for b in batches) <= LIMITS.max_batch_tokens
+    assert sorted(map(id, texts + rest)) == sorted(map(id, queue))  # nothing lost or doubled
+    assert [t.arrived for t in rest] == sorted(t.arrived for t in rest)
+    for b in batches:  # each group still holds similar lengths
+        assert b.padded_tokens <= LIMITS.max_pad_ratio * b.real_tokens
+
+
+def test_a_pass_never_merges_another_models_texts():
+    queue = [T(10, model="a", arrived=0), T(300, model="a", arrived=1),
+             T(10, model="b", arrived=2)]
+    batches, rest = form_pass(queue, LIMITS, merges=lambda text: True)
+    assert [[t.length for t in b.texts] for b in batches] == [[10], [300]]  # both of "a"
+    assert [t.model for t in rest] == ["b"]

@@ -1,0 +1,92 @@
+"""Several length groups in one forward pass of a BERT-style encoder.
+
+A worker's batch is one group of texts of similar length, so that padding stays small. On a CPU
+the linear layers, which are most of an encoder's work, run far faster on many rows at once
+than on few (bf16 on this project's development CPU: an 8 x 384 -> 1536 layer runs at
+~70 GFLOP/s, a 512-row one at ~800), so several small groups cost much more than their tokens
+would together. Here every group's real tokens, without padding, go through the linear layers,
+layer norms and activations as one [tokens, hidden] matrix; only self-attention runs group by
+group, padded to the group's longest text. The result equals the network's own forward
+(tests/integration/test_model.py holds it).
+
+Supported: the encoders whose layers are BERT's (BertModel, RobertaModel, XLMRobertaModel) with
+absolute positions; anything else runs one ordinary forward per group (`gpu_workers.model`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+SUPPORTED = ("BertModel", "RobertaModel", "XLMRobertaModel")
+
+
+@dataclass(frozen=True, slots=True)
+class Group:
+    ids: torch.Tensor  # int64 [b, l], padded with the model's pad id
+    mask: torch.Tensor  # bool [b, l]
+    token_types: torch.Tensor | None  # int64 [b, l], or None for all zeros
+
+
+@dataclass(frozen=True, slots=True)
+class Output:
+    """What the task heads read of a network's output (gpu_workers.tasks)."""
+
+    last_hidden_state: torch.Tensor
+
+
+def supports(net: torch.nn.Module) -> bool:
+    config = net.config
+    return (type(net).__name__ in SUPPORTED
+            and getattr(config, "position_embedding_type", "absolute") == "absolute"
+            and not getattr(config, "is_decoder", False))
+
+
+class PackedEncoder:
+    def __init__(self, net: torch.nn.Module) -> None:
+        self.net = net
+        config = net.config
+        self.hidden = config.hidden_size
+        self.heads = config.num_attention_heads
+        self.layers = []
+        for layer in net.encoder.layer:
+            attn = layer.attention.self
+            # Query, key and value as one matrix: one product instead of three. The network's
+            # own three weights become views of it, so the weights are not held twice.
+            weight = torch.cat([attn.query.weight, attn.key.weight, attn.value.weight])
+            bias = torch.cat([attn.query.bias, attn.key.bias, attn.value.bias])
+            for i, linear in enumerate((attn.query, attn.key, attn.value)):
+                rows = slice(i * self.hidden, (i + 1) * self.hidden)
+                linear.weight = torch.nn.Parameter(weight[rows], requires_grad=False)
+                linear.bias = torch.nn.Parameter(bias[rows], requires_grad=False)
+            scale = getattr(attn, "scaling", None)  # 1/sqrt(head size) unless the model says
+            self.layers.append((weight, bias, scale, layer))
+
+    def __call__(self, groups: list[Group]) -> list[torch.Tensor]:
+        """Each group's last hidden state, [b, l, hidden], zeros at padded positions."""
+        h, heads = self.hidden, self.heads
+        places, parts, start = [], [], 0
+        for g in groups:
+            b, l = g.ids.shape
+            embedded = self.net.embeddings(input_ids=g.ids, token_type_ids=g.token_types)
+            index = g.mask.reshape(-1).nonzero().squeeze(1)  # real tokens in the [b * l] rows
+            parts.append(embedded.reshape(b * l, h).index_select(0, index))
+            places.append((b, l, index, start, start + index.numel(), g.mask[:, None, None, :]))
+            start += index.numel()
+        x = torch.cat(parts)  # [tokens, hidden]
+        for weight, bias, scale, layer in self.layers:
+            qkv = F.linear(x, weight, bias)
+            context = []
+            for b, l, index, lo, hi, mask in places:
+                padded = qkv.new_zeros(b * l, 3 * h).index_copy_(0, index, qkv[lo:hi])
+                q, k, v = padded.view(b, l, 3, heads, h // heads).permute(2, 0, 3, 1, 4)
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+                context.append(out.transpose(1, 2).reshape(b * l, h).index_select(0, index))
+            x = layer.attention.output(torch.cat(context), x)  # dense, residual, layer norm
+            x = layer.output(layer.intermediate(x), x)
+        out = []
+        for b, l, index, lo, hi, _ in places:
+            out.append(x.new_zeros(b * l, h).index_copy_(0, index, x[lo:hi]).view(b, l, h))
+        return out
