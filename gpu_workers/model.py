@@ -121,8 +121,10 @@ class Model:
         order. One pass where the network packs (gpu_workers.packed), else one per group."""
         inputs = [self._inputs(*group) for group in groups]
         if self.packed is not None:
-            hidden = self.packed([packed.Group(ids, mask, types)
-                                  for ids, mask, _, types in inputs])
+            hidden = self.packed([
+                packed.Group(ids, mask, types, packed.index_of(group[1], group[0].shape[1])
+                             .to(self.device, non_blocking=True))
+                for (ids, mask, _, types), group in zip(inputs, groups)])
             rows = [self.head(packed.Output(h), mask, lens)
                     for h, (_, mask, lens, _) in zip(hidden, inputs)]
         else:

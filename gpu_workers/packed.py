@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -28,6 +29,14 @@ class Group:
     ids: torch.Tensor  # int64 [b, l], padded with the model's pad id
     mask: torch.Tensor  # bool [b, l]
     token_types: torch.Tensor | None  # int64 [b, l], or None for all zeros
+    index: torch.Tensor  # int64 [real tokens]: their rows in the flattened [b * l] (`index_of`)
+
+
+def index_of(lengths: np.ndarray, width: int) -> torch.Tensor:
+    """The rows of real tokens in a [b, width] batch flattened to [b * width], made on the host
+    (on a GPU, nonzero() on the mask would wait for the device)."""
+    return torch.from_numpy(np.concatenate(
+        [np.arange(n, dtype=np.int64) + i * width for i, n in enumerate(lengths.tolist())]))
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +80,7 @@ class PackedEncoder:
         for g in groups:
             b, l = g.ids.shape
             embedded = self.net.embeddings(input_ids=g.ids, token_type_ids=g.token_types)
-            index = g.mask.reshape(-1).nonzero().squeeze(1)  # real tokens in the [b * l] rows
+            index = g.index
             parts.append(embedded.reshape(b * l, h).index_select(0, index))
             places.append((b, l, index, start, start + index.numel(), g.mask[:, None, None, :]))
             start += index.numel()
