@@ -61,9 +61,9 @@ class Model:
         self.head = tasks.head(spec)
         self.pad_id = int(getattr(config, "pad_token_id", 0) or 0)
         self.token_types = "token_type_ids" in inspect.signature(net.forward).parameters
-        # An embedding model with BERT's layers runs several length groups in one pass
+        # A model with BERT's layers runs several length groups in one pass
         # (gpu_workers.packed); int8's quantized linears keep the network's own forward.
-        self._packs = spec.task == "embedding" and dtype != "int8" and packed.supports(net)
+        self._packs = dtype != "int8" and packed.supports(net)
         self._use(net.to(device))
         self.agreement: float | None = None  # with fp32 on the probe, when dtype auto chose
         if guarded:
@@ -121,12 +121,12 @@ class Model:
         order. One pass where the network packs (gpu_workers.packed), else one per group."""
         inputs = [self._inputs(*group) for group in groups]
         if self.packed is not None:
-            hidden = self.packed([
+            outputs = self.packed([
                 packed.Group(ids, mask, types, packed.index_of(group[1], group[0].shape[1])
                              .to(self.device, non_blocking=True))
                 for (ids, mask, _, types), group in zip(inputs, groups)])
-            rows = [self.head(packed.Output(h), mask, lens)
-                    for h, (_, mask, lens, _) in zip(hidden, inputs)]
+            rows = [self.head(out, mask, lens)
+                    for out, (_, mask, lens, _) in zip(outputs, inputs)]
         else:
             rows = []
             for ids, mask, lens, types in inputs:

@@ -10,7 +10,9 @@ group, padded to the group's longest text. The result equals the network's own f
 (tests/integration/test_model.py holds it).
 
 Supported: the encoders whose layers are BERT's (BertModel, RobertaModel, XLMRobertaModel) with
-absolute positions; anything else runs one ordinary forward per group (`gpu_workers.model`).
+absolute positions, and their sequence classifiers (classification and rerank models: the
+classifier runs on each group's hidden states as the network's own forward would run it);
+anything else runs one ordinary forward per group (`gpu_workers.model`).
 """
 
 from __future__ import annotations
@@ -21,7 +23,16 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-SUPPORTED = ("BertModel", "RobertaModel", "XLMRobertaModel")
+ENCODERS = ("BertModel", "RobertaModel", "XLMRobertaModel")
+# Sequence classifiers, and how their logits come from the encoder's last hidden state.
+CLASSIFIERS = {
+    # pooler (first token, dense, tanh), dropout (a no-op in eval), classifier
+    "BertForSequenceClassification":
+        lambda net, hidden: net.classifier(net.dropout(net.bert.pooler(hidden))),
+    # RobertaClassificationHead takes the first token itself
+    "RobertaForSequenceClassification": lambda net, hidden: net.classifier(hidden),
+    "XLMRobertaForSequenceClassification": lambda net, hidden: net.classifier(hidden),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,18 +55,28 @@ class Output:
     """What the task heads read of a network's output (gpu_workers.tasks)."""
 
     last_hidden_state: torch.Tensor
+    logits: torch.Tensor | None = None  # a sequence classifier's
 
 
 def supports(net: torch.nn.Module) -> bool:
+    name = type(net).__name__
+    if name in CLASSIFIERS:
+        encoder = net.base_model
+        if type(encoder).__name__ not in ENCODERS or (
+                name.startswith("Bert") and encoder.pooler is None):
+            return False
+    elif name not in ENCODERS:
+        return False
     config = net.config
-    return (type(net).__name__ in SUPPORTED
-            and getattr(config, "position_embedding_type", "absolute") == "absolute"
+    return (getattr(config, "position_embedding_type", "absolute") == "absolute"
             and not getattr(config, "is_decoder", False))
 
 
 class PackedEncoder:
-    def __init__(self, net: torch.nn.Module) -> None:
-        self.net = net
+    def __init__(self, whole: torch.nn.Module) -> None:
+        self.whole = whole  # the network as loaded: an encoder, or a classifier around one
+        self.classify = CLASSIFIERS.get(type(whole).__name__)
+        net = self.net = whole.base_model if self.classify else whole
         config = net.config
         self.hidden = config.hidden_size
         self.heads = config.num_attention_heads
@@ -73,8 +94,9 @@ class PackedEncoder:
             scale = getattr(attn, "scaling", None)  # 1/sqrt(head size) unless the model says
             self.layers.append((weight, bias, scale, layer))
 
-    def __call__(self, groups: list[Group]) -> list[torch.Tensor]:
-        """Each group's last hidden state, [b, l, hidden], zeros at padded positions."""
+    def __call__(self, groups: list[Group]) -> list[Output]:
+        """Each group's output: its last hidden state [b, l, hidden] (zeros at padded
+        positions), and a classifier's logits [b, labels]."""
         h, heads = self.hidden, self.heads
         places, parts, start = [], [], 0
         for g in groups:
@@ -97,5 +119,7 @@ class PackedEncoder:
             x = layer.output(layer.intermediate(x), x)
         out = []
         for b, l, index, lo, hi, _ in places:
-            out.append(x.new_zeros(b * l, h).index_copy_(0, index, x[lo:hi]).view(b, l, h))
+            hidden = x.new_zeros(b * l, h).index_copy_(0, index, x[lo:hi]).view(b, l, h)
+            out.append(Output(hidden, self.classify(self.whole, hidden) if self.classify
+                              else None))
         return out

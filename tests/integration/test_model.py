@@ -196,6 +196,25 @@ def test_length_groups_in_one_pass_equal_the_networks_own_forward(models, dtype,
     assert cosine.min() >= floor
 
 
-def test_scoring_models_and_int8_keep_the_networks_own_forward(models):
-    assert not Model(spec(models["clf"], "classification"), torch.device("cpu")).packs
+@pytest.mark.parametrize("key,task", [("clf", "classification"), ("ce", "rerank")])
+def test_scoring_models_run_length_groups_in_one_pass_too(models, key, task):
+    model = Model(spec(models[key], task), torch.device("cpu"))
+    assert model.packs
+    rng = np.random.default_rng(11)
+    groups = []
+    for rows, width in ((2, 6), (3, 30), (1, 64)):
+        lengths = rng.integers(2, width + 1, rows)
+        lengths[0] = width
+        segments = (lengths // 2).astype(np.int64) if task == "rerank" else None
+        groups.append((rng.integers(1000, 1100, (rows, width)), lengths, segments))
+    got = model.forward_groups(groups)
+    packed, model.packed = model.packed, None
+    try:
+        want = np.concatenate([model.forward(*group) for group in groups])
+    finally:
+        model.packed = packed
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_int8_keeps_the_networks_own_forward(models):
     assert not Model(spec(models["emb"], "embedding", "int8"), torch.device("cpu")).packs
