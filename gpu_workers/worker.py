@@ -407,7 +407,7 @@ class Worker:
 
 def _packs(text: QueuedText) -> bool:
     """Whether the pass `text` starts may merge length groups (its model packs them)."""
-    return getattr(text.request.slot.model, "packs", False)
+    return text.request.slot.model.packs
 
 
 def main(cfg: Config, index: int) -> int:
