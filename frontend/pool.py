@@ -4,7 +4,10 @@ One DEALER socket per worker. What a turn of the event loop sends to a worker go
 ZeroMQ message, and a worker answers a batch's requests the same way (`shmserve.wire`). One
 receive task per socket resolves a map of pending futures;
 one heartbeat task pings every worker and declares a worker dead after
-`workers.heartbeat_timeout_s` of silence, or when its heartbeat shows a new pid. A dead worker's
+`workers.heartbeat_timeout_s` of silence, or when its heartbeat shows a new pid; and one monitor
+task per socket declares it dead the moment ZeroMQ reports the connection dropped (a killed
+worker's socket closes with it), so `/ready` and routing stop counting it at once, not a
+heartbeat timeout later. A dead worker's
 pending requests all fail with `WorkerGone` at once, and so do they if a receive task dies:
 nothing waits forever.
 
@@ -23,6 +26,7 @@ from typing import Callable
 
 import zmq
 import zmq.asyncio
+from zmq.utils import monitor as zmq_monitor
 
 from frontend import metrics
 from shmserve import topology, wire
@@ -32,6 +36,9 @@ from shmserve.protocol import (PROTOCOL_VERSION, Abort, Commit, Error, Heartbeat
 from shmserve.wire import WireError
 
 log = logging.getLogger("shmserve.frontend")
+
+
+DROP_GRACE_S = 0.1  # after a dropped connection, for the replies already on the socket
 
 
 class WorkerGone(Exception):
@@ -55,6 +62,8 @@ class WorkerLink:
     alive: bool = False
     pending: dict[int, Pending] = field(default_factory=dict)
     outstanding: int = 0  # texts submitted here and not yet answered
+    dropped_pid: int | None = None  # the worker whose connection dropped: its heartbeats still
+                                    # queued on the socket are stale
     outbox: list[bytes] = field(default_factory=list)  # messages to send at the end of this
                                                        # loop turn, as (kind, body) frame pairs
 
@@ -89,6 +98,7 @@ class WorkerPool:
     async def start(self) -> None:
         for link in self.links:
             self._tasks.append(asyncio.create_task(self._receive(link), name=f"recv-{link.index}"))
+            self._tasks.append(asyncio.create_task(self._monitor(link), name=f"mon-{link.index}"))
         self._tasks.append(asyncio.create_task(self._heartbeats(), name="heartbeats"))
 
     async def close(self) -> None:
@@ -204,6 +214,36 @@ class WorkerPool:
             self._fail_pending(link, "frontend receive task failed")
             raise
 
+    async def _monitor(self, link: WorkerLink) -> None:
+        """Connection events of `link`'s socket: a drop means the worker's process is gone (its
+        heartbeats would say so only after `workers.heartbeat_timeout_s`)."""
+        events = link.socket.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        try:
+            while True:
+                event = zmq_monitor.parse_monitor_message(await events.recv_multipart())
+                if event["event"] == zmq.EVENT_CONNECTED:
+                    link.dropped_pid = None  # whoever answers now is alive
+                elif link.alive:
+                    self._dropped(link)
+        finally:
+            link.socket.disable_monitor()
+            events.close(linger=0)
+
+    def _dropped(self, link: WorkerLink) -> None:
+        """Route nothing more to `link` now; fail what it still holds a moment later, once the
+        replies it sent before it went (a drained worker answers before it stops) are read."""
+        pid = link.beat.pid if link.beat is not None else None
+        link.alive, link.dropped_pid = False, pid
+        log.warning("frontend.worker_lost", extra={"fields": {
+            "worker": link.index, "reason": "connection dropped", "pending": len(link.pending)}})
+
+        def fail_the_rest() -> None:
+            if not link.alive:  # nothing new was routed there since (a new worker's first
+                                # heartbeat fails the old one's requests itself)
+                self._fail_pending(link, f"worker {link.index} lost: connection dropped")
+
+        asyncio.get_running_loop().call_later(DROP_GRACE_S, fail_the_rest)
+
     def _settle(self, link: WorkerLink, msg: Result | Error | ReloadDone) -> None:
         pending = link.pending.pop(msg.seq, None)
         if pending is None:
@@ -220,6 +260,8 @@ class WorkerPool:
                           link.index, beat.protocol_version, PROTOCOL_VERSION)
             link.alive = False
             return
+        if beat.pid == link.dropped_pid:
+            return  # sent before its process died, read after the drop
         if link.beat is not None and link.beat.pid != beat.pid:
             self.restarts_seen += 1
             metrics.WORKER_RESTARTS.labels(str(self.frontend), str(link.index)).inc()

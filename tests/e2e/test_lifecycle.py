@@ -46,7 +46,8 @@ def test_kill_9_then_restart_keeps_shm_flat_and_down_leaves_nothing(stack):
         stack.wait_until(lambda: stack.get("/ready")[0] == 200, 90, "ready again")
         # Every request gets its answer after the restart.
         for _ in range(4):
-            assert stack.post_json("/predict", {"texts": ["after a kill"]})[0] == 200
+            status, _, body = stack.post_json("/predict", {"texts": ["after a kill"]})
+            assert status == 200, (program, body)
         now = segments(stack)
         assert len(now) == 2, now  # the dead frontend's arena was swept, not leaked
 

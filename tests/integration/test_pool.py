@@ -1,6 +1,7 @@
 """The frontend's worker client against a real worker subprocess (no nginx, no supervisord)."""
 
 import asyncio
+import dataclasses
 import os
 import signal
 import subprocess
@@ -153,3 +154,48 @@ def test_restarted_worker_is_taken_back(cfg):
     finally:
         worker.kill()
         worker.wait()
+
+
+def test_a_killed_worker_is_unroutable_at_once_and_a_drained_one_answers(cfg):
+    """The socket monitor: a dropped connection takes the worker out of routing (and /ready)
+    in well under `heartbeat_timeout_s`, heartbeats it sent before dying do not bring it back,
+    and a worker that drains on SIGTERM still gets its answers through."""
+    worker = start_worker(cfg)
+    arena = shm.Arena(shm.arena_name(topology.instance_id(cfg), "fe0"), 1 << 24)
+    slow_cfg = dataclasses.replace(cfg, workers=dataclasses.replace(cfg.workers,
+                                                                    heartbeat_timeout_s=30))
+
+    async def scenario():
+        pool = await ready_pool(slow_cfg)
+        try:
+            worker.send_signal(signal.SIGKILL)
+            started = time.monotonic()
+            while pool.pick("tiny") is not None:
+                assert time.monotonic() - started < 2, "still routed to a killed worker"
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.5)  # pings keep going out; nothing stale revives it
+            assert pool.pick("tiny") is None and not pool.all_ready
+
+            drained = start_worker(cfg)
+            try:
+                assert await pool.wait_for_worker("tiny", 60) is not None
+                futures = [pool.submit(pool.pick("tiny"), Submit(
+                    pool.next_seq(), f"d{i}", "tiny", *_slot(arena, 32, 32), time.time() + 30,
+                    0, arena.handle(0, "int32", (0,))), 32, lambda: None) for i in range(8)]
+                await asyncio.sleep(0.05)  # the submits leave with this loop turn
+                drained.send_signal(signal.SIGTERM)
+                results = await asyncio.gather(*futures, return_exceptions=True)
+                assert all(isinstance(r, Result) for r in results), results
+                assert drained.wait(30) == 0
+            finally:
+                drained.kill()
+                drained.wait()
+        finally:
+            await pool.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        worker.kill()
+        worker.wait()
+        arena.close()
