@@ -43,6 +43,23 @@ def start_worker(cfg):
                                 stdout=log, stderr=subprocess.STDOUT)
 
 
+def run(scenario, worker, arena=None) -> None:
+    try:
+        asyncio.run(scenario())
+    finally:
+        worker.kill()
+        worker.wait()
+        if arena is not None:
+            arena.close()
+
+
+def submit_rows(pool, arena, request_id: str, n: int) -> asyncio.Future:
+    """A request of `n` texts of 40 tokens to the worker `pick` chooses."""
+    return pool.submit(pool.pick("tiny"), Submit(
+        pool.next_seq(), request_id, "tiny", *_slot(arena, n, 32), time.time() + 30, 0,
+        arena.handle(0, "int32", (0,))), n, lambda: None)
+
+
 def encoded(n_texts: int, length: int) -> Encoded:
     ids = np.full(n_texts * length, 1000, np.int32)
     ids[::length] = 101
@@ -90,10 +107,7 @@ def test_round_trip_deadline_and_kill(cfg):
             arena.free(handle.offset)
 
             # SIGKILL: pending requests fail with WorkerGone within the heartbeat timeout.
-            futures = [pool.submit(pool.pick("tiny"), Submit(
-                pool.next_seq(), f"k{i}", "tiny", *_slot(arena, 64, 32), time.time() + 30, 0,
-                arena.handle(0, "int32", (0,))),
-                64, lambda: None) for i in range(4)]
+            futures = [submit_rows(pool, arena, f"k{i}", 64) for i in range(4)]
             worker.send_signal(signal.SIGKILL)
             started = time.monotonic()
             results = await asyncio.gather(*futures, return_exceptions=True)
@@ -105,12 +119,7 @@ def test_round_trip_deadline_and_kill(cfg):
         finally:
             await pool.close()
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        worker.kill()
-        worker.wait()
-        arena.close()
+    run(scenario, worker, arena)
 
 
 def _slot(arena, n, dim):
@@ -149,11 +158,7 @@ def test_restarted_worker_is_taken_back(cfg):
         finally:
             await pool.close()
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        worker.kill()
-        worker.wait()
+    run(scenario, worker)
 
 
 def test_a_killed_worker_is_unroutable_at_once_and_a_drained_one_answers(cfg):
@@ -179,9 +184,7 @@ def test_a_killed_worker_is_unroutable_at_once_and_a_drained_one_answers(cfg):
             drained = start_worker(cfg)
             try:
                 assert await pool.wait_for_worker("tiny", 60) is not None
-                futures = [pool.submit(pool.pick("tiny"), Submit(
-                    pool.next_seq(), f"d{i}", "tiny", *_slot(arena, 32, 32), time.time() + 30,
-                    0, arena.handle(0, "int32", (0,))), 32, lambda: None) for i in range(8)]
+                futures = [submit_rows(pool, arena, f"d{i}", 32) for i in range(8)]
                 await asyncio.sleep(0.05)  # the submits leave with this loop turn
                 drained.send_signal(signal.SIGTERM)
                 results = await asyncio.gather(*futures, return_exceptions=True)
@@ -193,9 +196,4 @@ def test_a_killed_worker_is_unroutable_at_once_and_a_drained_one_answers(cfg):
         finally:
             await pool.close()
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        worker.kill()
-        worker.wait()
-        arena.close()
+    run(scenario, worker, arena)
