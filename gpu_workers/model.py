@@ -36,7 +36,9 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
 
 
 class Model:
-    def __init__(self, spec: ModelSpec, device: torch.device) -> None:
+    def __init__(self, spec: ModelSpec, device: torch.device, pack: bool = True) -> None:
+        """`pack=False` keeps the network's own forward, one length group at a time (for
+        measuring what the packed pass gains: scripts/packed_ab.py)."""
         weights_file(spec.directory)  # refuses a pickle-only directory with a clear message
         dtype = resolve_dtype(spec.dtype, device)
         guarded = spec.dtype == "auto" and dtype != "fp32"  # kept only if it agrees with fp32
@@ -63,7 +65,7 @@ class Model:
         self.token_types = "token_type_ids" in inspect.signature(net.forward).parameters
         # A model with BERT's layers runs several length groups in one pass
         # (gpu_workers.packed); int8's quantized linears keep the network's own forward.
-        self._packs = dtype != "int8" and packed.supports(net)
+        self._packs = pack and dtype != "int8" and packed.supports(net)
         self._use(net.to(device))
         self.agreement: float | None = None  # with fp32 on the probe, when dtype auto chose
         if guarded:

@@ -10,7 +10,8 @@ dtype, threads and batch policy, on the same texts grouped the way the server se
 consecutive chunks of users x texts); and, with --compare, the other server's window. Figures
 quoted are medians over rounds of the per-round ratios, with their range.
 
-Then: an open-loop sweep at 25/50/75/100% of the short scenario's saturation (Poisson arrivals
+Then: an open-loop sweep at 25/50/75/100% of the short scenario's saturation, measured by a
+closed-loop window just before each point (Poisson arrivals
 from an asyncio generator, since locust's users are a closed loop; latency against throughput,
 plotted), the pipeline capacity with the built-in `null` model (zeros, no compute:
 nginx, frontends, shared memory, ZeroMQ and batching alone), and vector parity against
@@ -80,13 +81,18 @@ def summarize(rounds: list[dict]) -> dict:
     return out
 
 
-def sweep(args, url: str, saturation_rps: float) -> list[dict]:
+def sweep(args, url: str) -> list[dict]:
+    """Each point's rate is a fraction of the short scenario's saturation measured just before
+    it (a closed-loop window), not minutes earlier: the machine's speed drifts in between."""
     points = []
     for fraction in (0.25, 0.5, 0.75, 1.0):
-        rate = max(1.0, saturation_rps * fraction)
+        saturation = locust_window(url, SCENARIOS["short"], args.window,
+                                   args.corpus)["requests_per_s"]
+        rate = max(1.0, saturation * fraction)
         window = open_loop_window(url, rate, args.window, args.corpus)
-        points.append({"fraction": fraction, "offered_rps": rate, **window})
-        print(f"open loop {fraction:.0%} ({rate:.0f} req/s offered): "
+        points.append({"fraction": fraction, "saturation_rps": saturation, "offered_rps": rate,
+                       **window})
+        print(f"open loop {fraction:.0%} of {saturation:.0f} ({rate:.0f} req/s offered): "
               f"{window['requests_per_s']:.1f} req/s, p50 {window['p50_ms']:.0f} ms, "
               f"p99 {window['p99_ms']:.0f} ms", flush=True)
     return points
@@ -138,10 +144,11 @@ def markdown(summary: dict) -> str:
             + (f"{s['other_texts_per_s']:.1f} | {other['median']:.2f} "
                f"({other['min']:.2f}-{other['max']:.2f}) |" if other else "- | - |"))
     if summary.get("sweep"):
-        lines += ["", "| open loop (1 text) | offered req/s | achieved req/s | p50 ms | p99 ms |"
-                  " p99 / p50 |", "|---|---|---|---|---|---|"]
+        lines += ["", "| open loop (1 text) | saturation req/s | offered req/s | achieved req/s "
+                  "| p50 ms | p99 ms | p99 / p50 |", "|---|---|---|---|---|---|---|"]
         for p in summary["sweep"]:
-            lines.append(f"| {p['fraction']:.0%} of saturation | {p['offered_rps']:.0f} | "
+            lines.append(f"| {p['fraction']:.0%} of saturation | {p['saturation_rps']:.0f} | "
+                         f"{p['offered_rps']:.0f} | "
                          f"{p['requests_per_s']:.1f} | {p['p50_ms']:.0f} | {p['p99_ms']:.0f} | "
                          f"{p['p99_ms'] / max(p['p50_ms'], 1e-9):.2f} |")
     if summary.get("null"):
@@ -205,8 +212,7 @@ def main() -> int:
         if other:
             summary["parity"]["other"] = min_cosine_to_fp32(other, corpus[:128])
         if not args.no_sweep and "short" in summary["closed_loop"]:
-            saturation = summary["closed_loop"]["short"]["served_requests_per_s"]
-            summary["sweep"] = sweep(args, url, saturation)
+            summary["sweep"] = sweep(args, url)
             plot(summary["sweep"], out / "latency.png")
     if not args.no_null:
         summary["null"] = null_capacity(args)

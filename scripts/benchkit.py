@@ -163,11 +163,12 @@ class InProcess:
     way the server sees them at a given concurrency (`window`'s chunk). `from_config`: the
     server's first model, dtype, threads and batching, on the CPU."""
 
-    def __init__(self, spec, device, limits, corpus: list[str], offset: int = 0) -> None:
+    def __init__(self, spec, device, limits, corpus: list[str], offset: int = 0,
+                 pack: bool = True) -> None:
         from frontend.tokenizer import TextEncoder
         from gpu_workers.model import Model
 
-        self.model = Model(spec, device)
+        self.model = Model(spec, device, pack)
         enc = TextEncoder(spec, truncate=True).encode(corpus)
         self.texts = [_Text(int(b - a), enc.ids[a:b])
                       for a, b in zip(enc.offsets[:-1], enc.offsets[1:])]
