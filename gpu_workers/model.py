@@ -74,7 +74,8 @@ class Model:
 
     def _use(self, net: torch.nn.Module) -> None:
         self.net = net
-        self.packed = packed.PackedEncoder(net) if self._packs else None
+        self.packed = (packed.PackedEncoder(net, bucket=self.device.type == "cpu")
+                       if self._packs else None)
 
     def _choose(self, spec: ModelSpec, dtype: str) -> str:
         """dtype auto: run the probe in fp32 and in `dtype`; keep whichever the agreement

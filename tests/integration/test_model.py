@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from frontend.tokenizer import TextEncoder
+from gpu_workers import packed
 from gpu_workers.model import Model, cpu_has_bf16, resolve_dtype
 from shmserve.config import ModelConfig
 from shmserve.models import ModelSourceError, incompatible, inspect
@@ -192,6 +193,29 @@ def test_length_groups_in_one_pass_equal_the_networks_own_forward(models, dtype,
     assert got.shape == want.shape == (10, model.spec.dim)
     cosine = (got * want).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
     assert cosine.min() >= floor
+
+
+def test_a_cpu_pass_runs_its_linear_layers_on_a_few_row_counts_only(models):
+    """oneDNN compiles a kernel per matrix shape: every pass must round its token count up to
+    one of a few sizes (packed.rows_for), or a worker compiles without end and slows down."""
+    model = Model(spec(models["emb"], "embedding", "fp32"), torch.device("cpu"))
+    seen = []
+    dense = model.packed.layers[0][3].intermediate.dense
+    hook = dense.register_forward_pre_hook(lambda module, args: seen.append(args[0].shape[0]))
+    try:
+        rng = np.random.default_rng(5)
+        for texts, width in ((1, 1), (1, 17), (2, 20), (3, 50), (5, 60)):  # 1 to 300 tokens
+            model.forward(rng.integers(1000, 1100, (texts, width)), np.full(texts, width))
+    finally:
+        hook.remove()
+    assert seen == [16, 32, 48, 160, 320]
+
+
+def test_row_counts_are_few_and_padding_is_bounded():
+    sizes = [packed.rows_for(n) for n in range(1, 8193)]
+    assert all(size >= n and size % 16 == 0 for n, size in enumerate(sizes, 1))
+    assert len(set(sizes)) <= 64  # oneDNN keeps 1,024 kernels; four linears each
+    assert max(size / n for n, size in enumerate(sizes, 1) if n > 128) <= 1.125
 
 
 @pytest.mark.parametrize("key,task", [("clf", "classification"), ("ce", "rerank")])
