@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """What the packed pass gains, in-process: the same texts through the same batch policy, once
 with several length groups in one pass (gpu_workers.packed) and once with the network's own
-forward group by group, in alternating windows; the figure is the median of the per-round
+forward group by group, in alternating windows (each side in a process of its own); the figure is the median of the per-round
 ratios packed / per-group, with their range.
 
   .venv/bin/python scripts/packed_ab.py                         # the config's first model
@@ -20,6 +20,7 @@ import argparse
 import json
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -47,6 +48,40 @@ def classifier_of(source: Path, labels: int, into: Path) -> Path:
     return into
 
 
+def child(args) -> None:
+    """One side, in a process of its own (oneDNN's kernel cache is per process): windows on
+    request (stdin: cursor seconds chunk), texts/s on stdout."""
+    import dataclasses
+
+    import torch
+
+    from gpu_workers.batcher import Limits
+    from shmserve import config as config_mod
+    from shmserve.models import inspect
+
+    cfg = config_mod.load()
+    if args.device == "cpu":
+        torch.set_num_threads(cfg.workers.torch_threads)
+    model_cfg = cfg.models[0]
+    roots = None
+    if args.model_dir:
+        model_cfg = dataclasses.replace(model_cfg, source=args.model_dir, task=args.task)
+        roots = [Path(args.model_dir).parent]
+    limits = Limits(cfg.batching.max_batch_size, cfg.batching.max_batch_tokens,
+                    cfg.batching.max_wait_ms / 1000, cfg.batching.max_pad_ratio)
+    spec = inspect(model_cfg, with_revision=False, roots=roots)
+    side = InProcess(spec, torch.device(args.device), limits,
+                     json.loads(args.corpus.read_text()), pack=args.child == "packed")
+    if args.child == "packed" and not side.model.packs:
+        raise SystemExit(f"{spec.name}: this network does not run the packed pass")
+    print(json.dumps({"model": spec.name, "task": spec.task, "dtype": side.model.spec.dtype,
+                      "threads": torch.get_num_threads()}), flush=True)
+    for line in sys.stdin:
+        cursor, seconds, chunk = line.split()
+        side.cursor = int(cursor)
+        print(json.dumps(side.window(float(seconds), int(chunk))), flush=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -58,47 +93,50 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--window", type=float, default=3.0, help="seconds per window")
     parser.add_argument("--corpus", type=Path, default=CORPUS)
+    parser.add_argument("--child", choices=("packed", "grouped"), help=argparse.SUPPRESS)
+    parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.child:
+        child(args)
+        return 0
 
-    import dataclasses
-
-    import torch
-
-    from gpu_workers.batcher import Limits
     from shmserve import config as config_mod
-    from shmserve.models import inspect, resolve_source
+    from shmserve.models import resolve_source
 
-    cfg = config_mod.load()
-    if args.device == "cpu":
-        torch.set_num_threads(cfg.workers.torch_threads)
-    model_cfg = cfg.models[0]
-    corpus = json.loads(args.corpus.read_text())
-    limits = Limits(cfg.batching.max_batch_size, cfg.batching.max_batch_tokens,
-                    cfg.batching.max_wait_ms / 1000, cfg.batching.max_pad_ratio)
     with tempfile.TemporaryDirectory() as tmp:
+        argv = [sys.executable, str(Path(__file__).resolve()), "--device", args.device,
+                "--corpus", str(args.corpus), "--task", args.task]
         if args.task != "config":
-            source = resolve_source(model_cfg.source)
-            directory = classifier_of(source, 1 if args.task == "rerank" else 2, Path(tmp))
-            model_cfg = dataclasses.replace(model_cfg, source=str(directory), task=args.task)
-        spec = inspect(model_cfg, with_revision=False, roots=[Path(tmp)])
-        device = torch.device(args.device)
-        packed = InProcess(spec, device, limits, corpus)
-        grouped = InProcess(spec, device, limits, corpus, pack=False)
-        if not packed.model.packs:
-            raise SystemExit(f"{spec.name}: this network does not run the packed pass")
-        print(f"{spec.name} ({spec.task}, {packed.model.spec.dtype}) on {args.device}, "
-              f"{torch.get_num_threads()} threads, chunks of {args.chunk} corpus texts")
-        ratios = []
-        for i in range(args.rounds):
-            first, second = (packed, grouped) if i % 2 == 0 else (grouped, packed)
-            packed.cursor = grouped.cursor = i * 997  # both sides on the same texts
-            first_rate = first.window(args.window, args.chunk)["texts_per_s"]
-            second_rate = second.window(args.window, args.chunk)["texts_per_s"]
-            rates = {id(first): first_rate, id(second): second_rate}
-            p, g = rates[id(packed)], rates[id(grouped)]
-            ratios.append(p / g)
-            print(f"round {i + 1}: packed {p:.1f} texts/s, per group {g:.1f}, "
-                  f"ratio {p / g:.3f}", flush=True)
+            source = resolve_source(config_mod.load().models[0].source)
+            directory = classifier_of(source, 1 if args.task == "rerank" else 2,
+                                      Path(tmp) / "model")
+            argv += ["--model-dir", str(directory)]
+        sides = {name: subprocess.Popen(argv + ["--child", name], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, text=True, cwd=REPO)
+                 for name in ("packed", "grouped")}
+        try:
+            about = {name: json.loads(proc.stdout.readline()) for name, proc in sides.items()}
+            info = about["packed"]
+            print(f"{info['model']} ({info['task']}, {info['dtype']}) on {args.device}, "
+                  f"{info['threads']} threads, chunks of {args.chunk} corpus texts, each side "
+                  "in its own process")
+
+            def window(name: str, cursor: int) -> float:
+                sides[name].stdin.write(f"{cursor} {args.window} {args.chunk}\n")
+                sides[name].stdin.flush()
+                return json.loads(sides[name].stdout.readline())["texts_per_s"]
+
+            ratios = []
+            for i in range(args.rounds):
+                order = ("packed", "grouped") if i % 2 == 0 else ("grouped", "packed")
+                rates = {name: window(name, i * 997) for name in order}  # the same texts
+                ratios.append(rates["packed"] / rates["grouped"])
+                print(f"round {i + 1}: packed {rates['packed']:.1f} texts/s, per group "
+                      f"{rates['grouped']:.1f}, ratio {ratios[-1]:.3f}", flush=True)
+        finally:
+            for proc in sides.values():
+                proc.stdin.close()
+                proc.wait(60)
     print(f"packed / per group: median {statistics.median(ratios):.3f} "
           f"(range {min(ratios):.3f}-{max(ratios):.3f}, {len(ratios)} rounds)")
     return 0
