@@ -63,7 +63,9 @@ def _parser() -> argparse.ArgumentParser:
         return cmd
 
     up_cmd = command("up", up, "render the run directory and start supervisord")
-    up_cmd.add_argument("--wait", action="store_true", help="wait until GET /ready answers 200")
+    up_cmd.add_argument("--wait", action="store_true",
+                        help="wait until GET /ready answers 200, through nginx and from every "
+                             "frontend")
     up_cmd.add_argument("--timeout", type=float, help="seconds --wait waits "
                         "(default: workers.ready_timeout_s)")
     up_cmd.add_argument("--foreground", action="store_true",
@@ -215,13 +217,16 @@ def restart_target(name: str) -> str:
 
 
 def wait_ready(cfg: Config, timeout: float) -> int:
-    """Poll GET /ready until 200; on timeout or a program that gave up, show the logs."""
+    """Poll GET /ready until 200 through nginx and from every frontend (each sees the workers
+    through its own heartbeats, so one may be ready a heartbeat before another); on timeout
+    or a program that gave up, show the logs."""
     url = ready_url(cfg)
+    frontends = [str(topology.frontend_socket(cfg, i)) for i in range(cfg.frontends.count)]
     deadline = time.monotonic() + timeout
     while True:
         fatal = [p["name"] for p in process_info(cfg) if p["statename"] == "FATAL"]
         code, _ = remote.http(url)
-        if code == 200:
+        if code == 200 and all(remote.http_unix(path, "/ready") == 200 for path in frontends):
             print(f"shmserve: ready at {remote.base_url(cfg)}")
             return 0
         if fatal or time.monotonic() > deadline:

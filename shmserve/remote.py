@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
 import urllib.error
 import urllib.request
+from http.client import HTTPConnection, HTTPException
 from pathlib import Path
 from urllib.parse import quote
 
@@ -88,3 +90,29 @@ def http(url: str, method: str = "GET", data: bytes | None = None, timeout: floa
         return exc.code, exc.read()
     except (OSError, ValueError):
         return None, b""
+
+
+class _UnixConnection(HTTPConnection):
+    def __init__(self, path: str, timeout: float) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self._path = path
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(self._path)
+
+
+def http_unix(path: str, target: str, timeout: float = 2.0) -> int | None:
+    """GET `target` from the HTTP server on unix socket `path` (a frontend, not through
+    nginx): its status, or None when nothing answered."""
+    conn = _UnixConnection(path, timeout)
+    try:
+        conn.request("GET", target)
+        response = conn.getresponse()
+        response.read()
+        return response.status
+    except (OSError, HTTPException):
+        return None
+    finally:
+        conn.close()

@@ -126,6 +126,46 @@ def test_wait_ready_gives_up_naming_the_key(deployment, capsys):
     assert "workers.ready_timeout_s" in err and "boom" in err
 
 
+def test_wait_ready_waits_for_every_frontend_not_just_the_one_nginx_asked(deployment,
+                                                                             monkeypatch):
+    """Each frontend learns a worker is ready from its own heartbeats: nginx's 200 from one is
+    not enough while another still answers 503 (what clients would then meet half the time)."""
+    import http.server
+    import socketserver
+    import threading
+
+    render.render(deployment)
+    statuses = [200] * deployment.frontends.count
+    statuses[-1] = 503
+
+    def frontend(index: int):
+        class Ready(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                self.send_response(statuses[index] if self.path == "/ready" else 404)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args) -> None:
+                pass
+
+        path = topology.frontend_socket(deployment, index)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        server = socketserver.UnixStreamServer(str(path), Ready)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        return server
+
+    servers = [frontend(i) for i in range(deployment.frontends.count)]
+    monkeypatch.setattr(remote, "http", lambda url, **kw: (200, b""))  # nginx: one said 200
+    try:
+        assert cli.wait_ready(deployment, timeout=0.6) == 1
+        statuses[-1] = 200
+        assert cli.wait_ready(deployment, timeout=5) == 0
+    finally:
+        for server in servers:
+            server.shutdown()
+            server.server_close()
+
+
 def test_urls_for_wildcard_hosts(tmp_path):
     cfg = make_config(tmp_path, server={"host": "0.0.0.0", "port": 1234})
     assert cli.ready_url(cfg) == "http://127.0.0.1:1234/ready"
