@@ -52,7 +52,7 @@ def index_of(lengths: np.ndarray, width: int) -> torch.Tensor:
 
 def rows_for(tokens: int) -> int:
     """`tokens` rounded up to a multiple of 16, or above 128 to one of 8 sizes per doubling:
-    at most 12.5% more rows, and ~60 shapes up to 8,192 tokens."""
+    at most 12.5% more rows, and 56 sizes up to 8,192 tokens."""
     step = max(16, 1 << max(0, tokens.bit_length() - 4))
     return -(-tokens // step) * step
 
@@ -82,8 +82,8 @@ def supports(net: torch.nn.Module) -> bool:
 class PackedEncoder:
     def __init__(self, whole: torch.nn.Module, bucket: bool = False) -> None:
         """`bucket`: round the token count up (`rows_for`); for CPUs."""
-        self.whole = whole
-        self.bucket = bucket  # the network as loaded: an encoder, or a classifier around one
+        self.whole = whole  # the network as loaded: an encoder, or a classifier around one
+        self.bucket = bucket
         self.classify = CLASSIFIERS.get(type(whole).__name__)
         net = self.net = whole.base_model if self.classify else whole
         config = net.config
