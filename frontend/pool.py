@@ -224,25 +224,13 @@ class WorkerPool:
                 if event["event"] == zmq.EVENT_CONNECTED:
                     link.dropped_pid = None  # whoever answers now is alive
                 elif link.alive:
-                    self._dropped(link)
+                    # What it held fails a moment later, once the replies it sent before it
+                    # went (a drained worker answers before it stops) are read.
+                    link.dropped_pid = link.beat.pid if link.beat is not None else None
+                    self._declare_dead(link, "connection dropped", grace=DROP_GRACE_S)
         finally:
             link.socket.disable_monitor()
             events.close(linger=0)
-
-    def _dropped(self, link: WorkerLink) -> None:
-        """Route nothing more to `link` now; fail what it still holds a moment later, once the
-        replies it sent before it went (a drained worker answers before it stops) are read."""
-        pid = link.beat.pid if link.beat is not None else None
-        link.alive, link.dropped_pid = False, pid
-        log.warning("frontend.worker_lost", extra={"fields": {
-            "worker": link.index, "reason": "connection dropped", "pending": len(link.pending)}})
-
-        def fail_the_rest() -> None:
-            if not link.alive:  # nothing new was routed there since (a new worker's first
-                                # heartbeat fails the old one's requests itself)
-                self._fail_pending(link, f"worker {link.index} lost: connection dropped")
-
-        asyncio.get_running_loop().call_later(DROP_GRACE_S, fail_the_rest)
 
     def _settle(self, link: WorkerLink, msg: Result | Error | ReloadDone) -> None:
         pending = link.pending.pop(msg.seq, None)
@@ -286,11 +274,23 @@ class WorkerPool:
                     self._declare_dead(link, f"silent for {now - link.last_beat:.1f}s")
             await asyncio.sleep(interval)
 
-    def _declare_dead(self, link: WorkerLink, reason: str) -> None:
+    def _declare_dead(self, link: WorkerLink, reason: str, grace: float = 0.0) -> None:
+        """Route nothing more to `link`; its pending requests fail now, or after `grace`
+        seconds unless it came back meanwhile (a new worker's first heartbeat fails the old
+        one's requests itself)."""
         link.alive = False
         log.warning("frontend.worker_lost", extra={"fields": {
             "worker": link.index, "reason": reason, "pending": len(link.pending)}})
-        self._fail_pending(link, f"worker {link.index} lost: {reason}")
+        message = f"worker {link.index} lost: {reason}"
+        if not grace:
+            self._fail_pending(link, message)
+            return
+
+        def fail_unless_back() -> None:
+            if not link.alive:
+                self._fail_pending(link, message)
+
+        asyncio.get_running_loop().call_later(grace, fail_unless_back)
 
     def _fail_pending(self, link: WorkerLink, reason: str) -> None:
         # Unsent messages go too: their slots are released below and may be reused.

@@ -49,6 +49,12 @@ class Limits:
     max_wait_s: float
     max_pad_ratio: float = 1.5
 
+    @classmethod
+    def of(cls, batching) -> "Limits":
+        """From the config's `batching` section (shmserve.config.BatchingConfig)."""
+        return cls(batching.max_batch_size, batching.max_batch_tokens,
+                   batching.max_wait_ms / 1000.0, batching.max_pad_ratio)
+
 
 @dataclass(frozen=True, slots=True)
 class Batch(Generic[T]):

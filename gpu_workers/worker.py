@@ -76,8 +76,7 @@ class Worker:
     def __init__(self, cfg: Config, index: int) -> None:
         self.cfg = cfg
         self.index = index
-        self.limits = Limits(cfg.batching.max_batch_size, cfg.batching.max_batch_tokens,
-                             cfg.batching.max_wait_ms / 1000.0, cfg.batching.max_pad_ratio)
+        self.limits = Limits.of(cfg.batching)
         self.configs = hosted_configs(cfg, index)
         self.specs = {name: inspect(c, roots=cfg.model_root_paths)
                       for name, c in self.configs.items()}

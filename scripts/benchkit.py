@@ -177,17 +177,19 @@ class InProcess:
         self.window(2, 32)  # warm-up, as a worker warms up before it reports ready
 
     @classmethod
-    def from_config(cls, cfg, corpus: list[str], offset: int = 0) -> "InProcess":
+    def from_config(cls, cfg, corpus: list[str], offset: int = 0, model=None,
+                    device: str = "cpu", pack: bool = True) -> "InProcess":
+        """`model`: a ModelConfig to use instead of the config's first model (its directory
+        need not lie under the model roots)."""
         import torch
 
         from gpu_workers.batcher import Limits
         from shmserve.models import inspect
 
-        torch.set_num_threads(cfg.workers.torch_threads)
-        limits = Limits(cfg.batching.max_batch_size, cfg.batching.max_batch_tokens,
-                        cfg.batching.max_wait_ms / 1000, cfg.batching.max_pad_ratio)
-        return cls(inspect(cfg.models[0], with_revision=False), torch.device("cpu"), limits,
-                   corpus, offset)
+        if device == "cpu":
+            torch.set_num_threads(cfg.workers.torch_threads)
+        spec = inspect(model or cfg.models[0], with_revision=False)
+        return cls(spec, torch.device(device), Limits.of(cfg.batching), corpus, offset, pack)
 
     def window(self, seconds: float, chunk: int) -> dict:
         import torch

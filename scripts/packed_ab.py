@@ -55,26 +55,18 @@ def child(args) -> None:
 
     import torch
 
-    from gpu_workers.batcher import Limits
     from shmserve import config as config_mod
-    from shmserve.models import inspect
 
     cfg = config_mod.load()
-    if args.device == "cpu":
-        torch.set_num_threads(cfg.workers.torch_threads)
-    model_cfg = cfg.models[0]
-    roots = None
+    model = None
     if args.model_dir:
-        model_cfg = dataclasses.replace(model_cfg, source=args.model_dir, task=args.task)
-        roots = [Path(args.model_dir).parent]
-    limits = Limits(cfg.batching.max_batch_size, cfg.batching.max_batch_tokens,
-                    cfg.batching.max_wait_ms / 1000, cfg.batching.max_pad_ratio)
-    spec = inspect(model_cfg, with_revision=False, roots=roots)
-    side = InProcess(spec, torch.device(args.device), limits,
-                     json.loads(args.corpus.read_text()), pack=args.child == "packed")
+        model = dataclasses.replace(cfg.models[0], source=args.model_dir, task=args.task)
+    side = InProcess.from_config(cfg, json.loads(args.corpus.read_text()), model=model,
+                                 device=args.device, pack=args.child == "packed")
+    spec = side.model.spec
     if args.child == "packed" and not side.model.packs:
         raise SystemExit(f"{spec.name}: this network does not run the packed pass")
-    print(json.dumps({"model": spec.name, "task": spec.task, "dtype": side.model.spec.dtype,
+    print(json.dumps({"model": spec.name, "task": spec.task, "dtype": spec.dtype,
                       "threads": torch.get_num_threads()}), flush=True)
     for line in sys.stdin:
         cursor, seconds, chunk = line.split()
