@@ -224,9 +224,18 @@ def load_model(spec: ModelSpec, device: torch.device) -> Model | NullModel:
     return NullModel(spec, device) if spec.task == "null" else Model(spec, device)
 
 
-def pick_device(threads: int) -> torch.device:
+def configure_cuda(cudnn_attention: bool) -> None:
+    """Attention on a GPU without cuDNN's kernels unless asked for: cuDNN builds an execution
+    plan the first time it sees each shape, and a server's passes come in ever new (texts,
+    length) shapes (docs/performance.md has the measurement). The memory-efficient and flash
+    kernels need no plan."""
+    torch.backends.cuda.enable_cudnn_sdp(cudnn_attention)
+
+
+def pick_device(threads: int, cudnn_attention: bool = False) -> torch.device:
     """The worker's device: the one GPU CUDA_VISIBLE_DEVICES shows it, else the CPU."""
     if torch.cuda.is_available():
+        configure_cuda(cudnn_attention)
         return torch.device("cuda", 0)
     torch.set_num_threads(threads)
     torch.set_num_interop_threads(1)

