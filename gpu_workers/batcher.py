@@ -24,11 +24,16 @@ Rules:
 from __future__ import annotations
 
 import bisect
+import operator
+from itertools import compress, filterfalse
 from dataclasses import dataclass
 from typing import Callable, Generic, Protocol, Sequence, TypeVar
 
 
 class Text(Protocol):
+    """A queued text; hashed by identity (a dataclass with eq=False), as the batcher keeps sets
+    of them."""
+
     @property
     def model(self) -> str: ...
     @property
@@ -40,6 +45,9 @@ class Text(Protocol):
 
 
 T = TypeVar("T", bound=Text)
+_length = operator.attrgetter("length")
+_priority = operator.attrgetter("priority")
+_model = operator.attrgetter("model")
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,11 +82,11 @@ def anchor_index(queue: Sequence[Text], fair_turn: bool = False) -> int:
     """The queue is in arrival order: its first text is the oldest."""
     if fair_turn:
         return 0
-    best = 0
-    for i in range(1, len(queue)):
-        if queue[i].priority > queue[best].priority:
-            best = i
-    return best
+    top = max(map(_priority, queue))
+    for i, text in enumerate(queue):  # the oldest of the highest priority
+        if text.priority == top:
+            return i
+    raise AssertionError("unreachable: the queue holds a text of its highest priority")
 
 
 def wait_time(queue: Sequence[Text], now: float, limits: Limits) -> float:
@@ -95,35 +103,11 @@ def form_batch(queue: Sequence[T], limits: Limits,
                fair_turn: bool = False) -> tuple[Batch[T], list[T]]:
     """Split a non-empty queue (arrival order) into the next batch and the rest (arrival order)."""
     anchor = queue[anchor_index(queue, fair_turn)]
-    same = sorted((t for t in queue if t.model == anchor.model), key=lambda t: t.length)
-    lengths = [t.length for t in same]
-    # Position of the anchor itself among equal lengths (identity, not equality).
-    pos = bisect.bisect_left(lengths, anchor.length)
-    while same[pos] is not anchor:
-        pos += 1
-    lo, hi = pos, pos  # the batch is same[lo:hi + 1]
-    longest, real = anchor.length, max(anchor.length, 1)
-    while hi - lo + 1 < limits.max_batch_size:
-        count = hi - lo + 2
-        options = []  # (padding it adds, side, new longest, text)
-        if lo > 0:  # a shorter text pads itself up to the longest
-            options.append((longest - same[lo - 1].length, -1, longest, same[lo - 1]))
-        if hi + 1 < len(same):  # a longer text pads every text already in the batch
-            text = same[hi + 1]
-            options.append(((text.length - longest) * (count - 1), 1, text.length, text))
-        for _, side, new_len, text in sorted(options, key=lambda o: o[0]):
-            new_real = real + max(text.length, 1)
-            padded = new_len * count
-            if padded <= limits.max_batch_tokens and padded <= limits.max_pad_ratio * new_real:
-                lo, hi = (lo - 1, hi) if side < 0 else (lo, hi + 1)
-                longest, real = new_len, new_real
-                break
-        else:
-            break
+    same = _same_model_by_length(queue, anchor.model)
+    lengths = list(map(_length, same))
+    lo, hi = _grow(same, lengths, anchor, limits)
     chosen = same[lo:hi + 1]
-    taken = {id(t) for t in chosen}
-    rest = [t for t in queue if id(t) not in taken]
-    return Batch(chosen, max(t.length for t in chosen)), rest
+    return Batch(chosen, lengths[hi]), list(filterfalse(set(chosen).__contains__, queue))
 
 
 def form_pass(queue: Sequence[T], limits: Limits, fair_turn: bool = False,
@@ -133,17 +117,71 @@ def form_pass(queue: Sequence[T], limits: Limits, fair_turn: bool = False,
     order). One batch, unless `merges` says the first batch's model runs groups in one pass:
     then also the batches `form_batch` would form next, while they are of that model and the
     pass stays within the limits."""
-    first, rest = form_batch(queue, limits, fair_turn)
-    batches = [first]
-    texts, padded = len(first.texts), first.padded_tokens
-    merge = merges(first.texts[0])
-    while merge and rest:
-        nxt, after = form_batch(rest, limits)
-        if (nxt.texts[0].model != first.texts[0].model
-                or texts + len(nxt.texts) > limits.max_batch_size
-                or padded + nxt.padded_tokens > limits.max_batch_tokens):
+    anchor = queue[anchor_index(queue, fair_turn)]
+    model = anchor.model
+    # The model's texts sorted once for the whole pass: each merged batch is what form_batch
+    # on the rest would form, as the rest's sorted texts are these less the ones taken (the
+    # sort is stable).
+    same = _same_model_by_length(queue, model)
+    lengths = list(map(_length, same))
+    batches: list[Batch[T]] = []
+    taken: set[T] = set()
+    rest: list[T] = list(queue)
+    texts = padded = 0
+    while True:
+        lo, hi = _grow(same, lengths, anchor, limits)
+        batch = Batch(same[lo:hi + 1], lengths[hi])
+        if batches and (texts + len(batch.texts) > limits.max_batch_size
+                        or padded + batch.padded_tokens > limits.max_batch_tokens):
             break
-        batches.append(nxt)
-        rest = after
-        texts, padded = texts + len(nxt.texts), padded + nxt.padded_tokens
+        batches.append(batch)
+        taken.update(batch.texts)
+        rest = list(filterfalse(taken.__contains__, queue))
+        texts, padded = texts + len(batch.texts), padded + batch.padded_tokens
+        if not rest or not merges(batches[0].texts[0]):
+            break
+        anchor = rest[anchor_index(rest)]
+        if anchor.model != model:
+            break
+        del same[lo:hi + 1], lengths[lo:hi + 1]
     return batches, rest
+
+
+def _same_model_by_length(queue: Sequence[T], model: str) -> list[T]:
+    # map, compress and filterfalse (above) keep the per-text work in C: a GPU worker's queue
+    # holds thousands of texts, and a batch is formed from it every few milliseconds.
+    return sorted(compress(queue, map(model.__eq__, map(_model, queue))), key=_length)
+
+
+def _grow(same: list[T], lengths: list[int], anchor: T, limits: Limits) -> tuple[int, int]:
+    """The batch around `anchor` in `same` (sorted by length; `lengths` theirs): same[lo:hi+1].
+    Texts join in order of the padding they add while the limits hold."""
+    # Position of the anchor itself among equal lengths (identity, not equality).
+    pos = bisect.bisect_left(lengths, anchor.length)
+    while same[pos] is not anchor:
+        pos += 1
+    lo, hi = pos, pos
+    longest, real = anchor.length, max(anchor.length, 1)
+    last, size = len(same) - 1, limits.max_batch_size
+    budget, ratio = limits.max_batch_tokens, limits.max_pad_ratio
+    while hi - lo + 1 < size:
+        count = hi - lo + 2
+        # The text that adds the least padding goes first (the shorter on a tie): a shorter
+        # text pads itself up to the longest, a longer one pads every text already in.
+        down = longest - lengths[lo - 1] if lo > 0 else None
+        up = (lengths[hi + 1] - longest) * (count - 1) if hi < last else None
+        sides = ((-1, 1) if up is None or (down is not None and down <= up) else (1, -1))
+        for side in sides:
+            if (down if side < 0 else up) is None:
+                continue
+            length = lengths[lo - 1] if side < 0 else lengths[hi + 1]
+            new_len = longest if side < 0 else length
+            new_real = real + max(length, 1)
+            padded = new_len * count
+            if padded <= budget and padded <= ratio * new_real:
+                lo, hi = (lo - 1, hi) if side < 0 else (lo, hi + 1)
+                longest, real = new_len, new_real
+                break
+        else:
+            break
+    return lo, hi

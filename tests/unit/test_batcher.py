@@ -134,3 +134,34 @@ def test_a_pass_never_merges_another_models_texts():
     batches, rest = form_pass(queue, LIMITS, merges=lambda text: True)
     assert [[t.length for t in b.texts] for b in batches] == [[10], [300]]  # both of "a"
     assert [t.model for t in rest] == ["b"]
+
+
+def test_a_pass_is_the_batches_form_batch_would_form_one_after_another():
+    # form_pass sorts the queue once for all its batches; form_batch sorts on every call. On
+    # random queues (lengths, models, priorities, limits) both must give the same batches.
+    import random
+
+    rng = random.Random(7)
+    for _ in range(3000):
+        queue = [T(rng.choice([rng.randint(0, 10), rng.randint(1, 200)]), arrived=i,
+                   model=rng.choice("aab"), priority=rng.choice([0, 0, 0, 1, -1]))
+                 for i in range(rng.randint(1, 60))]
+        limits = Limits(rng.randint(1, 64), rng.randint(1, 4000), 0.005,
+                        rng.choice([1.0, 1.2, 1.5, 3.0]))
+        fair = rng.random() < 0.3
+        batches, rest = form_pass(queue, limits, fair, merges=lambda text: True)
+        first, want_rest = form_batch(queue, limits, fair)
+        want = [first]
+        texts, padded = len(first.texts), first.padded_tokens
+        while want_rest:
+            nxt, after = form_batch(want_rest, limits)
+            if (nxt.texts[0].model != first.texts[0].model
+                    or texts + len(nxt.texts) > limits.max_batch_size
+                    or padded + nxt.padded_tokens > limits.max_batch_tokens):
+                break
+            want.append(nxt)
+            want_rest = after
+            texts, padded = texts + len(nxt.texts), padded + nxt.padded_tokens
+        assert [b.texts for b in batches] == [b.texts for b in want]
+        assert [b.padded_len for b in batches] == [b.padded_len for b in want]
+        assert rest == want_rest
