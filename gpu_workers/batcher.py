@@ -25,15 +25,12 @@ from __future__ import annotations
 
 import bisect
 import operator
-from itertools import compress, filterfalse
+from itertools import compress
 from dataclasses import dataclass
 from typing import Callable, Generic, Protocol, Sequence, TypeVar
 
 
 class Text(Protocol):
-    """A queued text; hashed by identity (a dataclass with eq=False), as the batcher keeps sets
-    of them."""
-
     @property
     def model(self) -> str: ...
     @property
@@ -107,7 +104,7 @@ def form_batch(queue: Sequence[T], limits: Limits,
     lengths = list(map(_length, same))
     lo, hi = _grow(same, lengths, anchor, limits)
     chosen = same[lo:hi + 1]
-    return Batch(chosen, lengths[hi]), list(filterfalse(set(chosen).__contains__, queue))
+    return Batch(chosen, lengths[hi]), _without(queue, set(map(id, chosen)))
 
 
 def form_pass(queue: Sequence[T], limits: Limits, fair_turn: bool = False,
@@ -125,7 +122,7 @@ def form_pass(queue: Sequence[T], limits: Limits, fair_turn: bool = False,
     same = _same_model_by_length(queue, model)
     lengths = list(map(_length, same))
     batches: list[Batch[T]] = []
-    taken: set[T] = set()
+    taken: set[int] = set()  # ids: texts are told apart by identity, not equality
     rest: list[T] = list(queue)
     texts = padded = 0
     while True:
@@ -135,8 +132,8 @@ def form_pass(queue: Sequence[T], limits: Limits, fair_turn: bool = False,
                         or padded + batch.padded_tokens > limits.max_batch_tokens):
             break
         batches.append(batch)
-        taken.update(batch.texts)
-        rest = list(filterfalse(taken.__contains__, queue))
+        taken.update(map(id, batch.texts))
+        rest = _without(queue, taken)
         texts, padded = texts + len(batch.texts), padded + batch.padded_tokens
         if not rest or not merges(batches[0].texts[0]):
             break
@@ -147,10 +144,15 @@ def form_pass(queue: Sequence[T], limits: Limits, fair_turn: bool = False,
     return batches, rest
 
 
+# map and compress keep the per-text work in C: a GPU worker's queue holds thousands of texts,
+# and a pass is formed from it every few milliseconds.
 def _same_model_by_length(queue: Sequence[T], model: str) -> list[T]:
-    # map, compress and filterfalse (above) keep the per-text work in C: a GPU worker's queue
-    # holds thousands of texts, and a batch is formed from it every few milliseconds.
     return sorted(compress(queue, map(model.__eq__, map(_model, queue))), key=_length)
+
+
+def _without(queue: Sequence[T], ids: set[int]) -> list[T]:
+    """The texts of `queue` whose ids are not in `ids`, in order."""
+    return list(compress(queue, map(operator.not_, map(ids.__contains__, map(id, queue)))))
 
 
 def _grow(same: list[T], lengths: list[int], anchor: T, limits: Limits) -> tuple[int, int]:
