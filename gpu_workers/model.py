@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from transformers import AutoConfig
 from transformers.utils import logging as hf_logging
 
@@ -36,13 +37,19 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
 
 
 class Model:
-    def __init__(self, spec: ModelSpec, device: torch.device, pack: bool = True) -> None:
+    def __init__(self, spec: ModelSpec, device: torch.device, pack: bool = True,
+                 bucket: bool | None = None) -> None:
         """`pack=False` keeps the network's own forward, one length group at a time (for
-        measuring what the packed pass gains: scripts/packed_ab.py)."""
+        measuring what the packed pass gains: scripts/packed_ab.py). `bucket` (default: on a
+        CPU) rounds the shapes the linear layers see to a few sizes, as oneDNN compiles a
+        kernel for every new one: the packed pass's token count (packed.rows_for), and a
+        group's texts and length in the network's own forward (`_bucketed`)."""
         weights_file(spec.directory)  # refuses a pickle-only directory with a clear message
         dtype = resolve_dtype(spec.dtype, device)
         guarded = spec.dtype == "auto" and dtype != "fp32"  # kept only if it agrees with fp32
         self.device = device
+        self.bucket = device.type == "cpu" if bucket is None else bucket
+        self.max_tokens = spec.max_tokens  # a group's length is never rounded past it
         config = AutoConfig.from_pretrained(spec.directory, trust_remote_code=False)
         net, info = tasks.network_class(spec.task).from_pretrained(
             spec.directory,
@@ -74,7 +81,7 @@ class Model:
 
     def _use(self, net: torch.nn.Module) -> None:
         self.net = net
-        self.packed = (packed.PackedEncoder(net, bucket=self.device.type == "cpu")
+        self.packed = (packed.PackedEncoder(net, bucket=self.bucket)
                        if self._packs else None)
 
     def _choose(self, spec: ModelSpec, dtype: str) -> str:
@@ -133,10 +140,28 @@ class Model:
         else:
             rows = []
             for ids, mask, lens, types in inputs:
+                texts = ids.shape[0]
+                if self.bucket:
+                    ids, mask, lens, types = self._bucketed(ids, mask, lens, types)
                 extra = {} if types is None else {"token_type_ids": types}
                 out = self.net(input_ids=ids, attention_mask=mask.long(), **extra)
-                rows.append(self.head(out, mask, lens))
+                rows.append(self.head(out, mask, lens)[:texts])
         return torch.cat(rows).cpu().numpy()
+
+    def _bucketed(self, ids, mask, lens, types):
+        """A group padded to one of a few shapes: its length up to packed.rows_for (within the
+        model's limit), its texts up to `packed.texts_for`; the rows added hold one padding
+        token each (a row with nothing to attend to could give NaN), and are dropped after."""
+        texts, width = ids.shape
+        rows = packed.texts_for(texts)
+        cols = max(width, min(packed.rows_for(width), self.max_tokens))
+        if (rows, cols) == (texts, width):
+            return ids, mask, lens, types
+        grow = lambda t, fill: F.pad(t, (0, cols - width, 0, rows - texts), value=fill)  # noqa: E731
+        ids, mask = grow(ids, self.pad_id), grow(mask, False)
+        mask[texts:, 0] = True
+        lens = F.pad(lens, (0, rows - texts), value=1)
+        return ids, mask, lens, None if types is None else grow(types, 0)
 
     def _inputs(self, ids: np.ndarray, lengths: np.ndarray, segments: np.ndarray | None):
         input_ids = torch.from_numpy(ids).to(self.device, non_blocking=True)

@@ -170,11 +170,11 @@ class InProcess:
     server's first model, dtype, threads and batching, on the CPU."""
 
     def __init__(self, spec, device, limits, corpus: list[str], offset: int = 0,
-                 pack: bool = True) -> None:
+                 pack: bool = True, bucket: bool | None = None) -> None:
         from frontend.tokenizer import TextEncoder
         from gpu_workers.model import Model
 
-        self.model = Model(spec, device, pack)
+        self.model = Model(spec, device, pack, bucket)
         enc = TextEncoder(spec, truncate=True).encode(corpus)
         self.texts = [_Text(int(b - a), enc.ids[a:b])
                       for a, b in zip(enc.offsets[:-1], enc.offsets[1:])]
@@ -184,7 +184,8 @@ class InProcess:
 
     @classmethod
     def from_config(cls, cfg, corpus: list[str], offset: int = 0, model=None,
-                    device: str = "cpu", pack: bool = True) -> "InProcess":
+                    device: str = "cpu", pack: bool = True,
+                    bucket: bool | None = None) -> "InProcess":
         """`model`: a ModelConfig to use instead of the config's first model (its directory
         need not lie under the model roots)."""
         import torch
@@ -199,7 +200,8 @@ class InProcess:
 
             configure_cuda(cfg.workers.cudnn_attention)
         spec = inspect(model or cfg.models[0], with_revision=False)
-        return cls(spec, torch.device(device), Limits.of(cfg.batching), corpus, offset, pack)
+        return cls(spec, torch.device(device), Limits.of(cfg.batching), corpus, offset, pack,
+                   bucket)
 
     def window(self, seconds: float, chunk: int) -> dict:
         import torch

@@ -1,12 +1,15 @@
 #!/usr/bin/env python3
 """What the packed pass gains, in-process: the same texts through the same batch policy, once
 with several length groups in one pass (gpu_workers.packed) and once with the network's own
-forward group by group, in alternating windows (each side in a process of its own); the figure is the median of the per-round
-ratios packed / per-group, with their range.
+forward group by group, in alternating windows, each side in a process of its own; the figure
+is the median of the per-round ratios packed / per-group, with their range. `--compare
+rounding`: the network's own forward with its groups padded to a few shapes (what a CPU worker
+runs for a model that does not pack) against it unpadded, with each side's peak memory.
 
   .venv/bin/python scripts/packed_ab.py                         # the config's first model
   .venv/bin/python scripts/packed_ab.py --task classification   # a sequence classifier
   .venv/bin/python scripts/packed_ab.py --device cuda --rounds 6
+  .venv/bin/python scripts/packed_ab.py --compare rounding --rounds 12 --window 4
 
 --task classification (or rerank) measures a sequence classifier of the default model's
 shape: all-MiniLM-L6-v2's encoder under a randomly initialised head (2 labels, or 1 for
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import shutil
 import statistics
 import subprocess
@@ -62,7 +66,8 @@ def child(args) -> None:
     if args.model_dir:
         model = dataclasses.replace(cfg.models[0], source=args.model_dir, task=args.task)
     side = InProcess.from_config(cfg, json.loads(args.corpus.read_text()), model=model,
-                                 device=args.device, pack=args.child == "packed")
+                                 device=args.device, pack=args.child == "packed",
+                                 bucket=False if args.child == "exact" else None)
     spec = side.model.spec
     if args.child == "packed" and not side.model.packs:
         raise SystemExit(f"{spec.name}: this network does not run the packed pass")
@@ -71,7 +76,9 @@ def child(args) -> None:
     for line in sys.stdin:
         cursor, seconds, chunk = line.split()
         side.cursor = int(cursor)
-        print(json.dumps(side.window(float(seconds), int(chunk))), flush=True)
+        result = side.window(float(seconds), int(chunk))
+        result["max_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        print(json.dumps(result), flush=True)
 
 
 def main() -> int:
@@ -85,7 +92,12 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--window", type=float, default=3.0, help="seconds per window")
     parser.add_argument("--corpus", type=Path, default=CORPUS)
-    parser.add_argument("--child", choices=("packed", "grouped"), help=argparse.SUPPRESS)
+    parser.add_argument("--compare", choices=("packed", "rounding"), default="packed",
+                        help="packed: the packed pass against the network's own forward group"
+                             " by group; rounding: that own forward with its groups padded to a"
+                             " few shapes (the CPU default) against it unpadded")
+    parser.add_argument("--child", choices=("packed", "grouped", "exact"),
+                        help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -103,33 +115,37 @@ def main() -> int:
             directory = classifier_of(source, 1 if args.task == "rerank" else 2,
                                       Path(tmp) / "model")
             argv += ["--model-dir", str(directory)]
+        a, b = ("packed", "grouped") if args.compare == "packed" else ("grouped", "exact")
+        label = {"packed": "packed", "grouped": "per group", "exact": "per group unpadded"}
         sides = {name: subprocess.Popen(argv + ["--child", name], stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, text=True, cwd=REPO)
-                 for name in ("packed", "grouped")}
+                 for name in (a, b)}
         try:
             about = {name: json.loads(proc.stdout.readline()) for name, proc in sides.items()}
-            info = about["packed"]
+            info = about[a]
             print(f"{info['model']} ({info['task']}, {info['dtype']}) on {args.device}, "
                   f"{info['threads']} threads, chunks of {args.chunk} corpus texts, each side "
                   "in its own process")
 
-            def window(name: str, cursor: int) -> float:
+            def window(name: str, cursor: int) -> dict:
                 sides[name].stdin.write(f"{cursor} {args.window} {args.chunk}\n")
                 sides[name].stdin.flush()
-                return json.loads(sides[name].stdout.readline())["texts_per_s"]
+                return json.loads(sides[name].stdout.readline())
 
             ratios = []
             for i in range(args.rounds):
-                order = ("packed", "grouped") if i % 2 == 0 else ("grouped", "packed")
-                rates = {name: window(name, i * 997) for name in order}  # the same texts
-                ratios.append(rates["packed"] / rates["grouped"])
-                print(f"round {i + 1}: packed {rates['packed']:.1f} texts/s, per group "
-                      f"{rates['grouped']:.1f}, ratio {ratios[-1]:.3f}", flush=True)
+                order = (a, b) if i % 2 == 0 else (b, a)
+                got = {name: window(name, i * 997) for name in order}  # the same texts
+                ratios.append(got[a]["texts_per_s"] / got[b]["texts_per_s"])
+                print(f"round {i + 1}: " + ", ".join(
+                    f"{label[n]} {got[n]['texts_per_s']:.1f} texts/s (peak RSS "
+                    f"{got[n]['max_rss_mb']:.0f} MB)" for n in (a, b))
+                    + f", ratio {ratios[-1]:.3f}", flush=True)
         finally:
             for proc in sides.values():
                 proc.stdin.close()
                 proc.wait(60)
-    print(f"packed / per group: median {statistics.median(ratios):.3f} "
+    print(f"{label[a]} / {label[b]}: median {statistics.median(ratios):.3f} "
           f"(range {min(ratios):.3f}-{max(ratios):.3f}, {len(ratios)} rounds)")
     return 0
 

@@ -254,3 +254,32 @@ def test_a_gpu_worker_sets_cudnn_attention_as_configured(monkeypatch, allowed):
         assert torch.backends.cuda.cudnn_sdp_enabled() is allowed
     finally:
         torch.backends.cuda.enable_cudnn_sdp(before)
+
+
+@pytest.mark.parametrize("key,task", [("emb", "embedding"), ("ce", "rerank")])
+def test_the_networks_own_forward_on_a_cpu_sees_few_shapes_and_the_same_results(models, key,
+                                                                                task):
+    """Models that do not pack run their own forward group by group; on a CPU each group is
+    padded to one of a few (texts, length) shapes (oneDNN compiles a kernel per shape), and the
+    padding changes nothing."""
+    rounded = Model(spec(models[key], task), torch.device("cpu"), pack=False)
+    exact = Model(spec(models[key], task), torch.device("cpu"), pack=False, bucket=False)
+    assert rounded.bucket and not exact.bucket
+    seen = []
+    dense = rounded.net.base_model.encoder.layer[0].intermediate.dense
+    hook = dense.register_forward_pre_hook(lambda module, args: seen.append(args[0].shape[:2]))
+    rng = np.random.default_rng(13)
+    try:
+        for texts, width in ((1, 1), (3, 17), (9, 20), (13, 50), (2, 64)):
+            lengths = rng.integers(1, width + 1, texts)
+            lengths[0] = width
+            group = (rng.integers(1000, 1100, (texts, width)), lengths,
+                     (lengths // 2).astype(np.int64) if task == "rerank" else None)
+            got, want = rounded.forward(*group), exact.forward(*group)
+            assert got.shape == want.shape == (texts, rounded.spec.dim)
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    finally:
+        hook.remove()
+    # (texts, length): texts exact to 8 then 10, 12, 14, 16, ...; lengths to a multiple of 16
+    # within the model's 64-token limit
+    assert seen == [(1, 16), (3, 32), (10, 32), (14, 64), (2, 64)]
