@@ -25,6 +25,7 @@ def main() -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", cfg.workers.cuda_alloc_conf)
     logs.configure(cfg.logging, f"worker-{args.index}")
+    sys.setswitchinterval(cfg.workers.switch_interval_ms / 1000.0)
 
     from gpu_workers.worker import main as run
 

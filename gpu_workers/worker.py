@@ -16,6 +16,7 @@ import logging
 import os
 import queue
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -171,7 +172,8 @@ class Worker:
             log.info("worker.loaded", extra={"fields": {
                 "model": name, "revision": spec.revision, "dtype": spec.dtype,
                 "device": str(self.device), "seconds": round(time.monotonic() - started, 2),
-                "torch_threads": torch.get_num_threads()}})
+                "torch_threads": torch.get_num_threads(),
+                "switch_interval_ms": round(sys.getswitchinterval() * 1000, 3)}})
             self.metrics.model_loaded(name, spec.revision, spec.dtype, str(self.device))
         self.device_label = device_name(self.device)
         self._infos = self.slots.infos()

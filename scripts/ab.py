@@ -15,13 +15,16 @@ of REV (made under a temporary directory, removed after), e.g. this change again
   .venv/bin/python scripts/ab.py --a-rev main --a '{}' --b '{}' --scenario null
 
 Scenarios: short (32 users x 1 text, JSON), bulk (4 x 32), mixed (16 x 1..16), null (64 users
-x 1 text, msgpack, the built-in null model: the serving pipeline alone).
+x 1 text, msgpack, the built-in null model: the serving pipeline alone); `--users` and `--texts`
+change a scenario's clients and texts per request (a GPU-like deep queue: --scenario null
+--users 128 --texts 32, with GPU-sized batching in both overlays).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import statistics
 import subprocess
 import sys
@@ -73,6 +76,8 @@ def main() -> int:
     parser.add_argument("--a", required=True, help="overlay of side A (YAML or a file)")
     parser.add_argument("--b", required=True, help="overlay of side B (YAML or a file)")
     parser.add_argument("--scenario", choices=sorted(SCENARIOS), default="short")
+    parser.add_argument("--users", type=int, help="the scenario's users (clients), changed")
+    parser.add_argument("--texts", help="the scenario's texts per request, changed (or mixed)")
     parser.add_argument("--rounds", type=int, default=4, help="ABBA rounds (2 windows each)")
     parser.add_argument("--window", type=int, default=10, help="seconds per window")
     parser.add_argument("--rate", type=float, default=0.0,
@@ -84,6 +89,8 @@ def main() -> int:
     args = parser.parse_args()
 
     scenario = SCENARIOS[args.scenario]
+    scenario = dataclasses.replace(scenario, users=args.users or scenario.users,
+                                   texts=args.texts or scenario.texts)
     base = NULL_STACK if args.scenario == "null" else {}  # the sides' overlays go over it
     metric = "requests_per_s" if args.scenario == "null" else "texts_per_s"
     with checkout(args.a_rev) as repo_a, checkout(args.b_rev) as repo_b, \

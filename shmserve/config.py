@@ -83,6 +83,9 @@ class WorkerConfig:
     # cuDNN's attention kernels on a GPU: off, as every new (texts, length) shape costs a plan
     # (see gpu_workers.model.configure_cuda)
     cudnn_attention: bool = False
+    # How long a worker's model thread may hold the GIL while its socket thread waits, and
+    # back (sys.setswitchinterval; Python's default is 5 ms; docs/performance.md)
+    switch_interval_ms: float = 0.5
     ready_timeout_s: float = 300.0
     memory_check_batches: int = 100  # device memory is read every N batches (and when idle)
     empty_cache_threshold: float = 0.3  # fragmentation above it: torch.cuda.empty_cache()
@@ -220,6 +223,7 @@ _CHECKS: dict[str, Check] = {
     "workers.heartbeat_timeout_s": (lambda v: v > 0, "a number > 0"),
     "workers.memory_check_batches": (lambda v: v >= 1, "an integer >= 1"),
     "workers.empty_cache_threshold": (lambda v: 0 <= v <= 1, "a number from 0 to 1 (1: never)"),
+    "workers.switch_interval_ms": (lambda v: 0.01 <= v <= 100, "a number from 0.01 to 100"),
     "batching.max_batch_size": (lambda v: v >= 1, "an integer >= 1"),
     "batching.max_batch_tokens": (lambda v: v >= 1, "an integer >= 1"),
     "batching.max_wait_ms": (lambda v: v >= 0, "a number >= 0"),
