@@ -157,7 +157,10 @@ class Model:
         cols = max(width, min(packed.rows_for(width), self.max_tokens))
         if (rows, cols) == (texts, width):
             return ids, mask, lens, types
-        grow = lambda t, fill: F.pad(t, (0, cols - width, 0, rows - texts), value=fill)  # noqa: E731
+
+        def grow(t: torch.Tensor, fill) -> torch.Tensor:
+            return F.pad(t, (0, cols - width, 0, rows - texts), value=fill)
+
         ids, mask = grow(ids, self.pad_id), grow(mask, False)
         mask[texts:, 0] = True
         lens = F.pad(lens, (0, rows - texts), value=1)

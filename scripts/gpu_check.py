@@ -94,16 +94,20 @@ def parity(device, texts: list[str]) -> dict:
 
 def ceiling(device, source: str, dtype: str, texts: list[str], seconds: float,
             extra: dict) -> float:
-    """The model alone on the GPU: chunks of 1,024 texts, up to 256 a batch; `extra`: the
-    served stacks' overrides (the rest of the batch policy)."""
+    """The model alone on the GPU: chunks of 1,024 texts batched by configs/gpu.yaml's policy;
+    `extra`: the served stacks' overrides."""
     from gpu_workers.batcher import Limits
     from shmserve import config
 
-    policy = {**dataclasses.asdict(config.load(environ={}).batching),
+    policy = {**dataclasses.asdict(config.load(extra=GPU_CONFIG, environ={}).batching),
               **extra.get("batching", {})}
-    limits = Limits(256, 32768, policy["max_wait_ms"] / 1000, policy["max_pad_ratio"])
+    limits = Limits(policy["max_batch_size"], policy["max_batch_tokens"],
+                    policy["max_wait_ms"] / 1000, policy["max_pad_ratio"])
     return InProcess(spec_for(source, dtype), device, limits, texts).window(
         seconds, 1024)["texts_per_s"]
+
+
+GPU_CONFIG = REPO / "configs" / "gpu.yaml"
 
 
 def served(source: str, model_root: str, dtype: str, seconds: int, dry_run: bool,
@@ -114,17 +118,17 @@ def served(source: str, model_root: str, dtype: str, seconds: int, dry_run: bool
     with `profile`, py-spy's samples of the worker and of one frontend during it."""
     from shmserve.config import deep_merge
 
+    # configs/gpu.yaml, as a user serving on a GPU runs it; on the CPU (a dry run), smaller.
     overrides = deep_merge({
         "model_roots": [model_root],
         "models": [{"name": "m", "source": source, "dtype": dtype, "task": task}],
         # A worker that cannot load must not spend a lent machine's minutes waiting.
         "workers": {"devices": "cpu" if dry_run else [0], "ready_timeout_s": 150},
-        "frontends": {"count": 2 if dry_run else 8, "max_inflight": 4096},
-        "batching": {"max_batch_size": 32 if dry_run else 256,
-                     "max_batch_tokens": 8192 if dry_run else 32768},
-    }, extra)
+    } | ({"frontends": {"count": 2}, "batching": {"max_batch_size": 32,
+                                                   "max_batch_tokens": 8192}}
+         if dry_run else {}), extra)
     keep.mkdir(parents=True, exist_ok=True)
-    stack = OwnStack(None, None, overrides)
+    stack = OwnStack(None, str(GPU_CONFIG), overrides)
     logs = Path(stack.tmp.name) / "run" / "logs"
     try:
         with stack:

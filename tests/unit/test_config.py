@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 
 from shmserve import config
@@ -190,3 +192,10 @@ def test_usable_cores_without_an_affinity_call(monkeypatch, tmp_path):
     monkeypatch.delattr(os, "sched_getaffinity")
     monkeypatch.setattr(os, "cpu_count", lambda: 6)
     assert config.usable_cores(tmp_path / "missing") == 6
+
+
+def test_the_gpu_overlay_loads_with_gpu_sized_passes():
+    cfg = config.load(extra=Path(__file__).resolve().parents[2] / "configs" / "gpu.yaml",
+                      environ={})
+    assert (cfg.batching.max_batch_size, cfg.batching.max_batch_tokens) == (256, 32768)
+    assert cfg.workers.devices == "auto" and cfg.frontends.count == 8
