@@ -111,9 +111,10 @@ GPU_CONFIG = REPO / "configs" / "gpu.yaml"
 
 
 def served(source: str, model_root: str, dtype: str, seconds: int, dry_run: bool,
-           processes: int, keep: Path, extra: dict, profile: bool, task: str = "embedding"
-           ) -> dict:
-    """The whole stack on GPU 0, bulk msgpack requests from `processes` locust processes.
+           processes: int, keep: Path, extra: dict, profile: bool, task: str = "embedding",
+           users: int = 128, texts: int = 32) -> dict:
+    """The whole stack on GPU 0: `users` closed-loop clients sending msgpack requests of
+    `texts` texts, from `processes` locust processes.
     Kept in `keep`: the stack's logs (a worker's batch lines), /metrics after the window and,
     with `profile`, py-spy's samples of the worker and of one frontend during it."""
     from shmserve.config import deep_merge
@@ -132,7 +133,8 @@ def served(source: str, model_root: str, dtype: str, seconds: int, dry_run: bool
     logs = Path(stack.tmp.name) / "run" / "logs"
     try:
         with stack:
-            scenario = Scenario("bulk", 4 if dry_run else 128, "32", api="msgpack")
+            scenario = Scenario("bulk" if texts > 1 else "short", 4 if dry_run else users,
+                                str(texts), api="msgpack")
             profilers = [_profile(name, keep, seconds) for name in ("gpu_workers", "frontend")
                          ] if profile else []
             result = locust_window(stack.url, scenario, seconds, CORPUS, processes)
@@ -234,6 +236,9 @@ def main() -> int:
                         help="config override for the served stacks, a dotted key and a YAML"
                              " value (batching.max_pad_ratio=4); repeatable")
     parser.add_argument("--tag", default="", help="a label for this run's files")
+    parser.add_argument("--users", type=int, default=128, help="served: closed-loop clients")
+    parser.add_argument("--texts", type=int, default=32,
+                        help="served: texts per request (1: the short-query profile)")
     parser.add_argument("--profile", action="store_true",
                         help="py-spy the worker and a frontend during each served window")
     args = parser.parse_args()
@@ -258,7 +263,7 @@ def main() -> int:
     texts = short_texts(64 if args.dry_run else 4096)
     args.out.mkdir(parents=True, exist_ok=True)
     report: dict = {"device": name, "torch": torch.__version__, "overrides": extra,
-                    "tag": args.tag}
+                    "tag": args.tag, "users": args.users, "texts_per_request": args.texts}
     if device.type == "cuda":  # as the workers will (workers.cudnn_attention)
         from gpu_workers.model import configure_cuda
         from shmserve import config
@@ -290,7 +295,8 @@ def main() -> int:
                       if "ceiling" in stages and task != "null" else None)
             end_to_end = (stage(report, f"served {key}", served, source, tmp, dtype,
                                 args.seconds, args.dry_run, args.locust_processes,
-                                args.out / f"served-{key}{suffix}", extra, args.profile, task)
+                                args.out / f"served-{key}{suffix}", extra, args.profile, task,
+                                args.users, args.texts)
                           if "served" in stages else None) or {}
             rows.append({"model": label, "dtype": dtype, "in_process_texts_per_s": inproc,
                          "served_texts_per_s": end_to_end.get("texts_per_s"),
