@@ -42,8 +42,10 @@ class Model:
         """`pack=False` keeps the network's own forward, one length group at a time (for
         measuring what the packed pass gains: scripts/packed_ab.py). `bucket` (default: on a
         CPU) rounds the shapes the linear layers see to a few sizes, as oneDNN compiles a
-        kernel for every new one: the packed pass's token count (packed.rows_for), and a
-        group's texts and length in the network's own forward (`_bucketed`)."""
+        kernel for every new one: the packed pass's token count (packed.rows_for) always, and
+        a group's texts and length in the network's own forward (`_bucketed`) in bf16 and fp16
+        only, where oneDNN's compiled kernels run (in fp32 and int8 the padding cost 8% and 6%
+        in-process: docs/performance.md)."""
         weights_file(spec.directory)  # refuses a pickle-only directory with a clear message
         dtype = resolve_dtype(spec.dtype, device)
         guarded = spec.dtype == "auto" and dtype != "fp32"  # kept only if it agrees with fp32
@@ -81,6 +83,8 @@ class Model:
 
     def _use(self, net: torch.nn.Module) -> None:
         self.net = net
+        half = next(net.parameters()).dtype in (torch.bfloat16, torch.float16)
+        self.round_groups = self.bucket and half
         self.packed = (packed.PackedEncoder(net, bucket=self.bucket)
                        if self._packs else None)
 
@@ -141,7 +145,7 @@ class Model:
             rows = []
             for ids, mask, lens, types in inputs:
                 texts = ids.shape[0]
-                if self.bucket:
+                if self.round_groups:
                     ids, mask, lens, types = self._bucketed(ids, mask, lens, types)
                 extra = {} if types is None else {"token_type_ids": types}
                 out = self.net(input_ids=ids, attention_mask=mask.long(), **extra)

@@ -66,10 +66,10 @@ def child(args) -> None:
     if args.model_dir:
         model = dataclasses.replace(cfg.models[0], source=args.model_dir, task=args.task)
     side = InProcess.from_config(cfg, json.loads(args.corpus.read_text()), model=model,
-                                 device=args.device, pack=args.child == "packed",
-                                 bucket=False if args.child == "exact" else None)
+                                 device=args.device, pack=args.child.startswith("packed"),
+                                 bucket=False if args.child.endswith("exact") else None)
     spec = side.model.spec
-    if args.child == "packed" and not side.model.packs:
+    if args.child.startswith("packed") and not side.model.packs:
         raise SystemExit(f"{spec.name}: this network does not run the packed pass")
     print(json.dumps({"model": spec.name, "task": spec.task, "dtype": spec.dtype,
                       "threads": torch.get_num_threads()}), flush=True)
@@ -92,11 +92,13 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--window", type=float, default=3.0, help="seconds per window")
     parser.add_argument("--corpus", type=Path, default=CORPUS)
-    parser.add_argument("--compare", choices=("packed", "rounding"), default="packed",
+    parser.add_argument("--compare", choices=("packed", "rounding", "packed-rounding"),
+                        default="packed",
                         help="packed: the packed pass against the network's own forward group"
                              " by group; rounding: that own forward with its groups padded to a"
-                             " few shapes (the CPU default) against it unpadded")
-    parser.add_argument("--child", choices=("packed", "grouped", "exact"),
+                             " few shapes against it unpadded; packed-rounding: the packed pass"
+                             " with its token count rounded against it exact")
+    parser.add_argument("--child", choices=("packed", "grouped", "exact", "packed-exact"),
                         help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -115,8 +117,10 @@ def main() -> int:
             directory = classifier_of(source, 1 if args.task == "rerank" else 2,
                                       Path(tmp) / "model")
             argv += ["--model-dir", str(directory)]
-        a, b = ("packed", "grouped") if args.compare == "packed" else ("grouped", "exact")
-        label = {"packed": "packed", "grouped": "per group", "exact": "per group unpadded"}
+        a, b = {"packed": ("packed", "grouped"), "rounding": ("grouped", "exact"),
+                "packed-rounding": ("packed", "packed-exact")}[args.compare]
+        label = {"packed": "packed", "grouped": "per group", "exact": "per group unpadded",
+                 "packed-exact": "packed unrounded"}
         sides = {name: subprocess.Popen(argv + ["--child", name], stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, text=True, cwd=REPO)
                  for name in (a, b)}
