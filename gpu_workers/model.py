@@ -258,9 +258,9 @@ def load_model(spec: ModelSpec, device: torch.device) -> Model | NullModel:
 
 def configure_cuda(cudnn_attention: bool) -> None:
     """Attention on a GPU without cuDNN's kernels unless asked for: cuDNN builds an execution
-    plan the first time it sees each shape, and a server's passes come in ever new (texts,
-    length) shapes (docs/performance.md has the measurement). The memory-efficient and flash
-    kernels need no plan."""
+    plan the first time it sees each shape (~50 ms on an H200), and a server's passes come in
+    ever new (texts, length) shapes. The memory-efficient kernel, which masked attention runs
+    instead, costs the same on a new shape as on a known one (docs/performance.md)."""
     torch.backends.cuda.enable_cudnn_sdp(cudnn_attention)
 
 
