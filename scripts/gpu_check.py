@@ -139,7 +139,9 @@ def served(source: str, model_root: str, dtype: str, seconds: int, dry_run: bool
                          ] if profile else []
             result = locust_window(stack.url, scenario, seconds, CORPUS, processes)
             with urllib.request.urlopen(stack.url + "/metrics", timeout=10) as resp:
-                (keep / "metrics.txt").write_bytes(resp.read())
+                metrics = resp.read().decode()
+            (keep / "metrics.txt").write_text(metrics)
+            result["means"] = pipeline_means(metrics)
             for proc in profilers:
                 proc.wait(30)
             shutil.copytree(logs, keep / "logs")
@@ -152,6 +154,33 @@ def served(source: str, model_root: str, dtype: str, seconds: int, dry_run: bool
         except BaseException as exc:  # noqa: BLE001 - the first error is the one to report
             print(f"gpu_check: stopping the failed stack: {exc}", file=sys.stderr)
         raise
+
+
+def pipeline_means(metrics: str) -> dict:
+    """From a stack's /metrics, means over its life: each stage's milliseconds a request
+    (tokenize, queue, inference, transfer, total), and texts and forward milliseconds a pass."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    totals: dict[tuple[str, str], float] = {}
+    for family in text_string_to_metric_families(metrics):
+        for sample in family.samples:
+            base, _, kind = sample.name.rpartition("_")
+            if kind in ("sum", "count"):
+                key = (f"{base}:{sample.labels.get('stage', '')}", kind)
+                totals[key] = totals.get(key, 0.0) + sample.value
+    names = {"shmserve_batch_texts:": ("texts_per_pass", 1),
+             "shmserve_batch_forward_seconds:": ("forward_ms_per_pass", 1000)}
+    means = {}
+    for (name, kind), value in totals.items():
+        count = totals.get((name, "count"))
+        if kind != "sum" or not count:
+            continue
+        if name.startswith("shmserve_stage_duration_seconds:"):
+            means[f"{name.split(':')[1]}_ms"] = round(value / count * 1000, 2)
+        elif name in names:
+            label, scale = names[name]
+            means[label] = round(value / count * scale, 2)
+    return means
 
 
 def _profile(module: str, keep: Path, seconds: int) -> subprocess.Popen:
@@ -302,7 +331,8 @@ def main() -> int:
                          "served_texts_per_s": end_to_end.get("texts_per_s"),
                          "served_p50_ms": end_to_end.get("p50_ms"),
                          "served_p99_ms": end_to_end.get("p99_ms"),
-                         "failures": end_to_end.get("failures")})
+                         "failures": end_to_end.get("failures"),
+                         "means": end_to_end.get("means")})
     report["throughput"] = rows
     path = args.out / f"gpu-{time.strftime('%Y%m%d-%H%M%S')}{suffix}.json"
     path.write_text(json.dumps(report, indent=2))
