@@ -98,13 +98,10 @@ def wait_time(queue: Sequence[Text], now: float, limits: Limits) -> float:
 
 def form_batch(queue: Sequence[T], limits: Limits,
                fair_turn: bool = False) -> tuple[Batch[T], list[T]]:
-    """Split a non-empty queue (arrival order) into the next batch and the rest (arrival order)."""
-    anchor = queue[anchor_index(queue, fair_turn)]
-    same = _same_model_by_length(queue, anchor.model)
-    lengths = list(map(_length, same))
-    lo, hi = _grow(same, lengths, anchor, limits)
-    chosen = same[lo:hi + 1]
-    return Batch(chosen, lengths[hi]), _without(queue, set(map(id, chosen)))
+    """Split a non-empty queue (arrival order) into the next batch and the rest (arrival order):
+    a pass that merges nothing."""
+    (batch,), rest = form_pass(queue, limits, fair_turn)
+    return batch, rest
 
 
 def form_pass(queue: Sequence[T], limits: Limits, fair_turn: bool = False,

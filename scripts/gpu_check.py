@@ -159,28 +159,20 @@ def served(source: str, model_root: str, dtype: str, seconds: int, dry_run: bool
 def pipeline_means(metrics: str) -> dict:
     """From a stack's /metrics, means over its life: each stage's milliseconds a request
     (tokenize, queue, inference, transfer, total), and texts and forward milliseconds a pass."""
-    from prometheus_client.parser import text_string_to_metric_families
+    from shmserve.status import Sample, parse_metrics
 
-    totals: dict[tuple[str, str], float] = {}
-    for family in text_string_to_metric_families(metrics):
-        for sample in family.samples:
-            base, _, kind = sample.name.rpartition("_")
-            if kind in ("sum", "count"):
-                key = (f"{base}:{sample.labels.get('stage', '')}", kind)
-                totals[key] = totals.get(key, 0.0) + sample.value
-    names = {"shmserve_batch_texts:": ("texts_per_pass", 1),
-             "shmserve_batch_forward_seconds:": ("forward_ms_per_pass", 1000)}
-    means = {}
-    for (name, kind), value in totals.items():
-        count = totals.get((name, "count"))
-        if kind != "sum" or not count:
-            continue
-        if name.startswith("shmserve_stage_duration_seconds:"):
-            means[f"{name.split(':')[1]}_ms"] = round(value / count * 1000, 2)
-        elif name in names:
-            label, scale = names[name]
-            means[label] = round(value / count * scale, 2)
-    return means
+    sample = Sample(0.0, [], None, {}, parse_metrics(metrics))
+
+    def mean(name: str, scale: float, **labels: str) -> float | None:
+        total = sample.total(f"{name}_sum", **labels)
+        count = sample.total(f"{name}_count", **labels)
+        return round(total / count * scale, 2) if total is not None and count else None
+
+    means = {f"{stage}_ms": mean("shmserve_stage_duration_seconds", 1000, stage=stage)
+             for stage in ("tokenize", "queue", "inference", "transfer", "total")}
+    means["texts_per_pass"] = mean("shmserve_batch_texts", 1)
+    means["forward_ms_per_pass"] = mean("shmserve_batch_forward_seconds", 1000)
+    return {key: value for key, value in means.items() if value is not None}
 
 
 def _profile(module: str, keep: Path, seconds: int) -> subprocess.Popen:
