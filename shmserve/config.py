@@ -71,6 +71,9 @@ class FrontendConfig:
 @dataclass(frozen=True, slots=True)
 class WorkerConfig:
     devices: str | list[int] = "auto"  # auto | cpu | [0, 1, 3]
+    # Worker processes per GPU (Triton's instance count): where the host's work per pass bounds
+    # a worker, a second one on the same GPU launches while the first copies and replies.
+    per_gpu: int = 1
     # CPU workers when no GPU is used, and intra-op threads per CPU worker. auto (both):
     # one worker per usable core up to 8, the cores shared out as threads (`cpu_layout`).
     cpu_workers: int | str = "auto"
@@ -214,6 +217,7 @@ _CHECKS: dict[str, Check] = {
     "workers.low_priority_queue_share": (lambda v: 0 < v <= 1, "a number in (0, 1]"),
     "workers.devices": (lambda v: v in ("auto", "cpu") or (isinstance(v, list) and v
                         and all(d >= 0 for d in v)), "auto, cpu or a list of GPU indices"),
+    "workers.per_gpu": (lambda v: 1 <= v <= 16, "an integer from 1 to 16"),
     "workers.cpu_workers": (lambda v: v == "auto" or (isinstance(v, int) and 1 <= v <= 64),
                             "auto or an integer from 1 to 64"),
     "workers.torch_threads": (lambda v: v == "auto" or (isinstance(v, int) and v >= 1),

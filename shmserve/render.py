@@ -99,13 +99,14 @@ def render(cfg: Config) -> None:
 
 
 def resolved(cfg: Config) -> Config:
-    """The config with an absolute run_dir and the worker devices decided (no more "auto")."""
+    """The config with an absolute run_dir and the worker devices decided: no more "auto", and
+    one list entry per worker (per_gpu folded in)."""
     devices = topology.worker_devices(cfg)
     chosen: str | list[int] = (topology.CPU if topology.CPU in devices
                                else [int(d) for d in devices])
     return dataclasses.replace(
         cfg, server=dataclasses.replace(cfg.server, run_dir=str(cfg.run_dir)),
-        workers=dataclasses.replace(cfg.workers, devices=chosen))
+        workers=dataclasses.replace(cfg.workers, devices=chosen, per_gpu=1))
 
 
 def nginx_binary(cfg: Config) -> str:

@@ -35,14 +35,16 @@ def visible_gpus() -> list[int]:
 
 
 def worker_devices(cfg: Config) -> list[str]:
-    """One entry per worker process: a GPU index as a string (its CUDA_VISIBLE_DEVICES) or cpu."""
+    """One entry per worker process: a GPU index as a string (its CUDA_VISIBLE_DEVICES) or cpu.
+    Each GPU gets `workers.per_gpu` workers, numbered one GPU after the other."""
     devices = cfg.workers.devices
     if devices == "auto":
-        gpus = visible_gpus()
-        return [str(g) for g in gpus] if gpus else [CPU] * cfg.workers.cpu_workers
+        devices = visible_gpus()
+        if not devices:
+            return [CPU] * cfg.workers.cpu_workers
     if devices == CPU:
         return [CPU] * cfg.workers.cpu_workers
-    return [str(d) for d in devices]
+    return [str(d) for d in devices for _ in range(cfg.workers.per_gpu)]
 
 
 def socket_dir(cfg: Config) -> Path:

@@ -51,6 +51,7 @@ def test_deep_merge_keeps_siblings():
     ("SHMSERVE__WORKERS__EMPTY_CACHE_THRESHOLD", "1.5", "workers.empty_cache_threshold"),
     ("SHMSERVE__LOGGING__BATCH_LOG", "sometimes", "logging.batch_log"),
     ("SHMSERVE__WORKERS__SWITCH_INTERVAL_MS", "0", "workers.switch_interval_ms"),
+    ("SHMSERVE__WORKERS__PER_GPU", "0", "workers.per_gpu"),
 ])
 def test_bad_values_name_the_key(name, value, key):
     with pytest.raises(ConfigError, match=key.replace("[", r"\[").replace("]", r"\]")):

@@ -64,6 +64,20 @@ def test_gpu_devices_get_one_worker_each(tmp_path):
     assert resolved.workers.devices == [0, 1]
 
 
+def test_per_gpu_runs_that_many_workers_on_each_gpu(tmp_path, monkeypatch):
+    monkeypatch.setattr(topology, "visible_gpus", lambda: [0, 1])
+    cfg = make_config(tmp_path / "run", workers={"devices": "auto", "per_gpu": 2})
+    render.render(cfg)
+    workers = {name: p for name, (group, p) in programs(cfg).items() if group == "workers"}
+    devices = [workers[f"worker-{i}"].environment["CUDA_VISIBLE_DEVICES"] for i in range(4)]
+    assert sorted(workers) == [f"worker-{i}" for i in range(4)]
+    assert devices == ["0", "0", "1", "1"]
+    # Every process reads the resolved file: it must name the same four workers, not eight.
+    resolved = config.load_resolved(topology.resolved_config_path(cfg))
+    assert resolved.workers.devices == [0, 0, 1, 1] and resolved.workers.per_gpu == 1
+    assert topology.worker_devices(resolved) == devices
+
+
 def test_cpu_serving_gets_cpu_workers_without_a_gpu(tmp_path):
     cfg = make_config(tmp_path / "run", workers={"devices": "cpu", "cpu_workers": 3,
                                                  "torch_threads": 1})
