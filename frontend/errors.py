@@ -27,6 +27,7 @@ STATUS: dict[str, int] = {
     "internal_error": 500,
     "unavailable": 503,
     "timeout": 504,
+    "insufficient_memory": 507,  # as TorchServe answers a device out of memory
 }
 
 _FROM_WORKER: dict[ErrorCode, str] = {
@@ -37,6 +38,7 @@ _FROM_WORKER: dict[ErrorCode, str] = {
     ErrorCode.ABORTED: "timeout",
     ErrorCode.UNAVAILABLE: "unavailable",
     ErrorCode.INTERNAL: "internal_error",
+    ErrorCode.OUT_OF_MEMORY: "insufficient_memory",
 }
 
 

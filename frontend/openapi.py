@@ -68,7 +68,7 @@ def _errors(*statuses: int) -> dict[str, dict]:
             for s in statuses}
 
 
-_POST_ERRORS = (400, 404, 413, 415, 422, 429, 503, 504)
+_POST_ERRORS = (400, 404, 413, 415, 422, 429, 503, 504, 507)
 
 
 def _ok(schema: dict, description: str = "OK", **more: Any) -> dict:

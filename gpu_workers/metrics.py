@@ -43,16 +43,22 @@ DEVICE_RESERVED = Gauge("shmserve_worker_device_reserved_bytes",
 DEVICE_PEAK = Gauge("shmserve_worker_device_peak_allocated_bytes",
                     "Most device memory held by tensors since the worker started", ["worker"],
                     multiprocess_mode="livemostrecent")
+DEVICE_FREE = Gauge("shmserve_worker_device_free_bytes",
+                    "The device's free memory as the driver reports it (every process on it)",
+                    ["worker"], multiprocess_mode="livemostrecent")
 FRAGMENTATION = Gauge("shmserve_worker_device_fragmentation_ratio",
-                      "(reserved - allocated) / reserved device memory at the last check",
+                      "Share of reserved device memory in free pieces of segments that also "
+                      "hold live tensors (inactive split bytes / reserved), at the last check",
                       ["worker"], multiprocess_mode="livemostrecent")
 EMPTY_CACHE = Counter("shmserve_worker_empty_cache_total",
-                      "torch.cuda.empty_cache() calls made because fragmentation passed "
-                      "workers.empty_cache_threshold", ["worker"])
+                      "torch.cuda.empty_cache() calls, by reason: pressure (the device's free "
+                      "memory under workers.empty_cache_free_below), idle, oom (before a retry)",
+                      ["worker", "reason"])
+EMPTY_CACHE_REASONS = ("pressure", "idle", "oom")
 
 # Written only by workers on a GPU: a CPU deployment does not expose them.
 DEVICE_ONLY = ("shmserve_worker_device_allocated_bytes", "shmserve_worker_device_reserved_bytes",
-               "shmserve_worker_device_peak_allocated_bytes",
+               "shmserve_worker_device_peak_allocated_bytes", "shmserve_worker_device_free_bytes",
                "shmserve_worker_device_fragmentation_ratio")
 
 
@@ -64,7 +70,8 @@ class WorkerMetrics:
         self._batch: dict[str, tuple] = {}
         self._queue = QUEUE_DEPTH.labels(self.worker)
         self._ready = READY.labels(self.worker)
-        self.empty_cache = EMPTY_CACHE.labels(self.worker)  # exposed at 0 from the start
+        # Exposed at 0 from the start.
+        self._empty_cache = {r: EMPTY_CACHE.labels(self.worker, r) for r in EMPTY_CACHE_REASONS}
 
     def set_ready(self, ready: bool) -> None:
         self._ready.set(1 if ready else 0)
@@ -100,9 +107,13 @@ class WorkerMetrics:
         padded_c.inc(padded_tokens)
         forward_h.observe(forward_s)
 
-    def device_memory(self, allocated: int, reserved: int, peak: int,
-                      fragmentation: float) -> None:
-        DEVICE_ALLOCATED.labels(self.worker).set(allocated)
-        DEVICE_RESERVED.labels(self.worker).set(reserved)
-        DEVICE_PEAK.labels(self.worker).set(peak)
-        FRAGMENTATION.labels(self.worker).set(fragmentation)
+    def emptied(self, reason: str) -> None:
+        self._empty_cache[reason].inc()
+
+    def device_memory(self, reading) -> None:
+        """A gpu_workers.memory.Reading."""
+        DEVICE_ALLOCATED.labels(self.worker).set(reading.allocated)
+        DEVICE_RESERVED.labels(self.worker).set(reading.reserved)
+        DEVICE_PEAK.labels(self.worker).set(reading.peak)
+        DEVICE_FREE.labels(self.worker).set(reading.free)
+        FRAGMENTATION.labels(self.worker).set(reading.fragmentation)

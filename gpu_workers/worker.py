@@ -26,7 +26,8 @@ import numpy as np
 import zmq
 
 from gpu_workers.batcher import Batch, Limits, form_pass, wait_time
-from gpu_workers.memory import MemoryCare, TorchAllocator
+from gpu_workers.memory import (MemoryCare, Policy, TorchAllocator, forward_in_halves,
+                                out_of_memory)
 from gpu_workers.metrics import WorkerMetrics
 from gpu_workers.slots import Built, Slot, Slots, hosted_configs
 from gpu_workers.sockets import REPLIES, SocketThread
@@ -179,13 +180,21 @@ class Worker:
         self._infos = self.slots.infos()
         self.memory = MemoryCare(TorchAllocator(self.device), self.metrics,
                                  w.memory_check_batches, w.heartbeat_interval_s,
-                                 w.empty_cache_threshold)
+                                 Policy.of(w))
 
     def _load_model(self, spec: ModelSpec) -> tuple[ModelSpec, Any]:
         from gpu_workers.model import load_model, warm_up
 
         model = load_model(spec, self.device)
-        warm_up(model, self.limits.max_batch_size, self.limits.max_batch_tokens)
+        try:
+            warm_up(model, self.limits.max_batch_size, self.limits.max_batch_tokens)
+        except Exception as exc:
+            if not out_of_memory(exc):
+                raise
+            raise MemoryError(
+                f"{spec.name}: the largest pass the batching limits allow ran out of device "
+                f"memory in warm-up (max_batch_size {self.limits.max_batch_size}, "
+                f"max_batch_tokens {self.limits.max_batch_tokens}); lower them: {exc}") from exc
         return model.spec, model
 
     def _build(self, config: ModelConfig, active: ModelSpec) -> tuple[ModelSpec, Any]:
@@ -332,7 +341,7 @@ class Worker:
             if not text.request.started:
                 text.request.started = began
         try:
-            out = slot.model.forward_groups(groups)
+            out, ok = forward_in_halves(slot.model.forward_groups, groups, self.memory.after_oom)
         except Exception as exc:  # noqa: BLE001 - one bad batch fails its requests, not the worker
             failed = {id(t.request): t.request for t in texts}.values()
             log.exception("forward failed", extra={"fields": {
@@ -348,6 +357,15 @@ class Worker:
         for j, text in enumerate(texts):
             request = text.request
             if request.done:
+                continue
+            if not ok[j]:
+                log.warning("forward.out_of_memory", extra={"fields": {
+                    "request_id": request.msg.request_id, "tokens": text.length}})
+                self._finish(request, Error(
+                    request.msg.seq, ErrorCode.OUT_OF_MEMORY,
+                    f"the device ran out of memory running a text of {text.length} tokens "
+                    "on its own"))
+                touched.pop(id(request), None)
                 continue
             request.out[text.index] = out[j]
             request.remaining -= 1

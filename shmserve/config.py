@@ -91,7 +91,10 @@ class WorkerConfig:
     switch_interval_ms: float = 0.5
     ready_timeout_s: float = 300.0
     memory_check_batches: int = 100  # device memory is read every N batches (and when idle)
-    empty_cache_threshold: float = 0.3  # fragmentation above it: torch.cuda.empty_cache()
+    # torch.cuda.empty_cache() only when it helps (gpu_workers.memory): the device's free share
+    # under this at a check, or no pass for this long (0: never)
+    empty_cache_free_below: float = 0.05
+    empty_cache_idle_s: float = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,7 +229,8 @@ _CHECKS: dict[str, Check] = {
     "workers.heartbeat_interval_s": (lambda v: v > 0, "a number > 0"),
     "workers.heartbeat_timeout_s": (lambda v: v > 0, "a number > 0"),
     "workers.memory_check_batches": (lambda v: v >= 1, "an integer >= 1"),
-    "workers.empty_cache_threshold": (lambda v: 0 <= v <= 1, "a number from 0 to 1 (1: never)"),
+    "workers.empty_cache_free_below": (lambda v: 0 <= v <= 1, "a number from 0 to 1 (0: never)"),
+    "workers.empty_cache_idle_s": (lambda v: v >= 0, "a number >= 0 (0: never)"),
     "workers.switch_interval_ms": (lambda v: 0.01 <= v <= 100, "a number from 0.01 to 100"),
     "batching.max_batch_size": (lambda v: v >= 1, "an integer >= 1"),
     "batching.max_batch_tokens": (lambda v: v >= 1, "an integer >= 1"),

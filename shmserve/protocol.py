@@ -23,7 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import IntEnum
 
-PROTOCOL_VERSION = 3  # 3: a worker sends a batch's replies to a frontend as one message
+PROTOCOL_VERSION = 4  # 3: a worker sends a batch's replies to a frontend as one message;
+# 4: ErrorCode.OUT_OF_MEMORY
 
 
 class Kind(IntEnum):
@@ -50,6 +51,7 @@ class ErrorCode(IntEnum):
     ABORTED = 5
     UNAVAILABLE = 6  # loading or draining: try another worker
     INTERNAL = 7
+    OUT_OF_MEMORY = 8  # one text alone was too large for the device's free memory
 
 
 class ReloadStatus(IntEnum):

@@ -197,3 +197,85 @@ def test_a_killed_worker_is_unroutable_at_once_and_a_drained_one_answers(cfg):
             await pool.close()
 
     run(scenario, worker, arena)
+
+
+# A worker whose device holds at most 20 padded tokens a pass once warmed up: the real worker
+# process, its model's forward patched to fail the way torch does on a GPU.
+SMALL_DEVICE = """
+import os, runpy, sys, torch
+from gpu_workers import model
+
+real_forward, real_warm_up = model.Model.forward_groups, model.warm_up
+warming = False
+
+def forward_groups(self, groups):
+    padded = sum(ids.shape[0] * ids.shape[1] for ids, _, _ in groups)
+    if padded > 20 and not (warming and os.environ.get("WARM_UP_FITS") == "1"):
+        raise torch.OutOfMemoryError(f"CUDA out of memory: {padded} tokens (test)")
+    return real_forward(self, groups)
+
+def warm_up(*args):
+    global warming
+    warming = True
+    real_warm_up(*args)
+    warming = False
+
+model.Model.forward_groups, model.warm_up = forward_groups, warm_up
+sys.argv = ["gpu_workers", *sys.argv[1:]]
+runpy.run_module("gpu_workers", run_name="__main__")
+"""
+
+
+def start_small_device_worker(cfg, warm_up_fits: bool) -> subprocess.Popen:
+    with (cfg.run_dir / "worker.log").open("ab") as log:
+        return subprocess.Popen(
+            [sys.executable, "-c", SMALL_DEVICE, "--config", str(cfg.run_dir / "config.json"),
+             "--index", "0"], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+            env={**os.environ, "OMP_NUM_THREADS": "1", "WARM_UP_FITS": str(int(warm_up_fits))})
+
+
+def test_limits_too_large_for_the_device_stop_the_worker_with_a_clear_error(cfg):
+    worker = start_small_device_worker(cfg, warm_up_fits=False)
+    try:
+        assert worker.wait(60) != 0
+    finally:
+        worker.kill()
+    logged = (cfg.run_dir / "worker.log").read_text()
+    assert "ran out of device memory in warm-up (max_batch_size" in logged
+    assert "lower them" in logged
+
+
+def test_a_pass_out_of_memory_is_retried_in_halves_and_only_a_text_too_large_fails(cfg):
+    worker = start_small_device_worker(cfg, warm_up_fits=True)
+    arena = shm.Arena(shm.arena_name(topology.instance_id(cfg), "fe0"), 1 << 22)
+
+    async def scenario():
+        pool = await ready_pool(cfg)
+        dispatcher = Dispatcher(cfg, pool, arena)
+        try:
+            deadline = time.time() + 20
+            one = await dispatcher.run("tiny", 32, encoded(1, 5), "one", deadline)
+            # 8 texts of 5 tokens: 40 padded tokens do not fit; halves of 4 (20) do.
+            many = await dispatcher.run("tiny", 32, encoded(8, 5), "many", deadline)
+            assert many.vectors.shape == (8, 32)
+            np.testing.assert_allclose(many.vectors, np.repeat(one.vectors, 8, axis=0),
+                                       atol=1e-5)
+            # A text of 30 tokens cannot run even alone; the request beside it, in the same
+            # pass, is answered.
+            big, small = await asyncio.gather(
+                dispatcher.run("tiny", 32, encoded(1, 30), "big", deadline),
+                dispatcher.run("tiny", 32, encoded(3, 5), "small", deadline),
+                return_exceptions=True)
+            assert isinstance(big, ApiError) and big.status == 507, big
+            assert "out of memory" in big.message and "30 tokens" in big.message
+            np.testing.assert_allclose(small.vectors, np.repeat(one.vectors, 3, axis=0),
+                                       atol=1e-5)
+            assert worker.poll() is None  # the worker lives on and serves
+            again = await dispatcher.run("tiny", 32, encoded(2, 5), "again", deadline)
+            assert again.vectors.shape == (2, 32)
+        finally:
+            await pool.close()
+
+    run(scenario, worker, arena)
+    logged = (cfg.run_dir / "worker.log").read_text()
+    assert '"forward.out_of_memory"' in logged or "forward.out_of_memory" in logged

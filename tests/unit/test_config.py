@@ -48,7 +48,8 @@ def test_deep_merge_keeps_siblings():
     ("SHMSERVE__MODELS__3__DTYPE", "fp32", "SHMSERVE__MODELS__3__DTYPE"),
     ("SHMSERVE__LIMITS__TRUNCATE", "maybe", "limits.truncate"),
     ("SHMSERVE__WORKERS__MEMORY_CHECK_BATCHES", "0", "workers.memory_check_batches"),
-    ("SHMSERVE__WORKERS__EMPTY_CACHE_THRESHOLD", "1.5", "workers.empty_cache_threshold"),
+    ("SHMSERVE__WORKERS__EMPTY_CACHE_FREE_BELOW", "1.5", "workers.empty_cache_free_below"),
+    ("SHMSERVE__WORKERS__EMPTY_CACHE_IDLE_S", "-1", "workers.empty_cache_idle_s"),
     ("SHMSERVE__LOGGING__BATCH_LOG", "sometimes", "logging.batch_log"),
     ("SHMSERVE__WORKERS__SWITCH_INTERVAL_MS", "0", "workers.switch_interval_ms"),
     ("SHMSERVE__WORKERS__PER_GPU", "0", "workers.per_gpu"),
@@ -83,7 +84,7 @@ def test_observability_defaults():
     cfg = config.load(environ={})
     assert cfg.workers.cuda_alloc_conf == "expandable_segments:True"
     assert cfg.workers.memory_check_batches == 100
-    assert cfg.workers.empty_cache_threshold == 0.3
+    assert cfg.workers.empty_cache_free_below == 0.05 and cfg.workers.empty_cache_idle_s == 30
     assert cfg.logging.batch_log is True and cfg.logging.log_inputs is False
 
 

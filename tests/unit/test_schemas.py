@@ -56,6 +56,7 @@ def test_every_worker_error_code_maps_to_a_status():
         assert err.status in STATUS.values()
     assert ApiError.from_worker(ErrorCode.OVERLOADED, "m").headers() == {"Retry-After": "1"}
     assert ApiError.from_worker(ErrorCode.DEADLINE, "m").status == 504
+    assert ApiError.from_worker(ErrorCode.OUT_OF_MEMORY, "m").status == 507
 
 
 def test_error_body_shape():
