@@ -26,6 +26,7 @@ from transformers import AutoConfig
 from transformers.utils import logging as hf_logging
 
 from gpu_workers import packed, parity, tasks
+from gpu_workers.graphs import Graphs
 from shmserve.models import ModelSourceError, ModelSpec, weights_file
 
 log = logging.getLogger("shmserve.worker")
@@ -38,14 +39,16 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
 
 class Model:
     def __init__(self, spec: ModelSpec, device: torch.device, pack: bool = True,
-                 bucket: bool | None = None) -> None:
+                 bucket: bool | None = None, graphs: int = 0) -> None:
         """`pack=False` keeps the network's own forward, one length group at a time (for
         measuring what the packed pass gains: scripts/packed_ab.py). `bucket` (default: on a
         CPU) rounds the shapes the linear layers see to a few sizes, as oneDNN compiles a
         kernel for every new one: the packed pass's token count (packed.rows_for) always, and
         a group's texts and length in the network's own forward (`_bucketed`) in bf16 and fp16
         only, where oneDNN's compiled kernels run (in fp32 and int8 the padding cost 8% and 6%
-        in-process: docs/performance.md)."""
+        in-process: docs/performance.md). `graphs` > 0: run each length group through a CUDA
+        graph of its padded shape, up to that many shapes (gpu_workers.graphs; a model that
+        packs only; without a GPU the same path runs eagerly, for the tests)."""
         weights_file(spec.directory)  # refuses a pickle-only directory with a clear message
         dtype = resolve_dtype(spec.dtype, device)
         guarded = spec.dtype == "auto" and dtype != "fp32"  # kept only if it agrees with fp32
@@ -75,6 +78,7 @@ class Model:
         # A model with BERT's layers runs several length groups in one pass
         # (gpu_workers.packed); int8's quantized linears keep the network's own forward.
         self._packs = pack and dtype != "int8" and packed.supports(net)
+        self.max_graphs = graphs if self._packs else 0
         self._use(net.to(device))
         self.agreement: float | None = None  # with fp32 on the probe, when dtype auto chose
         if guarded:
@@ -87,6 +91,8 @@ class Model:
         self.round_groups = self.bucket and half
         self.packed = (packed.PackedEncoder(net, bucket=self.bucket)
                        if self._packs else None)
+        self.graphs = (Graphs(self._graph_rows, self.device, self.pad_id, self.max_tokens,
+                              self.max_graphs) if self.max_graphs else None)
 
     def _choose(self, spec: ModelSpec, dtype: str) -> str:
         """dtype auto: run the probe in fp32 and in `dtype`; keep whichever the agreement
@@ -133,6 +139,8 @@ class Model:
                        ) -> np.ndarray:
         """Several (ids, lengths, segments) groups, as `forward` takes one; their rows, in
         order. One pass where the network packs (gpu_workers.packed), else one per group."""
+        if self.graphs is not None:
+            return torch.cat([self.graphs.run(*group) for group in groups]).cpu().numpy()
         inputs = [self._inputs(*group) for group in groups]
         if self.packed is not None:
             outputs = self.packed([
@@ -173,14 +181,29 @@ class Model:
     def _inputs(self, ids: np.ndarray, lengths: np.ndarray, segments: np.ndarray | None):
         input_ids = torch.from_numpy(ids).to(self.device, non_blocking=True)
         lens = torch.from_numpy(lengths.astype(np.int64)).to(self.device, non_blocking=True)
-        positions = torch.arange(input_ids.shape[1], device=self.device)
+        first = (None if segments is None else
+                 torch.from_numpy(segments.astype(np.int64)).to(self.device))
+        return self._masked(input_ids, lens, first)
+
+    def _masked(self, ids: torch.Tensor, lens: torch.Tensor, first: torch.Tensor | None):
+        """On the device: ids with padding set to the pad id, the mask, the lengths, and the
+        token types of pairs (None: one segment)."""
+        positions = torch.arange(ids.shape[1], device=self.device)
         mask = positions[None, :] < lens[:, None]
-        input_ids = input_ids.masked_fill(~mask, self.pad_id)
+        ids = ids.masked_fill(~mask, self.pad_id)
         types = None
-        if segments is not None and self.token_types:
-            first = torch.from_numpy(segments.astype(np.int64)).to(self.device)
+        if first is not None and self.token_types:
             types = ((positions[None, :] >= first[:, None]) & mask).long()
-        return input_ids, mask, lens, types
+        return ids, mask, lens, types
+
+    def _graph_rows(self, inputs: torch.Tensor, cols: int, pairs: bool) -> torch.Tensor:
+        """What one CUDA graph records (gpu_workers.graphs): a padded group through the packed
+        encoder, every position taken as a row (a static shape), and the head."""
+        ids, mask, lens, types = self._masked(inputs[:, :cols], inputs[:, cols],
+                                              inputs[:, cols + 1] if pairs else None)
+        index = torch.arange(ids.numel(), device=self.device)
+        out, = self.packed([packed.Group(ids, mask, types, index)])
+        return self.head(out, mask, lens)
 
 
 def warm_up(model: Model, max_batch_size: int, max_batch_tokens: int) -> None:
@@ -252,8 +275,9 @@ class NullModel:
         return np.zeros((sum(g[0].shape[0] for g in groups), self.spec.dim), np.float32)
 
 
-def load_model(spec: ModelSpec, device: torch.device) -> Model | NullModel:
-    return NullModel(spec, device) if spec.task == "null" else Model(spec, device)
+def load_model(spec: ModelSpec, device: torch.device, graphs: int = 0) -> Model | NullModel:
+    """`graphs`: the most CUDA graph shapes a model records (0: none; Model)."""
+    return NullModel(spec, device) if spec.task == "null" else Model(spec, device, graphs=graphs)
 
 
 def configure_cuda(cudnn_attention: bool) -> None:

@@ -185,7 +185,8 @@ class Worker:
     def _load_model(self, spec: ModelSpec) -> tuple[ModelSpec, Any]:
         from gpu_workers.model import load_model, warm_up
 
-        model = load_model(spec, self.device)
+        graphs = self.cfg.workers.cuda_graphs if self.device.type == "cuda" else 0
+        model = load_model(spec, self.device, graphs)
         try:
             warm_up(model, self.limits.max_batch_size, self.limits.max_batch_tokens)
         except Exception as exc:

@@ -170,11 +170,11 @@ class InProcess:
     server's first model, dtype, threads and batching, on the CPU."""
 
     def __init__(self, spec, device, limits, corpus: list[str], offset: int = 0,
-                 pack: bool = True, bucket: bool | None = None) -> None:
+                 pack: bool = True, bucket: bool | None = None, graphs: int = 0) -> None:
         from frontend.tokenizer import TextEncoder
         from gpu_workers.model import Model
 
-        self.model = Model(spec, device, pack, bucket)
+        self.model = Model(spec, device, pack, bucket, graphs)
         enc = TextEncoder(spec, truncate=True).encode(corpus)
         self.texts = [_Text(int(b - a), enc.ids[a:b])
                       for a, b in zip(enc.offsets[:-1], enc.offsets[1:])]

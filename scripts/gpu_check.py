@@ -74,7 +74,9 @@ def encode_all(model, encoder, texts: list[str], batch: int) -> np.ndarray:
     return np.concatenate(out)
 
 
-def parity(device, texts: list[str]) -> dict:
+def parity(device, texts: list[str], graphs: int = 0) -> dict:
+    """Lowest cosine to CPU fp32 per dtype; `graphs`: through CUDA graphs (workers.cuda_graphs),
+    as the served stacks will run."""
     import torch
 
     from frontend.tokenizer import TextEncoder
@@ -86,7 +88,8 @@ def parity(device, texts: list[str]) -> dict:
     want = encode_all(Model(cpu_spec, torch.device("cpu")), encoder, texts, 32)
     result = {}
     for dtype in ("fp32", "bf16", "fp16"):
-        got = encode_all(Model(spec_for(source, dtype), device), encoder, texts, 32)
+        model = Model(spec_for(source, dtype), device, graphs=graphs)
+        got = encode_all(model, encoder, texts, 32)
         cos = (got * want).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
         result[dtype] = float(cos.min())
     return result
@@ -103,7 +106,8 @@ def ceiling(device, source: str, dtype: str, texts: list[str], seconds: float,
               **extra.get("batching", {})}
     limits = Limits(policy["max_batch_size"], policy["max_batch_tokens"],
                     policy["max_wait_ms"] / 1000, policy["max_pad_ratio"])
-    return InProcess(spec_for(source, dtype), device, limits, texts).window(
+    graphs = extra.get("workers", {}).get("cuda_graphs", 0)
+    return InProcess(spec_for(source, dtype), device, limits, texts, graphs=graphs).window(
         seconds, 1024)["texts_per_s"]
 
 
@@ -295,7 +299,8 @@ def main() -> int:
             report["attention_first_shape"] = stage(report, "attention", attention_shapes,
                                                     device)
     report["parity_min_cosine"] = (stage(report, "parity", parity, device,
-                                         texts[:64] if args.dry_run else texts[:512]) or {}
+                                         texts[:64] if args.dry_run else texts[:512],
+                                         extra.get("workers", {}).get("cuda_graphs", 0)) or {}
                                    if "parity" in stages else {})
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -86,6 +86,8 @@ class WorkerConfig:
     # cuDNN's attention kernels on a GPU: off, as every new (texts, length) shape costs a plan
     # (see gpu_workers.model.configure_cuda)
     cudnn_attention: bool = False
+    # CUDA graph shapes a GPU worker records per model (gpu_workers.graphs); 0: no graphs
+    cuda_graphs: int = 0
     # How long a worker's model thread may hold the GIL while its socket thread waits, and
     # back (sys.setswitchinterval; Python's default is 5 ms; docs/performance.md)
     switch_interval_ms: float = 0.5
@@ -220,6 +222,7 @@ _CHECKS: dict[str, Check] = {
     "workers.low_priority_queue_share": (lambda v: 0 < v <= 1, "a number in (0, 1]"),
     "workers.devices": (lambda v: v in ("auto", "cpu") or (isinstance(v, list) and v
                         and all(d >= 0 for d in v)), "auto, cpu or a list of GPU indices"),
+    "workers.cuda_graphs": (lambda v: 0 <= v <= 4096, "an integer from 0 to 4096"),
     "workers.per_gpu": (lambda v: 1 <= v <= 16, "an integer from 1 to 16"),
     "workers.cpu_workers": (lambda v: v == "auto" or (isinstance(v, int) and 1 <= v <= 64),
                             "auto or an integer from 1 to 64"),

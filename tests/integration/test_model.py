@@ -286,3 +286,37 @@ def test_the_networks_own_forward_on_a_cpu_sees_few_shapes_and_the_same_results(
     # (texts, length): texts exact to 8 then 10, 12, 14, 16, ...; lengths to a multiple of 16
     # within the model's 64-token limit
     assert seen == [(1, 16), (3, 32), (10, 32), (14, 64), (2, 64)]
+
+
+@pytest.mark.parametrize("key,task", [("emb", "embedding"), ("clf", "classification"),
+                                      ("ce", "rerank")])
+def test_the_graph_path_pads_each_group_to_a_few_shapes_and_changes_no_result(models, key,
+                                                                              task):
+    """workers.cuda_graphs: each group runs padded to a recorded shape through static buffers
+    (gpu_workers.graphs). No GPU here, so no graph is recorded: the same buffers and padding
+    run eagerly, which is what must give the plain pass's results. Two groups of one shape in
+    one pass must not share rows, and shapes past the limit run without a buffer of their own."""
+    rng = np.random.default_rng(17)
+    groups = []
+    for rows, width in ((3, 5), (3, 6), (1, 40), (9, 64), (2, 1), (5, 33)):  # (3,5), (3,6): one
+        lengths = rng.integers(1, width + 1, rows)                           # shape (3, 16)
+        lengths[0] = width
+        segments = (lengths // 2).astype(np.int64) if task == "rerank" else None
+        groups.append((rng.integers(1000, 1100, (rows, width)), lengths, segments))
+    plain = Model(spec(models[key], task), torch.device("cpu"))
+    graphed = Model(spec(models[key], task), torch.device("cpu"), graphs=4)
+    assert graphed.graphs is not None and not graphed.graphs.capture
+    want = plain.forward_groups(groups)
+    for _ in range(2):  # the second time every kept shape is reused
+        np.testing.assert_allclose(graphed.forward_groups(groups), want, rtol=1e-4, atol=1e-5)
+    shapes = graphed.graphs.entries
+    assert len(shapes) == 4 and (3, 16, task == "rerank") in shapes
+    assert all(key[1] <= 64 and key[1] % 16 == 0 for key in shapes)  # within the model's limit
+    assert graphed.graphs.overflow == 2 * (5 - 4)  # five shapes, four kept
+
+
+def test_graphs_only_for_models_that_pack(models):
+    assert Model(spec(models["emb"], "embedding"), torch.device("cpu"), pack=False,
+                 graphs=8).graphs is None
+    assert Model(spec(models["emb"], "embedding", "int8"), torch.device("cpu"),
+                 graphs=8).graphs is None
