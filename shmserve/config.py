@@ -3,7 +3,8 @@
 Layers, later wins:
   1. ``configs/base.yaml``
   2. ``configs/<env>.yaml`` where env comes from ``SHMSERVE_ENV`` (default ``dev``)
-  3. an optional extra file (``--config PATH`` or ``SHMSERVE_CONFIG``)
+  3. optional extra files (``--config PATH`` or ``SHMSERVE_CONFIG``; several joined by ``:``,
+     merged in order)
   4. environment variables ``SHMSERVE__SECTION__KEY=value``: the path is the key's path in
      lower case joined by double underscores, a list index is a number
      (``SHMSERVE__MODELS__0__SOURCE=/models/e5``); the value is parsed as a YAML scalar or
@@ -262,8 +263,9 @@ def load(env: str | None = None, extra: str | Path | None = None,
         raise ConfigError(f"SHMSERVE_ENV: no config file {env_file}")
     tree = deep_merge(tree, _read_yaml(env_file))
     extra = extra or environ.get("SHMSERVE_CONFIG")
-    if extra:
-        tree = deep_merge(tree, _read_yaml(Path(extra)))
+    for path in str(extra or "").split(os.pathsep):  # several files: "a.yaml:b.yaml", in order
+        if path:
+            tree = deep_merge(tree, _read_yaml(Path(path)))
     tree = apply_env_overrides(tree, environ)
     return from_tree(tree)
 

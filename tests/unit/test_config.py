@@ -32,6 +32,18 @@ def test_extra_file_then_environment_win(tmp_path):
     assert cfg.models[0].dtype == "bf16"
 
 
+def test_several_extra_files_merge_in_order(tmp_path):
+    first, second = tmp_path / "first.yaml", tmp_path / "second.yaml"
+    first.write_text("batching:\n  max_wait_ms: 7\nfrontends:\n  count: 3\n")
+    second.write_text("frontends:\n  count: 6\n")
+    cfg = config.load(environ={"SHMSERVE_CONFIG": f"{first}:{second}"})
+    assert cfg.batching.max_wait_ms == 7.0 and cfg.frontends.count == 6
+    cfg = config.load(extra=f"{second}:{first}", environ={})
+    assert cfg.frontends.count == 3
+    with pytest.raises(ConfigError, match="missing.yaml"):
+        config.load(environ={"SHMSERVE_CONFIG": f"{first}:{tmp_path / 'missing.yaml'}"})
+
+
 def test_deep_merge_keeps_siblings():
     assert config.deep_merge({"a": {"x": 1, "y": 2}, "b": [1]}, {"a": {"y": 3}, "b": [2]}) == \
         {"a": {"x": 1, "y": 3}, "b": [2]}

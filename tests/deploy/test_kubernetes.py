@@ -1,0 +1,206 @@
+"""deploy/kubernetes and deploy/Dockerfile: the manifests agree with the config the pods would
+load, and the pod's own command, with the pod's own environment, serves and stops as a
+container runtime expects.
+
+No Docker engine nor cluster runs here: the image is not built and nothing is applied. What is
+checked is what can break without either: the manifests as kustomize renders them (kubectl's
+built-in kustomize, where kubectl is installed), and the process the container runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import threading
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from shmserve import config, processes, render, topology
+from shmserve.config import REPO_ROOT
+from tests.stack import free_port
+
+KUBE = REPO_ROOT / "deploy" / "kubernetes"
+MiB = 1 << 20
+
+
+def rendered(overlay: str) -> dict[str, dict]:
+    """`kubectl kustomize` of an overlay: its objects by kind."""
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not installed (its kustomize renders the overlays)")
+    out = subprocess.run([kubectl, "kustomize", str(KUBE / overlay)], capture_output=True,
+                         text=True, check=True).stdout
+    return {doc["kind"]: doc for doc in yaml.safe_load_all(out)}
+
+
+def container(deployment: dict) -> dict:
+    (only,) = deployment["spec"]["template"]["spec"]["containers"]
+    return only
+
+
+def pod_environ(objects: dict[str, dict], tmp_path: Path) -> dict[str, str]:
+    """The container's environment, its paths mapped onto this checkout: /app is the image's
+    copy of the repository, /etc/shmserve the ConfigMap's files."""
+    mounted = tmp_path / "etc-shmserve"
+    mounted.mkdir()
+    for name, text in objects["ConfigMap"]["data"].items():
+        (mounted / name).write_text(text)
+    env = {e["name"]: e["value"] for e in container(objects["Deployment"])["env"]}
+    return {k: v.replace("/app/", f"{REPO_ROOT}/").replace("/etc/shmserve", str(mounted))
+            for k, v in env.items()}
+
+
+def size(quantity: str) -> int:
+    number, unit = re.fullmatch(r"(\d+)(Mi|Gi)", quantity).groups()
+    return int(number) * (MiB if unit == "Mi" else 1 << 30)
+
+
+@pytest.mark.parametrize("overlay", ["cpu", "gpu"])
+def test_manifests_agree_with_the_config_the_pods_load(overlay, tmp_path):
+    objects = rendered(overlay)
+    deployment = objects["Deployment"]
+    pod = deployment["spec"]["template"]["spec"]
+    main = container(deployment)
+    cfg = config.load(environ=pod_environ(objects, tmp_path))  # valid, as the pod loads it
+
+    assert main["command"] == [".venv/bin/shmserve", "up", "--foreground"]
+    assert main["workingDir"] == "/app"
+    assert cfg.server.host == "0.0.0.0"
+    (port,) = main["ports"]
+    assert port["containerPort"] == cfg.server.port
+    assert objects["Service"]["spec"]["ports"][0]["targetPort"] == port["name"]
+    assert main["readinessProbe"]["httpGet"]["path"] == "/ready"
+    for probe in ("livenessProbe", "startupProbe"):
+        assert main[probe]["httpGet"]["path"] == "/health"
+    # /dev/shm holds one arena a frontend.
+    dshm = {v["name"]: v for v in pod["volumes"]}["dshm"]["emptyDir"]
+    assert dshm["medium"] == "Memory"
+    assert size(dshm["sizeLimit"]) >= cfg.frontends.count * cfg.shm.arena_mb * MiB
+    assert {"mountPath": "/dev/shm", "name": "dshm"} in main["volumeMounts"]
+    # The stop: the preStop sleep, then supervisord's three groups one after another, each
+    # within stopwaitsecs (as `shmserve down` waits for them).
+    pre_stop = int(main["lifecycle"]["preStop"]["exec"]["command"][1])
+    assert pod["terminationGracePeriodSeconds"] >= pre_stop + 3 * render.stopwaitsecs(cfg)
+    if overlay == "gpu":
+        assert main["resources"]["limits"]["nvidia.com/gpu"] == 1
+        assert cfg.batching.max_batch_size == 256 and cfg.frontends.count == 8  # gpu.yaml
+        assert cfg.workers.devices == "auto"
+    else:
+        assert "nvidia.com/gpu" not in main["resources"].get("limits", {})
+
+
+def test_the_image_runs_the_pods_command():
+    text = (REPO_ROOT / "deploy" / "Dockerfile").read_text()
+    (cmd,) = re.findall(r"^CMD (\[.*\])$", text, re.M)
+    deployment = yaml.safe_load((KUBE / "cpu" / "deployment.yaml").read_text())
+    assert json.loads(cmd) == container(deployment)["command"]
+    assert re.search(r"^WORKDIR /app$", text, re.M)
+    assert re.search(r"^STOPSIGNAL SIGTERM$", text, re.M)
+
+
+def get(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            return resp.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except OSError:
+        return 0
+
+
+def post(url: str, body: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(url, json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, {}
+
+
+def test_the_pods_command_serves_then_drains_on_sigterm(tmp_path):
+    """The CPU Deployment's command, in its environment (prod, its ConfigMap overlay, the
+    default model), on loopback and a free port: the startup and readiness probes pass, it
+    serves; SIGTERM (what the kubelet sends after preStop) lets a request in flight finish,
+    then every program exits and so does the main process, with 0, inside the grace period."""
+    deployment = yaml.safe_load((KUBE / "cpu" / "deployment.yaml").read_text())
+    pod = deployment["spec"]["template"]["spec"]
+    main = container(deployment)
+    mounted = tmp_path / "etc-shmserve"
+    mounted.mkdir()
+    shutil.copy(KUBE / "cpu" / "shmserve.yaml", mounted / "shmserve.yaml")
+    env = {e["name"]: e["value"].replace("/etc/shmserve", str(mounted)) for e in main["env"]}
+    port = free_port()
+    env.update(SHMSERVE__SERVER__HOST="127.0.0.1", SHMSERVE__SERVER__PORT=str(port),
+               SHMSERVE__SERVER__RUN_DIR=str(tmp_path / "run"))
+    probes = {name: main[name]["httpGet"]["path"]
+              for name in ("startupProbe", "readinessProbe", "livenessProbe")}
+    url = f"http://127.0.0.1:{port}"
+    command = [str(REPO_ROOT / main["command"][0]), *main["command"][1:]]
+    proc = subprocess.Popen(command, cwd=REPO_ROOT, env={**os.environ, **env},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait(lambda: proc.poll() is not None or get(url + probes["startupProbe"]) == 200, 60)
+        wait(lambda: proc.poll() is not None or get(url + probes["readinessProbe"]) == 200, 180)
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        assert get(url + probes["livenessProbe"]) == 200
+        # supervisord is the process the runtime started (the CLI exec'd it).
+        run_dir = tmp_path / "run"
+        assert int((run_dir / "supervisord.pid").read_text()) == proc.pid
+        cfg = config.load_resolved(topology.resolved_config_path(
+            config.load(environ=env)))
+        status, body = post(url + "/v1/embeddings", {"input": ["hello from a pod"]})
+        assert status == 200 and len(body["data"][0]["embedding"]) == 384
+
+        results = {}
+        long_texts = ["a sentence that the model has to read from its start to its end " * 8] * 256
+        busy = threading.Thread(target=lambda: results.update(
+            a=post(url + "/v1/embeddings", {"input": long_texts})))
+        busy.start()
+        wait(lambda: queued(url) > 0, 30)
+        proc.send_signal(signal.SIGTERM)
+        busy.join(120)
+        status, body = results["a"]
+        assert status == 200 and len(body["data"]) == 256
+        grace = pod["terminationGracePeriodSeconds"] - int(
+            main["lifecycle"]["preStop"]["exec"]["command"][1])
+        assert proc.wait(grace) == 0, proc.stdout.read()[-3000:]
+        assert processes.orphans(cfg) == []
+        assert not list(Path("/dev/shm").glob(topology.shm_prefix(cfg) + "*"))
+        with socket.socket() as probe:
+            assert probe.connect_ex(("127.0.0.1", port)) != 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+        # What a failed run left (nginx too): `shmserve down`, in the same environment.
+        subprocess.run([command[0], "down"], cwd=REPO_ROOT, env={**os.environ, **env},
+                       capture_output=True, timeout=120)
+
+
+def queued(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url + "/ready", timeout=10) as resp:
+            workers = json.loads(resp.read())["workers"]
+    except (OSError, ValueError):
+        return 0
+    return sum(w["queued_texts"] or 0 for w in workers)
+
+
+def wait(predicate, timeout: float) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out after {timeout} s"
+        time.sleep(0.1)
