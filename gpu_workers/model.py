@@ -211,6 +211,9 @@ def warm_up(model: Model, max_batch_size: int, max_batch_tokens: int) -> None:
     longest = model.spec.max_tokens
     batch = max(1, min(max_batch_size, max_batch_tokens // longest))
     pairs = model.spec.task == "rerank"  # warm the token-type path a cross-encoder takes
+    if getattr(model, "graphs", None) is not None:
+        with torch.inference_mode():
+            model.graphs.prepare(max_batch_size, max_batch_tokens, pairs)
     for shape in ((1, 8), (batch, longest)):
         model.forward(np.ones(shape, np.int64), np.full(shape[0], shape[1], np.int64),
                       np.full(shape[0], shape[1] // 2, np.int64) if pairs else None)

@@ -320,3 +320,23 @@ def test_graphs_only_for_models_that_pack(models):
                  graphs=8).graphs is None
     assert Model(spec(models["emb"], "embedding", "int8"), torch.device("cpu"),
                  graphs=8).graphs is None
+
+
+def test_warm_up_prepares_the_short_groups_shapes_within_the_limits(models):
+    """Recording a graph stalls the worker; warm-up records every shape a group of up to 128
+    tokens can take (here the model's limit, 64: lengths 16-64 x 16 text counts up to 32)."""
+    from gpu_workers.model import warm_up
+
+    model = Model(spec(models["emb"], "embedding"), torch.device("cpu"), graphs=100)
+    warm_up(model, max_batch_size=32, max_batch_tokens=1024)
+    shapes = set(model.graphs.entries)
+    assert {cols for _, cols, _ in shapes} == {16, 32, 48, 64}
+    assert all(rows * cols <= 1024 for rows, cols, _ in shapes)
+    assert (32, 32, False) in shapes and (32, 48, False) not in shapes  # 1,536 tokens: too many
+    before = len(shapes)
+    rng = np.random.default_rng(3)
+    model.forward(rng.integers(1000, 1100, (5, 20)), np.full(5, 20))  # (6, 32): prepared
+    assert len(model.graphs.entries) == before
+    capped = Model(spec(models["emb"], "embedding"), torch.device("cpu"), graphs=10)
+    warm_up(capped, max_batch_size=32, max_batch_tokens=1024)
+    assert len(capped.graphs.entries) == 10
