@@ -5,8 +5,9 @@ On an H200 a pass of 256 short texts through a BERT-base-sized encoder took 11.4
 the bound, not the GPU. A CUDA graph records a forward's kernels once and replays them with one
 launch. A graph is only valid for the shapes it was recorded with, so each length group runs
 padded to one of a few shapes (its texts to `packed.texts_for`, its length to `packed.rows_for`,
-within the model's limit), and one graph is recorded per shape the first time it is seen, up to
-`max_graphs`; groups of any other shape run as they would without graphs.
+within the model's limit), and one graph is recorded per shape, up to `max_graphs`: at warm-up
+every shape of groups up to 128 tokens the batching limits allow (`prepare`), longer ones the
+first time they are seen; groups past the limit run as they would without graphs.
 
 A group's inputs travel as one int64 [texts, length + 2] buffer: the token ids, then each text's
 length and its first segment's length (pairs); one copy to the device per group, from a pinned
