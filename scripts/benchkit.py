@@ -180,6 +180,10 @@ class InProcess:
                       for a, b in zip(enc.offsets[:-1], enc.offsets[1:])]
         self.limits = limits
         self.cursor = offset
+        if graphs:  # as a worker records them before it reports ready
+            from gpu_workers.model import warm_up
+
+            warm_up(self.model, limits.max_batch_size, limits.max_batch_tokens)
         self.window(2, 32)  # warm-up, as a worker warms up before it reports ready
 
     @classmethod
