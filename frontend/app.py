@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hmac
 import logging
 import os
 import re
@@ -24,7 +25,7 @@ from frontend.tokenizer import TextEncoder
 from frontend.variants import Splits, Variant
 from shmserve import arena as shm
 from shmserve import topology
-from shmserve.config import Config
+from shmserve.config import Config, api_keys
 from shmserve.models import ModelSpec, inspect, units
 from shmserve.state import Watch
 
@@ -81,6 +82,11 @@ POOL = web.AppKey("pool", WorkerPool)
 DISPATCHER = web.AppKey("dispatcher", Dispatcher)
 INFLIGHT = web.AppKey("inflight", list)  # [count]: a mutable cell
 SPLITS = web.AppKey("splits", Splits)
+API_KEYS = web.AppKey("api_keys", tuple)  # bytes; empty: the inference routes are open
+# Open whatever auth.api_keys says: probes, scrapes, the API's description, and /admin/*,
+# which has a token of its own.
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/v2/health/live", "/v2/health/ready",
+                        "/openapi.json"})
 
 # Per-request storage, typed (aiohttp warns on plain string keys).
 REQUEST_ID = web.RequestKey("request_id", str)
@@ -100,6 +106,9 @@ async def observe(request: web.Request, handler) -> web.StreamResponse:
     request[REQUEST_ID] = sent if _REQUEST_ID.match(sent) else uuid.uuid4().hex
     request[LOG_FIELDS] = {}
     try:
+        keys = request.app[API_KEYS]
+        if keys and request.path not in OPEN_PATHS and not request.path.startswith("/admin/"):
+            authenticate(request, keys)
         response = await handler(request)
     except ApiError as exc:
         response = error_response(request, exc)
@@ -123,6 +132,19 @@ async def observe(request: web.Request, handler) -> web.StreamResponse:
     response.headers["X-Process-Time"] = f"{elapsed * 1000:.2f}"
     _record(request, response, elapsed, ended)
     return response
+
+
+def authenticate(request: web.Request, keys: tuple[bytes, ...]) -> None:
+    """`Authorization: Bearer <key>` with one of auth.api_keys, compared in constant time
+    against every key (which one matched does not show in the time taken)."""
+    scheme, _, sent = request.headers.get("Authorization", "").partition(" ")
+    sent_bytes = sent.strip().encode()
+    matched = False
+    for key in keys:
+        matched |= hmac.compare_digest(sent_bytes, key)
+    if scheme.lower() != "bearer" or not matched:
+        raise ApiError("unauthorized", "this server needs 'Authorization: Bearer <API key>' "
+                       "(one of auth.api_keys)")
 
 
 def error_response(request: web.Request, exc: ApiError) -> web.Response:
@@ -186,6 +208,7 @@ def create_app(cfg: Config, index: int = 0) -> web.Application:
     app[INDEX] = index
     app[MODELS] = Models(cfg)
     app[INFLIGHT] = [0]
+    app[API_KEYS] = tuple(key.encode() for key in api_keys(cfg))
     app[SPLITS] = Splits(Watch(cfg))
     app.cleanup_ctx.append(_resources)
     routes.add_routes(app)

@@ -63,6 +63,8 @@ class ApiError(Exception):
                           "code": self.code}}
 
     def headers(self) -> dict[str, str]:
+        if self.kind == "unauthorized":  # RFC 6750: say which scheme to use
+            return {"WWW-Authenticate": 'Bearer realm="shmserve"'}
         return {"Retry-After": str(self.retry_after)} if self.retry_after is not None else {}
 
     @classmethod

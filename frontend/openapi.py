@@ -68,7 +68,7 @@ def _errors(*statuses: int) -> dict[str, dict]:
             for s in statuses}
 
 
-_POST_ERRORS = (400, 404, 413, 415, 422, 429, 503, 504, 507)
+_POST_ERRORS = (400, 401, 404, 413, 415, 422, 429, 503, 504, 507)
 
 
 def _ok(schema: dict, description: str = "OK", **more: Any) -> dict:
@@ -188,7 +188,11 @@ def document(cfg: Config) -> dict[str, Any]:
         "tags": [{"name": n} for n in ("native", "openai", "tei", "kserve", "ops", "admin")],
         "paths": _paths(models),
         "components": {"schemas": _schemas(cfg, models), "securitySchemes": {
-            "bearer": {"type": "http", "scheme": "bearer", "description": "admin.token"}}},
+            "bearer": {"type": "http", "scheme": "bearer", "description": "admin.token"},
+            "apiKey": {"type": "http", "scheme": "bearer",
+                       "description": "one of auth.api_keys, when the server sets any"}}},
+        # Inference routes: a key when the server asks for one (auth.api_keys), else none.
+        "security": [{}, {"apiKey": []}],
     }
 
 

@@ -180,6 +180,16 @@ class AdminConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class AuthConfig:
+    # Keys a client must send as `Authorization: Bearer <key>` on every inference route (not on
+    # /health, /ready, /metrics, the KServe health routes, /openapi.json, nor /admin/*, which
+    # has admin.token). Empty (and no file): the routes are open. Prefer the file (a mounted
+    # secret: one key a line) or the environment (SHMSERVE__AUTH__API_KEYS='["k1"]').
+    api_keys: list[str] = field(default_factory=list)
+    api_keys_file: str = ""  # relative: to the repository root
+
+
+@dataclass(frozen=True, slots=True)
 class Config:
     models: list[ModelConfig]
     # Model directories must lie under one of these (relative: to the repository root);
@@ -194,6 +204,7 @@ class Config:
     shm: ShmConfig = ShmConfig()
     logging: LoggingConfig = LoggingConfig()
     admin: AdminConfig = AdminConfig()
+    auth: AuthConfig = AuthConfig()
 
     @property
     def run_dir(self) -> Path:
@@ -276,6 +287,7 @@ def from_tree(tree: Mapping[str, Any]) -> Config:
     cfg = dataclasses.replace(cfg, workers=dataclasses.replace(
         cfg.workers, cpu_workers=workers, torch_threads=threads))
     _check_models(cfg)
+    api_keys(cfg)  # a key file that cannot be read, or a malformed key, stops start-up here
     if cfg.admin.reload_timeout_s >= cfg.nginx.proxy_read_timeout_s:
         raise ConfigError(f"admin.reload_timeout_s: {cfg.admin.reload_timeout_s:g} must be under "
                           f"nginx.proxy_read_timeout_s ({cfg.nginx.proxy_read_timeout_s}), or "
@@ -314,6 +326,37 @@ def usable_cores(cpu_max: Path = Path("/sys/fs/cgroup/cpu.max")) -> int:
     except (OSError, ValueError):
         pass
     return cores
+
+
+_KEY = re.compile(r"^[\x21-\x7e]{8,512}$")  # printable, no spaces: it travels in a header
+
+
+def api_keys(cfg: Config) -> tuple[str, ...]:
+    """The inference routes' keys: auth.api_keys, then one a line of auth.api_keys_file (blank
+    lines and lines starting with # skipped). Empty: no key is asked for."""
+    keys = list(cfg.auth.api_keys)
+    source = "auth.api_keys"
+    for i, key in enumerate(keys):
+        if not isinstance(key, str) or not _KEY.match(key):
+            raise ConfigError(f"{source}[{i}]: expected 8 to 512 printable characters without "
+                              "spaces")
+    if cfg.auth.api_keys_file:
+        path = Path(cfg.auth.api_keys_file)
+        path = path if path.is_absolute() else REPO_ROOT / path
+        try:
+            lines = path.read_text().splitlines()
+        except OSError as exc:
+            raise ConfigError(f"auth.api_keys_file: cannot read {path}: {exc.strerror}") from None
+        found = [line.strip() for line in lines
+                 if line.strip() and not line.strip().startswith("#")]
+        if not found:
+            raise ConfigError(f"auth.api_keys_file: {path} holds no key")
+        for n, key in enumerate(found, 1):
+            if not _KEY.match(key):
+                raise ConfigError(f"auth.api_keys_file: key {n} of {path}: expected 8 to 512 "
+                                  "printable characters without spaces")
+        keys += found
+    return tuple(keys)
 
 
 def _check_models(cfg: Config) -> None:

@@ -44,6 +44,21 @@ def test_several_extra_files_merge_in_order(tmp_path):
         config.load(environ={"SHMSERVE_CONFIG": f"{first}:{tmp_path / 'missing.yaml'}"})
 
 
+def test_api_keys_from_the_config_and_a_file(tmp_path):
+    keys = tmp_path / "keys"
+    keys.write_text("# comment\n\n  file-key-1234  \nfile-key-5678\n")
+    cfg = config.load(environ={"SHMSERVE__AUTH__API_KEYS": '["inline-key-00"]',
+                               "SHMSERVE__AUTH__API_KEYS_FILE": str(keys)})
+    assert config.api_keys(cfg) == ("inline-key-00", "file-key-1234", "file-key-5678")
+    assert config.api_keys(config.load(environ={})) == ()  # open by default
+    keys.write_text("# only a comment\n")
+    with pytest.raises(ConfigError, match="holds no key"):
+        config.load(environ={"SHMSERVE__AUTH__API_KEYS_FILE": str(keys)})
+    keys.write_text("good-key-1234\nbad key\n")
+    with pytest.raises(ConfigError, match="key 2 of"):
+        config.load(environ={"SHMSERVE__AUTH__API_KEYS_FILE": str(keys)})
+
+
 def test_deep_merge_keeps_siblings():
     assert config.deep_merge({"a": {"x": 1, "y": 2}, "b": [1]}, {"a": {"y": 3}, "b": [2]}) == \
         {"a": {"x": 1, "y": 3}, "b": [2]}
@@ -65,6 +80,9 @@ def test_deep_merge_keeps_siblings():
     ("SHMSERVE__LOGGING__BATCH_LOG", "sometimes", "logging.batch_log"),
     ("SHMSERVE__WORKERS__SWITCH_INTERVAL_MS", "0", "workers.switch_interval_ms"),
     ("SHMSERVE__WORKERS__PER_GPU", "0", "workers.per_gpu"),
+    ("SHMSERVE__AUTH__API_KEYS", '["short"]', "auth.api_keys"),
+    ("SHMSERVE__AUTH__API_KEYS", '["has a space"]', "auth.api_keys"),
+    ("SHMSERVE__AUTH__API_KEYS_FILE", "/nonexistent/keys", "auth.api_keys_file"),
 ])
 def test_bad_values_name_the_key(name, value, key):
     with pytest.raises(ConfigError, match=key.replace("[", r"\[").replace("]", r"\]")):

@@ -1,0 +1,93 @@
+"""API keys on the inference routes (auth.api_keys, auth.api_keys_file), through nginx, with
+the clients users have: openai's, huggingface_hub's (TEI), and plain HTTP for msgpack."""
+
+import json
+import urllib.request
+
+import huggingface_hub
+import msgpack
+import openai
+import pytest
+from huggingface_hub import InferenceClient
+
+from tests.conftest import tiny_overrides
+from tests.stack import Stack
+
+INLINE, FROM_FILE = "inline-key-0123", "file-key-4567"
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, tiny_model):
+    root = tmp_path_factory.mktemp("auth")
+    keys = root / "keys.txt"
+    keys.write_text(f"# a mounted secret: one key a line\n\n{FROM_FILE}\n")
+    s = Stack(root / "stack", tiny_overrides(
+        tiny_model, auth={"api_keys": [INLINE], "api_keys_file": str(keys)}))
+    s.up()  # `up --wait` polls /ready, which stays open
+    yield s
+    s.down()
+
+
+@pytest.mark.parametrize("key", [INLINE, FROM_FILE])
+def test_the_openai_client_with_a_key_is_served(stack, key):
+    with openai.OpenAI(base_url=stack.url + "/v1", api_key=key, max_retries=0) as client:
+        got = client.embeddings.create(model="tiny", input=["hello", "world"])
+    assert len(got.data) == 2 and len(got.data[0].embedding) == 32
+
+
+@pytest.mark.parametrize("key", ["wrong-key-0000", INLINE + "x", INLINE[:-1]])
+def test_a_wrong_key_is_refused(stack, key):
+    with openai.OpenAI(base_url=stack.url + "/v1", api_key=key, max_retries=0) as client:
+        with pytest.raises(openai.AuthenticationError) as info:
+            client.embeddings.create(model="tiny", input=["hello"])
+    assert info.value.status_code == 401
+    assert info.value.body["type"] == "unauthorized"
+
+
+def test_no_key_gets_401_with_the_scheme_to_use(stack):
+    for path in ("/v1/embeddings", "/predict", "/embed", "/v1/models", "/v1/rerank",
+                 "/v2/models/tiny/infer"):
+        status, headers, body = stack.post_json(path, {"input": ["hello"], "texts": ["hello"]})
+        assert status == 401, (path, status, body)
+        assert body["error"]["type"] == "unauthorized"
+        assert headers["WWW-Authenticate"] == 'Bearer realm="shmserve"'
+    status, _, _ = stack.post_json("/v1/embeddings", {"input": ["hello"]},
+                                   {"Authorization": f"Basic {INLINE}"})
+    assert status == 401  # the key, but not as a bearer token
+
+
+def test_probes_scrapes_and_the_description_stay_open(stack):
+    for path in ("/health", "/ready", "/metrics", "/v2/health/ready", "/openapi.json"):
+        assert stack.get(path)[0] == 200, path
+    # Refusals are counted like any answer.
+    metrics = stack.get("/metrics")[2].decode()
+    assert 'status="401"' in metrics
+
+
+def test_tei_client_and_msgpack_with_a_key(stack, monkeypatch):
+    # conftest sets HF_HUB_OFFLINE, which makes the hub's client refuse even 127.0.0.1.
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    with InferenceClient(model=stack.url + "/embed", token=FROM_FILE) as hub:
+        assert hub.feature_extraction("hello").shape[-1] == 32
+    req = urllib.request.Request(
+        stack.url + "/predict", data=msgpack.packb({"texts": ["hello", "world"]}),
+        headers={"Content-Type": "application/msgpack", "Accept": "application/msgpack",
+                 "Authorization": f"Bearer {INLINE}"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        assert len(msgpack.unpackb(resp.read())["results"]) == 2
+
+
+def test_keys_never_reach_the_logs(stack):
+    stack.post_json("/v1/embeddings", {"input": ["hello"]},
+                    {"Authorization": f"Bearer {INLINE}"})
+    stack.post_json("/v1/embeddings", {"input": ["hello"]},
+                    {"Authorization": "Bearer wrong-key-0000"})
+    stack.wait_until(lambda: "wrong-key" not in stack.log("frontend-0") and any(
+        line.get("status") == 401 for name in ("frontend-0", "frontend-1")
+        for line in stack.log_lines(name)), 10, "the access lines")
+    for program in ("frontend-0", "frontend-1", "nginx"):
+        text = stack.log(program)
+        assert INLINE not in text and FROM_FILE not in text and "wrong-key" not in text
+    cfg = json.loads((stack.run_dir / "config.json").read_text())
+    assert cfg["auth"]["api_keys_file"].endswith("keys.txt")  # the file's keys stay in it
+    assert FROM_FILE not in json.dumps(cfg)
