@@ -98,3 +98,43 @@ def test_a_sigkilled_supervisord_leaves_nothing_running_after_the_next_up(tmp_pa
     finally:
         stack.down()
     assert processes.orphans(cfg) == []
+
+
+def test_per_gpu_runs_that_many_workers_on_one_device_and_routes_to_all(tmp_path, tiny_model):
+    """workers.per_gpu through the real stack. On a machine without a GPU a worker given GPU 0
+    serves on the CPU (gpu_workers.model.pick_device), so the plumbing runs here as on a GPU:
+    two worker programs for device 0, both ready, both given work."""
+    import asyncio
+    import json
+
+    import aiohttp
+    from prometheus_client.parser import text_string_to_metric_families
+
+    stack = Stack(tmp_path / "s", tiny_overrides(
+        tiny_model, frontends={"count": 1},
+        workers={"devices": [0], "per_gpu": 2, "torch_threads": 1}))
+    stack.up()
+    try:
+        cfg = config.load_resolved(stack.run_dir / "config.json")
+        assert topology.worker_devices(cfg) == ["0", "0"]
+        assert pid_of(stack, "workers:worker-0") and pid_of(stack, "workers:worker-1")
+        ready = json.loads(stack.get("/ready")[2])
+        assert [w["ready"] for w in ready["workers"]] == [True, True]
+
+        async def flood():
+            async with aiohttp.ClientSession(stack.url) as session:
+                async def one(i):
+                    async with session.post("/predict",
+                                            json={"texts": ["word " * 40 + str(i)] * 8}) as r:
+                        return r.status
+                return await asyncio.gather(*(one(i) for i in range(64)))
+        assert set(asyncio.run(flood())) == {200}
+        texts = {}
+        for family in text_string_to_metric_families(stack.get("/metrics")[2].decode()):
+            for sample in family.samples:
+                if sample.name == "shmserve_batch_texts_sum":
+                    w = sample.labels["worker"]
+                    texts[w] = texts.get(w, 0) + sample.value
+        assert texts.get("0", 0) > 0 and texts.get("1", 0) > 0, texts
+    finally:
+        stack.down()
