@@ -107,7 +107,7 @@ async def observe(request: web.Request, handler) -> web.StreamResponse:
     request[LOG_FIELDS] = {}
     try:
         keys = request.app[API_KEYS]
-        if keys and request.path not in OPEN_PATHS and not request.path.startswith("/admin/"):
+        if keys and not _open(request):
             authenticate(request, keys)
         response = await handler(request)
     except ApiError as exc:
@@ -132,6 +132,14 @@ async def observe(request: web.Request, handler) -> web.StreamResponse:
     response.headers["X-Process-Time"] = f"{elapsed * 1000:.2f}"
     _record(request, response, elapsed, ended)
     return response
+
+
+def _open(request: web.Request) -> bool:
+    """Whether the route this request matched (not its raw path: `/health/../x` matches no
+    route) needs no API key."""
+    resource = request.match_info.route.resource
+    path = resource.canonical if resource is not None else ""
+    return path in OPEN_PATHS or path.startswith("/admin/")
 
 
 def authenticate(request: web.Request, keys: tuple[bytes, ...]) -> None:

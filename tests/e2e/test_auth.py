@@ -91,3 +91,19 @@ def test_keys_never_reach_the_logs(stack):
     cfg = json.loads((stack.run_dir / "config.json").read_text())
     assert cfg["auth"]["api_keys_file"].endswith("keys.txt")  # the file's keys stay in it
     assert FROM_FILE not in json.dumps(cfg)
+
+
+def test_paths_that_dress_up_as_open_routes_still_need_a_key(stack):
+    """The key is asked for by the route a request matched, not by how its path begins: sent
+    as is (no client-side normalising), none of these reaches a handler without a key."""
+    import http.client
+
+    for path in ("/admin/../v1/embeddings", "/health/../v1/embeddings",
+                 "/%61dmin/../v1/embeddings", "/health%2F..%2Fv1%2Fembeddings",
+                 "//v1/embeddings", "/v1/%65mbeddings"):
+        conn = http.client.HTTPConnection("127.0.0.1", stack.port, timeout=30)
+        conn.request("POST", path, body=json.dumps({"input": ["hi"]}),
+                     headers={"Content-Type": "application/json"})
+        response = conn.getresponse()
+        assert response.status == 401, (path, response.status, response.read()[:200])
+        conn.close()
