@@ -289,10 +289,17 @@ def _ceiling_child(argv: list[str]) -> None:
         print(json.dumps(inproc.window(float(seconds), int(chunk))), flush=True)
 
 
+def auth_headers() -> dict[str, str]:
+    """`Authorization: Bearer $SHMSERVE_API_KEY` for a server with auth.api_keys set (the
+    locustfile reads the same variable)."""
+    key = os.environ.get("SHMSERVE_API_KEY")
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
 def fetch_vectors(url: str, texts: list[str]) -> np.ndarray:
     body = json.dumps({"input": texts, "encoding_format": "float"}).encode()
     req = urllib.request.Request(url + "/v1/embeddings", data=body,
-                                 headers={"Content-Type": "application/json"})
+                                 headers={"Content-Type": "application/json", **auth_headers()})
     with urllib.request.urlopen(req, timeout=120) as resp:
         data = json.loads(resp.read())["data"]
     return np.array([d["embedding"] for d in sorted(data, key=lambda d: d["index"])],
@@ -330,7 +337,7 @@ def open_loop_window(url: str, rate: float, seconds: float, corpus: Path) -> dic
     async def run() -> tuple[list[float], int, float]:
         latencies, failures = [], 0
         conn = aiohttp.TCPConnector(limit=0)
-        async with aiohttp.ClientSession(connector=conn) as session:
+        async with aiohttp.ClientSession(connector=conn, headers=auth_headers()) as session:
             async def one(i: int) -> None:
                 nonlocal failures
                 started = time.perf_counter()

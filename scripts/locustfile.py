@@ -5,6 +5,7 @@ Environment:
   SHMSERVE_BENCH_TEXTS    texts per request (default 1), or "mixed": 1 to 16, at random
   SHMSERVE_BENCH_API      openai (JSON /v1/embeddings, float) | msgpack (/predict, msgpack)
   SHMSERVE_BENCH_MODEL    model name sent with each request (default: the server's default)
+  SHMSERVE_API_KEY        sent as `Authorization: Bearer` (a server with auth.api_keys set)
 
 Run by scripts/bench.py; also usable directly:
   locust -f scripts/locustfile.py --headless -u 32 -r 32 -t 30s -H http://127.0.0.1:8080
@@ -28,6 +29,8 @@ MIXED = os.environ.get("SHMSERVE_BENCH_TEXTS", "1") == "mixed"
 TEXTS_PER_REQUEST = 16 if MIXED else int(os.environ.get("SHMSERVE_BENCH_TEXTS", "1"))
 API = os.environ.get("SHMSERVE_BENCH_API", "openai")
 MODEL = os.environ.get("SHMSERVE_BENCH_MODEL")
+AUTH = ({"Authorization": f"Bearer {os.environ['SHMSERVE_API_KEY']}"}
+        if os.environ.get("SHMSERVE_API_KEY") else {})
 
 _corpus = json.loads(CORPUS.read_text())
 _lock = threading.Lock()
@@ -100,14 +103,14 @@ class EmbeddingUser(FastHttpUser):
             body = {"texts": texts} | ({"model": MODEL} if MODEL else {})
             with self.client.post("/predict", data=msgpack.packb(body), name="predict",
                                   headers={"Content-Type": "application/msgpack",
-                                           "Accept": "application/msgpack"},
+                                           "Accept": "application/msgpack", **AUTH},
                                   catch_response=True, context={"texts": len(texts)}) as resp:
                 if resp.status_code != 200:
                     resp.failure(f"status {resp.status_code}")
         else:
             body = {"input": texts, "encoding_format": "float"} | (
                 {"model": MODEL} if MODEL else {})
-            with self.client.post("/v1/embeddings", json=body, name="embeddings",
+            with self.client.post("/v1/embeddings", json=body, name="embeddings", headers=AUTH,
                                   catch_response=True, context={"texts": len(texts)}) as resp:
                 if resp.status_code != 200:
                     resp.failure(f"status {resp.status_code}")

@@ -107,3 +107,21 @@ def test_paths_that_dress_up_as_open_routes_still_need_a_key(stack):
         response = conn.getresponse()
         assert response.status == 401, (path, response.status, response.read()[:200])
         conn.close()
+
+
+@pytest.mark.parametrize("api", ["openai", "msgpack"])
+def test_the_benchmarks_send_the_key_from_the_environment(stack, monkeypatch, api):
+    import sys
+
+    from tests.stack import REPO, corpus_path
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    benchkit = pytest.importorskip("benchkit")
+    corpus = stack.root / "short.json"  # sentences within the tiny model's 64 tokens
+    corpus.write_text(json.dumps([t for t in json.loads(corpus_path().read_text())
+                                  if len(t) <= 80]))
+    scenario = benchkit.Scenario("w", 4, "2", api=api)
+    monkeypatch.setenv("SHMSERVE_API_KEY", INLINE)  # the server answers 401 to anything else
+    window = benchkit.locust_window(stack.url, scenario, 2, corpus)
+    assert window["failures"] == 0 and window["requests"] > 10
+    assert benchkit.fetch_vectors(stack.url, ["hello"]).shape == (1, 32)
