@@ -83,6 +83,7 @@ DISPATCHER = web.AppKey("dispatcher", Dispatcher)
 INFLIGHT = web.AppKey("inflight", list)  # [count]: a mutable cell
 SPLITS = web.AppKey("splits", Splits)
 API_KEYS = web.AppKey("api_keys", tuple)  # bytes; empty: the inference routes are open
+TRACING = web.AppKey("tracing", object)  # a frontend.tracing.Tracing, or None
 # Open whatever auth.api_keys says: probes, scrapes, the API's description, and /admin/*,
 # which has a token of its own.
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/v2/health/live", "/v2/health/ready",
@@ -93,6 +94,7 @@ REQUEST_ID = web.RequestKey("request_id", str)
 LOG_FIELDS = web.RequestKey("log", dict)  # extra fields for the access log line
 MODEL_NAME = web.RequestKey("model", str)
 TOKENIZE_MS = web.RequestKey("tokenize_ms", float)
+TOKENIZE_AT = web.RequestKey("tokenize_at", float)  # perf_counter when tokenizing began
 STAGES = web.RequestKey("stages", dict)  # seconds per stage, set by the embedding pipeline
 REPLIED_AT = web.RequestKey("replied_at", float)  # when the worker's reply arrived
 REVISION = web.RequestKey("revision", str)  # of the weights that served the request
@@ -179,7 +181,18 @@ def _record(request: web.Request, response: web.StreamResponse, elapsed: float,
             metrics.stage(stage, model).observe(seconds)
         request[LOG_FIELDS]["transfer_ms"] = round(stages["transfer"] * 1000, 3)
     if path in ("/health", "/ready", "/metrics"):
-        return  # probes and scrapes would drown the access log
+        return  # probes and scrapes would drown the access log (and the traces)
+    tracing = request.app[TRACING]
+    if tracing is not None:
+        trace_id = tracing.record(
+            request.headers, f"{request.method} {path}", ended - elapsed, ended,
+            {"http.request.method": request.method, "http.route": path,
+             "http.response.status_code": response.status,
+             "shmserve.request_id": request[REQUEST_ID], "shmserve.model": model},
+            stages if response.status < 400 else None, request.get(TOKENIZE_AT),
+            request.get(REPLIED_AT), error=response.status >= 500)
+        if trace_id is not None:
+            request[LOG_FIELDS]["trace_id"] = trace_id
     access.info("request", extra={"fields": {
         "request_id": request[REQUEST_ID], "method": request.method, "route": path,
         "model": model, "status": response.status, "total_ms": round(elapsed * 1000, 3),
@@ -204,6 +217,8 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     finally:
         await pool.close()
         arena.close(unlink=True)
+        if app[TRACING] is not None:
+            app[TRACING].close()
         log.info("frontend.stopped", extra={"fields": {"frontend": index}})
 
 
@@ -217,6 +232,12 @@ def create_app(cfg: Config, index: int = 0) -> web.Application:
     app[MODELS] = Models(cfg)
     app[INFLIGHT] = [0]
     app[API_KEYS] = tuple(key.encode() for key in api_keys(cfg))
+    if cfg.tracing.otlp_endpoint:
+        from frontend.tracing import Tracing
+
+        app[TRACING] = Tracing(cfg, index)
+    else:
+        app[TRACING] = None
     app[SPLITS] = Splits(Watch(cfg))
     app.cleanup_ctx.append(_resources)
     routes.add_routes(app)

@@ -24,8 +24,8 @@ from aiohttp import web
 
 from frontend import metrics, schemas
 from frontend.app import (CONFIG, DISPATCHER, INDEX, INFLIGHT, LOG_FIELDS, MODEL_NAME, MODELS,
-                          REPLIED_AT, REQUEST_ID, REVISION, SPLITS, STAGES, TOKENIZE_MS, VARIANT,
-                          ServedModel)
+                          REPLIED_AT, REQUEST_ID, REVISION, SPLITS, STAGES, TOKENIZE_AT,
+                          TOKENIZE_MS, VARIANT, ServedModel)
 from frontend.dispatch import Outcome
 from frontend.errors import ApiError
 from frontend.tokenizer import Encoded, TextEncoder
@@ -124,7 +124,7 @@ async def run(request: web.Request, served: ServedModel,
     gauge = metrics.inflight(str(request.app[INDEX]))
     gauge.inc()
     try:
-        started = time.perf_counter()
+        started = request[TOKENIZE_AT] = time.perf_counter()
         if chars > THREAD_TOKENIZE_CHARS:
             enc = await asyncio.get_running_loop().run_in_executor(None, encode, variant.encoder)
         else:

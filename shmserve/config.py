@@ -190,6 +190,14 @@ class AuthConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class TracingConfig:
+    # OTLP/HTTP traces endpoint (http://collector:4318/v1/traces); empty: no tracing
+    otlp_endpoint: str = ""
+    service_name: str = "shmserve"
+    sample_ratio: float = 1.0  # requests without a sampling decision of their caller's
+
+
+@dataclass(frozen=True, slots=True)
 class Config:
     models: list[ModelConfig]
     # Model directories must lie under one of these (relative: to the repository root);
@@ -205,6 +213,7 @@ class Config:
     logging: LoggingConfig = LoggingConfig()
     admin: AdminConfig = AdminConfig()
     auth: AuthConfig = AuthConfig()
+    tracing: TracingConfig = TracingConfig()
 
     @property
     def run_dir(self) -> Path:
@@ -257,6 +266,10 @@ _CHECKS: dict[str, Check] = {
     "limits.max_text_chars": (lambda v: v >= 1, "an integer >= 1"),
     "shm.arena_mb": (lambda v: 1 <= v <= 65536, "an integer from 1 to 65536"),
     "admin.reload_timeout_s": (lambda v: v > 0, "a number > 0"),
+    "tracing.otlp_endpoint": (lambda v: v == "" or re.match(r"^https?://[^\s]+$", v) is not None,
+                              "empty or an http(s):// URL"),
+    "tracing.service_name": (lambda v: 1 <= len(v) <= 128, "1 to 128 characters"),
+    "tracing.sample_ratio": (lambda v: 0 <= v <= 1, "a number from 0 to 1"),
 }
 
 _NAME = re.compile(r"^[A-Za-z0-9._-]{1,64}$")

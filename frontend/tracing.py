@@ -1,0 +1,80 @@
+"""Request traces: one OpenTelemetry span per request, with a child span per stage, exported over
+OTLP/HTTP to `tracing.otlp_endpoint` (any OpenTelemetry collector, Jaeger, Tempo, ...). Off when
+no endpoint is set, and then nothing here is imported.
+
+A request joins its caller's trace when it carries W3C Trace Context (`traceparent`), else it
+starts one; sampling follows the caller's decision, else `tracing.sample_ratio`. The stage spans
+(tokenize, queue, inference, transfer) are laid out from the timings the frontend already keeps
+(the worker reports its queue and forward time with its reply), not measured twice: tokenize
+from its start, inference ending when the reply arrived, queue just before it, transfer from the
+reply to the response. A sampled request's access line carries its `trace_id`.
+
+Spans leave through the SDK's batch processor, on its own thread: the request path only records.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Mapping
+
+from shmserve.config import Config
+
+
+class Tracing:
+    def __init__(self, cfg: Config, index: int) -> None:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+        from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+        from opentelemetry.trace import SpanKind, Status, StatusCode, set_span_in_context
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+        t = cfg.tracing
+        self.provider = TracerProvider(
+            resource=Resource.create({"service.name": t.service_name,
+                                      "service.instance.id": f"frontend-{index}"}),
+            sampler=ParentBased(TraceIdRatioBased(t.sample_ratio)))
+        self.provider.add_span_processor(BatchSpanProcessor(
+            OTLPSpanExporter(endpoint=t.otlp_endpoint, timeout=5)))
+        self.tracer = self.provider.get_tracer("shmserve.frontend")
+        self.propagator = TraceContextTextMapPropagator()
+        self._server, self._in_context = SpanKind.SERVER, set_span_in_context
+        self._error = Status(StatusCode.ERROR)
+
+    def record(self, headers: Mapping[str, str], name: str, started: float, ended: float,
+               attributes: dict, stages: dict[str, float] | None = None,
+               tokenize_at: float | None = None, replied_at: float | None = None,
+               error: bool = False) -> str | None:
+        """A finished request's spans (times: time.perf_counter()); its trace id (hex), or
+        None when it was not sampled."""
+        offset = time.time_ns() - time.perf_counter_ns()
+
+        def ns(t: float) -> int:
+            return int(t * 1e9) + offset
+
+        span = self.tracer.start_span(name, context=self.propagator.extract(headers),
+                                      kind=self._server, start_time=ns(started),
+                                      attributes=attributes)
+        if not span.is_recording():
+            return None
+        if stages and replied_at is not None:
+            inner = self._in_context(span)
+            inference_at = replied_at - stages["inference"]
+            for stage, start, end in (
+                    ("tokenize", tokenize_at, None if tokenize_at is None
+                     else tokenize_at + stages["tokenize"]),
+                    ("queue", inference_at - stages["queue"], inference_at),
+                    ("inference", inference_at, replied_at),
+                    ("transfer", replied_at, ended)):
+                if start is not None:
+                    self.tracer.start_span(stage, context=inner, start_time=ns(start)).end(
+                        end_time=ns(end))
+        if error:
+            span.set_status(self._error)
+        span.end(end_time=ns(ended))
+        return format(span.get_span_context().trace_id, "032x")
+
+    def close(self) -> None:
+        """Send what is buffered (at most the exporter's timeout), then stop."""
+        self.provider.shutdown()
