@@ -94,8 +94,14 @@ def test_manifests_agree_with_the_config_the_pods_load(overlay, tmp_path):
         assert main["resources"]["limits"]["nvidia.com/gpu"] == 1
         assert cfg.batching.max_batch_size == 256 and cfg.frontends.count == 8  # gpu.yaml
         assert cfg.workers.devices == "auto"
+        assert "HorizontalPodAutoscaler" not in objects
     else:
         assert "nvidia.com/gpu" not in main["resources"].get("limits", {})
+        hpa = objects["HorizontalPodAutoscaler"]["spec"]
+        assert hpa["scaleTargetRef"]["name"] == deployment["metadata"]["name"]
+        assert main["resources"]["requests"]["cpu"]  # utilization is of the request
+        # The disruption budget leaves room to evict at the fewest replicas.
+        assert hpa["minReplicas"] > objects["PodDisruptionBudget"]["spec"]["minAvailable"]
 
 
 def test_the_image_runs_the_pods_command():
