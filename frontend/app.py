@@ -184,13 +184,17 @@ def _record(request: web.Request, response: web.StreamResponse, elapsed: float,
         return  # probes and scrapes would drown the access log (and the traces)
     tracing = request.app[TRACING]
     if tracing is not None:
-        trace_id = tracing.record(
-            request.headers, f"{request.method} {path}", ended - elapsed, ended,
-            {"http.request.method": request.method, "http.route": path,
-             "http.response.status_code": response.status,
-             "shmserve.request_id": request[REQUEST_ID], "shmserve.model": model},
-            stages if response.status < 400 else None, request.get(TOKENIZE_AT),
-            request.get(REPLIED_AT), error=response.status >= 500)
+        try:
+            trace_id = tracing.record(
+                request.headers, f"{request.method} {path}", ended - elapsed, ended,
+                {"http.request.method": request.method, "http.route": path,
+                 "http.response.status_code": response.status,
+                 "shmserve.request_id": request[REQUEST_ID], "shmserve.model": model},
+                stages if response.status < 400 else None, request.get(TOKENIZE_AT),
+                request.get(REPLIED_AT), error=response.status >= 500)
+        except Exception:  # noqa: BLE001 - a trace is never worth a request's answer
+            log.exception("tracing.failed", extra={"fields": {"request_id": request[REQUEST_ID]}})
+            trace_id = None
         if trace_id is not None:
             request[LOG_FIELDS]["trace_id"] = trace_id
     access.info("request", extra={"fields": {

@@ -144,3 +144,13 @@ def test_errors_are_traced_as_errors_and_probes_not_at_all(stack, collector):
     collector.wait_for(lambda r, s: attrs(s).get("shmserve.request_id") == headers["X-Request-ID"])
     names = [s.name for r, s in collector.spans[before:]]
     assert names and not [n for n in names if n.endswith(("/health", "/ready", "/metrics"))]
+
+
+def test_a_malformed_traceparent_starts_a_new_trace(stack, collector):
+    status, headers, _ = stack.post_json(
+        "/v1/embeddings", {"input": ["x"]},
+        {"traceparent": "00-not-a-trace-id-01", "tracestate": "=" * 300})
+    assert status == 200
+    (root,) = collector.wait_for(
+        lambda r, s: attrs(s).get("shmserve.request_id") == headers["X-Request-ID"])
+    assert not root.parent_span_id
