@@ -84,8 +84,7 @@ class Graphs:
                     self._record(entry, cols, pairs)
 
     def shape(self, texts: int, length: int) -> tuple[int, int]:
-        return (packed.texts_for(texts),
-                max(length, min(packed.rows_for(length), self.max_tokens)))
+        return packed.group_shape(texts, length, self.max_tokens)
 
     def run(self, ids: np.ndarray, lengths: np.ndarray,
             segments: np.ndarray | None) -> torch.Tensor:

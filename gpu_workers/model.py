@@ -161,12 +161,10 @@ class Model:
         return torch.cat(rows).cpu().numpy()
 
     def _bucketed(self, ids, mask, lens, types):
-        """A group padded to one of a few shapes: its length up to packed.rows_for (within the
-        model's limit), its texts up to `packed.texts_for`; the rows added hold one padding
-        token each (a row with nothing to attend to could give NaN), and are dropped after."""
+        """A group padded to one of a few shapes (packed.group_shape); the rows added hold one
+        padding token each (a row with nothing to attend to could give NaN), and are dropped after."""
         texts, width = ids.shape
-        rows = packed.texts_for(texts)
-        cols = max(width, min(packed.rows_for(width), self.max_tokens))
+        rows, cols = packed.group_shape(texts, width, self.max_tokens)
         if (rows, cols) == (texts, width):
             return ids, mask, lens, types
 
@@ -211,7 +209,7 @@ def warm_up(model: Model, max_batch_size: int, max_batch_tokens: int) -> None:
     longest = model.spec.max_tokens
     batch = max(1, min(max_batch_size, max_batch_tokens // longest))
     pairs = model.spec.task == "rerank"  # warm the token-type path a cross-encoder takes
-    if getattr(model, "graphs", None) is not None:
+    if model.graphs is not None:
         with torch.inference_mode():
             model.graphs.prepare(max_batch_size, max_batch_tokens, pairs)
     for shape in ((1, 8), (batch, longest)):
@@ -268,6 +266,7 @@ class NullModel:
         self.device = device
 
     packs = False
+    graphs = None
 
     def forward(self, ids: np.ndarray, lengths: np.ndarray,
                 segments: np.ndarray | None = None) -> np.ndarray:

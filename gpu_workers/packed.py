@@ -58,11 +58,18 @@ def rows_for(tokens: int) -> int:
 
 
 def texts_for(texts: int) -> int:
-    """A group's text count for the network's own forward on a CPU: exact up to 8, then one of
+    """A group's padded text count (`group_shape`): exact up to 8, then one of
     4 sizes per doubling (10, 12, 14, 16, 20, 24, ...): at most 25% more rows, ~4 sizes per
     doubling. With `rows_for` on its length, a group's shapes are a few hundred at most."""
     step = max(1, 1 << max(0, texts.bit_length() - 3))
     return -(-texts // step) * step
+
+
+def group_shape(texts: int, length: int, max_length: int) -> tuple[int, int]:
+    """The padded (texts, length) a group of `texts` texts of up to `length` tokens runs as,
+    where shapes must be few (oneDNN's compiled kernels, CUDA graphs): `texts_for` and
+    `rows_for`, the length never rounded past `max_length` (the model's limit)."""
+    return texts_for(texts), max(length, min(rows_for(length), max_length))
 
 
 @dataclass(frozen=True, slots=True)
