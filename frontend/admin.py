@@ -13,13 +13,12 @@ token configured the routes answer 404, as if they did not exist.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import math
 
 from aiohttp import web
 
 from frontend import codec, reload
-from frontend.app import CONFIG, MODEL_NAME, MODELS, POOL, SPLITS, ServedModel
+from frontend.app import CONFIG, MODEL_NAME, MODELS, POOL, SPLITS, ServedModel, bearer_matches
 from frontend.errors import ApiError
 from frontend.variants import Variant
 from shmserve import state
@@ -36,10 +35,7 @@ def authorize(request: web.Request) -> None:
     token = request.app[CONFIG].admin.token
     if not token:
         raise ApiError("not_found", "admin routes are off (set admin.token)")
-    sent = request.headers.get("Authorization", "")
-    scheme, _, credential = sent.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(credential.encode(),
-                                                             token.encode()):
+    if not bearer_matches(request, (token.encode(),)):
         raise ApiError("unauthorized", "admin routes need 'Authorization: Bearer <admin.token>'")
 
 

@@ -84,10 +84,11 @@ INFLIGHT = web.AppKey("inflight", list)  # [count]: a mutable cell
 SPLITS = web.AppKey("splits", Splits)
 API_KEYS = web.AppKey("api_keys", tuple)  # bytes; empty: the inference routes are open
 TRACING = web.AppKey("tracing", object)  # a frontend.tracing.Tracing, or None
+# Probes and scrapes: no access line, no trace.
+PROBES = frozenset({"/health", "/ready", "/metrics"})
 # Open whatever auth.api_keys says: probes, scrapes, the API's description, and /admin/*,
 # which has a token of its own.
-OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/v2/health/live", "/v2/health/ready",
-                        "/openapi.json"})
+OPEN_PATHS = PROBES | {"/v2/health/live", "/v2/health/ready", "/openapi.json"}
 
 # Per-request storage, typed (aiohttp warns on plain string keys).
 REQUEST_ID = web.RequestKey("request_id", str)
@@ -144,15 +145,20 @@ def _open(request: web.Request) -> bool:
     return path in OPEN_PATHS or path.startswith("/admin/")
 
 
-def authenticate(request: web.Request, keys: tuple[bytes, ...]) -> None:
-    """`Authorization: Bearer <key>` with one of auth.api_keys, compared in constant time
-    against every key (which one matched does not show in the time taken)."""
+def bearer_matches(request: web.Request, keys: tuple[bytes, ...]) -> bool:
+    """Whether the request carries `Authorization: Bearer <one of keys>`, compared in constant
+    time against every key (which one matched does not show in the time taken). The API keys
+    (auth.api_keys) and the admin token (frontend.admin) both check with it."""
     scheme, _, sent = request.headers.get("Authorization", "").partition(" ")
     sent_bytes = sent.strip().encode()
     matched = False
     for key in keys:
         matched |= hmac.compare_digest(sent_bytes, key)
-    if scheme.lower() != "bearer" or not matched:
+    return scheme.lower() == "bearer" and matched
+
+
+def authenticate(request: web.Request, keys: tuple[bytes, ...]) -> None:
+    if not bearer_matches(request, keys):
         raise ApiError("unauthorized", "this server needs 'Authorization: Bearer <API key>' "
                        "(one of auth.api_keys)")
 
@@ -180,8 +186,8 @@ def _record(request: web.Request, response: web.StreamResponse, elapsed: float,
         for stage, seconds in stages.items():
             metrics.stage(stage, model).observe(seconds)
         request[LOG_FIELDS]["transfer_ms"] = round(stages["transfer"] * 1000, 3)
-    if path in ("/health", "/ready", "/metrics"):
-        return  # probes and scrapes would drown the access log (and the traces)
+    if path in PROBES:
+        return  # they would drown the access log (and the traces)
     tracing = request.app[TRACING]
     if tracing is not None:
         try:
