@@ -40,7 +40,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 from benchkit import (CORPUS, NULL_SCENARIO, NULL_STACK, SCENARIOS, OwnStack,  # noqa: E402
                       locust_window, open_loop_window)
 
-from shmserve.config import deep_merge  # noqa: E402
+from shmserve.layers import deep_merge  # noqa: E402
 
 SCENARIOS = {**SCENARIOS, "null": NULL_SCENARIO}
 

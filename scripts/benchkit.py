@@ -46,7 +46,7 @@ class OwnStack:
 
     def __init__(self, env: str | None, extra: str | None, overrides: dict,
                  repo: Path = REPO) -> None:
-        from shmserve.config import deep_merge
+        from shmserve.layers import deep_merge
 
         self.repo = repo  # the checkout whose code runs (scripts/ab.py's --a-rev: a worktree)
 

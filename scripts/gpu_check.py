@@ -121,7 +121,7 @@ def served(source: str, model_root: str, dtype: str, seconds: int, dry_run: bool
     `texts` texts, from `processes` locust processes.
     Kept in `keep`: the stack's logs (a worker's batch lines), /metrics after the window and,
     with `profile`, py-spy's samples of the worker and of one frontend during it."""
-    from shmserve.config import deep_merge
+    from shmserve.layers import deep_merge
 
     # configs/gpu.yaml, as a user serving on a GPU runs it; on the CPU (a dry run), smaller.
     overrides = deep_merge({

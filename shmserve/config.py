@@ -1,18 +1,10 @@
-"""Layered configuration, loaded once into a frozen typed object.
+"""Configuration, loaded once into a frozen typed object: its schema, its checks, and what is
+derived from it (the CPU layout, the API keys).
 
-Layers, later wins:
-  1. ``configs/base.yaml``
-  2. ``configs/<env>.yaml`` where env comes from ``SHMSERVE_ENV`` (default ``dev``)
-  3. optional extra files (``--config PATH`` or ``SHMSERVE_CONFIG``; several joined by ``:``,
-     merged in order)
-  4. environment variables ``SHMSERVE__SECTION__KEY=value``: the path is the key's path in
-     lower case joined by double underscores, a list index is a number
-     (``SHMSERVE__MODELS__0__SOURCE=/models/e5``); the value is parsed as a YAML scalar or
-     flow sequence, so ``8``, ``true``, ``[0, 1]`` and ``auto`` all work.
-
-Mappings are deep-merged; lists and scalars are replaced. The merged tree is validated into
-:class:`Config`; any bad value raises :class:`ConfigError` naming the key. Unknown keys are
-errors too, so a typo never silently falls back to a default.
+The layers it is merged from (configs/base.yaml, configs/<env>.yaml, extra files, environment
+variables) are `shmserve.layers`. The merged tree is validated into :class:`Config`; any bad
+value raises :class:`ConfigError` naming the key. Unknown keys are errors too, so a typo never
+silently falls back to a default.
 """
 
 from __future__ import annotations
@@ -25,13 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
-import yaml
-
+from shmserve import layers
+from shmserve.layers import REPO_ROOT
 from shmserve.typedtree import Check, ConfigError, build
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
-CONFIG_DIR = REPO_ROOT / "configs"
-ENV_PREFIX = "SHMSERVE__"
 
 
 @dataclass(frozen=True, slots=True)
@@ -278,20 +266,8 @@ _STICKY = re.compile(r"^(user|header:[A-Za-z0-9-]{1,64})?$")
 
 def load(env: str | None = None, extra: str | Path | None = None,
          environ: Mapping[str, str] | None = None) -> Config:
-    """Merge the layers described in the module docstring and validate them."""
-    environ = os.environ if environ is None else environ
-    env = env or environ.get("SHMSERVE_ENV", "dev")
-    tree = _read_yaml(CONFIG_DIR / "base.yaml")
-    env_file = CONFIG_DIR / f"{env}.yaml"
-    if not env_file.is_file():
-        raise ConfigError(f"SHMSERVE_ENV: no config file {env_file}")
-    tree = deep_merge(tree, _read_yaml(env_file))
-    extra = extra or environ.get("SHMSERVE_CONFIG")
-    for path in str(extra or "").split(os.pathsep):  # several files: "a.yaml:b.yaml", in order
-        if path:
-            tree = deep_merge(tree, _read_yaml(Path(path)))
-    tree = apply_env_overrides(tree, environ)
-    return from_tree(tree)
+    """Merge the layers (shmserve.layers) and validate them."""
+    return from_tree(layers.merged(env, extra, environ))
 
 
 def from_tree(tree: Mapping[str, Any]) -> Config:
@@ -422,53 +398,3 @@ def from_args(args) -> Config:
 def load_resolved(path: str | Path) -> Config:
     """Read the validated config that ``shmserve up`` wrote into the run directory."""
     return from_tree(json.loads(Path(path).read_text()))
-
-
-def deep_merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
-    merged = dict(base)
-    for key, value in over.items():
-        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
-            merged[key] = deep_merge(merged[key], value)
-        else:
-            merged[key] = value
-    return merged
-
-
-def apply_env_overrides(tree: dict[str, Any], environ: Mapping[str, str]) -> dict[str, Any]:
-    tree = json.loads(json.dumps(tree))  # a private deep copy we may mutate
-    for name in sorted(environ):
-        if not name.startswith(ENV_PREFIX):
-            continue
-        parts = [p.lower() for p in name[len(ENV_PREFIX):].split("__")]
-        try:
-            value = yaml.safe_load(environ[name]) if environ[name] != "" else ""
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{name}: not a YAML value ({exc.__class__.__name__})") from None
-        node: Any = tree
-        for i, part in enumerate(parts):
-            last = i == len(parts) - 1
-            key: Any = int(part) if isinstance(node, list) and part.isdigit() else part
-            if isinstance(node, list):
-                if not isinstance(key, int) or key >= len(node):
-                    raise ConfigError(f"{name}: no list item {part!r} at {'.'.join(parts[:i])}")
-            elif not isinstance(node, dict):
-                raise ConfigError(f"{name}: {'.'.join(parts[:i])} is not a section")
-            if last:
-                node[key] = value
-            else:
-                if isinstance(node, dict) and key not in node:
-                    node[key] = {}
-                node = node[key]
-    return tree
-
-
-def _read_yaml(path: Path) -> dict[str, Any]:
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except FileNotFoundError:
-        raise ConfigError(f"config file not found: {path}") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: invalid YAML: {exc}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping")
-    return data

@@ -19,7 +19,7 @@ from typing import Any
 
 import yaml
 
-from shmserve.config import deep_merge
+from shmserve.layers import deep_merge
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from shmserve import config
+from shmserve import config, layers
 from shmserve.config import ConfigError
 
 
@@ -60,7 +60,7 @@ def test_api_keys_from_the_config_and_a_file(tmp_path):
 
 
 def test_deep_merge_keeps_siblings():
-    assert config.deep_merge({"a": {"x": 1, "y": 2}, "b": [1]}, {"a": {"y": 3}, "b": [2]}) == \
+    assert layers.deep_merge({"a": {"x": 1, "y": 2}, "b": [1]}, {"a": {"y": 3}, "b": [2]}) == \
         {"a": {"x": 1, "y": 3}, "b": [2]}
 
 

@@ -22,7 +22,7 @@ import pytest
 from supervisor.datatypes import RestartUnconditionally
 from supervisor.options import EventListenerPoolConfig, ServerOptions
 
-from shmserve import config, nginxrun, render, topology
+from shmserve import config, layers, nginxrun, render, topology
 from shmserve.config import REPO_ROOT, Config
 
 
@@ -38,7 +38,7 @@ def make_config(run_dir: Path, **sections: dict[str, Any]) -> Config:
         "server": {"run_dir": str(run_dir), "port": free_port(), "drain_timeout_s": 7.5},
         "workers": {"devices": "cpu", "cpu_workers": 1},  # not auto: a count of its own
     }
-    return config.from_tree(config.deep_merge(tree, sections))
+    return config.from_tree(layers.deep_merge(tree, sections))
 
 
 def programs(cfg: Config) -> dict[str, Any]:

@@ -1,0 +1,96 @@
+"""Where a configuration's tree comes from, before shmserve.config validates it.
+
+Layers, later wins:
+  1. ``configs/base.yaml``
+  2. ``configs/<env>.yaml`` where env comes from ``SHMSERVE_ENV`` (default ``dev``)
+  3. optional extra files (``--config PATH`` or ``SHMSERVE_CONFIG``; several joined by ``:``,
+     merged in order)
+  4. environment variables ``SHMSERVE__SECTION__KEY=value``: the path is the key's path in
+     lower case joined by double underscores, a list index is a number
+     (``SHMSERVE__MODELS__0__SOURCE=/models/e5``); the value is parsed as a YAML scalar or
+     flow sequence, so ``8``, ``true``, ``[0, 1]`` and ``auto`` all work.
+
+Mappings are deep-merged; lists and scalars are replaced.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+from shmserve.typedtree import ConfigError
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+CONFIG_DIR = REPO_ROOT / "configs"
+ENV_PREFIX = "SHMSERVE__"
+
+
+def merged(env: str | None = None, extra: str | Path | None = None,
+           environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The four layers above, merged: a plain tree, not yet validated."""
+    environ = os.environ if environ is None else environ
+    env = env or environ.get("SHMSERVE_ENV", "dev")
+    tree = _read_yaml(CONFIG_DIR / "base.yaml")
+    env_file = CONFIG_DIR / f"{env}.yaml"
+    if not env_file.is_file():
+        raise ConfigError(f"SHMSERVE_ENV: no config file {env_file}")
+    tree = deep_merge(tree, _read_yaml(env_file))
+    extra = extra or environ.get("SHMSERVE_CONFIG")
+    for path in str(extra or "").split(os.pathsep):  # several files: "a.yaml:b.yaml", in order
+        if path:
+            tree = deep_merge(tree, _read_yaml(Path(path)))
+    return apply_env_overrides(tree, environ)
+
+
+def deep_merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in over.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+            merged[key] = deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def apply_env_overrides(tree: dict[str, Any], environ: Mapping[str, str]) -> dict[str, Any]:
+    tree = json.loads(json.dumps(tree))  # a private deep copy we may mutate
+    for name in sorted(environ):
+        if not name.startswith(ENV_PREFIX):
+            continue
+        parts = [p.lower() for p in name[len(ENV_PREFIX):].split("__")]
+        try:
+            value = yaml.safe_load(environ[name]) if environ[name] != "" else ""
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{name}: not a YAML value ({exc.__class__.__name__})") from None
+        node: Any = tree
+        for i, part in enumerate(parts):
+            last = i == len(parts) - 1
+            key: Any = int(part) if isinstance(node, list) and part.isdigit() else part
+            if isinstance(node, list):
+                if not isinstance(key, int) or key >= len(node):
+                    raise ConfigError(f"{name}: no list item {part!r} at {'.'.join(parts[:i])}")
+            elif not isinstance(node, dict):
+                raise ConfigError(f"{name}: {'.'.join(parts[:i])} is not a section")
+            if last:
+                node[key] = value
+            else:
+                if isinstance(node, dict) and key not in node:
+                    node[key] = {}
+                node = node[key]
+    return tree
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: invalid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping")
+    return data
