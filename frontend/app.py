@@ -226,6 +226,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         yield
     finally:
         await pool.close()
+        metrics.turn.flush()
         arena.close(unlink=True)
         if app[TRACING] is not None:
             app[TRACING].close()

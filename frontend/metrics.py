@@ -11,7 +11,7 @@ from __future__ import annotations
 from prometheus_client import Counter, Gauge, Histogram
 
 from shmserve import metrics as shared
-from shmserve.metrics import Children
+from shmserve.metrics import Children, Turn
 from shmserve import processes
 from shmserve.config import Config
 
@@ -49,9 +49,13 @@ WORKER_RESTARTS = Counter("shmserve_worker_restarts_seen_total",
 
 
 # The request path's children, cached (shmserve.metrics.Children): call as `texts(model)`.
-requests, latency, stage = Children(REQUESTS), Children(LATENCY), Children(STAGE)
-inflight, texts, tokens = Children(INFLIGHT), Children(TEXTS), Children(TOKENS)
-input_tokens, truncated = Children(INPUT_TOKENS), Children(TRUNCATED)
+# Their updates are written once per event-loop turn (shmserve.metrics.Turn): a frontend answers
+# a worker's whole batch of replies in one turn.
+turn = Turn()
+requests, latency, stage = (Children(m, turn) for m in (REQUESTS, LATENCY, STAGE))
+inflight, texts, tokens = (Children(m, turn) for m in (INFLIGHT, TEXTS, TOKENS))
+input_tokens, truncated = Children(INPUT_TOKENS, turn), Children(TRUNCATED, turn)
+rejected, deadlines = Children(REJECTED, turn), Children(DEADLINES, turn)
 
 
 def start(models: list[str], frontend: int, workers: int) -> None:
@@ -73,9 +77,9 @@ def observe_request(route: str, model: str, status: int, seconds: float,
     requests(route, model, str(status), revision).inc()
     latency(route, model).observe(seconds)
     if status == 429:
-        REJECTED.labels(model).inc()
+        rejected(model).inc()
     elif status == 504:
-        DEADLINES.labels(model).inc()
+        deadlines(model).inc()
 
 
 def exposition(cfg: Config) -> tuple[bytes, str]:

@@ -109,6 +109,7 @@ async def ready(request: web.Request) -> web.Response:
 
 
 async def metrics_route(request: web.Request) -> web.Response:
+    metrics.turn.flush()  # this turn's updates, so a scrape right after a request counts it
     body, content_type = await asyncio.get_running_loop().run_in_executor(
         None, metrics.exposition, request.app[CONFIG])
     return web.Response(body=body, headers={"Content-Type": content_type})

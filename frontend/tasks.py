@@ -30,7 +30,6 @@ from frontend.dispatch import Outcome
 from frontend.errors import ApiError
 from frontend.tokenizer import Encoded, TextEncoder
 from frontend.variants import Variant
-from shmserve.metrics import observe_many
 
 # Tokenize off the event loop when a request is this large (characters); small ones are faster
 # inline than a thread hop.
@@ -148,7 +147,7 @@ async def run(request: web.Request, served: ServedModel,
     metrics.tokens(name).inc(enc.tokens)
     if enc.truncated:
         metrics.truncated(name).inc(enc.truncated)
-    observe_many(metrics.input_tokens(name), np.diff(enc.offsets))
+    metrics.input_tokens(name).observe_many(np.diff(enc.offsets).tolist())
     # The middleware adds the transfer and total stages once the response is rendered.
     request[STAGES] = {"tokenize": request[TOKENIZE_MS] / 1000,
                        "queue": outcome.result.queue_ms / 1000,

@@ -8,7 +8,13 @@ import sys
 
 import numpy as np
 import pytest
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 from prometheus_client.parser import text_string_to_metric_families
 
 from shmserve import metrics
@@ -114,3 +120,114 @@ def test_a_switch_retires_the_old_series_under_its_own_dtype():
             "device": "cpu"})
     assert (value("r1", "bf16"), value("r2", "fp32")) == (0.0, 1.0)
     assert value("r1", "fp32") is None  # no made-up series for the old weights
+
+
+class CountingChild:
+    """Stands in for a prometheus_client child: records every write."""
+
+    def __init__(self, child) -> None:
+        self.child, self.writes = child, 0
+
+    def inc(self, amount: float = 1.0) -> None:
+        self.writes += 1
+        self.child.inc(amount)
+
+    def observe(self, value: float) -> None:
+        self.writes += 1
+        self.child.observe(value)
+
+    @property
+    def _upper_bounds(self):
+        return self.child._upper_bounds
+
+    @property
+    def _buckets(self):
+        return self.child._buckets
+
+    @property
+    def _sum(self):
+        return self.child._sum
+
+
+def held_and_direct(turn: metrics.Turn):
+    """The same counter, gauge and histogram twice: once held by `turn`, once written at once."""
+    regs, made = (CollectorRegistry(), CollectorRegistry()), []
+    for reg in regs:
+        made.append((Counter("c", "c", ["m"], registry=reg), Gauge("g", "g", ["m"], registry=reg),
+                     Histogram("h", "h", ["m"], buckets=metrics.LATENCY_BUCKETS, registry=reg)))
+    held = [metrics.Children(m, turn) for m in made[0]]
+    return regs, held, made[1]
+
+
+def test_turn_holds_updates_until_the_loop_turn_ends_and_writes_the_same_values():
+    import asyncio
+
+    turn = metrics.Turn()
+    (held_reg, direct_reg), (c, g, h), (dc, dg, dh) = held_and_direct(turn)
+    values = [0.0003 * i for i in range(40)]
+
+    async def requests():
+        for value in values:
+            c("x").inc()
+            g("x").inc()
+            h("x").observe(value)
+            h("x").observe_many([value, value * 2])
+            c("y").inc(2.5)
+        for _ in values[:10]:
+            g("x").dec()
+        held_during_turn = samples(held_reg)
+        await asyncio.sleep(0)  # the turn ends; its callback writes
+        await asyncio.sleep(0)
+        return held_during_turn
+
+    during = asyncio.run(requests())
+    for value in values:
+        dc.labels("x").inc()
+        dg.labels("x").inc()
+        dh.labels("x").observe(value)
+        for v in (value, value * 2):
+            dh.labels("x").observe(v)
+        dc.labels("y").inc(2.5)
+    for _ in values[:10]:
+        dg.labels("x").dec()
+    assert samples(held_reg) == samples(direct_reg)
+    assert samples(held_reg)[("c_total", (("m", "x"),))] == 40
+    assert samples(held_reg)[("g", (("m", "x"),))] == 30
+    assert during[("c_total", (("m", "x"),))] == 0  # nothing written before the turn ended
+
+
+def test_turn_writes_each_child_once_per_turn():
+    import asyncio
+
+    turn = metrics.Turn()
+    counter = CountingChild(Counter("c", "c", registry=CollectorRegistry()))
+    histogram = CountingChild(Histogram("h", "h", buckets=metrics.LATENCY_BUCKETS,
+                                        registry=CollectorRegistry()))
+
+    async def two_turns():
+        for _ in range(30):
+            turn.add(counter, 1.0)
+            turn.observe(histogram, [0.004])
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        turn.add(counter, 1.0)
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+
+    asyncio.run(two_turns())
+    assert counter.writes == 2  # one per turn, not one per update
+    assert counter.child._value.get() == 31
+    assert histogram.child._sum.get() == pytest.approx(0.12)
+    assert histogram.writes == 0  # 30 values: observe_many's bulk path, not 30 observes
+
+
+def test_turn_outside_a_running_loop_writes_at_once():
+    turn = metrics.Turn()
+    (held_reg, _), (c, g, h), _ = held_and_direct(turn)
+    c("x").inc()
+    h("x").observe(0.01)
+    g("x").dec(3)
+    got = samples(held_reg)
+    assert got[("c_total", (("m", "x"),))] == 1
+    assert got[("h_count", (("m", "x"),))] == 1
+    assert got[("g", (("m", "x"),))] == -3
