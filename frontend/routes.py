@@ -100,6 +100,7 @@ async def health(request: web.Request) -> web.Response:
 async def ready(request: web.Request) -> web.Response:
     pool = request.app[POOL]
     workers = [{"worker": link.index, "alive": link.alive, "ready": link.ready,
+                "pid": link.beat.pid if link.beat else None,
                 "device": link.beat.device if link.beat else None,
                 "queued_texts": link.beat.queued_texts if link.beat else None}
                for link in pool.links]

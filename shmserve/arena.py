@@ -16,6 +16,10 @@ Ownership, stated once:
   * The creator unlinks its arena on clean exit. A killed frontend's arena is swept by the next
     process of the same index (`sweep` with its prefix) and by ``shmserve up``/``down`` (the
     instance prefix), so /dev/shm does not grow across restarts.
+  * The creator holds a shared `flock` on its arena while it lives, so an arena whose creator is
+    gone can be told from one in use by any process, even one in another pid namespace:
+    `sweep_orphans` (``shmserve up``/``down``) removes those of every deployment, including
+    one whose whole process tree was killed and whose run directory is gone.
   * Workers only attach (`Attachments`), and drop a mapping once its file is gone.
 
 tmpfs allocates pages only when touched, so a large arena costs nothing until it is used.
@@ -24,9 +28,12 @@ tmpfs allocates pages only when touched, so a large arena costs nothing until it
 from __future__ import annotations
 
 import bisect
+import fcntl
 import math
 import mmap
 import os
+import re
+import time
 from pathlib import Path
 
 import numpy as np
@@ -43,6 +50,41 @@ class ArenaFull(MemoryError):
 
 def arena_name(instance: str, role: str, pid: int | None = None) -> str:
     return f"shmserve-{instance}-{role}-{os.getpid() if pid is None else pid}"
+
+
+_ARENA_FILE = re.compile(r"^shmserve-[0-9a-f]+-[a-z0-9]+-\d+$")
+ORPHAN_MIN_AGE_S = 10.0  # younger segments may be between their creation and their lock
+
+
+def sweep_orphans(directory: Path = SHM_DIR, min_age_s: float | None = None) -> list[str]:
+    """Remove every shmserve arena, of any deployment, that no live creator holds.
+
+    An arena's creator holds a shared lock on it (`Arena`); if an exclusive lock can be taken,
+    nobody does: its process was killed (SIGKILL, OOM killer, a killed process group) before it
+    could unlink the file. Segments changed in the last `min_age_s` are left, since a creator
+    locks its file just after creating it."""
+    min_age_s = ORPHAN_MIN_AGE_S if min_age_s is None else min_age_s
+    removed = []
+    now = time.time()
+    for path in directory.glob("shmserve-*"):
+        if not _ARENA_FILE.match(path.name):
+            continue
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            continue
+        try:
+            if now - os.fstat(fd).st_ctime < min_age_s:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # its creator lives
+            path.unlink(missing_ok=True)
+            removed.append(path.name)
+        finally:
+            os.close(fd)
+    return removed
 
 
 def sweep(prefix: str, directory: Path = SHM_DIR) -> list[str]:
@@ -66,10 +108,13 @@ class Arena:
         self.path = directory / name
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
+            fcntl.flock(fd, fcntl.LOCK_SH)  # held while this process lives: `sweep_orphans`
             os.ftruncate(fd, size)
             self._mm = mmap.mmap(fd, size)
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
+        self._lock_fd = fd
         self._buf = np.frombuffer(self._mm, dtype=np.uint8)
         self._free_starts = [0]  # sorted start offsets of free ranges
         self._free_sizes = {0: size}
@@ -131,6 +176,9 @@ class Arena:
                 self.path.unlink()
             except FileNotFoundError:
                 pass
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
 
 
 class Attachments:

@@ -3,7 +3,7 @@
     shmserve up [--wait] [--timeout S] [--foreground]   render, clean stale state, start
     shmserve down                                        stop everything, clean up
     shmserve status [--watch [S]] [--count N]            processes, workers, throughput, memory
-    shmserve restart frontends|workers|nginx|PROGRAM
+    shmserve restart frontends|workers|nginx|PROGRAM [--all-at-once]   rolling, no request lost
     shmserve ctl ARGS...                                 supervisorctl with this deployment's -c
     shmserve config                                      the resolved config as JSON
     shmserve models                                      GET /admin/models
@@ -11,14 +11,19 @@
     shmserve split NAME VARIANT=WEIGHT...                A/B weights of a model
 
 ``--env`` and ``--config`` (or SHMSERVE_ENV and SHMSERVE_CONFIG) choose the deployment for
-every command: its run directory holds the rendered configs, sockets, logs and pid files.
+every command: its run directory holds the rendered configs, sockets, logs and pid files. While
+it runs, the other commands use the config it was started with (run_dir/config.json), not the
+environment they are run in, so an override given to `up` need not be repeated.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
+import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -77,9 +82,14 @@ def _parser() -> argparse.ArgumentParser:
                             help="refresh every SECONDS (default 2) until Ctrl-C")
     status_cmd.add_argument("--count", type=int, metavar="N", help="with --watch: stop after N "
                             "refreshes")
-    restart_cmd = command("restart", restart, "restart a group or one program")
+    restart_cmd = command("restart", restart, "restart a group one program at a time, each "
+                          "ready before the next (nginx: a graceful configuration reload)")
     restart_cmd.add_argument("target", help="frontends | workers | nginx | a program name "
                              "(frontend-0, worker-1)")
+    restart_cmd.add_argument("--all-at-once", action="store_true", help="restart a group's "
+                             "programs together (faster; requests fail until they are ready)")
+    restart_cmd.add_argument("--timeout", type=float, help="seconds to wait for each restarted "
+                             "program to be ready (default: workers.ready_timeout_s)")
     ctl_cmd = command("ctl", ctl, "run supervisorctl against this deployment")
     ctl_cmd.add_argument("ctl_args", nargs=argparse.REMAINDER, metavar="ARGS")
     command("config", show_config, "print the resolved config as JSON")
@@ -115,9 +125,13 @@ def up(args: argparse.Namespace) -> int:
     leftovers = processes.kill_orphans(cfg)  # a SIGKILLed supervisord left its children
     if leftovers:
         print(f"shmserve: killed processes a dead supervisord left behind: {leftovers}")
+    nginxrun.kill_all(render.nginx_conf(cfg))  # and its nginx, which no longer names it
+    check_port(cfg)  # after those: this deployment's own leftovers may have held it
     clean_stale(cfg, metrics=True)
     state.remove(cfg)  # reloads and splits of an earlier run: at start the config is the truth
     argv = [tool("supervisord"), "-c", str(render.supervisord_conf(cfg))]
+    nginx_log = topology.log_dir(cfg) / "nginx.log"
+    log_start = nginx_log.stat().st_size if nginx_log.exists() else 0
     if args.foreground:
         os.execv(argv[0], [*argv, "--nodaemon"])
     done = subprocess.run(argv, capture_output=True, text=True, check=False)
@@ -129,16 +143,16 @@ def up(args: argparse.Namespace) -> int:
     if not args.wait:
         return 0
     timeout = args.timeout if args.timeout is not None else cfg.workers.ready_timeout_s
-    return wait_ready(cfg, timeout)
+    return wait_ready(cfg, timeout, log_start)
 
 
 def down(args: argparse.Namespace) -> int:
-    cfg = config.from_args(args)
+    cfg = remote.deployment(args)
     pid = supervisord_pid(cfg)
     if pid is None:
         print(f"shmserve: not running (run_dir {cfg.run_dir})")
     else:
-        subprocess.run(_ctl_argv(cfg, "shutdown"), check=False)
+        subprocess.run(_ctl_argv(cfg, "shutdown"), check=False, stdout=subprocess.DEVNULL)
         # supervisord stops its three groups one after another, each within stopwaitsecs.
         limit = 3 * render.stopwaitsecs(cfg) + 10
         _wait_for(lambda: not processes.alive(pid), limit,
@@ -153,7 +167,7 @@ def down(args: argparse.Namespace) -> int:
 
 def status(args: argparse.Namespace) -> int:
     """0: every process runs and GET /ready says ready; 1: not so; 3: not running at all."""
-    cfg = config.from_args(args)
+    cfg = remote.deployment(args)
     if supervisord_pid(cfg) is None:
         print(f"shmserve: not running (run_dir {cfg.run_dir})")
         return 3
@@ -174,14 +188,95 @@ def status(args: argparse.Namespace) -> int:
 
 
 def restart(args: argparse.Namespace) -> int:
-    cfg = config.from_args(args)
-    return subprocess.run(_ctl_argv(cfg, "restart", restart_target(args.target)),
-                          check=False).returncode
+    """A group one program at a time, each ready again before the next goes, so the others
+    serve meanwhile (nginx moves a refused request to the next frontend; a frontend routes
+    around a stopped worker); nginx itself reloads its configuration in place (SIGHUP: new
+    workers start, the old ones finish their requests). A single program is restarted and
+    waited for. `--all-at-once`: supervisorctl's restart of the whole group."""
+    cfg = remote.deployment(args)
+    if supervisord_pid(cfg) is None:
+        raise CliError(f"not running (run_dir {cfg.run_dir})")
+    target = restart_target(args.target)
+    timeout = args.timeout if args.timeout is not None else cfg.workers.ready_timeout_s
+    if target == "nginx" and not args.all_at_once:
+        return reload_nginx(cfg)
+    if args.all_at_once or target == "nginx":
+        return subprocess.run(_ctl_argv(cfg, "restart", target), check=False).returncode
+    group, _, name = target.partition(":")
+    if group not in ("frontends", "workers"):
+        return subprocess.run(_ctl_argv(cfg, "restart", target), check=False).returncode
+    programs = [p["name"] for p in process_info(cfg) if p["group"] == group]
+    if name != "*":
+        if name not in programs:
+            raise CliError(f"no program {args.target!r}; this deployment has "
+                           f"{', '.join(programs) or 'none'} in {group}")
+        programs = [name]
+    for program in sorted(programs):
+        restart_one(cfg, group, program, timeout)
+    return 0
+
+
+def restart_one(cfg: Config, group: str, program: str, timeout: float) -> None:
+    """Restart one frontend or worker and wait until it serves again: a frontend answers
+    GET /ready with 200 on its own socket; a worker, under its new pid, is ready in every
+    frontend's GET /ready (each learns it from the worker's heartbeats)."""
+    done = subprocess.run(_ctl_argv(cfg, "restart", f"{group}:{program}"), check=False,
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        raise CliError(f"supervisorctl restart {group}:{program} failed: "
+                       f"{(done.stdout + done.stderr).strip()}")
+    pid = next((p["pid"] for p in process_info(cfg) if p["name"] == program), 0)
+    frontends = [str(topology.frontend_socket(cfg, i)) for i in range(cfg.frontends.count)]
+    if group == "frontends":
+        index = int(program.rpartition("-")[2])
+        ready = lambda: remote.http_unix(frontends[index], "/ready") == 200  # noqa: E731
+    else:
+        index = int(program.rpartition("-")[2])
+        ready = lambda: all(worker_ready(path, index, pid) for path in frontends)  # noqa: E731
+    print(f"shmserve: restarted {program} (pid {pid}); waiting until it is ready", flush=True)
+    deadline = time.monotonic() + timeout
+    while not ready():
+        states = {p["name"]: p["statename"] for p in process_info(cfg)}
+        if states.get(program) in ("FATAL", "BACKOFF", "EXITED") or time.monotonic() > deadline:
+            print_log_tails(cfg)
+            raise CliError(f"{program} not ready ({states.get(program)}) after restarting; "
+                           f"the rest of {group} was left as it is; logs in "
+                           f"{topology.log_dir(cfg)}")
+        time.sleep(0.2)
+    print(f"shmserve: {program} ready")
+
+
+def worker_ready(frontend_socket: str, index: int, pid: int) -> bool:
+    """Whether the frontend on `frontend_socket` sees worker `index`, as process `pid`, ready."""
+    code, body = remote.get_unix(frontend_socket, "/ready")
+    if code is None:
+        return False
+    try:
+        workers = json.loads(body)["workers"]
+    except (ValueError, KeyError, TypeError):
+        return False
+    return any(w.get("worker") == index and w.get("pid") == pid and w.get("ready")
+               for w in workers)
+
+
+def reload_nginx(cfg: Config) -> int:
+    """nginx re-reads its configuration (SIGHUP through supervisord): new workers start on the
+    same listening socket and the old ones finish their requests, so no connection is refused.
+    A stopped or failed nginx is started instead."""
+    states = {p["name"]: p["statename"] for p in process_info(cfg)}
+    if states.get("nginx") != "RUNNING":
+        return subprocess.run(_ctl_argv(cfg, "restart", "nginx"), check=False).returncode
+    done = subprocess.run(_ctl_argv(cfg, "signal", "HUP", "nginx"), check=False,
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        raise CliError(f"supervisorctl signal HUP nginx failed: {done.stdout.strip()}")
+    print("shmserve: nginx reloaded its configuration (graceful: no request dropped)")
+    return 0
 
 
 def ctl(args: argparse.Namespace) -> int:
     rest = deployment_flags(args, args.ctl_args)
-    return subprocess.run(_ctl_argv(config.from_args(args), *rest), check=False).returncode
+    return subprocess.run(_ctl_argv(remote.deployment(args), *rest), check=False).returncode
 
 
 def deployment_flags(args: argparse.Namespace, argv: list[str]) -> list[str]:
@@ -216,15 +311,21 @@ def restart_target(name: str) -> str:
     return name
 
 
-def wait_ready(cfg: Config, timeout: float) -> int:
+def wait_ready(cfg: Config, timeout: float, nginx_log_start: int = 0) -> int:
     """Poll GET /ready until 200 through nginx and from every frontend (each sees the workers
-    through its own heartbeats, so one may be ready a heartbeat before another); on timeout
-    or a program that gave up, show the logs."""
+    through its own heartbeats, so one may be ready a heartbeat before another); on timeout,
+    a program that gave up or nginx failing to listen, show the logs. `nginx_log_start`: where
+    this start's lines begin in nginx.log (a 200 through the port means nothing if our nginx
+    could not bind it: another server answered)."""
     url = ready_url(cfg)
     frontends = [str(topology.frontend_socket(cfg, i)) for i in range(cfg.frontends.count)]
     deadline = time.monotonic() + timeout
+    bind_error = None
     while True:
         fatal = [p["name"] for p in process_info(cfg) if p["statename"] == "FATAL"]
+        bind_error = nginx_bind_error(cfg, nginx_log_start)
+        if bind_error is not None:
+            break
         code, _ = remote.http(url)
         if code == 200 and all(remote.http_unix(path, "/ready") == 200 for path in frontends):
             print(f"shmserve: ready at {remote.base_url(cfg)}")
@@ -233,10 +334,45 @@ def wait_ready(cfg: Config, timeout: float) -> int:
             break
         time.sleep(0.5)
     print_log_tails(cfg)
-    why = (f"{', '.join(fatal)} gave up (FATAL)" if fatal else
-           f"{url} not ready after {timeout:g} s; raise workers.ready_timeout_s or --timeout")
+    if bind_error is not None:
+        why = (f"nginx cannot listen on {cfg.server.host}:{cfg.server.port} ({bind_error}); "
+               "`shmserve down`, then choose a free server.port (SHMSERVE__SERVER__PORT)")
+    elif fatal:
+        why = f"{', '.join(fatal)} gave up (FATAL)"
+    else:
+        why = f"{url} not ready after {timeout:g} s; raise workers.ready_timeout_s or --timeout"
     print(f"shmserve: {why}; logs in {topology.log_dir(cfg)}", file=sys.stderr)
     return 1
+
+
+def nginx_bind_error(cfg: Config, start: int) -> str | None:
+    """nginx's complaint that it cannot bind its port, logged since byte `start`, if any."""
+    try:
+        with (topology.log_dir(cfg) / "nginx.log").open("rb") as log:
+            log.seek(start)
+            text = log.read().decode(errors="replace")
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if "bind()" in line and "failed" in line:
+            return line.partition("[emerg]")[2].strip() or line.strip()
+    return None
+
+
+def check_port(cfg: Config) -> None:
+    """Fail before starting anything when server.port is taken (nginx would retry for ever,
+    and a ready check through the port would be answered by whoever holds it)."""
+    host = cfg.server.host
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as nginx binds
+        try:
+            probe.bind((host, cfg.server.port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise CliError(f"{host}:{cfg.server.port} is in use by another process; choose "
+                               "another server.port (SHMSERVE__SERVER__PORT) or stop it") from None
+            raise CliError(f"cannot listen on {host}:{cfg.server.port}: {exc.strerror}") from None
 
 
 def process_info(cfg: Config) -> list[dict]:
@@ -257,8 +393,12 @@ def ready_url(cfg: Config) -> str:
 
 
 def clean_stale(cfg: Config, metrics: bool) -> None:
-    """Remove what killed processes left: shared memory, socket files, (metrics files)."""
+    """Remove what killed processes left: shared memory (this deployment's, and any other's
+    whose creator is gone), socket files, (metrics files)."""
     arena.sweep(topology.shm_prefix(cfg))
+    orphans = arena.sweep_orphans()
+    if orphans:
+        print(f"shmserve: removed shared memory that killed processes left: {', '.join(orphans)}")
     dirs = [topology.socket_dir(cfg)] + ([topology.metrics_dir(cfg)] if metrics else [])
     for directory in dirs:
         for path in directory.glob("*") if directory.is_dir() else ():
@@ -266,17 +406,7 @@ def clean_stale(cfg: Config, metrics: bool) -> None:
                 path.unlink(missing_ok=True)
 
 
-def supervisord_pid(cfg: Config) -> int | None:
-    """The pid of this deployment's running supervisord, from its pid file."""
-    try:
-        pid = int(render.supervisord_pidfile(cfg).read_text().strip())
-    except (OSError, ValueError):
-        return None
-    try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return None
-    return pid if processes.alive(pid) and b"supervisord" in cmdline else None
+supervisord_pid = processes.supervisord_pid
 
 
 def tool(name: str) -> str:
@@ -290,8 +420,6 @@ def tool(name: str) -> str:
 
 def _ctl_argv(cfg: Config, *args: str) -> list[str]:
     return [tool("supervisorctl"), "-c", str(render.supervisord_conf(cfg)), *args]
-
-
 
 
 def _wait_for(condition: Callable[[], bool], timeout: float, error: str) -> None:

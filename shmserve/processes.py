@@ -14,7 +14,7 @@ from pathlib import Path
 
 import psutil
 
-from shmserve import render
+from shmserve import render, topology
 from shmserve.config import Config
 
 
@@ -94,6 +94,36 @@ def kill_orphans(cfg: Config, timeout_s: float = 10.0) -> list[int]:
     while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.02)
     return pids
+
+
+def supervisord_pid(cfg: Config) -> int | None:
+    """The pid of this deployment's running supervisord, from its pid file."""
+    try:
+        pid = int(render.supervisord_pidfile(cfg).read_text().strip())
+    except (OSError, ValueError):
+        return None
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return None
+    return pid if alive(pid) and b"supervisord" in cmdline else None
+
+
+def running_config(cfg: Config) -> Config:
+    """The config the deployment in `cfg`'s run directory was started with, while it runs;
+    else `cfg`. The processes run what ``shmserve up`` rendered (its port, counts, tokens), so a
+    later command (status, restart, reload) must not re-read an environment that may have
+    changed since: ``SHMSERVE__SERVER__PORT=9000 shmserve up`` then plain ``shmserve status``
+    still finds port 9000."""
+    path = topology.resolved_config_path(cfg)
+    if supervisord_pid(cfg) is None or not path.is_file():
+        return cfg
+    from shmserve import config
+
+    try:
+        return config.load_resolved(path)
+    except (OSError, ValueError, config.ConfigError):
+        return cfg  # written by another version, say: the caller's own reading is the best left
 
 
 def alive(pid: int) -> bool:

@@ -12,7 +12,7 @@ from http.client import HTTPConnection, HTTPException
 from pathlib import Path
 from urllib.parse import quote
 
-from shmserve import config
+from shmserve import config, processes
 from shmserve.config import Config
 
 
@@ -21,13 +21,13 @@ class RemoteError(RuntimeError):
 
 
 def list_models(args: argparse.Namespace) -> int:
-    status_code, body = admin_call(config.from_args(args), "GET", "/admin/models")
+    status_code, body = admin_call(deployment(args), "GET", "/admin/models")
     print(json.dumps(body, indent=2))
     return 0 if status_code == 200 else 1
 
 
 def reload(args: argparse.Namespace) -> int:
-    cfg = config.from_args(args)
+    cfg = deployment(args)
     source = args.source
     if source and not source.startswith("package:"):
         source = str(Path(source).expanduser().resolve())  # the workers' cwd is not ours
@@ -48,17 +48,24 @@ def split(args: argparse.Namespace) -> int:
             raise RemoteError(f"{item!r}: expected VARIANT=WEIGHT, WEIGHT a number") from None
         if not eq:
             raise RemoteError(f"{item!r}: expected VARIANT=WEIGHT")
-    status_code, answer = admin_call(config.from_args(args), "PUT", f"/admin/models/{quote(args.name)}/split",
+    status_code, answer = admin_call(deployment(args), "PUT",
+                                     f"/admin/models/{quote(args.name)}/split",
                                      {"weights": weights})
     print(json.dumps(answer, indent=2))
     return 0 if status_code == 200 else 1
+
+
+def deployment(args: argparse.Namespace) -> Config:
+    """The config of the deployment `--env`/`--config` name, as it was started if it runs."""
+    return processes.running_config(config.from_args(args))
 
 
 def admin_call(cfg: Config, method: str, path: str, body: dict | None = None,
                timeout: float = 30.0) -> tuple[int, object]:
     """Call an admin route through nginx with admin.token; (status, decoded JSON body)."""
     if not cfg.admin.token:
-        raise RemoteError("admin routes are off: set admin.token (SHMSERVE__ADMIN__TOKEN)")
+        raise RemoteError("admin routes are off in this deployment: start it with admin.token "
+                          "set (SHMSERVE__ADMIN__TOKEN=... shmserve up, or in a config file)")
     data = json.dumps(body).encode() if body is not None else None
     code, raw = http(base_url(cfg) + path, method, data, timeout=timeout, headers={
         "Authorization": f"Bearer {cfg.admin.token}", "Content-Type": "application/json"})
@@ -106,13 +113,17 @@ class _UnixConnection(HTTPConnection):
 def http_unix(path: str, target: str, timeout: float = 2.0) -> int | None:
     """GET `target` from the HTTP server on unix socket `path` (a frontend, not through
     nginx): its status, or None when nothing answered."""
+    return get_unix(path, target, timeout)[0]
+
+
+def get_unix(path: str, target: str, timeout: float = 2.0) -> tuple[int | None, bytes]:
+    """`http_unix` with the body: (status, body), or (None, b"")."""
     conn = _UnixConnection(path, timeout)
     try:
         conn.request("GET", target)
         response = conn.getresponse()
-        response.read()
-        return response.status
+        return response.status, response.read()
     except (OSError, HTTPException):
-        return None
+        return None, b""
     finally:
         conn.close()

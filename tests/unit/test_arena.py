@@ -4,7 +4,8 @@ import random
 import numpy as np
 import pytest
 
-from shmserve.arena import ALIGN, Arena, ArenaFull, Attachments, arena_name, sweep
+from shmserve.arena import (ALIGN, Arena, ArenaFull, Attachments, arena_name, sweep,
+                            sweep_orphans)
 
 
 @pytest.fixture
@@ -88,3 +89,49 @@ def test_close_unlinks_and_sweep_removes_leftovers(tmp_path):
     (tmp_path / "shmserve-y-fe1-99").write_bytes(b"")
     assert sweep("shmserve-x-", directory=tmp_path) == ["shmserve-x-fe1-99"]
     assert os.listdir(tmp_path) == ["shmserve-y-fe1-99"]
+
+
+def test_sweep_orphans_removes_only_arenas_no_live_creator_holds(tmp_path):
+    live = Arena(arena_name("0123abcd", "fe0"), 1 << 16, directory=tmp_path)
+    orphan = tmp_path / arena_name("89abcdef", "fe1", pid=2**22 + 7)  # its creator was killed
+    orphan.write_bytes(b"\0" * 4096)
+    other = tmp_path / "shmserve-not-an-arena"  # not ours by name: left alone
+    other.write_bytes(b"")
+    assert sweep_orphans(tmp_path, min_age_s=0) == [orphan.name]
+    assert live.path.exists() and other.exists() and not orphan.exists()
+    live.close()
+
+
+def test_sweep_orphans_leaves_a_segment_too_young_to_be_locked_yet(tmp_path):
+    young = tmp_path / arena_name("89abcdef", "fe1", pid=2**22 + 7)
+    young.write_bytes(b"")
+    assert sweep_orphans(tmp_path, min_age_s=60) == []
+    assert young.exists()
+
+
+def test_an_arena_whose_creator_was_killed_is_an_orphan(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    code = ("import sys, time; from pathlib import Path; from shmserve.arena import Arena; "
+            f"a = Arena(sys.argv[1], 1 << 16, directory=Path({str(tmp_path)!r})); "
+            "print('ready', flush=True); time.sleep(60)")
+    name = arena_name("0123abcd", "fe0", pid=4242)
+    child = subprocess.Popen([sys.executable, "-c", code, name], stdout=subprocess.PIPE,
+                             text=True, cwd=os.path.dirname(os.path.dirname(os.path.dirname(
+                                 os.path.abspath(__file__)))))
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        assert sweep_orphans(tmp_path, min_age_s=0) == []  # held by a live process
+        child.send_signal(signal.SIGKILL)
+        child.wait(10)
+        deadline = time.monotonic() + 5
+        while not sweep_orphans(tmp_path, min_age_s=0) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not (tmp_path / name).exists()
+    finally:
+        child.kill()
+        child.wait()
+        child.stdout.close()

@@ -9,6 +9,7 @@ import argparse
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -68,21 +69,28 @@ def test_ctl_takes_deployment_flags_from_anywhere():
     assert (args.config, args.env) == ("x.yaml", "prod")
 
 
-def test_down_when_not_running_still_removes_stale_state(deployment, capsys):
+def test_down_when_not_running_still_removes_stale_state(deployment, capsys, monkeypatch):
+    monkeypatch.setattr(arena, "ORPHAN_MIN_AGE_S", 0.0)
     render.render(deployment)
     stale_socket = topology.frontend_socket(deployment, 0)
     stale_socket.touch()
     segment = arena.SHM_DIR / f"{topology.shm_prefix(deployment)}fe0-1"
     segment.touch()
-    other = arena.SHM_DIR / "shmserve-otherdep-fe0-1"  # another deployment's: left alone
-    other.touch()
+    # Another deployment's: its live arena (its creator holds it) is left alone, and its
+    # orphan (the creator was killed) is removed.
+    live = arena.Arena(arena.arena_name("0123abcd", "fe0"), 1 << 12)
+    orphan = arena.SHM_DIR / arena.arena_name("0123abcd", "fe1", pid=2**22 + 3)
+    orphan.touch()
     try:
         assert cli.main(["down"]) == 0
-        assert "not running" in capsys.readouterr().out
-        assert not stale_socket.exists() and not segment.exists() and other.exists()
+        out = capsys.readouterr().out
+        assert "not running" in out and orphan.name in out
+        assert not stale_socket.exists() and not segment.exists() and not orphan.exists()
+        assert live.path.exists()
     finally:
         segment.unlink(missing_ok=True)
-        other.unlink(missing_ok=True)
+        orphan.unlink(missing_ok=True)
+        live.close()
 
 
 def test_status_when_not_running_exits_3(deployment, capsys):
@@ -186,7 +194,8 @@ def test_console_script_and_module_entry_point():
 def test_admin_commands_need_a_token_and_well_formed_weights(deployment, monkeypatch, capsys):
     monkeypatch.delenv("SHMSERVE__ADMIN__TOKEN", raising=False)
     assert cli.main(["reload", "m"]) == 2
-    assert "admin routes are off: set admin.token" in capsys.readouterr().err
+    assert "admin routes are off in this deployment: start it with admin.token" in \
+        capsys.readouterr().err
     monkeypatch.setenv("SHMSERVE__ADMIN__TOKEN", "t")
     for bad in ("a", "a=x"):
         assert cli.main(["split", "m", bad]) == 2
@@ -194,3 +203,28 @@ def test_admin_commands_need_a_token_and_well_formed_weights(deployment, monkeyp
     # Nothing listens on the deployment's port: a clear refusal, not a traceback.
     assert cli.main(["models"]) == 2
     assert "did not answer" in capsys.readouterr().err
+
+
+def test_up_refuses_a_taken_port_before_starting_anything(deployment, capsys):
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", deployment.server.port))
+        holder.listen()
+        with pytest.raises(cli.CliError, match=f"127.0.0.1:{deployment.server.port} is in use"):
+            cli.check_port(deployment)
+    cli.check_port(deployment)  # free again
+
+
+def test_nginx_bind_error_is_read_from_this_starts_lines(deployment):
+    log = topology.log_dir(deployment) / "nginx.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    old = ('2026/11/30 10:00:00 [emerg] 7#7: bind() to 127.0.0.1:8080 failed (98: Address '
+           'already in use)\n')
+    log.write_text(old)
+    start = log.stat().st_size
+    assert cli.nginx_bind_error(deployment, 0) == \
+        "7#7: bind() to 127.0.0.1:8080 failed (98: Address already in use)"
+    assert cli.nginx_bind_error(deployment, start) is None  # an earlier start's line
+    with log.open("a") as f:
+        f.write("2026/11/30 10:01:00 [notice] 9#9: using the \"epoll\" event method\n")
+        f.write(old.replace("10:00:00", "10:01:01"))
+    assert "Address already in use" in cli.nginx_bind_error(deployment, start)
