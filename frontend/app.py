@@ -168,7 +168,14 @@ def error_response(request: web.Request, exc: ApiError) -> web.Response:
     if exc.status >= 500 and request[REQUEST_ID] not in exc.message:
         exc = ApiError(exc.kind, f"{exc.message} (request id {request[REQUEST_ID]})",
                        exc.param, exc.retry_after, exc.code)
-    return codec.render(request, exc.body(), status=exc.status, headers=exc.headers())
+    body = exc.kserve_body() if _kserve(request) else exc.body()
+    return codec.render(request, body, status=exc.status, headers=exc.headers())
+
+
+def _kserve(request: web.Request) -> bool:
+    """Whether the request is under KServe v2's /v2 (frontend.kserve), matched route or not: its
+    clients read every error there, a 401 or an unknown path too, in that protocol's shape."""
+    return request.path == "/v2" or request.path.startswith("/v2/")
 
 
 def _record(request: web.Request, response: web.StreamResponse, elapsed: float,

@@ -42,16 +42,40 @@ def decode_body(raw: bytes, ctype: str, has_type: bool = True) -> Any:
             return msgpack.unpackb(raw, raw=False)  # strict map keys: str or bytes only
         except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, ValueError,
                 TypeError) as exc:
-            raise ApiError("bad_request", f"malformed msgpack body: {exc}") from None
+            raise ApiError("bad_request", f"malformed msgpack body: {_msgpack_detail(exc)}"
+                           ) from None
     if ctype == JSON or not has_type:
         # orjson is strict JSON: NaN and Infinity, invalid UTF-8, integers past 64 bits and
         # nesting deeper than 1024 are all JSONDecodeError.
         try:
             return orjson.loads(raw)
         except orjson.JSONDecodeError as exc:
-            raise ApiError("bad_request", f"malformed JSON body: {exc}") from None
+            raise ApiError("bad_request", f"malformed JSON body: {_json_detail(exc, raw)}"
+                           ) from None
     raise ApiError("unsupported_media_type",
                    f"Content-Type {ctype!r} is not supported; send {JSON} or {MSGPACK}")
+
+
+# What msgpack's C unpacker means by the two exceptions it raises with no message at all.
+_SILENT = {msgpack.FormatError: "a type byte msgpack does not define, such as 0xc1",
+           msgpack.StackError: "nested too deeply"}
+
+
+def _msgpack_detail(exc: Exception) -> str:
+    if str(exc):
+        return str(exc)
+    name = type(exc).__name__
+    return f"{_SILENT[type(exc)]} ({name})" if type(exc) in _SILENT else name
+
+
+def _json_detail(exc: orjson.JSONDecodeError, raw: bytes) -> str:
+    # orjson reports invalid UTF-8 anywhere in the body as "str is not valid UTF-8: surrogates
+    # not allowed" at line 1 column 1, which names neither the problem nor the place.
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as bad:
+        return f"the body is not valid UTF-8 (byte {bad.start}: {bad.reason})"
+    return str(exc)
 
 
 def render(request: web.Request, body: dict[str, Any], status: int = 200,

@@ -3,7 +3,8 @@
 * `ApiError`: one request fails (bad input, overload, deadline...). Its `kind` decides the
   status through `STATUS`; the body is ``{"error": {"message", "type", "param", "code"}}``,
   OpenAI's error shape (its `type` values are ours, `param` and `code` are null when unset), on
-  every route.
+  every route but KServe v2's: under /v2 the protocol's ``{"error": "<message>"}``
+  (`kserve_body`; frontend.app.error_response picks by path).
 * `WorkerGone` (in `frontend.pool`): a worker died with requests pending; the dispatcher retries
   them elsewhere, and only turns it into an `ApiError("unavailable")` when no worker is left.
 """
@@ -61,6 +62,11 @@ class ApiError(Exception):
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param,
                           "code": self.code}}
+
+    def kserve_body(self) -> dict[str, str]:
+        """KServe v2's error shape: Triton's client joins the value into its exception's text, so
+        it must be a string (an object there makes `str(exc)` raise TypeError)."""
+        return {"error": self.message}
 
     def headers(self) -> dict[str, str]:
         if self.kind == "unauthorized":  # RFC 6750: say which scheme to use

@@ -12,6 +12,9 @@ A model's one version is its revision. The tensors a model takes and gives depen
 written (classification and rerank: pending the model-management issue). Body formats are in
 `frontend.tensors`; a msgpack request (by Content-Type) is the same object msgpack-encoded, and a
 msgpack response (by Accept) carries each output's data as its raw little-endian bytes.
+Every error under /v2, from here, the middleware or nginx, is the protocol's
+``{"error": "<message>"}`` (frontend.errors.ApiError.kserve_body), not the object the other
+routes answer: Triton's client makes its exception's text from that string.
 """
 
 from __future__ import annotations

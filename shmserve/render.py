@@ -5,7 +5,8 @@
     config.json            the config every process loads (workers.devices resolved)
     supervisord.conf       from the template /supervisord.conf
     nginx/nginx.conf       from the template /nginx/nginx.conf, checked with ``nginx -t``
-    nginx/errors/*         pre-encoded bodies (.json, .msgpack) of the errors nginx makes itself
+    nginx/errors/*         pre-encoded bodies (.json, .msgpack) of the errors nginx makes itself;
+                           errors/v2/* in KServe v2's shape, for the /v2 routes
     sockets/ logs/ metrics/ nginx/temp/
 
 Templates use lower-case ``@NAME@`` placeholders (``$`` and ``%`` belong to nginx and
@@ -257,12 +258,18 @@ def error_body(cfg: Config, status: int) -> dict[str, dict[str, str | None]]:
                       "type": kind, "param": None, "code": None}}
 
 
+def kserve_error_body(cfg: Config, status: int) -> dict[str, str]:
+    """KServe v2's error shape (frontend.errors.ApiError.kserve_body), for the /v2 routes."""
+    return {"error": error_body(cfg, status)["error"]["message"]}
+
+
 def _write_error_pages(cfg: Config) -> None:
     errors = nginx_dir(cfg) / "errors"
-    for status in NGINX_ERRORS:
-        body = error_body(cfg, status)
-        _write(errors / f"{status}.json", json.dumps(body, separators=(",", ":")) + "\n")
-        _write(errors / f"{status}.msgpack", msgpack.packb(body))
+    for folder, shape in ((errors, error_body), (errors / "v2", kserve_error_body)):
+        for status in NGINX_ERRORS:
+            body = shape(cfg, status)
+            _write(folder / f"{status}.json", json.dumps(body, separators=(",", ":")) + "\n")
+            _write(folder / f"{status}.msgpack", msgpack.packb(body))
 
 
 def _user_directive() -> str:
@@ -298,7 +305,8 @@ def _make_dirs(cfg: Config) -> None:
     cfg.run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     cfg.run_dir.chmod(0o700)  # mkdir's mode is cut by the umask and ignored for an existing dir
     for path in (topology.socket_dir(cfg), topology.log_dir(cfg), topology.metrics_dir(cfg),
-                 nginx_dir(cfg), nginx_dir(cfg) / "temp", nginx_dir(cfg) / "errors"):
+                 nginx_dir(cfg), nginx_dir(cfg) / "temp", nginx_dir(cfg) / "errors",
+                 nginx_dir(cfg) / "errors" / "v2"):
         path.mkdir(mode=0o700, parents=True, exist_ok=True)
 
 

@@ -55,6 +55,17 @@ def test_predict_msgpack_both_ways(tiny_stack, tiny_model):
                                                              TINY_MAX_TOKENS), atol=1e-5)
 
 
+def test_predict_takes_one_string_as_one_text(tiny_stack, tiny_model):
+    # As /v1/embeddings answers "input": "hello" with a `data` of one: `results` of one row.
+    status, _, body = tiny_stack.post_json("/predict", {"texts": "hello"})
+    assert status == 200, body
+    np.testing.assert_allclose(np.array(body["results"], dtype=np.float32),
+                               reference_embeddings(tiny_model, ["hello"], TINY_MAX_TOKENS),
+                               atol=1e-5)
+    _, _, openai_body = tiny_stack.post_json("/v1/embeddings", {"input": "hello"})
+    assert len(openai_body["data"]) == len(body["results"]) == 1
+
+
 def test_json_in_msgpack_out(tiny_stack):
     status, headers, raw = tiny_stack.request(
         "POST", "/predict", json.dumps({"texts": ["x"]}).encode(),

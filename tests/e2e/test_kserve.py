@@ -74,7 +74,27 @@ def test_infer_errors_reach_the_client(client, name, datatype, model, status, ne
                                         dtype=np.object_ if datatype == "BYTES" else np.float32))
     with pytest.raises(InferenceServerException) as info:
         client.infer(model, [tensor])
-    assert info.value.status() == status and needle in str(info.value.message())
+    assert info.value.status() == status and needle in info.value.message()
+    # The client builds its text as "[" + status + "] " + the body's "error": a string.
+    assert str(info.value).startswith(f"[{status}] ") and needle in str(info.value)
+
+
+@pytest.mark.parametrize("method,path,body,status", [
+    ("POST", "/v2/models/nope/infer", b'{"inputs": []}', 404),
+    ("POST", "/v2/models/tiny/infer", b'{"inputs": [', 400),
+    ("POST", "/v2/models/tiny/infer", b"\xc1", 400),  # msgpack, by Content-Type below
+    ("GET", "/v2/models/tiny/versions/9", None, 404),
+    ("GET", "/v2/no/such/route", None, 404),
+    ("DELETE", "/v2", None, 405),
+])
+@pytest.mark.parametrize("accept", ["application/json", "application/msgpack"])
+def test_every_v2_error_is_a_string(tiny_stack, method, path, body, status, accept):
+    ctype = "application/msgpack" if body == b"\xc1" else "application/json"
+    got, headers, raw = tiny_stack.request(method, path, body, {
+        "Content-Type": ctype, "Accept": accept, "X-Request-ID": "kserve-err-1"})
+    error = msgpack.unpackb(raw) if "msgpack" in accept else json.loads(raw)
+    assert got == status and set(error) == {"error"} and isinstance(error["error"], str)
+    assert error["error"] and headers["X-Request-ID"] == "kserve-err-1"
 
 
 def test_wrong_version_is_404(client):
@@ -122,4 +142,5 @@ def test_model_names_with_a_slash(client, tiny_stack, native):
     result = client.infer("test-org/tiny", [text_input(TEXTS, True)])
     np.testing.assert_allclose(result.as_numpy("embedding"), native, rtol=0, atol=1e-6)
     status, _, raw = tiny_stack.get("/v2/models/other-org/tiny")
-    assert status == 404 and json.loads(raw)["error"]["code"] == "model_not_found"
+    assert status == 404 and json.loads(raw) == {
+        "error": "model 'other-org/tiny' is not served; see GET /v1/models"}

@@ -37,7 +37,7 @@ def test_openapi_json_is_served_and_valid(tiny_stack):
     validate(doc)
     assert {"/predict", "/v1/embeddings", "/embed", "/rerank", "/tokenize", "/info",
             "/v2/models/{model}/infer"} <= set(doc["paths"])
-    texts = doc["components"]["schemas"]["PredictRequest"]["properties"]["texts"]
+    _, texts = doc["components"]["schemas"]["PredictRequest"]["properties"]["texts"]["oneOf"]
     assert texts["maxItems"] == 64  # the stack's limits.max_texts_per_request
 
 

@@ -1,9 +1,11 @@
 """Property-based tests of the request decoders and validators: whatever bytes or values arrive,
-the result is a value or an ApiError with a 4xx status, never another exception."""
+the result is a value or an ApiError with a 4xx status, never another exception; and the
+messages of the malformed bodies users send, which must say what is wrong."""
 
 import json
 
 import msgpack
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -95,3 +97,24 @@ def test_priority_values(value):
         assert exc.status == 422
     else:
         assert -10 <= level <= 10
+
+
+@pytest.mark.parametrize("raw,ctype,detail", [
+    # msgpack's C unpacker raises these two with an empty message.
+    (b"\xc1", "application/msgpack",
+     "a type byte msgpack does not define, such as 0xc1 (FormatError)"),
+    (b"\x91" * 2000 + b"\x01", "application/msgpack", "nested too deeply (StackError)"),
+    (b"\x92\x01", "application/msgpack", "Unpack failed: incomplete input"),
+    # orjson says "surrogates not allowed" about any invalid UTF-8.
+    (b'{"texts": ["\xff"]}', "application/json",
+     "the body is not valid UTF-8 (byte 12: invalid start byte)"),
+    (b'{"texts": ["\xed\xa0\x80"]}', "application/json", "the body is not valid UTF-8 (byte 12"),
+    (b'{"texts": [', "application/json", "unexpected end of data"),
+])
+def test_malformed_bodies_say_what_is_wrong(raw, ctype, detail):
+    with pytest.raises(ApiError) as info:
+        decode_body(raw, ctype)
+    assert info.value.status == 400
+    message = info.value.message
+    assert message.split(": ", 1)[1].startswith(detail), message
+    assert "surrogates" not in message

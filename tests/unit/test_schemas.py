@@ -1,7 +1,7 @@
 import pytest
 
 from frontend.errors import ApiError, STATUS
-from frontend.schemas import parse_openai_embeddings, parse_predict
+from frontend.schemas import parse_openai_embeddings, parse_predict, texts
 from shmserve.config import LimitsConfig
 from shmserve.protocol import ErrorCode
 
@@ -14,6 +14,26 @@ def test_one_value_or_a_list_is_resolved_at_the_edge():
                                    "encoding_format": "base64", "user": "u"}, LIMITS)
     assert req.texts == ["a", "b"] and req.model == "m" and req.encoding_format == "base64"
     assert parse_predict({"texts": ["x"]}, LIMITS).model is None
+    # One string is one text, as /v1/embeddings takes it (one row back).
+    assert parse_predict({"texts": "hello"}, LIMITS).texts == ["hello"]
+
+
+@pytest.mark.parametrize("value,message", [
+    (5, "'texts' must be a string or a list of strings"),
+    ({"a": "b"}, "'texts' must be a string or a list of strings"),
+    ("", "'texts[0]' must not be empty"),
+    ("x" * 21, "'texts[0]' has 21 characters"),
+])
+def test_predict_texts_refused(value, message):
+    with pytest.raises(ApiError) as info:
+        parse_predict({"texts": value}, LIMITS)
+    assert info.value.param == "texts" and info.value.message.startswith(message)
+
+
+def test_a_list_only_field_says_so():
+    # TEI's /rerank "texts", /v1/rerank's documents and KServe's tensors take no single string.
+    with pytest.raises(ApiError, match="'texts' must be a list of strings$"):
+        texts("a", "texts", LIMITS)
 
 
 def test_token_ids_one_list_or_many():

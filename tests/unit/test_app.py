@@ -1,0 +1,46 @@
+"""frontend.app's error rendering, on mocked requests: no stack, no sockets."""
+
+import json
+
+import msgpack
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import make_mocked_request
+
+from frontend.app import LOG_FIELDS, REQUEST_ID, error_response
+from frontend.errors import ApiError
+
+
+def render(path: str, exc: ApiError, accept: str = "") -> web.Response:
+    request = make_mocked_request("POST", path, headers={"Accept": accept} if accept else {},
+                                  app=web.Application())
+    request[REQUEST_ID] = "rid-1"
+    request[LOG_FIELDS] = {}
+    return error_response(request, exc)
+
+
+@pytest.mark.parametrize("path", ["/v2", "/v2/models/nope/infer", "/v2/no/such/route",
+                                  "/v2/models/org/m/versions/3/ready"])
+def test_every_v2_error_is_kserves_string_shape(path):
+    # Triton's client does "[" + status + "] " + body["error"]: anything but a string raises.
+    response = render(path, ApiError("overloaded", "busy", retry_after=1))
+    assert json.loads(response.body) == {"error": "busy"}
+    assert response.status == 429 and response.headers["Retry-After"] == "1"
+    response = render(path, ApiError("not_found", "no model", param="model"),
+                      accept="application/msgpack")
+    assert response.status == 404 and msgpack.unpackb(response.body) == {"error": "no model"}
+
+
+@pytest.mark.parametrize("path", ["/predict", "/v1/embeddings", "/v2x", "/embed"])
+def test_other_routes_keep_the_openai_error_object(path):
+    response = render(path, ApiError("unauthorized", "key?"))
+    assert json.loads(response.body) == {"error": {"message": "key?", "type": "unauthorized",
+                                                   "param": None, "code": None}}
+    assert response.status == 401 and "WWW-Authenticate" in response.headers
+
+
+def test_a_5xx_names_the_request_id_in_either_shape():
+    for path in ("/v2/models/m/infer", "/predict"):
+        body = json.loads(render(path, ApiError("unavailable", "no worker")).body)
+        message = body["error"] if path.startswith("/v2") else body["error"]["message"]
+        assert message == "no worker (request id rid-1)"
