@@ -28,9 +28,10 @@ def wants_msgpack(request: web.Request) -> bool:
 
 
 async def read_body(request: web.Request) -> Any:
-    # aiohttp reports a missing Content-Type as application/octet-stream; tell them apart.
+    # aiohttp reports a missing (or empty) Content-Type as application/octet-stream; tell them
+    # apart from a client that sent that type. An empty header is taken as no header.
     return decode_body(await request.read(), request.content_type,
-                       "Content-Type" in request.headers)
+                       bool(request.headers.get("Content-Type", "").strip()))
 
 
 def decode_body(raw: bytes, ctype: str, has_type: bool = True) -> Any:

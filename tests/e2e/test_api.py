@@ -2,6 +2,7 @@
 
 import asyncio
 import base64
+import http.client
 import json
 
 import aiohttp
@@ -148,3 +149,26 @@ def test_200_concurrent_mixed_requests_get_their_own_vectors(tiny_stack):
         assert got.shape == (len(texts), 32)
         for text, row in zip(texts, got):
             np.testing.assert_allclose(row, single[text], atol=1e-5)
+
+
+def test_a_body_without_content_type_or_with_an_empty_one_is_json(tiny_stack):
+    """curl -d sends form encoding, a bare client often sends nothing, some send the header
+    empty: absent and empty both read as JSON; a declared other type is refused (415)."""
+    body = json.dumps({"texts": ["no content type"]}).encode()
+    for headers in ({}, {"Content-Type": ""}):
+        conn = http.client.HTTPConnection("127.0.0.1", tiny_stack.port, timeout=30)
+        try:
+            conn.putrequest("POST", "/predict", skip_accept_encoding=True)
+            for name, value in headers.items():
+                conn.putheader(name, value)
+            conn.putheader("Content-Length", str(len(body)))
+            conn.endheaders(body)
+            response = conn.getresponse()
+            answer = json.loads(response.read())
+        finally:
+            conn.close()
+        assert response.status == 200, (headers, answer)
+        assert len(answer["results"]) == 1
+    status, _, answer = tiny_stack.request("POST", "/predict", body,
+                                           {"Content-Type": "text/plain"})
+    assert status == 415
