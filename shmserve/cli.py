@@ -147,7 +147,7 @@ def up(args: argparse.Namespace) -> int:
 
 
 def down(args: argparse.Namespace) -> int:
-    cfg = remote.deployment(args)
+    cfg = processes.deployment(args)
     pid = supervisord_pid(cfg)
     if pid is None:
         print(f"shmserve: not running (run_dir {cfg.run_dir})")
@@ -167,7 +167,7 @@ def down(args: argparse.Namespace) -> int:
 
 def status(args: argparse.Namespace) -> int:
     """0: every process runs and GET /ready says ready; 1: not so; 3: not running at all."""
-    cfg = remote.deployment(args)
+    cfg = processes.deployment(args)
     if supervisord_pid(cfg) is None:
         print(f"shmserve: not running (run_dir {cfg.run_dir})")
         return 3
@@ -193,17 +193,15 @@ def restart(args: argparse.Namespace) -> int:
     around a stopped worker); nginx itself reloads its configuration in place (SIGHUP: new
     workers start, the old ones finish their requests). A single program is restarted and
     waited for. `--all-at-once`: supervisorctl's restart of the whole group."""
-    cfg = remote.deployment(args)
+    cfg = processes.deployment(args)
     if supervisord_pid(cfg) is None:
         raise CliError(f"not running (run_dir {cfg.run_dir})")
     target = restart_target(args.target)
     timeout = args.timeout if args.timeout is not None else cfg.workers.ready_timeout_s
     if target == "nginx" and not args.all_at_once:
         return reload_nginx(cfg)
-    if args.all_at_once or target == "nginx":
-        return subprocess.run(_ctl_argv(cfg, "restart", target), check=False).returncode
     group, _, name = target.partition(":")
-    if group not in ("frontends", "workers"):
+    if args.all_at_once or group not in ("frontends", "workers"):
         return subprocess.run(_ctl_argv(cfg, "restart", target), check=False).returncode
     programs = [p["name"] for p in process_info(cfg) if p["group"] == group]
     if name != "*":
@@ -227,11 +225,10 @@ def restart_one(cfg: Config, group: str, program: str, timeout: float) -> None:
                        f"{(done.stdout + done.stderr).strip()}")
     pid = next((p["pid"] for p in process_info(cfg) if p["name"] == program), 0)
     frontends = [str(topology.frontend_socket(cfg, i)) for i in range(cfg.frontends.count)]
+    index = int(program.rpartition("-")[2])
     if group == "frontends":
-        index = int(program.rpartition("-")[2])
         ready = lambda: remote.http_unix(frontends[index], "/ready") == 200  # noqa: E731
     else:
-        index = int(program.rpartition("-")[2])
         ready = lambda: all(worker_ready(path, index, pid) for path in frontends)  # noqa: E731
     print(f"shmserve: restarted {program} (pid {pid}); waiting until it is ready", flush=True)
     deadline = time.monotonic() + timeout
@@ -276,7 +273,7 @@ def reload_nginx(cfg: Config) -> int:
 
 def ctl(args: argparse.Namespace) -> int:
     rest = deployment_flags(args, args.ctl_args)
-    return subprocess.run(_ctl_argv(remote.deployment(args), *rest), check=False).returncode
+    return subprocess.run(_ctl_argv(processes.deployment(args), *rest), check=False).returncode
 
 
 def deployment_flags(args: argparse.Namespace, argv: list[str]) -> list[str]:

@@ -45,20 +45,19 @@ _LIVE_GAUGE_FILE = re.compile(r"^gauge_live[a-z]*_(\d+)\.db$")
 
 
 def observe_many(histogram, values: np.ndarray | list[float]) -> None:
-    """Observe every value of `values` in one labelled histogram child, in a few file writes.
+    """Observe every value of `values` (one-dimensional) in one labelled histogram child, in a
+    few file writes.
 
     prometheus_client has no bulk observe; one `observe` per value costs a lock and two mmap
     writes each, which adds up for hundreds of texts. This increments each bucket once by its
     count (the same buckets `observe` would pick: the first upper bound >= value) and the sum
     once. tests/unit/test_metrics.py checks it against `observe` on this prometheus_client.
     """
-    if isinstance(values, np.ndarray):
-        values = values.ravel().tolist() if values.size <= _FEW else values
     if len(values) <= _FEW:  # numpy's fixed cost is more than a few plain observes
         for value in values:
             histogram.observe(float(value))
         return
-    values = np.asarray(values, dtype=np.float64).ravel()
+    values = np.asarray(values, dtype=np.float64)
     bounds = np.asarray(histogram._upper_bounds, dtype=np.float64)
     counts = np.bincount(np.searchsorted(bounds, values, side="left"), minlength=bounds.size)
     for bucket, count in zip(histogram._buckets, counts.tolist()):

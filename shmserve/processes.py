@@ -14,7 +14,7 @@ from pathlib import Path
 
 import psutil
 
-from shmserve import render, topology
+from shmserve import config, render, topology
 from shmserve.config import Config
 
 
@@ -118,12 +118,16 @@ def running_config(cfg: Config) -> Config:
     path = topology.resolved_config_path(cfg)
     if supervisord_pid(cfg) is None or not path.is_file():
         return cfg
-    from shmserve import config
-
     try:
         return config.load_resolved(path)
     except (OSError, ValueError, config.ConfigError):
         return cfg  # written by another version, say: the caller's own reading is the best left
+
+
+def deployment(args) -> Config:
+    """The deployment a command line names (`--env`, `--config`), as it was started if it runs:
+    what status, restart, ctl, down and the admin commands act on."""
+    return running_config(config.from_args(args))
 
 
 def alive(pid: int) -> bool:

@@ -12,7 +12,7 @@ from http.client import HTTPConnection, HTTPException
 from pathlib import Path
 from urllib.parse import quote
 
-from shmserve import config, processes
+from shmserve import processes
 from shmserve.config import Config
 
 
@@ -21,13 +21,13 @@ class RemoteError(RuntimeError):
 
 
 def list_models(args: argparse.Namespace) -> int:
-    status_code, body = admin_call(deployment(args), "GET", "/admin/models")
+    status_code, body = admin_call(processes.deployment(args), "GET", "/admin/models")
     print(json.dumps(body, indent=2))
     return 0 if status_code == 200 else 1
 
 
 def reload(args: argparse.Namespace) -> int:
-    cfg = deployment(args)
+    cfg = processes.deployment(args)
     source = args.source
     if source and not source.startswith("package:"):
         source = str(Path(source).expanduser().resolve())  # the workers' cwd is not ours
@@ -48,16 +48,11 @@ def split(args: argparse.Namespace) -> int:
             raise RemoteError(f"{item!r}: expected VARIANT=WEIGHT, WEIGHT a number") from None
         if not eq:
             raise RemoteError(f"{item!r}: expected VARIANT=WEIGHT")
-    status_code, answer = admin_call(deployment(args), "PUT",
+    status_code, answer = admin_call(processes.deployment(args), "PUT",
                                      f"/admin/models/{quote(args.name)}/split",
                                      {"weights": weights})
     print(json.dumps(answer, indent=2))
     return 0 if status_code == 200 else 1
-
-
-def deployment(args: argparse.Namespace) -> Config:
-    """The config of the deployment `--env`/`--config` name, as it was started if it runs."""
-    return processes.running_config(config.from_args(args))
 
 
 def admin_call(cfg: Config, method: str, path: str, body: dict | None = None,
