@@ -79,6 +79,11 @@ class Stack:
     def ctl(self, *args: str) -> str:
         return self.cli("ctl", *args, check=False).stdout
 
+    def pid(self, program: str) -> int:
+        """A program's pid as supervisord reports it (0 when it is not running)."""
+        out = self.ctl("pid", program).strip()
+        return int(out) if out.isdigit() else 0
+
     def log(self, program: str) -> str:
         path = self.run_dir / "logs" / f"{program}.log"
         return path.read_text(errors="replace") if path.exists() else ""

@@ -24,16 +24,11 @@ class Load(ClosedLoop):
         return f'{{"texts": ["client {client} request {n}", "second text"]}}'.encode()
 
 
-def pid_of(stack: Stack, program: str) -> int:
-    out = stack.ctl("pid", program).strip()
-    return int(out) if out.isdigit() else 0
-
-
 def kill_and_wait(stack: Stack, program: str, load: Load) -> Counter:
     start = load.mark()
-    old = pid_of(stack, program)
+    old = stack.pid(program)
     os.kill(old, signal.SIGKILL)
-    stack.wait_until(lambda: pid_of(stack, program) not in (0, old), 60, f"{program} restart")
+    stack.wait_until(lambda: stack.pid(program) not in (0, old), 60, f"{program} restart")
     # RUNNING comes startsecs after the start: by then nginxrun has killed the workers the dead
     # master left (they keep answering meanwhile) and the new master listens.
     stack.wait_until(lambda: stack.ctl("status", program).split()[1:2] == ["RUNNING"], 60,

@@ -20,11 +20,6 @@ def segments(stack: Stack) -> list[str]:
     return sorted(p.name for p in SHM.glob(topology.shm_prefix(cfg) + "*"))
 
 
-def pid_of(stack: Stack, program: str) -> int:
-    out = stack.ctl("pid", program).strip()
-    return int(out) if out.isdigit() else 0
-
-
 @pytest.fixture
 def stack(tmp_path, tiny_model):
     s = Stack(tmp_path / "stack", tiny_overrides(tiny_model, frontends={"count": 2}))
@@ -38,10 +33,10 @@ def test_kill_9_then_restart_keeps_shm_flat_and_down_leaves_nothing(stack):
     assert len(before) == 2  # one arena per frontend, none for workers
 
     for program in ("frontends:frontend-0", "workers:worker-0", "frontends:frontend-1"):
-        old = pid_of(stack, program)
+        old = stack.pid(program)
         assert old > 0
         os.kill(old, signal.SIGKILL)
-        stack.wait_until(lambda: pid_of(stack, program) not in (0, old), 60,
+        stack.wait_until(lambda: stack.pid(program) not in (0, old), 60,
                          f"supervisord to restart {program}")
         stack.wait_until(lambda: stack.get("/ready")[0] == 200, 90, "ready again")
         # Every request gets its answer after the restart.
@@ -86,7 +81,7 @@ def test_a_sigkilled_supervisord_leaves_nothing_running_after_the_next_up(tmp_pa
         cfg = config.load_resolved(stack.run_dir / "config.json")
         children = processes.orphans(cfg)
         assert len(children) >= 3  # frontend, worker, reaper (nginx is found by its config)
-        old_worker = pid_of(stack, "workers:worker-0")
+        old_worker = stack.pid("workers:worker-0")
         supervisord = int((stack.run_dir / "supervisord.pid").read_text())
         os.kill(supervisord, signal.SIGKILL)
         stack.wait_until(lambda: not processes.alive(supervisord), 10, "supervisord gone")
@@ -117,7 +112,7 @@ def test_per_gpu_runs_that_many_workers_on_one_device_and_routes_to_all(tmp_path
     try:
         cfg = config.load_resolved(stack.run_dir / "config.json")
         assert topology.worker_devices(cfg) == ["0", "0"]
-        assert pid_of(stack, "workers:worker-0") and pid_of(stack, "workers:worker-1")
+        assert stack.pid("workers:worker-0") and stack.pid("workers:worker-1")
         ready = json.loads(stack.get("/ready")[2])
         assert [w["ready"] for w in ready["workers"]] == [True, True]
 

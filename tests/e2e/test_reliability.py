@@ -35,11 +35,6 @@ def slow_stack(root, slow_model, **extra) -> Stack:
     return Stack(root, overrides)
 
 
-def pid_of(stack: Stack, program: str) -> int:
-    out = stack.ctl("pid", program).strip()
-    return int(out) if out.isdigit() else 0
-
-
 def inflight(stack: Stack) -> float:
     _, _, raw = stack.get("/metrics")
     return sum(s.value for f in text_string_to_metric_families(raw.decode())
@@ -62,7 +57,7 @@ def test_client_disconnect_aborts_queued_work(tmp_path, slow_model):
             a=stack.post_json("/predict", {"texts": [LONG] * 40})[0]))
         busy.start()  # ~1 s of work queued ahead of the request that will go away
         stack.wait_until(lambda: queued_texts(stack) > 0, 30, "the worker to hold work")
-        worker = pid_of(stack, "workers:worker-0")
+        worker = stack.pid("workers:worker-0")
         # Freeze the worker, so the request below is still queued when its client leaves.
         os.kill(worker, signal.SIGSTOP)
         try:
@@ -98,7 +93,7 @@ def test_flood_gets_only_200_or_429_and_memory_stays_bounded(tmp_path, tiny_mode
     try:
         programs = {"frontend-0": "frontends:frontend-0", "frontend-1": "frontends:frontend-1",
                     "worker-0": "workers:worker-0", "nginx": "nginx"}
-        procs = {name: psutil.Process(pid_of(stack, prog)) for name, prog in programs.items()}
+        procs = {name: psutil.Process(stack.pid(prog)) for name, prog in programs.items()}
         peak = {name: 0 for name in procs}
         done = threading.Event()
 
