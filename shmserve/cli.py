@@ -201,9 +201,11 @@ def restart(args: argparse.Namespace) -> int:
     if target == "nginx" and not args.all_at_once:
         return reload_nginx(cfg)
     group, _, name = target.partition(":")
+    programs = [p["name"] for p in process_info(cfg) if p["group"] == group]
+    if warning := restart_gap(group, name, programs, args.all_at_once):
+        print(f"shmserve: warning: {warning}", file=sys.stderr, flush=True)
     if args.all_at_once or group not in ("frontends", "workers"):
         return subprocess.run(_ctl_argv(cfg, "restart", target), check=False).returncode
-    programs = [p["name"] for p in process_info(cfg) if p["group"] == group]
     if name != "*":
         if name not in programs:
             raise CliError(f"no program {args.target!r}; this deployment has "
@@ -212,6 +214,24 @@ def restart(args: argparse.Namespace) -> int:
     for program in sorted(programs):
         restart_one(cfg, group, program, timeout)
     return 0
+
+
+def restart_gap(group: str, name: str, programs: list[str], all_at_once: bool) -> str | None:
+    """What a restart of `name` ('*': all) in `group` (whose programs are `programs`) leaves
+    unserved, or None when the others serve meanwhile."""
+    if group == "workers":
+        gap = ("requests wait for a worker (frontends.no_worker_wait_s) and are answered 503 "
+               "after that, until one is ready again")
+    elif group == "frontends":
+        gap = "nginx answers 502 until one is ready again"
+    else:
+        return None
+    if all_at_once and (name == "*" or len(programs) == 1):
+        return f"{group} restart all at once: {gap} (without --all-at-once, one at a time)"
+    if len(programs) == 1:
+        return (f"{programs[0]} is the only program in {group}: {gap}; with two or more, "
+                f"{group} restart without a gap")
+    return None
 
 
 def restart_one(cfg: Config, group: str, program: str, timeout: float) -> None:

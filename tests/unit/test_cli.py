@@ -228,3 +228,20 @@ def test_nginx_bind_error_is_read_from_this_starts_lines(deployment):
         f.write("2026/11/30 10:01:00 [notice] 9#9: using the \"epoll\" event method\n")
         f.write(old.replace("10:00:00", "10:01:01"))
     assert "Address already in use" in cli.nginx_bind_error(deployment, start)
+
+
+@pytest.mark.parametrize("group,name,programs,all_at_once,gap", [
+    ("workers", "*", ["worker-0", "worker-1"], False, None),
+    ("workers", "worker-1", ["worker-0", "worker-1"], False, None),
+    ("frontends", "*", ["frontend-0", "frontend-1"], False, None),
+    ("workers", "*", ["worker-0"], False, "worker-0 is the only program in workers: requests "
+     "wait for a worker (frontends.no_worker_wait_s) and are answered 503"),
+    ("frontends", "frontend-0", ["frontend-0"], False, "frontend-0 is the only program in "
+     "frontends: nginx answers 502"),
+    ("workers", "*", ["worker-0", "worker-1"], True, "workers restart all at once"),
+    ("workers", "worker-0", ["worker-0", "worker-1"], True, None),
+    ("nginx", "", ["nginx"], False, None),
+])
+def test_a_restart_that_leaves_a_gap_says_so(group, name, programs, all_at_once, gap):
+    warning = cli.restart_gap(group, name, programs, all_at_once)
+    assert (warning is None) if gap is None else warning.startswith(gap)
