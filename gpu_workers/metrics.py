@@ -52,9 +52,10 @@ FRAGMENTATION = Gauge("shmserve_worker_device_fragmentation_ratio",
                       ["worker"], multiprocess_mode="livemostrecent")
 EMPTY_CACHE = Counter("shmserve_worker_empty_cache_total",
                       "torch.cuda.empty_cache() calls, by reason: pressure (the device's free "
-                      "memory under workers.empty_cache_free_below), idle, oom (before a retry)",
+                      "memory under workers.empty_cache_free_below), idle, oom (before a retry), "
+                      "reload (a replaced or unloaded model's memory)",
                       ["worker", "reason"])
-EMPTY_CACHE_REASONS = ("pressure", "idle", "oom")
+EMPTY_CACHE_REASONS = ("pressure", "idle", "oom", "reload")
 
 # Written only by workers on a GPU: a CPU deployment does not expose them.
 DEVICE_ONLY = ("shmserve_worker_device_allocated_bytes", "shmserve_worker_device_reserved_bytes",

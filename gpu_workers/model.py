@@ -306,9 +306,11 @@ def device_name(device: torch.device) -> str:
     return "cpu"
 
 
-def release(device: torch.device) -> None:
+def release(device: torch.device) -> bool:
     """Once a replaced model is unreferenced: collect it (its modules hold reference cycles)
-    and, on a GPU, return its cached memory to the driver."""
+    and, on a GPU, return its cached memory to the driver. True when it emptied the cache."""
     gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    if device.type != "cuda":
+        return False
+    torch.cuda.empty_cache()
+    return True

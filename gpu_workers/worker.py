@@ -160,11 +160,11 @@ class Worker:
     def load(self) -> None:
         import torch
 
-        from gpu_workers.model import device_name, pick_device, release
+        from gpu_workers.model import device_name, pick_device
 
         w = self.cfg.workers
         self.device = pick_device(w.torch_threads, w.cudnn_attention)
-        self.slots = Slots(self._build, lambda: release(self.device), self._inbox.put,
+        self.slots = Slots(self._build, self._release, self._inbox.put,
                            self.cfg.admin.reload_timeout_s)
         for name, spec in self.specs.items():
             started = time.monotonic()
@@ -197,6 +197,14 @@ class Worker:
                 f"memory in warm-up (max_batch_size {self.limits.max_batch_size}, "
                 f"max_batch_tokens {self.limits.max_batch_tokens}); lower them: {exc}") from exc
         return model.spec, model
+
+    def _release(self) -> None:
+        """After a reload or an unload dropped a model: its memory back to the device."""
+        from gpu_workers.model import release
+
+        if release(self.device):
+            self.metrics.emptied("reload")
+            log.info("worker.empty_cache", extra={"fields": {"reason": "reload"}})
 
     def _build(self, config: ModelConfig, active: ModelSpec) -> tuple[ModelSpec, Any]:
         """A reload's new slot, on its loader thread. ModelSourceError: the source cannot be

@@ -297,3 +297,24 @@ def test_cpu_allocator_failures_count_as_out_of_memory_and_other_errors_do_not()
     with pytest.raises(RuntimeError, match="shape mismatch"):
         forward_in_halves(broken, [group([4, 4, 4, 4])], lambda: None)
     assert broken.calls == [16]  # not retried: only memory is worth a smaller pass
+
+
+def test_a_reload_that_empties_the_cache_is_counted(monkeypatch):
+    # The worker's release after a hot reload or unload: on a GPU it empties the cache, and
+    # says so with reason "reload"; on the CPU it only collects.
+    torch = pytest.importorskip("torch")
+    from types import SimpleNamespace
+
+    from gpu_workers.worker import Worker
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append(1))
+    metrics = WorkerMetrics(92)
+
+    def count():
+        return REGISTRY.get_sample_value("shmserve_worker_empty_cache_total",
+                                         {"worker": "92", "reason": "reload"})
+    Worker._release(SimpleNamespace(device=torch.device("cpu"), metrics=metrics))
+    assert calls == [] and count() == 0
+    Worker._release(SimpleNamespace(device=torch.device("cuda"), metrics=metrics))
+    assert calls == [1] and count() == 1
