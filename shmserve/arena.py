@@ -71,10 +71,13 @@ def sweep_orphans(directory: Path = SHM_DIR, min_age_s: float | None = None) -> 
             continue
         try:
             fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
+        except (FileNotFoundError, PermissionError):  # gone, or another user's (unreadable)
             continue
         try:
-            if now - os.fstat(fd).st_ctime < min_age_s:
+            stat = os.fstat(fd)
+            if stat.st_uid != os.geteuid():
+                continue  # another user's deployment: /dev/shm's sticky bit keeps it theirs
+            if now - stat.st_ctime < min_age_s:
                 continue
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -102,6 +102,32 @@ def test_sweep_orphans_removes_only_arenas_no_live_creator_holds(tmp_path):
     live.close()
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")
+def test_sweep_orphans_leaves_other_users_arenas(tmp_path):
+    # Another user's deployment on the same machine: not ours to judge or remove (and not
+    # removable by a non-root user: /dev/shm is sticky).
+    theirs = tmp_path / arena_name("89abcdef", "fe1", pid=2**22 + 7)
+    theirs.write_bytes(b"\0" * 4096)
+    os.chown(theirs, 10001, 10001)
+    assert sweep_orphans(tmp_path, min_age_s=0) == []
+    assert theirs.exists()
+
+
+def test_sweep_orphans_skips_an_arena_it_may_not_open(tmp_path, monkeypatch):
+    # What a non-root user meets for another user's segment (mode 0600): EACCES, not a crash.
+    unreadable = tmp_path / arena_name("89abcdef", "fe1", pid=2**22 + 7)
+    unreadable.write_bytes(b"")
+    real_open = os.open
+
+    def refusing_open(path, *args, **kwargs):
+        if str(path) == str(unreadable):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, *args, **kwargs)
+    monkeypatch.setattr(os, "open", refusing_open)
+    assert sweep_orphans(tmp_path, min_age_s=0) == []
+    assert unreadable.exists()
+
+
 def test_sweep_orphans_leaves_a_segment_too_young_to_be_locked_yet(tmp_path):
     young = tmp_path / arena_name("89abcdef", "fe1", pid=2**22 + 7)
     young.write_bytes(b"")
