@@ -111,6 +111,11 @@ def test_the_image_runs_the_pods_command():
     assert json.loads(cmd) == container(deployment)["command"]
     assert re.search(r"^WORKDIR /app$", text, re.M)
     assert re.search(r"^STOPSIGNAL SIGTERM$", text, re.M)
+    # Not root, as the same user in both: the pod refuses an image that would run as root.
+    (uid,) = re.findall(r"^USER (\d+)(?::\d+)?$", text, re.M)
+    pod = deployment["spec"]["template"]["spec"]["securityContext"]
+    assert pod["runAsNonRoot"] is True and pod["runAsUser"] == int(uid) != 0
+    assert container(deployment)["securityContext"]["allowPrivilegeEscalation"] is False
 
 
 def get(url: str) -> int:
