@@ -84,12 +84,20 @@ def check(cfg: Config, devices: list[str]) -> None:
             raise ModelSourceError(
                 f"models[{index}].devices: {missing} name no worker; the workers are "
                 + (f"worker indexes {list(range(len(devices)))}" if cpu else f"GPUs {devices}"))
+        first = None
         for unit in units(model):
             try:
-                inspect(unit.config, with_revision=False, roots=cfg.model_root_paths)
+                spec = inspect(unit.config, with_revision=False, roots=cfg.model_root_paths)
                 weights_file(resolve_source(unit.config.source, cfg.model_root_paths))
             except ModelSourceError as exc:
                 raise ModelSourceError(f"{unit.name}: {exc}") from None
+            # Variants are revisions behind one name: the frontends tokenize for all of them
+            # with one tokenizer and describe one output, so they are held to a reload's rules.
+            if first is None:
+                first = unit, spec
+            elif why := incompatible(first[1], spec):
+                raise ModelSourceError(f"{unit.name} cannot be a variant beside "
+                                       f"{first[0].name}: {why}")
         on_gpu = [d for i, d in enumerate(devices)
                   if d != "cpu" and _hosts(model, devices, i)]
         if model.dtype == "int8" and on_gpu:
@@ -205,13 +213,24 @@ def incompatible(active: ModelSpec, new: ModelSpec) -> str:
     tokenize with the active model's tokenizer and shape replies by its outputs."""
     for what, old, now in (("task", active.task, new.task), ("output width", active.dim, new.dim),
                            ("labels", active.labels, new.labels),
-                           ("input limit", active.max_tokens, new.max_tokens)):
+                           ("input limit", active.max_tokens, new.max_tokens),
+                           ("pooling", active.pooling, new.pooling),
+                           ("normalization", active.normalize, new.normalize),
+                           ("architecture", architecture(active.directory),
+                            architecture(new.directory))):
         if old != now:
             return f"its {what} differs ({old!r} now, {now!r} in {new.directory})"
     if file_digest(active.directory / "tokenizer.json") != \
             file_digest(new.directory / "tokenizer.json"):
         return f"its tokenizer.json differs from the served one ({active.directory})"
     return ""
+
+
+def architecture(directory: Path) -> tuple[str, ...]:
+    """config.json's model type and architectures: a classifier's checkpoint is not an
+    encoder's, even where the encoder's weights would load from it."""
+    model_cfg = _read_json(directory / "config.json") or {}
+    return (str(model_cfg.get("model_type", "")), *map(str, model_cfg.get("architectures") or ()))
 
 
 def file_digest(path: Path) -> str:

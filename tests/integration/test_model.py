@@ -113,6 +113,14 @@ def test_reload_compatibility(models, tmp_path):
     (other / "tokenizer.json").write_text((other / "tokenizer.json").read_text()
                                           .replace('"[UNK]"', '"[UNKNOWN]"'))
     assert "tokenizer.json differs" in incompatible(emb, spec(other, "embedding"))
+    # What the replies mean: a reload keeps pooling, normalization and the kind of checkpoint.
+    cls = build_tiny_bert(tmp_path / "cls", seed=9, pooling="cls")
+    assert "pooling differs ('mean' now, 'cls'" in incompatible(emb, spec(cls, "embedding"))
+    raw = build_tiny_bert(tmp_path / "raw", seed=9, normalize=False)
+    assert "normalization differs (True now, False" in incompatible(emb, spec(raw, "embedding"))
+    # A classifier's checkpoint loads as an encoder (its head dropped), and must not replace one.
+    clf = build_tiny_classifier(tmp_path / "clf", num_labels=3, seed=9, hidden=32)
+    assert "architecture differs" in incompatible(emb, spec(clf, "embedding", normalize="true"))
 
 
 @pytest.fixture

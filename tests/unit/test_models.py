@@ -59,6 +59,25 @@ def test_a_package_source_that_names_no_package_is_a_model_source_error(tmp_path
         resolve_source(source, [tmp_path])
 
 
+def test_a_split_refuses_variants_that_would_answer_differently(model_dir):
+    # The frontends tokenize for every variant with one tokenizer and describe one output, so
+    # variants are held to a reload's rules at start: a wider one is refused before any process.
+    from shmserve import config
+    from shmserve.models import check
+
+    wide = build_tiny_bert(model_dir.parent / "wide", seed=2, hidden=64, heads=2)
+    same = build_tiny_bert(model_dir.parent / "same", seed=3)
+    root = str(model_dir.parent.parent)
+
+    def split(b):
+        return config.from_tree({"model_roots": [root], "models": [{"name": "s", "variants": [
+            {"name": "a", "source": str(model_dir)}, {"name": "b", "source": str(b)}]}]})
+    check(split(same), ["cpu"])
+    with pytest.raises(ModelSourceError, match=r"s@b cannot be a variant beside s@a: its "
+                       r"output width differs \(32 now, 64 in"):
+        check(split(wide), ["cpu"])
+
+
 def test_pickle_only_directory_is_refused(tmp_path):
     (tmp_path / "pytorch_model.bin").write_bytes(b"\x80\x04pickle")
     with pytest.raises(ModelSourceError, match="pickle checkpoints.*safetensors only"):
