@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from shmserve import arena, cli, remote, render, topology
+from shmserve import arena, cli, processes, remote, render, topology
 from shmserve.config import REPO_ROOT
 from tests.unit.test_render import free_port, make_config, wait_until
 
@@ -192,6 +192,13 @@ def test_console_script_and_module_entry_point():
 
 
 def test_admin_commands_need_a_token_and_well_formed_weights(deployment, monkeypatch, capsys):
+    monkeypatch.setenv("SHMSERVE__ADMIN__TOKEN", "t")
+    # No deployment runs in this run directory: said so (not "no token", and no call to a
+    # default port where another deployment may answer).
+    for argv in (["reload", "m"], ["models"], ["split", "m", "a=1"]):
+        assert cli.main(argv) == 2
+        assert "not running (run_dir " in capsys.readouterr().err
+    monkeypatch.setattr(processes, "supervisord_pid", lambda cfg: 4242)  # as if it ran
     monkeypatch.delenv("SHMSERVE__ADMIN__TOKEN", raising=False)
     assert cli.main(["reload", "m"]) == 2
     assert "admin routes are off in this deployment: start it with admin.token" in \
