@@ -45,6 +45,17 @@ async def reload(app: web.Application, model: str, variant: Variant, source: str
     if down:
         raise ApiError("unavailable", f"workers {down} host {variant.unit} and are not ready; "
                        "reload once GET /ready answers 200", retry_after=1)
+    try:
+        with state.reloading(cfg, variant.unit):
+            return await _reload(app, hosts, model, variant, source, revision)
+    except state.Busy:
+        raise ApiError("conflict", f"a reload of {variant.unit} is already in progress (another "
+                       "admin call); the served revision is unchanged by this one") from None
+
+
+async def _reload(app: web.Application, hosts: list[WorkerLink], model: str, variant: Variant,
+                  source: str, revision: str) -> dict:
+    cfg, pool = app[CONFIG], app[POOL]
     ticket = uuid.uuid4().hex
     timeout = cfg.admin.reload_timeout_s
     staged = await _ask(pool, hosts, lambda seq: Reload(seq, ticket, variant.unit, source,

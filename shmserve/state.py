@@ -83,6 +83,26 @@ class Watch:
         return self.state
 
 
+class Busy(Exception):
+    """Another reload of the same unit holds its lock."""
+
+
+@contextmanager
+def reloading(cfg: Config, unit: str) -> Iterator[None]:
+    """Hold the deployment-wide right to reload `unit`, or raise Busy at once. Two admin calls
+    reach different frontends through nginx; without it, each could take one worker's standby
+    slot first and both fail with nothing reloaded."""
+    fd = os.open(cfg.run_dir / f"reload-{unit}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise Busy(unit) from None
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
 @contextmanager
 def _locked(cfg: Config) -> Iterator[None]:
     fd = os.open(cfg.run_dir / "state.lock", os.O_RDWR | os.O_CREAT, 0o600)

@@ -9,6 +9,7 @@ import os
 import shutil
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -159,6 +160,19 @@ def test_reload_refuses_what_it_must_not_load(stack, models, tmp_path):
     status, _, _ = stack.request("POST", "/admin/models/tiny/reload", b"{}",
                                  {"Content-Type": "application/json"})
     assert status == 401
+    settles_on(stack, "tiny-r2")
+
+
+def test_of_two_reloads_at_once_one_goes_ahead(stack, models):
+    """Served before and after: b (tiny-r2). Two admin calls at the same moment, through nginx
+    to either frontend: one reloads, the other is refused at once (409); never both refused
+    for each other's standby slots, with nothing reloaded."""
+    with ThreadPoolExecutor(2) as pool:
+        answers = list(pool.map(lambda _: reload(stack, "tiny", source=str(models["b"]),
+                                                 revision="tiny-r2"), range(2)))
+    assert sorted(status for status, _ in answers) == [200, 409], answers
+    refused = next(answer for status, answer in answers if status == 409)
+    assert "a reload of tiny is already in progress" in refused["error"]["message"]
     settles_on(stack, "tiny-r2")
 
 

@@ -71,3 +71,16 @@ def test_state_updates_keep_other_entries_and_remove_clears(cfg):
     assert oct(state.path(cfg).stat().st_mode & 0o777) == "0o600"
     state.remove(cfg)
     assert state.read(cfg) == state.State()
+
+
+def test_one_reload_of_a_unit_at_a_time_across_processes(cfg):
+    # The lock is a file in the run directory, so it holds across frontends; another unit's
+    # reload is not held up.
+    with state.reloading(cfg, "m@a"):
+        with pytest.raises(state.Busy):
+            with state.reloading(cfg, "m@a"):
+                pass
+        with state.reloading(cfg, "m@b"):
+            pass
+    with state.reloading(cfg, "m@a"):  # released when the first call ended
+        pass
