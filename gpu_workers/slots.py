@@ -172,6 +172,8 @@ class Slots:
         if unit is not None and unit.standby is not None and unit.standby.ticket == msg.ticket:
             slot, unit.standby = unit.standby.slot, None
             if not msg.keep:
+                log.info("worker.reload_dropped", extra={"fields": {
+                    "model": msg.model, "revision": slot.spec.revision, "ticket": msg.ticket}})
                 self._free(slot)
                 return [_reply(peer, msg.seq, ReloadStatus.OK, unit.active.spec.revision,
                                "dropped")]
@@ -183,6 +185,8 @@ class Slots:
         if unit is not None and unit.loading is not None and unit.loading.ticket == msg.ticket \
                 and not msg.keep:
             unit.loading.cancelled = True  # its slot is freed when the loader thread is done
+            log.info("worker.reload_cancelled", extra={"fields": {
+                "model": msg.model, "ticket": msg.ticket}})
             return [_reply(peer, msg.seq, ReloadStatus.OK, unit.active.spec.revision,
                            "cancelled")]
         return [_reply(peer, msg.seq, ReloadStatus.INVALID, "",

@@ -141,3 +141,24 @@ def test_revisions_never_mix_in_the_batcher():
     queue_ = [Text("m#0", 5), Text("m#1", 5), Text("m#0", 6), Text("m#1", 5)]
     batch, rest = form_batch(queue_, Limits(32, 8192, 0.0, 10.0))
     assert {t.model for t in batch.texts} == {"m#0"} and len(rest) == 2
+
+
+def test_every_outcome_of_a_reload_is_logged_by_the_worker(caplog):
+    # A worker's log tells how each reload ended, not only that it started.
+    caplog.set_level("INFO", logger="shmserve.worker")
+    h = Harness()
+    h.slots.reload(b"fe", Reload(1, "t1", "m", "", "r2"))
+    h.built()
+    h.slots.commit(b"fe", Commit(2, "t1", "m", True))
+    h.slots.reload(b"fe", Reload(3, "t2", "m", "", "r3"))
+    h.built()
+    h.slots.commit(b"fe", Commit(4, "t2", "m", False))
+    h.gate.clear()
+    h.slots.reload(b"fe", Reload(5, "t3", "m", "", "r4"))
+    h.slots.commit(b"fe", Commit(6, "t3", "m", False))
+    h.gate.set()
+    h.built()
+    events = [r.getMessage() for r in caplog.records if r.getMessage().startswith("worker.")]
+    assert events == ["worker.reload_started", "worker.reload_staged", "worker.switched",
+                      "worker.reload_started", "worker.reload_staged", "worker.reload_dropped",
+                      "worker.reload_started", "worker.reload_cancelled"], events
