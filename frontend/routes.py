@@ -13,6 +13,7 @@ import shmserve
 from frontend import codec, metrics, schemas, scores, tasks, vectors
 from frontend.app import CONFIG, MODELS, POOL, ServedModel
 from frontend.dispatch import Outcome
+from frontend.errors import ApiError
 from frontend.tokenizer import Encoded
 
 
@@ -52,8 +53,13 @@ async def predict(request: web.Request) -> web.Response:
     cfg = request.app[CONFIG]
     body = await codec.read_body(request)
     parsed = schemas.parse_predict(body, cfg.limits)
-    if request.app[MODELS].resolve(parsed.model).spec.task == "classification":
+    spec = request.app[MODELS].resolve(parsed.model).spec
+    if spec.task == "classification":
         return await scores.predict(request, body, parsed)
+    if spec.task == "rerank":
+        raise ApiError("invalid_request", f"model {spec.name!r} is a rerank model; /predict "
+                       "serves embedding and classification models (rerank: POST /v1/rerank "
+                       "or /rerank)", param="model", code="unsupported_task")
     model, outcome, enc = await embed(request, parsed, "texts")
     return codec.render(request, {
         "results": codec.vectors(outcome.vectors, codec.wants_msgpack(request)),

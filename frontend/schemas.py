@@ -102,10 +102,10 @@ def one_or_many(value: Any, param: str, limits: LimitsConfig) -> list[str]:
 
 def query(body: dict, limits: LimitsConfig) -> str:
     """A rerank request's query: one string, held to the limits of any text."""
-    value = body.get("query")
+    value = required(body, "query")
     if not isinstance(value, str):
         raise ApiError("invalid_request", "'query' must be a string", param="query")
-    texts([value], "query", limits)
+    check_text(value, "'query'", "query", limits)
     return value
 
 
@@ -154,15 +154,20 @@ def texts(value: Any, param: str, limits: LimitsConfig) -> list[str]:
     for i, text in enumerate(value):
         if not isinstance(text, str):
             raise ApiError("invalid_request", f"'{param}[{i}]' must be a string", param=param)
-        if not text:
-            raise ApiError("invalid_request", f"'{param}[{i}]' must not be empty", param=param)
-        if not text.isascii() and not _utf8(text):
-            raise ApiError("invalid_request", f"'{param}[{i}]' is not valid Unicode (a lone "
-                           "surrogate escape)", param=param)
-        if len(text) > limits.max_text_chars:
-            raise ApiError("too_large", f"'{param}[{i}]' has {len(text)} characters; the limit "
-                           f"is {limits.max_text_chars} (limits.max_text_chars)", param=param)
+        check_text(text, f"'{param}[{i}]'", param, limits)
     return value
+
+
+def check_text(text: str, name: str, param: str, limits: LimitsConfig) -> None:
+    """One text (`name` says which in the message) against the limits of any text."""
+    if not text:
+        raise ApiError("invalid_request", f"{name} must not be empty", param=param)
+    if not text.isascii() and not _utf8(text):
+        raise ApiError("invalid_request", f"{name} is not valid Unicode (a lone surrogate "
+                       "escape)", param=param)
+    if len(text) > limits.max_text_chars:
+        raise ApiError("too_large", f"{name} has {len(text)} characters; the limit is "
+                       f"{limits.max_text_chars} (limits.max_text_chars)", param=param)
 
 
 def parse_priority(value: object, param: str) -> int:

@@ -24,6 +24,7 @@ from aiohttp import web
 
 from frontend import codec, schemas, tasks
 from frontend.app import CONFIG, REQUEST_ID
+from frontend.errors import ApiError
 from frontend.tasks import stage_headers
 
 
@@ -95,9 +96,12 @@ def ranked(probs: np.ndarray, labels: tuple[str, ...], top_k: int | None
 def _document_texts(value: Any) -> Any:
     """Documents as strings; {"text": str} objects (as Cohere and Jina accept) are unwrapped."""
     if not isinstance(value, list):
-        return value  # _texts names the error
-    return [v["text"] if isinstance(v, dict) and isinstance(v.get("text"), str) else v
-            for v in value]
+        return value  # schemas.texts names the error
+    for i, v in enumerate(value):
+        if not (isinstance(v, str) or isinstance(v, dict) and isinstance(v.get("text"), str)):
+            raise ApiError("invalid_request", f"'documents[{i}]' must be a string or an object "
+                           "with a string 'text'", param="documents")
+    return [v["text"] if isinstance(v, dict) else v for v in value]
 
 
 def _usage(tokens: int) -> dict[str, int]:

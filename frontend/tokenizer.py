@@ -73,16 +73,17 @@ class TextEncoder:
         # template gives none, such as RoBERTa's); the worker rebuilds them from this length.
         segments = np.fromiter((e.type_ids.index(1) if 1 in e.type_ids else len(e.ids)
                                 for e in encodings), np.int32, len(encodings))
-        flat = self._flatten(encodings, param, self.truncate)
+        flat = self._flatten(encodings, param, self.truncate, pairs=True)
         return Encoded(flat.ids, flat.offsets, flat.truncated, segments)
 
-    def _flatten(self, encodings: list, param: str, truncate: bool) -> Encoded:
+    def _flatten(self, encodings: list, param: str, truncate: bool,
+                 pairs: bool = False) -> Encoded:
         if len(encodings) == 1:  # the common case, without the generators (~2x faster)
             ids = np.array(encodings[0].ids, np.int32)
             if not truncate and ids.shape[0] > self.max_tokens:
-                raise ApiError("too_large", f"'{param}[0]' has {ids.shape[0]} tokens; the "
-                               f"model's limit is {self.max_tokens} (or set limits.truncate)",
-                               param=param)
+                raise ApiError("too_large", f"{_which(param, 0, pairs)} has {ids.shape[0]} "
+                               f"tokens; the model's limit is {self.max_tokens} (or set "
+                               "limits.truncate)", param=param)
             truncated = 1 if truncate and encodings[0].overflowing else 0
             return Encoded(ids, np.array([0, ids.shape[0]], np.int32), truncated)
         lengths = np.fromiter((len(e.ids) for e in encodings), np.int32, len(encodings))
@@ -90,9 +91,9 @@ class TextEncoder:
             over = np.flatnonzero(lengths > self.max_tokens)
             if over.size:
                 i = int(over[0])
-                raise ApiError("too_large", f"'{param}[{i}]' has {int(lengths[i])} tokens; the "
-                               f"model's limit is {self.max_tokens} (or set limits.truncate)",
-                               param=param)
+                raise ApiError("too_large", f"{_which(param, i, pairs)} has "
+                               f"{int(lengths[i])} tokens; the model's limit is "
+                               f"{self.max_tokens} (or set limits.truncate)", param=param)
         offsets = np.zeros(len(encodings) + 1, np.int32)
         np.cumsum(lengths, out=offsets[1:])
         ids = np.fromiter((t for e in encodings for t in e.ids), np.int32, int(offsets[-1]))
@@ -129,3 +130,9 @@ class TextEncoder:
         """Full encodings (tokens, offsets, special-token masks), never truncated."""
         return self._variant(False, "right").encode_batch(texts,
                                                           add_special_tokens=add_special_tokens)
+
+
+def _which(param: str, i: int, pairs: bool) -> str:
+    """The input a too-long error names: a cross-encoder reads the query and a document as
+    one input, so either may be the long part."""
+    return f"the query with '{param}[{i}]'" if pairs else f"'{param}[{i}]'"

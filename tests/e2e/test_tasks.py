@@ -166,7 +166,12 @@ def test_kserve_classification_and_rerank_tensors(stack, dirs):
 @pytest.mark.parametrize("path,body,needle", [
     ("/v1/embeddings", {"model": "clf", "input": "x"},
      "'clf' is a classification model; this route needs an embedding model"),
-    ("/predict", {"model": "ce", "texts": ["x"]}, "'ce' is a rerank model"),
+    ("/predict", {"model": "ce", "texts": ["x"]},
+     "'ce' is a rerank model; /predict serves embedding and classification models"),
+    ("/v1/rerank", {"model": "ce", "query": "", "documents": ["d"]}, "'query' must not be empty"),
+    ("/v1/rerank", {"model": "ce", "documents": ["d"]}, "'query' is required"),
+    ("/v1/rerank", {"model": "ce", "query": "q", "documents": [{"txt": "d"}]},
+     "'documents[0]' must be a string or an object with a string 'text'"),
     ("/v1/rerank", {"model": "tiny", "query": "q", "documents": ["d"]},
      "needs a rerank model"),
     ("/v1/classify", {"model": "ab", "input": ["x"]}, "needs a classification model"),

@@ -36,6 +36,16 @@ def test_no_truncation_refuses_with_413(spec):
     assert info.value.status == 413 and "texts[1]" in info.value.message
 
 
+@pytest.mark.parametrize("documents", [["short"], ["short", "another"]])
+def test_a_pair_over_the_limit_names_the_query_and_the_document(spec, documents):
+    # A cross-encoder reads both as one input: the query may be the long part.
+    with pytest.raises(ApiError) as info:
+        TextEncoder(spec, truncate=False).encode_pairs("word " * 1000, documents)
+    assert info.value.status == 413
+    # 1,000 words, "short", [CLS] and two [SEP]
+    assert info.value.message.startswith("the query with 'documents[0]' has 1004 tokens")
+
+
 def test_token_ids_are_used_as_given(spec):
     encoder = TextEncoder(spec, truncate=False)
     enc = encoder.from_ids([[7592, 2088], [101, 7592, 102]])
