@@ -105,15 +105,31 @@ async def set_split(request: web.Request) -> web.Response:
     body = codec.decode_body(await request.read(), request.content_type,
                              "Content-Type" in request.headers)
     weights = body.get("weights") if isinstance(body, dict) else None
-    if not isinstance(weights, dict) or set(weights) != set(names) or not all(
-            isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w)
-            and w >= 0 for w in weights.values()) or sum(weights.values()) <= 0:
+    why = _weights_problem(weights, names)
+    if why:
         raise ApiError("invalid_request", f"'weights' must give every variant ({', '.join(names)})"
-                       " a number >= 0, not all 0", param="weights")
+                       f" a number >= 0, not all 0: {why}", param="weights")
     new = {k: float(w) for k, w in weights.items()}
     state.update(request.app[CONFIG],
                  lambda tree: tree["splits"].__setitem__(served.spec.name, new))
     return codec.render(request, {"model": served.spec.name, "weights": new})
+
+
+def _weights_problem(weights: object, names: list[str]) -> str:
+    """What is wrong with a split's new weights ("" when nothing)."""
+    if not isinstance(weights, dict):
+        return "give an object {variant: weight}"
+    if missing := [n for n in names if n not in weights]:
+        return f"{', '.join(missing)} missing"
+    if unknown := [str(n) for n in weights if n not in names]:
+        return f"no variant {', '.join(unknown)}"
+    for name, w in weights.items():
+        if not (isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w)
+                and w >= 0):
+            return f"{name}: {w!r} is not a number >= 0"
+    if sum(weights.values()) <= 0:
+        return "all are 0"
+    return ""
 
 
 def _variant(served: ServedModel, name: str) -> Variant:
@@ -126,6 +142,9 @@ def _variant(served: ServedModel, name: str) -> Variant:
     for variant in served.variants:
         if variant.name == name:
             return variant
+    if name:
+        raise ApiError("invalid_request", f"model {served.spec.name!r} has no variant {name!r}; "
+                       f"its variants are {', '.join(names)}", param="variant")
     raise ApiError("invalid_request", f"model {served.spec.name!r} is split: name its "
                    f"'variant' ({', '.join(names)})", param="variant")
 

@@ -212,7 +212,7 @@ def incompatible(active: ModelSpec, new: ModelSpec) -> str:
     """Why `new` cannot replace `active` under a running frontend ("" when it can): frontends
     tokenize with the active model's tokenizer and shape replies by its outputs."""
     for what, old, now in (("task", active.task, new.task), ("output width", active.dim, new.dim),
-                           ("labels", active.labels, new.labels),
+                           ("label set", active.labels, new.labels),
                            ("input limit", active.max_tokens, new.max_tokens),
                            ("pooling", active.pooling, new.pooling),
                            ("normalization", active.normalize, new.normalize),

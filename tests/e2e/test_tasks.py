@@ -272,11 +272,20 @@ def test_new_weights_apply_on_every_frontend(stack):
     results = asyncio.run(_embed_many(stack, [{"model": "ab", "input": "x"}] * 100))
     assert {r[0] for r in results} == {"b"}  # two frontends, both already on the new weights
     assert [v["weight"] for v in admin_models(stack)["ab"]["variants"]] == [0, 1]
-    for bad in ({"weights": {"a": 1}}, {"weights": {"a": 0, "b": 0}}, {"w": 1},
-                {"weights": {"a": -1, "b": 2}}):
+    for bad, why in (({"weights": {"a": 1}}, "b missing"),
+                     ({"weights": {"a": 0, "b": 0}}, "all are 0"),
+                     ({"w": 1}, "give an object {variant: weight}"),
+                     ({"weights": {"a": 1, "b": 1, "c": 1}}, "no variant c"),
+                     ({"weights": {"a": -1, "b": 2}}, "a: -1 is not a number >= 0"),
+                     ({"weights": {"a": "1", "b": 2}}, "a: '1' is not a number >= 0")):
         status, _, raw = stack.request("PUT", "/admin/models/ab/split",
                                        json.dumps(bad).encode(), ADMIN)
-        assert status == 422 and json.loads(raw)["error"]["param"] == "weights", raw
+        error = json.loads(raw)["error"]
+        assert status == 422 and error["param"] == "weights", raw
+        assert error["message"].endswith(why), raw
+    status, _, raw = stack.request("POST", "/admin/models/ab/reload",
+                                   json.dumps({"variant": "zz"}).encode(), ADMIN)
+    assert status == 422 and "has no variant 'zz'; its variants are a, b" in raw.decode()
     status, _, _ = stack.request("PUT", "/admin/models/tiny/split",
                                  json.dumps({"weights": {"": 1}}).encode(), ADMIN)
     assert status == 422
