@@ -78,9 +78,18 @@ def _model(cfg: Config, served, pool: WorkerPool) -> dict[str, Any]:
     # The dtype a worker runs (auto resolved there), else the configured one while loading.
     dtype = reported.dtype if reported is not None and reported.dtype else spec.dtype
     model_cfg = next(m for m in cfg.models if m.name == spec.name)
-    return {"name": spec.name, "aliases": list(model_cfg.aliases), "revision": revision,
+    info = {"name": spec.name, "aliases": list(model_cfg.aliases), "revision": revision,
             "task": spec.task, "dtype": dtype, "dim": spec.dim, "pooling": spec.pooling,
             "normalize": spec.normalize, "max_input_tokens": spec.max_tokens}
+    if served.variants[0].name:  # an A/B split: each arm's revision ("revision": the first's)
+        info["variants"] = [{"name": v.name, "revision": _revision(v, pool)}
+                            for v in served.variants]
+    return info
+
+
+def _revision(variant, pool: WorkerPool) -> str | None:
+    reported = pool.model_info(variant.unit)
+    return reported.revision if reported is not None else (variant.spec.revision or None)
 
 
 def _device(index: int, device: str, pool: WorkerPool) -> dict[str, Any]:

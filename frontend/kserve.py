@@ -7,7 +7,9 @@
     POST /v2/models/{m}[/versions/{v}]/infer
 
 A model name may hold '/' (aliases like "org/name" do), as Triton's client sends it unescaped.
-A model's one version is its revision. The tensors a model takes and gives depend on its task:
+A model's versions are its revisions, one per A/B variant (one without a split); a version in
+the path pins the request to the variant serving it, and a reply's model_version is the revision
+that computed it. The tensors a model takes and gives depend on its task:
 `TASKS` maps a task to its `Tensors`; a task without an entry answers 422 until its tensors are
 written (classification and rerank: pending the model-management issue). Body formats are in
 `frontend.tensors`; a msgpack request (by Content-Type) is the same object msgpack-encoded, and a
@@ -27,7 +29,7 @@ from aiohttp import web
 
 import shmserve
 from frontend import codec, routes, tasks, tensors
-from frontend.app import CONFIG, MODEL_NAME, MODELS, POOL, ServedModel
+from frontend.app import CONFIG, MODEL_NAME, MODELS, PINNED, POOL, REVISION, ServedModel
 from frontend.dispatch import Outcome
 from frontend.errors import ApiError
 from frontend import schemas
@@ -167,8 +169,7 @@ async def model_ready(request: web.Request) -> web.Response:
 async def model_metadata(request: web.Request) -> web.Response:
     model = _model(request)
     spec = _tensors(model)
-    version = _version(request, model)
-    body = {"name": model.spec.name, "versions": [version] if version else [],
+    body = {"name": model.spec.name, "versions": _versions(request, model),
             "platform": "shmserve", "inputs": [t.metadata() for t in spec.inputs],
             "outputs": [t.metadata() for t in spec.outputs]}
     if model.spec.task == "classification":  # what each column of "probabilities" means
@@ -189,7 +190,7 @@ async def infer(request: web.Request) -> web.Response:
     datatypes = {t.name: t.datatype for t in spec.outputs}
     outputs = [(Tensor(name, datatypes[name], results[name].shape, results[name]), binary)
                for name, binary in wanted]
-    head = {"model_name": model.spec.name, "model_version": _version(request, model)}
+    head = {"model_name": model.spec.name, "model_version": request.get(REVISION, "")}
     if request_id is not None:
         head["id"] = request_id
     headers = tasks.stage_headers(request, outcome)
@@ -206,20 +207,31 @@ async def infer(request: web.Request) -> web.Response:
 
 
 def _model(request: web.Request) -> ServedModel:
+    """The model the path names; a version in the path pins the request to the variant (of an
+    A/B split) that serves that revision."""
     model = request.app[MODELS].resolve(request.match_info["model"])
     request[MODEL_NAME] = model.spec.name
     version = request.match_info.get("version")
-    if version is not None and version != _version(request, model):
-        raise ApiError("not_found", f"model {model.spec.name!r} has no version {version!r}; "
-                       f"it serves {_version(request, model) or 'none yet'!r}",
-                       param="model_version", code="model_not_found")
+    if version is not None:
+        variant = next((v for v in model.variants if _revision(request, v) == version), None)
+        if variant is None:
+            served = ", ".join(repr(v) for v in _versions(request, model)) or "none yet"
+            raise ApiError("not_found", f"model {model.spec.name!r} has no version {version!r}; "
+                           f"it serves {served}", param="model_version", code="model_not_found")
+        request[PINNED] = variant
     return model
 
 
-def _version(request: web.Request, model: ServedModel) -> str:
-    """The revision the workers report, else the configured one ("" until either is known)."""
-    info = request.app[POOL].model_info(model.variants[0].unit)  # an A/B model: its first arm
-    return info.revision if info is not None and info.revision else model.spec.revision
+def _versions(request: web.Request, model: ServedModel) -> list[str]:
+    """A model's versions: the revision of each of its variants (one without an A/B split)."""
+    return list(dict.fromkeys(r for v in model.variants if (r := _revision(request, v))))
+
+
+def _revision(request: web.Request, variant) -> str:
+    """The revision the workers report for a variant, else the configured one ("" until either
+    is known)."""
+    info = request.app[POOL].model_info(variant.unit)
+    return info.revision if info is not None and info.revision else variant.spec.revision
 
 
 def _tensors(model: ServedModel) -> Tensors:

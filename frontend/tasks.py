@@ -24,7 +24,7 @@ from aiohttp import web
 
 from frontend import metrics, schemas
 from frontend.app import (CONFIG, DISPATCHER, INDEX, INFLIGHT, LOG_FIELDS, MODEL_NAME, MODELS,
-                          REPLIED_AT, REQUEST_ID, REVISION, SPLITS, STAGES, TOKENIZE_AT,
+                          PINNED, REPLIED_AT, REQUEST_ID, REVISION, SPLITS, STAGES, TOKENIZE_AT,
                           TOKENIZE_MS, VARIANT, ServedModel)
 from frontend.dispatch import Outcome
 from frontend.errors import ApiError
@@ -112,8 +112,8 @@ async def run(request: web.Request, served: ServedModel,
     logging.log_inputs is on."""
     cfg = request.app[CONFIG]
     request[MODEL_NAME] = served.spec.name
-    variant = request.app[SPLITS].choose(served.spec.name, served.variants,
-                                         sticky_key(request, served, user))
+    variant = request.get(PINNED) or request.app[SPLITS].choose(
+        served.spec.name, served.variants, sticky_key(request, served, user))
     deadline = time.time() + timeout(request, cfg.frontends.request_timeout_s)
     inflight = request.app[INFLIGHT]
     if inflight[0] >= cfg.frontends.max_inflight:

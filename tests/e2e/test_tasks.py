@@ -303,8 +303,21 @@ def test_ab_models_are_ready_and_versioned_on_kserve_and_info(stack):
 
     client = triton.InferenceServerClient(stack.url.removeprefix("http://"))
     assert client.is_model_ready("ab")
-    assert client.get_model_metadata("ab")["versions"] == ["ab-r1"]  # its first arm
+    assert client.get_model_metadata("ab")["versions"] == ["ab-r1", "ab-r2"]  # one per arm
+    # A version in the path pins the request to the arm that serves it, whatever the split's
+    # weights (b has 0.2 here); the reply names the revision that computed it.
+    for version in ("ab-r1", "ab-r2"):
+        text = triton.InferInput("text", [1], "BYTES")
+        text.set_data_from_numpy(np.array([b"pinned"], dtype=object))
+        for _ in range(5):
+            reply = client.infer("ab", [text], model_version=version).get_response()
+            assert reply["model_version"] == version
+    with pytest.raises(triton.InferenceServerException, match="it serves 'ab-r1', 'ab-r2'"):
+        client.get_model_metadata("ab", model_version="ab-r9")
     client.close()
     status, _, raw = stack.get("/info")
     models = {m["name"]: m for m in json.loads(raw)["models"]}
     assert status == 200 and models["ab"]["revision"] == "ab-r1"
+    assert models["ab"]["variants"] == [{"name": "a", "revision": "ab-r1"},
+                                        {"name": "b", "revision": "ab-r2"}]
+    assert "variants" not in models["tiny"]
