@@ -29,7 +29,7 @@ import zmq.asyncio
 from zmq.utils import monitor as zmq_monitor
 
 from frontend import metrics
-from shmserve import topology, wire
+from shmserve import processes, topology, wire
 from shmserve.config import Config
 from shmserve.protocol import (PROTOCOL_VERSION, Abort, Commit, Error, Heartbeat, Ping, Reload,
                                ReloadDone, Result, Submit)
@@ -66,6 +66,11 @@ class WorkerLink:
                                     # queued on the socket are stale
     outbox: list[bytes] = field(default_factory=list)  # messages to send at the end of this
                                                        # loop turn, as (kind, body) frame pairs
+    unsent: set[int] = field(default_factory=set)  # the seqs in the outbox
+    held: dict[int, tuple[int, Pending]] = field(default_factory=dict)  # seq -> (pid, entry):
+    # requests failed over while the process they went to may still live (silent, not gone):
+    # their slots stay held until it answers them or is gone, since it may still read the
+    # token ids and write the output rows
 
     @property
     def ready(self) -> bool:
@@ -106,7 +111,7 @@ class WorkerPool:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         for link in self.links:
-            self._fail_pending(link, "frontend is shutting down")
+            self._fail_pending(link, "frontend is shutting down", hold=False)
             link.socket.close(linger=0)  # close sockets before terminating the context
         self._ctx.term()
 
@@ -180,6 +185,8 @@ class WorkerPool:
         if not link.outbox:
             asyncio.get_running_loop().call_soon(self._flush, link)
         link.outbox.extend(wire.encode(msg))
+        if isinstance(msg, Submit):
+            link.unsent.add(msg.seq)
 
     def _flush(self, link: WorkerLink) -> None:
         frames, link.outbox = link.outbox, []
@@ -187,6 +194,7 @@ class WorkerPool:
             # Not connected (IMMEDIATE): the worker is gone and never saw these; its pending
             # requests (these among them) fail with WorkerGone and move to another worker.
             self._declare_dead(link, "connection lost")
+        link.unsent.clear()
 
     # ---- tasks ------------------------------------------------------------------------------
 
@@ -235,7 +243,12 @@ class WorkerPool:
     def _settle(self, link: WorkerLink, msg: Result | Error | ReloadDone) -> None:
         pending = link.pending.pop(msg.seq, None)
         if pending is None:
-            return  # its worker was already declared dead; the request moved on
+            # Its worker was declared dead and the request moved on; a late answer from a
+            # worker that was only silent says it is done with the slot.
+            held = link.held.pop(msg.seq, None)
+            if held is not None:
+                held[1].on_settled()
+            return
         link.outstanding -= pending.texts
         pending.on_settled()
         if not pending.future.done():
@@ -250,6 +263,8 @@ class WorkerPool:
             return
         if beat.pid == link.dropped_pid:
             return  # sent before its process died, read after the drop
+        if link.held and (link.beat is None or link.beat.pid != beat.pid):
+            self._release_held(link)  # a new process: the one that held them is gone
         if link.beat is not None and link.beat.pid != beat.pid:
             self.restarts_seen += 1
             metrics.WORKER_RESTARTS.labels(str(self.frontend), str(link.index)).inc()
@@ -272,6 +287,8 @@ class WorkerPool:
                 _send_now(link.socket, wire.encode(Ping(time.time())))  # silence decides below
                 if link.alive and now - link.last_beat > timeout:
                     self._declare_dead(link, f"silent for {now - link.last_beat:.1f}s")
+                if link.held:
+                    self._release_held(link, only_gone=True)
             await asyncio.sleep(interval)
 
     def _declare_dead(self, link: WorkerLink, reason: str, grace: float = 0.0) -> None:
@@ -292,13 +309,35 @@ class WorkerPool:
 
         asyncio.get_running_loop().call_later(grace, fail_unless_back)
 
-    def _fail_pending(self, link: WorkerLink, reason: str) -> None:
-        # Unsent messages go too: their slots are released below and may be reused.
+    def _fail_pending(self, link: WorkerLink, reason: str, hold: bool = True) -> None:
+        """Fail `link`'s requests over (WorkerGone: the dispatcher resubmits them elsewhere).
+        A slot is released now only where no worker process can touch it: its Submit was never
+        sent, or the worker's process is gone; otherwise the worker may just have been silent
+        (stopped, swapped out) and may still read its token ids and write its rows, so the slot
+        is held until it answers or its process ends (`_release_held`), not given to another
+        request."""
         pending, link.pending, link.outstanding, link.outbox = link.pending, {}, 0, []
-        for entry in pending.values():
-            entry.on_settled()
+        unsent, link.unsent = link.unsent, set()
+        pid = link.beat.pid if link.beat is not None else None
+        may_live = hold and pid is not None and pid != link.dropped_pid and \
+            processes.alive(pid)
+        for seq, entry in pending.items():
+            if may_live and seq not in unsent:
+                link.held[seq] = (pid, entry)
+                # Should it resume: drop the request if it has not started, and answer, which
+                # releases the slot; the request itself runs elsewhere.
+                self._post(link, Abort(seq))
+            else:
+                entry.on_settled()
             if not entry.future.done():
                 entry.future.set_exception(WorkerGone(reason))
+
+    def _release_held(self, link: WorkerLink, only_gone: bool = False) -> None:
+        """Release the slots held for worker processes that are gone (`only_gone`), or all."""
+        for seq, (pid, entry) in list(link.held.items()):
+            if not only_gone or not processes.alive(pid):
+                del link.held[seq]
+                entry.on_settled()
 
 
 def _send_now(sock: zmq.asyncio.Socket, frames: list[bytes]) -> bool:

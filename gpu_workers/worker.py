@@ -123,13 +123,18 @@ class Worker:
         if msg.model not in self.units:
             return Error(msg.seq, ErrorCode.UNKNOWN_MODEL, f"model {msg.model!r} is not served")
         try:
-            offsets = self._attachments.view(msg.offsets)
+            # A copy: every length this worker computes comes from one reading of them, so
+            # whatever happens to the shared slot later cannot make them disagree (a crash).
+            offsets = self._attachments.view(msg.offsets).copy()
             ids = self._attachments.view(msg.token_ids)
             out = self._attachments.view(msg.output)
-            segments = self._attachments.view(msg.segments) if msg.segments.shape[0] else None
+            segments = self._attachments.view(msg.segments).copy() \
+                if msg.segments.shape[0] else None
             n = offsets.shape[0] - 1
+            lengths = np.diff(offsets)
             if n < 1 or out.shape[0] != n or int(offsets[-1]) > ids.shape[0] or (
-                    segments is not None and segments.shape[0] != n):
+                    offsets[0] != 0 or (lengths <= 0).any()) or segments is not None and (
+                    segments.shape[0] != n or (segments < 1).any() or (segments > lengths).any()):
                 raise ValueError("offsets, ids, segments and output disagree")
         except (OSError, ValueError) as exc:
             return Error(msg.seq, ErrorCode.INVALID, f"bad buffers: {exc}")

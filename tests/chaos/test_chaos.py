@@ -3,8 +3,10 @@
 Run alone with `scripts/test -m chaos`; they are part of the default suite too.
 """
 
+import json
 import os
 import signal
+import time
 from collections import Counter
 
 import pytest
@@ -54,6 +56,36 @@ def test_worker_kill_costs_zero_failed_requests(stack):
     with Load(stack) as load:
         counts = kill_and_wait(stack, "workers:worker-0", load)
     assert set(counts) == {"200"}, counts
+
+
+class UnevenLoad(Load):
+    """Requests of 1-3 texts of 1-60 words: slots of many sizes, so a slot freed too early is
+    soon another request's with other offsets."""
+
+    def body(self, client: int, n: int) -> bytes:
+        texts = [" ".join(["word"] * (1 + (n * 7 + client * 13 + i * 29) % 60))
+                 for i in range(1 + (n + client) % 3)]
+        return json.dumps({"texts": texts}).encode()
+
+
+def test_a_worker_stopped_past_the_heartbeat_timeout_resumes_and_serves_on(stack):
+    # SIGSTOP (a stall, a swapped-out process): the frontends take it for dead and retry its
+    # requests elsewhere; on SIGCONT it finds those requests' slots still its own (not reused
+    # by others), answers the aborts, and serves on: the same process, nothing failed.
+    pid = stack.pid("workers:worker-0")
+    with UnevenLoad(stack) as load:
+        start = load.mark()
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            time.sleep(5)  # past heartbeat_timeout_s (1.5 in configs/test.yaml)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        stack.wait_until(lambda: stack.get("/ready")[0] == 200, 30, "ready after resuming")
+        target = load.mark() + 100
+        stack.wait_until(lambda: load.mark() >= target, 60, "requests after resuming")
+        counts = load.since(start)
+    assert set(counts) == {"200"}, counts
+    assert stack.pid("workers:worker-0") == pid  # it did not crash on resuming
 
 
 def test_frontend_kill_costs_zero_failed_requests(stack):

@@ -106,6 +106,17 @@ def test_round_trip_deadline_and_kill(cfg):
             assert settled == [1]
             arena.free(handle.offset)
 
+            # Offsets that go backwards (a frontend's bug, or memory changed under it): refused
+            # as that request's error; the worker lives on.
+            ids, offsets, out = _slot(arena, 3, 32)
+            arena.view(offsets)[:] = [0, 40, 20, 120]
+            reply = await pool.submit(link, Submit(pool.next_seq(), "r4", "tiny", ids, offsets,
+                                                   out, time.time() + 5, 0, empty), 3,
+                                      lambda: None)
+            assert isinstance(reply, Error) and reply.code is ErrorCode.INVALID
+            assert "disagree" in reply.message
+            assert isinstance(await submit_rows(pool, arena, "r5", 2), Result)
+
             # SIGKILL: pending requests fail with WorkerGone within the heartbeat timeout.
             futures = [submit_rows(pool, arena, f"k{i}", 64) for i in range(4)]
             worker.send_signal(signal.SIGKILL)
@@ -159,6 +170,59 @@ def test_restarted_worker_is_taken_back(cfg):
             await pool.close()
 
     run(scenario, worker)
+
+
+def test_a_silent_worker_keeps_its_slots_until_it_answers_or_is_gone(cfg):
+    """A worker silent past the heartbeat timeout (stopped, swapped out) has its requests
+    failed over, but it may resume and still read their token ids and write their rows: their
+    slots are not given to other requests until it answers (the aborts sent meanwhile) or its
+    process is gone. Before, they were freed at once and reused, and the resumed worker read
+    another request's offsets (it crashed) or could have written into its rows."""
+    worker = start_worker(cfg)
+    arena = shm.Arena(shm.arena_name(topology.instance_id(cfg), "fe0"), 1 << 24)
+
+    async def submit_silent(pool, prefix):
+        link, settled = pool.pick("tiny"), []
+        futures = [pool.submit(link, Submit(pool.next_seq(), f"{prefix}{i}", "tiny",
+                                            *_slot(arena, 4, 32), time.time() + 30, 0,
+                                            arena.handle(0, "int32", (0,))), 4,
+                               lambda: settled.append(1)) for i in range(3)]
+        results = await asyncio.gather(*futures, return_exceptions=True)
+        assert all(isinstance(r, WorkerGone) for r in results), results
+        return link, settled
+
+    async def until(condition, seconds, what):
+        deadline = time.monotonic() + seconds
+        while not condition():
+            assert time.monotonic() < deadline, what
+            await asyncio.sleep(0.05)
+
+    async def scenario():
+        pool = await ready_pool(cfg)
+        try:
+            # Stopped, then resumed: the slots stay held while it is silent, and go back once
+            # it answers the aborts it finds on resuming; it serves on, alive.
+            worker.send_signal(signal.SIGSTOP)
+            link, settled = await submit_silent(pool, "s")
+            await asyncio.sleep(1.0)
+            assert settled == [] and len(link.held) == 3 and arena.bytes_used > 0
+            worker.send_signal(signal.SIGCONT)
+            await until(lambda: len(settled) == 3, 20, "the resumed worker never answered")
+            assert not link.held and worker.poll() is None
+            await until(lambda: pool.pick("tiny") is not None, 20, "never routable again")
+            assert isinstance(await submit_rows(pool, arena, "after", 2), Result)
+            # Stopped, then killed: released once its process is gone.
+            worker.send_signal(signal.SIGSTOP)
+            link, settled = await submit_silent(pool, "k")
+            assert settled == []
+            worker.send_signal(signal.SIGKILL)
+            worker.wait()
+            await until(lambda: len(settled) == 3, 10, "slots of a dead worker still held")
+            assert not link.held
+        finally:
+            await pool.close()
+
+    run(scenario, worker, arena)
 
 
 def test_a_killed_worker_is_unroutable_at_once_and_a_drained_one_answers(cfg):
