@@ -31,7 +31,9 @@ def main() -> int:
                 handle_signals=True, backlog=cfg.frontends.listen_backlog,
                 # A client that goes away cancels its handler, which aborts its queued work
                 # at the worker (frontend.dispatch) instead of computing it for nobody.
-                handler_cancellation=True)
+                handler_cancellation=True,
+                # frontend.codec.read_raw inflates compressed bodies itself, with JSON errors.
+                auto_decompress=False)
     path.unlink(missing_ok=True)
     return 0
 

@@ -78,7 +78,7 @@ async def list_models(request: web.Request) -> web.Response:
 async def reload_model(request: web.Request) -> web.Response:
     authorize(request)
     served = request.app[MODELS].resolve(request.match_info["name"])
-    body = await request.read()
+    body = await codec.read_raw(request)
     body = codec.decode_body(body, request.content_type, "Content-Type" in request.headers) \
         if body else {}
     if not isinstance(body, dict):
@@ -102,7 +102,7 @@ async def set_split(request: web.Request) -> web.Response:
     if not names[0]:
         raise ApiError("invalid_request", f"model {served.spec.name!r} has no variants to split "
                        "(models.variants)", param="model")
-    body = codec.decode_body(await request.read(), request.content_type,
+    body = codec.decode_body(await codec.read_raw(request), request.content_type,
                              "Content-Type" in request.headers)
     weights = body.get("weights") if isinstance(body, dict) else None
     why = _weights_problem(weights, names)

@@ -244,7 +244,7 @@ def _tensors(model: ServedModel) -> Tensors:
 
 
 async def _read(request: web.Request) -> tuple[dict, bytes]:
-    raw = await request.read()
+    raw = await codec.read_raw(request)
     if not raw:
         raise ApiError("bad_request", "empty request body")
     if request.content_type in codec.MSGPACK_TYPES:

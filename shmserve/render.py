@@ -54,6 +54,7 @@ NGINX_ERRORS: dict[int, tuple[str, str]] = {
           "(nginx.client_header_timeout_s, nginx.client_body_timeout_s)"),
     413: ("too_large", "request body larger than nginx.client_max_body_size ({max_body})"),
     414: ("headers_too_large", "request line too long (nginx.large_client_header_buffers)"),
+    415: ("unsupported_media_type", "Content-Encoding must be gzip, deflate, br or identity"),
     494: ("headers_too_large", "request headers too large (nginx.large_client_header_buffers)"),
     500: ("internal_error", "internal error in nginx"),
     502: ("unavailable", "no frontend answered; see `shmserve status`"),

@@ -1,7 +1,10 @@
 """Broken input through nginx: always a 4xx with an error body, never a 5xx, no restarts."""
 
+import gzip
 import json
+import zlib
 
+import brotli
 import msgpack
 import pytest
 
@@ -57,6 +60,34 @@ def test_broken_input_is_a_4xx_with_an_error_body(tiny_stack, pids_before, name,
     assert 400 <= status < 500, (status, raw[:300])
     error = json.loads(raw)["error"]
     assert error["type"] and error["message"]
+
+
+@pytest.mark.parametrize("encoding,status,kind", [
+    ("gzip", 400, "bad_request"), ("deflate", 400, "bad_request"), ("br", 400, "bad_request"),
+    ("zstd", 415, "unsupported_media_type"), ("compress", 415, "unsupported_media_type"),
+])
+def test_a_body_that_does_not_decode_as_its_content_encoding(tiny_stack, pids_before, encoding,
+                                                            status, kind):
+    # Not inflatable: the frontend's 400 in JSON (it was a 500 and a traceback, or aiohttp's
+    # plain-text 400). A coding it cannot inflate: nginx's 415 (it was aiohttp's plain-text
+    # 400, or the body read as identity). A bomb: 413.
+    for path in ("/predict", "/v1/embeddings"):
+        got, _, raw = tiny_stack.request("POST", path, b'{"texts": ["x"], "input": "x"}',
+                                         {**JSON, "Content-Encoding": encoding})
+        assert got == status and json.loads(raw)["error"]["type"] == kind, raw
+    got, _, raw = tiny_stack.request("POST", "/v2/models/tiny/infer", b"{}",
+                                     {**JSON, "Content-Encoding": encoding})
+    assert got == status and json.loads(raw)["error"], raw  # KServe's {"error": "..."}
+    for coding, packed in (("gzip", gzip.compress), ("deflate", zlib.compress),
+                           ("br", brotli.compress)):  # what inflates is served
+        got, _, raw = tiny_stack.request("POST", "/predict", packed(b'{"texts": ["x"]}'),
+                                         {**JSON, "Content-Encoding": coding})
+        assert got == 200, (coding, raw)
+    if encoding == "gzip":
+        bomb = gzip.compress(b" " * (64 << 20))  # 64 KiB that inflate to 64 MiB
+        got, _, raw = tiny_stack.request("POST", "/predict", bomb,
+                                         {**JSON, "Content-Encoding": "gzip"})
+        assert got == 413 and "inflates to more than" in json.loads(raw)["error"]["message"]
 
 
 @pytest.mark.parametrize("body", [

@@ -2,13 +2,17 @@
 the result is a value or an ApiError with a 4xx status, never another exception; and the
 messages of the malformed bodies users send, which must say what is wrong."""
 
+import gzip
 import json
+import zlib
 
+import brotli
 import msgpack
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from frontend import codec
 from frontend.codec import decode_body
 from frontend.errors import ApiError
 from frontend.schemas import parse_openai_embeddings, parse_predict, parse_priority
@@ -118,3 +122,19 @@ def test_malformed_bodies_say_what_is_wrong(raw, ctype, detail):
     message = info.value.message
     assert message.split(": ", 1)[1].startswith(detail), message
     assert "surrogates" not in message
+
+
+@pytest.mark.parametrize("coding,pack", [
+    ("gzip", gzip.compress), ("x-gzip", gzip.compress), ("deflate", zlib.compress),
+    ("deflate", lambda b: zlib.compress(b, wbits=-zlib.MAX_WBITS)),  # raw, as some clients send
+    ("br", brotli.compress),
+])
+def test_request_bodies_inflate_within_the_limit(coding, pack):
+    body = b'{"input": "' + b"x" * 5000 + b'"}'
+    assert codec.inflate(coding, pack(body), 10_000) == body
+    # A bomb stops one byte past the limit, without inflating the rest.
+    assert len(codec.inflate(coding, pack(b"0" * 10_000_000), 10_000)) == 10_001
+    with pytest.raises(ValueError, match="ends early"):
+        codec.inflate(coding, pack(body)[:-8], 10_000)
+    with pytest.raises(ValueError):
+        codec.inflate(coding, b"not compressed at all", 10_000)
