@@ -270,7 +270,7 @@ class WorkerPool:
             metrics.WORKER_RESTARTS.labels(str(self.frontend), str(link.index)).inc()
             self._fail_pending(link, f"worker {link.index} restarted")
             log.info("frontend.worker_restarted", extra={"fields": {"worker": link.index,
-                                                                    "pid": beat.pid}})
+                                                                    "worker_pid": beat.pid}})
         was_ready = link.ready
         link.beat, link.last_beat, link.alive = beat, time.monotonic(), True
         if link.ready and not was_ready:

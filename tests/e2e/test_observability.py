@@ -190,6 +190,19 @@ def test_failed_request_logs_its_error_type(stack):
     assert line()[0]["error"] == "too_large" and line()[0]["status"] == 413
 
 
+def test_nginx_logs_the_method_of_a_request_it_answers_itself(stack):
+    # Its error page is an internal redirect, which turns $request_method into GET.
+    status, _, _ = stack.request("POST", "/predict", b'{"texts": ["x"]}',
+                                 {"Content-Type": "application/json", "Content-Encoding": "zstd",
+                                  "X-Request-ID": "nginx-answers"})
+    assert status == 415
+
+    def line():
+        return [l for l in log_lines(stack, "nginx") if l.get("request_id") == "nginx-answers"]
+    stack.wait_until(line, 30, "nginx's access line")
+    assert line()[0]["method"] == "POST" and line()[0]["status"] == 415
+
+
 def test_metrics_expose_gauges_info_and_memory(stack):
     samples = scrape(stack)
     assert [v for l, v in samples["shmserve_worker_ready"]] == [1.0]

@@ -101,3 +101,12 @@ def test_json_lines_carry_any_field_value():
     assert line["obj"].startswith("<object")
     record.fields = {"big": 2**70}
     assert json.loads(formatter.format(record))["big"] == 2**70
+
+
+def test_a_field_never_replaces_the_lines_own_keys():
+    formatter = logs.JsonFormatter("frontend-0")
+    record = logging.LogRecord("shmserve.t", logging.INFO, __file__, 1, "m", (), None)
+    record.fields = {"pid": 1, "process": "worker-3", "worker": 0}
+    line = json.loads(formatter.format(record))
+    assert (line["pid"], line["process"]) == (os.getpid(), "frontend-0")
+    assert (line["fields_pid"], line["fields_process"], line["worker"]) == (1, "worker-3", 0)
