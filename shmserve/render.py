@@ -303,12 +303,16 @@ def _check_paths(cfg: Config) -> None:
 
 
 def _make_dirs(cfg: Config) -> None:
-    cfg.run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-    cfg.run_dir.chmod(0o700)  # mkdir's mode is cut by the umask and ignored for an existing dir
-    for path in (topology.socket_dir(cfg), topology.log_dir(cfg), topology.metrics_dir(cfg),
-                 nginx_dir(cfg), nginx_dir(cfg) / "temp", nginx_dir(cfg) / "errors",
-                 nginx_dir(cfg) / "errors" / "v2"):
-        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    try:
+        cfg.run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        cfg.run_dir.chmod(0o700)  # mkdir's mode is cut by the umask, ignored for an existing dir
+        for path in (topology.socket_dir(cfg), topology.log_dir(cfg), topology.metrics_dir(cfg),
+                     nginx_dir(cfg), nginx_dir(cfg) / "temp", nginx_dir(cfg) / "errors",
+                     nginx_dir(cfg) / "errors" / "v2"):
+            path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as exc:  # a file in the way, no permission, a read-only file system
+        raise RenderError(f"server.run_dir: cannot make {exc.filename or cfg.run_dir}: "
+                          f"{exc.strerror or exc}") from None
 
 
 def _write(path: Path, data: str | bytes) -> None:

@@ -168,6 +168,13 @@ def test_run_dir_is_private_and_has_its_folders(tmp_path):
         assert (cfg.run_dir / sub).is_dir(), sub
 
 
+def test_a_run_dir_that_cannot_be_made_names_the_key(tmp_path):
+    (tmp_path / "a-file").write_text("")
+    for run_dir in (tmp_path / "a-file", tmp_path / "a-file" / "run"):
+        with pytest.raises(render.RenderError, match=r"server.run_dir: cannot make .*a-file"):
+            render.render(make_config(run_dir))
+
+
 def test_nginx_t_failure_names_the_problem(tmp_path):
     cfg = make_config(tmp_path / "run", nginx={"client_max_body_size": "eight"})
     with pytest.raises(render.RenderError, match=r"nginx rejects .*client_max_body_size"):
