@@ -87,6 +87,9 @@ def test_tables_show_processes_and_workers_with_rates():
 def test_first_frame_without_a_previous_sample_has_no_rates():
     text = status.render(sample(1.0, 10, 1, 10, 10, ready_code=None), None, "t")
     assert text.splitlines()[0] == "t: no answer from nginx"
+    # nginx up, every frontend down: its own 502 is not silence.
+    text = status.render(sample(1.0, 10, 1, 10, 10, ready_code=502), None, "t")
+    assert text.splitlines()[0] == "t: nginx answers 502: no frontend answered it"
     w0 = [l.split() for l in text.splitlines() if l.startswith("0 ")][0]
     assert w0[5:9] == ["-", "-", "-", "-"] and "requests/s" not in text
 
