@@ -89,8 +89,10 @@ class Dispatcher:
                 if link is None:
                     if time.time() >= deadline:
                         raise ApiError("timeout", "deadline passed waiting for a worker")
-                    raise ApiError("unavailable", "no live worker for this model",
-                                   retry_after=1)
+                    loading = any(link.alive and not link.ready for link in self.pool.links)
+                    raise ApiError("unavailable", "no worker is ready for this model yet "
+                                   "(loading or restarting)" if loading else
+                                   "no live worker for this model", retry_after=1)
                 seq = self.pool.next_seq()
                 msg = Submit(seq, request_id, model, ids, offsets, output, deadline, priority,
                              segments)

@@ -266,7 +266,7 @@ def _native_schemas(parts: dict[str, Any]) -> dict[str, Any]:
         "Health": {"type": "object", "properties": {"status": {"type": "string"},
                                                     "version": {"type": "string"}}},
         "Readiness": {"type": "object", "properties": {
-            "status": {"enum": ["ready", "loading"]},
+            "status": {"enum": ["ready", "loading", "unavailable"]},
             "workers": {"type": "array", "items": {"type": "object"}}}},
     }
 

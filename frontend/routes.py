@@ -112,7 +112,11 @@ async def ready(request: web.Request) -> web.Response:
                for link in pool.links]
     if pool.all_ready:
         return codec.render(request, {"status": "ready", "workers": workers})
-    return codec.render(request, {"status": "loading", "workers": workers}, status=503)
+    # "loading": every worker not ready is starting, loading or draining; "unavailable": one
+    # was lost (died, stopped, or silent past workers.heartbeat_timeout_s).
+    lost = any(link.beat is not None and not link.alive for link in pool.links)
+    return codec.render(request, {"status": "unavailable" if lost else "loading",
+                                  "workers": workers}, status=503)
 
 
 async def metrics_route(request: web.Request) -> web.Response:

@@ -161,9 +161,10 @@ def test_no_live_worker_is_503_then_service_returns(strict_stack):
     try:
         status, headers, err = strict_stack.post_json("/predict", {"texts": ["x"]})
         assert status == 503 and err["error"]["type"] == "unavailable"
+        assert err["error"]["message"].startswith("no live worker for this model")  # not loading
         assert headers.get("Retry-After")
         status, _, raw = strict_stack.get("/ready")
-        assert status == 503 and json.loads(raw)["status"] == "loading"
+        assert status == 503 and json.loads(raw)["status"] == "unavailable"
         assert strict_stack.get("/v2/health/ready")[0] == 400  # KServe's "false" is a 4xx
         assert json.loads(strict_stack.get("/v2/models/tiny/ready")[2])["ready"] is False
     finally:

@@ -78,3 +78,18 @@ def test_other_worker_errors_are_the_answer(arena):
     with pytest.raises(ApiError) as err:
         run(pool, arena)
     assert err.value.status == 429 and pool.sent == [0]
+
+
+def test_with_no_ready_worker_the_503_says_whether_they_are_loading_or_gone(arena):
+    pool = FakePool({0: None, 1: None})
+    for link in pool.links:  # alive (heartbeating), still loading
+        pool.mark_unready(link)
+    with pytest.raises(ApiError) as err:
+        run(pool, arena)
+    assert err.value.status == 503
+    assert err.value.message == "no worker is ready for this model yet (loading or restarting)"
+    for link in pool.links:
+        link.alive = False
+    with pytest.raises(ApiError) as err:
+        run(pool, arena)
+    assert err.value.status == 503 and err.value.message == "no live worker for this model"
