@@ -95,9 +95,11 @@ async def classify(request: web.Request, name: str | None, texts: list[str], *,
 
 async def rerank(request: web.Request, name: str | None, query: str, documents: list[str], *,
                  param: str = "documents", priority: int | None = None,
-                 user: str | None = None) -> Reranked:
+                 user: str | None = None, truncate: bool | None = None,
+                 direction: str = "right") -> Reranked:
     served = resolve(request, name, "rerank")
-    ran = await run(request, served, lambda enc: enc.encode_pairs(query, documents, param),
+    ran = await run(request, served,
+                    lambda enc: enc.encode_pairs(query, documents, param, truncate, direction),
                     len(query) * len(documents) + sum(map(len, documents)),
                     priority=priority, user=user)
     return Reranked(np.ascontiguousarray(ran.outcome.vectors[:, 0]), ran)
@@ -193,6 +195,8 @@ def request_priority(request: web.Request, body: int | None, default: int) -> in
 
 
 def timeout(request: web.Request, default: float) -> float:
+    """The request's deadline in seconds from now: X-Request-Timeout, else `default`. At most
+    3600, and under nginx.proxy_read_timeout_s, where nginx would cut the request first."""
     raw = request.headers.get("X-Request-Timeout")
     if raw is None:
         return default
@@ -200,7 +204,9 @@ def timeout(request: web.Request, default: float) -> float:
         value = float(raw)
     except ValueError:
         value = float("nan")
-    if not 0 < value <= 3600:
-        raise ApiError("invalid_request", "X-Request-Timeout must be seconds in (0, 3600]",
-                       param="X-Request-Timeout")
+    proxy = request.app[CONFIG].nginx.proxy_read_timeout_s
+    if not 0 < value <= 3600 or value >= proxy:
+        raise ApiError("invalid_request", f"X-Request-Timeout must be seconds in (0, "
+                       f"{min(3600, proxy)}{']' if proxy > 3600 else ')'} (under "
+                       "nginx.proxy_read_timeout_s)", param="X-Request-Timeout")
     return value

@@ -17,6 +17,7 @@ In msgpack responses (Accept), /embed vectors are raw little-endian float32 byte
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import numpy as np
@@ -25,8 +26,9 @@ from aiohttp import web
 from frontend import codec, routes, tasks, vectors
 from frontend.app import CONFIG, MODEL_NAME, MODELS
 from frontend.errors import ApiError
-from frontend.schemas import (EmbedRequest, dimensions, flag, mapping, model_name,
-                              one_or_many, query, required, texts, texts_or_ids)
+from frontend.schemas import (EmbedRequest, body_priority, dimensions, flag, mapping,
+                              model_name, one_or_many, query, required, texts, texts_or_ids,
+                              user)
 from shmserve.config import LimitsConfig
 
 DIRECTIONS = {"right": "right", "Right": "right", "left": "left", "Left": "left"}
@@ -61,8 +63,9 @@ def parse_embed(body: dict, limits: LimitsConfig) -> tuple[EmbedRequest, bool]:
     normalize = flag(body, "normalize", True)
     _no_prompt(body)
     truncate, direction = _truncation(body)
-    return EmbedRequest(given, model_name(body), token_ids=ids, dimensions=dimensions(body),
-                        truncate=truncate, truncation_direction=direction), normalize
+    return EmbedRequest(given, model_name(body), priority=body_priority(body), token_ids=ids,
+                        dimensions=dimensions(body), truncate=truncate,
+                        truncation_direction=direction, user=user(body)), normalize
 
 
 async def rerank(request: web.Request) -> web.Response:
@@ -72,8 +75,10 @@ async def rerank(request: web.Request) -> web.Response:
     documents = texts(required(body, "texts"), "texts", limits)
     raw_scores = flag(body, "raw_scores", False)
     return_text = flag(body, "return_text", False)
-    _truncation(body)
-    out = await tasks.rerank(request, model_name(body), asked, documents, param="texts")
+    truncate, direction = _truncation(body)
+    out = await tasks.rerank(request, model_name(body), asked, documents, param="texts",
+                             priority=body_priority(body), user=user(body), truncate=truncate,
+                             direction=direction)
     scores = out.scores
     if raw_scores:  # the logit before the cross-encoder's sigmoid, as TEI's raw_scores
         clipped = np.clip(scores.astype(np.float64), 1e-12, 1 - 1e-12)
@@ -85,20 +90,43 @@ async def rerank(request: web.Request) -> web.Response:
 
 
 async def tokenize(request: web.Request) -> web.Response:
+    cfg = request.app[CONFIG]
+    # The headers every route takes, checked as everywhere (the deadline is kept below).
+    deadline = tasks.timeout(request, cfg.frontends.request_timeout_s)
+    tasks.request_priority(request, None, cfg.frontends.default_priority)
+    started = time.monotonic()
     body = mapping(await codec.read_body(request))
-    given = one_or_many(required(body, "inputs"), "inputs", request.app[CONFIG].limits)
+    given = one_or_many(required(body, "inputs"), "inputs", cfg.limits)
     special = flag(body, "add_special_tokens", True)
     _no_prompt(body)
     model = request.app[MODELS].resolve(model_name(body))
     request[MODEL_NAME] = model.spec.name
+    # Never truncated, so bounded in all: at most what the largest embedding request may hold
+    # (each token is ~100 bytes of JSON; 80 texts of 99,000 characters made a 136 MB answer).
+    budget = cfg.limits.max_texts_per_request * model.spec.max_tokens
 
     def run() -> list[list[dict[str, Any]]]:
-        encodings = model.encoder.tokenize(given, special)
+        encodings: list = []
+        tokens = 0
+        for at in range(0, len(given), 16):  # in chunks, to stop soon past the budget
+            chunk = model.encoder.tokenize(given[at:at + 16], special)
+            tokens += sum(len(e.ids) for e in chunk)
+            if tokens > budget:
+                raise ApiError("too_large", f"'inputs' has over {budget} tokens; /tokenize "
+                               f"answers at most {budget} a request "
+                               "(limits.max_texts_per_request x the model's input limit)",
+                               param="inputs")
+            encodings += chunk
         return [_tokens(text, enc) for text, enc in zip(given, encodings)]
 
     if sum(map(len, given)) > tasks.THREAD_TOKENIZE_CHARS:  # as /predict: off the event loop
-        return codec.render(request, await asyncio.get_running_loop().run_in_executor(None, run))
-    return codec.render(request, run())
+        rows = await asyncio.get_running_loop().run_in_executor(None, run)
+    else:
+        rows = run()
+    if time.monotonic() - started > deadline:
+        raise ApiError("timeout", "request deadline passed (X-Request-Timeout or "
+                       "frontends.request_timeout_s)")
+    return codec.render(request, rows)
 
 
 def _tokens(text: str, encoding) -> list[dict[str, Any]]:

@@ -57,33 +57,37 @@ class TextEncoder:
 
     def encode(self, texts: list[str], param: str = "input", truncate: bool | None = None,
                direction: str = "right") -> Encoded:
+        hint = _hint(truncate)
         truncate = self.truncate if truncate is None else truncate
         tok = self._variant(truncate, direction)
         # _fast: without the character offsets, which nothing here reads.
         return self._flatten(tok.encode_batch_fast(texts, add_special_tokens=True), param,
-                             truncate)
+                             truncate, hint=hint)
 
-    def encode_pairs(self, query: str, documents: list[str],
-                     param: str = "documents") -> Encoded:
+    def encode_pairs(self, query: str, documents: list[str], param: str = "documents",
+                     truncate: bool | None = None, direction: str = "right") -> Encoded:
         """(query, document) pairs as a cross-encoder reads them: [CLS] q [SEP] d [SEP], with
-        the pair cut longest-first to the model's limit (as transformers' tokenizers do)."""
-        encodings = self._tok.encode_batch([(query, d) for d in documents],
-                                           add_special_tokens=True)
+        the pair cut longest-first to the model's limit (as transformers' tokenizers do).
+        `truncate` None: limits.truncate."""
+        hint = _hint(truncate)
+        truncate = self.truncate if truncate is None else truncate
+        encodings = self._variant(truncate, direction).encode_batch(
+            [(query, d) for d in documents], add_special_tokens=True)
         # Token types are 0 for the first segment and 1 after it (all 0 for models whose
         # template gives none, such as RoBERTa's); the worker rebuilds them from this length.
         segments = np.fromiter((e.type_ids.index(1) if 1 in e.type_ids else len(e.ids)
                                 for e in encodings), np.int32, len(encodings))
-        flat = self._flatten(encodings, param, self.truncate, pairs=True)
+        flat = self._flatten(encodings, param, truncate, pairs=True, hint=hint)
         return Encoded(flat.ids, flat.offsets, flat.truncated, segments)
 
-    def _flatten(self, encodings: list, param: str, truncate: bool,
-                 pairs: bool = False) -> Encoded:
+    def _flatten(self, encodings: list, param: str, truncate: bool, pairs: bool = False,
+                 hint: str = "set limits.truncate") -> Encoded:
         if len(encodings) == 1:  # the common case, without the generators (~2x faster)
             ids = np.array(encodings[0].ids, np.int32)
             if not truncate and ids.shape[0] > self.max_tokens:
                 raise ApiError("too_large", f"{_which(param, 0, pairs)} has {ids.shape[0]} "
-                               f"tokens; the model's limit is {self.max_tokens} (or set "
-                               "limits.truncate)", param=param)
+                               f"tokens; the model's limit is {self.max_tokens} (or {hint})",
+                               param=param)
             truncated = 1 if truncate and encodings[0].overflowing else 0
             return Encoded(ids, np.array([0, ids.shape[0]], np.int32), truncated)
         lengths = np.fromiter((len(e.ids) for e in encodings), np.int32, len(encodings))
@@ -93,7 +97,7 @@ class TextEncoder:
                 i = int(over[0])
                 raise ApiError("too_large", f"{_which(param, i, pairs)} has "
                                f"{int(lengths[i])} tokens; the model's limit is "
-                               f"{self.max_tokens} (or set limits.truncate)", param=param)
+                               f"{self.max_tokens} (or {hint})", param=param)
         offsets = np.zeros(len(encodings) + 1, np.int32)
         np.cumsum(lengths, out=offsets[1:])
         ids = np.fromiter((t for e in encodings for t in e.ids), np.int32, int(offsets[-1]))
@@ -130,6 +134,11 @@ class TextEncoder:
         """Full encodings (tokens, offsets, special-token masks), never truncated."""
         return self._variant(False, "right").encode_batch(texts,
                                                           add_special_tokens=add_special_tokens)
+
+
+def _hint(asked: bool | None) -> str:
+    """How to have a too-long input cut: the request itself said not to, or the server does."""
+    return "set limits.truncate" if asked is None else "send truncate: true"
 
 
 def _which(param: str, i: int, pairs: bool) -> str:

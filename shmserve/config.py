@@ -277,10 +277,12 @@ def from_tree(tree: Mapping[str, Any]) -> Config:
         cfg.workers, cpu_workers=workers, torch_threads=threads))
     _check_models(cfg)
     api_keys(cfg)  # a key file that cannot be read, or a malformed key, stops start-up here
-    if cfg.admin.reload_timeout_s >= cfg.nginx.proxy_read_timeout_s:
-        raise ConfigError(f"admin.reload_timeout_s: {cfg.admin.reload_timeout_s:g} must be under "
-                          f"nginx.proxy_read_timeout_s ({cfg.nginx.proxy_read_timeout_s}), or "
-                          "nginx cuts the reload call before its answer")
+    for key, value in (("admin.reload_timeout_s", cfg.admin.reload_timeout_s),
+                       ("frontends.request_timeout_s", cfg.frontends.request_timeout_s)):
+        if value >= cfg.nginx.proxy_read_timeout_s:
+            raise ConfigError(f"{key}: {value:g} must be under nginx.proxy_read_timeout_s "
+                              f"({cfg.nginx.proxy_read_timeout_s}), or nginx cuts the call "
+                              "before its answer")
     return cfg
 
 

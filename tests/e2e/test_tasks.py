@@ -135,6 +135,15 @@ def test_tei_rerank_on_the_cross_encoder(stack, dirs):
     np.testing.assert_allclose([r["score"] for r in raw], logits[[r["index"] for r in raw]],
                                atol=1e-4)
     assert "text" not in raw[0]
+    # TEI's truncate is honoured per request (the stack cuts over-long pairs by default).
+    long = "word " * 200
+    status, _, err = stack.post_json("/rerank", {"model": "ce", "query": long, "texts": ["d"],
+                                                 "truncate": False})
+    assert status == 413 and "the query with 'texts[0]'" in err["error"]["message"]
+    assert stack.post_json("/rerank", {"model": "ce", "query": long, "texts": ["d"]})[0] == 200
+    status, _, err = stack.post_json("/rerank", {"model": "ce", "query": "q", "texts": ["d"],
+                                                 "priority": "urgent"})
+    assert status == 422 and err["error"]["param"] == "priority"
 
 
 def test_kserve_classification_and_rerank_tensors(stack, dirs):

@@ -87,10 +87,20 @@ def test_embed_msgpack_vectors_are_raw_float32(tiny_stack, native):
     ({"inputs": TEXTS, "dimensions": 64}, "dimensions"),
     ({"inputs": []}, "inputs"),
     ({}, "inputs"),
+    ({"inputs": "x", "priority": "urgent"}, "priority"),  # read, as on every embedding route
+    ({"inputs": "x", "user": 7}, "user"),
 ])
 def test_embed_refusals(tiny_stack, body, param):
     status, _, err = tiny_stack.post_json("/embed", body)
     assert status == 422 and err["error"]["param"] == param
+
+
+def test_a_long_input_refused_by_the_requests_own_truncate_says_so(tiny_stack):
+    status, _, err = tiny_stack.post_json("/embed", {"inputs": "word " * 200, "truncate": False})
+    assert status == 413 and err["error"]["message"].endswith("(or send truncate: true)")
+    # With no truncate in the request, the server's limits.truncate (false here) decided.
+    status, _, err = tiny_stack.post_json("/embed", {"inputs": "word " * 200})
+    assert status == 413 and err["error"]["message"].endswith("(or set limits.truncate)")
 
 
 def test_rerank_validates_then_explains_it_needs_a_cross_encoder(tiny_stack):
@@ -136,6 +146,19 @@ def test_tokenize_is_never_truncated(tiny_stack):
     assert status == 200 and len(body[0]) == 2502
     assert body[0][-2] == {"id": body[0][1]["id"], "text": "ü", "special": False,
                            "start": 3 * 2499, "stop": 3 * 2499 + 2}
+
+
+def test_tokenize_is_bounded_and_takes_the_headers_every_route_takes(tiny_stack):
+    # At most limits.max_texts_per_request x the model's limit in all (64 x 64 here): a
+    # request past it is refused before its answer is built (it grew a frontend past 2 GB).
+    status, _, body = tiny_stack.post_json("/tokenize", {"inputs": ["ü " * 3000] * 2})
+    assert status == 413 and "/tokenize answers at most 4096" in body["error"]["message"]
+    status, _, body = tiny_stack.post_json("/tokenize", {"inputs": "hi"},
+                                           {"X-Request-Timeout": "0.000001"})
+    assert status == 504 and body["error"]["type"] == "timeout"
+    for header in ({"X-Request-Timeout": "soon"}, {"X-Priority": "urgent!!"}):
+        status, _, body = tiny_stack.post_json("/tokenize", {"inputs": "hi"}, header)
+        assert status == 422 and body["error"]["param"] == next(iter(header)), body
 
 
 def test_tokenize_msgpack(tiny_stack):

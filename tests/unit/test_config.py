@@ -149,6 +149,8 @@ def _models(*models, **top):
     (_models({"name": "m", "source": "x", "auto_min_cosine": 1.5}), "auto_min_cosine: expected"),
     (_models({"name": "m", "source": "x"}, admin={"reload_timeout_s": 500}),
      "admin.reload_timeout_s: 500 must be under nginx.proxy_read_timeout_s"),
+    (_models({"name": "m", "source": "x"}, frontends={"request_timeout_s": 120}),
+     "frontends.request_timeout_s: 120 must be under nginx.proxy_read_timeout_s"),
 ])
 def test_model_rules(tree, needle):
     with pytest.raises(ConfigError, match=needle):
