@@ -195,8 +195,9 @@ def request_priority(request: web.Request, body: int | None, default: int) -> in
 
 
 def timeout(request: web.Request, default: float) -> float:
-    """The request's deadline in seconds from now: X-Request-Timeout, else `default`. At most
-    3600, and under nginx.proxy_read_timeout_s, where nginx would cut the request first."""
+    """The request's deadline in seconds from now: X-Request-Timeout (at most 3600), else
+    `default`; a longer one than nginx waits for (nginx.proxy_read_timeout_s) is cut to a second
+    under it, so the frontend's 504 reaches the client before nginx gives up on the request."""
     raw = request.headers.get("X-Request-Timeout")
     if raw is None:
         return default
@@ -204,9 +205,8 @@ def timeout(request: web.Request, default: float) -> float:
         value = float(raw)
     except ValueError:
         value = float("nan")
+    if not 0 < value <= 3600:
+        raise ApiError("invalid_request", "X-Request-Timeout must be seconds in (0, 3600]",
+                       param="X-Request-Timeout")
     proxy = request.app[CONFIG].nginx.proxy_read_timeout_s
-    if not 0 < value <= 3600 or value >= proxy:
-        raise ApiError("invalid_request", f"X-Request-Timeout must be seconds in (0, "
-                       f"{min(3600, proxy)}{']' if proxy > 3600 else ')'} (under "
-                       "nginx.proxy_read_timeout_s)", param="X-Request-Timeout")
-    return value
+    return min(value, proxy - 1 if proxy > 2 else proxy / 2)

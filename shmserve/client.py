@@ -9,8 +9,11 @@
         matrix = await client.embed(["a text", "another"])
 
 msgpack by default: vectors travel as raw little-endian float32 bytes, read without parsing a
-number; ``format="json"`` sends and reads JSON. ``timeout`` (seconds) bounds each call on the
-client and is sent as ``X-Request-Timeout``, the server's deadline for the request.
+number; ``format="json"`` sends and reads JSON. ``timeout`` (seconds) is sent as
+``X-Request-Timeout``, the server's deadline for the request, and the client waits
+``ANSWER_MARGIN_S`` longer for the answer, so a deadline that passes comes back as the server's
+504. ``api_key`` (default: the ``SHMSERVE_API_KEY`` environment variable) is sent as a bearer
+token, for a server with ``auth.api_keys``.
 
 `Client` uses only the standard library: one keep-alive connection (``http.client``), so one
 thread per client; a connection the server closed while idle is reopened once. `AsyncClient`
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import urllib.parse
 from typing import Any, Sequence
 
@@ -48,9 +52,15 @@ class ShmserveError(Exception):
         self.code = error.get("code")
 
 
+# How much longer than the request's deadline the client waits: the server answers 504 at the
+# deadline, and that answer (which says so) should arrive before the client gives up.
+ANSWER_MARGIN_S = 5.0
+
+
 class _Base:
     def __init__(self, url: str = "http://127.0.0.1:8080", *, timeout: float = 30.0,
-                 format: str = "msgpack", model: str | None = None) -> None:
+                 format: str = "msgpack", model: str | None = None,
+                 api_key: str | None = None) -> None:
         if format not in FORMATS:
             raise ValueError(f"format must be one of {', '.join(FORMATS)}, not {format!r}")
         if not timeout > 0:
@@ -62,6 +72,7 @@ class _Base:
         self.timeout = timeout
         self.format = format
         self.model = model
+        self.api_key = api_key if api_key is not None else os.environ.get("SHMSERVE_API_KEY")
         self._parts = parts
 
     def _embed_request(self, texts: str | Sequence[str], model: str | None,
@@ -85,6 +96,8 @@ class _Base:
             headers["X-Request-Timeout"] = f"{self.timeout:g}"
         if request_id:
             headers["X-Request-ID"] = request_id
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
         return headers
 
 
@@ -153,7 +166,8 @@ class Client(_Base):
         if self._conn is None:
             kind = (http.client.HTTPSConnection if self._parts.scheme == "https"
                     else http.client.HTTPConnection)
-            self._conn = kind(self._parts.hostname, self._parts.port, timeout=self.timeout)
+            self._conn = kind(self._parts.hostname, self._parts.port,
+                              timeout=self.timeout + ANSWER_MARGIN_S)
         return self._conn
 
     def _call(self, method: str, path: str, body: bytes | None,
@@ -222,7 +236,7 @@ class AsyncClient(_Base):
         aiohttp = self._aiohttp
         if self._session is None:  # made inside the running loop
             self._session = aiohttp.ClientSession(
-                timeout=aiohttp.ClientTimeout(total=self.timeout))
+                timeout=aiohttp.ClientTimeout(total=self.timeout + ANSWER_MARGIN_S))
         try:
             async with self._session.request(method, self.url + path, data=body,
                                              headers=headers) as response:

@@ -1,6 +1,7 @@
 """API keys on the inference routes (auth.api_keys, auth.api_keys_file), through nginx, with
 the clients users have: openai's, huggingface_hub's (TEI), and plain HTTP for msgpack."""
 
+import asyncio
 import json
 import urllib.request
 
@@ -33,6 +34,24 @@ def test_the_openai_client_with_a_key_is_served(stack, key):
     with openai.OpenAI(base_url=stack.url + "/v1", api_key=key, max_retries=0) as client:
         got = client.embeddings.create(model="tiny", input=["hello", "world"])
     assert len(got.data) == 2 and len(got.data[0].embedding) == 32
+
+
+def test_the_native_client_sends_its_key(stack, monkeypatch):
+    from shmserve.client import AsyncClient, Client, ShmserveError
+
+    monkeypatch.delenv("SHMSERVE_API_KEY", raising=False)
+    with Client(stack.url) as client:
+        with pytest.raises(ShmserveError) as info:
+            client.embed("hello")
+    assert info.value.status == 401
+    with Client(stack.url, api_key=INLINE) as client:
+        assert client.embed(["hello", "world"]).shape == (2, 32)
+    monkeypatch.setenv("SHMSERVE_API_KEY", FROM_FILE)  # as the bench and locust read it
+
+    async def embed():
+        async with AsyncClient(stack.url, format="json") as client:
+            return await client.embed("hello")
+    assert asyncio.run(embed()).shape == (32,)
 
 
 @pytest.mark.parametrize("key", ["wrong-key-0000", INLINE + "x", INLINE[:-1]])

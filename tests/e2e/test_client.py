@@ -43,6 +43,15 @@ def test_errors_carry_status_and_body(tiny_stack, fmt):
         assert info.value.status == 422 and info.value.param == "texts"
 
 
+def test_a_passed_deadline_comes_back_as_the_servers_504(tiny_stack):
+    # The client waits a margin past the deadline it sends, so the server's answer arrives
+    # (before, the client's own socket timeout fired first, with no status).
+    with Client(tiny_stack.url, timeout=0.000001) as client:
+        with pytest.raises(ShmserveError) as info:
+            client.embed(["late"] * 8)
+    assert info.value.status == 504 and info.value.type == "timeout"
+
+
 async def test_async_errors_carry_status_and_body(tiny_stack):
     async with AsyncClient(tiny_stack.url) as client:
         with pytest.raises(ShmserveError) as info:

@@ -137,15 +137,13 @@ def test_bad_timeout_header_is_422(tiny_stack):
     status, _, err = tiny_stack.post_json("/predict", {"texts": ["x"]},
                                           {"X-Request-Timeout": "soon"})
     assert status == 422 and err["error"]["param"] == "X-Request-Timeout"
-    # At or past nginx's proxy_read_timeout_s (120), nginx would cut the request and the
-    # client would never see its deadline: refused up front.
-    for too_long in ("120", "3600"):
-        status, _, err = tiny_stack.post_json("/predict", {"texts": ["x"]},
-                                              {"X-Request-Timeout": too_long})
-        assert status == 422 and "(0, 120) (under nginx.proxy_read_timeout_s)" in \
-            err["error"]["message"], err
+    status, _, err = tiny_stack.post_json("/predict", {"texts": ["x"]},
+                                          {"X-Request-Timeout": "3601"})
+    assert status == 422 and "(0, 3600]" in err["error"]["message"]
+    # Past nginx's proxy_read_timeout_s a deadline is cut under it (tests/unit/test_app.py):
+    # served as any other.
     assert tiny_stack.post_json("/predict", {"texts": ["x"]},
-                                {"X-Request-Timeout": "119"})[0] == 200
+                                {"X-Request-Timeout": "3600"})[0] == 200
 
 
 def test_worker_queue_full_is_429_with_retry_after(strict_stack):

@@ -44,3 +44,25 @@ def test_a_5xx_names_the_request_id_in_either_shape():
         body = json.loads(render(path, ApiError("unavailable", "no worker")).body)
         message = body["error"] if path.startswith("/v2") else body["error"]["message"]
         assert message == "no worker (request id rid-1)"
+
+
+@pytest.mark.parametrize("header,proxy,deadline", [
+    (None, 120, 30.0), ("2.5", 120, 2.5), ("119", 120, 119.0), ("600", 120, 119.0),
+    ("3600", 4000, 3600.0), ("600", 2, 1.0),
+])
+def test_a_deadline_stays_under_nginxs_read_timeout(header, proxy, deadline):
+    # nginx gives up on a request after proxy_read_timeout_s: a longer deadline would never
+    # reach the client as the frontend's 504, so it is cut a second under it.
+    import dataclasses
+
+    from frontend.app import CONFIG
+    from frontend.tasks import timeout
+    from shmserve import config
+
+    cfg = config.load(environ={})
+    app = web.Application()
+    app[CONFIG] = dataclasses.replace(cfg, nginx=dataclasses.replace(
+        cfg.nginx, proxy_read_timeout_s=proxy))
+    request = make_mocked_request("POST", "/predict", app=app,
+                                  headers={"X-Request-Timeout": header} if header else {})
+    assert timeout(request, 30.0) == deadline

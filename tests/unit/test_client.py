@@ -30,6 +30,15 @@ def test_headers_carry_format_deadline_and_request_id():
     assert headers["Content-Type"] == "application/msgpack"
 
 
+def test_an_api_key_is_sent_as_a_bearer_token(monkeypatch):
+    monkeypatch.delenv("SHMSERVE_API_KEY", raising=False)
+    assert "Authorization" not in Client("http://h")._headers(None)
+    assert Client("http://h", api_key="k1")._headers(None)["Authorization"] == "Bearer k1"
+    monkeypatch.setenv("SHMSERVE_API_KEY", "k2")
+    assert Client("http://h")._headers(None)["Authorization"] == "Bearer k2"
+    assert Client("http://h", api_key="k1")._headers(None)["Authorization"] == "Bearer k1"
+
+
 def test_error_bodies_become_typed_errors():
     body = {"error": {"message": "no", "type": "not_found", "param": "model",
                       "code": "model_not_found"}}
