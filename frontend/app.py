@@ -120,7 +120,12 @@ async def observe(request: web.Request, handler) -> web.StreamResponse:
     except web.HTTPException as exc:  # routing: unknown path, wrong method
         kind = {404: "not_found", 405: "method_not_allowed", 413: "too_large"}.get(
             exc.status, "bad_request")
-        response = error_response(request, ApiError(kind, exc.reason or "error"))
+        allow = exc.headers.get("Allow")
+        message = (f"{request.method} is not allowed on {request.path}; it takes {allow}"
+                   if allow else exc.reason or "error")
+        response = error_response(request, ApiError(kind, message))
+        if allow:  # RFC 9110: a 405 names the methods the resource takes
+            response.headers["Allow"] = allow
     except asyncio.CancelledError:
         # The client went away (the handler was cancelled): nothing to answer, but the request
         # still gets its access line and metrics, as nginx's 499 "client closed request".

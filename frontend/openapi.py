@@ -101,6 +101,8 @@ def _paths(models: list[str]) -> dict[str, dict]:
                                             **_errors(*_POST_ERRORS)},
             _body(_ref("EmbeddingsRequest")))},
         "/v1/models": {"get": _op("openai", "Served models", _ok(_ref("ModelList")))},
+        "/v1/models/{model}": {"get": _op("openai", "One served model, by name or alias", {
+            **_ok(_ref("Model")), **_errors(404)}, parameters=[model])},
         "/health": {"get": _op("ops", "Liveness of this frontend", _ok(_ref("Health")))},
         "/ready": {"get": _op("ops", "Whether every worker is ready", {
             **_ok(_ref("Readiness")),
@@ -258,11 +260,11 @@ def _native_schemas(parts: dict[str, Any]) -> dict[str, Any]:
             "data": {"type": "array", "items": {"type": "object", "properties": {
                 "object": {"const": "embedding"}, "index": {"type": "integer"},
                 "embedding": _ref("Vector")}}}}},
+        "Model": {"type": "object", "properties": {
+            "id": {"type": "string"}, "object": {"const": "model"},
+            "created": {"type": "integer"}, "owned_by": {"type": "string"}}},
         "ModelList": {"type": "object", "properties": {
-            "object": {"const": "list"}, "data": {"type": "array", "items": {
-                "type": "object", "properties": {
-                    "id": {"type": "string"}, "object": {"const": "model"},
-                    "created": {"type": "integer"}, "owned_by": {"type": "string"}}}}}},
+            "object": {"const": "list"}, "data": {"type": "array", "items": _ref("Model")}}},
         "Health": {"type": "object", "properties": {"status": {"type": "string"},
                                                     "version": {"type": "string"}}},
         "Readiness": {"type": "object", "properties": {

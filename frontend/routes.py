@@ -25,6 +25,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/embeddings", embeddings)
     app.router.add_post("/predict", predict)
     app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/v1/models/{model:.+}", get_model)  # ids may hold '/' (aliases)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics_route)
@@ -95,8 +96,17 @@ async def embed(request: web.Request, parsed: schemas.EmbedRequest, param: str,
 async def list_models(request: web.Request) -> web.Response:
     models = request.app[MODELS]
     return codec.render(request, {"object": "list", "data": [
-        {"id": name, "object": "model", "created": 0, "owned_by": "shmserve"}
-        for name in models.by_name]})
+        _model_object(name) for name in models.by_name]})
+
+
+async def get_model(request: web.Request) -> web.Response:
+    """OpenAI's model retrieval (`client.models.retrieve`): a served name or alias, else 404."""
+    return codec.render(request, _model_object(
+        request.app[MODELS].resolve(request.match_info["model"]).spec.name))
+
+
+def _model_object(name: str) -> dict:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "shmserve"}
 
 
 async def health(request: web.Request) -> web.Response:

@@ -44,7 +44,8 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
 from benchkit import (CORPUS, NULL_STACK, SCENARIOS, Baseline, OwnStack, Scenario,  # noqa: E402
-                      ceiling, locust_window, min_cosine_to_fp32, open_loop_window)
+                      auth_headers, ceiling, locust_window, min_cosine_to_fp32,
+                      open_loop_window)
 
 from shmserve import config as config_mod  # noqa: E402
 
@@ -206,7 +207,8 @@ def main() -> int:
             other = stack.enter_context(Baseline(config_mod.usable_cores())).url  # all cores
         elif args.compare:
             other = args.compare
-        with urllib.request.urlopen(url + "/info", timeout=10) as resp:
+        info = urllib.request.Request(url + "/info", headers=auth_headers())
+        with urllib.request.urlopen(info, timeout=10) as resp:
             served = json.loads(resp.read())["models"][0]
         summary["setup"] += f"; serving {served['name']} in {served['dtype']}"
         summary["closed_loop"] = closed_loop(args, url, other, inproc)

@@ -32,3 +32,14 @@ def test_locust_window_counts_texts_per_request_exactly(tiny_stack, short_corpus
     assert window["failures"] == 0 and window["requests"] > 50
     assert window["texts_per_s"] == pytest.approx(window["requests_per_s"] * int(texts),
                                                   rel=1e-9)
+
+
+@pytest.mark.parametrize("api", ["openai", "msgpack"])
+def test_error_answers_count_as_failures_in_either_api(tiny_stack, short_corpus, monkeypatch,
+                                                       api):
+    # A model the stack does not serve: every answer is a 404. In msgpack, locust's HTTP
+    # client decoded the error body as UTF-8 to describe it and raised, so nothing was counted.
+    monkeypatch.setenv("SHMSERVE_BENCH_MODEL", "no-such-model")
+    window = benchkit.locust_window(tiny_stack.url, benchkit.Scenario("w", 4, "1", api=api),
+                                    2, short_corpus)
+    assert window["requests"] > 20 and window["failures"] == window["requests"]

@@ -112,8 +112,10 @@ def test_unknown_model_is_404(tiny_stack):
 def test_unknown_route_and_method(tiny_stack):
     status, _, raw = tiny_stack.get("/nope")
     assert status == 404 and error_of(raw)["type"] == "not_found"
-    status, _, raw = tiny_stack.get("/predict")
+    status, headers, raw = tiny_stack.get("/predict")
     assert status == 405 and error_of(raw)["type"] == "method_not_allowed"
+    assert headers["Allow"] == "POST"  # RFC 9110
+    assert error_of(raw)["message"] == "GET is not allowed on /predict; it takes POST"
 
 
 @pytest.mark.parametrize("accept,as_msgpack", [("application/json", False),

@@ -33,6 +33,15 @@ def rows(response):
                     dtype=np.float32)
 
 
+def test_models_are_listed_and_retrieved(client):
+    assert [m.id for m in client.models.list()] == ["tiny"]
+    assert client.models.retrieve("tiny").id == "tiny"
+    assert client.models.retrieve("test-org/tiny").id == "tiny"  # an alias names the model
+    with pytest.raises(openai.NotFoundError) as info:
+        client.models.retrieve("gpt-9")
+    assert info.value.body["code"] == "model_not_found"
+
+
 @pytest.mark.parametrize("encoding_format", ["float", "base64"])
 def test_string_and_list_input(client, native, encoding_format):
     one = client.embeddings.create(model="tiny", input=TEXTS[1], user="user-1",
