@@ -147,6 +147,8 @@ async def observe(request: web.Request, handler) -> web.StreamResponse:
 def _open(request: web.Request) -> bool:
     """Whether the route this request matched (not its raw path: `/health/../x` matches no
     route) needs no API key."""
+    if isinstance(request.match_info.http_exception, web.HTTPMethodNotAllowed):
+        return True  # the path exists and the method is wrong: 405 (with Allow), whoever asks
     resource = request.match_info.route.resource
     path = resource.canonical if resource is not None else ""
     return path in OPEN_PATHS or path.startswith("/admin/")

@@ -36,6 +36,16 @@ def test_the_openai_client_with_a_key_is_served(stack, key):
     assert len(got.data) == 2 and len(got.data[0].embedding) == 32
 
 
+def test_a_wrong_method_is_405_before_any_key_is_asked_for(stack):
+    # The path exists (openapi.json lists it); the method is wrong whoever asks. It was 401,
+    # also for an admin route called with the admin token.
+    for method, path, allow in (("GET", "/v1/embeddings", "POST"),
+                                ("POST", "/admin/models", "GET,HEAD")):
+        status, headers, raw = stack.request(method, path, b"{}" if method == "POST" else None,
+                                             {"Content-Type": "application/json"})
+        assert status == 405 and headers["Allow"] == allow, raw
+
+
 def test_the_native_client_sends_its_key(stack, monkeypatch):
     from shmserve.client import AsyncClient, Client, ShmserveError
 
@@ -64,7 +74,8 @@ def test_a_wrong_key_is_refused(stack, key):
 
 
 def test_no_key_gets_401_with_the_scheme_to_use(stack):
-    for path in ("/v1/embeddings", "/predict", "/embed", "/v1/models", "/v1/rerank",
+    assert stack.get("/v1/models")[0] == 401
+    for path in ("/v1/embeddings", "/predict", "/embed", "/v1/rerank",
                  "/v2/models/tiny/infer"):
         status, headers, body = stack.post_json(path, {"input": ["hello"], "texts": ["hello"]})
         assert status == 401, (path, status, body)
