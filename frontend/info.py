@@ -15,6 +15,7 @@ import shmserve
 from frontend import codec
 from frontend.app import CONFIG, MODELS, POOL, Models
 from frontend.pool import WorkerPool
+from frontend.variants import revision
 from shmserve import topology
 from shmserve.config import Config
 
@@ -72,24 +73,19 @@ def _model(cfg: Config, served, pool: WorkerPool) -> dict[str, Any]:
     spec = served.spec
     # Workers name an A/B arm MODEL@VARIANT; the first arm stands for the model here.
     reported = pool.model_info(served.variants[0].unit)
-    # The workers hash the weights (the frontend does not read them); a configured revision is
-    # known at once.
-    revision = reported.revision if reported is not None else (spec.revision or None)
     # The dtype a worker runs (auto resolved there), else the configured one while loading.
     dtype = reported.dtype if reported is not None and reported.dtype else spec.dtype
     model_cfg = next(m for m in cfg.models if m.name == spec.name)
-    info = {"name": spec.name, "aliases": list(model_cfg.aliases), "revision": revision,
+    # The workers hash the weights (the frontend does not read them); a configured revision is
+    # known at once.
+    info = {"name": spec.name, "aliases": list(model_cfg.aliases),
+            "revision": revision(served.variants[0], pool) or None,
             "task": spec.task, "dtype": dtype, "dim": spec.dim, "pooling": spec.pooling,
             "normalize": spec.normalize, "max_input_tokens": spec.max_tokens}
     if served.variants[0].name:  # an A/B split: each arm's revision ("revision": the first's)
-        info["variants"] = [{"name": v.name, "revision": _revision(v, pool)}
+        info["variants"] = [{"name": v.name, "revision": revision(v, pool) or None}
                             for v in served.variants]
     return info
-
-
-def _revision(variant, pool: WorkerPool) -> str | None:
-    reported = pool.model_info(variant.unit)
-    return reported.revision if reported is not None else (variant.spec.revision or None)
 
 
 def _device(index: int, device: str, pool: WorkerPool) -> dict[str, Any]:

@@ -32,6 +32,7 @@ from frontend import codec, routes, tasks, tensors
 from frontend.app import CONFIG, MODEL_NAME, MODELS, PINNED, POOL, REVISION, ServedModel
 from frontend.dispatch import Outcome
 from frontend.errors import ApiError
+from frontend.variants import revision
 from frontend import schemas
 from frontend.schemas import EmbedRequest
 from frontend.tensors import BYTES, Tensor
@@ -213,7 +214,8 @@ def _model(request: web.Request) -> ServedModel:
     request[MODEL_NAME] = model.spec.name
     version = request.match_info.get("version")
     if version is not None:
-        variant = next((v for v in model.variants if _revision(request, v) == version), None)
+        pool = request.app[POOL]
+        variant = next((v for v in model.variants if revision(v, pool) == version), None)
         if variant is None:
             served = ", ".join(repr(v) for v in _versions(request, model)) or "none yet"
             raise ApiError("not_found", f"model {model.spec.name!r} has no version {version!r}; "
@@ -224,14 +226,10 @@ def _model(request: web.Request) -> ServedModel:
 
 def _versions(request: web.Request, model: ServedModel) -> list[str]:
     """A model's versions: the revision of each of its variants (one without an A/B split)."""
-    return list(dict.fromkeys(r for v in model.variants if (r := _revision(request, v))))
+    pool = request.app[POOL]
+    return list(dict.fromkeys(r for v in model.variants if (r := revision(v, pool))))
 
 
-def _revision(request: web.Request, variant) -> str:
-    """The revision the workers report for a variant, else the configured one ("" until either
-    is known)."""
-    info = request.app[POOL].model_info(variant.unit)
-    return info.revision if info is not None and info.revision else variant.spec.revision
 
 
 def _tensors(model: ServedModel) -> Tensors:

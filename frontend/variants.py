@@ -37,6 +37,13 @@ class Variant:
     weight: float  # as configured
 
 
+def revision(variant: Variant, pool) -> str:
+    """The revision a variant serves: what its workers report (a frontend.pool.WorkerPool's
+    heartbeats), else the configured one; "" until either is known."""
+    info = pool.model_info(variant.unit)
+    return info.revision if info is not None and info.revision else variant.spec.revision
+
+
 def bucket(weights: list[float], u: float) -> int:
     """The index whose share of [0, 1) holds u; weights are relative (sum > 0)."""
     total = sum(weights)
