@@ -19,7 +19,6 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -29,7 +28,8 @@ from gpu_workers.batcher import Batch, Limits, form_pass, wait_time
 from gpu_workers.memory import (MemoryCare, Policy, TorchAllocator, forward_in_halves,
                                 out_of_memory)
 from gpu_workers.metrics import WorkerMetrics
-from gpu_workers.slots import Built, Slot, Slots, hosted_configs
+from gpu_workers.requests import QueuedText, Request, read_request
+from gpu_workers.slots import Built, Slots, hosted_configs
 from gpu_workers.sockets import REPLIES, SocketThread
 from shmserve import topology, wire
 from shmserve.arena import Attachments
@@ -39,39 +39,6 @@ from shmserve.protocol import (PROTOCOL_VERSION, Abort, Commit, Error, ErrorCode
                                ModelInfo, Ping, Reload, Result, Submit)
 
 log = logging.getLogger("shmserve.worker")
-
-
-@dataclass(slots=True, eq=False)
-class Request:
-    peer: bytes
-    msg: Submit
-    ids: np.ndarray
-    offsets: np.ndarray
-    out: np.ndarray
-    arrived: float
-    remaining: int
-    segments: np.ndarray | None = None  # first-segment lengths of text pairs
-    slot: Slot | None = None  # pinned when the model thread takes the request in
-    started: float = 0.0
-    inference_ms: float = 0.0
-    batch_size: int = 0
-    done: bool = False
-    aborted: bool = False
-
-
-@dataclass(slots=True, eq=False)
-class QueuedText:
-    request: Request
-    index: int
-    length: int
-    model: str = field(init=False)
-    priority: int = field(init=False)
-    arrived: float = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.model = self.request.slot.key  # batches group by slot: one revision each
-        self.priority = self.request.msg.priority
-        self.arrived = self.request.arrived
 
 
 class Worker:
@@ -123,21 +90,10 @@ class Worker:
         if msg.model not in self.units:
             return Error(msg.seq, ErrorCode.UNKNOWN_MODEL, f"model {msg.model!r} is not served")
         try:
-            # A copy: every length this worker computes comes from one reading of them, so
-            # whatever happens to the shared slot later cannot make them disagree (a crash).
-            offsets = self._attachments.view(msg.offsets).copy()
-            ids = self._attachments.view(msg.token_ids)
-            out = self._attachments.view(msg.output)
-            segments = self._attachments.view(msg.segments).copy() \
-                if msg.segments.shape[0] else None
-            n = offsets.shape[0] - 1
-            lengths = np.diff(offsets)
-            if n < 1 or out.shape[0] != n or int(offsets[-1]) > ids.shape[0] or (
-                    offsets[0] != 0 or (lengths <= 0).any()) or segments is not None and (
-                    segments.shape[0] != n or (segments < 1).any() or (segments > lengths).any()):
-                raise ValueError("offsets, ids, segments and output disagree")
+            request = read_request(self._attachments, peer, msg, time.time())
         except (OSError, ValueError) as exc:
             return Error(msg.seq, ErrorCode.INVALID, f"bad buffers: {exc}")
+        n = request.remaining
         limit = self.cfg.workers.queue_texts
         if msg.priority < 0:  # keep headroom for interactive work under a bulk flood
             limit = int(limit * self.cfg.workers.low_priority_queue_share)
@@ -147,7 +103,6 @@ class Worker:
                              f"worker queue full ({self._queued_texts} texts queued); "
                              "raise workers.queue_texts or add workers")
             self._queued_texts += n
-        request = Request(peer, msg, ids, offsets, out, time.time(), n, segments)
         self._requests[(peer, msg.seq)] = request
         self._inbox.put(request)
         return None
@@ -277,8 +232,8 @@ class Worker:
             if isinstance(item, Request):
                 # Pinned to the slot active now: its texts all run on these weights.
                 item.slot = self.slots.active(item.msg.model)
-                lengths = np.diff(item.offsets)
-                self._queue.extend(QueuedText(item, i, int(n)) for i, n in enumerate(lengths))
+                self._queue.extend(QueuedText(item, i, n)
+                                   for i, n in enumerate(item.lengths.tolist()))
             else:
                 self._control(item)
             try:

@@ -1,0 +1,64 @@
+"""A request as a worker holds it: its shared-memory buffers, read and checked once when it
+arrives, and its texts as the batcher queues them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from gpu_workers.slots import Slot
+from shmserve.arena import Attachments
+from shmserve.protocol import Submit
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    peer: bytes
+    msg: Submit
+    ids: np.ndarray
+    offsets: np.ndarray  # a private copy (read_request)
+    lengths: np.ndarray  # token counts of its texts, from those offsets
+    out: np.ndarray
+    arrived: float
+    remaining: int
+    segments: np.ndarray | None = None  # first-segment lengths of text pairs
+    slot: Slot | None = None  # pinned when the model thread takes the request in
+    started: float = 0.0
+    inference_ms: float = 0.0
+    batch_size: int = 0
+    done: bool = False
+    aborted: bool = False
+
+
+@dataclass(slots=True, eq=False)
+class QueuedText:
+    request: Request
+    index: int
+    length: int
+    model: str = field(init=False)
+    priority: int = field(init=False)
+    arrived: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.model = self.request.slot.key  # batches group by slot: one revision each
+        self.priority = self.request.msg.priority
+        self.arrived = self.request.arrived
+
+
+def read_request(attachments: Attachments, peer: bytes, msg: Submit, now: float) -> Request:
+    """The Submit's buffers as a Request; ValueError (OSError: a segment that cannot be
+    attached) when they disagree. The offsets and segments are copied: every length this worker
+    computes comes from one reading of them, so whatever happens to the shared slot later
+    cannot make them disagree (a crash)."""
+    offsets = attachments.view(msg.offsets).copy()
+    ids = attachments.view(msg.token_ids)
+    out = attachments.view(msg.output)
+    segments = attachments.view(msg.segments).copy() if msg.segments.shape[0] else None
+    n = offsets.shape[0] - 1
+    lengths = np.diff(offsets)
+    if n < 1 or out.shape[0] != n or int(offsets[-1]) > ids.shape[0] or (
+            offsets[0] != 0 or (lengths <= 0).any()) or segments is not None and (
+            segments.shape[0] != n or (segments < 1).any() or (segments > lengths).any()):
+        raise ValueError("offsets, ids, segments and output disagree")
+    return Request(peer, msg, ids, offsets, lengths, out, now, n, segments)
