@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from shmserve import arena, cli, processes, remote, render, topology
+from shmserve import arena, cli, processes, remote, render, restarts, topology
 from shmserve.config import REPO_ROOT
 from tests.unit.test_render import free_port, make_config, wait_until
 
@@ -59,7 +59,7 @@ def test_a_bad_value_exits_2_naming_the_key(deployment, monkeypatch, capsys):
     ("frontend-1", "frontends:frontend-1"), ("worker-0", "workers:worker-0"),
     ("workers:worker-2", "workers:worker-2")])
 def test_restart_targets(name, target):
-    assert cli.restart_target(name) == target
+    assert restarts.restart_target(name) == target
 
 
 def test_ctl_takes_deployment_flags_from_anywhere():
@@ -250,5 +250,5 @@ def test_nginx_bind_error_is_read_from_this_starts_lines(deployment):
     ("nginx", "", ["nginx"], False, None),
 ])
 def test_a_restart_that_leaves_a_gap_says_so(group, name, programs, all_at_once, gap):
-    warning = cli.restart_gap(group, name, programs, all_at_once)
+    warning = restarts.restart_gap(group, name, programs, all_at_once)
     assert (warning is None) if gap is None else warning.startswith(gap)

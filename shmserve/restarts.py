@@ -1,0 +1,131 @@
+"""`shmserve restart`: a group one program at a time, each ready again before the next; nginx
+reloaded in place; one program, waited for; or supervisorctl's restart of a whole group."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+
+from shmserve import processes, remote, topology
+from shmserve.cli import CliError, ctl_argv, print_log_tails, process_info
+from shmserve.config import Config
+
+GROUPS = {"frontends": "frontends:*", "workers": "workers:*", "nginx": "nginx"}
+
+
+def restart(args: argparse.Namespace) -> int:
+    """A group one program at a time, each ready again before the next goes, so the others
+    serve meanwhile (nginx moves a refused request to the next frontend; a frontend routes
+    around a stopped worker); nginx itself reloads its configuration in place (SIGHUP: new
+    workers start, the old ones finish their requests). A single program is restarted and
+    waited for. `--all-at-once`: supervisorctl's restart of the whole group."""
+    cfg = processes.deployment(args)
+    if processes.supervisord_pid(cfg) is None:
+        raise CliError(f"not running (run_dir {cfg.run_dir})")
+    target = restart_target(args.target)
+    timeout = args.timeout if args.timeout is not None else cfg.workers.ready_timeout_s
+    if target == "nginx" and not args.all_at_once:
+        return reload_nginx(cfg)
+    group, _, name = target.partition(":")
+    programs = [p["name"] for p in process_info(cfg) if p["group"] == group]
+    if warning := restart_gap(group, name, programs, args.all_at_once):
+        print(f"shmserve: warning: {warning}", file=sys.stderr, flush=True)
+    if args.all_at_once or group not in ("frontends", "workers"):
+        return subprocess.run(ctl_argv(cfg, "restart", target), check=False).returncode
+    if name != "*":
+        if name not in programs:
+            raise CliError(f"no program {args.target!r}; this deployment has "
+                           f"{', '.join(programs) or 'none'} in {group}")
+        programs = [name]
+    for program in sorted(programs):
+        restart_one(cfg, group, program, timeout)
+    return 0
+
+
+def restart_gap(group: str, name: str, programs: list[str], all_at_once: bool) -> str | None:
+    """What a restart of `name` ('*': all) in `group` (whose programs are `programs`) leaves
+    unserved, or None when the others serve meanwhile."""
+    if group == "workers":
+        gap = ("requests wait for a worker (frontends.no_worker_wait_s) and are answered 503 "
+               "after that, until one is ready again")
+    elif group == "frontends":
+        gap = "nginx answers 502 until one is ready again"
+    else:
+        return None
+    if all_at_once and (name == "*" or len(programs) == 1):
+        return f"{group} restart all at once: {gap} (without --all-at-once, one at a time)"
+    if len(programs) == 1:
+        return (f"{programs[0]} is the only program in {group}: {gap}; with two or more, "
+                f"{group} restart without a gap")
+    return None
+
+
+def restart_one(cfg: Config, group: str, program: str, timeout: float) -> None:
+    """Restart one frontend or worker and wait until it serves again: a frontend answers
+    GET /ready with 200 on its own socket; a worker, under its new pid, is ready in every
+    frontend's GET /ready (each learns it from the worker's heartbeats)."""
+    done = subprocess.run(ctl_argv(cfg, "restart", f"{group}:{program}"), check=False,
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        raise CliError(f"supervisorctl restart {group}:{program} failed: "
+                       f"{(done.stdout + done.stderr).strip()}")
+    pid = next((p["pid"] for p in process_info(cfg) if p["name"] == program), 0)
+    frontends = [str(topology.frontend_socket(cfg, i)) for i in range(cfg.frontends.count)]
+    index = int(program.rpartition("-")[2])
+    if group == "frontends":
+        ready = lambda: remote.http_unix(frontends[index], "/ready") == 200  # noqa: E731
+    else:
+        ready = lambda: all(worker_ready(path, index, pid) for path in frontends)  # noqa: E731
+    print(f"shmserve: restarted {program} (pid {pid}); waiting until it is ready", flush=True)
+    deadline = time.monotonic() + timeout
+    while not ready():
+        states = {p["name"]: p["statename"] for p in process_info(cfg)}
+        if states.get(program) in ("FATAL", "BACKOFF", "EXITED") or time.monotonic() > deadline:
+            print_log_tails(cfg)
+            raise CliError(f"{program} not ready ({states.get(program)}) after restarting; "
+                           f"the rest of {group} was left as it is; logs in "
+                           f"{topology.log_dir(cfg)}")
+        time.sleep(0.2)
+    print(f"shmserve: {program} ready")
+
+
+def worker_ready(frontend_socket: str, index: int, pid: int) -> bool:
+    """Whether the frontend on `frontend_socket` sees worker `index`, as process `pid`, ready."""
+    code, body = remote.get_unix(frontend_socket, "/ready")
+    if code is None:
+        return False
+    try:
+        workers = json.loads(body)["workers"]
+    except (ValueError, KeyError, TypeError):
+        return False
+    return any(w.get("worker") == index and w.get("pid") == pid and w.get("ready")
+               for w in workers)
+
+
+def reload_nginx(cfg: Config) -> int:
+    """nginx re-reads its configuration (SIGHUP through supervisord): new workers start on the
+    same listening socket and the old ones finish their requests, so no connection is refused.
+    A stopped or failed nginx is started instead."""
+    states = {p["name"]: p["statename"] for p in process_info(cfg)}
+    if states.get("nginx") != "RUNNING":
+        return subprocess.run(ctl_argv(cfg, "restart", "nginx"), check=False).returncode
+    done = subprocess.run(ctl_argv(cfg, "signal", "HUP", "nginx"), check=False,
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        raise CliError(f"supervisorctl signal HUP nginx failed: {done.stdout.strip()}")
+    print("shmserve: nginx reloaded its configuration (graceful: no request dropped)")
+    return 0
+
+
+def restart_target(name: str) -> str:
+    """supervisorctl's name for a group or a program: frontend-1 is frontends:frontend-1."""
+    if name in GROUPS:
+        return GROUPS[name]
+    if name.startswith("frontend-"):
+        return f"frontends:{name}"
+    if name.startswith("worker-"):
+        return f"workers:{name}"
+    return name
