@@ -108,8 +108,7 @@ class Dispatcher:
                     raise
                 except TimeoutError:
                     self._abandon(link, seq, future)
-                    raise ApiError("timeout", "request deadline passed "
-                                   "(X-Request-Timeout or frontends.request_timeout_s)") from None
+                    raise ApiError.deadline_passed() from None
                 received = time.perf_counter()
                 if isinstance(reply, Error) and reply.code is ErrorCode.UNAVAILABLE:
                     # Loading or draining: a worker restarted faster than its heartbeats showed,

@@ -74,6 +74,11 @@ class ApiError(Exception):
         return {"Retry-After": str(self.retry_after)} if self.retry_after is not None else {}
 
     @classmethod
+    def deadline_passed(cls) -> "ApiError":
+        return cls("timeout", "request deadline passed (X-Request-Timeout or "
+                   "frontends.request_timeout_s)")
+
+    @classmethod
     def from_worker(cls, code: ErrorCode, message: str) -> "ApiError":
         kind = _FROM_WORKER.get(code, "internal_error")
         return cls(kind, message, retry_after=1 if kind in ("overloaded", "unavailable") else None)

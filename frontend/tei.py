@@ -124,8 +124,7 @@ async def tokenize(request: web.Request) -> web.Response:
     else:
         rows = run()
     if time.monotonic() - started > deadline:
-        raise ApiError("timeout", "request deadline passed (X-Request-Timeout or "
-                       "frontends.request_timeout_s)")
+        raise ApiError.deadline_passed()
     return codec.render(request, rows)
 
 
