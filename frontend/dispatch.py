@@ -3,7 +3,10 @@
 The slot (token ids, offsets, output rows) is allocated once per request and freed when nobody
 can touch it any more: the handler is done with it and no worker holds it (see `Lease`). A
 request whose worker dies, or answers that it is loading or draining, is resubmitted to another
-live worker, up to `frontends.retry_on_worker_loss` times: inference is idempotent.
+live worker, up to `frontends.retry_on_worker_loss` times: inference is idempotent. A resubmission
+gets output rows of its own: a worker failed over for silence may resume and write the rows it
+was given (its slot stays held until it answers or is gone), and those must not be the rows the
+next worker's answer is read from.
 """
 
 from __future__ import annotations
@@ -66,12 +69,8 @@ class Dispatcher:
         off_bytes = _align(enc.offsets.nbytes)
         ids_bytes = _align(enc.ids.nbytes)
         seg_bytes = _align(enc.segments.nbytes) if enc.segments is not None else 0
-        try:
-            base = self.arena.alloc(off_bytes + ids_bytes + seg_bytes + n * dim * 4)
-        except ArenaFull:
-            raise ApiError("overloaded", "too many requests in flight on this frontend",
-                           retry_after=1) from None
-        lease = Lease(self.arena, base)
+        lease, base = self._alloc(off_bytes + ids_bytes + seg_bytes + n * dim * 4)
+        leases = [lease]
         try:
             offsets = self.arena.handle(base, "int32", enc.offsets.shape)
             ids = self.arena.handle(base + off_bytes, "int32", enc.ids.shape)
@@ -83,7 +82,7 @@ class Dispatcher:
             self.arena.view(ids)[:] = enc.ids
             if enc.segments is not None:
                 self.arena.view(segments)[:] = enc.segments
-            for _ in range(self.cfg.frontends.retry_on_worker_loss + 1):
+            for attempt in range(self.cfg.frontends.retry_on_worker_loss + 1):
                 link = await self.pool.wait_for_worker(
                     model, min(self.cfg.frontends.no_worker_wait_s, deadline - time.time()))
                 if link is None:
@@ -93,11 +92,17 @@ class Dispatcher:
                     raise ApiError("unavailable", "no worker is ready for this model yet "
                                    "(loading or restarting)" if loading else
                                    "no live worker for this model", retry_after=1)
+                if attempt:  # rows of its own (see the module's docstring)
+                    out_lease, out_base = self._alloc(n * dim * 4)
+                    leases.append(out_lease)
+                    output = self.arena.handle(out_base, "float32", (n, dim))
+                held = (lease, leases[-1]) if attempt else (lease,)
+                for each in held:
+                    each.hold()
                 seq = self.pool.next_seq()
                 msg = Submit(seq, request_id, model, ids, offsets, output, deadline, priority,
                              segments)
-                lease.hold()
-                future = self.pool.submit(link, msg, n, lease.release)
+                future = self.pool.submit(link, msg, n, lambda held=held: _release(held))
                 try:
                     reply = await asyncio.wait_for(asyncio.shield(future),
                                                    max(0.0, deadline - time.time()))
@@ -123,9 +128,22 @@ class Dispatcher:
             raise ApiError("unavailable", "workers kept failing; retries exhausted "
                            "(frontends.retry_on_worker_loss)", retry_after=1)
         finally:
-            lease.release()
+            _release(leases)
+
+    def _alloc(self, nbytes: int) -> tuple[Lease, int]:
+        try:
+            base = self.arena.alloc(nbytes)
+        except ArenaFull:
+            raise ApiError("overloaded", "too many requests in flight on this frontend",
+                           retry_after=1) from None
+        return Lease(self.arena, base), base
 
     def _abandon(self, link, seq: int, future: asyncio.Future) -> None:
         """Stop waiting; the worker keeps the slot until it answers the abort (or dies)."""
         future.add_done_callback(consume)
         self.pool.abort(link, seq)
+
+
+def _release(leases) -> None:
+    for lease in leases:
+        lease.release()

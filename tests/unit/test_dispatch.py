@@ -10,7 +10,7 @@ import pytest
 
 from frontend.dispatch import Dispatcher
 from frontend.errors import ApiError
-from frontend.pool import WorkerLink
+from frontend.pool import WorkerGone, WorkerLink
 from frontend.tokenizer import Encoded
 from shmserve import config
 from shmserve.arena import Arena
@@ -20,14 +20,17 @@ MODEL = ModelInfo("m", "embedding", 4, 16, "fp32", "r1", "ready", "")
 
 
 class FakePool:
-    """Two ready workers; each answers every Submit with what `answers` holds for it."""
+    """Two ready workers; each answers every Submit with what `answers` holds for it
+    ("silent": the request fails over, and the worker keeps its slot until `settle_held`)."""
 
-    def __init__(self, answers: dict[int, ErrorCode | None]) -> None:
+    def __init__(self, answers: dict[int, ErrorCode | str | None]) -> None:
         self.links = [WorkerLink(i, f"ipc://w{i}", None, alive=True,
                                  beat=Heartbeat(3, i, 100 + i, True, "cpu", (MODEL,), 0, 64, 0.0))
                       for i in range(2)]
         self.answers = answers
         self.sent: list[int] = []
+        self.outputs = []  # each Submit's output handle
+        self.held = []  # the on_settled of requests a silent worker still holds
         self._seq = 0
 
     async def wait_for_worker(self, model: str, timeout: float):
@@ -40,8 +43,14 @@ class FakePool:
 
     def submit(self, link, msg, texts, on_settled):
         self.sent.append(link.index)
+        self.outputs.append(msg.output)
         future = asyncio.get_running_loop().create_future()
         code = self.answers[link.index]
+        if code == "silent":
+            future.set_exception(WorkerGone("silent"))
+            link.alive = False
+            self.held.append(on_settled)
+            return future
         future.set_result(Result(msg.seq, 0.1, 1.0, 1, 3, "r1") if code is None
                           else Error(msg.seq, code, "no"))
         on_settled()
@@ -93,3 +102,18 @@ def test_with_no_ready_worker_the_503_says_whether_they_are_loading_or_gone(aren
     with pytest.raises(ApiError) as err:
         run(pool, arena)
     assert err.value.status == 503 and err.value.message == "no live worker for this model"
+
+
+def test_a_resubmission_writes_rows_of_its_own_while_the_silent_worker_holds_the_first(arena):
+    # A worker failed over for silence may resume and write the rows it was given: the next
+    # worker's answer must be read from other rows, and the first stay allocated until the
+    # silent worker is done with them.
+    pool = FakePool({0: "silent", 1: None})
+    outcome = run(pool, arena)
+    assert outcome.worker == 1 and pool.sent == [0, 1]
+    first, second = pool.outputs
+    assert (first.offset + first.nbytes <= second.offset
+            or second.offset + second.nbytes <= first.offset)
+    assert arena.bytes_used > 0  # the first slot, held for the silent worker
+    pool.held.pop()()
+    assert arena.bytes_used == 0
