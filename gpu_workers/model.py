@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from transformers import AutoConfig
 from transformers.utils import logging as hf_logging
 
-from gpu_workers import packed, parity, tasks
+from gpu_workers import packed, parity, prepack, tasks
 from gpu_workers.graphs import Graphs
 from shmserve.models import ModelSourceError, ModelSpec, weights_file
 
@@ -39,7 +39,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
 
 class Model:
     def __init__(self, spec: ModelSpec, device: torch.device, pack: bool = True,
-                 bucket: bool | None = None, graphs: int = 0) -> None:
+                 bucket: bool | None = None, graphs: int = 0, prepacked: bool = True) -> None:
         """`pack=False` keeps the network's own forward, one length group at a time (for
         measuring what the packed pass gains: scripts/packed_ab.py). `bucket` (default: on a
         CPU) rounds the shapes the linear layers see to a few sizes, as oneDNN compiles a
@@ -48,12 +48,16 @@ class Model:
         only, where oneDNN's compiled kernels run (in fp32 and int8 the padding cost 8% and 6%
         in-process: docs/performance.md). `graphs` > 0: run each length group through a CUDA
         graph of its padded shape, up to that many shapes (gpu_workers.graphs; a model that
-        packs only; without a GPU the same path runs eagerly, for the tests)."""
+        packs only; without a GPU the same path runs eagerly, for the tests). `prepacked`:
+        bf16 linear layers on a CPU with their weights reordered for oneDNN once, at load
+        (gpu_workers.prepack); False keeps `F.linear` (for scripts/packed_ab.py)."""
         weights_file(spec.directory)  # refuses a pickle-only directory with a clear message
         dtype = resolve_dtype(spec.dtype, device)
         guarded = spec.dtype == "auto" and dtype != "fp32"  # kept only if it agrees with fp32
         self.device = device
         self.bucket = device.type == "cpu" if bucket is None else bucket
+        self.prepack = prepacked and device.type == "cpu"
+        self.prepacked = 0  # linear layers running through gpu_workers.prepack
         self.max_tokens = spec.max_tokens  # a group's length is never rounded past it
         config = AutoConfig.from_pretrained(spec.directory, trust_remote_code=False)
         net, info = tasks.network_class(spec.task).from_pretrained(
@@ -89,8 +93,12 @@ class Model:
         self.net = net
         half = next(net.parameters()).dtype in (torch.bfloat16, torch.float16)
         self.round_groups = self.bucket and half
-        self.packed = (packed.PackedEncoder(net, bucket=self.bucket)
+        bf16 = self.prepack and next(net.parameters()).dtype == torch.bfloat16
+        self.packed = (packed.PackedEncoder(net, bucket=self.bucket, prepacked=bf16)
                        if self._packs else None)
+        if bf16:  # after the packed encoder has fused query, key and value from their layers
+            self.prepacked = prepack.swap(
+                net, packed.fused_away(net) if self._packs else frozenset())
         self.graphs = (Graphs(self._graph_rows, self.device, self.pad_id, self.max_tokens,
                               self.max_graphs) if self.max_graphs else None)
 

@@ -23,6 +23,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from gpu_workers import prepack
+
 ENCODERS = ("BertModel", "RobertaModel", "XLMRobertaModel")
 # Sequence classifiers, and how their logits come from the encoder's last hidden state.
 CLASSIFIERS = {
@@ -95,8 +97,10 @@ def supports(net: torch.nn.Module) -> bool:
 
 
 class PackedEncoder:
-    def __init__(self, whole: torch.nn.Module, bucket: bool = False) -> None:
-        """`bucket`: round the token count up (`rows_for`); for CPUs."""
+    def __init__(self, whole: torch.nn.Module, bucket: bool = False,
+                 prepacked: bool = False) -> None:
+        """`bucket`: round the token count up (`rows_for`); for CPUs. `prepacked`: the fused
+        query-key-value product through gpu_workers.prepack (bf16 on a CPU)."""
         self.whole = whole  # the network as loaded: an encoder, or a classifier around one
         self.bucket = bucket
         self.classify = CLASSIFIERS.get(type(whole).__name__)
@@ -116,7 +120,9 @@ class PackedEncoder:
                 linear.weight = torch.nn.Parameter(weight[rows], requires_grad=False)
                 linear.bias = torch.nn.Parameter(bias[rows], requires_grad=False)
             scale = getattr(attn, "scaling", None)  # 1/sqrt(head size) unless the model says
-            self.layers.append((weight, bias, scale, layer))
+            qkv = (prepack.linear(weight, bias) if prepacked
+                   else lambda x, weight=weight, bias=bias: F.linear(x, weight, bias))
+            self.layers.append((qkv, scale, layer))
 
     def __call__(self, groups: list[Group]) -> list[Output]:
         """Each group's output: its last hidden state [b, l, hidden] (zeros at padded
@@ -134,8 +140,8 @@ class PackedEncoder:
         if padding:
             parts.append(parts[0].new_zeros(padding, h))
         x = torch.cat(parts)  # [tokens (and padding rows), hidden]
-        for weight, bias, scale, layer in self.layers:
-            qkv = F.linear(x, weight, bias)
+        for linear, scale, layer in self.layers:
+            qkv = linear(x)
             context = []
             for b, l, index, lo, hi, mask in places:
                 padded = qkv.new_zeros(b * l, 3 * h).index_copy_(0, index, qkv[lo:hi])
@@ -152,3 +158,12 @@ class PackedEncoder:
             out.append(Output(hidden, self.classify(self.whole, hidden) if self.classify
                               else None))
         return out
+
+
+def fused_away(whole: torch.nn.Module) -> frozenset[int]:
+    """The ids of the query, key and value layers a PackedEncoder of `whole` runs as one
+    product (so they need no prepacked copy of their own)."""
+    net = whole.base_model if type(whole).__name__ in CLASSIFIERS else whole
+    return frozenset(id(linear) for layer in net.encoder.layer
+                     for linear in (layer.attention.self.query, layer.attention.self.key,
+                                    layer.attention.self.value))

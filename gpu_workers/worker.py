@@ -134,6 +134,7 @@ class Worker:
                 "model": name, "revision": spec.revision, "dtype": spec.dtype,
                 "device": str(self.device), "seconds": round(time.monotonic() - started, 2),
                 "torch_threads": torch.get_num_threads(),
+                "prepacked_linears": getattr(model, "prepacked", 0),
                 "switch_interval_ms": round(sys.getswitchinterval() * 1000, 3)}})
             self.metrics.model_loaded(name, spec.revision, spec.dtype, str(self.device))
         self.device_label = device_name(self.device)

@@ -170,11 +170,12 @@ class InProcess:
     server's first model, dtype, threads and batching, on the CPU."""
 
     def __init__(self, spec, device, limits, corpus: list[str], offset: int = 0,
-                 pack: bool = True, bucket: bool | None = None, graphs: int = 0) -> None:
+                 pack: bool = True, bucket: bool | None = None, graphs: int = 0,
+                 prepacked: bool = True) -> None:
         from frontend.tokenizer import TextEncoder
         from gpu_workers.model import Model
 
-        self.model = Model(spec, device, pack, bucket, graphs)
+        self.model = Model(spec, device, pack, bucket, graphs, prepacked)
         enc = TextEncoder(spec, truncate=True).encode(corpus)
         self.texts = [_Text(int(b - a), enc.ids[a:b])
                       for a, b in zip(enc.offsets[:-1], enc.offsets[1:])]
@@ -189,7 +190,7 @@ class InProcess:
     @classmethod
     def from_config(cls, cfg, corpus: list[str], offset: int = 0, model=None,
                     device: str = "cpu", pack: bool = True,
-                    bucket: bool | None = None) -> "InProcess":
+                    bucket: bool | None = None, prepacked: bool = True) -> "InProcess":
         """`model`: a ModelConfig to use instead of the config's first model (its directory
         need not lie under the model roots)."""
         import torch
@@ -205,7 +206,7 @@ class InProcess:
             configure_cuda(cfg.workers.cudnn_attention)
         spec = inspect(model or cfg.models[0], with_revision=False)
         return cls(spec, torch.device(device), Limits.of(cfg.batching), corpus, offset, pack,
-                   bucket)
+                   bucket, prepacked=prepacked)
 
     def window(self, seconds: float, chunk: int) -> dict:
         import torch

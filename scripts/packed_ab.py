@@ -5,11 +5,15 @@ forward group by group, in alternating windows, each side in a process of its ow
 is the median of the per-round ratios packed / per-group, with their range. `--compare
 rounding`: the network's own forward with its groups padded to a few shapes (what a CPU worker
 runs for a model that does not pack) against it unpadded, with each side's peak memory.
+`--compare prepack`: the packed pass with its bf16 linear layers prepacked for oneDNN
+(gpu_workers.prepack, the default on a CPU) against `F.linear`; `--compare prepack-grouped`:
+the same for the network's own forward group by group (models that do not pack).
 
   .venv/bin/python scripts/packed_ab.py                         # the config's first model
   .venv/bin/python scripts/packed_ab.py --task classification   # a sequence classifier
   .venv/bin/python scripts/packed_ab.py --device cuda --rounds 6
   .venv/bin/python scripts/packed_ab.py --compare rounding --rounds 12 --window 4
+  .venv/bin/python scripts/packed_ab.py --compare prepack --chunk 6
 
 --task classification (or rerank) measures a sequence classifier of the default model's
 shape: all-MiniLM-L6-v2's encoder under a randomly initialised head (2 labels, or 1 for
@@ -67,12 +71,14 @@ def child(args) -> None:
         model = dataclasses.replace(cfg.models[0], source=args.model_dir, task=args.task)
     side = InProcess.from_config(cfg, json.loads(args.corpus.read_text()), model=model,
                                  device=args.device, pack=args.child.startswith("packed"),
-                                 bucket=False if args.child.endswith("exact") else None)
+                                 bucket=False if args.child.endswith("exact") else None,
+                                 prepacked=not args.child.endswith("plain"))
     spec = side.model.spec
     if args.child.startswith("packed") and not side.model.packs:
         raise SystemExit(f"{spec.name}: this network does not run the packed pass")
     print(json.dumps({"model": spec.name, "task": spec.task, "dtype": spec.dtype,
-                      "threads": torch.get_num_threads()}), flush=True)
+                      "threads": torch.get_num_threads(),
+                      "prepacked": side.model.prepacked}), flush=True)
     for line in sys.stdin:
         cursor, seconds, chunk = line.split()
         side.cursor = int(cursor)
@@ -92,13 +98,16 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--window", type=float, default=3.0, help="seconds per window")
     parser.add_argument("--corpus", type=Path, default=CORPUS)
-    parser.add_argument("--compare", choices=("packed", "rounding", "packed-rounding"),
+    parser.add_argument("--compare", choices=("packed", "rounding", "packed-rounding",
+                                              "prepack", "prepack-grouped"),
                         default="packed",
                         help="packed: the packed pass against the network's own forward group"
                              " by group; rounding: that own forward with its groups padded to a"
                              " few shapes against it unpadded; packed-rounding: the packed pass"
-                             " with its token count rounded against it exact")
-    parser.add_argument("--child", choices=("packed", "grouped", "exact", "packed-exact"),
+                             " with its token count rounded against it exact; prepack(-grouped):"
+                             " bf16 linears prepacked for oneDNN against F.linear")
+    parser.add_argument("--child", choices=("packed", "grouped", "exact", "packed-exact",
+                                            "packed-plain", "grouped-plain"),
                         help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -118,9 +127,12 @@ def main() -> int:
                                       Path(tmp) / "model")
             argv += ["--model-dir", str(directory)]
         a, b = {"packed": ("packed", "grouped"), "rounding": ("grouped", "exact"),
-                "packed-rounding": ("packed", "packed-exact")}[args.compare]
+                "packed-rounding": ("packed", "packed-exact"),
+                "prepack": ("packed", "packed-plain"),
+                "prepack-grouped": ("grouped", "grouped-plain")}[args.compare]
         label = {"packed": "packed", "grouped": "per group", "exact": "per group unpadded",
-                 "packed-exact": "packed unrounded"}
+                 "packed-exact": "packed unrounded", "packed-plain": "packed, F.linear",
+                 "grouped-plain": "per group, F.linear"}
         sides = {name: subprocess.Popen(argv + ["--child", name], stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, text=True, cwd=REPO)
                  for name in (a, b)}
@@ -129,7 +141,8 @@ def main() -> int:
             info = about[a]
             print(f"{info['model']} ({info['task']}, {info['dtype']}) on {args.device}, "
                   f"{info['threads']} threads, chunks of {args.chunk} corpus texts, each side "
-                  "in its own process")
+                  "in its own process; linear layers prepacked: " + ", ".join(
+                      f"{label[n]} {about[n]['prepacked']}" for n in (a, b)))
 
             def window(name: str, cursor: int) -> dict:
                 sides[name].stdin.write(f"{cursor} {args.window} {args.chunk}\n")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from frontend.tokenizer import TextEncoder
-from gpu_workers import packed
+from gpu_workers import packed, prepack
 from gpu_workers.model import Model, cpu_has_bf16, resolve_dtype
 from shmserve.config import ModelConfig
 from shmserve.models import ModelSourceError, incompatible, inspect
@@ -208,7 +208,7 @@ def test_a_cpu_pass_runs_its_linear_layers_on_a_few_row_counts_only(models):
     one of a few sizes (packed.rows_for), or a worker compiles without end and slows down."""
     model = Model(spec(models["emb"], "embedding", "fp32"), torch.device("cpu"))
     seen = []
-    dense = model.packed.layers[0][3].intermediate.dense
+    dense = model.packed.layers[0][2].intermediate.dense
     hook = dense.register_forward_pre_hook(lambda module, args: seen.append(args[0].shape[0]))
     try:
         rng = np.random.default_rng(5)
@@ -217,6 +217,35 @@ def test_a_cpu_pass_runs_its_linear_layers_on_a_few_row_counts_only(models):
     finally:
         hook.remove()
     assert seen == [16, 32, 48, 160, 320]
+
+
+@pytest.mark.parametrize("key,task,pack", [("emb", "embedding", True), ("emb", "embedding", False),
+                                           ("clf", "classification", True),
+                                           ("ce", "rerank", True)])
+def test_bf16_linear_layers_prepacked_for_onednn_give_the_same_rows(models, key, task, pack):
+    if not cpu_has_bf16():
+        pytest.skip("this CPU has no native bf16: oneDNN's bf16 linear is not what runs here")
+    s = spec(models[key], task, "bf16")
+    plain = Model(s, torch.device("cpu"), pack=pack, prepacked=False)
+    model = Model(s, torch.device("cpu"), pack=pack)
+    assert plain.prepacked == 0
+    left = [type(m).__name__ for m in model.net.modules() if type(m) is torch.nn.Linear]
+    if pack:  # query, key and value run fused, prepacked in the packed encoder itself
+        assert all(isinstance(linear, prepack.PrepackedLinear)
+                   for linear, _, _ in model.packed.layers)
+        assert len(left) == 3 * len(model.packed.layers)
+    else:
+        assert left == []
+    assert model.prepacked > 0
+    rng = np.random.default_rng(12)
+    groups = []
+    for rows, width in ((1, 1), (2, 9), (3, 30), (1, 64)):
+        lengths = rng.integers(1, width + 1, rows)
+        lengths[0] = width
+        segments = (lengths // 2).astype(np.int64) if task == "rerank" else None
+        groups.append((rng.integers(1000, 1100, (rows, width)), lengths, segments))
+    np.testing.assert_array_equal(model.forward_groups(groups), plain.forward_groups(groups))
+    assert Model(spec(models[key], task), torch.device("cpu"), pack=pack).prepacked == 0  # fp32
 
 
 def test_row_counts_are_few_and_padding_is_bounded():
