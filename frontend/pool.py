@@ -87,6 +87,7 @@ class WorkerPool:
         self._tasks: list[asyncio.Task] = []
         self._changed = asyncio.Event()  # set whenever a worker becomes ready
         self.restarts_seen = 0
+        self._ever_ready: set[int] = set()  # workers seen ready since this frontend started
 
     def _link(self, index: int) -> WorkerLink:
         sock = self._ctx.socket(zmq.DEALER)
@@ -120,6 +121,11 @@ class WorkerPool:
     @property
     def all_ready(self) -> bool:
         return all(link.ready for link in self.links)
+
+    @property
+    def started(self) -> bool:
+        """Every configured worker has been ready at least once since this frontend started."""
+        return len(self._ever_ready) == len(self.links)
 
     def ready_links(self, model: str) -> list[WorkerLink]:
         return [link for link in self.links
@@ -274,6 +280,7 @@ class WorkerPool:
         was_ready = link.ready
         link.beat, link.last_beat, link.alive = beat, time.monotonic(), True
         if link.ready and not was_ready:
+            self._ever_ready.add(link.index)
             log.info("frontend.worker_ready", extra={"fields": {"worker": link.index,
                                                                 "device": beat.device}})
             self._changed.set()

@@ -35,7 +35,7 @@ def kill_and_wait(stack: Stack, program: str, load: Load) -> Counter:
     # master left (they keep answering meanwhile) and the new master listens.
     stack.wait_until(lambda: stack.ctl("status", program).split()[1:2] == ["RUNNING"], 60,
                      f"{program} RUNNING")
-    stack.wait_until(lambda: stack.get("/ready")[0] == 200, 90, "ready after the restart")
+    stack.wait_until(stack.all_ready, 90, "every worker ready after the restart")
     # Keep the load on a little past readiness, so requests of the recovered state count too.
     target = load.mark() + 20
     stack.wait_until(lambda: load.mark() >= target, 60, "requests after recovery")
@@ -80,7 +80,7 @@ def test_a_worker_stopped_past_the_heartbeat_timeout_resumes_and_serves_on(stack
             time.sleep(5)  # past heartbeat_timeout_s (1.5 in configs/test.yaml)
         finally:
             os.kill(pid, signal.SIGCONT)
-        stack.wait_until(lambda: stack.get("/ready")[0] == 200, 30, "ready after resuming")
+        stack.wait_until(stack.all_ready, 30, "every worker ready after resuming")
         target = load.mark() + 100
         stack.wait_until(lambda: load.mark() >= target, 60, "requests after resuming")
         counts = load.since(start)
