@@ -119,7 +119,10 @@ async def ready(request: web.Request) -> web.Response:
     workers = [{"worker": link.index, "alive": link.alive, "ready": link.ready,
                 "pid": link.beat.pid if link.beat else None,
                 "device": link.beat.device if link.beat else None,
-                "queued_texts": link.beat.queued_texts if link.beat else None}
+                "queued_texts": link.beat.queued_texts if link.beat else None,
+                # the forward pass running now, seconds; stalled: past workers.stalled_pass_s
+                "pass_s": round(link.beat.pass_s, 3) if link.beat else None,
+                "stalled": bool(link.beat and pool.watchdog.stalled(link.beat))}
                for link in pool.links]
     status = readiness(pool, request.app[MODELS])
     return codec.render(request, {"status": status, "workers": workers},

@@ -6,7 +6,7 @@ from shmserve.protocol import PROTOCOL_VERSION, Heartbeat
 
 def pool_with(device_label: str | None, ready: bool = True):
     beat = None if device_label is None else Heartbeat(
-        PROTOCOL_VERSION, 0, 123, ready, device_label, (), 0, 10, 0.0)
+        PROTOCOL_VERSION, 0, 123, ready, device_label, (), 0, 10, 0.0, 0.0)
     return SimpleNamespace(links=[SimpleNamespace(beat=beat, ready=beat is not None and ready)])
 
 

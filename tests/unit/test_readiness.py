@@ -32,7 +32,7 @@ def pool(tmp_path):
 def beat(pool: WorkerPool, index: int, ready: bool, *served: str, pid: int = 0) -> None:
     infos = tuple(ModelInfo(m, "embedding", 4, 8, "fp32", "r", "ready", "") for m in served)
     pool._on_heartbeat(pool.links[index], Heartbeat(
-        PROTOCOL_VERSION, index, pid or 1_000_000 + index, ready, "cpu", infos, 0, 10, 0.0))
+        PROTOCOL_VERSION, index, pid or 1_000_000 + index, ready, "cpu", infos, 0, 10, 0.0, 0.0))
 
 
 def test_loading_until_every_worker_was_ready_once(pool):
