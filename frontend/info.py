@@ -89,8 +89,16 @@ def _model(cfg: Config, served, pool: WorkerPool) -> dict[str, Any]:
 
 
 def _device(index: int, device: str, pool: WorkerPool) -> dict[str, Any]:
+    """What worker `index` runs on, as its heartbeats say (a worker configured for a GPU falls
+    back to the CPU where CUDA sees none); `configured`: what the config asked for. Both
+    device and name are null until its first heartbeat after loading."""
     link = pool.links[index] if index < len(pool.links) else None
-    return {"worker": index,
-            "device": device if device == topology.CPU else f"cuda:{device}",
-            "name": link.beat.device if link is not None and link.beat is not None else None,
+    name = link.beat.device if link is not None and link.beat is not None else None
+    if name is not None and name.startswith("cuda"):
+        actual = f"cuda:{device}"  # CUDA_VISIBLE_DEVICES shows the worker this GPU alone
+    else:
+        actual = name if name == topology.CPU else None  # None: not reported yet ("loading")
+    return {"worker": index, "device": actual,
+            "name": name if actual is not None else None,
+            "configured": device if device == topology.CPU else f"cuda:{device}",
             "ready": bool(link is not None and link.ready)}

@@ -46,6 +46,10 @@ WORKER_RESTARTS = Counter("shmserve_worker_restarts_seen_total",
                           "Worker restarts a frontend noticed (a heartbeat with a new pid); "
                           "every frontend counts each restart: use max by (worker)",
                           ["frontend", "worker"])
+WORKER_HUNG_KILLS = Counter("shmserve_worker_hung_kills_total",
+                            "Workers a frontend SIGKILLed after workers.hung_kill_s of silence "
+                            "(frontend.watchdog); several frontends may count one: use max by "
+                            "(worker)", ["frontend", "worker"])
 
 
 # The request path's children, cached (shmserve.metrics.Children): call as `texts(model)`.
@@ -68,6 +72,7 @@ def start(models: list[str], frontend: int, workers: int) -> None:
             STAGE.labels(stage, model)
     for worker in range(workers):
         WORKER_RESTARTS.labels(str(frontend), str(worker))
+        WORKER_HUNG_KILLS.labels(str(frontend), str(worker))
     INFLIGHT.labels(str(frontend)).set(0)
 
 

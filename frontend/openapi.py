@@ -104,9 +104,10 @@ def _paths(models: list[str]) -> dict[str, dict]:
         "/v1/models/{model}": {"get": _op("openai", "One served model, by name or alias", {
             **_ok(_ref("Model")), **_errors(404)}, parameters=[model])},
         "/health": {"get": _op("ops", "Liveness of this frontend", _ok(_ref("Health")))},
-        "/ready": {"get": _op("ops", "Whether every worker is ready", {
+        "/ready": {"get": _op("ops", "Whether every served model has a ready worker", {
             **_ok(_ref("Readiness")),
-            "503": {"description": "loading", "content": _json(_ref("Readiness"))}})},
+            "503": {"description": "loading, or some model has no ready worker",
+                    "content": _json(_ref("Readiness"))}})},
         "/metrics": {"get": _op("ops", "Prometheus metrics", {"200": {
             "description": "Prometheus text exposition",
             "content": {"text/plain": {"schema": {"type": "string"}}}}})},
@@ -268,7 +269,7 @@ def _native_schemas(parts: dict[str, Any]) -> dict[str, Any]:
         "Health": {"type": "object", "properties": {"status": {"type": "string"},
                                                     "version": {"type": "string"}}},
         "Readiness": {"type": "object", "properties": {
-            "status": {"enum": ["ready", "loading", "unavailable"]},
+            "status": {"enum": ["ready", "degraded", "loading", "unavailable"]},
             "workers": {"type": "array", "items": {"type": "object"}}}},
     }
 

@@ -4,7 +4,8 @@ One DEALER socket per worker. What a turn of the event loop sends to a worker go
 ZeroMQ message, and a worker answers a batch's requests the same way (`shmserve.wire`). One
 receive task per socket resolves a map of pending futures;
 one heartbeat task pings every worker and declares a worker dead after
-`workers.heartbeat_timeout_s` of silence, or when its heartbeat shows a new pid; and one monitor
+`workers.heartbeat_timeout_s` of silence, or when its heartbeat shows a new pid (and, after
+`workers.hung_kill_s`, kills it: frontend.watchdog); and one monitor
 task per socket declares it dead the moment ZeroMQ reports the connection dropped (a killed
 worker's socket closes with it), so `/ready` and routing stop counting it at once, not a
 heartbeat timeout later. A dead worker's
@@ -29,6 +30,7 @@ import zmq.asyncio
 from zmq.utils import monitor as zmq_monitor
 
 from frontend import metrics
+from frontend.watchdog import Watchdog
 from shmserve import processes, topology, wire
 from shmserve.config import Config
 from shmserve.protocol import (PROTOCOL_VERSION, Abort, Commit, Error, Heartbeat, Ping, Reload,
@@ -87,6 +89,8 @@ class WorkerPool:
         self._tasks: list[asyncio.Task] = []
         self._changed = asyncio.Event()  # set whenever a worker becomes ready
         self.restarts_seen = 0
+        self._ever_ready: set[int] = set()  # workers seen ready since this frontend started
+        self.watchdog = Watchdog(cfg, frontend)
 
     def _link(self, index: int) -> WorkerLink:
         sock = self._ctx.socket(zmq.DEALER)
@@ -120,6 +124,11 @@ class WorkerPool:
     @property
     def all_ready(self) -> bool:
         return all(link.ready for link in self.links)
+
+    @property
+    def started(self) -> bool:
+        """Every configured worker has been ready at least once since this frontend started."""
+        return len(self._ever_ready) == len(self.links)
 
     def ready_links(self, model: str) -> list[WorkerLink]:
         return [link for link in self.links
@@ -263,6 +272,7 @@ class WorkerPool:
             return
         if beat.pid == link.dropped_pid:
             return  # sent before its process died, read after the drop
+        self.watchdog.heard(link.index, beat)
         if link.held and (link.beat is None or link.beat.pid != beat.pid):
             self._release_held(link)  # a new process: the one that held them is gone
         if link.beat is not None and link.beat.pid != beat.pid:
@@ -274,6 +284,7 @@ class WorkerPool:
         was_ready = link.ready
         link.beat, link.last_beat, link.alive = beat, time.monotonic(), True
         if link.ready and not was_ready:
+            self._ever_ready.add(link.index)
             log.info("frontend.worker_ready", extra={"fields": {"worker": link.index,
                                                                 "device": beat.device}})
             self._changed.set()
@@ -283,10 +294,12 @@ class WorkerPool:
         timeout = self.cfg.workers.heartbeat_timeout_s
         while True:
             now = time.monotonic()
+            self.watchdog.tick(now)
             for link in self.links:
                 _send_now(link.socket, wire.encode(Ping(time.time())))  # silence decides below
                 if link.alive and now - link.last_beat > timeout:
                     self._declare_dead(link, f"silent for {now - link.last_beat:.1f}s")
+                self.watchdog.check(link, now)  # silent much longer: SIGKILL (hung_kill_s)
                 if link.held:
                     self._release_held(link, only_gone=True)
             await asyncio.sleep(interval)

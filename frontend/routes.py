@@ -11,9 +11,10 @@ from aiohttp import web
 
 import shmserve
 from frontend import codec, metrics, schemas, scores, tasks, vectors
-from frontend.app import CONFIG, MODELS, POOL, ServedModel
+from frontend.app import CONFIG, MODELS, POOL, Models, ServedModel
 from frontend.dispatch import Outcome
 from frontend.errors import ApiError
+from frontend.pool import WorkerPool
 from frontend.tokenizer import Encoded
 
 
@@ -118,15 +119,30 @@ async def ready(request: web.Request) -> web.Response:
     workers = [{"worker": link.index, "alive": link.alive, "ready": link.ready,
                 "pid": link.beat.pid if link.beat else None,
                 "device": link.beat.device if link.beat else None,
-                "queued_texts": link.beat.queued_texts if link.beat else None}
+                "queued_texts": link.beat.queued_texts if link.beat else None,
+                # the forward pass running now, seconds; stalled: past workers.stalled_pass_s
+                "pass_s": round(link.beat.pass_s, 3) if link.beat else None,
+                "stalled": bool(link.beat and pool.watchdog.stalled(link.beat))}
                for link in pool.links]
+    status = readiness(pool, request.app[MODELS])
+    return codec.render(request, {"status": status, "workers": workers},
+                        status=200 if status in ("ready", "degraded") else 503)
+
+
+def readiness(pool: WorkerPool, models: Models) -> str:
+    """GET /ready's status. ready: every worker is. loading: not every configured worker has
+    been ready once since this frontend started. degraded (200): some worker is lost or
+    restarting, but every served model (each arm of an A/B split) has a ready worker, so
+    requests succeed; a rolling restart does not take the pod out of a readiness probe.
+    unavailable (503): some model has no ready worker."""
     if pool.all_ready:
-        return codec.render(request, {"status": "ready", "workers": workers})
-    # "loading": every worker not ready is starting, loading or draining; "unavailable": one
-    # was lost (died, stopped, or silent past workers.heartbeat_timeout_s).
-    lost = any(link.beat is not None and not link.alive for link in pool.links)
-    return codec.render(request, {"status": "unavailable" if lost else "loading",
-                                  "workers": workers}, status=503)
+        return "ready"
+    if not pool.started:
+        return "loading"
+    if all(pool.ready_links(v.unit) for model in models.by_name.values()
+           for v in model.variants):
+        return "degraded"
+    return "unavailable"
 
 
 async def metrics_route(request: web.Request) -> web.Response:

@@ -71,6 +71,7 @@ class Worker:
         # Replies not yet sent, by frontend: a batch's go out as one message each (wire).
         self._outbox: dict[bytes, list[bytes]] = {}
         self._batches = 0
+        self._pass_began = 0.0  # monotonic start of the forward pass running now; 0: none
         self.metrics = WorkerMetrics(index)
         self.metrics.set_ready(False)
         self.memory: MemoryCare | None = None  # once the device is known
@@ -79,10 +80,11 @@ class Worker:
 
     def heartbeat(self, ping: Ping) -> Heartbeat:
         self.metrics.set_queue_depth(self._queued_texts)  # fresh even while no batch runs
+        began = self._pass_began  # one read: the model thread may clear it meanwhile
         return Heartbeat(PROTOCOL_VERSION, self.index, os.getpid(),
                          self.ready and not self.stopping.is_set(), self.device_label,
                          self._infos, self._queued_texts, self.cfg.workers.queue_texts,
-                         ping.sent_at)
+                         ping.sent_at, time.monotonic() - began if began else 0.0)
 
     def on_submit(self, peer: bytes, msg: Submit) -> Error | None:
         if not self.ready or self.stopping.is_set():
@@ -310,6 +312,7 @@ class Worker:
         for text in texts:
             if not text.request.started:
                 text.request.started = began
+        self._pass_began = time.monotonic()
         try:
             out, ok = forward_in_halves(slot.model.forward_groups, groups, self.memory.after_oom)
         except Exception as exc:  # noqa: BLE001 - one bad batch fails its requests, not the worker
@@ -321,6 +324,8 @@ class Worker:
                                             f"forward failed: {type(exc).__name__}"))
             self._send_replies()
             return
+        finally:
+            self._pass_began = 0.0
         forward_ms = (time.time() - began) * 1000.0
         self._batches += 1
         touched = {}

@@ -184,7 +184,7 @@ def status(args: argparse.Namespace) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     running = all(p["statename"] == "RUNNING" for p in last.processes)
-    return 0 if running and last.ready_code == 200 else 1
+    return 0 if running and last.ready_code == 200 and last.ready.get("status") == "ready" else 1
 
 
 def ctl(args: argparse.Namespace) -> int:

@@ -71,6 +71,12 @@ class WorkerConfig:
     low_priority_queue_share: float = 0.75  # below-normal priority may fill this share of it
     heartbeat_interval_s: float = 0.5
     heartbeat_timeout_s: float = 3.0
+    # A worker silent this long (its whole process stuck: heartbeats come from its socket
+    # thread) is SIGKILLed by a frontend, so supervisord restarts it (frontend.watchdog); 0: never
+    hung_kill_s: float = 30.0
+    # A forward pass running longer than this is reported as stalled (GET /ready, logs); the
+    # worker is not killed for it (frontend.watchdog says why); 0: never
+    stalled_pass_s: float = 60.0
     cuda_alloc_conf: str = "expandable_segments:True"
     # cuDNN's attention kernels on a GPU: off, as every new (texts, length) shape costs a plan
     # (see gpu_workers.model.configure_cuda)
@@ -240,6 +246,8 @@ _CHECKS: dict[str, Check] = {
     "workers.queue_texts": (lambda v: v >= 1, "an integer >= 1"),
     "workers.heartbeat_interval_s": (lambda v: v > 0, "a number > 0"),
     "workers.heartbeat_timeout_s": (lambda v: v > 0, "a number > 0"),
+    "workers.hung_kill_s": (lambda v: v >= 0, "a number >= 0 (0: never)"),
+    "workers.stalled_pass_s": (lambda v: v >= 0, "a number >= 0 (0: never)"),
     "workers.memory_check_batches": (lambda v: v >= 1, "an integer >= 1"),
     "workers.empty_cache_free_below": (lambda v: 0 <= v <= 1, "a number from 0 to 1 (0: never)"),
     "workers.empty_cache_idle_s": (lambda v: v >= 0, "a number >= 0 (0: never)"),
@@ -277,6 +285,10 @@ def from_tree(tree: Mapping[str, Any]) -> Config:
         cfg.workers, cpu_workers=workers, torch_threads=threads))
     _check_models(cfg)
     api_keys(cfg)  # a key file that cannot be read, or a malformed key, stops start-up here
+    if 0 < cfg.workers.hung_kill_s <= cfg.workers.heartbeat_timeout_s:
+        raise ConfigError(f"workers.hung_kill_s: {cfg.workers.hung_kill_s:g} must be over "
+                          f"workers.heartbeat_timeout_s ({cfg.workers.heartbeat_timeout_s:g}), "
+                          "or 0 (never)")
     for key, value in (("admin.reload_timeout_s", cfg.admin.reload_timeout_s),
                        ("frontends.request_timeout_s", cfg.frontends.request_timeout_s)):
         if value >= cfg.nginx.proxy_read_timeout_s:

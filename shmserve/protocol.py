@@ -23,8 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import IntEnum
 
-PROTOCOL_VERSION = 4  # 3: a worker sends a batch's replies to a frontend as one message;
-# 4: ErrorCode.OUT_OF_MEMORY
+PROTOCOL_VERSION = 5  # 3: a worker sends a batch's replies to a frontend as one message;
+# 4: ErrorCode.OUT_OF_MEMORY; 5: Heartbeat.pass_s
 
 
 class Kind(IntEnum):
@@ -102,6 +102,9 @@ class Heartbeat:
     queued_texts: int
     queue_limit: int
     ping_sent_at: float
+    pass_s: float  # how long the forward pass running now has run; 0: none runs. The socket
+                   # thread answers even while the model thread is stuck (a CUDA hang): this
+                   # tells the frontends so (workers.stalled_pass_s)
 
 
 @dataclass(frozen=True, slots=True)

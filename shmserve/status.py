@@ -57,6 +57,8 @@ def parse_metrics(text: str) -> dict[str, dict[Labels, float]]:
 def render(cur: Sample, prev: Sample | None, title: str) -> str:
     state = {200: "ready", 503: "not ready", None: "no answer from nginx"}.get(
         cur.ready_code, f"nginx answers {cur.ready_code}: no frontend answered it")
+    if cur.ready_code == 200 and cur.ready.get("status") == "degraded":
+        state = "degraded (every model is served, not every worker is ready)"
     lines = [f"{title}: {state}", ""]
     lines += _table(["PROGRAM", "STATE", "PID", "UPTIME", "RSS"], _process_rows(cur))
     lines.append("")

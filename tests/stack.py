@@ -124,6 +124,12 @@ class Stack:
         except urllib.error.HTTPError as exc:
             return exc.code, dict(exc.headers), exc.read()
 
+    def all_ready(self) -> bool:
+        """GET /ready says every worker is ready (200 "degraded" means only every model is
+        served)."""
+        status, _, body = self.get("/ready")
+        return status == 200 and json.loads(body)["status"] == "ready"
+
     def wait_until(self, predicate, timeout: float, what: str) -> None:
         deadline = time.monotonic() + timeout
         while not predicate():

@@ -10,6 +10,7 @@ import time
 from collections import Counter
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import tiny_overrides
 from tests.load import Load as ClosedLoop
@@ -35,7 +36,7 @@ def kill_and_wait(stack: Stack, program: str, load: Load) -> Counter:
     # master left (they keep answering meanwhile) and the new master listens.
     stack.wait_until(lambda: stack.ctl("status", program).split()[1:2] == ["RUNNING"], 60,
                      f"{program} RUNNING")
-    stack.wait_until(lambda: stack.get("/ready")[0] == 200, 90, "ready after the restart")
+    stack.wait_until(stack.all_ready, 90, "every worker ready after the restart")
     # Keep the load on a little past readiness, so requests of the recovered state count too.
     target = load.mark() + 20
     stack.wait_until(lambda: load.mark() >= target, 60, "requests after recovery")
@@ -46,7 +47,9 @@ def kill_and_wait(stack: Stack, program: str, load: Load) -> Counter:
 def stack(tmp_path_factory, tiny_model):
     s = Stack(tmp_path_factory.mktemp("chaos"), tiny_overrides(
         tiny_model, frontends={"count": 2},
-        workers={"devices": "cpu", "cpu_workers": 2, "torch_threads": 1}))
+        # hung_kill_s: past the 5 s stop of the test that resumes the worker, short enough
+        # for the one that does not
+        workers={"devices": "cpu", "cpu_workers": 2, "torch_threads": 1, "hung_kill_s": 10}))
     s.up()
     yield s
     s.down()
@@ -80,12 +83,45 @@ def test_a_worker_stopped_past_the_heartbeat_timeout_resumes_and_serves_on(stack
             time.sleep(5)  # past heartbeat_timeout_s (1.5 in configs/test.yaml)
         finally:
             os.kill(pid, signal.SIGCONT)
-        stack.wait_until(lambda: stack.get("/ready")[0] == 200, 30, "ready after resuming")
+        stack.wait_until(stack.all_ready, 30, "every worker ready after resuming")
         target = load.mark() + 100
         stack.wait_until(lambda: load.mark() >= target, 60, "requests after resuming")
         counts = load.since(start)
     assert set(counts) == {"200"}, counts
     assert stack.pid("workers:worker-0") == pid  # it did not crash on resuming
+
+
+def test_a_worker_stopped_for_good_is_killed_and_restarted(stack):
+    # SIGSTOP and no SIGCONT (a hung process: supervisord still sees it RUNNING). The frontends
+    # route around it at once ("degraded": the other worker serves); after hung_kill_s of
+    # silence one SIGKILLs it, supervisord restarts it, and it serves again.
+    pid = stack.pid("workers:worker-0")
+    try:
+        with Load(stack) as load:
+            start = load.mark()
+            os.kill(pid, signal.SIGSTOP)
+            stack.wait_until(lambda: json.loads(stack.get("/ready")[2])["status"] == "degraded",
+                             30, "GET /ready to say degraded")
+            assert stack.get("/ready")[0] == 200
+            stack.wait_until(lambda: stack.pid("workers:worker-0") not in (0, pid), 60,
+                             "the stopped worker to be killed and restarted")
+            stack.wait_until(stack.all_ready, 90, "every worker ready after the restart")
+            target = load.mark() + 20
+            stack.wait_until(lambda: load.mark() >= target, 60, "requests after the restart")
+            counts = load.since(start)
+    finally:
+        try:
+            os.kill(pid, signal.SIGCONT)  # should the test fail before the kill
+        except ProcessLookupError:
+            pass
+    assert set(counts) == {"200"}, counts
+    killed = [line for i in (0, 1) for line in stack.log_lines(f"frontend-{i}")
+              if line.get("message") == "frontend.worker_hung_killed"]
+    assert killed and {line["worker_pid"] for line in killed} == {pid}, killed
+    _, _, raw = stack.get("/metrics")
+    kills = sum(s.value for f in text_string_to_metric_families(raw.decode())
+                for s in f.samples if s.name == "shmserve_worker_hung_kills_total")
+    assert 1 <= kills <= 2  # several frontends may both have sent it
 
 
 def test_frontend_kill_costs_zero_failed_requests(stack):

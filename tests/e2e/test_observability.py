@@ -227,7 +227,8 @@ def test_info_serves_shmserve_and_tei_fields(stack):
     (model,) = info["models"]
     assert model["name"] == "tiny" and model["revision"] == "tiny-r1"
     assert model["task"] == "embedding" and model["dtype"] == "fp32" and model["dim"] == 32
-    assert info["devices"] == [{"worker": 0, "device": "cpu", "name": "cpu", "ready": True}]
+    assert info["devices"] == [{"worker": 0, "device": "cpu", "name": "cpu", "configured": "cpu",
+                                "ready": True}]
     assert info["limits"]["max_batch_tokens"] == 8192
     assert info["limits"]["max_texts_per_request"] == 64
     assert info["limits"]["max_input_tokens"] == 64

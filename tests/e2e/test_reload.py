@@ -184,7 +184,7 @@ def test_cli_reload_and_a_restarted_worker_loads_the_reloaded_model(stack, model
     os.kill(old, signal.SIGKILL)
     stack.wait_until(lambda: stack.ctl("pid", "workers:worker-1").strip() not in ("0", str(old)),
                      60, "supervisord to restart worker-1")
-    stack.wait_until(lambda: stack.get("/ready")[0] == 200, 90, "ready again")
+    stack.wait_until(stack.all_ready, 90, "every worker ready again")
     settles_on(stack, "tiny-r3")
     for _ in range(6):  # whichever worker serves, it serves a as tiny-r3
         status, _, body = stack.post_json("/predict", {"texts": TEXTS})

@@ -25,7 +25,8 @@ class FakePool:
 
     def __init__(self, answers: dict[int, ErrorCode | str | None]) -> None:
         self.links = [WorkerLink(i, f"ipc://w{i}", None, alive=True,
-                                 beat=Heartbeat(3, i, 100 + i, True, "cpu", (MODEL,), 0, 64, 0.0))
+                                 beat=Heartbeat(3, i, 100 + i, True, "cpu", (MODEL,), 0, 64,
+                                                0.0, 0.0))
                       for i in range(2)]
         self.answers = answers
         self.sent: list[int] = []

@@ -115,3 +115,10 @@ def test_watch_prints_count_frames_and_returns_the_last():
     out = io.StringIO()
     status.run(take, "t", out, watch=None, count=None, first_gap=0)
     assert out.getvalue().count("PROGRAM") == 1
+
+
+def test_a_degraded_deployment_says_so():
+    cur = sample(1.0, 10, 1, 10, 10)
+    cur = status.Sample(cur.at, cur.processes, 200, {**READY, "status": "degraded"}, cur.metrics)
+    assert status.render(cur, None, "t").splitlines()[0] == \
+        "t: degraded (every model is served, not every worker is ready)"

@@ -12,8 +12,9 @@ MESSAGES = [
     Ping(1.5),
     Heartbeat(1, 0, 4242, True, "cpu", (
         ModelInfo("m", "embedding", 384, 256, "fp32", "ab12", "ready", ""),
-        ModelInfo("m@b", "classification", 3, 512, "int8", "r1", "loading", "r2")), 3, 4096, 1.5),
-    Heartbeat(1, 3, 1, False, "loading", (), 0, 1, 0.0),
+        ModelInfo("m@b", "classification", 3, 512, "int8", "r1", "loading", "r2")), 3, 4096, 1.5,
+        0.25),
+    Heartbeat(1, 3, 1, False, "loading", (), 0, 1, 0.0, 0.0),
     Submit(7, "req-1", "m", HANDLE, ShmHandle("a", 0, 0, "int32", (0,)),
            ShmHandle("a", 64, 4 * 2 * 384, "float32", (2, 384)), 1e9, -1, EMPTY),
     Submit(8, "req-2", "ce", HANDLE, HANDLE, ShmHandle("a", 64, 4 * 6, "float32", (6, 1)), 1e9,

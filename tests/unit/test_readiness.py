@@ -1,0 +1,66 @@
+"""GET /ready's status from what the heartbeats said (frontend.routes.readiness)."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from frontend.pool import WorkerPool
+from frontend.routes import readiness
+from shmserve import config
+from shmserve.protocol import PROTOCOL_VERSION, Heartbeat, ModelInfo
+from tests.stack import free_port
+
+
+def models(*names: str):
+    return SimpleNamespace(by_name={n: SimpleNamespace(variants=[SimpleNamespace(unit=n)])
+                                    for n in names})
+
+
+@pytest.fixture
+def pool(tmp_path):
+    cfg = config.from_tree({
+        "models": [{"name": "a", "source": "/nonexistent/a"}],
+        "server": {"run_dir": str(tmp_path / "run"), "port": free_port()},
+        "workers": {"devices": "cpu", "cpu_workers": 2}})
+    pool = WorkerPool(cfg)
+    yield pool
+    for link in pool.links:
+        link.socket.close(linger=0)
+    pool._ctx.term()
+
+
+def beat(pool: WorkerPool, index: int, ready: bool, *served: str, pid: int = 0) -> None:
+    infos = tuple(ModelInfo(m, "embedding", 4, 8, "fp32", "r", "ready", "") for m in served)
+    pool._on_heartbeat(pool.links[index], Heartbeat(
+        PROTOCOL_VERSION, index, pid or 1_000_000 + index, ready, "cpu", infos, 0, 10, 0.0, 0.0))
+
+
+def test_loading_until_every_worker_was_ready_once(pool):
+    assert readiness(pool, models("a")) == "loading"
+    beat(pool, 0, True, "a")
+    assert readiness(pool, models("a")) == "loading"  # serves, but not every worker is up yet
+    beat(pool, 1, True, "a")
+    assert readiness(pool, models("a")) == "ready"
+
+
+def test_a_lost_worker_degrades_while_another_serves_every_model(pool):
+    beat(pool, 0, True, "a")
+    beat(pool, 1, True, "a")
+    pool._declare_dead(pool.links[1], "test")
+    assert readiness(pool, models("a")) == "degraded"
+    beat(pool, 1, False, "a", pid=2_000_001)  # restarted: loading under a new pid
+    assert readiness(pool, models("a")) == "degraded"
+    pool._declare_dead(pool.links[0], "test")
+    assert readiness(pool, models("a")) == "unavailable"
+    beat(pool, 1, True, "a", pid=2_000_001)
+    assert readiness(pool, models("a")) == "degraded"
+    beat(pool, 0, True, "a", pid=2_000_000)
+    assert readiness(pool, models("a")) == "ready"
+
+
+def test_unavailable_when_the_only_worker_of_one_model_is_lost(pool):
+    beat(pool, 0, True, "a")
+    beat(pool, 1, True, "b")
+    pool._declare_dead(pool.links[1], "test")
+    assert readiness(pool, models("a", "b")) == "unavailable"
+    assert readiness(pool, models("a")) == "degraded"

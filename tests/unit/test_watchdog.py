@@ -1,0 +1,137 @@
+"""frontend.watchdog against stand-in processes: whom it kills, and whom it never does."""
+
+import dataclasses
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from frontend.watchdog import Watchdog, is_worker
+from shmserve import config
+from shmserve.protocol import PROTOCOL_VERSION, Heartbeat
+from tests.stack import free_port
+
+
+@pytest.fixture
+def cfg(tmp_path):
+    return config.from_tree({
+        "models": [{"name": "a", "source": "/nonexistent/a"}],
+        "server": {"run_dir": str(tmp_path / "run"), "port": free_port()},
+        "workers": {"devices": "cpu", "cpu_workers": 1, "heartbeat_timeout_s": 1,
+                    "hung_kill_s": 3, "stalled_pass_s": 10}})
+
+
+@pytest.fixture
+def spawn():
+    procs = []
+
+    def start(config_path: str, index: int = 0) -> subprocess.Popen:
+        # Looks like `python -m gpu_workers --config PATH --index I` to /proc/PID/cmdline.
+        proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "-m",
+                                 "gpu_workers", "--config", config_path, "--index", str(index)])
+        procs.append(proc)
+        return proc
+
+    yield start
+    for proc in procs:
+        proc.kill()
+        proc.wait()
+
+
+def beat(pid: int, pass_s: float = 0.0) -> Heartbeat:
+    return Heartbeat(PROTOCOL_VERSION, 0, pid, True, "cpu", (), 0, 10, 0.0, pass_s)
+
+
+def link_of(watchdog: Watchdog, pid: int, last_beat: float):
+    watchdog.heard(0, beat(pid))
+    return SimpleNamespace(index=0, beat=beat(pid), last_beat=last_beat)
+
+
+def killed(proc: subprocess.Popen) -> bool:
+    try:
+        return proc.wait(timeout=5) == -9
+    except subprocess.TimeoutExpired:
+        return False
+
+
+def test_is_worker_reads_the_command_line_supervisord_runs():
+    argv = ["/venv/bin/python", "-m", "gpu_workers", "--config", "/run/config.json",
+            "--index", "1"]
+    assert is_worker(argv, "/run/config.json", 1)
+    assert not is_worker(argv, "/run/config.json", 0)  # another worker of this deployment
+    assert not is_worker(argv, "/other/config.json", 1)  # another deployment's
+    assert not is_worker(["/venv/bin/python", "-m", "frontend", "--config", "/run/config.json",
+                          "--index", "1"], "/run/config.json", 1)
+    assert not is_worker(["gpu_workers", "--config"], "/run/config.json", 1)
+
+
+def test_a_worker_silent_past_hung_kill_s_is_killed_once(cfg, spawn):
+    watchdog = Watchdog(cfg, 0)
+    proc = spawn(watchdog.config_path)
+    now = time.monotonic()
+    link = link_of(watchdog, proc.pid, now)
+    watchdog._awake_since = now - 10  # this frontend has been awake all along
+    watchdog.check(link, now + 2.9)  # silent, but not for hung_kill_s yet
+    assert proc.poll() is None
+    watchdog.check(link, now + 3.1)
+    assert killed(proc)
+    watchdog.check(link, now + 4)  # gone: nothing more to do, and no error
+
+
+def test_a_pid_that_is_not_that_worker_any_more_is_left_alone(cfg, spawn):
+    watchdog = Watchdog(cfg, 0)
+    stranger = spawn("/elsewhere/config.json")  # another deployment's worker
+    other = spawn(watchdog.config_path, index=1)  # another worker of this one
+    same = spawn(watchdog.config_path)
+    now = time.monotonic()
+    watchdog._awake_since = now - 10
+    for proc in (stranger, other):
+        watchdog.check(link_of(watchdog, proc.pid, now), now + 5)
+        assert proc.poll() is None
+    # Worker 0's pid, but a process started after the one that heartbeated (pid reuse).
+    link = link_of(watchdog, same.pid, now)
+    watchdog._starts[0] = (same.pid, watchdog._starts[0][1] - 5)
+    watchdog.check(link, now + 5)
+    assert same.poll() is None
+
+
+def test_a_frontend_that_was_stalled_itself_counts_silence_from_when_it_resumed(cfg, spawn):
+    watchdog = Watchdog(cfg, 0)
+    proc = spawn(watchdog.config_path)
+    now = time.monotonic()
+    link = link_of(watchdog, proc.pid, now)
+    watchdog.tick(now)
+    watchdog.tick(now + 20)  # its own loop was 20 s late: it heard nothing, nobody was silent
+    watchdog.check(link, now + 20)
+    assert proc.poll() is None
+    watchdog.tick(now + 20.5)
+    watchdog.check(link, now + 23.5)  # 3.5 s of silence while it was awake
+    assert killed(proc)
+
+
+def test_hung_kill_s_0_never_kills(cfg, spawn):
+    cfg = dataclasses.replace(cfg, workers=dataclasses.replace(cfg.workers, hung_kill_s=0))
+    watchdog = Watchdog(cfg, 0)
+    proc = spawn(watchdog.config_path)
+    now = time.monotonic()
+    watchdog._awake_since = now - 1000
+    watchdog.check(link_of(watchdog, proc.pid, now - 1000), now)
+    assert proc.poll() is None
+
+
+def test_a_long_pass_is_reported_as_stalled(cfg):
+    watchdog = Watchdog(cfg, 0)
+    assert not watchdog.stalled(beat(1, pass_s=9.5))
+    assert watchdog.stalled(beat(1, pass_s=10.5))
+
+
+def test_config_keeps_hung_kill_s_over_the_heartbeat_timeout(tmp_path):
+    tree = {"models": [{"name": "a", "source": "/nonexistent/a"}],
+            "server": {"run_dir": str(tmp_path / "run"), "port": free_port()},
+            "workers": {"devices": "cpu", "cpu_workers": 1, "heartbeat_timeout_s": 3}}
+    for value in (0, 3.5):
+        config.from_tree({**tree, "workers": {**tree["workers"], "hung_kill_s": value}})
+    with pytest.raises(config.ConfigError, match="hung_kill_s: 3 must be over"):
+        config.from_tree({**tree, "workers": {**tree["workers"], "hung_kill_s": 3}})
