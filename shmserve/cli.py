@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import json
 import os
 import shutil
 import socket
@@ -223,8 +224,11 @@ def wait_ready(cfg: Config, timeout: float, nginx_log_start: int = 0) -> int:
     frontends = [str(topology.frontend_socket(cfg, i)) for i in range(cfg.frontends.count)]
     deadline = time.monotonic() + timeout
     bind_error = None
+    watch = processes.StartWatch()
     while True:
-        fatal = [p["name"] for p in process_info(cfg) if p["statename"] == "FATAL"]
+        infos = process_info(cfg)
+        fatal = [p["name"] for p in infos if p["statename"] == "FATAL"]
+        looping = watch.see(infos)
         bind_error = nginx_bind_error(cfg, nginx_log_start)
         if bind_error is not None:
             break
@@ -232,9 +236,13 @@ def wait_ready(cfg: Config, timeout: float, nginx_log_start: int = 0) -> int:
         if code == 200 and all(remote.http_unix(path, "/ready") == 200 for path in frontends):
             print(f"shmserve: ready at {remote.base_url(cfg)}")
             return 0
-        if fatal or time.monotonic() > deadline:
+        if fatal or looping or time.monotonic() > deadline:
             break
         time.sleep(0.5)
+    if looping and not fatal and bind_error is None:
+        print(f"shmserve: {restart_loop(cfg, looping, watch.pids[looping])}; "
+              "then `shmserve down` and `shmserve up`", file=sys.stderr)
+        return 1
     print_log_tails(cfg)
     if bind_error is not None:
         why = (f"nginx cannot listen on {cfg.server.host}:{cfg.server.port} ({bind_error}); "
@@ -288,6 +296,37 @@ def print_log_tails(cfg: Config) -> None:
         print(f"--- {log} (last {len(lines)} lines)", file=sys.stderr)
         for line in lines:
             print(line, file=sys.stderr)
+
+
+def restart_loop(cfg: Config, program: str, pids: list[int]) -> str:
+    """Show the end of the log of a program that keeps exiting while it starts (its error:
+    a model that cannot load, a device it cannot use); return what to say about it."""
+    log = topology.log_dir(cfg) / f"{program}.log"
+    try:
+        lines = log.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
+    except OSError:
+        lines = []
+    print(f"--- {log} (last {len(lines)} lines)", file=sys.stderr)
+    for line in lines:
+        print(line, file=sys.stderr)
+    error = last_error(lines)
+    return (f"{program} keeps exiting before it is ready (started {len(pids)} times, pids "
+            f"{', '.join(map(str, pids))}){f': {error}' if error else ''}; fix what the end "
+            f"of {log} above says")
+
+
+def last_error(lines: list[str]) -> str:
+    """The last error in a program's log lines: the last line of a JSON line's exception (the
+    exception itself), or its message; in a text log, the last line (a traceback's last)."""
+    for line in reversed(lines):
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(entry, dict) and entry.get("level") in ("error", "critical"):
+            exception = str(entry.get("exception") or "").strip()
+            return exception.splitlines()[-1] if exception else str(entry.get("message", ""))
+    return next((line.strip() for line in reversed(lines) if line.strip()), "")
 
 
 def ready_url(cfg: Config) -> str:

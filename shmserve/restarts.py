@@ -10,7 +10,7 @@ import sys
 import time
 
 from shmserve import processes, remote, topology
-from shmserve.cli import CliError, ctl_argv, print_log_tails, process_info
+from shmserve.cli import CliError, ctl_argv, print_log_tails, process_info, restart_loop
 from shmserve.config import Config
 
 GROUPS = {"frontends": "frontends:*", "workers": "workers:*", "nginx": "nginx"}
@@ -81,8 +81,13 @@ def restart_one(cfg: Config, group: str, program: str, timeout: float) -> None:
         ready = lambda: all(worker_ready(path, index, pid) for path in frontends)  # noqa: E731
     print(f"shmserve: restarted {program} (pid {pid}); waiting until it is ready", flush=True)
     deadline = time.monotonic() + timeout
+    watch = processes.StartWatch()
     while not ready():
-        states = {p["name"]: p["statename"] for p in process_info(cfg)}
+        infos = process_info(cfg)
+        if watch.see([p for p in infos if p["name"] == program]):
+            raise CliError(f"{restart_loop(cfg, program, watch.pids[program])}; the rest of "
+                           f"{group} was left as it is")
+        states = {p["name"]: p["statename"] for p in infos}
         if states.get(program) in ("FATAL", "BACKOFF", "EXITED") or time.monotonic() > deadline:
             print_log_tails(cfg)
             raise CliError(f"{program} not ready ({states.get(program)}) after restarting; "

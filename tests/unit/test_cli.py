@@ -252,3 +252,23 @@ def test_nginx_bind_error_is_read_from_this_starts_lines(deployment):
 def test_a_restart_that_leaves_a_gap_says_so(group, name, programs, all_at_once, gap):
     warning = restarts.restart_gap(group, name, programs, all_at_once)
     assert (warning is None) if gap is None else warning.startswith(gap)
+
+
+def test_a_program_that_keeps_getting_new_pids_is_named_at_its_third():
+    watch = processes.StartWatch()
+    assert watch.see([{"name": "worker-0", "pid": 10}, {"name": "frontend-0", "pid": 20}]) is None
+    assert watch.see([{"name": "worker-0", "pid": 0}, {"name": "frontend-0", "pid": 20}]) is None
+    assert watch.see([{"name": "worker-0", "pid": 11}, {"name": "frontend-0", "pid": 20}]) is None
+    assert watch.see([{"name": "worker-0", "pid": 12}, {"name": "frontend-0", "pid": 20}]) == \
+        "worker-0"
+    assert watch.pids == {"worker-0": [10, 11, 12], "frontend-0": [20]}
+
+
+def test_the_last_error_of_a_log_is_its_exception():
+    failed = json.dumps({"level": "error", "message": "worker.failed",
+                         "exception": "Traceback ...\n  File x\nValueError: bad header"})
+    assert cli.last_error(["not json", failed, json.dumps({"level": "info"})]) == \
+        "ValueError: bad header"
+    assert cli.last_error([json.dumps({"level": "error", "message": "no device"})]) == "no device"
+    assert cli.last_error(["Traceback", "  File x", "OSError: gone", ""]) == "OSError: gone"
+    assert cli.last_error([]) == ""
