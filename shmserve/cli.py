@@ -115,7 +115,8 @@ def up(args: argparse.Namespace) -> int:
     pid = supervisord_pid(cfg)
     if pid is not None:
         raise CliError(f"already running (supervisord pid {pid}, run_dir {cfg.run_dir}); "
-                       "`shmserve down` first, or `shmserve restart` a group")
+                       "`shmserve down` first (`up` then applies the config as it loads now; "
+                       "`restart` keeps the running one)")
     if args.wait and args.foreground:
         raise CliError("--wait and --foreground exclude each other")
     try:

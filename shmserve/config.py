@@ -392,6 +392,32 @@ def _check_models(cfg: Config) -> None:
             raise ConfigError(f"{key}.variants: the weights must not all be 0")
 
 
+# Keys whose values are credentials: `shmserve config` and config differences hide them.
+SECRET_KEYS = ("admin.token", "auth.api_keys")
+
+
+def flat(cfg: Config) -> dict[str, Any]:
+    """Every key of a config by its dotted path (lists are single values: models, devices)."""
+    out: dict[str, Any] = {}
+
+    def walk(node: Any, path: str) -> None:
+        if isinstance(node, dict):
+            for key, value in node.items():
+                walk(value, f"{path}.{key}" if path else key)
+        else:
+            out[path] = node
+    walk(dataclasses.asdict(cfg), "")
+    return out
+
+
+def differences(old: Config, new: Config) -> list[str]:
+    """The keys whose values differ, as `key: old -> new` (secrets: `key: changed`)."""
+    a, b = flat(old), flat(new)
+    return [f"{key}: changed" if key in SECRET_KEYS else
+            f"{key}: {json.dumps(a.get(key))} -> {json.dumps(b.get(key))}"
+            for key in sorted(a.keys() | b.keys()) if a.get(key) != b.get(key)]
+
+
 def from_args(args) -> Config:
     """The config a command line names with ``--env`` and ``--config`` (shmserve.cli)."""
     return load(env=args.env, extra=args.config)

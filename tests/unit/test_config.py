@@ -233,3 +233,12 @@ def test_the_gpu_overlay_loads_with_gpu_sized_passes():
                       environ={})
     assert (cfg.batching.max_batch_size, cfg.batching.max_batch_tokens) == (256, 32768)
     assert cfg.workers.devices == "auto" and cfg.frontends.count == 8
+
+
+def test_differences_name_the_keys_and_hide_secrets():
+    old = config.load(environ={"SHMSERVE_ENV": "test"})
+    new = config.load(environ={"SHMSERVE_ENV": "test", "SHMSERVE__FRONTENDS__COUNT": "5",
+                               "SHMSERVE__ADMIN__TOKEN": "s3cret-token-value"})
+    assert config.differences(old, old) == []
+    changed = config.differences(old, new)
+    assert changed == ["admin.token: changed", f"frontends.count: {old.frontends.count} -> 5"]
