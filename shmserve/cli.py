@@ -168,9 +168,17 @@ def down(args: argparse.Namespace) -> int:
 
 
 def status(args: argparse.Namespace) -> int:
-    """0: every process runs and GET /ready says ready; 1: not so; 3: not running at all."""
+    """0: every process runs and GET /ready says ready; 1: not so (or supervisord is gone but
+    processes it started live on); 3: not running at all."""
     cfg = processes.deployment(args)
     if supervisord_pid(cfg) is None:
+        left = leftovers(cfg)
+        if left:
+            print(f"shmserve: supervisord is not running (run_dir {cfg.run_dir}; killed?), but "
+                  f"processes it started live on, unsupervised and maybe still serving on "
+                  f"{cfg.server.host}:{cfg.server.port}: pids {', '.join(map(str, left))}; "
+                  "`shmserve down` stops them, `shmserve up` replaces them")
+            return 1
         print(f"shmserve: not running (run_dir {cfg.run_dir})")
         return 3
     if args.watch is not None and args.watch <= 0:
@@ -187,6 +195,13 @@ def status(args: argparse.Namespace) -> int:
         return 0
     running = all(p["statename"] == "RUNNING" for p in last.processes)
     return 0 if running and last.ready_code == 200 else 1
+
+
+def leftovers(cfg: Config) -> list[int]:
+    """Processes a dead supervisord left running: its programs (processes.orphans) and nginx,
+    found by its config (what `up` and `down` kill)."""
+    nginx = nginxrun.find(render.nginx_conf(cfg)) if render.nginx_conf(cfg).exists() else []
+    return sorted(set(processes.orphans(cfg)) | set(nginx))
 
 
 def ctl(args: argparse.Namespace) -> int:

@@ -98,6 +98,21 @@ def test_status_when_not_running_exits_3(deployment, capsys):
     assert str(deployment.run_dir) in capsys.readouterr().out
 
 
+def test_status_names_what_a_dead_supervisord_left_running(deployment, capsys):
+    env = {**os.environ, "SHMSERVE_RUN_DIR": str(deployment.run_dir)}  # as supervisord sets
+    left = subprocess.Popen(["sleep", "300"], env=env)
+    try:
+        wait_until(lambda: left.pid in processes.orphans(deployment))
+        assert cli.main(["status"]) == 1
+        out = capsys.readouterr().out
+        assert "supervisord is not running" in out and str(left.pid) in out
+        assert "`shmserve down` stops them" in out
+    finally:
+        left.kill()
+        left.wait()
+    assert cli.main(["status"]) == 3
+
+
 def test_up_refuses_while_this_deployments_supervisord_runs(deployment, capsys):
     pidfile = render.supervisord_pidfile(deployment)
     pidfile.parent.mkdir(parents=True)
