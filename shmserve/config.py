@@ -275,6 +275,7 @@ def from_tree(tree: Mapping[str, Any]) -> Config:
     workers, threads = cpu_layout(cfg.workers.cpu_workers, cfg.workers.torch_threads)
     cfg = dataclasses.replace(cfg, workers=dataclasses.replace(
         cfg.workers, cpu_workers=workers, torch_threads=threads))
+    _check_run_dir(cfg)
     _check_models(cfg)
     api_keys(cfg)  # a key file that cannot be read, or a malformed key, stops start-up here
     for key, value in (("admin.reload_timeout_s", cfg.admin.reload_timeout_s),
@@ -348,6 +349,18 @@ def api_keys(cfg: Config) -> tuple[str, ...]:
                                   "printable characters without spaces")
         keys += found
     return tuple(keys)
+
+
+def _check_run_dir(cfg: Config) -> None:
+    """The run directory is rendered into and made private (0700): never the repository root
+    (its templates, supervisord.conf and nginx/nginx.conf, would be overwritten) nor a folder
+    above it."""
+    run_dir, root = cfg.run_dir.resolve(), REPO_ROOT.resolve()
+    if run_dir == root or run_dir in root.parents:
+        raise ConfigError(f"server.run_dir: {cfg.server.run_dir!r} is {run_dir}, the repository "
+                          "root or a folder above it, where rendering would overwrite the "
+                          "templates (supervisord.conf, nginx/nginx.conf) and make it private "
+                          "(0700); choose a directory of its own, such as run")
 
 
 def _check_models(cfg: Config) -> None:

@@ -242,3 +242,10 @@ def test_differences_name_the_keys_and_hide_secrets():
     assert config.differences(old, old) == []
     changed = config.differences(old, new)
     assert changed == ["admin.token: changed", f"frontends.count: {old.frontends.count} -> 5"]
+
+
+@pytest.mark.parametrize("run_dir", ["", ".", "..", "configs/..", str(layers.REPO_ROOT), "/"])
+def test_a_run_dir_over_the_repository_is_refused(run_dir):
+    with pytest.raises(ConfigError, match=r"server.run_dir: .* the repository root"):
+        config.load(environ={"SHMSERVE_ENV": "test", "SHMSERVE__SERVER__RUN_DIR": run_dir})
+    config.load(environ={"SHMSERVE_ENV": "test", "SHMSERVE__SERVER__RUN_DIR": "run/sub"})
