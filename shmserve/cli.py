@@ -5,7 +5,7 @@
     shmserve status [--watch [S]] [--count N]            processes, workers, throughput, memory
     shmserve restart frontends|workers|nginx|PROGRAM [--all-at-once]   rolling, no request lost
     shmserve ctl ARGS...                                 supervisorctl with this deployment's -c
-    shmserve config                                      the resolved config as JSON
+    shmserve config [--show-secrets]                     the resolved config as JSON
     shmserve models                                      GET /admin/models
     shmserve reload NAME [SOURCE] [--revision R] [--variant V]   hot reload a model
     shmserve split NAME VARIANT=WEIGHT...                A/B weights of a model
@@ -93,7 +93,10 @@ def _parser() -> argparse.ArgumentParser:
                              "program to be ready (default: workers.ready_timeout_s)")
     ctl_cmd = command("ctl", ctl, "run supervisorctl against this deployment")
     ctl_cmd.add_argument("ctl_args", nargs=argparse.REMAINDER, metavar="ARGS")
-    command("config", show_config, "print the resolved config as JSON")
+    config_cmd = command("config", show_config, "print the resolved config as JSON, its "
+                         "credentials (admin.token, auth.api_keys) as ***")
+    config_cmd.add_argument("--show-secrets", action="store_true",
+                            help="print admin.token and auth.api_keys in clear")
     command("models", remote.list_models, "each model's revision and loading state per worker "
             "(GET /admin/models, with admin.token)")
     reload_cmd = command("reload", remote.reload, "load new weights for a model on every "
@@ -226,7 +229,8 @@ def deployment_flags(args: argparse.Namespace, argv: list[str]) -> list[str]:
 
 
 def show_config(args: argparse.Namespace) -> int:
-    print(render.resolved(config.from_args(args)).to_json())
+    cfg = render.resolved(config.from_args(args))
+    print((cfg if args.show_secrets else config.redacted(cfg)).to_json())
     return 0
 
 

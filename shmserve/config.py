@@ -409,6 +409,14 @@ def _check_models(cfg: Config) -> None:
 SECRET_KEYS = ("admin.token", "auth.api_keys")
 
 
+def redacted(cfg: Config) -> Config:
+    """The config with its credentials (SECRET_KEYS) shown as *** (an empty one stays empty:
+    whether it is set is worth seeing), for printing."""
+    return dataclasses.replace(
+        cfg, admin=dataclasses.replace(cfg.admin, token="***" if cfg.admin.token else ""),
+        auth=dataclasses.replace(cfg.auth, api_keys=["***"] * len(cfg.auth.api_keys)))
+
+
 def flat(cfg: Config) -> dict[str, Any]:
     """Every key of a config by its dotted path (lists are single values: models, devices)."""
     out: dict[str, Any] = {}

@@ -41,6 +41,20 @@ def test_config_prints_the_resolved_config(deployment, capsys):
     assert printed["workers"]["devices"] == "cpu" and printed["workers"]["cpu_workers"] == 2
 
 
+def test_config_hides_credentials_unless_asked(deployment, monkeypatch, capsys):
+    monkeypatch.setenv("SHMSERVE__ADMIN__TOKEN", "admin-secret-1234")
+    monkeypatch.setenv("SHMSERVE__AUTH__API_KEYS", '["key-secret-1234", "key-secret-5678"]')
+    assert cli.main(["config"]) == 0
+    out = capsys.readouterr().out
+    assert "secret" not in out
+    printed = json.loads(out)
+    assert printed["admin"]["token"] == "***" and printed["auth"]["api_keys"] == ["***"] * 2
+    assert cli.main(["config", "--show-secrets"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["admin"]["token"] == "admin-secret-1234"
+    assert printed["auth"]["api_keys"] == ["key-secret-1234", "key-secret-5678"]
+
+
 def test_an_extra_config_file_selects_the_deployment(deployment, tmp_path, capsys):
     extra = tmp_path / "extra.yaml"
     extra.write_text("frontends:\n  count: 5\n")
