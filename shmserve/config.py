@@ -220,6 +220,21 @@ class Config:
 _CHECKS: dict[str, Check] = {
     "server.port": (lambda v: 1 <= v <= 65535, "a port from 1 to 65535"),
     "server.drain_timeout_s": (lambda v: v >= 0, "a number >= 0"),
+    # Pasted into nginx.conf: nothing but a value may pass (no `;`, no second directive).
+    "server.host": (lambda v: re.fullmatch(r"[A-Za-z0-9.-]{1,253}|[0-9A-Fa-f:.]{2,45}", v)
+                    is not None, "an IPv4 or IPv6 address or a host name"),
+    "nginx.client_max_body_size": (lambda v: re.fullmatch(r"[0-9]{1,9}[kKmMgG]?", v)
+                                   is not None, "a size such as 8m (digits, then k, m or g)"),
+    "nginx.client_header_buffer_size": (lambda v: re.fullmatch(r"[0-9]{1,9}[kKmM]?", v)
+                                        is not None, "a size such as 4k (digits, then k or m)"),
+    "nginx.large_client_header_buffers": (lambda v: re.fullmatch(r"[0-9]{1,4} [0-9]{1,9}[kKmM]?",
+                                          v) is not None, "a count and a size such as 4 16k"),
+    "nginx.worker_connections": (lambda v: v >= 1, "an integer >= 1"),
+    "nginx.client_body_timeout_s": (lambda v: v >= 1, "an integer >= 1"),
+    "nginx.client_header_timeout_s": (lambda v: v >= 1, "an integer >= 1"),
+    "nginx.send_timeout_s": (lambda v: v >= 1, "an integer >= 1"),
+    "nginx.proxy_read_timeout_s": (lambda v: v >= 1, "an integer >= 1"),
+    "nginx.upstream_keepalive": (lambda v: v >= 1, "an integer >= 1"),
     "nginx.worker_processes": (lambda v: v >= 1, "an integer >= 1"),
     "frontends.count": (lambda v: 1 <= v <= 64, "an integer from 1 to 64"),
     "frontends.max_inflight": (lambda v: v >= 1, "an integer >= 1"),
@@ -240,6 +255,7 @@ _CHECKS: dict[str, Check] = {
     "workers.queue_texts": (lambda v: v >= 1, "an integer >= 1"),
     "workers.heartbeat_interval_s": (lambda v: v > 0, "a number > 0"),
     "workers.heartbeat_timeout_s": (lambda v: v > 0, "a number > 0"),
+    "workers.ready_timeout_s": (lambda v: v > 0, "a number > 0"),
     "workers.memory_check_batches": (lambda v: v >= 1, "an integer >= 1"),
     "workers.empty_cache_free_below": (lambda v: 0 <= v <= 1, "a number from 0 to 1 (0: never)"),
     "workers.empty_cache_idle_s": (lambda v: v >= 0, "a number >= 0 (0: never)"),
@@ -278,6 +294,11 @@ def from_tree(tree: Mapping[str, Any]) -> Config:
     _check_run_dir(cfg)
     _check_models(cfg)
     api_keys(cfg)  # a key file that cannot be read, or a malformed key, stops start-up here
+    if cfg.workers.heartbeat_timeout_s <= cfg.workers.heartbeat_interval_s:
+        raise ConfigError(f"workers.heartbeat_timeout_s: {cfg.workers.heartbeat_timeout_s:g} "
+                          "must be over workers.heartbeat_interval_s "
+                          f"({cfg.workers.heartbeat_interval_s:g}), or every worker is taken "
+                          "for dead between two heartbeats")
     for key, value in (("admin.reload_timeout_s", cfg.admin.reload_timeout_s),
                        ("frontends.request_timeout_s", cfg.frontends.request_timeout_s)):
         if value >= cfg.nginx.proxy_read_timeout_s:

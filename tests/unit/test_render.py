@@ -217,8 +217,9 @@ def test_a_run_dir_of_another_user_is_refused_and_a_subdirectory_of_it_works():
 
 
 def test_nginx_t_failure_names_the_problem(tmp_path):
-    cfg = make_config(tmp_path / "run", nginx={"client_max_body_size": "eight"})
-    with pytest.raises(render.RenderError, match=r"nginx rejects .*client_max_body_size"):
+    # Well formed (the config checks the form), yet refused by nginx: zero buffers.
+    cfg = make_config(tmp_path / "run", nginx={"large_client_header_buffers": "0 16k"})
+    with pytest.raises(render.RenderError, match=r"nginx rejects .*large_client_header_buffers"):
         render.render(cfg)
 
 
