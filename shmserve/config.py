@@ -155,6 +155,9 @@ class LoggingConfig:
     log_inputs: bool = False
     batch_log: bool = True  # one info line per batch at the workers
     flush_interval_ms: float = 200  # log lines are written out this often; 0: at once
+    # supervisord rotates each program's log (and its own) at this size, keeping this many
+    max_bytes: int = 50 * 1024 * 1024
+    backups: int = 5
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,6 +269,8 @@ _CHECKS: dict[str, Check] = {
     "batching.max_pad_ratio": (lambda v: v >= 1, "a number >= 1"),
     "batching.fair_share_every": (lambda v: v >= 1, "an integer >= 1"),
     "logging.flush_interval_ms": (lambda v: v >= 0, "a number >= 0"),
+    "logging.max_bytes": (lambda v: v >= 1024, "an integer >= 1024 (bytes)"),
+    "logging.backups": (lambda v: 0 <= v <= 1000, "an integer from 0 to 1000"),
     "limits.max_texts_per_request": (lambda v: v >= 1, "an integer >= 1"),
     "limits.max_text_chars": (lambda v: v >= 1, "an integer >= 1"),
     "shm.arena_mb": (lambda v: 1 <= v <= 65536, "an integer from 1 to 65536"),

@@ -170,6 +170,8 @@ def render_supervisord(cfg: Config, nginx: str) -> str:
         "supervisor_socket": str(supervisor_socket(cfg)),
         "minfds": str(_minfds(cfg)),
         "stopwaitsecs": str(stopwaitsecs(cfg)),
+        "log_max_bytes": str(cfg.logging.max_bytes),
+        "log_backups": str(cfg.logging.backups),
         "common_environment": environment({
             "PROMETHEUS_MULTIPROC_DIR": str(topology.metrics_dir(cfg)),
             "HF_HUB_OFFLINE": "1",

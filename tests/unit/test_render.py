@@ -119,6 +119,17 @@ def test_every_program_is_supervised_the_same_way(tmp_path):
         found["nginx"][1].priority
 
 
+def test_log_rotation_is_configured(tmp_path):
+    cfg = make_config(tmp_path / "run", logging={"max_bytes": 1 << 20, "backups": 2})
+    render.render(cfg)
+    for name, (_, p) in programs(cfg).items():
+        assert (p.stdout_logfile_maxbytes, p.stdout_logfile_backups) == (1 << 20, 2), name
+    options = ServerOptions()
+    options.configfile = str(render.supervisord_conf(cfg))
+    options.process_config(do_usage=False)
+    assert (options.logfile_maxbytes, options.logfile_backups) == (1 << 20, 2)
+
+
 def test_nginx_config_names_every_frontend_and_passes_nginx_t(tmp_path):
     cfg = make_config(tmp_path / "run", frontends={"count": 3},
                       nginx={"client_max_body_size": "3m", "upstream_keepalive": 7})
