@@ -125,7 +125,9 @@ class Worker:
         from gpu_workers.model import device_name, pick_device
 
         w = self.cfg.workers
-        self.device = pick_device(w.torch_threads, w.cudnn_attention)
+        device = topology.worker_devices(self.cfg)[self.index]
+        self.device = pick_device(w.torch_threads, w.cudnn_attention,
+                                  gpu="" if device == topology.CPU else device)
         self.slots = Slots(self._build, self._release, self._inbox.put,
                            self.cfg.admin.reload_timeout_s)
         for name, spec in self.specs.items():

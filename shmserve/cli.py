@@ -5,7 +5,7 @@
     shmserve status [--watch [S]] [--count N]            processes, workers, throughput, memory
     shmserve restart frontends|workers|nginx|PROGRAM [--all-at-once]   rolling, no request lost
     shmserve ctl ARGS...                                 supervisorctl with this deployment's -c
-    shmserve config                                      the resolved config as JSON
+    shmserve config [--show-secrets]                     the resolved config as JSON
     shmserve models                                      GET /admin/models
     shmserve reload NAME [SOURCE] [--revision R] [--variant V]   hot reload a model
     shmserve split NAME VARIANT=WEIGHT...                A/B weights of a model
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import json
 import os
 import shutil
 import socket
@@ -92,7 +93,10 @@ def _parser() -> argparse.ArgumentParser:
                              "program to be ready (default: workers.ready_timeout_s)")
     ctl_cmd = command("ctl", ctl, "run supervisorctl against this deployment")
     ctl_cmd.add_argument("ctl_args", nargs=argparse.REMAINDER, metavar="ARGS")
-    command("config", show_config, "print the resolved config as JSON")
+    config_cmd = command("config", show_config, "print the resolved config as JSON, its "
+                         "credentials (admin.token, auth.api_keys) as ***")
+    config_cmd.add_argument("--show-secrets", action="store_true",
+                            help="print admin.token and auth.api_keys in clear")
     command("models", remote.list_models, "each model's revision and loading state per worker "
             "(GET /admin/models, with admin.token)")
     reload_cmd = command("reload", remote.reload, "load new weights for a model on every "
@@ -114,7 +118,8 @@ def up(args: argparse.Namespace) -> int:
     pid = supervisord_pid(cfg)
     if pid is not None:
         raise CliError(f"already running (supervisord pid {pid}, run_dir {cfg.run_dir}); "
-                       "`shmserve down` first, or `shmserve restart` a group")
+                       "`shmserve down` first (`up` then applies the config as it loads now; "
+                       "`restart` keeps the running one)")
     if args.wait and args.foreground:
         raise CliError("--wait and --foreground exclude each other")
     try:
@@ -166,9 +171,17 @@ def down(args: argparse.Namespace) -> int:
 
 
 def status(args: argparse.Namespace) -> int:
-    """0: every process runs and GET /ready says ready; 1: not so; 3: not running at all."""
+    """0: every process runs and GET /ready says ready; 1: not so (or supervisord is gone but
+    processes it started live on); 3: not running at all."""
     cfg = processes.deployment(args)
     if supervisord_pid(cfg) is None:
+        left = leftovers(cfg)
+        if left:
+            print(f"shmserve: supervisord is not running (run_dir {cfg.run_dir}; killed?), but "
+                  f"processes it started live on, unsupervised and maybe still serving on "
+                  f"{cfg.server.host}:{cfg.server.port}: pids {', '.join(map(str, left))}; "
+                  "`shmserve down` stops them, `shmserve up` replaces them")
+            return 1
         print(f"shmserve: not running (run_dir {cfg.run_dir})")
         return 3
     if args.watch is not None and args.watch <= 0:
@@ -185,6 +198,13 @@ def status(args: argparse.Namespace) -> int:
         return 0
     running = all(p["statename"] == "RUNNING" for p in last.processes)
     return 0 if running and last.ready_code == 200 and last.ready.get("status") == "ready" else 1
+
+
+def leftovers(cfg: Config) -> list[int]:
+    """Processes a dead supervisord left running: its programs (processes.orphans) and nginx,
+    found by its config (what `up` and `down` kill)."""
+    nginx = nginxrun.find(render.nginx_conf(cfg)) if render.nginx_conf(cfg).exists() else []
+    return sorted(set(processes.orphans(cfg)) | set(nginx))
 
 
 def ctl(args: argparse.Namespace) -> int:
@@ -209,7 +229,8 @@ def deployment_flags(args: argparse.Namespace, argv: list[str]) -> list[str]:
 
 
 def show_config(args: argparse.Namespace) -> int:
-    print(render.resolved(config.from_args(args)).to_json())
+    cfg = render.resolved(config.from_args(args))
+    print((cfg if args.show_secrets else config.redacted(cfg)).to_json())
     return 0
 
 
@@ -223,8 +244,11 @@ def wait_ready(cfg: Config, timeout: float, nginx_log_start: int = 0) -> int:
     frontends = [str(topology.frontend_socket(cfg, i)) for i in range(cfg.frontends.count)]
     deadline = time.monotonic() + timeout
     bind_error = None
+    watch = processes.StartWatch()
     while True:
-        fatal = [p["name"] for p in process_info(cfg) if p["statename"] == "FATAL"]
+        infos = process_info(cfg)
+        fatal = [p["name"] for p in infos if p["statename"] == "FATAL"]
+        looping = watch.see(infos)
         bind_error = nginx_bind_error(cfg, nginx_log_start)
         if bind_error is not None:
             break
@@ -232,9 +256,13 @@ def wait_ready(cfg: Config, timeout: float, nginx_log_start: int = 0) -> int:
         if code == 200 and all(remote.http_unix(path, "/ready") == 200 for path in frontends):
             print(f"shmserve: ready at {remote.base_url(cfg)}")
             return 0
-        if fatal or time.monotonic() > deadline:
+        if fatal or looping or time.monotonic() > deadline:
             break
         time.sleep(0.5)
+    if looping and not fatal and bind_error is None:
+        print(f"shmserve: {restart_loop(cfg, looping, watch.pids[looping])}; "
+              "then `shmserve down` and `shmserve up`", file=sys.stderr)
+        return 1
     print_log_tails(cfg)
     if bind_error is not None:
         why = (f"nginx cannot listen on {cfg.server.host}:{cfg.server.port} ({bind_error}); "
@@ -288,6 +316,37 @@ def print_log_tails(cfg: Config) -> None:
         print(f"--- {log} (last {len(lines)} lines)", file=sys.stderr)
         for line in lines:
             print(line, file=sys.stderr)
+
+
+def restart_loop(cfg: Config, program: str, pids: list[int]) -> str:
+    """Show the end of the log of a program that keeps exiting while it starts (its error:
+    a model that cannot load, a device it cannot use); return what to say about it."""
+    log = topology.log_dir(cfg) / f"{program}.log"
+    try:
+        lines = log.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
+    except OSError:
+        lines = []
+    print(f"--- {log} (last {len(lines)} lines)", file=sys.stderr)
+    for line in lines:
+        print(line, file=sys.stderr)
+    error = last_error(lines)
+    return (f"{program} keeps exiting before it is ready (started {len(pids)} times, pids "
+            f"{', '.join(map(str, pids))}){f': {error}' if error else ''}; fix what the end "
+            f"of {log} above says")
+
+
+def last_error(lines: list[str]) -> str:
+    """The last error in a program's log lines: the last line of a JSON line's exception (the
+    exception itself), or its message; in a text log, the last line (a traceback's last)."""
+    for line in reversed(lines):
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(entry, dict) and entry.get("level") in ("error", "critical"):
+            exception = str(entry.get("exception") or "").strip()
+            return exception.splitlines()[-1] if exception else str(entry.get("message", ""))
+    return next((line.strip() for line in reversed(lines) if line.strip()), "")
 
 
 def ready_url(cfg: Config) -> str:

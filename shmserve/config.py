@@ -161,6 +161,9 @@ class LoggingConfig:
     log_inputs: bool = False
     batch_log: bool = True  # one info line per batch at the workers
     flush_interval_ms: float = 200  # log lines are written out this often; 0: at once
+    # supervisord rotates each program's log (and its own) at this size, keeping this many
+    max_bytes: int = 50 * 1024 * 1024
+    backups: int = 5
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,6 +229,21 @@ class Config:
 _CHECKS: dict[str, Check] = {
     "server.port": (lambda v: 1 <= v <= 65535, "a port from 1 to 65535"),
     "server.drain_timeout_s": (lambda v: v >= 0, "a number >= 0"),
+    # Pasted into nginx.conf: nothing but a value may pass (no `;`, no second directive).
+    "server.host": (lambda v: re.fullmatch(r"[A-Za-z0-9.-]{1,253}|[0-9A-Fa-f:.]{2,45}", v)
+                    is not None, "an IPv4 or IPv6 address or a host name"),
+    "nginx.client_max_body_size": (lambda v: re.fullmatch(r"[0-9]{1,9}[kKmMgG]?", v)
+                                   is not None, "a size such as 8m (digits, then k, m or g)"),
+    "nginx.client_header_buffer_size": (lambda v: re.fullmatch(r"[0-9]{1,9}[kKmM]?", v)
+                                        is not None, "a size such as 4k (digits, then k or m)"),
+    "nginx.large_client_header_buffers": (lambda v: re.fullmatch(r"[0-9]{1,4} [0-9]{1,9}[kKmM]?",
+                                          v) is not None, "a count and a size such as 4 16k"),
+    "nginx.worker_connections": (lambda v: v >= 1, "an integer >= 1"),
+    "nginx.client_body_timeout_s": (lambda v: v >= 1, "an integer >= 1"),
+    "nginx.client_header_timeout_s": (lambda v: v >= 1, "an integer >= 1"),
+    "nginx.send_timeout_s": (lambda v: v >= 1, "an integer >= 1"),
+    "nginx.proxy_read_timeout_s": (lambda v: v >= 1, "an integer >= 1"),
+    "nginx.upstream_keepalive": (lambda v: v >= 1, "an integer >= 1"),
     "nginx.worker_processes": (lambda v: v >= 1, "an integer >= 1"),
     "frontends.count": (lambda v: 1 <= v <= 64, "an integer from 1 to 64"),
     "frontends.max_inflight": (lambda v: v >= 1, "an integer >= 1"),
@@ -248,6 +266,7 @@ _CHECKS: dict[str, Check] = {
     "workers.heartbeat_timeout_s": (lambda v: v > 0, "a number > 0"),
     "workers.hung_kill_s": (lambda v: v >= 0, "a number >= 0 (0: never)"),
     "workers.stalled_pass_s": (lambda v: v >= 0, "a number >= 0 (0: never)"),
+    "workers.ready_timeout_s": (lambda v: v > 0, "a number > 0"),
     "workers.memory_check_batches": (lambda v: v >= 1, "an integer >= 1"),
     "workers.empty_cache_free_below": (lambda v: 0 <= v <= 1, "a number from 0 to 1 (0: never)"),
     "workers.empty_cache_idle_s": (lambda v: v >= 0, "a number >= 0 (0: never)"),
@@ -258,6 +277,8 @@ _CHECKS: dict[str, Check] = {
     "batching.max_pad_ratio": (lambda v: v >= 1, "a number >= 1"),
     "batching.fair_share_every": (lambda v: v >= 1, "an integer >= 1"),
     "logging.flush_interval_ms": (lambda v: v >= 0, "a number >= 0"),
+    "logging.max_bytes": (lambda v: v >= 1024, "an integer >= 1024 (bytes)"),
+    "logging.backups": (lambda v: 0 <= v <= 1000, "an integer from 0 to 1000"),
     "limits.max_texts_per_request": (lambda v: v >= 1, "an integer >= 1"),
     "limits.max_text_chars": (lambda v: v >= 1, "an integer >= 1"),
     "shm.arena_mb": (lambda v: 1 <= v <= 65536, "an integer from 1 to 65536"),
@@ -283,12 +304,18 @@ def from_tree(tree: Mapping[str, Any]) -> Config:
     workers, threads = cpu_layout(cfg.workers.cpu_workers, cfg.workers.torch_threads)
     cfg = dataclasses.replace(cfg, workers=dataclasses.replace(
         cfg.workers, cpu_workers=workers, torch_threads=threads))
+    _check_run_dir(cfg)
     _check_models(cfg)
     api_keys(cfg)  # a key file that cannot be read, or a malformed key, stops start-up here
     if 0 < cfg.workers.hung_kill_s <= cfg.workers.heartbeat_timeout_s:
         raise ConfigError(f"workers.hung_kill_s: {cfg.workers.hung_kill_s:g} must be over "
                           f"workers.heartbeat_timeout_s ({cfg.workers.heartbeat_timeout_s:g}), "
                           "or 0 (never)")
+    if cfg.workers.heartbeat_timeout_s <= cfg.workers.heartbeat_interval_s:
+        raise ConfigError(f"workers.heartbeat_timeout_s: {cfg.workers.heartbeat_timeout_s:g} "
+                          "must be over workers.heartbeat_interval_s "
+                          f"({cfg.workers.heartbeat_interval_s:g}), or every worker is taken "
+                          "for dead between two heartbeats")
     for key, value in (("admin.reload_timeout_s", cfg.admin.reload_timeout_s),
                        ("frontends.request_timeout_s", cfg.frontends.request_timeout_s)):
         if value >= cfg.nginx.proxy_read_timeout_s:
@@ -362,6 +389,18 @@ def api_keys(cfg: Config) -> tuple[str, ...]:
     return tuple(keys)
 
 
+def _check_run_dir(cfg: Config) -> None:
+    """The run directory is rendered into and made private (0700): never the repository root
+    (its templates, supervisord.conf and nginx/nginx.conf, would be overwritten) nor a folder
+    above it."""
+    run_dir, root = cfg.run_dir.resolve(), REPO_ROOT.resolve()
+    if run_dir == root or run_dir in root.parents:
+        raise ConfigError(f"server.run_dir: {cfg.server.run_dir!r} is {run_dir}, the repository "
+                          "root or a folder above it, where rendering would overwrite the "
+                          "templates (supervisord.conf, nginx/nginx.conf) and make it private "
+                          "(0700); choose a directory of its own, such as run")
+
+
 def _check_models(cfg: Config) -> None:
     """What the types cannot say: names unique, a source or variants, sane A/B arms."""
     if not cfg.models:
@@ -402,6 +441,40 @@ def _check_models(cfg: Config) -> None:
             raise ConfigError(f"{key}.variants: names must differ, got {names}")
         if model.variants and sum(v.weight for v in model.variants) <= 0:
             raise ConfigError(f"{key}.variants: the weights must not all be 0")
+
+
+# Keys whose values are credentials: `shmserve config` and config differences hide them.
+SECRET_KEYS = ("admin.token", "auth.api_keys")
+
+
+def redacted(cfg: Config) -> Config:
+    """The config with its credentials (SECRET_KEYS) shown as *** (an empty one stays empty:
+    whether it is set is worth seeing), for printing."""
+    return dataclasses.replace(
+        cfg, admin=dataclasses.replace(cfg.admin, token="***" if cfg.admin.token else ""),
+        auth=dataclasses.replace(cfg.auth, api_keys=["***"] * len(cfg.auth.api_keys)))
+
+
+def flat(cfg: Config) -> dict[str, Any]:
+    """Every key of a config by its dotted path (lists are single values: models, devices)."""
+    out: dict[str, Any] = {}
+
+    def walk(node: Any, path: str) -> None:
+        if isinstance(node, dict):
+            for key, value in node.items():
+                walk(value, f"{path}.{key}" if path else key)
+        else:
+            out[path] = node
+    walk(dataclasses.asdict(cfg), "")
+    return out
+
+
+def differences(old: Config, new: Config) -> list[str]:
+    """The keys whose values differ, as `key: old -> new` (secrets: `key: changed`)."""
+    a, b = flat(old), flat(new)
+    return [f"{key}: changed" if key in SECRET_KEYS else
+            f"{key}: {json.dumps(a.get(key))} -> {json.dumps(b.get(key))}"
+            for key in sorted(a.keys() | b.keys()) if a.get(key) != b.get(key)]
 
 
 def from_args(args) -> Config:

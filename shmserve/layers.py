@@ -2,7 +2,8 @@
 
 Layers, later wins:
   1. ``configs/base.yaml``
-  2. ``configs/<env>.yaml`` where env comes from ``SHMSERVE_ENV`` (default ``dev``)
+  2. ``configs/<env>.yaml`` where env comes from ``--env``, else ``SHMSERVE_ENV`` (default
+     ``dev``)
   3. optional extra files (``--config PATH`` or ``SHMSERVE_CONFIG``; several joined by ``:``,
      merged in order)
   4. environment variables ``SHMSERVE__SECTION__KEY=value``: the path is the key's path in
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -33,17 +35,37 @@ def merged(env: str | None = None, extra: str | Path | None = None,
            environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     """The four layers above, merged: a plain tree, not yet validated."""
     environ = os.environ if environ is None else environ
+    source = "--env" if env else "SHMSERVE_ENV"
     env = env or environ.get("SHMSERVE_ENV", "dev")
     tree = _read_yaml(CONFIG_DIR / "base.yaml")
     env_file = CONFIG_DIR / f"{env}.yaml"
     if not env_file.is_file():
-        raise ConfigError(f"SHMSERVE_ENV: no config file {env_file}")
+        known = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml") if p.stem != "base")
+        raise ConfigError(f"{source} {env}: no config file {env_file}; one of "
+                          f"{', '.join(known)}")
+    warn_misspelled(environ)
     tree = deep_merge(tree, _read_yaml(env_file))
     extra = extra or environ.get("SHMSERVE_CONFIG")
     for path in str(extra or "").split(os.pathsep):  # several files: "a.yaml:b.yaml", in order
         if path:
             tree = deep_merge(tree, _read_yaml(Path(path)))
     return apply_env_overrides(tree, environ)
+
+
+_warned: set[str] = set()
+
+
+def warn_misspelled(environ: Mapping[str, str]) -> None:
+    """Say once (on stderr) which variables look like overrides but are not read: a key path
+    with `__` after a single-underscore prefix (SHMSERVE_FRONTENDS__COUNT). The prefix's own
+    single-underscore names (SHMSERVE_ENV, SHMSERVE_CONFIG, SHMSERVE_API_KEY) have no `__`."""
+    for name in sorted(environ):
+        if (name.startswith("SHMSERVE") and not name.startswith(ENV_PREFIX)
+                and "__" in name and name not in _warned):
+            _warned.add(name)
+            fixed = ENV_PREFIX + name[len("SHMSERVE"):].lstrip("_")
+            print(f"shmserve: warning: {name} is not read; environment overrides start with "
+                  f"{ENV_PREFIX} (two underscores): {fixed}?", file=sys.stderr, flush=True)
 
 
 def deep_merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:

@@ -30,6 +30,26 @@ def info(cfg: Config) -> list[dict]:
         return []
 
 
+class StartWatch:
+    """The pids each program had while a command waits for it to be ready. A program that
+    exits after supervisord counted it started (startsecs: 1 s, less than a worker's import and
+    model load) is restarted for ever and never goes FATAL; a third pid means it exited twice
+    on its way up, and waiting longer only repeats that."""
+
+    def __init__(self, starts: int = 3) -> None:
+        self.starts = starts
+        self.pids: dict[str, list[int]] = {}
+
+    def see(self, infos: list[dict]) -> str | None:
+        """Note each running program's pid; the first program seen with `starts` pids, if any."""
+        for proc in infos:
+            pids = self.pids.setdefault(proc["name"], [])
+            if proc.get("pid") and proc["pid"] not in pids:
+                pids.append(proc["pid"])
+        return next((name for name, pids in sorted(self.pids.items())
+                     if len(pids) >= self.starts), None)
+
+
 def resident(cfg: Config, infos: list[dict] | None = None) -> dict[str, int]:
     """Resident bytes per program (its process and their children: nginx's workers count as
     nginx), plus supervisord's own; programs that are not running are left out."""

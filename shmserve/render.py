@@ -170,6 +170,8 @@ def render_supervisord(cfg: Config, nginx: str) -> str:
         "supervisor_socket": str(supervisor_socket(cfg)),
         "minfds": str(_minfds(cfg)),
         "stopwaitsecs": str(stopwaitsecs(cfg)),
+        "log_max_bytes": str(cfg.logging.max_bytes),
+        "log_backups": str(cfg.logging.backups),
         "common_environment": environment({
             "PROMETHEUS_MULTIPROC_DIR": str(topology.metrics_dir(cfg)),
             "HF_HUB_OFFLINE": "1",
@@ -303,6 +305,7 @@ def _check_paths(cfg: Config) -> None:
 
 
 def _make_dirs(cfg: Config) -> None:
+    _check_owner(cfg.run_dir)
     try:
         cfg.run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         cfg.run_dir.chmod(0o700)  # mkdir's mode is cut by the umask, ignored for an existing dir
@@ -313,6 +316,21 @@ def _make_dirs(cfg: Config) -> None:
     except OSError as exc:  # a file in the way, no permission, a read-only file system
         raise RenderError(f"server.run_dir: cannot make {exc.filename or cfg.run_dir}: "
                           f"{exc.strerror or exc}") from None
+
+
+def _check_owner(run_dir: Path) -> None:
+    """An existing run directory must be this user's, or it cannot be made private (0700): a
+    volume mounted for it (a Kubernetes emptyDir is root's, group-writable through fsGroup)
+    belongs to someone else. A subdirectory of it, which render makes, is this user's."""
+    try:
+        owner = run_dir.stat().st_uid
+    except OSError:
+        return  # not there yet: mkdir makes it ours (or says why it cannot)
+    if owner != os.geteuid() and os.geteuid() != 0:
+        raise RenderError(f"server.run_dir: {run_dir} belongs to uid {owner}, not to this user "
+                          f"(uid {os.geteuid()}), so it cannot be made private (0700); point "
+                          f"server.run_dir at a subdirectory shmserve makes itself, such as "
+                          f"{run_dir / 'run'}")
 
 
 def _write(path: Path, data: str | bytes) -> None:

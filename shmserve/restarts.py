@@ -9,9 +9,9 @@ import subprocess
 import sys
 import time
 
-from shmserve import processes, remote, topology
-from shmserve.cli import CliError, ctl_argv, print_log_tails, process_info
-from shmserve.config import Config
+from shmserve import config, processes, remote, render, topology
+from shmserve.cli import CliError, ctl_argv, print_log_tails, process_info, restart_loop
+from shmserve.config import Config, ConfigError
 
 GROUPS = {"frontends": "frontends:*", "workers": "workers:*", "nginx": "nginx"}
 
@@ -25,24 +25,46 @@ def restart(args: argparse.Namespace) -> int:
     cfg = processes.deployment(args)
     if processes.supervisord_pid(cfg) is None:
         raise CliError(f"not running (run_dir {cfg.run_dir})")
+    if drift := config_drift(args, cfg):
+        print(f"shmserve: warning: {drift}", file=sys.stderr, flush=True)
     target = restart_target(args.target)
     timeout = args.timeout if args.timeout is not None else cfg.workers.ready_timeout_s
     if target == "nginx" and not args.all_at_once:
         return reload_nginx(cfg)
     group, _, name = target.partition(":")
-    programs = [p["name"] for p in process_info(cfg) if p["group"] == group]
+    infos = process_info(cfg)
+    programs = [p["name"] for p in infos if p["group"] == group]
+    if group in ("frontends", "workers") and name != "*" and name not in programs:
+        raise CliError(f"no program {args.target!r}; this deployment has "
+                       f"{', '.join(programs) or 'none'} in {group}")
+    if not programs:  # neither a group nor a program: supervisorctl would say so twice, exit 1
+        raise CliError(f"no group or program {args.target!r}; restart frontends, workers, "
+                       f"nginx or one of {', '.join(sorted(p['name'] for p in infos))}")
     if warning := restart_gap(group, name, programs, args.all_at_once):
         print(f"shmserve: warning: {warning}", file=sys.stderr, flush=True)
     if args.all_at_once or group not in ("frontends", "workers"):
         return subprocess.run(ctl_argv(cfg, "restart", target), check=False).returncode
     if name != "*":
-        if name not in programs:
-            raise CliError(f"no program {args.target!r}; this deployment has "
-                           f"{', '.join(programs) or 'none'} in {group}")
         programs = [name]
     for program in sorted(programs):
         restart_one(cfg, group, program, timeout)
     return 0
+
+
+def config_drift(args: argparse.Namespace, running: Config) -> str | None:
+    """What differs between the config as it loads now (--env, --config, the environment) and
+    the one the deployment runs, which restart keeps: restarted programs read run/config.json,
+    and counts (frontends, workers) are supervisord's, fixed at `up`."""
+    try:
+        now = render.resolved(config.from_args(args))
+    except ConfigError as exc:
+        return f"the config as it loads now is invalid ({exc}); restarting with the running one"
+    changed = config.differences(render.resolved(running), now)
+    if not changed:
+        return None
+    return (f"the config as it loads now differs from the one this deployment runs "
+            f"({topology.resolved_config_path(running)}): {'; '.join(changed)}. restart keeps "
+            "the running one; to apply the new one: `shmserve down`, then `shmserve up`")
 
 
 def restart_gap(group: str, name: str, programs: list[str], all_at_once: bool) -> str | None:
@@ -81,8 +103,13 @@ def restart_one(cfg: Config, group: str, program: str, timeout: float) -> None:
         ready = lambda: all(worker_ready(path, index, pid) for path in frontends)  # noqa: E731
     print(f"shmserve: restarted {program} (pid {pid}); waiting until it is ready", flush=True)
     deadline = time.monotonic() + timeout
+    watch = processes.StartWatch()
     while not ready():
-        states = {p["name"]: p["statename"] for p in process_info(cfg)}
+        infos = process_info(cfg)
+        if watch.see([p for p in infos if p["name"] == program]):
+            raise CliError(f"{restart_loop(cfg, program, watch.pids[program])}; the rest of "
+                           f"{group} was left as it is")
+        states = {p["name"]: p["statename"] for p in infos}
         if states.get(program) in ("FATAL", "BACKOFF", "EXITED") or time.monotonic() > deadline:
             print_log_tails(cfg)
             raise CliError(f"{program} not ready ({states.get(program)}) after restarting; "
@@ -116,7 +143,9 @@ def reload_nginx(cfg: Config) -> int:
                           capture_output=True, text=True)
     if done.returncode != 0:
         raise CliError(f"supervisorctl signal HUP nginx failed: {done.stdout.strip()}")
-    print("shmserve: nginx reloaded its configuration (graceful: no request dropped)")
+    print("shmserve: nginx reloaded its configuration: requests in flight finish on the old "
+          "nginx workers; their idle keep-alive connections are closed, so a client that sends "
+          "on one at that moment must reconnect (most HTTP clients retry that themselves)")
     return 0
 
 

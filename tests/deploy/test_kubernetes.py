@@ -86,6 +86,11 @@ def test_manifests_agree_with_the_config_the_pods_load(overlay, tmp_path):
     assert dshm["medium"] == "Memory"
     assert size(dshm["sizeLimit"]) >= cfg.frontends.count * cfg.shm.arena_mb * MiB
     assert {"mountPath": "/dev/shm", "name": "dshm"} in main["volumeMounts"]
+    # The run directory is one the pod's user makes inside the run volume, not the volume's
+    # root (kubelet's, which that user cannot make private: render refuses it).
+    mounts = {m["name"]: Path(m["mountPath"]) for m in main["volumeMounts"]}
+    assert "emptyDir" in {v["name"]: v for v in pod["volumes"]}["run"]
+    assert Path(cfg.server.run_dir).parent == mounts["run"]
     # The stop: the preStop sleep, then supervisord's three groups one after another, each
     # within stopwaitsecs (as `shmserve down` waits for them).
     pre_stop = int(main["lifecycle"]["preStop"]["exec"]["command"][1])

@@ -95,10 +95,17 @@ def test_a_sigkilled_supervisord_leaves_nothing_running_after_the_next_up(tmp_pa
     assert processes.orphans(cfg) == []
 
 
+def gpu_visible() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@pytest.mark.skipif(not gpu_visible(), reason="a worker given GPU 0 needs one (without, it "
+                    "refuses: test_a_worker_given_a_gpu_this_machine_lacks_fails_up)")
 def test_per_gpu_runs_that_many_workers_on_one_device_and_routes_to_all(tmp_path, tiny_model):
-    """workers.per_gpu through the real stack. On a machine without a GPU a worker given GPU 0
-    serves on the CPU (gpu_workers.model.pick_device), so the plumbing runs here as on a GPU:
-    two worker programs for device 0, both ready, both given work."""
+    """workers.per_gpu through the real stack: two worker programs for device 0, both ready,
+    both given work."""
     import asyncio
     import json
 
@@ -131,5 +138,57 @@ def test_per_gpu_runs_that_many_workers_on_one_device_and_routes_to_all(tmp_path
                     w = sample.labels["worker"]
                     texts[w] = texts.get(w, 0) + sample.value
         assert texts.get("0", 0) > 0 and texts.get("1", 0) > 0, texts
+    finally:
+        stack.down()
+
+
+def test_a_worker_that_cannot_load_its_model_fails_up_and_restart_fast(tmp_path, tiny_model):
+    """A worker whose weights are broken exits after supervisord counted it started, so it is
+    restarted for ever and never goes FATAL: `restart` and `up --wait` see its pid change and
+    stop waiting, with the error from its log."""
+    import shutil
+    import time
+
+    model = tmp_path / "models" / "tiny"
+    shutil.copytree(tiny_model, model)
+    overrides = tiny_overrides(tiny_model, frontends={"count": 1}, workers={"cpu_workers": 1})
+    overrides["model_roots"] = [str(model.parent)]
+    overrides["models"][0]["source"] = str(model)
+    stack = Stack(tmp_path / "s", overrides)
+    stack.up()
+    try:
+        weights = model / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:2000])  # truncated
+        started = time.monotonic()
+        done = stack.cli("restart", "worker-0", check=False, timeout=200)
+        assert done.returncode == 2, done.stdout + done.stderr
+        assert "worker-0 keeps exiting before it is ready" in done.stderr
+        assert "SafetensorError" in done.stderr.splitlines()[-1]
+        assert time.monotonic() - started < 60
+        stack.down()
+
+        started = time.monotonic()
+        done = stack.cli("up", "--wait", "--timeout", "200", check=False, timeout=250)
+        assert done.returncode == 1, done.stdout + done.stderr
+        last = done.stderr.splitlines()[-1]
+        assert "worker-0 keeps exiting before it is ready" in last and "SafetensorError" in last
+        assert "ready_timeout_s" not in done.stderr
+        assert time.monotonic() - started < 60
+    finally:
+        stack.down()
+
+
+@pytest.mark.skipif(gpu_visible(), reason="this machine has a GPU")
+def test_a_worker_given_a_gpu_this_machine_lacks_fails_up(tmp_path, tiny_model):
+    """workers.devices [0] on a machine without a GPU: the worker refuses to serve on the CPU
+    instead, and `up --wait` says why, naming the key, without waiting out its timeout."""
+    stack = Stack(tmp_path / "s", tiny_overrides(tiny_model, frontends={"count": 1},
+                                                 workers={"devices": [0]}))
+    try:
+        done = stack.cli("up", "--wait", "--timeout", "200", check=False, timeout=250)
+        assert done.returncode == 1, done.stdout + done.stderr
+        last = done.stderr.splitlines()[-1]
+        assert "worker-0 keeps exiting" in last
+        assert "DeviceError: workers.devices: this worker was given GPU 0" in last
     finally:
         stack.down()

@@ -64,6 +64,10 @@ def test_restart_of_one_program_waits_until_it_is_ready(stack):
     assert b'"pid": %d' % after in body or b'"pid":%d' % after in body
     unknown = stack.cli("restart", "worker-7", check=False)
     assert unknown.returncode == 2 and "worker-0, worker-1" in unknown.stderr
+    unknown = stack.cli("restart", "foo", check=False)  # not supervisorctl's error, twice, 1
+    assert unknown.returncode == 2, unknown.stdout + unknown.stderr
+    assert unknown.stderr.count("foo") == 1 and "no group or program 'foo'" in unknown.stderr
+    assert "frontend-0" in unknown.stderr and not unknown.stdout
 
 
 def test_commands_use_the_config_the_deployment_started_with(stack):
@@ -71,6 +75,13 @@ def test_commands_use_the_config_the_deployment_started_with(stack):
     done = stack.cli("status", check=False)
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"127.0.0.1:{stack.port}" in done.stdout
+    # restart keeps the running config, and says what differs and how to apply it.
+    stack.env["SHMSERVE__FRONTENDS__COUNT"] = "3"
+    done = stack.cli("restart", "frontend-0", check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "frontends.count: 2 -> 3" in done.stderr and "server.port" in done.stderr
+    assert "`shmserve down`, then `shmserve up`" in done.stderr
+    assert "frontend-2" not in stack.ctl("status")  # still two
 
 
 def test_up_fails_fast_when_the_port_is_taken(tmp_path, tiny_model):

@@ -293,6 +293,15 @@ def test_a_gpu_worker_sets_cudnn_attention_as_configured(monkeypatch, allowed):
         torch.backends.cuda.enable_cudnn_sdp(before)
 
 
+def test_a_worker_given_a_gpu_it_cannot_see_refuses_instead_of_using_the_cpu(monkeypatch):
+    from gpu_workers.model import DeviceError, pick_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(DeviceError, match=r"workers.devices: this worker was given GPU 3"):
+        pick_device(1, gpu="3")
+    assert pick_device(1) == torch.device("cpu")  # a CPU worker (cpu, or auto without a GPU)
+
+
 @pytest.mark.parametrize("key,task", [("emb", "embedding"), ("ce", "rerank")])
 def test_the_networks_own_forward_on_a_cpu_sees_few_shapes_and_the_same_results(models, key,
                                                                                 task):

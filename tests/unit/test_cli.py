@@ -41,6 +41,20 @@ def test_config_prints_the_resolved_config(deployment, capsys):
     assert printed["workers"]["devices"] == "cpu" and printed["workers"]["cpu_workers"] == 2
 
 
+def test_config_hides_credentials_unless_asked(deployment, monkeypatch, capsys):
+    monkeypatch.setenv("SHMSERVE__ADMIN__TOKEN", "admin-secret-1234")
+    monkeypatch.setenv("SHMSERVE__AUTH__API_KEYS", '["key-secret-1234", "key-secret-5678"]')
+    assert cli.main(["config"]) == 0
+    out = capsys.readouterr().out
+    assert "secret" not in out
+    printed = json.loads(out)
+    assert printed["admin"]["token"] == "***" and printed["auth"]["api_keys"] == ["***"] * 2
+    assert cli.main(["config", "--show-secrets"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["admin"]["token"] == "admin-secret-1234"
+    assert printed["auth"]["api_keys"] == ["key-secret-1234", "key-secret-5678"]
+
+
 def test_an_extra_config_file_selects_the_deployment(deployment, tmp_path, capsys):
     extra = tmp_path / "extra.yaml"
     extra.write_text("frontends:\n  count: 5\n")
@@ -96,6 +110,21 @@ def test_down_when_not_running_still_removes_stale_state(deployment, capsys, mon
 def test_status_when_not_running_exits_3(deployment, capsys):
     assert cli.main(["status"]) == 3
     assert str(deployment.run_dir) in capsys.readouterr().out
+
+
+def test_status_names_what_a_dead_supervisord_left_running(deployment, capsys):
+    env = {**os.environ, "SHMSERVE_RUN_DIR": str(deployment.run_dir)}  # as supervisord sets
+    left = subprocess.Popen(["sleep", "300"], env=env)
+    try:
+        wait_until(lambda: left.pid in processes.orphans(deployment))
+        assert cli.main(["status"]) == 1
+        out = capsys.readouterr().out
+        assert "supervisord is not running" in out and str(left.pid) in out
+        assert "`shmserve down` stops them" in out
+    finally:
+        left.kill()
+        left.wait()
+    assert cli.main(["status"]) == 3
 
 
 def test_up_refuses_while_this_deployments_supervisord_runs(deployment, capsys):
@@ -252,3 +281,23 @@ def test_nginx_bind_error_is_read_from_this_starts_lines(deployment):
 def test_a_restart_that_leaves_a_gap_says_so(group, name, programs, all_at_once, gap):
     warning = restarts.restart_gap(group, name, programs, all_at_once)
     assert (warning is None) if gap is None else warning.startswith(gap)
+
+
+def test_a_program_that_keeps_getting_new_pids_is_named_at_its_third():
+    watch = processes.StartWatch()
+    assert watch.see([{"name": "worker-0", "pid": 10}, {"name": "frontend-0", "pid": 20}]) is None
+    assert watch.see([{"name": "worker-0", "pid": 0}, {"name": "frontend-0", "pid": 20}]) is None
+    assert watch.see([{"name": "worker-0", "pid": 11}, {"name": "frontend-0", "pid": 20}]) is None
+    assert watch.see([{"name": "worker-0", "pid": 12}, {"name": "frontend-0", "pid": 20}]) == \
+        "worker-0"
+    assert watch.pids == {"worker-0": [10, 11, 12], "frontend-0": [20]}
+
+
+def test_the_last_error_of_a_log_is_its_exception():
+    failed = json.dumps({"level": "error", "message": "worker.failed",
+                         "exception": "Traceback ...\n  File x\nValueError: bad header"})
+    assert cli.last_error(["not json", failed, json.dumps({"level": "info"})]) == \
+        "ValueError: bad header"
+    assert cli.last_error([json.dumps({"level": "error", "message": "no device"})]) == "no device"
+    assert cli.last_error(["Traceback", "  File x", "OSError: gone", ""]) == "OSError: gone"
+    assert cli.last_error([]) == ""

@@ -83,6 +83,16 @@ def test_deep_merge_keeps_siblings():
     ("SHMSERVE__AUTH__API_KEYS", '["short"]', "auth.api_keys"),
     ("SHMSERVE__AUTH__API_KEYS", '["has a space"]', "auth.api_keys"),
     ("SHMSERVE__AUTH__API_KEYS_FILE", "/nonexistent/keys", "auth.api_keys_file"),
+    ("SHMSERVE__WORKERS__READY_TIMEOUT_S", "-1", "workers.ready_timeout_s"),
+    ("SHMSERVE__WORKERS__HEARTBEAT_TIMEOUT_S", "0.5", "workers.heartbeat_timeout_s"),
+    ("SHMSERVE__WORKERS__HEARTBEAT_INTERVAL_S", "5", "workers.heartbeat_timeout_s"),
+    ("SHMSERVE__NGINX__CLIENT_MAX_BODY_SIZE", "8m; server_tokens on", "nginx.client_max_body_size"),
+    ("SHMSERVE__NGINX__CLIENT_MAX_BODY_SIZE", "8m\nserver_tokens on", "nginx.client_max_body_size"),
+    ("SHMSERVE__NGINX__CLIENT_HEADER_BUFFER_SIZE", "4k;", "nginx.client_header_buffer_size"),
+    ("SHMSERVE__NGINX__LARGE_CLIENT_HEADER_BUFFERS", "4 16k; x",
+     "nginx.large_client_header_buffers"),
+    ("SHMSERVE__SERVER__HOST", "0.0.0.0:80; listen 81", "server.host"),
+    ("SHMSERVE__SERVER__HOST", "", "server.host"),
 ])
 def test_bad_values_name_the_key(name, value, key):
     with pytest.raises(ConfigError, match=key.replace("[", r"\[").replace("]", r"\]")):
@@ -90,8 +100,11 @@ def test_bad_values_name_the_key(name, value, key):
 
 
 def test_unknown_env_and_bad_yaml(tmp_path):
-    with pytest.raises(ConfigError, match="SHMSERVE_ENV"):
+    with pytest.raises(ConfigError, match=r"^--env nope: no config file .*nope.yaml; one of "
+                                          r"dev, gpu, prod, test$"):
         config.load(env="nope", environ={})
+    with pytest.raises(ConfigError, match="^SHMSERVE_ENV nope: no config file"):
+        config.load(environ={"SHMSERVE_ENV": "nope"})
     bad = tmp_path / "bad.yaml"
     bad.write_text("server: [unclosed\n")
     with pytest.raises(ConfigError, match="invalid YAML"):
@@ -233,3 +246,41 @@ def test_the_gpu_overlay_loads_with_gpu_sized_passes():
                       environ={})
     assert (cfg.batching.max_batch_size, cfg.batching.max_batch_tokens) == (256, 32768)
     assert cfg.workers.devices == "auto" and cfg.frontends.count == 8
+
+
+def test_differences_name_the_keys_and_hide_secrets():
+    old = config.load(environ={"SHMSERVE_ENV": "test"})
+    new = config.load(environ={"SHMSERVE_ENV": "test", "SHMSERVE__FRONTENDS__COUNT": "5",
+                               "SHMSERVE__ADMIN__TOKEN": "s3cret-token-value"})
+    assert config.differences(old, old) == []
+    changed = config.differences(old, new)
+    assert changed == ["admin.token: changed", f"frontends.count: {old.frontends.count} -> 5"]
+
+
+@pytest.mark.parametrize("run_dir", ["", ".", "..", "configs/..", str(layers.REPO_ROOT), "/"])
+def test_a_run_dir_over_the_repository_is_refused(run_dir):
+    with pytest.raises(ConfigError, match=r"server.run_dir: .* the repository root"):
+        config.load(environ={"SHMSERVE_ENV": "test", "SHMSERVE__SERVER__RUN_DIR": run_dir})
+    config.load(environ={"SHMSERVE_ENV": "test", "SHMSERVE__SERVER__RUN_DIR": "run/sub"})
+
+
+def test_good_nginx_values_and_hosts_load():
+    for name, value in (("SHMSERVE__NGINX__CLIENT_MAX_BODY_SIZE", "16M"),
+                        ("SHMSERVE__NGINX__LARGE_CLIENT_HEADER_BUFFERS", "8 32k"),
+                        ("SHMSERVE__SERVER__HOST", '"::"'), ("SHMSERVE__SERVER__HOST", "::1"),
+                        ("SHMSERVE__SERVER__HOST", "0.0.0.0"),
+                        ("SHMSERVE__SERVER__HOST", "serve-1.internal")):
+        config.load(environ={name: value})
+
+
+def test_a_misspelled_override_is_warned_of_once(capsys, monkeypatch):
+    monkeypatch.setattr(layers, "_warned", set())
+    environ = {"SHMSERVE_FRONTENDS__COUNT": "3", "SHMSERVE_ENV": "test",
+               "SHMSERVE_CONFIG": "", "SHMSERVE_API_KEY": "k", "SHMSERVE_RUN_DIR": "/x",
+               "SHMSERVE_BENCH_TEXTS": "9"}
+    cfg = config.load(environ=environ)
+    config.load(environ=environ)
+    assert cfg.frontends.count != 3
+    err = capsys.readouterr().err
+    assert err.count("warning") == 1
+    assert "SHMSERVE_FRONTENDS__COUNT is not read" in err and "SHMSERVE__FRONTENDS__COUNT?" in err

@@ -9,10 +9,13 @@ from __future__ import annotations
 import http.client
 import json
 import math
+import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -116,6 +119,17 @@ def test_every_program_is_supervised_the_same_way(tmp_path):
         found["nginx"][1].priority
 
 
+def test_log_rotation_is_configured(tmp_path):
+    cfg = make_config(tmp_path / "run", logging={"max_bytes": 1 << 20, "backups": 2})
+    render.render(cfg)
+    for name, (_, p) in programs(cfg).items():
+        assert (p.stdout_logfile_maxbytes, p.stdout_logfile_backups) == (1 << 20, 2), name
+    options = ServerOptions()
+    options.configfile = str(render.supervisord_conf(cfg))
+    options.process_config(do_usage=False)
+    assert (options.logfile_maxbytes, options.logfile_backups) == (1 << 20, 2)
+
+
 def test_nginx_config_names_every_frontend_and_passes_nginx_t(tmp_path):
     cfg = make_config(tmp_path / "run", frontends={"count": 3},
                       nginx={"client_max_body_size": "3m", "upstream_keepalive": 7})
@@ -175,9 +189,48 @@ def test_a_run_dir_that_cannot_be_made_names_the_key(tmp_path):
             render.render(make_config(run_dir))
 
 
+def test_a_run_dir_of_another_user_is_refused_and_a_subdirectory_of_it_works():
+    """A Kubernetes emptyDir as the pod's non-root user sees it: root's, group-writable through
+    fsGroup (2777). It cannot be made private, so render says to use a subdirectory; the
+    subdirectory render makes itself is the user's own, 0700."""
+    setpriv = shutil.which("setpriv")
+    if setpriv is None or os.geteuid() != 0:
+        pytest.skip("needs root and setpriv to render as another user")
+    uid = 10001
+    base = Path(tempfile.mkdtemp(prefix="shmserve-owner-"))
+    try:
+        base.chmod(0o755)
+        volume = base / "volume"
+        volume.mkdir()
+        os.chown(volume, 0, uid)
+        volume.chmod(0o2777)
+
+        def render_as_user(run_dir: Path) -> subprocess.CompletedProcess:
+            code = ("from shmserve import config, render; "
+                    "render.render(config.load(environ={'SHMSERVE_ENV': 'dev', "
+                    f"'SHMSERVE__SERVER__RUN_DIR': {str(run_dir)!r}, "
+                    f"'SHMSERVE__SERVER__PORT': '{free_port()}'}}))")
+            return subprocess.run([setpriv, "--reuid", str(uid), "--regid", str(uid),
+                                   "--clear-groups", sys.executable, "-c", code],
+                                  cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+
+        refused = render_as_user(volume)
+        assert refused.returncode != 0
+        assert (f"server.run_dir: {volume} belongs to uid 0" in refused.stderr
+                and f"such as {volume / 'run'}" in refused.stderr), refused.stderr
+        assert volume.stat().st_mode & 0o7777 == 0o2777  # left as it was
+        done = render_as_user(volume / "run")
+        assert done.returncode == 0, done.stderr
+        made = (volume / "run").stat()
+        assert made.st_uid == uid and made.st_mode & 0o777 == 0o700
+    finally:
+        shutil.rmtree(base)
+
+
 def test_nginx_t_failure_names_the_problem(tmp_path):
-    cfg = make_config(tmp_path / "run", nginx={"client_max_body_size": "eight"})
-    with pytest.raises(render.RenderError, match=r"nginx rejects .*client_max_body_size"):
+    # Well formed (the config checks the form), yet refused by nginx: zero buffers.
+    cfg = make_config(tmp_path / "run", nginx={"large_client_header_buffers": "0 16k"})
+    with pytest.raises(render.RenderError, match=r"nginx rejects .*large_client_header_buffers"):
         render.render(cfg)
 
 
