@@ -302,20 +302,25 @@ class DeviceError(RuntimeError):
     """A worker given a GPU cannot use it; the message names workers.devices."""
 
 
-def pick_device(threads: int, cudnn_attention: bool = False, gpu: str = "") -> torch.device:
+def pick_device(threads: int, cudnn_attention: bool = False, gpu: str = "",
+                fallback: bool = False) -> torch.device:
     """The worker's device: the one GPU CUDA_VISIBLE_DEVICES shows it, else the CPU. `gpu`: the
     GPU this worker was given (workers.devices, or `auto` finding one): it must see it, for a
     worker that served on the CPU instead would pass for a GPU deployment at a fraction of its
-    speed. A CPU worker (no `gpu`) has CUDA_VISIBLE_DEVICES empty and gets the CPU."""
+    speed, unless `fallback` (workers.cpu_fallback) asks for the CPU then. A CPU worker (no
+    `gpu`) has CUDA_VISIBLE_DEVICES empty and gets the CPU."""
     if torch.cuda.is_available():
         configure_cuda(cudnn_attention)
         return torch.device("cuda", 0)
     if gpu:
         why = ("this torch is built without CUDA" if torch.version.cuda is None
                else f"CUDA {torch.version.cuda} finds no device (driver, container runtime?)")
-        raise DeviceError(f"workers.devices: this worker was given GPU {gpu}, but {why}; use "
-                          "a machine where `nvidia-smi` shows it, or set workers.devices to "
-                          "auto (the CPU when there is no GPU) or cpu")
+        if not fallback:
+            raise DeviceError(f"workers.devices: this worker was given GPU {gpu}, but {why}; "
+                              "use a machine where `nvidia-smi` shows it, or set "
+                              "workers.devices to auto (the CPU when there is no GPU) or cpu, "
+                              "or workers.cpu_fallback to true")
+        log.warning("worker.cpu_fallback", extra={"fields": {"gpu": gpu, "why": why}})
     torch.set_num_threads(threads)
     torch.set_num_interop_threads(1)
     return torch.device("cpu")

@@ -127,7 +127,8 @@ class Worker:
         w = self.cfg.workers
         device = topology.worker_devices(self.cfg)[self.index]
         self.device = pick_device(w.torch_threads, w.cudnn_attention,
-                                  gpu="" if device == topology.CPU else device)
+                                  gpu="" if device == topology.CPU else device,
+                                  fallback=w.cpu_fallback)
         self.slots = Slots(self._build, self._release, self._inbox.put,
                            self.cfg.admin.reload_timeout_s)
         for name, spec in self.specs.items():

@@ -81,6 +81,9 @@ class WorkerConfig:
     # cuDNN's attention kernels on a GPU: off, as every new (texts, length) shape costs a plan
     # (see gpu_workers.model.configure_cuda)
     cudnn_attention: bool = False
+    # A worker given a GPU that CUDA cannot see serves on the CPU (with a warning) instead of
+    # refusing to start: for trying a GPU config on a machine without one, and the tests
+    cpu_fallback: bool = False
     # CUDA graph shapes a GPU worker records per model (gpu_workers.graphs); 0: no graphs
     cuda_graphs: int = 0
     # How long a worker's model thread may hold the GIL while its socket thread waits, and

@@ -297,9 +297,11 @@ def test_a_worker_given_a_gpu_it_cannot_see_refuses_instead_of_using_the_cpu(mon
     from gpu_workers.model import DeviceError, pick_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch, "set_num_interop_threads", lambda n: None)  # once a process
     with pytest.raises(DeviceError, match=r"workers.devices: this worker was given GPU 3"):
         pick_device(1, gpu="3")
     assert pick_device(1) == torch.device("cpu")  # a CPU worker (cpu, or auto without a GPU)
+    assert pick_device(1, gpu="3", fallback=True) == torch.device("cpu")  # cpu_fallback
 
 
 @pytest.mark.parametrize("key,task", [("emb", "embedding"), ("ce", "rerank")])
