@@ -170,7 +170,8 @@ class Model:
 
     def _bucketed(self, ids, mask, lens, types):
         """A group padded to one of a few shapes (packed.group_shape); the rows added hold one
-        padding token each (a row with nothing to attend to could give NaN), and are dropped after."""
+        padding token each (a row with nothing to attend to could give NaN), and are dropped
+        after."""
         texts, width = ids.shape
         rows, cols = packed.group_shape(texts, width, self.max_tokens)
         if (rows, cols) == (texts, width):
