@@ -330,7 +330,8 @@ def restart_loop(cfg: Config, program: str, pids: list[int]) -> str:
     for line in lines:
         print(line, file=sys.stderr)
     error = last_error(lines)
-    return (f"{program} keeps exiting before it is ready (started {len(pids)} times, pids "
+    return (f"{program} exits before it is ready (started {len(pids)} "
+            f"time{'s' if len(pids) > 1 else ''}, pid{'s' if len(pids) > 1 else ''} "
             f"{', '.join(map(str, pids))}){f': {error}' if error else ''}; fix what the end "
             f"of {log} above says")
 

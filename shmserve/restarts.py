@@ -110,7 +110,10 @@ def restart_one(cfg: Config, group: str, program: str, timeout: float) -> None:
             raise CliError(f"{restart_loop(cfg, program, watch.pids[program])}; the rest of "
                            f"{group} was left as it is")
         states = {p["name"]: p["statename"] for p in infos}
-        if states.get(program) in ("FATAL", "BACKOFF", "EXITED") or time.monotonic() > deadline:
+        if states.get(program) in ("FATAL", "BACKOFF", "EXITED"):  # it exited: say why
+            raise CliError(f"{restart_loop(cfg, program, watch.pids.get(program) or [pid])}; "
+                           f"the rest of {group} was left as it is")
+        if time.monotonic() > deadline:
             print_log_tails(cfg)
             raise CliError(f"{program} not ready ({states.get(program)}) after restarting; "
                            f"the rest of {group} was left as it is; logs in "

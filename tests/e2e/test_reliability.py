@@ -49,7 +49,8 @@ def queued_texts(stack: Stack) -> int:
 def test_client_disconnect_aborts_queued_work(tmp_path, slow_model):
     stack = slow_stack(tmp_path / "s", slow_model, frontends={"count": 1},
                        batching={"max_batch_size": 1},
-                       workers={"heartbeat_timeout_s": 60, "torch_threads": 1})
+                       workers={"heartbeat_timeout_s": 60, "hung_kill_s": 120,
+                                "torch_threads": 1})
     stack.up()
     try:
         results = {}
