@@ -160,6 +160,13 @@ def test_kserve_classification_and_rerank_tensors(stack, dirs):
     import tritonclient.http as triton
 
     client = triton.InferenceServerClient(stack.url.removeprefix("http://"))
+    config = client.get_model_config("clf")
+    assert (config["max_batch_size"], config["output"]) == (64, [
+        {"name": "probabilities", "data_type": "TYPE_FP32", "dims": [3]}])
+    assert json.loads(config["parameters"]["labels"]["string_value"]) == LABELS
+    config = client.get_model_config("ce")  # one query for all texts: not batched
+    assert config["max_batch_size"] == 0 and [(t["name"], t["dims"]) for t in config["input"]] \
+        == [("query", [1]), ("text", [-1])] and config["output"][0]["dims"] == [-1]
     meta = client.get_model_metadata("clf")
     assert meta["outputs"] == [{"name": "probabilities", "datatype": "FP32", "shape": [-1, 3]}]
     assert meta["parameters"]["labels"] == LABELS
