@@ -104,3 +104,10 @@ def test_tokenize_gives_offsets_and_special_masks(spec):
     assert enc.tokens[0] == "[CLS]" and enc.special_tokens_mask[0] == 1
     (bare,) = TextEncoder(spec, truncate=True).tokenize(["héllo world"], False)
     assert 101 not in bare.ids
+
+
+def test_an_escaped_nul_is_dropped_by_berts_normalizer(spec):
+    # As README's "Odd but valid input" says: accepted, and the tokenizer decides (BERT drops
+    # control characters), so "a\u0000b" is "ab".
+    encoder = TextEncoder(spec, truncate=True)
+    assert encoder.encode(["a\u0000b"]).ids.tolist() == encoder.encode(["ab"]).ids.tolist()
