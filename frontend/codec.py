@@ -1,13 +1,15 @@
 """Request bodies in, response bodies out: JSON or msgpack, negotiated per request.
 
-Requests: by Content-Type (``application/json``; ``application/msgpack`` or
-``application/x-msgpack``); a missing Content-Type is read as JSON. Responses: msgpack when the
-Accept header names a msgpack type, JSON otherwise. In msgpack responses, float vectors are raw
-little-endian float32 bytes (``bin``), one per vector: `np.frombuffer(b, "<f4")` reads them.
+Requests: by Content-Type (``application/json``; ``application/msgpack``,
+``application/vnd.msgpack`` (IANA's) or ``application/x-msgpack``); a missing Content-Type is
+read as JSON. Responses: msgpack when the Accept header prefers a msgpack type to JSON (see
+`prefers_msgpack`), JSON otherwise. In msgpack responses, float vectors are raw little-endian
+float32 bytes (``bin``), one per vector: `np.frombuffer(b, "<f4")` reads them.
 """
 
 from __future__ import annotations
 
+import functools
 import zlib
 from typing import Any
 
@@ -20,12 +22,40 @@ from frontend.errors import ApiError
 
 JSON = "application/json"
 MSGPACK = "application/msgpack"
-MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack")
+MSGPACK_TYPES = ("application/msgpack", "application/vnd.msgpack", "application/x-msgpack")
+# The media ranges JSON answers, most specific first (RFC 9110 12.5.1: the most specific range
+# that matches gives a type its quality).
+JSON_RANGES = (JSON, "application/*", "*/*")
 
 
 def wants_msgpack(request: web.Request) -> bool:
-    accept = request.headers.get("Accept", "")
-    return any(t in accept for t in MSGPACK_TYPES)
+    return prefers_msgpack(request.headers.get("Accept", ""))
+
+
+@functools.lru_cache(maxsize=256)  # a client sends the same Accept on every request
+def prefers_msgpack(accept: str) -> bool:
+    """Whether an Accept header prefers msgpack to JSON: media types compared case-insensitively,
+    each with its q value (1 when absent; q=0 is "not acceptable"). msgpack must be named (a
+    wildcard is answered with JSON); it wins over a higher q for JSON, and over an equal one only
+    when JSON is matched by a wildcard alone (`application/msgpack, */*`). Ties with a named
+    application/json, and anything unreadable, keep JSON, the default."""
+    ranges: dict[str, float] = {}
+    for item in accept.lower().split(","):
+        media, *params = (p.strip() for p in item.split(";"))
+        q = 1.0
+        for param in params:
+            key, _, value = param.partition("=")
+            if key.strip() == "q":
+                try:
+                    q = min(max(float(value.strip()), 0.0), 1.0)
+                except ValueError:
+                    q = 0.0
+        if media:
+            ranges[media] = max(q, ranges.get(media, 0.0))
+    packed = max((ranges.get(t, 0.0) for t in MSGPACK_TYPES), default=0.0)
+    matched = next((r for r in JSON_RANGES if r in ranges), None)
+    plain = ranges[matched] if matched else 0.0
+    return packed > plain or (packed > 0 and packed == plain and matched != JSON)
 
 
 async def read_body(request: web.Request) -> Any:

@@ -4,14 +4,15 @@
     GET  /v2/health/live | /v2/health/ready     200 when true, 400 when not (the protocol's 4xx)
     GET  /v2/models/{m}[/versions/{v}]          model metadata: its input and output tensors
     GET  /v2/models/{m}[/versions/{v}]/ready
-    POST /v2/models/{m}[/versions/{v}]/infer
+    GET  /v2/models/{m}[/versions/{v}]/config   Triton's model configuration (its JSON form)
+    POST /v2/models/{m}[/versions/{v}]/infer    (GET: 405)
+    GET  /v2/models[/{m}[/versions/{v}]]/stats  404: statistics are Prometheus's (GET /metrics)
 
 A model name may hold '/' (aliases like "org/name" do), as Triton's client sends it unescaped.
 A model's versions are its revisions, one per A/B variant (one without a split); a version in
 the path pins the request to the variant serving it, and a reply's model_version is the revision
-that computed it. The tensors a model takes and gives depend on its task:
-`TASKS` maps a task to its `Tensors`; a task without an entry answers 422 until its tensors are
-written (classification and rerank: pending the model-management issue). Body formats are in
+that computed it. The tensors a model takes and gives depend on its task: `TASKS` maps each
+task (embedding, classification, rerank) to its `Tensors`. Body formats are in
 `frontend.tensors`; a msgpack request (by Content-Type) is the same object msgpack-encoded, and a
 msgpack response (by Accept) carries each output's data as its raw little-endian bytes.
 Every error under /v2, from here, the middleware or nginx, is the protocol's
@@ -21,6 +22,7 @@ routes answer: Triton's client makes its exception's text from that string.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
@@ -37,8 +39,14 @@ from frontend import schemas
 from frontend.schemas import EmbedRequest
 from frontend.tensors import BYTES, Tensor
 
-EXTENSIONS = ["binary_tensor_data"]
+EXTENSIONS = ["binary_tensor_data", "model_configuration"]
 HEADER_LENGTH = "Inference-Header-Content-Length"
+SUBROUTES = ("ready", "config", "stats", "infer")
+# Request bodies /infer reads as JSON (with Triton's binary extension): Triton's HTTP client
+# sends no Content-Type, its asyncio client application/octet-stream.
+JSON_TYPES = (codec.JSON, "application/octet-stream")
+# Triton's model configuration names for this protocol's datatypes.
+CONFIG_TYPES = {BYTES: "TYPE_STRING", "FP32": "TYPE_FP32"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,11 +144,17 @@ def add_routes(app: web.Application) -> None:
     model = "/v2/models/{model:.+?}"
     versioned = model + "/versions/{version:[^/]+}"
     # Order matters: the first pattern that fits wins, and {model} may hold '/'.
+    router.add_get("/v2/models/stats", stats)
     for base in (versioned, model):
         router.add_get(base + "/ready", model_ready)
+        router.add_get(base + "/config", model_config)
+        router.add_get(base + "/stats", stats)
         router.add_post(base + "/infer", infer)
     router.add_get(versioned, model_metadata)
-    router.add_get(model, model_metadata)
+    # Metadata of any other path, except one ending in a sub-route's word: GET .../infer is
+    # that route's 405 (with Allow: POST), not the metadata of a model named "M/infer".
+    router.add_get("/v2/models/{model:(?!.*/(?:" + "|".join(SUBROUTES) + ")$).+}",
+                   model_metadata)
 
 
 async def server_metadata(request: web.Request) -> web.Response:
@@ -176,6 +190,42 @@ async def model_metadata(request: web.Request) -> web.Response:
     if model.spec.task == "classification":  # what each column of "probabilities" means
         body["parameters"] = {"labels": list(model.spec.labels)}
     return codec.render(request, body)
+
+
+async def model_config(request: web.Request) -> web.Response:
+    """Triton's model configuration (the JSON form of its ModelConfig protobuf), as
+    tritonclient's get_model_config reads it. Models of a batching task give dims without the
+    batch dimension and max_batch_size = limits.max_texts_per_request; a one-element row ([N]
+    as [N, 1], the batch dimension a Triton client adds) is dims [1] reshaped to []. A rerank
+    model's query is one tensor for all its texts, not batched with them: max_batch_size 0 and
+    full shapes."""
+    model = _model(request)
+    spec = _tensors(model)
+    batched = all(t.shape[0] == -1 for t in (*spec.inputs, *spec.outputs))
+
+    def entry(t: TensorSpec) -> dict:
+        dims = list(t.shape[1:] if batched else t.shape)
+        out = {"name": t.name, "data_type": CONFIG_TYPES[t.datatype], "dims": dims or [1]}
+        if not dims:
+            out["reshape"] = {"shape": []}
+        return out
+
+    body = {"name": model.spec.name, "platform": "shmserve", "backend": "shmserve",
+            "max_batch_size": request.app[CONFIG].limits.max_texts_per_request if batched
+            else 0,
+            "input": [entry(t) for t in spec.inputs],
+            "output": [entry(t) for t in spec.outputs]}
+    if model.spec.task == "classification":  # what each column of "probabilities" means
+        body["parameters"] = {"labels": {"string_value": json.dumps(list(model.spec.labels))}}
+    return codec.render(request, body)
+
+
+async def stats(request: web.Request) -> web.Response:
+    if "model" in request.match_info:
+        _model(request)  # an unknown model is its own 404
+    raise ApiError("not_found", "this server keeps no per-model inference statistics in "
+                   "Triton's form; its counters and latencies are Prometheus metrics at "
+                   "GET /metrics")
 
 
 async def infer(request: web.Request) -> web.Response:
@@ -248,7 +298,10 @@ async def _read(request: web.Request) -> tuple[dict, bytes]:
     if request.content_type in codec.MSGPACK_TYPES:
         return tensors.object_of(codec.decode_body(raw, request.content_type),
                                  "the inference request"), b""
-    # Any other Content-Type is JSON: Triton's clients send none, or octet-stream with binary.
+    if request.headers.get("Content-Type", "").strip() and request.content_type not in JSON_TYPES:
+        raise ApiError("unsupported_media_type", f"Content-Type {request.content_type!r} is "
+                       f"not supported; send {codec.JSON} (or {JSON_TYPES[1]} with Triton's "
+                       f"binary data) or {codec.MSGPACK}")
     return tensors.split_body(raw, request.headers.get(HEADER_LENGTH))
 
 

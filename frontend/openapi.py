@@ -1,9 +1,11 @@
 """``GET /openapi.json``: an OpenAPI 3.1 document of every public route, written by hand.
 
 It is built once per process from the config, so it names the served models (and their
-aliases) and its limits (texts per request, characters per text) are the ones enforced. Every
-POST body may be JSON or msgpack; every error is the `Error` schema (OpenAI's shape), but under
-/v2 `KServeError` (that protocol's).
+aliases; each route's `model` lists the models of its task) and its limits (texts per request,
+characters per text) are the ones enforced. Every POST body may be JSON or msgpack; every error
+is the `Error` schema (OpenAI's shape), but under /v2 `KServeError` (that protocol's). Every
+operation may answer 405 (another method on its path) and, but on the open paths, 401 when the
+server sets auth.api_keys.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from aiohttp import web
 
 import shmserve
 from frontend import codec
-from frontend.app import CONFIG
+from frontend.app import CONFIG, OPEN_PATHS
 from frontend.errors import STATUS
 from shmserve.config import Config
 
@@ -64,10 +66,38 @@ def _body(schema: dict, *extra: str) -> dict:
 
 def _errors(*statuses: int, schema: str = "Error") -> dict[str, dict]:
     reasons = {code: kind for kind, code in STATUS.items()}
-    return {str(s): {"description": reasons.get(s, "error").replace("_", " "),
-                     "content": {**_json(_ref(schema)),
-                                 "application/msgpack": {"schema": _ref(schema)}}}
-            for s in statuses}
+    out: dict[str, dict] = {}
+    for s in statuses:
+        out[str(s)] = {"description": reasons.get(s, "error").replace("_", " "),
+                       "content": {**_json(_ref(schema)),
+                                   "application/msgpack": {"schema": _ref(schema)}}}
+        if s in (429, 503):  # overloaded, or no live worker: try again after this long
+            out[str(s)]["headers"] = {"Retry-After": {
+                "description": "seconds to wait before retrying", "schema": {"type": "integer"}}}
+    return out
+
+
+def _shared_errors(paths: dict[str, dict]) -> dict[str, dict]:
+    """Every operation gets 405 (another method on its path, with Allow), and 401 where an API
+    key is asked for (auth.api_keys; the open paths never ask; /admin has its own token)."""
+    for path, item in paths.items():
+        kserve = path.startswith("/v2")
+        for op in item.values():
+            responses = op["responses"]
+            responses.setdefault("405", {"$ref": "#/components/responses/" + (
+                "KServeMethodNotAllowed" if kserve else "MethodNotAllowed")})
+            if path in OPEN_PATHS:
+                op["security"] = [{}]
+            elif not path.startswith("/admin/"):
+                responses.setdefault(
+                    "401", _errors(401, schema="KServeError" if kserve else "Error")["401"])
+    return paths
+
+
+def _method_not_allowed(schema: str) -> dict:
+    return {"description": "method not allowed; Allow names the methods the path takes",
+            "headers": {"Allow": {"schema": {"type": "string"}}},
+            "content": {**_json(_ref(schema)), "application/msgpack": {"schema": _ref(schema)}}}
 
 
 _POST_ERRORS = (400, 401, 404, 413, 415, 422, 429, 503, 504, 507)
@@ -91,6 +121,10 @@ def _op(tag: str, summary: str, responses: dict, body: dict | None = None,
 def _paths(models: list[str]) -> dict[str, dict]:
     model = {"name": "model", "in": "path", "required": True, "example": models[0],
              "schema": {"enum": models}}
+    return _shared_errors(_routes(model))
+
+
+def _routes(model: dict) -> dict[str, dict]:
     version = {"name": "version", "in": "path", "required": True, "schema": {"type": "string"}}
     return {
         "/predict": {"post": _op(
@@ -142,7 +176,7 @@ def _paths(models: list[str]) -> dict[str, dict]:
             "tei", "TEI embed", {**_ok({"type": "array", "items": _ref("Vector")}),
                                  **_errors(*_POST_ERRORS)}, _body(_ref("TeiEmbedRequest")))},
         "/rerank": {"post": _op(
-            "tei", "TEI rerank (422 until cross-encoders are served)",
+            "tei", "TEI rerank (a cross-encoder)",
             {**_ok({"type": "array", "items": _ref("Rank")}), **_errors(*_POST_ERRORS)},
             _body(_ref("TeiRerankRequest")))},
         "/tokenize": {"post": _op(
@@ -170,17 +204,28 @@ def _kserve_paths(model: dict, version: dict) -> dict[str, dict]:
             **_ok(_ref("ModelReady")),
             "400": {"description": "not ready", "content": _json(_ref("ModelReady"))},
             **_errors(404, schema="KServeError")}, parameters=params)}
+        paths[prefix + "/config"] = {"get": _op(
+            "kserve", "Triton's model configuration (its JSON form)",
+            {**_ok({"type": "object"}), **_errors(404, 422, schema="KServeError")},
+            parameters=params)}
+        paths[prefix + "/stats"] = {"get": _op(
+            "kserve", "Triton's statistics: not kept (404); see GET /metrics",
+            _errors(404, schema="KServeError"), parameters=params)}
         paths[prefix + "/infer"] = {"post": _op("kserve", "Inference", {
             "200": {"description": "OK; with binary outputs the body is the JSON header (its "
                     "length in Inference-Header-Content-Length) then the tensor bytes",
                     "headers": {"Inference-Header-Content-Length": {
                         "schema": {"type": "integer"}}},
                     "content": {**_json(_ref("InferenceResponse")),
-                                "application/msgpack": {"schema": _ref("InferenceResponse")},
+                                "application/msgpack": {
+                                    "schema": _ref("MsgpackInferenceResponse")},
                                 "application/octet-stream": {
                                     "schema": {"type": "string", "format": "binary"}}}},
             **_errors(*_POST_ERRORS, schema="KServeError")},
             _body(_ref("InferenceRequest"), "application/octet-stream"), params)}
+    paths["/v2/models/stats"] = {"get": _op(
+        "kserve", "Triton's statistics of every model: not kept (404); see GET /metrics",
+        _errors(404, schema="KServeError"))}
     return paths
 
 
@@ -193,7 +238,9 @@ def document(cfg: Config) -> dict[str, Any]:
         "servers": [{"url": "/"}],
         "tags": [{"name": n} for n in ("native", "openai", "tei", "kserve", "ops", "admin")],
         "paths": _paths(models),
-        "components": {"schemas": _schemas(cfg, models), "securitySchemes": {
+        "components": {"schemas": _schemas(cfg, models), "responses": {
+            "MethodNotAllowed": _method_not_allowed("Error"),
+            "KServeMethodNotAllowed": _method_not_allowed("KServeError")}, "securitySchemes": {
             "bearer": {"type": "http", "scheme": "bearer", "description": "admin.token"},
             "apiKey": {"type": "http", "scheme": "bearer",
                        "description": "one of auth.api_keys, when the server sets any"}}},
@@ -214,11 +261,21 @@ def _schemas(cfg: Config, models: list[str]) -> dict[str, Any]:
                                                 "maxItems": limits.max_texts_per_request}],
                    "description": "text(s), or token ids the client made: used as given (no "
                                   "special tokens added), each in [0, vocab size)"},
-        "model": {"enum": models, "description": "a served model's name or alias; the first "
-                  "served model when absent"},
+        # Per route, the models of its task (the null model stands in for an embedding one).
+        "model": lambda *tasks: _model_names(cfg, tasks),
     }
     return {**_native_schemas(parts), **_task_schemas(parts), **_tei_schemas(parts),
             **_kserve_schemas()}
+
+
+def _model_names(cfg: Config, tasks: tuple[str, ...]) -> dict[str, Any]:
+    names = [n for m in cfg.models if m.task in tasks for n in (m.name, *m.aliases)]
+    schema: dict[str, Any] = {"type": "string", "description": "a served model's name or alias, "
+                              f"of task {' or '.join(tasks)}; the first model of the route's "
+                              "task when absent"}
+    if names:  # else any name is 404 or 422 (unsupported_task)
+        schema["enum"] = names
+    return schema
 
 
 def _native_schemas(parts: dict[str, Any]) -> dict[str, Any]:
@@ -242,15 +299,21 @@ def _native_schemas(parts: dict[str, Any]) -> dict[str, Any]:
         "PredictRequest": {"type": "object", "required": ["texts"], "properties": {
             "texts": {"oneOf": [parts["text"], parts["texts"]],
                       "description": "one string is one text: `results` holds one row"},
-            "model": parts["model"], "priority": priority,
-            "top_k": {"type": ["integer", "null"], "minimum": 1,
+            "model": parts["model"]("embedding", "null", "classification"),
+            "priority": priority, "top_k": {"type": ["integer", "null"], "minimum": 1,
                       "description": "a classification model: labels per text"},
             "user": {"type": ["string", "null"]}}},
         "PredictResponse": {"type": "object", "properties": {
-            "results": {"type": "array", "items": _ref("Vector")}, "model": {"type": "string"},
+            "results": {"type": "array", "description": "a vector per text, or for a "
+                        "classification model its labels, best first", "items": {"oneOf": [
+                            _ref("Vector"), {"type": "array", "items": {
+                                "type": "object", "properties": {
+                                    "label": {"type": "string"},
+                                    "score": {"type": "number"}}}}]}},
+            "model": {"type": "string"},
             "revision": {"type": "string"}, "usage": usage}},
         "EmbeddingsRequest": {"type": "object", "required": ["input"], "properties": {
-            "input": parts["inputs"], "model": parts["model"],
+            "input": parts["inputs"], "model": parts["model"]("embedding", "null"),
             "encoding_format": {"type": ["string", "null"], "enum": ["float", "base64", None]},
             "dimensions": {"type": ["integer", "null"], "minimum": 1,
                            "description": "keep this many leading components, re-normalised "
@@ -285,8 +348,9 @@ def _task_schemas(parts: dict[str, Any]) -> dict[str, Any]:
                                           "properties": {"text": parts["text"]}}]}
     return {
         "ClassifyRequest": {"type": "object", "required": ["input"], "properties": {
-            "input": {"oneOf": [parts["text"], parts["texts"]]}, "model": parts["model"],
-            "top_k": count, "user": {"type": ["string", "null"]}}},
+            "input": {"oneOf": [parts["text"], parts["texts"]]},
+            "model": parts["model"]("classification"), "top_k": count,
+            "user": {"type": ["string", "null"]}}},
         "ClassifyResponse": {"type": "object", "properties": {
             "object": {"const": "list"}, "model": {"type": "string"},
             "revision": {"type": "string"}, "usage": usage,
@@ -297,7 +361,7 @@ def _task_schemas(parts: dict[str, Any]) -> dict[str, Any]:
                 "labels": {"type": "array", "items": scored,
                            "description": "best first, cut to top_k"}}}}}},
         "RerankRequest": {"type": "object", "required": ["query", "documents"], "properties": {
-            "query": parts["text"], "model": parts["model"],
+            "query": parts["text"], "model": parts["model"]("rerank"),
             "documents": {"type": "array", "items": document, "minItems": 1,
                           "maxItems": parts["texts"]["maxItems"]},
             "top_n": count, "return_documents": {"type": ["boolean", "null"]},
@@ -334,19 +398,21 @@ def _tei_schemas(parts: dict[str, Any]) -> dict[str, Any]:
             "max_client_batch_size": {"type": "integer"}, "auto_truncate": {"type": "boolean"},
             "tokenization_workers": {"type": "integer"}, "version": {"type": "string"}}},
         "TeiEmbedRequest": {"type": "object", "required": ["inputs"], "properties": {
-            "inputs": parts["inputs"], "model": parts["model"], "normalize": nullable_bool,
+            "inputs": parts["inputs"], "model": parts["model"]("embedding", "null"),
+            "normalize": nullable_bool,
             "truncate": nullable_bool, "truncation_direction": direction,
             "dimensions": {"type": ["integer", "null"], "minimum": 1},
             "prompt_name": {"type": "null"}}},
         "TeiRerankRequest": {"type": "object", "required": ["query", "texts"], "properties": {
-            "query": parts["text"], "texts": parts["texts"], "model": parts["model"],
+            "query": parts["text"], "texts": parts["texts"], "model": parts["model"]("rerank"),
             "raw_scores": nullable_bool, "return_text": nullable_bool,
             "truncate": nullable_bool, "truncation_direction": direction}},
         "Rank": {"type": "object", "properties": {"index": {"type": "integer"},
                                                   "score": {"type": "number"},
                                                   "text": {"type": "string"}}},
         "TeiTokenizeRequest": {"type": "object", "required": ["inputs"], "properties": {
-            "inputs": {"oneOf": [parts["text"], parts["texts"]]}, "model": parts["model"],
+            "inputs": {"oneOf": [parts["text"], parts["texts"]]},
+            "model": parts["model"]("embedding", "null", "classification", "rerank"),
             "add_special_tokens": nullable_bool, "prompt_name": {"type": "null"}}},
         "SimpleToken": {"type": "object", "properties": {
             "id": {"type": "integer"}, "text": {"type": "string"}, "special": {"type": "boolean"},
@@ -392,4 +458,13 @@ def _kserve_schemas() -> dict[str, Any]:
         "InferenceResponse": {"type": "object", "properties": {
             "model_name": {"type": "string"}, "model_version": {"type": "string"},
             "id": {"type": "string"}, "outputs": {"type": "array", "items": tensor}}},
+        "MsgpackInferenceResponse": {"type": "object", "properties": {
+            "model_name": {"type": "string"}, "model_version": {"type": "string"},
+            "id": {"type": "string"}, "outputs": {"type": "array", "items": {
+                **tensor, "properties": {**tensor["properties"], "data": {
+                    "oneOf": [{"type": "string", "format": "binary"},
+                              {"type": "array", "items": {"type": "string"}}],
+                    "description": "a bin of the tensor's raw little-endian bytes, row-major "
+                                   "(np.frombuffer(data, '<f4')); a BYTES output stays a list"
+                }}}}}},
     }

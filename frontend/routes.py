@@ -79,8 +79,10 @@ async def embed(request: web.Request, parsed: schemas.EmbedRequest, param: str,
         model = tasks.resolve(request, parsed.model, "embedding")
     vectors.check_dimensions(parsed.dimensions, model.spec.dim)
     if parsed.token_ids is not None:  # tokenized by the client
-        ran = await tasks.run(request, model, lambda enc: enc.from_ids(parsed.token_ids, param),
-                              0, priority=parsed.priority, user=parsed.user)
+        ran = await tasks.run(
+            request, model, lambda enc: enc.from_ids(parsed.token_ids, param, parsed.truncate,
+                                                     parsed.truncation_direction),
+            0, priority=parsed.priority, user=parsed.user)
     else:
         ran = await tasks.run(
             request, model, lambda enc: enc.encode(parsed.texts, param, parsed.truncate,

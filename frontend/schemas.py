@@ -14,6 +14,9 @@ from shmserve.config import LimitsConfig
 ENCODING_FORMATS = ("float", "base64")
 PRIORITY_NAMES = {"low": -1, "normal": 0, "high": 1}
 PRIORITY_RANGE = (-10, 10)
+# What a JSON (or msgpack) value that is not a token id is, in an error message.
+JSON_KINDS = {bool: "a boolean", type(None): "null", str: "a string", dict: "an object",
+              list: "a list", bytes: "bytes"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +50,8 @@ def texts_or_ids(value: Any, param: str, limits: LimitsConfig
     """A string, a list of strings, one token-id list, or a list of token-id lists.
 
     Token ids are checked here for shape and type only; the model's tokenizer checks their
-    range and length (`TextEncoder.from_ids`)."""
+    range and length (`TextEncoder.from_ids`). A list that is neither kind is named for what it
+    holds (numbers that are not integers, texts mixed with token ids), not as a bad text."""
     if isinstance(value, list) and value and all(is_int(v) for v in value):
         return [], [value]
     if isinstance(value, list) and value and all(isinstance(v, list) for v in value):
@@ -56,11 +60,35 @@ def texts_or_ids(value: Any, param: str, limits: LimitsConfig
                            f"{limits.max_texts_per_request} (limits.max_texts_per_request)",
                            param=param)
         for i, row in enumerate(value):
-            if not row or not all(is_int(v) for v in row):
+            if not row:
                 raise ApiError("invalid_request", f"'{param}[{i}]' must be a non-empty list of "
                                "token ids (integers)", param=param)
+            _token_ids(row, f"{param}[{i}]", param)
         return [], value
+    if isinstance(value, list) and any(isinstance(v, list) for v in value):
+        raise ApiError("invalid_request", f"'{param}' mixes token-id lists with other values; "
+                       "send a list of texts or a list of token-id lists, not both", param=param)
+    if isinstance(value, list) and any(_number(v) for v in value):
+        if not any(isinstance(v, str) for v in value):
+            _token_ids(value, param, param)
+        raise ApiError("invalid_request", f"'{param}' mixes texts with token ids; send a list "
+                       "of texts or a list of token ids, not both", param=param)
     return one_or_many(value, param, limits), None
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _token_ids(row: list, name: str, param: str) -> None:
+    """ApiError naming the first element of `row` that is not a token id (an integer)."""
+    for j, v in enumerate(row):
+        if not is_int(v):
+            # orjson reads an integer past 64 bits as a float: say so, it looks like an int.
+            shown = f"{v!r}, a float" if isinstance(v, float) else JSON_KINDS.get(
+                type(v), "not an integer")
+            raise ApiError("invalid_request", f"'{name}[{j}]' is {shown}; token ids must be "
+                           "integers in [0, the model's vocabulary size)", param=param)
 
 
 def dimensions(body: dict) -> int | None:

@@ -73,7 +73,7 @@ async def rerank(request: web.Request) -> web.Response:
     back = schemas.flag(body, "return_documents", False)
     out = await tasks.rerank(request, schemas.model_name(body), query, documents,
                              priority=schemas.body_priority(body), user=schemas.user(body))
-    order = np.argsort(-out.scores, kind="stable")[:top_n]
+    order = out.order()[:top_n]
     results = []
     for i in order.tolist():
         result: dict[str, Any] = {"index": i, "relevance_score": float(out.scores[i])}

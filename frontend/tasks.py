@@ -4,7 +4,8 @@ shares, and the entry points of the scoring tasks for any route (TEI /rerank, KS
     resolve(request, name, task)                      -> ServedModel, or a 404/422 ApiError
     run(request, model, encode, chars)                -> Ran: float32 rows [n, width] + metadata
     classify(request, name, texts)                    -> Classified: probabilities [n, labels]
-    rerank(request, name, query, documents)           -> Reranked: scores [n], input order
+    rerank(request, name, query, documents)           -> Reranked: logits and scores [n],
+                                                         input order
 
 Each takes the aiohttp request: the deadline (X-Request-Timeout), priority (X-Priority, or the
 body's, passed in) and A/B sticky key come from it, a client that goes away cancels the work,
@@ -53,8 +54,15 @@ class Classified:
 
 @dataclass(frozen=True, slots=True)
 class Reranked:
-    scores: np.ndarray  # float32 [n], one per document in input order (sigmoid of the logit)
+    logits: np.ndarray  # float32 [n], one per document in input order, as the worker gave them
+    scores: np.ndarray  # float32 [n]: the logits through the model's activation (sigmoid or
+    # identity), as sentence-transformers' CrossEncoder.predict gives them
     ran: Ran
+
+    def order(self) -> np.ndarray:
+        """Document indices, best first: by logit, which a saturated sigmoid (1.0 in float32
+        past a logit of ~17) cannot tell apart; ties keep input order."""
+        return np.argsort(-self.logits, kind="stable")
 
 
 def resolve(request: web.Request, name: str | None, task: str) -> ServedModel:
@@ -102,7 +110,18 @@ async def rerank(request: web.Request, name: str | None, query: str, documents: 
                     lambda enc: enc.encode_pairs(query, documents, param, truncate, direction),
                     len(query) * len(documents) + sum(map(len, documents)),
                     priority=priority, user=user)
-    return Reranked(np.ascontiguousarray(ran.outcome.vectors[:, 0]), ran)
+    logits = np.ascontiguousarray(ran.outcome.vectors[:, 0])
+    return Reranked(logits, activate(logits, ran.variant.spec.activation), ran)
+
+
+def activate(logits: np.ndarray, activation: str) -> np.ndarray:
+    """A cross-encoder's scores from its logits (shmserve.models.ACTIVATIONS), float32."""
+    if activation == "identity":
+        return logits
+    # The sigmoid without overflow: exp of minus |x| only, in float64, rounded once.
+    x = logits.astype(np.float64)
+    e = np.exp(-np.abs(x))
+    return np.where(x >= 0, 1 / (1 + e), e / (1 + e)).astype(np.float32)
 
 
 async def run(request: web.Request, served: ServedModel,

@@ -79,13 +79,10 @@ async def rerank(request: web.Request) -> web.Response:
     out = await tasks.rerank(request, model_name(body), asked, documents, param="texts",
                              priority=body_priority(body), user=user(body), truncate=truncate,
                              direction=direction)
-    scores = out.scores
-    if raw_scores:  # the logit before the cross-encoder's sigmoid, as TEI's raw_scores
-        clipped = np.clip(scores.astype(np.float64), 1e-12, 1 - 1e-12)
-        scores = np.log(clipped / (1 - clipped))
-    order = np.argsort(-out.scores, kind="stable")
-    results = [{"index": int(i), "score": float(scores[i]),
-                **({"text": documents[i]} if return_text else {})} for i in order]
+    # raw_scores: the logit before the cross-encoder's activation, as TEI's.
+    scores = out.logits if raw_scores else out.scores
+    results = [{"index": i, "score": float(scores[i]),
+                **({"text": documents[i]} if return_text else {})} for i in out.order().tolist()]
     return codec.render(request, results, headers=tasks.stage_headers(request, out.ran.outcome))
 
 

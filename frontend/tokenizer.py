@@ -104,11 +104,16 @@ class TextEncoder:
         truncated = sum(1 for e in encodings if e.overflowing) if truncate else 0
         return Encoded(ids, offsets, truncated)
 
-    def from_ids(self, rows: list[list[int]], param: str = "input") -> Encoded:
+    def from_ids(self, rows: list[list[int]], param: str = "input",
+                 truncate: bool | None = None, direction: str = "right") -> Encoded:
         """Token ids a client tokenized itself, used as given: no special tokens are added.
 
         Each id must be in [0, vocab size); a row longer than the model's limit is cut to it
-        (limits.truncate) or refused with 413."""
+        or refused with 413, as texts are (`truncate` None: limits.truncate; `direction`:
+        the end the cut takes ids from). The cut is of the ids as given: a [CLS] or [SEP] the
+        client put at that end goes with it."""
+        hint = _hint(truncate)
+        truncate = self.truncate if truncate is None else truncate
         truncated = 0
         kept = []
         for i, row in enumerate(rows):
@@ -118,11 +123,11 @@ class TextEncoder:
                                f"{low if low < 0 else high}; ids must be in [0, "
                                f"{self.vocab_size}) for this model's vocabulary", param=param)
             if len(row) > self.max_tokens:
-                if not self.truncate:
+                if not truncate:
                     raise ApiError("too_large", f"'{param}[{i}]' has {len(row)} tokens; the "
-                                   f"model's limit is {self.max_tokens} (or set "
-                                   "limits.truncate)", param=param)
-                row = row[:self.max_tokens]
+                                   f"model's limit is {self.max_tokens} (or {hint})",
+                                   param=param)
+                row = row[-self.max_tokens:] if direction == "left" else row[:self.max_tokens]
                 truncated += 1
             kept.append(row)
         offsets = np.zeros(len(kept) + 1, np.int32)

@@ -3,9 +3,9 @@
     embedding       the pooled last hidden state (cls | mean | last token), L2-normalised when
                     the model says so                                      -> [B, hidden]
     classification  softmax over the sequence-classification logits     -> [B, num_labels]
-    rerank          a cross-encoder's one logit through its activation   -> [B, 1]
-                    (sigmoid unless the model saved another; as sentence-transformers'
-                    CrossEncoder.predict computes it)
+    rerank          a cross-encoder's one logit, raw                     -> [B, 1]
+                    (the frontend applies the model's activation, so it can rank by the
+                    logit and give it back: a sigmoid saturates to 1.0 in float32 past ~17)
 
 Heads run in float32 whatever the network's dtype, so probabilities sum to 1 and pooling does
 not lose precision.
@@ -32,9 +32,7 @@ def head(spec: ModelSpec) -> Head:
         return lambda out, mask, lens: _embed(spec, out.last_hidden_state.float(), mask, lens)
     if spec.task == "classification":
         return lambda out, mask, lens: torch.softmax(out.logits.float(), dim=-1)
-    if spec.activation == "identity":
-        return lambda out, mask, lens: out.logits.float()
-    return lambda out, mask, lens: torch.sigmoid(out.logits.float())
+    return lambda out, mask, lens: out.logits.float()
 
 
 def _embed(spec: ModelSpec, hidden: torch.Tensor, mask: torch.Tensor,

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from enum import IntEnum
 
 PROTOCOL_VERSION = 5  # 3: a worker sends a batch's replies to a frontend as one message;
-# 4: ErrorCode.OUT_OF_MEMORY; 5: Heartbeat.pass_s
+# 4: ErrorCode.OUT_OF_MEMORY; 5: Heartbeat.pass_s, and a rerank row is the raw logit (the
+# frontend applies the activation), not the score
 
 
 class Kind(IntEnum):

@@ -70,9 +70,12 @@ def reference_embeddings(model_dir: Path, texts: list[str], max_tokens: int):
 
 def build_tiny_classifier(target: Path, *, num_labels: int = 3, seed: int = 0,
                           max_positions: int = 64, hidden: int = 32,
-                          labels: list[str] | None = None) -> Path:
+                          labels: list[str] | None = None, activation: str | None = None,
+                          bias: float = 0.0) -> Path:
     """A sequence-classification head on a small random BERT, saved as safetensors: with
-    num_labels=1 it is a cross-encoder (task rerank), with more a classifier."""
+    num_labels=1 it is a cross-encoder (task rerank), with more a classifier. `activation`: a
+    cross-encoder's saved activation_fn (sentence-transformers' config.json key); `bias`
+    raises the head's bias (20: logits past where a float32 sigmoid saturates to 1.0)."""
     import torch
     from transformers import BertConfig, BertForSequenceClassification
 
@@ -88,16 +91,24 @@ def build_tiny_classifier(target: Path, *, num_labels: int = 3, seed: int = 0,
                         # Large random weights, so scores spread out and tell inputs apart
                         # (with the default 0.02 every input scores about the same).
                         initializer_range=0.5)
-    BertForSequenceClassification(config).eval().save_pretrained(target, safe_serialization=True)
+    net = BertForSequenceClassification(config).eval()
+    with torch.no_grad():
+        net.classifier.bias += bias
+    net.save_pretrained(target, safe_serialization=True)
+    if activation is not None:
+        saved = json.loads((target / "config.json").read_text())
+        saved["sentence_transformers"] = {"activation_fn": activation}
+        (target / "config.json").write_text(json.dumps(saved, indent=2))
     for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt",
                  "special_tokens_map.json"):
         shutil.copy(source / name, target / name)
     return target
 
 
-def reference_scores(model_dir: Path, inputs: list, max_tokens: int):
+def reference_scores(model_dir: Path, inputs: list, max_tokens: int, raw: bool = False):
     """The model run directly in transformers, one input at a time: softmax probabilities for
-    texts (a classifier), or sigmoid scores for (query, document) pairs (a cross-encoder)."""
+    texts (a classifier), or sigmoid scores for (query, document) pairs (a cross-encoder; with
+    `raw`, its logits)."""
     import numpy as np
     import torch
     from tokenizers import Tokenizer
@@ -114,6 +125,8 @@ def reference_scores(model_dir: Path, inputs: list, max_tokens: int):
             enc = tok.encode(*item) if isinstance(item, tuple) else tok.encode(item)
             logits = model(input_ids=torch.tensor([enc.ids]),
                            token_type_ids=torch.tensor([enc.type_ids])).logits[0]
-            out.append(torch.sigmoid(logits)[0] if isinstance(item, tuple)
-                       else torch.softmax(logits, -1))
+            if isinstance(item, tuple):
+                out.append(logits[0] if raw else torch.sigmoid(logits)[0])
+            else:
+                out.append(torch.softmax(logits, -1))
     return np.stack([o.numpy() for o in out])

@@ -73,6 +73,15 @@ def test_json_in_msgpack_out(tiny_stack):
         {"Content-Type": "application/json", "Accept": "application/msgpack"})
     assert status == 200
     assert len(msgpack.unpackb(raw)["results"][0]) == 32 * 4
+    # IANA's msgpack type in, Accept read case-insensitively and with its q values.
+    for accept, packed in (("Application/MsgPack", True), ("application/msgpack;q=0", False),
+                           ("application/json, application/msgpack;q=0.1", False)):
+        status, headers, raw = tiny_stack.request(
+            "POST", "/predict", msgpack.packb({"texts": ["x"]}),
+            {"Content-Type": "application/vnd.msgpack", "Accept": accept})
+        assert status == 200, raw
+        assert headers["Content-Type"].startswith(
+            "application/msgpack" if packed else "application/json")
 
 
 def test_openai_client_float_and_base64(tiny_stack, tiny_model):

@@ -97,6 +97,38 @@ def test_every_v2_error_is_a_string(tiny_stack, method, path, body, status, acce
     assert error["error"] and headers["X-Request-ID"] == "kserve-err-1"
 
 
+def test_model_config_is_tritons_and_subroutes_are_not_model_names(client, tiny_stack):
+    config = client.get_model_config("test-org/tiny")  # an alias holding '/'
+    assert config == {
+        "name": "tiny", "platform": "shmserve", "backend": "shmserve", "max_batch_size": 64,
+        "input": [{"name": "text", "data_type": "TYPE_STRING", "dims": [1],
+                   "reshape": {"shape": []}}],
+        "output": [{"name": "embedding", "data_type": "TYPE_FP32", "dims": [32]}]}
+    assert client.get_model_config("tiny", model_version="tiny-r1") == config
+    assert "model_configuration" in client.get_server_metadata()["extensions"]
+    for name in ("tiny", ""):  # one model's, and every model's
+        with pytest.raises(InferenceServerException) as info:
+            client.get_inference_statistics(name)
+        assert "[404]" in str(info.value) and "GET /metrics" in str(info.value)
+    with pytest.raises(InferenceServerException, match="not served"):
+        client.get_model_config("nope")
+    # GET on the infer route is its 405, not the metadata of a model named "tiny/infer".
+    for path in ("/v2/models/tiny/infer", "/v2/models/tiny/versions/tiny-r1/infer"):
+        status, headers, raw = tiny_stack.request("GET", path, None)
+        assert status == 405 and headers["Allow"] == "POST", raw
+        assert isinstance(json.loads(raw)["error"], str)
+    status, headers, _ = tiny_stack.request("OPTIONS", "/v2/models/tiny/infer", None)
+    assert status == 405 and headers["Allow"] == "POST"
+    # A form body (curl -d without a Content-Type) is refused as on every other route.
+    body = json.dumps({"inputs": [{"name": "text", "datatype": "BYTES", "shape": [1],
+                                   "data": ["x"]}]}).encode()
+    status, _, raw = tiny_stack.request("POST", "/v2/models/tiny/infer", body,
+                                        {"Content-Type": "application/x-www-form-urlencoded"})
+    assert status == 415 and "application/json" in json.loads(raw)["error"]
+    assert tiny_stack.request("POST", "/v2/models/tiny/infer", body,
+                              {"Content-Type": "application/json"})[0] == 200
+
+
 def test_wrong_version_is_404(client):
     with pytest.raises(InferenceServerException) as info:
         client.infer("tiny", [text_input(["x"], True)], model_version="7")

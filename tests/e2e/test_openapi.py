@@ -36,7 +36,11 @@ def test_openapi_json_is_served_and_valid(tiny_stack):
     doc = json.loads(raw)
     validate(doc)
     assert {"/predict", "/v1/embeddings", "/embed", "/rerank", "/tokenize", "/info",
-            "/v2/models/{model}/infer"} <= set(doc["paths"])
+            "/v2/models/{model}/infer", "/v2/models/{model}/config"} <= set(doc["paths"])
+    # The stack serves embedding models only: no rerank model to name.
+    schemas = doc["components"]["schemas"]
+    assert schemas["EmbeddingsRequest"]["properties"]["model"]["enum"][0] == "tiny"
+    assert "enum" not in schemas["RerankRequest"]["properties"]["model"]
     _, texts = doc["components"]["schemas"]["PredictRequest"]["properties"]["texts"]["oneOf"]
     assert texts["maxItems"] == 64  # the stack's limits.max_texts_per_request
 

@@ -30,7 +30,12 @@ def dirs(tmp_path_factory, tiny_model):
     return {"tiny": tiny_model,
             "other": build_tiny_bert(root / "other", seed=1, max_positions=TINY_MAX_TOKENS),
             "clf": build_tiny_classifier(root / "clf", labels=LABELS, seed=2),
-            "ce": build_tiny_classifier(root / "ce", num_labels=1, seed=3)}
+            "ce": build_tiny_classifier(root / "ce", num_labels=1, seed=3),
+            # A cross-encoder whose score is its logit, and one whose logits (past ~17) make
+            # a float32 sigmoid 1.0 for every pair.
+            "ce-id": build_tiny_classifier(root / "ce-id", num_labels=1, seed=3,
+                                           activation="torch.nn.modules.linear.Identity"),
+            "ce-hot": build_tiny_classifier(root / "ce-hot", num_labels=1, seed=3, bias=20.0)}
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +50,10 @@ def stack(tmp_path_factory, dirs):
          "revision": "clf-r1", "devices": [1], "dtype": "fp32"},
         {"name": "ce", "source": str(dirs["ce"]), "task": "rerank", "revision": "ce-r1",
          "dtype": "fp32"},
+        {"name": "ce-id", "source": str(dirs["ce-id"]), "task": "rerank", "dtype": "fp32",
+         "devices": [0]},
+        {"name": "ce-hot", "source": str(dirs["ce-hot"]), "task": "rerank", "dtype": "fp32",
+         "devices": [1]},
         {"name": "ab", "sticky_key": "header:X-User", "dtype": "fp32", "variants": [
             {"name": "a", "source": tiny, "revision": "ab-r1", "weight": 1 - AB_WEIGHT_B},
             {"name": "b", "source": other, "revision": "ab-r2", "weight": AB_WEIGHT_B}]},
@@ -131,7 +140,8 @@ def test_tei_rerank_on_the_cross_encoder(stack, dirs):
     assert headers["X-Model-Revision"] == "ce-r1"
     status, _, raw = stack.post_json("/rerank", {"model": "ce", "query": query, "texts": TEXTS,
                                                  "raw_scores": True})
-    logits = np.log(want / (1 - want))  # TEI's raw_scores: before the sigmoid
+    # TEI's raw_scores: the logit before the sigmoid.
+    logits = reference_scores(dirs["ce"], [(query, d) for d in TEXTS], TINY_MAX_TOKENS, raw=True)
     np.testing.assert_allclose([r["score"] for r in raw], logits[[r["index"] for r in raw]],
                                atol=1e-4)
     assert "text" not in raw[0]
@@ -150,6 +160,13 @@ def test_kserve_classification_and_rerank_tensors(stack, dirs):
     import tritonclient.http as triton
 
     client = triton.InferenceServerClient(stack.url.removeprefix("http://"))
+    config = client.get_model_config("clf")
+    assert (config["max_batch_size"], config["output"]) == (64, [
+        {"name": "probabilities", "data_type": "TYPE_FP32", "dims": [3]}])
+    assert json.loads(config["parameters"]["labels"]["string_value"]) == LABELS
+    config = client.get_model_config("ce")  # one query for all texts: not batched
+    assert config["max_batch_size"] == 0 and [(t["name"], t["dims"]) for t in config["input"]] \
+        == [("query", [1]), ("text", [-1])] and config["output"][0]["dims"] == [-1]
     meta = client.get_model_metadata("clf")
     assert meta["outputs"] == [{"name": "probabilities", "datatype": "FP32", "shape": [-1, 3]}]
     assert meta["parameters"]["labels"] == LABELS
@@ -169,6 +186,46 @@ def test_kserve_classification_and_rerank_tensors(stack, dirs):
     want = reference_scores(dirs["ce"], [("what moves token ids?", d) for d in TEXTS],
                             TINY_MAX_TOKENS)
     np.testing.assert_allclose(scores, want, atol=1e-5)
+    client.close()
+
+
+@pytest.mark.parametrize("name", ["ce-id", "ce-hot"])
+def test_rerank_ranks_by_the_logit_on_every_route(stack, dirs, name):
+    """An Identity cross-encoder scores its logit (never a logit of a logit); a sigmoid one past
+    float32's saturation scores 1.0 everywhere but still ranks, and raw_scores gives the true
+    logits, as sentence-transformers' CrossEncoder and TEI do."""
+    import tritonclient.http as triton
+    from sentence_transformers.cross_encoder import CrossEncoder
+    from torch.nn import Identity
+
+    query = "what moves token ids between processes?"
+    pairs = [(query, d) for d in TEXTS]
+    cross = CrossEncoder(str(dirs[name]), device="cpu", max_length=TINY_MAX_TOKENS)
+    want, logits = cross.predict(pairs), cross.predict(pairs, activation_fn=Identity())
+    best = np.argsort(-logits, kind="stable").tolist()
+    assert len(set(logits.tolist())) == len(TEXTS)
+    if name == "ce-hot":
+        assert (want == 1.0).all() and best != list(range(len(TEXTS)))
+    status, _, body = stack.post_json("/rerank", {"model": name, "query": query,
+                                                  "texts": TEXTS})
+    assert status == 200 and [r["index"] for r in body] == best, body
+    np.testing.assert_allclose([r["score"] for r in body], want[best], rtol=1e-5, atol=1e-5)
+    status, _, body = stack.post_json("/rerank", {"model": name, "query": query,
+                                                  "texts": TEXTS, "raw_scores": True})
+    assert status == 200 and [r["index"] for r in body] == best, body
+    np.testing.assert_allclose([r["score"] for r in body], logits[best], rtol=1e-5, atol=1e-4)
+    status, _, body = stack.post_json("/v1/rerank", {"model": name, "query": query,
+                                                     "documents": TEXTS, "top_n": 3})
+    assert status == 200 and [r["index"] for r in body["results"]] == best[:3], body
+    np.testing.assert_allclose([r["relevance_score"] for r in body["results"]], want[best[:3]],
+                               rtol=1e-5, atol=1e-5)
+    client = triton.InferenceServerClient(stack.url.removeprefix("http://"))
+    question = triton.InferInput("query", [1], "BYTES")
+    question.set_data_from_numpy(np.array([query.encode()], dtype=object))
+    docs = triton.InferInput("text", [len(TEXTS)], "BYTES")
+    docs.set_data_from_numpy(np.array([t.encode() for t in TEXTS], dtype=object))
+    np.testing.assert_allclose(client.infer(name, [question, docs]).as_numpy("score"), want,
+                               rtol=1e-5, atol=1e-5)
     client.close()
 
 

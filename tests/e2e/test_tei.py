@@ -140,6 +140,22 @@ def test_tokenize_in_teis_shape(tiny_stack, tiny_model):
     assert status == 200 and [[t["text"] for t in row] for row in body] == [["a", "b"], ["c"]]
 
 
+def test_token_ids_follow_the_requests_truncate_and_direction_as_texts(tiny_stack):
+    ids = [101] + list(range(2000, 2100)) + [102]  # over the tiny model's 64 tokens
+    status, _, err = tiny_stack.post_json("/embed", {"inputs": ids, "truncate": False})
+    assert status == 413 and err["error"]["message"].endswith("(or send truncate: true)")
+    status, _, err = tiny_stack.post_json("/embed", {"inputs": [ids]})  # limits.truncate false
+    assert status == 413 and err["error"]["message"].endswith("(or set limits.truncate)")
+    rows = {}
+    for cut, kept in (("Right", ids[:64]), ("Left", ids[-64:])):
+        status, _, rows[cut] = tiny_stack.post_json("/embed", {
+            "inputs": [ids], "truncate": True, "truncation_direction": cut})
+        assert status == 200, rows[cut]
+        status, _, want = tiny_stack.post_json("/embed", {"inputs": [kept]})
+        np.testing.assert_allclose(rows[cut], want, atol=1e-6)
+    assert not np.allclose(rows["Right"], rows["Left"], atol=1e-3)
+
+
 def test_tokenize_is_never_truncated(tiny_stack):
     text = "ü " * 2500  # over the model's limit, and tokenized off the event loop
     status, _, body = tiny_stack.post_json("/tokenize", {"inputs": [text]})

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from frontend.tasks import activate
 from frontend.tokenizer import TextEncoder
 from gpu_workers import packed, prepack
 from gpu_workers.model import Model, cpu_has_bf16, resolve_dtype
@@ -59,15 +60,45 @@ def test_rerank_scores_pairs_with_token_types_as_cross_encoder_does(models):
     assert (s.dim, s.activation) == (1, "sigmoid")
     enc = TextEncoder(s, truncate=True).encode_pairs(QUERY, TEXTS)
     assert enc.segments.tolist()[:2] == [10, 10]  # [CLS] 8 query tokens [SEP]
-    got = run(Model(s, torch.device("cpu")), enc)[:, 0]
-    want = reference_scores(models["ce"], [(QUERY, t) for t in TEXTS], 64)
+    logits = run(Model(s, torch.device("cpu")), enc)[:, 0]  # the worker gives the raw logit
+    pairs = [(QUERY, t) for t in TEXTS]
+    np.testing.assert_allclose(logits, reference_scores(models["ce"], pairs, 64, raw=True),
+                               atol=1e-5)
+    got = activate(logits, s.activation)  # the frontend applies the activation
+    want = reference_scores(models["ce"], pairs, 64)
     np.testing.assert_allclose(got, want, atol=1e-5)
     assert got.std() > 0.05  # the scores tell the documents apart
     cross = CrossEncoder(str(models["ce"]), device="cpu", max_length=64)
     np.testing.assert_allclose(got, cross.predict([(QUERY, t) for t in TEXTS]), atol=1e-5)
     # Token types matter: without them (all zero) the scores differ.
     assert not np.allclose(run(Model(s, torch.device("cpu")),
-                               dataclasses.replace(enc, segments=None))[:, 0], got, atol=1e-4)
+                               dataclasses.replace(enc, segments=None))[:, 0], logits, atol=1e-4)
+
+
+@pytest.mark.parametrize("activation,bias", [("torch.nn.modules.linear.Identity", 0.0),
+                                             (None, 20.0)])
+def test_rerank_scores_as_cross_encoder_for_identity_and_saturated_sigmoid(
+        models, tmp_path, activation, bias):
+    """An Identity cross-encoder's score is its logit; a sigmoid one with logits past ~17
+    scores 1.0 for every pair in float32, as CrossEncoder.predict does, while the logits
+    (what TEI's raw_scores gives and what ranks) still tell the pairs apart."""
+    from sentence_transformers.cross_encoder import CrossEncoder
+
+    directory = build_tiny_classifier(tmp_path / "ce", num_labels=1, seed=4,
+                                      activation=activation, bias=bias)
+    s = spec(directory, "rerank")
+    assert s.activation == ("identity" if activation else "sigmoid")
+    pairs = [(QUERY, t) for t in TEXTS]
+    logits = run(Model(s, torch.device("cpu")),
+                 TextEncoder(s, truncate=True).encode_pairs(QUERY, TEXTS))[:, 0]
+    cross = CrossEncoder(str(directory), device="cpu", max_length=64)
+    raw = cross.predict(pairs, activation_fn=torch.nn.Identity())
+    np.testing.assert_allclose(logits, raw, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(activate(logits, s.activation), cross.predict(pairs),
+                               rtol=1e-5, atol=1e-5)
+    if bias:
+        assert logits.min() > 17 and (activate(logits, s.activation) == 1.0).all()
+        assert len(set(logits.tolist())) == len(TEXTS)
 
 
 @pytest.mark.parametrize("dtype,floor", [("bf16", 0.99), ("fp16", 0.999), ("int8", 0.99)])

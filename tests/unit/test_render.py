@@ -288,13 +288,20 @@ def request(cfg: Config, method: str, path: str, body: bytes | None = None,
         conn.close()
 
 
-@pytest.mark.parametrize("accept", ["application/json", "application/msgpack",
-                                    "application/x-msgpack, */*;q=0.1", ""])
+@pytest.mark.parametrize("accept", [
+    "application/json", "application/msgpack", "application/x-msgpack, */*;q=0.1", "",
+    "Application/MsgPack", "application/vnd.msgpack", "application/json, application/msgpack",
+    "application/json, application/msgpack;q=0.1", "application/msgpack;q=0",
+    "application/msgpack; q=0.0, */*", "application/msgpack, application/json;q=0.9",
+    "*/*", "application/msgpack, */*"])
 def test_no_frontend_is_a_502_in_the_accepted_format(bare_nginx, accept):
+    """nginx's own pages pick the format the frontends' negotiation would."""
+    from frontend.codec import prefers_msgpack
+
     status, headers, body = request(bare_nginx, "POST", "/v1/embeddings", b"{}",
                                     {"Accept": accept} if accept else {})
     assert status == 502
-    if "msgpack" in accept:
+    if prefers_msgpack(accept):
         assert headers["Content-Type"] == "application/msgpack"
         error = msgpack.unpackb(body)["error"]
     else:

@@ -88,3 +88,30 @@ def test_error_body_shape():
         "type": "not_found", "message": "x", "param": None, "code": "model_not_found"}}
     with pytest.raises(ValueError):
         ApiError("no_such_kind", "x")
+
+
+@pytest.mark.parametrize("value,message", [
+    # orjson reads an integer past 64 bits as a float: it is a bad token id, not a bad text.
+    ([1e26], "'input[0]' is 1e+26, a float; token ids must be integers in [0, the model's "
+             "vocabulary size)"),
+    ([101, 2.5], "'input[1]' is 2.5, a float; token ids must be integers"),
+    ([[101, 102], [101, None]], "'input[1][1]' is null; token ids must be integers"),
+    ([[101, 102], "a"], "'input' mixes token-id lists with other values; send a list of texts "
+                        "or a list of token-id lists, not both"),
+    (["a", [101, 102]], "'input' mixes token-id lists with other values"),
+    ([101, "a"], "'input' mixes texts with token ids; send a list of texts or a list of token "
+                 "ids, not both"),
+])
+def test_bad_token_ids_are_named_as_token_ids(value, message):
+    with pytest.raises(ApiError) as info:
+        parse_openai_embeddings({"input": value}, LIMITS)
+    assert info.value.status == 422 and info.value.param == "input"
+    assert info.value.message.startswith(message), info.value.message
+
+
+def test_a_json_integer_past_64_bits_is_named_as_a_token_id():
+    from frontend.codec import decode_body
+
+    body = decode_body(b'{"input": [99999999999999999999999999]}', "application/json")
+    with pytest.raises(ApiError, match=r"^'input\[0\]' is 1e\+26, a float; token ids"):
+        parse_openai_embeddings(body, LIMITS)

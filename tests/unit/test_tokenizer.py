@@ -84,8 +84,30 @@ def test_per_request_truncation_overrides_the_config(spec):
         encoder.encode([long])  # the encoder's own setting is untouched
 
 
+def test_token_ids_take_the_per_request_truncation_as_texts_do(spec):
+    row = list(range(1000, 1300))  # 300 ids, over the 256 limit
+    with pytest.raises(ApiError) as info:  # the server would cut; the request says not to
+        TextEncoder(spec, truncate=True).from_ids([row], truncate=False)
+    assert info.value.status == 413 and info.value.message.endswith("(or send truncate: true)")
+    encoder = TextEncoder(spec, truncate=False)
+    right = encoder.from_ids([row], truncate=True)  # the server would refuse; the request cuts
+    left = encoder.from_ids([row], truncate=True, direction="left")
+    assert right.ids.tolist() == row[:256] and left.ids.tolist() == row[-256:]
+    assert right.truncated == left.truncated == 1
+    with pytest.raises(ApiError) as info:
+        encoder.from_ids([row])  # the encoder's own setting decides without one
+    assert info.value.message.endswith("(or set limits.truncate)")
+
+
 def test_tokenize_gives_offsets_and_special_masks(spec):
     (enc,) = TextEncoder(spec, truncate=True).tokenize(["héllo world"])
     assert enc.tokens[0] == "[CLS]" and enc.special_tokens_mask[0] == 1
     (bare,) = TextEncoder(spec, truncate=True).tokenize(["héllo world"], False)
     assert 101 not in bare.ids
+
+
+def test_an_escaped_nul_is_dropped_by_berts_normalizer(spec):
+    # As README's "Odd but valid input" says: accepted, and the tokenizer decides (BERT drops
+    # control characters), so "a\u0000b" is "ab".
+    encoder = TextEncoder(spec, truncate=True)
+    assert encoder.encode(["a\u0000b"]).ids.tolist() == encoder.encode(["ab"]).ids.tolist()
