@@ -167,7 +167,9 @@ async def live(request: web.Request) -> web.Response:
 
 
 async def ready(request: web.Request) -> web.Response:
-    is_ready = request.app[POOL].all_ready
+    # As GET /ready: every model served (a lost worker beside ready ones is "degraded", which
+    # serves), after every configured worker was ready once.
+    is_ready = routes.readiness(request.app[POOL], request.app[MODELS]) in routes.SERVING
     return codec.render(request, {"ready": is_ready}, status=200 if is_ready else 400)
 
 

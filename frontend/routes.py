@@ -128,7 +128,10 @@ async def ready(request: web.Request) -> web.Response:
                for link in pool.links]
     status = readiness(pool, request.app[MODELS])
     return codec.render(request, {"status": status, "workers": workers},
-                        status=200 if status in ("ready", "degraded") else 503)
+                        status=200 if status in SERVING else 503)
+
+
+SERVING = ("ready", "degraded")  # readiness() statuses under which every model is served
 
 
 def readiness(pool: WorkerPool, models: Models) -> str:

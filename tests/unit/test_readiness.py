@@ -64,3 +64,29 @@ def test_unavailable_when_the_only_worker_of_one_model_is_lost(pool):
     pool._declare_dead(pool.links[1], "test")
     assert readiness(pool, models("a", "b")) == "unavailable"
     assert readiness(pool, models("a")) == "degraded"
+
+
+def test_kserve_server_ready_follows_the_same_rule(pool):
+    import asyncio
+
+    from aiohttp import web
+    from aiohttp.test_utils import make_mocked_request
+
+    from frontend import kserve
+    from frontend.app import MODELS, POOL
+
+    app = web.Application()
+    app[POOL], app[MODELS] = pool, models("a")
+
+    def status() -> int:
+        request = make_mocked_request("GET", "/v2/health/ready", app=app)
+        return asyncio.run(kserve.ready(request)).status
+
+    assert status() == 400  # loading: KServe's "false" is a 4xx
+    beat(pool, 0, True, "a")
+    beat(pool, 1, True, "a")
+    assert status() == 200
+    pool._declare_dead(pool.links[1], "test")
+    assert status() == 200  # degraded: the model is still served
+    pool._declare_dead(pool.links[0], "test")
+    assert status() == 400
