@@ -122,6 +122,11 @@ class PackedEncoder:
             scale = getattr(attn, "scaling", None)  # 1/sqrt(head size) unless the model says
             qkv = (prepack.linear(weight, bias) if prepacked
                    else lambda x, weight=weight, bias=bias: F.linear(x, weight, bias))
+            if isinstance(qkv, prepack.PrepackedLinear):
+                # The plain weights would be held twice (these layers' views of `weight`, and
+                # the prepacked copy); nothing runs them once this pass does.
+                for name in ("query", "key", "value"):
+                    setattr(attn, name, FusedAway(name))
             self.layers.append((qkv, scale, layer))
 
     def __call__(self, groups: list[Group]) -> list[Output]:
@@ -158,6 +163,20 @@ class PackedEncoder:
             out.append(Output(hidden, self.classify(self.whole, hidden) if self.classify
                               else None))
         return out
+
+
+class FusedAway(torch.nn.Module):
+    """In place of a query, key or value layer whose weight lives on only in a PackedEncoder's
+    prepacked product: the network's own forward cannot run without it, and says so."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name = name
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError(f"the {self.name} layer runs fused in gpu_workers.packed's "
+                           "prepacked query-key-value product; the network's own forward is "
+                           "not available for this model")
 
 
 def fused_away(whole: torch.nn.Module) -> frozenset[int]:
