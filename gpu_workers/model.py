@@ -153,7 +153,8 @@ class Model:
         if self.packed is not None:
             outputs = self.packed([
                 packed.Group(ids, mask, types, packed.index_of(group[1], group[0].shape[1])
-                             .to(self.device, non_blocking=True))
+                             .to(self.device, non_blocking=True),
+                             dense=bool((group[1] == group[0].shape[1]).all()))
                 for (ids, mask, _, types), group in zip(inputs, groups)])
             rows = [self.head(out, mask, lens)
                     for out, (_, mask, lens, _) in zip(outputs, inputs)]

@@ -43,6 +43,9 @@ class Group:
     mask: torch.Tensor  # bool [b, l]
     token_types: torch.Tensor | None  # int64 [b, l], or None for all zeros
     index: torch.Tensor  # int64 [real tokens]: their rows in the flattened [b * l] (`index_of`)
+    # No padding: every text is l tokens long (known on the host: on a GPU, asking the mask
+    # would wait for the device). Such a group needs neither gathers nor an attention mask.
+    dense: bool = False
 
 
 def index_of(lengths: np.ndarray, width: int) -> torch.Tensor:
@@ -137,10 +140,14 @@ class PackedEncoder:
         for g in groups:
             b, l = g.ids.shape
             embedded = self.net.embeddings(input_ids=g.ids, token_type_ids=g.token_types)
-            index = g.index
-            parts.append(embedded.reshape(b * l, h).index_select(0, index))
-            places.append((b, l, index, start, start + index.numel(), g.mask[:, None, None, :]))
-            start += index.numel()
+            rows = embedded.reshape(b * l, h)
+            # A group without padding (one text, or texts of one length) needs neither the
+            # gathers nor an attention mask: its rows are its tokens, in order.
+            index, mask = (None, None) if g.dense else (g.index, g.mask[:, None, None, :])
+            parts.append(rows if index is None else rows.index_select(0, index))
+            places.append((b, l, index, start, start + b * l if index is None else
+                           start + index.numel(), mask))
+            start = places[-1][4]
         padding = rows_for(start) - start if self.bucket else 0
         if padding:
             parts.append(parts[0].new_zeros(padding, h))
@@ -149,17 +156,20 @@ class PackedEncoder:
             qkv = linear(x)
             context = []
             for b, l, index, lo, hi, mask in places:
-                padded = qkv.new_zeros(b * l, 3 * h).index_copy_(0, index, qkv[lo:hi])
+                padded = (qkv[lo:hi] if index is None else
+                          qkv.new_zeros(b * l, 3 * h).index_copy_(0, index, qkv[lo:hi]))
                 q, k, v = padded.view(b, l, 3, heads, h // heads).permute(2, 0, 3, 1, 4)
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-                context.append(out.transpose(1, 2).reshape(b * l, h).index_select(0, index))
+                out = out.transpose(1, 2).reshape(b * l, h)
+                context.append(out if index is None else out.index_select(0, index))
             if padding:
                 context.append(x.new_zeros(padding, h))
             x = layer.attention.output(torch.cat(context), x)  # dense, residual, layer norm
             x = layer.output(layer.intermediate(x), x)
         out = []
         for b, l, index, lo, hi, _ in places:
-            hidden = x.new_zeros(b * l, h).index_copy_(0, index, x[lo:hi]).view(b, l, h)
+            hidden = (x[lo:hi].view(b, l, h) if index is None else
+                      x.new_zeros(b * l, h).index_copy_(0, index, x[lo:hi]).view(b, l, h))
             out.append(Output(hidden, self.classify(self.whole, hidden) if self.classify
                               else None))
         return out

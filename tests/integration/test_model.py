@@ -310,6 +310,33 @@ def test_scoring_models_run_length_groups_in_one_pass_too(models, key, task):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("key,task", [("emb", "embedding"), ("clf", "classification"),
+                                      ("ce", "rerank")])
+def test_groups_without_padding_skip_the_gathers_and_the_mask_with_the_same_rows(models, key,
+                                                                               task):
+    model = Model(spec(models[key], task), torch.device("cpu"))
+    seen = []
+    packed_call = type(model.packed).__call__
+
+    def spy(self, groups):
+        seen.extend(g.dense for g in groups)
+        return packed_call(self, groups)
+
+    rng = np.random.default_rng(13)
+    groups = []
+    for rows, width, full in ((3, 12, True), (1, 5, True), (2, 20, False)):
+        lengths = np.full(rows, width) if full else np.array([width, width - 7])
+        segments = (lengths // 2).astype(np.int64) if task == "rerank" else None
+        groups.append((rng.integers(1000, 1100, (rows, width)), lengths, segments))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(type(model.packed), "__call__", spy)
+        got = model.forward_groups(groups)
+    assert seen == [True, True, False]
+    own = Model(spec(models[key], task), torch.device("cpu"), pack=False)
+    want = np.concatenate([own.forward(*group) for group in groups])
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
 def test_int8_keeps_the_networks_own_forward(models):
     assert not Model(spec(models["emb"], "embedding", "int8"), torch.device("cpu")).packs
 
