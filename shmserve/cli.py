@@ -177,9 +177,13 @@ def status(args: argparse.Namespace) -> int:
     if supervisord_pid(cfg) is None:
         left = leftovers(cfg)
         if left:
+            try:  # the address they were started with, not this shell's
+                served = config.load_resolved(topology.resolved_config_path(cfg)).server
+            except (OSError, ValueError):
+                served = cfg.server
             print(f"shmserve: supervisord is not running (run_dir {cfg.run_dir}; killed?), but "
                   f"processes it started live on, unsupervised and maybe still serving on "
-                  f"{cfg.server.host}:{cfg.server.port}: pids {', '.join(map(str, left))}; "
+                  f"{served.host}:{served.port}: pids {', '.join(map(str, left))}; "
                   "`shmserve down` stops them, `shmserve up` replaces them")
             return 1
         print(f"shmserve: not running (run_dir {cfg.run_dir})")

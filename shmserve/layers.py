@@ -45,11 +45,28 @@ def merged(env: str | None = None, extra: str | Path | None = None,
                           f"{', '.join(known)}")
     warn_misspelled(environ)
     tree = deep_merge(tree, _read_yaml(env_file))
-    extra = extra or environ.get("SHMSERVE_CONFIG")
-    for path in str(extra or "").split(os.pathsep):  # several files: "a.yaml:b.yaml", in order
-        if path:
-            tree = deep_merge(tree, _read_yaml(Path(path)))
-    return apply_env_overrides(tree, environ)
+    return overridden(tree, extra, environ)
+
+
+def overridden(tree: Mapping[str, Any], extra: str | Path | None,
+               environ: Mapping[str, str]) -> dict[str, Any]:
+    """`tree` under layers 3 and 4: the extra files (`extra`, else SHMSERVE_CONFIG), then the
+    environment's overrides."""
+    for path in extra_files(extra, environ):  # several files: "a.yaml:b.yaml", in order
+        tree = deep_merge(tree, _read_yaml(path))
+    return apply_env_overrides(dict(tree), environ)
+
+
+def extra_files(extra: str | Path | None, environ: Mapping[str, str]) -> list[Path]:
+    return [Path(p) for p in str(extra or environ.get("SHMSERVE_CONFIG") or "").split(os.pathsep)
+            if p]
+
+
+def file_layers(env: str | None, extra: str | Path | None,
+                environ: Mapping[str, str]) -> list[Path]:
+    """The files layers 1-3 read, in order."""
+    env = env or environ.get("SHMSERVE_ENV", "dev")
+    return [CONFIG_DIR / "base.yaml", CONFIG_DIR / f"{env}.yaml", *extra_files(extra, environ)]
 
 
 _warned: set[str] = set()

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
+from typing import Mapping
 
-from shmserve import config, processes, remote, render, topology
+from shmserve import config, layers, processes, remote, render, topology
 from shmserve.cli import CliError, ctl_argv, print_log_tails, process_info, restart_loop
 from shmserve.config import Config, ConfigError
 
@@ -51,20 +53,37 @@ def restart(args: argparse.Namespace) -> int:
     return 0
 
 
-def config_drift(args: argparse.Namespace, running: Config) -> str | None:
-    """What differs between the config as it loads now (--env, --config, the environment) and
-    the one the deployment runs, which restart keeps: restarted programs read run/config.json,
-    and counts (frontends, workers) are supervisord's, fixed at `up`."""
+def config_drift(args: argparse.Namespace, running: Config,
+                 environ: Mapping[str, str] | None = None) -> str | None:
+    """What this command asks for that the running deployment does not run, which restart
+    keeps (restarted programs read run/config.json; counts are supervisord's, fixed at `up`):
+    the overrides given now (the --config files, SHMSERVE__ variables) laid over the running
+    config, and config files edited since `up`. Overrides given to `up` and not repeated now
+    are not differences: commands act on the deployment as it was started."""
+    environ = os.environ if environ is None else environ
+    path = topology.resolved_config_path(running)
     try:
-        now = render.resolved(config.from_args(args))
+        tree = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None  # no readable run/config.json (another version wrote it, say)
+    try:
+        now = render.resolved(config.from_tree(layers.overridden(tree, args.config, environ)))
     except ConfigError as exc:
-        return f"the config as it loads now is invalid ({exc}); restarting with the running one"
+        return f"the overrides given now are invalid ({exc}); restarting with the running config"
     changed = config.differences(render.resolved(running), now)
-    if not changed:
+    started = path.stat().st_mtime
+    edited = [str(f) for f in layers.file_layers(args.env, args.config, environ)
+              if f.is_file() and f.stat().st_mtime > started]
+    if not changed and not edited:
         return None
-    return (f"the config as it loads now differs from the one this deployment runs "
-            f"({topology.resolved_config_path(running)}): {'; '.join(changed)}. restart keeps "
-            "the running one; to apply the new one: `shmserve down`, then `shmserve up`")
+    said = []
+    if changed:
+        said.append(f"the overrides given now differ from the config this deployment runs "
+                    f"({path}): {'; '.join(changed)}")
+    if edited:
+        said.append(f"edited since `up`: {', '.join(edited)}")
+    return (f"{'. '.join(said)}. restart keeps the running config; to apply the new one: "
+            "`shmserve down`, then `shmserve up` (with the same overrides)")
 
 
 def restart_gap(group: str, name: str, programs: list[str], all_at_once: bool) -> str | None:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from shmserve import arena, cli, processes, remote, render, restarts, topology
+from shmserve import arena, cli, config, processes, remote, render, restarts, topology
 from shmserve.config import REPO_ROOT
 from tests.unit.test_render import free_port, make_config, wait_until
 
@@ -112,7 +112,10 @@ def test_status_when_not_running_exits_3(deployment, capsys):
     assert str(deployment.run_dir) in capsys.readouterr().out
 
 
-def test_status_names_what_a_dead_supervisord_left_running(deployment, capsys):
+def test_status_names_what_a_dead_supervisord_left_running(deployment, capsys, monkeypatch):
+    started = config.load()  # as `up` rendered it, on a port this shell no longer names
+    render.render(started)
+    monkeypatch.setenv("SHMSERVE__SERVER__PORT", str(free_port()))
     env = {**os.environ, "SHMSERVE_RUN_DIR": str(deployment.run_dir)}  # as supervisord sets
     left = subprocess.Popen(["sleep", "300"], env=env)
     try:
@@ -120,6 +123,7 @@ def test_status_names_what_a_dead_supervisord_left_running(deployment, capsys):
         assert cli.main(["status"]) == 1
         out = capsys.readouterr().out
         assert "supervisord is not running" in out and str(left.pid) in out
+        assert f"serving on 127.0.0.1:{started.server.port}:" in out
         assert "`shmserve down` stops them" in out
     finally:
         left.kill()
@@ -301,3 +305,24 @@ def test_the_last_error_of_a_log_is_its_exception():
     assert cli.last_error([json.dumps({"level": "error", "message": "no device"})]) == "no device"
     assert cli.last_error(["Traceback", "  File x", "OSError: gone", ""]) == "OSError: gone"
     assert cli.last_error([]) == ""
+
+
+def test_restart_names_what_the_overrides_given_now_would_change(tmp_path):
+    """Overrides given to `up` and not repeated are no difference (commands act on the
+    deployment as started); overrides given now, and config files edited since, are."""
+    at_up = {"SHMSERVE_ENV": "test", "SHMSERVE__SERVER__RUN_DIR": str(tmp_path / "run"),
+             "SHMSERVE__SERVER__PORT": str(free_port()), "SHMSERVE__WORKERS__DEVICES": "cpu"}
+    running = config.load(environ=at_up)
+    render.render(running)
+    later = {"SHMSERVE_ENV": "test"}  # a later shell: the port and devices not repeated
+    args = argparse.Namespace(env=None, config=None)
+    assert restarts.config_drift(args, running, later) is None
+    said = restarts.config_drift(args, running, {**later, "SHMSERVE__FRONTENDS__COUNT": "7"})
+    assert f"frontends.count: {running.frontends.count} -> 7" in said
+    assert "server.port" not in said and "`shmserve down`, then `shmserve up`" in said
+    extra = tmp_path / "extra.yaml"
+    extra.write_text("batching:\n  max_wait_ms: 9\n")
+    said = restarts.config_drift(argparse.Namespace(env=None, config=str(extra)), running, later)
+    assert "batching.max_wait_ms" in said and f"edited since `up`: {extra}" in said
+    assert "invalid" in restarts.config_drift(
+        args, running, {**later, "SHMSERVE__FRONTENDS__COUNT": "0"})
