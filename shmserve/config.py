@@ -33,7 +33,7 @@ class ServerConfig:
 @dataclass(frozen=True, slots=True)
 class NginxConfig:
     binary: str = "nginx"
-    worker_processes: int = 1
+    worker_processes: int | str = 1  # or auto: one per core, nginx's own rule
     worker_connections: int = 4096
     client_max_body_size: str = "8m"
     client_header_buffer_size: str = "4k"
@@ -248,7 +248,8 @@ _CHECKS: dict[str, Check] = {
     "nginx.send_timeout_s": _POSITIVE_INT,
     "nginx.proxy_read_timeout_s": _POSITIVE_INT,
     "nginx.upstream_keepalive": _POSITIVE_INT,
-    "nginx.worker_processes": _POSITIVE_INT,
+    "nginx.worker_processes": (lambda v: v == "auto" or (isinstance(v, int) and v >= 1),
+                               "auto or an integer >= 1"),
     "frontends.count": (lambda v: 1 <= v <= 64, "an integer from 1 to 64"),
     "frontends.max_inflight": _POSITIVE_INT,
     "frontends.request_timeout_s": (lambda v: v > 0, "a number > 0"),

@@ -286,7 +286,9 @@ def _user_directive() -> str:
 def _minfds(cfg: Config) -> int:
     # nginx holds two descriptors per proxied connection; supervisord raises every child's soft
     # limit to this, but never past the hard limit (it refuses to start if asked to).
-    want = max(4096, 2 * cfg.nginx.worker_connections * cfg.nginx.worker_processes + 1024)
+    workers = cfg.nginx.worker_processes
+    workers = (os.cpu_count() or 1) if workers == "auto" else workers
+    want = max(4096, 2 * cfg.nginx.worker_connections * workers + 1024)
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     return want if hard == resource.RLIM_INFINITY else min(want, hard)
 

@@ -405,3 +405,12 @@ def test_nginx_access_lines_are_written_at_once_when_log_flushing_is_off(tmp_pat
     cfg = make_config(tmp_path / "run", logging={"flush_interval_ms": 0})
     render.render(cfg)
     assert "access_log /dev/stdout shmserve_json;" in render.nginx_conf(cfg).read_text()
+
+
+def test_nginx_worker_processes_may_be_auto(tmp_path):
+    cfg = make_config(tmp_path / "run", nginx={"worker_processes": "auto"})
+    render.render(cfg)
+    assert "worker_processes auto;" in render.nginx_conf(cfg).read_text()
+    assert render._minfds(cfg) >= 4096
+    with pytest.raises(config.ConfigError, match="nginx.worker_processes: .*auto or an integer"):
+        make_config(tmp_path / "run2", nginx={"worker_processes": "lots"})
