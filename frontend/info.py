@@ -22,6 +22,18 @@ from shmserve.config import Config
 # shmserve's names -> TEI's.
 TEI_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 TEI_POOLING = {"mean": "mean", "cls": "cls", "last": "last_token"}
+EMBEDS = ("embedding", "null")  # the tasks whose rows are pooled embeddings
+
+
+def _tei_model_type(model: dict[str, Any]) -> dict[str, Any]:
+    """TEI's model_type: {"embedding": {"pooling"}}, or a scoring model's labels as
+    {"classifier" | "reranker": {"id2label", "label2id"}}."""
+    if model["task"] in EMBEDS:
+        return {"embedding": {"pooling": TEI_POOLING[model["pooling"]]}}
+    labels = model.get("labels") or ["LABEL_0"]  # a cross-encoder's one logit
+    return {"classifier" if model["task"] == "classification" else "reranker": {
+        "id2label": {str(i): label for i, label in enumerate(labels)},
+        "label2id": {label: i for i, label in enumerate(labels)}}}
 
 
 def add_routes(app: web.Application) -> None:
@@ -56,7 +68,7 @@ def describe(cfg: Config, models: Models, pool: WorkerPool) -> dict[str, Any]:
         "model_id": default["name"],
         "model_sha": default["revision"],
         "model_dtype": TEI_DTYPES.get(default["dtype"], default["dtype"]),
-        "model_type": {"embedding": {"pooling": TEI_POOLING[default["pooling"]]}},
+        "model_type": _tei_model_type(default),
         "max_concurrent_requests": cfg.frontends.max_inflight * cfg.frontends.count,
         "max_input_length": default["max_input_tokens"],
         "max_batch_tokens": cfg.batching.max_batch_tokens,
@@ -80,8 +92,15 @@ def _model(cfg: Config, served, pool: WorkerPool) -> dict[str, Any]:
     # known at once.
     info = {"name": spec.name, "aliases": list(model_cfg.aliases),
             "revision": revision(served.variants[0], pool) or None,
-            "task": spec.task, "dtype": dtype, "dim": spec.dim, "pooling": spec.pooling,
-            "normalize": spec.normalize, "max_input_tokens": spec.max_tokens}
+            "task": spec.task, "dtype": dtype, "dim": spec.dim,
+            # pooling and normalisation make an embedding; a scoring model's head has neither
+            "pooling": spec.pooling if spec.task in EMBEDS else None,
+            "normalize": spec.normalize if spec.task in EMBEDS else None,
+            "max_input_tokens": spec.max_tokens}
+    if spec.task == "classification":
+        info["labels"] = list(spec.labels)
+    if spec.task == "rerank":
+        info["activation"] = spec.activation  # of the logit: sigmoid | identity
     if served.variants[0].name:  # an A/B split: each arm's revision ("revision": the first's)
         info["variants"] = [{"name": v.name, "revision": revision(v, pool) or None}
                             for v in served.variants]

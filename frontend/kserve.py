@@ -107,7 +107,7 @@ async def _run_rerank(request: web.Request, model: ServedModel,
         raise ApiError("invalid_request", "'query' must hold exactly one text", param="query")
     out = await tasks.rerank(request, model.spec.name, query[0],
                              _strings(request, inputs["text"], "text"), param="text")
-    return {"score": out.scores}, out.ran.outcome
+    return {"score": out.scores, "logit": out.logits}, out.ran.outcome
 
 
 def _embedding(model: ServedModel) -> Tensors:
@@ -125,12 +125,15 @@ def _classification(model: ServedModel) -> Tensors:
 
 def _rerank(model: ServedModel) -> Tensors:
     return Tensors(inputs=(TensorSpec("query", BYTES, (1,)), TensorSpec("text", BYTES, (-1,))),
-                   outputs=(TensorSpec("score", "FP32", (-1,)),),
+                   # score: the logit through the model's activation (a sigmoid is 1.0 in
+                   # FP32 past ~17, so order by the logit)
+                   outputs=(TensorSpec("score", "FP32", (-1,)), TensorSpec("logit", "FP32", (-1,))),
                    run=_run_rerank)
 
 
 # task -> its tensors: texts -> FP32 [N, D] embeddings; texts -> FP32 [N, labels] softmax
-# probabilities (labels in the model's metadata); one query + N texts -> FP32 [N] scores.
+# probabilities (labels in the model's metadata); one query + N texts -> FP32 [N] scores
+# and the logits they come from.
 TASKS: dict[str, Callable[[ServedModel], Tensors]] = {
     "embedding": _embedding, "null": _embedding, "classification": _classification,
     "rerank": _rerank}

@@ -224,8 +224,9 @@ def test_rerank_ranks_by_the_logit_on_every_route(stack, dirs, name):
     question.set_data_from_numpy(np.array([query.encode()], dtype=object))
     docs = triton.InferInput("text", [len(TEXTS)], "BYTES")
     docs.set_data_from_numpy(np.array([t.encode() for t in TEXTS], dtype=object))
-    np.testing.assert_allclose(client.infer(name, [question, docs]).as_numpy("score"), want,
-                               rtol=1e-5, atol=1e-5)
+    result = client.infer(name, [question, docs])
+    np.testing.assert_allclose(result.as_numpy("score"), want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(result.as_numpy("logit"), logits, rtol=1e-5, atol=1e-4)
     client.close()
 
 
@@ -266,9 +267,13 @@ def test_pinned_models_load_only_on_their_workers_and_dtypes_resolve(stack, dirs
     # /info names the dtype the workers run, not the configured "auto".
     status, _, info = stack.get("/info")
     assert status == 200
-    dtypes = {m["name"]: m["dtype"] for m in json.loads(info)["models"]}
+    described = {m["name"]: m for m in json.loads(info)["models"]}
+    dtypes = {name: m["dtype"] for name, m in described.items()}
     assert (dtypes["auto"], dtypes["strict"], dtypes["q8"]) == \
         ("bf16" if cpu_has_bf16() else "fp32", "fp32", "int8")
+    # A scoring model has no pooling; a classifier names its labels.
+    assert described["clf"]["pooling"] is None and described["clf"]["labels"]
+    assert described["tiny"]["pooling"] == "mean"
     want = reference_embeddings(dirs["tiny"], TEXTS, TINY_MAX_TOKENS)
     for model, floor in (("q8", 0.99), ("auto", 0.99), ("strict", 0.99999)):
         status, _, body = stack.post_json("/predict", {"model": model, "texts": TEXTS})

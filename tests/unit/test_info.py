@@ -26,3 +26,15 @@ def test_the_device_is_unknown_until_the_worker_reports_it():
         info = _device(0, "0", pool_with(label, ready=False))
         assert info["device"] is None and info["name"] is None and info["ready"] is False
         assert info["configured"] == "cuda:0"
+
+
+def test_tei_model_type_and_scoring_models_say_what_they_are():
+    from frontend.info import _tei_model_type
+
+    embedding = {"task": "embedding", "pooling": "cls"}
+    assert _tei_model_type(embedding) == {"embedding": {"pooling": "cls"}}
+    classifier = {"task": "classification", "labels": ["neg", "pos"]}
+    assert _tei_model_type(classifier) == {"classifier": {
+        "id2label": {"0": "neg", "1": "pos"}, "label2id": {"neg": 0, "pos": 1}}}
+    assert _tei_model_type({"task": "rerank", "pooling": None}) == {"reranker": {
+        "id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0}}}
