@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import dataclasses
+import time
 
 import numpy as np
 from aiohttp import web
@@ -118,13 +119,16 @@ async def health(request: web.Request) -> web.Response:
 
 async def ready(request: web.Request) -> web.Response:
     pool = request.app[POOL]
+    now = time.monotonic()
     workers = [{"worker": link.index, "alive": link.alive, "ready": link.ready,
                 "pid": link.beat.pid if link.beat else None,
                 "device": link.beat.device if link.beat else None,
                 "queued_texts": link.beat.queued_texts if link.beat else None,
                 # the forward pass running now, seconds; stalled: past workers.stalled_pass_s
                 "pass_s": round(link.beat.pass_s, 3) if link.beat else None,
-                "stalled": bool(link.beat and pool.watchdog.stalled(link.beat))}
+                "stalled": bool(link.beat and pool.watchdog.stalled(link.beat)),
+                # since its last heartbeat (workers.hung_kill_s of silence: killed)
+                "silent_s": round(now - link.last_beat, 1) if link.beat else None}
                for link in pool.links]
     status = readiness(pool, request.app[MODELS])
     return codec.render(request, {"status": status, "workers": workers},

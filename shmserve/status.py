@@ -57,8 +57,13 @@ def parse_metrics(text: str) -> dict[str, dict[Labels, float]]:
 def render(cur: Sample, prev: Sample | None, title: str) -> str:
     state = {200: "ready", 503: "not ready", None: "no answer from nginx"}.get(
         cur.ready_code, f"nginx answers {cur.ready_code}: no frontend answered it")
-    if cur.ready_code == 200 and cur.ready.get("status") == "degraded":
+    word = cur.ready.get("status")
+    if cur.ready_code == 200 and word == "degraded":
         state = "degraded (every model is served, not every worker is ready)"
+    elif cur.ready_code == 503 and word == "loading":
+        state = "loading (not every worker has loaded its models yet)"
+    elif cur.ready_code == 503 and word == "unavailable":
+        state = "unavailable (some model has no ready worker)"
     lines = [f"{title}: {state}", ""]
     lines += _table(["PROGRAM", "STATE", "PID", "UPTIME", "RSS"], _process_rows(cur))
     lines.append("")

@@ -103,6 +103,10 @@ def test_a_worker_stopped_for_good_is_killed_and_restarted(stack):
             stack.wait_until(lambda: json.loads(stack.get("/ready")[2])["status"] == "degraded",
                              30, "GET /ready to say degraded")
             assert stack.get("/ready")[0] == 200
+            # /ready counts the silence the kill is judged on
+            stopped = next(w for w in json.loads(stack.get("/ready")[2])["workers"]
+                           if w["worker"] == 0)
+            assert stopped["pid"] == pid and stopped["silent_s"] >= 1.0, stopped
             stack.wait_until(lambda: stack.pid("workers:worker-0") not in (0, pid), 60,
                              "the stopped worker to be killed and restarted")
             stack.wait_until(stack.all_ready, 90, "every worker ready after the restart")

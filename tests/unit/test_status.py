@@ -5,6 +5,8 @@ from __future__ import annotations
 import io
 import itertools
 
+import pytest
+
 from shmserve import status
 
 PROCESSES = [
@@ -122,3 +124,12 @@ def test_a_degraded_deployment_says_so():
     cur = status.Sample(cur.at, cur.processes, 200, {**READY, "status": "degraded"}, cur.metrics)
     assert status.render(cur, None, "t").splitlines()[0] == \
         "t: degraded (every model is served, not every worker is ready)"
+
+
+@pytest.mark.parametrize("word,why", [
+    ("loading", "loading (not every worker has loaded its models yet)"),
+    ("unavailable", "unavailable (some model has no ready worker)")])
+def test_a_deployment_not_ready_says_which_way(word, why):
+    cur = sample(1.0, 10, 1, 10, 10)
+    cur = status.Sample(cur.at, cur.processes, 503, {**READY, "status": word}, cur.metrics)
+    assert status.render(cur, None, "t").splitlines()[0] == f"t: {why}"
