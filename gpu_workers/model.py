@@ -97,8 +97,7 @@ class Model:
         self.packed = (packed.PackedEncoder(net, bucket=self.bucket, prepacked=bf16)
                        if self._packs else None)
         if bf16:  # after the packed encoder has fused query, key and value from their layers
-            self.prepacked = prepack.swap(
-                net, packed.fused_away(net) if self._packs else frozenset())
+            self.prepacked = prepack.swap(net)  # not the fused query, key, value: FusedAway
         self.graphs = (Graphs(self._graph_rows, self.device, self.pad_id, self.max_tokens,
                               self.max_graphs) if self.max_graphs else None)
 

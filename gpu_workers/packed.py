@@ -187,12 +187,3 @@ class FusedAway(torch.nn.Module):
         raise RuntimeError(f"the {self.name} layer runs fused in gpu_workers.packed's "
                            "prepacked query-key-value product; the network's own forward is "
                            "not available for this model")
-
-
-def fused_away(whole: torch.nn.Module) -> frozenset[int]:
-    """The ids of the query, key and value layers a PackedEncoder of `whole` runs as one
-    product (so they need no prepacked copy of their own)."""
-    net = whole.base_model if type(whole).__name__ in CLASSIFIERS else whole
-    return frozenset(id(linear) for layer in net.encoder.layer
-                     for linear in (layer.attention.self.query, layer.attention.self.key,
-                                    layer.attention.self.value))

@@ -65,13 +65,13 @@ def linear(weight: torch.Tensor, bias: torch.Tensor | None):
     return lambda x: F.linear(x, weight, bias)
 
 
-def swap(net: torch.nn.Module, skip: frozenset[int] = frozenset()) -> int:
-    """Every bf16 nn.Linear of `net` on a CPU (but those whose id is in `skip`) replaced in
-    place by a PrepackedLinear; the count replaced."""
+def swap(net: torch.nn.Module) -> int:
+    """Every bf16 nn.Linear of `net` on a CPU replaced in place by a PrepackedLinear; the count
+    replaced."""
     swapped = 0
     for parent in list(net.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is not torch.nn.Linear or id(child) in skip:
+            if type(child) is not torch.nn.Linear:
                 continue
             layer = linear(child.weight, child.bias)
             if isinstance(layer, PrepackedLinear):
