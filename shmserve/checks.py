@@ -1,0 +1,74 @@
+"""The value rules of every config key beyond its type (shmserve.config's dataclasses give
+the types): key path -> (predicate, what is expected), for shmserve.typedtree.build."""
+
+from __future__ import annotations
+
+import re
+
+from shmserve.typedtree import Check
+
+# Range checks beyond the types: key path -> (predicate, what is expected).
+_POSITIVE_INT: Check = (lambda v: v >= 1, "an integer >= 1")
+CHECKS: dict[str, Check] = {
+    "server.port": (lambda v: 1 <= v <= 65535, "a port from 1 to 65535"),
+    "server.drain_timeout_s": (lambda v: v >= 0, "a number >= 0"),
+    # Pasted into nginx.conf: nothing but a value may pass (no `;`, no second directive).
+    "server.host": (lambda v: re.fullmatch(r"[A-Za-z0-9.-]{1,253}|[0-9A-Fa-f:.]{2,45}", v)
+                    is not None, "an IPv4 or IPv6 address or a host name"),
+    "nginx.client_max_body_size": (lambda v: re.fullmatch(r"[0-9]{1,9}[kKmMgG]?", v)
+                                   is not None, "a size such as 8m (digits, then k, m or g)"),
+    "nginx.client_header_buffer_size": (lambda v: re.fullmatch(r"[0-9]{1,9}[kKmM]?", v)
+                                        is not None, "a size such as 4k (digits, then k or m)"),
+    "nginx.large_client_header_buffers": (lambda v: re.fullmatch(r"[0-9]{1,4} [0-9]{1,9}[kKmM]?",
+                                          v) is not None, "a count and a size such as 4 16k"),
+    "nginx.worker_connections": _POSITIVE_INT,
+    "nginx.client_body_timeout_s": _POSITIVE_INT,
+    "nginx.client_header_timeout_s": _POSITIVE_INT,
+    "nginx.send_timeout_s": _POSITIVE_INT,
+    "nginx.proxy_read_timeout_s": _POSITIVE_INT,
+    "nginx.upstream_keepalive": _POSITIVE_INT,
+    "nginx.worker_processes": (lambda v: v == "auto" or (isinstance(v, int) and v >= 1),
+                               "auto or an integer >= 1"),
+    "frontends.count": (lambda v: 1 <= v <= 64, "an integer from 1 to 64"),
+    "frontends.max_inflight": _POSITIVE_INT,
+    "frontends.request_timeout_s": (lambda v: v > 0, "a number > 0"),
+    "frontends.retry_on_worker_loss": (lambda v: v >= 0, "an integer >= 0"),
+    "frontends.no_worker_wait_s": (lambda v: v >= 0, "a number >= 0"),
+    "frontends.listen_backlog": _POSITIVE_INT,
+    "frontends.default_priority": (lambda v: -10 <= v <= 10, "an integer from -10 to 10"),
+    "workers.low_priority_queue_share": (lambda v: 0 < v <= 1, "a number in (0, 1]"),
+    "workers.devices": (lambda v: v in ("auto", "cpu") or (isinstance(v, list) and v
+                        and all(d >= 0 for d in v)), "auto, cpu or a list of GPU indices"),
+    "workers.cuda_graphs": (lambda v: 0 <= v <= 4096, "an integer from 0 to 4096"),
+    "workers.per_gpu": (lambda v: 1 <= v <= 16, "an integer from 1 to 16"),
+    "workers.cpu_workers": (lambda v: v == "auto" or (isinstance(v, int) and 1 <= v <= 64),
+                            "auto or an integer from 1 to 64"),
+    "workers.torch_threads": (lambda v: v == "auto" or (isinstance(v, int) and v >= 1),
+                              "auto or an integer >= 1"),
+    "workers.queue_texts": _POSITIVE_INT,
+    "workers.heartbeat_interval_s": (lambda v: v > 0, "a number > 0"),
+    "workers.heartbeat_timeout_s": (lambda v: v > 0, "a number > 0"),
+    "workers.hung_kill_s": (lambda v: v >= 0, "a number >= 0 (0: never)"),
+    "workers.stalled_pass_s": (lambda v: v >= 0, "a number >= 0 (0: never)"),
+    "workers.ready_timeout_s": (lambda v: v > 0, "a number > 0"),
+    "workers.memory_check_batches": _POSITIVE_INT,
+    "workers.empty_cache_free_below": (lambda v: 0 <= v <= 1, "a number from 0 to 1 (0: never)"),
+    "workers.empty_cache_idle_s": (lambda v: v >= 0, "a number >= 0 (0: never)"),
+    "workers.switch_interval_ms": (lambda v: 0.01 <= v <= 100, "a number from 0.01 to 100"),
+    "batching.max_batch_size": _POSITIVE_INT,
+    "batching.max_batch_tokens": _POSITIVE_INT,
+    "batching.max_wait_ms": (lambda v: v >= 0, "a number >= 0"),
+    "batching.max_pad_ratio": (lambda v: v >= 1, "a number >= 1"),
+    "batching.fair_share_every": _POSITIVE_INT,
+    "logging.flush_interval_ms": (lambda v: v >= 0, "a number >= 0"),
+    "logging.max_bytes": (lambda v: v >= 1024, "an integer >= 1024 (bytes)"),
+    "logging.backups": (lambda v: 0 <= v <= 1000, "an integer from 0 to 1000"),
+    "limits.max_texts_per_request": _POSITIVE_INT,
+    "limits.max_text_chars": _POSITIVE_INT,
+    "shm.arena_mb": (lambda v: 1 <= v <= 65536, "an integer from 1 to 65536"),
+    "admin.reload_timeout_s": (lambda v: v > 0, "a number > 0"),
+    "tracing.otlp_endpoint": (lambda v: v == "" or re.match(r"^https?://[^\s]+$", v) is not None,
+                              "empty or an http(s):// URL"),
+    "tracing.service_name": (lambda v: 1 <= len(v) <= 128, "1 to 128 characters"),
+    "tracing.sample_ratio": (lambda v: 0 <= v <= 1, "a number from 0 to 1"),
+}
