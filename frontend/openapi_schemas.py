@@ -1,0 +1,233 @@
+"""The component schemas of ``GET /openapi.json`` (frontend.openapi): each route's request and
+response bodies, per protocol, with the limits and model names of this config."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shmserve.config import Config
+
+
+def ref(name: str) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def schemas(cfg: Config, models: list[str]) -> dict[str, Any]:
+    limits = cfg.limits
+    text = {"type": "string", "minLength": 1, "maxLength": limits.max_text_chars}
+    texts = {"type": "array", "items": text, "minItems": 1,
+             "maxItems": limits.max_texts_per_request}
+    ids = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+    parts = {
+        "text": text, "texts": texts,
+        "inputs": {"oneOf": [text, texts, ids, {"type": "array", "items": ids, "minItems": 1,
+                                                "maxItems": limits.max_texts_per_request}],
+                   "description": "text(s), or token ids the client made: used as given (no "
+                                  "special tokens added), each in [0, vocab size)"},
+        # Per route, the models of its task (the null model stands in for an embedding one).
+        "model": lambda *tasks: _model_names(cfg, tasks),
+    }
+    return {**_native_schemas(parts), **_task_schemas(parts), **_tei_schemas(parts),
+            **_kserve_schemas()}
+
+
+def _model_names(cfg: Config, tasks: tuple[str, ...]) -> dict[str, Any]:
+    names = [n for m in cfg.models if m.task in tasks for n in (m.name, *m.aliases)]
+    schema: dict[str, Any] = {"type": "string", "description": "a served model's name or alias, "
+                              f"of task {' or '.join(tasks)}; the first model of the route's "
+                              "task when absent"}
+    if names:  # else any name is 404 or 422 (unsupported_task)
+        schema["enum"] = names
+    return schema
+
+
+def _native_schemas(parts: dict[str, Any]) -> dict[str, Any]:
+    """The native and OpenAI bodies, errors, and the operational routes' answers."""
+    priority = {"oneOf": [{"enum": ["low", "normal", "high"]},
+                          {"type": "integer", "minimum": -10, "maximum": 10}],
+                "description": "higher runs first; wins over the X-Priority header"}
+    usage = {"type": "object", "properties": {"prompt_tokens": {"type": "integer"},
+                                               "total_tokens": {"type": "integer"}}}
+    return {
+        "Error": {"type": "object", "required": ["error"], "properties": {"error": {
+            "type": "object", "required": ["message", "type", "param", "code"], "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string", "description": "bad_request, invalid_request, "
+                         "not_found, too_large, overloaded, timeout, unavailable, ..."},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": ["string", "null"]}}}}},
+        "Vector": {"oneOf": [{"type": "array", "items": {"type": "number"}},
+                             {"type": "string", "description": "base64 (encoding_format) or, in "
+                              "msgpack, raw little-endian float32 bytes"}]},
+        "PredictRequest": {"type": "object", "required": ["texts"], "properties": {
+            "texts": {"oneOf": [parts["text"], parts["texts"]],
+                      "description": "one string is one text: `results` holds one row"},
+            "model": parts["model"]("embedding", "null", "classification"),
+            "priority": priority, "top_k": {"type": ["integer", "null"], "minimum": 1,
+                      "description": "a classification model: labels per text"},
+            "user": {"type": ["string", "null"]}}},
+        "PredictResponse": {"type": "object", "properties": {
+            "results": {"type": "array", "description": "a vector per text, or for a "
+                        "classification model its labels, best first", "items": {"oneOf": [
+                            ref("Vector"), {"type": "array", "items": {
+                                "type": "object", "properties": {
+                                    "label": {"type": "string"},
+                                    "score": {"type": "number"}}}}]}},
+            "model": {"type": "string"},
+            "revision": {"type": "string"}, "usage": usage}},
+        "EmbeddingsRequest": {"type": "object", "required": ["input"], "properties": {
+            "input": parts["inputs"], "model": parts["model"]("embedding", "null"),
+            "encoding_format": {"type": ["string", "null"], "enum": ["float", "base64", None]},
+            "dimensions": {"type": ["integer", "null"], "minimum": 1,
+                           "description": "keep this many leading components, re-normalised "
+                                          "(Matryoshka); at most the model's dimension"},
+            "user": {"type": ["string", "null"]}, "priority": priority}},
+        "EmbeddingsResponse": {"type": "object", "properties": {
+            "object": {"const": "list"}, "model": {"type": "string"}, "usage": usage,
+            "data": {"type": "array", "items": {"type": "object", "properties": {
+                "object": {"const": "embedding"}, "index": {"type": "integer"},
+                "embedding": ref("Vector")}}}}},
+        "Model": {"type": "object", "properties": {
+            "id": {"type": "string"}, "object": {"const": "model"},
+            "created": {"type": "integer"}, "owned_by": {"type": "string"}}},
+        "ModelList": {"type": "object", "properties": {
+            "object": {"const": "list"}, "data": {"type": "array", "items": ref("Model")}}},
+        "Health": {"type": "object", "properties": {"status": {"type": "string"},
+                                                    "version": {"type": "string"}}},
+        "Readiness": {"type": "object", "properties": {
+            "status": {"enum": ["ready", "degraded", "loading", "unavailable"]},
+            "workers": {"type": "array", "items": {"type": "object"}}}},
+    }
+
+
+def _task_schemas(parts: dict[str, Any]) -> dict[str, Any]:
+    """Classification, rerank and the model admin bodies (docs/models.md)."""
+    count = {"type": ["integer", "null"], "minimum": 1}
+    usage = {"type": "object", "properties": {"prompt_tokens": {"type": "integer"},
+                                               "total_tokens": {"type": "integer"}}}
+    scored = {"type": "object", "properties": {"label": {"type": "string"},
+                                               "score": {"type": "number"}}}
+    document = {"oneOf": [parts["text"], {"type": "object", "required": ["text"],
+                                          "properties": {"text": parts["text"]}}]}
+    return {
+        "ClassifyRequest": {"type": "object", "required": ["input"], "properties": {
+            "input": {"oneOf": [parts["text"], parts["texts"]]},
+            "model": parts["model"]("classification"), "top_k": count,
+            "user": {"type": ["string", "null"]}}},
+        "ClassifyResponse": {"type": "object", "properties": {
+            "object": {"const": "list"}, "model": {"type": "string"},
+            "revision": {"type": "string"}, "usage": usage,
+            "data": {"type": "array", "items": {"type": "object", "properties": {
+                "object": {"const": "classification"}, "index": {"type": "integer"},
+                "label": {"type": "string"}, "num_classes": {"type": "integer"},
+                "probs": {"type": "array", "items": {"type": "number"}},
+                "labels": {"type": "array", "items": scored,
+                           "description": "best first, cut to top_k"}}}}}},
+        "RerankRequest": {"type": "object", "required": ["query", "documents"], "properties": {
+            "query": parts["text"], "model": parts["model"]("rerank"),
+            "documents": {"type": "array", "items": document, "minItems": 1,
+                          "maxItems": parts["texts"]["maxItems"]},
+            "top_n": count, "return_documents": {"type": ["boolean", "null"]},
+            "user": {"type": ["string", "null"]}}},
+        "RerankResponse": {"type": "object", "properties": {
+            "id": {"type": "string"}, "model": {"type": "string"},
+            "revision": {"type": "string"}, "usage": usage,
+            "results": {"type": "array", "description": "best first", "items": {
+                "type": "object", "properties": {
+                    "index": {"type": "integer"}, "relevance_score": {"type": "number"},
+                    "document": {"type": "object", "properties": {
+                        "text": {"type": "string"}}}}}}}},
+        "ReloadRequest": {"type": "object", "properties": {
+            "source": {"type": "string", "description": "a directory under model_roots or "
+                       "package:NAME; empty: the current source, read again"},
+            "revision": {"type": "string", "description": "empty: a digest of the weights"},
+            "variant": {"type": "string", "description": "the A/B variant, for a split model"}}},
+        "SplitRequest": {"type": "object", "required": ["weights"], "properties": {
+            "weights": {"type": "object", "additionalProperties": {
+                "type": "number", "minimum": 0}}}},
+    }
+
+
+def _tei_schemas(parts: dict[str, Any]) -> dict[str, Any]:
+    nullable_bool = {"type": ["boolean", "null"]}
+    direction = {"type": ["string", "null"], "enum": ["Right", "Left", "right", "left", None]}
+    return {
+        "Info": {"type": "object", "properties": {
+            "model_id": {"type": "string"}, "model_sha": {"type": ["string", "null"]},
+            "model_dtype": {"type": "string"}, "model_type": {"type": "object"},
+            "max_concurrent_requests": {"type": "integer"},
+            "max_input_length": {"type": "integer"}, "max_batch_tokens": {"type": "integer"},
+            "max_batch_requests": {"type": ["integer", "null"]},
+            "max_client_batch_size": {"type": "integer"}, "auto_truncate": {"type": "boolean"},
+            "tokenization_workers": {"type": "integer"}, "version": {"type": "string"}}},
+        "TeiEmbedRequest": {"type": "object", "required": ["inputs"], "properties": {
+            "inputs": parts["inputs"], "model": parts["model"]("embedding", "null"),
+            "normalize": nullable_bool,
+            "truncate": nullable_bool, "truncation_direction": direction,
+            "dimensions": {"type": ["integer", "null"], "minimum": 1},
+            "prompt_name": {"type": "null"}}},
+        "TeiRerankRequest": {"type": "object", "required": ["query", "texts"], "properties": {
+            "query": parts["text"], "texts": parts["texts"], "model": parts["model"]("rerank"),
+            "raw_scores": nullable_bool, "return_text": nullable_bool,
+            "truncate": nullable_bool, "truncation_direction": direction}},
+        "Rank": {"type": "object", "properties": {"index": {"type": "integer"},
+                                                  "score": {"type": "number"},
+                                                  "text": {"type": "string"}}},
+        "TeiTokenizeRequest": {"type": "object", "required": ["inputs"], "properties": {
+            "inputs": {"oneOf": [parts["text"], parts["texts"]]},
+            "model": parts["model"]("embedding", "null", "classification", "rerank"),
+            "add_special_tokens": nullable_bool, "prompt_name": {"type": "null"}}},
+        "SimpleToken": {"type": "object", "properties": {
+            "id": {"type": "integer"}, "text": {"type": "string"}, "special": {"type": "boolean"},
+            "start": {"type": ["integer", "null"]}, "stop": {"type": ["integer", "null"]}}},
+    }
+
+
+def _kserve_schemas() -> dict[str, Any]:
+    tensor_meta = {"type": "object", "properties": {
+        "name": {"type": "string"}, "datatype": {"type": "string"},
+        "shape": {"type": "array", "items": {"type": "integer"}}}}
+    tensor = {"type": "object", "required": ["name", "datatype", "shape"], "properties": {
+        "name": {"type": "string"}, "datatype": {"type": "string", "example": "BYTES"},
+        "shape": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+        "parameters": {"type": "object", "properties": {
+            "binary_data_size": {"type": "integer", "minimum": 0}}},
+        "data": {"type": "array", "description": "row-major, flat or nested"}}}
+    return {
+        "KServeError": {"type": "object", "required": ["error"], "properties": {
+            "error": {"type": "string"}}},
+        "ServerMetadata": {"type": "object", "properties": {
+            "name": {"type": "string"}, "version": {"type": "string"},
+            "extensions": {"type": "array", "items": {"type": "string"}}}},
+        "Live": {"type": "object", "properties": {"live": {"type": "boolean"}}},
+        "Ready": {"type": "object", "properties": {"ready": {"type": "boolean"}}},
+        "ModelReady": {"type": "object", "properties": {"name": {"type": "string"},
+                                                        "ready": {"type": "boolean"}}},
+        "ModelMetadata": {"type": "object", "properties": {
+            "name": {"type": "string"},
+            "versions": {"type": "array", "items": {"type": "string"}},
+            "platform": {"type": "string"},
+            "inputs": {"type": "array", "items": tensor_meta},
+            "outputs": {"type": "array", "items": tensor_meta}}},
+        "InferenceRequest": {"type": "object", "required": ["inputs"], "properties": {
+            "id": {"type": "string"},
+            "parameters": {"type": "object", "properties": {
+                "binary_data_output": {"type": "boolean"}}},
+            "inputs": {"type": "array", "minItems": 1, "items": tensor},
+            "outputs": {"type": "array", "items": {
+                "type": "object", "required": ["name"], "properties": {
+                    "name": {"type": "string"}, "parameters": {"type": "object", "properties": {
+                        "binary_data": {"type": "boolean"}}}}}}}},
+        "InferenceResponse": {"type": "object", "properties": {
+            "model_name": {"type": "string"}, "model_version": {"type": "string"},
+            "id": {"type": "string"}, "outputs": {"type": "array", "items": tensor}}},
+        "MsgpackInferenceResponse": {"type": "object", "properties": {
+            "model_name": {"type": "string"}, "model_version": {"type": "string"},
+            "id": {"type": "string"}, "outputs": {"type": "array", "items": {
+                **tensor, "properties": {**tensor["properties"], "data": {
+                    "oneOf": [{"type": "string", "format": "binary"},
+                              {"type": "array", "items": {"type": "string"}}],
+                    "description": "a bin of the tensor's raw little-endian bytes, row-major "
+                                   "(np.frombuffer(data, '<f4')); a BYTES output stays a list"
+                }}}}}},
+    }
