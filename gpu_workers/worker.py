@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import zmq
 
+from gpu_workers.admission import Backlog
 from gpu_workers.batcher import Batch, Limits, form_pass, wait_time
 from gpu_workers.memory import (MemoryCare, Policy, TorchAllocator, forward_in_halves,
                                 out_of_memory)
@@ -60,6 +61,7 @@ class Worker:
         self._inbox: queue.Queue[Request] = queue.Queue()
         self._queue: list[QueuedText] = []
         self._queued_texts = 0  # admitted, not yet answered; guarded by _lock
+        self._backlog = Backlog()  # admitted tokens and their speed: admission by deadline
         self._lock = threading.Lock()
         self._requests: dict[tuple[bytes, int], Request] = {}
         self._attachments = Attachments()
@@ -99,12 +101,24 @@ class Worker:
         limit = self.cfg.workers.queue_texts
         if msg.priority < 0:  # keep headroom for interactive work under a bulk flood
             limit = int(limit * self.cfg.workers.low_priority_queue_share)
+        tokens = int(request.offsets[-1])
+        if self.cfg.workers.refuse_past_deadline:
+            # Only this thread admits, so what it reads here still holds when it adds below.
+            wait = self._backlog.wait_s(msg.priority, tokens)
+            left = msg.deadline - request.arrived
+            if wait > left:
+                return Error(msg.seq, ErrorCode.OVERLOADED,
+                             f"the worker's queue needs ~{wait:.1f} s for this request at its "
+                             f"recent speed, past its deadline in {max(left, 0.0):.1f} s; retry "
+                             "later (workers.refuse_past_deadline)")
         with self._lock:
             if self._queued_texts + n > limit:
                 return Error(msg.seq, ErrorCode.OVERLOADED,
                              f"worker queue full ({self._queued_texts} texts queued); "
                              "raise workers.queue_texts or add workers")
             self._queued_texts += n
+        request.tokens_left = tokens
+        self._backlog.add(msg.priority, tokens)
         self._requests[(peer, msg.seq)] = request
         self._inbox.put(request)
         return None
@@ -336,6 +350,8 @@ class Worker:
             request = text.request
             if request.done:
                 continue
+            request.tokens_left -= text.length
+            self._backlog.done(request.msg.priority, text.length)
             if not ok[j]:
                 log.warning("forward.out_of_memory", extra={"fields": {
                     "request_id": request.msg.request_id, "tokens": text.length}})
@@ -360,6 +376,7 @@ class Worker:
         # After the replies, so observing never delays them.
         real = sum(batch.real_tokens for batch in batches)
         padded = sum(batch.padded_tokens for batch in batches)
+        self._backlog.passed(real, forward_ms / 1000.0)
         self.metrics.batch(slot.spec.name, len(touched), len(texts), real, padded,
                            forward_ms / 1000.0)
         self.metrics.set_queue_depth(self._queued_texts)
@@ -374,6 +391,8 @@ class Worker:
 
     def _finish(self, request: Request, reply: Result | Error) -> None:
         request.done = True
+        self._backlog.done(request.msg.priority, request.tokens_left)
+        request.tokens_left = 0
         self._requests.pop((request.peer, request.msg.seq), None)
         with self._lock:
             self._queued_texts -= request.offsets.shape[0] - 1

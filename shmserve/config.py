@@ -70,6 +70,9 @@ class WorkerConfig:
     torch_threads: int | str = "auto"
     queue_texts: int = 4096  # bounded queue per worker, in texts
     low_priority_queue_share: float = 0.75  # below-normal priority may fill this share of it
+    # Refuse at once (429) a request the worker cannot finish before its deadline at its recent
+    # speed, instead of queueing it to answer 504 later (gpu_workers.admission)
+    refuse_past_deadline: bool = True
     heartbeat_interval_s: float = 0.5
     heartbeat_timeout_s: float = 3.0
     # A worker silent this long (its whole process stuck: heartbeats come from its socket

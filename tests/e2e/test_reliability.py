@@ -1,6 +1,7 @@
 """Reliability through nginx: client disconnects, overload, priority, graceful stop."""
 
 import asyncio
+import collections
 import json
 import os
 import signal
@@ -178,6 +179,38 @@ def test_priority_keeps_interactive_latency_low_under_a_bulk_flood(tmp_path, slo
         # The stated bound: under a low-priority flood, the slowest normal-priority request is
         # faster than the median request sent at the flood's own priority.
         assert max(normal) < statistics.median(low), (normal, low)
+    finally:
+        stack.down()
+
+
+def test_a_burst_past_the_deadline_is_refused_at_once_not_timed_out(tmp_path, slow_model):
+    """A burst the worker cannot finish within the requests' deadline: what cannot make it is
+    refused at once (429), and what is admitted is answered in time, instead of most of it
+    answering 504 at the deadline (workers.refuse_past_deadline)."""
+    stack = slow_stack(tmp_path / "s", slow_model, frontends={"count": 1},
+                       batching={"max_batch_size": 8}, workers={"torch_threads": 1})
+    stack.up()
+    try:
+        assert stack.post_json("/predict", {"texts": [MEDIUM] * 8})[0] == 200  # a measured pass
+
+        async def burst():
+            async with aiohttp.ClientSession(stack.url) as session:
+                async def one(i):
+                    started = time.perf_counter()
+                    async with session.post("/predict", json={"texts": [MEDIUM + str(i)] * 8},
+                                            headers={"X-Request-Timeout": "3"}) as resp:
+                        await resp.read()
+                        return resp.status, time.perf_counter() - started
+                return await asyncio.gather(*(one(i) for i in range(60)))
+
+        answers = asyncio.run(burst())
+        counts = collections.Counter(status for status, _ in answers)
+        assert set(counts) <= {200, 429, 504}, counts
+        assert counts[200] >= 3 and counts[429] >= 10, counts
+        # Admitted work is mostly finished in time (the estimate is of a recent speed).
+        assert counts[504] <= counts[200] // 4, counts
+        refused = [seconds for status, seconds in answers if status == 429]
+        assert statistics.median(refused) < 1.5, refused
     finally:
         stack.down()
 
