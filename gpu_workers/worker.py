@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from gpu_workers.admission import Backlog
+from gpu_workers.admission import SHARE, Backlog
 from gpu_workers.batcher import Batch, Limits, form_pass, wait_time
 from gpu_workers.memory import (MemoryCare, Policy, TorchAllocator, forward_in_halves,
                                 out_of_memory)
@@ -106,11 +106,11 @@ class Worker:
             # Only this thread admits, so what it reads here still holds when it adds below.
             wait = self._backlog.wait_s(msg.priority, tokens)
             left = msg.deadline - request.arrived
-            if wait > left:
+            if wait > SHARE * left:
                 return Error(msg.seq, ErrorCode.OVERLOADED,
                              f"the worker's queue needs ~{wait:.1f} s for this request at its "
-                             f"recent speed, past its deadline in {max(left, 0.0):.1f} s; retry "
-                             "later (workers.refuse_past_deadline)")
+                             f"recent speed, too close to its deadline in {max(left, 0.0):.1f} "
+                             "s; retry later (workers.refuse_past_deadline)")
         with self._lock:
             if self._queued_texts + n > limit:
                 return Error(msg.seq, ErrorCode.OVERLOADED,

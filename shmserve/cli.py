@@ -154,9 +154,8 @@ def up(args: argparse.Namespace) -> int:
 def down(args: argparse.Namespace) -> int:
     cfg = processes.deployment(args)
     pid = supervisord_pid(cfg)
-    if pid is None:
-        print(f"shmserve: not running (run_dir {cfg.run_dir})")
-    else:
+    left = leftovers(cfg) if pid is None else []  # a killed supervisord's, stopped below
+    if pid is not None:
         subprocess.run(ctl_argv(cfg, "shutdown"), check=False, stdout=subprocess.DEVNULL)
         # supervisord stops its three groups one after another, each within stopwaitsecs.
         limit = 3 * render.stopwaitsecs(cfg) + 10
@@ -167,6 +166,10 @@ def down(args: argparse.Namespace) -> int:
         nginxrun.kill_all(render.nginx_conf(cfg))
     processes.kill_orphans(cfg)
     clean_stale(cfg, metrics=False)
+    if pid is None:
+        print(f"shmserve: supervisord was not running (run_dir {cfg.run_dir}); stopped the "
+              f"processes it had left running: pids {', '.join(map(str, left))}" if left else
+              f"shmserve: not running (run_dir {cfg.run_dir})")
     return 0
 
 

@@ -86,10 +86,22 @@ def test_a_sigkilled_supervisord_leaves_nothing_running_after_the_next_up(tmp_pa
         os.kill(supervisord, signal.SIGKILL)
         stack.wait_until(lambda: not processes.alive(supervisord), 10, "supervisord gone")
         assert processes.alive(old_worker)  # its children live on
+        done = stack.cli("status", check=False)
+        assert done.returncode == 1 and "supervisord is not running" in done.stdout, done.stdout
+        assert str(old_worker) in done.stdout and f":{stack.port}" in done.stdout
         stack.up()  # sweeps them, then starts afresh
         assert not processes.alive(old_worker)
         assert not set(children) & set(processes.orphans(cfg))
         assert stack.post_json("/predict", {"texts": ["fresh"]})[0] == 200
+        # Killed again: `down` stops what it left, and says so.
+        worker = stack.pid("workers:worker-0")
+        supervisord = int((stack.run_dir / "supervisord.pid").read_text())
+        os.kill(supervisord, signal.SIGKILL)
+        stack.wait_until(lambda: not processes.alive(supervisord), 10, "supervisord gone")
+        done = stack.cli("down")
+        assert "supervisord was not running" in done.stdout and str(worker) in done.stdout, \
+            done.stdout
+        assert not processes.alive(worker) and processes.orphans(cfg) == []
     finally:
         stack.down()
     assert processes.orphans(cfg) == []
