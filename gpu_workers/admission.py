@@ -9,17 +9,21 @@ them finishes in time: 240 of 600 answered 504 after 30 s, 16 answered 200, and 
 texts computed went to requests that had already failed.
 
 The estimate is the tokens admitted and not yet computed, at this request's priority or above
-(a higher priority runs first), plus its own, over the tokens per second of the worker's recent
-passes (one speed per worker, whichever model a pass ran). A request is admitted when that
+(a higher priority runs first), plus its own, over the tokens per second at which the worker
+drains a backlog: measured on passes that left texts waiting (a full pass; a lone small pass
+runs far below the worker's speed, and judged by one, a large request after a quiet spell would
+be refused), one speed per worker, whichever model a pass ran. A request is admitted when that
 estimate is within `SHARE` of the time to its deadline: the estimate is of a recent speed, and
 the batcher does not run the queue strictly in order, so a request admitted right at its
-deadline would often miss it. Before the first pass there is no estimate and everything the
-queue bound lets in is admitted.
+deadline would often miss it. A request with nothing queued ahead of it is always admitted (a
+refusal cannot make it faster), and until the worker has drained a backlog there is no
+estimate: everything the queue bound lets in is admitted.
 
 Measured (2 cores, AMD EPYC, fp32, the default config, 600 simultaneous requests of 32 corpus
-texts after a warm-up, 30 s deadline; 2026-12-01): at SHARE 0.9, 120 answered 200 (the last
-after 26 s), none 504, and 480 answered 429 within 2.5 s; at 1.0, 128 x 200, 10 x 504 and 462 x
-429; without admission by deadline, 15 x 200, 241 x 504 and 344 x 429 (the queue bound).
+texts after a warm-up, 30 s deadline; 2026-12-01): 157 answered 200 (the last after 29.2 s),
+none 504, and 443 answered 429 within 2.5 s. Without admission by deadline: 15 x 200, 241 x 504
+and 344 x 429 (the queue bound). Earlier versions: the speed of every pass, small ones included,
+and SHARE 1.0: 128 x 200, 10 x 504, 462 x 429; the same at SHARE 0.9: 120 x 200, none 504.
 """
 
 from __future__ import annotations
@@ -37,16 +41,16 @@ class Backlog:
         self._lock = threading.Lock()
         self._tokens: dict[int, int] = {}
         self._smoothing = smoothing
-        self.rate = 0.0  # tokens per second of forward pass, smoothed; 0 before the first pass
+        self.rate = 0.0  # tokens per second of a full pass, smoothed; 0: none measured yet
 
     def wait_s(self, priority: int, tokens: int) -> float:
         """Seconds to compute what is queued at `priority` or above, then `tokens` more, at the
-        recent speed; 0 while no pass has been measured."""
+        backlog speed; 0 when nothing is queued ahead or no backlog has been measured."""
         if self.rate <= 0.0:
             return 0.0
         with self._lock:
             ahead = sum(n for p, n in self._tokens.items() if p >= priority)
-        return (ahead + tokens) / self.rate
+        return (ahead + tokens) / self.rate if ahead > 0 else 0.0
 
     def add(self, priority: int, tokens: int) -> None:
         with self._lock:
@@ -63,7 +67,7 @@ class Backlog:
             return sum(self._tokens.values())
 
     def passed(self, tokens: int, seconds: float) -> None:
-        """A forward pass computed `tokens` real tokens in `seconds`."""
+        """A forward pass that left texts queued computed `tokens` real tokens in `seconds`."""
         if tokens <= 0 or seconds <= 0.0:
             return
         sample = tokens / seconds

@@ -239,7 +239,7 @@ class Worker:
                 continue
             fair_turn = self._batches % self.cfg.batching.fair_share_every == 0
             batches, self._queue = form_pass(self._queue, self.limits, fair_turn, _packs)
-            self._run(batches)
+            self._run(batches, backlogged=bool(self._queue))
             self._collect()
         self._fail_all(ErrorCode.UNAVAILABLE, "worker stopped before running this request")
 
@@ -306,9 +306,9 @@ class Worker:
                                             "deadline passed while queued"))
         self._send_replies()
 
-    def _run(self, batches: list[Batch[QueuedText]]) -> None:
+    def _run(self, batches: list[Batch[QueuedText]], backlogged: bool = False) -> None:
         """One forward pass over `batches` (length groups of one slot; several only for a
-        model that packs them, see gpu_workers.packed)."""
+        model that packs them, see gpu_workers.packed); `backlogged`: texts wait behind it."""
         texts = [text for batch in batches for text in batch.texts]
         slot = texts[0].request.slot  # the batcher never mixes slots
         pairs = texts[0].request.segments is not None
@@ -376,7 +376,8 @@ class Worker:
         # After the replies, so observing never delays them.
         real = sum(batch.real_tokens for batch in batches)
         padded = sum(batch.padded_tokens for batch in batches)
-        self._backlog.passed(real, forward_ms / 1000.0)
+        if backlogged:  # the speed a queue drains at (gpu_workers.admission)
+            self._backlog.passed(real, forward_ms / 1000.0)
         self.metrics.batch(slot.spec.name, len(touched), len(texts), real, padded,
                            forward_ms / 1000.0)
         self.metrics.set_queue_depth(self._queued_texts)

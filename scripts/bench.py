@@ -44,8 +44,8 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
 from benchkit import (CORPUS, NULL_STACK, SCENARIOS, Baseline, OwnStack, Scenario,  # noqa: E402
-                      auth_headers, ceiling, locust_window, min_cosine_to_fp32,
-                      open_loop_window)
+                      auth_headers, ceiling, cpu_description, locust_window,
+                      min_cosine_to_fp32, open_loop_window)
 
 from shmserve import config as config_mod  # noqa: E402
 
@@ -187,7 +187,7 @@ def main() -> int:
     out = args.out / time.strftime("%Y%m%d-%H%M%S")
     out.mkdir(parents=True)
     summary = {"machine": f"{os.cpu_count()} cores, {platform.machine()}, "
-                          f"{platform.processor() or 'cpu'}, no GPU",
+                          f"{cpu_description()}, no GPU",
                "when": time.strftime("%Y-%m-%d %H:%M"),
                "command": " ".join(["scripts/bench.py", *sys.argv[1:]]),
                "setup": f"{cfg.frontends.count} frontends, "

@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import platform
 import subprocess
 import sys
 import tempfile
@@ -25,6 +26,26 @@ from tests.stack import corpus_path, free_port  # noqa: E402  (the test harness'
 
 CORPUS = corpus_path()
 PYTHON = sys.executable
+
+
+def cpu_description() -> str:
+    """The CPU's model name and the widest matrix instructions it has (what decides the speed of
+    the dtypes: bf16 is native only with AMX or AVX512-BF16, `dtype: auto` picks by it)."""
+    name, flags = platform.processor() or "cpu", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                name = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+                break
+    except OSError:
+        pass
+    isa = next((label for flag, label in (("amx_bf16", "AMX"), ("avx512_bf16", "AVX512-BF16"),
+                                          ("avx512f", "AVX-512"), ("avx2", "AVX2"))
+                if flag in flags), "no AVX2")
+    return f"{name}, {isa}"
 
 
 def wait_http(url: str, timeout: float) -> None:

@@ -2,6 +2,7 @@
 
 import asyncio
 import collections
+import concurrent.futures
 import json
 import os
 import signal
@@ -191,7 +192,12 @@ def test_a_burst_past_the_deadline_is_refused_at_once_not_timed_out(tmp_path, sl
                        batching={"max_batch_size": 8}, workers={"torch_threads": 1})
     stack.up()
     try:
-        assert stack.post_json("/predict", {"texts": [MEDIUM] * 8})[0] == 200  # a measured pass
+        # Two requests of 16 texts at once: passes of 8 with texts left waiting, so the worker
+        # measures the speed it drains a backlog at.
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            warm = list(pool.map(lambda _: stack.post_json("/predict", {"texts": [MEDIUM] * 16}),
+                                 range(2)))
+        assert [status for status, _, _ in warm] == [200, 200]
 
         async def burst():
             async with aiohttp.ClientSession(stack.url) as session:

@@ -23,6 +23,14 @@ def test_wait_counts_work_at_its_priority_or_above():
     assert backlog.queued() == 6000
 
 
+def test_nothing_ahead_means_no_wait_however_large_the_request():
+    backlog = Backlog()
+    backlog.passed(1000, 1.0)
+    backlog.add(-1, 5000)  # below: not ahead of a normal request
+    assert backlog.wait_s(0, 1_000_000) == 0.0
+    assert backlog.wait_s(-1, 1000) == pytest.approx(6.0)
+
+
 def test_rate_follows_recent_passes():
     backlog = Backlog(smoothing=0.5)
     backlog.passed(2000, 1.0)
