@@ -38,7 +38,8 @@ INPUT_TOKENS = Histogram("shmserve_input_tokens", "Tokens per input text (after 
                          ["model"], buckets=shared.TOKEN_BUCKETS)
 TRUNCATED = Counter("shmserve_truncated_texts_total", "Texts cut to the model's limit", ["model"])
 REJECTED = Counter("shmserve_rejected_requests_total",
-                   "Requests refused for overload (429): frontend in-flight limit or worker queue",
+                   "Requests refused for overload (429): frontend in-flight limit, worker queue, "
+                   "or a worker's admission by deadline (shmserve_worker_refused_total: which)",
                    ["model"])
 DEADLINES = Counter("shmserve_deadline_exceeded_total",
                     "Requests whose deadline passed (504)", ["model"])

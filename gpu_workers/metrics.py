@@ -56,6 +56,11 @@ EMPTY_CACHE = Counter("shmserve_worker_empty_cache_total",
                       "reload (a replaced or unloaded model's memory)",
                       ["worker", "reason"])
 EMPTY_CACHE_REASONS = ("pressure", "idle", "oom", "reload")
+REFUSED = Counter("shmserve_worker_refused_total",
+                  "Requests a worker refused at admission (429), by reason: queue_full "
+                  "(workers.queue_texts), deadline (the queue ahead would not let it finish in "
+                  "time: workers.refuse_past_deadline)", ["worker", "reason"])
+REFUSED_REASONS = ("queue_full", "deadline")
 
 # Written only by workers on a GPU: a CPU deployment does not expose them.
 DEVICE_ONLY = ("shmserve_worker_device_allocated_bytes", "shmserve_worker_device_reserved_bytes",
@@ -73,6 +78,7 @@ class WorkerMetrics:
         self._ready = READY.labels(self.worker)
         # Exposed at 0 from the start.
         self._empty_cache = {r: EMPTY_CACHE.labels(self.worker, r) for r in EMPTY_CACHE_REASONS}
+        self._refused = {r: REFUSED.labels(self.worker, r) for r in REFUSED_REASONS}
 
     def set_ready(self, ready: bool) -> None:
         self._ready.set(1 if ready else 0)
@@ -110,6 +116,9 @@ class WorkerMetrics:
 
     def emptied(self, reason: str) -> None:
         self._empty_cache[reason].inc()
+
+    def refused(self, reason: str) -> None:
+        self._refused[reason].inc()
 
     def device_memory(self, reading) -> None:
         """A gpu_workers.memory.Reading."""

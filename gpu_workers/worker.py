@@ -107,12 +107,14 @@ class Worker:
             wait = self._backlog.wait_s(msg.priority, tokens)
             left = msg.deadline - request.arrived
             if wait > SHARE * left:
+                self.metrics.refused("deadline")
                 return Error(msg.seq, ErrorCode.OVERLOADED,
                              f"the worker's queue needs ~{wait:.1f} s for this request at its "
                              f"recent speed, too close to its deadline in {max(left, 0.0):.1f} "
                              "s; retry later (workers.refuse_past_deadline)")
         with self._lock:
             if self._queued_texts + n > limit:
+                self.metrics.refused("queue_full")
                 return Error(msg.seq, ErrorCode.OVERLOADED,
                              f"worker queue full ({self._queued_texts} texts queued); "
                              "raise workers.queue_texts or add workers")

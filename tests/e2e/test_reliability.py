@@ -217,6 +217,11 @@ def test_a_burst_past_the_deadline_is_refused_at_once_not_timed_out(tmp_path, sl
         assert counts[504] <= counts[200] // 4, counts
         refused = [seconds for status, seconds in answers if status == 429]
         assert statistics.median(refused) < 1.5, refused
+        _, _, raw = stack.get("/metrics")
+        by_reason = {s.labels["reason"]: s.value
+                     for f in text_string_to_metric_families(raw.decode()) for s in f.samples
+                     if s.name == "shmserve_worker_refused_total"}
+        assert by_reason == {"deadline": counts[429], "queue_full": 0}, (by_reason, counts)
     finally:
         stack.down()
 
