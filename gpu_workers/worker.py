@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from gpu_workers.admission import SHARE, Backlog
+from gpu_workers.admission import Backlog
 from gpu_workers.batcher import Batch, Limits, form_pass, wait_time
 from gpu_workers.memory import (MemoryCare, Policy, TorchAllocator, forward_in_halves,
                                 out_of_memory)
@@ -104,14 +104,11 @@ class Worker:
         tokens = int(request.offsets[-1])
         if self.cfg.workers.refuse_past_deadline:
             # Only this thread admits, so what it reads here still holds when it adds below.
-            wait = self._backlog.wait_s(msg.priority, tokens)
-            left = msg.deadline - request.arrived
-            if wait > SHARE * left:
+            why = self._backlog.refusal(msg.priority, tokens, request.arrived, msg.deadline)
+            if why is not None:
                 self.metrics.refused("deadline")
                 return Error(msg.seq, ErrorCode.OVERLOADED,
-                             f"the worker's queue needs ~{wait:.1f} s for this request at its "
-                             f"recent speed, too close to its deadline in {max(left, 0.0):.1f} "
-                             "s; retry later (workers.refuse_past_deadline)")
+                             f"{why}; retry later (workers.refuse_past_deadline)")
         with self._lock:
             if self._queued_texts + n > limit:
                 self.metrics.refused("queue_full")
@@ -120,7 +117,7 @@ class Worker:
                              "raise workers.queue_texts or add workers")
             self._queued_texts += n
         request.tokens_left = tokens
-        self._backlog.add(msg.priority, tokens)
+        request.ticket = self._backlog.add(msg.priority, tokens, msg.deadline)
         self._requests[(peer, msg.seq)] = request
         self._inbox.put(request)
         return None
@@ -395,6 +392,7 @@ class Worker:
     def _finish(self, request: Request, reply: Result | Error) -> None:
         request.done = True
         self._backlog.done(request.msg.priority, request.tokens_left)
+        self._backlog.finished(request.ticket)
         request.tokens_left = 0
         self._requests.pop((request.peer, request.msg.seq), None)
         with self._lock:

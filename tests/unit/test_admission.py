@@ -2,41 +2,89 @@ import pytest
 
 from gpu_workers.admission import Backlog
 
+NOW = 1000.0
 
-def test_no_estimate_before_the_first_pass():
+
+def measured(rate: float = 1000.0, pass_s: float = 0.0) -> Backlog:
+    """A backlog that has drained at `rate` tokens/s in passes of `pass_s` (0: instant)."""
+    backlog = Backlog(share=1.0)
+    if pass_s:
+        backlog.passed(int(rate * pass_s), pass_s)
+    else:
+        backlog.passed(int(rate), 1.0)
+        backlog.pass_s = 0.0
+    return backlog
+
+
+def test_no_estimate_before_a_backlog_was_measured():
     backlog = Backlog()
-    backlog.add(0, 10_000_000)
-    assert backlog.wait_s(0, 100) == 0.0
+    backlog.add(0, 10_000_000, NOW + 1)
+    assert backlog.refusal(0, 100, NOW, NOW + 1) is None
 
 
-def test_wait_counts_work_at_its_priority_or_above():
-    backlog = Backlog()
-    backlog.passed(1000, 1.0)  # 1,000 tokens a second
-    backlog.add(0, 3000)
-    backlog.add(-1, 5000)
-    backlog.add(1, 1000)
-    assert backlog.wait_s(1, 500) == pytest.approx(1.5)  # only the high work ahead
-    assert backlog.wait_s(0, 500) == pytest.approx(4.5)
-    assert backlog.wait_s(-1, 500) == pytest.approx(9.5)
+def test_own_deadline_counts_work_at_its_priority_or_above():
+    backlog = measured()
+    backlog.add(0, 3000, NOW + 100)
+    backlog.add(-1, 5000, NOW + 100)
+    backlog.add(1, 1000, NOW + 100)
+    assert backlog.refusal(1, 500, NOW, NOW + 1.6) is None  # 1.5 s: the high work only
+    assert "too close to its deadline" in backlog.refusal(1, 500, NOW, NOW + 1.4)
+    assert backlog.refusal(0, 500, NOW, NOW + 4.6) is None
+    assert backlog.refusal(0, 500, NOW, NOW + 4.4) is not None
     backlog.done(0, 3000)
-    assert backlog.wait_s(0, 0) == pytest.approx(1.0)
+    assert backlog.refusal(0, 500, NOW, NOW + 1.6) is None
     assert backlog.queued() == 6000
 
 
-def test_nothing_ahead_means_no_wait_however_large_the_request():
-    backlog = Backlog()
-    backlog.passed(1000, 1.0)
-    backlog.add(-1, 5000)  # below: not ahead of a normal request
-    assert backlog.wait_s(0, 1_000_000) == 0.0
-    assert backlog.wait_s(-1, 1000) == pytest.approx(6.0)
+def test_nothing_ahead_is_always_admitted_however_large():
+    backlog = measured()
+    backlog.add(-1, 5000, NOW + 100)  # below: not ahead of a normal request
+    assert backlog.refusal(0, 1_000_000, NOW, NOW + 1) is None
+    assert backlog.refusal(-1, 1000, NOW, NOW + 5.9) is not None
 
 
-def test_rate_follows_recent_passes():
-    backlog = Backlog(smoothing=0.5)
-    backlog.passed(2000, 1.0)
-    assert backlog.rate == 2000
-    backlog.passed(1000, 1.0)
-    assert backlog.rate == 1500
+def test_a_request_that_would_make_an_admitted_one_late_is_refused():
+    """Passes mix requests, so the admitted ones finish when the backlog drains: a newcomer
+    must not push that past the earliest deadline it would delay."""
+    backlog = measured()
+    ticket = backlog.add(0, 2000, NOW + 3)  # due in 3 s; 2 s of work queued
+    why = backlog.refusal(0, 1500, NOW, NOW + 30)  # fine for itself, 3.5 s for the other
+    assert why is not None and "due in 3.0 s" in why
+    assert backlog.refusal(0, 500, NOW, NOW + 30) is None  # 2.5 s: both in time
+    assert backlog.refusal(1, 1500, NOW, NOW + 30) is None  # nothing at high: none ahead
+    # A lower priority runs after the normal work, so it delays no normal request.
+    backlog.add(-1, 100, NOW + 60)
+    assert backlog.refusal(-1, 1500, NOW, NOW + 30) is None
+    backlog.finished(ticket)  # answered: its deadline binds no one
+    assert backlog.refusal(0, 1500, NOW, NOW + 30) is None
+
+
+def test_a_deadline_already_past_binds_no_one():
+    backlog = measured()
+    backlog.add(0, 2000, NOW - 1)  # late anyway (started, not yet answered)
+    assert backlog.refusal(0, 1500, NOW, NOW + 30) is None
+
+
+def test_one_pass_is_added_to_the_wait():
+    backlog = measured(rate=1000.0, pass_s=2.0)
+    backlog.add(0, 1000, NOW + 100)
+    assert backlog.refusal(0, 500, NOW, NOW + 3.6) is None  # 1.5 s of work + a 2 s pass
+    assert backlog.refusal(0, 500, NOW, NOW + 3.4) is not None
+
+
+def test_speed_is_tokens_over_time_not_a_mean_of_pass_rates():
+    backlog = Backlog(decay=1.0)
+    backlog.passed(100, 1.0)  # a slow pass of short texts
+    backlog.passed(2900, 1.0)
+    assert backlog.rate == pytest.approx(1500.0)  # 3,000 tokens in 2 s
+    assert backlog.pass_s == pytest.approx(1.0)
     backlog.passed(0, 1.0)  # an empty or unmeasured pass changes nothing
     backlog.passed(100, 0.0)
-    assert backlog.rate == 1500
+    assert backlog.rate == pytest.approx(1500.0)
+
+
+def test_older_passes_weigh_less():
+    backlog = Backlog(decay=0.5)
+    backlog.passed(1000, 1.0)
+    backlog.passed(3000, 1.0)
+    assert backlog.rate == pytest.approx((1000 * 0.5 + 3000) / 1.5)
