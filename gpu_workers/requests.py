@@ -30,7 +30,6 @@ class Request:
     done: bool = False
     aborted: bool = False
     tokens_left: int = 0  # admitted and not yet computed (gpu_workers.admission)
-    ticket: int = 0  # its admission's (gpu_workers.admission.Backlog.add); 0: not admitted
 
 
 @dataclass(slots=True, eq=False)

@@ -117,7 +117,7 @@ class Worker:
                              "raise workers.queue_texts or add workers")
             self._queued_texts += n
         request.tokens_left = tokens
-        request.ticket = self._backlog.add(msg.priority, tokens, msg.deadline)
+        self._backlog.add(msg.priority, tokens)
         self._requests[(peer, msg.seq)] = request
         self._inbox.put(request)
         return None
@@ -392,7 +392,6 @@ class Worker:
     def _finish(self, request: Request, reply: Result | Error) -> None:
         request.done = True
         self._backlog.done(request.msg.priority, request.tokens_left)
-        self._backlog.finished(request.ticket)
         request.tokens_left = 0
         self._requests.pop((request.peer, request.msg.seq), None)
         with self._lock:
