@@ -345,12 +345,14 @@ class Worker:
         forward_ms = (time.time() - began) * 1000.0
         self._batches += 1
         touched = {}
+        computed: dict[int, int] = {}  # tokens by priority, for the backlog: one update a pass
         for j, text in enumerate(texts):
             request = text.request
             if request.done:
                 continue
             request.tokens_left -= text.length
-            self._backlog.done(request.msg.priority, text.length)
+            priority = request.msg.priority
+            computed[priority] = computed.get(priority, 0) + text.length
             if not ok[j]:
                 log.warning("forward.out_of_memory", extra={"fields": {
                     "request_id": request.msg.request_id, "tokens": text.length}})
@@ -363,6 +365,8 @@ class Worker:
             request.out[text.index] = out[j]
             request.remaining -= 1
             touched[id(request)] = request
+        for priority, tokens in computed.items():
+            self._backlog.done(priority, tokens)
         for request in touched.values():
             request.inference_ms += forward_ms
             request.batch_size = max(request.batch_size, len(texts))
