@@ -42,8 +42,8 @@ nothing in these bursts (their deadlines are alike) and refused 5 of 200 and 2 o
 under a sustainable Poisson load (110 and 140 texts/s of 1-64 texts, 5 s deadlines; none without
 the rule), against 1 of 213 (and one 504) and 0 of 279 without that check: not kept. An
 outside check of the first version (a mean of per-pass rates, share 0.9) found 22-35 x 504
-against 8-39 x 200 at 5-10 s deadlines. When another job takes the cores in the middle of a burst, no estimate of a recent
-speed holds: admitted requests can still miss their deadlines then.
+against 8-39 x 200 at 5-10 s deadlines. When another job takes the cores in the middle of a
+burst, no estimate of a recent speed holds: admitted requests can still miss their deadlines.
 """
 
 from __future__ import annotations
