@@ -10,7 +10,12 @@ Rules:
     and lower ones still get at least one batch in N while higher ones saturate the worker:
     nothing starves, and a higher-priority text waits at most for the running batch and one
     fair-turn batch.
-  * Only texts of the anchor's model join it.
+  * Only texts of the anchor's model join it, and only from the pass's window: the oldest
+    `window` texts of that model in the order the anchors are taken (highest priority first,
+    then arrival; on a fair turn arrival alone). So under a backlog a pass takes the texts of the
+    oldest few requests and requests finish roughly in order; grouping across the whole queue
+    instead mixes every request into every pass, and a backlog then finishes them all together,
+    late. A queue shorter than the window is grouped as a whole.
   * Among those, texts are taken in order of closeness in length to the batch, so the batch holds
     similar lengths: padded tokens (texts x longest) stay under `max_batch_tokens`, the count under
     `max_batch_size`, and padded / real tokens under `max_pad_ratio` (the length bucketing).
@@ -53,12 +58,14 @@ class Limits:
     max_batch_tokens: int
     max_wait_s: float
     max_pad_ratio: float = 1.5
+    window: int = 0  # texts a pass chooses from; 0: the whole queue
 
     @classmethod
     def of(cls, batching) -> "Limits":
         """From the config's `batching` section (shmserve.config.BatchingConfig)."""
         return cls(batching.max_batch_size, batching.max_batch_tokens,
-                   batching.max_wait_ms / 1000.0, batching.max_pad_ratio)
+                   batching.max_wait_ms / 1000.0, batching.max_pad_ratio,
+                   batching.pass_window * batching.max_batch_size)
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,7 +123,8 @@ def form_pass(queue: Sequence[T], limits: Limits, fair_turn: bool = False,
     # The model's texts sorted once for the whole pass: each merged batch is what form_batch
     # on the rest would form, as the rest's sorted texts are these less the ones taken (the
     # sort is stable).
-    same = _same_model_by_length(queue, model)
+    same = _same_model_by_length(queue, model, limits.window, fair_turn)
+    window = {id(t) for t in same} if limits.window and len(same) >= limits.window else None
     lengths = list(map(_length, same))
     batches: list[Batch[T]] = []
     taken: set[int] = set()  # ids: texts are told apart by identity, not equality
@@ -135,7 +143,7 @@ def form_pass(queue: Sequence[T], limits: Limits, fair_turn: bool = False,
         if not rest or not merges(batches[0].texts[0]):
             break
         anchor = rest[anchor_index(rest)]
-        if anchor.model != model:
+        if anchor.model != model or (window is not None and id(anchor) not in window):
             break
         del same[lo:hi + 1], lengths[lo:hi + 1]
     return batches, rest
@@ -143,8 +151,16 @@ def form_pass(queue: Sequence[T], limits: Limits, fair_turn: bool = False,
 
 # map and compress keep the per-text work in C: a GPU worker's queue holds thousands of texts,
 # and a pass is formed from it every few milliseconds.
-def _same_model_by_length(queue: Sequence[T], model: str) -> list[T]:
-    return sorted(compress(queue, map(model.__eq__, map(_model, queue))), key=_length)
+def _same_model_by_length(queue: Sequence[T], model: str, window: int = 0,
+                          fair_turn: bool = False) -> list[T]:
+    """The model's texts in the pass's window, sorted by length."""
+    same = list(compress(queue, map(model.__eq__, map(_model, queue))))
+    if window and len(same) > window:
+        if not fair_turn:  # highest priority first; the sort is stable, so arrival next
+            same.sort(key=_priority, reverse=True)
+        del same[window:]
+    same.sort(key=_length)
+    return same
 
 
 def _without(queue: Sequence[T], ids: set[int]) -> list[T]:

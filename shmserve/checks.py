@@ -60,6 +60,7 @@ CHECKS: dict[str, Check] = {
     "batching.max_wait_ms": (lambda v: v >= 0, "a number >= 0"),
     "batching.max_pad_ratio": (lambda v: v >= 1, "a number >= 1"),
     "batching.fair_share_every": _POSITIVE_INT,
+    "batching.pass_window": (lambda v: v >= 0, "an integer >= 0 (0: the whole queue)"),
     "logging.flush_interval_ms": (lambda v: v >= 0, "a number >= 0"),
     "logging.max_bytes": (lambda v: v >= 1024, "an integer >= 1024 (bytes)"),
     "logging.backups": (lambda v: 0 <= v <= 1000, "an integer from 0 to 1000"),

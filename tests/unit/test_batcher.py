@@ -165,3 +165,78 @@ def test_a_pass_is_the_batches_form_batch_would_form_one_after_another():
         assert [b.texts for b in batches] == [b.texts for b in want]
         assert [b.padded_len for b in batches] == [b.padded_len for b in want]
         assert rest == want_rest
+
+
+def _finish_passes(queue, limits, merges=True):
+    """The pass (0-based) in which each request's last text ran, by request."""
+    finished, passes = {}, 0
+    while queue:
+        batches, queue = form_pass(queue, limits, merges=lambda text: merges)
+        for batch in batches:
+            for text in batch.texts:
+                finished[text.model_request] = passes
+        passes += 1
+    return [finished[r] for r in sorted(finished)]
+
+
+@dataclass(eq=False)
+class R(T):
+    model_request: int = 0
+
+
+def _backlog(requests=30, texts=8, seed=3):
+    import random
+
+    rng = random.Random(seed)
+    return [R(rng.randint(5, 200), arrived=r, model_request=r)
+            for r in range(requests) for _ in range(texts)]
+
+
+def test_under_a_backlog_a_pass_takes_the_oldest_requests_texts():
+    limits = Limits(8, 4096, 0.0, 1.5, window=16)
+    queue = _backlog()
+    while queue:
+        window = {id(t) for t in queue[:16]}
+        batches, queue = form_pass(queue, limits, merges=lambda text: True)
+        assert all(id(t) in window for b in batches for t in b.texts)
+
+
+def test_a_window_finishes_requests_in_order_where_whole_queue_grouping_finishes_them_late():
+    windowed = _finish_passes(_backlog(), Limits(8, 4096, 0.0, 1.5, window=16))
+    whole = _finish_passes(_backlog(), Limits(8, 4096, 0.0, 1.5))
+    assert len(windowed) == len(whole) == 30
+    # The oldest request's 8 texts are in the first window: done within its first passes.
+    assert windowed[0] <= 4 < whole[0]
+    # On average requests finish earlier: grouping over all 240 texts spreads each request over
+    # the whole drain.
+    assert sum(windowed) < 0.8 * sum(whole)
+    # Roughly in arrival order: no request finishes before one 3 requests older. Whole-queue
+    # grouping finishes young requests of common lengths before old ones.
+    assert all(windowed[r] >= windowed[r - 3] for r in range(3, 30))
+    assert not all(whole[r] >= whole[r - 3] for r in range(3, 30))
+
+
+def test_the_window_takes_higher_priorities_first_and_the_oldest_on_a_fair_turn():
+    low = [T(20, arrived=i, priority=0) for i in range(40)]
+    high = [T(20, arrived=40 + i, priority=1) for i in range(4)]
+    limits = Limits(8, 4096, 0.0, 1.5, window=8)
+    batch, _ = form_batch(low + high, limits)
+    assert all(t in batch.texts for t in high)  # late, but first by priority
+    batch, _ = form_batch(low + high, limits, fair_turn=True)
+    assert batch.texts and all(t.priority == 0 for t in batch.texts)
+    assert set(map(id, batch.texts)) <= set(map(id, low[:8]))
+
+
+def test_a_queue_within_the_window_is_grouped_as_a_whole():
+    import random
+
+    rng = random.Random(11)
+    for _ in range(300):
+        queue = [T(rng.randint(1, 200), arrived=i, model=rng.choice("ab"),
+                   priority=rng.choice([0, 1])) for i in range(rng.randint(1, 40))]
+        fair = rng.random() < 0.3
+        whole = form_pass(queue, Limits(8, 2048, 0.0, 1.5), fair, merges=lambda text: True)
+        windowed = form_pass(queue, Limits(8, 2048, 0.0, 1.5, window=40), fair,
+                             merges=lambda text: True)
+        assert [b.texts for b in whole[0]] == [b.texts for b in windowed[0]]
+        assert whole[1] == windowed[1]

@@ -1,0 +1,141 @@
+#!/usr/bin/env python3
+"""Overload, measured: what a burst of requests with deadlines gets from two configurations.
+
+A production server under more work than it can do before the deadlines should refuse the excess
+at once (429) and answer what it admits in time (200); the failure to avoid is admitting
+everything and timing it all out (504). Both stacks run at once (an idle stack costs almost
+nothing); rounds alternate A, B, B, A, ..., each a warm-up then a burst of `--requests`
+simultaneous requests of `--texts` corpus texts (the same texts for both sides in a round), each
+with `X-Request-Timeout: --deadline`, through nginx:
+
+  .venv/bin/python scripts/burst.py --a 'batching: {pass_window: 0}' --b '{}' \\
+      --requests 600 --texts 32 --deadline 30 --rounds 2
+
+`--rate R` sends Poisson arrivals at R requests/s for `--seconds` instead of one burst (a
+sustainable load should see no 429 and no 504). `--a-rev REV` runs side A's code from a git
+worktree of REV, as scripts/ab.py does.
+
+Per side and round it prints the answers by status, the 200s' median and slowest latency, when
+the last 429 came, and the texts answered 200 per second of the burst (goodput).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "scripts"))
+
+from ab import checkout, overlay  # noqa: E402
+from benchkit import CORPUS, OwnStack, auth_headers  # noqa: E402
+
+
+def text_counts(spec: str, n: int, rng: random.Random) -> list[int]:
+    lo, _, hi = spec.partition("-")
+    return [rng.randint(int(lo), int(hi or lo)) for _ in range(n)]
+
+
+async def fire(url: str, bodies: list[list[str]], deadline: float, arrivals: list[float]) -> dict:
+    import aiohttp
+
+    results: list[tuple[int, float, float, int]] = []  # status, latency, end, texts
+    conn = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=deadline + 60)
+    headers = {"X-Request-Timeout": str(deadline), **auth_headers()}
+    async with aiohttp.ClientSession(connector=conn, timeout=timeout, headers=headers) as session:
+        begin = time.perf_counter()
+
+        async def one(texts: list[str], due: float) -> None:
+            delay = begin + due - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            sent = time.perf_counter()
+            try:
+                async with session.post(url + "/v1/embeddings", json={
+                        "input": texts, "encoding_format": "float"}) as resp:
+                    await resp.read()
+                    status = resp.status
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                status = 0  # no answer: the one outcome a server must never give
+            now = time.perf_counter()
+            results.append((status, now - sent, now - begin, len(texts)))
+
+        await asyncio.gather(*(one(b, d) for b, d in zip(bodies, arrivals)))
+        elapsed = time.perf_counter() - begin
+    statuses = collections.Counter(r[0] for r in results)
+    ok = sorted(r[1] for r in results if r[0] == 200)
+    refused = [r[2] for r in results if r[0] == 429]
+    return {"statuses": dict(sorted(statuses.items())),
+            "ok_p50_s": ok[len(ok) // 2] if ok else None, "ok_max_s": ok[-1] if ok else None,
+            "last_429_s": max(refused) if refused else None,
+            "goodput_texts_per_s": sum(r[3] for r in results if r[0] == 200) / elapsed,
+            "elapsed_s": elapsed}
+
+
+def describe(r: dict) -> str:
+    s = r["statuses"]
+    cell = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
+    return (f"200/504/429/other {s.get(200, 0)}/{s.get(504, 0)}/{s.get(429, 0)}/"
+            f"{sum(v for k, v in s.items() if k not in (200, 504, 429))}, "
+            f"200s p50 {cell(r['ok_p50_s'])} s max {cell(r['ok_max_s'])} s, "
+            f"last 429 at {cell(r['last_429_s'])} s, "
+            f"goodput {r['goodput_texts_per_s']:.1f} texts/s")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--a", required=True, help="overlay of side A (YAML or a file)")
+    parser.add_argument("--b", required=True, help="overlay of side B (YAML or a file)")
+    parser.add_argument("--a-rev", help="run side A's code from this git revision (a worktree)")
+    parser.add_argument("--b-rev", help="run side B's code from this git revision")
+    parser.add_argument("--requests", type=int, default=600)
+    parser.add_argument("--texts", default="32", help="texts per request: N or LO-HI")
+    parser.add_argument("--deadline", type=float, default=30.0, help="X-Request-Timeout, s")
+    parser.add_argument("--rate", type=float, default=0.0,
+                        help="Poisson arrivals at this many requests/s instead of one burst")
+    parser.add_argument("--seconds", type=float, default=30.0, help="with --rate: how long")
+    parser.add_argument("--rounds", type=int, default=2, help="ABBA rounds (2 bursts each)")
+    parser.add_argument("--env", help="config env (as SHMSERVE_ENV)")
+    parser.add_argument("--json", type=Path, help="write every round's results here")
+    args = parser.parse_args()
+
+    corpus = json.loads(CORPUS.read_text())
+    rounds = []
+    with checkout(args.a_rev) as repo_a, checkout(args.b_rev) as repo_b, \
+            OwnStack(args.env, None, overlay(args.a), repo_a) as a, \
+            OwnStack(args.env, None, overlay(args.b), repo_b) as b:
+        for r in range(args.rounds):
+            rng = random.Random(r)
+            if args.rate:
+                arrivals, due = [], rng.expovariate(args.rate)
+                while due < args.seconds:
+                    arrivals.append(due)
+                    due += rng.expovariate(args.rate)
+            else:
+                arrivals = [0.0] * args.requests
+            bodies = [rng.sample(corpus, n) for n in text_counts(args.texts, len(arrivals), rng)]
+            got = {}
+            for name, stack in ((("a", a), ("b", b)) if r % 2 == 0 else (("b", b), ("a", a))):
+                # Warm-up, then an idle second: the worker's speed estimate and caches are those
+                # of a stack that has served, and the burst meets an empty queue.
+                asyncio.run(fire(stack.url, bodies[:8], args.deadline, [0.0] * len(bodies[:8])))
+                time.sleep(1.0)
+                got[name] = asyncio.run(fire(stack.url, bodies, args.deadline, arrivals))
+                print(f"round {r + 1} {name.upper()}: {describe(got[name])}", flush=True)
+            rounds.append(got)
+    if args.json:
+        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)},
+                                         "rounds": rounds}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
