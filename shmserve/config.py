@@ -108,7 +108,7 @@ class BatchingConfig:
     max_wait_ms: float = 2.0  # how long the oldest text may wait for company
     max_pad_ratio: float = 1.5  # padded / real tokens a batch may reach (length grouping)
     fair_share_every: int = 4  # every Nth batch starts from the oldest text, any priority
-    pass_window: int = 4  # a pass chooses among the oldest N x max_batch_size texts; 0: all
+    pass_window: int = 8  # a pass chooses among the oldest N x max_batch_size texts; 0: all
 
 
 @dataclass(frozen=True, slots=True)

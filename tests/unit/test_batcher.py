@@ -240,3 +240,10 @@ def test_a_queue_within_the_window_is_grouped_as_a_whole():
                              merges=lambda text: True)
         assert [b.texts for b in whole[0]] == [b.texts for b in windowed[0]]
         assert whole[1] == windowed[1]
+
+
+def test_the_configs_pass_window_is_counted_in_batches_of_max_batch_size():
+    from shmserve.config import BatchingConfig
+
+    assert Limits.of(BatchingConfig(max_batch_size=32, pass_window=8)).window == 256
+    assert Limits.of(BatchingConfig(pass_window=0)).window == 0  # the whole queue
