@@ -20,14 +20,15 @@ A request is admitted when that estimate is within `SHARE` of the time to its de
 share was set when a pass mixed texts of the whole queue, so the requests admitted during a
 burst finished together when the backlog drained and a small error in the estimate made them
 all late together; the batcher now groups within a window of the oldest texts
-(`batching.pass_window`), so they finish roughly in order and an error costs the last ones.
-The share stays under 1 because the burst's own arrival (parsing and tokenizing hundreds of
+(`batching.pass_window`), so they finish roughly in order and an error costs the last ones. The
+share stays under 1 because the burst's own arrival (parsing and tokenizing hundreds of
 requests) takes CPU from the workers for its first seconds. With a window of 4 batches, 0.9
-against 0.75 (600 x 16-32 texts, 10 s, 2 rounds, 2026-12-01 ~11:20, a faster spell of the
-same machine) answered 114-133 against 111-119 x 200 and no 504 either way, the slowest 200
-at 10.0 s: within the noise, and at the edge, so 0.75 stays. A request with nothing queued ahead of it at its priority or above is always admitted (a refusal
-cannot make it faster), and until the worker has drained a backlog there is no estimate:
-everything the queue bound lets in is admitted.
+against 0.75 (600 x 16-32 texts, 10 s, 2 rounds, 2026-12-01 ~11:20, a faster spell of the same
+machine) answered 114-133 against 111-119 x 200 and no 504 either way, the slowest 200 at 10.0
+s: within the noise, and at the edge, so 0.75 stays. A request with nothing queued ahead of it
+at its priority or above is always admitted (a refusal cannot make it faster), and until the
+worker has drained a backlog there is no estimate: everything the queue bound lets in is
+admitted.
 
 Measured (2 cores, AMD EPYC, fp32, the default config, after a warm-up of 20 x 32 texts;
 2026-12-01 ~09:37; /v1/embeddings, corpus texts, all requests at once):
