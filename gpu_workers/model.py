@@ -16,6 +16,7 @@ import dataclasses
 import gc
 import inspect
 import logging
+import time
 import warnings
 from pathlib import Path
 
@@ -213,17 +214,26 @@ class Model:
         return self.head(out, mask, lens)
 
 
-def warm_up(model: Model, max_batch_size: int, max_batch_tokens: int) -> None:
-    """Run the largest batch shape the limits allow, so the first request pays no warm-up."""
+def warm_up(model: Model, max_batch_size: int, max_batch_tokens: int) -> tuple[int, float]:
+    """Run the largest batch shape the limits allow, so the first request pays no warm-up; then
+    time a full pass of short texts (32 tokens), twice, and return the faster as (real tokens,
+    seconds): the worker's first estimate of the speed it drains a backlog at
+    (gpu_workers.admission), before it has drained one."""
     longest = model.spec.max_tokens
     batch = max(1, min(max_batch_size, max_batch_tokens // longest))
     pairs = model.spec.task == "rerank"  # warm the token-type path a cross-encoder takes
     if model.graphs is not None:
         with torch.inference_mode():
             model.graphs.prepare(max_batch_size, max_batch_tokens, pairs)
-    for shape in ((1, 8), (batch, longest)):
+    short = min(32, longest)
+    typical = (max(1, min(max_batch_size, max_batch_tokens // short)), short)
+    timed = []
+    for shape in ((1, 8), (batch, longest), typical, typical):
+        started = time.perf_counter()
         model.forward(np.ones(shape, np.int64), np.full(shape[0], shape[1], np.int64),
                       np.full(shape[0], shape[1] // 2, np.int64) if pairs else None)
+        timed.append(time.perf_counter() - started)
+    return typical[0] * typical[1], min(timed[2:])
 
 
 def resolve_dtype(name: str, device: torch.device) -> str:

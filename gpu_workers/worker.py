@@ -146,7 +146,7 @@ class Worker:
                            self.cfg.admin.reload_timeout_s)
         for name, spec in self.specs.items():
             started = time.monotonic()
-            spec, model = self._load_model(spec)
+            spec, model = self._load_model(spec, seed=True)
             self.slots.add(self.configs[name], spec, model)
             log.info("worker.loaded", extra={"fields": {
                 "model": name, "revision": spec.revision, "dtype": spec.dtype,
@@ -161,13 +161,19 @@ class Worker:
                                  w.memory_check_batches, w.heartbeat_interval_s,
                                  Policy.of(w))
 
-    def _load_model(self, spec: ModelSpec) -> tuple[ModelSpec, Any]:
+    def _load_model(self, spec: ModelSpec, seed: bool = False) -> tuple[ModelSpec, Any]:
+        """`seed`: at start, before serving: the warm-up's timed pass is the admission
+        estimate's first speed, so a burst that meets a fresh worker is judged too (a reload's
+        warm-up runs beside serving, and its time says nothing of the speed)."""
         from gpu_workers.model import load_model, warm_up
 
         graphs = self.cfg.workers.cuda_graphs if self.device.type == "cuda" else 0
         model = load_model(spec, self.device, graphs)
         try:
-            warm_up(model, self.limits.max_batch_size, self.limits.max_batch_tokens)
+            tokens, seconds = warm_up(model, self.limits.max_batch_size,
+                                      self.limits.max_batch_tokens)
+            if seed:
+                self._backlog.passed(tokens, seconds)
         except Exception as exc:
             if not out_of_memory(exc):
                 raise

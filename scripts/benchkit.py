@@ -84,16 +84,17 @@ class OwnStack:
         self.env["SHMSERVE_ENV"] = env or os.environ.get("SHMSERVE_ENV", "dev")
         self.url = f"http://127.0.0.1:{self.port}"
 
-    def _cli(self, *args: str) -> None:
+    def cli(self, *args: str) -> None:
+        """A `shmserve` command on this stack (its config)."""
         cmd = [PYTHON, "-m", "shmserve.cli", *args, "--config", str(self.config)]
         subprocess.run(cmd, cwd=self.repo, env=self.env, check=True, stdout=subprocess.DEVNULL)
 
     def __enter__(self) -> "OwnStack":
-        self._cli("up", "--wait")
+        self.cli("up", "--wait")
         return self
 
     def __exit__(self, *exc) -> None:
-        self._cli("down")
+        self.cli("down")
         self.tmp.cleanup()
 
 

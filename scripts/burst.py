@@ -11,7 +11,8 @@ with `X-Request-Timeout: --deadline`, through nginx:
   .venv/bin/python scripts/burst.py --a 'batching: {pass_window: 0}' --b '{}' \\
       --requests 600 --texts 32 --deadline 30 --rounds 2
 
-`--rate R` sends Poisson arrivals at R requests/s for `--seconds` instead of one burst (a
+`--cold` restarts the workers before each burst instead of warming them up: the first burst a
+fresh worker meets. `--rate R` sends Poisson arrivals at R requests/s for `--seconds` instead of one burst (a
 sustainable load should see no 429 and no 504). `--a-rev REV` runs side A's code from a git
 worktree of REV, as scripts/ab.py does.
 
@@ -103,6 +104,8 @@ def main() -> int:
                         help="Poisson arrivals at this many requests/s instead of one burst")
     parser.add_argument("--seconds", type=float, default=30.0, help="with --rate: how long")
     parser.add_argument("--rounds", type=int, default=2, help="ABBA rounds (2 bursts each)")
+    parser.add_argument("--cold", action="store_true",
+                        help="restart the workers before each burst (no warm-up)")
     parser.add_argument("--env", help="config env (as SHMSERVE_ENV)")
     parser.add_argument("--json", type=Path, help="write every round's results here")
     args = parser.parse_args()
@@ -124,9 +127,13 @@ def main() -> int:
             bodies = [rng.sample(corpus, n) for n in text_counts(args.texts, len(arrivals), rng)]
             got = {}
             for name, stack in ((("a", a), ("b", b)) if r % 2 == 0 else (("b", b), ("a", a))):
-                # Warm-up, then an idle second: the worker's speed estimate and caches are those
-                # of a stack that has served, and the burst meets an empty queue.
-                asyncio.run(fire(stack.url, bodies[:8], args.deadline, [0.0] * len(bodies[:8])))
+                if args.cold:  # `restart` returns once the new workers are ready
+                    stack.cli("restart", "workers")
+                else:
+                    # Warm-up, then an idle second: the worker's speed estimate and caches are
+                    # those of a stack that has served, and the burst meets an empty queue.
+                    asyncio.run(fire(stack.url, bodies[:8], args.deadline,
+                                     [0.0] * len(bodies[:8])))
                 time.sleep(1.0)
                 got[name] = asyncio.run(fire(stack.url, bodies, args.deadline, arrivals))
                 print(f"round {r + 1} {name.upper()}: {describe(got[name])}", flush=True)

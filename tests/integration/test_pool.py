@@ -281,8 +281,9 @@ def forward_groups(self, groups):
 def warm_up(*args):
     global warming
     warming = True
-    real_warm_up(*args)
+    speed = real_warm_up(*args)
     warming = False
+    return speed
 
 model.Model.forward_groups, model.warm_up = forward_groups, warm_up
 sys.argv = ["gpu_workers", *sys.argv[1:]]
