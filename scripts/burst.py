@@ -12,9 +12,9 @@ with `X-Request-Timeout: --deadline`, through nginx:
       --requests 600 --texts 32 --deadline 30 --rounds 2
 
 `--cold` restarts the workers before each burst instead of warming them up: the first burst a
-fresh worker meets. `--rate R` sends Poisson arrivals at R requests/s for `--seconds` instead of one burst (a
-sustainable load should see no 429 and no 504). `--a-rev REV` runs side A's code from a git
-worktree of REV, as scripts/ab.py does.
+fresh worker meets. `--rate R` sends Poisson arrivals at R requests/s for `--seconds` instead
+of one burst (a sustainable load should see no 429 and no 504). `--a-rev REV` runs side A's
+code from a git worktree of REV, as scripts/ab.py does.
 
 Per side and round it prints the answers by status, the 200s' median and slowest latency, when
 the last 429 came, and the texts answered 200 per second of the burst (goodput).
