@@ -26,9 +26,14 @@ requests) takes CPU from the workers for its first seconds. With a window of 4 b
 against 0.75 (600 x 16-32 texts, 10 s, 2 rounds, 2026-12-01 ~11:20, a faster spell of the same
 machine) answered 114-133 against 111-119 x 200 and no 504 either way, the slowest 200 at 10.0
 s: within the noise, and at the edge, so 0.75 stays. A request with nothing queued ahead of it
-at its priority or above is always admitted (a refusal cannot make it faster), and until the
-worker has drained a backlog there is no estimate: everything the queue bound lets in is
-admitted.
+at its priority or above is always admitted (a refusal cannot make it faster). Until the
+worker has drained a backlog, its estimate is one full pass of 32-token texts timed at warm-up
+(gpu_workers.model.warm_up), with the weight of one pass: without it a fresh worker admitted
+everything the queue bound let in, and the first burst after a start answered 10-126 x 504 of
+300 (16-32 texts, 5 s; `scripts/burst.py --cold`, 4 rounds, 2026-12-01 ~12:10, AVX512-BF16
+EPYC), against 0-16 with it; the rest of those 504s are the first passes' slowness (the burst's
+parsing takes the cores, new pass shapes compile their kernels). Without any estimate (`rate`
+0: a Backlog nobody seeded) everything is admitted.
 
 Measured (2 cores, AMD EPYC, fp32, the default config, after a warm-up of 20 x 32 texts;
 2026-12-01 ~09:37; /v1/embeddings, corpus texts, all requests at once):
