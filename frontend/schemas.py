@@ -73,6 +73,12 @@ def texts_or_ids(value: Any, param: str, limits: LimitsConfig
             _token_ids(value, param, param)
         raise ApiError("invalid_request", f"'{param}' mixes texts with token ids; send a list "
                        "of texts or a list of token ids, not both", param=param)
+    if isinstance(value, list):
+        for i, v in enumerate(value):
+            if not isinstance(v, str):  # a boolean, null, an object: neither kind
+                raise ApiError("invalid_request", f"'{param}[{i}]' is "
+                               f"{JSON_KINDS.get(type(v), type(v).__name__)}; '{param}' takes "
+                               "texts (strings) or token ids (integers)", param=param)
     return one_or_many(value, param, limits), None
 
 
@@ -120,8 +126,9 @@ def flag(body: dict, key: str, default: bool) -> bool:
 def one_or_many(value: Any, param: str, limits: LimitsConfig) -> list[str]:
     """A string or a list of strings, as a list: one string is one text, and the response has
     one row for it, as /v1/embeddings answers a string with a `data` of one."""
-    if isinstance(value, str):
-        return texts([value], param, limits)
+    if isinstance(value, str):  # named as the field, not as an element of a list
+        check_text(value, f"'{param}'", param, limits)
+        return [value]
     if not isinstance(value, list):
         raise ApiError("invalid_request", f"'{param}' must be a string or a list of strings",
                        param=param)

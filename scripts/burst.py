@@ -11,6 +11,13 @@ with `X-Request-Timeout: --deadline`, through nginx:
   .venv/bin/python scripts/burst.py --a 'batching: {pass_window: 0}' --b '{}' \\
       --requests 600 --texts 32 --deadline 30 --rounds 2
 
+With the admission rule off on both sides (what the batcher's window does when the estimate
+fails), add it to each overlay:
+
+  .venv/bin/python scripts/burst.py \
+      --a '{batching: {pass_window: 0}, workers: {refuse_past_deadline: false}}' \
+      --b '{workers: {refuse_past_deadline: false}}' --requests 600 --texts 16-32 --deadline 10
+
 `--cold` restarts the workers before each burst instead of warming them up: the first burst a
 fresh worker meets. `--rate R` sends Poisson arrivals at R requests/s for `--seconds` instead
 of one burst (a sustainable load should see no 429 and no 504). `--a-rev REV` runs side A's

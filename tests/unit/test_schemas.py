@@ -21,8 +21,9 @@ def test_one_value_or_a_list_is_resolved_at_the_edge():
 @pytest.mark.parametrize("value,message", [
     (5, "'texts' must be a string or a list of strings"),
     ({"a": "b"}, "'texts' must be a string or a list of strings"),
-    ("", "'texts[0]' must not be empty"),
-    ("x" * 21, "'texts[0]' has 21 characters"),
+    ("", "'texts' must not be empty"),
+    ("x" * 21, "'texts' has 21 characters"),
+    ([""], "'texts[0]' must not be empty"),
 ])
 def test_predict_texts_refused(value, message):
     with pytest.raises(ApiError) as info:
@@ -115,3 +116,15 @@ def test_a_json_integer_past_64_bits_is_named_as_a_token_id():
     body = decode_body(b'{"input": [99999999999999999999999999]}', "application/json")
     with pytest.raises(ApiError, match=r"^'input\[0\]' is 1e\+26, a float; token ids"):
         parse_openai_embeddings(body, LIMITS)
+
+
+@pytest.mark.parametrize("value,message", [
+    ([True, False], "'input[0]' is a boolean; 'input' takes texts (strings) or token ids"),
+    (["a", None], "'input[1]' is null; 'input' takes texts (strings) or token ids"),
+    ("", "'input' must not be empty"),
+])
+def test_openai_input_errors_name_what_it_takes(value, message):
+    with pytest.raises(ApiError) as info:
+        parse_openai_embeddings({"input": value}, LIMITS)
+    assert info.value.param == "input" and info.value.message.startswith(message), \
+        info.value.message
