@@ -119,10 +119,11 @@ def _weights_problem(weights: object, names: list[str]) -> str:
     """What is wrong with a split's new weights ("" when nothing)."""
     if not isinstance(weights, dict):
         return "give an object {variant: weight}"
-    if missing := [n for n in names if n not in weights]:
-        return f"{', '.join(missing)} missing"
-    if unknown := [str(n) for n in weights if n not in names]:
-        return f"no variant {', '.join(unknown)}"
+    missing = [n for n in names if n not in weights]
+    unknown = [str(n) for n in weights if n not in names]
+    if missing or unknown:  # both named: `a=1 c=1` is likely `b` misspelt
+        return "; ".join(([f"{', '.join(missing)} missing"] if missing else [])
+                         + ([f"no variant {', '.join(unknown)}"] if unknown else []))
     for name, w in weights.items():
         if not (isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w)
                 and w >= 0):

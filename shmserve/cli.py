@@ -42,8 +42,22 @@ class CliError(RuntimeError):
     """A command cannot go on; the message says why and what to change."""
 
 
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        # `reload NAME --revision R SOURCE`: argparse gives the optional positional SOURCE
+        # nothing when an option comes between it and NAME, and leaves it over.
+        if getattr(args, "source", None) == "" and len(extra) == 1 \
+                and not extra[0].startswith("-"):
+            args.source = extra[0]
+        else:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = parse(argv)
     try:
         return args.run(args)
     except (ConfigError, render.RenderError, CliError, remote.RemoteError) as exc:

@@ -81,7 +81,8 @@ def config_drift(args: argparse.Namespace, running: Config,
         said.append(f"the overrides given now differ from the config this deployment runs "
                     f"({path}): {'; '.join(changed)}")
     if edited:
-        said.append(f"edited since `up`: {', '.join(edited)}")
+        said.append(f"written since `up` started (edited, or new to this deployment): "
+                    f"{', '.join(edited)}")
     return (f"{'. '.join(said)}. restart keeps the running config; to apply the new one: "
             "`shmserve down`, then `shmserve up` (with the same overrides)")
 

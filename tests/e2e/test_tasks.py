@@ -347,6 +347,7 @@ def test_new_weights_apply_on_every_frontend(stack):
                      ({"weights": {"a": 0, "b": 0}}, "all are 0"),
                      ({"w": 1}, "give an object {variant: weight}"),
                      ({"weights": {"a": 1, "b": 1, "c": 1}}, "no variant c"),
+                     ({"weights": {"a": 1, "c": 1}}, "b missing; no variant c"),  # b misspelt
                      ({"weights": {"a": -1, "b": 2}}, "a: -1 is not a number >= 0"),
                      ({"weights": {"a": "1", "b": 2}}, "a: '1' is not a number >= 0")):
         status, _, raw = stack.request("PUT", "/admin/models/ab/split",

@@ -323,6 +323,25 @@ def test_restart_names_what_the_overrides_given_now_would_change(tmp_path):
     extra = tmp_path / "extra.yaml"
     extra.write_text("batching:\n  max_wait_ms: 9\n")
     said = restarts.config_drift(argparse.Namespace(env=None, config=str(extra)), running, later)
-    assert "batching.max_wait_ms" in said and f"edited since `up`: {extra}" in said
+    assert "batching.max_wait_ms" in said
+    assert f"written since `up` started (edited, or new to this deployment): {extra}" in said
     assert "invalid" in restarts.config_drift(
         args, running, {**later, "SHMSERVE__FRONTENDS__COUNT": "0"})
+
+
+@pytest.mark.parametrize("argv", [
+    ["reload", "m", "models/x", "--revision", "v"],
+    ["reload", "m", "--revision", "v", "models/x"],  # the source after an option
+    ["reload", "--revision", "v", "m", "models/x"],
+])
+def test_reload_takes_its_source_before_or_after_the_options(argv):
+    args = cli.parse(argv)
+    assert (args.name, args.source, args.revision) == ("m", "models/x", "v")
+
+
+def test_a_left_over_argument_is_still_refused():
+    assert cli.parse(["reload", "m"]).source == ""  # the current source, re-read
+    for argv in (["reload", "m", "--revision", "v", "a", "b"], ["status", "junk"]):
+        with pytest.raises(SystemExit) as info:
+            cli.parse(argv)
+        assert info.value.code == 2
