@@ -27,9 +27,9 @@ DOCUMENT = web.AppKey("openapi", dict)
 _DESCRIPTION = """\
 Embeddings, classification and reranking over shared memory. Protocols: the native `/predict`,
 `/v1/classify` and `/v1/rerank`, OpenAI's `/v1/embeddings`, Hugging Face TEI's `/embed`,
-`/rerank`, `/tokenize` and `/info`, and KServe v2 (`/v2/...`, with Triton's binary tensor data
-extension). Inference responses carry `X-Model-Revision` (and `X-Model-Variant` for an A/B
-split).
+`/similarity`, `/` (as TEI's, for huggingface_hub), `/rerank`, `/tokenize` and `/info`, and KServe
+v2 (`/v2/...`, with Triton's binary tensor data extension). Inference responses carry
+`X-Model-Revision` (and `X-Model-Variant` for an A/B split).
 
 Every POST body may be JSON (`Content-Type: application/json`) or msgpack
 (`application/msgpack`); a response is msgpack when `Accept` names msgpack, and then float vectors
@@ -173,6 +173,17 @@ def _routes(model: dict) -> dict[str, dict]:
         "/embed": {"post": _op(
             "tei", "TEI embed", {**_ok({"type": "array", "items": ref("Vector")}),
                                  **_errors(*_POST_ERRORS)}, _body(ref("TeiEmbedRequest")))},
+        "/similarity": {"post": _op(
+            "tei", "TEI similarity: cosine of each sentence to the source sentence",
+            {**_ok({"type": "array", "items": {"type": "number"}}), **_errors(*_POST_ERRORS)},
+            _body(ref("TeiSimilarityRequest")))},
+        "/": {"post": _op(
+            "tei", "TEI's route for the model's task (huggingface_hub's InferenceClient posts "
+            "here): a similarity body as /similarity, any other as /embed",
+            {**_ok({"oneOf": [{"type": "array", "items": ref("Vector")},
+                              {"type": "array", "items": {"type": "number"}}]}),
+             **_errors(*_POST_ERRORS)},
+            _body({"oneOf": [ref("TeiEmbedRequest"), ref("TeiSimilarityRequest")]}))},
         "/rerank": {"post": _op(
             "tei", "TEI rerank (a cross-encoder)",
             {**_ok({"type": "array", "items": ref("Rank")}), **_errors(*_POST_ERRORS)},

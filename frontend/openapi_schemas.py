@@ -166,6 +166,13 @@ def _tei_schemas(parts: dict[str, Any]) -> dict[str, Any]:
             "truncate": nullable_bool, "truncation_direction": direction,
             "dimensions": {"type": ["integer", "null"], "minimum": 1},
             "prompt_name": {"type": "null"}}},
+        "TeiSimilarityRequest": {"type": "object", "required": ["inputs"], "properties": {
+            "inputs": {"type": "object", "required": ["source_sentence", "sentences"],
+                       "properties": {"source_sentence": parts["text"],
+                                      "sentences": parts["texts"]}},
+            "model": parts["model"]("embedding", "null"),
+            "truncate": nullable_bool, "truncation_direction": direction,
+            "prompt_name": {"type": "null"}}},
         "TeiRerankRequest": {"type": "object", "required": ["query", "texts"], "properties": {
             "query": parts["text"], "texts": parts["texts"], "model": parts["model"]("rerank"),
             "raw_scores": nullable_bool, "return_text": nullable_bool,

@@ -5,6 +5,12 @@
     POST /rerank    {"query", "texts", "raw_scores", "return_text", ...} -> [{"index", "score"}]
     POST /tokenize  {"inputs": str | [str], "add_special_tokens"} -> [[{"id", "text", "special",
                      "start", "stop"}]]   (start/stop: byte offsets into the text, as TEI's)
+    POST /similarity {"inputs": {"source_sentence": str, "sentences": [str]}} -> [float]
+                     (cosine of each sentence's vector to the source's)
+    POST /          TEI's route for its model's task, which huggingface_hub's InferenceClient
+                     posts to: a similarity body as /similarity, any other as /embed. A
+                     classifier's TEI `/predict` shape (`inputs`) is not served: this server's
+                     /predict and /v1/classify are.
 
 TEI's ``GET /info`` is served with the observability routes. Differences from TEI, on purpose:
 errors keep this server's body (OpenAI's shape, see frontend.errors), not TEI's
@@ -35,13 +41,54 @@ DIRECTIONS = {"right": "right", "Right": "right", "left": "left", "Left": "left"
 
 
 def add_routes(app: web.Application) -> None:
+    app.router.add_post("/", root)
     app.router.add_post("/embed", embed)
+    app.router.add_post("/similarity", similarity)
     app.router.add_post("/rerank", rerank)
     app.router.add_post("/tokenize", tokenize)
 
 
-async def embed(request: web.Request) -> web.Response:
+async def root(request: web.Request) -> web.Response:
     body = mapping(await codec.read_body(request))
+    if isinstance(body.get("inputs"), dict):
+        return await _similarity(request, body)
+    return await _embed(request, body)
+
+
+async def similarity(request: web.Request) -> web.Response:
+    return await _similarity(request, mapping(await codec.read_body(request)))
+
+
+async def _similarity(request: web.Request, body: dict) -> web.Response:
+    inputs = required(body, "inputs")
+    if not isinstance(inputs, dict):
+        raise ApiError("invalid_request", "'inputs' must be an object {\"source_sentence\": str, "
+                       "\"sentences\": [str]}", param="inputs")
+    limits = request.app[CONFIG].limits
+    for key in ("source_sentence", "sentences"):
+        if key not in inputs:
+            raise ApiError("invalid_request", f"'inputs.{key}' is required", param="inputs")
+    source = inputs["source_sentence"]
+    if not isinstance(source, str):
+        raise ApiError("invalid_request", "'inputs.source_sentence' must be a string",
+                       param="inputs")
+    sentences = texts(inputs["sentences"], "inputs.sentences", limits)
+    given = texts([source, *sentences], "inputs", limits)
+    _no_prompt(body)
+    truncate, direction = _truncation(body)
+    parsed = EmbedRequest(given, model_name(body), priority=body_priority(body),
+                          truncate=truncate, truncation_direction=direction, user=user(body))
+    _, outcome, _ = await routes.embed(request, parsed, "inputs")
+    rows = vectors.normalize(outcome.vectors)
+    return codec.render(request, (rows[1:] @ rows[0]).astype(float).tolist(),
+                        headers=tasks.stage_headers(request, outcome))
+
+
+async def embed(request: web.Request) -> web.Response:
+    return await _embed(request, mapping(await codec.read_body(request)))
+
+
+async def _embed(request: web.Request, body: dict) -> web.Response:
     parsed, normalize = parse_embed(body, request.app[CONFIG].limits)
     # The model that will serve: with no name, the first embedding model (not the first
     # configured one, which may be a classifier).

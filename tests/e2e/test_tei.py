@@ -191,3 +191,29 @@ def test_errors_keep_this_servers_shape_and_reach_hub(hub):
     assert info.value.response.status_code == 422
     body = json.loads(info.value.response.content)
     assert body["error"]["param"] == "dimensions"
+
+
+def test_the_root_route_serves_the_client_pointed_at_the_server_itself(tiny_stack, native):
+    """huggingface_hub's InferenceClient given the server's own URL (as TEI users point it)
+    posts to `/`: feature extraction and sentence similarity must both work there."""
+    with InferenceClient(model=tiny_stack.url) as client:
+        got = client.feature_extraction(TEXTS)
+        np.testing.assert_allclose(got, native, rtol=0, atol=1e-6)
+        scores = client.sentence_similarity(TEXTS[0], other_sentences=TEXTS[1:])
+    unit = native / np.linalg.norm(native, axis=1, keepdims=True)
+    np.testing.assert_allclose(scores, unit[1:] @ unit[0], rtol=0, atol=1e-5)
+
+
+def test_similarity_is_the_cosine_to_the_source_sentence(tiny_stack, native):
+    body = {"inputs": {"source_sentence": TEXTS[0], "sentences": TEXTS[1:]}}
+    status, _, got = tiny_stack.post_json("/similarity", body)
+    assert status == 200, got
+    unit = native / np.linalg.norm(native, axis=1, keepdims=True)
+    np.testing.assert_allclose(got, unit[1:] @ unit[0], rtol=0, atol=1e-5)
+    assert tiny_stack.post_json("/", body)[2] == got  # the root route dispatches it the same
+    for bad in ({"inputs": {"source_sentence": 5, "sentences": ["a"]}},
+                {"inputs": {"source_sentence": "a", "sentences": []}},
+                {"inputs": {"sentences": ["a"]}},
+                {"inputs": "a"}):
+        status, _, err = tiny_stack.post_json("/similarity", bad)
+        assert status == 422 and err["error"]["param"].startswith("inputs"), (bad, err)
