@@ -73,13 +73,7 @@ def texts_or_ids(value: Any, param: str, limits: LimitsConfig
             _token_ids(value, param, param)
         raise ApiError("invalid_request", f"'{param}' mixes texts with token ids; send a list "
                        "of texts or a list of token ids, not both", param=param)
-    if isinstance(value, list):
-        for i, v in enumerate(value):
-            if not isinstance(v, str):  # a boolean, null, an object: neither kind
-                raise ApiError("invalid_request", f"'{param}[{i}]' is "
-                               f"{JSON_KINDS.get(type(v), type(v).__name__)}; '{param}' takes "
-                               "texts (strings) or token ids (integers)", param=param)
-    return one_or_many(value, param, limits), None
+    return one_or_many(value, param, limits, ids_too=True), None
 
 
 def _number(value: Any) -> bool:
@@ -123,16 +117,18 @@ def flag(body: dict, key: str, default: bool) -> bool:
     return value
 
 
-def one_or_many(value: Any, param: str, limits: LimitsConfig) -> list[str]:
+def one_or_many(value: Any, param: str, limits: LimitsConfig, ids_too: bool = False
+                ) -> list[str]:
     """A string or a list of strings, as a list: one string is one text, and the response has
-    one row for it, as /v1/embeddings answers a string with a `data` of one."""
+    one row for it, as /v1/embeddings answers a string with a `data` of one. `ids_too`: the
+    field also takes token ids (`texts_or_ids`), and a bad element's message says so."""
     if isinstance(value, str):  # named as the field, not as an element of a list
         check_text(value, f"'{param}'", param, limits)
         return [value]
     if not isinstance(value, list):
         raise ApiError("invalid_request", f"'{param}' must be a string or a list of strings",
                        param=param)
-    return texts(value, param, limits)
+    return texts(value, param, limits, ids_too)
 
 
 def query(body: dict, limits: LimitsConfig) -> str:
@@ -176,7 +172,7 @@ def model_name(body: dict) -> str | None:
     return model
 
 
-def texts(value: Any, param: str, limits: LimitsConfig) -> list[str]:
+def texts(value: Any, param: str, limits: LimitsConfig, ids_too: bool = False) -> list[str]:
     """A list of texts, each checked; where one string is also taken, see `one_or_many`."""
     if not isinstance(value, list):
         raise ApiError("invalid_request", f"'{param}' must be a list of strings", param=param)
@@ -188,6 +184,10 @@ def texts(value: Any, param: str, limits: LimitsConfig) -> list[str]:
                        param=param)
     for i, text in enumerate(value):
         if not isinstance(text, str):
+            if ids_too:  # a boolean, null, an object: neither kind the field takes
+                raise ApiError("invalid_request", f"'{param}[{i}]' is "
+                               f"{JSON_KINDS.get(type(text), type(text).__name__)}; '{param}' "
+                               "takes texts (strings) or token ids (integers)", param=param)
             raise ApiError("invalid_request", f"'{param}[{i}]' must be a string", param=param)
         check_text(text, f"'{param}[{i}]'", param, limits)
     return value

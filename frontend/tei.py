@@ -32,9 +32,9 @@ from aiohttp import web
 from frontend import codec, routes, tasks, vectors
 from frontend.app import CONFIG, MODEL_NAME, MODELS
 from frontend.errors import ApiError
-from frontend.schemas import (EmbedRequest, body_priority, dimensions, flag, mapping,
-                              model_name, one_or_many, query, required, texts, texts_or_ids,
-                              user)
+from frontend.schemas import (EmbedRequest, body_priority, check_text, dimensions, flag,
+                              mapping, model_name, one_or_many, query, required, texts,
+                              texts_or_ids, user)
 from shmserve.config import LimitsConfig
 
 DIRECTIONS = {"right": "right", "Right": "right", "left": "left", "Left": "left"}
@@ -72,8 +72,8 @@ async def _similarity(request: web.Request, body: dict) -> web.Response:
     if not isinstance(source, str):
         raise ApiError("invalid_request", "'inputs.source_sentence' must be a string",
                        param="inputs")
-    sentences = texts(inputs["sentences"], "inputs.sentences", limits)
-    given = texts([source, *sentences], "inputs", limits)
+    check_text(source, "'inputs.source_sentence'", "inputs", limits)
+    given = [source, *texts(inputs["sentences"], "inputs.sentences", limits)]
     _no_prompt(body)
     truncate, direction = _truncation(body)
     parsed = EmbedRequest(given, model_name(body), priority=body_priority(body),

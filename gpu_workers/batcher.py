@@ -123,8 +123,8 @@ def form_pass(queue: Sequence[T], limits: Limits, fair_turn: bool = False,
     # The model's texts sorted once for the whole pass: each merged batch is what form_batch
     # on the rest would form, as the rest's sorted texts are these less the ones taken (the
     # sort is stable).
-    same = _same_model_by_length(queue, model, limits.window, fair_turn)
-    window = {id(t) for t in same} if limits.window and len(same) >= limits.window else None
+    same, cut = _same_model_by_length(queue, model, limits.window, fair_turn)
+    window = {id(t) for t in same} if cut else None  # None: every text of the model is in it
     lengths = list(map(_length, same))
     batches: list[Batch[T]] = []
     taken: set[int] = set()  # ids: texts are told apart by identity, not equality
@@ -152,15 +152,17 @@ def form_pass(queue: Sequence[T], limits: Limits, fair_turn: bool = False,
 # map and compress keep the per-text work in C: a GPU worker's queue holds thousands of texts,
 # and a pass is formed from it every few milliseconds.
 def _same_model_by_length(queue: Sequence[T], model: str, window: int = 0,
-                          fair_turn: bool = False) -> list[T]:
-    """The model's texts in the pass's window, sorted by length."""
+                          fair_turn: bool = False) -> tuple[list[T], bool]:
+    """The model's texts in the pass's window, sorted by length, and whether the window left
+    some of them out."""
     same = list(compress(queue, map(model.__eq__, map(_model, queue))))
-    if window and len(same) > window:
+    cut = bool(window) and len(same) > window
+    if cut:
         if not fair_turn:  # highest priority first; the sort is stable, so arrival next
             same.sort(key=_priority, reverse=True)
         del same[window:]
     same.sort(key=_length)
-    return same
+    return same, cut
 
 
 def _without(queue: Sequence[T], ids: set[int]) -> list[T]:

@@ -46,7 +46,9 @@ def load(path: Path, name: str):
 def per_pass_ms(batcher, queue_size: int, passes: int, seed: int) -> float:
     rng = random.Random(seed)
     draw = lambda: Text(min(128, max(3, int(rng.lognormvariate(2.8, 0.5)))))  # noqa: E731
-    limits = batcher.Limits(256, 32768, 0.005, 1.5)
+    # configs/gpu.yaml's batching; the pass window (8 x max_batch_size) where the side has one
+    window = {"window": 8 * 256} if "window" in batcher.Limits.__dataclass_fields__ else {}
+    limits = batcher.Limits(256, 32768, 0.005, 1.5, **window)
     queue = [draw() for _ in range(queue_size)]
     spent = 0.0
     for _ in range(passes):
