@@ -88,6 +88,7 @@ TRACING = web.AppKey("tracing", object)  # a frontend.tracing.Tracing, or None
 PROBES = frozenset({"/health", "/ready", "/metrics"})
 # Open whatever auth.api_keys says: probes, scrapes, the API's description, and /admin/*,
 # which has a token of its own.
+OPENAI_PATHS = frozenset({"/v1/embeddings"})  # OpenAI's own routes: its statuses
 OPEN_PATHS = PROBES | {"/v2/health/live", "/v2/health/ready", "/openapi.json"}
 
 # Per-request storage, typed (aiohttp warns on plain string keys).
@@ -178,7 +179,10 @@ def error_response(request: web.Request, exc: ApiError) -> web.Response:
         exc = ApiError(exc.kind, f"{exc.message} (request id {request[REQUEST_ID]})",
                        exc.param, exc.retry_after, exc.code)
     body = exc.kserve_body() if _kserve(request) else exc.body()
-    return codec.render(request, body, status=exc.status, headers=exc.headers())
+    status = exc.status
+    if exc.kind == "invalid_request" and request.path in OPENAI_PATHS:
+        status = 400  # OpenAI's status for a request it refuses: its clients raise BadRequestError
+    return codec.render(request, body, status=status, headers=exc.headers())
 
 
 def _kserve(request: web.Request) -> bool:

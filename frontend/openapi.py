@@ -99,6 +99,7 @@ def _method_not_allowed(schema: str) -> dict:
 
 
 _POST_ERRORS = (400, 401, 404, 413, 415, 422, 429, 503, 504, 507)
+_OPENAI_ERRORS = tuple(s for s in _POST_ERRORS if s != 422)  # it answers 400 (frontend.app)
 
 
 def _ok(schema: dict, description: str = "OK", **more: Any) -> dict:
@@ -130,7 +131,7 @@ def _routes(model: dict) -> dict[str, dict]:
             _body(ref("PredictRequest")))},
         "/v1/embeddings": {"post": _op(
             "openai", "OpenAI embeddings", {**_ok(ref("EmbeddingsResponse")),
-                                            **_errors(*_POST_ERRORS)},
+                                            **_errors(*_OPENAI_ERRORS)},
             _body(ref("EmbeddingsRequest")))},
         "/v1/models": {"get": _op("openai", "Served models", _ok(ref("ModelList")))},
         "/v1/models/{model}": {"get": _op("openai", "One served model, by name or alias", {

@@ -84,10 +84,10 @@ def test_msgpack_vectors_are_raw_float32(tiny_stack, native):
 
 
 @pytest.mark.parametrize("kwargs,error,param,code", [
-    ({"dimensions": 33}, openai.UnprocessableEntityError, "dimensions", None),
-    ({"dimensions": 0}, openai.UnprocessableEntityError, "dimensions", None),
-    ({"input": [[1, 30522]]}, openai.UnprocessableEntityError, "input", None),
-    ({"input": [[]]}, openai.UnprocessableEntityError, "input", None),
+    ({"dimensions": 33}, openai.BadRequestError, "dimensions", None),
+    ({"dimensions": 0}, openai.BadRequestError, "dimensions", None),
+    ({"input": [[1, 30522]]}, openai.BadRequestError, "input", None),
+    ({"input": [[]]}, openai.BadRequestError, "input", None),
     ({"input": [[5] * 65]}, openai.APIStatusError, "input", None),  # 413: truncate is off
     ({"model": "gpt-9"}, openai.NotFoundError, "model", "model_not_found"),
 ])
