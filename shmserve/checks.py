@@ -7,6 +7,10 @@ import re
 
 from shmserve.typedtree import Check
 
+# A browser's Origin header: scheme, host, optional port. Pasted into nginx.conf, so nothing
+# else may pass.
+_ORIGIN = re.compile(r"https?://([A-Za-z0-9.-]{1,253}|\[[0-9A-Fa-f:.]{2,45}\])(:[0-9]{1,5})?")
+
 # Range checks beyond the types: key path -> (predicate, what is expected).
 _POSITIVE_INT: Check = (lambda v: v >= 1, "an integer >= 1")
 CHECKS: dict[str, Check] = {
@@ -29,6 +33,9 @@ CHECKS: dict[str, Check] = {
     "nginx.upstream_keepalive": _POSITIVE_INT,
     "nginx.worker_processes": (lambda v: v == "auto" or (isinstance(v, int) and v >= 1),
                                "auto or an integer >= 1"),
+    "nginx.cors_allow_origins": (lambda v: v == ["*"] or all(_ORIGIN.fullmatch(o) for o in v),
+                                 'empty, ["*"] alone, or origins such as '
+                                 'https://app.example.com[:port] (no path)'),
     "frontends.count": (lambda v: 1 <= v <= 64, "an integer from 1 to 64"),
     "frontends.max_inflight": _POSITIVE_INT,
     "frontends.request_timeout_s": (lambda v: v > 0, "a number > 0"),

@@ -45,6 +45,9 @@ class NginxConfig:
     proxy_read_timeout_s: int = 120
     upstream_keepalive: int = 64
     admin_loopback_only: bool = True
+    # Browser origins allowed to call the API (CORS, answered by nginx): ["*"] for any, or
+    # origins such as "https://app.example.com"; empty: no CORS headers, preflights are 405.
+    cors_allow_origins: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)

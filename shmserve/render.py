@@ -149,7 +149,18 @@ def render_nginx(cfg: Config) -> str:
         "frontend_count": str(cfg.frontends.count),
         "admin_access": admin,
         "access_log_buffer": access_log_buffer(cfg),
+        **cors(n.cors_allow_origins),
     })
+
+
+def cors(origins: list[str]) -> dict[str, str]:
+    """The map lines that allow `origins` (["*"]: any), and the Vary a per-origin answer needs
+    (so a cache never serves one origin's answer to another)."""
+    if origins == ["*"]:
+        return {"cors_origins": '        default "*";', "cors_vary": ""}
+    lines = [f'        "{origin}" $http_origin;' for origin in origins]
+    vary = '        add_header Vary Origin always;' if origins else ""
+    return {"cors_origins": "\n".join(['        default "";', *lines]), "cors_vary": vary}
 
 
 def access_log_buffer(cfg: Config) -> str:

@@ -15,6 +15,7 @@ from tests.conftest import tiny_overrides
 from tests.stack import Stack
 
 INLINE, FROM_FILE = "inline-key-0123", "file-key-4567"
+APP = "https://app.example"  # a browser origin allowed to call (nginx.cors_allow_origins)
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +24,8 @@ def stack(tmp_path_factory, tiny_model):
     keys = root / "keys.txt"
     keys.write_text(f"# a mounted secret: one key a line\n\n{FROM_FILE}\n")
     s = Stack(root / "stack", tiny_overrides(
-        tiny_model, auth={"api_keys": [INLINE], "api_keys_file": str(keys)}))
+        tiny_model, auth={"api_keys": [INLINE], "api_keys_file": str(keys)},
+        nginx={"cors_allow_origins": [APP]}))
     s.up()  # `up --wait` polls /ready, which stays open
     yield s
     s.down()
@@ -44,6 +46,36 @@ def test_a_wrong_method_is_405_before_any_key_is_asked_for(stack):
         status, headers, raw = stack.request(method, path, b"{}" if method == "POST" else None,
                                              {"Content-Type": "application/json"})
         assert status == 405 and headers["Allow"] == allow, raw
+
+
+def test_a_browser_app_on_an_allowed_origin_can_call_with_its_key(stack):
+    """CORS: the preflight (no key: browsers never send one on it) is answered, then the call
+    with the key is served, its answer readable by the page, timings and request id too."""
+    status, headers, _ = stack.request("OPTIONS", "/v1/embeddings", None, {
+        "Origin": APP, "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization,content-type"})
+    assert status == 204 and headers["Access-Control-Allow-Origin"] == APP
+    assert headers["Access-Control-Allow-Headers"] == "authorization,content-type"
+    status, headers, body = stack.post_json("/v1/embeddings", {"input": ["hello"]}, {
+        "Origin": APP, "Authorization": f"Bearer {INLINE}"})
+    assert status == 200 and len(body["data"]) == 1
+    assert headers["Access-Control-Allow-Origin"] == APP
+    exposed = {h.strip() for h in headers["Access-Control-Expose-Headers"].split(",")}
+    assert {"X-Request-ID", "X-Total-Time", "X-Model-Revision", "Retry-After"} <= exposed
+    status, headers, body = stack.post_json("/v1/embeddings", {"input": ["hello"]},
+                                            {"Origin": APP})
+    assert status == 401 and headers["Access-Control-Allow-Origin"] == APP  # readable refusal
+    # Another origin: served as before (CORS binds browsers, not the server), no CORS headers.
+    status, headers, _ = stack.post_json("/v1/embeddings", {"input": ["hello"]}, {
+        "Origin": "https://other.example", "Authorization": f"Bearer {INLINE}"})
+    assert status == 200 and "Access-Control-Allow-Origin" not in headers
+
+
+def test_without_cors_a_preflight_is_a_405_without_cors_headers(tiny_stack):
+    status, headers, _ = tiny_stack.request("OPTIONS", "/v1/embeddings", None, {
+        "Origin": APP, "Access-Control-Request-Method": "POST"})
+    assert status == 405 and headers["Allow"] == "POST"
+    assert not [k for k in headers if k.lower().startswith("access-control-")]
 
 
 def test_the_native_client_sends_its_key(stack, monkeypatch):

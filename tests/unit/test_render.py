@@ -257,10 +257,13 @@ def test_placeholders_and_quoting():
 
 # nginx itself, with nothing behind it: the error pages it serves.
 
+APP = "https://app.example:8443"  # the origin bare_nginx allows (CORS)
+
 @pytest.fixture(scope="module")
 def bare_nginx(tmp_path_factory):
     cfg = make_config(tmp_path_factory.mktemp("nginx") / "run", frontends={"count": 1},
-                      nginx={"client_max_body_size": "1k", "large_client_header_buffers": "2 1k"})
+                      nginx={"client_max_body_size": "1k", "large_client_header_buffers": "2 1k",
+                             "cors_allow_origins": [APP, "http://[::1]:3000"]})
     render.render(cfg)
     conf = render.nginx_conf(cfg)
     log = (topology.log_dir(cfg) / "nginx.log").open("w")
@@ -351,6 +354,55 @@ def test_request_id_is_the_clients_or_nginxs_own(bare_nginx):
 def test_error_pages_are_not_reachable_from_outside(bare_nginx):
     status, _, body = request(bare_nginx, "GET", "/_shmserve_errors/502.json")
     assert status == 404 and json.loads(body)["error"]["type"] == "not_found"
+
+
+def test_a_cors_preflight_from_an_allowed_origin_is_answered_by_nginx(bare_nginx):
+    # No frontend is behind this nginx: the 204 is nginx's own, so no API key is ever asked for.
+    status, headers, body = request(bare_nginx, "OPTIONS", "/v1/embeddings", headers={
+        "Origin": APP, "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type"})
+    assert status == 204 and body == b""
+    assert headers["Access-Control-Allow-Origin"] == APP
+    assert headers["Access-Control-Allow-Methods"] == "GET, POST, OPTIONS"
+    assert headers["Access-Control-Allow-Headers"] == "authorization, content-type"
+    assert headers["Access-Control-Max-Age"] == "600" and headers["Vary"] == "Origin"
+
+
+@pytest.mark.parametrize("origin", ["https://evil.example", "https://app.example", ""])
+def test_other_origins_get_no_cors_headers_and_no_preflight(bare_nginx, origin):
+    status, headers, _ = request(bare_nginx, "OPTIONS", "/v1/embeddings", headers={
+        **({"Origin": origin} if origin else {}), "Access-Control-Request-Method": "POST"})
+    assert status == 502  # passed on to the (absent) frontends, which would answer 405
+    assert not [k for k in headers if k.lower().startswith("access-control-")]
+    assert headers["Vary"] == "Origin"  # a cache must not reuse this for an allowed origin
+
+
+def test_nginxs_own_error_pages_are_readable_by_an_allowed_origin(bare_nginx):
+    status, headers, body = request(bare_nginx, "POST", "/v1/embeddings", b"x" * 4096,
+                                    {"Origin": "http://[::1]:3000"})
+    assert status == 413 and json.loads(body)["error"]["type"] == "too_large"
+    assert headers["Access-Control-Allow-Origin"] == "http://[::1]:3000"
+    assert "X-Request-ID" in headers["Access-Control-Expose-Headers"]
+    assert "Access-Control-Allow-Methods" not in headers  # preflight-only headers
+
+
+def test_cors_off_by_default_and_any_origin_with_a_star(tmp_path):
+    off = make_config(tmp_path / "a")
+    render.render(off)
+    text = render.nginx_conf(off).read_text()
+    assert "add_header Vary" not in text and "$http_origin;" not in text
+    star = make_config(tmp_path / "b", nginx={"cors_allow_origins": ["*"]})
+    render.render(star)
+    text = render.nginx_conf(star).read_text()
+    assert 'default "*";' in text and "add_header Vary" not in text
+    render.check_nginx(star, render.nginx_binary(star))
+
+
+@pytest.mark.parametrize("origins", [["*", APP], ["https://app.example/path"], ["app.example"],
+                                     ['https://a.example"; evil']])
+def test_a_bad_cors_origin_is_refused_naming_the_key(tmp_path, origins):
+    with pytest.raises(config.ConfigError, match="nginx.cors_allow_origins"):
+        make_config(tmp_path, nginx={"cors_allow_origins": origins})
 
 
 def _answers(port: int) -> bool:
