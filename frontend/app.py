@@ -19,7 +19,7 @@ from aiohttp import web
 
 from frontend import codec, metrics
 from frontend.dispatch import Dispatcher
-from frontend.errors import ApiError
+from frontend.errors import ApiError, kserve_shaped
 from frontend.pool import WorkerPool
 from frontend.tokenizer import TextEncoder
 from frontend.variants import Splits, Variant
@@ -178,17 +178,11 @@ def error_response(request: web.Request, exc: ApiError) -> web.Response:
     if exc.status >= 500 and request[REQUEST_ID] not in exc.message:
         exc = ApiError(exc.kind, f"{exc.message} (request id {request[REQUEST_ID]})",
                        exc.param, exc.retry_after, exc.code)
-    body = exc.kserve_body() if _kserve(request) else exc.body()
+    body = exc.kserve_body() if kserve_shaped(request.path) else exc.body()
     status = exc.status
     if exc.kind == "invalid_request" and request.path in OPENAI_PATHS:
         status = 400  # OpenAI's status for a request it refuses: its clients raise BadRequestError
     return codec.render(request, body, status=status, headers=exc.headers())
-
-
-def _kserve(request: web.Request) -> bool:
-    """Whether the request is under KServe v2's /v2 (frontend.kserve), matched route or not: its
-    clients read every error there, a 401 or an unknown path too, in that protocol's shape."""
-    return request.path == "/v2" or request.path.startswith("/v2/")
 
 
 def _record(request: web.Request, response: web.StreamResponse, elapsed: float,

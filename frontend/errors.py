@@ -84,6 +84,13 @@ class ApiError(Exception):
         return cls(kind, message, retry_after=1 if kind in ("overloaded", "unavailable") else None)
 
 
+def kserve_shaped(path: str) -> bool:
+    """Whether errors on `path` take KServe v2's shape: every path under /v2, matched route or
+    not (its clients read a 401 or an unknown path there too), but Cohere's /v2/rerank
+    (frontend.scores). nginx's own pages follow the same rule (nginx/nginx.conf)."""
+    return (path == "/v2" or path.startswith("/v2/")) and path != "/v2/rerank"
+
+
 def status_of(exc: BaseException) -> int:
     """The HTTP status for any exception a handler lets escape (500 when it is not an ApiError)."""
     return exc.status if isinstance(exc, ApiError) else 500

@@ -18,7 +18,7 @@ import shmserve
 from frontend import codec
 from frontend import openapi_schemas as components
 from frontend.app import CONFIG, OPEN_PATHS
-from frontend.errors import STATUS
+from frontend.errors import STATUS, kserve_shaped
 from frontend.openapi_schemas import ref
 from shmserve.config import Config
 
@@ -26,7 +26,7 @@ DOCUMENT = web.AppKey("openapi", dict)
 
 _DESCRIPTION = """\
 Embeddings, classification and reranking over shared memory. Protocols: the native `/predict`,
-`/v1/classify` and `/v1/rerank`, OpenAI's `/v1/embeddings`, Hugging Face TEI's `/embed`,
+`/v1/classify` and `/v1/rerank` (also Cohere's `/v2/rerank`), OpenAI's `/v1/embeddings`, Hugging Face TEI's `/embed`,
 `/similarity`, `/` (as TEI's, for huggingface_hub), `/rerank`, `/tokenize` and `/info`, and KServe
 v2 (`/v2/...`, with Triton's binary tensor data extension). Inference responses carry
 `X-Model-Revision` (and `X-Model-Variant` for an A/B split).
@@ -79,7 +79,7 @@ def _shared_errors(paths: dict[str, dict]) -> dict[str, dict]:
     """Every operation gets 405 (another method on its path, with Allow), and 401 where an API
     key is asked for (auth.api_keys; the open paths never ask; /admin has its own token)."""
     for path, item in paths.items():
-        kserve = path.startswith("/v2")
+        kserve = kserve_shaped(path)
         for op in item.values():
             responses = op["responses"]
             responses.setdefault("405", {"$ref": "#/components/responses/" + (
@@ -153,6 +153,10 @@ def _routes(model: dict) -> dict[str, dict]:
             _body(ref("ClassifyRequest")))},
         "/v1/rerank": {"post": _op(
             "native", "Rerank documents against a query (a cross-encoder; Cohere's shape)",
+            {**_ok(ref("RerankResponse")), **_errors(*_POST_ERRORS)},
+            _body(ref("RerankRequest")))},
+        "/v2/rerank": {"post": _op(
+            "native", "Rerank, as Cohere's v2 client sends it (the answer adds Cohere's meta)",
             {**_ok(ref("RerankResponse")), **_errors(*_POST_ERRORS)},
             _body(ref("RerankRequest")))},
         "/admin/models": {"get": {**_op(

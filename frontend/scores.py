@@ -10,6 +10,8 @@
                         "return_documents"?}
         -> {"id", "model", "revision", "results": [{"index", "relevance_score",
             "document"?: {"text"}}], "usage"}   (Cohere's and Jina's shape, best first)
+    POST /v2/rerank    the same, as Cohere's v2 client sends it; its answer adds Cohere's
+                       "meta" (one search unit); "max_tokens_per_doc" is refused (422)
 
 Every body may also carry "priority" and "user" (an A/B sticky key, see models.sticky_key).
 The running itself is frontend.tasks.
@@ -31,6 +33,7 @@ from frontend.tasks import stage_headers
 def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/classify", classify)
     app.router.add_post("/v1/rerank", rerank)
+    app.router.add_post("/v2/rerank", rerank)  # Cohere's v2; not KServe's (frontend.app)
 
 
 async def classify(request: web.Request) -> web.Response:
@@ -71,6 +74,10 @@ async def rerank(request: web.Request) -> web.Response:
                               "documents", limits)
     top_n = schemas.count(body, "top_n")
     back = schemas.flag(body, "return_documents", False)
+    if body.get("max_tokens_per_doc") is not None:
+        raise ApiError("invalid_request", "'max_tokens_per_doc' is not supported: each query "
+                       "and document pair is cut to the model's limit (limits.truncate)",
+                       param="max_tokens_per_doc")
     out = await tasks.rerank(request, schemas.model_name(body), query, documents,
                              priority=schemas.body_priority(body), user=schemas.user(body))
     order = out.order()[:top_n]
@@ -81,10 +88,13 @@ async def rerank(request: web.Request) -> web.Response:
             result["document"] = {"text": documents[i]}
         results.append(result)
     ran = out.ran
-    return codec.render(request, {
-        "id": request[REQUEST_ID], "model": ran.model.spec.name,
-        "revision": ran.outcome.revision, "results": results, "usage": _usage(ran.enc.tokens)},
-        headers=stage_headers(request, ran.outcome))
+    answer = {"id": request[REQUEST_ID], "model": ran.model.spec.name,
+              "revision": ran.outcome.revision, "results": results,
+              "usage": _usage(ran.enc.tokens)}
+    if request.path == "/v2/rerank":
+        answer["meta"] = {"api_version": {"version": "2"},
+                          "billed_units": {"search_units": 1}}
+    return codec.render(request, answer, headers=stage_headers(request, ran.outcome))
 
 
 def ranked(probs: np.ndarray, labels: tuple[str, ...], top_k: int | None

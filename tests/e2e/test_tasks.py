@@ -127,6 +127,34 @@ def test_rerank_scores_pairs_best_first(stack, dirs):
     assert "document" not in body["results"][0]
 
 
+def test_coheres_clients_rerank_on_v1_and_v2(stack, dirs):
+    """cohere's own Python client, v1 (`Client`: /v1/rerank) and v2 (`ClientV2`: /v2/rerank,
+    which is not KServe's), pointed at the server's URL."""
+    import cohere
+
+    query = "what moves token ids between processes?"
+    want = reference_scores(dirs["ce"], [(query, d) for d in TEXTS], TINY_MAX_TOKENS)
+    best = np.argsort(-want, kind="stable")[:3].tolist()
+    with cohere.Client(api_key="unused", base_url=stack.url) as v1:
+        got = v1.rerank(model="ce", query=query, documents=TEXTS, top_n=3,
+                        return_documents=True)
+    assert [r.index for r in got.results] == best
+    np.testing.assert_allclose([r.relevance_score for r in got.results], want[best], atol=1e-5)
+    assert [r.document.text for r in got.results] == [TEXTS[i] for i in best]
+    with cohere.ClientV2(api_key="unused", base_url=stack.url) as v2:
+        got = v2.rerank(model="ce", query=query, documents=TEXTS, top_n=3)
+        assert [r.index for r in got.results] == best
+        np.testing.assert_allclose([r.relevance_score for r in got.results], want[best],
+                                   atol=1e-5)
+        assert got.id and got.meta.billed_units.search_units == 1
+        with pytest.raises(cohere.NotFoundError) as info:
+            v2.rerank(model="nope", query=query, documents=TEXTS)
+        assert info.value.body["error"]["param"] == "model"  # our error shape, not KServe's
+        with pytest.raises(cohere.UnprocessableEntityError) as info:
+            v2.rerank(model="ce", query=query, documents=TEXTS, max_tokens_per_doc=8)
+        assert info.value.body["error"]["param"] == "max_tokens_per_doc"
+
+
 def test_tei_rerank_on_the_cross_encoder(stack, dirs):
     query = "what moves token ids between processes?"
     want = reference_scores(dirs["ce"], [(query, d) for d in TEXTS], TINY_MAX_TOKENS)

@@ -5,6 +5,7 @@ import re
 from openapi_spec_validator import validate
 
 from frontend.app import create_app
+from frontend.errors import kserve_shaped
 from frontend.openapi import document
 from shmserve import config
 
@@ -51,9 +52,10 @@ def test_kserve_errors_are_documented_in_kserves_shape():
                 name = errors.get((schema or {}).get("$ref"))
                 if name is not None:  # not a readiness answer's 400 or 503
                     seen.add(name)
-                    want = "KServeError" if path.startswith("/v2") else "Error"
+                    want = "KServeError" if kserve_shaped(path) else "Error"
                     assert name == want, (path, status)
     assert seen == {"Error", "KServeError"}
+    assert kserve_shaped("/v2/models/m/infer") and not kserve_shaped("/v2/rerank")
     assert doc["components"]["schemas"]["KServeError"]["properties"]["error"] == {
         "type": "string"}
 

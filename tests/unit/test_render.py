@@ -324,9 +324,11 @@ def test_v2_routes_get_kserves_error_shape_from_nginx_too(bare_nginx, path):
     status, _, body = request(bare_nginx, "POST", path, b"x" * 4096,
                               {"Accept": "application/msgpack"})
     assert status == 413 and isinstance(msgpack.unpackb(body)["error"], str)
-    # Only /v2 and below: a path that merely starts with the letters keeps the other shape.
-    status, _, body = request(bare_nginx, "POST", "/v2x", b"{}")
-    assert status == 502 and json.loads(body)["error"]["type"] == "unavailable"
+    # Only /v2 and below: a path that merely starts with the letters keeps the other shape, and
+    # so does Cohere's /v2/rerank.
+    for other in ("/v2x", "/v2/rerank"):
+        status, _, body = request(bare_nginx, "POST", other, b"{}")
+        assert status == 502 and json.loads(body)["error"]["type"] == "unavailable"
 
 
 def test_body_over_the_limit_is_a_413_with_the_config_key(bare_nginx):
