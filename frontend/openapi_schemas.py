@@ -26,6 +26,10 @@ def schemas(cfg: Config, models: list[str]) -> dict[str, Any]:
                                   "special tokens added), each in [0, vocab size)"},
         # Per route, the models of its task (the null model stands in for an embedding one).
         "model": lambda *tasks: _model_names(cfg, tasks),
+        "prompt_name": {"type": ["string", "null"], "minLength": 1, "description": "one of the "
+                        "model's prompts (models[].prompts and its sentence-transformers "
+                        "config), put before each text; null: its default prompt, if any. Not "
+                        "with token ids"},
     }
     return {**_native_schemas(parts), **_task_schemas(parts), **_tei_schemas(parts),
             **_kserve_schemas()}
@@ -65,7 +69,7 @@ def _native_schemas(parts: dict[str, Any]) -> dict[str, Any]:
             "model": parts["model"]("embedding", "null", "classification"),
             "priority": priority, "top_k": {"type": ["integer", "null"], "minimum": 1,
                       "description": "a classification model: labels per text"},
-            "user": {"type": ["string", "null"]}}},
+            "user": {"type": ["string", "null"]}, "prompt_name": parts["prompt_name"]}},
         "PredictResponse": {"type": "object", "properties": {
             "results": {"type": "array", "description": "a vector per text, or for a "
                         "classification model its labels, best first", "items": {"oneOf": [
@@ -81,7 +85,8 @@ def _native_schemas(parts: dict[str, Any]) -> dict[str, Any]:
             "dimensions": {"type": ["integer", "null"], "minimum": 1,
                            "description": "keep this many leading components, re-normalised "
                                           "(Matryoshka); at most the model's dimension"},
-            "user": {"type": ["string", "null"]}, "priority": priority}},
+            "user": {"type": ["string", "null"]}, "priority": priority,
+            "prompt_name": parts["prompt_name"]}},
         "EmbeddingsResponse": {"type": "object", "properties": {
             "object": {"const": "list"}, "model": {"type": "string"}, "usage": usage,
             "data": {"type": "array", "items": {"type": "object", "properties": {
@@ -165,14 +170,14 @@ def _tei_schemas(parts: dict[str, Any]) -> dict[str, Any]:
             "normalize": nullable_bool,
             "truncate": nullable_bool, "truncation_direction": direction,
             "dimensions": {"type": ["integer", "null"], "minimum": 1},
-            "prompt_name": {"type": "null"}}},
+            "prompt_name": parts["prompt_name"]}},
         "TeiSimilarityRequest": {"type": "object", "required": ["inputs"], "properties": {
             "inputs": {"type": "object", "required": ["source_sentence", "sentences"],
                        "properties": {"source_sentence": parts["text"],
                                       "sentences": parts["texts"]}},
             "model": parts["model"]("embedding", "null"),
             "truncate": nullable_bool, "truncation_direction": direction,
-            "prompt_name": {"type": "null"}}},
+            "prompt_name": parts["prompt_name"]}},
         "TeiRerankRequest": {"type": "object", "required": ["query", "texts"], "properties": {
             "query": parts["text"], "texts": parts["texts"], "model": parts["model"]("rerank"),
             "raw_scores": nullable_bool, "return_text": nullable_bool,
@@ -183,7 +188,7 @@ def _tei_schemas(parts: dict[str, Any]) -> dict[str, Any]:
         "TeiTokenizeRequest": {"type": "object", "required": ["inputs"], "properties": {
             "inputs": {"oneOf": [parts["text"], parts["texts"]]},
             "model": parts["model"]("embedding", "null", "classification", "rerank"),
-            "add_special_tokens": nullable_bool, "prompt_name": {"type": "null"}}},
+            "add_special_tokens": nullable_bool, "prompt_name": parts["prompt_name"]}},
         "SimpleToken": {"type": "object", "properties": {
             "id": {"type": "integer"}, "text": {"type": "string"}, "special": {"type": "boolean"},
             "start": {"type": ["integer", "null"]}, "stop": {"type": ["integer", "null"]}}},

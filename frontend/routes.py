@@ -58,6 +58,9 @@ async def predict(request: web.Request) -> web.Response:
     parsed = schemas.parse_predict(body, cfg.limits)
     spec = request.app[MODELS].resolve(parsed.model).spec
     if spec.task == "classification":
+        if parsed.prompt_name is not None:
+            raise ApiError("invalid_request", "'prompt_name' applies to embedding models; "
+                           f"{spec.name!r} is a classification model", param="prompt_name")
         return await scores.predict(request, body, parsed)
     if spec.task == "rerank":
         raise ApiError("invalid_request", f"model {spec.name!r} is a rerank model; /predict "
@@ -87,7 +90,8 @@ async def embed(request: web.Request, parsed: schemas.EmbedRequest, param: str,
     else:
         ran = await tasks.run(
             request, model, lambda enc: enc.encode(parsed.texts, param, parsed.truncate,
-                                                   parsed.truncation_direction),
+                                                   parsed.truncation_direction,
+                                                   parsed.prompt_name),
             sum(map(len, parsed.texts)), priority=parsed.priority, user=parsed.user,
             inputs=parsed.texts)
     outcome = ran.outcome

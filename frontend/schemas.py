@@ -30,6 +30,7 @@ class EmbedRequest:
     truncate: bool | None = None  # None: limits.truncate
     truncation_direction: str = "right"
     user: str | None = None  # a client id; an A/B split may route by it (models.sticky_key)
+    prompt_name: str | None = None  # one of the model's prompts (None: its default, if any)
 
 
 def parse_openai_embeddings(body: Any, limits: LimitsConfig) -> EmbedRequest:
@@ -42,7 +43,8 @@ def parse_openai_embeddings(body: Any, limits: LimitsConfig) -> EmbedRequest:
         raise ApiError("invalid_request", "'encoding_format' must be 'float' or 'base64'",
                        param="encoding_format")
     return EmbedRequest(given, model_name(body), fmt, body_priority(body), token_ids=ids,
-                        dimensions=dimensions(body), user=user(body))
+                        dimensions=dimensions(body), user=user(body),
+                        prompt_name=prompt_name(body, ids is not None))
 
 
 def texts_or_ids(value: Any, param: str, limits: LimitsConfig
@@ -149,7 +151,21 @@ def required(body: dict, key: str) -> Any:
 def parse_predict(body: Any, limits: LimitsConfig) -> EmbedRequest:
     body = mapping(body)
     return EmbedRequest(one_or_many(required(body, "texts"), "texts", limits), model_name(body),
-                        priority=body_priority(body), user=user(body))
+                        priority=body_priority(body), user=user(body),
+                        prompt_name=prompt_name(body))
+
+
+def prompt_name(body: dict, token_ids: bool = False) -> str | None:
+    """One of the model's prompts by name (its TextEncoder checks which it has); not with
+    token ids, which are used as given."""
+    value = body.get("prompt_name")
+    if value is not None and (not isinstance(value, str) or not value):
+        raise ApiError("invalid_request", "'prompt_name' must be a non-empty string or null",
+                       param="prompt_name")
+    if value is not None and token_ids:
+        raise ApiError("invalid_request", "'prompt_name' applies to texts; token ids are used "
+                       "as given (put the prompt's ids in them)", param="prompt_name")
+    return value
 
 
 def user(body: dict) -> str | None:

@@ -3,8 +3,9 @@
     POST /embed     {"inputs": str | [str] | [int] | [[int]], "normalize", "truncate",
                      "truncation_direction", "dimensions", "prompt_name"} -> [[float]]
     POST /rerank    {"query", "texts", "raw_scores", "return_text", ...} -> [{"index", "score"}]
-    POST /tokenize  {"inputs": str | [str], "add_special_tokens"} -> [[{"id", "text", "special",
-                     "start", "stop"}]]   (start/stop: byte offsets into the text, as TEI's)
+    POST /tokenize  {"inputs": str | [str], "add_special_tokens", "prompt_name"} -> [[{"id",
+                     "text", "special", "start", "stop"}]]   (start/stop: byte offsets into the
+                     text after its prompt, as TEI's)
     POST /similarity {"inputs": {"source_sentence": str, "sentences": [str]}} -> [float]
                      (cosine of each sentence's vector to the source's)
     POST /          TEI's route for its model's task, which huggingface_hub's InferenceClient
@@ -33,8 +34,8 @@ from frontend import codec, routes, tasks, vectors
 from frontend.app import CONFIG, MODEL_NAME, MODELS
 from frontend.errors import ApiError
 from frontend.schemas import (EmbedRequest, body_priority, check_text, dimensions, flag,
-                              mapping, model_name, one_or_many, query, required, texts,
-                              texts_or_ids, user)
+                              mapping, model_name, one_or_many, prompt_name, query, required,
+                              texts, texts_or_ids, user)
 from shmserve.config import LimitsConfig
 
 DIRECTIONS = {"right": "right", "Right": "right", "left": "left", "Left": "left"}
@@ -74,10 +75,10 @@ async def _similarity(request: web.Request, body: dict) -> web.Response:
                        param="inputs")
     check_text(source, "'inputs.source_sentence'", "inputs", limits)
     given = [source, *texts(inputs["sentences"], "inputs.sentences", limits)]
-    _no_prompt(body)
     truncate, direction = _truncation(body)
     parsed = EmbedRequest(given, model_name(body), priority=body_priority(body),
-                          truncate=truncate, truncation_direction=direction, user=user(body))
+                          truncate=truncate, truncation_direction=direction, user=user(body),
+                          prompt_name=prompt_name(body))
     _, outcome, _ = await routes.embed(request, parsed, "inputs")
     rows = vectors.normalize(outcome.vectors)
     return codec.render(request, (rows[1:] @ rows[0]).astype(float).tolist(),
@@ -108,11 +109,11 @@ async def _embed(request: web.Request, body: dict) -> web.Response:
 def parse_embed(body: dict, limits: LimitsConfig) -> tuple[EmbedRequest, bool]:
     given, ids = texts_or_ids(required(body, "inputs"), "inputs", limits)
     normalize = flag(body, "normalize", True)
-    _no_prompt(body)
     truncate, direction = _truncation(body)
     return EmbedRequest(given, model_name(body), priority=body_priority(body), token_ids=ids,
                         dimensions=dimensions(body), truncate=truncate,
-                        truncation_direction=direction, user=user(body)), normalize
+                        truncation_direction=direction, user=user(body),
+                        prompt_name=prompt_name(body, ids is not None)), normalize
 
 
 async def rerank(request: web.Request) -> web.Response:
@@ -142,9 +143,12 @@ async def tokenize(request: web.Request) -> web.Response:
     body = mapping(await codec.read_body(request))
     given = one_or_many(required(body, "inputs"), "inputs", cfg.limits)
     special = flag(body, "add_special_tokens", True)
-    _no_prompt(body)
     model = request.app[MODELS].resolve(model_name(body))
     request[MODEL_NAME] = model.spec.name
+    # The texts as the model reads them: after its prompt (the default one when none is named).
+    prompt = model.encoder.prompt(prompt_name(body))
+    if prompt:
+        given = [prompt + text for text in given]
     # Never truncated, so bounded in all: at most what the largest embedding request may hold
     # (each token is ~100 bytes of JSON; 80 texts of 99,000 characters made a 136 MB answer).
     budget = cfg.limits.max_texts_per_request * model.spec.max_tokens
@@ -202,9 +206,3 @@ def _truncation(body: dict) -> tuple[bool | None, str]:
         raise ApiError("invalid_request", "'truncation_direction' must be 'Right' or 'Left'",
                        param="truncation_direction")
     return truncate, DIRECTIONS[direction]
-
-
-def _no_prompt(body: dict) -> None:
-    if body.get("prompt_name") is not None:
-        raise ApiError("invalid_request", "this server has no prompts configured; send "
-                       "'prompt_name' null", param="prompt_name")

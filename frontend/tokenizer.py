@@ -35,6 +35,9 @@ class TextEncoder:
         self._file = str(spec.directory / "tokenizer.json")
         self._tok = self._load(truncate, "right")
         self.vocab_size = self._tok.get_vocab_size()
+        self.name = spec.name
+        self.prompts = dict(spec.prompts)
+        self.default_prompt = spec.default_prompt
         # Per-request truncation settings (TEI's truncate, truncation_direction), made on first
         # use: a tokenizer's truncation is its state, and requests run concurrently.
         self._variants: dict[tuple[bool, str], Tokenizer] = {(truncate, "right"): self._tok}
@@ -56,13 +59,31 @@ class TextEncoder:
         return tok
 
     def encode(self, texts: list[str], param: str = "input", truncate: bool | None = None,
-               direction: str = "right") -> Encoded:
+               direction: str = "right", prompt_name: str | None = None) -> Encoded:
+        """`prompt_name`: the prompt put before every text (None: the model's default prompt,
+        if it has one); the cut to the model's limit comes after, as in sentence-transformers."""
         hint = _hint(truncate)
         truncate = self.truncate if truncate is None else truncate
         tok = self._variant(truncate, direction)
+        prompt = self.prompt(prompt_name)
+        if prompt:
+            texts = [prompt + text for text in texts]
         # _fast: without the character offsets, which nothing here reads.
         return self._flatten(tok.encode_batch_fast(texts, add_special_tokens=True), param,
                              truncate, hint=hint)
+
+    def prompt(self, name: str | None) -> str:
+        """The text of prompt `name` (None: the default prompt, "" when there is none)."""
+        if name is None:
+            return self.default_prompt
+        text = self.prompts.get(name)
+        if text is None:
+            have = ", ".join(map(repr, sorted(self.prompts)))
+            raise ApiError("invalid_request", f"'prompt_name' {name!r} is not one of model "
+                           f"{self.name!r}'s prompts " + (f"({have})" if have else
+                                                          "(it has none: models[].prompts)"),
+                           param="prompt_name")
+        return text
 
     def encode_pairs(self, query: str, documents: list[str], param: str = "documents",
                      truncate: bool | None = None, direction: str = "right") -> Encoded:

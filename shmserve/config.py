@@ -158,6 +158,13 @@ class ModelConfig:
     # A/B: send a client's requests to the same arm: "header:NAME" (a request header) or "user"
     # (the body's `user` field). Empty: each request is routed by weight alone.
     sticky_key: str = ""
+    # Embedding models: texts prepended before tokenizing, by name, as sentence-transformers'
+    # prompts ({"query": "query: "}); merged over the model's own (its
+    # config_sentence_transformers.json). A request names one with `prompt_name`.
+    prompts: dict[str, str] = field(default_factory=dict)
+    # The prompt for requests that name none: auto (the model's own default_prompt_name, as
+    # sentence-transformers applies it), none, or one of the prompts' names.
+    default_prompt_name: str = "auto"
 
 
 @dataclass(frozen=True, slots=True)

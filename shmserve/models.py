@@ -45,6 +45,10 @@ class ModelSpec:
     labels: tuple[str, ...] = ()  # classification: label names by class index
     activation: str = ""  # rerank: sigmoid | identity, applied to the logit
     auto_min_cosine: float = 0.999  # dtype auto: the agreement with fp32 bf16 must reach
+    # Embedding models: texts prepended before tokenizing, by name (sentence-transformers'
+    # prompts), and the one for requests that name none ("" for none).
+    prompts: tuple[tuple[str, str], ...] = ()
+    default_prompt: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,6 +195,7 @@ def inspect(cfg: ModelConfig, with_revision: bool = True,
     if not revision and with_revision:
         revision = weights_digest(weights_file(directory))
     labels, activation = _head(cfg.task, model_cfg, directory)
+    prompts, default_prompt = _prompts(cfg, directory)
     return ModelSpec(
         name=cfg.name,
         directory=directory,
@@ -205,6 +210,8 @@ def inspect(cfg: ModelConfig, with_revision: bool = True,
         labels=labels,
         activation=activation,
         auto_min_cosine=cfg.auto_min_cosine,
+        prompts=prompts,
+        default_prompt=default_prompt,
     )
 
 
@@ -216,6 +223,8 @@ def incompatible(active: ModelSpec, new: ModelSpec) -> str:
                            ("input limit", active.max_tokens, new.max_tokens),
                            ("pooling", active.pooling, new.pooling),
                            ("normalization", active.normalize, new.normalize),
+                           ("prompts", dict(active.prompts), dict(new.prompts)),
+                           ("default prompt", active.default_prompt, new.default_prompt),
                            ("architecture", architecture(active.directory),
                             architecture(new.directory))):
         if old != now:
@@ -271,6 +280,38 @@ def _head(task: str, model_cfg: dict, directory: Path) -> tuple[tuple[str, ...],
         raise ModelSourceError(f"{directory}: cross-encoder activation {path!r} is not one of "
                                f"{', '.join(sorted(ACTIVATIONS))}")
     return (), ACTIVATIONS[path]
+
+
+def _prompts(cfg: ModelConfig, directory: Path) -> tuple[tuple[tuple[str, str], ...], str]:
+    """(prompts by name, the default prompt's text) as sentence-transformers applies them: the
+    model's config_sentence_transformers.json `prompts` and `default_prompt_name`, with the
+    configured ones over them."""
+    if cfg.task != "embedding":
+        if cfg.prompts or cfg.default_prompt_name not in ("auto", "none"):
+            raise ModelSourceError(f"model {cfg.name!r}: prompts apply to embedding models, "
+                                   f"not task {cfg.task}")
+        return (), ""
+    st_file = _read_json(directory / "config_sentence_transformers.json") or {}
+    own = st_file.get("prompts") or {}
+    if not isinstance(own, dict) or not all(isinstance(v, str) for v in own.values()):
+        raise ModelSourceError(f"{directory}/config_sentence_transformers.json: prompts must "
+                               "map names to strings")
+    prompts = {**{str(k): v for k, v in own.items()}, **cfg.prompts}
+    name = (st_file.get("default_prompt_name") or "" if cfg.default_prompt_name == "auto"
+            else "" if cfg.default_prompt_name == "none" else cfg.default_prompt_name)
+    if name and name not in prompts:
+        raise ModelSourceError(f"model {cfg.name!r}: default prompt {name!r} is not one of its "
+                               f"prompts ({', '.join(sorted(prompts)) or 'none'})")
+    pool_cfg = _read_json(directory / "1_Pooling" / "config.json") or {}
+    if pool_cfg.get("include_prompt") is False:
+        # sentence-transformers then pools without the prompt's tokens; this server pools
+        # every token, so a prompt would change the vectors.
+        if name:
+            raise ModelSourceError(f"{directory}: its pooling leaves the prompt's tokens out "
+                                   "(1_Pooling include_prompt: false), which shmserve does not "
+                                   "do; set models[].default_prompt_name: none")
+        return (), ""
+    return tuple(sorted(prompts.items())), prompts.get(name, "")
 
 
 def weights_digest(path: Path) -> str:

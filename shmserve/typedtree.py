@@ -67,6 +67,13 @@ def _coerce(hint: Any, value: Any, key: str,
             raise ConfigError(f"{key}: expected a list, got {_show(value)}")
         (item,) = typing.get_args(hint)
         return [_coerce(item, v, f"{key}[{i}]", checks) for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{key}: expected a mapping, got {_show(value)}")
+        key_hint, item = typing.get_args(hint)
+        return {_coerce(key_hint, k, f"{key} (a key)", checks): _coerce(item, v, f"{key}.{k}",
+                                                                        checks)
+                for k, v in value.items()}
     if hint is bool:
         if not isinstance(value, bool):
             raise ConfigError(f"{key}: expected true or false, got {_show(value)}")

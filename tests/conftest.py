@@ -24,7 +24,9 @@ def tiny_overrides(tiny_model, **extra):
                     # fp32: tests compare vectors with fp32 references (dtype auto could pick
                     # bf16 on a CPU with AMX); tests/e2e/test_tasks.py serves auto on purpose.
                     "dtype": "fp32",
-                    "revision": "tiny-r1"}],
+                    "revision": "tiny-r1",
+                    # Named by requests only (no default): unnamed, texts go as sent.
+                    "prompts": {"query": "query: "}}],
         "frontends": {"count": 2},
         "workers": {"devices": "cpu", "cpu_workers": 1, "torch_threads": 1},
         "limits": {"max_texts_per_request": 64, "truncate": False},

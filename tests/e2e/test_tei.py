@@ -82,7 +82,9 @@ def test_embed_msgpack_vectors_are_raw_float32(tiny_stack, native):
 
 @pytest.mark.parametrize("body,param", [
     ({"inputs": TEXTS, "normalize": False}, "normalize"),  # the model normalises itself
-    ({"inputs": TEXTS, "prompt_name": "query"}, "prompt_name"),
+    ({"inputs": TEXTS, "prompt_name": "passage"}, "prompt_name"),  # tiny has only "query"
+    ({"inputs": TEXTS, "prompt_name": 3}, "prompt_name"),
+    ({"inputs": [[101, 102]], "prompt_name": "query"}, "prompt_name"),  # ids are as given
     ({"inputs": TEXTS, "truncation_direction": "up"}, "truncation_direction"),
     ({"inputs": TEXTS, "dimensions": 64}, "dimensions"),
     ({"inputs": []}, "inputs"),
@@ -93,6 +95,35 @@ def test_embed_msgpack_vectors_are_raw_float32(tiny_stack, native):
 def test_embed_refusals(tiny_stack, body, param):
     status, _, err = tiny_stack.post_json("/embed", body)
     assert status == 422 and err["error"]["param"] == param
+
+
+def test_a_named_prompt_goes_before_each_text_on_every_embedding_route(tiny_stack, hub):
+    """tiny's configured prompts: {"query": "query: "}, no default (tests/conftest.py)."""
+    prompted = ["query: " + t for t in TEXTS]
+    _, _, want = tiny_stack.post_json("/embed", {"inputs": prompted})
+    want = np.array(want, np.float32)
+    _, _, plain = tiny_stack.post_json("/embed", {"inputs": TEXTS})
+    assert np.abs(want - np.array(plain, np.float32)).max() > 1e-3  # the prompt matters
+    got = hub.feature_extraction(TEXTS, prompt_name="query")
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+    status, _, body = tiny_stack.post_json("/predict", {"texts": TEXTS, "prompt_name": "query"})
+    assert status == 200
+    np.testing.assert_allclose(body["results"], want, rtol=0, atol=1e-6)
+    status, _, body = tiny_stack.post_json("/v1/embeddings", {"input": TEXTS,
+                                                              "prompt_name": "query"})
+    assert status == 200 and body["usage"]["prompt_tokens"] > 3 * len(TEXTS)
+    np.testing.assert_allclose([d["embedding"] for d in body["data"]], want, rtol=0, atol=1e-6)
+    status, _, body = tiny_stack.post_json("/similarity", {
+        "inputs": {"source_sentence": TEXTS[0], "sentences": TEXTS[1:]}, "prompt_name": "query"})
+    assert status == 200
+    np.testing.assert_allclose(body, want[1:] @ want[0], rtol=0, atol=1e-5)
+    status, _, body = tiny_stack.post_json("/tokenize", {"inputs": "hello",
+                                                         "prompt_name": "query"})
+    assert [t["text"] for t in body[0]] == ["[CLS]", "query", ":", "hello", "[SEP]"]
+    status, _, err = tiny_stack.post_json("/v1/embeddings", {"input": "x",
+                                                             "prompt_name": "passage"})
+    assert status == 400 and "not one of model 'tiny''s prompts ('query')" in \
+        err["error"]["message"]
 
 
 def test_a_long_input_refused_by_the_requests_own_truncate_says_so(tiny_stack):

@@ -158,6 +158,10 @@ def _models(*models, **top):
     (_models({"name": "m", "source": "x", "devices": [0, 0]}), "devices: expected distinct"),
     (_models({"name": "m", "source": "x", "task": "generation"}), r"models\[0\].task"),
     (_models({"name": "m", "source": "x", "dtype": "int4"}), r"models\[0\].dtype"),
+    (_models({"name": "m", "source": "x", "prompts": ["query: "]}),
+     r"models\[0\].prompts: expected a mapping"),
+    (_models({"name": "m", "source": "x", "prompts": {"query": ["q"]}}),
+     r"models\[0\].prompts.query: expected a string"),
     (_models({"name": "m", "source": "x", "auto_min_cosine": 0}), "auto_min_cosine: expected"),
     (_models({"name": "m", "source": "x", "auto_min_cosine": 1.5}), "auto_min_cosine: expected"),
     (_models({"name": "m", "source": "x"}, admin={"reload_timeout_s": 500}),
@@ -178,6 +182,19 @@ def test_variants_tasks_dtypes_and_pinning_load():
         {"name": "c", "source": "z", "task": "classification", "dtype": "int8"}))
     assert cfg.models[0].variants[1].weight == 1.0 and cfg.models[0].devices == [1]
     assert (cfg.models[1].task, cfg.models[1].dtype) == ("classification", "int8")
+
+
+def test_prompts_load_from_a_file_and_the_environment(tmp_path):
+    extra = tmp_path / "extra.yaml"
+    extra.write_text('models:\n  - name: e5\n    source: x\n    prompts:\n'
+                     '      query: "query: "\n    default_prompt_name: query\n')
+    cfg = config.load(extra=extra, environ={
+        "SHMSERVE__MODELS__0__PROMPTS": '{query: "query: ", passage: "passage: "}'})
+    assert cfg.models[0].prompts == {"query": "query: ", "passage": "passage: "}
+    assert cfg.models[0].default_prompt_name == "query"
+    path = tmp_path / "config.json"
+    path.write_text(cfg.to_json())
+    assert config.load_resolved(path) == cfg  # as the processes read it back
 
 
 def test_models_default_to_auto_with_the_parity_bound():

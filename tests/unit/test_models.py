@@ -1,8 +1,10 @@
+import json
+
 import pytest
 
 from shmserve.config import ModelConfig
 from shmserve.models import ModelSourceError, inspect, resolve_source, weights_file
-from tests.tinymodel import build_tiny_bert
+from tests.tinymodel import build_tiny_bert, build_tiny_classifier
 
 
 @pytest.fixture(scope="module")
@@ -118,3 +120,53 @@ def test_units_hosting_and_the_start_check(model_dir, tmp_path):
         {"name": "ab", "variants": [{"name": "a", "source": str(model_dir)}]}]})
     with pytest.raises(ModelSourceError, match="ab@a: .*outside the model roots"):
         check(outside, cpu)
+
+
+def _with_st_prompts(directory, prompts, default=None, include_prompt=None):
+    (directory / "config_sentence_transformers.json").write_text(json.dumps(
+        {"prompts": prompts, "default_prompt_name": default}))
+    if include_prompt is not None:
+        pooling = directory / "1_Pooling" / "config.json"
+        pooling.write_text(json.dumps({**json.loads(pooling.read_text()),
+                                       "include_prompt": include_prompt}))
+
+
+def test_prompts_are_the_models_own_with_the_configured_over_them(tmp_path):
+    directory = build_tiny_bert(tmp_path / "m")
+    _with_st_prompts(directory, {"query": "query: ", "passage": "passage: "}, default="passage")
+    root = [tmp_path]
+    spec = inspect(ModelConfig(name="m", source=str(directory)), roots=root)
+    assert dict(spec.prompts) == {"query": "query: ", "passage": "passage: "}
+    assert spec.default_prompt == "passage: "  # as sentence-transformers applies it
+    spec = inspect(ModelConfig(name="m", source=str(directory), default_prompt_name="none",
+                               prompts={"query": "Represent: ", "doc": ""}), roots=root)
+    assert dict(spec.prompts) == {"query": "Represent: ", "passage": "passage: ", "doc": ""}
+    assert spec.default_prompt == ""
+    spec = inspect(ModelConfig(name="m", source=str(directory), default_prompt_name="query"),
+                   roots=root)
+    assert spec.default_prompt == "query: "
+    with pytest.raises(ModelSourceError, match="default prompt 'q' is not one of its prompts "
+                                               r"\(passage, query\)"):
+        inspect(ModelConfig(name="m", source=str(directory), default_prompt_name="q"),
+                roots=root)
+
+
+def test_a_pooling_without_the_prompt_serves_no_prompts(tmp_path):
+    # sentence-transformers would leave the prompt's tokens out of the mean; this server pools
+    # every token, so it serves such a model without prompts, and refuses one with a default.
+    directory = build_tiny_bert(tmp_path / "m")
+    _with_st_prompts(directory, {"query": "query: "}, include_prompt=False)
+    spec = inspect(ModelConfig(name="m", source=str(directory)), roots=[tmp_path])
+    assert spec.prompts == () and spec.default_prompt == ""
+    with pytest.raises(ModelSourceError, match="include_prompt: false"):
+        inspect(ModelConfig(name="m", source=str(directory), default_prompt_name="query"),
+                roots=[tmp_path])
+
+
+def test_prompts_on_a_scoring_model_are_refused(tmp_path):
+    directory = build_tiny_classifier(tmp_path / "clf")
+    with pytest.raises(ModelSourceError, match="prompts apply to embedding models"):
+        inspect(ModelConfig(name="clf", source=str(directory), task="classification",
+                            prompts={"query": "q: "}), roots=[tmp_path])
+    assert inspect(ModelConfig(name="clf", source=str(directory), task="classification"),
+                   roots=[tmp_path]).prompts == ()

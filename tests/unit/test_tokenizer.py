@@ -1,3 +1,5 @@
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -111,3 +113,30 @@ def test_an_escaped_nul_is_dropped_by_berts_normalizer(spec):
     # control characters), so "a\u0000b" is "ab".
     encoder = TextEncoder(spec, truncate=True)
     assert encoder.encode(["a\u0000b"]).ids.tolist() == encoder.encode(["ab"]).ids.tolist()
+
+
+def test_a_prompt_goes_before_each_text_and_the_cut_comes_after(spec):
+    prompted = dataclasses.replace(spec, prompts=(("query", "query: "),))
+    enc = TextEncoder(prompted, truncate=True)
+    plain = TextEncoder(spec, truncate=True)
+    got = enc.encode(["hello world", "word " * 1000], prompt_name="query")
+    want = plain.encode(["query: hello world", "query: " + "word " * 1000])
+    np.testing.assert_array_equal(got.ids, want.ids)
+    assert got.truncated == 1 and np.diff(got.offsets)[1] == 256  # the prompt survives the cut
+    np.testing.assert_array_equal(enc.encode(["hello world"]).ids,
+                                  plain.encode(["hello world"]).ids)  # no default prompt
+    with pytest.raises(ApiError) as info:
+        enc.encode(["x"], prompt_name="passage")
+    assert info.value.status == 422 and info.value.param == "prompt_name"
+    assert "'passage' is not one of model 'm''s prompts ('query')" in info.value.message
+
+
+def test_the_default_prompt_applies_when_a_request_names_none(spec):
+    prompted = dataclasses.replace(spec, prompts=(("doc", "passage: "), ("query", "query: ")),
+                                   default_prompt="passage: ")
+    enc, plain = TextEncoder(prompted, truncate=True), TextEncoder(spec, truncate=True)
+    np.testing.assert_array_equal(enc.encode(["hello"]).ids, plain.encode(["passage: hello"]).ids)
+    np.testing.assert_array_equal(enc.encode(["hello"], prompt_name="query").ids,
+                                  plain.encode(["query: hello"]).ids)
+    with pytest.raises(ApiError, match=r"it has none: models\[\]\.prompts"):
+        plain.encode(["x"], prompt_name="query")
