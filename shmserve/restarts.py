@@ -11,7 +11,7 @@ import sys
 import time
 from typing import Mapping
 
-from shmserve import config, layers, processes, remote, render, topology
+from shmserve import config, layers, models, processes, remote, render, topology
 from shmserve.cli import CliError, ctl_argv, print_log_tails, process_info, restart_loop
 from shmserve.config import Config, ConfigError
 
@@ -42,7 +42,8 @@ def restart(args: argparse.Namespace) -> int:
     if not programs:  # neither a group nor a program: supervisorctl would say so twice, exit 1
         raise CliError(f"no group or program {args.target!r}; restart frontends, workers, "
                        f"nginx or one of {', '.join(sorted(p['name'] for p in infos))}")
-    if warning := restart_gap(group, name, programs, args.all_at_once):
+    lone = lone_models(cfg, programs if name == "*" else [name]) if group == "workers" else {}
+    if warning := restart_gap(group, name, programs, args.all_at_once, lone):
         print(f"shmserve: warning: {warning}", file=sys.stderr, flush=True)
     if args.all_at_once or group not in ("frontends", "workers"):
         return subprocess.run(ctl_argv(cfg, "restart", target), check=False).returncode
@@ -87,9 +88,25 @@ def config_drift(args: argparse.Namespace, running: Config,
             "`shmserve down`, then `shmserve up` (with the same overrides)")
 
 
-def restart_gap(group: str, name: str, programs: list[str], all_at_once: bool) -> str | None:
+def lone_models(cfg: Config, restarted: list[str]) -> dict[str, list[str]]:
+    """The models (A/B arms as MODEL@VARIANT) each of the `restarted` workers is the only one
+    to load (models[].devices), by program name: they go unserved while it restarts."""
+    devices = topology.worker_devices(cfg)
+    loads = [{u.name for u in models.hosted(cfg, devices, i)} for i in range(len(devices))]
+    lone = {}
+    for program in restarted:
+        i = int(program.removeprefix("worker-"))
+        others = set().union(*(names for j, names in enumerate(loads) if j != i))
+        if only := sorted(loads[i] - others):
+            lone[program] = only
+    return lone
+
+
+def restart_gap(group: str, name: str, programs: list[str], all_at_once: bool,
+                lone: dict[str, list[str]] | None = None) -> str | None:
     """What a restart of `name` ('*': all) in `group` (whose programs are `programs`) leaves
-    unserved, or None when the others serve meanwhile."""
+    unserved, or None when the others serve meanwhile. `lone`: lone_models of the restarted
+    workers."""
     if group == "workers":
         gap = ("requests wait for a worker (frontends.no_worker_wait_s) and are answered 503 "
                "after that, until one is ready again")
@@ -102,6 +119,12 @@ def restart_gap(group: str, name: str, programs: list[str], all_at_once: bool) -
     if len(programs) == 1:
         return (f"{programs[0]} is the only program in {group}: {gap}; with two or more, "
                 f"{group} restart without a gap")
+    if lone:
+        which = "; ".join(f"{', '.join(names)} only on {program}"
+                          for program, names in sorted(lone.items()))
+        return (f"some models have no other worker ({which}): while their worker restarts, "
+                f"{gap.replace('requests', 'requests for them', 1)}, and GET /ready is 503; "
+                "pin them to two or more workers (models[].devices) to restart without a gap")
     return None
 
 

@@ -422,3 +422,15 @@ def test_ab_models_are_ready_and_versioned_on_kserve_and_info(stack):
     assert models["ab"]["variants"] == [{"name": "a", "revision": "ab-r1"},
                                         {"name": "b", "revision": "ab-r2"}]
     assert "variants" not in models["tiny"]
+
+
+def test_a_rolling_worker_restart_warns_of_the_models_one_worker_loads(stack):
+    """clf and ce-hot load on worker 1 only, ce-id, q8 and strict on worker 0 only: the
+    restart says so (it did not, and requests for them were 503 while their worker restarted),
+    then serves them again."""
+    done = stack.cli("restart", "worker-1", timeout=300)
+    assert "warning: some models have no other worker (ce-hot, clf only on worker-1)" in \
+        done.stderr, done.stderr
+    assert "worker-1 ready" in done.stdout
+    status, _, body = stack.post_json("/v1/classify", {"model": "clf", "input": ["x"]})
+    assert status == 200, body

@@ -287,6 +287,26 @@ def test_a_restart_that_leaves_a_gap_says_so(group, name, programs, all_at_once,
     assert (warning is None) if gap is None else warning.startswith(gap)
 
 
+def test_a_rolling_worker_restart_names_the_models_only_one_worker_loads():
+    cfg = config.from_tree({
+        "workers": {"devices": "cpu", "cpu_workers": 3},
+        "models": [{"name": "everywhere", "source": "x"},
+                   {"name": "clf", "source": "y", "devices": [0]},
+                   {"name": "two", "source": "y", "devices": [1, 2]},
+                   {"name": "ab", "variants": [{"name": "a", "source": "x"},
+                                               {"name": "b", "source": "y"}], "devices": [2]}]})
+    programs = ["worker-0", "worker-1", "worker-2"]
+    lone = restarts.lone_models(cfg, programs)
+    assert lone == {"worker-0": ["clf"], "worker-2": ["ab@a", "ab@b"]}
+    assert restarts.lone_models(cfg, ["worker-1"]) == {}
+    warning = restarts.restart_gap("workers", "*", programs, False, lone)
+    assert warning.startswith("some models have no other worker (clf only on worker-0; "
+                              "ab@a, ab@b only on worker-2): while their worker restarts, "
+                              "requests for them wait for a worker")
+    assert "models[].devices" in warning
+    assert restarts.restart_gap("workers", "worker-1", programs, False, {}) is None
+
+
 def test_a_program_that_keeps_getting_new_pids_is_named_at_its_third():
     watch = processes.StartWatch()
     assert watch.see([{"name": "worker-0", "pid": 10}, {"name": "frontend-0", "pid": 20}]) is None
