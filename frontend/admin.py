@@ -22,6 +22,7 @@ from frontend.app import CONFIG, MODEL_NAME, MODELS, POOL, SPLITS, ServedModel, 
 from frontend.errors import ApiError
 from frontend.variants import Variant
 from shmserve import state
+from shmserve.config import MAX_WEIGHT, REVISION, REVISION_RULE
 
 
 def add_routes(app: web.Application) -> None:
@@ -84,6 +85,9 @@ async def reload_model(request: web.Request) -> web.Response:
     if not isinstance(body, dict):
         raise ApiError("invalid_request", "the request body must be an object")
     source, revision = _string(body, "source"), _string(body, "revision")
+    if revision and not REVISION.fullmatch(revision):
+        raise ApiError("invalid_request", f"'revision' must be {REVISION_RULE}",
+                       param="revision")
     variant = _variant(served, _string(body, "variant"))
     request[MODEL_NAME] = served.spec.name
     # Shielded: a caller that goes away must not stop a reload between its two phases (the run
@@ -108,7 +112,7 @@ async def set_split(request: web.Request) -> web.Response:
     why = _weights_problem(weights, names)
     if why:
         raise ApiError("invalid_request", f"'weights' must give every variant ({', '.join(names)})"
-                       f" a number >= 0, not all 0: {why}", param="weights")
+                       f" a number from 0 to {MAX_WEIGHT:g}, not all 0: {why}", param="weights")
     new = {k: float(w) for k, w in weights.items()}
     state.update(request.app[CONFIG],
                  lambda tree: tree["splits"].__setitem__(served.spec.name, new))
@@ -126,8 +130,8 @@ def _weights_problem(weights: object, names: list[str]) -> str:
                          + ([f"no variant {', '.join(unknown)}"] if unknown else []))
     for name, w in weights.items():
         if not (isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w)
-                and w >= 0):
-            return f"{name}: {w!r} is not a number >= 0"
+                and 0 <= w <= MAX_WEIGHT):
+            return f"{name}: {w!r} is not a number from 0 to {MAX_WEIGHT:g}"
     if sum(weights.values()) <= 0:
         return "all are 0"
     return ""

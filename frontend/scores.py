@@ -106,7 +106,8 @@ def ranked(probs: np.ndarray, labels: tuple[str, ...], top_k: int | None
 def _document_texts(value: Any) -> Any:
     """Documents as strings; {"text": str} objects (as Cohere and Jina accept) are unwrapped."""
     if not isinstance(value, list):
-        return value  # schemas.texts names the error
+        raise ApiError("invalid_request", "'documents' must be a list of strings or "
+                       "{\"text\"} objects", param="documents")
     for i, v in enumerate(value):
         if not (isinstance(v, str) or isinstance(v, dict) and isinstance(v.get("text"), str)):
             raise ApiError("invalid_request", f"'documents[{i}]' must be a string or an object "

@@ -63,6 +63,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, render.RenderError, CliError, remote.RemoteError) as exc:
         print(f"shmserve: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `shmserve config | head`: the reader left, nothing to say
+        # Python's own recipe: stdout to /dev/null, so the flush at exit does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -108,7 +112,8 @@ def _parser() -> argparse.ArgumentParser:
     ctl_cmd = command("ctl", ctl, "run supervisorctl against this deployment")
     ctl_cmd.add_argument("ctl_args", nargs=argparse.REMAINDER, metavar="ARGS")
     config_cmd = command("config", show_config, "print the resolved config as JSON, its "
-                         "credentials (admin.token, auth.api_keys) as ***")
+                         "credentials (admin.token, auth.api_keys) as ***, and check its models "
+                         "as `up` does")
     config_cmd.add_argument("--show-secrets", action="store_true",
                             help="print admin.token and auth.api_keys in clear")
     command("models", remote.list_models, "each model's revision and loading state per worker "
@@ -250,8 +255,14 @@ def deployment_flags(args: argparse.Namespace, argv: list[str]) -> list[str]:
 
 
 def show_config(args: argparse.Namespace) -> int:
+    """Print the resolved config, then check its models as `up` would before starting (sources,
+    weights' headers, pinned devices, variants, dtypes): exit 2 naming the problem."""
     cfg = render.resolved(config.from_args(args))
-    print((cfg if args.show_secrets else config.redacted(cfg)).to_json())
+    print((cfg if args.show_secrets else config.redacted(cfg)).to_json(), flush=True)
+    try:
+        models.check(cfg, topology.worker_devices(cfg))
+    except models.ModelSourceError as exc:
+        raise CliError(f"models: {exc}") from None
     return 0
 
 

@@ -244,6 +244,13 @@ class Config:
 
 
 _NAME = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+# A model's name or alias: what requests send as `model`, and a label in logs and metrics.
+_MODEL_NAME = re.compile(r"[^\s\x00-\x1f\x7f]{1,256}")
+# A revision label goes into the X-Model-Revision header: visible ASCII, no spaces.
+REVISION = re.compile(r"[\x21-\x7e]{1,128}")
+REVISION_RULE = "1 to 128 visible ASCII characters (no spaces; it is sent as a header)"
+# A/B weights are relative; bounded so that their sum stays a finite number.
+MAX_WEIGHT = 1e9
 _STICKY = re.compile(r"^(user|header:[A-Za-z0-9-]{1,64})?$")
 
 
@@ -363,9 +370,23 @@ def _check_models(cfg: Config) -> None:
     for i, model in enumerate(cfg.models):
         key = f"models[{i}]"
         for name in (model.name, *model.aliases):
+            if not _MODEL_NAME.fullmatch(name):
+                raise ConfigError(f"{key}: model names and aliases are 1 to 256 characters "
+                                  f"without spaces or control characters, got {name!r}")
             if name in seen:
                 raise ConfigError(f"{key}: the name {name!r} is used twice")
             seen.add(name)
+        for where, revision in ((f"{key}.revision", model.revision), *(
+                (f"{key}.variants[{j}].revision", v.revision)
+                for j, v in enumerate(model.variants))):
+            if revision and not REVISION.fullmatch(revision):
+                raise ConfigError(f"{where}: expected {REVISION_RULE}, got {revision!r}")
+        if model.max_input_tokens < 0:
+            raise ConfigError(f"{key}.max_input_tokens: expected an integer >= 0 (0: the "
+                              f"model's own limit), got {model.max_input_tokens}")
+        if model.task != "embedding" and (model.pooling, model.normalize) != ("auto", "auto"):
+            raise ConfigError(f"{key}: pooling and normalize apply to embedding models, not "
+                              f"task {model.task}")
         if "@" in model.name:
             raise ConfigError(f"{key}.name: '@' is reserved (it joins a model and its variant)")
         if bool(model.source) == bool(model.variants):
@@ -389,8 +410,9 @@ def _check_models(cfg: Config) -> None:
             if not _NAME.match(variant.name):
                 raise ConfigError(f"{key}.variants[{j}].name: letters, digits and . _ - only, "
                                   f"got {variant.name!r}")
-            if variant.weight < 0:
-                raise ConfigError(f"{key}.variants[{j}].weight: expected a number >= 0")
+            if not 0 <= variant.weight <= MAX_WEIGHT:
+                raise ConfigError(f"{key}.variants[{j}].weight: expected a number from 0 to "
+                                  f"{MAX_WEIGHT:g}")
         if len(set(names)) != len(names):
             raise ConfigError(f"{key}.variants: names must differ, got {names}")
         if model.variants and sum(v.weight for v in model.variants) <= 0:

@@ -95,6 +95,24 @@ def deep_merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, An
     return merged
 
 
+class EnvInt(int):
+    """An integer from an environment variable, with the text it was written as: a string key
+    keeps that text (SHMSERVE__MODELS__0__REVISION=01 is "01", not "1"; typedtree)."""
+    text: str
+
+
+class EnvFloat(float):
+    text: str
+
+
+def _with_text(value: Any, text: str) -> Any:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return value
+    number = (EnvInt if isinstance(value, int) else EnvFloat)(value)
+    number.text = text.strip()
+    return number
+
+
 def apply_env_overrides(tree: dict[str, Any], environ: Mapping[str, str]) -> dict[str, Any]:
     tree = json.loads(json.dumps(tree))  # a private deep copy we may mutate
     for name in sorted(environ):
@@ -105,6 +123,7 @@ def apply_env_overrides(tree: dict[str, Any], environ: Mapping[str, str]) -> dic
             value = yaml.safe_load(environ[name]) if environ[name] != "" else ""
         except yaml.YAMLError as exc:
             raise ConfigError(f"{name}: not a YAML value ({exc.__class__.__name__})") from None
+        value = _with_text(value, environ[name])
         node: Any = tree
         for i, part in enumerate(parts):
             last = i == len(parts) - 1

@@ -92,7 +92,8 @@ def check(cfg: Config, devices: list[str]) -> None:
         for unit in units(model):
             try:
                 spec = inspect(unit.config, with_revision=False, roots=cfg.model_root_paths)
-                weights_file(resolve_source(unit.config.source, cfg.model_root_paths))
+                check_weights(weights_file(resolve_source(unit.config.source,
+                                                          cfg.model_root_paths)))
             except ModelSourceError as exc:
                 raise ModelSourceError(f"{unit.name}: {exc}") from None
             # Variants are revisions behind one name: the frontends tokenize for all of them
@@ -174,6 +175,20 @@ def weights_file(directory: Path) -> Path:
                                "shmserve loads safetensors only: convert with "
                                "safetensors.torch.save_file")
     raise ModelSourceError(f"{directory}: no model.safetensors")
+
+
+def check_weights(path: Path) -> None:
+    """Refuse a weights file whose safetensors header does not read, or whose tensors do not
+    cover the file exactly (a truncated copy): the header alone is read, not the weights."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="numpy") as f:
+            empty = not list(f.keys())
+    except (SafetensorError, OSError) as exc:
+        raise ModelSourceError(f"{path} is not a readable safetensors file ({exc})") from None
+    if empty:
+        raise ModelSourceError(f"{path} holds no tensors")
 
 
 def inspect(cfg: ModelConfig, with_revision: bool = True,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import socket
 import urllib.error
 import urllib.request
@@ -46,6 +47,8 @@ def split(args: argparse.Namespace) -> int:
             weights[name] = float(value)
         except ValueError:
             raise RemoteError(f"{item!r}: expected VARIANT=WEIGHT, WEIGHT a number") from None
+        if not math.isfinite(weights[name]):  # JSON has no nan or inf
+            raise RemoteError(f"{item!r}: the weight must be a finite number")
         if not eq:
             raise RemoteError(f"{item!r}: expected VARIANT=WEIGHT")
     status_code, answer = admin_call(processes.deployment(args), "PUT",

@@ -81,7 +81,7 @@ def _coerce(hint: Any, value: Any, key: str,
     if hint is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"{key}: expected an integer, got {_show(value)}")
-        return value
+        return int(value)
     if hint is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key}: expected a number, got {_show(value)}")
@@ -89,7 +89,8 @@ def _coerce(hint: Any, value: Any, key: str,
     if hint is str:
         if not isinstance(value, (str, int, float)) or isinstance(value, bool):
             raise ConfigError(f"{key}: expected a string, got {_show(value)}")
-        return str(value)
+        # A number from the environment as it was written (layers.EnvInt: 01 stays "01").
+        return getattr(value, "text", None) or str(value)
     raise ConfigError(f"{key}: unsupported type {hint}")  # a bug in the schema, not the input
 
 

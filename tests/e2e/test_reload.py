@@ -157,6 +157,12 @@ def test_reload_refuses_what_it_must_not_load(stack, models, tmp_path):
         assert answer["error"]["param"] == "source"
     assert reload(stack, "nope")[0] == 404
     assert reload(stack, "tiny", variant="a")[0] == 422  # a model without variants
+    # A label that cannot be a header value (it was accepted, and every request for the model
+    # then failed in the frontend and got nginx's 502).
+    for revision in ("a\nb", "r\u00e9", "two words"):
+        status, answer = reload(stack, "tiny", revision=revision)
+        assert status == 422 and answer["error"]["param"] == "revision", answer
+        assert "visible ASCII" in answer["error"]["message"]
     status, _, _ = stack.request("POST", "/admin/models/tiny/reload", b"{}",
                                  {"Content-Type": "application/json"})
     assert status == 401

@@ -271,6 +271,8 @@ def test_rerank_ranks_by_the_logit_on_every_route(stack, dirs, name):
      "needs a rerank model"),
     ("/v1/classify", {"model": "ab", "input": ["x"]}, "needs a classification model"),
     ("/v1/rerank", {"model": "ce", "query": "q", "documents": []}, "must not be empty"),
+    ("/v1/rerank", {"model": "ce", "query": "q", "documents": "d"},
+     "'documents' must be a list of strings or {\"text\"} objects"),
     ("/v1/rerank", {"model": "ce", "query": "q", "documents": ["d"], "top_n": 0}, "top_n"),
     ("/v1/classify", {"model": "clf", "input": ["x"], "top_k": "2"}, "top_k"),
 ])
@@ -377,8 +379,11 @@ def test_new_weights_apply_on_every_frontend(stack):
                      ({"w": 1}, "give an object {variant: weight}"),
                      ({"weights": {"a": 1, "b": 1, "c": 1}}, "no variant c"),
                      ({"weights": {"a": 1, "c": 1}}, "b missing; no variant c"),  # b misspelt
-                     ({"weights": {"a": -1, "b": 2}}, "a: -1 is not a number >= 0"),
-                     ({"weights": {"a": "1", "b": 2}}, "a: '1' is not a number >= 0")):
+                     ({"weights": {"a": -1, "b": 2}}, "a: -1 is not a number from 0 to 1e+09"),
+                     ({"weights": {"a": "1", "b": 2}}, "a: '1' is not a number from 0 to 1e+09"),
+                     # Each finite, their sum not: it routed every request to one arm.
+                     ({"weights": {"a": 1e308, "b": 1e308}}, "a: 1e+308 is not a number from 0 "
+                      "to 1e+09")):
         status, _, raw = stack.request("PUT", "/admin/models/ab/split",
                                        json.dumps(bad).encode(), ADMIN)
         error = json.loads(raw)["error"]

@@ -62,6 +62,30 @@ def test_an_extra_config_file_selects_the_deployment(deployment, tmp_path, capsy
     assert json.loads(capsys.readouterr().out)["frontends"]["count"] == 5
 
 
+def test_config_checks_the_models_as_up_does(deployment, monkeypatch, capsys, tmp_path):
+    # It checked the config's shape only: a pinned device no worker has, a source outside the
+    # roots, passed `shmserve config` and were refused by `up`.
+    monkeypatch.setenv("SHMSERVE__MODELS__0__DEVICES", "[5]")
+    assert cli.main(["config"]) == 2
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["models"][0]["devices"] == [5]  # printed all the same
+    assert "models[0].devices: [5] name no worker" in captured.err
+    monkeypatch.delenv("SHMSERVE__MODELS__0__DEVICES")
+    monkeypatch.setenv("SHMSERVE__MODELS__0__SOURCE", str(tmp_path))
+    assert cli.main(["config"]) == 2
+    assert "outside the model roots" in capsys.readouterr().err
+
+
+def test_a_reader_that_leaves_early_gets_no_traceback(deployment):
+    """`shmserve config | head`: the pipe's reader is gone before the config is written (it
+    printed a BrokenPipeError traceback)."""
+    proc = subprocess.Popen([sys.executable, "-m", "shmserve.cli", "config"], cwd=REPO_ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()  # long before the child, still importing, writes
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1 and err == "", err
+
+
 def test_a_bad_value_exits_2_naming_the_key(deployment, monkeypatch, capsys):
     monkeypatch.setenv("SHMSERVE__SERVER__PORT", "0")
     assert cli.main(["config"]) == 2
@@ -240,6 +264,9 @@ def test_admin_commands_need_a_token_and_well_formed_weights(deployment, monkeyp
     for bad in ("a", "a=x"):
         assert cli.main(["split", "m", bad]) == 2
         assert "expected VARIANT=WEIGHT" in capsys.readouterr().err
+    for bad in ("a=nan", "a=inf", "a=-inf"):  # was sent as invalid JSON: a 400 from the server
+        assert cli.main(["split", "m", bad, "b=1"]) == 2
+        assert "the weight must be a finite number" in capsys.readouterr().err
     # Nothing listens on the deployment's port: a clear refusal, not a traceback.
     assert cli.main(["models"]) == 2
     assert "did not answer" in capsys.readouterr().err

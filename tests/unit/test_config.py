@@ -1,3 +1,4 @@
+import json
 from pathlib import Path
 
 import pytest
@@ -158,6 +159,19 @@ def _models(*models, **top):
     (_models({"name": "m", "source": "x", "devices": [0, 0]}), "devices: expected distinct"),
     (_models({"name": "m", "source": "x", "task": "generation"}), r"models\[0\].task"),
     (_models({"name": "m", "source": "x", "dtype": "int4"}), r"models\[0\].dtype"),
+    (_models({"name": "", "source": "x"}), "model names and aliases are 1 to 256 characters"),
+    (_models({"name": "m", "source": "x", "aliases": ["a b"]}), "without spaces"),
+    (_models({"name": "m", "source": "x", "revision": "a\nb"}),
+     r"models\[0\].revision: expected 1 to 128 visible ASCII"),
+    (_models({"name": "m", "variants": [{"name": "a", "source": "x", "revision": "r\u00e9"}]}),
+     r"models\[0\].variants\[0\].revision: expected"),
+    (_models({"name": "m", "source": "x", "max_input_tokens": -5}),
+     r"models\[0\].max_input_tokens: expected an integer >= 0"),
+    (_models({"name": "m", "source": "x", "task": "classification", "pooling": "cls"}),
+     "pooling and normalize apply to embedding models"),
+    (_models({"name": "m", "variants": [{"name": "a", "source": "x", "weight": 1e308},
+                                       {"name": "b", "source": "x", "weight": 1e308}]}),
+     r"variants\[0\].weight: expected a number from 0 to 1e\+09"),
     (_models({"name": "m", "source": "x", "prompts": ["query: "]}),
      r"models\[0\].prompts: expected a mapping"),
     (_models({"name": "m", "source": "x", "prompts": {"query": ["q"]}}),
@@ -182,6 +196,17 @@ def test_variants_tasks_dtypes_and_pinning_load():
         {"name": "c", "source": "z", "task": "classification", "dtype": "int8"}))
     assert cfg.models[0].variants[1].weight == 1.0 and cfg.models[0].devices == [1]
     assert (cfg.models[1].task, cfg.models[1].dtype) == ("classification", "int8")
+
+
+def test_a_number_from_the_environment_keeps_its_text_for_a_string_key():
+    # YAML reads 01 as the integer 1: a revision label "01" became "1".
+    cfg = config.load(environ={"SHMSERVE__MODELS__0__REVISION": "01",
+                               "SHMSERVE__FRONTENDS__COUNT": "3",
+                               "SHMSERVE__BATCHING__MAX_WAIT_MS": "2.50"})
+    assert cfg.models[0].revision == "01"
+    assert type(cfg.frontends.count) is int and cfg.frontends.count == 3
+    assert type(cfg.batching.max_wait_ms) is float and cfg.batching.max_wait_ms == 2.5
+    assert json.loads(cfg.to_json())["frontends"]["count"] == 3
 
 
 def test_prompts_load_from_a_file_and_the_environment(tmp_path):

@@ -122,6 +122,27 @@ def test_units_hosting_and_the_start_check(model_dir, tmp_path):
         check(outside, cpu)
 
 
+@pytest.mark.parametrize("damage,needle", [
+    ("header", "header too large"), ("truncated", "file not fully covered"),
+    ("empty", "header too small")])
+def test_the_start_check_reads_the_weights_header(tmp_path, damage, needle):
+    """A damaged model.safetensors is refused before anything starts (it got past the check
+    and the workers crash-looped at `up`)."""
+    from shmserve import config
+    from shmserve.models import check
+
+    directory = build_tiny_bert(tmp_path / "m")
+    weights = directory / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes({"header": b"\xff" * 8 + data[8:], "truncated": data[:-100],
+                         "empty": b""}[damage])
+    cfg = config.from_tree({"model_roots": [str(tmp_path)], "models": [
+        {"name": "ab", "variants": [{"name": "a", "source": str(directory)}]}]})
+    with pytest.raises(ModelSourceError, match=f"ab@a: .*model.safetensors is not a readable "
+                       f"safetensors file .*{needle}"):
+        check(cfg, ["cpu"])
+
+
 def _with_st_prompts(directory, prompts, default=None, include_prompt=None):
     (directory / "config_sentence_transformers.json").write_text(json.dumps(
         {"prompts": prompts, "default_prompt_name": default}))
