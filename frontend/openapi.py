@@ -184,11 +184,17 @@ def _routes(model: dict) -> dict[str, dict]:
             _body(ref("TeiSimilarityRequest")))},
         "/": {"post": _op(
             "tei", "TEI's route for the model's task (huggingface_hub's InferenceClient posts "
-            "here): a similarity body as /similarity, any other as /embed",
+            "here): a similarity body as /similarity, a text-classification body (with "
+            "`parameters`) on a classification model, any other as /embed",
             {**_ok({"oneOf": [{"type": "array", "items": ref("Vector")},
-                              {"type": "array", "items": {"type": "number"}}]}),
+                              {"type": "array", "items": {"type": "number"}},
+                              {"type": "array", "items": {"type": "array", "items": {
+                                  "type": "object", "properties": {
+                                      "label": {"type": "string"},
+                                      "score": {"type": "number"}}}}}]}),
              **_errors(*_POST_ERRORS)},
-            _body({"oneOf": [ref("TeiEmbedRequest"), ref("TeiSimilarityRequest")]}))},
+            _body({"oneOf": [ref("TeiEmbedRequest"), ref("TeiSimilarityRequest"),
+                             ref("HubClassifyRequest")]}))},
         "/rerank": {"post": _op(
             "tei", "TEI rerank (a cross-encoder)",
             {**_ok({"type": "array", "items": ref("Rank")}), **_errors(*_POST_ERRORS)},

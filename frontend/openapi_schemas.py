@@ -178,6 +178,13 @@ def _tei_schemas(parts: dict[str, Any]) -> dict[str, Any]:
             "model": parts["model"]("embedding", "null"),
             "truncate": nullable_bool, "truncation_direction": direction,
             "prompt_name": parts["prompt_name"]}},
+        "HubClassifyRequest": {"type": "object", "required": ["inputs", "parameters"],
+                               "properties": {
+            "inputs": {"oneOf": [parts["text"], parts["texts"]]},
+            "parameters": {"type": ["object", "null"], "properties": {
+                "top_k": {"type": ["integer", "null"], "minimum": 1},
+                "function_to_apply": {"enum": ["softmax", None]}}},
+            "model": parts["model"]("classification")}},
         "TeiRerankRequest": {"type": "object", "required": ["query", "texts"], "properties": {
             "query": parts["text"], "texts": parts["texts"], "model": parts["model"]("rerank"),
             "raw_scores": nullable_bool, "return_text": nullable_bool,

@@ -9,9 +9,12 @@
     POST /similarity {"inputs": {"source_sentence": str, "sentences": [str]}} -> [float]
                      (cosine of each sentence's vector to the source's)
     POST /          TEI's route for its model's task, which huggingface_hub's InferenceClient
-                     posts to: a similarity body as /similarity, any other as /embed. A
-                     classifier's TEI `/predict` shape (`inputs`) is not served: this server's
-                     /predict and /v1/classify are.
+                     posts to: a similarity body as /similarity; the Inference API's
+                     text-classification body {"inputs": str | [str], "parameters": {"top_k",
+                     "function_to_apply"}} -> [[{"label", "score"}]] (one list per input, best
+                     first, as the client reads it) on a classification model; any other as
+                     /embed. TEI's own `/predict` shape (`inputs`, pairs) is not served: this
+                     server's /predict and /v1/classify are.
 
 TEI's ``GET /info`` is served with the observability routes. Differences from TEI, on purpose:
 errors keep this server's body (OpenAI's shape, see frontend.errors), not TEI's
@@ -30,10 +33,10 @@ from typing import Any
 import numpy as np
 from aiohttp import web
 
-from frontend import codec, routes, tasks, vectors
+from frontend import codec, routes, scores, tasks, vectors
 from frontend.app import CONFIG, MODEL_NAME, MODELS
 from frontend.errors import ApiError
-from frontend.schemas import (EmbedRequest, body_priority, check_text, dimensions, flag,
+from frontend.schemas import (EmbedRequest, body_priority, check_text, count, dimensions, flag,
                               mapping, model_name, one_or_many, prompt_name, query, required,
                               texts, texts_or_ids, user)
 from shmserve.config import LimitsConfig
@@ -53,7 +56,28 @@ async def root(request: web.Request) -> web.Response:
     body = mapping(await codec.read_body(request))
     if isinstance(body.get("inputs"), dict):
         return await _similarity(request, body)
+    if "parameters" in body:  # the Inference API's envelope: text-classification's here
+        return await _classify(request, body)
     return await _embed(request, body)
+
+
+async def _classify(request: web.Request, body: dict) -> web.Response:
+    """huggingface_hub's `text_classification`: every label of each input, best first (the
+    softmax, which is what this server computes), cut to `parameters.top_k`."""
+    parameters = body["parameters"] if body["parameters"] is not None else {}
+    if not isinstance(parameters, dict):
+        raise ApiError("invalid_request", "'parameters' must be an object", param="parameters")
+    applied = parameters.get("function_to_apply")
+    if applied not in (None, "softmax"):
+        raise ApiError("invalid_request", f"'parameters.function_to_apply' {applied!r}: this "
+                       "server answers the softmax of a classifier's logits only",
+                       param="parameters")
+    top_k = count(parameters, "top_k")
+    given = one_or_many(required(body, "inputs"), "inputs", request.app[CONFIG].limits)
+    out = await tasks.classify(request, model_name(body), given, param="inputs",
+                               priority=body_priority(body), user=user(body))
+    return codec.render(request, [scores.ranked(row, out.labels, top_k) for row in out.probs],
+                        headers=tasks.stage_headers(request, out.ran.outcome))
 
 
 async def similarity(request: web.Request) -> web.Response:

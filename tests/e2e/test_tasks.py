@@ -127,6 +127,29 @@ def test_rerank_scores_pairs_best_first(stack, dirs):
     assert "document" not in body["results"][0]
 
 
+def test_huggingface_hubs_text_classification_at_the_servers_url(stack, dirs, monkeypatch):
+    """InferenceClient(model=URL).text_classification posts {"inputs", "parameters"} to /."""
+    import huggingface_hub.constants
+    from huggingface_hub import InferenceClient
+    from huggingface_hub.errors import HfHubHTTPError
+
+    # conftest sets HF_HUB_OFFLINE, which makes the client refuse even 127.0.0.1.
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    want = reference_scores(dirs["clf"], TEXTS[:1], TINY_MAX_TOKENS)[0]
+    best = np.argsort(-want, kind="stable")
+    with InferenceClient(model=stack.url) as hub:
+        got = hub.text_classification(TEXTS[0])
+        assert [x.label for x in got] == [LABELS[i] for i in best]
+        np.testing.assert_allclose([x.score for x in got], want[best], atol=1e-5)
+        assert [x.label for x in hub.text_classification(TEXTS[0], top_k=1)] == \
+            [LABELS[best[0]]]
+        with pytest.raises(HfHubHTTPError) as info:
+            hub.text_classification(TEXTS[0], function_to_apply="sigmoid")
+        assert info.value.response.status_code == 422
+        # The same client's feature_extraction still embeds (no `parameters` in its body).
+        assert hub.feature_extraction("x").shape[-1] == 32
+
+
 def test_coheres_clients_rerank_on_v1_and_v2(stack, dirs):
     """cohere's own Python client, v1 (`Client`: /v1/rerank) and v2 (`ClientV2`: /v2/rerank,
     which is not KServe's), pointed at the server's URL."""
