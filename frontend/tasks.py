@@ -146,9 +146,18 @@ async def run(request: web.Request, served: ServedModel,
     try:
         started = request[TOKENIZE_AT] = time.perf_counter()
         if chars > THREAD_TOKENIZE_CHARS:
-            enc = await asyncio.get_running_loop().run_in_executor(None, encode, variant.encoder)
+            # The deadline holds while tokenizing too: past it the client gets its 504 (the
+            # thread finishes on its own; its result is dropped).
+            tokenizing = asyncio.get_running_loop().run_in_executor(None, encode,
+                                                                     variant.encoder)
+            try:
+                enc = await asyncio.wait_for(tokenizing, deadline - time.time())
+            except asyncio.TimeoutError:
+                raise ApiError.deadline_passed() from None
         else:
             enc = encode(variant.encoder)
+        if time.time() > deadline:  # no work goes to a worker past its deadline
+            raise ApiError.deadline_passed()
         request[TOKENIZE_MS] = (time.perf_counter() - started) * 1000
         fields = request[LOG_FIELDS]
         fields.update(texts=enc.count, tokens=enc.tokens,

@@ -137,6 +137,26 @@ def test_deadline_passed_is_504(tiny_stack):
     assert status == 504 and err["error"]["type"] == "timeout"
 
 
+@pytest.mark.parametrize("count,chars", [(8, 4), (60, 200)])  # tokenized inline; in a thread
+def test_work_past_its_deadline_never_reaches_a_worker(tiny_stack, count, chars):
+    """The deadline is checked once tokenizing is done, and holds during tokenizing in a thread:
+    a request whose deadline passed there got its 504 after tokenizing, and its work went to a
+    worker anyway (which dropped it: a `request.dropped` line)."""
+    late = f"late-{count}"
+    texts = [("word " * chars)[:chars] for _ in range(count)]
+    status, _, err = tiny_stack.post_json("/predict", {"texts": texts},
+                                          {"X-Request-Timeout": "0.000001", "X-Request-ID": late})
+    assert status == 504 and err["error"]["type"] == "timeout"
+    after = f"after-{count}"
+    assert tiny_stack.post_json("/predict", {"texts": ["x"]}, {"X-Request-ID": after})[0] == 200
+
+    def worker_lines():
+        return [json.dumps(line) for name in ("worker-0",) for line in tiny_stack.log_lines(name)]
+    tiny_stack.wait_until(lambda: any(after in line for line in worker_lines()), 10,
+                          "the worker's line of the next request")
+    assert not [line for line in worker_lines() if late in line]
+
+
 def test_bad_timeout_header_is_422(tiny_stack):
     status, _, err = tiny_stack.post_json("/predict", {"texts": ["x"]},
                                           {"X-Request-Timeout": "soon"})

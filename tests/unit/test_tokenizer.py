@@ -1,4 +1,5 @@
 import dataclasses
+import re
 
 import numpy as np
 import pytest
@@ -42,10 +43,10 @@ def test_no_truncation_refuses_with_413(spec):
 def test_a_pair_over_the_limit_names_the_query_and_the_document(spec, documents):
     # A cross-encoder reads both as one input: the query may be the long part.
     with pytest.raises(ApiError) as info:
-        TextEncoder(spec, truncate=False).encode_pairs("word " * 1000, documents)
+        TextEncoder(spec, truncate=False).encode_pairs("word " * 300, documents)
     assert info.value.status == 413
-    # 1,000 words, "short", [CLS] and two [SEP]
-    assert info.value.message.startswith("the query with 'documents[0]' has 1004 tokens")
+    # 300 words, "short", [CLS] and two [SEP]
+    assert info.value.message.startswith("the query with 'documents[0]' has 304 tokens")
 
 
 def test_token_ids_are_used_as_given(spec):
@@ -140,3 +141,82 @@ def test_the_default_prompt_applies_when_a_request_names_none(spec):
                                   plain.encode(["query: hello"]).ids)
     with pytest.raises(ApiError, match=r"it has none: models\[\]\.prompts"):
         plain.encode(["x"], prompt_name="query")
+
+
+def _long_texts(seed: int, n: int) -> list[str]:
+    """Texts far past the model's 256 tokens: corpus sentences joined by assorted whitespace and
+    punctuation, some after a word of thousands of letters, some CJK without any whitespace."""
+    import json
+    import random
+
+    from tests.stack import corpus_path
+
+    corpus = json.loads(corpus_path().read_text())
+    rng = random.Random(seed)
+    texts = []
+    for i in range(n):
+        sep = rng.choice([" ", "\n", "  ", "\t", ", ", "... ", ""])
+        text = sep.join(rng.choice(corpus) for _ in range(rng.randint(20, 400)))
+        if i % 7 == 0:
+            text = "x" * rng.randint(3000, 9000) + " " + text
+        if i % 11 == 0:
+            text = "日本語のテキスト" * rng.randint(300, 900)
+        texts.append(text)
+    return texts
+
+
+def _rows(enc) -> list[list[int]]:
+    return [r.tolist() for r in np.split(enc.ids, enc.offsets[1:-1])]
+
+
+@pytest.mark.parametrize("direction", ["right", "left"])
+def test_a_long_text_is_tokenized_from_a_piece_and_cut_as_the_whole_text(spec, direction):
+    """A text far past the limit is tokenized from a piece of it (it was tokenized whole: 80
+    texts of 100,000 characters took seconds and hundreds of MB of a frontend's memory), and
+    the model reads the same tokens as from the whole text cut by the tokenizer itself."""
+    from tokenizers import Tokenizer
+
+    whole = Tokenizer.from_file(str(spec.directory / "tokenizer.json"))
+    whole.no_padding()
+    whole.enable_truncation(max_length=256, direction=direction)
+    enc = TextEncoder(spec, truncate=True)
+    texts = _long_texts(0, 60)
+    pieces, long = enc._pieces(texts, direction)
+    assert len(long) >= 50 and all(len(pieces[i]) < len(texts[i]) for i in long)
+    got = enc.encode(texts + ["short"], direction=direction)
+    assert _rows(got) == [e.ids for e in whole.encode_batch(texts + ["short"])]
+    assert got.truncated == len(texts)
+
+
+def test_pairs_with_a_long_side_are_cut_as_the_whole_pairs(spec):
+    import json
+    import random
+
+    from tokenizers import Tokenizer
+
+    from tests.stack import corpus_path
+
+    corpus = json.loads(corpus_path().read_text())
+    rng = random.Random(1)
+    whole = Tokenizer.from_file(str(spec.directory / "tokenizer.json"))
+    whole.no_padding()
+    whole.enable_truncation(max_length=256)
+    enc = TextEncoder(spec, truncate=True)
+    for _ in range(40):
+        query = " ".join(rng.choice(corpus) for _ in range(rng.choice([1, 5, 12, 300])))
+        docs = [" ".join(rng.choice(corpus) for _ in range(rng.choice([1, 3, 12, 200, 600])))
+                for _ in range(4)]
+        if len(query) > 2048:  # both sides pieces: the split may be one token off (docstring)
+            docs = [d[:2000] for d in docs]
+        got = enc.encode_pairs(query, docs)
+        want = whole.encode_batch([(query, d) for d in docs])
+        assert _rows(got) == [e.ids for e in want]
+        assert got.segments.tolist() == [e.type_ids.index(1) for e in want]
+
+
+def test_a_long_text_refused_uncut_says_more_than(spec):
+    with pytest.raises(ApiError) as info:
+        TextEncoder(spec, truncate=False).encode(["short", "word " * 20_000], param="texts")
+    assert info.value.status == 413
+    assert re.match(r"'texts\[1\]' has more than \d+ tokens; the model's limit is 256 ",
+                    info.value.message), info.value.message
