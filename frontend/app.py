@@ -8,7 +8,6 @@ import asyncio
 import dataclasses
 import hmac
 import logging
-import os
 import re
 import time
 import uuid
@@ -90,6 +89,7 @@ PROBES = frozenset({"/health", "/ready", "/metrics"})
 # which has a token of its own.
 OPENAI_PATHS = frozenset({"/v1/embeddings"})  # OpenAI's own routes: its statuses
 OPEN_PATHS = PROBES | {"/v2/health/live", "/v2/health/ready", "/openapi.json"}
+QUIET_PATHS = PROBES | {"/v2/health/live", "/v2/health/ready"}  # no access line, no trace
 
 # Per-request storage, typed (aiohttp warns on plain string keys).
 REQUEST_ID = web.RequestKey("request_id", str)
@@ -200,8 +200,8 @@ def _record(request: web.Request, response: web.StreamResponse, elapsed: float,
         for stage, seconds in stages.items():
             metrics.stage(stage, model).observe(seconds)
         request[LOG_FIELDS]["transfer_ms"] = round(stages["transfer"] * 1000, 3)
-    if path in PROBES:
-        return  # they would drown the access log (and the traces)
+    if path in QUIET_PATHS:
+        return  # probes and scrapes would drown the access log (and the traces)
     tracing = request.app[TRACING]
     if tracing is not None:
         try:
@@ -234,8 +234,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     await pool.start()
     app[POOL] = pool
     app[DISPATCHER] = Dispatcher(cfg, pool, arena)
-    log.info("frontend.started", extra={"fields": {"frontend": index, "pid": os.getpid(),
-                                                   "arena": arena.name}})
+    log.info("frontend.started", extra={"fields": {"frontend": index, "arena": arena.name}})
     try:
         yield
     finally:

@@ -87,7 +87,8 @@ def _token_ids(row: list, name: str, param: str) -> None:
     for j, v in enumerate(row):
         if not is_int(v):
             # orjson reads an integer past 64 bits as a float: say so, it looks like an int.
-            shown = f"{v!r}, a float" if isinstance(v, float) else JSON_KINDS.get(
+            shown = (f"{v:.3g}, an integer past 64 bits" if v.is_integer() and abs(v) >= 2**63
+                     else f"{v!r}, a float") if isinstance(v, float) else JSON_KINDS.get(
                 type(v), "not an integer")
             raise ApiError("invalid_request", f"'{name}[{j}]' is {shown}; token ids must be "
                            "integers in [0, the model's vocabulary size)", param=param)

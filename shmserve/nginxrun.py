@@ -11,6 +11,10 @@ once a re-render replaced the file). An environment marker would not do: nginx w
 process title over its environ area, so ``/proc/PID/environ`` no longer shows it.
 
 exec keeps the pid, so supervisord's signals (QUIT to stop) reach the master directly.
+
+Before that it waits (up to ``--wait-s``) until a frontend's socket exists (``--frontend``),
+so that nginx never listens with no frontend behind it: a client gets connection refused while
+the deployment starts, not a 502 from nginx (and nginx logs no failed connect per request).
 """
 
 from __future__ import annotations
@@ -76,12 +80,36 @@ def _holds(entry: Path, wanted: set[str]) -> bool:
     return False
 
 
+def wait_for_any(paths: list[Path], timeout_s: float) -> bool:
+    """Whether one of `paths` exists within `timeout_s` (polled every 50 ms). supervisord may
+    stop nginx meanwhile: QUIT or TERM then ends the wait, and this process, at once."""
+    for signum in (signal.SIGQUIT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: sys.exit(0))
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not any(p.exists() for p in paths):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        return True
+    finally:
+        for signum in (signal.SIGQUIT, signal.SIGTERM):
+            signal.signal(signum, signal.SIG_DFL)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m shmserve.nginxrun")
     parser.add_argument("--binary", default="nginx", help="the nginx executable")
+    parser.add_argument("--frontend", type=Path, action="append", default=[],
+                        help="a frontend's socket; nginx starts once one exists")
+    parser.add_argument("--wait-s", type=float, default=30.0,
+                        help="how long to wait for a frontend's socket before starting anyway")
     parser.add_argument("conf", type=Path, help="the rendered <run_dir>/nginx/nginx.conf")
     args = parser.parse_args(argv)
     conf = args.conf.resolve()
+    if args.frontend and not wait_for_any(args.frontend, args.wait_s):
+        print(f"nginxrun: no frontend socket after {args.wait_s:g} s; starting nginx anyway "
+              "(it answers 502 until one listens)", flush=True)
     binary = shutil.which(args.binary) or args.binary
     killed = kill_all(conf)
     if killed:

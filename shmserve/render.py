@@ -192,6 +192,8 @@ def render_supervisord(cfg: Config, nginx: str) -> str:
             "SHMSERVE_RUN_DIR": str(cfg.run_dir),
         }),
         "nginx_command": command(python, "-m", "shmserve.nginxrun", "--binary", nginx,
+                                 *(arg for i in range(cfg.frontends.count) for arg in (
+                                     "--frontend", str(topology.frontend_socket(cfg, i)))),
                                  str(nginx_conf(cfg))),
         "reaper_command": command(python, "-m", "shmserve.reaper", "--config", config_json),
         "frontend_programs": ",".join(f"frontend-{i}" for i in range(cfg.frontends.count)),

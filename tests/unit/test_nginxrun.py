@@ -110,3 +110,26 @@ def _state(pid: int) -> str:
 
 def _ppid(pid: int) -> int:
     return int(_stat(pid)[1])
+
+
+def test_nginx_waits_for_a_frontend_socket(tmp_path):
+    """nginx listening with no frontend behind it answered 502 for the first seconds after
+    `up`: the launcher waits until one frontend's socket exists."""
+    import threading
+
+    sockets = [tmp_path / "frontend-0.sock", tmp_path / "frontend-1.sock"]
+    threading.Timer(0.3, sockets[1].touch).start()
+    started = time.monotonic()
+    assert nginxrun.wait_for_any(sockets, 10)
+    assert 0.25 < time.monotonic() - started < 5
+    assert not nginxrun.wait_for_any([tmp_path / "never.sock"], 0.2)  # then starts anyway
+    assert signal.getsignal(signal.SIGQUIT) == signal.SIG_DFL  # nginx gets QUIT as before
+
+
+def test_the_rendered_command_names_every_frontend_socket(tmp_path):
+    cfg = make_config(tmp_path / "run", frontends={"count": 2})
+    render.render(cfg)
+    text = render.supervisord_conf(cfg).read_text()
+    line = next(line for line in text.splitlines() if "shmserve.nginxrun" in line)
+    for i in range(2):
+        assert f"--frontend {cfg.run_dir}/sockets/frontend-{i}.sock" in line

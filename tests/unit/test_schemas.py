@@ -93,8 +93,8 @@ def test_error_body_shape():
 
 @pytest.mark.parametrize("value,message", [
     # orjson reads an integer past 64 bits as a float: it is a bad token id, not a bad text.
-    ([1e26], "'input[0]' is 1e+26, a float; token ids must be integers in [0, the model's "
-             "vocabulary size)"),
+    ([1e26], "'input[0]' is 1e+26, an integer past 64 bits; token ids must be integers in "
+             "[0, the model's vocabulary size)"),
     ([101, 2.5], "'input[1]' is 2.5, a float; token ids must be integers"),
     ([[101, 102], [101, None]], "'input[1][1]' is null; token ids must be integers"),
     ([[101, 102], "a"], "'input' mixes token-id lists with other values; send a list of texts "
@@ -114,7 +114,8 @@ def test_a_json_integer_past_64_bits_is_named_as_a_token_id():
     from frontend.codec import decode_body
 
     body = decode_body(b'{"input": [99999999999999999999999999]}', "application/json")
-    with pytest.raises(ApiError, match=r"^'input\[0\]' is 1e\+26, a float; token ids"):
+    with pytest.raises(ApiError,
+                       match=r"^'input\[0\]' is 1e\+26, an integer past 64 bits; token ids"):
         parse_openai_embeddings(body, LIMITS)
 
 
