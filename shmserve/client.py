@@ -4,6 +4,9 @@
     with Client("http://127.0.0.1:8080") as client:
         matrix = client.embed(["a text", "another"])   # float32 [2, dim]
         vector = client.embed("one text")              # float32 [dim]
+        query = client.embed("what is it?", prompt_name="query")   # a model's prompt
+        probs, labels = client.classify(["great!", "awful"])     # float32 [2, labels], names
+        scores = client.rerank("a query", ["doc one", "doc two"])  # float32 [2], input order
 
     async with AsyncClient("http://127.0.0.1:8080") as client:
         matrix = await client.embed(["a text", "another"])
@@ -76,9 +79,24 @@ class _Base:
         self._parts = parts
 
     def _embed_request(self, texts: str | Sequence[str], model: str | None,
-                       request_id: str | None) -> tuple[bytes, dict[str, str]]:
-        batch = [texts] if isinstance(texts, str) else list(texts)
-        body: dict[str, Any] = {"texts": batch}
+                       request_id: str | None, prompt_name: str | None = None
+                       ) -> tuple[bytes, dict[str, str]]:
+        body: dict[str, Any] = {"texts": [texts] if isinstance(texts, str) else list(texts)}
+        if prompt_name is not None:
+            body["prompt_name"] = prompt_name
+        return self._request(body, model, request_id)
+
+    def _classify_request(self, texts: Sequence[str], model: str | None,
+                          request_id: str | None) -> tuple[bytes, dict[str, str]]:
+        return self._request({"input": [texts] if isinstance(texts, str) else list(texts)},
+                             model, request_id)
+
+    def _rerank_request(self, query: str, documents: Sequence[str], model: str | None,
+                        request_id: str | None) -> tuple[bytes, dict[str, str]]:
+        return self._request({"query": query, "documents": list(documents)}, model, request_id)
+
+    def _request(self, body: dict[str, Any], model: str | None,
+                 request_id: str | None) -> tuple[bytes, dict[str, str]]:
         if model or self.model:
             body["model"] = model or self.model
         return self._encode(body), self._headers(request_id, with_body=True)
@@ -119,6 +137,26 @@ def _decode(status: int, content_type: str, raw: bytes) -> Any:
     return body
 
 
+def _classes(body: dict[str, Any]) -> tuple[np.ndarray, list[str]]:
+    """/v1/classify's answer as (probabilities float32 [n, labels], label names by column).
+    `probs` is by class index and `labels` (all of them: no top_k is sent) best first, ranked
+    by the server with numpy's stable argsort, which ranks the same probabilities here."""
+    data = body["data"]
+    probs = np.asarray([d["probs"] for d in data], dtype=np.float32).reshape(len(data), -1)
+    names = [""] * probs.shape[1]
+    for rank, column in enumerate(np.argsort(-probs[0], kind="stable").tolist()):
+        names[column] = data[0]["labels"][rank]["label"]
+    return probs, names
+
+
+def _scores(body: dict[str, Any], count: int) -> np.ndarray:
+    """/v1/rerank's answer (best first, with each document's index) in input order."""
+    scores = np.empty(count, dtype=np.float32)
+    for result in body["results"]:
+        scores[result["index"]] = result["relevance_score"]
+    return scores
+
+
 def _matrix(body: dict[str, Any], single: bool) -> np.ndarray:
     rows = body["results"]
     if rows and isinstance(rows[0], bytes):  # msgpack: raw little-endian float32
@@ -137,11 +175,27 @@ class Client(_Base):
         self._used = False  # has the open connection answered a request already?
 
     def embed(self, texts: str | Sequence[str], *, model: str | None = None,
-              request_id: str | None = None) -> np.ndarray:
-        """float32 [n, dim] for a list of texts, [dim] for one string."""
-        body, headers = self._embed_request(texts, model, request_id)
+              request_id: str | None = None, prompt_name: str | None = None) -> np.ndarray:
+        """float32 [n, dim] for a list of texts, [dim] for one string. `prompt_name`: one of
+        the model's prompts (None: its default prompt, if any)."""
+        body, headers = self._embed_request(texts, model, request_id, prompt_name)
         return _matrix(_decode(*self._call("POST", "/predict", body, headers)),
                        isinstance(texts, str))
+
+    def classify(self, texts: str | Sequence[str], *, model: str | None = None,
+                 request_id: str | None = None) -> tuple[np.ndarray, list[str]]:
+        """A classification model's probabilities, float32 [n, labels], and the labels' names
+        by column."""
+        body, headers = self._classify_request(texts, model, request_id)
+        return _classes(_decode(*self._call("POST", "/v1/classify", body, headers)))
+
+    def rerank(self, query: str, documents: Sequence[str], *, model: str | None = None,
+               request_id: str | None = None) -> np.ndarray:
+        """A rerank model's (cross-encoder's) score of each document for `query`, float32 [n],
+        in the documents' order (np.argsort(-scores) ranks them)."""
+        body, headers = self._rerank_request(query, documents, model, request_id)
+        return _scores(_decode(*self._call("POST", "/v1/rerank", body, headers)),
+                       len(documents))
 
     def models(self) -> list[str]:
         body = _decode(*self._call("GET", "/v1/models", None, self._headers(None)))
@@ -206,11 +260,25 @@ class AsyncClient(_Base):
         self._session: aiohttp.ClientSession | None = None
 
     async def embed(self, texts: str | Sequence[str], *, model: str | None = None,
-                    request_id: str | None = None) -> np.ndarray:
-        """float32 [n, dim] for a list of texts, [dim] for one string."""
-        body, headers = self._embed_request(texts, model, request_id)
+                    request_id: str | None = None, prompt_name: str | None = None
+                    ) -> np.ndarray:
+        """As Client.embed."""
+        body, headers = self._embed_request(texts, model, request_id, prompt_name)
         return _matrix(_decode(*await self._call("POST", "/predict", body, headers)),
                        isinstance(texts, str))
+
+    async def classify(self, texts: str | Sequence[str], *, model: str | None = None,
+                       request_id: str | None = None) -> tuple[np.ndarray, list[str]]:
+        """As Client.classify."""
+        body, headers = self._classify_request(texts, model, request_id)
+        return _classes(_decode(*await self._call("POST", "/v1/classify", body, headers)))
+
+    async def rerank(self, query: str, documents: Sequence[str], *, model: str | None = None,
+                     request_id: str | None = None) -> np.ndarray:
+        """As Client.rerank."""
+        body, headers = self._rerank_request(query, documents, model, request_id)
+        return _scores(_decode(*await self._call("POST", "/v1/rerank", body, headers)),
+                       len(documents))
 
     async def models(self) -> list[str]:
         body = _decode(*await self._call("GET", "/v1/models", None, self._headers(None)))

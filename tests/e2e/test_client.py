@@ -31,6 +31,21 @@ async def test_async_client(tiny_stack, native, fmt):
 
 
 @pytest.mark.parametrize("fmt", ["msgpack", "json"])
+async def test_a_prompt_by_name(tiny_stack, fmt):
+    """tiny's prompts: {"query": "query: "} (tests/conftest.py)."""
+    with Client(tiny_stack.url, format=fmt) as client:
+        want = client.embed(["query: " + t for t in TEXTS])
+        np.testing.assert_allclose(client.embed(TEXTS, prompt_name="query"), want,
+                                   rtol=0, atol=1e-6)
+        with pytest.raises(ShmserveError) as info:
+            client.embed(TEXTS, prompt_name="passage")
+        assert info.value.status == 422 and info.value.param == "prompt_name"
+    async with AsyncClient(tiny_stack.url, format=fmt) as client:
+        np.testing.assert_allclose(await client.embed(TEXTS, prompt_name="query"), want,
+                                   rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("fmt", ["msgpack", "json"])
 def test_errors_carry_status_and_body(tiny_stack, fmt):
     with Client(tiny_stack.url, format=fmt) as client:
         with pytest.raises(ShmserveError) as info:

@@ -127,6 +127,28 @@ def test_rerank_scores_pairs_best_first(stack, dirs):
     assert "document" not in body["results"][0]
 
 
+@pytest.mark.parametrize("fmt", ["msgpack", "json"])
+async def test_the_native_client_classifies_and_reranks(stack, dirs, fmt):
+    from shmserve.client import AsyncClient, Client
+
+    probs = reference_scores(dirs["clf"], TEXTS, TINY_MAX_TOKENS)
+    query = "what moves token ids between processes?"
+    scores = reference_scores(dirs["ce"], [(query, d) for d in TEXTS], TINY_MAX_TOKENS)
+    with Client(stack.url, format=fmt) as client:
+        got, labels = client.classify(TEXTS, model="clf")
+        assert labels == LABELS and got.dtype == np.float32 and got.shape == (4, 3)
+        np.testing.assert_allclose(got, probs, atol=1e-5)
+        got = client.rerank(query, TEXTS, model="ce")
+        assert got.dtype == np.float32 and got.shape == (4,)
+        np.testing.assert_allclose(got, scores, atol=1e-5)  # input order, not ranked
+    async with AsyncClient(stack.url, format=fmt) as client:
+        got, labels = await client.classify(TEXTS[0])  # the first classification model
+        assert labels == LABELS
+        np.testing.assert_allclose(got, probs[:1], atol=1e-5)
+        np.testing.assert_allclose(await client.rerank(query, TEXTS, model="ce"), scores,
+                                   atol=1e-5)
+
+
 def test_huggingface_hubs_text_classification_at_the_servers_url(stack, dirs, monkeypatch):
     """InferenceClient(model=URL).text_classification posts {"inputs", "parameters"} to /."""
     import huggingface_hub.constants
