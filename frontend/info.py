@@ -97,6 +97,9 @@ def _model(cfg: Config, served, pool: WorkerPool) -> dict[str, Any]:
             "pooling": spec.pooling if spec.task in EMBEDS else None,
             "normalize": spec.normalize if spec.task in EMBEDS else None,
             "max_input_tokens": spec.max_tokens}
+    if spec.task in EMBEDS:  # by name (prompt_name), and the one applied when none is named
+        info["prompts"] = dict(spec.prompts)
+        info["default_prompt"] = spec.default_prompt or None
     if spec.task == "classification":
         info["labels"] = list(spec.labels)
     if spec.task == "rerank":

@@ -26,10 +26,10 @@ def schemas(cfg: Config, models: list[str]) -> dict[str, Any]:
                                   "special tokens added), each in [0, vocab size)"},
         # Per route, the models of its task (the null model stands in for an embedding one).
         "model": lambda *tasks: _model_names(cfg, tasks),
-        "prompt_name": {"type": ["string", "null"], "minLength": 1, "description": "one of the "
-                        "model's prompts (models[].prompts and its sentence-transformers "
-                        "config), put before each text; null: its default prompt, if any. Not "
-                        "with token ids"},
+        "prompt_name": {"type": ["string", "null"], "description": "one of the model's "
+                        "prompts (models[].prompts and its sentence-transformers config, listed "
+                        "in GET /info), put before each text; null: its default prompt, if "
+                        "any; \"\": no prompt. Not with token ids"},
     }
     return {**_native_schemas(parts), **_task_schemas(parts), **_tei_schemas(parts),
             **_kserve_schemas()}

@@ -157,13 +157,13 @@ def parse_predict(body: Any, limits: LimitsConfig) -> EmbedRequest:
 
 
 def prompt_name(body: dict, token_ids: bool = False) -> str | None:
-    """One of the model's prompts by name (its TextEncoder checks which it has); not with
-    token ids, which are used as given."""
+    """One of the model's prompts by name (its TextEncoder checks which it has), "" for none
+    (not even a default prompt); not with token ids, which are used as given."""
     value = body.get("prompt_name")
-    if value is not None and (not isinstance(value, str) or not value):
-        raise ApiError("invalid_request", "'prompt_name' must be a non-empty string or null",
-                       param="prompt_name")
-    if value is not None and token_ids:
+    if value is not None and not isinstance(value, str):
+        raise ApiError("invalid_request", "'prompt_name' must be a string (\"\": no prompt) or "
+                       "null", param="prompt_name")
+    if value and token_ids:
         raise ApiError("invalid_request", "'prompt_name' applies to texts; token ids are used "
                        "as given (put the prompt's ids in them)", param="prompt_name")
     return value

@@ -85,9 +85,12 @@ class TextEncoder:
                              truncate, hint=hint, long=long)
 
     def prompt(self, name: str | None) -> str:
-        """The text of prompt `name` (None: the default prompt, "" when there is none)."""
+        """The text of prompt `name` (None: the default prompt, "" when there is none; "": no
+        prompt, as sentence-transformers' prompt="")."""
         if name is None:
             return self.default_prompt
+        if name == "":
+            return ""
         text = self.prompts.get(name)
         if text is None:
             have = ", ".join(map(repr, sorted(self.prompts)))

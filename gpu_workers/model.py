@@ -75,6 +75,7 @@ class Model:
             raise ModelSourceError(f"{spec.directory}: weights lack {sorted(missing)[:4]}; a "
                                    f"{spec.task} model needs its trained head")
         net = net.eval()
+        _refuse_non_finite(net, spec)
         if dtype == "int8":
             net = quantize_int8(net)
         self.head = tasks.head(spec)
@@ -230,10 +231,24 @@ def warm_up(model: Model, max_batch_size: int, max_batch_tokens: int) -> tuple[i
     timed = []
     for shape in ((1, 8), (batch, longest), typical, typical):
         started = time.perf_counter()
-        model.forward(np.ones(shape, np.int64), np.full(shape[0], shape[1], np.int64),
-                      np.full(shape[0], shape[1] // 2, np.int64) if pairs else None)
+        out = model.forward(np.ones(shape, np.int64), np.full(shape[0], shape[1], np.int64),
+                            np.full(shape[0], shape[1] // 2, np.int64) if pairs else None)
         timed.append(time.perf_counter() - started)
+        if not np.isfinite(out).all():  # would be answered as nulls, or NaN in msgpack
+            raise ModelSourceError(
+                f"{model.spec.directory}: the model's outputs hold NaN or infinity in "
+                f"{model.spec.dtype} on a warm-up batch of {shape[0]} x {shape[1]} tokens "
+                "(fp16 overflow? then bf16 or fp32)")
     return typical[0] * typical[1], min(timed[2:])
+
+
+def _refuse_non_finite(net: torch.nn.Module, spec: ModelSpec) -> None:
+    """Refuse weights holding NaN or infinity (a damaged file whose header reads): every output
+    would be NaN, which JSON answers as null."""
+    for name, tensor in net.state_dict().items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise ModelSourceError(f"{spec.directory}: weight {name} holds NaN or infinity "
+                                   "(a damaged model.safetensors?)")
 
 
 def resolve_dtype(name: str, device: torch.device) -> str:

@@ -350,6 +350,9 @@ class Worker:
             self._pass_began = 0.0
         forward_ms = (time.time() - began) * 1000.0
         self._batches += 1
+        finite = None if out is None else np.isfinite(out).all(axis=1)
+        if finite is not None and finite.all():
+            finite = None  # the usual case: no per-text check below
         touched = {}
         computed: dict[int, int] = {}  # tokens by priority, for the backlog: one update a pass
         for j, text in enumerate(texts):
@@ -366,6 +369,16 @@ class Worker:
                     request.msg.seq, ErrorCode.OUT_OF_MEMORY,
                     f"the device ran out of memory running a text of {text.length} tokens "
                     "on its own"))
+                touched.pop(id(request), None)
+                continue
+            if finite is not None and not finite[j]:  # JSON would answer it as nulls
+                log.error("forward.non_finite", extra={"fields": {
+                    "request_id": request.msg.request_id, "tokens": text.length,
+                    "dtype": slot.spec.dtype}})
+                self._finish(request, Error(
+                    request.msg.seq, ErrorCode.INTERNAL,
+                    f"the model's output for a text of {text.length} tokens holds NaN or "
+                    f"infinity (in {slot.spec.dtype})"))
                 touched.pop(id(request), None)
                 continue
             request.out[text.index] = out[j]

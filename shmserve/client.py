@@ -137,8 +137,9 @@ def _decode(status: int, content_type: str, raw: bytes) -> Any:
     return body
 
 
-def _classes(body: dict[str, Any]) -> tuple[np.ndarray, list[str]]:
-    """/v1/classify's answer as (probabilities float32 [n, labels], label names by column).
+def _classes(body: dict[str, Any], single: bool) -> tuple[np.ndarray, list[str]]:
+    """/v1/classify's answer as (probabilities float32 [n, labels], or [labels] for one string
+    as embed gives [dim], label names by column).
     `probs` is by class index and `labels` (all of them: no top_k is sent) best first, ranked
     by the server with numpy's stable argsort, which ranks the same probabilities here."""
     data = body["data"]
@@ -146,7 +147,7 @@ def _classes(body: dict[str, Any]) -> tuple[np.ndarray, list[str]]:
     names = [""] * probs.shape[1]
     for rank, column in enumerate(np.argsort(-probs[0], kind="stable").tolist()):
         names[column] = data[0]["labels"][rank]["label"]
-    return probs, names
+    return (probs[0] if single else probs), names
 
 
 def _scores(body: dict[str, Any], count: int) -> np.ndarray:
@@ -184,10 +185,11 @@ class Client(_Base):
 
     def classify(self, texts: str | Sequence[str], *, model: str | None = None,
                  request_id: str | None = None) -> tuple[np.ndarray, list[str]]:
-        """A classification model's probabilities, float32 [n, labels], and the labels' names
-        by column."""
+        """A classification model's probabilities, float32 [n, labels] ([labels] for one
+        string), and the labels' names by column."""
         body, headers = self._classify_request(texts, model, request_id)
-        return _classes(_decode(*self._call("POST", "/v1/classify", body, headers)))
+        return _classes(_decode(*self._call("POST", "/v1/classify", body, headers)),
+                        isinstance(texts, str))
 
     def rerank(self, query: str, documents: Sequence[str], *, model: str | None = None,
                request_id: str | None = None) -> np.ndarray:
@@ -271,7 +273,8 @@ class AsyncClient(_Base):
                        request_id: str | None = None) -> tuple[np.ndarray, list[str]]:
         """As Client.classify."""
         body, headers = self._classify_request(texts, model, request_id)
-        return _classes(_decode(*await self._call("POST", "/v1/classify", body, headers)))
+        return _classes(_decode(*await self._call("POST", "/v1/classify", body, headers)),
+                        isinstance(texts, str))
 
     async def rerank(self, query: str, documents: Sequence[str], *, model: str | None = None,
                      request_id: str | None = None) -> np.ndarray:

@@ -321,10 +321,11 @@ def _prompts(cfg: ModelConfig, directory: Path) -> tuple[tuple[tuple[str, str], 
     if pool_cfg.get("include_prompt") is False:
         # sentence-transformers then pools without the prompt's tokens; this server pools
         # every token, so a prompt would change the vectors.
-        if name:
+        if name or cfg.prompts:
             raise ModelSourceError(f"{directory}: its pooling leaves the prompt's tokens out "
                                    "(1_Pooling include_prompt: false), which shmserve does not "
-                                   "do; set models[].default_prompt_name: none")
+                                   "do, so it serves no prompts: set models[].default_prompt_name:"
+                                   " none and no models[].prompts")
         return (), ""
     return tuple(sorted(prompts.items())), prompts.get(name, "")
 

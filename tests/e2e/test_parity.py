@@ -84,6 +84,10 @@ def test_prompts_equal_sentence_transformers_prompts(default_stack, reference):
         assert cosine.min() >= 0.9999, (name, cosine.min())
     unprompted = cosines(served(default_stack, "prompted", texts[:4]), reference[1][-40:][:4])
     assert unprompted.max() < 0.9999  # the default prompt did change the vectors
+    # prompt_name "" asks for no prompt at all, as sentence-transformers' prompt="" does.
+    none = cosines(served(default_stack, "prompted", texts[:4], prompt_name=""),
+                   reference[1][-40:][:4])
+    assert none.min() >= 0.9999, none.min()
 
 
 def test_the_default_dtype_stays_within_its_parity_bound(default_stack, reference):

@@ -120,6 +120,9 @@ def test_a_named_prompt_goes_before_each_text_on_every_embedding_route(tiny_stac
     status, _, body = tiny_stack.post_json("/tokenize", {"inputs": "hello",
                                                          "prompt_name": "query"})
     assert [t["text"] for t in body[0]] == ["[CLS]", "query", ":", "hello", "[SEP]"]
+    _, _, info = tiny_stack.get("/info")
+    [model] = json.loads(info)["models"]
+    assert model["prompts"] == {"query": "query: "} and model["default_prompt"] is None
     status, _, err = tiny_stack.post_json("/v1/embeddings", {"input": "x",
                                                              "prompt_name": "passage"})
     assert status == 400 and "not one of model 'tiny''s prompts ('query')" in \

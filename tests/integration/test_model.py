@@ -126,6 +126,20 @@ def test_scoring_tasks_refuse_a_checkpoint_without_their_head(models, tmp_path):
         spec(models["ce"], "classification")
 
 
+def test_weights_holding_nan_are_refused_at_load(tmp_path):
+    """A damaged file whose header reads: it loaded, and every answer was NaN (JSON nulls)."""
+    from safetensors.numpy import load_file, save_file
+
+    directory = build_tiny_bert(tmp_path / "nan")
+    weights = directory / "model.safetensors"
+    tensors = load_file(str(weights))
+    tensors["encoder.layer.0.output.dense.weight"][0, :4] = np.nan
+    save_file(tensors, str(weights))
+    with pytest.raises(ModelSourceError, match="weight encoder.layer.0.output.dense.weight holds "
+                                               "NaN or infinity"):
+        Model(spec(directory, "embedding"), torch.device("cpu"))
+
+
 def test_reload_compatibility(models, tmp_path):
     emb = spec(models["emb"], "embedding")
     other = build_tiny_bert(tmp_path / "other", seed=9)

@@ -344,3 +344,53 @@ def test_a_pass_out_of_memory_is_retried_in_halves_and_only_a_text_too_large_fai
     run(scenario, worker, arena)
     logged = (cfg.run_dir / "worker.log").read_text()
     assert '"forward.out_of_memory"' in logged or "forward.out_of_memory" in logged
+
+
+# A worker whose model answers NaN for every text of 30 tokens (after warm-up): the real worker
+# process, its forward patched, as an fp16 overflow on one input would do.
+NAN_ON_30 = """
+import runpy, sys
+import numpy as np
+from gpu_workers import model
+
+real_forward = model.Model.forward_groups
+
+def forward_groups(self, groups):
+    out = np.array(real_forward(self, groups))
+    lengths = np.concatenate([lens for _, lens, _ in groups])
+    out[lengths == 30] = np.nan
+    return out
+
+model.Model.forward_groups = forward_groups
+sys.argv = ["gpu_workers", *sys.argv[1:]]
+runpy.run_module("gpu_workers", run_name="__main__")
+"""
+
+
+def test_a_text_whose_output_is_not_finite_fails_alone_with_500(cfg):
+    """It was answered: NaN rows, which JSON renders as nulls, with status 200."""
+    with (cfg.run_dir / "worker.log").open("ab") as log:
+        worker = subprocess.Popen(
+            [sys.executable, "-c", NAN_ON_30, "--config", str(cfg.run_dir / "config.json"),
+             "--index", "0"], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    arena = shm.Arena(shm.arena_name(topology.instance_id(cfg), "fe0"), 1 << 22)
+
+    async def scenario():
+        pool = await ready_pool(cfg)
+        dispatcher = Dispatcher(cfg, pool, arena)
+        try:
+            deadline = time.time() + 20
+            bad, good = await asyncio.gather(
+                dispatcher.run("tiny", 32, encoded(1, 30), "nan", deadline),
+                dispatcher.run("tiny", 32, encoded(3, 5), "fine", deadline),
+                return_exceptions=True)
+            assert isinstance(bad, ApiError) and bad.status == 500, bad
+            assert "NaN or infinity" in bad.message and "30 tokens" in bad.message
+            assert good.vectors.shape == (3, 32) and np.isfinite(good.vectors).all()
+            assert worker.poll() is None
+        finally:
+            await pool.close()
+
+    run(scenario, worker, arena)
+    assert "forward.non_finite" in (cfg.run_dir / "worker.log").read_text()

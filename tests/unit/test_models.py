@@ -182,6 +182,9 @@ def test_a_pooling_without_the_prompt_serves_no_prompts(tmp_path):
     with pytest.raises(ModelSourceError, match="include_prompt: false"):
         inspect(ModelConfig(name="m", source=str(directory), default_prompt_name="query"),
                 roots=[tmp_path])
+    with pytest.raises(ModelSourceError, match="include_prompt: false"):  # configured ones too
+        inspect(ModelConfig(name="m", source=str(directory), default_prompt_name="none",
+                            prompts={"q": "x: "}), roots=[tmp_path])
 
 
 def test_prompts_on_a_scoring_model_are_refused(tmp_path):

@@ -139,6 +139,8 @@ def test_the_default_prompt_applies_when_a_request_names_none(spec):
     np.testing.assert_array_equal(enc.encode(["hello"]).ids, plain.encode(["passage: hello"]).ids)
     np.testing.assert_array_equal(enc.encode(["hello"], prompt_name="query").ids,
                                   plain.encode(["query: hello"]).ids)
+    np.testing.assert_array_equal(enc.encode(["hello"], prompt_name="").ids,  # none at all
+                                  plain.encode(["hello"]).ids)
     with pytest.raises(ApiError, match=r"it has none: models\[\]\.prompts"):
         plain.encode(["x"], prompt_name="query")
 
