@@ -185,16 +185,18 @@ def _routes(model: dict) -> dict[str, dict]:
         "/": {"post": _op(
             "tei", "TEI's route for the model's task (huggingface_hub's InferenceClient posts "
             "here): a similarity body as /similarity, a text-classification body (with "
-            "`parameters`) on a classification model, any other as /embed",
+            "`parameters`) on a classification model, a rerank body (`query`, `texts`) as "
+            "/rerank, any other as /embed",
             {**_ok({"oneOf": [{"type": "array", "items": ref("Vector")},
                               {"type": "array", "items": {"type": "number"}},
                               {"type": "array", "items": {"type": "array", "items": {
                                   "type": "object", "properties": {
                                       "label": {"type": "string"},
-                                      "score": {"type": "number"}}}}}]}),
+                                      "score": {"type": "number"}}}}},
+                              {"type": "array", "items": ref("Rank")}]}),
              **_errors(*_POST_ERRORS)},
             _body({"oneOf": [ref("TeiEmbedRequest"), ref("TeiSimilarityRequest"),
-                             ref("HubClassifyRequest")]}))},
+                             ref("HubClassifyRequest"), ref("TeiRerankRequest")]}))},
         "/rerank": {"post": _op(
             "tei", "TEI rerank (a cross-encoder)",
             {**_ok({"type": "array", "items": ref("Rank")}), **_errors(*_POST_ERRORS)},

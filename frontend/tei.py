@@ -12,9 +12,10 @@
                      posts to: a similarity body as /similarity; the Inference API's
                      text-classification body {"inputs": str | [str], "parameters": {"top_k",
                      "function_to_apply"}} -> [[{"label", "score"}]] (one list per input, best
-                     first, as the client reads it) on a classification model; any other as
-                     /embed. TEI's own `/predict` shape (`inputs`, pairs) is not served: this
-                     server's /predict and /v1/classify are.
+                     first, as the client reads it) on a classification model; a rerank body
+                     ({"query", "texts"}) as /rerank; any other as /embed. TEI's own
+                     `/predict` shape (`inputs`, pairs) is not served: this server's /predict
+                     and /v1/classify are.
 
 TEI's ``GET /info`` is served with the observability routes. Differences from TEI, on purpose:
 errors keep this server's body (OpenAI's shape, see frontend.errors), not TEI's
@@ -58,6 +59,8 @@ async def root(request: web.Request) -> web.Response:
         return await _similarity(request, body)
     if "parameters" in body:  # the Inference API's envelope: text-classification's here
         return await _classify(request, body)
+    if "query" in body and "texts" in body:  # TEI's rerank body, as TEI's / takes it
+        return await _rerank(request, body)
     return await _embed(request, body)
 
 
@@ -141,7 +144,10 @@ def parse_embed(body: dict, limits: LimitsConfig) -> tuple[EmbedRequest, bool]:
 
 
 async def rerank(request: web.Request) -> web.Response:
-    body = mapping(await codec.read_body(request))
+    return await _rerank(request, mapping(await codec.read_body(request)))
+
+
+async def _rerank(request: web.Request, body: dict) -> web.Response:
     limits = request.app[CONFIG].limits
     asked = query(body, limits)
     documents = texts(required(body, "texts"), "texts", limits)

@@ -211,6 +211,9 @@ def test_tei_rerank_on_the_cross_encoder(stack, dirs):
                                atol=1e-5)
     assert all(r["text"] == TEXTS[r["index"]] for r in body)
     assert headers["X-Model-Revision"] == "ce-r1"
+    # TEI's / takes the same body for a reranker.
+    assert stack.post_json("/", {"model": "ce", "query": query, "texts": TEXTS,
+                                 "return_text": True})[2] == body
     status, _, raw = stack.post_json("/rerank", {"model": "ce", "query": query, "texts": TEXTS,
                                                  "raw_scores": True})
     # TEI's raw_scores: the logit before the sigmoid.
