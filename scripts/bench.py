@@ -163,6 +163,21 @@ def markdown(summary: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def scenario_names(text: str) -> list[str]:
+    names = [x for x in text.split(",") if x]
+    unknown = [n for n in names if n not in SCENARIOS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"{', '.join(unknown) or 'none'}: the scenarios are "
+                                         f"{', '.join(SCENARIOS)}")
+    return names
+
+
+def positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: an integer >= 1")
+    return int(text)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -170,9 +185,9 @@ def main() -> int:
     parser.add_argument("--env", help="config env (as SHMSERVE_ENV)")
     parser.add_argument("--config", help="extra config file for the stack and the ceiling")
     parser.add_argument("--compare", help="'baseline' (started here) or an OpenAI-compatible URL")
-    parser.add_argument("--only", default="short,bulk,mixed",
-                        type=lambda s: [x for x in s.split(",") if x])
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--only", default="short,bulk,mixed", type=scenario_names,
+                        help=f"scenarios, comma-separated, of {', '.join(SCENARIOS)}")
+    parser.add_argument("--rounds", type=positive, default=3)
     parser.add_argument("--window", type=int, default=15, help="seconds per window")
     parser.add_argument("--no-sweep", action="store_true")
     parser.add_argument("--no-null", action="store_true")
@@ -197,6 +212,9 @@ def main() -> int:
                         f"{cfg.batching.max_batch_tokens}, max_wait_ms "
                         f"{cfg.batching.max_wait_ms}, max_pad_ratio "
                         f"{cfg.batching.max_pad_ratio}"}
+    if args.url:  # measured there; this layout is the local config's, which the ceiling runs
+        summary["setup"] = (f"the stack at {args.url}, as it runs (its own layout); the "
+                            f"in-process ceiling runs the local config: {summary['setup']}")
     inproc = ceiling(cfg, args.corpus, args.env, args.config)
     with contextlib.ExitStack() as stack:
         if hasattr(inproc, "close"):

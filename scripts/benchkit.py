@@ -80,7 +80,11 @@ class OwnStack:
                           {"server": {"port": self.port, "run_dir": f"{self.tmp.name}/run"}})
         self.config = Path(self.tmp.name) / "bench.yaml"
         self.config.write_text(yaml.safe_dump(tree))
-        self.env = {k: v for k, v in os.environ.items() if k != "SHMSERVE_CONFIG"}
+        # Not the caller's own deployment's settings: environment overrides win over the
+        # config file, and SHMSERVE__SERVER__PORT exported for the stack being measured made
+        # this one try that port (and fail after a minute of work).
+        self.env = {k: v for k, v in os.environ.items()
+                    if k != "SHMSERVE_CONFIG" and not k.startswith("SHMSERVE__SERVER__")}
         self.env["SHMSERVE_ENV"] = env or os.environ.get("SHMSERVE_ENV", "dev")
         self.url = f"http://127.0.0.1:{self.port}"
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Overload, measured: what a burst of requests with deadlines gets from two configurations.
+r"""Overload, measured: what a burst of requests with deadlines gets from two configurations.
 
 A production server under more work than it can do before the deadlines should refuse the excess
 at once (429) and answer what it admits in time (200); the failure to avoid is admitting
@@ -8,7 +8,7 @@ nothing); rounds alternate A, B, B, A, ..., each a warm-up then a burst of `--re
 simultaneous requests of `--texts` corpus texts (the same texts for both sides in a round), each
 with `X-Request-Timeout: --deadline`, through nginx:
 
-  .venv/bin/python scripts/burst.py --a 'batching: {pass_window: 0}' --b '{}' \\
+  .venv/bin/python scripts/burst.py --a 'batching: {pass_window: 0}' --b '{}' \
       --requests 600 --texts 32 --deadline 30 --rounds 2
 
 With the admission rule off on both sides (what the batcher's window does when the estimate

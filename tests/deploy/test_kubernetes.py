@@ -86,6 +86,15 @@ def test_manifests_agree_with_the_config_the_pods_load(overlay, tmp_path):
     assert dshm["medium"] == "Memory"
     assert size(dshm["sizeLimit"]) >= cfg.frontends.count * cfg.shm.arena_mb * MiB
     assert {"mountPath": "/dev/shm", "name": "dshm"} in main["volumeMounts"]
+    # CPU pods: the workers' threads fit the pod's CPU request. `auto` reads a CPU limit, and
+    # the pod has none, so it would count the node's cores: the overlay fixes the layout.
+    if overlay == "cpu":
+        cores = int(main["resources"]["requests"]["cpu"])
+        assert "cpu" not in main["resources"].get("limits", {})
+        # As written, not as resolved here (on a 2-core machine auto resolves to 2 x 1 anyway).
+        written = yaml.safe_load((KUBE / "cpu" / "shmserve.yaml").read_text())
+        workers = written["workers"]
+        assert workers["cpu_workers"] * workers["torch_threads"] == cores, workers
     # The run directory is one the pod's user makes inside the run volume, not the volume's
     # root (kubelet's, which that user cannot make private: render refuses it).
     mounts = {m["name"]: Path(m["mountPath"]) for m in main["volumeMounts"]}
