@@ -130,11 +130,17 @@ def null_capacity(args) -> dict:
     return {"requests_per_s": rps, "windows": windows}
 
 
+def _compared(summary: dict) -> str:
+    """The comparison's column name: the baseline this script starts, or another URL's."""
+    return summary.get("compared", "other")
+
+
 def markdown(summary: dict) -> str:
     lines = [f"Machine: {summary['machine']}. Run: {summary['when']}, `{summary['command']}`.",
              f"Config: {summary['setup']}.", "",
              "| scenario | served texts/s | p50 ms | p99 ms | in-process texts/s | "
-             "served / in-process | other texts/s | served / other |",
+             f"served / in-process | {_compared(summary)} texts/s | served / "
+             f"{_compared(summary)} |",
              "|---|---|---|---|---|---|---|---|"]
     for name, s in summary["closed_loop"].items():
         r = s["served_vs_in_process"]
@@ -225,6 +231,7 @@ def main() -> int:
             other = stack.enter_context(Baseline(config_mod.usable_cores())).url  # all cores
         elif args.compare:
             other = args.compare
+        summary["compared"] = "baseline" if args.compare == "baseline" else "other"
         info = urllib.request.Request(url + "/info", headers=auth_headers())
         with urllib.request.urlopen(info, timeout=10) as resp:
             served = json.loads(resp.read())["models"][0]
