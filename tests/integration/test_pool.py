@@ -291,12 +291,17 @@ runpy.run_module("gpu_workers", run_name="__main__")
 """
 
 
-def start_small_device_worker(cfg, warm_up_fits: bool) -> subprocess.Popen:
+def start_patched_worker(cfg, script: str, **env: str) -> subprocess.Popen:
+    """Worker 0 of `cfg` run through `script` (which patches the model, then runs the worker)."""
     with (cfg.run_dir / "worker.log").open("ab") as log:
         return subprocess.Popen(
-            [sys.executable, "-c", SMALL_DEVICE, "--config", str(cfg.run_dir / "config.json"),
+            [sys.executable, "-c", script, "--config", str(cfg.run_dir / "config.json"),
              "--index", "0"], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-            env={**os.environ, "OMP_NUM_THREADS": "1", "WARM_UP_FITS": str(int(warm_up_fits))})
+            env={**os.environ, "OMP_NUM_THREADS": "1", **env})
+
+
+def start_small_device_worker(cfg, warm_up_fits: bool) -> subprocess.Popen:
+    return start_patched_worker(cfg, SMALL_DEVICE, WARM_UP_FITS=str(int(warm_up_fits)))
 
 
 def test_limits_too_large_for_the_device_stop_the_worker_with_a_clear_error(cfg):
@@ -369,11 +374,7 @@ runpy.run_module("gpu_workers", run_name="__main__")
 
 def test_a_text_whose_output_is_not_finite_fails_alone_with_500(cfg):
     """It was answered: NaN rows, which JSON renders as nulls, with status 200."""
-    with (cfg.run_dir / "worker.log").open("ab") as log:
-        worker = subprocess.Popen(
-            [sys.executable, "-c", NAN_ON_30, "--config", str(cfg.run_dir / "config.json"),
-             "--index", "0"], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    worker = start_patched_worker(cfg, NAN_ON_30)
     arena = shm.Arena(shm.arena_name(topology.instance_id(cfg), "fe0"), 1 << 22)
 
     async def scenario():
