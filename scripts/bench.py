@@ -218,9 +218,6 @@ def main() -> int:
                         f"{cfg.batching.max_batch_tokens}, max_wait_ms "
                         f"{cfg.batching.max_wait_ms}, max_pad_ratio "
                         f"{cfg.batching.max_pad_ratio}"}
-    if args.url:  # measured there; this layout is the local config's, which the ceiling runs
-        summary["setup"] = (f"the stack at {args.url}, as it runs (its own layout); the "
-                            f"in-process ceiling runs the local config: {summary['setup']}")
     inproc = ceiling(cfg, args.corpus, args.env, args.config)
     with contextlib.ExitStack() as stack:
         if hasattr(inproc, "close"):
@@ -234,7 +231,15 @@ def main() -> int:
         summary["compared"] = "baseline" if args.compare == "baseline" else "other"
         info = urllib.request.Request(url + "/info", headers=auth_headers())
         with urllib.request.urlopen(info, timeout=10) as resp:
-            served = json.loads(resp.read())["models"][0]
+            described = json.loads(resp.read())
+        served = described["models"][0]
+        if args.url:  # measured there, as it runs; the ceiling runs the local config
+            limits = described["limits"]
+            summary["setup"] = (
+                f"the stack at {args.url}: {described['frontends']} frontends, "
+                f"{described['workers']} workers, max_batch_size {limits['max_batch_size']}, "
+                f"max_batch_tokens {limits['max_batch_tokens']} (GET /info); the in-process "
+                f"ceiling runs the local config: {summary['setup']}")
         summary["setup"] += f"; serving {served['name']} in {served['dtype']}"
         summary["closed_loop"] = closed_loop(args, url, other, inproc)
         summary["parity"] = {"shmserve": min_cosine_to_fp32(url, corpus[:128])}
