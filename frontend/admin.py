@@ -22,7 +22,7 @@ from frontend.app import CONFIG, MODEL_NAME, MODELS, POOL, SPLITS, ServedModel, 
 from frontend.errors import ApiError
 from frontend.variants import Variant
 from shmserve import state
-from shmserve.config import MAX_WEIGHT, REVISION, REVISION_RULE
+from shmserve.checks import MAX_WEIGHT, REVISION, REVISION_RULE
 
 
 def add_routes(app: web.Application) -> None:

@@ -18,7 +18,7 @@ from aiohttp import web
 
 from frontend import codec, metrics
 from frontend.dispatch import Dispatcher
-from frontend.errors import ApiError, kserve_shaped
+from frontend.errors import ApiError, kserve_shaped, status_on
 from frontend.pool import WorkerPool
 from frontend.tokenizer import TextEncoder
 from frontend.variants import Splits, Variant
@@ -87,7 +87,6 @@ TRACING = web.AppKey("tracing", object)  # a frontend.tracing.Tracing, or None
 PROBES = frozenset({"/health", "/ready", "/metrics"})
 # Open whatever auth.api_keys says: probes, scrapes, the API's description, and /admin/*,
 # which has a token of its own.
-OPENAI_PATHS = frozenset({"/v1/embeddings"})  # OpenAI's own routes: its statuses
 OPEN_PATHS = PROBES | {"/v2/health/live", "/v2/health/ready", "/openapi.json"}
 QUIET_PATHS = PROBES | {"/v2/health/live", "/v2/health/ready"}  # no access line, no trace
 
@@ -179,10 +178,8 @@ def error_response(request: web.Request, exc: ApiError) -> web.Response:
         exc = ApiError(exc.kind, f"{exc.message} (request id {request[REQUEST_ID]})",
                        exc.param, exc.retry_after, exc.code)
     body = exc.kserve_body() if kserve_shaped(request.path) else exc.body()
-    status = exc.status
-    if exc.kind == "invalid_request" and request.path in OPENAI_PATHS:
-        status = 400  # OpenAI's status for a request it refuses: its clients raise BadRequestError
-    return codec.render(request, body, status=status, headers=exc.headers())
+    return codec.render(request, body, status=status_on(request.path, exc),
+                        headers=exc.headers())
 
 
 def _record(request: web.Request, response: web.StreamResponse, elapsed: float,

@@ -84,6 +84,18 @@ class ApiError(Exception):
         return cls(kind, message, retry_after=1 if kind in ("overloaded", "unavailable") else None)
 
 
+OPENAI_PATHS = frozenset({"/v1/embeddings"})  # OpenAI's own routes answer with its statuses
+
+
+def status_on(path: str, exc: ApiError) -> int:
+    """The status `exc` answers on `path`: its kind's, but OpenAI's 400 for an invalid request
+    on OpenAI's routes (its clients raise BadRequestError for 400, UnprocessableEntityError for
+    422; TEI, and this server elsewhere, answer 422)."""
+    if exc.kind == "invalid_request" and path in OPENAI_PATHS:
+        return 400
+    return exc.status
+
+
 def kserve_shaped(path: str) -> bool:
     """Whether errors on `path` take KServe v2's shape: every path under /v2, matched route or
     not (its clients read a 401 or an unknown path there too), but Cohere's /v2/rerank

@@ -99,7 +99,7 @@ def _method_not_allowed(schema: str) -> dict:
 
 
 _POST_ERRORS = (400, 401, 404, 413, 415, 422, 429, 503, 504, 507)
-_OPENAI_ERRORS = tuple(s for s in _POST_ERRORS if s != 422)  # it answers 400 (frontend.app)
+_OPENAI_ERRORS = tuple(s for s in _POST_ERRORS if s != 422)  # 400 instead (errors.status_on)
 
 
 def _ok(schema: dict, description: str = "OK", **more: Any) -> dict:

@@ -176,9 +176,7 @@ async def tokenize(request: web.Request) -> web.Response:
     model = request.app[MODELS].resolve(model_name(body))
     request[MODEL_NAME] = model.spec.name
     # The texts as the model reads them: after its prompt (the default one when none is named).
-    prompt = model.encoder.prompt(prompt_name(body))
-    if prompt:
-        given = [prompt + text for text in given]
+    given = model.encoder.prompted(given, prompt_name(body))
     # Never truncated, so bounded in all: at most what the largest embedding request may hold
     # (each token is ~100 bytes of JSON; 80 texts of 99,000 characters made a 136 MB answer).
     budget = cfg.limits.max_texts_per_request * model.spec.max_tokens

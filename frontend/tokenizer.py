@@ -76,13 +76,15 @@ class TextEncoder:
         hint = _hint(truncate)
         truncate = self.truncate if truncate is None else truncate
         tok = self._variant(truncate, direction)
-        prompt = self.prompt(prompt_name)
-        if prompt:
-            texts = [prompt + text for text in texts]
-        texts, long = self._pieces(texts, direction)
+        texts, long = self._pieces(self.prompted(texts, prompt_name), direction)
         # _fast: without the character offsets, which nothing here reads.
         return self._flatten(tok.encode_batch_fast(texts, add_special_tokens=True), param,
                              truncate, hint=hint, long=long)
+
+    def prompted(self, texts: list[str], name: str | None) -> list[str]:
+        """`texts` as the model reads them: after prompt `name` (see `prompt`)."""
+        prompt = self.prompt(name)
+        return [prompt + text for text in texts] if prompt else texts
 
     def prompt(self, name: str | None) -> str:
         """The text of prompt `name` (None: the default prompt, "" when there is none; "": no
@@ -150,7 +152,7 @@ class TextEncoder:
         still holds LONG_MARGIN tokens more than the limit (CHARS_PER_TOKEN), and `at_least`
         tokens, and the indexes so replaced. A text without such a piece is kept whole."""
         cap = self.max_tokens * CHARS_PER_TOKEN
-        if all(len(t) <= cap for t in texts):  # every ordinary request: one pass, no copies
+        if max(map(len, texts), default=0) <= cap:  # every ordinary request: no copies
             return texts, set()
         need = max(self.max_tokens + LONG_MARGIN, at_least)
         out, long = list(texts), set()

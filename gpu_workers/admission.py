@@ -28,7 +28,8 @@ machine) answered 114-133 against 111-119 x 200 and no 504 either way, the slowe
 s: within the noise, and at the edge, so 0.75 stays. A request with nothing queued ahead of it
 at its priority or above is always admitted (a refusal cannot make it faster). Until the
 worker has drained a backlog, its estimate is one full pass of 32-token texts timed at warm-up
-(gpu_workers.model.warm_up), with the weight of one pass: without it a fresh worker admitted
+(gpu_workers.model.warm_up), SEED_SLOWDOWN times slower, with the weight of one pass: without
+it a fresh worker admitted
 everything the queue bound let in, and the first burst after a start answered 10-126 x 504 of
 300 (16-32 texts, 5 s; `scripts/burst.py --cold`, 4 rounds, 2026-12-01 ~12:10, AVX512-BF16
 EPYC), against 0-16 with it; the rest of those 504s are the first passes' slowness (the burst's
@@ -62,6 +63,13 @@ import threading
 
 SHARE = 0.75  # of the time left before a deadline that the estimated wait may take
 DECAY = 0.8  # per measured pass: the weight of older passes in the speed and pass time
+# A fresh worker's first estimate is its warm-up pass taken this much slower: the first burst
+# it meets runs slower than warm-up (the burst's own parsing takes the cores, new pass shapes
+# compile). Cold bursts of 300 x 16-32 texts at a 5 s deadline (2-core AVX512-BF16 EPYC,
+# scripts/burst.py --cold, 4 interleaved rounds a pair, 2026-12-01 ~15:00): as timed, 53-64 x
+# 200 and 16-19 x 504; 1.5, 46-54 x 200 and no 504 (the slowest 200 at 3.7 s); 2.0, 36-44 x
+# 200 and no 504. Not measured on a GPU.
+SEED_SLOWDOWN = 1.5
 
 
 class Backlog:
@@ -107,6 +115,11 @@ class Backlog:
     def queued(self) -> int:
         with self._lock:
             return sum(self._tokens.values())
+
+    def seed(self, tokens: int, seconds: float) -> None:
+        """The first estimate, before any backlog drained: a warm-up pass of `tokens` in
+        `seconds`, taken SEED_SLOWDOWN times slower, with the weight of one pass."""
+        self.passed(tokens, seconds * SEED_SLOWDOWN)
 
     def passed(self, tokens: int, seconds: float) -> None:
         """A forward pass that left texts queued computed `tokens` real tokens in `seconds`."""

@@ -41,14 +41,6 @@ from shmserve.protocol import (PROTOCOL_VERSION, Abort, Commit, Error, ErrorCode
 
 log = logging.getLogger("shmserve.worker")
 
-# A fresh worker's first speed estimate (admission) is its warm-up pass's, taken this much
-# slower: the first burst it meets runs slower than warm-up (the burst's own parsing takes the
-# cores, new pass shapes compile). Cold bursts of 300 x 16-32 texts at a 5 s deadline (2-core
-# AVX512-BF16 EPYC, scripts/burst.py --cold, 4 interleaved rounds each, 2026-12-01): 1.0 gave
-# 53-64 x 200 and 16-19 x 504; 1.5, 46-54 x 200 and no 504 (the slowest 200 at 3.7 s); 2.0,
-# 36-44 x 200 and no 504. Not measured on a GPU.
-SEED_SLOWDOWN = 1.5
-
 
 class Worker:
     def __init__(self, cfg: Config, index: int) -> None:
@@ -181,7 +173,7 @@ class Worker:
             tokens, seconds = warm_up(model, self.limits.max_batch_size,
                                       self.limits.max_batch_tokens)
             if seed:
-                self._backlog.passed(tokens, seconds * SEED_SLOWDOWN)
+                self._backlog.seed(tokens, seconds)
         except Exception as exc:
             if not out_of_memory(exc):
                 raise
@@ -358,9 +350,11 @@ class Worker:
             self._pass_began = 0.0
         forward_ms = (time.time() - began) * 1000.0
         self._batches += 1
-        finite = None if out is None else np.isfinite(out).all(axis=1)
-        if finite is not None and finite.all():
-            finite = None  # the usual case: no per-text check below
+        # One reduction, no temporary array, in the usual case (a NaN or infinity anywhere
+        # makes the sum so; finite rows whose sum overflows only cost the row check).
+        finite = None
+        if out is not None and not np.isfinite(out.sum()):
+            finite = np.isfinite(out).all(axis=1)
         touched = {}
         computed: dict[int, int] = {}  # tokens by priority, for the backlog: one update a pass
         for j, text in enumerate(texts):

@@ -19,7 +19,7 @@ from typing import Any, Literal, Mapping
 
 from shmserve import layers
 from shmserve.layers import REPO_ROOT
-from shmserve.checks import CHECKS
+from shmserve.checks import CHECKS, check_models
 from shmserve.typedtree import ConfigError, build
 
 
@@ -243,17 +243,6 @@ class Config:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
 
 
-_NAME = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
-# A model's name or alias: what requests send as `model`, and a label in logs and metrics.
-_MODEL_NAME = re.compile(r"[^\s\x00-\x1f\x7f]{1,256}")
-# A revision label goes into the X-Model-Revision header: visible ASCII, no spaces.
-REVISION = re.compile(r"[\x21-\x7e]{1,128}")
-REVISION_RULE = "1 to 128 visible ASCII characters (no spaces; it is sent as a header)"
-# A/B weights are relative; bounded so that their sum stays a finite number.
-MAX_WEIGHT = 1e9
-_STICKY = re.compile(r"^(user|header:[A-Za-z0-9-]{1,64})?$")
-
-
 def load(env: str | None = None, extra: str | Path | None = None,
          environ: Mapping[str, str] | None = None) -> Config:
     """Merge the layers (shmserve.layers) and validate them."""
@@ -266,7 +255,7 @@ def from_tree(tree: Mapping[str, Any]) -> Config:
     cfg = dataclasses.replace(cfg, workers=dataclasses.replace(
         cfg.workers, cpu_workers=workers, torch_threads=threads))
     _check_run_dir(cfg)
-    _check_models(cfg)
+    check_models(cfg)
     api_keys(cfg)  # a key file that cannot be read, or a malformed key, stops start-up here
     if 0 < cfg.workers.hung_kill_s <= cfg.workers.heartbeat_timeout_s:
         raise ConfigError(f"workers.hung_kill_s: {cfg.workers.hung_kill_s:g} must be over "
@@ -360,63 +349,6 @@ def _check_run_dir(cfg: Config) -> None:
                           "root or a folder above it, where rendering would overwrite the "
                           "templates (supervisord.conf, nginx/nginx.conf) and make it private "
                           "(0700); choose a directory of its own, such as run")
-
-
-def _check_models(cfg: Config) -> None:
-    """What the types cannot say: names unique, a source or variants, sane A/B arms."""
-    if not cfg.models:
-        raise ConfigError("models: at least one model is required")
-    seen: set[str] = set()
-    for i, model in enumerate(cfg.models):
-        key = f"models[{i}]"
-        for name in (model.name, *model.aliases):
-            if not _MODEL_NAME.fullmatch(name):
-                raise ConfigError(f"{key}: model names and aliases are 1 to 256 characters "
-                                  f"without spaces or control characters, got {name!r}")
-            if name in seen:
-                raise ConfigError(f"{key}: the name {name!r} is used twice")
-            seen.add(name)
-        for where, revision in ((f"{key}.revision", model.revision), *(
-                (f"{key}.variants[{j}].revision", v.revision)
-                for j, v in enumerate(model.variants))):
-            if revision and not REVISION.fullmatch(revision):
-                raise ConfigError(f"{where}: expected {REVISION_RULE}, got {revision!r}")
-        if model.max_input_tokens < 0:
-            raise ConfigError(f"{key}.max_input_tokens: expected an integer >= 0 (0: the "
-                              f"model's own limit), got {model.max_input_tokens}")
-        if model.task != "embedding" and (model.pooling, model.normalize) != ("auto", "auto"):
-            raise ConfigError(f"{key}: pooling and normalize apply to embedding models, not "
-                              f"task {model.task}")
-        if "@" in model.name:
-            raise ConfigError(f"{key}.name: '@' is reserved (it joins a model and its variant)")
-        if bool(model.source) == bool(model.variants):
-            raise ConfigError(f"{key}: give either source or variants (an A/B split), not "
-                              f"{'both' if model.source else 'neither'}")
-        if model.variants and model.revision:
-            raise ConfigError(f"{key}.revision: with variants, each variant has its revision")
-        if len(set(model.devices)) != len(model.devices) or any(d < 0 for d in model.devices):
-            raise ConfigError(f"{key}.devices: expected distinct indices >= 0, "
-                              f"got {model.devices}")
-        if not _STICKY.match(model.sticky_key):
-            raise ConfigError(f"{key}.sticky_key: expected 'user' or 'header:NAME', "
-                              f"got {model.sticky_key!r}")
-        if model.sticky_key and not model.variants:
-            raise ConfigError(f"{key}.sticky_key: only a model with variants is split")
-        if not 0 < model.auto_min_cosine <= 1:
-            raise ConfigError(f"{key}.auto_min_cosine: expected a number in (0, 1], "
-                              f"got {model.auto_min_cosine}")
-        names = [v.name for v in model.variants]
-        for j, variant in enumerate(model.variants):
-            if not _NAME.match(variant.name):
-                raise ConfigError(f"{key}.variants[{j}].name: letters, digits and . _ - only, "
-                                  f"got {variant.name!r}")
-            if not 0 <= variant.weight <= MAX_WEIGHT:
-                raise ConfigError(f"{key}.variants[{j}].weight: expected a number from 0 to "
-                                  f"{MAX_WEIGHT:g}")
-        if len(set(names)) != len(names):
-            raise ConfigError(f"{key}.variants: names must differ, got {names}")
-        if model.variants and sum(v.weight for v in model.variants) <= 0:
-            raise ConfigError(f"{key}.variants: the weights must not all be 0")
 
 
 # Keys whose values are credentials: `shmserve config` and config differences hide them.

@@ -1,6 +1,7 @@
 """The frontend's worker client against a real worker subprocess (no nginx, no supervisord)."""
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 import signal
@@ -64,6 +65,20 @@ def encoded(n_texts: int, length: int) -> Encoded:
     ids = np.full(n_texts * length, 1000, np.int32)
     ids[::length] = 101
     return Encoded(ids, np.arange(0, n_texts * length + 1, length, dtype=np.int32), 0)
+
+
+@contextlib.asynccontextmanager
+async def dispatching(cfg, arena):
+    """A ready pool's Dispatcher over `arena`, as a frontend has them; the pool closed after."""
+    pool = await ready_pool(cfg)
+    try:
+        yield Dispatcher(cfg, pool, arena)
+    finally:
+        await pool.close()
+
+
+def frontend_arena(cfg) -> shm.Arena:
+    return shm.Arena(shm.arena_name(topology.instance_id(cfg), "fe0"), 1 << 22)
 
 
 async def ready_pool(cfg, timeout=60.0) -> WorkerPool:
@@ -317,12 +332,10 @@ def test_limits_too_large_for_the_device_stop_the_worker_with_a_clear_error(cfg)
 
 def test_a_pass_out_of_memory_is_retried_in_halves_and_only_a_text_too_large_fails(cfg):
     worker = start_small_device_worker(cfg, warm_up_fits=True)
-    arena = shm.Arena(shm.arena_name(topology.instance_id(cfg), "fe0"), 1 << 22)
+    arena = frontend_arena(cfg)
 
     async def scenario():
-        pool = await ready_pool(cfg)
-        dispatcher = Dispatcher(cfg, pool, arena)
-        try:
+        async with dispatching(cfg, arena) as dispatcher:
             deadline = time.time() + 20
             one = await dispatcher.run("tiny", 32, encoded(1, 5), "one", deadline)
             # 8 texts of 5 tokens: 40 padded tokens do not fit; halves of 4 (20) do.
@@ -343,8 +356,6 @@ def test_a_pass_out_of_memory_is_retried_in_halves_and_only_a_text_too_large_fai
             assert worker.poll() is None  # the worker lives on and serves
             again = await dispatcher.run("tiny", 32, encoded(2, 5), "again", deadline)
             assert again.vectors.shape == (2, 32)
-        finally:
-            await pool.close()
 
     run(scenario, worker, arena)
     logged = (cfg.run_dir / "worker.log").read_text()
@@ -375,12 +386,10 @@ runpy.run_module("gpu_workers", run_name="__main__")
 def test_a_text_whose_output_is_not_finite_fails_alone_with_500(cfg):
     """It was answered: NaN rows, which JSON renders as nulls, with status 200."""
     worker = start_patched_worker(cfg, NAN_ON_30)
-    arena = shm.Arena(shm.arena_name(topology.instance_id(cfg), "fe0"), 1 << 22)
+    arena = frontend_arena(cfg)
 
     async def scenario():
-        pool = await ready_pool(cfg)
-        dispatcher = Dispatcher(cfg, pool, arena)
-        try:
+        async with dispatching(cfg, arena) as dispatcher:
             deadline = time.time() + 20
             bad, good = await asyncio.gather(
                 dispatcher.run("tiny", 32, encoded(1, 30), "nan", deadline),
@@ -390,8 +399,6 @@ def test_a_text_whose_output_is_not_finite_fails_alone_with_500(cfg):
             assert "NaN or infinity" in bad.message and "30 tokens" in bad.message
             assert good.vectors.shape == (3, 32) and np.isfinite(good.vectors).all()
             assert worker.poll() is None
-        finally:
-            await pool.close()
 
     run(scenario, worker, arena)
     assert "forward.non_finite" in (cfg.run_dir / "worker.log").read_text()

@@ -66,3 +66,12 @@ def test_older_passes_weigh_less():
     backlog.passed(1000, 1.0)
     backlog.passed(3000, 1.0)
     assert backlog.rate == pytest.approx((1000 * 0.5 + 3000) / 1.5)
+
+
+def test_the_warm_up_seed_is_taken_slower_than_it_ran():
+    from gpu_workers.admission import SEED_SLOWDOWN, Backlog
+
+    backlog = Backlog()
+    backlog.seed(3_000, 1.0)
+    assert SEED_SLOWDOWN > 1 and backlog.rate == 3_000 / SEED_SLOWDOWN
+    assert backlog.pass_s == SEED_SLOWDOWN

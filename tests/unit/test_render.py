@@ -6,12 +6,10 @@ The supervisord config is read back by supervisord's own parser; the nginx confi
 
 from __future__ import annotations
 
-import http.client
 import json
 import math
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -25,7 +23,7 @@ import pytest
 from supervisor.datatypes import RestartUnconditionally
 from supervisor.options import EventListenerPoolConfig, ServerOptions
 
-from shmserve import config, layers, nginxrun, render, topology
+from shmserve import config, layers, render, topology
 from shmserve.config import REPO_ROOT, Config
 
 
@@ -255,159 +253,7 @@ def test_placeholders_and_quoting():
         render.environment({"A": 'say "hi"'})
 
 
-# nginx itself, with nothing behind it: the error pages it serves.
-
-APP = "https://app.example:8443"  # the origin bare_nginx allows (CORS)
-
-@pytest.fixture(scope="module")
-def bare_nginx(tmp_path_factory):
-    cfg = make_config(tmp_path_factory.mktemp("nginx") / "run", frontends={"count": 1},
-                      nginx={"client_max_body_size": "1k", "large_client_header_buffers": "2 1k",
-                             "cors_allow_origins": [APP, "http://[::1]:3000"]})
-    render.render(cfg)
-    conf = render.nginx_conf(cfg)
-    log = (topology.log_dir(cfg) / "nginx.log").open("w")
-    proc = subprocess.Popen([sys.executable, "-m", "shmserve.nginxrun", "--binary",
-                             render.nginx_binary(cfg), str(conf)], stdout=log, stderr=log)
-    try:
-        wait_until(lambda: _answers(cfg.server.port) or proc.poll() is not None, 30)
-        assert proc.poll() is None, (topology.log_dir(cfg) / "nginx.log").read_text()
-        yield cfg
-    finally:
-        proc.send_signal(signal.SIGQUIT)
-        proc.wait(timeout=30)
-        nginxrun.kill_all(conf)
-        log.close()
-
-
-def request(cfg: Config, method: str, path: str, body: bytes | None = None,
-            headers: dict[str, str] | None = None) -> tuple[int, http.client.HTTPMessage, bytes]:
-    conn = http.client.HTTPConnection("127.0.0.1", cfg.server.port, timeout=10)
-    try:
-        conn.request(method, path, body=body, headers=headers or {})
-        response = conn.getresponse()
-        return response.status, response.headers, response.read()
-    finally:
-        conn.close()
-
-
-@pytest.mark.parametrize("accept", [
-    "application/json", "application/msgpack", "application/x-msgpack, */*;q=0.1", "",
-    "Application/MsgPack", "application/vnd.msgpack", "application/json, application/msgpack",
-    "application/json, application/msgpack;q=0.1", "application/msgpack;q=0",
-    "application/msgpack; q=0.0, */*", "application/msgpack, application/json;q=0.9",
-    "*/*", "application/msgpack, */*"])
-def test_no_frontend_is_a_502_in_the_accepted_format(bare_nginx, accept):
-    """nginx's own pages pick the format the frontends' negotiation would."""
-    from frontend.codec import prefers_msgpack
-
-    status, headers, body = request(bare_nginx, "POST", "/v1/embeddings", b"{}",
-                                    {"Accept": accept} if accept else {})
-    assert status == 502
-    if prefers_msgpack(accept):
-        assert headers["Content-Type"] == "application/msgpack"
-        error = msgpack.unpackb(body)["error"]
-    else:
-        assert headers["Content-Type"] == "application/json"
-        error = json.loads(body)["error"]
-    assert error["type"] == "unavailable"
-
-
-@pytest.mark.parametrize("path", ["/v2", "/v2/models/m/infer", "/v2/health/ready"])
-def test_v2_routes_get_kserves_error_shape_from_nginx_too(bare_nginx, path):
-    # Triton's client builds its exception's text from body["error"], which must be a string.
-    status, headers, body = request(bare_nginx, "POST", path, b"{}",
-                                    {"X-Request-ID": "kserve-7"})
-    assert status == 502 and headers["Content-Type"] == "application/json"
-    assert json.loads(body) == {"error": "no frontend answered; see `shmserve status`"}
-    assert headers.get_all("X-Request-ID") == ["kserve-7"]
-    status, _, body = request(bare_nginx, "POST", path, b"x" * 4096,
-                              {"Accept": "application/msgpack"})
-    assert status == 413 and isinstance(msgpack.unpackb(body)["error"], str)
-    # Only /v2 and below: a path that merely starts with the letters keeps the other shape, and
-    # so does Cohere's /v2/rerank.
-    for other in ("/v2x", "/v2/rerank"):
-        status, _, body = request(bare_nginx, "POST", other, b"{}")
-        assert status == 502 and json.loads(body)["error"]["type"] == "unavailable"
-
-
-def test_body_over_the_limit_is_a_413_with_the_config_key(bare_nginx):
-    status, headers, body = request(bare_nginx, "POST", "/v1/embeddings", b"x" * 4096,
-                                    {"Accept": "application/msgpack"})
-    assert status == 413 and headers["Content-Type"] == "application/msgpack"
-    error = msgpack.unpackb(body)["error"]
-    assert error["type"] == "too_large"
-    assert "nginx.client_max_body_size" in error["message"]
-
-
-def test_headers_over_the_limit_are_a_431(bare_nginx):
-    status, _, body = request(bare_nginx, "GET", "/ready", headers={"X-Big": "b" * 8000})
-    assert status == 431
-    assert json.loads(body)["error"]["type"] == "headers_too_large"
-
-
-def test_request_id_is_the_clients_or_nginxs_own(bare_nginx):
-    _, headers, _ = request(bare_nginx, "GET", "/ready", headers={"X-Request-ID": "client-7"})
-    assert headers.get_all("X-Request-ID") == ["client-7"]
-    _, headers, _ = request(bare_nginx, "GET", "/ready", headers={"X-Request-ID": "bad id!"})
-    assert len(headers["X-Request-ID"]) == 32 and headers["X-Request-ID"] != "bad id!"
-
-
-def test_error_pages_are_not_reachable_from_outside(bare_nginx):
-    status, _, body = request(bare_nginx, "GET", "/_shmserve_errors/502.json")
-    assert status == 404 and json.loads(body)["error"]["type"] == "not_found"
-
-
-def test_a_cors_preflight_from_an_allowed_origin_is_answered_by_nginx(bare_nginx):
-    # No frontend is behind this nginx: the 204 is nginx's own, so no API key is ever asked for.
-    status, headers, body = request(bare_nginx, "OPTIONS", "/v1/embeddings", headers={
-        "Origin": APP, "Access-Control-Request-Method": "POST",
-        "Access-Control-Request-Headers": "authorization, content-type"})
-    assert status == 204 and body == b""
-    assert headers["Access-Control-Allow-Origin"] == APP
-    assert headers["Access-Control-Allow-Methods"] == "GET, POST, OPTIONS"
-    assert headers["Access-Control-Allow-Headers"] == "authorization, content-type"
-    assert headers["Access-Control-Max-Age"] == "600" and headers["Vary"] == "Origin"
-
-
-@pytest.mark.parametrize("origin", ["https://evil.example", "https://app.example", ""])
-def test_other_origins_get_no_cors_headers_and_no_preflight(bare_nginx, origin):
-    status, headers, _ = request(bare_nginx, "OPTIONS", "/v1/embeddings", headers={
-        **({"Origin": origin} if origin else {}), "Access-Control-Request-Method": "POST"})
-    assert status == 502  # passed on to the (absent) frontends, which would answer 405
-    assert not [k for k in headers if k.lower().startswith("access-control-")]
-    assert headers["Vary"] == "Origin"  # a cache must not reuse this for an allowed origin
-
-
-def test_nginxs_own_error_pages_are_readable_by_an_allowed_origin(bare_nginx):
-    status, headers, body = request(bare_nginx, "POST", "/v1/embeddings", b"x" * 4096,
-                                    {"Origin": "http://[::1]:3000"})
-    assert status == 413 and json.loads(body)["error"]["type"] == "too_large"
-    assert headers["Access-Control-Allow-Origin"] == "http://[::1]:3000"
-    assert "X-Request-ID" in headers["Access-Control-Expose-Headers"]
-    assert "Access-Control-Allow-Methods" not in headers  # preflight-only headers
-
-
-def test_cors_off_by_default_and_any_origin_with_a_star(tmp_path):
-    off = make_config(tmp_path / "a")
-    render.render(off)
-    text = render.nginx_conf(off).read_text()
-    assert "add_header Vary" not in text and "$http_origin;" not in text
-    star = make_config(tmp_path / "b", nginx={"cors_allow_origins": ["*"]})
-    render.render(star)
-    text = render.nginx_conf(star).read_text()
-    assert 'default "*";' in text and "add_header Vary" not in text
-    render.check_nginx(star, render.nginx_binary(star))
-
-
-@pytest.mark.parametrize("origins", [["*", APP], ["https://app.example/path"], ["app.example"],
-                                     ['https://a.example"; evil']])
-def test_a_bad_cors_origin_is_refused_naming_the_key(tmp_path, origins):
-    with pytest.raises(config.ConfigError, match="nginx.cors_allow_origins"):
-        make_config(tmp_path, nginx={"cors_allow_origins": origins})
-
-
-def _answers(port: int) -> bool:
+def port_answers(port: int) -> bool:
     try:
         socket.create_connection(("127.0.0.1", port), timeout=1).close()
         return True
