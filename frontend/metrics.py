@@ -41,6 +41,11 @@ REJECTED = Counter("shmserve_rejected_requests_total",
                    "Requests refused for overload (429): frontend in-flight limit, worker queue, "
                    "or a worker's admission by deadline (shmserve_worker_refused_total: which)",
                    ["model"])
+REFUSED = Counter("shmserve_frontend_refused_total",
+                  "Requests a frontend refused itself (429), before tokenizing: inflight "
+                  "(frontends.max_inflight) or deadline (every worker's heartbeat says its queue "
+                  "would not let the request finish in time: workers.refuse_past_deadline)",
+                  ["reason"])
 DEADLINES = Counter("shmserve_deadline_exceeded_total",
                     "Requests whose deadline passed (504)", ["model"])
 WORKER_RESTARTS = Counter("shmserve_worker_restarts_seen_total",
@@ -61,6 +66,7 @@ requests, latency, stage = (Children(m, turn) for m in (REQUESTS, LATENCY, STAGE
 inflight, texts, tokens = (Children(m, turn) for m in (INFLIGHT, TEXTS, TOKENS))
 input_tokens, truncated = Children(INPUT_TOKENS, turn), Children(TRUNCATED, turn)
 rejected, deadlines = Children(REJECTED, turn), Children(DEADLINES, turn)
+refused = Children(REFUSED, turn)
 
 
 def start(models: list[str], frontend: int, workers: int) -> None:
@@ -74,6 +80,8 @@ def start(models: list[str], frontend: int, workers: int) -> None:
     for worker in range(workers):
         WORKER_RESTARTS.labels(str(frontend), str(worker))
         WORKER_HUNG_KILLS.labels(str(frontend), str(worker))
+    for reason in ("inflight", "deadline"):
+        REFUSED.labels(reason)
     INFLIGHT.labels(str(frontend)).set(0)
 
 

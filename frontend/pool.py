@@ -31,7 +31,7 @@ from zmq.utils import monitor as zmq_monitor
 
 from frontend import metrics
 from frontend.watchdog import Watchdog
-from shmserve import processes, topology, wire
+from shmserve import admission, processes, topology, wire
 from shmserve.config import Config
 from shmserve.protocol import (PROTOCOL_VERSION, Abort, Commit, Error, Heartbeat, Ping, Reload,
                                ReloadDone, Result, Submit)
@@ -52,6 +52,8 @@ class Pending:
     future: asyncio.Future
     texts: int
     on_settled: Callable[[], None]
+    priority: int = 0
+    tokens: int = 0
 
 
 @dataclass(slots=True, eq=False)
@@ -64,6 +66,7 @@ class WorkerLink:
     alive: bool = False
     pending: dict[int, Pending] = field(default_factory=dict)
     outstanding: int = 0  # texts submitted here and not yet answered
+    tokens: dict[int, int] = field(default_factory=dict)  # the same work's tokens, by priority
     dropped_pid: int | None = None  # the worker whose connection dropped: its heartbeats still
                                     # queued on the socket are stale
     outbox: list[bytes] = field(default_factory=list)  # messages to send at the end of this
@@ -167,13 +170,39 @@ class WorkerPool:
     def next_seq(self) -> int:
         return next(self._seq)
 
+    def behind(self, model: str, priority: int, deadline: float, tokens: int = 0) -> str | None:
+        """Why every ready worker of `model` would refuse a request of `tokens` (0: not yet
+        tokenized) at `priority` due at `deadline` (time.time()) by its admission rule
+        (shmserve.admission); None: send it (its worker decides). What a worker has queued
+        ahead is the more of two figures that both fall short of it: its last heartbeat's, less
+        what it has drained since at its speed, and what this frontend alone has sent it and
+        not had answered."""
+        now, monotonic = time.time(), time.monotonic()
+        soonest = None
+        for link in self.ready_links(model):
+            beat = link.beat
+            heard = admission.ahead(((q.priority, q.tokens) for q in beat.queued_tokens),
+                                    priority)
+            drained = beat.drain_rate * (monotonic - link.last_beat)
+            queued = max(heard - drained, admission.ahead(link.tokens.items(), priority))
+            finish = admission.finish_s(queued, tokens, beat.drain_rate, beat.drain_pass_s)
+            if not admission.too_late(finish, now, deadline):
+                return None
+            soonest = finish if soonest is None else min(soonest, finish)
+        if soonest is None:
+            return None  # no ready worker: the dispatcher waits for one, or answers 503
+        return admission.explain(soonest, now, deadline, "every worker's queue")
+
     def submit(self, link: WorkerLink, msg: Submit | Reload | Commit, texts: int,
-               on_settled: Callable[[], None]) -> asyncio.Future:
+               on_settled: Callable[[], None], tokens: int = 0) -> asyncio.Future:
         """Send `msg`; the future resolves to its reply (Result or Error for a Submit,
         ReloadDone for a Reload or Commit), or fails with WorkerGone."""
         future = asyncio.get_running_loop().create_future()
-        link.pending[msg.seq] = Pending(future, texts, on_settled)
+        priority = msg.priority if isinstance(msg, Submit) else 0
+        link.pending[msg.seq] = Pending(future, texts, on_settled, priority, tokens)
         link.outstanding += texts
+        if tokens:
+            link.tokens[priority] = link.tokens.get(priority, 0) + tokens
         self._post(link, msg)
         return future
 
@@ -259,6 +288,8 @@ class WorkerPool:
                 held[1].on_settled()
             return
         link.outstanding -= pending.texts
+        if pending.tokens:
+            link.tokens[pending.priority] -= pending.tokens
         pending.on_settled()
         if not pending.future.done():
             pending.future.set_result(msg)
@@ -330,6 +361,7 @@ class WorkerPool:
         is held until it answers or its process ends (`_release_held`), not given to another
         request."""
         pending, link.pending, link.outstanding, link.outbox = link.pending, {}, 0, []
+        link.tokens = {}
         unsent, link.unsent = link.unsent, set()
         pid = link.beat.pid if link.beat is not None else None
         may_live = hold and pid is not None and pid != link.dropped_pid and \

@@ -136,10 +136,16 @@ async def run(request: web.Request, served: ServedModel,
     variant = request.get(PINNED) or request.app[SPLITS].choose(
         served.spec.name, served.variants, sticky_key(request, served, user))
     deadline = time.time() + timeout(request, cfg.frontends.request_timeout_s)
+    priority = request_priority(request, priority, cfg.frontends.default_priority)
     inflight = request.app[INFLIGHT]
     if inflight[0] >= cfg.frontends.max_inflight:
+        metrics.refused("inflight").inc()
         raise ApiError("overloaded", f"{inflight[0]} requests in flight on this frontend "
                        "(frontends.max_inflight)", retry_after=1)
+    # What the worker would refuse, refused here before tokenizing: in a burst the 429 comes
+    # before the frontend has tokenized the requests ahead of it, and the cores go to the work
+    # admitted (shmserve.admission).
+    refuse_early(request, variant, priority, deadline)
     inflight[0] += 1
     gauge = metrics.inflight(str(request.app[INDEX]))
     gauge.inc()
@@ -158,6 +164,9 @@ async def run(request: web.Request, served: ServedModel,
             enc = encode(variant.encoder)
         if time.time() > deadline:  # no work goes to a worker past its deadline
             raise ApiError.deadline_passed()
+        if enc.tokens and chars > THREAD_TOKENIZE_CHARS:
+            # Again with its tokens: the requests sent while it was tokenized count now.
+            refuse_early(request, variant, priority, deadline, enc.tokens)
         request[TOKENIZE_MS] = (time.perf_counter() - started) * 1000
         fields = request[LOG_FIELDS]
         fields.update(texts=enc.count, tokens=enc.tokens,
@@ -167,8 +176,7 @@ async def run(request: web.Request, served: ServedModel,
         if cfg.logging.log_inputs and inputs is not None:
             fields["inputs"] = inputs
         outcome = await request.app[DISPATCHER].run(
-            variant.unit, variant.spec.dim, enc, request[REQUEST_ID], deadline,
-            request_priority(request, priority, cfg.frontends.default_priority))
+            variant.unit, variant.spec.dim, enc, request[REQUEST_ID], deadline, priority)
     finally:
         inflight[0] -= 1
         gauge.dec()
@@ -189,6 +197,19 @@ async def run(request: web.Request, served: ServedModel,
                                worker=outcome.worker, queue_ms=round(outcome.result.queue_ms, 3),
                                inference_ms=round(outcome.result.inference_ms, 3))
     return Ran(served, variant, outcome, enc)
+
+
+def refuse_early(request: web.Request, variant: Variant, priority: int, deadline: float,
+                 tokens: int = 0) -> None:
+    """429 now if every worker that serves `variant` would refuse the request by its admission
+    rule (workers.refuse_past_deadline; frontend.pool.WorkerPool.behind)."""
+    if not request.app[CONFIG].workers.refuse_past_deadline:
+        return
+    why = request.app[DISPATCHER].pool.behind(variant.unit, priority, deadline, tokens)
+    if why is not None:
+        metrics.refused("deadline").inc()
+        raise ApiError("overloaded", f"{why}; retry later (workers.refuse_past_deadline)",
+                       retry_after=1)
 
 
 def stage_headers(request: web.Request, outcome: Outcome) -> dict[str, str]:

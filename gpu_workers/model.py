@@ -219,7 +219,7 @@ def warm_up(model: Model, max_batch_size: int, max_batch_tokens: int) -> tuple[i
     """Run the largest batch shape the limits allow, so the first request pays no warm-up; then
     time a full pass of short texts (32 tokens), twice, and return the faster as (real tokens,
     seconds): the worker's first estimate of the speed it drains a backlog at
-    (gpu_workers.admission), before it has drained one."""
+    (shmserve.admission), before it has drained one."""
     longest = model.spec.max_tokens
     batch = max(1, min(max_batch_size, max_batch_tokens // longest))
     pairs = model.spec.task == "rerank"  # warm the token-type path a cross-encoder takes

@@ -29,7 +29,7 @@ class Request:
     batch_size: int = 0
     done: bool = False
     aborted: bool = False
-    tokens_left: int = 0  # admitted and not yet computed (gpu_workers.admission)
+    tokens_left: int = 0  # admitted and not yet computed (shmserve.admission)
 
 
 @dataclass(slots=True, eq=False)

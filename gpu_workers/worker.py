@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from gpu_workers.admission import Backlog
+from shmserve.admission import Backlog
 from gpu_workers.batcher import Batch, Limits, form_pass, wait_time
 from gpu_workers.memory import (MemoryCare, Policy, TorchAllocator, forward_in_halves,
                                 out_of_memory)
@@ -86,7 +86,9 @@ class Worker:
         return Heartbeat(PROTOCOL_VERSION, self.index, os.getpid(),
                          self.ready and not self.stopping.is_set(), self.device_label,
                          self._infos, self._queued_texts, self.cfg.workers.queue_texts,
-                         ping.sent_at, time.monotonic() - began if began else 0.0)
+                         ping.sent_at, time.monotonic() - began if began else 0.0,
+                         self._backlog.rate, self._backlog.pass_s,
+                         self._backlog.queued_by_priority())
 
     def on_submit(self, peer: bytes, msg: Submit) -> Error | None:
         if not self.ready or self.stopping.is_set():
@@ -400,7 +402,7 @@ class Worker:
         # After the replies, so observing never delays them.
         real = sum(batch.real_tokens for batch in batches)
         padded = sum(batch.padded_tokens for batch in batches)
-        if backlogged:  # the speed a queue drains at (gpu_workers.admission)
+        if backlogged:  # the speed a queue drains at (shmserve.admission)
             self._backlog.passed(real, forward_ms / 1000.0)
         self.metrics.batch(slot.spec.name, len(touched), len(texts), real, padded,
                            forward_ms / 1000.0)

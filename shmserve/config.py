@@ -74,7 +74,7 @@ class WorkerConfig:
     queue_texts: int = 4096  # bounded queue per worker, in texts
     low_priority_queue_share: float = 0.75  # below-normal priority may fill this share of it
     # Refuse at once (429) a request the worker cannot finish before its deadline at its recent
-    # speed, instead of queueing it to answer 504 later (gpu_workers.admission)
+    # speed, instead of queueing it to answer 504 later (shmserve.admission)
     refuse_past_deadline: bool = True
     heartbeat_interval_s: float = 0.5
     heartbeat_timeout_s: float = 3.0

@@ -23,9 +23,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import IntEnum
 
-PROTOCOL_VERSION = 5  # 3: a worker sends a batch's replies to a frontend as one message;
+PROTOCOL_VERSION = 6  # 3: a worker sends a batch's replies to a frontend as one message;
 # 4: ErrorCode.OUT_OF_MEMORY; 5: Heartbeat.pass_s, and a rerank row is the raw logit (the
-# frontend applies the activation), not the score
+# frontend applies the activation), not the score; 6: Heartbeat's admission estimate (drain_rate,
+# drain_pass_s, queued_tokens)
 
 
 class Kind(IntEnum):
@@ -93,6 +94,12 @@ class Ping:
 
 
 @dataclass(frozen=True, slots=True)
+class Queued:
+    priority: int
+    tokens: int  # admitted at this priority and not yet computed
+
+
+@dataclass(frozen=True, slots=True)
 class Heartbeat:
     protocol_version: int
     worker: int
@@ -106,6 +113,12 @@ class Heartbeat:
     pass_s: float  # how long the forward pass running now has run; 0: none runs. The socket
                    # thread answers even while the model thread is stuck (a CUDA hang): this
                    # tells the frontends so (workers.stalled_pass_s)
+    # The worker's admission estimate (shmserve.admission), for the frontends to refuse early a
+    # request it would refuse, before tokenizing it: the speed it drains a backlog at (tokens/s;
+    # 0: none measured) and a backlogged pass's time, and its admitted tokens by priority.
+    drain_rate: float = 0.0
+    drain_pass_s: float = 0.0
+    queued_tokens: tuple[Queued, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,6 +1,6 @@
 import pytest
 
-from gpu_workers.admission import Backlog
+from shmserve.admission import Backlog
 
 NOW = 1000.0
 
@@ -69,7 +69,7 @@ def test_older_passes_weigh_less():
 
 
 def test_the_warm_up_seed_is_taken_slower_than_it_ran():
-    from gpu_workers.admission import SEED_SLOWDOWN, Backlog
+    from shmserve.admission import SEED_SLOWDOWN, Backlog
 
     backlog = Backlog()
     backlog.seed(3_000, 1.0)

@@ -2,7 +2,7 @@ import msgpack
 import pytest
 
 from shmserve import wire
-from shmserve.protocol import (KIND_OF, Abort, Commit, Error, ErrorCode, Heartbeat, Kind,
+from shmserve.protocol import (KIND_OF, Abort, Commit, Error, ErrorCode, Heartbeat, Queued, Kind,
                                ModelInfo, Ping, Reload, ReloadDone, ReloadStatus, Result,
                                ShmHandle, Submit)
 
@@ -13,7 +13,7 @@ MESSAGES = [
     Heartbeat(1, 0, 4242, True, "cpu", (
         ModelInfo("m", "embedding", 384, 256, "fp32", "ab12", "ready", ""),
         ModelInfo("m@b", "classification", 3, 512, "int8", "r1", "loading", "r2")), 3, 4096, 1.5,
-        0.25),
+        0.25, 1234.5, 0.05, (Queued(0, 300), Queued(-2, 7))),
     Heartbeat(1, 3, 1, False, "loading", (), 0, 1, 0.0, 0.0),
     Submit(7, "req-1", "m", HANDLE, ShmHandle("a", 0, 0, "int32", (0,)),
            ShmHandle("a", 64, 4 * 2 * 384, "float32", (2, 384)), 1e9, -1, EMPTY),

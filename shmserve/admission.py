@@ -60,6 +60,9 @@ burst, no estimate of a recent speed holds: admitted requests can still miss the
 from __future__ import annotations
 
 import threading
+from typing import Iterable
+
+from shmserve.protocol import Queued
 
 SHARE = 0.75  # of the time left before a deadline that the estimated wait may take
 DECAY = 0.8  # per measured pass: the weight of older passes in the speed and pass time
@@ -70,6 +73,29 @@ DECAY = 0.8  # per measured pass: the weight of older passes in the speed and pa
 # 200 and 16-19 x 504; 1.5, 46-54 x 200 and no 504 (the slowest 200 at 3.7 s); 2.0, 36-44 x
 # 200 and no 504. Not measured on a GPU.
 SEED_SLOWDOWN = 1.5
+
+
+def ahead(queued: Iterable[tuple[int, int]], priority: int) -> int:
+    """Tokens of (priority, tokens) pairs that run before a request at `priority`."""
+    return sum(n for p, n in queued if p >= priority)
+
+
+def finish_s(queued: float, tokens: int, rate: float, pass_s: float) -> float:
+    """Seconds until a request of `tokens` behind `queued` tokens is computed, at `rate` tokens
+    per second in passes of `pass_s`; 0.0 when nothing is ahead or no speed is known (always
+    admitted)."""
+    if rate <= 0.0 or queued <= 0:
+        return 0.0
+    return (queued + tokens) / rate + pass_s
+
+
+def too_late(finish: float, now: float, deadline: float, share: float = SHARE) -> bool:
+    return finish > share * (deadline - now)
+
+
+def explain(finish: float, now: float, deadline: float, whose: str = "the worker's queue") -> str:
+    return (f"{whose} needs ~{finish:.1f} s for this request at its recent speed, too close "
+            f"to its deadline in {max(deadline - now, 0.0):.1f} s")
 
 
 class Backlog:
@@ -93,14 +119,16 @@ class Backlog:
         if self.rate <= 0.0:
             return None
         with self._lock:
-            ahead = sum(n for p, n in self._tokens.items() if p >= priority)
-        if ahead <= 0:
+            queued = ahead(self._tokens.items(), priority)
+        finish = finish_s(queued, tokens, self.rate, self.pass_s)
+        if not too_late(finish, now, deadline, self._share):
             return None
-        finish = (ahead + tokens) / self.rate + self.pass_s
-        if finish <= self._share * (deadline - now):
-            return None
-        return (f"the worker's queue needs ~{finish:.1f} s for this request at its recent "
-                f"speed, too close to its deadline in {max(deadline - now, 0.0):.1f} s")
+        return explain(finish, now, deadline)
+
+    def queued_by_priority(self) -> tuple[Queued, ...]:
+        """What the heartbeats tell the frontends (their early refusal, WorkerPool.behind)."""
+        with self._lock:
+            return tuple(Queued(p, n) for p, n in self._tokens.items() if n > 0)
 
     def add(self, priority: int, tokens: int) -> None:
         with self._lock:

@@ -1,0 +1,112 @@
+"""A frontend's early refusal (WorkerPool.behind): what every ready worker's admission rule
+would refuse, judged from its heartbeats and what this frontend has sent it, before tokenizing."""
+
+import asyncio
+import time
+
+import pytest
+
+from frontend.pool import WorkerPool, consume
+from shmserve import config
+from shmserve.admission import SHARE
+from shmserve.protocol import (PROTOCOL_VERSION, Heartbeat, ModelInfo, Queued, Result,
+                               ShmHandle, Submit)
+from tests.stack import free_port
+
+RATE = 1000.0  # tokens/s each worker drains a backlog at, in the heartbeats below
+HANDLE = ShmHandle("shmserve-test", 0, 0, "int32", (0,))
+
+
+@pytest.fixture
+def pool(tmp_path):
+    cfg = config.from_tree({
+        "models": [{"name": "a", "source": "/nonexistent/a"}],
+        "server": {"run_dir": str(tmp_path / "run"), "port": free_port()},
+        "workers": {"devices": "cpu", "cpu_workers": 2}})
+    pool = WorkerPool(cfg)
+    yield pool
+    for link in pool.links:
+        link.socket.close(linger=0)
+    pool._ctx.term()
+
+
+def beat(pool: WorkerPool, index: int, *queued: Queued, rate: float = RATE,
+         served: str = "a") -> None:
+    info = ModelInfo(served, "embedding", 4, 8, "fp32", "r", "ready", "")
+    pool._on_heartbeat(pool.links[index], Heartbeat(
+        PROTOCOL_VERSION, index, 1_000_000 + index, True, "cpu", (info,), 0, 10, 0.0, 0.0,
+        rate, 0.1, tuple(queued)))
+
+
+def due(seconds: float) -> float:
+    return time.time() + seconds
+
+
+def test_refused_only_when_every_ready_worker_is_too_far_behind(pool):
+    beat(pool, 0, Queued(0, 5000))  # 5 s + a pass of 0.1 s
+    beat(pool, 1, Queued(0, 6000))
+    why = pool.behind("a", 0, due(6.0))  # 0.75 x 6 = 4.5 s < 5.1 s
+    assert why is not None and "every worker's queue needs ~5.1 s" in why
+    assert pool.behind("a", 0, due(5.2 / SHARE)) is None  # worker 0 makes it
+    # ... unless the request's own tokens, once known, do not fit either
+    assert pool.behind("a", 0, due(5.2 / SHARE), tokens=1000) is not None
+    beat(pool, 1)  # worker 1 drained its queue: always admitted there
+    assert pool.behind("a", 0, due(1.0)) is None
+
+
+def test_work_below_the_request_priority_is_not_ahead_of_it(pool):
+    for index in (0, 1):
+        beat(pool, index, Queued(-1, 50_000), Queued(1, 1000))
+    assert pool.behind("a", -1, due(10.0)) is not None
+    assert pool.behind("a", 0, due(10.0)) is None  # 1.1 s of high work ahead
+    assert pool.behind("a", 0, due(1.2)) is not None
+    assert pool.behind("a", 2, due(0.1)) is None  # nothing ahead: always admitted
+
+
+def test_no_speed_measured_no_refusal(pool):
+    for index in (0, 1):
+        beat(pool, index, Queued(0, 10**9), rate=0.0)
+    assert pool.behind("a", 0, due(0.5)) is None
+
+
+def test_a_heartbeat_ages_by_what_the_worker_drained_since(pool):
+    for index in (0, 1):
+        beat(pool, index, Queued(0, 5000))
+    assert pool.behind("a", 0, due(6.0)) is not None
+    for link in pool.links:
+        link.last_beat -= 2.0  # 2,000 tokens drained since: 3.1 s left
+    assert pool.behind("a", 0, due(6.0)) is None
+    assert pool.behind("a", 0, due(4.0)) is not None
+
+
+def test_no_ready_worker_for_the_model_is_not_an_early_refusal(pool):
+    for index in (0, 1):
+        beat(pool, index, Queued(0, 10**6), served="b")
+    assert pool.behind("a", 0, due(1.0)) is None  # the dispatcher answers 503 for that
+    assert pool.behind("b", 0, due(1.0)) is not None
+
+
+def test_what_this_frontend_sent_counts_until_answered(pool):
+    """Between heartbeats, in a burst: the worker's last beat showed an empty queue."""
+    for index in (0, 1):
+        beat(pool, index)
+
+    async def scenario():
+        sent = []
+        for index, link in enumerate(pool.links):
+            msg = Submit(index + 1, "r", "a", HANDLE, HANDLE, HANDLE, due(60), 0, HANDLE)
+            sent.append(pool.submit(link, msg, 8, lambda: None, tokens=8000))
+        assert pool.behind("a", 0, due(5.0)) is not None  # 8.1 s of work on each
+        assert pool.behind("a", 1, due(5.0)) is None  # a higher priority is not behind it
+        pool._settle(pool.links[0], Result(1, 0.0, 1.0, 8, 8000, "r"))
+        assert pool.behind("a", 0, due(5.0)) is None
+        assert pool.links[1].tokens == {0: 8000}
+        pool._fail_pending(pool.links[1], "test", hold=False)
+        assert pool.links[1].tokens == {}
+        assert all(future.done() for future in sent)
+        for future in sent:
+            consume(future)  # the failed one's WorkerGone, retrieved
+        for link in pool.links:
+            link.outbox.clear()  # nothing is sent: no worker listens
+
+    asyncio.run(scenario())
