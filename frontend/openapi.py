@@ -127,8 +127,12 @@ def _routes(model: dict) -> dict[str, dict]:
     version = {"name": "version", "in": "path", "required": True, "schema": {"type": "string"}}
     return {
         "/predict": {"post": _op(
-            "native", "Embed texts", {**_ok(ref("PredictResponse")), **_errors(*_POST_ERRORS)},
-            _body(ref("PredictRequest")))},
+            "native", "Embed or classify texts (`texts`); TEI's classification body "
+            "(`inputs`: texts and pairs) on a classification model",
+            {**_ok({"oneOf": [ref("PredictResponse"), {"type": "array", "items": ref(
+                "Prediction")}, {"type": "array", "items": {"type": "array", "items": ref(
+                    "Prediction")}}]}), **_errors(*_POST_ERRORS)},
+            _body({"oneOf": [ref("PredictRequest"), ref("TeiPredictRequest")]}))},
         "/v1/embeddings": {"post": _op(
             "openai", "OpenAI embeddings", {**_ok(ref("EmbeddingsResponse")),
                                             **_errors(*_OPENAI_ERRORS)},

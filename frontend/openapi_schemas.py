@@ -155,6 +155,7 @@ def _task_schemas(parts: dict[str, Any]) -> dict[str, Any]:
 
 def _tei_schemas(parts: dict[str, Any]) -> dict[str, Any]:
     nullable_bool = {"type": ["boolean", "null"]}
+    sequence = {"type": "array", "items": parts["text"], "minItems": 1, "maxItems": 2}
     direction = {"type": ["string", "null"], "enum": ["Right", "Left", "right", "left", None]}
     return {
         "Info": {"type": "object", "properties": {
@@ -183,8 +184,19 @@ def _tei_schemas(parts: dict[str, Any]) -> dict[str, Any]:
             "inputs": {"oneOf": [parts["text"], parts["texts"]]},
             "parameters": {"type": ["object", "null"], "properties": {
                 "top_k": {"type": ["integer", "null"], "minimum": 1},
-                "function_to_apply": {"enum": ["softmax", None]}}},
+                "function_to_apply": {"enum": ["softmax", "sigmoid", "none", None]}}},
             "model": parts["model"]("classification")}},
+        "TeiPredictRequest": {"type": "object", "required": ["inputs"], "properties": {
+            "inputs": {"oneOf": [parts["text"], sequence, {
+                "type": "array", "items": sequence, "minItems": 1,
+                "maxItems": parts["texts"]["maxItems"]}],
+                "description": "one input (a text, or [first, second]: a pair, read as one "
+                               "sequence of two segments), or a batch of [text] and [first, "
+                               "second] lists"},
+            "model": parts["model"]("classification"), "raw_scores": nullable_bool,
+            "truncate": nullable_bool, "truncation_direction": direction}},
+        "Prediction": {"type": "object", "properties": {"score": {"type": "number"},
+                                                        "label": {"type": "string"}}},
         "TeiRerankRequest": {"type": "object", "required": ["query", "texts"], "properties": {
             "query": parts["text"], "texts": parts["texts"], "model": parts["model"]("rerank"),
             "raw_scores": nullable_bool, "return_text": nullable_bool,

@@ -6,6 +6,7 @@ import asyncio
 import base64
 import dataclasses
 import time
+from typing import Any
 
 import numpy as np
 from aiohttp import web
@@ -25,7 +26,6 @@ def add_routes(app: web.Application) -> None:
     admin.add_routes(app)
     scores.add_routes(app)
     app.router.add_post("/v1/embeddings", embeddings)
-    app.router.add_post("/predict", predict)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/models/{model:.+}", get_model)  # ids may hold '/' (aliases)
     app.router.add_get("/health", health)
@@ -51,10 +51,10 @@ async def embeddings(request: web.Request) -> web.Response:
     }, headers=tasks.stage_headers(request, outcome))
 
 
-async def predict(request: web.Request) -> web.Response:
-    """Embeddings, or a classification model's labels (frontend.scores)."""
+async def predict(request: web.Request, body: Any) -> web.Response:
+    """The native /predict (`texts`): embeddings, or a classification model's labels
+    (frontend.scores). The route is frontend.tei's, which also takes TEI's body (`inputs`)."""
     cfg = request.app[CONFIG]
-    body = await codec.read_body(request)
     parsed = schemas.parse_predict(body, cfg.limits)
     spec = request.app[MODELS].resolve(parsed.model).spec
     if spec.task == "classification":

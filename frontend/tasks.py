@@ -3,7 +3,8 @@ shares, and the entry points of the scoring tasks for any route (TEI /rerank, KS
 
     resolve(request, name, task)                      -> ServedModel, or a 404/422 ApiError
     run(request, model, encode, chars)                -> Ran: float32 rows [n, width] + metadata
-    classify(request, name, texts)                    -> Classified: probabilities [n, labels]
+    classify(request, name, texts)                    -> Classified: logits and probabilities
+                                                         [n, labels]; texts or pairs
     rerank(request, name, query, documents)           -> Reranked: logits and scores [n],
                                                          input order
 
@@ -47,7 +48,8 @@ class Ran:
 
 @dataclass(frozen=True, slots=True)
 class Classified:
-    probs: np.ndarray  # float32 [n, num_labels]; each row sums to 1 (softmax)
+    logits: np.ndarray  # float32 [n, num_labels], as the worker gave them
+    probs: np.ndarray  # float32 [n, num_labels]: their softmax; each row sums to 1
     labels: tuple[str, ...]  # label names by class index, from the model's config.json
     ran: Ran
 
@@ -92,13 +94,19 @@ def _a(task: str) -> str:
     return f"an {task}" if task[0] in "aeiou" else f"a {task}"
 
 
-async def classify(request: web.Request, name: str | None, texts: list[str], *,
-                   param: str = "input", priority: int | None = None,
-                   user: str | None = None) -> Classified:
+async def classify(request: web.Request, name: str | None, texts: list[str | tuple[str, str]],
+                   *, param: str = "input", priority: int | None = None,
+                   user: str | None = None, truncate: bool | None = None,
+                   direction: str = "right") -> Classified:
+    """`texts` may hold (first, second) pairs, which the model reads as one sequence of two
+    segments (an NLI model's premise and hypothesis)."""
     served = resolve(request, name, "classification")
-    ran = await run(request, served, lambda enc: enc.encode(texts, param),
-                    sum(map(len, texts)), priority=priority, user=user)
-    return Classified(ran.outcome.vectors, ran.variant.spec.labels, ran)
+    ran = await run(request, served,
+                    lambda enc: enc.encode_mixed(texts, param, truncate, direction),
+                    sum(len(t) if isinstance(t, str) else len(t[0]) + len(t[1]) for t in texts),
+                    priority=priority, user=user)
+    logits = ran.outcome.vectors
+    return Classified(logits, softmax(logits), ran.variant.spec.labels, ran)
 
 
 async def rerank(request: web.Request, name: str | None, query: str, documents: list[str], *,
@@ -112,6 +120,13 @@ async def rerank(request: web.Request, name: str | None, query: str, documents: 
                     priority=priority, user=user)
     logits = np.ascontiguousarray(ran.outcome.vectors[:, 0])
     return Reranked(logits, activate(logits, ran.variant.spec.activation), ran)
+
+
+def softmax(logits: np.ndarray) -> np.ndarray:
+    """Each row's softmax, in float64 from the row's largest logit (no overflow), as float32."""
+    x = logits.astype(np.float64)
+    e = np.exp(x - x.max(axis=1, keepdims=True))
+    return (e / e.sum(axis=1, keepdims=True)).astype(np.float32)
 
 
 def activate(logits: np.ndarray, activation: str) -> np.ndarray:

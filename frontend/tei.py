@@ -11,11 +11,17 @@
     POST /          TEI's route for its model's task, which huggingface_hub's InferenceClient
                      posts to: a similarity body as /similarity; the Inference API's
                      text-classification body {"inputs": str | [str], "parameters": {"top_k",
-                     "function_to_apply"}} -> [[{"label", "score"}]] (one list per input, best
-                     first, as the client reads it) on a classification model; a rerank body
-                     ({"query", "texts"}) as /rerank; any other as /embed. TEI's own
-                     `/predict` shape (`inputs`, pairs) is not served: this server's /predict
-                     and /v1/classify are.
+                     "function_to_apply": softmax | sigmoid | none}} -> [[{"label", "score"}]]
+                     (one list per input, best first, as the client reads it) on a
+                     classification model; a rerank body ({"query", "texts"}) as /rerank; any
+                     other as /embed.
+    POST /predict   on a classification model, TEI's {"inputs": str | [str, str] | [[str] |
+                     [str, str], ...], "raw_scores", "truncate", "truncation_direction"} ->
+                     [{"score", "label"}] for one input, [[...]] for a batch: every label,
+                     best first; a pair ([first, second]: an NLI model's premise and
+                     hypothesis) is read as one sequence of two segments; raw_scores: the
+                     logits, not their softmax. A body with `texts` is this server's own
+                     /predict (frontend.routes.predict).
 
 TEI's ``GET /info`` is served with the observability routes. Differences from TEI, on purpose:
 errors keep this server's body (OpenAI's shape, see frontend.errors), not TEI's
@@ -47,6 +53,7 @@ DIRECTIONS = {"right": "right", "Right": "right", "left": "left", "Left": "left"
 
 def add_routes(app: web.Application) -> None:
     app.router.add_post("/", root)
+    app.router.add_post("/predict", predict)
     app.router.add_post("/embed", embed)
     app.router.add_post("/similarity", similarity)
     app.router.add_post("/rerank", rerank)
@@ -64,22 +71,79 @@ async def root(request: web.Request) -> web.Response:
     return await _embed(request, body)
 
 
+async def predict(request: web.Request) -> web.Response:
+    body = await codec.read_body(request)
+    if not isinstance(body, dict) or "inputs" not in body or "texts" in body:
+        return await routes.predict(request, body)  # this server's own shape
+    items, batch = predict_inputs(body["inputs"], request.app[CONFIG].limits)
+    raw = flag(body, "raw_scores", False)
+    truncate, direction = _truncation(body)
+    out = await tasks.classify(request, model_name(body), items, param="inputs",
+                               priority=body_priority(body), user=user(body),
+                               truncate=truncate, direction=direction)
+    rows = out.logits if raw else out.probs
+    ranked = [scores.ranked(row, out.labels, None) for row in rows]
+    return codec.render(request, ranked if batch else ranked[0],
+                        headers=tasks.stage_headers(request, out.ran.outcome))
+
+
+def predict_inputs(value: Any, limits: LimitsConfig
+                   ) -> tuple[list[str | tuple[str, str]], bool]:
+    """TEI's PredictInput, read as TEI reads it: a string, or a list of strings (one: a text,
+    two: a pair), is one input; a list of such lists is a batch. Returns the inputs (a pair as
+    a tuple) and whether it was a batch."""
+    if isinstance(value, str) or (isinstance(value, list) and value
+                                  and not isinstance(value[0], list)):
+        return [_sequence(value, "inputs", limits)], False
+    if not isinstance(value, list) or not value:
+        raise ApiError("invalid_request", "'inputs' must be a string, a pair of strings [first, "
+                       "second], or a non-empty batch of [text] and [first, second] lists",
+                       param="inputs")
+    if len(value) > limits.max_texts_per_request:
+        raise ApiError("too_large", f"'inputs' has {len(value)} inputs; the limit is "
+                       f"{limits.max_texts_per_request} (limits.max_texts_per_request)",
+                       param="inputs")
+    return [_sequence(v, f"inputs[{i}]", limits, listed=True) for i, v in enumerate(value)], True
+
+
+def _sequence(value: Any, name: str, limits: LimitsConfig, listed: bool = False
+              ) -> str | tuple[str, str]:
+    """One input: a string, [text] or [first, second]; `listed`: a batch's, always a list."""
+    if isinstance(value, str) and not listed:
+        check_text(value, f"'{name}'", "inputs", limits)
+        return value
+    if name == "inputs" and len(value) > 2 and all(isinstance(v, str) for v in value):
+        raise ApiError("invalid_request", f"'inputs' is a list of {len(value)} strings: TEI's "
+                       "/predict reads a list of strings as one input (a text, or a pair of "
+                       "two); send a batch as a list of lists, [[\"text\"], [\"text\"], ...]",
+                       param="inputs")
+    if not isinstance(value, list) or len(value) not in (1, 2) or \
+            not all(isinstance(v, str) for v in value):
+        raise ApiError("invalid_request", f"'{name}' must be a string, [text] or [first, "
+                       "second] (strings)", param="inputs")
+    for i, text in enumerate(value):
+        check_text(text, f"'{name}[{i}]'", "inputs", limits)
+    return value[0] if len(value) == 1 else (value[0], value[1])
+
+
 async def _classify(request: web.Request, body: dict) -> web.Response:
-    """huggingface_hub's `text_classification`: every label of each input, best first (the
-    softmax, which is what this server computes), cut to `parameters.top_k`."""
+    """huggingface_hub's `text_classification`: every label of each input, best first, cut to
+    `parameters.top_k`; scored by `parameters.function_to_apply` (softmax, the default;
+    sigmoid; none: the logits)."""
     parameters = body["parameters"] if body["parameters"] is not None else {}
     if not isinstance(parameters, dict):
         raise ApiError("invalid_request", "'parameters' must be an object", param="parameters")
     applied = parameters.get("function_to_apply")
-    if applied not in (None, "softmax"):
-        raise ApiError("invalid_request", f"'parameters.function_to_apply' {applied!r}: this "
-                       "server answers the softmax of a classifier's logits only",
-                       param="parameters")
+    if applied not in (None, "softmax", "sigmoid", "none"):
+        raise ApiError("invalid_request", f"'parameters.function_to_apply' {applied!r}: one of "
+                       "'softmax', 'sigmoid' or 'none'", param="parameters")
     top_k = count(parameters, "top_k")
     given = one_or_many(required(body, "inputs"), "inputs", request.app[CONFIG].limits)
     out = await tasks.classify(request, model_name(body), given, param="inputs",
                                priority=body_priority(body), user=user(body))
-    return codec.render(request, [scores.ranked(row, out.labels, top_k) for row in out.probs],
+    rows = (out.logits if applied == "none" else
+            tasks.activate(out.logits, "sigmoid") if applied == "sigmoid" else out.probs)
+    return codec.render(request, [scores.ranked(row, out.labels, top_k) for row in rows],
                         headers=tasks.stage_headers(request, out.ran.outcome))
 
 

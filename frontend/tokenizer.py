@@ -119,6 +119,34 @@ class TextEncoder:
         flat = self._flatten(encodings, param, truncate, pairs=True, hint=hint, long=long)
         return Encoded(flat.ids, flat.offsets, flat.truncated, segments)
 
+    def encode_mixed(self, items: list[str | tuple[str, str]], param: str = "inputs",
+                     truncate: bool | None = None, direction: str = "right") -> Encoded:
+        """Texts and (first, second) pairs in one request, as TEI's /predict takes them for a
+        classifier: a pair as `encode_pairs` reads a query and a document, a text alone as one
+        segment (no prompt: prompts are an embedding model's)."""
+        if not any(isinstance(item, tuple) for item in items):
+            return self.encode(items, param, truncate, direction, prompt_name="")
+        hint = _hint(truncate)
+        truncate = self.truncate if truncate is None else truncate
+        cap = self.max_tokens * CHARS_PER_TOKEN
+        pieces, long = list(items), set()
+        for i, item in enumerate(items):  # only a text far past the limit is replaced
+            if isinstance(item, tuple) and max(len(item[0]), len(item[1])) > cap:
+                first, (second,), cut = self._pair_pieces(item[0], [item[1]], direction)
+                pieces[i] = (first, second)
+            elif isinstance(item, str) and len(item) > cap:
+                (pieces[i],), cut = self._pieces([item], direction)
+            else:
+                continue
+            if cut:
+                long.add(i)
+        encodings = self._variant(truncate, direction).encode_batch(pieces,
+                                                                    add_special_tokens=True)
+        segments = np.fromiter((e.type_ids.index(1) if 1 in e.type_ids else len(e.ids)
+                                for e in encodings), np.int32, len(encodings))
+        flat = self._flatten(encodings, param, truncate, hint=hint, long=long)
+        return Encoded(flat.ids, flat.offsets, flat.truncated, segments)
+
     def _pair_pieces(self, query: str, documents: list[str], direction: str
                      ) -> tuple[str, list[str], set[int]]:
         """_pieces for query-document pairs, and the pairs holding a piece. When both sides of

@@ -2,10 +2,11 @@
 
     embedding       the pooled last hidden state (cls | mean | last token), L2-normalised when
                     the model says so                                      -> [B, hidden]
-    classification  softmax over the sequence-classification logits     -> [B, num_labels]
+    classification  the sequence-classification logits, raw             -> [B, num_labels]
     rerank          a cross-encoder's one logit, raw                     -> [B, 1]
-                    (the frontend applies the model's activation, so it can rank by the
-                    logit and give it back: a sigmoid saturates to 1.0 in float32 past ~17)
+                    (the frontend applies the softmax or the model's activation, so it can
+                    give the logits back (TEI's raw_scores) and rank by the logit: a sigmoid
+                    saturates to 1.0 in float32 past ~17)
 
 Heads run in float32 whatever the network's dtype, so probabilities sum to 1 and pooling does
 not lose precision.
@@ -30,8 +31,6 @@ def network_class(task: str) -> type:
 def head(spec: ModelSpec) -> Head:
     if spec.task == "embedding":
         return lambda out, mask, lens: _embed(spec, out.last_hidden_state.float(), mask, lens)
-    if spec.task == "classification":
-        return lambda out, mask, lens: torch.softmax(out.logits.float(), dim=-1)
     return lambda out, mask, lens: out.logits.float()
 
 

@@ -318,7 +318,9 @@ class Worker:
         model that packs them, see gpu_workers.packed); `backlogged`: texts wait behind it."""
         texts = [text for batch in batches for text in batch.texts]
         slot = texts[0].request.slot  # the batcher never mixes slots
-        pairs = texts[0].request.segments is not None
+        # A classifier's requests may mix pairs and single texts: a single text's first segment
+        # is the whole text.
+        pairs = any(text.request.segments is not None for text in texts)
         groups = []
         for batch in batches:
             ids = np.zeros((len(batch.texts), batch.padded_len), np.int64)
@@ -330,7 +332,8 @@ class Worker:
                 ids[j, :end - start] = text.request.ids[start:end]
                 lengths[j] = end - start
                 if pairs:
-                    segments[j] = text.request.segments[text.index]
+                    first = text.request.segments
+                    segments[j] = end - start if first is None else first[text.index]
             groups.append((ids, lengths, segments))
         began = time.time()
         for text in texts:

@@ -26,7 +26,8 @@ from enum import IntEnum
 PROTOCOL_VERSION = 6  # 3: a worker sends a batch's replies to a frontend as one message;
 # 4: ErrorCode.OUT_OF_MEMORY; 5: Heartbeat.pass_s, and a rerank row is the raw logit (the
 # frontend applies the activation), not the score; 6: Heartbeat's admission estimate (drain_rate,
-# drain_pass_s, queued_tokens)
+# drain_pass_s, queued_tokens), and a classification row is the raw logits (the frontend applies
+# the softmax)
 
 
 class Kind(IntEnum):

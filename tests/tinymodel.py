@@ -106,9 +106,9 @@ def build_tiny_classifier(target: Path, *, num_labels: int = 3, seed: int = 0,
 
 
 def reference_scores(model_dir: Path, inputs: list, max_tokens: int, raw: bool = False):
-    """The model run directly in transformers, one input at a time: softmax probabilities for
-    texts (a classifier), or sigmoid scores for (query, document) pairs (a cross-encoder; with
-    `raw`, its logits)."""
+    """The model run directly in transformers, one input (a text or a pair) at a time: a
+    classifier's softmax probabilities, or a cross-encoder's sigmoid score (with `raw`, their
+    logits)."""
     import numpy as np
     import torch
     from tokenizers import Tokenizer
@@ -125,8 +125,8 @@ def reference_scores(model_dir: Path, inputs: list, max_tokens: int, raw: bool =
             enc = tok.encode(*item) if isinstance(item, tuple) else tok.encode(item)
             logits = model(input_ids=torch.tensor([enc.ids]),
                            token_type_ids=torch.tensor([enc.type_ids])).logits[0]
-            if isinstance(item, tuple):
+            if model.config.num_labels == 1:  # a cross-encoder
                 out.append(logits[0] if raw else torch.sigmoid(logits)[0])
-            else:
-                out.append(torch.softmax(logits, -1))
+            else:  # a classifier, of a text or of a pair (an NLI model's)
+                out.append(logits if raw else torch.softmax(logits, -1))
     return np.stack([o.numpy() for o in out])

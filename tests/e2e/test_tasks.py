@@ -106,6 +106,46 @@ def test_classify_is_the_softmax_of_the_classifier(stack, dirs):
                                atol=1e-5)
 
 
+def test_tei_predict_classifies_texts_and_pairs(stack, dirs):
+    """TEI's /predict body on a classification model: one input (a text, or a pair of two
+    strings) or a batch of [text] and [first, second] lists; every label, best first;
+    raw_scores gives the logits."""
+    pair = (TEXTS[0], TEXTS[2])
+    items = [TEXTS[1], pair, TEXTS[3]]
+    want = reference_scores(dirs["clf"], items, TINY_MAX_TOKENS)
+    logits = reference_scores(dirs["clf"], items, TINY_MAX_TOKENS, raw=True)
+
+    def ranked(row):
+        order = np.argsort(-row, kind="stable")
+        return [LABELS[i] for i in order], row[order]
+
+    status, headers, body = stack.post_json("/predict", {
+        "inputs": [[TEXTS[1]], list(pair), [TEXTS[3]]], "model": "clf"})
+    assert status == 200 and headers["X-Model-Revision"] == "clf-r1", body
+    assert len(body) == 3
+    for got, row in zip(body, want):
+        labels, scores = ranked(row)
+        assert [p["label"] for p in got] == labels
+        np.testing.assert_allclose([p["score"] for p in got], scores, atol=1e-5)
+    # One pair, not a batch: one list back. raw_scores: the logits, best first.
+    status, _, body = stack.post_json("/predict", {"inputs": list(pair), "raw_scores": True})
+    assert status == 200, body
+    labels, scores = ranked(logits[1])
+    assert [p["label"] for p in body] == labels
+    np.testing.assert_allclose([p["score"] for p in body], scores, atol=1e-5)
+    status, _, body = stack.post_json("/predict", {"inputs": TEXTS[1]})  # one text
+    assert status == 200 and [p["label"] for p in body] == ranked(want[0])[0], body
+    # Too long without truncation: 413; TEI's shape on an embedding model: 422.
+    status, _, body = stack.post_json("/predict", {"inputs": [TEXTS[0], "word " * 200],
+                                                   "truncate": False})
+    assert status == 413 and body["error"]["param"] == "inputs", body
+    status, _, body = stack.post_json("/predict", {"inputs": "x", "model": "tiny"})
+    assert status == 422 and body["error"]["code"] == "unsupported_task", body
+    # The native body still embeds.
+    status, _, body = stack.post_json("/predict", {"texts": ["x"], "model": "tiny"})
+    assert status == 200 and len(body["results"][0]) == 32
+
+
 def test_rerank_scores_pairs_best_first(stack, dirs):
     query = "what moves token ids between processes?"
     docs = TEXTS + ["word " * 80]  # the last pair is cut to the model's 64 tokens
@@ -165,8 +205,15 @@ def test_huggingface_hubs_text_classification_at_the_servers_url(stack, dirs, mo
         np.testing.assert_allclose([x.score for x in got], want[best], atol=1e-5)
         assert [x.label for x in hub.text_classification(TEXTS[0], top_k=1)] == \
             [LABELS[best[0]]]
-        with pytest.raises(HfHubHTTPError) as info:
-            hub.text_classification(TEXTS[0], function_to_apply="sigmoid")
+        # The other scorings, from the logits: sigmoid per label, or the logits themselves.
+        logits = reference_scores(dirs["clf"], TEXTS[:1], TINY_MAX_TOKENS, raw=True)[0]
+        for applied, scores in (("sigmoid", 1 / (1 + np.exp(-logits))), ("none", logits)):
+            got = hub.text_classification(TEXTS[0], function_to_apply=applied)
+            order = np.argsort(-scores, kind="stable")
+            assert [x.label for x in got] == [LABELS[i] for i in order]
+            np.testing.assert_allclose([x.score for x in got], scores[order], atol=1e-5)
+        with pytest.raises(HfHubHTTPError) as info:  # the client sends what it is given
+            hub.text_classification(TEXTS[0], function_to_apply="tanh")
         assert info.value.response.status_code == 422
         # The same client's feature_extraction still embeds (no `parameters` in its body).
         assert hub.feature_extraction("x").shape[-1] == 32

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from frontend.tasks import activate
+from frontend.tasks import activate, softmax
 from frontend.tokenizer import TextEncoder
 from gpu_workers.model import Model, cpu_has_bf16, resolve_dtype
 from shmserve.config import ModelConfig
@@ -37,11 +37,24 @@ def run(model: Model, enc) -> np.ndarray:
 def test_classification_is_softmax_of_the_sequence_classifier(models):
     s = spec(models["clf"], "classification")
     assert s.labels == ("label-0", "label-1", "label-2") and s.dim == 3
-    got = run(Model(s, torch.device("cpu")), TextEncoder(s, truncate=True).encode(TEXTS))
-    want = reference_scores(models["clf"], TEXTS, 64)
-    assert got.shape == (4, 3)
-    np.testing.assert_allclose(got, want, atol=1e-5)
+    logits = run(Model(s, torch.device("cpu")), TextEncoder(s, truncate=True).encode(TEXTS))
+    assert logits.shape == (4, 3)  # the worker gives the logits
+    np.testing.assert_allclose(logits, reference_scores(models["clf"], TEXTS, 64, raw=True),
+                               atol=1e-5)
+    got = softmax(logits)  # the frontend applies the softmax
+    np.testing.assert_allclose(got, reference_scores(models["clf"], TEXTS, 64), atol=1e-5)
     np.testing.assert_allclose(got.sum(1), 1, atol=1e-5)
+
+
+def test_a_classifier_reads_pairs_and_texts_in_one_pass(models):
+    """TEI's /predict batch: an NLI model's (premise, hypothesis) pairs with texts alone; a
+    pass mixes them (and requests of either kind)."""
+    s = spec(models["clf"], "classification")
+    items = [TEXTS[0], (TEXTS[1], TEXTS[2]), TEXTS[3], (QUERY, TEXTS[0])]
+    model = Model(s, torch.device("cpu"))
+    got = run(model, TextEncoder(s, truncate=True).encode_mixed(items))
+    np.testing.assert_allclose(got, reference_scores(models["clf"], items, 64, raw=True),
+                               atol=1e-5)
 
 
 def test_rerank_scores_pairs_with_token_types_as_cross_encoder_does(models):

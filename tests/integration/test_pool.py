@@ -402,3 +402,31 @@ def test_a_text_whose_output_is_not_finite_fails_alone_with_500(cfg):
 
     run(scenario, worker, arena)
     assert "forward.non_finite" in (cfg.run_dir / "worker.log").read_text()
+
+
+def test_a_pass_mixing_pairs_and_single_texts_gives_each_its_own_rows(cfg):
+    """A classifier's requests may be pairs (TEI's /predict) or texts, and one pass may hold
+    both: a text alone is one segment, a pair two, whichever request comes first in the pass
+    (the worker once read the kind of the pass from its first text only)."""
+    worker = start_worker(cfg)
+    arena = frontend_arena(cfg)
+    pair = dataclasses.replace(encoded(2, 6), segments=np.array([3, 2], np.int32))
+    single = encoded(2, 6)
+
+    async def scenario():
+        async with dispatching(cfg, arena) as dispatcher:
+            def send(enc, name):
+                return dispatcher.run("tiny", 32, enc, name, time.time() + 10)
+
+            alone_pair = (await send(pair, "p")).vectors
+            alone_single = (await send(single, "s")).vectors
+            assert not np.allclose(alone_pair, alone_single)  # token types change the rows
+            for first, second in ((pair, single), (single, pair)):
+                # Submitted in one loop turn: one message, queued before the next pass.
+                a, b = await asyncio.gather(send(first, "a"), send(second, "b"))
+                assert a.result.batch_size == b.result.batch_size == 4  # one pass
+                got = {id(first): a.vectors, id(second): b.vectors}
+                np.testing.assert_allclose(got[id(pair)], alone_pair, atol=1e-5)
+                np.testing.assert_allclose(got[id(single)], alone_single, atol=1e-5)
+
+    run(scenario, worker, arena)

@@ -129,3 +129,31 @@ def test_openai_input_errors_name_what_it_takes(value, message):
         parse_openai_embeddings({"input": value}, LIMITS)
     assert info.value.param == "input" and info.value.message.startswith(message), \
         info.value.message
+
+
+def test_tei_predict_inputs_are_read_as_tei_reads_them():
+    from frontend.tei import predict_inputs
+
+    assert predict_inputs("a", LIMITS) == (["a"], False)
+    assert predict_inputs(["a"], LIMITS) == (["a"], False)
+    assert predict_inputs(["a", "b"], LIMITS) == ([("a", "b")], False)  # one pair
+    assert predict_inputs([["a"], ["b", "c"], ["d"]], LIMITS) == (["a", ("b", "c"), "d"], True)
+
+
+@pytest.mark.parametrize("value, status, needle", [
+    ([], 422, "non-empty batch"),
+    (["a", "b", "c"], 422, "a list of 3 strings"),
+    ([["a", "b", "c"]], 422, "'inputs[0]' must be a string, [text] or [first, second]"),
+    ([["a"], []], 422, "'inputs[1]'"),
+    ([["a"], "b"], 422, "'inputs[1]'"),  # a batch holds lists
+    ([["a", 1]], 422, "'inputs[0]'"),
+    ({"a": 1}, 422, "'inputs' must be"),
+    ([["x" * 21]], 413, "'inputs[0][0]'"),
+    ([["a"]] * 5, 413, "the limit is 4"),
+])
+def test_tei_predict_inputs_refused(value, status, needle):
+    from frontend.tei import predict_inputs
+
+    with pytest.raises(ApiError) as info:
+        predict_inputs(value, LIMITS)
+    assert info.value.status == status and needle in info.value.message, info.value.message

@@ -222,3 +222,23 @@ def test_a_long_text_refused_uncut_says_more_than(spec):
     assert info.value.status == 413
     assert re.match(r"'texts\[1\]' has more than \d+ tokens; the model's limit is 256 ",
                     info.value.message), info.value.message
+
+
+def test_texts_and_pairs_in_one_request_as_the_tokenizer_reads_them(spec):
+    """TEI's /predict batch: a pair as two segments, a text alone as one, each as the
+    tokenizer encodes it, long ones included (cut from a piece, as encode and encode_pairs)."""
+    from tokenizers import Tokenizer
+
+    whole = Tokenizer.from_file(str(spec.directory / "tokenizer.json"))
+    whole.no_padding()
+    whole.enable_truncation(max_length=256)
+    items = ["a premise", ("a premise", "a hypothesis"), "word " * 3000,
+             ("long " * 3000, "short hypothesis"), ("short premise", "long " * 3000)]
+    got = TextEncoder(spec, truncate=True).encode_mixed(items)
+    want = whole.encode_batch(items)
+    assert _rows(got) == [e.ids for e in want]
+    assert got.segments.tolist() == [e.type_ids.index(1) if 1 in e.type_ids else len(e.ids)
+                                     for e in want]
+    assert got.truncated == 3
+    plain = TextEncoder(spec, truncate=True).encode_mixed(["a premise", "another"])
+    assert plain.segments is None  # texts alone: one segment each, as encode gives them
