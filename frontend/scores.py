@@ -11,7 +11,8 @@
         -> {"id", "model", "revision", "results": [{"index", "relevance_score",
             "document"?: {"text"}}], "usage"}   (Cohere's and Jina's shape, best first)
     POST /v2/rerank    the same, as Cohere's v2 client sends it; its answer adds Cohere's
-                       "meta" (one search unit); "max_tokens_per_doc" is refused (422)
+                       "meta" (one search unit); "max_tokens_per_doc" (v2), "max_chunks_per_doc"
+                       and "rank_fields" other than ["text"] (v1) are refused (422)
 
 Every body may also carry "priority" and "user" (an A/B sticky key, see models.sticky_key).
 The running itself is frontend.tasks.
@@ -74,10 +75,15 @@ async def rerank(request: web.Request) -> web.Response:
                               "documents", limits)
     top_n = schemas.count(body, "top_n")
     back = schemas.flag(body, "return_documents", False)
-    if body.get("max_tokens_per_doc") is not None:
-        raise ApiError("invalid_request", "'max_tokens_per_doc' is not supported: each query "
-                       "and document pair is cut to the model's limit (limits.truncate)",
-                       param="max_tokens_per_doc")
+    for key in ("max_tokens_per_doc", "max_chunks_per_doc"):  # Cohere's v2 and v1
+        if body.get(key) is not None:
+            raise ApiError("invalid_request", f"'{key}' is not supported: each query and "
+                           "document pair is cut to the model's limit (limits.truncate)",
+                           param=key)
+    if body.get("rank_fields") not in (None, ["text"]):  # Cohere v1's, for object documents
+        raise ApiError("invalid_request", "'rank_fields' is not supported: documents are "
+                       "ranked by their text (a string, or an object's 'text')",
+                       param="rank_fields")
     out = await tasks.rerank(request, schemas.model_name(body), query, documents,
                              priority=schemas.body_priority(body), user=schemas.user(body))
     order = out.order()[:top_n]

@@ -155,8 +155,8 @@ async def run(request: web.Request, served: ServedModel,
     inflight = request.app[INFLIGHT]
     if inflight[0] >= cfg.frontends.max_inflight:
         metrics.refused("inflight").inc()
-        raise ApiError("overloaded", f"{inflight[0]} requests in flight on this frontend "
-                       "(frontends.max_inflight)", retry_after=1)
+        raise ApiError("overloaded", f"{inflight[0]} request{'s' * (inflight[0] != 1)} in "
+                       "flight on this frontend (frontends.max_inflight)", retry_after=1)
     # What the worker would refuse, refused here before tokenizing: in a burst the 429 comes
     # before the frontend has tokenized the requests ahead of it, and the cores go to the work
     # admitted (shmserve.admission).
@@ -218,8 +218,8 @@ def refuse_early(request: web.Request, variant: Variant, priority: int, deadline
                  tokens: int = 0) -> None:
     """429 now if every worker that serves `variant` would refuse the request by its admission
     rule (workers.refuse_past_deadline; frontend.pool.WorkerPool.behind)."""
-    if not request.app[CONFIG].workers.refuse_past_deadline:
-        return
+    if not request.app[CONFIG].workers.refuse_past_deadline or time.time() >= deadline:
+        return  # a deadline already passed is answered 504 (run)
     why = request.app[DISPATCHER].pool.behind(variant.unit, priority, deadline, tokens)
     if why is not None:
         metrics.refused("deadline").inc()

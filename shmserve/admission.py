@@ -90,7 +90,9 @@ def finish_s(queued: float, tokens: int, rate: float, pass_s: float) -> float:
 
 
 def too_late(finish: float, now: float, deadline: float, share: float = SHARE) -> bool:
-    return finish > share * (deadline - now)
+    """Whether a request `finish` seconds from `now` (finish_s: 0.0 for one always admitted)
+    should be refused for its deadline."""
+    return finish > 0.0 and finish > share * (deadline - now)
 
 
 def explain(finish: float, now: float, deadline: float, whose: str = "the worker's queue") -> str:

@@ -19,8 +19,8 @@ number; ``format="json"`` sends and reads JSON. ``timeout`` (seconds) is sent as
 token, for a server with ``auth.api_keys``.
 
 `Client` uses only the standard library: one keep-alive connection (``http.client``), so one
-thread per client; a connection the server closed while idle is reopened once. `AsyncClient`
-uses aiohttp, imported when the first one is made: this package never imports aiohttp (nor
+thread per client; a connection the server closed while idle is reopened once (`AsyncClient`
+retries once too). `AsyncClient` uses aiohttp, imported when the first one is made: this package never imports aiohttp (nor
 torch) at import time, and sync users need not install it. Every failure raises
 `ShmserveError`: ``status`` and ``body`` are the server's, or None when no answer came.
 """
@@ -93,6 +93,8 @@ class _Base:
 
     def _rerank_request(self, query: str, documents: Sequence[str], model: str | None,
                         request_id: str | None) -> tuple[bytes, dict[str, str]]:
+        if isinstance(documents, (str, bytes)):  # else each character would be a document
+            raise TypeError("documents must be a sequence of strings, not one string")
         return self._request({"query": query, "documents": list(documents)}, model, request_id)
 
     def _request(self, body: dict[str, Any], model: str | None,
@@ -160,6 +162,9 @@ def _scores(body: dict[str, Any], count: int) -> np.ndarray:
 
 def _matrix(body: dict[str, Any], single: bool) -> np.ndarray:
     rows = body["results"]
+    if rows and isinstance(rows[0], list) and rows[0] and isinstance(rows[0][0], dict):
+        raise ShmserveError(f"model {body.get('model')!r} is a classification model: /predict "
+                            "answered its labels, not vectors; use classify()")
     if rows and isinstance(rows[0], bytes):  # msgpack: raw little-endian float32
         matrix = np.stack([np.frombuffer(r, "<f4") for r in rows])
     else:
@@ -204,7 +209,12 @@ class Client(_Base):
         return [m["id"] for m in body["data"]]
 
     def ready(self) -> bool:
-        status, _, _ = self._call("GET", "/ready", None, self._headers(None))
+        """Whether the server answers /ready with 200; False also while it cannot be reached
+        (starting), so ``while not client.ready()`` waits for it."""
+        try:
+            status, _, _ = self._call("GET", "/ready", None, self._headers(None))
+        except ShmserveError:
+            return False
         return status == 200
 
     def close(self) -> None:
@@ -288,7 +298,11 @@ class AsyncClient(_Base):
         return [m["id"] for m in body["data"]]
 
     async def ready(self) -> bool:
-        status, _, _ = await self._call("GET", "/ready", None, self._headers(None))
+        """As Client.ready."""
+        try:
+            status, _, _ = await self._call("GET", "/ready", None, self._headers(None))
+        except ShmserveError:
+            return False
         return status == 200
 
     async def close(self) -> None:
@@ -308,12 +322,19 @@ class AsyncClient(_Base):
         if self._session is None:  # made inside the running loop
             self._session = aiohttp.ClientSession(
                 timeout=aiohttp.ClientTimeout(total=self.timeout + ANSWER_MARGIN_S))
-        try:
-            async with self._session.request(method, self.url + path, data=body,
-                                             headers=headers) as response:
-                raw = await response.read()
-                return response.status, response.headers.get("Content-Type", ""), raw
-        except TimeoutError as exc:
-            raise ShmserveError(f"{self.url}: no answer within {self.timeout}s") from exc
-        except aiohttp.ClientError as exc:
-            raise ShmserveError(f"{self.url}: {type(exc).__name__}: {exc}") from exc
+        for attempt in range(2):
+            try:
+                async with self._session.request(method, self.url + path, data=body,
+                                                 headers=headers) as response:
+                    raw = await response.read()
+                    return response.status, response.headers.get("Content-Type", ""), raw
+            except TimeoutError as exc:
+                raise ShmserveError(f"{self.url}: no answer within {self.timeout}s") from exc
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+                # A kept-alive connection the server closed while idle: once more, on a new
+                # one, as Client does (inference is idempotent). Not a refused connection.
+                if attempt or isinstance(exc, aiohttp.ClientConnectorError):
+                    raise ShmserveError(f"{self.url}: {type(exc).__name__}: {exc}") from exc
+            except aiohttp.ClientError as exc:
+                raise ShmserveError(f"{self.url}: {type(exc).__name__}: {exc}") from exc
+        raise AssertionError("unreachable")

@@ -233,6 +233,16 @@ def test_coheres_clients_rerank_on_v1_and_v2(stack, dirs):
     assert [r.index for r in got.results] == best
     np.testing.assert_allclose([r.relevance_score for r in got.results], want[best], atol=1e-5)
     assert [r.document.text for r in got.results] == [TEXTS[i] for i in best]
+    with cohere.Client(api_key="unused", base_url=stack.url) as v1:
+        # v1's options this server does not do are refused, not ignored; ["text"] is what it
+        # does anyway.
+        got = v1.rerank(model="ce", query=query, documents=[{"text": t} for t in TEXTS],
+                        rank_fields=["text"])
+        assert sorted(r.index for r in got.results) == [0, 1, 2, 3]
+        for option in ({"rank_fields": ["title"]}, {"max_chunks_per_doc": 3}):
+            with pytest.raises(cohere.UnprocessableEntityError) as info:
+                v1.rerank(model="ce", query=query, documents=TEXTS, **option)
+            assert info.value.body["error"]["param"] == next(iter(option))
     with cohere.ClientV2(api_key="unused", base_url=stack.url) as v2:
         got = v2.rerank(model="ce", query=query, documents=TEXTS, top_n=3)
         assert [r.index for r in got.results] == best

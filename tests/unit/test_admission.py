@@ -75,3 +75,11 @@ def test_the_warm_up_seed_is_taken_slower_than_it_ran():
     backlog.seed(3_000, 1.0)
     assert SEED_SLOWDOWN > 1 and backlog.rate == 3_000 / SEED_SLOWDOWN
     assert backlog.pass_s == SEED_SLOWDOWN
+
+
+def test_nothing_ahead_is_admitted_even_past_its_deadline():
+    """... and then dropped as late (504), not refused as overloaded (429)."""
+    backlog = measured()
+    assert backlog.refusal(0, 500, NOW, NOW - 1) is None
+    backlog.add(0, 10)
+    assert backlog.refusal(0, 500, NOW, NOW - 1) is not None

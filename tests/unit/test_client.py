@@ -71,9 +71,21 @@ def test_nothing_listening_is_a_typed_error_without_status():
 
 async def test_async_nothing_listening():
     async with AsyncClient(f"http://127.0.0.1:{free_port()}", timeout=5) as client:
+        assert await client.ready() is False  # a server still starting: wait and ask again
         with pytest.raises(ShmserveError) as info:
-            await client.ready()
+            await client.embed("x")
     assert info.value.status is None
+    with Client(f"http://127.0.0.1:{free_port()}", timeout=5) as client:
+        assert client.ready() is False
+
+
+def test_what_the_answer_is_not_says_so():
+    """/predict answers a classification model's labels: embed() says to use classify()."""
+    labels = {"results": [[{"label": "a", "score": 0.9}]], "model": "clf"}
+    with pytest.raises(ShmserveError, match="'clf' is a classification model.*classify"):
+        _matrix(labels, False)
+    with pytest.raises(TypeError, match="not one string"):
+        Client("http://h")._rerank_request("q", "one document", None, None)
 
 
 def test_importing_the_client_pulls_in_neither_aiohttp_nor_torch():
@@ -119,5 +131,61 @@ def test_a_keepalive_connection_closed_while_idle_is_reopened_once():
             assert client.embed("b").tolist() == [1.0, 1.0]  # on a new connection
         thread.join(10)
         assert served == [b"POST /predict HTTP/1.1"] * 2
+    finally:
+        listener.close()
+
+
+def test_a_request_sent_as_the_server_closes_an_idle_connection_is_sent_again():
+    """The race a keep-alive connection has: the server closes it (idle timeout, a restarted
+    nginx) just as the client sends the next request on it. Both clients send it once more on
+    a new connection (inference is idempotent)."""
+    import asyncio
+    import socket
+    import threading
+
+    body = msgpack.packb({"results": [np.ones(2, "<f4").tobytes()]})
+    reply = (b"HTTP/1.1 200 OK\r\nContent-Type: application/msgpack\r\n"
+             b"Content-Length: %d\r\n\r\n" % len(body)) + body
+    listener = socket.create_server(("127.0.0.1", 0))
+    answered = []
+
+    def read_request(conn) -> bytes:
+        data = b""
+        while b"\r\n\r\n" not in data:
+            chunk = conn.recv(65536)
+            if not chunk:
+                return b""
+            data += chunk
+        head, rest = data.split(b"\r\n\r\n", 1)
+        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                          if line.lower().startswith(b"content-length")))
+        while len(rest) < length:
+            rest += conn.recv(65536)
+        return head
+
+    def serve():
+        for _ in range(4):  # per client: one connection that dies, then a new one
+            conn, _ = listener.accept()
+            with conn:
+                if read_request(conn):
+                    conn.sendall(reply)
+                    answered.append(1)
+                    read_request(conn)  # the next request arrives: close without answering
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    try:
+        with Client(url, timeout=10) as client:
+            assert client.embed("a").tolist() == [1.0, 1.0]
+            assert client.embed("b").tolist() == [1.0, 1.0]
+
+        async def twice():
+            async with AsyncClient(url, timeout=10) as client:
+                return [(await client.embed(t)).tolist() for t in "ab"]
+
+        assert asyncio.run(twice()) == [[1.0, 1.0]] * 2
+        thread.join(10)
+        assert len(answered) == 4
     finally:
         listener.close()
