@@ -24,7 +24,7 @@ of one burst (a sustainable load should see no 429 and no 504). `--a-rev REV` ru
 code from a git worktree of REV, as scripts/ab.py does.
 
 Per side and round it prints the answers by status, the 200s' median and slowest latency, when
-the last 429 came, and the texts answered 200 per second of the burst (goodput).
+the 429s came (median and last), and the texts answered 200 per second of the burst (goodput).
 """
 
 from __future__ import annotations
@@ -79,10 +79,11 @@ async def fire(url: str, bodies: list[list[str]], deadline: float, arrivals: lis
         elapsed = time.perf_counter() - begin
     statuses = collections.Counter(r[0] for r in results)
     ok = sorted(r[1] for r in results if r[0] == 200)
-    refused = [r[2] for r in results if r[0] == 429]
+    refused = sorted(r[2] for r in results if r[0] == 429)
     return {"statuses": dict(sorted(statuses.items())),
             "ok_p50_s": ok[len(ok) // 2] if ok else None, "ok_max_s": ok[-1] if ok else None,
-            "last_429_s": max(refused) if refused else None,
+            "p50_429_s": refused[len(refused) // 2] if refused else None,
+            "last_429_s": refused[-1] if refused else None,
             "goodput_texts_per_s": sum(r[3] for r in results if r[0] == 200) / elapsed,
             "elapsed_s": elapsed}
 
@@ -93,7 +94,7 @@ def describe(r: dict) -> str:
     return (f"200/504/429/other {s.get(200, 0)}/{s.get(504, 0)}/{s.get(429, 0)}/"
             f"{sum(v for k, v in s.items() if k not in (200, 504, 429))}, "
             f"200s p50 {cell(r['ok_p50_s'])} s max {cell(r['ok_max_s'])} s, "
-            f"last 429 at {cell(r['last_429_s'])} s, "
+            f"429s at p50 {cell(r['p50_429_s'])} s last {cell(r['last_429_s'])} s, "
             f"goodput {r['goodput_texts_per_s']:.1f} texts/s")
 
 

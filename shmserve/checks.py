@@ -32,6 +32,7 @@ CHECKS: dict[str, Check] = {
     "nginx.client_header_timeout_s": _POSITIVE_INT,
     "nginx.send_timeout_s": _POSITIVE_INT,
     "nginx.proxy_read_timeout_s": _POSITIVE_INT,
+    "nginx.probe_timeout_s": _POSITIVE_INT,
     "nginx.upstream_keepalive": _POSITIVE_INT,
     "nginx.worker_processes": (lambda v: v == "auto" or (isinstance(v, int) and v >= 1),
                                "auto or an integer >= 1"),

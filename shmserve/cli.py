@@ -188,7 +188,7 @@ def down(args: argparse.Namespace) -> int:
     if pid is None:
         print(f"shmserve: supervisord was not running (run_dir {cfg.run_dir}); stopped the "
               f"processes it had left running: pids {', '.join(map(str, left))}" if left else
-              f"shmserve: not running (run_dir {cfg.run_dir})")
+              f"shmserve: {processes.not_running(cfg)}")
     return 0
 
 
@@ -208,7 +208,7 @@ def status(args: argparse.Namespace) -> int:
                   f"{served.host}:{served.port}: pids {', '.join(map(str, left))}; "
                   "`shmserve down` stops them, `shmserve up` replaces them")
             return 1
-        print(f"shmserve: not running (run_dir {cfg.run_dir})")
+        print(f"shmserve: {processes.not_running(cfg)}")
         return 3
     if args.watch is not None and args.watch <= 0:
         raise CliError("--watch needs a positive number of seconds")

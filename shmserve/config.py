@@ -43,6 +43,9 @@ class NginxConfig:
     client_header_timeout_s: int = 15
     send_timeout_s: int = 60
     proxy_read_timeout_s: int = 120
+    # GET /health, /ready and KServe's health routes: a frontend that has not answered within
+    # this goes to the next one (a frozen frontend must not fail every other probe).
+    probe_timeout_s: int = 2
     upstream_keepalive: int = 64
     admin_loopback_only: bool = True
     # Browser origins allowed to call the API (CORS, answered by nginx): ["*"] for any, or

@@ -158,3 +158,10 @@ def alive(pid: int) -> bool:
         return False
     except psutil.AccessDenied:
         return True
+
+
+def not_running(cfg: Config) -> str:
+    """What the CLI says when no deployment runs in `cfg`'s run directory: one started with
+    another run_dir is reached only by naming it again."""
+    return (f"not running (run_dir {cfg.run_dir}; a deployment started with another "
+            "server.run_dir is reached with the same --config or SHMSERVE__SERVER__RUN_DIR)")

@@ -62,7 +62,7 @@ def admin_call(cfg: Config, method: str, path: str, body: dict | None = None,
                timeout: float = 30.0) -> tuple[int, object]:
     """Call an admin route through nginx with admin.token; (status, decoded JSON body)."""
     if processes.supervisord_pid(cfg) is None:  # not "no token": nothing to ask at all
-        raise RemoteError(f"not running (run_dir {cfg.run_dir})")
+        raise RemoteError(processes.not_running(cfg))
     if not cfg.admin.token:
         raise RemoteError("admin routes are off in this deployment: start it with admin.token "
                           "set (SHMSERVE__ADMIN__TOKEN=... shmserve up, or in a config file)")

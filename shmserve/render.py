@@ -101,14 +101,15 @@ def render(cfg: Config) -> None:
 
 
 def resolved(cfg: Config) -> Config:
-    """The config with an absolute run_dir and the worker devices decided: no more "auto", and
-    one list entry per worker (per_gpu folded in)."""
-    devices = topology.worker_devices(cfg)
-    chosen: str | list[int] = (topology.CPU if topology.CPU in devices
-                               else [int(d) for d in devices])
+    """The config with an absolute run_dir and the worker devices decided: "auto" becomes the
+    GPUs found, or cpu (`workers.per_gpu` stays as configured: each GPU listed gets that many
+    workers, topology.worker_devices)."""
+    devices = cfg.workers.devices
+    if devices == "auto":
+        devices = topology.visible_gpus() or topology.CPU
     return dataclasses.replace(
         cfg, server=dataclasses.replace(cfg.server, run_dir=str(cfg.run_dir)),
-        workers=dataclasses.replace(cfg.workers, devices=chosen, per_gpu=1))
+        workers=dataclasses.replace(cfg.workers, devices=devices))
 
 
 def nginx_binary(cfg: Config) -> str:
@@ -143,6 +144,7 @@ def render_nginx(cfg: Config) -> str:
         "client_header_timeout": f"{n.client_header_timeout_s}s",
         "send_timeout": f"{n.send_timeout_s}s",
         "proxy_read_timeout": f"{n.proxy_read_timeout_s}s",
+        "probe_timeout": f"{n.probe_timeout_s}s",
         "upstream_servers": "\n".join(servers),
         "upstream_keepalive": str(n.upstream_keepalive),
         "listen": f"{host}:{cfg.server.port}",

@@ -26,7 +26,7 @@ def restart(args: argparse.Namespace) -> int:
     waited for. `--all-at-once`: supervisorctl's restart of the whole group."""
     cfg = processes.deployment(args)
     if processes.supervisord_pid(cfg) is None:
-        raise CliError(f"not running (run_dir {cfg.run_dir})")
+        raise CliError(processes.not_running(cfg))
     if drift := config_drift(args, cfg):
         print(f"shmserve: warning: {drift}", file=sys.stderr, flush=True)
     target = restart_target(args.target)

@@ -81,6 +81,9 @@ def test_manifests_agree_with_the_config_the_pods_load(overlay, tmp_path):
     assert main["readinessProbe"]["httpGet"]["path"] == "/ready"
     for probe in ("livenessProbe", "startupProbe"):
         assert main[probe]["httpGet"]["path"] == "/health"
+    # Time for nginx to give a probe to the next frontend when one does not answer.
+    for probe in ("livenessProbe", "startupProbe", "readinessProbe"):
+        assert main[probe]["timeoutSeconds"] > cfg.nginx.probe_timeout_s
     # /dev/shm holds one arena a frontend.
     dshm = {v["name"]: v for v in pod["volumes"]}["dshm"]["emptyDir"]
     assert dshm["medium"] == "Memory"

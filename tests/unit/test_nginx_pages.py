@@ -165,3 +165,62 @@ def test_cors_off_by_default_and_any_origin_with_a_star(tmp_path):
 def test_a_bad_cors_origin_is_refused_naming_the_key(tmp_path, origins):
     with pytest.raises(config.ConfigError, match="nginx.cors_allow_origins"):
         make_config(tmp_path, nginx={"cors_allow_origins": origins})
+
+
+def test_a_probe_skips_a_frozen_frontend_for_the_next_one(tmp_path):
+    """GET /ready and /health through nginx when one frontend accepts connections and never
+    answers (stopped, its event loop stuck): each probe is answered, by the live frontend, at
+    most nginx.probe_timeout_s late, not left hanging for proxy_read_timeout."""
+    import socket
+    import threading
+    import time
+
+    cfg = make_config(tmp_path / "run", frontends={"count": 2},
+                      nginx={"probe_timeout_s": 1})
+    render.render(cfg)
+    frozen = socket.socket(socket.AF_UNIX)
+    frozen.bind(str(topology.frontend_socket(cfg, 0)))
+    frozen.listen(64)  # the kernel accepts for it; nobody reads
+    live = socket.socket(socket.AF_UNIX)
+    live.bind(str(topology.frontend_socket(cfg, 1)))
+    live.listen(64)
+
+    def answer(conn):
+        with conn:
+            data = b""
+            while chunk := conn.recv(65536):
+                data += chunk
+                while b"\r\n\r\n" in data:
+                    _, data = data.split(b"\r\n\r\n", 1)
+                    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\nlive")
+
+    def serve():
+        while True:
+            try:
+                conn, _ = live.accept()
+            except OSError:
+                return
+            threading.Thread(target=answer, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    conf = render.nginx_conf(cfg)
+    log = (topology.log_dir(cfg) / "nginx.log").open("w")
+    proc = subprocess.Popen([sys.executable, "-m", "shmserve.nginxrun", "--binary",
+                             render.nginx_binary(cfg), str(conf)], stdout=log, stderr=log)
+    try:
+        wait_until(lambda: port_answers(cfg.server.port) or proc.poll() is not None, 30)
+        times = []
+        for path in ("/ready", "/health", "/v2/health/ready", "/ready") * 2:
+            began = time.monotonic()
+            status, _, body = request(cfg, "GET", path)
+            times.append(time.monotonic() - began)
+            assert (status, body) == (200, b"live"), (path, status, body)
+        assert max(times) < 3, times  # the probe timeout (1 s) and the answer, not 120 s
+        assert max(times) >= 0.9, times  # some went to the frozen frontend first
+    finally:
+        proc.send_signal(signal.SIGQUIT)
+        proc.wait(timeout=30)
+        nginxrun.kill_all(conf)
+        log.close()
+        frozen.close()
+        live.close()

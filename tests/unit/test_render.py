@@ -73,9 +73,10 @@ def test_per_gpu_runs_that_many_workers_on_each_gpu(tmp_path, monkeypatch):
     devices = [workers[f"worker-{i}"].environment["CUDA_VISIBLE_DEVICES"] for i in range(4)]
     assert sorted(workers) == [f"worker-{i}" for i in range(4)]
     assert devices == ["0", "0", "1", "1"]
-    # Every process reads the resolved file: it must name the same four workers, not eight.
+    # Every process reads the resolved file: it must name the same four workers, not eight,
+    # and say what was configured (`shmserve config` prints it).
     resolved = config.load_resolved(topology.resolved_config_path(cfg))
-    assert resolved.workers.devices == [0, 0, 1, 1] and resolved.workers.per_gpu == 1
+    assert resolved.workers.devices == [0, 1] and resolved.workers.per_gpu == 2
     assert topology.worker_devices(resolved) == devices
 
 
