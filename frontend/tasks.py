@@ -180,7 +180,7 @@ async def run(request: web.Request, served: ServedModel,
         if time.time() > deadline:  # no work goes to a worker past its deadline
             raise ApiError.deadline_passed()
         if enc.tokens and chars > THREAD_TOKENIZE_CHARS:
-            # Again with its tokens: the requests sent while it was tokenized count now.
+            # Again with its tokens, and the heartbeats heard while it was tokenized.
             refuse_early(request, variant, priority, deadline, enc.tokens)
         request[TOKENIZE_MS] = (time.perf_counter() - started) * 1000
         fields = request[LOG_FIELDS]

@@ -42,7 +42,7 @@ class FakePool:
         self._seq += 1
         return self._seq
 
-    def submit(self, link, msg, texts, on_settled, tokens=0):
+    def submit(self, link, msg, texts, on_settled):
         self.sent.append(link.index)
         self.outputs.append(msg.output)
         future = asyncio.get_running_loop().create_future()

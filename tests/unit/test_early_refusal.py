@@ -1,20 +1,17 @@
 """A frontend's early refusal (WorkerPool.behind): what every ready worker's admission rule
-would refuse, judged from its heartbeats and what this frontend has sent it, before tokenizing."""
+would refuse, judged from its heartbeats, before tokenizing."""
 
-import asyncio
 import time
 
 import pytest
 
-from frontend.pool import WorkerPool, consume
+from frontend.pool import WorkerPool
 from shmserve import config
 from shmserve.admission import SHARE
-from shmserve.protocol import (PROTOCOL_VERSION, Heartbeat, ModelInfo, Queued, Result,
-                               ShmHandle, Submit)
+from shmserve.protocol import PROTOCOL_VERSION, Heartbeat, ModelInfo, Queued
 from tests.stack import free_port
 
 RATE = 1000.0  # tokens/s each worker drains a backlog at, in the heartbeats below
-HANDLE = ShmHandle("shmserve-test", 0, 0, "int32", (0,))
 
 
 @pytest.fixture
@@ -84,29 +81,3 @@ def test_no_ready_worker_for_the_model_is_not_an_early_refusal(pool):
         beat(pool, index, Queued(0, 10**6), served="b")
     assert pool.behind("a", 0, due(1.0)) is None  # the dispatcher answers 503 for that
     assert pool.behind("b", 0, due(1.0)) is not None
-
-
-def test_what_this_frontend_sent_counts_until_answered(pool):
-    """Between heartbeats, in a burst: the worker's last beat showed an empty queue."""
-    for index in (0, 1):
-        beat(pool, index)
-
-    async def scenario():
-        sent = []
-        for index, link in enumerate(pool.links):
-            msg = Submit(index + 1, "r", "a", HANDLE, HANDLE, HANDLE, due(60), 0, HANDLE)
-            sent.append(pool.submit(link, msg, 8, lambda: None, tokens=8000))
-        assert pool.behind("a", 0, due(5.0)) is not None  # 8.1 s of work on each
-        assert pool.behind("a", 1, due(5.0)) is None  # a higher priority is not behind it
-        pool._settle(pool.links[0], Result(1, 0.0, 1.0, 8, 8000, "r"))
-        assert pool.behind("a", 0, due(5.0)) is None
-        assert pool.links[1].tokens == {0: 8000}
-        pool._fail_pending(pool.links[1], "test", hold=False)
-        assert pool.links[1].tokens == {}
-        assert all(future.done() for future in sent)
-        for future in sent:
-            consume(future)  # the failed one's WorkerGone, retrieved
-        for link in pool.links:
-            link.outbox.clear()  # nothing is sent: no worker listens
-
-    asyncio.run(scenario())
