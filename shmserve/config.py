@@ -46,6 +46,12 @@ class NginxConfig:
     # GET /health, /ready and KServe's health routes: a frontend that has not answered within
     # this goes to the next one (a frozen frontend must not fail every other probe).
     probe_timeout_s: int = 2
+    # Per-client rate limit on every route but the probes and /admin (nginx's limit_req): past
+    # rate_limit_per_s requests a second, with bursts of rate_limit_burst more, a client gets
+    # 429 from nginx at once. The client: its address (ip) or its bearer token (api_key). 0: off.
+    rate_limit_per_s: int = 0
+    rate_limit_burst: int = 0
+    rate_limit_key: str = "ip"
     upstream_keepalive: int = 64
     admin_loopback_only: bool = True
     # Browser origins allowed to call the API (CORS, answered by nginx): ["*"] for any, or

@@ -55,6 +55,8 @@ NGINX_ERRORS: dict[int, tuple[str, str]] = {
     413: ("too_large", "request body larger than nginx.client_max_body_size ({max_body})"),
     414: ("headers_too_large", "request line too long (nginx.large_client_header_buffers)"),
     415: ("unsupported_media_type", "Content-Encoding must be gzip, deflate, br or identity"),
+    429: ("overloaded", "more requests from this client than nginx.rate_limit_per_s allows; "
+          "retry later"),
     494: ("headers_too_large", "request headers too large (nginx.large_client_header_buffers)"),
     500: ("internal_error", "internal error in nginx"),
     502: ("unavailable", "no frontend answered; see `shmserve status`"),
@@ -145,6 +147,7 @@ def render_nginx(cfg: Config) -> str:
         "send_timeout": f"{n.send_timeout_s}s",
         "proxy_read_timeout": f"{n.proxy_read_timeout_s}s",
         "probe_timeout": f"{n.probe_timeout_s}s",
+        **rate_limit(n),
         "upstream_servers": "\n".join(servers),
         "upstream_keepalive": str(n.upstream_keepalive),
         "listen": f"{host}:{cfg.server.port}",
@@ -153,6 +156,20 @@ def render_nginx(cfg: Config) -> str:
         "access_log_buffer": access_log_buffer(cfg),
         **cors(n.cors_allow_origins),
     })
+
+
+def rate_limit(n) -> dict[str, str]:
+    """nginx's limit_req zone (http level) and its use (a location), or comments when off. A
+    request whose key is empty (no Authorization header, with the api_key key) is not limited:
+    with auth.api_keys set, it is answered 401 anyway."""
+    if not n.rate_limit_per_s:
+        return {"rate_limit_zone": "    # nginx.rate_limit_per_s: 0, no per-client rate limit",
+                "rate_limit": "            # no per-client rate limit"}
+    key = "$binary_remote_addr" if n.rate_limit_key == "ip" else "$http_authorization"
+    return {"rate_limit_zone": f"    limit_req_zone {key} zone=shmserve_clients:10m "
+                               f"rate={n.rate_limit_per_s}r/s;\n    limit_req_status 429;",
+            "rate_limit": "            limit_req zone=shmserve_clients "
+                          f"burst={n.rate_limit_burst} nodelay;"}
 
 
 def cors(origins: list[str]) -> dict[str, str]:

@@ -224,3 +224,44 @@ def test_a_probe_skips_a_frozen_frontend_for_the_next_one(tmp_path):
         log.close()
         frozen.close()
         live.close()
+
+
+@pytest.mark.parametrize("key", ["ip", "api_key"])
+def test_a_client_past_the_rate_limit_gets_429_from_nginx(tmp_path, key):
+    """nginx.rate_limit_per_s: past the rate (and the burst), 429 at once in the error shape
+    and format every other page has, with Retry-After; probes are not limited; a client is its
+    address or its bearer token. No frontend runs here: what passes the limit gets nginx's
+    502."""
+    cfg = make_config(tmp_path / "run", frontends={"count": 1},
+                      nginx={"rate_limit_per_s": 1, "rate_limit_burst": 2,
+                             "rate_limit_key": key})
+    one = {"Authorization": "Bearer client-one"}
+    render.render(cfg)
+    conf = render.nginx_conf(cfg)
+    log = (topology.log_dir(cfg) / "nginx.log").open("w")
+    proc = subprocess.Popen([sys.executable, "-m", "shmserve.nginxrun", "--binary",
+                             render.nginx_binary(cfg), str(conf)], stdout=log, stderr=log)
+    try:
+        wait_until(lambda: port_answers(cfg.server.port) or proc.poll() is not None, 30)
+        answers = [request(cfg, "POST", "/v1/embeddings", b"{}", one) for _ in range(6)]
+        assert [status for status, _, _ in answers] == [502] * 3 + [429] * 3
+        # Another key from the same address: its own client with api_key, the same with ip.
+        other = request(cfg, "POST", "/v1/embeddings", b"{}",
+                        {"Authorization": "Bearer client-two"})[0]
+        assert other == (502 if key == "api_key" else 429)
+        _, headers, body = answers[-1]
+        assert headers["Retry-After"] == "1" and headers["Content-Type"] == "application/json"
+        assert json.loads(body)["error"]["type"] == "overloaded"
+        assert "nginx.rate_limit_per_s" in json.loads(body)["error"]["message"]
+        status, headers, body = request(cfg, "POST", "/predict", b"{}",
+                                        {"Accept": "application/msgpack", **one})
+        assert status == 429 and msgpack.unpackb(body)["error"]["type"] == "overloaded"
+        status, _, body = request(cfg, "POST", "/v2/models/m/infer", b"{}", one)
+        assert status == 429 and isinstance(json.loads(body)["error"], str)  # KServe's shape
+        assert [request(cfg, "GET", "/health")[0] for _ in range(4)] == [502] * 4
+        assert "Retry-After" not in request(cfg, "GET", "/ready")[1]  # on 429s only
+    finally:
+        proc.send_signal(signal.SIGQUIT)
+        proc.wait(timeout=30)
+        nginxrun.kill_all(conf)
+        log.close()
