@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import time
 from dataclasses import dataclass, field, replace
 from typing import Callable
@@ -325,7 +326,8 @@ class WorkerPool:
             now = time.monotonic()
             self.watchdog.tick(now)
             for link in self.links:
-                _send_now(link.socket, wire.encode(Ping(time.time())))  # silence decides below
+                # silence decides below
+                _send_now(link.socket, wire.encode(Ping(time.time(), self.frontend, os.getpid())))
                 if link.alive and now - link.last_beat > timeout:
                     self._declare_dead(link, f"silent for {now - link.last_beat:.1f}s")
                 self.watchdog.check(link, now)  # silent much longer: SIGKILL (hung_kill_s)

@@ -56,6 +56,10 @@ EMPTY_CACHE = Counter("shmserve_worker_empty_cache_total",
                       "reload (a replaced or unloaded model's memory)",
                       ["worker", "reason"])
 EMPTY_CACHE_REASONS = ("pressure", "idle", "oom", "reload")
+FRONTEND_HUNG_KILLS = Counter("shmserve_frontend_hung_kills_total",
+                              "Frontends a worker SIGKILLed after frontends.hung_kill_s without "
+                              "their pings (gpu_workers.watch); several workers may count one: "
+                              "use max by (frontend)", ["worker", "frontend"])
 REFUSED = Counter("shmserve_worker_refused_total",
                   "Requests a worker refused at admission (429), by reason: queue_full "
                   "(workers.queue_texts), deadline (the queue ahead would not let it finish in "
@@ -119,6 +123,9 @@ class WorkerMetrics:
 
     def refused(self, reason: str) -> None:
         self._refused[reason].inc()
+
+    def frontend_killed(self, frontend: int) -> None:
+        FRONTEND_HUNG_KILLS.labels(self.worker, str(frontend)).inc()
 
     def device_memory(self, reading) -> None:
         """A gpu_workers.memory.Reading."""

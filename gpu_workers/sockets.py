@@ -21,6 +21,7 @@ from shmserve.wire import WireError
 log = logging.getLogger("shmserve.worker")
 
 REPLIES = "inproc://replies"
+POLL_MS = 100
 
 
 class SocketThread(threading.Thread):
@@ -28,7 +29,8 @@ class SocketThread(threading.Thread):
                  on_submit: Callable[[bytes, Submit], Error | None],
                  on_abort: Callable[[bytes, Abort], None],
                  heartbeat: Callable[[Ping], Heartbeat],
-                 on_control: Callable[[bytes, Reload | Commit], None]) -> None:
+                 on_control: Callable[[bytes, Reload | Commit], None],
+                 tick: Callable[[], None] = lambda: None) -> None:
         super().__init__(name="sockets", daemon=True)
         self._ctx = ctx
         self._endpoint = endpoint
@@ -36,6 +38,7 @@ class SocketThread(threading.Thread):
         self._on_abort = on_abort
         self._heartbeat = heartbeat
         self._on_control = on_control
+        self._tick = tick  # every loop round (at most POLL_MS apart): the watch on frontends
         self._halt = threading.Event()
         self.bound = threading.Event()
         self.failure: BaseException | None = None
@@ -68,7 +71,8 @@ class SocketThread(threading.Thread):
         poller.register(router, zmq.POLLIN)
         poller.register(self._replies, zmq.POLLIN)
         while not self._halt.is_set():
-            for sock, _ in poller.poll(100):
+            self._tick()
+            for sock, _ in poller.poll(POLL_MS):
                 if sock is self._replies:
                     # Send every reply already queued before reading more requests.
                     while True:

@@ -32,6 +32,7 @@ from gpu_workers.metrics import WorkerMetrics
 from gpu_workers.requests import QueuedText, Request, read_request
 from gpu_workers.slots import Built, Slots, hosted_configs
 from gpu_workers.sockets import REPLIES, SocketThread
+from gpu_workers.watch import FrontendWatch
 from shmserve import topology, wire
 from shmserve.arena import Attachments
 from shmserve.config import Config, ModelConfig
@@ -66,21 +67,23 @@ class Worker:
         self._requests: dict[tuple[bytes, int], Request] = {}
         self._attachments = Attachments()
         self._ctx = zmq.Context.instance()
+        self.metrics = WorkerMetrics(index)
+        self._watch = FrontendWatch(cfg, index, self.metrics)
         self._sockets = SocketThread(self._ctx, topology.worker_endpoint(cfg, index),
                                      self.on_submit, self.on_abort, self.heartbeat,
-                                     self.on_control)
+                                     self.on_control, self._watch.tick)
         self._push: zmq.Socket | None = None
         # Replies not yet sent, by frontend: a batch's go out as one message each (wire).
         self._outbox: dict[bytes, list[bytes]] = {}
         self._batches = 0
         self._pass_began = 0.0  # monotonic start of the forward pass running now; 0: none
-        self.metrics = WorkerMetrics(index)
         self.metrics.set_ready(False)
         self.memory: MemoryCare | None = None  # once the device is known
 
     # ---- socket thread side -------------------------------------------------------------
 
     def heartbeat(self, ping: Ping) -> Heartbeat:
+        self._watch.pinged(ping)
         self.metrics.set_queue_depth(self._queued_texts)  # fresh even while no batch runs
         began = self._pass_began  # one read: the model thread may clear it meanwhile
         return Heartbeat(PROTOCOL_VERSION, self.index, os.getpid(),

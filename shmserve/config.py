@@ -68,6 +68,9 @@ class FrontendConfig:
     no_worker_wait_s: float = 5.0  # how long a request waits for a live worker before 503
     default_priority: int = 0  # X-Priority / "priority" when a request names none
     listen_backlog: int = 4096  # unix-socket accept queue; a full one makes nginx answer 502
+    # A frontend whose pings every worker stopped hearing this long (its whole process stuck)
+    # is SIGKILLed by the workers, and supervisord restarts it (shmserve.hung). 0: never.
+    hung_kill_s: float = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,6 +269,10 @@ def from_tree(tree: Mapping[str, Any]) -> Config:
     _check_run_dir(cfg)
     check_models(cfg)
     api_keys(cfg)  # a key file that cannot be read, or a malformed key, stops start-up here
+    if 0 < cfg.frontends.hung_kill_s <= cfg.workers.heartbeat_timeout_s:
+        raise ConfigError(f"frontends.hung_kill_s: {cfg.frontends.hung_kill_s:g} must be over "
+                          f"workers.heartbeat_timeout_s ({cfg.workers.heartbeat_timeout_s:g}): "
+                          "a frontend pings every workers.heartbeat_interval_s; or 0 (never)")
     if 0 < cfg.workers.hung_kill_s <= cfg.workers.heartbeat_timeout_s:
         raise ConfigError(f"workers.hung_kill_s: {cfg.workers.hung_kill_s:g} must be over "
                           f"workers.heartbeat_timeout_s ({cfg.workers.heartbeat_timeout_s:g}), "

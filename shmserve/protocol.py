@@ -26,8 +26,8 @@ from enum import IntEnum
 PROTOCOL_VERSION = 6  # 3: a worker sends a batch's replies to a frontend as one message;
 # 4: ErrorCode.OUT_OF_MEMORY; 5: Heartbeat.pass_s, and a rerank row is the raw logit (the
 # frontend applies the activation), not the score; 6: Heartbeat's admission estimate (drain_rate,
-# drain_pass_s, queued_tokens), and a classification row is the raw logits (the frontend applies
-# the softmax)
+# drain_pass_s, queued_tokens), a classification row is the raw logits (the frontend applies
+# the softmax), and Ping names its frontend and pid
 
 
 class Kind(IntEnum):
@@ -92,6 +92,8 @@ class ModelInfo:
 @dataclass(frozen=True, slots=True)
 class Ping:
     sent_at: float
+    frontend: int = -1  # who pings, for the workers' watch on frontends (shmserve.hung)
+    pid: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -46,10 +46,11 @@ def kill_and_wait(stack: Stack, program: str, load: Load) -> Counter:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, tiny_model):
     s = Stack(tmp_path_factory.mktemp("chaos"), tiny_overrides(
-        tiny_model, frontends={"count": 2},
+        tiny_model,
         # hung_kill_s: past the 5 s stop of the test that resumes the worker, short enough
         # for the one that does not
-        workers={"devices": "cpu", "cpu_workers": 2, "torch_threads": 1, "hung_kill_s": 10}))
+        workers={"devices": "cpu", "cpu_workers": 2, "torch_threads": 1, "hung_kill_s": 10},
+        frontends={"count": 2, "hung_kill_s": 5}))
     s.up()
     yield s
     s.down()
@@ -126,6 +127,38 @@ def test_a_worker_stopped_for_good_is_killed_and_restarted(stack):
     kills = sum(s.value for f in text_string_to_metric_families(raw.decode())
                 for s in f.samples if s.name == "shmserve_worker_hung_kills_total")
     assert 1 <= kills <= 2  # several frontends may both have sent it
+
+
+def test_a_frontend_stopped_for_good_is_killed_and_its_requests_served_elsewhere(stack):
+    # SIGSTOP and no SIGCONT: nginx keeps the requests it gave the frontend waiting, and gives
+    # it new ones whenever its connection count is the lowest; supervisord sees it RUNNING.
+    # After frontends.hung_kill_s without its pings the workers SIGKILL it, supervisord
+    # restarts it, and nginx sends the requests it held, whose connections drop, to the other.
+    pid = stack.pid("frontends:frontend-0")
+    try:
+        with Load(stack) as load:
+            start = load.mark()
+            os.kill(pid, signal.SIGSTOP)
+            stack.wait_until(lambda: stack.pid("frontends:frontend-0") not in (0, pid), 60,
+                             "the stopped frontend to be killed and restarted")
+            stack.wait_until(stack.all_ready, 90, "ready after the restart")
+            target = load.mark() + 20
+            stack.wait_until(lambda: load.mark() >= target, 60, "requests after the restart")
+            counts = load.since(start)
+    finally:
+        try:
+            os.kill(pid, signal.SIGCONT)  # should the test fail before the kill
+        except ProcessLookupError:
+            pass
+    assert set(counts) == {"200"}, counts
+    killed = [line for i in (0, 1) for line in stack.log_lines(f"worker-{i}")
+              if line.get("message") == "worker.frontend_hung_killed"]
+    assert killed and {line["frontend_pid"] for line in killed} == {pid}, killed
+    assert all(line["frontend"] == 0 and line["silent_s"] > 5 for line in killed), killed
+    _, _, raw = stack.get("/metrics")
+    kills = sum(s.value for f in text_string_to_metric_families(raw.decode())
+                for s in f.samples if s.name == "shmserve_frontend_hung_kills_total")
+    assert 1 <= kills <= 2  # both workers may have sent it
 
 
 def test_frontend_kill_costs_zero_failed_requests(stack):

@@ -1,4 +1,5 @@
-"""frontend.watchdog against stand-in processes: whom it kills, and whom it never does."""
+"""frontend.watchdog (shmserve.hung) against stand-in processes: whom it kills, and whom it
+never does."""
 
 import dataclasses
 import subprocess
@@ -8,8 +9,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from frontend.watchdog import Watchdog, is_worker
+from frontend.watchdog import Watchdog
 from shmserve import config
+from shmserve.hung import is_program
 from shmserve.protocol import PROTOCOL_VERSION, Heartbeat
 from tests.stack import free_port
 
@@ -56,23 +58,25 @@ def killed(proc: subprocess.Popen) -> bool:
         return False
 
 
-def test_is_worker_reads_the_command_line_supervisord_runs():
+def test_is_program_reads_the_command_line_supervisord_runs():
     argv = ["/venv/bin/python", "-m", "gpu_workers", "--config", "/run/config.json",
             "--index", "1"]
-    assert is_worker(argv, "/run/config.json", 1)
-    assert not is_worker(argv, "/run/config.json", 0)  # another worker of this deployment
-    assert not is_worker(argv, "/other/config.json", 1)  # another deployment's
-    assert not is_worker(["/venv/bin/python", "-m", "frontend", "--config", "/run/config.json",
-                          "--index", "1"], "/run/config.json", 1)
-    assert not is_worker(["gpu_workers", "--config"], "/run/config.json", 1)
+    assert is_program(argv, "gpu_workers", "/run/config.json", 1)
+    assert not is_program(argv, "gpu_workers", "/run/config.json", 0)  # another worker
+    assert not is_program(argv, "gpu_workers", "/other/config.json", 1)  # another deployment's
+    frontend = ["/venv/bin/python", "-m", "frontend", "--config", "/run/config.json",
+                "--index", "1"]
+    assert not is_program(frontend, "gpu_workers", "/run/config.json", 1)
+    assert is_program(frontend, "frontend", "/run/config.json", 1)
+    assert not is_program(["gpu_workers", "--config"], "gpu_workers", "/run/config.json", 1)
 
 
 def test_a_worker_silent_past_hung_kill_s_is_killed_once(cfg, spawn):
     watchdog = Watchdog(cfg, 0)
-    proc = spawn(watchdog.config_path)
+    proc = spawn(watchdog.hung.config_path)
     now = time.monotonic()
     link = link_of(watchdog, proc.pid, now)
-    watchdog._awake_since = now - 10  # this frontend has been awake all along
+    watchdog.hung.awake_since = now - 10  # this frontend has been awake all along
     watchdog.check(link, now + 2.9)  # silent, but not for hung_kill_s yet
     assert proc.poll() is None
     watchdog.check(link, now + 3.1)
@@ -83,23 +87,23 @@ def test_a_worker_silent_past_hung_kill_s_is_killed_once(cfg, spawn):
 def test_a_pid_that_is_not_that_worker_any_more_is_left_alone(cfg, spawn):
     watchdog = Watchdog(cfg, 0)
     stranger = spawn("/elsewhere/config.json")  # another deployment's worker
-    other = spawn(watchdog.config_path, index=1)  # another worker of this one
-    same = spawn(watchdog.config_path)
+    other = spawn(watchdog.hung.config_path, index=1)  # another worker of this one
+    same = spawn(watchdog.hung.config_path)
     now = time.monotonic()
-    watchdog._awake_since = now - 10
+    watchdog.hung.awake_since = now - 10
     for proc in (stranger, other):
         watchdog.check(link_of(watchdog, proc.pid, now), now + 5)
         assert proc.poll() is None
     # Worker 0's pid, but a process started after the one that heartbeated (pid reuse).
     link = link_of(watchdog, same.pid, now)
-    watchdog._starts[0] = (same.pid, watchdog._starts[0][1] - 5)
+    watchdog.hung._starts[0] = (same.pid, watchdog.hung._starts[0][1] - 5)
     watchdog.check(link, now + 5)
     assert same.poll() is None
 
 
 def test_a_frontend_that_was_stalled_itself_counts_silence_from_when_it_resumed(cfg, spawn):
     watchdog = Watchdog(cfg, 0)
-    proc = spawn(watchdog.config_path)
+    proc = spawn(watchdog.hung.config_path)
     now = time.monotonic()
     link = link_of(watchdog, proc.pid, now)
     watchdog.tick(now)
@@ -114,9 +118,9 @@ def test_a_frontend_that_was_stalled_itself_counts_silence_from_when_it_resumed(
 def test_hung_kill_s_0_never_kills(cfg, spawn):
     cfg = dataclasses.replace(cfg, workers=dataclasses.replace(cfg.workers, hung_kill_s=0))
     watchdog = Watchdog(cfg, 0)
-    proc = spawn(watchdog.config_path)
+    proc = spawn(watchdog.hung.config_path)
     now = time.monotonic()
-    watchdog._awake_since = now - 1000
+    watchdog.hung.awake_since = now - 1000
     watchdog.check(link_of(watchdog, proc.pid, now - 1000), now)
     assert proc.poll() is None
 
@@ -135,3 +139,13 @@ def test_config_keeps_hung_kill_s_over_the_heartbeat_timeout(tmp_path):
         config.from_tree({**tree, "workers": {**tree["workers"], "hung_kill_s": value}})
     with pytest.raises(config.ConfigError, match="hung_kill_s: 3 must be over"):
         config.from_tree({**tree, "workers": {**tree["workers"], "hung_kill_s": 3}})
+
+
+def test_config_keeps_frontends_hung_kill_s_over_the_heartbeat_timeout(tmp_path):
+    tree = {"models": [{"name": "a", "source": "/nonexistent/a"}],
+            "server": {"run_dir": str(tmp_path / "run"), "port": free_port()},
+            "workers": {"devices": "cpu", "cpu_workers": 1, "heartbeat_timeout_s": 3}}
+    for value in (0, 3.5):
+        config.from_tree({**tree, "frontends": {"hung_kill_s": value}})
+    with pytest.raises(config.ConfigError, match="frontends.hung_kill_s: 2 must be over"):
+        config.from_tree({**tree, "frontends": {"hung_kill_s": 2}})

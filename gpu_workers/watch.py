@@ -1,0 +1,59 @@
+"""A worker's watch on the frontends: one whose pings it has not heard for
+`frontends.hung_kill_s` (every frontend pings every worker each `workers.heartbeat_interval_s`,
+from its event loop) is stuck as a whole (stopped, its loop blocked for good), and supervisord,
+which sees it RUNNING, would never restart it; meanwhile nginx keeps the requests it gave it
+waiting and gives it new ones. The worker SIGKILLs it (shmserve.hung: only while that pid is
+still that frontend), supervisord restarts it, and nginx sends the requests it held, whose
+connections drop, to another frontend. Every worker watches: several may kill one frontend,
+which is harmless. Runs on the socket thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from shmserve import topology
+from shmserve.config import Config
+from shmserve.hung import HungKiller
+from shmserve.protocol import Ping
+
+log = logging.getLogger("shmserve.worker")
+
+
+class FrontendWatch:
+    def __init__(self, cfg: Config, worker: int, metrics) -> None:
+        now = time.monotonic()
+        self.worker = worker
+        self.metrics = metrics  # gpu_workers.metrics.WorkerMetrics
+        self.interval = cfg.workers.heartbeat_interval_s
+        self.hung = HungKiller("frontend", str(topology.resolved_config_path(cfg)),
+                               cfg.frontends.hung_kill_s, cfg.workers.heartbeat_timeout_s, now)
+        self._heard: dict[int, tuple[int, float]] = {}  # frontend -> (pid, monotonic last ping)
+        self._checked = now
+
+    def pinged(self, ping: Ping) -> None:
+        if ping.frontend >= 0:
+            self._heard[ping.frontend] = (ping.pid, time.monotonic())
+            self.hung.heard(ping.frontend, ping.pid)
+
+    def tick(self) -> None:
+        """Every round of the socket thread's loop; checks once a heartbeat interval."""
+        now = time.monotonic()
+        if now - self._checked < self.interval:
+            return
+        self._checked = now
+        self.hung.tick(now)
+        for frontend, (pid, last) in list(self._heard.items()):
+            verdict = self.hung.check(frontend, pid, last, now)
+            if verdict is None:
+                continue
+            fields = {"frontend": frontend, "frontend_pid": pid,
+                      "silent_s": round(verdict.silent_s, 1)}
+            if verdict.killed:
+                self.metrics.frontend_killed(frontend)
+                log.error("worker.frontend_hung_killed", extra={"fields": {
+                    **fields, "hung_kill_s": self.hung.kill_after}})
+            else:
+                log.warning("worker.frontend_hung_not_killed",
+                            extra={"fields": {**fields, "reason": verdict.reason}})
