@@ -73,8 +73,11 @@ async def root(request: web.Request) -> web.Response:
 
 async def predict(request: web.Request) -> web.Response:
     body = await codec.read_body(request)
-    if not isinstance(body, dict) or "inputs" not in body or "texts" in body:
+    if not isinstance(body, dict) or "inputs" not in body:
         return await routes.predict(request, body)  # this server's own shape
+    if "texts" in body:
+        raise ApiError("invalid_request", "send 'texts' (this server's /predict) or 'inputs' "
+                       "(TEI's, for a classification model), not both", param="inputs")
     items, batch = predict_inputs(body["inputs"], request.app[CONFIG].limits)
     raw = flag(body, "raw_scores", False)
     truncate, direction = _truncation(body)

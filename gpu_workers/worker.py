@@ -117,9 +117,11 @@ class Worker:
         with self._lock:
             if self._queued_texts + n > limit:
                 self.metrics.refused("queue_full")
+                share = ("the share below-normal priority may fill "
+                         "(workers.low_priority_queue_share) of " if msg.priority < 0 else "")
                 return Error(msg.seq, ErrorCode.OVERLOADED,
-                             f"worker queue full ({self._queued_texts} texts queued); "
-                             "raise workers.queue_texts or add workers")
+                             f"worker queue full ({self._queued_texts} texts queued, {limit} "
+                             f"texts: {share}workers.queue_texts); raise it or add workers")
             self._queued_texts += n
         request.tokens_left = tokens
         self._backlog.add(msg.priority, tokens)

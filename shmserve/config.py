@@ -46,9 +46,10 @@ class NginxConfig:
     # GET /health, /ready and KServe's health routes: a frontend that has not answered within
     # this goes to the next one (a frozen frontend must not fail every other probe).
     probe_timeout_s: int = 2
-    # Per-client rate limit on every route but the probes and /admin (nginx's limit_req): past
-    # rate_limit_per_s requests a second, with bursts of rate_limit_burst more, a client gets
-    # 429 from nginx at once. The client: its address (ip) or its bearer token (api_key). 0: off.
+    # Per-client rate limit on every route but the probes, /metrics and /admin (nginx's
+    # limit_req): past rate_limit_per_s requests a second, with bursts of rate_limit_burst more,
+    # a client gets 429 from nginx at once. The client: its address (ip) or its API key
+    # (api_key; requests without one by their address). 0: off.
     rate_limit_per_s: int = 0
     rate_limit_burst: int = 0
     rate_limit_key: str = "ip"
@@ -268,7 +269,11 @@ def from_tree(tree: Mapping[str, Any]) -> Config:
         cfg.workers, cpu_workers=workers, torch_threads=threads))
     _check_run_dir(cfg)
     check_models(cfg)
-    api_keys(cfg)  # a key file that cannot be read, or a malformed key, stops start-up here
+    keys = api_keys(cfg)  # a key file that cannot be read, or a malformed key, stops start-up
+    if cfg.nginx.rate_limit_per_s and cfg.nginx.rate_limit_key == "api_key" and not keys:
+        raise ConfigError("nginx.rate_limit_key: api_key needs auth.api_keys (or "
+                          "auth.api_keys_file): on an open server any token is served, so a "
+                          "client could send a new one with every request; use ip")
     if 0 < cfg.frontends.hung_kill_s <= cfg.workers.heartbeat_timeout_s:
         raise ConfigError(f"frontends.hung_kill_s: {cfg.frontends.hung_kill_s:g} must be over "
                           f"workers.heartbeat_timeout_s ({cfg.workers.heartbeat_timeout_s:g}): "

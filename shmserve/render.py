@@ -158,15 +158,24 @@ def render_nginx(cfg: Config) -> str:
     })
 
 
+# rate_limit_key api_key: the bearer token as the frontends read it (any case of "Bearer", any
+# spaces around it: app.bearer_matches), so a key is one client however it is written; a
+# request without a token is limited by its address.
+_TOKEN_KEY = """    map $http_authorization $shmserve_rate_key {
+        "~*^bearer\\s+(?<token>\\S+)\\s*$" "key $token";
+        default "address $binary_remote_addr";
+    }
+"""
+
+
 def rate_limit(n) -> dict[str, str]:
-    """nginx's limit_req zone (http level) and its use (a location), or comments when off. A
-    request whose key is empty (no Authorization header, with the api_key key) is not limited:
-    with auth.api_keys set, it is answered 401 anyway."""
+    """nginx's limit_req zone (http level) and its use (a location), or comments when off."""
     if not n.rate_limit_per_s:
         return {"rate_limit_zone": "    # nginx.rate_limit_per_s: 0, no per-client rate limit",
                 "rate_limit": "            # no per-client rate limit"}
-    key = "$binary_remote_addr" if n.rate_limit_key == "ip" else "$http_authorization"
-    return {"rate_limit_zone": f"    limit_req_zone {key} zone=shmserve_clients:10m "
+    key, zone = ("$binary_remote_addr", "") if n.rate_limit_key == "ip" else \
+        ("$shmserve_rate_key", _TOKEN_KEY)
+    return {"rate_limit_zone": f"{zone}    limit_req_zone {key} zone=shmserve_clients:10m "
                                f"rate={n.rate_limit_per_s}r/s;\n    limit_req_status 429;",
             "rate_limit": "            limit_req zone=shmserve_clients "
                           f"burst={n.rate_limit_burst} nodelay;"}

@@ -141,6 +141,8 @@ def test_tei_predict_classifies_texts_and_pairs(stack, dirs):
     assert status == 413 and body["error"]["param"] == "inputs", body
     status, _, body = stack.post_json("/predict", {"inputs": "x", "model": "tiny"})
     assert status == 422 and body["error"]["code"] == "unsupported_task", body
+    status, _, body = stack.post_json("/predict", {"inputs": "x", "texts": ["y"]})
+    assert status == 422 and "not both" in body["error"]["message"], body
     # The native body still embeds.
     status, _, body = stack.post_json("/predict", {"texts": ["x"], "model": "tiny"})
     assert status == 200 and len(body["results"][0]) == 32

@@ -326,3 +326,13 @@ def test_a_misspelled_override_is_warned_of_once(capsys, monkeypatch):
     err = capsys.readouterr().err
     assert err.count("warning") == 1
     assert "SHMSERVE_FRONTENDS__COUNT is not read" in err and "SHMSERVE__FRONTENDS__COUNT?" in err
+
+
+def test_a_rate_limit_per_api_key_needs_api_keys(tmp_path):
+    tree = {"models": [{"name": "a", "source": "/nonexistent/a"}],
+            "server": {"run_dir": str(tmp_path / "run")},
+            "nginx": {"rate_limit_per_s": 5, "rate_limit_key": "api_key"}}
+    with pytest.raises(config.ConfigError, match="rate_limit_key: api_key needs auth.api_keys"):
+        config.from_tree(tree)
+    config.from_tree({**tree, "auth": {"api_keys": ["k" * 8]}})
+    config.from_tree({**tree, "nginx": {**tree["nginx"], "rate_limit_key": "ip"}})

@@ -234,7 +234,7 @@ def test_a_client_past_the_rate_limit_gets_429_from_nginx(tmp_path, key):
     502."""
     cfg = make_config(tmp_path / "run", frontends={"count": 1},
                       nginx={"rate_limit_per_s": 1, "rate_limit_burst": 2,
-                             "rate_limit_key": key})
+                             "rate_limit_key": key}, auth={"api_keys": ["client-one"]})
     one = {"Authorization": "Bearer client-one"}
     render.render(cfg)
     conf = render.nginx_conf(cfg)
@@ -245,10 +245,17 @@ def test_a_client_past_the_rate_limit_gets_429_from_nginx(tmp_path, key):
         wait_until(lambda: port_answers(cfg.server.port) or proc.poll() is not None, 30)
         answers = [request(cfg, "POST", "/v1/embeddings", b"{}", one) for _ in range(6)]
         assert [status for status, _, _ in answers] == [502] * 3 + [429] * 3
-        # Another key from the same address: its own client with api_key, the same with ip.
+        # The same key written otherwise (the frontends read "Bearer" in any case, spaces
+        # around the token) is the same client; another key from the same address is its own
+        # client with api_key, the same with ip, and so is a request without a key.
+        for same in ("bearer client-one", "BEARER   client-one  "):
+            assert request(cfg, "POST", "/v1/embeddings", b"{}",
+                           {"Authorization": same})[0] == 429
         other = request(cfg, "POST", "/v1/embeddings", b"{}",
                         {"Authorization": "Bearer client-two"})[0]
         assert other == (502 if key == "api_key" else 429)
+        keyless = [request(cfg, "POST", "/v1/embeddings", b"{}")[0] for _ in range(4)]
+        assert keyless == ([502] * 3 + [429] if key == "api_key" else [429] * 4)
         _, headers, body = answers[-1]
         assert headers["Retry-After"] == "1" and headers["Content-Type"] == "application/json"
         assert json.loads(body)["error"]["type"] == "overloaded"
@@ -258,7 +265,9 @@ def test_a_client_past_the_rate_limit_gets_429_from_nginx(tmp_path, key):
         assert status == 429 and msgpack.unpackb(body)["error"]["type"] == "overloaded"
         status, _, body = request(cfg, "POST", "/v2/models/m/infer", b"{}", one)
         assert status == 429 and isinstance(json.loads(body)["error"], str)  # KServe's shape
-        assert [request(cfg, "GET", "/health")[0] for _ in range(4)] == [502] * 4
+        # Probes and scrapes are not limited.
+        for path in ("/health", "/metrics"):
+            assert [request(cfg, "GET", path, None, one)[0] for _ in range(4)] == [502] * 4
         assert "Retry-After" not in request(cfg, "GET", "/ready")[1]  # on 429s only
     finally:
         proc.send_signal(signal.SIGQUIT)
