@@ -21,8 +21,9 @@ token, for a server with ``auth.api_keys``.
 `Client` uses only the standard library: one keep-alive connection (``http.client``), so one
 thread per client; a connection the server closed while idle is reopened once (`AsyncClient`
 retries once too). `AsyncClient` uses aiohttp, imported when the first one is made: this
-package never imports aiohttp (nor torch) at import time, and sync users need not install it. Every failure raises
-`ShmserveError`: ``status`` and ``body`` are the server's, or None when no answer came.
+package never imports aiohttp (nor torch) at import time, and sync users need not install it.
+Every failure raises `ShmserveError`: ``status`` and ``body`` are the server's, or None when no
+answer came.
 """
 
 from __future__ import annotations
