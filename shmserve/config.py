@@ -274,10 +274,10 @@ def from_tree(tree: Mapping[str, Any]) -> Config:
         raise ConfigError("nginx.rate_limit_key: api_key needs auth.api_keys (or "
                           "auth.api_keys_file): on an open server any token is served, so a "
                           "client could send a new one with every request; use ip")
-    if 0 < cfg.frontends.hung_kill_s <= cfg.workers.heartbeat_timeout_s:
+    if 0 < cfg.frontends.hung_kill_s <= 2 * cfg.workers.heartbeat_interval_s:
         raise ConfigError(f"frontends.hung_kill_s: {cfg.frontends.hung_kill_s:g} must be over "
-                          f"workers.heartbeat_timeout_s ({cfg.workers.heartbeat_timeout_s:g}): "
-                          "a frontend pings every workers.heartbeat_interval_s; or 0 (never)")
+                          f"twice workers.heartbeat_interval_s ({cfg.workers.heartbeat_interval_s:g}"
+                          "), how often a frontend pings each worker; or 0 (never)")
     if 0 < cfg.workers.hung_kill_s <= cfg.workers.heartbeat_timeout_s:
         raise ConfigError(f"workers.hung_kill_s: {cfg.workers.hung_kill_s:g} must be over "
                           f"workers.heartbeat_timeout_s ({cfg.workers.heartbeat_timeout_s:g}), "
