@@ -276,8 +276,9 @@ def from_tree(tree: Mapping[str, Any]) -> Config:
                           "client could send a new one with every request; use ip")
     if 0 < cfg.frontends.hung_kill_s <= 2 * cfg.workers.heartbeat_interval_s:
         raise ConfigError(f"frontends.hung_kill_s: {cfg.frontends.hung_kill_s:g} must be over "
-                          f"twice workers.heartbeat_interval_s ({cfg.workers.heartbeat_interval_s:g}"
-                          "), how often a frontend pings each worker; or 0 (never)")
+                          "twice workers.heartbeat_interval_s "
+                          f"({cfg.workers.heartbeat_interval_s:g}), how often a frontend pings "
+                          "each worker; or 0 (never)")
     if 0 < cfg.workers.hung_kill_s <= cfg.workers.heartbeat_timeout_s:
         raise ConfigError(f"workers.hung_kill_s: {cfg.workers.hung_kill_s:g} must be over "
                           f"workers.heartbeat_timeout_s ({cfg.workers.heartbeat_timeout_s:g}), "
