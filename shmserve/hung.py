@@ -91,6 +91,8 @@ class HungKiller:
             return "gone"
         except psutil.Error as exc:
             return f"cannot inspect it: {exc}"
+        if not argv:  # exiting: its memory, the command line with it, is already released
+            return "gone"
         if not is_program(argv, self.module, self.config_path, index):
             return f"pid {pid} is no longer {self.module} {index} of this deployment: {argv[:6]}"
         known_pid, known_start = self._starts.get(index, (None, None))

@@ -92,73 +92,74 @@ def test_a_worker_stopped_past_the_heartbeat_timeout_resumes_and_serves_on(stack
     assert stack.pid("workers:worker-0") == pid  # it did not crash on resuming
 
 
-def test_a_worker_stopped_for_good_is_killed_and_restarted(stack):
-    # SIGSTOP and no SIGCONT (a hung process: supervisord still sees it RUNNING). The frontends
-    # route around it at once ("degraded": the other worker serves); after hung_kill_s of
-    # silence one SIGKILLs it, supervisord restarts it, and it serves again.
-    pid = stack.pid("workers:worker-0")
+def stop_for_good(stack: Stack, program: str, on_stopped=lambda: None) -> Counter:
+    """SIGSTOP `program` under load and never SIGCONT it (a hung process: supervisord still sees
+    it RUNNING); wait until it is killed and restarted and the stack serves again. The outcomes
+    of every request since the stop. `on_stopped` runs while it is stopped."""
+    pid = stack.pid(program)
     try:
         with Load(stack) as load:
             start = load.mark()
             os.kill(pid, signal.SIGSTOP)
-            stack.wait_until(lambda: json.loads(stack.get("/ready")[2])["status"] == "degraded",
-                             30, "GET /ready to say degraded")
-            assert stack.get("/ready")[0] == 200
-            # /ready counts the silence the kill is judged on
-            stopped = next(w for w in json.loads(stack.get("/ready")[2])["workers"]
-                           if w["worker"] == 0)
-            assert stopped["pid"] == pid and stopped["silent_s"] >= 1.0, stopped
-            stack.wait_until(lambda: stack.pid("workers:worker-0") not in (0, pid), 60,
-                             "the stopped worker to be killed and restarted")
+            on_stopped()
+            stack.wait_until(lambda: stack.pid(program) not in (0, pid), 60,
+                             f"the stopped {program} to be killed and restarted")
             stack.wait_until(stack.all_ready, 90, "every worker ready after the restart")
             target = load.mark() + 20
             stack.wait_until(lambda: load.mark() >= target, 60, "requests after the restart")
-            counts = load.since(start)
+            return load.since(start)
     finally:
         try:
             os.kill(pid, signal.SIGCONT)  # should the test fail before the kill
         except ProcessLookupError:
             pass
-    assert set(counts) == {"200"}, counts
-    killed = [line for i in (0, 1) for line in stack.log_lines(f"frontend-{i}")
-              if line.get("message") == "frontend.worker_hung_killed"]
-    assert killed and {line["worker_pid"] for line in killed} == {pid}, killed
+
+
+def kills(stack: Stack, logs: list[str], message: str, metric: str) -> tuple[list, float]:
+    """The kill log lines in `logs` and the kills counted in /metrics."""
+    lines = [line for name in logs for line in stack.log_lines(name)
+             if line.get("message") == message]
     _, _, raw = stack.get("/metrics")
-    kills = sum(s.value for f in text_string_to_metric_families(raw.decode())
-                for s in f.samples if s.name == "shmserve_worker_hung_kills_total")
-    assert 1 <= kills <= 2  # several frontends may both have sent it
+    counted = sum(s.value for f in text_string_to_metric_families(raw.decode())
+                  for s in f.samples if s.name == metric)
+    return lines, counted
+
+
+def test_a_worker_stopped_for_good_is_killed_and_restarted(stack):
+    # The frontends route around it at once ("degraded": the other worker serves); after
+    # hung_kill_s of silence one SIGKILLs it, supervisord restarts it, and it serves again.
+    pid = stack.pid("workers:worker-0")
+
+    def degraded():
+        stack.wait_until(lambda: json.loads(stack.get("/ready")[2])["status"] == "degraded",
+                         30, "GET /ready to say degraded")
+        assert stack.get("/ready")[0] == 200
+        # /ready counts the silence the kill is judged on
+        stopped = next(w for w in json.loads(stack.get("/ready")[2])["workers"]
+                       if w["worker"] == 0)
+        assert stopped["pid"] == pid and stopped["silent_s"] >= 1.0, stopped
+
+    counts = stop_for_good(stack, "workers:worker-0", degraded)
+    assert set(counts) == {"200"}, counts
+    killed, counted = kills(stack, ["frontend-0", "frontend-1"], "frontend.worker_hung_killed",
+                            "shmserve_worker_hung_kills_total")
+    assert killed and {line["worker_pid"] for line in killed} == {pid}, killed
+    assert 1 <= counted <= 2  # several frontends may both have sent it
 
 
 def test_a_frontend_stopped_for_good_is_killed_and_its_requests_served_elsewhere(stack):
-    # SIGSTOP and no SIGCONT: nginx keeps the requests it gave the frontend waiting, and gives
-    # it new ones whenever its connection count is the lowest; supervisord sees it RUNNING.
-    # After frontends.hung_kill_s without its pings the workers SIGKILL it, supervisord
-    # restarts it, and nginx sends the requests it held, whose connections drop, to the other.
+    # nginx keeps the requests it gave the frontend waiting, and gives it new ones whenever its
+    # connection count is the lowest. After frontends.hung_kill_s without its pings the workers
+    # SIGKILL it, supervisord restarts it, and nginx sends the requests it held, whose
+    # connections drop, to the other frontend.
     pid = stack.pid("frontends:frontend-0")
-    try:
-        with Load(stack) as load:
-            start = load.mark()
-            os.kill(pid, signal.SIGSTOP)
-            stack.wait_until(lambda: stack.pid("frontends:frontend-0") not in (0, pid), 60,
-                             "the stopped frontend to be killed and restarted")
-            stack.wait_until(stack.all_ready, 90, "ready after the restart")
-            target = load.mark() + 20
-            stack.wait_until(lambda: load.mark() >= target, 60, "requests after the restart")
-            counts = load.since(start)
-    finally:
-        try:
-            os.kill(pid, signal.SIGCONT)  # should the test fail before the kill
-        except ProcessLookupError:
-            pass
+    counts = stop_for_good(stack, "frontends:frontend-0")
     assert set(counts) == {"200"}, counts
-    killed = [line for i in (0, 1) for line in stack.log_lines(f"worker-{i}")
-              if line.get("message") == "worker.frontend_hung_killed"]
+    killed, counted = kills(stack, ["worker-0", "worker-1"], "worker.frontend_hung_killed",
+                            "shmserve_frontend_hung_kills_total")
     assert killed and {line["frontend_pid"] for line in killed} == {pid}, killed
-    assert all(line["frontend"] == 0 and line["silent_s"] > 5 for line in killed), killed
-    _, _, raw = stack.get("/metrics")
-    kills = sum(s.value for f in text_string_to_metric_families(raw.decode())
-                for s in f.samples if s.name == "shmserve_frontend_hung_kills_total")
-    assert 1 <= kills <= 2  # both workers may have sent it
+    assert all(line["frontend"] == 0 and line["silent_s"] >= 5 for line in killed), killed
+    assert 1 <= counted <= 2  # both workers may have sent it
 
 
 def test_frontend_kill_costs_zero_failed_requests(stack):

@@ -3,28 +3,11 @@ would refuse, judged from its heartbeats, before tokenizing."""
 
 import time
 
-import pytest
-
 from frontend.pool import WorkerPool
-from shmserve import config
 from shmserve.admission import SHARE
 from shmserve.protocol import PROTOCOL_VERSION, Heartbeat, ModelInfo, Queued
-from tests.stack import free_port
 
 RATE = 1000.0  # tokens/s each worker drains a backlog at, in the heartbeats below
-
-
-@pytest.fixture
-def pool(tmp_path):
-    cfg = config.from_tree({
-        "models": [{"name": "a", "source": "/nonexistent/a"}],
-        "server": {"run_dir": str(tmp_path / "run"), "port": free_port()},
-        "workers": {"devices": "cpu", "cpu_workers": 2}})
-    pool = WorkerPool(cfg)
-    yield pool
-    for link in pool.links:
-        link.socket.close(linger=0)
-    pool._ctx.term()
 
 
 def beat(pool: WorkerPool, index: int, *queued: Queued, rate: float = RATE,

@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import signal
 import subprocess
 import sys
+from typing import Callable
 
 import msgpack
 import pytest
@@ -19,12 +21,12 @@ from tests.unit.test_render import make_config, port_answers, wait_until
 APP = "https://app.example:8443"  # the origin bare_nginx allows (CORS)
 
 
-@pytest.fixture(scope="module")
-def bare_nginx(tmp_path_factory):
-    cfg = make_config(tmp_path_factory.mktemp("nginx") / "run", frontends={"count": 1},
-                      nginx={"client_max_body_size": "1k", "large_client_header_buffers": "2 1k",
-                             "cors_allow_origins": [APP, "http://[::1]:3000"]})
+@contextlib.contextmanager
+def nginx_of(cfg: Config, before: Callable[[], None] = lambda: None):
+    """nginx rendered from `cfg` and started as `shmserve up` starts it (nginxrun), until the
+    block ends; `before` runs between rendering and the start (frontends' sockets, say)."""
     render.render(cfg)
+    before()
     conf = render.nginx_conf(cfg)
     log = (topology.log_dir(cfg) / "nginx.log").open("w")
     proc = subprocess.Popen([sys.executable, "-m", "shmserve.nginxrun", "--binary",
@@ -38,6 +40,15 @@ def bare_nginx(tmp_path_factory):
         proc.wait(timeout=30)
         nginxrun.kill_all(conf)
         log.close()
+
+
+@pytest.fixture(scope="module")
+def bare_nginx(tmp_path_factory):
+    cfg = make_config(tmp_path_factory.mktemp("nginx") / "run", frontends={"count": 1},
+                      nginx={"client_max_body_size": "1k", "large_client_header_buffers": "2 1k",
+                             "cors_allow_origins": [APP, "http://[::1]:3000"]})
+    with nginx_of(cfg):
+        yield cfg
 
 
 def request(cfg: Config, method: str, path: str, body: bytes | None = None,
@@ -177,13 +188,13 @@ def test_a_probe_skips_a_frozen_frontend_for_the_next_one(tmp_path):
 
     cfg = make_config(tmp_path / "run", frontends={"count": 2},
                       nginx={"probe_timeout_s": 1})
-    render.render(cfg)
-    frozen = socket.socket(socket.AF_UNIX)
-    frozen.bind(str(topology.frontend_socket(cfg, 0)))
-    frozen.listen(64)  # the kernel accepts for it; nobody reads
-    live = socket.socket(socket.AF_UNIX)
-    live.bind(str(topology.frontend_socket(cfg, 1)))
-    live.listen(64)
+    frozen, live = socket.socket(socket.AF_UNIX), socket.socket(socket.AF_UNIX)
+
+    def listen():  # once the run directory is rendered
+        frozen.bind(str(topology.frontend_socket(cfg, 0)))
+        frozen.listen(64)  # the kernel accepts for it; nobody reads
+        live.bind(str(topology.frontend_socket(cfg, 1)))
+        live.listen(64)
 
     def answer(conn):
         with conn:
@@ -202,26 +213,18 @@ def test_a_probe_skips_a_frozen_frontend_for_the_next_one(tmp_path):
                 return
             threading.Thread(target=answer, args=(conn,), daemon=True).start()
 
-    threading.Thread(target=serve, daemon=True).start()
-    conf = render.nginx_conf(cfg)
-    log = (topology.log_dir(cfg) / "nginx.log").open("w")
-    proc = subprocess.Popen([sys.executable, "-m", "shmserve.nginxrun", "--binary",
-                             render.nginx_binary(cfg), str(conf)], stdout=log, stderr=log)
     try:
-        wait_until(lambda: port_answers(cfg.server.port) or proc.poll() is not None, 30)
-        times = []
-        for path in ("/ready", "/health", "/v2/health/ready", "/ready") * 2:
-            began = time.monotonic()
-            status, _, body = request(cfg, "GET", path)
-            times.append(time.monotonic() - began)
-            assert (status, body) == (200, b"live"), (path, status, body)
+        with nginx_of(cfg, listen):
+            threading.Thread(target=serve, daemon=True).start()
+            times = []
+            for path in ("/ready", "/health", "/v2/health/ready", "/ready") * 2:
+                began = time.monotonic()
+                status, _, body = request(cfg, "GET", path)
+                times.append(time.monotonic() - began)
+                assert (status, body) == (200, b"live"), (path, status, body)
         assert max(times) < 3, times  # the probe timeout (1 s) and the answer, not 120 s
         assert max(times) >= 0.9, times  # some went to the frozen frontend first
     finally:
-        proc.send_signal(signal.SIGQUIT)
-        proc.wait(timeout=30)
-        nginxrun.kill_all(conf)
-        log.close()
         frozen.close()
         live.close()
 
@@ -236,13 +239,7 @@ def test_a_client_past_the_rate_limit_gets_429_from_nginx(tmp_path, key):
                       nginx={"rate_limit_per_s": 1, "rate_limit_burst": 2,
                              "rate_limit_key": key}, auth={"api_keys": ["client-one"]})
     one = {"Authorization": "Bearer client-one"}
-    render.render(cfg)
-    conf = render.nginx_conf(cfg)
-    log = (topology.log_dir(cfg) / "nginx.log").open("w")
-    proc = subprocess.Popen([sys.executable, "-m", "shmserve.nginxrun", "--binary",
-                             render.nginx_binary(cfg), str(conf)], stdout=log, stderr=log)
-    try:
-        wait_until(lambda: port_answers(cfg.server.port) or proc.poll() is not None, 30)
+    with nginx_of(cfg):
         answers = [request(cfg, "POST", "/v1/embeddings", b"{}", one) for _ in range(6)]
         assert [status for status, _, _ in answers] == [502] * 3 + [429] * 3
         # The same key written otherwise (the frontends read "Bearer" in any case, spaces
@@ -269,8 +266,3 @@ def test_a_client_past_the_rate_limit_gets_429_from_nginx(tmp_path, key):
         for path in ("/health", "/metrics"):
             assert [request(cfg, "GET", path, None, one)[0] for _ in range(4)] == [502] * 4
         assert "Retry-After" not in request(cfg, "GET", "/ready")[1]  # on 429s only
-    finally:
-        proc.send_signal(signal.SIGQUIT)
-        proc.wait(timeout=30)
-        nginxrun.kill_all(conf)
-        log.close()

@@ -2,31 +2,14 @@
 
 from types import SimpleNamespace
 
-import pytest
-
 from frontend.pool import WorkerPool
 from frontend.routes import readiness
-from shmserve import config
 from shmserve.protocol import PROTOCOL_VERSION, Heartbeat, ModelInfo
-from tests.stack import free_port
 
 
 def models(*names: str):
     return SimpleNamespace(by_name={n: SimpleNamespace(variants=[SimpleNamespace(unit=n)])
                                     for n in names})
-
-
-@pytest.fixture
-def pool(tmp_path):
-    cfg = config.from_tree({
-        "models": [{"name": "a", "source": "/nonexistent/a"}],
-        "server": {"run_dir": str(tmp_path / "run"), "port": free_port()},
-        "workers": {"devices": "cpu", "cpu_workers": 2}})
-    pool = WorkerPool(cfg)
-    yield pool
-    for link in pool.links:
-        link.socket.close(linger=0)
-    pool._ctx.term()
 
 
 def beat(pool: WorkerPool, index: int, ready: bool, *served: str, pid: int = 0) -> None:
