@@ -36,6 +36,11 @@ EPYC), against 0-16 with it; the rest of those 504s are the first passes' slowne
 parsing takes the cores, new pass shapes compile their kernels). Without any estimate (`rate`
 0: a Backlog nobody seeded) everything is admitted.
 
+The frontends apply the same rule before they tokenize a request (frontend.pool.WorkerPool.
+behind), from each worker's last heartbeat (its speed, pass time and queued tokens by priority)
+less what it has drained since: they count nothing sent since the heartbeat, so they err
+towards admitting, and the worker decides what it is sent.
+
 Measured (2 cores, AMD EPYC, fp32, the default config, after a warm-up of 20 x 32 texts;
 2026-12-01 ~09:37; /v1/embeddings, corpus texts, all requests at once):
 
