@@ -51,7 +51,9 @@ CHECKS: dict[str, Check] = {
     "frontends.default_priority": (lambda v: -10 <= v <= 10, "an integer from -10 to 10"),
     "workers.low_priority_queue_share": (lambda v: 0 < v <= 1, "a number in (0, 1]"),
     "workers.devices": (lambda v: v in ("auto", "cpu") or (isinstance(v, list) and v
-                        and all(d >= 0 for d in v)), "auto, cpu or a list of GPU indices"),
+                        and all(d >= 0 for d in v) and len(set(v)) == len(v)),
+                        "auto, cpu or a list of distinct GPU indices (several workers on one "
+                        "GPU: workers.per_gpu)"),
     "workers.cuda_graphs": (lambda v: 0 <= v <= 4096, "an integer from 0 to 4096"),
     "workers.per_gpu": (lambda v: 1 <= v <= 16, "an integer from 1 to 16"),
     "workers.cpu_workers": (lambda v: v == "auto" or (isinstance(v, int) and 1 <= v <= 64),

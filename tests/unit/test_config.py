@@ -71,6 +71,7 @@ def test_deep_merge_keeps_siblings():
     ("SHMSERVE__SERVER__PORT", "70000", "server.port"),
     ("SHMSERVE__FRONTENDS__COUNT", "true", "frontends.count"),
     ("SHMSERVE__WORKERS__DEVICES", "gpu", "workers.devices"),
+    ("SHMSERVE__WORKERS__DEVICES", "[0, 0]", "workers.devices"),  # per_gpu says that
     ("SHMSERVE__MODELS__0__DTYPE", "fp8", "models[0].dtype"),
     ("SHMSERVE__BATCHING__MAX_WAITMS", "1", "batching.max_waitms"),
     ("SHMSERVE__MODELS__3__DTYPE", "fp32", "SHMSERVE__MODELS__3__DTYPE"),
