@@ -102,11 +102,14 @@ def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def count(body: dict, key: str) -> int | None:
-    """An optional integer >= 1 (top_k, top_n, dimensions)."""
+def count(body: dict, key: str, within: str = "") -> int | None:
+    """An optional integer >= 1 (top_k, top_n, dimensions); `within`: the object holding it
+    (parameters), for the message."""
     value = body.get(key)
     if value is not None and (not is_int(value) or value < 1):
-        raise ApiError("invalid_request", f"'{key}' must be an integer >= 1", param=key)
+        name = f"{within}.{key}" if within else key
+        raise ApiError("invalid_request", f"'{name}' must be an integer >= 1",
+                       param=within or key)
     return value
 
 

@@ -140,7 +140,7 @@ async def _classify(request: web.Request, body: dict) -> web.Response:
     if applied not in (None, "softmax", "sigmoid", "none"):
         raise ApiError("invalid_request", f"'parameters.function_to_apply' {applied!r}: one of "
                        "'softmax', 'sigmoid' or 'none'", param="parameters")
-    top_k = count(parameters, "top_k")
+    top_k = count(parameters, "top_k", within="parameters")
     given = one_or_many(required(body, "inputs"), "inputs", request.app[CONFIG].limits)
     out = await tasks.classify(request, model_name(body), given, param="inputs",
                                priority=body_priority(body), user=user(body))

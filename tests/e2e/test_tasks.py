@@ -219,6 +219,9 @@ def test_huggingface_hubs_text_classification_at_the_servers_url(stack, dirs, mo
         assert info.value.response.status_code == 422
         # The same client's feature_extraction still embeds (no `parameters` in its body).
         assert hub.feature_extraction("x").shape[-1] == 32
+    status, _, body = stack.post_json("/", {"inputs": "x", "parameters": {"top_k": 0}})
+    assert status == 422 and body["error"]["param"] == "parameters", body
+    assert body["error"]["message"].startswith("'parameters.top_k' must be"), body
 
 
 def test_coheres_clients_rerank_on_v1_and_v2(stack, dirs):
