@@ -92,6 +92,7 @@ class WorkerPool:
         self.restarts_seen = 0
         self._ever_ready: set[int] = set()  # workers seen ready since this frontend started
         self.watchdog = Watchdog(cfg, frontend)
+        self._last_round = self._resumed = time.monotonic()  # heartbeat rounds (_round)
 
     def _link(self, index: int) -> WorkerLink:
         sock = self._ctx.socket(zmq.DEALER)
@@ -320,20 +321,30 @@ class WorkerPool:
             self._changed.set()
 
     async def _heartbeats(self) -> None:
-        interval = self.cfg.workers.heartbeat_interval_s
-        timeout = self.cfg.workers.heartbeat_timeout_s
         while True:
-            now = time.monotonic()
-            self.watchdog.tick(now)
-            for link in self.links:
-                # silence decides below
-                _send_now(link.socket, wire.encode(Ping(time.time(), self.frontend, os.getpid())))
-                if link.alive and now - link.last_beat > timeout:
-                    self._declare_dead(link, f"silent for {now - link.last_beat:.1f}s")
-                self.watchdog.check(link, now)  # silent much longer: SIGKILL (hung_kill_s)
-                if link.held:
-                    self._release_held(link, only_gone=True)
-            await asyncio.sleep(interval)
+            self._round(time.monotonic())
+            await asyncio.sleep(self.cfg.workers.heartbeat_interval_s)
+
+    def _round(self, now: float) -> None:
+        """One heartbeat round: ping every worker, judge the silent ones. Silence counts from
+        this frontend's own resumption when it was itself paused (stopped, swapped out: its
+        round late by two intervals or more), which heard nothing meanwhile through no fault
+        of the workers; it once declared every worker lost after its own 4 s pause and sent
+        their requests elsewhere."""
+        if now - self._last_round >= 2 * self.cfg.workers.heartbeat_interval_s:
+            self._resumed = now
+        self._last_round = now
+        self.watchdog.tick(now)
+        timeout = self.cfg.workers.heartbeat_timeout_s
+        for link in self.links:
+            # silence decides below
+            _send_now(link.socket, wire.encode(Ping(time.time(), self.frontend, os.getpid())))
+            silent = now - max(link.last_beat, self._resumed)
+            if link.alive and silent > timeout:
+                self._declare_dead(link, f"silent for {silent:.1f}s")
+            self.watchdog.check(link, now)  # silent much longer: SIGKILL (hung_kill_s)
+            if link.held:
+                self._release_held(link, only_gone=True)
 
     def _declare_dead(self, link: WorkerLink, reason: str, grace: float = 0.0) -> None:
         """Route nothing more to `link`; its pending requests fail now, or after `grace`

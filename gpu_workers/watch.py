@@ -5,7 +5,10 @@ which sees it RUNNING, would never restart it; meanwhile nginx keeps the request
 waiting and gives it new ones. The worker SIGKILLs it (shmserve.hung: only while that pid is
 still that frontend), supervisord restarts it, and nginx sends the requests it held, whose
 connections drop, to another frontend. Every worker watches: several may kill one frontend,
-which is harmless. Runs on the socket thread.
+which is harmless. A worker that starts finds the configured frontends' processes (their
+command lines) and counts their silence from its own start, so a frontend frozen before it
+started (a worker restarted meanwhile never hears its pings) is killed too. Runs on the socket
+thread.
 """
 
 from __future__ import annotations
@@ -13,9 +16,11 @@ from __future__ import annotations
 import logging
 import time
 
+import psutil
+
 from shmserve import topology
 from shmserve.config import Config
-from shmserve.hung import HungKiller
+from shmserve.hung import HungKiller, is_program
 from shmserve.protocol import Ping
 
 log = logging.getLogger("shmserve.worker")
@@ -31,6 +36,11 @@ class FrontendWatch:
                                cfg.frontends.hung_kill_s, cfg.workers.heartbeat_timeout_s, now)
         self._heard: dict[int, tuple[int, float]] = {}  # frontend -> (pid, monotonic last ping)
         self._checked = now
+        if self.hung.kill_after:
+            for frontend, pid in running_frontends(self.hung.config_path,
+                                                   cfg.frontends.count).items():
+                self._heard[frontend] = (pid, now)  # silent from now, until its first ping
+                self.hung.heard(frontend, pid)
 
     def pinged(self, ping: Ping) -> None:
         if ping.frontend >= 0:
@@ -57,3 +67,15 @@ class FrontendWatch:
             else:
                 log.warning("worker.frontend_hung_not_killed",
                             extra={"fields": {**fields, "reason": verdict.reason}})
+
+
+def running_frontends(config_path: str, count: int) -> dict[int, int]:
+    """The pids of this deployment's frontends running now, by index."""
+    found = {}
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        argv = proc.info["cmdline"] or []
+        if "frontend" in argv:
+            for index in range(count):
+                if is_program(argv, "frontend", config_path, index):
+                    found[index] = proc.info["pid"]
+    return found

@@ -158,11 +158,11 @@ def render_nginx(cfg: Config) -> str:
     })
 
 
-# rate_limit_key api_key: the bearer token as the frontends read it (any case of "Bearer", any
-# spaces around it: app.bearer_matches), so a key is one client however it is written; a
-# request without a token is limited by its address.
+# rate_limit_key api_key: the bearer token as the frontends read it (any case of "Bearer", then
+# spaces, the token, any whitespace after it: app.bearer_matches), so a key is one client however
+# it is written; a request without a token is limited by its address.
 _TOKEN_KEY = """    map $http_authorization $shmserve_rate_key {
-        "~*^bearer\\s+(?<token>\\S+)\\s*$" "key $token";
+        "~*^bearer +(?<token>\\S+)\\s*$" "key $token";
         default "address $binary_remote_addr";
     }
 """

@@ -73,3 +73,29 @@ def test_kserve_server_ready_follows_the_same_rule(pool):
     assert status() == 200  # degraded: the model is still served
     pool._declare_dead(pool.links[0], "test")
     assert status() == 400
+
+
+def test_a_frontend_paused_itself_does_not_take_the_workers_for_dead(pool):
+    """Silence counts from the frontend's own resumption: paused past the heartbeat timeout
+    (3 s), it heard nothing through no fault of the workers."""
+    import asyncio
+    import time
+
+    async def scenario():
+        start = time.monotonic()
+        for index in (0, 1):
+            beat(pool, index, True, "a")
+            pool.links[index].last_beat = start
+        pool._last_round = start
+        pool._round(start + 0.5)
+        pool._round(start + 4.5)  # its own round 4 s late: it was paused
+        assert all(link.alive for link in pool.links)
+        for k in range(1, 6):  # then no heartbeat for 2.5 s after it resumed: still alive
+            pool._round(start + 4.5 + 0.5 * k)
+        assert all(link.alive for link in pool.links)
+        pool._round(start + 7.6)  # 3.1 s of silence while awake
+        assert not any(link.alive for link in pool.links)
+        for link in pool.links:
+            link.outbox.clear()
+
+    asyncio.run(scenario())

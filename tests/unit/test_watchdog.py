@@ -29,10 +29,10 @@ def cfg(tmp_path):
 def spawn():
     procs = []
 
-    def start(config_path: str, index: int = 0) -> subprocess.Popen:
-        # Looks like `python -m gpu_workers --config PATH --index I` to /proc/PID/cmdline.
+    def start(config_path: str, index: int = 0, module: str = "gpu_workers") -> subprocess.Popen:
+        # Looks like `python -m MODULE --config PATH --index I` to /proc/PID/cmdline.
         proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "-m",
-                                 "gpu_workers", "--config", config_path, "--index", str(index)])
+                                 module, "--config", config_path, "--index", str(index)])
         procs.append(proc)
         return proc
 
@@ -150,3 +150,27 @@ def test_config_keeps_frontends_hung_kill_s_over_two_ping_intervals(tmp_path):
         config.from_tree({**tree, "frontends": {"hung_kill_s": value}})
     with pytest.raises(config.ConfigError, match="frontends.hung_kill_s: 2 must be over twice"):
         config.from_tree({**tree, "frontends": {"hung_kill_s": 2}})
+
+
+def test_a_worker_kills_a_frontend_frozen_before_it_started(cfg, spawn, monkeypatch):
+    """A worker (re)started while a frontend was frozen never hears its pings: it finds the
+    frontends' processes at start and counts their silence from then (gpu_workers.watch)."""
+    from gpu_workers import watch
+    from shmserve import topology
+
+    cfg = dataclasses.replace(cfg, frontends=dataclasses.replace(cfg.frontends, hung_kill_s=3))
+    path = str(topology.resolved_config_path(cfg))
+    frozen = spawn(path, index=0, module="frontend")
+    stranger = spawn("/elsewhere/config.json", index=1, module="frontend")  # not ours
+    clock = [time.monotonic()]
+    monkeypatch.setattr(watch.time, "monotonic", lambda: clock[0])
+    kills = []
+    frontends = watch.FrontendWatch(cfg, 0, SimpleNamespace(frontend_killed=kills.append))
+    for _ in range(6):  # 3 s: not yet
+        clock[0] += 0.5
+        frontends.tick()
+    assert frozen.poll() is None and not kills
+    clock[0] += 0.5
+    frontends.tick()
+    assert killed(frozen) and kills == [0]
+    assert stranger.poll() is None
