@@ -14,6 +14,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable, TextIO
 
+import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
 Fetch = Callable[[str], tuple[int | None, bytes]]
@@ -77,13 +78,25 @@ def render(cur: Sample, prev: Sample | None, title: str) -> str:
     return "\n".join(lines)
 
 
+def _stopped(pid: int) -> bool:
+    """Whether the process is stopped (SIGSTOP, a debugger): frozen while supervisord says
+    RUNNING (frontends.hung_kill_s, workers.hung_kill_s)."""
+    try:
+        return psutil.Process(pid).status() in (psutil.STATUS_STOPPED,
+                                                psutil.STATUS_TRACING_STOP)
+    except psutil.Error:
+        return False
+
+
 def _process_rows(cur: Sample) -> list[list[str]]:
     rows = []
     for p in sorted(cur.processes, key=lambda p: p["name"]):
         up = p["now"] - p["start"] if p.get("pid") and p.get("start") else None
         rss = cur.total("shmserve_process_resident_memory_bytes", program=p["name"])
-        rows.append([p["name"], p["statename"], str(p.get("pid") or "-"), _duration(up),
-                     _bytes(rss)])
+        state = p["statename"]
+        if state == "RUNNING" and p.get("pid") and _stopped(p["pid"]):
+            state = "RUNNING:stopped"  # supervisord cannot tell; a hung kill is coming
+        rows.append([p["name"], state, str(p.get("pid") or "-"), _duration(up), _bytes(rss)])
     rss = cur.total("shmserve_process_resident_memory_bytes", program="supervisord")
     if rss is not None:
         rows.append(["supervisord", "RUNNING", "-", "-", _bytes(rss)])

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import io
 import itertools
+import signal
+import subprocess
+import sys
+import time
 
+import psutil
 import pytest
 
 from shmserve import status
@@ -133,3 +138,23 @@ def test_a_deployment_not_ready_says_which_way(word, why):
     cur = sample(1.0, 10, 1, 10, 10)
     cur = status.Sample(cur.at, cur.processes, 503, {**READY, "status": word}, cur.metrics)
     assert status.render(cur, None, "t").splitlines()[0] == f"t: {why}"
+
+
+def test_a_stopped_process_says_so_where_supervisord_says_running():
+    """A frozen frontend or worker (SIGSTOP) is RUNNING to supervisord until the hung kill."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        proc.send_signal(signal.SIGSTOP)
+        for _ in range(200):  # the stop is asynchronous
+            if psutil.Process(proc.pid).status() == psutil.STATUS_STOPPED:
+                break
+            time.sleep(0.01)
+        processes = [{"name": "frontend-0", "statename": "RUNNING", "pid": proc.pid,
+                      "start": 1000, "now": 1065}, *PROCESSES[:1]]
+        cur = status.Sample(1.0, processes, 200, READY, status.parse_metrics(""))
+        table = rows(status.render(cur, None, "t"))
+        assert table["frontend-0"][1] == "RUNNING:stopped"
+        assert table["worker-0"][1] == "RUNNING"
+    finally:
+        proc.kill()
+        proc.wait()
