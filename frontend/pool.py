@@ -92,7 +92,6 @@ class WorkerPool:
         self.restarts_seen = 0
         self._ever_ready: set[int] = set()  # workers seen ready since this frontend started
         self.watchdog = Watchdog(cfg, frontend)
-        self._last_round = self._resumed = time.monotonic()  # heartbeat rounds (_round)
 
     def _link(self, index: int) -> WorkerLink:
         sock = self._ctx.socket(zmq.DEALER)
@@ -327,19 +326,17 @@ class WorkerPool:
 
     def _round(self, now: float) -> None:
         """One heartbeat round: ping every worker, judge the silent ones. Silence counts from
-        this frontend's own resumption when it was itself paused (stopped, swapped out: its
-        round late by two intervals or more), which heard nothing meanwhile through no fault
-        of the workers; it once declared every worker lost after its own 4 s pause and sent
-        their requests elsewhere."""
-        if now - self._last_round >= 2 * self.cfg.workers.heartbeat_interval_s:
-            self._resumed = now
-        self._last_round = now
+        this frontend's own resumption when it was itself paused (its round late by more than
+        the heartbeat timeout: the watchdog's `awake_since`, which the hung kill counts from
+        too): it heard nothing meanwhile through no fault of the workers, and once declared
+        every worker lost after its own 4 s pause and sent their requests elsewhere."""
         self.watchdog.tick(now)
+        awake_since = self.watchdog.hung.awake_since
         timeout = self.cfg.workers.heartbeat_timeout_s
         for link in self.links:
             # silence decides below
             _send_now(link.socket, wire.encode(Ping(time.time(), self.frontend, os.getpid())))
-            silent = now - max(link.last_beat, self._resumed)
+            silent = now - max(link.last_beat, awake_since)
             if link.alive and silent > timeout:
                 self._declare_dead(link, f"silent for {silent:.1f}s")
             self.watchdog.check(link, now)  # silent much longer: SIGKILL (hung_kill_s)

@@ -86,7 +86,7 @@ def test_a_frontend_paused_itself_does_not_take_the_workers_for_dead(pool):
         for index in (0, 1):
             beat(pool, index, True, "a")
             pool.links[index].last_beat = start
-        pool._last_round = start
+        pool.watchdog.hung.tick(start)
         pool._round(start + 0.5)
         pool._round(start + 4.5)  # its own round 4 s late: it was paused
         assert all(link.alive for link in pool.links)
