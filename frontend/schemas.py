@@ -57,10 +57,7 @@ def texts_or_ids(value: Any, param: str, limits: LimitsConfig
     if isinstance(value, list) and value and all(is_int(v) for v in value):
         return [], [value]
     if isinstance(value, list) and value and all(isinstance(v, list) for v in value):
-        if len(value) > limits.max_texts_per_request:
-            raise ApiError("too_large", f"'{param}' has {len(value)} token lists; the limit is "
-                           f"{limits.max_texts_per_request} (limits.max_texts_per_request)",
-                           param=param)
+        check_count(value, param, limits, "token lists")
         for i, row in enumerate(value):
             if not row:
                 raise ApiError("invalid_request", f"'{param}[{i}]' must be a non-empty list of "
@@ -198,10 +195,7 @@ def texts(value: Any, param: str, limits: LimitsConfig, ids_too: bool = False) -
         raise ApiError("invalid_request", f"'{param}' must be a list of strings", param=param)
     if not value:
         raise ApiError("invalid_request", f"'{param}' must not be empty", param=param)
-    if len(value) > limits.max_texts_per_request:
-        raise ApiError("too_large", f"'{param}' has {len(value)} texts; the limit is "
-                       f"{limits.max_texts_per_request} (limits.max_texts_per_request)",
-                       param=param)
+    check_count(value, param, limits, "texts")
     for i, text in enumerate(value):
         if not isinstance(text, str):
             if ids_too:  # a boolean, null, an object: neither kind the field takes
@@ -211,6 +205,14 @@ def texts(value: Any, param: str, limits: LimitsConfig, ids_too: bool = False) -
             raise ApiError("invalid_request", f"'{param}[{i}]' must be a string", param=param)
         check_text(text, f"'{param}[{i}]'", param, limits)
     return value
+
+
+def check_count(value: list, param: str, limits: LimitsConfig, what: str) -> None:
+    """413 for more inputs than limits.max_texts_per_request."""
+    if len(value) > limits.max_texts_per_request:
+        raise ApiError("too_large", f"'{param}' has {len(value)} {what}; the limit is "
+                       f"{limits.max_texts_per_request} (limits.max_texts_per_request)",
+                       param=param)
 
 
 def check_text(text: str, name: str, param: str, limits: LimitsConfig) -> None:

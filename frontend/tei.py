@@ -43,7 +43,8 @@ from aiohttp import web
 from frontend import codec, routes, scores, tasks, vectors
 from frontend.app import CONFIG, MODEL_NAME, MODELS
 from frontend.errors import ApiError
-from frontend.schemas import (EmbedRequest, body_priority, check_text, count, dimensions, flag,
+from frontend.schemas import (EmbedRequest, body_priority, check_count, check_text, count,
+                              dimensions, flag,
                               mapping, model_name, one_or_many, prompt_name, query, required,
                               texts, texts_or_ids, user)
 from shmserve.config import LimitsConfig
@@ -102,10 +103,7 @@ def predict_inputs(value: Any, limits: LimitsConfig
         raise ApiError("invalid_request", "'inputs' must be a string, a pair of strings [first, "
                        "second], or a non-empty batch of [text] and [first, second] lists",
                        param="inputs")
-    if len(value) > limits.max_texts_per_request:
-        raise ApiError("too_large", f"'inputs' has {len(value)} inputs; the limit is "
-                       f"{limits.max_texts_per_request} (limits.max_texts_per_request)",
-                       param="inputs")
+    check_count(value, "inputs", limits, "inputs")
     return [_sequence(v, f"inputs[{i}]", limits, listed=True) for i, v in enumerate(value)], True
 
 
