@@ -44,9 +44,8 @@ from frontend import codec, routes, scores, tasks, vectors
 from frontend.app import CONFIG, MODEL_NAME, MODELS
 from frontend.errors import ApiError
 from frontend.schemas import (EmbedRequest, body_priority, check_count, check_text, count,
-                              dimensions, flag,
-                              mapping, model_name, one_or_many, prompt_name, query, required,
-                              texts, texts_or_ids, user)
+                              dimensions, flag, mapping, model_name, one_or_many, prompt_name,
+                              query, required, texts, texts_or_ids, user)
 from shmserve.config import LimitsConfig
 
 DIRECTIONS = {"right": "right", "Right": "right", "left": "left", "Left": "left"}
