@@ -77,6 +77,14 @@ async def dispatching(cfg, arena):
         await pool.close()
 
 
+async def long_beside_short(dispatcher, deadline: float) -> list:
+    """A request of one 30-token text and one of three 5-token texts, submitted in one loop turn
+    (one pass): their outcomes, a Result's Outcome or the ApiError raised."""
+    return await asyncio.gather(
+        dispatcher.run("tiny", 32, encoded(1, 30), "long", deadline),
+        dispatcher.run("tiny", 32, encoded(3, 5), "short", deadline), return_exceptions=True)
+
+
 def frontend_arena(cfg) -> shm.Arena:
     return shm.Arena(shm.arena_name(topology.instance_id(cfg), "fe0"), 1 << 22)
 
@@ -345,10 +353,7 @@ def test_a_pass_out_of_memory_is_retried_in_halves_and_only_a_text_too_large_fai
                                        atol=1e-5)
             # A text of 30 tokens cannot run even alone; the request beside it, in the same
             # pass, is answered.
-            big, small = await asyncio.gather(
-                dispatcher.run("tiny", 32, encoded(1, 30), "big", deadline),
-                dispatcher.run("tiny", 32, encoded(3, 5), "small", deadline),
-                return_exceptions=True)
+            big, small = await long_beside_short(dispatcher, deadline)
             assert isinstance(big, ApiError) and big.status == 507, big
             assert "out of memory" in big.message and "30 tokens" in big.message
             np.testing.assert_allclose(small.vectors, np.repeat(one.vectors, 3, axis=0),
@@ -391,10 +396,7 @@ def test_a_text_whose_output_is_not_finite_fails_alone_with_500(cfg):
     async def scenario():
         async with dispatching(cfg, arena) as dispatcher:
             deadline = time.time() + 20
-            bad, good = await asyncio.gather(
-                dispatcher.run("tiny", 32, encoded(1, 30), "nan", deadline),
-                dispatcher.run("tiny", 32, encoded(3, 5), "fine", deadline),
-                return_exceptions=True)
+            bad, good = await long_beside_short(dispatcher, deadline)
             assert isinstance(bad, ApiError) and bad.status == 500, bad
             assert "NaN or infinity" in bad.message and "30 tokens" in bad.message
             assert good.vectors.shape == (3, 32) and np.isfinite(good.vectors).all()
