@@ -63,3 +63,27 @@ def read_request(attachments: Attachments, peer: bytes, msg: Submit, now: float)
             segments.shape[0] != n or (segments < 1).any() or (segments > lengths).any()):
         raise ValueError("offsets, ids, segments and output disagree")
     return Request(peer, msg, ids, offsets, lengths, out, now, n, segments)
+
+
+def model_inputs(batches, texts: list[QueuedText]
+                 ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray | None]]:
+    """A pass's length groups (gpu_workers.batcher.Batch, whose `texts` are all of `texts`) as
+    the model takes them: padded int64 ids, lengths, and first-segment lengths when any text is
+    a pair. A classifier's requests may mix pairs and single texts: a single text's first
+    segment is the whole text."""
+    pairs = any(text.request.segments is not None for text in texts)
+    groups = []
+    for batch in batches:
+        ids = np.zeros((len(batch.texts), batch.padded_len), np.int64)
+        lengths = np.empty(len(batch.texts), np.int64)
+        segments = np.empty(len(batch.texts), np.int64) if pairs else None
+        for j, text in enumerate(batch.texts):
+            offsets = text.request.offsets
+            start, end = offsets[text.index], offsets[text.index + 1]
+            ids[j, :end - start] = text.request.ids[start:end]
+            lengths[j] = end - start
+            if pairs:
+                first = text.request.segments
+                segments[j] = end - start if first is None else first[text.index]
+        groups.append((ids, lengths, segments))
+    return groups

@@ -29,7 +29,7 @@ from gpu_workers.batcher import Batch, Limits, form_pass, wait_time
 from gpu_workers.memory import (MemoryCare, Policy, TorchAllocator, forward_in_halves,
                                 out_of_memory)
 from gpu_workers.metrics import WorkerMetrics
-from gpu_workers.requests import QueuedText, Request, read_request
+from gpu_workers.requests import QueuedText, Request, model_inputs, read_request
 from gpu_workers.slots import Built, Slots, hosted_configs
 from gpu_workers.sockets import REPLIES, SocketThread
 from gpu_workers.watch import FrontendWatch
@@ -323,23 +323,7 @@ class Worker:
         model that packs them, see gpu_workers.packed); `backlogged`: texts wait behind it."""
         texts = [text for batch in batches for text in batch.texts]
         slot = texts[0].request.slot  # the batcher never mixes slots
-        # A classifier's requests may mix pairs and single texts: a single text's first segment
-        # is the whole text.
-        pairs = any(text.request.segments is not None for text in texts)
-        groups = []
-        for batch in batches:
-            ids = np.zeros((len(batch.texts), batch.padded_len), np.int64)
-            lengths = np.empty(len(batch.texts), np.int64)
-            segments = np.empty(len(batch.texts), np.int64) if pairs else None
-            for j, text in enumerate(batch.texts):
-                offsets = text.request.offsets
-                start, end = offsets[text.index], offsets[text.index + 1]
-                ids[j, :end - start] = text.request.ids[start:end]
-                lengths[j] = end - start
-                if pairs:
-                    first = text.request.segments
-                    segments[j] = end - start if first is None else first[text.index]
-            groups.append((ids, lengths, segments))
+        groups = model_inputs(batches, texts)
         began = time.time()
         for text in texts:
             if not text.request.started:
