@@ -1,7 +1,15 @@
 import numpy as np
 import pytest
 
+from tests.conftest import TINY_MAX_TOKENS, tiny_overrides
 from tests.e2e.test_api import TEXTS
+from tests.stack import Stack
+from tests.tinymodel import build_tiny_bert, build_tiny_classifier
+
+# The task stack's (task_stack): its admin token, its classifier's labels, the A/B weight.
+TOKEN = "test-admin-token"
+LABELS = ["negative", "neutral", "positive"]
+AB_WEIGHT_B = 0.3
 
 
 @pytest.fixture(scope="session")
@@ -10,3 +18,55 @@ def native(tiny_stack):
     status, _, body = tiny_stack.post_json("/predict", {"texts": TEXTS})
     assert status == 200
     return np.array(body["results"], dtype=np.float32)
+
+
+@pytest.fixture(scope="package")
+def task_dirs(tmp_path_factory, tiny_model):
+    """The tiny models of every task (tests/e2e/test_tasks.py, test_task_protocols.py)."""
+    root = tmp_path_factory.mktemp("task-models")
+    return {"tiny": tiny_model,
+            "other": build_tiny_bert(root / "other", seed=1, max_positions=TINY_MAX_TOKENS),
+            "clf": build_tiny_classifier(root / "clf", labels=LABELS, seed=2),
+            "ce": build_tiny_classifier(root / "ce", num_labels=1, seed=3),
+            # A cross-encoder whose score is its logit, and one whose logits (past ~17) make
+            # a float32 sigmoid 1.0 for every pair.
+            "ce-id": build_tiny_classifier(root / "ce-id", num_labels=1, seed=3,
+                                           activation="torch.nn.modules.linear.Identity"),
+            "ce-hot": build_tiny_classifier(root / "ce-hot", num_labels=1, seed=3, bias=20.0)}
+
+
+@pytest.fixture(scope="package")
+def task_stack(tmp_path_factory, task_dirs):
+    """One stack serving them, shared by the task modules (a stack takes ~15 s to start)."""
+    dirs = task_dirs
+    tiny, other = str(dirs["tiny"]), str(dirs["other"])
+    overrides = tiny_overrides(dirs["tiny"], workers={"cpu_workers": 2},
+                               admin={"token": TOKEN})
+    overrides["model_roots"] = sorted({str(d.parent) for d in dirs.values()})
+    overrides["limits"]["truncate"] = True  # over-long pairs are cut, as CrossEncoder does
+    overrides["models"] += [
+        {"name": "clf", "source": str(dirs["clf"]), "task": "classification",
+         "revision": "clf-r1", "devices": [1], "dtype": "fp32"},
+        {"name": "ce", "source": str(dirs["ce"]), "task": "rerank", "revision": "ce-r1",
+         "dtype": "fp32"},
+        {"name": "ce-id", "source": str(dirs["ce-id"]), "task": "rerank", "dtype": "fp32",
+         "devices": [0]},
+        {"name": "ce-hot", "source": str(dirs["ce-hot"]), "task": "rerank", "dtype": "fp32",
+         "devices": [1]},
+        {"name": "ab", "sticky_key": "header:X-User", "dtype": "fp32", "variants": [
+            {"name": "a", "source": tiny, "revision": "ab-r1", "weight": 1 - AB_WEIGHT_B},
+            {"name": "b", "source": other, "revision": "ab-r2", "weight": AB_WEIGHT_B}]},
+        {"name": "ab-user", "sticky_key": "user", "dtype": "fp32", "variants": [
+            {"name": "a", "source": tiny, "revision": "u-r1"},
+            {"name": "b", "source": other, "revision": "u-r2"}]},
+        {"name": "q8", "source": tiny, "dtype": "int8", "devices": [0]},
+        # auto keeps bf16 where the CPU has it natively and the probe agrees to 0.99 (random
+        # tiny weights agree less closely than trained ones); "strict" asks for more than
+        # bf16 can give, so it serves fp32.
+        {"name": "auto", "source": tiny, "dtype": "auto", "auto_min_cosine": 0.99},
+        {"name": "strict", "source": tiny, "dtype": "auto", "auto_min_cosine": 1.0,
+         "devices": [0]}]
+    s = Stack(tmp_path_factory.mktemp("tasks-stack"), overrides)
+    s.up()
+    yield s
+    s.down()
