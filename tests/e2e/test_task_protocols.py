@@ -13,30 +13,20 @@ from tests.e2e.test_tasks import TEXTS
 from tests.tinymodel import reference_scores
 
 
-@pytest.fixture(scope="module")
-def dirs(task_dirs):
-    return task_dirs
-
-
-@pytest.fixture(scope="module")
-def stack(task_stack):
-    return task_stack
-
-
-def test_tei_predict_classifies_texts_and_pairs(stack, dirs):
+def test_tei_predict_classifies_texts_and_pairs(task_stack, task_dirs):
     """TEI's /predict body on a classification model: one input (a text, or a pair of two
     strings) or a batch of [text] and [first, second] lists; every label, best first;
     raw_scores gives the logits."""
     pair = (TEXTS[0], TEXTS[2])
     items = [TEXTS[1], pair, TEXTS[3]]
-    want = reference_scores(dirs["clf"], items, TINY_MAX_TOKENS)
-    logits = reference_scores(dirs["clf"], items, TINY_MAX_TOKENS, raw=True)
+    want = reference_scores(task_dirs["clf"], items, TINY_MAX_TOKENS)
+    logits = reference_scores(task_dirs["clf"], items, TINY_MAX_TOKENS, raw=True)
 
     def ranked(row):
         order = np.argsort(-row, kind="stable")
         return [LABELS[i] for i in order], row[order]
 
-    status, headers, body = stack.post_json("/predict", {
+    status, headers, body = task_stack.post_json("/predict", {
         "inputs": [[TEXTS[1]], list(pair), [TEXTS[3]]], "model": "clf"})
     assert status == 200 and headers["X-Model-Revision"] == "clf-r1", body
     assert len(body) == 3
@@ -45,41 +35,41 @@ def test_tei_predict_classifies_texts_and_pairs(stack, dirs):
         assert [p["label"] for p in got] == labels
         np.testing.assert_allclose([p["score"] for p in got], scores, atol=1e-5)
     # One pair, not a batch: one list back. raw_scores: the logits, best first.
-    status, _, body = stack.post_json("/predict", {"inputs": list(pair), "raw_scores": True})
+    status, _, body = task_stack.post_json("/predict", {"inputs": list(pair), "raw_scores": True})
     assert status == 200, body
     labels, scores = ranked(logits[1])
     assert [p["label"] for p in body] == labels
     np.testing.assert_allclose([p["score"] for p in body], scores, atol=1e-5)
-    status, _, body = stack.post_json("/predict", {"inputs": TEXTS[1]})  # one text
+    status, _, body = task_stack.post_json("/predict", {"inputs": TEXTS[1]})  # one text
     assert status == 200 and [p["label"] for p in body] == ranked(want[0])[0], body
     # Too long without truncation: 413; TEI's shape on an embedding model: 422.
-    status, _, body = stack.post_json("/predict", {"inputs": [TEXTS[0], "word " * 200],
+    status, _, body = task_stack.post_json("/predict", {"inputs": [TEXTS[0], "word " * 200],
                                                    "truncate": False})
     assert status == 413 and body["error"]["param"] == "inputs", body
-    status, _, body = stack.post_json("/predict", {"inputs": "x", "model": "tiny"})
+    status, _, body = task_stack.post_json("/predict", {"inputs": "x", "model": "tiny"})
     assert status == 422 and body["error"]["code"] == "unsupported_task", body
-    status, _, body = stack.post_json("/predict", {"inputs": "x", "texts": ["y"]})
+    status, _, body = task_stack.post_json("/predict", {"inputs": "x", "texts": ["y"]})
     assert status == 422 and "not both" in body["error"]["message"], body
     # The native body still embeds.
-    status, _, body = stack.post_json("/predict", {"texts": ["x"], "model": "tiny"})
+    status, _, body = task_stack.post_json("/predict", {"texts": ["x"], "model": "tiny"})
     assert status == 200 and len(body["results"][0]) == 32
 
 
 @pytest.mark.parametrize("fmt", ["msgpack", "json"])
-async def test_the_native_client_classifies_and_reranks(stack, dirs, fmt):
+async def test_the_native_client_classifies_and_reranks(task_stack, task_dirs, fmt):
     from shmserve.client import AsyncClient, Client
 
-    probs = reference_scores(dirs["clf"], TEXTS, TINY_MAX_TOKENS)
+    probs = reference_scores(task_dirs["clf"], TEXTS, TINY_MAX_TOKENS)
     query = "what moves token ids between processes?"
-    scores = reference_scores(dirs["ce"], [(query, d) for d in TEXTS], TINY_MAX_TOKENS)
-    with Client(stack.url, format=fmt) as client:
+    scores = reference_scores(task_dirs["ce"], [(query, d) for d in TEXTS], TINY_MAX_TOKENS)
+    with Client(task_stack.url, format=fmt) as client:
         got, labels = client.classify(TEXTS, model="clf")
         assert labels == LABELS and got.dtype == np.float32 and got.shape == (4, 3)
         np.testing.assert_allclose(got, probs, atol=1e-5)
         got = client.rerank(query, TEXTS, model="ce")
         assert got.dtype == np.float32 and got.shape == (4,)
         np.testing.assert_allclose(got, scores, atol=1e-5)  # input order, not ranked
-    async with AsyncClient(stack.url, format=fmt) as client:
+    async with AsyncClient(task_stack.url, format=fmt) as client:
         got, labels = await client.classify(TEXTS[0])  # the first classification model
         assert labels == LABELS and got.shape == (3,)  # one string: one row, as embed's
         np.testing.assert_allclose(got, probs[0], atol=1e-5)
@@ -87,7 +77,8 @@ async def test_the_native_client_classifies_and_reranks(stack, dirs, fmt):
                                    atol=1e-5)
 
 
-def test_huggingface_hubs_text_classification_at_the_servers_url(stack, dirs, monkeypatch):
+def test_huggingface_hubs_text_classification_at_the_servers_url(task_stack, task_dirs,
+                                                                 monkeypatch):
     """InferenceClient(model=URL).text_classification posts {"inputs", "parameters"} to /."""
     import huggingface_hub.constants
     from huggingface_hub import InferenceClient
@@ -95,16 +86,16 @@ def test_huggingface_hubs_text_classification_at_the_servers_url(stack, dirs, mo
 
     # conftest sets HF_HUB_OFFLINE, which makes the client refuse even 127.0.0.1.
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
-    want = reference_scores(dirs["clf"], TEXTS[:1], TINY_MAX_TOKENS)[0]
+    want = reference_scores(task_dirs["clf"], TEXTS[:1], TINY_MAX_TOKENS)[0]
     best = np.argsort(-want, kind="stable")
-    with InferenceClient(model=stack.url) as hub:
+    with InferenceClient(model=task_stack.url) as hub:
         got = hub.text_classification(TEXTS[0])
         assert [x.label for x in got] == [LABELS[i] for i in best]
         np.testing.assert_allclose([x.score for x in got], want[best], atol=1e-5)
         assert [x.label for x in hub.text_classification(TEXTS[0], top_k=1)] == \
             [LABELS[best[0]]]
         # The other scorings, from the logits: sigmoid per label, or the logits themselves.
-        logits = reference_scores(dirs["clf"], TEXTS[:1], TINY_MAX_TOKENS, raw=True)[0]
+        logits = reference_scores(task_dirs["clf"], TEXTS[:1], TINY_MAX_TOKENS, raw=True)[0]
         for applied, scores in (("sigmoid", 1 / (1 + np.exp(-logits))), ("none", logits)):
             got = hub.text_classification(TEXTS[0], function_to_apply=applied)
             order = np.argsort(-scores, kind="stable")
@@ -115,26 +106,26 @@ def test_huggingface_hubs_text_classification_at_the_servers_url(stack, dirs, mo
         assert info.value.response.status_code == 422
         # The same client's feature_extraction still embeds (no `parameters` in its body).
         assert hub.feature_extraction("x").shape[-1] == 32
-    status, _, body = stack.post_json("/", {"inputs": "x", "parameters": {"top_k": 0}})
+    status, _, body = task_stack.post_json("/", {"inputs": "x", "parameters": {"top_k": 0}})
     assert status == 422 and body["error"]["param"] == "parameters", body
     assert body["error"]["message"].startswith("'parameters.top_k' must be"), body
 
 
-def test_coheres_clients_rerank_on_v1_and_v2(stack, dirs):
+def test_coheres_clients_rerank_on_v1_and_v2(task_stack, task_dirs):
     """cohere's own Python client, v1 (`Client`: /v1/rerank) and v2 (`ClientV2`: /v2/rerank,
     which is not KServe's), pointed at the server's URL."""
     import cohere
 
     query = "what moves token ids between processes?"
-    want = reference_scores(dirs["ce"], [(query, d) for d in TEXTS], TINY_MAX_TOKENS)
+    want = reference_scores(task_dirs["ce"], [(query, d) for d in TEXTS], TINY_MAX_TOKENS)
     best = np.argsort(-want, kind="stable")[:3].tolist()
-    with cohere.Client(api_key="unused", base_url=stack.url) as v1:
+    with cohere.Client(api_key="unused", base_url=task_stack.url) as v1:
         got = v1.rerank(model="ce", query=query, documents=TEXTS, top_n=3,
                         return_documents=True)
     assert [r.index for r in got.results] == best
     np.testing.assert_allclose([r.relevance_score for r in got.results], want[best], atol=1e-5)
     assert [r.document.text for r in got.results] == [TEXTS[i] for i in best]
-    with cohere.Client(api_key="unused", base_url=stack.url) as v1:
+    with cohere.Client(api_key="unused", base_url=task_stack.url) as v1:
         # v1's options this server does not do are refused, not ignored; ["text"] is what it
         # does anyway.
         got = v1.rerank(model="ce", query=query, documents=[{"text": t} for t in TEXTS],
@@ -144,7 +135,7 @@ def test_coheres_clients_rerank_on_v1_and_v2(stack, dirs):
             with pytest.raises(cohere.UnprocessableEntityError) as info:
                 v1.rerank(model="ce", query=query, documents=TEXTS, **option)
             assert info.value.body["error"]["param"] == next(iter(option))
-    with cohere.ClientV2(api_key="unused", base_url=stack.url) as v2:
+    with cohere.ClientV2(api_key="unused", base_url=task_stack.url) as v2:
         got = v2.rerank(model="ce", query=query, documents=TEXTS, top_n=3)
         assert [r.index for r in got.results] == best
         np.testing.assert_allclose([r.relevance_score for r in got.results], want[best],
@@ -158,10 +149,10 @@ def test_coheres_clients_rerank_on_v1_and_v2(stack, dirs):
         assert info.value.body["error"]["param"] == "max_tokens_per_doc"
 
 
-def test_tei_rerank_on_the_cross_encoder(stack, dirs):
+def test_tei_rerank_on_the_cross_encoder(task_stack, task_dirs):
     query = "what moves token ids between processes?"
-    want = reference_scores(dirs["ce"], [(query, d) for d in TEXTS], TINY_MAX_TOKENS)
-    status, headers, body = stack.post_json("/rerank", {"model": "ce", "query": query,
+    want = reference_scores(task_dirs["ce"], [(query, d) for d in TEXTS], TINY_MAX_TOKENS)
+    status, headers, body = task_stack.post_json("/rerank", {"model": "ce", "query": query,
                                                         "texts": TEXTS, "return_text": True})
     assert status == 200, body
     assert [r["index"] for r in body] == np.argsort(-want, kind="stable").tolist()
@@ -170,30 +161,31 @@ def test_tei_rerank_on_the_cross_encoder(stack, dirs):
     assert all(r["text"] == TEXTS[r["index"]] for r in body)
     assert headers["X-Model-Revision"] == "ce-r1"
     # TEI's / takes the same body for a reranker.
-    assert stack.post_json("/", {"model": "ce", "query": query, "texts": TEXTS,
+    assert task_stack.post_json("/", {"model": "ce", "query": query, "texts": TEXTS,
                                  "return_text": True})[2] == body
-    status, _, raw = stack.post_json("/rerank", {"model": "ce", "query": query, "texts": TEXTS,
+    status, _, raw = task_stack.post_json("/rerank", {"model": "ce", "query": query, "texts": TEXTS,
                                                  "raw_scores": True})
     # TEI's raw_scores: the logit before the sigmoid.
-    logits = reference_scores(dirs["ce"], [(query, d) for d in TEXTS], TINY_MAX_TOKENS, raw=True)
+    logits = reference_scores(task_dirs["ce"], [(query, d) for d in TEXTS], TINY_MAX_TOKENS,
+                              raw=True)
     np.testing.assert_allclose([r["score"] for r in raw], logits[[r["index"] for r in raw]],
                                atol=1e-4)
     assert "text" not in raw[0]
     # TEI's truncate is honoured per request (the stack cuts over-long pairs by default).
     long = "word " * 200
-    status, _, err = stack.post_json("/rerank", {"model": "ce", "query": long, "texts": ["d"],
+    status, _, err = task_stack.post_json("/rerank", {"model": "ce", "query": long, "texts": ["d"],
                                                  "truncate": False})
     assert status == 413 and "the query with 'texts[0]'" in err["error"]["message"]
-    assert stack.post_json("/rerank", {"model": "ce", "query": long, "texts": ["d"]})[0] == 200
-    status, _, err = stack.post_json("/rerank", {"model": "ce", "query": "q", "texts": ["d"],
+    assert task_stack.post_json("/rerank", {"model": "ce", "query": long, "texts": ["d"]})[0] == 200
+    status, _, err = task_stack.post_json("/rerank", {"model": "ce", "query": "q", "texts": ["d"],
                                                  "priority": "urgent"})
     assert status == 422 and err["error"]["param"] == "priority"
 
 
-def test_kserve_classification_and_rerank_tensors(stack, dirs):
+def test_kserve_classification_and_rerank_tensors(task_stack, task_dirs):
     import tritonclient.http as triton
 
-    client = triton.InferenceServerClient(stack.url.removeprefix("http://"))
+    client = triton.InferenceServerClient(task_stack.url.removeprefix("http://"))
     config = client.get_model_config("clf")
     assert (config["max_batch_size"], config["output"]) == (64, [
         {"name": "probabilities", "data_type": "TYPE_FP32", "dims": [3]}])
@@ -210,14 +202,14 @@ def test_kserve_classification_and_rerank_tensors(stack, dirs):
                                  binary_data=binary)
         out = triton.InferRequestedOutput("probabilities", binary_data=binary)
         got = client.infer("clf", [text], outputs=[out]).as_numpy("probabilities")
-        np.testing.assert_allclose(got, reference_scores(dirs["clf"], TEXTS, TINY_MAX_TOKENS),
+        np.testing.assert_allclose(got, reference_scores(task_dirs["clf"], TEXTS, TINY_MAX_TOKENS),
                                    atol=1e-5)
     query = triton.InferInput("query", [1], "BYTES")
     query.set_data_from_numpy(np.array([b"what moves token ids?"], dtype=object))
     docs = triton.InferInput("text", [len(TEXTS)], "BYTES")
     docs.set_data_from_numpy(np.array([t.encode() for t in TEXTS], dtype=object))
     scores = client.infer("ce", [query, docs]).as_numpy("score")
-    want = reference_scores(dirs["ce"], [("what moves token ids?", d) for d in TEXTS],
+    want = reference_scores(task_dirs["ce"], [("what moves token ids?", d) for d in TEXTS],
                             TINY_MAX_TOKENS)
     np.testing.assert_allclose(scores, want, atol=1e-5)
     client.close()

@@ -20,25 +20,15 @@ TEXTS = ["The quick brown fox jumps over the lazy dog.", "hello",
          "An embedding is a vector that represents a piece of text."]
 
 
-@pytest.fixture(scope="module")
-def dirs(task_dirs):
-    return task_dirs
-
-
-@pytest.fixture(scope="module")
-def stack(task_stack):
-    return task_stack
-
-
-def admin_models(stack) -> dict:
-    status, _, raw = stack.get("/admin/models", ADMIN)
+def admin_models(task_stack) -> dict:
+    status, _, raw = task_stack.get("/admin/models", ADMIN)
     assert status == 200, raw
     return {m["name"]: m for m in json.loads(raw)["models"]}
 
 
-def test_classify_is_the_softmax_of_the_classifier(stack, dirs):
-    want = reference_scores(dirs["clf"], TEXTS, TINY_MAX_TOKENS)
-    status, headers, body = stack.post_json("/v1/classify", {"model": "clf", "input": TEXTS,
+def test_classify_is_the_softmax_of_the_classifier(task_stack, task_dirs):
+    want = reference_scores(task_dirs["clf"], TEXTS, TINY_MAX_TOKENS)
+    status, headers, body = task_stack.post_json("/v1/classify", {"model": "clf", "input": TEXTS,
                                                              "top_k": 2})
     assert status == 200, body
     assert (body["model"], body["revision"], headers["X-Model-Revision"]) == \
@@ -51,10 +41,10 @@ def test_classify_is_the_softmax_of_the_classifier(stack, dirs):
         assert [x["label"] for x in item["labels"]] == [LABELS[i] for i in best[:2]]
     assert body["usage"]["total_tokens"] > 4
     # A bare string, no top_k: every label; the model is found without naming it.
-    status, _, body = stack.post_json("/v1/classify", {"input": TEXTS[0]})
+    status, _, body = task_stack.post_json("/v1/classify", {"input": TEXTS[0]})
     assert status == 200 and len(body["data"]) == 1 and len(body["data"][0]["labels"]) == 3
     # /predict on a classification model answers label lists, best first.
-    status, _, body = stack.post_json("/predict", {"model": "clf", "texts": TEXTS[:2],
+    status, _, body = task_stack.post_json("/predict", {"model": "clf", "texts": TEXTS[:2],
                                                    "top_k": 1})
     assert status == 200, body
     assert [[x["label"] for x in r] for r in body["results"]] == \
@@ -63,12 +53,12 @@ def test_classify_is_the_softmax_of_the_classifier(stack, dirs):
                                atol=1e-5)
 
 
-def test_rerank_scores_pairs_best_first(stack, dirs):
+def test_rerank_scores_pairs_best_first(task_stack, task_dirs):
     query = "what moves token ids between processes?"
     docs = TEXTS + ["word " * 80]  # the last pair is cut to the model's 64 tokens
-    want = reference_scores(dirs["ce"], [(query, d) for d in docs], TINY_MAX_TOKENS)
+    want = reference_scores(task_dirs["ce"], [(query, d) for d in docs], TINY_MAX_TOKENS)
     body_docs = [docs[0], {"text": docs[1]}, *docs[2:]]  # Cohere/Jina document objects too
-    status, headers, body = stack.post_json("/v1/rerank", {
+    status, headers, body = task_stack.post_json("/v1/rerank", {
         "model": "ce", "query": query, "documents": body_docs, "return_documents": True})
     assert status == 200, body
     assert headers["X-Model-Revision"] == body["revision"] == "ce-r1"
@@ -77,7 +67,7 @@ def test_rerank_scores_pairs_best_first(stack, dirs):
     np.testing.assert_allclose([r["relevance_score"] for r in results],
                                want[[r["index"] for r in results]], atol=1e-5)
     assert all(r["document"] == {"text": docs[r["index"]]} for r in results)
-    status, _, body = stack.post_json("/v1/rerank", {"query": query, "documents": docs,
+    status, _, body = task_stack.post_json("/v1/rerank", {"query": query, "documents": docs,
                                                      "top_n": 2})
     assert status == 200 and [r["index"] for r in body["results"]] == \
         [r["index"] for r in results[:2]]
@@ -85,7 +75,7 @@ def test_rerank_scores_pairs_best_first(stack, dirs):
 
 
 @pytest.mark.parametrize("name", ["ce-id", "ce-hot"])
-def test_rerank_ranks_by_the_logit_on_every_route(stack, dirs, name):
+def test_rerank_ranks_by_the_logit_on_every_route(task_stack, task_dirs, name):
     """An Identity cross-encoder scores its logit (never a logit of a logit); a sigmoid one past
     float32's saturation scores 1.0 everywhere but still ranks, and raw_scores gives the true
     logits, as sentence-transformers' CrossEncoder and TEI do."""
@@ -95,26 +85,26 @@ def test_rerank_ranks_by_the_logit_on_every_route(stack, dirs, name):
 
     query = "what moves token ids between processes?"
     pairs = [(query, d) for d in TEXTS]
-    cross = CrossEncoder(str(dirs[name]), device="cpu", max_length=TINY_MAX_TOKENS)
+    cross = CrossEncoder(str(task_dirs[name]), device="cpu", max_length=TINY_MAX_TOKENS)
     want, logits = cross.predict(pairs), cross.predict(pairs, activation_fn=Identity())
     best = np.argsort(-logits, kind="stable").tolist()
     assert len(set(logits.tolist())) == len(TEXTS)
     if name == "ce-hot":
         assert (want == 1.0).all() and best != list(range(len(TEXTS)))
-    status, _, body = stack.post_json("/rerank", {"model": name, "query": query,
+    status, _, body = task_stack.post_json("/rerank", {"model": name, "query": query,
                                                   "texts": TEXTS})
     assert status == 200 and [r["index"] for r in body] == best, body
     np.testing.assert_allclose([r["score"] for r in body], want[best], rtol=1e-5, atol=1e-5)
-    status, _, body = stack.post_json("/rerank", {"model": name, "query": query,
+    status, _, body = task_stack.post_json("/rerank", {"model": name, "query": query,
                                                   "texts": TEXTS, "raw_scores": True})
     assert status == 200 and [r["index"] for r in body] == best, body
     np.testing.assert_allclose([r["score"] for r in body], logits[best], rtol=1e-5, atol=1e-4)
-    status, _, body = stack.post_json("/v1/rerank", {"model": name, "query": query,
+    status, _, body = task_stack.post_json("/v1/rerank", {"model": name, "query": query,
                                                      "documents": TEXTS, "top_n": 3})
     assert status == 200 and [r["index"] for r in body["results"]] == best[:3], body
     np.testing.assert_allclose([r["relevance_score"] for r in body["results"]], want[best[:3]],
                                rtol=1e-5, atol=1e-5)
-    client = triton.InferenceServerClient(stack.url.removeprefix("http://"))
+    client = triton.InferenceServerClient(task_stack.url.removeprefix("http://"))
     question = triton.InferInput("query", [1], "BYTES")
     question.set_data_from_numpy(np.array([query.encode()], dtype=object))
     docs = triton.InferInput("text", [len(TEXTS)], "BYTES")
@@ -143,16 +133,16 @@ def test_rerank_ranks_by_the_logit_on_every_route(stack, dirs, name):
     ("/v1/rerank", {"model": "ce", "query": "q", "documents": ["d"], "top_n": 0}, "top_n"),
     ("/v1/classify", {"model": "clf", "input": ["x"], "top_k": "2"}, "top_k"),
 ])
-def test_a_route_refuses_a_model_of_another_task(stack, path, body, needle):
-    status, _, answer = stack.post_json(path, body)
+def test_a_route_refuses_a_model_of_another_task(task_stack, path, body, needle):
+    status, _, answer = task_stack.post_json(path, body)
     want = 400 if path == "/v1/embeddings" else 422  # OpenAI's route answers as OpenAI does
     assert status == want and needle in answer["error"]["message"], answer
 
 
-def test_pinned_models_load_only_on_their_workers_and_dtypes_resolve(stack, dirs):
+def test_pinned_models_load_only_on_their_workers_and_dtypes_resolve(task_stack, task_dirs):
     from gpu_workers.model import cpu_has_bf16
 
-    models = admin_models(stack)
+    models = admin_models(task_stack)
     assert [w["worker"] for w in models["clf"]["workers"]] == [1]
     assert [w["worker"] for w in models["q8"]["workers"]] == [0]
     assert [w["worker"] for w in models["tiny"]["workers"]] == [0, 1]
@@ -163,7 +153,7 @@ def test_pinned_models_load_only_on_their_workers_and_dtypes_resolve(stack, dirs
         {"bf16" if cpu_has_bf16() else "fp32"}
     assert [(w["worker"], w["dtype"]) for w in models["strict"]["workers"]] == [(0, "fp32")]
     # /info names the dtype the workers run, not the configured "auto".
-    status, _, info = stack.get("/info")
+    status, _, info = task_stack.get("/info")
     assert status == 200
     described = {m["name"]: m for m in json.loads(info)["models"]}
     dtypes = {name: m["dtype"] for name, m in described.items()}
@@ -172,17 +162,17 @@ def test_pinned_models_load_only_on_their_workers_and_dtypes_resolve(stack, dirs
     # A scoring model has no pooling; a classifier names its labels.
     assert described["clf"]["pooling"] is None and described["clf"]["labels"]
     assert described["tiny"]["pooling"] == "mean"
-    want = reference_embeddings(dirs["tiny"], TEXTS, TINY_MAX_TOKENS)
+    want = reference_embeddings(task_dirs["tiny"], TEXTS, TINY_MAX_TOKENS)
     for model, floor in (("q8", 0.99), ("auto", 0.99), ("strict", 0.99999)):
-        status, _, body = stack.post_json("/predict", {"model": model, "texts": TEXTS})
+        status, _, body = task_stack.post_json("/predict", {"model": model, "texts": TEXTS})
         assert status == 200, body
         got = np.array(body["results"], dtype=np.float32)
         assert ((got * want).sum(1)).min() >= floor  # both sides are unit vectors
 
 
-async def _embed_many(stack, bodies, headers=None, concurrency=32):
+async def _embed_many(task_stack, bodies, headers=None, concurrency=32):
     """POST each body to /v1/embeddings; (variant, revision header, body revision, vector)."""
-    async with aiohttp.ClientSession(stack.url) as session:
+    async with aiohttp.ClientSession(task_stack.url) as session:
         gate = asyncio.Semaphore(concurrency)
 
         async def one(i, body):
@@ -196,28 +186,28 @@ async def _embed_many(stack, bodies, headers=None, concurrency=32):
         return await asyncio.gather(*(one(i, b) for i, b in enumerate(bodies)))
 
 
-def test_ab_split_follows_the_weights_and_says_who_served(stack, dirs):
+def test_ab_split_follows_the_weights_and_says_who_served(task_stack, task_dirs):
     n = 2000
-    results = asyncio.run(_embed_many(stack, [{"model": "ab", "input": f"text {i % 7}"}
+    results = asyncio.run(_embed_many(task_stack, [{"model": "ab", "input": f"text {i % 7}"}
                                               for i in range(n)]))
     counts = Counter(r[0] for r in results)
     assert abs(counts["b"] / n - AB_WEIGHT_B) <= 0.03, counts
-    refs = {"a": reference_embeddings(dirs["tiny"], [f"text {i}" for i in range(7)],
+    refs = {"a": reference_embeddings(task_dirs["tiny"], [f"text {i}" for i in range(7)],
                                       TINY_MAX_TOKENS),
-            "b": reference_embeddings(dirs["other"], [f"text {i}" for i in range(7)],
+            "b": reference_embeddings(task_dirs["other"], [f"text {i}" for i in range(7)],
                                       TINY_MAX_TOKENS)}
     revision = {"a": "ab-r1", "b": "ab-r2"}
     for i, (variant, header, body_revision, vector) in enumerate(results):
         assert header == body_revision == revision[variant]
         np.testing.assert_allclose(vector, refs[variant][i % 7], atol=1e-5)
-    _, _, raw = stack.get("/metrics")
+    _, _, raw = task_stack.get("/metrics")
     served = {s.labels["revision"]: s.value for f in text_string_to_metric_families(raw.decode())
               for s in f.samples if s.name == "shmserve_requests_total"
               and s.labels.get("model") == "ab" and s.labels["status"] == "200"}
     assert served["ab-r1"] >= counts["a"] and served["ab-r2"] >= counts["b"]
 
 
-def test_a_sticky_key_never_flips(stack):
+def test_a_sticky_key_never_flips(task_stack):
     keys = [f"user-{k}" for k in range(40)]
     seen = defaultdict(set)
     for field in ("header", "user"):
@@ -226,7 +216,7 @@ def test_a_sticky_key_never_flips(stack):
             bodies += [{"model": model, "input": f"r{round_}",
                         **({"user": k} if field == "user" else {})} for k in keys]
         results = asyncio.run(_embed_many(
-            stack, bodies, headers=(lambda i: {"X-User": keys[i % 40]}) if field == "header"
+            task_stack, bodies, headers=(lambda i: {"X-User": keys[i % 40]}) if field == "header"
             else None))
         for i, result in enumerate(results):
             seen[(field, keys[i % 40])].add(result[0])
@@ -234,13 +224,13 @@ def test_a_sticky_key_never_flips(stack):
         assert {next(iter(v)) for (f, _), v in seen.items() if f == field} == {"a", "b"}
 
 
-def test_new_weights_apply_on_every_frontend(stack):
-    status, _, body = stack.request("PUT", "/admin/models/ab/split",
+def test_new_weights_apply_on_every_frontend(task_stack):
+    status, _, body = task_stack.request("PUT", "/admin/models/ab/split",
                                     json.dumps({"weights": {"a": 0, "b": 1}}).encode(), ADMIN)
     assert status == 200, body
-    results = asyncio.run(_embed_many(stack, [{"model": "ab", "input": "x"}] * 100))
+    results = asyncio.run(_embed_many(task_stack, [{"model": "ab", "input": "x"}] * 100))
     assert {r[0] for r in results} == {"b"}  # two frontends, both already on the new weights
-    assert [v["weight"] for v in admin_models(stack)["ab"]["variants"]] == [0, 1]
+    assert [v["weight"] for v in admin_models(task_stack)["ab"]["variants"]] == [0, 1]
     for bad, why in (({"weights": {"a": 1}}, "b missing"),
                      ({"weights": {"a": 0, "b": 0}}, "all are 0"),
                      ({"w": 1}, "give an object {variant: weight}"),
@@ -251,30 +241,30 @@ def test_new_weights_apply_on_every_frontend(stack):
                      # Each finite, their sum not: it routed every request to one arm.
                      ({"weights": {"a": 1e308, "b": 1e308}}, "a: 1e+308 is not a number from 0 "
                       "to 1e+09")):
-        status, _, raw = stack.request("PUT", "/admin/models/ab/split",
+        status, _, raw = task_stack.request("PUT", "/admin/models/ab/split",
                                        json.dumps(bad).encode(), ADMIN)
         error = json.loads(raw)["error"]
         assert status == 422 and error["param"] == "weights", raw
         assert error["message"].endswith(why), raw
-    status, _, raw = stack.request("POST", "/admin/models/ab/reload",
+    status, _, raw = task_stack.request("POST", "/admin/models/ab/reload",
                                    json.dumps({"variant": "zz"}).encode(), ADMIN)
     assert status == 422 and "has no variant 'zz'; its variants are a, b" in raw.decode()
-    status, _, _ = stack.request("PUT", "/admin/models/tiny/split",
+    status, _, _ = task_stack.request("PUT", "/admin/models/tiny/split",
                                  json.dumps({"weights": {"": 1}}).encode(), ADMIN)
     assert status == 422
-    assert stack.request("PUT", "/admin/models/ab/split", b"{}")[0] == 401
+    assert task_stack.request("PUT", "/admin/models/ab/split", b"{}")[0] == 401
     # The CLI sets them back, through nginx with the configured token.
-    proc = stack.cli("split", "ab", f"a={1 - AB_WEIGHT_B}", f"b={AB_WEIGHT_B}")
+    proc = task_stack.cli("split", "ab", f"a={1 - AB_WEIGHT_B}", f"b={AB_WEIGHT_B}")
     assert json.loads(proc.stdout)["weights"] == {"a": 1 - AB_WEIGHT_B, "b": AB_WEIGHT_B}
-    results = asyncio.run(_embed_many(stack, [{"model": "ab", "input": "x"}] * 100))
+    results = asyncio.run(_embed_many(task_stack, [{"model": "ab", "input": "x"}] * 100))
     assert Counter(r[0] for r in results)["a"] >= 60
 
 
-def test_ab_models_are_ready_and_versioned_on_kserve_and_info(stack):
+def test_ab_models_are_ready_and_versioned_on_kserve_and_info(task_stack):
     """Workers name A/B arms MODEL@VARIANT; KServe readiness and /info still find the model."""
     import tritonclient.http as triton
 
-    client = triton.InferenceServerClient(stack.url.removeprefix("http://"))
+    client = triton.InferenceServerClient(task_stack.url.removeprefix("http://"))
     assert client.is_model_ready("ab")
     assert client.get_model_metadata("ab")["versions"] == ["ab-r1", "ab-r2"]  # one per arm
     # A version in the path pins the request to the arm that serves it, whatever the split's
@@ -288,7 +278,7 @@ def test_ab_models_are_ready_and_versioned_on_kserve_and_info(stack):
     with pytest.raises(triton.InferenceServerException, match="it serves 'ab-r1', 'ab-r2'"):
         client.get_model_metadata("ab", model_version="ab-r9")
     client.close()
-    status, _, raw = stack.get("/info")
+    status, _, raw = task_stack.get("/info")
     models = {m["name"]: m for m in json.loads(raw)["models"]}
     assert status == 200 and models["ab"]["revision"] == "ab-r1"
     assert models["ab"]["variants"] == [{"name": "a", "revision": "ab-r1"},
@@ -296,13 +286,13 @@ def test_ab_models_are_ready_and_versioned_on_kserve_and_info(stack):
     assert "variants" not in models["tiny"]
 
 
-def test_a_rolling_worker_restart_warns_of_the_models_one_worker_loads(stack):
+def test_a_rolling_worker_restart_warns_of_the_models_one_worker_loads(task_stack):
     """clf and ce-hot load on worker 1 only, ce-id, q8 and strict on worker 0 only: the
     restart says so (it did not, and requests for them were 503 while their worker restarted),
     then serves them again."""
-    done = stack.cli("restart", "worker-1", timeout=300)
+    done = task_stack.cli("restart", "worker-1", timeout=300)
     assert "warning: some models have no other worker (ce-hot, clf only on worker-1)" in \
         done.stderr, done.stderr
     assert "worker-1 ready" in done.stdout
-    status, _, body = stack.post_json("/v1/classify", {"model": "clf", "input": ["x"]})
+    status, _, body = task_stack.post_json("/v1/classify", {"model": "clf", "input": ["x"]})
     assert status == 200, body
