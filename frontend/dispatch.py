@@ -102,7 +102,8 @@ class Dispatcher:
                 seq = self.pool.next_seq()
                 msg = Submit(seq, request_id, model, ids, offsets, output, deadline, priority,
                              segments)
-                future = self.pool.submit(link, msg, n, lambda held=held: _release(held))
+                future = self.pool.submit(link, msg, len(enc.ids),
+                                        lambda held=held: _release(held))
                 try:
                     reply = await asyncio.wait_for(asyncio.shield(future),
                                                    max(0.0, deadline - time.time()))

@@ -123,6 +123,11 @@ class Heartbeat:
     drain_pass_s: float = 0.0
     queued_tokens: tuple[Queued, ...] = ()
 
+    @property
+    def queued(self) -> int:
+        """Tokens admitted and not yet computed, at every priority."""
+        return sum(q.tokens for q in self.queued_tokens)
+
 
 @dataclass(frozen=True, slots=True)
 class Submit:

@@ -31,6 +31,7 @@ class FakePool:
         self.answers = answers
         self.sent: list[int] = []
         self.outputs = []  # each Submit's output handle
+        self.tokens: list[int] = []  # the work each Submit is counted as on its worker
         self.held = []  # the on_settled of requests a silent worker still holds
         self._seq = 0
 
@@ -42,8 +43,9 @@ class FakePool:
         self._seq += 1
         return self._seq
 
-    def submit(self, link, msg, texts, on_settled):
+    def submit(self, link, msg, tokens, on_settled):
         self.sent.append(link.index)
+        self.tokens.append(tokens)
         self.outputs.append(msg.output)
         future = asyncio.get_running_loop().create_future()
         code = self.answers[link.index]
@@ -81,6 +83,9 @@ def test_a_worker_that_is_loading_or_draining_hands_the_request_to_another(arena
     outcome = run(pool, arena)
     assert outcome.worker == 1 and pool.sent == [0, 1]
     assert not pool.links[0].ready  # routed around until its next heartbeat
+    # Each worker is charged the request's tokens (3 ids), not its texts (1), while it holds
+    # it: a frontend routes by tokens outstanding (WorkerPool.pick, tests/unit/test_routing.py)
+    assert pool.tokens == [3, 3]
 
 
 def test_other_worker_errors_are_the_answer(arena):

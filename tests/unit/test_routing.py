@@ -1,0 +1,52 @@
+"""Which worker a frontend sends a request to (WorkerPool.pick): the one with the least
+outstanding work counted in tokens, not texts."""
+
+import asyncio
+
+from frontend.pool import WorkerPool
+from shmserve.protocol import (PROTOCOL_VERSION, Heartbeat, ModelInfo, Queued, Result,
+                               ShmHandle, Submit)
+
+
+def beat(pool: WorkerPool, index: int, *queued: Queued) -> None:
+    info = ModelInfo("a", "embedding", 4, 8, "fp32", "r", "ready", "")
+    pool._on_heartbeat(pool.links[index], Heartbeat(
+        PROTOCOL_VERSION, index, 1_000_000 + index, True, "cpu", (info,), 0, 10, 0.0, 0.0,
+        1000.0, 0.1, tuple(queued)))
+
+
+def submit(pool: WorkerPool, index: int, tokens: int) -> int:
+    handle = ShmHandle("arena", 0, 4, "int32", (1,))
+    seq = pool.next_seq()
+    pool.submit(pool.links[index], Submit(seq, f"r{seq}", "a", handle, handle, handle, 1e12, 0,
+                                          handle), tokens, lambda: None)
+    return seq
+
+
+def test_a_worker_with_one_long_text_is_busier_than_one_with_two_short_ones(pool):
+    async def run() -> None:
+        for index in (0, 1):
+            beat(pool, index)
+        long = submit(pool, 0, 180)  # one text of 180 tokens: ~30 ms on a CPU core
+        submit(pool, 1, 12)
+        submit(pool, 1, 15)  # two of ~12-15 tokens: ~10 ms
+        assert pool.pick("a") is pool.links[1]
+        # Once the long one is answered, worker 0 has nothing outstanding
+        pool._settle(pool.links[0], Result(long, 1.0, 30.0, 1, 180, "r"))
+        assert pool.links[0].outstanding == 0 and pool.links[1].outstanding == 27
+        assert pool.pick("a") is pool.links[0]
+        for link in pool.links:  # nothing is sent: the test ends before the loop flushes
+            link.outbox.clear()
+            link.pending.clear()
+
+    asyncio.run(run())
+
+
+def test_with_nothing_outstanding_here_what_the_workers_report_decides(pool):
+    # Another frontend's requests: worker 0 reports 400 tokens queued at one priority, worker 1
+    # 150 over two; tokens, not the number of priorities or texts, decide.
+    beat(pool, 0, Queued(0, 400))
+    beat(pool, 1, Queued(0, 100), Queued(1, 50))
+    assert pool.pick("a") is pool.links[1]
+    beat(pool, 1, Queued(0, 300), Queued(1, 200))
+    assert pool.pick("a") is pool.links[0]
