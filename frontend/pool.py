@@ -143,7 +143,7 @@ class WorkerPool:
         links = self.ready_links(model)
         if not links:
             return None
-        return min(links, key=lambda l: (l.outstanding, l.beat.queued, l.index))
+        return min(links, key=lambda link: (link.outstanding, link.beat.queued, link.index))
 
     async def wait_for_worker(self, model: str, timeout: float) -> WorkerLink | None:
         deadline = time.monotonic() + timeout
