@@ -9,7 +9,8 @@ Layers, later wins:
   4. environment variables ``SHMSERVE__SECTION__KEY=value``: the path is the key's path in
      lower case joined by double underscores, a list index is a number
      (``SHMSERVE__MODELS__0__SOURCE=/models/e5``); the value is parsed as a YAML scalar or
-     flow sequence, so ``8``, ``true``, ``[0, 1]`` and ``auto`` all work.
+     flow sequence, so ``8``, ``true``, ``[0, 1]`` and ``auto`` all work; a string key keeps
+     what was written (``01`` stays "01", ``yes`` stays "yes").
 
 Mappings are deep-merged; lists and scalars are replaced.
 """
@@ -105,8 +106,19 @@ class EnvFloat(float):
     text: str
 
 
+class EnvWord(str):
+    """A word from an environment variable that YAML reads as a boolean (yes, no, on, off, true,
+    false): a string key keeps the word (SHMSERVE__ADMIN__TOKEN=yes is "yes", not an error that
+    it is not a string), a boolean key reads it as YAML does (`as_yaml`; typedtree)."""
+    as_yaml: bool
+
+
 def _with_text(value: Any, text: str) -> Any:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool):
+        word = EnvWord(text.strip())
+        word.as_yaml = value
+        return word
+    if not isinstance(value, (int, float)):
         return value
     number = (EnvInt if isinstance(value, int) else EnvFloat)(value)
     number.text = text.strip()

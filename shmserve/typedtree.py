@@ -57,11 +57,13 @@ def _coerce(hint: Any, value: Any, key: str,
         raise ConfigError(f"{key}: expected {_describe(hint)}, got {_show(value)}")
     if origin is Literal:
         allowed = typing.get_args(hint)
-        text = str(value).lower() if isinstance(value, bool) else value
-        if text not in allowed:
-            raise ConfigError(f"{key}: expected one of {', '.join(map(str, allowed))}, "
-                              f"got {_show(value)}")
-        return text
+        # An environment word as written, then as YAML reads it (layers.EnvWord: yes -> true)
+        for each in (value, getattr(value, "as_yaml", value)):
+            text = str(each).lower() if isinstance(each, bool) else each
+            if text in allowed:
+                return str(text) if isinstance(text, str) else text
+        raise ConfigError(f"{key}: expected one of {', '.join(map(str, allowed))}, "
+                          f"got {_show(value)}")
     if origin is list:
         if not isinstance(value, list):
             raise ConfigError(f"{key}: expected a list, got {_show(value)}")
@@ -75,6 +77,7 @@ def _coerce(hint: Any, value: Any, key: str,
                                                                         checks)
                 for k, v in value.items()}
     if hint is bool:
+        value = getattr(value, "as_yaml", value)  # an environment word (layers.EnvWord)
         if not isinstance(value, bool):
             raise ConfigError(f"{key}: expected true or false, got {_show(value)}")
         return value

@@ -210,6 +210,22 @@ def test_a_number_from_the_environment_keeps_its_text_for_a_string_key():
     assert json.loads(cfg.to_json())["frontends"]["count"] == 3
 
 
+def test_a_yes_or_no_from_the_environment_is_a_word_for_a_string_key_and_a_bool_for_a_bool():
+    # YAML reads yes, no, on and off as booleans: a string key refused them as "not a string".
+    cfg = config.load(environ={"SHMSERVE__MODELS__0__REVISION": "yes",
+                               "SHMSERVE__ADMIN__TOKEN": " Off ",
+                               "SHMSERVE__WORKERS__REFUSE_PAST_DEADLINE": "no",
+                               "SHMSERVE__WORKERS__CPU_FALLBACK": "On",
+                               "SHMSERVE__MODELS__0__NORMALIZE": "yes"})
+    assert cfg.models[0].revision == "yes" and type(cfg.models[0].revision) is str
+    assert cfg.admin.token == "Off"
+    assert cfg.workers.refuse_past_deadline is False and cfg.workers.cpu_fallback is True
+    assert cfg.models[0].normalize == "true"  # a choice of "auto", "true", "false"
+    assert json.loads(cfg.to_json())["models"][0]["revision"] == "yes"
+    with pytest.raises(ConfigError, match="frontends.count: expected an integer, got 'yes'"):
+        config.load(environ={"SHMSERVE__FRONTENDS__COUNT": "yes"})
+
+
 def test_prompts_load_from_a_file_and_the_environment(tmp_path):
     extra = tmp_path / "extra.yaml"
     extra.write_text('models:\n  - name: e5\n    source: x\n    prompts:\n'
