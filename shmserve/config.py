@@ -49,8 +49,9 @@ class NginxConfig:
     # Per-client rate limit on every route but the probes, /metrics and /admin (nginx's
     # limit_req): past rate_limit_per_s requests a second, with bursts of rate_limit_burst more,
     # a client gets 429 from nginx at once. The client: its address (ip) or its API key
-    # (api_key; requests without one by their address). 0: off.
-    rate_limit_per_s: int = 0
+    # (api_key; requests without one by their address). 0: off. Under 1, a fraction (0.5: one
+    # request every 2 s), kept to the nearest request a minute (nginx's r/m).
+    rate_limit_per_s: float = 0
     rate_limit_burst: int = 0
     rate_limit_key: str = "ip"
     upstream_keepalive: int = 64

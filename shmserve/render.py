@@ -169,16 +169,24 @@ _TOKEN_KEY = """    map $http_authorization $shmserve_rate_key {
 
 
 def rate_limit(n) -> dict[str, str]:
-    """nginx's limit_req zone (http level) and its use (a location), or comments when off."""
-    if not n.rate_limit_per_s:
+    """nginx's limit_req zone (http level) and its use (a location), or comments when off; and
+    the Retry-After of its 429: the seconds until the client's next request is allowed."""
+    rate = n.rate_limit_per_s
+    if not rate:
         return {"rate_limit_zone": "    # nginx.rate_limit_per_s: 0, no per-client rate limit",
-                "rate_limit": "            # no per-client rate limit"}
+                "rate_limit": "            # no per-client rate limit",
+                "rate_limit_retry_after": "1"}
     key, zone = ("$binary_remote_addr", "") if n.rate_limit_key == "ip" else \
         ("$shmserve_rate_key", _TOKEN_KEY)
+    # nginx takes whole requests a second or a minute
+    spelled = f"{int(rate)}r/s" if rate == int(rate) else f"{max(1, round(rate * 60))}r/m"
     return {"rate_limit_zone": f"{zone}    limit_req_zone {key} zone=shmserve_clients:10m "
-                               f"rate={n.rate_limit_per_s}r/s;\n    limit_req_status 429;",
-            "rate_limit": "            limit_req zone=shmserve_clients "
-                          f"burst={n.rate_limit_burst} nodelay;"}
+                               f"rate={spelled};\n    limit_req_status 429;",
+            # nginx refuses burst=0 (it is its default: written only when above)
+            "rate_limit": "            limit_req zone=shmserve_clients"
+                          + (f" burst={n.rate_limit_burst} nodelay;" if n.rate_limit_burst
+                             else ";"),
+            "rate_limit_retry_after": str(max(1, math.ceil(1 / rate)))}
 
 
 def cors(origins: list[str]) -> dict[str, str]:

@@ -353,3 +353,12 @@ def test_a_rate_limit_per_api_key_needs_api_keys(tmp_path):
         config.from_tree(tree)
     config.from_tree({**tree, "auth": {"api_keys": ["k" * 8]}})
     config.from_tree({**tree, "nginx": {**tree["nginx"], "rate_limit_key": "ip"}})
+
+
+def test_a_rate_limit_takes_fractions_down_to_one_a_minute(tmp_path):
+    tree = {"models": [{"name": "m", "source": "/x"}],
+            "server": {"run_dir": str(tmp_path / "run")}}
+    assert config.from_tree({**tree, "nginx": {"rate_limit_per_s": 0.5}}).nginx.rate_limit_per_s \
+        == 0.5
+    with pytest.raises(config.ConfigError, match="at least 1/60"):
+        config.from_tree({**tree, "nginx": {"rate_limit_per_s": 0.01}})

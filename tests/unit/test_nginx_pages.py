@@ -266,3 +266,14 @@ def test_a_client_past_the_rate_limit_gets_429_from_nginx(tmp_path, key):
         for path in ("/health", "/metrics"):
             assert [request(cfg, "GET", path, None, one)[0] for _ in range(4)] == [502] * 4
         assert "Retry-After" not in request(cfg, "GET", "/ready")[1]  # on 429s only
+
+
+def test_a_rate_under_one_a_second_is_kept_per_minute_and_its_429_says_when_to_retry(tmp_path):
+    """nginx.rate_limit_per_s 0.5: one request every 2 s (nginx's 30r/m), Retry-After 2."""
+    cfg = make_config(tmp_path / "run", frontends={"count": 1},
+                      nginx={"rate_limit_per_s": 0.5})
+    with nginx_of(cfg):
+        first, second = (request(cfg, "POST", "/v1/embeddings", b"{}") for _ in range(2))
+        assert first[0] == 502 and second[0] == 429  # no frontend runs: passed, refused
+        assert second[1]["Retry-After"] == "2"
+    assert "rate=30r/m;" in render.nginx_conf(cfg).read_text()
