@@ -45,7 +45,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 from benchkit import (CORPUS, NULL_STACK, SCENARIOS, Baseline, OwnStack, Scenario,  # noqa: E402
                       auth_headers, ceiling, cpu_description, locust_window,
-                      min_cosine_to_fp32, open_loop_window)
+                      min_cosine_to_fp32, open_loop_window, positive)
 
 from shmserve import config as config_mod  # noqa: E402
 
@@ -178,12 +178,6 @@ def scenario_names(text: str) -> list[str]:
     return names
 
 
-def positive(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: an integer >= 1")
-    return int(text)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -193,14 +187,22 @@ def main() -> int:
     parser.add_argument("--compare", help="'baseline' (started here) or an OpenAI-compatible URL")
     parser.add_argument("--only", default="short,bulk,mixed", type=scenario_names,
                         help=f"scenarios, comma-separated, of {', '.join(SCENARIOS)}")
-    parser.add_argument("--rounds", type=positive, default=3)
-    parser.add_argument("--window", type=int, default=15, help="seconds per window")
-    parser.add_argument("--no-sweep", action="store_true")
-    parser.add_argument("--no-null", action="store_true")
-    parser.add_argument("--null-users", type=int, default=64)
-    parser.add_argument("--null-api", choices=("openai", "msgpack"), default="msgpack")
-    parser.add_argument("--corpus", type=Path, default=CORPUS)
-    parser.add_argument("--out", type=Path, default=REPO / "bench-results")
+    parser.add_argument("--rounds", type=positive, default=3,
+                        help="interleaved rounds per scenario (default 3)")
+    parser.add_argument("--window", type=positive, default=15,
+                        help="seconds per window (default 15)")
+    parser.add_argument("--no-sweep", action="store_true",
+                        help="skip the open-loop sweep at 25-100%% of saturation (and its plot)")
+    parser.add_argument("--no-null", action="store_true",
+                        help="skip the null-model pipeline capacity")
+    parser.add_argument("--null-users", type=positive, default=64,
+                        help="locust users for the null pipeline (default 64)")
+    parser.add_argument("--null-api", choices=("openai", "msgpack"), default="msgpack",
+                        help="the null pipeline's API (default msgpack)")
+    parser.add_argument("--corpus", type=Path, default=CORPUS,
+                        help="JSON list of texts (default the shared corpus)")
+    parser.add_argument("--out", type=Path, default=REPO / "bench-results",
+                        help="results go to OUT/<time>/ (default bench-results)")
     args = parser.parse_args()
 
     cfg = config_mod.load(env=args.env, extra=args.config)

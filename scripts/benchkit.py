@@ -3,6 +3,7 @@ in-process ceiling, and the FastAPI baseline."""
 
 from __future__ import annotations
 
+import argparse
 import csv
 import json
 import os
@@ -314,6 +315,13 @@ def _ceiling_child(argv: list[str]) -> None:
     for line in sys.stdin:
         seconds, chunk = line.split()
         print(json.dumps(inproc.window(float(seconds), int(chunk))), flush=True)
+
+
+def positive(text: str) -> int:
+    """An argparse type: an integer >= 1 (rounds, windows, counts)."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: an integer >= 1")
+    return int(text)
 
 
 def auth_headers() -> dict[str, str]:

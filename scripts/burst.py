@@ -105,7 +105,8 @@ def main() -> int:
     parser.add_argument("--b", required=True, help="overlay of side B (YAML or a file)")
     parser.add_argument("--a-rev", help="run side A's code from this git revision (a worktree)")
     parser.add_argument("--b-rev", help="run side B's code from this git revision")
-    parser.add_argument("--requests", type=int, default=600)
+    parser.add_argument("--requests", type=int, default=600,
+                        help="requests in each burst (default 600)")
     parser.add_argument("--texts", default="32", help="texts per request: N or LO-HI")
     parser.add_argument("--deadline", type=float, default=30.0, help="X-Request-Timeout, s")
     parser.add_argument("--rate", type=float, default=0.0,

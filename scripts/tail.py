@@ -35,7 +35,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
 from benchkit import (CORPUS, SCENARIOS, InProcess, OwnStack, cpu_description,  # noqa: E402
-                      locust_window, open_loop_window)
+                      locust_window, open_loop_window, positive)
 
 from shmserve import config as config_mod  # noqa: E402
 
@@ -65,25 +65,40 @@ def model_alone(cfg, corpus: list[str], count: int) -> tuple[dict, list[int]]:
             "tokens_p99": float(np.percentile(tokens, 99)), "by_tokens": bands}, lengths
 
 
+def length_band(text: str) -> tuple[int, int]:
+    """An argparse type: LO-HI, two token counts."""
+    lo, _, hi = text.partition("-")
+    if not (lo.isdigit() and hi.isdigit() and int(lo) <= int(hi)):
+        raise argparse.ArgumentTypeError(f"{text!r}: LO-HI, two token counts, LO <= HI")
+    return int(lo), int(hi)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--window", type=int, default=15, help="seconds per open-loop window")
-    parser.add_argument("--band", default="18-22",
-                        help="the length band, in tokens with the specials (the corpus's "
-                             "median text is ~20)")
-    parser.add_argument("--texts", type=int, default=1500,
-                        help="corpus texts through the model alone (each twice)")
-    parser.add_argument("--corpus", type=Path, default=CORPUS)
+    parser.add_argument("--rounds", type=positive, default=3,
+                        help="interleaved rounds, corpus and band (default 3)")
+    parser.add_argument("--window", type=positive, default=15,
+                        help="seconds per open-loop window (default 15; the saturation before "
+                             "each is a closed-loop window of 10 s)")
+    parser.add_argument("--band", type=length_band, default=(18, 22),
+                        help="the length band LO-HI, in tokens with the specials (default 18-22; "
+                             "the corpus's median text is ~20)")
+    parser.add_argument("--texts", type=positive, default=1500,
+                        help="the first N corpus texts through the model alone, each twice "
+                             "(default 1500; the corpus has ~4,700)")
+    parser.add_argument("--corpus", type=Path, default=CORPUS,
+                        help="JSON list of texts (default the shared corpus)")
     args = parser.parse_args()
-    lo, hi = (int(x) for x in args.band.split("-"))
+    lo, hi = args.band
 
     cfg = config_mod.load()
     corpus = json.loads(args.corpus.read_text())
+    band_name, first = f"{lo}-{hi}", min(args.texts, len(corpus))
     print(f"machine: {cpu_description()}", flush=True)
     alone, lengths = model_alone(cfg, corpus, args.texts)
-    print(f"model alone, one text at a time ({alone['forwards']} forwards; tokens p50 "
+    print(f"model alone, one text at a time (the first {first} corpus "
+          f"texts, {alone['forwards']} forwards; tokens p50 "
           f"{alone['tokens_p50']:.0f}, p99 {alone['tokens_p99']:.0f}): p50 "
           f"{alone['p50_ms']:.2f} ms, p99 {alone['p99_ms']:.2f} ms, p99/p50 "
           f"{alone['ratio']:.2f}", flush=True)
@@ -92,7 +107,7 @@ def main() -> None:
 
     band = [text for text, n in zip(corpus, lengths) if lo <= n <= hi]
     if len(band) < 50:
-        raise SystemExit(f"only {len(band)} corpus texts of {args.band} tokens")
+        raise SystemExit(f"only {len(band)} corpus texts of {band_name} tokens")
     ratios: dict[str, list[float]] = {"corpus": [], "band": []}
     with tempfile.TemporaryDirectory() as tmp, OwnStack(None, None, {}) as stack:
         band_file = Path(tmp) / "band.json"
@@ -110,11 +125,13 @@ def main() -> None:
                       f"{saturation / 2:.0f}, achieved {w['requests_per_s']:.0f}, p50 "
                       f"{w['p50_ms']:.1f} ms, p99 {w['p99_ms']:.1f} ms, p99/p50 "
                       f"{ratios[name][-1]:.2f}, failures {w['failures']}", flush=True)
-    print(f"\nserved at half of saturation, p99/p50 (median of {args.rounds} rounds): corpus "
+    rounds = f"{args.rounds} round{'s' if args.rounds > 1 else ''}"
+    print(f"\nserved at half of saturation, p99/p50 (median of {rounds}): corpus "
           f"{statistics.median(ratios['corpus']):.2f} ({min(ratios['corpus']):.2f}-"
-          f"{max(ratios['corpus']):.2f}); texts of {args.band} tokens ({len(band)}) "
+          f"{max(ratios['corpus']):.2f}); texts of {band_name} tokens ({len(band)}) "
           f"{statistics.median(ratios['band']):.2f} ({min(ratios['band']):.2f}-"
-          f"{max(ratios['band']):.2f}); the model alone on the corpus {alone['ratio']:.2f}")
+          f"{max(ratios['band']):.2f}); the model alone on the first {first} "
+          f"corpus texts {alone['ratio']:.2f}")
 
 
 if __name__ == "__main__":
