@@ -9,10 +9,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from frontend.errors import ApiError
-from shmserve.config import LimitsConfig
+from shmserve.config import PRIORITY_NAMES, LimitsConfig
 
 ENCODING_FORMATS = ("float", "base64")
-PRIORITY_NAMES = {"low": -1, "normal": 0, "high": 1}
 PRIORITY_RANGE = (-10, 10)
 # What a JSON (or msgpack) value that is not a token id is, in an error message.
 JSON_KINDS = {bool: "a boolean", type(None): "null", str: "a string", dict: "an object",

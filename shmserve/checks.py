@@ -49,7 +49,8 @@ CHECKS: dict[str, Check] = {
     "frontends.retry_on_worker_loss": (lambda v: v >= 0, "an integer >= 0"),
     "frontends.no_worker_wait_s": (lambda v: v >= 0, "a number >= 0"),
     "frontends.listen_backlog": _POSITIVE_INT,
-    "frontends.default_priority": (lambda v: -10 <= v <= 10, "an integer from -10 to 10"),
+    "frontends.default_priority": (lambda v: isinstance(v, str) or -10 <= v <= 10,
+                                   "low, normal, high or an integer from -10 to 10"),
     "workers.low_priority_queue_share": (lambda v: 0 < v <= 1, "a number in (0, 1]"),
     "workers.devices": (lambda v: v in ("auto", "cpu") or (isinstance(v, list) and v
                         and all(d >= 0 for d in v) and len(set(v)) == len(v)),

@@ -61,6 +61,10 @@ class NginxConfig:
     cors_allow_origins: list[str] = field(default_factory=list)
 
 
+# X-Priority's names (requests and frontends.default_priority): higher runs first.
+PRIORITY_NAMES = {"low": -1, "normal": 0, "high": 1}
+
+
 @dataclass(frozen=True, slots=True)
 class FrontendConfig:
     count: int = 2
@@ -68,7 +72,9 @@ class FrontendConfig:
     request_timeout_s: float = 30.0  # default deadline of a request
     retry_on_worker_loss: int = 2  # resubmissions to another worker when one dies
     no_worker_wait_s: float = 5.0  # how long a request waits for a live worker before 503
-    default_priority: int = 0  # X-Priority / "priority" when a request names none
+    # X-Priority / "priority" when a request names none: low, normal, high (-1, 0, 1) or an
+    # integer from -10 to 10; higher runs first
+    default_priority: int | Literal["low", "normal", "high"] = 0
     listen_backlog: int = 4096  # unix-socket accept queue; a full one makes nginx answer 502
     # A frontend whose pings every worker stopped hearing this long (its whole process stuck)
     # is SIGKILLed by the workers, and supervisord restarts it (shmserve.hung). 0: never.
@@ -267,7 +273,9 @@ def from_tree(tree: Mapping[str, Any]) -> Config:
     cfg = build(Config, tree, CHECKS)
     workers, threads = cpu_layout(cfg.workers.cpu_workers, cfg.workers.torch_threads)
     cfg = dataclasses.replace(cfg, workers=dataclasses.replace(
-        cfg.workers, cpu_workers=workers, torch_threads=threads))
+        cfg.workers, cpu_workers=workers, torch_threads=threads), frontends=dataclasses.replace(
+        cfg.frontends, default_priority=PRIORITY_NAMES.get(cfg.frontends.default_priority,
+                                                           cfg.frontends.default_priority)))
     _check_run_dir(cfg)
     check_models(cfg)
     keys = api_keys(cfg)  # a key file that cannot be read, or a malformed key, stops start-up

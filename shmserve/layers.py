@@ -9,8 +9,9 @@ Layers, later wins:
   4. environment variables ``SHMSERVE__SECTION__KEY=value``: the path is the key's path in
      lower case joined by double underscores, a list index is a number
      (``SHMSERVE__MODELS__0__SOURCE=/models/e5``); the value is parsed as a YAML scalar or
-     flow sequence, so ``8``, ``true``, ``[0, 1]`` and ``auto`` all work; a string key keeps
-     what was written (``01`` stays "01", ``yes`` stays "yes").
+     flow sequence, so ``8``, ``true``, ``[0, 1]`` and ``auto`` all work; a string key, or a
+     list's string item, keeps what was written (``01`` stays "01", ``yes`` stays "yes");
+     ``null`` or ``~`` is no value.
 
 Mappings are deep-merged; lists and scalars are replaced.
 """
@@ -113,16 +114,28 @@ class EnvWord(str):
     as_yaml: bool
 
 
-def _with_text(value: Any, text: str) -> Any:
-    if isinstance(value, bool):
-        word = EnvWord(text.strip())
-        word.as_yaml = value
-        return word
-    if not isinstance(value, (int, float)):
-        return value
-    number = (EnvInt if isinstance(value, int) else EnvFloat)(value)
-    number.text = text.strip()
-    return number
+class _EnvLoader(yaml.SafeLoader):
+    """YAML as safe_load reads it, but a boolean or a number, at any depth (a list's items
+    too), keeps the text it was written as (EnvWord, EnvInt, EnvFloat)."""
+
+
+def _keeping_text(construct: Any) -> Any:
+    def constructor(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> Any:
+        value = construct(loader, node)
+        if isinstance(value, bool):
+            word = EnvWord(node.value)
+            word.as_yaml = value
+            return word
+        number = (EnvInt if isinstance(value, int) else EnvFloat)(value)
+        number.text = node.value
+        return number
+    return constructor
+
+
+for _tag, _construct in (("bool", yaml.SafeLoader.construct_yaml_bool),
+                         ("int", yaml.SafeLoader.construct_yaml_int),
+                         ("float", yaml.SafeLoader.construct_yaml_float)):
+    _EnvLoader.add_constructor(f"tag:yaml.org,2002:{_tag}", _keeping_text(_construct))
 
 
 def apply_env_overrides(tree: dict[str, Any], environ: Mapping[str, str]) -> dict[str, Any]:
@@ -132,10 +145,9 @@ def apply_env_overrides(tree: dict[str, Any], environ: Mapping[str, str]) -> dic
             continue
         parts = [p.lower() for p in name[len(ENV_PREFIX):].split("__")]
         try:
-            value = yaml.safe_load(environ[name]) if environ[name] != "" else ""
+            value = yaml.load(environ[name], _EnvLoader) if environ[name] != "" else ""
         except yaml.YAMLError as exc:
             raise ConfigError(f"{name}: not a YAML value ({exc.__class__.__name__})") from None
-        value = _with_text(value, environ[name])
         node: Any = tree
         for i, part in enumerate(parts):
             last = i == len(parts) - 1

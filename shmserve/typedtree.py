@@ -97,11 +97,18 @@ def _coerce(hint: Any, value: Any, key: str,
     raise ConfigError(f"{key}: unsupported type {hint}")  # a bug in the schema, not the input
 
 
+_KINDS = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+
+
 def _describe(hint: Any) -> str:
     names = []
     for option in typing.get_args(hint):
-        names.append("a list" if typing.get_origin(option) is list else getattr(option, "__name__",
-                                                                                 str(option)))
+        if typing.get_origin(option) is Literal:
+            names.append(", ".join(map(str, typing.get_args(option))))
+        elif typing.get_origin(option) is list:
+            names.append("a list")
+        else:
+            names.append(_KINDS.get(option, getattr(option, "__name__", str(option))))
     return " or ".join(names)
 
 

@@ -224,6 +224,12 @@ def test_a_yes_or_no_from_the_environment_is_a_word_for_a_string_key_and_a_bool_
     assert json.loads(cfg.to_json())["models"][0]["revision"] == "yes"
     with pytest.raises(ConfigError, match="frontends.count: expected an integer, got 'yes'"):
         config.load(environ={"SHMSERVE__FRONTENDS__COUNT": "yes"})
+    # ... and so does a list's item: aliases, API keys of digits
+    cfg = config.load(environ={"SHMSERVE__MODELS__0__ALIASES": "[yes, 01, 2.50]",
+                               "SHMSERVE__AUTH__API_KEYS": "[01234567, 12345678]",
+                               "SHMSERVE__WORKERS__DEVICES": "[0, 1]"})
+    assert cfg.models[0].aliases == ["yes", "01", "2.50"]
+    assert cfg.auth.api_keys == ["01234567", "12345678"] and cfg.workers.devices == [0, 1]
 
 
 def test_prompts_load_from_a_file_and_the_environment(tmp_path):
@@ -362,3 +368,14 @@ def test_a_rate_limit_takes_fractions_down_to_one_a_minute(tmp_path):
         == 0.5
     with pytest.raises(config.ConfigError, match="at least 1/60"):
         config.from_tree({**tree, "nginx": {"rate_limit_per_s": 0.01}})
+
+
+def test_the_default_priority_takes_the_names_requests_take():
+    # X-Priority takes low, normal and high; the setting refused them ("expected an integer").
+    assert config.load(environ={"SHMSERVE__FRONTENDS__DEFAULT_PRIORITY": "high"}
+                       ).frontends.default_priority == 1
+    assert config.load(environ={"SHMSERVE__FRONTENDS__DEFAULT_PRIORITY": "-3"}
+                       ).frontends.default_priority == -3
+    with pytest.raises(ConfigError, match="expected an integer or low, normal, high, "
+                                          "got 'urgent'"):
+        config.load(environ={"SHMSERVE__FRONTENDS__DEFAULT_PRIORITY": "urgent"})
