@@ -5,7 +5,7 @@
     shmserve status [--watch [S]] [--count N]            processes, workers, throughput, memory
     shmserve restart frontends|workers|nginx|PROGRAM [--all-at-once]   rolling, no request lost
     shmserve ctl ARGS...                                 supervisorctl with this deployment's -c
-    shmserve config [--show-secrets]                     the resolved config as JSON
+    shmserve config [--show-secrets] [--running]         the resolved config as JSON
     shmserve models                                      GET /admin/models
     shmserve reload NAME [SOURCE] [--revision R] [--variant V]   hot reload a model
     shmserve split NAME VARIANT=WEIGHT...                A/B weights of a model
@@ -116,6 +116,10 @@ def _parser() -> argparse.ArgumentParser:
                          "as `up` does")
     config_cmd.add_argument("--show-secrets", action="store_true",
                             help="print admin.token and auth.api_keys in clear")
+    config_cmd.add_argument("--running", action="store_true",
+                            help="the config the running deployment was started with "
+                                 "(run/config.json), not the one the files and environment "
+                                 "give now")
     command("models", remote.list_models, "each model's revision and loading state per worker "
             "(GET /admin/models, with admin.token)")
     reload_cmd = command("reload", remote.reload, "load new weights for a model on every "
@@ -257,7 +261,18 @@ def deployment_flags(args: argparse.Namespace, argv: list[str]) -> list[str]:
 def show_config(args: argparse.Namespace) -> int:
     """Print the resolved config, then check its models as `up` would before starting (sources,
     weights' headers, pinned devices, variants, dtypes): exit 2 naming the problem."""
-    cfg = render.resolved(config.from_args(args))
+    loaded = config.from_args(args)
+    running = processes.running_config(loaded)
+    if args.running:
+        if running is loaded:
+            raise CliError(processes.not_running(loaded))
+        cfg = running
+    else:
+        cfg = render.resolved(loaded)
+        if running is not loaded and running.to_json() != cfg.to_json():
+            print("shmserve: note: a deployment runs from this run_dir with another config; this "
+                  "is the config as the files and environment give it now (`shmserve config "
+                  "--running` for the running one)", file=sys.stderr)
     print((cfg if args.show_secrets else config.redacted(cfg)).to_json(), flush=True)
     try:
         models.check(cfg, topology.worker_devices(cfg))

@@ -62,6 +62,27 @@ def test_an_extra_config_file_selects_the_deployment(deployment, tmp_path, capsy
     assert json.loads(capsys.readouterr().out)["frontends"]["count"] == 5
 
 
+def test_config_says_when_a_running_deployment_has_another_and_shows_it(deployment, monkeypatch,
+                                                                         capsys):
+    # While a deployment runs, `config` printed the config as the environment gives it now
+    # (port 8080, say) with no word that the stack serves from another (an outside check).
+    assert cli.main(["config", "--running"]) == 2
+    assert "not running (run_dir " in capsys.readouterr().err
+    started = config.load()
+    render.render(started)  # what `up` writes: run/config.json
+    monkeypatch.setattr(processes, "supervisord_pid", lambda cfg: 4242)  # as if it ran
+    assert cli.main(["config"]) == 0
+    assert "shmserve config --running" not in capsys.readouterr().err  # the same config
+    monkeypatch.setenv("SHMSERVE__FRONTENDS__COUNT", "5")
+    assert cli.main(["config"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["frontends"]["count"] == 5
+    assert "a deployment runs from this run_dir with another config" in captured.err
+    assert cli.main(["config", "--running"]) == 0
+    assert json.loads(capsys.readouterr().out)["frontends"]["count"] == \
+        started.frontends.count != 5
+
+
 def test_config_checks_the_models_as_up_does(deployment, monkeypatch, capsys, tmp_path):
     # It checked the config's shape only: a pinned device no worker has, a source outside the
     # roots, passed `shmserve config` and were refused by `up`.
