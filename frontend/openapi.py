@@ -28,7 +28,7 @@ _DESCRIPTION = """\
 Embeddings, classification and reranking over shared memory. Protocols: the native `/predict`,
 `/v1/classify` and `/v1/rerank` (also Cohere's `/v2/rerank`), OpenAI's `/v1/embeddings`,
 Hugging Face TEI's `/embed`, `/similarity`, `/` (as TEI's, for huggingface_hub), `/rerank`,
-`/tokenize` and `/info`, and KServe v2 (`/v2/...`, with Triton's binary tensor data extension).
+`/tokenize`, `/decode` and `/info`, and KServe v2 (`/v2/...`, with Triton's binary tensor data extension).
 Inference responses carry `X-Model-Revision` (and `X-Model-Variant` for an A/B split).
 
 Every POST body may be JSON (`Content-Type: application/json`) or msgpack
@@ -209,6 +209,10 @@ def _routes(model: dict) -> dict[str, dict]:
             "tei", "TEI tokenize", {**_ok({"type": "array", "items": {
                 "type": "array", "items": ref("SimpleToken")}}), **_errors(*_POST_ERRORS)},
             _body(ref("TeiTokenizeRequest")))},
+        "/decode": {"post": _op(
+            "tei", "TEI decode: token ids back to text", {
+                **_ok({"type": "array", "items": {"type": "string"}}), **_errors(*_POST_ERRORS)},
+            _body(ref("TeiDecodeRequest")))},
         "/v2": {"get": _op("kserve", "Server metadata", _ok(ref("ServerMetadata")))},
         "/v2/health/live": {"get": _op("kserve", "Server live", _ok(ref("Live")))},
         "/v2/health/ready": {"get": _op("kserve", "Server ready", {

@@ -208,6 +208,13 @@ def _tei_schemas(parts: dict[str, Any]) -> dict[str, Any]:
             "inputs": {"oneOf": [parts["text"], parts["texts"]]},
             "model": parts["model"]("embedding", "null", "classification", "rerank"),
             "add_special_tokens": nullable_bool, "prompt_name": parts["prompt_name"]}},
+        "TeiDecodeRequest": {"type": "object", "required": ["ids"], "properties": {
+            "ids": {"oneOf": [{"type": "array", "minItems": 1, "items": {"type": "integer"}},
+                              {"type": "array", "minItems": 1, "items": {
+                                  "type": "array", "minItems": 1,
+                                  "items": {"type": "integer"}}}]},
+            "model": parts["model"]("embedding", "null", "classification", "rerank"),
+            "skip_special_tokens": nullable_bool}},
         "SimpleToken": {"type": "object", "properties": {
             "id": {"type": "integer"}, "text": {"type": "string"}, "special": {"type": "boolean"},
             "start": {"type": ["integer", "null"]}, "stop": {"type": ["integer", "null"]}}},

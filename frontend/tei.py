@@ -6,6 +6,8 @@
     POST /tokenize  {"inputs": str | [str], "add_special_tokens", "prompt_name"} -> [[{"id",
                      "text", "special", "start", "stop"}]]   (start/stop: byte offsets into the
                      text after its prompt, as TEI's)
+    POST /decode    {"ids": [int] | [[int]], "skip_special_tokens": true} -> [str]  (one text
+                     per list of ids, by the model's tokenizer)
     POST /similarity {"inputs": {"source_sentence": str, "sentences": [str]}} -> [float]
                      (cosine of each sentence's vector to the source's)
     POST /          TEI's route for its model's task, which huggingface_hub's InferenceClient
@@ -58,6 +60,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/similarity", similarity)
     app.router.add_post("/rerank", rerank)
     app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/decode", decode)
 
 
 async def root(request: web.Request) -> web.Response:
@@ -266,6 +269,34 @@ async def tokenize(request: web.Request) -> web.Response:
     if time.monotonic() - started > deadline:
         raise ApiError.deadline_passed()
     return codec.render(request, rows)
+
+
+async def decode(request: web.Request) -> web.Response:
+    cfg = request.app[CONFIG]
+    deadline = tasks.timeout(request, cfg.frontends.request_timeout_s)
+    tasks.request_priority(request, None, cfg.frontends.default_priority)
+    started = time.monotonic()
+    body = mapping(await codec.read_body(request))
+    given, rows = texts_or_ids(required(body, "ids"), "ids", cfg.limits)
+    if rows is None:
+        raise ApiError("invalid_request", "'ids' must be a list of token ids (integers) or a "
+                       "list of such lists; /tokenize turns texts into ids", param="ids")
+    special = flag(body, "skip_special_tokens", True)
+    model = request.app[MODELS].resolve(model_name(body))
+    request[MODEL_NAME] = model.spec.name
+    budget = cfg.limits.max_texts_per_request * model.spec.max_tokens  # as /tokenize's
+    if sum(map(len, rows)) > budget:
+        raise ApiError("too_large", f"'ids' has over {budget} ids; /decode answers at most "
+                       f"{budget} a request (limits.max_texts_per_request x the model's input "
+                       "limit)", param="ids")
+    if sum(map(len, rows)) > tasks.THREAD_TOKENIZE_CHARS // 4:  # off the event loop
+        texts_out = await asyncio.get_running_loop().run_in_executor(
+            None, model.encoder.decode, rows, special)
+    else:
+        texts_out = model.encoder.decode(rows, special)
+    if time.monotonic() - started > deadline:
+        raise ApiError.deadline_passed()
+    return codec.render(request, texts_out)
 
 
 def _tokens(text: str, encoding) -> list[dict[str, Any]]:

@@ -222,6 +222,21 @@ class TextEncoder:
         truncated = sum(1 for e in encodings if e.overflowing) if truncate else 0
         return Encoded(ids, offsets, truncated)
 
+    def check_ids(self, rows: list[list[int]], param: str) -> None:
+        """422 naming the first row holding an id outside [0, vocab size)."""
+        for i, row in enumerate(rows):
+            low, high = min(row), max(row)  # Python ints: no overflow before the check
+            if low < 0 or high >= self.vocab_size:
+                raise ApiError("invalid_request", f"'{param}[{i}]' holds token id "
+                               f"{low if low < 0 else high}; ids must be in [0, "
+                               f"{self.vocab_size}) for this model's vocabulary", param=param)
+
+    def decode(self, rows: list[list[int]], skip_special_tokens: bool = True,
+               param: str = "ids") -> list[str]:
+        """The text of each row of token ids (TEI's /decode), special tokens skipped or kept."""
+        self.check_ids(rows, param)
+        return self._tok.decode_batch(rows, skip_special_tokens=skip_special_tokens)
+
     def from_ids(self, rows: list[list[int]], param: str = "input",
                  truncate: bool | None = None, direction: str = "right") -> Encoded:
         """Token ids a client tokenized itself, used as given: no special tokens are added.
@@ -234,12 +249,8 @@ class TextEncoder:
         truncate = self.truncate if truncate is None else truncate
         truncated = 0
         kept = []
+        self.check_ids(rows, param)
         for i, row in enumerate(rows):
-            low, high = min(row), max(row)  # Python ints: no overflow before the check
-            if low < 0 or high >= self.vocab_size:
-                raise ApiError("invalid_request", f"'{param}[{i}]' holds token id "
-                               f"{low if low < 0 else high}; ids must be in [0, "
-                               f"{self.vocab_size}) for this model's vocabulary", param=param)
             if len(row) > self.max_tokens:
                 if not truncate:
                     raise ApiError("too_large", f"'{param}[{i}]' has {len(row)} tokens; the "

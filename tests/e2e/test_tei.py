@@ -211,6 +211,32 @@ def test_tokenize_is_bounded_and_takes_the_headers_every_route_takes(tiny_stack)
         assert status == 422 and body["error"]["param"] == next(iter(header)), body
 
 
+def test_decode_turns_token_ids_back_into_text_as_the_tokenizer_does(tiny_stack):
+    status, _, tokens = tiny_stack.post_json("/tokenize", {"inputs": ["hello world", "a b"]})
+    rows = [[t["id"] for t in row] for row in tokens]
+    status, _, body = tiny_stack.post_json("/decode", {"ids": rows})
+    assert status == 200 and body == ["hello world", "a b"]
+    status, _, body = tiny_stack.post_json("/decode", {"ids": rows[0],
+                                                       "skip_special_tokens": False})
+    assert status == 200 and body == ["[CLS] hello world [SEP]"]  # one list: still a list
+    status, _, raw = tiny_stack.request(
+        "POST", "/decode", msgpack.packb({"ids": rows[1]}),
+        {"Content-Type": "application/msgpack", "Accept": "application/msgpack"})
+    assert status == 200 and msgpack.unpackb(raw) == ["a b"]
+    for bad, message in (({"ids": "hello"}, "'ids' must be a list of token ids"),
+                         ({"ids": [[101, 10**6]]}, "'ids[0]' holds token id 1000000"),
+                         ({"ids": [101, -1]}, "holds token id -1"),
+                         ({"ids": [[101], []]}, "'ids[1]' must be a non-empty list"),
+                         ({"ids": [101], "skip_special_tokens": "no"},
+                          "'skip_special_tokens' must be a boolean"),
+                         ({}, "'ids'")):
+        status, _, err = tiny_stack.post_json("/decode", bad)
+        assert status == 422 and message in err["error"]["message"], (bad, err)
+    # Bounded as /tokenize is: limits.max_texts_per_request x the model's limit (64 x 64)
+    status, _, err = tiny_stack.post_json("/decode", {"ids": [[1000] * 4097]})
+    assert status == 413 and "/decode answers at most 4096" in err["error"]["message"]
+
+
 def test_tokenize_msgpack(tiny_stack):
     status, _, raw = tiny_stack.request(
         "POST", "/tokenize", msgpack.packb({"inputs": "hello"}),
