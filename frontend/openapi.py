@@ -28,7 +28,8 @@ _DESCRIPTION = """\
 Embeddings, classification and reranking over shared memory. Protocols: the native `/predict`,
 `/v1/classify` and `/v1/rerank` (also Cohere's `/v2/rerank`), OpenAI's `/v1/embeddings`,
 Hugging Face TEI's `/embed`, `/similarity`, `/` (as TEI's, for huggingface_hub), `/rerank`,
-`/tokenize`, `/decode` and `/info`, and KServe v2 (`/v2/...`, with Triton's binary tensor data extension).
+`/tokenize`, `/decode` and `/info`, and KServe v2 (`/v2/...`, with Triton's binary tensor data
+extension).
 Inference responses carry `X-Model-Revision` (and `X-Model-Variant` for an A/B split).
 
 Every POST body may be JSON (`Content-Type: application/json`) or msgpack
