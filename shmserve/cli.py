@@ -155,6 +155,7 @@ def up(args: argparse.Namespace) -> int:
         print(f"shmserve: killed processes a dead supervisord left behind: {leftovers}")
     nginxrun.kill_all(render.nginx_conf(cfg))  # and its nginx, which no longer names it
     check_port(cfg)  # after those: this deployment's own leftovers may have held it
+    check_shm(cfg)
     clean_stale(cfg, metrics=True)
     state.remove(cfg)  # reloads and splits of an earlier run: at start the config is the truth
     argv = [tool("supervisord"), "-c", str(render.supervisord_conf(cfg))]
@@ -334,6 +335,29 @@ def nginx_bind_error(cfg: Config, start: int) -> str | None:
         if "bind()" in line and "failed" in line:
             return line.partition("[emerg]")[2].strip() or line.strip()
     return None
+
+
+def check_shm(cfg: Config, directory: Path = arena.SHM_DIR) -> None:
+    """Fail before starting anything when /dev/shm is smaller than the frontends' arenas may
+    grow to: tmpfs allocates an arena's pages as requests touch them, and a process that
+    touches one past the mount's size is killed (SIGBUS), a frontend or the worker writing its
+    output rows. Docker's default /dev/shm is 64 MiB. Warn when it is large enough but others
+    hold so much of it that the arenas may not fit."""
+    need = cfg.frontends.count * cfg.shm.arena_mb * 2**20
+    stat = os.statvfs(directory)
+    size, free = stat.f_blocks * stat.f_frsize, stat.f_bavail * stat.f_frsize
+    mib = lambda n: f"{n / 2**20:,.0f} MiB"  # noqa: E731
+    what = (f"the {mib(need)} the frontends' arenas may use (frontends.count "
+            f"{cfg.frontends.count} x shm.arena_mb {cfg.shm.arena_mb})")
+    if size < need:
+        raise CliError(f"{directory} holds {mib(size)}, less than {what}: a process that writes "
+                       "past it is killed (SIGBUS). Mount a larger one (docker run "
+                       "--shm-size=2g; Kubernetes: an emptyDir of medium Memory, as "
+                       "deploy/kubernetes) or lower shm.arena_mb")
+    if free < need:
+        print(f"shmserve: warning: {directory} has {mib(free)} free of {mib(size)}, less than "
+              f"{what}; under load a process may be killed (SIGBUS) when it fills",
+              file=sys.stderr)
 
 
 def check_port(cfg: Config) -> None:

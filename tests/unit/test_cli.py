@@ -293,6 +293,28 @@ def test_admin_commands_need_a_token_and_well_formed_weights(deployment, monkeyp
     assert "did not answer" in capsys.readouterr().err
 
 
+def test_up_refuses_a_dev_shm_smaller_than_the_arenas_and_warns_when_it_is_nearly_full(
+        deployment, monkeypatch, capsys):
+    # Docker's default /dev/shm is 64 MiB: the arenas fit until a burst touches their pages,
+    # then the process writing past it is killed (SIGBUS). Said before anything starts.
+    need = deployment.frontends.count * deployment.shm.arena_mb * 2**20
+
+    def shm_of(size: int, free: int):
+        return lambda path: os.statvfs_result((4096, 4096, size // 4096, free // 4096,
+                                               free // 4096, 0, 0, 0, 0, 255))
+
+    monkeypatch.setattr(os, "statvfs", shm_of(64 * 2**20, 64 * 2**20))
+    with pytest.raises(cli.CliError, match=r"/dev/shm holds 64 MiB, less than the .* MiB the "
+                                           r"frontends' arenas may use .*--shm-size"):
+        cli.check_shm(deployment)
+    monkeypatch.setattr(os, "statvfs", shm_of(2 * need, need // 2))
+    cli.check_shm(deployment)
+    assert "warning: /dev/shm has" in capsys.readouterr().err
+    monkeypatch.setattr(os, "statvfs", shm_of(2 * need, 2 * need))
+    cli.check_shm(deployment)
+    assert capsys.readouterr().err == ""
+
+
 def test_up_refuses_a_taken_port_before_starting_anything(deployment, capsys):
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", deployment.server.port))
