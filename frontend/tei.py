@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 from aiohttp import web
@@ -232,11 +232,7 @@ async def _rerank(request: web.Request, body: dict) -> web.Response:
 
 
 async def tokenize(request: web.Request) -> web.Response:
-    cfg = request.app[CONFIG]
-    # The headers every route takes, checked as everywhere (the deadline is kept below).
-    deadline = tasks.timeout(request, cfg.frontends.request_timeout_s)
-    tasks.request_priority(request, None, cfg.frontends.default_priority)
-    started = time.monotonic()
+    cfg, deadline, started = _tokenizer_request(request)
     body = mapping(await codec.read_body(request))
     given = one_or_many(required(body, "inputs"), "inputs", cfg.limits)
     special = flag(body, "add_special_tokens", True)
@@ -244,9 +240,7 @@ async def tokenize(request: web.Request) -> web.Response:
     request[MODEL_NAME] = model.spec.name
     # The texts as the model reads them: after its prompt (the default one when none is named).
     given = model.encoder.prompted(given, prompt_name(body))
-    # Never truncated, so bounded in all: at most what the largest embedding request may hold
-    # (each token is ~100 bytes of JSON; 80 texts of 99,000 characters made a 136 MB answer).
-    budget = cfg.limits.max_texts_per_request * model.spec.max_tokens
+    budget = _budget(cfg, model)
 
     def run() -> list[list[dict[str, Any]]]:
         encodings: list = []
@@ -255,48 +249,64 @@ async def tokenize(request: web.Request) -> web.Response:
             chunk = model.encoder.tokenize(given[at:at + 16], special)
             tokens += sum(len(e.ids) for e in chunk)
             if tokens > budget:
-                raise ApiError("too_large", f"'inputs' has over {budget} tokens; /tokenize "
-                               f"answers at most {budget} a request "
-                               "(limits.max_texts_per_request x the model's input limit)",
-                               param="inputs")
+                raise _over_budget("inputs", "tokens", "/tokenize", budget)
             encodings += chunk
         return [_tokens(text, enc) for text, enc in zip(given, encodings)]
 
-    if sum(map(len, given)) > tasks.THREAD_TOKENIZE_CHARS:  # as /predict: off the event loop
-        rows = await asyncio.get_running_loop().run_in_executor(None, run)
-    else:
-        rows = run()
-    if time.monotonic() - started > deadline:
-        raise ApiError.deadline_passed()
-    return codec.render(request, rows)
+    return await _tokenizer_answer(request, run, sum(map(len, given)), deadline, started)
 
 
 async def decode(request: web.Request) -> web.Response:
-    cfg = request.app[CONFIG]
-    deadline = tasks.timeout(request, cfg.frontends.request_timeout_s)
-    tasks.request_priority(request, None, cfg.frontends.default_priority)
-    started = time.monotonic()
+    cfg, deadline, started = _tokenizer_request(request)
     body = mapping(await codec.read_body(request))
-    given, rows = texts_or_ids(required(body, "ids"), "ids", cfg.limits)
+    _, rows = texts_or_ids(required(body, "ids"), "ids", cfg.limits)
     if rows is None:
         raise ApiError("invalid_request", "'ids' must be a list of token ids (integers) or a "
                        "list of such lists; /tokenize turns texts into ids", param="ids")
     special = flag(body, "skip_special_tokens", True)
     model = request.app[MODELS].resolve(model_name(body))
     request[MODEL_NAME] = model.spec.name
-    budget = cfg.limits.max_texts_per_request * model.spec.max_tokens  # as /tokenize's
-    if sum(map(len, rows)) > budget:
-        raise ApiError("too_large", f"'ids' has over {budget} ids; /decode answers at most "
-                       f"{budget} a request (limits.max_texts_per_request x the model's input "
-                       "limit)", param="ids")
-    if sum(map(len, rows)) > tasks.THREAD_TOKENIZE_CHARS // 4:  # off the event loop
-        texts_out = await asyncio.get_running_loop().run_in_executor(
-            None, model.encoder.decode, rows, special)
+    ids = sum(map(len, rows))
+    if ids > (budget := _budget(cfg, model)):
+        raise _over_budget("ids", "ids", "/decode", budget)
+    # ~4 characters a token, for when to leave the event loop
+    return await _tokenizer_answer(request, lambda: model.encoder.decode(rows, special),
+                                   4 * ids, deadline, started)
+
+
+def _tokenizer_request(request: web.Request) -> tuple[Any, float, float]:
+    """/tokenize's and /decode's start: the headers every route takes, checked as everywhere
+    (the deadline is kept to at the end); the config, the deadline and the start."""
+    cfg = request.app[CONFIG]
+    deadline = tasks.timeout(request, cfg.frontends.request_timeout_s)
+    tasks.request_priority(request, None, cfg.frontends.default_priority)
+    return cfg, deadline, time.monotonic()
+
+
+def _budget(cfg, model) -> int:
+    """What /tokenize and /decode answer at most in a request, in tokens: what the largest
+    embedding request may hold (each token is ~100 bytes of /tokenize's JSON; 80 texts of
+    99,000 characters made a 136 MB answer)."""
+    return cfg.limits.max_texts_per_request * model.spec.max_tokens
+
+
+def _over_budget(param: str, what: str, route: str, budget: int) -> ApiError:
+    return ApiError("too_large", f"'{param}' has over {budget} {what}; {route} answers at most "
+                    f"{budget} a request (limits.max_texts_per_request x the model's input "
+                    "limit)", param=param)
+
+
+async def _tokenizer_answer(request: web.Request, work: Callable[[], Any], chars: int,
+                            deadline: float, started: float) -> web.Response:
+    """`work`'s result, computed off the event loop for a large request (as /predict
+    tokenizes), unless the deadline passed meanwhile."""
+    if chars > tasks.THREAD_TOKENIZE_CHARS:
+        out = await asyncio.get_running_loop().run_in_executor(None, work)
     else:
-        texts_out = model.encoder.decode(rows, special)
+        out = work()
     if time.monotonic() - started > deadline:
         raise ApiError.deadline_passed()
-    return codec.render(request, texts_out)
+    return codec.render(request, out)
 
 
 def _tokens(text: str, encoding) -> list[dict[str, Any]]:
