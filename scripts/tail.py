@@ -102,8 +102,8 @@ def main() -> None:
           f"{alone['tokens_p50']:.0f}, p99 {alone['tokens_p99']:.0f}): p50 "
           f"{alone['p50_ms']:.2f} ms, p99 {alone['p99_ms']:.2f} ms, p99/p50 "
           f"{alone['ratio']:.2f}", flush=True)
-    for band, (n, median) in alone["by_tokens"].items():
-        print(f"  {band} tokens: {n} forwards, median {median:.2f} ms")
+    for label, (n, median) in alone["by_tokens"].items():
+        print(f"  {label} tokens: {n} forwards, median {median:.2f} ms")
 
     band = [text for text, n in zip(corpus, lengths) if lo <= n <= hi]
     if len(band) < 50:
