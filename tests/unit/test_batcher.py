@@ -136,9 +136,28 @@ def test_a_pass_never_merges_another_models_texts():
     assert [t.model for t in rest] == ["b"]
 
 
+def _one_after_another(queue, limits, fair, model=None, strict=False):
+    """form_batch on `queue`, then on its rest, ... while the batches are of one model and fit
+    the limits (the first batch always, unless `strict`)."""
+    want, rest, texts, padded = [], list(queue), 0, 0
+    while rest:
+        nxt, after = form_batch(rest, limits, fair and not want)
+        model = model or nxt.texts[0].model
+        if nxt.texts[0].model != model or (want or strict) and (
+                texts + len(nxt.texts) > limits.max_batch_size
+                or padded + nxt.padded_tokens > limits.max_batch_tokens):
+            break
+        want.append(nxt)
+        rest = after
+        texts, padded = texts + len(nxt.texts), padded + nxt.padded_tokens
+    return want, rest, texts, padded
+
+
 def test_a_pass_is_the_batches_form_batch_would_form_one_after_another():
     # form_pass sorts the queue once for all its batches; form_batch sorts on every call. On
-    # random queues (lengths, models, priorities, limits) both must give the same batches.
+    # random queues (lengths, models, priorities, limits) both must give the same batches:
+    # on a fair turn from the whole queue; otherwise from the texts of the top priority, then
+    # from the rest.
     import random
 
     rng = random.Random(7)
@@ -150,21 +169,44 @@ def test_a_pass_is_the_batches_form_batch_would_form_one_after_another():
                         rng.choice([1.0, 1.2, 1.5, 3.0]))
         fair = rng.random() < 0.3
         batches, rest = form_pass(queue, limits, fair, merges=lambda text: True)
-        first, want_rest = form_batch(queue, limits, fair)
-        want = [first]
-        texts, padded = len(first.texts), first.padded_tokens
-        while want_rest:
-            nxt, after = form_batch(want_rest, limits)
-            if (nxt.texts[0].model != first.texts[0].model
-                    or texts + len(nxt.texts) > limits.max_batch_size
-                    or padded + nxt.padded_tokens > limits.max_batch_tokens):
-                break
-            want.append(nxt)
-            want_rest = after
-            texts, padded = texts + len(nxt.texts), padded + nxt.padded_tokens
+        top = max(t.priority for t in queue)
+        if fair:
+            want, want_rest, _, _ = _one_after_another(queue, limits, True)
+        else:
+            want, _, texts, padded = _one_after_another(
+                [t for t in queue if t.priority == top], limits, False)
+            taken = {id(t) for b in want for t in b.texts}
+            want_rest = [t for t in queue if id(t) not in taken]
+            # then the rest, grown within the room the top priority left
+            room = Limits(limits.max_batch_size - texts, limits.max_batch_tokens - padded,
+                          limits.max_wait_s, limits.max_pad_ratio)
+            if want_rest and room.max_batch_size > 0 and room.max_batch_tokens > 0:
+                more, want_rest, _, _ = _one_after_another(
+                    want_rest, room, False, want[0].texts[0].model, strict=True)
+                want += more
         assert [b.texts for b in batches] == [b.texts for b in want]
         assert [b.padded_len for b in batches] == [b.padded_len for b in want]
         assert rest == want_rest
+
+
+def test_a_top_priority_request_runs_in_one_pass_among_a_flood_of_lower_ones():
+    # 4 high texts of 12, 30, 45 and 80 tokens among 200 low texts of every length between:
+    # grown among all, the first group filled the pass with low texts near 12 tokens, and the
+    # request ran a text a pass (an outside check: 2-4 passes, some past a 2 s deadline).
+    import random
+
+    rng = random.Random(5)
+    low = [T(rng.randint(8, 90), arrived=i, priority=-1) for i in range(200)]
+    high = [T(n, arrived=300 + i, priority=1) for i, n in enumerate((12, 30, 45, 80))]
+    limits = Limits(32, 8192, 0.0, 1.5, window=256)
+    batches, rest = form_pass(low + high, limits, merges=lambda text: True)
+    ran = [t for b in batches for t in b.texts]
+    assert all(t in ran for t in high) and not any(t in rest for t in high)
+    assert len(ran) == 32  # the pass is then filled with low texts, as before
+    # A model that runs one group a pass: the anchor's group, grown among all, as before
+    (batch,), _ = form_pass(low + high, limits)
+    assert high[0] in batch.texts and high[3] not in batch.texts
+    assert sum(t.priority == -1 for t in batch.texts) > 16
 
 
 def _finish_passes(queue, limits, merges=True):
