@@ -387,9 +387,12 @@ class Worker:
             request.batch_size = max(request.batch_size, len(texts))
             if request.remaining == 0:
                 msg = request.msg
+                # Its time here not in its passes: before the first and between them (a
+                # request's texts may run in several passes, behind others' passes)
+                waited = max(0.0, (time.time() - request.arrived) * 1000.0 - request.inference_ms)
                 self._finish(request, Result(
-                    msg.seq, (request.started - request.arrived) * 1000.0, request.inference_ms,
-                    request.batch_size, int(request.offsets[-1]), slot.spec.revision))
+                    msg.seq, waited, request.inference_ms, request.batch_size,
+                    int(request.offsets[-1]), slot.spec.revision))
         self._send_replies()
         # After the replies, so observing never delays them.
         real = sum(batch.real_tokens for batch in batches)

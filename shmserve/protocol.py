@@ -147,7 +147,7 @@ class Submit:
 @dataclass(frozen=True, slots=True)
 class Result:
     seq: int
-    queue_ms: float  # enqueue to start of the request's first batch
+    queue_ms: float  # in the worker, not in its passes: before the first and between them
     inference_ms: float  # sum of the forward passes the request's texts ran in
     batch_size: int  # texts in the largest batch the request ran in
     tokens: int
