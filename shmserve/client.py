@@ -59,12 +59,13 @@ class ShmserveError(Exception):
 # How much longer than the request's deadline the client waits: the server answers 504 at the
 # deadline, and that answer (which says so) should arrive before the client gives up.
 ANSWER_MARGIN_S = 5.0
+PRIORITIES = ("low", "normal", "high")  # X-Priority's names (or an integer from -10 to 10)
 
 
 class _Base:
     def __init__(self, url: str = "http://127.0.0.1:8080", *, timeout: float = 30.0,
                  format: str = "msgpack", model: str | None = None,
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None, priority: str | int | None = None) -> None:
         if format not in FORMATS:
             raise ValueError(f"format must be one of {', '.join(FORMATS)}, not {format!r}")
         if not timeout > 0:
@@ -77,6 +78,12 @@ class _Base:
         self.format = format
         self.model = model
         self.api_key = api_key if api_key is not None else os.environ.get("SHMSERVE_API_KEY")
+        if priority is not None and priority not in PRIORITIES and not (
+                isinstance(priority, int) and not isinstance(priority, bool)
+                and -10 <= priority <= 10):
+            raise ValueError("priority must be low, normal, high or an integer from -10 to 10, "
+                             f"not {priority!r}")
+        self.priority = priority  # X-Priority on every request; None: the server's default
         self._parts = parts
 
     def _embed_request(self, texts: str | Sequence[str], model: str | None,
@@ -117,6 +124,8 @@ class _Base:
             headers["X-Request-Timeout"] = f"{self.timeout:g}"
         if request_id:
             headers["X-Request-ID"] = request_id
+        if self.priority is not None:
+            headers["X-Priority"] = str(self.priority)
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
         return headers

@@ -39,6 +39,17 @@ def test_an_api_key_is_sent_as_a_bearer_token(monkeypatch):
     assert Client("http://h", api_key="k1")._headers(None)["Authorization"] == "Bearer k1"
 
 
+def test_a_priority_is_sent_on_every_request_and_checked_first():
+    # A batch job's client (priority="low") leaves the workers to interactive ones first.
+    assert "X-Priority" not in Client("http://h")._headers(None)
+    assert Client("http://h", priority="low")._embed_request("a", None, None)[1][
+        "X-Priority"] == "low"
+    assert Client("http://h", priority=-3)._headers(None)["X-Priority"] == "-3"
+    for bad in ("urgent", 11, True, 1.5):
+        with pytest.raises(ValueError, match="priority must be low, normal, high"):
+            Client("http://h", priority=bad)
+
+
 def test_error_bodies_become_typed_errors():
     body = {"error": {"message": "no", "type": "not_found", "param": "model",
                       "code": "model_not_found"}}
