@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from pathlib import Path
 from typing import Callable
 
 import zmq
@@ -65,6 +66,11 @@ class SocketThread(threading.Thread):
         finally:
             router.close(linger=1000)
             self._replies.close(linger=0)
+            if self.bound.is_set() and self._endpoint.startswith("ipc://"):
+                # libzmq leaves a bound ipc socket's file behind: a stop (SIGTERM) must not
+                # (`shmserve down` swept them; a SIGTERM to supervisord or a pod's stop left
+                # them). The next worker of this index binds its own file anyway.
+                Path(self._endpoint.removeprefix("ipc://")).unlink(missing_ok=True)
 
     def _loop(self, router: zmq.Socket) -> None:
         poller = zmq.Poller()

@@ -108,6 +108,25 @@ def test_a_sigkilled_supervisord_leaves_nothing_running_after_the_next_up(tmp_pa
     assert processes.orphans(cfg) == []
 
 
+def test_a_sigterm_to_supervisord_leaves_no_socket_file_or_arena(tmp_path, tiny_model):
+    """What `docker stop` or a pod's stop does (`shmserve down` also sweeps what is left): the
+    workers' ipc files were left behind (libzmq does not remove a bound socket's file)."""
+    from shmserve import processes
+
+    stack = Stack(tmp_path / "t", tiny_overrides(tiny_model, frontends={"count": 1}))
+    stack.up()
+    try:
+        cfg = config.load_resolved(stack.run_dir / "config.json")
+        supervisord = int((stack.run_dir / "supervisord.pid").read_text())
+        os.kill(supervisord, signal.SIGTERM)
+        stack.wait_until(lambda: not processes.alive(supervisord), 60, "supervisord gone")
+        assert processes.orphans(cfg) == []
+        assert not list((stack.run_dir / "sockets").glob("*"))
+        assert not list(SHM.glob(topology.shm_prefix(cfg) + "*"))
+    finally:
+        stack.down()
+
+
 def gpu_visible() -> bool:
     import torch
 
