@@ -197,6 +197,10 @@ def down(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Stopped(Exception):
+    """The deployment's supervisord went away while `status` watched it."""
+
+
 def status(args: argparse.Namespace) -> int:
     """0: every process runs and GET /ready says ready; 1: not so (or supervisord is gone but
     processes it started live on); 3: not running at all."""
@@ -218,10 +222,17 @@ def status(args: argparse.Namespace) -> int:
     if args.watch is not None and args.watch <= 0:
         raise CliError("--watch needs a positive number of seconds")
     title = f"shmserve {__version__} at {remote.base_url(cfg)} (run_dir {cfg.run_dir})"
+
+    def take() -> statusview.Sample:
+        if supervisord_pid(cfg) is None:  # stopped while watched (`down` in another shell)
+            raise _Stopped
+        return statusview.take(remote.base_url(cfg), remote.http, lambda: process_info(cfg))
+
     try:
-        last = statusview.run(
-            lambda: statusview.take(remote.base_url(cfg), remote.http, lambda: process_info(cfg)),
-            title, sys.stdout, args.watch, args.count)
+        last = statusview.run(take, title, sys.stdout, args.watch, args.count)
+    except _Stopped:
+        print(f"shmserve: {processes.not_running(cfg)}", flush=True)
+        return 3
     except KeyboardInterrupt:
         return 0
     except BrokenPipeError:  # `shmserve status | head`: the reader left; leave quietly

@@ -72,8 +72,13 @@ def render(cur: Sample, prev: Sample | None, title: str) -> str:
                      "PADDING", "DEV ALLOC", "DEV RESERVED", "FRAG", "RSS"],
                     _worker_rows(cur, prev))
     if prev is not None:
-        requests = _rate(cur, prev, "shmserve_stage_duration_seconds_count", stage="total")
-        lines += ["", f"embedding requests/s: {_num(requests)} (over the last "
+        name = "shmserve_stage_duration_seconds_count"  # every inference request, by model
+        requests = _rate(cur, prev, name, stage="total")
+        models = sorted({value for labels in cur.metrics.get(name, {})
+                         for key, value in labels if key == "model"})
+        each = ", ".join(f"{m} {_num(_rate(cur, prev, name, stage='total', model=m))}"
+                         for m in models) + "; " if len(models) > 1 else ""
+        lines += ["", f"inference requests/s: {_num(requests)} ({each}over the last "
                       f"{cur.at - prev.at:.1f} s)"]
     return "\n".join(lines)
 

@@ -266,7 +266,7 @@ def test_status_shows_processes_and_workers(stack):
         assert re.search(rf"^{program}\s+RUNNING\s", out, re.M), out
     row = re.search(r"^0\s+cpu\s+yes\s+\d+\s", out, re.M)
     assert row, out
-    assert "embedding requests/s" in out
+    assert "inference requests/s" in out
     watched = status_cli(stack, "--watch", "0.2", "--count", "2")
     assert watched.returncode == 0, watched.stderr
     assert watched.stdout.count("PROGRAM") == 2

@@ -12,11 +12,13 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from shmserve import arena, cli, config, processes, remote, render, restarts, topology
+from shmserve import status as statusview
 from shmserve.config import REPO_ROOT
 from tests.unit.test_render import free_port, make_config, wait_until
 
@@ -155,6 +157,22 @@ def test_down_when_not_running_still_removes_stale_state(deployment, capsys, mon
 def test_status_when_not_running_exits_3(deployment, capsys):
     assert cli.main(["status"]) == 3
     assert str(deployment.run_dir) in capsys.readouterr().out
+
+
+def test_status_watch_says_not_running_when_the_deployment_stops(deployment, capsys,
+                                                                 monkeypatch):
+    # After `down` in another shell, --watch printed empty tables and "no answer from nginx"
+    # for ever (an outside check). Here supervisord "runs" for the first two samples.
+    alive = iter([4242, 4242, 4242, None])
+    monkeypatch.setattr(cli, "supervisord_pid", lambda cfg: next(alive))
+    monkeypatch.setattr(cli, "process_info", lambda cfg: [])
+    monkeypatch.setattr(statusview, "take", lambda url, http, infos: statusview.Sample(
+        time.monotonic(), infos(), None, {}))
+    monkeypatch.setattr(time, "sleep", lambda s: None)
+    assert cli.main(["status", "--watch", "0.1", "--count", "5"]) == 3
+    out = capsys.readouterr().out
+    assert "no answer from nginx" in out and out.rstrip().endswith(
+        processes.not_running(deployment))
 
 
 def test_status_names_what_a_dead_supervisord_left_running(deployment, capsys, monkeypatch):

@@ -88,7 +88,18 @@ def test_tables_show_processes_and_workers_with_rates():
                   "2.0", "GiB", "3.0", "GiB", "0.33", "1.5", "GiB"]
     w1 = [l.split() for l in text.splitlines() if l.startswith("1 ")][0]
     assert w1[:4] == ["1", "loading", "loading", "0"]  # alive, not ready; queue from /ready
-    assert "embedding requests/s: 20.0 (over the last 2.0 s)" in text
+    assert "inference requests/s: 20.0 (over the last 2.0 s)" in text
+
+
+def test_the_request_rate_covers_every_model_and_names_each_when_several():
+    # It read "embedding requests/s" for the sum over an embedding, a classification and a
+    # rerank model (an outside check).
+    def at(t: float, counts: dict[str, float]) -> status.Sample:
+        return status.Sample(t, [], 200, {}, {"shmserve_stage_duration_seconds_count": {
+            frozenset({("model", m), ("stage", "total")}): n for m, n in counts.items()}})
+
+    text = status.render(at(3.0, {"e5": 30, "nli": 10}), at(1.0, {"e5": 10, "nli": 6}), "t")
+    assert "inference requests/s: 12.0 (e5 10.0, nli 2.0; over the last 2.0 s)" in text
 
 
 def test_first_frame_without_a_previous_sample_has_no_rates():
