@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 from typing import TextIO
 
@@ -58,6 +59,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(prog="shmserve.reaper")
     parser.add_argument("--config", required=True, help="the resolved config.json in the run dir")
     args = parser.parse_args()
+    # supervisord stops it with SIGTERM: exit 0, so the stop reads "exit status 0" (INFO), not
+    # "terminated by SIGTERM" (WARN) in supervisord's log at every `down`
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     cfg = config.load_resolved(args.config)
     logs.configure(cfg.logging, "reaper", sys.stderr)  # stdout speaks to supervisord
     log.info("reaper.started", extra={"fields": {"dir": str(metrics.multiproc_dir())}})

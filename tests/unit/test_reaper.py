@@ -56,3 +56,24 @@ def test_speaks_supervisords_listener_protocol(tmp_path, monkeypatch):
     reaper.serve(stdin, stdout)  # returns at EOF, as when supervisord goes away
     assert stdout.getvalue() == "READY\nRESULT 2\nOKREADY\nRESULT 2\nOKREADY\n"
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_sigterm_stops_it_with_exit_status_0(tmp_path):
+    # supervisord logged "WARN stopped: reaper (terminated by SIGTERM)" at every stop.
+    import signal
+
+    from shmserve import render
+    from tests.unit.test_render import make_config
+
+    cfg = make_config(tmp_path / "run")
+    render.render(cfg)  # writes run/config.json, which the reaper reads
+    with subprocess.Popen([sys.executable, "-m", "shmserve.reaper", "--config",
+                           str(tmp_path / "run" / "config.json")],
+                          stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE) as proc:
+        try:
+            assert proc.stdout.readline() == b"READY\n"  # listening, as under supervisord
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=10) == 0, proc.stderr.read()
+        finally:
+            proc.kill()
