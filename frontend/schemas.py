@@ -9,10 +9,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from frontend.errors import ApiError
-from shmserve.config import PRIORITY_NAMES, LimitsConfig
+from shmserve.config import LimitsConfig
+from shmserve.protocol import PRIORITY_RANGE, priority_level
 
 ENCODING_FORMATS = ("float", "base64")
-PRIORITY_RANGE = (-10, 10)
 # What a JSON (or msgpack) value that is not a token id is, in an error message.
 JSON_KINDS = {bool: "a boolean", type(None): "null", str: "a string", dict: "an object",
               list: "a list", bytes: "bytes"}
@@ -228,18 +228,11 @@ def check_text(text: str, name: str, param: str, limits: LimitsConfig) -> None:
 
 def parse_priority(value: object, param: str) -> int:
     """A priority level: low | normal | high, or an integer in [-10, 10]; higher runs first."""
-    if isinstance(value, str):
-        if value.strip().lower() in PRIORITY_NAMES:
-            return PRIORITY_NAMES[value.strip().lower()]
-        try:
-            value = int(value)
-        except ValueError:
-            value = None
-    if isinstance(value, int) and not isinstance(value, bool) and \
-            PRIORITY_RANGE[0] <= value <= PRIORITY_RANGE[1]:
-        return value
-    raise ApiError("invalid_request", f"'{param}' must be low, normal, high or an integer from "
-                   f"{PRIORITY_RANGE[0]} to {PRIORITY_RANGE[1]}", param=param)
+    level = priority_level(value)
+    if level is None:
+        raise ApiError("invalid_request", f"'{param}' must be low, normal, high or an integer "
+                       f"from {PRIORITY_RANGE[0]} to {PRIORITY_RANGE[1]}", param=param)
+    return level
 
 
 def body_priority(body: dict) -> int | None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from shmserve.protocol import priority_level
 from shmserve.typedtree import Check, ConfigError
 
 # A browser's Origin header: scheme, host, optional port. Pasted into nginx.conf, so nothing
@@ -49,7 +50,7 @@ CHECKS: dict[str, Check] = {
     "frontends.retry_on_worker_loss": (lambda v: v >= 0, "an integer >= 0"),
     "frontends.no_worker_wait_s": (lambda v: v >= 0, "a number >= 0"),
     "frontends.listen_backlog": _POSITIVE_INT,
-    "frontends.default_priority": (lambda v: isinstance(v, str) or -10 <= v <= 10,
+    "frontends.default_priority": (lambda v: priority_level(v) is not None,
                                    "low, normal, high or an integer from -10 to 10"),
     "workers.low_priority_queue_share": (lambda v: 0 < v <= 1, "a number in (0, 1]"),
     "workers.devices": (lambda v: v in ("auto", "cpu") or (isinstance(v, list) and v

@@ -37,6 +37,8 @@ from typing import Any, Sequence
 import msgpack
 import numpy as np
 
+from shmserve.protocol import priority_level
+
 FORMATS = {"msgpack": "application/msgpack", "json": "application/json"}
 
 
@@ -59,7 +61,6 @@ class ShmserveError(Exception):
 # How much longer than the request's deadline the client waits: the server answers 504 at the
 # deadline, and that answer (which says so) should arrive before the client gives up.
 ANSWER_MARGIN_S = 5.0
-PRIORITIES = ("low", "normal", "high")  # X-Priority's names (or an integer from -10 to 10)
 
 
 class _Base:
@@ -78,9 +79,7 @@ class _Base:
         self.format = format
         self.model = model
         self.api_key = api_key if api_key is not None else os.environ.get("SHMSERVE_API_KEY")
-        if priority is not None and priority not in PRIORITIES and not (
-                isinstance(priority, int) and not isinstance(priority, bool)
-                and -10 <= priority <= 10):
+        if priority is not None and priority_level(priority) is None:
             raise ValueError("priority must be low, normal, high or an integer from -10 to 10, "
                              f"not {priority!r}")
         self.priority = priority  # X-Priority on every request; None: the server's default

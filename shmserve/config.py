@@ -20,6 +20,7 @@ from typing import Any, Literal, Mapping
 from shmserve import layers
 from shmserve.layers import REPO_ROOT
 from shmserve.checks import CHECKS, check_models
+from shmserve.protocol import priority_level
 from shmserve.typedtree import ConfigError, build
 
 
@@ -59,10 +60,6 @@ class NginxConfig:
     # Browser origins allowed to call the API (CORS, answered by nginx): ["*"] for any, or
     # origins such as "https://app.example.com"; empty: no CORS headers, preflights are 405.
     cors_allow_origins: list[str] = field(default_factory=list)
-
-
-# X-Priority's names (requests and frontends.default_priority): higher runs first.
-PRIORITY_NAMES = {"low": -1, "normal": 0, "high": 1}
 
 
 @dataclass(frozen=True, slots=True)
@@ -274,8 +271,7 @@ def from_tree(tree: Mapping[str, Any]) -> Config:
     workers, threads = cpu_layout(cfg.workers.cpu_workers, cfg.workers.torch_threads)
     cfg = dataclasses.replace(cfg, workers=dataclasses.replace(
         cfg.workers, cpu_workers=workers, torch_threads=threads), frontends=dataclasses.replace(
-        cfg.frontends, default_priority=PRIORITY_NAMES.get(cfg.frontends.default_priority,
-                                                           cfg.frontends.default_priority)))
+        cfg.frontends, default_priority=priority_level(cfg.frontends.default_priority)))
     _check_run_dir(cfg)
     check_models(cfg)
     keys = api_keys(cfg)  # a key file that cannot be read, or a malformed key, stops start-up

@@ -66,6 +66,28 @@ class ReloadStatus(IntEnum):
     FAILED = 3  # the worker could not load it (out of memory, ...)
 
 
+# A request's priority (Submit.priority; X-Priority, a body's "priority",
+# frontends.default_priority, shmserve.client): higher runs first.
+PRIORITY_NAMES = {"low": -1, "normal": 0, "high": 1}
+PRIORITY_RANGE = (-10, 10)
+
+
+def priority_level(value: object) -> int | None:
+    """A priority as given: low, normal or high (any case), or an integer in PRIORITY_RANGE
+    (or its decimal text); None: not one."""
+    if isinstance(value, str):
+        name = value.strip().lower()
+        if name in PRIORITY_NAMES:
+            return PRIORITY_NAMES[name]
+        try:
+            value = int(name)
+        except ValueError:
+            return None
+    if isinstance(value, int) and not isinstance(value, bool) and \
+            PRIORITY_RANGE[0] <= value <= PRIORITY_RANGE[1]:
+        return value
+    return None
+
 @dataclass(frozen=True, slots=True)
 class ShmHandle:
     """Where a tensor lives: a byte range of a named arena, read as dtype and shape."""
