@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import errno
-import json
 import os
 import shutil
 import socket
@@ -34,9 +33,7 @@ from shmserve import (__version__, arena, config, models, nginxrun, processes, r
                       state, topology)
 from shmserve import status as statusview
 from shmserve.config import Config, ConfigError
-
-LOG_TAIL_LINES = 20
-
+from shmserve.startwait import process_info, wait_ready
 
 class CliError(RuntimeError):
     """A command cannot go on; the message says why and what to change."""
@@ -293,61 +290,6 @@ def show_config(args: argparse.Namespace) -> int:
     return 0
 
 
-def wait_ready(cfg: Config, timeout: float, nginx_log_start: int = 0) -> int:
-    """Poll GET /ready until 200 through nginx and from every frontend (each sees the workers
-    through its own heartbeats, so one may be ready a heartbeat before another); on timeout,
-    a program that gave up or nginx failing to listen, show the logs. `nginx_log_start`: where
-    this start's lines begin in nginx.log (a 200 through the port means nothing if our nginx
-    could not bind it: another server answered)."""
-    url = ready_url(cfg)
-    frontends = [str(topology.frontend_socket(cfg, i)) for i in range(cfg.frontends.count)]
-    deadline = time.monotonic() + timeout
-    bind_error = None
-    watch = processes.StartWatch()
-    while True:
-        infos = process_info(cfg)
-        fatal = [p["name"] for p in infos if p["statename"] == "FATAL"]
-        looping = watch.see(infos)
-        bind_error = nginx_bind_error(cfg, nginx_log_start)
-        if bind_error is not None:
-            break
-        code, _ = remote.http(url)
-        if code == 200 and all(remote.http_unix(path, "/ready") == 200 for path in frontends):
-            print(f"shmserve: ready at {remote.base_url(cfg)}")
-            return 0
-        if fatal or looping or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
-    if looping and not fatal and bind_error is None:
-        print(f"shmserve: {restart_loop(cfg, looping, watch.pids[looping])}; "
-              "then `shmserve down` and `shmserve up`", file=sys.stderr)
-        return 1
-    print_log_tails(cfg)
-    if bind_error is not None:
-        why = (f"nginx cannot listen on {cfg.server.host}:{cfg.server.port} ({bind_error}); "
-               "`shmserve down`, then choose a free server.port (SHMSERVE__SERVER__PORT)")
-    elif fatal:
-        why = f"{', '.join(fatal)} gave up (FATAL)"
-    else:
-        why = f"{url} not ready after {timeout:g} s; raise workers.ready_timeout_s or --timeout"
-    print(f"shmserve: {why}; logs in {topology.log_dir(cfg)}", file=sys.stderr)
-    return 1
-
-
-def nginx_bind_error(cfg: Config, start: int) -> str | None:
-    """nginx's complaint that it cannot bind its port, logged since byte `start`, if any."""
-    try:
-        with (topology.log_dir(cfg) / "nginx.log").open("rb") as log:
-            log.seek(start)
-            text = log.read().decode(errors="replace")
-    except OSError:
-        return None
-    for line in text.splitlines():
-        if "bind()" in line and "failed" in line:
-            return line.partition("[emerg]")[2].strip() or line.strip()
-    return None
-
-
 def check_shm(cfg: Config, directory: Path = arena.SHM_DIR) -> None:
     """Fail before starting anything when /dev/shm is smaller than the frontends' arenas may
     grow to: tmpfs allocates an arena's pages as requests touch them, and a process that
@@ -385,55 +327,6 @@ def check_port(cfg: Config) -> None:
                 raise CliError(f"{host}:{cfg.server.port} is in use by another process; choose "
                                "another server.port (SHMSERVE__SERVER__PORT) or stop it") from None
             raise CliError(f"cannot listen on {host}:{cfg.server.port}: {exc.strerror}") from None
-
-
-def process_info(cfg: Config) -> list[dict]:
-    """supervisord's view of every process ([] when unreachable)."""
-    return processes.info(cfg)
-
-
-def print_log_tails(cfg: Config) -> None:
-    for log in sorted(topology.log_dir(cfg).glob("*.log")):
-        lines = log.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
-        print(f"--- {log} (last {len(lines)} lines)", file=sys.stderr)
-        for line in lines:
-            print(line, file=sys.stderr)
-
-
-def restart_loop(cfg: Config, program: str, pids: list[int]) -> str:
-    """Show the end of the log of a program that keeps exiting while it starts (its error:
-    a model that cannot load, a device it cannot use); return what to say about it."""
-    log = topology.log_dir(cfg) / f"{program}.log"
-    try:
-        lines = log.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
-    except OSError:
-        lines = []
-    print(f"--- {log} (last {len(lines)} lines)", file=sys.stderr)
-    for line in lines:
-        print(line, file=sys.stderr)
-    error = last_error(lines)
-    return (f"{program} exits before it is ready (started {len(pids)} "
-            f"time{'s' if len(pids) > 1 else ''}, pid{'s' if len(pids) > 1 else ''} "
-            f"{', '.join(map(str, pids))}){f': {error}' if error else ''}; fix what the end "
-            f"of {log} above says")
-
-
-def last_error(lines: list[str]) -> str:
-    """The last error in a program's log lines: the last line of a JSON line's exception (the
-    exception itself), or its message; in a text log, the last line (a traceback's last)."""
-    for line in reversed(lines):
-        try:
-            entry = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(entry, dict) and entry.get("level") in ("error", "critical"):
-            exception = str(entry.get("exception") or "").strip()
-            return exception.splitlines()[-1] if exception else str(entry.get("message", ""))
-    return next((line.strip() for line in reversed(lines) if line.strip()), "")
-
-
-def ready_url(cfg: Config) -> str:
-    return f"{remote.base_url(cfg)}/ready"
 
 
 def clean_stale(cfg: Config, metrics: bool) -> None:

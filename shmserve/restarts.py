@@ -12,7 +12,8 @@ import time
 from typing import Mapping
 
 from shmserve import config, layers, models, processes, remote, render, topology
-from shmserve.cli import CliError, ctl_argv, print_log_tails, process_info, restart_loop
+from shmserve.cli import CliError, ctl_argv
+from shmserve.startwait import print_log_tails, process_info, restart_loop
 from shmserve.config import Config, ConfigError
 
 GROUPS = {"frontends": "frontends:*", "workers": "workers:*", "nginx": "nginx"}

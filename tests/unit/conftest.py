@@ -3,6 +3,7 @@ import pytest
 from frontend.pool import WorkerPool
 from shmserve import config
 from tests.stack import free_port
+from tests.unit.test_render import make_config
 
 
 @pytest.fixture
@@ -18,3 +19,16 @@ def pool(tmp_path):
     for link in pool.links:
         link.socket.close(linger=0)
     pool._ctx.term()
+
+
+@pytest.fixture
+def deployment(tmp_path, monkeypatch):
+    """Select a deployment the way a user does: environment overrides over configs/test.yaml."""
+    run_dir = tmp_path / "run"
+    monkeypatch.setenv("SHMSERVE_ENV", "test")
+    monkeypatch.delenv("SHMSERVE_CONFIG", raising=False)
+    monkeypatch.setenv("SHMSERVE__SERVER__RUN_DIR", str(run_dir))
+    monkeypatch.setenv("SHMSERVE__SERVER__PORT", str(free_port()))
+    monkeypatch.setenv("SHMSERVE__WORKERS__DEVICES", "cpu")
+    monkeypatch.setenv("SHMSERVE__WORKERS__CPU_WORKERS", "2")
+    return make_config(run_dir)

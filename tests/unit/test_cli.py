@@ -17,23 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from shmserve import arena, cli, config, processes, remote, render, restarts, topology
+from shmserve import arena, cli, config, processes, render, restarts, topology
 from shmserve import status as statusview
 from shmserve.config import REPO_ROOT
-from tests.unit.test_render import free_port, make_config, wait_until
-
-
-@pytest.fixture
-def deployment(tmp_path, monkeypatch):
-    """Select a deployment the way a user does: environment overrides over configs/test.yaml."""
-    run_dir = tmp_path / "run"
-    monkeypatch.setenv("SHMSERVE_ENV", "test")
-    monkeypatch.delenv("SHMSERVE_CONFIG", raising=False)
-    monkeypatch.setenv("SHMSERVE__SERVER__RUN_DIR", str(run_dir))
-    monkeypatch.setenv("SHMSERVE__SERVER__PORT", str(free_port()))
-    monkeypatch.setenv("SHMSERVE__WORKERS__DEVICES", "cpu")
-    monkeypatch.setenv("SHMSERVE__WORKERS__CPU_WORKERS", "2")
-    return make_config(run_dir)
+from tests.unit.test_render import free_port, wait_until
 
 
 def test_config_prints_the_resolved_config(deployment, capsys):
@@ -222,62 +209,6 @@ def test_clean_stale_empties_metrics_only_when_asked(deployment):
     assert not metric.exists() and topology.metrics_dir(deployment).is_dir()
 
 
-def test_wait_ready_gives_up_naming_the_key(deployment, capsys):
-    render.render(deployment)
-    (topology.log_dir(deployment) / "worker-0.log").write_text("loading...\nboom\n")
-    assert cli.wait_ready(deployment, timeout=0.3) == 1
-    err = capsys.readouterr().err
-    assert "workers.ready_timeout_s" in err and "boom" in err
-
-
-def test_wait_ready_waits_for_every_frontend_not_just_the_one_nginx_asked(deployment,
-                                                                             monkeypatch):
-    """Each frontend learns a worker is ready from its own heartbeats: nginx's 200 from one is
-    not enough while another still answers 503 (what clients would then meet half the time)."""
-    import http.server
-    import socketserver
-    import threading
-
-    render.render(deployment)
-    statuses = [200] * deployment.frontends.count
-    statuses[-1] = 503
-
-    def frontend(index: int):
-        class Ready(http.server.BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                self.send_response(statuses[index] if self.path == "/ready" else 404)
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-
-            def log_message(self, *args) -> None:
-                pass
-
-        path = topology.frontend_socket(deployment, index)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        server = socketserver.UnixStreamServer(str(path), Ready)
-        threading.Thread(target=server.serve_forever, daemon=True).start()
-        return server
-
-    servers = [frontend(i) for i in range(deployment.frontends.count)]
-    monkeypatch.setattr(remote, "http", lambda url, **kw: (200, b""))  # nginx: one said 200
-    try:
-        assert cli.wait_ready(deployment, timeout=0.6) == 1
-        statuses[-1] = 200
-        assert cli.wait_ready(deployment, timeout=5) == 0
-    finally:
-        for server in servers:
-            server.shutdown()
-            server.server_close()
-
-
-def test_urls_for_wildcard_hosts(tmp_path):
-    cfg = make_config(tmp_path, server={"host": "0.0.0.0", "port": 1234})
-    assert cli.ready_url(cfg) == "http://127.0.0.1:1234/ready"
-    cfg = make_config(tmp_path, server={"host": "::", "port": 1234})
-    assert remote.base_url(cfg) == "http://[::1]:1234"
-    assert remote.http(f"http://127.0.0.1:{free_port()}/ready") == (None, b"")
-
-
 def test_console_script_and_module_entry_point():
     env = {**os.environ, "SHMSERVE_ENV": "test"}
     done = subprocess.run([sys.executable, "-m", "shmserve.cli", "--help"], cwd=REPO_ROOT,
@@ -342,22 +273,6 @@ def test_up_refuses_a_taken_port_before_starting_anything(deployment, capsys):
     cli.check_port(deployment)  # free again
 
 
-def test_nginx_bind_error_is_read_from_this_starts_lines(deployment):
-    log = topology.log_dir(deployment) / "nginx.log"
-    log.parent.mkdir(parents=True, exist_ok=True)
-    old = ('2026/11/30 10:00:00 [emerg] 7#7: bind() to 127.0.0.1:8080 failed (98: Address '
-           'already in use)\n')
-    log.write_text(old)
-    start = log.stat().st_size
-    assert cli.nginx_bind_error(deployment, 0) == \
-        "7#7: bind() to 127.0.0.1:8080 failed (98: Address already in use)"
-    assert cli.nginx_bind_error(deployment, start) is None  # an earlier start's line
-    with log.open("a") as f:
-        f.write("2026/11/30 10:01:00 [notice] 9#9: using the \"epoll\" event method\n")
-        f.write(old.replace("10:00:00", "10:01:01"))
-    assert "Address already in use" in cli.nginx_bind_error(deployment, start)
-
-
 @pytest.mark.parametrize("group,name,programs,all_at_once,gap", [
     ("workers", "*", ["worker-0", "worker-1"], False, None),
     ("workers", "worker-1", ["worker-0", "worker-1"], False, None),
@@ -393,26 +308,6 @@ def test_a_rolling_worker_restart_names_the_models_only_one_worker_loads():
                               "requests for them wait for a worker")
     assert "models[].devices" in warning
     assert restarts.restart_gap("workers", "worker-1", programs, False, {}) is None
-
-
-def test_a_program_that_keeps_getting_new_pids_is_named_at_its_third():
-    watch = processes.StartWatch()
-    assert watch.see([{"name": "worker-0", "pid": 10}, {"name": "frontend-0", "pid": 20}]) is None
-    assert watch.see([{"name": "worker-0", "pid": 0}, {"name": "frontend-0", "pid": 20}]) is None
-    assert watch.see([{"name": "worker-0", "pid": 11}, {"name": "frontend-0", "pid": 20}]) is None
-    assert watch.see([{"name": "worker-0", "pid": 12}, {"name": "frontend-0", "pid": 20}]) == \
-        "worker-0"
-    assert watch.pids == {"worker-0": [10, 11, 12], "frontend-0": [20]}
-
-
-def test_the_last_error_of_a_log_is_its_exception():
-    failed = json.dumps({"level": "error", "message": "worker.failed",
-                         "exception": "Traceback ...\n  File x\nValueError: bad header"})
-    assert cli.last_error(["not json", failed, json.dumps({"level": "info"})]) == \
-        "ValueError: bad header"
-    assert cli.last_error([json.dumps({"level": "error", "message": "no device"})]) == "no device"
-    assert cli.last_error(["Traceback", "  File x", "OSError: gone", ""]) == "OSError: gone"
-    assert cli.last_error([]) == ""
 
 
 def test_restart_names_what_the_overrides_given_now_would_change(tmp_path):

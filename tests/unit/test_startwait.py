@@ -1,0 +1,103 @@
+"""Waiting for a started deployment (shmserve.startwait): readiness through nginx and every
+frontend, and what is said when it does not come: the key to raise, nginx's bind error, a
+program that keeps exiting as it starts, its last error."""
+
+from __future__ import annotations
+
+import json
+
+from shmserve import processes, remote, render, startwait, topology
+from tests.unit.test_render import free_port, make_config
+
+
+def test_wait_ready_gives_up_naming_the_key(deployment, capsys):
+    render.render(deployment)
+    (topology.log_dir(deployment) / "worker-0.log").write_text("loading...\nboom\n")
+    assert startwait.wait_ready(deployment, timeout=0.3) == 1
+    err = capsys.readouterr().err
+    assert "workers.ready_timeout_s" in err and "boom" in err
+
+
+def test_wait_ready_waits_for_every_frontend_not_just_the_one_nginx_asked(deployment,
+                                                                             monkeypatch):
+    """Each frontend learns a worker is ready from its own heartbeats: nginx's 200 from one is
+    not enough while another still answers 503 (what clients would then meet half the time)."""
+    import http.server
+    import socketserver
+    import threading
+
+    render.render(deployment)
+    statuses = [200] * deployment.frontends.count
+    statuses[-1] = 503
+
+    def frontend(index: int):
+        class Ready(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                self.send_response(statuses[index] if self.path == "/ready" else 404)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args) -> None:
+                pass
+
+        path = topology.frontend_socket(deployment, index)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        server = socketserver.UnixStreamServer(str(path), Ready)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        return server
+
+    servers = [frontend(i) for i in range(deployment.frontends.count)]
+    monkeypatch.setattr(remote, "http", lambda url, **kw: (200, b""))  # nginx: one said 200
+    try:
+        assert startwait.wait_ready(deployment, timeout=0.6) == 1
+        statuses[-1] = 200
+        assert startwait.wait_ready(deployment, timeout=5) == 0
+    finally:
+        for server in servers:
+            server.shutdown()
+            server.server_close()
+
+
+def test_urls_for_wildcard_hosts(tmp_path):
+    cfg = make_config(tmp_path, server={"host": "0.0.0.0", "port": 1234})
+    assert startwait.ready_url(cfg) == "http://127.0.0.1:1234/ready"
+    cfg = make_config(tmp_path, server={"host": "::", "port": 1234})
+    assert remote.base_url(cfg) == "http://[::1]:1234"
+    assert remote.http(f"http://127.0.0.1:{free_port()}/ready") == (None, b"")
+
+
+def test_nginx_bind_error_is_read_from_this_starts_lines(deployment):
+    log = topology.log_dir(deployment) / "nginx.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    old = ('2026/11/30 10:00:00 [emerg] 7#7: bind() to 127.0.0.1:8080 failed (98: Address '
+           'already in use)\n')
+    log.write_text(old)
+    start = log.stat().st_size
+    assert startwait.nginx_bind_error(deployment, 0) == \
+        "7#7: bind() to 127.0.0.1:8080 failed (98: Address already in use)"
+    assert startwait.nginx_bind_error(deployment, start) is None  # an earlier start's line
+    with log.open("a") as f:
+        f.write("2026/11/30 10:01:00 [notice] 9#9: using the \"epoll\" event method\n")
+        f.write(old.replace("10:00:00", "10:01:01"))
+    assert "Address already in use" in startwait.nginx_bind_error(deployment, start)
+
+
+def test_a_program_that_keeps_getting_new_pids_is_named_at_its_third():
+    watch = processes.StartWatch()
+    assert watch.see([{"name": "worker-0", "pid": 10}, {"name": "frontend-0", "pid": 20}]) is None
+    assert watch.see([{"name": "worker-0", "pid": 0}, {"name": "frontend-0", "pid": 20}]) is None
+    assert watch.see([{"name": "worker-0", "pid": 11}, {"name": "frontend-0", "pid": 20}]) is None
+    assert watch.see([{"name": "worker-0", "pid": 12}, {"name": "frontend-0", "pid": 20}]) == \
+        "worker-0"
+    assert watch.pids == {"worker-0": [10, 11, 12], "frontend-0": [20]}
+
+
+def test_the_last_error_of_a_log_is_its_exception():
+    failed = json.dumps({"level": "error", "message": "worker.failed",
+                         "exception": "Traceback ...\n  File x\nValueError: bad header"})
+    assert startwait.last_error(["not json", failed, json.dumps({"level": "info"})]) == \
+        "ValueError: bad header"
+    assert startwait.last_error([json.dumps({"level": "error", "message": "no device"})]) == \
+        "no device"
+    assert startwait.last_error(["Traceback", "  File x", "OSError: gone", ""]) == "OSError: gone"
+    assert startwait.last_error([]) == ""
