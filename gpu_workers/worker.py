@@ -26,8 +26,8 @@ import zmq
 
 from shmserve.admission import Backlog
 from gpu_workers.batcher import Batch, Limits, form_pass, wait_time
-from gpu_workers.memory import (MemoryCare, Policy, TorchAllocator, forward_in_halves,
-                                out_of_memory)
+from gpu_workers.loading import load_replacement, load_warm
+from gpu_workers.memory import MemoryCare, Policy, TorchAllocator, forward_in_halves
 from gpu_workers.metrics import WorkerMetrics
 from gpu_workers.requests import QueuedText, Request, model_inputs, read_request
 from gpu_workers.slots import Built, Slots, hosted_configs
@@ -36,7 +36,7 @@ from gpu_workers.watch import FrontendWatch
 from shmserve import topology, wire
 from shmserve.arena import Attachments
 from shmserve.config import Config, ModelConfig
-from shmserve.models import ModelSourceError, ModelSpec, incompatible, inspect
+from shmserve.models import ModelSpec, inspect
 from shmserve.protocol import (PROTOCOL_VERSION, Abort, Commit, Error, ErrorCode, Heartbeat,
                                ModelInfo, Ping, Reload, Result, Submit)
 
@@ -172,22 +172,10 @@ class Worker:
         """`seed`: at start, before serving: the warm-up's timed pass is the admission
         estimate's first speed, so a burst that meets a fresh worker is judged too (a reload's
         warm-up runs beside serving, and its time says nothing of the speed)."""
-        from gpu_workers.model import load_model, warm_up
-
-        graphs = self.cfg.workers.cuda_graphs if self.device.type == "cuda" else 0
-        model = load_model(spec, self.device, graphs)
-        try:
-            tokens, seconds = warm_up(model, self.limits.max_batch_size,
-                                      self.limits.max_batch_tokens)
-            if seed:
-                self._backlog.seed(tokens, seconds)
-        except Exception as exc:
-            if not out_of_memory(exc):
-                raise
-            raise MemoryError(
-                f"{spec.name}: the largest pass the batching limits allow ran out of device "
-                f"memory in warm-up (max_batch_size {self.limits.max_batch_size}, "
-                f"max_batch_tokens {self.limits.max_batch_tokens}); lower them: {exc}") from exc
+        model, tokens, seconds = load_warm(spec, self.device, self.cfg.workers.cuda_graphs,
+                                           self.limits)
+        if seed:
+            self._backlog.seed(tokens, seconds)
         return model.spec, model
 
     def _release(self) -> None:
@@ -199,23 +187,10 @@ class Worker:
             log.info("worker.empty_cache", extra={"fields": {"reason": "reload"}})
 
     def _build(self, config: ModelConfig, active: ModelSpec) -> tuple[ModelSpec, Any]:
-        """A reload's new slot, on its loader thread. ModelSourceError: the source cannot be
-        served (answered INVALID); anything else (out of memory) is answered FAILED."""
-        import torch
-
-        spec = inspect(config, roots=self.cfg.model_root_paths)
-        why = incompatible(active, spec)
-        if why:
-            raise ModelSourceError(f"{spec.directory} cannot replace the served {active.name}: "
-                                   f"{why}; serving a different one needs a config change and "
-                                   "a restart")
-        try:
-            return self._load_model(spec)
-        except (ModelSourceError, torch.OutOfMemoryError, MemoryError):
-            raise
-        except Exception as exc:  # corrupt or unreadable weights, a config transformers refuses
-            raise ModelSourceError(f"cannot load {spec.directory}: {type(exc).__name__}: "
-                                   f"{exc}") from exc
+        """A reload's new slot (gpu_workers.loading.load_replacement)."""
+        model = load_replacement(config, active, self.cfg.model_root_paths, self.device,
+                                 self.cfg.workers.cuda_graphs, self.limits)
+        return model.spec, model
 
     def serve(self) -> None:
         self._push = self._ctx.socket(zmq.PUSH)
