@@ -27,7 +27,7 @@ from shmserve.protocol import Error, ErrorCode, Result, Submit
 
 @dataclass(frozen=True, slots=True)
 class Outcome:
-    vectors: np.ndarray  # float32 [n, dim], a private copy
+    vectors: np.ndarray  # float32 [n, dim] (per token: [tokens, dim]), a private copy
     result: Result
     worker: int
     received_at: float  # perf_counter when the reply was back in the handler
@@ -53,6 +53,11 @@ class Lease:
             self._arena.free(self._offset)
 
 
+# A per-token request's rows may take at most this fraction of the arena (1/4): a larger one
+# would hold most of it, and other requests would be refused as if the frontend were busy.
+PER_TOKEN_SHARE = 4
+
+
 def _align(n: int) -> int:
     return -(-n // 64) * 64
 
@@ -64,8 +69,14 @@ class Dispatcher:
         self.arena = arena
 
     async def run(self, model: str, dim: int, enc: Encoded, request_id: str, deadline: float,
-                  priority: int = 0) -> Outcome:
-        n = enc.offsets.shape[0] - 1
+                  priority: int = 0, per_token: bool = False) -> Outcome:
+        """`per_token`: a row for every token (Submit.per_token), not one a text."""
+        n = int(enc.offsets[-1]) if per_token else enc.offsets.shape[0] - 1
+        if per_token and n * dim * 4 > self.arena.size // PER_TOKEN_SHARE:
+            raise ApiError("too_large", f"{n} tokens x {dim} floats of token embeddings "
+                           f"({n * dim * 4 / 2**20:.1f} MiB) is over a quarter of this "
+                           f"frontend's shared memory ({self.arena.size >> 20} MiB, "
+                           "shm.arena_mb); send fewer or shorter texts per request")
         off_bytes = _align(enc.offsets.nbytes)
         ids_bytes = _align(enc.ids.nbytes)
         seg_bytes = _align(enc.segments.nbytes) if enc.segments is not None else 0
@@ -101,7 +112,7 @@ class Dispatcher:
                     each.hold()
                 seq = self.pool.next_seq()
                 msg = Submit(seq, request_id, model, ids, offsets, output, deadline, priority,
-                             segments)
+                             segments, per_token)
                 future = self.pool.submit(link, msg, len(enc.ids),
                                         lambda held=held: _release(held))
                 try:

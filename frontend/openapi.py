@@ -183,6 +183,12 @@ def _routes(model: dict) -> dict[str, dict]:
         "/embed": {"post": _op(
             "tei", "TEI embed", {**_ok({"type": "array", "items": ref("Vector")}),
                                  **_errors(*_POST_ERRORS)}, _body(ref("TeiEmbedRequest")))},
+        "/embed_all": {"post": _op(
+            "tei", "TEI embed_all: every token's last hidden state (special and prompt tokens "
+            "included; not pooled or normalised), one list of rows per input; 413 when the "
+            "rows would take over a quarter of the frontend's shared memory (shm.arena_mb)",
+            {**_ok({"type": "array", "items": {"type": "array", "items": ref("Vector")}}),
+             **_errors(*_POST_ERRORS)}, _body(ref("TeiEmbedAllRequest")))},
         "/similarity": {"post": _op(
             "tei", "TEI similarity: cosine of each sentence to the source sentence",
             {**_ok({"type": "array", "items": {"type": "number"}}), **_errors(*_POST_ERRORS)},

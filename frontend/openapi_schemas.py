@@ -172,6 +172,10 @@ def _tei_schemas(parts: dict[str, Any]) -> dict[str, Any]:
             "truncate": nullable_bool, "truncation_direction": direction,
             "dimensions": {"type": ["integer", "null"], "minimum": 1},
             "prompt_name": parts["prompt_name"]}},
+        "TeiEmbedAllRequest": {"type": "object", "required": ["inputs"], "properties": {
+            "inputs": parts["inputs"], "model": parts["model"]("embedding", "null"),
+            "truncate": nullable_bool, "truncation_direction": direction,
+            "prompt_name": parts["prompt_name"]}},
         "TeiSimilarityRequest": {"type": "object", "required": ["inputs"], "properties": {
             "inputs": {"type": "object", "required": ["source_sentence", "sentences"],
                        "properties": {"source_sentence": parts["text"],

@@ -76,9 +76,12 @@ async def predict(request: web.Request, body: Any) -> web.Response:
 
 
 async def embed(request: web.Request, parsed: schemas.EmbedRequest, param: str,
-                model: ServedModel | None = None) -> tuple[ServedModel, Outcome, Encoded]:
+                model: ServedModel | None = None, per_token: bool = False
+                ) -> tuple[ServedModel, Outcome, Encoded]:
     """The embedding pipeline every embedding route shares (native, OpenAI, TEI, KServe).
-    `model`: what tasks.resolve already gave the caller for `parsed.model`."""
+    `model`: what tasks.resolve already gave the caller for `parsed.model`. `per_token`: the
+    last hidden state of every token (TEI's /embed_all), rows [tokens, dim] by the encoded
+    offsets."""
     if model is None:
         model = tasks.resolve(request, parsed.model, "embedding")
     vectors.check_dimensions(parsed.dimensions, model.spec.dim)
@@ -86,14 +89,14 @@ async def embed(request: web.Request, parsed: schemas.EmbedRequest, param: str,
         ran = await tasks.run(
             request, model, lambda enc: enc.from_ids(parsed.token_ids, param, parsed.truncate,
                                                      parsed.truncation_direction),
-            0, priority=parsed.priority, user=parsed.user)
+            0, priority=parsed.priority, user=parsed.user, per_token=per_token)
     else:
         ran = await tasks.run(
             request, model, lambda enc: enc.encode(parsed.texts, param, parsed.truncate,
                                                    parsed.truncation_direction,
                                                    parsed.prompt_name),
             sum(map(len, parsed.texts)), priority=parsed.priority, user=parsed.user,
-            inputs=parsed.texts)
+            inputs=parsed.texts, per_token=per_token)
     outcome = ran.outcome
     if parsed.dimensions is not None:
         outcome = dataclasses.replace(outcome, vectors=vectors.shorten(

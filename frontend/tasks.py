@@ -142,10 +142,10 @@ def activate(logits: np.ndarray, activation: str) -> np.ndarray:
 async def run(request: web.Request, served: ServedModel,
               encode: Callable[[TextEncoder], Encoded], chars: int, *,
               priority: int | None = None, user: str | None = None,
-              inputs: list[str] | None = None) -> Ran:
+              inputs: list[str] | None = None, per_token: bool = False) -> Ran:
     """Choose the variant, tokenize with `encode` (in a thread past THREAD_TOKENIZE_CHARS
     characters), run on a worker, count and log; `inputs` go to the access line when
-    logging.log_inputs is on."""
+    logging.log_inputs is on. `per_token`: every token's row (Submit.per_token)."""
     cfg = request.app[CONFIG]
     request[MODEL_NAME] = served.spec.name
     variant = request.get(PINNED) or request.app[SPLITS].choose(
@@ -191,7 +191,8 @@ async def run(request: web.Request, served: ServedModel,
         if cfg.logging.log_inputs and inputs is not None:
             fields["inputs"] = inputs
         outcome = await request.app[DISPATCHER].run(
-            variant.unit, variant.spec.dim, enc, request[REQUEST_ID], deadline, priority)
+            variant.unit, variant.spec.dim, enc, request[REQUEST_ID], deadline, priority,
+            per_token)
     finally:
         inflight[0] -= 1
         gauge.dec()

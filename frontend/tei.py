@@ -2,6 +2,10 @@
 
     POST /embed     {"inputs": str | [str] | [int] | [[int]], "normalize", "truncate",
                      "truncation_direction", "dimensions", "prompt_name"} -> [[float]]
+    POST /embed_all {"inputs": str | [str] | [int] | [[int]], "truncate",
+                     "truncation_direction", "prompt_name"} -> [[[float]]]  (every token's
+                     last hidden state, special and prompt tokens included, not pooled or
+                     normalised; one list of rows per input)
     POST /rerank    {"query", "texts", "raw_scores", "return_text", ...} -> [{"index", "score"}]
     POST /tokenize  {"inputs": str | [str], "add_special_tokens", "prompt_name"} -> [[{"id",
                      "text", "special", "start", "stop"}]]   (start/stop: byte offsets into the
@@ -30,7 +34,8 @@ errors keep this server's body (OpenAI's shape, see frontend.errors), not TEI's
 ``{"error", "error_type"}``; a body may name a "model" (TEI serves one); ``normalize: false`` is
 refused for a model that normalises inside (its raw vectors never leave the worker); /rerank
 needs a cross-encoder (task rerank) and answers 422 `unsupported_task` for other models.
-In msgpack responses (Accept), /embed vectors are raw little-endian float32 bytes.
+In msgpack responses (Accept), /embed vectors and /embed_all's token rows are raw
+little-endian float32 bytes.
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/", root)
     app.router.add_post("/predict", predict)
     app.router.add_post("/embed", embed)
+    app.router.add_post("/embed_all", embed_all)
     app.router.add_post("/similarity", similarity)
     app.router.add_post("/rerank", rerank)
     app.router.add_post("/tokenize", tokenize)
@@ -197,6 +203,20 @@ async def _embed(request: web.Request, body: dict) -> web.Response:
     if normalize and not model.spec.normalize:
         rows = vectors.normalize(rows)
     return codec.render(request, codec.vectors(rows, codec.wants_msgpack(request)),
+                        headers=tasks.stage_headers(request, outcome))
+
+
+async def embed_all(request: web.Request) -> web.Response:
+    body = mapping(await codec.read_body(request))
+    given, ids = texts_or_ids(required(body, "inputs"), "inputs", request.app[CONFIG].limits)
+    truncate, direction = _truncation(body)
+    parsed = EmbedRequest(given, model_name(body), priority=body_priority(body), token_ids=ids,
+                          truncate=truncate, truncation_direction=direction, user=user(body),
+                          prompt_name=prompt_name(body, ids is not None))
+    model, outcome, enc = await routes.embed(request, parsed, "inputs", per_token=True)
+    rows = codec.vectors(outcome.vectors, codec.wants_msgpack(request))
+    bounds = enc.offsets.tolist()
+    return codec.render(request, [rows[a:b] for a, b in zip(bounds[:-1], bounds[1:])],
                         headers=tasks.stage_headers(request, outcome))
 
 

@@ -196,37 +196,44 @@ def out_of_memory(exc: BaseException) -> bool:
 
 
 def forward_in_halves(forward: Callable[[list[Group]], np.ndarray], groups: list[Group],
-                      on_oom: Callable[[], None]) -> tuple[np.ndarray | None, list[bool]]:
+                      on_oom: Callable[[], None], per_token: bool = False
+                      ) -> tuple[np.ndarray | None, list[bool]]:
     """Run a pass; if it runs out of memory, call `on_oom` and run its two halves one after the
     other, halving again as needed, so one text too large for the device fails alone and
-    co-batched texts still get answers. Returns (rows, ok): one row per text in the groups'
-    order (zeros where not ok; None when no text ran) and which texts ran."""
-    chunks: list[tuple[np.ndarray | None, int]] = []
+    co-batched texts still get answers. Returns (rows, ok): the rows of every text in the
+    groups' order, one a text (`per_token`: one a token) and zeros where not ok (None when no
+    text ran), and which texts ran."""
+    chunks: list[tuple[np.ndarray | None, list[Group]]] = []
 
     def run(part: list[Group]) -> None:
         try:
-            chunks.append((forward(part), _texts(part)))
+            chunks.append((forward(part), part))
         except Exception as exc:
             if not out_of_memory(exc):
                 raise
             on_oom()
             if _texts(part) == 1:
-                chunks.append((None, 1))
+                chunks.append((None, part))
                 return
             for half in _halves(part):
                 run(half)
 
     run(groups)
+    ok = [rows is not None for rows, part in chunks for _ in range(_texts(part))]
     if len(chunks) == 1:  # the usual case (or one text that failed): no copy
-        rows, n = chunks[0]
-        return rows, [rows is not None] * n
-    ok = [rows is not None for rows, n in chunks for _ in range(n)]
+        return chunks[0][0], ok
     done = [rows for rows, _ in chunks if rows is not None]
     if not done:
         return None, ok
-    rows = np.zeros((len(ok), *done[0].shape[1:]), done[0].dtype)
-    rows[np.array(ok)] = np.concatenate(done)
-    return rows, ok
+    width, dtype = done[0].shape[1:], done[0].dtype
+    return np.concatenate([
+        rows if rows is not None else np.zeros((_row_count(part, per_token), *width), dtype)
+        for rows, part in chunks]), ok
+
+
+def _row_count(groups: list[Group], per_token: bool) -> int:
+    return (sum(int(lengths.sum()) for _, lengths, _ in groups) if per_token
+            else _texts(groups))
 
 
 def _texts(groups: list[Group]) -> int:

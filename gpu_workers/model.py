@@ -144,10 +144,14 @@ class Model:
         return self.forward_groups([(ids, lengths, segments)])
 
     @torch.inference_mode()
-    def forward_groups(self, groups: list[tuple[np.ndarray, np.ndarray, np.ndarray | None]]
-                       ) -> np.ndarray:
+    def forward_groups(self, groups: list[tuple[np.ndarray, np.ndarray, np.ndarray | None]],
+                       tokens: bool = False) -> np.ndarray:
         """Several (ids, lengths, segments) groups, as `forward` takes one; their rows, in
-        order. One pass where the network packs (gpu_workers.packed), else one per group."""
+        order. One pass where the network packs (gpu_workers.packed), else one per group.
+        `tokens` (an embedding model): the last hidden state of every real token instead,
+        float32 [tokens, hidden], the texts in order (TEI's /embed_all)."""
+        if tokens:
+            return self._token_rows(groups)
         if self.graphs is not None:
             return torch.cat([self.graphs.run(*group) for group in groups]).cpu().numpy()
         inputs = [self._inputs(*group) for group in groups]
@@ -169,6 +173,26 @@ class Model:
                 out = self.net(input_ids=ids, attention_mask=mask.long(), **extra)
                 rows.append(self.head(out, mask, lens)[:texts])
         return torch.cat(rows).cpu().numpy()
+
+    def _token_rows(self, groups) -> np.ndarray:
+        inputs = [self._inputs(*group) for group in groups]
+        if self.packed is not None:  # its rows are the real tokens, in order
+            hidden = self.packed.tokens([
+                packed.Group(ids, mask, types, packed.index_of(group[1], group[0].shape[1])
+                             .to(self.device, non_blocking=True),
+                             dense=bool((group[1] == group[0].shape[1]).all()))
+                for (ids, mask, _, types), group in zip(inputs, groups)])
+            return hidden.float().cpu().numpy()
+        rows = []
+        for ids, mask, lens, types in inputs:
+            texts, width = ids.shape
+            if self.round_groups:
+                ids, mask, lens, types = self._bucketed(ids, mask, lens, types)
+            extra = {} if types is None else {"token_type_ids": types}
+            out = self.net(input_ids=ids, attention_mask=mask.long(), **extra)
+            # The mask, row-major: text by text, each text's tokens in order.
+            rows.append(out.last_hidden_state[:texts, :width][mask[:texts, :width]])
+        return torch.cat(rows).float().cpu().numpy()
 
     def _bucketed(self, ids, mask, lens, types):
         """A group padded to one of a few shapes (packed.group_shape); the rows added hold one
@@ -306,9 +330,10 @@ class NullModel:
                 segments: np.ndarray | None = None) -> np.ndarray:
         return np.zeros((ids.shape[0], self.spec.dim), np.float32)
 
-    def forward_groups(self, groups: list[tuple[np.ndarray, np.ndarray, np.ndarray | None]]
-                       ) -> np.ndarray:
-        return np.zeros((sum(g[0].shape[0] for g in groups), self.spec.dim), np.float32)
+    def forward_groups(self, groups: list[tuple[np.ndarray, np.ndarray, np.ndarray | None]],
+                       tokens: bool = False) -> np.ndarray:
+        rows = sum(int(g[1].sum()) if tokens else g[0].shape[0] for g in groups)
+        return np.zeros((rows, self.spec.dim), np.float32)
 
 
 def load_model(spec: ModelSpec, device: torch.device, graphs: int = 0) -> Model | NullModel:

@@ -135,6 +135,25 @@ class PackedEncoder:
     def __call__(self, groups: list[Group]) -> list[Output]:
         """Each group's output: its last hidden state [b, l, hidden] (zeros at padded
         positions), and a classifier's logits [b, labels]."""
+        h = self.hidden
+        x, places = self._encode(groups)
+        out = []
+        for b, l, index, lo, hi, _ in places:
+            hidden = (x[lo:hi].view(b, l, h) if index is None else
+                      x.new_zeros(b * l, h).index_copy_(0, index, x[lo:hi]).view(b, l, h))
+            out.append(Output(hidden, self.classify(self.whole, hidden) if self.classify
+                              else None))
+        return out
+
+    def tokens(self, groups: list[Group]) -> torch.Tensor:
+        """The last hidden state of every real token [tokens, hidden]: the groups' texts in
+        order, each text's tokens in order (the packed rows, as they are)."""
+        x, places = self._encode(groups)
+        return x[:places[-1][4]]
+
+    def _encode(self, groups: list[Group]) -> tuple[torch.Tensor, list[tuple]]:
+        """The encoder over the groups' real tokens as one matrix [tokens (and padding rows),
+        hidden], and where each group's rows lie in it."""
         h, heads = self.hidden, self.heads
         places, parts, start = [], [], 0
         for g in groups:
@@ -166,13 +185,7 @@ class PackedEncoder:
                 context.append(x.new_zeros(padding, h))
             x = layer.attention.output(torch.cat(context), x)  # dense, residual, layer norm
             x = layer.output(layer.intermediate(x), x)
-        out = []
-        for b, l, index, lo, hi, _ in places:
-            hidden = (x[lo:hi].view(b, l, h) if index is None else
-                      x.new_zeros(b * l, h).index_copy_(0, index, x[lo:hi]).view(b, l, h))
-            out.append(Output(hidden, self.classify(self.whole, hidden) if self.classify
-                              else None))
-        return out
+        return x, places
 
 
 class FusedAway(torch.nn.Module):

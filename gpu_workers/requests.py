@@ -42,7 +42,9 @@ class QueuedText:
     arrived: float = field(init=False)
 
     def __post_init__(self) -> None:
-        self.model = self.request.slot.key  # batches group by slot: one revision each
+        # Batches group by slot (one revision each), and per-token requests apart: their pass
+        # gives every token's row, not one pooled row per text.
+        self.model = self.request.slot.key + ("+tokens" if self.request.msg.per_token else "")
         self.priority = self.request.msg.priority
         self.arrived = self.request.arrived
 
@@ -58,7 +60,8 @@ def read_request(attachments: Attachments, peer: bytes, msg: Submit, now: float)
     segments = attachments.view(msg.segments).copy() if msg.segments.shape[0] else None
     n = offsets.shape[0] - 1
     lengths = np.diff(offsets)
-    if n < 1 or out.shape[0] != n or int(offsets[-1]) > ids.shape[0] or (
+    rows = int(offsets[-1]) if msg.per_token and n >= 1 else n
+    if n < 1 or out.shape[0] != rows or int(offsets[-1]) > ids.shape[0] or (
             offsets[0] != 0 or (lengths <= 0).any()) or segments is not None and (
             segments.shape[0] != n or (segments < 1).any() or (segments > lengths).any()):
         raise ValueError("offsets, ids, segments and output disagree")

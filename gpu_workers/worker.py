@@ -12,6 +12,7 @@ own PUSH socket. Every Submit gets exactly one reply, and so does every Reload a
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import queue
@@ -98,6 +99,9 @@ class Worker:
             return Error(msg.seq, ErrorCode.UNAVAILABLE, "worker is loading or draining")
         if msg.model not in self.units:
             return Error(msg.seq, ErrorCode.UNKNOWN_MODEL, f"model {msg.model!r} is not served")
+        if msg.per_token and self.specs[msg.model].task not in ("embedding", "null"):
+            return Error(msg.seq, ErrorCode.INVALID, f"model {msg.model!r} is a "
+                         f"{self.specs[msg.model].task} model: no token embeddings")
         try:
             request = read_request(self._attachments, peer, msg, time.time())
         except (OSError, ValueError) as exc:
@@ -269,7 +273,7 @@ class Worker:
 
     def _collect(self) -> None:
         if any(unit.retiring for unit in self.slots.units.values()):
-            self.slots.collect({t.model for t in self._queue})
+            self.slots.collect({t.request.slot.key for t in self._queue})
 
     def _drop_expired(self, now: float) -> None:
         dropped = [t.request for t in self._queue if t.request.aborted or t.request.done
@@ -303,9 +307,12 @@ class Worker:
         for text in texts:
             if not text.request.started:
                 text.request.started = began
+        per_token = texts[0].request.msg.per_token  # the batcher never mixes these either
+        forward = (functools.partial(slot.model.forward_groups, tokens=True) if per_token
+                   else slot.model.forward_groups)
         self._pass_began = time.monotonic()
         try:
-            out, ok = forward_in_halves(slot.model.forward_groups, groups, self.memory.after_oom)
+            out, ok = forward_in_halves(forward, groups, self.memory.after_oom, per_token)
         except Exception as exc:  # noqa: BLE001 - one bad batch fails its requests, not the worker
             failed = {id(t.request): t.request for t in texts}.values()
             log.exception("forward failed", extra={"fields": {
@@ -322,8 +329,10 @@ class Worker:
         # One reduction, no temporary array, in the usual case (a NaN or infinity anywhere
         # makes the sum so; finite rows whose sum overflows only cost the row check).
         finite = None
+        # Where each text's rows start in `out`: one row a text, or (per_token) one a token.
+        starts = np.cumsum([0] + [t.length if per_token else 1 for t in texts])
         if out is not None and not np.isfinite(out.sum()):
-            finite = np.isfinite(out).all(axis=1)
+            finite = np.logical_and.reduceat(np.isfinite(out).all(axis=1), starts[:-1])
         touched = {}
         computed: dict[int, int] = {}  # tokens by priority, for the backlog: one update a pass
         for j, text in enumerate(texts):
@@ -352,7 +361,11 @@ class Worker:
                     f"infinity (in {slot.spec.dtype})"))
                 touched.pop(id(request), None)
                 continue
-            request.out[text.index] = out[j]
+            if per_token:
+                at = request.offsets[text.index]
+                request.out[at:at + text.length] = out[starts[j]:starts[j + 1]]
+            else:
+                request.out[text.index] = out[j]
             request.remaining -= 1
             touched[id(request)] = request
         for priority, tokens in computed.items():

@@ -93,6 +93,14 @@ class _Base:
             body["prompt_name"] = prompt_name
         return self._request(body, model, request_id)
 
+    def _tokens_request(self, texts: str | Sequence[str], model: str | None,
+                        request_id: str | None, prompt_name: str | None
+                        ) -> tuple[bytes, dict[str, str]]:
+        body: dict[str, Any] = {"inputs": [texts] if isinstance(texts, str) else list(texts)}
+        if prompt_name is not None:
+            body["prompt_name"] = prompt_name
+        return self._request(body, model, request_id)
+
     def _classify_request(self, texts: Sequence[str], model: str | None,
                           request_id: str | None) -> tuple[bytes, dict[str, str]]:
         return self._request({"input": [texts] if isinstance(texts, str) else list(texts)},
@@ -169,6 +177,13 @@ def _scores(body: dict[str, Any], count: int) -> np.ndarray:
     return scores
 
 
+def _token_rows(body: list[list[Any]], single: bool) -> np.ndarray | list[np.ndarray]:
+    """/embed_all's answer: float32 [tokens, dim] per text."""
+    out = [np.stack([np.frombuffer(r, "<f4") for r in rows]) if rows and isinstance(
+        rows[0], bytes) else np.asarray(rows, dtype=np.float32) for rows in body]
+    return out[0] if single else out
+
+
 def _matrix(body: dict[str, Any], single: bool) -> np.ndarray:
     rows = body["results"]
     if rows and isinstance(rows[0], list) and rows[0] and isinstance(rows[0][0], dict):
@@ -196,6 +211,16 @@ class Client(_Base):
         body, headers = self._embed_request(texts, model, request_id, prompt_name)
         return _matrix(_decode(*self._call("POST", "/predict", body, headers)),
                        isinstance(texts, str))
+
+    def embed_tokens(self, texts: str | Sequence[str], *, model: str | None = None,
+                     request_id: str | None = None, prompt_name: str | None = None
+                     ) -> list[np.ndarray] | np.ndarray:
+        """Every token's last hidden state (TEI's /embed_all; special tokens included, not
+        pooled or normalised): a float32 [tokens, dim] array per text, one array for one
+        string."""
+        body, headers = self._tokens_request(texts, model, request_id, prompt_name)
+        return _token_rows(_decode(*self._call("POST", "/embed_all", body, headers)),
+                           isinstance(texts, str))
 
     def classify(self, texts: str | Sequence[str], *, model: str | None = None,
                  request_id: str | None = None) -> tuple[np.ndarray, list[str]]:
@@ -287,6 +312,14 @@ class AsyncClient(_Base):
         body, headers = self._embed_request(texts, model, request_id, prompt_name)
         return _matrix(_decode(*await self._call("POST", "/predict", body, headers)),
                        isinstance(texts, str))
+
+    async def embed_tokens(self, texts: str | Sequence[str], *, model: str | None = None,
+                           request_id: str | None = None, prompt_name: str | None = None
+                           ) -> list[np.ndarray] | np.ndarray:
+        """As Client.embed_tokens."""
+        body, headers = self._tokens_request(texts, model, request_id, prompt_name)
+        return _token_rows(_decode(*await self._call("POST", "/embed_all", body, headers)),
+                           isinstance(texts, str))
 
     async def classify(self, texts: str | Sequence[str], *, model: str | None = None,
                        request_id: str | None = None) -> tuple[np.ndarray, list[str]]:

@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import IntEnum
 
-PROTOCOL_VERSION = 6  # 3: a worker sends a batch's replies to a frontend as one message;
+PROTOCOL_VERSION = 7  # 3: a worker sends a batch's replies to a frontend as one message;
 # 4: ErrorCode.OUT_OF_MEMORY; 5: Heartbeat.pass_s, and a rerank row is the raw logit (the
 # frontend applies the activation), not the score; 6: Heartbeat's admission estimate (drain_rate,
 # drain_pass_s, queued_tokens), a classification row is the raw logits (the frontend applies
@@ -158,12 +158,16 @@ class Submit:
     model: str  # a unit: MODEL, or MODEL@VARIANT (shmserve.models)
     token_ids: ShmHandle  # int32 [total_tokens]
     offsets: ShmHandle  # int32 [n_texts + 1]
-    output: ShmHandle  # float32 [n_texts, dim], written by the worker
+    output: ShmHandle  # float32 [n_texts, dim] (per_token: [total_tokens, dim]), written by
+                       # the worker
     deadline: float  # unix time; work still queued past it is answered DEADLINE
     priority: int  # higher runs first
     # int32 [n_texts]: tokens of each text's first segment (a cross-encoder's query with its
     # special tokens); the rest get token type 1. Shape (0,) for single-segment inputs.
     segments: ShmHandle
+    # An embedding model's last hidden state for every token (TEI's /embed_all), not one pooled
+    # row per text: output row offsets[i] + j is text i's token j.
+    per_token: bool = False
 
 
 @dataclass(frozen=True, slots=True)

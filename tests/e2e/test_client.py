@@ -31,6 +31,25 @@ async def test_async_client(tiny_stack, native, fmt):
 
 
 @pytest.mark.parametrize("fmt", ["msgpack", "json"])
+async def test_token_embeddings(tiny_stack, fmt):
+    """embed_tokens: /embed_all's rows, a [tokens, dim] array per text; their count is the
+    text's tokens as /tokenize gives them, and a prompt adds its own."""
+    _, _, tokens = tiny_stack.post_json("/tokenize", {"inputs": TEXTS})
+    with Client(tiny_stack.url, format=fmt) as client:
+        got = client.embed_tokens(TEXTS)
+        assert [a.shape for a in got] == [(len(t), 32) for t in tokens]
+        assert all(a.dtype == np.float32 for a in got)
+        one = client.embed_tokens(TEXTS[1])
+        np.testing.assert_allclose(one, got[1], rtol=0, atol=1e-6)
+        prompted = client.embed_tokens(TEXTS[1], prompt_name="query")
+        assert prompted.shape[0] > one.shape[0]
+    async with AsyncClient(tiny_stack.url, format=fmt) as client:
+        again = await client.embed_tokens(TEXTS)
+    for a, b in zip(again, got):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("fmt", ["msgpack", "json"])
 async def test_a_prompt_by_name(tiny_stack, fmt):
     """tiny's prompts: {"query": "query: "} (tests/conftest.py)."""
     with Client(tiny_stack.url, format=fmt) as client:

@@ -53,6 +53,10 @@ def test_tei_predict_classifies_texts_and_pairs(task_stack, task_dirs):
     # The native body still embeds.
     status, _, body = task_stack.post_json("/predict", {"texts": ["x"], "model": "tiny"})
     assert status == 200 and len(body["results"][0]) == 32
+    # Token embeddings are an embedding model's.
+    for name in ("clf", "ce"):
+        status, _, body = task_stack.post_json("/embed_all", {"inputs": "x", "model": name})
+        assert status == 422 and body["error"]["code"] == "unsupported_task", body
 
 
 @pytest.mark.parametrize("fmt", ["msgpack", "json"])

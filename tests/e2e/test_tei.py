@@ -7,6 +7,7 @@ import huggingface_hub
 import msgpack
 import numpy as np
 import pytest
+import torch
 from huggingface_hub import InferenceClient
 from huggingface_hub.errors import HfHubHTTPError
 
@@ -78,6 +79,77 @@ def test_embed_msgpack_vectors_are_raw_float32(tiny_stack, native):
     assert status == 200 and headers["Content-Type"].startswith("application/msgpack")
     got = np.stack([np.frombuffer(v, "<f4") for v in msgpack.unpackb(raw)])
     np.testing.assert_allclose(got, native, rtol=0, atol=1e-6)
+
+
+def test_embed_all_is_every_tokens_last_hidden_state(tiny_stack, tiny_model):
+    """TEI's /embed_all: one list of rows per input, a row per token (special tokens
+    included), the network's last hidden state as transformers computes it; JSON, token ids,
+    msgpack (raw float32 rows) and a named prompt."""
+    from tokenizers import Tokenizer
+    from transformers import AutoModel
+
+    tok = Tokenizer.from_file(str(tiny_model / "tokenizer.json"))
+    tok.no_padding()
+    net = AutoModel.from_pretrained(tiny_model).eval()
+
+    def hidden(text):
+        ids = torch.tensor([tok.encode(text).ids])
+        with torch.inference_mode():
+            return net(input_ids=ids).last_hidden_state[0].numpy()
+
+    status, headers, body = tiny_stack.post_json("/embed_all", {"inputs": TEXTS})
+    assert status == 200 and len(body) == len(TEXTS) and "X-Inference-Time" in headers
+    for text, rows in zip(TEXTS, body):
+        np.testing.assert_allclose(np.array(rows, np.float32), hidden(text), rtol=0, atol=1e-5)
+    status, _, body = tiny_stack.post_json("/embed_all", {"inputs": TEXTS[2]})
+    assert status == 200 and len(body) == 1
+    np.testing.assert_allclose(np.array(body[0], np.float32), hidden(TEXTS[2]), atol=1e-5)
+    ids = [tok.encode(t).ids for t in TEXTS[:2]]
+    status, _, body = tiny_stack.post_json("/embed_all", {"inputs": ids})
+    assert status == 200 and [len(rows) for rows in body] == [len(i) for i in ids]
+    status, headers, raw = tiny_stack.request(
+        "POST", "/embed_all", msgpack.packb({"inputs": TEXTS, "prompt_name": "query"}),
+        {"Content-Type": "application/msgpack", "Accept": "application/msgpack"})
+    assert status == 200 and headers["Content-Type"].startswith("application/msgpack")
+    for text, rows in zip(TEXTS, msgpack.unpackb(raw)):
+        got = np.stack([np.frombuffer(r, "<f4") for r in rows])
+        np.testing.assert_allclose(got, hidden("query: " + text), rtol=0, atol=1e-5)
+
+
+def test_embed_all_and_pooled_requests_at_once_each_get_their_own_shape(tiny_stack, native):
+    """Per-token and pooled requests for one model queue on the same workers; a pass never
+    mixes them (a per-token pass writes a row a token)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(i):
+        if i % 2:
+            status, _, body = tiny_stack.post_json("/embed", {"inputs": TEXTS})
+            return status, np.array(body, np.float32)
+        status, _, body = tiny_stack.post_json("/embed_all", {"inputs": TEXTS})
+        return status, [np.array(rows, np.float32) for rows in body]
+
+    with ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(one, range(64)))
+    first = answers[0][1]
+    for i, (status, got) in enumerate(answers):
+        assert status == 200
+        if i % 2:
+            np.testing.assert_allclose(got, native, rtol=0, atol=1e-6)
+        else:
+            for rows, want in zip(got, first):
+                np.testing.assert_allclose(rows, want, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("body,status,param", [
+    ({"inputs": []}, 422, "inputs"),
+    ({}, 422, "inputs"),
+    ({"inputs": TEXTS, "truncation_direction": "up"}, 422, "truncation_direction"),
+    ({"inputs": TEXTS, "prompt_name": "passage"}, 422, "prompt_name"),
+    ({"inputs": "word " * 200}, 413, "inputs"),  # over 64 tokens; truncate not asked
+])
+def test_embed_all_refusals(tiny_stack, body, status, param):
+    got, _, err = tiny_stack.post_json("/embed_all", body)
+    assert got == status and err["error"]["param"] == param, err
 
 
 @pytest.mark.parametrize("body,param", [

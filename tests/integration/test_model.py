@@ -346,3 +346,35 @@ def test_warm_up_prepares_the_short_groups_shapes_within_the_limits(models):
     capped = Model(spec(models["emb"], "embedding"), torch.device("cpu"), graphs=10)
     warm_up(capped, max_batch_size=32, max_batch_tokens=1024)
     assert len(capped.graphs.entries) == 10
+
+
+@pytest.mark.parametrize("pack,dtype", [(True, "fp32"), (False, "fp32"), (True, "bf16"),
+                                        (False, "bf16")])
+def test_token_rows_are_the_networks_last_hidden_state(models, pack, dtype):
+    """TEI's /embed_all: every real token's row, texts in order, from the packed pass or the
+    network's own forward (bf16: its groups padded to a few shapes), several groups in one
+    call; what transformers' AutoModel gives for each text alone."""
+    from transformers import AutoModel
+
+    model = Model(spec(models["emb"], "embedding", dtype), torch.device("cpu"), pack=pack)
+    assert model.packs == pack
+    enc = TextEncoder(model.spec, truncate=True).encode(TEXTS)
+    lengths = np.diff(enc.offsets)
+    groups = []
+    for members in ([0, 2, 3], [1]):  # two length groups, as a pass may hold
+        ids = np.zeros((len(members), int(lengths[members].max())), np.int64)
+        for j, i in enumerate(members):
+            ids[j, :lengths[i]] = enc.ids[enc.offsets[i]:enc.offsets[i + 1]]
+        groups.append((ids, lengths[members], None))
+    got = model.forward_groups(groups, tokens=True)
+    order = [0, 2, 3, 1]
+    assert got.dtype == np.float32 and got.shape == (int(lengths.sum()), model.spec.dim)
+    net = AutoModel.from_pretrained(models["emb"]).eval()
+    at = 0
+    for i in order:
+        ids = torch.from_numpy(enc.ids[enc.offsets[i]:enc.offsets[i + 1]].astype(np.int64))
+        with torch.inference_mode():
+            want = net(input_ids=ids[None]).last_hidden_state[0].numpy()
+        tolerance = 1e-5 if dtype == "fp32" else 0.06  # bf16's 8 bits of mantissa
+        np.testing.assert_allclose(got[at:at + lengths[i]], want, rtol=0, atol=tolerance)
+        at += lengths[i]

@@ -123,3 +123,23 @@ def test_a_resubmission_writes_rows_of_its_own_while_the_silent_worker_holds_the
     assert arena.bytes_used > 0  # the first slot, held for the silent worker
     pool.held.pop()()
     assert arena.bytes_used == 0
+
+
+def test_a_per_token_request_gets_a_row_for_every_token_and_is_bounded(arena):
+    cfg = config.load(environ={})
+    pool = FakePool({0: None, 1: None})
+    enc = Encoded(np.arange(7, dtype=np.int32), np.array([0, 3, 7], np.int32), 0)
+    asyncio.run(Dispatcher(cfg, pool, arena).run("m", 4, enc, "req", time.time() + 5,
+                                                 per_token=True))
+    assert pool.outputs[0].shape == (7, 4)  # tokens x dim, not texts x dim
+    # 1 MiB arena: a quarter is 65,536 floats; 4,097 tokens x 16 floats is one too many.
+    big = Encoded(np.ones(4097, np.int32), np.array([0, 4097], np.int32), 0)
+    with pytest.raises(ApiError) as info:
+        asyncio.run(Dispatcher(cfg, pool, arena).run("m", 16, big, "req", time.time() + 5,
+                                                     per_token=True))
+    assert info.value.status == 413 and "shm.arena_mb" in info.value.message
+    assert len(pool.outputs) == 1  # refused before any worker saw it
+    fits = Encoded(np.ones(4096, np.int32), np.array([0, 4096], np.int32), 0)
+    asyncio.run(Dispatcher(cfg, pool, arena).run("m", 16, fits, "req", time.time() + 5,
+                                                  per_token=True))
+    assert pool.outputs[1].shape == (4096, 16)

@@ -318,3 +318,20 @@ def test_a_reload_that_empties_the_cache_is_counted(monkeypatch):
     assert calls == [] and count() == 0
     Worker._release(SimpleNamespace(device=torch.device("cuda"), metrics=metrics))
     assert calls == [1] and count() == 1
+
+
+def test_per_token_rows_keep_their_texts_places_when_halved():
+    """A per-token pass (TEI's /embed_all) gives a row for every token: halves and a failed
+    text's zeros must take that many rows, so every later text's rows stay in place."""
+
+    def forward(groups):
+        padded = sum(ids.shape[0] * ids.shape[1] for ids, _, _ in groups)
+        if padded > 40:
+            raise torch.OutOfMemoryError("test")
+        return np.concatenate([ids[j, :n, None] - 1000.0 for ids, lengths, _ in groups
+                               for j, n in enumerate(lengths)]).astype(np.float32)
+
+    rows, ok = forward_in_halves(forward, [group([5, 7, 90, 6]), group([3])], lambda: None,
+                                 per_token=True)
+    assert ok == [True, True, False, True, True]
+    assert rows[:, 0].tolist() == [5] * 5 + [7] * 7 + [0] * 90 + [6] * 6 + [3] * 3
