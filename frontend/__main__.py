@@ -17,13 +17,14 @@ def main() -> int:
     import uvloop
     from aiohttp import web
 
-    from frontend.app import create_app
+    from frontend.app import create_app, header_limit, malformed_request
     from shmserve import config, logs, topology
 
     cfg = config.load_resolved(args.config)
     logs.configure(cfg.logging, f"frontend-{args.index}")
     path = topology.frontend_socket(cfg, args.index)
     path.unlink(missing_ok=True)  # a killed predecessor's socket file
+    web.RequestHandler.handle_error = malformed_request  # no plain text quoting the request
     # uvloop: the frontends' per-request CPU is what bounds the pipeline on small models.
     web.run_app(create_app(cfg, args.index), path=str(path), print=None,
                 loop=uvloop.new_event_loop(),
@@ -33,7 +34,8 @@ def main() -> int:
                 # at the worker (frontend.dispatch) instead of computing it for nobody.
                 handler_cancellation=True,
                 # frontend.codec.read_raw inflates compressed bodies itself, with JSON errors.
-                auto_decompress=False)
+                auto_decompress=False,
+                max_line_size=header_limit(cfg), max_field_size=header_limit(cfg))
     path.unlink(missing_ok=True)
     return 0
 

@@ -158,4 +158,6 @@ def _string(body: dict, key: str) -> str:
     value = body.get(key, "")
     if not isinstance(value, str):
         raise ApiError("invalid_request", f"'{key}' must be a string", param=key)
+    if not value.isprintable():  # a NUL reaches no path, and control characters no log line
+        raise ApiError("invalid_request", f"'{key}' holds a control character", param=key)
     return value

@@ -69,7 +69,8 @@ class Models:
             return self.by_name[self.default]
         canonical = self._names.get(name)
         if canonical is None:
-            raise ApiError("not_found", f"model {name!r} is not served; see GET /v1/models",
+            shown = repr(name) if len(name) <= 200 else f"{name[:200]!r}... ({len(name)} chars)"
+            raise ApiError("not_found", f"model {shown} is not served; see GET /v1/models",
                            param="model", code="model_not_found")
         return self.by_name[canonical]
 
@@ -267,6 +268,37 @@ def create_app(cfg: Config, index: int = 0) -> web.Application:
     kserve.add_routes(app)
     openapi.add_routes(app)
     return app
+
+
+def header_limit(cfg: Config) -> int:
+    """The longest request line or header line nginx passes (one of its large header
+    buffers), so the frontend's parser takes what nginx took: aiohttp's own limit is 8,190
+    bytes, and a longer bearer token (a JWT) got aiohttp's plain-text 400 quoting it."""
+    return _bytes(cfg.nginx.large_client_header_buffers.split()[1])
+
+
+def malformed_request(self: web.RequestHandler, request: web.BaseRequest, status: int = 500,
+                      exc: BaseException | None = None, message: str | None = None
+                      ) -> web.StreamResponse:
+    """aiohttp's answer to a request its HTTP parser refused (a control character in a header
+    value, an over-long line) or to an error no handler caught: this server's JSON error body,
+    naming the kind of fault, instead of aiohttp's text/plain, which quotes the offending bytes
+    (a bearer token among them) in the answer and the log. The request's path is not known
+    here, so the shape is OpenAI's. Installed over `RequestHandler.handle_error`
+    (frontend.__main__); tests/e2e/test_bad_input.py sends such requests through nginx."""
+    if request.writer.output_size > 0:  # as aiohttp's: the answer has begun, nothing to add
+        raise ConnectionError("response already started; cannot send an error")
+    reason = type(exc).__name__ if exc is not None else "error"
+    log.warning("http.malformed_request", extra={"fields": {"status": status,
+                                                            "reason": reason}})
+    if status >= 500:
+        error = ApiError("internal_error", "internal error")
+    else:
+        error = ApiError("bad_request", f"malformed HTTP request ({reason}: a control "
+                         "character in a header, or a line too long?)")
+    response = web.json_response(error.body(), status=status)
+    response.force_close()
+    return response
 
 
 def _bytes(size: str) -> int:

@@ -61,8 +61,8 @@ def prefers_msgpack(accept: str) -> bool:
 async def read_body(request: web.Request) -> Any:
     # aiohttp reports a missing (or empty) Content-Type as application/octet-stream; tell them
     # apart from a client that sent that type. An empty header is taken as no header.
-    return decode_body(await read_raw(request), request.content_type,
-                       bool(request.headers.get("Content-Type", "").strip()))
+    sent = request.headers.get("Content-Type", "").strip()
+    return decode_body(await read_raw(request), request.content_type, bool(sent), sent)
 
 
 async def read_raw(request: web.Request) -> bytes:
@@ -117,12 +117,26 @@ def inflate(encoding: str, raw: bytes, limit: int) -> bytes:
             continue
         if len(out) <= limit and not decoder.eof:
             raise ValueError("the data ends early")
+        # gzip members one after another are one body (RFC 1952, as `cat a.gz b.gz`); after
+        # the last, or after a zlib stream, nothing may follow.
+        while len(out) <= limit and decoder.unused_data:
+            if wbits != 16 + zlib.MAX_WBITS:
+                raise ValueError("data after the end of the compressed stream")
+            rest, decoder = decoder.unused_data, zlib.decompressobj(wbits)
+            try:
+                out += decoder.decompress(rest, limit + 1 - len(out))
+            except zlib.error:
+                raise ValueError("data after the end of the gzip stream is not gzip") from None
+            if len(out) <= limit and not decoder.eof:
+                raise ValueError("the data ends early")
         return out
     raise ValueError(str(error).removeprefix("Error -3 while decompressing data: "))
 
 
-def decode_body(raw: bytes, ctype: str, has_type: bool = True) -> Any:
-    """Bytes to a Python value, or ApiError (400 or 415): never any other exception."""
+def decode_body(raw: bytes, ctype: str, has_type: bool = True, sent: str = "") -> Any:
+    """Bytes to a Python value, or ApiError (400 or 415): never any other exception. `sent`:
+    the Content-Type header as the client wrote it, for the 415's message (aiohttp reads a type
+    it cannot parse, `junk;;;`, as application/octet-stream)."""
     if not raw:
         raise ApiError("bad_request", "empty request body")
     if ctype in MSGPACK_TYPES:
@@ -138,10 +152,11 @@ def decode_body(raw: bytes, ctype: str, has_type: bool = True) -> Any:
         try:
             return orjson.loads(raw)
         except orjson.JSONDecodeError as exc:
-            raise ApiError("bad_request", f"malformed JSON body: {_json_detail(exc, raw)}"
+            raise ApiError("bad_request", f"malformed JSON body: {json_detail(exc, raw)}"
                            ) from None
+    named = sent if len(sent) <= 100 else sent[:100] + "..."
     raise ApiError("unsupported_media_type",
-                   f"Content-Type {ctype!r} is not supported; send {JSON} or {MSGPACK}")
+                   f"Content-Type {named or ctype!r} is not supported; send {JSON} or {MSGPACK}")
 
 
 # What msgpack's C unpacker means by the two exceptions it raises with no message at all.
@@ -156,7 +171,7 @@ def _msgpack_detail(exc: Exception) -> str:
     return f"{_SILENT[type(exc)]} ({name})" if type(exc) in _SILENT else name
 
 
-def _json_detail(exc: orjson.JSONDecodeError, raw: bytes) -> str:
+def json_detail(exc: orjson.JSONDecodeError, raw: bytes) -> str:
     # orjson reports invalid UTF-8 anywhere in the body as "str is not valid UTF-8: surrogates
     # not allowed" at line 1 column 1, which names neither the problem nor the place.
     try:

@@ -354,8 +354,10 @@ def _truncation(body: dict) -> tuple[bool | None, str]:
     truncate = body.get("truncate")
     if truncate is not None and not isinstance(truncate, bool):
         raise ApiError("invalid_request", "'truncate' must be a boolean", param="truncate")
-    direction = body.get("truncation_direction") or "right"
-    if direction not in DIRECTIONS:
+    direction = body.get("truncation_direction")
+    if direction is None:
+        direction = "right"
+    if not isinstance(direction, str) or direction not in DIRECTIONS:
         raise ApiError("invalid_request", "'truncation_direction' must be 'Right' or 'Left'",
                        param="truncation_direction")
     return truncate, DIRECTIONS[direction]

@@ -18,7 +18,6 @@ tensor that does not fit its declaration).
 
 from __future__ import annotations
 
-import json
 import math
 import struct
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from typing import Any
 import numpy as np
 import orjson
 
+from frontend.codec import json_detail
 from frontend.errors import ApiError
 from frontend.schemas import is_int
 
@@ -64,10 +64,13 @@ def split_body(raw: bytes, header_length: str | None) -> tuple[dict[str, Any], b
             raise ApiError("bad_request", f"Inference-Header-Content-Length is {header_length!r}; "
                            f"it must be a byte count in [1, {len(raw)}] (the body's length)")
         head, tail = raw[:n], raw[n:]
+    # The JSON every other route reads (frontend.codec): strict, so NaN, 1e999 and integers
+    # past 64 bits are malformed here too, and its messages say so without Python's internals.
     try:
-        header = json.loads(head.decode("utf-8"), parse_constant=_reject_constant)
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise ApiError("bad_request", f"malformed inference request header: {exc}") from None
+        header = orjson.loads(head)
+    except orjson.JSONDecodeError as exc:
+        raise ApiError("bad_request", "malformed inference request header: "
+                       f"{json_detail(exc, head)}") from None
     return object_of(header, "the inference request"), tail
 
 
@@ -175,7 +178,7 @@ def _declaration(entry: dict[str, Any]) -> tuple[str, str, tuple[int, ...]]:
     name, datatype, shape = entry.get("name"), entry.get("datatype"), entry.get("shape")
     if not isinstance(name, str) or not name:
         raise ApiError("invalid_request", "each input needs a 'name'", param="inputs")
-    if datatype != BYTES and datatype not in DTYPES:
+    if not isinstance(datatype, str) or datatype != BYTES and datatype not in DTYPES:
         raise ApiError("invalid_request", f"input {name!r}: unknown datatype {datatype!r}",
                        param="inputs")
     if not isinstance(shape, list) or not all(is_int(d) and d >= 0 for d in shape):
@@ -248,7 +251,3 @@ def _flatten(data: Any) -> list[Any]:
         else:
             stack.pop()
     return flat
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")

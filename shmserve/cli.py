@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import json
 import os
 import shutil
 import socket
@@ -29,8 +30,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from shmserve import (__version__, arena, config, models, nginxrun, processes, remote, render,
-                      state, topology)
+from shmserve import (__version__, arena, config, layers, models, nginxrun, processes, remote,
+                      render, state, topology)
 from shmserve import status as statusview
 from shmserve.config import Config, ConfigError
 from shmserve.startwait import process_info, wait_ready
@@ -147,6 +148,8 @@ def up(args: argparse.Namespace) -> int:
     except models.ModelSourceError as exc:
         raise CliError(f"models: {exc}") from None
     render.render(cfg)
+    topology.config_files_path(cfg).write_text(json.dumps(layers.digests(
+        layers.file_layers(args.env, args.config, os.environ)), indent=1) + "\n")
     leftovers = processes.kill_orphans(cfg)  # a SIGKILLed supervisord left its children
     if leftovers:
         print(f"shmserve: killed processes a dead supervisord left behind: {leftovers}")
@@ -223,7 +226,11 @@ def status(args: argparse.Namespace) -> int:
     def take() -> statusview.Sample:
         if supervisord_pid(cfg) is None:  # stopped while watched (`down` in another shell)
             raise _Stopped
-        return statusview.take(remote.base_url(cfg), remote.http, lambda: process_info(cfg))
+        # Longer than nginx takes to move a probe off a frozen frontend (nginx.probe_timeout_s),
+        # so one frozen frontend is not reported as nginx not answering.
+        wait = cfg.nginx.probe_timeout_s + 2.0
+        return statusview.take(remote.base_url(cfg), lambda url: remote.http(url, timeout=wait),
+                               lambda: process_info(cfg))
 
     try:
         last = statusview.run(take, title, sys.stdout, args.watch, args.count)

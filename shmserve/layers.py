@@ -10,14 +10,16 @@ Layers, later wins:
      lower case joined by double underscores, a list index is a number
      (``SHMSERVE__MODELS__0__SOURCE=/models/e5``); the value is parsed as a YAML scalar or
      flow sequence, so ``8``, ``true``, ``[0, 1]`` and ``auto`` all work; a string key, or a
-     list's string item, keeps what was written (``01`` stays "01", ``yes`` stays "yes");
-     ``null`` or ``~`` is no value.
+     list's string item, keeps what was written (``01`` stays "01", ``yes`` stays "yes").
 
-Mappings are deep-merged; lists and scalars are replaced.
+Mappings are deep-merged; lists and scalars are replaced. A key set to ``null`` or ``~`` (in a
+file or a variable) is dropped once every layer is merged: it takes its built-in default, what
+it would be had no layer set it (an env layer's value undone, say).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
@@ -56,7 +58,30 @@ def overridden(tree: Mapping[str, Any], extra: str | Path | None,
     environment's overrides."""
     for path in extra_files(extra, environ):  # several files: "a.yaml:b.yaml", in order
         tree = deep_merge(tree, _read_yaml(path))
-    return apply_env_overrides(dict(tree), environ)
+    return without_nulls(apply_env_overrides(dict(tree), environ))
+
+
+def without_nulls(tree: Any) -> Any:
+    """`tree` without the mapping keys whose value is null, at any depth (list items'
+    mappings too): each takes its built-in default."""
+    if isinstance(tree, Mapping):
+        return {k: without_nulls(v) for k, v in tree.items() if v is not None}
+    if isinstance(tree, list):
+        return [without_nulls(v) for v in tree]
+    return tree
+
+
+def digests(files: list[Path]) -> dict[str, str]:
+    """Each readable file's absolute path and the SHA-256 of its content: what `up` read, kept
+    in the run directory so `restart` can tell a file edited since (by content: a checkout
+    that rewrites a file unchanged is no edit)."""
+    out = {}
+    for path in files:
+        try:
+            out[str(path.resolve())] = hashlib.sha256(path.read_bytes()).hexdigest()
+        except OSError:
+            continue
+    return out
 
 
 def extra_files(extra: str | Path | None, environ: Mapping[str, str]) -> list[Path]:

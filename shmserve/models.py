@@ -233,15 +233,18 @@ def inspect(cfg: ModelConfig, with_revision: bool = True,
 def incompatible(active: ModelSpec, new: ModelSpec) -> str:
     """Why `new` cannot replace `active` under a running frontend ("" when it can): frontends
     tokenize with the active model's tokenizer and shape replies by its outputs."""
-    for what, old, now in (("task", active.task, new.task), ("output width", active.dim, new.dim),
+    # The kind of checkpoint first: a classifier's offered for an encoder differs in its
+    # normalization too, and that would be named instead of what the user got wrong.
+    for what, old, now in (("task", active.task, new.task),
+                           ("architecture", architecture(active.directory),
+                            architecture(new.directory)),
+                           ("output width", active.dim, new.dim),
                            ("label set", active.labels, new.labels),
                            ("input limit", active.max_tokens, new.max_tokens),
                            ("pooling", active.pooling, new.pooling),
                            ("normalization", active.normalize, new.normalize),
                            ("prompts", dict(active.prompts), dict(new.prompts)),
-                           ("default prompt", active.default_prompt, new.default_prompt),
-                           ("architecture", architecture(active.directory),
-                            architecture(new.directory))):
+                           ("default prompt", active.default_prompt, new.default_prompt)):
         if old != now:
             return f"its {what} differs ({old!r} now, {now!r} in {new.directory})"
     if file_digest(active.directory / "tokenizer.json") != \

@@ -54,6 +54,8 @@ NGINX_ERRORS: dict[int, tuple[str, str]] = {
           "(nginx.client_header_timeout_s, nginx.client_body_timeout_s)"),
     413: ("too_large", "request body larger than nginx.client_max_body_size ({max_body})"),
     414: ("headers_too_large", "request line too long (nginx.large_client_header_buffers)"),
+    405: ("method_not_allowed", "no route takes this method (GET /openapi.json lists each "
+          "route's)"),
     415: ("unsupported_media_type", "Content-Encoding must be gzip, deflate, br or identity"),
     429: ("overloaded", "more requests from this client than nginx.rate_limit_per_s allows; "
           "retry later"),
@@ -62,6 +64,8 @@ NGINX_ERRORS: dict[int, tuple[str, str]] = {
     502: ("unavailable", "no frontend answered; see `shmserve status`"),
     503: ("unavailable", "no frontend answered; see `shmserve status`"),
     504: ("timeout", "no frontend answered within nginx.proxy_read_timeout_s"),
+    501: ("not_implemented", "Transfer-Encoding must be chunked (or none, with Content-Length)"),
+    505: ("http_version_not_supported", "HTTP/1.1 or HTTP/1.0 only"),
 }
 
 

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Mapping
 
 from shmserve import config, layers, models, processes, remote, render, topology
@@ -73,20 +74,33 @@ def config_drift(args: argparse.Namespace, running: Config,
     except ConfigError as exc:
         return f"the overrides given now are invalid ({exc}); restarting with the running config"
     changed = config.differences(render.resolved(running), now)
-    started = path.stat().st_mtime
-    edited = [str(f) for f in layers.file_layers(args.env, args.config, environ)
-              if f.is_file() and f.stat().st_mtime > started]
-    if not changed and not edited:
+    edited, new = files_since_up(running, layers.file_layers(args.env, args.config, environ))
+    if not changed and not edited and not new:
         return None
     said = []
     if changed:
         said.append(f"the overrides given now differ from the config this deployment runs "
                     f"({path}): {'; '.join(changed)}")
     if edited:
-        said.append(f"written since `up` started (edited, or new to this deployment): "
-                    f"{', '.join(edited)}")
+        said.append(f"edited since `up` read them: {', '.join(edited)}")
+    if new:
+        said.append(f"not read by `up` (new to this deployment): {', '.join(new)}")
     return (f"{'. '.join(said)}. restart keeps the running config; to apply the new one: "
             "`shmserve down`, then `shmserve up` (with the same overrides)")
+
+
+def files_since_up(running: Config, given: list[Path]) -> tuple[list[str], list[str]]:
+    """(the config files `up` read whose content differs now, or that are gone; the files
+    `given` to this command that `up` did not read). Neither for a deployment whose `up` kept
+    no digests (an older version's)."""
+    try:
+        recorded = json.loads(topology.config_files_path(running).read_text())
+    except (OSError, ValueError):
+        return [], []
+    now = layers.digests([Path(p) for p in recorded])
+    edited = [p for p, digest in recorded.items() if now.get(p) != digest]
+    new = [str(f) for f in given if f.is_file() and str(f.resolve()) not in recorded]
+    return edited, new
 
 
 def lone_models(cfg: Config, restarted: list[str]) -> dict[str, list[str]]:

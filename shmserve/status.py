@@ -56,7 +56,9 @@ def parse_metrics(text: str) -> dict[str, dict[Labels, float]]:
 
 
 def render(cur: Sample, prev: Sample | None, title: str) -> str:
-    state = {200: "ready", 503: "not ready", None: "no answer from nginx"}.get(
+    state = {200: "ready", 503: "not ready",
+             None: "no answer through nginx (nginx, or every frontend, is stuck or gone: see "
+                   "the table)"}.get(
         cur.ready_code, f"nginx answers {cur.ready_code}: no frontend answered it")
     word = cur.ready.get("status")
     if cur.ready_code == 200 and word == "degraded":

@@ -69,3 +69,8 @@ def log_dir(cfg: Config) -> Path:
 
 def resolved_config_path(cfg: Config) -> Path:
     return cfg.run_dir / "config.json"
+
+
+def config_files_path(cfg: Config) -> Path:
+    """The config files `up` read, with digests of their content (shmserve.layers.digests)."""
+    return cfg.run_dir / "config_files.json"

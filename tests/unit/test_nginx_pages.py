@@ -277,3 +277,42 @@ def test_a_rate_under_one_a_second_is_kept_per_minute_and_its_429_says_when_to_r
         assert first[0] == 502 and second[0] == 429  # no frontend runs: passed, refused
         assert second[1]["Retry-After"] == "2"
     assert "rate=30r/m;" in render.nginx_conf(cfg).read_text()
+
+
+def raw(cfg: Config, data: bytes) -> bytes:
+    """Bytes as sent (what http.client would not send), and the whole answer."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", cfg.server.port), timeout=10) as sock:
+        sock.sendall(data)
+        chunks = []
+        while chunk := sock.recv(65536):
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
+@pytest.mark.parametrize("method", ["TRACE", "CONNECT", "FOO", "PROPFIND"])
+def test_a_method_no_route_takes_is_nginxs_405_in_the_error_shape(bare_nginx, method):
+    """Unknown methods reached aiohttp, whose 400 is text/plain; TRACE and CONNECT got nginx's
+    HTML page (an outside check)."""
+    answer = raw(bare_nginx, f"{method} /v1/embeddings HTTP/1.1\r\nHost: x\r\n"
+                             "Connection: close\r\n\r\n".encode())
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 405"), answer[:200]
+    assert b"Content-Type: application/json" in head
+    assert b"Allow: GET, HEAD, POST, PUT, OPTIONS" in head
+    assert json.loads(body)["error"]["type"] == "method_not_allowed"
+    # PATCH and DELETE go on to the frontends (here absent), which name each route's methods.
+    assert request(bare_nginx, "DELETE", "/v1/embeddings")[0] == 502
+
+
+@pytest.mark.parametrize("data,status,kind", [
+    (b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip, chunked\r\n"
+     b"Connection: close\r\n\r\n0\r\n\r\n", 501, "not_implemented"),
+    (b"GET /ready HTTP/2.0\r\nHost: x\r\nConnection: close\r\n\r\n", 505,
+     "http_version_not_supported"),
+])
+def test_nginxs_501_and_505_are_in_the_error_shape(bare_nginx, data, status, kind):
+    head, _, body = raw(bare_nginx, data).partition(b"\r\n\r\n")
+    assert head.split(b" ")[1] == str(status).encode(), head
+    assert json.loads(body)["error"]["type"] == kind
