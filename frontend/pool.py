@@ -91,6 +91,9 @@ class WorkerPool:
         self._changed = asyncio.Event()  # set whenever a worker becomes ready
         self.restarts_seen = 0
         self._ever_ready: set[int] = set()  # workers seen ready since this frontend started
+        # A worker was already ready when this frontend first heard from it: the frontend was
+        # restarted into a running deployment, not started with it (`started`).
+        self._joined = False
         self.watchdog = Watchdog(cfg, frontend)
 
     def _link(self, index: int) -> WorkerLink:
@@ -128,8 +131,12 @@ class WorkerPool:
 
     @property
     def started(self) -> bool:
-        """Every configured worker has been ready at least once since this frontend started."""
-        return len(self._ever_ready) == len(self.links)
+        """Past the deployment's start: every configured worker has been ready at least once
+        since this frontend started, or this frontend joined a running deployment (a worker
+        was ready when first heard from). A frontend restarted while a worker was down waited
+        for that worker, and its /ready said 503 "loading" where the others said 200
+        "degraded" (and `restart frontends` could not finish)."""
+        return self._joined or len(self._ever_ready) == len(self.links)
 
     def ready_links(self, model: str) -> list[WorkerLink]:
         return [link for link in self.links
@@ -315,6 +322,8 @@ class WorkerPool:
             log.info("frontend.worker_restarted", extra={"fields": {"worker": link.index,
                                                                     "worker_pid": beat.pid}})
         was_ready = link.ready
+        if link.beat is None and beat.ready:
+            self._joined = True
         link.beat, link.last_beat, link.alive = beat, time.monotonic(), True
         if link.ready and not was_ready:
             self._ever_ready.add(link.index)

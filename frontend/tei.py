@@ -279,7 +279,11 @@ async def tokenize(request: web.Request) -> web.Response:
 async def decode(request: web.Request) -> web.Response:
     cfg, deadline, started = _tokenizer_request(request)
     body = mapping(await codec.read_body(request))
-    _, rows = texts_or_ids(required(body, "ids"), "ids", cfg.limits)
+    given = required(body, "ids")
+    if not isinstance(given, list):
+        raise ApiError("invalid_request", "'ids' must be a list of token ids (integers) or a "
+                       "list of such lists; /tokenize turns texts into ids", param="ids")
+    _, rows = texts_or_ids(given, "ids", cfg.limits)
     if rows is None:
         raise ApiError("invalid_request", "'ids' must be a list of token ids (integers) or a "
                        "list of such lists; /tokenize turns texts into ids", param="ids")

@@ -89,7 +89,7 @@ def read_inputs(header: dict[str, Any], tail: bytes) -> list[Tensor]:
     for entry in inputs:
         entry = object_of(entry, "each of 'inputs'")
         name, datatype, shape = _declaration(entry)
-        params = object_of(entry.get("parameters") or {}, f"input {name!r}'s parameters")
+        params = object_of(_params(entry), f"input {name!r}'s parameters")
         if "shared_memory_region" in params:
             raise ApiError("invalid_request", "the shared-memory extensions are not supported; "
                            "send tensor data in the body", param="inputs")
@@ -114,7 +114,7 @@ def read_inputs(header: dict[str, Any], tail: bytes) -> list[Tensor]:
 
 def requested_outputs(header: dict[str, Any], names: list[str]) -> list[tuple[str, bool]]:
     """(output name, as binary) for each output to return, in the request's order."""
-    params = object_of(header.get("parameters") or {}, "'parameters'")
+    params = object_of(_params(header), "'parameters'")
     default = params.get("binary_data_output", False)
     if not isinstance(default, bool):
         raise ApiError("invalid_request", "parameters.binary_data_output must be a boolean",
@@ -131,7 +131,7 @@ def requested_outputs(header: dict[str, Any], names: list[str]) -> list[tuple[st
         if name not in names:
             raise ApiError("invalid_request", f"no output {name!r}; this model has "
                            f"{', '.join(names)}", param="outputs")
-        out_params = object_of(entry.get("parameters") or {}, f"output {name!r}'s parameters")
+        out_params = object_of(_params(entry), f"output {name!r}'s parameters")
         if out_params.get("classification"):
             raise ApiError("invalid_request", "the classification extension is not supported",
                            param="outputs")
@@ -251,3 +251,10 @@ def _flatten(data: Any) -> list[Any]:
         else:
             stack.pop()
     return flat
+
+
+def _params(entry: dict[str, Any]) -> Any:
+    """An entry's `parameters`: absent or null is none; anything else must be an object
+    (object_of), so "", 0 and false are refused as "x" and 1 are."""
+    value = entry.get("parameters")
+    return {} if value is None else value

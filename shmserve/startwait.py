@@ -75,7 +75,14 @@ def process_info(cfg: Config) -> list[dict]:
 
 
 def print_log_tails(cfg: Config) -> None:
+    """The end of each log of this deployment's programs (not the logs an earlier deployment
+    with more frontends or workers left in the directory)."""
+    names = {"supervisord", "nginx", "reaper",
+             *(f"frontend-{i}" for i in range(cfg.frontends.count)),
+             *(f"worker-{i}" for i in range(len(topology.worker_devices(cfg))))}
     for log in sorted(topology.log_dir(cfg).glob("*.log")):
+        if log.stem not in names:
+            continue
         lines = log.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
         print(f"--- {log} (last {len(lines)} lines)", file=sys.stderr)
         for line in lines:

@@ -265,7 +265,9 @@ def test_a_client_past_the_rate_limit_gets_429_from_nginx(tmp_path, key):
         # Probes and scrapes are not limited.
         for path in ("/health", "/metrics"):
             assert [request(cfg, "GET", path, None, one)[0] for _ in range(4)] == [502] * 4
-        assert "Retry-After" not in request(cfg, "GET", "/ready")[1]  # on 429s only
+        # On 429s, and 502s and 503s (no frontend answered: a restart of them all, say).
+        assert request(cfg, "GET", "/ready")[1]["Retry-After"] == "1"
+        assert "Retry-After" not in request(cfg, "TRACE", "/ready")[1]  # a 405
 
 
 def test_a_rate_under_one_a_second_is_kept_per_minute_and_its_429_says_when_to_retry(tmp_path):

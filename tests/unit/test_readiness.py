@@ -20,8 +20,26 @@ def beat(pool: WorkerPool, index: int, ready: bool, *served: str, pid: int = 0) 
 
 def test_loading_until_every_worker_was_ready_once(pool):
     assert readiness(pool, models("a")) == "loading"
+    # At a deployment's start a worker answers pings while it loads (its socket thread binds
+    # first), so the frontends hear it not ready before they hear it ready.
+    beat(pool, 0, False, "a")
+    beat(pool, 1, False, "a")
+    assert readiness(pool, models("a")) == "loading"
     beat(pool, 0, True, "a")
     assert readiness(pool, models("a")) == "loading"  # serves, but not every worker is up yet
+    beat(pool, 1, True, "a")
+    assert readiness(pool, models("a")) == "ready"
+
+
+def test_a_frontend_restarted_while_a_worker_is_down_degrades_instead_of_loading(pool):
+    """A frontend restarted into a running deployment (a worker ready when first heard) is
+    past the start: with another worker down for good it says degraded, as the frontends that
+    saw the start do; it said loading (503) until that worker came back (an outside check)."""
+    beat(pool, 0, True, "a")  # ready at the first heartbeat: the deployment was running
+    assert readiness(pool, models("a")) == "degraded"
+    assert readiness(pool, models("a", "b")) == "unavailable"  # b has no ready worker
+    beat(pool, 1, False, "a")  # the other one loads (restarted): still degraded
+    assert readiness(pool, models("a")) == "degraded"
     beat(pool, 1, True, "a")
     assert readiness(pool, models("a")) == "ready"
 

@@ -101,3 +101,16 @@ def test_the_last_error_of_a_log_is_its_exception():
         "no device"
     assert startwait.last_error(["Traceback", "  File x", "OSError: gone", ""]) == "OSError: gone"
     assert startwait.last_error([]) == ""
+
+
+def test_log_tails_are_this_deployments_programs_only(deployment, capsys):
+    """A failed start or restart printed every log in the directory, a 3-worker deployment's
+    worker-2.log among them under a 2-worker one (an outside check)."""
+    logs = topology.log_dir(deployment)
+    logs.mkdir(parents=True, exist_ok=True)
+    for name in ("frontend-0", "worker-0", "nginx", "worker-7", "frontend-9"):
+        (logs / f"{name}.log").write_text(f"line of {name}\n")
+    startwait.print_log_tails(deployment)
+    err = capsys.readouterr().err
+    assert "line of frontend-0" in err and "line of worker-0" in err and "line of nginx" in err
+    assert "worker-7" not in err and "frontend-9" not in err
