@@ -143,6 +143,10 @@ def up(args: argparse.Namespace) -> int:
                        "`restart` keeps the running one)")
     if args.wait and args.foreground:
         raise CliError("--wait and --foreground exclude each other")
+    if cfg.logging.stdout and not args.foreground:
+        raise CliError("logging.stdout: the programs' logs go to supervisord's stdout, which "
+                       "only `up --foreground` keeps (a daemon's is /dev/null); use "
+                       "--foreground (a container's command), or logging.stdout: false")
     try:
         models.check(cfg, topology.worker_devices(cfg))  # before any process starts
     except models.ModelSourceError as exc:

@@ -199,6 +199,9 @@ class LoggingConfig:
     # supervisord rotates each program's log (and its own) at this size, keeping this many
     max_bytes: int = 50 * 1024 * 1024
     backups: int = 5
+    # Every program's lines to supervisord's stdout instead of logs/<program>.log (a
+    # container's `kubectl logs`, `docker logs`); needs `up --foreground`. Unrotated.
+    stdout: bool = False
 
 
 @dataclass(frozen=True, slots=True)

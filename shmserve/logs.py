@@ -7,7 +7,6 @@ batch id is a field, not part of a message string.
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 import os
@@ -65,16 +64,24 @@ class TextFormatter(logging.Formatter):
         return text
 
 
-class BufferedHandler(logging.StreamHandler):
-    """Writes through a 64 KiB buffer flushed every `interval` seconds (and on warnings and
-    above, and at exit). One log line per request would otherwise be one write to the pipe and
-    one wake-up of supervisord, which reads it: at a thousand requests a second that cost a
-    fifth of a core. A SIGKILL loses at most `interval` seconds of lines."""
+PIPE_BUF = 4096  # a pipe write of at most this many bytes is never split (Linux, POSIX minimum 512)
 
-    def __init__(self, interval: float, fd: int | None = None) -> None:
-        fd = sys.stdout.fileno() if fd is None else fd
-        buffered = io.BufferedWriter(io.FileIO(os.dup(fd), "w"), 1 << 16)
-        super().__init__(io.TextIOWrapper(buffered, encoding="utf-8", write_through=False))
+
+class BufferedHandler(logging.Handler):
+    """Writes whole lines in chunks of at most `chunk` bytes, every `interval` seconds (and when
+    a chunk's worth is waiting, on warnings and above, and at exit). One log line per request
+    would otherwise be one write to the pipe and one wake-up of supervisord, which reads it: at
+    a thousand requests a second that cost a fifth of a core. A SIGKILL loses at most
+    `interval` seconds of lines. A chunk of at most PIPE_BUF (4 KiB, `configure` with
+    logging.stdout) reaches supervisord whole, so when it writes every program's output to its
+    one stdout no line is cut by another program's (a longer single line may be)."""
+
+    def __init__(self, interval: float, fd: int | None = None, chunk: int = 1 << 16) -> None:
+        super().__init__()
+        self._fd = os.dup(sys.stdout.fileno() if fd is None else fd)
+        self._chunk = chunk
+        self._lines: list[bytes] = []
+        self._size = 0
         self._interval = interval
         self._stop = threading.Event()
         threading.Thread(target=self._flusher, name="log-flush", daemon=True).start()
@@ -84,28 +91,62 @@ class BufferedHandler(logging.StreamHandler):
             self.flush()
 
     def emit(self, record: logging.LogRecord) -> None:
-        # Not StreamHandler.emit: it flushes after every record, which would write each line
-        # through to the pipe and defeat the buffer. Handler.handle holds self.lock here.
+        # Handler.handle holds self.lock here.
         try:
-            self.stream.write(self.format(record) + self.terminator)
+            line = (self.format(record) + "\n").encode("utf-8", "backslashreplace")
         except RecursionError:
             raise
         except Exception:  # noqa: BLE001 - as logging's own handlers: report, never raise
             self.handleError(record)
-        if record.levelno >= logging.WARNING:
-            self.flush()
+            return
+        self._lines.append(line)
+        self._size += len(line)
+        if record.levelno >= logging.WARNING or self._size >= self._chunk:
+            self._write()
+
+    def flush(self) -> None:
+        with self.lock:
+            self._write()
+
+    def _write(self) -> None:
+        """Everything waiting, in chunks of whole lines (self.lock held)."""
+        lines, self._lines, self._size = self._lines, [], 0
+        chunk: list[bytes] = []
+        size = 0
+        for line in lines:
+            if chunk and size + len(line) > self._chunk:
+                self._write_all(b"".join(chunk))
+                chunk, size = [], 0
+            chunk.append(line)
+            size += len(line)
+        if chunk:
+            self._write_all(b"".join(chunk))
+
+    def _write_all(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            try:
+                view = view[os.write(self._fd, view):]
+            except InterruptedError:
+                continue
+            except OSError:  # the reader is gone (supervisord stopping): nobody to tell
+                return
 
     def close(self) -> None:
         self._stop.set()
-        self.flush()
-        super().close()
         with self.lock:
-            self.stream.close()  # our own dup of the descriptor
+            self._write()
+            if self._fd >= 0:
+                os.close(self._fd)  # our own dup of the descriptor
+                self._fd = -1
+        super().close()
 
 
 def configure(cfg: LoggingConfig, process: str, stream: TextIO | None = None) -> None:
+    handler: logging.Handler
     if stream is None and cfg.flush_interval_ms > 0:
-        handler: logging.StreamHandler = BufferedHandler(cfg.flush_interval_ms / 1000)
+        handler = BufferedHandler(cfg.flush_interval_ms / 1000,
+                                  chunk=PIPE_BUF if cfg.stdout else 1 << 16)
     else:
         handler = logging.StreamHandler(stream or sys.stdout)
     handler.setFormatter(JsonFormatter(process) if cfg.format == "json" else TextFormatter(process))

@@ -223,6 +223,10 @@ def render_supervisord(cfg: Config, nginx: str) -> str:
         "stopwaitsecs": str(stopwaitsecs(cfg)),
         "log_max_bytes": str(cfg.logging.max_bytes),
         "log_backups": str(cfg.logging.backups),
+        # logging.stdout: every program's lines to supervisord's own stdout, unrotated
+        "program_log_max_bytes": "0" if cfg.logging.stdout else str(cfg.logging.max_bytes),
+        "program_log_backups": "0" if cfg.logging.stdout else str(cfg.logging.backups),
+        "nginx_log": program_log(cfg, "nginx"),
         "common_environment": environment({
             "PROMETHEUS_MULTIPROC_DIR": str(topology.metrics_dir(cfg)),
             "HF_HUB_OFFLINE": "1",
@@ -240,14 +244,22 @@ def render_supervisord(cfg: Config, nginx: str) -> str:
         "worker_programs": ",".join(f"worker-{i}" for i in range(len(devices))),
     }
     frontends = [{"index": str(i), "frontend_command": command(
-        python, "-m", "frontend", "--config", config_json, "--index", str(i))}
+        python, "-m", "frontend", "--config", config_json, "--index", str(i)),
+        "frontend_log": program_log(cfg, f"frontend-{i}")}
         for i in range(cfg.frontends.count)]
     workers = [{"index": str(i), "worker_command": command(
         python, "-m", "gpu_workers", "--config", config_json, "--index", str(i)),
-        "worker_environment": environment(worker_environment(cfg, device))}
+        "worker_environment": environment(worker_environment(cfg, device)),
+        "worker_log": program_log(cfg, f"worker-{i}")}
         for i, device in enumerate(devices)]
     return fill_sections(SUPERVISORD_TEMPLATE.read_text(), common,
                          {"frontend": frontends, "worker": workers})
+
+
+def program_log(cfg: Config, program: str) -> str:
+    """Where supervisord writes `program`'s output: its file under the log directory, or
+    supervisord's own stdout (logging.stdout)."""
+    return "/dev/stdout" if cfg.logging.stdout else str(topology.log_dir(cfg) / f"{program}.log")
 
 
 def stopwaitsecs(cfg: Config) -> int:

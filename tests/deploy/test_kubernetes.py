@@ -174,12 +174,16 @@ def test_the_pods_command_serves_then_drains_on_sigterm(tmp_path):
               for name in ("startupProbe", "readinessProbe", "livenessProbe")}
     url = f"http://127.0.0.1:{port}"
     command = [str(REPO_ROOT / main["command"][0]), *main["command"][1:]]
+    # A file, read as the container runtime reads a pod's stdout: the programs log there
+    # (logging.stdout), and an unread pipe would fill and stall them.
+    out_path = tmp_path / "stdout.txt"
+    out = out_path.open("w")
     proc = subprocess.Popen(command, cwd=REPO_ROOT, env={**os.environ, **env},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=out, stderr=subprocess.STDOUT, text=True)
     try:
         wait(lambda: proc.poll() is not None or get(url + probes["startupProbe"]) == 200, 60)
         wait(lambda: proc.poll() is not None or get(url + probes["readinessProbe"]) == 200, 180)
-        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        assert proc.poll() is None, out_path.read_text()[-3000:]
         assert get(url + probes["livenessProbe"]) == 200
         # supervisord is the process the runtime started (the CLI exec'd it).
         run_dir = tmp_path / "run"
@@ -201,16 +205,21 @@ def test_the_pods_command_serves_then_drains_on_sigterm(tmp_path):
         assert status == 200 and len(body["data"]) == 256
         grace = pod["terminationGracePeriodSeconds"] - int(
             main["lifecycle"]["preStop"]["exec"]["command"][1])
-        assert proc.wait(grace) == 0, proc.stdout.read()[-3000:]
+        assert proc.wait(grace) == 0, out_path.read_text()[-3000:]
         assert processes.orphans(cfg) == []
         assert not list(Path("/dev/shm").glob(topology.shm_prefix(cfg) + "*"))
         with socket.socket() as probe:
             assert probe.connect_ex(("127.0.0.1", port)) != 0
+        # The pod's logs are its stdout (logging.stdout in its overlay): the requests' access
+        # lines are there, none under the run directory.
+        logged = out_path.read_text()
+        assert '"route":"/v1/embeddings"' in logged and '"upstream_status":"200"' in logged
+        assert not (run_dir / "logs" / "frontend-0.log").exists()
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-        proc.stdout.close()
+        out.close()
         # What a failed run left (nginx too): `shmserve down`, in the same environment.
         subprocess.run([command[0], "down"], cwd=REPO_ROOT, env={**os.environ, **env},
                        capture_output=True, timeout=120)

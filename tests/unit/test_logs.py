@@ -110,3 +110,25 @@ def test_a_field_never_replaces_the_lines_own_keys():
     line = json.loads(formatter.format(record))
     assert (line["pid"], line["process"]) == (os.getpid(), "frontend-0")
     assert (line["fields_pid"], line["fields_process"], line["worker"]) == (1, "worker-3", 0)
+
+
+def test_lines_are_written_in_chunks_of_whole_lines(pipe, monkeypatch):
+    """With logging.stdout every program's output meets in supervisord's one stdout: a write
+    of at most PIPE_BUF reaches it whole, so each chunk is whole lines within it (a 64 KiB
+    buffer was written in one piece, which the pipe may split mid-line)."""
+    read_fd, write_fd = pipe
+    writes = []
+    real = os.write
+    monkeypatch.setattr(logs.os, "write", lambda fd, data: (writes.append(bytes(data)),
+                                                           real(fd, data))[1])
+    handler = logs.BufferedHandler(interval=3600, fd=write_fd, chunk=logs.PIPE_BUF)
+    log = _logger(handler)
+    for i in range(60):
+        log.info("line %d %s", i, "x" * (100 + 37 * i % 400))
+    handler.flush()
+    got = _read_all(read_fd)
+    assert [json.loads(line)["message"].split()[1] for line in got.splitlines()] == [
+        str(i) for i in range(60)]
+    assert len(writes) > 3 and all(len(w) <= logs.PIPE_BUF and w.endswith(b"\n")
+                                   for w in writes)
+    handler.close()

@@ -315,3 +315,24 @@ def test_nginx_worker_processes_may_be_auto(tmp_path):
     assert render._minfds(cfg) >= 4096
     with pytest.raises(config.ConfigError, match="nginx.worker_processes: .*auto or an integer"):
         make_config(tmp_path / "run2", nginx={"worker_processes": "lots"})
+
+
+def test_logging_to_stdout_sends_every_programs_lines_to_supervisords_stdout(
+        tmp_path, deployment, monkeypatch):
+    """logging.stdout (a container's `kubectl logs`): /dev/stdout, which supervisord cannot
+    rotate, for every program; `up` without --foreground refuses it (a daemon's stdout is
+    /dev/null)."""
+    cfg = make_config(tmp_path / "run", logging={"stdout": True})
+    render.render(cfg)
+    for name, (_, p) in programs(cfg).items():
+        assert p.stdout_logfile == "/dev/stdout", name
+        assert (p.stdout_logfile_maxbytes, p.stdout_logfile_backups) == (0, 0), name
+    import argparse
+
+    from shmserve import cli
+
+    # The deployment fixture's environment (a run directory under tmp_path), with stdout on.
+    monkeypatch.setenv("SHMSERVE__LOGGING__STDOUT", "true")
+    with pytest.raises(cli.CliError, match="--foreground"):
+        cli.up(argparse.Namespace(env=None, config=None, wait=True, foreground=False,
+                                  timeout=None))
