@@ -107,6 +107,8 @@ def test_manifests_agree_with_the_config_the_pods_load(overlay, tmp_path):
     # within stopwaitsecs (as `shmserve down` waits for them).
     pre_stop = int(main["lifecycle"]["preStop"]["exec"]["command"][1])
     assert pod["terminationGracePeriodSeconds"] >= pre_stop + 3 * render.stopwaitsecs(cfg)
+    # The pods' logs are their stdout (kubectl logs), under the command that keeps it.
+    assert cfg.logging.stdout and "--foreground" in main["command"]
     if overlay == "gpu":
         assert main["resources"]["limits"]["nvidia.com/gpu"] == 1
         assert cfg.batching.max_batch_size == 256 and cfg.frontends.count == 8  # gpu.yaml
