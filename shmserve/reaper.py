@@ -19,9 +19,18 @@ import signal
 import sys
 from typing import TextIO
 
+from prometheus_client import Counter
+
 from shmserve import config, logs, metrics
 
 log = logging.getLogger("shmserve.reaper")
+
+# Every program's exits as supervisord reports them (PROCESS_STATE_EXITED): expected "false" is
+# a crash or a kill (supervisord restarts it), "true" an exit code the program section expects.
+# Stops (supervisorctl stop, restart, down) are not exits. Counted in the metrics directory, as
+# every process's counters are, so a restarted reaper loses none.
+EXITS = Counter("shmserve_process_exits", "Program exits seen by supervisord, by program; "
+                "expected=false: a crash or a kill", ["program", "expected"])
 
 
 def handle(event: str, payload: str) -> list[int]:
@@ -30,6 +39,9 @@ def handle(event: str, payload: str) -> list[int]:
     if directory is None or not directory.is_dir():
         return []
     fields = dict(token.split(":", 1) for token in payload.split() if ":" in token)
+    if event == "PROCESS_STATE_EXITED" and fields.get("processname"):
+        EXITS.labels(fields["processname"],
+                     "true" if fields.get("expected") == "1" else "false").inc()
     pids = [int(fields["pid"])] if fields.get("pid", "").isdigit() else []
     dead = metrics.mark_dead(directory, pids)
     if dead:

@@ -321,6 +321,11 @@ def test_killed_processes_leave_no_live_gauges(stack):
     stack.wait_until(lambda: total(scrape(stack), "shmserve_worker_restarts_seen_total",
                                    frontend="0", worker="0") == 1, 30, "the restart seen")
     assert total(scrape(stack), "shmserve_worker_restarts_seen_total", frontend="1") == 0
+    # The reaper counts both kills as unexpected exits, by program.
+    exits = scrape(stack)
+    for program in ("worker-0", "frontend-1"):
+        assert total(exits, "shmserve_process_exits_total", program=program,
+                     expected="false") == 1, program
     assert stack.post_json("/predict", {"texts": ["after the restart"]})[0] == 200
 
 

@@ -31,6 +31,24 @@ def test_an_exited_process_loses_its_live_gauges(tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.iterdir()] == [f"counter_{pid}.db"]
 
 
+def test_exits_are_counted_by_program_and_whether_expected(tmp_path, monkeypatch):
+    """A killed frontend showed nowhere in /metrics (an outside check): only supervisord's log
+    said it. Stops are not exits."""
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+
+    def count(program, expected):
+        return reaper.EXITS.labels(program, expected)._value.get()
+    before = count("frontend-1", "false"), count("frontend-1", "true")
+    reaper.handle("PROCESS_STATE_EXITED", "processname:frontend-1 groupname:frontends "
+                  "from_state:RUNNING expected:0 pid:999999")
+    reaper.handle("PROCESS_STATE_EXITED", "processname:frontend-1 groupname:frontends "
+                  "from_state:RUNNING expected:1 pid:999998")
+    reaper.handle("PROCESS_STATE_STOPPED", "processname:frontend-1 groupname:frontends "
+                  "from_state:STOPPING pid:999997")
+    assert (count("frontend-1", "false"), count("frontend-1", "true")) == (
+        before[0] + 1, before[1] + 1)
+
+
 def test_events_without_a_pid_still_sweep(tmp_path, monkeypatch):
     """BACKOFF (died while starting) names no pid; the sweep finds the dead one anyway."""
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
