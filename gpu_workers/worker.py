@@ -329,10 +329,12 @@ class Worker:
         # One reduction, no temporary array, in the usual case (a NaN or infinity anywhere
         # makes the sum so; finite rows whose sum overflows only cost the row check).
         finite = None
-        # Where each text's rows start in `out`: one row a text, or (per_token) one a token.
-        starts = np.cumsum([0] + [t.length if per_token else 1 for t in texts])
+        # per_token: where each text's rows start in `out` (else row j is text j's)
+        starts = np.cumsum([0] + [t.length for t in texts]) if per_token else None
         if out is not None and not np.isfinite(out.sum()):
-            finite = np.logical_and.reduceat(np.isfinite(out).all(axis=1), starts[:-1])
+            finite = np.isfinite(out).all(axis=1)
+            if per_token:
+                finite = np.logical_and.reduceat(finite, starts[:-1])
         touched = {}
         computed: dict[int, int] = {}  # tokens by priority, for the backlog: one update a pass
         for j, text in enumerate(texts):

@@ -376,9 +376,11 @@ from gpu_workers import model
 
 real_forward = model.Model.forward_groups
 
-def forward_groups(self, groups):
-    out = np.array(real_forward(self, groups))
+def forward_groups(self, groups, tokens=False):
+    out = np.array(real_forward(self, groups, tokens))
     lengths = np.concatenate([lens for _, lens, _ in groups])
+    if tokens:  # a row a token: each text's rows
+        lengths = np.repeat(lengths, lengths)
     out[lengths == 30] = np.nan
     return out
 
@@ -400,6 +402,13 @@ def test_a_text_whose_output_is_not_finite_fails_alone_with_500(cfg):
             assert isinstance(bad, ApiError) and bad.status == 500, bad
             assert "NaN or infinity" in bad.message and "30 tokens" in bad.message
             assert good.vectors.shape == (3, 32) and np.isfinite(good.vectors).all()
+            # The same with a row a token (TEI's /embed_all): the text's rows, not one row.
+            bad, good = await asyncio.gather(
+                dispatcher.run("tiny", 32, encoded(1, 30), "long", deadline, per_token=True),
+                dispatcher.run("tiny", 32, encoded(3, 5), "short", deadline, per_token=True),
+                return_exceptions=True)
+            assert isinstance(bad, ApiError) and bad.status == 500, bad
+            assert good.vectors.shape == (15, 32) and np.isfinite(good.vectors).all()
             assert worker.poll() is None
 
     run(scenario, worker, arena)
