@@ -85,6 +85,8 @@ async def reload_model(request: web.Request) -> web.Response:
     if not isinstance(body, dict):
         raise ApiError("invalid_request", "the request body must be an object")
     source, revision = _string(body, "source"), _string(body, "revision")
+    if not source.isprintable():  # a NUL reaches no path (500), control characters no log
+        raise ApiError("invalid_request", "'source' holds a control character", param="source")
     if revision and not REVISION.fullmatch(revision):
         raise ApiError("invalid_request", f"'revision' must be {REVISION_RULE}",
                        param="revision")
@@ -158,6 +160,4 @@ def _string(body: dict, key: str) -> str:
     value = body.get(key, "")
     if not isinstance(value, str):
         raise ApiError("invalid_request", f"'{key}' must be a string", param=key)
-    if not value.isprintable():  # a NUL reaches no path, and control characters no log line
-        raise ApiError("invalid_request", f"'{key}' holds a control character", param=key)
     return value

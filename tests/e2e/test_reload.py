@@ -151,7 +151,9 @@ def test_reload_refuses_what_it_must_not_load(stack, models, tmp_path):
     for source, needle in ((str(pickled), "safetensors only"),
                            (str(outside), "outside the model roots"),
                            (str(other_tokenizer), "tokenizer.json differs"),
-                           ("package:no_such_model_pkg", "not installed")):
+                           ("package:no_such_model_pkg", "not installed"),
+                           # a NUL was a 500 (ValueError: embedded null byte), an outside check
+                           ("models/ce\u0000", "control character")):
         status, answer = reload(stack, "tiny", source=source)
         assert status == 422 and needle in answer["error"]["message"], answer
         assert answer["error"]["param"] == "source"
