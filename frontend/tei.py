@@ -280,10 +280,8 @@ async def decode(request: web.Request) -> web.Response:
     cfg, deadline, started = _tokenizer_request(request)
     body = mapping(await codec.read_body(request))
     given = required(body, "ids")
-    if not isinstance(given, list):
-        raise ApiError("invalid_request", "'ids' must be a list of token ids (integers) or a "
-                       "list of such lists; /tokenize turns texts into ids", param="ids")
-    _, rows = texts_or_ids(given, "ids", cfg.limits)
+    # texts_or_ids reads a non-list as a text, and would name texts in its refusal.
+    rows = texts_or_ids(given, "ids", cfg.limits)[1] if isinstance(given, list) else None
     if rows is None:
         raise ApiError("invalid_request", "'ids' must be a list of token ids (integers) or a "
                        "list of such lists; /tokenize turns texts into ids", param="ids")

@@ -296,6 +296,10 @@ def test_decode_turns_token_ids_back_into_text_as_the_tokenizer_does(tiny_stack)
         {"Content-Type": "application/msgpack", "Accept": "application/msgpack"})
     assert status == 200 and msgpack.unpackb(raw) == ["a b"]
     for bad, message in (({"ids": "hello"}, "'ids' must be a list of token ids"),
+                         # these were told ids must be strings (an outside check)
+                         ({"ids": None}, "'ids' must be a list of token ids"),
+                         ({"ids": 1}, "'ids' must be a list of token ids"),
+                         ({"ids": {}}, "'ids' must be a list of token ids"),
                          ({"ids": [[101, 10**6]]}, "'ids[0]' holds token id 1000000"),
                          ({"ids": [101, -1]}, "holds token id -1"),
                          ({"ids": [[101], []]}, "'ids[1]' must be a non-empty list"),
