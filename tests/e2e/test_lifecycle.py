@@ -238,3 +238,44 @@ def test_a_worker_given_a_gpu_this_machine_lacks_fails_up(tmp_path, tiny_model):
         assert "DeviceError: workers.devices: this worker was given GPU 0" in last
     finally:
         stack.down()
+
+
+def test_a_large_answer_in_transfer_survives_a_graceful_stop(tmp_path, tiny_model):
+    """`shmserve down` while a large answer is being computed: nginx waited for it, as a graceful
+    stop does, but its worker exited mid-transfer once the frontend had handed it the whole
+    (buffered) answer, and the client got a cut body (a 70 MB /embed_all, an outside check).
+    Such answers now pass unbuffered."""
+    import http.client
+    import json
+    import threading
+    import time
+
+    stack = Stack(tmp_path, tiny_overrides(tiny_model, limits={"max_texts_per_request": 2048},
+                                           frontends={"count": 1}))
+    stack.up()
+    texts = [f"{'word ' * 80}{i}" for i in range(2048)]  # 2048 x 64 rows x 32: ~45 MB of JSON
+    got = {}
+
+    def fetch():
+        conn = http.client.HTTPConnection("127.0.0.1", stack.port, timeout=120)
+        conn.request("POST", "/embed_all", json.dumps({"inputs": texts, "truncate": True}),
+                     {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        got["status"], got["headers"] = response.status, dict(response.headers)
+        try:
+            got["rows"] = [len(rows) for rows in json.loads(response.read())]
+        except (http.client.IncompleteRead, ValueError) as exc:
+            got["error"] = repr(exc)[:200]
+        finally:
+            conn.close()
+
+    client = threading.Thread(target=fetch)
+    try:
+        client.start()
+        time.sleep(0.3)  # sent, and being computed: nginx is told to stop before it answers
+    finally:
+        stack.down()
+        client.join(120)
+    assert got.get("status") == 200, got
+    assert "error" not in got and got["rows"] == [64] * 2048, got.get("error")
+    assert "X-Accel-Buffering" not in got["headers"]  # nginx's, not the client's
