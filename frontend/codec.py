@@ -118,8 +118,9 @@ def inflate(encoding: str, raw: bytes, limit: int) -> bytes:
         if len(out) <= limit and not decoder.eof:
             raise ValueError("the data ends early")
         # gzip members one after another are one body (RFC 1952, as `cat a.gz b.gz`); after
-        # the last, or after a zlib stream, nothing may follow.
-        while len(out) <= limit and decoder.unused_data:
+        # the last, or after a zlib stream, nothing may follow but zero bytes (block padding,
+        # which gzip itself ignores).
+        while len(out) <= limit and decoder.unused_data.strip(b"\0"):
             if wbits != 16 + zlib.MAX_WBITS:
                 raise ValueError("data after the end of the compressed stream")
             rest, decoder = decoder.unused_data, zlib.decompressobj(wbits)

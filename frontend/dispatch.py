@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from frontend import metrics
 from frontend.errors import ApiError
 from frontend.pool import WorkerGone, WorkerPool, consume
 from frontend.tokenizer import Encoded
@@ -72,11 +73,12 @@ class Dispatcher:
                   priority: int = 0, per_token: bool = False) -> Outcome:
         """`per_token`: a row for every token (Submit.per_token), not one a text."""
         n = int(enc.offsets[-1]) if per_token else enc.offsets.shape[0] - 1
-        if per_token and n * dim * 4 > self.arena.size // PER_TOKEN_SHARE:
-            raise ApiError("too_large", f"{n} tokens x {dim} floats of token embeddings "
-                           f"({n * dim * 4 / 2**20:.1f} MiB) is over a quarter of this "
-                           f"frontend's shared memory ({self.arena.size >> 20} MiB, "
-                           "shm.arena_mb); send fewer or shorter texts per request")
+        if per_token and n * dim * 4 > (most := self.arena.size // PER_TOKEN_SHARE):
+            raise ApiError("too_large", f"{n} tokens x {dim} floats of token embeddings take "
+                           f"{n * dim * 4:,} bytes, over the {most:,} a request may (a quarter "
+                           f"of this frontend's shared memory, shm.arena_mb: at most "
+                           f"{most // (dim * 4):,} tokens); send fewer or shorter texts",
+                           param="inputs")
         off_bytes = _align(enc.offsets.nbytes)
         ids_bytes = _align(enc.ids.nbytes)
         seg_bytes = _align(enc.segments.nbytes) if enc.segments is not None else 0
@@ -146,8 +148,10 @@ class Dispatcher:
         try:
             base = self.arena.alloc(nbytes)
         except ArenaFull:
-            raise ApiError("overloaded", "too many requests in flight on this frontend",
-                           retry_after=1) from None
+            metrics.refused("arena").inc()
+            raise ApiError("overloaded", "this frontend's shared memory is taken by the "
+                           f"requests in flight ({self.arena.size >> 20} MiB, shm.arena_mb); "
+                           "retry later", retry_after=1) from None
         return Lease(self.arena, base), base
 
     def _abandon(self, link, seq: int, future: asyncio.Future) -> None:

@@ -42,9 +42,9 @@ REJECTED = Counter("shmserve_rejected_requests_total",
                    "or a worker's admission by deadline (shmserve_worker_refused_total: which)",
                    ["model"])
 REFUSED = Counter("shmserve_frontend_refused_total",
-                  "Requests a frontend refused itself (429), before tokenizing: inflight "
-                  "(frontends.max_inflight) or deadline (every worker's heartbeat says its queue "
-                  "would not let the request finish in time: workers.refuse_past_deadline)",
+                  "Requests a frontend refused itself (429): inflight (frontends.max_inflight), "
+                  "arena (shm.arena_mb taken) or deadline (every worker's heartbeat says its "
+                  "queue would not let the request finish in time: workers.refuse_past_deadline)",
                   ["reason"])
 DEADLINES = Counter("shmserve_deadline_exceeded_total",
                     "Requests whose deadline passed (504)", ["model"])

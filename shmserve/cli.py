@@ -259,7 +259,13 @@ def leftovers(cfg: Config) -> list[int]:
 
 def ctl(args: argparse.Namespace) -> int:
     rest = deployment_flags(args, args.ctl_args)
-    return subprocess.run(ctl_argv(processes.deployment(args), *rest), check=False).returncode
+    cfg = processes.deployment(args)
+    if rest[:1] == ["tail"] and cfg.logging.stdout:
+        # supervisorctl would read /dev/stdout: an error, nothing, or another program's lines
+        raise CliError("logging.stdout: the programs' lines go to supervisord's stdout (the "
+                       "container's: `kubectl logs`, `docker logs`), not to files to tail; "
+                       "`ctl maintail` tails supervisord's own log")
+    return subprocess.run(ctl_argv(cfg, *rest), check=False).returncode
 
 
 def deployment_flags(args: argparse.Namespace, argv: list[str]) -> list[str]:

@@ -13,8 +13,9 @@ Layers, later wins:
      list's string item, keeps what was written (``01`` stays "01", ``yes`` stays "yes").
 
 Mappings are deep-merged; lists and scalars are replaced. A key set to ``null`` or ``~`` (in a
-file or a variable) is dropped once every layer is merged: it takes its built-in default, what
-it would be had no layer set it (an env layer's value undone, say).
+file or a variable) takes its default once every layer is merged: its value in
+``configs/base.yaml``, which lists every key's default (``models: ~`` is the default model),
+else the config's own default (a model's keys base.yaml leaves out).
 """
 
 from __future__ import annotations
@@ -58,16 +59,28 @@ def overridden(tree: Mapping[str, Any], extra: str | Path | None,
     environment's overrides."""
     for path in extra_files(extra, environ):  # several files: "a.yaml:b.yaml", in order
         tree = deep_merge(tree, _read_yaml(path))
-    return without_nulls(apply_env_overrides(dict(tree), environ))
+    return without_nulls(apply_env_overrides(dict(tree), environ),
+                         _read_yaml(CONFIG_DIR / "base.yaml"))
 
 
-def without_nulls(tree: Any) -> Any:
-    """`tree` without the mapping keys whose value is null, at any depth (list items'
-    mappings too): each takes its built-in default."""
+def without_nulls(tree: Any, base: Any) -> Any:
+    """`tree` with each mapping key whose value is null, at any depth (list items' mappings
+    too), set back to its default: `base`'s value at the same place (configs/base.yaml, which
+    holds every key's default: `models: ~` is its default model), else dropped, for the
+    config's own default (within a list item always: a model's `aliases: ~` is no aliases,
+    not base.yaml's model's)."""
     if isinstance(tree, Mapping):
-        return {k: without_nulls(v) for k, v in tree.items() if v is not None}
-    if isinstance(tree, list):
-        return [without_nulls(v) for v in tree]
+        base = base if isinstance(base, Mapping) else {}
+        out = {}
+        for key, value in tree.items():
+            if value is None:
+                if base.get(key) is not None:
+                    out[key] = base[key]
+            else:
+                out[key] = without_nulls(value, base.get(key))
+        return out
+    if isinstance(tree, list):  # a list item's keys: the config's own defaults (base.yaml's
+        return [without_nulls(v, None) for v in tree]  # items are other models')
     return tree
 
 

@@ -227,6 +227,8 @@ def render_supervisord(cfg: Config, nginx: str) -> str:
         "program_log_max_bytes": "0" if cfg.logging.stdout else str(cfg.logging.max_bytes),
         "program_log_backups": "0" if cfg.logging.stdout else str(cfg.logging.backups),
         "nginx_log": program_log(cfg, "nginx"),
+        "reaper_log": program_log(cfg, "reaper"),
+        "reaper_log_max_bytes": "0" if cfg.logging.stdout else "10MB",
         "common_environment": environment({
             "PROMETHEUS_MULTIPROC_DIR": str(topology.metrics_dir(cfg)),
             "HF_HUB_OFFLINE": "1",

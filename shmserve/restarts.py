@@ -82,11 +82,13 @@ def config_drift(args: argparse.Namespace, running: Config,
         said.append(f"the overrides given now differ from the config this deployment runs "
                     f"({path}): {'; '.join(changed)}")
     if edited:
-        said.append(f"edited since `up` read them: {', '.join(edited)}")
+        said.append(f"config files edited or removed since `up` read them: {', '.join(edited)}")
     if new:
-        said.append(f"not read by `up` (new to this deployment): {', '.join(new)}")
-    return (f"{'. '.join(said)}. restart keeps the running config; to apply the new one: "
-            "`shmserve down`, then `shmserve up` (with the same overrides)")
+        said.append(f"config files `up` did not read (new to this deployment): "
+                    f"{', '.join(new)}")
+    return (f"{'. '.join(s[0].upper() + s[1:] for s in said)}. `restart` keeps the running "
+            "config; to apply the new one: `shmserve down`, then `shmserve up` (with the same "
+            "overrides)")
 
 
 def files_since_up(running: Config, given: list[Path]) -> tuple[list[str], list[str]]:
@@ -99,7 +101,7 @@ def files_since_up(running: Config, given: list[Path]) -> tuple[list[str], list[
         return [], []
     now = layers.digests([Path(p) for p in recorded])
     edited = [p for p, digest in recorded.items() if now.get(p) != digest]
-    new = [str(f) for f in given if f.is_file() and str(f.resolve()) not in recorded]
+    new = [str(f.resolve()) for f in given if f.is_file() and str(f.resolve()) not in recorded]
     return edited, new
 
 

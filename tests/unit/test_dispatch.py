@@ -143,3 +143,19 @@ def test_a_per_token_request_gets_a_row_for_every_token_and_is_bounded(arena):
     asyncio.run(Dispatcher(cfg, pool, arena).run("m", 16, fits, "req", time.time() + 5,
                                                   per_token=True))
     assert pool.outputs[1].shape == (4096, 16)
+
+
+def test_a_full_arena_is_a_429_that_says_so(arena):
+    """It said "too many requests in flight on this frontend" with frontends.max_inflight far
+    off, and no refusal reason counted it (an outside check)."""
+    from frontend import metrics
+
+    cfg = config.load(environ={})
+    before = metrics.REFUSED.labels("arena")._value.get()
+    huge = Encoded(np.ones(300_000, np.int32), np.array([0, 300_000], np.int32), 0)  # > 1 MiB
+    with pytest.raises(ApiError) as info:
+        asyncio.run(Dispatcher(cfg, FakePool({0: None, 1: None}), arena).run(
+            "m", 4, huge, "req", time.time() + 5))
+    assert info.value.status == 429 and "shm.arena_mb" in info.value.message
+    metrics.turn.flush()
+    assert metrics.REFUSED.labels("arena")._value.get() == before + 1

@@ -327,6 +327,12 @@ def test_logging_to_stdout_sends_every_programs_lines_to_supervisords_stdout(
     for name, (_, p) in programs(cfg).items():
         assert p.stdout_logfile == "/dev/stdout", name
         assert (p.stdout_logfile_maxbytes, p.stdout_logfile_backups) == (0, 0), name
+    options = ServerOptions()
+    options.configfile = str(render.supervisord_conf(cfg))
+    options.process_config(do_usage=False)
+    (reaper,) = [p for g in options.process_group_configs if g.name == "reaper"
+                 for p in g.process_configs]
+    assert reaper.stderr_logfile == "/dev/stdout" and reaper.stderr_logfile_maxbytes == 0
     import argparse
 
     from shmserve import cli
