@@ -250,10 +250,10 @@ def test_a_large_answer_in_transfer_survives_a_graceful_stop(tmp_path, tiny_mode
     import threading
     import time
 
-    stack = Stack(tmp_path, tiny_overrides(tiny_model, limits={"max_texts_per_request": 2048},
+    stack = Stack(tmp_path, tiny_overrides(tiny_model, limits={"max_texts_per_request": 4096},
                                            frontends={"count": 1}))
     stack.up()
-    texts = [f"{'word ' * 80}{i}" for i in range(2048)]  # 2048 x 64 rows x 32: ~45 MB of JSON
+    texts = [f"{'word ' * 80}{i}" for i in range(4096)]  # 4096 x 64 rows x 32: ~90 MB of JSON
     got = {}
 
     def fetch():
@@ -277,5 +277,5 @@ def test_a_large_answer_in_transfer_survives_a_graceful_stop(tmp_path, tiny_mode
         stack.down()
         client.join(120)
     assert got.get("status") == 200, got
-    assert "error" not in got and got["rows"] == [64] * 2048, got.get("error")
+    assert "error" not in got and got["rows"] == [64] * 4096, got.get("error")
     assert "X-Accel-Buffering" not in got["headers"]  # nginx's, not the client's
