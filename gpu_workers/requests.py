@@ -31,6 +31,21 @@ class Request:
     aborted: bool = False
     tokens_left: int = 0  # admitted and not yet computed (shmserve.admission)
 
+    def rows(self, index: int) -> np.ndarray:
+        """Where text `index`'s output goes in shared memory: its row, or (per_token) its
+        tokens' rows, at its token offsets."""
+        if self.msg.per_token:
+            return self.out[self.offsets[index]:self.offsets[index + 1]]
+        return self.out[index]
+
+
+def pass_rows(out: np.ndarray, texts: list[QueuedText], per_token: bool):
+    """A pass's output by text, in the texts' order: row j (pooled), or text j's tokens' rows
+    (per_token: the rows come text after text)."""
+    if not per_token:
+        return out
+    return np.split(out, np.cumsum([t.length for t in texts[:-1]]))
+
 
 @dataclass(slots=True, eq=False)
 class QueuedText:

@@ -30,7 +30,8 @@ from gpu_workers.batcher import Batch, Limits, form_pass, wait_time
 from gpu_workers.loading import load_replacement, load_warm
 from gpu_workers.memory import MemoryCare, Policy, TorchAllocator, forward_in_halves
 from gpu_workers.metrics import WorkerMetrics
-from gpu_workers.requests import QueuedText, Request, model_inputs, read_request
+from gpu_workers.requests import (QueuedText, Request, model_inputs, pass_rows,
+                                  read_request)
 from gpu_workers.slots import Built, Slots, hosted_configs
 from gpu_workers.sockets import REPLIES, SocketThread
 from gpu_workers.watch import FrontendWatch
@@ -329,12 +330,9 @@ class Worker:
         # One reduction, no temporary array, in the usual case (a NaN or infinity anywhere
         # makes the sum so; finite rows whose sum overflows only cost the row check).
         finite = None
-        # per_token: where each text's rows start in `out` (else row j is text j's)
-        starts = np.cumsum([0] + [t.length for t in texts]) if per_token else None
+        rows = pass_rows(out, texts, per_token) if out is not None else None
         if out is not None and not np.isfinite(out.sum()):
-            finite = np.isfinite(out).all(axis=1)
-            if per_token:
-                finite = np.logical_and.reduceat(finite, starts[:-1])
+            finite = [bool(np.isfinite(r).all()) for r in rows]
         touched = {}
         computed: dict[int, int] = {}  # tokens by priority, for the backlog: one update a pass
         for j, text in enumerate(texts):
@@ -363,11 +361,7 @@ class Worker:
                     f"infinity (in {slot.spec.dtype})"))
                 touched.pop(id(request), None)
                 continue
-            if per_token:
-                at = request.offsets[text.index]
-                request.out[at:at + text.length] = out[starts[j]:starts[j + 1]]
-            else:
-                request.out[text.index] = out[j]
+            request.rows(text.index)[...] = rows[j]
             request.remaining -= 1
             touched[id(request)] = request
         for priority, tokens in computed.items():
