@@ -207,12 +207,11 @@ async def _embed(request: web.Request, body: dict) -> web.Response:
 
 
 async def embed_all(request: web.Request) -> web.Response:
-    body = mapping(await codec.read_body(request))
-    given, ids = texts_or_ids(required(body, "inputs"), "inputs", request.app[CONFIG].limits)
-    truncate, direction = _truncation(body)
-    parsed = EmbedRequest(given, model_name(body), priority=body_priority(body), token_ids=ids,
-                          truncate=truncate, truncation_direction=direction, user=user(body),
-                          prompt_name=prompt_name(body, ids is not None))
+    # /embed's body; its `normalize` and `dimensions` are for pooled vectors, not token rows
+    parsed, _ = parse_embed(mapping(await codec.read_body(request)), request.app[CONFIG].limits)
+    if parsed.dimensions is not None:
+        raise ApiError("invalid_request", "'dimensions' shortens pooled vectors (/embed); "
+                       "/embed_all gives every token's whole row", param="dimensions")
     model, outcome, enc = await routes.embed(request, parsed, "inputs", per_token=True)
     rows = codec.vectors(outcome.vectors, codec.wants_msgpack(request))
     bounds = enc.offsets.tolist()

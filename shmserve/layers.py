@@ -49,18 +49,22 @@ def merged(env: str | None = None, extra: str | Path | None = None,
         raise ConfigError(f"{source} {env}: no config file {env_file}; one of "
                           f"{', '.join(known)}")
     warn_misspelled(environ)
+    base = tree
     tree = deep_merge(tree, _read_yaml(env_file))
-    return overridden(tree, extra, environ)
+    return overridden(tree, extra, environ, base)
 
 
 def overridden(tree: Mapping[str, Any], extra: str | Path | None,
-               environ: Mapping[str, str]) -> dict[str, Any]:
+               environ: Mapping[str, str], base: Mapping[str, Any] | None = None
+               ) -> dict[str, Any]:
     """`tree` under layers 3 and 4: the extra files (`extra`, else SHMSERVE_CONFIG), then the
-    environment's overrides."""
+    environment's overrides. `base`: configs/base.yaml's tree, if already read (the defaults
+    a null takes)."""
     for path in extra_files(extra, environ):  # several files: "a.yaml:b.yaml", in order
         tree = deep_merge(tree, _read_yaml(path))
-    return without_nulls(apply_env_overrides(dict(tree), environ),
-                         _read_yaml(CONFIG_DIR / "base.yaml"))
+    if base is None:
+        base = _read_yaml(CONFIG_DIR / "base.yaml")
+    return without_nulls(apply_env_overrides(dict(tree), environ), base)
 
 
 def without_nulls(tree: Any, base: Any) -> Any:

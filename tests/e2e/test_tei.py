@@ -146,6 +146,7 @@ def test_embed_all_and_pooled_requests_at_once_each_get_their_own_shape(tiny_sta
     ({"inputs": TEXTS, "truncation_direction": "up"}, 422, "truncation_direction"),
     ({"inputs": TEXTS, "prompt_name": "passage"}, 422, "prompt_name"),
     ({"inputs": "word " * 200}, 413, "inputs"),  # over 64 tokens; truncate not asked
+    ({"inputs": TEXTS, "dimensions": 8}, 422, "dimensions"),  # pooled vectors only
 ])
 def test_embed_all_refusals(tiny_stack, body, status, param):
     got, _, err = tiny_stack.post_json("/embed_all", body)
