@@ -54,9 +54,10 @@ class Lease:
             self._arena.free(self._offset)
 
 
-# A per-token request's rows may take at most this fraction of the arena (1/4): a larger one
-# would hold most of it, and other requests would be refused as if the frontend were busy.
-PER_TOKEN_SHARE = 4
+# A request's output rows may take at most this fraction of the arena (1/4): a larger one would
+# hold most of it, and other requests would be refused as if the frontend were busy. Per-token
+# rows (/embed_all) and a sparse model's vocabulary-wide rows (122 KB a text) reach it.
+OUTPUT_SHARE = 4
 
 
 def _align(n: int) -> int:
@@ -73,12 +74,13 @@ class Dispatcher:
                   priority: int = 0, per_token: bool = False) -> Outcome:
         """`per_token`: a row for every token (Submit.per_token), not one a text."""
         n = int(enc.offsets[-1]) if per_token else enc.offsets.shape[0] - 1
-        if per_token and n * dim * 4 > (most := self.arena.size // PER_TOKEN_SHARE):
-            raise ApiError("too_large", f"{n} tokens x {dim} floats of token embeddings take "
+        if n * dim * 4 > (most := self.arena.size // OUTPUT_SHARE):
+            rows = "tokens" if per_token else "texts"
+            raise ApiError("too_large", f"{n} {rows} x {dim} floats of output take "
                            f"{n * dim * 4:,} bytes, over the {most:,} a request may (a quarter "
                            f"of this frontend's shared memory, shm.arena_mb: at most "
-                           f"{most // (dim * 4):,} tokens); send fewer or shorter texts",
-                           param="inputs")
+                           f"{most // (dim * 4):,} {rows}); send fewer"
+                           f"{' or shorter' * per_token} texts", param="inputs")
         off_bytes = _align(enc.offsets.nbytes)
         ids_bytes = _align(enc.ids.nbytes)
         seg_bytes = _align(enc.segments.nbytes) if enc.segments is not None else 0

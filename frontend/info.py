@@ -21,14 +21,14 @@ from shmserve.config import Config
 
 # shmserve's names -> TEI's.
 TEI_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
-TEI_POOLING = {"mean": "mean", "cls": "cls", "last": "last_token"}
+TEI_POOLING = {"mean": "mean", "cls": "cls", "last": "last_token", "splade": "splade"}
 EMBEDS = ("embedding", "null")  # the tasks whose rows are pooled embeddings
 
 
 def _tei_model_type(model: dict[str, Any]) -> dict[str, Any]:
     """TEI's model_type: {"embedding": {"pooling"}}, or a scoring model's labels as
     {"classifier" | "reranker": {"id2label", "label2id"}}."""
-    if model["task"] in EMBEDS:
+    if model["task"] in EMBEDS or model["task"] == "sparse":  # TEI: pooling splade
         return {"embedding": {"pooling": TEI_POOLING[model["pooling"]]}}
     labels = model.get("labels") or ["LABEL_0"]  # a cross-encoder's one logit
     return {"classifier" if model["task"] == "classification" else "reranker": {
@@ -94,7 +94,7 @@ def _model(cfg: Config, served, pool: WorkerPool) -> dict[str, Any]:
             "revision": revision(served.variants[0], pool) or None,
             "task": spec.task, "dtype": dtype, "dim": spec.dim,
             # pooling and normalisation make an embedding; a scoring model's head has neither
-            "pooling": spec.pooling if spec.task in EMBEDS else None,
+            "pooling": spec.pooling if spec.task in (*EMBEDS, "sparse") else None,
             "normalize": spec.normalize if spec.task in EMBEDS else None,
             "max_input_tokens": spec.max_tokens}
     if spec.task in EMBEDS:  # by name (prompt_name), and the one applied when none is named

@@ -189,6 +189,12 @@ def _routes(model: dict) -> dict[str, dict]:
             "rows would take over a quarter of the frontend's shared memory (shm.arena_mb)",
             {**_ok({"type": "array", "items": {"type": "array", "items": ref("Vector")}}),
              **_errors(*_POST_ERRORS)}, _body(ref("TeiEmbedAllRequest")))},
+        "/embed_sparse": {"post": _op(
+            "tei", "TEI embed_sparse: a sparse model's SPLADE vector per input, its non-zero "
+            "values by vocabulary index in index order; 413 when the vocabulary-wide rows "
+            "would take over a quarter of the frontend's shared memory (shm.arena_mb)",
+            {**_ok({"type": "array", "items": {"type": "array", "items": ref("SparseValue")}}),
+             **_errors(*_POST_ERRORS)}, _body(ref("TeiEmbedSparseRequest")))},
         "/similarity": {"post": _op(
             "tei", "TEI similarity: cosine of each sentence to the source sentence",
             {**_ok({"type": "array", "items": {"type": "number"}}), **_errors(*_POST_ERRORS)},

@@ -176,6 +176,14 @@ def _tei_schemas(parts: dict[str, Any]) -> dict[str, Any]:
             "inputs": parts["inputs"], "model": parts["model"]("embedding", "null"),
             "truncate": nullable_bool, "truncation_direction": direction,
             "prompt_name": parts["prompt_name"]}},
+        "TeiEmbedSparseRequest": {"type": "object", "required": ["inputs"], "properties": {
+            "inputs": parts["inputs"], "model": parts["model"]("sparse"),
+            "truncate": nullable_bool, "truncation_direction": direction,
+            "prompt_name": parts["prompt_name"]}},
+        "SparseValue": {"type": "object", "required": ["index", "value"], "properties": {
+            "index": {"type": "integer", "minimum": 0,
+                      "description": "a vocabulary index (a token id)"},
+            "value": {"type": "number", "exclusiveMinimum": 0}}},
         "TeiSimilarityRequest": {"type": "object", "required": ["inputs"], "properties": {
             "inputs": {"type": "object", "required": ["source_sentence", "sentences"],
                        "properties": {"source_sentence": parts["text"],

@@ -79,8 +79,9 @@ def resolve(request: web.Request, name: str | None, task: str) -> ServedModel:
         served = models.resolve(name)
     request[MODEL_NAME] = served.spec.name
     if not _serves(served, task):
+        hint = " (sparse models: POST /embed_sparse)" if served.spec.task == "sparse" else ""
         raise ApiError("invalid_request", f"model {served.spec.name!r} is "
-                       f"{_a(served.spec.task)} model; this route needs {_a(task)} model",
+                       f"{_a(served.spec.task)} model; this route needs {_a(task)} model{hint}",
                        param="model", code="unsupported_task")
     return served
 

@@ -6,6 +6,10 @@
                      "truncation_direction", "prompt_name"} -> [[[float]]]  (every token's
                      last hidden state, special and prompt tokens included, not pooled or
                      normalised; one list of rows per input)
+    POST /embed_sparse {"inputs": str | [str] | [int] | [[int]], "truncate",
+                     "truncation_direction"} -> [[{"index", "value"}]]  (a sparse model's
+                     SPLADE vector per input: its non-zero values by vocabulary index, in
+                     index order)
     POST /rerank    {"query", "texts", "raw_scores", "return_text", ...} -> [{"index", "score"}]
     POST /tokenize  {"inputs": str | [str], "add_special_tokens", "prompt_name"} -> [[{"id",
                      "text", "special", "start", "stop"}]]   (start/stop: byte offsets into the
@@ -63,6 +67,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/predict", predict)
     app.router.add_post("/embed", embed)
     app.router.add_post("/embed_all", embed_all)
+    app.router.add_post("/embed_sparse", embed_sparse)
     app.router.add_post("/similarity", similarity)
     app.router.add_post("/rerank", rerank)
     app.router.add_post("/tokenize", tokenize)
@@ -217,6 +222,24 @@ async def embed_all(request: web.Request) -> web.Response:
     bounds = enc.offsets.tolist()
     return codec.render(request, [rows[a:b] for a, b in zip(bounds[:-1], bounds[1:])],
                         headers=tasks.stage_headers(request, outcome))
+
+
+async def embed_sparse(request: web.Request) -> web.Response:
+    # /embed's body; `normalize` and `dimensions` are for dense vectors
+    parsed, _ = parse_embed(mapping(await codec.read_body(request)), request.app[CONFIG].limits)
+    if parsed.dimensions is not None:
+        raise ApiError("invalid_request", "'dimensions' shortens dense vectors (/embed); a "
+                       "sparse vector keeps its vocabulary indices", param="dimensions")
+    model = tasks.resolve(request, parsed.model, "sparse")
+    _, outcome, _ = await routes.embed(request, parsed, "inputs", model)
+    return codec.render(request, [sparse(row) for row in outcome.vectors],
+                        headers=tasks.stage_headers(request, outcome))
+
+
+def sparse(row: np.ndarray) -> list[dict[str, Any]]:
+    """A SPLADE vector as TEI gives it: its non-zero values with their indices, in order."""
+    index = np.flatnonzero(row)
+    return [{"index": i, "value": v} for i, v in zip(index.tolist(), row[index].tolist())]
 
 
 def parse_embed(body: dict, limits: LimitsConfig) -> tuple[EmbedRequest, bool]:

@@ -34,6 +34,9 @@ log = logging.getLogger("shmserve.worker")
 
 hf_logging.disable_progress_bar()  # a progress bar per load would clutter the JSON log
 
+# A sparse model's vocabulary logits are computed this many floats at a time (64 MiB in fp32).
+SPLADE_CHUNK_FLOATS = 1 << 24
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
           "int8": torch.float32}  # int8 loads fp32 weights, then quantizes them
 
@@ -84,7 +87,10 @@ class Model:
         # A model with BERT's layers runs several length groups in one pass
         # (gpu_workers.packed); int8's quantized linears keep the network's own forward.
         self._packs = pack and dtype != "int8" and packed.supports(net)
-        self.max_graphs = graphs if self._packs else 0
+        # sparse (SPLADE): the vocabulary logits of a token's last hidden state
+        self.splade = packed.MASKED_LMS[type(net).__name__] if spec.task == "sparse" else None
+        self.vocab = spec.dim  # a sparse model's row width
+        self.max_graphs = graphs if self._packs and self.splade is None else 0
         self._use(net.to(device))
         self.agreement: float | None = None  # with fp32 on the probe, when dtype auto chose
         if guarded:
@@ -149,9 +155,12 @@ class Model:
         """Several (ids, lengths, segments) groups, as `forward` takes one; their rows, in
         order. One pass where the network packs (gpu_workers.packed), else one per group.
         `tokens` (an embedding model): the last hidden state of every real token instead,
-        float32 [tokens, hidden], the texts in order (TEI's /embed_all)."""
+        float32 [tokens, hidden], the texts in order (TEI's /embed_all). A sparse model's rows
+        are its SPLADE vectors, float32 [B, vocabulary] (`_splade`)."""
         if tokens:
-            return self._token_rows(groups)
+            return self._token_rows(groups).float().cpu().numpy()
+        if self.splade is not None:
+            return self._splade(self._token_rows(groups), groups).cpu().numpy()
         if self.graphs is not None:
             return torch.cat([self.graphs.run(*group) for group in groups]).cpu().numpy()
         inputs = [self._inputs(*group) for group in groups]
@@ -174,25 +183,45 @@ class Model:
                 rows.append(self.head(out, mask, lens)[:texts])
         return torch.cat(rows).cpu().numpy()
 
-    def _token_rows(self, groups) -> np.ndarray:
+    def _token_rows(self, groups) -> torch.Tensor:
+        """The last hidden state of every real token [tokens, hidden], in the network's dtype
+        and on its device: the texts in order, each text's tokens in order."""
         inputs = [self._inputs(*group) for group in groups]
         if self.packed is not None:  # its rows are the real tokens, in order
-            hidden = self.packed.tokens([
+            return self.packed.tokens([
                 packed.Group(ids, mask, types, packed.index_of(group[1], group[0].shape[1])
                              .to(self.device, non_blocking=True),
                              dense=bool((group[1] == group[0].shape[1]).all()))
                 for (ids, mask, _, types), group in zip(inputs, groups)])
-            return hidden.float().cpu().numpy()
         rows = []
+        encoder = self.net.base_model  # the network itself, or a masked LM's encoder
         for ids, mask, lens, types in inputs:
             texts, width = ids.shape
             if self.round_groups:
                 ids, mask, lens, types = self._bucketed(ids, mask, lens, types)
             extra = {} if types is None else {"token_type_ids": types}
-            out = self.net(input_ids=ids, attention_mask=mask.long(), **extra)
+            out = encoder(input_ids=ids, attention_mask=mask.long(), **extra)
             # The mask, row-major: text by text, each text's tokens in order.
             rows.append(out.last_hidden_state[:texts, :width][mask[:texts, :width]])
-        return torch.cat(rows).float().cpu().numpy()
+        return torch.cat(rows)
+
+    def _splade(self, hidden: torch.Tensor, groups) -> torch.Tensor:
+        """SPLADE vectors [texts, vocabulary] from the token rows, as sentence-transformers'
+        SpladePooling and TEI compute them: log(1 + relu(logit)), the largest over each text's
+        tokens (special tokens included). log1p and relu rise with the logit, so the largest
+        logit is taken first. The vocabulary head runs on SPLADE_CHUNK_FLOATS of logits at a
+        time: a pass's [tokens, vocabulary] at once would be ~1 GB for 8,192 tokens of a
+        30,522-word vocabulary."""
+        lengths = torch.from_numpy(np.concatenate([g[1] for g in groups]).astype(np.int64))
+        text_of = torch.repeat_interleave(torch.arange(lengths.numel()), lengths).to(
+            self.device, non_blocking=True)
+        out = torch.full((lengths.numel(), self.vocab), float("-inf"), device=self.device)
+        step = max(1, SPLADE_CHUNK_FLOATS // self.vocab)
+        for lo in range(0, hidden.shape[0], step):
+            logits = self.splade(self.net, hidden[lo:lo + step]).float()
+            rows = text_of[lo:lo + step, None].expand(-1, self.vocab)  # a view: no copy
+            out.scatter_reduce_(0, rows, logits, "amax")
+        return torch.log1p(torch.relu(out))
 
     def _bucketed(self, ids, mask, lens, types):
         """A group padded to one of a few shapes (packed.group_shape); the rows added hold one

@@ -10,8 +10,9 @@ group, padded to the group's longest text. The result equals the network's own f
 (tests/integration/test_model.py holds it).
 
 Supported: the encoders whose layers are BERT's (BertModel, RobertaModel, XLMRobertaModel) with
-absolute positions, and their sequence classifiers (classification and rerank models: the
-classifier runs on each group's hidden states as the network's own forward would run it);
+absolute positions, their sequence classifiers (classification and rerank models: the
+classifier runs on each group's hidden states as the network's own forward would run it) and
+their masked language models (sparse models, whose head reads the token rows: `tokens`);
 anything else runs one ordinary forward per group (`gpu_workers.model`).
 """
 
@@ -34,6 +35,14 @@ CLASSIFIERS = {
     # RobertaClassificationHead takes the first token itself
     "RobertaForSequenceClassification": lambda net, hidden: net.classifier(hidden),
     "XLMRobertaForSequenceClassification": lambda net, hidden: net.classifier(hidden),
+}
+
+# Masked language models (sparse, SPLADE: gpu_workers.model), and how their vocabulary logits
+# come from the encoder's last hidden state of a token.
+MASKED_LMS = {
+    "BertForMaskedLM": lambda net, hidden: net.cls(hidden),
+    "RobertaForMaskedLM": lambda net, hidden: net.lm_head(hidden),
+    "XLMRobertaForMaskedLM": lambda net, hidden: net.lm_head(hidden),
 }
 
 
@@ -87,7 +96,10 @@ class Output:
 
 def supports(net: torch.nn.Module) -> bool:
     name = type(net).__name__
-    if name in CLASSIFIERS:
+    if name in MASKED_LMS:
+        if type(net.base_model).__name__ not in ENCODERS:
+            return False
+    elif name in CLASSIFIERS:
         encoder = net.base_model
         if type(encoder).__name__ not in ENCODERS or (
                 name.startswith("Bert") and encoder.pooler is None):
@@ -107,7 +119,7 @@ class PackedEncoder:
         self.whole = whole  # the network as loaded: an encoder, or a classifier around one
         self.bucket = bucket
         self.classify = CLASSIFIERS.get(type(whole).__name__)
-        net = self.net = whole.base_model if self.classify else whole
+        net = self.net = whole if type(whole).__name__ in ENCODERS else whole.base_model
         config = net.config
         self.hidden = config.hidden_size
         self.heads = config.num_attention_heads

@@ -4,6 +4,9 @@
                     the model says so                                      -> [B, hidden]
     classification  the sequence-classification logits, raw             -> [B, num_labels]
     rerank          a cross-encoder's one logit, raw                     -> [B, 1]
+    sparse          SPLADE: log(1 + relu(MLM logits)), the largest over a text's tokens
+                                                                          -> [B, vocabulary]
+                    (gpu_workers.model runs it on the token rows, in chunks of tokens)
                     (the frontend applies the softmax or the model's activation, so it can
                     give the logits back (TEI's raw_scores) and rank by the logit: a sigmoid
                     saturates to 1.0 in float32 past ~17)
@@ -17,7 +20,7 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-from transformers import AutoModel, AutoModelForSequenceClassification
+from transformers import AutoModel, AutoModelForMaskedLM, AutoModelForSequenceClassification
 
 from shmserve.models import ModelSpec
 
@@ -25,7 +28,8 @@ Head = Callable[[object, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def network_class(task: str) -> type:
-    return AutoModel if task == "embedding" else AutoModelForSequenceClassification
+    return {"embedding": AutoModel, "sparse": AutoModelForMaskedLM}.get(
+        task, AutoModelForSequenceClassification)
 
 
 def head(spec: ModelSpec) -> Head:

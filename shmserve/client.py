@@ -7,6 +7,8 @@
         query = client.embed("what is it?", prompt_name="query")   # a model's prompt
         probs, labels = client.classify(["great!", "awful"])     # float32 [2, labels], names
         scores = client.rerank("a query", ["doc one", "doc two"])  # float32 [2], input order
+        sparse = client.embed_sparse("a text")   # a sparse model's SPLADE vector:
+        sparse.indices, sparse.values            # int64 and float32 [non-zeros]
 
     async with AsyncClient("http://127.0.0.1:8080") as client:
         matrix = await client.embed(["a text", "another"])
@@ -32,7 +34,7 @@ import http.client
 import json
 import os
 import urllib.parse
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import msgpack
 import numpy as np
@@ -40,6 +42,19 @@ import numpy as np
 from shmserve.protocol import priority_level
 
 FORMATS = {"msgpack": "application/msgpack", "json": "application/json"}
+
+
+class SparseVector(NamedTuple):
+    """A sparse model's vector: its non-zero values by vocabulary index, in index order."""
+
+    indices: np.ndarray  # int64 [non-zeros]
+    values: np.ndarray  # float32 [non-zeros]
+
+    def dense(self, size: int) -> np.ndarray:
+        """As a float32 [size] vector (size: the model's vocabulary, GET /info's dim)."""
+        out = np.zeros(size, np.float32)
+        out[self.indices] = self.values
+        return out
 
 
 class ShmserveError(Exception):
@@ -184,6 +199,12 @@ def _token_rows(body: list[list[Any]], single: bool) -> np.ndarray | list[np.nda
     return out[0] if single else out
 
 
+def _sparse(body: list, single: bool) -> list[SparseVector] | SparseVector:
+    out = [SparseVector(np.array([v["index"] for v in row], np.int64),
+                        np.array([v["value"] for v in row], np.float32)) for row in body]
+    return out[0] if single else out
+
+
 def _matrix(body: dict[str, Any], single: bool) -> np.ndarray:
     rows = body["results"]
     if rows and isinstance(rows[0], list) and rows[0] and isinstance(rows[0][0], dict):
@@ -221,6 +242,14 @@ class Client(_Base):
         body, headers = self._tokens_request(texts, model, request_id, prompt_name)
         return _token_rows(_decode(*self._call("POST", "/embed_all", body, headers)),
                            isinstance(texts, str))
+
+    def embed_sparse(self, texts: str | Sequence[str], *, model: str | None = None,
+                     request_id: str | None = None) -> list[SparseVector] | SparseVector:
+        """A sparse model's SPLADE vector per text (TEI's /embed_sparse), one for one
+        string."""
+        body, headers = self._tokens_request(texts, model, request_id, None)
+        return _sparse(_decode(*self._call("POST", "/embed_sparse", body, headers)),
+                       isinstance(texts, str))
 
     def classify(self, texts: str | Sequence[str], *, model: str | None = None,
                  request_id: str | None = None) -> tuple[np.ndarray, list[str]]:
@@ -320,6 +349,14 @@ class AsyncClient(_Base):
         body, headers = self._tokens_request(texts, model, request_id, prompt_name)
         return _token_rows(_decode(*await self._call("POST", "/embed_all", body, headers)),
                            isinstance(texts, str))
+
+    async def embed_sparse(self, texts: str | Sequence[str], *, model: str | None = None,
+                           request_id: str | None = None
+                           ) -> list[SparseVector] | SparseVector:
+        """As Client.embed_sparse."""
+        body, headers = self._tokens_request(texts, model, request_id, None)
+        return _sparse(_decode(*await self._call("POST", "/embed_sparse", body, headers)),
+                       isinstance(texts, str))
 
     async def classify(self, texts: str | Sequence[str], *, model: str | None = None,
                        request_id: str | None = None) -> tuple[np.ndarray, list[str]]:

@@ -155,8 +155,9 @@ class ModelConfig:
     # model has variants, each with its own source.
     source: str = ""
     aliases: list[str] = field(default_factory=list)
+    # sparse: SPLADE vectors from a masked-language-model checkpoint (TEI's /embed_sparse).
     # null: correctly shaped zeros without computing, to measure the serving pipeline alone
-    task: Literal["embedding", "classification", "rerank", "null"] = "embedding"
+    task: Literal["embedding", "classification", "rerank", "sparse", "null"] = "embedding"
     pooling: Literal["auto", "mean", "cls", "last"] = "auto"
     normalize: Literal["auto", "true", "false"] = "auto"
     max_input_tokens: int = 0  # 0: the model's own limit

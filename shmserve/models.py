@@ -27,6 +27,12 @@ ACTIVATIONS = {"torch.nn.modules.activation.Sigmoid": "sigmoid", "torch.nn.Sigmo
                "torch.nn.modules.linear.Identity": "identity", "torch.nn.Identity": "identity"}
 
 
+# Models whose position ids start past the padding id (RoBERTa's): a text of n tokens takes
+# positions pad_token_id + 1 .. pad_token_id + n, so max_position_embeddings - pad_token_id - 1
+# tokens fit (512 of 514).
+OFFSET_POSITIONS = ("roberta", "xlm-roberta", "camembert")
+
+
 class ModelSourceError(ValueError):
     """The model source cannot be served; the message says why and what to do."""
 
@@ -36,10 +42,12 @@ class ModelSpec:
     name: str
     directory: Path
     task: str
-    pooling: str  # mean | cls | last
+    pooling: str  # mean | cls | last; splade (sparse)
     normalize: bool
     max_tokens: int
-    dim: int  # the width of one output row: hidden size, number of labels, or 1 (rerank)
+    # the width of one output row: hidden size, number of labels, 1 (rerank), or the vocabulary
+    # size (sparse)
+    dim: int
     dtype: str
     revision: str
     labels: tuple[str, ...] = ()  # classification: label names by class index
@@ -200,8 +208,10 @@ def inspect(cfg: ModelConfig, with_revision: bool = True,
     if not (directory / "tokenizer.json").is_file():
         raise ModelSourceError(f"{directory}: no tokenizer.json (a fast tokenizer is required)")
     st_cfg = _read_json(directory / "sentence_bert_config.json") or {}
-    limit = min(int(model_cfg.get("max_position_embeddings", 512)),
-                int(st_cfg.get("max_seq_length", 10**9)))
+    positions = int(model_cfg.get("max_position_embeddings", 512))
+    if model_cfg.get("model_type") in OFFSET_POSITIONS:  # 514 positions hold 512 tokens
+        positions -= int(model_cfg.get("pad_token_id", 1) or 0) + 1
+    limit = min(positions, int(st_cfg.get("max_seq_length", 10**9)))
     if cfg.max_input_tokens:
         limit = min(limit, cfg.max_input_tokens)
     revision = cfg.revision
@@ -211,15 +221,16 @@ def inspect(cfg: ModelConfig, with_revision: bool = True,
         revision = weights_digest(weights_file(directory))
     labels, activation = _head(cfg.task, model_cfg, directory)
     prompts, default_prompt = _prompts(cfg, directory)
+    sparse = cfg.task == "sparse" and _masked_lm(model_cfg, directory)
     return ModelSpec(
         name=cfg.name,
         directory=directory,
         task=cfg.task,
-        pooling=_pooling(cfg.pooling, directory),
-        normalize=_normalize(cfg.normalize, directory),
+        pooling="splade" if sparse else _pooling(cfg.pooling, directory),
+        normalize=False if sparse else _normalize(cfg.normalize, directory),
         max_tokens=limit,
-        dim={"classification": len(labels), "rerank": 1}.get(cfg.task,
-                                                              int(model_cfg["hidden_size"])),
+        dim=sparse or {"classification": len(labels), "rerank": 1}.get(
+            cfg.task, int(model_cfg["hidden_size"])),
         dtype=cfg.dtype,
         revision=revision,
         labels=labels,
@@ -298,6 +309,22 @@ def _head(task: str, model_cfg: dict, directory: Path) -> tuple[tuple[str, ...],
         raise ModelSourceError(f"{directory}: cross-encoder activation {path!r} is not one of "
                                f"{', '.join(sorted(ACTIVATIONS))}")
     return (), ACTIVATIONS[path]
+
+
+# The masked-language-model checkpoints a sparse (SPLADE) model may be: those whose encoder
+# runs packed and whose vocabulary head gpu_workers.packed knows.
+MASKED_LMS = ("BertForMaskedLM", "RobertaForMaskedLM", "XLMRobertaForMaskedLM")
+
+
+def _masked_lm(model_cfg: dict, directory: Path) -> int:
+    """A sparse model's output width, its vocabulary size; refuses a checkpoint without the
+    masked-language-model head SPLADE reads (a bare encoder's would be missing)."""
+    architectures = [str(a) for a in model_cfg.get("architectures") or []]
+    if not any(a in MASKED_LMS for a in architectures):
+        raise ModelSourceError(f"{directory}: task sparse (SPLADE) needs a masked-language-model "
+                               f"checkpoint, one of {', '.join(MASKED_LMS)} (config.json "
+                               f"architectures: {', '.join(architectures) or 'none'})")
+    return int(model_cfg["vocab_size"])
 
 
 def _prompts(cfg: ModelConfig, directory: Path) -> tuple[tuple[tuple[str, str], ...], str]:

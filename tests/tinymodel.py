@@ -130,3 +130,54 @@ def reference_scores(model_dir: Path, inputs: list, max_tokens: int, raw: bool =
             else:  # a classifier, of a text or of a pair (an NLI model's)
                 out.append(logits if raw else torch.softmax(logits, -1))
     return np.stack([o.numpy() for o in out])
+
+
+def build_tiny_splade(target: Path, *, seed: int = 0, max_positions: int = 64,
+                      hidden: int = 32, kind: str = "bert") -> Path:
+    """A masked language model on a small random BERT (or RoBERTa: `kind`), saved as
+    safetensors with the default model's tokenizer: a sparse (SPLADE) model (task sparse). Its
+    vocabulary head's bias is lowered, so that most of a text's SPLADE values are 0, as a
+    trained model's are (random logits would be positive for half the vocabulary)."""
+    import torch
+    from transformers import BertConfig, BertForMaskedLM, RobertaConfig, RobertaForMaskedLM
+
+    source = resolve_source(DEFAULT_SOURCE)
+    target.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    shape = dict(vocab_size=30522, hidden_size=hidden, num_hidden_layers=2,
+                 num_attention_heads=2, intermediate_size=2 * hidden)
+    if kind == "roberta":  # positions start past the padding id (0 here), as RoBERTa's do
+        net = RobertaForMaskedLM(RobertaConfig(**shape, pad_token_id=0,
+                                               max_position_embeddings=max_positions + 1))
+    else:
+        net = BertForMaskedLM(BertConfig(**shape, max_position_embeddings=max_positions))
+    net = net.eval()
+    head = net.cls.predictions if kind == "bert" else net.lm_head
+    with torch.no_grad():
+        head.bias -= 0.35  # most logits under 0: a few hundred values a text
+    net.save_pretrained(target, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt",
+                 "special_tokens_map.json"):
+        shutil.copy(source / name, target / name)
+    return target
+
+
+def reference_splade(model_dir: Path, texts: list[str], max_tokens: int):
+    """SPLADE vectors from the masked language model run directly in transformers, one text at
+    a time, as sentence-transformers' SpladePooling computes them: log(1 + relu(logits)), the
+    largest over the text's tokens."""
+    import numpy as np
+    import torch
+    from tokenizers import Tokenizer
+    from transformers import AutoModelForMaskedLM
+
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    tok.enable_truncation(max_length=max_tokens)
+    tok.no_padding()
+    model = AutoModelForMaskedLM.from_pretrained(model_dir, use_safetensors=True).eval()
+    out = []
+    with torch.inference_mode():
+        for text in texts:
+            logits = model(input_ids=torch.tensor([tok.encode(text).ids])).logits[0]
+            out.append(torch.log1p(torch.relu(logits)).amax(0).numpy())
+    return np.stack(out)

@@ -4,7 +4,7 @@ import pytest
 from tests.conftest import TINY_MAX_TOKENS, tiny_overrides
 from tests.e2e.test_api import TEXTS
 from tests.stack import Stack
-from tests.tinymodel import build_tiny_bert, build_tiny_classifier
+from tests.tinymodel import build_tiny_bert, build_tiny_classifier, build_tiny_splade
 
 # The task stack's (task_stack): its admin token, its classifier's labels, the A/B weight.
 TOKEN = "test-admin-token"
@@ -32,7 +32,8 @@ def task_dirs(tmp_path_factory, tiny_model):
             # a float32 sigmoid 1.0 for every pair.
             "ce-id": build_tiny_classifier(root / "ce-id", num_labels=1, seed=3,
                                            activation="torch.nn.modules.linear.Identity"),
-            "ce-hot": build_tiny_classifier(root / "ce-hot", num_labels=1, seed=3, bias=20.0)}
+            "ce-hot": build_tiny_classifier(root / "ce-hot", num_labels=1, seed=3, bias=20.0),
+            "sp": build_tiny_splade(root / "sp", seed=9, max_positions=TINY_MAX_TOKENS)}
 
 
 @pytest.fixture(scope="package")
@@ -60,6 +61,8 @@ def task_stack(tmp_path_factory, task_dirs):
             {"name": "a", "source": tiny, "revision": "u-r1"},
             {"name": "b", "source": other, "revision": "u-r2"}]},
         {"name": "q8", "source": tiny, "dtype": "int8", "devices": [0]},
+        {"name": "sp", "source": str(dirs["sp"]), "task": "sparse", "revision": "sp-r1",
+         "dtype": "fp32"},
         # auto keeps bf16 where the CPU has it natively and the probe agrees to 0.99 (random
         # tiny weights agree less closely than trained ones); "strict" asks for more than
         # bf16 can give, so it serves fp32.

@@ -6,13 +6,14 @@ import json
 from collections import Counter, defaultdict
 
 import aiohttp
+import msgpack
 import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import TINY_MAX_TOKENS
 from tests.e2e.conftest import AB_WEIGHT_B, LABELS, TOKEN
-from tests.tinymodel import reference_embeddings, reference_scores
+from tests.tinymodel import reference_embeddings, reference_scores, reference_splade
 
 ADMIN = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "hello",
@@ -296,3 +297,77 @@ def test_a_rolling_worker_restart_warns_of_the_models_one_worker_loads(task_stac
     assert "worker-1 ready" in done.stdout
     status, _, body = task_stack.post_json("/v1/classify", {"model": "clf", "input": ["x"]})
     assert status == 200, body
+
+
+def _as_dense(rows: list[list[dict]]) -> np.ndarray:
+    out = np.zeros((len(rows), 30522), np.float32)
+    for i, row in enumerate(rows):
+        index = [v["index"] for v in row]
+        assert index == sorted(set(index)), "indices in order, each once"
+        assert all(v["value"] > 0 for v in row), "only non-zero values"
+        out[i, index] = [v["value"] for v in row]
+    return out
+
+
+async def test_embed_sparse_gives_the_splade_vectors_of_the_masked_lm(task_stack, task_dirs):
+    """TEI's /embed_sparse on a sparse model: per input its non-zero SPLADE values by
+    vocabulary index, equal to transformers' masked LM through log(1 + relu), max over
+    tokens; texts and token ids, JSON and msgpack, concurrent requests batched together;
+    the sync and async clients; refusals name the route to use."""
+    from shmserve.client import AsyncClient, Client
+
+    texts = TEXTS + ["word " * 80]  # cut to the model's 64 tokens
+    want = reference_splade(task_dirs["sp"], texts, TINY_MAX_TOKENS)
+    status, headers, body = task_stack.post_json("/embed_sparse", {"inputs": texts,
+                                                                   "model": "sp"})
+    assert status == 200 and headers["X-Model-Revision"] == "sp-r1", body
+    np.testing.assert_allclose(_as_dense(body), want, rtol=0, atol=1e-5)
+    assert all(10 < len(row) < 3000 for row in body)
+    # One string (and no model named: the first sparse model) is a list of one vector.
+    status, _, body = task_stack.post_json("/embed_sparse", {"inputs": texts[1]})
+    assert status == 200 and len(body) == 1, body
+    np.testing.assert_allclose(_as_dense(body)[0], want[1], rtol=0, atol=1e-5)
+    # Token ids as given, and msgpack both ways.
+    ids = task_stack.post_json("/tokenize", {"inputs": texts[0], "model": "sp"})[2][0]
+    status, _, raw = task_stack.request(
+        "POST", "/embed_sparse", msgpack.packb({"inputs": [t["id"] for t in ids],
+                                                "model": "sp"}),
+        {"Content-Type": "application/msgpack", "Accept": "application/msgpack"})
+    assert status == 200, raw
+    np.testing.assert_allclose(_as_dense(msgpack.unpackb(raw))[0], want[0], rtol=0, atol=1e-5)
+    # Concurrent requests, one text each: batched together, each its own vector back.
+    async with aiohttp.ClientSession() as session:
+        async def one(i):
+            async with session.post(task_stack.url + "/embed_sparse",
+                                    json={"inputs": texts[i % 5], "model": "sp"}) as resp:
+                return i, resp.status, resp.headers["X-Batch-Size"], await resp.json()
+        answers = await asyncio.gather(*(one(i) for i in range(20)))
+    assert {status for _, status, _, _ in answers} == {200}
+    assert max(int(size) for _, _, size, _ in answers) > 1  # they shared passes
+    for i, _, _, got in answers:
+        np.testing.assert_allclose(_as_dense(got)[0], want[i % 5], rtol=0, atol=1e-5)
+    with Client(task_stack.url) as client:
+        one_vector = client.embed_sparse(texts[2], model="sp")
+        np.testing.assert_allclose(one_vector.dense(30522), want[2], rtol=0, atol=1e-5)
+        assert one_vector.indices.dtype == np.int64 and one_vector.values.dtype == np.float32
+    async with AsyncClient(task_stack.url, format="json") as client:
+        vectors = await client.embed_sparse(texts[:2])
+        np.testing.assert_allclose(np.stack([v.dense(30522) for v in vectors]), want[:2],
+                                   rtol=0, atol=1e-5)
+    # Refusals: a sparse model on the dense routes names /embed_sparse; a dense model here is
+    # the wrong task; dimensions shorten dense vectors only.
+    status, _, body = task_stack.post_json("/v1/embeddings", {"input": "x", "model": "sp"})
+    assert status == 400 and "/embed_sparse" in body["error"]["message"], body
+    status, _, body = task_stack.post_json("/embed", {"inputs": "x", "model": "sp"})
+    assert status == 422 and body["error"]["code"] == "unsupported_task", body
+    status, _, body = task_stack.post_json("/embed_sparse", {"inputs": "x", "model": "tiny"})
+    assert status == 422 and body["error"]["code"] == "unsupported_task", body
+    status, _, body = task_stack.post_json("/embed_sparse", {"inputs": "x", "dimensions": 8})
+    assert status == 422 and body["error"]["param"] == "dimensions", body
+    status, _, body = task_stack.post_json("/v2/models/sp/infer", {"inputs": [
+        {"name": "text", "shape": [1], "datatype": "BYTES", "data": ["x"]}]})
+    assert status == 422 and "sparse" in body["error"], body
+    # GET /info describes it as TEI does a SPLADE model.
+    info = {m["name"]: m for m in json.loads(task_stack.get("/info")[2])["models"]}
+    assert (info["sp"]["task"], info["sp"]["dim"], info["sp"]["pooling"],
+            info["sp"]["normalize"]) == ("sparse", 30522, "splade", None)
