@@ -119,9 +119,9 @@ class Dispatcher:
                              segments, per_token)
                 future = self.pool.submit(link, msg, len(enc.ids),
                                         lambda held=held: _release(held))
-                try:
-                    reply = await asyncio.wait_for(asyncio.shield(future),
-                                                   max(0.0, deadline - time.time()))
+                try:  # (not wait_for, which loses a cancel that comes as the reply does)
+                    async with asyncio.timeout(max(0.0, deadline - time.time())):
+                        reply = await asyncio.shield(future)
                 except WorkerGone:
                     continue
                 except asyncio.CancelledError:  # the client went away

@@ -159,8 +159,9 @@ class WorkerPool:
             if left <= 0:
                 return None
             self._changed.clear()
-            try:
-                await asyncio.wait_for(self._changed.wait(), left)
+            try:  # asyncio.timeout, not wait_for: a cancel as the event is set is not lost
+                async with asyncio.timeout(left):
+                    await self._changed.wait()
             except TimeoutError:
                 return None
         return link

@@ -168,14 +168,7 @@ async def run(request: web.Request, served: ServedModel,
     try:
         started = request[TOKENIZE_AT] = time.perf_counter()
         if chars > THREAD_TOKENIZE_CHARS:
-            # The deadline holds while tokenizing too: past it the client gets its 504 (the
-            # thread finishes on its own; its result is dropped).
-            tokenizing = asyncio.get_running_loop().run_in_executor(None, encode,
-                                                                     variant.encoder)
-            try:
-                enc = await asyncio.wait_for(tokenizing, deadline - time.time())
-            except asyncio.TimeoutError:
-                raise ApiError.deadline_passed() from None
+            enc = await off_loop(encode, variant.encoder, deadline)
         else:
             enc = encode(variant.encoder)
         if time.time() > deadline:  # no work goes to a worker past its deadline
@@ -214,6 +207,20 @@ async def run(request: web.Request, served: ServedModel,
                                worker=outcome.worker, queue_ms=round(outcome.result.queue_ms, 3),
                                inference_ms=round(outcome.result.inference_ms, 3))
     return Ran(served, variant, outcome, enc)
+
+
+async def off_loop(encode: Callable[[TextEncoder], Encoded], encoder: TextEncoder,
+                   deadline: float) -> Encoded:
+    """`encode(encoder)` in a thread, until the deadline (then 504; the thread finishes on its
+    own and its result is dropped). A client that goes away cancels the wait even when the
+    thread has just finished: asyncio.wait_for (Python 3.11) returned the result then and
+    swallowed the cancellation, so the request ran to the end for no one."""
+    tokenizing = asyncio.get_running_loop().run_in_executor(None, encode, encoder)
+    try:
+        async with asyncio.timeout(deadline - time.time()):
+            return await tokenizing
+    except TimeoutError:
+        raise ApiError.deadline_passed() from None
 
 
 def refuse_early(request: web.Request, variant: Variant, priority: int, deadline: float,
