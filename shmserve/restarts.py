@@ -74,7 +74,12 @@ def config_drift(args: argparse.Namespace, running: Config,
     except ConfigError as exc:
         return f"the overrides given now are invalid ({exc}); restarting with the running config"
     changed = config.differences(render.resolved(running), now)
-    edited, new = files_since_up(running, layers.file_layers(args.env, args.config, environ))
+    # Files this command names: --config or SHMSERVE_CONFIG's, and an env's file when --env or
+    # SHMSERVE_ENV names one (without, `dev` is no choice of this command: `up --env prod`
+    # followed by a bare restart changes nothing).
+    named = layers.file_layers(args.env, args.config, environ)[
+        1 if args.env or environ.get("SHMSERVE_ENV") else 2:]
+    edited, new = files_since_up(running, named)
     if not changed and not edited and not new:
         return None
     said = []

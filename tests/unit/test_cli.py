@@ -376,6 +376,23 @@ def test_restart_names_the_files_up_read_that_were_edited_since(tmp_path):
     assert f"Config files `up` did not read (new to this deployment): {other.resolve()}" in said
 
 
+def test_a_bare_restart_after_up_with_another_env_is_no_change(tmp_path):
+    """`up --env prod`, then `restart frontends` with no env named: it warned that
+    configs/dev.yaml, the default env's file, was new to the deployment (an outside check).
+    Naming another env than `up`'s is still a change."""
+    at_up = {"SHMSERVE__SERVER__RUN_DIR": str(tmp_path / "run"),
+             "SHMSERVE__SERVER__PORT": str(free_port()), "SHMSERVE__WORKERS__DEVICES": "cpu"}
+    running = config.load(env="prod", environ=at_up)
+    render.render(running)
+    topology.config_files_path(running).write_text(json.dumps(layers.digests(
+        layers.file_layers("prod", None, at_up))))  # as `up --env prod` writes it
+    assert restarts.config_drift(argparse.Namespace(env=None, config=None), running, {}) is None
+    assert restarts.config_drift(argparse.Namespace(env="prod", config=None), running,
+                                 {}) is None
+    said = restarts.config_drift(argparse.Namespace(env="dev", config=None), running, {})
+    assert "new to this deployment" in said and "dev.yaml" in said
+
+
 @pytest.mark.parametrize("argv", [
     ["reload", "m", "models/x", "--revision", "v"],
     ["reload", "m", "--revision", "v", "models/x"],  # the source after an option
