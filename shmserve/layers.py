@@ -9,8 +9,10 @@ Layers, later wins:
   4. environment variables ``SHMSERVE__SECTION__KEY=value``: the path is the key's path in
      lower case joined by double underscores, a list index is a number
      (``SHMSERVE__MODELS__0__SOURCE=/models/e5``); the value is parsed as a YAML scalar or
-     flow sequence, so ``8``, ``true``, ``[0, 1]`` and ``auto`` all work; a string key, or a
-     list's string item, keeps what was written (``01`` stays "01", ``yes`` stays "yes").
+     flow sequence, so ``8``, ``true``, ``[0, 1]`` and ``auto`` all work; a string key takes
+     the whole value as written (``01`` stays "01", ``yes`` stays "yes", ``a #b`` stays
+     "a #b", ``query: `` stays "query: "; a quoted YAML string is unquoted), a list's string
+     item the item as written (``[01234567]``). ``null`` or ``~`` alone is a null.
 
 Mappings are deep-merged; lists and scalars are replaced. A key set to ``null`` or ``~`` (in a
 file or a variable) takes its default once every layer is merged: its value in
@@ -156,6 +158,47 @@ class EnvWord(str):
     as_yaml: bool
 
 
+NULLS = ("null", "Null", "NULL", "~")
+
+
+class EnvText(str):
+    """An environment variable's whole value as written, with what YAML reads in it: a string
+    key takes the text (typedtree), every other key `parsed`, so that neither a secret nor a
+    prompt is cut or re-read by YAML (SHMSERVE__ADMIN__TOKEN='ab #cd' was "ab"; '#key' in
+    auth.api_keys was no key at all, an open server). `error`: why YAML could not read it
+    (named only if a key that is not a string needs it)."""
+    parsed: Any
+    error: str
+
+
+def env_value(raw: str) -> Any:
+    if raw.strip() in NULLS:
+        return None  # the key's default
+    text = EnvText(raw)
+    text.error = ""
+    try:
+        text.parsed = yaml.load(raw, _EnvLoader) if raw != "" else ""
+    except yaml.YAMLError as exc:
+        text.parsed, text.error = None, f"{raw!r} is not a YAML value ({type(exc).__name__})"
+        return text
+    parsed = text.parsed
+    if isinstance(parsed, str) and raw.strip()[:1] in ("'", '"'):
+        return _text(parsed, parsed)  # a quoted YAML string: its content
+    if not isinstance(parsed, (list, dict, type(None))) and \
+            (getattr(parsed, "text", None) or str(parsed)) == raw.strip():
+        return _text(raw.strip(), parsed)  # YAML's own reading: without surrounding spaces
+    if parsed is None:
+        text.error = (f"{raw!r} reads as nothing in YAML (a comment after '#'?); quote it, or "
+                      "write null for the default")
+    return text
+
+
+def _text(raw: str, parsed: Any) -> EnvText:
+    text = EnvText(raw)
+    text.parsed, text.error = parsed, ""
+    return text
+
+
 class _EnvLoader(yaml.SafeLoader):
     """YAML as safe_load reads it, but a boolean or a number, at any depth (a list's items
     too), keeps the text it was written as (EnvWord, EnvInt, EnvFloat)."""
@@ -186,10 +229,7 @@ def apply_env_overrides(tree: dict[str, Any], environ: Mapping[str, str]) -> dic
         if not name.startswith(ENV_PREFIX):
             continue
         parts = [p.lower() for p in name[len(ENV_PREFIX):].split("__")]
-        try:
-            value = yaml.load(environ[name], _EnvLoader) if environ[name] != "" else ""
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{name}: not a YAML value ({exc.__class__.__name__})") from None
+        value = env_value(environ[name])
         node: Any = tree
         for i, part in enumerate(parts):
             last = i == len(parts) - 1
@@ -208,13 +248,43 @@ def apply_env_overrides(tree: dict[str, Any], environ: Mapping[str, str]) -> dic
     return tree
 
 
+class _FileLoader(yaml.SafeLoader):
+    """safe_load's YAML, except that a key given twice in one mapping is an error (the second
+    `frontends:` section replaced the first whole, silently), and a date stays the text it
+    was written as (`revision: 2024-01-01`; YAML's date objects are no config value)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, str) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    "while reading a mapping", node.start_mark,
+                    f"found the key {key!r} twice", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+_FileLoader.yaml_implicit_resolvers = {
+    first: [r for r in resolvers if r[0] != "tag:yaml.org,2002:timestamp"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+
+
 def _read_yaml(path: Path) -> dict[str, Any]:
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.load(path.read_text(encoding="utf-8"), _FileLoader) or {}
+        json.dumps(data)  # only what JSON holds (run/config.json): no !!binary, no !!set
     except FileNotFoundError:
         raise ConfigError(f"config file not found: {path}") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: invalid YAML: {exc}") from None
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{path}: holds a value no config key takes ({exc}; a YAML tag such "
+                          "as !!binary or !!set?)") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping")
     return data

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 import xmlrpc.client
 from pathlib import Path
@@ -146,8 +147,36 @@ def running_config(cfg: Config) -> Config:
 
 def deployment(args) -> Config:
     """The deployment a command line names (`--env`, `--config`), as it was started if it runs:
-    what status, restart, ctl, down and the admin commands act on."""
-    return running_config(config.from_args(args))
+    what status, restart, ctl, down and the admin commands act on. When the config named now
+    does not load (a variable set wrong since `up`, its --config file deleted), the deployment
+    in the run directory it names is still found, as started: `down` stopped nothing then."""
+    try:
+        return running_config(config.from_args(args))
+    except config.ConfigError as exc:
+        started = _as_started(args)
+        if started is None:
+            raise
+        print(f"shmserve: warning: the config named now does not load ({exc}); acting on the "
+              f"deployment in {started.run_dir} as `up` started it", file=sys.stderr, flush=True)
+        return started
+
+
+def _as_started(args) -> Config | None:
+    """The config `up` wrote into the run directory the command line names, read as far as
+    the layers allow (server.run_dir), or None."""
+    from shmserve import layers
+
+    run_dir = os.environ.get(f"{layers.ENV_PREFIX}SERVER__RUN_DIR")
+    try:
+        run_dir = layers.merged(args.env, args.config)["server"]["run_dir"]
+    except (config.ConfigError, KeyError, TypeError):
+        pass  # the variable, else base.yaml's default
+    path = Path(run_dir or config.ServerConfig().run_dir)
+    path = (path if path.is_absolute() else config.REPO_ROOT / path) / "config.json"
+    try:
+        return config.load_resolved(path)
+    except (OSError, ValueError, config.ConfigError):
+        return None
 
 
 def alive(pid: int) -> bool:

@@ -45,11 +45,23 @@ def build(cls: type, tree: Any, checks: Mapping[str, Check], prefix: str = "") -
 def _coerce(hint: Any, value: Any, key: str,
             checks: Mapping[str, Check]) -> Any:
     origin = typing.get_origin(hint)
+    if hasattr(value, "parsed") and origin not in (typing.Union, types.UnionType):
+        # An environment variable's value (layers.EnvText): a string key takes it as written,
+        # any other what YAML reads in it.
+        if hint is str:
+            return str(value)
+        if value.error:
+            raise ConfigError(f"{key}: {value.error}")
+        value = value.parsed
     if dataclasses.is_dataclass(hint):
         return build(hint, value, checks, key)
     if origin in (typing.Union, types.UnionType):
         errors = []
-        for option in typing.get_args(hint):
+        options = typing.get_args(hint)
+        if isinstance(getattr(value, "parsed", None), (list, dict)):
+            # an environment variable YAML reads as a list or mapping: not the string option
+            options = tuple(o for o in options if o is not str)
+        for option in options:
             try:
                 return _coerce(option, value, key, checks)
             except ConfigError as exc:

