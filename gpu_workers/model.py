@@ -77,6 +77,15 @@ class Model:
         if spec.task != "embedding" and missing:
             raise ModelSourceError(f"{spec.directory}: weights lack {sorted(missing)[:4]}; a "
                                    f"{spec.task} model needs its trained head")
+        # An embedding model pools the last hidden state: only BERT's pooler (which many
+        # sentence-transformers checkpoints leave out) may be missing. Weights named otherwise
+        # than config.json's model expects were loaded as random ones, and served.
+        if lost := sorted(k for k in missing if not k.startswith("pooler.")):
+            raise ModelSourceError(
+                f"{spec.directory}: model.safetensors lacks {len(lost)} of the weights its "
+                f"config.json's model ({config.model_type}) needs, e.g. {lost[:3]}; its tensors "
+                f"are named {sorted(info.get('unexpected_keys') or [])[:3] or 'otherwise'} "
+                "(a checkpoint of another architecture, or saved under another prefix?)")
         net = net.eval()
         _refuse_non_finite(net, spec)
         if dtype == "int8":

@@ -380,3 +380,28 @@ def test_token_rows_are_the_networks_last_hidden_state(models, pack, dtype):
         tolerance = 1e-5 if dtype == "fp32" else 0.06  # bf16's 8 bits of mantissa
         np.testing.assert_allclose(got[at:at + lengths[i]], want, rtol=0, atol=tolerance)
         at += lengths[i]
+
+
+def test_weights_named_otherwise_than_the_config_expects_are_refused(models, tmp_path):
+    """Tensors renamed (saved under another prefix, or another architecture's): transformers
+    initialised the model at random and it served random vectors, ready and 200 (an outside
+    check). A checkpoint without BERT's pooler, which embeddings never use, still loads."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    for name, rename in (("renamed", lambda k: "0.auto_model." + k),
+                         ("no-pooler", lambda k: None if k.startswith("pooler.") else k)):
+        target = tmp_path / name
+        shutil.copytree(models["emb"], target)
+        tensors = load_file(target / "model.safetensors")
+        save_file({rename(k): v for k, v in tensors.items() if rename(k)},
+                  target / "model.safetensors", metadata={"format": "pt"})
+        if name == "renamed":
+            with pytest.raises(ModelSourceError, match=r"lacks \d+ of the weights.*0\.auto_model"):
+                Model(spec(target, "embedding"), torch.device("cpu"))
+        else:
+            model = Model(spec(target, "embedding"), torch.device("cpu"))
+            enc = TextEncoder(model.spec, truncate=True).encode(TEXTS)
+            np.testing.assert_allclose(run(model, enc),
+                                       reference_embeddings(models["emb"], TEXTS, 64), atol=1e-5)
