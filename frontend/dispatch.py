@@ -32,6 +32,7 @@ class Outcome:
     result: Result
     worker: int
     received_at: float  # perf_counter when the reply was back in the handler
+    attempts: int = 1  # 2 or more: sent again after a lost or unavailable worker
 
     @property
     def revision(self) -> str:
@@ -123,6 +124,7 @@ class Dispatcher:
                     async with asyncio.timeout(max(0.0, deadline - time.time())):
                         reply = await asyncio.shield(future)
                 except WorkerGone:
+                    metrics.retries("worker_lost").inc()
                     continue
                 except asyncio.CancelledError:  # the client went away
                     self._abandon(link, seq, future)
@@ -136,11 +138,12 @@ class Dispatcher:
                     # or one stopping. It ran nothing; another worker (or it, once its next
                     # heartbeat says ready) takes the request.
                     self.pool.mark_unready(link)
+                    metrics.retries("unavailable").inc()
                     continue
                 if isinstance(reply, Error):
                     raise ApiError.from_worker(reply.code, reply.message)
                 vectors = self.arena.view(output).copy()
-                return Outcome(vectors, reply, link.index, received)
+                return Outcome(vectors, reply, link.index, received, attempt + 1)
             raise ApiError("unavailable", "workers kept failing; retries exhausted "
                            "(frontends.retry_on_worker_loss)", retry_after=1)
         finally:

@@ -46,6 +46,11 @@ REFUSED = Counter("shmserve_frontend_refused_total",
                   "arena (shm.arena_mb taken) or deadline (every worker's heartbeat says its "
                   "queue would not let the request finish in time: workers.refuse_past_deadline)",
                   ["reason"])
+RETRIES = Counter("shmserve_frontend_retries_total",
+                  "Requests sent again to a worker (frontends.retry_on_worker_loss): its worker "
+                  "was lost with the request in it (worker_lost; the work it did is redone), or "
+                  "answered that it was loading or draining (unavailable; it did nothing)",
+                  ["reason"])
 DEADLINES = Counter("shmserve_deadline_exceeded_total",
                     "Requests whose deadline passed (504)", ["model"])
 WORKER_RESTARTS = Counter("shmserve_worker_restarts_seen_total",
@@ -66,7 +71,7 @@ requests, latency, stage = (Children(m, turn) for m in (REQUESTS, LATENCY, STAGE
 inflight, texts, tokens = (Children(m, turn) for m in (INFLIGHT, TEXTS, TOKENS))
 input_tokens, truncated = Children(INPUT_TOKENS, turn), Children(TRUNCATED, turn)
 rejected, deadlines = Children(REJECTED, turn), Children(DEADLINES, turn)
-refused = Children(REFUSED, turn)
+refused, retries = Children(REFUSED, turn), Children(RETRIES, turn)
 
 
 def start(models: list[str], frontend: int, workers: int) -> None:
@@ -80,8 +85,10 @@ def start(models: list[str], frontend: int, workers: int) -> None:
     for worker in range(workers):
         WORKER_RESTARTS.labels(str(frontend), str(worker))
         WORKER_HUNG_KILLS.labels(str(frontend), str(worker))
-    for reason in ("inflight", "deadline"):
+    for reason in ("inflight", "deadline", "arena"):
         REFUSED.labels(reason)
+    for reason in ("worker_lost", "unavailable"):
+        RETRIES.labels(reason)
     INFLIGHT.labels(str(frontend)).set(0)
 
 

@@ -206,6 +206,8 @@ async def run(request: web.Request, served: ServedModel,
     request[LOG_FIELDS].update(revision=outcome.revision, batch_size=outcome.result.batch_size,
                                worker=outcome.worker, queue_ms=round(outcome.result.queue_ms, 3),
                                inference_ms=round(outcome.result.inference_ms, 3))
+    if outcome.attempts > 1:  # the time lost to a worker that went away is in no stage
+        request[LOG_FIELDS]["attempts"] = outcome.attempts
     return Ran(served, variant, outcome, enc)
 
 

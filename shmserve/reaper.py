@@ -33,6 +33,17 @@ EXITS = Counter("shmserve_process_exits", "Program exits seen by supervisord, by
                 "expected=false: a crash or a kill", ["program", "expected"])
 
 
+def start(cfg: config.Config) -> None:
+    """Every program's exit counts at zero, so an alert on increase() sees the first crash."""
+    from shmserve import topology
+
+    programs = ["nginx", *(f"frontend-{i}" for i in range(cfg.frontends.count)),
+                *(f"worker-{i}" for i in range(len(topology.worker_devices(cfg))))]
+    for program in programs:
+        for expected in ("true", "false"):
+            EXITS.labels(program, expected)
+
+
 def handle(event: str, payload: str) -> list[int]:
     """Mark dead what `event` reports, and whatever else died; returns the pids marked."""
     directory = metrics.multiproc_dir()
@@ -77,6 +88,7 @@ def main() -> int:
     cfg = config.load_resolved(args.config)
     logs.configure(cfg.logging, "reaper", sys.stderr)  # stdout speaks to supervisord
     log.info("reaper.started", extra={"fields": {"dir": str(metrics.multiproc_dir())}})
+    start(cfg)
     handle("STARTED", "")  # what died while no reaper listened (its own restart)
     serve(sys.stdin, sys.stdout)
     return 0

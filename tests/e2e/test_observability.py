@@ -216,6 +216,12 @@ def test_metrics_expose_gauges_info_and_memory(stack):
                         "worker-0"}
     assert all(v > 1 << 20 for v in rss.values()), rss
     assert not set(DEVICE_ONLY) & set(samples)  # a CPU worker has no device allocator
+    # Series an alert takes increase() of exist at zero before their first event (the first
+    # crash, the first arena refusal: neither existed until it happened, an outside check).
+    exits = {(l["program"], l["expected"]) for l, v in samples["shmserve_process_exits_total"]}
+    assert {(p, "false") for p in ("nginx", "frontend-0", "frontend-1", "worker-0")} <= exits
+    refused = {l["reason"] for l, v in samples["shmserve_frontend_refused_total"]}
+    assert refused >= {"inflight", "deadline", "arena"}, refused
     names = {name for name in samples if name.startswith("shmserve_")}
     assert names == set(samples)  # nothing else (no python_gc_*, no process_* of one process)
 

@@ -8,6 +8,7 @@ import time
 import numpy as np
 import pytest
 
+from frontend import metrics
 from frontend.dispatch import Dispatcher
 from frontend.errors import ApiError
 from frontend.pool import WorkerGone, WorkerLink
@@ -81,7 +82,7 @@ def run(pool, arena):
 def test_a_worker_that_is_loading_or_draining_hands_the_request_to_another(arena):
     pool = FakePool({0: ErrorCode.UNAVAILABLE, 1: None})
     outcome = run(pool, arena)
-    assert outcome.worker == 1 and pool.sent == [0, 1]
+    assert outcome.worker == 1 and pool.sent == [0, 1] and outcome.attempts == 2
     assert not pool.links[0].ready  # routed around until its next heartbeat
     # Each worker is charged the request's tokens (3 ids), not its texts (1), while it holds
     # it: a frontend routes by tokens outstanding (WorkerPool.pick, tests/unit/test_routing.py)
@@ -115,8 +116,11 @@ def test_a_resubmission_writes_rows_of_its_own_while_the_silent_worker_holds_the
     # worker's answer must be read from other rows, and the first stay allocated until the
     # silent worker is done with them.
     pool = FakePool({0: "silent", 1: None})
+    lost = metrics.RETRIES.labels("worker_lost")._value.get()
     outcome = run(pool, arena)
-    assert outcome.worker == 1 and pool.sent == [0, 1]
+    assert outcome.worker == 1 and pool.sent == [0, 1] and outcome.attempts == 2
+    metrics.turn.flush()
+    assert metrics.RETRIES.labels("worker_lost")._value.get() == lost + 1
     first, second = pool.outputs
     assert (first.offset + first.nbytes <= second.offset
             or second.offset + second.nbytes <= first.offset)
