@@ -30,7 +30,7 @@ def restart(args: argparse.Namespace) -> int:
     if processes.supervisord_pid(cfg) is None:
         raise CliError(processes.not_running(cfg))
     if drift := config_drift(args, cfg):
-        print(f"shmserve: warning: {drift}", file=sys.stderr, flush=True)
+        say(f"shmserve: warning: {drift}", sys.stderr)
     target = restart_target(args.target)
     timeout = args.timeout if args.timeout is not None else cfg.workers.ready_timeout_s
     if target == "nginx" and not args.all_at_once:
@@ -46,7 +46,7 @@ def restart(args: argparse.Namespace) -> int:
                        f"nginx or one of {', '.join(sorted(p['name'] for p in infos))}")
     lone = lone_models(cfg, programs if name == "*" else [name]) if group == "workers" else {}
     if warning := restart_gap(group, name, programs, args.all_at_once, lone):
-        print(f"shmserve: warning: {warning}", file=sys.stderr, flush=True)
+        say(f"shmserve: warning: {warning}", sys.stderr)
     if args.all_at_once or group not in ("frontends", "workers"):
         return subprocess.run(ctl_argv(cfg, "restart", target), check=False).returncode
     if name != "*":
@@ -54,6 +54,17 @@ def restart(args: argparse.Namespace) -> int:
     for program in sorted(programs):
         restart_one(cfg, group, program, timeout)
     return 0
+
+
+def say(text: str, stream=None) -> None:
+    """A line of progress (stdout) or warning (stderr). A reader that went away (`restart
+    workers | head -1`) must not stop a rolling restart half way, as the BrokenPipeError did:
+    the rest of what it would have read goes to /dev/null."""
+    stream = sys.stdout if stream is None else stream
+    try:
+        print(text, file=stream, flush=True)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
 
 
 def config_drift(args: argparse.Namespace, running: Config,
@@ -166,7 +177,7 @@ def restart_one(cfg: Config, group: str, program: str, timeout: float) -> None:
         ready = lambda: remote.http_unix(frontends[index], "/ready") == 200  # noqa: E731
     else:
         ready = lambda: all(worker_ready(path, index, pid) for path in frontends)  # noqa: E731
-    print(f"shmserve: restarted {program} (pid {pid}); waiting until it is ready", flush=True)
+    say(f"shmserve: restarted {program} (pid {pid}); waiting until it is ready")
     deadline = time.monotonic() + timeout
     watch = processes.StartWatch()
     while not ready():
@@ -184,7 +195,7 @@ def restart_one(cfg: Config, group: str, program: str, timeout: float) -> None:
                            f"the rest of {group} was left as it is; logs in "
                            f"{topology.log_dir(cfg)}")
         time.sleep(0.2)
-    print(f"shmserve: {program} ready")
+    say(f"shmserve: {program} ready")
 
 
 def worker_ready(frontend_socket: str, index: int, pid: int) -> bool:
@@ -211,9 +222,9 @@ def reload_nginx(cfg: Config) -> int:
                           capture_output=True, text=True)
     if done.returncode != 0:
         raise CliError(f"supervisorctl signal HUP nginx failed: {done.stdout.strip()}")
-    print("shmserve: nginx reloaded its configuration: requests in flight finish on the old "
-          "nginx workers; their idle keep-alive connections are closed, so a client that sends "
-          "on one at that moment must reconnect (most HTTP clients retry that themselves)")
+    say("shmserve: nginx reloaded its configuration: requests in flight finish on the old "
+        "nginx workers; their idle keep-alive connections are closed, so a client that sends "
+        "on one at that moment must reconnect (most HTTP clients retry that themselves)")
     return 0
 
 

@@ -443,3 +443,13 @@ def test_a_config_that_no_longer_loads_still_names_the_deployment(tmp_path, monk
     monkeypatch.setenv("SHMSERVE__SERVER__RUN_DIR", str(tmp_path / "elsewhere"))
     with pytest.raises(config.ConfigError, match="frontends.count"):  # none there: refused
         processes.deployment(argparse.Namespace(env=None, config=None))
+
+
+def test_restart_progress_to_a_reader_that_left_does_not_stop_the_restart(tmp_path):
+    """`restart workers 2>&1 | head -1`: the second line raised BrokenPipeError and the
+    rolling restart stopped half way (an outside check)."""
+    read, write = os.pipe()
+    os.close(read)  # the reader left
+    with os.fdopen(write, "w") as stream:
+        restarts.say("shmserve: restarted worker-0", stream)  # no exception
+        restarts.say("shmserve: worker-0 ready", stream)  # written to /dev/null now
