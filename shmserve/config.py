@@ -13,6 +13,7 @@ import dataclasses
 import json
 import os
 import re
+import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Mapping
@@ -391,7 +392,17 @@ def redacted(cfg: Config) -> Config:
     whether it is set is worth seeing), for printing."""
     return dataclasses.replace(
         cfg, admin=dataclasses.replace(cfg.admin, token="***" if cfg.admin.token else ""),
-        auth=dataclasses.replace(cfg.auth, api_keys=["***"] * len(cfg.auth.api_keys)))
+        auth=dataclasses.replace(cfg.auth, api_keys=["***"] * len(cfg.auth.api_keys)),
+        tracing=dataclasses.replace(cfg.tracing,
+                                    otlp_endpoint=without_userinfo(cfg.tracing.otlp_endpoint)))
+
+
+def without_userinfo(url: str) -> str:
+    """A URL with the user and password it may carry (http://user:pass@host/) shown as ***."""
+    parts = urllib.parse.urlsplit(url)
+    if "@" not in parts.netloc:
+        return url
+    return parts._replace(netloc="***@" + parts.netloc.rpartition("@")[2]).geturl()
 
 
 def flat(cfg: Config) -> dict[str, Any]:
@@ -411,8 +422,9 @@ def flat(cfg: Config) -> dict[str, Any]:
 def differences(old: Config, new: Config) -> list[str]:
     """The keys whose values differ, as `key: old -> new` (secrets: `key: changed`)."""
     a, b = flat(old), flat(new)
+    shown = flat(redacted(old)), flat(redacted(new))  # an endpoint's password too
     return [f"{key}: changed" if key in SECRET_KEYS else
-            f"{key}: {json.dumps(a.get(key))} -> {json.dumps(b.get(key))}"
+            f"{key}: {json.dumps(shown[0].get(key))} -> {json.dumps(shown[1].get(key))}"
             for key in sorted(a.keys() | b.keys()) if a.get(key) != b.get(key)]
 
 

@@ -33,11 +33,17 @@ def test_config_prints_the_resolved_config(deployment, capsys):
 def test_config_hides_credentials_unless_asked(deployment, monkeypatch, capsys):
     monkeypatch.setenv("SHMSERVE__ADMIN__TOKEN", "admin-secret-1234")
     monkeypatch.setenv("SHMSERVE__AUTH__API_KEYS", '["key-secret-1234", "key-secret-5678"]')
+    # a collector's password in its URL, too (it was printed: an outside check)
+    monkeypatch.setenv("SHMSERVE__TRACING__OTLP_ENDPOINT", "http://u:pw-secret@c:4318/v1/traces")
     assert cli.main(["config"]) == 0
     out = capsys.readouterr().out
     assert "secret" not in out
     printed = json.loads(out)
     assert printed["admin"]["token"] == "***" and printed["auth"]["api_keys"] == ["***"] * 2
+    assert printed["tracing"]["otlp_endpoint"] == "http://***@c:4318/v1/traces"
+    old, new = config.load(), config.load(environ={**os.environ,
+                                                   "SHMSERVE__ADMIN__TOKEN": "other-1234"})
+    assert config.differences(old, new) == ["admin.token: changed"]
     assert cli.main(["config", "--show-secrets"]) == 0
     printed = json.loads(capsys.readouterr().out)
     assert printed["admin"]["token"] == "admin-secret-1234"
