@@ -12,6 +12,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 
 import aiohttp
 import pytest
@@ -201,6 +202,7 @@ def test_nginx_logs_the_method_of_a_request_it_answers_itself(stack):
         return [l for l in log_lines(stack, "nginx") if l.get("request_id") == "nginx-answers"]
     stack.wait_until(line, 30, "nginx's access line")
     assert line()[0]["method"] == "POST" and line()[0]["status"] == 415
+    assert abs(line()[0]["msec"] - time.time()) < 60  # the time to the millisecond too
 
 
 def test_metrics_expose_gauges_info_and_memory(stack):
