@@ -258,7 +258,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
 
 
 def create_app(cfg: Config, index: int = 0) -> web.Application:
-    from frontend import info, kserve, openapi, routes, tei
+    from frontend import cohere, info, kserve, openapi, routes, tei
 
     app = web.Application(middlewares=[observe],
                           client_max_size=_bytes(cfg.nginx.client_max_body_size))
@@ -278,6 +278,7 @@ def create_app(cfg: Config, index: int = 0) -> web.Application:
     routes.add_routes(app)
     info.add_routes(app)
     tei.add_routes(app)
+    cohere.add_routes(app)
     kserve.add_routes(app)
     openapi.add_routes(app)
     return app

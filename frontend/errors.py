@@ -98,9 +98,13 @@ def status_on(path: str, exc: ApiError) -> int:
 
 def kserve_shaped(path: str) -> bool:
     """Whether errors on `path` take KServe v2's shape: every path under /v2, matched route or
-    not (its clients read a 401 or an unknown path there too), but Cohere's /v2/rerank
-    (frontend.scores). nginx's own pages follow the same rule (nginx/nginx.conf)."""
-    return (path == "/v2" or path.startswith("/v2/")) and path != "/v2/rerank"
+    not (its clients read a 401 or an unknown path there too), but Cohere's /v2/rerank and
+    /v2/embed (frontend.scores, frontend.cohere). nginx's own pages follow the same rule
+    (nginx/nginx.conf)."""
+    return (path == "/v2" or path.startswith("/v2/")) and path not in COHERE_V2
+
+
+COHERE_V2 = ("/v2/rerank", "/v2/embed")
 
 
 def status_of(exc: BaseException) -> int:

@@ -26,9 +26,10 @@ DOCUMENT = web.AppKey("openapi", dict)
 
 _DESCRIPTION = """\
 Embeddings, classification and reranking over shared memory. Protocols: the native `/predict`,
-`/v1/classify` and `/v1/rerank` (also Cohere's `/v2/rerank`), OpenAI's `/v1/embeddings`,
-Hugging Face TEI's `/embed`, `/similarity`, `/` (as TEI's, for huggingface_hub), `/rerank`,
-`/tokenize`, `/decode` and `/info`, and KServe v2 (`/v2/...`, with Triton's binary tensor data
+`/v1/classify` and `/v1/rerank` (also Cohere's `/v2/rerank`), Cohere's `/v1/embed` and
+`/v2/embed`, OpenAI's `/v1/embeddings`, Hugging Face TEI's `/embed`, `/embed_all`,
+`/embed_sparse`, `/similarity`, `/` (as TEI's, for huggingface_hub), `/rerank`, `/tokenize`,
+`/decode` and `/info`, and KServe v2 (`/v2/...`, with Triton's binary tensor data
 extension).
 Inference responses carry `X-Model-Revision` (and `X-Model-Variant` for an A/B split).
 
@@ -160,6 +161,15 @@ def _routes(model: dict) -> dict[str, dict]:
             "native", "Rerank documents against a query (a cross-encoder; Cohere's shape)",
             {**_ok(ref("RerankResponse")), **_errors(*_POST_ERRORS)},
             _body(ref("RerankRequest")))},
+        "/v1/embed": {"post": _op(
+            "native", "Embed, as Cohere's v1 client sends it (floats, or by embedding_types)",
+            {**_ok(ref("CohereEmbedResponse")), **_errors(*_POST_ERRORS)},
+            _body(ref("CohereEmbedRequest")))},
+        "/v2/embed": {"post": _op(
+            "native", "Embed, as Cohere's v2 client sends it (by type: float, int8, uint8, "
+            "binary, ubinary, base64)",
+            {**_ok(ref("CohereEmbedResponse")), **_errors(*_POST_ERRORS)},
+            _body(ref("CohereEmbedRequest")))},
         "/v2/rerank": {"post": _op(
             "native", "Rerank, as Cohere's v2 client sends it (the answer adds Cohere's meta)",
             {**_ok(ref("RerankResponse")), **_errors(*_POST_ERRORS)},

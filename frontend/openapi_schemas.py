@@ -142,6 +142,26 @@ def _task_schemas(parts: dict[str, Any]) -> dict[str, Any]:
                     "index": {"type": "integer"}, "relevance_score": {"type": "number"},
                     "document": {"type": "object", "properties": {
                         "text": {"type": "string"}}}}}}}},
+        "CohereEmbedRequest": {"type": "object", "required": ["texts"], "properties": {
+            "texts": parts["texts"], "model": parts["model"]("embedding", "null"),
+            "input_type": {"type": ["string", "null"], "enum": [
+                "search_query", "search_document", "classification", "clustering", None],
+                "description": "the model's prompt of that purpose, if it has one"},
+            "embedding_types": {"type": ["array", "null"], "minItems": 1, "items": {
+                "enum": ["float", "int8", "uint8", "binary", "ubinary", "base64"]}},
+            "truncate": {"type": ["string", "null"], "enum": ["NONE", "START", "END", None]},
+            "output_dimension": {"type": ["integer", "null"], "minimum": 1},
+            "priority": {"type": ["integer", "null"], "minimum": 0, "maximum": 10,
+                         "description": "Cohere's: 0 (the default) is the highest"},
+            "user": {"type": ["string", "null"]}}},
+        "CohereEmbedResponse": {"type": "object", "properties": {
+            "id": {"type": "string"}, "texts": {"type": "array", "items": {"type": "string"}},
+            "response_type": {"enum": ["embeddings_floats", "embeddings_by_type"]},
+            "embeddings": {"oneOf": [
+                {"type": "array", "items": {"type": "array", "items": {"type": "number"}}},
+                {"type": "object", "additionalProperties": {"type": "array"}}]},
+            "meta": {"type": "object"}, "model": {"type": "string"},
+            "revision": {"type": "string"}}},
         "ReloadRequest": {"type": "object", "properties": {
             "source": {"type": "string", "description": "a directory under model_roots or "
                        "package:NAME; empty: the current source, read again"},

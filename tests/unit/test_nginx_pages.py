@@ -96,8 +96,8 @@ def test_v2_routes_get_kserves_error_shape_from_nginx_too(bare_nginx, path):
                               {"Accept": "application/msgpack"})
     assert status == 413 and isinstance(msgpack.unpackb(body)["error"], str)
     # Only /v2 and below: a path that merely starts with the letters keeps the other shape, and
-    # so does Cohere's /v2/rerank.
-    for other in ("/v2x", "/v2/rerank"):
+    # so do Cohere's /v2/rerank and /v2/embed.
+    for other in ("/v2x", "/v2/rerank", "/v2/embed"):
         status, _, body = request(bare_nginx, "POST", other, b"{}")
         assert status == 502 and json.loads(body)["error"]["type"] == "unavailable"
 

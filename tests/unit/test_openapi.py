@@ -56,6 +56,7 @@ def test_kserve_errors_are_documented_in_kserves_shape():
                     assert name == want, (path, status)
     assert seen == {"Error", "KServeError"}
     assert kserve_shaped("/v2/models/m/infer") and not kserve_shaped("/v2/rerank")
+    assert not kserve_shaped("/v2/embed")
     assert doc["components"]["schemas"]["KServeError"]["properties"]["error"] == {
         "type": "string"}
 
