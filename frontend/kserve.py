@@ -178,6 +178,7 @@ async def ready(request: web.Request) -> web.Response:
 
 async def model_ready(request: web.Request) -> web.Response:
     model = _model(request)
+    _tensors(model)  # a model this protocol cannot run is not ready here: 422, as its infer
     # Ready when every arm of the model (one without an A/B split) has a ready worker; workers
     # name an arm MODEL@VARIANT.
     pool = request.app[POOL]

@@ -198,8 +198,7 @@ def _tei_schemas(parts: dict[str, Any]) -> dict[str, Any]:
             "prompt_name": parts["prompt_name"]}},
         "TeiEmbedSparseRequest": {"type": "object", "required": ["inputs"], "properties": {
             "inputs": parts["inputs"], "model": parts["model"]("sparse"),
-            "truncate": nullable_bool, "truncation_direction": direction,
-            "prompt_name": parts["prompt_name"]}},
+            "truncate": nullable_bool, "truncation_direction": direction}},
         "SparseValue": {"type": "object", "required": ["index", "value"], "properties": {
             "index": {"type": "integer", "minimum": 0,
                       "description": "a vocabulary index (a token id)"},

@@ -232,14 +232,32 @@ async def embed_sparse(request: web.Request) -> web.Response:
                        "sparse vector keeps its vocabulary indices", param="dimensions")
     model = tasks.resolve(request, parsed.model, "sparse")
     _, outcome, _ = await routes.embed(request, parsed, "inputs", model)
-    return codec.render(request, [sparse(row) for row in outcome.vectors],
+    return codec.render(request, [sparse(row) for row in bounded(outcome.vectors)],
                         headers=tasks.stage_headers(request, outcome))
 
 
+# The most non-zero values one /embed_sparse answer holds: ~30 MB of JSON. A trained SPLADE
+# model gives a few hundred a text (256 texts: ~80,000); a checkpoint whose vectors are not
+# sparse gave 26,000 a text, and 256 texts made 297 MB of JSON and a 2.4 GB frontend.
+SPARSE_VALUES = 1_000_000
+
+
+def bounded(rows: np.ndarray) -> np.ndarray:
+    """`rows`, unless their non-zero values are more than SPARSE_VALUES (413)."""
+    values = int(np.count_nonzero(rows))
+    if values > SPARSE_VALUES:
+        raise ApiError("too_large", f"the answer would hold {values:,} non-zero values, over "
+                       f"the {SPARSE_VALUES:,} a request may (~30 bytes of JSON each); send "
+                       "fewer texts (a trained SPLADE model has a few hundred a text)",
+                       param="inputs")
+    return rows
+
+
 def sparse(row: np.ndarray) -> list[dict[str, Any]]:
-    """A SPLADE vector as TEI gives it: its non-zero values with their indices, in order."""
+    """A SPLADE vector as TEI gives it: its non-zero values with their indices, in order; the
+    values float32, which the JSON writer gives as the shortest decimal of a float32."""
     index = np.flatnonzero(row)
-    return [{"index": i, "value": v} for i, v in zip(index.tolist(), row[index].tolist())]
+    return [{"index": i, "value": v} for i, v in zip(index.tolist(), row[index])]
 
 
 def parse_embed(body: dict, limits: LimitsConfig) -> tuple[EmbedRequest, bool]:

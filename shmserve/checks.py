@@ -130,8 +130,11 @@ def check_models(cfg: Any) -> None:
         if model.task != "embedding" and (model.pooling, model.normalize) != ("auto", "auto"):
             raise ConfigError(f"{key}: pooling and normalize apply to embedding models, not "
                               f"task {model.task}")
-        if "@" in model.name:
-            raise ConfigError(f"{key}.name: '@' is reserved (it joins a model and its variant)")
+        for where, name in ((f"{key}.name", model.name), *(
+                (f"{key}.aliases[{j}]", alias) for j, alias in enumerate(model.aliases))):
+            if "@" in name:  # an alias "ab@a" took requests meant for model ab's variant a
+                raise ConfigError(f"{where}: '@' is reserved (it joins a model and its "
+                                  "variant)")
         if bool(model.source) == bool(model.variants):
             raise ConfigError(f"{key}: give either source or variants (an A/B split), not "
                               f"{'both' if model.source else 'neither'}")

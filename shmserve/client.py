@@ -52,6 +52,9 @@ class SparseVector(NamedTuple):
 
     def dense(self, size: int) -> np.ndarray:
         """As a float32 [size] vector (size: the model's vocabulary, GET /info's dim)."""
+        if len(self.indices) and self.indices[-1] >= size:
+            raise ValueError(f"index {int(self.indices[-1])} is past a vector of {size}; "
+                             "size is the model's vocabulary (GET /info's dim)")
         out = np.zeros(size, np.float32)
         out[self.indices] = self.values
         return out

@@ -268,6 +268,7 @@ class _FileLoader(yaml.SafeLoader):
 _FileLoader.yaml_implicit_resolvers = {
     first: [r for r in resolvers if r[0] != "tag:yaml.org,2002:timestamp"]
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_EnvLoader.yaml_implicit_resolvers = _FileLoader.yaml_implicit_resolvers  # a list's dates too
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:

@@ -5,6 +5,7 @@ wrong types and values outside their range are `ConfigError`s that name the key 
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from typing import Any, Callable, Literal, Mapping
@@ -98,8 +99,9 @@ def _coerce(hint: Any, value: Any, key: str,
             raise ConfigError(f"{key}: expected an integer, got {_show(value)}")
         return int(value)
     if hint is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{key}: expected a number, got {_show(value)}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                not math.isfinite(value):  # .inf passed, and crashed the rendering of `up`
+            raise ConfigError(f"{key}: expected a finite number, got {_show(value)}")
         return float(value)
     if hint is str:
         if not isinstance(value, (str, int, float)) or isinstance(value, bool):

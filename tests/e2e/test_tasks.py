@@ -367,6 +367,8 @@ async def test_embed_sparse_gives_the_splade_vectors_of_the_masked_lm(task_stack
     status, _, body = task_stack.post_json("/v2/models/sp/infer", {"inputs": [
         {"name": "text", "shape": [1], "datatype": "BYTES", "data": ["x"]}]})
     assert status == 422 and "sparse" in body["error"], body
+    status, _, body = task_stack.get("/v2/models/sp/ready")  # it said ready: 200
+    assert status == 422 and "sparse" in json.loads(body)["error"], body
     # GET /info describes it as TEI does a SPLADE model.
     info = {m["name"]: m for m in json.loads(task_stack.get("/info")[2])["models"]}
     assert (info["sp"]["task"], info["sp"]["dim"], info["sp"]["pooling"],

