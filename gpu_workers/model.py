@@ -97,7 +97,10 @@ class Model:
         # (gpu_workers.packed); int8's quantized linears keep the network's own forward.
         self._packs = pack and dtype != "int8" and packed.supports(net)
         # sparse (SPLADE): the vocabulary logits of a token's last hidden state
-        self.splade = packed.MASKED_LMS[type(net).__name__] if spec.task == "sparse" else None
+        self.splade = packed.MASKED_LMS.get(type(net).__name__) if spec.task == "sparse" else None
+        if spec.task == "sparse" and self.splade is None:  # config.json named one, not so
+            raise ModelSourceError(f"{spec.directory}: loads as {type(net).__name__}; a sparse "
+                                   f"model must be one of {', '.join(packed.MASKED_LMS)}")
         self.vocab = spec.dim  # a sparse model's row width
         self.max_graphs = graphs if self._packs and self.splade is None else 0
         self._use(net.to(device))
