@@ -6,7 +6,11 @@ any attaching process exits.
 
 Ownership, stated once:
   * Each frontend process creates exactly one arena, named
-    ``shmserve-<instance>-fe<index>-<pid>``, and is its only allocator. It allocates one slot
+    ``shmserve-<instance>-fe<index>-<pid>-<random>``, and is its only allocator. It creates
+    the file itself (O_EXCL, O_NOFOLLOW) under a name no one can foresee, and workers map only
+    a regular file of their own user (O_NOFOLLOW): another local user could otherwise have
+    created the predictable name first and read or written the requests in it, or had a
+    frontend running as root truncate any file through a symlink (a security review). It allocates one slot
     per request (token ids, offsets and the output rows), writes the inputs, and frees the slot
     when the worker's terminal reply (Result or Error) arrives, or when that worker is declared
     dead. A slot is never freed while a live worker may still write to it, so an aborted or
@@ -33,8 +37,10 @@ import math
 import mmap
 import os
 import re
+import secrets
 import time
 from pathlib import Path
+from stat import S_ISREG
 
 import numpy as np
 
@@ -49,10 +55,11 @@ class ArenaFull(MemoryError):
 
 
 def arena_name(instance: str, role: str, pid: int | None = None) -> str:
-    return f"shmserve-{instance}-{role}-{os.getpid() if pid is None else pid}"
+    return (f"shmserve-{instance}-{role}-{os.getpid() if pid is None else pid}-"
+            f"{secrets.token_hex(8)}")
 
 
-_ARENA_FILE = re.compile(r"^shmserve-[0-9a-f]+-[a-z0-9]+-\d+$")
+_ARENA_FILE = re.compile(r"^shmserve-[0-9a-f]+-[a-z0-9]+-\d+(-[0-9a-f]+)?$")
 ORPHAN_MIN_AGE_S = 10.0  # younger segments may be between their creation and their lock
 
 
@@ -109,7 +116,7 @@ class Arena:
         self.name = name
         self.size = size
         self.path = directory / name
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)  # held while this process lives: `sweep_orphans`
             os.ftruncate(fd, size)
@@ -201,8 +208,11 @@ class Attachments:
         if "/" in name or not name.startswith("shmserve-"):
             raise ValueError(f"not a shmserve arena: {name!r}")
         self._drop_vanished()
-        fd = os.open(self._dir / name, os.O_RDWR)
+        fd = os.open(self._dir / name, os.O_RDWR | os.O_NOFOLLOW)
         try:
+            stat = os.fstat(fd)
+            if not S_ISREG(stat.st_mode) or stat.st_uid != os.geteuid():
+                raise ValueError(f"arena {name!r} is not a regular file of this user")
             mm = mmap.mmap(fd, 0)
         finally:
             os.close(fd)

@@ -1,3 +1,4 @@
+import dataclasses
 import os
 import random
 
@@ -161,3 +162,38 @@ def test_an_arena_whose_creator_was_killed_is_an_orphan(tmp_path):
         child.kill()
         child.wait()
         child.stdout.close()
+
+
+def test_an_arena_is_made_under_a_name_no_one_can_foresee_and_never_through_a_link(tmp_path):
+    """A security review: the name was the deployment's prefix and the pid, and the file was
+    opened O_CREAT|O_TRUNC, so another local user could create it first (and read or write the
+    requests in it) or place a symlink there, through which a root frontend truncated and grew
+    any file."""
+    a, b = arena_name("0123abcd", "fe0"), arena_name("0123abcd", "fe0")
+    assert a != b and a.startswith(f"shmserve-0123abcd-fe0-{os.getpid()}-")
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    (tmp_path / a).symlink_to(victim)
+    with pytest.raises(FileExistsError):
+        Arena(a, 1 << 12, directory=tmp_path)
+    assert victim.read_text() == "precious"
+    (tmp_path / b).write_bytes(b"\0" * 4096)  # created first by someone else
+    with pytest.raises(FileExistsError):
+        Arena(b, 1 << 12, directory=tmp_path)
+
+
+def test_a_worker_maps_only_a_regular_file_of_its_own_user(tmp_path):
+    arena = Arena(arena_name("0123abcd", "fe0"), 1 << 12, directory=tmp_path)
+    handle = arena.handle(arena.alloc(64), "float32", (16,))
+    assert Attachments(tmp_path).view(handle).shape == (16,)
+    link = tmp_path / arena_name("0123abcd", "fe1")
+    link.symlink_to(arena.path)
+    with pytest.raises(OSError):  # O_NOFOLLOW: ELOOP
+        Attachments(tmp_path).view(dataclasses.replace(handle, arena=link.name))
+    if os.geteuid() == 0:  # another user's file (root can make one)
+        theirs = tmp_path / arena_name("0123abcd", "fe2")
+        theirs.write_bytes(b"\0" * 4096)
+        os.chown(theirs, 65534, 65534)
+        with pytest.raises(ValueError, match="not a regular file of this user"):
+            Attachments(tmp_path).view(dataclasses.replace(handle, arena=theirs.name))
+    arena.close()
