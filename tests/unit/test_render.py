@@ -342,3 +342,14 @@ def test_logging_to_stdout_sends_every_programs_lines_to_supervisords_stdout(
     with pytest.raises(cli.CliError, match="--foreground"):
         cli.up(argparse.Namespace(env=None, config=None, wait=True, foreground=False,
                                   timeout=None))
+
+
+def test_nginx_sends_a_request_on_only_while_its_frontend_could_not_have_been_killed_as_hung(
+        tmp_path):
+    """One body that held a frontend until the hung kill went on to the next frontend and
+    took it down too (a security review): retries end at half of frontends.hung_kill_s."""
+    for hung, want in ((30, "15s"), (5, "2s"), (0, "0")):
+        cfg = make_config(tmp_path / f"run{hung}", frontends={"hung_kill_s": hung})
+        render.render(cfg)
+        conf = render.nginx_conf(cfg).read_text()
+        assert f"proxy_next_upstream_timeout {want};" in conf
