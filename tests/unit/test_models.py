@@ -39,6 +39,18 @@ def test_packages_are_always_allowed(tmp_path):
         resolve_source("package:no_such_model_pkg", [tmp_path])
 
 
+def test_a_package_source_never_runs_code_and_names_packages_only(tmp_path, capsys):
+    """A reload's `package:this.x` imported `this` on the worker (its poem in the log), and
+    `package:os`, a frozen module, resolved to ./model (a security review)."""
+    with pytest.raises(ModelSourceError, match="a top-level package"):
+        resolve_source("package:this.x", [tmp_path])
+    with pytest.raises(ModelSourceError, match="'this' is a Python module, not a package"):
+        resolve_source("package:this", [tmp_path])
+    assert "Beautiful is better than ugly" not in capsys.readouterr().out
+    with pytest.raises(ModelSourceError, match="'os' is a Python module, not a package"):
+        resolve_source("package:os", [tmp_path])
+
+
 def test_a_distribution_name_for_a_package_names_the_import_name(tmp_path):
     # pip's name for it, with '-': the source wants the import name, and the message says it.
     with pytest.raises(ModelSourceError) as info:
@@ -52,7 +64,7 @@ def test_a_distribution_name_for_a_package_names_the_import_name(tmp_path):
 @pytest.mark.parametrize("source,message", [
     ("package:", "does not name a Python package"),
     ("package:../models", "does not name a Python package"),
-    ("package:no_such_parent.sub", r"'no_such_parent.sub' is not installed"),
+    ("package:no_such_parent.sub", "a top-level package"),
 ])
 def test_a_package_source_that_names_no_package_is_a_model_source_error(tmp_path, source,
                                                                         message):
