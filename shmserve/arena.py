@@ -12,9 +12,9 @@ Ownership, stated once:
     created the predictable name first and read or written the requests in it, or had a
     frontend running as root truncate any file through a symlink (a security review). It
     allocates one slot per request (token ids, offsets and the output rows), writes the inputs,
-    and frees the slot when the worker's terminal reply (Result or Error) arrives, or when that worker is declared
-    dead. A slot is never freed while a live worker may still write to it, so an aborted or
-    timed-out request keeps its slot until the worker answers.
+    and frees the slot when the worker's terminal reply (Result or Error) arrives, or when that
+    worker is declared dead. A slot is never freed while a live worker may still write to it,
+    so an aborted or timed-out request keeps its slot until the worker answers.
   * Between Submit and its terminal reply, the slot's output rows are lent to the one worker the
     request went to; nobody else writes them.
   * The creator unlinks its arena on clean exit. A killed frontend's arena is swept by the next
