@@ -405,3 +405,18 @@ def test_weights_named_otherwise_than_the_config_expects_are_refused(models, tmp
             enc = TextEncoder(model.spec, truncate=True).encode(TEXTS)
             np.testing.assert_allclose(run(model, enc),
                                        reference_embeddings(models["emb"], TEXTS, 64), atol=1e-5)
+
+
+def test_freed_heap_goes_back_to_the_system_after_warm_up_and_a_replaced_model(models,
+                                                                                monkeypatch):
+    """glibc kept a replaced model's and the warm-up's freed memory: a worker held ~100 MB
+    more from its start and ~200 MB more after a hot reload (a soak test; docs/observability.md
+    has the figures with and without)."""
+    from gpu_workers import model as model_module
+
+    calls = []
+    monkeypatch.setattr(model_module, "trim_heap", lambda: calls.append(1))
+    model = Model(spec(models["emb"], "embedding"), torch.device("cpu"))
+    model_module.warm_up(model, max_batch_size=4, max_batch_tokens=256)
+    assert calls == [1]
+    assert model_module.release(torch.device("cpu")) is False and calls == [1, 1]
