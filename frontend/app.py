@@ -245,16 +245,26 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     await pool.start()
     app[POOL] = pool
     app[DISPATCHER] = Dispatcher(cfg, pool, arena)
+    reporter = asyncio.create_task(_report_arena(arena, index), name="arena-gauge")
     log.info("frontend.started", extra={"fields": {"frontend": index, "arena": arena.name}})
     try:
         yield
     finally:
+        reporter.cancel()
         await pool.close()
         metrics.turn.flush()
         arena.close(unlink=True)
         if app[TRACING] is not None:
             app[TRACING].close()
         log.info("frontend.stopped", extra={"fields": {"frontend": index}})
+
+
+async def _report_arena(arena: shm.Arena, index: int) -> None:
+    """shmserve_frontend_arena_used_bytes, every second: off the request path."""
+    gauge = metrics.ARENA_USED.labels(str(index))
+    while True:
+        gauge.set(arena.bytes_used)
+        await asyncio.sleep(1.0)
 
 
 def create_app(cfg: Config, index: int = 0) -> web.Application:

@@ -32,6 +32,9 @@ STAGE = Histogram("shmserve_stage_duration_seconds",
                   ["stage", "model"], buckets=shared.LATENCY_BUCKETS)
 INFLIGHT = Gauge("shmserve_frontend_inflight_requests", "Requests being served per frontend",
                  ["frontend"], multiprocess_mode="livesum")
+ARENA_USED = Gauge("shmserve_frontend_arena_used_bytes",
+                   "Bytes of a frontend's shared memory (shm.arena_mb) held by requests in "
+                   "flight, read every second", ["frontend"], multiprocess_mode="livesum")
 TEXTS = Counter("shmserve_texts_total", "Texts embedded", ["model"])
 TOKENS = Counter("shmserve_tokens_total", "Tokens embedded (after truncation)", ["model"])
 INPUT_TOKENS = Histogram("shmserve_input_tokens", "Tokens per input text (after truncation)",
@@ -90,6 +93,7 @@ def start(models: list[str], frontend: int, workers: int) -> None:
     for reason in ("worker_lost", "unavailable"):
         RETRIES.labels(reason)
     INFLIGHT.labels(str(frontend)).set(0)
+    ARENA_USED.labels(str(frontend)).set(0)
 
 
 def observe_request(route: str, model: str, status: int, seconds: float,

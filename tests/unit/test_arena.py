@@ -197,3 +197,25 @@ def test_a_worker_maps_only_a_regular_file_of_its_own_user(tmp_path):
         with pytest.raises(ValueError, match="not a regular file of this user"):
             Attachments(tmp_path).view(dataclasses.replace(handle, arena=theirs.name))
     arena.close()
+
+
+async def test_a_frontends_arena_use_is_reported_every_second(tmp_path):
+    import asyncio
+
+    from frontend import app as frontend_app, metrics
+
+    arena = Arena(arena_name("0123abcd", "fe7"), 1 << 16, directory=tmp_path)
+    reporter = asyncio.create_task(frontend_app._report_arena(arena, 7))
+    try:
+        await asyncio.sleep(0.05)
+        gauge = metrics.ARENA_USED.labels("7")
+        assert gauge._value.get() == 0
+        offset = arena.alloc(1000)
+        await asyncio.sleep(1.1)
+        assert gauge._value.get() == 1024  # aligned to 64
+        arena.free(offset)
+        await asyncio.sleep(1.1)
+        assert gauge._value.get() == 0
+    finally:
+        reporter.cancel()
+        arena.close()
