@@ -156,10 +156,7 @@ def render_nginx(cfg: Config) -> str:
         "upstream_keepalive": str(n.upstream_keepalive),
         "listen": f"{host}:{cfg.server.port}",
         "frontend_count": str(cfg.frontends.count),
-        # Retries only while a frontend could not have been killed as hung: a request that
-        # hangs its frontend (frontends.hung_kill_s) is not sent on to hang the next one.
-        "next_upstream_timeout": f"{max(1, int(cfg.frontends.hung_kill_s // 2))}s"
-        if cfg.frontends.hung_kill_s > 0 else "0",
+        "next_upstream_tries": str(min(2, cfg.frontends.count)),  # the first, one other
         "admin_access": admin,
         "access_log_buffer": access_log_buffer(cfg),
         **cors(n.cors_allow_origins),
