@@ -15,8 +15,9 @@ refuses a text past it (413). output_dimension keeps the leading components (Mat
 `dimensions` elsewhere). Embedding types (`quantized`): float; base64 (the float32 bytes,
 little-endian); int8 and uint8 (each vector scaled by its largest magnitude to 127: cosines
 move by at most ~0.003 at 384 components, docs/protocols.md; raw dot products across vectors
-are not comparable); binary and ubinary (one
-bit per component, set where it is positive, packed eight to a byte, as int8 or uint8).
+are not comparable); binary and ubinary (one bit per component, set where it is positive,
+packed eight to a byte, as int8 or uint8). Floats are written as every route writes vectors
+(JSON: float32's shortest decimal; msgpack: raw little-endian float32 bytes per vector).
 Images, "inputs" and "max_tokens" are refused (422); Cohere's priority (0, the default, is the
 highest) is this server's priority negated.
 """
@@ -76,12 +77,14 @@ async def embed(request: web.Request) -> web.Response:
                           user=schemas.user(body),
                           prompt_name=_prompt(body.get("input_type"), model.spec.prompts))
     model, outcome, enc = await routes.embed(request, parsed, "texts", model)
+    as_msgpack = codec.wants_msgpack(request)
     answer: dict[str, Any] = {"id": request[REQUEST_ID], "texts": texts}
     if v2 or types is not None:
-        answer["embeddings"] = {t: quantized(outcome.vectors, t) for t in types or ["float"]}
+        answer["embeddings"] = {t: quantized(outcome.vectors, t, as_msgpack)
+                                for t in types or ["float"]}
         answer["response_type"] = "embeddings_by_type"
     else:
-        answer["embeddings"] = quantized(outcome.vectors, "float")
+        answer["embeddings"] = quantized(outcome.vectors, "float", as_msgpack)
         answer["response_type"] = "embeddings_floats"
     answer["meta"] = {"api_version": {"version": "2" if v2 else "1"},
                       "billed_units": {"input_tokens": enc.tokens}}
@@ -89,10 +92,10 @@ async def embed(request: web.Request) -> web.Response:
     return codec.render(request, answer, headers=tasks.stage_headers(request, outcome))
 
 
-def quantized(rows: np.ndarray, kind: str) -> list:
+def quantized(rows: np.ndarray, kind: str, as_msgpack: bool = False) -> list:
     """float32 rows [n, dim] as Cohere's embedding type `kind` gives them (module docstring)."""
     if kind == "float":
-        return rows.tolist()
+        return codec.vectors(rows, as_msgpack)
     if kind == "base64":
         return [base64.b64encode(np.ascontiguousarray(r, "<f4").tobytes()).decode("ascii")
                 for r in rows]

@@ -98,3 +98,17 @@ def test_input_type_picks_the_models_prompt_of_that_purpose():
     own = (("search_query", "q: "), ("query", "x: "))
     assert _prompt("search_query", own) == "search_query"  # its own name first
     assert set(PURPOSES) == {"search_query", "search_document", "classification", "clustering"}
+
+
+def test_msgpack_floats_are_raw_float32_as_on_every_route(tiny_stack, native):
+    import msgpack
+
+    status, _, raw = tiny_stack.request(
+        "POST", "/v2/embed", msgpack.packb({"texts": TEXTS, "model": "tiny",
+                                            "embedding_types": ["float", "int8"]}),
+        {"Content-Type": "application/msgpack", "Accept": "application/msgpack"})
+    assert status == 200, raw
+    body = msgpack.unpackb(raw)
+    floats = np.stack([np.frombuffer(b, "<f4") for b in body["embeddings"]["float"]])
+    np.testing.assert_allclose(floats, native, atol=1e-6)
+    assert len(body["embeddings"]["int8"]) == len(TEXTS)
