@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any, Mapping
@@ -211,10 +212,17 @@ def _keeping_text(construct: Any) -> Any:
             word = EnvWord(node.value)
             word.as_yaml = value
             return word
+        if isinstance(value, int) and not _DECIMAL.fullmatch(node.value):
+            # YAML 1.1's other integers (010 is 8, 1:00 is 60, 0b11 is 3): nobody writing a
+            # variable means those, so the text stays a word, and a number key refuses it
+            return node.value
         number = (EnvInt if isinstance(value, int) else EnvFloat)(value)
         number.text = node.value
         return number
     return constructor
+
+
+_DECIMAL = re.compile(r"[-+]?[1-9][0-9_]*|[-+]?0")
 
 
 for _tag, _construct in (("bool", yaml.SafeLoader.construct_yaml_bool),

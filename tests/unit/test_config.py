@@ -465,3 +465,18 @@ def test_infinity_and_at_in_an_alias_are_refused_naming_the_key():
         config.load(environ={"SHMSERVE__MODELS__0__ALIASES": "[ab@a]"})
     assert config.load(environ={"SHMSERVE__AUTH__API_KEYS": "[2026-12-01]"}).auth.api_keys \
         == ["2026-12-01"]
+
+
+def test_an_environment_number_is_decimal():
+    """YAML 1.1 read SHMSERVE__WORKERS__DEVICES='[010]' as GPU 8, and 1:00 as 60 (an outside
+    check): only decimal integers are numbers; the others are refused for a number key and
+    kept as text for a string key."""
+    for value in ("010", "1:00", "0b11", "0x1F"):
+        with pytest.raises(ConfigError, match=f"frontends.count: expected an integer, got "
+                                              f"'{value}'"):
+            config.load(environ={"SHMSERVE__FRONTENDS__COUNT": value})
+    assert config.load(environ={"SHMSERVE__FRONTENDS__COUNT": "+4"}).frontends.count == 4
+    assert config.load(environ={"SHMSERVE__MODELS__0__REVISION": "010"}).models[0].revision \
+        == "010"
+    with pytest.raises(ConfigError, match="workers.devices"):
+        config.load(environ={"SHMSERVE__WORKERS__DEVICES": "[010]"})
