@@ -158,6 +158,7 @@ def deployment(args) -> Config:
             raise
         print(f"shmserve: warning: the config named now does not load ({exc}); acting on the "
               f"deployment in {started.run_dir} as `up` started it", file=sys.stderr, flush=True)
+        args.unloadable = True  # said once: restart's drift check says no more of it
         return started
 
 

@@ -29,7 +29,7 @@ def restart(args: argparse.Namespace) -> int:
     cfg = processes.deployment(args)
     if processes.supervisord_pid(cfg) is None:
         raise CliError(processes.not_running(cfg))
-    if drift := config_drift(args, cfg):
+    if not getattr(args, "unloadable", False) and (drift := config_drift(args, cfg)):
         say(f"shmserve: warning: {drift}", sys.stderr)
     target = restart_target(args.target)
     timeout = args.timeout if args.timeout is not None else cfg.workers.ready_timeout_s

@@ -440,8 +440,10 @@ def test_a_config_that_no_longer_loads_still_names_the_deployment(tmp_path, monk
     started = config.load()
     render.render(started)
     monkeypatch.setenv("SHMSERVE__FRONTENDS__COUNT", "abc")
-    found = processes.deployment(argparse.Namespace(env=None, config=None))
+    args = argparse.Namespace(env=None, config=None)
+    found = processes.deployment(args)
     assert found.run_dir == run_dir and found.server.port == started.server.port
+    assert args.unloadable  # restart's drift check does not say it a second time
     assert "frontends.count: expected an integer" in capsys.readouterr().err
     gone = tmp_path / "gone.yaml"  # the run directory from the variable, the file gone
     found = processes.deployment(argparse.Namespace(env=None, config=str(gone)))
