@@ -54,10 +54,11 @@ def add_routes(app: web.Application) -> None:
 async def embed(request: web.Request) -> web.Response:
     body = schemas.mapping(await codec.read_body(request))
     v2 = request.path == "/v2/embed"
-    for key in ("images", "inputs", "max_tokens"):
+    for key, why in (("images", "this server embeds texts"),
+                     ("inputs", "this server embeds texts: send them as 'texts'"),
+                     ("max_tokens", "each text is cut to the model's input limit (truncate)")):
         if body.get(key) is not None:
-            raise ApiError("invalid_request", f"'{key}' is not supported: this server embeds "
-                           "texts, each cut to the model's input limit (truncate)", param=key)
+            raise ApiError("invalid_request", f"'{key}' is not supported: {why}", param=key)
     texts = schemas.texts(schemas.required(body, "texts"), "texts", request.app[CONFIG].limits)
     types = _types(body.get("embedding_types"))
     truncate = body.get("truncate", "END")
@@ -71,12 +72,21 @@ async def embed(request: web.Request) -> web.Response:
         raise ApiError("invalid_request", "'output_dimension' must be a positive integer",
                        param="output_dimension")
     model = tasks.resolve(request, schemas.model_name(body), "embedding")
+    if dimension is not None and dimension > model.spec.dim:  # named as this route names it
+        raise ApiError("invalid_request", f"'output_dimension' is {dimension}; this model's "
+                       f"vectors have {model.spec.dim}", param="output_dimension")
     parsed = EmbedRequest(texts, model.spec.name, priority=_priority(body),
                           dimensions=dimension, truncate=truncate != "NONE",
                           truncation_direction=TRUNCATE.get(truncate, "right"),
                           user=schemas.user(body),
                           prompt_name=_prompt(body.get("input_type"), model.spec.prompts))
-    model, outcome, enc = await routes.embed(request, parsed, "texts", model)
+    try:
+        model, outcome, enc = await routes.embed(request, parsed, "texts", model)
+    except ApiError as exc:  # the other routes' way to have a text cut is not this route's
+        if "send truncate: true" not in exc.message:
+            raise
+        raise ApiError(exc.kind, exc.message.replace("send truncate: true", "send truncate: "
+                                                     "END or START"), param=exc.param) from None
     as_msgpack = codec.wants_msgpack(request)
     answer: dict[str, Any] = {"id": request[REQUEST_ID], "texts": texts}
     if v2 or types is not None:

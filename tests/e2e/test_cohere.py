@@ -82,6 +82,11 @@ def test_truncate_options_and_refusals_in_our_error_shape(tiny_stack):
                 v2.embed(texts=[long], model="tiny", input_type="search_query", **options)
             assert info.value.status_code == status
             assert info.value.body["error"]["param"] == param  # not KServe's {"error": str}
+            if status == 413:  # this route's way to have it cut (it said "truncate: true")
+                assert "send truncate: END or START" in info.value.body["error"]["message"]
+        with pytest.raises(cohere.core.ApiError) as info:  # named as this route names it
+            v2.embed(texts=["x"], model="tiny", input_type="search_query", output_dimension=33)
+        assert info.value.body["error"]["param"] == "output_dimension"
     status, _, body = tiny_stack.post_json("/v2/embed", {"texts": ["x"],
                                                          "embedding_types": ["int4"]})
     assert status == 422 and body["error"]["param"] == "embedding_types", body
