@@ -26,6 +26,11 @@ def schemas(cfg: Config, models: list[str]) -> dict[str, Any]:
                                   "special tokens added), each in [0, vocab size)"},
         # Per route, the models of its task (the null model stands in for an embedding one).
         "model": lambda *tasks: _model_names(cfg, tasks),
+        "priority": {"oneOf": [{"enum": ["low", "normal", "high"]}, {"type": "null"},
+                               {"type": "integer", "minimum": -10, "maximum": 10}],
+                     "description": "higher runs first; wins over the X-Priority header"},
+        "user": {"type": ["string", "null"], "description": "a client id: an A/B split may "
+                 "route by it (models.sticky_key)"},
         "prompt_name": {"type": ["string", "null"], "description": "one of the model's "
                         "prompts (models[].prompts and its sentence-transformers config, listed "
                         "in GET /info), put before each text; null: its default prompt, if "
@@ -37,19 +42,17 @@ def schemas(cfg: Config, models: list[str]) -> dict[str, Any]:
 
 def _model_names(cfg: Config, tasks: tuple[str, ...]) -> dict[str, Any]:
     names = [n for m in cfg.models if m.task in tasks for n in (m.name, *m.aliases)]
-    schema: dict[str, Any] = {"type": "string", "description": "a served model's name or alias, "
-                              f"of task {' or '.join(tasks)}; the first model of the route's "
-                              "task when absent"}
+    schema: dict[str, Any] = {"type": ["string", "null"], "description": "a served model's "
+                              f"name or alias, of task {' or '.join(tasks)}; the first model of "
+                              "the route's task when absent or null"}
     if names:  # else any name is 404 or 422 (unsupported_task)
-        schema["enum"] = names
+        schema["enum"] = [*names, None]
     return schema
 
 
 def _native_schemas(parts: dict[str, Any]) -> dict[str, Any]:
     """The native and OpenAI bodies, errors, and the operational routes' answers."""
-    priority = {"oneOf": [{"enum": ["low", "normal", "high"]},
-                          {"type": "integer", "minimum": -10, "maximum": 10}],
-                "description": "higher runs first; wins over the X-Priority header"}
+    priority = parts["priority"]
     usage = {"type": "object", "properties": {"prompt_tokens": {"type": "integer"},
                                                "total_tokens": {"type": "integer"}}}
     return {
@@ -69,7 +72,7 @@ def _native_schemas(parts: dict[str, Any]) -> dict[str, Any]:
             "model": parts["model"]("embedding", "null", "classification"),
             "priority": priority, "top_k": {"type": ["integer", "null"], "minimum": 1,
                       "description": "a classification model: labels per text"},
-            "user": {"type": ["string", "null"]}, "prompt_name": parts["prompt_name"]}},
+            "user": parts["user"], "prompt_name": parts["prompt_name"]}},
         "PredictResponse": {"type": "object", "properties": {
             "results": {"type": "array", "description": "a vector per text, or for a "
                         "classification model its labels, best first", "items": {"oneOf": [
@@ -85,7 +88,7 @@ def _native_schemas(parts: dict[str, Any]) -> dict[str, Any]:
             "dimensions": {"type": ["integer", "null"], "minimum": 1,
                            "description": "keep this many leading components, re-normalised "
                                           "(Matryoshka); at most the model's dimension"},
-            "user": {"type": ["string", "null"]}, "priority": priority,
+            "user": parts["user"], "priority": priority,
             "prompt_name": parts["prompt_name"]}},
         "EmbeddingsResponse": {"type": "object", "properties": {
             "object": {"const": "list"}, "model": {"type": "string"}, "usage": usage,
@@ -118,7 +121,7 @@ def _task_schemas(parts: dict[str, Any]) -> dict[str, Any]:
         "ClassifyRequest": {"type": "object", "required": ["input"], "properties": {
             "input": {"oneOf": [parts["text"], parts["texts"]]},
             "model": parts["model"]("classification"), "top_k": count,
-            "user": {"type": ["string", "null"]}}},
+            "user": parts["user"], "priority": parts["priority"]}},
         "ClassifyResponse": {"type": "object", "properties": {
             "object": {"const": "list"}, "model": {"type": "string"},
             "revision": {"type": "string"}, "usage": usage,
@@ -133,7 +136,7 @@ def _task_schemas(parts: dict[str, Any]) -> dict[str, Any]:
             "documents": {"type": "array", "items": document, "minItems": 1,
                           "maxItems": parts["texts"]["maxItems"]},
             "top_n": count, "return_documents": {"type": ["boolean", "null"]},
-            "user": {"type": ["string", "null"]}}},
+            "user": parts["user"], "priority": parts["priority"]}},
         "RerankResponse": {"type": "object", "properties": {
             "id": {"type": "string"}, "model": {"type": "string"},
             "revision": {"type": "string"}, "usage": usage,
@@ -153,7 +156,7 @@ def _task_schemas(parts: dict[str, Any]) -> dict[str, Any]:
             "output_dimension": {"type": ["integer", "null"], "minimum": 1},
             "priority": {"type": ["integer", "null"], "minimum": 0, "maximum": 10,
                          "description": "Cohere's: 0 (the default) is the highest"},
-            "user": {"type": ["string", "null"]}}},
+            "user": parts["user"]}},
         "CohereEmbedResponse": {"type": "object", "properties": {
             "id": {"type": "string"}, "texts": {"type": "array", "items": {"type": "string"}},
             "response_type": {"enum": ["embeddings_floats", "embeddings_by_type"]},
@@ -177,6 +180,7 @@ def _tei_schemas(parts: dict[str, Any]) -> dict[str, Any]:
     nullable_bool = {"type": ["boolean", "null"]}
     sequence = {"type": "array", "items": parts["text"], "minItems": 1, "maxItems": 2}
     direction = {"type": ["string", "null"], "enum": ["Right", "Left", "right", "left", None]}
+    scheduling = {"priority": parts["priority"], "user": parts["user"]}
     return {
         "Info": {"type": "object", "properties": {
             "model_id": {"type": "string"}, "model_sha": {"type": ["string", "null"]},
@@ -187,23 +191,28 @@ def _tei_schemas(parts: dict[str, Any]) -> dict[str, Any]:
             "max_client_batch_size": {"type": "integer"}, "auto_truncate": {"type": "boolean"},
             "tokenization_workers": {"type": "integer"}, "version": {"type": "string"}}},
         "TeiEmbedRequest": {"type": "object", "required": ["inputs"], "properties": {
+            **scheduling,
             "inputs": parts["inputs"], "model": parts["model"]("embedding", "null"),
             "normalize": nullable_bool,
             "truncate": nullable_bool, "truncation_direction": direction,
             "dimensions": {"type": ["integer", "null"], "minimum": 1},
             "prompt_name": parts["prompt_name"]}},
         "TeiEmbedAllRequest": {"type": "object", "required": ["inputs"], "properties": {
+            **scheduling,
             "inputs": parts["inputs"], "model": parts["model"]("embedding", "null"),
             "truncate": nullable_bool, "truncation_direction": direction,
             "prompt_name": parts["prompt_name"]}},
         "TeiEmbedSparseRequest": {"type": "object", "required": ["inputs"], "properties": {
+            **scheduling,
             "inputs": parts["inputs"], "model": parts["model"]("sparse"),
-            "truncate": nullable_bool, "truncation_direction": direction}},
+            "truncate": nullable_bool, "truncation_direction": direction,
+            "prompt_name": parts["prompt_name"]}},
         "SparseValue": {"type": "object", "required": ["index", "value"], "properties": {
             "index": {"type": "integer", "minimum": 0,
                       "description": "a vocabulary index (a token id)"},
             "value": {"type": "number", "exclusiveMinimum": 0}}},
         "TeiSimilarityRequest": {"type": "object", "required": ["inputs"], "properties": {
+            **scheduling,
             "inputs": {"type": "object", "required": ["source_sentence", "sentences"],
                        "properties": {"source_sentence": parts["text"],
                                       "sentences": parts["texts"]}},
@@ -212,12 +221,14 @@ def _tei_schemas(parts: dict[str, Any]) -> dict[str, Any]:
             "prompt_name": parts["prompt_name"]}},
         "HubClassifyRequest": {"type": "object", "required": ["inputs", "parameters"],
                                "properties": {
+            **scheduling,
             "inputs": {"oneOf": [parts["text"], parts["texts"]]},
             "parameters": {"type": ["object", "null"], "properties": {
                 "top_k": {"type": ["integer", "null"], "minimum": 1},
                 "function_to_apply": {"enum": ["softmax", "sigmoid", "none", None]}}},
             "model": parts["model"]("classification")}},
         "TeiPredictRequest": {"type": "object", "required": ["inputs"], "properties": {
+            **scheduling,
             "inputs": {"oneOf": [parts["text"], sequence, {
                 "type": "array", "items": sequence, "minItems": 1,
                 "maxItems": parts["texts"]["maxItems"]}],
@@ -229,6 +240,7 @@ def _tei_schemas(parts: dict[str, Any]) -> dict[str, Any]:
         "Prediction": {"type": "object", "properties": {"score": {"type": "number"},
                                                         "label": {"type": "string"}}},
         "TeiRerankRequest": {"type": "object", "required": ["query", "texts"], "properties": {
+            **scheduling,
             "query": parts["text"], "texts": parts["texts"], "model": parts["model"]("rerank"),
             "raw_scores": nullable_bool, "return_text": nullable_bool,
             "truncate": nullable_bool, "truncation_direction": direction}},

@@ -2,6 +2,7 @@
 
 import re
 
+from jsonschema import Draft202012Validator
 from openapi_spec_validator import validate
 
 from frontend.app import create_app
@@ -72,12 +73,14 @@ def test_each_routes_model_lists_the_models_of_its_task():
     enums = {name: schemas[name]["properties"]["model"].get("enum") for name in (
         "PredictRequest", "EmbeddingsRequest", "TeiEmbedRequest", "ClassifyRequest",
         "RerankRequest", "TeiRerankRequest", "TeiTokenizeRequest")}
-    assert enums == {"PredictRequest": ["emb", "e", "clf"], "EmbeddingsRequest": ["emb", "e"],
-                     "TeiEmbedRequest": ["emb", "e"], "ClassifyRequest": ["clf"],
-                     "RerankRequest": ["ce"], "TeiRerankRequest": ["ce"],
-                     "TeiTokenizeRequest": ["emb", "e", "clf", "ce"]}
+    # null (or no model) is the route's first model of its task, as the routes take it
+    assert enums == {"PredictRequest": ["emb", "e", "clf", None],
+                     "EmbeddingsRequest": ["emb", "e", None],
+                     "TeiEmbedRequest": ["emb", "e", None], "ClassifyRequest": ["clf", None],
+                     "RerankRequest": ["ce", None], "TeiRerankRequest": ["ce", None],
+                     "TeiTokenizeRequest": ["emb", "e", "clf", "ce", None]}
     model = schemas["RerankRequest"]["properties"]["model"]
-    assert "the first model of the route's task when absent" in model["description"]
+    assert "the first model of the route's task when absent or null" in model["description"]
     # With no model of a task, any name is an error: no empty enum.
     only = document(config.from_tree({"models": [{"name": "m", "source": package}]}))
     assert "enum" not in only["components"]["schemas"]["RerankRequest"]["properties"]["model"]
@@ -85,6 +88,27 @@ def test_each_routes_model_lists_the_models_of_its_task():
     results = schemas["PredictResponse"]["properties"]["results"]["items"]["oneOf"]
     assert results[1]["items"]["properties"] == {"label": {"type": "string"},
                                                  "score": {"type": "number"}}
+
+
+def test_every_inference_body_documents_priority_and_user():
+    # Each of these routes reads the body's priority and user (schemas.body_priority, .user).
+    schemas = document(config.load(environ={}))["components"]["schemas"]
+    inference = ("PredictRequest", "EmbeddingsRequest", "ClassifyRequest", "RerankRequest",
+                 "TeiEmbedRequest", "TeiEmbedAllRequest", "TeiEmbedSparseRequest",
+                 "TeiSimilarityRequest", "HubClassifyRequest", "TeiPredictRequest",
+                 "TeiRerankRequest")
+    for name in inference:
+        properties = schemas[name]["properties"]
+        assert {"priority", "user", "model"} <= set(properties), name
+        priority = Draft202012Validator(properties["priority"])
+        for taken in ("high", "low", -10, 10, 0, None):
+            assert priority.is_valid(taken), (name, taken)
+        for refused in ("urgent", 11, 1.5):
+            assert not priority.is_valid(refused), (name, refused)
+        assert Draft202012Validator(properties["user"]).is_valid(None)
+        assert Draft202012Validator(properties["model"]).is_valid(None), name
+    # the sparse route reads prompt_name as /embed does (parse_embed)
+    assert "prompt_name" in schemas["TeiEmbedSparseRequest"]["properties"]
 
 
 def test_405_401_and_retry_after_are_documented():
