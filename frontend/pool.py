@@ -87,6 +87,7 @@ class WorkerPool:
         self._ctx = zmq.asyncio.Context()
         self._seq = itertools.count(1)
         self.links = [self._link(i) for i in range(len(topology.worker_devices(cfg)))]
+        self._turn = 0  # pick's tie-break
         self._tasks: list[asyncio.Task] = []
         self._changed = asyncio.Event()  # set whenever a worker becomes ready
         self.restarts_seen = 0
@@ -146,11 +147,15 @@ class WorkerPool:
         """The ready worker with the least outstanding work, in tokens: what this frontend sent
         it and has not had answered, then what it last reported queued. A pass's time grows
         with its tokens far more than with its texts (on a CPU ~0.15 ms a token against ~3 ms a
-        pass), so a worker running one long text is busier than one running two short ones."""
+        pass), so a worker running one long text is busier than one running two short ones.
+        Ties (idle workers, at light load) go round: each would otherwise go to the lowest
+        index, and a deployment's other workers would sit idle and cold."""
         links = self.ready_links(model)
         if not links:
             return None
-        return min(links, key=lambda link: (link.outstanding, link.beat.queued, link.index))
+        self._turn, n = self._turn + 1, len(self.links)
+        return min(links, key=lambda link: (link.outstanding, link.beat.queued,
+                                            (link.index - self._turn) % n))
 
     async def wait_for_worker(self, model: str, timeout: float) -> WorkerLink | None:
         deadline = time.monotonic() + timeout

@@ -50,3 +50,22 @@ def test_with_nothing_outstanding_here_what_the_workers_report_decides(pool):
     assert pool.pick("a") is pool.links[1]
     beat(pool, 1, Queued(0, 300), Queued(1, 200))
     assert pool.pick("a") is pool.links[0]
+
+
+def test_idle_workers_take_turns(pool):
+    # At light load every worker is idle when a request comes: the lowest index took them all,
+    # and the deployment's other workers sat idle and cold.
+    for index in (0, 1):
+        beat(pool, index)
+    picked = [pool.pick("a").index for _ in range(6)]
+    assert sorted(picked) == [0, 0, 0, 1, 1, 1], picked
+    assert all(a != b for a, b in zip(picked, picked[1:])), picked
+    # Work outstanding still decides before the turn does.
+    async def run() -> None:
+        submit(pool, 0, 5)
+        assert [pool.pick("a").index for _ in range(3)] == [1, 1, 1]
+        for link in pool.links:
+            link.outbox.clear()
+            link.pending.clear()
+
+    asyncio.run(run())
