@@ -23,7 +23,6 @@ def main() -> int:
     cfg = config.load_resolved(args.config)
     logs.configure(cfg.logging, f"frontend-{args.index}")
     path = topology.frontend_socket(cfg, args.index)
-    path.unlink(missing_ok=True)  # a killed predecessor's socket file
     web.RequestHandler.handle_error = malformed_request  # no plain text quoting the request
     # uvloop: the frontends' per-request CPU is what bounds the pipeline on small models.
     web.run_app(create_app(cfg, args.index), path=str(path), print=None,
@@ -36,7 +35,10 @@ def main() -> int:
                 # frontend.codec.read_raw inflates compressed bodies itself, with JSON errors.
                 auto_decompress=False,
                 max_line_size=header_limit(cfg), max_field_size=header_limit(cfg))
-    path.unlink(missing_ok=True)
+    # The socket file stays (uvloop replaces it at the next bind; `shmserve down` removes it):
+    # while this frontend restarts nginx's connects to it are refused, which nginx logs as an
+    # error, where a missing file is logged at level crit, and alerting on crit would fire at
+    # every rolling restart.
     return 0
 
 

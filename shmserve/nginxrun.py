@@ -12,9 +12,12 @@ process title over its environ area, so ``/proc/PID/environ`` no longer shows it
 
 exec keeps the pid, so supervisord's signals (QUIT to stop) reach the master directly.
 
-Before that it waits (up to ``--wait-s``) until a frontend's socket exists (``--frontend``),
-so that nginx never listens with no frontend behind it: a client gets connection refused while
-the deployment starts, not a 502 from nginx (and nginx logs no failed connect per request).
+Before that it waits (up to ``--wait-s``) until a frontend listens on its socket
+(``--frontend``), so that nginx never listens with no frontend behind it: a client gets
+connection refused while the deployment starts, not a 502 from nginx (and nginx logs no failed
+connect per request). Once one listens, it gives the others, which start with it, a moment
+(GRACE_S): nginx logs a connect to a socket file not yet there at level crit, where one that
+refuses (a frontend restarting: frontends leave their socket file when they stop) is an error.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import argparse
 import os
 import shutil
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -80,16 +84,34 @@ def _holds(entry: Path, wanted: set[str]) -> bool:
     return False
 
 
-def wait_for_any(paths: list[Path], timeout_s: float) -> bool:
-    """Whether one of `paths` exists within `timeout_s` (polled every 50 ms). supervisord may
-    stop nginx meanwhile: QUIT or TERM then ends the wait, and this process, at once."""
+GRACE_S = 2.0  # once a frontend listens, how long nginx waits for the others
+
+
+def listening(path: Path) -> bool:
+    """Whether a process accepts connections on the unix socket `path`."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(0.5)
+        try:
+            probe.connect(str(path))
+        except OSError:  # no file yet, or one that no process listens on
+            return False
+        return True
+
+
+def wait_for_frontends(paths: list[Path], timeout_s: float, grace_s: float = GRACE_S) -> bool:
+    """Whether a frontend listens on one of `paths` within `timeout_s` (polled every 50 ms);
+    once one does, up to `grace_s` more for the rest. supervisord may stop nginx meanwhile: QUIT
+    or TERM then ends the wait, and this process, at once."""
     for signum in (signal.SIGQUIT, signal.SIGTERM):
         signal.signal(signum, lambda *_: sys.exit(0))
     deadline = time.monotonic() + timeout_s
+    first = False
     try:
-        while not any(p.exists() for p in paths):
+        while (up := sum(map(listening, paths))) < len(paths):
+            if up and not first:
+                first, deadline = True, min(deadline, time.monotonic() + grace_s)
             if time.monotonic() > deadline:
-                return False
+                return up > 0
             time.sleep(0.05)
         return True
     finally:
@@ -101,13 +123,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m shmserve.nginxrun")
     parser.add_argument("--binary", default="nginx", help="the nginx executable")
     parser.add_argument("--frontend", type=Path, action="append", default=[],
-                        help="a frontend's socket; nginx starts once one exists")
+                        help="a frontend's socket; nginx starts once one listens")
     parser.add_argument("--wait-s", type=float, default=30.0,
                         help="how long to wait for a frontend's socket before starting anyway")
     parser.add_argument("conf", type=Path, help="the rendered <run_dir>/nginx/nginx.conf")
     args = parser.parse_args(argv)
     conf = args.conf.resolve()
-    if args.frontend and not wait_for_any(args.frontend, args.wait_s):
+    if args.frontend and not wait_for_frontends(args.frontend, args.wait_s):
         print(f"nginxrun: no frontend socket after {args.wait_s:g} s; starting nginx anyway "
               "(it answers 502 until one listens)", flush=True)
     binary = shutil.which(args.binary) or args.binary

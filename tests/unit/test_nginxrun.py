@@ -5,8 +5,10 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -112,17 +114,37 @@ def _ppid(pid: int) -> int:
     return int(_stat(pid)[1])
 
 
-def test_nginx_waits_for_a_frontend_socket(tmp_path):
-    """nginx listening with no frontend behind it answered 502 for the first seconds after
-    `up`: the launcher waits until one frontend's socket exists."""
-    import threading
+def _listen(path: Path) -> socket.socket:
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(path))
+    server.listen()
+    return server
 
+
+def test_nginx_waits_for_a_frontend_to_listen(tmp_path):
+    """nginx listening with no frontend behind it answered 502 for the first seconds after
+    `up`: the launcher waits until a frontend listens, not until its socket file exists (a
+    stopped frontend leaves the file)."""
     sockets = [tmp_path / "frontend-0.sock", tmp_path / "frontend-1.sock"]
-    threading.Timer(0.3, sockets[1].touch).start()
+    _listen(sockets[0]).close()  # a stopped frontend's file: refuses connections
+    assert sockets[0].exists() and not nginxrun.listening(sockets[0])
+    servers = []
+    threading.Timer(0.3, lambda: servers.append(_listen(sockets[1]))).start()
     started = time.monotonic()
-    assert nginxrun.wait_for_any(sockets, 10)
-    assert 0.25 < time.monotonic() - started < 5
-    assert not nginxrun.wait_for_any([tmp_path / "never.sock"], 0.2)  # then starts anyway
+    try:
+        # One listens at 0.3 s; the other never does: nginx starts after the grace.
+        assert nginxrun.wait_for_frontends(sockets, 10, grace_s=0.5)
+        assert 0.75 < time.monotonic() - started < 5
+        assert nginxrun.listening(sockets[1])
+        # Both listening: no wait at all.
+        servers.append(_listen(tmp_path / "frontend-2.sock"))
+        started = time.monotonic()
+        assert nginxrun.wait_for_frontends([sockets[1], tmp_path / "frontend-2.sock"], 10)
+        assert time.monotonic() - started < 1
+    finally:
+        for server in servers:
+            server.close()
+    assert not nginxrun.wait_for_frontends([tmp_path / "never.sock"], 0.2)  # starts anyway
     assert signal.getsignal(signal.SIGQUIT) == signal.SIG_DFL  # nginx gets QUIT as before
 
 
