@@ -29,6 +29,7 @@ CHECKS: dict[str, Check] = {
     "nginx.large_client_header_buffers": (lambda v: re.fullmatch(r"[0-9]{1,4} [0-9]{1,9}[kKmM]?",
                                           v) is not None, "a count and a size such as 4 16k"),
     "nginx.worker_connections": _POSITIVE_INT,
+    "nginx.listen_backlog": _POSITIVE_INT,
     "nginx.client_body_timeout_s": _POSITIVE_INT,
     "nginx.client_header_timeout_s": _POSITIVE_INT,
     "nginx.send_timeout_s": _POSITIVE_INT,

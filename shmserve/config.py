@@ -37,7 +37,9 @@ class ServerConfig:
 class NginxConfig:
     binary: str = "nginx"
     worker_processes: int | str = 1  # or auto: one per core, nginx's own rule
-    worker_connections: int = 4096
+    worker_connections: int = 16384  # per process; render.worker_connections: at least what
+    # the frontends admit, twice, and a margin
+    listen_backlog: int = 4096  # the public port's accept queue
     client_max_body_size: str = "8m"
     client_header_buffer_size: str = "4k"
     large_client_header_buffers: str = "4 16k"

@@ -141,7 +141,7 @@ def render_nginx(cfg: Config) -> str:
     return fill(NGINX_TEMPLATE.read_text(), {
         "user_directive": _user_directive(),
         "worker_processes": str(n.worker_processes),
-        "worker_connections": str(n.worker_connections),
+        "worker_connections": str(worker_connections(cfg)),
         "nginx_dir": str(nginx_dir(cfg)),
         "client_max_body_size": n.client_max_body_size,
         "client_header_buffer_size": n.client_header_buffer_size,
@@ -155,6 +155,7 @@ def render_nginx(cfg: Config) -> str:
         "upstream_servers": "\n".join(servers),
         "upstream_keepalive": str(n.upstream_keepalive),
         "listen": f"{host}:{cfg.server.port}",
+        "listen_backlog": str(n.listen_backlog),
         "frontend_count": str(cfg.frontends.count),
         "next_upstream_tries": str(min(2, cfg.frontends.count)),  # the first, one other
         "admin_access": admin,
@@ -351,12 +352,30 @@ def _user_directive() -> str:
     return f"user {pwd.getpwuid(os.geteuid()).pw_name} {grp.getgrgid(os.getegid()).gr_name};"
 
 
-def _minfds(cfg: Config) -> int:
-    # nginx holds two descriptors per proxied connection; supervisord raises every child's soft
-    # limit to this, but never past the hard limit (it refuses to start if asked to).
+# Connections an nginx worker keeps beyond twice what the frontends admit: clients past the
+# frontends' admission hold one until their 429 comes.
+CLIENT_MARGIN = 4096
+
+
+def _nginx_workers(cfg: Config) -> int:
     workers = cfg.nginx.worker_processes
-    workers = (os.cpu_count() or 1) if workers == "auto" else workers
-    want = max(4096, 2 * cfg.nginx.worker_connections * workers + 1024)
+    return (os.cpu_count() or 1) if workers == "auto" else workers
+
+
+def worker_connections(cfg: Config) -> int:
+    """nginx's worker_connections: the configured value, or more where the frontends admit more
+    requests (each holds a client and an upstream connection) than it leaves room for. With
+    too few, a burst past ~half of them got connection resets from nginx ("worker_connections
+    are not enough") and never the frontends' 429."""
+    admitted = 2 * cfg.frontends.count * cfg.frontends.max_inflight + CLIENT_MARGIN
+    return max(cfg.nginx.worker_connections, -(-admitted // _nginx_workers(cfg)))
+
+
+def _minfds(cfg: Config) -> int:
+    # a descriptor per connection, and as many again for files and the rest; supervisord raises
+    # every child's soft limit to this, but never past the hard limit (it refuses to start if
+    # asked to).
+    want = max(4096, 2 * worker_connections(cfg) * _nginx_workers(cfg) + 1024)
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     return want if hard == resource.RLIM_INFINITY else min(want, hard)
 

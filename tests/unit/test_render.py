@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -353,3 +354,24 @@ def test_nginx_sends_a_request_on_to_one_other_frontend_at_most(tmp_path):
         render.render(cfg)
         conf = render.nginx_conf(cfg).read_text()
         assert f"proxy_next_upstream_tries {want};" in conf
+
+
+def test_nginx_has_room_for_every_request_the_frontends_admit(tmp_path):
+    """Each request in flight holds a client and an upstream connection: with 4,096 worker
+    connections and 2 x 1,024 admitted, a burst of ~2,000 got resets from nginx ("worker_connections
+    are not enough") and never the frontends' 429."""
+    def rendered(name, **overrides):
+        cfg = make_config(tmp_path / name, **overrides)
+        render.render(cfg)
+        conf = render.nginx_conf(cfg).read_text()
+        return int(re.search(r"worker_connections (\d+);", conf).group(1)), conf
+
+    connections, conf = rendered("default")
+    assert connections == 16384 >= 2 * 2 * 1024 + render.CLIENT_MARGIN
+    assert re.search(r"listen 127\.0\.0\.1:\d+ default_server backlog=4096;", conf)
+    many = {"count": 8, "max_inflight": 2048}
+    assert rendered("many", frontends=many)[0] == 2 * 8 * 2048 + render.CLIENT_MARGIN
+    split = rendered("split", frontends=many,
+                     nginx={"worker_processes": 4, "worker_connections": 1000})[0]
+    assert split == (2 * 8 * 2048 + render.CLIENT_MARGIN) // 4
+    assert rendered("set", nginx={"worker_connections": 50000, "listen_backlog": 128})[0] == 50000
