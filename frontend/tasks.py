@@ -24,7 +24,7 @@ from typing import Callable
 import numpy as np
 from aiohttp import web
 
-from frontend import metrics, schemas
+from frontend import codec, metrics, schemas
 from frontend.app import (CONFIG, DISPATCHER, INDEX, INFLIGHT, LOG_FIELDS, MODEL_NAME, MODELS,
                           PINNED, REPLIED_AT, REQUEST_ID, REVISION, SPLITS, STAGES, TOKENIZE_AT,
                           TOKENIZE_MS, VARIANT, ServedModel)
@@ -65,6 +65,21 @@ class Reranked:
         """Document indices, best first: by logit, which a saturated sigmoid (1.0 in float32
         past a logit of ~17) cannot tell apart; ties keep input order."""
         return np.argsort(-self.logits, kind="stable")
+
+
+# The most values a JSON answer of every token's row (/embed_all) may hold: ~45 MB of JSON.
+# The bound of shared memory (a quarter of a frontend's arena) let one request's answer reach
+# 190 MB of JSON, a frontend's memory 580 MB and its event loop stall 1.5 s while it was written
+# (an outside check); msgpack (raw float32, 4 bytes a value) keeps that bound.
+JSON_TOKEN_VALUES = 1 << 22
+
+
+def json_bound(request: web.Request, tokens: int, dim: int) -> None:
+    if tokens * dim > JSON_TOKEN_VALUES and not codec.wants_msgpack(request):
+        raise ApiError("too_large", f"{tokens:,} tokens x {dim} floats is {tokens * dim:,} "
+                       f"values, over the {JSON_TOKEN_VALUES:,} a JSON answer may hold (at most "
+                       f"{JSON_TOKEN_VALUES // dim:,} tokens); ask for msgpack (Accept: "
+                       "application/msgpack), or send fewer or shorter texts", param="inputs")
 
 
 def resolve(request: web.Request, name: str | None, task: str) -> ServedModel:
@@ -173,6 +188,8 @@ async def run(request: web.Request, served: ServedModel,
             enc = encode(variant.encoder)
         if time.time() > deadline:  # no work goes to a worker past its deadline
             raise ApiError.deadline_passed()
+        if per_token:
+            json_bound(request, int(enc.offsets[-1]), variant.spec.dim)
         if enc.tokens and chars > THREAD_TOKENIZE_CHARS:
             # Again with its tokens, and the heartbeats heard while it was tokenized.
             refuse_early(request, variant, priority, deadline, enc.tokens)
