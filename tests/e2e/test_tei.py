@@ -348,6 +348,14 @@ def test_similarity_is_the_cosine_to_the_source_sentence(tiny_stack, native):
     unit = native / np.linalg.norm(native, axis=1, keepdims=True)
     np.testing.assert_allclose(got, unit[1:] @ unit[0], rtol=0, atol=1e-5)
     assert tiny_stack.post_json("/", body)[2] == got  # the root route dispatches it the same
+    # float32's shortest decimal, as every vector is written, and a cosine never past 1 (a
+    # text against itself came as 1.0000001192092896)
+    same = {"inputs": {"source_sentence": TEXTS[0], "sentences": [TEXTS[0], *TEXTS[1:]]}}
+    status, _, raw = tiny_stack.request("POST", "/similarity", json.dumps(same).encode(),
+                                        {"Content-Type": "application/json"})
+    tokens = raw.decode().strip("[]").split(",")
+    assert all(str(np.float32(float(t))) == t for t in tokens), tokens
+    assert 0.9999 <= float(tokens[0]) <= 1.0, tokens
     for bad in ({"inputs": {"source_sentence": 5, "sentences": ["a"]}},
                 {"inputs": {"source_sentence": "a", "sentences": []}},
                 {"inputs": {"sentences": ["a"]}},
