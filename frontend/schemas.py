@@ -128,8 +128,9 @@ def one_or_many(value: Any, param: str, limits: LimitsConfig, ids_too: bool = Fa
         check_text(value, f"'{param}'", param, limits)
         return [value]
     if not isinstance(value, list):
-        raise ApiError("invalid_request", f"'{param}' must be a string or a list of strings",
-                       param=param)
+        takes = ("a string, a list of strings, a list of token ids (integers) or a list of such "
+                 "lists" if ids_too else "a string or a list of strings")
+        raise ApiError("invalid_request", f"'{param}' must be {takes}", param=param)
     return texts(value, param, limits, ids_too)
 
 

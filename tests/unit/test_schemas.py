@@ -31,6 +31,15 @@ def test_predict_texts_refused(value, message):
     assert info.value.param == "texts" and info.value.message.startswith(message)
 
 
+@pytest.mark.parametrize("value", [None, 5, {"input": "a"}, 1.5])
+def test_a_field_that_takes_token_ids_says_so_when_its_type_is_wrong(value):
+    with pytest.raises(ApiError) as info:
+        parse_openai_embeddings({"input": value}, LIMITS)
+    assert info.value.param == "input"
+    assert info.value.message == ("'input' must be a string, a list of strings, a list of token "
+                                  "ids (integers) or a list of such lists")
+
+
 def test_a_list_only_field_says_so():
     # TEI's /rerank "texts", /v1/rerank's documents and KServe's tensors take no single string.
     with pytest.raises(ApiError, match="'texts' must be a list of strings$"):
