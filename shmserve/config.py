@@ -303,6 +303,15 @@ def from_tree(tree: Mapping[str, Any]) -> Config:
                           "must be over workers.heartbeat_interval_s "
                           f"({cfg.workers.heartbeat_interval_s:g}), or every worker is taken "
                           "for dead between two heartbeats")
+    low_share = int(cfg.workers.queue_texts * cfg.workers.low_priority_queue_share)
+    if low_share < cfg.limits.max_texts_per_request:
+        # A request larger than a worker's whole queue would get a 429 (retry later) forever.
+        low = "" if cfg.workers.queue_texts < cfg.limits.max_texts_per_request else (
+            f" x workers.low_priority_queue_share ({cfg.workers.low_priority_queue_share:g}) = "
+            f"{low_share}, what a low-priority request may queue,")
+        raise ConfigError(f"workers.queue_texts: {cfg.workers.queue_texts}{low} is under "
+                          f"limits.max_texts_per_request ({cfg.limits.max_texts_per_request}): "
+                          "a request that large could never be queued")
     for key, value in (("admin.reload_timeout_s", cfg.admin.reload_timeout_s),
                        ("frontends.request_timeout_s", cfg.frontends.request_timeout_s)):
         if value >= cfg.nginx.proxy_read_timeout_s:

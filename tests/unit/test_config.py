@@ -128,6 +128,19 @@ def test_bad_values_name_the_key(name, value, key):
         config.load(environ={name: value})
 
 
+def test_a_worker_queue_too_small_for_the_largest_request_is_refused():
+    # Such a request got 429 "retry later" on an empty queue, for ever (an outside check).
+    with pytest.raises(ConfigError, match=r"^workers.queue_texts: 100 is under "
+                                          r"limits.max_texts_per_request \(256\)"):
+        config.load(environ={"SHMSERVE__WORKERS__QUEUE_TEXTS": "100"})
+    with pytest.raises(ConfigError, match=r"300 x workers.low_priority_queue_share \(0.75\) = "
+                                          r"225, what a low-priority request may queue, is under"):
+        config.load(environ={"SHMSERVE__WORKERS__QUEUE_TEXTS": "300"})
+    taken = config.load(environ={"SHMSERVE__WORKERS__QUEUE_TEXTS": "300",
+                                 "SHMSERVE__WORKERS__LOW_PRIORITY_QUEUE_SHARE": "1"})
+    assert taken.workers.queue_texts == 300
+
+
 def test_unknown_env_and_bad_yaml(tmp_path):
     with pytest.raises(ConfigError, match=r"^--env nope: no config file .*nope.yaml; one of "
                                           r"dev, gpu, prod, test$"):
