@@ -25,7 +25,9 @@ def restart(args: argparse.Namespace) -> int:
     serve meanwhile (nginx moves a refused request to the next frontend; a frontend routes
     around a stopped worker); nginx itself reloads its configuration in place (SIGHUP: new
     workers start, the old ones finish their requests). A single program is restarted and
-    waited for. `--all-at-once`: supervisorctl's restart of the whole group."""
+    waited for. `--all-at-once`: supervisorctl's restart of the whole group, then each program
+    waited for as above (it returned once supervisord had started them, and exited 0 while
+    workers that could not load crash-looped)."""
     cfg = processes.deployment(args)
     if processes.supervisord_pid(cfg) is None:
         raise CliError(processes.not_running(cfg))
@@ -47,10 +49,18 @@ def restart(args: argparse.Namespace) -> int:
     lone = lone_models(cfg, programs if name == "*" else [name]) if group == "workers" else {}
     if warning := restart_gap(group, name, programs, args.all_at_once, lone):
         say(f"shmserve: warning: {warning}", sys.stderr)
-    if args.all_at_once or group not in ("frontends", "workers"):
+    if group not in ("frontends", "workers"):
         return subprocess.run(ctl_argv(cfg, "restart", target), check=False).returncode
     if name != "*":
         programs = [name]
+    if args.all_at_once:  # together, then each waited for as a rolling restart waits
+        done = subprocess.run(ctl_argv(cfg, "restart", target), check=False)
+        if done.returncode != 0:
+            return done.returncode
+        pids = {p["name"]: p["pid"] for p in process_info(cfg)}
+        for program in sorted(programs):
+            wait_until_ready(cfg, group, program, pids.get(program, 0), timeout, rest="")
+        return 0
     for program in sorted(programs):
         restart_one(cfg, group, program, timeout)
     return 0
@@ -171,6 +181,14 @@ def restart_one(cfg: Config, group: str, program: str, timeout: float) -> None:
         raise CliError(f"supervisorctl restart {group}:{program} failed: "
                        f"{(done.stdout + done.stderr).strip()}")
     pid = next((p["pid"] for p in process_info(cfg) if p["name"] == program), 0)
+    wait_until_ready(cfg, group, program, pid, timeout,
+                     rest=f"; the rest of {group} was left as it is")
+
+
+def wait_until_ready(cfg: Config, group: str, program: str, pid: int, timeout: float,
+                     rest: str) -> None:
+    """Until `program`, restarted as process `pid`, serves again; a CliError (its logs said)
+    when it exits or loops instead, or is not ready within `timeout`."""
     frontends = [str(topology.frontend_socket(cfg, i)) for i in range(cfg.frontends.count)]
     index = int(program.rpartition("-")[2])
     if group == "frontends":
@@ -183,17 +201,15 @@ def restart_one(cfg: Config, group: str, program: str, timeout: float) -> None:
     while not ready():
         infos = process_info(cfg)
         if watch.see([p for p in infos if p["name"] == program]):
-            raise CliError(f"{restart_loop(cfg, program, watch.pids[program])}; the rest of "
-                           f"{group} was left as it is")
+            raise CliError(f"{restart_loop(cfg, program, watch.pids[program])}{rest}")
         states = {p["name"]: p["statename"] for p in infos}
         if states.get(program) in ("FATAL", "BACKOFF", "EXITED"):  # it exited: say why
-            raise CliError(f"{restart_loop(cfg, program, watch.pids.get(program) or [pid])}; "
-                           f"the rest of {group} was left as it is")
+            raise CliError(f"{restart_loop(cfg, program, watch.pids.get(program) or [pid])}"
+                           f"{rest}")
         if time.monotonic() > deadline:
             print_log_tails(cfg)
-            raise CliError(f"{program} not ready ({states.get(program)}) after restarting; "
-                           f"the rest of {group} was left as it is; logs in "
-                           f"{topology.log_dir(cfg)}")
+            raise CliError(f"{program} not ready ({states.get(program)}) after restarting"
+                           f"{rest}; logs in {topology.log_dir(cfg)}")
         time.sleep(0.2)
     say(f"shmserve: {program} ready")
 

@@ -214,6 +214,14 @@ def test_a_worker_that_cannot_load_its_model_fails_up_and_restart_fast(tmp_path,
         assert "size mismatch" in done.stderr.splitlines()[-1] or \
             "RuntimeError" in done.stderr.splitlines()[-1], done.stderr
         assert time.monotonic() - started < 60
+        # All at once: it exited 0 once supervisord had started the group, with the workers
+        # crash-looping behind it; it waits for each as the rolling restart does.
+        started = time.monotonic()
+        done = stack.cli("restart", "workers", "--all-at-once", check=False, timeout=200)
+        assert done.returncode == 2, done.stdout + done.stderr
+        assert "worker-0 exits before it is ready" in done.stderr
+        assert "the rest of workers" not in done.stderr
+        assert time.monotonic() - started < 60
         stack.down()
 
         started = time.monotonic()

@@ -66,6 +66,14 @@ def test_restart_of_one_program_waits_until_it_is_ready(stack):
     after = stack.pid("workers:worker-1")
     assert after != before
     assert b'"pid": %d' % after in body or b'"pid":%d' % after in body
+    # All at once: back when the command returns, every worker under its new pid
+    pids = [stack.pid(f"workers:worker-{i}") for i in (0, 1)]
+    done = stack.cli("restart", "workers", "--all-at-once")
+    assert "worker-0 ready" in done.stdout and "worker-1 ready" in done.stdout, done.stdout
+    status, _, body = stack.get("/ready")
+    workers = json.loads(body)["workers"]
+    assert status == 200 and all(w["ready"] for w in workers), body
+    assert {w["pid"] for w in workers}.isdisjoint(pids)
     unknown = stack.cli("restart", "worker-7", check=False)
     assert unknown.returncode == 2 and "worker-0, worker-1" in unknown.stderr
     unknown = stack.cli("restart", "foo", check=False)  # not supervisorctl's error, twice, 1
