@@ -194,7 +194,7 @@ def test_failed_request_logs_its_error_type(stack):
 
 def test_nginx_logs_the_method_of_a_request_it_answers_itself(stack):
     # Its error page is an internal redirect, which turns $request_method into GET.
-    status, _, _ = stack.request("POST", "/predict", b'{"texts": ["x"]}',
+    status, _, _ = stack.request("POST", "/predict?q=1", b'{"texts": ["x"]}',
                                  {"Content-Type": "application/json", "Content-Encoding": "zstd",
                                   "X-Request-ID": "nginx-answers"})
     assert status == 415
@@ -203,6 +203,7 @@ def test_nginx_logs_the_method_of_a_request_it_answers_itself(stack):
         return [l for l in log_lines(stack, "nginx") if l.get("request_id") == "nginx-answers"]
     stack.wait_until(line, 30, "nginx's access line")
     assert line()[0]["method"] == "POST" and line()[0]["status"] == 415
+    assert line()[0]["uri"] == "/predict"  # not its error page's ("/_shmserve_errors/...")
     assert abs(line()[0]["msec"] - time.time()) < 60  # the time to the millisecond too
 
 
