@@ -151,6 +151,7 @@ def render_nginx(cfg: Config) -> str:
         "send_timeout": f"{n.send_timeout_s}s",
         "proxy_read_timeout": f"{n.proxy_read_timeout_s}s",
         "probe_timeout": f"{n.probe_timeout_s}s",
+        "metrics_timeout": f"{2 * n.probe_timeout_s}s",  # a scrape collects every process's
         **rate_limit(n),
         "upstream_servers": "\n".join(servers),
         "upstream_keepalive": str(n.upstream_keepalive),

@@ -179,9 +179,10 @@ def test_a_bad_cors_origin_is_refused_naming_the_key(tmp_path, origins):
 
 
 def test_a_probe_skips_a_frozen_frontend_for_the_next_one(tmp_path):
-    """GET /ready and /health through nginx when one frontend accepts connections and never
-    answers (stopped, its event loop stuck): each probe is answered, by the live frontend, at
-    most nginx.probe_timeout_s late, not left hanging for proxy_read_timeout."""
+    """GET /ready, /health and /metrics through nginx when one frontend accepts connections and
+    never answers (stopped, its event loop stuck): each is answered, by the live frontend, at
+    most nginx.probe_timeout_s late (a scrape twice that), not left hanging for
+    proxy_read_timeout."""
     import socket
     import threading
     import time
@@ -217,12 +218,13 @@ def test_a_probe_skips_a_frozen_frontend_for_the_next_one(tmp_path):
         with nginx_of(cfg, listen):
             threading.Thread(target=serve, daemon=True).start()
             times = []
-            for path in ("/ready", "/health", "/v2/health/ready", "/ready") * 2:
+            for path in ("/ready", "/health", "/v2/health/ready", "/metrics") * 2:
                 began = time.monotonic()
                 status, _, body = request(cfg, "GET", path)
                 times.append(time.monotonic() - began)
                 assert (status, body) == (200, b"live"), (path, status, body)
-        assert max(times) < 3, times  # the probe timeout (1 s) and the answer, not 120 s
+        # the probe timeout (1 s; /metrics twice that) and the answer, not 120 s
+        assert max(times) < 3.5, times
         assert max(times) >= 0.9, times  # some went to the frozen frontend first
     finally:
         frozen.close()
