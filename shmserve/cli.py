@@ -265,6 +265,9 @@ def ctl(args: argparse.Namespace) -> int:
         raise CliError("logging.stdout: the programs' lines go to supervisord's stdout (the "
                        "container's: `kubectl logs`, `docker logs`), not to files to tail; "
                        "`ctl maintail` tails supervisord's own log")
+    if rest[:1] != ["help"] and supervisord_pid(cfg) is None:  # (supervisorctl: its socket URL)
+        print(f"shmserve: {processes.not_running(cfg)}", file=sys.stderr)
+        return 3  # as `status`
     return subprocess.run(ctl_argv(cfg, *rest), check=False).returncode
 
 

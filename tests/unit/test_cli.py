@@ -152,6 +152,13 @@ def test_status_when_not_running_exits_3(deployment, capsys):
     assert str(deployment.run_dir) in capsys.readouterr().out
 
 
+def test_ctl_when_not_running_says_so_as_status_does(deployment, capsys):
+    # supervisorctl said "unix:///.../supervisor.sock no such file" and exited 4
+    assert cli.main(["ctl", "status"]) == 3
+    err = capsys.readouterr().err
+    assert err.startswith("shmserve: not running") and str(deployment.run_dir) in err
+
+
 def test_status_watch_says_not_running_when_the_deployment_stops(deployment, capsys,
                                                                  monkeypatch):
     # After `down` in another shell, --watch printed empty tables and "no answer through nginx"
