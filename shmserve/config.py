@@ -303,6 +303,10 @@ def from_tree(tree: Mapping[str, Any]) -> Config:
                           "must be over workers.heartbeat_interval_s "
                           f"({cfg.workers.heartbeat_interval_s:g}), or every worker is taken "
                           "for dead between two heartbeats")
+    if cfg.batching.max_wait_ms >= 1000 * cfg.frontends.request_timeout_s:
+        raise ConfigError(f"batching.max_wait_ms: {cfg.batching.max_wait_ms:g} must be under "
+                          f"frontends.request_timeout_s ({cfg.frontends.request_timeout_s:g} s): "
+                          "a lone request would wait for company past its deadline (504)")
     low_share = int(cfg.workers.queue_texts * cfg.workers.low_priority_queue_share)
     if low_share < cfg.limits.max_texts_per_request:
         # A request larger than a worker's whole queue would get a 429 (retry later) forever.

@@ -122,6 +122,7 @@ def test_deep_merge_keeps_siblings():
      "nginx.large_client_header_buffers"),
     ("SHMSERVE__SERVER__HOST", "0.0.0.0:80; listen 81", "server.host"),
     ("SHMSERVE__SERVER__HOST", "", "server.host"),
+    ("SHMSERVE__BATCHING__MAX_WAIT_MS", "40000", "batching.max_wait_ms"),  # past the deadline
 ])
 def test_bad_values_name_the_key(name, value, key):
     with pytest.raises(ConfigError, match=key.replace("[", r"\[").replace("]", r"\]")):
