@@ -17,7 +17,7 @@ import math
 
 from aiohttp import web
 
-from frontend import codec, reload
+from frontend import codec, reload, variants
 from frontend.app import CONFIG, MODEL_NAME, MODELS, POOL, SPLITS, ServedModel, bearer_matches
 from frontend.errors import ApiError
 from frontend.variants import Variant
@@ -46,7 +46,7 @@ async def list_models(request: web.Request) -> web.Response:
     pool, splits = request.app[POOL], request.app[SPLITS]
     models = []
     for name, served in request.app[MODELS].by_name.items():
-        variants = []
+        arms = []
         weights = splits.weights(name, served.variants)
         for variant, weight in zip(served.variants, weights):
             workers = []
@@ -66,12 +66,12 @@ async def list_models(request: web.Request) -> web.Response:
             entry = {"unit": variant.unit, "workers": workers}
             if variant.name:
                 entry = {"name": variant.name, "weight": weight, **entry}
-            variants.append(entry)
+            arms.append(entry)
         model = {"name": name, "task": served.spec.task}
         if served.variants[0].name:
-            model.update(variants=variants, sticky_key=served.sticky_key or None)
+            model.update(variants=arms, sticky_key=served.sticky_key or None)
         else:
-            model.update(workers=variants[0]["workers"])
+            model.update(workers=arms[0]["workers"])
         models.append(model)
     return codec.render(request, {"models": models})
 
@@ -91,6 +91,12 @@ async def reload_model(request: web.Request) -> web.Response:
         raise ApiError("invalid_request", f"'revision' must be {REVISION_RULE}",
                        param="revision")
     variant = _variant(served, _string(body, "variant"))
+    pool = request.app[POOL]
+    taken = {variants.revision(v, pool): v.name for v in served.variants if v is not variant}
+    if revision and revision in taken:  # the arms' revision tells them apart (metrics, KServe)
+        raise ApiError("invalid_request", f"variant {taken[revision]!r} of "
+                       f"{served.spec.name!r} serves revision {revision!r}; give this one "
+                       "another", param="revision")
     request[MODEL_NAME] = served.spec.name
     # Shielded: a caller that goes away must not stop a reload between its two phases (the run
     # state written, the commits not sent); it finishes, and only the answer is lost.

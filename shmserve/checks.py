@@ -162,5 +162,10 @@ def check_models(cfg: Any) -> None:
                                   f"{MAX_WEIGHT:g}")
         if len(set(names)) != len(names):
             raise ConfigError(f"{key}.variants: names must differ, got {names}")
+        labels = [v.revision for v in model.variants if v.revision]
+        if len(set(labels)) != len(labels):
+            # The arms' revision is what tells them apart in metrics and KServe's versions (the
+            # second arm of two "same" could not be reached by version, an outside check).
+            raise ConfigError(f"{key}.variants: revisions must differ, got {labels}")
         if model.variants and sum(v.weight for v in model.variants) <= 0:
             raise ConfigError(f"{key}.variants: the weights must not all be 0")

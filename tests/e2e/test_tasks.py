@@ -250,6 +250,13 @@ def test_new_weights_apply_on_every_frontend(task_stack):
     status, _, raw = task_stack.request("POST", "/admin/models/ab/reload",
                                    json.dumps({"variant": "zz"}).encode(), ADMIN)
     assert status == 422 and "has no variant 'zz'; its variants are a, b" in raw.decode()
+    # Arm b reloaded under arm a's revision could no longer be told apart from it (metrics,
+    # KServe's versions): refused before any worker loads anything.
+    status, _, raw = task_stack.request("POST", "/admin/models/ab/reload", json.dumps(
+        {"variant": "b", "revision": "ab-r1"}).encode(), ADMIN)
+    error = json.loads(raw)["error"]
+    assert status == 422 and error["param"] == "revision", raw
+    assert "variant 'a' of 'ab' serves revision 'ab-r1'" in error["message"]
     status, _, _ = task_stack.request("PUT", "/admin/models/tiny/split",
                                  json.dumps({"weights": {"": 1}}).encode(), ADMIN)
     assert status == 422

