@@ -101,6 +101,8 @@ STAGES = web.RequestKey("stages", dict)  # seconds per stage, set by the embeddi
 REPLIED_AT = web.RequestKey("replied_at", float)  # when the worker's reply arrived
 REVISION = web.RequestKey("revision", str)  # of the weights that served the request
 VARIANT = web.RequestKey("variant", str)  # the A/B variant that served it ("" without a split)
+TIMEOUT_S = web.RequestKey("timeout_s", float)  # a protocol's own deadline (KServe's
+                                                 # parameters.timeout), with X-Request-Timeout's
 PINNED = web.RequestKey("pinned", object)  # a frontend.variants.Variant the request names (a
                                            # KServe version), instead of the split's choice
 

@@ -31,7 +31,8 @@ from aiohttp import web
 
 import shmserve
 from frontend import codec, routes, tasks, tensors
-from frontend.app import CONFIG, MODEL_NAME, MODELS, PINNED, POOL, REVISION, ServedModel
+from frontend.app import (CONFIG, MODEL_NAME, MODELS, PINNED, POOL, REVISION, TIMEOUT_S,
+                          ServedModel)
 from frontend.dispatch import Outcome
 from frontend.errors import ApiError
 from frontend.variants import revision
@@ -60,7 +61,7 @@ class TensorSpec:
 
 
 # Runs a task's model on its decoded inputs: output arrays by name, and the dispatch outcome.
-Runner = Callable[[web.Request, ServedModel, dict[str, Tensor]],
+Runner = Callable[[web.Request, ServedModel, dict[str, Tensor], int | None],
                   Awaitable[tuple[dict[str, np.ndarray], Outcome]]]
 
 
@@ -85,28 +86,31 @@ def _strings(request: web.Request, tensor: Tensor, name: str) -> list[str]:
     return schemas.texts(texts, name, request.app[CONFIG].limits)
 
 
-async def _run_embedding(request: web.Request, model: ServedModel,
-                         inputs: dict[str, Tensor]) -> tuple[dict[str, np.ndarray], Outcome]:
-    parsed = EmbedRequest(_strings(request, inputs["text"], "text"), model.spec.name)
+async def _run_embedding(request: web.Request, model: ServedModel, inputs: dict[str, Tensor],
+                         priority: int | None) -> tuple[dict[str, np.ndarray], Outcome]:
+    parsed = EmbedRequest(_strings(request, inputs["text"], "text"), model.spec.name,
+                          priority=priority)
     _, outcome, _ = await routes.embed(request, parsed, "text")
     return {"embedding": outcome.vectors}, outcome
 
 
 async def _run_classification(request: web.Request, model: ServedModel,
-                              inputs: dict[str, Tensor]
+                              inputs: dict[str, Tensor], priority: int | None
                               ) -> tuple[dict[str, np.ndarray], Outcome]:
     out = await tasks.classify(request, model.spec.name,
-                               _strings(request, inputs["text"], "text"), param="text")
+                               _strings(request, inputs["text"], "text"), param="text",
+                               priority=priority)
     return {"probabilities": out.probs}, out.ran.outcome
 
 
-async def _run_rerank(request: web.Request, model: ServedModel,
-                      inputs: dict[str, Tensor]) -> tuple[dict[str, np.ndarray], Outcome]:
+async def _run_rerank(request: web.Request, model: ServedModel, inputs: dict[str, Tensor],
+                      priority: int | None) -> tuple[dict[str, np.ndarray], Outcome]:
     query = _strings(request, inputs["query"], "query")
     if len(query) != 1:
         raise ApiError("invalid_request", "'query' must hold exactly one text", param="query")
     out = await tasks.rerank(request, model.spec.name, query[0],
-                             _strings(request, inputs["text"], "text"), param="text")
+                             _strings(request, inputs["text"], "text"), param="text",
+                             priority=priority)
     return {"score": out.scores, "logit": out.logits}, out.ran.outcome
 
 
@@ -240,10 +244,13 @@ async def infer(request: web.Request) -> web.Response:
     header, tail = await _read(request)
     inputs = _inputs(spec, tensors.read_inputs(header, tail))
     wanted = tensors.requested_outputs(header, [t.name for t in spec.outputs])
+    priority, timeout_s = tensors.scheduling(header)
+    if timeout_s is not None:
+        request[TIMEOUT_S] = timeout_s
     request_id = header.get("id")
     if request_id is not None and not isinstance(request_id, str):
         raise ApiError("invalid_request", "'id' must be a string", param="id")
-    results, outcome = await spec.run(request, model, inputs)
+    results, outcome = await spec.run(request, model, inputs, priority)
     datatypes = {t.name: t.datatype for t in spec.outputs}
     outputs = [(Tensor(name, datatypes[name], results[name].shape, results[name]), binary)
                for name, binary in wanted]

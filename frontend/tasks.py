@@ -26,8 +26,8 @@ from aiohttp import web
 
 from frontend import codec, metrics, schemas
 from frontend.app import (CONFIG, DISPATCHER, INDEX, INFLIGHT, LOG_FIELDS, MODEL_NAME, MODELS,
-                          PINNED, REPLIED_AT, REQUEST_ID, REVISION, SPLITS, STAGES, TOKENIZE_AT,
-                          TOKENIZE_MS, VARIANT, ServedModel)
+                          PINNED, REPLIED_AT, REQUEST_ID, REVISION, SPLITS, STAGES, TIMEOUT_S,
+                          TOKENIZE_AT, TOKENIZE_MS, VARIANT, ServedModel)
 from frontend.dispatch import Outcome
 from frontend.errors import ApiError
 from frontend.tokenizer import Encoded, TextEncoder
@@ -291,14 +291,19 @@ def timeout(request: web.Request, default: float) -> float:
     `default`; a longer one than nginx waits for (nginx.proxy_read_timeout_s) is cut to a second
     under it, so the frontend's 504 reaches the client before nginx gives up on the request."""
     raw = request.headers.get("X-Request-Timeout")
+    given = request.get(TIMEOUT_S)  # a protocol's own; the shorter of it and the header's
     if raw is None:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        value = float("nan")
-    if not 0 < value <= 3600:
-        raise ApiError("invalid_request", "X-Request-Timeout must be seconds in (0, 3600]",
-                       param="X-Request-Timeout")
+        if given is None:
+            return default
+        value = given
+    else:
+        try:
+            value = float(raw)
+        except ValueError:
+            value = float("nan")
+        if not 0 < value <= 3600:
+            raise ApiError("invalid_request", "X-Request-Timeout must be seconds in (0, 3600]",
+                           param="X-Request-Timeout")
+        value = value if given is None else min(value, given)
     proxy = request.app[CONFIG].nginx.proxy_read_timeout_s
     return min(value, proxy - 1 if proxy > 2 else proxy / 2)

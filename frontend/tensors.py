@@ -112,6 +112,33 @@ def read_inputs(header: dict[str, Any], tail: bytes) -> list[Tensor]:
     return tensors
 
 
+# Triton's request parameters: `priority` 1 is the highest level, 0 (or none) the model's
+# default; `timeout` in microseconds, 0 (or none) none.
+TRITON_TOP_PRIORITY = 10  # what priority 1 is here; 2 is 9, ... down to -10 (the lowest)
+
+
+def scheduling(header: dict[str, Any]) -> tuple[int | None, float | None]:
+    """(priority, timeout in seconds) from the request's Triton parameters, None where not
+    given: they were taken and ignored, so a client's priority and timeout did nothing."""
+    params = object_of(_params(header), "'parameters'")
+    values = []
+    for key in ("priority", "timeout"):
+        value = params.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or value < 0):
+            what = ("1 the highest level, 0 the default" if key == "priority" else
+                    "microseconds, 0 none")
+            raise ApiError("invalid_request", f"parameters.{key} must be an integer >= 0 "
+                           f"({what})", param="parameters")
+        values.append(value or None)
+    priority, timeout_us = values
+    if timeout_us is not None and timeout_us > 3600 * 10**6:
+        raise ApiError("invalid_request", "parameters.timeout must be at most 3,600,000,000 "
+                       "microseconds (an hour)", param="parameters")
+    return (None if priority is None else max(-10, TRITON_TOP_PRIORITY + 1 - priority),
+            None if timeout_us is None else timeout_us / 1e6)
+
+
 def requested_outputs(header: dict[str, Any], names: list[str]) -> list[tuple[str, bool]]:
     """(output name, as binary) for each output to return, in the request's order."""
     params = object_of(_params(header), "'parameters'")

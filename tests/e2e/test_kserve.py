@@ -79,6 +79,19 @@ def test_infer_errors_reach_the_client(client, name, datatype, model, status, ne
     assert str(info.value).startswith(f"[{status}] ") and needle in str(info.value)
 
 
+def test_tritons_priority_and_timeout_are_honoured(client, tiny_stack, native):
+    result = client.infer("tiny", [text_input(TEXTS, True)], priority=1, timeout=30_000_000)
+    np.testing.assert_allclose(result.as_numpy("embedding"), native, rtol=0, atol=1e-6)
+    # A timeout of 1 microsecond has passed before any worker sees the request: 504.
+    with pytest.raises(InferenceServerException) as info:
+        client.infer("tiny", [text_input(TEXTS, True)], timeout=1)
+    assert info.value.status() == "504"
+    status, _, raw = tiny_stack.request("POST", "/v2/models/tiny/infer", json.dumps({
+        "inputs": [{"name": "text", "shape": [1], "datatype": "BYTES", "data": ["x"]}],
+        "parameters": {"priority": "bogus"}}).encode(), {"Content-Type": "application/json"})
+    assert status == 422 and "parameters.priority" in json.loads(raw)["error"]
+
+
 @pytest.mark.parametrize("method,path,body,status", [
     ("POST", "/v2/models/nope/infer", b'{"inputs": []}', 404),
     ("POST", "/v2/models/tiny/infer", b'{"inputs": [', 400),

@@ -103,6 +103,20 @@ def test_requested_outputs():
             tensors.requested_outputs(bad, names)
 
 
+def test_tritons_priority_and_timeout_parameters():
+    # They were taken and ignored: a client's priority and timeout did nothing.
+    assert tensors.scheduling({}) == (None, None)
+    assert tensors.scheduling({"parameters": {"priority": 0, "timeout": 0}}) == (None, None)
+    levels = [tensors.scheduling({"parameters": {"priority": p}})[0] for p in (1, 2, 11, 21, 99)]
+    assert levels == [10, 9, 0, -10, -10]  # 1 is the highest, as Triton's
+    assert tensors.scheduling({"parameters": {"timeout": 1_500_000}}) == (None, 1.5)
+    for bad in ({"priority": -1}, {"priority": "high"}, {"priority": True}, {"priority": 1.5},
+                {"timeout": -5}, {"timeout": "1s"}, {"timeout": 3600 * 10**6 + 1}):
+        with pytest.raises(ApiError) as info:
+            tensors.scheduling({"parameters": bad})
+        assert info.value.status == 422 and info.value.param == "parameters", bad
+
+
 def test_response_json_then_binary_in_order():
     emb = np.arange(8, dtype=np.float32).reshape(2, 4) / 3
     labels = Tensor("labels", "BYTES", (2,), [b"x", "ÿ".encode()])
