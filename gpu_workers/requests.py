@@ -64,11 +64,14 @@ class QueuedText:
         self.arrived = self.request.arrived
 
 
-def read_request(attachments: Attachments, peer: bytes, msg: Submit, now: float) -> Request:
+def read_request(attachments: Attachments, peer: bytes, msg: Submit, now: float,
+                 width: int) -> Request:
     """The Submit's buffers as a Request; ValueError (OSError: a segment that cannot be
-    attached) when they disagree. The offsets and segments are copied: every length this worker
-    computes comes from one reading of them, so whatever happens to the shared slot later
-    cannot make them disagree (a crash)."""
+    attached) when they disagree, or its output rows are not `width` (the model's) wide: a
+    pass writes them whole, and a row that did not fit failed the pass and the worker. The
+    offsets and segments are copied: every length this worker computes comes from one reading
+    of them, so whatever happens to the shared slot later cannot make them disagree (a
+    crash)."""
     offsets = attachments.view(msg.offsets).copy()
     ids = attachments.view(msg.token_ids)
     out = attachments.view(msg.output)
@@ -76,6 +79,9 @@ def read_request(attachments: Attachments, peer: bytes, msg: Submit, now: float)
     n = offsets.shape[0] - 1
     lengths = np.diff(offsets)
     rows = int(offsets[-1]) if msg.per_token and n >= 1 else n
+    if out.ndim != 2 or out.shape[1] != width:
+        raise ValueError(f"output of shape {tuple(out.shape)}: the model's rows are {width} "
+                         "wide")
     if n < 1 or out.shape[0] != rows or int(offsets[-1]) > ids.shape[0] or (
             offsets[0] != 0 or (lengths <= 0).any()) or segments is not None and (
             segments.shape[0] != n or (segments < 1).any() or (segments > lengths).any()):

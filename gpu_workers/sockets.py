@@ -31,7 +31,8 @@ class SocketThread(threading.Thread):
                  on_abort: Callable[[bytes, Abort], None],
                  heartbeat: Callable[[Ping], Heartbeat],
                  on_control: Callable[[bytes, Reload | Commit], None],
-                 tick: Callable[[], None] = lambda: None) -> None:
+                 tick: Callable[[], None] = lambda: None,
+                 news: Callable[[], Heartbeat | None] = lambda: None) -> None:
         super().__init__(name="sockets", daemon=True)
         self._ctx = ctx
         self._endpoint = endpoint
@@ -40,6 +41,8 @@ class SocketThread(threading.Thread):
         self._heartbeat = heartbeat
         self._on_control = on_control
         self._tick = tick  # every loop round (at most POLL_MS apart): the watch on frontends
+        self._news = news  # after an admitted Submit: a heartbeat for the other frontends, or None
+        self._peers: set[bytes] = set()  # the frontends that ping this worker
         self._halt = threading.Event()
         self.bound = threading.Event()
         self.failure: BaseException | None = None
@@ -103,11 +106,16 @@ class SocketThread(threading.Thread):
 
     def _dispatch(self, router: zmq.Socket, peer: bytes, msg) -> None:
         if isinstance(msg, Ping):
+            self._peers.add(peer)
             router.send_multipart([peer, *wire.encode(self._heartbeat(msg))])
         elif isinstance(msg, Submit):
             error = self._on_submit(peer, msg)
             if error is not None:
                 router.send_multipart([peer, *wire.encode(error)])
+            elif (beat := self._news()) is not None:
+                frames = wire.encode(beat)
+                for other in self._peers - {peer}:  # (a peer gone: ROUTER drops it)
+                    router.send_multipart([other, *frames])
         elif isinstance(msg, Abort):
             self._on_abort(peer, msg)
         elif isinstance(msg, (Reload, Commit)):

@@ -44,6 +44,10 @@ from shmserve.protocol import (PROTOCOL_VERSION, Abort, Commit, Error, ErrorCode
 
 log = logging.getLogger("shmserve.worker")
 
+# A request that takes this long here (its tokens at the worker's drain rate) is news to the
+# frontends that did not send it (Worker.news): a short request waits that long behind it.
+NEWS_S = 0.05
+
 
 class Worker:
     def __init__(self, cfg: Config, index: int) -> None:
@@ -64,6 +68,7 @@ class Worker:
         self._inbox: queue.Queue[Request] = queue.Queue()
         self._queue: list[QueuedText] = []
         self._queued_texts = 0  # admitted, not yet answered; guarded by _lock
+        self._admitted = 0  # tokens of the request on_submit just admitted (socket thread)
         self._backlog = Backlog()  # admitted tokens and their speed: admission by deadline
         self._lock = threading.Lock()
         self._requests: dict[tuple[bytes, int], Request] = {}
@@ -73,7 +78,7 @@ class Worker:
         self._watch = FrontendWatch(cfg, index, self.metrics)
         self._sockets = SocketThread(self._ctx, topology.worker_endpoint(cfg, index),
                                      self.on_submit, self.on_abort, self.heartbeat,
-                                     self.on_control, self._watch.tick)
+                                     self.on_control, self._watch.tick, self.news)
         self._push: zmq.Socket | None = None
         # Replies not yet sent, by frontend: a batch's go out as one message each (wire).
         self._outbox: dict[bytes, list[bytes]] = {}
@@ -87,13 +92,27 @@ class Worker:
     def heartbeat(self, ping: Ping) -> Heartbeat:
         self._watch.pinged(ping)
         self.metrics.set_queue_depth(self._queued_texts)  # fresh even while no batch runs
+        return self._beat(ping.sent_at)
+
+    def _beat(self, ping_sent_at: float) -> Heartbeat:
         began = self._pass_began  # one read: the model thread may clear it meanwhile
         return Heartbeat(PROTOCOL_VERSION, self.index, os.getpid(),
                          self.ready and not self.stopping.is_set(), self.device_label,
                          self._infos, self._queued_texts, self.cfg.workers.queue_texts,
-                         ping.sent_at, time.monotonic() - began if began else 0.0,
+                         ping_sent_at, time.monotonic() - began if began else 0.0,
                          self._backlog.rate, self._backlog.pass_s,
                          self._backlog.queued_by_priority())
+
+    def news(self) -> Heartbeat | None:
+        """A heartbeat for the other frontends when the request just admitted is work of at
+        least NEWS_S here: they route by the queue each heard of at its last heartbeat (up to
+        workers.heartbeat_interval_s old), and one sent a short request behind another's bulk
+        one, to wait seconds while the other worker was idle (an outside check)."""
+        tokens, self._admitted = self._admitted, 0
+        rate = self._backlog.rate
+        if tokens == 0 or rate <= 0.0 or tokens / rate < NEWS_S:
+            return None
+        return self._beat(0.0)  # answers no ping
 
     def on_submit(self, peer: bytes, msg: Submit) -> Error | None:
         if not self.ready or self.stopping.is_set():
@@ -104,7 +123,8 @@ class Worker:
             return Error(msg.seq, ErrorCode.INVALID, f"model {msg.model!r} is a "
                          f"{self.specs[msg.model].task} model: no token embeddings")
         try:
-            request = read_request(self._attachments, peer, msg, time.time())
+            request = read_request(self._attachments, peer, msg, time.time(),
+                                   self.specs[msg.model].dim)
         except (OSError, ValueError) as exc:
             return Error(msg.seq, ErrorCode.INVALID, f"bad buffers: {exc}")
         n = request.remaining
@@ -129,6 +149,7 @@ class Worker:
                              f"texts: {share}workers.queue_texts); raise it or add workers")
             self._queued_texts += n
         request.tokens_left = tokens
+        self._admitted = tokens  # for news(), which the socket thread calls next
         self._backlog.add(msg.priority, tokens)
         self._requests[(peer, msg.seq)] = request
         self._inbox.put(request)
