@@ -8,6 +8,10 @@ starting) does not, so every event also sweeps the metrics directory for files o
 no longer run (`shmserve.metrics.mark_dead`); it sweeps once when it starts too, for what died
 while it was not listening.
 
+At supervisord's stop it is the last program stopped: on its SIGTERM it removes the socket
+files the frontends left (they keep them while they restart, so that nginx's connects are
+refused rather than finding no file, which nginx logs at level crit) that no process listens on.
+
 The listener protocol owns stdout; this process logs to stderr (its supervisord log file).
 """
 
@@ -78,6 +82,19 @@ def serve(stdin: TextIO, stdout: TextIO) -> None:
         listener.ok(stdout)
 
 
+def sweep_sockets(cfg: config.Config) -> list[str]:
+    """Remove the frontends' socket files no process listens on; the paths removed."""
+    from shmserve import nginxrun, topology
+
+    removed = []
+    for i in range(cfg.frontends.count):
+        path = topology.frontend_socket(cfg, i)
+        if path.exists() and not nginxrun.listening(path):  # a live frontend's is kept
+            path.unlink(missing_ok=True)
+            removed.append(str(path))
+    return removed
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(prog="shmserve.reaper")
     parser.add_argument("--config", required=True, help="the resolved config.json in the run dir")
@@ -86,6 +103,12 @@ def main() -> int:
     # "terminated by SIGTERM" (WARN) in supervisord's log at every `down`
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     cfg = config.load_resolved(args.config)
+
+    def stop(*_) -> None:
+        sweep_sockets(cfg)  # the last program stopped: the frontends are gone
+        sys.exit(0)
+
+    signal.signal(signal.SIGTERM, stop)
     logs.configure(cfg.logging, "reaper", sys.stderr)  # stdout speaks to supervisord
     log.info("reaper.started", extra={"fields": {"dir": str(metrics.multiproc_dir())}})
     start(cfg)

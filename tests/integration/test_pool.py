@@ -506,15 +506,11 @@ def test_output_rows_of_another_width_are_refused_and_the_worker_lives_on(cfg):
     arena = shm.Arena(shm.arena_name(topology.instance_id(cfg), "fe0"), 1 << 22)
 
     async def scenario():
-        pool = await ready_pool(cfg)
-        dispatcher = Dispatcher(cfg, pool, arena)
-        try:
+        async with dispatching(cfg, arena) as dispatcher:
             with pytest.raises(ApiError) as info:
                 await dispatcher.run("tiny", 16, encoded(2, 5), "narrow", time.time() + 10)
             assert "the model's rows are 32 wide" in info.value.message
             out = await dispatcher.run("tiny", 32, encoded(2, 5), "right", time.time() + 10)
             assert out.vectors.shape == (2, 32) and worker.poll() is None
-        finally:
-            await pool.close()
 
     run(scenario, worker, arena)

@@ -79,13 +79,25 @@ def test_speaks_supervisords_listener_protocol(tmp_path, monkeypatch):
 def test_a_sigterm_stops_it_with_exit_status_0(tmp_path):
     # supervisord logged "WARN stopped: reaper (terminated by SIGTERM)" at every stop.
     import signal
+    import socket
 
-    from shmserve import render
+    from shmserve import render, topology
     from tests.unit.test_render import make_config
 
-    cfg = make_config(tmp_path / "run")
+    cfg = make_config(tmp_path / "run", frontends={"count": 2})
     render.render(cfg)  # writes run/config.json, which the reaper reads
-    with subprocess.Popen([sys.executable, "-m", "shmserve.reaper", "--config",
+    # What frontends leave when they stop (their socket file, refusing connections), and a
+    # live one's, which stays.
+    stopped, live = (topology.frontend_socket(cfg, i) for i in (0, 1))
+    for path in (stopped, live):
+        path.parent.mkdir(parents=True, exist_ok=True)
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(str(live))
+    listener.listen()
+    closed = socket.socket(socket.AF_UNIX)
+    closed.bind(str(stopped))
+    closed.close()
+    with listener, subprocess.Popen([sys.executable, "-m", "shmserve.reaper", "--config",
                            str(tmp_path / "run" / "config.json")],
                           stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE) as proc:
@@ -93,5 +105,6 @@ def test_a_sigterm_stops_it_with_exit_status_0(tmp_path):
             assert proc.stdout.readline() == b"READY\n"  # listening, as under supervisord
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(timeout=10) == 0, proc.stderr.read()
+            assert not stopped.exists() and live.exists()
         finally:
             proc.kill()
