@@ -151,15 +151,21 @@ def up(args: argparse.Namespace) -> int:
         models.check(cfg, topology.worker_devices(cfg))  # before any process starts
     except models.ModelSourceError as exc:
         raise CliError(f"models: {exc}") from None
-    render.render(cfg)
-    topology.config_files_path(cfg).write_text(json.dumps(layers.digests(
-        layers.file_layers(args.env, args.config, os.environ)), indent=1) + "\n")
     leftovers = processes.kill_orphans(cfg)  # a SIGKILLed supervisord left its children
+    if render.nginx_conf(cfg).exists():  # and its nginx, which holds that file open
+        leftovers += nginxrun.kill_all(render.nginx_conf(cfg))
     if leftovers:
         print(f"shmserve: killed processes a dead supervisord left behind: {leftovers}")
-    nginxrun.kill_all(render.nginx_conf(cfg))  # and its nginx, which no longer names it
+        if drift := replaced_drift(cfg):
+            print(f"shmserve: warning: the deployment they served ran another config "
+                  f"({topology.resolved_config_path(cfg)}): {drift}; this one starts with the "
+                  "config as it loads now (repeat that `up`'s overrides to keep them)",
+                  file=sys.stderr)
     check_port(cfg)  # after those: this deployment's own leftovers may have held it
     check_shm(cfg)
+    render.render(cfg)  # only now: a refused `up` leaves the run directory as it was
+    topology.config_files_path(cfg).write_text(json.dumps(layers.digests(
+        layers.file_layers(args.env, args.config, os.environ)), indent=1) + "\n")
     clean_stale(cfg, metrics=True)
     state.remove(cfg)  # reloads and splits of an earlier run: at start the config is the truth
     argv = [tool("supervisord"), "-c", str(render.supervisord_conf(cfg))]
@@ -347,6 +353,16 @@ def check_port(cfg: Config) -> None:
                 raise CliError(f"{host}:{cfg.server.port} is in use by another process; choose "
                                "another server.port (SHMSERVE__SERVER__PORT) or stop it") from None
             raise CliError(f"cannot listen on {host}:{cfg.server.port}: {exc.strerror}") from None
+
+
+def replaced_drift(cfg: Config) -> str | None:
+    """How `cfg` differs from the config the deployment in its run directory last ran
+    (run/config.json), or None."""
+    try:
+        old = config.load_resolved(topology.resolved_config_path(cfg))
+    except (OSError, ValueError):  # none, or another version's
+        return None
+    return "; ".join(config.differences(render.resolved(old), render.resolved(cfg))) or None
 
 
 def clean_stale(cfg: Config, metrics: bool) -> None:

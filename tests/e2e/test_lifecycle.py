@@ -90,7 +90,13 @@ def test_a_sigkilled_supervisord_leaves_nothing_running_after_the_next_up(tmp_pa
         done = stack.cli("status", check=False)
         assert done.returncode == 1 and "supervisord is not running" in done.stdout, done.stdout
         assert str(old_worker) in done.stdout and f":{stack.port}" in done.stdout
-        stack.up()  # sweeps them, then starts afresh
+        # `up` sweeps them, then starts afresh, with the config as it loads now: it says how
+        # that differs from what the killed deployment ran
+        stack.env["SHMSERVE__BATCHING__MAX_WAIT_MS"] = "3"
+        done = stack.cli("up", "--wait", "--timeout", "150")
+        assert "killed processes a dead supervisord left behind" in done.stdout
+        assert "batching.max_wait_ms: 2.0 -> 3.0" in done.stderr, done.stderr
+        stack.env.pop("SHMSERVE__BATCHING__MAX_WAIT_MS")
         assert not processes.alive(old_worker)
         assert not set(children) & set(processes.orphans(cfg))
         assert stack.post_json("/predict", {"texts": ["fresh"]})[0] == 200

@@ -110,4 +110,5 @@ def test_up_fails_fast_when_the_port_is_taken(tmp_path, tiny_model):
         assert done.returncode == 2, done.stdout + done.stderr
         assert f"127.0.0.1:{s.port} is in use" in done.stderr
         assert time.monotonic() - started < 30
+        assert not s.run_dir.exists()  # refused before it wrote anything
         assert s.cli("status", check=False).returncode == 3  # nothing was started
