@@ -64,6 +64,10 @@ class Models:
                 self._names[name] = spec.name
         self.default = cfg.models[0].name
 
+    def canonical(self, name: str) -> str | None:
+        """A served model's name for one of its names or aliases; None for any other."""
+        return self._names.get(name)
+
     def resolve(self, name: str | None) -> ServedModel:
         if name is None:
             return self.by_name[self.default]
@@ -202,7 +206,10 @@ def _record(request: web.Request, response: web.StreamResponse, elapsed: float,
             ended: float) -> None:
     route = request.match_info.route.resource
     path = route.canonical if route is not None else "unmatched"
-    model = request.get(MODEL_NAME, "")
+    # a request refused before its model was resolved: the served model its body names, if any
+    # (never a name no model has: a label per made-up name would grow without bound)
+    model = request.get(MODEL_NAME) or request.app[MODELS].canonical(
+        request.get(codec.NAMED_MODEL, "")) or ""
     metrics.observe_request(path, model, response.status, elapsed, request.get(REVISION, ""))
     stages = request.get(STAGES)  # set by a route that ran the embedding pipeline
     if stages is not None and response.status < 400:

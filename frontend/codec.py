@@ -58,11 +58,19 @@ def prefers_msgpack(accept: str) -> bool:
     return packed > plain or (packed > 0 and packed == plain and matched != JSON)
 
 
+# The "model" a request's body names, as sent: a request refused before its model is resolved
+# (a bad field) is still counted under that model when it is a served one (frontend.app).
+NAMED_MODEL = web.RequestKey("named_model", str)
+
+
 async def read_body(request: web.Request) -> Any:
     # aiohttp reports a missing (or empty) Content-Type as application/octet-stream; tell them
     # apart from a client that sent that type. An empty header is taken as no header.
     sent = request.headers.get("Content-Type", "").strip()
-    return decode_body(await read_raw(request), request.content_type, bool(sent), sent)
+    body = decode_body(await read_raw(request), request.content_type, bool(sent), sent)
+    if isinstance(body, dict) and isinstance(name := body.get("model"), str):
+        request[NAMED_MODEL] = name
+    return body
 
 
 async def read_raw(request: web.Request) -> bytes:

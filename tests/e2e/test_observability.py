@@ -192,6 +192,25 @@ def test_failed_request_logs_its_error_type(stack):
     assert line()[0]["error"] == "too_large" and line()[0]["status"] == 413
 
 
+def test_a_refused_request_is_counted_under_the_served_model_it_names(stack):
+    # Refused before its model was resolved, it was counted under model="" (an outside check);
+    # a name no model has stays "" (a label per made-up name would grow without bound).
+    before = scrape(stack)
+    sent = [({"model": "tiny", "texts": []}, 1), ({"model": "tiny-alias", "priority": 99,
+                                                   "texts": ["x"]}, 1),
+            ({"model": "made-up", "texts": []}, 2)]
+    for body, times in sent:
+        for _ in range(times):
+            assert stack.post_json("/predict", body)[0] in (404, 422), body
+    after = scrape(stack)
+
+    def delta(**labels):
+        return (total(after, "shmserve_requests_total", route="/predict", **labels)
+                - total(before, "shmserve_requests_total", route="/predict", **labels))
+    assert delta(model="tiny", status="422") == 2
+    assert not any(l.get("model") == "made-up" for l, _ in after["shmserve_requests_total"])
+
+
 def test_nginx_logs_the_method_of_a_request_it_answers_itself(stack):
     # Its error page is an internal redirect, which turns $request_method into GET.
     status, _, _ = stack.request("POST", "/predict?q=1", b'{"texts": ["x"]}',
