@@ -274,20 +274,24 @@ def test_a_large_answer_in_transfer_survives_a_graceful_stop(tmp_path, tiny_mode
     import threading
     import time
 
+    import msgpack
+
     stack = Stack(tmp_path, tiny_overrides(tiny_model, limits={"max_texts_per_request": 4096},
+                                           workers={"queue_texts": 8192},
                                            frontends={"count": 1}))
     stack.up()
-    texts = [f"{'word ' * 80}{i}" for i in range(4096)]  # 4096 x 64 rows x 32: ~90 MB of JSON
+    # 4096 x 64 rows x 32 floats: 34 MB of msgpack (a JSON answer that large is refused, 413)
+    texts = [f"{'word ' * 80}{i}" for i in range(4096)]
     got = {}
 
     def fetch():
         conn = http.client.HTTPConnection("127.0.0.1", stack.port, timeout=120)
         conn.request("POST", "/embed_all", json.dumps({"inputs": texts, "truncate": True}),
-                     {"Content-Type": "application/json"})
+                     {"Content-Type": "application/json", "Accept": "application/msgpack"})
         response = conn.getresponse()
         got["status"], got["headers"] = response.status, dict(response.headers)
         try:
-            got["rows"] = [len(rows) for rows in json.loads(response.read())]
+            got["rows"] = [len(rows) for rows in msgpack.unpackb(response.read())]
         except (http.client.IncompleteRead, ValueError) as exc:
             got["error"] = repr(exc)[:200]
         finally:
