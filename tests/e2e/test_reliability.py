@@ -97,7 +97,7 @@ def test_flood_gets_only_200_or_429_and_memory_stays_bounded(tmp_path, tiny_mode
     # admit and a margin of clients past it (render.worker_connections), where 1,024 dropped
     # connections unanswered ("worker_connections are not enough") and no 429 came.
     stack = Stack(tmp_path / "s", tiny_overrides(
-        tiny_model, frontends={"count": 2, "max_inflight": 16}, workers={"queue_texts": 64},
+        tiny_model, frontends={"count": 2, "max_inflight": 16}, workers={"queue_texts": 96},
         nginx={"worker_connections": 1024}))
     stack.up()
     try:
