@@ -110,12 +110,12 @@ async def reload_model(request: web.Request) -> web.Response:
 async def set_split(request: web.Request) -> web.Response:
     authorize(request)
     served = request.app[MODELS].resolve(request.match_info["name"])
+    body = codec.decode_body(await codec.read_raw(request), request.content_type,
+                             "Content-Type" in request.headers)  # malformed: 400 first
     names = [v.name for v in served.variants]
     if not names[0]:
         raise ApiError("invalid_request", f"model {served.spec.name!r} has no variants to split "
                        "(models.variants)", param="model")
-    body = codec.decode_body(await codec.read_raw(request), request.content_type,
-                             "Content-Type" in request.headers)
     weights = body.get("weights") if isinstance(body, dict) else None
     why = _weights_problem(weights, names)
     if why:

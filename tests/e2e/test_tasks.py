@@ -260,6 +260,9 @@ def test_new_weights_apply_on_every_frontend(task_stack):
     status, _, _ = task_stack.request("PUT", "/admin/models/tiny/split",
                                  json.dumps({"weights": {"": 1}}).encode(), ADMIN)
     assert status == 422
+    # A malformed body is a 400 before what the model lacks (it was the 422 "has no variants")
+    status, _, raw = task_stack.request("PUT", "/admin/models/tiny/split", b"{", ADMIN)
+    assert status == 400, raw
     assert task_stack.request("PUT", "/admin/models/ab/split", b"{}")[0] == 401
     # The CLI sets them back, through nginx with the configured token.
     proc = task_stack.cli("split", "ab", f"a={1 - AB_WEIGHT_B}", f"b={AB_WEIGHT_B}")
