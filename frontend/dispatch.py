@@ -98,9 +98,11 @@ class Dispatcher:
             self.arena.view(ids)[:] = enc.ids
             if enc.segments is not None:
                 self.arena.view(segments)[:] = enc.segments
+            refused = None  # the worker that turned it away for its load (429), if one did
             for attempt in range(self.cfg.frontends.retry_on_worker_loss + 1):
                 link = await self.pool.wait_for_worker(
-                    model, min(self.cfg.frontends.no_worker_wait_s, deadline - time.time()))
+                    model, min(self.cfg.frontends.no_worker_wait_s, deadline - time.time()),
+                    avoid=refused)
                 if link is None:
                     if time.time() >= deadline:
                         raise ApiError("timeout", "deadline passed waiting for a worker")
@@ -139,6 +141,15 @@ class Dispatcher:
                     # heartbeat says ready) takes the request.
                     self.pool.mark_unready(link)
                     metrics.retries("unavailable").inc()
+                    continue
+                if (isinstance(reply, Error) and reply.code is ErrorCode.OVERLOADED
+                        and refused is None and any(
+                            other is not link for other in self.pool.ready_links(model))):
+                    # Its queue, or the work in it, is too much for this request: another
+                    # worker's may not be (a frontend learns of the others' load from their
+                    # heartbeats, which may be a moment old). Once; it ran nothing.
+                    refused = link
+                    metrics.retries("overloaded").inc()
                     continue
                 if isinstance(reply, Error):
                     raise ApiError.from_worker(reply.code, reply.message)

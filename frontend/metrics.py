@@ -51,8 +51,9 @@ REFUSED = Counter("shmserve_frontend_refused_total",
                   ["reason"])
 RETRIES = Counter("shmserve_frontend_retries_total",
                   "Requests sent again to a worker (frontends.retry_on_worker_loss): its worker "
-                  "was lost with the request in it (worker_lost; the work it did is redone), or "
-                  "answered that it was loading or draining (unavailable; it did nothing)",
+                  "was lost with the request in it (worker_lost; the work it did is redone), "
+                  "answered that it was loading or draining (unavailable; it did nothing), or "
+                  "refused it for its load while another was ready (overloaded; once)",
                   ["reason"])
 DEADLINES = Counter("shmserve_deadline_exceeded_total",
                     "Requests whose deadline passed (504)", ["model"])
@@ -90,7 +91,7 @@ def start(models: list[str], frontend: int, workers: int) -> None:
         WORKER_HUNG_KILLS.labels(str(frontend), str(worker))
     for reason in ("inflight", "deadline", "arena"):
         REFUSED.labels(reason)
-    for reason in ("worker_lost", "unavailable"):
+    for reason in ("worker_lost", "unavailable", "overloaded"):
         RETRIES.labels(reason)
     INFLIGHT.labels(str(frontend)).set(0)
     ARENA_USED.labels(str(frontend)).set(0)

@@ -143,23 +143,25 @@ class WorkerPool:
         return [link for link in self.links
                 if link.ready and any(m.name == model for m in link.beat.models)]
 
-    def pick(self, model: str) -> WorkerLink | None:
+    def pick(self, model: str, avoid: WorkerLink | None = None) -> WorkerLink | None:
         """The ready worker with the least outstanding work, in tokens: what this frontend sent
         it and has not had answered, then what it last reported queued. A pass's time grows
         with its tokens far more than with its texts (on a CPU ~0.15 ms a token against ~3 ms a
         pass), so a worker running one long text is busier than one running two short ones.
         Ties (idle workers, at light load) go round: each would otherwise go to the lowest
-        index, and a deployment's other workers would sit idle and cold."""
+        index, and a deployment's other workers would sit idle and cold. `avoid` (one that
+        turned the request away) only when no other is ready."""
         links = self.ready_links(model)
         if not links:
             return None
         self._turn, n = self._turn + 1, len(self.links)
-        return min(links, key=lambda link: (link.outstanding, link.beat.queued,
+        return min(links, key=lambda link: (link is avoid, link.outstanding, link.beat.queued,
                                             (link.index - self._turn) % n))
 
-    async def wait_for_worker(self, model: str, timeout: float) -> WorkerLink | None:
+    async def wait_for_worker(self, model: str, timeout: float,
+                              avoid: WorkerLink | None = None) -> WorkerLink | None:
         deadline = time.monotonic() + timeout
-        while (link := self.pick(model)) is None:
+        while (link := self.pick(model, avoid)) is None:
             left = deadline - time.monotonic()
             if left <= 0:
                 return None

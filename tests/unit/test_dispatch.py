@@ -36,9 +36,12 @@ class FakePool:
         self.held = []  # the on_settled of requests a silent worker still holds
         self._seq = 0
 
-    async def wait_for_worker(self, model: str, timeout: float):
-        ready = [link for link in self.links if link.ready]
+    async def wait_for_worker(self, model: str, timeout: float, avoid=None):
+        ready = sorted(self.ready_links(model), key=lambda link: link is avoid)
         return ready[0] if ready else None
+
+    def ready_links(self, model: str):
+        return [link for link in self.links if link.ready]
 
     def next_seq(self) -> int:
         self._seq += 1
@@ -89,11 +92,34 @@ def test_a_worker_that_is_loading_or_draining_hands_the_request_to_another(arena
     assert pool.tokens == [3, 3]
 
 
-def test_other_worker_errors_are_the_answer(arena):
+def test_a_worker_that_refuses_for_its_load_hands_the_request_to_another_once(arena):
+    # A frontend knows the other workers' load from heartbeats that may be a moment old: a
+    # 429 came from a busy worker while the other was idle (an outside check).
     pool = FakePool({0: ErrorCode.OVERLOADED, 1: None})
+    before = metrics.RETRIES.labels("overloaded")._value.get()
+    outcome = run(pool, arena)
+    assert outcome.worker == 1 and pool.sent == [0, 1] and outcome.attempts == 2
+    metrics.turn.flush()
+    assert metrics.RETRIES.labels("overloaded")._value.get() == before + 1
+    assert pool.links[0].ready  # busy, not unready
+    # Both refuse: the 429 after one more try, not a round of every worker
+    pool = FakePool({0: ErrorCode.OVERLOADED, 1: ErrorCode.OVERLOADED})
+    with pytest.raises(ApiError) as err:
+        run(pool, arena)
+    assert err.value.status == 429 and pool.sent == [0, 1]
+    # No other worker ready: the 429 at once
+    pool = FakePool({0: ErrorCode.OVERLOADED, 1: None})
+    pool.mark_unready(pool.links[1])
     with pytest.raises(ApiError) as err:
         run(pool, arena)
     assert err.value.status == 429 and pool.sent == [0]
+
+
+def test_other_worker_errors_are_the_answer(arena):
+    pool = FakePool({0: ErrorCode.DEADLINE, 1: None})
+    with pytest.raises(ApiError) as err:
+        run(pool, arena)
+    assert err.value.status == 504 and pool.sent == [0]
 
 
 def test_with_no_ready_worker_the_503_says_whether_they_are_loading_or_gone(arena):

@@ -69,3 +69,13 @@ def test_idle_workers_take_turns(pool):
             link.pending.clear()
 
     asyncio.run(run())
+
+
+def test_a_worker_to_avoid_is_picked_only_when_no_other_is_ready(pool):
+    # dispatch: the retry of a request one worker refused for its load goes to another
+    for index in (0, 1):
+        beat(pool, index)
+    beat(pool, 1, Queued(0, 500))  # busier than worker 0, and still chosen over it
+    assert all(pool.pick("a", avoid=pool.links[0]) is pool.links[1] for _ in range(4))
+    pool.links[1].beat = None  # not ready
+    assert pool.pick("a", avoid=pool.links[0]) is pool.links[0]
