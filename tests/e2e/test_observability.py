@@ -208,7 +208,8 @@ def test_a_refused_request_is_counted_under_the_served_model_it_names(stack):
         return (total(after, "shmserve_requests_total", route="/predict", **labels)
                 - total(before, "shmserve_requests_total", route="/predict", **labels))
     assert delta(model="tiny", status="422") == 2
-    assert not any(l.get("model") == "made-up" for l, _ in after["shmserve_requests_total"])
+    assert not any(labels.get("model") == "made-up"
+                   for labels, _ in after["shmserve_requests_total"])
 
 
 def test_nginx_logs_the_method_of_a_request_it_answers_itself(stack):
