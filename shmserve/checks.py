@@ -169,3 +169,41 @@ def check_models(cfg: Any) -> None:
             raise ConfigError(f"{key}.variants: revisions must differ, got {labels}")
         if model.variants and sum(v.weight for v in model.variants) <= 0:
             raise ConfigError(f"{key}.variants: the weights must not all be 0")
+
+
+def check_relations(cfg: Any) -> None:
+    """What no key can say alone: timeouts and capacities that must fit one another;
+    ConfigError naming the key."""
+    if 0 < cfg.frontends.hung_kill_s <= 2 * cfg.workers.heartbeat_interval_s:
+        raise ConfigError(f"frontends.hung_kill_s: {cfg.frontends.hung_kill_s:g} must be over "
+                          "twice workers.heartbeat_interval_s "
+                          f"({cfg.workers.heartbeat_interval_s:g}), how often a frontend pings "
+                          "each worker; or 0 (never)")
+    if 0 < cfg.workers.hung_kill_s <= cfg.workers.heartbeat_timeout_s:
+        raise ConfigError(f"workers.hung_kill_s: {cfg.workers.hung_kill_s:g} must be over "
+                          f"workers.heartbeat_timeout_s ({cfg.workers.heartbeat_timeout_s:g}), "
+                          "or 0 (never)")
+    if cfg.workers.heartbeat_timeout_s <= cfg.workers.heartbeat_interval_s:
+        raise ConfigError(f"workers.heartbeat_timeout_s: {cfg.workers.heartbeat_timeout_s:g} "
+                          "must be over workers.heartbeat_interval_s "
+                          f"({cfg.workers.heartbeat_interval_s:g}), or every worker is taken "
+                          "for dead between two heartbeats")
+    if cfg.batching.max_wait_ms >= 1000 * cfg.frontends.request_timeout_s:
+        raise ConfigError(f"batching.max_wait_ms: {cfg.batching.max_wait_ms:g} must be under "
+                          f"frontends.request_timeout_s ({cfg.frontends.request_timeout_s:g} s): "
+                          "a lone request would wait for company past its deadline (504)")
+    low_share = int(cfg.workers.queue_texts * cfg.workers.low_priority_queue_share)
+    if low_share < cfg.limits.max_texts_per_request:
+        # A request larger than a worker's whole queue would get a 429 (retry later) forever.
+        low = "" if cfg.workers.queue_texts < cfg.limits.max_texts_per_request else (
+            f" x workers.low_priority_queue_share ({cfg.workers.low_priority_queue_share:g}) = "
+            f"{low_share}, what a low-priority request may queue,")
+        raise ConfigError(f"workers.queue_texts: {cfg.workers.queue_texts}{low} is under "
+                          f"limits.max_texts_per_request ({cfg.limits.max_texts_per_request}): "
+                          "a request that large could never be queued")
+    for key, value in (("admin.reload_timeout_s", cfg.admin.reload_timeout_s),
+                       ("frontends.request_timeout_s", cfg.frontends.request_timeout_s)):
+        if value >= cfg.nginx.proxy_read_timeout_s:
+            raise ConfigError(f"{key}: {value:g} must be under nginx.proxy_read_timeout_s "
+                              f"({cfg.nginx.proxy_read_timeout_s}), or nginx cuts the call "
+                              "before its answer")
