@@ -1,8 +1,24 @@
-"""Tiny random models of each task, built once per test module."""
+"""Tiny random models of each task, built once per test module; the config of a run directory
+for a worker started by hand (test_pool, test_news)."""
 
 import pytest
+import yaml
 
+from shmserve import config
+from tests.conftest import tiny_overrides
 from tests.tinymodel import build_tiny_bert, build_tiny_classifier
+
+
+@pytest.fixture
+def cfg(tmp_path, tiny_model):
+    overrides = tiny_overrides(tiny_model)
+    env = {"SHMSERVE__SERVER__RUN_DIR": str(tmp_path / "run")}
+    extra = tmp_path / "extra.yaml"
+    extra.write_text(yaml.safe_dump(overrides))
+    cfg = config.load(env="test", extra=extra, environ=env)
+    (cfg.run_dir / "sockets").mkdir(parents=True)
+    (cfg.run_dir / "config.json").write_text(cfg.to_json())
+    return cfg
 
 
 @pytest.fixture(scope="module")
