@@ -455,12 +455,23 @@ def _packs(text: QueuedText) -> bool:
 
 def main(cfg: Config, index: int) -> int:
     worker = Worker(cfg, index)
-    # Signal handlers only set a flag; the model loop drains and exits.
+
+    def stop(*_) -> None:
+        """Serving: only a flag, the model loop drains and exits. Loading: at once, as nothing
+        is admitted before it is ready; the load (imports, weights, warm-up: seconds, more on
+        large models) went on to its end first, and a stop or restart waited for it."""
+        worker.stopping.set()
+        if not worker.ready:
+            raise SystemExit(0)
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: worker.stopping.set())
+        signal.signal(sig, stop)
+    loading = False
     try:
         worker.serve()
+    except SystemExit:
+        loading = True
     finally:
         worker.close()
-    log.info("worker.stopped", extra={"fields": {"worker": index}})
+    log.info("worker.stopped", extra={"fields": {"worker": index, "while_loading": loading}})
     return 0
