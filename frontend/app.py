@@ -90,10 +90,14 @@ API_KEYS = web.AppKey("api_keys", tuple)  # bytes; empty: the inference routes a
 TRACING = web.AppKey("tracing", object)  # a frontend.tracing.Tracing, or None
 # Probes and scrapes: no access line, no trace.
 PROBES = frozenset({"/health", "/ready", "/metrics"})
+# KServe's per-model readiness: a probe too. Behind a key, tritonclient's is_model_ready()
+# said False (its 401 hidden) while is_server_ready() said True (an outside check).
+MODEL_READY = frozenset({"/v2/models/{model}/ready", "/v2/models/{model}/versions/{version}/ready"})
+KSERVE_PROBES = MODEL_READY | {"/v2/health/live", "/v2/health/ready"}
 # Open whatever auth.api_keys says: probes, scrapes, the API's description, and /admin/*,
 # which has a token of its own.
-OPEN_PATHS = PROBES | {"/v2/health/live", "/v2/health/ready", "/openapi.json"}
-QUIET_PATHS = PROBES | {"/v2/health/live", "/v2/health/ready"}  # no access line, no trace
+OPEN_PATHS = PROBES | KSERVE_PROBES | {"/openapi.json"}
+QUIET_PATHS = PROBES | KSERVE_PROBES  # no access line, no trace
 
 # Per-request storage, typed (aiohttp warns on plain string keys).
 REQUEST_ID = web.RequestKey("request_id", str)
@@ -129,7 +133,8 @@ async def observe(request: web.Request, handler) -> web.StreamResponse:
             exc.status, "bad_request")
         allow = exc.headers.get("Allow")
         message = (f"{request.method} is not allowed on {request.path}; it takes {allow}"
-                   if allow else exc.reason or "error")
+                   if allow else no_route(request) if exc.status == 404
+                   else exc.reason or "error")
         response = error_response(request, ApiError(kind, message))
         if allow:  # RFC 9110: a 405 names the methods the resource takes
             response.headers["Allow"] = allow
@@ -152,6 +157,19 @@ async def observe(request: web.Request, handler) -> web.StreamResponse:
         response.headers["X-Accel-Buffering"] = "no"
     _record(request, response, elapsed, ended)
     return response
+
+
+def no_route(request: web.Request) -> str:
+    """A 404's message: the path, the route it likely meant (a base URL with or without /v1:
+    the openai client given one without it, or a TEI client given one with it, got a bare
+    "Not Found"), and where the routes are listed."""
+    path = request.path
+    known = {resource.canonical for resource in request.app.router.resources()}
+    guesses = ("/v1" + path, path[3:] if path.startswith("/v1/") else "", path.rstrip("/"))
+    guess = next((g for g in guesses if g and g != path and g in known), None)
+    shown = path if len(path) <= 200 else path[:200] + "..."
+    return (f"no route {shown}" + (f"; did you mean {guess}?" if guess else "")
+            + " (GET /openapi.json lists the routes)")
 
 
 # Answers larger than this pass through nginx unbuffered (X-Accel-Buffering: no, which nginx

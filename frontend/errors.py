@@ -89,9 +89,11 @@ OPENAI_PATHS = frozenset({"/v1/embeddings"})  # OpenAI's own routes answer with 
 
 def status_on(path: str, exc: ApiError) -> int:
     """The status `exc` answers on `path`: its kind's, but OpenAI's 400 for an invalid request
-    on OpenAI's routes (its clients raise BadRequestError for 400, UnprocessableEntityError for
-    422; TEI, and this server elsewhere, answer 422)."""
-    if exc.kind == "invalid_request" and path in OPENAI_PATHS:
+    or one over a limit (too many inputs, a text too long) on OpenAI's routes: its clients
+    raise BadRequestError for 400, UnprocessableEntityError for 422 and a bare APIStatusError
+    for 413, which code catching BadRequestError missed (an outside check). TEI, and this
+    server elsewhere, answer 422 and 413."""
+    if exc.kind in ("invalid_request", "too_large") and path in OPENAI_PATHS:
         return 400
     return exc.status
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import dataclasses
+import os
 import time
 from typing import Any
 
@@ -37,7 +38,7 @@ async def embeddings(request: web.Request) -> web.Response:
     cfg = request.app[CONFIG]
     body = await codec.read_body(request)
     parsed = schemas.parse_openai_embeddings(body, cfg.limits)
-    model, outcome, enc = await embed(request, parsed, "input")
+    model, outcome, enc = await embed(request, parsed, "input", ids_hint=OPENAI_IDS_HINT)
     as_msgpack = codec.wants_msgpack(request)
     if parsed.encoding_format == "base64":
         rows = [base64.b64encode(np.ascontiguousarray(r, "<f4").tobytes()).decode("ascii")
@@ -75,8 +76,15 @@ async def predict(request: web.Request, body: Any) -> web.Response:
     }, headers=tasks.stage_headers(request, outcome))
 
 
+# langchain-openai's OpenAIEmbeddings, unless told check_embedding_ctx_length=False, tokenizes
+# with tiktoken and sends OpenAI's ids; a user saw only the id refused (an outside check).
+OPENAI_IDS_HINT = ("; ids from OpenAI's tiktoken do not fit it (langchain-openai sends those "
+                   "unless given check_embedding_ctx_length=False): send texts, or ids from "
+                   "POST /tokenize")
+
+
 async def embed(request: web.Request, parsed: schemas.EmbedRequest, param: str,
-                model: ServedModel | None = None, per_token: bool = False
+                model: ServedModel | None = None, per_token: bool = False, ids_hint: str = ""
                 ) -> tuple[ServedModel, Outcome, Encoded]:
     """The embedding pipeline every embedding route shares (native, OpenAI, TEI, KServe).
     `model`: what tasks.resolve already gave the caller for `parsed.model`. `per_token`: the
@@ -88,7 +96,7 @@ async def embed(request: web.Request, parsed: schemas.EmbedRequest, param: str,
     if parsed.token_ids is not None:  # tokenized by the client
         ran = await tasks.run(
             request, model, lambda enc: enc.from_ids(parsed.token_ids, param, parsed.truncate,
-                                                     parsed.truncation_direction),
+                                                     parsed.truncation_direction, ids_hint),
             0, priority=parsed.priority, user=parsed.user, per_token=per_token)
     else:
         ran = await tasks.run(
@@ -107,17 +115,27 @@ async def embed(request: web.Request, parsed: schemas.EmbedRequest, param: str,
 async def list_models(request: web.Request) -> web.Response:
     models = request.app[MODELS]
     return codec.render(request, {"object": "list", "data": [
-        _model_object(name) for name in models.by_name]})
+        _model_object(model) for model in models.by_name.values()]})
 
 
 async def get_model(request: web.Request) -> web.Response:
     """OpenAI's model retrieval (`client.models.retrieve`): a served name or alias, else 404."""
     return codec.render(request, _model_object(
-        request.app[MODELS].resolve(request.match_info["model"]).spec.name))
+        request.app[MODELS].resolve(request.match_info["model"])))
 
 
-def _model_object(name: str) -> dict:
-    return {"id": name, "object": "model", "created": 0, "owned_by": "shmserve"}
+def _model_object(model: ServedModel) -> dict:
+    return {"id": model.spec.name, "object": "model", "created": _created(model.spec.directory),
+            "owned_by": "shmserve"}
+
+
+def _created(directory) -> int:
+    """OpenAI's `created`: when the weights were written (the same on every frontend, where a
+    start time would differ); 0 for a model without a weights file (null)."""
+    try:
+        return int(os.stat(directory / "model.safetensors").st_mtime)
+    except (OSError, TypeError):
+        return 0
 
 
 async def health(request: web.Request) -> web.Response:

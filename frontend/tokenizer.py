@@ -222,14 +222,16 @@ class TextEncoder:
         truncated = sum(1 for e in encodings if e.overflowing) if truncate else 0
         return Encoded(ids, offsets, truncated)
 
-    def check_ids(self, rows: list[list[int]], param: str) -> None:
-        """422 naming the first row holding an id outside [0, vocab size)."""
+    def check_ids(self, rows: list[list[int]], param: str, hint: str = "") -> None:
+        """422 naming the first row holding an id outside [0, vocab size); `hint`: the
+        likeliest cause on the route asking."""
         for i, row in enumerate(rows):
             low, high = min(row), max(row)  # Python ints: no overflow before the check
             if low < 0 or high >= self.vocab_size:
                 raise ApiError("invalid_request", f"'{param}[{i}]' holds token id "
                                f"{low if low < 0 else high}; ids must be in [0, "
-                               f"{self.vocab_size}) for this model's vocabulary", param=param)
+                               f"{self.vocab_size}) for this model's vocabulary{hint}",
+                               param=param)
 
     def decode(self, rows: list[list[int]], skip_special_tokens: bool = True,
                param: str = "ids") -> list[str]:
@@ -238,18 +240,19 @@ class TextEncoder:
         return self._tok.decode_batch(rows, skip_special_tokens=skip_special_tokens)
 
     def from_ids(self, rows: list[list[int]], param: str = "input",
-                 truncate: bool | None = None, direction: str = "right") -> Encoded:
+                 truncate: bool | None = None, direction: str = "right",
+                 hint: str = "") -> Encoded:
         """Token ids a client tokenized itself, used as given: no special tokens are added.
 
         Each id must be in [0, vocab size); a row longer than the model's limit is cut to it
         or refused with 413, as texts are (`truncate` None: limits.truncate; `direction`:
         the end the cut takes ids from). The cut is of the ids as given: a [CLS] or [SEP] the
-        client put at that end goes with it."""
+        client put at that end goes with it. `hint`: check_ids'."""
+        self.check_ids(rows, param, hint)
         hint = _hint(truncate)
         truncate = self.truncate if truncate is None else truncate
         truncated = 0
         kept = []
-        self.check_ids(rows, param)
         for i, row in enumerate(rows):
             if len(row) > self.max_tokens:
                 if not truncate:
@@ -286,7 +289,8 @@ def _piece(text: str, cap: int, direction: str) -> str:
 
 
 def _count(n: int, lower_bound: bool) -> str:
-    return f"more than {n - 1}" if lower_bound else str(n)
+    """A long text is counted only as far as it passes the limit (Encoder._pieces)."""
+    return f"at least {n}" if lower_bound else str(n)
 
 
 def _hint(asked: bool | None) -> str:

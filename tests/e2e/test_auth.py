@@ -9,6 +9,7 @@ import huggingface_hub
 import msgpack
 import openai
 import pytest
+import tritonclient.http as triton
 from huggingface_hub import InferenceClient
 
 from tests.conftest import tiny_overrides
@@ -122,8 +123,17 @@ def test_no_key_gets_401_with_the_scheme_to_use(stack):
 
 
 def test_probes_scrapes_and_the_description_stay_open(stack):
-    for path in ("/health", "/ready", "/metrics", "/v2/health/ready", "/openapi.json"):
+    for path in ("/health", "/ready", "/metrics", "/v2/health/ready", "/openapi.json",
+                 "/v2/models/tiny/ready", "/v2/models/tiny/versions/tiny-r1/ready"):
         assert stack.get(path)[0] == 200, path
+    # tritonclient's readiness calls agree without a key (is_model_ready said False: a 401).
+    client = triton.InferenceServerClient(f"127.0.0.1:{stack.port}")
+    try:
+        assert client.is_server_ready() and client.is_model_ready("tiny")
+        assert not client.is_model_ready("nope")  # 404
+    finally:
+        client.close()
+    assert stack.get("/v2/models/tiny")[0] == 401  # metadata still asks for the key
     # Refusals are counted like any answer.
     metrics = stack.get("/metrics")[2].decode()
     assert 'status="401"' in metrics

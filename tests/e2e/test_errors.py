@@ -96,14 +96,18 @@ def test_missing_empty_or_wrongly_typed_fields_are_422(tiny_stack, path, body, p
     assert err["error"].get("param") == param
 
 
-def test_too_many_texts_is_413(tiny_stack):
+def test_too_many_texts_is_413_and_400_on_openais_route(tiny_stack):
     status, _, err = tiny_stack.post_json("/predict", {"texts": ["a"] * 65})
     assert status == 413 and "limits.max_texts_per_request" in err["error"]["message"]
+    status, _, err = tiny_stack.post_json("/v1/embeddings", {"input": ["a"] * 65})
+    assert status == 400 and err["error"]["type"] == "too_large", err
 
 
-def test_over_long_text_without_truncation_is_413(tiny_stack):
+def test_over_long_text_without_truncation_is_413_and_400_on_openais_route(tiny_stack):
+    status, _, err = tiny_stack.post_json("/embed", {"inputs": ["fine", "word " * 200]})
+    assert status == 413, err
     status, _, err = tiny_stack.post_json("/v1/embeddings", {"input": ["fine", "word " * 200]})
-    assert status == 413 and err["error"]["param"] == "input"
+    assert status == 400 and err["error"]["param"] == "input"
     assert "input[1]" in err["error"]["message"]
 
 
@@ -115,6 +119,12 @@ def test_unknown_model_is_404(tiny_stack):
 def test_unknown_route_and_method(tiny_stack):
     status, _, raw = tiny_stack.get("/nope")
     assert status == 404 and error_of(raw)["type"] == "not_found"
+    assert error_of(raw)["message"] == "no route /nope (GET /openapi.json lists the routes)"
+    # A base URL without /v1 (or with one too many): the route it likely meant.
+    for path, meant in (("/embeddings", "/v1/embeddings"), ("/v1/v1/embeddings", "/v1/embeddings"),
+                        ("/v1/predict", "/predict")):
+        status, _, err = tiny_stack.post_json(path, {"input": "x"})
+        assert status == 404 and f"did you mean {meant}?" in err["error"]["message"], err
     status, headers, raw = tiny_stack.get("/predict")
     assert status == 405 and error_of(raw)["type"] == "method_not_allowed"
     assert headers["Allow"] == "POST"  # RFC 9110

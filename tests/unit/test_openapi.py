@@ -114,7 +114,8 @@ def test_every_inference_body_documents_priority_and_user():
 def test_405_401_and_retry_after_are_documented():
     doc = document(config.load(environ={}))
     open_paths = {"/health", "/ready", "/metrics", "/v2/health/live", "/v2/health/ready",
-                  "/openapi.json"}
+                  "/openapi.json", "/v2/models/{model}/ready",
+                  "/v2/models/{model}/versions/{version}/ready"}
     for path, item in doc["paths"].items():
         for method, op in item.items():
             responses = op["responses"]

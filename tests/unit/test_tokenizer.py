@@ -216,12 +216,22 @@ def test_pairs_with_a_long_side_are_cut_as_the_whole_pairs(spec):
         assert got.segments.tolist() == [e.type_ids.index(1) for e in want]
 
 
-def test_a_long_text_refused_uncut_says_more_than(spec):
+def test_a_long_text_refused_uncut_says_at_least(spec):
+    """Counted only as far as it passes the limit: the count is a lower bound, said so."""
     with pytest.raises(ApiError) as info:
         TextEncoder(spec, truncate=False).encode(["short", "word " * 20_000], param="texts")
     assert info.value.status == 413
-    assert re.match(r"'texts\[1\]' has more than \d+ tokens; the model's limit is 256 ",
+    assert re.match(r"'texts\[1\]' has at least \d+ tokens; the model's limit is 256 ",
                     info.value.message), info.value.message
+
+
+def test_ids_outside_the_vocabulary_are_refused_with_the_routes_hint(spec):
+    enc = TextEncoder(spec, truncate=False)
+    with pytest.raises(ApiError) as info:
+        enc.from_ids([[101, 102], [15339, 91_000]], "input", hint="; a hint")
+    assert info.value.status == 422 and info.value.param == "input"
+    assert info.value.message == ("'input[1]' holds token id 91000; ids must be in [0, 30522) "
+                                  "for this model's vocabulary; a hint")
 
 
 def test_texts_and_pairs_in_one_request_as_the_tokenizer_reads_them(spec):

@@ -7,6 +7,7 @@ import sys
 import time
 from types import SimpleNamespace
 
+import psutil
 import pytest
 
 from frontend.watchdog import Watchdog
@@ -34,6 +35,12 @@ def spawn():
         proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "-m",
                                  module, "--config", config_path, "--index", str(index)])
         procs.append(proc)
+        # Popen returns once the exec began, and for a moment after /proc/PID/cmdline is still
+        # empty (the kernel sets the new command line up later), which reads as an exiting
+        # process, never killed: the test failed 1 time in ~30 on a loaded machine.
+        deadline = time.monotonic() + 10
+        while not psutil.Process(proc.pid).cmdline() and time.monotonic() < deadline:
+            time.sleep(0.001)
         return proc
 
     yield start
