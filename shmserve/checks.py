@@ -45,6 +45,8 @@ CHECKS: dict[str, Check] = {
     "nginx.cors_allow_origins": (lambda v: v == ["*"] or all(_ORIGIN.fullmatch(o) for o in v),
                                  'empty, ["*"] alone, or origins such as '
                                  'https://app.example.com[:port] (no path)'),
+    "nginx.gzip_level": (lambda v: 1 <= v <= 9, "an integer from 1 to 9"),
+    "nginx.gzip_min_bytes": (lambda v: 0 <= v <= 1 << 30, "an integer >= 0"),
     "frontends.count": (lambda v: 1 <= v <= 64, "an integer from 1 to 64"),
     "frontends.max_inflight": _POSITIVE_INT,
     "frontends.request_timeout_s": (lambda v: v > 0, "a number > 0"),

@@ -63,6 +63,12 @@ class NginxConfig:
     # Browser origins allowed to call the API (CORS, answered by nginx): ["*"] for any, or
     # origins such as "https://app.example.com"; empty: no CORS headers, preflights are 405.
     cors_allow_origins: list[str] = field(default_factory=list)
+    # gzip JSON answers (vectors as JSON) of at least gzip_min_bytes for clients that ask
+    # (Accept-Encoding): off by default, as it costs nginx CPU the model shares on a small
+    # machine; worth it for clients across a slow network.
+    gzip: bool = False
+    gzip_level: int = 1
+    gzip_min_bytes: int = 1024
 
 
 @dataclass(frozen=True, slots=True)

@@ -162,7 +162,24 @@ def render_nginx(cfg: Config) -> str:
         "admin_access": admin,
         "access_log_buffer": access_log_buffer(cfg),
         **cors(n.cors_allow_origins),
+        "gzip": gzip(n),
     })
+
+
+# What nginx.gzip compresses: JSON (vectors as decimal text). Not msgpack, whose float32 bytes
+# barely shrink; not /metrics either: nginx matches the type with its parameters unless one is
+# a charset, and Prometheus' "text/plain; version=0.0.4; charset=utf-8" would need its version.
+GZIP_TYPES = ("application/json",)
+
+
+def gzip(n) -> str:
+    if not n.gzip:
+        return "    # nginx.gzip: false, answers go uncompressed"
+    # gzip_proxied any: also for clients behind a proxy (a Via header), which nginx leaves out
+    # by default; Vary: Accept-Encoding, so a cache keeps both forms apart.
+    return (f"    gzip on;\n    gzip_comp_level {n.gzip_level};\n"
+            f"    gzip_min_length {n.gzip_min_bytes};\n    gzip_proxied any;\n"
+            f"    gzip_vary on;\n    gzip_types {' '.join(GZIP_TYPES)};")
 
 
 # rate_limit_key api_key: the bearer token as the frontends read it (any case of "Bearer", then

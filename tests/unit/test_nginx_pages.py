@@ -320,3 +320,83 @@ def test_nginxs_501_and_505_are_in_the_error_shape(bare_nginx, data, status, kin
     head, _, body = raw(bare_nginx, data).partition(b"\r\n\r\n")
     assert head.split(b" ")[1] == str(status).encode(), head
     assert json.loads(body)["error"]["type"] == kind
+
+
+def _fake_frontend(cfg: Config, answers: dict[str, tuple[str, bytes]]):
+    """A listening socket for frontend 0 answering each path with (Content-Type, body), and
+    the thread serving it: start it once nginx runs."""
+    import socket
+    import threading
+
+    sock = socket.socket(socket.AF_UNIX)
+
+    def answer(conn):
+        with conn:
+            data = b""
+            while chunk := conn.recv(65536):
+                data += chunk
+                while b"\r\n\r\n" in data:
+                    head, data = data.split(b"\r\n\r\n", 1)
+                    path = head.split(b" ")[1].decode()
+                    kind, body = answers[path]
+                    conn.sendall(f"HTTP/1.1 200 OK\r\nContent-Type: {kind}\r\n"
+                                 f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+
+    def serve():
+        while True:
+            try:
+                conn, _ = sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=answer, args=(conn,), daemon=True).start()
+
+    def listen():
+        sock.bind(str(topology.frontend_socket(cfg, 0)))
+        sock.listen(64)
+
+    return sock, listen, threading.Thread(target=serve, daemon=True)
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_gzip_compresses_json_and_text_for_clients_that_ask_when_on(tmp_path, on):
+    """nginx.gzip: JSON answers of at least gzip_min_bytes go gzipped to a client that sends
+    Accept-Encoding: gzip (with Vary), others as they are; msgpack never; off by default."""
+    import gzip
+
+    vectors = json.dumps({"data": [[0.0123456789] * 384] * 4}).encode()
+    answers = {"/v1/embeddings": ("application/json; charset=utf-8", vectors),
+               "/v2/models/m/infer": ("application/json", vectors),
+               "/small": ("application/json", b'{"status": "ok"}'),
+               "/predict": ("application/msgpack", msgpack.packb([[0.0123] * 384] * 4))}
+    cfg = make_config(tmp_path / "run", frontends={"count": 1},
+                      nginx={"gzip": True, "gzip_level": 6} if on else {})
+    sock, listen, thread = _fake_frontend(cfg, answers)
+    try:
+        with nginx_of(cfg, listen):
+            thread.start()
+            asking = {"Accept-Encoding": "gzip, deflate"}
+            for path in ("/v1/embeddings", "/v2/models/m/infer"):
+                status, headers, body = request(cfg, "GET", path, None, asking)
+                assert status == 200
+                if on:
+                    assert headers["Content-Encoding"] == "gzip", path
+                    assert "Accept-Encoding" in headers["Vary"]
+                    assert gzip.decompress(body) == answers[path][1]
+                    assert len(body) < len(answers[path][1]) / 2
+                else:
+                    assert "Content-Encoding" not in headers and body == answers[path][1]
+                status, headers, body = request(cfg, "GET", path)  # not asked for
+                assert "Content-Encoding" not in headers and body == answers[path][1]
+            for path in ("/small", "/predict"):  # under gzip_min_bytes; msgpack
+                status, headers, body = request(cfg, "GET", path, None, asking)
+                assert "Content-Encoding" not in headers and body == answers[path][1], path
+    finally:
+        sock.close()
+    assert ("gzip on;" in render.nginx_conf(cfg).read_text()) == on
+
+
+@pytest.mark.parametrize("key,value", [("gzip_level", 0), ("gzip_level", 10),
+                                       ("gzip_min_bytes", -1)])
+def test_gzip_settings_out_of_range_are_refused_naming_the_key(tmp_path, key, value):
+    with pytest.raises(config.ConfigError, match=f"nginx.{key}"):
+        make_config(tmp_path, nginx={key: value})
