@@ -3,18 +3,19 @@
 Threads:
   * main    : the model loop below (batch formation, forward, outputs into shared memory, the
               model slots and their switches);
-  * sockets : `SocketThread`, all ZeroMQ I/O and heartbeats;
+  * sockets : `SocketThread`, all ZeroMQ I/O, with `Intake` deciding what arrives (admission,
+              aborts, heartbeats and news);
   * load-*  : one per hot reload, loading and warming new weights (gpu_workers.slots).
-The socket thread hands requests, reloads and commits over through `self._inbox` (a thread-safe
-queue), and so do loader threads their outcome; the model thread pushes replies back through its
-own PUSH socket. Every Submit gets exactly one reply, and so does every Reload and Commit.
+The socket thread hands requests, reloads and commits over through `Intake.inbox` (a
+thread-safe queue), and so do loader threads their outcome; the model thread pushes replies
+back through its own PUSH socket. Every Submit gets exactly one reply, and so does every Reload
+and Commit.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import os
 import queue
 import signal
 import sys
@@ -25,28 +26,20 @@ from typing import Any
 import numpy as np
 import zmq
 
-from shmserve.admission import Backlog
 from gpu_workers.batcher import Batch, Limits, form_pass, wait_time
+from gpu_workers.intake import Intake, Status
 from gpu_workers.loading import load_replacement, load_warm
 from gpu_workers.memory import MemoryCare, Policy, TorchAllocator, forward_in_halves
 from gpu_workers.metrics import WorkerMetrics
-from gpu_workers.requests import (QueuedText, Request, model_inputs, pass_rows,
-                                  read_request)
+from gpu_workers.requests import QueuedText, Request, model_inputs, pass_rows
 from gpu_workers.slots import Built, Slots, hosted_configs
 from gpu_workers.sockets import REPLIES, SocketThread
-from gpu_workers.watch import FrontendWatch
 from shmserve import topology, wire
-from shmserve.arena import Attachments
 from shmserve.config import Config, ModelConfig
 from shmserve.models import ModelSpec, inspect
-from shmserve.protocol import (PROTOCOL_VERSION, Abort, Commit, Error, ErrorCode, Heartbeat,
-                               ModelInfo, Ping, Reload, Result, Submit)
+from shmserve.protocol import Commit, Error, ErrorCode, ModelInfo, Reload, Result
 
 log = logging.getLogger("shmserve.worker")
-
-# A request that takes this long here (its tokens at the worker's drain rate) is news to the
-# frontends that did not send it (Worker.news): a short request waits that long behind it.
-NEWS_S = 0.05
 
 
 class Worker:
@@ -57,113 +50,26 @@ class Worker:
         self.configs = hosted_configs(cfg, index)
         self.specs = {name: inspect(c, roots=cfg.model_root_paths)
                       for name, c in self.configs.items()}
-        self.units = frozenset(self.specs)
         self.slots: Slots | None = None  # once the device is known
         self.device: Any = None
-        self._infos = tuple(ModelInfo(s.name, s.task, s.dim, s.max_tokens, s.dtype, "",
-                                      "loading", s.revision) for s in self.specs.values())
-        self.device_label = "loading"
-        self.ready = False
+        self.status = Status(tuple(ModelInfo(s.name, s.task, s.dim, s.max_tokens, s.dtype, "",
+                                             "loading", s.revision)
+                                   for s in self.specs.values()))
         self.stopping = threading.Event()
-        self._inbox: queue.Queue[Request] = queue.Queue()
-        self._queue: list[QueuedText] = []
-        self._queued_texts = 0  # admitted, not yet answered; guarded by _lock
-        self._admitted = 0  # tokens of the request on_submit just admitted (socket thread)
-        self._backlog = Backlog()  # admitted tokens and their speed: admission by deadline
-        self._lock = threading.Lock()
-        self._requests: dict[tuple[bytes, int], Request] = {}
-        self._attachments = Attachments()
-        self._ctx = zmq.Context.instance()
         self.metrics = WorkerMetrics(index)
-        self._watch = FrontendWatch(cfg, index, self.metrics)
+        self.intake = Intake(cfg, index, self.specs, self.metrics, self.stopping, self.status)
+        self._queue: list[QueuedText] = []
+        self._ctx = zmq.Context.instance()
+        intake = self.intake
         self._sockets = SocketThread(self._ctx, topology.worker_endpoint(cfg, index),
-                                     self.on_submit, self.on_abort, self.heartbeat,
-                                     self.on_control, self._watch.tick, self.news)
+                                     intake.on_submit, intake.on_abort, intake.heartbeat,
+                                     intake.on_control, intake.watch.tick, intake.news)
         self._push: zmq.Socket | None = None
         # Replies not yet sent, by frontend: a batch's go out as one message each (wire).
         self._outbox: dict[bytes, list[bytes]] = {}
         self._batches = 0
-        self._pass_began = 0.0  # monotonic start of the forward pass running now; 0: none
         self.metrics.set_ready(False)
         self.memory: MemoryCare | None = None  # once the device is known
-
-    # ---- socket thread side -------------------------------------------------------------
-
-    def heartbeat(self, ping: Ping) -> Heartbeat:
-        self._watch.pinged(ping)
-        self.metrics.set_queue_depth(self._queued_texts)  # fresh even while no batch runs
-        return self._beat(ping.sent_at)
-
-    def _beat(self, ping_sent_at: float) -> Heartbeat:
-        began = self._pass_began  # one read: the model thread may clear it meanwhile
-        return Heartbeat(PROTOCOL_VERSION, self.index, os.getpid(),
-                         self.ready and not self.stopping.is_set(), self.device_label,
-                         self._infos, self._queued_texts, self.cfg.workers.queue_texts,
-                         ping_sent_at, time.monotonic() - began if began else 0.0,
-                         self._backlog.rate, self._backlog.pass_s,
-                         self._backlog.queued_by_priority())
-
-    def news(self) -> Heartbeat | None:
-        """A heartbeat for the other frontends when the request just admitted is work of at
-        least NEWS_S here: they route by the queue each heard of at its last heartbeat (up to
-        workers.heartbeat_interval_s old), and one sent a short request behind another's bulk
-        one, to wait seconds while the other worker was idle (an outside check)."""
-        tokens, self._admitted = self._admitted, 0
-        rate = self._backlog.rate
-        if tokens == 0 or rate <= 0.0 or tokens / rate < NEWS_S:
-            return None
-        return self._beat(0.0)  # answers no ping
-
-    def on_submit(self, peer: bytes, msg: Submit) -> Error | None:
-        if not self.ready or self.stopping.is_set():
-            return Error(msg.seq, ErrorCode.UNAVAILABLE, "worker is loading or draining")
-        if msg.model not in self.units:
-            return Error(msg.seq, ErrorCode.UNKNOWN_MODEL, f"model {msg.model!r} is not served")
-        if msg.per_token and self.specs[msg.model].task not in ("embedding", "null"):
-            return Error(msg.seq, ErrorCode.INVALID, f"model {msg.model!r} is a "
-                         f"{self.specs[msg.model].task} model: no token embeddings")
-        try:
-            request = read_request(self._attachments, peer, msg, time.time(),
-                                   self.specs[msg.model].dim)
-        except (OSError, ValueError) as exc:
-            return Error(msg.seq, ErrorCode.INVALID, f"bad buffers: {exc}")
-        n = request.remaining
-        limit = self.cfg.workers.queue_texts
-        if msg.priority < 0:  # keep headroom for interactive work under a bulk flood
-            limit = int(limit * self.cfg.workers.low_priority_queue_share)
-        tokens = int(request.offsets[-1])
-        if self.cfg.workers.refuse_past_deadline:
-            # Only this thread admits, so what it reads here still holds when it adds below.
-            why = self._backlog.refusal(msg.priority, tokens, request.arrived, msg.deadline)
-            if why is not None:
-                self.metrics.refused("deadline")
-                return Error(msg.seq, ErrorCode.OVERLOADED,
-                             f"{why}; retry later (workers.refuse_past_deadline)")
-        with self._lock:
-            if self._queued_texts + n > limit:
-                self.metrics.refused("queue_full")
-                share = ("the share below-normal priority may fill "
-                         "(workers.low_priority_queue_share) of " if msg.priority < 0 else "")
-                return Error(msg.seq, ErrorCode.OVERLOADED,
-                             f"worker queue full ({self._queued_texts} texts queued, {limit} "
-                             f"texts: {share}workers.queue_texts); raise it or add workers")
-            self._queued_texts += n
-        request.tokens_left = tokens
-        self._admitted = tokens  # for news(), which the socket thread calls next
-        self._backlog.add(msg.priority, tokens)
-        self._requests[(peer, msg.seq)] = request
-        self._inbox.put(request)
-        return None
-
-    def on_abort(self, peer: bytes, msg: Abort) -> None:
-        request = self._requests.get((peer, msg.seq))
-        if request is not None:
-            request.aborted = True  # the model thread answers it before its next batch
-
-    def on_control(self, peer: bytes, msg: Reload | Commit) -> None:
-        self._inbox.put((peer, msg))  # the model thread owns the slots
-
-    # ---- model thread side --------------------------------------------------------------
 
     def load(self) -> None:
         import torch
@@ -175,7 +81,7 @@ class Worker:
         self.device = pick_device(w.torch_threads, w.cudnn_attention,
                                   gpu="" if device == topology.CPU else device,
                                   fallback=w.cpu_fallback)
-        self.slots = Slots(self._build, self._release, self._inbox.put,
+        self.slots = Slots(self._build, self._release, self.intake.inbox.put,
                            self.cfg.admin.reload_timeout_s)
         for name, spec in self.specs.items():
             started = time.monotonic()
@@ -188,8 +94,8 @@ class Worker:
                 "prepacked_linears": getattr(model, "prepacked", 0),
                 "switch_interval_ms": round(sys.getswitchinterval() * 1000, 3)}})
             self.metrics.model_loaded(name, spec.revision, spec.dtype, str(self.device))
-        self.device_label = device_name(self.device)
-        self._infos = self.slots.infos()
+        self.status.device_label = device_name(self.device)
+        self.status.infos = self.slots.infos()
         self.memory = MemoryCare(TorchAllocator(self.device), self.metrics,
                                  w.memory_check_batches, w.heartbeat_interval_s,
                                  Policy.of(w))
@@ -201,7 +107,7 @@ class Worker:
         model, tokens, seconds = load_warm(spec, self.device, self.cfg.workers.cuda_graphs,
                                            self.limits)
         if seed:
-            self._backlog.seed(tokens, seconds)
+            self.intake.backlog.seed(tokens, seconds)
         return model.spec, model
 
     def _release(self) -> None:
@@ -225,10 +131,10 @@ class Worker:
         if not self._sockets.bound.wait(10):
             raise RuntimeError("socket thread did not bind within 10 s")
         self.load()
-        self.ready = True
+        self.status.ready = True
         self.metrics.set_ready(True)
         log.info("worker.ready", extra={"fields": {"worker": self.index,
-                                                    "device": self.device_label}})
+                                                    "device": self.status.device_label}})
         drain_deadline = None
         while True:
             if self._sockets.failure is not None:
@@ -258,7 +164,7 @@ class Worker:
 
     def _take_inbox(self, block: bool, timeout: float = 0.1) -> None:
         try:
-            item = self._inbox.get(block=block, timeout=timeout if block else None)
+            item = self.intake.inbox.get(block=block, timeout=timeout if block else None)
         except queue.Empty:
             return
         while True:
@@ -270,7 +176,7 @@ class Worker:
             else:
                 self._control(item)
             try:
-                item = self._inbox.get_nowait()
+                item = self.intake.inbox.get_nowait()
             except queue.Empty:
                 return
 
@@ -289,7 +195,7 @@ class Worker:
             if after is not None and after is not before:
                 self.metrics.model_switched(msg.model, before, after, str(self.device))
             self._collect()
-        self._infos = self.slots.infos()
+        self.status.infos = self.slots.infos()
         for peer, reply in replies:
             self._push.send_multipart([peer, *wire.encode(reply)])
 
@@ -332,7 +238,7 @@ class Worker:
         per_token = texts[0].request.msg.per_token  # the batcher never mixes these either
         forward = (functools.partial(slot.model.forward_groups, tokens=True) if per_token
                    else slot.model.forward_groups)
-        self._pass_began = time.monotonic()
+        self.status.pass_began = time.monotonic()
         try:
             out, ok = forward_in_halves(forward, groups, self.memory.after_oom, per_token)
         except Exception as exc:  # noqa: BLE001 - one bad batch fails its requests, not the worker
@@ -345,7 +251,7 @@ class Worker:
             self._send_replies()
             return
         finally:
-            self._pass_began = 0.0
+            self.status.pass_began = 0.0
         forward_ms = (time.time() - began) * 1000.0
         self._batches += 1
         # One reduction, no temporary array, in the usual case (a NaN or infinity anywhere
@@ -386,7 +292,7 @@ class Worker:
             request.remaining -= 1
             touched[id(request)] = request
         for priority, tokens in computed.items():
-            self._backlog.done(priority, tokens)
+            self.intake.backlog.done(priority, tokens)
         for request in touched.values():
             request.inference_ms += forward_ms
             request.batch_size = max(request.batch_size, len(texts))
@@ -403,10 +309,10 @@ class Worker:
         real = sum(batch.real_tokens for batch in batches)
         padded = sum(batch.padded_tokens for batch in batches)
         if backlogged:  # the speed a queue drains at (shmserve.admission)
-            self._backlog.passed(real, forward_ms / 1000.0)
+            self.intake.backlog.passed(real, forward_ms / 1000.0)
         self.metrics.batch(slot.spec.name, len(touched), len(texts), real, padded,
                            forward_ms / 1000.0)
-        self.metrics.set_queue_depth(self._queued_texts)
+        self.metrics.set_queue_depth(self.intake.queued_texts)
         if self.cfg.logging.batch_log:
             log.info("batch", extra={"fields": {
                 "batch": self._batches, "model": slot.spec.name, "revision": slot.spec.revision,
@@ -418,11 +324,7 @@ class Worker:
 
     def _finish(self, request: Request, reply: Result | Error) -> None:
         request.done = True
-        self._backlog.done(request.msg.priority, request.tokens_left)
-        request.tokens_left = 0
-        self._requests.pop((request.peer, request.msg.seq), None)
-        with self._lock:
-            self._queued_texts -= request.offsets.shape[0] - 1
+        self.intake.finished(request)
         self._outbox.setdefault(request.peer, []).extend(wire.encode(reply))
 
     def _send_replies(self) -> None:
@@ -444,7 +346,7 @@ class Worker:
         self._sockets.join(timeout=5)
         if self._push is not None:
             self._push.close(linger=1000)
-        self._attachments.close()
+        self.intake.attachments.close()
         self._ctx.term()
 
 
@@ -461,7 +363,7 @@ def main(cfg: Config, index: int) -> int:
         is admitted before it is ready; the load (imports, weights, warm-up: seconds, more on
         large models) went on to its end first, and a stop or restart waited for it."""
         worker.stopping.set()
-        if not worker.ready:
+        if not worker.status.ready:
             raise SystemExit(0)
 
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -1,5 +1,5 @@
 """Worker news: a worker tells the frontends that did not send it of a long request at once,
-instead of at their next heartbeat (gpu_workers.worker.Worker.news)."""
+instead of at their next heartbeat (gpu_workers.intake.Intake.news)."""
 
 import asyncio
 import dataclasses
@@ -17,7 +17,7 @@ def test_a_long_request_is_news_to_the_other_frontends(tmp_path, cfg):
     workers.heartbeat_interval_s old: one sent a short request behind another frontend's
     bulk one, to wait seconds while the other worker was idle. A worker tells the other
     frontends at once of a request that is work of NEWS_S or more, and only of those."""
-    from gpu_workers.worker import NEWS_S
+    from gpu_workers.intake import NEWS_S
     from tests.tinymodel import build_tiny_bert
 
     slow = build_tiny_bert(tmp_path / "models" / "slow", hidden=256, layers=4, heads=4,

@@ -1,0 +1,144 @@
+"""What the worker's socket thread (gpu_workers.sockets) does with what arrives: Submits
+admitted or refused (the queue bound and the deadline estimate, shmserve.admission), aborts
+marked, reloads and commits handed to the model thread, heartbeats answered and news sent.
+
+The model thread (gpu_workers.worker) takes admitted requests, reloads and commits from
+`inbox`, writes what heartbeats report into `Status`, and says through `finished` and
+`backlog` what it has answered and computed. `queued_texts` is the only count both threads
+write, under the lock.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+from gpu_workers.metrics import WorkerMetrics
+from gpu_workers.requests import Request, read_request
+from gpu_workers.watch import FrontendWatch
+from shmserve.admission import Backlog
+from shmserve.arena import Attachments
+from shmserve.config import Config
+from shmserve.models import ModelSpec
+from shmserve.protocol import (PROTOCOL_VERSION, Abort, Commit, Error, ErrorCode, Heartbeat,
+                               ModelInfo, Ping, Reload, Submit)
+
+# A request that takes this long here (its tokens at the worker's drain rate) is news to the
+# frontends that did not send it (Intake.news): a short request waits that long behind it.
+NEWS_S = 0.05
+
+
+@dataclass
+class Status:
+    """What heartbeats say of the model thread: written by it, read by the socket thread
+    (each field one read or write, so no lock)."""
+    infos: tuple[ModelInfo, ...]
+    ready: bool = False
+    device_label: str = "loading"
+    pass_began: float = 0.0  # monotonic start of the forward pass running now; 0: none
+
+
+class Intake:
+    def __init__(self, cfg: Config, index: int, specs: dict[str, ModelSpec],
+                 metrics: WorkerMetrics, stopping: threading.Event, status: Status) -> None:
+        self.cfg = cfg
+        self.index = index
+        self.specs = specs
+        self.units = frozenset(specs)
+        self.metrics = metrics
+        self.stopping = stopping
+        self.status = status
+        self.inbox: queue.Queue = queue.Queue()  # Requests, (peer, Reload | Commit), Built
+        self.backlog = Backlog()  # admitted tokens and their speed: admission by deadline
+        self.attachments = Attachments()
+        self.watch = FrontendWatch(cfg, index, metrics)
+        self.queued_texts = 0  # admitted, not yet answered; guarded by _lock
+        self._lock = threading.Lock()
+        self._requests: dict[tuple[bytes, int], Request] = {}
+        self._admitted = 0  # tokens of the request on_submit just admitted
+
+    def heartbeat(self, ping: Ping) -> Heartbeat:
+        self.watch.pinged(ping)
+        self.metrics.set_queue_depth(self.queued_texts)  # fresh even while no batch runs
+        return self._beat(ping.sent_at)
+
+    def _beat(self, ping_sent_at: float) -> Heartbeat:
+        status = self.status
+        began = status.pass_began  # one read: the model thread may clear it meanwhile
+        return Heartbeat(PROTOCOL_VERSION, self.index, os.getpid(),
+                         status.ready and not self.stopping.is_set(), status.device_label,
+                         status.infos, self.queued_texts, self.cfg.workers.queue_texts,
+                         ping_sent_at, time.monotonic() - began if began else 0.0,
+                         self.backlog.rate, self.backlog.pass_s,
+                         self.backlog.queued_by_priority())
+
+    def news(self) -> Heartbeat | None:
+        """A heartbeat for the other frontends when the request just admitted is work of at
+        least NEWS_S here: they route by the queue each heard of at its last heartbeat (up to
+        workers.heartbeat_interval_s old), and one sent a short request behind another's bulk
+        one, to wait seconds while the other worker was idle (an outside check)."""
+        tokens, self._admitted = self._admitted, 0
+        rate = self.backlog.rate
+        if tokens == 0 or rate <= 0.0 or tokens / rate < NEWS_S:
+            return None
+        return self._beat(0.0)  # answers no ping
+
+    def on_submit(self, peer: bytes, msg: Submit) -> Error | None:
+        if not self.status.ready or self.stopping.is_set():
+            return Error(msg.seq, ErrorCode.UNAVAILABLE, "worker is loading or draining")
+        if msg.model not in self.units:
+            return Error(msg.seq, ErrorCode.UNKNOWN_MODEL, f"model {msg.model!r} is not served")
+        if msg.per_token and self.specs[msg.model].task not in ("embedding", "null"):
+            return Error(msg.seq, ErrorCode.INVALID, f"model {msg.model!r} is a "
+                         f"{self.specs[msg.model].task} model: no token embeddings")
+        try:
+            request = read_request(self.attachments, peer, msg, time.time(),
+                                   self.specs[msg.model].dim)
+        except (OSError, ValueError) as exc:
+            return Error(msg.seq, ErrorCode.INVALID, f"bad buffers: {exc}")
+        n = request.remaining
+        limit = self.cfg.workers.queue_texts
+        if msg.priority < 0:  # keep headroom for interactive work under a bulk flood
+            limit = int(limit * self.cfg.workers.low_priority_queue_share)
+        tokens = int(request.offsets[-1])
+        if self.cfg.workers.refuse_past_deadline:
+            # Only this thread admits, so what it reads here still holds when it adds below.
+            why = self.backlog.refusal(msg.priority, tokens, request.arrived, msg.deadline)
+            if why is not None:
+                self.metrics.refused("deadline")
+                return Error(msg.seq, ErrorCode.OVERLOADED,
+                             f"{why}; retry later (workers.refuse_past_deadline)")
+        with self._lock:
+            if self.queued_texts + n > limit:
+                self.metrics.refused("queue_full")
+                share = ("the share below-normal priority may fill "
+                         "(workers.low_priority_queue_share) of " if msg.priority < 0 else "")
+                return Error(msg.seq, ErrorCode.OVERLOADED,
+                             f"worker queue full ({self.queued_texts} texts queued, {limit} "
+                             f"texts: {share}workers.queue_texts); raise it or add workers")
+            self.queued_texts += n
+        request.tokens_left = tokens
+        self._admitted = tokens  # for news(), which the socket thread calls next
+        self.backlog.add(msg.priority, tokens)
+        self._requests[(peer, msg.seq)] = request
+        self.inbox.put(request)
+        return None
+
+    def on_abort(self, peer: bytes, msg: Abort) -> None:
+        request = self._requests.get((peer, msg.seq))
+        if request is not None:
+            request.aborted = True  # the model thread answers it before its next batch
+
+    def on_control(self, peer: bytes, msg: Reload | Commit) -> None:
+        self.inbox.put((peer, msg))  # the model thread owns the slots
+
+    def finished(self, request: Request) -> None:
+        """The model thread answered `request`: what it still held leaves the counts."""
+        self.backlog.done(request.msg.priority, request.tokens_left)
+        request.tokens_left = 0
+        self._requests.pop((request.peer, request.msg.seq), None)
+        with self._lock:
+            self.queued_texts -= request.offsets.shape[0] - 1
