@@ -88,6 +88,7 @@ INFLIGHT = web.AppKey("inflight", list)  # [count]: a mutable cell
 SPLITS = web.AppKey("splits", Splits)
 API_KEYS = web.AppKey("api_keys", tuple)  # bytes; empty: the inference routes are open
 TRACING = web.AppKey("tracing", object)  # a frontend.tracing.Tracing, or None
+DRAIN_END = web.AppKey("drain_end", list)  # [the task of `_drain`], once stopping
 # Probes and scrapes: no access line, no trace.
 PROBES = frozenset({"/health", "/ready", "/metrics"})
 # KServe's per-model readiness: a probe too. Behind a key, tritonclient's is_model_ready()
@@ -278,12 +279,40 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         yield
     finally:
         reporter.cancel()
+        for task in app[DRAIN_END]:
+            task.cancel()
         await pool.close()
         metrics.turn.flush()
         arena.close(unlink=True)
         if app[TRACING] is not None:
             app[TRACING].close()
         log.info("frontend.stopped", extra={"fields": {"frontend": index}})
+
+
+async def _drain(app: web.Application) -> None:
+    """on_shutdown (stopping, the socket no longer listening): aiohttp gives the handlers
+    server.drain_timeout_s, then cancels those still running, and a cancelled handler's
+    connection is cut, which nginx answered 502 (an outside check: 140 requests in a rolling
+    restart of the frontends behind a backlog). Shortly before that, every request still
+    waiting on a worker is answered 503 with Retry-After instead."""
+    pool = app.get(POOL)
+    if pool is None:
+        return
+    drain = app[CONFIG].server.drain_timeout_s
+
+    async def answer() -> None:
+        await asyncio.sleep(drain - min(DRAIN_MARGIN_S, drain * 0.2))
+        answered = pool.stop_waiting(
+            "the frontend serving this request is stopping (a restart or shutdown), and its "
+            "drain (server.drain_timeout_s) ended before a worker answered; retry")
+        if answered:
+            log.warning("frontend.drain_ended", extra={"fields": {"answered_503": answered}})
+
+    app[DRAIN_END].append(asyncio.create_task(answer(), name="drain-end"))
+
+
+# Before the drain's end, the time the 503s take to be written (a loaded machine's seconds).
+DRAIN_MARGIN_S = 2.0
 
 
 async def _report_arena(arena: shm.Arena, index: int) -> None:
@@ -303,6 +332,7 @@ def create_app(cfg: Config, index: int = 0) -> web.Application:
     app[INDEX] = index
     app[MODELS] = Models(cfg)
     app[INFLIGHT] = [0]
+    app[DRAIN_END] = []
     app[API_KEYS] = tuple(key.encode() for key in api_keys(cfg))
     if cfg.tracing.otlp_endpoint:
         from frontend.tracing import Tracing
@@ -312,6 +342,7 @@ def create_app(cfg: Config, index: int = 0) -> web.Application:
         app[TRACING] = None
     app[SPLITS] = Splits(Watch(cfg))
     app.cleanup_ctx.append(_resources)
+    app.on_shutdown.append(_drain)
     routes.add_routes(app)
     info.add_routes(app)
     tei.add_routes(app)

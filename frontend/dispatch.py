@@ -19,7 +19,7 @@ import numpy as np
 
 from frontend import metrics
 from frontend.errors import ApiError
-from frontend.pool import WorkerGone, WorkerPool, consume
+from frontend.pool import Stopped, WorkerGone, WorkerPool, consume
 from frontend.tokenizer import Encoded
 from shmserve.arena import Arena, ArenaFull
 from shmserve.config import Config
@@ -128,6 +128,8 @@ class Dispatcher:
                 except WorkerGone:
                     metrics.retries("worker_lost").inc()
                     continue
+                except Stopped as exc:
+                    raise ApiError("unavailable", str(exc), retry_after=1) from None
                 except asyncio.CancelledError:  # the client went away
                     self._abandon(link, seq, future)
                     raise

@@ -48,6 +48,10 @@ class WorkerGone(Exception):
     """The worker a request was sent to died (or restarted) before answering."""
 
 
+class Stopped(Exception):
+    """This frontend stops: its drain ended before the worker answered (`stop_waiting`)."""
+
+
 @dataclass(slots=True, eq=False)
 class Pending:
     future: asyncio.Future
@@ -228,6 +232,21 @@ class WorkerPool:
     def abort(self, link: WorkerLink, seq: int) -> None:
         if seq in link.pending:  # after its Submit, in the same outbox; if gone, its death
             self._post(link, Abort(seq))  # settles it
+
+    def stop_waiting(self, why: str) -> int:
+        """The end of this frontend's drain: every request still waiting on a worker fails
+        with Stopped (a 503 to its client), and its worker is told to drop it. Their slots
+        stay held until the workers answer the aborts, as a worker may be writing them. How
+        many there were."""
+        stopped = 0
+        for link in self.links:
+            for seq, entry in list(link.pending.items()):
+                if entry.future.done():
+                    continue
+                self.abort(link, seq)
+                entry.future.set_exception(Stopped(why))
+                stopped += 1
+        return stopped
 
     def mark_unready(self, link: WorkerLink) -> None:
         """The worker answered that it is loading or draining: route around it until its next
