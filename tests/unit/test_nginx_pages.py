@@ -178,24 +178,14 @@ def test_a_bad_cors_origin_is_refused_naming_the_key(tmp_path, origins):
         make_config(tmp_path, nginx={"cors_allow_origins": origins})
 
 
-def test_a_probe_skips_a_frozen_frontend_for_the_next_one(tmp_path):
-    """GET /ready, /health and /metrics through nginx when one frontend accepts connections and
-    never answers (stopped, its event loop stuck): each is answered, by the live frontend, at
-    most nginx.probe_timeout_s late (a scrape twice that), not left hanging for
-    proxy_read_timeout."""
+def fake_frontend(cfg: Config, index: int, respond: Callable[[str], tuple[str, bytes]]):
+    """A listening socket for frontend `index` answering each request's path with
+    `respond(path)` (Content-Type, body), the function that binds it (nginx_of's `before`),
+    and the thread serving it, to start once nginx runs."""
     import socket
     import threading
-    import time
 
-    cfg = make_config(tmp_path / "run", frontends={"count": 2},
-                      nginx={"probe_timeout_s": 1})
-    frozen, live = socket.socket(socket.AF_UNIX), socket.socket(socket.AF_UNIX)
-
-    def listen():  # once the run directory is rendered
-        frozen.bind(str(topology.frontend_socket(cfg, 0)))
-        frozen.listen(64)  # the kernel accepts for it; nobody reads
-        live.bind(str(topology.frontend_socket(cfg, 1)))
-        live.listen(64)
+    sock = socket.socket(socket.AF_UNIX)
 
     def answer(conn):
         with conn:
@@ -203,20 +193,47 @@ def test_a_probe_skips_a_frozen_frontend_for_the_next_one(tmp_path):
             while chunk := conn.recv(65536):
                 data += chunk
                 while b"\r\n\r\n" in data:
-                    _, data = data.split(b"\r\n\r\n", 1)
-                    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\nlive")
+                    head, data = data.split(b"\r\n\r\n", 1)
+                    kind, body = respond(head.split(b" ")[1].decode())
+                    conn.sendall(f"HTTP/1.1 200 OK\r\nContent-Type: {kind}\r\n"
+                                 f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
 
     def serve():
         while True:
             try:
-                conn, _ = live.accept()
+                conn, _ = sock.accept()
             except OSError:
                 return
             threading.Thread(target=answer, args=(conn,), daemon=True).start()
 
+    def listen():
+        sock.bind(str(topology.frontend_socket(cfg, index)))
+        sock.listen(64)
+
+    return sock, listen, threading.Thread(target=serve, daemon=True)
+
+
+def test_a_probe_skips_a_frozen_frontend_for_the_next_one(tmp_path):
+    """GET /ready, /health and /metrics through nginx when one frontend accepts connections and
+    never answers (stopped, its event loop stuck): each is answered, by the live frontend, at
+    most nginx.probe_timeout_s late (a scrape twice that), not left hanging for
+    proxy_read_timeout."""
+    import socket
+    import time
+
+    cfg = make_config(tmp_path / "run", frontends={"count": 2},
+                      nginx={"probe_timeout_s": 1})
+    frozen = socket.socket(socket.AF_UNIX)
+    live, listen_live, serving = fake_frontend(cfg, 1, lambda path: ("text/plain", b"live"))
+
+    def listen():  # once the run directory is rendered
+        frozen.bind(str(topology.frontend_socket(cfg, 0)))
+        frozen.listen(64)  # the kernel accepts for it; nobody reads
+        listen_live()
+
     try:
         with nginx_of(cfg, listen):
-            threading.Thread(target=serve, daemon=True).start()
+            serving.start()
             times = []
             for path in ("/ready", "/health", "/v2/health/ready", "/metrics") * 2:
                 began = time.monotonic()
@@ -322,41 +339,6 @@ def test_nginxs_501_and_505_are_in_the_error_shape(bare_nginx, data, status, kin
     assert json.loads(body)["error"]["type"] == kind
 
 
-def _fake_frontend(cfg: Config, answers: dict[str, tuple[str, bytes]]):
-    """A listening socket for frontend 0 answering each path with (Content-Type, body), and
-    the thread serving it: start it once nginx runs."""
-    import socket
-    import threading
-
-    sock = socket.socket(socket.AF_UNIX)
-
-    def answer(conn):
-        with conn:
-            data = b""
-            while chunk := conn.recv(65536):
-                data += chunk
-                while b"\r\n\r\n" in data:
-                    head, data = data.split(b"\r\n\r\n", 1)
-                    path = head.split(b" ")[1].decode()
-                    kind, body = answers[path]
-                    conn.sendall(f"HTTP/1.1 200 OK\r\nContent-Type: {kind}\r\n"
-                                 f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-
-    def serve():
-        while True:
-            try:
-                conn, _ = sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=answer, args=(conn,), daemon=True).start()
-
-    def listen():
-        sock.bind(str(topology.frontend_socket(cfg, 0)))
-        sock.listen(64)
-
-    return sock, listen, threading.Thread(target=serve, daemon=True)
-
-
 @pytest.mark.parametrize("on", [True, False])
 def test_gzip_compresses_json_and_text_for_clients_that_ask_when_on(tmp_path, on):
     """nginx.gzip: JSON answers of at least gzip_min_bytes go gzipped to a client that sends
@@ -370,7 +352,7 @@ def test_gzip_compresses_json_and_text_for_clients_that_ask_when_on(tmp_path, on
                "/predict": ("application/msgpack", msgpack.packb([[0.0123] * 384] * 4))}
     cfg = make_config(tmp_path / "run", frontends={"count": 1},
                       nginx={"gzip": True, "gzip_level": 6} if on else {})
-    sock, listen, thread = _fake_frontend(cfg, answers)
+    sock, listen, thread = fake_frontend(cfg, 0, lambda path: answers[path])
     try:
         with nginx_of(cfg, listen):
             thread.start()
