@@ -4,8 +4,8 @@ marked, reloads and commits handed to the model thread, heartbeats answered and 
 
 The model thread (gpu_workers.worker) takes admitted requests, reloads and commits from
 `inbox`, writes what heartbeats report into `Status`, and says through `finished` and
-`backlog` what it has answered and computed. `queued_texts` is the only count both threads
-write, under the lock.
+`backlog` what it has answered and computed. Both threads write `queued_texts`, under the
+lock here, and the backlog, under its own.
 """
 
 from __future__ import annotations
