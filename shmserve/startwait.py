@@ -38,7 +38,7 @@ def wait_ready(cfg: Config, timeout: float, nginx_log_start: int = 0) -> int:
             return 0
         if fatal or looping or time.monotonic() > deadline:
             break
-        time.sleep(0.5)
+        time.sleep(0.2)  # cheap polls (an RPC and local probes); up returns sooner
     if looping and not fatal and bind_error is None:
         print(f"shmserve: {restart_loop(cfg, looping, watch.pids[looping])}; "
               "then `shmserve down` and `shmserve up`", file=sys.stderr)
