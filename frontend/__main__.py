@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 
@@ -25,10 +26,23 @@ def main() -> int:
     path = topology.frontend_socket(cfg, args.index)
     web.RequestHandler.handle_error = malformed_request  # no plain text quoting the request
     # uvloop: the frontends' per-request CPU is what bounds the pipeline on small models.
-    web.run_app(create_app(cfg, args.index), path=str(path), print=None,
-                loop=uvloop.new_event_loop(),
+    loop = uvloop.new_event_loop()
+    stopping = []
+
+    def stop() -> None:
+        """The first SIGTERM or SIGINT starts the drain; later ones change nothing. At
+        supervisord's stop the reaper sends one (shmserve.reaper.drain_frontends) and
+        supervisord another once nginx is gone, which aiohttp's own handler would raise in the
+        middle of the drain, cutting it short."""
+        if not stopping:
+            stopping.append(True)
+            raise web.GracefulExit()
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop)
+    web.run_app(create_app(cfg, args.index), path=str(path), print=None, loop=loop,
                 shutdown_timeout=cfg.server.drain_timeout_s, access_log=None,
-                handle_signals=True, backlog=cfg.frontends.listen_backlog,
+                handle_signals=False, backlog=cfg.frontends.listen_backlog,
                 # A client that goes away cancels its handler, which aborts its queued work
                 # at the worker (frontend.dispatch) instead of computing it for nobody.
                 handler_cancellation=True,

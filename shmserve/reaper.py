@@ -21,7 +21,7 @@ import argparse
 import logging
 import signal
 import sys
-from typing import TextIO
+from typing import Callable, TextIO
 
 from prometheus_client import Counter
 
@@ -65,7 +65,8 @@ def handle(event: str, payload: str) -> list[int]:
     return dead
 
 
-def serve(stdin: TextIO, stdout: TextIO) -> None:
+def serve(stdin: TextIO, stdout: TextIO, on_stopping: Callable[[], object] = lambda: None
+          ) -> None:
     from supervisor.childutils import get_headers, listener
 
     while True:
@@ -76,10 +77,40 @@ def serve(stdin: TextIO, stdout: TextIO) -> None:
         headers = get_headers(line)
         payload = stdin.read(int(headers["len"]))
         try:
-            handle(headers.get("eventname", ""), payload)
+            if headers.get("eventname") == "SUPERVISOR_STATE_CHANGE_STOPPING":
+                on_stopping()
+            else:
+                handle(headers.get("eventname", ""), payload)
         except Exception:  # noqa: BLE001 - one bad event must not stop the listener
             log.exception("reaper.failed")
         listener.ok(stdout)
+
+
+def drain_frontends(cfg: config.Config, config_path: str) -> list[int]:
+    """supervisord is stopping (`shmserve down`, its SIGTERM): SIGTERM the frontends now, so
+    they drain while nginx finishes its requests. supervisord stops nginx first and the
+    frontends only once nginx has exited, and nginx waited for requests the frontends held
+    behind a workers' backlog until supervisord SIGKILLed it, which cut them (an outside
+    check). Draining, a frontend answers what its workers have not by its drain's end (503),
+    so nginx can finish; supervisord's own SIGTERM later changes nothing (frontend.__main__).
+    The pids signalled."""
+    import os
+
+    import psutil
+
+    from shmserve.hung import is_program
+
+    signalled = []
+    for process in psutil.process_iter(["cmdline"]):
+        argv = process.info["cmdline"] or []
+        if any(is_program(argv, "frontend", config_path, i) for i in range(cfg.frontends.count)):
+            try:
+                os.kill(process.pid, signal.SIGTERM)
+                signalled.append(process.pid)
+            except ProcessLookupError:
+                pass
+    log.info("reaper.frontends_draining", extra={"fields": {"pids": signalled}})
+    return signalled
 
 
 def sweep_sockets(cfg: config.Config) -> list[str]:
@@ -113,7 +144,7 @@ def main() -> int:
     log.info("reaper.started", extra={"fields": {"dir": str(metrics.multiproc_dir())}})
     start(cfg)
     handle("STARTED", "")  # what died while no reaper listened (its own restart)
-    serve(sys.stdin, sys.stdout)
+    serve(sys.stdin, sys.stdout, lambda: drain_frontends(cfg, args.config))
     return 0
 
 

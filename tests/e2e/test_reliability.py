@@ -3,6 +3,7 @@
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import json
 import os
 import signal
@@ -315,6 +316,36 @@ def test_a_stopping_frontend_answers_503_when_its_drain_ends_before_the_worker(t
         assert stack.post_json("/v1/embeddings", {"input": ["after"]})[0] == 200
     finally:
         stack.down()
+
+
+def test_down_answers_every_request_a_backlog_holds_past_the_drain(tmp_path, tiny_model):
+    """`shmserve down` while requests wait on a worker that will not answer in time: each gets
+    a 503 and nginx exits by itself. supervisord stops nginx first, which waited for those
+    requests while the frontends, not yet told to stop, waited on the worker, until
+    supervisord SIGKILLed nginx and cut them (an outside check: 28 and 55 requests). The
+    reaper now sets the frontends draining as supervisord begins to stop."""
+    stack = Stack(tmp_path / "s", tiny_overrides(
+        tiny_model, frontends={"count": 2}, server={"drain_timeout_s": 3},
+        workers={"heartbeat_timeout_s": 60, "hung_kill_s": 120}))
+    stack.up()
+    worker = stack.pid("workers:worker-0")
+    os.kill(worker, signal.SIGSTOP)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            waiting = [pool.submit(stack.post_json, "/v1/embeddings", {"input": [f"w {i}"]})
+                       for i in range(4)]
+            stack.wait_until(lambda: inflight(stack) == 4, 30, "the requests to wait")
+            # resumed once nginx was past its stopwaitsecs (8 s), for the workers' own stop
+            threading.Timer(10, os.kill, (worker, signal.SIGCONT)).start()
+            stack.down()
+            answers = [future.result(timeout=60) for future in waiting]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(worker, signal.SIGCONT)
+    assert [status for status, _, _ in answers] == [503] * 4, answers
+    log = stack.log("supervisord")
+    assert "killing 'nginx' with SIGKILL" not in log and "stopped: nginx (exit status 0)" in log
+    assert "reaper.frontends_draining" in stack.log("reaper")
 
 
 def test_graceful_stop_finishes_in_flight_work(tmp_path, slow_model):

@@ -281,7 +281,7 @@ def test_a_reaper_listens_for_every_exit_before_the_programs_start(tmp_path):
     assert pool.name == "reaper"
     assert {e.__name__ for e in pool.pool_events} == {
         "ProcessStateExitedEvent", "ProcessStateStoppedEvent", "ProcessStateBackoffEvent",
-        "ProcessStateFatalEvent"}
+        "ProcessStateFatalEvent", "SupervisorStoppingEvent"}  # the frontends drain with nginx
     assert pool.priority < min(g.priority for g in options.process_group_configs
                                if g is not pool)  # up first, down last
     (p,) = pool.process_configs
