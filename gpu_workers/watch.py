@@ -16,11 +16,9 @@ from __future__ import annotations
 import logging
 import time
 
-import psutil
-
 from shmserve import topology
 from shmserve.config import Config
-from shmserve.hung import HungKiller, is_program
+from shmserve.hung import HungKiller, running_frontends
 from shmserve.protocol import Ping
 
 log = logging.getLogger("shmserve.worker")
@@ -67,15 +65,3 @@ class FrontendWatch:
             else:
                 log.warning("worker.frontend_hung_not_killed",
                             extra={"fields": {**fields, "reason": verdict.reason}})
-
-
-def running_frontends(config_path: str, count: int) -> dict[int, int]:
-    """The pids of this deployment's frontends running now, by index."""
-    found = {}
-    for proc in psutil.process_iter(["pid", "cmdline"]):
-        argv = proc.info["cmdline"] or []
-        if "frontend" in argv:
-            for index in range(count):
-                if is_program(argv, "frontend", config_path, index):
-                    found[index] = proc.info["pid"]
-    return found

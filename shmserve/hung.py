@@ -110,6 +110,19 @@ def is_program(argv: list[str], module: str, config_path: str, index: int) -> bo
     return module in argv and value("--config") == config_path and value("--index") == str(index)
 
 
+def running_frontends(config_path: str, count: int) -> dict[int, int]:
+    """The pids of the frontends of the deployment whose config is `config_path`, running now,
+    by index."""
+    found = {}
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        argv = proc.info["cmdline"] or []
+        if "frontend" in argv:
+            for index in range(count):
+                if is_program(argv, "frontend", config_path, index):
+                    found[index] = proc.info["pid"]
+    return found
+
+
 def _start_time(pid: int) -> float | None:
     try:
         return psutil.Process(pid).create_time()

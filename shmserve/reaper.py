@@ -96,19 +96,15 @@ def drain_frontends(cfg: config.Config, config_path: str) -> list[int]:
     The pids signalled."""
     import os
 
-    import psutil
-
-    from shmserve.hung import is_program
+    from shmserve.hung import running_frontends
 
     signalled = []
-    for process in psutil.process_iter(["cmdline"]):
-        argv = process.info["cmdline"] or []
-        if any(is_program(argv, "frontend", config_path, i) for i in range(cfg.frontends.count)):
-            try:
-                os.kill(process.pid, signal.SIGTERM)
-                signalled.append(process.pid)
-            except ProcessLookupError:
-                pass
+    for pid in running_frontends(config_path, cfg.frontends.count).values():
+        try:
+            os.kill(pid, signal.SIGTERM)
+            signalled.append(pid)
+        except ProcessLookupError:
+            pass
     log.info("reaper.frontends_draining", extra={"fields": {"pids": signalled}})
     return signalled
 
