@@ -191,33 +191,11 @@ class WorkerPool:
         return next(self._seq)
 
     def behind(self, model: str, priority: int, deadline: float, tokens: int = 0) -> str | None:
-        """Why every ready worker of `model` would refuse a request of `tokens` (0: not yet
-        tokenized) at `priority` due at `deadline` (time.time()) by its admission rule
-        (shmserve.admission); None: send it (its worker decides). What a worker has queued
-        ahead is its last heartbeat's, less what it has drained since at its speed: work sent
-        since is not counted, so the estimate errs towards admitting. (Counting what this
-        frontend has sent and not had answered made it refuse far more than the workers would:
-        a frontend busy refusing reads its replies late, and those stay counted. With clients
-        that retry a 429 at once, 40 of them x 64 texts at low priority against the default
-        config, it answered 3,761-12,829 x 429 and 24-129 x 200 in 20 s, in 3 of 4 runs,
-        where the workers' rule alone answered 0-268 x 429 and 130-140 x 200; from heartbeats
-        alone, 0-296 x 429 and 135-144 x 200. A /tmp script, interleaved, 2026-12-01
-        ~16:35-16:45, the AVX512-BF16 EPYC.)"""
-        now, monotonic = time.time(), time.monotonic()
-        soonest = None
-        for link in self.ready_links(model):
-            beat = link.beat
-            heard = admission.ahead(((q.priority, q.tokens) for q in beat.queued_tokens),
-                                    priority)
-            drained = beat.drain_rate * (monotonic - link.last_beat)
-            queued = heard - drained
-            finish = admission.finish_s(queued, tokens, beat.drain_rate, beat.drain_pass_s)
-            if not admission.too_late(finish, now, deadline):
-                return None
-            soonest = finish if soonest is None else min(soonest, finish)
-        if soonest is None:
-            return None  # no ready worker: the dispatcher waits for one, or answers 503
-        return admission.explain(soonest, now, deadline, "every worker's queue")
+        """Why every ready worker of `model` would refuse the request by its admission rule,
+        judged from its last heartbeat (shmserve.admission.heard_refusal); None: send it."""
+        return admission.heard_refusal(((link.beat, link.last_beat)
+                                        for link in self.ready_links(model)),
+                                       priority, tokens, deadline)
 
     def submit(self, link: WorkerLink, msg: Submit | Reload | Commit, tokens: int,
                on_settled: Callable[[], None]) -> asyncio.Future:
