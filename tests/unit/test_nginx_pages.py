@@ -235,7 +235,8 @@ def test_a_probe_skips_a_frozen_frontend_for_the_next_one(tmp_path):
         with nginx_of(cfg, listen):
             serving.start()
             times = []
-            for path in ("/ready", "/health", "/v2/health/ready", "/metrics") * 2:
+            for path in ("/ready", "/health", "/v2/health/ready", "/metrics",
+                         "/v2/models/m/ready") * 2:
                 began = time.monotonic()
                 status, _, body = request(cfg, "GET", path)
                 times.append(time.monotonic() - began)
@@ -282,7 +283,7 @@ def test_a_client_past_the_rate_limit_gets_429_from_nginx(tmp_path, key):
         status, _, body = request(cfg, "POST", "/v2/models/m/infer", b"{}", one)
         assert status == 429 and isinstance(json.loads(body)["error"], str)  # KServe's shape
         # Probes and scrapes are not limited.
-        for path in ("/health", "/metrics"):
+        for path in ("/health", "/metrics", "/v2/models/m/ready", "/v2/models/m/versions/1/ready"):
             assert [request(cfg, "GET", path, None, one)[0] for _ in range(4)] == [502] * 4
         # On 429s, and 502s and 503s (no frontend answered: a restart of them all, say).
         assert request(cfg, "GET", "/ready")[1]["Retry-After"] == "1"
