@@ -72,8 +72,9 @@ class Dispatcher:
         self.arena = arena
 
     async def run(self, model: str, dim: int, enc: Encoded, request_id: str, deadline: float,
-                  priority: int = 0, per_token: bool = False) -> Outcome:
-        """`per_token`: a row for every token (Submit.per_token), not one a text."""
+                  priority: int = 0, per_token: bool = False, raw: bool = False) -> Outcome:
+        """`per_token`: a row for every token (Submit.per_token), not one a text. `raw`: an
+        embedding model's rows without its own normalisation (Submit.raw)."""
         n = int(enc.offsets[-1]) if per_token else enc.offsets.shape[0] - 1
         if n * dim * 4 > (most := self.arena.size // OUTPUT_SHARE):
             rows = "tokens" if per_token else "texts"
@@ -119,7 +120,7 @@ class Dispatcher:
                     each.hold()
                 seq = self.pool.next_seq()
                 msg = Submit(seq, request_id, model, ids, offsets, output, deadline, priority,
-                             segments, per_token)
+                             segments, per_token, raw)
                 future = self.pool.submit(link, msg, len(enc.ids),
                                         lambda held=held: _release(held))
                 try:  # (not wait_for, which loses a cancel that comes as the reply does)

@@ -84,12 +84,13 @@ OPENAI_IDS_HINT = ("; ids from OpenAI's tiktoken do not fit it (langchain-openai
 
 
 async def embed(request: web.Request, parsed: schemas.EmbedRequest, param: str,
-                model: ServedModel | None = None, per_token: bool = False, ids_hint: str = ""
-                ) -> tuple[ServedModel, Outcome, Encoded]:
+                model: ServedModel | None = None, per_token: bool = False, ids_hint: str = "",
+                raw: bool = False) -> tuple[ServedModel, Outcome, Encoded]:
     """The embedding pipeline every embedding route shares (native, OpenAI, TEI, KServe).
     `model`: what tasks.resolve already gave the caller for `parsed.model`. `per_token`: the
     last hidden state of every token (TEI's /embed_all), rows [tokens, dim] by the encoded
-    offsets."""
+    offsets. `raw`: a model that normalises its vectors gives them unnormalised (TEI's
+    normalize=false; Submit.raw)."""
     if model is None:
         model = tasks.resolve(request, parsed.model, "embedding")
     vectors.check_dimensions(parsed.dimensions, model.spec.dim)
@@ -97,18 +98,18 @@ async def embed(request: web.Request, parsed: schemas.EmbedRequest, param: str,
         ran = await tasks.run(
             request, model, lambda enc: enc.from_ids(parsed.token_ids, param, parsed.truncate,
                                                      parsed.truncation_direction, ids_hint),
-            0, priority=parsed.priority, user=parsed.user, per_token=per_token)
+            0, priority=parsed.priority, user=parsed.user, per_token=per_token, raw=raw)
     else:
         ran = await tasks.run(
             request, model, lambda enc: enc.encode(parsed.texts, param, parsed.truncate,
                                                    parsed.truncation_direction,
                                                    parsed.prompt_name),
             sum(map(len, parsed.texts)), priority=parsed.priority, user=parsed.user,
-            inputs=parsed.texts, per_token=per_token)
+            inputs=parsed.texts, per_token=per_token, raw=raw)
     outcome = ran.outcome
     if parsed.dimensions is not None:
         outcome = dataclasses.replace(outcome, vectors=vectors.shorten(
-            outcome.vectors, parsed.dimensions, model.spec.normalize))
+            outcome.vectors, parsed.dimensions, model.spec.normalize and not raw))
     return model, outcome, ran.enc
 
 

@@ -158,10 +158,12 @@ def activate(logits: np.ndarray, activation: str) -> np.ndarray:
 async def run(request: web.Request, served: ServedModel,
               encode: Callable[[TextEncoder], Encoded], chars: int, *,
               priority: int | None = None, user: str | None = None,
-              inputs: list[str] | None = None, per_token: bool = False) -> Ran:
+              inputs: list[str] | None = None, per_token: bool = False,
+              raw: bool = False) -> Ran:
     """Choose the variant, tokenize with `encode` (in a thread past THREAD_TOKENIZE_CHARS
     characters), run on a worker, count and log; `inputs` go to the access line when
-    logging.log_inputs is on. `per_token`: every token's row (Submit.per_token)."""
+    logging.log_inputs is on. `per_token`: every token's row (Submit.per_token); `raw`: the
+    rows without the model's own normalisation (Submit.raw)."""
     cfg = request.app[CONFIG]
     request[MODEL_NAME] = served.spec.name
     variant = request.get(PINNED) or request.app[SPLITS].choose(
@@ -203,7 +205,7 @@ async def run(request: web.Request, served: ServedModel,
             fields["inputs"] = inputs
         outcome = await request.app[DISPATCHER].run(
             variant.unit, variant.spec.dim, enc, request[REQUEST_ID], deadline, priority,
-            per_token)
+            per_token, raw)
     finally:
         inflight[0] -= 1
         gauge.dec()

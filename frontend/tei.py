@@ -35,8 +35,7 @@
 
 TEI's ``GET /info`` is served with the observability routes. Differences from TEI, on purpose:
 errors keep this server's body (OpenAI's shape, see frontend.errors), not TEI's
-``{"error", "error_type"}``; a body may name a "model" (TEI serves one); ``normalize: false`` is
-refused for a model that normalises inside (its raw vectors never leave the worker); /rerank
+``{"error", "error_type"}``; a body may name a "model" (TEI serves one); /rerank
 needs a cross-encoder (task rerank) and answers 422 `unsupported_task` for other models.
 In msgpack responses (Accept), /embed vectors and /embed_all's token rows are raw
 little-endian float32 bytes.
@@ -201,11 +200,10 @@ async def _embed(request: web.Request, body: dict) -> web.Response:
     # The model that will serve: with no name, the first embedding model (not the first
     # configured one, which may be a classifier).
     model = tasks.resolve(request, parsed.model, "embedding")
-    if not normalize and model.spec.normalize:
-        raise ApiError("invalid_request", f"model {model.spec.name!r} normalises its vectors "
-                       "itself; normalize=false cannot be served (models.normalize)",
-                       param="normalize")
-    model, outcome, _ = await routes.embed(request, parsed, "inputs", model)
+    # A model that normalises its vectors gives them unnormalised when asked (TEI's default
+    # is to normalise, and TEI never normalises on a checkpoint's behalf).
+    model, outcome, _ = await routes.embed(request, parsed, "inputs", model,
+                                           raw=not normalize and model.spec.normalize)
     rows = outcome.vectors
     if normalize and not model.spec.normalize:
         rows = vectors.normalize(rows)

@@ -91,9 +91,10 @@ class Intake:
             return Error(msg.seq, ErrorCode.UNAVAILABLE, "worker is loading or draining")
         if msg.model not in self.units:
             return Error(msg.seq, ErrorCode.UNKNOWN_MODEL, f"model {msg.model!r} is not served")
-        if msg.per_token and self.specs[msg.model].task not in ("embedding", "null"):
+        if (msg.per_token or msg.raw) and self.specs[msg.model].task not in ("embedding", "null"):
             return Error(msg.seq, ErrorCode.INVALID, f"model {msg.model!r} is a "
-                         f"{self.specs[msg.model].task} model: no token embeddings")
+                         f"{self.specs[msg.model].task} model: no "
+                         f"{'token embeddings' if msg.per_token else 'raw embeddings'}")
         try:
             request = read_request(self.attachments, peer, msg, time.time(),
                                    self.specs[msg.model].dim)

@@ -57,9 +57,12 @@ class QueuedText:
     arrived: float = field(init=False)
 
     def __post_init__(self) -> None:
-        # Batches group by slot (one revision each), and per-token requests apart: their pass
-        # gives every token's row, not one pooled row per text.
-        self.model = self.request.slot.key + ("+tokens" if self.request.msg.per_token else "")
+        # Batches group by slot (one revision each), and per-token requests apart (their pass
+        # gives every token's row, not one pooled row per text), and so raw ones (their pass
+        # skips the model's normalisation).
+        msg = self.request.msg
+        self.model = self.request.slot.key + ("+tokens" if msg.per_token else
+                                               "+raw" if msg.raw else "")
         self.priority = self.request.msg.priority
         self.arrived = self.request.arrived
 

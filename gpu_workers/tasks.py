@@ -1,7 +1,8 @@
 """What each task does with the network's output: one float32 row per text.
 
     embedding       the pooled last hidden state (cls | mean | last token), L2-normalised when
-                    the model says so                                      -> [B, hidden]
+                    the model says so (unless `normalize` is False: TEI's normalize=false)
+                                                                          -> [B, hidden]
     classification  the sequence-classification logits, raw             -> [B, num_labels]
     rerank          a cross-encoder's one logit, raw                     -> [B, 1]
     sparse          SPLADE: log(1 + relu(MLM logits)), the largest over a text's tokens
@@ -24,7 +25,7 @@ from transformers import AutoModel, AutoModelForMaskedLM, AutoModelForSequenceCl
 
 from shmserve.models import ModelSpec
 
-Head = Callable[[object, torch.Tensor, torch.Tensor], torch.Tensor]
+Head = Callable[..., torch.Tensor]  # (network output, mask, lengths, normalize=True)
 
 
 def network_class(task: str) -> type:
@@ -34,12 +35,13 @@ def network_class(task: str) -> type:
 
 def head(spec: ModelSpec) -> Head:
     if spec.task == "embedding":
-        return lambda out, mask, lens: _embed(spec, out.last_hidden_state.float(), mask, lens)
-    return lambda out, mask, lens: out.logits.float()
+        return lambda out, mask, lens, normalize=True: _embed(
+            spec, out.last_hidden_state.float(), mask, lens, normalize)
+    return lambda out, mask, lens, normalize=True: out.logits.float()
 
 
-def _embed(spec: ModelSpec, hidden: torch.Tensor, mask: torch.Tensor,
-           lens: torch.Tensor) -> torch.Tensor:
+def _embed(spec: ModelSpec, hidden: torch.Tensor, mask: torch.Tensor, lens: torch.Tensor,
+           normalize: bool) -> torch.Tensor:
     if spec.pooling == "cls":
         pooled = hidden[:, 0]
     elif spec.pooling == "last":
@@ -47,6 +49,6 @@ def _embed(spec: ModelSpec, hidden: torch.Tensor, mask: torch.Tensor,
     else:
         weights = mask.unsqueeze(-1).to(hidden.dtype)
         pooled = (hidden * weights).sum(1) / weights.sum(1).clamp(min=1e-9)
-    if spec.normalize:
+    if spec.normalize and normalize:
         pooled = torch.nn.functional.normalize(pooled, p=2, dim=1)
     return pooled

@@ -235,8 +235,10 @@ class Worker:
         for text in texts:
             if not text.request.started:
                 text.request.started = began
-        per_token = texts[0].request.msg.per_token  # the batcher never mixes these either
+        msg = texts[0].request.msg  # the batcher never mixes per-token or raw requests either
+        per_token = msg.per_token
         forward = (functools.partial(slot.model.forward_groups, tokens=True) if per_token
+                   else functools.partial(slot.model.forward_groups, normalize=False) if msg.raw
                    else slot.model.forward_groups)
         self.status.pass_began = time.monotonic()
         try:

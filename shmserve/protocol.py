@@ -23,11 +23,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import IntEnum
 
-PROTOCOL_VERSION = 7  # 3: a worker sends a batch's replies to a frontend as one message;
+PROTOCOL_VERSION = 8  # 3: a worker sends a batch's replies to a frontend as one message;
 # 4: ErrorCode.OUT_OF_MEMORY; 5: Heartbeat.pass_s, and a rerank row is the raw logit (the
 # frontend applies the activation), not the score; 6: Heartbeat's admission estimate (drain_rate,
 # drain_pass_s, queued_tokens), a classification row is the raw logits (the frontend applies
-# the softmax), and Ping names its frontend and pid
+# the softmax), and Ping names its frontend and pid; 8: Submit.raw
 
 
 class Kind(IntEnum):
@@ -168,6 +168,9 @@ class Submit:
     # An embedding model's last hidden state for every token (TEI's /embed_all), not one pooled
     # row per text: output row offsets[i] + j is text i's token j.
     per_token: bool = False
+    # An embedding model that L2-normalises its vectors: this request's rows without it (TEI's
+    # `normalize: false`). A pass never mixes these rows with normalised ones.
+    raw: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -46,9 +46,10 @@ def build_tiny_bert(target: Path, *, seed: int = 0, max_positions: int = 64,
     return target
 
 
-def reference_embeddings(model_dir: Path, texts: list[str], max_tokens: int):
-    """The same model run directly in transformers, pooled and normalised: what the server must
-    return for `texts`."""
+def reference_embeddings(model_dir: Path, texts: list[str], max_tokens: int,
+                         normalize: bool = True):
+    """The same model run directly in transformers, mean-pooled and normalised (`normalize`):
+    what the server must return for `texts`."""
     import numpy as np
     import torch
     from tokenizers import Tokenizer
@@ -64,7 +65,7 @@ def reference_embeddings(model_dir: Path, texts: list[str], max_tokens: int):
             ids = torch.tensor([tok.encode(text).ids])
             hidden = model(input_ids=ids).last_hidden_state[0]
             vec = hidden.mean(0)
-            out.append(torch.nn.functional.normalize(vec, dim=0).numpy())
+            out.append((torch.nn.functional.normalize(vec, dim=0) if normalize else vec).numpy())
     return np.stack(out)
 
 

@@ -11,7 +11,9 @@ import torch
 from huggingface_hub import InferenceClient
 from huggingface_hub.errors import HfHubHTTPError
 
+from tests.conftest import TINY_MAX_TOKENS
 from tests.e2e.test_api import TEXTS
+from tests.tinymodel import reference_embeddings
 
 
 @pytest.fixture(autouse=True)
@@ -33,6 +35,32 @@ def test_feature_extraction_equals_the_native_api(hub, native):
     np.testing.assert_allclose(got, native, rtol=0, atol=1e-6)
     one = hub.feature_extraction(TEXTS[0], normalize=True, truncate=False)
     np.testing.assert_allclose(one, native[:1], rtol=0, atol=1e-6)
+
+
+def test_normalize_false_gives_the_pooled_vectors_as_they_are(hub, tiny_stack, tiny_model,
+                                                              native):
+    """The tiny model normalises its vectors itself (a Normalize module, as the default model
+    has): TEI's normalize=false gives them as pooled, through huggingface_hub's client, with
+    `dimensions`, and beside normalised requests sent at once (a pass never mixes the two)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    want = reference_embeddings(tiny_model, TEXTS, TINY_MAX_TOKENS, normalize=False)
+    got = hub.feature_extraction(TEXTS, normalize=False)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+    assert np.abs(np.linalg.norm(got, axis=1) - 1).min() > 0.1  # not unit vectors
+    got = hub.feature_extraction(TEXTS, normalize=False, dimensions=8)
+    np.testing.assert_allclose(got, want[:, :8], rtol=0, atol=1e-5)
+
+    def one(i):
+        status, _, body = tiny_stack.post_json("/embed", {"inputs": TEXTS,
+                                                          "normalize": bool(i % 2)})
+        return status, np.array(body, np.float32)
+
+    with ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(one, range(64)))
+    for i, (status, got) in enumerate(answers):
+        assert status == 200
+        np.testing.assert_allclose(got, native if i % 2 else want, rtol=0, atol=1e-5)
 
 
 def test_feature_extraction_truncates_when_asked(hub, tiny_stack):
@@ -154,7 +182,7 @@ def test_embed_all_refusals(tiny_stack, body, status, param):
 
 
 @pytest.mark.parametrize("body,param", [
-    ({"inputs": TEXTS, "normalize": False}, "normalize"),  # the model normalises itself
+    ({"inputs": TEXTS, "normalize": "no"}, "normalize"),
     ({"inputs": TEXTS, "prompt_name": "passage"}, "prompt_name"),  # tiny has only "query"
     ({"inputs": TEXTS, "prompt_name": 3}, "prompt_name"),
     ({"inputs": [[101, 102]], "prompt_name": "query"}, "prompt_name"),  # ids are as given

@@ -382,6 +382,25 @@ def test_token_rows_are_the_networks_last_hidden_state(models, pack, dtype):
         at += lengths[i]
 
 
+@pytest.mark.parametrize("pack", [True, False])
+def test_rows_without_the_models_own_normalisation_are_its_pooled_vectors(models, pack):
+    """TEI's normalize=false for a model that normalises itself: the pooled vectors as they
+    are, from the packed pass or the network's own forward; the default pass still normalises."""
+    model = Model(spec(models["emb"], "embedding"), torch.device("cpu"), pack=pack)
+    assert model.spec.normalize and model.packs == pack
+    enc = TextEncoder(model.spec, truncate=True).encode(TEXTS)
+    lengths = np.diff(enc.offsets)
+    ids = np.zeros((len(lengths), int(lengths.max())), np.int64)
+    for i, (a, b) in enumerate(zip(enc.offsets[:-1], enc.offsets[1:])):
+        ids[i, :b - a] = enc.ids[a:b]
+    raw = model.forward_groups([(ids, lengths, None)], normalize=False)
+    want = reference_embeddings(models["emb"], TEXTS, 64, normalize=False)
+    np.testing.assert_allclose(raw, want, rtol=0, atol=1e-5)
+    assert np.abs(np.linalg.norm(raw, axis=1) - 1).min() > 0.1  # not unit vectors
+    np.testing.assert_allclose(model.forward_groups([(ids, lengths, None)]),
+                               reference_embeddings(models["emb"], TEXTS, 64), atol=1e-5)
+
+
 def test_weights_named_otherwise_than_the_config_expects_are_refused(models, tmp_path):
     """Tensors renamed (saved under another prefix, or another architecture's): transformers
     initialised the model at random and it served random vectors, ready and 200 (an outside
