@@ -74,7 +74,7 @@ class Worker:
     def load(self) -> None:
         import torch
 
-        from gpu_workers.model import device_name, pick_device
+        from gpu_workers.device import device_name, pick_device
 
         w = self.cfg.workers
         device = topology.worker_devices(self.cfg)[self.index]
@@ -112,7 +112,7 @@ class Worker:
 
     def _release(self) -> None:
         """After a reload or an unload dropped a model: its memory back to the device."""
-        from gpu_workers.model import release
+        from gpu_workers.device import release
 
         if release(self.device):
             self.metrics.emptied("reload")

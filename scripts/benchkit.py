@@ -228,7 +228,7 @@ class InProcess:
         if device == "cpu":
             torch.set_num_threads(cfg.workers.torch_threads)
         else:  # as a GPU worker would run it
-            from gpu_workers.model import configure_cuda
+            from gpu_workers.device import configure_cuda
 
             configure_cuda(cfg.workers.cudnn_attention)
         spec = inspect(model or cfg.models[0], with_revision=False)

@@ -44,7 +44,8 @@ def main() -> int:
     import torch
 
     from frontend.tokenizer import TextEncoder
-    from gpu_workers.model import Model, cpu_has_bf16, resolve_dtype
+    from gpu_workers.device import cpu_has_bf16
+    from gpu_workers.model import Model, resolve_dtype
     from shmserve.config import ModelConfig
     from shmserve.models import inspect
 

@@ -290,7 +290,7 @@ def main() -> int:
     report: dict = {"device": name, "torch": torch.__version__, "overrides": extra,
                     "tag": args.tag, "users": args.users, "texts_per_request": args.texts}
     if device.type == "cuda":  # as the workers will (workers.cudnn_attention)
-        from gpu_workers.model import configure_cuda
+        from gpu_workers.device import configure_cuda
         from shmserve import config
 
         configure_cuda(extra.get("workers", {}).get(

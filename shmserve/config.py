@@ -112,7 +112,7 @@ class WorkerConfig:
     stalled_pass_s: float = 60.0
     cuda_alloc_conf: str = "expandable_segments:True"
     # cuDNN's attention kernels on a GPU: off, as every new (texts, length) shape costs a plan
-    # (see gpu_workers.model.configure_cuda)
+    # (see gpu_workers.device.configure_cuda)
     cudnn_attention: bool = False
     # A worker given a GPU that CUDA cannot see serves on the CPU (with a warning) instead of
     # refusing to start: for trying a GPU config on a machine without one, and the tests

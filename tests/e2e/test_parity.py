@@ -91,7 +91,7 @@ def test_prompts_equal_sentence_transformers_prompts(default_stack, reference):
 
 
 def test_the_default_dtype_stays_within_its_parity_bound(default_stack, reference):
-    from gpu_workers.model import cpu_has_bf16
+    from gpu_workers.device import cpu_has_bf16
 
     texts, want = reference
     cosine = cosines(served(default_stack, "default-dtype", texts), want)

@@ -141,7 +141,7 @@ def test_a_route_refuses_a_model_of_another_task(task_stack, path, body, needle)
 
 
 def test_pinned_models_load_only_on_their_workers_and_dtypes_resolve(task_stack, task_dirs):
-    from gpu_workers.model import cpu_has_bf16
+    from gpu_workers.device import cpu_has_bf16
 
     models = admin_models(task_stack)
     assert [w["worker"] for w in models["clf"]["workers"]] == [1]

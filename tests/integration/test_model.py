@@ -9,7 +9,8 @@ import torch
 
 from frontend.tasks import activate, softmax
 from frontend.tokenizer import TextEncoder
-from gpu_workers.model import Model, cpu_has_bf16, resolve_dtype
+from gpu_workers.device import cpu_has_bf16
+from gpu_workers.model import Model, resolve_dtype
 from shmserve.config import ModelConfig
 from shmserve.models import ModelSourceError, incompatible, inspect
 from tests.tinymodel import (build_tiny_bert, build_tiny_classifier, reference_embeddings,
@@ -241,7 +242,7 @@ def test_a_gpu_worker_sets_cudnn_attention_as_configured(monkeypatch, allowed):
     # No GPU here: pretend one is visible, and check what pick_device leaves set for the
     # attention kernels (workers.cudnn_attention; on a GPU, cuDNN's per-shape plans cost
     # ~50 ms each: docs/performance.md).
-    from gpu_workers.model import pick_device
+    from gpu_workers.device import pick_device
 
     before = torch.backends.cuda.cudnn_sdp_enabled()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -254,7 +255,7 @@ def test_a_gpu_worker_sets_cudnn_attention_as_configured(monkeypatch, allowed):
 
 
 def test_a_worker_given_a_gpu_it_cannot_see_refuses_instead_of_using_the_cpu(monkeypatch):
-    from gpu_workers.model import DeviceError, pick_device
+    from gpu_workers.device import DeviceError, pick_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch, "set_num_interop_threads", lambda n: None)  # once a process
@@ -431,11 +432,13 @@ def test_freed_heap_goes_back_to_the_system_after_warm_up_and_a_replaced_model(m
     """glibc kept a replaced model's and the warm-up's freed memory: a worker held ~100 MB
     more from its start and ~200 MB more after a hot reload (a soak test; docs/observability.md
     has the figures with and without)."""
+    from gpu_workers import device
     from gpu_workers import model as model_module
 
     calls = []
     monkeypatch.setattr(model_module, "trim_heap", lambda: calls.append(1))
+    monkeypatch.setattr(device, "trim_heap", lambda: calls.append(1))
     model = Model(spec(models["emb"], "embedding"), torch.device("cpu"))
     model_module.warm_up(model, max_batch_size=4, max_batch_tokens=256)
     assert calls == [1]
-    assert model_module.release(torch.device("cpu")) is False and calls == [1, 1]
+    assert device.release(torch.device("cpu")) is False and calls == [1, 1]

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from gpu_workers import packed, prepack
-from gpu_workers.model import Model, cpu_has_bf16
+from gpu_workers.device import cpu_has_bf16
+from gpu_workers.model import Model
 from tests.integration.test_model import spec
 
 
