@@ -37,6 +37,13 @@ DTYPES: dict[str, str] = {
     "FP16": "<f2", "FP32": "<f4", "FP64": "<f8",
 }
 BYTES = "BYTES"
+# A declared shape's most dimensions, and the largest dimension. The models' tensors have rank 1
+# or 2; an unbounded list of 64-bit dimensions made math.prod quadratic in its digits (140,000
+# of 2**63 - 1 in a 3 MB body held a frontend's loop past the workers' hung kill, twice, as
+# nginx resent the request to the next frontend: an outside check), and a product past 4,300
+# digits could not be formatted into the error.
+MAX_RANK = 8
+MAX_DIM = 2**31 - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,9 +215,10 @@ def _declaration(entry: dict[str, Any]) -> tuple[str, str, tuple[int, ...]]:
     if not isinstance(datatype, str) or datatype != BYTES and datatype not in DTYPES:
         raise ApiError("invalid_request", f"input {name!r}: unknown datatype {datatype!r}",
                        param="inputs")
-    if not isinstance(shape, list) or not all(is_int(d) and d >= 0 for d in shape):
-        raise ApiError("invalid_request", f"input {name!r}: 'shape' must be a list of "
-                       "non-negative integers", param="inputs")
+    if not isinstance(shape, list) or len(shape) > MAX_RANK or \
+            not all(is_int(d) and 0 <= d <= MAX_DIM for d in shape):
+        raise ApiError("invalid_request", f"input {name!r}: 'shape' must be a list of at most "
+                       f"{MAX_RANK} integers from 0 to {MAX_DIM}", param="inputs")
     return name, datatype, tuple(shape)
 
 
