@@ -111,6 +111,7 @@ def test_priority_values(value):
      "a type byte msgpack does not define, such as 0xc1 (FormatError)"),
     (b"\x91" * 2000 + b"\x01", "application/msgpack", "nested too deeply (StackError)"),
     (b"\x92\x01", "application/msgpack", "Unpack failed: incomplete input"),
+    (b"\x91\xd4\x01\x00", "application/msgpack", "msgpack extension type 1 (none is accepted)"),
     # orjson says "surrogates not allowed" about any invalid UTF-8.
     (b'{"texts": ["\xff"]}', "application/json",
      "the body is not valid UTF-8 (byte 12: invalid start byte)"),
@@ -124,6 +125,20 @@ def test_malformed_bodies_say_what_is_wrong(raw, ctype, detail):
     message = info.value.message
     assert message.split(": ", 1)[1].startswith(detail), message
     assert "surrogates" not in message
+
+
+@pytest.mark.parametrize("container", [b"\x90", b"\x80"])  # empty array, empty map
+def test_a_msgpack_body_of_countless_containers_is_refused_as_they_are_built(container):
+    """8 MB of empty arrays (a byte each, ~60 bytes each in Python) held a frontend's loop for
+    2 s and 600 MB before the request was refused for having too many inputs."""
+    n = 8 << 20
+    with pytest.raises(ApiError) as info:
+        decode_body(b"\x81\xa5input\xdd" + n.to_bytes(4, "big") + container * n,
+                    "application/msgpack")
+    assert info.value.status == 400
+    assert "more than 131,072 arrays and maps" in info.value.message
+    at_limit = msgpack.packb({"input": [[1]] * (codec.MSGPACK_MAX_CONTAINERS - 2)})
+    assert len(decode_body(at_limit, "application/msgpack")["input"]) == 131_070
 
 
 @pytest.mark.parametrize("coding,pack", [
