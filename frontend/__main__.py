@@ -27,16 +27,20 @@ def main() -> int:
     web.RequestHandler.handle_error = malformed_request  # no plain text quoting the request
     # uvloop: the frontends' per-request CPU is what bounds the pipeline on small models.
     loop = uvloop.new_event_loop()
-    stopping = []
 
     def stop() -> None:
-        """The first SIGTERM or SIGINT starts the drain; later ones change nothing. At
-        supervisord's stop the reaper sends one (shmserve.reaper.drain_frontends) and
-        supervisord another once nginx is gone, which aiohttp's own handler would raise in the
-        middle of the drain, cutting it short."""
-        if not stopping:
-            stopping.append(True)
-            raise web.GracefulExit()
+        """The first SIGTERM or SIGINT starts the drain; later ones are ignored until the
+        process exits. At supervisord's stop the reaper sends one
+        (shmserve.reaper.drain_frontends) and supervisord another once nginx is gone: aiohttp's
+        own handler raised it in the middle of the drain, cutting it short, and once the loop
+        had closed (which puts back the default action of the signals it handled) it killed the
+        frontend in its exit, which supervisord logged as "terminated by SIGTERM" (an outside
+        check: 2 of 3 frontends at every `down`). The loop's handlers are removed first, so
+        it does not put the default back at its close."""
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(signum)
+            signal.signal(signum, signal.SIG_IGN)
+        raise web.GracefulExit()
 
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop)

@@ -133,6 +133,23 @@ def test_a_sigterm_to_supervisord_leaves_no_socket_file_or_arena(tmp_path, tiny_
         stack.down()
 
 
+def test_down_lets_every_frontend_exit_0(tmp_path, tiny_model):
+    """The reaper's SIGTERM starts a frontend's drain and supervisord sends another once nginx
+    is gone: the second killed frontends in their exit, after the loop had put the signal's
+    default action back (an outside check: "terminated by SIGTERM" for 2 of 3 frontends at
+    every `down`)."""
+    stack = Stack(tmp_path / "t", tiny_overrides(tiny_model, frontends={"count": 3}))
+    stack.up()
+    try:
+        assert stack.post_json("/v1/embeddings", {"input": ["x"]})[0] == 200
+    finally:
+        stack.down()
+    log = stack.log("supervisord")
+    assert "terminated by" not in log, log
+    for i in range(3):
+        assert f"stopped: frontend-{i} (exit status 0)" in log, log
+
+
 def gpu_visible() -> bool:
     import torch
 
