@@ -178,6 +178,38 @@ def test_bounded_fuzz_of_the_live_server(tiny_stack, pids_before):
     assert len(seen) == 150 and 200 in seen  # some valid requests got through, too
 
 
+def test_kserve_shapes_of_countless_huge_dimensions_are_refused_at_once(tiny_stack,
+                                                                       pids_before):
+    """140,000 dimensions of 2**63 - 1 (3 MB of JSON) held a frontend's loop in big-integer
+    products past the workers' hung kill, and nginx sent the request on to the next frontend,
+    which was killed too; 240 in the binary framing were a 500 (an outside check)."""
+    import struct
+
+    entry = {"name": "text", "datatype": "BYTES", "shape": [2**63 - 1] * 140_000,
+             "data": ["a"]}
+    status, _, raw = tiny_stack.request("POST", "/v2/models/tiny/infer",
+                                        json.dumps({"inputs": [entry]}).encode(), JSON)
+    assert status == 422 and len(raw) < 1000, (status, raw[:300])
+    head = json.dumps({"inputs": [{"name": "text", "datatype": "BYTES",
+                                   "shape": [2**63 - 1] * 240,
+                                   "parameters": {"binary_data_size": 9}}]}).encode()
+    status, _, raw = tiny_stack.request(
+        "POST", "/v2/models/tiny/infer", head + struct.pack("<I", 5) + b"hello",
+        {"Content-Type": "application/octet-stream",
+         "Inference-Header-Content-Length": str(len(head))})
+    assert status == 422 and len(raw) < 1000, (status, raw[:300])
+
+
+def test_a_msgpack_body_of_countless_empty_arrays_is_refused_as_it_is_read(tiny_stack,
+                                                                           pids_before):
+    """8 MB of empty arrays took a frontend 2 s and 600 MB to read (an outside check)."""
+    n = (8 << 20) - 64
+    status, _, raw = tiny_stack.request(
+        "POST", "/v1/embeddings", b"\x81\xa5input\xdd" + n.to_bytes(4, "big") + b"\x90" * n,
+        {"Content-Type": "application/msgpack"})
+    assert status == 400 and b"more than 131,072 arrays and maps" in raw, (status, raw[:300])
+
+
 def test_errors_quote_a_long_name_in_part(tiny_stack, pids_before):
     """An unknown model name of 100,000 characters came back whole in the 404."""
     for path, body in (("/v1/embeddings", {"input": "x", "model": "m" * 100_000}),
