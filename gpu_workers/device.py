@@ -7,6 +7,8 @@ from __future__ import annotations
 import ctypes
 import gc
 import logging
+import os
+import threading
 from pathlib import Path
 
 import torch
@@ -90,3 +92,19 @@ def trim_heap() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
+
+
+def yield_cores(nice: int) -> int:
+    """Lower the calling thread's CPU priority by `nice` (Linux keeps a nice value per thread;
+    the threads it starts, an OpenMP team among them, inherit it) and return the new value.
+    For a hot reload's loader thread (`workers.reload_nice`), whose loading and warm-up share
+    the cores with the model thread that serves meanwhile. A thread cannot raise its priority
+    back without privileges, so this is for threads that end."""
+    tid = threading.get_native_id()
+    try:
+        now = os.getpriority(os.PRIO_PROCESS, tid)
+        if nice > 0:
+            os.setpriority(os.PRIO_PROCESS, tid, min(19, now + nice))
+        return os.getpriority(os.PRIO_PROCESS, tid)
+    except (OSError, AttributeError):  # not Linux: the process's value, or none to set
+        return 0

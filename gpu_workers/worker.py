@@ -119,7 +119,12 @@ class Worker:
             log.info("worker.empty_cache", extra={"fields": {"reason": "reload"}})
 
     def _build(self, config: ModelConfig, active: ModelSpec) -> tuple[ModelSpec, Any]:
-        """A reload's new slot (gpu_workers.loading.load_replacement)."""
+        """A reload's new slot (gpu_workers.loading.load_replacement), on its loader thread,
+        which yields the cores to the model thread serving meanwhile (workers.reload_nice)."""
+        from gpu_workers.device import yield_cores
+
+        log.info("worker.reload_loading", extra={"fields": {
+            "model": active.name, "nice": yield_cores(self.cfg.workers.reload_nice)}})
         model = load_replacement(config, active, self.cfg.model_root_paths, self.device,
                                  self.cfg.workers.cuda_graphs, self.limits)
         return model.spec, model

@@ -61,6 +61,7 @@ CHECKS: dict[str, Check] = {
                         "auto, cpu or a list of distinct GPU indices (several workers on one "
                         "GPU: workers.per_gpu)"),
     "workers.cuda_graphs": (lambda v: 0 <= v <= 4096, "an integer from 0 to 4096"),
+    "workers.reload_nice": (lambda v: 0 <= v <= 19, "an integer from 0 to 19"),
     "workers.per_gpu": (lambda v: 1 <= v <= 16, "an integer from 1 to 16"),
     "workers.cpu_workers": (lambda v: v == "auto" or (isinstance(v, int) and 1 <= v <= 64),
                             "auto or an integer from 1 to 64"),

@@ -122,6 +122,9 @@ class WorkerConfig:
     # How long a worker's model thread may hold the GIL while its socket thread waits, and
     # back (sys.setswitchinterval; Python's default is 5 ms; docs/performance.md)
     switch_interval_ms: float = 0.5
+    # A hot reload's loader thread runs this much nicer than the model thread that serves
+    # meanwhile (0: as nice; docs/models.md, "Hot reload")
+    reload_nice: int = 10
     ready_timeout_s: float = 300.0
     memory_check_batches: int = 100  # device memory is read every N batches (and when idle)
     # torch.cuda.empty_cache() only when it helps (gpu_workers.memory): the device's free share

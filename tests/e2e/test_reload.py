@@ -108,6 +108,10 @@ def test_reload_under_load_switches_every_worker_without_a_failure(stack, models
     assert any(o[3] == "a" for o in outcomes)
     assert {o[3] for o in outcomes if o[0] > switched} == {"b"}  # after the switch: only b
     settles_on(stack, "tiny-r2")
+    # Each worker loaded on a thread nicer than its serving one (workers.reload_nice)
+    loads = [line for worker in ("worker-0", "worker-1") for line in stack.log_lines(worker)
+             if line.get("message") == "worker.reload_loading"]
+    assert [line["nice"] for line in loads] == [10, 10], loads
 
 
 @pytest.mark.parametrize("damage,needle", [

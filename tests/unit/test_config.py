@@ -108,6 +108,8 @@ def test_deep_merge_keeps_siblings():
     ("SHMSERVE__LOGGING__BATCH_LOG", "sometimes", "logging.batch_log"),
     ("SHMSERVE__WORKERS__SWITCH_INTERVAL_MS", "0", "workers.switch_interval_ms"),
     ("SHMSERVE__WORKERS__PER_GPU", "0", "workers.per_gpu"),
+    ("SHMSERVE__WORKERS__RELOAD_NICE", "20", "workers.reload_nice"),
+    ("SHMSERVE__WORKERS__RELOAD_NICE", "-5", "workers.reload_nice"),
     ("SHMSERVE__AUTH__API_KEYS", '["short"]', "auth.api_keys"),
     ("SHMSERVE__AUTH__API_KEYS", '["has a space"]', "auth.api_keys"),
     ("SHMSERVE__AUTH__API_KEYS_FILE", "/nonexistent/keys", "auth.api_keys_file"),
