@@ -1,4 +1,4 @@
-"""The worker's device helpers that run anywhere (a GPU's are in tests/integration/test_model.py)."""
+"""The worker's device helpers that run anywhere (the GPU's: tests/integration/test_model.py)."""
 
 import os
 import threading
