@@ -92,8 +92,11 @@ def status_on(path: str, exc: ApiError) -> int:
     or one over a limit (too many inputs, a text too long) on OpenAI's routes: its clients
     raise BadRequestError for 400, UnprocessableEntityError for 422 and a bare APIStatusError
     for 413, which code catching BadRequestError missed (an outside check). TEI, and this
-    server elsewhere, answer 422 and 413."""
-    if exc.kind in ("invalid_request", "too_large") and path in OPENAI_PATHS:
+    server elsewhere, answer 422 and 413. A body over its size (one that inflates past
+    nginx.client_max_body_size: an error naming no parameter) is 413 on every route, as
+    nginx's own answer for a body sent over it."""
+    if path in OPENAI_PATHS and (exc.kind == "invalid_request" or
+                                 exc.kind == "too_large" and exc.param is not None):
         return 400
     return exc.status
 
