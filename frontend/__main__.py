@@ -18,7 +18,7 @@ def main() -> int:
     import uvloop
     from aiohttp import web
 
-    from frontend.app import create_app, header_limit, malformed_request
+    from frontend.app import create_app, header_count_limit, header_limit, malformed_request
     from shmserve import config, logs, topology
 
     cfg = config.load_resolved(args.config)
@@ -52,7 +52,8 @@ def main() -> int:
                 handler_cancellation=True,
                 # frontend.codec.read_raw inflates compressed bodies itself, with JSON errors.
                 auto_decompress=False,
-                max_line_size=header_limit(cfg), max_field_size=header_limit(cfg))
+                max_line_size=header_limit(cfg), max_field_size=header_limit(cfg),
+                max_headers=header_count_limit(cfg))
     # The socket file stays (uvloop replaces it at the next bind; `shmserve down` removes it):
     # while this frontend restarts nginx's connects to it are refused, which nginx logs as an
     # error, where a missing file is logged at level crit, and alerting on crit would fire at

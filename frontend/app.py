@@ -359,6 +359,14 @@ def header_limit(cfg: Config) -> int:
     return _bytes(cfg.nginx.large_client_header_buffers.split()[1])
 
 
+def header_count_limit(cfg: Config) -> int:
+    """As many header lines as nginx's large header buffers hold (the shortest, `a:b`, takes
+    5 bytes), so nginx alone decides which headers are too many (431): aiohttp's own limit is
+    128 lines, and 122 short headers got its 400 (an outside check)."""
+    count, size = cfg.nginx.large_client_header_buffers.split()
+    return int(count) * _bytes(size) // 5 + 64
+
+
 def malformed_request(self: web.RequestHandler, request: web.BaseRequest, status: int = 500,
                       exc: BaseException | None = None, message: str | None = None
                       ) -> web.StreamResponse:

@@ -110,6 +110,21 @@ def test_header_abuse_is_refused_by_nginx(tiny_stack, pids_before):
     assert status == 422
 
 
+def test_many_headers_are_served_as_far_as_nginx_takes_them(tiny_stack, pids_before):
+    """aiohttp's parser took 128 header lines: 122 short ones more than a request's own got
+    its 400 "malformed HTTP request" (an outside check), which nginx had passed. Past nginx's
+    buffers (4 x 16k), nginx's 431."""
+    many = {f"X-H{i}": "v" for i in range(500)}
+    status, _, raw = tiny_stack.request("POST", "/predict", b'{"texts": ["x"]}',
+                                        {**JSON, **many})
+    assert status == 200, raw[:300]
+    past = {f"X-Header-{i}": "v" * 20 for i in range(3000)}  # ~100 KB of headers
+    status, _, raw = tiny_stack.request("POST", "/predict", b'{"texts": ["x"]}',
+                                        {**JSON, **past})
+    assert status in (400, 431) and json.loads(raw)["error"]["type"] in (
+        "headers_too_large", "bad_request"), raw[:300]
+
+
 def test_headers_nginx_passes_get_the_error_shape_and_are_never_quoted(tiny_stack, pids_before):
     """A header line nginx takes (up to one of its large header buffers, 16 KiB) was over
     aiohttp's own 8,190 bytes, and a control character in a header value reached aiohttp's
