@@ -17,6 +17,7 @@ The caller renders the response; `stage_headers` gives the standard headers.
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -288,6 +289,9 @@ def request_priority(request: web.Request, body: int | None, default: int) -> in
     return default if header is None else schemas.parse_priority(header, "X-Priority")
 
 
+_SECONDS = re.compile(r"[0-9]{1,9}(\.[0-9]{0,9})?|\.[0-9]{1,9}")
+
+
 def timeout(request: web.Request, default: float) -> float:
     """The request's deadline in seconds from now: X-Request-Timeout (at most 3600), else
     `default`; a longer one than nginx waits for (nginx.proxy_read_timeout_s) is cut to a second
@@ -299,10 +303,8 @@ def timeout(request: web.Request, default: float) -> float:
             return default
         value = given
     else:
-        try:
-            value = float(raw)
-        except ValueError:
-            value = float("nan")
+        # ASCII decimal seconds: float() also reads "1_0", "1e3" and other scripts' digits
+        value = float(raw) if _SECONDS.fullmatch(raw.strip()) else float("nan")
         if not 0 < value <= 3600:
             raise ApiError("invalid_request", "X-Request-Timeout must be seconds in (0, 3600]",
                            param="X-Request-Timeout")

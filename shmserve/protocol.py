@@ -20,6 +20,7 @@ only once every worker has staged the new weights (frontend.reload).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from enum import IntEnum
 
@@ -72,17 +73,20 @@ PRIORITY_NAMES = {"low": -1, "normal": 0, "high": 1}
 PRIORITY_RANGE = (-10, 10)
 
 
+_DECIMAL = re.compile(r"[+-]?[0-9]{1,6}")
+
+
 def priority_level(value: object) -> int | None:
     """A priority as given: low, normal or high (any case), or an integer in PRIORITY_RANGE
-    (or its decimal text); None: not one."""
+    (or its decimal text in ASCII digits: int() also reads "1_0" and other scripts' digits);
+    None: not one."""
     if isinstance(value, str):
         name = value.strip().lower()
         if name in PRIORITY_NAMES:
             return PRIORITY_NAMES[name]
-        try:
-            value = int(name)
-        except ValueError:
+        if not _DECIMAL.fullmatch(name):
             return None
+        value = int(name)
     if isinstance(value, int) and not isinstance(value, bool) and \
             PRIORITY_RANGE[0] <= value <= PRIORITY_RANGE[1]:
         return value

@@ -66,3 +66,31 @@ def test_a_deadline_stays_under_nginxs_read_timeout(header, proxy, deadline):
     request = make_mocked_request("POST", "/predict", app=app,
                                   headers={"X-Request-Timeout": header} if header else {})
     assert timeout(request, 30.0) == deadline
+
+
+@pytest.mark.parametrize("header", ["١٠", "1_0", "1e1", "0x10", "nan", "inf", "-1", "0",
+                                    "3601", "", "10s"])
+def test_a_deadline_header_is_ascii_decimal_seconds(header):
+    """float() reads other scripts' digits and underscores (an outside check: "١٠" and "1_0"
+    were taken as 10 s)."""
+    from frontend.app import CONFIG
+    from frontend.errors import ApiError
+    from frontend.tasks import timeout
+    from shmserve import config
+
+    app = web.Application()
+    app[CONFIG] = config.load(environ={})
+    request = make_mocked_request("POST", "/predict", app=app,
+                                  headers={"X-Request-Timeout": header})
+    with pytest.raises(ApiError) as info:
+        timeout(request, 30.0)
+    assert info.value.status == 422 and info.value.param == "X-Request-Timeout"
+
+
+@pytest.mark.parametrize("value,level", [("3", 3), ("-10", -10), ("+1", 1), (" high ", 1),
+                                         ("٣", None), ("1_0", None), ("0x1", None),
+                                         ("1" * 5000, None), ("11", None)])
+def test_a_priority_is_a_name_or_an_ascii_integer(value, level):
+    from shmserve.protocol import priority_level
+
+    assert priority_level(value) == level
