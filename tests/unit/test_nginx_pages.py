@@ -288,6 +288,10 @@ def test_a_client_past_the_rate_limit_gets_429_from_nginx(tmp_path, key):
         # On 429s, and 502s and 503s (no frontend answered: a restart of them all, say).
         assert request(cfg, "GET", "/ready")[1]["Retry-After"] == "1"
         assert "Retry-After" not in request(cfg, "TRACE", "/ready")[1]  # a 405
+    # A client over its rate is logged as a warning, not an error (alerts on error fired)
+    refusals = [line for line in (topology.log_dir(cfg) / "nginx.log").read_text().splitlines()
+                if "limiting requests" in line]
+    assert refusals and all("[warn]" in line for line in refusals), refusals[:3]
 
 
 def test_a_rate_under_one_a_second_is_kept_per_minute_and_its_429_says_when_to_retry(tmp_path):
