@@ -27,12 +27,22 @@ def main() -> int:
     logs.configure(cfg.logging, f"worker-{args.index}")
     sys.setswitchinterval(cfg.workers.switch_interval_ms / 1000.0)
 
+    from gpu_workers.device import DeviceError
     from gpu_workers.worker import main as run
+    from shmserve.models import ModelSourceError
 
+    log = logging.getLogger("shmserve.worker")
     try:
         return run(cfg, args.index)
+    except (DeviceError, ModelSourceError) as exc:
+        # A configuration this worker cannot serve (a GPU it cannot see, a model it cannot
+        # load): the message says what to change, and a traceback at every restart only
+        # buried it. `up --wait` reads the `exception` field's last line (shmserve.startwait).
+        log.error("worker.failed", extra={"fields": {
+            "exception": f"{type(exc).__name__}: {exc}"}})
+        return 1
     except Exception:
-        logging.getLogger("shmserve.worker").exception("worker.failed")
+        log.exception("worker.failed")
         return 1
 
 
