@@ -158,8 +158,9 @@ def _variant(served: ServedModel, name: str) -> Variant:
     if name:
         raise ApiError("invalid_request", f"model {served.spec.name!r} has no variant {name!r}; "
                        f"its variants are {', '.join(names)}", param="variant")
-    raise ApiError("invalid_request", f"model {served.spec.name!r} is split: name its "
-                   f"'variant' ({', '.join(names)})", param="variant")
+    raise ApiError("invalid_request", f"model {served.spec.name!r} is split: name the "
+                   f"variant to reload, one of {', '.join(names)} ('variant' in the body, "
+                   "`shmserve reload --variant`)", param="variant")
 
 
 def _string(body: dict, key: str) -> str:

@@ -250,6 +250,9 @@ def test_new_weights_apply_on_every_frontend(task_stack):
     status, _, raw = task_stack.request("POST", "/admin/models/ab/reload",
                                    json.dumps({"variant": "zz"}).encode(), ADMIN)
     assert status == 422 and "has no variant 'zz'; its variants are a, b" in raw.decode()
+    status, _, raw = task_stack.request("POST", "/admin/models/ab/reload", b"{}", ADMIN)
+    assert status == 422 and "one of a, b ('variant' in the body, `shmserve reload " \
+        "--variant`)" in json.loads(raw)["error"]["message"], raw
     # Arm b reloaded under arm a's revision could no longer be told apart from it (metrics,
     # KServe's versions): refused before any worker loads anything.
     status, _, raw = task_stack.request("POST", "/admin/models/ab/reload", json.dumps(
