@@ -2,7 +2,7 @@
 
     shmserve up [--wait] [--timeout S] [--foreground]   render, clean stale state, start
     shmserve down                                        stop everything, clean up
-    shmserve status [--watch [S]] [--count N]            processes, workers, throughput, memory
+    shmserve status [--watch [S]] [--count N] [--json]   processes, workers, throughput, memory
     shmserve restart frontends|workers|nginx|PROGRAM [--all-at-once]   rolling, no request lost
     shmserve ctl ARGS...                                 supervisorctl with this deployment's -c
     shmserve config [--show-secrets] [--running]         the resolved config as JSON
@@ -97,6 +97,8 @@ def _parser() -> argparse.ArgumentParser:
                             help="refresh every SECONDS (default 2) until Ctrl-C")
     status_cmd.add_argument("--count", type=int, metavar="N", help="with --watch: stop after N "
                             "refreshes")
+    status_cmd.add_argument("--json", action="store_true", help="one line of JSON (a line per "
+                            "refresh with --watch): the same figures, unformatted")
     from shmserve.restarts import restart  # it imports this module's helpers
 
     restart_cmd = command("restart", restart, "restart a group one program at a time, each "
@@ -243,7 +245,8 @@ def status(args: argparse.Namespace) -> int:
                                lambda: process_info(cfg))
 
     try:
-        last = statusview.run(take, title, sys.stdout, args.watch, args.count)
+        last = statusview.run(take, title, sys.stdout, args.watch, args.count,
+                              as_json=args.json)
     except _Stopped:
         print(f"shmserve: {processes.not_running(cfg)}", flush=True)
         return 3

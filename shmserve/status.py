@@ -1,4 +1,4 @@
-"""``shmserve status``: what the running server says about itself, as a few tables.
+"""``shmserve status``: what the running server says about itself, as a few tables (or JSON).
 
 Each process's supervisord state, pid, uptime and resident memory; per worker its readiness,
 queue depth, recent throughput, batch shape and memory. Everything is read from outside, as a
@@ -56,6 +56,39 @@ def parse_metrics(text: str) -> dict[str, dict[Labels, float]]:
 
 
 def render(cur: Sample, prev: Sample | None, title: str) -> str:
+    lines = [f"{title}: {_state(cur)}", ""]
+    lines += _table(["PROGRAM", "STATE", "PID", "UPTIME", "RSS"], [
+        [p["name"], p["state"], str(p["pid"] or "-"), _duration(p["uptime_s"]),
+         _bytes(p["rss_bytes"])] for p in processes_of(cur)])
+    lines.append("")
+    lines += _table(["WORKER", "DEVICE", "READY", "QUEUE", "TEXTS/S", "BATCHES/S", "TEXTS/BATCH",
+                     "PADDING", "DEV ALLOC", "DEV RESERVED", "FRAG", "RSS"], [
+        [str(w["worker"]), str(w["device"] or "-"), w["ready"], _num(w["queued_texts"], 0),
+         _num(w["texts_per_s"]), _num(w["batches_per_s"]), _num(w["texts_per_batch"]),
+         _num(w["padding"], 2), _bytes(w["device_allocated_bytes"]),
+         _bytes(w["device_reserved_bytes"]), _num(w["fragmentation"], 2), _bytes(w["rss_bytes"])]
+        for w in workers_of(cur, prev)])
+    if prev is not None:
+        rates = _request_rates(cur, prev)
+        each = ", ".join(f"{m} {_num(r)}" for m, r in rates["by_model"].items()) + "; " \
+            if len(rates["by_model"]) > 1 else ""
+        lines += ["", f"inference requests/s: {_num(rates['total'])} ({each}over the last "
+                      f"{cur.at - prev.at:.1f} s)"]
+    return "\n".join(lines)
+
+
+def snapshot(cur: Sample, prev: Sample | None) -> dict:
+    """What `render` shows, as numbers (`shmserve status --json`): bytes, seconds and rates
+    unformatted, null where unknown; the rates need `prev`. `ready` is GET /ready's body."""
+    out = {"state": _state(cur), "ready_code": cur.ready_code, "ready": cur.ready,
+           "processes": processes_of(cur), "workers": workers_of(cur, prev)}
+    if prev is not None:
+        out["inference_requests_per_s"] = _request_rates(cur, prev)
+        out["over_s"] = round(cur.at - prev.at, 3)
+    return out
+
+
+def _state(cur: Sample) -> str:
     state = {200: "ready", 503: "not ready",
              None: "no answer through nginx (nginx, or every frontend, is stuck or gone: see "
                    "the table)"}.get(
@@ -67,22 +100,15 @@ def render(cur: Sample, prev: Sample | None, title: str) -> str:
         state = "loading (not every worker has loaded its models yet)"
     elif cur.ready_code == 503 and word == "unavailable":
         state = "unavailable (some model has no ready worker)"
-    lines = [f"{title}: {state}", ""]
-    lines += _table(["PROGRAM", "STATE", "PID", "UPTIME", "RSS"], _process_rows(cur))
-    lines.append("")
-    lines += _table(["WORKER", "DEVICE", "READY", "QUEUE", "TEXTS/S", "BATCHES/S", "TEXTS/BATCH",
-                     "PADDING", "DEV ALLOC", "DEV RESERVED", "FRAG", "RSS"],
-                    _worker_rows(cur, prev))
-    if prev is not None:
-        name = "shmserve_stage_duration_seconds_count"  # every inference request, by model
-        requests = _rate(cur, prev, name, stage="total")
-        models = sorted({value for labels in cur.metrics.get(name, {})
-                         for key, value in labels if key == "model"})
-        each = ", ".join(f"{m} {_num(_rate(cur, prev, name, stage='total', model=m))}"
-                         for m in models) + "; " if len(models) > 1 else ""
-        lines += ["", f"inference requests/s: {_num(requests)} ({each}over the last "
-                      f"{cur.at - prev.at:.1f} s)"]
-    return "\n".join(lines)
+    return state
+
+
+def _request_rates(cur: Sample, prev: Sample) -> dict:
+    name = "shmserve_stage_duration_seconds_count"  # every inference request, by model
+    models = sorted({value for labels in cur.metrics.get(name, {})
+                     for key, value in labels if key == "model"})
+    return {"total": _rate(cur, prev, name, stage="total"),
+            "by_model": {m: _rate(cur, prev, name, stage="total", model=m) for m in models}}
 
 
 def _stopped(pid: int) -> bool:
@@ -95,22 +121,24 @@ def _stopped(pid: int) -> bool:
         return False
 
 
-def _process_rows(cur: Sample) -> list[list[str]]:
+def processes_of(cur: Sample) -> list[dict]:
     rows = []
     for p in sorted(cur.processes, key=lambda p: p["name"]):
         up = p["now"] - p["start"] if p.get("pid") and p.get("start") else None
-        rss = cur.total("shmserve_process_resident_memory_bytes", program=p["name"])
         state = p["statename"]
         if state == "RUNNING" and p.get("pid") and _stopped(p["pid"]):
             state = "RUNNING:stopped"  # supervisord cannot tell; a hung kill is coming
-        rows.append([p["name"], state, str(p.get("pid") or "-"), _duration(up), _bytes(rss)])
+        rows.append({"name": p["name"], "state": state, "pid": p.get("pid") or None,
+                     "uptime_s": up, "rss_bytes": cur.total(
+                         "shmserve_process_resident_memory_bytes", program=p["name"])})
     rss = cur.total("shmserve_process_resident_memory_bytes", program="supervisord")
     if rss is not None:
-        rows.append(["supervisord", "RUNNING", "-", "-", _bytes(rss)])
+        rows.append({"name": "supervisord", "state": "RUNNING", "pid": None, "uptime_s": None,
+                     "rss_bytes": rss})
     return rows
 
 
-def _worker_rows(cur: Sample, prev: Sample | None) -> list[list[str]]:
+def workers_of(cur: Sample, prev: Sample | None) -> list[dict]:
     rows = []
     for w in cur.ready.get("workers", []):
         i = str(w.get("worker"))
@@ -119,18 +147,21 @@ def _worker_rows(cur: Sample, prev: Sample | None) -> list[list[str]]:
         batches = _rate(cur, prev, "shmserve_batch_texts_count", worker=i)
         real = _delta(cur, prev, "shmserve_batch_tokens_sum", worker=i)
         padded = _delta(cur, prev, "shmserve_batch_padded_tokens_total", worker=i)
-        rows.append([
-            i, str(w.get("device") or "-"),
-            "yes" if w.get("ready") else ("loading" if w.get("alive") else "no"),
-            _num(queue if queue is not None else w.get("queued_texts"), 0),
-            _num(texts), _num(batches),
-            _num(texts / batches if texts is not None and batches else None),
-            _num(padded / real if real and padded is not None else None, 2),
-            _bytes(cur.total("shmserve_worker_device_allocated_bytes", worker=i)),
-            _bytes(cur.total("shmserve_worker_device_reserved_bytes", worker=i)),
-            _num(cur.total("shmserve_worker_device_fragmentation_ratio", worker=i), 2),
-            _bytes(cur.total("shmserve_process_resident_memory_bytes", program=f"worker-{i}")),
-        ])
+        rows.append({
+            "worker": w.get("worker"), "device": w.get("device"),
+            "ready": "yes" if w.get("ready") else ("loading" if w.get("alive") else "no"),
+            "queued_texts": queue if queue is not None else w.get("queued_texts"),
+            "texts_per_s": texts, "batches_per_s": batches,
+            "texts_per_batch": texts / batches if texts is not None and batches else None,
+            "padding": padded / real if real and padded is not None else None,
+            "device_allocated_bytes": cur.total("shmserve_worker_device_allocated_bytes",
+                                                worker=i),
+            "device_reserved_bytes": cur.total("shmserve_worker_device_reserved_bytes",
+                                               worker=i),
+            "fragmentation": cur.total("shmserve_worker_device_fragmentation_ratio", worker=i),
+            "rss_bytes": cur.total("shmserve_process_resident_memory_bytes",
+                                   program=f"worker-{i}"),
+        })
     return rows
 
 
@@ -177,19 +208,23 @@ def _duration(seconds: float | None) -> str:
 
 
 def run(take_sample: Callable[[], Sample], title: str, out: TextIO, watch: float | None,
-        count: int | None, first_gap: float = 1.0) -> Sample:
+        count: int | None, first_gap: float = 1.0, as_json: bool = False) -> Sample:
     """Print one table (two samples `first_gap` apart, for rates), or with `watch` refresh
-    every `watch` seconds until `count` frames (None: until interrupted). Returns the last."""
+    every `watch` seconds until `count` frames (None: until interrupted). Returns the last.
+    `as_json`: each frame is one line of JSON (`snapshot`), never a cleared screen."""
     prev = take_sample()
     time.sleep(first_gap if watch is None else min(first_gap, watch))
     frames = 0
     while True:
         cur = take_sample()
-        if watch is not None and out.isatty():
-            out.write("\x1b[H\x1b[2J")  # clear the screen: a live view
-        elif frames:
-            out.write("\n")
-        out.write(render(cur, prev, title) + "\n")
+        if as_json:
+            out.write(json.dumps(snapshot(cur, prev)) + "\n")
+        else:
+            if watch is not None and out.isatty():
+                out.write("\x1b[H\x1b[2J")  # clear the screen: a live view
+            elif frames:
+                out.write("\n")
+            out.write(render(cur, prev, title) + "\n")
         out.flush()
         frames += 1
         if watch is None or (count is not None and frames >= count):

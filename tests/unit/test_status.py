@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import itertools
+import json
 import signal
 import subprocess
 import sys
@@ -89,6 +90,29 @@ def test_tables_show_processes_and_workers_with_rates():
     w1 = [l.split() for l in text.splitlines() if l.startswith("1 ")][0]
     assert w1[:4] == ["1", "loading", "loading", "0"]  # alive, not ready; queue from /ready
     assert "inference requests/s: 20.0 (over the last 2.0 s)" in text
+
+
+def test_json_holds_the_tables_figures_unformatted():
+    """`shmserve status --json`: a line of JSON a frame, for scripts (an operator's outside
+    check missed it), with the figures the tables show."""
+    prev = sample(100.0, texts=1000, batches=100, real=10_000, padded=12_000)
+    cur = sample(102.0, texts=1400, batches=120, real=14_000, padded=17_000)
+    snap = json.loads(json.dumps(status.snapshot(cur, prev)))
+    assert snap["state"] == "ready" and snap["ready_code"] == 200 and snap["over_s"] == 2.0
+    procs = {p["name"]: p for p in snap["processes"]}
+    assert procs["worker-0"] == {"name": "worker-0", "state": "RUNNING", "pid": 101,
+                                 "uptime_s": 3723, "rss_bytes": 1.5 * 2**30}
+    assert procs["nginx"]["pid"] is None and procs["nginx"]["uptime_s"] is None
+    w0 = snap["workers"][0]
+    assert (w0["texts_per_s"], w0["batches_per_s"], w0["texts_per_batch"], w0["padding"]) == \
+        (200.0, 10.0, 20.0, 1.25)
+    assert w0["queued_texts"] == 7 and w0["ready"] == "yes"
+    assert snap["inference_requests_per_s"] == {"total": 20.0, "by_model": {"m": 20.0}}
+    assert "inference_requests_per_s" not in status.snapshot(cur, None)
+    out = io.StringIO()
+    status.run(lambda: cur, "t", out, watch=0.001, count=2, first_gap=0, as_json=True)
+    frames = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert len(frames) == 2 and frames[0]["processes"] == snap["processes"]
 
 
 def test_the_request_rate_covers_every_model_and_names_each_when_several():
