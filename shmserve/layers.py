@@ -121,13 +121,15 @@ _warned: set[str] = set()
 
 def warn_misspelled(environ: Mapping[str, str]) -> None:
     """Say once (on stderr) which variables look like overrides but are not read: a key path
-    with `__` after a single-underscore prefix (SHMSERVE_FRONTENDS__COUNT). The prefix's own
-    single-underscore names (SHMSERVE_ENV, SHMSERVE_CONFIG, SHMSERVE_API_KEY) have no `__`."""
+    with `__` after a single-underscore prefix (SHMSERVE_FRONTENDS__COUNT), or a prefix in
+    lower case (shmserve__frontends__count: names are case-sensitive, an outside check's was
+    ignored without a word). The prefix's own single-underscore names (SHMSERVE_ENV,
+    SHMSERVE_CONFIG, SHMSERVE_API_KEY) have no `__`."""
     for name in sorted(environ):
-        if (name.startswith("SHMSERVE") and not name.startswith(ENV_PREFIX)
+        if (name.upper().startswith("SHMSERVE") and not name.startswith(ENV_PREFIX)
                 and "__" in name and name not in _warned):
             _warned.add(name)
-            fixed = ENV_PREFIX + name[len("SHMSERVE"):].lstrip("_")
+            fixed = ENV_PREFIX + name[len("SHMSERVE"):].lstrip("_").upper()
             print(f"shmserve: warning: {name} is not read; environment overrides start with "
                   f"{ENV_PREFIX} (two underscores): {fixed}?", file=sys.stderr, flush=True)
 

@@ -232,13 +232,15 @@ def test_a_misspelled_override_is_warned_of_once(capsys, monkeypatch):
     monkeypatch.setattr(layers, "_warned", set())
     environ = {"SHMSERVE_FRONTENDS__COUNT": "3", "SHMSERVE_ENV": "test",
                "SHMSERVE_CONFIG": "", "SHMSERVE_API_KEY": "k", "SHMSERVE_RUN_DIR": "/x",
-               "SHMSERVE_BENCH_TEXTS": "9"}
+               "SHMSERVE_BENCH_TEXTS": "9", "shmserve__server__port": "9999",
+               "shmserve_env": "prod"}
     cfg = config.load(environ=environ)
     config.load(environ=environ)
-    assert cfg.frontends.count != 3
+    assert cfg.frontends.count != 3 and cfg.server.port != 9999
     err = capsys.readouterr().err
-    assert err.count("warning") == 1
+    assert err.count("warning") == 2
     assert "SHMSERVE_FRONTENDS__COUNT is not read" in err and "SHMSERVE__FRONTENDS__COUNT?" in err
+    assert "shmserve__server__port is not read" in err and "SHMSERVE__SERVER__PORT?" in err
 
 
 def test_a_rate_limit_per_api_key_needs_api_keys(tmp_path):
