@@ -289,7 +289,9 @@ def request_priority(request: web.Request, body: int | None, default: int) -> in
     return default if header is None else schemas.parse_priority(header, "X-Priority")
 
 
-_SECONDS = re.compile(r"[0-9]{1,9}(\.[0-9]{0,9})?|\.[0-9]{1,9}")
+# A decimal number in ASCII, with an exponent if any (shmserve.client sends 1e-06 for a
+# microsecond): float() alone also reads "1_0" and other scripts' digits.
+_SECONDS = re.compile(r"([0-9]{1,9}(\.[0-9]{0,9})?|\.[0-9]{1,9})([eE][+-]?[0-9]{1,3})?")
 
 
 def timeout(request: web.Request, default: float) -> float:
@@ -303,7 +305,6 @@ def timeout(request: web.Request, default: float) -> float:
             return default
         value = given
     else:
-        # ASCII decimal seconds: float() also reads "1_0", "1e3" and other scripts' digits
         value = float(raw) if _SECONDS.fullmatch(raw.strip()) else float("nan")
         if not 0 < value <= 3600:
             raise ApiError("invalid_request", "X-Request-Timeout must be seconds in (0, 3600]",

@@ -68,8 +68,8 @@ def test_a_deadline_stays_under_nginxs_read_timeout(header, proxy, deadline):
     assert timeout(request, 30.0) == deadline
 
 
-@pytest.mark.parametrize("header", ["١٠", "1_0", "1e1", "0x10", "nan", "inf", "-1", "0",
-                                    "3601", "", "10s"])
+@pytest.mark.parametrize("header", ["١٠", "1_0", "0x10", "nan", "inf", "-1", "0", "3601", "",
+                                    "10s", "1e4", "1e"])
 def test_a_deadline_header_is_ascii_decimal_seconds(header):
     """float() reads other scripts' digits and underscores (an outside check: "١٠" and "1_0"
     were taken as 10 s)."""
@@ -85,6 +85,21 @@ def test_a_deadline_header_is_ascii_decimal_seconds(header):
     with pytest.raises(ApiError) as info:
         timeout(request, 30.0)
     assert info.value.status == 422 and info.value.param == "X-Request-Timeout"
+
+
+@pytest.mark.parametrize("header,seconds", [("10", 10.0), ("2.5", 2.5), (".5", 0.5), ("1e1", 10.0),
+                                            ("1e-06", 1e-06), (" 3 ", 3.0), ("3600", 3600.0)])
+def test_a_deadline_header_in_seconds_as_clients_write_them(header, seconds):
+    """shmserve.client writes a microsecond as 1e-06 (str of a float)."""
+    from frontend.app import CONFIG
+    from frontend.tasks import timeout
+    from shmserve import config
+
+    app = web.Application()
+    app[CONFIG] = config.load(environ={})
+    request = make_mocked_request("POST", "/predict", app=app,
+                                  headers={"X-Request-Timeout": header})
+    assert timeout(request, 30.0) == pytest.approx(min(seconds, 119.0))
 
 
 @pytest.mark.parametrize("value,level", [("3", 3), ("-10", -10), ("+1", 1), (" high ", 1),
