@@ -217,6 +217,17 @@ def status(args: argparse.Namespace) -> int:
     """0: every process runs and GET /ready says ready; 1: not so (or supervisord is gone but
     processes it started live on); 3: not running at all."""
     cfg = processes.deployment(args)
+    if args.watch is not None and args.watch <= 0:
+        raise CliError("--watch needs a positive number of seconds")
+    if args.count is not None and args.watch is None:
+        raise CliError("--count counts --watch's refreshes; add --watch")
+    about = {"version": __version__, "url": remote.base_url(cfg), "run_dir": str(cfg.run_dir)}
+
+    def say(state: str, message: str) -> None:
+        """Not running: the message, or with --json one line of JSON saying so."""
+        print(json.dumps({**about, "state": state, "state_text": message}) if args.json
+              else f"shmserve: {message}", flush=True)
+
     if supervisord_pid(cfg) is None:
         left = leftovers(cfg)
         if left:
@@ -224,15 +235,13 @@ def status(args: argparse.Namespace) -> int:
                 served = config.load_resolved(topology.resolved_config_path(cfg)).server
             except (OSError, ValueError):
                 served = cfg.server
-            print(f"shmserve: supervisord is not running (run_dir {cfg.run_dir}; killed?), but "
-                  f"processes it started live on, unsupervised and maybe still serving on "
-                  f"{served.host}:{served.port}: pids {', '.join(map(str, left))}; "
-                  "`shmserve down` stops them, `shmserve up` replaces them")
+            say("unsupervised", f"supervisord is not running (run_dir {cfg.run_dir}; "
+                f"killed?), but processes it started live on, unsupervised and maybe still "
+                f"serving on {served.host}:{served.port}: pids {', '.join(map(str, left))}; "
+                "`shmserve down` stops them, `shmserve up` replaces them")
             return 1
-        print(f"shmserve: {processes.not_running(cfg)}")
+        say("not_running", processes.not_running(cfg))
         return 3
-    if args.watch is not None and args.watch <= 0:
-        raise CliError("--watch needs a positive number of seconds")
     title = f"shmserve {__version__} at {remote.base_url(cfg)} (run_dir {cfg.run_dir})"
 
     def take() -> statusview.Sample:
@@ -246,9 +255,9 @@ def status(args: argparse.Namespace) -> int:
 
     try:
         last = statusview.run(take, title, sys.stdout, args.watch, args.count,
-                              as_json=args.json)
+                              as_json=args.json, about=about)
     except _Stopped:
-        print(f"shmserve: {processes.not_running(cfg)}", flush=True)
+        say("not_running", processes.not_running(cfg))
         return 3
     except KeyboardInterrupt:
         return 0

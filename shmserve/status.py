@@ -63,7 +63,9 @@ def render(cur: Sample, prev: Sample | None, title: str) -> str:
     lines.append("")
     lines += _table(["WORKER", "DEVICE", "READY", "QUEUE", "TEXTS/S", "BATCHES/S", "TEXTS/BATCH",
                      "PADDING", "DEV ALLOC", "DEV RESERVED", "FRAG", "RSS"], [
-        [str(w["worker"]), str(w["device"] or "-"), w["ready"], _num(w["queued_texts"], 0),
+        [str(w["worker"]), str(w["device"] or "-"),
+         "yes" if w["ready"] else ("loading" if w["alive"] else "no"),
+         _num(w["queued_texts"], 0),
          _num(w["texts_per_s"]), _num(w["batches_per_s"]), _num(w["texts_per_batch"]),
          _num(w["padding"], 2), _bytes(w["device_allocated_bytes"]),
          _bytes(w["device_reserved_bytes"]), _num(w["fragmentation"], 2), _bytes(w["rss_bytes"])]
@@ -77,15 +79,28 @@ def render(cur: Sample, prev: Sample | None, title: str) -> str:
     return "\n".join(lines)
 
 
-def snapshot(cur: Sample, prev: Sample | None) -> dict:
-    """What `render` shows, as numbers (`shmserve status --json`): bytes, seconds and rates
-    unformatted, null where unknown; the rates need `prev`. `ready` is GET /ready's body."""
-    out = {"state": _state(cur), "ready_code": cur.ready_code, "ready": cur.ready,
+def snapshot(cur: Sample, prev: Sample | None, about: dict | None = None) -> dict:
+    """What `render` shows, as numbers (`shmserve status --json`): bytes and counts as
+    integers, seconds and rates unformatted, null where unknown; the rates need `prev`.
+    `state` is a word (ready, degraded, loading, unavailable, not_ready, no_answer,
+    nginx_only), `state_text` the table's line; `ready` is GET /ready's body; `about` (the
+    version, URL and run directory) goes first."""
+    out = {**(about or {}), "state": _state_word(cur), "state_text": _state(cur),
+           "ready_code": cur.ready_code, "ready": cur.ready,
            "processes": processes_of(cur), "workers": workers_of(cur, prev)}
     if prev is not None:
         out["inference_requests_per_s"] = _request_rates(cur, prev)
         out["over_s"] = round(cur.at - prev.at, 3)
     return out
+
+
+def _state_word(cur: Sample) -> str:
+    word = cur.ready.get("status")
+    if cur.ready_code == 200:
+        return "degraded" if word == "degraded" else "ready"
+    if cur.ready_code == 503:
+        return word if word in ("loading", "unavailable") else "not_ready"
+    return "no_answer" if cur.ready_code is None else "nginx_only"
 
 
 def _state(cur: Sample) -> str:
@@ -129,12 +144,12 @@ def processes_of(cur: Sample) -> list[dict]:
         if state == "RUNNING" and p.get("pid") and _stopped(p["pid"]):
             state = "RUNNING:stopped"  # supervisord cannot tell; a hung kill is coming
         rows.append({"name": p["name"], "state": state, "pid": p.get("pid") or None,
-                     "uptime_s": up, "rss_bytes": cur.total(
-                         "shmserve_process_resident_memory_bytes", program=p["name"])})
+                     "uptime_s": up, "rss_bytes": _int(cur.total(
+                         "shmserve_process_resident_memory_bytes", program=p["name"]))})
     rss = cur.total("shmserve_process_resident_memory_bytes", program="supervisord")
     if rss is not None:
         rows.append({"name": "supervisord", "state": "RUNNING", "pid": None, "uptime_s": None,
-                     "rss_bytes": rss})
+                     "rss_bytes": _int(rss)})
     return rows
 
 
@@ -149,18 +164,18 @@ def workers_of(cur: Sample, prev: Sample | None) -> list[dict]:
         padded = _delta(cur, prev, "shmserve_batch_padded_tokens_total", worker=i)
         rows.append({
             "worker": w.get("worker"), "device": w.get("device"),
-            "ready": "yes" if w.get("ready") else ("loading" if w.get("alive") else "no"),
-            "queued_texts": queue if queue is not None else w.get("queued_texts"),
+            "ready": bool(w.get("ready")), "alive": bool(w.get("alive")),
+            "queued_texts": _int(queue if queue is not None else w.get("queued_texts")),
             "texts_per_s": texts, "batches_per_s": batches,
             "texts_per_batch": texts / batches if texts is not None and batches else None,
             "padding": padded / real if real and padded is not None else None,
-            "device_allocated_bytes": cur.total("shmserve_worker_device_allocated_bytes",
-                                                worker=i),
-            "device_reserved_bytes": cur.total("shmserve_worker_device_reserved_bytes",
-                                               worker=i),
+            "device_allocated_bytes": _int(cur.total(
+                "shmserve_worker_device_allocated_bytes", worker=i)),
+            "device_reserved_bytes": _int(cur.total("shmserve_worker_device_reserved_bytes",
+                                                    worker=i)),
             "fragmentation": cur.total("shmserve_worker_device_fragmentation_ratio", worker=i),
-            "rss_bytes": cur.total("shmserve_process_resident_memory_bytes",
-                                   program=f"worker-{i}"),
+            "rss_bytes": _int(cur.total("shmserve_process_resident_memory_bytes",
+                                        program=f"worker-{i}")),
         })
     return rows
 
@@ -177,6 +192,10 @@ def _delta(cur: Sample, prev: Sample | None, name: str, **labels: str) -> float 
 def _rate(cur: Sample, prev: Sample | None, name: str, **labels: str) -> float | None:
     delta = _delta(cur, prev, name, **labels)
     return None if delta is None or cur.at <= prev.at else delta / (cur.at - prev.at)
+
+
+def _int(value: float | None) -> int | None:
+    return None if value is None else int(value)
 
 
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
@@ -208,7 +227,8 @@ def _duration(seconds: float | None) -> str:
 
 
 def run(take_sample: Callable[[], Sample], title: str, out: TextIO, watch: float | None,
-        count: int | None, first_gap: float = 1.0, as_json: bool = False) -> Sample:
+        count: int | None, first_gap: float = 1.0, as_json: bool = False,
+        about: dict | None = None) -> Sample:
     """Print one table (two samples `first_gap` apart, for rates), or with `watch` refresh
     every `watch` seconds until `count` frames (None: until interrupted). Returns the last.
     `as_json`: each frame is one line of JSON (`snapshot`), never a cleared screen."""
@@ -218,7 +238,7 @@ def run(take_sample: Callable[[], Sample], title: str, out: TextIO, watch: float
     while True:
         cur = take_sample()
         if as_json:
-            out.write(json.dumps(snapshot(cur, prev)) + "\n")
+            out.write(json.dumps(snapshot(cur, prev, about)) + "\n")
         else:
             if watch is not None and out.isatty():
                 out.write("\x1b[H\x1b[2J")  # clear the screen: a live view

@@ -303,6 +303,12 @@ def test_status_shows_processes_and_workers(stack):
     watched = status_cli(stack, "--watch", "0.2", "--count", "2")
     assert watched.returncode == 0, watched.stderr
     assert watched.stdout.count("PROGRAM") == 2
+    as_json = status_cli(stack, "--json", "--watch", "0.2", "--count", "2")
+    assert as_json.returncode == 0, as_json.stderr
+    frames = [json.loads(line) for line in as_json.stdout.splitlines()]
+    assert len(frames) == 2 and all(f["state"] == "ready" for f in frames)
+    assert {p["name"] for p in frames[-1]["processes"]} >= {"worker-0", "nginx", "reaper"}
+    assert frames[-1]["workers"][0]["ready"] is True and frames[-1]["url"] == stack.url
 
 
 def test_status_piped_to_head_exits_quietly(stack):

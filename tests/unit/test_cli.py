@@ -142,6 +142,16 @@ def test_down_when_not_running_still_removes_stale_state(deployment, capsys, mon
 def test_status_when_not_running_exits_3(deployment, capsys):
     assert cli.main(["status"]) == 3
     assert str(deployment.run_dir) in capsys.readouterr().out
+    # --json says so in JSON too (it printed the plain line: an outside check)
+    assert cli.main(["status", "--json"]) == 3
+    said = json.loads(capsys.readouterr().out)
+    assert said["state"] == "not_running" and said["run_dir"] == str(deployment.run_dir)
+    assert str(deployment.run_dir) in said["state_text"]
+
+
+def test_status_count_needs_watch(deployment, capsys):
+    assert cli.main(["status", "--count", "2"]) == 2
+    assert "--count counts --watch's refreshes" in capsys.readouterr().err
 
 
 def test_ctl_when_not_running_says_so_as_status_does(deployment, capsys):

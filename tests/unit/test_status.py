@@ -97,16 +97,28 @@ def test_json_holds_the_tables_figures_unformatted():
     check missed it), with the figures the tables show."""
     prev = sample(100.0, texts=1000, batches=100, real=10_000, padded=12_000)
     cur = sample(102.0, texts=1400, batches=120, real=14_000, padded=17_000)
-    snap = json.loads(json.dumps(status.snapshot(cur, prev)))
-    assert snap["state"] == "ready" and snap["ready_code"] == 200 and snap["over_s"] == 2.0
+    snap = json.loads(json.dumps(status.snapshot(cur, prev, {"version": "v"})))
+    assert snap["version"] == "v" and list(snap)[0] == "version"
+    assert snap["state"] == "ready" and snap["state_text"] == "ready"
+    assert snap["ready_code"] == 200 and snap["over_s"] == 2.0
     procs = {p["name"]: p for p in snap["processes"]}
     assert procs["worker-0"] == {"name": "worker-0", "state": "RUNNING", "pid": 101,
-                                 "uptime_s": 3723, "rss_bytes": 1.5 * 2**30}
+                                 "uptime_s": 3723, "rss_bytes": 3 * 2**29}
+    assert isinstance(procs["worker-0"]["rss_bytes"], int)
     assert procs["nginx"]["pid"] is None and procs["nginx"]["uptime_s"] is None
     w0 = snap["workers"][0]
     assert (w0["texts_per_s"], w0["batches_per_s"], w0["texts_per_batch"], w0["padding"]) == \
         (200.0, 10.0, 20.0, 1.25)
-    assert w0["queued_texts"] == 7 and w0["ready"] == "yes"
+    assert w0["queued_texts"] == 7 and isinstance(w0["queued_texts"], int)
+    assert w0["ready"] is True and w0["alive"] is True
+    w1 = snap["workers"][1]
+    assert w1["ready"] is False and w1["alive"] is True  # loading
+    # A word for scripts beside the table's line, in every state
+    for code, word, want in ((200, "degraded", "degraded"), (503, "loading", "loading"),
+                             (503, "unavailable", "unavailable"), (503, None, "not_ready"),
+                             (None, None, "no_answer"), (502, None, "nginx_only")):
+        odd = status.Sample(cur.at, cur.processes, code, {**READY, "status": word}, cur.metrics)
+        assert status.snapshot(odd, None)["state"] == want
     assert snap["inference_requests_per_s"] == {"total": 20.0, "by_model": {"m": 20.0}}
     assert "inference_requests_per_s" not in status.snapshot(cur, None)
     out = io.StringIO()
