@@ -217,13 +217,17 @@ def rate_limit(n) -> dict[str, str]:
 
 
 def cors(origins: list[str]) -> dict[str, str]:
-    """The map lines that allow `origins` (["*"]: any), and the Vary a per-origin answer needs
-    (so a cache never serves one origin's answer to another)."""
+    """The map lines that allow `origins` (["*"]: any), the Vary a per-origin answer needs
+    (so a cache never serves one origin's answer to another), and the methods nginx's own 405
+    names: OPTIONS only where a preflight is answered (without CORS it is a 405 itself)."""
+    methods = "GET, HEAD, POST, PUT" + (", OPTIONS" if origins else "")
     if origins == ["*"]:
-        return {"cors_origins": '        default "*";', "cors_vary": ""}
+        return {"cors_origins": '        default "*";', "cors_vary": "",
+                "allow_methods": methods}
     lines = [f'        "{origin}" $http_origin;' for origin in origins]
     vary = '        add_header Vary Origin always;' if origins else ""
-    return {"cors_origins": "\n".join(['        default "";', *lines]), "cors_vary": vary}
+    return {"cors_origins": "\n".join(['        default "";', *lines]), "cors_vary": vary,
+            "allow_methods": methods}
 
 
 def access_log_buffer(cfg: Config) -> str:
