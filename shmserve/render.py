@@ -33,7 +33,7 @@ from pathlib import Path
 
 import msgpack
 
-from shmserve import topology
+from shmserve import nginx_options, topology
 from shmserve.config import REPO_ROOT, Config
 
 SUPERVISORD_TEMPLATE = REPO_ROOT / "supervisord.conf"
@@ -43,31 +43,6 @@ MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes, the last one a NUL
 _SAFE_PATH = re.compile(r"^[A-Za-z0-9._/+-]+$")  # nothing nginx or supervisord would parse
 _PLACEHOLDER = re.compile(r"@([a-z_]+)@")
 _REPEATED = re.compile(r"^\[program:([a-z]+)-@index@\]")
-
-# Errors nginx produces itself: status -> (type, message), with the same types as the frontends
-# (frontend.errors.STATUS) so a client handles one vocabulary.
-NGINX_ERRORS: dict[int, tuple[str, str]] = {
-    400: ("bad_request", "malformed HTTP request"),
-    403: ("forbidden", "admin routes answer loopback clients only (nginx.admin_loopback_only)"),
-    404: ("not_found", "no such route"),
-    408: ("request_timeout", "the request did not arrive in time "
-          "(nginx.client_header_timeout_s, nginx.client_body_timeout_s)"),
-    413: ("too_large", "request body larger than nginx.client_max_body_size ({max_body})"),
-    414: ("headers_too_large", "request line too long (nginx.large_client_header_buffers)"),
-    405: ("method_not_allowed", "no route takes this method (GET /openapi.json lists each "
-          "route's)"),
-    415: ("unsupported_media_type", "Content-Encoding must be gzip, deflate, br or identity"),
-    429: ("overloaded", "more requests from this client than nginx.rate_limit_per_s allows; "
-          "retry later"),
-    494: ("headers_too_large", "request headers too large (nginx.large_client_header_buffers)"),
-    500: ("internal_error", "internal error in nginx"),
-    502: ("unavailable", "no frontend answered; see `shmserve status`"),
-    503: ("unavailable", "no frontend answered; see `shmserve status`"),
-    504: ("timeout", "no frontend answered within nginx.proxy_read_timeout_s"),
-    501: ("not_implemented", "Transfer-Encoding must be chunked (or none, with Content-Length)"),
-    505: ("http_version_not_supported", "HTTP/1.1 or HTTP/1.0 only"),
-}
-
 
 class RenderError(RuntimeError):
     """The config cannot be rendered into a working deployment; the message names the key."""
@@ -152,7 +127,7 @@ def render_nginx(cfg: Config) -> str:
         "proxy_read_timeout": f"{n.proxy_read_timeout_s}s",
         "probe_timeout": f"{n.probe_timeout_s}s",
         "metrics_timeout": f"{2 * n.probe_timeout_s}s",  # a scrape collects every process's
-        **rate_limit(n),
+        **nginx_options.rate_limit(n),
         "upstream_servers": "\n".join(servers),
         "upstream_keepalive": str(n.upstream_keepalive),
         "listen": f"{host}:{cfg.server.port}",
@@ -160,81 +135,10 @@ def render_nginx(cfg: Config) -> str:
         "frontend_count": str(cfg.frontends.count),
         "next_upstream_tries": str(min(2, cfg.frontends.count)),  # the first, one other
         "admin_access": admin,
-        "access_log_buffer": access_log_buffer(cfg),
-        **cors(n.cors_allow_origins),
-        "gzip": gzip(n),
+        "access_log_buffer": nginx_options.access_log_buffer(cfg),
+        **nginx_options.cors(n.cors_allow_origins),
+        "gzip": nginx_options.gzip(n),
     })
-
-
-# What nginx.gzip compresses: JSON (vectors as decimal text). Not msgpack, whose float32 bytes
-# barely shrink; not /metrics either: nginx matches the type with its parameters unless one is
-# a charset, and Prometheus' "text/plain; version=0.0.4; charset=utf-8" would need its version.
-GZIP_TYPES = ("application/json",)
-
-
-def gzip(n) -> str:
-    if not n.gzip:
-        return "    # nginx.gzip: false, answers go uncompressed"
-    # gzip_proxied any: also for clients behind a proxy (a Via header), which nginx leaves out
-    # by default; Vary: Accept-Encoding, so a cache keeps both forms apart.
-    return (f"    gzip on;\n    gzip_comp_level {n.gzip_level};\n"
-            f"    gzip_min_length {n.gzip_min_bytes};\n    gzip_proxied any;\n"
-            f"    gzip_vary on;\n    gzip_types {' '.join(GZIP_TYPES)};")
-
-
-# rate_limit_key api_key: the bearer token as the frontends read it (any case of "Bearer", then
-# spaces, the token, any whitespace after it: app.bearer_matches), so a key is one client however
-# it is written; a request without a token is limited by its address.
-_TOKEN_KEY = """    map $http_authorization $shmserve_rate_key {
-        "~*^bearer +(?<token>\\S+)\\s*$" "key $token";
-        default "address $binary_remote_addr";
-    }
-"""
-
-
-def rate_limit(n) -> dict[str, str]:
-    """nginx's limit_req zone (http level) and its use (a location), or comments when off; and
-    the Retry-After of its 429: the seconds until the client's next request is allowed."""
-    rate = n.rate_limit_per_s
-    if not rate:
-        return {"rate_limit_zone": "    # nginx.rate_limit_per_s: 0, no per-client rate limit",
-                "rate_limit": "            # no per-client rate limit",
-                "rate_limit_retry_after": "1"}
-    key, zone = ("$binary_remote_addr", "") if n.rate_limit_key == "ip" else \
-        ("$shmserve_rate_key", _TOKEN_KEY)
-    # nginx takes whole requests a second or a minute
-    spelled = f"{int(rate)}r/s" if rate == int(rate) else f"{max(1, round(rate * 60))}r/m"
-    return {"rate_limit_zone": f"{zone}    limit_req_zone {key} zone=shmserve_clients:10m "
-                               f"rate={spelled};\n    limit_req_status 429;\n"
-                               # a client over its rate is not the server's fault: nginx logs
-                               # each refusal at error by default, and alerts on error fired
-                               "    limit_req_log_level warn;",
-            # nginx refuses burst=0 (it is its default: written only when above)
-            "rate_limit": "            limit_req zone=shmserve_clients"
-                          + (f" burst={n.rate_limit_burst} nodelay;" if n.rate_limit_burst
-                             else ";"),
-            "rate_limit_retry_after": str(max(1, math.ceil(1 / rate)))}
-
-
-def cors(origins: list[str]) -> dict[str, str]:
-    """The map lines that allow `origins` (["*"]: any), the Vary a per-origin answer needs
-    (so a cache never serves one origin's answer to another), and the methods nginx's own 405
-    names: OPTIONS only where a preflight is answered (without CORS it is a 405 itself)."""
-    methods = "GET, HEAD, POST, PUT" + (", OPTIONS" if origins else "")
-    if origins == ["*"]:
-        return {"cors_origins": '        default "*";', "cors_vary": "",
-                "allow_methods": methods}
-    lines = [f'        "{origin}" $http_origin;' for origin in origins]
-    vary = '        add_header Vary Origin always;' if origins else ""
-    return {"cors_origins": "\n".join(['        default "";', *lines]), "cors_vary": vary,
-            "allow_methods": methods}
-
-
-def access_log_buffer(cfg: Config) -> str:
-    """nginx's access lines buffered like the other processes' logs (logging.flush_interval_ms):
-    4 KiB, a pipe's atomic write (PIPE_BUF), so nginx workers never interleave partial lines."""
-    ms = cfg.logging.flush_interval_ms
-    return f" buffer=4k flush={max(1, round(ms))}ms" if ms > 0 else ""
 
 
 def render_supervisord(cfg: Config, nginx: str) -> str:
@@ -348,22 +252,11 @@ def command(*argv: str) -> str:
     return " ".join(shlex.quote(arg) for arg in argv).replace("%", "%%")
 
 
-def error_body(cfg: Config, status: int) -> dict[str, dict[str, str | None]]:
-    """The frontends' error shape (frontend.errors.ApiError.body): OpenAI's, with our types."""
-    kind, message = NGINX_ERRORS[status]
-    return {"error": {"message": message.format(max_body=cfg.nginx.client_max_body_size),
-                      "type": kind, "param": None, "code": None}}
-
-
-def kserve_error_body(cfg: Config, status: int) -> dict[str, str]:
-    """KServe v2's error shape (frontend.errors.ApiError.kserve_body), for the /v2 routes."""
-    return {"error": error_body(cfg, status)["error"]["message"]}
-
-
 def _write_error_pages(cfg: Config) -> None:
     errors = nginx_dir(cfg) / "errors"
-    for folder, shape in ((errors, error_body), (errors / "v2", kserve_error_body)):
-        for status in NGINX_ERRORS:
+    for folder, shape in ((errors, nginx_options.error_body),
+                          (errors / "v2", nginx_options.kserve_error_body)):
+        for status in nginx_options.NGINX_ERRORS:
             body = shape(cfg, status)
             _write(folder / f"{status}.json", json.dumps(body, separators=(",", ":")) + "\n")
             _write(folder / f"{status}.msgpack", msgpack.packb(body))

@@ -24,7 +24,7 @@ import pytest
 from supervisor.datatypes import RestartUnconditionally
 from supervisor.options import EventListenerPoolConfig, ServerOptions
 
-from shmserve import config, layers, render, topology
+from shmserve import config, layers, nginx_options, render, topology
 from shmserve.config import REPO_ROOT, Config
 
 
@@ -168,10 +168,10 @@ def test_error_pages_exist_in_both_formats_with_the_error_shape(tmp_path):
     assert too_large["type"] == "too_large"
     assert "nginx.client_max_body_size (5m)" in too_large["message"]
     # The /v2 routes' pages: KServe v2's {"error": "<message>"}, the same messages.
-    for status in render.NGINX_ERRORS:
+    for status in nginx_options.NGINX_ERRORS:
         as_json = json.loads((errors / "v2" / f"{status}.json").read_text())
         assert as_json == msgpack.unpackb((errors / "v2" / f"{status}.msgpack").read_bytes())
-        assert as_json == {"error": render.error_body(cfg, status)["error"]["message"]}
+        assert as_json == {"error": nginx_options.error_body(cfg, status)["error"]["message"]}
 
 
 def test_run_dir_is_private_and_has_its_folders(tmp_path):
