@@ -103,19 +103,21 @@ def _state_word(cur: Sample) -> str:
     return "no_answer" if cur.ready_code is None else "nginx_only"
 
 
+# Each state word's line in the table's title.
+_STATE_TEXT = {
+    "ready": "ready",
+    "degraded": "degraded (every model is served, not every worker is ready)",
+    "loading": "loading (not every worker has loaded its models yet)",
+    "unavailable": "unavailable (some model has no ready worker)",
+    "not_ready": "not ready",
+    "no_answer": "no answer through nginx (nginx, or every frontend, is stuck or gone: see the "
+                 "table)",
+    "nginx_only": "nginx answers {code}: no frontend answered it",
+}
+
+
 def _state(cur: Sample) -> str:
-    state = {200: "ready", 503: "not ready",
-             None: "no answer through nginx (nginx, or every frontend, is stuck or gone: see "
-                   "the table)"}.get(
-        cur.ready_code, f"nginx answers {cur.ready_code}: no frontend answered it")
-    word = cur.ready.get("status")
-    if cur.ready_code == 200 and word == "degraded":
-        state = "degraded (every model is served, not every worker is ready)"
-    elif cur.ready_code == 503 and word == "loading":
-        state = "loading (not every worker has loaded its models yet)"
-    elif cur.ready_code == 503 and word == "unavailable":
-        state = "unavailable (some model has no ready worker)"
-    return state
+    return _STATE_TEXT[_state_word(cur)].format(code=cur.ready_code)
 
 
 def _request_rates(cur: Sample, prev: Sample) -> dict:
