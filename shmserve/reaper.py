@@ -12,6 +12,9 @@ At supervisord's stop it is the last program stopped: on its SIGTERM it removes 
 files the frontends left (they keep them while they restart, so that nginx's connects are
 refused rather than finding no file, which nginx logs at level crit) that no process listens on.
 
+It also counts what nginx answers itself (shmserve.nginx_stats), on a thread: the one
+program of a deployment that always runs, up before nginx and down after it.
+
 The listener protocol owns stdout; this process logs to stderr (its supervisord log file).
 """
 
@@ -122,6 +125,20 @@ def sweep_sockets(cfg: config.Config) -> list[str]:
     return removed
 
 
+def listen_to_nginx(cfg: config.Config):
+    """Count what nginx answers itself (shmserve.nginx_stats) on a thread of this process, the
+    one program of the deployment that always runs; None when the socket cannot be bound."""
+    from shmserve import nginx_stats, topology
+
+    try:
+        receiver = nginx_stats.Receiver(topology.nginx_stats_socket(cfg))
+    except OSError as exc:
+        log.error("reaper.nginx_stats_unavailable", extra={"fields": {"error": str(exc)}})
+        return None
+    receiver.start()
+    return receiver
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(prog="shmserve.reaper")
     parser.add_argument("--config", required=True, help="the resolved config.json in the run dir")
@@ -131,14 +148,19 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     cfg = config.load_resolved(args.config)
 
+    receiver = None
+
     def stop(*_) -> None:
         sweep_sockets(cfg)  # the last program stopped: the frontends are gone
+        if receiver is not None:
+            receiver.close()
         sys.exit(0)
 
     signal.signal(signal.SIGTERM, stop)
     logs.configure(cfg.logging, "reaper", sys.stderr)  # stdout speaks to supervisord
     log.info("reaper.started", extra={"fields": {"dir": str(metrics.multiproc_dir())}})
     start(cfg)
+    receiver = listen_to_nginx(cfg)
     handle("STARTED", "")  # what died while no reaper listened (its own restart)
     serve(sys.stdin, sys.stdout, lambda: drain_frontends(cfg, args.config))
     return 0

@@ -55,6 +55,12 @@ def frontend_socket(cfg: Config, index: int) -> Path:
     return socket_dir(cfg) / f"frontend-{index}.sock"
 
 
+def nginx_stats_socket(cfg: Config) -> Path:
+    """Where nginx sends the statuses it answers itself, and the reaper counts them
+    (shmserve.nginx_stats)."""
+    return socket_dir(cfg) / "nginx-stats.sock"
+
+
 def worker_endpoint(cfg: Config, index: int) -> str:
     return f"ipc://{socket_dir(cfg) / f'worker-{index}.ipc'}"
 

@@ -12,6 +12,7 @@ import yaml
 
 from frontend import metrics as frontend_metrics
 from gpu_workers import metrics as worker_metrics
+from shmserve import nginx_stats, reaper
 from shmserve.config import REPO_ROOT
 
 GRAFANA = REPO_ROOT / "deploy" / "grafana"
@@ -24,7 +25,7 @@ def dashboard() -> dict:
 def declared_samples() -> set[str]:
     """Every sample name the code declares (what a scrape can show)."""
     names = {"shmserve_process_resident_memory_bytes"}  # read at scrape time
-    for module in (frontend_metrics, worker_metrics):
+    for module in (frontend_metrics, worker_metrics, reaper, nginx_stats):
         for value in vars(module).values():
             if hasattr(value, "_type") and hasattr(value, "_name"):
                 base = value._name

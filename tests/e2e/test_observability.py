@@ -227,6 +227,29 @@ def test_nginx_logs_the_method_of_a_request_it_answers_itself(stack):
     assert abs(line()[0]["msec"] - time.time()) < 60  # the time to the millisecond too
 
 
+def test_what_nginx_answers_itself_is_in_metrics_by_status(stack):
+    """nginx's own answers (here 415, 405, 431; a rate limit's 429 and 413 alike, see
+    tests/unit/test_nginx_pages.py) reach no frontend, and were in no metric: the reaper counts
+    them from nginx. What a frontend answered, errors included, is not counted again."""
+    name = "shmserve_nginx_responses_total"
+    before = scrape(stack)
+    assert {l["status"] for l, _ in before[name]} >= {"413", "429", "499", "502", "504"}
+    assert stack.request("POST", "/predict", b"{}", {"Content-Type": "application/json",
+                                                     "Content-Encoding": "zstd"})[0] == 415
+    assert stack.request("TRACE", "/ready", None)[0] == 405
+    assert stack.get("/ready", {"X-Big": "b" * 70_000})[0] == 431
+    assert stack.post_json("/predict", {"texts": []})[0] == 422  # the frontends'
+    assert stack.post_json("/predict", {"texts": ["x"]})[0] == 200
+    assert stack.get("/no-such-route")[0] == 404
+
+    def delta() -> dict[str, float]:
+        after = scrape(stack)
+        return {l["status"]: v - total(before, name, status=l["status"])
+                for l, v in after[name] if v != total(before, name, status=l["status"])}
+    stack.wait_until(lambda: delta() == {"415": 1, "405": 1, "431": 1}, 10,
+                     f"nginx's own answers counted: {delta()}")
+
+
 def test_metrics_expose_gauges_info_and_memory(stack):
     samples = scrape(stack)
     assert [v for l, v in samples["shmserve_worker_ready"]] == [1.0]

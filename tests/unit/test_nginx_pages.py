@@ -389,3 +389,41 @@ def test_gzip_compresses_json_and_text_for_clients_that_ask_when_on(tmp_path, on
 def test_gzip_settings_out_of_range_are_refused_naming_the_key(tmp_path, key, value):
     with pytest.raises(config.ConfigError, match=f"nginx.{key}"):
         make_config(tmp_path, nginx={key: value})
+
+
+def test_what_nginx_answers_itself_reaches_the_counter_by_status(tmp_path):
+    """Each request nginx answers itself goes as its status to the reaper's receiver
+    (shmserve.nginx_stats), here run alone: no frontend counts these, and a rate limit's 429s
+    were in no metric (a noted gap)."""
+    from shmserve import nginx_stats
+
+    def count(status):
+        return nginx_stats.RESPONSES.labels(status)._value.get()
+
+    cfg = make_config(tmp_path / "run", frontends={"count": 1},
+                      nginx={"client_max_body_size": "1k", "rate_limit_per_s": 1,
+                             "rate_limit_burst": 1})
+    receivers = []
+    with nginx_of(cfg, lambda: receivers.append(
+            nginx_stats.Receiver(topology.nginx_stats_socket(cfg)))):
+        receivers[0].start()
+        before = {status: count(status) for status in ("405", "413", "429", "502")}
+        statuses = [request(cfg, "POST", "/v1/embeddings", b"{}")[0] for _ in range(4)]
+        assert statuses == [502, 502, 429, 429]
+        assert request(cfg, "GET", "/metrics")[0] == 502  # not rate limited: a 502 too
+        assert request(cfg, "TRACE", "/ready")[0] == 405
+        assert request(cfg, "POST", "/v1/embeddings", b"x" * 4096)[0] == 413
+        want = {"405": 1, "413": 1, "429": 2, "502": 3}
+        wait_until(lambda: all(count(s) - before[s] >= n for s, n in want.items()), 10)
+        assert {s: count(s) - before[s] for s in want} == want
+    receivers[0].close()
+    assert not topology.nginx_stats_socket(cfg).exists()
+
+
+def test_nginx_stats_reads_nginxs_syslog_lines_and_skips_others():
+    from shmserve import nginx_stats
+
+    assert nginx_stats.status_of(b"<190>Dec  2 10:22:48 shmserve: 429") == "429"
+    assert nginx_stats.status_of(b"<190>Dec 12 10:22:48 shmserve: 502\n") == "502"
+    for bad in (b"", b"429", b"<190>Dec  2 10:22:48 shmserve: ", b"x: 4290", b"x: abc"):
+        assert nginx_stats.status_of(bad) is None, bad
