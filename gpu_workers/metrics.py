@@ -124,6 +124,11 @@ class WorkerMetrics:
     def refused(self, reason: str) -> None:
         self._refused[reason].inc()
 
+    def watching(self, frontend: int) -> None:
+        """Frontend `frontend`'s kill count exists, at zero, before its first kill (an alert on
+        increase() missed the first one)."""
+        FRONTEND_HUNG_KILLS.labels(self.worker, str(frontend))
+
     def frontend_killed(self, frontend: int) -> None:
         FRONTEND_HUNG_KILLS.labels(self.worker, str(frontend)).inc()
 

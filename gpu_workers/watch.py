@@ -34,6 +34,8 @@ class FrontendWatch:
                                cfg.frontends.hung_kill_s, cfg.workers.heartbeat_timeout_s, now)
         self._heard: dict[int, tuple[int, float]] = {}  # frontend -> (pid, monotonic last ping)
         self._checked = now
+        for frontend in range(cfg.frontends.count):
+            metrics.watching(frontend)
         if self.hung.kill_after:
             for frontend, pid in running_frontends(self.hung.config_path,
                                                    cfg.frontends.count).items():
@@ -42,6 +44,8 @@ class FrontendWatch:
 
     def pinged(self, ping: Ping) -> None:
         if ping.frontend >= 0:
+            if ping.frontend not in self._heard:  # one `shmserve apply` added
+                self.metrics.watching(ping.frontend)
             self._heard[ping.frontend] = (ping.pid, time.monotonic())
             self.hung.heard(ping.frontend, ping.pid)
 

@@ -87,8 +87,10 @@ def rate_limit(n) -> dict[str, str]:
     return {"rate_limit_zone": f"{zone}    limit_req_zone {key} zone=shmserve_clients:10m "
                                f"rate={spelled};\n    limit_req_status 429;\n"
                                # a client over its rate is not the server's fault: nginx logs
-                               # each refusal at error by default, and alerts on error fired
-                               "    limit_req_log_level warn;",
+                               # each refusal at error by default (alerts on error fired), and
+                               # a flood is a line per 429; at info (under error_log's warn)
+                               # none is written: they are counted in /metrics instead
+                               "    limit_req_log_level info;",
             # nginx refuses burst=0 (it is its default: written only when above)
             "rate_limit": "            limit_req zone=shmserve_clients"
                           + (f" burst={n.rate_limit_burst} nodelay;" if n.rate_limit_burst

@@ -2,100 +2,128 @@
 rate limit's 429, a body over the limit's 413, 502 when no frontend answered, 499 when the
 client left before its answer, a CORS preflight's 204, ...), which no frontend counts.
 
-nginx writes each such request's status as a syslog datagram to a unix socket in the run
-directory (nginx/nginx.conf: ``access_log syslog:server=unix:... if=...``); the reaper, one per
-deployment, receives them on a thread and counts them in the metrics directory, where every
-frontend's scrape reads them. Datagrams are fire-and-forget for nginx (its socket is
-non-blocking): while no reaper listens (its own restart) nginx logs a failed connect and the
-status goes uncounted, and a burst past the socket's buffer is dropped, not waited for.
+nginx appends each such request's status as a line to a file in the run directory
+(nginx/nginx.conf: ``access_log ... if=...``); the reaper, one per deployment, reads what was
+added every half second on a thread and counts it in the metrics directory, where every
+frontend's scrape reads it. A file, not datagrams: nginx's syslog datagrams to a unix socket
+were dropped past the socket's queue (``net.unix.max_dgram_qlen``, 10 by default) whenever the
+reader was not scheduled at once, a third of a flood of 429s (an outside check). The reaper
+keeps its offset in a file beside it, so a restarted reaper counts from where the last one
+stopped; past ROTATE_BYTES it empties the file (nginx appends with O_APPEND, so its next line
+goes to the start), which can lose a line written in the microseconds between the last read
+and the truncation.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
-import socket
+import os
 import threading
-import time
 from pathlib import Path
 
 from prometheus_client import Counter
-
 
 log = logging.getLogger("shmserve.nginx_stats")
 
 RESPONSES = Counter("shmserve_nginx_responses", "Responses nginx made itself, with no "
                     "frontend's answer behind them, by status", ["status"])
-# Created at zero when the receiver starts, so an alert on increase() sees the first one.
+# Created at zero when the reader starts, so an alert on increase() sees the first one.
 KNOWN = ("400", "408", "413", "429", "431", "499", "502", "504")
-RECEIVE_BUFFER = 1 << 20  # bytes: a burst of ~10,000 datagrams waits here for the thread
-BATCH = 1024  # datagrams tallied per write to the metrics directory at most
+ROTATE_BYTES = 1 << 20  # ~260,000 answers ("429\n")
+POLL_S = 0.5
 
 
-def status_of(datagram: bytes) -> str | None:
-    """The status in nginx's syslog line (``<190>Dec  2 10:22:48 shmserve: 429``), or None."""
-    _, colon, message = datagram.rpartition(b": ")
-    status = message.strip()
-    if not colon or len(status) != 3 or not status.isdigit():
-        return None
-    return status.decode()
-
-
-class Receiver:
-    """Binds `path` (a stale file from a previous reaper is replaced) and counts what arrives."""
+class Reader:
+    """Counts the lines nginx added to `path` since the last read."""
 
     def __init__(self, path: Path) -> None:
-        path.unlink(missing_ok=True)
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RECEIVE_BUFFER)
-        self.sock.bind(str(path))
         self.path = path
+        self.offset_path = path.with_name(path.name + ".offset")
         self.children = {status: RESPONSES.labels(status) for status in KNOWN}
         self.unreadable = 0
+        self.offset = self._saved_offset()
+        self._stop = threading.Event()
+        self._lock = threading.Lock()  # the thread's polls and the last one at stop
 
-    def receive(self, block: bool = True) -> int:
-        """Count one datagram (waiting for it when `block`) and what else is already there,
-        up to BATCH; the number of datagrams read."""
+    def _saved_offset(self) -> int:
+        """Where the last reader stopped; without a record, the file's end (what is there was
+        counted by an earlier deployment, or cannot be told apart from it)."""
+        size = self._size()
+        try:
+            saved = int(self.offset_path.read_text())
+        except (OSError, ValueError):
+            return size
+        return saved if 0 <= saved <= size else size
+
+    def _size(self) -> int:
+        try:
+            return self.path.stat().st_size
+        except FileNotFoundError:
+            return 0
+
+    def poll(self) -> int:
+        """Count the whole lines added since the last poll, empty the file once it is past
+        ROTATE_BYTES; the number of lines counted."""
+        with self._lock:
+            return self._poll()
+
+    def _poll(self) -> int:
+        try:
+            with self.path.open("r+b") as file:
+                counted = self._count(file)
+                if self.offset >= ROTATE_BYTES:
+                    counted += self._count(file)  # what came meanwhile, then empty it
+                    file.truncate(0)
+                    self.offset = 0
+        except FileNotFoundError:
+            return 0  # nginx creates it when it starts
+        if counted:
+            self._save()
+        return counted
+
+    def _count(self, file) -> int:
+        size = os.fstat(file.fileno()).st_size
+        if size < self.offset:  # emptied by someone else: start again
+            self.offset = 0
+        file.seek(self.offset)
+        data = file.read(size - self.offset)
+        whole = data[:data.rfind(b"\n") + 1]  # a line still being written waits
+        self.offset += len(whole)
         tally: collections.Counter[str] = collections.Counter()
-        read = 0
-        flags = 0 if block else socket.MSG_DONTWAIT
-        while read < BATCH:
-            try:
-                datagram = self.sock.recv(512, flags)
-            except BlockingIOError:
-                break
-            read += 1
-            flags = socket.MSG_DONTWAIT
-            status = status_of(datagram)
-            if status is None:
-                self.unreadable += 1
-                if self.unreadable == 1:  # once: a format changed, not per datagram
-                    log.warning("nginx_stats.unreadable", extra={"fields": {
-                        "datagram": datagram[:80].decode("utf-8", "replace")}})
-            else:
+        for line in whole.splitlines():
+            status = line.strip().decode("ascii", "replace")
+            if len(status) == 3 and status.isdigit():
                 tally[status] += 1
+            else:
+                self.unreadable += 1
+                if self.unreadable == 1:  # once: a format changed, not per line
+                    log.warning("nginx_stats.unreadable", extra={"fields": {
+                        "line": status[:80]}})
         for status, count in tally.items():
             child = self.children.get(status)
             if child is None:
                 child = self.children[status] = RESPONSES.labels(status)
             child.inc(count)
-        return read
+        return sum(tally.values())
+
+    def _save(self) -> None:
+        tmp = self.offset_path.with_name(self.offset_path.name + ".tmp")
+        tmp.write_text(str(self.offset))
+        os.replace(tmp, self.offset_path)
 
     def serve_forever(self) -> None:
-        while True:
+        while not self._stop.wait(POLL_S):
             try:
-                self.receive()
+                self.poll()
             except OSError:
-                if self.sock.fileno() == -1:  # closed: stop
-                    return
                 log.exception("nginx_stats.failed")
-                time.sleep(1.0)  # a lasting error logs once a second, not in a loop
 
     def start(self) -> threading.Thread:
         thread = threading.Thread(target=self.serve_forever, name="nginx-stats", daemon=True)
         thread.start()
         return thread
 
-    def close(self) -> None:
-        self.sock.close()
-        self.path.unlink(missing_ok=True)
+    def stop(self) -> None:
+        self._stop.set()
+        self.poll()  # what nginx wrote last

@@ -13,7 +13,7 @@ files the frontends left (they keep them while they restart, so that nginx's con
 refused rather than finding no file, which nginx logs at level crit) that no process listens on.
 
 It also counts what nginx answers itself (shmserve.nginx_stats), on a thread: the one
-program of a deployment that always runs, up before nginx and down after it.
+program of a deployment that always runs.
 
 The listener protocol owns stdout; this process logs to stderr (its supervisord log file).
 """
@@ -125,18 +125,14 @@ def sweep_sockets(cfg: config.Config) -> list[str]:
     return removed
 
 
-def listen_to_nginx(cfg: config.Config):
+def count_nginx_answers(cfg: config.Config):
     """Count what nginx answers itself (shmserve.nginx_stats) on a thread of this process, the
-    one program of the deployment that always runs; None when the socket cannot be bound."""
+    one program of the deployment that always runs."""
     from shmserve import nginx_stats, topology
 
-    try:
-        receiver = nginx_stats.Receiver(topology.nginx_stats_socket(cfg))
-    except OSError as exc:
-        log.error("reaper.nginx_stats_unavailable", extra={"fields": {"error": str(exc)}})
-        return None
-    receiver.start()
-    return receiver
+    reader = nginx_stats.Reader(topology.nginx_answers_log(cfg))
+    reader.start()
+    return reader
 
 
 def main() -> int:
@@ -148,19 +144,19 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     cfg = config.load_resolved(args.config)
 
-    receiver = None
+    reader = None
 
     def stop(*_) -> None:
         sweep_sockets(cfg)  # the last program stopped: the frontends are gone
-        if receiver is not None:
-            receiver.close()
+        if reader is not None:
+            reader.stop()
         sys.exit(0)
 
     signal.signal(signal.SIGTERM, stop)
     logs.configure(cfg.logging, "reaper", sys.stderr)  # stdout speaks to supervisord
     log.info("reaper.started", extra={"fields": {"dir": str(metrics.multiproc_dir())}})
     start(cfg)
-    receiver = listen_to_nginx(cfg)
+    reader = count_nginx_answers(cfg)
     handle("STARTED", "")  # what died while no reaper listened (its own restart)
     serve(sys.stdin, sys.stdout, lambda: drain_frontends(cfg, args.config))
     return 0

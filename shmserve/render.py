@@ -136,7 +136,7 @@ def render_nginx(cfg: Config) -> str:
         "next_upstream_tries": str(min(2, cfg.frontends.count)),  # the first, one other
         "admin_access": admin,
         "access_log_buffer": nginx_options.access_log_buffer(cfg),
-        "nginx_stats_socket": str(topology.nginx_stats_socket(cfg)),
+        "nginx_answers_log": str(topology.nginx_answers_log(cfg)),
         **nginx_options.cors(n.cors_allow_origins),
         "gzip": nginx_options.gzip(n),
     })
@@ -305,7 +305,6 @@ def _check_paths(cfg: Config) -> None:
                           "and . _ / + - (it is written unquoted into nginx's config)")
     last_worker = len(topology.worker_devices(cfg)) - 1
     sockets = [supervisor_socket(cfg), topology.frontend_socket(cfg, cfg.frontends.count - 1),
-               topology.nginx_stats_socket(cfg),
                Path(topology.worker_endpoint(cfg, last_worker).removeprefix("ipc://"))]
     for path in sockets:
         if len(str(path).encode()) > MAX_SOCKET_PATH:

@@ -55,10 +55,15 @@ def frontend_socket(cfg: Config, index: int) -> Path:
     return socket_dir(cfg) / f"frontend-{index}.sock"
 
 
-def nginx_stats_socket(cfg: Config) -> Path:
-    """Where nginx sends the statuses it answers itself, and the reaper counts them
+def apply_marker_path(cfg: Config) -> Path:
+    """The config before an `shmserve apply` that has not finished (shmserve.apply)."""
+    return cfg.run_dir / "apply.json"
+
+
+def nginx_answers_log(cfg: Config) -> Path:
+    """Where nginx appends the statuses it answers itself, and the reaper counts them
     (shmserve.nginx_stats)."""
-    return socket_dir(cfg) / "nginx-stats.sock"
+    return cfg.run_dir / "nginx" / "answers.log"
 
 
 def worker_endpoint(cfg: Config, index: int) -> str:

@@ -232,7 +232,14 @@ def test_what_nginx_answers_itself_is_in_metrics_by_status(stack):
     tests/unit/test_nginx_pages.py) reach no frontend, and were in no metric: the reaper counts
     them from nginx. What a frontend answered, errors included, is not counted again."""
     name = "shmserve_nginx_responses_total"
-    before = scrape(stack)
+
+    def settled() -> dict:  # the reaper reads nginx's answers every half second: earlier
+        first = scrape(stack)  # tests' may still be on their way
+        time.sleep(1.2)
+        second = scrape(stack)
+        return second if first[name] == second[name] else {}
+    before: dict = {}
+    stack.wait_until(lambda: before.update(settled()) or before, 20, "nginx's counts settled")
     assert {l["status"] for l, _ in before[name]} >= {"413", "429", "499", "502", "504"}
     assert stack.request("POST", "/predict", b"{}", {"Content-Type": "application/json",
                                                      "Content-Encoding": "zstd"})[0] == 415
@@ -267,6 +274,9 @@ def test_metrics_expose_gauges_info_and_memory(stack):
     # crash, the first arena refusal: neither existed until it happened, an outside check).
     exits = {(l["program"], l["expected"]) for l, v in samples["shmserve_process_exits_total"]}
     assert {(p, "false") for p in ("nginx", "frontend-0", "frontend-1", "worker-0")} <= exits
+    killed = {(l["worker"], l["frontend"]) for l, v in samples[
+        "shmserve_frontend_hung_kills_total"]}
+    assert killed == {("0", "0"), ("0", "1")}  # at zero before a worker kills a frontend
     refused = {l["reason"] for l, v in samples["shmserve_frontend_refused_total"]}
     assert refused >= {"inflight", "deadline", "arena"}, refused
     # Shared memory held by requests in flight: none when idle (a soak test had no way to see).

@@ -172,7 +172,8 @@ def test_a_worker_kills_a_frontend_frozen_before_it_started(cfg, spawn, monkeypa
     clock = [time.monotonic()]
     monkeypatch.setattr(watch.time, "monotonic", lambda: clock[0])
     kills = []
-    frontends = watch.FrontendWatch(cfg, 0, SimpleNamespace(frontend_killed=kills.append))
+    frontends = watch.FrontendWatch(cfg, 0, SimpleNamespace(frontend_killed=kills.append,
+                                                            watching=lambda frontend: None))
     for _ in range(6):  # 3 s: not yet
         clock[0] += 0.5
         frontends.tick()
