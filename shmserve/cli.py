@@ -4,6 +4,8 @@
     shmserve down                                        stop everything, clean up
     shmserve status [--watch [S]] [--count N] [--json]   processes, workers, throughput, memory
     shmserve restart frontends|workers|nginx|PROGRAM [--all-at-once]   rolling, no request lost
+    shmserve apply [--dry-run]                           the config as it loads now, applied
+                                                         one process at a time
     shmserve ctl ARGS...                                 supervisorctl with this deployment's -c
     shmserve config [--show-secrets] [--running]         the resolved config as JSON
     shmserve models                                      GET /admin/models
@@ -109,6 +111,9 @@ def _parser() -> argparse.ArgumentParser:
                              "programs together (faster; requests fail until they are ready)")
     restart_cmd.add_argument("--timeout", type=float, help="seconds to wait for each restarted "
                              "program to be ready (default: workers.ready_timeout_s)")
+    from shmserve.apply import add_parser as add_apply  # it imports this module's helpers
+
+    add_apply(command)
     ctl_cmd = command("ctl", ctl, "run supervisorctl against this deployment")
     ctl_cmd.add_argument("ctl_args", nargs=argparse.REMAINDER, metavar="ARGS")
     config_cmd = command("config", show_config, "print the resolved config as JSON, its "
@@ -141,8 +146,8 @@ def up(args: argparse.Namespace) -> int:
     pid = supervisord_pid(cfg)
     if pid is not None:
         raise CliError(f"already running (supervisord pid {pid}, run_dir {cfg.run_dir}); "
-                       "`shmserve down` first (`up` then applies the config as it loads now; "
-                       "`restart` keeps the running one)")
+                       "`shmserve apply` takes the config as it loads now into it, one "
+                       "process at a time (`restart` keeps the running one)")
     if args.wait and args.foreground:
         raise CliError("--wait and --foreground exclude each other")
     if cfg.logging.stdout and not args.foreground:

@@ -92,7 +92,7 @@ def test_commands_use_the_config_the_deployment_started_with(stack):
     done = stack.cli("restart", "frontend-0", check=False)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "frontends.count: 2 -> 3" in done.stderr and "server.port" in done.stderr
-    assert "`shmserve down`, then `shmserve up`" in done.stderr
+    assert "`shmserve apply`" in done.stderr
     assert "frontend-2" not in stack.ctl("status")  # still two
 
 

@@ -72,7 +72,7 @@ def test_restart_names_what_the_overrides_given_now_would_change(tmp_path):
     assert restarts.config_drift(args, running, later) is None
     said = restarts.config_drift(args, running, {**later, "SHMSERVE__FRONTENDS__COUNT": "7"})
     assert f"frontends.count: {running.frontends.count} -> 7" in said
-    assert "server.port" not in said and "`shmserve down`, then `shmserve up`" in said
+    assert "server.port" not in said and "`shmserve apply`" in said
     extra = tmp_path / "extra.yaml"
     extra.write_text("batching:\n  max_wait_ms: 9\n")
     said = restarts.config_drift(argparse.Namespace(env=None, config=str(extra)), running, later)

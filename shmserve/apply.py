@@ -1,0 +1,346 @@
+"""`shmserve apply`: the config as the files and the environment give it now (what `up` would
+start) applied to the running deployment one process at a time, so that the others serve
+meanwhile and no request is refused (with two or more frontends, and every model on two or more
+workers, as for a rolling restart): counts of frontends and workers, batching, limits, nginx's
+settings, models.
+
+The steps, each waited for before the next:
+
+1. workers the new config adds start (they load while the rest goes on);
+2. the workers it keeps restart one at a time when a key a worker reads changed, or their
+   program did (devices, threads, logs), each ready in every frontend before the next;
+3. frontends it adds start, each ready on its own socket;
+4. the frontends it keeps restart one at a time when a key a frontend reads changed (the set of
+   workers among them: a frontend knows the workers from its config), each ready;
+5. nginx re-reads its configuration (SIGHUP) when it changed: the frontends it balances over,
+   limits, rate limits; its old workers finish their requests;
+6. frontends the new config drops stop, draining, once nginx no longer sends them requests;
+7. workers it drops stop, draining, once every frontend sees the new ones ready;
+8. the reaper restarts when the programs changed (it names every program).
+
+supervisord changes a group only whole (`update` restarts every frontend when one is added), so
+processes are added, replaced and removed one by one through shmserve.supervisor_rpc, after the
+run directory was rendered again. An apply that stops part way (a worker that cannot load the
+new model) leaves `run/apply.json`, the config from before it: `apply` again (after fixing the
+config) goes on from there, so no step is skipped because run/config.json already says the new
+config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+import xmlrpc.client
+from dataclasses import dataclass, field
+
+from shmserve import config, models, processes, render, topology
+from shmserve.cli import CliError, check_port, check_shm, ctl_argv
+from shmserve.config import Config
+from shmserve.restarts import reload_nginx, say, wait_until_ready
+from shmserve.startwait import process_info
+
+# Keys no worker process reads (gpu_workers/, and the shmserve modules it runs): a change of
+# only these leaves the workers running. tests/unit/test_apply.py reads the workers' code for
+# each of them. frontends.count: a worker learns the frontends from their pings.
+FRONTEND_SIDE = ("nginx.", "limits.", "auth.", "tracing.", "shm.", "server.host",
+                 "server.port", "admin.token", "frontends.")
+READ_BY_WORKERS = ("frontends.hung_kill_s",)
+# Keys no frontend reads (frontend/ and the shmserve modules it runs): a change of only these
+# leaves the frontends running (the worker count changing restarts them anyway).
+WORKER_SIDE = ("batching.", "logging.batch_log", "workers.torch_threads",
+               "workers.cuda_alloc_conf", "workers.cudnn_attention", "workers.cpu_fallback",
+               "workers.cuda_graphs", "workers.switch_interval_ms", "workers.reload_nice",
+               "workers.memory_check_batches", "workers.empty_cache_free_below",
+               "workers.empty_cache_idle_s", "workers.queue_texts",
+               "workers.low_priority_queue_share", "workers.refuse_past_deadline")
+READ_BY_FRONTENDS = ("batching.max_batch_size", "batching.max_batch_tokens")
+# How many workers there are, and on which devices: a worker kept restarts only when its own
+# device or the models it loads changed (and for any other key it reads).
+COUNT_KEYS = ("workers.cpu_workers", "workers.devices", "workers.per_gpu")
+# Set when supervisord starts, which apply cannot change under it.
+FIXED = ("logging.stdout",)
+
+
+@dataclass
+class Plan:
+    changes: list[str]  # "key: old -> new"
+    add_workers: list[str] = field(default_factory=list)
+    roll_workers: list[str] = field(default_factory=list)
+    add_frontends: list[str] = field(default_factory=list)
+    roll_frontends: list[str] = field(default_factory=list)
+    nginx: bool = False
+    remove_frontends: list[str] = field(default_factory=list)
+    remove_workers: list[str] = field(default_factory=list)
+
+    def lines(self) -> list[str]:
+        steps = [("start", self.add_workers), ("restart one at a time", self.roll_workers),
+                 ("start", self.add_frontends), ("restart one at a time", self.roll_frontends),
+                 ("reload its configuration", ["nginx"] if self.nginx else []),
+                 ("stop", self.remove_frontends), ("stop", self.remove_workers)]
+        return ([f"  {what}: {', '.join(names)}" for what, names in steps if names]
+                or ["  no process restarts"])
+
+
+def touches(key: str, side: tuple[str, ...], read_anyway: tuple[str, ...]) -> bool:
+    """Whether a change of `key` reaches the processes whose keys are not in `side`."""
+    return not key.startswith(side) or key in read_anyway
+
+
+def plan(old: Config, new: Config, pending: dict[str, list[str]]) -> Plan:
+    """What applying `new` over `old` does; `pending`: supervisor_rpc's `pending` for the two
+    groups after the run directory was rendered for `new`."""
+    keys = [line.partition(":")[0] for line in config.differences(old, new)]
+    out = Plan(config.differences(old, new))
+    names = {kind: [p.partition(":")[2] for p in pending[kind]] for kind in pending}
+
+    def of(prefix: str, kind: str) -> list[str]:
+        return sorted((n for n in names[kind] if n.startswith(prefix)), key=_index)
+
+    n_workers = len(topology.worker_devices(new))
+    kept_workers = [f"worker-{i}" for i in range(min(n_workers, len(topology.worker_devices(old))))]
+    kept_frontends = [f"frontend-{i}" for i in range(min(new.frontends.count,
+                                                         old.frontends.count))]
+    out.add_workers, out.remove_workers = of("worker-", "added"), of("worker-", "removed")
+    out.add_frontends, out.remove_frontends = of("frontend-", "added"), of("frontend-", "removed")
+    workers_changed = any(touches(k, FRONTEND_SIDE, READ_BY_WORKERS) for k in keys
+                          if k not in COUNT_KEYS)
+    out.roll_workers = [w for i, w in enumerate(kept_workers)
+                        if workers_changed or w in names["changed"] or moved(old, new, i)]
+    frontends_changed = (any(touches(k, WORKER_SIDE, READ_BY_FRONTENDS) for k in keys)
+                         or out.add_workers or out.remove_workers)
+    out.roll_frontends = [f for f in kept_frontends
+                          if frontends_changed or f in names["changed"]]
+    return out
+
+
+def moved(old: Config, new: Config, index: int) -> bool:
+    """Whether worker `index` runs on another device, or loads other models, under `new`."""
+    before, after = topology.worker_devices(old), topology.worker_devices(new)
+    return before[index] != after[index] or (
+        sorted(u.name for u in models.hosted(old, before, index))
+        != sorted(u.name for u in models.hosted(new, after, index)))
+
+
+def _index(name: str) -> int:
+    return int(name.rpartition("-")[2])
+
+
+def apply(args: argparse.Namespace) -> int:
+    new = render.resolved(config.from_args(args))
+    running = processes.running_config(new)
+    if processes.supervisord_pid(new) is None:
+        raise CliError(processes.not_running(new) + "; `shmserve up` starts it")
+    marker = topology.apply_marker_path(running)
+    old = running
+    if marker.exists():
+        old = config.from_tree(json.loads(marker.read_text()))
+        say("shmserve: an earlier apply stopped part way; applying from the config before it")
+    old = render.resolved(old)
+    fixed = [line for line in config.differences(old, new) if line.startswith(FIXED)]
+    if fixed:
+        raise CliError(f"{'; '.join(fixed)}: set when supervisord starts; `shmserve down`, then "
+                       "`shmserve up` to change it")
+    changes = config.differences(old, new)
+    if not changes:
+        say("shmserve: nothing to apply: the running deployment has this config")
+        return 0
+    try:
+        models.check(new, topology.worker_devices(new))
+    except models.ModelSourceError as exc:
+        raise CliError(f"models: {exc}") from None
+    if new.server.port != old.server.port or new.server.host != old.server.host:
+        check_port(new)
+    check_shm(new)
+    with rpc(new) as proxy:
+        try:
+            proxy.shmserve.getAPIVersion()
+        except xmlrpc.client.Fault:
+            raise CliError("this deployment's supervisord was started by an older shmserve, "
+                           "without `apply`: `shmserve down`, then `shmserve up`") from None
+    say("shmserve: applying:\n" + "\n".join(f"  {line}" for line in changes))
+    if args.dry_run:
+        say("shmserve: --dry-run: nothing changed")
+        return 0
+    resumed = marker.exists()
+    if not resumed:
+        marker.write_text(old.to_json() + "\n")
+    nginx_before = render.nginx_conf(new).read_text()
+    render.render(new)
+    forget_overridden(old, new)
+    with rpc(new) as proxy:
+        steps = plan(old, new, proxy.shmserve.pending(["workers", "frontends"]))
+    # Resumed, the file may already have been the new one: reload nginx anyway.
+    steps.nginx = resumed or render.nginx_conf(new).read_text() != nginx_before
+    warn_gaps(old, new, steps)
+    say("shmserve: steps:\n" + "\n".join(steps.lines()))
+    run(new, old, steps, args.timeout if args.timeout is not None
+        else new.workers.ready_timeout_s)
+    marker.unlink()
+    say("shmserve: applied")
+    return 0
+
+
+def forget_overridden(old: Config, new: Config) -> list[str]:
+    """Drop what the admin API changed (run/state.json: a reloaded source, A/B weights) for
+    the models whose config changed, so the restarted workers and frontends serve the config;
+    what it changed for the others stays, as across restarts. The units and models dropped."""
+    from shmserve import state
+
+    def by_unit(cfg: Config) -> dict[str, tuple]:
+        return {u.name: (u.config.source, u.config.revision) for m in cfg.models
+                for u in models.units(m)}
+
+    def by_model(cfg: Config) -> dict[str, object]:
+        return {m.name: m for m in cfg.models}
+
+    before, after = by_unit(old), by_unit(new)
+    units = sorted(u for u in before.keys() | after.keys() if before.get(u) != after.get(u))
+    old_models, new_models = by_model(old), by_model(new)
+    splits = sorted(m for m in old_models.keys() | new_models.keys()
+                    if old_models.get(m) != new_models.get(m))
+    current = state.read(new)
+    dropped = ([u for u in units if u in current.sources]
+               + [m for m in splits if m in current.splits])
+    if dropped:
+        def change(tree: dict) -> None:
+            for unit in units:
+                tree["sources"].pop(unit, None)
+            for model in splits:
+                tree["splits"].pop(model, None)
+        state.update(new, change)
+        say(f"shmserve: the config of {', '.join(sorted(set(dropped)))} changed: what "
+            "`reload` or `split` set for it is dropped, the config serves")
+    return dropped
+
+
+def warn_gaps(old: Config, new: Config, steps: Plan) -> None:
+    """What the restarts leave unserved meanwhile (a single frontend, a model on one worker),
+    as `restart` says it. While they restart, the programs to be stopped still serve and those
+    added already do."""
+    from shmserve.restarts import lone_models, restart_gap
+
+    most = max(old, new, key=lambda c: len(topology.worker_devices(c)))
+    for group, rolled, count in (
+            ("workers", steps.roll_workers, len(topology.worker_devices(most))),
+            ("frontends", steps.roll_frontends, max(old.frontends.count, new.frontends.count))):
+        if not rolled:
+            continue
+        programs = [f"{group[:-1]}-{i}" for i in range(count)]
+        lone = lone_models(most, rolled) if group == "workers" else {}
+        if warning := restart_gap(group, "*", programs, False, lone):
+            say(f"shmserve: warning: {warning}", sys.stderr)
+
+
+def run(new: Config, old: Config, steps: Plan, timeout: float) -> None:
+    for program in steps.add_workers:
+        sync(new, "workers", program)  # supervisord starts it: it loads meanwhile
+    # While they restart the frontends are the old ones: ready in each of those.
+    during = dataclasses.replace(new, frontends=old.frontends)
+    for program in steps.roll_workers:
+        replace(during, "workers", program, timeout)
+    for program in steps.add_frontends:
+        sync(new, "frontends", program)
+        wait_until_ready(new, "frontends", program, pid_of(new, program), timeout,
+                         rest=f"; {_rest(steps)}")
+    for program in steps.roll_frontends:
+        replace(new, "frontends", program, timeout)
+    sync(new, "nginx", "nginx", running=True)  # its stop timeout and logs: next start
+    if steps.nginx:
+        reload_nginx(new)
+    for program in steps.remove_frontends:
+        remove(new, "frontends", program)
+        topology.frontend_socket(new, _index(program)).unlink(missing_ok=True)
+    if steps.remove_workers:
+        for program in steps.add_workers:
+            wait_until_ready(new, "workers", program, pid_of(new, program), timeout,
+                             rest=f"; {_rest(steps)}")
+    for program in steps.remove_workers:
+        remove(new, "workers", program)
+    if steps.add_workers or steps.remove_workers or steps.add_frontends \
+            or steps.remove_frontends:
+        subprocess_ctl(new, "restart", "reaper")
+    for program in steps.add_workers:  # every frontend sees them (it was restarted to)
+        wait_until_ready(new, "workers", program, pid_of(new, program), timeout,
+                         rest=f"; {_rest(steps)}")
+
+
+def _rest(steps: Plan) -> str:
+    return ("the apply stopped there: fix the cause, then `shmserve apply` again goes on "
+            "(run/apply.json keeps the config from before it)")
+
+
+def sync(cfg: Config, group: str, program: str, running: bool = False) -> str:
+    with rpc(cfg) as proxy:
+        done = proxy.shmserve.syncProcess(group, program, running)
+    if done in ("added", "removed", "replaced"):  # the program as supervisord runs it
+        say(f"shmserve: {program}: {done} ({'started' if done == 'added' else 'stopped'})"
+            if done != "replaced" else f"shmserve: {program}: its program replaced")
+    return done
+
+
+def replace(cfg: Config, group: str, program: str, timeout: float) -> None:
+    """Stop `program` (it drains), make it as the rendered config says, start it and wait until
+    it serves again."""
+    subprocess_ctl(cfg, "stop", f"{group}:{program}")
+    sync(cfg, group, program)
+    with rpc(cfg) as proxy:
+        try:
+            proxy.supervisor.startProcess(f"{group}:{program}", False)
+        except xmlrpc.client.Fault as exc:
+            if "ALREADY_STARTED" not in exc.faultString:  # supervisord's autostart came first
+                raise CliError(f"supervisord could not start {program}: {exc.faultString}")
+    wait_until_ready(cfg, group, program, pid_of(cfg, program), timeout,
+                     rest="; the apply stopped there: fix the cause, then `shmserve apply` "
+                          "again goes on")
+
+
+def remove(cfg: Config, group: str, program: str) -> None:
+    subprocess_ctl(cfg, "stop", f"{group}:{program}")
+    sync(cfg, group, program)
+
+
+def pid_of(cfg: Config, program: str, wait_s: float = 10.0) -> int:
+    """`program`'s pid once supervisord has started it."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        pid = next((p["pid"] for p in process_info(cfg) if p["name"] == program), 0)
+        if pid or time.monotonic() > deadline:
+            return pid
+        time.sleep(0.1)
+
+
+def subprocess_ctl(cfg: Config, *args: str) -> None:
+    import subprocess
+
+    done = subprocess.run(ctl_argv(cfg, *args), check=False, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise CliError(f"supervisorctl {' '.join(args)} failed: "
+                       f"{(done.stdout + done.stderr).strip()}")
+
+
+class rpc:  # noqa: N801 - used as `with rpc(cfg) as proxy`
+    """supervisord's XML-RPC over its unix socket."""
+
+    def __init__(self, cfg: Config) -> None:
+        from supervisor.xmlrpc import SupervisorTransport
+
+        transport = SupervisorTransport(None, None, f"unix://{render.supervisor_socket(cfg)}")
+        self.proxy = xmlrpc.client.ServerProxy("http://localhost", transport)
+
+    def __enter__(self):
+        return self.proxy
+
+    def __exit__(self, *exc) -> None:
+        self.proxy("close")()
+
+
+def add_parser(command) -> None:
+    cmd = command("apply", apply, "apply the config as the files and environment give it now "
+                  "to the running deployment, one process at a time (counts, batching, limits, "
+                  "nginx, models)")
+    cmd.add_argument("--dry-run", action="store_true", help="print the changes and do nothing")
+    cmd.add_argument("--timeout", type=float, help="seconds to wait for each started program "
+                     "to be ready (default: workers.ready_timeout_s)")

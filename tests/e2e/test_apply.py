@@ -1,0 +1,134 @@
+"""`shmserve apply`: a changed config taken by the running deployment one process at a time,
+counts of frontends and workers included, under load, without a failed request."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import yaml
+
+from shmserve import render, topology
+from shmserve.config import load_resolved
+from tests.conftest import tiny_overrides
+from tests.e2e.test_operations import Traffic
+from tests.stack import Stack, deep_merge
+
+
+@pytest.fixture
+def stack(tmp_path, tiny_model):
+    s = Stack(tmp_path / "stack", tiny_overrides(
+        tiny_model, frontends={"count": 2}, workers={"devices": "cpu", "cpu_workers": 2,
+                                                     "torch_threads": 1}))
+    s.up()
+    yield s
+    s.down()
+
+
+def edit(stack: Stack, **sections) -> None:
+    """Change the deployment's config file as an operator edits it."""
+    tree = yaml.safe_load(stack.config_file.read_text())
+    stack.config_file.write_text(yaml.safe_dump(deep_merge(tree, sections)))
+
+
+def programs(stack: Stack) -> dict[str, int]:
+    """Every frontend's and worker's pid by name, as supervisord runs them (a program in its
+    first second, STARTING, waited for)."""
+    deadline = time.monotonic() + 15
+    while True:
+        lines = [line.split() for line in stack.ctl("status").splitlines()]
+        ours = [fields for fields in lines if fields[0].startswith(("frontends:", "workers:"))]
+        if all(fields[1] == "RUNNING" for fields in ours):
+            return {fields[0].partition(":")[2]: int(fields[3].rstrip(",")) for fields in ours}
+        assert time.monotonic() < deadline, lines
+        time.sleep(0.2)
+
+
+def ready_workers(stack: Stack) -> list[int]:
+    _, _, body = stack.get("/ready")
+    return sorted(w["worker"] for w in json.loads(body)["workers"] if w["ready"])
+
+
+def test_apply_scales_frontends_and_workers_up_and_down_under_load(stack):
+    """From 2 frontends and 2 workers to 3 and 3 with a new limit, then back, while clients
+    send all along: every request answered 200, the new processes serve, the old ones kept
+    where nothing they read changed, and supervisord's groups end equal to the rendered file
+    (a later `supervisorctl update` changes nothing)."""
+    assert "nothing to apply" in stack.cli("apply").stdout
+    before = programs(stack)
+    with Traffic(stack) as traffic:
+        traffic.wait_for(20)
+        edit(stack, frontends={"count": 3}, workers={"cpu_workers": 3},
+             limits={"max_texts_per_request": 8})
+        dry = stack.cli("apply", "--dry-run")
+        assert "frontends.count: 2 -> 3" in dry.stdout and "nothing changed" in dry.stdout
+        assert programs(stack) == before
+        done = stack.cli("apply", timeout=400)
+        assert "shmserve: applied" in done.stdout, done.stdout + done.stderr
+        traffic.wait_for(20)
+        grown = programs(stack)
+        assert set(grown) == {"frontend-0", "frontend-1", "frontend-2", "worker-0",
+                              "worker-1", "worker-2"}
+        # The frontends restarted (a new limit, a new worker to route to); the workers were
+        # kept: nothing they read changed, and worker-2 is a process of its own.
+        assert [grown[p] != before[p] for p in sorted(before)] == [True, True, False, False]
+        assert ready_workers(stack) == [0, 1, 2]
+        assert stack.post_json("/predict", {"texts": ["x"] * 9})[0] == 413  # the new limit
+        assert load_resolved(stack.run_dir / "config.json").frontends.count == 3
+
+        edit(stack, frontends={"count": 2}, workers={"cpu_workers": 2})
+        done = stack.cli("apply", timeout=400)
+        assert "shmserve: applied" in done.stdout, done.stdout + done.stderr
+        traffic.wait_for(20)
+    shrunk = programs(stack)
+    assert set(shrunk) == {"frontend-0", "frontend-1", "worker-0", "worker-1"}
+    # Fewer workers: every frontend restarted to forget worker-2; the workers kept were not.
+    assert all(shrunk[f] != grown[f] for f in ("frontend-0", "frontend-1"))
+    assert all(shrunk[w] == grown[w] for w in ("worker-0", "worker-1"))
+    assert ready_workers(stack) == [0, 1]
+    failed = [s for s in traffic.outcomes if s != "200"]
+    assert len(traffic.outcomes) > 100 and not failed, (len(traffic.outcomes), failed[:5])
+    assert not topology.frontend_socket(load_resolved(stack.run_dir / "config.json"),
+                                        2).exists()
+    assert not (stack.run_dir / "apply.json").exists()
+    assert "No config updates" in stack.ctl("reread")  # groups as the file says
+    assert "nothing to apply" in stack.cli("apply").stdout
+
+
+def test_apply_restarts_only_what_reads_a_changed_key(stack):
+    """A worker-side key restarts the workers alone, a frontend-side key the frontends alone,
+    and an nginx setting reloads nginx in place."""
+    before = programs(stack)
+    nginx = stack.pid("nginx")
+    edit(stack, batching={"max_wait_ms": 3})
+    done = stack.cli("apply", timeout=300)
+    assert "worker-0, worker-1" in done.stdout and "frontend-0" not in done.stdout, done.stdout
+    after = programs(stack)
+    assert [after[p] != before[p] for p in sorted(before)] == [False, False, True, True]
+
+    edit(stack, frontends={"request_timeout_s": 20}, nginx={"rate_limit_per_s": 50})
+    done = stack.cli("apply", timeout=300)
+    assert "restart one at a time: frontend-0, frontend-1" in done.stdout, done.stdout
+    last = programs(stack)
+    assert [last[p] != after[p] for p in sorted(after)] == [True, True, False, False]
+    assert stack.pid("nginx") == nginx  # reloaded, not restarted
+    assert "limit_req_zone" in render.nginx_conf(load_resolved(
+        stack.run_dir / "config.json")).read_text()
+
+
+def test_an_apply_that_stops_part_way_goes_on_when_run_again(stack):
+    """A step that fails (here a frontend not ready within --timeout) stops the apply with the
+    old config kept in run/apply.json; the next apply goes on from there, nginx reloaded
+    although its file was already the new one."""
+    edit(stack, frontends={"count": 3})
+    failed = stack.cli("apply", "--timeout", "0.01", check=False, timeout=300)
+    assert failed.returncode == 2 and "`shmserve apply` again" in failed.stderr, failed.stderr
+    assert (stack.run_dir / "apply.json").exists()
+    done = stack.cli("apply", timeout=300)
+    assert "stopped part way" in done.stdout and "reload its configuration: nginx" in done.stdout
+    assert "shmserve: applied" in done.stdout
+    assert not (stack.run_dir / "apply.json").exists()
+    assert set(programs(stack)) == {"frontend-0", "frontend-1", "frontend-2", "worker-0",
+                                    "worker-1"}
+    assert "nothing to apply" in stack.cli("apply").stdout

@@ -1,0 +1,133 @@
+"""What `shmserve apply` restarts for a change of config (shmserve.apply.plan), and the key
+lists it decides by, checked against the code of the processes they spare."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+
+from shmserve import apply, config
+from shmserve.config import REPO_ROOT
+from tests.unit.test_render import make_config
+
+NONE = {"added": [], "removed": [], "changed": []}
+
+
+@pytest.fixture
+def base(tmp_path):
+    return make_config(tmp_path / "run", frontends={"count": 2},
+                       workers={"devices": "cpu", "cpu_workers": 2, "torch_threads": 1})
+
+
+def with_(cfg, **sections):
+    return dataclasses.replace(cfg, **{name: dataclasses.replace(getattr(cfg, name), **values)
+                                       for name, values in sections.items()})
+
+
+def test_a_worker_side_key_restarts_the_workers_only(base):
+    steps = apply.plan(base, with_(base, batching={"max_wait_ms": 5.0}), NONE)
+    assert steps.roll_workers == ["worker-0", "worker-1"] and steps.roll_frontends == []
+
+
+def test_a_frontend_side_key_restarts_the_frontends_only(base):
+    for change in ({"limits": {"max_texts_per_request": 8}},
+                   {"nginx": {"rate_limit_per_s": 5.0}}, {"auth": {"api_keys": ("k",)}}):
+        steps = apply.plan(base, with_(base, **change), NONE)
+        assert steps.roll_workers == [] and steps.roll_frontends == ["frontend-0",
+                                                                       "frontend-1"], change
+
+
+def test_a_key_both_read_restarts_both(base):
+    steps = apply.plan(base, with_(base, frontends={"hung_kill_s": 9.0}), NONE)
+    assert steps.roll_workers and steps.roll_frontends
+
+
+def test_more_frontends_start_and_the_others_restart_the_workers_stay(base):
+    steps = apply.plan(base, with_(base, frontends={"count": 3}),
+                       {**NONE, "added": ["frontends:frontend-2"]})
+    assert steps.add_frontends == ["frontend-2"]
+    assert steps.roll_frontends == ["frontend-0", "frontend-1"] and steps.roll_workers == []
+
+
+def test_more_workers_start_and_the_frontends_restart_to_route_to_them(base):
+    steps = apply.plan(base, with_(base, workers={"cpu_workers": 3}),
+                       {**NONE, "added": ["workers:worker-2"]})
+    assert steps.add_workers == ["worker-2"] and steps.roll_workers == []
+    assert steps.roll_frontends == ["frontend-0", "frontend-1"]
+    fewer = apply.plan(base, with_(base, workers={"cpu_workers": 1}),
+                       {**NONE, "removed": ["workers:worker-1"]})
+    assert fewer.remove_workers == ["worker-1"] and fewer.roll_workers == []
+    assert fewer.roll_frontends == ["frontend-0", "frontend-1"]
+
+
+def test_a_program_supervisord_runs_otherwise_restarts(base):
+    """A program section that changed (its environment, logs) restarts that process even when
+    no key its code reads did."""
+    steps = apply.plan(base, with_(base, limits={"max_texts_per_request": 8}),
+                       {**NONE, "changed": ["workers:worker-1"]})
+    assert steps.roll_workers == ["worker-1"]
+
+
+# The code each side runs (its package and the shmserve modules it uses at run time; config.py,
+# checks.py and render.py read every key to validate or render it, not to serve).
+WORKER_CODE = ["gpu_workers/*.py", "shmserve/admission.py", "shmserve/arena.py",
+               "shmserve/hung.py", "shmserve/models.py", "shmserve/protocol.py",
+               "shmserve/state.py", "shmserve/wire.py", "shmserve/logs.py",
+               "shmserve/metrics.py", "shmserve/topology.py"]
+FRONTEND_CODE = ["frontend/*.py", *WORKER_CODE[1:]]
+READ = re.compile(r"\b(?:cfg|config)\.(\w+)(?:\.(\w+))?")
+
+
+def reads(patterns: list[str]) -> dict[str, set[str]]:
+    """Keys the code reads by name: {"section.key", ...} with "section.*" for a whole
+    section handed on."""
+    out: dict[str, set[str]] = {}
+    sections = {f.name for f in dataclasses.fields(config.Config)}
+    for pattern in patterns:
+        for path in REPO_ROOT.glob(pattern):
+            for match in READ.finditer(path.read_text()):
+                section, key = match.groups()
+                if section in sections:
+                    out.setdefault(f"{section}.{key or '*'}", set()).add(path.name)
+    return out
+
+
+def test_no_worker_code_reads_a_key_apply_spares_the_workers_for():
+    spared = {key: files for key, files in reads(WORKER_CODE).items()
+              if key.startswith(apply.FRONTEND_SIDE) and key not in apply.READ_BY_WORKERS}
+    # frontends.count: a worker reads it once, at its start, for the frontends already
+    # running; the others it learns from their pings (gpu_workers/watch.py).
+    assert spared == {"frontends.count": {"watch.py"}}, spared
+    wholes = {key for key in reads(WORKER_CODE) if key.endswith(".*")}
+    assert not any(whole[:-1].startswith(apply.FRONTEND_SIDE) for whole in wholes), wholes
+
+
+def test_no_frontend_code_reads_a_key_apply_spares_the_frontends_for():
+    spared = {key: files for key, files in reads(FRONTEND_CODE).items()
+              if key.startswith(apply.WORKER_SIDE) and key not in apply.READ_BY_FRONTENDS}
+    assert spared == {}, spared
+    assert reads(FRONTEND_CODE)["batching.max_batch_size"] == {"info.py"}  # the scan sees it
+    wholes = {key for key in reads(FRONTEND_CODE) if key.endswith(".*")}
+    assert not any(whole[:-1].startswith(apply.WORKER_SIDE) for whole in wholes), wholes
+
+
+def test_a_changed_model_config_drops_what_reload_and_split_set_for_it(tmp_path):
+    """A reloaded source kept in run/state.json would win over the model's new config in every
+    restarted worker (gpu_workers.slots.hosted_configs): apply drops it for the models whose
+    config changed, and keeps it for the others."""
+    from shmserve import state
+
+    models = [{"name": "m", "source": "/nonexistent/m"}, {"name": "n", "source": "/x/n"}]
+    old = make_config(tmp_path / "run", models=models)
+    old.run_dir.mkdir(parents=True)
+    state.update(old, lambda tree: tree.update(
+        sources={"m": {"source": "/reloaded/m", "revision": "r2"},
+                 "n": {"source": "/reloaded/n", "revision": "r3"}},
+        splits={"n": {"a": 1.0}}))
+    new = make_config(tmp_path / "run", models=[{**models[0], "source": "/new/m"}, models[1]])
+    assert apply.forget_overridden(old, new) == ["m"]
+    kept = state.read(new)
+    assert set(kept.sources) == {"n"} and set(kept.splits) == {"n"}
+    assert apply.forget_overridden(new, new) == []
