@@ -125,6 +125,10 @@ def test_unknown_route_and_method(tiny_stack):
                         ("/v1/predict", "/predict")):
         status, _, err = tiny_stack.post_json(path, {"input": "x"})
         assert status == 404 and f"did you mean {meant}?" in err["error"]["message"], err
+    # An encoded slash is not a slash (no route matched): the message says the path as sent,
+    # not "no route /v1/embeddings", a route that exists (an outside check).
+    status, _, err = tiny_stack.post_json("/v1%2Fembeddings", {"input": "x"})
+    assert status == 404 and err["error"]["message"].startswith("no route /v1%2Fembeddings ")
     status, headers, raw = tiny_stack.get("/predict")
     assert status == 405 and error_of(raw)["type"] == "method_not_allowed"
     assert headers["Allow"] == "POST"  # RFC 9110

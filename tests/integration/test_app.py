@@ -58,3 +58,42 @@ def test_access_line_has_every_stage_and_the_inputs_when_asked(tmp_path, tiny_mo
         assert 0 <= line[key] <= line["total_ms"], key
     assert info["model_id"] == "tiny" and info["frontends"] == 1
     assert info["devices"][0]["ready"] is True
+
+
+def test_large_answers_go_unbuffered_within_the_frontends_budget(tmp_path, tiny_model,
+                                                                 monkeypatch):
+    """An unbuffered answer stays in the frontend until a slow client has read it; past
+    UNBUFFERED_BUDGET of them, answers go buffered (nginx takes them at once), and what was held
+    is let go when its response is freed."""
+    import gc
+
+    from aiohttp import web
+
+    from frontend import app as frontend_app
+
+    overrides = tiny_overrides(tiny_model, frontends={"count": 1})
+    extra = tmp_path / "extra.yaml"
+    extra.write_text(yaml.safe_dump(overrides))
+    cfg = config.load(env="test", extra=extra,
+                      environ={"SHMSERVE__SERVER__RUN_DIR": str(tmp_path / "run")})
+    (cfg.run_dir / "sockets").mkdir(parents=True)
+    monkeypatch.setattr(frontend_app, "UNBUFFERED_BYTES", 1024)
+
+    async def unbuffered(budget: int) -> tuple[bool, int]:
+        monkeypatch.setattr(frontend_app, "UNBUFFERED_BUDGET", budget)
+        async with TestClient(TestServer(create_app(cfg, 0))) as client:
+            async with client.get("/openapi.json") as resp:
+                size = len(await resp.read())
+                return resp.headers.get("X-Accel-Buffering") == "no", size
+
+    sent, size = asyncio.run(unbuffered(1 << 30))
+    assert sent and size > 1024
+    assert asyncio.run(unbuffered(size - 1)) == (False, size)
+
+    held = frontend_app.Unbuffered(2 * size)
+    first, second = web.Response(body=b"x"), web.Response(body=b"x")
+    assert held.take(first, size) and held.take(second, size)
+    assert not held.take(web.Response(body=b"x"), size) and held.held == 2 * size
+    del first
+    gc.collect()
+    assert held.held == size and held.take(web.Response(body=b"x"), size)
