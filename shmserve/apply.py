@@ -144,7 +144,8 @@ def apply(args: argparse.Namespace) -> int:
         raise CliError(f"{'; '.join(fixed)}: set when supervisord starts; `shmserve down`, then "
                        "`shmserve up` to change it")
     changes = config.differences(old, new)
-    if not changes:
+    resumed = marker.exists()
+    if not changes and not resumed:  # resumed: programs it added may run still, say
         say("shmserve: nothing to apply: the running deployment has this config")
         return 0
     try:
@@ -160,11 +161,11 @@ def apply(args: argparse.Namespace) -> int:
         except xmlrpc.client.Fault:
             raise CliError("this deployment's supervisord was started by an older shmserve, "
                            "without `apply`: `shmserve down`, then `shmserve up`") from None
-    say("shmserve: applying:\n" + "\n".join(f"  {line}" for line in changes))
+    say("shmserve: applying:\n" + "\n".join(f"  {line}" for line in changes or
+                                              ["the config from before the earlier apply"]))
     if args.dry_run:
         say("shmserve: --dry-run: nothing changed")
         return 0
-    resumed = marker.exists()
     if not resumed:
         marker.write_text(old.to_json() + "\n")
     nginx_before = render.nginx_conf(new).read_text()

@@ -132,3 +132,12 @@ def test_an_apply_that_stops_part_way_goes_on_when_run_again(stack):
     assert set(programs(stack)) == {"frontend-0", "frontend-1", "frontend-2", "worker-0",
                                     "worker-1"}
     assert "nothing to apply" in stack.cli("apply").stdout
+    # Given up instead: the config put back as it was, the next apply stops what the failed
+    # one started (here frontend-3), although the config no longer differs from the one before.
+    edit(stack, frontends={"count": 4})
+    assert stack.cli("apply", "--timeout", "0.01", check=False, timeout=300).returncode == 2
+    edit(stack, frontends={"count": 3})
+    done = stack.cli("apply", timeout=300)
+    assert "frontend-3" in done.stdout and "shmserve: applied" in done.stdout, done.stdout
+    assert set(programs(stack)) == {"frontend-0", "frontend-1", "frontend-2", "worker-0",
+                                    "worker-1"}
