@@ -457,3 +457,18 @@ def test_the_answers_file_is_emptied_past_its_limit_without_losing_a_count(tmp_p
         assert reader.poll() == 1
     assert nginx_stats.RESPONSES.labels("429")._value.get() - before == 14
     assert nginx_stats.Reader(path).offset == 8  # saved for the next reader
+
+
+@pytest.mark.parametrize("target", [b"/v1/models/caf\xc3\xa9", b"/health\xe9",
+                                    b"/v1/models/\xe4\xb8\xad?q=1"])
+def test_a_request_target_with_raw_non_ascii_bytes_is_nginxs_400(bare_nginx, target):
+    """aiohttp's parser answered these itself: a plain 400 in JSON whatever the Accept, with
+    no request id (an outside check)."""
+    answer = raw(bare_nginx, b"GET " + target + b" HTTP/1.1\r\nHost: x\r\n"
+                 b"Accept: application/msgpack\r\nX-Request-ID: raw-1\r\nConnection: close\r\n\r\n")
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400"), answer[:200]
+    assert b"Content-Type: application/msgpack" in head and b"X-Request-ID: raw-1" in head
+    assert msgpack.unpackb(body)["error"]["type"] == "bad_request"
+    # Percent-encoded, the same path goes on (here to no frontend: 502).
+    assert request(bare_nginx, "GET", "/v1/models/caf%C3%A9")[0] == 502
