@@ -215,3 +215,12 @@ def test_a_415_names_the_content_type_as_sent():
     with pytest.raises(ApiError) as info:
         decode_body(b"{}", "text/plain", True, "text/plain; " + "x" * 5000)
     assert len(info.value.message) < 300
+
+
+@pytest.mark.parametrize("raw", [b'{"input":' + b"[" * 1000, b"[" * 1000])
+def test_a_body_ending_inside_open_arrays_says_so_not_out_of_memory(raw):
+    with pytest.raises(ApiError) as caught:
+        decode_body(raw, "application/json", True)
+    assert caught.value.status == 400
+    assert "unclosed arrays or objects" in str(caught.value.message)
+    assert "memory" not in str(caught.value.message)
