@@ -100,6 +100,31 @@ class Worker:
                                  w.memory_check_batches, w.heartbeat_interval_s,
                                  Policy.of(w))
 
+    def _load_yielding(self) -> None:
+        """The load at start (torch's import, the weights, the warm-up: seconds of CPU) on a
+        thread of lower priority (workers.reload_nice), as a reload's is: in a rolling restart
+        or an apply, the workers serving meanwhile share the cores with it. The model thread
+        serves afterwards at its own priority, which a thread cannot get back once lowered. It
+        waits in short joins, so a stop while loading still reaches it (its signal handler)."""
+        from gpu_workers.device import yield_cores
+
+        failure: list[BaseException] = []
+
+        def load() -> None:
+            log.info("worker.loading", extra={"fields": {
+                "nice": yield_cores(self.cfg.workers.reload_nice)}})
+            try:
+                self.load()
+            except BaseException as exc:  # noqa: BLE001 - raised again on the model thread
+                failure.append(exc)
+
+        loader = threading.Thread(target=load, name="loader", daemon=True)
+        loader.start()
+        while loader.is_alive():
+            loader.join(0.1)
+        if failure:
+            raise failure[0]
+
     def _load_model(self, spec: ModelSpec, seed: bool = False) -> tuple[ModelSpec, Any]:
         """`seed`: at start, before serving: the warm-up's timed pass is the admission
         estimate's first speed, so a burst that meets a fresh worker is judged too (a reload's
@@ -135,7 +160,7 @@ class Worker:
         self._sockets.start()
         if not self._sockets.bound.wait(10):
             raise RuntimeError("socket thread did not bind within 10 s")
-        self.load()
+        self._load_yielding()
         self.status.ready = True
         self.metrics.set_ready(True)
         log.info("worker.ready", extra={"fields": {"worker": self.index,

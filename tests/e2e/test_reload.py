@@ -9,6 +9,7 @@ import os
 import shutil
 import signal
 import time
+from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -112,6 +113,13 @@ def test_reload_under_load_switches_every_worker_without_a_failure(stack, models
     loads = [line for worker in ("worker-0", "worker-1") for line in stack.log_lines(worker)
              if line.get("message") == "worker.reload_loading"]
     assert [line["nice"] for line in loads] == [10, 10], loads
+    # ... and loaded at its start on one too, the model thread serving at its own priority.
+    for worker in ("worker-0", "worker-1"):
+        (start,) = [line for line in stack.log_lines(worker)
+                    if line.get("message") == "worker.loading"]
+        assert start["nice"] == 10
+        pid = stack.pid(f"workers:{worker}")
+        assert int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[16]) == 0
 
 
 @pytest.mark.parametrize("damage,needle", [
