@@ -29,12 +29,16 @@ config.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import fcntl
 import json
+import os
 import sys
 import time
 import xmlrpc.client
 from dataclasses import dataclass, field
+from typing import Iterator
 
 from shmserve import config, models, processes, render, topology
 from shmserve.cli import CliError, check_port, check_shm, ctl_argv
@@ -130,9 +134,30 @@ def _index(name: str) -> int:
 
 def apply(args: argparse.Namespace) -> int:
     new = render.resolved(config.from_args(args))
-    running = processes.running_config(new)
     if processes.supervisord_pid(new) is None:
         raise CliError(processes.not_running(new) + "; `shmserve up` starts it")
+    with exclusive(new):
+        return _apply(args, new)
+
+
+@contextlib.contextmanager
+def exclusive(cfg: Config) -> Iterator[None]:
+    """One apply at a time on a deployment: two would add, stop and restart the same programs
+    from two plans."""
+    fd = os.open(cfg.run_dir / "apply.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise CliError("another `shmserve apply` runs on this deployment; wait for it "
+                           "to end") from None
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
+def _apply(args: argparse.Namespace, new: Config) -> int:
+    running = processes.running_config(new)
     marker = topology.apply_marker_path(running)
     old = running
     if marker.exists():

@@ -131,3 +131,16 @@ def test_a_changed_model_config_drops_what_reload_and_split_set_for_it(tmp_path)
     kept = state.read(new)
     assert set(kept.sources) == {"n"} and set(kept.splits) == {"n"}
     assert apply.forget_overridden(new, new) == []
+
+
+def test_one_apply_at_a_time(tmp_path):
+    from shmserve.cli import CliError
+
+    cfg = make_config(tmp_path / "run")
+    cfg.run_dir.mkdir(parents=True)
+    with apply.exclusive(cfg):
+        with pytest.raises(CliError, match="another `shmserve apply` runs"):
+            with apply.exclusive(cfg):
+                pass
+    with apply.exclusive(cfg):  # released at the end of the first
+        pass
