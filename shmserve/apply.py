@@ -40,7 +40,7 @@ import xmlrpc.client
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from shmserve import config, models, processes, render, topology
+from shmserve import config, layers, models, processes, render, topology
 from shmserve.cli import CliError, check_port, check_shm, ctl_argv
 from shmserve.config import Config
 from shmserve.restarts import reload_nginx, say, wait_until_ready
@@ -59,8 +59,12 @@ WORKER_SIDE = ("batching.", "logging.batch_log", "workers.torch_threads",
                "workers.cuda_graphs", "workers.switch_interval_ms", "workers.reload_nice",
                "workers.memory_check_batches", "workers.empty_cache_free_below",
                "workers.empty_cache_idle_s", "workers.queue_texts",
-               "workers.low_priority_queue_share", "workers.refuse_past_deadline")
+               "workers.low_priority_queue_share")
 READ_BY_FRONTENDS = ("batching.max_batch_size", "batching.max_batch_tokens")
+# nginx's keys a frontend mirrors (its body and header limits, the deadline cap); the others
+# (rate limits, gzip, CORS, timeouts, ...) only nginx reads: a reload, no restart.
+NGINX_READ_BY_FRONTENDS = ("nginx.client_max_body_size", "nginx.large_client_header_buffers",
+                           "nginx.proxy_read_timeout_s")
 # How many workers there are, and on which devices: a worker kept restarts only when its own
 # device or the models it loads changed (and for any other key it reads).
 COUNT_KEYS = ("workers.cpu_workers", "workers.devices", "workers.per_gpu")
@@ -78,12 +82,21 @@ class Plan:
     nginx: bool = False
     remove_frontends: list[str] = field(default_factory=list)
     remove_workers: list[str] = field(default_factory=list)
+    frontends_first: bool = False  # the frontends restart before the kept workers
+    reaper: bool = False  # restarted at the end: it names every program, and logs
+    reshaped: list[str] = field(default_factory=list)  # models whose units change names
 
     def lines(self) -> list[str]:
-        steps = [("start", self.add_workers), ("restart one at a time", self.roll_workers),
-                 ("start", self.add_frontends), ("restart one at a time", self.roll_frontends),
-                 ("reload its configuration", ["nginx"] if self.nginx else []),
-                 ("stop", self.remove_frontends), ("stop", self.remove_workers)]
+        workers = [("start", self.add_workers), ("restart one at a time", self.roll_workers)]
+        frontends = [("start", self.add_frontends),
+                     ("reload its configuration", ["nginx"] if self.nginx else []),
+                     ("restart one at a time", self.roll_frontends)]
+        if not self.add_frontends:  # nginx reloads once the frontends are as they will be
+            frontends = [frontends[0], frontends[2], frontends[1]]
+        steps = ([workers[0], *frontends, workers[1]] if self.frontends_first
+                 else [*workers, *frontends])
+        steps += [("stop", self.remove_frontends), ("stop", self.remove_workers),
+                  ("restart", ["reaper"] if self.reaper else [])]
         return ([f"  {what}: {', '.join(names)}" for what, names in steps if names]
                 or ["  no process restarts"])
 
@@ -93,10 +106,16 @@ def touches(key: str, side: tuple[str, ...], read_anyway: tuple[str, ...]) -> bo
     return not key.startswith(side) or key in read_anyway
 
 
-def plan(old: Config, new: Config, pending: dict[str, list[str]]) -> Plan:
+def plan(old: Config, new: Config, pending: dict[str, list[str]],
+         attempted: list[Config] = ()) -> Plan:
     """What applying `new` over `old` does; `pending`: supervisor_rpc's `pending` for the two
-    groups after the run directory was rendered for `new`."""
-    keys = [line.partition(":")[0] for line in config.differences(old, new)]
+    groups after the run directory was rendered for `new`; `attempted`: the configs earlier
+    applies stopped part way to (the processes they restarted run them, so what differs from
+    them restarts too, even when `new` is `old` again)."""
+    lines = config.differences(old, new)
+    for earlier in attempted:
+        lines += config.differences(earlier, new)
+    keys = sorted({line.partition(":")[0] for line in lines})
     out = Plan(config.differences(old, new))
     names = {kind: [p.partition(":")[2] for p in pending[kind]] for kind in pending}
 
@@ -113,11 +132,34 @@ def plan(old: Config, new: Config, pending: dict[str, list[str]]) -> Plan:
                           if k not in COUNT_KEYS)
     out.roll_workers = [w for i, w in enumerate(kept_workers)
                         if workers_changed or w in names["changed"] or moved(old, new, i)]
-    frontends_changed = (any(touches(k, WORKER_SIDE, READ_BY_FRONTENDS) for k in keys)
+    frontends_changed = (any(frontend_reads(k) for k in keys)
                          or out.add_workers or out.remove_workers)
     out.roll_frontends = [f for f in kept_frontends
                           if frontends_changed or f in names["changed"]]
+    before, after = unit_names(old), unit_names(new)
+    added, removed = after - before, before - after
+    out.reshaped = sorted({u.partition("@")[0] for u in added}
+                          & {u.partition("@")[0] for u in removed})
+    # Models only removed: the frontends stop routing to them before the workers drop them.
+    # Workers added beside kept ones that restart: the frontends learn the new ones first.
+    # Models added: the workers first, so the frontends find them served.
+    out.frontends_first = not added and bool(
+        removed or (out.add_workers and out.roll_workers))
+    out.reaper = bool(out.add_workers or out.remove_workers or out.add_frontends
+                      or out.remove_frontends or any(k.startswith("logging.") for k in keys))
     return out
+
+
+def frontend_reads(key: str) -> bool:
+    """Whether a frontend reads `key` (nginx's keys: only those whose limits it mirrors)."""
+    if key.startswith("nginx."):
+        return key in NGINX_READ_BY_FRONTENDS
+    return touches(key, WORKER_SIDE, READ_BY_FRONTENDS)
+
+
+def unit_names(cfg: Config) -> set[str]:
+    """What the workers load, by name: models, and MODEL@VARIANT for A/B ones."""
+    return {u.name for m in cfg.models for u in models.units(m)}
 
 
 def moved(old: Config, new: Config, index: int) -> bool:
@@ -159,9 +201,11 @@ def exclusive(cfg: Config) -> Iterator[None]:
 def _apply(args: argparse.Namespace, new: Config) -> int:
     running = processes.running_config(new)
     marker = topology.apply_marker_path(running)
-    old = running
+    old, attempted = running, []
     if marker.exists():
-        old = config.from_tree(json.loads(marker.read_text()))
+        saved = json.loads(marker.read_text())
+        old = config.from_tree(saved["from"])
+        attempted = [render.resolved(config.from_tree(tree)) for tree in saved["attempts"]]
         say("shmserve: an earlier apply stopped part way; applying from the config before it")
     old = render.resolved(old)
     fixed = [line for line in config.differences(old, new) if line.startswith(FIXED)]
@@ -191,19 +235,22 @@ def _apply(args: argparse.Namespace, new: Config) -> int:
     if args.dry_run:
         say("shmserve: --dry-run: nothing changed")
         return 0
-    if not resumed:
-        marker.write_text(old.to_json() + "\n")
+    marker.write_text(json.dumps({"from": json.loads(old.to_json()), "attempts": [
+        *(json.loads(a.to_json()) for a in attempted), json.loads(new.to_json())]}) + "\n")
     nginx_before = render.nginx_conf(new).read_text()
     render.render(new)
     forget_overridden(old, new)
     with rpc(new) as proxy:
-        steps = plan(old, new, proxy.shmserve.pending(["workers", "frontends"]))
+        steps = plan(old, new, proxy.shmserve.pending(["workers", "frontends"]), attempted)
     # Resumed, the file may already have been the new one: reload nginx anyway.
     steps.nginx = resumed or render.nginx_conf(new).read_text() != nginx_before
     warn_gaps(old, new, steps)
     say("shmserve: steps:\n" + "\n".join(steps.lines()))
     run(new, old, steps, args.timeout if args.timeout is not None
         else new.workers.ready_timeout_s)
+    # The files this config came from, as `up` keeps them: `restart` compares with them.
+    topology.config_files_path(new).write_text(json.dumps(layers.digests(
+        layers.file_layers(args.env, args.config, os.environ)), indent=1) + "\n")
     marker.unlink()
     say("shmserve: applied")
     return 0
@@ -248,6 +295,11 @@ def warn_gaps(old: Config, new: Config, steps: Plan) -> None:
     added already do."""
     from shmserve.restarts import lone_models, restart_gap
 
+    if steps.reshaped:
+        say(f"shmserve: warning: {', '.join(steps.reshaped)} change what the workers load under "
+            "them (a model to A/B variants, or back): requests for them fail from the first "
+            "worker's restart until every frontend has restarted; to change without a gap, "
+            "serve the new form under a new name, or use `shmserve split`", sys.stderr)
     most = max(old, new, key=lambda c: len(topology.worker_devices(c)))
     for group, rolled, count in (
             ("workers", steps.roll_workers, len(topology.worker_devices(most))),
@@ -261,36 +313,77 @@ def warn_gaps(old: Config, new: Config, steps: Plan) -> None:
 
 
 def run(new: Config, old: Config, steps: Plan, timeout: float) -> None:
+    rest = f"; {_rest(steps)}"
     for program in steps.add_workers:
         sync(new, "workers", program)  # supervisord starts it: it loads meanwhile
-    # While they restart the frontends are the old ones: ready in each of those.
-    during = dataclasses.replace(new, frontends=old.frontends)
-    for program in steps.roll_workers:
-        replace(during, "workers", program, timeout)
-    for program in steps.add_frontends:
-        sync(new, "frontends", program)
-        wait_until_ready(new, "frontends", program, pid_of(new, program), timeout,
-                         rest=f"; {_rest(steps)}")
-    for program in steps.roll_frontends:
-        replace(new, "frontends", program, timeout)
+    if steps.frontends_first:
+        # Workers added while the kept ones restart: the frontends, restarted first, route
+        # to the new workers once they have loaded, so the kept ones restart with a worker
+        # serving beside them (the old frontends knew only the kept ones).
+        for program in steps.add_workers:
+            wait_loaded(new, program, timeout, rest)
+        frontends(new, old, steps, timeout, rest)
+        workers(new, new, steps, timeout)
+    else:
+        workers(new, old, steps, timeout)
+        frontends(new, old, steps, timeout, rest)
     sync(new, "nginx", "nginx", running=True)  # its stop timeout and logs: next start
-    if steps.nginx:
+    if steps.nginx and not steps.add_frontends:  # with frontends added: reloaded already
         reload_nginx(new)
     for program in steps.remove_frontends:
         remove(new, "frontends", program)
         topology.frontend_socket(new, _index(program)).unlink(missing_ok=True)
     if steps.remove_workers:
         for program in steps.add_workers:
-            wait_until_ready(new, "workers", program, pid_of(new, program), timeout,
-                             rest=f"; {_rest(steps)}")
+            wait_until_ready(new, "workers", program, pid_of(new, program), timeout, rest)
     for program in steps.remove_workers:
         remove(new, "workers", program)
-    if steps.add_workers or steps.remove_workers or steps.add_frontends \
-            or steps.remove_frontends:
+    if steps.reaper:
         subprocess_ctl(new, "restart", "reaper")
     for program in steps.add_workers:  # every frontend sees them (it was restarted to)
-        wait_until_ready(new, "workers", program, pid_of(new, program), timeout,
-                         rest=f"; {_rest(steps)}")
+        wait_until_ready(new, "workers", program, pid_of(new, program), timeout, rest)
+
+
+def workers(new: Config, frontends_of: Config, steps: Plan, timeout: float) -> None:
+    """The kept workers, one at a time, each ready in every frontend of `frontends_of` (the
+    frontends running meanwhile)."""
+    during = dataclasses.replace(new, frontends=frontends_of.frontends)
+    for program in steps.roll_workers:
+        replace(during, "workers", program, timeout)
+
+
+def frontends(new: Config, old: Config, steps: Plan, timeout: float, rest: str) -> None:
+    """Frontends added, each ready, then nginx reloaded to send them requests before any kept
+    one restarts (one frontend growing to two got 502s: nginx knew only the one restarting),
+    then the kept ones one at a time."""
+    for program in steps.add_frontends:
+        sync(new, "frontends", program)
+        wait_until_ready(new, "frontends", program, pid_of(new, program), timeout, rest)
+    if steps.add_frontends:
+        reload_nginx(new)
+    for program in steps.roll_frontends:
+        replace(new, "frontends", program, timeout)
+
+
+def wait_loaded(cfg: Config, program: str, timeout: float, rest: str) -> None:
+    """Until worker `program` has loaded, as its shmserve_worker_ready gauge says (the frontends
+    running may not know it yet: they route to the workers their config names)."""
+    from shmserve import remote
+
+    index = _index(program)
+    wanted = f'shmserve_worker_ready{{worker="{index}"}} 1.0'
+    say(f"shmserve: {program}: waiting until it has loaded")
+    deadline = time.monotonic() + timeout
+    while True:
+        for i in range(cfg.frontends.count):
+            code, body = remote.get_unix(str(topology.frontend_socket(cfg, i)), "/metrics")
+            if code == 200 and wanted in body.decode(errors="replace"):
+                say(f"shmserve: {program} loaded")
+                return
+        if time.monotonic() > deadline:
+            raise CliError(f"{program} did not load within {timeout:g} s{rest}; logs in "
+                           f"{topology.log_dir(cfg)}")
+        time.sleep(0.5)
 
 
 def _rest(steps: Plan) -> str:

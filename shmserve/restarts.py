@@ -31,7 +31,12 @@ def restart(args: argparse.Namespace) -> int:
     cfg = processes.deployment(args)
     if processes.supervisord_pid(cfg) is None:
         raise CliError(processes.not_running(cfg))
-    if not getattr(args, "unloadable", False) and (drift := config_drift(args, cfg)):
+    if topology.apply_marker_path(cfg).exists():
+        say("shmserve: warning: an apply stopped part way (run/apply.json): the programs "
+            "restarted now start on the config it was applying (run/config.json); "
+            "`shmserve apply` finishes it, or, with the config put back, undoes it",
+            sys.stderr)
+    elif not getattr(args, "unloadable", False) and (drift := config_drift(args, cfg)):
         say(f"shmserve: warning: {drift}", sys.stderr)
     target = restart_target(args.target)
     timeout = args.timeout if args.timeout is not None else cfg.workers.ready_timeout_s

@@ -107,11 +107,16 @@ def test_apply_restarts_only_what_reads_a_changed_key(stack):
     after = programs(stack)
     assert [after[p] != before[p] for p in sorted(before)] == [False, False, True, True]
 
-    edit(stack, frontends={"request_timeout_s": 20}, nginx={"rate_limit_per_s": 50})
+    edit(stack, frontends={"max_inflight": 77})
     done = stack.cli("apply", timeout=300)
     assert "restart one at a time: frontend-0, frontend-1" in done.stdout, done.stdout
     last = programs(stack)
     assert [last[p] != after[p] for p in sorted(after)] == [True, True, False, False]
+
+    edit(stack, nginx={"rate_limit_per_s": 50})  # nginx's alone: a reload, no restart
+    done = stack.cli("apply", timeout=300)
+    assert "reload its configuration: nginx" in done.stdout and "restart one" not in done.stdout
+    assert programs(stack) == last
     assert stack.pid("nginx") == nginx  # reloaded, not restarted
     assert "limit_req_zone" in render.nginx_conf(load_resolved(
         stack.run_dir / "config.json")).read_text()
@@ -141,3 +146,28 @@ def test_an_apply_that_stops_part_way_goes_on_when_run_again(stack):
     assert "frontend-3" in done.stdout and "shmserve: applied" in done.stdout, done.stdout
     assert set(programs(stack)) == {"frontend-0", "frontend-1", "frontend-2", "worker-0",
                                     "worker-1"}
+
+
+def test_from_one_frontend_and_one_worker_to_two_of_each_without_a_failed_request(
+        tmp_path, tiny_model):
+    """One frontend growing to two got 502s (nginx knew only the one restarting), and one
+    worker growing to two with a key the workers read got 503s (the kept worker restarted
+    before the frontends knew the new one): an outside check. Now the new frontend is in
+    nginx first, and the frontends learn the new worker before the kept one restarts."""
+    stack = Stack(tmp_path / "one", tiny_overrides(
+        tiny_model, frontends={"count": 1}, workers={"devices": "cpu", "cpu_workers": 1,
+                                                     "torch_threads": 1}))
+    stack.up()
+    try:
+        with Traffic(stack) as traffic:
+            traffic.wait_for(20)
+            edit(stack, frontends={"count": 2}, workers={"cpu_workers": 2},
+                 batching={"max_wait_ms": 3})
+            done = stack.cli("apply", timeout=400)
+            assert "shmserve: applied" in done.stdout, done.stdout + done.stderr
+            traffic.wait_for(20)
+        assert set(programs(stack)) == {"frontend-0", "frontend-1", "worker-0", "worker-1"}
+        failed = [s for s in traffic.outcomes if s != "200"]
+        assert len(traffic.outcomes) > 50 and not failed, (len(traffic.outcomes), failed[:5])
+    finally:
+        stack.down()

@@ -33,10 +33,48 @@ def test_a_worker_side_key_restarts_the_workers_only(base):
 
 def test_a_frontend_side_key_restarts_the_frontends_only(base):
     for change in ({"limits": {"max_texts_per_request": 8}},
-                   {"nginx": {"rate_limit_per_s": 5.0}}, {"auth": {"api_keys": ("k",)}}):
+                   {"nginx": {"client_max_body_size": "2m"}}, {"auth": {"api_keys": ("k",)}}):
         steps = apply.plan(base, with_(base, **change), NONE)
         assert steps.roll_workers == [] and steps.roll_frontends == ["frontend-0",
                                                                        "frontend-1"], change
+
+
+def test_a_key_only_nginx_reads_restarts_nothing(base):
+    """Rate limits, gzip, CORS: nginx reloads its configuration; no frontend restarts (an
+    outside check saw both frontends restart for a rate limit)."""
+    for change in ({"rate_limit_per_s": 5.0}, {"gzip": True}, {"probe_timeout_s": 3.0}):
+        steps = apply.plan(base, with_(base, nginx=change), NONE)
+        assert steps.roll_workers == [] == steps.roll_frontends, change
+        assert steps.lines() == ["  no process restarts"]
+
+
+def test_a_config_put_back_after_a_failed_apply_restarts_what_that_apply_restarted(base):
+    """The failed apply's restarted workers run its config: the same keys back are no
+    difference from the config before it, but one from what they run."""
+    tried = with_(base, batching={"max_wait_ms": 9.0})
+    steps = apply.plan(base, base, NONE, attempted=[tried])
+    assert steps.roll_workers == ["worker-0", "worker-1"] and steps.roll_frontends == []
+
+
+def test_the_order_follows_what_the_change_needs_served_meanwhile(base):
+    dropped = dataclasses.replace(base, models=[*base.models, dataclasses.replace(
+        base.models[0], name="other")])
+    # A model removed: the frontends stop routing to it before the workers unload it.
+    assert apply.plan(dropped, base, NONE).frontends_first
+    # A model added: the workers load it before the frontends route to it.
+    assert not apply.plan(base, dropped, NONE).frontends_first
+    # Workers added while the kept ones restart: the frontends learn the new ones first.
+    grown = apply.plan(base, with_(base, workers={"cpu_workers": 3},
+                                   batching={"max_batch_size": 4}),
+                       {**NONE, "added": ["workers:worker-2"]})
+    assert grown.frontends_first and grown.roll_workers == ["worker-0", "worker-1"]
+    assert grown.lines()[:3] == ["  start: worker-2", "  restart one at a time: frontend-0, "
+                                 "frontend-1", "  restart one at a time: worker-0, worker-1"]
+    # A model to A/B variants under the same name: warned of (no order serves it throughout).
+    ab = dataclasses.replace(base.models[0], source="", variants=[
+        config.VariantConfig(name="a", source="/x/a"), config.VariantConfig(name="b",
+                                                                            source="/x/b")])
+    assert apply.plan(base, dataclasses.replace(base, models=[ab]), NONE).reshaped == ["m"]
 
 
 def test_a_key_both_read_restarts_both(base):
@@ -77,7 +115,7 @@ WORKER_CODE = ["gpu_workers/*.py", "shmserve/admission.py", "shmserve/arena.py",
                "shmserve/state.py", "shmserve/wire.py", "shmserve/logs.py",
                "shmserve/metrics.py", "shmserve/topology.py"]
 FRONTEND_CODE = ["frontend/*.py", *WORKER_CODE[1:]]
-READ = re.compile(r"\b(?:cfg|config)\.(\w+)(?:\.(\w+))?")
+READ = re.compile(r"(?:\bcfg|\bconfig|\[CONFIG\])\.(\w+)(?:\.(\w+))?")
 
 
 def reads(patterns: list[str]) -> dict[str, set[str]]:
@@ -109,6 +147,8 @@ def test_no_frontend_code_reads_a_key_apply_spares_the_frontends_for():
               if key.startswith(apply.WORKER_SIDE) and key not in apply.READ_BY_FRONTENDS}
     assert spared == {}, spared
     assert reads(FRONTEND_CODE)["batching.max_batch_size"] == {"info.py"}  # the scan sees it
+    nginx = {key for key in reads(FRONTEND_CODE) if key.startswith("nginx.")}
+    assert nginx == set(apply.NGINX_READ_BY_FRONTENDS), nginx  # app[CONFIG].nginx.... too
     wholes = {key for key in reads(FRONTEND_CODE) if key.endswith(".*")}
     assert not any(whole[:-1].startswith(apply.WORKER_SIDE) for whole in wholes), wholes
 
