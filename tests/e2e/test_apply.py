@@ -130,6 +130,8 @@ def test_an_apply_that_stops_part_way_goes_on_when_run_again(stack):
     failed = stack.cli("apply", "--timeout", "0.01", check=False, timeout=300)
     assert failed.returncode == 2 and "`shmserve apply` again" in failed.stderr, failed.stderr
     assert (stack.run_dir / "apply.json").exists()
+    warned = stack.cli("restart", "nginx", check=False)  # restarted programs: its config
+    assert "an apply stopped part way" in warned.stderr, warned.stderr
     done = stack.cli("apply", timeout=300)
     assert "stopped part way" in done.stdout and "reload its configuration: nginx" in done.stdout
     assert "shmserve: applied" in done.stdout
