@@ -73,3 +73,16 @@ def task_stack(tmp_path_factory, task_dirs):
     s.up()
     yield s
     s.down()
+
+
+@pytest.fixture
+def two_of_each(tmp_path, tiny_model):
+    """A stack of two frontends and two single-thread CPU workers, for one test: what rolling
+    restarts and `apply` need to serve throughout (tests/e2e/test_operations.py,
+    test_apply.py)."""
+    s = Stack(tmp_path / "stack", tiny_overrides(
+        tiny_model, frontends={"count": 2}, workers={"devices": "cpu", "cpu_workers": 2,
+                                                     "torch_threads": 1}))
+    s.up()
+    yield s
+    s.down()

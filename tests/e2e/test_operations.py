@@ -25,13 +25,8 @@ class Traffic(Load):
 
 
 @pytest.fixture
-def stack(tmp_path, tiny_model):
-    s = Stack(tmp_path / "stack", tiny_overrides(
-        tiny_model, frontends={"count": 2}, workers={"devices": "cpu", "cpu_workers": 2,
-                                                     "torch_threads": 1}))
-    s.up()
-    yield s
-    s.down()
+def stack(two_of_each):
+    return two_of_each
 
 
 def test_rolling_restarts_answer_every_request(stack):
