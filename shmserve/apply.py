@@ -150,6 +150,18 @@ def plan(old: Config, new: Config, pending: dict[str, list[str]],
     return out
 
 
+def by_counts(old: Config, new: Config) -> dict[str, list[str]]:
+    """`pending` as the counts alone tell it, before anything is rendered (--dry-run)."""
+    out: dict[str, list[str]] = {"added": [], "removed": [], "changed": []}
+    for group, before, after in (
+            ("workers", len(topology.worker_devices(old)), len(topology.worker_devices(new))),
+            ("frontends", old.frontends.count, new.frontends.count)):
+        name = group[:-1]
+        out["added"] += [f"{group}:{name}-{i}" for i in range(before, after)]
+        out["removed"] += [f"{group}:{name}-{i}" for i in range(after, before)]
+    return out
+
+
 def frontend_reads(key: str) -> bool:
     """Whether a frontend reads `key` (nginx's keys: only those whose limits it mirrors)."""
     if key.startswith("nginx."):
@@ -233,6 +245,9 @@ def _apply(args: argparse.Namespace, new: Config) -> int:
     say("shmserve: applying:\n" + "\n".join(f"  {line}" for line in changes or
                                               ["the config from before the earlier apply"]))
     if args.dry_run:
+        steps = plan(old, new, by_counts(old, new), attempted)
+        say("shmserve: steps (and any program whose environment or logs change restarts "
+            "too):\n" + "\n".join(steps.lines()))
         say("shmserve: --dry-run: nothing changed")
         return 0
     marker.write_text(json.dumps({"from": json.loads(old.to_json()), "attempts": [

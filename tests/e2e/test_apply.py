@@ -58,6 +58,7 @@ def test_apply_scales_frontends_and_workers_up_and_down_under_load(stack):
              limits={"max_texts_per_request": 8})
         dry = stack.cli("apply", "--dry-run")
         assert "frontends.count: 2 -> 3" in dry.stdout and "nothing changed" in dry.stdout
+        assert "start: worker-2" in dry.stdout and "start: frontend-2" in dry.stdout
         assert programs(stack) == before
         done = stack.cli("apply", timeout=400)
         assert "shmserve: applied" in done.stdout, done.stdout + done.stderr

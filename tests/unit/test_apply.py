@@ -184,3 +184,9 @@ def test_one_apply_at_a_time(tmp_path):
                 pass
     with apply.exclusive(cfg):  # released at the end of the first
         pass
+
+
+def test_a_dry_run_tells_the_programs_started_and_stopped_from_the_counts(base):
+    grown = with_(base, frontends={"count": 3}, workers={"cpu_workers": 1})
+    assert apply.by_counts(base, grown) == {"added": ["frontends:frontend-2"],
+                                            "removed": ["workers:worker-1"], "changed": []}
