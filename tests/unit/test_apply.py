@@ -1,4 +1,4 @@
-"""What `shmserve apply` restarts for a change of config (shmserve.apply.plan), and the key
+"""What `shmserve apply` restarts for a change of config (shmserve.apply_plan.plan), and the key
 lists it decides by, checked against the code of the processes they spare."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from shmserve import apply, config
+from shmserve import apply, apply_plan, config
 from shmserve.config import REPO_ROOT
 from tests.unit.test_render import make_config
 
@@ -27,14 +27,14 @@ def with_(cfg, **sections):
 
 
 def test_a_worker_side_key_restarts_the_workers_only(base):
-    steps = apply.plan(base, with_(base, batching={"max_wait_ms": 5.0}), NONE)
+    steps = apply_plan.plan(base, with_(base, batching={"max_wait_ms": 5.0}), NONE)
     assert steps.roll_workers == ["worker-0", "worker-1"] and steps.roll_frontends == []
 
 
 def test_a_frontend_side_key_restarts_the_frontends_only(base):
     for change in ({"limits": {"max_texts_per_request": 8}},
                    {"nginx": {"client_max_body_size": "2m"}}, {"auth": {"api_keys": ("k",)}}):
-        steps = apply.plan(base, with_(base, **change), NONE)
+        steps = apply_plan.plan(base, with_(base, **change), NONE)
         assert steps.roll_workers == [] and steps.roll_frontends == ["frontend-0",
                                                                        "frontend-1"], change
 
@@ -43,7 +43,7 @@ def test_a_key_only_nginx_reads_restarts_nothing(base):
     """Rate limits, gzip, CORS: nginx reloads its configuration; no frontend restarts (an
     outside check saw both frontends restart for a rate limit)."""
     for change in ({"rate_limit_per_s": 5.0}, {"gzip": True}, {"probe_timeout_s": 3.0}):
-        steps = apply.plan(base, with_(base, nginx=change), NONE)
+        steps = apply_plan.plan(base, with_(base, nginx=change), NONE)
         assert steps.roll_workers == [] == steps.roll_frontends, change
         assert steps.lines() == ["  no process restarts"]
 
@@ -52,7 +52,7 @@ def test_a_config_put_back_after_a_failed_apply_restarts_what_that_apply_restart
     """The failed apply's restarted workers run its config: the same keys back are no
     difference from the config before it, but one from what they run."""
     tried = with_(base, batching={"max_wait_ms": 9.0})
-    steps = apply.plan(base, base, NONE, attempted=[tried])
+    steps = apply_plan.plan(base, base, NONE, attempted=[tried])
     assert steps.roll_workers == ["worker-0", "worker-1"] and steps.roll_frontends == []
 
 
@@ -60,11 +60,11 @@ def test_the_order_follows_what_the_change_needs_served_meanwhile(base):
     dropped = dataclasses.replace(base, models=[*base.models, dataclasses.replace(
         base.models[0], name="other")])
     # A model removed: the frontends stop routing to it before the workers unload it.
-    assert apply.plan(dropped, base, NONE).frontends_first
+    assert apply_plan.plan(dropped, base, NONE).frontends_first
     # A model added: the workers load it before the frontends route to it.
-    assert not apply.plan(base, dropped, NONE).frontends_first
+    assert not apply_plan.plan(base, dropped, NONE).frontends_first
     # Workers added while the kept ones restart: the frontends learn the new ones first.
-    grown = apply.plan(base, with_(base, workers={"cpu_workers": 3},
+    grown = apply_plan.plan(base, with_(base, workers={"cpu_workers": 3},
                                    batching={"max_batch_size": 4}),
                        {**NONE, "added": ["workers:worker-2"]})
     assert grown.frontends_first and grown.roll_workers == ["worker-0", "worker-1"]
@@ -74,27 +74,27 @@ def test_the_order_follows_what_the_change_needs_served_meanwhile(base):
     ab = dataclasses.replace(base.models[0], source="", variants=[
         config.VariantConfig(name="a", source="/x/a"), config.VariantConfig(name="b",
                                                                             source="/x/b")])
-    assert apply.plan(base, dataclasses.replace(base, models=[ab]), NONE).reshaped == ["m"]
+    assert apply_plan.plan(base, dataclasses.replace(base, models=[ab]), NONE).reshaped == ["m"]
 
 
 def test_a_key_both_read_restarts_both(base):
-    steps = apply.plan(base, with_(base, frontends={"hung_kill_s": 9.0}), NONE)
+    steps = apply_plan.plan(base, with_(base, frontends={"hung_kill_s": 9.0}), NONE)
     assert steps.roll_workers and steps.roll_frontends
 
 
 def test_more_frontends_start_and_the_others_restart_the_workers_stay(base):
-    steps = apply.plan(base, with_(base, frontends={"count": 3}),
+    steps = apply_plan.plan(base, with_(base, frontends={"count": 3}),
                        {**NONE, "added": ["frontends:frontend-2"]})
     assert steps.add_frontends == ["frontend-2"]
     assert steps.roll_frontends == ["frontend-0", "frontend-1"] and steps.roll_workers == []
 
 
 def test_more_workers_start_and_the_frontends_restart_to_route_to_them(base):
-    steps = apply.plan(base, with_(base, workers={"cpu_workers": 3}),
+    steps = apply_plan.plan(base, with_(base, workers={"cpu_workers": 3}),
                        {**NONE, "added": ["workers:worker-2"]})
     assert steps.add_workers == ["worker-2"] and steps.roll_workers == []
     assert steps.roll_frontends == ["frontend-0", "frontend-1"]
-    fewer = apply.plan(base, with_(base, workers={"cpu_workers": 1}),
+    fewer = apply_plan.plan(base, with_(base, workers={"cpu_workers": 1}),
                        {**NONE, "removed": ["workers:worker-1"]})
     assert fewer.remove_workers == ["worker-1"] and fewer.roll_workers == []
     assert fewer.roll_frontends == ["frontend-0", "frontend-1"]
@@ -103,7 +103,7 @@ def test_more_workers_start_and_the_frontends_restart_to_route_to_them(base):
 def test_a_program_supervisord_runs_otherwise_restarts(base):
     """A program section that changed (its environment, logs) restarts that process even when
     no key its code reads did."""
-    steps = apply.plan(base, with_(base, limits={"max_texts_per_request": 8}),
+    steps = apply_plan.plan(base, with_(base, limits={"max_texts_per_request": 8}),
                        {**NONE, "changed": ["workers:worker-1"]})
     assert steps.roll_workers == ["worker-1"]
 
@@ -134,23 +134,23 @@ def reads(patterns: list[str]) -> dict[str, set[str]]:
 
 def test_no_worker_code_reads_a_key_apply_spares_the_workers_for():
     spared = {key: files for key, files in reads(WORKER_CODE).items()
-              if key.startswith(apply.FRONTEND_SIDE) and key not in apply.READ_BY_WORKERS}
+              if key.startswith(apply_plan.FRONTEND_SIDE) and key not in apply_plan.READ_BY_WORKERS}
     # frontends.count: a worker reads it once, at its start, for the frontends already
     # running; the others it learns from their pings (gpu_workers/watch.py).
     assert spared == {"frontends.count": {"watch.py"}}, spared
     wholes = {key for key in reads(WORKER_CODE) if key.endswith(".*")}
-    assert not any(whole[:-1].startswith(apply.FRONTEND_SIDE) for whole in wholes), wholes
+    assert not any(whole[:-1].startswith(apply_plan.FRONTEND_SIDE) for whole in wholes), wholes
 
 
 def test_no_frontend_code_reads_a_key_apply_spares_the_frontends_for():
     spared = {key: files for key, files in reads(FRONTEND_CODE).items()
-              if key.startswith(apply.WORKER_SIDE) and key not in apply.READ_BY_FRONTENDS}
+              if key.startswith(apply_plan.WORKER_SIDE) and key not in apply_plan.READ_BY_FRONTENDS}
     assert spared == {}, spared
     assert reads(FRONTEND_CODE)["batching.max_batch_size"] == {"info.py"}  # the scan sees it
     nginx = {key for key in reads(FRONTEND_CODE) if key.startswith("nginx.")}
-    assert nginx == set(apply.NGINX_READ_BY_FRONTENDS), nginx  # app[CONFIG].nginx.... too
+    assert nginx == set(apply_plan.NGINX_READ_BY_FRONTENDS), nginx  # app[CONFIG].nginx.... too
     wholes = {key for key in reads(FRONTEND_CODE) if key.endswith(".*")}
-    assert not any(whole[:-1].startswith(apply.WORKER_SIDE) for whole in wholes), wholes
+    assert not any(whole[:-1].startswith(apply_plan.WORKER_SIDE) for whole in wholes), wholes
 
 
 def test_a_changed_model_config_drops_what_reload_and_split_set_for_it(tmp_path):
@@ -188,5 +188,5 @@ def test_one_apply_at_a_time(tmp_path):
 
 def test_a_dry_run_tells_the_programs_started_and_stopped_from_the_counts(base):
     grown = with_(base, frontends={"count": 3}, workers={"cpu_workers": 1})
-    assert apply.by_counts(base, grown) == {"added": ["frontends:frontend-2"],
+    assert apply_plan.by_counts(base, grown) == {"added": ["frontends:frontend-2"],
                                             "removed": ["workers:worker-1"], "changed": []}

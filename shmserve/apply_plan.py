@@ -1,0 +1,151 @@
+"""What `shmserve apply` does for a change of config (shmserve.apply runs it): which programs
+start, restart and stop, in which order, decided from the keys that changed, the counts, and
+what supervisord runs otherwise than the rendered file says (shmserve.supervisor_rpc's
+`pending`). No process is touched here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from shmserve import config, models, topology
+from shmserve.config import Config
+
+# Keys no worker process reads (gpu_workers/, and the shmserve modules it runs): a change of
+# only these leaves the workers running. tests/unit/test_apply.py reads the workers' code for
+# each of them. frontends.count: a worker learns the frontends from their pings.
+FRONTEND_SIDE = ("nginx.", "limits.", "auth.", "tracing.", "shm.", "server.host",
+                 "server.port", "admin.token", "frontends.")
+READ_BY_WORKERS = ("frontends.hung_kill_s",)
+# Keys no frontend reads (frontend/ and the shmserve modules it runs): a change of only these
+# leaves the frontends running (the worker count changing restarts them anyway).
+WORKER_SIDE = ("batching.", "logging.batch_log", "workers.torch_threads",
+               "workers.cuda_alloc_conf", "workers.cudnn_attention", "workers.cpu_fallback",
+               "workers.cuda_graphs", "workers.switch_interval_ms", "workers.reload_nice",
+               "workers.memory_check_batches", "workers.empty_cache_free_below",
+               "workers.empty_cache_idle_s", "workers.queue_texts",
+               "workers.low_priority_queue_share")
+READ_BY_FRONTENDS = ("batching.max_batch_size", "batching.max_batch_tokens")
+# nginx's keys a frontend mirrors (its body and header limits, the deadline cap); the others
+# (rate limits, gzip, CORS, timeouts, ...) only nginx reads: a reload, no restart.
+NGINX_READ_BY_FRONTENDS = ("nginx.client_max_body_size", "nginx.large_client_header_buffers",
+                           "nginx.proxy_read_timeout_s")
+# How many workers there are, and on which devices: a worker kept restarts only when its own
+# device or the models it loads changed (and for any other key it reads).
+COUNT_KEYS = ("workers.cpu_workers", "workers.devices", "workers.per_gpu")
+# Set when supervisord starts, which apply cannot change under it.
+FIXED = ("logging.stdout",)
+
+
+@dataclass
+class Plan:
+    changes: list[str]  # "key: old -> new"
+    add_workers: list[str] = field(default_factory=list)
+    roll_workers: list[str] = field(default_factory=list)
+    add_frontends: list[str] = field(default_factory=list)
+    roll_frontends: list[str] = field(default_factory=list)
+    nginx: bool = False
+    remove_frontends: list[str] = field(default_factory=list)
+    remove_workers: list[str] = field(default_factory=list)
+    frontends_first: bool = False  # the frontends restart before the kept workers
+    reaper: bool = False  # restarted at the end: it names every program, and logs
+    reshaped: list[str] = field(default_factory=list)  # models whose units change names
+
+    def lines(self) -> list[str]:
+        workers = [("start", self.add_workers), ("restart one at a time", self.roll_workers)]
+        frontends = [("start", self.add_frontends),
+                     ("reload its configuration", ["nginx"] if self.nginx else []),
+                     ("restart one at a time", self.roll_frontends)]
+        if not self.add_frontends:  # nginx reloads once the frontends are as they will be
+            frontends = [frontends[0], frontends[2], frontends[1]]
+        steps = ([workers[0], *frontends, workers[1]] if self.frontends_first
+                 else [*workers, *frontends])
+        steps += [("stop", self.remove_frontends), ("stop", self.remove_workers),
+                  ("restart", ["reaper"] if self.reaper else [])]
+        return ([f"  {what}: {', '.join(names)}" for what, names in steps if names]
+                or ["  no process restarts"])
+
+
+def touches(key: str, side: tuple[str, ...], read_anyway: tuple[str, ...]) -> bool:
+    """Whether a change of `key` reaches the processes whose keys are not in `side`."""
+    return not key.startswith(side) or key in read_anyway
+
+
+def plan(old: Config, new: Config, pending: dict[str, list[str]],
+         attempted: list[Config] = ()) -> Plan:
+    """What applying `new` over `old` does; `pending`: supervisor_rpc's `pending` for the two
+    groups after the run directory was rendered for `new`; `attempted`: the configs earlier
+    applies stopped part way to (the processes they restarted run them, so what differs from
+    them restarts too, even when `new` is `old` again)."""
+    lines = config.differences(old, new)
+    for earlier in attempted:
+        lines += config.differences(earlier, new)
+    keys = sorted({line.partition(":")[0] for line in lines})
+    out = Plan(config.differences(old, new))
+    names = {kind: [p.partition(":")[2] for p in pending[kind]] for kind in pending}
+
+    def of(prefix: str, kind: str) -> list[str]:
+        return sorted((n for n in names[kind] if n.startswith(prefix)), key=index_of)
+
+    n_workers = len(topology.worker_devices(new))
+    kept_workers = [f"worker-{i}" for i in range(min(n_workers, len(topology.worker_devices(old))))]
+    kept_frontends = [f"frontend-{i}" for i in range(min(new.frontends.count,
+                                                         old.frontends.count))]
+    out.add_workers, out.remove_workers = of("worker-", "added"), of("worker-", "removed")
+    out.add_frontends, out.remove_frontends = of("frontend-", "added"), of("frontend-", "removed")
+    workers_changed = any(touches(k, FRONTEND_SIDE, READ_BY_WORKERS) for k in keys
+                          if k not in COUNT_KEYS)
+    out.roll_workers = [w for i, w in enumerate(kept_workers)
+                        if workers_changed or w in names["changed"] or moved(old, new, i)]
+    frontends_changed = (any(frontend_reads(k) for k in keys)
+                         or out.add_workers or out.remove_workers)
+    out.roll_frontends = [f for f in kept_frontends
+                          if frontends_changed or f in names["changed"]]
+    before, after = unit_names(old), unit_names(new)
+    added, removed = after - before, before - after
+    out.reshaped = sorted({u.partition("@")[0] for u in added}
+                          & {u.partition("@")[0] for u in removed})
+    # Models only removed: the frontends stop routing to them before the workers drop them.
+    # Workers added beside kept ones that restart: the frontends learn the new ones first.
+    # Models added: the workers first, so the frontends find them served.
+    out.frontends_first = not added and bool(
+        removed or (out.add_workers and out.roll_workers))
+    out.reaper = bool(out.add_workers or out.remove_workers or out.add_frontends
+                      or out.remove_frontends or any(k.startswith("logging.") for k in keys))
+    return out
+
+
+def by_counts(old: Config, new: Config) -> dict[str, list[str]]:
+    """`pending` as the counts alone tell it, before anything is rendered (--dry-run)."""
+    out: dict[str, list[str]] = {"added": [], "removed": [], "changed": []}
+    for group, before, after in (
+            ("workers", len(topology.worker_devices(old)), len(topology.worker_devices(new))),
+            ("frontends", old.frontends.count, new.frontends.count)):
+        name = group[:-1]
+        out["added"] += [f"{group}:{name}-{i}" for i in range(before, after)]
+        out["removed"] += [f"{group}:{name}-{i}" for i in range(after, before)]
+    return out
+
+
+def frontend_reads(key: str) -> bool:
+    """Whether a frontend reads `key` (nginx's keys: only those whose limits it mirrors)."""
+    if key.startswith("nginx."):
+        return key in NGINX_READ_BY_FRONTENDS
+    return touches(key, WORKER_SIDE, READ_BY_FRONTENDS)
+
+
+def unit_names(cfg: Config) -> set[str]:
+    """What the workers load, by name: models, and MODEL@VARIANT for A/B ones."""
+    return {u.name for m in cfg.models for u in models.units(m)}
+
+
+def moved(old: Config, new: Config, index: int) -> bool:
+    """Whether worker `index` runs on another device, or loads other models, under `new`."""
+    before, after = topology.worker_devices(old), topology.worker_devices(new)
+    return before[index] != after[index] or (
+        sorted(u.name for u in models.hosted(old, before, index))
+        != sorted(u.name for u in models.hosted(new, after, index)))
+
+
+def index_of(name: str) -> int:
+    return int(name.rpartition("-")[2])
