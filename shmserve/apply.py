@@ -55,6 +55,15 @@ def apply(args: argparse.Namespace) -> int:
         return _apply(args, new)
 
 
+def running_now(cfg: Config) -> bool:
+    """Whether an apply runs on this deployment now (its lock is held)."""
+    try:
+        with exclusive(cfg):
+            return False
+    except CliError:
+        return True
+
+
 @contextlib.contextmanager
 def exclusive(cfg: Config) -> Iterator[None]:
     """One apply at a time on a deployment: two would add, stop and restart the same programs
@@ -107,6 +116,7 @@ def _apply(args: argparse.Namespace, new: Config) -> int:
                                               ["the config from before the earlier apply"]))
     if args.dry_run:
         steps = plan(old, new, by_counts(old, new), attempted)
+        steps.nginx = resumed or render.render_nginx(new) != render.nginx_conf(new).read_text()
         say("shmserve: steps (and any program whose environment or logs change restarts "
             "too):\n" + "\n".join(steps.lines()))
         say("shmserve: --dry-run: nothing changed")

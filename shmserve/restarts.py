@@ -31,7 +31,12 @@ def restart(args: argparse.Namespace) -> int:
     cfg = processes.deployment(args)
     if processes.supervisord_pid(cfg) is None:
         raise CliError(processes.not_running(cfg))
-    if topology.apply_marker_path(cfg).exists():
+    from shmserve.apply import running_now
+
+    if running_now(cfg):
+        say("shmserve: warning: `shmserve apply` is running on this deployment: the programs "
+            "restarted now start on the config it applies", sys.stderr)
+    elif topology.apply_marker_path(cfg).exists():
         say("shmserve: warning: an apply stopped part way (run/apply.json): the programs "
             "restarted now start on the config it was applying (run/config.json); "
             "`shmserve apply` finishes it, or, with the config put back, undoes it",

@@ -110,6 +110,8 @@ def test_apply_restarts_only_what_reads_a_changed_key(stack):
     assert [last[p] != after[p] for p in sorted(after)] == [True, True, False, False]
 
     edit(stack, nginx={"rate_limit_per_s": 50})  # nginx's alone: a reload, no restart
+    dry = stack.cli("apply", "--dry-run")
+    assert "reload its configuration: nginx" in dry.stdout, dry.stdout
     done = stack.cli("apply", timeout=300)
     assert "reload its configuration: nginx" in done.stdout and "restart one" not in done.stdout
     assert programs(stack) == last

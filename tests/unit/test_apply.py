@@ -183,7 +183,8 @@ def test_one_apply_at_a_time(tmp_path):
             with apply.exclusive(cfg):
                 pass
     with apply.exclusive(cfg):  # released at the end of the first
-        pass
+        assert apply.running_now(cfg)
+    assert not apply.running_now(cfg)
 
 
 def test_a_dry_run_tells_the_programs_started_and_stopped_from_the_counts(base):
