@@ -92,9 +92,9 @@ def test_apply_scales_frontends_and_workers_up_and_down_under_load(stack):
     assert "nothing to apply" in stack.cli("apply").stdout
 
 
-def test_apply_restarts_only_what_reads_a_changed_key(stack):
+def test_apply_restarts_only_what_reads_a_changed_key_and_goes_on_after_a_failure(stack):
     """A worker-side key restarts the workers alone, a frontend-side key the frontends alone,
-    and an nginx setting reloads nginx in place."""
+    and an nginx setting reloads nginx in place; an apply stopped part way goes on."""
     before = programs(stack)
     nginx = stack.pid("nginx")
     edit(stack, batching={"max_wait_ms": 3})
@@ -119,11 +119,10 @@ def test_apply_restarts_only_what_reads_a_changed_key(stack):
     assert "limit_req_zone" in render.nginx_conf(load_resolved(
         stack.run_dir / "config.json")).read_text()
 
-
-def test_an_apply_that_stops_part_way_goes_on_when_run_again(stack):
-    """A step that fails (here a frontend not ready within --timeout) stops the apply with the
-    old config kept in run/apply.json; the next apply goes on from there, nginx reloaded
-    although its file was already the new one."""
+    # The same stack goes on (one stack less to start in the suite):
+    # A step that fails (here a frontend not ready within --timeout) stops the apply with the
+    # old config kept in run/apply.json; the next apply goes on from there, nginx reloaded
+    # although its file was already the new one.
     edit(stack, frontends={"count": 3})
     failed = stack.cli("apply", "--timeout", "0.01", check=False, timeout=300)
     assert failed.returncode == 2 and "`shmserve apply` again" in failed.stderr, failed.stderr
