@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import fcntl
 import json
 import os
 import sys
@@ -42,9 +41,9 @@ from typing import Iterator
 
 from shmserve import config, layers, models, processes, render, topology
 from shmserve.apply_plan import FIXED, Plan, by_counts, index_of, plan
-from shmserve.cli import CliError, check_port, check_shm, ctl_argv
+from shmserve.cli import CliError, check_port, check_shm
 from shmserve.config import Config
-from shmserve.restarts import reload_nginx, say, wait_until_ready
+from shmserve.restarts import ctl, reload_nginx, say, wait_until_ready
 from shmserve.startwait import process_info
 
 def apply(args: argparse.Namespace) -> int:
@@ -68,16 +67,15 @@ def running_now(cfg: Config) -> bool:
 def exclusive(cfg: Config) -> Iterator[None]:
     """One apply at a time on a deployment: two would add, stop and restart the same programs
     from two plans."""
-    fd = os.open(cfg.run_dir / "apply.lock", os.O_RDWR | os.O_CREAT, 0o600)
-    try:
+    from shmserve import state
+
+    with contextlib.ExitStack() as stack:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+            stack.enter_context(state.held(cfg.run_dir / "apply.lock", "apply"))
+        except state.Busy:
             raise CliError("another `shmserve apply` runs on this deployment; wait for it "
                            "to end") from None
         yield
-    finally:
-        os.close(fd)  # closing releases the lock
 
 
 def _apply(args: argparse.Namespace, new: Config) -> int:
@@ -106,7 +104,7 @@ def _apply(args: argparse.Namespace, new: Config) -> int:
     if new.server.port != old.server.port or new.server.host != old.server.host:
         check_port(new)
     check_shm(new)
-    with rpc(new) as proxy:
+    with processes.supervisor(new) as proxy:
         try:
             proxy.shmserve.getAPIVersion()
         except xmlrpc.client.Fault:
@@ -126,7 +124,7 @@ def _apply(args: argparse.Namespace, new: Config) -> int:
     nginx_before = render.nginx_conf(new).read_text()
     render.render(new)
     forget_overridden(old, new)
-    with rpc(new) as proxy:
+    with processes.supervisor(new) as proxy:
         steps = plan(old, new, proxy.shmserve.pending(["workers", "frontends"]), attempted)
     # Resumed, the file may already have been the new one: reload nginx anyway.
     steps.nginx = resumed or render.nginx_conf(new).read_text() != nginx_before
@@ -199,7 +197,7 @@ def warn_gaps(old: Config, new: Config, steps: Plan) -> None:
 
 
 def run(new: Config, old: Config, steps: Plan, timeout: float) -> None:
-    rest = f"; {_rest(steps)}"
+    rest = f"; {STOPPED}"
     for program in steps.add_workers:
         sync(new, "workers", program)  # supervisord starts it: it loads meanwhile
     if steps.frontends_first:
@@ -225,7 +223,7 @@ def run(new: Config, old: Config, steps: Plan, timeout: float) -> None:
     for program in steps.remove_workers:
         remove(new, "workers", program)
     if steps.reaper:
-        subprocess_ctl(new, "restart", "reaper")
+        ctl(new, "restart", "reaper")
     for program in steps.add_workers:  # every frontend sees them (it was restarted to)
         wait_until_ready(new, "workers", program, pid_of(new, program), timeout, rest)
 
@@ -272,13 +270,12 @@ def wait_loaded(cfg: Config, program: str, timeout: float, rest: str) -> None:
         time.sleep(0.5)
 
 
-def _rest(steps: Plan) -> str:
-    return ("the apply stopped there: fix the cause, then `shmserve apply` again goes on "
-            "(run/apply.json keeps the config from before it)")
+STOPPED = ("the apply stopped there: fix the cause, then `shmserve apply` again goes on "
+           "(run/apply.json keeps the config from before it)")
 
 
 def sync(cfg: Config, group: str, program: str, running: bool = False) -> str:
-    with rpc(cfg) as proxy:
+    with processes.supervisor(cfg) as proxy:
         done = proxy.shmserve.syncProcess(group, program, running)
     if done in ("added", "removed", "replaced"):  # the program as supervisord runs it
         say(f"shmserve: {program}: {done} ({'started' if done == 'added' else 'stopped'})"
@@ -289,21 +286,19 @@ def sync(cfg: Config, group: str, program: str, running: bool = False) -> str:
 def replace(cfg: Config, group: str, program: str, timeout: float) -> None:
     """Stop `program` (it drains), make it as the rendered config says, start it and wait until
     it serves again."""
-    subprocess_ctl(cfg, "stop", f"{group}:{program}")
+    ctl(cfg, "stop", f"{group}:{program}")
     sync(cfg, group, program)
-    with rpc(cfg) as proxy:
+    with processes.supervisor(cfg) as proxy:
         try:
             proxy.supervisor.startProcess(f"{group}:{program}", False)
         except xmlrpc.client.Fault as exc:
             if "ALREADY_STARTED" not in exc.faultString:  # supervisord's autostart came first
                 raise CliError(f"supervisord could not start {program}: {exc.faultString}")
-    wait_until_ready(cfg, group, program, pid_of(cfg, program), timeout,
-                     rest="; the apply stopped there: fix the cause, then `shmserve apply` "
-                          "again goes on")
+    wait_until_ready(cfg, group, program, pid_of(cfg, program), timeout, rest=f"; {STOPPED}")
 
 
 def remove(cfg: Config, group: str, program: str) -> None:
-    subprocess_ctl(cfg, "stop", f"{group}:{program}")
+    ctl(cfg, "stop", f"{group}:{program}")
     sync(cfg, group, program)
 
 
@@ -315,31 +310,6 @@ def pid_of(cfg: Config, program: str, wait_s: float = 10.0) -> int:
         if pid or time.monotonic() > deadline:
             return pid
         time.sleep(0.1)
-
-
-def subprocess_ctl(cfg: Config, *args: str) -> None:
-    import subprocess
-
-    done = subprocess.run(ctl_argv(cfg, *args), check=False, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise CliError(f"supervisorctl {' '.join(args)} failed: "
-                       f"{(done.stdout + done.stderr).strip()}")
-
-
-class rpc:  # noqa: N801 - used as `with rpc(cfg) as proxy`
-    """supervisord's XML-RPC over its unix socket."""
-
-    def __init__(self, cfg: Config) -> None:
-        from supervisor.xmlrpc import SupervisorTransport
-
-        transport = SupervisorTransport(None, None, f"unix://{render.supervisor_socket(cfg)}")
-        self.proxy = xmlrpc.client.ServerProxy("http://localhost", transport)
-
-    def __enter__(self):
-        return self.proxy
-
-    def __exit__(self, *exc) -> None:
-        self.proxy("close")()
 
 
 def add_parser(command) -> None:

@@ -39,7 +39,6 @@ FIXED = ("logging.stdout",)
 
 @dataclass
 class Plan:
-    changes: list[str]  # "key: old -> new"
     add_workers: list[str] = field(default_factory=list)
     roll_workers: list[str] = field(default_factory=list)
     add_frontends: list[str] = field(default_factory=list)
@@ -81,7 +80,7 @@ def plan(old: Config, new: Config, pending: dict[str, list[str]],
     for earlier in attempted:
         lines += config.differences(earlier, new)
     keys = sorted({line.partition(":")[0] for line in lines})
-    out = Plan(config.differences(old, new))
+    out = Plan()
     names = {kind: [p.partition(":")[2] for p in pending[kind]] for kind in pending}
 
     def of(prefix: str, kind: str) -> list[str]:

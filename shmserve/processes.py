@@ -19,13 +19,19 @@ from shmserve import config, render, topology
 from shmserve.config import Config
 
 
-def info(cfg: Config) -> list[dict]:
-    """supervisord's view of every process, over its XML-RPC socket ([] when unreachable)."""
+def supervisor(cfg: Config) -> xmlrpc.client.ServerProxy:
+    """supervisord's XML-RPC over its unix socket (a context manager that closes it): its
+    `supervisor` namespace, and `shmserve` (shmserve.supervisor_rpc)."""
     from supervisor.xmlrpc import SupervisorTransport
 
     transport = SupervisorTransport(None, None, f"unix://{render.supervisor_socket(cfg)}")
+    return xmlrpc.client.ServerProxy("http://localhost", transport)
+
+
+def info(cfg: Config) -> list[dict]:
+    """supervisord's view of every process, over its XML-RPC socket ([] when unreachable)."""
     try:
-        with xmlrpc.client.ServerProxy("http://localhost", transport) as proxy:
+        with supervisor(cfg) as proxy:
             return proxy.supervisor.getAllProcessInfo()
     except (OSError, xmlrpc.client.Error):
         return []

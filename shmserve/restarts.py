@@ -180,15 +180,19 @@ def restart_gap(group: str, name: str, programs: list[str], all_at_once: bool,
     return None
 
 
+def ctl(cfg: Config, *args: str) -> None:
+    """A supervisorctl command that must succeed (a CliError with its output otherwise)."""
+    done = subprocess.run(ctl_argv(cfg, *args), check=False, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise CliError(f"supervisorctl {' '.join(args)} failed: "
+                       f"{(done.stdout + done.stderr).strip()}")
+
+
 def restart_one(cfg: Config, group: str, program: str, timeout: float) -> None:
     """Restart one frontend or worker and wait until it serves again: a frontend answers
     GET /ready with 200 on its own socket; a worker, under its new pid, is ready in every
     frontend's GET /ready (each learns it from the worker's heartbeats)."""
-    done = subprocess.run(ctl_argv(cfg, "restart", f"{group}:{program}"), check=False,
-                          capture_output=True, text=True)
-    if done.returncode != 0:
-        raise CliError(f"supervisorctl restart {group}:{program} failed: "
-                       f"{(done.stdout + done.stderr).strip()}")
+    ctl(cfg, "restart", f"{group}:{program}")
     pid = next((p["pid"] for p in process_info(cfg) if p["name"] == program), 0)
     wait_until_ready(cfg, group, program, pid, timeout,
                      rest=f"; the rest of {group} was left as it is")
@@ -243,10 +247,7 @@ def reload_nginx(cfg: Config) -> int:
     states = {p["name"]: p["statename"] for p in process_info(cfg)}
     if states.get("nginx") != "RUNNING":
         return subprocess.run(ctl_argv(cfg, "restart", "nginx"), check=False).returncode
-    done = subprocess.run(ctl_argv(cfg, "signal", "HUP", "nginx"), check=False,
-                          capture_output=True, text=True)
-    if done.returncode != 0:
-        raise CliError(f"supervisorctl signal HUP nginx failed: {done.stdout.strip()}")
+    ctl(cfg, "signal", "HUP", "nginx")
     say("shmserve: nginx reloaded its configuration: requests in flight finish on the old "
         "nginx workers; their idle keep-alive connections are closed, so a client that sends "
         "on one at that moment must reconnect (most HTTP clients retry that themselves)")

@@ -84,7 +84,7 @@ class Watch:
 
 
 class Busy(Exception):
-    """Another reload of the same unit holds its lock."""
+    """Another holds the lock (a reload of the same unit, an apply)."""
 
 
 @contextmanager
@@ -92,12 +92,20 @@ def reloading(cfg: Config, unit: str) -> Iterator[None]:
     """Hold the deployment-wide right to reload `unit`, or raise Busy at once. Two admin calls
     reach different frontends through nginx; without it, each could take one worker's standby
     slot first and both fail with nothing reloaded."""
-    fd = os.open(cfg.run_dir / f"reload-{unit}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    with held(cfg.run_dir / f"reload-{unit}.lock", unit):
+        yield
+
+
+@contextmanager
+def held(lock: Path, what: str) -> Iterator[None]:
+    """An exclusive lock on the file `lock` for the block, or Busy(what) at once when another
+    process (or another open of it) holds it (reloads of a unit, `shmserve apply`)."""
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise Busy(unit) from None
+            raise Busy(what) from None
         yield
     finally:
         os.close(fd)  # closing releases the lock
