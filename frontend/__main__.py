@@ -5,7 +5,29 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import socket
 import sys
+from pathlib import Path
+
+
+def bind_in_place(path: Path, backlog: int) -> socket.socket:
+    """A listening unix socket at `path`, put there by rename(2) over the file a previous run
+    left, so that the path never stops existing. Binding at the path itself (asyncio's
+    create_unix_server) unlinks the old file first: a connect in that gap finds no file, which
+    nginx logs at level crit (seen once in a rolling restart of the test suite), where a connect
+    to the old file, before the rename, is refused and logged as an error."""
+    staging = path.with_name(f".{path.name}.{os.getpid()}")
+    staging.unlink(missing_ok=True)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(str(staging))
+        sock.listen(backlog)
+        os.replace(staging, path)
+    except BaseException:
+        sock.close()
+        staging.unlink(missing_ok=True)
+        raise
+    return sock
 
 
 def main() -> int:
@@ -44,7 +66,8 @@ def main() -> int:
 
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop)
-    web.run_app(create_app(cfg, args.index), path=str(path), print=None, loop=loop,
+    sock = bind_in_place(path, cfg.frontends.listen_backlog)
+    web.run_app(create_app(cfg, args.index), sock=sock, print=None, loop=loop,
                 shutdown_timeout=cfg.server.drain_timeout_s, access_log=None,
                 handle_signals=False, backlog=cfg.frontends.listen_backlog,
                 # A client that goes away cancels its handler, which aborts its queued work
@@ -54,9 +77,9 @@ def main() -> int:
                 auto_decompress=False,
                 max_line_size=header_limit(cfg), max_field_size=header_limit(cfg),
                 max_headers=header_count_limit(cfg))
-    # The socket file stays (uvloop replaces it at the next bind; `shmserve down` removes it):
-    # while this frontend restarts nginx's connects to it are refused, which nginx logs as an
-    # error, where a missing file is logged at level crit, and alerting on crit would fire at
+    # The socket file stays (the next start renames its own over it; `shmserve down` removes
+    # it): while this frontend restarts nginx's connects to it are refused, which nginx logs as
+    # an error, where a missing file is logged at level crit, and alerting on crit would fire at
     # every rolling restart.
     return 0
 

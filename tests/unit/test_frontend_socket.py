@@ -1,0 +1,45 @@
+"""A restarting frontend puts its socket in place without a moment where the path is missing
+(nginx logs a connect to a missing socket file at level crit, a refused one as an error)."""
+
+import os
+import socket
+import threading
+
+from frontend.__main__ import bind_in_place
+
+
+def test_the_socket_path_never_goes_missing_while_frontends_replace_it(tmp_path):
+    path = tmp_path / "frontend-0.sock"
+    current = bind_in_place(path, 16)
+    seen = {"missing": 0, "refused": 0, "connected": 0}
+    stop = threading.Event()
+
+    def connect_in_a_loop():
+        while not stop.is_set():
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
+                try:
+                    client.connect(str(path))
+                    seen["connected"] += 1
+                except FileNotFoundError:
+                    seen["missing"] += 1
+                except ConnectionRefusedError:
+                    seen["refused"] += 1
+
+    client = threading.Thread(target=connect_in_a_loop)
+    client.start()
+    try:
+        for _ in range(300):
+            current.close()  # the old frontend exits, its file stays
+            current = bind_in_place(path, 16)
+    finally:
+        stop.set()
+        client.join()
+        current.close()
+    assert seen["missing"] == 0, seen
+    assert seen["connected"] > 0, seen
+    # the new socket is the one at the path, and no staging file is left beside it
+    assert os.listdir(tmp_path) == ["frontend-0.sock"]
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
+        current = bind_in_place(path, 16)
+        client.connect(str(path))
+        current.close()
