@@ -16,7 +16,9 @@ def bind_in_place(path: Path, backlog: int) -> socket.socket:
     create_unix_server) unlinks the old file first: a connect in that gap finds no file, which
     nginx logs at level crit (seen once in a rolling restart of the test suite), where a connect
     to the old file, before the rename, is refused and logged as an error."""
-    staging = path.with_name(f".{path.name}.{os.getpid()}")
+    # No longer than frontend-N.sock: run_dir is checked for the socket paths' length (108
+    # bytes), so a longer staging name could not bind where the real one can.
+    staging = path.with_name(f".{os.getpid()}")
     staging.unlink(missing_ok=True)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:

@@ -43,3 +43,22 @@ def test_the_socket_path_never_goes_missing_while_frontends_replace_it(tmp_path)
         current = bind_in_place(path, 16)
         client.connect(str(path))
         current.close()
+
+
+def test_a_socket_path_of_the_longest_length_allowed_binds(tmp_path):
+    """The staging name is no longer than the socket's, so a run_dir that passes the length
+    check (shmserve.render: 108 bytes for every socket path) serves."""
+    from shmserve.render import MAX_SOCKET_PATH
+
+    name = "frontend-0.sock"
+    room = MAX_SOCKET_PATH - len(str(tmp_path)) - len(name) - 2
+    directory = tmp_path / ("d" * room)
+    directory.mkdir()
+    path = directory / name
+    assert len(str(path).encode()) == MAX_SOCKET_PATH
+    sock = bind_in_place(path, 4)
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
+            client.connect(str(path))
+    finally:
+        sock.close()
