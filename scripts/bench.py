@@ -163,9 +163,13 @@ def markdown(summary: dict) -> str:
     if summary.get("null"):
         lines += ["", f"Pipeline capacity, null model, 1 text per request: "
                       f"{summary['null']['requests_per_s']:.0f} requests/s."]
+    if summary.get("parity"):
+        lines.append("")  # a line right after a table's last row renders as one more row
     for key, value in summary.get("parity", {}).items():
-        lines.append(f"Parity, {key}: minimum cosine to sentence-transformers fp32 "
+        lines.append(f"- Parity, {key}: minimum cosine to sentence-transformers fp32 "
                      f"{value:.6f}.")
+    if summary.get("note"):
+        lines += ["", summary["note"]]
     return "\n".join(lines) + "\n"
 
 
@@ -181,7 +185,9 @@ def scenario_names(text: str) -> list[str]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--url", help="a running stack (default: start one per the config)")
+    parser.add_argument("--url", help="a running stack to measure (default: start one per the "
+                        "config); the in-process ceiling still runs here, and the null "
+                        "pipeline is not measured")
     parser.add_argument("--env", help="config env (as SHMSERVE_ENV)")
     parser.add_argument("--config", help="extra config file for the stack and the ceiling")
     parser.add_argument("--compare", help="'baseline' (started here) or an OpenAI-compatible URL")
@@ -194,7 +200,8 @@ def main() -> int:
     parser.add_argument("--no-sweep", action="store_true",
                         help="skip the open-loop sweep at 25-100%% of saturation (and its plot)")
     parser.add_argument("--no-null", action="store_true",
-                        help="skip the null-model pipeline capacity")
+                        help="skip the null-model pipeline capacity (measured on a stack this "
+                             "script starts here, serving the null model: skipped with --url)")
     parser.add_argument("--null-users", type=positive, default=64,
                         help="locust users for the null pipeline (default 64)")
     parser.add_argument("--null-api", choices=("openai", "msgpack"), default="msgpack",
@@ -204,6 +211,17 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=REPO / "bench-results",
                         help="results go to OUT/<time>/ (default bench-results)")
     args = parser.parse_args()
+    if args.rounds < 3:
+        print(f"bench: --rounds {args.rounds}: each range is one or two windows and each "
+              "median as noisy as one; on a machine whose speed drifts, use 3 or more",
+              file=sys.stderr)
+    if args.url and not args.no_null:
+        # The null model's capacity needs a stack serving it, which is one this script starts
+        # on this machine: beside a report of the stack at --url it would read as that one's.
+        print("bench: --url: the null pipeline's capacity is not measured (it needs a stack "
+              "serving the null model, started here); run without --url for it",
+              file=sys.stderr)
+        args.no_null = True
 
     cfg = config_mod.load(env=args.env, extra=args.config)
     corpus = json.loads(args.corpus.read_text())
@@ -252,6 +270,9 @@ def main() -> int:
             plot(summary["sweep"], out / "latency.png")
     if not args.no_null:
         summary["null"] = null_capacity(args)
+    if args.rounds < 3:
+        summary["note"] = (f"{args.rounds} round(s): the ranges and medians rest on so few "
+                           "windows that the machine's drift can decide them.")
     (out / "results.json").write_text(json.dumps(summary, indent=2))
     (out / "results.md").write_text(markdown(summary))
     print("\n" + markdown(summary) + f"\nwritten to {out}")

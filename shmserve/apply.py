@@ -110,8 +110,9 @@ def _apply(args: argparse.Namespace, new: Config) -> int:
         except xmlrpc.client.Fault:
             raise CliError("this deployment's supervisord was started by an older shmserve, "
                            "without `apply`: `shmserve down`, then `shmserve up`") from None
-    say("shmserve: applying:\n" + "\n".join(f"  {line}" for line in changes or
-                                              ["the config from before the earlier apply"]))
+    say(f"shmserve: {'would apply' if args.dry_run else 'applying'}:\n"
+        + "\n".join(f"  {line}" for line in changes or
+                     ["the config from before the earlier apply"]))
     if args.dry_run:
         steps = plan(old, new, by_counts(old, new), attempted)
         steps.nginx = resumed or render.render_nginx(new) != render.nginx_conf(new).read_text()
@@ -217,15 +218,15 @@ def run(new: Config, old: Config, steps: Plan, timeout: float) -> None:
     for program in steps.remove_frontends:
         remove(new, "frontends", program)
         topology.frontend_socket(new, index_of(program)).unlink(missing_ok=True)
-    if steps.remove_workers:
-        for program in steps.add_workers:
-            wait_until_ready(new, "workers", program, pid_of(new, program), timeout, rest)
+    # Workers added: every frontend sees them ready (it was restarted to), before any removed
+    # one stops.
+    for program in steps.add_workers:
+        wait_until_ready(new, "workers", program, pid_of(new, program), timeout, rest,
+                         done="started")
     for program in steps.remove_workers:
         remove(new, "workers", program)
     if steps.reaper:
         ctl(new, "restart", "reaper")
-    for program in steps.add_workers:  # every frontend sees them (it was restarted to)
-        wait_until_ready(new, "workers", program, pid_of(new, program), timeout, rest)
 
 
 def workers(new: Config, frontends_of: Config, steps: Plan, timeout: float) -> None:
@@ -242,7 +243,8 @@ def frontends(new: Config, old: Config, steps: Plan, timeout: float, rest: str) 
     then the kept ones one at a time."""
     for program in steps.add_frontends:
         sync(new, "frontends", program)
-        wait_until_ready(new, "frontends", program, pid_of(new, program), timeout, rest)
+        wait_until_ready(new, "frontends", program, pid_of(new, program), timeout, rest,
+                         done="started")
     if steps.add_frontends:
         reload_nginx(new)
     for program in steps.roll_frontends:

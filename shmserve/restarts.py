@@ -199,16 +199,17 @@ def restart_one(cfg: Config, group: str, program: str, timeout: float) -> None:
 
 
 def wait_until_ready(cfg: Config, group: str, program: str, pid: int, timeout: float,
-                     rest: str) -> None:
-    """Until `program`, restarted as process `pid`, serves again; a CliError (its logs said)
-    when it exits or loops instead, or is not ready within `timeout`."""
+                     rest: str, done: str = "restarted") -> None:
+    """Until `program`, restarted (`done`: or started, by apply) as process `pid`, serves
+    again; a CliError (its logs said) when it exits or loops instead, or is not ready within
+    `timeout`."""
     frontends = [str(topology.frontend_socket(cfg, i)) for i in range(cfg.frontends.count)]
     index = int(program.rpartition("-")[2])
     if group == "frontends":
         ready = lambda: remote.http_unix(frontends[index], "/ready") == 200  # noqa: E731
     else:
         ready = lambda: all(worker_ready(path, index, pid) for path in frontends)  # noqa: E731
-    say(f"shmserve: restarted {program} (pid {pid}); waiting until it is ready")
+    say(f"shmserve: {done} {program} (pid {pid}); waiting until it is ready")
     deadline = time.monotonic() + timeout
     watch = processes.StartWatch()
     while not ready():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -36,9 +37,27 @@ def corpus_path() -> Path:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port on 127.0.0.1: the kernel's choice, or with SHMSERVE_PORTS=LO-HI the first
+    free one in that range from a random point in it (a host where only some ports may be
+    used; the benchmark scripts' stacks take theirs here too)."""
+    wanted = os.environ.get("SHMSERVE_PORTS")
+    if not wanted:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    low, _, high = wanted.partition("-")
+    if not (low.isdigit() and high.isdigit() and 0 < int(low) <= int(high) < 65536):
+        raise ValueError(f"SHMSERVE_PORTS={wanted!r}: expected LO-HI, e.g. 18200-18299")
+    ports = list(range(int(low), int(high) + 1))
+    start = random.randrange(len(ports))  # two test processes rarely try the same one first
+    for port in ports[start:] + ports[:start]:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"SHMSERVE_PORTS={wanted}: no free port in the range")
 
 
 class Stack:

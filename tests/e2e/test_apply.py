@@ -58,10 +58,15 @@ def test_apply_scales_frontends_and_workers_up_and_down_under_load(stack):
              limits={"max_texts_per_request": 8})
         dry = stack.cli("apply", "--dry-run")
         assert "frontends.count: 2 -> 3" in dry.stdout and "nothing changed" in dry.stdout
+        assert "would apply:" in dry.stdout and "applying" not in dry.stdout, dry.stdout
         assert "start: worker-2" in dry.stdout and "start: frontend-2" in dry.stdout
         assert programs(stack) == before
         done = stack.cli("apply", timeout=400)
         assert "shmserve: applied" in done.stdout, done.stdout + done.stderr
+        # what it added was started, not restarted
+        assert "started worker-2 (pid" in done.stdout and "restarted worker-2" not in \
+            done.stdout, done.stdout
+        assert "started frontend-2 (pid" in done.stdout, done.stdout
         traffic.wait_for(20)
         grown = programs(stack)
         assert set(grown) == {"frontend-0", "frontend-1", "frontend-2", "worker-0",

@@ -1,0 +1,58 @@
+"""What the benchmark scripts print and write (scripts/bench.py, scripts/burst.py), and the
+ports their stacks take (tests.stack.free_port, shared with the tests)."""
+
+import socket
+import sys
+
+import pytest
+
+from tests.stack import REPO, free_port
+
+sys.path.insert(0, str(REPO / "scripts"))
+
+import bench  # noqa: E402
+import burst  # noqa: E402
+
+
+def summary(**extra):
+    ratio = {"median": 0.9, "min": 0.8, "max": 1.0}
+    return {"machine": "2 cores", "when": "now", "command": "scripts/bench.py", "setup": "x",
+            "closed_loop": {"short": {"served_vs_in_process": ratio, "served_texts_per_s": 1.0,
+                                      "served_p50_ms": 1, "served_p99_ms": 2,
+                                      "in_process_texts_per_s": 1.0}},
+            "parity": {"shmserve": 0.99995, "other": 1.0}, **extra}
+
+
+def test_the_parity_lines_are_not_read_as_rows_of_the_table_above():
+    lines = bench.markdown(summary()).splitlines()
+    first = next(i for i, line in enumerate(lines) if "Parity" in line)
+    assert lines[first - 1] == "" and lines[first - 2].startswith("| short")
+    assert [line for line in lines if "Parity" in line] == [
+        "- Parity, shmserve: minimum cosine to sentence-transformers fp32 0.999950.",
+        "- Parity, other: minimum cosine to sentence-transformers fp32 1.000000."]
+
+
+def test_a_note_of_too_few_rounds_closes_the_report():
+    assert bench.markdown(summary(note="1 round(s): few")).splitlines()[-1] == "1 round(s): few"
+
+
+def test_burst_prints_latencies_in_milliseconds():
+    line = burst.describe({"statuses": {200: 3, 429: 1}, "ok_p50_s": 0.0123, "ok_max_s": 0.0456,
+                           "p50_429_s": 0.002, "last_429_s": None,
+                           "goodput_texts_per_s": 10.0})
+    assert "200s p50 12 ms max 46 ms" in line and "429s at p50 2 ms last - ms" in line, line
+
+
+def test_shmserve_ports_keeps_the_stacks_in_a_range_and_skips_a_taken_port(monkeypatch):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        port = taken.getsockname()[1]
+        monkeypatch.setenv("SHMSERVE_PORTS", f"{port}-{min(port + 40, 65535)}")
+        chosen = free_port()
+        assert port < chosen <= port + 40
+    monkeypatch.setenv("SHMSERVE_PORTS", f"{port}-{port}")  # released: free again
+    assert free_port() == port
+    for wrong in ("18200", "b-c", "9-1", "0-10"):
+        monkeypatch.setenv("SHMSERVE_PORTS", wrong)
+        with pytest.raises(ValueError, match="SHMSERVE_PORTS"):
+            free_port()
