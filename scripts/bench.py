@@ -211,10 +211,12 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=REPO / "bench-results",
                         help="results go to OUT/<time>/ (default bench-results)")
     args = parser.parse_args()
-    if args.rounds < 3:
-        print(f"bench: --rounds {args.rounds}: each range is one or two windows and each "
-              "median as noisy as one; on a machine whose speed drifts, use 3 or more",
-              file=sys.stderr)
+    # Said on stderr now and written at the end of the report.
+    few_rounds = (f"{args.rounds} round(s): the ranges and medians rest on so few windows that "
+                  "the machine's drift can decide them; use 3 or more" if args.rounds < 3
+                  else None)
+    if few_rounds:
+        print(f"bench: {few_rounds}", file=sys.stderr)
     if args.url and not args.no_null:
         # The null model's capacity needs a stack serving it, which is one this script starts
         # on this machine: beside a report of the stack at --url it would read as that one's.
@@ -270,9 +272,8 @@ def main() -> int:
             plot(summary["sweep"], out / "latency.png")
     if not args.no_null:
         summary["null"] = null_capacity(args)
-    if args.rounds < 3:
-        summary["note"] = (f"{args.rounds} round(s): the ranges and medians rest on so few "
-                           "windows that the machine's drift can decide them.")
+    if few_rounds:
+        summary["note"] = few_rounds + "."
     (out / "results.json").write_text(json.dumps(summary, indent=2))
     (out / "results.md").write_text(markdown(summary))
     print("\n" + markdown(summary) + f"\nwritten to {out}")

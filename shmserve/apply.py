@@ -39,7 +39,7 @@ import time
 import xmlrpc.client
 from typing import Iterator
 
-from shmserve import config, layers, models, processes, render, topology
+from shmserve import config, layers, models, processes, render, state, topology
 from shmserve.apply_plan import FIXED, Plan, by_counts, index_of, plan
 from shmserve.cli import CliError, check_port, check_shm
 from shmserve.config import Config
@@ -67,8 +67,6 @@ def running_now(cfg: Config) -> bool:
 def exclusive(cfg: Config) -> Iterator[None]:
     """One apply at a time on a deployment: two would add, stop and restart the same programs
     from two plans."""
-    from shmserve import state
-
     with contextlib.ExitStack() as stack:
         try:
             stack.enter_context(state.held(cfg.run_dir / "apply.lock", "apply"))
@@ -145,8 +143,6 @@ def forget_overridden(old: Config, new: Config) -> list[str]:
     """Drop what the admin API changed (run/state.json: a reloaded source, A/B weights) for
     the models whose config changed, so the restarted workers and frontends serve the config;
     what it changed for the others stays, as across restarts. The units and models dropped."""
-    from shmserve import state
-
     def by_unit(cfg: Config) -> dict[str, tuple]:
         return {u.name: (u.config.source, u.config.revision) for m in cfg.models
                 for u in models.units(m)}
