@@ -256,7 +256,7 @@ def status(args: argparse.Namespace) -> int:
         # so one frozen frontend is not reported as nginx not answering.
         wait = cfg.nginx.probe_timeout_s + 2.0
         return statusview.take(remote.base_url(cfg), lambda url: remote.http(url, timeout=wait),
-                               lambda: process_info(cfg))
+                               lambda: process_info(cfg), lambda: supervisord_pid(cfg))
 
     try:
         last = statusview.run(take, title, sys.stdout, args.watch, args.count,

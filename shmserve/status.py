@@ -28,6 +28,7 @@ class Sample:
     ready_code: int | None
     ready: dict  # GET /ready's body ({} when it did not answer)
     metrics: dict[str, dict[Labels, float]] = field(default_factory=dict)  # sample name ->
+    supervisord_pid: int | None = None  # from its pid file (it is not among its programs)
 
     def total(self, name: str, **labels: str) -> float | None:
         """The sum of the samples of `name` whose labels include `labels`; None if none."""
@@ -35,7 +36,8 @@ class Sample:
         return sum(found) if found else None
 
 
-def take(base_url: str, fetch: Fetch, processes: Callable[[], list[dict]]) -> Sample:
+def take(base_url: str, fetch: Fetch, processes: Callable[[], list[dict]],
+         supervisord_pid: Callable[[], int | None] = lambda: None) -> Sample:
     procs = processes()
     code, body = fetch(f"{base_url}/ready")
     try:
@@ -44,7 +46,8 @@ def take(base_url: str, fetch: Fetch, processes: Callable[[], list[dict]]) -> Sa
         ready = {}
     mcode, mbody = fetch(f"{base_url}/metrics")
     return Sample(time.monotonic(), procs, code, ready if isinstance(ready, dict) else {},
-                  parse_metrics(mbody.decode(errors="replace")) if mcode == 200 else {})
+                  parse_metrics(mbody.decode(errors="replace")) if mcode == 200 else {},
+                  supervisord_pid())
 
 
 def parse_metrics(text: str) -> dict[str, dict[Labels, float]]:
@@ -149,10 +152,18 @@ def processes_of(cur: Sample) -> list[dict]:
                      "uptime_s": up, "rss_bytes": _int(cur.total(
                          "shmserve_process_resident_memory_bytes", program=p["name"]))})
     rss = cur.total("shmserve_process_resident_memory_bytes", program="supervisord")
-    if rss is not None:
-        rows.append({"name": "supervisord", "state": "RUNNING", "pid": None, "uptime_s": None,
-                     "rss_bytes": _int(rss)})
+    if rss is not None or cur.supervisord_pid:
+        rows.append({"name": "supervisord", "state": "RUNNING", "pid": cur.supervisord_pid,
+                     "uptime_s": _uptime(cur.supervisord_pid), "rss_bytes": _int(rss)})
     return rows
+
+
+def _uptime(pid: int | None) -> int | None:
+    """Whole seconds, as supervisord gives its programs'."""
+    try:
+        return max(0, int(time.time() - psutil.Process(pid).create_time())) if pid else None
+    except psutil.Error:
+        return None
 
 
 def workers_of(cur: Sample, prev: Sample | None) -> list[dict]:

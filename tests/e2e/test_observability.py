@@ -344,6 +344,9 @@ def test_status_shows_processes_and_workers(stack):
     frames = [json.loads(line) for line in as_json.stdout.splitlines()]
     assert len(frames) == 2 and all(f["state"] == "ready" for f in frames)
     assert {p["name"] for p in frames[-1]["processes"]} >= {"worker-0", "nginx", "reaper"}
+    (sup,) = [p for p in frames[-1]["processes"] if p["name"] == "supervisord"]
+    assert sup["pid"] == int((stack.run_dir / "supervisord.pid").read_text()), sup
+    assert sup["uptime_s"] >= 1 and sup["rss_bytes"] > 0
     assert frames[-1]["workers"][0]["ready"] is True and frames[-1]["url"] == stack.url
 
 

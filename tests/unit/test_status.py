@@ -5,6 +5,8 @@ from __future__ import annotations
 import io
 import itertools
 import json
+import os
+import re
 import signal
 import subprocess
 import sys
@@ -106,6 +108,14 @@ def test_json_holds_the_tables_figures_unformatted():
                                  "uptime_s": 3723, "rss_bytes": 3 * 2**29}
     assert isinstance(procs["worker-0"]["rss_bytes"], int)
     assert procs["nginx"]["pid"] is None and procs["nginx"]["uptime_s"] is None
+    # supervisord is not among its own programs: its pid from its pid file, uptime from /proc
+    assert procs["supervisord"]["pid"] is None and procs["supervisord"]["rss_bytes"] == 2**20 * 20
+    me = status.Sample(cur.at, cur.processes, 200, READY, cur.metrics, supervisord_pid=os.getpid())
+    (row,) = [p for p in status.processes_of(me) if p["name"] == "supervisord"]
+    assert row["pid"] == os.getpid()
+    assert abs(row["uptime_s"] - (time.time() - psutil.Process().create_time())) <= 1.5
+    assert re.search(rf"^supervisord\s+RUNNING\s+{os.getpid()}\s+\d", status.render(me, None, "t"),
+                     re.M)
     w0 = snap["workers"][0]
     assert (w0["texts_per_s"], w0["batches_per_s"], w0["texts_per_batch"], w0["padding"]) == \
         (200.0, 10.0, 20.0, 1.25)
