@@ -51,7 +51,8 @@ def wait_ready(cfg: Config, timeout: float, nginx_log_start: int = 0) -> int:
         why = f"{', '.join(fatal)} gave up (FATAL)"
     else:
         why = f"{url} not ready after {timeout:g} s; raise workers.ready_timeout_s or --timeout"
-    print(f"shmserve: {why}; logs in {topology.log_dir(cfg)}", file=sys.stderr)
+    print(f"shmserve: {why}; logs in {topology.log_dir(cfg)}; what started keeps running "
+          "(`shmserve status`; `shmserve down` stops it)", file=sys.stderr)
     return 1
 
 

@@ -265,6 +265,28 @@ def test_a_worker_that_cannot_load_its_model_fails_up_and_restart_fast(tmp_path,
         stack.down()
 
 
+def test_up_wait_past_its_timeout_says_what_still_runs(tmp_path, tiny_model):
+    """`up --wait` that times out fails (1) and says that what it started keeps running and
+    how to stop it (a new user took the failure for a stop); the server goes on to be ready."""
+    stack = Stack(tmp_path / "s", tiny_overrides(tiny_model, frontends={"count": 1},
+                                                 workers={"cpu_workers": 1}))
+    try:
+        done = stack.cli("up", "--wait", "--timeout", "0.2", check=False, timeout=120)
+        assert done.returncode == 1, done.stdout + done.stderr
+        last = done.stderr.splitlines()[-1]
+        assert "not ready after 0.2 s" in last and "keeps running" in last, done.stderr
+        assert "`shmserve down` stops it" in last
+
+        def ready() -> bool:
+            try:
+                return stack.get("/ready")[0] == 200
+            except OSError:  # nginx not listening yet
+                return False
+        stack.wait_until(ready, 120, "ready after all")
+    finally:
+        stack.down()
+
+
 @pytest.mark.skipif(gpu_visible(), reason="this machine has a GPU")
 def test_a_worker_given_a_gpu_this_machine_lacks_fails_up(tmp_path, tiny_model):
     """workers.devices [0] on a machine without a GPU: the worker refuses to serve on the CPU
