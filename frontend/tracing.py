@@ -7,7 +7,8 @@ starts one; sampling follows the caller's decision, else `tracing.sample_ratio`.
 (tokenize, queue, inference, transfer) are laid out from the timings the frontend already keeps
 (the worker reports its queue and forward time with its reply), not measured twice: tokenize
 from its start, inference ending when the reply arrived, queue just before it, transfer from the
-reply to the response. A sampled request's access line carries its `trace_id`.
+reply to the response. A sampled request's access line carries its `trace_id`, and so does one
+that its caller's `traceparent` flagged not sampled (the caller's id).
 
 Spans leave through the SDK's batch processor, on its own thread: the request path only records.
 """
@@ -27,7 +28,8 @@ class Tracing:
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
         from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
-        from opentelemetry.trace import SpanKind, Status, StatusCode, set_span_in_context
+        from opentelemetry.trace import (SpanKind, Status, StatusCode, get_current_span,
+                                         set_span_in_context)
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
         t = cfg.tracing
@@ -40,24 +42,27 @@ class Tracing:
         self.tracer = self.provider.get_tracer("shmserve.frontend")
         self.propagator = TraceContextTextMapPropagator()
         self._server, self._in_context = SpanKind.SERVER, set_span_in_context
+        self._span_of = get_current_span
         self._error = Status(StatusCode.ERROR)
 
     def record(self, headers: Mapping[str, str], name: str, started: float, ended: float,
                attributes: dict, stages: dict[str, float] | None = None,
                tokenize_at: float | None = None, replied_at: float | None = None,
                error: bool = False) -> str | None:
-        """A finished request's spans (times: time.perf_counter()); its trace id (hex), or
-        None when it was not sampled."""
+        """A finished request's spans (times: time.perf_counter()); its trace id (hex): the
+        sampled span's, or where it was not sampled the caller's (a `traceparent` flagged not
+        sampled: the caller's own logs may carry it), else None."""
         offset = time.time_ns() - time.perf_counter_ns()
 
         def ns(t: float) -> int:
             return int(t * 1e9) + offset
 
-        span = self.tracer.start_span(name, context=self.propagator.extract(headers),
-                                      kind=self._server, start_time=ns(started),
-                                      attributes=attributes)
+        caller = self.propagator.extract(headers)
+        span = self.tracer.start_span(name, context=caller, kind=self._server,
+                                      start_time=ns(started), attributes=attributes)
         if not span.is_recording():
-            return None
+            parent = self._span_of(caller).get_span_context()
+            return format(parent.trace_id, "032x") if parent.is_valid else None
         if stages and replied_at is not None:
             inner = self._in_context(span)
             inference_at = replied_at - stages["inference"]

@@ -146,6 +146,27 @@ def test_errors_are_traced_as_errors_and_probes_not_at_all(stack, collector):
     assert names and not [n for n in names if n.endswith(("/health", "/ready", "/metrics"))]
 
 
+def test_a_caller_that_did_not_sample_gets_no_spans_and_its_trace_id_logged(stack, collector):
+    """traceparent flagged -00: the caller chose not to sample; nothing is exported, and the
+    access line still names the caller's trace, so its logs and ours join (an outside check)."""
+    unsampled = "0af7651916cd43dd8448eb211c80319d"
+    status, headers, _ = stack.post_json("/v1/embeddings", {"input": ["not sampled"]},
+                                         {"traceparent": f"00-{unsampled}-{PARENT_ID}-00"})
+    assert status == 200
+    request_id = headers["X-Request-ID"]
+
+    def access() -> list[dict]:
+        return [line for name in ("frontend-0", "frontend-1") for line in stack.log_lines(name)
+                if line.get("request_id") == request_id and line.get("message") == "request"]
+    stack.wait_until(access, 10, "the access line")
+    assert [line.get("trace_id") for line in access()] == [unsampled]
+    # A later request's span has arrived: the unsampled one's would have come before it.
+    status, headers, _ = stack.post_json("/v1/embeddings", {"input": ["after"]})
+    collector.wait_for(lambda r, s: attrs(s).get("shmserve.request_id") == headers["X-Request-ID"])
+    assert not [s for r, s in collector.spans if s.trace_id.hex() == unsampled
+                or attrs(s).get("shmserve.request_id") == request_id]
+
+
 def test_a_malformed_traceparent_starts_a_new_trace(stack, collector):
     status, headers, _ = stack.post_json(
         "/v1/embeddings", {"input": ["x"]},
