@@ -178,6 +178,8 @@ def test_run_dir_is_private_and_has_its_folders(tmp_path):
     cfg = make_config(tmp_path / "run")
     render.render(cfg)
     assert cfg.run_dir.stat().st_mode & 0o777 == 0o700
+    # it may hold API keys and the admin token given in the config or the environment (README)
+    assert (cfg.run_dir / "config.json").stat().st_mode & 0o777 == 0o600
     for sub in ("sockets", "logs", "metrics", "nginx/temp", "nginx/errors"):
         assert (cfg.run_dir / sub).is_dir(), sub
 
