@@ -132,6 +132,10 @@ def _sequence(value: Any, name: str, limits: LimitsConfig, listed: bool = False
                        param="inputs")
     if not isinstance(value, list) or len(value) not in (1, 2) or \
             not all(isinstance(v, str) for v in value):
+        if listed:  # TEI's batch: lists only, so that ["a", "b"] stays one pair
+            raise ApiError("invalid_request", f"'{name}' must be [text] or [first, second] "
+                           "(strings): a batch's items are lists, [[\"text\"], [\"first\", "
+                           "\"second\"], ...]", param="inputs")
         raise ApiError("invalid_request", f"'{name}' must be a string, [text] or [first, "
                        "second] (strings)", param="inputs")
     for i, text in enumerate(value):

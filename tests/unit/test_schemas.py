@@ -152,9 +152,11 @@ def test_tei_predict_inputs_are_read_as_tei_reads_them():
 @pytest.mark.parametrize("value, status, needle", [
     ([], 422, "non-empty batch"),
     (["a", "b", "c"], 422, "a list of 3 strings"),
-    ([["a", "b", "c"]], 422, "'inputs[0]' must be a string, [text] or [first, second]"),
+    ([["a", "b", "c"]], 422, "'inputs[0]' must be [text] or [first, second]"),
     ([["a"], []], 422, "'inputs[1]'"),
-    ([["a"], "b"], 422, "'inputs[1]'"),  # a batch holds lists
+    # a batch holds lists, as in TEI (an outside check read "must be a string" for a string)
+    ([["a"], "b"], 422, "'inputs[1]' must be [text] or [first, second] (strings): a batch's "
+                        "items are lists"),
     ([["a", 1]], 422, "'inputs[0]'"),
     ({"a": 1}, 422, "'inputs' must be"),
     ([["x" * 21]], 413, "'inputs[0][0]'"),
