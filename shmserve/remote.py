@@ -7,6 +7,7 @@ import argparse
 import json
 import math
 import socket
+import sys
 import urllib.error
 import urllib.request
 from http.client import HTTPConnection, HTTPException
@@ -23,8 +24,7 @@ class RemoteError(RuntimeError):
 
 def list_models(args: argparse.Namespace) -> int:
     status_code, body = admin_call(processes.deployment(args), "GET", "/admin/models")
-    print(json.dumps(body, indent=2))
-    return 0 if status_code == 200 else 1
+    return _said(status_code, body)
 
 
 def reload(args: argparse.Namespace) -> int:
@@ -35,14 +35,15 @@ def reload(args: argparse.Namespace) -> int:
     body = {"source": source, "revision": args.revision, "variant": args.variant}
     status_code, answer = admin_call(cfg, "POST", f"/admin/models/{quote(args.name)}/reload",
                                      body, timeout=cfg.nginx.proxy_read_timeout_s + 10)
-    print(json.dumps(answer, indent=2))
-    return 0 if status_code == 200 else 1
+    return _said(status_code, answer)
 
 
 def split(args: argparse.Namespace) -> int:
-    weights = {}
+    weights: dict[str, float] = {}
     for item in args.weights:
         name, eq, value = item.partition("=")
+        if name in weights:  # a dict would keep the last one without a word
+            raise RemoteError(f"variant {name!r} is given twice: give each variant one weight")
         try:
             weights[name] = float(value)
         except ValueError:
@@ -54,8 +55,15 @@ def split(args: argparse.Namespace) -> int:
     status_code, answer = admin_call(processes.deployment(args), "PUT",
                                      f"/admin/models/{quote(args.name)}/split",
                                      {"weights": weights})
-    print(json.dumps(answer, indent=2))
-    return 0 if status_code == 200 else 1
+    return _said(status_code, answer)
+
+
+def _said(status_code: int, answer: object) -> int:
+    """The admin API's answer, as JSON: on stdout when it succeeded (exit 0), else on stderr
+    (exit 1), where a script's `2>` looks for failures."""
+    ok = status_code == 200
+    print(json.dumps(answer, indent=2), file=sys.stdout if ok else sys.stderr)
+    return 0 if ok else 1
 
 
 def admin_call(cfg: Config, method: str, path: str, body: dict | None = None,

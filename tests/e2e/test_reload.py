@@ -215,9 +215,9 @@ def test_cli_reload_and_a_restarted_worker_loads_the_reloaded_model(stack, model
     # then it refuses for that reason, rightly, and the call is made again.
     def refused_for_its_source() -> bool:
         proc = stack.cli("reload", "tiny", "package:no_such_model_pkg", check=False)
-        assert proc.returncode == 1, proc.stdout
-        if "are not ready" in proc.stdout:
+        assert proc.returncode == 1 and not proc.stdout, proc.stdout  # the error: on stderr
+        if "are not ready" in proc.stderr:
             return False
-        assert "not installed" in proc.stdout, proc.stdout
+        assert "not installed" in proc.stderr, proc.stderr
         return True
     stack.wait_until(refused_for_its_source, 30, "the reload refused for its source")

@@ -168,7 +168,7 @@ def test_status_watch_says_not_running_when_the_deployment_stops(deployment, cap
     alive = iter([4242, 4242, 4242, None])
     monkeypatch.setattr(cli, "supervisord_pid", lambda cfg: next(alive))
     monkeypatch.setattr(cli, "process_info", lambda cfg: [])
-    monkeypatch.setattr(statusview, "take", lambda url, http, infos: statusview.Sample(
+    monkeypatch.setattr(statusview, "take", lambda url, http, infos, pid: statusview.Sample(
         time.monotonic(), infos(), None, {}))
     monkeypatch.setattr(time, "sleep", lambda s: None)
     assert cli.main(["status", "--watch", "0.1", "--count", "5"]) == 3
@@ -268,6 +268,9 @@ def test_admin_commands_need_a_token_and_well_formed_weights(deployment, monkeyp
     for bad in ("a=nan", "a=inf", "a=-inf"):  # was sent as invalid JSON: a 400 from the server
         assert cli.main(["split", "m", bad, "b=1"]) == 2
         assert "the weight must be a finite number" in capsys.readouterr().err
+    # a variant given twice was sent with its last weight (an outside check)
+    assert cli.main(["split", "m", "a=0.3", "a=0.7", "b=1"]) == 2
+    assert "variant 'a' is given twice" in capsys.readouterr().err
     # Nothing listens on the deployment's port: a clear refusal, not a traceback.
     assert cli.main(["models"]) == 2
     assert "did not answer" in capsys.readouterr().err
