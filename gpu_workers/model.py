@@ -17,6 +17,7 @@ import inspect
 import logging
 import time
 import warnings
+from typing import Any
 
 import numpy as np
 import torch
@@ -63,15 +64,20 @@ class Model:
         self.prepacked = 0  # linear layers running through gpu_workers.prepack
         self.max_tokens = spec.max_tokens  # a group's length is never rounded past it
         config = AutoConfig.from_pretrained(spec.directory, trust_remote_code=False)
-        net, info = tasks.network_class(spec.task).from_pretrained(
-            spec.directory,
-            config=config,
-            use_safetensors=True,
-            trust_remote_code=False,
-            dtype=DTYPES["fp32" if guarded else dtype],
-            attn_implementation="sdpa",
-            output_loading_info=True,
-        )
+        try:
+            net, info = tasks.network_class(spec.task).from_pretrained(
+                spec.directory,
+                config=config,
+                use_safetensors=True,
+                trust_remote_code=False,
+                dtype=DTYPES["fp32" if guarded else dtype],
+                attn_implementation="sdpa",
+                output_loading_info=True,
+            )
+        except RuntimeError as exc:  # transformers': "look at the above report" (its log's)
+            if not (why := shape_mismatches(spec, config)):
+                raise
+            raise ModelSourceError(why) from exc
         missing = info.get("missing_keys") or []
         if spec.task != "embedding" and missing:
             raise ModelSourceError(f"{spec.directory}: weights lack {sorted(missing)[:4]}; a "
@@ -364,6 +370,34 @@ class NullModel:
                        tokens: bool = False, normalize: bool = True) -> np.ndarray:
         rows = sum(int(g[1].sum()) if tokens else g[0].shape[0] for g in groups)
         return np.zeros((rows, self.spec.dim), np.float32)
+
+
+def shape_mismatches(spec: ModelSpec, config: Any) -> str | None:
+    """What is wrong with weights whose tensors do not have the shapes config.json gives
+    (another size of model under this config, say), said in one line: transformers refuses
+    them with a message that points to a table it logged. None when every shape fits."""
+    from safetensors import safe_open
+
+    with torch.device("meta"):  # shapes only: nothing allocated
+        net = tasks.network_class(spec.task).from_config(config)
+    want = {k: tuple(v.shape) for k, v in net.state_dict().items()}
+    prefix = getattr(net, "base_model_prefix", "")
+    bad = []
+    with safe_open(str(weights_file(spec.directory)), framework="pt") as f:
+        for key in f.keys():
+            have = tuple(f.get_slice(key).get_shape())
+            # saved with or without the base model's prefix (bert.), as transformers reads them
+            name = next((n for n in (key, f"{prefix}.{key}", key.partition(".")[2])
+                         if n in want), None)
+            if name is not None and want[name] != have:
+                bad.append((key, have, want[name]))
+    if not bad:
+        return None
+    key, have, need = bad[0]
+    return (f"{spec.directory}: model.safetensors does not fit its config.json "
+            f"({config.model_type}, hidden_size {getattr(config, 'hidden_size', '?')}): tensors "
+            f"of other shapes: {len(bad)}, e.g. {key} is {list(have)}, the config needs "
+            f"{list(need)} (weights of another size of model?)")
 
 
 def load_model(spec: ModelSpec, device: torch.device, graphs: int = 0) -> Model | NullModel:

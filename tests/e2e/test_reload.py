@@ -125,6 +125,8 @@ def test_reload_under_load_switches_every_worker_without_a_failure(stack, models
 @pytest.mark.parametrize("damage,needle", [
     ("corrupt", "cannot load"),
     ("missing", "no model.safetensors"),
+    # a wider model's weights: transformers' message pointed to a table in the worker's log
+    ("wider", "does not fit its config.json (bert, hidden_size 32): tensors of other shapes"),
 ])
 def test_a_failed_reload_under_load_keeps_the_old_revision(stack, models, tmp_path, damage,
                                                            needle):
@@ -134,6 +136,9 @@ def test_a_failed_reload_under_load_keeps_the_old_revision(stack, models, tmp_pa
     weights = broken / "model.safetensors"
     if damage == "corrupt":
         weights.write_bytes(b"\xff" * 8 + os.urandom(4096))  # a header length past the file
+    elif damage == "wider":
+        wide = build_tiny_bert(tmp_path / "wide", hidden=48, max_positions=TINY_MAX_TOKENS)
+        shutil.copy(wide / "model.safetensors", weights)
     else:
         weights.unlink()
     with Load(stack, models["refs"]) as load:

@@ -442,3 +442,19 @@ def test_freed_heap_goes_back_to_the_system_after_warm_up_and_a_replaced_model(m
     model_module.warm_up(model, max_batch_size=4, max_batch_tokens=256)
     assert calls == [1]
     assert device.release(torch.device("cpu")) is False and calls == [1, 1]
+
+
+@pytest.mark.parametrize("task", ["embedding", "classification"])
+def test_weights_of_another_size_say_which_tensor_and_shapes(tmp_path, task):
+    """A config.json with the weights of a wider model: transformers refused them with "look at
+    the above report", a table only in the worker's log, which a reload's caller never sees
+    (an outside check). The message names a tensor and both shapes."""
+    import shutil
+
+    build = build_tiny_bert if task == "embedding" else build_tiny_classifier
+    target, wide = build(tmp_path / "narrow"), build(tmp_path / "wide", hidden=48)
+    shutil.copy(wide / "model.safetensors", target / "model.safetensors")
+    with pytest.raises(ModelSourceError, match=r"model.safetensors does not fit its config.json "
+                       r"\(bert, hidden_size 32\): tensors of other shapes: \d+, e\.g\. \S+ is "
+                       r"\[.*48.*\], the config needs \[.*32.*\]"):
+        Model(spec(target, task), torch.device("cpu"))
