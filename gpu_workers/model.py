@@ -75,7 +75,11 @@ class Model:
                 output_loading_info=True,
             )
         except RuntimeError as exc:  # transformers': "look at the above report" (its log's)
-            if not (why := shape_mismatches(spec, config)):
+            try:
+                why = shape_mismatches(spec, config)
+            except Exception:  # noqa: BLE001 - the original error says more than this one
+                why = None
+            if not why:
                 raise
             raise ModelSourceError(why) from exc
         missing = info.get("missing_keys") or []
