@@ -63,6 +63,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, render.RenderError, CliError, remote.RemoteError) as exc:
         print(f"shmserve: {exc}", file=sys.stderr)
         return 2
+    except PermissionError as exc:  # another user's deployment, or a file not ours
+        print(f"shmserve: {exc.filename or exc}: permission denied (is this deployment, "
+              "its server.run_dir, another user's?)", file=sys.stderr)
+        return 2
     except BrokenPipeError:  # `shmserve config | head`: the reader left, nothing to say
         # Python's own recipe: stdout to /dev/null, so the flush at exit does not raise again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -327,18 +327,34 @@ def _make_dirs(cfg: Config) -> None:
 
 
 def _check_owner(run_dir: Path) -> None:
-    """An existing run directory must be this user's, or it cannot be made private (0700): a
-    volume mounted for it (a Kubernetes emptyDir is root's, group-writable through fsGroup)
-    belongs to someone else. A subdirectory of it, which render makes, is this user's."""
+    """The run directory holds config.json, which every process reads at each start, and
+    nginx.conf: whoever can replace it controls the deployment. So it must be this user's (an
+    existing one of someone else's cannot be made private, 0700: a volume mounted for it, say;
+    a Kubernetes emptyDir is root's, group-writable through fsGroup), and every directory
+    above it this user's or root's: the owner of a directory can rename what is in it (an
+    outside check, as a second local user, replaced another's run/ with its own and the other
+    user's restarted workers served its config). A subdirectory render makes is this user's."""
+    me = os.geteuid()
+    for path in dict.fromkeys([*run_dir.absolute().parents, *run_dir.resolve().parents]):
+        try:
+            owner = path.stat().st_uid
+        except OSError:
+            continue  # not there yet: mkdir makes it ours (or says why it cannot)
+        if owner not in (me, 0):
+            raise RenderError(f"server.run_dir: {path} belongs to uid {owner}, who could "
+                              f"replace {run_dir} and the config every process reads; put the "
+                              "run directory where every directory above it is this user's or "
+                              f"root's (uid {me}; for example {Path.home() / 'shmserve-run'})")
     try:
         owner = run_dir.stat().st_uid
     except OSError:
-        return  # not there yet: mkdir makes it ours (or says why it cannot)
-    if owner != os.geteuid() and os.geteuid() != 0:
+        return
+    if owner != me:
+        where = (f"a subdirectory shmserve makes itself, such as {run_dir / 'run'}"
+                 if owner == 0 else f"a directory of this user's ({Path.home() / 'shmserve-run'})")
         raise RenderError(f"server.run_dir: {run_dir} belongs to uid {owner}, not to this user "
-                          f"(uid {os.geteuid()}), so it cannot be made private (0700); point "
-                          f"server.run_dir at a subdirectory shmserve makes itself, such as "
-                          f"{run_dir / 'run'}")
+                          f"(uid {me}), so it cannot be made private (0700); point "
+                          f"server.run_dir at {where}")
 
 
 def _write(path: Path, data: str | bytes) -> None:

@@ -229,6 +229,56 @@ def test_a_run_dir_of_another_user_is_refused_and_a_subdirectory_of_it_works():
         shutil.rmtree(base)
 
 
+def test_a_run_dir_under_another_users_directory_is_refused(tmp_path):
+    """The owner of a directory above the run directory can rename it and put its own
+    config.json in its place (an outside check did, as a second local user: the first user's
+    restarted workers served its config). Refused, for root as for anyone; a directory of
+    one's own, or root's, above it is fine."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to make a directory another user owns")
+    tmp_path.chmod(0o755)
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o777)
+    os.chown(theirs, 10002, 10002)
+    for run_dir in (theirs / "run", theirs / "deeper" / "run"):
+        with pytest.raises(render.RenderError, match=rf"server.run_dir: {theirs} belongs to uid "
+                           rf"10002, who could replace {run_dir} and the config every process "
+                           r"reads; put the run directory where every directory above it is "
+                           r"this user's or root's"):
+            render.render(make_config(run_dir))
+        assert not run_dir.exists()  # nothing made
+    # a symlink in a directory of one's own, to a directory under theirs: the target counts
+    link = tmp_path / "link"
+    link.symlink_to(theirs)
+    with pytest.raises(render.RenderError, match=rf"{link} belongs to uid 10002"):
+        render.render(make_config(link / "run"))
+    # the run directory itself theirs: refused (root could chmod it, its owner still owns it),
+    # and no subdirectory of it is suggested
+    with pytest.raises(render.RenderError, match=rf"{theirs} belongs to uid 10002, not to this "
+                       r"user \(uid 0\).*a directory of this user's"):
+        render.render(make_config(theirs))
+    render.render(make_config(tmp_path / "mine" / "run"))  # root's all the way up: made
+
+
+def test_another_users_cli_on_a_private_run_dir_says_so_without_a_traceback(tmp_path):
+    """`shmserve down` or `status` by a user who cannot read the deployment's run directory
+    printed a PermissionError traceback (an outside check, as a second local user)."""
+    setpriv = shutil.which("setpriv")
+    if setpriv is None or os.geteuid() != 0:
+        pytest.skip("needs root and setpriv to run the CLI as another user")
+    tmp_path.chmod(0o755)
+    env = {**os.environ, "SHMSERVE_ENV": "dev", "SHMSERVE__SERVER__RUN_DIR": str(tmp_path / "run"),
+           "SHMSERVE__SERVER__PORT": str(free_port())}
+    render.render(config.load(environ=env))  # root's, 0700
+    for command in ("down", "status"):
+        done = subprocess.run([setpriv, "--reuid", "10001", "--regid", "10001", "--clear-groups",
+                               sys.executable, "-m", "shmserve.cli", command], cwd=REPO_ROOT,
+                              env=env, capture_output=True, text=True, timeout=120)
+        assert "Traceback" not in done.stderr, done.stderr
+        assert done.returncode == 2 and "permission denied (is this deployment, its " \
+            "server.run_dir, another user's?)" in done.stderr, done.stderr
+
+
 def test_nginx_t_failure_names_the_problem(tmp_path):
     # Well formed (the config checks the form), yet refused by nginx: zero buffers.
     cfg = make_config(tmp_path / "run", nginx={"large_client_header_buffers": "0 16k"})
