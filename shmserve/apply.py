@@ -95,12 +95,17 @@ def _apply(args: argparse.Namespace, new: Config) -> int:
     if not changes and not resumed:  # resumed: programs it added may run still, say
         say("shmserve: nothing to apply: the running deployment has this config")
         return 0
+    # Said before the checks: a refusal's reason may be a change the operator did not mean
+    # (an override of `up`'s left out, `--env prod` forgotten).
+    say(f"shmserve: {'would apply' if args.dry_run else 'applying'}:\n"
+        + "\n".join(f"  {line}" for line in changes or
+                     ["the config from before the earlier apply"]))
     try:
         models.check(new, topology.worker_devices(new))
     except models.ModelSourceError as exc:
         raise CliError(f"models: {exc}") from None
     if new.server.port != old.server.port or new.server.host != old.server.host:
-        check_port(new)
+        check_address(old, new)
     check_shm(new)
     with processes.supervisor(new) as proxy:
         try:
@@ -108,9 +113,6 @@ def _apply(args: argparse.Namespace, new: Config) -> int:
         except xmlrpc.client.Fault:
             raise CliError("this deployment's supervisord was started by an older shmserve, "
                            "without `apply`: `shmserve down`, then `shmserve up`") from None
-    say(f"shmserve: {'would apply' if args.dry_run else 'applying'}:\n"
-        + "\n".join(f"  {line}" for line in changes or
-                     ["the config from before the earlier apply"]))
     if args.dry_run:
         steps = plan(old, new, by_counts(old, new), attempted)
         steps.nginx = resumed or render.render_nginx(new) != render.nginx_conf(new).read_text()
@@ -137,6 +139,23 @@ def _apply(args: argparse.Namespace, new: Config) -> int:
     marker.unlink()
     say("shmserve: applied")
     return 0
+
+
+def check_address(old: Config, new: Config) -> None:
+    """The new address must be free; on the same port, the one that holds it may be this
+    deployment's own nginx (a wildcard address overlaps every other): nginx cannot take the
+    new one while it holds the old, so that change needs a new start."""
+    try:
+        check_port(new)
+    except CliError:
+        if new.server.port == old.server.port and \
+                {old.server.host, new.server.host} & {"0.0.0.0", "::"}:
+            raise CliError(f"server.host: {old.server.host} -> {new.server.host} on the same port "
+                           f"{new.server.port}: this deployment's nginx holds the old address, "
+                           "which overlaps the new; `shmserve down`, then `shmserve up` to "
+                           "change it (or was the host an override or --env of `up`'s that "
+                           "this command left out?)") from None
+        raise
 
 
 def forget_overridden(old: Config, new: Config) -> list[str]:

@@ -114,6 +114,17 @@ def test_apply_restarts_only_what_reads_a_changed_key_and_goes_on_after_a_failur
     last = programs(stack)
     assert [last[p] != after[p] for p in sorted(after)] == [True, True, False, False]
 
+    # A host that overlaps the one nginx holds, on the same port: said, not blamed on "another
+    # process" (an outside check had left out `up`'s --env prod), with the changes listed first
+    edit(stack, server={"host": "0.0.0.0"})
+    moved = stack.cli("apply", "--dry-run", check=False)
+    edit(stack, server={"host": "127.0.0.1"})
+    assert moved.returncode == 2, moved.stdout + moved.stderr
+    assert 'server.host: "127.0.0.1" -> "0.0.0.0"' in moved.stdout, moved.stdout
+    assert f"server.host: 127.0.0.1 -> 0.0.0.0 on the same port {stack.port}: this " \
+        "deployment's nginx holds the old address" in moved.stderr, moved.stderr
+    assert "another process" not in moved.stderr
+
     edit(stack, nginx={"rate_limit_per_s": 50})  # nginx's alone: a reload, no restart
     dry = stack.cli("apply", "--dry-run")
     assert "reload its configuration: nginx" in dry.stdout, dry.stdout
