@@ -208,6 +208,10 @@ def worker_environment(cfg: Config, device: str) -> dict[str, str]:
         "PYTORCH_CUDA_ALLOC_CONF": cfg.workers.cuda_alloc_conf,
         "OMP_NUM_THREADS": threads,
         "MKL_NUM_THREADS": threads,
+        # torch makes its inductor cache directory as the model loads (/tmp/torchinductor_USER
+        # by default, left behind at `down`): in the run directory, private, unless set
+        "TORCHINDUCTOR_CACHE_DIR": os.environ.get("TORCHINDUCTOR_CACHE_DIR",
+                                                  str(cfg.run_dir / "torch")),
     }
 
 

@@ -92,6 +92,8 @@ def test_cpu_serving_gets_cpu_workers_without_a_gpu(tmp_path):
         assert env["CUDA_VISIBLE_DEVICES"] == ""
         assert env["OMP_NUM_THREADS"] == env["MKL_NUM_THREADS"] == "1"
         assert env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+        # not /tmp/torchinductor_USER, left behind at `down` (an outside check)
+        assert env["TORCHINDUCTOR_CACHE_DIR"] == str(cfg.run_dir / "torch")
     assert config.load_resolved(topology.resolved_config_path(cfg)).workers.devices == "cpu"
 
 
