@@ -275,9 +275,11 @@ def _user_directive() -> str:
     return f"user {pwd.getpwuid(os.geteuid()).pw_name} {grp.getgrgid(os.getegid()).gr_name};"
 
 
-# Connections an nginx worker keeps beyond twice what the frontends admit: clients past the
-# frontends' admission hold one until their 429 comes.
+# Requests past the frontends' admission that nginx keeps room for, until their 429s come.
 CLIENT_MARGIN = 4096
+# Connections an nginx worker holds beyond its requests' and idle keep-alive ones: listening
+# sockets and the like.
+CONNECTION_SLACK = 64
 
 
 def _nginx_workers(cfg: Config) -> int:
@@ -286,12 +288,20 @@ def _nginx_workers(cfg: Config) -> int:
 
 
 def worker_connections(cfg: Config) -> int:
-    """nginx's worker_connections: the configured value, or more where the frontends admit more
-    requests (each holds a client and an upstream connection) than it leaves room for. With
-    too few, a burst past ~half of them got connection resets from nginx ("worker_connections
-    are not enough") and never the frontends' 429."""
-    admitted = 2 * cfg.frontends.count * cfg.frontends.max_inflight + CLIENT_MARGIN
-    return max(cfg.nginx.worker_connections, -(-admitted // _nginx_workers(cfg)))
+    """nginx's worker_connections: the configured value, or more where it leaves too little
+    room. Each request in flight holds a client and an upstream connection, admitted or not (a
+    frontend parses a request before it can refuse it with a 429), so room for twice every
+    request the frontends admit and CLIENT_MARGIN more, plus each worker's idle upstream
+    keep-alive connections. With too few, a burst got connection resets from nginx
+    ("worker_connections are not enough") instead of 429s: ~2,000 clients against 4,096
+    connections, and 8,000 against 4 x 1,024 admitted when requests past admission were
+    counted once (~315 resets; an outside check). And nginx starts closing connections that
+    wait for their request once no more than 1/16 of its connections are free (its
+    ngx_drain_connections), so the room is 16/15 of what they hold."""
+    in_flight = 2 * (cfg.frontends.count * cfg.frontends.max_inflight + CLIENT_MARGIN)
+    held = (-(-in_flight // _nginx_workers(cfg)) + cfg.nginx.upstream_keepalive
+            + CONNECTION_SLACK)
+    return max(cfg.nginx.worker_connections, -(-held * 16 // 15) + 1)
 
 
 def _minfds(cfg: Config) -> int:
