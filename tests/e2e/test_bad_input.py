@@ -224,6 +224,18 @@ def test_kserve_shapes_of_countless_huge_dimensions_are_refused_at_once(tiny_sta
     assert status == 422 and len(raw) < 1000, (status, raw[:300])
 
 
+def test_a_gzipped_json_body_of_countless_objects_is_refused_before_it_is_parsed(tiny_stack,
+                                                                                  pids_before):
+    """8 MB of `{}`, 8 KB gzipped: ~200 MB of a frontend's memory a request (an outside check,
+    1-2 GB a frontend under 24-64 such clients). Refused before orjson builds a dict."""
+    import gzip
+
+    bomb = b'{"texts": ["a"], "pad": [' + b"{}," * 2_700_000 + b"{}]}"
+    status, _, raw = tiny_stack.request("POST", "/predict", gzip.compress(bomb), {
+        "Content-Type": "application/json", "Content-Encoding": "gzip"})
+    assert status == 400 and b"more than 131,072 arrays and objects" in raw, (status, raw[:300])
+
+
 def test_a_msgpack_body_of_countless_empty_arrays_is_refused_as_it_is_read(tiny_stack,
                                                                            pids_before):
     """8 MB of empty arrays took a frontend 2 s and 600 MB to read (an outside check)."""
