@@ -412,8 +412,8 @@ def test_nginx_sends_a_request_on_to_one_other_frontend_at_most(tmp_path):
 
 def test_nginx_has_room_for_every_request_the_frontends_admit(tmp_path):
     """Each request in flight holds a client and an upstream connection, admitted or not: with
-    4,096 worker connections and 2 x 1,024 admitted, a burst of ~2,000 got resets from nginx ("worker_connections
-    are not enough") and never the frontends' 429."""
+    4,096 worker connections and 2 x 1,024 admitted, a burst of ~2,000 got resets from nginx
+    ("worker_connections are not enough") and never the frontends' 429."""
     def rendered(name, **overrides):
         cfg = make_config(tmp_path / name, **overrides)
         render.render(cfg)
