@@ -397,6 +397,9 @@ def header_count_limit(cfg: Config) -> int:
     return int(count) * _bytes(size) // 5 + 64
 
 
+_TWICE = re.compile(r"Duplicate '([!#$%&'*+.^_`|~0-9A-Za-z-]{1,64})' header found\.")
+
+
 def malformed_request(self: web.RequestHandler, request: web.BaseRequest, status: int = 500,
                       exc: BaseException | None = None, message: str | None = None
                       ) -> web.StreamResponse:
@@ -409,10 +412,18 @@ def malformed_request(self: web.RequestHandler, request: web.BaseRequest, status
     if request.writer.output_size > 0:  # as aiohttp's: the answer has begun, nothing to add
         raise ConnectionError("response already started; cannot send an error")
     reason = type(exc).__name__ if exc is not None else "error"
-    log.warning("http.malformed_request", extra={"fields": {"status": status,
-                                                            "reason": reason}})
+    # aiohttp's own words are kept out (they may quote a header's value), except its one
+    # message that names a header and no value: a singleton header (Content-Type, Host, ...)
+    # given twice, which read as "a control character ..., or a line too long?" (an outside
+    # check).
+    twice = _TWICE.fullmatch(str(getattr(exc, "message", "")))
+    log.warning("http.malformed_request", extra={"fields": {
+        "status": status, "reason": reason, **({"header_twice": twice[1]} if twice else {})}})
     if status >= 500:
         error = ApiError("internal_error", "internal error")
+    elif twice:
+        error = ApiError("bad_request", f"malformed HTTP request: the {twice[1]} header is "
+                         "given twice; it may be given once")
     else:
         error = ApiError("bad_request", f"malformed HTTP request ({reason}: a control "
                          "character in a header, or a line too long?)")

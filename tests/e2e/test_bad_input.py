@@ -162,6 +162,27 @@ def test_headers_nginx_passes_get_the_error_shape_and_are_never_quoted(tiny_stac
     assert "secret-" not in frontend_logs()
 
 
+def test_a_header_given_twice_is_named_in_the_400(tiny_stack, pids_before):
+    """Two Content-Type headers: aiohttp refuses them, and the answer read "a control
+    character in a header, or a line too long?" (an outside check)."""
+    import socket
+
+    host, port = tiny_stack.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: 15\r\n"
+                     b"Connection: close\r\n\r\n{\"texts\": [\"x\"]}")
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400"), answer[:300]
+    error = json.loads(body)["error"]
+    assert error["type"] == "bad_request"
+    assert error["message"] == ("malformed HTTP request: the Content-Type header is given "
+                                "twice; it may be given once"), error
+
+
 def test_bounded_fuzz_of_the_live_server(tiny_stack, pids_before):
     """Random bodies, content types and headers through nginx: never a 5xx."""
     from hypothesis import HealthCheck, given, settings
