@@ -125,13 +125,24 @@ def test_many_headers_are_served_as_far_as_nginx_takes_them(tiny_stack, pids_bef
         "headers_too_large", "bad_request"), raw[:300]
 
 
+def exchange(stack, request: bytes) -> bytes:
+    """Raw bytes to nginx (what no HTTP client library sends), and all of its answer."""
+    import socket
+
+    host, port = stack.url.removeprefix("http://").split(":")
+    answer = b""
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(request)
+        while chunk := sock.recv(65536):
+            answer += chunk
+    return answer
+
+
 def test_headers_nginx_passes_get_the_error_shape_and_are_never_quoted(tiny_stack, pids_before):
     """A header line nginx takes (up to one of its large header buffers, 16 KiB) was over
     aiohttp's own 8,190 bytes, and a control character in a header value reached aiohttp's
     parser: both got text/plain 400s quoting the header (a bearer token among them), in the
     answer and the frontend's log (an outside check)."""
-    import socket
-
     def frontend_logs() -> str:
         return "".join(p.read_text(errors="replace")
                        for p in (tiny_stack.run_dir / "logs").glob("frontend-*.log"))
@@ -144,15 +155,10 @@ def test_headers_nginx_passes_get_the_error_shape_and_are_never_quoted(tiny_stac
     status, _, raw = tiny_stack.request("POST", "/predict", b'{"texts": ["x"]}',
                                         {**JSON, "X-Token": token})
     assert status == 200, raw[:300]  # within nginx's limit: served
-    host, port = tiny_stack.url.removeprefix("http://").split(":")
     for value in (b"Bearer secret-\x01-key", b"a\x7fb"):
-        with socket.create_connection((host, int(port)), timeout=10) as sock:
-            sock.sendall(b"POST /predict HTTP/1.1\r\nHost: x\r\nAuthorization: " + value +
-                         b"\r\nContent-Type: application/json\r\nContent-Length: 15\r\n"
-                         b"Connection: close\r\n\r\n{\"texts\": [\"x\"]}")
-            answer = b""
-            while chunk := sock.recv(65536):
-                answer += chunk
+        answer = exchange(tiny_stack, b"POST /predict HTTP/1.1\r\nHost: x\r\nAuthorization: " +
+                          value + b"\r\nContent-Type: application/json\r\nContent-Length: 15"
+                          b"\r\nConnection: close\r\n\r\n{\"texts\": [\"x\"]}")
         head, _, body = answer.partition(b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 400") and b"application/json" in head, answer[:300]
         assert json.loads(body)["error"]["type"] == "bad_request"
@@ -165,16 +171,9 @@ def test_headers_nginx_passes_get_the_error_shape_and_are_never_quoted(tiny_stac
 def test_a_header_given_twice_is_named_in_the_400(tiny_stack, pids_before):
     """Two Content-Type headers: aiohttp refuses them, and the answer read "a control
     character in a header, or a line too long?" (an outside check)."""
-    import socket
-
-    host, port = tiny_stack.url.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port)), timeout=10) as sock:
-        sock.sendall(b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Type: application/json\r\nContent-Length: 15\r\n"
-                     b"Connection: close\r\n\r\n{\"texts\": [\"x\"]}")
-        answer = b""
-        while chunk := sock.recv(65536):
-            answer += chunk
+    answer = exchange(tiny_stack, b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                      b"application/json\r\nContent-Type: application/json\r\nContent-Length: "
+                      b"15\r\nConnection: close\r\n\r\n{\"texts\": [\"x\"]}")
     head, _, body = answer.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 400"), answer[:300]
     error = json.loads(body)["error"]

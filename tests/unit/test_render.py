@@ -81,7 +81,9 @@ def test_per_gpu_runs_that_many_workers_on_each_gpu(tmp_path, monkeypatch):
     assert topology.worker_devices(resolved) == devices
 
 
-def test_cpu_serving_gets_cpu_workers_without_a_gpu(tmp_path):
+def test_cpu_serving_gets_cpu_workers_without_a_gpu(tmp_path, monkeypatch):
+    # torch sets it in a process that used its inductor (another test in this one, say)
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     cfg = make_config(tmp_path / "run", workers={"devices": "cpu", "cpu_workers": 3,
                                                  "torch_threads": 1})
     render.render(cfg)
@@ -239,10 +241,10 @@ def test_a_run_dir_under_another_users_directory_is_refused(tmp_path):
     if os.geteuid() != 0:
         pytest.skip("needs root to make a directory another user owns")
     tmp_path.chmod(0o755)
-    theirs = tmp_path / "theirs"
+    theirs = tmp_path / "o"  # short: a socket path's length is checked first
     theirs.mkdir(mode=0o777)
     os.chown(theirs, 10002, 10002)
-    for run_dir in (theirs / "run", theirs / "deeper" / "run"):
+    for run_dir in (theirs / "run", theirs / "d" / "run"):
         with pytest.raises(render.RenderError, match=rf"server.run_dir: {theirs} belongs to uid "
                            rf"10002, who could replace {run_dir} and the config every process "
                            r"reads; put the run directory where every directory above it is "
@@ -250,7 +252,7 @@ def test_a_run_dir_under_another_users_directory_is_refused(tmp_path):
             render.render(make_config(run_dir))
         assert not run_dir.exists()  # nothing made
     # a symlink in a directory of one's own, to a directory under theirs: the target counts
-    link = tmp_path / "link"
+    link = tmp_path / "l"
     link.symlink_to(theirs)
     with pytest.raises(render.RenderError, match=rf"{link} belongs to uid 10002"):
         render.render(make_config(link / "run"))
