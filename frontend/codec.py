@@ -161,16 +161,16 @@ def decode_body(raw: bytes, ctype: str, has_type: bool = True, sent: str = "") -
             return _unpack(raw)
         except _Containers:
             raise ApiError("bad_request", f"the msgpack body holds more than "
-                           f"{MSGPACK_MAX_CONTAINERS:,} arrays and maps; no request needs as "
+                           f"{MAX_CONTAINERS:,} arrays and maps; no request needs as "
                            "many") from None
         except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, ValueError,
                 TypeError) as exc:
             raise ApiError("bad_request", f"malformed msgpack body: {_msgpack_detail(exc)}"
                            ) from None
     if ctype == JSON or not has_type:
-        if json_containers(raw) > MSGPACK_MAX_CONTAINERS:
+        if json_containers(raw) > MAX_CONTAINERS:
             raise ApiError("bad_request", f"the JSON body holds more than "
-                           f"{MSGPACK_MAX_CONTAINERS:,} arrays and objects; no request needs "
+                           f"{MAX_CONTAINERS:,} arrays and objects; no request needs "
                            "as many")
         # orjson is strict JSON: NaN and Infinity, invalid UTF-8, integers past 64 bits and
         # nesting deeper than 1024 are all JSONDecodeError.
@@ -184,11 +184,11 @@ def decode_body(raw: bytes, ctype: str, has_type: bool = True, sent: str = "") -
                    f"Content-Type {named or ctype!r} is not supported; send {JSON} or {MSGPACK}")
 
 
-# The most arrays and maps a msgpack body may hold. An empty one is one byte of msgpack and ~60
+# The most arrays and maps (objects) a msgpack or JSON body may hold. An empty one is one byte of msgpack and ~60
 # of Python: 8 MB of them held a frontend's loop for 2 s and raised its memory by 600 MB before
 # the request was refused for its size (an outside check). A request at the limits holds a few
-# hundred (256 texts' token ids); KServe's nested data comes as JSON.
-MSGPACK_MAX_CONTAINERS = 1 << 17
+# hundred (256 texts' token ids, or KServe's nested data).
+MAX_CONTAINERS = 1 << 17
 
 
 def json_containers(raw: bytes) -> int:
@@ -198,7 +198,7 @@ def json_containers(raw: bytes) -> int:
     further; else the brackets inside strings are left out (escaped backslashes and quotes
     dropped, then a quote's parity says whether a byte is inside a string): linear, at numpy's
     speed. On a body that is not JSON the count means nothing, and orjson refuses it after."""
-    if raw.count(b"{") + raw.count(b"[") <= MSGPACK_MAX_CONTAINERS:
+    if raw.count(b"{") + raw.count(b"[") <= MAX_CONTAINERS:
         return 0
     plain = np.frombuffer(raw.replace(b"\\\\", b"").replace(b'\\"', b""), np.uint8)
     inside = np.bitwise_xor.accumulate(plain == ord('"'))
@@ -210,7 +210,7 @@ class _Containers(Exception):
 
 
 def _unpack(raw: bytes) -> Any:
-    """msgpack to Python, counting containers as they are built (MSGPACK_MAX_CONTAINERS), and
+    """msgpack to Python, counting containers as they are built (MAX_CONTAINERS), and
     refusing extension types (none is ever accepted) before building them. Map keys are
     strict: str or bytes only."""
     built = 0
@@ -218,7 +218,7 @@ def _unpack(raw: bytes) -> Any:
     def counted(container):
         nonlocal built
         built += 1
-        if built > MSGPACK_MAX_CONTAINERS:
+        if built > MAX_CONTAINERS:
             raise _Containers
         return container
 

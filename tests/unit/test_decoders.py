@@ -137,7 +137,7 @@ def test_a_msgpack_body_of_countless_containers_is_refused_as_they_are_built(con
                     "application/msgpack")
     assert info.value.status == 400
     assert "more than 131,072 arrays and maps" in info.value.message
-    at_limit = msgpack.packb({"input": [[1]] * (codec.MSGPACK_MAX_CONTAINERS - 2)})
+    at_limit = msgpack.packb({"input": [[1]] * (codec.MAX_CONTAINERS - 2)})
     assert len(decode_body(at_limit, "application/msgpack")["input"]) == 131_070
 
 
@@ -145,7 +145,7 @@ def test_a_json_body_of_countless_containers_is_refused_before_it_is_parsed():
     """8 MB of `{}` (gzip: 8 KB) took a frontend ~200 MB a request, 1-2 GB each under 24-64
     such clients (an outside check): counted before parsing, as msgpack's are as built.
     Brackets inside strings, escaped quotes and backslashes among them, do not count."""
-    limit = codec.MSGPACK_MAX_CONTAINERS
+    limit = codec.MAX_CONTAINERS
     bomb = b'{"texts": ["a"], "pad": [' + b"{}," * limit + b"{}]}"
     with pytest.raises(ApiError) as info:
         decode_body(bomb, "application/json")
