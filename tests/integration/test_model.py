@@ -11,29 +11,9 @@ from frontend.tasks import activate, softmax
 from frontend.tokenizer import TextEncoder
 from gpu_workers.device import cpu_has_bf16
 from gpu_workers.model import Model, resolve_dtype
-from shmserve.config import ModelConfig
-from shmserve.models import ModelSourceError, incompatible, inspect
-from tests.tinymodel import (build_tiny_bert, build_tiny_classifier, reference_embeddings,
-                             reference_scores)
-
-TEXTS = ["The quick brown fox jumps over the lazy dog.", "hello",
-         "Shared memory moves token ids between processes without copies.",
-         "word " * 80]  # over the 64-token limit: truncated
-QUERY = "what moves token ids between processes?"
-
-
-def spec(directory, task, dtype="fp32", **extra):
-    return inspect(ModelConfig(name=task, source=str(directory), task=task, dtype=dtype,
-                               **extra))
-
-
-def run(model: Model, enc) -> np.ndarray:
-    lengths = np.diff(enc.offsets)
-    ids = np.zeros((len(lengths), int(lengths.max())), np.int64)
-    for i, (a, b) in enumerate(zip(enc.offsets[:-1], enc.offsets[1:])):
-        ids[i, :b - a] = enc.ids[a:b]
-    return model.forward(ids, lengths, enc.segments)
-
+from shmserve.models import ModelSourceError
+from tests.integration.modelkit import QUERY, TEXTS, run, spec
+from tests.tinymodel import build_tiny_classifier, reference_embeddings, reference_scores
 
 def test_classification_is_softmax_of_the_sequence_classifier(models):
     s = spec(models["clf"], "classification")
@@ -129,50 +109,6 @@ def test_auto_and_int8_dtype_rules(tmp_path):
     flags.write_text("processor: 0\nflags\t\t: fpu sse avx2\n")
     assert not cpu_has_bf16(flags)
     assert not cpu_has_bf16(tmp_path / "missing")
-
-
-def test_scoring_tasks_refuse_a_checkpoint_without_their_head(models, tmp_path):
-    with pytest.raises(ModelSourceError, match="sequence-classification checkpoint"):
-        spec(models["emb"], "classification")
-    with pytest.raises(ModelSourceError, match="one output, this one has 3 labels"):
-        spec(models["clf"], "rerank")
-    with pytest.raises(ModelSourceError, match="needs >= 2 labels"):
-        spec(models["ce"], "classification")
-
-
-def test_weights_holding_nan_are_refused_at_load(tmp_path):
-    """A damaged file whose header reads: it loaded, and every answer was NaN (JSON nulls)."""
-    from safetensors.numpy import load_file, save_file
-
-    directory = build_tiny_bert(tmp_path / "nan")
-    weights = directory / "model.safetensors"
-    tensors = load_file(str(weights))
-    tensors["encoder.layer.0.output.dense.weight"][0, :4] = np.nan
-    save_file(tensors, str(weights))
-    with pytest.raises(ModelSourceError, match="weight encoder.layer.0.output.dense.weight holds "
-                                               "NaN or infinity"):
-        Model(spec(directory, "embedding"), torch.device("cpu"))
-
-
-def test_reload_compatibility(models, tmp_path):
-    emb = spec(models["emb"], "embedding")
-    other = build_tiny_bert(tmp_path / "other", seed=9)
-    assert incompatible(emb, spec(other, "embedding")) == ""
-    wider = build_tiny_bert(tmp_path / "wider", seed=9, hidden=48, heads=2)
-    assert "output width differs" in incompatible(emb, spec(wider, "embedding"))
-    (other / "tokenizer.json").write_text((other / "tokenizer.json").read_text()
-                                          .replace('"[UNK]"', '"[UNKNOWN]"'))
-    assert "tokenizer.json differs" in incompatible(emb, spec(other, "embedding"))
-    # What the replies mean: a reload keeps pooling, normalization and the kind of checkpoint.
-    cls = build_tiny_bert(tmp_path / "cls", seed=9, pooling="cls")
-    assert "pooling differs ('mean' now, 'cls'" in incompatible(emb, spec(cls, "embedding"))
-    raw = build_tiny_bert(tmp_path / "raw", seed=9, normalize=False)
-    assert "normalization differs (True now, False" in incompatible(emb, spec(raw, "embedding"))
-    # A classifier's checkpoint loads as an encoder (its head dropped), and must not replace one.
-    clf = build_tiny_classifier(tmp_path / "clf", num_labels=3, seed=9, hidden=32)
-    assert "architecture differs" in incompatible(emb, spec(clf, "embedding", normalize="true"))
-    # ... and is named for that, not for the normalization it also lacks (an outside check).
-    assert "architecture differs" in incompatible(emb, spec(clf, "embedding"))
 
 
 @pytest.fixture
@@ -402,31 +338,6 @@ def test_rows_without_the_models_own_normalisation_are_its_pooled_vectors(models
                                reference_embeddings(models["emb"], TEXTS, 64), atol=1e-5)
 
 
-def test_weights_named_otherwise_than_the_config_expects_are_refused(models, tmp_path):
-    """Tensors renamed (saved under another prefix, or another architecture's): transformers
-    initialised the model at random and it served random vectors, ready and 200 (an outside
-    check). A checkpoint without BERT's pooler, which embeddings never use, still loads."""
-    import shutil
-
-    from safetensors.numpy import load_file, save_file
-
-    for name, rename in (("renamed", lambda k: "0.auto_model." + k),
-                         ("no-pooler", lambda k: None if k.startswith("pooler.") else k)):
-        target = tmp_path / name
-        shutil.copytree(models["emb"], target)
-        tensors = load_file(target / "model.safetensors")
-        save_file({rename(k): v for k, v in tensors.items() if rename(k)},
-                  target / "model.safetensors", metadata={"format": "pt"})
-        if name == "renamed":
-            with pytest.raises(ModelSourceError, match=r"lacks \d+ of the weights.*0\.auto_model"):
-                Model(spec(target, "embedding"), torch.device("cpu"))
-        else:
-            model = Model(spec(target, "embedding"), torch.device("cpu"))
-            enc = TextEncoder(model.spec, truncate=True).encode(TEXTS)
-            np.testing.assert_allclose(run(model, enc),
-                                       reference_embeddings(models["emb"], TEXTS, 64), atol=1e-5)
-
-
 def test_freed_heap_goes_back_to_the_system_after_warm_up_and_a_replaced_model(models,
                                                                                 monkeypatch):
     """glibc kept a replaced model's and the warm-up's freed memory: a worker held ~100 MB
@@ -442,19 +353,3 @@ def test_freed_heap_goes_back_to_the_system_after_warm_up_and_a_replaced_model(m
     model_module.warm_up(model, max_batch_size=4, max_batch_tokens=256)
     assert calls == [1]
     assert device.release(torch.device("cpu")) is False and calls == [1, 1]
-
-
-@pytest.mark.parametrize("task", ["embedding", "classification"])
-def test_weights_of_another_size_say_which_tensor_and_shapes(tmp_path, task):
-    """A config.json with the weights of a wider model: transformers refused them with "look at
-    the above report", a table only in the worker's log, which a reload's caller never sees
-    (an outside check). The message names a tensor and both shapes."""
-    import shutil
-
-    build = build_tiny_bert if task == "embedding" else build_tiny_classifier
-    target, wide = build(tmp_path / "narrow"), build(tmp_path / "wide", hidden=48)
-    shutil.copy(wide / "model.safetensors", target / "model.safetensors")
-    with pytest.raises(ModelSourceError, match=r"model.safetensors does not fit its config.json "
-                       r"\(bert, hidden_size 32\): tensors of other shapes: \d+, e\.g\. \S+ is "
-                       r"\[.*48.*\], the config needs \[.*32.*\]"):
-        Model(spec(target, task), torch.device("cpu"))
