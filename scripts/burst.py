@@ -20,8 +20,12 @@ fails), add it to each overlay:
 
 `--cold` restarts the workers before each burst instead of warming them up: the first burst a
 fresh worker meets. `--rate R` sends Poisson arrivals at R requests/s for `--seconds` instead
-of one burst (a sustainable load should see no 429 and no 504). `--a-rev REV` runs side A's
-code from a git worktree of REV, as scripts/ab.py does.
+of one burst (a sustainable load should see no 429 and no 504). `--clients N` runs N clients in
+a closed loop for `--seconds` instead: each sends a request and, on a 429, sends it again at once
+(`--honour-retry-after`: after the Retry-After it was given) until an answer other than 429 or
+its deadline; the figure that matters there is goodput, since clients that retry at once make
+the server spend its cores on refusals. `--a-rev REV` runs side A's code from a git worktree of
+REV, as scripts/ab.py does.
 
 Per side and round it prints the answers by status, the 200s' median and slowest latency, when
 the 429s came (median and last), and the texts answered 200 per second of the burst (goodput).
@@ -88,6 +92,65 @@ async def fire(url: str, bodies: list[list[str]], deadline: float, arrivals: lis
             "elapsed_s": elapsed}
 
 
+async def storm(url: str, bodies: list[list[str]], deadline: float, clients: int,
+                seconds: float, honour: bool) -> dict:
+    """`clients` clients for `seconds`, each sending the next of `bodies` and sending it again
+    on a 429 (at once, or after its Retry-After when `honour`) until it is answered otherwise
+    or its deadline passes (counted as given up)."""
+    import aiohttp
+
+    tasks: list[tuple[str, float, int]] = []  # outcome, latency, texts
+    answers: collections.Counter = collections.Counter()
+    headers = {"X-Request-Timeout": str(deadline), **auth_headers()}
+    conn = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=deadline + 60)
+    async with aiohttp.ClientSession(connector=conn, timeout=timeout, headers=headers) as session:
+        begin = time.perf_counter()
+        end = begin + seconds
+        turn = iter(range(10**9))
+
+        async def client() -> None:
+            while time.perf_counter() < end:
+                texts = bodies[next(turn) % len(bodies)]
+                sent = time.perf_counter()
+                outcome = "given up"
+                while time.perf_counter() < sent + deadline:
+                    left = sent + deadline - time.perf_counter()
+                    try:
+                        async with session.post(
+                                url + "/v1/embeddings",
+                                json={"input": texts, "encoding_format": "float"},
+                                headers={"X-Request-Timeout": f"{max(left, 0.001):.3f}"}) as resp:
+                            await resp.read()
+                            status, wait = resp.status, resp.headers.get("Retry-After")
+                    except (aiohttp.ClientError, asyncio.TimeoutError):
+                        status, wait = 0, None
+                    answers[status] += 1
+                    if status != 429:
+                        outcome = str(status)
+                        break
+                    if honour and wait:
+                        await asyncio.sleep(min(float(wait), max(0.0, left)))
+                tasks.append((outcome, time.perf_counter() - sent, len(texts)))
+
+        await asyncio.gather(*(client() for _ in range(clients)))
+        elapsed = time.perf_counter() - begin
+    outcomes = collections.Counter(t[0] for t in tasks)
+    ok = sorted(t[1] for t in tasks if t[0] == "200")
+    return {"outcomes": dict(sorted(outcomes.items())),
+            "answers": {str(k): v for k, v in sorted(answers.items())},
+            "ok_p50_s": ok[len(ok) // 2] if ok else None, "ok_max_s": ok[-1] if ok else None,
+            "goodput_texts_per_s": sum(t[2] for t in tasks if t[0] == "200") / elapsed,
+            "elapsed_s": elapsed}
+
+
+def describe_storm(r: dict) -> str:
+    cell = lambda v: "-" if v is None else f"{v * 1000:.0f}"  # noqa: E731  (milliseconds)
+    return (f"requests by outcome {r['outcomes']}, answers {r['answers']}, "
+            f"200s p50 {cell(r['ok_p50_s'])} ms max {cell(r['ok_max_s'])} ms, "
+            f"goodput {r['goodput_texts_per_s']:.1f} texts/s")
+
+
 def describe(r: dict) -> str:
     s = r["statuses"]
     cell = lambda v: "-" if v is None else f"{v * 1000:.0f}"  # noqa: E731  (milliseconds)
@@ -111,7 +174,13 @@ def main() -> int:
     parser.add_argument("--deadline", type=float, default=30.0, help="X-Request-Timeout, s")
     parser.add_argument("--rate", type=float, default=0.0,
                         help="Poisson arrivals at this many requests/s instead of one burst")
-    parser.add_argument("--seconds", type=float, default=30.0, help="with --rate: how long")
+    parser.add_argument("--seconds", type=float, default=30.0,
+                        help="with --rate or --clients: how long")
+    parser.add_argument("--clients", type=int, default=0,
+                        help="this many clients in a closed loop that send a request again on "
+                             "a 429, instead of one burst")
+    parser.add_argument("--honour-retry-after", action="store_true",
+                        help="with --clients: wait for the 429's Retry-After before sending again")
     parser.add_argument("--rounds", type=int, default=2, help="ABBA rounds (2 bursts each)")
     parser.add_argument("--cold", action="store_true",
                         help="restart the workers before each burst (no warm-up)")
@@ -144,6 +213,12 @@ def main() -> int:
                     asyncio.run(fire(stack.url, bodies[:8], args.deadline,
                                      [0.0] * len(bodies[:8])))
                 time.sleep(1.0)
+                if args.clients:
+                    got[name] = asyncio.run(storm(stack.url, bodies, args.deadline, args.clients,
+                                                  args.seconds, args.honour_retry_after))
+                    print(f"round {r + 1} {name.upper()}: {describe_storm(got[name])}",
+                          flush=True)
+                    continue
                 got[name] = asyncio.run(fire(stack.url, bodies, args.deadline, arrivals))
                 print(f"round {r + 1} {name.upper()}: {describe(got[name])}", flush=True)
             rounds.append(got)
