@@ -7,21 +7,33 @@ still that frontend), supervisord restarts it, and nginx sends the requests it h
 connections drop, to another frontend. Every worker watches: several may kill one frontend,
 which is harmless. A worker that starts finds the configured frontends' processes (their
 command lines) and counts their silence from its own start, so a frontend frozen before it
-started (a worker restarted meanwhile never hears its pings) is killed too. Runs on the socket
-thread.
+started (a worker restarted meanwhile never hears its pings) is killed too; but not one started
+before the run directory's config.json was last written: it runs an older config (`shmserve
+apply` writes the new one, then starts the workers it adds, and restarts the frontends last), in
+which this worker may not be, so it never pings it. Judged from its start, every such frontend
+was SIGKILLed at once by each added worker that waited `frontends.hung_kill_s` for the frontend
+restarts (a kept worker restarting first, a slow load): 502s in an outside check. Such a
+frontend is judged from its first ping, and meanwhile by the workers it does ping. Runs on the
+socket thread.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 from shmserve import topology
 from shmserve.config import Config
-from shmserve.hung import HungKiller, running_frontends
+from shmserve.hung import HungKiller, running_frontends, start_time
 from shmserve.protocol import Ping
 
 log = logging.getLogger("shmserve.worker")
+
+# A process's start time (psutil: the boot time in whole seconds plus its start in jiffies) reads
+# up to a second early against file times: a frontend is taken as started before config.json
+# was written only when it started this much before.
+CLOCK_SLACK_S = 1.5
 
 
 class FrontendWatch:
@@ -37,8 +49,13 @@ class FrontendWatch:
         for frontend in range(cfg.frontends.count):
             metrics.watching(frontend)
         if self.hung.kill_after:
+            written = _written(self.hung.config_path)
             for frontend, pid in running_frontends(self.hung.config_path,
                                                    cfg.frontends.count).items():
+                started = start_time(pid)
+                if written is not None and started is not None \
+                        and started < written - CLOCK_SLACK_S:
+                    continue  # on an older config: judged from its first ping
                 self._heard[frontend] = (pid, now)  # silent from now, until its first ping
                 self.hung.heard(frontend, pid)
 
@@ -69,3 +86,10 @@ class FrontendWatch:
             else:
                 log.warning("worker.frontend_hung_not_killed",
                             extra={"fields": {**fields, "reason": verdict.reason}})
+
+
+def _written(path: str) -> float | None:
+    try:
+        return os.stat(path).st_mtime
+    except OSError:
+        return None

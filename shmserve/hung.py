@@ -54,7 +54,7 @@ class HungKiller:
     def heard(self, index: int, pid: int) -> None:
         """Every message from `index`: remember when a new process started."""
         if self._starts.get(index, (None,))[0] != pid:
-            self._starts[index] = (pid, _start_time(pid))
+            self._starts[index] = (pid, start_time(pid))
 
     def check(self, index: int, pid: int, last_heard: float, now: float) -> Verdict | None:
         """SIGKILL `pid`, process `index`, if it has been silent since `last_heard` for
@@ -123,7 +123,7 @@ def running_frontends(config_path: str, count: int) -> dict[int, int]:
     return found
 
 
-def _start_time(pid: int) -> float | None:
+def start_time(pid: int) -> float | None:
     try:
         return psutil.Process(pid).create_time()
     except psutil.Error:

@@ -2,6 +2,7 @@
 never does."""
 
 import dataclasses
+import os
 import subprocess
 import sys
 import time
@@ -182,3 +183,36 @@ def test_a_worker_kills_a_frontend_frozen_before_it_started(cfg, spawn, monkeypa
     frontends.tick()
     assert killed(frozen) and kills == [0]
     assert stranger.poll() is None
+
+
+def test_a_new_worker_judges_a_frontend_on_an_older_config_from_its_first_ping(
+        cfg, spawn, monkeypatch):
+    """`shmserve apply` writes config.json, starts the workers it adds, and restarts the
+    frontends last: a frontend started before that write may not know the new worker and never
+    pings it, so the new worker must not kill it for its silence (an outside check: every
+    frontend SIGKILLed at once, 502s). Once it pings, its silence counts."""
+    from gpu_workers import watch
+    from shmserve import topology
+    from shmserve.protocol import Ping
+
+    cfg = dataclasses.replace(cfg, frontends=dataclasses.replace(cfg.frontends, hung_kill_s=3))
+    path = topology.resolved_config_path(cfg)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("{}")
+    older = spawn(str(path), index=0, module="frontend")
+    written = time.time() + 10  # the apply's write, after the frontend started
+    os.utime(path, (written, written))
+    clock = [time.monotonic()]
+    monkeypatch.setattr(watch.time, "monotonic", lambda: clock[0])
+    kills = []
+    frontends = watch.FrontendWatch(cfg, 0, SimpleNamespace(frontend_killed=kills.append,
+                                                            watching=lambda frontend: None))
+    for _ in range(20):  # 10 s of its silence: it never knew this worker
+        clock[0] += 0.5
+        frontends.tick()
+    assert older.poll() is None and not kills
+    frontends.pinged(Ping(time.time(), 0, older.pid))  # restarted frontends ping; so may it
+    for _ in range(8):
+        clock[0] += 0.5
+        frontends.tick()
+    assert killed(older) and kills == [0]
