@@ -56,6 +56,19 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+# What a command interrupted (Ctrl-C) leaves behind, by the function that runs it.
+INTERRUPTED = {
+    "up": ": what it started keeps running (`shmserve status` shows it, `shmserve down` stops "
+          "it)",
+    "apply": " part way: the run directory holds the new config, which restarted programs "
+             "start on; `shmserve apply` again goes on from there (run/apply.json keeps the "
+             "config from before)",
+    "restart": ": the programs restarted so far run on the rendered config, the others were "
+               "not restarted (`shmserve status`)",
+    "reload": ": the reload may go on in the workers (`shmserve models` shows each revision)",
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     try:
@@ -67,6 +80,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"shmserve: {exc.filename or exc}: permission denied (is this deployment, "
               "its server.run_dir, another user's?)", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: what was left, not a traceback
+        print(f"\nshmserve: interrupted{INTERRUPTED.get(args.run.__name__, '')}",
+              file=sys.stderr)
+        return 130
     except BrokenPipeError:  # `shmserve config | head`: the reader left, nothing to say
         # Python's own recipe: stdout to /dev/null, so the flush at exit does not raise again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -56,6 +56,17 @@ def restart(args: argparse.Namespace) -> int:
     if not programs:  # neither a group nor a program: supervisorctl would say so twice, exit 1
         raise CliError(f"no group or program {args.target!r}; restart frontends, workers, "
                        f"nginx or one of {', '.join(sorted(p['name'] for p in infos))}")
+    if group in ("frontends", "workers"):
+        # A program supervisord runs that run/config.json no longer has: an apply that removes
+        # it is running or stopped part way (it would be waited for as a program it has no
+        # socket or device for).
+        count = cfg.frontends.count if group == "frontends" else len(topology.worker_devices(cfg))
+        configured = {f"{group[:-1]}-{i}" for i in range(count)}
+        if extra := sorted(set(programs if name == "*" else [name]) - configured):
+            raise CliError(f"{', '.join(extra)} run{'s' * (len(extra) == 1)} but the running "
+                           f"config (run/config.json) has {count} {group[:-1 if count == 1 else None]}: an apply that "
+                           "removes them is running or stopped part way; `shmserve apply` "
+                           "finishes it")
     lone = lone_models(cfg, programs if name == "*" else [name]) if group == "workers" else {}
     if warning := restart_gap(group, name, programs, args.all_at_once, lone):
         say(f"shmserve: warning: {warning}", sys.stderr)

@@ -361,3 +361,17 @@ def test_a_config_that_no_longer_loads_still_names_the_deployment(tmp_path, monk
         processes.deployment(argparse.Namespace(env=None, config=None))
 
 
+
+
+@pytest.mark.parametrize("name, said", [("apply", "`shmserve apply` again goes on from there"),
+                                        ("up", "`shmserve down` stops it"),
+                                        ("status", "")])
+def test_ctrl_c_says_what_was_left_not_a_traceback(monkeypatch, capsys, name, said):
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    interrupted.__name__ = name
+    monkeypatch.setattr(cli, "parse", lambda argv: argparse.Namespace(run=interrupted))
+    assert cli.main([name]) == 130
+    err = capsys.readouterr().err
+    assert "shmserve: interrupted" in err and said in err and "Traceback" not in err

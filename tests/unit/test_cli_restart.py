@@ -133,3 +133,29 @@ def test_restart_progress_to_a_reader_that_left_does_not_stop_the_restart(tmp_pa
     with os.fdopen(write, "w") as stream:
         restarts.say("shmserve: restarted worker-0", stream)  # no exception
         restarts.say("shmserve: worker-0 ready", stream)  # written to /dev/null now
+
+
+@pytest.mark.parametrize("target", ["frontend-2", "frontends", "worker-1", "workers"])
+def test_restart_refuses_programs_the_running_config_no_longer_has(monkeypatch, tmp_path, target):
+    """After an apply that shrinks a group stopped part way (or while it runs), supervisord
+    still runs programs run/config.json no longer has: restarting them raised IndexError after
+    the restart (an outside check). Refused, naming them, before anything restarts."""
+    from shmserve import apply, cli
+
+    cfg = config.from_tree({"server": {"run_dir": str(tmp_path / "run"), "port": free_port()},
+                            "workers": {"devices": "cpu", "cpu_workers": 1},
+                            "frontends": {"count": 2}, "models": [{"name": "m", "source": "x"}]})
+    infos = [{"name": f"frontend-{i}", "group": "frontends", "pid": 100 + i} for i in range(3)]
+    infos += [{"name": f"worker-{i}", "group": "workers", "pid": 200 + i} for i in range(2)]
+    monkeypatch.setattr(restarts.processes, "deployment", lambda args: cfg)
+    monkeypatch.setattr(restarts.processes, "supervisord_pid", lambda cfg: 1)
+    monkeypatch.setattr(apply, "running_now", lambda cfg: True)
+    monkeypatch.setattr(restarts, "process_info", lambda cfg: infos)
+    ran = []
+    monkeypatch.setattr(restarts, "ctl", lambda *argv: ran.append(argv), raising=False)
+    monkeypatch.setattr(restarts.subprocess, "run", lambda *a, **k: ran.append(a))
+    args = argparse.Namespace(target=target, timeout=None, all_at_once=False)
+    with pytest.raises(cli.CliError, match=r"(frontend-2|worker-1) runs? but the running config "
+                       r"\(run/config.json\) has (2 frontends|1 worker).*`shmserve apply`"):
+        restarts.restart(args)
+    assert not ran
