@@ -183,16 +183,41 @@ async def _similarity(request: web.Request, body: dict) -> web.Response:
                        param="inputs")
     check_text(source, "'inputs.source_sentence'", "inputs", limits)
     given = [source, *texts(inputs["sentences"], "inputs.sentences", limits)]
-    truncate, direction = _truncation(body)
+    options = _similarity_options(body)
+    truncate, direction = _truncation(options)
     parsed = EmbedRequest(given, model_name(body), priority=body_priority(body),
                           truncate=truncate, truncation_direction=direction, user=user(body),
-                          prompt_name=prompt_name(body))
+                          prompt_name=prompt_name(options))
     _, outcome, _ = await routes.embed(request, parsed, "inputs")
     rows = vectors.normalize(outcome.vectors)
     # float32, written as its shortest decimal like every vector; a cosine of two unit rows
     # can round past 1 (1.0000001192092896 for a text against itself)
     return codec.render(request, list(np.clip(rows[1:] @ rows[0], -1.0, 1.0)),
                         headers=tasks.stage_headers(request, outcome))
+
+
+# TEI's SimilarityRequest carries its options in "parameters" (SimilarityParameters); they were
+# read only at the top level, so a TEI client's truncate: false and prompt_name were dropped
+# without a word (an outside check). Both places are read; a key in both is refused.
+SIMILARITY_PARAMETERS = ("truncate", "truncation_direction", "prompt_name")
+
+
+def _similarity_options(body: dict) -> dict:
+    """The similarity options of `body`: its top-level keys and those of `parameters`."""
+    parameters = body.get("parameters")
+    if parameters is None:
+        return body
+    if not isinstance(parameters, dict):
+        raise ApiError("invalid_request", "'parameters' must be an object", param="parameters")
+    for key in parameters:
+        if key not in SIMILARITY_PARAMETERS:
+            raise ApiError("invalid_request", f"'parameters.{key}' is not a similarity "
+                           f"parameter (one of {', '.join(SIMILARITY_PARAMETERS)})",
+                           param="parameters")
+        if key in body:
+            raise ApiError("invalid_request", f"'{key}' is given at the top level and in "
+                           "'parameters': send it once", param="parameters")
+    return {**body, **parameters}
 
 
 async def embed(request: web.Request) -> web.Response:

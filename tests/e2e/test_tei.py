@@ -218,6 +218,18 @@ def test_a_named_prompt_goes_before_each_text_on_every_embedding_route(tiny_stac
         "inputs": {"source_sentence": TEXTS[0], "sentences": TEXTS[1:]}, "prompt_name": "query"})
     assert status == 200
     np.testing.assert_allclose(body, want[1:] @ want[0], rtol=0, atol=1e-5)
+    # TEI's own form: the options in "parameters" (they were dropped without a word), on
+    # /similarity and on / alike
+    for route in ("/similarity", "/"):
+        status, _, body = tiny_stack.post_json(route, {
+            "inputs": {"source_sentence": TEXTS[0], "sentences": TEXTS[1:]},
+            "parameters": {"prompt_name": "query"}})
+        assert status == 200, body
+        np.testing.assert_allclose(body, want[1:] @ want[0], rtol=0, atol=1e-5)
+    status, _, err = tiny_stack.post_json("/similarity", {
+        "inputs": {"source_sentence": TEXTS[0], "sentences": TEXTS[1:]},
+        "parameters": {"prompt_name": "nope"}})
+    assert status == 422 and "prompt" in err["error"]["message"], err
     status, _, body = tiny_stack.post_json("/tokenize", {"inputs": "hello",
                                                          "prompt_name": "query"})
     assert [t["text"] for t in body[0]] == ["[CLS]", "query", ":", "hello", "[SEP]"]
@@ -390,3 +402,16 @@ def test_similarity_is_the_cosine_to_the_source_sentence(tiny_stack, native):
                 {"inputs": "a"}):
         status, _, err = tiny_stack.post_json("/similarity", bad)
         assert status == 422 and err["error"]["param"].startswith("inputs"), (bad, err)
+    for bad, said in (({**body, "parameters": {"top_k": 2}}, "not a similarity parameter"),
+                      ({**body, "parameters": "x"}, "must be an object"),
+                      ({**body, "truncate": True, "parameters": {"truncate": False}},
+                       "send it once")):
+        status, _, err = tiny_stack.post_json("/similarity", bad)
+        assert status == 422 and said in err["error"]["message"], (bad, err)
+    # truncate in "parameters" is honoured (this stack's limits.truncate is false: an over-long
+    # source is refused unless the request asks for it cut)
+    long = {"inputs": {"source_sentence": "word " * 2000, "sentences": ["a"]}}
+    assert tiny_stack.post_json("/similarity", long)[0] == 413
+    status, _, got = tiny_stack.post_json("/similarity", {**long,
+                                                          "parameters": {"truncate": True}})
+    assert status == 200 and len(got) == 1, got
