@@ -154,7 +154,7 @@ def requested_outputs(header: dict[str, Any], names: list[str]) -> list[tuple[st
         raise ApiError("invalid_request", "parameters.binary_data_output must be a boolean",
                        param="parameters")
     outputs = header.get("outputs")
-    if outputs is None:
+    if outputs is None or outputs == []:  # none asked for: all (the protocol; Triton's too)
         return [(name, default) for name in names]
     if not isinstance(outputs, list):
         raise ApiError("invalid_request", "'outputs' must be a list", param="outputs")

@@ -111,6 +111,8 @@ def test_bad_framing(raw, length):
 def test_requested_outputs():
     names = ["embedding", "other"]
     assert tensors.requested_outputs({}, names) == [("embedding", False), ("other", False)]
+    assert tensors.requested_outputs({"outputs": []}, names) == [("embedding", False),
+                                                               ("other", False)]
     assert tensors.requested_outputs({"parameters": {"binary_data_output": True}}, names) == [
         ("embedding", True), ("other", True)]
     assert tensors.requested_outputs({"parameters": {"binary_data_output": True}, "outputs": [
