@@ -9,7 +9,7 @@ import hashlib
 import os
 from pathlib import Path
 
-from shmserve.config import Config
+from shmserve.config import Config, ConfigError
 
 CPU = "cpu"
 
@@ -29,7 +29,15 @@ def visible_gpus() -> list[int]:
     count = len(list(root.iterdir())) if root.is_dir() else 0
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
-        ids = [int(x) for x in visible.split(",") if x.strip().isdigit()]
+        entries = [x.strip() for x in visible.split(",")]
+        # GPUs named by UUID (GPU-..., MIG-...) were dropped, and `auto` ran CPU workers on a
+        # GPU machine without a word (an outside check, from the code): refused instead.
+        if named := [x for x in entries if x.upper().startswith(("GPU-", "MIG-"))]:
+            raise ConfigError(
+                f"workers.devices: auto cannot place workers on GPUs CUDA_VISIBLE_DEVICES names "
+                f"by UUID ({named[0]}...): list their indices (nvidia-smi's) in "
+                "workers.devices, or give CUDA_VISIBLE_DEVICES as indices")
+        ids = [int(x) for x in entries if x.isdigit()]
         return [i for i in ids if i < count]
     return list(range(count))
 
