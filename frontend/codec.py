@@ -184,10 +184,10 @@ def decode_body(raw: bytes, ctype: str, has_type: bool = True, sent: str = "") -
                    f"Content-Type {named or ctype!r} is not supported; send {JSON} or {MSGPACK}")
 
 
-# The most arrays and maps (objects) a msgpack or JSON body may hold. An empty one is one byte of msgpack and ~60
-# of Python: 8 MB of them held a frontend's loop for 2 s and raised its memory by 600 MB before
-# the request was refused for its size (an outside check). A request at the limits holds a few
-# hundred (256 texts' token ids, or KServe's nested data).
+# The most arrays and maps (objects) a msgpack or JSON body may hold. An empty one is one byte of
+# msgpack and ~60 of Python: 8 MB of them held a frontend's loop for 2 s and raised its memory by
+# 600 MB before the request was refused for its size (an outside check). A request at the limits
+# holds a few hundred (256 texts' token ids, or KServe's nested data).
 MAX_CONTAINERS = 1 << 17
 
 

@@ -62,9 +62,10 @@ def restart(args: argparse.Namespace) -> int:
         # socket or device for).
         count = cfg.frontends.count if group == "frontends" else len(topology.worker_devices(cfg))
         configured = {f"{group[:-1]}-{i}" for i in range(count)}
+        kind = group if count != 1 else group[:-1]
         if extra := sorted(set(programs if name == "*" else [name]) - configured):
             raise CliError(f"{', '.join(extra)} run{'s' * (len(extra) == 1)} but the running "
-                           f"config (run/config.json) has {count} {group[:-1 if count == 1 else None]}: an apply that "
+                           f"config (run/config.json) has {count} {kind}: an apply that "
                            "removes them is running or stopped part way; `shmserve apply` "
                            "finishes it")
     lone = lone_models(cfg, programs if name == "*" else [name]) if group == "workers" else {}
