@@ -114,10 +114,11 @@ def _a(task: str) -> str:
 async def classify(request: web.Request, name: str | None, texts: list[str | tuple[str, str]],
                    *, param: str = "input", priority: int | None = None,
                    user: str | None = None, truncate: bool | None = None,
-                   direction: str = "right") -> Classified:
+                   direction: str = "right", task: str = "classification") -> Classified:
     """`texts` may hold (first, second) pairs, which the model reads as one sequence of two
-    segments (an NLI model's premise and hypothesis)."""
-    served = resolve(request, name, "classification")
+    segments (an NLI model's premise and hypothesis). `task` rerank: a cross-encoder's one
+    logit a text or pair (TEI's /predict on a reranker); its probs are a softmax of one, 1.0."""
+    served = resolve(request, name, task)
     ran = await run(request, served,
                     lambda enc: enc.encode_mixed(texts, param, truncate, direction),
                     sum(len(t) if isinstance(t, str) else len(t[0]) + len(t[1]) for t in texts),

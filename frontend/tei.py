@@ -94,13 +94,35 @@ async def predict(request: web.Request) -> web.Response:
     items, batch = predict_inputs(body["inputs"], request.app[CONFIG].limits)
     raw = flag(body, "raw_scores", False)
     truncate, direction = _truncation(body)
-    out = await tasks.classify(request, model_name(body), items, param="inputs",
+    name = model_name(body)
+    out = await tasks.classify(request, name, items, param="inputs",
                                priority=body_priority(body), user=user(body),
-                               truncate=truncate, direction=direction)
-    rows = out.logits if raw else out.probs
-    ranked = [scores.ranked(row, out.labels, None) for row in rows]
+                               truncate=truncate, direction=direction,
+                               task=_predict_task(request, name))
+    # TEI: a softmax over two or more labels, a sigmoid of a reranker's one logit (whatever
+    # activation the cross-encoder names), the logits with raw_scores; one label is LABEL_0, as
+    # /info names it.
+    if raw:
+        rows = out.logits
+    else:
+        rows = out.probs if out.logits.shape[1] > 1 else tasks.activate(out.logits, "sigmoid")
+    labels = out.labels or ("LABEL_0",)
+    ranked = [scores.ranked(row, labels, None) for row in rows]
     return codec.render(request, ranked if batch else ranked[0],
                         headers=tasks.stage_headers(request, out.ran.outcome))
+
+
+def _predict_task(request: web.Request, name: str | None) -> str:
+    """TEI's /predict serves a classifier or a reranker: the named model's task when it is a
+    rerank model; unnamed, a reranker only when no classification model is served."""
+    models = request.app[MODELS]
+    if name is not None:
+        canonical = models.canonical(name)  # None: the route's own resolve answers its 404
+        rerank = canonical is not None and models.by_name[canonical].spec.task == "rerank"
+        return "rerank" if rerank else "classification"
+    served = {m.spec.task for m in models.by_name.values()}
+    return "rerank" if "rerank" in served and "classification" not in served \
+        else "classification"
 
 
 def predict_inputs(value: Any, limits: LimitsConfig

@@ -53,6 +53,21 @@ def test_tei_predict_classifies_texts_and_pairs(task_stack, task_dirs):
     # The native body still embeds.
     status, _, body = task_stack.post_json("/predict", {"texts": ["x"], "model": "tiny"})
     assert status == 200 and len(body["results"][0]) == 32
+    # A reranker, as TEI's /predict serves one: its one logit through a sigmoid (raw_scores:
+    # the logit), labelled as /info names it (refused 422 before: an outside check)
+    query = "what moves token ids between processes?"
+    items = [(query, TEXTS[0]), (query, TEXTS[1]), TEXTS[2]]
+    ce_logits = reference_scores(task_dirs["ce"], items, TINY_MAX_TOKENS, raw=True).ravel()
+    status, _, body = task_stack.post_json("/predict", {
+        "inputs": [list(items[0]), list(items[1]), [items[2]]], "model": "ce"})
+    assert status == 200 and len(body) == 3, body
+    assert all([p["label"] for p in got] == ["LABEL_0"] for got in body), body
+    np.testing.assert_allclose([got[0]["score"] for got in body],
+                               1 / (1 + np.exp(-ce_logits)), atol=1e-5)
+    status, _, body = task_stack.post_json("/predict", {"inputs": list(items[0]), "model": "ce",
+                                                        "raw_scores": True})
+    assert status == 200, body
+    np.testing.assert_allclose([body[0]["score"]], ce_logits[:1], atol=1e-5)
     # Token embeddings are an embedding model's.
     for name in ("clf", "ce"):
         status, _, body = task_stack.post_json("/embed_all", {"inputs": "x", "model": name})
