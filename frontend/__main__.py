@@ -9,6 +9,8 @@ import socket
 import sys
 from pathlib import Path
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # each drains, then exits
+
 
 def bind_in_place(path: Path, backlog: int) -> socket.socket:
     """A listening unix socket at `path`, put there by rename(2) over the file a previous run
@@ -53,20 +55,22 @@ def main() -> int:
     loop = uvloop.new_event_loop()
 
     def stop() -> None:
-        """The first SIGTERM or SIGINT starts the drain; later ones are ignored until the
+        """The first SIGTERM, SIGINT or SIGHUP starts the drain; later ones are ignored until the
         process exits. At supervisord's stop the reaper sends one
         (shmserve.reaper.drain_frontends) and supervisord another once nginx is gone: aiohttp's
         own handler raised it in the middle of the drain, cutting it short, and once the loop
         had closed (which puts back the default action of the signals it handled) it killed the
         frontend in its exit, which supervisord logged as "terminated by SIGTERM" (an outside
         check: 2 of 3 frontends at every `down`). The loop's handlers are removed first, so
-        it does not put the default back at its close."""
-        for signum in (signal.SIGTERM, signal.SIGINT):
+        it does not put the default back at its close. SIGHUP (`supervisorctl signal HUP`)
+        killed the frontend without a drain: it drains and exits, and supervisord starts it
+        again."""
+        for signum in STOP_SIGNALS:
             loop.remove_signal_handler(signum)
             signal.signal(signum, signal.SIG_IGN)
         raise web.GracefulExit()
 
-    for signum in (signal.SIGTERM, signal.SIGINT):
+    for signum in STOP_SIGNALS:
         loop.add_signal_handler(signum, stop)
     sock = bind_in_place(path, cfg.frontends.listen_backlog)
     web.run_app(create_app(cfg, args.index), sock=sock, print=None, loop=loop,

@@ -398,7 +398,9 @@ def main(cfg: Config, index: int) -> int:
         if not worker.status.ready:
             raise SystemExit(0)
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    # SIGHUP (`supervisorctl signal HUP`) killed the worker without a drain: it drains as a stop
+    # does, and supervisord starts it again.
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, stop)
     loading = False
     try:

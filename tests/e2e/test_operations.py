@@ -107,3 +107,28 @@ def test_up_fails_fast_when_the_port_is_taken(tmp_path, tiny_model):
         assert time.monotonic() - started < 30
         assert not s.run_dir.exists()  # refused before it wrote anything
         assert s.cli("status", check=False).returncode == 3  # nothing was started
+
+
+def test_a_hangup_drains_a_program_and_supervisord_starts_it_again(stack):
+    """`supervisorctl signal HUP` killed a frontend or worker on the spot ("terminated by
+    SIGHUP", an outside check): each drains as at a stop, exits, and is started again, and
+    the other of each serves meanwhile."""
+    programs = ["frontends:frontend-0", "workers:worker-0"]
+    before = {p: stack.pid(p) for p in programs}
+    with Traffic(stack) as traffic:
+        time.sleep(1)
+        for program in programs:
+            done = stack.cli("ctl", "signal", "HUP", program)
+            assert done.returncode == 0, done.stdout + done.stderr
+            stack.wait_until(lambda: stack.pid(program) not in (0, before[program]), 60,
+                             f"{program} to be started again")
+            stack.wait_until(lambda: stack.get("/ready")[0] == 200
+                             and json.loads(stack.get("/ready")[2])["status"] == "ready", 60,
+                             "every worker ready again")
+        time.sleep(1)
+    failed = [s for s in traffic.outcomes if s != "200"]
+    assert len(traffic.outcomes) > 20 and not failed, (len(traffic.outcomes), failed[:5])
+    supervisord = stack.log("supervisord")
+    assert "terminated by SIGHUP" not in supervisord
+    for name in ("frontend-0", "worker-0"):
+        assert f"exited: {name} (exit status 0; expected)" in supervisord, supervisord[-2000:]
