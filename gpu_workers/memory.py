@@ -187,12 +187,15 @@ Group = tuple  # (ids [texts, width], lengths [texts], segments [texts] | None),
 
 
 def out_of_memory(exc: BaseException) -> bool:
-    """A device (or host) allocation failed: torch.OutOfMemoryError on a GPU; on the CPU torch's
-    allocator raises a RuntimeError that says so."""
+    """A device (or host) allocation failed: torch.OutOfMemoryError from the caching allocator
+    on a GPU, or a CUDA error that says "out of memory"; on the CPU torch's allocator raises a
+    RuntimeError that says so."""
     import torch
 
     return (isinstance(exc, (torch.OutOfMemoryError, MemoryError))
-            or (type(exc) is RuntimeError and "can't allocate memory" in str(exc)))
+            or (type(exc) is RuntimeError and "can't allocate memory" in str(exc))
+            # a library's workspace or handle that CUDA could not allocate (cuBLAS, cuDNN)
+            or (type(exc) is torch.AcceleratorError and "out of memory" in str(exc)))
 
 
 def forward_in_halves(forward: Callable[[list[Group]], np.ndarray], groups: list[Group],
@@ -208,15 +211,20 @@ def forward_in_halves(forward: Callable[[list[Group]], np.ndarray], groups: list
     def run(part: list[Group]) -> None:
         try:
             chunks.append((forward(part), part))
+            return
         except Exception as exc:
             if not out_of_memory(exc):
                 raise
-            on_oom()
-            if _texts(part) == 1:
-                chunks.append((None, part))
-                return
-            for half in _halves(part):
-                run(half)
+        # The cache is emptied and the halves run once the except block has ended: until then
+        # the exception's traceback holds the failed pass's frames, and so its activations,
+        # which empty_cache could not give back and the halves would run beside (PyTorch's
+        # FAQ, "My out of memory exception handler can't allocate memory").
+        on_oom()
+        if _texts(part) == 1:
+            chunks.append((None, part))
+            return
+        for half in _halves(part):
+            run(half)
 
     run(groups)
     ok = [rows is not None for rows, part in chunks for _ in range(_texts(part))]

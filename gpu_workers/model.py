@@ -336,7 +336,10 @@ def resolve_dtype(name: str, device: torch.device) -> str:
     if name != "auto":
         return name
     if device.type == "cuda":
-        return "bf16" if torch.cuda.is_bf16_supported() else "fp32"
+        # Native bf16 from Ampere on; before it (T4, V100) bf16 is emulated and slow
+        # (is_bf16_supported counts emulation unless told not to), while fp16 runs on the
+        # tensor cores. The load-time probe guards either against fp32.
+        return "bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else "fp16"
     return "bf16" if cpu_has_bf16() else "fp32"
 
 

@@ -173,11 +173,11 @@ class ModelConfig:
     pooling: Literal["auto", "mean", "cls", "last"] = "auto"
     normalize: Literal["auto", "true", "false"] = "auto"
     max_input_tokens: int = 0  # 0: the model's own limit
-    # auto: bf16 where the device computes it natively (CUDA with bf16, a CPU with AVX512-BF16
-    # or AMX) and a probe agrees with fp32 (auto_min_cosine), else fp32. int8: dynamic
-    # quantization of the linear layers, CPU workers only.
-    # auto keeps bf16 only where a probe of texts run both ways agrees with fp32 to
-    # auto_min_cosine (gpu_workers.parity); else the model is served in fp32.
+    # auto: bf16 where the device computes it natively (a GPU from Ampere on, a CPU with
+    # AVX512-BF16 or AMX), fp16 on an older GPU (T4, V100), else fp32; the half precision is
+    # kept only where a probe of texts run both ways agrees with fp32 to auto_min_cosine
+    # (gpu_workers.parity), else the model is served in fp32. int8: dynamic quantization of
+    # the linear layers, CPU workers only.
     dtype: Literal["fp32", "bf16", "fp16", "auto", "int8"] = "auto"
     auto_min_cosine: float = 0.999
     revision: str = ""  # empty: a digest of the weights

@@ -52,7 +52,7 @@ class ModelSpec:
     revision: str
     labels: tuple[str, ...] = ()  # classification: label names by class index
     activation: str = ""  # rerank: sigmoid | identity, applied to the logit
-    auto_min_cosine: float = 0.999  # dtype auto: the agreement with fp32 bf16 must reach
+    auto_min_cosine: float = 0.999  # dtype auto: the agreement with fp32 bf16 / fp16 must reach
     # Embedding models: texts prepended before tokenizing, by name (sentence-transformers'
     # prompts), and the one for requests that name none ("" for none).
     prompts: tuple[tuple[str, str], ...] = ()

@@ -353,3 +353,16 @@ def test_freed_heap_goes_back_to_the_system_after_warm_up_and_a_replaced_model(m
     model_module.warm_up(model, max_batch_size=4, max_batch_tokens=256)
     assert calls == [1]
     assert device.release(torch.device("cpu")) is False and calls == [1, 1]
+
+
+@pytest.mark.parametrize("native, emulated, want", [
+    (True, True, "bf16"),    # Ampere and later
+    (False, True, "fp16"),   # T4, V100: bf16 only emulated; fp16 on the tensor cores
+    (False, False, "fp16"),
+])
+def test_auto_on_a_gpu_takes_bf16_only_where_it_is_native(monkeypatch, native, emulated, want):
+    def is_bf16_supported(including_emulation: bool = True) -> bool:
+        return native or (including_emulation and emulated)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", is_bf16_supported)
+    assert resolve_dtype("auto", torch.device("cuda", 0)) == want
+    assert resolve_dtype("fp32", torch.device("cuda", 0)) == "fp32"

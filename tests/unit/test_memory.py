@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 from prometheus_client import REGISTRY
 
@@ -335,3 +337,36 @@ def test_per_token_rows_keep_their_texts_places_when_halved():
                                  per_token=True)
     assert ok == [True, True, False, True, True]
     assert rows[:, 0].tolist() == [5] * 5 + [7] * 7 + [0] * 90 + [6] * 6 + [3] * 3
+
+
+def test_the_failed_pass_is_released_before_the_cache_is_emptied_and_the_halves_run():
+    """Inside the except block the traceback holds the failed forward's frame and its tensors:
+    emptying the cache there gives nothing back, and the halves run beside them."""
+    passes = []  # a weak reference to each pass's activations
+
+    class Activations:
+        pass
+
+    def forward(groups):
+        activations = Activations()  # what the failed pass's frame holds
+        passes.append(weakref.ref(activations))
+        if sum(len(lengths) for _, lengths, _ in groups) > 1:
+            raise torch.OutOfMemoryError("test")
+        return np.zeros((1, 1), np.float32)
+
+    alive_at_oom = []
+    forward_in_halves(forward, [group([3, 4, 5, 6])],
+                      lambda: alive_at_oom.append(sum(p() is not None for p in passes)))
+    assert len(alive_at_oom) == 3  # the pass of 4, then each half of 2
+    assert alive_at_oom == [0, 0, 0]
+
+
+def test_a_cuda_error_that_says_out_of_memory_is_out_of_memory():
+    cublas = SmallDevice(budget=10, error=lambda: torch.AcceleratorError(
+        "CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported"))
+    _, ok = forward_in_halves(cublas, [group([4, 4, 4, 4])], lambda: None)
+    assert ok == [True] * 4 and cublas.calls == [16, 8, 8]
+    illegal = SmallDevice(budget=10, error=lambda: torch.AcceleratorError(
+        "CUDA error: an illegal memory access was encountered"))
+    with pytest.raises(torch.AcceleratorError):
+        forward_in_halves(illegal, [group([4, 4, 4, 4])], lambda: None)
