@@ -22,6 +22,7 @@ buffers run through the same function eagerly, which is what the tests check.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -38,6 +39,11 @@ Rows = Callable[[torch.Tensor, int, bool], torch.Tensor]
 # Groups up to this many tokens get their shapes recorded at warm-up (`Graphs.prepare`): the
 # corpus's short sentences are 20 tokens at the median and 157 at the 99th percentile.
 PREPARED_LENGTH = 128
+# One capture at a time in a process (torch.cuda.graph's documented restriction: every capture
+# without a stream of its own shares one class-level stream). A hot reload's loader thread
+# records the new model's shapes (`prepare`) while the model thread may record a shape it
+# sees for the first time (`run`).
+_CAPTURING = threading.Lock()
 
 
 @dataclass(slots=True)
@@ -148,6 +154,10 @@ class Graphs:
             entry.inputs.copy_(entry.host)
 
     def _record(self, entry: Entry, cols: int, pairs: bool) -> None:
+        with _CAPTURING:
+            self._record_alone(entry, cols, pairs)
+
+    def _record_alone(self, entry: Entry, cols: int, pairs: bool) -> None:
         started = time.monotonic()
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
