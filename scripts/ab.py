@@ -38,7 +38,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
 from benchkit import (CORPUS, NULL_SCENARIO, NULL_STACK, SCENARIOS, OwnStack,  # noqa: E402
-                      locust_window, open_loop_window, positive)
+                      locust_window, open_loop_window, positive, require, stop_on_term)
 
 from shmserve.layers import deep_merge  # noqa: E402
 
@@ -88,6 +88,8 @@ def main() -> int:
     parser.add_argument("--a-rev", help="run side A's code from this git revision (a worktree)")
     parser.add_argument("--b-rev", help="run side B's code from this git revision")
     args = parser.parse_args()
+    stop_on_term()
+    require("locust")
 
     scenario = SCENARIOS[args.scenario]
     scenario = dataclasses.replace(scenario, users=args.users or scenario.users,

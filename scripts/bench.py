@@ -45,7 +45,8 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 from benchkit import (CORPUS, NULL_STACK, SCENARIOS, Baseline, OwnStack, Scenario,  # noqa: E402
                       auth_headers, ceiling, cpu_description, locust_window,
-                      min_cosine_to_fp32, open_loop_window, positive)
+                      min_cosine_to_fp32, open_loop_window, positive, require,
+                      stop_on_term)
 
 from shmserve import config as config_mod  # noqa: E402
 
@@ -211,6 +212,10 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=REPO / "bench-results",
                         help="results go to OUT/<time>/ (default bench-results)")
     args = parser.parse_args()
+    stop_on_term()
+    require("locust", "sentence_transformers",  # the windows; parity against its fp32
+            *(() if args.no_sweep else ("matplotlib",)),
+            *(("fastapi", "uvicorn") if args.compare == "baseline" else ()))
     # Said on stderr now and written at the end of the report.
     few_rounds = (f"{args.rounds} round(s): the ranges and medians rest on so few windows that "
                   "the machine's drift can decide them; use 3 or more" if args.rounds < 3

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import argparse
 import csv
+import importlib.util
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import tempfile
@@ -49,9 +51,33 @@ def cpu_description() -> str:
     return f"{name}, {isa}"
 
 
-def wait_http(url: str, timeout: float) -> None:
+def stop_on_term() -> None:
+    """SIGTERM (`timeout`'s signal, `kill`, a CI runner's cancel) and SIGHUP stop a script as
+    Ctrl-C does, through the context managers that stop its stacks: supervisord runs as a
+    daemon and would otherwise outlive the script, with its ports, processes and shared
+    memory. (A script started with `&` from a non-interactive shell ignores SIGINT.)"""
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.default_int_handler)
+
+
+def require(*modules: str) -> None:
+    """Exit at once, before a stack starts or a window runs, when a module the run needs is
+    missing (the bench extra is not in the base install; a missing one used to show only
+    when its step came, minutes in)."""
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        raise SystemExit(f"missing Python module{'s' * (len(missing) > 1)} "
+                         f"{', '.join(missing)}: install the bench extra, "
+                         f".venv/bin/pip install -c constraints.txt -e '.[bench]'")
+
+
+def wait_http(url: str, timeout: float, proc: subprocess.Popen | None = None) -> None:
+    """Until `url` answers 200; `proc`: the server's process, whose exit ends the wait."""
     deadline = time.monotonic() + timeout
     while True:
+        if proc is not None and proc.poll() is not None:
+            raise SystemExit(f"{' '.join(map(str, proc.args))} exited with status "
+                             f"{proc.returncode} before {url} answered")
         try:
             with urllib.request.urlopen(url, timeout=2) as resp:
                 if resp.status == 200:
@@ -95,12 +121,23 @@ class OwnStack:
         subprocess.run(cmd, cwd=self.repo, env=self.env, check=True, stdout=subprocess.DEVNULL)
 
     def __enter__(self) -> "OwnStack":
-        self.cli("up", "--wait")
+        try:
+            self.cli("up", "--wait")
+        except BaseException:  # a failed or interrupted start: what it started goes too
+            try:
+                self.cli("down")
+            except subprocess.CalledProcessError:
+                pass  # the start's own error is the one to show
+            finally:
+                self.tmp.cleanup()
+            raise
         return self
 
     def __exit__(self, *exc) -> None:
-        self.cli("down")
-        self.tmp.cleanup()
+        try:
+            self.cli("down")
+        finally:
+            self.tmp.cleanup()
 
 
 class Baseline:
@@ -115,7 +152,11 @@ class Baseline:
         self.proc = subprocess.Popen([PYTHON, str(REPO / "scripts" / "baseline_server.py"),
                                       "--port", str(self.port), "--threads", str(self.threads)],
                                      cwd=REPO)
-        wait_http(self.url + "/health", 120)
+        try:
+            wait_http(self.url + "/health", 120, self.proc)
+        except BaseException:
+            self.__exit__()
+            raise
         return self
 
     def __exit__(self, *exc) -> None:

@@ -46,7 +46,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
 
 from ab import checkout, overlay  # noqa: E402
-from benchkit import CORPUS, OwnStack, auth_headers  # noqa: E402
+from benchkit import CORPUS, OwnStack, auth_headers, stop_on_term  # noqa: E402
 
 
 def text_counts(spec: str, n: int, rng: random.Random) -> list[int]:
@@ -187,6 +187,7 @@ def main() -> int:
     parser.add_argument("--env", help="config env (as SHMSERVE_ENV)")
     parser.add_argument("--json", type=Path, help="write every round's results here")
     args = parser.parse_args()
+    stop_on_term()
 
     corpus = json.loads(CORPUS.read_text())
     rounds = []

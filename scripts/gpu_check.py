@@ -37,7 +37,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
-from benchkit import CORPUS, InProcess, OwnStack, Scenario, locust_window  # noqa: E402
+from benchkit import (CORPUS, InProcess, OwnStack, Scenario, locust_window, require,  # noqa: E402
+                      stop_on_term)
 
 
 def short_texts(n: int) -> list[str]:
@@ -234,61 +235,23 @@ def stage(report: dict, key: str, fn, *args):
     print(f"[{time.strftime('%H:%M:%S')}] {key} ...", flush=True)
     try:
         value = fn(*args)
-    except BaseException as exc:  # noqa: BLE001 - SystemExit from benchkit too
+    except (Exception, SystemExit) as exc:  # SystemExit: benchkit's failures
         traceback.print_exc()
         report.setdefault("errors", {})[key] = f"{type(exc).__name__}: {exc}"[-2000:]
         value = None
+    except KeyboardInterrupt:  # the run's time is up: no further stage (main writes the report)
+        report.setdefault("errors", {})[key] = "KeyboardInterrupt"
+        print(f"[{time.strftime('%H:%M:%S')}] {key}: interrupted", flush=True)
+        raise
     print(f"[{time.strftime('%H:%M:%S')}] {key}: {time.perf_counter() - started:.1f} s "
           f"{value!r:.300}", flush=True)
     return value
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes: test the paths")
-    parser.add_argument("--seconds", type=int, default=20)
-    parser.add_argument("--locust-processes", type=int, default=4,
-                        help="load processes for the served windows (one Python process"
-                             " cannot load a GPU server)")
-    parser.add_argument("--out", type=Path, default=REPO / "bench-results",
-                        help="folder for gpu-<time>.json and what each served stack left")
-    parser.add_argument("--stages", default="attention,parity,ceiling,served",
-                        help="comma-separated: attention, parity, ceiling, served")
-    parser.add_argument("--models", default="minilm,bert-base",
-                        help="comma-separated: minilm, bert-base, null")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="config override for the served stacks, a dotted key and a YAML"
-                             " value (batching.max_pad_ratio=4); repeatable")
-    parser.add_argument("--tag", default="", help="a label for this run's files")
-    parser.add_argument("--users", type=int, default=128, help="served: closed-loop clients")
-    parser.add_argument("--texts", type=int, default=32,
-                        help="served: texts per request (1: the short-query profile)")
-    parser.add_argument("--profile", action="store_true",
-                        help="py-spy the worker and a frontend during each served window")
-    args = parser.parse_args()
-    stages = set(args.stages.split(","))
-    suffix = f"-{args.tag}" if args.tag else ""
-    extra: dict = {}
-    for item in args.set:
-        key, _, value = item.partition("=")
-        node = extra
-        *parents, leaf = key.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = yaml.safe_load(value)
-
-    import torch
-
-    if not args.dry_run and not torch.cuda.is_available():
-        print("gpu_check: no CUDA device visible; use --dry-run to exercise the paths on CPU")
-        return 2
-    device = torch.device("cpu" if args.dry_run else "cuda")
-    name = "cpu (dry run)" if args.dry_run else torch.cuda.get_device_name(0)
-    texts = short_texts(64 if args.dry_run else 4096)
-    args.out.mkdir(parents=True, exist_ok=True)
-    report: dict = {"device": name, "torch": torch.__version__, "overrides": extra,
-                    "tag": args.tag, "users": args.users, "texts_per_request": args.texts}
+def run_stages(args: argparse.Namespace, stages: set[str], extra: dict, device, texts: list[str],
+               suffix: str, report: dict, rows: list[dict]) -> None:
+    """Every stage asked for, in order; what each measured goes into `report` and `rows`
+    as it ends, so an interrupted run still writes what it has."""
     if device.type == "cuda":  # as the workers will (workers.cudnn_attention)
         from gpu_workers.device import configure_cuda
         from shmserve import config
@@ -302,7 +265,6 @@ def main() -> int:
                                          texts[:64] if args.dry_run else texts[:512],
                                          extra.get("workers", {}).get("cuda_graphs", 0)) or {}
                                    if "parity" in stages else {})
-    rows = []
     with tempfile.TemporaryDirectory() as tmp:
         base = stage(report, "build BERT-base-sized", bert_base, Path(tmp) / "bert-base",
                      args.dry_run)
@@ -330,6 +292,64 @@ def main() -> int:
                          "served_p99_ms": end_to_end.get("p99_ms"),
                          "failures": end_to_end.get("failures"),
                          "means": end_to_end.get("means")})
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes: test the paths")
+    parser.add_argument("--seconds", type=int, default=20)
+    parser.add_argument("--locust-processes", type=int, default=4,
+                        help="load processes for the served windows (one Python process"
+                             " cannot load a GPU server)")
+    parser.add_argument("--out", type=Path, default=REPO / "bench-results",
+                        help="folder for gpu-<time>.json and what each served stack left")
+    parser.add_argument("--stages", default="attention,parity,ceiling,served",
+                        help="comma-separated: attention, parity, ceiling, served")
+    parser.add_argument("--models", default="minilm,bert-base",
+                        help="comma-separated: minilm, bert-base, null")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="config override for the served stacks, a dotted key and a YAML"
+                             " value (batching.max_pad_ratio=4); repeatable")
+    parser.add_argument("--tag", default="", help="a label for this run's files")
+    parser.add_argument("--users", type=int, default=128, help="served: closed-loop clients")
+    parser.add_argument("--texts", type=int, default=32,
+                        help="served: texts per request (1: the short-query profile)")
+    parser.add_argument("--profile", action="store_true",
+                        help="py-spy the worker and a frontend during each served window")
+    args = parser.parse_args()
+    stop_on_term()
+    stages = set(args.stages.split(","))
+    if "served" in stages:
+        require("locust")
+    suffix = f"-{args.tag}" if args.tag else ""
+    extra: dict = {}
+    for item in args.set:
+        key, _, value = item.partition("=")
+        node = extra
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = yaml.safe_load(value)
+
+    import torch
+
+    if not args.dry_run and not torch.cuda.is_available():
+        print("gpu_check: no CUDA device visible; use --dry-run to exercise the paths on CPU")
+        return 2
+    device = torch.device("cpu" if args.dry_run else "cuda")
+    name = "cpu (dry run)" if args.dry_run else torch.cuda.get_device_name(0)
+    texts = short_texts(64 if args.dry_run else 4096)
+    args.out.mkdir(parents=True, exist_ok=True)
+    report: dict = {"device": name, "torch": torch.__version__, "overrides": extra,
+                    "tag": args.tag, "users": args.users, "texts_per_request": args.texts}
+    rows: list[dict] = []
+    try:
+        run_stages(args, stages, extra, device, texts, suffix, report, rows)
+    except KeyboardInterrupt:  # timeout -s INT, Ctrl-C, or SIGTERM: stacks stopped
+        report.setdefault("errors", {})["interrupted"] = (
+            "KeyboardInterrupt: the stages after it did not run")
+    report.setdefault("parity_min_cosine", {})
     report["throughput"] = rows
     path = args.out / f"gpu-{time.strftime('%Y%m%d-%H%M%S')}{suffix}.json"
     path.write_text(json.dumps(report, indent=2))

@@ -35,7 +35,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
 from benchkit import (CORPUS, SCENARIOS, InProcess, OwnStack, cpu_description,  # noqa: E402
-                      locust_window, open_loop_window, positive)
+                      locust_window, open_loop_window, positive, require, stop_on_term)
 
 from shmserve import config as config_mod  # noqa: E402
 
@@ -90,6 +90,8 @@ def main() -> None:
     parser.add_argument("--corpus", type=Path, default=CORPUS,
                         help="JSON list of texts (default the shared corpus)")
     args = parser.parse_args()
+    stop_on_term()
+    require("locust")
     lo, hi = args.band
 
     cfg = config_mod.load()

@@ -1,0 +1,93 @@
+"""The benchmark scripts' own care of what they start (scripts/benchkit.py): a stack whose start
+fails or is interrupted is stopped, a server that dies is not waited for, a missing module is
+named before anything runs, and SIGTERM stops a script as Ctrl-C does."""
+
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.stack import REPO
+
+sys.path.insert(0, str(REPO / "scripts"))
+
+import benchkit  # noqa: E402
+
+
+def test_a_stack_whose_start_fails_is_stopped_and_its_directory_removed(monkeypatch):
+    calls = []
+
+    def cli(self, *args):
+        calls.append(args)
+        if args[0] == "up":
+            raise subprocess.CalledProcessError(1, ["shmserve", *args])
+    monkeypatch.setattr(benchkit.OwnStack, "cli", cli)
+    stack = benchkit.OwnStack(None, None, {})
+    tmp = Path(stack.tmp.name)
+    with pytest.raises(subprocess.CalledProcessError):
+        with stack:
+            pass
+    assert calls == [("up", "--wait"), ("down",)]
+    assert not tmp.exists()
+
+
+def test_an_interrupted_start_is_stopped_too_and_a_failing_down_does_not_hide_it(monkeypatch):
+    calls = []
+
+    def cli(self, *args):
+        calls.append(args)
+        if args[0] == "up":
+            raise KeyboardInterrupt
+        raise subprocess.CalledProcessError(1, ["shmserve", *args])  # nothing was up
+    monkeypatch.setattr(benchkit.OwnStack, "cli", cli)
+    stack = benchkit.OwnStack(None, None, {})
+    with pytest.raises(KeyboardInterrupt):
+        stack.__enter__()
+    assert calls == [("up", "--wait"), ("down",)]
+    assert not Path(stack.tmp.name).exists()
+
+
+def test_a_server_that_exits_is_not_waited_for():
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"])
+    started = time.monotonic()
+    with pytest.raises(SystemExit, match="exited with status 3 before http://127.0.0.1:9/"):
+        benchkit.wait_http("http://127.0.0.1:9/health", 60, proc)
+    assert time.monotonic() - started < 10  # not the 60 s
+
+
+def test_a_missing_module_is_named_with_the_install_command():
+    benchkit.require("json", "numpy")  # present: nothing
+    with pytest.raises(SystemExit) as exc:
+        benchkit.require("json", "no_such_module_xyz", "another_missing_one")
+    message = str(exc.value)
+    assert "no_such_module_xyz, another_missing_one" in message
+    assert "pip install -c constraints.txt -e '.[bench]'" in message
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_sigterm_and_sighup_unwind_like_ctrl_c(tmp_path, sig):
+    """The context managers that stop a script's stacks run on `kill` and `timeout`."""
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {str(REPO / "scripts")!r})
+        sys.path.insert(0, {str(REPO)!r})
+        import benchkit
+        benchkit.stop_on_term()
+        try:
+            print("ready", flush=True)
+            time.sleep(60)
+        finally:
+            print("cleaned up", flush=True)
+    """))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=30)
+    assert "cleaned up" in out
+    assert "KeyboardInterrupt" in err and proc.returncode != 0
