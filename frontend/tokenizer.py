@@ -45,7 +45,9 @@ class TextEncoder:
         self.truncate = truncate
         self._file = str(spec.directory / "tokenizer.json")
         self._tok = self._load(truncate, "right")
-        self.vocab_size = self._tok.get_vocab_size()
+        # Ids a client sends must index the model's embedding table too: an id past it failed
+        # the forward (500; on a GPU a device-side assert, fatal to the worker).
+        self.vocab_size = min(filter(None, (self._tok.get_vocab_size(), spec.vocab_size)))
         self.name = spec.name
         self.prompts = dict(spec.prompts)
         self.default_prompt = spec.default_prompt

@@ -41,6 +41,20 @@ class DeviceError(RuntimeError):
     """A worker given a GPU cannot use it; the message names workers.devices."""
 
 
+class DeviceLost(RuntimeError):
+    """The device failed a pass with an error its context does not recover from: the worker
+    answers what it holds and exits, and supervisord starts it again on a fresh context."""
+
+
+def device_lost(exc: BaseException) -> bool:
+    """A CUDA error other than a failed allocation (a device-side assert, an illegal memory
+    access, ECC, a lost device): after most of these the process's CUDA context fails every
+    later call, so a worker that went on would fail every pass while its heartbeats said it
+    was ready. A failed allocation is gpu_workers.memory's (halved and retried)."""
+    return (isinstance(exc, torch.AcceleratorError) and "out of memory" not in str(exc)) or (
+        type(exc) is RuntimeError and str(exc).startswith("CUDA error"))
+
+
 def pick_device(threads: int, cudnn_attention: bool = False, gpu: str = "",
                 fallback: bool = False) -> torch.device:
     """The worker's device: the one GPU CUDA_VISIBLE_DEVICES shows it, else the CPU. `gpu`: the

@@ -22,8 +22,11 @@ always in the model thread (the allocator is not read from other threads).
 Fragmentation, reported, is PyTorch's own measure: the share of reserved memory in free pieces
 of segments that also hold live tensors (`inactive_split_bytes`), which no `empty_cache()` can
 return and which a large allocation may not fit. GPU workers start with
-PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True by default (`workers.cuda_alloc_conf`), which
-keeps it low. On the CPU there is no device allocator: checks do nothing (the resident memory of
+PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True by default (`workers.cuda_alloc_conf`), and
+PyTorch leaves expandable segments out of that count (their wholly free pages can always be
+returned; c10/cuda/CUDACachingAllocator.cpp), so under the default the ratio reads 0 by
+construction: it measures something only when `workers.cuda_alloc_conf` turns them off. On the
+CPU there is no device allocator: checks do nothing (the resident memory of
 every process is reported at scrape time by `shmserve.metrics.ResidentMemory`).
 """
 

@@ -27,6 +27,7 @@ import numpy as np
 import zmq
 
 from gpu_workers.batcher import Batch, Limits, form_pass, wait_time
+from gpu_workers.device import DeviceLost, device_lost
 from gpu_workers.intake import Intake, Status
 from gpu_workers.loading import load_replacement, load_warm
 from gpu_workers.memory import MemoryCare, Policy, TorchAllocator, forward_in_halves
@@ -281,6 +282,14 @@ class Worker:
                 self._finish(request, Error(request.msg.seq, ErrorCode.INTERNAL,
                                             f"forward failed: {type(exc).__name__}"))
             self._send_replies()
+            if device_lost(exc):
+                # The batch that met it is answered (it may be what caused it: not sent to
+                # another worker); what waits goes to the other workers, and this one exits
+                # for supervisord to start again.
+                self.status.ready = False
+                self.metrics.set_ready(False)
+                self._fail_all(ErrorCode.UNAVAILABLE, "worker restarting after a device error")
+                raise DeviceLost(f"{type(exc).__name__}: {exc}") from exc
             return
         finally:
             self.status.pass_began = 0.0

@@ -57,6 +57,10 @@ class ModelSpec:
     # prompts), and the one for requests that name none ("" for none).
     prompts: tuple[tuple[str, str], ...] = ()
     default_prompt: str = ""
+    # The rows of the model's embedding table (config.json's vocab_size; 0: not given): a
+    # client's token ids must be under it as well as under the tokenizer's vocabulary size
+    # (a tokenizer with added tokens the table never grew for).
+    vocab_size: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,6 +245,7 @@ def inspect(cfg: ModelConfig, with_revision: bool = True,
         auto_min_cosine=cfg.auto_min_cosine,
         prompts=prompts,
         default_prompt=default_prompt,
+        vocab_size=int(model_cfg.get("vocab_size") or 0),
     )
 
 

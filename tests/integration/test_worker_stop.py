@@ -1,12 +1,15 @@
 """How a worker process stops: at once while it loads, after draining once it serves, and with
-its last log line written either way (the process skips the interpreter's teardown)."""
+its last log line written either way (the process skips the interpreter's teardown); and on a
+device error its CUDA context does not recover from."""
 
 import asyncio
 import json
 import signal
 import time
 
-from tests.integration.test_pool import ready_pool, start_patched_worker, start_worker
+from frontend.errors import ApiError
+from tests.integration.test_pool import (dispatching, encoded, frontend_arena, ready_pool, run,
+                                         start_patched_worker, start_worker)
 
 # The real worker, its model's load made to take a minute (a large checkpoint on a slow disk).
 SLOW_LOAD = """
@@ -65,3 +68,60 @@ def test_a_serving_worker_stops_cleanly_and_logs_it_last(cfg):
     log = (cfg.run_dir / "worker.log").read_text()
     assert _stopped_line(log)["while_loading"] is False
     assert "Traceback" not in log, log[-2000:]
+
+
+# A worker whose device fails a pass holding a text of 30 tokens the way CUDA does after a
+# device-side assert (the context is unusable from then on): the real worker process, its
+# forward patched. The pass takes a second first, so a request sent meanwhile waits behind it.
+DEVICE_ASSERT_ON_30 = """
+import runpy, sys, time, torch
+from gpu_workers import model
+
+real_forward = model.Model.forward_groups
+
+def forward_groups(self, groups, *args, **kwargs):
+    if any(ids.shape[1] == 30 for ids, _, _ in groups):
+        time.sleep(1)
+        raise torch.AcceleratorError("CUDA error: device-side assert triggered (test)")
+    return real_forward(self, groups, *args, **kwargs)
+
+model.Model.forward_groups = forward_groups
+sys.argv = ["gpu_workers", *sys.argv[1:]]
+runpy.run_module("gpu_workers", run_name="__main__")
+"""
+
+
+def test_a_device_error_answers_every_request_and_the_worker_exits_to_be_restarted(cfg):
+    """After a device-side assert every later CUDA call fails: a worker that went on failed
+    every pass while its heartbeats said ready. The pass that met it is answered 500 (it may
+    be its cause, so it is not sent elsewhere); what waited is handed back as unavailable (a
+    frontend tries another worker); the worker exits 1 for supervisord to restart it."""
+    worker = start_patched_worker(cfg, DEVICE_ASSERT_ON_30)
+    arena = frontend_arena(cfg)
+
+    async def scenario():
+        async with dispatching(cfg, arena) as dispatcher:
+            deadline = time.time() + 20
+            fine = await dispatcher.run("tiny", 32, encoded(2, 5), "fine", deadline)
+            assert fine.vectors.shape == (2, 32)
+            failing = asyncio.ensure_future(
+                dispatcher.run("tiny", 32, encoded(1, 30), "assert", deadline))
+            await asyncio.sleep(0.4)  # the failing pass is running
+            waiting = asyncio.ensure_future(
+                dispatcher.run("tiny", 32, encoded(3, 5), "waiting", deadline))
+            failed, handed_back = await asyncio.gather(failing, waiting,
+                                                       return_exceptions=True)
+            assert isinstance(failed, ApiError) and failed.status == 500, failed
+            assert "AcceleratorError" in failed.message
+            # No other worker here: the frontend says so (503), having tried; not a 500.
+            assert isinstance(handed_back, ApiError) and handed_back.status == 503, handed_back
+            assert time.time() < deadline
+        assert worker.wait(30) == 1
+
+    run(scenario, worker, arena)
+    logged = (cfg.run_dir / "worker.log").read_text()
+    failed_lines = [json.loads(line) for line in logged.splitlines()
+                    if line.startswith("{") and '"worker.failed"' in line]
+    assert len(failed_lines) == 1, logged[-3000:]
+    assert "DeviceLost: AcceleratorError: CUDA error: device-side assert" in json.dumps(
+        failed_lines[0])

@@ -70,6 +70,19 @@ def test_bad_token_ids(spec, rows, status, where):
     assert info.value.param == "input"
 
 
+def test_ids_past_the_embedding_table_are_refused_though_the_tokenizer_has_them(spec):
+    """A tokenizer with tokens added after training, which the embedding table never grew
+    for: such an id failed the forward (500, and on a GPU a device-side assert)."""
+    smaller = dataclasses.replace(spec, vocab_size=30000)
+    assert spec.vocab_size == 30522
+    encoder = TextEncoder(smaller, truncate=False)
+    assert encoder.vocab_size == 30000
+    encoder.from_ids([[29999]])
+    with pytest.raises(ApiError) as info:
+        encoder.from_ids([[101, 30000]])
+    assert info.value.status == 422 and "[0, 30000)" in info.value.message
+
+
 def test_over_long_token_ids_are_cut_when_truncating(spec):
     enc = TextEncoder(spec, truncate=True).from_ids([[5] * 300, [6]])
     assert enc.offsets.tolist() == [0, 256, 257] and enc.truncated == 1
