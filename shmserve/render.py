@@ -205,6 +205,9 @@ def worker_environment(cfg: Config, device: str) -> dict[str, str]:
     threads = str(cfg.workers.torch_threads)
     return {
         "CUDA_VISIBLE_DEVICES": "" if device == topology.CPU else device,
+        # workers.devices names GPUs as nvidia-smi numbers them, by PCI bus; CUDA's own default
+        # order (fastest first) differs on a machine with mixed cards
+        "CUDA_DEVICE_ORDER": os.environ.get("CUDA_DEVICE_ORDER", "PCI_BUS_ID"),
         "PYTORCH_CUDA_ALLOC_CONF": cfg.workers.cuda_alloc_conf,
         "OMP_NUM_THREADS": threads,
         "MKL_NUM_THREADS": threads,

@@ -60,6 +60,9 @@ def test_gpu_devices_get_one_worker_each(tmp_path):
     assert sorted(workers) == ["worker-0", "worker-1"]
     devices = [workers[f"worker-{i}"].environment["CUDA_VISIBLE_DEVICES"] for i in (0, 1)]
     assert devices == ["0", "1"]
+    # the numbers nvidia-smi gives, not CUDA's fastest-first order (mixed cards)
+    assert {workers[f"worker-{i}"].environment["CUDA_DEVICE_ORDER"] for i in (0, 1)} == {
+        "PCI_BUS_ID"}
     assert workers["worker-1"].command.endswith(
         f"-m gpu_workers --config {cfg.run_dir}/config.json --index 1")
     resolved = config.load_resolved(topology.resolved_config_path(cfg))
