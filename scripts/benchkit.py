@@ -9,6 +9,7 @@ import importlib.util
 import json
 import os
 import platform
+import shutil
 import signal
 import subprocess
 import sys
@@ -93,10 +94,11 @@ class OwnStack:
     """A shmserve stack in a temporary run directory on a free port, driven by the CLI."""
 
     def __init__(self, env: str | None, extra: str | None, overrides: dict,
-                 repo: Path = REPO) -> None:
+                 repo: Path = REPO, keep_logs: Path | None = None) -> None:
         from shmserve.layers import deep_merge
 
         self.repo = repo  # the checkout whose code runs (scripts/ab.py's --a-rev: a worktree)
+        self.keep_logs = keep_logs  # where its logs go once it is down (a failed start's too)
 
         self.tmp = tempfile.TemporaryDirectory(prefix="shmserve-bench-")
         self.port = free_port()
@@ -129,13 +131,22 @@ class OwnStack:
             except subprocess.CalledProcessError:
                 pass  # the start's own error is the one to show
             finally:
-                self.tmp.cleanup()
+                self._leave()
             raise
         return self
 
     def __exit__(self, *exc) -> None:
         try:
             self.cli("down")
+        finally:
+            self._leave()
+
+    def _leave(self) -> None:
+        """Keep the logs (`keep_logs`), then remove the run directory."""
+        logs = Path(self.tmp.name) / "run" / "logs"
+        try:
+            if self.keep_logs is not None and logs.is_dir():
+                shutil.copytree(logs, self.keep_logs, dirs_exist_ok=True)
         finally:
             self.tmp.cleanup()
 

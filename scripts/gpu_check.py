@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -134,31 +133,20 @@ def served(source: str, model_root: str, dtype: str, seconds: int, dry_run: bool
                                                    "max_batch_tokens": 8192}}
          if dry_run else {}), extra)
     keep.mkdir(parents=True, exist_ok=True)
-    stack = OwnStack(None, str(GPU_CONFIG), overrides)
-    logs = Path(stack.tmp.name) / "run" / "logs"
-    try:
-        with stack:
-            scenario = Scenario("bulk" if texts > 1 else "short", 4 if dry_run else users,
-                                str(texts), api="msgpack")
-            profilers = [_profile(name, keep, seconds) for name in ("gpu_workers", "frontend")
-                         ] if profile else []
-            result = locust_window(stack.url, scenario, seconds, CORPUS, processes)
-            with urllib.request.urlopen(stack.url + "/metrics", timeout=10) as resp:
-                metrics = resp.read().decode()
-            (keep / "metrics.txt").write_text(metrics)
-            result["means"] = pipeline_means(metrics)
-            for proc in profilers:
-                proc.wait(30)
-            shutil.copytree(logs, keep / "logs")
-            return result
-    except BaseException:
-        if logs.exists() and not (keep / "logs").exists():
-            shutil.copytree(logs, keep / "logs")
-        try:
-            stack.__exit__(None, None, None)
-        except BaseException as exc:  # noqa: BLE001 - the first error is the one to report
-            print(f"gpu_check: stopping the failed stack: {exc}", file=sys.stderr)
-        raise
+    # Its logs are kept once it is down, whatever happened: a failed start's say why.
+    with OwnStack(None, str(GPU_CONFIG), overrides, keep_logs=keep / "logs") as stack:
+        scenario = Scenario("bulk" if texts > 1 else "short", 4 if dry_run else users,
+                            str(texts), api="msgpack")
+        profilers = [_profile(name, keep, seconds) for name in ("gpu_workers", "frontend")
+                     ] if profile else []
+        result = locust_window(stack.url, scenario, seconds, CORPUS, processes)
+        with urllib.request.urlopen(stack.url + "/metrics", timeout=10) as resp:
+            metrics = resp.read().decode()
+        (keep / "metrics.txt").write_text(metrics)
+        result["means"] = pipeline_means(metrics)
+        for proc in profilers:
+            proc.wait(30)
+        return result
 
 
 def pipeline_means(metrics: str) -> dict:

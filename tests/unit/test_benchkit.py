@@ -35,6 +35,28 @@ def test_a_stack_whose_start_fails_is_stopped_and_its_directory_removed(monkeypa
     assert not tmp.exists()
 
 
+def test_a_stacks_logs_are_kept_when_asked_whether_it_started_or_not(monkeypatch, tmp_path):
+    """scripts/gpu_check.py keeps every stack's logs: on a lent GPU, a failed start's are the
+    only account of why (its copy used to run after the run directory was removed)."""
+    def cli(self, *args):
+        logs = Path(self.tmp.name) / "run" / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        (logs / "worker-0.log").write_text(f"worker log, at {args[0]}\n")
+        if args[0] == "up" and fail:
+            raise subprocess.CalledProcessError(1, ["shmserve", *args])
+    monkeypatch.setattr(benchkit.OwnStack, "cli", cli)
+    for fail in (True, False):
+        keep = tmp_path / f"failed-{fail}"
+        stack = benchkit.OwnStack(None, None, {}, keep_logs=keep)
+        try:
+            with stack:
+                pass
+        except subprocess.CalledProcessError:
+            assert fail
+        assert (keep / "worker-0.log").read_text() == "worker log, at down\n"
+        assert not Path(stack.tmp.name).exists()
+
+
 def test_an_interrupted_start_is_stopped_too_and_a_failing_down_does_not_hide_it(monkeypatch):
     calls = []
 
