@@ -51,8 +51,10 @@ def device_lost(exc: BaseException) -> bool:
     access, ECC, a lost device): after most of these the process's CUDA context fails every
     later call, so a worker that went on would fail every pass while its heartbeats said it
     was ready. A failed allocation is gpu_workers.memory's (halved and retried)."""
-    return (isinstance(exc, torch.AcceleratorError) and "out of memory" not in str(exc)) or (
-        type(exc) is RuntimeError and str(exc).startswith("CUDA error"))
+    from gpu_workers.memory import out_of_memory
+
+    return not out_of_memory(exc) and (isinstance(exc, torch.AcceleratorError) or (
+        type(exc) is RuntimeError and str(exc).startswith("CUDA error")))
 
 
 def pick_device(threads: int, cudnn_attention: bool = False, gpu: str = "",

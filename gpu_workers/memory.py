@@ -198,7 +198,8 @@ def out_of_memory(exc: BaseException) -> bool:
     return (isinstance(exc, (torch.OutOfMemoryError, MemoryError))
             or (type(exc) is RuntimeError and "can't allocate memory" in str(exc))
             # a library's workspace or handle that CUDA could not allocate (cuBLAS, cuDNN)
-            or (type(exc) is torch.AcceleratorError and "out of memory" in str(exc)))
+            or (type(exc) in (torch.AcceleratorError, RuntimeError)
+                and "CUDA error: out of memory" in str(exc)))
 
 
 def forward_in_halves(forward: Callable[[list[Group]], np.ndarray], groups: list[Group],

@@ -3,7 +3,11 @@
 import os
 import threading
 
-from gpu_workers.device import yield_cores
+import pytest
+import torch
+
+from gpu_workers.device import device_lost, yield_cores
+from gpu_workers.memory import out_of_memory
 
 
 def nice_of_this_thread() -> int:
@@ -43,3 +47,17 @@ def test_yield_cores_by_nothing_or_past_the_bottom():
     thread.start()
     thread.join()
     assert seen == {"zero": before, "far": 19}
+
+
+@pytest.mark.parametrize("exc, lost, oom", [
+    (torch.AcceleratorError("CUDA error: device-side assert triggered"), True, False),
+    (torch.AcceleratorError("CUDA error: an illegal memory access was encountered"), True, False),
+    (RuntimeError("CUDA error: unspecified launch failure"), True, False),
+    (torch.AcceleratorError("CUDA error: out of memory"), False, True),  # halved, retried
+    (RuntimeError("CUDA error: out of memory"), False, True),
+    (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), False, True),
+    (RuntimeError("shape mismatch"), False, False),  # a bad batch, not the device
+    (IndexError("index out of range in self"), False, False),
+])
+def test_which_errors_end_the_worker_and_which_are_out_of_memory(exc, lost, oom):
+    assert (device_lost(exc), out_of_memory(exc)) == (lost, oom)
