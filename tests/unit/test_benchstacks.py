@@ -1,4 +1,4 @@
-"""The benchmark scripts' own care of what they start (scripts/benchkit.py): a stack whose start
+"""The benchmark scripts' own care of what they start (scripts/benchstacks.py): a stack whose start
 fails or is interrupted is stopped, a server that dies is not waited for, a missing module is
 named before anything runs, and SIGTERM stops a script as Ctrl-C does."""
 
@@ -15,7 +15,7 @@ from tests.stack import REPO
 
 sys.path.insert(0, str(REPO / "scripts"))
 
-import benchkit  # noqa: E402
+import benchstacks  # noqa: E402
 
 
 def test_a_stack_whose_start_fails_is_stopped_and_its_directory_removed(monkeypatch):
@@ -25,8 +25,8 @@ def test_a_stack_whose_start_fails_is_stopped_and_its_directory_removed(monkeypa
         calls.append(args)
         if args[0] == "up":
             raise subprocess.CalledProcessError(1, ["shmserve", *args])
-    monkeypatch.setattr(benchkit.OwnStack, "cli", cli)
-    stack = benchkit.OwnStack(None, None, {})
+    monkeypatch.setattr(benchstacks.OwnStack, "cli", cli)
+    stack = benchstacks.OwnStack(None, None, {})
     tmp = Path(stack.tmp.name)
     with pytest.raises(subprocess.CalledProcessError):
         with stack:
@@ -44,10 +44,10 @@ def test_a_stacks_logs_are_kept_when_asked_whether_it_started_or_not(monkeypatch
         (logs / "worker-0.log").write_text(f"worker log, at {args[0]}\n")
         if args[0] == "up" and fail:
             raise subprocess.CalledProcessError(1, ["shmserve", *args])
-    monkeypatch.setattr(benchkit.OwnStack, "cli", cli)
+    monkeypatch.setattr(benchstacks.OwnStack, "cli", cli)
     for fail in (True, False):
         keep = tmp_path / f"failed-{fail}"
-        stack = benchkit.OwnStack(None, None, {}, keep_logs=keep)
+        stack = benchstacks.OwnStack(None, None, {}, keep_logs=keep)
         try:
             with stack:
                 pass
@@ -65,8 +65,8 @@ def test_an_interrupted_start_is_stopped_too_and_a_failing_down_does_not_hide_it
         if args[0] == "up":
             raise KeyboardInterrupt
         raise subprocess.CalledProcessError(1, ["shmserve", *args])  # nothing was up
-    monkeypatch.setattr(benchkit.OwnStack, "cli", cli)
-    stack = benchkit.OwnStack(None, None, {})
+    monkeypatch.setattr(benchstacks.OwnStack, "cli", cli)
+    stack = benchstacks.OwnStack(None, None, {})
     with pytest.raises(KeyboardInterrupt):
         stack.__enter__()
     assert calls == [("up", "--wait"), ("down",)]
@@ -77,14 +77,14 @@ def test_a_server_that_exits_is_not_waited_for():
     proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"])
     started = time.monotonic()
     with pytest.raises(SystemExit, match="exited with status 3 before http://127.0.0.1:9/"):
-        benchkit.wait_http("http://127.0.0.1:9/health", 60, proc)
+        benchstacks.wait_http("http://127.0.0.1:9/health", 60, proc)
     assert time.monotonic() - started < 10  # not the 60 s
 
 
 def test_a_missing_module_is_named_with_the_install_command():
-    benchkit.require("json", "numpy")  # present: nothing
+    benchstacks.require("json", "numpy")  # present: nothing
     with pytest.raises(SystemExit) as exc:
-        benchkit.require("json", "no_such_module_xyz", "another_missing_one")
+        benchstacks.require("json", "no_such_module_xyz", "another_missing_one")
     message = str(exc.value)
     assert "no_such_module_xyz, another_missing_one" in message
     assert "pip install -c constraints.txt -e '.[bench]'" in message
@@ -98,8 +98,8 @@ def test_sigterm_and_sighup_unwind_like_ctrl_c(tmp_path, sig):
         import sys, time
         sys.path.insert(0, {str(REPO / "scripts")!r})
         sys.path.insert(0, {str(REPO)!r})
-        import benchkit
-        benchkit.stop_on_term()
+        import benchstacks
+        benchstacks.stop_on_term()
         try:
             print("ready", flush=True)
             time.sleep(60)
