@@ -100,6 +100,7 @@ class Dispatcher:
             if enc.segments is not None:
                 self.arena.view(segments)[:] = enc.segments
             refused = None  # the worker that turned it away for its load (429), if one did
+            again = ""  # why the last attempt is to be sent again: the retry's reason
             for attempt in range(self.cfg.frontends.retry_on_worker_loss + 1):
                 link = await self.pool.wait_for_worker(
                     model, min(self.cfg.frontends.no_worker_wait_s, deadline - time.time()),
@@ -110,8 +111,10 @@ class Dispatcher:
                     loading = any(link.alive and not link.ready for link in self.pool.links)
                     raise ApiError("unavailable", "no worker is ready for this model yet "
                                    "(loading or restarting)" if loading else
-                                   "no live worker for this model", retry_after=1)
-                if attempt:  # rows of its own (see the module's docstring)
+                                   "no live worker for this model", retry_after=1,
+                                   attempts=attempt)
+                if attempt:  # sent again, with rows of its own (see the module's docstring)
+                    metrics.retries(again).inc()
                     out_lease, out_base = self._alloc(n * dim * 4)
                     leases.append(out_lease)
                     output = self.arena.handle(out_base, "float32", (n, dim))
@@ -127,23 +130,26 @@ class Dispatcher:
                     async with asyncio.timeout(max(0.0, deadline - time.time())):
                         reply = await asyncio.shield(future)
                 except WorkerGone:
-                    metrics.retries("worker_lost").inc()
+                    again = "worker_lost"
                     continue
                 except Stopped as exc:
-                    raise ApiError("unavailable", str(exc), retry_after=1) from None
+                    raise ApiError("unavailable", str(exc), retry_after=1,
+                                   attempts=attempt + 1) from None
                 except asyncio.CancelledError:  # the client went away
                     self._abandon(link, seq, future)
                     raise
                 except TimeoutError:
                     self._abandon(link, seq, future)
-                    raise ApiError.deadline_passed() from None
+                    error = ApiError.deadline_passed()
+                    error.attempts = attempt + 1
+                    raise error from None
                 received = time.perf_counter()
                 if isinstance(reply, Error) and reply.code is ErrorCode.UNAVAILABLE:
                     # Loading or draining: a worker restarted faster than its heartbeats showed,
                     # or one stopping. It ran nothing; another worker (or it, once its next
                     # heartbeat says ready) takes the request.
                     self.pool.mark_unready(link)
-                    metrics.retries("unavailable").inc()
+                    again = "unavailable"
                     continue
                 if (isinstance(reply, Error) and reply.code is ErrorCode.OVERLOADED
                         and refused is None and any(
@@ -152,14 +158,17 @@ class Dispatcher:
                     # worker's may not be (a frontend learns of the others' load from their
                     # heartbeats, which may be a moment old). Once; it ran nothing.
                     refused = link
-                    metrics.retries("overloaded").inc()
+                    again = "overloaded"
                     continue
                 if isinstance(reply, Error):
-                    raise ApiError.from_worker(reply.code, reply.message)
+                    error = ApiError.from_worker(reply.code, reply.message)
+                    error.attempts = attempt + 1
+                    raise error
                 vectors = self.arena.view(output).copy()
                 return Outcome(vectors, reply, link.index, received, attempt + 1)
             raise ApiError("unavailable", "workers kept failing; retries exhausted "
-                           "(frontends.retry_on_worker_loss)", retry_after=1)
+                           "(frontends.retry_on_worker_loss)", retry_after=1,
+                           attempts=self.cfg.frontends.retry_on_worker_loss + 1)
         finally:
             _release(leases)
 

@@ -45,7 +45,8 @@ _FROM_WORKER: dict[ErrorCode, str] = {
 
 class ApiError(Exception):
     def __init__(self, kind: str, message: str, param: str | None = None,
-                 retry_after: int | None = None, code: str | None = None) -> None:
+                 retry_after: int | None = None, code: str | None = None,
+                 attempts: int = 1) -> None:
         super().__init__(message)
         if kind not in STATUS:
             raise ValueError(f"unknown error kind {kind!r}")
@@ -54,6 +55,7 @@ class ApiError(Exception):
         self.param = param
         self.retry_after = retry_after
         self.code = code  # a finer machine-readable reason, e.g. "model_not_found"
+        self.attempts = attempts  # times a worker was sent the request (access line, if > 1)
 
     @property
     def status(self) -> int:

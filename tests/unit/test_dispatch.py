@@ -155,6 +155,24 @@ def test_a_resubmission_writes_rows_of_its_own_while_the_silent_worker_holds_the
     assert arena.bytes_used == 0
 
 
+def test_a_retry_is_counted_when_sent_and_a_failed_one_says_how_many_tries_it_had(arena):
+    """shmserve_frontend_retries_total counts requests sent again to a worker: one whose
+    worker died with no other to take it was counted, though nothing was sent again (an
+    outside check); and a request tried twice that failed had no `attempts` on its line."""
+    pool = FakePool({0: "silent", 1: None})
+    pool.mark_unready(pool.links[1])  # no other worker: 503, after the one attempt
+    lost = metrics.RETRIES.labels("worker_lost")._value.get()
+    with pytest.raises(ApiError) as err:
+        run(pool, arena)
+    metrics.turn.flush()
+    assert err.value.status == 503 and pool.sent == [0] and err.value.attempts == 1
+    assert metrics.RETRIES.labels("worker_lost")._value.get() == lost
+    pool = FakePool({0: ErrorCode.OVERLOADED, 1: ErrorCode.OVERLOADED})
+    with pytest.raises(ApiError) as err:
+        run(pool, arena)
+    assert err.value.status == 429 and pool.sent == [0, 1] and err.value.attempts == 2
+
+
 def test_a_per_token_request_gets_a_row_for_every_token_and_is_bounded(arena):
     cfg = config.load(environ={})
     pool = FakePool({0: None, 1: None})
