@@ -44,7 +44,8 @@ def start(cfg: config.Config) -> None:
     """Every program's exit counts at zero, so an alert on increase() sees the first crash."""
     from shmserve import topology
 
-    programs = ["nginx", *(f"frontend-{i}" for i in range(cfg.frontends.count)),
+    # the reaper too: a new one counts the exit of the one before it
+    programs = ["nginx", "reaper", *(f"frontend-{i}" for i in range(cfg.frontends.count)),
                 *(f"worker-{i}" for i in range(len(topology.worker_devices(cfg))))]
     for program in programs:
         for expected in ("true", "false"):

@@ -108,3 +108,21 @@ def test_a_sigterm_stops_it_with_exit_status_0(tmp_path):
             assert not stopped.exists() and live.exists()
         finally:
             proc.kill()
+
+
+def test_every_programs_exit_series_starts_at_zero(tmp_path, monkeypatch):
+    """So increase() sees a first crash; the reaper's own was missing (an outside check: a
+    killed reaper's series appeared at 1, counted by the next reaper)."""
+    from prometheus_client import REGISTRY
+    from shmserve import config
+
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    cfg = config.load(environ={"SHMSERVE__FRONTENDS__COUNT": "2",
+                               "SHMSERVE__WORKERS__DEVICES": "cpu",
+                               "SHMSERVE__WORKERS__CPU_WORKERS": "2"})
+    reaper.start(cfg)
+    series = {(s.labels["program"], s.labels["expected"])
+              for metric in REGISTRY.collect() if metric.name == "shmserve_process_exits"
+              for s in metric.samples if s.name.endswith("_total")}
+    for program in ("nginx", "reaper", "frontend-0", "frontend-1", "worker-0", "worker-1"):
+        assert {(program, "true"), (program, "false")} <= series, program
