@@ -101,13 +101,23 @@ def check(cfg: Config, devices: list[str]) -> None:
                 f"models[{index}].devices: {missing} name no worker; the workers are "
                 + (f"worker indexes {list(range(len(devices)))}" if cpu else f"GPUs {devices}"))
         first = None
+        unlabelled: dict[Path, str] = {}  # variants without a revision, by weights file
         for unit in units(model):
             try:
                 spec = inspect(unit.config, with_revision=False, roots=cfg.model_root_paths)
-                check_weights(weights_file(resolve_source(unit.config.source,
-                                                          cfg.model_root_paths)))
+                weights = weights_file(resolve_source(unit.config.source, cfg.model_root_paths))
+                check_weights(weights)
             except ModelSourceError as exc:
                 raise ModelSourceError(f"{unit.name}: {exc}") from None
+            if unit.variant and not unit.config.revision:
+                # Both would be labelled with the weights' digest: one revision for two arms,
+                # which metrics and KServe's versions could not tell apart.
+                if weights in unlabelled:
+                    raise ModelSourceError(
+                        f"{unit.name}: variants {unlabelled[weights]!r} and {unit.variant!r} "
+                        "load the same weights with no revision, so both would be labelled "
+                        "with its digest; give each a revision")
+                unlabelled[weights] = unit.variant
             # Variants are revisions behind one name: the frontends tokenize for all of them
             # with one tokenizer and describe one output, so they are held to a reload's rules.
             if first is None:

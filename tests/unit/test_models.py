@@ -92,6 +92,24 @@ def test_a_split_refuses_variants_that_would_answer_differently(model_dir):
         check(split(wide), ["cpu"])
 
 
+def test_a_split_of_one_source_without_revisions_is_refused(model_dir):
+    """Both arms would be labelled with the weights' digest: one revision for two arms (an
+    outside check). With a revision each, or another source, it starts."""
+    from shmserve import config
+    from shmserve.models import check
+
+    root = str(model_dir.parent.parent)
+
+    def split(**b):
+        return config.from_tree({"model_roots": [root], "models": [{"name": "s", "variants": [
+            {"name": "a", "source": str(model_dir)}, {"name": "b", "source": str(model_dir),
+                                                      **b}]}]})
+    with pytest.raises(ModelSourceError, match=r"s@b: variants 'a' and 'b' load the same "
+                       "weights with no revision"):
+        check(split(), ["cpu"])
+    check(split(revision="b-r1"), ["cpu"])
+
+
 def test_pickle_only_directory_is_refused(tmp_path):
     (tmp_path / "pytorch_model.bin").write_bytes(b"\x80\x04pickle")
     with pytest.raises(ModelSourceError, match="pickle checkpoints.*safetensors only"):
