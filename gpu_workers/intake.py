@@ -10,6 +10,7 @@ lock here, and the backlog, under its own.
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import threading
@@ -25,6 +26,8 @@ from shmserve.config import Config
 from shmserve.models import ModelSpec
 from shmserve.protocol import (PROTOCOL_VERSION, Abort, Commit, Error, ErrorCode, Heartbeat,
                                ModelInfo, Ping, Reload, Submit)
+
+log = logging.getLogger("shmserve.worker")
 
 # A request that takes this long here (its tokens at the worker's drain rate) is news to the
 # frontends that did not send it (Intake.news): a short request waits that long behind it.
@@ -59,8 +62,14 @@ class Intake:
         self._lock = threading.Lock()
         self._requests: dict[tuple[bytes, int], Request] = {}
         self._admitted = 0  # tokens of the request on_submit just admitted
+        self._frontends: dict[int, bytes] = {}  # frontend index -> its socket, from its pings
 
-    def heartbeat(self, ping: Ping) -> Heartbeat:
+    def heartbeat(self, ping: Ping, peer: bytes = b"") -> Heartbeat:
+        if ping.frontend >= 0 and peer:
+            old = self._frontends.get(ping.frontend)
+            self._frontends[ping.frontend] = peer
+            if old is not None and old != peer:
+                self._orphaned(ping.frontend, old)
         self.watch.pinged(ping)
         self.metrics.set_queue_depth(self.queued_texts)  # fresh even while no batch runs
         return self._beat(ping.sent_at)
@@ -74,6 +83,21 @@ class Intake:
                          ping_sent_at, time.monotonic() - began if began else 0.0,
                          self.backlog.rate, self.backlog.pass_s,
                          self.backlog.queued_by_priority())
+
+    def _orphaned(self, frontend: int, peer: bytes) -> None:
+        """Another process serves frontend `frontend` now (the old one was killed, or crashed):
+        what the old one sent can be answered to no one (its socket, shared memory and clients
+        are gone), so it is dropped before it runs, as an abort is. A killed frontend's
+        queued work kept a worker busy for seconds (an outside check: 256 texts, ~10 s), and
+        the clients' retries through nginx were refused 429 behind it."""
+        dropped = 0
+        for (sender, _), request in list(self._requests.items()):  # (one C call: no switch)
+            if sender == peer and not request.aborted:
+                request.aborted = True
+                dropped += 1
+        if dropped:
+            log.warning("worker.frontend_replaced", extra={"fields": {
+                "frontend": frontend, "dropped_requests": dropped}})
 
     def news(self) -> Heartbeat | None:
         """A heartbeat for the other frontends when the request just admitted is work of at

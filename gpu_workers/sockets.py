@@ -29,7 +29,7 @@ class SocketThread(threading.Thread):
     def __init__(self, ctx: zmq.Context, endpoint: str,
                  on_submit: Callable[[bytes, Submit], Error | None],
                  on_abort: Callable[[bytes, Abort], None],
-                 heartbeat: Callable[[Ping], Heartbeat],
+                 heartbeat: Callable[[Ping, bytes], Heartbeat],
                  on_control: Callable[[bytes, Reload | Commit], None],
                  tick: Callable[[], None] = lambda: None,
                  news: Callable[[], Heartbeat | None] = lambda: None) -> None:
@@ -107,7 +107,7 @@ class SocketThread(threading.Thread):
     def _dispatch(self, router: zmq.Socket, peer: bytes, msg) -> None:
         if isinstance(msg, Ping):
             self._peers.add(peer)
-            router.send_multipart([peer, *wire.encode(self._heartbeat(msg))])
+            router.send_multipart([peer, *wire.encode(self._heartbeat(msg, peer))])
         elif isinstance(msg, Submit):
             error = self._on_submit(peer, msg)
             if error is not None:
