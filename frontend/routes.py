@@ -52,12 +52,26 @@ async def embeddings(request: web.Request) -> web.Response:
     }, headers=tasks.stage_headers(request, outcome))
 
 
+def default_predict_model(models: Models) -> ServedModel:
+    """/predict without `model`: the first embedding model, as on /v1/embeddings (the first
+    configured model was taken whatever its task: with a classifier listed first, an
+    embedding client got labels, or shmserve.client's embed() a 422, an outside check);
+    with none served, the first classification model; else the first model (its task's
+    refusal follows)."""
+    for task in ("embedding", "classification"):
+        served = next((m for m in models.by_name.values() if tasks.serves(m, task)), None)
+        if served is not None:
+            return served
+    return models.resolve(None)
+
+
 async def predict(request: web.Request, body: Any) -> web.Response:
     """The native /predict (`texts`): embeddings, or a classification model's labels
     (frontend.scores). The route is frontend.tei's, which also takes TEI's body (`inputs`)."""
     cfg = request.app[CONFIG]
     parsed = schemas.parse_predict(body, cfg.limits)
-    spec = request.app[MODELS].resolve(parsed.model).spec
+    spec = default_predict_model(request.app[MODELS]).spec if parsed.model is None \
+        else request.app[MODELS].resolve(parsed.model).spec
     if spec.task == "classification":
         if parsed.prompt_name is not None:
             raise ApiError("invalid_request", "'prompt_name' applies to embedding models; "

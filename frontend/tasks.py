@@ -87,14 +87,14 @@ def resolve(request: web.Request, name: str | None, task: str) -> ServedModel:
     """The named model, or the first configured model of `task`; it must be of `task`."""
     models = request.app[MODELS]
     if name is None:
-        served = next((m for m in models.by_name.values() if _serves(m, task)), None)
+        served = next((m for m in models.by_name.values() if serves(m, task)), None)
         if served is None:
             raise ApiError("not_found", f"no {task} model is served; see GET /v1/models",
                            param="model", code="model_not_found")
     else:
         served = models.resolve(name)
     request[MODEL_NAME] = served.spec.name
-    if not _serves(served, task):
+    if not serves(served, task):
         hint = " (sparse models: POST /embed_sparse)" if served.spec.task == "sparse" else ""
         raise ApiError("invalid_request", f"model {served.spec.name!r} is "
                        f"{_a(served.spec.task)} model; this route needs {_a(task)} model{hint}",
@@ -102,7 +102,7 @@ def resolve(request: web.Request, name: str | None, task: str) -> ServedModel:
     return served
 
 
-def _serves(model: ServedModel, task: str) -> bool:
+def serves(model: ServedModel, task: str) -> bool:
     # The null model (zeros, no compute) stands in for an embedding model in pipeline benchmarks.
     return model.spec.task == task or (task == "embedding" and model.spec.task == "null")
 

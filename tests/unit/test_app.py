@@ -109,3 +109,25 @@ def test_a_priority_is_a_name_or_an_ascii_integer(value, level):
     from shmserve.protocol import priority_level
 
     assert priority_level(value) == level
+
+
+def test_predict_without_a_model_takes_the_first_embedding_model():
+    """As /v1/embeddings does: with a classifier listed first, /predict classified and
+    shmserve.client's embed() got a 422 while an embedding model was served (an outside
+    check). With no embedding model, the first classifier; with neither, the first model."""
+    from types import SimpleNamespace
+
+    from frontend.routes import default_predict_model
+
+    def models(*tasks):
+        by_name = {f"m{i}": SimpleNamespace(spec=SimpleNamespace(task=t))
+                   for i, t in enumerate(tasks)}
+        return SimpleNamespace(by_name=by_name, resolve=lambda name: by_name["m0"])
+
+    for tasks, want in ((("classification", "embedding"), "m1"),
+                        (("rerank", "classification", "embedding", "embedding"), "m2"),
+                        (("rerank", "classification"), "m1"),
+                        (("sparse", "rerank"), "m0"),
+                        (("null",), "m0")):
+        found = models(*tasks)
+        assert default_predict_model(found) is found.by_name[want], tasks
