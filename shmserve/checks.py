@@ -155,6 +155,12 @@ def check_models(cfg: Any) -> None:
         if not 0 < model.auto_min_cosine <= 1:
             raise ConfigError(f"{key}.auto_min_cosine: expected a number in (0, 1], "
                               f"got {model.auto_min_cosine}")
+        if any(not name.strip() for name in model.prompts):
+            # a request's prompt_name "" means no prompt: such a prompt could never be named
+            raise ConfigError(f"{key}.prompts: a prompt's name must not be empty")
+        if not model.default_prompt_name.strip():
+            raise ConfigError(f"{key}.default_prompt_name: auto, none or a prompt's name, "
+                              "got an empty string")
         names = [v.name for v in model.variants]
         for j, variant in enumerate(model.variants):
             if not _NAME.match(variant.name):

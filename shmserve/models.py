@@ -275,7 +275,8 @@ def incompatible(active: ModelSpec, new: ModelSpec) -> str:
                            ("prompts", dict(active.prompts), dict(new.prompts)),
                            ("default prompt", active.default_prompt, new.default_prompt)):
         if old != now:
-            return f"its {what} differs ({old!r} now, {now!r} in {new.directory})"
+            verb = "differ" if what == "prompts" else "differs"
+            return f"its {what} {verb} ({old!r} now, {now!r} in {new.directory})"
     if file_digest(active.directory / "tokenizer.json") != \
             file_digest(new.directory / "tokenizer.json"):
         return f"its tokenizer.json differs from the served one ({active.directory})"

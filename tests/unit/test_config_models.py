@@ -66,6 +66,11 @@ def _models(*models, **top):
      r"models\[0\].prompts: expected a mapping"),
     (_models({"name": "m", "source": "x", "prompts": {"query": ["q"]}}),
      r"models\[0\].prompts.query: expected a string"),
+    # prompt_name "" means none: a prompt of that name could never be asked for
+    (_models({"name": "m", "source": "x", "prompts": {"": "x: "}}),
+     r"models\[0\].prompts: a prompt's name must not be empty"),
+    (_models({"name": "m", "source": "x", "default_prompt_name": ""}),
+     r"models\[0\].default_prompt_name: auto, none or a prompt's name, got an empty string"),
     (_models({"name": "m", "source": "x", "auto_min_cosine": 0}), "auto_min_cosine: expected"),
     (_models({"name": "m", "source": "x", "auto_min_cosine": 1.5}), "auto_min_cosine: expected"),
     (_models({"name": "m", "source": "x"}, admin={"reload_timeout_s": 500}),
