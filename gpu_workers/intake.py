@@ -16,6 +16,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from gpu_workers.metrics import WorkerMetrics
 from gpu_workers.requests import Request, read_request
@@ -28,6 +29,11 @@ from shmserve.protocol import (PROTOCOL_VERSION, Abort, Commit, Error, ErrorCode
                                ModelInfo, Ping, Reload, Submit)
 
 log = logging.getLogger("shmserve.worker")
+
+# How often the socket thread looks whether the frontends it has heard from still run: a
+# killed frontend's queued requests are dropped within this, before nginx's retries of them
+# (sent at once to another frontend) are refused for that queue or wait behind it.
+LOOK_S = 0.02
 
 # A request that takes this long here (its tokens at the worker's drain rate) is news to the
 # frontends that did not send it (Intake.news): a short request waits that long behind it.
@@ -59,17 +65,21 @@ class Intake:
         self.attachments = Attachments()
         self.watch = FrontendWatch(cfg, index, metrics)
         self.queued_texts = 0  # admitted, not yet answered; guarded by _lock
+        self.orphaned_texts = 0  # of those, a gone frontend's (to be dropped); under _lock
         self._lock = threading.Lock()
         self._requests: dict[tuple[bytes, int], Request] = {}
         self._admitted = 0  # tokens of the request on_submit just admitted
-        self._frontends: dict[int, bytes] = {}  # frontend index -> its socket, from its pings
+        # frontend index -> (its socket, its pid if this worker can see that process, else 0)
+        self._frontends: dict[int, tuple[bytes, int]] = {}
+        self._looked = 0.0  # monotonic time of the last look for frontends gone
 
     def heartbeat(self, ping: Ping, peer: bytes = b"") -> Heartbeat:
         if ping.frontend >= 0 and peer:
             old = self._frontends.get(ping.frontend)
-            self._frontends[ping.frontend] = peer
-            if old is not None and old != peer:
-                self._orphaned(ping.frontend, old)
+            if old is None or old[0] != peer:
+                self._frontends[ping.frontend] = (peer, ping.pid if running(ping.pid) else 0)
+                if old is not None:  # another process serves it now (if tick did not see)
+                    self.orphan(old[0], ping.frontend)
         self.watch.pinged(ping)
         self.metrics.set_queue_depth(self.queued_texts)  # fresh even while no batch runs
         return self._beat(ping.sent_at)
@@ -84,20 +94,39 @@ class Intake:
                          self.backlog.rate, self.backlog.pass_s,
                          self.backlog.queued_by_priority())
 
-    def _orphaned(self, frontend: int, peer: bytes) -> None:
-        """Another process serves frontend `frontend` now (the old one was killed, or crashed):
-        what the old one sent can be answered to no one (its socket, shared memory and clients
-        are gone), so it is dropped before it runs, as an abort is. A killed frontend's
-        queued work kept a worker busy for seconds (an outside check: 256 texts, ~10 s), and
-        the clients' retries through nginx were refused 429 behind it."""
+    def tick(self) -> None:
+        """Every round of the socket thread's loop (at most POLL_MS apart): the watch on hung
+        frontends, and every LOOK_S a look for frontends whose process is gone."""
+        self.watch.tick()
+        self._look()
+
+    def _look(self) -> None:
+        now = time.monotonic()
+        if now - self._looked < LOOK_S:
+            return
+        self._looked = now
+        for frontend, (peer, pid) in list(self._frontends.items()):
+            if pid and not running(pid):  # killed or crashed, not yet replaced
+                del self._frontends[frontend]
+                self.orphan(peer, frontend)
+
+    def orphan(self, peer: bytes, frontend: int) -> None:
+        """What `peer` sent can be answered to no one now (its socket, shared memory and
+        clients are gone): dropped before it runs, as an abort is, and off the queue bound at
+        once, so the clients' retries through nginx are not refused behind it. A killed
+        frontend's queued work kept a worker busy for seconds (an outside check: 256 texts,
+        ~10 s), and the retries were refused 429 meanwhile."""
         dropped = 0
-        for (sender, _), request in list(self._requests.items()):  # (one C call: no switch)
-            if sender == peer and not request.aborted:
-                request.aborted = True
-                dropped += 1
+        with self._lock:  # as finished(): a request is released once
+            for (sender, _), request in list(self._requests.items()):
+                if sender == peer and not request.orphaned:
+                    request.aborted = request.orphaned = True
+                    self.orphaned_texts += request.offsets.shape[0] - 1
+                    dropped += 1
         if dropped:
-            log.warning("worker.frontend_replaced", extra={"fields": {
-                "frontend": frontend, "dropped_requests": dropped}})
+            # (a request in the pass running now still finishes it; the rest never runs)
+            log.warning("worker.frontend_gone", extra={"fields": {
+                "frontend": frontend, "orphaned_requests": dropped}})
 
     def news(self) -> Heartbeat | None:
         """A heartbeat for the other frontends when the request just admitted is work of at
@@ -111,6 +140,7 @@ class Intake:
         return self._beat(0.0)  # answers no ping
 
     def on_submit(self, peer: bytes, msg: Submit) -> Error | None:
+        self._look()  # a retry of a killed frontend's request: its queue is let go first
         if not self.status.ready or self.stopping.is_set():
             return Error(msg.seq, ErrorCode.UNAVAILABLE, "worker is loading or draining")
         if msg.model not in self.units:
@@ -137,7 +167,7 @@ class Intake:
                 return Error(msg.seq, ErrorCode.OVERLOADED,
                              f"{why}; retry later (workers.refuse_past_deadline)")
         with self._lock:
-            if self.queued_texts + n > limit:
+            if self.queued_texts - self.orphaned_texts + n > limit:
                 self.metrics.refused("queue_full")
                 share = ("the share below-normal priority may fill "
                          "(workers.low_priority_queue_share) of " if msg.priority < 0 else "")
@@ -164,6 +194,20 @@ class Intake:
         """The model thread answered `request`: what it still held leaves the counts."""
         self.backlog.done(request.msg.priority, request.tokens_left)
         request.tokens_left = 0
-        self._requests.pop((request.peer, request.msg.seq), None)
+        texts = request.offsets.shape[0] - 1
         with self._lock:
-            self.queued_texts -= request.offsets.shape[0] - 1
+            self._requests.pop((request.peer, request.msg.seq), None)
+            self.queued_texts -= texts
+            if request.orphaned:
+                self.orphaned_texts -= texts
+
+
+def running(pid: int) -> bool:
+    """Whether process `pid` runs (not gone, not a zombie waiting for supervisord to reap
+    it), as /proc shows it; False also where this worker cannot see it (another pid
+    namespace, no /proc), and such a frontend is then judged by its pings alone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[:1] not in (["Z"], ["X"], [])

@@ -29,6 +29,7 @@ class Request:
     batch_size: int = 0
     done: bool = False
     aborted: bool = False
+    orphaned: bool = False  # its frontend is gone: off the queue bound (Intake.orphan)
     tokens_left: int = 0  # admitted and not yet computed (shmserve.admission)
 
     def rows(self, index: int) -> np.ndarray:

@@ -64,7 +64,7 @@ class Worker:
         intake = self.intake
         self._sockets = SocketThread(self._ctx, topology.worker_endpoint(cfg, index),
                                      intake.on_submit, intake.on_abort, intake.heartbeat,
-                                     intake.on_control, intake.watch.tick, intake.news)
+                                     intake.on_control, intake.tick, intake.news)
         self._push: zmq.Socket | None = None
         # Replies not yet sent, by frontend: a batch's go out as one message each (wire).
         self._outbox: dict[bytes, list[bytes]] = {}

@@ -1,6 +1,7 @@
-"""A frontend killed with requests queued at a worker: the process supervisord starts in its
-place pings with another socket, and the worker drops what the old one queued (no one can be
-answered: its socket, shared memory and clients are gone) instead of computing it first."""
+"""A frontend killed with requests queued at a worker: ZeroMQ tells the worker its connection
+closed, and the worker drops what it had queued (no one can be answered: its socket, shared
+memory and clients are gone) at once, off the queue bound too, so the clients' retries through
+nginx are neither refused for that queue nor computed behind it."""
 
 import asyncio
 import json
@@ -9,14 +10,18 @@ import subprocess
 import sys
 import time
 
+import pytest
+import yaml
+
 from frontend.dispatch import Dispatcher
 from frontend.pool import WorkerPool
 from shmserve import arena as shm
-from shmserve import topology
+from shmserve import config, topology
+from tests.conftest import tiny_overrides
 from tests.integration.test_pool import encoded, start_patched_worker
 from tests.stack import REPO
 
-# The real worker, each pass made to take 0.3 s: a backlog of seconds from a few requests.
+# The real worker, each pass made to take 0.5 s: a backlog of seconds from a few requests.
 SLOW_PASS = """
 import runpy, sys, time
 from gpu_workers import model
@@ -26,7 +31,7 @@ warm = [True]
 
 def forward_groups(self, groups, *args, **kwargs):
     if not warm[0]:
-        time.sleep(0.3)
+        time.sleep(0.5)
     return real_forward(self, groups, *args, **kwargs)
 
 real_warm_up = model.warm_up
@@ -41,9 +46,8 @@ sys.argv = ["gpu_workers", *sys.argv[1:]]
 runpy.run_module("gpu_workers", run_name="__main__")
 """
 
-
-# Frontend 0 with 12 requests of 16 texts queued at the worker (a pass each, max_batch_size
-# 16: ~3.6 s of backlog), then waiting; the test kills it with SIGKILL, as a crash would.
+# Frontend 0 fills the worker's queue (4 requests of 16 texts: workers.queue_texts 64, a pass
+# each: ~2 s of work), then waits; the test kills it with SIGKILL, as a crash would.
 OLD_FRONTEND = """
 import asyncio, sys, time
 from frontend.dispatch import Dispatcher
@@ -56,7 +60,7 @@ async def main():
     pool = await ready_pool(cfg)
     dispatcher = Dispatcher(cfg, pool, arena)
     queued = [asyncio.ensure_future(dispatcher.run("tiny", 32, encoded(16, 8), f"old-{i}",
-                                                   time.time() + 30)) for i in range(12)]
+                                                   time.time() + 30)) for i in range(4)]
     await asyncio.sleep(0.3)
     print("queued", flush=True)
     await asyncio.gather(*queued)
@@ -65,28 +69,43 @@ asyncio.run(main())
 """
 
 
-def test_a_replaced_frontends_queued_requests_are_dropped_not_computed(cfg):
+@pytest.fixture
+def cfg(tmp_path, tiny_model):
+    overrides = tiny_overrides(tiny_model, workers={"queue_texts": 64},
+                               limits={"max_texts_per_request": 16})
+    extra = tmp_path / "extra.yaml"
+    extra.write_text(yaml.safe_dump(overrides))
+    cfg = config.load(env="test", extra=extra,
+                      environ={"SHMSERVE__SERVER__RUN_DIR": str(tmp_path / "run")})
+    (cfg.run_dir / "sockets").mkdir(parents=True)
+    (cfg.run_dir / "config.json").write_text(cfg.to_json())
+    return cfg
+
+
+def test_a_killed_frontends_queued_requests_are_dropped_at_once(cfg):
     worker = start_patched_worker(cfg, SLOW_PASS)
-    new_arena = shm.Arena(shm.arena_name(topology.instance_id(cfg), "fe0-new"), 1 << 22)
+    new_arena = shm.Arena(shm.arena_name(topology.instance_id(cfg), "fe1"), 1 << 22)
     old = subprocess.Popen([sys.executable, "-c", OLD_FRONTEND, str(cfg.run_dir / "config.json")],
                            cwd=REPO, stdout=subprocess.PIPE, text=True)
 
     async def scenario():
-        assert old.stdout.readline().strip() == "queued"
-        old.kill()  # its socket, arena and clients gone; its requests still queued
-        old.wait()
-        new = WorkerPool(cfg, frontend=0)  # supervisord's replacement, frontend 0 again
-        await new.start()
+        # The other frontend (1), already connected, as nginx's retries find it.
+        other = WorkerPool(cfg, frontend=1)
+        await other.start()
         try:
-            assert await new.wait_for_worker("tiny", 10) is not None
+            assert await other.wait_for_worker("tiny", 30) is not None
+            assert await asyncio.to_thread(old.stdout.readline) == "queued\n"
+            old.kill()  # its socket, arena and clients gone; its 64 texts still queued
+            await asyncio.to_thread(old.wait)
+            await asyncio.sleep(0.1)  # nginx's retry: tens of milliseconds later
             started = time.monotonic()
-            out = await Dispatcher(cfg, new, new_arena).run(
-                "tiny", 32, encoded(2, 8), "new", time.time() + 30)
-            waited = time.monotonic() - started
-            assert out.vectors.shape == (2, 32)
+            # A full request: refused 429 (queue full) if the dead one's texts still counted.
+            out = await Dispatcher(cfg, other, new_arena).run(
+                "tiny", 32, encoded(16, 8), "retry", time.time() + 30)
+            assert out.vectors.shape == (16, 32)
+            return time.monotonic() - started
         finally:
-            await new.close()
-        return waited
+            await other.close()
 
     try:
         waited = asyncio.run(scenario())
@@ -102,9 +121,9 @@ def test_a_replaced_frontends_queued_requests_are_dropped_not_computed(cfg):
             worker.wait()
         new_arena.close()
     lines = [json.loads(line) for line in (cfg.run_dir / "worker.log").read_text().splitlines()
-             if line.startswith("{") and "worker.frontend_replaced" in line]
-    assert len(lines) == 1 and lines[0]["frontend"] == 0
-    # The passes running or formed when the new socket pinged finish; the rest is dropped,
-    # and the new frontend's request does not wait behind it.
-    assert lines[0]["dropped_requests"] >= 8, lines
-    assert waited < 2.5, waited  # the old backlog had ~3 s left
+             if line.startswith("{") and "worker.frontend_gone" in line]
+    assert len(lines) == 1 and lines[0]["frontend"] == 0, lines
+    # The request in the pass running then finishes it; the rest never runs, and the retry
+    # waits for that pass and its own, not the ~1.5 s left of the dead frontend's queue.
+    assert lines[0]["orphaned_requests"] >= 3, lines
+    assert waited < 1.4, waited
