@@ -112,8 +112,11 @@ class Intake:
 
     def orphan(self, peer: bytes, frontend: int) -> None:
         """What `peer` sent can be answered to no one now (its socket, shared memory and
-        clients are gone): dropped before it runs, as an abort is, and off the queue bound at
-        once, so the clients' retries through nginx are not refused behind it. A killed
+        clients are gone): dropped before it runs, as an abort is, and off the queue bound and
+        the backlog (shmserve.admission) at once, so the clients' retries through nginx are
+        not refused for it. The model thread keeps taking a request's computed tokens off the
+        backlog as it goes (tokens_left); this takes what was left then (`released_tokens`),
+        and finished() squares the two. A killed
         frontend's queued work kept a worker busy for seconds (an outside check: 256 texts,
         ~10 s), and the retries were refused 429 meanwhile."""
         dropped = 0
@@ -122,6 +125,8 @@ class Intake:
                 if sender == peer and not request.orphaned:
                     request.aborted = request.orphaned = True
                     self.orphaned_texts += request.offsets.shape[0] - 1
+                    request.released_tokens = request.tokens_left  # (read: the model thread's)
+                    self.backlog.done(request.msg.priority, request.released_tokens)
                     dropped += 1
         if dropped:
             # (a request in the pass running now still finishes it; the rest never runs)
@@ -192,10 +197,13 @@ class Intake:
 
     def finished(self, request: Request) -> None:
         """The model thread answered `request`: what it still held leaves the counts."""
-        self.backlog.done(request.msg.priority, request.tokens_left)
-        request.tokens_left = 0
         texts = request.offsets.shape[0] - 1
-        with self._lock:
+        with self._lock:  # as orphan(): a request is released once
+            # Tokens computed after orphan() are taken off twice (by the pass, and by
+            # orphan's release of what was left): given back here, as a negative done.
+            self.backlog.done(request.msg.priority,
+                              request.tokens_left - request.released_tokens)
+            request.tokens_left = 0
             self._requests.pop((request.peer, request.msg.seq), None)
             self.queued_texts -= texts
             if request.orphaned:

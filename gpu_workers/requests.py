@@ -30,6 +30,7 @@ class Request:
     done: bool = False
     aborted: bool = False
     orphaned: bool = False  # its frontend is gone: off the queue bound (Intake.orphan)
+    released_tokens: int = 0  # its tokens_left when orphaned, taken off the backlog then
     tokens_left: int = 0  # admitted and not yet computed (shmserve.admission)
 
     def rows(self, index: int) -> np.ndarray:

@@ -30,3 +30,64 @@ def test_a_killed_process_is_not_running_even_before_it_is_reaped():
 def test_a_process_this_worker_cannot_see_is_not_taken_for_running():
     # (another pid namespace, or no /proc): then judged by pings alone (Intake.heartbeat)
     assert not running(2**22 + 12345)
+
+
+def _intake():
+    import threading
+    from types import SimpleNamespace
+
+    from gpu_workers.intake import Intake, Status
+    from shmserve import config
+
+    cfg = config.load(environ={"SHMSERVE__FRONTENDS__HUNG_KILL_S": "0"})
+    metrics = SimpleNamespace(watching=lambda frontend: None, refused=lambda why: None,
+                              set_queue_depth=lambda n: None)
+    return Intake(cfg, 0, {}, metrics, threading.Event(), Status(infos=()))
+
+
+def _queued(intake, peer: bytes, seq: int, tokens: int = 6):
+    """A request of two texts of `tokens` // 2 tokens, admitted (as on_submit counts it)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from gpu_workers.requests import Request
+
+    request = Request.__new__(Request)
+    for name, value in dict(msg=SimpleNamespace(priority=0, seq=seq), peer=peer,
+                            offsets=np.array([0, tokens // 2, tokens]), tokens_left=tokens,
+                            aborted=False, orphaned=False, released_tokens=0).items():
+        object.__setattr__(request, name, value)
+    intake._requests[(peer, seq)] = request
+    intake.backlog.add(0, tokens)
+    intake.queued_texts += 2
+    return request
+
+
+def test_a_gone_frontends_requests_leave_the_queue_bound_and_backlog_once():
+    """However the model thread's pass and the release interleave, every token leaves the
+    backlog once and every text the queue once."""
+    intake = _intake()
+    # Released before any of it ran; another frontend's request stays counted.
+    first, kept = _queued(intake, b"A", 1), _queued(intake, b"B", 2)
+    intake.orphan(b"A", 0)
+    assert first.aborted and first.orphaned and not kept.aborted
+    assert intake.backlog.queued() == 6 and intake.orphaned_texts == 2
+    intake.orphan(b"A", 0)  # again (a ping and a look): nothing more
+    assert intake.backlog.queued() == 6 and intake.orphaned_texts == 2
+    intake.finished(first)
+    assert (intake.queued_texts, intake.orphaned_texts, intake.backlog.queued()) == (2, 0, 6)
+    # Released while its pass ran: the pass takes what it computed off afterwards.
+    running = _queued(intake, b"A", 3)
+    intake.orphan(b"A", 0)
+    running.tokens_left -= 6
+    intake.backlog.done(0, 6)  # as the model thread does for a pass
+    intake.finished(running)
+    # Computed in part before it was released.
+    partly = _queued(intake, b"A", 4)
+    partly.tokens_left -= 3
+    intake.backlog.done(0, 3)
+    intake.orphan(b"A", 0)
+    intake.finished(partly)
+    intake.finished(kept)
+    assert (intake.queued_texts, intake.orphaned_texts, intake.backlog.queued()) == (0, 0, 0)
