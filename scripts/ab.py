@@ -38,7 +38,8 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
 from benchkit import (CORPUS, NULL_SCENARIO, NULL_STACK, SCENARIOS, OwnStack,  # noqa: E402
-                      locust_window, open_loop_window, positive, require, stop_on_term)
+                      locust_window, open_loop_window, positive, rate, require,
+                      stop_on_term)
 
 from shmserve.layers import deep_merge  # noqa: E402
 
@@ -76,12 +77,13 @@ def main() -> int:
     parser.add_argument("--a", required=True, help="overlay of side A (YAML or a file)")
     parser.add_argument("--b", required=True, help="overlay of side B (YAML or a file)")
     parser.add_argument("--scenario", choices=sorted(SCENARIOS), default="short")
-    parser.add_argument("--users", type=int, help="the scenario's users (clients), changed")
-    parser.add_argument("--texts", help="the scenario's texts per request, changed (or mixed)")
+    parser.add_argument("--users", type=positive, help="the scenario's users (clients), changed")
+    parser.add_argument("--texts", type=lambda t: t if t == "mixed" else str(positive(t)),
+                        help="the scenario's texts per request, changed (or mixed)")
     parser.add_argument("--rounds", type=positive, default=4,
                         help="rounds of 2 windows (A B, then B A: ABBA over two rounds)")
     parser.add_argument("--window", type=positive, default=10, help="seconds per window")
-    parser.add_argument("--rate", type=float, default=0.0,
+    parser.add_argument("--rate", type=rate, default=0.0,
                         help="open loop instead: Poisson arrivals at this many requests/s of "
                              "one text each (the figure is then p99 / p50 and its ratio)")
     parser.add_argument("--env", help="config env (as SHMSERVE_ENV)")

@@ -36,6 +36,7 @@ import platform
 import statistics
 import sys
 import time
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -46,7 +47,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 from benchkit import (CORPUS, NULL_STACK, SCENARIOS, Baseline, OwnStack, Scenario,  # noqa: E402
                       auth_headers, ceiling, cpu_description, locust_window,
                       min_cosine_to_fp32, open_loop_window, positive, require,
-                      stop_on_term)
+                      stop_on_term, corpus_file)
 
 from shmserve import config as config_mod  # noqa: E402
 
@@ -167,11 +168,21 @@ def markdown(summary: dict) -> str:
     if summary.get("parity"):
         lines.append("")  # a line right after a table's last row renders as one more row
     for key, value in summary.get("parity", {}).items():
+        key = _compared(summary) if key == "other" else key  # the table's name for it
         lines.append(f"- Parity, {key}: minimum cosine to sentence-transformers fp32 "
                      f"{value:.6f}.")
     if summary.get("note"):
         lines += ["", summary["note"]]
     return "\n".join(lines) + "\n"
+
+
+def compared(text: str) -> str:
+    """An argparse type: 'baseline', or an http(s) URL (found out only at the end, as a
+    ZeroDivisionError, after every window had run)."""
+    parsed = urllib.parse.urlsplit(text)
+    if text != "baseline" and not (parsed.scheme in ("http", "https") and parsed.netloc):
+        raise argparse.ArgumentTypeError(f"{text!r}: 'baseline' or an http(s)://HOST:PORT URL")
+    return text.rstrip("/")
 
 
 def scenario_names(text: str) -> list[str]:
@@ -191,7 +202,8 @@ def main() -> int:
                         "pipeline is not measured")
     parser.add_argument("--env", help="config env (as SHMSERVE_ENV)")
     parser.add_argument("--config", help="extra config file for the stack and the ceiling")
-    parser.add_argument("--compare", help="'baseline' (started here) or an OpenAI-compatible URL")
+    parser.add_argument("--compare", type=compared,
+                        help="'baseline' (started here) or an OpenAI-compatible URL")
     parser.add_argument("--only", default="short,bulk,mixed", type=scenario_names,
                         help=f"scenarios, comma-separated, of {', '.join(SCENARIOS)}")
     parser.add_argument("--rounds", type=positive, default=3,
@@ -207,7 +219,7 @@ def main() -> int:
                         help="locust users for the null pipeline (default 64)")
     parser.add_argument("--null-api", choices=("openai", "msgpack"), default="msgpack",
                         help="the null pipeline's API (default msgpack)")
-    parser.add_argument("--corpus", type=Path, default=CORPUS,
+    parser.add_argument("--corpus", type=corpus_file, default=CORPUS,
                         help="JSON list of texts (default the shared corpus)")
     parser.add_argument("--out", type=Path, default=REPO / "bench-results",
                         help="results go to OUT/<time>/ (default bench-results)")
@@ -232,8 +244,7 @@ def main() -> int:
 
     cfg = config_mod.load(env=args.env, extra=args.config)
     corpus = json.loads(args.corpus.read_text())
-    out = args.out / time.strftime("%Y%m%d-%H%M%S")
-    out.mkdir(parents=True)
+    out = args.out / time.strftime("%Y%m%d-%H%M%S")  # made once there is something to write
     summary = {"machine": f"{os.cpu_count()} cores, {platform.machine()}, "
                           f"{cpu_description()}, no GPU",
                "when": time.strftime("%Y-%m-%d %H:%M"),
@@ -255,7 +266,8 @@ def main() -> int:
             other = stack.enter_context(Baseline(config_mod.usable_cores())).url  # all cores
         elif args.compare:
             other = args.compare
-        summary["compared"] = "baseline" if args.compare == "baseline" else "other"
+        if args.compare:
+            summary["compared"] = "baseline" if args.compare == "baseline" else "other"
         info = urllib.request.Request(url + "/info", headers=auth_headers())
         with urllib.request.urlopen(info, timeout=10) as resp:
             described = json.loads(resp.read())
@@ -274,11 +286,13 @@ def main() -> int:
             summary["parity"]["other"] = min_cosine_to_fp32(other, corpus[:128])
         if not args.no_sweep and "short" in summary["closed_loop"]:
             summary["sweep"] = sweep(args, url)
+            out.mkdir(parents=True, exist_ok=True)
             plot(summary["sweep"], out / "latency.png")
     if not args.no_null:
         summary["null"] = null_capacity(args)
     if few_rounds:
         summary["note"] = few_rounds + "."
+    out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(summary, indent=2))
     (out / "results.md").write_text(markdown(summary))
     print("\n" + markdown(summary) + f"\nwritten to {out}")

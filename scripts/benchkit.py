@@ -251,6 +251,49 @@ def positive(text: str) -> int:
     return int(text)
 
 
+def seconds(text: str) -> float:
+    """An argparse type: a finite number > 0 (a duration, a deadline)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: a number > 0")
+    return value
+
+
+def rate(text: str) -> float:
+    """An argparse type: requests/s, a finite number >= 0 (0: off). A negative rate drew
+    negative gaps, and the arrivals loop never ended (memory without bound: an outside check
+    saw the kernel kill it at 20 GB, its stacks left running)."""
+    if text.strip() in ("0", "0.0"):
+        return 0.0
+    try:
+        return seconds(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"{text!r}: requests/s, a number > 0 (0: off)") from None
+
+
+def text_range(text: str) -> str:
+    """An argparse type: texts per request, N or LO-HI, each >= 1."""
+    lo, _, hi = text.partition("-")
+    if not (lo.isdigit() and (not hi or hi.isdigit())) or int(lo) < 1 or int(hi or lo) < int(lo):
+        raise argparse.ArgumentTypeError(f"{text!r}: N or LO-HI, integers >= 1, LO <= HI")
+    return text
+
+
+def corpus_file(text: str) -> Path:
+    """An argparse type: a JSON file holding a list of strings (the texts to send)."""
+    path = Path(text)
+    try:
+        texts = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(f"{text}: not a readable JSON file ({exc})") from None
+    if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
+        raise argparse.ArgumentTypeError(f"{text}: expected a JSON list of strings, not empty")
+    return path
+
+
 def auth_headers() -> dict[str, str]:
     """`Authorization: Bearer $SHMSERVE_API_KEY` for a server with auth.api_keys set (the
     locustfile reads the same variable)."""
@@ -293,6 +336,8 @@ def open_loop_window(url: str, rate: float, seconds: float, corpus: Path) -> dic
 
     import aiohttp
 
+    if not 0 < rate < float("inf"):
+        raise ValueError(f"open loop: a rate of {rate} requests/s")
     texts = json.loads(corpus.read_text())
     rng = random.Random(0)
 

@@ -46,7 +46,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
 
 from ab import checkout, overlay  # noqa: E402
-from benchkit import CORPUS, OwnStack, auth_headers, stop_on_term  # noqa: E402
+from benchkit import (CORPUS, OwnStack, auth_headers, positive, rate, seconds,  # noqa: E402
+                      stop_on_term, text_range)
 
 
 def text_counts(spec: str, n: int, rng: random.Random) -> list[int]:
@@ -168,20 +169,21 @@ def main() -> int:
     parser.add_argument("--b", required=True, help="overlay of side B (YAML or a file)")
     parser.add_argument("--a-rev", help="run side A's code from this git revision (a worktree)")
     parser.add_argument("--b-rev", help="run side B's code from this git revision")
-    parser.add_argument("--requests", type=int, default=600,
+    parser.add_argument("--requests", type=positive, default=600,
                         help="requests in each burst (default 600)")
-    parser.add_argument("--texts", default="32", help="texts per request: N or LO-HI")
-    parser.add_argument("--deadline", type=float, default=30.0, help="X-Request-Timeout, s")
-    parser.add_argument("--rate", type=float, default=0.0,
+    parser.add_argument("--texts", type=text_range, default="32",
+                        help="texts per request: N or LO-HI")
+    parser.add_argument("--deadline", type=seconds, default=30.0, help="X-Request-Timeout, s")
+    parser.add_argument("--rate", type=rate, default=0.0,
                         help="Poisson arrivals at this many requests/s instead of one burst")
-    parser.add_argument("--seconds", type=float, default=30.0,
+    parser.add_argument("--seconds", type=seconds, default=30.0,
                         help="with --rate or --clients: how long")
-    parser.add_argument("--clients", type=int, default=0,
+    parser.add_argument("--clients", type=lambda t: 0 if t == "0" else positive(t), default=0,
                         help="this many clients in a closed loop that send a request again on "
                              "a 429, instead of one burst")
     parser.add_argument("--honour-retry-after", action="store_true",
                         help="with --clients: wait for the 429's Retry-After before sending again")
-    parser.add_argument("--rounds", type=int, default=2, help="ABBA rounds (2 bursts each)")
+    parser.add_argument("--rounds", type=positive, default=2, help="ABBA rounds (2 bursts each)")
     parser.add_argument("--cold", action="store_true",
                         help="restart the workers before each burst (no warm-up)")
     parser.add_argument("--env", help="config env (as SHMSERVE_ENV)")

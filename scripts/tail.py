@@ -35,7 +35,8 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
 from benchkit import (CORPUS, SCENARIOS, InProcess, OwnStack, cpu_description,  # noqa: E402
-                      locust_window, open_loop_window, positive, require, stop_on_term)
+                      locust_window, open_loop_window, positive, require, stop_on_term,
+                      corpus_file)
 
 from shmserve import config as config_mod  # noqa: E402
 
@@ -87,7 +88,7 @@ def main() -> None:
     parser.add_argument("--texts", type=positive, default=1500,
                         help="the first N corpus texts through the model alone, each twice "
                              "(default 1500; the corpus has ~4,700)")
-    parser.add_argument("--corpus", type=Path, default=CORPUS,
+    parser.add_argument("--corpus", type=corpus_file, default=CORPUS,
                         help="JSON list of texts (default the shared corpus)")
     args = parser.parse_args()
     stop_on_term()

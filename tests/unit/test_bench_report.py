@@ -56,3 +56,38 @@ def test_shmserve_ports_keeps_the_stacks_in_a_range_and_skips_a_taken_port(monke
         monkeypatch.setenv("SHMSERVE_PORTS", wrong)
         with pytest.raises(ValueError, match="SHMSERVE_PORTS"):
             free_port()
+
+
+def test_the_parity_line_names_the_comparison_as_the_table_does():
+    lines = bench.markdown(summary(compared="baseline")).splitlines()
+    assert "- Parity, baseline: minimum cosine to sentence-transformers fp32 1.000000." in lines
+
+
+def test_bad_arguments_are_refused_before_any_stack_starts(tmp_path):
+    """A negative --rate drew negative gaps and the arrivals loop never ended (memory without
+    bound; an outside check saw the kernel kill ab.py at 20 GB, its two stacks left running);
+    others failed only at the end of a run, or as tracebacks."""
+    import argparse
+
+    import benchkit
+
+    assert benchkit.rate("0") == 0.0 and benchkit.rate("12.5") == 12.5
+    assert benchkit.text_range("1-128") == "1-128" and benchkit.text_range("32") == "32"
+    assert bench.compared("http://127.0.0.1:9000/") == "http://127.0.0.1:9000"
+    assert bench.compared("baseline") == "baseline"
+    good = tmp_path / "corpus.json"
+    good.write_text('["a sentence", "another"]')
+    assert benchkit.corpus_file(str(good)) == good
+    for kind, wrong in ((benchkit.rate, "-5"), (benchkit.rate, "nan"), (benchkit.rate, "inf"),
+                        (benchkit.seconds, "0"), (benchkit.seconds, "-1"),
+                        (benchkit.text_range, "abc"), (benchkit.text_range, "5-2"),
+                        (benchkit.text_range, "0"), (bench.compared, "nonsense"),
+                        (bench.compared, "ftp://x"), (benchkit.corpus_file, "/no/such.json")):
+        with pytest.raises(argparse.ArgumentTypeError):
+            kind(wrong)
+    for text in ('{"a": 1}', "[]", "[1, 2]"):
+        good.write_text(text)
+        with pytest.raises(argparse.ArgumentTypeError, match="a JSON list of strings"):
+            benchkit.corpus_file(str(good))
+    with pytest.raises(ValueError, match="a rate of -5"):
+        benchkit.open_loop_window("http://127.0.0.1:9", -5, 1, good)
