@@ -9,16 +9,21 @@ from tests.conftest import tiny_overrides
 from tests.tinymodel import build_tiny_bert, build_tiny_classifier
 
 
-@pytest.fixture
-def cfg(tmp_path, tiny_model):
-    overrides = tiny_overrides(tiny_model)
-    env = {"SHMSERVE__SERVER__RUN_DIR": str(tmp_path / "run")}
+def run_config(tmp_path, overrides: dict) -> config.Config:
+    """The test env's config with `overrides`, its run directory in `tmp_path`, written there
+    as `shmserve up` would (config.json, sockets/) for processes started by hand."""
     extra = tmp_path / "extra.yaml"
     extra.write_text(yaml.safe_dump(overrides))
-    cfg = config.load(env="test", extra=extra, environ=env)
+    cfg = config.load(env="test", extra=extra,
+                      environ={"SHMSERVE__SERVER__RUN_DIR": str(tmp_path / "run")})
     (cfg.run_dir / "sockets").mkdir(parents=True)
     (cfg.run_dir / "config.json").write_text(cfg.to_json())
     return cfg
+
+
+@pytest.fixture
+def cfg(tmp_path, tiny_model):
+    return run_config(tmp_path, tiny_overrides(tiny_model))
 
 
 @pytest.fixture(scope="module")

@@ -6,24 +6,17 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import yaml
 from aiohttp.test_utils import TestClient, TestServer
 
 from frontend.app import create_app
-from shmserve import config
 from tests.conftest import tiny_overrides
+from tests.integration.conftest import run_config
 from tests.integration.test_pool import start_worker
 
 
 def test_access_line_has_every_stage_and_the_inputs_when_asked(tmp_path, tiny_model, caplog):
-    overrides = tiny_overrides(tiny_model, frontends={"count": 1},
-                               logging={"log_inputs": True})
-    extra = tmp_path / "extra.yaml"
-    extra.write_text(yaml.safe_dump(overrides))
-    cfg = config.load(env="test", extra=extra,
-                      environ={"SHMSERVE__SERVER__RUN_DIR": str(tmp_path / "run")})
-    (cfg.run_dir / "sockets").mkdir(parents=True)
-    (cfg.run_dir / "config.json").write_text(cfg.to_json())
+    cfg = run_config(tmp_path, tiny_overrides(tiny_model, frontends={"count": 1},
+                                              logging={"log_inputs": True}))
     caplog.set_level(logging.INFO, logger="shmserve.access")
     worker = start_worker(cfg)
 
@@ -71,12 +64,7 @@ def test_large_answers_go_unbuffered_within_the_frontends_budget(tmp_path, tiny_
 
     from frontend import app as frontend_app
 
-    overrides = tiny_overrides(tiny_model, frontends={"count": 1})
-    extra = tmp_path / "extra.yaml"
-    extra.write_text(yaml.safe_dump(overrides))
-    cfg = config.load(env="test", extra=extra,
-                      environ={"SHMSERVE__SERVER__RUN_DIR": str(tmp_path / "run")})
-    (cfg.run_dir / "sockets").mkdir(parents=True)
+    cfg = run_config(tmp_path, tiny_overrides(tiny_model, frontends={"count": 1}))
     monkeypatch.setattr(frontend_app, "UNBUFFERED_BYTES", 1024)
 
     async def unbuffered(budget: int) -> tuple[bool, int]:

@@ -11,13 +11,13 @@ import sys
 import time
 
 import pytest
-import yaml
 
 from frontend.dispatch import Dispatcher
 from frontend.pool import WorkerPool
 from shmserve import arena as shm
-from shmserve import config, topology
+from shmserve import topology
 from tests.conftest import tiny_overrides
+from tests.integration.conftest import run_config
 from tests.integration.test_pool import encoded, start_patched_worker
 from tests.stack import REPO
 
@@ -71,15 +71,8 @@ asyncio.run(main())
 
 @pytest.fixture
 def cfg(tmp_path, tiny_model):
-    overrides = tiny_overrides(tiny_model, workers={"queue_texts": 64},
-                               limits={"max_texts_per_request": 16})
-    extra = tmp_path / "extra.yaml"
-    extra.write_text(yaml.safe_dump(overrides))
-    cfg = config.load(env="test", extra=extra,
-                      environ={"SHMSERVE__SERVER__RUN_DIR": str(tmp_path / "run")})
-    (cfg.run_dir / "sockets").mkdir(parents=True)
-    (cfg.run_dir / "config.json").write_text(cfg.to_json())
-    return cfg
+    return run_config(tmp_path, tiny_overrides(tiny_model, workers={"queue_texts": 64},
+                                               limits={"max_texts_per_request": 16}))
 
 
 def test_a_killed_frontends_queued_requests_are_dropped_at_once(cfg):
