@@ -91,6 +91,14 @@ class SocketThread(threading.Thread):
                             break
                 else:
                     self._handle(router, router.recv_multipart(copy=True))
+        # Stopped (Worker.close, after the model thread's last replies): what it sent before
+        # still goes out. A worker exiting on a device error lost its pass's 500 this way when
+        # the halt came before the next poll, and the frontend retried the request elsewhere.
+        while True:
+            try:
+                router.send_multipart(self._replies.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                break
 
     def _handle(self, router: zmq.Socket, frames: list[bytes]) -> None:
         peer = frames[0]
