@@ -37,9 +37,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
-from benchkit import (CORPUS, NULL_SCENARIO, NULL_STACK, SCENARIOS, OwnStack,  # noqa: E402
-                      locust_window, open_loop_window, positive, rate, require,
-                      stop_on_term)
+from benchkit import (CORPUS, NULL_SCENARIO, NULL_STACK, SCENARIOS,  # noqa: E402
+                      locust_window, open_loop_window, positive, rate)
+from benchstacks import OwnStack, require, stop_on_term, run_main  # noqa: E402
 
 from shmserve.layers import deep_merge  # noqa: E402
 
@@ -129,4 +129,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

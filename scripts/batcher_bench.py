@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "scripts"))
+from benchkit import positive  # noqa: E402
 
 
 @dataclass(eq=False)
@@ -59,12 +61,19 @@ def per_pass_ms(batcher, queue_size: int, passes: int, seed: int) -> float:
     return spent / passes * 1000
 
 
+def sizes(text: str) -> str:
+    """An argparse type: queue sizes, a comma list of integers >= 1."""
+    for size in text.split(","):
+        positive(size)
+    return text
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes", default="64,512,4096", help="queue sizes, in texts")
-    parser.add_argument("--passes", type=int, default=40)
-    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--sizes", type=sizes, default="64,512,4096", help="queue sizes, in texts")
+    parser.add_argument("--passes", type=positive, default=40)
+    parser.add_argument("--rounds", type=positive, default=8)
     parser.add_argument("--against", help="a git revision to A/B this checkout with")
     args = parser.parse_args()
     sides = {"this": load(REPO / "gpu_workers" / "batcher.py", "batcher_this")}

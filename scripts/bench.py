@@ -44,10 +44,10 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
-from benchkit import (CORPUS, NULL_STACK, SCENARIOS, Baseline, OwnStack, Scenario,  # noqa: E402
-                      auth_headers, ceiling, cpu_description, locust_window,
-                      min_cosine_to_fp32, open_loop_window, positive, require,
-                      stop_on_term, corpus_file)
+from benchkit import (CORPUS, NULL_STACK, SCENARIOS, Scenario, auth_headers,  # noqa: E402
+                      ceiling, corpus_file, cpu_description, locust_window,
+                      min_cosine_to_fp32, open_loop_window, positive)
+from benchstacks import Baseline, OwnStack, require, stop_on_term, run_main  # noqa: E402
 
 from shmserve import config as config_mod  # noqa: E402
 
@@ -300,4 +300,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

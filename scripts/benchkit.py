@@ -1,5 +1,5 @@
-"""The pieces scripts/bench.py composes: locust windows, the in-process ceiling, parity, and
-(from scripts/benchstacks.py) a stack it starts and stops and the FastAPI baseline."""
+"""The pieces scripts/bench.py composes: locust windows, the in-process ceiling, parity, the
+open loop and the scripts' argparse types. The stacks they measure are scripts/benchstacks.py's."""
 
 from __future__ import annotations
 
@@ -23,8 +23,6 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from tests.stack import corpus_path  # noqa: E402  (the test harness's, shared)
-from benchstacks import (Baseline, OwnStack, require, stop_on_term,  # noqa: E402,F401 (theirs)
-                         wait_http)
 
 CORPUS = corpus_path()
 PYTHON = sys.executable
@@ -324,8 +322,8 @@ def min_cosine_to_fp32(url: str, texts: list[str]) -> float:
     return float(cos.min())
 
 
-def open_loop_window(url: str, rate: float, seconds: float, corpus: Path) -> dict:
-    """Poisson arrivals at `rate` requests/s of one corpus text each, for `seconds`.
+def open_loop_window(url: str, per_s: float, seconds: float, corpus: Path) -> dict:
+    """Poisson arrivals at `per_s` requests/s of one corpus text each, for `seconds`.
 
     A true open loop: each request is sent at its arrival time whatever the others are doing.
     (Locust's constant_throughput users measured ~150 ms p50 at a quarter of saturation here,
@@ -336,8 +334,8 @@ def open_loop_window(url: str, rate: float, seconds: float, corpus: Path) -> dic
 
     import aiohttp
 
-    if not 0 < rate < float("inf"):
-        raise ValueError(f"open loop: a rate of {rate} requests/s")
+    if not 0 < per_s < float("inf"):
+        raise ValueError(f"open loop: a rate of {per_s} requests/s")
     texts = json.loads(corpus.read_text())
     rng = random.Random(0)
 
@@ -369,7 +367,7 @@ def open_loop_window(url: str, rate: float, seconds: float, corpus: Path) -> dic
                     await asyncio.sleep(delay)
                 tasks.append(asyncio.create_task(one(i)))
                 i += 1
-                due += rng.expovariate(rate)
+                due += rng.expovariate(per_s)
             await asyncio.gather(*tasks)
             return latencies, failures, time.perf_counter() - begin
 

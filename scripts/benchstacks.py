@@ -35,6 +35,17 @@ def stop_on_term() -> None:
         signal.signal(sig, signal.default_int_handler)
 
 
+def run_main(main) -> None:
+    """Exit with main()'s status; an interrupt (Ctrl-C, or the signals stop_on_term routes
+    there) exits 130 with one line once the context managers have stopped the stacks, not with
+    a traceback that reads as a crash."""
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        print(f"{Path(sys.argv[0]).name}: interrupted; its stacks are stopped", file=sys.stderr)
+        sys.exit(130)
+
+
 def require(*modules: str) -> None:
     """Exit at once, before a stack starts or a window runs, when a module the run needs is
     missing (the bench extra is not in the base install; a missing one used to show only

@@ -46,8 +46,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
 
 from ab import checkout, overlay  # noqa: E402
-from benchkit import (CORPUS, OwnStack, auth_headers, positive, rate, seconds,  # noqa: E402
-                      stop_on_term, text_range)
+from benchkit import (CORPUS, auth_headers, positive, rate, seconds,  # noqa: E402
+                      text_range)
+from benchstacks import OwnStack, stop_on_term, run_main  # noqa: E402
 
 
 def text_counts(spec: str, n: int, rng: random.Random) -> list[int]:
@@ -232,4 +233,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

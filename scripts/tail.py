@@ -34,9 +34,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
-from benchkit import (CORPUS, SCENARIOS, InProcess, OwnStack, cpu_description,  # noqa: E402
-                      locust_window, open_loop_window, positive, require, stop_on_term,
-                      corpus_file)
+from benchkit import (CORPUS, SCENARIOS, InProcess, corpus_file,  # noqa: E402
+                      cpu_description, locust_window, open_loop_window, positive)
+from benchstacks import OwnStack, require, stop_on_term, run_main  # noqa: E402
 
 from shmserve import config as config_mod  # noqa: E402
 
@@ -138,4 +138,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -91,3 +91,23 @@ def test_bad_arguments_are_refused_before_any_stack_starts(tmp_path):
             benchkit.corpus_file(str(good))
     with pytest.raises(ValueError, match="a rate of -5"):
         benchkit.open_loop_window("http://127.0.0.1:9", -5, 1, good)
+
+
+@pytest.mark.parametrize("script, argv", [
+    ("batcher_bench.py", ["--sizes", "64,0"]), ("batcher_bench.py", ["--passes", "0"]),
+    ("batcher_bench.py", ["--rounds", "-1"]),
+    ("packed_ab.py", ["--chunk", "0"]), ("packed_ab.py", ["--window", "0"]),
+    ("packed_ab.py", ["--corpus", "/no/such.json"]),
+    ("dtype_parity.py", ["--batch", "0"]), ("dtype_parity.py", ["--dtypes", "fp64"]),
+    ("dtype_parity.py", ["--corpus", "/no/such.json"]),
+])
+def test_the_in_process_scripts_refuse_bad_arguments_in_their_usage(script, argv):
+    """A zero or a bad value was a traceback after the model loaded (a ZeroDivisionError, an
+    empty table), not a usage line."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / script), *argv],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert "usage:" in done.stderr and "Traceback" not in done.stderr
