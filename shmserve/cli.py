@@ -277,7 +277,8 @@ def status(args: argparse.Namespace) -> int:
         # so one frozen frontend is not reported as nginx not answering.
         wait = cfg.nginx.probe_timeout_s + 2.0
         return statusview.take(remote.base_url(cfg), lambda url: remote.http(url, timeout=wait),
-                               lambda: process_info(cfg), lambda: supervisord_pid(cfg))
+                               lambda: process_info(cfg), lambda: supervisord_pid(cfg),
+                               lambda target: from_a_frontend(cfg, target, wait))
 
     try:
         last = statusview.run(take, title, sys.stdout, args.watch, args.count,
@@ -292,6 +293,15 @@ def status(args: argparse.Namespace) -> int:
         return 0
     running = all(p["statename"] == "RUNNING" for p in last.processes)
     return 0 if running and last.ready_code == 200 and last.ready.get("status") == "ready" else 1
+
+
+def from_a_frontend(cfg: Config, target: str, timeout: float) -> tuple[int | None, bytes]:
+    """GET `target` from the first frontend that answers it on its socket (not through nginx)."""
+    for index in range(cfg.frontends.count):
+        code, body = remote.get_unix(str(topology.frontend_socket(cfg, index)), target, timeout)
+        if code == 200:
+            return code, body
+    return None, b""
 
 
 def leftovers(cfg: Config) -> list[int]:

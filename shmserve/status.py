@@ -2,8 +2,10 @@
 
 Each process's supervisord state, pid, uptime and resident memory; per worker its readiness,
 queue depth, recent throughput, batch shape and memory. Everything is read from outside, as a
-user would: supervisord's XML-RPC socket, then GET /ready and GET /metrics through nginx. Rates
-are differences between two samples (one second apart, or the --watch interval).
+user would: supervisord's XML-RPC socket, then GET /ready and GET /metrics through nginx (when
+nginx does not answer, the per-process and per-worker figures are read from a frontend's socket
+directly, and the state line says so). Rates are differences between two samples (one second
+apart, or the --watch interval).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ class Sample:
     ready: dict  # GET /ready's body ({} when it did not answer)
     metrics: dict[str, dict[Labels, float]] = field(default_factory=dict)  # sample name ->
     supervisord_pid: int | None = None  # from its pid file (it is not among its programs)
+    direct: bool = False  # /ready's workers and /metrics read from a frontend, not nginx
 
     def total(self, name: str, **labels: str) -> float | None:
         """The sum of the samples of `name` whose labels include `labels`; None if none."""
@@ -37,17 +40,33 @@ class Sample:
 
 
 def take(base_url: str, fetch: Fetch, processes: Callable[[], list[dict]],
-         supervisord_pid: Callable[[], int | None] = lambda: None) -> Sample:
+         supervisord_pid: Callable[[], int | None] = lambda: None,
+         direct: Fetch | None = None) -> Sample:
+    """`direct(target)` GETs a path from a frontend, not through nginx: the figures still come
+    when nginx is stopped or stuck (they showed no memory and no worker rows, an outside
+    check); the state stays what nginx answered."""
     procs = processes()
     code, body = fetch(f"{base_url}/ready")
-    try:
-        ready = json.loads(body) if body else {}
-    except ValueError:
-        ready = {}
+    ready = _object(body)
     mcode, mbody = fetch(f"{base_url}/metrics")
-    return Sample(time.monotonic(), procs, code, ready if isinstance(ready, dict) else {},
+    direct_used = False
+    if mcode != 200 and direct is not None:
+        mcode, mbody = direct("/metrics")
+        if mcode == 200:
+            direct_used = True
+            if "workers" not in ready:
+                ready = {**_object(direct("/ready")[1]), **ready}
+    return Sample(time.monotonic(), procs, code, ready,
                   parse_metrics(mbody.decode(errors="replace")) if mcode == 200 else {},
-                  supervisord_pid())
+                  supervisord_pid(), direct_used)
+
+
+def _object(body: bytes) -> dict:
+    try:
+        value = json.loads(body) if body else {}
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def parse_metrics(text: str) -> dict[str, dict[Labels, float]]:
@@ -91,6 +110,8 @@ def snapshot(cur: Sample, prev: Sample | None, about: dict | None = None) -> dic
     out = {**(about or {}), "state": _state_word(cur), "state_text": _state(cur),
            "ready_code": cur.ready_code, "ready": cur.ready,
            "processes": processes_of(cur), "workers": workers_of(cur, prev)}
+    if cur.direct:
+        out["figures_from"] = "frontend"
     if prev is not None:
         out["inference_requests_per_s"] = _request_rates(cur, prev)
         out["over_s"] = round(cur.at - prev.at, 3)
@@ -120,7 +141,9 @@ _STATE_TEXT = {
 
 
 def _state(cur: Sample) -> str:
-    return _STATE_TEXT[_state_word(cur)].format(code=cur.ready_code)
+    text = _STATE_TEXT[_state_word(cur)].format(code=cur.ready_code)
+    return text + "; the figures below are a frontend's, read from its socket" if cur.direct \
+        else text
 
 
 def _request_rates(cur: Sample, prev: Sample) -> dict:

@@ -350,6 +350,27 @@ def test_status_shows_processes_and_workers(stack):
     assert frames[-1]["workers"][0]["ready"] is True and frames[-1]["url"] == stack.url
 
 
+def test_status_with_nginx_stopped_still_shows_memory_and_workers(stack):
+    """It read /metrics and /ready through nginx only: with nginx stopped, no RSS and no worker
+    rows (an outside check)."""
+    ctl = lambda *a: subprocess.run(  # noqa: E731
+        [sys.executable, "-m", "shmserve.cli", "ctl", *a, "--config", str(stack.config_file)],
+        cwd=REPO_ROOT, env=stack.env, capture_output=True, text=True, timeout=60)
+    assert ctl("stop", "nginx").returncode == 0
+    try:
+        done = status_cli(stack, "--json")
+        frame = json.loads(done.stdout)
+        assert done.returncode == 1 and frame["state"] == "no_answer", done.stdout
+        assert frame["figures_from"] == "frontend"
+        assert frame["workers"][0]["ready"] is True
+        rss = {p["name"]: p["rss_bytes"] for p in frame["processes"]}
+        assert rss["worker-0"] > 0 and rss["frontend-0"] > 0, rss
+        assert "the figures below are a frontend's" in status_cli(stack).stdout
+    finally:
+        assert ctl("start", "nginx").returncode == 0
+    assert status_cli(stack).returncode == 0
+
+
 def test_status_piped_to_head_exits_quietly(stack):
     cmd = (f"{sys.executable} -m shmserve.cli status --watch 0.1 --config "
            f"{stack.config_file} | head -n 1")

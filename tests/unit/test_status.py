@@ -215,3 +215,31 @@ def test_a_stopped_process_says_so_where_supervisord_says_running():
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_with_nginx_silent_the_figures_come_from_a_frontend_and_the_state_says_so():
+    """With nginx stopped, status showed no memory and no worker rows (an outside check): it
+    read /metrics and /ready through nginx only. The state stays nginx's silence."""
+    metrics = exposition(texts=10, batches=1, real=10, padded=10).encode()
+    asked = []
+
+    def direct(target):
+        asked.append(target)
+        return 200, (metrics if target == "/metrics" else json.dumps(READY).encode())
+
+    cur = status.take("http://x", lambda url: (None, b""), lambda: PROCESSES, direct=direct)
+    assert asked == ["/metrics", "/ready"] and cur.direct
+    snap = status.snapshot(cur, None)
+    assert snap["state"] == "no_answer" and snap["figures_from"] == "frontend"
+    assert [w["worker"] for w in snap["workers"]] == [0, 1]
+    assert snap["workers"][0]["queued_texts"] == 7
+    assert any(p["rss_bytes"] == 104857600 for p in snap["processes"])
+    text = status.render(cur, None, "t")
+    assert text.splitlines()[0].endswith("; the figures below are a frontend's, read from its "
+                                         "socket")
+    # nginx answering: the frontend is not asked, and nothing says it was
+    asked.clear()
+    cur = status.take("http://x", lambda url: (200, metrics if url.endswith("/metrics") else
+                                               json.dumps(READY).encode()),
+                      lambda: PROCESSES, direct=direct)
+    assert asked == [] and not cur.direct and "figures_from" not in status.snapshot(cur, None)
