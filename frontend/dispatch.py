@@ -161,7 +161,7 @@ class Dispatcher:
                     again = "overloaded"
                     continue
                 if isinstance(reply, Error):
-                    error = ApiError.from_worker(reply.code, reply.message)
+                    error = ApiError.from_worker(reply.code, reply.message, reply.retry_after_s)
                     error.attempts = attempt + 1
                     raise error
                 vectors = self.arena.view(output).copy()

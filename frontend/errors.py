@@ -81,9 +81,12 @@ class ApiError(Exception):
                    "frontends.request_timeout_s)")
 
     @classmethod
-    def from_worker(cls, code: ErrorCode, message: str) -> "ApiError":
+    def from_worker(cls, code: ErrorCode, message: str, retry_after_s: int = 0) -> "ApiError":
+        """A worker's refusal or failure; Retry-After for overloaded and unavailable: the
+        worker's estimate where it gave one (shmserve.admission.retry_after_s), else 1 s."""
         kind = _FROM_WORKER.get(code, "internal_error")
-        return cls(kind, message, retry_after=1 if kind in ("overloaded", "unavailable") else None)
+        return cls(kind, message, retry_after=max(1, retry_after_s)
+                   if kind in ("overloaded", "unavailable") else None)
 
 
 OPENAI_PATHS = frozenset({"/v1/embeddings"})  # OpenAI's own routes answer with its statuses

@@ -190,7 +190,8 @@ class WorkerPool:
     def next_seq(self) -> int:
         return next(self._seq)
 
-    def behind(self, model: str, priority: int, deadline: float, tokens: int = 0) -> str | None:
+    def behind(self, model: str, priority: int, deadline: float, tokens: int = 0
+               ) -> admission.Refusal | None:
         """Why every ready worker of `model` would refuse the request by its admission rule,
         judged from its last heartbeat (shmserve.admission.heard_refusal); None: send it."""
         return admission.heard_refusal(((link.beat, link.last_beat)

@@ -252,11 +252,11 @@ def refuse_early(request: web.Request, variant: Variant, priority: int, deadline
     rule (workers.refuse_past_deadline; frontend.pool.WorkerPool.behind)."""
     if not request.app[CONFIG].workers.refuse_past_deadline or time.time() >= deadline:
         return  # a deadline already passed is answered 504 (run)
-    why = request.app[DISPATCHER].pool.behind(variant.unit, priority, deadline, tokens)
-    if why is not None:
+    refusal = request.app[DISPATCHER].pool.behind(variant.unit, priority, deadline, tokens)
+    if refusal is not None:
         metrics.refused("deadline").inc()
-        raise ApiError("overloaded", f"{why}; retry later (workers.refuse_past_deadline)",
-                       retry_after=1)
+        raise ApiError("overloaded", f"{refusal.why}; retry later "
+                       "(workers.refuse_past_deadline)", retry_after=refusal.retry_after_s)
 
 
 def stage_headers(request: web.Request, outcome: Outcome) -> dict[str, str]:

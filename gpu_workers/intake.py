@@ -166,19 +166,23 @@ class Intake:
         tokens = int(request.offsets[-1])
         if self.cfg.workers.refuse_past_deadline:
             # Only this thread admits, so what it reads here still holds when it adds below.
-            why = self.backlog.refusal(msg.priority, tokens, request.arrived, msg.deadline)
-            if why is not None:
+            refusal = self.backlog.refusal(msg.priority, tokens, request.arrived, msg.deadline)
+            if refusal is not None:
                 self.metrics.refused("deadline")
-                return Error(msg.seq, ErrorCode.OVERLOADED,
-                             f"{why}; retry later (workers.refuse_past_deadline)")
+                return Error(msg.seq, ErrorCode.OVERLOADED, f"{refusal.why}; retry later "
+                             "(workers.refuse_past_deadline)", refusal.retry_after_s)
         with self._lock:
-            if self.queued_texts - self.orphaned_texts + n > limit:
+            queued = self.queued_texts - self.orphaned_texts
+            if queued + n > limit:
                 self.metrics.refused("queue_full")
                 share = ("the share below-normal priority may fill "
                          "(workers.low_priority_queue_share) of " if msg.priority < 0 else "")
+                # Until the texts over the bound have drained, at the queue's mean length
+                over = (queued + n - limit) * self.backlog.queued() / max(queued, 1)
                 return Error(msg.seq, ErrorCode.OVERLOADED,
                              f"worker queue full ({self.queued_texts} texts queued, {limit} "
-                             f"texts: {share}workers.queue_texts); raise it or add workers")
+                             f"texts: {share}workers.queue_texts); raise it or add workers",
+                             self.backlog.retry_after_s(int(over)))
             self.queued_texts += n
         request.tokens_left = tokens
         self._admitted = tokens  # for news(), which the socket thread calls next

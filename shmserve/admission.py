@@ -64,8 +64,11 @@ burst, no estimate of a recent speed holds: admitted requests can still miss the
 
 from __future__ import annotations
 
+import math
+import random
 import threading
 import time
+from dataclasses import dataclass
 from typing import Iterable
 
 from shmserve.protocol import Heartbeat, Queued
@@ -79,6 +82,27 @@ DECAY = 0.8  # per measured pass: the weight of older passes in the speed and pa
 # 200 and 16-19 x 504; 1.5, 46-54 x 200 and no 504 (the slowest 200 at 3.7 s); 2.0, 36-44 x
 # 200 and no 504. Not measured on a GPU.
 SEED_SLOWDOWN = 1.5
+MAX_RETRY_AFTER_S = 60  # a client's own limit (OpenAI's SDK ignores a longer Retry-After)
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """Why a request is refused for its load, and the Retry-After its 429 carries."""
+
+    why: str
+    retry_after_s: int
+
+
+def retry_after_s(wait: float, draw: float | None = None) -> int:
+    """Seconds a refused client should wait before it sends again: `wait` (the estimated time
+    until the work ahead has drained enough for the same request to be admitted, if nothing
+    else arrives) times a random factor in [1, 2), so that a refused burst does not come back
+    all at once when the backlog is estimated drained; at least 1, at most MAX_RETRY_AFTER_S.
+    `draw` in [0, 1) replaces the random draw (tests)."""
+    if not math.isfinite(wait):
+        return MAX_RETRY_AFTER_S
+    factor = 1.0 + (random.random() if draw is None else draw)
+    return max(1, min(MAX_RETRY_AFTER_S, math.ceil(wait * factor)))
 
 
 def ahead(queued: Iterable[tuple[int, int]], priority: int) -> int:
@@ -101,13 +125,18 @@ def too_late(finish: float, now: float, deadline: float, share: float = SHARE) -
     return finish > 0.0 and finish > share * (deadline - now)
 
 
-def explain(finish: float, now: float, deadline: float, whose: str = "the worker's queue") -> str:
-    return (f"{whose} needs ~{finish:.1f} s for this request at its recent speed, too close "
-            f"to its deadline in {max(deadline - now, 0.0):.1f} s")
+def refuse(finish: float, now: float, deadline: float, whose: str = "the worker's queue",
+           share: float = SHARE) -> Refusal:
+    """The refusal of a request `finish` seconds from done (too_late said so). It could be
+    admitted once the work ahead has drained by the excess: the same request sent again that
+    much later, with the same time to its deadline, is within `share` of it."""
+    left = max(deadline - now, 0.0)
+    return Refusal(f"{whose} needs ~{finish:.1f} s for this request at its recent speed, too "
+                   f"close to its deadline in {left:.1f} s", retry_after_s(finish - share * left))
 
 
 def heard_refusal(beats: Iterable[tuple[Heartbeat, float]], priority: int, tokens: int,
-                  deadline: float) -> str | None:
+                  deadline: float) -> Refusal | None:
     """Why every worker heard from in `beats` (each ready worker's last heartbeat, and when it
     came, time.monotonic()) would refuse a request of `tokens` (0: not yet tokenized) at
     `priority` due at `deadline` (time.time()); None: send it (its worker decides). What a
@@ -131,7 +160,7 @@ def heard_refusal(beats: Iterable[tuple[Heartbeat, float]], priority: int, token
         soonest = finish if soonest is None else min(soonest, finish)
     if soonest is None:
         return None  # no ready worker: the dispatcher waits for one, or answers 503
-    return explain(soonest, now, deadline, "every worker's queue")
+    return refuse(soonest, now, deadline, "every worker's queue")
 
 
 class Backlog:
@@ -149,7 +178,8 @@ class Backlog:
         self.rate = 0.0  # tokens per second draining a backlog; 0: none measured yet
         self.pass_s = 0.0  # seconds a backlogged pass takes
 
-    def refusal(self, priority: int, tokens: int, now: float, deadline: float) -> str | None:
+    def refusal(self, priority: int, tokens: int, now: float, deadline: float
+                ) -> Refusal | None:
         """Why a request of `tokens` at `priority` due at `deadline` (time.time()) would be
         late; None: admit it."""
         if self.rate <= 0.0:
@@ -159,7 +189,12 @@ class Backlog:
         finish = finish_s(queued, tokens, self.rate, self.pass_s)
         if not too_late(finish, now, deadline, self._share):
             return None
-        return explain(finish, now, deadline)
+        return refuse(finish, now, deadline, share=self._share)
+
+    def retry_after_s(self, tokens: int) -> int:
+        """Retry-After for a request refused because the queue is full: the time to drain
+        `tokens` at the recent speed (1 s while no speed is known)."""
+        return retry_after_s(tokens / self.rate if self.rate > 0.0 else 1.0)
 
     def queued_by_priority(self) -> tuple[Queued, ...]:
         """What the heartbeats tell the frontends (their early refusal, WorkerPool.behind)."""

@@ -192,6 +192,7 @@ class Error:
     seq: int
     code: ErrorCode
     message: str
+    retry_after_s: int = 0  # OVERLOADED: when the client may send it again (0: not said)
 
 
 @dataclass(frozen=True, slots=True)

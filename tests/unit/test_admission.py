@@ -28,7 +28,7 @@ def test_own_deadline_counts_work_at_its_priority_or_above():
     backlog.add(-1, 5000)
     backlog.add(1, 1000)
     assert backlog.refusal(1, 500, NOW, NOW + 1.6) is None  # 1.5 s: the high work only
-    assert "too close to its deadline" in backlog.refusal(1, 500, NOW, NOW + 1.4)
+    assert "too close to its deadline" in backlog.refusal(1, 500, NOW, NOW + 1.4).why
     assert backlog.refusal(0, 500, NOW, NOW + 4.6) is None
     assert backlog.refusal(0, 500, NOW, NOW + 4.4) is not None
     backlog.done(0, 3000)
@@ -83,3 +83,22 @@ def test_nothing_ahead_is_admitted_even_past_its_deadline():
     assert backlog.refusal(0, 500, NOW, NOW - 1) is None
     backlog.add(0, 10)
     assert backlog.refusal(0, 500, NOW, NOW - 1) is not None
+
+
+def test_retry_after_is_when_the_same_request_would_be_admitted_spread_over_twice_that():
+    """It was a fixed 1 s: clients that honour it came back while the backlog they were
+    refused for still stood, and a refused burst came back at once."""
+    from shmserve.admission import MAX_RETRY_AFTER_S, retry_after_s
+
+    backlog = measured()  # share 1.0, 1,000 tokens/s, no pass time
+    backlog.add(0, 9500)
+    # done in 10 s, due in 4 s: the same request sent 6 s later is admitted
+    waits = {backlog.refusal(0, 500, NOW, NOW + 4).retry_after_s for _ in range(400)}
+    assert min(waits) in (6, 7) and max(waits) == 12 and len(waits) > 4
+    assert retry_after_s(6.0, draw=0.0) == 6 and retry_after_s(6.0, draw=0.5) == 9
+    assert retry_after_s(0.01, draw=0.0) == 1  # at least a second (a header's unit)
+    assert retry_after_s(1e6, draw=0.0) == MAX_RETRY_AFTER_S  # at most a client's own limit
+    assert retry_after_s(float("inf")) == MAX_RETRY_AFTER_S
+    # a full queue: the time to drain the tokens over the bound
+    assert backlog.retry_after_s(3000) in range(3, 7)
+    assert Backlog().retry_after_s(3000) in (1, 2)  # no speed measured yet: 1 s, spread
