@@ -33,8 +33,21 @@ def add_routes(app: web.Application) -> None:
     app.router.add_put("/admin/models/{name:.+}/split", set_split)
 
 
+LOOPBACK = ("127.0.0.1", "::1")
+
+
 def authorize(request: web.Request) -> None:
-    token = request.app[CONFIG].admin.token
+    cfg = request.app[CONFIG]
+    # nginx's `location /admin/` keeps other clients out, but it matches the normalized path,
+    # and a frontend routes the raw one: /admin/models/..%2F..%2Fx/reload reached this token
+    # check from any address through nginx's general location (a security review). The client
+    # address nginx gives every request (X-Real-IP, its $remote_addr) is checked here too; a
+    # request on a frontend's socket from this machine carries none.
+    client = request.headers.get("X-Real-IP")
+    if cfg.nginx.admin_loopback_only and client is not None and client not in LOOPBACK:
+        raise ApiError("forbidden", "admin routes answer loopback clients only "
+                       "(nginx.admin_loopback_only)")
+    token = cfg.admin.token
     if not token:
         raise ApiError("not_found", "admin routes are off (set admin.token)")
     if not bearer_matches(request, (token.encode(),)):
@@ -81,8 +94,8 @@ async def reload_model(request: web.Request) -> web.Response:
     authorize(request)
     served = request.app[MODELS].resolve(request.match_info["name"])
     body = await codec.read_raw(request)
-    body = codec.decode_body(body, request.content_type, "Content-Type" in request.headers) \
-        if body else {}
+    body = codec.decode_body(body, codec.media_type(request),
+                             "Content-Type" in request.headers) if body else {}
     if not isinstance(body, dict):
         raise ApiError("invalid_request", "the request body must be an object")
     source, revision = _string(body, "source"), _string(body, "revision")
@@ -107,7 +120,7 @@ async def reload_model(request: web.Request) -> web.Response:
 async def set_split(request: web.Request) -> web.Response:
     authorize(request)
     served = request.app[MODELS].resolve(request.match_info["name"])
-    body = codec.decode_body(await codec.read_raw(request), request.content_type,
+    body = codec.decode_body(await codec.read_raw(request), codec.media_type(request),
                              "Content-Type" in request.headers)  # malformed: 400 first
     names = [v.name for v in served.variants]
     if not names[0]:

@@ -18,6 +18,7 @@ from shmserve.protocol import ErrorCode
 STATUS: dict[str, int] = {
     "bad_request": 400,
     "unauthorized": 401,
+    "forbidden": 403,
     "not_found": 404,
     "method_not_allowed": 405,
     "conflict": 409,

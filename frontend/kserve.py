@@ -308,11 +308,11 @@ async def _read(request: web.Request) -> tuple[dict, bytes]:
     raw = await codec.read_raw(request)
     if not raw:
         raise ApiError("bad_request", "empty request body")
-    if request.content_type in codec.MSGPACK_TYPES:
-        return tensors.object_of(codec.decode_body(raw, request.content_type),
-                                 "the inference request"), b""
-    if request.headers.get("Content-Type", "").strip() and request.content_type not in JSON_TYPES:
-        raise ApiError("unsupported_media_type", f"Content-Type {request.content_type!r} is "
+    media = codec.media_type(request)
+    if media in codec.MSGPACK_TYPES:
+        return tensors.object_of(codec.decode_body(raw, media), "the inference request"), b""
+    if request.headers.get("Content-Type", "").strip() and media not in JSON_TYPES:
+        raise ApiError("unsupported_media_type", f"Content-Type {media[:100]!r} is "
                        f"not supported; send {codec.JSON} (or {JSON_TYPES[1]} with Triton's "
                        f"binary data) or {codec.MSGPACK}")
     return tensors.split_body(raw, request.headers.get(HEADER_LENGTH))

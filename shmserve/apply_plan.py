@@ -26,10 +26,11 @@ WORKER_SIDE = ("batching.", "logging.batch_log", "workers.torch_threads",
                "workers.empty_cache_idle_s", "workers.queue_texts",
                "workers.low_priority_queue_share")
 READ_BY_FRONTENDS = ("batching.max_batch_size", "batching.max_batch_tokens")
-# nginx's keys a frontend mirrors (its body and header limits, the deadline cap); the others
-# (rate limits, gzip, CORS, timeouts, ...) only nginx reads: a reload, no restart.
+# nginx's keys a frontend mirrors (its body and header limits, the deadline cap, the admin
+# routes' loopback rule); the others (rate limits, gzip, CORS, timeouts, ...) only nginx reads:
+# a reload, no restart.
 NGINX_READ_BY_FRONTENDS = ("nginx.client_max_body_size", "nginx.large_client_header_buffers",
-                           "nginx.proxy_read_timeout_s")
+                           "nginx.proxy_read_timeout_s", "nginx.admin_loopback_only")
 # How many workers there are, and on which devices: a worker kept restarts only when its own
 # device or the models it loads changed (and for any other key it reads).
 COUNT_KEYS = ("workers.cpu_workers", "workers.devices", "workers.per_gpu")
