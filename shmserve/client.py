@@ -25,14 +25,18 @@ thread per client; a connection the server closed while idle is reopened once (`
 retries once too). `AsyncClient` uses aiohttp, imported when the first one is made: this
 package never imports aiohttp (nor torch) at import time, and sync users need not install it.
 Every failure raises `ShmserveError`: ``status`` and ``body`` are the server's, or None when no
-answer came.
+answer came. A 429, 502 or 503 (overloaded, no frontend or worker yet) is sent again up to
+``max_retries`` times (default 2; 0: never), each after the answer's ``Retry-After`` (at most
+``MAX_RETRY_WAIT_S``); the last one's is the error's ``retry_after``, in seconds.
 """
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import os
+import time
 import urllib.parse
 from typing import Any, NamedTuple, Sequence
 
@@ -42,6 +46,8 @@ import numpy as np
 from shmserve.protocol import priority_level
 
 FORMATS = {"msgpack": "application/msgpack", "json": "application/json"}
+RETRY_STATUSES = (429, 502, 503)  # refused before any work: sending it again is safe
+MAX_RETRY_WAIT_S = 60.0
 
 
 class SparseVector(NamedTuple):
@@ -64,10 +70,11 @@ class ShmserveError(Exception):
     """The server refused a request (status and error body set), or could not be reached."""
 
     def __init__(self, message: str, status: int | None = None,
-                 body: dict[str, Any] | None = None) -> None:
+                 body: dict[str, Any] | None = None, retry_after: float | None = None) -> None:
         super().__init__(f"{status} {message}" if status is not None else message)
         self.status = status
         self.body = body
+        self.retry_after = retry_after  # seconds, from the answer's Retry-After
         error = body.get("error") if isinstance(body, dict) else None
         error = error if isinstance(error, dict) else {}
         self.message = error.get("message", message)
@@ -84,7 +91,10 @@ ANSWER_MARGIN_S = 5.0
 class _Base:
     def __init__(self, url: str = "http://127.0.0.1:8080", *, timeout: float = 30.0,
                  format: str = "msgpack", model: str | None = None,
-                 api_key: str | None = None, priority: str | int | None = None) -> None:
+                 api_key: str | None = None, priority: str | int | None = None,
+                 max_retries: int = 2) -> None:
+        if not isinstance(max_retries, int) or max_retries < 0:
+            raise ValueError(f"max_retries must be an integer >= 0, not {max_retries!r}")
         if format not in FORMATS:
             raise ValueError(f"format must be one of {', '.join(FORMATS)}, not {format!r}")
         if not timeout > 0:
@@ -101,6 +111,7 @@ class _Base:
             raise ValueError("priority must be low, normal, high or an integer from -10 to 10, "
                              f"not {priority!r}")
         self.priority = priority  # X-Priority on every request; None: the server's default
+        self.max_retries = max_retries
         self._parts = parts
 
     def _embed_request(self, texts: str | Sequence[str], model: str | None,
@@ -156,7 +167,19 @@ class _Base:
         return headers
 
 
-def _decode(status: int, content_type: str, raw: bytes) -> Any:
+Answer = tuple[int, str, bytes, "str | None"]  # status, Content-Type, body, Retry-After
+
+
+def _wait_s(retry_after: str | None) -> float:
+    """A Retry-After's seconds (1 when absent or a date, which this server never sends)."""
+    try:
+        wait = float(retry_after) if retry_after is not None else 1.0
+    except ValueError:
+        wait = 1.0
+    return min(max(wait, 0.0), MAX_RETRY_WAIT_S) if wait == wait else 1.0
+
+
+def _decode(status: int, content_type: str, raw: bytes, retry_after: str | None = None) -> Any:
     """The body of a response, or ShmserveError for any status but 200."""
     try:
         if "msgpack" in content_type:
@@ -170,7 +193,8 @@ def _decode(status: int, content_type: str, raw: bytes) -> Any:
         message = f"HTTP {status}"
         if isinstance(body, dict) and isinstance(body.get("error"), dict):
             message = str(body["error"].get("message", message))
-        raise ShmserveError(message, status, body if isinstance(body, dict) else None)
+        raise ShmserveError(message, status, body if isinstance(body, dict) else None,
+                            _wait_s(retry_after) if retry_after is not None else None)
     return body
 
 
@@ -278,7 +302,7 @@ class Client(_Base):
         """Whether the server answers /ready with 200; False also while it cannot be reached
         (starting), so ``while not client.ready()`` waits for it."""
         try:
-            status, _, _ = self._call("GET", "/ready", None, self._headers(None))
+            status, _, _, _ = self._exchange("GET", "/ready", None, self._headers(None))
         except ShmserveError:
             return False
         return status == 200
@@ -303,7 +327,16 @@ class Client(_Base):
         return self._conn
 
     def _call(self, method: str, path: str, body: bytes | None,
-              headers: dict[str, str]) -> tuple[int, str, bytes]:
+              headers: dict[str, str]) -> Answer:
+        for _ in range(self.max_retries):
+            answer = self._exchange(method, path, body, headers)
+            if answer[0] not in RETRY_STATUSES:
+                return answer
+            time.sleep(_wait_s(answer[3]))
+        return self._exchange(method, path, body, headers)
+
+    def _exchange(self, method: str, path: str, body: bytes | None,
+                  headers: dict[str, str]) -> Answer:
         target = self._parts.path.rstrip("/") + path
         for _ in range(2):
             conn, reused = self._connection(), self._used
@@ -323,7 +356,8 @@ class Client(_Base):
             self._used = True
             if response.will_close:
                 self.close()
-            return response.status, response.getheader("Content-Type", ""), raw
+            return (response.status, response.getheader("Content-Type", ""), raw,
+                    response.getheader("Retry-After"))
         raise ShmserveError(f"{self.url}: connection lost twice")
 
 
@@ -382,7 +416,7 @@ class AsyncClient(_Base):
     async def ready(self) -> bool:
         """As Client.ready."""
         try:
-            status, _, _ = await self._call("GET", "/ready", None, self._headers(None))
+            status, _, _, _ = await self._exchange("GET", "/ready", None, self._headers(None))
         except ShmserveError:
             return False
         return status == 200
@@ -399,7 +433,16 @@ class AsyncClient(_Base):
         await self.close()
 
     async def _call(self, method: str, path: str, body: bytes | None,
-                    headers: dict[str, str]) -> tuple[int, str, bytes]:
+                    headers: dict[str, str]) -> Answer:
+        for _ in range(self.max_retries):
+            answer = await self._exchange(method, path, body, headers)
+            if answer[0] not in RETRY_STATUSES:
+                return answer
+            await asyncio.sleep(_wait_s(answer[3]))
+        return await self._exchange(method, path, body, headers)
+
+    async def _exchange(self, method: str, path: str, body: bytes | None,
+                        headers: dict[str, str]) -> Answer:
         aiohttp = self._aiohttp
         if self._session is None:  # made inside the running loop
             self._session = aiohttp.ClientSession(
@@ -409,7 +452,8 @@ class AsyncClient(_Base):
                 async with self._session.request(method, self.url + path, data=body,
                                                  headers=headers) as response:
                     raw = await response.read()
-                    return response.status, response.headers.get("Content-Type", ""), raw
+                    return (response.status, response.headers.get("Content-Type", ""), raw,
+                            response.headers.get("Retry-After"))
             except TimeoutError as exc:
                 raise ShmserveError(f"{self.url}: no answer within {self.timeout}s") from exc
             except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:

@@ -200,3 +200,84 @@ def test_a_request_sent_as_the_server_closes_an_idle_connection_is_sent_again():
         assert len(answered) == 4
     finally:
         listener.close()
+
+
+class Scripted:
+    """An HTTP server that answers each request with the next (status, Retry-After) of a
+    script (200: one vector), and counts them."""
+
+    def __init__(self, *script):
+        import http.server
+        import threading
+
+        self.script, self.seen = list(script), 0
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):
+                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                self.do_GET()
+
+            def do_GET(self):
+                outer.seen += 1
+                status, wait = outer.script.pop(0)
+                body = msgpack.packb({"results": [np.ones(2, "<f4").tobytes()]} if status == 200
+                                     else {"error": {"message": "busy", "type": "overloaded"}})
+                self.send_response(status)
+                self.send_header("Content-Type", "application/msgpack")
+                self.send_header("Content-Length", str(len(body)))
+                if wait is not None:
+                    self.send_header("Retry-After", wait)
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_refusal_before_any_work_is_sent_again_after_its_retry_after(asynchronous):
+    """It raised at the first 429 or 503 (an outside check: the only client tried that did
+    not retry them, and its error did not carry Retry-After)."""
+    import asyncio
+
+    def run(server, method="embed", **kwargs):
+        args = ("a",) if method == "embed" else ()
+        if not asynchronous:
+            with Client(server.url, timeout=10, **kwargs) as client:
+                return getattr(client, method)(*args)
+
+        async def go():
+            async with AsyncClient(server.url, timeout=10, **kwargs) as client:
+                return await getattr(client, method)(*args)
+        return asyncio.run(go())
+
+    server = Scripted((429, "0"), (503, "0.01"), (200, None))
+    try:
+        assert run(server).tolist() == [1.0, 1.0] and server.seen == 3
+        server.script, server.seen = [(429, "7")], 0
+        with pytest.raises(ShmserveError) as info:
+            run(server, max_retries=0)
+        assert (info.value.status, info.value.retry_after, server.seen) == (429, 7.0, 1)
+        server.script, server.seen = [(503, "0")] * 3, 0
+        with pytest.raises(ShmserveError) as info:
+            run(server)  # two retries, then the third answer is the error
+        assert (info.value.status, server.seen) == (503, 3)
+        server.script, server.seen = [(400, None)], 0
+        with pytest.raises(ShmserveError) as info:
+            run(server)  # refused for what it is: not sent again
+        assert (info.value.status, info.value.retry_after, server.seen) == (400, None, 1)
+        server.script, server.seen = [(503, "0")], 0
+        assert run(server, "ready") is False and server.seen == 1  # not ready: say so at once
+    finally:
+        server.close()
+    with pytest.raises(ValueError, match="max_retries"):
+        Client("http://h", max_retries=-1)
