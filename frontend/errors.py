@@ -91,18 +91,21 @@ class ApiError(Exception):
 
 
 OPENAI_PATHS = frozenset({"/v1/embeddings"})  # OpenAI's own routes answer with its statuses
+# Cohere's own routes (its /v1/rerank is shared with Jina's and the native clients: not here)
+COHERE_PATHS = frozenset({"/v1/embed", "/v2/embed", "/v2/rerank"})
+BAD_REQUEST_PATHS = OPENAI_PATHS | COHERE_PATHS
 
 
 def status_on(path: str, exc: ApiError) -> int:
-    """The status `exc` answers on `path`: its kind's, but OpenAI's 400 for an invalid request
-    or one over a limit (too many inputs, a text too long) on OpenAI's routes: its clients
-    raise BadRequestError for 400, UnprocessableEntityError for 422 and a bare APIStatusError
-    for 413, which code catching BadRequestError missed (an outside check). TEI, and this
-    server elsewhere, answer 422 and 413. A body over its size (one that inflates past
-    nginx.client_max_body_size: an error naming no parameter) is 413 on every route, as
-    nginx's own answer for a body sent over it."""
-    if path in OPENAI_PATHS and (exc.kind == "invalid_request" or
-                                 exc.kind == "too_large" and exc.param is not None):
+    """The status `exc` answers on `path`: its kind's, but 400 for an invalid request or one
+    over a limit (too many inputs, a text too long) on OpenAI's and Cohere's routes, as those
+    services answer: their clients raise BadRequestError for 400 and a bare APIStatusError
+    (openai) or ApiError (cohere) for 413, which code catching BadRequestError missed (outside
+    checks). TEI, and this server elsewhere, answer 422 and 413. A body over its size (one that
+    inflates past nginx.client_max_body_size: an error naming no parameter) is 413 on every
+    route, as nginx's own answer for a body sent over it."""
+    if path in BAD_REQUEST_PATHS and (exc.kind == "invalid_request" or
+                                      exc.kind == "too_large" and exc.param is not None):
         return 400
     return exc.status
 

@@ -101,7 +101,8 @@ def _method_not_allowed(schema: str) -> dict:
 
 
 _POST_ERRORS = (400, 401, 404, 413, 415, 422, 429, 503, 504, 507)
-_OPENAI_ERRORS = tuple(s for s in _POST_ERRORS if s != 422)  # 400 instead (errors.status_on)
+# OpenAI's and Cohere's routes: 400 instead (errors.status_on)
+_OPENAI_ERRORS = tuple(s for s in _POST_ERRORS if s != 422)
 
 
 def _ok(schema: dict, description: str = "OK", **more: Any) -> dict:
@@ -163,30 +164,30 @@ def _routes(model: dict) -> dict[str, dict]:
             _body(ref("RerankRequest")))},
         "/v1/embed": {"post": _op(
             "native", "Embed, as Cohere's v1 client sends it (floats, or by embedding_types)",
-            {**_ok(ref("CohereEmbedResponse")), **_errors(*_POST_ERRORS)},
+            {**_ok(ref("CohereEmbedResponse")), **_errors(*_OPENAI_ERRORS)},
             _body(ref("CohereEmbedRequest")))},
         "/v2/embed": {"post": _op(
             "native", "Embed, as Cohere's v2 client sends it (by type: float, int8, uint8, "
             "binary, ubinary, base64)",
-            {**_ok(ref("CohereEmbedResponse")), **_errors(*_POST_ERRORS)},
+            {**_ok(ref("CohereEmbedResponse")), **_errors(*_OPENAI_ERRORS)},
             _body(ref("CohereEmbedRequest")))},
         "/v2/rerank": {"post": _op(
             "native", "Rerank, as Cohere's v2 client sends it (the answer adds Cohere's meta)",
-            {**_ok(ref("RerankResponse")), **_errors(*_POST_ERRORS)},
+            {**_ok(ref("RerankResponse")), **_errors(*_OPENAI_ERRORS)},
             _body(ref("RerankRequest")))},
         "/admin/models": {"get": {**_op(
             "admin", "Each model's revision and loading state per worker (loopback only; 404 "
-            "when admin.token is unset)", {**_ok({"type": "object"}), **_errors(401, 404)}),
+            "when admin.token is unset)", {**_ok({"type": "object"}), **_errors(401, 403, 404)}),
             "security": [{"bearer": []}]}},
         "/admin/models/{name}/reload": {"post": {**_op(
             "admin", "Hot reload: new weights on every worker, switched between batches",
-            {**_ok({"type": "object"}), **_errors(401, 404, 409, 422, 500, 503)},
+            {**_ok({"type": "object"}), **_errors(401, 403, 404, 409, 422, 500, 503)},
             {"required": False, "content": _json(ref("ReloadRequest"))},
             [{"name": "name", "in": "path", "required": True, "schema": {"type": "string"}}]),
             "security": [{"bearer": []}]}},
         "/admin/models/{name}/split": {"put": {**_op(
             "admin", "A/B weights of a model with variants, on every frontend",
-            {**_ok({"type": "object"}), **_errors(401, 404, 422)},
+            {**_ok({"type": "object"}), **_errors(401, 403, 404, 422)},
             _body(ref("SplitRequest")),
             [{"name": "name", "in": "path", "required": True, "schema": {"type": "string"}}]),
             "security": [{"bearer": []}]}},

@@ -26,9 +26,13 @@ def schemas(cfg: Config, models: list[str]) -> dict[str, Any]:
                                   "special tokens added), each in [0, vocab size)"},
         # Per route, the models of its task (the null model stands in for an embedding one).
         "model": lambda *tasks: _model_names(cfg, tasks),
-        "priority": {"oneOf": [{"enum": ["low", "normal", "high"]}, {"type": "null"},
+        "priority": {"oneOf": [{"type": "string",  # as shmserve.protocol.priority_level
+                                "pattern": "^\\s*([Ll][Oo][Ww]|[Nn][Oo][Rr][Mm][Aa][Ll]|"
+                                           "[Hh][Ii][Gg][Hh]|[+-]?[0-9]+)\\s*$"},
+                               {"type": "null"},
                                {"type": "integer", "minimum": -10, "maximum": 10}],
-                     "description": "higher runs first; wins over the X-Priority header"},
+                     "description": "low, normal or high (any case), or -10 to 10 (a number or its "
+                                    "text): higher runs first; wins over the X-Priority header"},
         "user": {"type": ["string", "null"], "description": "a client id: an A/B split may "
                  "route by it (models.sticky_key)"},
         "prompt_name": {"type": ["string", "null"], "description": "one of the model's "
@@ -252,10 +256,12 @@ def _tei_schemas(parts: dict[str, Any]) -> dict[str, Any]:
             "model": parts["model"]("embedding", "null", "classification", "rerank"),
             "add_special_tokens": nullable_bool, "prompt_name": parts["prompt_name"]}},
         "TeiDecodeRequest": {"type": "object", "required": ["ids"], "properties": {
-            "ids": {"oneOf": [{"type": "array", "minItems": 1, "items": {"type": "integer"}},
+            "ids": {"oneOf": [{"type": "array", "minItems": 1,
+                               "items": {"type": "integer", "minimum": 0}},
                               {"type": "array", "minItems": 1, "items": {
                                   "type": "array", "minItems": 1,
-                                  "items": {"type": "integer"}}}]},
+                                  "items": {"type": "integer", "minimum": 0}}}],
+                    "description": "token ids, each in [0, vocab size)"},
             "model": parts["model"]("embedding", "null", "classification", "rerank"),
             "skip_special_tokens": nullable_bool}},
         "SimpleToken": {"type": "object", "properties": {

@@ -74,22 +74,28 @@ def test_truncate_options_and_refusals_in_our_error_shape(tiny_stack):
         start = v2.embed(texts=["alpha " + long], model="tiny", input_type="clustering",
                          truncate="START").embeddings.float_[0]
         np.testing.assert_allclose(end, start, atol=1e-6)  # both cut to the same words
-        for options, status, param in (
-                ({"truncate": "NONE"}, 413, "texts"),
-                ({"images": ["data:image/png;base64,AAAA"]}, 422, "images"),
-                ({"max_tokens": 8}, 422, "max_tokens")):
-            with pytest.raises(cohere.core.ApiError) as info:
+        # 400, as Cohere answers an invalid body or too many tokens: the client's
+        # BadRequestError (413 and 422 were its bare ApiError, an outside check)
+        for options, param in (({"truncate": "NONE"}, "texts"),
+                               ({"images": ["data:image/png;base64,AAAA"]}, "images"),
+                               ({"max_tokens": 8}, "max_tokens")):
+            with pytest.raises(cohere.errors.BadRequestError) as info:
                 v2.embed(texts=[long], model="tiny", input_type="search_query", **options)
-            assert info.value.status_code == status
+            assert info.value.status_code == 400
             assert info.value.body["error"]["param"] == param  # not KServe's {"error": str}
-            if status == 413:  # this route's way to have it cut (it said "truncate: true")
+            if param == "texts":  # this route's way to have it cut (it said "truncate: true")
                 assert "send truncate: END or START" in info.value.body["error"]["message"]
+        with pytest.raises(cohere.errors.BadRequestError) as info:
+            v2.embed(texts=["x"] * 300, model="tiny", input_type="search_query")
+        assert info.value.body["error"]["param"] == "texts"
         with pytest.raises(cohere.core.ApiError) as info:  # named as this route names it
             v2.embed(texts=["x"], model="tiny", input_type="search_query", output_dimension=33)
         assert info.value.body["error"]["param"] == "output_dimension"
     status, _, body = tiny_stack.post_json("/v2/embed", {"texts": ["x"],
                                                          "embedding_types": ["int4"]})
-    assert status == 422 and body["error"]["param"] == "embedding_types", body
+    assert status == 400 and body["error"]["param"] == "embedding_types", body
+    status, _, body = tiny_stack.post_json("/v2/rerank", {"query": "q", "documents": []})
+    assert status == 400, body
     status, _, body = tiny_stack.post_json("/v2/embed", {"texts": ["x"], "model": "nope"})
     assert status == 404 and body["error"]["code"] == "model_not_found", body
 
