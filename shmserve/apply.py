@@ -41,7 +41,7 @@ from typing import Iterator
 
 from shmserve import config, layers, models, processes, render, state, topology
 from shmserve.apply_plan import FIXED, Plan, by_counts, index_of, plan
-from shmserve.cli import CliError, check_port, check_shm
+from shmserve.cli import CliError, check_port, check_shm, seconds
 from shmserve.config import Config
 from shmserve.restarts import ctl, reload_nginx, say, wait_until_ready
 from shmserve.startwait import process_info
@@ -334,5 +334,5 @@ def add_parser(command) -> None:
                   "to the running deployment, one process at a time (counts, batching, limits, "
                   "nginx, models)")
     cmd.add_argument("--dry-run", action="store_true", help="print the changes and do nothing")
-    cmd.add_argument("--timeout", type=float, help="seconds to wait for each started program "
+    cmd.add_argument("--timeout", type=seconds, help="seconds to wait for each started program "
                      "to be ready (default: workers.ready_timeout_s)")

@@ -90,6 +90,19 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
+def seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds > 0 (a --timeout of 0 or less was taken,
+    and the command acted before it failed: `apply --timeout 0` stopped a loading worker, an
+    outside check)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: a number of seconds > 0")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--env", help="configs/ENV.yaml over base.yaml (default: SHMSERVE_ENV "
@@ -109,7 +122,7 @@ def _parser() -> argparse.ArgumentParser:
     up_cmd.add_argument("--wait", action="store_true",
                         help="wait until GET /ready answers 200, through nginx and from every "
                              "frontend")
-    up_cmd.add_argument("--timeout", type=float, help="seconds --wait waits "
+    up_cmd.add_argument("--timeout", type=seconds, help="seconds --wait waits "
                         "(default: workers.ready_timeout_s)")
     up_cmd.add_argument("--foreground", action="store_true",
                         help="run supervisord in the foreground (containers)")
@@ -130,7 +143,7 @@ def _parser() -> argparse.ArgumentParser:
                              "(frontend-0, worker-1)")
     restart_cmd.add_argument("--all-at-once", action="store_true", help="restart a group's "
                              "programs together (faster; requests fail until they are ready)")
-    restart_cmd.add_argument("--timeout", type=float, help="seconds to wait for each restarted "
+    restart_cmd.add_argument("--timeout", type=seconds, help="seconds to wait for each restarted "
                              "program to be ready (default: workers.ready_timeout_s)")
     from shmserve.apply import add_parser as add_apply  # it imports this module's helpers
 

@@ -375,3 +375,16 @@ def test_ctrl_c_says_what_was_left_not_a_traceback(monkeypatch, capsys, name, sa
     assert cli.main([name]) == 130
     err = capsys.readouterr().err
     assert "shmserve: interrupted" in err and said in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv", [["up", "--wait", "--timeout", "-5"],
+                                  ["restart", "workers", "--timeout", "0"],
+                                  ["apply", "--timeout", "nan"]])
+def test_a_timeout_of_zero_or_less_is_refused_before_anything_is_done(argv, capsys, monkeypatch):
+    """`apply --timeout 0` stopped a loading worker before it failed, `up --timeout -5` left a
+    deployment running (an outside check)."""
+    monkeypatch.setattr(cli, "up", lambda args: pytest.fail("up ran"))
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2
+    assert "a number of seconds > 0" in capsys.readouterr().err
