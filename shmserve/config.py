@@ -278,8 +278,14 @@ class Config:
 
 def load(env: str | None = None, extra: str | Path | None = None,
          environ: Mapping[str, str] | None = None) -> Config:
-    """Merge the layers (shmserve.layers) and validate them."""
-    return from_tree(layers.merged(env, extra, environ))
+    """Merge the layers (shmserve.layers) and validate them; an error names the layer that
+    set the key it is about."""
+    tree = layers.merged(env, extra, environ)
+    try:
+        return from_tree(tree)
+    except ConfigError as exc:
+        raise layers.located(exc, env, extra, os.environ if environ is None else environ
+                             ) from None
 
 
 def from_tree(tree: Mapping[str, Any]) -> Config:

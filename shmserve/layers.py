@@ -22,6 +22,7 @@ else the config's own default (a model's keys base.yaml leaves out).
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import os
@@ -37,6 +38,7 @@ from shmserve.typedtree import ConfigError
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CONFIG_DIR = REPO_ROOT / "configs"
 ENV_PREFIX = "SHMSERVE__"
+OVERLAYS = ("gpu",)  # files under configs/ given with --config, over an env's
 
 
 def merged(env: str | None = None, extra: str | Path | None = None,
@@ -48,9 +50,10 @@ def merged(env: str | None = None, extra: str | Path | None = None,
     tree = _read_yaml(CONFIG_DIR / "base.yaml")
     env_file = CONFIG_DIR / f"{env}.yaml"
     if not env_file.is_file():
-        known = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml") if p.stem != "base")
+        known = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")
+                       if p.stem not in ("base", *OVERLAYS))
         raise ConfigError(f"{source} {env}: no config file {env_file}; one of "
-                          f"{', '.join(known)}")
+                          f"{', '.join(known)} (configs/gpu.yaml is an overlay: --config)")
     warn_misspelled(environ)
     base = tree
     tree = deep_merge(tree, _read_yaml(env_file))
@@ -116,22 +119,102 @@ def file_layers(env: str | None, extra: str | Path | None,
     return [CONFIG_DIR / "base.yaml", CONFIG_DIR / f"{env}.yaml", *extra_files(extra, environ)]
 
 
+_KEY_PATH = re.compile(r"([A-Za-z0-9_-]+(?:\[[0-9]+\]|\.[A-Za-z0-9_-]+)*): ")
+
+
+def located(exc: ConfigError, env: str | None, extra: str | Path | None,
+            environ: Mapping[str, str]) -> ConfigError:
+    """`exc` (a message that starts with a key's path) naming the layer that set that key: the
+    environment variable, else the last file that has it (a message named the key only, and
+    with several files and variables a user could not tell which one was wrong, an outside
+    check). Unchanged when no layer sets it (a rule between keys, a default)."""
+    found = _KEY_PATH.match(str(exc))
+    if found is None:
+        return exc
+    parts: list[str | int] = [int(p) if p.isdigit() else p
+                              for p in re.split(r"\.|\[|\]\.?", found[1]) if p != ""]
+    where = _set_by_variable(parts, environ)
+    if where is None:
+        for path in reversed(file_layers(env, extra, environ)):
+            try:
+                if _sets(_read_yaml(path), parts):
+                    where = str(path)
+                    break
+            except ConfigError:
+                continue
+    return ConfigError(f"{exc} (set in {where})") if where else exc
+
+
+def _set_by_variable(parts: list[str | int], environ: Mapping[str, str]) -> str | None:
+    """The variable that sets `parts` or a section above it, the longest path first (a later
+    layer than any file)."""
+    names = {name[len(ENV_PREFIX):].lower(): name for name in environ
+             if name.startswith(ENV_PREFIX)}
+    for end in range(len(parts), 0, -1):
+        name = names.get("__".join(str(p) for p in parts[:end]).lower())
+        if name is not None:
+            return name
+    return None
+
+
+def _sets(tree: Any, parts: list[str | int]) -> bool:
+    """Whether a file's tree gives `parts` (or a list above it, which a file replaces whole)."""
+    node = tree
+    for part in parts:
+        if isinstance(node, list):
+            return True
+        if not isinstance(node, Mapping) or part not in node:
+            return False
+        node = node[part]
+    return True
+
+
 _warned: set[str] = set()
 
 
+# The single-underscore names something in this project reads: the layers above, the client's
+# key, what supervisord gives its programs, the install script's, the tests' and benchmarks'.
+KNOWN_VARIABLES = frozenset({
+    "SHMSERVE_ENV", "SHMSERVE_CONFIG", "SHMSERVE_API_KEY", "SHMSERVE_RUN_DIR",
+    "SHMSERVE_TORCH_INDEX", "SHMSERVE_TEST_PROCESSES", "SHMSERVE_PORTS", "SHMSERVE_BENCH_TEXTS",
+    "SHMSERVE_BENCH_TEXTS_OUT", "SHMSERVE_BENCH_MODEL", "SHMSERVE_BENCH_CORPUS",
+    "SHMSERVE_BENCH_API"})
+
+
 def warn_misspelled(environ: Mapping[str, str]) -> None:
-    """Say once (on stderr) which variables look like overrides but are not read: a key path
-    with `__` after a single-underscore prefix (SHMSERVE_FRONTENDS__COUNT), or a prefix in
-    lower case (shmserve__frontends__count: names are case-sensitive, an outside check's was
-    ignored without a word). The prefix's own single-underscore names (SHMSERVE_ENV,
-    SHMSERVE_CONFIG, SHMSERVE_API_KEY) have no `__`."""
+    """Say once (on stderr) which variables look like shmserve's but are not read: a key path
+    with `__` after a single-underscore prefix (SHMSERVE_FRONTENDS__COUNT), a prefix in lower
+    case (shmserve__frontends__count: names are case-sensitive, an outside check's was
+    ignored without a word), or a single-underscore name nothing reads (SHMSERVE_CONFG: the
+    server started without the user's file, SHMSERVE_FRONTENDS_COUNT; an outside check)."""
     for name in sorted(environ):
-        if (name.upper().startswith("SHMSERVE") and not name.startswith(ENV_PREFIX)
-                and "__" in name and name not in _warned):
-            _warned.add(name)
+        if (not name.upper().startswith("SHMSERVE") or name.startswith(ENV_PREFIX)
+                or name in KNOWN_VARIABLES or name in _warned):
+            continue
+        _warned.add(name)
+        if "__" in name:
             fixed = ENV_PREFIX + name[len("SHMSERVE"):].lstrip("_").upper()
             print(f"shmserve: warning: {name} is not read; environment overrides start with "
                   f"{ENV_PREFIX} (two underscores): {fixed}?", file=sys.stderr, flush=True)
+            continue
+        rest = name[len("SHMSERVE"):].lstrip("_").upper()
+        section = next((k for k in _sections() if rest.startswith(k.upper() + "_")), None)
+        near = difflib.get_close_matches(name.upper(), sorted(KNOWN_VARIABLES), n=1,
+                                         cutoff=0.85)
+        if section:  # SHMSERVE_FRONTENDS_COUNT: a key's path with single underscores
+            hint = f"{ENV_PREFIX}{section.upper()}__{rest[len(section) + 1:]}?"
+        else:
+            hint = (f"{near[0]}?" if near else
+                    f"an override is {ENV_PREFIX}SECTION__KEY (two underscores)")
+        print(f"shmserve: warning: {name} is not read; {hint}", file=sys.stderr, flush=True)
+
+
+def _sections() -> list[str]:
+    """The config's top-level sections (configs/base.yaml's keys)."""
+    try:
+        return list(_read_yaml(CONFIG_DIR / "base.yaml"))
+    except ConfigError:
+        return []
 
 
 def deep_merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:

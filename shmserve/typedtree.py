@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import types
 import typing
 from typing import Any, Callable, Literal, Mapping
@@ -130,6 +131,21 @@ def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
+# Decimal number text (not 010, which YAML 1.1 reads as octal and a number key refuses)
+_NUMBER_TEXT = re.compile(r"[-+]?((0|[1-9][0-9]*)(\.[0-9]*)?|\.[0-9]+)([eE][-+]?[0-9]+)?")
+
+
 def _show(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
+    text = repr(str(value) if isinstance(value, str) else value)  # an EnvText as the text
+    text = text if len(text) <= 60 else text[:57] + "..."
+    if isinstance(value, str):
+        if not _NUMBER_TEXT.fullmatch(str(value).strip()):
+            return text
+        # A number read as text: YAML 1.1 reads 1e9 (no dot, no exponent sign) as a string,
+        # and a quoted number is one; "expected a number, got '1e9'" read as a contradiction
+        # (an outside check).
+        if "e" in str(value).lower():
+            return f"the text {text} (YAML reads an exponent as a number only with a dot and " \
+                   "a sign, 1.0e+3; or write the number in full)"
+        return f"the text {text} (a quoted number: write it without quotes)"
+    return text

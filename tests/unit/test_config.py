@@ -145,7 +145,8 @@ def test_a_worker_queue_too_small_for_the_largest_request_is_refused():
 
 def test_unknown_env_and_bad_yaml(tmp_path):
     with pytest.raises(ConfigError, match=r"^--env nope: no config file .*nope.yaml; one of "
-                                          r"dev, gpu, prod, test$"):
+                                          r"dev, prod, test \(configs/gpu.yaml is an "
+                                          r"overlay: --config\)$"):
         config.load(env="nope", environ={})
     with pytest.raises(ConfigError, match="^SHMSERVE_ENV nope: no config file"):
         config.load(environ={"SHMSERVE_ENV": "nope"})
@@ -233,14 +234,60 @@ def test_a_misspelled_override_is_warned_of_once(capsys, monkeypatch):
     environ = {"SHMSERVE_FRONTENDS__COUNT": "3", "SHMSERVE_ENV": "test",
                "SHMSERVE_CONFIG": "", "SHMSERVE_API_KEY": "k", "SHMSERVE_RUN_DIR": "/x",
                "SHMSERVE_BENCH_TEXTS": "9", "shmserve__server__port": "9999",
-               "shmserve_env": "prod"}
+               "shmserve_env": "prod", "SHMSERVE_CONFG": "/my.yaml",
+               "SHMSERVE_BATCHING_MAX_WAIT_MS": "5", "SHMSERVE_OTHER": "1"}
     cfg = config.load(environ=environ)
     config.load(environ=environ)
     assert cfg.frontends.count != 3 and cfg.server.port != 9999
     err = capsys.readouterr().err
-    assert err.count("warning") == 2
+    assert err.count("warning") == 6, err
     assert "SHMSERVE_FRONTENDS__COUNT is not read" in err and "SHMSERVE__FRONTENDS__COUNT?" in err
     assert "shmserve__server__port is not read" in err and "SHMSERVE__SERVER__PORT?" in err
+    # single-underscore names nothing reads (a misspelled SHMSERVE_CONFIG started the server
+    # without the user's file, without a word: an outside check)
+    assert "shmserve_env is not read; SHMSERVE_ENV?" in err
+    assert "SHMSERVE_CONFG is not read; SHMSERVE_CONFIG?" in err
+    assert "SHMSERVE_BATCHING_MAX_WAIT_MS is not read; SHMSERVE__BATCHING__MAX_WAIT_MS?" in err
+    assert "SHMSERVE_OTHER is not read; an override is SHMSERVE__SECTION__KEY" in err
+
+
+def test_a_refused_value_names_the_layer_that_set_it(tmp_path):
+    """The message named the key only: with several files and variables a user could not tell
+    which one was wrong (an outside check)."""
+    first, second = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    first.write_text("batching: {max_batch_size: 4, foo: 1}\n")
+    second.write_text("batching: {max_batch_size: lots}\n")
+    both = f"{first}:{second}"
+    for environ, message in (
+            ({}, f"batching.foo: unknown key (set in {first})"),
+            ({"SHMSERVE__BATCHING__FOO": "~"},  # a null: base.yaml has no such key
+             f"batching.max_batch_size: expected an integer, got 'lots' (set in {second})"),
+            ({"SHMSERVE__BATCHING": "{max_batch_size: x}"},
+             "batching.max_batch_size: expected an integer, got 'x' (set in "
+             "SHMSERVE__BATCHING)")):
+        with pytest.raises(ConfigError) as exc:
+            config.load(extra=both, environ=environ)
+        assert str(exc.value) == message
+    second.write_text("models: [{name: m, source: /x, dtype: f99}]\n")  # a list: whole
+    with pytest.raises(ConfigError) as exc:
+        config.load(extra=second, environ={})
+    assert str(exc.value) == ("models[0].dtype: expected one of fp32, bf16, fp16, auto, int8, "
+                              f"got 'f99' (set in {second})")
+    with pytest.raises(ConfigError, match=r"^frontends.cuont: unknown key \(set in "
+                                          r"SHMSERVE__FRONTENDS__CUONT\)$"):
+        config.load(environ={"SHMSERVE__FRONTENDS__CUONT": "3"})
+
+
+def test_a_number_written_as_text_says_so():
+    """"expected a finite number, got '1e9'" read as a contradiction (an outside check): YAML
+    1.1 reads 1e9 as text, and a quoted number is text."""
+    with pytest.raises(ConfigError, match=r"got the text '1e9' \(YAML reads an exponent as a "
+                                          r"number only with a dot and a sign"):
+        config.load(environ={"SHMSERVE__SERVER__DRAIN_TIMEOUT_S": "1e9"})
+    assert config.load(environ={"SHMSERVE__SERVER__DRAIN_TIMEOUT_S": "1.0e+1"}
+                       ).server.drain_timeout_s == 10.0
+    with pytest.raises(ConfigError, match=r"got 'inf' \(set in"):  # not a number's text
+        config.load(environ={"SHMSERVE__SERVER__PORT": "inf"})
 
 
 def test_a_rate_limit_per_api_key_needs_api_keys(tmp_path):
