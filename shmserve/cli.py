@@ -90,6 +90,20 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
+def check_stdout(path: str = "/dev/stdout") -> None:
+    """supervisord opens /dev/stdout again for each program (logging.stdout); when this user
+    cannot (a stdout another user owns: `su`, `setpriv`, some runtimes), every program failed
+    to spawn with "EACCES", retried for ever, and nothing said why (an outside check)."""
+    try:
+        with open(path, "ab"):
+            pass
+    except OSError as exc:
+        raise CliError(f"logging.stdout: supervisord cannot open {path} for its programs' "
+                       f"lines ({exc.strerror}): this user (uid {os.getuid()}) cannot reopen "
+                       "its own stdout, which another user owns; run with a stdout it owns "
+                       "(a container runtime's), or logging.stdout: false") from None
+
+
 def seconds(text: str) -> float:
     """An argparse type: a finite number of seconds > 0 (a --timeout of 0 or less was taken,
     and the command acted before it failed: `apply --timeout 0` stopped a loading worker, an
@@ -188,6 +202,8 @@ def up(args: argparse.Namespace) -> int:
         raise CliError("logging.stdout: the programs' logs go to supervisord's stdout, which "
                        "only `up --foreground` keeps (a daemon's is /dev/null); use "
                        "--foreground (a container's command), or logging.stdout: false")
+    if cfg.logging.stdout:
+        check_stdout()
     try:
         models.check(cfg, topology.worker_devices(cfg))  # before any process starts
     except models.ModelSourceError as exc:

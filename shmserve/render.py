@@ -153,8 +153,11 @@ def render_supervisord(cfg: Config, nginx: str) -> str:
         "supervisor_socket": str(supervisor_socket(cfg)),
         "minfds": str(_minfds(cfg)),
         "stopwaitsecs": str(stopwaitsecs(cfg)),
-        "log_max_bytes": str(cfg.logging.max_bytes),
-        "log_backups": str(cfg.logging.backups),
+        # supervisord's own activity log stays a file (in the foreground it also echoes it to
+        # stdout); with logging.stdout, small, so the run volume's size limit holds (the
+        # Kubernetes overlay's 256Mi: 50 MB x 6 could pass it, an outside check)
+        "log_max_bytes": "10MB" if cfg.logging.stdout else str(cfg.logging.max_bytes),
+        "log_backups": "1" if cfg.logging.stdout else str(cfg.logging.backups),
         # logging.stdout: every program's lines to supervisord's own stdout, unrotated
         "program_log_max_bytes": "0" if cfg.logging.stdout else str(cfg.logging.max_bytes),
         "program_log_backups": "0" if cfg.logging.stdout else str(cfg.logging.backups),

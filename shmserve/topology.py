@@ -23,10 +23,18 @@ def shm_prefix(cfg: Config) -> str:
     return f"shmserve-{instance_id(cfg)}-"
 
 
+DRIVER_GPUS = Path("/proc/driver/nvidia/gpus")  # one directory per GPU the driver shows
+DEVICE_NODES = Path("/dev")  # /dev/nvidia0, /dev/nvidia1, ...: what a container is given
+
+
 def visible_gpus() -> list[int]:
-    """GPU indices the driver shows, found without importing torch."""
-    root = Path("/proc/driver/nvidia/gpus")
-    count = len(list(root.iterdir())) if root.is_dir() else 0
+    """GPU indices the driver shows, found without importing torch: its /proc directory, else
+    the device nodes (a container may be given /dev/nvidiaN without the driver's /proc tree;
+    `auto` then ran CPU workers on a GPU pod without a word, an outside check's reading)."""
+    count = len(list(DRIVER_GPUS.iterdir())) if DRIVER_GPUS.is_dir() else 0
+    if not count:
+        count = sum(1 for node in DEVICE_NODES.glob("nvidia*")
+                    if node.name[len("nvidia"):].isdigit())
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
         entries = [x.strip() for x in visible.split(",")]

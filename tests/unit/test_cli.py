@@ -388,3 +388,14 @@ def test_a_timeout_of_zero_or_less_is_refused_before_anything_is_done(argv, caps
         cli.main(argv)
     assert exc.value.code == 2
     assert "a number of seconds > 0" in capsys.readouterr().err
+
+
+def test_a_stdout_this_user_cannot_reopen_is_named_before_supervisord_starts(tmp_path):
+    """supervisord reopens /dev/stdout for each program (logging.stdout): where the user could
+    not (a stdout another user owns), every program failed to spawn with EACCES for ever,
+    with nothing said (an outside check)."""
+    cli.check_stdout(str(tmp_path / "writable"))
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    with pytest.raises(cli.CliError, match="logging.stdout: supervisord cannot open"):
+        cli.check_stdout(str(locked))  # a directory: no user can open it for writing

@@ -393,6 +393,9 @@ def test_logging_to_stdout_sends_every_programs_lines_to_supervisords_stdout(
     (reaper,) = [p for g in options.process_group_configs if g.name == "reaper"
                  for p in g.process_configs]
     assert reaper.stderr_logfile == "/dev/stdout" and reaper.stderr_logfile_maxbytes == 0
+    # supervisord's own log, still a file under the run directory: small (50 MB x 6 could
+    # pass the Kubernetes overlay's 256Mi run volume, an outside check)
+    assert options.logfile_maxbytes * (options.logfile_backups + 1) <= 32 << 20
     import argparse
 
     from shmserve import cli
