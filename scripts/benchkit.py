@@ -22,6 +22,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from shmserve.cli import seconds  # noqa: E402,F401  (an argparse type: a duration, a deadline)
 from tests.stack import corpus_path  # noqa: E402  (the test harness's, shared)
 
 CORPUS = corpus_path()
@@ -247,17 +248,6 @@ def positive(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: an integer >= 1")
     return int(text)
-
-
-def seconds(text: str) -> float:
-    """An argparse type: a finite number > 0 (a duration, a deadline)."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r}: a number > 0")
-    return value
 
 
 def rate(text: str) -> float:

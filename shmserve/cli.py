@@ -257,6 +257,9 @@ def down(args: argparse.Namespace) -> int:
         nginxrun.kill_all(render.nginx_conf(cfg))
     processes.kill_orphans(cfg)
     clean_stale(cfg, metrics=False)
+    # A SIGKILLed supervisord's pid file and control socket (a clean exit removes both)
+    render.supervisord_pidfile(cfg).unlink(missing_ok=True)
+    render.supervisor_socket(cfg).unlink(missing_ok=True)
     if pid is None:
         print(f"shmserve: supervisord was not running (run_dir {cfg.run_dir}); stopped the "
               f"processes it had left running: pids {', '.join(map(str, left))}" if left else

@@ -120,6 +120,10 @@ def test_down_when_not_running_still_removes_stale_state(deployment, capsys, mon
     render.render(deployment)
     stale_socket = topology.frontend_socket(deployment, 0)
     stale_socket.touch()
+    # A SIGKILLed supervisord's pid file and control socket (an outside check found them
+    # after `down`; the next `up` ignored them)
+    render.supervisord_pidfile(deployment).write_text(f"{2**22 + 5}\n")
+    render.supervisor_socket(deployment).touch()
     segment = arena.SHM_DIR / f"{topology.shm_prefix(deployment)}fe0-1"
     segment.touch()
     # Another deployment's: its live arena (its creator holds it) is left alone, and its
@@ -132,6 +136,8 @@ def test_down_when_not_running_still_removes_stale_state(deployment, capsys, mon
         out = capsys.readouterr().out
         assert "not running" in out and orphan.name in out
         assert not stale_socket.exists() and not segment.exists() and not orphan.exists()
+        assert not render.supervisord_pidfile(deployment).exists()
+        assert not render.supervisor_socket(deployment).exists()
         assert live.path.exists()
     finally:
         segment.unlink(missing_ok=True)
