@@ -29,7 +29,7 @@ log = logging.getLogger("shmserve.nginx_stats")
 RESPONSES = Counter("shmserve_nginx_responses", "Responses nginx made itself, with no "
                     "frontend's answer behind them, by status", ["status"])
 # Created at zero when the reader starts, so an alert on increase() sees the first one.
-KNOWN = ("400", "408", "413", "429", "431", "499", "502", "504")
+KNOWN = ("400", "408", "413", "414", "415", "429", "431", "499", "502", "504")
 ROTATE_BYTES = 1 << 20  # ~260,000 answers ("429\n")
 POLL_S = 0.5
 

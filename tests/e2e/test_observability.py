@@ -279,6 +279,8 @@ def test_metrics_expose_gauges_info_and_memory(stack):
     assert killed == {("0", "0"), ("0", "1")}  # at zero before a worker kills a frontend
     refused = {l["reason"] for l, v in samples["shmserve_frontend_refused_total"]}
     assert refused >= {"inflight", "deadline", "arena"}, refused
+    answered = {l["status"] for l, v in samples["shmserve_nginx_responses_total"]}
+    assert answered >= {"400", "408", "413", "414", "415", "429", "431", "499", "502", "504"}
     # Shared memory held by requests in flight: none when idle (a soak test had no way to see).
     # The gauge is read every second (frontend.app), so the last request's may show a moment.
     def arena() -> dict[str, float]:
