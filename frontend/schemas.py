@@ -100,8 +100,12 @@ def is_int(value: Any) -> bool:
 
 def count(body: dict, key: str, within: str = "") -> int | None:
     """An optional integer >= 1 (top_k, top_n, dimensions); `within`: the object holding it
-    (parameters), for the message."""
+    (parameters), for the message. A whole float (8.0) is that integer: JSON has one number
+    type, and the OpenAPI document's integer (JSON Schema's) takes it (a client validating by
+    it sent 3.0 and got a 400, an outside check)."""
     value = body.get(key)
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
+        value = int(value)
     if value is not None and (not is_int(value) or value < 1):
         name = f"{within}.{key}" if within else key
         raise ApiError("invalid_request", f"'{name}' must be an integer >= 1",

@@ -52,6 +52,9 @@ def test_token_ids_one_list_or_many():
     many = parse_openai_embeddings({"input": [[1], [2, 3]], "dimensions": 8, "user": "u"},
                                    LIMITS)
     assert many.token_ids == [[1], [2, 3]] and many.dimensions == 8
+    # a whole float is that integer, as JSON Schema's integer (the OpenAPI document) says
+    whole = parse_openai_embeddings({"input": "a", "dimensions": 8.0}, LIMITS).dimensions
+    assert whole == 8 and type(whole) is int
 
 
 @pytest.mark.parametrize("body,status,param", [
@@ -65,6 +68,8 @@ def test_token_ids_one_list_or_many():
     ({"input": ["a", 1]}, 422, "input"),
     ({"input": "a", "dimensions": 0}, 422, "dimensions"),
     ({"input": "a", "dimensions": "8"}, 422, "dimensions"),
+    ({"input": "a", "dimensions": 8.5}, 422, "dimensions"),
+    ({"input": "a", "dimensions": True}, 422, "dimensions"),
     ({"input": "a", "user": 5}, 422, "user"),
     ({"input": "a\ud800"}, 422, "input"),  # a lone surrogate, as JSON can escape one
     ({"input": {"a": 1}}, 422, "input"),
