@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from shmserve.cli import seconds  # noqa: E402,F401  (an argparse type: a duration, a deadline)
+from shmserve.prechecks import seconds  # noqa: E402,F401  (an argparse type: a duration)
 from tests.stack import corpus_path  # noqa: E402  (the test harness's, shared)
 
 CORPUS = corpus_path()

@@ -41,7 +41,7 @@ from typing import Iterator
 
 from shmserve import config, layers, models, processes, render, state, topology
 from shmserve.apply_plan import FIXED, Plan, by_counts, index_of, plan
-from shmserve.cli import CliError, check_port, check_shm, seconds
+from shmserve.prechecks import CliError, check_port, check_shm, seconds
 from shmserve.config import Config
 from shmserve.restarts import ctl, reload_nginx, say, wait_until_ready
 from shmserve.startwait import process_info

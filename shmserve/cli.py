@@ -21,11 +21,9 @@ environment they are run in, so an override given to `up` need not be repeated.
 from __future__ import annotations
 
 import argparse
-import errno
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -36,11 +34,9 @@ from shmserve import (__version__, arena, config, layers, models, nginxrun, proc
                       render, state, topology)
 from shmserve import status as statusview
 from shmserve.config import Config, ConfigError
+from shmserve.prechecks import (CliError, check_port, check_shm, check_stdout,  # noqa: F401
+                                seconds)
 from shmserve.startwait import process_info, wait_ready
-
-class CliError(RuntimeError):
-    """A command cannot go on; the message says why and what to change."""
-
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = _parser()
@@ -88,33 +84,6 @@ def main(argv: list[str] | None = None) -> int:
         # Python's own recipe: stdout to /dev/null, so the flush at exit does not raise again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
-
-
-def check_stdout(path: str = "/dev/stdout") -> None:
-    """supervisord opens /dev/stdout again for each program (logging.stdout); when this user
-    cannot (a stdout another user owns: `su`, `setpriv`, some runtimes), every program failed
-    to spawn with "EACCES", retried for ever, and nothing said why (an outside check)."""
-    try:
-        with open(path, "ab"):
-            pass
-    except OSError as exc:
-        raise CliError(f"logging.stdout: supervisord cannot open {path} for its programs' "
-                       f"lines ({exc.strerror}): this user (uid {os.getuid()}) cannot reopen "
-                       "its own stdout, which another user owns; run with a stdout it owns "
-                       "(a container runtime's), or logging.stdout: false") from None
-
-
-def seconds(text: str) -> float:
-    """An argparse type: a finite number of seconds > 0 (a --timeout of 0 or less was taken,
-    and the command acted before it failed: `apply --timeout 0` stopped a loading worker, an
-    outside check)."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r}: a number of seconds > 0")
-    return value
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -394,45 +363,6 @@ def show_config(args: argparse.Namespace) -> int:
     except models.ModelSourceError as exc:
         raise CliError(f"models: {exc}") from None
     return 0
-
-
-def check_shm(cfg: Config, directory: Path = arena.SHM_DIR) -> None:
-    """Fail before starting anything when /dev/shm is smaller than the frontends' arenas may
-    grow to: tmpfs allocates an arena's pages as requests touch them, and a process that
-    touches one past the mount's size is killed (SIGBUS), a frontend or the worker writing its
-    output rows. Docker's default /dev/shm is 64 MiB. Warn when it is large enough but others
-    hold so much of it that the arenas may not fit."""
-    need = cfg.frontends.count * cfg.shm.arena_mb * 2**20
-    stat = os.statvfs(directory)
-    size, free = stat.f_blocks * stat.f_frsize, stat.f_bavail * stat.f_frsize
-    mib = lambda n: f"{n / 2**20:,.0f} MiB"  # noqa: E731
-    what = (f"the {mib(need)} the frontends' arenas may use (frontends.count "
-            f"{cfg.frontends.count} x shm.arena_mb {cfg.shm.arena_mb})")
-    if size < need:
-        raise CliError(f"{directory} holds {mib(size)}, less than {what}: a process that writes "
-                       "past it is killed (SIGBUS). Mount a larger one (docker run "
-                       "--shm-size=2g; Kubernetes: an emptyDir of medium Memory, as "
-                       "deploy/kubernetes) or lower shm.arena_mb")
-    if free < need:
-        print(f"shmserve: warning: {directory} has {mib(free)} free of {mib(size)}, less than "
-              f"{what}; under load a process may be killed (SIGBUS) when it fills",
-              file=sys.stderr)
-
-
-def check_port(cfg: Config) -> None:
-    """Fail before starting anything when server.port is taken (nginx would retry for ever,
-    and a ready check through the port would be answered by whoever holds it)."""
-    host = cfg.server.host
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as nginx binds
-        try:
-            probe.bind((host, cfg.server.port))
-        except OSError as exc:
-            if exc.errno == errno.EADDRINUSE:
-                raise CliError(f"{host}:{cfg.server.port} is in use by another process; choose "
-                               "another server.port (SHMSERVE__SERVER__PORT) or stop it") from None
-            raise CliError(f"cannot listen on {host}:{cfg.server.port}: {exc.strerror}") from None
 
 
 def replaced_drift(cfg: Config) -> str | None:
