@@ -189,9 +189,11 @@ def decode_body(raw: bytes, ctype: str, has_type: bool = True, sent: str = "") -
         except orjson.JSONDecodeError as exc:
             raise ApiError("bad_request", f"malformed JSON body: {json_detail(exc, raw)}"
                            ) from None
+    # a byte that is not UTF-8 as the byte (\xff), not Python's surrogate (\udcff)
+    sent = sent.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
     named = sent if len(sent) <= 100 else sent[:100] + "..."
     raise ApiError("unsupported_media_type",
-                   f"Content-Type {named or ctype!r} is not supported; send {JSON} or {MSGPACK}")
+                   f"Content-Type '{named or ctype}' is not supported; send {JSON} or {MSGPACK}")
 
 
 # The most arrays and maps (objects) a msgpack or JSON body may hold. An empty one is one byte of

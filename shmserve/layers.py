@@ -14,7 +14,8 @@ Layers, later wins:
      "a #b", ``query: `` stays "query: "; a quoted YAML string is unquoted), a list's string
      item the item as written (``[01234567]``). ``null`` or ``~`` alone is a null.
 
-Mappings are deep-merged; lists and scalars are replaced. A key set to ``null`` or ``~`` (in a
+Mappings are deep-merged (a variable's mapping into its section too); lists and scalars are
+replaced. A key set to ``null`` or ``~`` (in a
 file or a variable) takes its default once every layer is merged: its value in
 ``configs/base.yaml``, which lists every key's default (``models: ~`` is the default model),
 else the config's own default (a model's keys base.yaml leaves out).
@@ -146,14 +147,22 @@ def located(exc: ConfigError, env: str | None, extra: str | Path | None,
 
 
 def _set_by_variable(parts: list[str | int], environ: Mapping[str, str]) -> str | None:
-    """The variable that sets `parts` or a section above it, the longest path first (a later
-    layer than any file)."""
+    """The variable that sets `parts`: its own, one that sets a key under it (an unknown
+    section: SHMSERVE___ADMIN__TOKEN's `_admin`), or a section's above it whose mapping holds
+    the rest of the path (the longest first; a later layer than any file)."""
     names = {name[len(ENV_PREFIX):].lower(): name for name in environ
              if name.startswith(ENV_PREFIX)}
-    for end in range(len(parts), 0, -1):
+    path = "__".join(str(p) for p in parts).lower()
+    for key in sorted(names):
+        if key == path or key.startswith(path + "__"):
+            return names[key]
+    for end in range(len(parts) - 1, 0, -1):
         name = names.get("__".join(str(p) for p in parts[:end]).lower())
         if name is not None:
-            return name
+            value = env_value(environ[name])
+            parsed = getattr(value, "parsed", value)
+            if _sets(parsed, parts[end:]) and isinstance(parsed, (Mapping, list)):
+                return name
     return None
 
 
@@ -197,24 +206,40 @@ def warn_misspelled(environ: Mapping[str, str]) -> None:
             print(f"shmserve: warning: {name} is not read; environment overrides start with "
                   f"{ENV_PREFIX} (two underscores): {fixed}?", file=sys.stderr, flush=True)
             continue
-        rest = name[len("SHMSERVE"):].lstrip("_").upper()
-        section = next((k for k in _sections() if rest.startswith(k.upper() + "_")), None)
-        near = difflib.get_close_matches(name.upper(), sorted(KNOWN_VARIABLES), n=1,
-                                         cutoff=0.85)
-        if section:  # SHMSERVE_FRONTENDS_COUNT: a key's path with single underscores
-            hint = f"{ENV_PREFIX}{section.upper()}__{rest[len(section) + 1:]}?"
-        else:
-            hint = (f"{near[0]}?" if near else
-                    f"an override is {ENV_PREFIX}SECTION__KEY (two underscores)")
-        print(f"shmserve: warning: {name} is not read; {hint}", file=sys.stderr, flush=True)
+        print(f"shmserve: warning: {name} is not read; {_meant(name)}", file=sys.stderr,
+              flush=True)
 
 
-def _sections() -> list[str]:
-    """The config's top-level sections (configs/base.yaml's keys)."""
+# The single-underscore names a user sets (the others are the tests', benchmarks' and what
+# supervisord gives its programs: no suggestion points there)
+USER_VARIABLES = ("SHMSERVE_ENV", "SHMSERVE_CONFIG", "SHMSERVE_API_KEY")
+
+
+def _meant(name: str) -> str:
+    """What a single-underscore name nothing reads may have meant."""
+    rest = name[len("SHMSERVE"):].lstrip("_").upper()
+    tree = _base_tree()
+    section = next((k for k in tree if rest.startswith(k.upper() + "_")), None)
+    if section:  # SHMSERVE_FRONTENDS_COUNT: a key's path with single underscores
+        return f"{ENV_PREFIX}{section.upper()}__{rest[len(section) + 1:]}?"
+    # SHMSERVE_PORT, SHMSERVE_RUNDIR: a key of one section, named alone
+    squeezed = rest.replace("_", "").lower()
+    keys = [(sec, key) for sec, keys in tree.items() if isinstance(keys, Mapping)
+            for key in keys if key.replace("_", "") == squeezed]
+    if len(keys) == 1:
+        return f"{ENV_PREFIX}{keys[0][0].upper()}__{keys[0][1].upper()}?"
+    own = {known[len("SHMSERVE_"):]: known for known in USER_VARIABLES}
+    near = [own[k] for k in own if rest.startswith(k) or k.startswith(rest)] or \
+        [own[k] for k in difflib.get_close_matches(rest, own, n=1, cutoff=0.75)]
+    return f"{near[0]}?" if near else f"an override is {ENV_PREFIX}SECTION__KEY (two underscores)"
+
+
+def _base_tree() -> dict[str, Any]:
+    """configs/base.yaml's tree (every section and key), for suggestions."""
     try:
-        return list(_read_yaml(CONFIG_DIR / "base.yaml"))
+        return _read_yaml(CONFIG_DIR / "base.yaml")
     except ConfigError:
-        return []
+        return {}
 
 
 def deep_merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
@@ -322,6 +347,9 @@ def apply_env_overrides(tree: dict[str, Any], environ: Mapping[str, str]) -> dic
         if not name.startswith(ENV_PREFIX):
             continue
         parts = [p.lower() for p in name[len(ENV_PREFIX):].split("__")]
+        if "" in parts:
+            raise ConfigError(f"{name}: no key between the prefix and '__', or between two "
+                              "'__': SHMSERVE__SECTION__KEY")
         value = env_value(environ[name])
         node: Any = tree
         for i, part in enumerate(parts):
@@ -333,7 +361,15 @@ def apply_env_overrides(tree: dict[str, Any], environ: Mapping[str, str]) -> dic
             elif not isinstance(node, dict):
                 raise ConfigError(f"{name}: {'.'.join(parts[:i])} is not a section")
             if last:
-                node[key] = value
+                parsed = getattr(value, "parsed", None)
+                if isinstance(parsed, dict) and isinstance(node, dict) and \
+                        isinstance(node.get(key), dict):
+                    # a section's mapping merges into it, as a file's does (it replaced the
+                    # section whole, and prod's frontends.count went back to base's, an
+                    # outside check)
+                    node[key] = deep_merge(node[key], parsed)
+                else:
+                    node[key] = value
             else:
                 if isinstance(node, dict) and key not in node:
                     node[key] = {}

@@ -154,3 +154,12 @@ def test_the_media_type_is_read_without_aiohttps_parameter_parser(monkeypatch):
     for module in Path(codec.__file__).parent.glob("*.py"):  # and no route reads it another way
         assert ".content_type in" not in module.read_text() and \
             "request.content_type" not in module.read_text(), module
+
+
+def test_a_refused_content_type_shows_a_byte_that_is_not_utf8_as_the_byte():
+    """It showed Python's surrogate escape ('application/js\\udcffon'; an outside check)."""
+    from frontend import codec
+
+    with pytest.raises(ApiError) as info:
+        codec.decode_body(b"x", "application/js\udcffon", True, "application/js\udcffon")
+    assert info.value.message.startswith("Content-Type 'application/js\\xffon' is not")

@@ -251,6 +251,31 @@ def test_a_misspelled_override_is_warned_of_once(capsys, monkeypatch):
     assert "SHMSERVE_OTHER is not read; an override is SHMSERVE__SECTION__KEY" in err
 
 
+@pytest.mark.parametrize("name, meant", [
+    ("SHMSERVE_PORT", "SHMSERVE__SERVER__PORT"),  # not the benchmarks' SHMSERVE_PORTS
+    ("SHMSERVE_RUNDIR", "SHMSERVE__SERVER__RUN_DIR"),  # not supervisord's SHMSERVE_RUN_DIR
+    ("SHMSERVE_ENVIRONMENT", "SHMSERVE_ENV"), ("SHMSERVE_APIKEY", "SHMSERVE_API_KEY")])
+def test_a_misspelled_name_is_pointed_at_what_a_user_sets(name, meant, capsys, monkeypatch):
+    """The suggestions went to the test harness's and supervisord's names (an outside check)."""
+    monkeypatch.setattr(layers, "_warned", set())
+    config.load(environ={name: "1"})
+    assert f"{name} is not read; {meant}?" in capsys.readouterr().err
+
+
+def test_a_sections_mapping_in_a_variable_merges_into_the_files():
+    """It replaced the section whole: with --env prod, SHMSERVE__FRONTENDS='{max_inflight:
+    100}' took frontends.count back to base's 2 from prod's 4, and a bad value a file gave
+    the section vanished (an outside check)."""
+    cfg = config.load(env="prod", environ={"SHMSERVE__FRONTENDS": "{max_inflight: 100}",
+                                           "SHMSERVE__SERVER__HOST": "127.0.0.1"})
+    assert (cfg.frontends.count, cfg.frontends.max_inflight) == (4, 100)
+    with pytest.raises(ConfigError, match=r"^SHMSERVE__: no key between"):
+        config.load(environ={"SHMSERVE__": "{x: 1}"})
+    with pytest.raises(ConfigError, match=r"^_admin: unknown key \(set in "
+                                          r"SHMSERVE___ADMIN__TOKEN\)$"):
+        config.load(environ={"SHMSERVE___ADMIN__TOKEN": "x"})
+
+
 def test_a_refused_value_names_the_layer_that_set_it(tmp_path):
     """The message named the key only: with several files and variables a user could not tell
     which one was wrong (an outside check)."""
@@ -262,7 +287,7 @@ def test_a_refused_value_names_the_layer_that_set_it(tmp_path):
             ({}, f"batching.foo: unknown key (set in {first})"),
             ({"SHMSERVE__BATCHING__FOO": "~"},  # a null: base.yaml has no such key
              f"batching.max_batch_size: expected an integer, got 'lots' (set in {second})"),
-            ({"SHMSERVE__BATCHING": "{max_batch_size: x}"},
+            ({"SHMSERVE__BATCHING": "{max_batch_size: x, foo: null}"},  # merged in
              "batching.max_batch_size: expected an integer, got 'x' (set in "
              "SHMSERVE__BATCHING)")):
         with pytest.raises(ConfigError) as exc:
