@@ -19,6 +19,7 @@ the request's shared-memory slot (its terminal reply arrived, or it was declared
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
@@ -42,6 +43,7 @@ log = logging.getLogger("shmserve.frontend")
 
 
 DROP_GRACE_S = 0.1  # after a dropped connection, for the replies already on the socket
+FIRST_HEARD_WINDOW_S = 5.0  # a new frontend's /ready waits for first heartbeats this long
 
 
 class WorkerGone(Exception):
@@ -99,6 +101,8 @@ class WorkerPool:
         # A worker was already ready when this frontend first heard from it: the frontend was
         # restarted into a running deployment, not started with it (`started`).
         self._joined = False
+        self._heard_all = asyncio.Event()  # every worker has been heard from once
+        self._born = time.monotonic()
         self.watchdog = Watchdog(cfg, frontend)
 
     def _link(self, index: int) -> WorkerLink:
@@ -129,6 +133,17 @@ class WorkerPool:
         self._ctx.term()
 
     # ---- state ------------------------------------------------------------------------------
+
+    async def first_heard(self) -> None:
+        """In a new frontend's first seconds, until every worker has been heard from once (at
+        most a heartbeat interval and a little): a restarted frontend's first /ready, asked
+        before any heartbeat, said "loading" (503) in a rolling restart that keeps every
+        worker ready (an outside check: one probe per restarted frontend)."""
+        if self._heard_all.is_set() or time.monotonic() - self._born > FIRST_HEARD_WINDOW_S:
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._heard_all.wait(),
+                                   self.cfg.workers.heartbeat_interval_s + 0.25)
 
     @property
     def all_ready(self) -> bool:
@@ -331,6 +346,8 @@ class WorkerPool:
         if link.beat is None and beat.ready:
             self._joined = True
         link.beat, link.last_beat, link.alive = beat, time.monotonic(), True
+        if not self._heard_all.is_set() and all(x.beat is not None for x in self.links):
+            self._heard_all.set()
         if link.ready and not was_ready:
             self._ever_ready.add(link.index)
             log.info("frontend.worker_ready", extra={"fields": {"worker": link.index,

@@ -159,6 +159,7 @@ async def health(request: web.Request) -> web.Response:
 
 async def ready(request: web.Request) -> web.Response:
     pool = request.app[POOL]
+    await pool.first_heard()  # a new frontend: not "loading" before it has heard anyone
     now = time.monotonic()
     workers = [{"worker": link.index, "alive": link.alive, "ready": link.ready,
                 "pid": link.beat.pid if link.beat else None,

@@ -1,8 +1,10 @@
 """Operating a running deployment with the CLI: rolling restarts that lose no request, a port
 that is taken, commands that find the deployment as it was started."""
 
+import collections
 import json
 import socket
+import threading
 import time
 
 import pytest
@@ -34,13 +36,27 @@ def test_rolling_restarts_answer_every_request(stack):
                 "frontends:frontend-1"]
     before = {p: stack.pid(p) for p in programs}
     nginx_before = stack.pid("nginx")
+    probes, probing = [], threading.Event()
+
+    def probe() -> None:  # a readiness probe, as a load balancer's, all along
+        while not probing.is_set():
+            probes.append(stack.get("/ready")[0])
+            time.sleep(0.02)
+
+    prober = threading.Thread(target=probe)
     with Traffic(stack) as traffic:
+        prober.start()
         time.sleep(1)
         for group in ("workers", "frontends", "nginx"):
             done = stack.cli("restart", group, timeout=300)
             assert done.returncode == 0, done.stderr
             assert "warning" not in done.stderr  # two of each: no gap to warn of
         time.sleep(1)
+        probing.set()
+        prober.join(30)
+    # Every probe passed: a restarted frontend's first /ready, before it had heard a
+    # heartbeat, said "loading" (503), one per frontend (an outside check).
+    assert len(probes) > 50 and set(probes) == {200}, collections.Counter(probes)
     after = {p: stack.pid(p) for p in programs}
     assert all(after[p] not in (0, before[p]) for p in programs), (before, after)
     assert stack.pid("nginx") == nginx_before  # reloaded in place, not restarted

@@ -117,3 +117,27 @@ def test_a_frontend_paused_itself_does_not_take_the_workers_for_dead(pool):
             link.outbox.clear()
 
     asyncio.run(scenario())
+
+
+async def test_a_new_frontends_first_ready_waits_for_the_first_heartbeats(pool, monkeypatch):
+    """A frontend restarted into a running deployment answered its first /ready, asked before
+    any heartbeat, "loading" (503): one failed probe per restarted frontend in a rolling
+    restart that kept every worker ready (an outside check)."""
+    import asyncio
+
+    from frontend import pool as pool_module
+
+    waiting = asyncio.create_task(pool.first_heard())
+    await asyncio.sleep(0.05)
+    assert not waiting.done()  # nothing heard yet
+    beat(pool, 0, True, "a")
+    await asyncio.sleep(0.01)
+    assert not waiting.done()  # one of two
+    beat(pool, 1, True, "a")
+    await asyncio.wait_for(waiting, 1)
+    assert readiness(pool, models("a")) == "ready"
+    # Past the first seconds (a deployment still loading, its workers silent) it answers at
+    # once, as before.
+    monkeypatch.setattr(pool_module, "FIRST_HEARD_WINDOW_S", 0.0)
+    pool._heard_all.clear()
+    await asyncio.wait_for(pool.first_heard(), 0.05)
