@@ -127,10 +127,17 @@ def by_counts(old: Config, new: Config) -> dict[str, list[str]]:
     return out
 
 
+# Keys only nginx reads outside its own section: where it listens (a change restarted the
+# frontends, which listen on their unix sockets whatever the port; an outside check)
+NGINX_ONLY = ("server.host", "server.port")
+
+
 def frontend_reads(key: str) -> bool:
     """Whether a frontend reads `key` (nginx's keys: only those whose limits it mirrors)."""
     if key.startswith("nginx."):
         return key in NGINX_READ_BY_FRONTENDS
+    if key in NGINX_ONLY:
+        return False
     return touches(key, WORKER_SIDE, READ_BY_FRONTENDS)
 
 

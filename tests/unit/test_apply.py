@@ -149,6 +149,8 @@ def test_no_frontend_code_reads_a_key_apply_spares_the_frontends_for():
     assert reads(FRONTEND_CODE)["batching.max_batch_size"] == {"info.py"}  # the scan sees it
     nginx = {key for key in reads(FRONTEND_CODE) if key.startswith("nginx.")}
     assert nginx == set(apply_plan.NGINX_READ_BY_FRONTENDS), nginx  # app[CONFIG].nginx.... too
+    assert not set(apply_plan.NGINX_ONLY) & set(reads(FRONTEND_CODE))  # nginx's address
+    assert not any(apply_plan.frontend_reads(k) for k in apply_plan.NGINX_ONLY)
     wholes = {key for key in reads(FRONTEND_CODE) if key.endswith(".*")}
     assert not any(whole[:-1].startswith(apply_plan.WORKER_SIDE) for whole in wholes), wholes
 
