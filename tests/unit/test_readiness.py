@@ -141,3 +141,29 @@ async def test_a_new_frontends_first_ready_waits_for_the_first_heartbeats(pool, 
     monkeypatch.setattr(pool_module, "FIRST_HEARD_WINDOW_S", 0.0)
     pool._heard_all.clear()
     await asyncio.wait_for(pool.first_heard(), 0.05)
+
+
+async def test_a_dropped_workers_unread_replies_are_read_before_its_requests_fail_over(pool):
+    """A worker's last replies (a device error's 500) were failed over as 'worker lost' when
+    this frontend's receive task read them later than the drop's grace (a loaded machine: once
+    in a fresh-clone CI run, answered 503 instead of 500)."""
+    import asyncio
+
+    import zmq
+
+    from frontend import pool as pool_module
+
+    link = pool.links[0]
+    future = asyncio.get_running_loop().create_future()
+    link.pending[7] = pool_module.Pending(future, 10, lambda: None)
+    link.outstanding = 10
+    unread = [True]
+    real_get = link.socket.get
+    link.socket.get = lambda key: (zmq.POLLIN if unread[0] else 0) if key == zmq.EVENTS \
+        else real_get(key)
+    pool._declare_dead(link, "connection dropped", grace=0.02)
+    await asyncio.sleep(0.15)
+    assert not future.done()  # a reply waits on the socket: not failed over yet
+    unread[0] = False  # read (here: gone); the next grace fails what is left
+    await asyncio.sleep(0.1)
+    assert isinstance(future.exception(), pool_module.WorkerGone)
