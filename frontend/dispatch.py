@@ -19,7 +19,8 @@ import numpy as np
 
 from frontend import metrics
 from frontend.errors import ApiError
-from frontend.pool import Stopped, WorkerGone, WorkerPool, consume
+from frontend.links import Stopped, WorkerGone, consume
+from frontend.pool import WorkerPool
 from frontend.tokenizer import Encoded
 from shmserve.arena import Arena, ArenaFull
 from shmserve.config import Config

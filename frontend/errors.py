@@ -5,7 +5,7 @@
   OpenAI's error shape (its `type` values are ours, `param` and `code` are null when unset), on
   every route but KServe v2's: under /v2 the protocol's ``{"error": "<message>"}``
   (`kserve_body`; frontend.app.error_response picks by path).
-* `WorkerGone` (in `frontend.pool`): a worker died with requests pending; the dispatcher retries
+* `WorkerGone` (in `frontend.links`): a worker died with requests pending; the dispatcher retries
   them elsewhere, and only turns it into an `ApiError("unavailable")` when no worker is left.
 """
 

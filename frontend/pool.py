@@ -24,7 +24,7 @@ import itertools
 import logging
 import os
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Callable
 
 import zmq
@@ -32,6 +32,7 @@ import zmq.asyncio
 from zmq.utils import monitor as zmq_monitor
 
 from frontend import metrics
+from frontend.links import Pending, Stopped, WorkerGone, WorkerLink, send_now
 from frontend.watchdog import Watchdog
 from shmserve import admission, processes, topology, wire
 from shmserve.config import Config
@@ -45,46 +46,6 @@ log = logging.getLogger("shmserve.frontend")
 DROP_GRACE_S = 0.1  # after a dropped connection, for the replies already on the socket
 DROP_GRACE_ROUNDS = 20  # graces at most while replies wait unread on the socket (2 s)
 FIRST_HEARD_WINDOW_S = 5.0  # a new frontend's /ready waits for first heartbeats this long
-
-
-class WorkerGone(Exception):
-    """The worker a request was sent to died (or restarted) before answering."""
-
-
-class Stopped(Exception):
-    """This frontend stops: its drain ended before the worker answered (`stop_waiting`)."""
-
-
-@dataclass(slots=True, eq=False)
-class Pending:
-    future: asyncio.Future
-    tokens: int
-    on_settled: Callable[[], None]
-
-
-@dataclass(slots=True, eq=False)
-class WorkerLink:
-    index: int
-    endpoint: str
-    socket: zmq.asyncio.Socket
-    beat: Heartbeat | None = None
-    last_beat: float = 0.0  # monotonic
-    alive: bool = False
-    pending: dict[int, Pending] = field(default_factory=dict)
-    outstanding: int = 0  # tokens submitted here and not yet answered
-    dropped_pid: int | None = None  # the worker whose connection dropped: its heartbeats still
-                                    # queued on the socket are stale
-    outbox: list[bytes] = field(default_factory=list)  # messages to send at the end of this
-                                                       # loop turn, as (kind, body) frame pairs
-    unsent: set[int] = field(default_factory=set)  # the seqs in the outbox
-    held: dict[int, tuple[int, Pending]] = field(default_factory=dict)  # seq -> (pid, entry):
-    # requests failed over while the process they went to may still live (silent, not gone):
-    # their slots stay held until it answers them or is gone, since it may still read the
-    # token ids and write the output rows
-
-    @property
-    def ready(self) -> bool:
-        return self.alive and self.beat is not None and self.beat.ready
 
 
 class WorkerPool:
@@ -261,7 +222,7 @@ class WorkerPool:
 
     def _flush(self, link: WorkerLink) -> None:
         frames, link.outbox = link.outbox, []
-        if frames and not _send_now(link.socket, frames):
+        if frames and not send_now(link.socket, frames):
             # Not connected (IMMEDIATE): the worker is gone and never saw these; its pending
             # requests (these among them) fail with WorkerGone and move to another worker.
             self._declare_dead(link, "connection lost")
@@ -371,7 +332,7 @@ class WorkerPool:
         timeout = self.cfg.workers.heartbeat_timeout_s
         for link in self.links:
             # silence decides below
-            _send_now(link.socket, wire.encode(Ping(time.time(), self.frontend, os.getpid())))
+            send_now(link.socket, wire.encode(Ping(time.time(), self.frontend, os.getpid())))
             silent = now - max(link.last_beat, awake_since)
             if link.alive and silent > timeout:
                 self._declare_dead(link, f"silent for {silent:.1f}s")
@@ -435,26 +396,3 @@ class WorkerPool:
             if not only_gone or not processes.alive(pid):
                 del link.held[seq]
                 entry.on_settled()
-
-
-def _send_now(sock: zmq.asyncio.Socket, frames: list[bytes]) -> bool:
-    """Send without waiting; False when the peer is not connected (zmq.Again).
-
-    zmq.asyncio reports a NOBLOCK send's failure through the returned future, not by raising,
-    and that future is already done."""
-    future = sock.send_multipart(frames, flags=zmq.NOBLOCK)
-    if not future.done():
-        return True
-    error = future.exception()
-    if error is None:
-        return True
-    if isinstance(error, zmq.Again):
-        return False
-    raise error
-
-
-def consume(future: asyncio.Future) -> None:
-    """A done-callback for a reply future nobody awaits any more: its exception is marked
-    retrieved, so asyncio does not log it as never retrieved."""
-    if not future.cancelled():
-        future.exception()

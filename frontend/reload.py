@@ -21,7 +21,7 @@ from aiohttp import web
 
 from frontend.app import CONFIG, POOL
 from frontend.errors import ApiError
-from frontend.pool import WorkerGone, WorkerLink, consume
+from frontend.links import WorkerGone, WorkerLink, consume
 from frontend.variants import Variant
 from shmserve import state, topology
 from shmserve.models import hosted, units

@@ -27,7 +27,7 @@ from shmserve.hung import HungKiller
 from shmserve.protocol import Heartbeat
 
 if TYPE_CHECKING:
-    from frontend.pool import WorkerLink
+    from frontend.links import WorkerLink
 
 log = logging.getLogger("shmserve.frontend")
 

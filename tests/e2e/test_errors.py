@@ -20,10 +20,14 @@ def error_of(raw: bytes, as_msgpack: bool = False) -> dict:
     return body["error"]
 
 
+ADMIN_TOKEN = "s3cret-token"
+
+
 @pytest.fixture(scope="module")
 def strict_stack(tmp_path_factory, tiny_model):
     """One frontend, a tiny worker queue, a short wait for workers, and a second model whose
-    embedding table is smaller than its tokenizer's vocabulary: its forward fails."""
+    embedding table is smaller than its tokenizer's vocabulary: its forward fails; and an admin
+    token."""
     broken = build_tiny_bert(tmp_path_factory.mktemp("models") / "broken", seed=1)
     cfg = json.loads((broken / "config.json").read_text())
     cfg["vocab_size"] = 1000
@@ -42,6 +46,7 @@ def strict_stack(tmp_path_factory, tiny_model):
     overrides["models"].append({"name": "broken", "source": str(broken), "revision": "b1"})
     overrides["model_roots"].append(str(broken.parent))
     stack = Stack(tmp_path_factory.mktemp("strict-stack"), overrides)
+    stack.env["SHMSERVE__ADMIN__TOKEN"] = ADMIN_TOKEN  # as an operator's secret would set it
     stack.up()
     yield stack
     stack.down()
@@ -234,39 +239,36 @@ def test_admin_routes_are_off_without_a_token(tiny_stack):
     assert status == 404 and json.loads(raw)["error"]["type"] == "not_found"
 
 
-def test_admin_routes_need_the_token(tmp_path, tiny_model):
-    stack = Stack(tmp_path / "admin", tiny_overrides(tiny_model, frontends={"count": 1}))
-    stack.env["SHMSERVE__ADMIN__TOKEN"] = "s3cret-token"
-    stack.up()
-    try:
-        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret-token"},
-                        {"Authorization": "Basic s3cret-token"}):
-            status, _, raw = stack.get("/admin/models", headers)
-            assert status == 401 and json.loads(raw)["error"]["type"] == "unauthorized"
-        status, _, raw = stack.get("/admin/models", {"Authorization": "Bearer s3cret-token"})
-        assert status == 200
-        (model,) = json.loads(raw)["models"]
-        assert model["name"] == "tiny"
-        assert [(w["state"], w["revision"]) for w in model["workers"]] == [("ready", "tiny-r1")]
-        # A token that is not UTF-8: no match (it was a 500 and a traceback, for anyone).
-        assert raw_request(stack, b"GET /admin/models HTTP/1.1\r\nHost: x\r\n"
-                           b"Authorization: Bearer \xe9t\xe9-token\r\n"
-                           b"Connection: close\r\n\r\n").startswith(b"HTTP/1.1 401 ")
-        # From another address (127.0.0.2 is loopback to the kernel, not to nginx's rule): 403
-        # from nginx, and 403 from the frontend for an encoded path nginx does not file under
-        # /admin/ (it reached the token check: 404 with the token, 401 without, from anywhere).
-        sneak = (b"POST /admin/models/..%2F..%2Fnosuch/reload HTTP/1.1\r\nHost: x\r\n"
-                 b"Authorization: Bearer s3cret-token\r\nContent-Length: 0\r\n"
-                 b"Connection: close\r\n\r\n")
-        plain = (b"GET /admin/models HTTP/1.1\r\nHost: x\r\n"
-                 b"Authorization: Bearer s3cret-token\r\nConnection: close\r\n\r\n")
-        for request in (plain, sneak):
-            answer = raw_request(stack, request, source="127.0.0.2")
-            assert answer.startswith(b"HTTP/1.1 403 "), answer
-            assert b"loopback clients only" in answer
-        assert raw_request(stack, sneak).startswith(b"HTTP/1.1 404 ")  # from loopback
-    finally:
-        stack.down()
+def test_admin_routes_need_the_token(strict_stack):
+    stack = strict_stack
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": ADMIN_TOKEN},
+                    {"Authorization": f"Basic {ADMIN_TOKEN}"}):
+        status, _, raw = stack.get("/admin/models", headers)
+        assert status == 401 and json.loads(raw)["error"]["type"] == "unauthorized"
+    status, _, raw = stack.get("/admin/models", {"Authorization": f"Bearer {ADMIN_TOKEN}"})
+    assert status == 200
+    models = {m["name"]: m for m in json.loads(raw)["models"]}
+    assert set(models) == {"tiny", "broken"}
+    assert [(w["state"], w["revision"]) for w in models["tiny"]["workers"]] == \
+        [("ready", "tiny-r1")]
+    # A token that is not UTF-8: no match (it was a 500 and a traceback, for anyone).
+    assert raw_request(stack, b"GET /admin/models HTTP/1.1\r\nHost: x\r\n"
+                       b"Authorization: Bearer \xe9t\xe9-token\r\n"
+                       b"Connection: close\r\n\r\n").startswith(b"HTTP/1.1 401 ")
+    # From another address (127.0.0.2 is loopback to the kernel, not to nginx's rule): 403
+    # from nginx, and 403 from the frontend for an encoded path nginx does not file under
+    # /admin/ (it reached the token check: 404 with the token, 401 without, from anywhere).
+    token = ADMIN_TOKEN.encode()
+    sneak = (b"POST /admin/models/..%2F..%2Fnosuch/reload HTTP/1.1\r\nHost: x\r\n"
+             b"Authorization: Bearer " + token + b"\r\nContent-Length: 0\r\n"
+             b"Connection: close\r\n\r\n")
+    plain = (b"GET /admin/models HTTP/1.1\r\nHost: x\r\n"
+             b"Authorization: Bearer " + token + b"\r\nConnection: close\r\n\r\n")
+    for request in (plain, sneak):
+        answer = raw_request(stack, request, source="127.0.0.2")
+        assert answer.startswith(b"HTTP/1.1 403 "), answer
+        assert b"loopback clients only" in answer
+    assert raw_request(stack, sneak).startswith(b"HTTP/1.1 404 ")  # from loopback
 
 
 def raw_request(stack: Stack, data: bytes, source: str = "127.0.0.1") -> bytes:

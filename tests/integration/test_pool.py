@@ -14,7 +14,8 @@ import pytest
 
 from frontend.dispatch import Dispatcher
 from frontend.errors import ApiError
-from frontend.pool import WorkerGone, WorkerPool
+from frontend.links import WorkerGone
+from frontend.pool import WorkerPool
 from frontend.tokenizer import Encoded
 from shmserve import arena as shm
 from shmserve import topology

@@ -11,7 +11,7 @@ import pytest
 from frontend import metrics
 from frontend.dispatch import Dispatcher
 from frontend.errors import ApiError
-from frontend.pool import WorkerGone, WorkerLink
+from frontend.links import WorkerGone, WorkerLink
 from frontend.tokenizer import Encoded
 from shmserve import config
 from shmserve.arena import Arena

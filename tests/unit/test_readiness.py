@@ -2,6 +2,7 @@
 
 from types import SimpleNamespace
 
+from frontend.links import Pending
 from frontend.pool import WorkerPool
 from frontend.routes import readiness
 from shmserve.protocol import PROTOCOL_VERSION, Heartbeat, ModelInfo
@@ -155,7 +156,7 @@ async def test_a_dropped_workers_unread_replies_are_read_before_its_requests_fai
 
     link = pool.links[0]
     future = asyncio.get_running_loop().create_future()
-    link.pending[7] = pool_module.Pending(future, 10, lambda: None)
+    link.pending[7] = Pending(future, 10, lambda: None)
     link.outstanding = 10
     unread = [True]
     real_get = link.socket.get

@@ -1,0 +1,78 @@
+"""What the frontend's worker pool (frontend.pool) keeps of each worker, and its socket helpers:
+a `WorkerLink` per worker (its socket, last heartbeat, pending requests, the slots it may still
+touch), a `Pending` entry per request, and the exceptions a request's future fails with."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Callable
+
+import zmq
+import zmq.asyncio
+
+from shmserve.protocol import Heartbeat
+
+
+class WorkerGone(Exception):
+    """The worker a request was sent to died (or restarted) before answering."""
+
+
+class Stopped(Exception):
+    """This frontend stops: its drain ended before the worker answered (`stop_waiting`)."""
+
+
+@dataclass(slots=True, eq=False)
+class Pending:
+    future: asyncio.Future
+    tokens: int
+    on_settled: Callable[[], None]
+
+
+@dataclass(slots=True, eq=False)
+class WorkerLink:
+    index: int
+    endpoint: str
+    socket: zmq.asyncio.Socket
+    beat: Heartbeat | None = None
+    last_beat: float = 0.0  # monotonic
+    alive: bool = False
+    pending: dict[int, Pending] = field(default_factory=dict)
+    outstanding: int = 0  # tokens submitted here and not yet answered
+    dropped_pid: int | None = None  # the worker whose connection dropped: its heartbeats still
+                                    # queued on the socket are stale
+    outbox: list[bytes] = field(default_factory=list)  # messages to send at the end of this
+                                                       # loop turn, as (kind, body) frame pairs
+    unsent: set[int] = field(default_factory=set)  # the seqs in the outbox
+    held: dict[int, tuple[int, Pending]] = field(default_factory=dict)  # seq -> (pid, entry):
+    # requests failed over while the process they went to may still live (silent, not gone):
+    # their slots stay held until it answers them or is gone, since it may still read the
+    # token ids and write the output rows
+
+    @property
+    def ready(self) -> bool:
+        return self.alive and self.beat is not None and self.beat.ready
+
+
+
+def send_now(sock: zmq.asyncio.Socket, frames: list[bytes]) -> bool:
+    """Send without waiting; False when the peer is not connected (zmq.Again).
+
+    zmq.asyncio reports a NOBLOCK send's failure through the returned future, not by raising,
+    and that future is already done."""
+    future = sock.send_multipart(frames, flags=zmq.NOBLOCK)
+    if not future.done():
+        return True
+    error = future.exception()
+    if error is None:
+        return True
+    if isinstance(error, zmq.Again):
+        return False
+    raise error
+
+
+def consume(future: asyncio.Future) -> None:
+    """A done-callback for a reply future nobody awaits any more: its exception is marked
+    retrieved, so asyncio does not log it as never retrieved."""
+    if not future.cancelled():
+        future.exception()
