@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from shmserve import (__version__, arena, config, layers, models, nginxrun, processes, remote,
+from shmserve import (__version__, config, layers, models, nginxrun, processes, remote,
                       render, state, topology)
 from shmserve import status as statusview
 from shmserve.config import Config, ConfigError
@@ -378,6 +378,8 @@ def replaced_drift(cfg: Config) -> str | None:
 def clean_stale(cfg: Config, metrics: bool) -> None:
     """Remove what killed processes left: shared memory (this deployment's, and any other's
     whose creator is gone), socket files, (metrics files)."""
+    from shmserve import arena  # numpy: imported by the commands that need it only
+
     arena.sweep(topology.shm_prefix(cfg))
     orphans = arena.sweep_orphans()
     if orphans:

@@ -11,7 +11,6 @@ import socket
 import sys
 from pathlib import Path
 
-from shmserve import arena
 from shmserve.config import Config
 
 
@@ -46,7 +45,7 @@ def seconds(text: str) -> float:
     return value
 
 
-def check_shm(cfg: Config, directory: Path = arena.SHM_DIR) -> None:
+def check_shm(cfg: Config, directory: Path = Path("/dev/shm")) -> None:
     """Fail before starting anything when /dev/shm is smaller than the frontends' arenas may
     grow to: tmpfs allocates an arena's pages as requests touch them, and a process that
     touches one past the mount's size is killed (SIGBUS), a frontend or the worker writing its
