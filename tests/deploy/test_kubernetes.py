@@ -160,11 +160,30 @@ def post(url: str, body: dict) -> tuple[int, dict]:
         return exc.code, {}
 
 
+# The container's root filesystem is read-only (readOnlyRootFilesystem), its emptyDirs not: in
+# a mount namespace of its own, / is remounted read-only after /tmp is bound onto itself (the
+# pod's /tmp volume; the test's run directory lies under it too, as the run volume), and
+# /dev/shm, a mount of its own, stays writable. unshare execs, so the pid is the command's.
+READ_ONLY_ROOT = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                  'mount --bind /tmp /tmp && mount -o remount,bind,ro / && exec "$@"', "sh"]
+
+
+def read_only_root_works() -> bool:
+    """This machine lets the test make a mount namespace whose / is read-only (root, or
+    unprivileged user namespaces; not in every container)."""
+    if shutil.which("unshare") is None:
+        return False
+    probe = subprocess.run([*READ_ONLY_ROOT, "sh", "-c", "! touch /.shmserve-read-only-probe"],
+                           capture_output=True, timeout=30)
+    return probe.returncode == 0
+
+
 def test_the_pods_command_serves_then_drains_on_sigterm(tmp_path):
     """The CPU Deployment's command, in its environment (prod, its ConfigMap overlay, the
-    default model), on loopback and a free port: the startup and readiness probes pass, it
-    serves; SIGTERM (what the kubelet sends after preStop) lets a request in flight finish,
-    then every program exits and so does the main process, with 0, inside the grace period."""
+    default model), on loopback and a free port, on a read-only root filesystem where this
+    machine can make one: the startup and readiness probes pass, it serves; SIGTERM (what the
+    kubelet sends after preStop) lets a request in flight finish, then every program exits and
+    so does the main process, with 0, inside the grace period."""
     deployment = yaml.safe_load((KUBE / "cpu" / "deployment.yaml").read_text())
     pod = deployment["spec"]["template"]["spec"]
     main = container(deployment)
@@ -179,11 +198,19 @@ def test_the_pods_command_serves_then_drains_on_sigterm(tmp_path):
               for name in ("startupProbe", "readinessProbe", "livenessProbe")}
     url = f"http://127.0.0.1:{port}"
     command = [str(REPO_ROOT / main["command"][0]), *main["command"][1:]]
+    # What the manifest asks: the image read-only, /tmp an emptyDir (supervisord's tempdir).
+    assert main["securityContext"]["readOnlyRootFilesystem"] is True
+    assert {"mountPath": "/tmp", "name": "tmp"} in main["volumeMounts"]
+    assert "emptyDir" in {v["name"]: v for v in pod["volumes"]}["tmp"]
+    read_only = read_only_root_works()
+    if read_only:
+        assert str(tmp_path).startswith("/tmp/")  # writable there, as the pod's volumes
     # A file, read as the container runtime reads a pod's stdout: the programs log there
     # (logging.stdout), and an unread pipe would fill and stall them.
     out_path = tmp_path / "stdout.txt"
     out = out_path.open("w")
-    proc = subprocess.Popen(command, cwd=REPO_ROOT, env={**os.environ, **env},
+    proc = subprocess.Popen([*READ_ONLY_ROOT, *command] if read_only else command,
+                            cwd=REPO_ROOT, env={**os.environ, **env},
                             stdout=out, stderr=subprocess.STDOUT, text=True)
     try:
         wait(lambda: proc.poll() is not None or get(url + probes["startupProbe"]) == 200, 60)
