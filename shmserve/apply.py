@@ -55,12 +55,31 @@ def apply(args: argparse.Namespace) -> int:
 
 
 def running_now(cfg: Config) -> bool:
-    """Whether an apply runs on this deployment now (its lock is held)."""
+    """Whether an apply runs on this deployment now (its lock is held; no file, none ever
+    ran: status and restart create nothing)."""
+    if not (cfg.run_dir / "apply.lock").exists():
+        return False
     try:
         with exclusive(cfg):
             return False
     except CliError:
         return True
+
+
+APPLY_STATES = {
+    "running": "`shmserve apply` is running on this deployment: programs restart one at a time",
+    "stopped_part_way": "an apply stopped part way (run/apply.json): programs may run the "
+    "config from before it beside the one it was applying, which is what this shows "
+    "(run/config.json: its port, its programs); `shmserve apply` finishes it, or, with the "
+    "config put back, undoes it",
+}
+
+
+def apply_state(cfg: Config) -> str | None:
+    """An apply running now, or one that stopped part way (a key of APPLY_STATES), or None."""
+    if running_now(cfg):
+        return "running"
+    return "stopped_part_way" if topology.apply_marker_path(cfg).exists() else None
 
 
 @contextlib.contextmanager

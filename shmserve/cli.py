@@ -269,6 +269,12 @@ def status(args: argparse.Namespace) -> int:
             return 1
         say("not_running", processes.not_running(cfg))
         return 3
+    from shmserve.apply import APPLY_STATES, apply_state
+
+    if (applying := apply_state(cfg)) is not None:
+        about["apply"] = applying
+        if not args.json:
+            print(f"shmserve: warning: {APPLY_STATES[applying]}", file=sys.stderr, flush=True)
     title = f"shmserve {__version__} at {remote.base_url(cfg)} (run_dir {cfg.run_dir})"
 
     def take() -> statusview.Sample:

@@ -31,12 +31,13 @@ def restart(args: argparse.Namespace) -> int:
     cfg = processes.deployment(args)
     if processes.supervisord_pid(cfg) is None:
         raise CliError(processes.not_running(cfg))
-    from shmserve.apply import running_now
+    from shmserve.apply import apply_state
 
-    if running_now(cfg):
+    applying = apply_state(cfg)
+    if applying == "running":
         say("shmserve: warning: `shmserve apply` is running on this deployment: the programs "
             "restarted now start on the config it applies", sys.stderr)
-    elif topology.apply_marker_path(cfg).exists():
+    elif applying == "stopped_part_way":
         say("shmserve: warning: an apply stopped part way (run/apply.json): the programs "
             "restarted now start on the config it was applying (run/config.json); "
             "`shmserve apply` finishes it, or, with the config put back, undoes it",

@@ -145,6 +145,8 @@ def test_apply_restarts_only_what_reads_a_changed_key_and_goes_on_after_a_failur
     assert (stack.run_dir / "apply.json").exists()
     warned = stack.cli("restart", "nginx", check=False)  # restarted programs: its config
     assert "an apply stopped part way" in warned.stderr, warned.stderr
+    shown = stack.cli("status", check=False)  # it shows the config being applied: says so
+    assert "an apply stopped part way" in shown.stderr, shown.stderr
     done = stack.cli("apply", timeout=300)
     assert "stopped part way" in done.stdout and "reload its configuration: nginx" in done.stdout
     assert "shmserve: applied" in done.stdout

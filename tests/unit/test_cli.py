@@ -199,6 +199,23 @@ def test_status_waits_longer_than_nginx_takes_to_pass_over_a_frozen_frontend(
     assert waits and min(waits) > deployment.nginx.probe_timeout_s + 1
 
 
+def test_status_says_an_apply_stopped_part_way(deployment, capsys, monkeypatch):
+    """After an apply stopped part way, run/config.json is the config it was applying: status
+    showed its port and programs as if applied (an outside check), and now says so."""
+    monkeypatch.setattr(cli, "supervisord_pid", lambda cfg: 4242)
+    monkeypatch.setattr(cli, "process_info", lambda cfg: [])
+    monkeypatch.setattr(remote, "http", lambda *a, **k: (None, b""))
+    deployment.run_dir.mkdir(parents=True, exist_ok=True)
+    cli.main(["status"])
+    assert "apply" not in capsys.readouterr().err
+    topology.apply_marker_path(deployment).write_text("{}")
+    cli.main(["status"])
+    assert "warning: an apply stopped part way (run/apply.json)" in capsys.readouterr().err
+    cli.main(["status", "--json"])
+    said = capsys.readouterr()
+    assert json.loads(said.out)["apply"] == "stopped_part_way" and not said.err
+
+
 def test_status_names_what_a_dead_supervisord_left_running(deployment, capsys, monkeypatch):
     started = config.load()  # as `up` rendered it, on a port this shell no longer names
     render.render(started)
