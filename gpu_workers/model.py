@@ -63,15 +63,21 @@ class Model:
         self.prepack = prepacked and device.type == "cpu"
         self.prepacked = 0  # linear layers running through gpu_workers.prepack
         self.max_tokens = spec.max_tokens  # a group's length is never rounded past it
-        config = AutoConfig.from_pretrained(spec.directory, trust_remote_code=False)
         try:
+            config = AutoConfig.from_pretrained(spec.directory, trust_remote_code=False)
+        except ValueError as exc:  # a model type this transformers does not have
+            raise ModelSourceError(f"{spec.directory}: transformers cannot read its config.json "
+                                   f"as any model it has: {str(exc).splitlines()[0]}") from exc
+        try:
+            # Attention: transformers' choice, SDPA where the architecture has it (BERT,
+            # RoBERTa, ModernBERT, Qwen, ...), else its eager attention (MPNet, DeBERTa-v2,
+            # whose load failed when SDPA was asked of every model).
             net, info = tasks.network_class(spec.task).from_pretrained(
                 spec.directory,
                 config=config,
                 use_safetensors=True,
                 trust_remote_code=False,
                 dtype=DTYPES["fp32" if guarded else dtype],
-                attn_implementation="sdpa",
                 output_loading_info=True,
             )
         except RuntimeError as exc:  # transformers': "look at the above report" (its log's)
@@ -96,6 +102,7 @@ class Model:
                 f"are named {sorted(info.get('unexpected_keys') or [])[:3] or 'otherwise'} "
                 "(a checkpoint of another architecture, or saved under another prefix?)")
         net = net.eval()
+        self.attention = str(getattr(net.config, "_attn_implementation", "") or "")  # logged
         _refuse_non_finite(net, spec)
         if dtype == "int8":
             net = quantize_int8(net)

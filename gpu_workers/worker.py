@@ -93,6 +93,7 @@ class Worker:
                 "device": str(self.device), "seconds": round(time.monotonic() - started, 2),
                 "torch_threads": torch.get_num_threads(),
                 "prepacked_linears": getattr(model, "prepacked", 0),
+                "attention": getattr(model, "attention", ""),
                 "switch_interval_ms": round(sys.getswitchinterval() * 1000, 3)}})
             self.metrics.model_loaded(name, spec.revision, spec.dtype, str(self.device))
         self.status.device_label = device_name(self.device)

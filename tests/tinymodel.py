@@ -46,6 +46,60 @@ def build_tiny_bert(target: Path, *, seed: int = 0, max_positions: int = 64,
     return target
 
 
+# Tiny random models of other architectures (tests/integration/test_architectures.py), with
+# BERT's tokenizer: what is checked is the network's path through the worker, not the text's.
+OTHER_ARCHITECTURES = {
+    # all-mpnet-base-v2's: positions past the padding id (1), eager attention only
+    "mpnet": {"pad_token_id": 1},
+    "distilbert": {"dim": 32, "n_layers": 2, "n_heads": 2, "hidden_dim": 64},  # `dim`
+    "deberta-v2": {},  # eager attention only
+    "electra": {"embedding_size": 32},
+    "modernbert": {},
+    "qwen3": {"num_key_value_heads": 1, "head_dim": 16},  # a decoder: last-token pooling
+}
+
+
+def build_tiny_other(target: Path, model_type: str, *, task: str = "embedding",
+                     pooling: str = "mean", num_labels: int = 1, seed: int = 0,
+                     max_positions: int = 66) -> Path:
+    """A small random model of `model_type` (a key of OTHER_ARCHITECTURES) for `task`
+    (embedding, with sentence-transformers' pooling files; classification or rerank: a
+    sequence classifier of `num_labels`), with the default model's tokenizer."""
+    import torch
+    from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification
+
+    source = resolve_source(DEFAULT_SOURCE)
+    target.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    shape = dict(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                 intermediate_size=64, max_position_embeddings=max_positions, pad_token_id=0,
+                 initializer_range=0.2)
+    config = AutoConfig.for_model(model_type, **{**shape, **OTHER_ARCHITECTURES[model_type]})
+    if task == "embedding":
+        net = AutoModel.from_config(config)
+    else:
+        config.num_labels = num_labels
+        net = AutoModelForSequenceClassification.from_config(config)
+        if net.config.pad_token_id is None:
+            net.config.pad_token_id = 0
+    net.eval().save_pretrained(target, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt",
+                 "special_tokens_map.json"):
+        shutil.copy(source / name, target / name)
+    if task == "embedding":
+        (target / "1_Pooling").mkdir(exist_ok=True)
+        (target / "1_Pooling" / "config.json").write_text(json.dumps({
+            "word_embedding_dimension": 32, "pooling_mode_cls_token": pooling == "cls",
+            "pooling_mode_mean_tokens": pooling == "mean",
+            "pooling_mode_lasttoken": pooling == "last"}))
+        (target / "modules.json").write_text(json.dumps([
+            {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+            {"idx": 1, "name": "1", "path": "1_Pooling",
+             "type": "sentence_transformers.models.Pooling"}]))
+        (target / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 64}))
+    return target
+
+
 def reference_embeddings(model_dir: Path, texts: list[str], max_tokens: int,
                          normalize: bool = True):
     """The same model run directly in transformers, mean-pooled and normalised (`normalize`):

@@ -4,7 +4,8 @@ import pytest
 from tests.conftest import TINY_MAX_TOKENS, tiny_overrides
 from tests.e2e.test_api import TEXTS
 from tests.stack import Stack
-from tests.tinymodel import build_tiny_bert, build_tiny_classifier, build_tiny_splade
+from tests.tinymodel import (build_tiny_bert, build_tiny_classifier, build_tiny_other,
+                             build_tiny_splade)
 
 # The task stack's (task_stack): its admin token, its classifier's labels, the A/B weight.
 TOKEN = "test-admin-token"
@@ -33,7 +34,11 @@ def task_dirs(tmp_path_factory, tiny_model):
             "ce-id": build_tiny_classifier(root / "ce-id", num_labels=1, seed=3,
                                            activation="torch.nn.modules.linear.Identity"),
             "ce-hot": build_tiny_classifier(root / "ce-hot", num_labels=1, seed=3, bias=20.0),
-            "sp": build_tiny_splade(root / "sp", seed=9, max_positions=TINY_MAX_TOKENS)}
+            "sp": build_tiny_splade(root / "sp", seed=9, max_positions=TINY_MAX_TOKENS),
+            # Architectures that run the network's own forward (test_tasks.py)
+            "mpnet": build_tiny_other(root / "mpnet", "mpnet", seed=4),
+            "ce-deberta": build_tiny_other(root / "ce-deberta", "deberta-v2", task="rerank",
+                                           seed=5)}
 
 
 @pytest.fixture(scope="package")
@@ -62,6 +67,9 @@ def task_stack(tmp_path_factory, task_dirs):
             {"name": "b", "source": other, "revision": "u-r2"}]},
         {"name": "q8", "source": tiny, "dtype": "int8", "devices": [0]},
         {"name": "sp", "source": str(dirs["sp"]), "task": "sparse", "revision": "sp-r1",
+         "dtype": "fp32"},
+        {"name": "mpnet", "source": str(dirs["mpnet"]), "dtype": "fp32"},
+        {"name": "ce-deberta", "source": str(dirs["ce-deberta"]), "task": "rerank",
          "dtype": "fp32"},
         # auto keeps bf16 where the CPU has it natively and the probe agrees to 0.99 (random
         # tiny weights agree less closely than trained ones); "strict" asks for more than

@@ -75,6 +75,29 @@ def test_rerank_scores_pairs_best_first(task_stack, task_dirs):
     assert "document" not in body["results"][0]
 
 
+def test_architectures_that_run_their_own_forward_serve_as_sentence_transformers(
+        task_stack, task_dirs):
+    """MPNet (all-mpnet-base-v2's architecture) and a DeBERTa-v2 cross-encoder, which a worker
+    refused at load (SDPA asked of every model: an outside check), through nginx."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.cross_encoder import CrossEncoder
+
+    status, _, body = task_stack.post_json("/v1/embeddings", {"model": "mpnet", "input": TEXTS})
+    assert status == 200, body
+    got = np.array([d["embedding"] for d in body["data"]], dtype=np.float32)
+    want = SentenceTransformer(str(task_dirs["mpnet"]), device="cpu").encode(TEXTS)
+    np.testing.assert_allclose(got, want, atol=2e-5)
+    query = "what moves token ids between processes?"
+    status, _, body = task_stack.post_json("/rerank", {"model": "ce-deberta", "query": query,
+                                                      "texts": TEXTS})
+    assert status == 200, body
+    cross = CrossEncoder(str(task_dirs["ce-deberta"]), device="cpu",
+                         max_length=TINY_MAX_TOKENS)
+    want = cross.predict([(query, t) for t in TEXTS])
+    np.testing.assert_allclose([r["score"] for r in sorted(body, key=lambda r: r["index"])],
+                               want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("name", ["ce-id", "ce-hot"])
 def test_rerank_ranks_by_the_logit_on_every_route(task_stack, task_dirs, name):
     """An Identity cross-encoder scores its logit (never a logit of a logit); a sigmoid one past
