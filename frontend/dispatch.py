@@ -2,8 +2,10 @@
 
 The slot (token ids, offsets, output rows) is allocated once per request and freed when nobody
 can touch it any more: the handler is done with it and no worker holds it (see `Lease`). A
-request whose worker dies, or answers that it is loading or draining, is resubmitted to another
-live worker, up to `frontends.retry_on_worker_loss` times: inference is idempotent. A resubmission
+request whose worker dies is resubmitted to another live worker, up to
+`frontends.retry_on_worker_loss` times: inference is idempotent. One that a worker turned away
+without running it goes to another ready worker besides: once when it was refused for its load
+(429), and once a worker when the worker was loading or draining. A resubmission
 gets output rows of its own: a worker failed over for silence may resume and write the rows it
 was given (its slot stays held until it answers or is gone), and those must not be the rows the
 next worker's answer is read from.
@@ -102,7 +104,13 @@ class Dispatcher:
                 self.arena.view(segments)[:] = enc.segments
             refused = None  # the worker that turned it away for its load (429), if one did
             again = ""  # why the last attempt is to be sent again: the retry's reason
-            for attempt in range(self.cfg.frontends.retry_on_worker_loss + 1):
+            # Each kind of hand-off has its own allowance: only a worker's loss counts against
+            # frontends.retry_on_worker_loss. An overload's or a draining worker's hand-off used
+            # one of those attempts, and on the last one its 429 came back as 503 "retries
+            # exhausted" (with no retries configured, every overload did; a review found it).
+            lost = unready = 0
+            attempt = 0
+            while True:
                 link = await self.pool.wait_for_worker(
                     model, min(self.cfg.frontends.no_worker_wait_s, deadline - time.time()),
                     avoid=refused)
@@ -122,6 +130,7 @@ class Dispatcher:
                 held = (lease, leases[-1]) if attempt else (lease,)
                 for each in held:
                     each.hold()
+                attempt += 1
                 seq = self.pool.next_seq()
                 msg = Submit(seq, request_id, model, ids, offsets, output, deadline, priority,
                              segments, per_token, raw)
@@ -131,25 +140,32 @@ class Dispatcher:
                     async with asyncio.timeout(max(0.0, deadline - time.time())):
                         reply = await asyncio.shield(future)
                 except WorkerGone:
+                    lost += 1
+                    if lost > self.cfg.frontends.retry_on_worker_loss:
+                        raise ApiError("unavailable", "workers kept failing; retries exhausted "
+                                       "(frontends.retry_on_worker_loss)", retry_after=1,
+                                       attempts=attempt) from None
                     again = "worker_lost"
                     continue
                 except Stopped as exc:
                     raise ApiError("unavailable", str(exc), retry_after=1,
-                                   attempts=attempt + 1) from None
+                                   attempts=attempt) from None
                 except asyncio.CancelledError:  # the client went away
                     self._abandon(link, seq, future)
                     raise
                 except TimeoutError:
                     self._abandon(link, seq, future)
                     error = ApiError.deadline_passed()
-                    error.attempts = attempt + 1
+                    error.attempts = attempt
                     raise error from None
                 received = time.perf_counter()
-                if isinstance(reply, Error) and reply.code is ErrorCode.UNAVAILABLE:
+                if (isinstance(reply, Error) and reply.code is ErrorCode.UNAVAILABLE
+                        and unready < len(self.pool.links)):
                     # Loading or draining: a worker restarted faster than its heartbeats showed,
                     # or one stopping. It ran nothing; another worker (or it, once its next
-                    # heartbeat says ready) takes the request.
+                    # heartbeat says ready) takes the request. At most once a worker.
                     self.pool.mark_unready(link)
+                    unready += 1
                     again = "unavailable"
                     continue
                 if (isinstance(reply, Error) and reply.code is ErrorCode.OVERLOADED
@@ -163,13 +179,10 @@ class Dispatcher:
                     continue
                 if isinstance(reply, Error):
                     error = ApiError.from_worker(reply.code, reply.message, reply.retry_after_s)
-                    error.attempts = attempt + 1
+                    error.attempts = attempt
                     raise error
                 vectors = self.arena.view(output).copy()
-                return Outcome(vectors, reply, link.index, received, attempt + 1)
-            raise ApiError("unavailable", "workers kept failing; retries exhausted "
-                           "(frontends.retry_on_worker_loss)", retry_after=1,
-                           attempts=self.cfg.frontends.retry_on_worker_loss + 1)
+                return Outcome(vectors, reply, link.index, received, attempt)
         finally:
             _release(leases)
 

@@ -28,7 +28,7 @@ class FakePool:
         self.links = [WorkerLink(i, f"ipc://w{i}", None, alive=True,
                                  beat=Heartbeat(3, i, 100 + i, True, "cpu", (MODEL,), 0, 64,
                                                 0.0, 0.0))
-                      for i in range(2)]
+                      for i in range(len(answers))]
         self.answers = answers
         self.sent: list[int] = []
         self.outputs = []  # each Submit's output handle
@@ -37,6 +37,7 @@ class FakePool:
         self._seq = 0
 
     async def wait_for_worker(self, model: str, timeout: float, avoid=None):
+        # the lowest index first, as idle workers go round; `avoid` last
         ready = sorted(self.ready_links(model), key=lambda link: link is avoid)
         return ready[0] if ready else None
 
@@ -76,8 +77,9 @@ def arena(tmp_path):
     arena.close()
 
 
-def run(pool, arena):
-    cfg = config.load(environ={})
+def run(pool, arena, retries: int | None = None):
+    cfg = config.load(environ={} if retries is None else {
+        "SHMSERVE__FRONTENDS__RETRY_ON_WORKER_LOSS": str(retries)})
     enc = Encoded(np.array([101, 7, 102], np.int32), np.array([0, 3], np.int32), 0)
     return asyncio.run(Dispatcher(cfg, pool, arena).run("m", 4, enc, "req", time.time() + 5))
 
@@ -113,6 +115,35 @@ def test_a_worker_that_refuses_for_its_load_hands_the_request_to_another_once(ar
     with pytest.raises(ApiError) as err:
         run(pool, arena)
     assert err.value.status == 429 and pool.sent == [0]
+
+
+def test_only_a_workers_loss_counts_against_retry_on_worker_loss(arena):
+    """An overload's or a draining worker's hand-off used one of the worker-loss attempts: on
+    the last one, the refusal came back as 503 "retries exhausted" (Retry-After 1, the worker's
+    estimate lost), and with no retries configured every overload did (a review)."""
+    # No retries on loss: both overloaded is still a 429 after the one hand-off.
+    pool = FakePool({0: ErrorCode.OVERLOADED, 1: ErrorCode.OVERLOADED})
+    with pytest.raises(ApiError) as err:
+        run(pool, arena, retries=0)
+    assert err.value.status == 429 and pool.sent == [0, 1]
+    # ... and a draining worker hands the request to the ready one.
+    pool = FakePool({0: ErrorCode.UNAVAILABLE, 1: None})
+    assert run(pool, arena, retries=0).worker == 1 and pool.sent == [0, 1]
+    # Two lost (the default allowance), then one overloaded: the fourth worker serves it.
+    pool = FakePool({0: "silent", 1: "silent", 2: ErrorCode.OVERLOADED, 3: None})
+    outcome = run(pool, arena)
+    assert outcome.worker == 3 and pool.sent == [0, 1, 2, 3] and outcome.attempts == 4
+    # Lost past the allowance: 503, retries exhausted, saying how many tries.
+    pool = FakePool({0: "silent", 1: "silent", 2: "silent", 3: None})
+    with pytest.raises(ApiError) as err:
+        run(pool, arena)
+    assert err.value.status == 503 and "retries exhausted" in err.value.message
+    assert pool.sent == [0, 1, 2] and err.value.attempts == 3
+    # Every worker draining: each tried once, then a 503.
+    pool = FakePool({0: ErrorCode.UNAVAILABLE, 1: ErrorCode.UNAVAILABLE})
+    with pytest.raises(ApiError) as err:
+        run(pool, arena)
+    assert err.value.status == 503 and pool.sent == [0, 1]
 
 
 def test_other_worker_errors_are_the_answer(arena):
