@@ -391,8 +391,12 @@ class WorkerPool:
                 entry.future.set_exception(WorkerGone(reason))
 
     def _release_held(self, link: WorkerLink, only_gone: bool = False) -> None:
-        """Release the slots held for worker processes that are gone (`only_gone`), or all."""
+        """Release the slots held for worker processes that are gone (`only_gone`), or all.
+        Each pid is looked up once: up to frontends.max_inflight entries share one, and a
+        lookup each held the event loop ~46 ms a heartbeat round (1,024; a review)."""
+        pids = {pid for pid, _ in link.held.values()}
+        gone = {pid for pid in pids if not processes.alive(pid)} if only_gone else pids
         for seq, (pid, entry) in list(link.held.items()):
-            if not only_gone or not processes.alive(pid):
+            if pid in gone:
                 del link.held[seq]
                 entry.on_settled()

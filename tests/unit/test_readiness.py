@@ -168,3 +168,26 @@ async def test_a_dropped_workers_unread_replies_are_read_before_its_requests_fai
     unread[0] = False  # read (here: gone); the next grace fails what is left
     await asyncio.sleep(0.1)
     assert isinstance(future.exception(), pool_module.WorkerGone)
+
+
+def test_held_slots_are_judged_once_a_worker_process_each_round(pool, monkeypatch):
+    """A stopped worker's requests, up to frontends.max_inflight, stay held for it: every
+    heartbeat round looked its pid up once an entry (~46 ms on the event loop for 1,024, a
+    review); now once a pid, and only the gone process's slots are released."""
+    import os
+
+    from frontend import pool as pool_module
+
+    released: list[int] = []
+    link = pool.links[0]
+    dead, live = 999_999_999, os.getpid()
+    for seq in range(1, 1025):
+        link.held[seq] = (dead, Pending(None, 1, lambda seq=seq: released.append(seq)))
+    link.held[2000] = (live, Pending(None, 1, lambda: released.append(2000)))
+    asked = []
+    alive = pool_module.processes.alive
+    monkeypatch.setattr(pool_module.processes, "alive", lambda pid: asked.append(pid) or
+                        alive(pid))
+    pool._release_held(link, only_gone=True)
+    assert sorted(asked) == sorted([dead, live])
+    assert len(released) == 1024 and 2000 not in released and list(link.held) == [2000]
