@@ -14,6 +14,7 @@ next worker's answer is read from.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass
 
@@ -24,9 +25,11 @@ from frontend.errors import ApiError
 from frontend.links import Stopped, WorkerGone, consume
 from frontend.pool import WorkerPool
 from frontend.tokenizer import Encoded
-from shmserve.arena import Arena, ArenaFull
+from shmserve.arena import Arena, ArenaFull, ShmFull
 from shmserve.config import Config
 from shmserve.protocol import Error, ErrorCode, Result, Submit
+
+log = logging.getLogger("shmserve.frontend")
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,6 +197,11 @@ class Dispatcher:
             raise ApiError("overloaded", "this frontend's shared memory is taken by the "
                            f"requests in flight ({self.arena.size >> 20} MiB, shm.arena_mb); "
                            "retry later", retry_after=1) from None
+        except ShmFull as exc:  # the host's /dev/shm, not this request's doing: 503, logged
+            metrics.refused("shm_full").inc()
+            log.error("frontend.shm_full", extra={"fields": {"reason": str(exc)}})
+            raise ApiError("unavailable", f"no shared memory for this request: {exc}",
+                           retry_after=5) from None
         return Lease(self.arena, base), base
 
     def _abandon(self, link, seq: int, future: asyncio.Future) -> None:

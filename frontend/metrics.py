@@ -46,7 +46,8 @@ REJECTED = Counter("shmserve_rejected_requests_total",
                    ["model"])
 REFUSED = Counter("shmserve_frontend_refused_total",
                   "Requests a frontend refused itself (429): inflight (frontends.max_inflight), "
-                  "arena (shm.arena_mb taken) or deadline (every worker's heartbeat says its "
+                  "arena (shm.arena_mb taken; shm_full: /dev/shm itself full, a 503) or "
+                  "deadline (every worker's heartbeat says its "
                   "queue would not let the request finish in time: workers.refuse_past_deadline)",
                   ["reason"])
 RETRIES = Counter("shmserve_frontend_retries_total",
@@ -89,7 +90,7 @@ def start(models: list[str], frontend: int, workers: int) -> None:
     for worker in range(workers):
         WORKER_RESTARTS.labels(str(frontend), str(worker))
         WORKER_HUNG_KILLS.labels(str(frontend), str(worker))
-    for reason in ("inflight", "deadline", "arena"):
+    for reason in ("inflight", "deadline", "arena", "shm_full"):
         REFUSED.labels(reason)
     for reason in ("worker_lost", "unavailable", "overloaded"):
         RETRIES.labels(reason)

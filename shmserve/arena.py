@@ -32,6 +32,7 @@ tmpfs allocates pages only when touched, so a large arena costs nothing until it
 from __future__ import annotations
 
 import bisect
+import errno
 import fcntl
 import math
 import mmap
@@ -50,8 +51,20 @@ SHM_DIR = Path("/dev/shm")
 ALIGN = 64
 
 
+# Pages are reserved in /dev/shm ahead of use in steps this large (fewer system calls).
+RESERVE_STEP = 1 << 20
+
+
 class ArenaFull(MemoryError):
     """No free range is large enough; the caller answers 429 (too much in flight)."""
+
+
+class ShmFull(MemoryError):
+    """/dev/shm has no room for pages of the arena not used before (others filled it); the
+    caller answers 503. The arena itself is sparse until used: a write to a page that tmpfs
+    cannot allocate kills the writer with SIGBUS, frontend or worker (an outside check: every
+    frontend and worker crash-looped while /ready said ready), so pages are reserved
+    (fallocate) before an allocation can hand them out."""
 
 
 def arena_name(instance: str, role: str, pid: int | None = None) -> str:
@@ -129,6 +142,7 @@ class Arena:
         self._free_starts = [0]  # sorted start offsets of free ranges
         self._free_sizes = {0: size}
         self._used: dict[int, int] = {}
+        self._reserved = 0  # bytes from the start whose pages are allocated in /dev/shm
 
     @property
     def bytes_used(self) -> int:
@@ -139,10 +153,28 @@ class Arena:
         for start in self._free_starts:
             have = self._free_sizes[start]
             if have >= need:
+                self._reserve(start + need)
                 self._take(start, have, need)
                 return start
         raise ArenaFull(f"arena {self.name}: no {need} free bytes ({self.bytes_used} of "
                         f"{self.size} in use); raise shm.arena_mb")
+
+    def _reserve(self, end: int) -> None:
+        """Allocate the arena's pages up to `end` (in RESERVE_STEP steps) before anyone writes
+        them; once reserved they stay (the first-fit allocator reuses the low ranges)."""
+        if end <= self._reserved:
+            return
+        upto = min(self.size, -(-end // RESERVE_STEP) * RESERVE_STEP)
+        try:
+            os.posix_fallocate(self._lock_fd, self._reserved, upto - self._reserved)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.ENOMEM, errno.EDQUOT):
+                raise
+            raise ShmFull(f"{self.path.parent} is full: no room for {upto - self._reserved:,} "
+                          f"more bytes of this frontend's shared memory ({self._reserved:,} of "
+                          f"{self.size:,} reserved so far); others filled it, or it is smaller than "
+                          "frontends.count x shm.arena_mb") from None
+        self._reserved = upto
 
     def _take(self, start: int, have: int, need: int) -> None:
         i = bisect.bisect_left(self._free_starts, start)

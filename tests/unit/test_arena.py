@@ -5,8 +5,8 @@ import random
 import numpy as np
 import pytest
 
-from shmserve.arena import (ALIGN, Arena, ArenaFull, Attachments, arena_name, sweep,
-                            sweep_orphans)
+from shmserve.arena import (ALIGN, RESERVE_STEP, Arena, ArenaFull, Attachments, ShmFull,
+                            arena_name, sweep, sweep_orphans)
 
 
 @pytest.fixture
@@ -219,3 +219,38 @@ async def test_a_frontends_arena_use_is_reported_every_second(tmp_path):
     finally:
         reporter.cancel()
         arena.close()
+
+
+def test_pages_are_reserved_before_an_allocation_hands_them_out(tmp_path, monkeypatch):
+    """The arena file is sparse: a page that /dev/shm cannot allocate when first written kills
+    the writer with SIGBUS (every frontend and worker crash-looped once others had filled
+    /dev/shm, an outside check). Pages are reserved first, and a full mount is an error."""
+    import errno
+
+    from shmserve import arena as arena_module
+
+    a = Arena(arena_name("test", "fe1"), 4 * RESERVE_STEP, directory=tmp_path)
+    try:
+        assert os.stat(a.path).st_blocks == 0  # nothing reserved until used
+        calls = []
+        real = os.posix_fallocate
+        monkeypatch.setattr(arena_module.os, "posix_fallocate",
+                            lambda fd, off, n: calls.append((off, n)) or real(fd, off, n))
+        first = a.alloc(1000)
+        assert calls == [(0, RESERVE_STEP)] and os.stat(a.path).st_blocks * 512 >= RESERVE_STEP
+        a.free(first)
+        a.alloc(RESERVE_STEP // 2)  # within what is reserved: no system call
+        assert len(calls) == 1
+        second = a.alloc(RESERVE_STEP)  # past it: the next step, up to its end
+        assert calls[1] == (RESERVE_STEP, RESERVE_STEP) and second == RESERVE_STEP // 2
+
+        def full(fd, offset, length):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        monkeypatch.setattr(arena_module.os, "posix_fallocate", full)
+        used = a.bytes_used
+        with pytest.raises(ShmFull, match=r"is full: no room for 1,048,576 more bytes"):
+            a.alloc(RESERVE_STEP)
+        assert a.bytes_used == used  # nothing handed out
+        a.alloc(100)  # what is reserved still serves
+    finally:
+        a.close()

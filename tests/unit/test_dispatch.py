@@ -238,3 +238,21 @@ def test_a_full_arena_is_a_429_that_says_so(arena):
     assert info.value.status == 429 and "shm.arena_mb" in info.value.message
     metrics.turn.flush()
     assert metrics.REFUSED.labels("arena")._value.get() == before + 1
+
+
+def test_a_full_dev_shm_is_a_503_that_says_so(arena, monkeypatch):
+    """/dev/shm filled by others: the request is refused before any worker writes a page tmpfs
+    cannot give (SIGBUS killed the frontends and workers before)."""
+    from shmserve.arena import ShmFull
+
+    def full(nbytes):
+        raise ShmFull("/dev/shm is full: no room for 1,048,576 more bytes")
+    monkeypatch.setattr(arena, "alloc", full)
+    before = metrics.REFUSED.labels("shm_full")._value.get()
+    pool = FakePool({0: None, 1: None})
+    with pytest.raises(ApiError) as err:
+        run(pool, arena)
+    metrics.turn.flush()
+    assert err.value.status == 503 and err.value.retry_after == 5 and pool.sent == []
+    assert "no shared memory for this request: /dev/shm is full" in err.value.message
+    assert metrics.REFUSED.labels("shm_full")._value.get() == before + 1
