@@ -26,7 +26,8 @@ from typing import Callable, Iterable, Mapping
 
 import numpy as np
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client import multiprocess
+from prometheus_client import mmap_dict, multiprocess
+from prometheus_client import values as prometheus_values
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -163,6 +164,39 @@ class Children:
                 child = _Held(child, self._turn)
             self._cache[values] = child
         return child
+
+
+class ReservedMmapedDict(mmap_dict.MmapedDict):
+    """prometheus_client's per-process metrics file with its pages allocated (fallocate) as
+    the file grows. The library grows it with truncate, which leaves it sparse, and the first
+    write to a page that a full filesystem cannot give kills the process with SIGBUS: on a full
+    run directory every frontend crash-looped, idle, while nginx answered 502 (an outside
+    check). Reserved, a full filesystem raises OSError (ENOSPC) where the file grows instead:
+    at a process's start an error in its log, later a metric update lost (the turn's callback
+    logs it) while the process goes on serving."""
+
+    def __init__(self, filename, read_mode=False):
+        if not read_mode:  # before the library's first write (its header), at its size
+            fd = os.open(filename, os.O_RDWR | os.O_CREAT, 0o666)
+            try:
+                os.posix_fallocate(fd, 0, max(os.fstat(fd).st_size,
+                                              mmap_dict._INITIAL_MMAP_SIZE))
+            finally:
+                os.close(fd)
+        super().__init__(filename, read_mode)
+
+    def _init_value(self, key):
+        need = self._used + len(key.encode("utf-8")) + 32  # the library's entry, at most
+        capacity = self._capacity
+        while need > capacity:
+            capacity *= 2
+        if capacity > self._capacity:  # the library doubles it by truncate: reserve first
+            os.posix_fallocate(self._f.fileno(), 0, capacity)
+        super()._init_value(key)
+
+
+# Every value a process's metrics create opens its file through this name (values.py).
+prometheus_values.MmapedDict = ReservedMmapedDict
 
 
 def multiproc_dir() -> Path | None:

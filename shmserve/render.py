@@ -169,6 +169,8 @@ def render_supervisord(cfg: Config, nginx: str) -> str:
             "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1",
             "PYTHONUNBUFFERED": "1",
+            # A fatal signal (SIGBUS, SIGSEGV, abort) leaves the Python traceback in the log
+            "PYTHONFAULTHANDLER": "1",
             "TOKENIZERS_PARALLELISM": "false",
             "SHMSERVE_RUN_DIR": str(cfg.run_dir),
         }),

@@ -231,3 +231,26 @@ def test_turn_outside_a_running_loop_writes_at_once():
     assert got[("c_total", (("m", "x"),))] == 1
     assert got[("h_count", (("m", "x"),))] == 1
     assert got[("g", (("m", "x"),))] == -3
+
+
+def test_metrics_files_have_their_pages_reserved_as_they_grow(tmp_path, monkeypatch):
+    """prometheus_client grows a process's file by truncate (sparse): on a full filesystem the
+    first write to a new page killed the process with SIGBUS (the frontends crash-looped on a
+    full run directory, an outside check). A process that imports shmserve.metrics reserves
+    the pages; a full filesystem is an OSError where the file grows."""
+    import errno
+
+    code = ("import shmserve.metrics\nfrom prometheus_client import Counter\n"
+            "c = Counter('t_many', 'm', ['key'])\n"
+            "[c.labels(f'{i:06d}' * 8).inc() for i in range(12000)]\n")  # past 1 MiB
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
+    subprocess.run([sys.executable, "-c", code], env=env, check=True)
+    (written,) = tmp_path.glob("counter_*.db")
+    stat = written.stat()
+    assert stat.st_size == 2 << 20 and stat.st_blocks * 512 >= stat.st_size  # all allocated
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(metrics.os, "posix_fallocate", full)
+    with pytest.raises(OSError, match="No space left"):
+        metrics.ReservedMmapedDict(str(tmp_path / "new.db"))
