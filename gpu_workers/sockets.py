@@ -42,7 +42,10 @@ class SocketThread(threading.Thread):
         self._on_control = on_control
         self._tick = tick  # every loop round (at most POLL_MS apart): the watch on frontends
         self._news = news  # after an admitted Submit: a heartbeat for the other frontends, or None
-        self._peers: set[bytes] = set()  # the frontends that ping this worker
+        # The frontends that ping this worker, by index: a restarted frontend's new socket
+        # replaces its old one (a set of every socket ever seen grew with each restart, and
+        # news went to all of them; a review).
+        self._peers: dict[int, bytes] = {}
         self._halt = threading.Event()
         self.bound = threading.Event()
         self.failure: BaseException | None = None
@@ -114,7 +117,8 @@ class SocketThread(threading.Thread):
 
     def _dispatch(self, router: zmq.Socket, peer: bytes, msg) -> None:
         if isinstance(msg, Ping):
-            self._peers.add(peer)
+            if msg.frontend >= 0:
+                self._peers[msg.frontend] = peer
             router.send_multipart([peer, *wire.encode(self._heartbeat(msg, peer))])
         elif isinstance(msg, Submit):
             error = self._on_submit(peer, msg)
@@ -122,8 +126,9 @@ class SocketThread(threading.Thread):
                 router.send_multipart([peer, *wire.encode(error)])
             elif (beat := self._news()) is not None:
                 frames = wire.encode(beat)
-                for other in self._peers - {peer}:  # (a peer gone: ROUTER drops it)
-                    router.send_multipart([other, *frames])
+                for other in self._peers.values():  # (a peer gone: ROUTER drops it)
+                    if other != peer:
+                        router.send_multipart([other, *frames])
         elif isinstance(msg, Abort):
             self._on_abort(peer, msg)
         elif isinstance(msg, (Reload, Commit)):
