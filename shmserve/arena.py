@@ -172,8 +172,8 @@ class Arena:
                 raise
             raise ShmFull(f"{self.path.parent} is full: no room for {upto - self._reserved:,} "
                           f"more bytes of this frontend's shared memory ({self._reserved:,} of "
-                          f"{self.size:,} reserved so far); others filled it, or it is smaller than "
-                          "frontends.count x shm.arena_mb") from None
+                          f"{self.size:,} reserved so far); others filled it, or it is smaller "
+                          "than frontends.count x shm.arena_mb") from None
         self._reserved = upto
 
     def _take(self, start: int, have: int, need: int) -> None:

@@ -34,7 +34,7 @@ from shmserve import (__version__, config, layers, models, nginxrun, processes, 
                       render, state, topology)
 from shmserve import status as statusview
 from shmserve.config import Config, ConfigError
-from shmserve.prechecks import (CliError, check_port, check_shm, check_stdout,  # noqa: F401
+from shmserve.prechecks import (CliError, check_fds, check_port, check_shm, check_stdout,  # noqa: F401
                                 seconds)
 from shmserve.startwait import process_info, wait_ready
 
@@ -189,6 +189,7 @@ def up(args: argparse.Namespace) -> int:
                   file=sys.stderr)
     check_port(cfg)  # after those: this deployment's own leftovers may have held it
     check_shm(cfg)
+    check_fds(cfg)
     render.render(cfg)  # only now: a refused `up` leaves the run directory as it was
     topology.config_files_path(cfg).write_text(json.dumps(layers.digests(
         layers.file_layers(args.env, args.config, os.environ)), indent=1) + "\n")

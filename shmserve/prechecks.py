@@ -68,6 +68,26 @@ def check_shm(cfg: Config, directory: Path = Path("/dev/shm")) -> None:
               file=sys.stderr)
 
 
+def check_fds(cfg: Config) -> None:
+    """Warn when the open-files limit (its hard limit: supervisord raises the soft one to it)
+    is below what nginx's connections need: past it nginx fails connections with a bare HTML
+    500, not the JSON error shape, and cannot even open its error pages (an outside check
+    under `ulimit -n 256`: 198 of 3,000 requests)."""
+    import resource
+
+    from shmserve import render
+
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    # a descriptor per nginx connection (client or upstream), and some for files
+    want = render.worker_connections(cfg) * render.nginx_workers(cfg) + 1024
+    if hard != resource.RLIM_INFINITY and hard < want:
+        print(f"shmserve: warning: the open-files limit is {hard} (ulimit -Hn), under the "
+              f"{want} nginx's connections may need (nginx.worker_connections "
+              f"{render.worker_connections(cfg)}): under that many connections nginx answers "
+              "bare 500s; raise it (ulimit -n, systemd's LimitNOFILE, the container's nofile) "
+              "or lower nginx.worker_connections and frontends.max_inflight", file=sys.stderr)
+
+
 def check_port(cfg: Config) -> None:
     """Fail before starting anything when server.port is taken (nginx would retry for ever,
     and a ready check through the port would be answered by whoever holds it)."""

@@ -290,7 +290,7 @@ CLIENT_MARGIN = 4096
 CONNECTION_SLACK = 64
 
 
-def _nginx_workers(cfg: Config) -> int:
+def nginx_workers(cfg: Config) -> int:
     workers = cfg.nginx.worker_processes
     return (os.cpu_count() or 1) if workers == "auto" else workers
 
@@ -307,7 +307,7 @@ def worker_connections(cfg: Config) -> int:
     wait for their request once no more than 1/16 of its connections are free (its
     ngx_drain_connections), so the room is 16/15 of what they hold."""
     in_flight = 2 * (cfg.frontends.count * cfg.frontends.max_inflight + CLIENT_MARGIN)
-    held = (-(-in_flight // _nginx_workers(cfg)) + cfg.nginx.upstream_keepalive
+    held = (-(-in_flight // nginx_workers(cfg)) + cfg.nginx.upstream_keepalive
             + CONNECTION_SLACK)
     return max(cfg.nginx.worker_connections, -(-held * 16 // 15) + 1)
 
@@ -315,8 +315,8 @@ def worker_connections(cfg: Config) -> int:
 def _minfds(cfg: Config) -> int:
     # a descriptor per connection, and as many again for files and the rest; supervisord raises
     # every child's soft limit to this, but never past the hard limit (it refuses to start if
-    # asked to).
-    want = max(4096, 2 * worker_connections(cfg) * _nginx_workers(cfg) + 1024)
+    # asked to; `up` warns when that is under what nginx's connections need: prechecks).
+    want = max(4096, 2 * worker_connections(cfg) * nginx_workers(cfg) + 1024)
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     return want if hard == resource.RLIM_INFINITY else min(want, hard)
 

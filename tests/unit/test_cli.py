@@ -299,6 +299,28 @@ def test_admin_commands_need_a_token_and_well_formed_weights(deployment, monkeyp
     assert "did not answer" in capsys.readouterr().err
 
 
+def test_up_warns_of_an_open_files_limit_under_nginxs_connections(deployment, monkeypatch,
+                                                                  capsys):
+    """Under `ulimit -n 256` nginx failed connections with bare HTML 500s and could not open
+    its JSON error pages, and nothing said why before (an outside check)."""
+    import resource
+
+    from shmserve import prechecks
+
+    real = resource.getrlimit
+    monkeypatch.setattr(resource, "getrlimit", lambda what: (256, 256)
+                        if what == resource.RLIMIT_NOFILE else real(what))
+    prechecks.check_fds(deployment)
+    err = capsys.readouterr().err
+    assert "warning: the open-files limit is 256 (ulimit -Hn)" in err
+    assert f"nginx.worker_connections {render.worker_connections(deployment)}" in err
+    enough = render.worker_connections(deployment) * render.nginx_workers(deployment) + 1024
+    monkeypatch.setattr(resource, "getrlimit", lambda what: (256, enough)
+                        if what == resource.RLIMIT_NOFILE else real(what))
+    prechecks.check_fds(deployment)  # the soft limit: supervisord raises it
+    assert capsys.readouterr().err == ""
+
+
 def test_up_refuses_a_dev_shm_smaller_than_the_arenas_and_warns_when_it_is_nearly_full(
         deployment, monkeypatch, capsys):
     # Docker's default /dev/shm is 64 MiB: the arenas fit until a burst touches their pages,
