@@ -173,14 +173,16 @@ class ReservedMmapedDict(mmap_dict.MmapedDict):
     run directory every frontend crash-looped, idle, while nginx answered 502 (an outside
     check). Reserved, a full filesystem raises OSError (ENOSPC) where the file grows instead:
     at a process's start an error in its log, later a metric update lost (the turn's callback
-    logs it) while the process goes on serving."""
+    logs it) while the process goes on serving. A new file starts at RESERVED_START, not the
+    library's sparse 1 MiB, and doubles as the library doubles it: a dead process's counter
+    and histogram files are kept (see mark_dead), and a crash loop's would otherwise each
+    take whole mebibytes of the run directory."""
 
     def __init__(self, filename, read_mode=False):
-        if not read_mode:  # before the library's first write (its header), at its size
+        if not read_mode:  # before the library's first write (its header)
             fd = os.open(filename, os.O_RDWR | os.O_CREAT, 0o666)
             try:
-                os.posix_fallocate(fd, 0, max(os.fstat(fd).st_size,
-                                              mmap_dict._INITIAL_MMAP_SIZE))
+                os.posix_fallocate(fd, 0, os.fstat(fd).st_size or RESERVED_START)
             finally:
                 os.close(fd)
         super().__init__(filename, read_mode)
@@ -193,6 +195,9 @@ class ReservedMmapedDict(mmap_dict.MmapedDict):
         if capacity > self._capacity:  # the library doubles it by truncate: reserve first
             os.posix_fallocate(self._f.fileno(), 0, capacity)
         super()._init_value(key)
+
+
+RESERVED_START = 64 << 10  # bytes: a process's file of one kind of metric, to begin with
 
 
 # Every value a process's metrics create opens its file through this name (values.py).
