@@ -34,6 +34,7 @@ log = logging.getLogger("shmserve.worker")
 # killed frontend's queued requests are dropped within this, before nginx's retries of them
 # (sent at once to another frontend) are refused for that queue or wait behind it.
 LOOK_S = 0.02
+DROP_S = 1.0  # how often unlinked arenas are unmapped
 
 # A request that takes this long here (its tokens at the worker's drain rate) is news to the
 # frontends that did not send it (Intake.news): a short request waits that long behind it.
@@ -72,6 +73,7 @@ class Intake:
         # frontend index -> (its socket, its pid if this worker can see that process, else 0)
         self._frontends: dict[int, tuple[bytes, int]] = {}
         self._looked = 0.0  # monotonic time of the last look for frontends gone
+        self._dropped = 0.0  # ... and for arenas unlinked (Attachments.drop_vanished)
 
     def heartbeat(self, ping: Ping, peer: bytes = b"") -> Heartbeat:
         if ping.frontend >= 0 and peer:
@@ -105,6 +107,11 @@ class Intake:
         if now - self._looked < LOOK_S:
             return
         self._looked = now
+        if now - self._dropped > DROP_S:
+            # A killed frontend's arena, unlinked: unmapped here too, or its pages stay held
+            # in /dev/shm (a replacement frontend met a full /dev/shm: a second outside check).
+            self._dropped = now
+            self.attachments.drop_vanished()
         for frontend, (peer, pid) in list(self._frontends.items()):
             if pid and not running(pid):  # killed or crashed, not yet replaced
                 del self._frontends[frontend]

@@ -68,10 +68,10 @@ def running_now(cfg: Config) -> bool:
 
 APPLY_STATES = {
     "running": "`shmserve apply` is running on this deployment: programs restart one at a time",
-    "stopped_part_way": "an apply stopped part way (run/apply.json): programs may run the "
-    "config from before it beside the one it was applying, which is what this shows "
-    "(run/config.json: its port, its programs); `shmserve apply` finishes it, or, with the "
-    "config put back, undoes it",
+    "stopped_part_way": "an apply stopped part way (run/apply.json, under server.run_dir): "
+    "programs may run the config from before it beside the one it was applying, which is "
+    "what this shows (run/config.json: its port, its programs); `shmserve apply` finishes it, "
+    "or, with the config put back, undoes it",
 }
 
 

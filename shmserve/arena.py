@@ -239,7 +239,7 @@ class Attachments:
     def _attach(self, name: str) -> tuple[mmap.mmap, np.ndarray]:
         if "/" in name or not name.startswith("shmserve-"):
             raise ValueError(f"not a shmserve arena: {name!r}")
-        self._drop_vanished()
+        self.drop_vanished()
         fd = os.open(self._dir / name, os.O_RDWR | os.O_NOFOLLOW)
         try:
             stat = os.fstat(fd)
@@ -252,8 +252,9 @@ class Attachments:
         self._maps[name] = entry
         return entry
 
-    def _drop_vanished(self) -> None:
-        # A restarted frontend has a new arena; forget mappings whose file was unlinked.
+    def drop_vanished(self) -> None:
+        """Forget mappings whose file was unlinked (a restarted frontend has a new arena): a
+        dead frontend's pages stay allocated in /dev/shm while mapped here."""
         for name in [n for n in self._maps if not (self._dir / n).exists()]:
             del self._maps[name]  # the mmap is closed when the last view goes
 

@@ -19,6 +19,7 @@ supervisord runs (`shmserve.processes`), so it covers nginx and supervisord too.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import re
 from pathlib import Path
@@ -149,21 +150,43 @@ class Children:
     (~0.9 us here); a request path that labels eleven children per request looks them up here
     instead. Label values must already be strings, and few (routes, models, statuses)."""
 
-    __slots__ = ("_metric", "_cache", "_turn")
+    __slots__ = ("_metric", "_cache", "_turn", "_lost")
 
     def __init__(self, metric, turn: Turn | None = None) -> None:
         self._metric = metric
         self._cache: dict[tuple[str, ...], object] = {}
         self._turn = turn
+        self._lost = False  # an update was lost (logged once)
 
     def __call__(self, *values: str):
         child = self._cache.get(values)
         if child is None:
-            child = self._metric.labels(*values)
+            try:
+                child = self._metric.labels(*values)
+            except OSError as exc:  # its file could not grow (a full run directory): the
+                # update is lost, not the request (every request of a frontend was a 500)
+                if not self._lost:
+                    self._lost = True
+                    logging.getLogger("shmserve.metrics").warning(
+                        "metrics.update_lost", extra={"fields": {
+                            "metric": self._metric._name, "reason": str(exc)}})
+                return _LOST
             if self._turn is not None:
                 child = _Held(child, self._turn)
             self._cache[values] = child
         return child
+
+
+class _Lost:
+    """A child whose file could not be written: its updates are dropped."""
+
+    def inc(self, amount: float = 1) -> None:
+        pass
+
+    dec = set = observe = inc
+
+
+_LOST = _Lost()
 
 
 class ReservedMmapedDict(mmap_dict.MmapedDict):
@@ -180,9 +203,14 @@ class ReservedMmapedDict(mmap_dict.MmapedDict):
 
     def __init__(self, filename, read_mode=False):
         if not read_mode:  # before the library's first write (its header)
-            fd = os.open(filename, os.O_RDWR | os.O_CREAT, 0o666)
+            fd, size = os.open(filename, os.O_RDWR | os.O_CREAT, 0o666), 0
             try:
-                os.posix_fallocate(fd, 0, os.fstat(fd).st_size or RESERVED_START)
+                size = os.fstat(fd).st_size
+                os.posix_fallocate(fd, 0, size or RESERVED_START)
+            except OSError:
+                if not size:  # an empty file made here: a scrape could not read it (a 500)
+                    os.unlink(filename)
+                raise
             finally:
                 os.close(fd)
         super().__init__(filename, read_mode)

@@ -210,7 +210,8 @@ def test_status_says_an_apply_stopped_part_way(deployment, capsys, monkeypatch):
     assert "apply" not in capsys.readouterr().err
     topology.apply_marker_path(deployment).write_text("{}")
     cli.main(["status"])
-    assert "warning: an apply stopped part way (run/apply.json)" in capsys.readouterr().err
+    assert "warning: an apply stopped part way (run/apply.json, under server.run_dir)" in \
+        capsys.readouterr().err
     cli.main(["status", "--json"])
     said = capsys.readouterr()
     assert json.loads(said.out)["apply"] == "stopped_part_way" and not said.err

@@ -91,3 +91,21 @@ def test_a_gone_frontends_requests_leave_the_queue_bound_and_backlog_once():
     intake.finished(partly)
     intake.finished(kept)
     assert (intake.queued_texts, intake.orphaned_texts, intake.backlog.queued()) == (0, 0, 0)
+
+
+def test_a_killed_frontends_arena_is_unmapped_once_unlinked(tmp_path):
+    """Its pages stayed allocated in /dev/shm while the workers kept it mapped: a replacement
+    frontend met a full /dev/shm (503s) until a new arena was first seen (a second outside
+    check). The worker's look for frontends gone drops unlinked arenas too."""
+    from shmserve.arena import Arena, Attachments, arena_name
+
+    intake = _intake()
+    intake.attachments = Attachments(directory=tmp_path)
+    dead = Arena(arena_name("test", "fe0"), 1 << 16, directory=tmp_path)
+    intake.attachments.view(dead.handle(dead.alloc(64), "float32", (16,)))
+    intake._look()
+    assert dead.name in intake.attachments._maps  # still there: kept
+    dead.close()  # unlinked, as the sweep after a kill does
+    intake._looked = intake._dropped = 0.0
+    intake._look()
+    assert dead.name not in intake.attachments._maps

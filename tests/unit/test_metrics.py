@@ -258,3 +258,27 @@ def test_metrics_files_have_their_pages_reserved_as_they_grow(tmp_path, monkeypa
     monkeypatch.setattr(metrics.os, "posix_fallocate", full)
     with pytest.raises(OSError, match="No space left"):
         metrics.ReservedMmapedDict(str(tmp_path / "new.db"))
+
+
+def test_a_metrics_file_that_cannot_grow_loses_the_update_not_the_request(tmp_path,
+                                                                          monkeypatch, caplog):
+    """On a full run directory a new label's child could not be created: every request of a
+    frontend answered 500, and the empty files left by failed starts made /metrics 500 after
+    the space came back (a second outside check)."""
+    import errno
+
+    from prometheus_client import Counter
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(metrics.os, "posix_fallocate", full)
+    with pytest.raises(OSError):
+        metrics.ReservedMmapedDict(str(tmp_path / "counter_1.db"))
+    assert not (tmp_path / "counter_1.db").exists()  # no empty file for a scrape to choke on
+    counter = Counter("t_lost", "l", ["k"], registry=None)
+    cache = metrics.Children(counter)
+    monkeypatch.setattr(counter, "labels", lambda *v: (_ for _ in ()).throw(
+        OSError(errno.ENOSPC, "No space left on device")))
+    cache("a").inc()  # dropped, logged once
+    cache("b").observe(1.0)
+    assert [r.message for r in caplog.records].count("metrics.update_lost") == 1
