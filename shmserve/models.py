@@ -19,22 +19,13 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from shmserve import architecture as arch
 from shmserve.config import Config, ModelConfig
 
 # A cross-encoder's score, as sentence-transformers' CrossEncoder computes it: the activation it
 # saved with the model, else Sigmoid for one label.
 ACTIVATIONS = {"torch.nn.modules.activation.Sigmoid": "sigmoid", "torch.nn.Sigmoid": "sigmoid",
                "torch.nn.modules.linear.Identity": "identity", "torch.nn.Identity": "identity"}
-
-
-# Models whose position ids start past the padding id (RoBERTa's): a text of n tokens takes
-# positions pad_token_id + 1 .. pad_token_id + n, so max_position_embeddings - pad_token_id - 1
-# tokens fit (512 of 514).
-OFFSET_POSITIONS = ("roberta", "xlm-roberta", "xlm-roberta-xl", "camembert", "mpnet",
-                    "data2vec-text", "roberta-prelayernorm", "xmod", "longformer", "ibert", "luke")
-# config.json's name for the hidden width: BERT's and most models' hidden_size, DistilBERT's
-# dim, and others' (transformers maps them onto hidden_size; config.json keeps its own).
-WIDTH_KEYS = ("hidden_size", "dim", "d_model", "n_embd")
 
 
 class ModelSourceError(ValueError):
@@ -228,15 +219,10 @@ def inspect(cfg: ModelConfig, with_revision: bool = True,
         raise ModelSourceError(f"{directory}: no config.json")
     if not (directory / "tokenizer.json").is_file():
         raise ModelSourceError(f"{directory}: no tokenizer.json (a fast tokenizer is required)")
-    if why := needs_own_code(model_cfg):
+    if why := arch.needs_own_code(model_cfg):
         raise ModelSourceError(f"{directory}: {why}")
     st_cfg = _read_json(directory / "sentence_bert_config.json") or {}
-    positions = int(model_cfg.get("max_position_embeddings", 512))
-    if model_cfg.get("model_type") in OFFSET_POSITIONS:  # 514 positions hold 512 tokens
-        # MPNet's padding index is 1 whatever its pad_token_id (transformers' MPNetEmbeddings)
-        pad = 1 if model_cfg["model_type"] == "mpnet" else model_cfg.get("pad_token_id", 1)
-        positions -= int(pad or 0) + 1
-    limit = min(positions, int(st_cfg.get("max_seq_length", 10**9)))
+    limit = min(arch.positions(model_cfg), int(st_cfg.get("max_seq_length", 10**9)))
     if cfg.max_input_tokens:
         limit = min(limit, cfg.max_input_tokens)
     revision = cfg.revision
@@ -307,36 +293,10 @@ def file_digest(path: Path) -> str:
 
 
 def _width(model_cfg: dict, directory: Path) -> int:
-    """An embedding model's vector width: its hidden size, by whichever name its config.json
-    gives it (DistilBERT's `dim`: a KeyError's traceback before)."""
-    for key in WIDTH_KEYS:
-        if isinstance(model_cfg.get(key), int) and model_cfg[key] > 0:
-            return model_cfg[key]
-    raise ModelSourceError(f"{directory}: config.json gives no hidden width (one of "
-                           f"{', '.join(WIDTH_KEYS)})")
-
-
-def needs_own_code(model_cfg: dict) -> str:
-    """Why a checkpoint cannot load without running code from its directory (config.json's
-    `auto_map`, for a model type this transformers does not have: nomic-bert's, say), or "".
-    Such code never runs here (trust_remote_code=False), and the worker's load failed asking
-    for an option shmserve does not have. A type transformers has loads as its own class,
-    auto_map or not; the installed transformers is looked at on disk, not imported (seconds)."""
-    auto_map = model_cfg.get("auto_map")
-    if not auto_map:
-        return ""
-    model_type = str(model_cfg.get("model_type") or "")
-    spec = importlib.util.find_spec("transformers")
-    if model_type and spec is not None and spec.origin is not None:
-        module = model_type.replace("-", "_")
-        if (Path(spec.origin).parent / "models" / module).is_dir():
-            return ""
-    names = sorted(set(auto_map.values() if isinstance(auto_map, dict) else [str(auto_map)]),
-                   key=str)
-    return (f"config.json's model_type {model_type or '(none)'!r} is not one transformers has, "
-            f"and its auto_map names code shipped with the model ({', '.join(map(str, names))}"
-            "), which shmserve never runs (trust_remote_code is off, and not an option): "
-            "serve a checkpoint of an architecture transformers has (docs/models.md)")
+    if (found := arch.width(model_cfg)) is None:
+        raise ModelSourceError(f"{directory}: config.json gives no hidden width (one of "
+                               f"{', '.join(arch.WIDTH_KEYS)})")
+    return found
 
 
 def _head(task: str, model_cfg: dict, directory: Path) -> tuple[tuple[str, ...], str]:
