@@ -57,7 +57,7 @@ def apply(args: argparse.Namespace) -> int:
 def running_now(cfg: Config) -> bool:
     """Whether an apply runs on this deployment now (its lock is held; no file, none ever
     ran: status and restart create nothing)."""
-    if not (cfg.run_dir / "apply.lock").exists():
+    if not _lock_path(cfg).exists():
         return False
     try:
         with exclusive(cfg):
@@ -82,13 +82,17 @@ def apply_state(cfg: Config) -> str | None:
     return "stopped_part_way" if topology.apply_marker_path(cfg).exists() else None
 
 
+def _lock_path(cfg: Config):
+    return cfg.run_dir / "apply.lock"
+
+
 @contextlib.contextmanager
 def exclusive(cfg: Config) -> Iterator[None]:
     """One apply at a time on a deployment: two would add, stop and restart the same programs
     from two plans."""
     with contextlib.ExitStack() as stack:
         try:
-            stack.enter_context(state.held(cfg.run_dir / "apply.lock", "apply"))
+            stack.enter_context(state.held(_lock_path(cfg), "apply"))
         except state.Busy:
             raise CliError("another `shmserve apply` runs on this deployment; wait for it "
                            "to end") from None

@@ -195,11 +195,11 @@ class ReservedMmapedDict(mmap_dict.MmapedDict):
     write to a page that a full filesystem cannot give kills the process with SIGBUS: on a full
     run directory every frontend crash-looped, idle, while nginx answered 502 (an outside
     check). Reserved, a full filesystem raises OSError (ENOSPC) where the file grows instead:
-    at a process's start an error in its log, later a metric update lost (the turn's callback
-    logs it) while the process goes on serving. A new file starts at RESERVED_START, not the
-    library's sparse 1 MiB, and doubles as the library doubles it: a dead process's counter
-    and histogram files are kept (see mark_dead), and a crash loop's would otherwise each
-    take whole mebibytes of the run directory."""
+    at a process's start an error in its log, later a new label's child not created (its
+    update lost, `Children` logs it) while the process goes on serving. A new file starts at
+    RESERVED_START, not the library's sparse 1 MiB, and doubles as the library doubles it: a
+    dead process's counter and histogram files are kept (see mark_dead), and a crash loop's
+    would otherwise each take whole mebibytes of the run directory."""
 
     def __init__(self, filename, read_mode=False):
         if not read_mode:  # before the library's first write (its header)

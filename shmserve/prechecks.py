@@ -47,10 +47,10 @@ def seconds(text: str) -> float:
 
 def check_shm(cfg: Config, directory: Path = Path("/dev/shm")) -> None:
     """Fail before starting anything when /dev/shm is smaller than the frontends' arenas may
-    grow to: tmpfs allocates an arena's pages as requests touch them, and a process that
-    touches one past the mount's size is killed (SIGBUS), a frontend or the worker writing its
-    output rows. Docker's default /dev/shm is 64 MiB. Warn when it is large enough but others
-    hold so much of it that the arenas may not fit."""
+    grow to: a frontend reserves an arena's pages as requests first need them, and once the
+    mount is full the requests that need more are refused (503, shmserve.arena.ShmFull).
+    Docker's default /dev/shm is 64 MiB. Warn when it is large enough but others hold so much
+    of it that the arenas may not fit."""
     need = cfg.frontends.count * cfg.shm.arena_mb * 2**20
     stat = os.statvfs(directory)
     size, free = stat.f_blocks * stat.f_frsize, stat.f_bavail * stat.f_frsize
@@ -58,13 +58,13 @@ def check_shm(cfg: Config, directory: Path = Path("/dev/shm")) -> None:
     what = (f"the {mib(need)} the frontends' arenas may use (frontends.count "
             f"{cfg.frontends.count} x shm.arena_mb {cfg.shm.arena_mb})")
     if size < need:
-        raise CliError(f"{directory} holds {mib(size)}, less than {what}: a process that writes "
-                       "past it is killed (SIGBUS). Mount a larger one (docker run "
+        raise CliError(f"{directory} holds {mib(size)}, less than {what}: requests would be "
+                       "refused (503) once it fills. Mount a larger one (docker run "
                        "--shm-size=2g; Kubernetes: an emptyDir of medium Memory, as "
                        "deploy/kubernetes) or lower shm.arena_mb")
     if free < need:
         print(f"shmserve: warning: {directory} has {mib(free)} free of {mib(size)}, less than "
-              f"{what}; under load a process may be killed (SIGBUS) when it fills",
+              f"{what}; under load requests may be refused (503) when it fills",
               file=sys.stderr)
 
 
@@ -78,8 +78,7 @@ def check_fds(cfg: Config) -> None:
     from shmserve import render
 
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
-    # a descriptor per nginx connection (client or upstream), and some for files
-    want = render.worker_connections(cfg) * render.nginx_workers(cfg) + 1024
+    want = render.nginx_connections(cfg) + 1024  # and some for files
     if hard != resource.RLIM_INFINITY and hard < want:
         print(f"shmserve: warning: the open-files limit is {hard} (ulimit -Hn), under the "
               f"{want} nginx's connections may need (nginx.worker_connections "

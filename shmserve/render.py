@@ -312,11 +312,16 @@ def worker_connections(cfg: Config) -> int:
     return max(cfg.nginx.worker_connections, -(-held * 16 // 15) + 1)
 
 
+def nginx_connections(cfg: Config) -> int:
+    """The connections (client or upstream; a descriptor each) nginx's workers may hold."""
+    return worker_connections(cfg) * nginx_workers(cfg)
+
+
 def _minfds(cfg: Config) -> int:
     # a descriptor per connection, and as many again for files and the rest; supervisord raises
     # every child's soft limit to this, but never past the hard limit (it refuses to start if
     # asked to; `up` warns when that is under what nginx's connections need: prechecks).
-    want = max(4096, 2 * worker_connections(cfg) * nginx_workers(cfg) + 1024)
+    want = max(4096, 2 * nginx_connections(cfg) + 1024)
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     return want if hard == resource.RLIM_INFINITY else min(want, hard)
 

@@ -315,7 +315,7 @@ def test_up_warns_of_an_open_files_limit_under_nginxs_connections(deployment, mo
     err = capsys.readouterr().err
     assert "warning: the open-files limit is 256 (ulimit -Hn)" in err
     assert f"nginx.worker_connections {render.worker_connections(deployment)}" in err
-    enough = render.worker_connections(deployment) * render.nginx_workers(deployment) + 1024
+    enough = render.nginx_connections(deployment) + 1024
     monkeypatch.setattr(resource, "getrlimit", lambda what: (256, enough)
                         if what == resource.RLIMIT_NOFILE else real(what))
     prechecks.check_fds(deployment)  # the soft limit: supervisord raises it
@@ -325,7 +325,7 @@ def test_up_warns_of_an_open_files_limit_under_nginxs_connections(deployment, mo
 def test_up_refuses_a_dev_shm_smaller_than_the_arenas_and_warns_when_it_is_nearly_full(
         deployment, monkeypatch, capsys):
     # Docker's default /dev/shm is 64 MiB: the arenas fit until a burst touches their pages,
-    # then the process writing past it is killed (SIGBUS). Said before anything starts.
+    # Docker's default /dev/shm is 64 MiB: the arenas could not fit under load. Said before
     need = deployment.frontends.count * deployment.shm.arena_mb * 2**20
 
     def shm_of(size: int, free: int):
