@@ -324,8 +324,7 @@ def test_up_warns_of_an_open_files_limit_under_nginxs_connections(deployment, mo
 
 def test_up_refuses_a_dev_shm_smaller_than_the_arenas_and_warns_when_it_is_nearly_full(
         deployment, monkeypatch, capsys):
-    # Docker's default /dev/shm is 64 MiB: the arenas fit until a burst touches their pages,
-    # Docker's default /dev/shm is 64 MiB: the arenas could not fit under load. Said before
+    # Docker's default /dev/shm is 64 MiB: the arenas could not fit. Said before anything starts.
     need = deployment.frontends.count * deployment.shm.arena_mb * 2**20
 
     def shm_of(size: int, free: int):
