@@ -22,7 +22,7 @@ import numpy as np
 
 from frontend import metrics
 from frontend.errors import ApiError
-from frontend.links import Stopped, WorkerGone, consume
+from frontend.links import Stopped, WorkerClosed, WorkerGone, consume
 from frontend.pool import WorkerPool
 from frontend.tokenizer import Encoded
 from shmserve.arena import Arena, ArenaFull, ShmFull
@@ -142,6 +142,15 @@ class Dispatcher:
                 try:  # (not wait_for, which loses a cancel that comes as the reply does)
                     async with asyncio.timeout(max(0.0, deadline - time.time())):
                         reply = await asyncio.shield(future)
+                except WorkerClosed:
+                    # Its worker stopped and said it ran none of it (protocol.Closing): handed
+                    # on as a draining worker's refusal is, not counted as a lost worker's.
+                    unready += 1
+                    if unready > len(self.pool.links):
+                        raise ApiError("unavailable", "workers kept stopping", retry_after=1,
+                                       attempts=attempt) from None
+                    again = "unavailable"
+                    continue
                 except WorkerGone:
                     lost += 1
                     if lost > self.cfg.frontends.retry_on_worker_loss:

@@ -18,6 +18,11 @@ class WorkerGone(Exception):
     """The worker a request was sent to died (or restarted) before answering."""
 
 
+class WorkerClosed(WorkerGone):
+    """The worker said it sends nothing more (protocol.Closing) with the request unanswered:
+    it ran none of it, and another worker takes it as from a draining one."""
+
+
 class Stopped(Exception):
     """This frontend stops: its drain ended before the worker answered (`stop_waiting`)."""
 

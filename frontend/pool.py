@@ -32,12 +32,12 @@ import zmq.asyncio
 from zmq.utils import monitor as zmq_monitor
 
 from frontend import metrics
-from frontend.links import Pending, Stopped, WorkerGone, WorkerLink, send_now
+from frontend.links import Pending, Stopped, WorkerClosed, WorkerGone, WorkerLink, send_now
 from frontend.watchdog import Watchdog
 from shmserve import admission, processes, topology, wire
 from shmserve.config import Config
-from shmserve.protocol import (PROTOCOL_VERSION, Abort, Commit, Error, Heartbeat, Ping, Reload,
-                               ReloadDone, Result, Submit)
+from shmserve.protocol import (PROTOCOL_VERSION, Abort, Closing, ClosingSeen, Commit, Error,
+                               Heartbeat, Ping, Reload, ReloadDone, Result, Submit)
 from shmserve.wire import WireError
 
 log = logging.getLogger("shmserve.frontend")
@@ -246,6 +246,8 @@ class WorkerPool:
                         self._on_heartbeat(link, msg)
                     elif isinstance(msg, (Result, Error, ReloadDone)):
                         self._settle(link, msg)
+                    elif isinstance(msg, Closing):
+                        self._on_closing(link, msg)
         except asyncio.CancelledError:
             raise
         except BaseException:
@@ -271,6 +273,24 @@ class WorkerPool:
         finally:
             link.socket.disable_monitor()
             events.close(linger=0)
+
+    def _on_closing(self, link: WorkerLink, msg: Closing) -> None:
+        """The worker's last message: every reply it owed came before it, so what is still
+        pending here never ran and never will (WorkerClosed: the dispatcher sends it elsewhere,
+        not counted as a lost worker's). Said back at once: the worker holds its connection
+        open until it hears this (a dropped connection loses what was not yet read)."""
+        send_now(link.socket, wire.encode(ClosingSeen(self.frontend)))
+        link.dropped_pid = msg.pid  # its process reads no slot any more
+        if link.alive:
+            link.alive = False
+            log.info("frontend.worker_closed", extra={"fields": {
+                "worker": link.index, "worker_pid": msg.pid, "pending": len(link.pending)}})
+        pending, link.pending, link.outstanding, link.outbox = link.pending, {}, 0, []
+        link.unsent = set()
+        for entry in pending.values():
+            entry.on_settled()
+            if not entry.future.done():
+                entry.future.set_exception(WorkerClosed(f"worker {link.index} stopped"))
 
     def _settle(self, link: WorkerLink, msg: Result | Error | ReloadDone) -> None:
         pending = link.pending.pop(msg.seq, None)

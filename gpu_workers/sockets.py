@@ -9,20 +9,24 @@ and Commit go to the model thread, which owns the model slots.
 from __future__ import annotations
 
 import logging
+import os
 import threading
+import time
 from pathlib import Path
 from typing import Callable
 
 import zmq
 
 from shmserve import wire
-from shmserve.protocol import Abort, Commit, Error, Heartbeat, Ping, Reload, Submit
+from shmserve.protocol import (Abort, Closing, ClosingSeen, Commit, Error, ErrorCode,
+                               Heartbeat, Ping, Reload, Submit)
 from shmserve.wire import WireError
 
 log = logging.getLogger("shmserve.worker")
 
 REPLIES = "inproc://replies"
 POLL_MS = 100
+FAREWELL_S = 1.0  # at most, for the frontends to say they read this worker's last message
 
 
 class SocketThread(threading.Thread):
@@ -32,8 +36,9 @@ class SocketThread(threading.Thread):
                  heartbeat: Callable[[Ping, bytes], Heartbeat],
                  on_control: Callable[[bytes, Reload | Commit], None],
                  tick: Callable[[], None] = lambda: None,
-                 news: Callable[[], Heartbeat | None] = lambda: None) -> None:
+                 news: Callable[[], Heartbeat | None] = lambda: None, worker: int = 0) -> None:
         super().__init__(name="sockets", daemon=True)
+        self._worker = worker
         self._ctx = ctx
         self._endpoint = endpoint
         self._on_submit = on_submit
@@ -102,6 +107,48 @@ class SocketThread(threading.Thread):
                 router.send_multipart(self._replies.recv_multipart(zmq.NOBLOCK))
             except zmq.Again:
                 break
+        self._farewell(router)
+
+    def _farewell(self, router: zmq.Socket) -> None:
+        """Tell each frontend that this worker sends nothing more (Closing), and keep the
+        connection open until each has read that, so every reply before it too (ClosingSeen),
+        or FAREWELL_S has passed (a frontend stopped or gone). A frontend's socket drops what
+        it has not read when the connection drops (see protocol.Closing).
+
+        A Submit that came in meanwhile is refused first (UNAVAILABLE: it ran nothing, another
+        worker takes it); after Closing, a frontend sends what it still waits for elsewhere
+        itself. Pings go unanswered."""
+        while router.poll(0, zmq.POLLIN):
+            frames = router.recv_multipart()
+            for msg in self._decoded(frames):
+                if isinstance(msg, Submit):
+                    refusal = Error(msg.seq, ErrorCode.UNAVAILABLE, "worker is stopping")
+                    router.send_multipart([frames[0], *wire.encode(refusal)])
+        waiting = set()
+        closing = wire.encode(Closing(self._worker, os.getpid()))
+        router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a frontend gone is skipped, not waited for
+        for peer in self._peers.values():
+            try:
+                router.send_multipart([peer, *closing], zmq.NOBLOCK)
+            except zmq.ZMQError:  # EHOSTUNREACH: not connected
+                continue
+            waiting.add(peer)
+        deadline = time.monotonic() + FAREWELL_S
+        while waiting and (left := deadline - time.monotonic()) > 0:
+            if not router.poll(int(left * 1000) + 1, zmq.POLLIN):
+                break
+            frames = router.recv_multipart()
+            if any(isinstance(msg, ClosingSeen) for msg in self._decoded(frames)):
+                waiting.discard(frames[0])
+        if waiting:
+            log.warning("worker.farewell_unread", extra={"fields": {"frontends": len(waiting)}})
+
+    @staticmethod
+    def _decoded(frames: list[bytes]) -> list:
+        try:
+            return wire.decode_all(frames[1:])
+        except WireError:
+            return []
 
     def _handle(self, router: zmq.Socket, frames: list[bytes]) -> None:
         peer = frames[0]

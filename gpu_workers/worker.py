@@ -64,7 +64,7 @@ class Worker:
         intake = self.intake
         self._sockets = SocketThread(self._ctx, topology.worker_endpoint(cfg, index),
                                      intake.on_submit, intake.on_abort, intake.heartbeat,
-                                     intake.on_control, intake.tick, intake.news)
+                                     intake.on_control, intake.tick, intake.news, index)
         self._push: zmq.Socket | None = None
         # Replies not yet sent, by frontend: a batch's go out as one message each (wire).
         self._outbox: dict[bytes, list[bytes]] = {}
@@ -384,6 +384,7 @@ class Worker:
         self._queue = []
 
     def close(self) -> None:
+        self.stopping.set()  # whatever the socket thread still reads is refused
         self._sockets.stop()
         self._sockets.join(timeout=5)
         if self._push is not None:

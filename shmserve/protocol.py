@@ -24,11 +24,11 @@ import re
 from dataclasses import dataclass
 from enum import IntEnum
 
-PROTOCOL_VERSION = 8  # 3: a worker sends a batch's replies to a frontend as one message;
+PROTOCOL_VERSION = 9  # 3: a worker sends a batch's replies to a frontend as one message;
 # 4: ErrorCode.OUT_OF_MEMORY; 5: Heartbeat.pass_s, and a rerank row is the raw logit (the
 # frontend applies the activation), not the score; 6: Heartbeat's admission estimate (drain_rate,
 # drain_pass_s, queued_tokens), a classification row is the raw logits (the frontend applies
-# the softmax), and Ping names its frontend and pid; 8: Submit.raw
+# the softmax), and Ping names its frontend and pid; 8: Submit.raw; 9: Closing and ClosingSeen
 
 
 class Kind(IntEnum):
@@ -43,6 +43,8 @@ class Kind(IntEnum):
     RELOAD = 7
     COMMIT = 8
     RELOAD_DONE = 9
+    CLOSING = 10
+    CLOSING_SEEN = 11
 
 
 class ErrorCode(IntEnum):
@@ -225,7 +227,25 @@ class ReloadDone:
     message: str
 
 
-Message = Ping | Heartbeat | Submit | Result | Error | Abort | Reload | Commit | ReloadDone
+@dataclass(frozen=True, slots=True)
+class Closing:
+    """A worker's last message to a frontend: everything it owes that frontend came before (the
+    socket keeps order), and it reads nothing more. It keeps its connection open until the
+    frontend says it has read this (ClosingSeen), or a moment has passed: ZeroMQ drops what a
+    frontend has not yet read from a connection that drops (its sockets are IMMEDIATE), and a
+    device error's 500 was lost that way, failed over and answered 503."""
+
+    worker: int
+    pid: int
+
+
+@dataclass(frozen=True, slots=True)
+class ClosingSeen:
+    frontend: int
+
+
+Message = (Ping | Heartbeat | Submit | Result | Error | Abort | Reload | Commit | ReloadDone
+           | Closing | ClosingSeen)
 
 KIND_OF: dict[type, Kind] = {
     Ping: Kind.PING,
@@ -237,4 +257,6 @@ KIND_OF: dict[type, Kind] = {
     Reload: Kind.RELOAD,
     Commit: Kind.COMMIT,
     ReloadDone: Kind.RELOAD_DONE,
+    Closing: Kind.CLOSING,
+    ClosingSeen: Kind.CLOSING_SEEN,
 }

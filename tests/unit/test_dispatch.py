@@ -11,7 +11,7 @@ import pytest
 from frontend import metrics
 from frontend.dispatch import Dispatcher
 from frontend.errors import ApiError
-from frontend.links import WorkerGone, WorkerLink
+from frontend.links import WorkerClosed, WorkerGone, WorkerLink
 from frontend.tokenizer import Encoded
 from shmserve import config
 from shmserve.arena import Arena
@@ -58,6 +58,11 @@ class FakePool:
             future.set_exception(WorkerGone("silent"))
             link.alive = False
             self.held.append(on_settled)
+            return future
+        if code == "closed":  # stopped, saying it ran none of it (protocol.Closing)
+            future.set_exception(WorkerClosed("closed"))
+            link.alive = False
+            on_settled()
             return future
         future.set_result(Result(msg.seq, 0.1, 1.0, 1, 3, "r1") if code is None
                           else Error(msg.seq, code, "no"))
@@ -144,6 +149,21 @@ def test_only_a_workers_loss_counts_against_retry_on_worker_loss(arena):
     with pytest.raises(ApiError) as err:
         run(pool, arena)
     assert err.value.status == 503 and pool.sent == [0, 1]
+
+
+def test_a_worker_that_stopped_without_running_the_request_hands_it_on_as_a_draining_one(arena):
+    """A worker that stops says so after its last answer (protocol.Closing): what it had not
+    answered never ran, so it goes to another worker without a lost worker's retry."""
+    before = metrics.RETRIES.labels("unavailable")._value.get()
+    pool = FakePool({0: "closed", 1: None})
+    outcome = run(pool, arena, retries=0)
+    assert outcome.worker == 1 and pool.sent == [0, 1] and outcome.attempts == 2
+    metrics.turn.flush()
+    assert metrics.RETRIES.labels("unavailable")._value.get() == before + 1
+    pool = FakePool({0: "closed", 1: "closed"})
+    with pytest.raises(ApiError) as err:
+        run(pool, arena, retries=0)
+    assert err.value.status == 503 and pool.sent == [0, 1] and arena.bytes_used == 0
 
 
 def test_other_worker_errors_are_the_answer(arena):

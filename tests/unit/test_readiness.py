@@ -191,3 +191,42 @@ def test_held_slots_are_judged_once_a_worker_process_each_round(pool, monkeypatc
     pool._release_held(link, only_gone=True)
     assert sorted(asked) == sorted([dead, live])
     assert len(released) == 1024 and 2000 not in released and list(link.held) == [2000]
+
+
+async def test_a_closing_worker_is_answered_and_what_it_did_not_answer_goes_elsewhere(pool):
+    """A worker's last message (protocol.Closing) comes after every answer it owed: what is
+    still pending never ran, and is handed on at once (WorkerClosed), its slot free, and the
+    worker is told it was read (it holds its connection open until then: a dropped connection
+    lost the 500 of a device error, which came back as 503)."""
+    import asyncio
+
+    from frontend.links import WorkerClosed
+    from shmserve import wire
+    from shmserve.protocol import Closing, ClosingSeen
+
+    beat(pool, 0, True, "a")
+    beat(pool, 1, True, "a")
+    link = pool.links[0]
+    pid = link.beat.pid
+    future = asyncio.get_running_loop().create_future()
+    settled: list[int] = []
+    link.pending[7] = Pending(future, 10, lambda: settled.append(7))
+    link.outstanding = 10
+    said: list[list[bytes]] = []
+
+    def send(frames, flags=0):
+        said.append(frames)
+        done = asyncio.get_running_loop().create_future()
+        done.set_result(None)
+        return done
+
+    link.socket.send_multipart = send
+    pool._on_closing(link, Closing(0, pid))
+    assert isinstance(future.exception(), WorkerClosed) and settled == [7]
+    assert link.pending == {} and link.outstanding == 0
+    assert [wire.decode(frames) for frames in said] == [ClosingSeen(pool.frontend)]
+    assert readiness(pool, models("a")) == "degraded"
+    beat(pool, 0, True, "a", pid=pid)  # a heartbeat of its read late: not back
+    assert not link.ready
+    beat(pool, 0, True, "a", pid=pid + 1)  # its successor
+    assert link.ready and readiness(pool, models("a")) == "ready"

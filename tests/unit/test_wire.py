@@ -2,9 +2,9 @@ import msgpack
 import pytest
 
 from shmserve import wire
-from shmserve.protocol import (KIND_OF, Abort, Commit, Error, ErrorCode, Heartbeat, Queued, Kind,
-                               ModelInfo, Ping, Reload, ReloadDone, ReloadStatus, Result,
-                               ShmHandle, Submit)
+from shmserve.protocol import (KIND_OF, Abort, Closing, ClosingSeen, Commit, Error, ErrorCode,
+                               Heartbeat, Queued, Kind, ModelInfo, Ping, Reload, ReloadDone,
+                               ReloadStatus, Result, ShmHandle, Submit)
 
 HANDLE = ShmHandle("shmserve-abc-fe0-1", 128, 4 * 6, "int32", (6,))
 EMPTY = ShmHandle("shmserve-abc-fe0-1", 128, 0, "int32", (0,))  # a single-segment request
@@ -22,6 +22,8 @@ MESSAGES = [
     Result(7, 0.5, 12.25, 32, 100, "rev-2"),
     Error(7, ErrorCode.OVERLOADED, "queue full"),
     Abort(2**40),
+    Closing(2, 4242),
+    ClosingSeen(1),
     Reload(3, "ticket-1", "m@b", "/models/m-v2", ""),
     Commit(4, "ticket-1", "m@b", True),
     Commit(5, "ticket-1", "m", False),
