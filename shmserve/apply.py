@@ -39,7 +39,7 @@ import time
 import xmlrpc.client
 from typing import Iterator
 
-from shmserve import config, layers, models, processes, render, state, topology
+from shmserve import config, layers, models, processes, render, state, topology, versions
 from shmserve.apply_plan import FIXED, Plan, by_counts, index_of, plan
 from shmserve.prechecks import CliError, check_port, check_shm, seconds
 from shmserve.config import Config
@@ -130,6 +130,8 @@ def _apply(args: argparse.Namespace, new: Config) -> int:
     if new.server.port != old.server.port or new.server.host != old.server.host:
         check_address(old, new)
     check_shm(new)
+    if change := versions.protocol_change(old):  # an upgrade: not one program at a time
+        raise CliError(change)
     with processes.supervisor(new) as proxy:
         try:
             proxy.shmserve.getAPIVersion()

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Mapping
 
-from shmserve import config, layers, models, processes, remote, render, topology
+from shmserve import config, layers, models, processes, remote, render, topology, versions
 from shmserve.cli import CliError, ctl_argv
 from shmserve.startwait import print_log_tails, process_info, restart_loop
 from shmserve.config import Config, ConfigError
@@ -69,6 +69,8 @@ def restart(args: argparse.Namespace) -> int:
                            f"config (run/config.json) has {count} {kind}: an apply that "
                            "removes them is running or stopped part way; `shmserve apply` "
                            "finishes it")
+        if change := versions.protocol_change(cfg):  # an upgrade: restart all together
+            raise CliError(change)
     lone = lone_models(cfg, programs if name == "*" else [name]) if group == "workers" else {}
     if warning := restart_gap(group, name, programs, args.all_at_once, lone):
         say(f"shmserve: warning: {warning}", sys.stderr)
