@@ -70,7 +70,7 @@ def protocol_change(cfg: Config, timeout: float = 1.0) -> str | None:
              if version != PROTOCOL_VERSION}
     if not other:
         return None
-    named = ", ".join(f"worker-{index} speaks {version}" for index, version in sorted(other.items()))
+    named = ", ".join(f"worker-{i} speaks {version}" for i, version in sorted(other.items()))
     return (f"the running workers speak another worker protocol than this installed shmserve "
             f"({PROTOCOL_VERSION}): {named}. Frontends and workers of the two versions cannot "
             "talk, so programs restarted one at a time would not serve with the others; "
