@@ -266,8 +266,9 @@ class WorkerPool:
                 if event["event"] == zmq.EVENT_CONNECTED:
                     link.dropped_pid = None  # whoever answers now is alive
                 elif link.alive:
-                    # What it held fails a moment later, once the replies it sent before it
-                    # went (a drained worker answers before it stops) are read.
+                    # A worker that stops says so first (Closing: it is not alive by now);
+                    # one that crashed or was killed may have answered just before: what it
+                    # held fails a moment later, once the replies still readable are read.
                     link.dropped_pid = link.beat.pid if link.beat is not None else None
                     self._declare_dead(link, "connection dropped", grace=DROP_GRACE_S)
         finally:
@@ -378,8 +379,9 @@ class WorkerPool:
             if link.alive:
                 return
             # Replies the worker sent before it went may still be unread: this frontend's
-            # receive task later than the grace on a loaded machine. A device error's 500 was
-            # failed over this way and answered 503 (once in a fresh-clone CI run).
+            # receive task later than the grace on a loaded machine. (ZeroMQ drops what is
+            # unread once it has processed the drop, which is why a stopping worker waits for
+            # its Closing to be read.)
             if rounds < DROP_GRACE_ROUNDS and link.socket.get(zmq.EVENTS) & zmq.POLLIN:
                 loop.call_later(grace, fail_unless_back, rounds + 1)
                 return
