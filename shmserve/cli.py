@@ -276,6 +276,13 @@ def status(args: argparse.Namespace) -> int:
         about["apply"] = applying
         if not args.json:
             print(f"shmserve: warning: {APPLY_STATES[applying]}", file=sys.stderr, flush=True)
+    from shmserve import versions
+
+    # Once, not every refresh: a worker that does not answer costs the timeout.
+    if change := versions.protocol_change(cfg, timeout=0.5):  # an upgrade half taken
+        about["protocol_change"] = change
+        if not args.json:
+            print(f"shmserve: warning: {change}", file=sys.stderr, flush=True)
     title = f"shmserve {__version__} at {remote.base_url(cfg)} (run_dir {cfg.run_dir})"
 
     def take() -> statusview.Sample:

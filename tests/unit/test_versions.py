@@ -78,3 +78,37 @@ def test_a_rolling_restart_across_a_protocol_change_is_refused_with_what_to_do(t
     for path in topology.socket_dir(cfg).glob("*.ipc"):
         path.unlink()
     assert versions.running_protocols(cfg) == {}
+
+
+def test_status_says_when_running_workers_speak_another_protocol(deployment, capsys,
+                                                                 monkeypatch):
+    """After a `git pull`, supervisord restarting a crashed worker runs the new code beside
+    frontends of the old, which ignore it: status says why, once."""
+    import json
+
+    from shmserve import cli, remote
+
+    monkeypatch.setattr(cli, "supervisord_pid", lambda cfg: 4242)
+    monkeypatch.setattr(cli, "process_info", lambda cfg: [])
+    monkeypatch.setattr(remote, "http", lambda *a, **k: (None, b""))
+    topology.socket_dir(deployment).mkdir(parents=True)
+    workers = FakeWorkers(deployment, {0: beat(PROTOCOL_VERSION), 1: beat(PROTOCOL_VERSION)})
+    try:
+        cli.main(["status"])
+        assert "protocol" not in capsys.readouterr().err
+    finally:
+        workers.close()
+    for path in topology.socket_dir(deployment).glob("*.ipc"):
+        path.unlink()
+    workers = FakeWorkers(deployment, {0: beat(PROTOCOL_VERSION), 1: beat(PROTOCOL_VERSION - 1)})
+    try:
+        cli.main(["status"])
+        err = capsys.readouterr().err
+        assert f"warning: the running workers speak another worker protocol than this " \
+            f"installed shmserve ({PROTOCOL_VERSION}): worker-1 speaks {PROTOCOL_VERSION - 1}" \
+            in err
+        cli.main(["status", "--json"])
+        said = capsys.readouterr()
+        assert "worker-1 speaks" in json.loads(said.out)["protocol_change"] and not said.err
+    finally:
+        workers.close()
