@@ -292,6 +292,10 @@ class WorkerPool:
             entry.on_settled()
             if not entry.future.done():
                 entry.future.set_exception(WorkerClosed(f"worker {link.index} stopped"))
+        for seq, (pid, entry) in list(link.held.items()):  # failed over when it was silent
+            if pid == msg.pid:
+                del link.held[seq]
+                entry.on_settled()
 
     def _settle(self, link: WorkerLink, msg: Result | Error | ReloadDone) -> None:
         pending = link.pending.pop(msg.seq, None)

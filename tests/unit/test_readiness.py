@@ -212,6 +212,9 @@ async def test_a_closing_worker_is_answered_and_what_it_did_not_answer_goes_else
     settled: list[int] = []
     link.pending[7] = Pending(future, 10, lambda: settled.append(7))
     link.outstanding = 10
+    # failed over while it was silent: its slot held until it answers or is gone
+    link.held[5] = (pid, Pending(None, 1, lambda: settled.append(5)))
+    link.held[6] = (pid - 1, Pending(None, 1, lambda: settled.append(6)))  # another process
     said: list[list[bytes]] = []
 
     def send(frames, flags=0):
@@ -222,7 +225,8 @@ async def test_a_closing_worker_is_answered_and_what_it_did_not_answer_goes_else
 
     link.socket.send_multipart = send
     pool._on_closing(link, Closing(0, pid))
-    assert isinstance(future.exception(), WorkerClosed) and settled == [7]
+    assert isinstance(future.exception(), WorkerClosed) and sorted(settled) == [5, 7]
+    assert list(link.held) == [6]
     assert link.pending == {} and link.outstanding == 0
     assert [wire.decode(frames) for frames in said] == [ClosingSeen(pool.frontend)]
     assert readiness(pool, models("a")) == "degraded"
