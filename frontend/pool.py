@@ -278,20 +278,24 @@ class WorkerPool:
     def _on_closing(self, link: WorkerLink, msg: Closing) -> None:
         """The worker's last message: every reply it owed came before it, so what is still
         pending here never ran and never will (WorkerClosed: the dispatcher sends it elsewhere,
-        not counted as a lost worker's). Said back at once: the worker holds its connection
-        open until it hears this (a dropped connection loses what was not yet read)."""
+        not counted as a lost worker's; WorkerGone when the worker failed unforeseen, and may
+        have run it). Said back at once: the worker holds its connection open until it hears
+        this (a dropped connection loses what was not yet read)."""
         send_now(link.socket, wire.encode(ClosingSeen(self.frontend)))
         link.dropped_pid = msg.pid  # its process reads no slot any more
         if link.alive:
             link.alive = False
-            log.info("frontend.worker_closed", extra={"fields": {
-                "worker": link.index, "worker_pid": msg.pid, "pending": len(link.pending)}})
+            log.log(logging.INFO if msg.answered else logging.WARNING, "frontend.worker_closed",
+                    extra={"fields": {"worker": link.index, "worker_pid": msg.pid,
+                                      "pending": len(link.pending), "answered": msg.answered}})
         pending, link.pending, link.outstanding, link.outbox = link.pending, {}, 0, []
         link.unsent = set()
         for entry in pending.values():
             entry.on_settled()
             if not entry.future.done():
-                entry.future.set_exception(WorkerClosed(f"worker {link.index} stopped"))
+                entry.future.set_exception(
+                    WorkerClosed(f"worker {link.index} stopped") if msg.answered
+                    else WorkerGone(f"worker {link.index} failed"))
         for seq, (pid, entry) in list(link.held.items()):  # failed over when it was silent
             if pid == msg.pid:
                 del link.held[seq]

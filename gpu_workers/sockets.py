@@ -52,13 +52,16 @@ class SocketThread(threading.Thread):
         # news went to all of them; a review).
         self._peers: dict[int, bytes] = {}
         self._halt = threading.Event()
+        self._answered = True
         self.bound = threading.Event()
         self.failure: BaseException | None = None
         # Bind the reply socket now so the model thread may connect before this thread runs.
         self._replies = ctx.socket(zmq.PULL)
         self._replies.bind(REPLIES)
 
-    def stop(self) -> None:
+    def stop(self, answered: bool = True) -> None:
+        """`answered`: what the model thread took was answered or never ran (Closing)."""
+        self._answered = answered
         self._halt.set()
 
     def run(self) -> None:
@@ -125,7 +128,7 @@ class SocketThread(threading.Thread):
                     refusal = Error(msg.seq, ErrorCode.UNAVAILABLE, "worker is stopping")
                     router.send_multipart([frames[0], *wire.encode(refusal)])
         waiting = set()
-        closing = wire.encode(Closing(self._worker, os.getpid()))
+        closing = wire.encode(Closing(self._worker, os.getpid(), self._answered))
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a frontend gone is skipped, not waited for
         for peer in self._peers.values():
             try:

@@ -383,9 +383,10 @@ class Worker:
         self._send_replies()
         self._queue = []
 
-    def close(self) -> None:
+    def close(self, answered: bool = True) -> None:
+        """`answered`: every request taken was answered or never ran (protocol.Closing)."""
         self.stopping.set()  # whatever the socket thread still reads is refused
-        self._sockets.stop()
+        self._sockets.stop(answered)
         self._sockets.join(timeout=5)
         if self._push is not None:
             self._push.close(linger=1000)
@@ -413,12 +414,16 @@ def main(cfg: Config, index: int) -> int:
     # does, and supervisord starts it again.
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, stop)
-    loading = False
+    loading, answered = False, False
     try:
         worker.serve()
+        answered = True
     except SystemExit:
-        loading = True
+        loading = answered = True
+    except DeviceLost:
+        answered = True  # its pass answered 500, what waited UNAVAILABLE (_run)
+        raise
     finally:
-        worker.close()
+        worker.close(answered)
     log.info("worker.stopped", extra={"fields": {"worker": index, "while_loading": loading}})
     return 0

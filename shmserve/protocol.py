@@ -237,6 +237,10 @@ class Closing:
 
     worker: int
     pid: int
+    # Every request it took was answered, or never ran (a stop, a device error). False: it
+    # failed on something unforeseen mid-pass, and what it held may have run: a frontend
+    # counts those as a lost worker's (frontends.retry_on_worker_loss).
+    answered: bool = True
 
 
 @dataclass(frozen=True, slots=True)

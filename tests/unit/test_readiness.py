@@ -234,3 +234,22 @@ async def test_a_closing_worker_is_answered_and_what_it_did_not_answer_goes_else
     assert not link.ready
     beat(pool, 0, True, "a", pid=pid + 1)  # its successor
     assert link.ready and readiness(pool, models("a")) == "ready"
+
+
+async def test_a_worker_that_failed_unforeseen_has_its_requests_retried_as_a_lost_workers(pool):
+    """Closing(answered=False): the worker failed mid-pass on something it did not foresee,
+    and what it held may have run: those requests count against retry_on_worker_loss (a
+    request that crashes every worker is not tried on each of them for nothing)."""
+    import asyncio
+
+    from frontend.links import WorkerClosed, WorkerGone
+    from shmserve.protocol import Closing
+
+    beat(pool, 0, True, "a")
+    link = pool.links[0]
+    future = asyncio.get_running_loop().create_future()
+    link.pending[7] = Pending(future, 10, lambda: None)
+    pool._on_closing(link, Closing(0, link.beat.pid, answered=False))
+    error = future.exception()
+    assert isinstance(error, WorkerGone) and not isinstance(error, WorkerClosed)
+    assert not link.ready

@@ -94,10 +94,14 @@ def test_the_wait_for_a_frontend_is_bounded_and_a_gone_one_is_not_waited_for(
         tmp_path, monkeypatch, caplog):
     ctx, thread, dealer = _serving(tmp_path, monkeypatch, farewell_s=0.5)
     try:
-        thread.stop()  # the frontend never answers: the worker goes after FAREWELL_S
+        # A worker that failed unforeseen says its requests may have run (answered=False);
+        # the frontend never answers: the worker goes after FAREWELL_S.
+        thread.stop(answered=False)
         started = time.monotonic()
         thread.join(5)
         assert not thread.is_alive() and 0.4 < time.monotonic() - started < 2
+        assert dealer.poll(1000)
+        assert wire.decode(dealer.recv_multipart()) == Closing(3, os.getpid(), False)
         assert any(r.message == "worker.farewell_unread" for r in caplog.records)
     finally:
         dealer.close(linger=0)
