@@ -66,6 +66,14 @@ def test_rolling_restarts_answer_every_request(stack):
     # was logged at crit, which alerting on nginx's crit lines would page for at every restart.
     crit = [line for line in stack.log("nginx").splitlines() if "[crit]" in line]
     assert not crit, crit[:3]
+    # Each stopping worker said so last, after its answers, and both frontends read it: none
+    # was taken for lost, and nothing it held was computed twice (a worker that exited right
+    # after answering lost answers to ZeroMQ: a device error's 500 came back 503).
+    lines = [line for i in (0, 1) for line in stack.log_lines(f"frontend-{i}")]
+    closed = sorted(line["worker"] for line in lines
+                    if line["message"] == "frontend.worker_closed")
+    assert closed == [0, 0, 1, 1], closed
+    assert not [line for line in lines if line["message"] == "frontend.worker_lost"]
 
 
 def test_restart_of_one_program_waits_until_it_is_ready(stack):
