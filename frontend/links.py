@@ -44,6 +44,7 @@ class WorkerLink:
     alive: bool = False
     pending: dict[int, Pending] = field(default_factory=dict)
     outstanding: int = 0  # tokens submitted here and not yet answered
+    protocol: int | None = None  # the version its last heartbeat named (shmserve.protocol)
     dropped_pid: int | None = None  # the worker whose connection dropped: its heartbeats still
                                     # queued on the socket are stale
     outbox: list[bytes] = field(default_factory=list)  # messages to send at the end of this

@@ -316,6 +316,7 @@ class WorkerPool:
             pending.future.set_result(msg)
 
     def _on_heartbeat(self, link: WorkerLink, beat: Heartbeat) -> None:
+        link.protocol = beat.protocol_version  # on /ready: one of another version is ignored
         if beat.protocol_version != PROTOCOL_VERSION:
             if link.alive or link.beat is None:
                 log.error("worker %d speaks protocol %d, this frontend %d; ignoring it",

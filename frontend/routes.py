@@ -169,7 +169,10 @@ async def ready(request: web.Request) -> web.Response:
                 "pass_s": round(link.beat.pass_s, 3) if link.beat else None,
                 "stalled": bool(link.beat and pool.watchdog.stalled(link.beat)),
                 # since its last heartbeat (workers.hung_kill_s of silence: killed)
-                "silent_s": round(now - link.last_beat, 1) if link.beat else None}
+                "silent_s": round(now - link.last_beat, 1) if link.beat else None,
+                # the worker protocol its heartbeats name; another than this frontend's
+                # (an upgrade half taken, README: Upgrading) is not used
+                "protocol": link.protocol}
                for link in pool.links]
     status = readiness(pool, request.app[MODELS])
     return codec.render(request, {"status": status, "workers": workers},

@@ -11,6 +11,7 @@ import numpy as np
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
+from shmserve.protocol import PROTOCOL_VERSION
 from tests.conftest import TINY_MAX_TOKENS
 from tests.tinymodel import reference_embeddings
 
@@ -26,6 +27,7 @@ def test_health_ready_models(tiny_stack):
     ready = json.loads(body)
     assert status == 200 and ready["status"] == "ready"
     assert [w["ready"] for w in ready["workers"]] == [True]
+    assert [w["protocol"] for w in ready["workers"]] == [PROTOCOL_VERSION]
     status, _, body = tiny_stack.get("/v1/models")
     assert status == 200 and [m["id"] for m in json.loads(body)["data"]] == ["tiny"]
 

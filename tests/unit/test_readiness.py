@@ -253,3 +253,15 @@ async def test_a_worker_that_failed_unforeseen_has_its_requests_retried_as_a_los
     error = future.exception()
     assert isinstance(error, WorkerGone) and not isinstance(error, WorkerClosed)
     assert not link.ready
+
+
+def test_a_worker_of_another_protocol_is_ignored_and_named(pool):
+    """After an upgrade half taken, a worker restarted on the new code beside frontends of the
+    old is not used: /ready names the protocol each worker's heartbeats speak."""
+    beat(pool, 0, True, "a")
+    link = pool.links[1]
+    pool._on_heartbeat(link, Heartbeat(PROTOCOL_VERSION + 1, 1, 1_000_001, True, "cpu", (),
+                                       0, 10, 0.0, 0.0))
+    assert not link.ready and link.protocol == PROTOCOL_VERSION + 1
+    assert pool.links[0].protocol == PROTOCOL_VERSION
+    assert readiness(pool, models("a")) == "degraded"
