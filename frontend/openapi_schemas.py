@@ -105,7 +105,8 @@ def _native_schemas(parts: dict[str, Any]) -> dict[str, Any]:
         "ModelList": {"type": "object", "properties": {
             "object": {"const": "list"}, "data": {"type": "array", "items": ref("Model")}}},
         "Health": {"type": "object", "properties": {"status": {"type": "string"},
-                                                    "version": {"type": "string"}}},
+                                                    "version": {"type": "string"},
+                                                    "protocol": {"type": "integer"}}},
         "Readiness": {"type": "object", "properties": {
             "status": {"enum": ["ready", "degraded", "loading", "unavailable"]},
             "workers": {"type": "array", "items": {"type": "object"}}}},

@@ -316,10 +316,13 @@ class WorkerPool:
             pending.future.set_result(msg)
 
     def _on_heartbeat(self, link: WorkerLink, beat: Heartbeat) -> None:
-        link.protocol = beat.protocol_version  # on /ready: one of another version is ignored
+        heard, link.protocol = link.protocol, beat.protocol_version  # on /ready
         if beat.protocol_version != PROTOCOL_VERSION:
-            if link.alive or link.beat is None:
-                log.error("worker %d speaks protocol %d, this frontend %d; ignoring it",
+            # Once, not every heartbeat (a frontend restarted on pulled code logged it five
+            # times a second: an outside check).
+            if link.alive or heard != beat.protocol_version:
+                log.error("worker %d speaks protocol %d, this frontend %d; ignoring it (an "
+                          "upgrade half taken? README: Upgrading shmserve)",
                           link.index, beat.protocol_version, PROTOCOL_VERSION)
             link.alive = False
             return

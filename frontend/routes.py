@@ -19,6 +19,7 @@ from frontend.dispatch import Outcome
 from frontend.errors import ApiError
 from frontend.pool import WorkerPool
 from frontend.tokenizer import Encoded
+from shmserve.protocol import PROTOCOL_VERSION
 
 
 def add_routes(app: web.Application) -> None:
@@ -154,7 +155,9 @@ def _created(directory) -> int:
 
 
 async def health(request: web.Request) -> web.Response:
-    return codec.render(request, {"status": "ok", "version": shmserve.__version__})
+    # protocol: the worker protocol it speaks (shmserve.versions asks it before a restart)
+    return codec.render(request, {"status": "ok", "version": shmserve.__version__,
+                                  "protocol": PROTOCOL_VERSION})
 
 
 async def ready(request: web.Request) -> web.Response:

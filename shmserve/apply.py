@@ -118,6 +118,8 @@ def _apply(args: argparse.Namespace, new: Config) -> int:
     if not changes and not resumed:  # resumed: programs it added may run still, say
         say("shmserve: nothing to apply: the running deployment has this config")
         return 0
+    if change := versions.protocol_change(old):  # an upgrade: not one program at a time
+        raise CliError(change)
     # Said before the checks: a refusal's reason may be a change the operator did not mean
     # (an override of `up`'s left out, `--env prod` forgotten).
     say(f"shmserve: {'would apply' if args.dry_run else 'applying'}:\n"
@@ -130,8 +132,6 @@ def _apply(args: argparse.Namespace, new: Config) -> int:
     if new.server.port != old.server.port or new.server.host != old.server.host:
         check_address(old, new)
     check_shm(new)
-    if change := versions.protocol_change(old):  # an upgrade: not one program at a time
-        raise CliError(change)
     with processes.supervisor(new) as proxy:
         try:
             proxy.shmserve.getAPIVersion()

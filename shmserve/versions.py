@@ -1,12 +1,14 @@
-"""Whether the running workers speak this installed shmserve's worker protocol.
+"""Whether the running frontends and workers speak this installed shmserve's worker protocol.
 
 Frontends and workers talk over ZeroMQ in `shmserve.protocol`'s messages, versioned by
 PROTOCOL_VERSION; each side ignores the other's heartbeats when the versions differ. So after an
 upgrade that changed it, programs restarted one at a time (`shmserve restart`, `shmserve apply`)
 cannot serve with the ones still running the old code: a rolling restart of the workers waited
 its whole timeout for a worker no old frontend would use, and one of the frontends then left the
-old workers unused (a degraded deployment). The commands that restart programs ask the workers
-first, and refuse such a change unless everything restarts together.
+old workers unused (a degraded deployment). The commands that restart programs ask every
+program first (a worker by a ping, a frontend by GET /health), and refuse such a change: only a
+start of everything together serves on. A program that does not answer in time (stopped,
+crash-looping) is left out of the comparison.
 """
 
 from __future__ import annotations
@@ -62,18 +64,45 @@ def running_protocols(cfg: Config, timeout: float = 1.0) -> dict[int, int]:
         ctx.term()
 
 
+def frontend_protocols(cfg: Config, timeout: float = 1.0) -> dict[int, int]:
+    """The protocol each running frontend's GET /health names, by index, asked on its own
+    socket; 8 for one that answers without naming it (it came in with protocol 9)."""
+    import json
+
+    from shmserve import remote
+
+    found: dict[int, int] = {}
+    for path in sorted(topology.socket_dir(cfg).glob("frontend-*.sock")):
+        index = path.stem.removeprefix("frontend-")
+        if not index.isdigit():
+            continue
+        code, body = remote.get_unix(str(path), "/health", timeout)
+        if code != 200:
+            continue
+        try:
+            said = json.loads(body)
+        except ValueError:
+            continue
+        if isinstance(said, dict):
+            version = said.get("protocol", 8)
+            found[int(index)] = version if isinstance(version, int) else 8
+    return found
+
+
 def protocol_change(cfg: Config, timeout: float = 1.0) -> str | None:
-    """What stands in the way of restarting programs one at a time: the running workers that
-    speak another protocol than this installed shmserve, said with what to do; None when they
-    all speak it (or none answers: nothing to compare)."""
-    other = {index: version for index, version in running_protocols(cfg, timeout).items()
-             if version != PROTOCOL_VERSION}
+    """What stands in the way of restarting programs one group at a time: the running
+    frontends and workers that speak another protocol than this installed shmserve, said with
+    what to do; None when they all speak it (or none answers: nothing to compare)."""
+    other = [(f"frontend-{i}", v) for i, v in sorted(frontend_protocols(cfg, timeout).items())
+             if v != PROTOCOL_VERSION]
+    other += [(f"worker-{i}", v) for i, v in sorted(running_protocols(cfg, timeout).items())
+              if v != PROTOCOL_VERSION]
     if not other:
         return None
-    named = ", ".join(f"worker-{i} speaks {version}" for i, version in sorted(other.items()))
-    return (f"the running workers speak another worker protocol than this installed shmserve "
-            f"({PROTOCOL_VERSION}): {named}. Frontends and workers of the two versions cannot "
-            "talk, so programs restarted one at a time would not serve with the others; "
-            "restart everything together: `shmserve down`, then `shmserve up --wait` (requests "
-            "are refused until it is ready; in Kubernetes, a rolling update of the pods does "
-            "this one pod at a time)")
+    named = ", ".join(f"{name} speaks {version}" for name, version in other)
+    return (f"running programs speak another worker protocol than this installed shmserve "
+            f"({PROTOCOL_VERSION}): {named}. Frontends and workers of two versions cannot "
+            "talk, so programs restarted one (or one group) at a time would not serve with "
+            "the others; restart everything together: `shmserve down`, then `shmserve up "
+            "--wait` (requests are refused until it is ready; in Kubernetes, a rolling update "
+            "of the pods does this one pod at a time)")

@@ -23,6 +23,7 @@ TEXTS = ["The quick brown fox jumps over the lazy dog.", "hello",
 def test_health_ready_models(tiny_stack):
     status, headers, body = tiny_stack.get("/health")
     assert status == 200 and json.loads(body)["status"] == "ok"
+    assert json.loads(body)["protocol"] == PROTOCOL_VERSION  # asked by restart (versions)
     status, _, body = tiny_stack.get("/ready")
     ready = json.loads(body)
     assert status == 200 and ready["status"] == "ready"
