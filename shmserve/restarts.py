@@ -206,7 +206,11 @@ def ctl(cfg: Config, *args: str) -> None:
 def restart_one(cfg: Config, group: str, program: str, timeout: float) -> None:
     """Restart one frontend or worker and wait until it serves again: a frontend answers
     GET /ready with 200 on its own socket; a worker, under its new pid, is ready in every
-    frontend's GET /ready (each learns it from the worker's heartbeats)."""
+    frontend's GET /ready (each learns it from the worker's heartbeats). A worker waits first
+    for the other workers that are loading (restarted by hand or by supervisord meanwhile):
+    stopped beside one still loading, requests found no ready worker (an outside check)."""
+    if group == "workers":
+        wait_for_others(cfg, int(program.rpartition("-")[2]), timeout)
     ctl(cfg, "restart", f"{group}:{program}")
     pid = next((p["pid"] for p in process_info(cfg) if p["name"] == program), 0)
     wait_until_ready(cfg, group, program, pid, timeout,
@@ -241,6 +245,39 @@ def wait_until_ready(cfg: Config, group: str, program: str, pid: int, timeout: f
                            f"{rest}; logs in {topology.log_dir(cfg)}")
         time.sleep(0.2)
     say(f"shmserve: {program} ready")
+
+
+def loading_workers(cfg: Config, index: int) -> list[int]:
+    """The workers other than `index` that a frontend sees alive and not ready (loading),
+    asked of the first frontend that answers; [] when none answers."""
+    for i in range(cfg.frontends.count):
+        code, body = remote.get_unix(str(topology.frontend_socket(cfg, i)), "/ready")
+        if code is None:
+            continue
+        try:
+            workers = json.loads(body)["workers"]
+        except (ValueError, KeyError, TypeError):
+            continue
+        return [w["worker"] for w in workers if isinstance(w, dict) and w.get("alive")
+                and not w.get("ready") and w.get("worker") != index]
+    return []
+
+
+def wait_for_others(cfg: Config, index: int, timeout: float) -> None:
+    """Until no other worker is loading, or `timeout` (then it goes on, saying so)."""
+    loading = loading_workers(cfg, index)
+    if not loading:
+        return
+    names = ", ".join(f"worker-{i}" for i in loading)
+    say(f"shmserve: {names} {'is' if len(loading) == 1 else 'are'} loading: waiting until "
+        f"ready before restarting worker-{index}")
+    deadline = time.monotonic() + timeout
+    while loading_workers(cfg, index):
+        if time.monotonic() > deadline:
+            say(f"shmserve: warning: {names} still not ready after {timeout:g} s; restarting "
+                f"worker-{index} anyway", sys.stderr)
+            return
+        time.sleep(0.2)
 
 
 def worker_ready(frontend_socket: str, index: int, pid: int) -> bool:

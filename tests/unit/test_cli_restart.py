@@ -159,3 +159,29 @@ def test_restart_refuses_programs_the_running_config_no_longer_has(monkeypatch, 
                        r"\(run/config.json\) has (2 frontends|1 worker).*`shmserve apply`"):
         restarts.restart(args)
     assert not ran
+
+
+def test_a_worker_restart_waits_for_another_worker_still_loading(monkeypatch, capsys):
+    """`supervisorctl restart workers:worker-1` then at once `shmserve restart worker-0`: worker-0
+    stopped while worker-1 loaded, and a request found no ready worker (an outside check)."""
+    cfg = config.from_tree({"models": [{"name": "a", "source": "/nonexistent/a"}],
+                            "workers": {"devices": "cpu", "cpu_workers": 2}})
+    answers = iter([False, False, True])  # worker-1 ready at the third look
+
+    def get_unix(path, target, timeout=2.0):
+        ready = next(answers)
+        return 200, json.dumps({"workers": [
+            {"worker": 0, "alive": True, "ready": True},
+            {"worker": 1, "alive": True, "ready": ready}]}).encode()
+    monkeypatch.setattr(restarts.remote, "get_unix", get_unix)
+    monkeypatch.setattr(restarts.time, "sleep", lambda s: None)
+    restarts.wait_for_others(cfg, 0, timeout=30)
+    assert "worker-1 is loading: waiting until ready before restarting worker-0" in \
+        capsys.readouterr().out
+    with pytest.raises(StopIteration):
+        next(answers)  # looked until it was ready
+    # A dead worker (not alive) is not waited for; nor is the one restarted.
+    monkeypatch.setattr(restarts.remote, "get_unix", lambda *a, **k: (200, json.dumps(
+        {"workers": [{"worker": 0, "alive": True, "ready": False},
+                     {"worker": 1, "alive": False, "ready": False}]}).encode()))
+    assert restarts.loading_workers(cfg, 0) == []
