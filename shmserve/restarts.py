@@ -248,18 +248,30 @@ def wait_until_ready(cfg: Config, group: str, program: str, pid: int, timeout: f
 
 
 def loading_workers(cfg: Config, index: int) -> list[int]:
-    """The workers other than `index` that a frontend sees alive and not ready (loading),
-    asked of the first frontend that answers; [] when none answers."""
-    for i in range(cfg.frontends.count):
-        code, body = remote.get_unix(str(topology.frontend_socket(cfg, i)), "/ready")
+    """The workers other than `index` that supervisord runs (or starts) and that the first
+    frontend that answers does not see ready under that pid: loading, or still importing
+    before their first heartbeat. One that exited (BACKOFF, FATAL) is not among them; nor is
+    any when no frontend answers."""
+    sockets = [str(topology.frontend_socket(cfg, i)) for i in range(cfg.frontends.count)]
+    for path in sockets:
+        code, body = remote.get_unix(path, "/ready")
         if code is None:
             continue
         try:
-            workers = json.loads(body)["workers"]
+            seen = {w["worker"]: w for w in json.loads(body)["workers"]}
         except (ValueError, KeyError, TypeError):
             continue
-        return [w["worker"] for w in workers if isinstance(w, dict) and w.get("alive")
-                and not w.get("ready") and w.get("worker") != index]
+        loading = []
+        for info in process_info(cfg):
+            other = info["name"].removeprefix("worker-")
+            if info["group"] != "workers" or not other.isdigit() or int(other) == index:
+                continue
+            if info["statename"] not in ("STARTING", "RUNNING"):
+                continue
+            worker = seen.get(int(other), {})
+            if not (worker.get("ready") and worker.get("pid") == info["pid"]):
+                loading.append(int(other))
+        return loading
     return []
 
 

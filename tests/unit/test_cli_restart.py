@@ -171,17 +171,24 @@ def test_a_worker_restart_waits_for_another_worker_still_loading(monkeypatch, ca
     def get_unix(path, target, timeout=2.0):
         ready = next(answers)
         return 200, json.dumps({"workers": [
-            {"worker": 0, "alive": True, "ready": True},
-            {"worker": 1, "alive": True, "ready": ready}]}).encode()
+            {"worker": 0, "alive": True, "ready": True, "pid": 10},
+            {"worker": 1, "alive": True, "ready": ready, "pid": 11}]}).encode()
     monkeypatch.setattr(restarts.remote, "get_unix", get_unix)
     monkeypatch.setattr(restarts.time, "sleep", lambda s: None)
+    states = {"worker-1": "RUNNING"}
+    monkeypatch.setattr(restarts, "process_info", lambda cfg: [
+        {"name": "worker-0", "group": "workers", "statename": "RUNNING", "pid": 10},
+        {"name": "worker-1", "group": "workers", "statename": states["worker-1"], "pid": 11},
+        {"name": "frontend-0", "group": "frontends", "statename": "RUNNING", "pid": 12}])
     restarts.wait_for_others(cfg, 0, timeout=30)
     assert "worker-1 is loading: waiting until ready before restarting worker-0" in \
         capsys.readouterr().out
     with pytest.raises(StopIteration):
         next(answers)  # looked until it was ready
-    # A dead worker (not alive) is not waited for; nor is the one restarted.
+    # Still importing (its first heartbeat not yet heard: the frontends name the old pid)
     monkeypatch.setattr(restarts.remote, "get_unix", lambda *a, **k: (200, json.dumps(
-        {"workers": [{"worker": 0, "alive": True, "ready": False},
-                     {"worker": 1, "alive": False, "ready": False}]}).encode()))
+        {"workers": [{"worker": 0, "alive": True, "ready": False, "pid": 10},
+                     {"worker": 1, "alive": False, "ready": True, "pid": 9}]}).encode()))
+    assert restarts.loading_workers(cfg, 0) == [1]
+    states["worker-1"] = "BACKOFF"  # exited: not waited for; nor is the one restarted
     assert restarts.loading_workers(cfg, 0) == []
