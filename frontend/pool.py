@@ -288,18 +288,9 @@ class WorkerPool:
             log.log(logging.INFO if msg.answered else logging.WARNING, "frontend.worker_closed",
                     extra={"fields": {"worker": link.index, "worker_pid": msg.pid,
                                       "pending": len(link.pending), "answered": msg.answered}})
-        pending, link.pending, link.outstanding, link.outbox = link.pending, {}, 0, []
-        link.unsent = set()
-        for entry in pending.values():
-            entry.on_settled()
-            if not entry.future.done():
-                entry.future.set_exception(
-                    WorkerClosed(f"worker {link.index} stopped") if msg.answered
-                    else WorkerGone(f"worker {link.index} failed"))
-        for seq, (pid, entry) in list(link.held.items()):  # failed over when it was silent
-            if pid == msg.pid:
-                del link.held[seq]
-                entry.on_settled()
+        self._fail_pending(link, f"worker {link.index} {'stopped' if msg.answered else 'failed'}",
+                           hold=False, error=WorkerClosed if msg.answered else WorkerGone)
+        self._release_held(link, of=msg.pid)  # failed over earlier, while it was silent
 
     def _settle(self, link: WorkerLink, msg: Result | Error | ReloadDone) -> None:
         pending = link.pending.pop(msg.seq, None)
@@ -401,8 +392,10 @@ class WorkerPool:
 
         loop.call_later(grace, fail_unless_back)
 
-    def _fail_pending(self, link: WorkerLink, reason: str, hold: bool = True) -> None:
-        """Fail `link`'s requests over (WorkerGone: the dispatcher resubmits them elsewhere).
+    def _fail_pending(self, link: WorkerLink, reason: str, hold: bool = True,
+                      error: type[WorkerGone] = WorkerGone) -> None:
+        """Fail `link`'s requests over (`error`, WorkerGone or WorkerClosed: the dispatcher
+        resubmits them elsewhere).
         A slot is released now only where no worker process can touch it: its Submit was never
         sent, or the worker's process is gone; otherwise the worker may just have been silent
         (stopped, swapped out) and may still read its token ids and write its rows, so the slot
@@ -422,14 +415,17 @@ class WorkerPool:
             else:
                 entry.on_settled()
             if not entry.future.done():
-                entry.future.set_exception(WorkerGone(reason))
+                entry.future.set_exception(error(reason))
 
-    def _release_held(self, link: WorkerLink, only_gone: bool = False) -> None:
-        """Release the slots held for worker processes that are gone (`only_gone`), or all.
-        Each pid is looked up once: up to frontends.max_inflight entries share one, and a
-        lookup each held the event loop ~46 ms a heartbeat round (1,024; a review)."""
+    def _release_held(self, link: WorkerLink, only_gone: bool = False,
+                      of: int | None = None) -> None:
+        """Release the slots held for worker processes that are gone (`only_gone`), for
+        process `of` (it said it reads none any more: Closing), or all. Each pid is looked up
+        once: up to frontends.max_inflight entries share one, and a lookup each held the event
+        loop ~46 ms a heartbeat round (1,024; a review)."""
         pids = {pid for pid, _ in link.held.values()}
-        gone = {pid for pid in pids if not processes.alive(pid)} if only_gone else pids
+        gone = ({of} & pids if of is not None
+                else {pid for pid in pids if not processes.alive(pid)} if only_gone else pids)
         for seq, (pid, entry) in list(link.held.items()):
             if pid in gone:
                 del link.held[seq]

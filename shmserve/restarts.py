@@ -252,26 +252,15 @@ def loading_workers(cfg: Config, index: int) -> list[int]:
     frontend that answers does not see ready under that pid: loading, or still importing
     before their first heartbeat. One that exited (BACKOFF, FATAL) is not among them; nor is
     any when no frontend answers."""
-    sockets = [str(topology.frontend_socket(cfg, i)) for i in range(cfg.frontends.count)]
-    for path in sockets:
-        code, body = remote.get_unix(path, "/ready")
-        if code is None:
+    for i in range(cfg.frontends.count):
+        seen = seen_workers(str(topology.frontend_socket(cfg, i)))
+        if seen is None:
             continue
-        try:
-            seen = {w["worker"]: w for w in json.loads(body)["workers"]}
-        except (ValueError, KeyError, TypeError):
-            continue
-        loading = []
-        for info in process_info(cfg):
-            other = info["name"].removeprefix("worker-")
-            if info["group"] != "workers" or not other.isdigit() or int(other) == index:
-                continue
-            if info["statename"] not in ("STARTING", "RUNNING"):
-                continue
-            worker = seen.get(int(other), {})
-            if not (worker.get("ready") and worker.get("pid") == info["pid"]):
-                loading.append(int(other))
-        return loading
+        return [int(other) for info in process_info(cfg)
+                if info["group"] == "workers"
+                and (other := info["name"].removeprefix("worker-")).isdigit()
+                and int(other) != index and info["statename"] in ("STARTING", "RUNNING")
+                and not ready_in(seen, int(other), info["pid"])]
     return []
 
 
@@ -292,17 +281,28 @@ def wait_for_others(cfg: Config, index: int, timeout: float) -> None:
         time.sleep(0.2)
 
 
-def worker_ready(frontend_socket: str, index: int, pid: int) -> bool:
-    """Whether the frontend on `frontend_socket` sees worker `index`, as process `pid`, ready."""
+def seen_workers(frontend_socket: str) -> dict[int, dict] | None:
+    """The workers as the frontend on `frontend_socket` sees them (its GET /ready's entries,
+    by index), or None when it does not answer."""
     code, body = remote.get_unix(frontend_socket, "/ready")
     if code is None:
-        return False
+        return None
     try:
-        workers = json.loads(body)["workers"]
+        return {w["worker"]: w for w in json.loads(body)["workers"] if isinstance(w, dict)}
     except (ValueError, KeyError, TypeError):
-        return False
-    return any(w.get("worker") == index and w.get("pid") == pid and w.get("ready")
-               for w in workers)
+        return None
+
+
+def ready_in(seen: dict[int, dict], index: int, pid: int) -> bool:
+    """Whether worker `index` is ready, as process `pid`, in a frontend's `seen_workers`."""
+    worker = seen.get(index, {})
+    return bool(worker.get("ready")) and worker.get("pid") == pid
+
+
+def worker_ready(frontend_socket: str, index: int, pid: int) -> bool:
+    """Whether the frontend on `frontend_socket` sees worker `index`, as process `pid`, ready."""
+    seen = seen_workers(frontend_socket)
+    return seen is not None and ready_in(seen, index, pid)
 
 
 def reload_nginx(cfg: Config) -> int:
