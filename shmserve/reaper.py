@@ -32,10 +32,13 @@ from shmserve import config, logs, metrics
 
 log = logging.getLogger("shmserve.reaper")
 
-# Every program's exits as supervisord reports them (PROCESS_STATE_EXITED): expected "false" is
-# a crash or a kill (supervisord restarts it), "true" an exit code the program section expects.
-# Stops (supervisorctl stop, restart, down) are not exits. Counted in the metrics directory, as
-# every process's counters are, so a restarted reaper loses none.
+# Every program's exits as supervisord reports them: PROCESS_STATE_EXITED for a process that had
+# run startsecs (1 s), expected "false" a crash or a kill (supervisord restarts it), "true" an
+# exit code the program section expects; and PROCESS_STATE_BACKOFF for one that exited sooner,
+# while starting (a crash at import or on a full disk: no EXITED event, so a fast crash loop
+# counted nothing), always "false". Stops (supervisorctl stop, restart, down) are not exits.
+# Counted in the metrics directory, as every process's counters are, so a restarted reaper
+# loses none.
 EXITS = Counter("shmserve_process_exits", "Program exits seen by supervisord, by program; "
                 "expected=false: a crash or a kill", ["program", "expected"])
 
@@ -58,7 +61,7 @@ def handle(event: str, payload: str) -> list[int]:
     if directory is None or not directory.is_dir():
         return []
     fields = dict(token.split(":", 1) for token in payload.split() if ":" in token)
-    if event == "PROCESS_STATE_EXITED" and fields.get("processname"):
+    if event in ("PROCESS_STATE_EXITED", "PROCESS_STATE_BACKOFF") and fields.get("processname"):
         EXITS.labels(fields["processname"],
                      "true" if fields.get("expected") == "1" else "false").inc()
     pids = [int(fields["pid"])] if fields.get("pid", "").isdigit() else []
