@@ -285,15 +285,24 @@ def status(args: argparse.Namespace) -> int:
             print(f"shmserve: warning: {change}", file=sys.stderr, flush=True)
     title = f"shmserve {__version__} at {remote.base_url(cfg)} (run_dir {cfg.run_dir})"
 
+    silent = False  # nginx did not answer the last sample
+
     def take() -> statusview.Sample:
+        nonlocal silent
         if supervisord_pid(cfg) is None:  # stopped while watched (`down` in another shell)
             raise _Stopped
         # Longer than nginx takes to move a probe off a frozen frontend (nginx.probe_timeout_s),
-        # so one frozen frontend is not reported as nginx not answering.
+        # so one frozen frontend is not reported as nginx not answering; after a sample nginx
+        # did not answer in that time, short (every sample, a rate's two included, cost the
+        # whole wait with nginx stuck: ~18 s for one status, an outside check), still long
+        # enough to see it answer again.
         wait = cfg.nginx.probe_timeout_s + 2.0
-        return statusview.take(remote.base_url(cfg), lambda url: remote.http(url, timeout=wait),
-                               lambda: process_info(cfg), lambda: supervisord_pid(cfg),
-                               lambda target: from_a_frontend(cfg, target, wait))
+        sample = statusview.take(
+            remote.base_url(cfg), lambda url: remote.http(url, timeout=0.5 if silent else wait),
+            lambda: process_info(cfg), lambda: supervisord_pid(cfg),
+            lambda target: from_a_frontend(cfg, target, wait))
+        silent = sample.ready_code is None
+        return sample
 
     try:
         last = statusview.run(take, title, sys.stdout, args.watch, args.count,

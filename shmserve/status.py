@@ -44,11 +44,13 @@ def take(base_url: str, fetch: Fetch, processes: Callable[[], list[dict]],
          direct: Fetch | None = None) -> Sample:
     """`direct(target)` GETs a path from a frontend, not through nginx: the figures still come
     when nginx is stopped or stuck (they showed no memory and no worker rows, an outside
-    check); the state stays what nginx answered."""
+    check); the state stays what nginx answered. When nginx did not answer /ready, /metrics is
+    not asked of it too: a stuck nginx (SIGSTOP) cost each fetch its whole timeout, and status
+    took ~18 s (an outside check)."""
     procs = processes()
     code, body = fetch(f"{base_url}/ready")
     ready = _object(body)
-    mcode, mbody = fetch(f"{base_url}/metrics")
+    mcode, mbody = fetch(f"{base_url}/metrics") if code is not None else (None, b"")
     direct_used = False
     if mcode != 200 and direct is not None:
         mcode, mbody = direct("/metrics")

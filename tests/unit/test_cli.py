@@ -196,7 +196,27 @@ def test_status_waits_longer_than_nginx_takes_to_pass_over_a_frozen_frontend(
     monkeypatch.setattr(cli, "process_info", lambda cfg: [])
     monkeypatch.setattr(remote, "http", http)
     cli.main(["status"])
-    assert waits and min(waits) > deployment.nginx.probe_timeout_s + 1
+    assert waits and waits[0] > deployment.nginx.probe_timeout_s + 1
+    # Not answered in that time, nginx is stuck, not passing over a frontend: the rate's second
+    # sample waits short (each sample cost the whole wait: ~18 s for one status, an outside
+    # check), and /metrics is not asked of it after /ready went unanswered.
+    assert waits[1:] == [0.5], waits
+
+
+def test_status_watch_waits_long_again_once_nginx_answers(deployment, capsys, monkeypatch):
+    answers = iter([(None, b""), (200, b"{}"), (200, b""), (None, b"")])
+    waits = []
+
+    def http(url, method="GET", data=None, timeout=2.0, headers=None):
+        waits.append((url.rpartition("/")[2], timeout))
+        return next(answers, (None, b""))
+    monkeypatch.setattr(cli, "supervisord_pid", lambda cfg: 4242)
+    monkeypatch.setattr(cli, "process_info", lambda cfg: [])
+    monkeypatch.setattr(remote, "http", http)
+    monkeypatch.setattr(time, "sleep", lambda s: None)
+    cli.main(["status", "--watch", "0.1", "--count", "3"])
+    long = deployment.nginx.probe_timeout_s + 2.0
+    assert waits[:4] == [("ready", long), ("ready", 0.5), ("metrics", 0.5), ("ready", long)]
 
 
 def test_status_says_an_apply_stopped_part_way(deployment, capsys, monkeypatch):

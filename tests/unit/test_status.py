@@ -227,8 +227,15 @@ def test_with_nginx_silent_the_figures_come_from_a_frontend_and_the_state_says_s
         asked.append(target)
         return 200, (metrics if target == "/metrics" else json.dumps(READY).encode())
 
-    cur = status.take("http://x", lambda url: (None, b""), lambda: PROCESSES, direct=direct)
+    through_nginx = []
+
+    def silent(url):
+        through_nginx.append(url)
+        return None, b""
+    cur = status.take("http://x", silent, lambda: PROCESSES, direct=direct)
     assert asked == ["/metrics", "/ready"] and cur.direct
+    # nginx silent on /ready is not asked /metrics too: a stuck nginx cost each its timeout
+    assert through_nginx == ["http://x/ready"]
     snap = status.snapshot(cur, None)
     assert snap["state"] == "no_answer" and snap["figures_from"] == "frontend"
     assert [w["worker"] for w in snap["workers"]] == [0, 1]
