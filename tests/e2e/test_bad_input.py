@@ -276,3 +276,38 @@ def test_errors_quote_a_long_name_in_part(tiny_stack, pids_before):
     status, _, raw = tiny_stack.request("POST", "/v2/models/" + "m" * 5000 + "/infer",
                                         b"{}", JSON)
     assert status == 404 and len(json.loads(raw)["error"]) < 400
+
+
+def test_nginx_access_lines_stay_json_whatever_bytes_a_client_sends(tiny_stack, pids_before):
+    """nginx's escape=json copies bytes over 0x7f as they are: a user agent or a request target
+    that is not UTF-8 made its access line invalid JSON, which strict log shippers drop (an
+    outside check). Such a field is logged as a marker; valid UTF-8 as sent."""
+    cases = {
+        "ua-bytes": b"POST /predict HTTP/1.1\r\nUser-Agent: ab\xff\xfecd\r\n",
+        "ua-utf8": "POST /predict HTTP/1.1\r\nUser-Agent: naïve ü ✓\r\n".encode(),
+        "uri-bytes": b"GET /health\xff\xfe HTTP/1.1\r\n",
+        "ua-long": f"POST /predict HTTP/1.1\r\nUser-Agent: {'é' * 4000}\r\n".encode(),
+    }
+    for rid, head in cases.items():
+        answer = exchange(tiny_stack, head + b"Host: x\r\nX-Request-ID: " + rid.encode() +
+                          b"\r\nContent-Type: application/json\r\nContent-Length: 16\r\n"
+                          b"Connection: close\r\n\r\n{\"texts\": [\"x\"]}")
+        assert answer.startswith(b"HTTP/1.1 200" if rid.startswith("ua") else
+                                 b"HTTP/1.1 400"), answer[:300]
+    log = tiny_stack.run_dir / "logs" / "nginx.log"
+
+    def lines() -> dict[str, dict]:
+        found = {}
+        for raw in log.read_bytes().splitlines():
+            if raw.startswith(b"{") and any(f'"{rid}"'.encode() in raw for rid in cases):
+                line = json.loads(raw.decode("utf-8"))  # strict: raises on a byte not UTF-8
+                found[line["request_id"]] = line
+        return found
+    tiny_stack.wait_until(lambda: len(lines()) == len(cases), 10, "nginx's access lines")
+    found = lines()
+    assert found["ua-bytes"]["user_agent"] == "(not UTF-8: left out)"
+    assert found["ua-utf8"]["user_agent"] == "naïve ü ✓"
+    assert found["ua-long"]["user_agent"] == "é" * 4000  # one pass over 8,000 bytes
+    assert found["ua-utf8"]["uri"] == found["ua-bytes"]["uri"] == "/predict"
+    assert found["uri-bytes"]["uri"] == "(not UTF-8: left out)"
+    assert found["uri-bytes"]["status"] == 400
