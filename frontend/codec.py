@@ -10,6 +10,7 @@ float32 bytes (``bin``), one per vector: `np.frombuffer(b, "<f4")` reads them.
 from __future__ import annotations
 
 import functools
+import re
 import zlib
 from typing import Any
 
@@ -32,10 +33,14 @@ def wants_msgpack(request: web.Request) -> bool:
     return prefers_msgpack(request.headers.get("Accept", ""))
 
 
+QVALUE = re.compile(r"0(\.[0-9]{0,3})?|1(\.0{0,3})?")  # RFC 9110, 12.4.2
+
+
 @functools.lru_cache(maxsize=256)  # a client sends the same Accept on every request
 def prefers_msgpack(accept: str) -> bool:
     """Whether an Accept header prefers msgpack to JSON: media types compared case-insensitively,
-    each with its q value (1 when absent; q=0 is "not acceptable"). msgpack must be named (a
+    each with its q value (1 when absent; q=0 is "not acceptable", and so is a q that is not
+    RFC 9110's qvalue: "high", "nan", "2", as nginx's error pages read it). msgpack must be named (a
     wildcard is answered with JSON); it wins over a higher q for JSON, and over an equal one only
     when JSON is matched by a wildcard alone (`application/msgpack, */*`). Ties with a named
     application/json, and anything unreadable, keep JSON, the default."""
@@ -46,10 +51,7 @@ def prefers_msgpack(accept: str) -> bool:
         for param in params:
             key, _, value = param.partition("=")
             if key.strip() == "q":
-                try:
-                    q = min(max(float(value.strip()), 0.0), 1.0)
-                except ValueError:
-                    q = 0.0
+                q = float(value) if QVALUE.fullmatch(value := value.strip()) else 0.0
         if media:
             ranges[media] = max(q, ranges.get(media, 0.0))
     packed = max((ranges.get(t, 0.0) for t in MSGPACK_TYPES), default=0.0)

@@ -186,6 +186,11 @@ def test_request_bodies_inflate_within_the_limit(coding, pack):
     ("application/json, application/msgpack", False),  # a tie keeps JSON
     ("application/msgpack;q=high", False), ("application/msgpackx", False),
     ("text/html, application/msgpack;q=0.2", True),
+    # a q that is no RFC 9110 qvalue is not acceptable, as nginx's error pages read it: "nan"
+    # was JSON from a frontend by NaN's comparisons and msgpack from nginx (an outside check)
+    ("application/msgpack;q=nan", False), ("application/msgpack;q=2", False),
+    ("application/msgpack;q=0.1234", False), ("application/msgpack;q=1.", True),
+    ("application/msgpack;q=0.5;ext=1", True),
 ])
 def test_accept_is_negotiated_with_q_values(accept, packed):
     from frontend.codec import prefers_msgpack
