@@ -33,6 +33,14 @@ def reload(args: argparse.Namespace) -> int:
     if source and not source.startswith("package:"):
         source = str(Path(source).expanduser().resolve())  # the workers' cwd is not ours
     body = {"source": source, "revision": args.revision, "variant": args.variant}
+    # It answers when every worker has switched: under load, with workers.reload_nice, a large
+    # model's load takes a while (~33 s for the default model beside 20 connections on 2
+    # cores, an outside check), and the command said nothing meanwhile.
+    unit = f"{args.name}@{args.variant}" if args.variant else args.name
+    print(f"shmserve: reloading {unit}: every worker that serves it loads and warms the new "
+          "weights beside serving, then switches; waiting for all of them (at most "
+          f"admin.reload_timeout_s, {cfg.admin.reload_timeout_s:g} s; `shmserve models` shows "
+          "each worker's state)", file=sys.stderr, flush=True)
     status_code, answer = admin_call(cfg, "POST", f"/admin/models/{quote(args.name)}/reload",
                                      body, timeout=cfg.nginx.proxy_read_timeout_s + 10)
     return _said(status_code, answer)

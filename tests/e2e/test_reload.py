@@ -205,6 +205,7 @@ def test_cli_reload_and_a_restarted_worker_loads_the_reloaded_model(stack, model
     """Served before: b (tiny-r2). After: a, labelled tiny-r3, also on a restarted worker."""
     proc = stack.cli("reload", "tiny", str(models["a"]), "--revision", "tiny-r3")
     assert json.loads(proc.stdout)["revision"] == "tiny-r3"
+    assert proc.stderr.startswith("shmserve: reloading tiny: every worker"), proc.stderr
     old = int(stack.ctl("pid", "workers:worker-1").strip())
     os.kill(old, signal.SIGKILL)
     stack.wait_until(lambda: stack.ctl("pid", "workers:worker-1").strip() not in ("0", str(old)),
