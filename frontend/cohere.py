@@ -67,7 +67,7 @@ async def embed(request: web.Request) -> web.Response:
     if truncate not in ("NONE", *TRUNCATE):
         raise ApiError("invalid_request", "'truncate' must be 'NONE', 'START' or 'END'",
                        param="truncate")
-    dimension = body.get("output_dimension")
+    dimension = schemas.whole(body.get("output_dimension"))
     if dimension is not None and (not schemas.is_int(dimension) or dimension < 1):
         raise ApiError("invalid_request", "'output_dimension' must be a positive integer",
                        param="output_dimension")
@@ -137,7 +137,7 @@ def _prompt(input_type: Any, prompts: tuple[tuple[str, str], ...]) -> str | None
 
 def _priority(body: dict) -> int | None:
     """Cohere's priority: 0 (the default) is the highest, larger is lower."""
-    value = body.get("priority")
+    value = schemas.whole(body.get("priority"))
     if value is None:
         return None
     if not schemas.is_int(value) or not 0 <= value <= 10:

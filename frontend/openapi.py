@@ -78,14 +78,19 @@ def _errors(*statuses: int, schema: str = "Error") -> dict[str, dict]:
 
 
 def _shared_errors(paths: dict[str, dict]) -> dict[str, dict]:
-    """Every operation gets 405 (another method on its path, with Allow), and 401 where an API
-    key is asked for (auth.api_keys; the open paths never ask; /admin has its own token)."""
+    """Every operation gets 405 (another method on its path, with Allow), 500 (anything
+    unexpected, its message quoting the request id) and 502 (nginx: no frontend answered),
+    which the README's table of errors names and the document left out (an outside check),
+    and 401 where an API key is asked for (auth.api_keys; the open paths never ask; /admin has
+    its own token)."""
     for path, item in paths.items():
         kserve = kserve_shaped(path)
         for op in item.values():
             responses = op["responses"]
-            responses.setdefault("405", {"$ref": "#/components/responses/" + (
-                "KServeMethodNotAllowed" if kserve else "MethodNotAllowed")})
+            prefix = "#/components/responses/" + ("KServe" if kserve else "")
+            responses.setdefault("405", {"$ref": prefix + "MethodNotAllowed"})
+            responses.setdefault("500", {"$ref": prefix + "InternalError"})
+            responses.setdefault("502", {"$ref": prefix + "NoFrontend"})
             if path in OPEN_PATHS:
                 op["security"] = [{}]
             elif not path.startswith("/admin/"):
@@ -97,6 +102,14 @@ def _shared_errors(paths: dict[str, dict]) -> dict[str, dict]:
 def _method_not_allowed(schema: str) -> dict:
     return {"description": "method not allowed; Allow names the methods the path takes",
             "headers": {"Allow": {"schema": {"type": "string"}}},
+            "content": {**_json(ref(schema)), "application/msgpack": {"schema": ref(schema)}}}
+
+
+def _no_frontend(schema: str) -> dict:
+    return {"description": "no frontend answered (nginx's own page): try again after "
+                           "Retry-After",
+            "headers": {"Retry-After": {"description": "seconds to wait before retrying",
+                                        "schema": {"type": "integer"}}},
             "content": {**_json(ref(schema)), "application/msgpack": {"schema": ref(schema)}}}
 
 
@@ -294,7 +307,11 @@ def document(cfg: Config) -> dict[str, Any]:
         "paths": _paths(models),
         "components": {"schemas": components.schemas(cfg, models), "responses": {
             "MethodNotAllowed": _method_not_allowed("Error"),
-            "KServeMethodNotAllowed": _method_not_allowed("KServeError")}, "securitySchemes": {
+            "KServeMethodNotAllowed": _method_not_allowed("KServeError"),
+            "InternalError": _errors(500)["500"],
+            "KServeInternalError": _errors(500, schema="KServeError")["500"],
+            "NoFrontend": _no_frontend("Error"),
+            "KServeNoFrontend": _no_frontend("KServeError")}, "securitySchemes": {
             "bearer": {"type": "http", "scheme": "bearer", "description": "admin.token"},
             "apiKey": {"type": "http", "scheme": "bearer",
                        "description": "one of auth.api_keys, when the server sets any"}}},

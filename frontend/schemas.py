@@ -52,7 +52,10 @@ def texts_or_ids(value: Any, param: str, limits: LimitsConfig
 
     Token ids are checked here for shape and type only; the model's tokenizer checks their
     range and length (`TextEncoder.from_ids`). A list that is neither kind is named for what it
-    holds (numbers that are not integers, texts mixed with token ids), not as a bad text."""
+    holds (numbers that are not integers, texts mixed with token ids), not as a bad text. A
+    whole float is that id (`whole`)."""
+    if isinstance(value, list) and any(isinstance(v, (float, list)) for v in value):
+        value = [[whole(i) for i in v] if isinstance(v, list) else whole(v) for v in value]
     if isinstance(value, list) and value and all(is_int(v) for v in value):
         return [], [value]
     if isinstance(value, list) and value and all(isinstance(v, list) for v in value):
@@ -98,14 +101,19 @@ def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def whole(value: Any) -> Any:
+    """A whole float (8.0) as that integer, anything else as it is: JSON has one number type,
+    and the OpenAPI document's integer (JSON Schema's) takes it (a client validating by it sent
+    3.0 and got a 400, an outside check). Every integer field of a body reads through this."""
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
+        return int(value)
+    return value
+
+
 def count(body: dict, key: str, within: str = "") -> int | None:
     """An optional integer >= 1 (top_k, top_n, dimensions); `within`: the object holding it
-    (parameters), for the message. A whole float (8.0) is that integer: JSON has one number
-    type, and the OpenAPI document's integer (JSON Schema's) takes it (a client validating by
-    it sent 3.0 and got a 400, an outside check)."""
-    value = body.get(key)
-    if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
-        value = int(value)
+    (parameters), for the message. A whole float is that integer (`whole`)."""
+    value = whole(body.get(key))
     if value is not None and (not is_int(value) or value < 1):
         name = f"{within}.{key}" if within else key
         raise ApiError("invalid_request", f"'{name}' must be an integer >= 1",
@@ -241,7 +249,7 @@ def parse_priority(value: object, param: str) -> int:
 
 
 def body_priority(body: dict) -> int | None:
-    value = body.get("priority")
+    value = whole(body.get("priority"))
     return None if value is None else parse_priority(value, "priority")
 
 

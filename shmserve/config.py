@@ -77,7 +77,10 @@ class FrontendConfig:
     max_inflight: int = 1024  # requests admitted per frontend before 429
     request_timeout_s: float = 30.0  # default deadline of a request
     retry_on_worker_loss: int = 2  # resubmissions to another worker when one dies
-    no_worker_wait_s: float = 5.0  # how long a request waits for a live worker before 503
+    # How long a request waits for a live worker before 503: under httpx's default timeout
+    # (5 s), whose users met a ReadTimeout where the 503 would have said why (an outside
+    # check).
+    no_worker_wait_s: float = 4.0
     # X-Priority / "priority" when a request names none: low, normal, high (-1, 0, 1) or an
     # integer from -10 to 10; higher runs first
     default_priority: int | Literal["low", "normal", "high"] = 0

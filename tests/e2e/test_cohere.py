@@ -64,6 +64,12 @@ def test_v2_gives_every_embedding_type(tiny_stack, native):
     short = np.array(got.embeddings.float_[0], np.float32)
     want = native[0, :8] / np.linalg.norm(native[0, :8])  # Matryoshka, normalised again
     np.testing.assert_allclose(short, want, atol=1e-6)
+    # a whole float is that integer (JSON Schema's integer, the OpenAPI document's)
+    status, _, body = tiny_stack.post_json("/v2/embed", {
+        "texts": TEXTS[:1], "model": "tiny", "input_type": "classification",
+        "output_dimension": 8.0, "priority": 2.0})
+    assert status == 200, body
+    np.testing.assert_allclose(body["embeddings"]["float"][0], want, atol=1e-6)
 
 
 def test_truncate_options_and_refusals_in_our_error_shape(tiny_stack):

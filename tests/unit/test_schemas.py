@@ -55,6 +55,13 @@ def test_token_ids_one_list_or_many():
     # a whole float is that integer, as JSON Schema's integer (the OpenAPI document) says
     whole = parse_openai_embeddings({"input": "a", "dimensions": 8.0}, LIMITS).dimensions
     assert whole == 8 and type(whole) is int
+    # token ids and a body's priority too: [1.0] was refused as "a float" while dimensions
+    # 1.0 was taken (an outside check, validating by the OpenAPI document)
+    for given, ids in (([101.0, 7592, 102.0], [[101, 7592, 102]]), ([[1.0], [2, 3.0]],
+                                                                    [[1], [2, 3]])):
+        got = parse_openai_embeddings({"input": given, "priority": 1.0}, LIMITS)
+        assert got.token_ids == ids and got.priority == 1
+        assert all(type(i) is int for row in got.token_ids for i in row)
 
 
 @pytest.mark.parametrize("body,status,param", [
