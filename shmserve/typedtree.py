@@ -136,6 +136,11 @@ _NUMBER_TEXT = re.compile(r"[-+]?((0|[1-9][0-9]*)(\.[0-9]*)?|\.[0-9]+)([eE][-+]?
 
 
 def _show(value: Any) -> str:
+    if not isinstance(getattr(value, "parsed", ""), (str, type(None))):
+        # An environment variable YAML reads as a number (or a list...): shown as that, not as
+        # "the text '70000' (a quoted number...)" for SHMSERVE__SHM__ARENA_MB=70000 past its
+        # range (an outside check); one quoted in the variable stays text.
+        value = value.parsed
     text = repr(str(value) if isinstance(value, str) else value)  # an EnvText as the text
     text = text if len(text) <= 60 else text[:57] + "..."
     if isinstance(value, str):

@@ -49,15 +49,43 @@ def free_port() -> int:
     if not (low.isdigit() and high.isdigit() and 0 < int(low) <= int(high) < 65536):
         raise ValueError(f"SHMSERVE_PORTS={wanted!r}: expected LO-HI, e.g. 18200-18299")
     ports = list(range(int(low), int(high) + 1))
-    start = random.randrange(len(ports))  # two test processes rarely try the same one first
+    start = random.randrange(len(ports))
     for port in ports[start:] + ports[:start]:
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
+        if _claim(port):
             return port
     raise RuntimeError(f"SHMSERVE_PORTS={wanted}: no free port in the range")
+
+
+CLAIMS = Path("/tmp/shmserve-test-ports")  # one file a port: when a process last took it
+CLAIM_S = 60.0
+
+
+def _claim(port: int) -> bool:
+    """Whether no process (the suite's two, a bench beside it) took `port` in the last CLAIM_S
+    seconds; if none did, it is this one's now. A port free when asked is bound by the stack's
+    nginx seconds later, and two processes in a range of 50 took the same one (an outside
+    check: nginx's bind failed with EADDRINUSE). The kernel's own choice needs none of this."""
+    import fcntl
+
+    CLAIMS.mkdir(exist_ok=True)
+    with open(CLAIMS / str(port), "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes
+        f.seek(0)
+        try:
+            taken = float(f.read() or 0)
+        except ValueError:
+            taken = 0.0
+        if time.time() - taken < CLAIM_S:
+            return False
+        f.seek(0)
+        f.truncate()
+        f.write(str(time.time()))
+    return True
 
 
 class Stack:

@@ -58,6 +58,24 @@ def test_shmserve_ports_keeps_the_stacks_in_a_range_and_skips_a_taken_port(monke
             free_port()
 
 
+def test_a_port_of_the_range_is_not_given_twice_before_its_stack_binds_it(monkeypatch,
+                                                                          tmp_path):
+    """Free when asked is not free seconds later, when the stack's nginx binds it: two test
+    processes took the same port of a 50-port range (an outside check, EADDRINUSE)."""
+    from tests import stack
+
+    monkeypatch.setattr(stack, "CLAIMS", tmp_path / "claims")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    monkeypatch.setenv("SHMSERVE_PORTS", f"{port}-{port}")
+    assert free_port() == port
+    with pytest.raises(RuntimeError, match="no free port"):  # claimed, though still unbound
+        free_port()
+    monkeypatch.setattr(stack, "CLAIM_S", 0.0)  # claims age out
+    assert free_port() == port
+
+
 def test_the_parity_line_names_the_comparison_as_the_table_does():
     lines = bench.markdown(summary(compared="baseline")).splitlines()
     assert "- Parity, baseline: minimum cosine to sentence-transformers fp32 1.000000." in lines

@@ -313,6 +313,13 @@ def test_a_number_written_as_text_says_so():
                        ).server.drain_timeout_s == 10.0
     with pytest.raises(ConfigError, match=r"got 'inf' \(set in"):  # not a number's text
         config.load(environ={"SHMSERVE__SERVER__PORT": "inf"})
+    # A number past its range is that number: "got the text '70000' (a quoted number: write it
+    # without quotes)" sent a user looking for quotes there were none of (an outside check).
+    with pytest.raises(ConfigError, match=r"^shm.arena_mb: expected an integer from 1 to "
+                                          r"65536, got 70000 \(set in SHMSERVE__SHM__ARENA_MB\)$"):
+        config.load(environ={"SHMSERVE__SHM__ARENA_MB": "70000"})
+    with pytest.raises(ConfigError, match=r"got the text '70000' \(a quoted number"):
+        config.load(environ={"SHMSERVE__SHM__ARENA_MB": '"70000"'})  # quoted: text it is
 
 
 def test_a_rate_limit_per_api_key_needs_api_keys(tmp_path):
