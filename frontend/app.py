@@ -255,10 +255,24 @@ def error_response(request: web.Request, exc: ApiError) -> web.Response:
                         headers=exc.headers())
 
 
+def _resource_of(request: web.Request) -> str:
+    """The route a request matched no method of (its 405) is named by its path's resource (it
+    was counted as "unmatched", with the unknown paths: an outside check); a path no route has
+    stays "unmatched", so a label never names a made-up path."""
+    if isinstance(getattr(request.match_info, "http_exception", None),
+                  web.HTTPMethodNotAllowed):
+        for resource in request.app.router.resources():
+            info = resource.get_info()
+            if info.get("path") == request.path or (
+                    "pattern" in info and info["pattern"].fullmatch(request.path)):
+                return resource.canonical
+    return "unmatched"
+
+
 def _record(request: web.Request, response: web.StreamResponse, elapsed: float,
             ended: float) -> None:
     route = request.match_info.route.resource
-    path = route.canonical if route is not None else "unmatched"
+    path = route.canonical if route is not None else _resource_of(request)
     # a request refused before its model was resolved: the served model its body names, if any
     # (never a name no model has: a label per made-up name would grow without bound)
     model = request.get(MODEL_NAME) or request.app[MODELS].canonical(

@@ -255,6 +255,18 @@ def test_what_nginx_answers_itself_is_in_metrics_by_status(stack):
                 for l, v in after[name] if v != total(before, name, status=l["status"])}
     stack.wait_until(lambda: delta() == {"415": 1, "405": 1, "431": 1}, 10,
                      f"nginx's own answers counted: {delta()}")
+    # A frontend's 405 is counted under the route whose path it is, not "unmatched" with the
+    # unknown paths (an outside check); a made-up path stays unmatched.
+    requests = "shmserve_requests_total"
+    counted = scrape(stack)
+    assert stack.get("/predict")[0] == 405
+    assert stack.request("DELETE", "/v1/models/tiny", None)[0] == 405
+    assert stack.request("DELETE", "/no/such/route", None)[0] == 404
+    after = scrape(stack)
+    for route, status in (("/predict", "405"), ("/v1/models/{model}", "405"),
+                          ("unmatched", "404")):
+        assert total(after, requests, route=route, status=status) == total(
+            counted, requests, route=route, status=status) + 1, (route, status)
 
 
 def test_metrics_expose_gauges_info_and_memory(stack):
