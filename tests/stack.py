@@ -72,8 +72,12 @@ def _claim(port: int) -> bool:
     check: nginx's bind failed with EADDRINUSE). The kernel's own choice needs none of this."""
     import fcntl
 
-    CLAIMS.mkdir(exist_ok=True)
-    with open(CLAIMS / str(port), "a+") as f:
+    try:
+        CLAIMS.mkdir(mode=0o1777, exist_ok=True)  # sticky and shared: every user's suite
+        f = open(CLAIMS / str(port), "a+")
+    except OSError:  # another user's file: unclaimed, as before
+        return True
+    with f:
         fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes
         f.seek(0)
         try:
