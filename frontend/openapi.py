@@ -160,6 +160,8 @@ def _routes(model: dict) -> dict[str, dict]:
         "/ready": {"get": _op("ops", "Whether every served model has a ready worker", {
             **_ok(ref("Readiness")),
             "503": {"description": "loading, or some model has no ready worker",
+                    "headers": {"Retry-After": {"description": "seconds to wait before asking "
+                                                "again", "schema": {"type": "integer"}}},
                     "content": _json(ref("Readiness"))}})},
         "/metrics": {"get": _op("ops", "Prometheus metrics", {"200": {
             "description": "Prometheus text exposition",

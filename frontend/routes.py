@@ -178,8 +178,10 @@ async def ready(request: web.Request) -> web.Response:
                 "protocol": link.protocol}
                for link in pool.links]
     status = readiness(pool, request.app[MODELS])
+    # Retry-After on the 503, as every 503 of this server carries it (an outside check)
     return codec.render(request, {"status": status, "workers": workers},
-                        status=200 if status in SERVING else 503)
+                        status=200 if status in SERVING else 503,
+                        headers=None if status in SERVING else {"Retry-After": "1"})
 
 
 SERVING = ("ready", "degraded")  # readiness() statuses under which every model is served

@@ -224,8 +224,9 @@ def test_no_live_worker_is_503_then_service_returns(strict_stack):
         assert status == 503 and err["error"]["type"] == "unavailable"
         assert err["error"]["message"].startswith("no live worker for this model")  # not loading
         assert headers.get("Retry-After")
-        status, _, raw = strict_stack.get("/ready")
+        status, headers, raw = strict_stack.get("/ready")
         assert status == 503 and json.loads(raw)["status"] == "unavailable"
+        assert headers.get("Retry-After") == "1"  # as the inference routes' 503s
         assert strict_stack.get("/v2/health/ready")[0] == 400  # KServe's "false" is a 4xx
         assert json.loads(strict_stack.get("/v2/models/tiny/ready")[2])["ready"] is False
     finally:
