@@ -28,7 +28,7 @@ import orjson
 
 from frontend.codec import json_detail
 from frontend.errors import ApiError
-from frontend.schemas import is_int
+from frontend.schemas import is_int, whole
 
 # Numeric datatypes of the protocol, as little-endian numpy dtypes. BYTES is handled apart.
 DTYPES: dict[str, str] = {
@@ -100,7 +100,7 @@ def read_inputs(header: dict[str, Any], tail: bytes) -> list[Tensor]:
         if "shared_memory_region" in params:
             raise ApiError("invalid_request", "the shared-memory extensions are not supported; "
                            "send tensor data in the body", param="inputs")
-        size = params.get("binary_data_size")
+        size = whole(params.get("binary_data_size"))  # 9.0 is 9, as the schema's integer
         if size is not None:
             if not is_int(size) or size < 0 or used + size > len(tail):
                 raise ApiError("bad_request", f"input {name!r}: binary_data_size {size!r} does "
@@ -130,7 +130,7 @@ def scheduling(header: dict[str, Any]) -> tuple[int | None, float | None]:
     params = object_of(_params(header), "'parameters'")
     values = []
     for key in ("priority", "timeout"):
-        value = params.get(key)
+        value = whole(params.get(key))
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                   or value < 0):
             what = ("1 the highest level, 0 the default" if key == "priority" else
@@ -210,6 +210,8 @@ def raw_bytes(tensor: Tensor) -> bytes:
 
 def _declaration(entry: dict[str, Any]) -> tuple[str, str, tuple[int, ...]]:
     name, datatype, shape = entry.get("name"), entry.get("datatype"), entry.get("shape")
+    if isinstance(shape, list):
+        shape = [whole(d) for d in shape]  # [2.0] is [2], as the OpenAPI document's integer
     if not isinstance(name, str) or not name:
         raise ApiError("invalid_request", "each input needs a 'name'", param="inputs")
     if not isinstance(datatype, str) or datatype != BYTES and datatype not in DTYPES:

@@ -287,6 +287,7 @@ def test_nginx_access_lines_stay_json_whatever_bytes_a_client_sends(tiny_stack, 
         "ua-utf8": "POST /predict HTTP/1.1\r\nUser-Agent: naïve ü ✓\r\n".encode(),
         "uri-bytes": b"GET /health\xff\xfe HTTP/1.1\r\n",
         "ua-long": f"POST /predict HTTP/1.1\r\nUser-Agent: {'é' * 4000}\r\n".encode(),
+        "ua-none": b"POST /predict HTTP/1.1\r\n",  # as Python's http.client sends
     }
     for rid, head in cases.items():
         answer = exchange(tiny_stack, head + b"Host: x\r\nX-Request-ID: " + rid.encode() +
@@ -311,3 +312,6 @@ def test_nginx_access_lines_stay_json_whatever_bytes_a_client_sends(tiny_stack, 
     assert found["ua-utf8"]["uri"] == found["ua-bytes"]["uri"] == "/predict"
     assert found["uri-bytes"]["uri"] == "(not UTF-8: left out)"
     assert found["uri-bytes"]["status"] == 400
+    # nothing sent is logged as nothing, not as the marker (an outside check: a map tries no
+    # regex on an empty value)
+    assert found["ua-none"]["user_agent"] == found["uri-bytes"]["user_agent"] == ""

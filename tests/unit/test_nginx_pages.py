@@ -68,7 +68,10 @@ def request(cfg: Config, method: str, path: str, body: bytes | None = None,
     "application/json, application/msgpack;q=0.1", "application/msgpack;q=0",
     "application/msgpack; q=0.0, */*", "application/msgpack, application/json;q=0.9",
     "*/*", "application/msgpack, */*", "application/msgpack;q=nan", "application/msgpack;q=high",
-    "application/msgpack;q=2", "application/msgpack;q=0.1234", "application/msgpack;q=0.5;ext=1"])
+    "application/msgpack;q=2", "application/msgpack;q=0.1234", "application/msgpack;q=0.5;ext=1",
+    # spaces around '=' and parameters before q, as the frontends read them (an outside check)
+    "application/msgpack;q= 0.5", "application/msgpack ; q = 0.5", "application/msgpack;a=b;q=0",
+    "application/msgpack;a=b;q=nan", "application/msgpack;a=b;q=0.5"])
 def test_no_frontend_is_a_502_in_the_accepted_format(bare_nginx, accept):
     """nginx's own pages pick the format the frontends' negotiation would."""
     from frontend.codec import prefers_msgpack

@@ -43,6 +43,23 @@ def test_binary_inputs_in_header_order_with_an_empty_string():
     np.testing.assert_array_equal(y.data, floats.ravel())
 
 
+def test_whole_floats_are_the_integers_the_document_declares():
+    """shape [1.0] and binary_data_size 9.0 were refused (the latter as "does not fit the 9
+    bytes left"), where the OpenAPI document's integer takes them (an outside check)."""
+    elements = bytes_elements(b"hello")
+    raw, length = binary_request({"inputs": [
+        {"name": "text", "datatype": "BYTES", "shape": [1.0],
+         "parameters": {"binary_data_size": float(len(elements))}}],
+        "parameters": {"priority": 1.0, "timeout": 1.5e6}}, elements)
+    header, tail = tensors.split_body(raw, length)
+    (text,) = tensors.read_inputs(header, tail)
+    assert text.shape == (1,) and type(text.shape[0]) is int and text.data == [b"hello"]
+    assert tensors.scheduling(header) == (10, 1.5)
+    with pytest.raises(ApiError, match="'shape' must be a list"):
+        tensors.read_inputs({"inputs": [{"name": "t", "datatype": "BYTES", "shape": [1.5],
+                                         "data": ["a"]}]}, b"")
+
+
 @pytest.mark.parametrize("header,tail,length,status", [
     ({"inputs": []}, b"", None, 422),
     ({"inputs": [{"name": "t", "datatype": "BYTES", "shape": [2], "data": ["a"]}]},
