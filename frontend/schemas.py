@@ -53,19 +53,20 @@ def texts_or_ids(value: Any, param: str, limits: LimitsConfig
     Token ids are checked here for shape and type only; the model's tokenizer checks their
     range and length (`TextEncoder.from_ids`). A list that is neither kind is named for what it
     holds (numbers that are not integers, texts mixed with token ids), not as a bad text. A
-    whole float is that id (`whole`)."""
-    if isinstance(value, list) and any(isinstance(v, (float, list)) for v in value):
-        value = [[whole(i) for i in v] if isinstance(v, list) else whole(v) for v in value]
+    whole float is that id (`_token_ids`)."""
     if isinstance(value, list) and value and all(is_int(v) for v in value):
-        return [], [value]
+        return [], [value]  # one pass, no copy: the common case
+    if isinstance(value, list) and value and all(_number(v) for v in value):
+        return [], [_token_ids(value, param, param)]
     if isinstance(value, list) and value and all(isinstance(v, list) for v in value):
         check_count(value, param, limits, "token lists")
+        rows = []
         for i, row in enumerate(value):
             if not row:
                 raise ApiError("invalid_request", f"'{param}[{i}]' must be a non-empty list of "
                                "token ids (integers)", param=param)
-            _token_ids(row, f"{param}[{i}]", param)
-        return [], value
+            rows.append(_token_ids(row, f"{param}[{i}]", param))
+        return [], rows
     if isinstance(value, list) and any(isinstance(v, list) for v in value):
         raise ApiError("invalid_request", f"'{param}' mixes token-id lists with other values; "
                        "send a list of texts or a list of token-id lists, not both", param=param)
@@ -81,8 +82,13 @@ def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _token_ids(row: list, name: str, param: str) -> None:
-    """ApiError naming the first element of `row` that is not a token id (an integer)."""
+def _token_ids(row: list, name: str, param: str) -> list[int]:
+    """`row` as token ids: itself when every element is an integer (no copy, the common case),
+    else with its whole floats as those integers (`whole`); ApiError naming the first element
+    that is not a token id."""
+    if all(is_int(v) for v in row):
+        return row
+    row = [whole(v) for v in row]
     for j, v in enumerate(row):
         if not is_int(v):
             # orjson reads an integer past 64 bits as a float: say so, it looks like an int.
@@ -91,6 +97,7 @@ def _token_ids(row: list, name: str, param: str) -> None:
                 type(v), "not an integer")
             raise ApiError("invalid_request", f"'{name}[{j}]' is {shown}; token ids must be "
                            "integers in [0, the model's vocabulary size)", param=param)
+    return row
 
 
 def dimensions(body: dict) -> int | None:
