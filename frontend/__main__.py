@@ -44,7 +44,8 @@ def main() -> int:
     import uvloop
     from aiohttp import web
 
-    from frontend.app import create_app, header_count_limit, header_limit, malformed_request
+    from frontend.app import create_app
+    from frontend.httpparser import header_count_limit, header_limit, malformed_request
     from shmserve import config, logs, topology
 
     cfg = config.load_resolved(args.config)
