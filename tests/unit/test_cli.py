@@ -12,13 +12,11 @@ import shutil
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from shmserve import arena, cli, config, processes, remote, render, topology
-from shmserve import status as statusview
+from shmserve import arena, cli, config, processes, render, topology
 from shmserve.config import REPO_ROOT
 from tests.unit.test_render import free_port, wait_until
 
@@ -143,117 +141,6 @@ def test_down_when_not_running_still_removes_stale_state(deployment, capsys, mon
         segment.unlink(missing_ok=True)
         orphan.unlink(missing_ok=True)
         live.close()
-
-
-def test_status_when_not_running_exits_3(deployment, capsys):
-    assert cli.main(["status"]) == 3
-    assert str(deployment.run_dir) in capsys.readouterr().out
-    # --json says so in JSON too (it printed the plain line: an outside check)
-    assert cli.main(["status", "--json"]) == 3
-    said = json.loads(capsys.readouterr().out)
-    assert said["state"] == "not_running" and said["run_dir"] == str(deployment.run_dir)
-    assert str(deployment.run_dir) in said["state_text"]
-
-
-def test_status_count_needs_watch(deployment, capsys):
-    assert cli.main(["status", "--count", "2"]) == 2
-    assert "--count counts --watch's refreshes" in capsys.readouterr().err
-
-
-def test_ctl_when_not_running_says_so_as_status_does(deployment, capsys):
-    # supervisorctl said "unix:///.../supervisor.sock no such file" and exited 4
-    assert cli.main(["ctl", "status"]) == 3
-    err = capsys.readouterr().err
-    assert err.startswith("shmserve: not running") and str(deployment.run_dir) in err
-
-
-def test_status_watch_says_not_running_when_the_deployment_stops(deployment, capsys,
-                                                                 monkeypatch):
-    # After `down` in another shell, --watch printed empty tables and "no answer through nginx"
-    # for ever (an outside check). Here supervisord "runs" for the first two samples.
-    alive = iter([4242, 4242, 4242, None])
-    monkeypatch.setattr(cli, "supervisord_pid", lambda cfg: next(alive))
-    monkeypatch.setattr(cli, "process_info", lambda cfg: [])
-    monkeypatch.setattr(statusview, "take", lambda url, http, infos, pid, direct: statusview.Sample(
-        time.monotonic(), infos(), None, {}))
-    monkeypatch.setattr(time, "sleep", lambda s: None)
-    assert cli.main(["status", "--watch", "0.1", "--count", "5"]) == 3
-    out = capsys.readouterr().out
-    assert "no answer through nginx" in out and out.rstrip().endswith(
-        processes.not_running(deployment))
-
-
-def test_status_waits_longer_than_nginx_takes_to_pass_over_a_frozen_frontend(
-        deployment, capsys, monkeypatch):
-    """With one frontend stopped (SIGSTOP), nginx answers /ready from the next one after
-    nginx.probe_timeout_s; status gave up at the same 2 s and said nginx did not answer."""
-    waits = []
-
-    def http(url, method="GET", data=None, timeout=2.0, headers=None):
-        waits.append(timeout)
-        return None, b""
-    monkeypatch.setattr(cli, "supervisord_pid", lambda cfg: 4242)
-    monkeypatch.setattr(cli, "process_info", lambda cfg: [])
-    monkeypatch.setattr(remote, "http", http)
-    cli.main(["status"])
-    assert waits and waits[0] > deployment.nginx.probe_timeout_s + 1
-    # Not answered in that time, nginx is stuck, not passing over a frontend: the rate's second
-    # sample waits short (each sample cost the whole wait: ~18 s for one status, an outside
-    # check), and /metrics is not asked of it after /ready went unanswered.
-    assert waits[1:] == [0.5], waits
-
-
-def test_status_watch_waits_long_again_once_nginx_answers(deployment, capsys, monkeypatch):
-    answers = iter([(None, b""), (200, b"{}"), (200, b""), (None, b"")])
-    waits = []
-
-    def http(url, method="GET", data=None, timeout=2.0, headers=None):
-        waits.append((url.rpartition("/")[2], timeout))
-        return next(answers, (None, b""))
-    monkeypatch.setattr(cli, "supervisord_pid", lambda cfg: 4242)
-    monkeypatch.setattr(cli, "process_info", lambda cfg: [])
-    monkeypatch.setattr(remote, "http", http)
-    monkeypatch.setattr(time, "sleep", lambda s: None)
-    cli.main(["status", "--watch", "0.1", "--count", "3"])
-    long = deployment.nginx.probe_timeout_s + 2.0
-    assert waits[:4] == [("ready", long), ("ready", 0.5), ("metrics", 0.5), ("ready", long)]
-
-
-def test_status_says_an_apply_stopped_part_way(deployment, capsys, monkeypatch):
-    """After an apply stopped part way, run/config.json is the config it was applying: status
-    showed its port and programs as if applied (an outside check), and now says so."""
-    monkeypatch.setattr(cli, "supervisord_pid", lambda cfg: 4242)
-    monkeypatch.setattr(cli, "process_info", lambda cfg: [])
-    monkeypatch.setattr(remote, "http", lambda *a, **k: (None, b""))
-    deployment.run_dir.mkdir(parents=True, exist_ok=True)
-    cli.main(["status"])
-    assert "apply" not in capsys.readouterr().err
-    topology.apply_marker_path(deployment).write_text("{}")
-    cli.main(["status"])
-    assert "warning: an apply stopped part way (run/apply.json, under server.run_dir)" in \
-        capsys.readouterr().err
-    cli.main(["status", "--json"])
-    said = capsys.readouterr()
-    assert json.loads(said.out)["apply"] == "stopped_part_way" and not said.err
-
-
-def test_status_names_what_a_dead_supervisord_left_running(deployment, capsys, monkeypatch):
-    started = config.load()  # as `up` rendered it, on a port this shell no longer names
-    render.render(started)
-    monkeypatch.setenv("SHMSERVE__SERVER__PORT", str(free_port()))
-    env = {**os.environ, "SHMSERVE_RUN_DIR": str(deployment.run_dir)}  # as supervisord sets
-    left = subprocess.Popen(["sleep", "300"], env=env)
-    try:
-        wait_until(lambda: left.pid in processes.orphans(deployment))
-        assert cli.main(["status"]) == 1
-        out = capsys.readouterr().out
-        assert "supervisord is not running" in out and str(left.pid) in out
-        assert f"serving on 127.0.0.1:{started.server.port}:" in out
-        assert "`shmserve down` stops them" in out
-    finally:
-        left.kill()
-        left.wait()
-    assert cli.main(["status"]) == 3
 
 
 def test_up_refuses_while_this_deployments_supervisord_runs(deployment, capsys):
