@@ -17,22 +17,17 @@ import inspect
 import logging
 import time
 import warnings
-from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from transformers import AutoConfig
-from transformers.utils import logging as hf_logging
 
-from gpu_workers import packed, parity, prepack, tasks
+from gpu_workers import networks, packed, parity, prepack, tasks
 from gpu_workers.device import cpu_has_bf16, release, trim_heap
 from gpu_workers.graphs import Graphs
 from shmserve.models import ModelSourceError, ModelSpec, weights_file
 
 log = logging.getLogger("shmserve.worker")
-
-hf_logging.disable_progress_bar()  # a progress bar per load would clutter the JSON log
 
 # A sparse model's vocabulary logits are computed this many floats at a time (64 MiB in fp32).
 SPLADE_CHUNK_FLOATS = 1 << 24
@@ -63,45 +58,8 @@ class Model:
         self.prepack = prepacked and device.type == "cpu"
         self.prepacked = 0  # linear layers running through gpu_workers.prepack
         self.max_tokens = spec.max_tokens  # a group's length is never rounded past it
-        try:
-            config = AutoConfig.from_pretrained(spec.directory, trust_remote_code=False)
-        except ValueError as exc:  # a model type this transformers does not have
-            raise ModelSourceError(f"{spec.directory}: transformers cannot read its config.json "
-                                   f"as any model it has: {str(exc).splitlines()[0]}") from exc
-        try:
-            # Attention: transformers' choice, SDPA where the architecture has it (BERT,
-            # RoBERTa, ModernBERT, Qwen, ...), else its eager attention (MPNet, DeBERTa-v2,
-            # whose load failed when SDPA was asked of every model).
-            net, info = tasks.network_class(spec.task).from_pretrained(
-                spec.directory,
-                config=config,
-                use_safetensors=True,
-                trust_remote_code=False,
-                dtype=DTYPES["fp32" if guarded else dtype],
-                output_loading_info=True,
-            )
-        except RuntimeError as exc:  # transformers': "look at the above report" (its log's)
-            try:
-                why = shape_mismatches(spec, config)
-            except Exception:  # noqa: BLE001 - the original error says more than this one
-                why = None
-            if not why:
-                raise
-            raise ModelSourceError(why) from exc
-        missing = info.get("missing_keys") or []
-        if spec.task != "embedding" and missing:
-            raise ModelSourceError(f"{spec.directory}: weights lack {sorted(missing)[:4]}; a "
-                                   f"{spec.task} model needs its trained head")
-        # An embedding model pools the last hidden state: only BERT's pooler (which many
-        # sentence-transformers checkpoints leave out) may be missing. Weights named otherwise
-        # than config.json's model expects were loaded as random ones, and served.
-        if lost := sorted(k for k in missing if not k.startswith("pooler.")):
-            raise ModelSourceError(
-                f"{spec.directory}: model.safetensors lacks {len(lost)} of the weights its "
-                f"config.json's model ({config.model_type}) needs, e.g. {lost[:3]}; its tensors "
-                f"are named {sorted(info.get('unexpected_keys') or [])[:3] or 'otherwise'} "
-                "(a checkpoint of another architecture, or saved under another prefix?)")
-        net = net.eval()
+        net, self.loader = networks.load(spec, DTYPES["fp32" if guarded else dtype])
+        config = net.config
         self.attention = str(getattr(net.config, "_attn_implementation", "") or "")  # logged
         _refuse_non_finite(net, spec)
         if dtype == "int8":
@@ -384,34 +342,6 @@ class NullModel:
                        tokens: bool = False, normalize: bool = True) -> np.ndarray:
         rows = sum(int(g[1].sum()) if tokens else g[0].shape[0] for g in groups)
         return np.zeros((rows, self.spec.dim), np.float32)
-
-
-def shape_mismatches(spec: ModelSpec, config: Any) -> str | None:
-    """What is wrong with weights whose tensors do not have the shapes config.json gives
-    (another size of model under this config, say), said in one line: transformers refuses
-    them with a message that points to a table it logged. None when every shape fits."""
-    from safetensors import safe_open
-
-    with torch.device("meta"):  # shapes only: nothing allocated
-        net = tasks.network_class(spec.task).from_config(config)
-    want = {k: tuple(v.shape) for k, v in net.state_dict().items()}
-    prefix = getattr(net, "base_model_prefix", "")
-    bad = []
-    with safe_open(str(weights_file(spec.directory)), framework="pt") as f:
-        for key in f.keys():
-            have = tuple(f.get_slice(key).get_shape())
-            # saved with or without the base model's prefix (bert.), as transformers reads them
-            name = next((n for n in (key, f"{prefix}.{key}", key.partition(".")[2])
-                         if n in want), None)
-            if name is not None and want[name] != have:
-                bad.append((key, have, want[name]))
-    if not bad:
-        return None
-    key, have, need = bad[0]
-    return (f"{spec.directory}: model.safetensors does not fit its config.json "
-            f"({config.model_type}, hidden_size {getattr(config, 'hidden_size', '?')}): tensors "
-            f"of other shapes: {len(bad)}, e.g. {key} is {list(have)}, the config needs "
-            f"{list(need)} (weights of another size of model?)")
 
 
 def load_model(spec: ModelSpec, device: torch.device, graphs: int = 0) -> Model | NullModel:

@@ -21,7 +21,6 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-from transformers import AutoModel, AutoModelForMaskedLM, AutoModelForSequenceClassification
 
 from shmserve.models import ModelSpec
 
@@ -29,6 +28,10 @@ Head = Callable[..., torch.Tensor]  # (network output, mask, lengths, normalize=
 
 
 def network_class(task: str) -> type:
+    """transformers' Auto class of the task's network (imported here: gpu_workers.bert loads
+    BERT's without it)."""
+    from transformers import AutoModel, AutoModelForMaskedLM, AutoModelForSequenceClassification
+
     return {"embedding": AutoModel, "sparse": AutoModelForMaskedLM}.get(
         task, AutoModelForSequenceClassification)
 

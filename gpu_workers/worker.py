@@ -94,6 +94,7 @@ class Worker:
                 "torch_threads": torch.get_num_threads(),
                 "prepacked_linears": getattr(model, "prepacked", 0),
                 "attention": getattr(model, "attention", ""),
+                "loader": getattr(model, "loader", ""),
                 "switch_interval_ms": round(sys.getswitchinterval() * 1000, 3)}})
             self.metrics.model_loaded(name, spec.revision, spec.dtype, str(self.device))
         self.status.device_label = device_name(self.device)
