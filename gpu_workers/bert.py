@@ -1,30 +1,32 @@
-"""BERT's networks, built and loaded without transformers.
+"""BERT's and RoBERTa's networks, built and loaded without transformers.
 
 Importing transformers' BERT costs a worker ~3 s of its start (of ~5 s with the tiny test
-model, on the 2-core development machine: `python -X importtime` in docs/performance.md), and
-every start pays it: supervisord's restarts, rolling restarts, pods. BERT is the family most
-embedding, reranking and SPLADE checkpoints are (the default model is one), and its layers are
-few and plain, so the worker builds them itself:
+model, on the 2-core development machine: docs/performance.md), and every start pays it:
+supervisord's restarts, rolling restarts, reloads, pods. The BERT family (`bert`, `roberta`,
+`xlm-roberta`) is what most embedding, reranking and SPLADE checkpoints are (the default
+model is a BERT), and its layers are few and plain, so the worker builds them itself:
 
-    BertModel                       embedding   (the last hidden state; no pooler)
-    BertForSequenceClassification   classification, rerank  (pooler, dropout, classifier)
-    BertForMaskedLM                 sparse      (the vocabulary head, its decoder tied to the
-                                                 word embeddings)
+    {Bert,Roberta,XLMRoberta}Model                      embedding (the last hidden state)
+    {Bert,Roberta,XLMRoberta}ForSequenceClassification  classification, rerank
+    {Bert,Roberta,XLMRoberta}ForMaskedLM                sparse (the vocabulary head, its
+                                                        decoder tied to the word embeddings)
 
-The modules and their attributes have transformers' names, so the weights load by name and
+The classes, modules and attributes have transformers' names, so the weights load by name and
 gpu_workers.packed, gpu_workers.prepack and int8 quantization treat them as transformers' own.
-The forward passes compute what transformers' do, in the same order (tests hold them equal).
+The forward passes compute what transformers' do, in the same order (tests/integration/
+test_bert.py holds them equal). RoBERTa differs from BERT in its positions (counted from the
+padding id, past it) and its heads.
 
-`load` takes only a checkpoint it reads exactly as transformers would: model_type bert, an
-encoder with absolute positions, gelu or relu, and every tensor named and shaped as
-config.json implies. For anything else it returns None, and transformers loads the model, or
-refuses it with its own message, as it did before (gpu_workers.networks).
+`load` takes only a checkpoint it reads exactly as transformers would: an encoder with absolute
+positions, gelu or relu, config values of the types transformers' config accepts, and every
+tensor named and shaped as config.json implies. For anything else it returns None, and
+transformers loads the model, or refuses it with its own message (gpu_workers.networks).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
@@ -37,13 +39,19 @@ from shmserve.models import weights_file
 ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu}  # transformers' ACT2FN for these two names
 # Tensors old checkpoints saved that hold no weights (transformers drops them too).
 IGNORED = ("embeddings.position_ids",)
+# model_type: (class names' prefix, the encoder's attribute and weights' prefix, the defaults
+# its transformers config has where BertConfig's differ)
+FAMILIES = {"bert": ("Bert", "bert", {}),
+            "roberta": ("Roberta", "roberta", {"vocab_size": 50265, "pad_token_id": 1}),
+            "xlm-roberta": ("XLMRoberta", "roberta", {"pad_token_id": 1})}
 
 
 @dataclass
 class Config:
-    """What the networks and the worker read of a BERT config.json, with BertConfig's
-    defaults. Class attributes: what gpu_workers reads of any network's config."""
+    """What the networks and the worker read of a config.json, with BertConfig's defaults
+    (FAMILIES: the others'). Class attributes: what gpu_workers reads of any network's config."""
 
+    model_type: str = "bert"
     vocab_size: int = 30522
     hidden_size: int = 768
     num_hidden_layers: int = 12
@@ -57,10 +65,17 @@ class Config:
     num_labels: int = 2
     tie_word_embeddings: bool = True
 
-    model_type = "bert"
     position_embedding_type = "absolute"
     is_decoder = False
     _attn_implementation = "sdpa"  # logged as the worker's attention
+
+    @property
+    def bert(self) -> bool:
+        return self.model_type == "bert"
+
+    @property
+    def prefix(self) -> str:
+        return FAMILIES[self.model_type][1]
 
     @classmethod
     def read(cls, directory: Path) -> Config | None:
@@ -70,7 +85,7 @@ class Config:
             raw = json.loads((Path(directory) / "config.json").read_text())
         except (OSError, ValueError):
             return None
-        if not isinstance(raw, dict) or raw.get("model_type") != "bert":
+        if not isinstance(raw, dict) or raw.get("model_type") not in FAMILIES:
             return None
         if (raw.get("position_embedding_type", "absolute") != "absolute"
                 or raw.get("is_decoder", False) or raw.get("add_cross_attention", False)
@@ -81,19 +96,22 @@ class Config:
             if not isinstance(labels, dict) or raw.get("num_labels", len(labels)) != len(labels):
                 return None
             raw = {**raw, "num_labels": len(labels)}
-        fields = {}
-        for name, default in cls().__dict__.items():
-            value = raw.get(name, default)
-            if value is None and name == "pad_token_id":
-                value = 0
+        defaults = FAMILIES[raw["model_type"]][2]
+        values = {}
+        for field in fields(cls):
+            default = defaults.get(field.name, field.default)
+            value = raw.get(field.name, default)
+            if value is None and field.name == "pad_token_id" and raw["model_type"] == "bert":
+                value = 0  # no padding id: BERT's positions do not need one; RoBERTa's do
             if type(value) is not type(default):  # as transformers' strict config:
                 return None  # layer_norm_eps 1 is refused (an int), and says so
-            fields[name] = value
-        config = cls(**fields)
+            values[field.name] = value
+        config = cls(**values)
         sizes = (config.vocab_size, config.hidden_size, config.num_hidden_layers,
                  config.num_attention_heads, config.intermediate_size,
                  config.max_position_embeddings, config.type_vocab_size, config.num_labels)
-        if min(sizes) < 1 or config.hidden_size % config.num_attention_heads:
+        if (min(sizes) < 1 or config.hidden_size % config.num_attention_heads
+                or not 0 <= config.pad_token_id < config.vocab_size):
             return None
         return config
 
@@ -106,13 +124,20 @@ class Embeddings(nn.Module):
                                                 config.hidden_size)
         self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.padding_idx = None if config.bert else config.pad_token_id
 
     def forward(self, input_ids: torch.Tensor,
                 token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """[b, l] ids (and token types: None, all zeros) -> [b, l, hidden], positions from 0."""
+        """[b, l] ids (and token types: None, all zeros) -> [b, l, hidden]. Positions: BERT's
+        from 0; RoBERTa's count the tokens that are not the padding id, from past it (a
+        padding id's position is the padding id), as fairseq's make_positions."""
         types = (self.token_type_embeddings.weight[0] if token_type_ids is None
                  else self.token_type_embeddings(token_type_ids))
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        if self.padding_idx is None:
+            positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        else:
+            kept = input_ids.ne(self.padding_idx).int()
+            positions = (torch.cumsum(kept, dim=1).type_as(kept) * kept).long() + self.padding_idx
         x = self.word_embeddings(input_ids) + types
         return self.LayerNorm(x + self.position_embeddings(positions))
 
@@ -192,7 +217,9 @@ class Pooler(nn.Module):
         return torch.tanh(self.dense(hidden[:, 0]))
 
 
-class BertModel(nn.Module):
+class Model(nn.Module):
+    """BertModel, RobertaModel, XLMRobertaModel (`network_class`): the encoder."""
+
     def __init__(self, config: Config, pooler: bool = False) -> None:
         super().__init__()
         self.config = config
@@ -201,7 +228,7 @@ class BertModel(nn.Module):
         self.pooler = Pooler(config) if pooler else None
 
     @property
-    def base_model(self) -> BertModel:
+    def base_model(self) -> Model:
         return self
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -216,22 +243,49 @@ class BertModel(nn.Module):
         return Output(x)
 
 
-class BertForSequenceClassification(nn.Module):
-    def __init__(self, config: Config) -> None:
+class WithHead(nn.Module):
+    """An encoder under the family's attribute (`bert`, `roberta`) and a head."""
+
+    def __init__(self, config: Config, pooler: bool = False) -> None:
         super().__init__()
         self.config = config
-        self.bert = BertModel(config, pooler=True)
-        self.dropout = nn.Identity()  # inference: dropout is the identity
-        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+        setattr(self, config.prefix, network_class(config, "embedding")(config, pooler))
 
     @property
-    def base_model(self) -> BertModel:
-        return self.bert
+    def base_model(self) -> Model:
+        return getattr(self, self.config.prefix)
+
+
+class RobertaClassificationHead(nn.Module):
+    def __init__(self, config: Config) -> None:
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.out_proj = nn.Linear(config.hidden_size, config.num_labels)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The first token's last hidden state, dense, tanh, out_proj (dropouts: identity)."""
+        return self.out_proj(torch.tanh(self.dense(hidden[:, 0])))
+
+
+class SequenceClassifier(WithHead):
+    """BERT's: pooler (first token, dense, tanh), dropout (the identity at inference),
+    classifier. RoBERTa's: no pooler; its classifier is RobertaClassificationHead."""
+
+    def __init__(self, config: Config) -> None:
+        super().__init__(config, pooler=config.bert)
+        if config.bert:
+            self.dropout = nn.Identity()
+            self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+        else:
+            self.classifier = RobertaClassificationHead(config)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 token_type_ids: torch.Tensor | None = None) -> Output:
-        hidden = self.bert(input_ids, attention_mask, token_type_ids).last_hidden_state
-        return Output(hidden, self.classifier(self.dropout(self.bert.pooler(hidden))))
+        encoder = self.base_model
+        hidden = encoder(input_ids, attention_mask, token_type_ids).last_hidden_state
+        logits = (self.classifier(self.dropout(encoder.pooler(hidden))) if self.config.bert
+                  else self.classifier(hidden))
+        return Output(hidden, logits)
 
 
 class Transform(nn.Module):
@@ -257,6 +311,8 @@ class Predictions(nn.Module):
 
 
 class MaskedLMHead(nn.Module):
+    """BERT's `cls`."""
+
     def __init__(self, config: Config) -> None:
         super().__init__()
         self.predictions = Predictions(config)
@@ -265,34 +321,53 @@ class MaskedLMHead(nn.Module):
         return self.predictions(x)
 
 
-class BertForMaskedLM(nn.Module):
+class RobertaLMHead(nn.Module):
+    """RoBERTa's `lm_head`: dense, gelu (whatever hidden_act says), layer norm, decoder."""
+
     def __init__(self, config: Config) -> None:
         super().__init__()
-        self.config = config
-        self.bert = BertModel(config)
-        self.cls = MaskedLMHead(config)
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.layer_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.decoder = nn.Linear(config.hidden_size, config.vocab_size)
+        self.bias = self.decoder.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.decoder(self.layer_norm(F.gelu(self.dense(x))))
+
+
+class MaskedLM(WithHead):
+    def __init__(self, config: Config) -> None:
+        super().__init__(config)
+        if config.bert:
+            self.cls = MaskedLMHead(config)
+        else:
+            self.lm_head = RobertaLMHead(config)
 
     @property
-    def base_model(self) -> BertModel:
-        return self.bert
+    def head(self) -> nn.Module:
+        """The vocabulary head, whose decoder is tied to the word embeddings."""
+        return self.cls.predictions if self.config.bert else self.lm_head
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 token_type_ids: torch.Tensor | None = None) -> Output:
-        hidden = self.bert(input_ids, attention_mask, token_type_ids).last_hidden_state
-        return Output(hidden, self.cls(hidden))
+        hidden = self.base_model(input_ids, attention_mask, token_type_ids).last_hidden_state
+        return Output(hidden, (self.cls if self.config.bert else self.lm_head)(hidden))
 
 
-NETWORKS = {"embedding": BertModel, "sparse": BertForMaskedLM}  # else the classifier
+# Each family's classes, named as transformers names them: gpu_workers.packed knows a network by
+# its class's name.
+_KINDS = {"embedding": ("Model", Model), "sparse": ("ForMaskedLM", MaskedLM),
+          "classification": ("ForSequenceClassification", SequenceClassifier)}
+CLASSES = {(family, kind): type(f"{names}{suffix}", (base,), {"__module__": __name__})
+           for family, (names, _, _) in FAMILIES.items()
+           for kind, (suffix, base) in _KINDS.items()}
+globals().update({cls.__name__: cls for cls in CLASSES.values()})
 
 
-def expected_shapes(config: Config, task: str) -> tuple[dict[str, tuple], set[str]]:
-    """{tensor name: shape} the task's network holds, and the names a checkpoint may leave out
-    (the decoder and its bias, tied to the word embeddings and `cls.predictions.bias`)."""
-    with torch.device("meta"):  # shapes only: nothing allocated
-        net = NETWORKS.get(task, BertForSequenceClassification)(config)
-    shapes = {name: tuple(t.shape) for name, t in net.state_dict().items()}
-    tied = {"cls.predictions.decoder.weight", "cls.predictions.decoder.bias"}
-    return shapes, tied & shapes.keys()
+def network_class(config: Config, task: str) -> type:
+    """The class of the task's network (classification and rerank: the sequence classifier)."""
+    return CLASSES[config.model_type, task if task in ("embedding", "sparse")
+                   else "classification"]
 
 
 def load(directory: Path, task: str, dtype: torch.dtype) -> nn.Module | None:
@@ -303,40 +378,42 @@ def load(directory: Path, task: str, dtype: torch.dtype) -> nn.Module | None:
     config = Config.read(directory)
     if config is None or (task == "sparse" and not config.tie_word_embeddings):
         return None
-    shapes, optional = expected_shapes(config, task)
-    prefixed = task != "embedding"  # a head's checkpoint holds bert.*, as transformers saves
+    with torch.device("meta"):  # nothing allocated: the weights are assigned below
+        net = network_class(config, task)(config)
+    shapes = {name: tuple(t.shape) for name, t in net.state_dict().items()}
+    prefix = config.prefix + "."
+    head = "cls.predictions." if config.bert else "lm_head."
+    # A masked LM's decoder is tied to the word embeddings, its bias to the head's: a
+    # checkpoint may leave them out (transformers 5 saves neither).
+    tied = {head + "decoder.weight", head + "decoder.bias"} if task == "sparse" else set()
     try:
         with safe_open(str(weights_file(Path(directory))), framework="pt") as f:
             names = {}
             for key in f.keys():
                 name = key
-                if not prefixed:  # an encoder saved alone, or inside a model with a head
-                    name = key.removeprefix("bert.")
+                if task == "embedding":  # an encoder saved alone, or inside a model with a head
+                    name = key.removeprefix(prefix)
                     if name.startswith("pooler."):
                         continue  # the embedding task reads the last hidden state only
-                if name in IGNORED:
+                if name.removeprefix(prefix) in IGNORED:
                     continue
                 sliced = f.get_slice(key)
                 if (name not in shapes or name in names or shapes[name] != tuple(
                         sliced.get_shape()) or sliced.get_dtype() not in ("F32", "F16", "BF16")):
                     return None  # unknown, twice, of another shape, or not float weights
                 names[name] = key
-            if shapes.keys() - optional - names.keys():
+            if shapes.keys() - tied - names.keys():
                 return None  # weights missing: transformers says which
             weights = {name: f.get_tensor(key).to(dtype) for name, key in names.items()}
     except Exception:  # noqa: BLE001 - unreadable here (no model.safetensors, a damaged
         return None  # header): transformers reads it, or says why
     if task == "sparse":
-        words = weights["bert.embeddings.word_embeddings.weight"]
-        weights["cls.predictions.decoder.weight"] = words
-        weights["cls.predictions.decoder.bias"] = weights["cls.predictions.bias"]
-    with torch.device("meta"):
-        net = NETWORKS.get(task, BertForSequenceClassification)(config)
-    net.load_state_dict(weights, strict=True, assign=True)
-    if task == "sparse":  # tied, as transformers ties them: one tensor each
-        head = net.cls.predictions
-        head.decoder.weight = net.bert.embeddings.word_embeddings.weight
-        head.bias = head.decoder.bias
+        weights[head + "decoder.weight"] = weights[prefix + "embeddings.word_embeddings.weight"]
+        weights[head + "decoder.bias"] = weights[head + "bias"]
+    net.load_state_dict(weights, strict=True, assign=True)  # the meta tensors replaced
+    if task == "sparse":  # tied as transformers ties them: one tensor each
+        net.head.decoder.weight = net.base_model.embeddings.word_embeddings.weight
+        net.head.bias = net.head.decoder.bias
     for p in net.parameters():
         p.requires_grad_(False)
     return net.eval()

@@ -1,7 +1,8 @@
-"""A served model's network from its directory, in eval mode: BERT's through gpu_workers.bert,
-which does not import transformers (~3 s of a worker's start), and every other architecture,
-or a BERT checkpoint gpu_workers.bert does not read exactly as transformers would, through
-transformers' Auto classes, which load it or refuse it with a clear ModelSourceError."""
+"""A served model's network from its directory, in eval mode: the BERT family's (bert, roberta,
+xlm-roberta) through gpu_workers.bert, which does not import transformers (~3 s of a worker's
+start); every other architecture, or a checkpoint gpu_workers.bert does not read exactly as
+transformers would, through transformers' Auto classes, which load it or refuse it with a
+clear ModelSourceError."""
 
 from __future__ import annotations
 

@@ -15,8 +15,13 @@ from tests.integration.modelkit import spec
 from tests.tinymodel import build_tiny_bert, build_tiny_classifier, build_tiny_splade
 
 
+FAMILIES = ("bert", "roberta", "xlm-roberta")
+TASKS = ("embedding", "classification", "rerank", "sparse")
+
+
 @pytest.fixture(scope="module")
 def bert_models(tmp_path_factory):
+    """A tiny random BERT of each task (tests.tinymodel)."""
     root = tmp_path_factory.mktemp("bert-models")
     return {"embedding": build_tiny_bert(root / "emb", seed=5),
             "classification": build_tiny_classifier(root / "clf", num_labels=3, seed=3),
@@ -24,30 +29,61 @@ def bert_models(tmp_path_factory):
             "sparse": build_tiny_splade(root / "splade", seed=6)}
 
 
+@pytest.fixture(scope="module")
+def family_models(bert_models, tmp_path_factory):
+    """{(family, task): directory}: BERT's, and RoBERTa's and XLM-RoBERTa's of the same shape
+    (their positions past the padding id, 0 here: one more position), with BERT's tokenizer
+    and pooling files."""
+    from transformers import (AutoConfig, AutoModel, AutoModelForMaskedLM,
+                              AutoModelForSequenceClassification)
+
+    root = tmp_path_factory.mktemp("family-models")
+    out = {("bert", task): directory for task, directory in bert_models.items()}
+    for seed, (family, task) in enumerate((f, t) for f in FAMILIES[1:] for t in TASKS):
+        torch.manual_seed(seed)
+        config = AutoConfig.for_model(
+            family, vocab_size=30522, hidden_size=32, num_hidden_layers=2,
+            num_attention_heads=2, intermediate_size=64, max_position_embeddings=65,
+            pad_token_id=0, num_labels={"classification": 3, "rerank": 1}.get(task, 2),
+            initializer_range=0.5 if task in ("classification", "rerank") else 0.02)
+        net = {"embedding": AutoModel, "sparse": AutoModelForMaskedLM}.get(
+            task, AutoModelForSequenceClassification).from_config(config).eval()
+        target = shutil.copytree(bert_models[task], root / f"{family}-{task}")
+        net.save_pretrained(target, safe_serialization=True)
+        out[family, task] = target
+    return out
+
+
 def transformers_network(directory, task, dtype):
     return networks._transformers(spec(directory, task), dtype)
 
 
 def batch():
-    """Three texts: one of full length, two padded; a pair's token types on the first."""
+    """Three texts: one of full length, two padded (with the padding id, 0, as the worker pads
+    them); a pair's token types on the first."""
     torch.manual_seed(0)
     ids = torch.randint(1000, 30000, (3, 20))
     mask = torch.ones(3, 20, dtype=torch.long)
     mask[1, 12:] = 0
     mask[2, 3:] = 0
+    ids[mask == 0] = 0
     types = torch.zeros_like(ids)
     types[0, 9:] = 1
     return ids, mask, types
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("task", ["embedding", "classification", "rerank", "sparse"])
-def test_the_networks_compute_what_transformers_networks_compute(bert_models, task, dtype):
+@pytest.mark.parametrize("task", TASKS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_networks_compute_what_transformers_networks_compute(family_models, family, task,
+                                                                 dtype):
     ids, mask, types = batch()
-    ours, loader = networks.load(spec(bert_models[task], task), dtype)
-    theirs = transformers_network(bert_models[task], task, dtype)
+    directory = family_models[family, task]
+    ours, loader = networks.load(spec(directory, task), dtype)
+    theirs = transformers_network(directory, task, dtype)
     assert loader == "shmserve" and type(ours).__name__ == type(theirs).__name__
-    assert next(ours.parameters()).dtype == dtype
+    assert type(ours.base_model).__name__ == type(theirs.base_model).__name__
+    assert all(p.dtype == dtype for p in ours.parameters())
     with torch.inference_mode():
         for attention, token_types in ((mask, types), (torch.ones_like(mask), None)):
             extra = {} if token_types is None else {"token_type_ids": token_types}
@@ -62,11 +98,12 @@ def test_the_networks_compute_what_transformers_networks_compute(bert_models, ta
                 torch.testing.assert_close(a.logits, b.logits, rtol=0, atol=1e-5)
 
 
-def test_a_masked_lms_decoder_is_the_word_embeddings_and_its_bias_one_tensor(bert_models):
-    net, _ = networks.load(spec(bert_models["sparse"], "sparse"), torch.float32)
-    head = net.cls.predictions
-    assert head.decoder.weight is net.bert.embeddings.word_embeddings.weight
-    assert head.decoder.bias is head.bias
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_masked_lms_decoder_is_the_word_embeddings_and_its_bias_one_tensor(family_models,
+                                                                             family):
+    net, _ = networks.load(spec(family_models[family, "sparse"], "sparse"), torch.float32)
+    assert net.head.decoder.weight is net.base_model.embeddings.word_embeddings.weight
+    assert net.head.decoder.bias is net.head.bias
 
 
 def test_an_embedding_checkpoint_saved_with_a_head_or_prefix_loads_its_encoder(bert_models,
@@ -104,7 +141,8 @@ def edited(source, tmp_path, name, config=None, tensors=None):
     ("gelu_new", {"hidden_act": "gelu_new"}, None),
     ("relative", {"position_embedding_type": "relative_key"}, None),
     ("decoder", {"is_decoder": True}, None),
-    ("roberta-typed", {"model_type": "roberta"}, None),
+    ("electra-typed", {"model_type": "electra"}, None),
+    ("no-padding-id", {"model_type": "roberta", "pad_token_id": None}, None),
     ("string-size", {"hidden_size": "32"}, None),
     ("int-eps", {"layer_norm_eps": 1}, None),  # transformers' strict config refuses it
     ("extra-tensor", None, lambda t: {**t, "extra.weight": torch.zeros(2)}),
@@ -117,41 +155,41 @@ def test_what_only_transformers_reads_goes_to_transformers(bert_models, tmp_path
     assert bert.load(target, "embedding", torch.float32) is None
 
 
-def test_the_config_reads_as_transformers_reads_it(bert_models, tmp_path):
+def test_the_config_reads_as_transformers_reads_it(family_models, tmp_path):
+    """Each field, from the tiny models' configs and from configs that leave every field to
+    its family's default."""
     from transformers import AutoConfig
 
-    sparse = json.loads((bert_models["sparse"] / "config.json").read_text())
-    bare = tmp_path / "bare"
-    bare.mkdir()
-    (bare / "config.json").write_text(json.dumps({"model_type": "bert"}))  # every default
-    labelled = tmp_path / "labelled"
-    labelled.mkdir()
-    (labelled / "config.json").write_text(json.dumps(
-        {"model_type": "bert", "id2label": {"0": "a", "1": "b", "2": "c", "3": "d"},
-         "pad_token_id": None, "layer_norm_eps": 1e-5}))
-    assert sparse.get("tie_word_embeddings", True)
-    for directory in [*bert_models.values(), bare, labelled]:
+    written = []
+    for i, config in enumerate([*({"model_type": family} for family in FAMILIES),
+                                {"model_type": "bert", "id2label": {"0": "a", "1": "b", "2": "c"},
+                                 "pad_token_id": None, "layer_norm_eps": 1e-5}]):
+        (tmp_path / str(i)).mkdir()
+        (tmp_path / str(i) / "config.json").write_text(json.dumps(config))
+        written.append(tmp_path / str(i))
+    for directory in [*family_models.values(), *written]:
         ours, theirs = bert.Config.read(directory), AutoConfig.from_pretrained(directory)
         for field in ours.__dict__:
-            assert getattr(ours, field) == (getattr(theirs, field) or 0), (directory, field)
+            want = getattr(theirs, field)
+            assert getattr(ours, field) == (0 if want is None else want), (directory, field)
 
 
-def test_loading_a_bert_model_never_imports_transformers(bert_models):
-    """The worker's import and its load of each task's BERT model, warmed up, in a fresh
-    interpreter: transformers' import is what gpu_workers.bert spares a worker's start."""
+def test_loading_a_bert_family_model_never_imports_transformers(family_models):
+    """The worker's import and its load of each family's and task's model, warmed up, in a
+    fresh interpreter: transformers' import is what gpu_workers.bert spares a worker's start."""
     code = (
         "import sys, torch\n"
         "import gpu_workers.worker\n"
         "from gpu_workers.batcher import Limits\n"
         "from gpu_workers.loading import load_warm\n"
         "from tests.integration.modelkit import spec\n"
-        f"for task, directory in {[(t, str(d)) for t, d in bert_models.items()]!r}:\n"
+        f"for (family, task), directory in {[(k, str(d)) for k, d in family_models.items()]!r}:\n"
         "    model, _, _ = load_warm(spec(directory, task, dtype='auto'), torch.device('cpu'),\n"
         "                            0, Limits(8, 512, 0.0))\n"
-        "    print(task, model.loader, model.spec.dtype)\n"
+        "    print(family, task, model.loader, model.spec.dtype)\n"
         "print('transformers' in sys.modules)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, timeout=120).stdout.split("\n")
-    assert [line.split()[:2] for line in out[:4]] == [
-        [task, "shmserve"] for task in bert_models]
-    assert out[4] == "False"
+    assert [line.split()[:3] for line in out[:-2]] == [
+        [family, task, "shmserve"] for family, task in family_models]
+    assert out[-2] == "False"
