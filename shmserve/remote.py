@@ -37,10 +37,13 @@ def reload(args: argparse.Namespace) -> int:
     # model's load takes a while (~33 s for the default model beside 20 connections on 2
     # cores, an outside check), and the command said nothing meanwhile.
     unit = f"{args.name}@{args.variant}" if args.variant else args.name
-    print(f"shmserve: reloading {unit}: every worker that serves it loads and warms the new "
-          "weights beside serving, then switches; waiting for all of them (at most "
-          f"admin.reload_timeout_s, {cfg.admin.reload_timeout_s:g} s; `shmserve models` shows "
-          "each worker's state)", file=sys.stderr, flush=True)
+    arms = {m.name: {v.name for v in m.variants} for m in cfg.models}
+    if args.name in arms and (not args.variant or args.variant in arms[args.name]):
+        # (else nothing waits: the stack's 404 or 422 says why at once)
+        print(f"shmserve: reloading {unit}: every worker that serves it loads and warms the "
+              "new weights beside serving, then switches; waiting for all of them (at most "
+              f"admin.reload_timeout_s, {cfg.admin.reload_timeout_s:g} s; `shmserve models` "
+              "shows each worker's state)", file=sys.stderr, flush=True)
     status_code, answer = admin_call(cfg, "POST", f"/admin/models/{quote(args.name)}/reload",
                                      body, timeout=cfg.nginx.proxy_read_timeout_s + 10)
     return _said(status_code, answer)

@@ -227,3 +227,9 @@ def test_cli_reload_and_a_restarted_worker_loads_the_reloaded_model(stack, model
         assert "not installed" in proc.stderr, proc.stderr
         return True
     stack.wait_until(refused_for_its_source, 30, "the reload refused for its source")
+    # A model or arm the deployment does not serve: the stack's answer at once, without the
+    # line saying the command waits for every worker (it was printed before the 404).
+    for extra in (["nope"], ["tiny", "--variant", "a"]):
+        proc = stack.cli("reload", *extra[:1], str(models["a"]), *extra[1:], check=False)
+        assert proc.returncode == 1 and not proc.stdout, proc.stdout
+        assert json.loads(proc.stderr)["error"]["message"], proc.stderr
