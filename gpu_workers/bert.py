@@ -39,11 +39,11 @@ from shmserve.models import weights_file
 ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu}  # transformers' ACT2FN for these two names
 # Tensors old checkpoints saved that hold no weights (transformers drops them too).
 IGNORED = ("embeddings.position_ids",)
-# model_type: (class names' prefix, the encoder's attribute and weights' prefix, the defaults
-# its transformers config has where BertConfig's differ)
-FAMILIES = {"bert": ("Bert", "bert", {}),
-            "roberta": ("Roberta", "roberta", {"vocab_size": 50265, "pad_token_id": 1}),
-            "xlm-roberta": ("XLMRoberta", "roberta", {"pad_token_id": 1})}
+# model_type: (the encoder's attribute and its weights' prefix, the defaults its transformers
+# config has where BertConfig's differ)
+FAMILIES = {"bert": ("bert", {}),
+            "roberta": ("roberta", {"vocab_size": 50265, "pad_token_id": 1}),
+            "xlm-roberta": ("roberta", {"pad_token_id": 1})}
 
 
 @dataclass
@@ -75,7 +75,7 @@ class Config:
 
     @property
     def prefix(self) -> str:
-        return FAMILIES[self.model_type][1]
+        return FAMILIES[self.model_type][0]
 
     @classmethod
     def read(cls, directory: Path) -> Config | None:
@@ -96,7 +96,7 @@ class Config:
             if not isinstance(labels, dict) or raw.get("num_labels", len(labels)) != len(labels):
                 return None
             raw = {**raw, "num_labels": len(labels)}
-        defaults = FAMILIES[raw["model_type"]][2]
+        defaults = FAMILIES[raw["model_type"]][1]
         values = {}
         for field in fields(cls):
             default = defaults.get(field.name, field.default)
@@ -356,12 +356,25 @@ class MaskedLM(WithHead):
 
 # Each family's classes, named as transformers names them: gpu_workers.packed knows a network by
 # its class's name.
-_KINDS = {"embedding": ("Model", Model), "sparse": ("ForMaskedLM", MaskedLM),
-          "classification": ("ForSequenceClassification", SequenceClassifier)}
-CLASSES = {(family, kind): type(f"{names}{suffix}", (base,), {"__module__": __name__})
-           for family, (names, _, _) in FAMILIES.items()
-           for kind, (suffix, base) in _KINDS.items()}
-globals().update({cls.__name__: cls for cls in CLASSES.values()})
+class BertModel(Model): ...
+class BertForSequenceClassification(SequenceClassifier): ...
+class BertForMaskedLM(MaskedLM): ...
+class RobertaModel(Model): ...
+class RobertaForSequenceClassification(SequenceClassifier): ...
+class RobertaForMaskedLM(MaskedLM): ...
+class XLMRobertaModel(Model): ...
+class XLMRobertaForSequenceClassification(SequenceClassifier): ...
+class XLMRobertaForMaskedLM(MaskedLM): ...
+
+
+CLASSES = {  # (model_type, task) -> class; classification and rerank: the sequence classifier
+    (family, task): cls
+    for family, classes in (
+        ("bert", (BertModel, BertForSequenceClassification, BertForMaskedLM)),
+        ("roberta", (RobertaModel, RobertaForSequenceClassification, RobertaForMaskedLM)),
+        ("xlm-roberta", (XLMRobertaModel, XLMRobertaForSequenceClassification,
+                         XLMRobertaForMaskedLM)))
+    for task, cls in zip(("embedding", "classification", "sparse"), classes)}
 
 
 def network_class(config: Config, task: str) -> type:
