@@ -396,9 +396,11 @@ def load(directory: Path, task: str, dtype: torch.dtype) -> nn.Module | None:
     shapes = {name: tuple(t.shape) for name, t in net.state_dict().items()}
     prefix = config.prefix + "."
     head = "cls.predictions." if config.bert else "lm_head."
-    # A masked LM's decoder is tied to the word embeddings, its bias to the head's: a
-    # checkpoint may leave them out (transformers 5 saves neither).
-    tied = {head + "decoder.weight", head + "decoder.bias"} if task == "sparse" else set()
+    # A masked LM's decoder is tied to the word embeddings, and its bias to the head's: a
+    # checkpoint may leave them out (transformers 5 saves neither), or hold them equal.
+    ties = (((head + "decoder.weight", prefix + "embeddings.word_embeddings.weight"),
+             (head + "decoder.bias", head + "bias")) if task == "sparse" else ())
+    tied = {name for name, _ in ties}
     try:
         with safe_open(str(weights_file(Path(directory))), framework="pt") as f:
             names = {}
@@ -420,9 +422,10 @@ def load(directory: Path, task: str, dtype: torch.dtype) -> nn.Module | None:
             weights = {name: f.get_tensor(key).to(dtype) for name, key in names.items()}
     except Exception:  # noqa: BLE001 - unreadable here (no model.safetensors, a damaged
         return None  # header): transformers reads it, or says why
-    if task == "sparse":
-        weights[head + "decoder.weight"] = weights[prefix + "embeddings.word_embeddings.weight"]
-        weights[head + "decoder.bias"] = weights[head + "bias"]
+    for name, source in ties:
+        if name in weights and not torch.equal(weights[name], weights[source]):
+            return None  # saved untied: transformers then keeps them apart (and says so)
+        weights[name] = weights[source]
     net.load_state_dict(weights, strict=True, assign=True)  # the meta tensors replaced
     if task == "sparse":  # tied as transformers ties them: one tensor each
         net.head.decoder.weight = net.base_model.embeddings.word_embeddings.weight

@@ -66,7 +66,10 @@ class Model:
             net = quantize_int8(net)
         self.head = tasks.head(spec)
         self.pad_id = int(getattr(config, "pad_token_id", 0) or 0)
-        self.token_types = "token_type_ids" in inspect.signature(net.forward).parameters
+        # Token types for pairs where the network has a second one: a RoBERTa cross-encoder's
+        # one (type_vocab_size 1) is all zeros, and a 1 was out of range (warm-up's pairs).
+        self.token_types = ("token_type_ids" in inspect.signature(net.forward).parameters
+                            and getattr(config, "type_vocab_size", 2) > 1)
         # A model with BERT's layers runs several length groups in one pass
         # (gpu_workers.packed); int8's quantized linears keep the network's own forward.
         self._packs = pack and dtype != "int8" and packed.supports(net)

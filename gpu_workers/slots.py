@@ -164,7 +164,8 @@ class Slots:
             return [_reply(job.peer, job.seq, status, "", message)]
         unit.standby = Staged(item.slot, job.ticket, time.monotonic())
         log.info("worker.reload_staged", extra={"fields": {
-            "model": item.unit, "revision": item.slot.spec.revision, "ticket": job.ticket}})
+            "model": item.unit, "revision": item.slot.spec.revision, "ticket": job.ticket,
+            "dtype": item.slot.spec.dtype, "loader": getattr(item.slot.model, "loader", "")}})
         return [_reply(job.peer, job.seq, ReloadStatus.OK, item.slot.spec.revision, "staged")]
 
     def commit(self, peer: bytes, msg: Commit) -> list[Reply]:

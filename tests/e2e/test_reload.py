@@ -113,6 +113,15 @@ def test_reload_under_load_switches_every_worker_without_a_failure(stack, models
     loads = [line for worker in ("worker-0", "worker-1") for line in stack.log_lines(worker)
              if line.get("message") == "worker.reload_loading"]
     assert [line["nice"] for line in loads] == [10, 10], loads
+    # ... and each says what loaded the new weights, as a start's worker.loaded does.
+    staged = [line for worker in ("worker-0", "worker-1") for line in stack.log_lines(worker)
+              if line.get("message") == "worker.reload_staged"]
+    assert [(line["loader"], line["revision"]) for line in staged] == [
+        ("shmserve", "tiny-r2")] * 2, staged
+    for worker in ("worker-0", "worker-1"):
+        (loaded,) = [line for line in stack.log_lines(worker)
+                     if line.get("message") == "worker.loaded"]
+        assert loaded["loader"] == "shmserve", loaded
     # ... and loaded at its start on one too, the model thread serving at its own priority.
     for worker in ("worker-0", "worker-1"):
         (start,) = [line for line in stack.log_lines(worker)

@@ -106,6 +106,65 @@ def test_a_masked_lms_decoder_is_the_word_embeddings_and_its_bias_one_tensor(fam
     assert net.head.decoder.bias is net.head.bias
 
 
+@pytest.mark.parametrize("family", ["bert", "roberta"])
+def test_a_masked_lm_saved_with_its_decoder_loads_here_only_where_it_is_tied(family_models,
+                                                                             family, tmp_path):
+    """A checkpoint holding the decoder and its bias: equal to the word embeddings and the
+    head's bias, they are one tensor each here; saved with other values (untied), transformers
+    keeps them apart (an outside check: served 0.78 off transformers' SPLADE values)."""
+    head = "cls.predictions." if family == "bert" else "lm_head."
+    words = f"{family.split('-')[0]}.embeddings.word_embeddings.weight"
+
+    def decoder(shift: float, bias_shift: float):
+        def edit(t):
+            return {**t, head + "decoder.weight": t[words] + shift,
+                    head + "decoder.bias": t[head + "bias"] + bias_shift}
+        return edit
+
+    source = family_models[family, "sparse"]
+    for name, shift, bias_shift, want in (("equal", 0.0, 0.0, "shmserve"),
+                                          ("weight", 0.05, 0.0, "transformers"),
+                                          ("bias", 0.0, 0.5, "transformers")):
+        target = edited(source, tmp_path, name, tensors=decoder(shift, bias_shift))
+        net, loader = networks.load(spec(target, "sparse"), torch.float32)
+        assert loader == want, name
+        theirs = transformers_network(target, "sparse", torch.float32)
+        ids, mask, _ = batch()
+        with torch.inference_mode():
+            torch.testing.assert_close(net(input_ids=ids, attention_mask=mask).logits,
+                                       theirs(input_ids=ids, attention_mask=mask).logits,
+                                       rtol=0, atol=1e-5)
+
+
+def test_a_cross_encoder_with_one_token_type_loads_warms_up_and_scores_pairs(family_models,
+                                                                             tmp_path):
+    """RoBERTa and XLM-R cross-encoders (bge-reranker's) have type_vocab_size 1: the warm-up's
+    and the probe's pairs gave token type 1, out of range, and the worker never started (an
+    outside check). Their pairs run with type 0 throughout, as transformers runs them."""
+    import numpy as np
+    from safetensors.torch import load_file, save_file
+
+    from gpu_workers.model import Model, warm_up
+
+    target = edited(family_models["roberta", "rerank"], tmp_path, "one-type",
+                    config={"type_vocab_size": 1})
+    tensors = load_file(target / "model.safetensors")
+    types = "roberta.embeddings.token_type_embeddings.weight"
+    save_file({**tensors, types: tensors[types][:1].clone()}, target / "model.safetensors",
+              metadata={"format": "pt"})
+    model = Model(spec(target, "rerank", dtype="auto"), torch.device("cpu"))
+    warm_up(model, 8, 512)
+    theirs = transformers_network(target, "rerank", torch.float32)
+    ids, mask, _ = batch()
+    lengths = mask.sum(1).numpy()
+    with torch.inference_mode():
+        want = theirs(input_ids=ids, attention_mask=mask).logits.numpy()
+    model32 = Model(spec(target, "rerank"), torch.device("cpu"))
+    assert model32.loader == "shmserve" and not model32.token_types
+    got = model32.forward(ids.numpy(), lengths, lengths // 2)
+    np.testing.assert_allclose(got, want, atol=1e-5)
+
+
 def test_an_embedding_checkpoint_saved_with_a_head_or_prefix_loads_its_encoder(bert_models,
                                                                                 tmp_path):
     """A classifier's checkpoint (bert.* with a pooler) served as an embedding model loads its
