@@ -19,8 +19,10 @@ padding id, past it) and its heads.
 
 `load` takes only a checkpoint it reads exactly as transformers would: an encoder with absolute
 positions, gelu or relu, config values of the types transformers' config accepts, and every
-tensor named and shaped as config.json implies. For anything else it returns None, and
-transformers loads the model, or refuses it with its own message (gpu_workers.networks).
+tensor the network needs, named and shaped as config.json implies (other tensors, such as
+another task's head, are left out, as transformers leaves them). For anything else it returns
+None, and transformers loads the model, or refuses it with its own message
+(gpu_workers.networks).
 """
 
 from __future__ import annotations
@@ -37,8 +39,6 @@ from gpu_workers.packed import Output
 from shmserve.models import weights_file
 
 ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu}  # transformers' ACT2FN for these two names
-# Tensors old checkpoints saved that hold no weights (transformers drops them too).
-IGNORED = ("embeddings.position_ids",)
 # model_type: (the encoder's attribute and its weights' prefix, the defaults its transformers
 # config has where BertConfig's differ)
 FAMILIES = {"bert": ("bert", {}),
@@ -413,15 +413,14 @@ def load(directory: Path, task: str, dtype: torch.dtype) -> nn.Module | None:
                 name = key
                 if task == "embedding":  # an encoder saved alone, or inside a model with a head
                     name = key.removeprefix(prefix)
-                    if name.startswith("pooler."):
-                        continue  # the embedding task reads the last hidden state only
-                if name.removeprefix(prefix) in IGNORED:
-                    continue
+                if name not in shapes:  # another task's head (an LM checkpoint served for
+                    continue  # embeddings), the pooler embeddings never read, a leftover
+                    # buffer (embeddings.position_ids): transformers leaves them out too
                 sliced = f.get_slice(key)
-                if (name not in shapes or name in names or shapes[name] != tuple(
-                        sliced.get_shape()) or sliced.get_dtype() not in ("F32", "F16", "BF16")):
-                    return None  # unknown, twice, of another shape, or not float weights
-                names[name] = key
+                if (name in names or shapes[name] != tuple(sliced.get_shape())
+                        or sliced.get_dtype() not in ("F32", "F16", "BF16")):
+                    return None  # twice (with and without the prefix), of another shape, or
+                names[name] = key  # not float weights
             if shapes.keys() - tied - names.keys():
                 return None  # weights missing: transformers says which
             weights = {name: f.get_tensor(key).to(dtype) for name, key in names.items()}

@@ -165,22 +165,36 @@ def test_a_cross_encoder_with_one_token_type_loads_warms_up_and_scores_pairs(fam
     np.testing.assert_allclose(got, want, atol=1e-5)
 
 
-def test_an_embedding_checkpoint_saved_with_a_head_or_prefix_loads_its_encoder(bert_models,
-                                                                                tmp_path):
-    """A classifier's checkpoint (bert.* with a pooler) served as an embedding model loads its
-    encoder, as transformers' AutoModel does; a head's tensors are not the encoder's."""
-    from safetensors.torch import load_file, save_file
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("saved", ["classification", "sparse", "prefixed", "extra"])
+def test_an_embedding_model_loads_the_encoder_of_any_checkpoint_that_holds_one(
+        family_models, tmp_path, family, saved):
+    """An encoder saved under the family's prefix, inside a classifier's or a masked LM's
+    checkpoint (roberta-base is saved with its LM head), or beside a tensor no network has:
+    the embedding task loads the encoder here and leaves the rest out, as transformers'
+    AutoModel does (they went to transformers, and paid its import on each start: an outside
+    check)."""
+    from safetensors.torch import load_file
 
-    target = shutil.copytree(bert_models["embedding"], tmp_path / "prefixed")
-    tensors = load_file(target / "model.safetensors")
-    save_file({f"bert.{k}": v for k, v in tensors.items()}, target / "model.safetensors",
-              metadata={"format": "pt"})
-    net, loader = networks.load(spec(target, "embedding"), torch.float32)
-    assert loader == "shmserve" and net.pooler is None
-    torch.testing.assert_close(net.embeddings.word_embeddings.weight,
-                               tensors["embeddings.word_embeddings.weight"], rtol=0, atol=0)
-    _, loader = networks.load(spec(bert_models["classification"], "embedding"), torch.float32)
-    assert loader == "transformers"  # its classifier.* tensors are not the encoder's
+    prefix = "bert." if family == "bert" else "roberta."
+    if saved in ("classification", "sparse"):
+        target = family_models[family, saved]
+    else:
+        edit = ((lambda t: {prefix + k: v for k, v in t.items()}) if saved == "prefixed"
+                else (lambda t: {**t, "extra.weight": torch.zeros(2)}))
+        target = edited(family_models[family, "embedding"], tmp_path, saved, tensors=edit)
+    ours, loader = networks.load(spec(target, "embedding"), torch.float32)
+    assert loader == "shmserve" and ours.pooler is None
+    words = load_file(target / "model.safetensors")
+    key = "embeddings.word_embeddings.weight"
+    torch.testing.assert_close(ours.embeddings.word_embeddings.weight,
+                               words.get(prefix + key, words.get(key)), rtol=0, atol=0)
+    theirs = transformers_network(target, "embedding", torch.float32)
+    ids, mask, _ = batch()
+    with torch.inference_mode():
+        torch.testing.assert_close(ours(ids, mask).last_hidden_state[mask.bool()],
+                                   theirs(input_ids=ids, attention_mask=mask)
+                                   .last_hidden_state[mask.bool()], rtol=0, atol=1e-5)
 
 
 def edited(source, tmp_path, name, config=None, tensors=None):
@@ -204,7 +218,8 @@ def edited(source, tmp_path, name, config=None, tensors=None):
     ("no-padding-id", {"model_type": "roberta", "pad_token_id": None}, None),
     ("string-size", {"hidden_size": "32"}, None),
     ("int-eps", {"layer_norm_eps": 1}, None),  # transformers' strict config refuses it
-    ("extra-tensor", None, lambda t: {**t, "extra.weight": torch.zeros(2)}),
+    ("missing-tensor", None, lambda t: {k: v for k, v in t.items() if ".1.output." not in k}),
+    ("wider-tensor", None, lambda t: {**t, "encoder.layer.0.output.dense.bias": torch.zeros(33)}),
     ("int-tensor", None, lambda t: {**t, "encoder.layer.0.output.dense.bias":
                                     torch.zeros(32, dtype=torch.int64)}),
 ])
