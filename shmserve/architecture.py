@@ -27,6 +27,16 @@ def positions(model_cfg: dict) -> int:
     return held
 
 
+def unpadded(model_cfg: dict) -> str:
+    """Why a model whose positions count from its padding id cannot run without one (config.json's
+    pad_token_id null: transformers' forward then fails on every input), or ""."""
+    kind = model_cfg.get("model_type")
+    if kind in OFFSET_POSITIONS and kind != "mpnet" and model_cfg.get("pad_token_id", 1) is None:
+        return (f"config.json's pad_token_id is null, and a {kind} model's positions are counted "
+                "from its padding id: give the tokenizer's padding token id (RoBERTa's is 1)")
+    return ""
+
+
 def width(model_cfg: dict) -> int | None:
     """Its hidden width (an embedding model's vector width), by whichever name config.json
     gives it (DistilBERT's `dim`: a KeyError's traceback before), or None."""

@@ -219,7 +219,7 @@ def inspect(cfg: ModelConfig, with_revision: bool = True,
         raise ModelSourceError(f"{directory}: no config.json")
     if not (directory / "tokenizer.json").is_file():
         raise ModelSourceError(f"{directory}: no tokenizer.json (a fast tokenizer is required)")
-    if why := arch.needs_own_code(model_cfg):
+    if why := arch.needs_own_code(model_cfg) or arch.unpadded(model_cfg):
         raise ModelSourceError(f"{directory}: {why}")
     st_cfg = _read_json(directory / "sentence_bert_config.json") or {}
     limit = min(arch.positions(model_cfg), int(st_cfg.get("max_seq_length", 10**9)))

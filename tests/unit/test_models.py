@@ -110,6 +110,25 @@ def test_a_split_of_one_source_without_revisions_is_refused(model_dir):
     check(split(revision="b-r1"), ["cpu"])
 
 
+def test_a_roberta_without_a_padding_id_is_refused_before_it_starts(model_dir, tmp_path):
+    """Its positions count from the padding id: with pad_token_id null transformers' forward
+    failed on every input, in the worker's warm-up, and the worker restarted for ever."""
+    import shutil
+
+    target = shutil.copytree(model_dir, tmp_path / "roberta")
+    saved = json.loads((target / "config.json").read_text())
+    for pad, refused in ((None, True), (1, False)):
+        (target / "config.json").write_text(json.dumps({**saved, "model_type": "roberta",
+                                                        "pad_token_id": pad}))
+        unit = ModelConfig(name="r", source=str(target))
+        if refused:
+            with pytest.raises(ModelSourceError, match="pad_token_id is null, and a roberta "
+                                                       "model's positions are counted"):
+                inspect(unit)
+        else:
+            assert inspect(unit).max_tokens == 64 - 2  # positions 2.. of 64
+
+
 def test_pickle_only_directory_is_refused(tmp_path):
     (tmp_path / "pytorch_model.bin").write_bytes(b"\x80\x04pickle")
     with pytest.raises(ModelSourceError, match="pickle checkpoints.*safetensors only"):
