@@ -1,7 +1,8 @@
 """A served model: safetensors weights in eval mode, one forward per batch, one row per text.
 
-Loading refuses pickle checkpoints, remote code, and a scoring checkpoint whose head would be
-initialised at random. The forward pass takes a padded int64 batch built by the worker and
+Loading (gpu_workers.networks: the BERT family through gpu_workers.bert, the rest through
+transformers) refuses pickle checkpoints, remote code, and a scoring checkpoint whose head
+would be initialised at random. The forward pass takes a padded int64 batch built by the worker and
 returns float32 rows (gpu_workers.tasks) ready to be copied into shared memory.
 
 dtypes: fp32 | bf16 | fp16 as loaded; auto is bf16 where the device computes it natively and a
@@ -60,7 +61,7 @@ class Model:
         self.max_tokens = spec.max_tokens  # a group's length is never rounded past it
         net, self.loader = networks.load(spec, DTYPES["fp32" if guarded else dtype])
         config = net.config
-        self.attention = str(getattr(net.config, "_attn_implementation", "") or "")  # logged
+        self.attention = str(getattr(config, "_attn_implementation", "") or "")  # logged
         _refuse_non_finite(net, spec)
         if dtype == "int8":
             net = quantize_int8(net)
