@@ -76,7 +76,8 @@ async def list_models(request: web.Request) -> web.Response:
                     "device": link.beat.device if link.beat else None,
                     "revision": (info.revision or None) if info else None,
                     "standby": (info.standby or None) if info else None,
-                    "dtype": info.dtype if info else None})
+                    "dtype": info.dtype if info else None,
+                    "loader": (info.loader or None) if info else None})
             entry = {"unit": variant.unit, "workers": workers}
             if variant.name:
                 entry = {"name": variant.name, "weight": weight, **entry}

@@ -113,7 +113,7 @@ class Slots:
             elif unit.standby is not None:
                 state, standby = "staged", unit.standby.slot.spec.revision
             out.append(ModelInfo(s.name, s.task, s.dim, s.max_tokens, s.dtype, s.revision,
-                                 state, standby))
+                                 state, standby, getattr(unit.active.model, "loader", "")))
         return tuple(out)
 
     # ---- reload -------------------------------------------------------------------------

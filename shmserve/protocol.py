@@ -24,11 +24,12 @@ import re
 from dataclasses import dataclass
 from enum import IntEnum
 
-PROTOCOL_VERSION = 9  # 3: a worker sends a batch's replies to a frontend as one message;
+PROTOCOL_VERSION = 10  # 3: a worker sends a batch's replies to a frontend as one message;
 # 4: ErrorCode.OUT_OF_MEMORY; 5: Heartbeat.pass_s, and a rerank row is the raw logit (the
 # frontend applies the activation), not the score; 6: Heartbeat's admission estimate (drain_rate,
 # drain_pass_s, queued_tokens), a classification row is the raw logits (the frontend applies
-# the softmax), and Ping names its frontend and pid; 8: Submit.raw; 9: Closing and ClosingSeen
+# the softmax), and Ping names its frontend and pid; 8: Submit.raw; 9: Closing and ClosingSeen;
+# 10: ModelInfo.loader
 
 
 class Kind(IntEnum):
@@ -115,6 +116,7 @@ class ModelInfo:
     revision: str  # what the active slot serves
     state: str  # ready | loading (a reload is loading into standby) | staged (awaits commit)
     standby: str  # the revision loading or staged, "" when none
+    loader: str = ""  # what loaded the active slot's network: shmserve | transformers
 
 
 @dataclass(frozen=True, slots=True)

@@ -113,6 +113,9 @@ def test_reload_under_load_switches_every_worker_without_a_failure(stack, models
     loads = [line for worker in ("worker-0", "worker-1") for line in stack.log_lines(worker)
              if line.get("message") == "worker.reload_loading"]
     assert [line["nice"] for line in loads] == [10, 10], loads
+    _, _, raw = stack.get("/admin/models", ADMIN)
+    [model] = json.loads(raw)["models"]
+    assert [w["loader"] for w in model["workers"]] == ["shmserve"] * 2, model
     # ... and each says what loaded the new weights, as a start's worker.loaded does.
     staged = [line for worker in ("worker-0", "worker-1") for line in stack.log_lines(worker)
               if line.get("message") == "worker.reload_staged"]
