@@ -43,7 +43,21 @@ ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu}  # transformers' ACT2FN for these
 # config has where BertConfig's differ)
 FAMILIES = {"bert": ("bert", {}),
             "roberta": ("roberta", {"vocab_size": 50265, "pad_token_id": 1}),
-            "xlm-roberta": ("roberta", {"pad_token_id": 1})}
+            "xlm-roberta": ("roberta", {"pad_token_id": 1}),
+            "distilbert": ("distilbert", {"num_hidden_layers": 6})}
+# DistilBERT: BERT's layers without token types, under other names. Its config.json's names for
+# the fields, and its layers' tensors' names for BERT's (the embeddings are named alike).
+DISTILBERT_FIELDS = {"dim": "hidden_size", "n_layers": "num_hidden_layers",
+                     "n_heads": "num_attention_heads", "hidden_dim": "intermediate_size",
+                     "activation": "hidden_act"}
+DISTILBERT_TENSORS = (("transformer.layer.", "encoder.layer."),
+                      (".attention.q_lin.", ".attention.self.query."),
+                      (".attention.k_lin.", ".attention.self.key."),
+                      (".attention.v_lin.", ".attention.self.value."),
+                      (".attention.out_lin.", ".attention.output.dense."),
+                      (".sa_layer_norm.", ".attention.output.LayerNorm."),
+                      (".ffn.lin1.", ".intermediate.dense."), (".ffn.lin2.", ".output.dense."),
+                      (".output_layer_norm.", ".output.LayerNorm."))
 
 
 @dataclass
@@ -87,6 +101,14 @@ class Config:
             return None
         if not isinstance(raw, dict) or raw.get("model_type") not in FAMILIES:
             return None
+        if raw["model_type"] == "distilbert":
+            if raw.get("sinusoidal_pos_embds", False) or any(
+                    name in raw for name in DISTILBERT_FIELDS.values()):
+                return None  # fixed positions; or a field under both names
+            # no token types; layer norms of eps 1e-12 whatever config.json says
+            raw = {**{DISTILBERT_FIELDS.get(k, k): v for k, v in raw.items()
+                      if k not in ("position_embedding_type", "is_decoder", "type_vocab_size")},
+                   "type_vocab_size": 0, "layer_norm_eps": 1e-12}
         if (raw.get("position_embedding_type", "absolute") != "absolute"
                 or raw.get("is_decoder", False) or raw.get("add_cross_attention", False)
                 or raw.get("hidden_act", "gelu") not in ACTIVATIONS):
@@ -109,7 +131,8 @@ class Config:
         config = cls(**values)
         sizes = (config.vocab_size, config.hidden_size, config.num_hidden_layers,
                  config.num_attention_heads, config.intermediate_size,
-                 config.max_position_embeddings, config.type_vocab_size, config.num_labels)
+                 config.max_position_embeddings, config.num_labels,
+                 config.type_vocab_size + (config.model_type == "distilbert"))
         if (min(sizes) < 1 or config.hidden_size % config.num_attention_heads
                 or not 0 <= config.pad_token_id < config.vocab_size):
             return None
@@ -127,23 +150,25 @@ class Embeddings(nn.Module):
         super().__init__()
         self.word_embeddings = embedding(config.vocab_size, config.hidden_size)
         self.position_embeddings = embedding(config.max_position_embeddings, config.hidden_size)
-        self.token_type_embeddings = embedding(config.type_vocab_size, config.hidden_size)
+        self.token_type_embeddings = (embedding(config.type_vocab_size, config.hidden_size)
+                                      if config.type_vocab_size else None)  # DistilBERT: none
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.padding_idx = None if config.bert else config.pad_token_id
+        self.padding_idx = config.pad_token_id if config.prefix == "roberta" else None
 
     def forward(self, input_ids: torch.Tensor,
                 token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
         """[b, l] ids (and token types: None, all zeros) -> [b, l, hidden]. Positions: BERT's
         from 0; RoBERTa's count the tokens that are not the padding id, from past it (a
         padding id's position is the padding id), as fairseq's make_positions."""
-        types = (self.token_type_embeddings.weight[0] if token_type_ids is None
-                 else self.token_type_embeddings(token_type_ids))
+        x = self.word_embeddings(input_ids)
+        if self.token_type_embeddings is not None:
+            x = x + (self.token_type_embeddings.weight[0] if token_type_ids is None
+                     else self.token_type_embeddings(token_type_ids))
         if self.padding_idx is None:
             positions = torch.arange(input_ids.shape[1], device=input_ids.device)
         else:
             kept = input_ids.ne(self.padding_idx).int()
             positions = (torch.cumsum(kept, dim=1).type_as(kept) * kept).long() + self.padding_idx
-        x = self.word_embeddings(input_ids) + types
         return self.LayerNorm(x + self.position_embeddings(positions))
 
 
@@ -274,23 +299,33 @@ class RobertaClassificationHead(nn.Module):
 
 class SequenceClassifier(WithHead):
     """BERT's: pooler (first token, dense, tanh), dropout (the identity at inference),
-    classifier. RoBERTa's: no pooler; its classifier is RobertaClassificationHead."""
+    classifier. RoBERTa's: no pooler; its classifier is RobertaClassificationHead.
+    DistilBERT's: the first token, pre_classifier, relu, dropout, classifier."""
 
     def __init__(self, config: Config) -> None:
         super().__init__(config, pooler=config.bert)
-        if config.bert:
-            self.dropout = nn.Identity()
-            self.classifier = nn.Linear(config.hidden_size, config.num_labels)
-        else:
+        h = config.hidden_size
+        if config.prefix == "roberta":
             self.classifier = RobertaClassificationHead(config)
+            return
+        self.dropout = nn.Identity()
+        if config.prefix == "distilbert":
+            self.pre_classifier = nn.Linear(h, h)
+        self.classifier = nn.Linear(h, config.num_labels)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[b, labels] from the encoder's last hidden state [b, l, hidden] (as
+        gpu_workers.packed's CLASSIFIERS compute them)."""
+        if self.config.prefix == "roberta":
+            return self.classifier(hidden)
+        if self.config.prefix == "distilbert":
+            return self.classifier(self.dropout(torch.relu(self.pre_classifier(hidden[:, 0]))))
+        return self.classifier(self.dropout(self.bert.pooler(hidden)))
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 token_type_ids: torch.Tensor | None = None) -> Output:
-        encoder = self.base_model
-        hidden = encoder(input_ids, attention_mask, token_type_ids).last_hidden_state
-        logits = (self.classifier(self.dropout(encoder.pooler(hidden))) if self.config.bert
-                  else self.classifier(hidden))
-        return Output(hidden, logits)
+        hidden = self.base_model(input_ids, attention_mask, token_type_ids).last_hidden_state
+        return Output(hidden, self.logits(hidden))
 
 
 class Transform(nn.Module):
@@ -341,22 +376,43 @@ class RobertaLMHead(nn.Module):
 
 
 class MaskedLM(WithHead):
+    """The vocabulary head: BERT's `cls`, RoBERTa's `lm_head`, DistilBERT's vocab_transform,
+    activation, vocab_layer_norm and vocab_projector. Its decoder is tied to the word embeddings
+    (`TIES`)."""
+
+    TIES = {  # family's prefix: (tensor, the tensor it is tied to)
+        "bert": (("cls.predictions.decoder.weight", "bert.embeddings.word_embeddings.weight"),
+                 ("cls.predictions.decoder.bias", "cls.predictions.bias")),
+        "roberta": (("lm_head.decoder.weight", "roberta.embeddings.word_embeddings.weight"),
+                    ("lm_head.decoder.bias", "lm_head.bias")),
+        "distilbert": (("vocab_projector.weight",
+                        "distilbert.embeddings.word_embeddings.weight"),)}
+
     def __init__(self, config: Config) -> None:
         super().__init__(config)
-        if config.bert:
+        h = config.hidden_size
+        if config.prefix == "bert":
             self.cls = MaskedLMHead(config)
-        else:
+        elif config.prefix == "roberta":
             self.lm_head = RobertaLMHead(config)
+        else:
+            self.vocab_transform = nn.Linear(h, h)
+            self.activation = ACTIVATIONS[config.hidden_act]
+            self.vocab_layer_norm = nn.LayerNorm(h, eps=config.layer_norm_eps)
+            self.vocab_projector = nn.Linear(h, config.vocab_size)
 
-    @property
-    def head(self) -> nn.Module:
-        """The vocabulary head, whose decoder is tied to the word embeddings."""
-        return self.cls.predictions if self.config.bert else self.lm_head
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.config.prefix == "bert":
+            return self.cls(hidden)
+        if self.config.prefix == "roberta":
+            return self.lm_head(hidden)
+        return self.vocab_projector(self.vocab_layer_norm(self.activation(
+            self.vocab_transform(hidden))))
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 token_type_ids: torch.Tensor | None = None) -> Output:
         hidden = self.base_model(input_ids, attention_mask, token_type_ids).last_hidden_state
-        return Output(hidden, (self.cls if self.config.bert else self.lm_head)(hidden))
+        return Output(hidden, self.logits(hidden))
 
 
 # Each family's classes, named as transformers names them: gpu_workers.packed knows a network by
@@ -370,6 +426,9 @@ class RobertaForMaskedLM(MaskedLM): ...
 class XLMRobertaModel(Model): ...
 class XLMRobertaForSequenceClassification(SequenceClassifier): ...
 class XLMRobertaForMaskedLM(MaskedLM): ...
+class DistilBertModel(Model): ...
+class DistilBertForSequenceClassification(SequenceClassifier): ...
+class DistilBertForMaskedLM(MaskedLM): ...
 
 
 CLASSES = {  # (model_type, task) -> class; classification and rerank: the sequence classifier
@@ -378,7 +437,9 @@ CLASSES = {  # (model_type, task) -> class; classification and rerank: the seque
         ("bert", (BertModel, BertForSequenceClassification, BertForMaskedLM)),
         ("roberta", (RobertaModel, RobertaForSequenceClassification, RobertaForMaskedLM)),
         ("xlm-roberta", (XLMRobertaModel, XLMRobertaForSequenceClassification,
-                         XLMRobertaForMaskedLM)))
+                         XLMRobertaForMaskedLM)),
+        ("distilbert", (DistilBertModel, DistilBertForSequenceClassification,
+                        DistilBertForMaskedLM)))
     for task, cls in zip(("embedding", "classification", "sparse"), classes)}
 
 
@@ -400,19 +461,20 @@ def load(directory: Path, task: str, dtype: torch.dtype) -> nn.Module | None:
         net = network_class(config, task)(config)
     shapes = {name: tuple(t.shape) for name, t in net.state_dict().items()}
     prefix = config.prefix + "."
-    head = "cls.predictions." if config.bert else "lm_head."
-    # A masked LM's decoder is tied to the word embeddings, and its bias to the head's: a
+    # A masked LM's decoder is tied to the word embeddings (and its bias to the head's): a
     # checkpoint may leave them out (transformers 5 saves neither), or hold them equal.
-    ties = (((head + "decoder.weight", prefix + "embeddings.word_embeddings.weight"),
-             (head + "decoder.bias", head + "bias")) if task == "sparse" else ())
+    ties = MaskedLM.TIES[config.prefix] if task == "sparse" else ()
     tied = {name for name, _ in ties}
     try:
         with safe_open(str(weights_file(Path(directory))), framework="pt") as f:
             names = {}
             for key in f.keys():
                 name = key
+                if config.prefix == "distilbert":  # its layers' tensors under BERT's names
+                    for theirs, ours in DISTILBERT_TENSORS:
+                        name = name.replace(theirs, ours)
                 if task == "embedding":  # an encoder saved alone, or inside a model with a head
-                    name = key.removeprefix(prefix)
+                    name = name.removeprefix(prefix)
                 if name not in shapes:  # another task's head (an LM checkpoint served for
                     continue  # embeddings), the pooler embeddings never read, a leftover
                     # buffer (embeddings.position_ids): transformers leaves them out too
@@ -431,9 +493,9 @@ def load(directory: Path, task: str, dtype: torch.dtype) -> nn.Module | None:
             return None  # saved untied: transformers then keeps them apart (and says so)
         weights[name] = weights[source]
     net.load_state_dict(weights, strict=True, assign=True)  # the meta tensors replaced
-    if task == "sparse":  # tied as transformers ties them: one tensor each
-        net.head.decoder.weight = net.base_model.embeddings.word_embeddings.weight
-        net.head.bias = net.head.decoder.bias
+    for name, source in ties:  # tied as transformers ties them: one tensor each
+        module, _, attribute = name.rpartition(".")
+        setattr(net.get_submodule(module), attribute, net.get_parameter(source))
     for p in net.parameters():
         p.requires_grad_(False)
     return net.eval()

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from gpu_workers import prepack
 
-ENCODERS = ("BertModel", "RobertaModel", "XLMRobertaModel")
+ENCODERS = ("BertModel", "RobertaModel", "XLMRobertaModel", "DistilBertModel")
 # Sequence classifiers, and how their logits come from the encoder's last hidden state.
 CLASSIFIERS = {
     # pooler (first token, dense, tanh), dropout (a no-op in eval), classifier
@@ -35,6 +35,9 @@ CLASSIFIERS = {
     # RobertaClassificationHead takes the first token itself
     "RobertaForSequenceClassification": lambda net, hidden: net.classifier(hidden),
     "XLMRobertaForSequenceClassification": lambda net, hidden: net.classifier(hidden),
+    # the first token, pre_classifier, relu, dropout, classifier
+    "DistilBertForSequenceClassification": lambda net, hidden: net.classifier(
+        net.dropout(torch.relu(net.pre_classifier(hidden[:, 0])))),
 }
 
 # Masked language models (sparse, SPLADE: gpu_workers.model), and how their vocabulary logits
@@ -43,6 +46,8 @@ MASKED_LMS = {
     "BertForMaskedLM": lambda net, hidden: net.cls(hidden),
     "RobertaForMaskedLM": lambda net, hidden: net.lm_head(hidden),
     "XLMRobertaForMaskedLM": lambda net, hidden: net.lm_head(hidden),
+    "DistilBertForMaskedLM": lambda net, hidden: net.vocab_projector(
+        net.vocab_layer_norm(net.activation(net.vocab_transform(hidden)))),
 }
 
 
@@ -106,6 +111,8 @@ def supports(net: torch.nn.Module) -> bool:
             return False
     elif name not in ENCODERS:
         return False
+    if not hasattr(net.base_model, "encoder"):
+        return False  # transformers' DistilBertModel: its layers under other names
     config = net.config
     return (getattr(config, "position_embedding_type", "absolute") == "absolute"
             and not getattr(config, "is_decoder", False))

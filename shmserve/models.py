@@ -333,7 +333,8 @@ def _head(task: str, model_cfg: dict, directory: Path) -> tuple[tuple[str, ...],
 
 # The masked-language-model checkpoints a sparse (SPLADE) model may be: those whose encoder
 # runs packed and whose vocabulary head gpu_workers.packed knows.
-MASKED_LMS = ("BertForMaskedLM", "RobertaForMaskedLM", "XLMRobertaForMaskedLM")
+MASKED_LMS = ("BertForMaskedLM", "RobertaForMaskedLM", "XLMRobertaForMaskedLM",
+              "DistilBertForMaskedLM")
 
 
 def _masked_lm(model_cfg: dict, directory: Path) -> int:

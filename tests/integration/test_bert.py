@@ -15,7 +15,7 @@ from tests.integration.modelkit import spec
 from tests.tinymodel import build_tiny_bert, build_tiny_classifier, build_tiny_splade
 
 
-FAMILIES = ("bert", "roberta", "xlm-roberta")
+FAMILIES = ("bert", "roberta", "xlm-roberta", "distilbert")
 TASKS = ("embedding", "classification", "rerank", "sparse")
 
 
@@ -41,10 +41,12 @@ def family_models(bert_models, tmp_path_factory):
     out = {("bert", task): directory for task, directory in bert_models.items()}
     for seed, (family, task) in enumerate((f, t) for f in FAMILIES[1:] for t in TASKS):
         torch.manual_seed(seed)
+        shape = (dict(dim=32, n_layers=2, n_heads=2, hidden_dim=64) if family == "distilbert"
+                 else dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                           intermediate_size=64))
         config = AutoConfig.for_model(
-            family, vocab_size=30522, hidden_size=32, num_hidden_layers=2,
-            num_attention_heads=2, intermediate_size=64, max_position_embeddings=65,
-            pad_token_id=0, num_labels={"classification": 3, "rerank": 1}.get(task, 2),
+            family, vocab_size=30522, max_position_embeddings=65, pad_token_id=0, **shape,
+            num_labels={"classification": 3, "rerank": 1}.get(task, 2),
             initializer_range=0.5 if task in ("classification", "rerank") else 0.02)
         net = {"embedding": AutoModel, "sparse": AutoModelForMaskedLM}.get(
             task, AutoModelForSequenceClassification).from_config(config).eval()
@@ -85,7 +87,8 @@ def test_the_networks_compute_what_transformers_networks_compute(family_models, 
     assert type(ours.base_model).__name__ == type(theirs.base_model).__name__
     assert all(p.dtype == dtype for p in ours.parameters())
     with torch.inference_mode():
-        for attention, token_types in ((mask, types), (torch.ones_like(mask), None)):
+        for attention, token_types in ((mask, None if family == "distilbert" else types),
+                                       (torch.ones_like(mask), None)):
             extra = {} if token_types is None else {"token_type_ids": token_types}
             a = ours(input_ids=ids, attention_mask=attention, **extra)
             b = theirs(input_ids=ids, attention_mask=attention, **extra)
@@ -98,12 +101,46 @@ def test_the_networks_compute_what_transformers_networks_compute(family_models, 
                 torch.testing.assert_close(a.logits, b.logits, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("task", TASKS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_worker_runs_each_family_packed_to_transformers_results(family_models, family,
+                                                                    task):
+    """Through gpu_workers.model, as a worker serves: several length groups in one packed
+    pass (gpu_workers.packed), the task's head, against transformers' network and the same
+    head (mean pooling and normalisation, logits, SPLADE's max of log(1 + relu))."""
+    import numpy as np
+
+    from gpu_workers.model import Model
+
+    directory = family_models[family, task]
+    model = Model(spec(directory, task), torch.device("cpu"))
+    assert model.loader == "shmserve" and model.packs
+    theirs = transformers_network(directory, task, torch.float32)
+    ids, mask, _ = batch()
+    lengths = mask.sum(1).numpy()
+    groups = [(ids[:1].numpy(), lengths[:1], None), (ids[1:].numpy(), lengths[1:], None)]
+    got = model.forward_groups(groups)
+    with torch.inference_mode():
+        out = theirs(input_ids=ids, attention_mask=mask)
+        if task == "embedding":
+            weights = mask.unsqueeze(-1).float()
+            want = torch.nn.functional.normalize(
+                (out.last_hidden_state * weights).sum(1) / weights.sum(1), dim=1)
+        elif task == "sparse":
+            want = torch.log1p(torch.relu(out.logits.masked_fill(~mask.bool()[..., None],
+                                                                 float("-inf")))).amax(1)
+        else:
+            want = out.logits
+    np.testing.assert_allclose(got, want.numpy(), atol=1e-5)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_masked_lms_decoder_is_the_word_embeddings_and_its_bias_one_tensor(family_models,
                                                                              family):
     net, _ = networks.load(spec(family_models[family, "sparse"], "sparse"), torch.float32)
-    assert net.head.decoder.weight is net.base_model.embeddings.word_embeddings.weight
-    assert net.head.decoder.bias is net.head.bias
+    ties = bert.MaskedLM.TIES[net.config.prefix]
+    assert ties and all(net.get_parameter(name) is net.get_parameter(source)
+                        for name, source in ties)
 
 
 @pytest.mark.parametrize("family", ["bert", "roberta"])
@@ -176,7 +213,7 @@ def test_an_embedding_model_loads_the_encoder_of_any_checkpoint_that_holds_one(
     check)."""
     from safetensors.torch import load_file
 
-    prefix = "bert." if family == "bert" else "roberta."
+    prefix = bert.FAMILIES[family][0] + "."
     if saved in ("classification", "sparse"):
         target = family_models[family, saved]
     else:
@@ -236,16 +273,24 @@ def test_the_config_reads_as_transformers_reads_it(family_models, tmp_path):
 
     written = []
     for i, config in enumerate([*({"model_type": family} for family in FAMILIES),
+                                {"model_type": "distilbert", "dim": 48, "n_heads": 4,
+                                 "activation": "relu"},
                                 {"model_type": "bert", "id2label": {"0": "a", "1": "b", "2": "c"},
                                  "pad_token_id": None, "layer_norm_eps": 1e-5}]):
         (tmp_path / str(i)).mkdir()
         (tmp_path / str(i) / "config.json").write_text(json.dumps(config))
         written.append(tmp_path / str(i))
+    theirs_of = {ours: theirs for theirs, ours in bert.DISTILBERT_FIELDS.items()}
     for directory in [*family_models.values(), *written]:
         ours, theirs = bert.Config.read(directory), AutoConfig.from_pretrained(directory)
         for field in ours.__dict__:
+            if ours.model_type == "distilbert":
+                if field in ("type_vocab_size", "layer_norm_eps"):  # none; 1e-12 in its code
+                    continue
+                field = theirs_of.get(field, field)
             want = getattr(theirs, field)
-            assert getattr(ours, field) == (0 if want is None else want), (directory, field)
+            got = getattr(ours, bert.DISTILBERT_FIELDS.get(field, field))
+            assert got == (0 if want is None else want), (directory, field)
 
 
 def test_loading_a_bert_family_model_never_imports_transformers(family_models):

