@@ -94,8 +94,10 @@ class Model:
         bf16 = self.prepack and next(net.parameters()).dtype == torch.bfloat16
         self.packed = (packed.PackedEncoder(net, bucket=self.bucket, prepacked=bf16)
                        if self._packs else None)
-        if bf16:  # after the packed encoder has fused query, key and value from their layers
-            self.prepacked = prepack.swap(net)  # not the fused query, key, value: FusedAway
+        # after the packed encoder has fused query, key and value from their layers (not the
+        # fused product: FusedAway); 0 for a network of another dtype (auto's fp32 fallback
+        # logged the bf16 candidate's count)
+        self.prepacked = prepack.swap(net) if bf16 else 0
         self.graphs = (Graphs(self._graph_rows, self.device, self.pad_id, self.max_tokens,
                               self.max_graphs) if self.max_graphs else None)
 

@@ -133,6 +133,7 @@ def test_auto_serves_fp32_where_the_probe_disagrees(models, native_bf16, caplog)
     model = Model(s, torch.device("cpu"))
     assert model.spec.dtype == "fp32" and model.agreement < 1.0
     assert {p.dtype for p in model.net.parameters()} == {torch.float32}
+    assert model.prepacked == 0  # (it logged the bf16 candidate's count: an outside check)
     # The very fp32 weights it loaded, not a round trip through bf16.
     got = run(model, TextEncoder(s, truncate=True).encode(TEXTS))
     np.testing.assert_allclose(got, reference_embeddings(models["emb"], TEXTS, 64), atol=1e-5)
