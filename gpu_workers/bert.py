@@ -27,29 +27,17 @@ None, and transformers loads the model, or refuses it with its own message
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gpu_workers.bert_config import ACTIVATIONS, Config
 from gpu_workers.packed import Output
 from shmserve.models import weights_file
 
-ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu}  # transformers' ACT2FN for these two names
-# model_type: (the encoder's attribute and its weights' prefix, the defaults its transformers
-# config has where BertConfig's differ)
-FAMILIES = {"bert": ("bert", {}),
-            "roberta": ("roberta", {"vocab_size": 50265, "pad_token_id": 1}),
-            "xlm-roberta": ("roberta", {"pad_token_id": 1}),
-            "distilbert": ("distilbert", {"num_hidden_layers": 6})}
-# DistilBERT: BERT's layers without token types, under other names. Its config.json's names for
-# the fields, and its layers' tensors' names for BERT's (the embeddings are named alike).
-DISTILBERT_FIELDS = {"dim": "hidden_size", "n_layers": "num_hidden_layers",
-                     "n_heads": "num_attention_heads", "hidden_dim": "intermediate_size",
-                     "activation": "hidden_act"}
+# DistilBERT's layers' tensors' names for BERT's (the embeddings are named alike).
 DISTILBERT_TENSORS = (("transformer.layer.", "encoder.layer."),
                       (".attention.q_lin.", ".attention.self.query."),
                       (".attention.k_lin.", ".attention.self.key."),
@@ -58,85 +46,6 @@ DISTILBERT_TENSORS = (("transformer.layer.", "encoder.layer."),
                       (".sa_layer_norm.", ".attention.output.LayerNorm."),
                       (".ffn.lin1.", ".intermediate.dense."), (".ffn.lin2.", ".output.dense."),
                       (".output_layer_norm.", ".output.LayerNorm."))
-
-
-@dataclass
-class Config:
-    """What the networks and the worker read of a config.json, with BertConfig's defaults
-    (FAMILIES: the others'). Class attributes: what gpu_workers reads of any network's config."""
-
-    model_type: str = "bert"
-    vocab_size: int = 30522
-    hidden_size: int = 768
-    num_hidden_layers: int = 12
-    num_attention_heads: int = 12
-    intermediate_size: int = 3072
-    hidden_act: str = "gelu"
-    max_position_embeddings: int = 512
-    type_vocab_size: int = 2
-    layer_norm_eps: float = 1e-12
-    pad_token_id: int = 0
-    num_labels: int = 2
-    tie_word_embeddings: bool = True
-
-    position_embedding_type = "absolute"
-    is_decoder = False
-    _attn_implementation = "sdpa"  # logged as the worker's attention
-
-    @property
-    def bert(self) -> bool:
-        return self.model_type == "bert"
-
-    @property
-    def prefix(self) -> str:
-        return FAMILIES[self.model_type][0]
-
-    @classmethod
-    def read(cls, directory: Path) -> Config | None:
-        """config.json as this module can run it, or None (another type, or a setting only
-        transformers runs: relative positions, a decoder, another activation)."""
-        try:
-            raw = json.loads((Path(directory) / "config.json").read_text())
-        except (OSError, ValueError):
-            return None
-        if not isinstance(raw, dict) or raw.get("model_type") not in FAMILIES:
-            return None
-        if raw["model_type"] == "distilbert":
-            if raw.get("sinusoidal_pos_embds", False) or any(
-                    name in raw for name in DISTILBERT_FIELDS.values()):
-                return None  # fixed positions; or a field under both names
-            # no token types; layer norms of eps 1e-12 whatever config.json says
-            raw = {**{DISTILBERT_FIELDS.get(k, k): v for k, v in raw.items()
-                      if k not in ("position_embedding_type", "is_decoder", "type_vocab_size")},
-                   "type_vocab_size": 0, "layer_norm_eps": 1e-12}
-        if (raw.get("position_embedding_type", "absolute") != "absolute"
-                or raw.get("is_decoder", False) or raw.get("add_cross_attention", False)
-                or raw.get("hidden_act", "gelu") not in ACTIVATIONS):
-            return None
-        labels = raw.get("id2label")
-        if labels is not None:
-            if not isinstance(labels, dict) or raw.get("num_labels", len(labels)) != len(labels):
-                return None
-            raw = {**raw, "num_labels": len(labels)}
-        defaults = FAMILIES[raw["model_type"]][1]
-        values = {}
-        for field in fields(cls):
-            default = defaults.get(field.name, field.default)
-            value = raw.get(field.name, default)
-            if value is None and field.name == "pad_token_id" and raw["model_type"] == "bert":
-                value = 0  # no padding id: BERT's positions do not need one; RoBERTa's do
-            if type(value) is not type(default):  # as transformers' strict config:
-                return None  # layer_norm_eps 1 is refused (an int), and says so
-            values[field.name] = value
-        config = cls(**values)
-        sizes = (config.vocab_size, config.hidden_size, config.num_hidden_layers,
-                 config.num_attention_heads, config.intermediate_size,
-                 config.max_position_embeddings, config.num_labels,
-                 config.type_vocab_size + (config.model_type == "distilbert"))
-        if (min(sizes) < 1 or config.hidden_size % config.num_attention_heads
-                or not 0 <= config.pad_token_id < config.vocab_size):
-            return None
-        return config
 
 
 def embedding(rows: int, width: int) -> nn.Embedding:

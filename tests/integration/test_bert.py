@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from gpu_workers import bert, networks
+from gpu_workers import bert, bert_config, networks
 from tests.integration.modelkit import spec
 from tests.tinymodel import build_tiny_bert, build_tiny_classifier, build_tiny_splade
 
@@ -213,7 +213,7 @@ def test_an_embedding_model_loads_the_encoder_of_any_checkpoint_that_holds_one(
     check)."""
     from safetensors.torch import load_file
 
-    prefix = bert.FAMILIES[family][0] + "."
+    prefix = bert_config.FAMILIES[family][0] + "."
     if saved in ("classification", "sparse"):
         target = family_models[family, saved]
     else:
@@ -280,16 +280,16 @@ def test_the_config_reads_as_transformers_reads_it(family_models, tmp_path):
         (tmp_path / str(i)).mkdir()
         (tmp_path / str(i) / "config.json").write_text(json.dumps(config))
         written.append(tmp_path / str(i))
-    theirs_of = {ours: theirs for theirs, ours in bert.DISTILBERT_FIELDS.items()}
+    theirs_of = {ours: theirs for theirs, ours in bert_config.DISTILBERT_FIELDS.items()}
     for directory in [*family_models.values(), *written]:
-        ours, theirs = bert.Config.read(directory), AutoConfig.from_pretrained(directory)
+        ours, theirs = bert_config.Config.read(directory), AutoConfig.from_pretrained(directory)
         for field in ours.__dict__:
             if ours.model_type == "distilbert":
                 if field in ("type_vocab_size", "layer_norm_eps"):  # none; 1e-12 in its code
                     continue
                 field = theirs_of.get(field, field)
             want = getattr(theirs, field)
-            got = getattr(ours, bert.DISTILBERT_FIELDS.get(field, field))
+            got = getattr(ours, bert_config.DISTILBERT_FIELDS.get(field, field))
             assert got == (0 if want is None else want), (directory, field)
 
 
