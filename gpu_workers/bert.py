@@ -1,21 +1,25 @@
-"""BERT's and RoBERTa's networks, built and loaded without transformers.
+"""The BERT family's networks, built and loaded without transformers.
 
 Importing transformers' BERT costs a worker ~3 s of its start (of ~5 s with the tiny test
 model, on the 2-core development machine: docs/performance.md), and every start pays it:
 supervisord's restarts, rolling restarts, reloads, pods. The BERT family (`bert`, `roberta`,
-`xlm-roberta`) is what most embedding, reranking and SPLADE checkpoints are (the default
-model is a BERT), and its layers are few and plain, so the worker builds them itself:
+`xlm-roberta`, `distilbert`, `mpnet`) is what most embedding, reranking and SPLADE checkpoints
+are (the default model is a BERT; all-mpnet-base-v2 an MPNet), and its layers are few and
+plain, so the worker builds them itself:
 
-    {Bert,Roberta,XLMRoberta}Model                      embedding (the last hidden state)
-    {Bert,Roberta,XLMRoberta}ForSequenceClassification  classification, rerank
-    {Bert,Roberta,XLMRoberta}ForMaskedLM                sparse (the vocabulary head, its
+    {Bert,Roberta,XLMRoberta,DistilBert,MPNet}Model     embedding (the last hidden state)
+    ...ForSequenceClassification                        classification, rerank
+    {Bert,Roberta,XLMRoberta,DistilBert}ForMaskedLM     sparse (the vocabulary head, its
                                                         decoder tied to the word embeddings)
 
 The classes, modules and attributes have transformers' names, so the weights load by name and
 gpu_workers.packed, gpu_workers.prepack and int8 quantization treat them as transformers' own.
 The forward passes compute what transformers' do, in the same order (tests/integration/
 test_bert.py holds them equal). RoBERTa differs from BERT in its positions (counted from the
-padding id, past it) and its heads.
+padding id, past it) and its heads; DistilBERT in its names (its tensors are read under
+BERT's) and heads; MPNet has no token types, RoBERTa's positions (from a padding id of 1,
+whatever its config says) and head, its layers' tensors under other names (attn.q, k, v, o),
+and a relative position bias added to every layer's attention scores.
 
 `load` takes only a checkpoint it reads exactly as transformers would: an encoder with absolute
 positions, gelu or relu, config values of the types transformers' config accepts, and every
@@ -34,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpu_workers.bert_config import ACTIVATIONS, Config
-from gpu_workers.packed import Output
+from gpu_workers.packed import Output, relative_bias
 from shmserve.models import weights_file
 
 # DistilBERT's layers' tensors' names for BERT's (the embeddings are named alike).
@@ -62,7 +66,8 @@ class Embeddings(nn.Module):
         self.token_type_embeddings = (embedding(config.type_vocab_size, config.hidden_size)
                                       if config.type_vocab_size else None)  # DistilBERT: none
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.padding_idx = config.pad_token_id if config.prefix == "roberta" else None
+        # MPNet's padding index is 1, whatever its pad_token_id (transformers' MPNetEmbeddings)
+        self.padding_idx = {"roberta": config.pad_token_id, "mpnet": 1}.get(config.prefix)
 
     def forward(self, input_ids: torch.Tensor,
                 token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -119,6 +124,34 @@ class Attention(nn.Module):
         return self.output(self.self(x, mask), x)
 
 
+class MPNetSelfAttention(nn.Module):
+    """BERT's self-attention and its output product under MPNet's names (q, k, v, o)."""
+
+    def __init__(self, config: Config) -> None:
+        super().__init__()
+        h = config.hidden_size
+        self.heads = config.num_attention_heads
+        self.q, self.k, self.v, self.o = (nn.Linear(h, h) for _ in range(4))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        b, n, h = x.shape
+        q, k, v = (linear(x).view(b, n, self.heads, h // self.heads).transpose(1, 2)
+                   for linear in (self.q, self.k, self.v))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.o(out.transpose(1, 2).reshape(b, n, h))
+
+
+class MPNetAttention(nn.Module):
+    def __init__(self, config: Config) -> None:
+        super().__init__()
+        self.attn = MPNetSelfAttention(config)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """`mask`: the relative position bias, padded keys at -inf (packed.relative_bias)."""
+        return self.LayerNorm(self.attn(x, mask) + x)
+
+
 class Intermediate(nn.Module):
     def __init__(self, config: Config) -> None:
         super().__init__()
@@ -132,7 +165,7 @@ class Intermediate(nn.Module):
 class Layer(nn.Module):
     def __init__(self, config: Config) -> None:
         super().__init__()
-        self.attention = Attention(config)
+        self.attention = (MPNetAttention if config.model_type == "mpnet" else Attention)(config)
         self.intermediate = Intermediate(config)
         self.output = AddNorm(config.intermediate_size, config)
 
@@ -145,6 +178,9 @@ class Encoder(nn.Module):
     def __init__(self, config: Config) -> None:
         super().__init__()
         self.layer = nn.ModuleList(Layer(config) for _ in range(config.num_hidden_layers))
+        if config.model_type == "mpnet":  # its relative position bias (packed.relative_bias)
+            self.relative_attention_bias = embedding(config.relative_attention_num_buckets,
+                                                     config.num_attention_heads)
 
 
 class Pooler(nn.Module):
@@ -157,7 +193,7 @@ class Pooler(nn.Module):
 
 
 class Model(nn.Module):
-    """BertModel, RobertaModel, XLMRobertaModel (`network_class`): the encoder."""
+    """BertModel, RobertaModel, ... (`network_class`): the encoder."""
 
     def __init__(self, config: Config, pooler: bool = False) -> None:
         super().__init__()
@@ -177,6 +213,9 @@ class Model(nn.Module):
         # [b, 1, 1, l] (a padded position's query row attends to the text; it is dropped).
         mask = (None if attention_mask is None or bool(attention_mask.all())
                 else attention_mask.bool()[:, None, None, :])
+        if self.config.model_type == "mpnet":  # its position bias, padded keys at -inf
+            mask = relative_bias(self.encoder.relative_attention_bias.weight,
+                                 input_ids.shape[1], mask)
         for layer in self.encoder.layer:
             x = layer(x, mask)
         return Output(x)
@@ -208,13 +247,14 @@ class RobertaClassificationHead(nn.Module):
 
 class SequenceClassifier(WithHead):
     """BERT's: pooler (first token, dense, tanh), dropout (the identity at inference),
-    classifier. RoBERTa's: no pooler; its classifier is RobertaClassificationHead.
+    classifier. RoBERTa's and MPNet's: no pooler; the classifier is RobertaClassificationHead
+    (MPNetClassificationHead: the same).
     DistilBERT's: the first token, pre_classifier, relu, dropout, classifier."""
 
     def __init__(self, config: Config) -> None:
         super().__init__(config, pooler=config.bert)
         h = config.hidden_size
-        if config.prefix == "roberta":
+        if config.prefix in ("roberta", "mpnet"):
             self.classifier = RobertaClassificationHead(config)
             return
         self.dropout = nn.Identity()
@@ -225,7 +265,7 @@ class SequenceClassifier(WithHead):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[b, labels] from the encoder's last hidden state [b, l, hidden] (as
         gpu_workers.packed's CLASSIFIERS compute them)."""
-        if self.config.prefix == "roberta":
+        if self.config.prefix in ("roberta", "mpnet"):
             return self.classifier(hidden)
         if self.config.prefix == "distilbert":
             return self.classifier(self.dropout(torch.relu(self.pre_classifier(hidden[:, 0]))))
@@ -338,6 +378,8 @@ class XLMRobertaForMaskedLM(MaskedLM): ...
 class DistilBertModel(Model): ...
 class DistilBertForSequenceClassification(SequenceClassifier): ...
 class DistilBertForMaskedLM(MaskedLM): ...
+class MPNetModel(Model): ...
+class MPNetForSequenceClassification(SequenceClassifier): ...
 
 
 CLASSES = {  # (model_type, task) -> class; classification and rerank: the sequence classifier
@@ -348,14 +390,17 @@ CLASSES = {  # (model_type, task) -> class; classification and rerank: the seque
         ("xlm-roberta", (XLMRobertaModel, XLMRobertaForSequenceClassification,
                          XLMRobertaForMaskedLM)),
         ("distilbert", (DistilBertModel, DistilBertForSequenceClassification,
-                        DistilBertForMaskedLM)))
+                        DistilBertForMaskedLM)),
+        # MPNet's masked LM is no sparse model shmserve serves (shmserve.models.MASKED_LMS)
+        ("mpnet", (MPNetModel, MPNetForSequenceClassification)))
     for task, cls in zip(("embedding", "classification", "sparse"), classes)}
 
 
-def network_class(config: Config, task: str) -> type:
-    """The class of the task's network (classification and rerank: the sequence classifier)."""
-    return CLASSES[config.model_type, task if task in ("embedding", "sparse")
-                   else "classification"]
+def network_class(config: Config, task: str) -> type | None:
+    """The class of the task's network (classification and rerank: the sequence classifier),
+    or None where this module builds none."""
+    return CLASSES.get((config.model_type, task if task in ("embedding", "sparse")
+                        else "classification"))
 
 
 def load(directory: Path, task: str, dtype: torch.dtype) -> nn.Module | None:
@@ -364,7 +409,8 @@ def load(directory: Path, task: str, dtype: torch.dtype) -> nn.Module | None:
     from safetensors import safe_open
 
     config = Config.read(directory)
-    if config is None or (task == "sparse" and not config.tie_word_embeddings):
+    if config is None or network_class(config, task) is None or (
+            task == "sparse" and not config.tie_word_embeddings):
         return None
     with torch.device("meta"):  # nothing allocated: the weights are assigned below
         net = network_class(config, task)(config)

@@ -1,6 +1,6 @@
 """A BERT-family config.json read as transformers' config reads it, without importing
 transformers (gpu_workers.bert builds the networks it describes): `bert`, `roberta`,
-`xlm-roberta` and `distilbert`, with each family's defaults, or None for a setting only
+`xlm-roberta`, `distilbert` and `mpnet`, with each family's defaults, or None for a setting only
 transformers runs."""
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu}  # transformers' ACT2FN for these
 FAMILIES = {"bert": ("bert", {}),
             "roberta": ("roberta", {"vocab_size": 50265, "pad_token_id": 1}),
             "xlm-roberta": ("roberta", {"pad_token_id": 1}),
-            "distilbert": ("distilbert", {"num_hidden_layers": 6})}
+            "distilbert": ("distilbert", {"num_hidden_layers": 6}),
+            "mpnet": ("mpnet", {"vocab_size": 30527, "pad_token_id": 1})}
 # DistilBERT: BERT's layers without token types, under other names: its config.json's names
 # for the fields.
 DISTILBERT_FIELDS = {"dim": "hidden_size", "n_layers": "num_hidden_layers",
@@ -46,6 +47,8 @@ class Config:
 
     position_embedding_type = "absolute"
     is_decoder = False
+    # MPNet's (an instance attribute there): the rows of its relative attention bias table
+    relative_attention_num_buckets = 32
     _attn_implementation = "sdpa"  # logged as the worker's attention
 
     @property
@@ -74,6 +77,11 @@ class Config:
             raw = {**{DISTILBERT_FIELDS.get(k, k): v for k, v in raw.items()
                       if k not in ("position_embedding_type", "is_decoder", "type_vocab_size")},
                    "type_vocab_size": 0, "layer_norm_eps": 1e-12}
+        elif raw["model_type"] == "mpnet":
+            # no token types; MPNetConfig has none of these fields, and its network reads none
+            raw = {**{k: v for k, v in raw.items() if k not in (
+                "position_embedding_type", "is_decoder", "add_cross_attention",
+                "type_vocab_size")}, "type_vocab_size": 0}
         if (raw.get("position_embedding_type", "absolute") != "absolute"
                 or raw.get("is_decoder", False) or raw.get("add_cross_attention", False)
                 or raw.get("hidden_act", "gelu") not in ACTIVATIONS):
@@ -88,16 +96,25 @@ class Config:
         for field in fields(cls):
             default = defaults.get(field.name, field.default)
             value = raw.get(field.name, default)
-            if value is None and field.name == "pad_token_id" and raw["model_type"] == "bert":
-                value = 0  # no padding id: BERT's positions do not need one; RoBERTa's do
+            if value is None and field.name == "pad_token_id" and raw["model_type"] in (
+                    "bert", "mpnet"):
+                value = 0  # no padding id: BERT's positions do not need one; RoBERTa's do,
+                # and MPNet's count from 1 whatever it says (transformers' MPNetEmbeddings)
             if type(value) is not type(default):  # as transformers' strict config:
                 return None  # layer_norm_eps 1 is refused (an int), and says so
             values[field.name] = value
         config = cls(**values)
+        if config.model_type == "mpnet":
+            buckets = raw.get("relative_attention_num_buckets", 32)
+            if type(buckets) is not int:
+                return None
+            config.relative_attention_num_buckets = buckets
         sizes = (config.vocab_size, config.hidden_size, config.num_hidden_layers,
                  config.num_attention_heads, config.intermediate_size,
                  config.max_position_embeddings, config.num_labels,
-                 config.type_vocab_size + (config.model_type == "distilbert"))
+                 config.type_vocab_size + (config.model_type in ("distilbert", "mpnet")),
+                 # MPNet's bias reads 32 rows of the table, whatever its size (transformers)
+                 config.relative_attention_num_buckets - 31)
         if (min(sizes) < 1 or config.hidden_size % config.num_attention_heads
                 or not 0 <= config.pad_token_id < config.vocab_size):
             return None

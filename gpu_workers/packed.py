@@ -9,8 +9,10 @@ layer norms and activations as one [tokens, hidden] matrix; only self-attention 
 group, padded to the group's longest text. The result equals the network's own forward
 (tests/integration/test_model.py holds it).
 
-Supported: the encoders whose layers are BERT's (BertModel, RobertaModel, XLMRobertaModel) with
-absolute positions, their sequence classifiers (classification and rerank models: the
+Supported: the encoders whose layers are BERT's (BertModel, RobertaModel, XLMRobertaModel,
+DistilBertModel as gpu_workers.bert builds it) with absolute positions, MPNetModel (BERT's
+layers under other names, and a relative position bias added to every layer's attention
+scores: `relative_bias`), their sequence classifiers (classification and rerank models: the
 classifier runs on each group's hidden states as the network's own forward would run it) and
 their masked language models (sparse models, whose head reads the token rows: `tokens`);
 anything else runs one ordinary forward per group (`gpu_workers.model`).
@@ -18,6 +20,8 @@ anything else runs one ordinary forward per group (`gpu_workers.model`).
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,7 +30,7 @@ import torch.nn.functional as F
 
 from gpu_workers import prepack
 
-ENCODERS = ("BertModel", "RobertaModel", "XLMRobertaModel", "DistilBertModel")
+ENCODERS = ("BertModel", "RobertaModel", "XLMRobertaModel", "DistilBertModel", "MPNetModel")
 # Sequence classifiers, and how their logits come from the encoder's last hidden state.
 CLASSIFIERS = {
     # pooler (first token, dense, tanh), dropout (a no-op in eval), classifier
@@ -35,6 +39,8 @@ CLASSIFIERS = {
     # RobertaClassificationHead takes the first token itself
     "RobertaForSequenceClassification": lambda net, hidden: net.classifier(hidden),
     "XLMRobertaForSequenceClassification": lambda net, hidden: net.classifier(hidden),
+    # MPNetClassificationHead: as RoBERTa's
+    "MPNetForSequenceClassification": lambda net, hidden: net.classifier(hidden),
     # the first token, pre_classifier, relu, dropout, classifier
     "DistilBertForSequenceClassification": lambda net, hidden: net.classifier(
         net.dropout(torch.relu(net.pre_classifier(hidden[:, 0])))),
@@ -91,6 +97,25 @@ def group_shape(texts: int, length: int, max_length: int) -> tuple[int, int]:
     return texts_for(texts), max(length, min(rows_for(length), max_length))
 
 
+def relative_bias(table: torch.Tensor, length: int,
+                  mask: torch.Tensor | None = None) -> torch.Tensor:
+    """MPNet's relative position bias for texts of `length` tokens, [1, heads, l, l] (each
+    query's row), from its table [buckets, heads] (`encoder.relative_attention_bias`): the
+    same for every layer, added to the attention scores. With the keys' `mask` ([b, 1, 1, l],
+    bool), padded keys at -inf: [b, heads, l, l], an attention mask for
+    scaled_dot_product_attention. Buckets as transformers' MPNetEncoder computes them (32 of
+    them whatever the table's size, and 128 positions' distance): exact below 8 positions
+    either way, then logarithmic."""
+    position = torch.arange(length, device=table.device)
+    n = position[:, None] - position[None, :]  # the query's position less the key's
+    buckets = (n < 0).to(torch.long) * 16
+    n = n.abs()
+    large = 8 + (torch.log(n.float() / 8) / math.log(128 / 8) * 8).to(torch.long)
+    buckets += torch.where(n < 8, n, large.clamp(max=15))
+    bias = F.embedding(buckets, table).permute(2, 0, 1).unsqueeze(0)
+    return bias if mask is None else bias.masked_fill(~mask, float("-inf"))
+
+
 @dataclass(frozen=True, slots=True)
 class Output:
     """What the task heads read of a network's output (gpu_workers.tasks)."""
@@ -130,14 +155,22 @@ class PackedEncoder:
         config = net.config
         self.hidden = config.hidden_size
         self.heads = config.num_attention_heads
+        # MPNet's relative position bias table (`relative_bias`); None for the others
+        self.relative = getattr(net.encoder, "relative_attention_bias", None)
         self.layers = []
         for layer in net.encoder.layer:
-            attn = layer.attention.self
+            if hasattr(layer.attention, "attn"):  # MPNet's names: attn.q, k, v, o
+                attn, names = layer.attention.attn, ("q", "k", "v")
+                output = functools.partial(_mpnet_output, attn.o, layer.attention.LayerNorm)
+            else:
+                attn, names = layer.attention.self, ("query", "key", "value")
+                output = layer.attention.output  # dense, residual, layer norm
+            linears = [getattr(attn, name) for name in names]
             # Query, key and value as one matrix: one product instead of three. The network's
             # own three weights become views of it, so the weights are not held twice.
-            weight = torch.cat([attn.query.weight, attn.key.weight, attn.value.weight])
-            bias = torch.cat([attn.query.bias, attn.key.bias, attn.value.bias])
-            for i, linear in enumerate((attn.query, attn.key, attn.value)):
+            weight = torch.cat([linear.weight for linear in linears])
+            bias = torch.cat([linear.bias for linear in linears])
+            for i, linear in enumerate(linears):
                 rows = slice(i * self.hidden, (i + 1) * self.hidden)
                 linear.weight = torch.nn.Parameter(weight[rows], requires_grad=False)
                 linear.bias = torch.nn.Parameter(bias[rows], requires_grad=False)
@@ -147,9 +180,9 @@ class PackedEncoder:
             if isinstance(qkv, prepack.PrepackedLinear):
                 # The plain weights would be held twice (these layers' views of `weight`, and
                 # the prepacked copy); nothing runs them once this pass does.
-                for name in ("query", "key", "value"):
+                for name in names:
                     setattr(attn, name, FusedAway(name))
-            self.layers.append((qkv, scale, layer))
+            self.layers.append((qkv, scale, output, layer))
 
     def __call__(self, groups: list[Group]) -> list[Output]:
         """Each group's output: its last hidden state [b, l, hidden] (zeros at padded
@@ -182,6 +215,8 @@ class PackedEncoder:
             # A group without padding (one text, or texts of one length) needs neither the
             # gathers nor an attention mask: its rows are its tokens, in order.
             index, mask = (None, None) if g.dense else (g.index, g.mask[:, None, None, :])
+            if self.relative is not None:  # MPNet: its position bias, padded keys at -inf
+                mask = relative_bias(self.relative.weight, l, mask)
             parts.append(rows if index is None else rows.index_select(0, index))
             places.append((b, l, index, start, start + b * l if index is None else
                            start + index.numel(), mask))
@@ -190,7 +225,7 @@ class PackedEncoder:
         if padding:
             parts.append(parts[0].new_zeros(padding, h))
         x = torch.cat(parts)  # [tokens (and padding rows), hidden]
-        for linear, scale, layer in self.layers:
+        for linear, scale, output, layer in self.layers:
             qkv = linear(x)
             context = []
             for b, l, index, lo, hi, mask in places:
@@ -202,9 +237,16 @@ class PackedEncoder:
                 context.append(out if index is None else out.index_select(0, index))
             if padding:
                 context.append(x.new_zeros(padding, h))
-            x = layer.attention.output(torch.cat(context), x)  # dense, residual, layer norm
+            x = output(torch.cat(context), x)  # dense, residual, layer norm
             x = layer.output(layer.intermediate(x), x)
         return x, places
+
+
+def _mpnet_output(o: torch.nn.Module, norm: torch.nn.Module, context: torch.Tensor,
+                  x: torch.Tensor) -> torch.Tensor:
+    """MPNet's attention output: the output product, the residual added, the layer norm
+    (MPNetAttention; BERT's is its attention.output module)."""
+    return norm(o(context) + x)
 
 
 class FusedAway(torch.nn.Module):

@@ -1,7 +1,8 @@
 """Architectures other than BERT's, as a worker serves them (in-process, tiny random models
 with BERT's tokenizer), against sentence-transformers and transformers on the same inputs:
-the ones that run the network's own forward (MPNet, DistilBERT, DeBERTa-v2, ELECTRA,
-ModernBERT, and a Qwen3 decoder pooled on its last token). An outside check found MPNet and
+MPNet (built by gpu_workers.bert, packed), and the ones that run the network's own forward
+(DistilBERT loaded by transformers, DeBERTa-v2, ELECTRA, ModernBERT, and a Qwen3 decoder
+pooled on its last token). An outside check found MPNet and
 DeBERTa-v2 refused at load (SDPA asked of every model) and DistilBERT a KeyError in
 `shmserve config` (its width is `dim`)."""
 
@@ -27,7 +28,11 @@ def test_embeddings_equal_sentence_transformers(tmp_path, model_type, pooling):
     got = run(model, TextEncoder(model.spec, truncate=True).encode(TEXTS))
     want = SentenceTransformer(str(directory), device="cpu").encode(TEXTS)
     np.testing.assert_allclose(got, want, atol=2e-5)
-    assert model.attention == ("eager" if model_type in ("mpnet", "deberta-v2") else "sdpa")
+    assert model.attention == ("eager" if model_type == "deberta-v2" else "sdpa")
+    # (this DistilBERT's config.json names its width twice, `dim` and `hidden_size`: to
+    # transformers, as gpu_workers.bert_config declines it)
+    ours = model_type == "mpnet"
+    assert (model.loader, model.packs) == (("shmserve", True) if ours else ("transformers", False))
 
 
 @pytest.mark.parametrize("model_type", ["distilbert", "deberta-v2", "mpnet"])

@@ -15,8 +15,13 @@ from tests.integration.modelkit import spec
 from tests.tinymodel import build_tiny_bert, build_tiny_classifier, build_tiny_splade
 
 
-FAMILIES = ("bert", "roberta", "xlm-roberta", "distilbert")
+FAMILIES = ("bert", "roberta", "xlm-roberta", "distilbert", "mpnet")
 TASKS = ("embedding", "classification", "rerank", "sparse")
+# what gpu_workers.bert builds: an MPNet masked LM is no sparse model shmserve serves
+# (shmserve.models.MASKED_LMS); its checkpoint is still built, served for embeddings
+BUILT = [(family, task) for family in FAMILIES for task in TASKS
+         if (family, task) != ("mpnet", "sparse")]
+MASKED_LM_FAMILIES = [family for family in FAMILIES if (family, "sparse") in BUILT]
 
 
 @pytest.fixture(scope="module")
@@ -31,9 +36,9 @@ def bert_models(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def family_models(bert_models, tmp_path_factory):
-    """{(family, task): directory}: BERT's, and RoBERTa's and XLM-RoBERTa's of the same shape
-    (their positions past the padding id, 0 here: one more position), with BERT's tokenizer
-    and pooling files."""
+    """{(family, task): directory}: BERT's, and the other families' of the same shape (RoBERTa's,
+    XLM-RoBERTa's and MPNet's positions past the padding id, 0 here, or 1 (MPNet's always):
+    two more positions), with BERT's tokenizer and pooling files."""
     from transformers import (AutoConfig, AutoModel, AutoModelForMaskedLM,
                               AutoModelForSequenceClassification)
 
@@ -45,7 +50,7 @@ def family_models(bert_models, tmp_path_factory):
                  else dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                            intermediate_size=64))
         config = AutoConfig.for_model(
-            family, vocab_size=30522, max_position_embeddings=65, pad_token_id=0, **shape,
+            family, vocab_size=30522, max_position_embeddings=66, pad_token_id=0, **shape,
             num_labels={"classification": 3, "rerank": 1}.get(task, 2),
             initializer_range=0.5 if task in ("classification", "rerank") else 0.02)
         net = {"embedding": AutoModel, "sparse": AutoModelForMaskedLM}.get(
@@ -75,8 +80,7 @@ def batch():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("task", TASKS)
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family, task", BUILT)
 def test_the_networks_compute_what_transformers_networks_compute(family_models, family, task,
                                                                  dtype):
     ids, mask, types = batch()
@@ -86,9 +90,13 @@ def test_the_networks_compute_what_transformers_networks_compute(family_models, 
     assert loader == "shmserve" and type(ours).__name__ == type(theirs).__name__
     assert type(ours.base_model).__name__ == type(theirs.base_model).__name__
     assert all(p.dtype == dtype for p in ours.parameters())
+    if family == "mpnet" and dtype == torch.bfloat16:
+        # transformers runs MPNet's attention eagerly (bf16 products, then the bias and the
+        # softmax), this module through scaled_dot_product_attention: not the same rounding
+        return mpnet_nearer_fp32(directory, task, ours, theirs)
     with torch.inference_mode():
-        for attention, token_types in ((mask, None if family == "distilbert" else types),
-                                       (torch.ones_like(mask), None)):
+        for attention, token_types in ((mask, None if family in ("distilbert", "mpnet")
+                                        else types), (torch.ones_like(mask), None)):
             extra = {} if token_types is None else {"token_type_ids": token_types}
             a = ours(input_ids=ids, attention_mask=attention, **extra)
             b = theirs(input_ids=ids, attention_mask=attention, **extra)
@@ -101,8 +109,25 @@ def test_the_networks_compute_what_transformers_networks_compute(family_models, 
                 torch.testing.assert_close(a.logits, b.logits, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("task", TASKS)
-@pytest.mark.parametrize("family", FAMILIES)
+def mpnet_nearer_fp32(directory, task, ours, theirs):
+    """MPNet in bf16 against transformers' in fp32: at least as near as transformers' in bf16,
+    on padded texts' real tokens and on unpadded ones."""
+    reference = transformers_network(directory, task, torch.float32)
+    ids, mask, _ = batch()
+    for attention in (mask, torch.ones_like(mask)):
+        real = attention.bool()
+        with torch.inference_mode():
+            want, got, theirs_got = (
+                net.base_model(input_ids=ids, attention_mask=attention)
+                .last_hidden_state[real].float() for net in (reference, ours, theirs))
+        ours_off, theirs_off = ((x - want).abs().max().item() for x in (got, theirs_got))
+        assert ours_off <= theirs_off * 1.1, (ours_off, theirs_off)
+        cosine, theirs_cosine = (torch.nn.functional.cosine_similarity(x, want).min().item()
+                                 for x in (got, theirs_got))
+        assert cosine >= theirs_cosine - 1e-3, (cosine, theirs_cosine)
+
+
+@pytest.mark.parametrize("family, task", BUILT)
 def test_the_worker_runs_each_family_packed_to_transformers_results(family_models, family,
                                                                     task):
     """Through gpu_workers.model, as a worker serves: several length groups in one packed
@@ -134,7 +159,7 @@ def test_the_worker_runs_each_family_packed_to_transformers_results(family_model
     np.testing.assert_allclose(got, want.numpy(), atol=1e-5)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", MASKED_LM_FAMILIES)
 def test_a_masked_lms_decoder_is_the_word_embeddings_and_its_bias_one_tensor(family_models,
                                                                              family):
     net, _ = networks.load(spec(family_models[family, "sparse"], "sparse"), torch.float32)
@@ -273,6 +298,8 @@ def test_the_config_reads_as_transformers_reads_it(family_models, tmp_path):
 
     written = []
     for i, config in enumerate([*({"model_type": family} for family in FAMILIES),
+                                {"model_type": "mpnet", "pad_token_id": None,
+                                 "relative_attention_num_buckets": 40},
                                 {"model_type": "distilbert", "dim": 48, "n_heads": 4,
                                  "activation": "relu"},
                                 {"model_type": "bert", "id2label": {"0": "a", "1": "b", "2": "c"},
@@ -284,6 +311,8 @@ def test_the_config_reads_as_transformers_reads_it(family_models, tmp_path):
     for directory in [*family_models.values(), *written]:
         ours, theirs = bert_config.Config.read(directory), AutoConfig.from_pretrained(directory)
         for field in ours.__dict__:
+            if ours.model_type == "mpnet" and field == "type_vocab_size":
+                continue  # none
             if ours.model_type == "distilbert":
                 if field in ("type_vocab_size", "layer_norm_eps"):  # none; 1e-12 in its code
                     continue
@@ -303,7 +332,7 @@ def test_loading_a_bert_family_model_never_imports_transformers(family_models):
         "from gpu_workers.batcher import Limits\n"
         "from gpu_workers.loading import load_warm\n"
         "from tests.integration.modelkit import spec\n"
-        f"for (family, task), directory in {[(k, str(d)) for k, d in family_models.items()]!r}:\n"
+        f"for (family, task), directory in {[(k, str(family_models[k])) for k in BUILT]!r}:\n"
         "    model, _, _ = load_warm(spec(directory, task, dtype='auto'), torch.device('cpu'),\n"
         "                            0, Limits(8, 512, 0.0))\n"
         "    print(family, task, model.loader, model.spec.dtype)\n"
@@ -311,6 +340,34 @@ def test_loading_a_bert_family_model_never_imports_transformers(family_models):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, timeout=120).stdout.split("\n")
     assert [line.split()[:3] for line in out[:-2]] == [
-        [family, task, "shmserve"] for family, task in family_models]
+        [family, task, "shmserve"] for family, task in BUILT]
     # nor torch._dynamo (~1.4 s), which nn.Embedding's own init imported on the meta device
     assert out[-2] == "False False"
+
+
+def test_mpnets_position_bias_is_transformers_at_every_distance():
+    """packed.relative_bias, which both MPNet paths use (the network's own forward and the
+    packed pass), against transformers' MPNetEncoder: buckets exact up to 8 positions, then
+    logarithmic, then one bucket past 128 (texts of up to 514 positions), either way."""
+    from transformers.models.mpnet.modeling_mpnet import MPNetEncoder
+
+    from gpu_workers.packed import relative_bias
+
+    torch.manual_seed(0)
+    table = torch.randn(32, 3)
+    encoder = MPNetEncoder.__new__(MPNetEncoder)
+    torch.nn.Module.__init__(encoder)
+    encoder.relative_attention_bias = torch.nn.Embedding.from_pretrained(table)
+    length = 300
+    want = encoder.compute_position_bias(torch.zeros(1, length, 3))
+    got = relative_bias(table, length)
+    assert got.shape == (1, 3, length, length)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    # every bucket met but 16 (a key 0 positions after its query, counted as after)
+    assert len(torch.unique(got[0, 0])) == 31
+    mask = torch.ones(2, 1, 1, length, dtype=torch.bool)
+    mask[1, ..., 10:] = False
+    masked = relative_bias(table, length, mask)
+    assert masked.shape == (2, 3, length, length)
+    assert torch.equal(masked[0], want[0]) and torch.equal(masked[1, ..., :10], want[0, ..., :10])
+    assert bool((masked[1, ..., 10:] == float("-inf")).all())
