@@ -75,10 +75,10 @@ def test_rerank_scores_pairs_best_first(task_stack, task_dirs):
     assert "document" not in body["results"][0]
 
 
-def test_architectures_that_run_their_own_forward_serve_as_sentence_transformers(
-        task_stack, task_dirs):
-    """MPNet (all-mpnet-base-v2's architecture) and a DeBERTa-v2 cross-encoder, which a worker
-    refused at load (SDPA asked of every model: an outside check), through nginx."""
+def test_architectures_other_than_berts_serve_as_sentence_transformers(task_stack, task_dirs):
+    """MPNet (all-mpnet-base-v2's architecture: built by gpu_workers.bert, packed) and a
+    DeBERTa-v2 cross-encoder (transformers' network, its own forward), which a worker refused
+    at load (SDPA asked of every model: an outside check), through nginx."""
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.cross_encoder import CrossEncoder
 
@@ -96,6 +96,10 @@ def test_architectures_that_run_their_own_forward_serve_as_sentence_transformers
     want = cross.predict([(query, t) for t in TEXTS])
     np.testing.assert_allclose([r["score"] for r in sorted(body, key=lambda r: r["index"])],
                                want, rtol=1e-5, atol=1e-5)
+    _, _, raw = task_stack.get("/admin/models", ADMIN)
+    loaders = {m["name"]: {w["loader"] for w in m["workers"]}
+               for m in json.loads(raw)["models"] if "workers" in m}
+    assert loaders["mpnet"] == {"shmserve"} and loaders["ce-deberta"] == {"transformers"}
 
 
 @pytest.mark.parametrize("name", ["ce-id", "ce-hot"])
