@@ -1,8 +1,9 @@
 """A hot reload, driven by the frontend that received the admin call, over its DEALER sockets to
 every worker that hosts the model (or the A/B variant):
 
-  1. Reload(ticket): each worker loads and warms the new weights into a standby slot while its
-     active slot keeps serving, and answers once staged, or why it could not.
+  1. Reload(ticket, revision): each worker loads and warms the new weights into a standby slot
+     while its active slot keeps serving, and answers once staged, or why it could not. The
+     revision is the given one, else the weights' digest, taken here as a worker takes it.
   2. If every worker staged: the run state records the new source (so a worker that restarts
      loads it too), then Commit(keep): each switches between two batches and answers. Else
      Commit(drop) to those that staged: nothing changed anywhere, and the call says why.
@@ -15,6 +16,7 @@ learns the new revision from the replies it gets (Result.revision) and from hear
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import uuid
 
 from aiohttp import web
@@ -24,7 +26,8 @@ from frontend.errors import ApiError
 from frontend.links import WorkerGone, WorkerLink, consume
 from frontend.variants import Variant
 from shmserve import state, topology
-from shmserve.models import hosted, units
+from shmserve.config import ModelConfig
+from shmserve.models import hosted, inspect, units
 from shmserve.protocol import Commit, Reload, ReloadDone, ReloadStatus
 
 # The call's error is the first of these kinds among the workers' answers: a bad source first
@@ -58,11 +61,18 @@ async def _reload(app: web.Application, hosts: list[WorkerLink], model: str, var
     cfg, pool = app[CONFIG], app[POOL]
     ticket = uuid.uuid4().hex
     timeout = cfg.admin.reload_timeout_s
+    config = next(u.config for m in cfg.models for u in units(m) if u.name == variant.unit)
+    current = state.read(cfg).sources.get(variant.unit, {}).get("source") or config.source
+    # Without a revision the workers label the new weights with their digest; when each took it
+    # while loading, GET /admin/models showed a null standby until they were staged. Taken here
+    # and sent, it shows from the start the revision the reload will serve as.
+    label = revision or await asyncio.get_running_loop().run_in_executor(
+        None, _label, dataclasses.replace(config, source=source or current, revision=""),
+        cfg.model_root_paths)
     staged = await _ask(pool, hosts, lambda seq: Reload(seq, ticket, variant.unit, source,
-                                                        revision), timeout)
+                                                        label), timeout)
     if all(isinstance(r, ReloadDone) and r.status == ReloadStatus.OK for r in staged.values()):
-        current = state.read(cfg).sources.get(variant.unit, {}).get("source") or next(
-            u.config.source for m in cfg.models for u in units(m) if u.name == variant.unit)
+        # The given revision only: a worker that restarts takes the digest of the weights then.
         state.update(cfg, lambda tree: tree["sources"].__setitem__(variant.unit, {
             "source": source or current, "revision": revision}))
         done = await _ask(pool, hosts, lambda seq: Commit(seq, ticket, variant.unit, True),
@@ -101,6 +111,15 @@ async def _ask(pool, links: list[WorkerLink], make, timeout: float
         else:
             answers[index] = future.exception() or future.result()
     return answers
+
+
+def _label(config: ModelConfig, roots: list) -> str:
+    """The revision a worker serves `config`'s weights as (the same inspection); "" when they
+    cannot be served: each worker then inspects them itself and says why."""
+    try:
+        return inspect(config, roots=roots).revision
+    except Exception:  # noqa: BLE001 - the workers' answers name the problem
+        return ""
 
 
 def _workers(answers: dict[int, ReloadDone | BaseException]) -> list[dict]:

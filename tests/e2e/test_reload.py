@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import signal
+import threading
 import time
 from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
@@ -15,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
+from shmserve.models import weights_digest
 from tests.conftest import TINY_MAX_TOKENS, tiny_overrides
 from tests.load import Load as ClosedLoop
 from tests.stack import Stack
@@ -245,3 +247,30 @@ def test_cli_reload_and_a_restarted_worker_loads_the_reloaded_model(stack, model
         proc = stack.cli("reload", *extra[:1], str(models["a"]), *extra[1:], check=False)
         assert proc.returncode == 1 and not proc.stdout, proc.stdout
         assert json.loads(proc.stderr)["error"]["message"], proc.stderr
+
+
+def test_admin_models_shows_the_revision_a_reload_is_loading(stack, models):
+    """Served before: a (tiny-r3). After: a deeper model, labelled with its weights' digest (no
+    revision given). While the workers load it, GET /admin/models shows that digest as their
+    standby, the revision they will serve it as; it showed null until the weights were staged
+    (the workers took the digest only once they had loaded them)."""
+    # Six layers with a wide feed-forward, the width kept: compatible, and its load and
+    # warm-up last about a second, several heartbeats.
+    deep = build_tiny_bert(models["root"] / "deep", seed=11, layers=6, intermediate=4096,
+                           max_positions=TINY_MAX_TOKENS)
+    digest = weights_digest(deep / "model.safetensors")
+    for body in ({"source": str(deep)}, {}):  # a new source; the current one, read again
+        seen, done = [], threading.Event()
+
+        def watch() -> None:
+            while not done.is_set():
+                seen.extend(revisions(stack))
+
+        with ThreadPoolExecutor(1) as pool:
+            watching = pool.submit(watch)
+            status, answer = reload(stack, "tiny", **body)
+            done.set()
+            watching.result()
+        assert status == 200 and answer["revision"] == digest, answer
+        assert {standby for state, _, standby in seen if state == "loading"} == {digest}, seen
+        settles_on(stack, digest)
