@@ -227,6 +227,7 @@ def down(args: argparse.Namespace) -> int:
         nginxrun.kill_all(render.nginx_conf(cfg))
     processes.kill_orphans(cfg)
     clean_stale(cfg, metrics=False)
+    state.remove_reload_locks(cfg)  # after the frontends, their holders, are gone
     # A SIGKILLed supervisord's pid file and control socket (a clean exit removes both)
     render.supervisord_pidfile(cfg).unlink(missing_ok=True)
     render.supervisor_socket(cfg).unlink(missing_ok=True)

@@ -96,6 +96,14 @@ def reloading(cfg: Config, unit: str) -> Iterator[None]:
         yield
 
 
+def remove_reload_locks(cfg: Config) -> None:
+    """The reload locks' files (`shmserve down`, once every process of the deployment is gone:
+    only frontends hold one). Never while one may be held: a call that opened the file anew
+    would lock another inode, and two reloads of one unit could run at once."""
+    for lock in cfg.run_dir.glob("reload-*.lock"):
+        lock.unlink(missing_ok=True)
+
+
 @contextmanager
 def held(lock: Path, what: str) -> Iterator[None]:
     """An exclusive lock on the file `lock` for the block, or Busy(what) at once when another

@@ -122,6 +122,10 @@ def test_down_when_not_running_still_removes_stale_state(deployment, capsys, mon
     # after `down`; the next `up` ignored them)
     render.supervisord_pidfile(deployment).write_text(f"{2**22 + 5}\n")
     render.supervisor_socket(deployment).touch()
+    # Reload locks (shmserve.state.reloading): one a unit ever reloaded, left by every run
+    locks = [deployment.run_dir / name for name in ("reload-tiny.lock", "reload-ab@a.lock")]
+    for lock in locks:
+        lock.touch()
     segment = arena.SHM_DIR / f"{topology.shm_prefix(deployment)}fe0-1"
     segment.touch()
     # Another deployment's: its live arena (its creator holds it) is left alone, and its
@@ -136,6 +140,7 @@ def test_down_when_not_running_still_removes_stale_state(deployment, capsys, mon
         assert not stale_socket.exists() and not segment.exists() and not orphan.exists()
         assert not render.supervisord_pidfile(deployment).exists()
         assert not render.supervisor_socket(deployment).exists()
+        assert not any(lock.exists() for lock in locks)
         assert live.path.exists()
     finally:
         segment.unlink(missing_ok=True)
