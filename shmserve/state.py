@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
+from urllib.parse import quote
 
 from shmserve.config import Config
 
@@ -92,7 +93,9 @@ def reloading(cfg: Config, unit: str) -> Iterator[None]:
     """Hold the deployment-wide right to reload `unit`, or raise Busy at once. Two admin calls
     reach different frontends through nginx; without it, each could take one worker's standby
     slot first and both fail with nothing reloaded."""
-    with held(cfg.run_dir / f"reload-{unit}.lock", unit):
+    # The name quoted: a model's name may hold a slash (org/model), and the lock's path then
+    # named a directory that does not exist (a 500 from every reload of it: an outside check).
+    with held(cfg.run_dir / f"reload-{quote(unit, safe='@')}.lock", unit):
         yield
 
 

@@ -84,3 +84,14 @@ def test_one_reload_of_a_unit_at_a_time_across_processes(cfg):
             pass
     with state.reloading(cfg, "m@a"):  # released when the first call ended
         pass
+    # A model's name may hold a slash, or the name of another's lock file
+    for unit, other in (("org/m", "org%2Fm"), ("org/m@a", "m@a"), ("../m", "m")):
+        with state.reloading(cfg, unit):
+            with pytest.raises(state.Busy):
+                with state.reloading(cfg, unit):
+                    pass
+            with state.reloading(cfg, other):
+                pass
+    assert {p.name for p in cfg.run_dir.iterdir() if p.name.startswith("reload-")} == {
+        "reload-m@a.lock", "reload-m@b.lock", "reload-org%2Fm.lock", "reload-org%2Fm@a.lock",
+        "reload-..%2Fm.lock", "reload-m.lock", "reload-org%252Fm.lock"}
