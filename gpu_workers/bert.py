@@ -3,11 +3,12 @@
 Importing transformers' BERT costs a worker ~3 s of its start (of ~5 s with the tiny test
 model, on the 2-core development machine: docs/performance.md), and every start pays it:
 supervisord's restarts, rolling restarts, reloads, pods. The BERT family (`bert`, `roberta`,
-`xlm-roberta`, `distilbert`, `mpnet`) is what most embedding, reranking and SPLADE checkpoints
-are (the default model is a BERT; all-mpnet-base-v2 an MPNet), and its layers are few and
-plain, so the worker builds them itself:
+`xlm-roberta`, `distilbert`, `mpnet`, `electra`) is what most embedding, reranking and SPLADE
+checkpoints are (the default model is a BERT; all-mpnet-base-v2 an MPNet), and its layers are
+few and plain, so the worker builds them itself:
 
-    {Bert,Roberta,XLMRoberta,DistilBert,MPNet}Model     embedding (the last hidden state)
+    {Bert,Roberta,XLMRoberta,DistilBert,MPNet,Electra}Model
+                                                        embedding (the last hidden state)
     ...ForSequenceClassification                        classification, rerank
     {Bert,Roberta,XLMRoberta,DistilBert}ForMaskedLM     sparse (the vocabulary head, its
                                                         decoder tied to the word embeddings)
@@ -19,7 +20,9 @@ test_bert.py holds them equal). RoBERTa differs from BERT in its positions (coun
 padding id, past it) and its heads; DistilBERT in its names (its tensors are read under
 BERT's) and heads; MPNet has no token types, RoBERTa's positions (from a padding id of 1,
 whatever its config says) and head, its layers' tensors under other names (attn.q, k, v, o),
-and a relative position bias added to every layer's attention scores.
+and a relative position bias added to every layer's attention scores; ELECTRA (its
+discriminator) embeds at its own width, projected to the layers' (`embeddings_project`), and
+its classifier's activation is gelu.
 
 `load` takes only a checkpoint it reads exactly as transformers would: an encoder with absolute
 positions, gelu or relu, config values of the types transformers' config accepts, and every
@@ -61,11 +64,12 @@ def embedding(rows: int, width: int) -> nn.Embedding:
 class Embeddings(nn.Module):
     def __init__(self, config: Config) -> None:
         super().__init__()
-        self.word_embeddings = embedding(config.vocab_size, config.hidden_size)
-        self.position_embeddings = embedding(config.max_position_embeddings, config.hidden_size)
-        self.token_type_embeddings = (embedding(config.type_vocab_size, config.hidden_size)
+        width = config.embedding_size or config.hidden_size  # ELECTRA's may be narrower
+        self.word_embeddings = embedding(config.vocab_size, width)
+        self.position_embeddings = embedding(config.max_position_embeddings, width)
+        self.token_type_embeddings = (embedding(config.type_vocab_size, width)
                                       if config.type_vocab_size else None)  # DistilBERT: none
-        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.LayerNorm = nn.LayerNorm(width, eps=config.layer_norm_eps)
         # MPNet's padding index is 1, whatever its pad_token_id (transformers' MPNetEmbeddings)
         self.padding_idx = {"roberta": config.pad_token_id, "mpnet": 1}.get(config.prefix)
 
@@ -199,6 +203,8 @@ class Model(nn.Module):
         super().__init__()
         self.config = config
         self.embeddings = Embeddings(config)
+        if config.embedding_size not in (None, config.hidden_size):  # ELECTRA's
+            self.embeddings_project = nn.Linear(config.embedding_size, config.hidden_size)
         self.encoder = Encoder(config)
         self.pooler = Pooler(config) if pooler else None
 
@@ -209,6 +215,8 @@ class Model(nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 token_type_ids: torch.Tensor | None = None) -> Output:
         x = self.embeddings(input_ids=input_ids, token_type_ids=token_type_ids)
+        if hasattr(self, "embeddings_project"):
+            x = self.embeddings_project(x)
         # As transformers: no mask where no text is padded; else each key position's
         # [b, 1, 1, l] (a padded position's query row attends to the text; it is dropped).
         mask = (None if attention_mask is None or bool(attention_mask.all())
@@ -239,22 +247,26 @@ class RobertaClassificationHead(nn.Module):
         super().__init__()
         self.dense = nn.Linear(config.hidden_size, config.hidden_size)
         self.out_proj = nn.Linear(config.hidden_size, config.num_labels)
+        # ElectraClassificationHead's is gelu, whatever hidden_act says
+        self.activation = F.gelu if config.model_type == "electra" else torch.tanh
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The first token's last hidden state, dense, tanh, out_proj (dropouts: identity)."""
-        return self.out_proj(torch.tanh(self.dense(hidden[:, 0])))
+        """The first token's last hidden state, dense, tanh (ELECTRA's: gelu), out_proj
+        (dropouts: identity)."""
+        return self.out_proj(self.activation(self.dense(hidden[:, 0])))
 
 
 class SequenceClassifier(WithHead):
     """BERT's: pooler (first token, dense, tanh), dropout (the identity at inference),
-    classifier. RoBERTa's and MPNet's: no pooler; the classifier is RobertaClassificationHead
-    (MPNetClassificationHead: the same).
+    classifier. RoBERTa's, MPNet's and ELECTRA's: no pooler; the classifier is
+    RobertaClassificationHead (MPNetClassificationHead: the same; ElectraClassificationHead:
+    gelu for tanh).
     DistilBERT's: the first token, pre_classifier, relu, dropout, classifier."""
 
     def __init__(self, config: Config) -> None:
         super().__init__(config, pooler=config.bert)
         h = config.hidden_size
-        if config.prefix in ("roberta", "mpnet"):
+        if config.prefix in ("roberta", "mpnet", "electra"):
             self.classifier = RobertaClassificationHead(config)
             return
         self.dropout = nn.Identity()
@@ -265,7 +277,7 @@ class SequenceClassifier(WithHead):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[b, labels] from the encoder's last hidden state [b, l, hidden] (as
         gpu_workers.packed's CLASSIFIERS compute them)."""
-        if self.config.prefix in ("roberta", "mpnet"):
+        if self.config.prefix in ("roberta", "mpnet", "electra"):
             return self.classifier(hidden)
         if self.config.prefix == "distilbert":
             return self.classifier(self.dropout(torch.relu(self.pre_classifier(hidden[:, 0]))))
@@ -380,6 +392,8 @@ class DistilBertForSequenceClassification(SequenceClassifier): ...
 class DistilBertForMaskedLM(MaskedLM): ...
 class MPNetModel(Model): ...
 class MPNetForSequenceClassification(SequenceClassifier): ...
+class ElectraModel(Model): ...
+class ElectraForSequenceClassification(SequenceClassifier): ...
 
 
 CLASSES = {  # (model_type, task) -> class; classification and rerank: the sequence classifier
@@ -391,8 +405,10 @@ CLASSES = {  # (model_type, task) -> class; classification and rerank: the seque
                          XLMRobertaForMaskedLM)),
         ("distilbert", (DistilBertModel, DistilBertForSequenceClassification,
                         DistilBertForMaskedLM)),
-        # MPNet's masked LM is no sparse model shmserve serves (shmserve.models.MASKED_LMS)
-        ("mpnet", (MPNetModel, MPNetForSequenceClassification)))
+        # MPNet's and ELECTRA's masked LMs are no sparse models shmserve serves
+        # (shmserve.models.MASKED_LMS)
+        ("mpnet", (MPNetModel, MPNetForSequenceClassification)),
+        ("electra", (ElectraModel, ElectraForSequenceClassification)))
     for task, cls in zip(("embedding", "classification", "sparse"), classes)}
 
 

@@ -1,7 +1,7 @@
 """A BERT-family config.json read as transformers' config reads it, without importing
 transformers (gpu_workers.bert builds the networks it describes): `bert`, `roberta`,
-`xlm-roberta`, `distilbert` and `mpnet`, with each family's defaults, or None for a setting only
-transformers runs."""
+`xlm-roberta`, `distilbert`, `mpnet` and `electra`, with each family's defaults, or None for a
+setting only transformers runs."""
 
 from __future__ import annotations
 
@@ -18,7 +18,9 @@ FAMILIES = {"bert": ("bert", {}),
             "roberta": ("roberta", {"vocab_size": 50265, "pad_token_id": 1}),
             "xlm-roberta": ("roberta", {"pad_token_id": 1}),
             "distilbert": ("distilbert", {"num_hidden_layers": 6}),
-            "mpnet": ("mpnet", {"vocab_size": 30527, "pad_token_id": 1})}
+            "mpnet": ("mpnet", {"vocab_size": 30527, "pad_token_id": 1}),
+            "electra": ("electra", {"hidden_size": 256, "num_attention_heads": 4,
+                                    "intermediate_size": 1024})}
 # DistilBERT: BERT's layers without token types, under other names: its config.json's names
 # for the fields.
 DISTILBERT_FIELDS = {"dim": "hidden_size", "n_layers": "num_hidden_layers",
@@ -49,6 +51,9 @@ class Config:
     is_decoder = False
     # MPNet's (an instance attribute there): the rows of its relative attention bias table
     relative_attention_num_buckets = 32
+    # ELECTRA's (an instance attribute there): its embeddings' width, projected to hidden_size
+    # where they differ
+    embedding_size = None
     _attn_implementation = "sdpa"  # logged as the worker's attention
 
     @property
@@ -109,6 +114,11 @@ class Config:
             if type(buckets) is not int:
                 return None
             config.relative_attention_num_buckets = buckets
+        if config.model_type == "electra":
+            width = raw.get("embedding_size", 128)
+            if type(width) is not int or width < 1:
+                return None
+            config.embedding_size = width
         sizes = (config.vocab_size, config.hidden_size, config.num_hidden_layers,
                  config.num_attention_heads, config.intermediate_size,
                  config.max_position_embeddings, config.num_labels,

@@ -10,12 +10,13 @@ group, padded to the group's longest text. The result equals the network's own f
 (tests/integration/test_model.py holds it).
 
 Supported: the encoders whose layers are BERT's (BertModel, RobertaModel, XLMRobertaModel,
-DistilBertModel as gpu_workers.bert builds it) with absolute positions, MPNetModel (BERT's
-layers under other names, and a relative position bias added to every layer's attention
-scores: `relative_bias`), their sequence classifiers (classification and rerank models: the
-classifier runs on each group's hidden states as the network's own forward would run it) and
-their masked language models (sparse models, whose head reads the token rows: `tokens`);
-anything else runs one ordinary forward per group (`gpu_workers.model`).
+DistilBertModel as gpu_workers.bert builds it, ElectraModel) with absolute positions,
+MPNetModel (BERT's layers under other names, and a relative position bias added to every
+layer's attention scores: `relative_bias`), their sequence classifiers (classification and
+rerank models: the classifier runs on each group's hidden states as the network's own forward
+would run it) and their masked language models (sparse models, whose head reads the token
+rows: `tokens`); anything else runs one ordinary forward per group (`gpu_workers.model`).
+ElectraModel's narrower embeddings are projected to its layers' width first.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ import torch.nn.functional as F
 
 from gpu_workers import prepack
 
-ENCODERS = ("BertModel", "RobertaModel", "XLMRobertaModel", "DistilBertModel", "MPNetModel")
+ENCODERS = ("BertModel", "RobertaModel", "XLMRobertaModel", "DistilBertModel", "MPNetModel",
+            "ElectraModel")
 # Sequence classifiers, and how their logits come from the encoder's last hidden state.
 CLASSIFIERS = {
     # pooler (first token, dense, tanh), dropout (a no-op in eval), classifier
@@ -39,8 +41,9 @@ CLASSIFIERS = {
     # RobertaClassificationHead takes the first token itself
     "RobertaForSequenceClassification": lambda net, hidden: net.classifier(hidden),
     "XLMRobertaForSequenceClassification": lambda net, hidden: net.classifier(hidden),
-    # MPNetClassificationHead: as RoBERTa's
+    # MPNetClassificationHead and ElectraClassificationHead: as RoBERTa's (ELECTRA's: gelu)
     "MPNetForSequenceClassification": lambda net, hidden: net.classifier(hidden),
+    "ElectraForSequenceClassification": lambda net, hidden: net.classifier(hidden),
     # the first token, pre_classifier, relu, dropout, classifier
     "DistilBertForSequenceClassification": lambda net, hidden: net.classifier(
         net.dropout(torch.relu(net.pre_classifier(hidden[:, 0])))),
@@ -157,6 +160,8 @@ class PackedEncoder:
         self.heads = config.num_attention_heads
         # MPNet's relative position bias table (`relative_bias`); None for the others
         self.relative = getattr(net.encoder, "relative_attention_bias", None)
+        # ELECTRA's projection of narrower embeddings to the layers' width; None for the others
+        self.project = getattr(net, "embeddings_project", None)
         self.layers = []
         for layer in net.encoder.layer:
             if hasattr(layer.attention, "attn"):  # MPNet's names: attn.q, k, v, o
@@ -211,6 +216,8 @@ class PackedEncoder:
         for g in groups:
             b, l = g.ids.shape
             embedded = self.net.embeddings(input_ids=g.ids, token_type_ids=g.token_types)
+            if self.project is not None:
+                embedded = self.project(embedded)
             rows = embedded.reshape(b * l, h)
             # A group without padding (one text, or texts of one length) needs neither the
             # gathers nor an attention mask: its rows are its tokens, in order.

@@ -35,8 +35,11 @@ def task_dirs(tmp_path_factory, tiny_model):
                                            activation="torch.nn.modules.linear.Identity"),
             "ce-hot": build_tiny_classifier(root / "ce-hot", num_labels=1, seed=3, bias=20.0),
             "sp": build_tiny_splade(root / "sp", seed=9, max_positions=TINY_MAX_TOKENS),
-            # Architectures that run the network's own forward (test_tasks.py)
+            # Architectures other than BERT's (test_tasks.py): MPNet's and ELECTRA's
+            # (gpu_workers.bert), DeBERTa-v2's (transformers' network, its own forward)
             "mpnet": build_tiny_other(root / "mpnet", "mpnet", seed=4),
+            "ce-electra": build_tiny_other(root / "ce-electra", "electra", task="rerank",
+                                           seed=6),
             "ce-deberta": build_tiny_other(root / "ce-deberta", "deberta-v2", task="rerank",
                                            seed=5)}
 
@@ -70,6 +73,8 @@ def task_stack(tmp_path_factory, task_dirs):
          "dtype": "fp32"},
         {"name": "mpnet", "source": str(dirs["mpnet"]), "dtype": "fp32"},
         {"name": "ce-deberta", "source": str(dirs["ce-deberta"]), "task": "rerank",
+         "dtype": "fp32"},
+        {"name": "ce-electra", "source": str(dirs["ce-electra"]), "task": "rerank",
          "dtype": "fp32"},
         # auto keeps bf16 where the CPU has it natively and the probe agrees to 0.99 (random
         # tiny weights agree less closely than trained ones); "strict" asks for more than

@@ -76,9 +76,10 @@ def test_rerank_scores_pairs_best_first(task_stack, task_dirs):
 
 
 def test_architectures_other_than_berts_serve_as_sentence_transformers(task_stack, task_dirs):
-    """MPNet (all-mpnet-base-v2's architecture: built by gpu_workers.bert, packed) and a
-    DeBERTa-v2 cross-encoder (transformers' network, its own forward), which a worker refused
-    at load (SDPA asked of every model: an outside check), through nginx."""
+    """MPNet (all-mpnet-base-v2's architecture) and an ELECTRA cross-encoder (ms-marco-electra's),
+    built by gpu_workers.bert and packed, and a DeBERTa-v2 cross-encoder (transformers'
+    network, its own forward), which a worker refused at load (SDPA asked of every model: an
+    outside check), through nginx."""
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.cross_encoder import CrossEncoder
 
@@ -88,18 +89,19 @@ def test_architectures_other_than_berts_serve_as_sentence_transformers(task_stac
     want = SentenceTransformer(str(task_dirs["mpnet"]), device="cpu").encode(TEXTS)
     np.testing.assert_allclose(got, want, atol=2e-5)
     query = "what moves token ids between processes?"
-    status, _, body = task_stack.post_json("/rerank", {"model": "ce-deberta", "query": query,
-                                                      "texts": TEXTS})
-    assert status == 200, body
-    cross = CrossEncoder(str(task_dirs["ce-deberta"]), device="cpu",
-                         max_length=TINY_MAX_TOKENS)
-    want = cross.predict([(query, t) for t in TEXTS])
-    np.testing.assert_allclose([r["score"] for r in sorted(body, key=lambda r: r["index"])],
-                               want, rtol=1e-5, atol=1e-5)
+    for name in ("ce-deberta", "ce-electra"):
+        status, _, body = task_stack.post_json("/rerank", {"model": name, "query": query,
+                                                          "texts": TEXTS})
+        assert status == 200, body
+        cross = CrossEncoder(str(task_dirs[name]), device="cpu", max_length=TINY_MAX_TOKENS)
+        want = cross.predict([(query, t) for t in TEXTS])
+        np.testing.assert_allclose([r["score"] for r in sorted(body, key=lambda r: r["index"])],
+                                   want, rtol=1e-5, atol=1e-5, err_msg=name)
     _, _, raw = task_stack.get("/admin/models", ADMIN)
     loaders = {m["name"]: {w["loader"] for w in m["workers"]}
                for m in json.loads(raw)["models"] if "workers" in m}
-    assert loaders["mpnet"] == {"shmserve"} and loaders["ce-deberta"] == {"transformers"}
+    assert loaders["mpnet"] == loaders["ce-electra"] == {"shmserve"}, loaders
+    assert loaders["ce-deberta"] == {"transformers"}, loaders
 
 
 @pytest.mark.parametrize("name", ["ce-id", "ce-hot"])

@@ -1,10 +1,12 @@
 """Architectures other than BERT's, as a worker serves them (in-process, tiny random models
 with BERT's tokenizer), against sentence-transformers and transformers on the same inputs:
-MPNet (built by gpu_workers.bert, packed), and the ones that run the network's own forward
-(DistilBERT loaded by transformers, DeBERTa-v2, ELECTRA, ModernBERT, and a Qwen3 decoder
-pooled on its last token). An outside check found MPNet and
+MPNet and ELECTRA (built by gpu_workers.bert, packed), and the ones that run the network's own
+forward (DistilBERT loaded by transformers, DeBERTa-v2, ModernBERT, and a Qwen3 decoder pooled
+on its last token). An outside check found MPNet and
 DeBERTa-v2 refused at load (SDPA asked of every model) and DistilBERT a KeyError in
 `shmserve config` (its width is `dim`)."""
+
+import inspect
 
 import numpy as np
 import pytest
@@ -31,11 +33,11 @@ def test_embeddings_equal_sentence_transformers(tmp_path, model_type, pooling):
     assert model.attention == ("eager" if model_type == "deberta-v2" else "sdpa")
     # (this DistilBERT's config.json names its width twice, `dim` and `hidden_size`: to
     # transformers, as gpu_workers.bert_config declines it)
-    ours = model_type == "mpnet"
+    ours = model_type in ("mpnet", "electra")
     assert (model.loader, model.packs) == (("shmserve", True) if ours else ("transformers", False))
 
 
-@pytest.mark.parametrize("model_type", ["distilbert", "deberta-v2", "mpnet"])
+@pytest.mark.parametrize("model_type", ["distilbert", "deberta-v2", "mpnet", "electra"])
 @pytest.mark.parametrize("task", ["classification", "rerank"])
 def test_logits_equal_transformers(tmp_path, model_type, task):
     from transformers import AutoModelForSequenceClassification
@@ -54,10 +56,12 @@ def test_logits_equal_transformers(tmp_path, model_type, task):
     net = AutoModelForSequenceClassification.from_pretrained(directory).eval()
     want = []
     with torch.inference_mode():
-        for a, b in zip(enc.offsets[:-1], enc.offsets[1:]):
+        for i, (a, b) in enumerate(zip(enc.offsets[:-1], enc.offsets[1:])):
             extra = {}
-            if enc.segments is not None and "token_type_ids" in net.forward.__code__.co_varnames:
-                extra["token_type_ids"] = torch.as_tensor(np.asarray(enc.segments[a:b]))[None]
+            if enc.segments is not None and "token_type_ids" in inspect.signature(
+                    net.forward).parameters:  # (its __code__ is a decorator's: no names)
+                # a pair's first segment (its length: `segments`) type 0, the second type 1
+                extra["token_type_ids"] = (torch.arange(b - a) >= int(enc.segments[i]))[None].long()
             ids = torch.as_tensor(np.asarray(enc.ids[a:b], dtype=np.int64))[None]
             logits = net(input_ids=ids, **extra).logits[0]
             want.append(logits.numpy())

@@ -15,12 +15,13 @@ from tests.integration.modelkit import spec
 from tests.tinymodel import build_tiny_bert, build_tiny_classifier, build_tiny_splade
 
 
-FAMILIES = ("bert", "roberta", "xlm-roberta", "distilbert", "mpnet")
+FAMILIES = ("bert", "roberta", "xlm-roberta", "distilbert", "mpnet", "electra")
 TASKS = ("embedding", "classification", "rerank", "sparse")
-# what gpu_workers.bert builds: an MPNet masked LM is no sparse model shmserve serves
-# (shmserve.models.MASKED_LMS); its checkpoint is still built, served for embeddings
+# what gpu_workers.bert builds: MPNet's and ELECTRA's masked LMs are no sparse models
+# shmserve serves (shmserve.models.MASKED_LMS); their checkpoints are still built, served for
+# embeddings
 BUILT = [(family, task) for family in FAMILIES for task in TASKS
-         if (family, task) != ("mpnet", "sparse")]
+         if (family, task) not in (("mpnet", "sparse"), ("electra", "sparse"))]
 MASKED_LM_FAMILIES = [family for family in FAMILIES if (family, "sparse") in BUILT]
 
 
@@ -49,6 +50,8 @@ def family_models(bert_models, tmp_path_factory):
         shape = (dict(dim=32, n_layers=2, n_heads=2, hidden_dim=64) if family == "distilbert"
                  else dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                            intermediate_size=64))
+        if family == "electra":  # narrower embeddings, projected to the layers' width
+            shape["embedding_size"] = 16
         config = AutoConfig.for_model(
             family, vocab_size=30522, max_position_embeddings=66, pad_token_id=0, **shape,
             num_labels={"classification": 3, "rerank": 1}.get(task, 2),
@@ -300,6 +303,7 @@ def test_the_config_reads_as_transformers_reads_it(family_models, tmp_path):
     for i, config in enumerate([*({"model_type": family} for family in FAMILIES),
                                 {"model_type": "mpnet", "pad_token_id": None,
                                  "relative_attention_num_buckets": 40},
+                                {"model_type": "electra", "embedding_size": 256},
                                 {"model_type": "distilbert", "dim": 48, "n_heads": 4,
                                  "activation": "relu"},
                                 {"model_type": "bert", "id2label": {"0": "a", "1": "b", "2": "c"},
