@@ -1,8 +1,9 @@
 """A served model's network from its directory, in eval mode: the BERT family's (bert, roberta,
-xlm-roberta) through gpu_workers.bert, which does not import transformers (~3 s of a worker's
-start); every other architecture, or a checkpoint gpu_workers.bert does not read exactly as
-transformers would, through transformers' Auto classes, which load it or refuse it with a
-clear ModelSourceError."""
+xlm-roberta, distilbert, mpnet, electra) through gpu_workers.bert and ModernBERT's through
+gpu_workers.modernbert, which do not import transformers (~3 s of a worker's start); every
+other architecture, or a checkpoint those modules do not read exactly as transformers would,
+through transformers' Auto classes, which load it or refuse it with a clear
+ModelSourceError."""
 
 from __future__ import annotations
 
@@ -10,15 +11,16 @@ from typing import Any
 
 import torch
 
-from gpu_workers import bert, tasks
+from gpu_workers import bert, modernbert, tasks
 from shmserve.models import ModelSourceError, ModelSpec, weights_file
 
 
 def load(spec: ModelSpec, dtype: torch.dtype) -> tuple[torch.nn.Module, str]:
     """(the network, weights in `dtype`; which loaded it: "shmserve" or "transformers")."""
-    net = bert.load(spec.directory, spec.task, dtype)
-    if net is not None:
-        return net, "shmserve"
+    for family in (bert, modernbert):
+        net = family.load(spec.directory, spec.task, dtype)
+        if net is not None:
+            return net, "shmserve"
     return _transformers(spec, dtype), "transformers"
 
 

@@ -76,18 +76,20 @@ def test_rerank_scores_pairs_best_first(task_stack, task_dirs):
 
 
 def test_architectures_other_than_berts_serve_as_sentence_transformers(task_stack, task_dirs):
-    """MPNet (all-mpnet-base-v2's architecture) and an ELECTRA cross-encoder (ms-marco-electra's),
-    built by gpu_workers.bert and packed, and a DeBERTa-v2 cross-encoder (transformers'
+    """MPNet (all-mpnet-base-v2's architecture), an ELECTRA cross-encoder (ms-marco-electra's)
+    and a ModernBERT embedder, built by gpu_workers.bert or .modernbert and packed, and a
+    DeBERTa-v2 cross-encoder (transformers'
     network, its own forward), which a worker refused at load (SDPA asked of every model: an
     outside check), through nginx."""
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.cross_encoder import CrossEncoder
 
-    status, _, body = task_stack.post_json("/v1/embeddings", {"model": "mpnet", "input": TEXTS})
-    assert status == 200, body
-    got = np.array([d["embedding"] for d in body["data"]], dtype=np.float32)
-    want = SentenceTransformer(str(task_dirs["mpnet"]), device="cpu").encode(TEXTS)
-    np.testing.assert_allclose(got, want, atol=2e-5)
+    for name in ("mpnet", "modernbert"):
+        status, _, body = task_stack.post_json("/v1/embeddings", {"model": name, "input": TEXTS})
+        assert status == 200, body
+        got = np.array([d["embedding"] for d in body["data"]], dtype=np.float32)
+        want = SentenceTransformer(str(task_dirs[name]), device="cpu").encode(TEXTS)
+        np.testing.assert_allclose(got, want, atol=2e-5, err_msg=name)
     query = "what moves token ids between processes?"
     for name in ("ce-deberta", "ce-electra"):
         status, _, body = task_stack.post_json("/rerank", {"model": name, "query": query,
@@ -100,7 +102,7 @@ def test_architectures_other_than_berts_serve_as_sentence_transformers(task_stac
     _, _, raw = task_stack.get("/admin/models", ADMIN)
     loaders = {m["name"]: {w["loader"] for w in m["workers"]}
                for m in json.loads(raw)["models"] if "workers" in m}
-    assert loaders["mpnet"] == loaders["ce-electra"] == {"shmserve"}, loaders
+    assert loaders["mpnet"] == loaders["ce-electra"] == loaders["modernbert"] == {"shmserve"}
     assert loaders["ce-deberta"] == {"transformers"}, loaders
 
 
