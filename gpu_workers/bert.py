@@ -40,20 +40,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpu_workers.bert_config import ACTIVATIONS, Config
+from gpu_workers import checkpoint
+from gpu_workers.bert_config import ACTIVATIONS, DISTILBERT_TENSORS, Config
 from gpu_workers.packed import Output, relative_bias
-from shmserve.models import weights_file
-
-# DistilBERT's layers' tensors' names for BERT's (the embeddings are named alike).
-DISTILBERT_TENSORS = (("transformer.layer.", "encoder.layer."),
-                      (".attention.q_lin.", ".attention.self.query."),
-                      (".attention.k_lin.", ".attention.self.key."),
-                      (".attention.v_lin.", ".attention.self.value."),
-                      (".attention.out_lin.", ".attention.output.dense."),
-                      (".sa_layer_norm.", ".attention.output.LayerNorm."),
-                      (".ffn.lin1.", ".intermediate.dense."), (".ffn.lin2.", ".output.dense."),
-                      (".output_layer_norm.", ".output.LayerNorm."))
-
 
 def embedding(rows: int, width: int) -> nn.Embedding:
     """An embedding table left uninitialised (its weights are loaded): nn.Embedding's own
@@ -422,51 +411,34 @@ def network_class(config: Config, task: str) -> type | None:
 def load(directory: Path, task: str, dtype: torch.dtype) -> nn.Module | None:
     """The task's network (eval mode, weights in `dtype`), or None where only transformers
     can say what to do with this checkpoint (the module's docstring)."""
-    from safetensors import safe_open
-
     config = Config.read(directory)
     if config is None or network_class(config, task) is None or (
             task == "sparse" and not config.tie_word_embeddings):
         return None
     with torch.device("meta"):  # nothing allocated: the weights are assigned below
         net = network_class(config, task)(config)
-    shapes = {name: tuple(t.shape) for name, t in net.state_dict().items()}
     prefix = config.prefix + "."
+
+    def name_of(key: str) -> str:
+        if config.prefix == "distilbert":  # its layers' tensors under BERT's names
+            for theirs, ours in DISTILBERT_TENSORS:
+                key = key.replace(theirs, ours)
+        # an encoder saved alone, or inside a model with a head
+        return key.removeprefix(prefix) if task == "embedding" else key
+
     # A masked LM's decoder is tied to the word embeddings (and its bias to the head's): a
     # checkpoint may leave them out (transformers 5 saves neither), or hold them equal.
     ties = MaskedLM.TIES[config.prefix] if task == "sparse" else ()
-    tied = {name for name, _ in ties}
-    try:
-        with safe_open(str(weights_file(Path(directory))), framework="pt") as f:
-            names = {}
-            for key in f.keys():
-                name = key
-                if config.prefix == "distilbert":  # its layers' tensors under BERT's names
-                    for theirs, ours in DISTILBERT_TENSORS:
-                        name = name.replace(theirs, ours)
-                if task == "embedding":  # an encoder saved alone, or inside a model with a head
-                    name = name.removeprefix(prefix)
-                if name not in shapes:  # another task's head (an LM checkpoint served for
-                    continue  # embeddings), the pooler embeddings never read, a leftover
-                    # buffer (embeddings.position_ids): transformers leaves them out too
-                sliced = f.get_slice(key)
-                if (name in names or shapes[name] != tuple(sliced.get_shape())
-                        or sliced.get_dtype() not in ("F32", "F16", "BF16")):
-                    return None  # twice (with and without the prefix), of another shape, or
-                names[name] = key  # not float weights
-            if shapes.keys() - tied - names.keys():
-                return None  # weights missing: transformers says which
-            weights = {name: f.get_tensor(key).to(dtype) for name, key in names.items()}
-    except Exception:  # noqa: BLE001 - unreadable here (no model.safetensors, a damaged
-        return None  # header): transformers reads it, or says why
+    weights = checkpoint.read(directory, net, dtype, name_of,
+                              optional=frozenset(name for name, _ in ties))
+    if weights is None:
+        return None
     for name, source in ties:
         if name in weights and not torch.equal(weights[name], weights[source]):
             return None  # saved untied: transformers then keeps them apart (and says so)
         weights[name] = weights[source]
-    net.load_state_dict(weights, strict=True, assign=True)  # the meta tensors replaced
+    net = checkpoint.assign(net, weights)
     for name, source in ties:  # tied as transformers ties them: one tensor each
         module, _, attribute = name.rpartition(".")
         setattr(net.get_submodule(module), attribute, net.get_parameter(source))
-    for p in net.parameters():
-        p.requires_grad_(False)
-    return net.eval()
+    return net

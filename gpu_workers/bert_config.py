@@ -27,6 +27,16 @@ DISTILBERT_FIELDS = {"dim": "hidden_size", "n_layers": "num_hidden_layers",
                      "n_heads": "num_attention_heads", "hidden_dim": "intermediate_size",
                      "activation": "hidden_act"}
 
+# DistilBERT's layers' tensors' names for BERT's (the embeddings are named alike).
+DISTILBERT_TENSORS = (("transformer.layer.", "encoder.layer."),
+                      (".attention.q_lin.", ".attention.self.query."),
+                      (".attention.k_lin.", ".attention.self.key."),
+                      (".attention.v_lin.", ".attention.self.value."),
+                      (".attention.out_lin.", ".attention.output.dense."),
+                      (".sa_layer_norm.", ".attention.output.LayerNorm."),
+                      (".ffn.lin1.", ".intermediate.dense."), (".ffn.lin2.", ".output.dense."),
+                      (".output_layer_norm.", ".output.LayerNorm."))
+
 
 @dataclass
 class Config:

@@ -33,10 +33,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gpu_workers import checkpoint
 from gpu_workers.bert import embedding
 from gpu_workers.bert_config import ACTIVATIONS
 from gpu_workers.packed import Group, Output, index_of, rows_for
-from shmserve.models import weights_file
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 
@@ -369,33 +369,12 @@ def supports(net: nn.Module) -> bool:
 def load(directory: Path, task: str, dtype: torch.dtype) -> nn.Module | None:
     """The task's network (eval mode, weights in `dtype`), or None where only transformers
     can say what to do with this checkpoint."""
-    from safetensors import safe_open
-
     config = Config.read(directory)
     if config is None or task not in CLASSES:
         return None
     with torch.device("meta"):
         net = CLASSES[task](config)
-    shapes = {name: tuple(t.shape) for name, t in net.state_dict().items()}
-    try:
-        with safe_open(str(weights_file(Path(directory))), framework="pt") as f:
-            names = {}
-            for key in f.keys():
-                # an encoder saved alone, or inside a model with a head (`model.`)
-                name = key.removeprefix("model.") if task == "embedding" else key
-                if name not in shapes:  # another task's head, a leftover buffer
-                    continue
-                sliced = f.get_slice(key)
-                if (name in names or shapes[name] != tuple(sliced.get_shape())
-                        or sliced.get_dtype() not in ("F32", "F16", "BF16")):
-                    return None
-                names[name] = key
-            if shapes.keys() - names.keys():
-                return None  # weights missing: transformers says which
-            weights = {name: f.get_tensor(key).to(dtype) for name, key in names.items()}
-    except Exception:  # noqa: BLE001 - unreadable here: transformers reads it, or says why
-        return None
-    net.load_state_dict(weights, strict=True, assign=True)
-    for p in net.parameters():
-        p.requires_grad_(False)
-    return net.eval()
+    # an encoder saved alone, or inside a model with a head (`model.`)
+    weights = checkpoint.read(directory, net, dtype, lambda key: key.removeprefix("model.")
+                              if task == "embedding" else key)
+    return None if weights is None else checkpoint.assign(net, weights)

@@ -1,0 +1,52 @@
+"""A network's weights read from a model directory's model.safetensors by name, for the
+networks gpu_workers builds without transformers (gpu_workers.bert, gpu_workers.modernbert):
+only a checkpoint read exactly as transformers would read it, else None (transformers then
+loads it, or says why)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+from shmserve.models import weights_file
+
+
+def read(directory: Path, net: nn.Module, dtype: torch.dtype, name_of: Callable[[str], str],
+         optional: frozenset[str] = frozenset()) -> dict[str, torch.Tensor] | None:
+    """The tensors `net` (built on the meta device) has, each under its name in `net`
+    (`name_of`: a saved key's), in `dtype`. Saved tensors `net` has no place for (another
+    task's head, a pooler never read, a leftover buffer such as embeddings.position_ids) are
+    left out, as transformers leaves them. None when a tensor is saved twice (with and
+    without a prefix), of another shape, or not of floats, when one is missing (but those
+    named `optional`), or when the file cannot be read."""
+    from safetensors import safe_open
+
+    shapes = {name: tuple(t.shape) for name, t in net.state_dict().items()}
+    try:
+        with safe_open(str(weights_file(Path(directory))), framework="pt") as f:
+            names = {}
+            for key in f.keys():
+                name = name_of(key)
+                if name not in shapes:
+                    continue
+                sliced = f.get_slice(key)
+                if (name in names or shapes[name] != tuple(sliced.get_shape())
+                        or sliced.get_dtype() not in ("F32", "F16", "BF16")):
+                    return None
+                names[name] = key
+            if shapes.keys() - optional - names.keys():
+                return None  # weights missing: transformers says which
+            return {name: f.get_tensor(key).to(dtype) for name, key in names.items()}
+    except Exception:  # noqa: BLE001 - unreadable here (no model.safetensors, a damaged
+        return None  # header): transformers reads it, or says why
+
+
+def assign(net: nn.Module, weights: dict[str, torch.Tensor]) -> nn.Module:
+    """`net` with `weights` in place of its meta tensors, frozen, in eval mode."""
+    net.load_state_dict(weights, strict=True, assign=True)
+    for p in net.parameters():
+        p.requires_grad_(False)
+    return net.eval()
