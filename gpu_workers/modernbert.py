@@ -273,7 +273,11 @@ class PackedModernBert:
         config = self.net.config
         self.hidden, self.heads = config.hidden_size, config.num_attention_heads
         self.window = config.local_attention // 2  # keys within this distance either way
-        self.theta = config.rope_theta
+        # each layer kind's rotary inverse frequencies, made once on the network's device (a
+        # host-to-device copy would break a CUDA graph's capture)
+        d, device = self.hidden // self.heads, next(self.net.parameters()).device
+        self.inverse = {kind: (1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float) / d)))
+                        .to(device) for kind, theta in config.rope_theta.items()}
 
     def __call__(self, groups: list[Group]) -> list[Output]:
         h = self.hidden
@@ -294,11 +298,9 @@ class PackedModernBert:
     def _positions(self, l: int, device, dtype) -> dict:
         """Each layer kind's rotary cos and sin for positions 0..l-1 [l, head size], rounded
         to the network's dtype first as transformers rounds them."""
-        d = self.hidden // self.heads
         out = {}
-        for kind, theta in self.theta.items():
-            inverse = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float) / d))
-            freqs = torch.arange(l, device=device).float()[:, None] * inverse.to(device)[None]
+        for kind, inverse in self.inverse.items():
+            freqs = torch.arange(l, device=device).float()[:, None] * inverse[None]
             angles = torch.cat((freqs, freqs), dim=-1)
             out[kind] = (angles.cos().to(dtype).float(), angles.sin().to(dtype).float())
         return out
