@@ -221,8 +221,7 @@ def inspect(cfg: ModelConfig, with_revision: bool = True,
         raise ModelSourceError(f"{directory}: no tokenizer.json (a fast tokenizer is required)")
     if why := arch.needs_own_code(model_cfg) or arch.unpadded(model_cfg):
         raise ModelSourceError(f"{directory}: {why}")
-    st_cfg = _read_json(directory / "sentence_bert_config.json") or {}
-    limit = min(arch.positions(model_cfg), int(st_cfg.get("max_seq_length", 10**9)))
+    limit = min(arch.positions(model_cfg), _max_seq_length(directory))
     if cfg.max_input_tokens:
         limit = min(limit, cfg.max_input_tokens)
     revision = cfg.revision
@@ -237,7 +236,7 @@ def inspect(cfg: ModelConfig, with_revision: bool = True,
         name=cfg.name,
         directory=directory,
         task=cfg.task,
-        pooling="splade" if sparse else _pooling(cfg.pooling, directory),
+        pooling="splade" if sparse else _pooling(cfg.pooling, cfg.task, directory),
         normalize=False if sparse else _normalize(cfg.normalize, directory),
         max_tokens=limit,
         dim=sparse or {"classification": len(labels), "rerank": 1}.get(cfg.task) or _width(
@@ -368,8 +367,7 @@ def _prompts(cfg: ModelConfig, directory: Path) -> tuple[tuple[tuple[str, str], 
     if name and name not in prompts:
         raise ModelSourceError(f"model {cfg.name!r}: default prompt {name!r} is not one of its "
                                f"prompts ({', '.join(sorted(prompts)) or 'none'})")
-    pool_cfg = _read_json(directory / "1_Pooling" / "config.json") or {}
-    if pool_cfg.get("include_prompt") is False:
+    if _pooling_config(directory).get("include_prompt") is False:
         # sentence-transformers then pools without the prompt's tokens; this server pools
         # every token, so a prompt would change the vectors.
         if name or cfg.prompts:
@@ -385,22 +383,78 @@ def weights_digest(path: Path) -> str:
     return file_digest(path)[:12]
 
 
-def _pooling(choice: str, directory: Path) -> str:
+def _max_seq_length(directory: Path) -> int:
+    """sentence-transformers' input limit: sentence_bert_config.json's max_seq_length, else
+    (as sentence-transformers 6 saves it, and as older versions fall back to) the tokenizer's
+    model_max_length; the model's positions bound it too (`inspect`)."""
+    st_cfg = _read_json(directory / "sentence_bert_config.json") or {}
+    limit = st_cfg.get("max_seq_length")
+    if limit is None:
+        limit = (_read_json(directory / "tokenizer_config.json") or {}).get("model_max_length")
+    return int(limit) if isinstance(limit, (int, float)) and limit >= 1 else 10**9
+
+
+# sentence-transformers' pooling modes this server computes (gpu_workers.tasks), by the name
+# sentence-transformers 6 saves (`pooling_mode`) and the flag older versions save
+POOLINGS = {"cls": "cls", "mean": "mean", "lasttoken": "last"}
+POOLING_FLAGS = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean",
+                 "pooling_mode_lasttoken": "last", "pooling_mode_max_tokens": "max",
+                 "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
+                 "pooling_mode_weightedmean_tokens": "weightedmean"}
+# the modules a sentence-transformers embedding model may have for this server to serve it as
+# sentence-transformers does: another (Dense, a projection) would change its vectors
+MODULES = ("Transformer", "Pooling", "Normalize", "Dropout")  # (Dropout: none at inference)
+
+
+def _st_modules(directory: Path) -> list[dict]:
+    modules = _read_json(directory / "modules.json") or []
+    return [m for m in modules if isinstance(m, dict)] if isinstance(modules, list) else []
+
+
+def _pooling(choice: str, task: str, directory: Path) -> str:
+    """The configured pooling, or (auto) the model's own: sentence-transformers' Pooling
+    module's config, in either version's format. One this server does not compute (max,
+    weighted mean, several at once), and modules it does not run (a Dense projection), are
+    refused rather than served as another pooling's vectors."""
     if choice != "auto":
         return choice
-    pool_cfg = _read_json(directory / "1_Pooling" / "config.json") or {}
-    if pool_cfg.get("pooling_mode_cls_token"):
-        return "cls"
-    if pool_cfg.get("pooling_mode_lasttoken"):
-        return "last"
-    return "mean"
+    modules = _st_modules(directory)
+    if task == "embedding":
+        for module in modules:
+            kind = str(module.get("type", "")).rpartition(".")[2]
+            if kind not in MODULES:
+                raise ModelSourceError(
+                    f"{directory}: modules.json has a {kind or 'nameless'} module "
+                    f"({module.get('path') or module.get('name')}), which shmserve does not "
+                    f"run (it runs {', '.join(MODULES)}): its vectors would not be the "
+                    "model's")
+    pool_cfg = _pooling_config(directory)
+    if "pooling_mode" in pool_cfg:  # sentence-transformers 6
+        found = [POOLINGS.get(str(pool_cfg["pooling_mode"]), str(pool_cfg["pooling_mode"]))]
+    else:
+        found = [mode for flag, mode in POOLING_FLAGS.items() if pool_cfg.get(flag)]
+    if not found:
+        return "mean"
+    if len(found) > 1 or found[0] not in POOLINGS.values():
+        raise ModelSourceError(
+            f"{directory}: its sentence-transformers pooling is {' + '.join(found)}, which "
+            "shmserve does not compute (it pools cls, mean or lasttoken); set "
+            "models[].pooling to serve it pooled otherwise")
+    return found[0]
+
+
+def _pooling_config(directory: Path) -> dict:
+    """The Pooling module's config.json (its directory as modules.json names it)."""
+    path = next((m.get("path") for m in _st_modules(directory)
+                 if str(m.get("type", "")).endswith("Pooling")), None) or "1_Pooling"
+    found = _read_json(directory / path / "config.json")
+    return found if isinstance(found, dict) else {}
 
 
 def _normalize(choice: str, directory: Path) -> bool:
     if choice != "auto":
         return choice == "true"
-    modules = _read_json(directory / "modules.json") or []
-    return any(str(m.get("type", "")).endswith("Normalize") for m in modules)
+    return any(str(m.get("type", "")).endswith("Normalize") for m in _st_modules(directory))
 
 
 def _read_json(path: Path) -> dict | list | None:

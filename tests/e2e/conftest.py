@@ -43,7 +43,20 @@ def task_dirs(tmp_path_factory, tiny_model):
             "ce-electra": build_tiny_other(root / "ce-electra", "electra", task="rerank",
                                            seed=6),
             "ce-deberta": build_tiny_other(root / "ce-deberta", "deberta-v2", task="rerank",
-                                           seed=5)}
+                                           seed=5),
+            "st6-cls": st6_saved(tiny_model, root / "st6-cls")}
+
+
+def st6_saved(source, target):
+    """`source` saved by this sentence-transformers (6.x: `pooling_mode`, the input limit in
+    the tokenizer's config) with CLS pooling and an input limit of 16 tokens."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer import modules
+
+    SentenceTransformer(modules=[modules.Transformer(str(source), max_seq_length=16),
+                                 modules.Pooling(32, "cls"), modules.Normalize()],
+                        device="cpu").save(str(target))
+    return target
 
 
 @pytest.fixture(scope="package")
@@ -75,6 +88,7 @@ def task_stack(tmp_path_factory, task_dirs):
          "dtype": "fp32"},
         {"name": "mpnet", "source": str(dirs["mpnet"]), "dtype": "fp32"},
         {"name": "modernbert", "source": str(dirs["modernbert"]), "dtype": "fp32"},
+        {"name": "st6-cls", "source": str(dirs["st6-cls"]), "dtype": "fp32"},
         {"name": "ce-deberta", "source": str(dirs["ce-deberta"]), "task": "rerank",
          "dtype": "fp32"},
         {"name": "ce-electra", "source": str(dirs["ce-electra"]), "task": "rerank",

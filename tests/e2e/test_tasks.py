@@ -106,6 +106,27 @@ def test_architectures_other_than_berts_serve_as_sentence_transformers(task_stac
     assert loaders["ce-deberta"] == {"transformers"}, loaders
 
 
+def test_a_sentence_transformers_6_model_serves_its_own_pooling_and_limit(task_stack,
+                                                                         task_dirs):
+    """Saved by sentence-transformers 6 (`pooling_mode: cls`, max_seq_length in the
+    tokenizer's config): served CLS-pooled at 16 tokens, as sentence-transformers encodes it;
+    it was served mean-pooled at the model's position limit (an outside check)."""
+    from sentence_transformers import SentenceTransformer
+
+    texts = [*TEXTS, "word " * 40]  # past 16 tokens
+    status, _, body = task_stack.post_json("/v1/embeddings", {"model": "st6-cls",
+                                                              "input": texts})
+    assert status == 200, body
+    got = np.array([d["embedding"] for d in body["data"]], dtype=np.float32)
+    reference = SentenceTransformer(str(task_dirs["st6-cls"]), device="cpu")
+    np.testing.assert_allclose(got, reference.encode(texts), atol=2e-5)
+    assert body["usage"]["prompt_tokens"] == int(
+        reference.tokenize(texts)["attention_mask"].sum())
+    _, _, raw = task_stack.get("/info")
+    model = next(m for m in json.loads(raw)["models"] if m["name"] == "st6-cls")
+    assert (model["pooling"], model["max_input_tokens"]) == ("cls", 16), model
+
+
 @pytest.mark.parametrize("name", ["ce-id", "ce-hot"])
 def test_rerank_ranks_by_the_logit_on_every_route(task_stack, task_dirs, name):
     """An Identity cross-encoder scores its logit (never a logit of a logit); a sigmoid one past
