@@ -149,7 +149,7 @@ class Embeddings(nn.Module):
         self.tok_embeddings = embedding(config.vocab_size, config.hidden_size)
         self.norm = norm(config)
 
-    def forward(self, input_ids: torch.Tensor, token_type_ids=None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.norm(self.tok_embeddings(input_ids))
 
 

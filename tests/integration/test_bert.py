@@ -4,14 +4,12 @@ and spare the worker transformers' import."""
 
 import json
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from gpu_workers import bert, bert_config, networks
-from tests.integration.modelkit import spec
+from tests.integration.modelkit import edited, fresh_loads, spec
 from tests.tinymodel import build_tiny_bert, build_tiny_classifier, build_tiny_splade
 
 
@@ -262,19 +260,6 @@ def test_an_embedding_model_loads_the_encoder_of_any_checkpoint_that_holds_one(
                                    .last_hidden_state[mask.bool()], rtol=0, atol=1e-5)
 
 
-def edited(source, tmp_path, name, config=None, tensors=None):
-    from safetensors.torch import load_file, save_file
-
-    target = shutil.copytree(source, tmp_path / name)
-    if config:
-        saved = json.loads((target / "config.json").read_text())
-        (target / "config.json").write_text(json.dumps({**saved, **config}))
-    if tensors:
-        weights = tensors(load_file(target / "model.safetensors"))
-        save_file(weights, target / "model.safetensors", metadata={"format": "pt"})
-    return target
-
-
 @pytest.mark.parametrize("name, config, tensors", [
     ("gelu_new", {"hidden_act": "gelu_new"}, None),
     ("relative", {"position_embedding_type": "relative_key"}, None),
@@ -328,25 +313,11 @@ def test_the_config_reads_as_transformers_reads_it(family_models, tmp_path):
 
 def test_loading_a_bert_family_model_never_imports_transformers(family_models):
     """The worker's import and its load of each family's and task's model, warmed up, in a
-    fresh interpreter: transformers' import (and torch._dynamo's) is what gpu_workers.bert
-    spares a worker's start."""
-    code = (
-        "import sys, torch\n"
-        "import gpu_workers.worker\n"
-        "from gpu_workers.batcher import Limits\n"
-        "from gpu_workers.loading import load_warm\n"
-        "from tests.integration.modelkit import spec\n"
-        f"for (family, task), directory in {[(k, str(family_models[k])) for k in BUILT]!r}:\n"
-        "    model, _, _ = load_warm(spec(directory, task, dtype='auto'), torch.device('cpu'),\n"
-        "                            0, Limits(8, 512, 0.0))\n"
-        "    print(family, task, model.loader, model.spec.dtype)\n"
-        "print('transformers' in sys.modules, 'torch._dynamo' in sys.modules)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True, timeout=120).stdout.split("\n")
-    assert [line.split()[:3] for line in out[:-2]] == [
-        [family, task, "shmserve"] for family, task in BUILT]
-    # nor torch._dynamo (~1.4 s), which nn.Embedding's own init imported on the meta device
-    assert out[-2] == "False False"
+    fresh interpreter: transformers' import (and torch._dynamo's, which nn.Embedding's own
+    init imported on the meta device) is what gpu_workers.bert spares a worker's start."""
+    loaded, transformers, dynamo = fresh_loads([(f, t, family_models[f, t]) for f, t in BUILT])
+    assert loaded == [[family, task, "shmserve"] for family, task in BUILT]
+    assert not transformers and not dynamo
 
 
 def test_mpnets_position_bias_is_transformers_at_every_distance():

@@ -4,15 +4,13 @@ packed as the worker runs them, and load only what they read exactly as transfor
 
 import json
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
 
 from gpu_workers import modernbert, networks
-from tests.integration.modelkit import spec
+from tests.integration.modelkit import edited, fresh_loads, spec
 from tests.tinymodel import build_tiny_bert
 
 TASKS = ("embedding", "classification", "rerank")
@@ -141,19 +139,6 @@ def test_the_worker_runs_it_packed_to_transformers_results(models, task, pooling
     assert rows.shape == got.shape and np.isfinite(rows).all()
 
 
-def edited(source, tmp_path, name, config=None, tensors=None):
-    from safetensors.torch import load_file, save_file
-
-    target = shutil.copytree(source, tmp_path / name)
-    if config:
-        saved = json.loads((target / "config.json").read_text())
-        (target / "config.json").write_text(json.dumps({**saved, **config}))
-    if tensors:
-        save_file(tensors(load_file(target / "model.safetensors")),
-                  target / "model.safetensors", metadata={"format": "pt"})
-    return target
-
-
 @pytest.mark.parametrize("name, config, tensors", [
     ("gelu_new", {"hidden_activation": "gelu_new"}, None),
     ("scaled-rope", {"rope_parameters": {
@@ -185,21 +170,9 @@ def test_an_embedding_model_loads_the_encoder_of_a_classifiers_checkpoint(models
 
 
 def test_loading_a_modernbert_never_imports_transformers(models):
-    code = (
-        "import sys, torch\n"
-        "import gpu_workers.worker\n"
-        "from gpu_workers.batcher import Limits\n"
-        "from gpu_workers.loading import load_warm\n"
-        "from tests.integration.modelkit import spec\n"
-        f"for task, directory in {[(t, str(models[t, 'mean'])) for t in TASKS]!r}:\n"
-        "    model, _, _ = load_warm(spec(directory, task, dtype='auto'), torch.device('cpu'),\n"
-        "                            0, Limits(8, 512, 0.0))\n"
-        "    print(task, model.loader)\n"
-        "print('transformers' in sys.modules, 'torch._dynamo' in sys.modules)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True, timeout=120).stdout.split("\n")
-    assert [line.split() for line in out[:-2]] == [[task, "shmserve"] for task in TASKS]
-    assert out[-2] == "False False"
+    loaded, transformers, dynamo = fresh_loads([("mb", t, models[t, "mean"]) for t in TASKS])
+    assert loaded == [["mb", task, "shmserve"] for task in TASKS]
+    assert not transformers and not dynamo
 
 
 @pytest.mark.parametrize("task", ["embedding", "rerank"])
