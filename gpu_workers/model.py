@@ -266,12 +266,20 @@ class Model:
 
 
 def warm_up(model: Model, max_batch_size: int, max_batch_tokens: int) -> tuple[int, float]:
-    """Run the largest batch shape the limits allow, so the first request pays no warm-up; then
-    time a full pass of short texts (32 tokens), twice, and return the faster as (real tokens,
-    seconds): the worker's first estimate of the speed it drains a backlog at
-    (shmserve.admission), before it has drained one."""
+    """Run the largest batch shape the limits allow (on a CPU, one text of the longest input),
+    so the first request pays no warm-up; then time a full pass of short texts (32 tokens),
+    twice, and return the faster as (real tokens, seconds): the worker's first estimate of the
+    speed it drains a backlog at (shmserve.admission), before it has drained one.
+
+    On a GPU the largest pass reserves its memory (the caching allocator keeps it) and records
+    its kernels' plans. A CPU has neither to prepare: the whole batch only cost the start its
+    compute, which grows with the model (a BERT-base-sized model in fp32: ~36 s of a worker's
+    ~56 s to ready on the 2-core development machine, an outside check), at every restart and
+    hot reload. One longest text still checks the longest input's outputs for overflow."""
     longest = model.spec.max_tokens
     batch = max(1, min(max_batch_size, max_batch_tokens // longest))
+    if model.device.type == "cpu":
+        batch = 1
     pairs = model.spec.task == "rerank"  # warm the token-type path a cross-encoder takes
     if model.graphs is not None:
         with torch.inference_mode():

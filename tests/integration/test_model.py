@@ -356,6 +356,24 @@ def test_freed_heap_goes_back_to_the_system_after_warm_up_and_a_replaced_model(m
     assert device.release(torch.device("cpu")) is False and calls == [1, 1]
 
 
+def test_a_cpu_warm_up_runs_one_longest_text_not_the_largest_batch(models, monkeypatch):
+    """The largest batch the limits allow prepares a GPU (its allocator's memory, its kernels'
+    plans); on a CPU it only cost the start its compute: ~36 s of a BERT-base-sized worker's
+    ~56 s to ready in fp32 (an outside check), at every restart and reload. One text of the
+    longest input still checks its outputs; the short batch is timed as before."""
+    from gpu_workers import model as model_module
+
+    model = Model(spec(models["emb"], "embedding"), torch.device("cpu"))
+    shapes = []
+    forward = model.forward
+    monkeypatch.setattr(model, "forward", lambda ids, *rest: (shapes.append(ids.shape),
+                                                               forward(ids, *rest))[1])
+    tokens, seconds = model_module.warm_up(model, max_batch_size=32, max_batch_tokens=1024)
+    longest = model.spec.max_tokens
+    assert shapes == [(1, 8), (1, longest), (32, 32), (32, 32)]
+    assert tokens == 32 * 32 and seconds > 0
+
+
 @pytest.mark.parametrize("native, emulated, want", [
     (True, True, "bf16"),    # Ampere and later
     (False, True, "fp16"),   # T4, V100: bf16 only emulated; fp16 on the tensor cores
