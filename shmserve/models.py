@@ -429,8 +429,10 @@ def _pooling(choice: str, task: str, directory: Path) -> str:
                     f"run (it runs {', '.join(MODULES)}): its vectors would not be the "
                     "model's")
     pool_cfg = _pooling_config(directory)
-    if "pooling_mode" in pool_cfg:  # sentence-transformers 6
-        found = [POOLINGS.get(str(pool_cfg["pooling_mode"]), str(pool_cfg["pooling_mode"]))]
+    if "pooling_mode" in pool_cfg:  # sentence-transformers 6: a name, or a list of them
+        modes = pool_cfg["pooling_mode"]
+        found = [POOLINGS.get(str(m), str(m))
+                 for m in (modes if isinstance(modes, list) else [modes])]
     else:
         found = [mode for flag, mode in POOLING_FLAGS.items() if pool_cfg.get(flag)]
     if not found:

@@ -86,9 +86,12 @@ def test_poolings_and_modules_it_does_not_compute_are_refused(tmp_path):
     ({"pooling_mode_max_tokens": True}, "max"),
     ({"pooling_mode_mean_tokens": True, "pooling_mode_max_tokens": True}, "mean + max"),
     ({"pooling_mode_weightedmean_tokens": True}, "weightedmean"),
+    ({"pooling_mode": ["mean", "cls"]}, "mean + cls"),  # 6.x: several, as a list
+    ({"pooling_mode": ["lasttoken"]}, "last"),
 ])
-def test_older_pooling_flags(tmp_path, flags, want):
-    """Before 6.x: one flag a mode (several at once: their vectors side by side)."""
+def test_pooling_flags_and_lists(tmp_path, flags, want):
+    """Before 6.x: one flag a mode; 6.x: a name or a list of them (several at once: their
+    vectors side by side, which this server does not compute)."""
     directory = build_tiny_bert(tmp_path / "m")
     (directory / "1_Pooling" / "config.json").write_text(json.dumps(
         {"word_embedding_dimension": 32, **flags}))
