@@ -96,7 +96,10 @@ def _model(cfg: Config, served, pool: WorkerPool) -> dict[str, Any]:
             # pooling and normalisation make an embedding; a scoring model's head has neither
             "pooling": spec.pooling if spec.task in (*EMBEDS, "sparse") else None,
             "normalize": spec.normalize if spec.task in EMBEDS else None,
-            "max_input_tokens": spec.max_tokens}
+            "max_input_tokens": spec.max_tokens,
+            # what built the network a worker runs: shmserve (gpu_workers.bert, .modernbert)
+            # or transformers; None until a worker has reported it
+            "loader": (reported.loader or None) if reported is not None else None}
     if spec.task in EMBEDS:  # by name (prompt_name), and the one applied when none is named
         info["prompts"] = dict(spec.prompts)
         info["default_prompt"] = spec.default_prompt or None

@@ -62,11 +62,16 @@ def _transformers(spec: ModelSpec, dtype: torch.dtype) -> torch.nn.Module:
     # sentence-transformers checkpoints leave out) may be missing. Weights named otherwise
     # than config.json's model expects were loaded as random ones, and served.
     if lost := sorted(k for k in missing if not k.startswith("pooler.")):
+        named = sorted(info.get("unexpected_keys") or [])
+        # Most of them lost, or tensors under other names: another architecture's checkpoint,
+        # or another prefix. A few lost and none named otherwise: a damaged or partial copy.
+        why = (f"its tensors are named {named[:3] or 'otherwise'} (a checkpoint of another "
+               "architecture, or saved under another prefix?)"
+               if named or 2 * len(lost) > len(net.state_dict()) else
+               "every other tensor is there (a damaged or partial copy?)")
         raise ModelSourceError(
             f"{spec.directory}: model.safetensors lacks {len(lost)} of the weights its "
-            f"config.json's model ({config.model_type}) needs, e.g. {lost[:3]}; its tensors "
-            f"are named {sorted(info.get('unexpected_keys') or [])[:3] or 'otherwise'} "
-            "(a checkpoint of another architecture, or saved under another prefix?)")
+            f"config.json's model ({config.model_type}) needs, e.g. {lost[:3]}; {why}")
     return net.eval()
 
 

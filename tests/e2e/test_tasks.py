@@ -123,8 +123,12 @@ def test_a_sentence_transformers_6_model_serves_its_own_pooling_and_limit(task_s
     assert body["usage"]["prompt_tokens"] == int(
         reference.tokenize(texts)["attention_mask"].sum())
     _, _, raw = task_stack.get("/info")
-    model = next(m for m in json.loads(raw)["models"] if m["name"] == "st6-cls")
+    models = {m["name"]: m for m in json.loads(raw)["models"]}
+    model = models["st6-cls"]
     assert (model["pooling"], model["max_input_tokens"]) == ("cls", 16), model
+    # /info names each model's loader too (it was in /admin/models only: an outside check)
+    assert (models["st6-cls"]["loader"], models["ce-deberta"]["loader"]) == (
+        "shmserve", "transformers")
 
 
 @pytest.mark.parametrize("name", ["ce-id", "ce-hot"])
