@@ -87,12 +87,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
+    env_help = "configs/ENV.yaml over base.yaml (default: SHMSERVE_ENV or dev)"
+    config_help = "an extra YAML file over those (or SHMSERVE_CONFIG)"
+    # Before the command (`shmserve --config F up`, as users type it: an outside check found it
+    # refused) or after it; after it wins. SUPPRESS: a command without them keeps the first's.
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--env", help="configs/ENV.yaml over base.yaml (default: SHMSERVE_ENV "
-                        "or dev)")
-    common.add_argument("--config", help="an extra YAML file over those (or SHMSERVE_CONFIG)")
+    common.add_argument("--env", default=argparse.SUPPRESS, help=env_help)
+    common.add_argument("--config", default=argparse.SUPPRESS, help=config_help)
     parser = argparse.ArgumentParser(
         prog="shmserve", description="Render a deployment and drive its supervisord.")
+    parser.add_argument("--env", help=env_help)
+    parser.add_argument("--config", help=config_help)
     sub = parser.add_subparsers(required=True, metavar="COMMAND")
 
     def command(name: str, run: Callable[[argparse.Namespace], int],

@@ -274,6 +274,19 @@ def test_reload_takes_its_source_before_or_after_the_options(argv):
     assert (args.name, args.source, args.revision) == ("m", "models/x", "v")
 
 
+@pytest.mark.parametrize("argv, want", [
+    (["up"], (None, None)),
+    (["up", "--config", "a.yaml", "--env", "prod"], ("a.yaml", "prod")),
+    (["--config", "a.yaml", "--env", "prod", "up"], ("a.yaml", "prod")),  # before the command
+    (["--config", "a.yaml", "up", "--config", "b.yaml"], ("b.yaml", None)),  # after it wins
+    (["--env", "prod", "reload", "m", "models/x"], (None, "prod")),
+])
+def test_config_and_env_go_before_or_after_the_command(argv, want):
+    """`shmserve --config F up` was refused as an invalid choice (an outside check)."""
+    args = cli.parse(argv)
+    assert (args.config, args.env) == want
+
+
 def test_a_left_over_argument_is_still_refused():
     assert cli.parse(["reload", "m"]).source == ""  # the current source, re-read
     for argv in (["reload", "m", "--revision", "v", "a", "b"], ["status", "junk"]):
