@@ -78,11 +78,8 @@ class Config:
     def read(cls, directory: Path) -> Config | None:
         """config.json as this module can run it, or None (another type, or a setting only
         transformers runs: relative positions, a decoder, another activation)."""
-        try:
-            raw = json.loads((Path(directory) / "config.json").read_text())
-        except (OSError, ValueError):
-            return None
-        if not isinstance(raw, dict) or raw.get("model_type") not in FAMILIES:
+        raw = config_json(directory, FAMILIES)
+        if raw is None:
             return None
         if raw["model_type"] == "distilbert":
             if raw.get("sinusoidal_pos_embds", False) or any(
@@ -101,23 +98,12 @@ class Config:
                 or raw.get("is_decoder", False) or raw.get("add_cross_attention", False)
                 or raw.get("hidden_act", "gelu") not in ACTIVATIONS):
             return None
-        labels = raw.get("id2label")
-        if labels is not None:
-            if not isinstance(labels, dict) or raw.get("num_labels", len(labels)) != len(labels):
-                return None
-            raw = {**raw, "num_labels": len(labels)}
-        defaults = FAMILIES[raw["model_type"]][1]
-        values = {}
-        for field in fields(cls):
-            default = defaults.get(field.name, field.default)
-            value = raw.get(field.name, default)
-            if value is None and field.name == "pad_token_id" and raw["model_type"] in (
-                    "bert", "mpnet"):
-                value = 0  # no padding id: BERT's positions do not need one; RoBERTa's do,
-                # and MPNet's count from 1 whatever it says (transformers' MPNetEmbeddings)
-            if type(value) is not type(default):  # as transformers' strict config:
-                return None  # layer_norm_eps 1 is refused (an int), and says so
-            values[field.name] = value
+        # A null padding id: BERT's positions do not need one; RoBERTa's do, and MPNet's count
+        # from 1 whatever it says (transformers' MPNetEmbeddings).
+        values = typed_fields(cls, raw, FAMILIES[raw["model_type"]][1],
+                              null_pad=raw["model_type"] in ("bert", "mpnet"))
+        if values is None:
+            return None
         config = cls(**values)
         if config.model_type == "mpnet":
             buckets = raw.get("relative_attention_num_buckets", 32)
@@ -139,3 +125,37 @@ class Config:
                 or not 0 <= config.pad_token_id < config.vocab_size):
             return None
         return config
+
+
+def config_json(directory: Path, types) -> dict | None:
+    """A model directory's config.json when its model_type is one of `types`, its id2label
+    counted into num_labels (as transformers counts them); else None."""
+    try:
+        raw = json.loads((Path(directory) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(raw, dict) or raw.get("model_type") not in types:
+        return None
+    labels = raw.get("id2label")
+    if labels is not None:
+        if not isinstance(labels, dict) or raw.get("num_labels", len(labels)) != len(labels):
+            return None
+        raw = {**raw, "num_labels": len(labels)}
+    return raw
+
+
+def typed_fields(cls, raw: dict, defaults: dict, null_pad: bool) -> dict | None:
+    """Each of the dataclass `cls`'s fields from `raw`, else its default (`defaults` over the
+    field's own), or None when one is of another type than its default, as transformers'
+    strict config refuses it (layer_norm_eps 1, an int). `null_pad`: a null pad_token_id
+    reads as 0."""
+    values = {}
+    for field in fields(cls):
+        default = defaults.get(field.name, field.default)
+        value = raw.get(field.name, default)
+        if value is None and field.name == "pad_token_id" and null_pad:
+            value = 0
+        if type(value) is not type(default):
+            return None
+        values[field.name] = value
+    return values

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from gpu_workers import modernbert, networks, packed, parity, prepack, tasks
+from gpu_workers import networks, packed, parity, prepack, tasks
 from gpu_workers.device import cpu_has_bf16, release, trim_heap
 from gpu_workers.graphs import Graphs
 from shmserve.models import ModelSourceError, ModelSpec, weights_file
@@ -73,8 +73,7 @@ class Model:
                             and getattr(config, "type_vocab_size", 2) > 1)
         # A model with BERT's layers runs several length groups in one pass
         # (gpu_workers.packed); int8's quantized linears keep the network's own forward.
-        self._packs = pack and dtype != "int8" and (packed.supports(net)
-                                                    or modernbert.supports(net))
+        self._packs = pack and dtype != "int8" and networks.packs(net)
         # sparse (SPLADE): the vocabulary logits of a token's last hidden state
         self.splade = packed.MASKED_LMS.get(type(net).__name__) if spec.task == "sparse" else None
         if spec.task == "sparse" and self.splade is None:  # config.json named one, not so
@@ -93,10 +92,8 @@ class Model:
         half = next(net.parameters()).dtype in (torch.bfloat16, torch.float16)
         self.round_groups = self.bucket and half
         bf16 = self.prepack and next(net.parameters()).dtype == torch.bfloat16
-        self.packed = (None if not self._packs else
-                       modernbert.PackedModernBert(net, bucket=self.bucket)
-                       if modernbert.supports(net) else
-                       packed.PackedEncoder(net, bucket=self.bucket, prepacked=bf16))
+        self.packed = (networks.packed_encoder(net, self.bucket, prepacked=bf16)
+                       if self._packs else None)
         # after the packed encoder has fused query, key and value from their layers (not the
         # fused product: FusedAway); 0 for a network of another dtype (auto's fp32 fallback
         # logged the bf16 candidate's count)

@@ -25,8 +25,7 @@ the network needs); for anything else it returns None, and transformers loads it
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -35,7 +34,7 @@ from torch import nn
 
 from gpu_workers import checkpoint
 from gpu_workers.bert import embedding
-from gpu_workers.bert_config import ACTIVATIONS
+from gpu_workers.bert_config import ACTIVATIONS, config_json, typed_fields
 from gpu_workers.packed import Group, Output, index_of, rows_for
 
 FULL, SLIDING = "full_attention", "sliding_attention"
@@ -77,26 +76,13 @@ class Config:
         """config.json as this module runs it, or None (another type, or a setting only
         transformers runs: scaled rotary positions, another activation, a value of a type
         transformers' strict config refuses)."""
-        try:
-            raw = json.loads((Path(directory) / "config.json").read_text())
-        except (OSError, ValueError):
+        raw = config_json(directory, ("modernbert",))
+        if raw is None or raw.get("rope_scaling") is not None or raw.get("is_decoder", False):
             return None
-        if not isinstance(raw, dict) or raw.get("model_type") != "modernbert" or raw.get(
-                "rope_scaling") is not None or raw.get("is_decoder", False):
+        # a null padding id reads as 0: positions are rotary, padding is masked
+        values = typed_fields(cls, raw, {}, null_pad=True)
+        if values is None:
             return None
-        labels = raw.get("id2label")
-        if labels is not None:
-            if not isinstance(labels, dict) or raw.get("num_labels", len(labels)) != len(labels):
-                return None
-            raw = {**raw, "num_labels": len(labels)}
-        values = {}
-        for field in fields(cls):
-            value = raw.get(field.name, field.default)
-            if value is None and field.name == "pad_token_id":
-                value = 0  # no padding id: positions are rotary; padding is masked
-            if type(value) is not type(field.default):
-                return None
-            values[field.name] = value
         config = cls(**values)
         if (config.hidden_activation not in ACTIVATIONS
                 or config.classifier_activation not in ACTIVATIONS

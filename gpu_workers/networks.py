@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from gpu_workers import bert, modernbert, tasks
+from gpu_workers import bert, modernbert, packed, tasks
 from shmserve.models import ModelSourceError, ModelSpec, weights_file
 
 
@@ -22,6 +22,19 @@ def load(spec: ModelSpec, dtype: torch.dtype) -> tuple[torch.nn.Module, str]:
         if net is not None:
             return net, "shmserve"
     return _transformers(spec, dtype), "transformers"
+
+
+def packs(net: torch.nn.Module) -> bool:
+    """Whether a packed pass (several length groups in one forward) runs this network."""
+    return packed.supports(net) or modernbert.supports(net)
+
+
+def packed_encoder(net: torch.nn.Module, bucket: bool, prepacked: bool):
+    """The packed pass for a network `packs` takes: ModernBERT's own, else the BERT family's
+    (gpu_workers.packed)."""
+    if modernbert.supports(net):
+        return modernbert.PackedModernBert(net, bucket=bucket)
+    return packed.PackedEncoder(net, bucket=bucket, prepacked=prepacked)
 
 
 def _transformers(spec: ModelSpec, dtype: torch.dtype) -> torch.nn.Module:
