@@ -23,7 +23,6 @@ from frontend.errors import ApiError
 from frontend.variants import Variant
 from shmserve import state
 from shmserve.checks import MAX_WEIGHT, REVISION, REVISION_RULE
-from shmserve.models import ModelSourceError, resolve_source, weights_digest, weights_file
 
 
 def add_routes(app: web.Application) -> None:
@@ -106,13 +105,13 @@ async def reload_model(request: web.Request) -> web.Response:
         raise ApiError("invalid_request", f"'revision' must be {REVISION_RULE}",
                        param="revision")
     variant = _variant(served, _string(body, "variant"))
-    await refuse_a_taken_revision(served, variant, source, revision, request.app[POOL],
-                                  request.app[CONFIG].model_root_paths)
+    digest = await refuse_a_taken_revision(served, variant, source, revision, request.app[POOL],
+                                           request.app[CONFIG].model_root_paths)
     request[MODEL_NAME] = served.spec.name
     # Shielded: a caller that goes away must not stop a reload between its two phases (the run
     # state written, the commits not sent); it finishes, and only the answer is lost.
     task = asyncio.ensure_future(reload.reload(request.app, served.spec.name, variant, source,
-                                               revision))
+                                               revision, digest))
     task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved if orphaned
     answer = await asyncio.shield(task)
     return codec.render(request, answer)
@@ -139,7 +138,7 @@ async def set_split(request: web.Request) -> web.Response:
 
 
 async def refuse_a_taken_revision(served: ServedModel, variant: Variant, source: str,
-                                  revision: str, pool, roots: list) -> None:
+                                  revision: str, pool, roots: list) -> str | None:
     """422 when the reload would give `variant` the revision another arm of the split serves:
     the revision is what tells the arms apart (metrics, X-Model-Revision, KServe's versions).
     Without a `revision` the workers label the weights with their digest, which is the other
@@ -150,21 +149,15 @@ async def refuse_a_taken_revision(served: ServedModel, variant: Variant, source:
                        f"{served.spec.name!r} serves revision {revision!r}; give this one "
                        "another", param="revision")
     if taken and source and not revision:
-        digest = await asyncio.get_running_loop().run_in_executor(None, _digest, source, roots)
+        digest = await asyncio.get_running_loop().run_in_executor(
+            None, reload.weights_label, source, roots)
         if digest in taken:
             raise ApiError("invalid_request", f"variant {taken[digest]!r} of "
                            f"{served.spec.name!r} serves these weights as revision "
                            f"{digest!r}; give this variant a revision of its own, or move "
                            "traffic with the split's weights instead", param="revision")
-
-
-def _digest(source: str, roots: list) -> str | None:
-    """The revision the workers would give `source`'s weights (None: the reload itself will
-    say what is wrong with the source)."""
-    try:
-        return weights_digest(weights_file(resolve_source(source, roots)))
-    except (ModelSourceError, OSError):
-        return None
+        return digest
+    return None
 
 
 def _weights_problem(weights: object, names: list[str]) -> str:

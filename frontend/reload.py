@@ -16,7 +16,6 @@ learns the new revision from the replies it gets (Result.revision) and from hear
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import uuid
 
 from aiohttp import web
@@ -26,8 +25,8 @@ from frontend.errors import ApiError
 from frontend.links import WorkerGone, WorkerLink, consume
 from frontend.variants import Variant
 from shmserve import state, topology
-from shmserve.config import ModelConfig
-from shmserve.models import hosted, inspect, units
+from shmserve.models import (ModelSourceError, hosted, resolve_source, units, weights_digest,
+                             weights_file)
 from shmserve.protocol import Commit, Reload, ReloadDone, ReloadStatus
 
 # The call's error is the first of these kinds among the workers' answers: a bad source first
@@ -38,8 +37,10 @@ _KIND_OF = {ReloadStatus.INVALID: "invalid_request", ReloadStatus.BUSY: "conflic
 
 
 async def reload(app: web.Application, model: str, variant: Variant, source: str,
-                 revision: str) -> dict:
-    """Reload `variant` of `model` everywhere; the answer body, or an ApiError."""
+                 revision: str, digest: str | None = None) -> dict:
+    """Reload `variant` of `model` everywhere; the answer body, or an ApiError. `digest`: the
+    new weights' digest where the caller took it already (it labels them without a
+    `revision`)."""
     cfg, pool = app[CONFIG], app[POOL]
     devices = topology.worker_devices(cfg)
     hosts = [link for link in pool.links
@@ -50,25 +51,25 @@ async def reload(app: web.Application, model: str, variant: Variant, source: str
                        "reload once GET /ready answers 200", retry_after=1)
     try:
         with state.reloading(cfg, variant.unit):
-            return await _reload(app, hosts, model, variant, source, revision)
+            return await _reload(app, hosts, model, variant, source, revision, digest)
     except state.Busy:
         raise ApiError("conflict", f"a reload of {variant.unit} is already in progress (another "
                        "admin call); the served revision is unchanged by this one") from None
 
 
 async def _reload(app: web.Application, hosts: list[WorkerLink], model: str, variant: Variant,
-                  source: str, revision: str) -> dict:
+                  source: str, revision: str, digest: str | None) -> dict:
     cfg, pool = app[CONFIG], app[POOL]
     ticket = uuid.uuid4().hex
     timeout = cfg.admin.reload_timeout_s
-    config = next(u.config for m in cfg.models for u in units(m) if u.name == variant.unit)
-    current = state.read(cfg).sources.get(variant.unit, {}).get("source") or config.source
+    current = state.read(cfg).sources.get(variant.unit, {}).get("source") or next(
+        u.config.source for m in cfg.models for u in units(m) if u.name == variant.unit)
     # Without a revision the workers label the new weights with their digest; when each took it
     # while loading, GET /admin/models showed a null standby until they were staged. Taken here
-    # and sent, it shows from the start the revision the reload will serve as.
-    label = revision or await asyncio.get_running_loop().run_in_executor(
-        None, _label, dataclasses.replace(config, source=source or current, revision=""),
-        cfg.model_root_paths)
+    # and sent, it shows from the start the revision the reload will serve as ("" where the
+    # weights do not read: each worker then says why).
+    label = revision or digest or await asyncio.get_running_loop().run_in_executor(
+        None, weights_label, source or current, cfg.model_root_paths) or ""
     staged = await _ask(pool, hosts, lambda seq: Reload(seq, ticket, variant.unit, source,
                                                         label), timeout)
     if all(isinstance(r, ReloadDone) and r.status == ReloadStatus.OK for r in staged.values()):
@@ -113,13 +114,13 @@ async def _ask(pool, links: list[WorkerLink], make, timeout: float
     return answers
 
 
-def _label(config: ModelConfig, roots: list) -> str:
-    """The revision a worker serves `config`'s weights as (the same inspection); "" when they
-    cannot be served: each worker then inspects them itself and says why."""
+def weights_label(source: str, roots: list) -> str | None:
+    """The revision the workers give `source`'s weights without one: their digest (None where
+    they do not read; the reload then says what is wrong with the source)."""
     try:
-        return inspect(config, roots=roots).revision
-    except Exception:  # noqa: BLE001 - the workers' answers name the problem
-        return ""
+        return weights_digest(weights_file(resolve_source(source, roots)))
+    except (ModelSourceError, OSError):
+        return None
 
 
 def _workers(answers: dict[int, ReloadDone | BaseException]) -> list[dict]:
