@@ -14,22 +14,19 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import importlib.util
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from shmserve import architecture as arch
 from shmserve.config import Config, ModelConfig
+from shmserve.model_files import (ModelSourceError, max_seq_length, normalize_of, pooling_of,
+                                  pooling_config, read_json)
 
 # A cross-encoder's score, as sentence-transformers' CrossEncoder computes it: the activation it
 # saved with the model, else Sigmoid for one label.
 ACTIVATIONS = {"torch.nn.modules.activation.Sigmoid": "sigmoid", "torch.nn.Sigmoid": "sigmoid",
                "torch.nn.modules.linear.Identity": "identity", "torch.nn.Identity": "identity"}
-
-
-class ModelSourceError(ValueError):
-    """The model source cannot be served; the message says why and what to do."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,14 +211,14 @@ def check_weights(path: Path) -> None:
 def inspect(cfg: ModelConfig, with_revision: bool = True,
             roots: list[Path] | None = None) -> ModelSpec:
     directory = resolve_source(cfg.source, roots)
-    model_cfg = _read_json(directory / "config.json")
+    model_cfg = read_json(directory / "config.json")
     if model_cfg is None:
         raise ModelSourceError(f"{directory}: no config.json")
     if not (directory / "tokenizer.json").is_file():
         raise ModelSourceError(f"{directory}: no tokenizer.json (a fast tokenizer is required)")
     if why := arch.needs_own_code(model_cfg) or arch.unpadded(model_cfg):
         raise ModelSourceError(f"{directory}: {why}")
-    limit = min(arch.positions(model_cfg), _max_seq_length(directory))
+    limit = min(arch.positions(model_cfg), max_seq_length(directory))
     if cfg.max_input_tokens:
         limit = min(limit, cfg.max_input_tokens)
     revision = cfg.revision
@@ -236,8 +233,8 @@ def inspect(cfg: ModelConfig, with_revision: bool = True,
         name=cfg.name,
         directory=directory,
         task=cfg.task,
-        pooling="splade" if sparse else _pooling(cfg.pooling, cfg.task, directory),
-        normalize=False if sparse else _normalize(cfg.normalize, directory),
+        pooling="splade" if sparse else pooling_of(cfg.pooling, cfg.task, directory),
+        normalize=False if sparse else normalize_of(cfg.normalize, directory),
         max_tokens=limit,
         dim=sparse or {"classification": len(labels), "rerank": 1}.get(cfg.task) or _width(
             model_cfg, directory),
@@ -279,7 +276,7 @@ def incompatible(active: ModelSpec, new: ModelSpec) -> str:
 def architecture(directory: Path) -> tuple[str, ...]:
     """config.json's model type and architectures: a classifier's checkpoint is not an
     encoder's, even where the encoder's weights would load from it."""
-    model_cfg = _read_json(directory / "config.json") or {}
+    model_cfg = read_json(directory / "config.json") or {}
     return (str(model_cfg.get("model_type", "")), *map(str, model_cfg.get("architectures") or ()))
 
 
@@ -321,7 +318,7 @@ def _head(task: str, model_cfg: dict, directory: Path) -> tuple[tuple[str, ...],
         raise ModelSourceError(f"{directory}: a rerank model (cross-encoder) has one output, "
                                f"this one has {len(labels)} labels (task classification?)")
     st = model_cfg.get("sentence_transformers") or {}
-    st_file = _read_json(directory / "config_sentence_transformers.json") or {}
+    st_file = read_json(directory / "config_sentence_transformers.json") or {}
     path = (st.get("activation_fn") or model_cfg.get("sbert_ce_default_activation_function")
             or st_file.get("activation_fn") or "torch.nn.modules.activation.Sigmoid")
     if path not in ACTIVATIONS:
@@ -356,7 +353,7 @@ def _prompts(cfg: ModelConfig, directory: Path) -> tuple[tuple[tuple[str, str], 
             raise ModelSourceError(f"model {cfg.name!r}: prompts apply to embedding models, "
                                    f"not task {cfg.task}")
         return (), ""
-    st_file = _read_json(directory / "config_sentence_transformers.json") or {}
+    st_file = read_json(directory / "config_sentence_transformers.json") or {}
     own = st_file.get("prompts") or {}
     if not isinstance(own, dict) or not all(isinstance(v, str) for v in own.values()):
         raise ModelSourceError(f"{directory}/config_sentence_transformers.json: prompts must "
@@ -367,7 +364,7 @@ def _prompts(cfg: ModelConfig, directory: Path) -> tuple[tuple[tuple[str, str], 
     if name and name not in prompts:
         raise ModelSourceError(f"model {cfg.name!r}: default prompt {name!r} is not one of its "
                                f"prompts ({', '.join(sorted(prompts)) or 'none'})")
-    if _pooling_config(directory).get("include_prompt") is False:
+    if pooling_config(directory).get("include_prompt") is False:
         # sentence-transformers then pools without the prompt's tokens; this server pools
         # every token, so a prompt would change the vectors.
         if name or cfg.prompts:
@@ -381,88 +378,3 @@ def _prompts(cfg: ModelConfig, directory: Path) -> tuple[tuple[tuple[str, str], 
 
 def weights_digest(path: Path) -> str:
     return file_digest(path)[:12]
-
-
-def _max_seq_length(directory: Path) -> int:
-    """sentence-transformers' input limit: sentence_bert_config.json's max_seq_length, else
-    (as sentence-transformers 6 saves it, and as older versions fall back to) the tokenizer's
-    model_max_length; the model's positions bound it too (`inspect`)."""
-    st_cfg = _read_json(directory / "sentence_bert_config.json") or {}
-    limit = st_cfg.get("max_seq_length")
-    if limit is None:
-        limit = (_read_json(directory / "tokenizer_config.json") or {}).get("model_max_length")
-    return int(limit) if isinstance(limit, (int, float)) and limit >= 1 else 10**9
-
-
-# sentence-transformers' pooling modes this server computes (gpu_workers.tasks), by the name
-# sentence-transformers 6 saves (`pooling_mode`) and the flag older versions save
-POOLINGS = {"cls": "cls", "mean": "mean", "lasttoken": "last"}
-POOLING_FLAGS = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean",
-                 "pooling_mode_lasttoken": "last", "pooling_mode_max_tokens": "max",
-                 "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
-                 "pooling_mode_weightedmean_tokens": "weightedmean"}
-# the modules a sentence-transformers embedding model may have for this server to serve it as
-# sentence-transformers does: another (Dense, a projection) would change its vectors
-MODULES = ("Transformer", "Pooling", "Normalize", "Dropout")  # (Dropout: none at inference)
-
-
-def _st_modules(directory: Path) -> list[dict]:
-    modules = _read_json(directory / "modules.json") or []
-    return [m for m in modules if isinstance(m, dict)] if isinstance(modules, list) else []
-
-
-def _pooling(choice: str, task: str, directory: Path) -> str:
-    """The configured pooling, or (auto) the model's own: sentence-transformers' Pooling
-    module's config, in either version's format. One this server does not compute (max,
-    weighted mean, several at once), and modules it does not run (a Dense projection), are
-    refused rather than served as another pooling's vectors."""
-    if choice != "auto":
-        return choice
-    modules = _st_modules(directory)
-    if task == "embedding":
-        for module in modules:
-            kind = str(module.get("type", "")).rpartition(".")[2]
-            if kind not in MODULES:
-                raise ModelSourceError(
-                    f"{directory}: modules.json has a {kind or 'nameless'} module "
-                    f"({module.get('path') or module.get('name')}), which shmserve does not "
-                    f"run (it runs {', '.join(MODULES)}): its vectors would not be the "
-                    "model's")
-    pool_cfg = _pooling_config(directory)
-    if "pooling_mode" in pool_cfg:  # sentence-transformers 6: a name, or a list of them
-        modes = pool_cfg["pooling_mode"]
-        found = [POOLINGS.get(str(m), str(m))
-                 for m in (modes if isinstance(modes, list) else [modes])]
-    else:
-        found = [mode for flag, mode in POOLING_FLAGS.items() if pool_cfg.get(flag)]
-    if not found:
-        return "mean"
-    if len(found) > 1 or found[0] not in POOLINGS.values():
-        raise ModelSourceError(
-            f"{directory}: its sentence-transformers pooling is {' + '.join(found)}, which "
-            "shmserve does not compute (it pools cls, mean or lasttoken); set "
-            "models[].pooling to serve it pooled otherwise")
-    return found[0]
-
-
-def _pooling_config(directory: Path) -> dict:
-    """The Pooling module's config.json (its directory as modules.json names it)."""
-    path = next((m.get("path") for m in _st_modules(directory)
-                 if str(m.get("type", "")).endswith("Pooling")), None) or "1_Pooling"
-    found = _read_json(directory / path / "config.json")
-    return found if isinstance(found, dict) else {}
-
-
-def _normalize(choice: str, directory: Path) -> bool:
-    if choice != "auto":
-        return choice == "true"
-    return any(str(m.get("type", "")).endswith("Normalize") for m in _st_modules(directory))
-
-
-def _read_json(path: Path) -> dict | list | None:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        return None
-    except json.JSONDecodeError as exc:
-        raise ModelSourceError(f"{path}: invalid JSON ({exc})") from None
