@@ -1,6 +1,7 @@
 """A served model's network from its directory, in eval mode: the BERT family's (bert, roberta,
-xlm-roberta, distilbert, mpnet, electra) through gpu_workers.bert and ModernBERT's through
-gpu_workers.modernbert, which do not import transformers (~3 s of a worker's start); every
+xlm-roberta, distilbert, mpnet, electra) through gpu_workers.bert, ModernBERT's through
+gpu_workers.modernbert and DeBERTa-v2's through gpu_workers.deberta, which do not import
+transformers (~3 s of a worker's start); every
 other architecture, or a checkpoint those modules do not read exactly as transformers would,
 through transformers' Auto classes, which load it or refuse it with a clear
 ModelSourceError."""
@@ -11,13 +12,13 @@ from typing import Any
 
 import torch
 
-from gpu_workers import bert, modernbert, packed, tasks
+from gpu_workers import bert, deberta, modernbert, packed, tasks
 from shmserve.models import ModelSourceError, ModelSpec, weights_file
 
 
 def load(spec: ModelSpec, dtype: torch.dtype) -> tuple[torch.nn.Module, str]:
     """(the network, weights in `dtype`; which loaded it: "shmserve" or "transformers")."""
-    for family in (bert, modernbert):
+    for family in (bert, modernbert, deberta):
         net = family.load(spec.directory, spec.task, dtype)
         if net is not None:
             return net, "shmserve"

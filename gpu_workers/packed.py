@@ -16,7 +16,9 @@ layer's attention scores: `relative_bias`), their sequence classifiers (classifi
 rerank models: the classifier runs on each group's hidden states as the network's own forward
 would run it) and their masked language models (sparse models, whose head reads the token
 rows: `tokens`); anything else runs one ordinary forward per group (`gpu_workers.model`).
-ElectraModel's narrower embeddings are projected to its layers' width first.
+ElectraModel's narrower embeddings are projected to its layers' width first. DebertaV2Model
+as gpu_workers.deberta builds it: BERT's layers, its attention's position scores computed from
+each group's queries and keys (`position_scores`) and added as the mask.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import torch.nn.functional as F
 from gpu_workers import prepack
 
 ENCODERS = ("BertModel", "RobertaModel", "XLMRobertaModel", "DistilBertModel", "MPNetModel",
-            "ElectraModel")
+            "ElectraModel", "DebertaV2Model")
 # Sequence classifiers, and how their logits come from the encoder's last hidden state.
 CLASSIFIERS = {
     # pooler (first token, dense, tanh), dropout (a no-op in eval), classifier
@@ -44,6 +46,9 @@ CLASSIFIERS = {
     # MPNetClassificationHead and ElectraClassificationHead: as RoBERTa's (ELECTRA's: gelu)
     "MPNetForSequenceClassification": lambda net, hidden: net.classifier(hidden),
     "ElectraForSequenceClassification": lambda net, hidden: net.classifier(hidden),
+    # ContextPooler (first token, dense, gelu), dropout, classifier
+    "DebertaV2ForSequenceClassification":
+        lambda net, hidden: net.classifier(net.dropout(net.pooler(hidden))),
     # the first token, pre_classifier, relu, dropout, classifier
     "DistilBertForSequenceClassification": lambda net, hidden: net.classifier(
         net.dropout(torch.relu(net.pre_classifier(hidden[:, 0])))),
@@ -141,6 +146,8 @@ def supports(net: torch.nn.Module) -> bool:
         return False
     if not hasattr(net.base_model, "encoder"):
         return False  # transformers' DistilBertModel: its layers under other names
+    if name.startswith("DebertaV2") and type(net).__module__ != "gpu_workers.deberta":
+        return False  # transformers' own: its position scores are not computed here
     config = net.config
     return (getattr(config, "position_embedding_type", "absolute") == "absolute"
             and not getattr(config, "is_decoder", False))
@@ -168,7 +175,9 @@ class PackedEncoder:
                 attn, names = layer.attention.attn, ("q", "k", "v")
                 output = functools.partial(_mpnet_output, attn.o, layer.attention.LayerNorm)
             else:
-                attn, names = layer.attention.self, ("query", "key", "value")
+                attn = layer.attention.self
+                names = (("query_proj", "key_proj", "value_proj")  # DeBERTa's
+                         if hasattr(attn, "query_proj") else ("query", "key", "value"))
                 output = layer.attention.output  # dense, residual, layer norm
             linears = [getattr(attn, name) for name in names]
             # Query, key and value as one matrix: one product instead of three. The network's
@@ -187,7 +196,9 @@ class PackedEncoder:
                 # the prepacked copy); nothing runs them once this pass does.
                 for name in names:
                     setattr(attn, name, FusedAway(name))
-            self.layers.append((qkv, scale, output, layer))
+            # DeBERTa's: its position scores from each group's queries and keys, as the mask
+            scores = getattr(attn, "position_scores", None)
+            self.layers.append((qkv, scale, output, layer, scores))
 
     def __call__(self, groups: list[Group]) -> list[Output]:
         """Each group's output: its last hidden state [b, l, hidden] (zeros at padded
@@ -232,14 +243,16 @@ class PackedEncoder:
         if padding:
             parts.append(parts[0].new_zeros(padding, h))
         x = torch.cat(parts)  # [tokens (and padding rows), hidden]
-        for linear, scale, output, layer in self.layers:
+        for linear, scale, output, layer, scores in self.layers:
             qkv = linear(x)
             context = []
             for b, l, index, lo, hi, mask in places:
                 padded = (qkv[lo:hi] if index is None else
                           qkv.new_zeros(b * l, 3 * h).index_copy_(0, index, qkv[lo:hi]))
                 q, k, v = padded.view(b, l, 3, heads, h // heads).permute(2, 0, 3, 1, 4)
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+                out = F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=mask if scores is None else scores(q, k, mask),
+                    scale=scale)
                 out = out.transpose(1, 2).reshape(b * l, h)
                 context.append(out if index is None else out.index_select(0, index))
             if padding:

@@ -52,7 +52,12 @@ OTHER_ARCHITECTURES = {
     # all-mpnet-base-v2's: positions past the padding id (1), eager attention only
     "mpnet": {"pad_token_id": 1},
     "distilbert": {"dim": 32, "n_layers": 2, "n_heads": 2, "hidden_dim": 64},  # `dim`
-    "deberta-v2": {},  # eager attention only
+    # DeBERTa-v3's (mxbai-rerank-v1's): relative positions in 16 buckets (so that texts reach
+    # the logarithmic ones), shared position projections, no absolute positions
+    "deberta-v2": {"relative_attention": True, "position_buckets": 16,
+                   "pos_att_type": "p2c|c2p", "share_att_key": True,
+                   "norm_rel_ebd": "layer_norm", "position_biased_input": False,
+                   "type_vocab_size": 0},
     "electra": {"embedding_size": 32},
     "modernbert": {},
     "qwen3": {"num_key_value_heads": 1, "head_dim": 16},  # a decoder: last-token pooling

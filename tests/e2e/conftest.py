@@ -36,14 +36,16 @@ def task_dirs(tmp_path_factory, tiny_model):
             "ce-hot": build_tiny_classifier(root / "ce-hot", num_labels=1, seed=3, bias=20.0),
             "sp": build_tiny_splade(root / "sp", seed=9, max_positions=TINY_MAX_TOKENS),
             # Architectures other than BERT's (test_tasks.py): MPNet's and ELECTRA's
-            # (gpu_workers.bert), ModernBERT's (gpu_workers.modernbert), DeBERTa-v2's
-            # (transformers' network, its own forward)
+            # (gpu_workers.bert), ModernBERT's (gpu_workers.modernbert), DeBERTa-v3's
+            # (gpu_workers.deberta); and one transformers loads: a Qwen3 decoder pooled on its
+            # last token
             "mpnet": build_tiny_other(root / "mpnet", "mpnet", seed=4),
             "modernbert": build_tiny_other(root / "modernbert", "modernbert", seed=7),
             "ce-electra": build_tiny_other(root / "ce-electra", "electra", task="rerank",
                                            seed=6),
             "ce-deberta": build_tiny_other(root / "ce-deberta", "deberta-v2", task="rerank",
                                            seed=5),
+            "qwen3": build_tiny_other(root / "qwen3", "qwen3", pooling="last", seed=8),
             "st6-cls": st6_saved(tiny_model, root / "st6-cls")}
 
 
@@ -88,6 +90,7 @@ def task_stack(tmp_path_factory, task_dirs):
          "dtype": "fp32"},
         {"name": "mpnet", "source": str(dirs["mpnet"]), "dtype": "fp32"},
         {"name": "modernbert", "source": str(dirs["modernbert"]), "dtype": "fp32"},
+        {"name": "qwen3", "source": str(dirs["qwen3"]), "dtype": "fp32", "devices": [1]},
         {"name": "st6-cls", "source": str(dirs["st6-cls"]), "dtype": "fp32"},
         {"name": "ce-deberta", "source": str(dirs["ce-deberta"]), "task": "rerank",
          "dtype": "fp32"},

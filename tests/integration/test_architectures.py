@@ -1,8 +1,8 @@
 """Architectures other than BERT's, as a worker serves them (in-process, tiny random models
 with BERT's tokenizer), against sentence-transformers and transformers on the same inputs:
 MPNet and ELECTRA (built by gpu_workers.bert, packed), ModernBERT (gpu_workers.modernbert,
-packed), and the ones that run the network's own forward (DistilBERT loaded by transformers,
-DeBERTa-v2, and a Qwen3 decoder pooled on its last token). An outside check found MPNet and
+packed), DeBERTa-v3 (gpu_workers.deberta, packed), and the ones that run the network's own
+forward (DistilBERT loaded by transformers, and a Qwen3 decoder pooled on its last token). An outside check found MPNet and
 DeBERTa-v2 refused at load (SDPA asked of every model) and DistilBERT a KeyError in
 `shmserve config` (its width is `dim`)."""
 
@@ -30,10 +30,10 @@ def test_embeddings_equal_sentence_transformers(tmp_path, model_type, pooling):
     got = run(model, TextEncoder(model.spec, truncate=True).encode(TEXTS))
     want = SentenceTransformer(str(directory), device="cpu").encode(TEXTS)
     np.testing.assert_allclose(got, want, atol=2e-5)
-    assert model.attention == ("eager" if model_type == "deberta-v2" else "sdpa")
+    assert model.attention == "sdpa"
     # (this DistilBERT's config.json names its width twice, `dim` and `hidden_size`: to
     # transformers, as gpu_workers.bert_config declines it)
-    ours = model_type in ("mpnet", "electra", "modernbert")
+    ours = model_type in ("mpnet", "electra", "modernbert", "deberta-v2")
     assert (model.loader, model.packs) == (("shmserve", True) if ours else ("transformers", False))
 
 

@@ -64,14 +64,14 @@ def test_bf16_linear_layers_prepacked_for_onednn_give_the_same_rows(models, key,
     if pack:  # query, key and value run fused, prepacked in the packed encoder itself, and
         # their plain weights are not kept beside it
         assert all(isinstance(linear, prepack.PrepackedLinear)
-                   for linear, _, _, _ in model.packed.layers)
+                   for linear, *_ in model.packed.layers)
         fused = [m for m in model.net.modules() if isinstance(m, packed.FusedAway)]
         assert len(fused) == 3 * len(model.packed.layers)
         plain_bytes = sum(p.numel() * p.element_size() for p in plain.net.parameters())
         bytes_now = sum(t.numel() * t.element_size()
                         for t in [*model.net.parameters(), *model.net.buffers()]
                         ) + sum(linear.packed.numel() * linear.packed.element_size()
-                                for linear, _, _, _ in model.packed.layers)
+                                for linear, *_ in model.packed.layers)
         assert bytes_now <= plain_bytes * 1.05
     assert model.prepacked > 0
     rng = np.random.default_rng(12)
