@@ -50,6 +50,11 @@ class WorkerLink:
     outbox: list[bytes] = field(default_factory=list)  # messages to send at the end of this
                                                        # loop turn, as (kind, body) frame pairs
     unsent: set[int] = field(default_factory=set)  # the seqs in the outbox
+    # Loads failed in a row (a heartbeat's `failure`, once per process) since it was last ready,
+    # the last one's error, and the process that failed it
+    failed_loads: int = 0
+    load_error: str | None = None
+    failed_pid: int | None = None
     held: dict[int, tuple[int, Pending]] = field(default_factory=dict)  # seq -> (pid, entry):
     # requests failed over while the process they went to may still live (silent, not gone):
     # their slots stay held until it answers them or is gone, since it may still read the

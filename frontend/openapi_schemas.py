@@ -108,7 +108,7 @@ def _native_schemas(parts: dict[str, Any]) -> dict[str, Any]:
                                                     "version": {"type": "string"},
                                                     "protocol": {"type": "integer"}}},
         "Readiness": {"type": "object", "properties": {
-            "status": {"enum": ["ready", "degraded", "loading", "unavailable"]},
+            "status": {"enum": ["ready", "degraded", "loading", "unavailable", "failing"]},
             "workers": {"type": "array", "items": {"type": "object"}}}},
     }
 

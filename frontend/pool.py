@@ -34,7 +34,7 @@ from zmq.utils import monitor as zmq_monitor
 from frontend import metrics
 from frontend.links import Pending, Stopped, WorkerClosed, WorkerGone, WorkerLink, send_now
 from frontend.watchdog import Watchdog
-from shmserve import admission, processes, topology, wire
+from shmserve import admission, processes, state, topology, wire
 from shmserve.config import Config
 from shmserve.protocol import (PROTOCOL_VERSION, Abort, Closing, ClosingSeen, Commit, Error,
                                Heartbeat, Ping, Reload, ReloadDone, Result, Submit)
@@ -60,9 +60,9 @@ class WorkerPool:
         self._changed = asyncio.Event()  # set whenever a worker becomes ready
         self.restarts_seen = 0
         self._ever_ready: set[int] = set()  # workers seen ready since this frontend started
-        # A worker was already ready when this frontend first heard from it: the frontend was
-        # restarted into a running deployment, not started with it (`started`).
-        self._joined = False
+        # Every worker has been ready once since `up`: before this frontend started (it was
+        # restarted into a running deployment, not started with it), or since (`started`).
+        self._past_start = state.has_started(cfg)
         self._heard_all = asyncio.Event()  # every worker has been heard from once
         self._born = time.monotonic()
         self.watchdog = Watchdog(cfg, frontend)
@@ -114,11 +114,14 @@ class WorkerPool:
     @property
     def started(self) -> bool:
         """Past the deployment's start: every configured worker has been ready at least once
-        since this frontend started, or this frontend joined a running deployment (a worker
-        was ready when first heard from). A frontend restarted while a worker was down waited
-        for that worker, and its /ready said 503 "loading" where the others said 200
-        "degraded" (and `restart frontends` could not finish)."""
-        return self._joined or len(self._ever_ready) == len(self.links)
+        since `up`, as this frontend saw or as the run directory says (state.has_started: a
+        frontend restarted into a running deployment). A frontend restarted while a worker was
+        down waited for that worker, and its /ready said 503 "loading" where the others said
+        200 "degraded" (and `restart frontends` could not finish). It judged a worker ready
+        when first heard from as the sign of a running deployment before, and a fresh `up`
+        whose small model one worker had loaded before the frontends listened said "degraded"
+        (200) while another worker still loaded (an outside check)."""
+        return self._past_start
 
     def ready_links(self, model: str) -> list[WorkerLink]:
         return [link for link in self.links
@@ -329,13 +332,24 @@ class WorkerPool:
             log.info("frontend.worker_restarted", extra={"fields": {"worker": link.index,
                                                                     "worker_pid": beat.pid}})
         was_ready = link.ready
-        if link.beat is None and beat.ready:
-            self._joined = True
+        if beat.failure and beat.pid != link.failed_pid:  # a load failed (gpu_workers.worker)
+            link.failed_pid, link.failed_loads = beat.pid, link.failed_loads + 1
+            link.load_error = beat.failure
+            log.warning("frontend.worker_load_failed", extra={"fields": {
+                "worker": link.index, "worker_pid": beat.pid, "failed_loads": link.failed_loads,
+                "error": beat.failure}})
         link.beat, link.last_beat, link.alive = beat, time.monotonic(), True
         if not self._heard_all.is_set() and all(x.beat is not None for x in self.links):
             self._heard_all.set()
         if link.ready and not was_ready:
             self._ever_ready.add(link.index)
+            link.failed_loads, link.load_error, link.failed_pid = 0, None, None
+            if not self._past_start and len(self._ever_ready) == len(self.links):
+                self._past_start = True
+                try:  # for the frontends restarted later (`started`)
+                    state.mark_started(self.cfg)
+                except OSError as exc:
+                    log.warning("frontend: cannot mark the deployment started: %s", exc)
             log.info("frontend.worker_ready", extra={"fields": {"worker": link.index,
                                                                 "device": beat.device}})
             self._changed.set()

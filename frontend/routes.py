@@ -175,7 +175,10 @@ async def ready(request: web.Request) -> web.Response:
                 "silent_s": round(now - link.last_beat, 1) if link.beat else None,
                 # the worker protocol its heartbeats name; another than this frontend's
                 # (an upgrade half taken, README: Upgrading) is not used
-                "protocol": link.protocol}
+                "protocol": link.protocol,
+                # its loads failed in a row since it was last ready, and the last one's error
+                # (it exits after each, and supervisord starts it again)
+                "failed_loads": link.failed_loads, "load_error": link.load_error}
                for link in pool.links]
     status = readiness(pool, request.app[MODELS])
     # Retry-After on the 503, as every 503 of this server carries it (an outside check)
@@ -189,18 +192,21 @@ SERVING = ("ready", "degraded")  # readiness() statuses under which every model 
 
 def readiness(pool: WorkerPool, models: Models) -> str:
     """GET /ready's status. ready: every worker is. loading: not every configured worker has
-    been ready once since this frontend started. degraded (200): some worker is lost or
+    been ready once since the deployment started. degraded (200): some worker is lost or
     restarting, but every served model (each arm of an A/B split) has a ready worker, so
     requests succeed; a rolling restart does not take the pod out of a readiness probe.
-    unavailable (503): some model has no ready worker."""
+    unavailable (503): some model has no ready worker. failing (503): as loading or
+    unavailable, where a worker not ready has failed to load its models (the worker entries
+    name the error)."""
     if pool.all_ready:
         return "ready"
+    failing = any(link.load_error and not link.ready for link in pool.links)
     if not pool.started:
-        return "loading"
+        return "failing" if failing else "loading"
     if all(pool.ready_links(v.unit) for model in models.by_name.values()
            for v in model.variants):
         return "degraded"
-    return "unavailable"
+    return "failing" if failing else "unavailable"
 
 
 async def metrics_route(request: web.Request) -> web.Response:

@@ -14,7 +14,8 @@ way, logarithmic further. All three scores are scaled by 1/sqrt(head size x 3).
 
 The position vectors do not depend on the input: they are computed once when the weights are
 loaded (`prepare`), in the network's dtype as transformers computes them on every forward; a
-pass then adds both position scores to the attention mask (`DisentangledSelfAttention.position_scores`, which gpu_workers.packed calls too), and the
+pass then adds both position scores to the attention mask
+(`DisentangledSelfAttention.position_scores`, which gpu_workers.packed calls too), and the
 attention itself runs in scaled_dot_product_attention (transformers runs DeBERTa's eagerly).
 
 Classes and attributes have transformers' names, so the weights load by name. `load` takes only

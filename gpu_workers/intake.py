@@ -49,6 +49,7 @@ class Status:
     ready: bool = False
     device_label: str = "loading"
     pass_began: float = 0.0  # monotonic start of the forward pass running now; 0: none
+    failure: str = ""  # the load failed: its error (Heartbeat.failure)
 
 
 class Intake:
@@ -94,7 +95,7 @@ class Intake:
                          status.infos, self.queued_texts, self.cfg.workers.queue_texts,
                          ping_sent_at, time.monotonic() - began if began else 0.0,
                          self.backlog.rate, self.backlog.pass_s,
-                         self.backlog.queued_by_priority())
+                         self.backlog.queued_by_priority(), status.failure)
 
     def tick(self) -> None:
         """Every round of the socket thread's loop (at most POLL_MS apart): the watch on hung

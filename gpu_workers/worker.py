@@ -35,12 +35,15 @@ from gpu_workers.metrics import WorkerMetrics
 from gpu_workers.requests import QueuedText, Request, model_inputs, pass_rows
 from gpu_workers.slots import Built, Slots, hosted_configs
 from gpu_workers.sockets import REPLIES, SocketThread
-from shmserve import topology, wire
+from shmserve import state, topology, wire
 from shmserve.config import Config, ModelConfig
 from shmserve.models import ModelSpec, inspect
 from shmserve.protocol import Commit, Error, ErrorCode, ModelInfo, Reload, Result
 
 log = logging.getLogger("shmserve.worker")
+
+LOAD_BACKOFF_MAX_S = 30.0  # the longest a worker whose load failed waits before it exits
+FAILURE_CHARS = 1000  # of a failed load's error, in heartbeats
 
 
 class Worker:
@@ -128,6 +131,27 @@ class Worker:
         if failure:
             raise failure[0]
 
+    def _back_off(self, exc: Exception) -> None:
+        """A failed load: its error in the heartbeats (GET /ready names it, and says "failing"
+        where no other worker serves the model), for a while before the process exits, longer
+        after each failure in a row (1, 2, 4, ... up to LOAD_BACKOFF_MAX_S). supervisord starts
+        a worker again at once when it lived past `startsecs`, as a load does: a model that
+        cannot load took a core in a loop of imports and loads, beside the workers serving,
+        and /ready said "loading" for ever (an outside check). A stop ends the wait at once."""
+        error = " ".join(str(exc).split())
+        self.status.failure = (f"{type(exc).__name__}: {error}" if error
+                               else type(exc).__name__)[:FAILURE_CHARS]
+        try:
+            failures = state.count_load_failure(self.cfg, self.index)
+        except OSError:
+            failures = 1
+        wait = max(2 * self.cfg.workers.heartbeat_interval_s,
+                   min(2.0 ** (failures - 1), LOAD_BACKOFF_MAX_S))
+        log.warning("worker.load_failed", extra={"fields": {
+            "worker": self.index, "failures": failures, "exit_in_s": wait,
+            "error": self.status.failure}})
+        self.stopping.wait(wait)
+
     def _load_model(self, spec: ModelSpec, seed: bool = False) -> tuple[ModelSpec, Any]:
         """`seed`: at start, before serving: the warm-up's timed pass is the admission
         estimate's first speed, so a burst that meets a fresh worker is judged too (a reload's
@@ -163,7 +187,12 @@ class Worker:
         self._sockets.start()
         if not self._sockets.bound.wait(10):
             raise RuntimeError("socket thread did not bind within 10 s")
-        self._load_yielding()
+        try:
+            self._load_yielding()
+        except Exception as exc:
+            self._back_off(exc)
+            raise  # the process exits (worker.failed); supervisord starts it again
+        state.clear_load_failures(self.cfg, self.index)
         self.status.ready = True
         self.metrics.set_ready(True)
         log.info("worker.ready", extra={"fields": {"worker": self.index,

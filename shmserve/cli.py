@@ -200,6 +200,7 @@ def up(args: argparse.Namespace) -> int:
         layers.file_layers(args.env, args.config, os.environ)), indent=1) + "\n")
     clean_stale(cfg, metrics=True)
     state.remove(cfg)  # reloads and splits of an earlier run: at start the config is the truth
+    state.remove_marks(cfg)  # an earlier run's start and failed loads
     argv = [tool("supervisord"), "-c", str(render.supervisord_conf(cfg))]
     nginx_log = topology.log_dir(cfg) / "nginx.log"
     log_start = nginx_log.stat().st_size if nginx_log.exists() else 0
@@ -233,6 +234,7 @@ def down(args: argparse.Namespace) -> int:
     processes.kill_orphans(cfg)
     clean_stale(cfg, metrics=False)
     state.remove_reload_locks(cfg)  # after the frontends, their holders, are gone
+    state.remove_marks(cfg)
     # A SIGKILLed supervisord's pid file and control socket (a clean exit removes both)
     render.supervisord_pidfile(cfg).unlink(missing_ok=True)
     render.supervisor_socket(cfg).unlink(missing_ok=True)

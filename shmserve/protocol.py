@@ -24,12 +24,12 @@ import re
 from dataclasses import dataclass
 from enum import IntEnum
 
-PROTOCOL_VERSION = 10  # 3: a worker sends a batch's replies to a frontend as one message;
+PROTOCOL_VERSION = 11  # 3: a worker sends a batch's replies to a frontend as one message;
 # 4: ErrorCode.OUT_OF_MEMORY; 5: Heartbeat.pass_s, and a rerank row is the raw logit (the
 # frontend applies the activation), not the score; 6: Heartbeat's admission estimate (drain_rate,
 # drain_pass_s, queued_tokens), a classification row is the raw logits (the frontend applies
 # the softmax), and Ping names its frontend and pid; 8: Submit.raw; 9: Closing and ClosingSeen;
-# 10: ModelInfo.loader
+# 10: ModelInfo.loader; 11: Heartbeat.failure
 
 
 class Kind(IntEnum):
@@ -152,6 +152,9 @@ class Heartbeat:
     drain_rate: float = 0.0
     drain_pass_s: float = 0.0
     queued_tokens: tuple[Queued, ...] = ()
+    # Its load failed ("ModelSourceError: ..."): sent while it waits before exiting, so that
+    # /ready names the error (gpu_workers.worker); "" otherwise
+    failure: str = ""
 
     @property
     def queued(self) -> int:

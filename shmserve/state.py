@@ -149,3 +149,51 @@ def _parse(file: Path) -> State:
                                              for w in weights.values()):
             splits[model] = {k: float(w) for k, w in weights.items()}
     return State(sources, splits)
+
+
+# ---- the deployment's start, and each worker's failed loads ---------------------------------
+# Two more facts of a deployment kept as files in the run directory, which `up` and `down`
+# remove (`remove_marks`): whether every worker has been ready once since `up` (`started`), and
+# how many loads in a row a worker has failed (`count_load_failure`).
+
+def _started(cfg: Config) -> Path:
+    return cfg.run_dir / "started"
+
+
+def mark_started(cfg: Config) -> None:
+    """Every configured worker has been ready once since `up` (a frontend saw it): a frontend
+    restarted later joins a running deployment, whose /ready says "degraded" rather than
+    "loading" while a worker is down (frontend.pool.WorkerPool.started)."""
+    _started(cfg).touch(exist_ok=True)
+
+
+def has_started(cfg: Config) -> bool:
+    return _started(cfg).exists()
+
+
+def _load_failures(cfg: Config, worker: int) -> Path:
+    return cfg.run_dir / f"worker-{worker}.load-failures"
+
+
+def count_load_failure(cfg: Config, worker: int) -> int:
+    """One more failed load of `worker`'s models in a row: how many now (gpu_workers.worker
+    waits longer after each before its process exits and supervisord starts it again)."""
+    file = _load_failures(cfg, worker)
+    try:
+        count = int(file.read_text()) + 1
+    except (OSError, ValueError):
+        count = 1
+    file.write_text(str(count))
+    return count
+
+
+def clear_load_failures(cfg: Config, worker: int) -> None:
+    """`worker` loaded its models."""
+    _load_failures(cfg, worker).unlink(missing_ok=True)
+
+
+def remove_marks(cfg: Config) -> None:
+    """`up` and `down`: a new deployment has not started, and no worker of it has failed."""
+    _started(cfg).unlink(missing_ok=True)
+    for file in cfg.run_dir.glob("worker-*.load-failures"):
+        file.unlink(missing_ok=True)

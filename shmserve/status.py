@@ -88,12 +88,18 @@ def render(cur: Sample, prev: Sample | None, title: str) -> str:
     lines += _table(["WORKER", "DEVICE", "READY", "QUEUE", "TEXTS/S", "BATCHES/S", "TEXTS/BATCH",
                      "PADDING", "DEV ALLOC", "DEV RESERVED", "FRAG", "RSS"], [
         [str(w["worker"]), str(w["device"] or "-"),
-         "yes" if w["ready"] else ("loading" if w["alive"] else "no"),
+         "yes" if w["ready"] else ("failing" if w["load_error"] else
+                                   "loading" if w["alive"] else "no"),
          _num(w["queued_texts"], 0),
          _num(w["texts_per_s"]), _num(w["batches_per_s"]), _num(w["texts_per_batch"]),
          _num(w["padding"], 2), _bytes(w["device_allocated_bytes"]),
          _bytes(w["device_reserved_bytes"]), _num(w["fragmentation"], 2), _bytes(w["rss_bytes"])]
         for w in workers_of(cur, prev)])
+    failing = [w for w in workers_of(cur, prev) if w["load_error"] and not w["ready"]]
+    if failing:
+        lines.append("")
+        lines += [f"worker {w['worker']}: its load failed {w['failed_loads']} time(s) in a row "
+                  f"(it starts again): {w['load_error']}" for w in failing]
     if prev is not None:
         rates = _request_rates(cur, prev)
         each = ", ".join(f"{m} {_num(r)}" for m, r in rates["by_model"].items()) + "; " \
@@ -106,7 +112,7 @@ def render(cur: Sample, prev: Sample | None, title: str) -> str:
 def snapshot(cur: Sample, prev: Sample | None, about: dict | None = None) -> dict:
     """What `render` shows, as numbers (`shmserve status --json`): bytes and counts as
     integers, seconds and rates unformatted, null where unknown; the rates need `prev`.
-    `state` is a word (ready, degraded, loading, unavailable, not_ready, no_answer,
+    `state` is a word (ready, degraded, loading, unavailable, failing, not_ready, no_answer,
     nginx_only), `state_text` the table's line; `ready` is GET /ready's body; `about` (the
     version, URL and run directory) goes first."""
     out = {**(about or {}), "state": _state_word(cur), "state_text": _state(cur),
@@ -125,7 +131,7 @@ def _state_word(cur: Sample) -> str:
     if cur.ready_code == 200:
         return "degraded" if word == "degraded" else "ready"
     if cur.ready_code == 503:
-        return word if word in ("loading", "unavailable") else "not_ready"
+        return word if word in ("loading", "unavailable", "failing") else "not_ready"
     return "no_answer" if cur.ready_code is None else "nginx_only"
 
 
@@ -135,6 +141,7 @@ _STATE_TEXT = {
     "degraded": "degraded (every model is served, not every worker is ready)",
     "loading": "loading (not every worker has loaded its models yet)",
     "unavailable": "unavailable (some model has no ready worker)",
+    "failing": "failing (a worker's models fail to load: see below, and its log)",
     "not_ready": "not ready",
     "no_answer": "no answer through nginx (nginx, or every frontend, is stuck or gone: see the "
                  "table)",
@@ -203,6 +210,7 @@ def workers_of(cur: Sample, prev: Sample | None) -> list[dict]:
         rows.append({
             "worker": w.get("worker"), "device": w.get("device"),
             "ready": bool(w.get("ready")), "alive": bool(w.get("alive")),
+            "failed_loads": int(w.get("failed_loads") or 0), "load_error": w.get("load_error"),
             "queued_texts": _int(queue if queue is not None else w.get("queued_texts")),
             "texts_per_s": texts, "batches_per_s": batches,
             "texts_per_batch": texts / batches if texts is not None and batches else None,

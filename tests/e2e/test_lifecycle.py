@@ -1,6 +1,7 @@
 """Process lifecycle through supervisord: kill -9 leaves no shared-memory growth, a clean stop
 leaves nothing behind."""
 
+import json
 import os
 import signal
 import socket
@@ -254,7 +255,24 @@ def test_a_worker_that_cannot_load_its_model_fails_up_and_restart_fast(tmp_path,
         assert "worker-0 exits before it is ready" in last
         assert "ready_timeout_s" not in done.stderr
         assert time.monotonic() - started < 60
+        # Left running, it says why: /ready and `status` said "loading" for ever (an outside
+        # check). The worker waits longer after each failure before it exits again.
+        status, _, body = stack.get("/ready")
+        ready = json.loads(body)
+        assert (status, ready["status"]) == (503, "failing"), ready
+        worker = ready["workers"][0]
+        assert worker["failed_loads"] >= 1, worker
+        assert "embeddings.word_embeddings.weight is [30522, 33]" in worker["load_error"]
+        shown = stack.cli("status", check=False).stdout
+        assert "failing (a worker's models fail to load" in shown, shown
+        assert "worker 0: its load failed" in shown and "[30522, 33]" in shown, shown
+        failures = stack.run_dir / "worker-0.load-failures"
+        assert int(failures.read_text()) >= 2
+        waits = [line["exit_in_s"] for line in stack.log_lines("worker-0")
+                 if line.get("message") == "worker.load_failed"]
+        assert waits[:2] == [1.0, 2.0], waits
         stack.down()
+        assert not failures.exists()
 
         # A file whose header does not read is refused before anything starts.
         weights.write_bytes(weights.read_bytes()[:2000])  # truncated

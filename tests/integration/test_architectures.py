@@ -2,9 +2,9 @@
 with BERT's tokenizer), against sentence-transformers and transformers on the same inputs:
 MPNet and ELECTRA (built by gpu_workers.bert, packed), ModernBERT (gpu_workers.modernbert,
 packed), DeBERTa-v3 (gpu_workers.deberta, packed), and the ones that run the network's own
-forward (DistilBERT loaded by transformers, and a Qwen3 decoder pooled on its last token). An outside check found MPNet and
-DeBERTa-v2 refused at load (SDPA asked of every model) and DistilBERT a KeyError in
-`shmserve config` (its width is `dim`)."""
+forward (DistilBERT loaded by transformers, and a Qwen3 decoder pooled on its last token).
+An outside check found MPNet and DeBERTa-v2 refused at load (SDPA asked of every model) and
+DistilBERT a KeyError in `shmserve config` (its width is `dim`)."""
 
 import inspect
 

@@ -2,9 +2,12 @@
 
 from types import SimpleNamespace
 
+import pytest
+
 from frontend.links import Pending
 from frontend.pool import WorkerPool
 from frontend.routes import readiness
+from shmserve import state
 from shmserve.protocol import PROTOCOL_VERSION, Heartbeat, ModelInfo
 
 
@@ -13,10 +16,25 @@ def models(*names: str):
                                     for n in names})
 
 
-def beat(pool: WorkerPool, index: int, ready: bool, *served: str, pid: int = 0) -> None:
+def beat(pool: WorkerPool, index: int, ready: bool, *served: str, pid: int = 0,
+         failure: str = "") -> None:
     infos = tuple(ModelInfo(m, "embedding", 4, 8, "fp32", "r", "ready", "") for m in served)
     pool._on_heartbeat(pool.links[index], Heartbeat(
-        PROTOCOL_VERSION, index, pid or 1_000_000 + index, ready, "cpu", infos, 0, 10, 0.0, 0.0))
+        PROTOCOL_VERSION, index, pid or 1_000_000 + index, ready, "cpu", infos, 0, 10, 0.0, 0.0,
+        failure=failure))
+
+
+@pytest.fixture
+def restarted(pool):
+    """A frontend started after every worker of the deployment had been ready once (a
+    restarted one): the run directory says so (state.mark_started)."""
+    pool.cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    state.mark_started(pool.cfg)
+    again = WorkerPool(pool.cfg)
+    yield again
+    for link in again.links:
+        link.socket.close(linger=0)
+    again._ctx.term()
 
 
 def test_loading_until_every_worker_was_ready_once(pool):
@@ -32,11 +50,28 @@ def test_loading_until_every_worker_was_ready_once(pool):
     assert readiness(pool, models("a")) == "ready"
 
 
-def test_a_frontend_restarted_while_a_worker_is_down_degrades_instead_of_loading(pool):
-    """A frontend restarted into a running deployment (a worker ready when first heard) is
-    past the start: with another worker down for good it says degraded, as the frontends that
-    saw the start do; it said loading (503) until that worker came back (an outside check)."""
-    beat(pool, 0, True, "a")  # ready at the first heartbeat: the deployment was running
+def test_a_worker_ready_when_first_heard_does_not_end_the_start(pool):
+    """At a fresh `up` a small model may be loaded before the frontends listen, so a worker's
+    first heartbeat says ready while another worker still loads (or never started): loading
+    (503) until every worker has been ready once. A ready first heartbeat counted as a running
+    deployment, and /ready said degraded (200), `up --wait` "ready" (an outside check). Then
+    the run directory records the start, for frontends restarted later."""
+    pool.cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    beat(pool, 0, True, "a")
+    assert readiness(pool, models("a")) == "loading"
+    assert not state.has_started(pool.cfg)
+    beat(pool, 1, True, "a")
+    assert readiness(pool, models("a")) == "ready" and state.has_started(pool.cfg)
+    pool._declare_dead(pool.links[1], "test")
+    assert readiness(pool, models("a")) == "degraded"
+
+
+def test_a_frontend_restarted_while_a_worker_is_down_degrades_instead_of_loading(restarted):
+    """A frontend restarted into a running deployment is past the start: with another worker
+    down for good it says degraded, as the frontends that saw the start do; it said loading
+    (503) until that worker came back (an outside check)."""
+    pool = restarted
+    beat(pool, 0, True, "a")
     assert readiness(pool, models("a")) == "degraded"
     assert readiness(pool, models("a", "b")) == "unavailable"  # b has no ready worker
     beat(pool, 1, False, "a")  # the other one loads (restarted): still degraded
@@ -255,10 +290,11 @@ async def test_a_worker_that_failed_unforeseen_has_its_requests_retried_as_a_los
     assert not link.ready
 
 
-def test_a_worker_of_another_protocol_is_ignored_and_named(pool, caplog):
+def test_a_worker_of_another_protocol_is_ignored_and_named(restarted, caplog):
     """After an upgrade half taken, a worker restarted on the new code beside frontends of the
     old is not used: /ready names the protocol each worker's heartbeats speak, and the error is
     logged once (it was logged at every heartbeat: 713 lines in 30 s, an outside check)."""
+    pool = restarted
     beat(pool, 0, True, "a")
     link = pool.links[1]
     for _ in range(3):
@@ -268,3 +304,32 @@ def test_a_worker_of_another_protocol_is_ignored_and_named(pool, caplog):
     assert not link.ready and link.protocol == PROTOCOL_VERSION + 1
     assert pool.links[0].protocol == PROTOCOL_VERSION
     assert readiness(pool, models("a")) == "degraded"
+
+
+def test_a_worker_whose_load_fails_is_named_and_the_state_is_failing(pool):
+    """A worker whose models fail to load says why in its heartbeats before it exits
+    (Heartbeat.failure); /ready says failing, not loading for ever, and counts the failures
+    in a row, once per process, until the worker is ready (an outside check)."""
+    beat(pool, 0, True, "a")
+    beat(pool, 1, False, "a", failure="ModelSourceError: model.safetensors lacks 16 weights")
+    assert readiness(pool, models("a")) == "failing"
+    link = pool.links[1]
+    assert (link.failed_loads, link.load_error) == (
+        1, "ModelSourceError: model.safetensors lacks 16 weights")
+    beat(pool, 1, False, "a", failure="ModelSourceError: model.safetensors lacks 16 weights")
+    assert link.failed_loads == 1  # the same process again: one failure
+    beat(pool, 1, False, "a", pid=2_000_001)  # started again, loading: the error stays
+    assert readiness(pool, models("a")) == "failing" and link.load_error
+    beat(pool, 1, False, "a", pid=2_000_001, failure="OSError: disk")
+    assert (link.failed_loads, link.load_error) == (2, "OSError: disk")
+    beat(pool, 1, True, "a", pid=2_000_002)
+    assert readiness(pool, models("a")) == "ready"
+    assert (link.failed_loads, link.load_error) == (0, None)
+
+
+def test_past_the_start_a_failing_worker_degrades_or_fails_by_what_it_served(restarted):
+    pool = restarted
+    beat(pool, 0, True, "a")
+    beat(pool, 1, False, "b", failure="ModelSourceError: gone")
+    assert readiness(pool, models("a")) == "degraded"  # every model still served
+    assert readiness(pool, models("a", "b")) == "failing"  # b by no ready worker

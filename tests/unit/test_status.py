@@ -190,7 +190,8 @@ def test_a_degraded_deployment_says_so():
 
 @pytest.mark.parametrize("word,why", [
     ("loading", "loading (not every worker has loaded its models yet)"),
-    ("unavailable", "unavailable (some model has no ready worker)")])
+    ("unavailable", "unavailable (some model has no ready worker)"),
+    ("failing", "failing (a worker's models fail to load: see below, and its log)")])
 def test_a_deployment_not_ready_says_which_way(word, why):
     cur = sample(1.0, 10, 1, 10, 10)
     cur = status.Sample(cur.at, cur.processes, 503, {**READY, "status": word}, cur.metrics)
@@ -250,3 +251,21 @@ def test_with_nginx_silent_the_figures_come_from_a_frontend_and_the_state_says_s
                                                json.dumps(READY).encode()),
                       lambda: PROCESSES, direct=direct)
     assert asked == [] and not cur.direct and "figures_from" not in status.snapshot(cur, None)
+
+
+def test_a_worker_whose_load_fails_shows_as_failing_with_its_error():
+    """/ready's worker entries name a failed load's error (README, Reliability): the table
+    says failing for that worker, and a line gives the error, which `--json` holds too."""
+    cur = sample(1.0, 10, 1, 10, 10)
+    workers = [READY["workers"][0], {**READY["workers"][1], "alive": False, "failed_loads": 3,
+                                     "load_error": "ModelSourceError: lacks 16 weights"}]
+    cur = status.Sample(cur.at, cur.processes, 503, {"status": "failing", "workers": workers},
+                        cur.metrics)
+    text = status.render(cur, None, "t")
+    assert rows(text)["1"][2] == "failing"
+    assert "worker 1: its load failed 3 time(s) in a row (it starts again): ModelSourceError: " \
+        "lacks 16 weights" in text.splitlines()
+    shown = status.snapshot(cur, None)
+    assert shown["state"] == "failing"
+    assert [(w["failed_loads"], w["load_error"]) for w in shown["workers"]] == [
+        (0, None), (3, "ModelSourceError: lacks 16 weights")]
