@@ -5,6 +5,7 @@ wrong types and values outside their range are `ConfigError`s that name the key 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import re
 import types
@@ -28,7 +29,9 @@ def build(cls: type, tree: Any, checks: Mapping[str, Check], prefix: str = "") -
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(tree) - names)
     if unknown:
-        raise ConfigError(f"{_join(prefix, unknown[0])}: unknown key")
+        near = difflib.get_close_matches(str(unknown[0]), sorted(names), n=1, cutoff=0.75)
+        raise ConfigError(f"{_join(prefix, unknown[0])}: unknown key"
+                          + (f" (did you mean {_join(prefix, near[0])}?)" if near else ""))
     kwargs = {}
     for f in dataclasses.fields(cls):
         key = _join(prefix, f.name)
@@ -68,6 +71,15 @@ def _coerce(hint: Any, value: Any, key: str,
                 return _coerce(option, value, key, checks)
             except ConfigError as exc:
                 errors.append(str(exc))
+        # A list (or mapping) where one option is a list (a mapping): that option's own error
+        # names the item at fault ("expected a string or a list, got [0, 'x']" did not)
+        plain = getattr(value, "parsed", value)
+        shaped = [error for option, error in zip(options, errors)
+                  if (typing.get_origin(option) is list and isinstance(plain, list))
+                  or ((typing.get_origin(option) is dict or dataclasses.is_dataclass(option))
+                      and isinstance(plain, Mapping))]
+        if len(shaped) == 1:
+            raise ConfigError(shaped[0])
         raise ConfigError(f"{key}: expected {_describe(hint)}, got {_show(value)}")
     if origin is Literal:
         allowed = typing.get_args(hint)

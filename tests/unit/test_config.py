@@ -271,8 +271,8 @@ def test_a_sections_mapping_in_a_variable_merges_into_the_files():
     assert (cfg.frontends.count, cfg.frontends.max_inflight) == (4, 100)
     with pytest.raises(ConfigError, match=r"^SHMSERVE__: no key between"):
         config.load(environ={"SHMSERVE__": "{x: 1}"})
-    with pytest.raises(ConfigError, match=r"^_admin: unknown key \(set in "
-                                          r"SHMSERVE___ADMIN__TOKEN\)$"):
+    with pytest.raises(ConfigError, match=r"^_admin: unknown key \(did you mean admin\?\) "
+                                          r"\(set in SHMSERVE___ADMIN__TOKEN\)$"):
         config.load(environ={"SHMSERVE___ADMIN__TOKEN": "x"})
 
 
@@ -298,9 +298,23 @@ def test_a_refused_value_names_the_layer_that_set_it(tmp_path):
         config.load(extra=second, environ={})
     assert str(exc.value) == ("models[0].dtype: expected one of fp32, bf16, fp16, auto, int8, "
                               f"got 'f99' (set in {second})")
-    with pytest.raises(ConfigError, match=r"^frontends.cuont: unknown key \(set in "
+    # a near name is suggested (an outside check: batching.max_wat_ms was only "unknown")
+    with pytest.raises(ConfigError, match=r"^frontends.cuont: unknown key \(did you mean "
+                                          r"frontends.count\?\) \(set in "
                                           r"SHMSERVE__FRONTENDS__CUONT\)$"):
         config.load(environ={"SHMSERVE__FRONTENDS__CUONT": "3"})
+
+
+def test_a_list_where_a_string_or_a_list_goes_names_the_item_at_fault():
+    """`workers.devices: [0, x]` said "expected a string or a list, got [0, 'x']", which is a
+    list (an outside check): the list's own error names the item."""
+    with pytest.raises(ConfigError) as exc:
+        config.load(environ={"SHMSERVE__WORKERS__DEVICES": "[0, x]"})
+    assert str(exc.value) == ("workers.devices[1]: expected an integer, got 'x' (set in "
+                              "SHMSERVE__WORKERS__DEVICES)")
+    with pytest.raises(ConfigError, match=r"^workers.devices: expected a string or a list, "
+                                          r"got \{'a': 1\}"):
+        config.load(environ={"SHMSERVE__WORKERS__DEVICES": "{a: 1}"})
 
 
 def test_a_number_written_as_text_says_so():
