@@ -123,7 +123,7 @@ def _apply(args: argparse.Namespace, new: Config) -> int:
     # Said before the checks: a refusal's reason may be a change the operator did not mean
     # (an override of `up`'s left out, `--env prod` forgotten).
     say(f"shmserve: {'would apply' if args.dry_run else 'applying'}:\n"
-        + "\n".join(f"  {line}" for line in changes or
+        + "\n".join(f"  {line}" for line in (changes and config.itemized(old, new)) or
                      ["the config from before the earlier apply"]))
     try:
         models.check(new, topology.worker_devices(new))

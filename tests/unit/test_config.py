@@ -424,3 +424,21 @@ def test_an_environment_number_is_decimal():
         == "010"
     with pytest.raises(ConfigError, match="workers.devices"):
         config.load(environ={"SHMSERVE__WORKERS__DEVICES": "[010]"})
+
+
+def test_apply_shows_a_models_change_model_by_model():
+    """`apply` printed a model's change as the whole models list before and after (an outside
+    check): each model's changed fields, and the ones added or removed, by name."""
+    old = config.from_tree({"models": [{"name": "a", "source": "/x"},
+                                       {"name": "b", "source": "/y"}]})
+    new = config.from_tree({"models": [{"name": "a", "source": "/z", "dtype": "fp32"},
+                                       {"name": "c", "source": "/y"}],
+                            "batching": {"max_wait_ms": 3}})
+    assert config.itemized(old, new) == [
+        'batching.max_wait_ms: 2.0 -> 3.0', 'models[a].dtype: "auto" -> "fp32"',
+        'models[a].source: "/x" -> "/z"', "models[b]: removed", "models[c]: added"]
+    swapped = config.from_tree({"models": [{"name": "b", "source": "/y"},
+                                           {"name": "a", "source": "/x"}]})
+    assert config.itemized(old, swapped) == ["models: the same, in another order"]
+    assert [line.partition(":")[0] for line in config.differences(old, new)] == [
+        "batching.max_wait_ms", "models"]  # what apply's plan reads is unchanged
