@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 import socket
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from shmserve.config import Config
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # each drains, then exits
 
@@ -41,16 +46,33 @@ def main() -> int:
     args = parser.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+    from shmserve import config, logs
+    from shmserve.models import ModelSourceError
+
+    cfg = config.load_resolved(args.config)
+    logs.configure(cfg.logging, f"frontend-{args.index}")
+    log = logging.getLogger("shmserve.frontend")
+    try:
+        return serve(cfg, args.index)
+    except ModelSourceError as exc:
+        # A model it cannot serve (a tokenizer.json that does not load): as a worker's
+        # worker.failed, a line that says what to change, not a traceback at every restart.
+        logs.failed(log, "frontend.failed", exc, traceback=False)
+    except Exception as exc:
+        logs.failed(log, "frontend.failed", exc)
+    return 1
+
+
+def serve(cfg: Config, index: int) -> int:
+    """Bind frontend `index`'s socket and serve on it until a stop signal's drain ends."""
     import uvloop
     from aiohttp import web
 
     from frontend.app import create_app
     from frontend.httpparser import header_count_limit, header_limit, malformed_request
-    from shmserve import config, logs, topology
+    from shmserve import topology
 
-    cfg = config.load_resolved(args.config)
-    logs.configure(cfg.logging, f"frontend-{args.index}")
-    path = topology.frontend_socket(cfg, args.index)
+    path = topology.frontend_socket(cfg, index)
     web.RequestHandler.handle_error = malformed_request  # no plain text quoting the request
     # uvloop: the frontends' per-request CPU is what bounds the pipeline on small models.
     loop = uvloop.new_event_loop()
@@ -74,7 +96,7 @@ def main() -> int:
     for signum in STOP_SIGNALS:
         loop.add_signal_handler(signum, stop)
     sock = bind_in_place(path, cfg.frontends.listen_backlog)
-    web.run_app(create_app(cfg, args.index), sock=sock, print=None, loop=loop,
+    web.run_app(create_app(cfg, index), sock=sock, print=None, loop=loop,
                 shutdown_timeout=cfg.server.drain_timeout_s, access_log=None,
                 handle_signals=False, backlog=cfg.frontends.listen_backlog,
                 # A client that goes away cancels its handler, which aborts its queued work

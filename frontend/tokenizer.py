@@ -9,7 +9,8 @@ import numpy as np
 from tokenizers import Encoding, Tokenizer
 
 from frontend.errors import ApiError
-from shmserve.models import ModelSpec
+from shmserve.model_files import tokenizer
+from shmserve.models import ModelSourceError, ModelSpec
 
 
 # A text much longer than the model reads is tokenized from a piece of it: about this many
@@ -43,12 +44,12 @@ class TextEncoder:
     def __init__(self, spec: ModelSpec, truncate: bool) -> None:
         self.max_tokens = spec.max_tokens
         self.truncate = truncate
-        self._file = str(spec.directory / "tokenizer.json")
+        self.name = spec.name
+        self._directory = spec.directory
         self._tok = self._load(truncate, "right")
         # Ids a client sends must index the model's embedding table too: an id past it failed
         # the forward (500; on a GPU a device-side assert, fatal to the worker).
         self.vocab_size = min(filter(None, (self._tok.get_vocab_size(), spec.vocab_size)))
-        self.name = spec.name
         self.prompts = dict(spec.prompts)
         self.default_prompt = spec.default_prompt
         # Per-request truncation settings (TEI's truncate, truncation_direction), made on first
@@ -63,7 +64,10 @@ class TextEncoder:
         return tok
 
     def _load(self, truncate: bool, direction: str) -> Tokenizer:
-        tok = Tokenizer.from_file(self._file)
+        try:
+            tok = tokenizer(self._directory)
+        except ModelSourceError as exc:
+            raise ModelSourceError(f"model {self.name!r}: {exc}") from None
         tok.no_padding()
         if truncate:
             tok.enable_truncation(max_length=self.max_tokens, direction=direction)

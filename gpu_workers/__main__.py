@@ -38,11 +38,10 @@ def main() -> int:
         # A configuration this worker cannot serve (a GPU it cannot see, a model it cannot
         # load): the message says what to change, and a traceback at every restart only
         # buried it. `up --wait` reads the `exception` field's last line (shmserve.startwait).
-        log.error("worker.failed", extra={"fields": {
-            "exception": f"{type(exc).__name__}: {exc}"}})
+        logs.failed(log, "worker.failed", exc, traceback=False)
         return 1
-    except Exception:
-        log.exception("worker.failed")
+    except Exception as exc:
+        logs.failed(log, "worker.failed", exc)
         return 1
 
 

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from gpu_workers import bert, deberta, modernbert, packed, tasks
+from shmserve import logs
 from shmserve.models import ModelSourceError, ModelSpec, weights_file
 
 
@@ -43,6 +44,7 @@ def _transformers(spec: ModelSpec, dtype: torch.dtype) -> torch.nn.Module:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # a progress bar per load would clutter the JSON log
+    logs.adopt()  # its records (a load report) as this worker's lines, not text on stderr
     try:
         config = AutoConfig.from_pretrained(spec.directory, trust_remote_code=False)
     except ValueError as exc:  # a model type this transformers does not have

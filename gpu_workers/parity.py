@@ -10,8 +10,8 @@ so in its log. A deployment gets the faster dtype where it is safe, per model an
 from __future__ import annotations
 
 import numpy as np
-from tokenizers import Tokenizer
 
+from shmserve.model_files import tokenizer
 from shmserve.models import ModelSpec
 
 PROBE_TEXTS = (
@@ -38,7 +38,7 @@ PROBE_TEXTS = (
 
 def probe_batch(spec: ModelSpec) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """The probe as the worker would batch it: padded int64 ids, lengths, segments (pairs)."""
-    tok = Tokenizer.from_file(str(spec.directory / "tokenizer.json"))
+    tok = tokenizer(spec.directory)
     tok.no_padding()
     tok.enable_truncation(max_length=spec.max_tokens)
     if spec.task == "rerank":

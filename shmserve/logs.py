@@ -1,8 +1,11 @@
 """Logging setup shared by every process: JSON lines (or plain text) on stdout.
 
-supervisord captures each program's stdout into its own rotated file under the run directory.
+supervisord captures each program's stdout (and its stderr, redirected there) into its own
+rotated file under the run directory.
 Fields passed with ``extra={"fields": {...}}`` become top-level JSON keys, so a request id or a
-batch id is a field, not part of a message string.
+batch id is a field, not part of a message string. What would otherwise reach stderr as plain
+text goes through the same lines: an uncaught exception, Python's warnings (`configure`), and
+the records of libraries that install their own stderr handler (`adopt`).
 """
 
 from __future__ import annotations
@@ -10,14 +13,24 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import sys
 import threading
 import time
+from types import TracebackType
 from typing import TextIO
 
 import orjson
 
 from shmserve.config import LoggingConfig
+
+# Terminal colours and styles (CSI ... m) in a message: transformers' load report puts them in
+# whether or not it writes to a terminal. A log file or a JSON string has no use for them.
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _plain(message: str) -> str:
+    return _ANSI.sub("", message) if "\x1b" in message else message
 
 
 class JsonFormatter(logging.Formatter):
@@ -33,7 +46,7 @@ class JsonFormatter(logging.Formatter):
             "process": self.process,
             "pid": os.getpid(),
             "logger": record.name,
-            "message": record.getMessage(),
+            "message": _plain(record.getMessage()),
         }
         fields = getattr(record, "fields", None)
         if fields:
@@ -57,7 +70,11 @@ class TextFormatter(logging.Formatter):
         super().__init__(f"%(asctime)s %(levelname)s {process} %(name)s: %(message)s")
 
     def format(self, record: logging.LogRecord) -> str:
-        text = super().format(record)
+        return _plain(super().format(record))
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        # Fields on the message's line, before a traceback (format adds it after this).
+        text = super().formatMessage(record)
         fields = getattr(record, "fields", None)
         if fields:
             text += " " + " ".join(f"{k}={v}" for k, v in fields.items())
@@ -155,3 +172,59 @@ def configure(cfg: LoggingConfig, process: str, stream: TextIO | None = None) ->
     root.setLevel(cfg.level.upper())
     for noisy in ("aiohttp.access",):  # the frontend writes its own access line per request
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    # What Python itself would print on stderr, which supervisord writes into the same file:
+    # as plain text a JSON log's shipper would drop it (a frontend that could not start left
+    # only a traceback).
+    logging.captureWarnings(True)  # logger py.warnings, level warning
+    sys.excepthook = _uncaught
+    threading.excepthook = lambda args: _uncaught(
+        args.exc_type, args.exc_value, args.exc_traceback,
+        thread=args.thread.name if args.thread else None)
+
+
+def failure_fields(exc: BaseException) -> dict:
+    """An error's fields on a line that reports it: `error` (its message) and `error_type`."""
+    return {"error": str(exc), "error_type": type(exc).__name__}
+
+
+def failed(log: logging.Logger, message: str, exc: BaseException, traceback: bool = True) -> None:
+    """Log a process's fatal error at level error: `failure_fields`, and `exception`: the
+    traceback, or (`traceback` False: an error whose message says what to change, which a
+    traceback at every restart only buried) "Type: message". Either way the field's last line
+    is the error, which `shmserve up --wait` shows (shmserve.startwait.last_error)."""
+    if traceback:
+        log.error(message, exc_info=exc, extra={"fields": failure_fields(exc)})
+    else:
+        log.error(message, extra={"fields": {**failure_fields(exc),
+                                             "exception": f"{type(exc).__name__}: {exc}"}})
+
+
+def _uncaught(exc_type: type[BaseException], exc: BaseException,
+              tb: TracebackType | None, thread: str | None = None) -> None:
+    """sys.excepthook and threading.excepthook: the exception as a log line (level critical
+    in the main thread, which then exits; error in another), where Python printed it to
+    stderr as text."""
+    if issubclass(exc_type, SystemExit):  # threading's hook is called for it too: not an error
+        return
+    fields = failure_fields(exc)
+    if thread is not None:
+        fields["thread"] = thread
+    logging.getLogger("shmserve").log(
+        logging.CRITICAL if thread is None else logging.ERROR, "process.uncaught_exception",
+        exc_info=(exc_type, exc, tb), extra={"fields": fields})
+
+
+LIBRARY_LOGGERS = ("transformers", "huggingface_hub")
+
+
+def adopt(names: tuple[str, ...] = LIBRARY_LOGGERS) -> None:
+    """Send the records of these libraries' loggers through this process's own lines (JSON or
+    text, at their level), not through the plain stderr handler each puts on its logger when
+    it is imported: call it once they are imported. transformers' handler also stops its
+    records from propagating, and wrote a load report as ~25 lines of text per model load
+    into a JSON log."""
+    for name in names:
+        logger = logging.getLogger(name)
+        for handler in list(logger.handlers):
+            logger.removeHandler(handler)
+        logger.propagate = True

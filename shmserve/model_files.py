@@ -2,7 +2,8 @@
 torch (shmserve.models builds a ModelSpec from them): the Pooling module's mode and config,
 whether it normalises, the input limit, and the modules it would run, in either version's
 format (sentence-transformers 6 saves `pooling_mode` and the limit in the tokenizer's config;
-older versions one flag a mode and sentence_bert_config.json's max_seq_length)."""
+older versions one flag a mode and sentence_bert_config.json's max_seq_length); and its
+tokenizer.json as the tokenizers library loads it."""
 
 from __future__ import annotations
 
@@ -97,3 +98,16 @@ def read_json(path: Path) -> dict | list | None:
         return None
     except json.JSONDecodeError as exc:
         raise ModelSourceError(f"{path}: invalid JSON ({exc})") from None
+
+
+def tokenizer(directory: Path):
+    """The model's fast tokenizer (a tokenizers.Tokenizer) from its tokenizer.json. One that
+    does not load (a truncated copy: `EOF while parsing a string at line 1 column 1000`) is
+    a ModelSourceError naming the file, where tokenizers' own error names none."""
+    from tokenizers import Tokenizer
+
+    path = directory / "tokenizer.json"
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as exc:  # noqa: BLE001 - tokenizers raises Exception itself
+        raise ModelSourceError(f"{path} does not load as a tokenizer ({exc})") from None

@@ -21,7 +21,7 @@ from pathlib import Path
 from shmserve import architecture as arch
 from shmserve.config import Config, ModelConfig
 from shmserve.model_files import (ModelSourceError, max_seq_length, normalize_of, pooling_of,
-                                  pooling_config, read_json)
+                                  pooling_config, read_json, tokenizer)
 
 # A cross-encoder's score, as sentence-transformers' CrossEncoder computes it: the activation it
 # saved with the model, else Sigmoid for one label.
@@ -99,6 +99,7 @@ def check(cfg: Config, devices: list[str]) -> None:
                 spec = inspect(unit.config, with_revision=False, roots=cfg.model_root_paths)
                 weights = weights_file(resolve_source(unit.config.source, cfg.model_root_paths))
                 check_weights(weights)
+                tokenizer(spec.directory)  # what every frontend loads as it starts
             except ModelSourceError as exc:
                 raise ModelSourceError(f"{unit.name}: {exc}") from None
             if unit.variant and not unit.config.revision:

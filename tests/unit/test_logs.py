@@ -132,3 +132,117 @@ def test_lines_are_written_in_chunks_of_whole_lines(pipe, monkeypatch):
     assert len(writes) > 3 and all(len(w) <= logs.PIPE_BUF and w.endswith(b"\n")
                                    for w in writes)
     handler.close()
+
+
+def test_colours_and_styles_are_left_out_of_both_formats():
+    """transformers' load report puts terminal escapes in its message whether or not it writes
+    to a terminal (`ESC[1mBertModel LOAD REPORTESC[0m`): a log has no use for them."""
+    record = logging.LogRecord("transformers.modeling_utils", logging.WARNING, __file__, 1,
+                               "\x1b[1mBertModel LOAD REPORT\x1b[0m from: %s\n\x1b[38;5;208mx",
+                               ("/m",), None)
+    assert json.loads(logs.JsonFormatter("w").format(record))["message"] == \
+        "BertModel LOAD REPORT from: /m\nx"
+    assert logs.TextFormatter("w").format(record).endswith(
+        " WARNING w transformers.modeling_utils: BertModel LOAD REPORT from: /m\nx")
+
+
+def test_text_lines_keep_their_fields_on_the_first_line_before_a_traceback():
+    try:
+        raise ValueError("bad")
+    except ValueError as exc:
+        record = logging.LogRecord("shmserve.t", logging.ERROR, __file__, 1, "failed", (),
+                                   (ValueError, exc, exc.__traceback__))
+    record.fields = logs.failure_fields(record.exc_info[1])
+    first, *rest = logs.TextFormatter("w").format(record).splitlines()
+    assert first.endswith(" ERROR w shmserve.t: failed error=bad error_type=ValueError")
+    assert rest[0] == "Traceback (most recent call last):" and rest[-1] == "ValueError: bad"
+
+
+def _run_as_program(script: str, fmt: str = "json") -> list[str]:
+    """`script` run after logs.configure as a program under supervisord is: stdout and stderr
+    into one file (redirect_stderr). Its output's lines."""
+    import subprocess
+    import sys
+    import textwrap
+
+    setup = ("from shmserve import logs\nfrom shmserve.config import LoggingConfig\n"
+             f"logs.configure(LoggingConfig(format={fmt!r}), 'prog-0')\n")
+    done = subprocess.run([sys.executable, "-c", setup + textwrap.dedent(script)],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=60, check=False)
+    return done.stdout.splitlines()
+
+
+def test_uncaught_exceptions_and_warnings_are_json_lines():
+    """Under logging.format json every line a program writes is one JSON object: an uncaught
+    exception (in the main thread or another) and Python's warnings were plain text on
+    stderr, which a log shipper taking `{` lines never saw."""
+    lines = _run_as_program("""
+        import threading, warnings
+        warnings.warn("an old way", UserWarning)
+        side = threading.Thread(target=lambda: {}["gone"], name="side")
+        side.start(); side.join()
+        raise ValueError("cannot start")
+    """)
+    assert lines and all(line.startswith("{") for line in lines), lines
+    warned, in_thread, uncaught = (json.loads(line) for line in lines)
+    assert (warned["level"], warned["logger"], warned["process"]) == \
+        ("warning", "py.warnings", "prog-0")
+    assert "UserWarning: an old way" in warned["message"]
+    assert (in_thread["level"], in_thread["error_type"], in_thread["error"], in_thread["thread"]) \
+        == ("error", "KeyError", "'gone'", "side")
+    assert (uncaught["level"], uncaught["message"], uncaught["error"], uncaught["error_type"]) \
+        == ("critical", "process.uncaught_exception", "cannot start", "ValueError")
+    assert uncaught["exception"].startswith("Traceback (most recent call last):")
+    assert uncaught["exception"].splitlines()[-1] == "ValueError: cannot start"
+
+
+def test_text_format_shows_an_uncaught_exception_as_a_readable_traceback():
+    lines = _run_as_program('raise ValueError("cannot start")', fmt="text")
+    assert "CRITICAL prog-0 shmserve: process.uncaught_exception error=cannot start " \
+        "error_type=ValueError" in lines[0]
+    assert lines[1] == "Traceback (most recent call last):" and \
+        lines[-1] == "ValueError: cannot start"
+
+
+def test_a_library_logger_with_its_own_stderr_handler_is_adopted():
+    """transformers (and huggingface_hub) put a plain stderr handler on their logger when
+    imported, transformers without propagation: its load report reached a JSON log as ~25
+    lines of text. `adopt` sends their records through the program's lines, at their level."""
+    lines = _run_as_program("""
+        import logging, sys
+        for name, propagate in (("lib_a", False), ("lib_b", True)):
+            lib = logging.getLogger(name)
+            lib.addHandler(logging.StreamHandler(sys.stderr))
+            lib.propagate = propagate
+        logging.getLogger("lib_a.sub").warning("before")
+        logs.adopt(("lib_a", "lib_b"))
+        logging.getLogger("lib_a.sub").warning("a report\\nof two lines")
+        logging.getLogger("lib_b").error("b")
+    """)
+    assert lines[0] == "before"  # its own handler's plain line, until adopted
+    rest = [json.loads(line) for line in lines[1:]]
+    assert [(r["logger"], r["level"], r["message"]) for r in rest] == [
+        ("lib_a.sub", "warning", "a report\nof two lines"), ("lib_b", "error", "b")]
+
+
+def test_failed_says_the_error_with_or_without_its_traceback():
+    records = []
+    log = logging.getLogger("shmserve.test.failed")
+    log.propagate = False
+    handler = logging.Handler()
+    handler.emit = records.append
+    log.addHandler(handler)
+    exc = ValueError("no such file")
+    logs.failed(log, "frontend.failed", exc, traceback=False)
+    try:
+        raise OSError("gone")
+    except OSError as raised:
+        logs.failed(log, "frontend.failed", raised)
+    plain, traced = (json.loads(logs.JsonFormatter("frontend-0").format(r)) for r in records)
+    assert {k: plain[k] for k in ("level", "error", "error_type", "exception")} == {
+        "level": "error", "error": "no such file", "error_type": "ValueError",
+        "exception": "ValueError: no such file"}
+    assert (traced["error"], traced["error_type"]) == ("gone", "OSError")
+    assert traced["exception"].startswith("Traceback") and \
+        traced["exception"].endswith("OSError: gone")

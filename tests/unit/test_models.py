@@ -192,6 +192,24 @@ def test_the_start_check_reads_the_weights_header(tmp_path, damage, needle):
         check(cfg, ["cpu"])
 
 
+def test_the_start_check_loads_the_tokenizer(tmp_path):
+    """A tokenizer.json that does not load (a truncated copy) is refused before anything
+    starts, naming the model and the file: the frontends crash-looped at `up` and `up --wait`
+    said only "Exception: EOF while parsing a string at line 1 column 1000" (an outside
+    check)."""
+    from shmserve import config
+    from shmserve.models import check
+
+    directory = build_tiny_bert(tmp_path / "m")
+    tokenizer = directory / "tokenizer.json"
+    tokenizer.write_bytes(tokenizer.read_bytes()[:1000])
+    cfg = config.from_tree({"model_roots": [str(tmp_path)], "models": [
+        {"name": "m", "source": str(directory)}]})
+    with pytest.raises(ModelSourceError, match=rf"^m: {tokenizer} does not load as a tokenizer "
+                       r"\(EOF while parsing .* column 1000\)$"):
+        check(cfg, ["cpu"])
+
+
 def _with_st_prompts(directory, prompts, default=None, include_prompt=None):
     (directory / "config_sentence_transformers.json").write_text(json.dumps(
         {"prompts": prompts, "default_prompt_name": default}))

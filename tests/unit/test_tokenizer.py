@@ -265,3 +265,20 @@ def test_texts_and_pairs_in_one_request_as_the_tokenizer_reads_them(spec):
     assert got.truncated == 3
     plain = TextEncoder(spec, truncate=True).encode_mixed(["a premise", "another"])
     assert plain.segments is None  # texts alone: one segment each, as encode gives them
+
+
+def test_a_tokenizer_that_does_not_load_names_the_model_and_the_file(spec, tmp_path):
+    """tokenizers' own error names neither (an outside check: a frontend's last words were
+    "Exception: EOF while parsing a string at line 1 column 1000")."""
+    import shutil
+
+    from shmserve.models import ModelSourceError
+
+    directory = tmp_path / "copy"
+    shutil.copytree(spec.directory, directory)
+    (directory / "tokenizer.json").write_bytes(
+        (spec.directory / "tokenizer.json").read_bytes()[:1000])
+    with pytest.raises(ModelSourceError, match=(
+            rf"^model 'm': {re.escape(str(directory / 'tokenizer.json'))} does not load as a "
+            r"tokenizer \(EOF while parsing a string at line 1 column 1000\)$")):
+        TextEncoder(dataclasses.replace(spec, directory=directory), truncate=True)
