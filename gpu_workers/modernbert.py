@@ -349,6 +349,9 @@ class PackedModernBert:
         return self.net.final_norm(x), places
 
 
+Packed = PackedModernBert  # gpu_workers.networks' name for a module's packed pass
+
+
 def supports(net: nn.Module) -> bool:
     """Whether the packed pass runs this network: ModernBERT's as this module builds it."""
     return isinstance(net, (ModernBertModel, ModernBertForSequenceClassification))

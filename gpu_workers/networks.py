@@ -1,7 +1,7 @@
 """A served model's network from its directory, in eval mode: the BERT family's (bert, roberta,
 xlm-roberta, distilbert, mpnet, electra) through gpu_workers.bert, ModernBERT's through
-gpu_workers.modernbert and DeBERTa-v2's through gpu_workers.deberta, which do not import
-transformers (~3 s of a worker's start); every
+gpu_workers.modernbert, DeBERTa-v2's through gpu_workers.deberta and a Qwen3 embedder through
+gpu_workers.qwen3, which do not import transformers (~3 s of a worker's start); every
 other architecture, or a checkpoint those modules do not read exactly as transformers would,
 through transformers' Auto classes, which load it or refuse it with a clear
 ModelSourceError."""
@@ -12,30 +12,35 @@ from typing import Any
 
 import torch
 
-from gpu_workers import bert, deberta, modernbert, packed, tasks
+from gpu_workers import bert, deberta, modernbert, packed, qwen3, tasks
 from shmserve import logs
 from shmserve.models import ModelSourceError, ModelSpec, weights_file
 
 
 def load(spec: ModelSpec, dtype: torch.dtype) -> tuple[torch.nn.Module, str]:
     """(the network, weights in `dtype`; which loaded it: "shmserve" or "transformers")."""
-    for family in (bert, modernbert, deberta):
+    for family in (bert, modernbert, deberta, qwen3):
         net = family.load(spec.directory, spec.task, dtype)
         if net is not None:
             return net, "shmserve"
     return _transformers(spec, dtype), "transformers"
 
 
+# Modules whose networks run a packed pass of their own (`Packed`), not gpu_workers.packed's.
+OWN_PACKED = (modernbert, qwen3)
+
+
 def packs(net: torch.nn.Module) -> bool:
     """Whether a packed pass (several length groups in one forward) runs this network."""
-    return packed.supports(net) or modernbert.supports(net)
+    return packed.supports(net) or any(family.supports(net) for family in OWN_PACKED)
 
 
 def packed_encoder(net: torch.nn.Module, bucket: bool, prepacked: bool):
-    """The packed pass for a network `packs` takes: ModernBERT's own, else the BERT family's
-    (gpu_workers.packed)."""
-    if modernbert.supports(net):
-        return modernbert.PackedModernBert(net, bucket=bucket)
+    """The packed pass for a network `packs` takes: ModernBERT's or Qwen3's own, else the BERT
+    family's (gpu_workers.packed)."""
+    for family in OWN_PACKED:
+        if family.supports(net):
+            return family.Packed(net, bucket=bucket)
     return packed.PackedEncoder(net, bucket=bucket, prepacked=prepacked)
 
 

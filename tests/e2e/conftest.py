@@ -37,8 +37,8 @@ def task_dirs(tmp_path_factory, tiny_model):
             "sp": build_tiny_splade(root / "sp", seed=9, max_positions=TINY_MAX_TOKENS),
             # Architectures other than BERT's (test_tasks.py): MPNet's and ELECTRA's
             # (gpu_workers.bert), ModernBERT's (gpu_workers.modernbert), DeBERTa-v3's
-            # (gpu_workers.deberta); and one transformers loads: a Qwen3 decoder pooled on its
-            # last token
+            # (gpu_workers.deberta), a Qwen3 decoder pooled on its last token (gpu_workers.qwen3);
+            # and one transformers loads: a DistilBERT whose config names its width twice
             "mpnet": build_tiny_other(root / "mpnet", "mpnet", seed=4),
             "modernbert": build_tiny_other(root / "modernbert", "modernbert", seed=7),
             "ce-electra": build_tiny_other(root / "ce-electra", "electra", task="rerank",
@@ -46,6 +46,7 @@ def task_dirs(tmp_path_factory, tiny_model):
             "ce-deberta": build_tiny_other(root / "ce-deberta", "deberta-v2", task="rerank",
                                            seed=5),
             "qwen3": build_tiny_other(root / "qwen3", "qwen3", pooling="last", seed=8),
+            "distil": build_tiny_other(root / "distil", "distilbert", seed=10),
             "st6-cls": st6_saved(tiny_model, root / "st6-cls")}
 
 
@@ -91,6 +92,7 @@ def task_stack(tmp_path_factory, task_dirs):
         {"name": "mpnet", "source": str(dirs["mpnet"]), "dtype": "fp32"},
         {"name": "modernbert", "source": str(dirs["modernbert"]), "dtype": "fp32"},
         {"name": "qwen3", "source": str(dirs["qwen3"]), "dtype": "fp32", "devices": [1]},
+        {"name": "distil", "source": str(dirs["distil"]), "dtype": "fp32", "devices": [1]},
         {"name": "st6-cls", "source": str(dirs["st6-cls"]), "dtype": "fp32"},
         {"name": "ce-deberta", "source": str(dirs["ce-deberta"]), "task": "rerank",
          "dtype": "fp32"},

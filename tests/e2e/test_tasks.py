@@ -78,13 +78,14 @@ def test_rerank_scores_pairs_best_first(task_stack, task_dirs):
 def test_architectures_other_than_berts_serve_as_sentence_transformers(task_stack, task_dirs):
     """MPNet (all-mpnet-base-v2's architecture), an ELECTRA cross-encoder (ms-marco-electra's),
     a ModernBERT embedder and a DeBERTa-v3 cross-encoder (mxbai-rerank-v1's), built by
-    gpu_workers.bert, .modernbert or .deberta and packed, and a Qwen3 decoder pooled on its
-    last token (transformers' network), through nginx. (A worker once refused
+    gpu_workers.bert, .modernbert or .deberta and packed, a Qwen3 decoder pooled on its last
+    token (gpu_workers.qwen3, packed), and a DistilBERT that transformers loads, through
+    nginx. (A worker once refused
     MPNet and DeBERTa at load: SDPA asked of every model, an outside check.)"""
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.cross_encoder import CrossEncoder
 
-    for name in ("mpnet", "modernbert", "qwen3"):
+    for name in ("mpnet", "modernbert", "qwen3", "distil"):
         status, _, body = task_stack.post_json("/v1/embeddings", {"model": name, "input": TEXTS})
         assert status == 200, body
         got = np.array([d["embedding"] for d in body["data"]], dtype=np.float32)
@@ -103,8 +104,8 @@ def test_architectures_other_than_berts_serve_as_sentence_transformers(task_stac
     loaders = {m["name"]: {w["loader"] for w in m["workers"]}
                for m in json.loads(raw)["models"] if "workers" in m}
     assert loaders["mpnet"] == loaders["ce-electra"] == loaders["modernbert"] == \
-        loaders["ce-deberta"] == {"shmserve"}, loaders
-    assert loaders["qwen3"] == {"transformers"}, loaders
+        loaders["ce-deberta"] == loaders["qwen3"] == {"shmserve"}, loaders
+    assert loaders["distil"] == {"transformers"}, loaders
 
 
 def test_a_sentence_transformers_6_model_serves_its_own_pooling_and_limit(task_stack,
@@ -128,7 +129,7 @@ def test_a_sentence_transformers_6_model_serves_its_own_pooling_and_limit(task_s
     model = models["st6-cls"]
     assert (model["pooling"], model["max_input_tokens"]) == ("cls", 16), model
     # /info names each model's loader too (it was in /admin/models only: an outside check)
-    assert (models["st6-cls"]["loader"], models["qwen3"]["loader"]) == (
+    assert (models["st6-cls"]["loader"], models["distil"]["loader"]) == (
         "shmserve", "transformers")
 
 
@@ -358,12 +359,12 @@ def test_ab_models_are_ready_and_versioned_on_kserve_and_info(task_stack):
 
 
 def test_a_rolling_worker_restart_warns_of_the_models_one_worker_loads(task_stack):
-    """clf, ce-hot and qwen3 load on worker 1 only, ce-id, q8 and strict on worker 0 only: the
-    restart says so (it did not, and requests for them were 503 while their worker restarted),
-    then serves them again."""
+    """clf, ce-hot, distil and qwen3 load on worker 1 only, ce-id, q8 and strict on worker 0
+    only: the restart says so (it did not, and requests for them were 503 while their worker
+    restarted), then serves them again."""
     done = task_stack.cli("restart", "worker-1", timeout=300)
-    assert "warning: some models have no other worker (ce-hot, clf, qwen3 only on worker-1)" in \
-        done.stderr, done.stderr
+    assert "warning: some models have no other worker (ce-hot, clf, distil, qwen3 only on " \
+        "worker-1)" in done.stderr, done.stderr
     assert "worker-1 ready" in done.stdout
     status, _, body = task_stack.post_json("/v1/classify", {"model": "clf", "input": ["x"]})
     assert status == 200, body

@@ -1,8 +1,8 @@
 """Architectures other than BERT's, as a worker serves them (in-process, tiny random models
 with BERT's tokenizer), against sentence-transformers and transformers on the same inputs:
 MPNet and ELECTRA (built by gpu_workers.bert, packed), ModernBERT (gpu_workers.modernbert,
-packed), DeBERTa-v3 (gpu_workers.deberta, packed), and the ones that run the network's own
-forward (DistilBERT loaded by transformers, and a Qwen3 decoder pooled on its last token).
+packed), DeBERTa-v3 (gpu_workers.deberta, packed), a Qwen3 decoder pooled on its last token
+(gpu_workers.qwen3, packed), and DistilBERT loaded by transformers (its own forward).
 An outside check found MPNet and DeBERTa-v2 refused at load (SDPA asked of every model) and
 DistilBERT a KeyError in `shmserve config` (its width is `dim`)."""
 
@@ -33,7 +33,7 @@ def test_embeddings_equal_sentence_transformers(tmp_path, model_type, pooling):
     assert model.attention == "sdpa"
     # (this DistilBERT's config.json names its width twice, `dim` and `hidden_size`: to
     # transformers, as gpu_workers.bert_config declines it)
-    ours = model_type in ("mpnet", "electra", "modernbert", "deberta-v2")
+    ours = model_type in ("mpnet", "electra", "modernbert", "deberta-v2", "qwen3")
     assert (model.loader, model.packs) == (("shmserve", True) if ours else ("transformers", False))
 
 
