@@ -127,15 +127,18 @@ class Config:
 
 
 class Relative:
-    """A network's relative positions: each distance's bucket, and each layer's position
-    scores added to its attention scores."""
+    """A network's relative positions: each distance's bucket, as the rows of the position
+    vectors c2p and p2c read (transformers' c2p_pos and p2c_pos), shared by its layers."""
 
     def __init__(self, config: Config) -> None:
         self.span = config.span
         self.buckets, self.most = config.position_buckets, config.max_relative_positions
         if self.most < 1:
             self.most = config.max_position_embeddings
-        self.indices: dict[tuple, tuple[int, int, torch.Tensor, torch.Tensor]] = {}
+        self.longest = 0  # the distances the vectors below cover: -(longest-1)..longest-1
+        self.c2p = self.p2c = torch.empty(0, dtype=torch.long)  # on the host
+        self.on: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # their copies
+        self.cover(config.max_position_embeddings)
 
     def bucket(self, distance: torch.Tensor) -> torch.Tensor:
         """Each query-less-key distance's bucket, as transformers' make_log_bucket_position
@@ -151,22 +154,37 @@ class Relative:
         log = torch.ceil(torch.log(absolute / mid) / scale * (mid - 1)) + mid
         return torch.where(absolute <= mid, distance.to(log.dtype), log * sign).long()
 
+    def cover(self, length: int) -> None:
+        """The rows for every distance within texts of `length` tokens, on the host (a
+        longer text than the model's positions, which a relative model may take, widens
+        them; the copies on devices are made again)."""
+        if length <= self.longest:
+            return
+        self.longest = length
+        relative = self.bucket(torch.arange(-(length - 1), length))
+        self.c2p = torch.clamp(relative + self.span, 0, 2 * self.span - 1)
+        self.p2c = torch.clamp(-relative + self.span, 0, 2 * self.span - 1)
+        self.on = {}
+
     def index(self, length: int, device: torch.device
               ) -> tuple[int, int, torch.Tensor, torch.Tensor]:
         """For texts of `length` tokens: the rows of the position vectors their distances
-        reach (lo, hi), and the c2p and p2c indices into those rows [l, l], transformers'
-        c2p_pos and p2c_pos less lo. Made once per length and device, on the host, then
-        copied (a CUDA graph's capture finds them made: its warm-up pass ran the shape)."""
-        key = (length, device)
-        if key not in self.indices:
-            position = torch.arange(length)
-            relative = self.bucket(position[:, None] - position[None, :])
-            c2p = torch.clamp(relative + self.span, 0, 2 * self.span - 1)
-            p2c = torch.clamp(-relative + self.span, 0, 2 * self.span - 1)
-            lo = int(torch.minimum(c2p.min(), p2c.min()))
-            hi = int(torch.maximum(c2p.max(), p2c.max())) + 1
-            self.indices[key] = (lo, hi, (c2p - lo).to(device), (p2c - lo).to(device))
-        return self.indices[key]
+        reach (lo, hi), and the c2p and p2c indices into those rows [l, l]. Made per call on
+        the device from the rows of each distance (a table per length, kept, would hold
+        ~16 l^2 bytes for every length a worker meets); the rows are copied to a device once,
+        before a CUDA graph's capture (its warm-up pass ran the shape)."""
+        self.cover(length)
+        middle = self.longest - 1  # distance 0
+        # c2p rises with the distance and p2c falls: their ends bound the rows
+        ends = (self.c2p[middle - length + 1], self.c2p[middle + length - 1],
+                self.p2c[middle - length + 1], self.p2c[middle + length - 1])
+        lo, hi = int(min(ends)), int(max(ends)) + 1
+        if device not in self.on:
+            self.on[device] = (self.c2p.to(device), self.p2c.to(device))
+        c2p, p2c = self.on[device]
+        position = torch.arange(length, device=device)
+        distance = position[:, None] - position[None, :] + middle
+        return lo, hi, c2p[distance] - lo, p2c[distance] - lo
 
 
 class DisentangledSelfAttention(nn.Module):

@@ -219,3 +219,23 @@ def test_loading_a_deberta_never_imports_transformers(models):
          for variant in ("v3", "v2") for task in TASKS])
     assert [loader for _, _, loader in loaded] == ["shmserve"] * 6
     assert not transformers_imported
+
+
+def test_the_position_indices_are_transformers_for_every_length_and_kept_for_none():
+    """c2p_pos and p2c_pos as transformers computes them, for lengths within and past the
+    model's positions (a relative model may take longer texts), from one row per distance:
+    a table kept per length held ~16 l^2 bytes for each length a worker met."""
+    from transformers.models.deberta_v2.modeling_deberta_v2 import build_relative_position
+
+    config = deberta.Config(relative_attention=True, position_buckets=16,
+                            max_position_embeddings=64)
+    relative = deberta.Relative(config)
+    span = config.span
+    for length in (1, 2, 9, 40, 64, 100, 37):
+        x = torch.zeros(1, length, 1)
+        rel = build_relative_position(x, x, bucket_size=16, max_position=64)[0]
+        lo, hi, c2p, p2c = relative.index(length, torch.device("cpu"))
+        assert torch.equal(c2p + lo, torch.clamp(rel + span, 0, 2 * span - 1)), length
+        assert torch.equal(p2c + lo, torch.clamp(-rel + span, 0, 2 * span - 1)), length
+        assert 0 <= int(c2p.min()) and int(c2p.max()) < hi - lo <= 2 * span
+    assert relative.longest == 100 and list(relative.on) == [torch.device("cpu")]
