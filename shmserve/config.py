@@ -291,7 +291,10 @@ def load(env: str | None = None, extra: str | Path | None = None,
                              ) from None
 
 
-def from_tree(tree: Mapping[str, Any]) -> Config:
+def from_tree(tree: Mapping[str, Any], read_keys: bool = True) -> Config:
+    """The config in a parsed tree, checked. `read_keys` False: auth.api_keys_file is not
+    read (the CLI's reading of a running deployment, which needs no key: a key file broken
+    since `up` made status, reload and split act on the default config, an outside check)."""
     cfg = build(Config, tree, CHECKS)
     workers, threads = cpu_layout(cfg.workers.cpu_workers, cfg.workers.torch_threads)
     cfg = dataclasses.replace(cfg, workers=dataclasses.replace(
@@ -299,7 +302,8 @@ def from_tree(tree: Mapping[str, Any]) -> Config:
         cfg.frontends, default_priority=priority_level(cfg.frontends.default_priority)))
     _check_run_dir(cfg)
     check_models(cfg)
-    keys = api_keys(cfg)  # a key file that cannot be read, or a malformed key, stops start-up
+    # a key file that cannot be read, or a malformed key, stops start-up
+    keys = api_keys(cfg) if read_keys else cfg.auth.api_keys_file or cfg.auth.api_keys
     if cfg.admin.token and not _TOKEN.match(cfg.admin.token):  # "a" was taken (a review)
         raise ConfigError("admin.token: expected 8 to 512 printable ASCII characters (it travels "
                           "as a bearer token), neither starting nor ending with a space")
@@ -465,6 +469,7 @@ def from_args(args) -> Config:
     return load(env=args.env, extra=args.config)
 
 
-def load_resolved(path: str | Path) -> Config:
-    """Read the validated config that ``shmserve up`` wrote into the run directory."""
-    return from_tree(json.loads(Path(path).read_text()))
+def load_resolved(path: str | Path, read_keys: bool = True) -> Config:
+    """Read the validated config that ``shmserve up`` wrote into the run directory
+    (`read_keys`: as from_tree's)."""
+    return from_tree(json.loads(Path(path).read_text()), read_keys)

@@ -146,9 +146,12 @@ def running_config(cfg: Config) -> Config:
     if supervisord_pid(cfg) is None or not path.is_file():
         return cfg
     try:
-        return config.load_resolved(path)
-    except (OSError, ValueError, config.ConfigError):
-        return cfg  # written by another version, say: the caller's own reading is the best left
+        return config.load_resolved(path, read_keys=False)  # no command here needs the keys
+    except (OSError, ValueError, config.ConfigError) as exc:
+        # written by another version, say: the caller's own reading is the best left, said so
+        print(f"shmserve: warning: the running deployment's config ({path}) does not load "
+              f"({exc}); using the config named now", file=sys.stderr, flush=True)
+        return cfg
 
 
 def deployment(args) -> Config:

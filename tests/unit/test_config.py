@@ -1,3 +1,4 @@
+import dataclasses
 import json
 
 import pytest
@@ -442,3 +443,35 @@ def test_apply_shows_a_models_change_model_by_model():
     assert config.itemized(old, swapped) == ["models: the same, in another order"]
     assert [line.partition(":")[0] for line in config.differences(old, new)] == [
         "batching.max_wait_ms", "models"]  # what apply's plan reads is unchanged
+
+
+def test_the_cli_reads_a_running_deployment_whose_key_file_broke_since(tmp_path, monkeypatch,
+                                                                       capsys):
+    """A key file broken after `up` (a rotation's typo, a file moved) made `status`, `models`,
+    `reload` and `split` act on the default config (port 8080, "admin routes are off")
+    without a word (an outside check): the CLI's reading of the running config needs no key.
+    Frontends starting on it still refuse it."""
+    import json
+
+    from shmserve import processes, topology
+
+    keys = tmp_path / "keys.txt"
+    keys.write_text("a-good-key-1234\n")
+    cfg = config.from_tree({"models": [{"name": "a", "source": "/x"}],
+                            "server": {"run_dir": str(tmp_path / "run"), "port": 20999},
+                            "auth": {"api_keys_file": str(keys)},
+                            "admin": {"token": "admin-token-123"}})
+    resolved = topology.resolved_config_path(cfg)
+    resolved.parent.mkdir(parents=True)
+    resolved.write_text(json.dumps(dataclasses.asdict(cfg)))
+    monkeypatch.setattr(processes, "supervisord_pid", lambda cfg: 4242)
+    keys.write_text("short\n")
+    with pytest.raises(ConfigError, match="api_keys_file"):
+        config.load_resolved(resolved)
+    default = config.from_tree({"models": [{"name": "a", "source": "/x"}],
+                                "server": {"run_dir": str(tmp_path / "run")}})
+    running = processes.running_config(default)
+    assert (running.server.port, running.admin.token) == (20999, "admin-token-123")
+    resolved.write_text("{not json")
+    assert processes.running_config(default) is default
+    assert "the running deployment's config" in capsys.readouterr().err
