@@ -38,7 +38,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
 from benchkit import (CORPUS, NULL_SCENARIO, NULL_STACK, SCENARIOS,  # noqa: E402
-                      locust_window, open_loop_window, positive, rate)
+                      failed, locust_window, open_loop_window, positive, rate)
 from benchstacks import OwnStack, require, stop_on_term, run_main  # noqa: E402
 
 from shmserve.layers import deep_merge  # noqa: E402
@@ -112,19 +112,27 @@ def main() -> int:
             # Open loop: both sides get the offered rate, so the figure is the tail, p99/p50.
             value = (lambda w: w["p99_ms"] / w["p50_ms"]) if args.rate else \
                 (lambda w: w[metric])
-            ratios.append(value(rb) / value(ra))
+            # a side that answered nothing 200 has no figure: no ratio for the round (it ended
+            # the run in a ZeroDivisionError: an outside check)
+            ratio = value(rb) / value(ra) if value(ra) > 0 else float("nan")
+            if ratio == ratio:
+                ratios.append(ratio)
             side = (lambda w: f"p50 {w['p50_ms']:.0f} ms, p99 {w['p99_ms']:.0f} ms, p99/p50 "
-                              f"{value(w):.2f}") if args.rate else \
+                              f"{value(w):.2f}{failed(w)}") if args.rate else \
                 (lambda w: f"{w[metric]:.1f} {metric}, p50 {w['p50_ms']:.0f} ms, "
-                           f"p99 {w['p99_ms']:.0f} ms")
-            print(f"round {r + 1}: A {side(ra)} | B {side(rb)} | B/A {ratios[-1]:.3f}",
+                           f"p99 {w['p99_ms']:.0f} ms{failed(w)}")
+            print(f"round {r + 1}: A {side(ra)} | B {side(rb)} | B/A {ratio:.3f}",
                   flush=True)
     # Open loop: one text a request at the rate, whatever the scenario; a B/A under 1 is a
     # narrower tail on B (not a faster B: compare the p50s and p99s above).
     what, name = ("p99/p50 (under 1: B's tail narrower)", f"open loop at {args.rate:g} req/s") \
         if args.rate else (metric, args.scenario)
+    if not ratios:
+        print(f"\n{name}: no round had a figure on both sides (see the failures above)")
+        return 1
     print(f"\n{name}: B / A {what} median {statistics.median(ratios):.3f} "
-          f"(range {min(ratios):.3f}-{max(ratios):.3f}, {len(ratios)} rounds)")
+          f"(range {min(ratios):.3f}-{max(ratios):.3f}, {len(ratios)} of {args.rounds} "
+          "rounds)")
     return 0
 
 

@@ -45,8 +45,8 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
 from benchkit import (CORPUS, NULL_STACK, SCENARIOS, Scenario, auth_headers,  # noqa: E402
-                      ceiling, corpus_file, cpu_description, locust_window,
-                      min_cosine_to_fp32, open_loop_window, positive)
+                      ceiling, corpus_file, cpu_description, failed, locust_window,
+                      min_cosine_to_fp32, open_loop_window, positive, probe)
 from benchstacks import Baseline, OwnStack, require, stop_on_term, run_main  # noqa: E402
 
 from shmserve import config as config_mod  # noqa: E402
@@ -64,15 +64,19 @@ def closed_loop(args, url: str, other: str | None, inproc) -> dict:
                 row["other"] = locust_window(other, scenario, args.window, args.corpus)
             rounds.append(row)
             print(f"{name} round {r + 1}: " + ", ".join(
-                f"{k} {v['texts_per_s']:.1f} texts/s" for k, v in row.items()), flush=True)
+                f"{k} {v['texts_per_s']:.1f} texts/s{failed(v)}" for k, v in row.items()),
+                flush=True)
         results[name] = summarize(rounds)
     return results
 
 
 def summarize(rounds: list[dict]) -> dict:
-    def ratio(a: str, b: str) -> dict:
-        values = [r[a]["texts_per_s"] / r[b]["texts_per_s"] for r in rounds]
-        return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+    def ratio(a: str, b: str) -> dict | None:
+        """Over the rounds where `b` answered anything (None: in none)."""
+        values = [r[a]["texts_per_s"] / r[b]["texts_per_s"] for r in rounds
+                  if r[b]["texts_per_s"] > 0]
+        return {"median": statistics.median(values), "min": min(values),
+                "max": max(values)} if values else None
 
     out = {"rounds": rounds, "served_vs_in_process": ratio("served", "in_process")}
     if "other" in rounds[0]:
@@ -81,6 +85,10 @@ def summarize(rounds: list[dict]) -> dict:
         out[f"served_{key}"] = statistics.median(r["served"][key] for r in rounds)
     out["in_process_texts_per_s"] = statistics.median(r["in_process"]["texts_per_s"]
                                                       for r in rounds)
+    for side in ("served", "other"):  # every round's requests that were not answered 200
+        if side in rounds[0]:
+            out[f"{side}_failures"] = sum(r[side]["failures"] for r in rounds)
+            out[f"{side}_requests"] = sum(r[side]["requests"] for r in rounds)
     if "other" in rounds[0]:
         out["other_texts_per_s"] = statistics.median(r["other"]["texts_per_s"] for r in rounds)
     return out
@@ -99,7 +107,7 @@ def sweep(args, url: str) -> list[dict]:
                        **window})
         print(f"open loop {fraction:.0%} of {saturation:.0f} ({rate:.0f} req/s offered): "
               f"{window['requests_per_s']:.1f} req/s, p50 {window['p50_ms']:.0f} ms, "
-              f"p99 {window['p99_ms']:.0f} ms", flush=True)
+              f"p99 {window['p99_ms']:.0f} ms{failed(window)}", flush=True)
     return points
 
 
@@ -140,28 +148,42 @@ def _compared(summary: dict) -> str:
 def markdown(summary: dict) -> str:
     lines = [f"Machine: {summary['machine']}. Run: {summary['when']}, `{summary['command']}`.",
              f"Config: {summary['setup']}.", "",
-             "| scenario | served texts/s | p50 ms | p99 ms | in-process texts/s | "
-             f"served / in-process | {_compared(summary)} texts/s | served / "
-             f"{_compared(summary)} |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| scenario | served texts/s | p50 ms | p99 ms | failed requests | in-process "
+             f"texts/s | served / in-process | {_compared(summary)} texts/s | "
+             f"{_compared(summary)} failed | served / {_compared(summary)} |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+
+    def ranged(r: dict | None) -> str:
+        return f"{r['median']:.2f} ({r['min']:.2f}-{r['max']:.2f})" if r else "-"
+
+    def failures(s: dict, side: str) -> str:
+        n, of = s.get(f"{side}_failures", 0), s.get(f"{side}_requests", 0)
+        return f"{n} of {of} ({n / of:.0%})" if n else "0"
+
+    any_failed = False
     for name, s in summary["closed_loop"].items():
-        r = s["served_vs_in_process"]
-        other = s.get("served_vs_other")
+        other = "other_texts_per_s" in s
+        any_failed = any_failed or bool(s.get("served_failures") or s.get("other_failures"))
         lines.append(
             f"| {name} ({SCENARIOS[name].users} users x {SCENARIOS[name].texts}) | "
             f"{s['served_texts_per_s']:.1f} | {s['served_p50_ms']:.0f} | "
-            f"{s['served_p99_ms']:.0f} | {s['in_process_texts_per_s']:.1f} | "
-            f"{r['median']:.2f} ({r['min']:.2f}-{r['max']:.2f}) | "
-            + (f"{s['other_texts_per_s']:.1f} | {other['median']:.2f} "
-               f"({other['min']:.2f}-{other['max']:.2f}) |" if other else "- | - |"))
+            f"{s['served_p99_ms']:.0f} | {failures(s, 'served')} | "
+            f"{s['in_process_texts_per_s']:.1f} | {ranged(s['served_vs_in_process'])} | "
+            + (f"{s['other_texts_per_s']:.1f} | {failures(s, 'other')} | "
+               f"{ranged(s.get('served_vs_other'))} |" if other else "- | - | - |"))
+    if any_failed:
+        lines += ["", "Some requests failed: texts/s counts the answers of 200 only; p50 and "
+                      "p99 are locust's over every request, the failed ones included."]
     if summary.get("sweep"):
         lines += ["", "| open loop (1 text) | saturation req/s | offered req/s | achieved req/s "
-                  "| p50 ms | p99 ms | p99 / p50 |", "|---|---|---|---|---|---|---|"]
+                  "| p50 ms | p99 ms | p99 / p50 | failed requests |",
+                  "|---|---|---|---|---|---|---|---|"]
         for p in summary["sweep"]:
             lines.append(f"| {p['fraction']:.0%} of saturation | {p['saturation_rps']:.0f} | "
                          f"{p['offered_rps']:.0f} | "
                          f"{p['requests_per_s']:.1f} | {p['p50_ms']:.0f} | {p['p99_ms']:.0f} | "
-                         f"{p['p99_ms'] / max(p['p50_ms'], 1e-9):.2f} |")
+                         f"{p['p99_ms'] / max(p['p50_ms'], 1e-9):.2f} | "
+                         f"{p['failures']} of {p['requests']} |")
     if summary.get("null"):
         lines += ["", f"Pipeline capacity, null model, 1 text per request: "
                       f"{summary['null']['requests_per_s']:.0f} requests/s."]
@@ -171,6 +193,8 @@ def markdown(summary: dict) -> str:
         key = _compared(summary) if key == "other" else key  # the table's name for it
         lines.append(f"- Parity, {key}: minimum cosine to sentence-transformers fp32 "
                      f"{value:.6f}.")
+    for stage, error in summary.get("errors", {}).items():
+        lines += ["", f"The {stage} did not complete: {error}"]
     if summary.get("note"):
         lines += ["", summary["note"]]
     return "\n".join(lines) + "\n"
@@ -178,11 +202,12 @@ def markdown(summary: dict) -> str:
 
 def compared(text: str) -> str:
     """An argparse type: 'baseline', or an http(s) URL (found out only at the end, as a
-    ZeroDivisionError, after every window had run)."""
+    ZeroDivisionError, after every window had run); an OpenAI client's base URL (ending in
+    /v1) names the same server."""
     parsed = urllib.parse.urlsplit(text)
     if text != "baseline" and not (parsed.scheme in ("http", "https") and parsed.netloc):
         raise argparse.ArgumentTypeError(f"{text!r}: 'baseline' or an http(s)://HOST:PORT URL")
-    return text.rstrip("/")
+    return text.rstrip("/").removesuffix("/v1")
 
 
 def scenario_names(text: str) -> list[str]:
@@ -280,23 +305,49 @@ def main() -> int:
                 f"max_batch_tokens {limits['max_batch_tokens']} (GET /info); the in-process "
                 f"ceiling runs the local config: {summary['setup']}")
         summary["setup"] += f"; serving {served['name']} in {served['dtype']}"
-        summary["closed_loop"] = closed_loop(args, url, other, inproc)
-        summary["parity"] = {"shmserve": min_cosine_to_fp32(url, corpus[:128])}
+        probe(url, "the served stack")
         if other:
-            summary["parity"]["other"] = min_cosine_to_fp32(other, corpus[:128])
-        if not args.no_sweep and "short" in summary["closed_loop"]:
-            summary["sweep"] = sweep(args, url)
-            out.mkdir(parents=True, exist_ok=True)
-            plot(summary["sweep"], out / "latency.png")
+            probe(other, "--compare's server")
+        summary["closed_loop"] = closed_loop(args, url, other, inproc)
+        # What follows the windows may fail (a server that answers a parity request 503, a
+        # sweep's window with no answer): said in the report, which is written still (a
+        # failed parity request lost every window's figures: an outside check).
+        with stage(summary, "parity check"):
+            summary["parity"] = {"shmserve": min_cosine_to_fp32(url, corpus[:128])}
+            if other:
+                summary["parity"]["other"] = min_cosine_to_fp32(other, corpus[:128])
+        if args.no_sweep:
+            pass
+        elif "short" not in summary["closed_loop"]:
+            print("bench: the open-loop sweep needs the short scenario (--only without short): "
+                  "skipped", file=sys.stderr)
+        else:
+            with stage(summary, "open-loop sweep"):
+                summary["sweep"] = sweep(args, url)
+                out.mkdir(parents=True, exist_ok=True)
+                plot(summary["sweep"], out / "latency.png")
     if not args.no_null:
-        summary["null"] = null_capacity(args)
+        with stage(summary, "null pipeline"):
+            summary["null"] = null_capacity(args)
     if few_rounds:
         summary["note"] = few_rounds + "."
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(summary, indent=2))
     (out / "results.md").write_text(markdown(summary))
     print("\n" + markdown(summary) + f"\nwritten to {out}")
-    return 0
+    return 1 if summary.get("errors") else 0
+
+
+@contextlib.contextmanager
+def stage(summary: dict, name: str):
+    """A stage after the closed-loop windows: an error is recorded in the summary
+    (`errors`), said on stderr, and the run goes on to write its report."""
+    try:
+        yield
+    except Exception as exc:  # noqa: BLE001 - reported, and the report written
+        summary.setdefault("errors", {})[name] = f"{type(exc).__name__}: {exc}"
+        print(f"bench: the {name} failed: {type(exc).__name__}: {exc}", file=sys.stderr,
+              flush=True)
 
 
 if __name__ == "__main__":

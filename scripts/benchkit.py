@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -289,6 +290,32 @@ def auth_headers() -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 
+def failed(window: dict) -> str:
+    """", 3 of 40 requests failed" for a window with failures (its throughput counts only the
+    answers of 200; locust's latencies count every request), else ""."""
+    if not window.get("failures"):
+        return ""
+    return f", {window['failures']} of {window['requests']} requests failed"
+
+
+def probe(url: str, what: str) -> None:
+    """One text through `url`'s /v1/embeddings before any window runs: a server that does not
+    answer it 200 stops the run here, saying what it answered (a URL that never answered
+    ended a run in a ZeroDivisionError after every window, and a base URL ending in /v1 posted
+    to /v1/v1/embeddings: an outside check)."""
+    try:
+        fetch_vectors(url, ["a probe before the windows"])
+    except urllib.error.HTTPError as exc:
+        body = exc.read()[:300].decode(errors="replace")
+        hint = (" (a key: SHMSERVE_API_KEY)" if exc.code == 401 else
+                f" (the URL is the server's root: {url}/v1/embeddings is asked)"
+                if exc.code == 404 else "")
+        raise SystemExit(f"{what} {url}: POST /v1/embeddings answered {exc.code}{hint}: "
+                         f"{body}") from None
+    except (urllib.error.URLError, OSError, ValueError, KeyError) as exc:
+        raise SystemExit(f"{what} {url}: POST /v1/embeddings failed: {exc}") from None
+
+
 def fetch_vectors(url: str, texts: list[str]) -> np.ndarray:
     body = json.dumps({"input": texts, "encoding_format": "float"}).encode()
     req = urllib.request.Request(url + "/v1/embeddings", data=body,
@@ -363,7 +390,9 @@ def open_loop_window(url: str, per_s: float, seconds: float, corpus: Path) -> di
 
     latencies, failures, elapsed = asyncio.run(run())
     latencies.sort()
-    pick = lambda q: latencies[min(len(latencies) - 1, int(q * len(latencies)))]  # noqa: E731
+    # NaN where nothing was answered 200 (an IndexError ended the run: an outside check)
+    pick = lambda q: (latencies[min(len(latencies) - 1, int(q * len(latencies)))]  # noqa: E731
+                      if latencies else float("nan"))
     return {"requests": len(latencies) + failures, "failures": failures,
             "requests_per_s": len(latencies) / elapsed, "texts_per_s": len(latencies) / elapsed,
             "p50_ms": pick(0.5), "p99_ms": pick(0.99)}

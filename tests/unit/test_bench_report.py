@@ -129,3 +129,60 @@ def test_the_in_process_scripts_refuse_bad_arguments_in_their_usage(script, argv
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2, done.stderr
     assert "usage:" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_failed_requests_are_in_the_table_and_said_to_be_in_the_latencies():
+    """Failures were in results.json only: a run where 97% of the requests got 429 read as a
+    fast server (an outside check)."""
+    rounds = [{"served": {"texts_per_s": 30.0, "requests_per_s": 30.0, "p50_ms": 18,
+                          "p99_ms": 150, "requests": 2113, "failures": 2052},
+               "in_process": {"texts_per_s": 80.0},
+               "other": {"texts_per_s": 0.0, "requests_per_s": 0.0, "p50_ms": 5, "p99_ms": 9,
+                         "requests": 500, "failures": 500}}]
+    s = bench.summarize(rounds)
+    assert (s["served_failures"], s["served_requests"]) == (2052, 2113)
+    assert s["served_vs_other"] is None  # the other side answered nothing: no ratio
+    report = bench.markdown(summary(closed_loop={"short": s}))
+    row = next(line for line in report.splitlines() if line.startswith("| short"))
+    assert "| 2052 of 2113 (97%) |" in row and "| 500 of 500 (100%) | - |" in row
+    assert "p50 and p99 are locust's over every request, the failed ones included" in report
+
+
+def test_a_stage_that_fails_after_the_windows_is_reported_and_the_report_written():
+    s = summary()
+    with bench.stage(s, "parity check"):
+        raise OSError("HTTP Error 503: Service Unavailable")
+    assert s["errors"] == {"parity check": "OSError: HTTP Error 503: Service Unavailable"}
+    assert "The parity check did not complete: OSError: HTTP Error 503" in bench.markdown(s)
+
+
+def test_a_compared_url_is_probed_before_any_window_and_its_v1_form_taken():
+    """A URL that never answered 200 ended the run in a ZeroDivisionError after every window;
+    an OpenAI base URL (…/v1) posted to /v1/v1/embeddings (an outside check)."""
+    import benchkit
+
+    assert bench.compared("http://127.0.0.1:9/v1/") == "http://127.0.0.1:9"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens there
+    with pytest.raises(SystemExit, match=r"--compare's server http://127.0.0.1:\d+: POST "
+                                         r"/v1/embeddings failed"):
+        benchkit.probe(f"http://127.0.0.1:{port}", "--compare's server")
+
+
+def test_an_open_loop_window_with_no_answer_has_no_latency_and_counts_its_failures(tmp_path):
+    import json
+    import math
+
+    import benchkit
+
+    corpus = tmp_path / "corpus.json"
+    corpus.write_text(json.dumps(["a text"]))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    window = benchkit.open_loop_window(f"http://127.0.0.1:{port}", 20.0, 0.5, corpus)
+    assert window["failures"] == window["requests"] > 0 and window["requests_per_s"] == 0
+    assert math.isnan(window["p50_ms"]) and math.isnan(window["p99_ms"])
+    assert benchkit.failed(window) == f", {window['requests']} of {window['requests']} " \
+                                      "requests failed"
