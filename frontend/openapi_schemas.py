@@ -124,7 +124,11 @@ def _task_schemas(parts: dict[str, Any]) -> dict[str, Any]:
                                           "properties": {"text": parts["text"]}}]}
     return {
         "ClassifyRequest": {"type": "object", "required": ["input"], "properties": {
-            "input": {"oneOf": [parts["text"], parts["texts"]]},
+            # texts, and pairs [first, second] (an NLI classifier's premise and hypothesis)
+            "input": {"oneOf": [parts["text"], {
+                "type": "array", "minItems": 1, "maxItems": parts["texts"]["maxItems"],
+                "items": {"oneOf": [parts["text"], {"type": "array", "minItems": 2,
+                                                    "maxItems": 2, "items": parts["text"]}]}}]},
             "model": parts["model"]("classification"), "top_k": count,
             "user": parts["user"], "priority": parts["priority"]}},
         "ClassifyResponse": {"type": "object", "properties": {

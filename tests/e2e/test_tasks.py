@@ -54,6 +54,23 @@ def test_classify_is_the_softmax_of_the_classifier(task_stack, task_dirs):
                                atol=1e-5)
 
 
+def test_classify_takes_pairs_as_an_nli_classifier_reads_them(task_stack, task_dirs):
+    """A zero-shot NLI classifier reads a premise and a hypothesis as one pair (token types,
+    one separator): /v1/classify takes pairs beside texts; it refused them (an outside check:
+    only TEI's /predict took pairs)."""
+    pairs = [("A man is eating food.", "Someone eats."), ("hello", "shared memory")]
+    want = reference_scores(task_dirs["clf"], [*pairs, TEXTS[0]], TINY_MAX_TOKENS)
+    status, _, body = task_stack.post_json("/v1/classify", {
+        "model": "clf", "input": [list(p) for p in pairs] + [TEXTS[0]]})
+    assert status == 200, body
+    np.testing.assert_allclose([d["probs"] for d in body["data"]], want, atol=1e-5)
+    assert body["usage"]["prompt_tokens"] > sum(len(a.split()) + len(b.split())
+                                                for a, b in pairs)
+    for bad in ([["one"]], [["a", "b", "c"]], [["a", 1]], ["a", {"text": "b"}]):
+        status, _, body = task_stack.post_json("/v1/classify", {"model": "clf", "input": bad})
+        assert status == 422 and "pair [first, second]" in body["error"]["message"], body
+
+
 def test_rerank_scores_pairs_best_first(task_stack, task_dirs):
     query = "what moves token ids between processes?"
     docs = TEXTS + ["word " * 80]  # the last pair is cut to the model's 64 tokens
