@@ -50,3 +50,16 @@ def assign(net: nn.Module, weights: dict[str, torch.Tensor]) -> nn.Module:
     for p in net.parameters():
         p.requires_grad_(False)
     return net.eval()
+
+
+def build(directory: Path, cls: type, config, dtype: torch.dtype,
+          prefix: str | None = None) -> nn.Module | None:
+    """`cls(config)` made on the meta device, its weights read from `directory` (`read`) and
+    put in place (`assign`); None where the checkpoint is not read exactly as transformers
+    would read it. `prefix`: removed from the saved keys (an encoder saved inside a model with
+    a head, `model.`), which are taken as they are where it is None."""
+    with torch.device("meta"):  # nothing allocated: the weights are assigned
+        net = cls(config)
+    weights = read(directory, net, dtype,
+                   (lambda key: key.removeprefix(prefix)) if prefix else (lambda key: key))
+    return None if weights is None else assign(net, weights)

@@ -403,14 +403,10 @@ def load(directory: Path, task: str, dtype: torch.dtype) -> nn.Module | None:
     config = Config.read(directory)
     if config is None or task not in CLASSES:
         return None
-    with torch.device("meta"):
-        net = CLASSES[task](config)
     # an encoder saved alone, or inside a model with a head (`deberta.`)
-    weights = checkpoint.read(directory, net, dtype, lambda key: key.removeprefix("deberta.")
-                              if task == "embedding" else key)
-    if weights is None:
-        return None
-    net = checkpoint.assign(net, weights)
-    net.prepare()
+    net = checkpoint.build(directory, CLASSES[task], config, dtype,
+                           "deberta." if task == "embedding" else None)
+    if net is not None:
+        net.prepare()
     return net
 

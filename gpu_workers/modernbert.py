@@ -35,7 +35,7 @@ from torch import nn
 from gpu_workers import checkpoint
 from gpu_workers.bert import embedding
 from gpu_workers.bert_config import ACTIVATIONS, config_json, typed_fields
-from gpu_workers.packed import Group, Output, index_of, rows_for
+from gpu_workers.packed import Group, Output, gather, index_of, rows_for, scatter
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 
@@ -270,8 +270,7 @@ class PackedModernBert:
         x, places = self._encode(groups)
         out = []
         for g, (b, l, index, lo, hi) in zip(groups, places):
-            hidden = (x[lo:hi].view(b, l, h) if index is None else
-                      x.new_zeros(b * l, h).index_copy_(0, index, x[lo:hi]).view(b, l, h))
+            hidden = scatter(x[lo:hi], b, l, index).view(b, l, h)
             logits = (self.whole.logits(hidden, g.mask) if hasattr(self.whole, "logits")
                       else None)
             out.append(Output(hidden, logits))
@@ -320,7 +319,7 @@ class PackedModernBert:
             b, l = g.ids.shape
             rows = self.net.embeddings(g.ids).reshape(b * l, h)
             index = None if g.dense else g.index
-            parts.append(rows if index is None else rows.index_select(0, index))
+            parts.append(gather(rows, index))
             end = start + (b * l if index is None else index.numel())
             places.append((b, l, index, start, end))
             extras.append((self._positions(l, rows.device, rows.dtype), self._masks(g, l)))
@@ -334,14 +333,12 @@ class PackedModernBert:
             qkv = layer.attn.Wqkv(layer.attn_norm(x))
             context = []
             for (b, l, index, lo, hi), (rotary, masks) in zip(places, extras):
-                padded = (qkv[lo:hi] if index is None else
-                          qkv.new_zeros(b * l, 3 * h).index_copy_(0, index, qkv[lo:hi]))
+                padded = scatter(qkv[lo:hi], b, l, index)
                 q, k, v = padded.view(b, l, 3, heads, h // heads).permute(2, 0, 3, 1, 4)
                 cos, sin = rotary[kind]
                 out = F.scaled_dot_product_attention(_rotate(q, cos, sin), _rotate(k, cos, sin),
                                                      v, attn_mask=masks[kind])
-                out = out.transpose(1, 2).reshape(b * l, h)
-                context.append(out if index is None else out.index_select(0, index))
+                context.append(gather(out.transpose(1, 2).reshape(b * l, h), index))
             if padding:
                 context.append(x.new_zeros(padding, h))
             x = x + layer.attn.Wo(torch.cat(context))
@@ -363,9 +360,6 @@ def load(directory: Path, task: str, dtype: torch.dtype) -> nn.Module | None:
     config = Config.read(directory)
     if config is None or task not in CLASSES:
         return None
-    with torch.device("meta"):
-        net = CLASSES[task](config)
     # an encoder saved alone, or inside a model with a head (`model.`)
-    weights = checkpoint.read(directory, net, dtype, lambda key: key.removeprefix("model.")
-                              if task == "embedding" else key)
-    return None if weights is None else checkpoint.assign(net, weights)
+    return checkpoint.build(directory, CLASSES[task], config, dtype,
+                            "model." if task == "embedding" else None)

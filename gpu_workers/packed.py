@@ -83,6 +83,18 @@ def index_of(lengths: np.ndarray, width: int) -> torch.Tensor:
         [np.arange(n, dtype=np.int64) + i * width for i, n in enumerate(lengths.tolist())]))
 
 
+def scatter(rows: torch.Tensor, b: int, l: int, index: torch.Tensor | None) -> torch.Tensor:
+    """A group's packed rows [real tokens, width] as its padded batch [b * l, width], zeros
+    at the padding; the rows themselves where the group has none (`index` None)."""
+    return rows if index is None else \
+        rows.new_zeros(b * l, rows.shape[1]).index_copy_(0, index, rows)
+
+
+def gather(padded: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
+    """The real tokens' rows of a group's padded [b * l, width] (`scatter`'s inverse)."""
+    return padded if index is None else padded.index_select(0, index)
+
+
 def rows_for(tokens: int) -> int:
     """`tokens` rounded up to a multiple of 16, or above 128 to one of 8 sizes per doubling:
     at most 12.5% more rows, and 56 sizes up to 8,192 tokens."""
@@ -207,8 +219,7 @@ class PackedEncoder:
         x, places = self._encode(groups)
         out = []
         for b, l, index, lo, hi, _ in places:
-            hidden = (x[lo:hi].view(b, l, h) if index is None else
-                      x.new_zeros(b * l, h).index_copy_(0, index, x[lo:hi]).view(b, l, h))
+            hidden = scatter(x[lo:hi], b, l, index).view(b, l, h)
             out.append(Output(hidden, self.classify(self.whole, hidden) if self.classify
                               else None))
         return out
@@ -235,7 +246,7 @@ class PackedEncoder:
             index, mask = (None, None) if g.dense else (g.index, g.mask[:, None, None, :])
             if self.relative is not None:  # MPNet: its position bias, padded keys at -inf
                 mask = relative_bias(self.relative.weight, l, mask)
-            parts.append(rows if index is None else rows.index_select(0, index))
+            parts.append(gather(rows, index))
             places.append((b, l, index, start, start + b * l if index is None else
                            start + index.numel(), mask))
             start = places[-1][4]
@@ -247,14 +258,12 @@ class PackedEncoder:
             qkv = linear(x)
             context = []
             for b, l, index, lo, hi, mask in places:
-                padded = (qkv[lo:hi] if index is None else
-                          qkv.new_zeros(b * l, 3 * h).index_copy_(0, index, qkv[lo:hi]))
+                padded = scatter(qkv[lo:hi], b, l, index)
                 q, k, v = padded.view(b, l, 3, heads, h // heads).permute(2, 0, 3, 1, 4)
                 out = F.scaled_dot_product_attention(
                     q, k, v, attn_mask=mask if scores is None else scores(q, k, mask),
                     scale=scale)
-                out = out.transpose(1, 2).reshape(b * l, h)
-                context.append(out if index is None else out.index_select(0, index))
+                context.append(gather(out.transpose(1, 2).reshape(b * l, h), index))
             if padding:
                 context.append(x.new_zeros(padding, h))
             x = output(torch.cat(context), x)  # dense, residual, layer norm

@@ -32,7 +32,7 @@ from torch import nn
 from gpu_workers import checkpoint
 from gpu_workers.bert import embedding
 from gpu_workers.bert_config import config_json, typed_fields
-from gpu_workers.packed import Group, Output, index_of, rows_for
+from gpu_workers.packed import Group, Output, gather, index_of, rows_for, scatter
 
 
 @dataclass
@@ -193,8 +193,7 @@ class PackedQwen3:
     def __call__(self, groups: list[Group]) -> list[Output]:
         h = self.net.config.hidden_size
         x, places = self._encode(groups)
-        return [Output(x[lo:hi].view(b, l, h) if index is None else
-                       x.new_zeros(b * l, h).index_copy_(0, index, x[lo:hi]).view(b, l, h))
+        return [Output(scatter(x[lo:hi], b, l, index).view(b, l, h))
                 for b, l, index, lo, hi in places]
 
     def tokens(self, groups: list[Group]) -> torch.Tensor:
@@ -216,7 +215,7 @@ class PackedQwen3:
             b, l = g.ids.shape
             rows = net.embed_tokens(g.ids).reshape(b * l, h)
             index = None if g.dense else g.index
-            parts.append(rows if index is None else rows.index_select(0, index))
+            parts.append(gather(rows, index))
             end = start + (b * l if index is None else index.numel())
             places.append((b, l, index, start, end))
             rotary.append(self._positions(l, rows.device, rows.dtype))
@@ -235,16 +234,13 @@ class PackedQwen3:
             context = []
             for (b, l, index, lo, hi), (cos, sin) in zip(places, rotary):
                 def padded(t: torch.Tensor) -> torch.Tensor:  # [b, heads, l, d]
-                    t = t[lo:hi].reshape(hi - lo, -1)
-                    if index is not None:
-                        t = t.new_zeros(b * l, t.shape[1]).index_copy_(0, index, t)
-                    return t.view(b, l, -1, d).transpose(1, 2)
+                    return scatter(t[lo:hi].reshape(hi - lo, -1), b, l, index) \
+                        .view(b, l, -1, d).transpose(1, 2)
 
                 out = F.scaled_dot_product_attention(
                     _rotate(padded(q), cos, sin), _rotate(padded(k), cos, sin), padded(v),
                     is_causal=True, enable_gqa=kv != heads, scale=d ** -0.5)
-                out = out.transpose(1, 2).reshape(b * l, heads * d)
-                context.append(out if index is None else out.index_select(0, index))
+                context.append(gather(out.transpose(1, 2).reshape(b * l, heads * d), index))
             if padding:
                 context.append(x.new_zeros(padding, heads * d))
             x = x + attn.o_proj(torch.cat(context))
@@ -266,9 +262,6 @@ def load(directory: Path, task: str, dtype: torch.dtype) -> nn.Module | None:
     config = Config.read(directory) if task == "embedding" else None
     if config is None:
         return None
-    with torch.device("meta"):
-        net = Qwen3Model(config)
     # a decoder saved alone (sentence-transformers' Qwen3-Embedding), or inside a causal LM
     # (`model.`, its head left out)
-    weights = checkpoint.read(directory, net, dtype, lambda key: key.removeprefix("model."))
-    return None if weights is None else checkpoint.assign(net, weights)
+    return checkpoint.build(directory, Qwen3Model, config, dtype, "model.")
