@@ -243,7 +243,7 @@ def bearer_matches(request: web.Request, keys: tuple[bytes, ...]) -> bool:
 def authenticate(request: web.Request, keys: tuple[bytes, ...]) -> None:
     if not bearer_matches(request, keys):
         raise ApiError("unauthorized", "this server needs 'Authorization: Bearer <API key>' "
-                       "(one of auth.api_keys)")
+                       "(one of auth.api_keys or auth.api_keys_file)")
 
 
 def error_response(request: web.Request, exc: ApiError) -> web.Response:

@@ -13,9 +13,9 @@ from aiohttp import web
 
 import shmserve
 from frontend import codec
-from frontend.app import CONFIG, MODELS, POOL, Models
+from frontend.app import CONFIG, MODELS, POOL, SPLITS, Models
 from frontend.pool import WorkerPool
-from frontend.variants import revision
+from frontend.variants import Splits, revision
 from shmserve import topology
 from shmserve.config import Config
 
@@ -42,11 +42,12 @@ def add_routes(app: web.Application) -> None:
 
 async def info(request: web.Request) -> web.Response:
     app = request.app
-    return codec.render(request, describe(app[CONFIG], app[MODELS], app[POOL]))
+    return codec.render(request, describe(app[CONFIG], app[MODELS], app[POOL], app[SPLITS]))
 
 
-def describe(cfg: Config, models: Models, pool: WorkerPool) -> dict[str, Any]:
-    served = [_model(cfg, served, pool) for served in models.by_name.values()]
+def describe(cfg: Config, models: Models, pool: WorkerPool,
+             splits: Splits | None = None) -> dict[str, Any]:
+    served = [_model(cfg, served, pool, splits) for served in models.by_name.values()]
     default = next(m for m in served if m["name"] == models.default)
     devices = topology.worker_devices(cfg)
     return {
@@ -81,7 +82,7 @@ def describe(cfg: Config, models: Models, pool: WorkerPool) -> dict[str, Any]:
     }
 
 
-def _model(cfg: Config, served, pool: WorkerPool) -> dict[str, Any]:
+def _model(cfg: Config, served, pool: WorkerPool, splits: Splits | None) -> dict[str, Any]:
     spec = served.spec
     # Workers name an A/B arm MODEL@VARIANT; the first arm stands for the model here.
     reported = pool.model_info(served.variants[0].unit)
@@ -108,8 +109,14 @@ def _model(cfg: Config, served, pool: WorkerPool) -> dict[str, Any]:
     if spec.task == "rerank":
         info["activation"] = spec.activation  # of the logit: sigmoid | identity
     if served.variants[0].name:  # an A/B split: each arm's revision ("revision": the first's)
-        info["variants"] = [{"name": v.name, "revision": revision(v, pool) or None}
-                            for v in served.variants]
+        # and weight in force (the admin API's split, else the configured), and what a request
+        # sticks to an arm by: they were in GET /admin/models only, behind the admin token (an
+        # outside check)
+        weights = (splits.weights(spec.name, served.variants) if splits is not None
+                   else [v.weight for v in served.variants])
+        info["variants"] = [{"name": v.name, "revision": revision(v, pool) or None,
+                             "weight": weight} for v, weight in zip(served.variants, weights)]
+        info["sticky_key"] = served.sticky_key or None
     return info
 
 

@@ -307,6 +307,11 @@ def test_new_weights_apply_on_every_frontend(task_stack):
     results = asyncio.run(_embed_many(task_stack, [{"model": "ab", "input": "x"}] * 100))
     assert {r[0] for r in results} == {"b"}  # two frontends, both already on the new weights
     assert [v["weight"] for v in admin_models(task_stack)["ab"]["variants"]] == [0, 1]
+    # /info says so too, without the admin token (an outside check: admin only)
+    info = {m["name"]: m for m in json.loads(task_stack.get("/info")[2])["models"]}
+    assert [v["weight"] for v in info["ab"]["variants"]] == [0, 1]
+    assert (info["ab"]["sticky_key"], info["ab-user"]["sticky_key"]) == ("header:X-User",
+                                                                        "user")
     for bad, why in (({"weights": {"a": 1}}, "b missing"),
                      ({"weights": {"a": 0, "b": 0}}, "all are 0"),
                      ({"w": 1}, "give an object {variant: weight}"),
@@ -370,8 +375,9 @@ def test_ab_models_are_ready_and_versioned_on_kserve_and_info(task_stack):
     status, _, raw = task_stack.get("/info")
     models = {m["name"]: m for m in json.loads(raw)["models"]}
     assert status == 200 and models["ab"]["revision"] == "ab-r1"
-    assert models["ab"]["variants"] == [{"name": "a", "revision": "ab-r1"},
-                                        {"name": "b", "revision": "ab-r2"}]
+    assert models["ab"]["variants"] == [
+        {"name": "a", "revision": "ab-r1", "weight": pytest.approx(1 - AB_WEIGHT_B)},
+        {"name": "b", "revision": "ab-r2", "weight": pytest.approx(AB_WEIGHT_B)}]
     assert "variants" not in models["tiny"]
 
 
