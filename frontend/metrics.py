@@ -67,6 +67,16 @@ WORKER_HUNG_KILLS = Counter("shmserve_worker_hung_kills_total",
                             "(frontend.watchdog); several frontends may count one: use max by "
                             "(worker)", ["frontend", "worker"])
 
+RELOADS = Counter("shmserve_reloads_total",
+                  "Hot reloads asked through the admin API, by model unit (MODEL, or "
+                  "MODEL@VARIANT for an A/B arm) and outcome: ok, or the error's kind "
+                  "(invalid_request: the new weights do not load or fit; conflict: another "
+                  "reload of it ran; unavailable; internal_error)", ["model", "outcome"])
+RELOAD_SECONDS = Histogram("shmserve_reload_duration_seconds",
+                           "A successful hot reload, from the admin call to every worker "
+                           "switched (loading and warming the new weights included)",
+                           ["model"], buckets=(1, 2, 5, 10, 20, 30, 60, 120, 300, 600))
+
 
 # The request path's children, cached (shmserve.metrics.Children): call as `texts(model)`.
 # Their updates are written once per event-loop turn (shmserve.metrics.Turn): a frontend answers

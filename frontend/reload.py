@@ -16,10 +16,12 @@ learns the new revision from the replies it gets (Result.revision) and from hear
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 
 from aiohttp import web
 
+from frontend import metrics
 from frontend.app import CONFIG, POOL
 from frontend.errors import ApiError
 from frontend.links import WorkerGone, WorkerLink, consume
@@ -40,7 +42,21 @@ async def reload(app: web.Application, model: str, variant: Variant, source: str
                  revision: str, digest: str | None = None) -> dict:
     """Reload `variant` of `model` everywhere; the answer body, or an ApiError. `digest`: the
     new weights' digest where the caller took it already (it labels them without a
-    `revision`)."""
+    `revision`). Counted by outcome, and a success timed (metrics.RELOADS, RELOAD_SECONDS:
+    reloads showed only as admin requests, an outside check)."""
+    started = time.monotonic()
+    try:
+        answer = await _reload_hosts(app, model, variant, source, revision, digest)
+    except ApiError as exc:
+        metrics.RELOADS.labels(variant.unit, exc.kind).inc()
+        raise
+    metrics.RELOADS.labels(variant.unit, "ok").inc()
+    metrics.RELOAD_SECONDS.labels(variant.unit).observe(time.monotonic() - started)
+    return answer
+
+
+async def _reload_hosts(app: web.Application, model: str, variant: Variant, source: str,
+                        revision: str, digest: str | None) -> dict:
     cfg, pool = app[CONFIG], app[POOL]
     devices = topology.worker_devices(cfg)
     hosts = [link for link in pool.links

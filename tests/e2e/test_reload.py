@@ -215,6 +215,38 @@ def test_of_two_reloads_at_once_one_goes_ahead(stack, models):
     settles_on(stack, "tiny-r2")
 
 
+def reload_counts(stack: Stack) -> tuple[dict[str, float], float]:
+    """shmserve_reloads_total of tiny by outcome, and its reload durations' count (every
+    frontend's, as any frontend's /metrics gives them)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    outcomes, timed = {}, 0.0
+    for family in text_string_to_metric_families(stack.get("/metrics")[2].decode()):
+        for sample in family.samples:
+            if sample.labels.get("model") != "tiny":
+                continue
+            if sample.name == "shmserve_reloads_total":
+                outcomes[sample.labels["outcome"]] = sample.value
+            elif sample.name == "shmserve_reload_duration_seconds_count":
+                timed = sample.value
+    return outcomes, timed
+
+
+def test_reloads_are_counted_by_outcome_and_timed(stack, models, tmp_path):
+    """Served before and after: b (tiny-r2). A reload showed in the metrics only as an admin
+    request (an outside check): each is counted by outcome, a success timed."""
+    before, timed_before = reload_counts(stack)
+    assert reload(stack, "tiny", source=str(models["b"]), revision="tiny-r2")[0] == 200
+    broken = shutil.copytree(models["b"], tmp_path / "broken")
+    (broken / "model.safetensors").unlink()
+    assert reload(stack, "tiny", source=str(broken), revision="tiny-x")[0] == 422
+    after, timed_after = reload_counts(stack)
+    assert after.get("ok", 0) - before.get("ok", 0) == 1, (before, after)
+    assert after.get("invalid_request", 0) - before.get("invalid_request", 0) == 1
+    assert timed_after - timed_before == 1
+    settles_on(stack, "tiny-r2")
+
+
 def test_cli_reload_and_a_restarted_worker_loads_the_reloaded_model(stack, models):
     """Served before: b (tiny-r2). After: a, labelled tiny-r3, also on a restarted worker."""
     proc = stack.cli("reload", "tiny", str(models["a"]), "--revision", "tiny-r3")
