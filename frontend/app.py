@@ -113,6 +113,9 @@ STAGES = web.RequestKey("stages", dict)  # seconds per stage, set by the embeddi
 REPLIED_AT = web.RequestKey("replied_at", float)  # when the worker's reply arrived
 REVISION = web.RequestKey("revision", str)  # of the weights that served the request
 VARIANT = web.RequestKey("variant", str)  # the A/B variant that served it ("" without a split)
+# An inference request's A/B variant ("" without a split) and priority, once chosen: its
+# metrics by arm and priority (metrics.observe_inference)
+CHOSEN = web.RequestKey("chosen", tuple)
 TIMEOUT_S = web.RequestKey("timeout_s", float)  # a protocol's own deadline (KServe's
                                                  # parameters.timeout), with X-Request-Timeout's
 PINNED = web.RequestKey("pinned", object)  # a frontend.variants.Variant the request names (a
@@ -279,6 +282,8 @@ def _record(request: web.Request, response: web.StreamResponse, elapsed: float,
     model = request.get(MODEL_NAME) or request.app[MODELS].canonical(
         request.get(codec.NAMED_MODEL, "")) or ""
     metrics.observe_request(path, model, response.status, elapsed, request.get(REVISION, ""))
+    if (chosen := request.get(CHOSEN)) is not None:
+        metrics.observe_inference(model, *chosen, response.status, elapsed)
     stages = request.get(STAGES)  # set by a route that ran the embedding pipeline
     if stages is not None and response.status < 400:
         # The last stage ends here, once the response is rendered: reply arrival to now.

@@ -77,12 +77,26 @@ RELOAD_SECONDS = Histogram("shmserve_reload_duration_seconds",
                            "switched (loading and warming the new weights included)",
                            ["model"], buckets=(1, 2, 5, 10, 20, 30, 60, 120, 300, 600))
 
+# Inference requests by A/B arm and priority (the routes that run a model): an A/B test
+# compares its arms' latency and errors, and priorities are there to keep the interactive
+# ones fast (an outside check found neither in the metrics).
+INFERENCE = Counter("shmserve_inference_requests_total",
+                    "Inference requests answered, by model, A/B variant (\"\" without a "
+                    "split), priority (-10..10: low -1, normal 0, high 1) and status",
+                    ["model", "variant", "priority", "status"])
+INFERENCE_LATENCY = Histogram("shmserve_inference_request_duration_seconds",
+                              "Time from the frontend receiving an inference request to its "
+                              "response (any status), by model, A/B variant and priority",
+                              ["model", "variant", "priority"],
+                              buckets=shared.LATENCY_BUCKETS)
+
 
 # The request path's children, cached (shmserve.metrics.Children): call as `texts(model)`.
 # Their updates are written once per event-loop turn (shmserve.metrics.Turn): a frontend answers
 # a worker's whole batch of replies in one turn.
 turn = Turn()
 requests, latency, stage = (Children(m, turn) for m in (REQUESTS, LATENCY, STAGE))
+inference, inference_latency = Children(INFERENCE, turn), Children(INFERENCE_LATENCY, turn)
 inflight, texts, tokens = (Children(m, turn) for m in (INFLIGHT, TEXTS, TOKENS))
 input_tokens, truncated = Children(INPUT_TOKENS, turn), Children(TRUNCATED, turn)
 rejected, deadlines = Children(REJECTED, turn), Children(DEADLINES, turn)
@@ -117,6 +131,14 @@ def observe_request(route: str, model: str, status: int, seconds: float,
         rejected(model).inc()
     elif status == 504:
         deadlines(model).inc()
+
+
+def observe_inference(model: str, variant: str, priority: int, status: int,
+                      seconds: float) -> None:
+    """An inference request's counters by A/B arm and priority (the middleware calls this for
+    the requests that chose them)."""
+    inference(model, variant, str(priority), str(status)).inc()
+    inference_latency(model, variant, str(priority)).observe(seconds)
 
 
 def exposition(cfg: Config) -> tuple[bytes, str]:

@@ -26,9 +26,9 @@ import numpy as np
 from aiohttp import web
 
 from frontend import codec, metrics, schemas
-from frontend.app import (CONFIG, DISPATCHER, INDEX, INFLIGHT, LOG_FIELDS, MODEL_NAME, MODELS,
-                          PINNED, REPLIED_AT, REQUEST_ID, REVISION, SPLITS, STAGES, TIMEOUT_S,
-                          TOKENIZE_AT, TOKENIZE_MS, VARIANT, ServedModel)
+from frontend.app import (CHOSEN, CONFIG, DISPATCHER, INDEX, INFLIGHT, LOG_FIELDS, MODEL_NAME,
+                          MODELS, PINNED, REPLIED_AT, REQUEST_ID, REVISION, SPLITS, STAGES,
+                          TIMEOUT_S, TOKENIZE_AT, TOKENIZE_MS, VARIANT, ServedModel)
 from frontend.dispatch import Outcome
 from frontend.errors import ApiError
 from frontend.tokenizer import Encoded, TextEncoder
@@ -172,6 +172,7 @@ async def run(request: web.Request, served: ServedModel,
         served.spec.name, served.variants, sticky_key(request, served, user))
     deadline = time.time() + timeout(request, cfg.frontends.request_timeout_s)
     priority = request_priority(request, priority, cfg.frontends.default_priority)
+    request[CHOSEN] = (variant.name, priority)
     inflight = request.app[INFLIGHT]
     if inflight[0] >= cfg.frontends.max_inflight:
         metrics.refused("inflight").inc()

@@ -283,6 +283,42 @@ def test_ab_split_follows_the_weights_and_says_who_served(task_stack, task_dirs)
     assert served["ab-r1"] >= counts["a"] and served["ab-r2"] >= counts["b"]
 
 
+def inference_metrics(task_stack, model: str) -> dict:
+    """shmserve_inference_requests_total of `model` by (variant, priority, status), and its
+    latency histogram's counts by (variant, priority)."""
+    out = {}
+    _, _, raw = task_stack.get("/metrics")
+    for family in text_string_to_metric_families(raw.decode()):
+        for s in family.samples:
+            if s.labels.get("model") != model:
+                continue
+            if s.name == "shmserve_inference_requests_total":
+                out[s.labels["variant"], s.labels["priority"], s.labels["status"]] = s.value
+            elif s.name == "shmserve_inference_request_duration_seconds_count":
+                out[s.labels["variant"], s.labels["priority"]] = s.value
+    return out
+
+
+def test_inference_metrics_name_each_arm_and_priority(task_stack):
+    """An A/B test compares its arms' latency and errors, and priorities are there to keep
+    interactive requests fast: the request metrics had neither label (an outside check)."""
+    before = inference_metrics(task_stack, "ab")
+    for header in ("user-1", "user-2", "user-3", "user-4"):
+        for priority in ("high", "low"):
+            status, headers, _ = task_stack.post_json(
+                "/v1/embeddings", {"model": "ab", "input": "x"},
+                {"X-User": header, "X-Priority": priority})
+            assert status == 200
+    after = inference_metrics(task_stack, "ab")
+    grew = {key: after[key] - before.get(key, 0) for key in after
+            if after[key] != before.get(key, 0)}
+    counted = {key: n for key, n in grew.items() if len(key) == 3}
+    assert sum(counted.values()) == 8 and {k[2] for k in counted} == {"200"}, grew
+    assert {k[1] for k in counted} == {"1", "-1"} and {k[0] for k in counted} <= {"a", "b"}
+    timed = {key: n for key, n in grew.items() if len(key) == 2}
+    assert timed == {key[:2]: n for key, n in counted.items()}, grew
+
+
 def test_a_sticky_key_never_flips(task_stack):
     keys = [f"user-{k}" for k in range(40)]
     seen = defaultdict(set)
