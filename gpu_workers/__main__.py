@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import os
 import sys
@@ -25,6 +26,11 @@ def main() -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", cfg.workers.cuda_alloc_conf)
     logs.configure(cfg.logging, f"worker-{args.index}")
+    if cfg.workers.start_timeout_s:
+        # Until its sockets are bound (gpu_workers.worker cancels it): a hang in the imports or
+        # in the device's initialisation, before any heartbeat, was never killed. faulthandler's
+        # timer runs in a C thread, so a main thread stuck in C code holding the GIL still ends.
+        faulthandler.dump_traceback_later(cfg.workers.start_timeout_s, exit=True)
     sys.setswitchinterval(cfg.workers.switch_interval_ms / 1000.0)
 
     from gpu_workers.device import DeviceError

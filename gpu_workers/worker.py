@@ -14,6 +14,7 @@ and Commit.
 
 from __future__ import annotations
 
+import faulthandler
 import functools
 import logging
 import queue
@@ -187,6 +188,8 @@ class Worker:
         self._sockets.start()
         if not self._sockets.bound.wait(10):
             raise RuntimeError("socket thread did not bind within 10 s")
+        # Heartbeats answer from now on: a hang is the frontends' to see (workers.hung_kill_s)
+        faulthandler.cancel_dump_traceback_later()  # workers.start_timeout_s (gpu_workers.__main__)
         try:
             self._load_yielding()
         except Exception as exc:

@@ -71,6 +71,7 @@ CHECKS: dict[str, Check] = {
     "workers.heartbeat_interval_s": (lambda v: v > 0, "a number > 0"),
     "workers.heartbeat_timeout_s": (lambda v: v > 0, "a number > 0"),
     "workers.hung_kill_s": (lambda v: v >= 0, "a number >= 0 (0: never)"),
+    "workers.start_timeout_s": (lambda v: v >= 0, "a number >= 0 (0: never)"),
     "frontends.hung_kill_s": (lambda v: v >= 0, "a number >= 0 (0: never)"),
     "workers.stalled_pass_s": (lambda v: v >= 0, "a number >= 0 (0: never)"),
     "workers.ready_timeout_s": (lambda v: v > 0, "a number > 0"),

@@ -110,6 +110,11 @@ class WorkerConfig:
     # A worker silent this long (its whole process stuck: heartbeats come from its socket
     # thread) is SIGKILLed by a frontend, so supervisord restarts it (frontend.watchdog); 0: never
     hung_kill_s: float = 30.0
+    # A worker whose sockets are not bound this long after its process started (stuck in its
+    # imports, or in the device's initialisation, before any heartbeat: no frontend knows its
+    # pid to kill it) exits with every thread's traceback (faulthandler), and supervisord
+    # starts it again; 0: never
+    start_timeout_s: float = 120.0
     # A forward pass running longer than this is reported as stalled (GET /ready, logs); the
     # worker is not killed for it (frontend.watchdog says why); 0: never
     stalled_pass_s: float = 60.0

@@ -133,3 +133,32 @@ def test_a_device_error_answers_every_request_and_the_worker_exits_to_be_restart
     assert len(failed_lines) == 1, logged[-3000:]
     assert "DeviceLost: AcceleratorError: CUDA error: device-side assert" in json.dumps(
         failed_lines[0])
+
+
+def test_a_worker_stuck_before_it_listens_exits_past_start_timeout(tmp_path, tiny_model):
+    """A hang in a worker's imports or its device's initialisation, before its sockets are
+    bound, was never killed: no frontend has heard its pid (an outside check: a worker
+    SIGSTOPped at spawn stayed for good). Past workers.start_timeout_s it exits with its
+    threads' tracebacks, and supervisord starts it again. A timeout shorter than the imports
+    stands in for the hang; the default lets every stack of the suite start."""
+    import dataclasses
+    import subprocess
+    import sys
+
+    from shmserve import config
+    from tests.stack import REPO
+
+    cfg = config.from_tree({"models": [{"name": "tiny", "source": str(tiny_model)}],
+                            "model_roots": [str(tiny_model.parent)],
+                            "server": {"run_dir": str(tmp_path / "run")},
+                            "workers": {"devices": "cpu", "cpu_workers": 1,
+                                        "start_timeout_s": 0.3}})
+    resolved = tmp_path / "config.json"
+    resolved.write_text(json.dumps(dataclasses.asdict(cfg)))
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "gpu_workers", "--config", str(resolved),
+                           "--index", "0"], cwd=REPO, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode != 0, done.stdout + done.stderr
+    assert "Timeout (0:00:00.300000)!" in done.stderr, done.stderr[-2000:]
+    assert time.monotonic() - started < 20
