@@ -111,6 +111,12 @@ def sweep(args, url: str) -> list[dict]:
     return points
 
 
+def by_throughput(points: list[dict]) -> list[dict]:
+    """The sweep's points in the plot's order: in the sweep's, a point that achieved less than
+    the one before drew the lines back on themselves (an outside check)."""
+    return sorted(points, key=lambda p: p["requests_per_s"])
+
+
 def plot(points: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -118,9 +124,13 @@ def plot(points: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
+    points = by_throughput(points)  # each point names its share of saturation
     x = [p["requests_per_s"] for p in points]
     ax.plot(x, [p["p50_ms"] for p in points], "o-", label="p50")
     ax.plot(x, [p["p99_ms"] for p in points], "s-", label="p99")
+    for p in points:
+        ax.annotate(f"{p['fraction']:.0%}", (p["requests_per_s"], p["p99_ms"]),
+                    textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
     ax.set_xlabel("throughput (requests/s, 1 text each)")
     ax.set_ylabel("latency (ms)")
     ax.set_title("shmserve: open-loop latency against throughput")
@@ -267,7 +277,10 @@ def main() -> int:
               file=sys.stderr)
         args.no_null = True
 
-    cfg = config_mod.load(env=args.env, extra=args.config)
+    try:
+        cfg = config_mod.load(env=args.env, extra=args.config)
+    except config_mod.ConfigError as exc:  # a traceback of 21 lines said it (an outside check)
+        raise SystemExit(f"bench: config: {exc}") from None
     corpus = json.loads(args.corpus.read_text())
     out = args.out / time.strftime("%Y%m%d-%H%M%S")  # made once there is something to write
     summary = {"machine": f"{os.cpu_count()} cores, {platform.machine()}, "

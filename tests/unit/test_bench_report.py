@@ -186,3 +186,11 @@ def test_an_open_loop_window_with_no_answer_has_no_latency_and_counts_its_failur
     assert math.isnan(window["p50_ms"]) and math.isnan(window["p99_ms"])
     assert benchkit.failed(window) == f", {window['requests']} of {window['requests']} " \
                                       "requests failed"
+
+
+def test_the_latency_plot_draws_its_points_by_throughput():
+    """In the sweep's order, a point that achieved less than the one before drew the lines back
+    on themselves (an outside check)."""
+    points = [{"fraction": f, "requests_per_s": r, "p50_ms": 10.0, "p99_ms": 30.0}
+              for f, r in ((0.25, 30.0), (0.5, 20.7), (0.75, 60.0), (1.0, 80.0))]
+    assert [p["fraction"] for p in bench.by_throughput(points)] == [0.5, 0.25, 0.75, 1.0]
