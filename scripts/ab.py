@@ -48,6 +48,8 @@ SCENARIOS = {**SCENARIOS, "null": NULL_SCENARIO}
 
 def overlay(text: str) -> dict:
     path = Path(text)
+    if not path.is_file() and text.endswith((".yaml", ".yml")):  # said "not a YAML mapping"
+        raise SystemExit(f"{text}: no such file (an overlay is a YAML file or inline YAML)")
     tree = yaml.safe_load(path.read_text() if path.is_file() else text)
     if not isinstance(tree, dict):
         raise SystemExit(f"not a YAML mapping: {text!r}")

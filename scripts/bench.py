@@ -239,6 +239,9 @@ def main() -> int:
     parser.add_argument("--config", help="extra config file for the stack and the ceiling")
     parser.add_argument("--compare", type=compared,
                         help="'baseline' (started here) or an OpenAI-compatible URL")
+    parser.add_argument("--model", help="the model name every request names (default: none, "
+                        "the server's default); --compare's server gets the same name (a "
+                        "strict OpenAI-compatible server may need one)")
     parser.add_argument("--only", default="short,bulk,mixed", type=scenario_names,
                         help=f"scenarios, comma-separated, of {', '.join(SCENARIOS)}")
     parser.add_argument("--rounds", type=positive, default=3,
@@ -259,6 +262,8 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=REPO / "bench-results",
                         help="results go to OUT/<time>/ (default bench-results)")
     args = parser.parse_args()
+    if args.model:  # the locustfile, the open loop and parity read it (benchkit)
+        os.environ["SHMSERVE_BENCH_MODEL"] = args.model
     stop_on_term()
     require("locust", "sentence_transformers",  # the windows; parity against its fp32
             *(() if args.no_sweep else ("matplotlib",)),

@@ -317,7 +317,12 @@ def probe(url: str, what: str) -> None:
 
 
 def fetch_vectors(url: str, texts: list[str]) -> np.ndarray:
-    body = json.dumps({"input": texts, "encoding_format": "float"}).encode()
+    """The vectors `url`'s /v1/embeddings answers for `texts`, with the model the locustfile
+    names too (SHMSERVE_BENCH_MODEL; bench.py --model), where one is set: a strict
+    OpenAI-compatible server may need one."""
+    model = os.environ.get("SHMSERVE_BENCH_MODEL")
+    body = json.dumps({"input": texts, "encoding_format": "float",
+                       **({"model": model} if model else {})}).encode()
     req = urllib.request.Request(url + "/v1/embeddings", data=body,
                                  headers={"Content-Type": "application/json", **auth_headers()})
     with urllib.request.urlopen(req, timeout=120) as resp:
@@ -355,6 +360,7 @@ def open_loop_window(url: str, per_s: float, seconds: float, corpus: Path) -> di
         raise ValueError(f"open loop: a rate of {per_s} requests/s")
     texts = json.loads(corpus.read_text())
     rng = random.Random(0)
+    model = os.environ.get("SHMSERVE_BENCH_MODEL")  # as the locustfile's (bench.py --model)
 
     async def run() -> tuple[list[float], int, float]:
         latencies, failures = [], 0
@@ -365,7 +371,8 @@ def open_loop_window(url: str, per_s: float, seconds: float, corpus: Path) -> di
                 started = time.perf_counter()
                 try:
                     async with session.post(url + "/v1/embeddings", json={
-                            "input": [texts[i % len(texts)]], "encoding_format": "float"}) as r:
+                            "input": [texts[i % len(texts)]], "encoding_format": "float",
+                            **({"model": model} if model else {})}) as r:
                         await r.read()
                         ok = r.status == 200
                 except aiohttp.ClientError:

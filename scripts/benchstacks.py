@@ -102,21 +102,28 @@ class OwnStack:
         self.env["SHMSERVE_ENV"] = env or os.environ.get("SHMSERVE_ENV", "dev")
         self.url = f"http://127.0.0.1:{self.port}"
 
-    def cli(self, *args: str) -> None:
-        """A `shmserve` command on this stack (its config)."""
+    def cli(self, *args: str, quiet: bool = False) -> None:
+        """A `shmserve` command on this stack (its config); `quiet`: its stderr too unshown."""
         cmd = [PYTHON, "-m", "shmserve.cli", *args, "--config", str(self.config)]
-        subprocess.run(cmd, cwd=self.repo, env=self.env, check=True, stdout=subprocess.DEVNULL)
+        subprocess.run(cmd, cwd=self.repo, env=self.env, check=True, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL if quiet else None)
 
     def __enter__(self) -> "OwnStack":
         try:
             self.cli("up", "--wait")
-        except BaseException:  # a failed or interrupted start: what it started goes too
+        except BaseException as exc:  # a failed or interrupted start: what it started goes too
             try:
-                self.cli("down")
+                self.cli("down", quiet=True)  # the start's own error is the one to show
             except subprocess.CalledProcessError:
-                pass  # the start's own error is the one to show
+                pass
             finally:
                 self._leave()
+            if isinstance(exc, subprocess.CalledProcessError):
+                # `shmserve up` said why on stderr already: one line more, not a traceback
+                # (an overlay's mistake printed its message, then a CalledProcessError's
+                # traceback: an outside check)
+                raise SystemExit(f"{Path(sys.argv[0]).name}: a stack did not start "
+                                 f"(`shmserve up` exited {exc.returncode}, above)") from None
             raise
         return self
 

@@ -194,3 +194,31 @@ def test_the_latency_plot_draws_its_points_by_throughput():
     points = [{"fraction": f, "requests_per_s": r, "p50_ms": 10.0, "p99_ms": 30.0}
               for f, r in ((0.25, 30.0), (0.5, 20.7), (0.75, 60.0), (1.0, 80.0))]
     assert [p["fraction"] for p in bench.by_throughput(points)] == [0.5, 0.25, 0.75, 1.0]
+
+
+def test_the_model_named_for_the_bench_goes_with_every_parity_request(monkeypatch):
+    """SHMSERVE_BENCH_MODEL (bench.py --model) named the model in locust's requests only; a
+    strict OpenAI-compatible server would have refused parity's (an outside check)."""
+    import json as json_mod
+
+    import benchkit
+
+    sent = []
+
+    class Answer:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def read(self):
+            return json_mod.dumps({"data": [{"index": 0, "embedding": [1.0, 0.0]}]}).encode()
+
+    monkeypatch.setattr(benchkit.urllib.request, "urlopen",
+                        lambda req, timeout: sent.append(json_mod.loads(req.data)) or Answer())
+    monkeypatch.setenv("SHMSERVE_BENCH_MODEL", "e5")
+    benchkit.fetch_vectors("http://127.0.0.1:9", ["x"])
+    monkeypatch.delenv("SHMSERVE_BENCH_MODEL")
+    benchkit.fetch_vectors("http://127.0.0.1:9", ["x"])
+    assert [body.get("model") for body in sent] == ["e5", None]
