@@ -156,8 +156,10 @@ def describe_storm(r: dict) -> str:
 def describe(r: dict) -> str:
     s = r["statuses"]
     cell = lambda v: "-" if v is None else f"{v * 1000:.0f}"  # noqa: E731  (milliseconds)
-    return (f"200/504/429/other {s.get(200, 0)}/{s.get(504, 0)}/{s.get(429, 0)}/"
-            f"{sum(v for k, v in s.items() if k not in (200, 504, 429))}, "
+    # "no answer" (status 0: the one outcome a server must never give) apart from the other
+    # statuses, where it was lumped in (an outside check)
+    return (f"200/504/429/other/no answer {s.get(200, 0)}/{s.get(504, 0)}/{s.get(429, 0)}/"
+            f"{sum(v for k, v in s.items() if k not in (200, 504, 429, 0))}/{s.get(0, 0)}, "
             f"200s p50 {cell(r['ok_p50_s'])} ms max {cell(r['ok_max_s'])} ms, "
             f"429s at p50 {cell(r['p50_429_s'])} ms last {cell(r['last_429_s'])} ms, "
             f"goodput {r['goodput_texts_per_s']:.1f} texts/s")

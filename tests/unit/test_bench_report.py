@@ -41,6 +41,11 @@ def test_burst_prints_latencies_in_milliseconds():
                            "p50_429_s": 0.002, "last_429_s": None,
                            "goodput_texts_per_s": 10.0})
     assert "200s p50 12 ms max 46 ms" in line and "429s at p50 2 ms last - ms" in line, line
+    # no answer (status 0) apart from the other statuses, where it was lumped in
+    line = burst.describe({"statuses": {200: 3, 503: 2, 0: 1}, "ok_p50_s": None,
+                           "ok_max_s": None, "p50_429_s": None, "last_429_s": None,
+                           "goodput_texts_per_s": 1.0})
+    assert line.startswith("200/504/429/other/no answer 3/0/0/2/1,"), line
 
 
 def test_shmserve_ports_keeps_the_stacks_in_a_range_and_skips_a_taken_port(monkeypatch):
