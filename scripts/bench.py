@@ -105,7 +105,8 @@ def sweep(args, url: str) -> list[dict]:
         window = open_loop_window(url, rate, args.window, args.corpus)
         points.append({"fraction": fraction, "saturation_rps": saturation, "offered_rps": rate,
                        **window})
-        print(f"open loop {fraction:.0%} of {saturation:.0f} ({rate:.0f} req/s offered): "
+        print(f"open loop {fraction:.0%} of {saturation:.0f} ({rate:.0f} req/s offered, "
+              f"{window['sent_per_s']:.1f} sent): "
               f"{window['requests_per_s']:.1f} req/s, p50 {window['p50_ms']:.0f} ms, "
               f"p99 {window['p99_ms']:.0f} ms{failed(window)}", flush=True)
     return points
@@ -185,12 +186,14 @@ def markdown(summary: dict) -> str:
         lines += ["", "Some requests failed: texts/s counts the answers of 200 only; p50 and "
                       "p99 are locust's over every request, the failed ones included."]
     if summary.get("sweep"):
-        lines += ["", "| open loop (1 text) | saturation req/s | offered req/s | achieved req/s "
-                  "| p50 ms | p99 ms | p99 / p50 | failed requests |",
-                  "|---|---|---|---|---|---|---|---|"]
+        lines += ["", "| open loop (1 text) | saturation req/s | offered req/s | sent req/s | "
+                  "achieved req/s | p50 ms | p99 ms | p99 / p50 | failed requests |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for p in summary["sweep"]:
+            sent = p.get("sent_per_s")
             lines.append(f"| {p['fraction']:.0%} of saturation | {p['saturation_rps']:.0f} | "
                          f"{p['offered_rps']:.0f} | "
+                         + ("-" if sent is None else f"{sent:.1f}") + " | "
                          f"{p['requests_per_s']:.1f} | {p['p50_ms']:.0f} | {p['p99_ms']:.0f} | "
                          f"{p['p99_ms'] / max(p['p50_ms'], 1e-9):.2f} | "
                          f"{p['failures']} of {p['requests']} |")

@@ -189,6 +189,13 @@ def test_an_open_loop_window_with_no_answer_has_no_latency_and_counts_its_failur
     window = benchkit.open_loop_window(f"http://127.0.0.1:{port}", 20.0, 0.5, corpus)
     assert window["failures"] == window["requests"] > 0 and window["requests_per_s"] == 0
     assert math.isnan(window["p50_ms"]) and math.isnan(window["p99_ms"])
+    # what was sent, beside the rate asked (a short window's draw falls short of it)
+    assert window["sent_per_s"] == window["requests"] / 0.5
+    s = summary(sweep=[{"fraction": 0.25, "saturation_rps": 100.0, "offered_rps": 25.0,
+                        **window}])
+    row = next(line for line in bench.markdown(s).splitlines() if line.startswith("| 25%"))
+    assert row.startswith(f"| 25% of saturation | 100 | 25 | {window['sent_per_s']:.1f} | "
+                          "0.0 | nan | nan |"), row
     assert benchkit.failed(window) == f", {window['requests']} of {window['requests']} " \
                                       "requests failed"
 
