@@ -159,3 +159,15 @@ def typed_fields(cls, raw: dict, defaults: dict, null_pad: bool) -> dict | None:
             return None
         values[field.name] = value
     return values
+
+
+def default_rope_theta(params, theta: float) -> float | None:
+    """The rotary base that rope_parameters (as transformers 5 saves them) give, `theta` where
+    they name none; None for parameters only transformers runs (another rope_type: scaled
+    positions; other keys). Shared by gpu_workers.modernbert and .qwen3."""
+    if params is None:
+        return theta
+    if not isinstance(params, dict) or params.get("rope_type", "default") != "default" \
+            or set(params) - {"rope_type", "rope_theta"}:
+        return None
+    return params.get("rope_theta", theta)

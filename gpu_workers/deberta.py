@@ -39,6 +39,7 @@ from gpu_workers.bert import AddNorm, Intermediate, embedding
 from gpu_workers.bert_config import ACTIVATIONS, config_json, typed_fields
 from gpu_workers.packed import Output
 
+RECENT_LENGTHS = 8  # Relative's indices kept: a pass's groups are of a few lengths
 KINDS = ("c2p", "p2c")  # the position scores transformers computes (its `pos_att_type`)
 
 
@@ -138,6 +139,10 @@ class Relative:
         self.longest = 0  # the distances the vectors below cover: -(longest-1)..longest-1
         self.c2p = self.p2c = torch.empty(0, dtype=torch.long)  # on the host
         self.on: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # their copies
+        # The last few lengths' indices: every layer of a pass asks for its groups' lengths,
+        # which were made anew 12-24 times a group (bounded: a table kept per length held
+        # ~16 l^2 bytes for every length a worker met)
+        self.recent: dict[tuple, tuple[int, int, torch.Tensor, torch.Tensor]] = {}
         self.cover(config.max_position_embeddings)
 
     def bucket(self, distance: torch.Tensor) -> torch.Tensor:
@@ -164,15 +169,24 @@ class Relative:
         relative = self.bucket(torch.arange(-(length - 1), length))
         self.c2p = torch.clamp(relative + self.span, 0, 2 * self.span - 1)
         self.p2c = torch.clamp(-relative + self.span, 0, 2 * self.span - 1)
-        self.on = {}
+        self.on, self.recent = {}, {}
 
     def index(self, length: int, device: torch.device
               ) -> tuple[int, int, torch.Tensor, torch.Tensor]:
+        key = (length, device)
+        if key not in self.recent:
+            if len(self.recent) >= RECENT_LENGTHS:
+                del self.recent[next(iter(self.recent))]  # the oldest
+            self.recent[key] = self._index(length, device)
+        return self.recent[key]
+
+    def _index(self, length: int, device: torch.device
+               ) -> tuple[int, int, torch.Tensor, torch.Tensor]:
         """For texts of `length` tokens: the rows of the position vectors their distances
-        reach (lo, hi), and the c2p and p2c indices into those rows [l, l]. Made per call on
-        the device from the rows of each distance (a table per length, kept, would hold
-        ~16 l^2 bytes for every length a worker meets); the rows are copied to a device once,
-        before a CUDA graph's capture (its warm-up pass ran the shape)."""
+        reach (lo, hi), and the c2p and p2c indices into those rows [l, l], made on the device
+        from the rows of each distance (`index` keeps the last RECENT_LENGTHS); the rows are
+        copied to a device once, before a CUDA graph's capture (its warm-up pass ran the
+        shape)."""
         self.cover(length)
         middle = self.longest - 1  # distance 0
         # c2p rises with the distance and p2c falls: their ends bound the rows

@@ -34,7 +34,7 @@ from torch import nn
 
 from gpu_workers import checkpoint
 from gpu_workers.bert import embedding
-from gpu_workers.bert_config import ACTIVATIONS, config_json, typed_fields
+from gpu_workers.bert_config import ACTIVATIONS, config_json, default_rope_theta, typed_fields
 from gpu_workers.packed import Group, Output, gather, index_of, rows_for, scatter
 
 FULL, SLIDING = "full_attention", "sliding_attention"
@@ -114,11 +114,7 @@ class Config:
             if not isinstance(given, dict):
                 return None
             for kind in (FULL, SLIDING):
-                params = given.get(kind) or {}
-                if not isinstance(params, dict) or params.get("rope_type", "default") != \
-                        "default" or set(params) - {"rope_type", "rope_theta"}:
-                    return None
-                theta[kind] = params.get("rope_theta", theta[kind])
+                theta[kind] = default_rope_theta(given.get(kind) or {}, theta[kind])
         if not all(type(t) in (int, float) and t > 0 for t in theta.values()):
             return None
         config.rope_theta = {kind: float(t) for kind, t in theta.items()}

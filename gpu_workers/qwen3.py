@@ -31,7 +31,7 @@ from torch import nn
 
 from gpu_workers import checkpoint
 from gpu_workers.bert import embedding
-from gpu_workers.bert_config import config_json, typed_fields
+from gpu_workers.bert_config import config_json, default_rope_theta, typed_fields
 from gpu_workers.packed import Group, Output, gather, index_of, rows_for, scatter
 
 
@@ -75,13 +75,7 @@ class Config:
         config = cls(**values)
         kv = raw.get("num_key_value_heads", config.num_attention_heads)
         kv = config.num_attention_heads if kv is None else kv
-        theta = raw.get("rope_theta", 10_000.0)
-        given = raw.get("rope_parameters")
-        if given is not None:  # as transformers 5 saves it
-            if not isinstance(given, dict) or given.get("rope_type", "default") != "default" \
-                    or set(given) - {"rope_type", "rope_theta"}:
-                return None
-            theta = given.get("rope_theta", theta)
+        theta = default_rope_theta(raw.get("rope_parameters"), raw.get("rope_theta", 10_000.0))
         if (type(kv) is not int or kv < 1 or config.num_attention_heads % kv
                 or type(theta) not in (int, float) or theta <= 0
                 or config.use_sliding_window or config.hidden_act != "silu"
