@@ -18,6 +18,20 @@ TEXTS = ["The quick brown fox jumps over the lazy dog.", "hello",
 QUERY = "what moves token ids between processes?"
 
 
+def padded_batch(length: int, second: int):
+    """Three random texts padded as a worker pads them (with the padding id, 0, on the right):
+    one of `length` tokens, one of `second`, one of 3; ids [3, length] and their mask."""
+    import torch
+
+    torch.manual_seed(0)
+    ids = torch.randint(1000, 30000, (3, length))
+    mask = torch.ones(3, length, dtype=torch.long)
+    mask[1, second:] = 0
+    mask[2, 3:] = 0
+    ids[mask == 0] = 0
+    return ids, mask
+
+
 def spec(directory, task, dtype="fp32", **extra):
     return inspect(ModelConfig(name=task, source=str(directory), task=task, dtype=dtype,
                                **extra))

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from gpu_workers import deberta, networks, packed
-from tests.integration.modelkit import edited, fresh_loads, spec
+from tests.integration.modelkit import edited, fresh_loads, padded_batch, spec
 from tests.tinymodel import build_tiny_bert
 
 TASKS = ("embedding", "classification", "rerank")
@@ -59,12 +59,7 @@ def models(tmp_path_factory):
 
 def batch(length=40):
     """Three texts: one of full length, two padded; a pair's token types on the first."""
-    torch.manual_seed(0)
-    ids = torch.randint(1000, 30000, (3, length))
-    mask = torch.ones(3, length, dtype=torch.long)
-    mask[1, 25:] = 0
-    mask[2, 3:] = 0
-    ids[mask == 0] = 0
+    ids, mask = padded_batch(length, 25)
     types = torch.zeros_like(ids)
     types[0, 15:] = 1
     return ids, mask, types

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from gpu_workers import modernbert, networks
-from tests.integration.modelkit import edited, fresh_loads, spec
+from tests.integration.modelkit import edited, fresh_loads, padded_batch, spec
 from tests.tinymodel import build_tiny_bert
 
 TASKS = ("embedding", "classification", "rerank")
@@ -53,13 +53,7 @@ def models(tmp_path_factory):
 
 def batch(length=60):
     """Three texts: one of full length, two padded (past the window and within it)."""
-    torch.manual_seed(0)
-    ids = torch.randint(1000, 30000, (3, length))
-    mask = torch.ones(3, length, dtype=torch.long)
-    mask[1, length // 2:] = 0
-    mask[2, 3:] = 0
-    ids[mask == 0] = 0
-    return ids, mask
+    return padded_batch(length, length // 2)
 
 
 def theirs(directory, task, dtype=torch.float32):

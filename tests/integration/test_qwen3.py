@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from gpu_workers import networks, qwen3
-from tests.integration.modelkit import edited, fresh_loads, spec
+from tests.integration.modelkit import edited, fresh_loads, padded_batch, spec
 from tests.tinymodel import build_tiny_bert
 
 SHAPES = {
@@ -54,13 +54,7 @@ def models(tmp_path_factory):
 
 def batch(length=40):
     """Three texts padded on the right as a worker pads them: one of full length, two not."""
-    torch.manual_seed(0)
-    ids = torch.randint(1000, 30000, (3, length))
-    mask = torch.ones(3, length, dtype=torch.long)
-    mask[1, 25:] = 0
-    mask[2, 3:] = 0
-    ids[mask == 0] = 0
-    return ids, mask
+    return padded_batch(length, 25)
 
 
 def hidden(net, ids, mask):
