@@ -123,7 +123,7 @@ def _apply(args: argparse.Namespace, new: Config) -> int:
     # Said before the checks: a refusal's reason may be a change the operator did not mean
     # (an override of `up`'s left out, `--env prod` forgotten).
     say(f"shmserve: {'would apply' if args.dry_run else 'applying'}:\n"
-        + "\n".join(f"  {line}" for line in (changes and config.itemized(old, new)) or
+        + "\n".join(f"  {line}" for line in (changes and itemized(old, new)) or
                      ["the config from before the earlier apply"]))
     try:
         models.check(new, topology.worker_devices(new))
@@ -361,3 +361,31 @@ def add_parser(command) -> None:
     cmd.add_argument("--dry-run", action="store_true", help="print the changes and do nothing")
     cmd.add_argument("--timeout", type=seconds, help="seconds to wait for each started program "
                      "to be ready (default: workers.ready_timeout_s)")
+
+
+def itemized(old: Config, new: Config) -> list[str]:
+    """config.differences for reading: a list of named mappings (models) is shown model by model,
+    each changed field (`models[m].source: "a" -> "b"`), and those added or removed by name,
+    not as the whole list before and after (an outside check); secrets as there. Only `apply`
+    prints it."""
+    out = []
+    before, after = (config.flat(config.redacted(c)) for c in (old, new))
+    for line in config.differences(old, new):
+        key = line.partition(":")[0]
+        a, b = before.get(key), after.get(key)
+        if (key in config.SECRET_KEYS or not isinstance(a, list) or not isinstance(b, list)
+                or not all(isinstance(x, dict) and "name" in x for x in a + b)):
+            out.append(line)
+            continue
+        was, now = {x["name"]: x for x in a}, {y["name"]: y for y in b}
+        for name in [*was, *(n for n in now if n not in was)]:
+            x, y = was.get(name), now.get(name)
+            if x is None or y is None:
+                out.append(f"{key}[{name}]: {'added' if x is None else 'removed'}")
+                continue
+            out += [f"{key}[{name}].{field}: {json.dumps(x.get(field))} -> "
+                    f"{json.dumps(y.get(field))}"
+                    for field in sorted(x.keys() | y.keys()) if x.get(field) != y.get(field)]
+        if list(was) != list(now) and set(was) == set(now):
+            out.append(f"{key}: the same, in another order")
+    return out

@@ -433,33 +433,6 @@ def flat(cfg: Config) -> dict[str, Any]:
     return out
 
 
-def itemized(old: Config, new: Config) -> list[str]:
-    """`differences` for reading: a list of named mappings (models) is shown model by model,
-    each changed field (`models[m].source: "a" -> "b"`), and those added or removed by name,
-    not as the whole list before and after (an outside check). Secrets as in `differences`."""
-    out = []
-    before, after = flat(redacted(old)), flat(redacted(new))
-    for line in differences(old, new):
-        key = line.partition(":")[0]
-        a, b = before.get(key), after.get(key)
-        if (key in SECRET_KEYS or not isinstance(a, list) or not isinstance(b, list)
-                or not all(isinstance(x, dict) and "name" in x for x in a + b)):
-            out.append(line)
-            continue
-        was, now = {x["name"]: x for x in a}, {y["name"]: y for y in b}
-        for name in [*was, *(n for n in now if n not in was)]:
-            x, y = was.get(name), now.get(name)
-            if x is None or y is None:
-                out.append(f"{key}[{name}]: {'added' if x is None else 'removed'}")
-                continue
-            out += [f"{key}[{name}].{field}: {json.dumps(x.get(field))} -> "
-                    f"{json.dumps(y.get(field))}"
-                    for field in sorted(x.keys() | y.keys()) if x.get(field) != y.get(field)]
-        if list(was) != list(now) and set(was) == set(now):
-            out.append(f"{key}: the same, in another order")
-    return out
-
-
 def differences(old: Config, new: Config) -> list[str]:
     """The keys whose values differ, as `key: old -> new` (secrets: `key: changed`)."""
     a, b = flat(old), flat(new)

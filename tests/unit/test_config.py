@@ -435,12 +435,14 @@ def test_apply_shows_a_models_change_model_by_model():
     new = config.from_tree({"models": [{"name": "a", "source": "/z", "dtype": "fp32"},
                                        {"name": "c", "source": "/y"}],
                             "batching": {"max_wait_ms": 3}})
-    assert config.itemized(old, new) == [
+    from shmserve.apply import itemized
+
+    assert itemized(old, new) == [
         'batching.max_wait_ms: 2.0 -> 3.0', 'models[a].dtype: "auto" -> "fp32"',
         'models[a].source: "/x" -> "/z"', "models[b]: removed", "models[c]: added"]
     swapped = config.from_tree({"models": [{"name": "b", "source": "/y"},
                                            {"name": "a", "source": "/x"}]})
-    assert config.itemized(old, swapped) == ["models: the same, in another order"]
+    assert itemized(old, swapped) == ["models: the same, in another order"]
     assert [line.partition(":")[0] for line in config.differences(old, new)] == [
         "batching.max_wait_ms", "models"]  # what apply's plan reads is unchanged
 
