@@ -16,7 +16,7 @@ from frontend import codec
 from frontend.app import CONFIG, MODELS, POOL, SPLITS, Models
 from frontend.pool import WorkerPool
 from frontend.variants import Splits, revision
-from shmserve import topology
+from shmserve import topology, yes_no
 from shmserve.config import Config
 
 # shmserve's names -> TEI's.
@@ -108,6 +108,9 @@ def _model(cfg: Config, served, pool: WorkerPool, splits: Splits | None) -> dict
         info["labels"] = list(spec.labels)
     if spec.task == "rerank":
         info["activation"] = spec.activation  # of the logit: sigmoid | identity
+        # a reranker answering yes or no (shmserve.yes_no): its prompt's instruction
+        info["instruction"] = ((model_cfg.instruction or yes_no.DEFAULT_INSTRUCTION)
+                               if spec.pair_format else None)
     if served.variants[0].name:  # an A/B split: each arm's revision ("revision": the first's)
         # and weight in force (the admin API's split, else the configured), and what a request
         # sticks to an arm by: they were in GET /admin/models only, behind the admin token (an

@@ -52,6 +52,17 @@ class TextEncoder:
         self.vocab_size = min(filter(None, (self._tok.get_vocab_size(), spec.vocab_size)))
         self.prompts = dict(spec.prompts)
         self.default_prompt = spec.default_prompt
+        # A reranker answering yes or no reads a pair inside its prompt (shmserve.yes_no): the
+        # prompt's fixed head and tail, tokenized once, and what goes around the query.
+        self._asks = spec.pair_format
+        if self._asks:
+            head, tail = self._tok.encode_batch([self._asks[0], self._asks[3]],
+                                                add_special_tokens=False)
+            self._around = (head.ids, tail.ids)
+            if len(head.ids) + len(tail.ids) >= self.max_tokens:
+                raise ModelSourceError(f"model {self.name!r}: its prompt's fixed head and tail "
+                                       f"take {len(head.ids) + len(tail.ids)} tokens of its "
+                                       f"limit of {self.max_tokens}")
         # Per-request truncation settings (TEI's truncate, truncation_direction), made on first
         # use: a tokenizer's truncation is its state, and requests run concurrently.
         self._variants: dict[tuple[bool, str], Tokenizer] = {(truncate, "right"): self._tok}
@@ -115,6 +126,9 @@ class TextEncoder:
         `truncate` None: limits.truncate."""
         hint = _hint(truncate)
         truncate = self.truncate if truncate is None else truncate
+        if self._asks:
+            return self._asked([(query, d) for d in documents], param, truncate, direction,
+                               hint)
         query, documents, long = self._pair_pieces(query, documents, direction)
         encodings = self._variant(truncate, direction).encode_batch(
             [(query, d) for d in documents], add_special_tokens=True)
@@ -130,6 +144,9 @@ class TextEncoder:
         """Texts and (first, second) pairs in one request, as TEI's /predict takes them for a
         classifier: a pair as `encode_pairs` reads a query and a document, a text alone as one
         segment (no prompt: prompts are an embedding model's)."""
+        if self._asks:
+            return self._asked(items, param, self.truncate if truncate is None else truncate,
+                               direction, _hint(truncate))
         if not any(isinstance(item, tuple) for item in items):
             return self.encode(items, param, truncate, direction, prompt_name="")
         hint = _hint(truncate)
@@ -152,6 +169,37 @@ class TextEncoder:
                                 for e in encodings), np.int32, len(encodings))
         flat = self._flatten(encodings, param, truncate, hint=hint, long=long)
         return Encoded(flat.ids, flat.offsets, flat.truncated, segments)
+
+    def _asked(self, pairs: list, param: str, truncate: bool, direction: str,
+               hint: str) -> Encoded:
+        """(query, document) pairs as a reranker answering yes or no reads them: each in its
+        prompt (the head, the instruction, the query and the document, the tail), the middle
+        tokenized alone and cut to what the limit leaves it, as the model card's code does."""
+        before, between = self._asks[1], self._asks[2]
+        lone = next((i for i, p in enumerate(pairs) if not isinstance(p, tuple)), None)
+        if lone is not None:
+            raise ApiError("invalid_request", f"'{param}[{lone}]' is a text alone; model "
+                           f"{self.name!r} scores (query, document) pairs", param=param)
+        head, tail = self._around
+        room = self.max_tokens - len(head) - len(tail)
+        middles, long = self._pieces([before + q + between + d for q, d in pairs], direction)
+        rows, truncated = [], 0
+        for i, e in enumerate(self._variant(False, "right").encode_batch_fast(
+                middles, add_special_tokens=False)):
+            ids = e.ids
+            if len(ids) > room:
+                if not truncate:
+                    total = _count(len(ids) + len(head) + len(tail), i in long)
+                    raise ApiError("too_large", f"{_which(param, i, True)} has {total} tokens "
+                                   f"in the model's prompt; the model's limit is "
+                                   f"{self.max_tokens} (or {hint})", param=param)
+                ids = ids[-room:] if direction == "left" else ids[:room]
+                truncated += 1
+            rows.append(head + ids + tail)
+        offsets = np.zeros(len(rows) + 1, np.int32)
+        np.cumsum([len(r) for r in rows], out=offsets[1:])
+        ids = np.fromiter((t for r in rows for t in r), np.int32, int(offsets[-1]))
+        return Encoded(ids, offsets, truncated)
 
     def _pair_pieces(self, query: str, documents: list[str], direction: str
                      ) -> tuple[str, list[str], set[int]]:

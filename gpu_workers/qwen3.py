@@ -33,6 +33,8 @@ from gpu_workers import checkpoint
 from gpu_workers.bert import embedding
 from gpu_workers.bert_config import config_json, default_rope_theta, typed_fields
 from gpu_workers.packed import Group, Output, gather, index_of, rows_for, scatter
+from shmserve import yes_no
+from shmserve.models import ModelSourceError, weights_file
 
 
 @dataclass
@@ -150,15 +152,44 @@ class Qwen3Model(nn.Module):
         return self
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                **_) -> Output:
-        """Texts padded on the right (a worker's): each real token attends to those before it."""
+                whole: nn.Module | None = None, **_) -> Output:
+        """Texts padded on the right (a worker's): each real token attends to those before it.
+        `whole`: the network this one is the decoder of (a Qwen3Reranker)."""
         b, l = input_ids.shape
         mask = (torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None
                 else attention_mask.bool())
         lengths = mask.sum(1).cpu().numpy()
         group = Group(input_ids, mask, None, index_of(lengths, l).to(input_ids.device),
                       dense=bool((lengths == l).all()))
-        return PackedQwen3(self)([group])[0]
+        return PackedQwen3(whole or self)([group])[0]
+
+
+class Qwen3Reranker(nn.Module):
+    """A Qwen3 causal LM that answers "yes" or "no" (Qwen3-Reranker: shmserve.yes_no) as a
+    cross-encoder of one logit, yes - no: the decoder, and of its vocabulary head only the
+    difference of those two rows (`score`), applied to the last token's hidden state."""
+
+    def __init__(self, model: Qwen3Model, score: torch.Tensor) -> None:
+        super().__init__()
+        self.model = model
+        self.config = model.config
+        self.register_buffer("score", score.float(), persistent=False)
+
+    @property
+    def base_model(self) -> Qwen3Model:
+        return self.model
+
+    def _apply(self, fn, recurse=True):
+        """The weights follow a cast to another dtype; the score row stays float32 (a task's
+        head runs in float32: gpu_workers.tasks) and follows only a move to another device."""
+        score = self._buffers.pop("score")
+        super()._apply(fn, recurse)
+        self.register_buffer("score", score.to(fn(score[:1]).device), persistent=False)
+        return self
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                **_) -> Output:
+        return self.model(input_ids, attention_mask, whole=self)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -172,8 +203,10 @@ class PackedQwen3:
     """Several length groups in one pass (gpu_workers.packed's interface: `__call__` gives
     each group's Output, `tokens` the real tokens' last hidden states in order)."""
 
-    def __init__(self, net: Qwen3Model, bucket: bool = False) -> None:
-        self.net = net
+    def __init__(self, whole: nn.Module, bucket: bool = False) -> None:
+        net = self.net = whole.base_model
+        # a reranker's score row: its logit from each text's last token
+        self.score = whole.score if isinstance(whole, Qwen3Reranker) else None
         self.bucket = bucket
         config = net.config
         self.heads, self.kv, self.d = (config.num_attention_heads, config.num_key_value_heads,
@@ -187,8 +220,15 @@ class PackedQwen3:
     def __call__(self, groups: list[Group]) -> list[Output]:
         h = self.net.config.hidden_size
         x, places = self._encode(groups)
-        return [Output(scatter(x[lo:hi], b, l, index).view(b, l, h))
-                for b, l, index, lo, hi in places]
+        out = []
+        for g, (b, l, index, lo, hi) in zip(groups, places):
+            hidden = scatter(x[lo:hi], b, l, index).view(b, l, h)
+            logits = None
+            if self.score is not None:  # padded on the right: the last real token's row
+                last = hidden[torch.arange(b, device=hidden.device), g.mask.sum(1) - 1]
+                logits = (last.float() @ self.score)[:, None]
+            out.append(Output(hidden, logits))
+        return out
 
     def tokens(self, groups: list[Group]) -> torch.Tensor:
         x, places = self._encode(groups)
@@ -247,15 +287,47 @@ Packed = PackedQwen3  # gpu_workers.networks' name for a module's packed pass
 
 def supports(net: nn.Module) -> bool:
     """Whether the packed pass runs this network: Qwen3's as this module builds it."""
-    return isinstance(net, Qwen3Model)
+    return isinstance(net, (Qwen3Model, Qwen3Reranker))
 
 
 def load(directory: Path, task: str, dtype: torch.dtype) -> nn.Module | None:
-    """The embedding network (eval mode, weights in `dtype`), or None where only transformers
-    can say what to do with this checkpoint."""
+    """The embedding network, or a reranker answering yes or no (eval mode, weights in
+    `dtype`); None where only transformers can say what to do with this checkpoint."""
+    if task == "rerank" and yes_no.applies(task, config_json(directory, ("qwen3",)) or {}):
+        return _reranker(directory, dtype)
     config = Config.read(directory) if task == "embedding" else None
     if config is None:
         return None
     # a decoder saved alone (sentence-transformers' Qwen3-Embedding), or inside a causal LM
     # (`model.`, its head left out)
     return checkpoint.build(directory, Qwen3Model, config, dtype, "model.")
+
+
+def _reranker(directory: Path, dtype: torch.dtype) -> Qwen3Reranker:
+    """A causal LM's decoder and the yes - no row of its vocabulary head (`lm_head`, or the
+    token embeddings where config.json ties them), as transformers would load them; refused
+    with a reason otherwise: transformers has no sequence classifier for such a checkpoint."""
+    from safetensors import safe_open
+
+    config = Config.read(directory)
+    model = None if config is None else checkpoint.build(directory, Qwen3Model, config, dtype,
+                                                         "model.")
+    if model is None:
+        raise ModelSourceError(f"{directory}: a yes/no reranker is served only as plain Qwen3 "
+                               "(no sliding window or scaled rotary positions, silu, every "
+                               "decoder weight under model.), which this checkpoint is not")
+    yes, no = yes_no.answer_tokens(directory)
+    if (config_json(directory, ("qwen3",)) or {}).get("tie_word_embeddings", False):
+        rows = model.embed_tokens.weight[[yes, no]].float()
+    else:
+        with safe_open(str(weights_file(directory)), framework="pt") as f:
+            if "lm_head.weight" not in f.keys():
+                raise ModelSourceError(f"{directory}: model.safetensors has no lm_head.weight, "
+                                       "whose 'yes' and 'no' rows score a pair (config.json "
+                                       "does not tie it to the token embeddings)")
+            head = f.get_slice("lm_head.weight")
+            rows = torch.stack([head[i:i + 1][0] for i in (yes, no)]).float()
+    if rows.shape[-1] != config.hidden_size or not torch.isfinite(rows).all():
+        raise ModelSourceError(f"{directory}: lm_head.weight's 'yes' and 'no' rows are not "
+                               f"{config.hidden_size} finite floats")
+    return Qwen3Reranker(model, rows[0] - rows[1]).eval()

@@ -203,6 +203,9 @@ class ModelConfig:
     # The prompt for requests that name none: auto (the model's own default_prompt_name, as
     # sentence-transformers applies it), none, or one of the prompts' names.
     default_prompt_name: str = "auto"
+    # A reranker that answers yes or no (Qwen3-Reranker): the instruction its prompt carries.
+    # Empty: the model card's ("Given a web search query, retrieve relevant passages ...").
+    instruction: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shmserve import architecture as arch
+from shmserve import yes_no
 from shmserve.config import Config, ModelConfig
 from shmserve.model_files import (ModelSourceError, max_seq_length, normalize_of, pooling_of,
                                   pooling_config, read_json, tokenizer)
@@ -53,6 +54,11 @@ class ModelSpec:
     # client's token ids must be under it as well as under the tokenizer's vocabulary size
     # (a tokenizer with added tokens the table never grew for).
     vocab_size: int = 0
+    # A reranker that is a causal LM answering yes or no (shmserve.yes_no): how a pair is put
+    # in its prompt (prefix, before the query, between query and document, suffix), and the
+    # ids of its answers "yes" and "no". Empty for any other model.
+    pair_format: tuple[str, ...] = ()
+    answers: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,6 +234,11 @@ def inspect(cfg: ModelConfig, with_revision: bool = True,
     if not revision and with_revision:
         revision = weights_digest(weights_file(directory))
     labels, activation = _head(cfg.task, model_cfg, directory)
+    answering = yes_no.applies(cfg.task, model_cfg)
+    if cfg.instruction and not answering:
+        raise ModelSourceError(f"model {cfg.name!r}: an instruction is read by a reranker that "
+                               f"answers yes or no ({', '.join(yes_no.ARCHITECTURES)}, task "
+                               f"rerank), not by this {cfg.task} model")
     prompts, default_prompt = _prompts(cfg, directory)
     sparse = cfg.task == "sparse" and _masked_lm(model_cfg, directory)
     return ModelSpec(
@@ -247,6 +258,8 @@ def inspect(cfg: ModelConfig, with_revision: bool = True,
         prompts=prompts,
         default_prompt=default_prompt,
         vocab_size=int(model_cfg.get("vocab_size") or 0),
+        pair_format=yes_no.pair_format(cfg.instruction) if answering else (),
+        answers=yes_no.answer_tokens(directory) if answering else (),
     )
 
 
@@ -264,7 +277,8 @@ def incompatible(active: ModelSpec, new: ModelSpec) -> str:
                            ("pooling", active.pooling, new.pooling),
                            ("normalization", active.normalize, new.normalize),
                            ("prompts", dict(active.prompts), dict(new.prompts)),
-                           ("default prompt", active.default_prompt, new.default_prompt)):
+                           ("default prompt", active.default_prompt, new.default_prompt),
+                           ("pair prompt", active.pair_format, new.pair_format)):
         if old != now:
             verb = "differ" if what == "prompts" else "differs"
             return f"its {what} {verb} ({old!r} now, {now!r} in {new.directory})"
@@ -300,6 +314,8 @@ def _head(task: str, model_cfg: dict, directory: Path) -> tuple[tuple[str, ...],
     """(labels, activation) of a scoring model; refuses a checkpoint without a trained head."""
     if task not in ("classification", "rerank"):
         return (), ""
+    if yes_no.applies(task, model_cfg):  # its score: P(yes) = sigmoid(yes - no)
+        return (), "sigmoid"
     architectures = model_cfg.get("architectures") or []
     if not any(str(a).endswith("ForSequenceClassification") for a in architectures):
         raise ModelSourceError(f"{directory}: task {task} needs a sequence-classification "

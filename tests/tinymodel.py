@@ -241,3 +241,61 @@ def reference_splade(model_dir: Path, texts: list[str], max_tokens: int):
             logits = model(input_ids=torch.tensor([tok.encode(text).ids])).logits[0]
             out.append(torch.log1p(torch.relu(logits)).amax(0).numpy())
     return np.stack(out)
+
+
+def build_tiny_yes_no_reranker(target: Path, *, tied: bool = True, seed: int = 0) -> Path:
+    """A tiny random Qwen3ForCausalLM with the default model's tokenizer (whose vocabulary has
+    'yes' and 'no'), saved as transformers saves it (a tied head is left out of the file): a
+    reranker answering yes or no, as Qwen3-Reranker (task rerank; shmserve.yes_no). Its input
+    limit is 512 tokens: the prompt around a pair takes ~80 of BERT's."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    source = resolve_source(DEFAULT_SOURCE)
+    target.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    config = AutoConfig.for_model(
+        "qwen3", vocab_size=30522, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=512, pad_token_id=0, initializer_range=0.2,
+        tie_word_embeddings=tied, architectures=["Qwen3ForCausalLM"])
+    AutoModelForCausalLM.from_config(config).eval().save_pretrained(target,
+                                                                    safe_serialization=True)
+    for name in ("tokenizer.json", "vocab.txt", "special_tokens_map.json"):
+        shutil.copy(source / name, target / name)
+    settings = json.loads((source / "tokenizer_config.json").read_text())
+    (target / "tokenizer_config.json").write_text(json.dumps({**settings,
+                                                              "model_max_length": 512}))
+    return target
+
+
+def reference_yes_no_scores(model_dir: Path, query: str, documents: list[str],
+                            max_length: int, instruction: str | None = None):
+    """The model card's code for Qwen3-Reranker, run on transformers' causal LM: the prompt's
+    prefix and suffix tokenized alone, the middle cut to what they leave of `max_length`, the
+    logits at the last token, exp(log_softmax([no, yes]))[yes] for each document."""
+    import numpy as np
+    import torch
+    from tokenizers import Tokenizer
+    from transformers import AutoModelForCausalLM
+
+    from shmserve import yes_no
+
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    tok.no_truncation()
+    tok.no_padding()
+    prefix = tok.encode(yes_no.PREFIX, add_special_tokens=False).ids
+    suffix = tok.encode(yes_no.SUFFIX, add_special_tokens=False).ids
+    yes, no = tok.token_to_id("yes"), tok.token_to_id("no")
+    net = AutoModelForCausalLM.from_pretrained(model_dir, use_safetensors=True).eval()
+    scores = []
+    with torch.inference_mode():
+        for doc in documents:
+            middle = (f"<Instruct>: {instruction or yes_no.DEFAULT_INSTRUCTION}\n"
+                      f"<Query>: {query}\n<Document>: {doc}")
+            body = tok.encode(middle, add_special_tokens=False).ids
+            ids = prefix + body[:max_length - len(prefix) - len(suffix)] + suffix
+            logits = net(input_ids=torch.tensor([ids])).logits[0, -1]
+            pair = torch.log_softmax(torch.stack([logits[no], logits[yes]]), 0)
+            scores.append(pair[1].exp().item())
+    return np.array(scores)

@@ -5,12 +5,13 @@ from tests.conftest import TINY_MAX_TOKENS, tiny_overrides
 from tests.e2e.test_api import TEXTS
 from tests.stack import Stack
 from tests.tinymodel import (build_tiny_bert, build_tiny_classifier, build_tiny_other,
-                             build_tiny_splade)
+                             build_tiny_splade, build_tiny_yes_no_reranker)
 
 # The task stack's (task_stack): its admin token, its classifier's labels, the A/B weight.
 TOKEN = "test-admin-token"
 LABELS = ["negative", "neutral", "positive"]
 AB_WEIGHT_B = 0.3
+QWEN3_INSTRUCTION = "Given a question, find the passage that answers it"
 
 
 @pytest.fixture(scope="session")
@@ -47,6 +48,8 @@ def task_dirs(tmp_path_factory, tiny_model):
                                            seed=5),
             "qwen3": build_tiny_other(root / "qwen3", "qwen3", pooling="last", seed=8),
             "distil": build_tiny_other(root / "distil", "distilbert", seed=10),
+            # a reranker answering yes or no, as Qwen3-Reranker (shmserve.yes_no)
+            "qwen3-ce": build_tiny_yes_no_reranker(root / "qwen3-ce", seed=11),
             "st6-cls": st6_saved(tiny_model, root / "st6-cls")}
 
 
@@ -98,6 +101,8 @@ def task_stack(tmp_path_factory, task_dirs):
          "dtype": "fp32"},
         {"name": "ce-electra", "source": str(dirs["ce-electra"]), "task": "rerank",
          "dtype": "fp32"},
+        {"name": "qwen3-ce", "source": str(dirs["qwen3-ce"]), "task": "rerank", "dtype": "fp32",
+         "instruction": QWEN3_INSTRUCTION, "devices": [0]},
         # auto keeps bf16 where the CPU has it natively and the probe agrees to 0.99 (random
         # tiny weights agree less closely than trained ones); "strict" asks for more than
         # bf16 can give, so it serves fp32.

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from tests.conftest import TINY_MAX_TOKENS
-from tests.e2e.conftest import LABELS
+from tests.e2e.conftest import LABELS, QWEN3_INSTRUCTION
 from tests.e2e.test_tasks import TEXTS
-from tests.tinymodel import reference_scores
+from tests.tinymodel import reference_scores, reference_yes_no_scores
 
 
 def test_tei_predict_classifies_texts_and_pairs(task_stack, task_dirs):
@@ -199,6 +199,37 @@ def test_tei_rerank_on_the_cross_encoder(task_stack, task_dirs):
     status, _, err = task_stack.post_json("/rerank", {"model": "ce", "query": "q", "texts": ["d"],
                                                  "priority": "urgent"})
     assert status == 422 and err["error"]["param"] == "priority"
+
+
+def test_a_reranker_answering_yes_or_no_ranks_as_its_model_card_scores(task_stack, task_dirs):
+    """A Qwen3-Reranker-like causal LM (shmserve.yes_no) through nginx: TEI's /rerank and
+    cohere's client score each pair as the model card's code does (its prompt with the
+    configured instruction, P(yes) over "yes" and "no"); raw_scores give yes - no; a text
+    alone is refused; /info names the prompt's instruction."""
+    import cohere
+
+    query = "what moves token ids between processes?"
+    want = reference_yes_no_scores(task_dirs["qwen3-ce"], query, TEXTS, 512, QWEN3_INSTRUCTION)
+    status, _, body = task_stack.post_json("/rerank", {"model": "qwen3-ce", "query": query,
+                                                       "texts": TEXTS})
+    assert status == 200, body
+    assert [r["index"] for r in body] == np.argsort(-want, kind="stable").tolist()
+    np.testing.assert_allclose([r["score"] for r in body], want[[r["index"] for r in body]],
+                               atol=1e-5)
+    _, _, raw = task_stack.post_json("/rerank", {"model": "qwen3-ce", "query": query,
+                                                 "texts": TEXTS, "raw_scores": True})
+    np.testing.assert_allclose([r["score"] for r in raw],
+                               np.log(want / (1 - want))[[r["index"] for r in raw]], atol=1e-4)
+    with cohere.ClientV2(api_key="unused", base_url=task_stack.url) as v2:
+        got = v2.rerank(model="qwen3-ce", query=query, documents=TEXTS, top_n=2)
+    np.testing.assert_allclose([r.relevance_score for r in got.results],
+                               np.sort(want)[::-1][:2], atol=1e-5)
+    status, _, err = task_stack.post_json("/predict", {"model": "qwen3-ce",
+                                                       "inputs": [[query, TEXTS[0]], ["alone"]]})
+    assert status == 422 and "is a text alone" in err["error"]["message"], err
+    _, _, info = task_stack.get("/info")
+    (model,) = [m for m in json.loads(info)["models"] if m["name"] == "qwen3-ce"]
+    assert model["instruction"] == QWEN3_INSTRUCTION, model
 
 
 def test_kserve_classification_and_rerank_tensors(task_stack, task_dirs):
