@@ -250,7 +250,14 @@ def authenticate(request: web.Request, keys: tuple[bytes, ...]) -> None:
 
 
 def error_response(request: web.Request, exc: ApiError) -> web.Response:
-    request[LOG_FIELDS]["error"] = exc.kind
+    fields = request[LOG_FIELDS]
+    fields["error"] = exc.kind
+    # why, for whoever follows one request id: the refusal's reason (as
+    # shmserve_frontend_refused_total's, or the worker's error code), the field at fault, the
+    # finer code (an outside check: every 429 read `error=overloaded` whatever refused it)
+    for key, value in (("reason", exc.reason), ("param", exc.param), ("code", exc.code)):
+        if value:
+            fields[f"error_{key}"] = value
     if exc.status >= 500 and request[REQUEST_ID] not in exc.message:
         exc = ApiError(exc.kind, f"{exc.message} (request id {request[REQUEST_ID]})",
                        exc.param, exc.retry_after, exc.code)

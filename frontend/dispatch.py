@@ -124,7 +124,7 @@ class Dispatcher:
                     raise ApiError("unavailable", "no worker is ready for this model yet "
                                    "(loading or restarting)" if loading else
                                    "no live worker for this model", retry_after=1,
-                                   attempts=attempt)
+                                   attempts=attempt, reason="no_worker_ready")
                 if attempt:  # sent again, with rows of its own (see the module's docstring)
                     metrics.retries(again).inc()
                     out_lease, out_base = self._alloc(n * dim * 4)
@@ -148,7 +148,7 @@ class Dispatcher:
                     unready += 1
                     if unready > len(self.pool.links):
                         raise ApiError("unavailable", "workers kept stopping", retry_after=1,
-                                       attempts=attempt) from None
+                                       attempts=attempt, reason="workers_stopping") from None
                     again = "unavailable"
                     continue
                 except WorkerGone:
@@ -156,12 +156,12 @@ class Dispatcher:
                     if lost > self.cfg.frontends.retry_on_worker_loss:
                         raise ApiError("unavailable", "workers kept failing; retries exhausted "
                                        "(frontends.retry_on_worker_loss)", retry_after=1,
-                                       attempts=attempt) from None
+                                       attempts=attempt, reason="worker_lost") from None
                     again = "worker_lost"
                     continue
                 except Stopped as exc:
                     raise ApiError("unavailable", str(exc), retry_after=1,
-                                   attempts=attempt) from None
+                                   attempts=attempt, reason="frontend_stopping") from None
                 except asyncio.CancelledError:  # the client went away
                     self._abandon(link, seq, future)
                     raise
@@ -205,12 +205,12 @@ class Dispatcher:
             metrics.refused("arena").inc()
             raise ApiError("overloaded", "this frontend's shared memory is taken by the "
                            f"requests in flight ({self.arena.size >> 20} MiB, shm.arena_mb); "
-                           "retry later", retry_after=1) from None
+                           "retry later", retry_after=1, reason="arena") from None
         except ShmFull as exc:  # the host's /dev/shm, not this request's doing: 503, logged
             metrics.refused("shm_full").inc()
             log.error("frontend.shm_full", extra={"fields": {"reason": str(exc)}})
             raise ApiError("unavailable", f"no shared memory for this request: {exc}",
-                           retry_after=5) from None
+                           retry_after=5, reason="shm_full") from None
         return Lease(self.arena, base), base
 
     def _abandon(self, link, seq: int, future: asyncio.Future) -> None:

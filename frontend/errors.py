@@ -47,7 +47,7 @@ _FROM_WORKER: dict[ErrorCode, str] = {
 class ApiError(Exception):
     def __init__(self, kind: str, message: str, param: str | None = None,
                  retry_after: int | None = None, code: str | None = None,
-                 attempts: int = 1) -> None:
+                 attempts: int = 1, reason: str | None = None) -> None:
         super().__init__(message)
         if kind not in STATUS:
             raise ValueError(f"unknown error kind {kind!r}")
@@ -57,6 +57,9 @@ class ApiError(Exception):
         self.retry_after = retry_after
         self.code = code  # a finer machine-readable reason, e.g. "model_not_found"
         self.attempts = attempts  # times a worker was sent the request (access line, if > 1)
+        # why a refusal (429, 503) was made, for the access line only: the reason
+        # shmserve_frontend_refused_total counts it under, or the worker's error code
+        self.reason = reason
 
     @property
     def status(self) -> int:
@@ -87,7 +90,8 @@ class ApiError(Exception):
         worker's estimate where it gave one (shmserve.admission.retry_after_s), else 1 s."""
         kind = _FROM_WORKER.get(code, "internal_error")
         return cls(kind, message, retry_after=max(1, retry_after_s)
-                   if kind in ("overloaded", "unavailable") else None)
+                   if kind in ("overloaded", "unavailable") else None,
+                   reason=f"worker_{code.name.lower()}")
 
 
 OPENAI_PATHS = frozenset({"/v1/embeddings"})  # OpenAI's own routes answer with its statuses

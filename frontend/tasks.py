@@ -177,7 +177,8 @@ async def run(request: web.Request, served: ServedModel,
     if inflight[0] >= cfg.frontends.max_inflight:
         metrics.refused("inflight").inc()
         raise ApiError("overloaded", f"{inflight[0]} request{'s' * (inflight[0] != 1)} in "
-                       "flight on this frontend (frontends.max_inflight)", retry_after=1)
+                       "flight on this frontend (frontends.max_inflight)", retry_after=1,
+                       reason="inflight")
     # What the worker would refuse, refused here before tokenizing: in a burst the 429 comes
     # before the frontend has tokenized the requests ahead of it, and the cores go to the work
     # admitted (shmserve.admission).
@@ -257,7 +258,8 @@ def refuse_early(request: web.Request, variant: Variant, priority: int, deadline
     if refusal is not None:
         metrics.refused("deadline").inc()
         raise ApiError("overloaded", f"{refusal.why}; retry later "
-                       "(workers.refuse_past_deadline)", retry_after=refusal.retry_after_s)
+                       "(workers.refuse_past_deadline)", retry_after=refusal.retry_after_s,
+                       reason="deadline")
 
 
 def stage_headers(request: web.Request, outcome: Outcome) -> dict[str, str]:

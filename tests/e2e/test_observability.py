@@ -190,6 +190,7 @@ def test_failed_request_logs_its_error_type(stack):
                 if l.get("request_id") == "too-many"]
     stack.wait_until(line, 30, "the failed request's access line")
     assert line()[0]["error"] == "too_large" and line()[0]["status"] == 413
+    assert line()[0]["error_param"] == "texts"  # what was at fault, not only its type
 
 
 def test_a_refused_request_is_counted_under_the_served_model_it_names(stack):

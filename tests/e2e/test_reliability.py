@@ -141,6 +141,16 @@ def test_flood_gets_only_200_or_429_and_memory_stays_bounded(tmp_path, tiny_mode
         counts = {s: statuses.count(s) for s in set(statuses)}
         assert set(counts) <= {200, 429}, counts
         assert counts.get(200, 0) > 0 and counts.get(429, 0) > 0, counts
+        # Each 429's access line says what refused it (an outside check: every one read
+        # `error: overloaded` alone, whatever limit refused it).
+        def reasons() -> collections.Counter:
+            return collections.Counter(
+                line.get("error_reason") for i in (0, 1)
+                for line in stack.log_lines(f"frontend-{i}") if line.get("status") == 429)
+        stack.wait_until(lambda: sum(reasons().values()) == counts[429], 10,
+                         "every 429's access line")
+        assert set(reasons()) <= {"inflight", "deadline", "arena", "worker_overloaded"}, reasons()
+        assert reasons()["inflight"] > 0, reasons()
         for name, rss in peak.items():
             limit = RSS_LIMITS_MB[name.split("-")[0]]
             assert rss < limit << 20, f"{name} peaked at {rss >> 20} MB (limit {limit})"
