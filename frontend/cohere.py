@@ -129,7 +129,8 @@ def _types(value: Any) -> list[str] | None:
 def _prompt(input_type: Any, prompts: tuple[tuple[str, str], ...]) -> str | None:
     if input_type is None:
         return None
-    if input_type not in PURPOSES:
+    if not isinstance(input_type, str) or input_type not in PURPOSES:
+        # (a list or an object is unhashable: its lookup raised, a 500: an outside check)
         raise ApiError("invalid_request", "'input_type' must be one of "
                        f"{', '.join(PURPOSES)} (images are not served)", param="input_type")
     return next((name for name in PURPOSES[input_type] if name in dict(prompts)), None)

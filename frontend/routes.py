@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import concurrent.futures
 import dataclasses
 import os
 import time
@@ -82,6 +83,9 @@ async def predict(request: web.Request, body: Any) -> web.Response:
         raise ApiError("invalid_request", f"model {spec.name!r} is a rerank model; /predict "
                        "serves embedding and classification models (rerank: POST /v1/rerank "
                        "or /rerank)", param="model", code="unsupported_task")
+    if body.get("top_k") is not None:  # refused, not ignored (an outside check)
+        raise ApiError("invalid_request", "'top_k' applies to classification models; "
+                       f"{spec.name!r} is {spec.task!r}", param="top_k")
     model, outcome, enc = await embed(request, parsed, "texts")
     return codec.render(request, {
         "results": codec.vectors(outcome.vectors, codec.wants_msgpack(request)),
@@ -209,8 +213,14 @@ def readiness(pool: WorkerPool, models: Models) -> str:
     return "failing" if failing else "unavailable"
 
 
+# A scrape's exposition runs on a thread of its own: in the default executor it queued behind
+# every tokenization in flight, and under a flood of large requests scrapes took past nginx's
+# timeout (504; an outside check).
+_EXPOSITION = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="exposition")
+
+
 async def metrics_route(request: web.Request) -> web.Response:
     metrics.turn.flush()  # this turn's updates, so a scrape right after a request counts it
     body, content_type = await asyncio.get_running_loop().run_in_executor(
-        None, metrics.exposition, request.app[CONFIG])
+        _EXPOSITION, metrics.exposition, request.app[CONFIG])
     return web.Response(body=body, headers={"Content-Type": content_type})

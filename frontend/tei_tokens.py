@@ -47,8 +47,9 @@ async def decode(request: web.Request) -> web.Response:
     cfg, deadline, started = _tokenizer_request(request)
     body = mapping(await codec.read_body(request))
     given = required(body, "ids")
-    # texts_or_ids reads a non-list as a text, and would name texts in its refusal.
-    rows = texts_or_ids(given, "ids", cfg.limits)[1] if isinstance(given, list) else None
+    # texts_or_ids reads a non-list or strings as texts, and would name texts in its refusal.
+    rows = (texts_or_ids(given, "ids", cfg.limits)[1] if isinstance(given, list)
+            and not any(isinstance(v, str) for v in given) else None)
     if rows is None:
         raise ApiError("invalid_request", "'ids' must be a list of token ids (integers) or a "
                        "list of such lists; /tokenize turns texts into ids", param="ids")

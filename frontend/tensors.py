@@ -162,6 +162,9 @@ def requested_outputs(header: dict[str, Any], names: list[str]) -> list[tuple[st
     for entry in outputs:
         entry = object_of(entry, "each of 'outputs'")
         name = entry.get("name")
+        if not isinstance(name, str):
+            raise ApiError("invalid_request", "each of 'outputs' needs a 'name' (a string): "
+                           f"one of {', '.join(names)}", param="outputs")
         if name not in names:
             raise ApiError("invalid_request", f"no output {name!r}; this model has "
                            f"{', '.join(names)}", param="outputs")

@@ -85,3 +85,29 @@ def test_large_answers_go_unbuffered_within_the_frontends_budget(tmp_path, tiny_
     del first
     gc.collect()
     assert held.held == size and held.take(web.Response(body=b"x"), size)
+
+
+def test_a_scrape_is_answered_while_every_tokenizing_thread_is_busy(tmp_path, tiny_model):
+    """A scrape's exposition has a thread of its own: in the default executor (the one
+    tokenization runs in) it waited behind a flood's tokenizing, past nginx's timeout (504;
+    an outside check)."""
+    import threading
+
+    cfg = run_config(tmp_path, tiny_overrides(tiny_model, frontends={"count": 1}))
+    release = threading.Event()
+
+    async def scenario() -> tuple[int, bytes]:
+        loop = asyncio.get_running_loop()
+        async with TestClient(TestServer(create_app(cfg, 0))) as client:
+            # every thread of the default executor taken, and work queued behind them
+            busy = [loop.run_in_executor(None, release.wait) for _ in range(64)]
+            try:
+                async with asyncio.timeout(10):
+                    async with client.get("/metrics") as resp:
+                        return resp.status, await resp.read()
+            finally:
+                release.set()
+                await asyncio.gather(*busy)
+
+    status, body = asyncio.run(scenario())
+    assert status == 200 and b"shmserve_requests_total" in body
