@@ -141,7 +141,9 @@ def observe_inference(model: str, variant: str, priority: int, status: int,
     inference_latency(model, variant, str(priority)).observe(seconds)
 
 
-def exposition(cfg: Config) -> tuple[bytes, str]:
+def exposition(cfg: Config, workers: int) -> tuple[bytes, str]:
     """The whole deployment's metrics; blocking (files, supervisord's socket): run it off the
-    event loop."""
-    return shared.exposition([shared.ResidentMemory(lambda: processes.resident(cfg))])
+    event loop. `workers`: how many the deployment has (each shows shmserve_worker_ready,
+    0 while it does not run)."""
+    return shared.exposition([shared.ResidentMemory(lambda: processes.resident(cfg))],
+                             [str(i) for i in range(workers)])

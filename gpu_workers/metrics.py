@@ -28,7 +28,8 @@ FORWARD = Histogram("shmserve_batch_forward_seconds", "Time of one forward pass,
                     "the host", _WM, buckets=shared.LATENCY_BUCKETS)
 QUEUE_DEPTH = Gauge("shmserve_worker_queue_depth", "Texts admitted and not yet answered",
                     ["worker"], multiprocess_mode="livemostrecent")
-READY = Gauge("shmserve_worker_ready", "1 while the worker serves, 0 while loading or draining",
+READY = Gauge("shmserve_worker_ready", "1 while the worker serves, 0 while loading, draining "
+              "or not running",
               ["worker"], multiprocess_mode="livemostrecent")
 MODEL_INFO = Gauge("shmserve_model_info", "1 for each model a worker serves; the labels say "
                    "which weights (revision: a digest of them, or the configured one)",

@@ -31,6 +31,7 @@ from prometheus_client import mmap_dict, multiprocess
 from prometheus_client import values as prometheus_values
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
+from prometheus_client.samples import Sample
 
 from shmserve import processes
 
@@ -237,25 +238,27 @@ def multiproc_dir() -> Path | None:
     return Path(path) if path else None
 
 
-def registry(extra: Iterable[Collector] = ()) -> CollectorRegistry:
+def registry(extra: Iterable[Collector] = (), workers: Iterable[str] = ()) -> CollectorRegistry:
     """What a scrape reads: every process's files (multiprocess mode), else this process's own
-    metrics (a frontend run by hand, a test), plus `extra` collectors."""
+    metrics (a frontend run by hand, a test), plus `extra` collectors. `workers`: the
+    configured workers' indexes, each with a shmserve_worker_ready series (0 where none runs)."""
     directory = multiproc_dir()
     if directory is not None:
-        reg = CollectorRegistry()
-        multiprocess.MultiProcessCollector(reg, path=str(directory))
+        source = multiprocess.MultiProcessCollector(None, path=str(directory))
     else:
         from prometheus_client import REGISTRY
 
-        reg = CollectorRegistry()
-        reg.register(_Delegate(REGISTRY))
+        source = REGISTRY
+    reg = CollectorRegistry()
+    reg.register(_Delegate(source, tuple(workers)))
     for collector in extra:
         reg.register(collector)
     return reg
 
 
-def exposition(extra: Iterable[Collector] = ()) -> tuple[bytes, str]:
-    return generate_latest(registry(extra)), CONTENT_TYPE_LATEST
+def exposition(extra: Iterable[Collector] = (),
+               workers: Iterable[str] = ()) -> tuple[bytes, str]:
+    return generate_latest(registry(extra, workers)), CONTENT_TYPE_LATEST
 
 
 class ResidentMemory(Collector):
@@ -276,13 +279,33 @@ class ResidentMemory(Collector):
 
 
 class _Delegate(Collector):
-    """Lets a fresh registry serve the default one's metrics without re-registering them."""
+    """Lets a fresh registry serve `source`'s metrics (the default registry's, or every
+    process's files) without re-registering them; with shmserve_worker_ready at 0 for each of
+    `workers` no live process wrote it. A stopped worker's live gauge file goes with it (the
+    reaper), and its series then vanished: a panel's line ended, and an alert on
+    `shmserve_worker_ready == 0` never fired (an outside check)."""
 
-    def __init__(self, source) -> None:
+    def __init__(self, source, workers: tuple[str, ...] = ()) -> None:
         self._source = source
+        self._workers = workers
 
     def collect(self):
-        return self._source.collect()
+        ready = None
+        for family in self._source.collect():
+            if family.name == READY:
+                ready = family
+            else:
+                yield family
+        if self._workers:  # when no worker runs at all, the family itself is made here
+            ready = ready or GaugeMetricFamily(READY, "Multiprocess metric", labels=["worker"])
+            have = {sample.labels.get("worker") for sample in ready.samples}
+            ready.samples += [Sample(READY, {"worker": w}, 0.0)
+                              for w in self._workers if w not in have]
+        if ready is not None:
+            yield ready
+
+
+READY = "shmserve_worker_ready"  # gpu_workers.metrics'
 
 
 def mark_dead(directory: Path, pids: Iterable[int] = ()) -> list[int]:

@@ -396,8 +396,16 @@ def test_status_piped_to_head_exits_quietly(stack):
 
 
 def test_killed_processes_leave_no_live_gauges(stack):
-    """Last in this module: it kills processes."""
+    """Last in this module: it stops and kills processes."""
     metrics_dir = stack.run_dir / "metrics"
+    # A stopped worker reads 0, not nothing: its series vanished with its live gauge file, so
+    # an alert on shmserve_worker_ready == 0 never fired (an outside check).
+    stack.ctl("stop", "workers:worker-0")
+    stack.wait_until(lambda: [(l["worker"], v) for l, v in scrape(stack).get(
+        "shmserve_worker_ready", [])] == [("0", 0.0)], 30, "worker 0 ready at 0 while stopped")
+    stack.ctl("start", "workers:worker-0")
+    stack.wait_until(lambda: [v for _, v in scrape(stack)["shmserve_worker_ready"]] == [1.0],
+                     120, "worker 0 serving again")
     before = scrape(stack)
     groups = {"worker": "workers:worker-0", "frontend": "frontends:frontend-1"}
     old = {p: int(stack.ctl("pid", group).strip()) for p, group in groups.items()}
@@ -431,10 +439,12 @@ def test_killed_processes_leave_no_live_gauges(stack):
     assert len(after["shmserve_model_info"]) == 1
     assert total(after, "shmserve_frontend_inflight_requests") == 0
     assert total(after, "shmserve_requests_total") >= total(before, "shmserve_requests_total")
-    # frontend-0 saw worker-0 come back with a new pid; the new frontend-1 never knew the old.
-    stack.wait_until(lambda: total(scrape(stack), "shmserve_worker_restarts_seen_total",
-                                   frontend="0", worker="0") == 1, 30, "the restart seen")
-    assert total(scrape(stack), "shmserve_worker_restarts_seen_total", frontend="1") == 0
+    # frontend-0 saw worker-0 come back with a new pid; the new frontend-1 never knew the old
+    # (both saw the stop and start above).
+    seen = "shmserve_worker_restarts_seen_total"
+    stack.wait_until(lambda: total(scrape(stack), seen, frontend="0", worker="0") == total(
+        before, seen, frontend="0", worker="0") + 1, 30, "the restart seen")
+    assert total(scrape(stack), seen, frontend="1") == total(before, seen, frontend="1")
     # The reaper counts both kills as unexpected exits, by program.
     exits = scrape(stack)
     for program in ("worker-0", "frontend-1"):
