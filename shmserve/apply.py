@@ -145,10 +145,18 @@ def _apply(args: argparse.Namespace, new: Config) -> int:
             "too):\n" + "\n".join(steps.lines()))
         say("shmserve: --dry-run: nothing changed")
         return 0
+    earlier = marker.read_text() if resumed else None
     marker.write_text(json.dumps({"from": json.loads(old.to_json()), "attempts": [
         *(json.loads(a.to_json()) for a in attempted), json.loads(new.to_json())]}) + "\n")
     nginx_before = render.nginx_conf(new).read_text()
-    render.render(new)
+    try:
+        render.render(new)
+    except render.RenderError:  # nothing was replaced: no apply is under way, or the earlier
+        if earlier is None:    # one's record stands as it was
+            marker.unlink(missing_ok=True)
+        else:
+            marker.write_text(earlier)
+        raise
     forget_overridden(old, new)
     with processes.supervisor(new) as proxy:
         steps = plan(old, new, proxy.shmserve.pending(["workers", "frontends"]), attempted)

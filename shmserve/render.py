@@ -74,11 +74,20 @@ def render(cfg: Config) -> None:
     _check_paths(cfg)
     binary = nginx_binary(cfg)
     _make_dirs(cfg)
+    # nginx checks the new file before anything is replaced: a config it rejects leaves the
+    # run directory as it was. It was written in place first, and a refused `apply` left it
+    # there for the next nginx start, which crash-looped on it (an outside check).
+    candidate = nginx_conf(cfg).with_name(".nginx.conf.candidate")
+    _write(candidate, render_nginx(cfg))
+    try:
+        check_nginx(cfg, binary, candidate)
+    except RenderError:
+        candidate.unlink(missing_ok=True)
+        raise
     _write(topology.resolved_config_path(cfg), cfg.to_json() + "\n")
     _write_error_pages(cfg)
-    _write(nginx_conf(cfg), render_nginx(cfg))
+    os.replace(candidate, nginx_conf(cfg))
     _write(supervisord_conf(cfg), render_supervisord(cfg, binary))
-    check_nginx(cfg, binary)
 
 
 def resolved(cfg: Config) -> Config:
@@ -223,14 +232,16 @@ def worker_environment(cfg: Config, device: str) -> dict[str, str]:
     }
 
 
-def check_nginx(cfg: Config, binary: str) -> None:
-    """Run ``nginx -t`` on the rendered config; its complaint becomes a RenderError."""
-    argv = [binary, "-t", "-q", "-e", "stderr", "-p", f"{nginx_dir(cfg)}/",
-            "-c", str(nginx_conf(cfg))]
+def check_nginx(cfg: Config, binary: str, conf: Path | None = None) -> None:
+    """Run ``nginx -t`` on a rendered config (`conf`, else the deployment's nginx.conf); its
+    complaint becomes a RenderError."""
+    conf = conf or nginx_conf(cfg)
+    argv = [binary, "-t", "-q", "-e", "stderr", "-p", f"{nginx_dir(cfg)}/", "-c", str(conf)]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
     if done.returncode != 0:
         problem = (done.stderr or done.stdout).strip()
-        raise RenderError(f"nginx rejects {nginx_conf(cfg)} (check the nginx.* keys): {problem}")
+        raise RenderError(f"nginx rejects the config rendered for {nginx_conf(cfg)} (check the "
+                          f"nginx.* keys): {problem}")
 
 
 def fill(template: str, values: Mapping[str, str]) -> str:

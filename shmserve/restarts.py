@@ -309,6 +309,10 @@ def reload_nginx(cfg: Config) -> int:
     """nginx re-reads its configuration (SIGHUP through supervisord): new workers start on the
     same listening socket and the old ones finish their requests, so no connection is refused.
     A stopped or failed nginx is started instead."""
+    try:  # nginx would refuse it, and go on with the old one (or, started, crash-loop)
+        render.check_nginx(cfg, render.nginx_binary(cfg))
+    except render.RenderError as exc:
+        raise CliError(f"{exc}; nginx was left as it runs") from None
     states = {p["name"]: p["statename"] for p in process_info(cfg)}
     if states.get("nginx") != "RUNNING":
         return subprocess.run(ctl_argv(cfg, "restart", "nginx"), check=False).returncode

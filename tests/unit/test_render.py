@@ -286,11 +286,17 @@ def test_another_users_cli_on_a_private_run_dir_says_so_without_a_traceback(tmp_
             "server.run_dir, another user's?)" in done.stderr, done.stderr
 
 
-def test_nginx_t_failure_names_the_problem(tmp_path):
-    # Well formed (the config checks the form), yet refused by nginx: zero buffers.
+def test_nginx_t_failure_names_the_problem_and_replaces_nothing(tmp_path):
+    # Well formed (the config checks the form), yet refused by nginx: zero buffers. What the
+    # run directory held stays (a rejected nginx.conf left in place crash-looped nginx's next
+    # start: an outside check).
+    render.render(make_config(tmp_path / "run"))
+    run = tmp_path / "run"
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
     cfg = make_config(tmp_path / "run", nginx={"large_client_header_buffers": "0 16k"})
     with pytest.raises(render.RenderError, match=r"nginx rejects .*large_client_header_buffers"):
         render.render(cfg)
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
 
 
 def test_missing_nginx_binary_names_the_key(tmp_path):
