@@ -14,6 +14,12 @@ from shmserve.typedtree import Check, ConfigError
 # else may pass.
 _ORIGIN = re.compile(r"https?://([A-Za-z0-9.-]{1,253}|\[[0-9A-Fa-f:.]{2,45}\])(:[0-9]{1,5})?")
 
+def _bytes(size: str) -> int:
+    """nginx's size (digits, then k or m) in bytes."""
+    unit = {"k": 1 << 10, "m": 1 << 20}.get(size[-1].lower(), 1)
+    return int(size.rstrip("kKmM")) * unit
+
+
 # Range checks beyond the types: key path -> (predicate, what is expected).
 _POSITIVE_INT: Check = (lambda v: v >= 1, "an integer >= 1")
 CHECKS: dict[str, Check] = {
@@ -24,10 +30,15 @@ CHECKS: dict[str, Check] = {
                     is not None, "an IPv4 or IPv6 address or a host name"),
     "nginx.client_max_body_size": (lambda v: re.fullmatch(r"[0-9]{1,9}[kKmMgG]?", v)
                                    is not None, "a size such as 8m (digits, then k, m or g)"),
-    "nginx.client_header_buffer_size": (lambda v: re.fullmatch(r"[0-9]{1,9}[kKmM]?", v)
-                                        is not None, "a size such as 4k (digits, then k or m)"),
-    "nginx.large_client_header_buffers": (lambda v: re.fullmatch(r"[0-9]{1,4} [0-9]{1,9}[kKmM]?",
-                                          v) is not None, "a count and a size such as 4 16k"),
+    # At least 1k: nginx takes 0 (and `nginx -t` passes it), then resets every connection
+    # unanswered (an outside check); a count of 0 buffers it refuses only at `nginx -t`.
+    "nginx.client_header_buffer_size": (
+        lambda v: re.fullmatch(r"[0-9]{1,9}[kKmM]?", v) is not None and _bytes(v) >= 1024,
+        "a size of at least 1k such as 4k (digits, then k or m)"),
+    "nginx.large_client_header_buffers": (
+        lambda v: re.fullmatch(r"[1-9][0-9]{0,3} [0-9]{1,9}[kKmM]?", v) is not None
+        and _bytes(v.split()[1]) >= 1024,
+        "a count of at least 1 and a size of at least 1k, such as 4 16k"),
     "nginx.worker_connections": _POSITIVE_INT,
     "nginx.listen_backlog": _POSITIVE_INT,
     "nginx.client_body_timeout_s": _POSITIVE_INT,
@@ -40,15 +51,16 @@ CHECKS: dict[str, Check] = {
     "nginx.rate_limit_burst": (lambda v: 0 <= v <= 1_000_000, "an integer >= 0"),
     "nginx.rate_limit_key": (lambda v: v in ("ip", "api_key"), "ip or api_key"),
     "nginx.upstream_keepalive": _POSITIVE_INT,
-    "nginx.worker_processes": (lambda v: v == "auto" or (isinstance(v, int) and v >= 1),
-                               "auto or an integer >= 1"),
+    "nginx.worker_processes": (lambda v: v == "auto" or (isinstance(v, int) and 1 <= v <= 1024),
+                               "auto or an integer from 1 to 1024"),
     "nginx.cors_allow_origins": (lambda v: v == ["*"] or all(_ORIGIN.fullmatch(o) for o in v),
                                  'empty, ["*"] alone, or origins such as '
                                  'https://app.example.com[:port] (no path)'),
     "nginx.gzip_level": (lambda v: 1 <= v <= 9, "an integer from 1 to 9"),
     "nginx.gzip_min_bytes": (lambda v: 0 <= v <= 1 << 30, "an integer >= 0"),
     "frontends.count": (lambda v: 1 <= v <= 64, "an integer from 1 to 64"),
-    "frontends.max_inflight": _POSITIVE_INT,
+    # nginx's worker_connections are made from it: a number past nginx's was named as theirs
+    "frontends.max_inflight": (lambda v: 1 <= v <= 1_000_000, "an integer from 1 to 1000000"),
     "frontends.request_timeout_s": (lambda v: v > 0, "a number > 0"),
     "frontends.retry_on_worker_loss": (lambda v: v >= 0, "an integer >= 0"),
     "frontends.no_worker_wait_s": (lambda v: v >= 0, "a number >= 0"),

@@ -193,3 +193,40 @@ def test_a_dry_run_tells_the_programs_started_and_stopped_from_the_counts(base):
     grown = with_(base, frontends={"count": 3}, workers={"cpu_workers": 1})
     assert apply_plan.by_counts(base, grown) == {"added": ["frontends:frontend-2"],
                                             "removed": ["workers:worker-1"], "changed": []}
+
+
+def test_an_apply_nginx_refuses_leaves_no_apply_under_way(base, monkeypatch):
+    """render refuses the new config (nginx -t) before it replaces a file: the apply marker
+    written just before goes too, or an earlier apply's is put back as it was, so `status`
+    does not report an apply stopped part way and the next apply does not resume one."""
+    import argparse
+    import contextlib
+    import json
+
+    from shmserve import render
+
+    base.run_dir.mkdir(parents=True)
+    proxy = type("Proxy", (), {"shmserve": type("Api", (), {"getAPIVersion": lambda: 1})})
+    monkeypatch.setattr(apply.processes, "running_config", lambda cfg: base)
+    monkeypatch.setattr(apply.processes, "supervisor", lambda cfg: contextlib.nullcontext(proxy))
+    monkeypatch.setattr(apply.models, "check", lambda *a: None)
+    monkeypatch.setattr(apply, "check_shm", lambda cfg: None)
+    monkeypatch.setattr(apply.versions, "protocol_change", lambda cfg: None)
+    (base.run_dir / "nginx").mkdir()
+    render.nginx_conf(base).write_text("# the running one\n")
+
+    def refused(cfg):
+        raise render.RenderError("nginx rejects the config rendered for it")
+
+    monkeypatch.setattr(apply.render, "render", refused)
+    new = with_(base, batching={"max_wait_ms": 3})
+    args = argparse.Namespace(dry_run=False, timeout=None)
+    marker = apply.topology.apply_marker_path(base)
+    with pytest.raises(render.RenderError):
+        apply._apply(args, new)
+    assert not marker.exists()
+    earlier = json.dumps({"from": json.loads(base.to_json()), "attempts": []}) + "\n"
+    marker.write_text(earlier)
+    with pytest.raises(render.RenderError):
+        apply._apply(args, new)
+    assert marker.read_text() == earlier

@@ -6,6 +6,7 @@ The supervisord config is read back by supervisord's own parser; the nginx confi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -293,10 +294,16 @@ def test_nginx_t_failure_names_the_problem_and_replaces_nothing(tmp_path):
     render.render(make_config(tmp_path / "run"))
     run = tmp_path / "run"
     before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
-    cfg = make_config(tmp_path / "run", nginx={"large_client_header_buffers": "0 16k"})
+    cfg = make_config(tmp_path / "run")  # past the config's checks, as a value they miss
+    cfg = dataclasses.replace(cfg, nginx=dataclasses.replace(
+        cfg.nginx, large_client_header_buffers="0 16k"))
     with pytest.raises(render.RenderError, match=r"nginx rejects .*large_client_header_buffers"):
         render.render(cfg)
     assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+    # the config's own checks refuse zero buffers, and a zero header buffer nginx takes
+    for nginx in ({"large_client_header_buffers": "0 16k"}, {"client_header_buffer_size": "0"}):
+        with pytest.raises(config.ConfigError, match="at least 1k"):
+            make_config(tmp_path / "run", nginx=nginx)
 
 
 def test_missing_nginx_binary_names_the_key(tmp_path):
