@@ -37,6 +37,7 @@ import os
 import sys
 import time
 import xmlrpc.client
+from pathlib import Path
 from typing import Iterator
 
 from shmserve import config, layers, models, processes, render, state, topology, versions
@@ -99,6 +100,19 @@ def exclusive(cfg: Config) -> Iterator[None]:
         yield
 
 
+def files_dropped(running: Config, reading: list[Path]) -> list[str]:
+    """The config files the running config was read from (`up`'s or the last apply's, as the
+    run directory keeps them) that `reading` leaves out: an apply without `up`'s --config put
+    every key that file set back (the port too), and said nothing but the differences (an
+    outside check moved a deployment to port 8080 so)."""
+    try:
+        recorded = json.loads(topology.config_files_path(running).read_text())
+    except (OSError, ValueError):
+        return []
+    now = {str(path.resolve()) for path in reading}
+    return [path for path in recorded if path not in now]
+
+
 def _apply(args: argparse.Namespace, new: Config) -> int:
     running = processes.running_config(new)
     marker = topology.apply_marker_path(running)
@@ -122,6 +136,11 @@ def _apply(args: argparse.Namespace, new: Config) -> int:
         raise CliError(change)
     # Said before the checks: a refusal's reason may be a change the operator did not mean
     # (an override of `up`'s left out, `--env prod` forgotten).
+    if dropped := files_dropped(running, layers.file_layers(args.env, args.config,
+                                                            os.environ)):
+        say(f"shmserve: warning: the running config was read from {', '.join(dropped)}, "
+            "which this apply does not read (give it with --config or SHMSERVE_CONFIG, as "
+            "`up` was given it): what it set goes back to the other layers' values")
     say(f"shmserve: {'would apply' if args.dry_run else 'applying'}:\n"
         + "\n".join(f"  {line}" for line in (changes and itemized(old, new)) or
                      ["the config from before the earlier apply"]))

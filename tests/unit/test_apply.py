@@ -220,7 +220,7 @@ def test_an_apply_nginx_refuses_leaves_no_apply_under_way(base, monkeypatch):
 
     monkeypatch.setattr(apply.render, "render", refused)
     new = with_(base, batching={"max_wait_ms": 3})
-    args = argparse.Namespace(dry_run=False, timeout=None)
+    args = argparse.Namespace(dry_run=False, timeout=None, env=None, config=None)
     marker = apply.topology.apply_marker_path(base)
     with pytest.raises(render.RenderError):
         apply._apply(args, new)
@@ -230,3 +230,20 @@ def test_an_apply_nginx_refuses_leaves_no_apply_under_way(base, monkeypatch):
     with pytest.raises(render.RenderError):
         apply._apply(args, new)
     assert marker.read_text() == earlier
+
+
+def test_an_apply_without_ups_config_file_is_told_so(base, tmp_path):
+    """An apply that leaves out the --config file `up` read puts back every key it set (the
+    port too); the differences alone did not say why (an outside check moved to port 8080)."""
+    import json
+
+    from shmserve import topology
+
+    given = tmp_path / "overlay.yaml"
+    given.write_text("server: {port: 20480}\n")
+    base.run_dir.mkdir(parents=True)
+    topology.config_files_path(base).write_text(json.dumps({str(given.resolve()): "digest"}))
+    assert apply.files_dropped(base, []) == [str(given.resolve())]
+    assert apply.files_dropped(base, [given]) == []
+    topology.config_files_path(base).unlink()  # an older deployment's `up` kept none
+    assert apply.files_dropped(base, []) == []
