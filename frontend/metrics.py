@@ -28,15 +28,17 @@ LATENCY = Histogram("shmserve_request_duration_seconds",
                     "Time from the frontend receiving a request to its response",
                     ["route", "model"], buckets=shared.LATENCY_BUCKETS)
 STAGE = Histogram("shmserve_stage_duration_seconds",
-                  "Time of each stage of successful embedding requests",
+                  "Time of each stage of successful inference requests (every task)",
                   ["stage", "model"], buckets=shared.LATENCY_BUCKETS)
 INFLIGHT = Gauge("shmserve_frontend_inflight_requests", "Requests being served per frontend",
                  ["frontend"], multiprocess_mode="livesum")
 ARENA_USED = Gauge("shmserve_frontend_arena_used_bytes",
                    "Bytes of a frontend's shared memory (shm.arena_mb) held by requests in "
                    "flight, read every second", ["frontend"], multiprocess_mode="livesum")
-TEXTS = Counter("shmserve_texts_total", "Texts embedded", ["model"])
-TOKENS = Counter("shmserve_tokens_total", "Tokens embedded (after truncation)", ["model"])
+TEXTS = Counter("shmserve_texts_total", "Inputs run through a model (texts; a rerank's "
+                "documents, each one query-document pair)", ["model"])
+TOKENS = Counter("shmserve_tokens_total", "Tokens run through a model (after truncation; a "
+                 "rerank's query counted in each pair)", ["model"])
 INPUT_TOKENS = Histogram("shmserve_input_tokens", "Tokens per input text (after truncation)",
                          ["model"], buckets=shared.TOKEN_BUCKETS)
 TRUNCATED = Counter("shmserve_truncated_texts_total", "Texts cut to the model's limit", ["model"])
