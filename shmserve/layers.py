@@ -129,21 +129,41 @@ def located(exc: ConfigError, env: str | None, extra: str | Path | None,
     environment variable, else the last file that has it (a message named the key only, and
     with several files and variables a user could not tell which one was wrong, an outside
     check). Unchanged when no layer sets it (a rule between keys, a default)."""
-    found = _KEY_PATH.match(str(exc))
+    message = str(exc)
+    found = _KEY_PATH.match(message)
     if found is None:
         return exc
+    said = []
+    if where := _source(found[1], env, extra, environ):
+        said.append(f"set in {where}")
+    # A rule between keys names the others in its message: where each was set too (the
+    # message named only the first key's layer, base.yaml, when a variable had set the other:
+    # an outside check).
+    rule = re.sub(r"\(did you mean [^)]*\)", "", message[found.end():])  # a suggestion: not set
+    for key in dict.fromkeys(_MENTIONED.findall(rule)):
+        if key != found[1] and (where := _source(key, env, extra, environ)):
+            said.append(f"{key} set in {where}")
+    return ConfigError(f"{exc} ({'; '.join(said)})") if said else exc
+
+
+_MENTIONED = re.compile(r"\b([a-z_]+(?:\.[a-z_0-9]+)+)\b")
+
+
+def _source(key: str, env: str | None, extra: str | Path | None,
+            environ: Mapping[str, str]) -> str | None:
+    """The layer that sets `key` (a path such as models[0].name): its environment variable,
+    else the last file that has it; None when none does (a default)."""
     parts: list[str | int] = [int(p) if p.isdigit() else p
-                              for p in re.split(r"\.|\[|\]\.?", found[1]) if p != ""]
+                              for p in re.split(r"\.|\[|\]\.?", key) if p != ""]
     where = _set_by_variable(parts, environ)
     if where is None:
         for path in reversed(file_layers(env, extra, environ)):
             try:
                 if _sets(_read_yaml(path), parts):
-                    where = str(path)
-                    break
+                    return str(path)
             except ConfigError:
                 continue
-    return ConfigError(f"{exc} (set in {where})") if where else exc
+    return where
 
 
 def _set_by_variable(parts: list[str | int], environ: Mapping[str, str]) -> str | None:

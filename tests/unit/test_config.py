@@ -306,6 +306,17 @@ def test_a_refused_value_names_the_layer_that_set_it(tmp_path):
         config.load(environ={"SHMSERVE__FRONTENDS__CUONT": "3"})
 
 
+def test_a_rule_between_keys_names_where_each_was_set():
+    """It named the first key's layer alone (base.yaml), when a variable had set the other
+    (an outside check)."""
+    with pytest.raises(ConfigError) as exc:
+        config.load(environ={"SHMSERVE__FRONTENDS__REQUEST_TIMEOUT_S": "0.001"})
+    message = str(exc.value)
+    assert message.startswith("batching.max_wait_ms: "), message
+    assert message.endswith("; frontends.request_timeout_s set in "
+                            "SHMSERVE__FRONTENDS__REQUEST_TIMEOUT_S)"), message
+
+
 def test_a_list_where_a_string_or_a_list_goes_names_the_item_at_fault():
     """`workers.devices: [0, x]` said "expected a string or a list, got [0, 'x']", which is a
     list (an outside check): the list's own error names the item."""
