@@ -405,6 +405,8 @@ class _FileLoader(yaml.SafeLoader):
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
         seen = set()
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *defaults`: YAML's merge
+                continue  # key, whose keys the mapping's own override (SafeLoader's flatten)
             key = self.construct_object(key_node, deep=deep)
             if isinstance(key, str) and key in seen:
                 raise yaml.constructor.ConstructorError(
@@ -430,6 +432,11 @@ def _read_yaml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except yaml.MarkedYAMLError as exc:  # one line: the file, line and column, the problem
+        mark = exc.problem_mark or exc.context_mark
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        what = "; ".join(filter(None, (exc.context, exc.problem)))
+        raise ConfigError(f"{where}: invalid YAML: {what}") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: invalid YAML: {exc}") from None
     except (TypeError, ValueError) as exc:

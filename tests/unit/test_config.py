@@ -1,5 +1,6 @@
 import dataclasses
 import json
+import re
 
 import pytest
 
@@ -153,8 +154,19 @@ def test_unknown_env_and_bad_yaml(tmp_path):
         config.load(environ={"SHMSERVE_ENV": "nope"})
     bad = tmp_path / "bad.yaml"
     bad.write_text("server: [unclosed\n")
-    with pytest.raises(ConfigError, match="invalid YAML"):
+    with pytest.raises(ConfigError) as exc:
         config.load(extra=bad, environ={})
+    # one line naming the file, line and column (it was pyyaml's lines, `in "<unicode
+    # string>"`: an outside check)
+    assert re.fullmatch(rf"{re.escape(str(bad))}:2:1: invalid YAML: .+", str(exc.value))
+    # YAML's merge key, which the duplicate-key check refused as no constructor's tag
+    merged = tmp_path / "merged.yaml"
+    merged.write_text("models:\n"
+                      "  - &first {name: a, source: /models/a, dtype: bf16, max_input_tokens: 64}\n"
+                      "  - <<: *first\n    name: b\n    dtype: fp32\n")
+    a, b = config.load(extra=merged, environ={}).models
+    assert (b.name, b.source, b.dtype, b.max_input_tokens) == ("b", "/models/a", "fp32", 64)
+    assert a.dtype == "bf16"
 
 
 def test_resolved_round_trip(tmp_path):
