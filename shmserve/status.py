@@ -180,14 +180,31 @@ def processes_of(cur: Sample) -> list[dict]:
         state = p["statename"]
         if state == "RUNNING" and p.get("pid") and _stopped(p["pid"]):
             state = "RUNNING:stopped"  # supervisord cannot tell; a hung kill is coming
+        rss = cur.total("shmserve_process_resident_memory_bytes", program=p["name"])
         rows.append({"name": p["name"], "state": state, "pid": p.get("pid") or None,
-                     "uptime_s": up, "rss_bytes": _int(cur.total(
-                         "shmserve_process_resident_memory_bytes", program=p["name"]))})
+                     "uptime_s": up, "rss_bytes": _int(rss if rss is not None else
+                                                       _resident(p.get("pid")))})
     rss = cur.total("shmserve_process_resident_memory_bytes", program="supervisord")
     if rss is not None or cur.supervisord_pid:
         rows.append({"name": "supervisord", "state": "RUNNING", "pid": cur.supervisord_pid,
-                     "uptime_s": _uptime(cur.supervisord_pid), "rss_bytes": _int(rss)})
+                     "uptime_s": _uptime(cur.supervisord_pid),
+                     "rss_bytes": _int(rss if rss is not None else
+                                       _resident(cur.supervisord_pid, children=False))})
     return rows
+
+
+def _resident(pid: int | None, children: bool = True) -> int | None:
+    """A process's resident memory read here, with its children's (as the metric counts it):
+    for when no frontend answered /metrics (every one stopped: the column was empty, an
+    outside check). The programs are this machine's: status reads the local run directory."""
+    try:
+        proc = psutil.Process(pid) if pid else None
+        if proc is None:
+            return None
+        members = [proc, *proc.children(recursive=True)] if children else [proc]
+        return sum(m.memory_info().rss for m in members)
+    except psutil.Error:
+        return None
 
 
 def _uptime(pid: int | None) -> int | None:

@@ -269,3 +269,22 @@ def test_a_worker_whose_load_fails_shows_as_failing_with_its_error():
     assert shown["state"] == "failing"
     assert [(w["failed_loads"], w["load_error"]) for w in shown["workers"]] == [
         (0, None), (3, "ModelSourceError: lacks 16 weights")]
+
+
+def test_with_no_frontend_answering_memory_is_read_here():
+    """Every frontend stopped, nginx answering 502: the RSS column was empty for every process
+    (it came from /metrics alone; an outside check). It is read from the process and its
+    children here; a pid no process has stays empty."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        processes = [{"name": "nginx", "statename": "RUNNING", "pid": proc.pid,
+                      "start": 1000, "now": 1065},
+                     {"name": "worker-0", "statename": "RUNNING", "pid": 2 ** 22 + 7,
+                      "start": 1000, "now": 1065}]
+        cur = status.Sample(1.0, processes, 502, {}, status.parse_metrics(""))
+        listed = {p["name"]: p["rss_bytes"] for p in status.processes_of(cur)}
+        assert listed["nginx"] > 1 << 20  # a Python process's (it grows as it starts)
+        assert listed["worker-0"] is None
+    finally:
+        proc.kill()
+        proc.wait()
