@@ -289,7 +289,7 @@ def request_priority(request: web.Request, body: int | None, default: int) -> in
     """The body's `priority` field, else the X-Priority header, else the configured default."""
     if body is not None:
         return body
-    header = request.headers.get("X-Priority")
+    header = once(request, "X-Priority")
     return default if header is None else schemas.parse_priority(header, "X-Priority")
 
 
@@ -298,11 +298,21 @@ def request_priority(request: web.Request, body: int | None, default: int) -> in
 _SECONDS = re.compile(r"([0-9]{1,9}(\.[0-9]{0,9})?|\.[0-9]{1,9})([eE][+-]?[0-9]{1,3})?")
 
 
+def once(request: web.Request, name: str) -> str | None:
+    """A header of this server's that a request gives at most once: given twice, the first
+    was taken and the second never read, however the two differed (an outside check)."""
+    values = request.headers.getall(name, ())
+    if len(values) > 1:
+        raise ApiError("invalid_request", f"{name} is given {len(values)} times; give it once",
+                       param=name)
+    return values[0] if values else None
+
+
 def timeout(request: web.Request, default: float) -> float:
     """The request's deadline in seconds from now: X-Request-Timeout (at most 3600), else
     `default`; a longer one than nginx waits for (nginx.proxy_read_timeout_s) is cut to a second
     under it, so the frontend's 504 reaches the client before nginx gives up on the request."""
-    raw = request.headers.get("X-Request-Timeout")
+    raw = once(request, "X-Request-Timeout")
     given = request.get(TIMEOUT_S)  # a protocol's own; the shorter of it and the header's
     if raw is None:
         if given is None:

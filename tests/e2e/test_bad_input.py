@@ -182,6 +182,21 @@ def test_a_header_given_twice_is_named_in_the_400(tiny_stack, pids_before):
                                 "twice; it may be given once"), error
 
 
+@pytest.mark.parametrize("name", ["X-Request-Timeout", "X-Priority"])
+def test_a_control_header_given_twice_is_refused_not_half_read(tiny_stack, pids_before, name):
+    """The first was taken and the second never read: `5` then `abc` served, `abc` then `5`
+    refused (an outside check)."""
+    body = b'{"texts": ["x"]}'
+    answer = exchange(tiny_stack, b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                      b"application/json\r\n" + f"{name}: 5\r\n{name}: abc\r\n".encode()
+                      + f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
+                      + body)
+    head, _, raw = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 422"), answer[:300]
+    error = json.loads(raw)["error"]
+    assert error["param"] == name and "given 2 times" in error["message"], error
+
+
 def test_bounded_fuzz_of_the_live_server(tiny_stack, pids_before):
     """Random bodies, content types and headers through nginx: never a 5xx."""
     from hypothesis import HealthCheck, given, settings
