@@ -47,8 +47,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         if getattr(args, "source", None) == "" and len(extra) == 1 \
                 and not extra[0].startswith("-"):
             args.source = extra[0]
-        else:
-            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        else:  # said with the command's usage, not the program's (an outside check)
+            parser.commands[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     return args
 
 
@@ -98,7 +98,8 @@ def _parser() -> argparse.ArgumentParser:
         prog="shmserve", description="Render a deployment and drive its supervisord.")
     parser.add_argument("--env", help=env_help)
     parser.add_argument("--config", help=config_help)
-    sub = parser.add_subparsers(required=True, metavar="COMMAND")
+    sub = parser.add_subparsers(required=True, metavar="COMMAND", dest="command")
+    parser.commands = sub.choices  # each command's parser, by name (`parse`)
 
     def command(name: str, run: Callable[[argparse.Namespace], int],
                 help: str) -> argparse.ArgumentParser:
@@ -119,8 +120,8 @@ def _parser() -> argparse.ArgumentParser:
                          "readiness, queue, throughput and memory (GET /ready, /metrics)")
     status_cmd.add_argument("--watch", nargs="?", type=float, const=2.0, metavar="SECONDS",
                             help="refresh every SECONDS (default 2) until Ctrl-C")
-    status_cmd.add_argument("--count", type=int, metavar="N", help="with --watch: stop after N "
-                            "refreshes")
+    status_cmd.add_argument("--count", type=_at_least_one, metavar="N",
+                            help="with --watch: stop after N refreshes")
     status_cmd.add_argument("--json", action="store_true", help="one line of JSON (a line per "
                             "refresh with --watch): the same figures, unformatted")
     from shmserve.restarts import restart  # it imports this module's helpers
@@ -161,6 +162,12 @@ def _parser() -> argparse.ArgumentParser:
     split_cmd.add_argument("name", help="the model")
     split_cmd.add_argument("weights", nargs="+", metavar="VARIANT=WEIGHT")
     return parser
+
+
+def _at_least_one(text: str) -> int:
+    if not text.lstrip("+").isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return int(text)
 
 
 def up(args: argparse.Namespace) -> int:

@@ -38,8 +38,9 @@ def reload(args: argparse.Namespace) -> int:
     # cores, an outside check), and the command said nothing meanwhile.
     unit = f"{args.name}@{args.variant}" if args.variant else args.name
     arms = {m.name: {v.name for v in m.variants} for m in cfg.models}
-    if args.name in arms and (not args.variant or args.variant in arms[args.name]):
-        # (else nothing waits: the stack's 404 or 422 says why at once)
+    if cfg.admin.token and args.name in arms and (not args.variant
+                                                  or args.variant in arms[args.name]):
+        # (else nothing waits: the stack's 404 or 422, or admin routes off, says why at once)
         print(f"shmserve: reloading {unit}: every worker that serves it loads and warms the "
               "new weights beside serving, then switches; waiting for all of them (at most "
               f"admin.reload_timeout_s, {cfg.admin.reload_timeout_s:g} s; `shmserve models` "

