@@ -14,10 +14,12 @@ any), and one pass runs several length groups (`PackedQwen3`): the linear layers
 every group's real tokens as one matrix, attention group by group. The network's own forward
 is that pass over one group. tests/integration/test_qwen3.py holds them equal to transformers'.
 
-`load` takes only an embedding checkpoint it reads exactly as transformers would (default
-rotary positions, no sliding window, silu, config values of the types transformers' config
-accepts, every tensor the network needs); for anything else (a classifier, a sliding window,
-scaled rotary positions) it returns None, and transformers loads it (gpu_workers.networks).
+`load` takes an embedding checkpoint, a sequence classifier's (Qwen3ForSequenceClassification:
+its linear `score` on the last real token) and a causal LM answering yes or no (a rerank
+model: shmserve.yes_no), each only as transformers would read it (default rotary positions,
+no sliding window, silu, config values of the types transformers' config accepts, every tensor
+the network needs); for anything else (a sliding window, scaled rotary positions) it returns
+None, and transformers loads it (gpu_workers.networks) or, a yes/no reranker, refuses it.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ class Config:
     attention_bias: bool = False
     use_sliding_window: bool = False
     pad_token_id: int = 0
+    num_labels: int = 2  # a sequence classifier's (config_json counts id2label)
 
     model_type = "qwen3"
     type_vocab_size = 0  # no token types
@@ -192,6 +195,25 @@ class Qwen3Reranker(nn.Module):
         return self.model(input_ids, attention_mask, whole=self)
 
 
+class Qwen3ForSequenceClassification(nn.Module):
+    """transformers' Qwen3ForSequenceClassification: the decoder and a linear `score` (no bias)
+    on the last real token's hidden state."""
+
+    def __init__(self, config: Config) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Qwen3Model(config)
+        self.score = nn.Linear(config.hidden_size, config.num_labels, bias=False)
+
+    @property
+    def base_model(self) -> Qwen3Model:
+        return self.model
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                **_) -> Output:
+        return self.model(input_ids, attention_mask, whole=self)
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary positions on query or key [b, heads, l, d], in their dtype as transformers'
     apply_rotary_pos_emb (cos and sin already in it)."""
@@ -205,8 +227,10 @@ class PackedQwen3:
 
     def __init__(self, whole: nn.Module, bucket: bool = False) -> None:
         net = self.net = whole.base_model
-        # a reranker's score row: its logit from each text's last token
-        self.score = whole.score if isinstance(whole, Qwen3Reranker) else None
+        # a scoring network's head, on each text's last token: a reranker's yes - no row (in
+        # float32), a classifier's linear layer (in the network's dtype, as transformers')
+        self.score = whole.score if isinstance(
+            whole, (Qwen3Reranker, Qwen3ForSequenceClassification)) else None
         self.bucket = bucket
         config = net.config
         self.heads, self.kv, self.d = (config.num_attention_heads, config.num_key_value_heads,
@@ -226,7 +250,8 @@ class PackedQwen3:
             logits = None
             if self.score is not None:  # padded on the right: the last real token's row
                 last = hidden[torch.arange(b, device=hidden.device), g.mask.sum(1) - 1]
-                logits = (last.float() @ self.score)[:, None]
+                logits = (last.float() @ self.score)[:, None] \
+                    if isinstance(self.score, torch.Tensor) else self.score(last)
             out.append(Output(hidden, logits))
         return out
 
@@ -287,7 +312,7 @@ Packed = PackedQwen3  # gpu_workers.networks' name for a module's packed pass
 
 def supports(net: nn.Module) -> bool:
     """Whether the packed pass runs this network: Qwen3's as this module builds it."""
-    return isinstance(net, (Qwen3Model, Qwen3Reranker))
+    return isinstance(net, (Qwen3Model, Qwen3Reranker, Qwen3ForSequenceClassification))
 
 
 def load(directory: Path, task: str, dtype: torch.dtype) -> nn.Module | None:
@@ -295,12 +320,15 @@ def load(directory: Path, task: str, dtype: torch.dtype) -> nn.Module | None:
     `dtype`); None where only transformers can say what to do with this checkpoint."""
     if task == "rerank" and yes_no.applies(task, config_json(directory, ("qwen3",)) or {}):
         return _reranker(directory, dtype)
-    config = Config.read(directory) if task == "embedding" else None
+    config = Config.read(directory)
     if config is None:
         return None
+    if task in ("classification", "rerank"):  # a sequence classifier's checkpoint
+        return checkpoint.build(directory, Qwen3ForSequenceClassification, config, dtype)
     # a decoder saved alone (sentence-transformers' Qwen3-Embedding), or inside a causal LM
     # (`model.`, its head left out)
-    return checkpoint.build(directory, Qwen3Model, config, dtype, "model.")
+    return checkpoint.build(directory, Qwen3Model, config, dtype, "model.") \
+        if task == "embedding" else None
 
 
 def _reranker(directory: Path, dtype: torch.dtype) -> Qwen3Reranker:

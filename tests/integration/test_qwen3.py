@@ -27,7 +27,8 @@ SHAPES = {
 def models(tmp_path_factory):
     """{shape: directory}: tiny random Qwen3 decoders with BERT's tokenizer, saved as
     transformers saves Qwen3Model; and one saved inside a causal LM (`model.`, an lm_head)."""
-    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+    from transformers import (AutoConfig, AutoModel, AutoModelForCausalLM,
+                              AutoModelForSequenceClassification)
 
     root = tmp_path_factory.mktemp("qwen3")
     source = build_tiny_bert(root / "bert", seed=5)
@@ -49,6 +50,16 @@ def models(tmp_path_factory):
     AutoModelForCausalLM.from_config(config).eval().save_pretrained(target,
                                                                     safe_serialization=True)
     out["causal-lm"] = target
+    for labels, name in ((3, "classifier"), (1, "cross-encoder")):  # as transformers saves them
+        torch.manual_seed(10 + labels)
+        config = AutoConfig.for_model("qwen3", vocab_size=30522, hidden_size=32,
+                                      intermediate_size=48, num_hidden_layers=2, pad_token_id=0,
+                                      initializer_range=0.2, num_labels=labels,
+                                      **SHAPES["gqa"])
+        target = shutil.copytree(source, root / name)
+        AutoModelForSequenceClassification.from_config(config).eval().save_pretrained(
+            target, safe_serialization=True)
+        out[name] = target
     return out
 
 
@@ -98,6 +109,33 @@ def test_the_worker_runs_it_packed_to_transformers_results(models, name):
                                atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "int8"])
+@pytest.mark.parametrize("name,task", [("classifier", "classification"),
+                                       ("cross-encoder", "rerank")])
+def test_a_sequence_classifier_runs_packed_to_transformers_logits(models, name, task, dtype):
+    """Qwen3ForSequenceClassification (a classifier, a converted reranker such as
+    Qwen3-Reranker-seq-cls) built here: its linear `score` on each text's last real token,
+    several length groups a pass, against transformers' network (it ran transformers' own,
+    one forward per group); int8 runs the network's own forward, quantized."""
+    from gpu_workers.model import Model
+
+    served = spec(models[name], task, dtype=dtype)
+    model = Model(served, torch.device("cpu"))
+    assert model.loader == "shmserve" and model.packs == (dtype != "int8")
+    theirs = networks._transformers(spec(models[name], task), torch.float32)
+    ids, mask = batch()
+    lengths = mask.sum(1).numpy()
+    groups = [(ids[:1].numpy(), lengths[:1], None), (ids[1:].numpy(), lengths[1:], None)]
+    got = model.forward_groups(groups)
+    with torch.inference_mode():
+        want = theirs(input_ids=ids, attention_mask=mask).logits.numpy()
+    assert got.shape == want.shape == (3, 3 if name == "classifier" else 1)
+    if dtype == "int8":  # quantized weights and activations (per batch): near, not equal
+        assert np.corrcoef(got.ravel(), want.ravel())[0, 1] > 0.95, (got, want)
+    else:
+        np.testing.assert_allclose(got, want, atol={"fp32": 1e-5, "bf16": 0.05}[dtype])
+
+
 def test_what_only_transformers_reads_goes_to_transformers(models, tmp_path):
     """A sliding window, scaled rotary positions, another activation, a classifier's task, a
     missing tensor: each declined here, so transformers loads it (or refuses it)."""
@@ -110,7 +148,7 @@ def test_what_only_transformers_reads_goes_to_transformers(models, tmp_path):
                          ("heads", {"num_key_value_heads": 3})):
         directory = edited(source, tmp_path, name, config=change)
         assert qwen3.Config.read(directory) is None, name
-    assert qwen3.load(source, "classification", torch.float32) is None
+    assert qwen3.load(source, "classification", torch.float32) is None  # no score weights
     missing = edited(source, tmp_path, "missing", tensors=lambda t: {
         k: v for k, v in t.items() if "q_norm" not in k})
     assert qwen3.load(missing, "embedding", torch.float32) is None
