@@ -182,10 +182,19 @@ class TextEncoder:
                            f"{self.name!r} scores (query, document) pairs", param=param)
         head, tail = self._around
         room = self.max_tokens - len(head) - len(tail)
-        middles, long = self._pieces([before + q + between + d for q, d in pairs], direction)
+        left = direction == "left"
+        if left:  # only the documents are cut from their start: pieces of them alone
+            documents, long = self._pieces([d for _, d in pairs], direction)
+            middles = [before + q + between + d for (q, _), d in zip(pairs, documents)]
+            encodings = self._variant(False, "right").encode_batch(middles,
+                                                                   add_special_tokens=False)
+        else:
+            middles, long = self._pieces([before + q + between + d for q, d in pairs],
+                                         direction)
+            encodings = self._variant(False, "right").encode_batch_fast(
+                middles, add_special_tokens=False)
         rows, truncated = [], 0
-        for i, e in enumerate(self._variant(False, "right").encode_batch_fast(
-                middles, add_special_tokens=False)):
+        for i, e in enumerate(encodings):
             ids = e.ids
             if len(ids) > room:
                 if not truncate:
@@ -193,7 +202,8 @@ class TextEncoder:
                     raise ApiError("too_large", f"{_which(param, i, True)} has {total} tokens "
                                    f"in the model's prompt; the model's limit is "
                                    f"{self.max_tokens} (or {hint})", param=param)
-                ids = ids[-room:] if direction == "left" else ids[:room]
+                ids = ids[:room] if not left else _cut_document(e, room, len(middles[i])
+                                                                - len(documents[i]))
                 truncated += 1
             rows.append(head + ids + tail)
         offsets = np.zeros(len(rows) + 1, np.int32)
@@ -325,6 +335,19 @@ class TextEncoder:
         """Full encodings (tokens, offsets, special-token masks), never truncated."""
         return self._variant(False, "right").encode_batch(texts,
                                                           add_special_tokens=add_special_tokens)
+
+
+def _cut_document(encoding: Encoding, room: int, start: int) -> list[int]:
+    """`room` of a yes/no prompt's middle ids, the document (from character `start` on) cut
+    from its start: the instruction and the query stay, as a cross-encoder's left cut keeps
+    its query. (The whole middle's tail was kept, and the query with the instruction went:
+    every query scored the same, an outside check.) A middle whose part before the document
+    fills the room alone is cut from its end, as the model card cuts it."""
+    ids = encoding.ids
+    kept = next((k for k, (_, end) in enumerate(encoding.offsets) if end > start), len(ids))
+    if kept >= room:
+        return ids[:room]
+    return ids[:kept] + ids[len(ids) - (room - kept):]
 
 
 def _piece(text: str, cap: int, direction: str) -> str:

@@ -124,3 +124,22 @@ def test_loading_it_never_imports_transformers(models):
     loaded, transformers_imported, _ = fresh_loads([("tied", "rerank", models["tied"])])
     assert [loader for _, _, loader in loaded] == ["shmserve"]
     assert not transformers_imported
+
+
+def test_a_left_cut_takes_the_documents_start_and_keeps_the_query(models):
+    """TEI's truncation_direction Left on a yes/no reranker: the document loses its start, the
+    instruction and the query stay (the middle's tail was kept, and every query scored the
+    same: an outside check)."""
+    served = spec(models["tied"], "rerank", max_input_tokens=120)
+    encoder = TextEncoder(served, truncate=True)
+    model = Model(served, torch.device("cpu"))
+    document = "alpha " * 300 + "omega " * 300
+    scores = {}
+    for query in ("fruit", "vegetable"):
+        enc = encoder.encode_pairs(query, [document], direction="left")
+        assert enc.truncated == 1 and enc.tokens == 120
+        text = encoder.decode([enc.ids.tolist()])[0]
+        assert f"query > : {query}" in text and "omega" in text and "alpha" not in text, text
+        assert text.endswith("< / think >"), text  # the tail, where the answer is read
+        scores[query] = run(model, enc)[0, 0]
+    assert scores["fruit"] != scores["vegetable"]
