@@ -17,7 +17,7 @@ import math
 
 from aiohttp import web
 
-from frontend import codec, reload, variants
+from frontend import codec, reload
 from frontend.app import CONFIG, MODEL_NAME, MODELS, POOL, SPLITS, ServedModel, bearer_matches
 from frontend.errors import ApiError
 from frontend.variants import Variant
@@ -105,13 +105,10 @@ async def reload_model(request: web.Request) -> web.Response:
         raise ApiError("invalid_request", f"'revision' must be {REVISION_RULE}",
                        param="revision")
     variant = _variant(served, _string(body, "variant"))
-    digest = await refuse_a_taken_revision(served, variant, source, revision, request.app[POOL],
-                                           request.app[CONFIG].model_root_paths)
     request[MODEL_NAME] = served.spec.name
     # Shielded: a caller that goes away must not stop a reload between its two phases (the run
     # state written, the commits not sent); it finishes, and only the answer is lost.
-    task = asyncio.ensure_future(reload.reload(request.app, served.spec.name, variant, source,
-                                               revision, digest))
+    task = asyncio.ensure_future(reload.reload(request.app, served, variant, source, revision))
     task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved if orphaned
     answer = await asyncio.shield(task)
     return codec.render(request, answer)
@@ -135,29 +132,6 @@ async def set_split(request: web.Request) -> web.Response:
     state.update(request.app[CONFIG],
                  lambda tree: tree["splits"].__setitem__(served.spec.name, new))
     return codec.render(request, {"model": served.spec.name, "weights": new})
-
-
-async def refuse_a_taken_revision(served: ServedModel, variant: Variant, source: str,
-                                  revision: str, pool, roots: list) -> str | None:
-    """422 when the reload would give `variant` the revision another arm of the split serves:
-    the revision is what tells the arms apart (metrics, X-Model-Revision, KServe's versions).
-    Without a `revision` the workers label the weights with their digest, which is the other
-    arm's when it serves the same weights (an outside check: both arms read as one)."""
-    taken = {variants.revision(v, pool): v.name for v in served.variants if v is not variant}
-    if revision and revision in taken:
-        raise ApiError("invalid_request", f"variant {taken[revision]!r} of "
-                       f"{served.spec.name!r} serves revision {revision!r}; give this one "
-                       "another", param="revision")
-    if taken and source and not revision:
-        digest = await asyncio.get_running_loop().run_in_executor(
-            None, reload.weights_label, source, roots)
-        if digest in taken:
-            raise ApiError("invalid_request", f"variant {taken[digest]!r} of "
-                           f"{served.spec.name!r} serves these weights as revision "
-                           f"{digest!r}; give this variant a revision of its own, or move "
-                           "traffic with the split's weights instead", param="revision")
-        return digest
-    return None
 
 
 def _weights_problem(weights: object, names: list[str]) -> str:

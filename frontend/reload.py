@@ -21,7 +21,7 @@ import uuid
 
 from aiohttp import web
 
-from frontend import metrics
+from frontend import metrics, variants
 from frontend.app import CONFIG, POOL
 from frontend.errors import ApiError
 from frontend.links import WorkerGone, WorkerLink, consume
@@ -38,15 +38,14 @@ _KIND_OF = {ReloadStatus.INVALID: "invalid_request", ReloadStatus.BUSY: "conflic
             ReloadStatus.FAILED: "internal_error"}
 
 
-async def reload(app: web.Application, model: str, variant: Variant, source: str,
-                 revision: str, digest: str | None = None) -> dict:
-    """Reload `variant` of `model` everywhere; the answer body, or an ApiError. `digest`: the
-    new weights' digest where the caller took it already (it labels them without a
-    `revision`). Counted by outcome, and a success timed (metrics.RELOADS, RELOAD_SECONDS:
+async def reload(app: web.Application, served, variant: Variant, source: str,
+                 revision: str) -> dict:
+    """Reload `variant` of the served model `served` everywhere; the answer body, or an
+    ApiError. Counted by outcome, and a success timed (metrics.RELOADS, RELOAD_SECONDS:
     reloads showed only as admin requests, an outside check)."""
     started = time.monotonic()
     try:
-        answer = await _reload_hosts(app, model, variant, source, revision, digest)
+        answer = await _reload_hosts(app, served, variant, source, revision)
     except ApiError as exc:
         metrics.RELOADS.labels(variant.unit, exc.kind).inc()
         raise
@@ -55,9 +54,10 @@ async def reload(app: web.Application, model: str, variant: Variant, source: str
     return answer
 
 
-async def _reload_hosts(app: web.Application, model: str, variant: Variant, source: str,
-                        revision: str, digest: str | None) -> dict:
+async def _reload_hosts(app: web.Application, served, variant: Variant, source: str,
+                        revision: str) -> dict:
     cfg, pool = app[CONFIG], app[POOL]
+    model = served.spec.name
     devices = topology.worker_devices(cfg)
     hosts = [link for link in pool.links
              if any(u.name == variant.unit for u in hosted(cfg, devices, link.index))]
@@ -65,12 +65,61 @@ async def _reload_hosts(app: web.Application, model: str, variant: Variant, sour
     if down:
         raise ApiError("unavailable", f"workers {down} host {variant.unit} and are not ready; "
                        "reload once GET /ready answers 200", retry_after=1)
+    # A split's arms reload one at a time, the check of the others' revisions made under the
+    # lock: two arms reloaded at once both took the same weights' digest (an outside check).
+    locked = model if variant.name else variant.unit
     try:
-        with state.reloading(cfg, variant.unit):
+        with state.reloading(cfg, locked):
+            digest = await refuse_a_taken_revision(served, variant, source, revision, pool, cfg)
             return await _reload(app, hosts, model, variant, source, revision, digest)
     except state.Busy:
-        raise ApiError("conflict", f"a reload of {variant.unit} is already in progress (another "
+        raise ApiError("conflict", f"a reload of {locked} is already in progress (another "
                        "admin call); the served revision is unchanged by this one") from None
+
+
+def current_source(cfg, unit: str) -> str:
+    """The source a unit serves: the last reload's (the run state), else the configured one."""
+    return state.read(cfg).sources.get(unit, {}).get("source") or next(
+        u.config.source for m in cfg.models for u in units(m) if u.name == unit)
+
+
+async def refuse_a_taken_revision(served, variant: Variant, source: str, revision: str, pool,
+                                  cfg) -> str | None:
+    """422 when the reload would give `variant` the revision another arm of the split serves:
+    the revision is what tells the arms apart (metrics, X-Model-Revision, KServe's versions).
+    Without a `revision` the workers label the weights with their digest, which is the other
+    arm's when it serves the same weights (an outside check: both arms read as one); with no
+    `source` either, the digest of the weights it serves now. The other arms' revisions come
+    from the run state where a reload set them (the workers' heartbeats tell them up to a
+    heartbeat late), else from what their workers report. Returns the digest taken, if any."""
+    others = [v for v in served.variants if v is not variant]
+    if not others:
+        return None
+    loop = asyncio.get_running_loop()
+    sources = state.read(cfg).sources
+    taken = {}
+    for v in others:
+        reloaded = sources.get(v.unit)
+        label = (reloaded["revision"] or await loop.run_in_executor(
+            None, weights_label, reloaded["source"], cfg.model_root_paths)) if reloaded \
+            else variants.revision(v, pool)
+        if label:
+            taken[label] = v.name
+    if revision and revision in taken:
+        raise ApiError("invalid_request", f"variant {taken[revision]!r} of "
+                       f"{served.spec.name!r} serves revision {revision!r}; give this one "
+                       "another", param="revision")
+    if revision:
+        return None
+    digest = await loop.run_in_executor(None, weights_label,
+                                        source or current_source(cfg, variant.unit),
+                                        cfg.model_root_paths)
+    if digest in taken:
+        raise ApiError("invalid_request", f"variant {taken[digest]!r} of "
+                       f"{served.spec.name!r} serves these weights as revision "
+                       f"{digest!r}; give this variant a revision of its own, or move "
+                       "traffic with the split's weights instead", param="revision")
+    return digest
 
 
 async def _reload(app: web.Application, hosts: list[WorkerLink], model: str, variant: Variant,
@@ -78,8 +127,7 @@ async def _reload(app: web.Application, hosts: list[WorkerLink], model: str, var
     cfg, pool = app[CONFIG], app[POOL]
     ticket = uuid.uuid4().hex
     timeout = cfg.admin.reload_timeout_s
-    current = state.read(cfg).sources.get(variant.unit, {}).get("source") or next(
-        u.config.source for m in cfg.models for u in units(m) if u.name == variant.unit)
+    current = current_source(cfg, variant.unit)
     # Without a revision the workers label the new weights with their digest; when each took it
     # while loading, GET /admin/models showed a null standby until they were staged. Taken here
     # and sent, it shows from the start the revision the reload will serve as ("" where the

