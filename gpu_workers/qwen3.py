@@ -157,7 +157,7 @@ class Qwen3Model(nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 whole: nn.Module | None = None, **_) -> Output:
         """Texts padded on the right (a worker's): each real token attends to those before it.
-        `whole`: the network this one is the decoder of (a Qwen3Reranker)."""
+        `whole`: the network this one is the decoder of (a reranker, a classifier)."""
         b, l = input_ids.shape
         mask = (torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None
                 else attention_mask.bool())
