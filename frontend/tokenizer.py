@@ -182,6 +182,18 @@ class TextEncoder:
                            f"{self.name!r} scores (query, document) pairs", param=param)
         head, tail = self._around
         room = self.max_tokens - len(head) - len(tail)
+        # A query that fills the prompt's room alone leaves no token of any document: every
+        # document scored the same (an outside check). Refused, whatever the truncation.
+        counter = self._variant(False, "right")
+        cap = max(room, 1) * CHARS_PER_TOKEN  # (a longer query counted from a piece of it)
+        for query in dict.fromkeys(q for q, _ in pairs):
+            piece = query if len(query) <= cap else _piece(query, cap, "right")
+            asked = len(counter.encode(before + piece + between, add_special_tokens=False).ids)
+            if asked >= room:
+                raise ApiError("too_large", f"the instruction and the query take "
+                               f"{_count(asked, piece is not query)} of the {room} tokens "
+                               f"model {self.name!r}'s prompt leaves them and a document: no "
+                               "document would be read; send a shorter query", param=param)
         left = direction == "left"
         if left:  # only the documents are cut from their start: pieces of them alone
             documents, long = self._pieces([d for _, d in pairs], direction)

@@ -42,7 +42,7 @@ from typing import Iterator
 
 from shmserve import config, layers, models, processes, render, state, topology, versions
 from shmserve.apply_plan import FIXED, Plan, by_counts, index_of, plan
-from shmserve.prechecks import CliError, check_port, check_shm, seconds
+from shmserve.prechecks import CliError, check_fds, check_port, check_shm, seconds
 from shmserve.config import Config
 from shmserve.restarts import ctl, reload_nginx, say, wait_until_ready
 from shmserve.startwait import process_info
@@ -151,6 +151,7 @@ def _apply(args: argparse.Namespace, new: Config) -> int:
     if new.server.port != old.server.port or new.server.host != old.server.host:
         check_address(old, new)
     check_shm(new)
+    check_fds(new)  # as `up` warns
     with processes.supervisor(new) as proxy:
         try:
             proxy.shmserve.getAPIVersion()

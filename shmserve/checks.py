@@ -22,6 +22,8 @@ def _bytes(size: str) -> int:
 
 # Range checks beyond the types: key path -> (predicate, what is expected).
 _POSITIVE_INT: Check = (lambda v: v >= 1, "an integer >= 1")
+_SECONDS_A_DAY: Check = (lambda v: 1 <= v <= 86400, "whole seconds from 1 to 86400")
+MAX_CONNECTIONS = 1 << 20  # an nginx worker's, as Linux's default nr_open allows descriptors
 CHECKS: dict[str, Check] = {
     "server.port": (lambda v: 1 <= v <= 65535, "a port from 1 to 65535"),
     "server.drain_timeout_s": (lambda v: v >= 0, "a number >= 0"),
@@ -39,18 +41,22 @@ CHECKS: dict[str, Check] = {
         lambda v: re.fullmatch(r"[1-9][0-9]{0,3} [0-9]{1,9}[kKmM]?", v) is not None
         and _bytes(v.split()[1]) >= 1024,
         "a count of at least 1 and a size of at least 1k, such as 4 16k"),
-    "nginx.worker_connections": _POSITIVE_INT,
-    "nginx.listen_backlog": _POSITIVE_INT,
-    "nginx.client_body_timeout_s": _POSITIVE_INT,
-    "nginx.client_header_timeout_s": _POSITIVE_INT,
-    "nginx.send_timeout_s": _POSITIVE_INT,
-    "nginx.proxy_read_timeout_s": _POSITIVE_INT,
-    "nginx.probe_timeout_s": _POSITIVE_INT,
+    # Bounded where nginx takes them: a billion worker_connections passed `nginx -t` (a
+    # warning only), and then every nginx worker failed its allocation and served nothing (an
+    # outside check); values past nginx's own limits were refused by `nginx -t` alone.
+    "nginx.worker_connections": (lambda v: 1 <= v <= MAX_CONNECTIONS,
+                                 f"an integer from 1 to {MAX_CONNECTIONS}"),
+    "nginx.listen_backlog": (lambda v: 1 <= v <= 65535, "an integer from 1 to 65535"),
+    "nginx.client_body_timeout_s": _SECONDS_A_DAY,
+    "nginx.client_header_timeout_s": _SECONDS_A_DAY,
+    "nginx.send_timeout_s": _SECONDS_A_DAY,
+    "nginx.proxy_read_timeout_s": _SECONDS_A_DAY,
+    "nginx.probe_timeout_s": _SECONDS_A_DAY,
     "nginx.rate_limit_per_s": (lambda v: v == 0 or 1 / 60 <= v <= 1_000_000,
                                "0 (off) or requests a second, at least 1/60 (one a minute)"),
     "nginx.rate_limit_burst": (lambda v: 0 <= v <= 1_000_000, "an integer >= 0"),
     "nginx.rate_limit_key": (lambda v: v in ("ip", "api_key"), "ip or api_key"),
-    "nginx.upstream_keepalive": _POSITIVE_INT,
+    "nginx.upstream_keepalive": (lambda v: 1 <= v <= 65536, "an integer from 1 to 65536"),
     "nginx.worker_processes": (lambda v: v == "auto" or (isinstance(v, int) and 1 <= v <= 1024),
                                "auto or an integer from 1 to 1024"),
     "nginx.cors_allow_origins": (lambda v: v == ["*"] or all(_ORIGIN.fullmatch(o) for o in v),

@@ -405,9 +405,11 @@ class _FileLoader(yaml.SafeLoader):
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
         seen = set()
         for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *defaults`: YAML's merge
-                continue  # key, whose keys the mapping's own override (SafeLoader's flatten)
-            key = self.construct_object(key_node, deep=deep)
+            # `<<: *defaults`, YAML's merge key (the mapping's own keys override its keys:
+            # SafeLoader's flatten), is a key too: a second one is refused as any key given
+            # twice (`<<: [*a, *b]` merges several)
+            key = ("<<" if key_node.tag == "tag:yaml.org,2002:merge" else
+                   self.construct_object(key_node, deep=deep))
             if isinstance(key, str) and key in seen:
                 raise yaml.constructor.ConstructorError(
                     "while reading a mapping", node.start_mark,

@@ -34,6 +34,7 @@ from pathlib import Path
 import msgpack
 
 from shmserve import nginx_options, topology
+from shmserve.checks import MAX_CONNECTIONS
 from shmserve.config import REPO_ROOT, Config
 
 SUPERVISORD_TEMPLATE = REPO_ROOT / "supervisord.conf"
@@ -72,6 +73,11 @@ def nginx_conf(cfg: Config) -> Path:
 def render(cfg: Config) -> None:
     cfg = resolved(cfg)
     _check_paths(cfg)
+    if (connections := worker_connections(cfg)) > MAX_CONNECTIONS:
+        raise RenderError(f"nginx would need {connections} worker_connections for "
+                          f"frontends.count x frontends.max_inflight ({cfg.frontends.count} x "
+                          f"{cfg.frontends.max_inflight}) requests in flight, over "
+                          f"{MAX_CONNECTIONS}: lower frontends.max_inflight")
     binary = nginx_binary(cfg)
     _make_dirs(cfg)
     # nginx checks the new file before anything is replaced: a config it rejects leaves the
@@ -240,8 +246,9 @@ def check_nginx(cfg: Config, binary: str, conf: Path | None = None) -> None:
     done = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
     if done.returncode != 0:
         problem = (done.stderr or done.stdout).strip()
-        raise RenderError(f"nginx rejects the config rendered for {nginx_conf(cfg)} (check the "
-                          f"nginx.* keys): {problem}")
+        what = "the config rendered for" if conf != nginx_conf(cfg) else "the file"
+        raise RenderError(f"nginx rejects {what} {nginx_conf(cfg)} (check the nginx.* keys, or "
+                          f"an edit of the file): {problem}")
 
 
 def fill(template: str, values: Mapping[str, str]) -> str:

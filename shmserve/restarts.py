@@ -46,8 +46,10 @@ def restart(args: argparse.Namespace) -> int:
         say(f"shmserve: warning: {drift}", sys.stderr)
     target = restart_target(args.target)
     timeout = args.timeout if args.timeout is not None else cfg.workers.ready_timeout_s
-    if target == "nginx" and not args.all_at_once:
-        return reload_nginx(cfg)
+    if target == "nginx":
+        check_nginx_conf(cfg)  # restarted on a file nginx refuses, nginx stayed down
+        if not args.all_at_once:
+            return reload_nginx(cfg)
     group, _, name = target.partition(":")
     infos = process_info(cfg)
     programs = [p["name"] for p in infos if p["group"] == group]
@@ -305,14 +307,20 @@ def worker_ready(frontend_socket: str, index: int, pid: int) -> bool:
     return seen is not None and ready_in(seen, index, pid)
 
 
+def check_nginx_conf(cfg: Config) -> None:
+    """`nginx -t` on the deployment's nginx.conf: a file nginx refuses (edited by hand) would
+    be refused by a reload (nginx goes on with the old one) and, restarted, crash-loop."""
+    try:
+        render.check_nginx(cfg, render.nginx_binary(cfg))
+    except render.RenderError as exc:
+        raise CliError(f"{exc}; nginx was left as it runs") from None
+
+
 def reload_nginx(cfg: Config) -> int:
     """nginx re-reads its configuration (SIGHUP through supervisord): new workers start on the
     same listening socket and the old ones finish their requests, so no connection is refused.
     A stopped or failed nginx is started instead."""
-    try:  # nginx would refuse it, and go on with the old one (or, started, crash-loop)
-        render.check_nginx(cfg, render.nginx_binary(cfg))
-    except render.RenderError as exc:
-        raise CliError(f"{exc}; nginx was left as it runs") from None
+    check_nginx_conf(cfg)
     states = {p["name"]: p["statename"] for p in process_info(cfg)}
     if states.get("nginx") != "RUNNING":
         return subprocess.run(ctl_argv(cfg, "restart", "nginx"), check=False).returncode

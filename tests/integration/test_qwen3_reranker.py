@@ -143,3 +143,15 @@ def test_a_left_cut_takes_the_documents_start_and_keeps_the_query(models):
         assert text.endswith("< / think >"), text  # the tail, where the answer is read
         scores[query] = run(model, enc)[0, 0]
     assert scores["fruit"] != scores["vegetable"]
+
+
+def test_a_query_that_leaves_no_room_for_a_document_is_refused(models):
+    """Cut to the limit, a query that fills the prompt's room alone left every document out:
+    all scored the same (an outside check). Refused, whatever the truncation."""
+    encoder = TextEncoder(spec(models["tied"], "rerank", max_input_tokens=120), truncate=True)
+    for query in ("river " * 1000, "river " * 60):  # past a piece's length, and within it
+        for direction in ("right", "left"):
+            with pytest.raises(ApiError, match="no document would be read"):
+                encoder.encode_pairs(query, ["doc one", "another document"],
+                                     direction=direction)
+    assert encoder.encode_pairs("river " * 5, ["doc one"]).count == 1

@@ -167,6 +167,9 @@ def test_unknown_env_and_bad_yaml(tmp_path):
     a, b = config.load(extra=merged, environ={}).models
     assert (b.name, b.source, b.dtype, b.max_input_tokens) == ("b", "/models/a", "fp32", 64)
     assert a.dtype == "bf16"
+    merged.write_text(merged.read_text() + "    <<: *first\n")  # a second merge key
+    with pytest.raises(ConfigError, match="found the key '<<' twice"):
+        config.load(extra=merged, environ={})
 
 
 def test_resolved_round_trip(tmp_path):

@@ -304,6 +304,18 @@ def test_nginx_t_failure_names_the_problem_and_replaces_nothing(tmp_path):
     for nginx in ({"large_client_header_buffers": "0 16k"}, {"client_header_buffer_size": "0"}):
         with pytest.raises(config.ConfigError, match="at least 1k"):
             make_config(tmp_path / "run", nginx=nginx)
+    # and numbers nginx takes at `nginx -t` and then cannot serve with (a billion connections:
+    # every nginx worker failed its allocation; an outside check), or refuses
+    for key, value in (("worker_connections", 10 ** 9), ("send_timeout_s", 10 ** 20),
+                       ("listen_backlog", 10 ** 20), ("upstream_keepalive", 10 ** 20)):
+        with pytest.raises(config.ConfigError, match=f"nginx.{key}: .*an integer from 1 to|"
+                                                     f"nginx.{key}: .*whole seconds from 1"):
+            make_config(tmp_path / "run", nginx={key: value})
+    # as are as many connections made from the frontends' admission
+    many = make_config(tmp_path / "run", frontends={"count": 64, "max_inflight": 100_000})
+    with pytest.raises(render.RenderError, match="64 x 100000.*lower frontends.max_inflight"):
+        render.render(many)
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
 
 
 def test_missing_nginx_binary_names_the_key(tmp_path):
