@@ -400,12 +400,17 @@ def test_killed_processes_leave_no_live_gauges(stack):
     metrics_dir = stack.run_dir / "metrics"
     # A stopped worker reads 0, not nothing: its series vanished with its live gauge file, so
     # an alert on shmserve_worker_ready == 0 never fired (an outside check).
+    seen = "shmserve_worker_restarts_seen_total"
+    first = {f: total(scrape(stack), seen, frontend=f, worker="0") for f in ("0", "1")}
     stack.ctl("stop", "workers:worker-0")
     stack.wait_until(lambda: [(l["worker"], v) for l, v in scrape(stack).get(
         "shmserve_worker_ready", [])] == [("0", 0.0)], 30, "worker 0 ready at 0 while stopped")
     stack.ctl("start", "workers:worker-0")
     stack.wait_until(lambda: [v for _, v in scrape(stack)["shmserve_worker_ready"]] == [1.0],
                      120, "worker 0 serving again")
+    # both frontends have counted that restart before the counts below are taken
+    stack.wait_until(lambda: all(total(scrape(stack), seen, frontend=f, worker="0") ==
+                                 first[f] + 1 for f in first), 30, "the start seen")
     before = scrape(stack)
     groups = {"worker": "workers:worker-0", "frontend": "frontends:frontend-1"}
     old = {p: int(stack.ctl("pid", group).strip()) for p, group in groups.items()}
@@ -441,7 +446,6 @@ def test_killed_processes_leave_no_live_gauges(stack):
     assert total(after, "shmserve_requests_total") >= total(before, "shmserve_requests_total")
     # frontend-0 saw worker-0 come back with a new pid; the new frontend-1 never knew the old
     # (both saw the stop and start above).
-    seen = "shmserve_worker_restarts_seen_total"
     stack.wait_until(lambda: total(scrape(stack), seen, frontend="0", worker="0") == total(
         before, seen, frontend="0", worker="0") + 1, 30, "the restart seen")
     assert total(scrape(stack), seen, frontend="1") == total(before, seen, frontend="1")
