@@ -123,7 +123,8 @@ def count(body: dict, key: str, within: str = "") -> int | None:
     value = whole(body.get(key))
     if value is not None and (not is_int(value) or value < 1):
         name = f"{within}.{key}" if within else key
-        raise ApiError("invalid_request", f"'{name}' must be an integer >= 1",
+        # (a JSON integer past 2**53 reads as a float: said, as it is an integer to the client)
+        raise ApiError("invalid_request", f"'{name}' must be an integer >= 1 (and under 2**53)",
                        param=within or key)
     return value
 

@@ -390,6 +390,9 @@ def test_values_a_route_cannot_use_are_refused_by_what_they_are(tiny_stack, pids
     status, error = post("/predict", {"texts": ["x"], "top_k": "x"})
     assert status == 422 and error["param"] == "top_k", error
     assert tiny_stack.post_json("/predict", {"texts": ["x"], "top_k": None})[0] == 200
+    # a JSON integer past 2**53 reads as a float: the message says what is allowed
+    status, error = post("/v1/embeddings", {"input": ["x"], "dimensions": 2 ** 64})
+    assert status == 400 and "under 2**53" in error["message"], error
     status, error = post("/decode", {"ids": ["a"] * 257})
     assert status == 422 and "list of token ids" in error["message"], error
     status, error = post("/v2/models/tiny/infer", {
