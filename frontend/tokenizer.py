@@ -218,10 +218,7 @@ class TextEncoder:
                                                                 - len(documents[i]))
                 truncated += 1
             rows.append(head + ids + tail)
-        offsets = np.zeros(len(rows) + 1, np.int32)
-        np.cumsum([len(r) for r in rows], out=offsets[1:])
-        ids = np.fromiter((t for r in rows for t in r), np.int32, int(offsets[-1]))
-        return Encoded(ids, offsets, truncated)
+        return _flat(rows, truncated)
 
     def _pair_pieces(self, query: str, documents: list[str], direction: str
                      ) -> tuple[str, list[str], set[int]]:
@@ -338,15 +335,20 @@ class TextEncoder:
                 row = row[-self.max_tokens:] if direction == "left" else row[:self.max_tokens]
                 truncated += 1
             kept.append(row)
-        offsets = np.zeros(len(kept) + 1, np.int32)
-        np.cumsum([len(r) for r in kept], out=offsets[1:])
-        ids = np.fromiter((t for r in kept for t in r), np.int32, int(offsets[-1]))
-        return Encoded(ids, offsets, truncated)
+        return _flat(kept, truncated)
 
     def tokenize(self, texts: list[str], add_special_tokens: bool = True) -> list[Encoding]:
         """Full encodings (tokens, offsets, special-token masks), never truncated."""
         return self._variant(False, "right").encode_batch(texts,
                                                           add_special_tokens=add_special_tokens)
+
+
+def _flat(rows: list[list[int]], truncated: int) -> Encoded:
+    """Rows of token ids as one flat buffer and its offsets."""
+    offsets = np.zeros(len(rows) + 1, np.int32)
+    np.cumsum([len(r) for r in rows], out=offsets[1:])
+    ids = np.fromiter((t for r in rows for t in r), np.int32, int(offsets[-1]))
+    return Encoded(ids, offsets, truncated)
 
 
 def _cut_document(encoding: Encoding, room: int, start: int) -> list[int]:
