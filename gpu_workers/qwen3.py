@@ -167,7 +167,20 @@ class Qwen3Model(nn.Module):
         return PackedQwen3(whole or self)([group])[0]
 
 
-class Qwen3Reranker(nn.Module):
+class Scored(nn.Module):
+    """The decoder (`model`) and a `score` on each text's last real token: PackedQwen3 runs
+    both in one pass."""
+
+    @property
+    def base_model(self) -> Qwen3Model:
+        return self.model
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                **_) -> Output:
+        return self.model(input_ids, attention_mask, whole=self)
+
+
+class Qwen3Reranker(Scored):
     """A Qwen3 causal LM that answers "yes" or "no" (Qwen3-Reranker: shmserve.yes_no) as a
     cross-encoder of one logit, yes - no: the decoder, and of its vocabulary head only the
     difference of those two rows (`score`), applied to the last token's hidden state."""
@@ -178,10 +191,6 @@ class Qwen3Reranker(nn.Module):
         self.config = model.config
         self.register_buffer("score", score.float(), persistent=False)
 
-    @property
-    def base_model(self) -> Qwen3Model:
-        return self.model
-
     def _apply(self, fn, recurse=True):
         """The weights follow a cast to another dtype; the score row stays float32 (a task's
         head runs in float32: gpu_workers.tasks) and follows only a move to another device."""
@@ -190,12 +199,8 @@ class Qwen3Reranker(nn.Module):
         self.register_buffer("score", score.to(fn(score[:1]).device), persistent=False)
         return self
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                **_) -> Output:
-        return self.model(input_ids, attention_mask, whole=self)
 
-
-class Qwen3ForSequenceClassification(nn.Module):
+class Qwen3ForSequenceClassification(Scored):
     """transformers' Qwen3ForSequenceClassification: the decoder and a linear `score` (no bias)
     on the last real token's hidden state."""
 
@@ -204,14 +209,6 @@ class Qwen3ForSequenceClassification(nn.Module):
         self.config = config
         self.model = Qwen3Model(config)
         self.score = nn.Linear(config.hidden_size, config.num_labels, bias=False)
-
-    @property
-    def base_model(self) -> Qwen3Model:
-        return self.model
-
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                **_) -> Output:
-        return self.model(input_ids, attention_mask, whole=self)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -229,8 +226,7 @@ class PackedQwen3:
         net = self.net = whole.base_model
         # a scoring network's head, on each text's last token: a reranker's yes - no row (in
         # float32), a classifier's linear layer (in the network's dtype, as transformers')
-        self.score = whole.score if isinstance(
-            whole, (Qwen3Reranker, Qwen3ForSequenceClassification)) else None
+        self.score = whole.score if isinstance(whole, Scored) else None
         self.bucket = bucket
         config = net.config
         self.heads, self.kv, self.d = (config.num_attention_heads, config.num_key_value_heads,
@@ -312,14 +308,15 @@ Packed = PackedQwen3  # gpu_workers.networks' name for a module's packed pass
 
 def supports(net: nn.Module) -> bool:
     """Whether the packed pass runs this network: Qwen3's as this module builds it."""
-    return isinstance(net, (Qwen3Model, Qwen3Reranker, Qwen3ForSequenceClassification))
+    return isinstance(net, (Qwen3Model, Scored))
 
 
 def load(directory: Path, task: str, dtype: torch.dtype) -> nn.Module | None:
     """The embedding network, or a reranker answering yes or no (eval mode, weights in
     `dtype`); None where only transformers can say what to do with this checkpoint."""
-    if task == "rerank" and yes_no.applies(task, config_json(directory, ("qwen3",)) or {}):
-        return _reranker(directory, dtype)
+    raw = config_json(directory, ("qwen3",))
+    if raw is not None and yes_no.applies(task, raw):
+        return _reranker(directory, raw, dtype)
     config = Config.read(directory)
     if config is None:
         return None
@@ -331,7 +328,7 @@ def load(directory: Path, task: str, dtype: torch.dtype) -> nn.Module | None:
         if task == "embedding" else None
 
 
-def _reranker(directory: Path, dtype: torch.dtype) -> Qwen3Reranker:
+def _reranker(directory: Path, raw: dict, dtype: torch.dtype) -> Qwen3Reranker:
     """A causal LM's decoder and the yes - no row of its vocabulary head (`lm_head`, or the
     token embeddings where config.json ties them), as transformers would load them; refused
     with a reason otherwise: transformers has no sequence classifier for such a checkpoint."""
@@ -345,7 +342,7 @@ def _reranker(directory: Path, dtype: torch.dtype) -> Qwen3Reranker:
                                "(no sliding window or scaled rotary positions, silu, every "
                                "decoder weight under model.), which this checkpoint is not")
     yes, no = yes_no.answer_tokens(directory)
-    if (config_json(directory, ("qwen3",)) or {}).get("tie_word_embeddings", False):
+    if raw.get("tie_word_embeddings", False):
         rows = model.embed_tokens.weight[[yes, no]].float()
     else:
         with safe_open(str(weights_file(directory)), framework="pt") as f:
