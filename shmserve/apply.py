@@ -105,12 +105,8 @@ def files_dropped(running: Config, reading: list[Path]) -> list[str]:
     run directory keeps them) that `reading` leaves out: an apply without `up`'s --config put
     every key that file set back (the port too), and said nothing but the differences (an
     outside check moved a deployment to port 8080 so)."""
-    try:
-        recorded = json.loads(topology.config_files_path(running).read_text())
-    except (OSError, ValueError):
-        return []
     now = {str(path.resolve()) for path in reading}
-    return [path for path in recorded if path not in now]
+    return [path for path in topology.config_files(running) or {} if path not in now]
 
 
 def _apply(args: argparse.Namespace, new: Config) -> int:

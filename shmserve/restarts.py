@@ -147,9 +147,8 @@ def files_since_up(running: Config, given: list[Path]) -> tuple[list[str], list[
     """(the config files `up` read whose content differs now, or that are gone; the files
     `given` to this command that `up` did not read). Neither for a deployment whose `up` kept
     no digests (an older version's)."""
-    try:
-        recorded = json.loads(topology.config_files_path(running).read_text())
-    except (OSError, ValueError):
+    recorded = topology.config_files(running)
+    if recorded is None:
         return [], []
     now = layers.digests([Path(p) for p in recorded])
     edited = [p for p, digest in recorded.items() if now.get(p) != digest]

@@ -6,6 +6,7 @@ One function per fact, so the CLI, the renderers, the frontends and the workers 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from pathlib import Path
 
@@ -101,3 +102,12 @@ def resolved_config_path(cfg: Config) -> Path:
 def config_files_path(cfg: Config) -> Path:
     """The config files `up` read, with digests of their content (shmserve.layers.digests)."""
     return cfg.run_dir / "config_files.json"
+
+
+def config_files(cfg: Config) -> dict[str, str] | None:
+    """What config_files_path holds: each file's absolute path and digest; None where `up`
+    kept none (an older version's) or the file does not read."""
+    try:
+        return json.loads(config_files_path(cfg).read_text())
+    except (OSError, ValueError):
+        return None
