@@ -50,6 +50,7 @@ from benchkit import (CORPUS, NULL_STACK, SCENARIOS, Scenario, auth_headers,  # 
 from benchstacks import Baseline, OwnStack, require, stop_on_term, run_main  # noqa: E402
 
 from shmserve import config as config_mod  # noqa: E402
+from shmserve.cores import usable_cores  # noqa: E402
 
 def closed_loop(args, url: str, other: str | None, inproc) -> dict:
     results = {}
@@ -309,7 +310,7 @@ def main() -> int:
         url = args.url or stack.enter_context(OwnStack(args.env, args.config, {})).url
         other = None
         if args.compare == "baseline":
-            other = stack.enter_context(Baseline(config_mod.usable_cores())).url  # all cores
+            other = stack.enter_context(Baseline(usable_cores())).url  # all cores
         elif args.compare:
             other = args.compare
         if args.compare:

@@ -19,8 +19,9 @@ from pathlib import Path
 from typing import Any, Literal, Mapping
 
 from shmserve import layers
-from shmserve.layers import REPO_ROOT
 from shmserve.checks import CHECKS, check_models, check_relations
+from shmserve.cores import cpu_layout
+from shmserve.layers import REPO_ROOT
 from shmserve.protocol import priority_level
 from shmserve.typedtree import ConfigError, build
 
@@ -321,39 +322,6 @@ def from_tree(tree: Mapping[str, Any], read_keys: bool = True) -> Config:
                           "client could send a new one with every request; use ip")
     check_relations(cfg)
     return cfg
-
-
-MAX_AUTO_CPU_WORKERS = 8
-
-
-def cpu_layout(workers: int | str, threads: int | str,
-               cores: int | None = None) -> tuple[int, int]:
-    """CPU workers and torch threads per worker, `auto` resolved against the usable cores.
-
-    Both auto: one single-thread worker per core up to MAX_AUTO_CPU_WORKERS, then the cores
-    shared out as threads (2 cores: 2 x 1, measured 1.07x (fp32) to 1.27x (bf16) the texts/s of
-    1 x 2 on the development machine; 16 cores: 8 x 2). One auto: the other fills the cores."""
-    cores = usable_cores() if cores is None else cores
-    if workers == "auto":
-        workers = (min(cores, MAX_AUTO_CPU_WORKERS) if threads == "auto"
-                   else max(1, min(cores // threads, MAX_AUTO_CPU_WORKERS)))
-    if threads == "auto":
-        threads = max(1, cores // workers)
-    return workers, threads
-
-
-def usable_cores(cpu_max: Path = Path("/sys/fs/cgroup/cpu.max")) -> int:
-    """Cores this process may run on: its CPU affinity, bounded by a cgroup v2 CPU quota (a
-    container's `--cpus`, a Kubernetes CPU limit), rounded up."""
-    affinity = getattr(os, "sched_getaffinity", None)  # Linux; elsewhere every CPU counts
-    cores = len(affinity(0)) if affinity else (os.cpu_count() or 1)
-    try:
-        quota, period = cpu_max.read_text().split()[:2]
-        if quota != "max":
-            cores = min(cores, max(1, -(-int(quota) // int(period))))
-    except (OSError, ValueError):
-        pass
-    return cores
 
 
 _KEY = re.compile(r"^[\x21-\x7e]{8,512}$")  # printable, no spaces: it travels in a header
