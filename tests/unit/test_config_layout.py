@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from shmserve import config, cores
+from shmserve import config
+from shmserve.cores import cpu_layout, usable_cores
 from shmserve.config import ConfigError
 
 
@@ -21,16 +22,16 @@ from shmserve.config import ConfigError
     (1, 2, 16, (1, 2)),            # both given: as given
 ])
 def test_cpu_layout(workers, threads, cores, want):
-    assert cores.cpu_layout(workers, threads, cores) == want
+    assert cpu_layout(workers, threads, cores) == want
 
 
 def test_the_default_layout_is_resolved_at_load(tmp_path):
     cfg = config.load(environ={})
-    want = cores.cpu_layout("auto", "auto")
+    want = cpu_layout("auto", "auto")
     assert (cfg.workers.cpu_workers, cfg.workers.torch_threads) == want
     cfg = config.load(environ={"SHMSERVE__WORKERS__CPU_WORKERS": "1",
                                "SHMSERVE__WORKERS__TORCH_THREADS": "auto"})
-    assert (cfg.workers.cpu_workers, cfg.workers.torch_threads) == (1, cores.usable_cores())
+    assert (cfg.workers.cpu_workers, cfg.workers.torch_threads) == (1, usable_cores())
 
 
 def test_usable_cores_respects_a_cgroup_quota(tmp_path):
@@ -39,12 +40,12 @@ def test_usable_cores_respects_a_cgroup_quota(tmp_path):
     cpu_max = tmp_path / "cpu.max"
     affinity = len(os.sched_getaffinity(0))
     cpu_max.write_text("max 100000\n")
-    assert cores.usable_cores(cpu_max) == affinity
+    assert usable_cores(cpu_max) == affinity
     cpu_max.write_text("50000 100000\n")  # half a core: still one
-    assert cores.usable_cores(cpu_max) == 1
+    assert usable_cores(cpu_max) == 1
     cpu_max.write_text(f"{affinity * 300000} 100000\n")  # a quota above the affinity
-    assert cores.usable_cores(cpu_max) == affinity
-    assert cores.usable_cores(tmp_path / "missing") == affinity
+    assert usable_cores(cpu_max) == affinity
+    assert usable_cores(tmp_path / "missing") == affinity
 
 
 @pytest.mark.parametrize("key,value", [("cpu_workers", 0), ("cpu_workers", "four"),
@@ -61,7 +62,7 @@ def test_usable_cores_without_an_affinity_call(monkeypatch, tmp_path):
 
     monkeypatch.delattr(os, "sched_getaffinity")
     monkeypatch.setattr(os, "cpu_count", lambda: 6)
-    assert cores.usable_cores(tmp_path / "missing") == 6
+    assert usable_cores(tmp_path / "missing") == 6
 
 
 def test_the_gpu_overlay_loads_with_gpu_sized_passes():
