@@ -30,13 +30,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from shmserve import (__version__, config, layers, models, nginxrun, processes, remote,
-                      render, state, topology)
-from shmserve import status as statusview
+from shmserve import config, layers, models, nginxrun, processes, remote, render, state, topology
 from shmserve.config import Config, ConfigError
 from shmserve.prechecks import (CliError, check_fds, check_port, check_shm, check_stdout,  # noqa: F401
                                 seconds)
-from shmserve.startwait import process_info, wait_ready
+from shmserve.startwait import wait_ready
+from shmserve.status_cli import leftovers, status
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = _parser()
@@ -250,104 +249,6 @@ def down(args: argparse.Namespace) -> int:
               f"processes it had left running: pids {', '.join(map(str, left))}" if left else
               f"shmserve: {processes.not_running(cfg)}")
     return 0
-
-
-class _Stopped(Exception):
-    """The deployment's supervisord went away while `status` watched it."""
-
-
-def status(args: argparse.Namespace) -> int:
-    """0: every process runs and GET /ready says ready; 1: not so (or supervisord is gone but
-    processes it started live on); 3: not running at all."""
-    cfg = processes.deployment(args)
-    if args.watch is not None and args.watch <= 0:
-        raise CliError("--watch needs a positive number of seconds")
-    if args.count is not None and args.watch is None:
-        raise CliError("--count counts --watch's refreshes; add --watch")
-    about = {"version": __version__, "url": remote.base_url(cfg), "run_dir": str(cfg.run_dir)}
-
-    def say(state: str, message: str) -> None:
-        """Not running: the message, or with --json one line of JSON saying so."""
-        print(json.dumps({**about, "state": state, "state_text": message}) if args.json
-              else f"shmserve: {message}", flush=True)
-
-    if supervisord_pid(cfg) is None:
-        left = leftovers(cfg)
-        if left:
-            try:  # the address they were started with, not this shell's
-                served = config.load_resolved(topology.resolved_config_path(cfg)).server
-            except (OSError, ValueError):
-                served = cfg.server
-            say("unsupervised", f"supervisord is not running (run_dir {cfg.run_dir}; "
-                f"killed?), but processes it started live on, unsupervised and maybe still "
-                f"serving on {served.host}:{served.port}: pids {', '.join(map(str, left))}; "
-                "`shmserve down` stops them, `shmserve up` replaces them")
-            return 1
-        say("not_running", processes.not_running(cfg))
-        return 3
-    from shmserve.apply import APPLY_STATES, apply_state
-
-    if (applying := apply_state(cfg)) is not None:
-        about["apply"] = applying
-        if not args.json:
-            print(f"shmserve: warning: {APPLY_STATES[applying]}", file=sys.stderr, flush=True)
-    from shmserve import versions
-
-    # Once, not every refresh: a worker that does not answer costs the timeout.
-    if change := versions.protocol_change(cfg, timeout=0.5):  # an upgrade half taken
-        about["protocol_change"] = change
-        if not args.json:
-            print(f"shmserve: warning: {change}", file=sys.stderr, flush=True)
-    title = f"shmserve {__version__} at {remote.base_url(cfg)} (run_dir {cfg.run_dir})"
-
-    silent = False  # nginx did not answer the last sample
-
-    def take() -> statusview.Sample:
-        nonlocal silent
-        if supervisord_pid(cfg) is None:  # stopped while watched (`down` in another shell)
-            raise _Stopped
-        # Longer than nginx takes to move a probe off a frozen frontend (nginx.probe_timeout_s),
-        # so one frozen frontend is not reported as nginx not answering; after a sample nginx
-        # did not answer in that time, short (every sample, a rate's two included, cost the
-        # whole wait with nginx stuck: ~18 s for one status, an outside check), still long
-        # enough to see it answer again.
-        wait = cfg.nginx.probe_timeout_s + 2.0
-        sample = statusview.take(
-            remote.base_url(cfg), lambda url: remote.http(url, timeout=0.5 if silent else wait),
-            lambda: process_info(cfg), lambda: supervisord_pid(cfg),
-            lambda target: from_a_frontend(cfg, target, wait))
-        silent = sample.ready_code is None
-        return sample
-
-    try:
-        last = statusview.run(take, title, sys.stdout, args.watch, args.count,
-                              as_json=args.json, about=about)
-    except _Stopped:
-        say("not_running", processes.not_running(cfg))
-        return 3
-    except KeyboardInterrupt:
-        return 0
-    except BrokenPipeError:  # `shmserve status | head`: the reader left; leave quietly
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
-    running = all(p["statename"] == "RUNNING" for p in last.processes)
-    return 0 if running and last.ready_code == 200 and last.ready.get("status") == "ready" else 1
-
-
-def from_a_frontend(cfg: Config, target: str, timeout: float) -> tuple[int | None, bytes]:
-    """GET `target` from the first frontend that answers it on its socket (not through nginx)."""
-    for index in range(cfg.frontends.count):
-        code, body = remote.get_unix(str(topology.frontend_socket(cfg, index)), target, timeout)
-        if code == 200:
-            return code, body
-    return None, b""
-
-
-def leftovers(cfg: Config) -> list[int]:
-    """Processes a dead supervisord left running: its programs (processes.orphans) and nginx,
-    found by its config (what `up` and `down` kill)."""
-    nginx = nginxrun.find(render.nginx_conf(cfg)) if render.nginx_conf(cfg).exists() else []
-    return sorted(set(processes.orphans(cfg)) | set(nginx))
 
 
 def ctl(args: argparse.Namespace) -> int:

@@ -8,7 +8,7 @@ import os
 import subprocess
 import time
 
-from shmserve import cli, config, processes, remote, render, topology
+from shmserve import cli, config, processes, remote, render, status_cli, topology
 from shmserve import status as statusview
 from tests.unit.test_render import free_port, wait_until
 
@@ -40,8 +40,8 @@ def test_status_watch_says_not_running_when_the_deployment_stops(deployment, cap
     # After `down` in another shell, --watch printed empty tables and "no answer through nginx"
     # for ever (an outside check). Here supervisord "runs" for the first two samples.
     alive = iter([4242, 4242, 4242, None])
-    monkeypatch.setattr(cli, "supervisord_pid", lambda cfg: next(alive))
-    monkeypatch.setattr(cli, "process_info", lambda cfg: [])
+    monkeypatch.setattr(status_cli, "supervisord_pid", lambda cfg: next(alive))
+    monkeypatch.setattr(status_cli, "process_info", lambda cfg: [])
     monkeypatch.setattr(statusview, "take", lambda url, http, infos, pid, direct: statusview.Sample(
         time.monotonic(), infos(), None, {}))
     monkeypatch.setattr(time, "sleep", lambda s: None)
@@ -60,8 +60,8 @@ def test_status_waits_longer_than_nginx_takes_to_pass_over_a_frozen_frontend(
     def http(url, method="GET", data=None, timeout=2.0, headers=None):
         waits.append(timeout)
         return None, b""
-    monkeypatch.setattr(cli, "supervisord_pid", lambda cfg: 4242)
-    monkeypatch.setattr(cli, "process_info", lambda cfg: [])
+    monkeypatch.setattr(status_cli, "supervisord_pid", lambda cfg: 4242)
+    monkeypatch.setattr(status_cli, "process_info", lambda cfg: [])
     monkeypatch.setattr(remote, "http", http)
     cli.main(["status"])
     assert waits and waits[0] > deployment.nginx.probe_timeout_s + 1
@@ -78,8 +78,8 @@ def test_status_watch_waits_long_again_once_nginx_answers(deployment, capsys, mo
     def http(url, method="GET", data=None, timeout=2.0, headers=None):
         waits.append((url.rpartition("/")[2], timeout))
         return next(answers, (None, b""))
-    monkeypatch.setattr(cli, "supervisord_pid", lambda cfg: 4242)
-    monkeypatch.setattr(cli, "process_info", lambda cfg: [])
+    monkeypatch.setattr(status_cli, "supervisord_pid", lambda cfg: 4242)
+    monkeypatch.setattr(status_cli, "process_info", lambda cfg: [])
     monkeypatch.setattr(remote, "http", http)
     monkeypatch.setattr(time, "sleep", lambda s: None)
     cli.main(["status", "--watch", "0.1", "--count", "3"])
@@ -90,8 +90,8 @@ def test_status_watch_waits_long_again_once_nginx_answers(deployment, capsys, mo
 def test_status_says_an_apply_stopped_part_way(deployment, capsys, monkeypatch):
     """After an apply stopped part way, run/config.json is the config it was applying: status
     showed its port and programs as if applied (an outside check), and now says so."""
-    monkeypatch.setattr(cli, "supervisord_pid", lambda cfg: 4242)
-    monkeypatch.setattr(cli, "process_info", lambda cfg: [])
+    monkeypatch.setattr(status_cli, "supervisord_pid", lambda cfg: 4242)
+    monkeypatch.setattr(status_cli, "process_info", lambda cfg: [])
     monkeypatch.setattr(remote, "http", lambda *a, **k: (None, b""))
     deployment.run_dir.mkdir(parents=True, exist_ok=True)
     cli.main(["status"])

@@ -137,10 +137,10 @@ def test_status_says_when_running_workers_speak_another_protocol(deployment, cap
     frontends of the old, which ignore it: status says why, once."""
     import json
 
-    from shmserve import cli, remote
+    from shmserve import cli, remote, status_cli
 
-    monkeypatch.setattr(cli, "supervisord_pid", lambda cfg: 4242)
-    monkeypatch.setattr(cli, "process_info", lambda cfg: [])
+    monkeypatch.setattr(status_cli, "supervisord_pid", lambda cfg: 4242)
+    monkeypatch.setattr(status_cli, "process_info", lambda cfg: [])
     monkeypatch.setattr(remote, "http", lambda *a, **k: (None, b""))
     topology.socket_dir(deployment).mkdir(parents=True)
     workers = FakeWorkers(deployment, {0: beat(PROTOCOL_VERSION), 1: beat(PROTOCOL_VERSION)})
