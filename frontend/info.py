@@ -29,7 +29,8 @@ def _tei_model_type(model: dict[str, Any]) -> dict[str, Any]:
     """TEI's model_type: {"embedding": {"pooling"}}, or a scoring model's labels as
     {"classifier" | "reranker": {"id2label", "label2id"}}."""
     if model["task"] in EMBEDS or model["task"] == "sparse":  # TEI: pooling splade
-        return {"embedding": {"pooling": TEI_POOLING[model["pooling"]]}}
+        # (TEI has no max, weighted or combined pooling: shmserve's name for those)
+        return {"embedding": {"pooling": TEI_POOLING.get(model["pooling"], model["pooling"])}}
     labels = model.get("labels") or ["LABEL_0"]  # a cross-encoder's one logit
     return {"classifier" if model["task"] == "classification" else "reranker": {
         "id2label": {str(i): label for i, label in enumerate(labels)},
@@ -104,6 +105,10 @@ def _model(cfg: Config, served, pool: WorkerPool, splits: Splits | None) -> dict
     if spec.task in EMBEDS:  # by name (prompt_name), and the one applied when none is named
         info["prompts"] = dict(spec.prompts)
         info["default_prompt"] = spec.default_prompt or None
+        # the sentence-transformers Dense projections after the pooling, in order
+        info["dense"] = [{"in_features": d.in_features, "out_features": d.out_features,
+                          "activation": d.activation, "bias": d.bias, "residual": d.residual}
+                         for d in spec.dense]
     if spec.task == "classification":
         info["labels"] = list(spec.labels)
     if spec.task == "rerank":

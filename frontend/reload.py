@@ -27,8 +27,7 @@ from frontend.errors import ApiError
 from frontend.links import WorkerGone, WorkerLink, consume
 from frontend.variants import Variant
 from shmserve import state, topology
-from shmserve.models import (ModelSourceError, hosted, resolve_source, units, weights_digest,
-                             weights_file)
+from shmserve.models import ModelSourceError, hosted, resolve_source, units, weights_revision
 from shmserve.protocol import Commit, Reload, ReloadDone, ReloadStatus
 
 # The call's error is the first of these kinds among the workers' answers: a bad source first
@@ -182,7 +181,7 @@ def weights_label(source: str, roots: list) -> str | None:
     """The revision the workers give `source`'s weights without one: their digest (None where
     they do not read; the reload then says what is wrong with the source)."""
     try:
-        return weights_digest(weights_file(resolve_source(source, roots)))
+        return weights_revision(resolve_source(source, roots))
     except (ModelSourceError, OSError):
         return None
 

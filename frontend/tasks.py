@@ -195,7 +195,7 @@ async def run(request: web.Request, served: ServedModel,
         if time.time() > deadline:  # no work goes to a worker past its deadline
             raise ApiError.deadline_passed()
         if per_token:
-            json_bound(request, int(enc.offsets[-1]), variant.spec.dim)
+            json_bound(request, int(enc.offsets[-1]), variant.spec.width(per_token=True))
         if enc.tokens and chars > THREAD_TOKENIZE_CHARS:
             # Again with its tokens, and the heartbeats heard while it was tokenized.
             refuse_early(request, variant, priority, deadline, enc.tokens)
@@ -208,8 +208,8 @@ async def run(request: web.Request, served: ServedModel,
         if cfg.logging.log_inputs and inputs is not None:
             fields["inputs"] = inputs
         outcome = await request.app[DISPATCHER].run(
-            variant.unit, variant.spec.dim, enc, request[REQUEST_ID], deadline, priority,
-            per_token, raw)
+            variant.unit, variant.spec.width(per_token), enc, request[REQUEST_ID], deadline,
+            priority, per_token, raw)
     finally:
         inflight[0] -= 1
         gauge.dec()

@@ -164,7 +164,7 @@ class Intake:
                          f"{'token embeddings' if msg.per_token else 'raw embeddings'}")
         try:
             request = read_request(self.attachments, peer, msg, time.time(),
-                                   self.specs[msg.model].dim)
+                                   self.specs[msg.model].width(msg.per_token))
         except (OSError, ValueError) as exc:
             return Error(msg.seq, ErrorCode.INVALID, f"bad buffers: {exc}")
         n = request.remaining

@@ -65,7 +65,7 @@ class Model:
         _refuse_non_finite(net, spec)
         if dtype == "int8":
             net = quantize_int8(net)
-        self.head = tasks.head(spec)
+        self.head = tasks.head(spec, device)
         self.pad_id = int(getattr(config, "pad_token_id", 0) or 0)
         # Token types for pairs where the network has a second one: a RoBERTa cross-encoder's
         # one (type_vocab_size 1) is all zeros, and a 1 was out of range (warm-up's pairs).
@@ -355,7 +355,7 @@ class NullModel:
     def forward_groups(self, groups: list[tuple[np.ndarray, np.ndarray, np.ndarray | None]],
                        tokens: bool = False, normalize: bool = True) -> np.ndarray:
         rows = sum(int(g[1].sum()) if tokens else g[0].shape[0] for g in groups)
-        return np.zeros((rows, self.spec.dim), np.float32)
+        return np.zeros((rows, self.spec.width(tokens)), np.float32)
 
 
 def load_model(spec: ModelSpec, device: torch.device, graphs: int = 0) -> Model | NullModel:

@@ -1,8 +1,10 @@
 """What each task does with the network's output: one float32 row per text.
 
-    embedding       the pooled last hidden state (cls | mean | last token), L2-normalised when
-                    the model says so (unless `normalize` is False: TEI's normalize=false)
-                                                                          -> [B, hidden]
+    embedding       the pooled last hidden state (cls | mean | last token | max | mean over the
+                    square root of the length | position-weighted mean, or several side by
+                    side), through the model's Dense projections, L2-normalised when the
+                    model says so (unless `normalize` is False: TEI's normalize=false), as
+                    sentence-transformers computes them               -> [B, dim]
     classification  the sequence-classification logits, raw             -> [B, num_labels]
     rerank          a cross-encoder's one logit, raw                     -> [B, 1]
     sparse          SPLADE: log(1 + relu(MLM logits)), the largest over a text's tokens
@@ -22,7 +24,8 @@ from typing import Callable
 
 import torch
 
-from shmserve.models import ModelSpec
+from shmserve.model_files import Dense
+from shmserve.models import ModelSourceError, ModelSpec
 
 Head = Callable[..., torch.Tensor]  # (network output, mask, lengths, normalize=True)
 
@@ -36,22 +39,82 @@ def network_class(task: str) -> type:
         task, AutoModelForSequenceClassification)
 
 
-def head(spec: ModelSpec) -> Head:
+def head(spec: ModelSpec, device: torch.device | None = None) -> Head:
     if spec.task == "embedding":
+        dense = [_Projection(layer, device) for layer in spec.dense]
         return lambda out, mask, lens, normalize=True: _embed(
-            spec, out.last_hidden_state.float(), mask, lens, normalize)
+            spec, dense, out.last_hidden_state.float(), mask, lens, normalize)
     return lambda out, mask, lens, normalize=True: out.logits.float()
 
 
-def _embed(spec: ModelSpec, hidden: torch.Tensor, mask: torch.Tensor, lens: torch.Tensor,
-           normalize: bool) -> torch.Tensor:
-    if spec.pooling == "cls":
-        pooled = hidden[:, 0]
-    elif spec.pooling == "last":
-        pooled = hidden[torch.arange(hidden.shape[0], device=hidden.device), lens - 1]
-    else:
-        weights = mask.unsqueeze(-1).to(hidden.dtype)
-        pooled = (hidden * weights).sum(1) / weights.sum(1).clamp(min=1e-9)
+def _embed(spec: ModelSpec, dense: list[_Projection], hidden: torch.Tensor, mask: torch.Tensor,
+           lens: torch.Tensor, normalize: bool) -> torch.Tensor:
+    modes = spec.pooling.split("+")
+    pooled = _pool(modes[0], hidden, mask, lens) if len(modes) == 1 else torch.cat(
+        [_pool(mode, hidden, mask, lens) for mode in modes], dim=1)
+    for projection in dense:
+        pooled = projection(pooled)
     if spec.normalize and normalize:
         pooled = torch.nn.functional.normalize(pooled, p=2, dim=1)
     return pooled
+
+
+def _pool(mode: str, hidden: torch.Tensor, mask: torch.Tensor,
+          lens: torch.Tensor) -> torch.Tensor:
+    """One of sentence-transformers' pooling modes over each text's real tokens (`mask`; the
+    padding is on the right)."""
+    if mode == "cls":
+        return hidden[:, 0]
+    if mode == "last":
+        return hidden[torch.arange(hidden.shape[0], device=hidden.device), lens - 1]
+    if mode == "max":
+        return hidden.masked_fill(mask.unsqueeze(-1) == 0, float("-inf")).max(dim=1).values
+    weights = mask.unsqueeze(-1).to(hidden.dtype)
+    if mode == "weightedmean":  # the first token weighs 1, the next 2, ...
+        weights = weights * torch.arange(1, hidden.shape[1] + 1, device=hidden.device,
+                                         dtype=hidden.dtype).view(1, -1, 1)
+    total = weights.sum(1).clamp(min=1e-9)
+    if mode == "mean_sqrt_len_tokens":
+        total = total.sqrt()
+    return (hidden * weights).sum(1) / total
+
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "Tanh": torch.tanh, "Identity": lambda x: x, "ReLU": torch.relu,
+    "GELU": torch.nn.functional.gelu, "Sigmoid": torch.sigmoid,
+    "SiLU": torch.nn.functional.silu}
+
+
+class _Projection:
+    """A sentence-transformers Dense module, in float32 on the model's device."""
+
+    def __init__(self, layer: Dense, device: torch.device | None) -> None:
+        from safetensors.torch import load_file
+
+        path = layer.directory / "model.safetensors"
+        try:
+            tensors = load_file(str(path))
+        except Exception as exc:  # noqa: BLE001 - safetensors' own errors name no file
+            raise ModelSourceError(f"{path} does not load ({exc})") from None
+        shapes = {"linear.weight": (layer.out_features, layer.in_features)}
+        if layer.bias:
+            shapes["linear.bias"] = (layer.out_features,)
+        if layer.residual and layer.in_features != layer.out_features:
+            shapes["residual.weight"] = (layer.out_features, layer.in_features)
+        for name, shape in shapes.items():
+            if name not in tensors or tuple(tensors[name].shape) != shape:
+                got = tuple(tensors[name].shape) if name in tensors else "missing"
+                raise ModelSourceError(f"{path}: {name} should be {shape} by its config.json, "
+                                       f"is {got}")
+        self.weight, self.bias, self.residual = (
+            tensors[name].to(device, torch.float32) if name in shapes else None
+            for name in ("linear.weight", "linear.bias", "residual.weight"))
+        self.adds = layer.residual
+        self.activation = ACTIVATIONS[layer.activation]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.activation(torch.nn.functional.linear(x, self.weight, self.bias))
+        if self.adds:
+            out = out + (x if self.residual is None else
+                         torch.nn.functional.linear(x, self.residual))
+        return out

@@ -308,6 +308,10 @@ class Worker:
         self.status.pass_began = time.monotonic()
         try:
             out, ok = forward_in_halves(forward, groups, self.memory.after_oom, per_token)
+            if out is not None and out.shape[-1] != (width := slot.spec.width(per_token)):
+                # rows the requests' buffers cannot take: an error of this server's, which
+                # failed the worker at the copy (a model of several poolings' /embed_all)
+                raise ValueError(f"the model's rows are {out.shape[-1]} wide, not {width}")
         except Exception as exc:  # noqa: BLE001 - one bad batch fails its requests, not the worker
             failed = {id(t.request): t.request for t in texts}.values()
             log.exception("forward failed", extra={"fields": {

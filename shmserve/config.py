@@ -179,7 +179,8 @@ class ModelConfig:
     # sparse: SPLADE vectors from a masked-language-model checkpoint (TEI's /embed_sparse).
     # null: correctly shaped zeros without computing, to measure the serving pipeline alone
     task: Literal["embedding", "classification", "rerank", "sparse", "null"] = "embedding"
-    pooling: Literal["auto", "mean", "cls", "last"] = "auto"
+    pooling: Literal["auto", "mean", "cls", "last", "max", "mean_sqrt_len_tokens",
+                     "weightedmean"] = "auto"
     normalize: Literal["auto", "true", "false"] = "auto"
     max_input_tokens: int = 0  # 0: the model's own limit
     # auto: bf16 where the device computes it natively (a GPU from Ampere on, a CPU with

@@ -8,6 +8,7 @@ tokenizer.json as the tokenizers library loads it."""
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 
@@ -26,16 +27,38 @@ def max_seq_length(directory: Path) -> int:
     return int(limit) if isinstance(limit, (int, float)) and limit >= 1 else 10**9
 
 
-# sentence-transformers' pooling modes this server computes (gpu_workers.tasks), by the name
-# sentence-transformers 6 saves (`pooling_mode`) and the flag older versions save
-POOLINGS = {"cls": "cls", "mean": "mean", "lasttoken": "last"}
-POOLING_FLAGS = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean",
-                 "pooling_mode_lasttoken": "last", "pooling_mode_max_tokens": "max",
+# sentence-transformers' pooling modes (gpu_workers.tasks computes each), by the name
+# sentence-transformers 6 saves (`pooling_mode`) -> the name this server gives it
+POOLINGS = {"cls": "cls", "max": "max", "mean": "mean",
+            "mean_sqrt_len_tokens": "mean_sqrt_len_tokens", "weightedmean": "weightedmean",
+            "lasttoken": "last"}
+# the flag a mode older versions save, in the order sentence-transformers concatenates the
+# vectors of several modes
+POOLING_FLAGS = {"pooling_mode_cls_token": "cls", "pooling_mode_max_tokens": "max",
+                 "pooling_mode_mean_tokens": "mean",
                  "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
-                 "pooling_mode_weightedmean_tokens": "weightedmean"}
-# the modules a sentence-transformers embedding model may have for this server to serve it as
-# sentence-transformers does: another (Dense, a projection) would change its vectors
-MODULES = ("Transformer", "Pooling", "Normalize", "Dropout")  # (Dropout: none at inference)
+                 "pooling_mode_weightedmean_tokens": "weightedmean",
+                 "pooling_mode_lasttoken": "last"}
+# the modules of a sentence-transformers embedding model this server runs, in this order after
+# its Transformer: Pooling, any Dense projections, Normalize (Dropout, anywhere, is nothing at
+# inference). Another module (LayerNorm, WordWeights, a Router, ...) would change its vectors.
+MODULES = ("Transformer", "Pooling", "Dense", "Normalize", "Dropout")
+# Dense's activation functions this server applies (gpu_workers.tasks), by class name; a
+# Dense config without one has sentence-transformers' default, Tanh
+ACTIVATIONS = ("Tanh", "Identity", "ReLU", "GELU", "Sigmoid", "SiLU")
+
+
+@dataclass(frozen=True, slots=True)
+class Dense:
+    """A sentence-transformers Dense module: activation(x W^T + b), plus x (or x R^T where the
+    widths differ) with `residual`; its weights in `directory`/model.safetensors."""
+
+    directory: Path
+    in_features: int
+    out_features: int
+    bias: bool
+    activation: str  # one of ACTIVATIONS
+    residual: bool = False
 
 
 def _st_modules(directory: Path) -> list[dict]:
@@ -43,23 +66,20 @@ def _st_modules(directory: Path) -> list[dict]:
     return [m for m in modules if isinstance(m, dict)] if isinstance(modules, list) else []
 
 
+def _kind(module: dict) -> str:
+    return str(module.get("type", "")).rpartition(".")[2]
+
+
 def pooling_of(choice: str, task: str, directory: Path) -> str:
     """The configured pooling, or (auto) the model's own: sentence-transformers' Pooling
-    module's config, in either version's format. One this server does not compute (max,
-    weighted mean, several at once), and modules it does not run (a Dense projection), are
-    refused rather than served as another pooling's vectors."""
+    module's config, in either version's format; several modes at once are named with "+"
+    between them (their vectors side by side, in sentence-transformers' order). Modules this
+    server does not run are refused rather than served as other vectors (unless the pooling
+    is configured: then the user has chosen how it serves)."""
     if choice != "auto":
         return choice
-    modules = _st_modules(directory)
     if task == "embedding":
-        for module in modules:
-            kind = str(module.get("type", "")).rpartition(".")[2]
-            if kind not in MODULES:
-                raise ModelSourceError(
-                    f"{directory}: modules.json has a {kind or 'nameless'} module "
-                    f"({module.get('path') or module.get('name')}), which shmserve does not "
-                    f"run (it runs {', '.join(MODULES)}): its vectors would not be the "
-                    "model's")
+        _check_modules(directory)
     pool_cfg = pooling_config(directory)
     if "pooling_mode" in pool_cfg:  # sentence-transformers 6: a name, or a list of them
         modes = pool_cfg["pooling_mode"]
@@ -69,12 +89,84 @@ def pooling_of(choice: str, task: str, directory: Path) -> str:
         found = [mode for flag, mode in POOLING_FLAGS.items() if pool_cfg.get(flag)]
     if not found:
         return "mean"
-    if len(found) > 1 or found[0] not in POOLINGS.values():
+    if unknown := [m for m in found if m not in POOLINGS.values()]:
         raise ModelSourceError(
-            f"{directory}: its sentence-transformers pooling is {' + '.join(found)}, which "
-            "shmserve does not compute (it pools cls, mean or lasttoken); set "
-            "models[].pooling to serve it pooled otherwise")
-    return found[0]
+            f"{directory}: its sentence-transformers pooling is {' + '.join(found)}: "
+            f"{', '.join(unknown)} is not a pooling mode sentence-transformers has "
+            f"({', '.join(POOLINGS)}); set models[].pooling to serve it pooled otherwise")
+    return "+".join(found)
+
+
+def _check_modules(directory: Path) -> None:
+    """modules.json's modules after the Transformer: Pooling, Dense ..., Normalize, in that
+    order (Dropout anywhere), each at most once but Dense."""
+    order = [k for k in map(_kind, _st_modules(directory)) if k != "Dropout"]
+    for module in _st_modules(directory):
+        if (kind := _kind(module)) not in MODULES:
+            raise ModelSourceError(
+                f"{directory}: modules.json has a {kind or 'nameless'} module "
+                f"({module.get('path') or module.get('name')}), which shmserve does not "
+                f"run (it runs {', '.join(MODULES)}): its vectors would not be the model's")
+    rank = {"Transformer": 0, "Pooling": 1, "Dense": 2, "Normalize": 3}
+    ranks = [rank[k] for k in order]
+    if ranks != sorted(ranks) or any(order.count(k) > 1 for k in rank if k != "Dense"):
+        raise ModelSourceError(
+            f"{directory}: modules.json runs {' -> '.join(order)}; shmserve runs a "
+            "Transformer, its Pooling, Dense projections, then Normalize, in that order")
+
+
+def dense_directories(directory: Path) -> list[Path]:
+    """Where modules.json puts the model's Dense modules, in order."""
+    return [directory / str(m.get("path") or m.get("name") or "")
+            for m in _st_modules(directory) if _kind(m) == "Dense"]
+
+
+def dense_of(task: str, directory: Path, width: int) -> tuple[Dense, ...]:
+    """The embedding model's Dense modules in order, read from their config.json as
+    sentence-transformers reads them; `width`: the pooled vector's, which the first takes."""
+    if task != "embedding":
+        return ()
+    found = []
+    for where in dense_directories(directory):
+        cfg = read_json(where / "config.json")
+        if not isinstance(cfg, dict):
+            raise ModelSourceError(f"{where}: a Dense module without its config.json")
+        found.append(_dense(where, cfg))
+    for layer in found:
+        if layer.in_features != width:
+            raise ModelSourceError(
+                f"{layer.directory}: this Dense module takes vectors of {layer.in_features}, "
+                f"but the module before it gives {width}")
+        width = layer.out_features
+    return tuple(found)
+
+
+def _dense(where: Path, cfg: dict) -> Dense:
+    for key in ("module_input_name", "module_output_name"):
+        if cfg.get(key, "sentence_embedding") != "sentence_embedding":
+            raise ModelSourceError(
+                f"{where}/config.json: {key} {cfg[key]!r}: shmserve runs a Dense module on "
+                "the pooled vector (sentence_embedding) only")
+    sizes = [cfg.get(k) for k in ("in_features", "out_features")]
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in sizes):
+        raise ModelSourceError(f"{where}/config.json: in_features and out_features must be "
+                               f"whole numbers >= 1, not {sizes[0]!r} and {sizes[1]!r}")
+    # sentence-transformers' default is Tanh when the config names none; a name outside
+    # torch it does not import without trust_remote_code (it falls back to Tanh, warning)
+    name = str(cfg.get("activation_function") or "torch.nn.modules.activation.Tanh")
+    activation = name.rpartition(".")[2]
+    if not name.startswith("torch.") or activation not in ACTIVATIONS:
+        raise ModelSourceError(
+            f"{where}/config.json: activation_function {name!r}, which shmserve does not "
+            f"apply (it applies torch.nn's {', '.join(ACTIVATIONS)})")
+    weights = where / "model.safetensors"
+    if not weights.is_file():
+        pickles = sorted(p.name for p in where.glob("*.bin"))
+        held = f"only {', '.join(pickles)} (pickle)" if pickles else "no model.safetensors"
+        raise ModelSourceError(f"{where}: {held}; shmserve loads safetensors only: convert "
+                               "with safetensors.torch.save_file")
+    return Dense(where, sizes[0], sizes[1], bool(cfg.get("bias", True)), activation,
+                 bool(cfg.get("use_residual", False)))
 
 
 def pooling_config(directory: Path) -> dict:

@@ -21,8 +21,9 @@ from pathlib import Path
 from shmserve import architecture as arch
 from shmserve import yes_no
 from shmserve.config import Config, ModelConfig
-from shmserve.model_files import (ModelSourceError, max_seq_length, normalize_of, pooling_of,
-                                  pooling_config, read_json, tokenizer)
+from shmserve.model_files import (Dense, ModelSourceError, dense_directories, dense_of,
+                                  max_seq_length, normalize_of, pooling_of, pooling_config,
+                                  read_json, tokenizer)
 
 # A cross-encoder's score, as sentence-transformers' CrossEncoder computes it: the activation it
 # saved with the model, else Sigmoid for one label.
@@ -35,7 +36,9 @@ class ModelSpec:
     name: str
     directory: Path
     task: str
-    pooling: str  # mean | cls | last; splade (sparse)
+    # mean | cls | last | max | mean_sqrt_len_tokens | weightedmean, or several joined by "+"
+    # (their vectors side by side); splade (sparse)
+    pooling: str
     normalize: bool
     max_tokens: int
     # the width of one output row: hidden size, number of labels, 1 (rerank), or the vocabulary
@@ -59,6 +62,15 @@ class ModelSpec:
     # ids of its answers "yes" and "no". Empty for any other model.
     pair_format: tuple[str, ...] = ()
     answers: tuple[int, ...] = ()
+    # An embedding model's sentence-transformers Dense projections after its pooling, in order
+    dense: tuple[Dense, ...] = ()
+    # An embedding model's token rows' width (its hidden size), where its pooled vector's
+    # differs (several pooling modes, Dense projections); 0: `dim`
+    hidden: int = 0
+
+    def width(self, per_token: bool = False) -> int:
+        """A row's width: every token's (TEI's /embed_all) or the text's."""
+        return (self.hidden or self.dim) if per_token else self.dim
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,11 +240,6 @@ def inspect(cfg: ModelConfig, with_revision: bool = True,
     limit = min(arch.positions(model_cfg), max_seq_length(directory))
     if cfg.max_input_tokens:
         limit = min(limit, cfg.max_input_tokens)
-    revision = cfg.revision
-    if not revision and cfg.task == "null":
-        revision = "null"
-    if not revision and with_revision:
-        revision = weights_digest(weights_file(directory))
     labels, activation = _head(cfg.task, model_cfg, directory)
     answering = yes_no.applies(cfg.task, model_cfg)
     if cfg.instruction and not answering:
@@ -241,15 +248,26 @@ def inspect(cfg: ModelConfig, with_revision: bool = True,
                                f"rerank), not by this {cfg.task} model")
     prompts, default_prompt = _prompts(cfg, directory)
     sparse = cfg.task == "sparse" and _masked_lm(model_cfg, directory)
+    pooling = "splade" if sparse else pooling_of(cfg.pooling, cfg.task, directory)
+    hidden = _width(model_cfg, directory) if cfg.task in ("embedding", "null") else 0
+    dim = sparse or {"classification": len(labels), "rerank": 1}.get(cfg.task) or _width(
+        model_cfg, directory) * len(pooling.split("+"))
+    dense = () if sparse else dense_of(cfg.task, directory, dim)
+    if dense:
+        dim = dense[-1].out_features
+    revision = cfg.revision
+    if not revision and cfg.task == "null":
+        revision = "null"
+    if not revision and with_revision:
+        revision = weights_revision(directory)
     return ModelSpec(
         name=cfg.name,
         directory=directory,
         task=cfg.task,
-        pooling="splade" if sparse else pooling_of(cfg.pooling, cfg.task, directory),
+        pooling=pooling,
         normalize=False if sparse else normalize_of(cfg.normalize, directory),
         max_tokens=limit,
-        dim=sparse or {"classification": len(labels), "rerank": 1}.get(cfg.task) or _width(
-            model_cfg, directory),
+        dim=dim,
         dtype=cfg.dtype,
         revision=revision,
         labels=labels,
@@ -260,6 +278,8 @@ def inspect(cfg: ModelConfig, with_revision: bool = True,
         vocab_size=int(model_cfg.get("vocab_size") or 0),
         pair_format=yes_no.pair_format(cfg.instruction) if answering else (),
         answers=yes_no.answer_tokens(directory) if answering else (),
+        dense=dense,
+        hidden=hidden if hidden != dim else 0,
     )
 
 
@@ -393,5 +413,16 @@ def _prompts(cfg: ModelConfig, directory: Path) -> tuple[tuple[tuple[str, str], 
     return tuple(sorted(prompts.items())), prompts.get(name, "")
 
 
-def weights_digest(path: Path) -> str:
-    return file_digest(path)[:12]
+def weights_revision(directory: Path) -> str:
+    """The revision a model's weights get where none is configured: the digest of its
+    model.safetensors, and of its Dense projections' after it where it has them."""
+    dense = [d / "model.safetensors" for d in dense_directories(directory)]
+    return weights_digest(weights_file(directory), *(d for d in dense if d.is_file()))
+
+
+def weights_digest(path: Path, *more: Path) -> str:
+    """The weights' revision: the file's digest; with `more` (a model's Dense projections),
+    the digest of every file's in order."""
+    if not more:
+        return file_digest(path)[:12]
+    return hashlib.sha256("".join(map(file_digest, (path, *more))).encode()).hexdigest()[:12]

@@ -50,7 +50,8 @@ def task_dirs(tmp_path_factory, tiny_model):
             "distil": build_tiny_other(root / "distil", "distilbert", seed=10),
             # a reranker answering yes or no, as Qwen3-Reranker (shmserve.yes_no)
             "qwen3-ce": build_tiny_yes_no_reranker(root / "qwen3-ce", seed=11),
-            "st6-cls": st6_saved(tiny_model, root / "st6-cls")}
+            "st6-cls": st6_saved(tiny_model, root / "st6-cls"),
+            "st6-dense": st6_dense_saved(tiny_model, root / "st6-dense")}
 
 
 def st6_saved(source, target):
@@ -62,6 +63,23 @@ def st6_saved(source, target):
     SentenceTransformer(modules=[modules.Transformer(str(source), max_seq_length=16),
                                  modules.Pooling(32, "cls"), modules.Normalize()],
                         device="cpu").save(str(target))
+    return target
+
+
+def st6_dense_saved(source, target):
+    """`source` saved by this sentence-transformers with two pooling modes side by side (max,
+    weighted mean) and two Dense projections (64 -> 16, tanh; 16 -> 8 without bias, GELU), as
+    LaBSE, EmbeddingGemma or stella have Dense projections after their pooling."""
+    import torch
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer import modules
+
+    SentenceTransformer(modules=[modules.Transformer(str(source)),
+                                 modules.Pooling(32, ["max", "weightedmean"]),
+                                 modules.Dense(64, 16),
+                                 modules.Dense(16, 8, bias=False,
+                                               activation_function=torch.nn.GELU()),
+                                 modules.Normalize()], device="cpu").save(str(target))
     return target
 
 
@@ -97,6 +115,7 @@ def task_stack(tmp_path_factory, task_dirs):
         {"name": "qwen3", "source": str(dirs["qwen3"]), "dtype": "fp32", "devices": [1]},
         {"name": "distil", "source": str(dirs["distil"]), "dtype": "fp32", "devices": [1]},
         {"name": "st6-cls", "source": str(dirs["st6-cls"]), "dtype": "fp32"},
+        {"name": "st6-dense", "source": str(dirs["st6-dense"]), "dtype": "fp32"},
         {"name": "ce-deberta", "source": str(dirs["ce-deberta"]), "task": "rerank",
          "dtype": "fp32"},
         {"name": "ce-electra", "source": str(dirs["ce-electra"]), "task": "rerank",

@@ -150,6 +150,40 @@ def test_a_sentence_transformers_6_model_serves_its_own_pooling_and_limit(task_s
         "shmserve", "transformers")
 
 
+def test_pooling_modes_side_by_side_and_dense_projections_serve_sentence_transformers_vectors(
+        task_stack, task_dirs):
+    """Max and weighted-mean pooling side by side, then two Dense projections (64 -> 16 -> 8)
+    and Normalize, as sentence-transformers saved them: served as it encodes, on the OpenAI and
+    TEI routes; such a model was refused (max pooling, a Dense module)."""
+    from sentence_transformers import SentenceTransformer
+
+    texts = [*TEXTS, "word " * 40]
+    want = SentenceTransformer(str(task_dirs["st6-dense"]), device="cpu").encode(texts)
+    status, _, body = task_stack.post_json("/v1/embeddings", {"model": "st6-dense",
+                                                              "input": texts})
+    assert status == 200, body
+    got = np.array([d["embedding"] for d in body["data"]], dtype=np.float32)
+    assert got.shape == (len(texts), 8)
+    np.testing.assert_allclose(got, want, atol=2e-5)
+    status, _, body = task_stack.post_json("/embed", {"model": "st6-dense", "inputs": texts})
+    assert status == 200, body
+    np.testing.assert_allclose(np.array(body, dtype=np.float32), want, atol=2e-5)
+    _, _, raw = task_stack.get("/info")
+    model = {m["name"]: m for m in json.loads(raw)["models"]}["st6-dense"]
+    assert (model["dim"], model["pooling"]) == (8, "max+weightedmean"), model
+    assert [(d["in_features"], d["out_features"], d["activation"], d["bias"])
+            for d in model["dense"]] == [(64, 16, "Tanh", True), (16, 8, "GELU", False)]
+    # every token's row is the encoder's (32 wide), not the pooled vector's width
+    status, _, body = task_stack.post_json("/embed_all", {"model": "st6-dense",
+                                                          "inputs": texts[:2]})
+    assert status == 200, body
+    tokens = SentenceTransformer(str(task_dirs["st6-dense"]), device="cpu").encode(
+        texts[:2], output_value="token_embeddings")
+    for rows, want_rows in zip(body, tokens):
+        np.testing.assert_allclose(np.array(rows, dtype=np.float32), want_rows.numpy(),
+                                   atol=2e-5)
+
+
 @pytest.mark.parametrize("name", ["ce-id", "ce-hot"])
 def test_rerank_ranks_by_the_logit_on_every_route(task_stack, task_dirs, name):
     """An Identity cross-encoder scores its logit (never a logit of a logit); a sigmoid one past

@@ -1,11 +1,12 @@
 """sentence-transformers' files as its versions save them (6.x: `pooling_mode`, the input limit
 in the tokenizer's config, renamed module types): read as sentence-transformers reads them, and
-served to its vectors; what this server does not compute (max pooling, a Dense projection) is
-refused, not served as other vectors. An outside check found a 6.2 model with CLS pooling
-served mean-pooled at the full position limit (cosine 0.52 to sentence-transformers)."""
+served to its vectors, every pooling mode and Dense projection included; what this server does
+not run (another module, an activation outside torch) is refused, not served as other vectors.
+An outside check found a 6.2 model with CLS pooling served mean-pooled at the full position
+limit (cosine 0.52 to sentence-transformers)."""
 
+import dataclasses
 import json
-import re
 import shutil
 
 import numpy as np
@@ -66,17 +67,145 @@ def test_a_sentence_transformers_6_model_serves_its_own_vectors(tmp_path, poolin
     np.testing.assert_allclose(got, reference.encode(texts), atol=2e-5)
 
 
-def test_poolings_and_modules_it_does_not_compute_are_refused(tmp_path):
-    directory = saved(tmp_path, "max", "max")
-    with pytest.raises(ModelSourceError, match="pooling is max, which shmserve does not "
-                                               "compute"):
-        inspect(ModelConfig(name="m", source=str(directory)), roots=[tmp_path])
-    # set by the user: served as configured
-    assert inspect(ModelConfig(name="m", source=str(directory), pooling="mean"),
-                   roots=[tmp_path]).pooling == "mean"
-    directory = saved(tmp_path, "dense", "mean", dense=True)
-    with pytest.raises(ModelSourceError, match=r"modules.json has a Dense module \(2_Dense\)"):
-        inspect(ModelConfig(name="m", source=str(directory)), roots=[tmp_path])
+def tiny_saved(tmp_path, name, pooling, *dense, normalize=True, **save):
+    """A tiny BERT saved by this sentence-transformers with `pooling` (a mode or a list) and
+    Dense modules made from `dense`'s (in, out, keyword arguments) triples."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer import modules as models
+
+    base = tmp_path / "tiny-base"
+    if not base.exists():
+        build_tiny_bert(base, max_positions=64)
+    modules = [models.Transformer(str(base), max_seq_length=48), models.Pooling(32, pooling)]
+    torch.manual_seed(len(modules) + len(dense))
+    modules += [models.Dense(i, o, **kw) for i, o, kw in dense]
+    if normalize:
+        modules.append(models.Normalize())
+    target = tmp_path / name
+    SentenceTransformer(modules=modules, device="cpu").save(str(target), **save)
+    return target
+
+
+ALL_MODES = ["cls", "max", "mean", "mean_sqrt_len_tokens", "weightedmean", "lasttoken"]
+
+
+@pytest.mark.parametrize("pooling, dense, normalize", [
+    ("max", [], True),
+    ("mean_sqrt_len_tokens", [], False),
+    ("weightedmean", [(32, 16, {})], True),  # Dense's default activation: Tanh
+    (["mean", "cls"], [(64, 64, {"activation_function": torch.nn.Identity()})], True),
+    # every mode side by side (sentence-transformers' order), then four projections: no bias,
+    # GELU; a residual of the same width; a residual through its own projection, SiLU
+    (ALL_MODES, [(192, 24, {"bias": False, "activation_function": torch.nn.GELU()}),
+                 (24, 24, {"activation_function": torch.nn.ReLU(), "use_residual": True}),
+                 (24, 8, {"activation_function": torch.nn.SiLU(), "use_residual": True}),
+                 (8, 8, {"activation_function": torch.nn.Sigmoid()})], True),
+])
+@pytest.mark.parametrize("pack", [True, False])
+def test_every_pooling_mode_and_dense_projection_serves_sentence_transformers_vectors(
+        tmp_path, pooling, dense, normalize, pack):
+    """Each of sentence-transformers' pooling modes, several side by side, and Dense
+    projections (LaBSE's, EmbeddingGemma's, stella's kind) after them: served as
+    sentence-transformers encodes, through the packed pass and the network's own forward.
+    They were refused (an embedding model with a Dense module could not be served)."""
+    from sentence_transformers import SentenceTransformer
+
+    directory = tiny_saved(tmp_path, "m", pooling, *dense, normalize=normalize)
+    reference = SentenceTransformer(str(directory), device="cpu")
+    spec = inspect(ModelConfig(name="m", source=str(directory), dtype="fp32"),
+                   roots=[tmp_path])
+    modes = [pooling] if isinstance(pooling, str) else pooling
+    assert spec.pooling == "+".join(m.replace("lasttoken", "last") for m in modes)
+    assert spec.dim == reference.get_embedding_dimension() == (dense[-1][1] if dense
+                                                              else 32 * len(modes))
+    assert spec.normalize == normalize and len(spec.dense) == len(dense)
+    model = Model(spec, torch.device("cpu"), pack=pack)
+    assert (model.packed is not None) == pack
+    texts = corpus_texts()
+    got = run(model, TextEncoder(model.spec, truncate=True).encode(texts))
+    want = reference.encode(texts)
+    np.testing.assert_allclose(got, want, atol=2e-5)
+    # the comparison can fail: mean pooling alone gives other vectors
+    if modes != ["mean"] and not dense:
+        plain = Model(dataclasses.replace(spec, pooling="mean", dim=32), torch.device("cpu"))
+        other = run(plain, TextEncoder(plain.spec, truncate=True).encode(texts))
+        assert other.shape != want.shape or not np.allclose(other, want, atol=1e-3)
+
+
+def test_a_dense_projection_changes_the_revision(tmp_path):
+    """The weights' revision covers the Dense modules' weights: a reload of new projections
+    over the same encoder is a new revision, as the frontend's reload check takes it too."""
+    from safetensors.torch import load_file, save_file
+
+    directory = tiny_saved(tmp_path, "m", "mean", (32, 16, {}))
+    cfg = ModelConfig(name="m", source=str(directory))
+    before = inspect(cfg, roots=[tmp_path]).revision
+    weights = directory / "2_Dense" / "model.safetensors"
+    tensors = load_file(str(weights))
+    tensors["linear.bias"] = tensors["linear.bias"] + 1
+    save_file(tensors, str(weights))
+    after = inspect(cfg, roots=[tmp_path]).revision
+    assert after not in ("", before)
+    # the label a reload's A/B check takes for these weights is the workers' own
+    from frontend.reload import weights_label
+
+    assert weights_label(str(directory), [tmp_path]) == after
+
+
+def _edit_json(path, **changes):
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+
+
+def test_modules_and_projections_it_does_not_run_are_refused(tmp_path):
+    """Refused at inspection (so at `up`), naming what: not served as other vectors."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer import modules as models
+
+    def refused(directory, match, **cfg):
+        with pytest.raises(ModelSourceError, match=match):
+            inspect(ModelConfig(name="m", source=str(directory), **cfg), roots=[tmp_path])
+
+    # a module this server does not run
+    base = tiny_saved(tmp_path, "base", "mean")
+    target = tmp_path / "layernorm"
+    SentenceTransformer(modules=[models.Transformer(str(base)), models.Pooling(32, "mean"),
+                                 models.LayerNorm(32)], device="cpu").save(str(target))
+    refused(target, r"modules.json has a LayerNorm module \(2_LayerNorm\), which shmserve "
+                    "does not run")
+    # an activation outside torch (sentence-transformers imports it only with remote code)
+    directory = tiny_saved(tmp_path, "custom", "mean", (32, 16, {}))
+    _edit_json(directory / "2_Dense" / "config.json", activation_function="mylib.Swish")
+    refused(directory, "activation_function 'mylib.Swish', which shmserve does not apply")
+    _edit_json(directory / "2_Dense" / "config.json",
+               activation_function="torch.nn.modules.activation.Softplus")
+    refused(directory, "'torch.nn.modules.activation.Softplus', which shmserve does not apply")
+    # a Dense module over the token vectors (PyLate's), not the pooled one
+    directory = tiny_saved(tmp_path, "tokens", "mean", (32, 16, {}))
+    _edit_json(directory / "2_Dense" / "config.json", module_input_name="token_embeddings")
+    refused(directory, "module_input_name 'token_embeddings': shmserve runs a Dense module on "
+                       "the pooled vector")
+    # widths that do not chain: the pooling set here gives 32, the projection takes 64
+    directory = tiny_saved(tmp_path, "two", ["mean", "max"], (64, 16, {}))
+    refused(directory, "takes vectors of 64, but the module before it gives 32", pooling="mean")
+    # Normalize before a projection: not what this server runs
+    directory = tiny_saved(tmp_path, "order", "mean", (32, 16, {}))
+    modules = json.loads((directory / "modules.json").read_text())
+    modules[2], modules[3] = modules[3], modules[2]
+    (directory / "modules.json").write_text(json.dumps(modules))
+    refused(directory, "modules.json runs Transformer -> Pooling -> Normalize -> Dense; "
+                       "shmserve runs")
+    # a pickle checkpoint only (sentence-transformers' safe_serialization=False)
+    directory = tiny_saved(tmp_path, "pickle", "mean", (32, 16, {}), safe_serialization=False)
+    refused(directory, r"2_Dense: only pytorch_model.bin \(pickle\); shmserve loads "
+                       "safetensors only")
+    # weights that do not match their config: refused by the worker, naming the tensor
+    directory = tiny_saved(tmp_path, "shape", "mean", (32, 16, {}))
+    _edit_json(directory / "2_Dense" / "config.json", out_features=12)
+    spec = inspect(ModelConfig(name="m", source=str(directory), dtype="fp32"), roots=[tmp_path])
+    assert spec.dim == 12
+    with pytest.raises(ModelSourceError, match=r"linear.weight should be \(12, 32\) by its "
+                                               r"config.json, is \(16, 32\)"):
+        Model(spec, torch.device("cpu"))
 
 
 @pytest.mark.parametrize("flags, want", [
@@ -84,23 +213,26 @@ def test_poolings_and_modules_it_does_not_compute_are_refused(tmp_path):
     ({"pooling_mode_cls_token": True, "pooling_mode_mean_tokens": False}, "cls"),
     ({}, "mean"),
     ({"pooling_mode_max_tokens": True}, "max"),
-    ({"pooling_mode_mean_tokens": True, "pooling_mode_max_tokens": True}, "mean + max"),
+    # several flags: side by side in sentence-transformers' order, not the flags' own
+    ({"pooling_mode_mean_tokens": True, "pooling_mode_max_tokens": True}, "max+mean"),
     ({"pooling_mode_weightedmean_tokens": True}, "weightedmean"),
-    ({"pooling_mode": ["mean", "cls"]}, "mean + cls"),  # 6.x: several, as a list
+    ({"pooling_mode": ["mean", "cls"]}, "mean+cls"),  # 6.x: several, as a list, in its order
     ({"pooling_mode": ["lasttoken"]}, "last"),
+    ({"pooling_mode": ["mean", "median"]}, "median is not a pooling mode"),
 ])
 def test_pooling_flags_and_lists(tmp_path, flags, want):
     """Before 6.x: one flag a mode; 6.x: a name or a list of them (several at once: their
-    vectors side by side, which this server does not compute)."""
+    vectors side by side)."""
     directory = build_tiny_bert(tmp_path / "m")
     (directory / "1_Pooling" / "config.json").write_text(json.dumps(
         {"word_embedding_dimension": 32, **flags}))
     cfg = ModelConfig(name="m", source=str(directory))
-    if want in ("cls", "mean", "last"):
-        assert inspect(cfg, roots=[tmp_path]).pooling == want
-    else:
-        with pytest.raises(ModelSourceError, match=f"pooling is {re.escape(want)}, which"):
+    if " " in want:
+        with pytest.raises(ModelSourceError, match=want):
             inspect(cfg, roots=[tmp_path])
+    else:
+        spec = inspect(cfg, roots=[tmp_path])
+        assert (spec.pooling, spec.dim) == (want, 32 * len(want.split("+")))
 
 
 def test_the_input_limit_falls_back_to_the_tokenizers(tmp_path):
