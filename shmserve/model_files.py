@@ -128,6 +128,9 @@ def dense_of(task: str, directory: Path, width: int) -> tuple[Dense, ...]:
         return ()
     found = []
     for where in dense_directories(directory):
+        if not where.resolve().is_relative_to(directory.resolve()):
+            raise ModelSourceError(f"{directory}: modules.json puts a Dense module at {where}, "
+                                   "outside the model's directory")
         cfg = read_json(where / "config.json")
         if not isinstance(cfg, dict):
             raise ModelSourceError(f"{where}: a Dense module without its config.json")
@@ -142,8 +145,8 @@ def dense_of(task: str, directory: Path, width: int) -> tuple[Dense, ...]:
 
 
 def _dense(where: Path, cfg: dict) -> Dense:
-    for key in ("module_input_name", "module_output_name"):
-        if cfg.get(key, "sentence_embedding") != "sentence_embedding":
+    for key in ("module_input_name", "module_output_name"):  # (None: the default)
+        if cfg.get(key) not in (None, "sentence_embedding"):
             raise ModelSourceError(
                 f"{where}/config.json: {key} {cfg[key]!r}: shmserve runs a Dense module on "
                 "the pooled vector (sentence_embedding) only")

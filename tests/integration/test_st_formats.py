@@ -184,6 +184,12 @@ def test_modules_and_projections_it_does_not_run_are_refused(tmp_path):
     _edit_json(directory / "2_Dense" / "config.json", module_input_name="token_embeddings")
     refused(directory, "module_input_name 'token_embeddings': shmserve runs a Dense module on "
                        "the pooled vector")
+    # a module's path outside the model's directory
+    directory = tiny_saved(tmp_path, "outside", "mean", (32, 16, {}))
+    modules = json.loads((directory / "modules.json").read_text())
+    modules[2]["path"] = "../custom/2_Dense"
+    (directory / "modules.json").write_text(json.dumps(modules))
+    refused(directory, "outside the model's directory")
     # widths that do not chain: the pooling set here gives 32, the projection takes 64
     directory = tiny_saved(tmp_path, "two", ["mean", "max"], (64, 16, {}))
     refused(directory, "takes vectors of 64, but the module before it gives 32", pooling="mean")
