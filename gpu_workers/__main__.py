@@ -34,12 +34,11 @@ def main() -> int:
     sys.setswitchinterval(cfg.workers.switch_interval_ms / 1000.0)
 
     from gpu_workers.device import DeviceError
-    from gpu_workers.worker import main as run
     from shmserve.models import ModelSourceError
 
     log = logging.getLogger("shmserve.worker")
     try:
-        return run(cfg, args.index)
+        return serve(cfg, args.index)
     except (DeviceError, ModelSourceError) as exc:
         # A configuration this worker cannot serve (a GPU it cannot see, a model it cannot
         # load): the message says what to change, and a traceback at every restart only
@@ -49,6 +48,43 @@ def main() -> int:
     except Exception as exc:
         logs.failed(log, "worker.failed", exc)
         return 1
+
+
+def serve(cfg, index: int) -> int:
+    """Load and serve until a signal stops it (SIGTERM, SIGINT, SIGHUP: a drain)."""
+    import signal
+
+    from gpu_workers.device import DeviceLost
+    from gpu_workers.worker import Worker
+
+    log = logging.getLogger("shmserve.worker")
+    worker = Worker(cfg, index)
+
+    def stop(*_) -> None:
+        """Serving: only a flag, the model loop drains and exits. Loading: at once, as nothing
+        is admitted before it is ready; the load (imports, weights, warm-up: seconds, more on
+        large models) went on to its end first, and a stop or restart waited for it."""
+        worker.stopping.set()
+        if not worker.status.ready:
+            raise SystemExit(0)
+
+    # SIGHUP (`supervisorctl signal HUP`) killed the worker without a drain: it drains as a stop
+    # does, and supervisord starts it again.
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, stop)
+    loading, answered = False, False
+    try:
+        worker.serve()
+        answered = True
+    except SystemExit:
+        loading = answered = True
+    except DeviceLost:
+        answered = True  # its pass answered 500, what waited UNAVAILABLE (_run)
+        raise
+    finally:
+        worker.close(answered)
+    log.info("worker.stopped", extra={"fields": {"worker": index, "while_loading": loading}})
+    return 0
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ import faulthandler
 import functools
 import logging
 import queue
-import signal
 import sys
 import threading
 import time
@@ -434,33 +433,3 @@ class Worker:
 def _packs(text: QueuedText) -> bool:
     """Whether the pass `text` starts may merge length groups (its model packs them)."""
     return text.request.slot.model.packs
-
-
-def main(cfg: Config, index: int) -> int:
-    worker = Worker(cfg, index)
-
-    def stop(*_) -> None:
-        """Serving: only a flag, the model loop drains and exits. Loading: at once, as nothing
-        is admitted before it is ready; the load (imports, weights, warm-up: seconds, more on
-        large models) went on to its end first, and a stop or restart waited for it."""
-        worker.stopping.set()
-        if not worker.status.ready:
-            raise SystemExit(0)
-
-    # SIGHUP (`supervisorctl signal HUP`) killed the worker without a drain: it drains as a stop
-    # does, and supervisord starts it again.
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, stop)
-    loading, answered = False, False
-    try:
-        worker.serve()
-        answered = True
-    except SystemExit:
-        loading = answered = True
-    except DeviceLost:
-        answered = True  # its pass answered 500, what waited UNAVAILABLE (_run)
-        raise
-    finally:
-        worker.close(answered)
-    log.info("worker.stopped", extra={"fields": {"worker": index, "while_loading": loading}})
-    return 0
