@@ -60,6 +60,13 @@ class Dense:
     activation: str  # one of ACTIVATIONS
     residual: bool = False
 
+    @property
+    def shape(self) -> str:
+        """What it computes, without where its weights lie: "32->16 Tanh", " no bias",
+        " residual" (a reload or an A/B arm may change the weights, not this)."""
+        return (f"{self.in_features}->{self.out_features} {self.activation}"
+                + ("" if self.bias else " no bias") + (" residual" if self.residual else ""))
+
 
 def _st_modules(directory: Path) -> list[dict]:
     modules = read_json(directory / "modules.json") or []
@@ -131,6 +138,9 @@ def dense_of(task: str, directory: Path, width: int) -> tuple[Dense, ...]:
         if not where.resolve().is_relative_to(directory.resolve()):
             raise ModelSourceError(f"{directory}: modules.json puts a Dense module at {where}, "
                                    "outside the model's directory")
+        if not where.is_dir():
+            raise ModelSourceError(f"{directory}: modules.json lists a Dense module at "
+                                   f"{where.name}, which is not there")
         cfg = read_json(where / "config.json")
         if not isinstance(cfg, dict):
             raise ModelSourceError(f"{where}: a Dense module without its config.json")

@@ -116,7 +116,9 @@ def check(cfg: Config, devices: list[str]) -> None:
             try:
                 spec = inspect(unit.config, with_revision=False, roots=cfg.model_root_paths)
                 weights = weights_file(resolve_source(unit.config.source, cfg.model_root_paths))
-                check_weights(weights)
+                for checked in (weights, *(d.directory / "model.safetensors"
+                                           for d in spec.dense)):
+                    check_weights(checked)
                 tokenizer(spec.directory)  # what every frontend loads as it starts
             except ModelSourceError as exc:
                 raise ModelSourceError(f"{unit.name}: {exc}") from None
@@ -296,11 +298,13 @@ def incompatible(active: ModelSpec, new: ModelSpec) -> str:
                            ("input limit", active.max_tokens, new.max_tokens),
                            ("pooling", active.pooling, new.pooling),
                            ("normalization", active.normalize, new.normalize),
+                           ("Dense projections", [d.shape for d in active.dense],
+                            [d.shape for d in new.dense]),
                            ("prompts", dict(active.prompts), dict(new.prompts)),
                            ("default prompt", active.default_prompt, new.default_prompt),
                            ("pair prompt", active.pair_format, new.pair_format)):
         if old != now:
-            verb = "differ" if what == "prompts" else "differs"
+            verb = "differ" if what in ("prompts", "Dense projections") else "differs"
             return f"its {what} {verb} ({old!r} now, {now!r} in {new.directory})"
     if file_digest(active.directory / "tokenizer.json") != \
             file_digest(new.directory / "tokenizer.json"):

@@ -156,6 +156,66 @@ def _edit_json(path, **changes):
     path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
 
 
+def test_a_reload_or_variant_keeps_the_dense_projections_and_may_change_their_weights(
+        tmp_path):
+    """New Dense weights are a new revision (above); a chain that computes otherwise (another
+    activation, a residual, one projection fewer) is not a reload: its vectors mean something
+    else under one name, and /info, read at start, would describe the old chain (an outside
+    check reloaded a Tanh projection to a ReLU one and kept the revision)."""
+    from safetensors.torch import save_file
+
+    from shmserve import config
+    from shmserve.models import check, incompatible
+
+    served = tiny_saved(tmp_path, "served", "cls", (32, 32, {}))
+    weights = shutil.copytree(served, tmp_path / "weights")
+    torch.manual_seed(99)
+    save_file({"linear.weight": torch.randn(32, 32), "linear.bias": torch.randn(32)},
+              str(weights / "2_Dense" / "model.safetensors"))
+    relu = shutil.copytree(served, tmp_path / "relu")
+    _edit_json(relu / "2_Dense" / "config.json",
+               activation_function="torch.nn.modules.activation.ReLU")
+    residual = shutil.copytree(served, tmp_path / "residual")
+    _edit_json(residual / "2_Dense" / "config.json", use_residual=True)
+    plain = tiny_saved(tmp_path, "plain", "cls")
+
+    def spec(directory):
+        return inspect(ModelConfig(name="m", source=str(directory)), roots=[tmp_path])
+
+    assert incompatible(spec(served), spec(weights)) == ""
+    assert spec(served).revision != spec(weights).revision
+    for other, now in ((relu, "['32->32 ReLU']"), (residual, "['32->32 Tanh residual']"),
+                       (plain, "[]")):
+        assert incompatible(spec(served), spec(other)) == (
+            f"its Dense projections differ (['32->32 Tanh'] now, {now} in {other})")
+    split = config.from_tree({"model_roots": [str(tmp_path)], "models": [{"name": "s", "variants": [
+        {"name": "a", "source": str(served)}, {"name": "b", "source": str(relu)}]}]})
+    with pytest.raises(ModelSourceError, match="s@b cannot be a variant beside s@a: its Dense "
+                                               "projections differ"):
+        check(split, ["cpu"])
+
+
+def test_up_checks_the_dense_weights_as_it_checks_the_models(tmp_path):
+    """A truncated Dense weights file was found by the worker only, after three restarts; the
+    same damage to the model's own weights is refused before any process starts."""
+    from shmserve import config
+    from shmserve.models import check
+
+    directory = tiny_saved(tmp_path, "m", "mean", (32, 16, {}))
+    cfg = config.from_tree({"model_roots": [str(tmp_path)],
+                            "models": [{"name": "m", "source": str(directory)}]})
+    check(cfg, ["cpu"])
+    weights = directory / "2_Dense" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:40])
+    with pytest.raises(ModelSourceError, match=r"m: .*2_Dense/model.safetensors is not a "
+                                               "readable safetensors file"):
+        check(cfg, ["cpu"])
+    shutil.rmtree(directory / "2_Dense")
+    with pytest.raises(ModelSourceError, match="modules.json lists a Dense module at 2_Dense, "
+                                               "which is not there"):
+        check(cfg, ["cpu"])
+
+
 def test_modules_and_projections_it_does_not_run_are_refused(tmp_path):
     """Refused at inspection (so at `up`), naming what: not served as other vectors."""
     from sentence_transformers import SentenceTransformer
