@@ -206,13 +206,35 @@ def read_json(path: Path) -> dict | list | None:
 
 
 def tokenizer(directory: Path):
-    """The model's fast tokenizer (a tokenizers.Tokenizer) from its tokenizer.json. One that
-    does not load (a truncated copy: `EOF while parsing a string at line 1 column 1000`) is
-    a ModelSourceError naming the file, where tokenizers' own error names none."""
+    """The model's fast tokenizer (a tokenizers.Tokenizer) from its tokenizer.json, lowercasing
+    first where sentence-transformers' config asks it to (`lowercases`). One that does not load
+    (a truncated copy: `EOF while parsing a string at line 1 column 1000`) is a
+    ModelSourceError naming the file, where tokenizers' own error names none."""
     from tokenizers import Tokenizer
+    from tokenizers.normalizers import Lowercase, Sequence
 
     path = directory / "tokenizer.json"
     try:
-        return Tokenizer.from_file(str(path))
+        tok = Tokenizer.from_file(str(path))
     except Exception as exc:  # noqa: BLE001 - tokenizers raises Exception itself
         raise ModelSourceError(f"{path} does not load as a tokenizer ({exc})") from None
+    if lowercases(directory):
+        # as sentence-transformers' Transformer module does: Lowercase before the tokenizer's
+        # own normalizer, unless that is Lowercase or a sequence holding one (a
+        # BertNormalizer that lowercases gets one too there: lowercasing twice changes nothing)
+        normalizer = tok.normalizer
+        if isinstance(normalizer, Sequence):
+            steps = [step for step in normalizer]
+        else:
+            steps = [normalizer] if normalizer is not None else []
+        if not any(isinstance(step, Lowercase) for step in steps):
+            tok.normalizer = Sequence([Lowercase(), *steps])
+    return tok
+
+
+def lowercases(directory: Path) -> bool:
+    """sentence_bert_config.json's do_lower_case: sentence-transformers lowercases every text
+    before its tokenizer sees it (BGE's configs say so, over a tokenizer that lowercases
+    anyway; over a cased one the ids differ)."""
+    st_cfg = read_json(directory / "sentence_bert_config.json")
+    return isinstance(st_cfg, dict) and st_cfg.get("do_lower_case") is True

@@ -22,8 +22,8 @@ from shmserve import architecture as arch
 from shmserve import yes_no
 from shmserve.config import Config, ModelConfig
 from shmserve.model_files import (Dense, ModelSourceError, dense_directories, dense_of,
-                                  max_seq_length, normalize_of, pooling_of, pooling_config,
-                                  read_json, tokenizer)
+                                  lowercases, max_seq_length, normalize_of, pooling_of,
+                                  pooling_config, read_json, tokenizer)
 
 # A cross-encoder's score, as sentence-transformers' CrossEncoder computes it: the activation it
 # saved with the model, else Sigmoid for one label.
@@ -300,6 +300,8 @@ def incompatible(active: ModelSpec, new: ModelSpec) -> str:
                            ("normalization", active.normalize, new.normalize),
                            ("Dense projections", [d.shape for d in active.dense],
                             [d.shape for d in new.dense]),
+                           ("lowercasing (sentence_bert_config.json do_lower_case)",
+                            lowercases(active.directory), lowercases(new.directory)),
                            ("prompts", dict(active.prompts), dict(new.prompts)),
                            ("default prompt", active.default_prompt, new.default_prompt),
                            ("pair prompt", active.pair_format, new.pair_format)):

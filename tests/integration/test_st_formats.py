@@ -301,6 +301,43 @@ def test_pooling_flags_and_lists(tmp_path, flags, want):
         assert (spec.pooling, spec.dim) == (want, 32 * len(want.split("+")))
 
 
+def test_do_lower_case_lowercases_before_the_tokenizer_as_sentence_transformers_does(tmp_path):
+    """sentence_bert_config.json's do_lower_case: sentence-transformers puts Lowercase before a
+    cased tokenizer's normalizer, so "Paris" and "paris" are one text; this server tokenized
+    the text as it came, and served other ids and vectors for every capital letter."""
+    from sentence_transformers import SentenceTransformer
+
+    from shmserve.models import incompatible
+
+    directory = shutil.copytree(resolve_source(DEFAULT), tmp_path / "lower")
+    tokenizer = json.loads((directory / "tokenizer.json").read_text())
+    tokenizer["normalizer"]["lowercase"] = False  # a cased tokenizer over an uncased vocabulary
+    (directory / "tokenizer.json").write_text(json.dumps(tokenizer))
+    # (transformers rebuilds BERT's normalizer from this file's flag, over tokenizer.json's)
+    _edit_json(directory / "tokenizer_config.json", do_lower_case=False)
+    cased = shutil.copytree(directory, tmp_path / "cased")
+    _edit_json(directory / "sentence_bert_config.json", do_lower_case=True)
+    texts = ["Paris Is The Capital Of France", "SHARED MEMORY between PROCESSES", "hello"]
+
+    def served(source):
+        spec = inspect(ModelConfig(name="m", source=str(source), dtype="fp32"),
+                       roots=[tmp_path])
+        model = Model(spec, torch.device("cpu"))
+        encoder = TextEncoder(model.spec, truncate=True)
+        return run(model, encoder.encode(texts)), spec
+
+    got, spec = served(directory)
+    want = SentenceTransformer(str(directory), device="cpu").encode(texts)
+    np.testing.assert_allclose(got, want, atol=2e-5)
+    other, cased_spec = served(cased)  # the flag is what lowercases
+    np.testing.assert_allclose(
+        other, SentenceTransformer(str(cased), device="cpu").encode(texts), atol=2e-5)
+    assert not np.allclose(other[:2], want[:2], atol=1e-3)
+    np.testing.assert_allclose(got[2], other[2], atol=2e-5)  # already lower case: the same
+    assert incompatible(spec, cased_spec).startswith(
+        "its lowercasing (sentence_bert_config.json do_lower_case) differs (True now, False")
+
+
 def test_the_input_limit_falls_back_to_the_tokenizers(tmp_path):
     """No max_seq_length in sentence_bert_config.json: the tokenizer's model_max_length, as
     sentence-transformers reads it; neither: the model's positions."""
