@@ -132,6 +132,41 @@ def test_every_pooling_mode_and_dense_projection_serves_sentence_transformers_ve
         assert other.shape != want.shape or not np.allclose(other, want, atol=1e-3)
 
 
+def test_an_embeddinggemma_shaped_model_serves_its_vectors(tmp_path):
+    """EmbeddingGemma's shape: a Gemma 3 text encoder (bidirectional attention, a sliding
+    window the texts exceed), mean pooling, two Dense projections without bias (32 -> 96 ->
+    32 here; 768 -> 3072 -> 768 in the real one), Normalize; loaded through transformers.
+    Refused before Dense modules were run."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer import modules as models
+    from transformers import AutoConfig, AutoModel
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(
+        "gemma3_text", vocab_size=30522, hidden_size=32, intermediate_size=64,
+        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+        max_position_embeddings=128, pad_token_id=0, use_bidirectional_attention=True,
+        sliding_window=8, layer_types=["sliding_attention", "full_attention"])
+    base = tmp_path / "gemma"
+    AutoModel.from_config(config).eval().save_pretrained(base, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt",
+                 "special_tokens_map.json"):
+        shutil.copy(resolve_source(DEFAULT) / name, base / name)
+    identity = {"bias": False, "activation_function": torch.nn.Identity()}
+    target = tmp_path / "embeddinggemma"
+    SentenceTransformer(modules=[
+        models.Transformer(str(base), max_seq_length=64), models.Pooling(32, "mean"),
+        models.Dense(32, 96, **identity), models.Dense(96, 32, **identity),
+        models.Normalize()], device="cpu").save(str(target))
+    spec = inspect(ModelConfig(name="m", source=str(target), dtype="fp32"), roots=[tmp_path])
+    model = Model(spec, torch.device("cpu"))
+    assert (model.loader, spec.dim, len(spec.dense)) == ("transformers", 32, 2)
+    texts = corpus_texts()
+    np.testing.assert_allclose(
+        run(model, TextEncoder(model.spec, truncate=True).encode(texts)),
+        SentenceTransformer(str(target), device="cpu").encode(texts), atol=2e-5)
+
+
 def test_a_dense_projection_changes_the_revision(tmp_path):
     """The weights' revision covers the Dense modules' weights: a reload of new projections
     over the same encoder is a new revision, as the frontend's reload check takes it too."""
