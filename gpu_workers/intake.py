@@ -152,6 +152,10 @@ class Intake:
             return None
         return self._beat(0.0)  # answers no ping
 
+    def announcement(self) -> Heartbeat:
+        """A heartbeat for every frontend, answering no ping (gpu_workers.sockets.ANNOUNCE)."""
+        return self._beat(0.0)
+
     def on_submit(self, peer: bytes, msg: Submit) -> Error | None:
         self._look()  # a retry of a killed frontend's request: its queue is let go first
         if not self.status.ready or self.stopping.is_set():

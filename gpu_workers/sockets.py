@@ -25,6 +25,9 @@ from shmserve.wire import WireError
 log = logging.getLogger("shmserve.worker")
 
 REPLIES = "inproc://replies"
+# What the model thread pushes, one frame, where its models changed (a reload staged or
+# committed): a heartbeat goes to every frontend at once
+ANNOUNCE = b"announce"
 POLL_MS = 100
 FAREWELL_S = 1.0  # at most, for the frontends to say they read this worker's last message
 
@@ -36,7 +39,8 @@ class SocketThread(threading.Thread):
                  heartbeat: Callable[[Ping, bytes], Heartbeat],
                  on_control: Callable[[bytes, Reload | Commit], None],
                  tick: Callable[[], None] = lambda: None,
-                 news: Callable[[], Heartbeat | None] = lambda: None, worker: int = 0) -> None:
+                 news: Callable[[], Heartbeat | None] = lambda: None, worker: int = 0,
+                 news_now: Callable[[], Heartbeat] | None = None) -> None:
         super().__init__(name="sockets", daemon=True)
         self._worker = worker
         self._ctx = ctx
@@ -47,6 +51,7 @@ class SocketThread(threading.Thread):
         self._on_control = on_control
         self._tick = tick  # every loop round (at most POLL_MS apart): the watch on frontends
         self._news = news  # after an admitted Submit: a heartbeat for the other frontends, or None
+        self._news_now = news_now  # a heartbeat for every frontend (ANNOUNCE)
         # The frontends that ping this worker, by index: a restarted frontend's new socket
         # replaces its old one (a set of every socket ever seen grew with each restart, and
         # news went to all of them; a review).
@@ -97,9 +102,13 @@ class SocketThread(threading.Thread):
                     # Send every reply already queued before reading more requests.
                     while True:
                         try:
-                            router.send_multipart(self._replies.recv_multipart(zmq.NOBLOCK))
+                            frames = self._replies.recv_multipart(zmq.NOBLOCK)
                         except zmq.Again:
                             break
+                        if frames == [ANNOUNCE]:
+                            self._announce(router)
+                        else:
+                            router.send_multipart(frames)
                 else:
                     self._handle(router, router.recv_multipart(copy=True))
         # Stopped (Worker.close, after the model thread's last replies): what it sent before
@@ -145,6 +154,17 @@ class SocketThread(threading.Thread):
                 waiting.discard(frames[0])
         if waiting:
             log.warning("worker.farewell_unread", extra={"fields": {"frontends": len(waiting)}})
+
+    def _announce(self, router: zmq.Socket) -> None:
+        """A heartbeat to every frontend now, not at its next ping: the models a worker serves
+        changed (a reload committed), and /info, /admin/models and KServe's model versions
+        read them from heartbeats (up to workers.heartbeat_interval_s behind the reload's
+        answer: an outside check)."""
+        if self._news_now is None:
+            return
+        frames = wire.encode(self._news_now())
+        for peer in self._peers.values():  # (a peer gone: ROUTER drops it)
+            router.send_multipart([peer, *frames])
 
     @staticmethod
     def _decoded(frames: list[bytes]) -> list:

@@ -34,7 +34,7 @@ from gpu_workers.memory import MemoryCare, Policy, TorchAllocator, forward_in_ha
 from gpu_workers.metrics import WorkerMetrics
 from gpu_workers.requests import QueuedText, Request, model_inputs, pass_rows
 from gpu_workers.slots import Built, Slots, hosted_configs
-from gpu_workers.sockets import REPLIES, SocketThread
+from gpu_workers.sockets import ANNOUNCE, REPLIES, SocketThread
 from shmserve import state, topology, wire
 from shmserve.config import Config, ModelConfig
 from shmserve.models import ModelSpec, inspect
@@ -67,7 +67,8 @@ class Worker:
         intake = self.intake
         self._sockets = SocketThread(self._ctx, topology.worker_endpoint(cfg, index),
                                      intake.on_submit, intake.on_abort, intake.heartbeat,
-                                     intake.on_control, intake.tick, intake.news, index)
+                                     intake.on_control, intake.tick, intake.news, index,
+                                     intake.announcement)
         self._push: zmq.Socket | None = None
         # Replies not yet sent, by frontend: a batch's go out as one message each (wire).
         self._outbox: dict[bytes, list[bytes]] = {}
@@ -259,7 +260,9 @@ class Worker:
             if after is not None and after is not before:
                 self.metrics.model_switched(msg.model, before, after, str(self.device))
             self._collect()
-        self.status.infos = self.slots.infos()
+        infos, self.status.infos = self.status.infos, self.slots.infos()
+        if infos != self.status.infos:  # before the replies: the frontend that asked hears it
+            self._push.send(ANNOUNCE)  # first (gpu_workers.sockets.SocketThread._announce)
         for peer, reply in replies:
             self._push.send_multipart([peer, *wire.encode(reply)])
 

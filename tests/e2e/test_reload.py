@@ -39,8 +39,10 @@ def models(tmp_path_factory, tiny_model):
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, models):
-    overrides = tiny_overrides(models["a"], workers={"cpu_workers": 2},
-                               admin={"token": TOKEN})
+    # Heartbeats 2 s apart: what a frontend knows of a reload it did not see must come at
+    # once (a worker's announcement), not at the next heartbeat.
+    overrides = tiny_overrides(models["a"], admin={"token": TOKEN}, workers={
+        "cpu_workers": 2, "heartbeat_interval_s": 2.0, "heartbeat_timeout_s": 8.0})
     overrides["model_roots"].append(str(models["root"]))
     s = Stack(tmp_path_factory.mktemp("reload-stack"), overrides)
     s.up()
@@ -87,6 +89,14 @@ def revisions(stack: Stack) -> list[tuple[str, str, str | None]]:
     return [(w["state"], w["revision"], w["standby"]) for w in model["workers"]]
 
 
+def info_revision(stack: Stack, frontend: int) -> str:
+    """The model's revision in GET /info, from one frontend (its socket, not nginx)."""
+    from shmserve.remote import get_unix
+
+    _, raw = get_unix(str(stack.run_dir / "sockets" / f"frontend-{frontend}.sock"), "/info")
+    return json.loads(raw)["models"][0]["revision"]
+
+
 def settles_on(stack: Stack, revision: str) -> None:
     """GET /admin/models shows `revision` ready on both workers (it reads heartbeats, so it may
     lag the reload call's answer by a heartbeat interval)."""
@@ -101,9 +111,14 @@ def test_reload_under_load_switches_every_worker_without_a_failure(stack, models
         load.wait_for(20)
         status, answer = reload(stack, "tiny", source=str(models["b"]), revision="tiny-r2")
         switched = time.monotonic()
+        # What every frontend says right after the answer: a frontend read the revisions from
+        # the workers' heartbeats, and /info and KServe's model version lagged the reload by up
+        # to workers.heartbeat_interval_s (an outside check read the old one)
+        seen_at_once = [info_revision(stack, index) for index in (0, 1)]
         assert status == 200, answer
         load.wait_for(40)
     assert answer["revision"] == "tiny-r2" and [w["ok"] for w in answer["workers"]] == [1, 1]
+    assert seen_at_once == ["tiny-r2"] * 2  # both frontends, the one not asked too
     outcomes = load.outcomes
     assert {o[1] for o in outcomes} == {"200"}, outcomes  # zero failed requests
     # Every response holds exactly one revision's vectors, all rows, and says which.
