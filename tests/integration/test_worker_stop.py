@@ -7,6 +7,8 @@ import json
 import signal
 import time
 
+import pytest
+
 from frontend.errors import ApiError
 from tests.integration.test_pool import (dispatching, encoded, frontend_arena, ready_pool, run,
                                          start_patched_worker, start_worker)
@@ -133,6 +135,49 @@ def test_a_device_error_answers_every_request_and_the_worker_exits_to_be_restart
     assert len(failed_lines) == 1, logged[-3000:]
     assert "DeviceLost: AcceleratorError: CUDA error: device-side assert" in json.dumps(
         failed_lines[0])
+
+
+# A pass whose rows do not fit the requests' buffers (a model's output of another width than its
+# spec says: the real worker process, its forward patched for texts of 30 tokens).
+WIDER_ON_30 = """
+import runpy, sys, numpy as np
+from gpu_workers import model
+
+real_forward = model.Model.forward_groups
+
+def forward_groups(self, groups, *args, **kwargs):
+    rows = real_forward(self, groups, *args, **kwargs)
+    if any(ids.shape[1] == 30 for ids, _, _ in groups):
+        return np.zeros((rows.shape[0], rows.shape[1] + 1), np.float32)
+    return rows
+
+model.Model.forward_groups = forward_groups
+sys.argv = ["gpu_workers", *sys.argv[1:]]
+runpy.run_module("gpu_workers", run_name="__main__")
+"""
+
+
+def test_rows_of_another_width_fail_their_requests_and_the_worker_serves_on(cfg):
+    """The copy into the requests' buffers raised outside the pass's error handling, and the
+    worker exited with every request it held (seen with /embed_all on a model of two pooling
+    modes, whose token rows are narrower than its vectors). The pass's requests get a 500
+    naming it; the worker stays and serves the next."""
+    worker = start_patched_worker(cfg, WIDER_ON_30)
+    arena = frontend_arena(cfg)
+
+    async def scenario():
+        async with dispatching(cfg, arena) as dispatcher:
+            deadline = time.time() + 20
+            with pytest.raises(ApiError) as failed:
+                await dispatcher.run("tiny", 32, encoded(2, 30), "wider", deadline)
+            assert failed.value.status == 500 and "ValueError" in failed.value.message
+            fine = await dispatcher.run("tiny", 32, encoded(2, 5), "fine", deadline)
+            assert fine.vectors.shape == (2, 32)
+        assert worker.poll() is None
+
+    run(scenario, worker, arena)
+    logged = (cfg.run_dir / "worker.log").read_text()
+    assert "the model's rows are 33 wide, not 32" in logged, logged[-3000:]
 
 
 def test_a_worker_stuck_before_it_listens_exits_past_start_timeout(tmp_path, tiny_model):
