@@ -275,6 +275,8 @@ class TextEncoder:
         """`long`: inputs tokenized from a piece (_pieces): their counts are lower bounds."""
         if len(encodings) == 1:  # the common case, without the generators (~2x faster)
             ids = np.array(encodings[0].ids, np.int32)
+            if not ids.shape[0]:
+                self._no_tokens(param, 0, pairs)
             if not truncate and ids.shape[0] > self.max_tokens:
                 raise ApiError("too_large", f"{_which(param, 0, pairs)} has "
                                f"{_count(ids.shape[0], 0 in long)} tokens; the model's limit "
@@ -282,6 +284,8 @@ class TextEncoder:
             truncated = 1 if truncate and encodings[0].overflowing else 0
             return Encoded(ids, np.array([0, ids.shape[0]], np.int32), truncated)
         lengths = np.fromiter((len(e.ids) for e in encodings), np.int32, len(encodings))
+        if not lengths.all():
+            self._no_tokens(param, int(np.flatnonzero(lengths == 0)[0]), pairs)
         if not truncate:
             over = np.flatnonzero(lengths > self.max_tokens)
             if over.size:
@@ -294,6 +298,12 @@ class TextEncoder:
         ids = np.fromiter((t for e in encodings for t in e.ids), np.int32, int(offsets[-1]))
         truncated = sum(1 for e in encodings if e.overflowing) if truncate else 0
         return Encoded(ids, offsets, truncated)
+
+    def _no_tokens(self, param: str, i: int, pairs: bool) -> None:
+        """A text that tokenizes to nothing (whitespace, for a static model, which adds no
+        special tokens): there is nothing to average."""
+        raise ApiError("invalid_request", f"{_which(param, i, pairs)} has no tokens for model "
+                       f"{self.name!r} (whitespace only?)", param=param)
 
     def check_ids(self, rows: list[list[int]], param: str, hint: str = "") -> None:
         """422 naming the first row holding an id outside [0, vocab size); `hint`: the

@@ -12,14 +12,14 @@ from typing import Any
 
 import torch
 
-from gpu_workers import bert, deberta, modernbert, packed, qwen3, tasks
+from gpu_workers import bert, deberta, modernbert, packed, qwen3, static, tasks
 from shmserve import logs
 from shmserve.models import ModelSourceError, ModelSpec, weights_file
 
 
 def load(spec: ModelSpec, dtype: torch.dtype) -> tuple[torch.nn.Module, str]:
     """(the network, weights in `dtype`; which loaded it: "shmserve" or "transformers")."""
-    for family in (bert, modernbert, deberta, qwen3):
+    for family in (static, bert, modernbert, deberta, qwen3):
         net = family.load(spec.directory, spec.task, dtype)
         if net is not None:
             return net, "shmserve"

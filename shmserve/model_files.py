@@ -42,7 +42,12 @@ POOLING_FLAGS = {"pooling_mode_cls_token": "cls", "pooling_mode_max_tokens": "ma
 # the modules of a sentence-transformers embedding model this server runs, in this order after
 # its Transformer: Pooling, any Dense projections, Normalize (Dropout, anywhere, is nothing at
 # inference). Another module (LayerNorm, WordWeights, a Router, ...) would change its vectors.
-MODULES = ("Transformer", "Pooling", "Dense", "Normalize", "Dropout")
+MODULES = ("Transformer", "StaticEmbedding", "Pooling", "Dense", "Normalize", "Dropout")
+# A static embedding model's first module (sentence-transformers' StaticEmbedding, model2vec's
+# format): an embedding table averaged over a text's tokens, no transformer
+STATIC = "StaticEmbedding"
+# its input limit (sentence-transformers reads every token): models[].max_input_tokens lowers it
+STATIC_MAX_TOKENS = 8192
 # Dense's activation functions this server applies (gpu_workers.tasks), by class name; a
 # Dense config without one has sentence-transformers' default, Tanh
 ACTIVATIONS = ("Tanh", "Identity", "ReLU", "GELU", "Sigmoid", "SiLU")
@@ -106,20 +111,72 @@ def pooling_of(choice: str, task: str, directory: Path) -> str:
 
 def _check_modules(directory: Path) -> None:
     """modules.json's modules after the Transformer: Pooling, Dense ..., Normalize, in that
-    order (Dropout anywhere), each at most once but Dense."""
+    order (Dropout anywhere), each at most once but Dense; or a StaticEmbedding, which pools
+    itself, in the place of the Transformer and its Pooling."""
     order = [k for k in map(_kind, _st_modules(directory)) if k != "Dropout"]
+    if STATIC in order[1:] or (order[:1] == [STATIC] and
+                               ("Transformer" in order or "Pooling" in order)):
+        raise ModelSourceError(
+            f"{directory}: modules.json runs {' -> '.join(order)}; a StaticEmbedding module "
+            "comes first and pools itself, with no Transformer or Pooling")
     for module in _st_modules(directory):
         if (kind := _kind(module)) not in MODULES:
             raise ModelSourceError(
                 f"{directory}: modules.json has a {kind or 'nameless'} module "
                 f"({module.get('path') or module.get('name')}), which shmserve does not "
                 f"run (it runs {', '.join(MODULES)}): its vectors would not be the model's")
-    rank = {"Transformer": 0, "Pooling": 1, "Dense": 2, "Normalize": 3}
+    rank = {"Transformer": 0, STATIC: 1, "Pooling": 1, "Dense": 2, "Normalize": 3}
     ranks = [rank[k] for k in order]
     if ranks != sorted(ranks) or any(order.count(k) > 1 for k in rank if k != "Dense"):
         raise ModelSourceError(
             f"{directory}: modules.json runs {' -> '.join(order)}; shmserve runs a "
             "Transformer, its Pooling, Dense projections, then Normalize, in that order")
+
+
+def static_directory(directory: Path) -> Path | None:
+    """Where a static embedding model (its first module a StaticEmbedding) keeps its table
+    and tokenizer, or None for any other model."""
+    modules = _st_modules(directory)
+    if modules and _kind(modules[0]) == STATIC:  # (6.x saves it at "": the model's root)
+        path = modules[0].get("path")
+        return directory / str(path if path is not None else modules[0].get("name") or "")
+    return None
+
+
+def static_table(directory: Path) -> tuple[str, tuple[int, int]]:
+    """A static model's embedding table: (its tensor's name, [vocabulary, width]) from the
+    safetensors header: sentence-transformers' `embedding.weight`, or model2vec's
+    `embeddings` (without a vocabulary mapping or per-token weights, which are refused)."""
+    from safetensors import SafetensorError, safe_open
+
+    path = static_directory(directory) / "model.safetensors"
+    try:
+        with safe_open(str(path), framework="numpy") as f:
+            names = set(f.keys())
+            name = next((n for n in ("embedding.weight", "embeddings") if n in names), None)
+            shape = tuple(f.get_slice(name).get_shape()) if name else ()
+    except (SafetensorError, OSError) as exc:
+        raise ModelSourceError(f"{path} is not a readable safetensors file ({exc})") from None
+    if name is None or len(shape) != 2 or names - {name}:
+        raise ModelSourceError(
+            f"{path}: a static embedding table is one tensor, embedding.weight or embeddings "
+            f"[vocabulary, width]; it holds {', '.join(sorted(names)) or 'none'} (model2vec's "
+            "vocabulary mapping and token weights are not read: save it with "
+            "sentence-transformers' StaticEmbedding)")
+    return name, shape
+
+
+def static_config(directory: Path) -> dict:
+    """A static model's stand-in for config.json, which it has none of: its width, its
+    vocabulary and its input limit (its tokenizer's truncation, which StaticEmbedding keeps,
+    else STATIC_MAX_TOKENS)."""
+    _, (rows, width) = static_table(directory)
+    saved = read_json(static_directory(directory) / "tokenizer.json")
+    cut = (saved.get("truncation") or {}).get("max_length") if isinstance(saved, dict) else None
+    limit = min(cut, STATIC_MAX_TOKENS) if isinstance(cut, int) and cut >= 1 else \
+        STATIC_MAX_TOKENS
+    return {"model_type": "static", "architectures": [STATIC], "hidden_size": width,
+            "vocab_size": rows, "max_position_embeddings": limit}
 
 
 def dense_directories(directory: Path) -> list[Path]:
@@ -213,11 +270,14 @@ def tokenizer(directory: Path):
     from tokenizers import Tokenizer
     from tokenizers.normalizers import Lowercase, Sequence
 
-    path = directory / "tokenizer.json"
+    static = static_directory(directory)
+    path = (static or directory) / "tokenizer.json"
     try:
         tok = Tokenizer.from_file(str(path))
     except Exception as exc:  # noqa: BLE001 - tokenizers raises Exception itself
         raise ModelSourceError(f"{path} does not load as a tokenizer ({exc})") from None
+    if static is not None:  # a static model's texts have no special tokens added
+        tok.post_processor = None
     if lowercases(directory):
         # as sentence-transformers' Transformer module does: Lowercase before the tokenizer's
         # own normalizer, unless that is Lowercase or a sequence holding one (a

@@ -23,7 +23,8 @@ from shmserve import yes_no
 from shmserve.config import Config, ModelConfig
 from shmserve.model_files import (Dense, ModelSourceError, dense_directories, dense_of,
                                   lowercases, max_seq_length, normalize_of, pooling_of,
-                                  pooling_config, read_json, tokenizer)
+                                  pooling_config, read_json, static_config, static_directory,
+                                  tokenizer)
 
 # A cross-encoder's score, as sentence-transformers' CrossEncoder computes it: the activation it
 # saved with the model, else Sigmoid for one label.
@@ -204,6 +205,7 @@ def _not_installed(package: str) -> str:
 
 
 def weights_file(directory: Path) -> Path:
+    directory = static_directory(directory) or directory  # a static model's table
     path = directory / "model.safetensors"
     if path.is_file():
         return path
@@ -232,11 +234,16 @@ def check_weights(path: Path) -> None:
 def inspect(cfg: ModelConfig, with_revision: bool = True,
             roots: list[Path] | None = None) -> ModelSpec:
     directory = resolve_source(cfg.source, roots)
-    model_cfg = read_json(directory / "config.json")
+    static = static_directory(directory)
+    if static is not None and cfg.task != "embedding":
+        raise ModelSourceError(f"{directory}: a static embedding model (StaticEmbedding) serves "
+                               f"task embedding, not {cfg.task}")
+    model_cfg = static_config(directory) if static else read_json(directory / "config.json")
     if model_cfg is None:
         raise ModelSourceError(f"{directory}: no config.json")
-    if not (directory / "tokenizer.json").is_file():
-        raise ModelSourceError(f"{directory}: no tokenizer.json (a fast tokenizer is required)")
+    if not ((static or directory) / "tokenizer.json").is_file():
+        raise ModelSourceError(f"{static or directory}: no tokenizer.json (a fast tokenizer is "
+                               "required)")
     if why := arch.needs_own_code(model_cfg) or arch.unpadded(model_cfg):
         raise ModelSourceError(f"{directory}: {why}")
     limit = min(arch.positions(model_cfg), max_seq_length(directory))

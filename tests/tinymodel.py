@@ -46,6 +46,25 @@ def build_tiny_bert(target: Path, *, seed: int = 0, max_positions: int = 64,
     return target
 
 
+def build_tiny_static(target: Path, *dense, normalize: bool = True, width: int = 32) -> Path:
+    """A static embedding model (sentence-transformers' StaticEmbedding over the default
+    model's tokenizer, a random table) saved by sentence-transformers, with Dense modules made
+    from `dense`'s (in, out, keyword arguments) triples."""
+    import torch
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer import modules
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(resolve_source(DEFAULT_SOURCE) / "tokenizer.json"))
+    torch.manual_seed(3)
+    chain = [modules.StaticEmbedding(tok, embedding_dim=width),
+             *(modules.Dense(i, o, **kw) for i, o, kw in dense)]
+    if normalize:
+        chain.append(modules.Normalize())
+    SentenceTransformer(modules=chain, device="cpu").save(str(target))
+    return target
+
+
 # Tiny random models of other architectures (tests/integration/test_architectures.py), with
 # BERT's tokenizer: what is checked is the network's path through the worker, not the text's.
 OTHER_ARCHITECTURES = {

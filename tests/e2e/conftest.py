@@ -5,7 +5,7 @@ from tests.conftest import TINY_MAX_TOKENS, tiny_overrides
 from tests.e2e.test_api import TEXTS
 from tests.stack import Stack
 from tests.tinymodel import (build_tiny_bert, build_tiny_classifier, build_tiny_other,
-                             build_tiny_splade, build_tiny_yes_no_reranker)
+                             build_tiny_splade, build_tiny_static, build_tiny_yes_no_reranker)
 
 # The task stack's (task_stack): its admin token, its classifier's labels, the A/B weight.
 TOKEN = "test-admin-token"
@@ -51,7 +51,9 @@ def task_dirs(tmp_path_factory, tiny_model):
             # a reranker answering yes or no, as Qwen3-Reranker (shmserve.yes_no)
             "qwen3-ce": build_tiny_yes_no_reranker(root / "qwen3-ce", seed=11),
             "st6-cls": st6_saved(tiny_model, root / "st6-cls"),
-            "st6-dense": st6_dense_saved(tiny_model, root / "st6-dense")}
+            "st6-dense": st6_dense_saved(tiny_model, root / "st6-dense"),
+            # sentence-transformers' StaticEmbedding (model2vec's kind): no transformer
+            "static": build_tiny_static(root / "static")}
 
 
 def st6_saved(source, target):
@@ -116,6 +118,7 @@ def task_stack(tmp_path_factory, task_dirs):
         {"name": "distil", "source": str(dirs["distil"]), "dtype": "fp32", "devices": [1]},
         {"name": "st6-cls", "source": str(dirs["st6-cls"]), "dtype": "fp32"},
         {"name": "st6-dense", "source": str(dirs["st6-dense"]), "dtype": "fp32"},
+        {"name": "static", "source": str(dirs["static"]), "dtype": "fp32"},
         {"name": "ce-deberta", "source": str(dirs["ce-deberta"]), "task": "rerank",
          "dtype": "fp32"},
         {"name": "ce-electra", "source": str(dirs["ce-electra"]), "task": "rerank",

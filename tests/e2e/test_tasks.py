@@ -184,6 +184,28 @@ def test_pooling_modes_side_by_side_and_dense_projections_serve_sentence_transfo
                                    atol=2e-5)
 
 
+def test_a_static_embedding_model_serves_its_vectors(task_stack, task_dirs):
+    """sentence-transformers' StaticEmbedding (model2vec's kind: no transformer, no special
+    tokens): served as it encodes on the OpenAI and TEI routes, its tokens counted without
+    specials; a text of whitespace, which has no tokens, is a 422 naming it."""
+    from sentence_transformers import SentenceTransformer
+
+    reference = SentenceTransformer(str(task_dirs["static"]), device="cpu")
+    texts = [*TEXTS, "word " * 40]
+    status, _, body = task_stack.post_json("/v1/embeddings", {"model": "static",
+                                                              "input": texts})
+    assert status == 200, body
+    np.testing.assert_allclose(np.array([d["embedding"] for d in body["data"]], np.float32),
+                               reference.encode(texts), atol=2e-5)
+    assert body["usage"]["prompt_tokens"] == sum(
+        len(reference[0].tokenizer.encode(t, add_special_tokens=False).ids) for t in texts)
+    status, _, body = task_stack.post_json("/embed", {"model": "static", "inputs": ["a", " "]})
+    assert status == 422 and "'inputs[1]' has no tokens for model 'static'" in str(body), body
+    _, _, raw = task_stack.get("/info")
+    model = {m["name"]: m for m in json.loads(raw)["models"]}["static"]
+    assert (model["loader"], model["dim"], model["pooling"]) == ("shmserve", 32, "mean"), model
+
+
 @pytest.mark.parametrize("name", ["ce-id", "ce-hot"])
 def test_rerank_ranks_by_the_logit_on_every_route(task_stack, task_dirs, name):
     """An Identity cross-encoder scores its logit (never a logit of a logit); a sigmoid one past
