@@ -271,7 +271,7 @@ def tokenizer(directory: Path):
     from tokenizers.normalizers import Lowercase, Sequence
 
     static = static_directory(directory)
-    path = (static or directory) / "tokenizer.json"
+    path = tokenizer_path(directory)
     try:
         tok = Tokenizer.from_file(str(path))
     except Exception as exc:  # noqa: BLE001 - tokenizers raises Exception itself
@@ -290,6 +290,11 @@ def tokenizer(directory: Path):
         if not any(isinstance(step, Lowercase) for step in steps):
             tok.normalizer = Sequence([Lowercase(), *steps])
     return tok
+
+
+def tokenizer_path(directory: Path) -> Path:
+    """The model's tokenizer.json: a static model's beside its table."""
+    return (static_directory(directory) or directory) / "tokenizer.json"
 
 
 def lowercases(directory: Path) -> bool:

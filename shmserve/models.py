@@ -24,7 +24,7 @@ from shmserve.config import Config, ModelConfig
 from shmserve.model_files import (Dense, ModelSourceError, dense_directories, dense_of,
                                   lowercases, max_seq_length, normalize_of, pooling_of,
                                   pooling_config, read_json, static_config, static_directory,
-                                  tokenizer)
+                                  tokenizer, tokenizer_path)
 
 # A cross-encoder's score, as sentence-transformers' CrossEncoder computes it: the activation it
 # saved with the model, else Sigmoid for one label.
@@ -241,9 +241,9 @@ def inspect(cfg: ModelConfig, with_revision: bool = True,
     model_cfg = static_config(directory) if static else read_json(directory / "config.json")
     if model_cfg is None:
         raise ModelSourceError(f"{directory}: no config.json")
-    if not ((static or directory) / "tokenizer.json").is_file():
-        raise ModelSourceError(f"{static or directory}: no tokenizer.json (a fast tokenizer is "
-                               "required)")
+    if not tokenizer_path(directory).is_file():
+        raise ModelSourceError(f"{tokenizer_path(directory).parent}: no tokenizer.json (a fast "
+                               "tokenizer is required)")
     if why := arch.needs_own_code(model_cfg) or arch.unpadded(model_cfg):
         raise ModelSourceError(f"{directory}: {why}")
     limit = min(arch.positions(model_cfg), max_seq_length(directory))
@@ -315,8 +315,8 @@ def incompatible(active: ModelSpec, new: ModelSpec) -> str:
         if old != now:
             verb = "differ" if what in ("prompts", "Dense projections") else "differs"
             return f"its {what} {verb} ({old!r} now, {now!r} in {new.directory})"
-    if file_digest(active.directory / "tokenizer.json") != \
-            file_digest(new.directory / "tokenizer.json"):
+    if file_digest(tokenizer_path(active.directory)) != \
+            file_digest(tokenizer_path(new.directory)):
         return f"its tokenizer.json differs from the served one ({active.directory})"
     return ""
 

@@ -234,6 +234,35 @@ def test_a_model2vec_table_is_read_and_what_it_cannot_be_is_refused(tmp_path):
         inspect(ModelConfig(name="m", source=str(directory)), roots=[tmp_path])
 
 
+def test_a_static_model_saved_in_its_own_folder_serves_and_reloads(tmp_path):
+    """sentence-transformers before 6 saved StaticEmbedding's table and tokenizer in
+    0_StaticEmbedding/ (as the static models on the Hub have them), not at the model's root;
+    a reload compares that tokenizer.json, and a static model does not replace an encoder."""
+    from sentence_transformers import SentenceTransformer
+
+    from shmserve.models import incompatible
+
+    directory = build_tiny_static(tmp_path / "old")
+    want = SentenceTransformer(str(directory), device="cpu").encode(["old layout"])
+    (directory / "0_StaticEmbedding").mkdir()
+    for name in ("model.safetensors", "tokenizer.json"):
+        (directory / name).rename(directory / "0_StaticEmbedding" / name)
+    modules = json.loads((directory / "modules.json").read_text())
+    modules[0]["path"] = "0_StaticEmbedding"
+    (directory / "modules.json").write_text(json.dumps(modules))
+    spec = inspect(ModelConfig(name="m", source=str(directory), dtype="fp32"),
+                   roots=[tmp_path])
+    model = Model(spec, torch.device("cpu"))
+    np.testing.assert_allclose(
+        run(model, TextEncoder(model.spec, truncate=True).encode(["old layout"])), want,
+        atol=1e-6)
+    new = build_tiny_static(tmp_path / "new")  # at the root, the same tokenizer
+    new_spec = inspect(ModelConfig(name="m", source=str(new)), roots=[tmp_path])
+    assert incompatible(spec, new_spec) == ""
+    encoder = inspect(ModelConfig(name="m", source=DEFAULT))
+    assert incompatible(spec, encoder).startswith("its architecture differs")
+
+
 def test_a_dense_projection_changes_the_revision(tmp_path):
     """The weights' revision covers the Dense modules' weights: a reload of new projections
     over the same encoder is a new revision, as the frontend's reload check takes it too."""
