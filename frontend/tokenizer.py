@@ -300,10 +300,11 @@ class TextEncoder:
         return Encoded(ids, offsets, truncated)
 
     def _no_tokens(self, param: str, i: int, pairs: bool) -> None:
-        """A text that tokenizes to nothing (whitespace, for a static model, which adds no
-        special tokens): there is nothing to average."""
+        """A text that tokenizes to nothing (whitespace, control or zero-width characters, for a
+        static model, which adds no special tokens): there is nothing to average."""
         raise ApiError("invalid_request", f"{_which(param, i, pairs)} has no tokens for model "
-                       f"{self.name!r} (whitespace only?)", param=param)
+                       f"{self.name!r}: its tokenizer keeps none of its characters (whitespace, "
+                       "control or zero-width characters alone)", param=param)
 
     def check_ids(self, rows: list[list[int]], param: str, hint: str = "") -> None:
         """422 naming the first row holding an id outside [0, vocab size); `hint`: the

@@ -150,20 +150,28 @@ def static_table(directory: Path) -> tuple[str, tuple[int, int]]:
     from safetensors import SafetensorError, safe_open
 
     path = static_directory(directory) / "model.safetensors"
+    name, shape, kind = None, (), ""
     try:
         with safe_open(str(path), framework="numpy") as f:
             names = set(f.keys())
             name = next((n for n in ("embedding.weight", "embeddings") if n in names), None)
-            shape = tuple(f.get_slice(name).get_shape()) if name else ()
+            if name is not None:
+                shape, kind = tuple(f.get_slice(name).get_shape()), f.get_slice(name).get_dtype()
     except (SafetensorError, OSError) as exc:
         raise ModelSourceError(f"{path} is not a readable safetensors file ({exc})") from None
-    if name is None or len(shape) != 2 or names - {name}:
+    if name is None or names - {name}:
         raise ModelSourceError(
-            f"{path}: a static embedding table is one tensor, embedding.weight or embeddings "
-            f"[vocabulary, width]; it holds {', '.join(sorted(names)) or 'none'} (model2vec's "
-            "vocabulary mapping and token weights are not read: save it with "
-            "sentence-transformers' StaticEmbedding)")
+            f"{path}: a static embedding table is one tensor, embedding.weight or embeddings; "
+            f"it holds {', '.join(sorted(names)) or 'none'} (model2vec's vocabulary mapping "
+            "and token weights are not read: save it with sentence-transformers' "
+            "StaticEmbedding)")
+    if len(shape) != 2 or kind not in FLOATS:
+        raise ModelSourceError(f"{path}: {name} is {kind} {list(shape)}; a static embedding "
+                               "table is a float matrix [vocabulary, width]")
     return name, shape
+
+
+FLOATS = ("F64", "F32", "F16", "BF16")  # safetensors' names of the float kinds
 
 
 def static_config(directory: Path) -> dict:
@@ -171,6 +179,11 @@ def static_config(directory: Path) -> dict:
     vocabulary and its input limit (its tokenizer's truncation, which StaticEmbedding keeps,
     else STATIC_MAX_TOKENS)."""
     _, (rows, width) = static_table(directory)
+    words = tokenizer(directory).get_vocab_size(with_added_tokens=True)
+    if rows < words:  # sentence-transformers fails on every text with an id past the table
+        raise ModelSourceError(
+            f"{static_directory(directory)}: its table has {rows} rows, its tokenizer "
+            f"{words} tokens: the ids past the table have no row")
     saved = read_json(static_directory(directory) / "tokenizer.json")
     cut = (saved.get("truncation") or {}).get("max_length") if isinstance(saved, dict) else None
     limit = min(cut, STATIC_MAX_TOKENS) if isinstance(cut, int) and cut >= 1 else \
@@ -235,8 +248,33 @@ def _dense(where: Path, cfg: dict) -> Dense:
         held = f"only {', '.join(pickles)} (pickle)" if pickles else "no model.safetensors"
         raise ModelSourceError(f"{where}: {held}; shmserve loads safetensors only: convert "
                                "with safetensors.torch.save_file")
-    return Dense(where, sizes[0], sizes[1], bool(cfg.get("bias", True)), activation,
-                 bool(cfg.get("use_residual", False)))
+    layer = Dense(where, sizes[0], sizes[1], bool(cfg.get("bias", True)), activation,
+                  bool(cfg.get("use_residual", False)))
+    _check_dense_weights(layer)
+    return layer
+
+
+def _check_dense_weights(layer: Dense) -> None:
+    """The tensors a Dense module's config says it has, of the shapes it says, from the
+    safetensors header (the worker loads them; a mismatch found there cost three restarts)."""
+    from safetensors import SafetensorError, safe_open
+
+    path = layer.directory / "model.safetensors"
+    want = {"linear.weight": [layer.out_features, layer.in_features]}
+    if layer.bias:
+        want["linear.bias"] = [layer.out_features]
+    if layer.residual and layer.in_features != layer.out_features:
+        want["residual.weight"] = [layer.out_features, layer.in_features]
+    try:
+        with safe_open(str(path), framework="numpy") as f:
+            names = set(f.keys())
+            have = {n: list(f.get_slice(n).get_shape()) for n in want if n in names}
+    except (SafetensorError, OSError) as exc:
+        raise ModelSourceError(f"{path} is not a readable safetensors file ({exc})") from None
+    for name, shape in want.items():
+        if have.get(name) != shape:
+            raise ModelSourceError(f"{path}: {name} should be {tuple(shape)} by its "
+                                   f"config.json, is {tuple(have.get(name) or ()) or 'missing'}")
 
 
 def pooling_config(directory: Path) -> dict:

@@ -324,7 +324,9 @@ def incompatible(active: ModelSpec, new: ModelSpec) -> str:
 def architecture(directory: Path) -> tuple[str, ...]:
     """config.json's model type and architectures: a classifier's checkpoint is not an
     encoder's, even where the encoder's weights would load from it."""
-    model_cfg = read_json(directory / "config.json") or {}
+    model_cfg = (({"model_type": "static", "architectures": ["StaticEmbedding"]}
+                  if static_directory(directory) else None)
+                 or read_json(directory / "config.json") or {})
     return (str(model_cfg.get("model_type", "")), *map(str, model_cfg.get("architectures") or ()))
 
 

@@ -225,6 +225,17 @@ def test_a_model2vec_table_is_read_and_what_it_cannot_be_is_refused(tmp_path):
     with pytest.raises(ModelSourceError, match="it holds embeddings, mapping .*model2vec's "
                                                "vocabulary mapping and token weights are not"):
         inspect(ModelConfig(name="m", source=str(directory)), roots=[tmp_path])
+    # a table of fewer rows than the tokenizer has tokens (sentence-transformers fails on every
+    # text with an id past it; it was served, and every such text was a 500), of integers, or
+    # of one dimension
+    for bad, why in ((table[:1000].clone(), "its table has 1000 rows, its tokenizer 30522 "
+                                            "tokens"),
+                     ((table * 100).to(torch.int8), r"embeddings is I8 \[30522, 32\]; a static "
+                                                     "embedding table is a float matrix"),
+                     (table[:, 0].contiguous(), r"embeddings is F32 \[30522\]")):
+        save_file({"embeddings": bad}, str(directory / "model.safetensors"))
+        with pytest.raises(ModelSourceError, match=why):
+            inspect(ModelConfig(name="m", source=str(directory)), roots=[tmp_path])
     modules = json.loads((directory / "modules.json").read_text())
     shutil.copy(resolve_source(DEFAULT) / "config.json", directory / "config.json")
     (directory / "modules.json").write_text(json.dumps([
@@ -395,14 +406,20 @@ def test_modules_and_projections_it_does_not_run_are_refused(tmp_path):
     directory = tiny_saved(tmp_path, "pickle", "mean", (32, 16, {}), safe_serialization=False)
     refused(directory, r"2_Dense: only pytorch_model.bin \(pickle\); shmserve loads "
                        "safetensors only")
-    # weights that do not match their config: refused by the worker, naming the tensor
+    # weights that do not match their config: refused from the header, naming the tensor (the
+    # worker found it only as it loaded, after three restarts under `up`), and by the worker
     directory = tiny_saved(tmp_path, "shape", "mean", (32, 16, {}))
-    _edit_json(directory / "2_Dense" / "config.json", out_features=12)
     spec = inspect(ModelConfig(name="m", source=str(directory), dtype="fp32"), roots=[tmp_path])
-    assert spec.dim == 12
-    with pytest.raises(ModelSourceError, match=r"linear.weight should be \(12, 32\) by its "
-                                               r"config.json, is \(16, 32\)"):
-        Model(spec, torch.device("cpu"))
+    _edit_json(directory / "2_Dense" / "config.json", out_features=12)
+    shape = r"linear.weight should be \(12, 32\) by its config.json, is \(16, 32\)"
+    refused(directory, shape)
+    wrong = dataclasses.replace(spec, dim=12, dense=(dataclasses.replace(
+        spec.dense[0], out_features=12),))
+    with pytest.raises(ModelSourceError, match=shape):
+        Model(wrong, torch.device("cpu"))
+    _edit_json(directory / "2_Dense" / "config.json", out_features=16, bias=False,
+               use_residual=True)  # a residual through a projection it does not have
+    refused(directory, r"residual.weight should be \(16, 32\) by its config.json, is missing")
 
 
 @pytest.mark.parametrize("flags, want", [
