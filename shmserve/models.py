@@ -303,6 +303,9 @@ def incompatible(active: ModelSpec, new: ModelSpec) -> str:
                            ("output width", active.dim, new.dim),
                            ("label set", active.labels, new.labels),
                            ("input limit", active.max_tokens, new.max_tokens),
+                           # the frontends refuse token ids past the table they were told of
+                           ("embedding table's rows (config.json vocab_size)",
+                            active.vocab_size, new.vocab_size),
                            ("pooling", active.pooling, new.pooling),
                            ("normalization", active.normalize, new.normalize),
                            ("Dense projections", [d.shape for d in active.dense],

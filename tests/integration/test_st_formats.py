@@ -272,6 +272,15 @@ def test_a_static_model_saved_in_its_own_folder_serves_and_reloads(tmp_path):
     assert incompatible(spec, new_spec) == ""
     encoder = inspect(ModelConfig(name="m", source=DEFAULT))
     assert incompatible(spec, encoder).startswith("its architecture differs")
+    # a table of other rows: the frontends check a client's token ids against the old one
+    from safetensors.torch import load_file, save_file
+
+    table = load_file(str(new / "model.safetensors"))["embedding.weight"]
+    save_file({"embedding.weight": torch.cat([table, table[:10]])},
+              str(new / "model.safetensors"))
+    assert incompatible(spec, inspect(ModelConfig(name="m", source=str(new)),
+                                      roots=[tmp_path])).startswith(
+        "its embedding table's rows (config.json vocab_size) differs (30522 now, 30532")
 
 
 def test_a_dense_projection_changes_the_revision(tmp_path):
