@@ -178,6 +178,8 @@ def resolve_source(source: str, roots: list[Path] | None = None) -> Path:
         roots = None  # installed packages are trusted code already
     else:
         path = Path(source).expanduser()
+        if roots is not None and not path.is_absolute():
+            path = _relative(path, roots)
     if roots is not None:
         real = path.resolve()
         if not any(real.is_relative_to(root.resolve()) for root in roots):
@@ -187,6 +189,18 @@ def resolve_source(source: str, roots: list[Path] | None = None) -> Path:
     if not path.is_dir():
         raise ModelSourceError(f"model directory not found: {path}")
     return path.resolve()
+
+
+def _relative(path: Path, roots: list[Path]) -> Path:
+    """A served model's relative source: from the repository root, as every process of the
+    deployment reads it (they run there; the CLI read it from the directory it ran in), else
+    from the first model root that has it (`source: my-model` beside `model_roots: [/models]`)."""
+    from shmserve.layers import REPO_ROOT
+
+    for base in (REPO_ROOT, *roots):
+        if (base / path).is_dir():
+            return base / path
+    return REPO_ROOT / path
 
 
 _MODULE_NAME = re.compile(r"[A-Za-z_]\w*")

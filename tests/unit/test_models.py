@@ -20,6 +20,31 @@ def test_a_directory_inside_the_roots_is_served(model_dir):
     assert len(spec.revision) == 12  # a digest of the weights
 
 
+def test_a_relative_source_is_read_as_the_deployment_reads_it(model_dir, tmp_path,
+                                                             monkeypatch):
+    """From the repository root, where every process of the deployment runs, else from the
+    first model root that has it; not from the directory a command ran in (the CLI read it
+    there, the workers from the repository root: an outside check's `source: st_a` beside
+    `model_roots: [models]`, run from elsewhere, was "outside the model roots")."""
+    from shmserve.layers import REPO_ROOT
+
+    root = model_dir.parent.parent
+    decoy = tmp_path / "inside" / "tiny"  # what the old rule found, from here
+    decoy.mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    assert resolve_source("inside/tiny", [root]) == model_dir.resolve()
+    assert resolve_source("tiny", [root / "inside"]) == model_dir.resolve()
+    # the repository root first, and its own names stay within the roots' rule
+    with pytest.raises(ModelSourceError, match=f"{REPO_ROOT / 'configs'} is outside the "
+                                               "model roots"):
+        resolve_source("configs", [root])
+    with pytest.raises(ModelSourceError, match="model directory not found: "
+                                               f"{REPO_ROOT / 'no-such-model'}"):
+        resolve_source("no-such-model", [REPO_ROOT])
+    # tools that read a model the user points them at (no roots): from where they run
+    assert resolve_source("inside/tiny") == decoy.resolve()
+
+
 def test_paths_outside_the_roots_are_refused(model_dir, tmp_path):
     with pytest.raises(ModelSourceError, match="outside the model roots"):
         resolve_source(str(model_dir), [tmp_path])
