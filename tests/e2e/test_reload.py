@@ -89,6 +89,17 @@ def revisions(stack: Stack) -> list[tuple[str, str, str | None]]:
     return [(w["state"], w["revision"], w["standby"]) for w in model["workers"]]
 
 
+def every_frontend_ready(stack: Stack) -> bool:
+    """GET /ready from each frontend's socket (not nginx, which asks one) says every worker is
+    ready: with heartbeats 2 s apart, one frontend may hear a restarted worker well before the
+    other, and a reload through the other is refused until it does."""
+    from shmserve.remote import get_unix
+
+    answers = [get_unix(str(stack.run_dir / "sockets" / f"frontend-{i}.sock"), "/ready")
+               for i in (0, 1)]
+    return all(code == 200 and json.loads(body)["status"] == "ready" for code, body in answers)
+
+
 def info_revision(stack: Stack, frontend: int) -> str:
     """The model's revision in GET /info, from one frontend (its socket, not nginx)."""
     from shmserve.remote import get_unix
@@ -271,7 +282,8 @@ def test_cli_reload_and_a_restarted_worker_loads_the_reloaded_model(stack, model
     os.kill(old, signal.SIGKILL)
     stack.wait_until(lambda: stack.ctl("pid", "workers:worker-1").strip() not in ("0", str(old)),
                      60, "supervisord to restart worker-1")
-    stack.wait_until(stack.all_ready, 90, "every worker ready again")
+    stack.wait_until(lambda: every_frontend_ready(stack), 90,
+                     "every worker ready again, to both frontends")
     settles_on(stack, "tiny-r3")
     for _ in range(6):  # whichever worker serves, it serves a as tiny-r3
         status, _, body = stack.post_json("/predict", {"texts": TEXTS})
@@ -306,6 +318,8 @@ def test_admin_models_shows_the_revision_a_reload_is_loading(stack, models):
     deep = build_tiny_bert(models["root"] / "deep", seed=11, layers=6, intermediate=4096,
                            max_positions=TINY_MAX_TOKENS)
     digest = weights_digest(deep / "model.safetensors")
+    stack.wait_until(lambda: every_frontend_ready(stack), 30, "both frontends to see both "
+                     "workers ready")
     for body in ({"source": str(deep)}, {}):  # a new source; the current one, read again
         seen, done = [], threading.Event()
 
