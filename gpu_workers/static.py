@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from shmserve.model_files import static_directory, static_table
+from shmserve.models import weights_file
 
 
 @dataclass
@@ -50,7 +51,7 @@ def load(directory: Path, task: str, dtype: torch.dtype) -> StaticNet | None:
     from safetensors import safe_open
 
     name, _ = static_table(directory)
-    with safe_open(str(static_directory(directory) / "model.safetensors"), framework="pt") as f:
+    with safe_open(str(weights_file(directory)), framework="pt") as f:
         table = f.get_tensor(name)
     return StaticNet(table.to(dtype)).eval()
 

@@ -24,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from shmserve.model_files import Dense
+from shmserve.model_files import Dense, dense_shapes_match
 from shmserve.models import ModelSourceError, ModelSpec
 
 Head = Callable[..., torch.Tensor]  # (network output, mask, lengths, normalize=True)
@@ -42,14 +42,14 @@ def network_class(task: str) -> type:
 def head(spec: ModelSpec, device: torch.device | None = None) -> Head:
     if spec.task == "embedding":
         dense = [_Projection(layer, device) for layer in spec.dense]
+        modes = spec.pooling.split("+")
         return lambda out, mask, lens, normalize=True: _embed(
-            spec, dense, out.last_hidden_state.float(), mask, lens, normalize)
+            spec, modes, dense, out.last_hidden_state.float(), mask, lens, normalize)
     return lambda out, mask, lens, normalize=True: out.logits.float()
 
 
-def _embed(spec: ModelSpec, dense: list[_Projection], hidden: torch.Tensor, mask: torch.Tensor,
-           lens: torch.Tensor, normalize: bool) -> torch.Tensor:
-    modes = spec.pooling.split("+")
+def _embed(spec: ModelSpec, modes: list[str], dense: list[_Projection], hidden: torch.Tensor,
+           mask: torch.Tensor, lens: torch.Tensor, normalize: bool) -> torch.Tensor:
     pooled = _pool(modes[0], hidden, mask, lens) if len(modes) == 1 else torch.cat(
         [_pool(mode, hidden, mask, lens) for mode in modes], dim=1)
     for projection in dense:
@@ -96,18 +96,10 @@ class _Projection:
             tensors = load_file(str(path))
         except Exception as exc:  # noqa: BLE001 - safetensors' own errors name no file
             raise ModelSourceError(f"{path} does not load ({exc})") from None
-        shapes = {"linear.weight": (layer.out_features, layer.in_features)}
-        if layer.bias:
-            shapes["linear.bias"] = (layer.out_features,)
-        if layer.residual and layer.in_features != layer.out_features:
-            shapes["residual.weight"] = (layer.out_features, layer.in_features)
-        for name, shape in shapes.items():
-            if name not in tensors or tuple(tensors[name].shape) != shape:
-                got = tuple(tensors[name].shape) if name in tensors else "missing"
-                raise ModelSourceError(f"{path}: {name} should be {shape} by its config.json, "
-                                       f"is {got}")
+        # (inspect read them from the header; the file may have changed since)
+        dense_shapes_match(layer, {n: tuple(t.shape) for n, t in tensors.items()})
         self.weight, self.bias, self.residual = (
-            tensors[name].to(device, torch.float32) if name in shapes else None
+            tensors[name].to(device, torch.float32) if name in layer.tensors() else None
             for name in ("linear.weight", "linear.bias", "residual.weight"))
         self.adds = layer.residual
         self.activation = ACTIVATIONS[layer.activation]

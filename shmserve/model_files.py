@@ -46,6 +46,7 @@ MODULES = ("Transformer", "StaticEmbedding", "Pooling", "Dense", "Normalize", "D
 # A static embedding model's first module (sentence-transformers' StaticEmbedding, model2vec's
 # format): an embedding table averaged over a text's tokens, no transformer
 STATIC = "StaticEmbedding"
+STATIC_ARCHITECTURE = {"model_type": "static", "architectures": [STATIC]}
 # its input limit (sentence-transformers reads every token): models[].max_input_tokens lowers it
 STATIC_MAX_TOKENS = 8192
 # Dense's activation functions this server applies (gpu_workers.tasks), by class name; a
@@ -65,6 +66,15 @@ class Dense:
     activation: str  # one of ACTIVATIONS
     residual: bool = False
 
+    def tensors(self) -> dict[str, tuple[int, ...]]:
+        """The tensors its model.safetensors holds by its config, with their shapes."""
+        want = {"linear.weight": (self.out_features, self.in_features)}
+        if self.bias:
+            want["linear.bias"] = (self.out_features,)
+        if self.residual and self.in_features != self.out_features:
+            want["residual.weight"] = (self.out_features, self.in_features)
+        return want
+
     @property
     def shape(self) -> str:
         """What it computes, without where its weights lie: "32->16 Tanh", " no bias",
@@ -80,6 +90,17 @@ def _st_modules(directory: Path) -> list[dict]:
 
 def _kind(module: dict) -> str:
     return str(module.get("type", "")).rpartition(".")[2]
+
+
+def _module_directory(directory: Path, module: dict) -> Path:
+    """Where modules.json puts a module's files: its path ("": the model's root, as 6.x saves
+    a first module), else its name; never outside the model's directory."""
+    path = module.get("path")
+    where = directory / str(path if path is not None else module.get("name") or "")
+    if not where.resolve().is_relative_to(directory.resolve()):
+        raise ModelSourceError(f"{directory}: modules.json puts a {_kind(module)} module at "
+                               f"{where}, outside the model's directory")
+    return where
 
 
 def pooling_of(choice: str, task: str, directory: Path) -> str:
@@ -137,9 +158,8 @@ def static_directory(directory: Path) -> Path | None:
     """Where a static embedding model (its first module a StaticEmbedding) keeps its table
     and tokenizer, or None for any other model."""
     modules = _st_modules(directory)
-    if modules and _kind(modules[0]) == STATIC:  # (6.x saves it at "": the model's root)
-        path = modules[0].get("path")
-        return directory / str(path if path is not None else modules[0].get("name") or "")
+    if modules and _kind(modules[0]) == STATIC:
+        return _module_directory(directory, modules[0])
     return None
 
 
@@ -179,23 +199,23 @@ def static_config(directory: Path) -> dict:
     vocabulary and its input limit (its tokenizer's truncation, which StaticEmbedding keeps,
     else STATIC_MAX_TOKENS)."""
     _, (rows, width) = static_table(directory)
-    words = tokenizer(directory).get_vocab_size(with_added_tokens=True)
+    tok = tokenizer(directory)
+    words = tok.get_vocab_size(with_added_tokens=True)
     if rows < words:  # sentence-transformers fails on every text with an id past the table
         raise ModelSourceError(
             f"{static_directory(directory)}: its table has {rows} rows, its tokenizer "
             f"{words} tokens: the ids past the table have no row")
-    saved = read_json(static_directory(directory) / "tokenizer.json")
-    cut = (saved.get("truncation") or {}).get("max_length") if isinstance(saved, dict) else None
+    cut = (tok.truncation or {}).get("max_length")
     limit = min(cut, STATIC_MAX_TOKENS) if isinstance(cut, int) and cut >= 1 else \
         STATIC_MAX_TOKENS
-    return {"model_type": "static", "architectures": [STATIC], "hidden_size": width,
-            "vocab_size": rows, "max_position_embeddings": limit}
+    return {**STATIC_ARCHITECTURE, "hidden_size": width, "vocab_size": rows,
+            "max_position_embeddings": limit}
 
 
 def dense_directories(directory: Path) -> list[Path]:
     """Where modules.json puts the model's Dense modules, in order."""
-    return [directory / str(m.get("path") or m.get("name") or "")
-            for m in _st_modules(directory) if _kind(m) == "Dense"]
+    return [_module_directory(directory, m) for m in _st_modules(directory)
+            if _kind(m) == "Dense"]
 
 
 def dense_of(task: str, directory: Path, width: int) -> tuple[Dense, ...]:
@@ -205,9 +225,6 @@ def dense_of(task: str, directory: Path, width: int) -> tuple[Dense, ...]:
         return ()
     found = []
     for where in dense_directories(directory):
-        if not where.resolve().is_relative_to(directory.resolve()):
-            raise ModelSourceError(f"{directory}: modules.json puts a Dense module at {where}, "
-                                   "outside the model's directory")
         if not where.is_dir():
             raise ModelSourceError(f"{directory}: modules.json lists a Dense module at "
                                    f"{where.name}, which is not there")
@@ -260,21 +277,21 @@ def _check_dense_weights(layer: Dense) -> None:
     from safetensors import SafetensorError, safe_open
 
     path = layer.directory / "model.safetensors"
-    want = {"linear.weight": [layer.out_features, layer.in_features]}
-    if layer.bias:
-        want["linear.bias"] = [layer.out_features]
-    if layer.residual and layer.in_features != layer.out_features:
-        want["residual.weight"] = [layer.out_features, layer.in_features]
     try:
         with safe_open(str(path), framework="numpy") as f:
             names = set(f.keys())
-            have = {n: list(f.get_slice(n).get_shape()) for n in want if n in names}
+            have = {n: tuple(f.get_slice(n).get_shape()) for n in layer.tensors() if n in names}
     except (SafetensorError, OSError) as exc:
         raise ModelSourceError(f"{path} is not a readable safetensors file ({exc})") from None
-    for name, shape in want.items():
+    dense_shapes_match(layer, have)
+
+
+def dense_shapes_match(layer: Dense, have: dict) -> None:
+    """Refuse tensors (name -> shape) that are not the ones `layer`'s config says it has."""
+    for name, shape in layer.tensors().items():
         if have.get(name) != shape:
-            raise ModelSourceError(f"{path}: {name} should be {tuple(shape)} by its "
-                                   f"config.json, is {tuple(have.get(name) or ()) or 'missing'}")
+            raise ModelSourceError(f"{layer.directory / 'model.safetensors'}: {name} should be "
+                                   f"{shape} by its config.json, is {have.get(name) or 'missing'}")
 
 
 def pooling_config(directory: Path) -> dict:

@@ -21,8 +21,8 @@ from shmserve import yes_no
 from shmserve.config import Config, ModelConfig
 from shmserve.model_files import (Dense, ModelSourceError, dense_directories, dense_of,
                                   lowercases, max_seq_length, normalize_of, pooling_of,
-                                  pooling_config, read_json, static_config, static_directory,
-                                  tokenizer, tokenizer_path)
+                                  pooling_config, read_json, STATIC_ARCHITECTURE, static_config,
+                                  static_directory, tokenizer, tokenizer_path)
 from shmserve.sources import resolve_source  # noqa: F401 - imported from here too
 
 # A cross-encoder's score, as sentence-transformers' CrossEncoder computes it: the activation it
@@ -116,9 +116,7 @@ def check(cfg: Config, devices: list[str]) -> None:
             try:
                 spec = inspect(unit.config, with_revision=False, roots=cfg.model_root_paths)
                 weights = weights_file(resolve_source(unit.config.source, cfg.model_root_paths))
-                for checked in (weights, *(d.directory / "model.safetensors"
-                                           for d in spec.dense)):
-                    check_weights(checked)
+                check_weights(weights)  # (the Dense modules' headers: read by inspect)
                 tokenizer(spec.directory)  # what every frontend loads as it starts
             except ModelSourceError as exc:
                 raise ModelSourceError(f"{unit.name}: {exc}") from None
@@ -210,8 +208,8 @@ def inspect(cfg: ModelConfig, with_revision: bool = True,
     sparse = cfg.task == "sparse" and _masked_lm(model_cfg, directory)
     pooling = "splade" if sparse else pooling_of(cfg.pooling, cfg.task, directory)
     hidden = _width(model_cfg, directory) if cfg.task in ("embedding", "null") else 0
-    dim = sparse or {"classification": len(labels), "rerank": 1}.get(cfg.task) or _width(
-        model_cfg, directory) * len(pooling.split("+"))
+    dim = sparse or {"classification": len(labels), "rerank": 1}.get(cfg.task) or (
+        hidden * len(pooling.split("+")))
     dense = () if sparse else dense_of(cfg.task, directory, dim)
     if dense:
         dim = dense[-1].out_features
@@ -278,9 +276,8 @@ def incompatible(active: ModelSpec, new: ModelSpec) -> str:
 def architecture(directory: Path) -> tuple[str, ...]:
     """config.json's model type and architectures: a classifier's checkpoint is not an
     encoder's, even where the encoder's weights would load from it."""
-    model_cfg = (({"model_type": "static", "architectures": ["StaticEmbedding"]}
-                  if static_directory(directory) else None)
-                 or read_json(directory / "config.json") or {})
+    model_cfg = (STATIC_ARCHITECTURE if static_directory(directory)
+                 else read_json(directory / "config.json") or {})
     return (str(model_cfg.get("model_type", "")), *map(str, model_cfg.get("architectures") or ()))
 
 
