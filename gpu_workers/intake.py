@@ -150,7 +150,7 @@ class Intake:
         rate = self.backlog.rate
         if tokens == 0 or rate <= 0.0 or tokens / rate < NEWS_S:
             return None
-        return self._beat(0.0)  # answers no ping
+        return self.announcement()
 
     def announcement(self) -> Heartbeat:
         """A heartbeat for every frontend, answering no ping (gpu_workers.sockets.ANNOUNCE)."""
