@@ -275,8 +275,12 @@ def test_with_no_frontend_answering_memory_is_read_here():
     """Every frontend stopped, nginx answering 502: the RSS column was empty for every process
     (it came from /metrics alone; an outside check). It is read from the process and its
     children here; a pid no process has stays empty."""
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    # Measured once its interpreter is up: read at once, a loaded machine's child was still
+    # in its exec (4 KiB resident; a CI run)
+    proc = subprocess.Popen([sys.executable, "-c", "import time; print('up', flush=True); "
+                             "time.sleep(60)"], stdout=subprocess.PIPE, text=True)
     try:
+        assert proc.stdout.readline() == "up\n"
         processes = [{"name": "nginx", "statename": "RUNNING", "pid": proc.pid,
                       "start": 1000, "now": 1065},
                      {"name": "worker-0", "statename": "RUNNING", "pid": 2 ** 22 + 7,
@@ -288,3 +292,4 @@ def test_with_no_frontend_answering_memory_is_read_here():
     finally:
         proc.kill()
         proc.wait()
+        proc.stdout.close()
