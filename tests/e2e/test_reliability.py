@@ -209,10 +209,27 @@ def _refused(stack: Stack, by: str = "worker") -> dict[str, float]:
             if s.name == f"shmserve_{by}_refused_total"}
 
 
-def _burst_past_the_deadline(stack: Stack) -> None:
+def _computed(stack: Stack) -> tuple[float, float]:
+    """(real tokens, forward seconds) the workers have computed so far, from /metrics."""
+    _, _, raw = stack.get("/metrics")
+    sums = collections.Counter()
+    for family in text_string_to_metric_families(raw.decode()):
+        for s in family.samples:
+            if s.name in ("shmserve_batch_tokens_sum", "shmserve_batch_forward_seconds_sum"):
+                sums[s.name] += s.value
+    return sums["shmserve_batch_tokens_sum"], sums["shmserve_batch_forward_seconds_sum"]
+
+
+def _speed(before: tuple[float, float], after: tuple[float, float]) -> float:
+    """Tokens a forward-second between two `_computed` readings."""
+    return (after[0] - before[0]) / max(after[1] - before[1], 1e-9)
+
+
+def _burst_past_the_deadline(stack: Stack) -> tuple[collections.Counter, float]:
     """60 simultaneous requests of 8 medium texts with a 3 s deadline, more than the slow
-    worker can finish in time: what cannot make it must be refused at once (429), and what is
-    admitted answered in time (200), not most of it answered 504 at the deadline."""
+    worker can finish in time: what cannot make it must be refused at once (429). Returns the
+    statuses' counts and the worker's speed in the burst (`_speed`), for the caller to judge
+    whether what was admitted was answered in time."""
     async def burst():
         async with aiohttp.ClientSession(stack.url) as session:
             async def one(i):
@@ -226,12 +243,12 @@ def _burst_past_the_deadline(stack: Stack) -> None:
             return await asyncio.gather(*(one(i) for i in range(60)))
 
     before, before_frontend = _refused(stack), _refused(stack, "frontend")
+    computed = _computed(stack)
     answers = asyncio.run(burst())
+    speed = _speed(computed, _computed(stack))
     counts = collections.Counter(status for status, _ in answers)
     assert set(counts) <= {200, 429, 504}, counts
     assert counts[200] >= 3 and counts[429] >= 10, counts
-    # Admitted work is mostly finished in time (the estimate is of a recent speed).
-    assert counts[504] <= counts[200] // 4, counts
     refused = [seconds for status, seconds in answers if status == 429]
     assert statistics.median(refused) < 1.5, refused
     after = _refused(stack)  # counters of a restarted worker carry on (shmserve.reaper)
@@ -242,6 +259,27 @@ def _burst_past_the_deadline(stack: Stack) -> None:
     # these texts are long, tokenized in a thread); every 429 is one of the two.
     assert early["inflight"] == 0 and by_reason["queue_full"] == 0, (early, by_reason)
     assert by_reason["deadline"] + early["deadline"] == counts[429], (by_reason, early, counts)
+    return counts, speed
+
+
+def _admitted_work_is_answered_in_time(stack: Stack, speed: float, again=None) -> None:
+    """A burst's admitted work is mostly finished in time (the estimate is of a recent speed,
+    `speed` tokens a forward-second as the test measured it): at most one 504 for four 200s.
+    The estimate cannot hold when another job takes the cores in the middle of the burst (the
+    suite's other process on two cores: 4-9 x 504 against 10-21 x 200 in two CI runs), so a
+    burst whose forwards ran under SHARE of `speed` (a slowdown past the margin the rule
+    keeps) is tried again, after `again`, up to three times; one that missed at its speed
+    fails at once."""
+    tried = []
+    for attempt in range(3):
+        if attempt and again is not None:
+            again()
+        counts, burst_speed = _burst_past_the_deadline(stack)
+        tried.append((dict(counts), round(burst_speed / speed, 2)))
+        if counts[504] <= counts[200] // 4:
+            return
+        assert burst_speed < SHARE * speed, ("504s at the speed the estimate assumed", tried)
+    pytest.fail(f"every burst ran slower than the margin, with 504s: {tried}")
 
 
 def _fits_retry_after(message: str, retry_after: str) -> None:
@@ -292,17 +330,22 @@ def test_a_burst_past_the_deadline_is_refused_at_once_not_timed_out(tmp_path, sl
     try:
         # Two requests of 16 texts at once: passes of 8 with texts left waiting, so the worker
         # measures the speed it drains a backlog at.
+        computed = _computed(stack)
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             warm = list(pool.map(lambda _: stack.post_json("/predict", {"texts": [MEDIUM] * 16}),
                                  range(2)))
         assert [status for status, _, _ in warm] == [200, 200]
-        _burst_past_the_deadline(stack)
+        speed = _speed(computed, _computed(stack))  # what the worker's estimate starts from
+        _admitted_work_is_answered_in_time(stack, speed)
         _refused_before_tokenizing(stack)
         # ... and the same when it meets a restarted worker: its first estimate is its warm-up's
         # timed pass (an outside check found 32-124 x 504 of 300 in the first burst after a
         # start, when a fresh worker had no estimate and admitted everything).
-        stack.cli("restart", "workers")  # returns once the new worker is ready
-        _burst_past_the_deadline(stack)
+        def restart():
+            stack.cli("restart", "workers")  # returns once the new worker is ready
+
+        restart()
+        _admitted_work_is_answered_in_time(stack, speed, again=restart)
     finally:
         stack.down()
 
