@@ -136,7 +136,7 @@ class Dispatcher:
                 attempt += 1
                 seq = self.pool.next_seq()
                 msg = Submit(seq, request_id, model, ids, offsets, output, deadline, priority,
-                             segments, per_token, raw)
+                             segments, per_token, raw, enc.skip)
                 future = self.pool.submit(link, msg, len(enc.ids),
                                         lambda held=held: _release(held))
                 try:  # (not wait_for, which loses a cancel that comes as the reply does)

@@ -105,6 +105,8 @@ def _model(cfg: Config, served, pool: WorkerPool, splits: Splits | None) -> dict
     if spec.task in EMBEDS:  # by name (prompt_name), and the one applied when none is named
         info["prompts"] = dict(spec.prompts)
         info["default_prompt"] = spec.default_prompt or None
+        # False: the pooling leaves a prompt's tokens out (1_Pooling include_prompt: false)
+        info["pooling_includes_prompt"] = not spec.skips_prompt
         # the sentence-transformers Dense projections after the pooling, in order
         info["dense"] = [{"in_features": d.in_features, "out_features": d.out_features,
                           "activation": d.activation, "bias": d.bias, "residual": d.residual}

@@ -3,6 +3,7 @@ fast tokenizer."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,6 +31,7 @@ class Encoded:
     offsets: np.ndarray  # int32 [n + 1]
     truncated: int  # texts cut to the model's limit
     segments: np.ndarray | None = None  # int32 [n]: first-segment lengths of pairs (token type 0)
+    skip: int = 0  # leading tokens of every text its pooling leaves out (Submit.skip)
 
     @property
     def tokens(self) -> int:
@@ -52,6 +54,8 @@ class TextEncoder:
         self.vocab_size = min(filter(None, (self._tok.get_vocab_size(), spec.vocab_size)))
         self.prompts = dict(spec.prompts)
         self.default_prompt = spec.default_prompt
+        # A model whose pooling leaves the prompt out: each prompt's tokens, counted once
+        self._skips: dict[str, int] | None = {} if spec.skips_prompt else None
         # A reranker answering yes or no reads a pair inside its prompt (shmserve.yes_no): the
         # prompt's fixed head and tail, tokenized once, and what goes around the query.
         self._asks = spec.pair_format
@@ -93,10 +97,31 @@ class TextEncoder:
         hint = _hint(truncate)
         truncate = self.truncate if truncate is None else truncate
         tok = self._variant(truncate, direction)
-        texts, long = self._pieces(self.prompted(texts, prompt_name), direction)
+        prompt = self.prompt(prompt_name)
+        texts, long = self._pieces([prompt + text for text in texts] if prompt else texts,
+                                   direction)
         # _fast: without the character offsets, which nothing here reads.
-        return self._flatten(tok.encode_batch_fast(texts, add_special_tokens=True), param,
-                             truncate, hint=hint, long=long)
+        enc = self._flatten(tok.encode_batch_fast(texts, add_special_tokens=True), param,
+                            truncate, hint=hint, long=long)
+        if prompt and self._skips is not None:
+            if enc.truncated and truncate and direction == "left":
+                raise ApiError("invalid_request", f"model {self.name!r} pools without its "
+                               "prompt's tokens, and a text cut from the left loses them "
+                               "first: send it shorter, or truncation_direction right",
+                               param="truncation_direction")
+            enc = dataclasses.replace(enc, skip=self._prompt_tokens(prompt))
+        return enc
+
+    def _prompt_tokens(self, prompt: str) -> int:
+        """The leading tokens a model whose pooling leaves the prompt out skips, counted as
+        sentence-transformers counts them: the prompt tokenized alone, with the special tokens,
+        less a special token at its end (a [CLS] before it is skipped too)."""
+        skip = self._skips.get(prompt)
+        if skip is None:
+            alone = self._tok.encode(prompt, add_special_tokens=True)
+            ends_special = bool(alone.special_tokens_mask and alone.special_tokens_mask[-1])
+            skip = self._skips[prompt] = len(alone.ids) - ends_special
+        return skip
 
     def prompted(self, texts: list[str], name: str | None) -> list[str]:
         """`texts` as the model reads them: after prompt `name` (see `prompt`)."""

@@ -143,19 +143,21 @@ class Model:
 
     @torch.inference_mode()
     def forward_groups(self, groups: list[tuple[np.ndarray, np.ndarray, np.ndarray | None]],
-                       tokens: bool = False, normalize: bool = True) -> np.ndarray:
+                       tokens: bool = False, normalize: bool = True,
+                       skip: int = 0) -> np.ndarray:
         """Several (ids, lengths, segments) groups, as `forward` takes one; their rows, in
         order. One pass where the network packs (gpu_workers.packed), else one per group.
         `tokens` (an embedding model): the last hidden state of every real token instead,
         float32 [tokens, hidden], the texts in order (TEI's /embed_all). A sparse model's rows
         are its SPLADE vectors, float32 [B, vocabulary] (`_splade`). `normalize` False: an
         embedding model's pooled rows without its L2 normalisation (eager: the CUDA graphs
-        record the head as the model serves it)."""
+        record the head as the model serves it). `skip`: leading tokens of every text its
+        pooling leaves out (Submit.skip; eager too)."""
         if tokens:
             return self._token_rows(groups).float().cpu().numpy()
         if self.splade is not None:
             return self._splade(self._token_rows(groups), groups).cpu().numpy()
-        if self.graphs is not None and normalize:
+        if self.graphs is not None and normalize and not skip:
             return torch.cat([self.graphs.run(*group) for group in groups]).cpu().numpy()
         inputs = [self._inputs(*group) for group in groups]
         if self.packed is not None:
@@ -164,7 +166,7 @@ class Model:
                              .to(self.device, non_blocking=True),
                              dense=bool((group[1] == group[0].shape[1]).all()))
                 for (ids, mask, _, types), group in zip(inputs, groups)])
-            rows = [self.head(out, mask, lens, normalize)
+            rows = [self.head(out, mask, lens, normalize, skip)
                     for out, (_, mask, lens, _) in zip(outputs, inputs)]
         else:
             rows = []
@@ -174,7 +176,7 @@ class Model:
                     ids, mask, lens, types = self._bucketed(ids, mask, lens, types)
                 extra = {} if types is None else {"token_type_ids": types}
                 out = self.net(input_ids=ids, attention_mask=mask.long(), **extra)
-                rows.append(self.head(out, mask, lens, normalize)[:texts])
+                rows.append(self.head(out, mask, lens, normalize, skip)[:texts])
         return torch.cat(rows).cpu().numpy()
 
     def _token_rows(self, groups) -> torch.Tensor:
@@ -353,7 +355,8 @@ class NullModel:
         return np.zeros((ids.shape[0], self.spec.dim), np.float32)
 
     def forward_groups(self, groups: list[tuple[np.ndarray, np.ndarray, np.ndarray | None]],
-                       tokens: bool = False, normalize: bool = True) -> np.ndarray:
+                       tokens: bool = False, normalize: bool = True,
+                       skip: int = 0) -> np.ndarray:
         rows = sum(int(g[1].sum()) if tokens else g[0].shape[0] for g in groups)
         return np.zeros((rows, self.spec.width(tokens)), np.float32)
 

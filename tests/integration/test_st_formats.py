@@ -67,16 +67,18 @@ def test_a_sentence_transformers_6_model_serves_its_own_vectors(tmp_path, poolin
     np.testing.assert_allclose(got, reference.encode(texts), atol=2e-5)
 
 
-def tiny_saved(tmp_path, name, pooling, *dense, normalize=True, **save):
-    """A tiny BERT saved by this sentence-transformers with `pooling` (a mode or a list) and
-    Dense modules made from `dense`'s (in, out, keyword arguments) triples."""
+def tiny_saved(tmp_path, name, pooling, *dense, normalize=True, include_prompt=True, **save):
+    """A tiny BERT saved by this sentence-transformers with `pooling` (a mode or a list;
+    `include_prompt` its Pooling's) and Dense modules made from `dense`'s (in, out, keyword
+    arguments) triples."""
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.sentence_transformer import modules as models
 
     base = tmp_path / "tiny-base"
     if not base.exists():
         build_tiny_bert(base, max_positions=64)
-    modules = [models.Transformer(str(base), max_seq_length=48), models.Pooling(32, pooling)]
+    modules = [models.Transformer(str(base), max_seq_length=48),
+               models.Pooling(32, pooling, include_prompt=include_prompt)]
     torch.manual_seed(len(modules) + len(dense))
     modules += [models.Dense(i, o, **kw) for i, o, kw in dense]
     if normalize:

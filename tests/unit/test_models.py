@@ -264,19 +264,17 @@ def test_prompts_are_the_models_own_with_the_configured_over_them(tmp_path):
                 roots=root)
 
 
-def test_a_pooling_without_the_prompt_serves_no_prompts(tmp_path):
-    # sentence-transformers would leave the prompt's tokens out of the mean; this server pools
-    # every token, so it serves such a model without prompts, and refuses one with a default.
+def test_a_pooling_without_the_prompt_keeps_its_prompts_and_says_so(tmp_path):
+    # sentence-transformers leaves the prompt's tokens out of the pooling; the spec says so
+    # (the frontends count them, the worker skips them: tests/integration/test_prompt_pooling)
     directory = build_tiny_bert(tmp_path / "m")
-    _with_st_prompts(directory, {"query": "query: "}, include_prompt=False)
+    _with_st_prompts(directory, {"query": "query: "}, default="query", include_prompt=False)
     spec = inspect(ModelConfig(name="m", source=str(directory)), roots=[tmp_path])
-    assert spec.prompts == () and spec.default_prompt == ""
-    with pytest.raises(ModelSourceError, match="include_prompt: false"):
-        inspect(ModelConfig(name="m", source=str(directory), default_prompt_name="query"),
-                roots=[tmp_path])
-    with pytest.raises(ModelSourceError, match="include_prompt: false"):  # configured ones too
-        inspect(ModelConfig(name="m", source=str(directory), default_prompt_name="none",
-                            prompts={"q": "x: "}), roots=[tmp_path])
+    assert spec.skips_prompt
+    assert dict(spec.prompts) == {"query": "query: "} and spec.default_prompt == "query: "
+    _with_st_prompts(directory, {"query": "query: "}, include_prompt=True)
+    assert not inspect(ModelConfig(name="m", source=str(directory)),
+                       roots=[tmp_path]).skips_prompt
 
 
 def test_prompts_on_a_scoring_model_are_refused(tmp_path):
