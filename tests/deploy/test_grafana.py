@@ -70,3 +70,23 @@ def test_the_scrape_config_targets_nginx_metrics():
     (job,) = cfg["scrape_configs"]
     assert job["metrics_path"] == "/metrics"
     assert job["static_configs"][0]["targets"] == ["127.0.0.1:8080"]
+
+
+def test_every_query_is_filtered_by_instance_and_keeps_hosts_apart():
+    """Every pod (host) has a worker 0 and a frontend 0: the dashboard's per-worker and
+    per-frontend series keep `instance` apart, and its instance variable filters every
+    selector (an outside check found both pods' worker 0 folded into one series)."""
+    dash = dashboard()
+    (variable,) = [v for v in dash["templating"]["list"] if v["name"] == "instance"]
+    assert variable["includeAll"] and variable["multi"]
+    for panel in dash["panels"]:
+        for target in panel.get("targets", []):
+            expr = target["expr"]
+            for selector in re.findall(r"\bshmserve_[a-z0-9_]+(\{[^}]*\})?", expr):
+                assert selector.startswith('{instance=~"$instance"'), expr
+            for labels in re.findall(r"by \(([^)]*)\)", expr):
+                names = {name.strip() for name in labels.split(",")}
+                if names & {"worker", "frontend"}:
+                    assert "instance" in names, expr
+            if re.search(r"\{\{(worker|frontend|program)\}\}", target.get("legendFormat", "")):
+                assert "{{instance}}" in target["legendFormat"], target
