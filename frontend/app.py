@@ -317,7 +317,10 @@ def _record(request: web.Request, response: web.StreamResponse, elapsed: float,
             trace_id = None
         if trace_id is not None:
             request[LOG_FIELDS]["trace_id"] = trace_id
-    access.info("request", extra={"fields": {
+    # a 500 is the server's own fault; another 5xx (unavailable, a deadline) worth a look
+    level = (logging.ERROR if response.status == 500 else
+             logging.WARNING if response.status >= 500 else logging.INFO)
+    access.log(level, "request", extra={"fields": {
         "request_id": request[REQUEST_ID], "method": request.method, "route": path,
         "model": model, "status": response.status, "total_ms": round(elapsed * 1000, 3),
         **request[LOG_FIELDS]}})

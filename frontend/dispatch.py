@@ -121,10 +121,13 @@ class Dispatcher:
                     if time.time() >= deadline:
                         raise ApiError("timeout", "deadline passed waiting for a worker")
                     loading = any(link.alive and not link.ready for link in self.pool.links)
-                    raise ApiError("unavailable", "no worker is ready for this model yet "
-                                   "(loading or restarting)" if loading else
-                                   "no live worker for this model", retry_after=1,
-                                   attempts=attempt, reason="no_worker_ready")
+                    lost_it = again == "worker_lost"  # its worker died with it in it
+                    raise ApiError("unavailable", ("its worker was lost and " if lost_it else "")
+                                   + ("no worker is ready for this model yet (loading or "
+                                      "restarting)" if loading else
+                                      "no live worker for this model"), retry_after=1,
+                                   attempts=attempt,
+                                   reason="worker_lost" if lost_it else "no_worker_ready")
                 if attempt:  # sent again, with rows of its own (see the module's docstring)
                     metrics.retries(again).inc()
                     out_lease, out_base = self._alloc(n * dim * 4)

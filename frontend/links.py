@@ -32,6 +32,7 @@ class Pending:
     future: asyncio.Future
     tokens: int
     on_settled: Callable[[], None]
+    request_id: str = ""  # a Submit's (the log line of a lost worker names them)
 
 
 @dataclass(slots=True, eq=False)

@@ -45,6 +45,7 @@ log = logging.getLogger("shmserve.frontend")
 
 DROP_GRACE_S = 0.1  # after a dropped connection, for the replies already on the socket
 DROP_GRACE_ROUNDS = 20  # graces at most while replies wait unread on the socket (2 s)
+LOST_IDS_LOGGED = 100  # request ids on a frontend.worker_lost line, at most
 FIRST_HEARD_WINDOW_S = 5.0  # a new frontend's /ready waits for first heartbeats this long
 
 
@@ -183,7 +184,8 @@ class WorkerPool:
         """Send `msg`; the future resolves to its reply (Result or Error for a Submit,
         ReloadDone for a Reload or Commit), or fails with WorkerGone."""
         future = asyncio.get_running_loop().create_future()
-        link.pending[msg.seq] = Pending(future, tokens, on_settled)
+        link.pending[msg.seq] = Pending(future, tokens, on_settled,
+                                        getattr(msg, "request_id", ""))
         link.outstanding += tokens
         self._post(link, msg)
         return future
@@ -384,7 +386,10 @@ class WorkerPool:
         one's requests itself)."""
         link.alive = False
         log.warning("frontend.worker_lost", extra={"fields": {
-            "worker": link.index, "reason": reason, "pending": len(link.pending)}})
+            "worker": link.index, "reason": reason, "pending": len(link.pending),
+            # which requests it had (they are retried elsewhere or answered 503), the first 100
+            "request_ids": [p.request_id for p in itertools.islice(
+                link.pending.values(), LOST_IDS_LOGGED) if p.request_id]}})
         message = f"worker {link.index} lost: {reason}"
         if not grace:
             self._fail_pending(link, message)

@@ -113,8 +113,9 @@ class Model:
         except Exception as exc:  # noqa: BLE001 - the check, not the model, is what failed here
             # The model may still serve (a probe text may hit what real inputs never do); the
             # unchecked dtype is not kept. Its own errors show on the requests that cause them.
-            log.warning("model.dtype_auto: the probe failed (%s: %s); serving fp32",
-                        type(exc).__name__, exc, extra={"fields": {"model": spec.name}})
+            log.warning("model.dtype_auto", extra={"fields": {
+                "model": spec.name, "candidate": dtype, "dtype": "fp32",
+                "probe_error": f"{type(exc).__name__}: {exc}"}})
             self._use(fp32)
             return "fp32"
         keep = self.agreement >= spec.auto_min_cosine
@@ -125,8 +126,7 @@ class Model:
             del fp32
             release(self.device)  # the fp32 copy's memory back (on a GPU, to the driver)
             return dtype
-        log.warning("model.dtype_auto: %s disagrees with fp32 on the probe; serving fp32",
-                    dtype, extra={"fields": fields})
+        log.warning("model.dtype_auto", extra={"fields": fields})  # level warning: not kept
         self._use(fp32)
         return "fp32"
 

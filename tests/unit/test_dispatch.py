@@ -218,6 +218,10 @@ def test_a_retry_is_counted_when_sent_and_a_failed_one_says_how_many_tries_it_ha
     metrics.turn.flush()
     assert err.value.status == 503 and pool.sent == [0] and err.value.attempts == 1
     assert metrics.RETRIES.labels("worker_lost")._value.get() == lost
+    # its access line says its worker was lost, not that none was ready (an outside check
+    # could not tell a lost worker's 503s from a cold start's)
+    assert err.value.reason == "worker_lost", err.value.reason
+    assert err.value.message.startswith("its worker was lost and no worker is ready")
     pool = FakePool({0: ErrorCode.OVERLOADED, 1: ErrorCode.OVERLOADED})
     with pytest.raises(ApiError) as err:
         run(pool, arena)
