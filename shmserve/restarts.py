@@ -315,19 +315,48 @@ def check_nginx_conf(cfg: Config) -> None:
         raise CliError(f"{exc}; nginx was left as it runs") from None
 
 
-def reload_nginx(cfg: Config) -> int:
+# How long a reload waits for nginx's old workers to finish their requests and exit, after its
+# new workers have started (they take every new connection from then on).
+NGINX_SETTLE_S = 10.0
+
+
+def reload_nginx(cfg: Config, settle_s: float = NGINX_SETTLE_S) -> int:
     """nginx re-reads its configuration (SIGHUP through supervisord): new workers start on the
     same listening socket and the old ones finish their requests, so no connection is refused.
-    A stopped or failed nginx is started instead."""
+    Returns once the new workers run and the old ones have exited (up to `settle_s`; an old
+    worker still finishing a long request is named): before, a request sent just after
+    `restart nginx` or `apply` returned could still meet the old configuration (an outside
+    check: the old gzip setting, the old port answering). A stopped or failed nginx is started
+    instead."""
     check_nginx_conf(cfg)
-    states = {p["name"]: p["statename"] for p in process_info(cfg)}
-    if states.get("nginx") != "RUNNING":
+    info = {p["name"]: p for p in process_info(cfg)}
+    if info.get("nginx", {}).get("statename") != "RUNNING":
         return subprocess.run(ctl_argv(cfg, "restart", "nginx"), check=False).returncode
+    master = int(info["nginx"].get("pid") or 0)
+    old = _children(master)
     ctl(cfg, "signal", "HUP", "nginx")
-    say("shmserve: nginx reloaded its configuration: requests in flight finish on the old "
-        "nginx workers; their idle keep-alive connections are closed, so a client that sends "
-        "on one at that moment must reconnect (most HTTP clients retry that themselves)")
+    deadline = time.monotonic() + settle_s
+    while time.monotonic() < deadline and not (_children(master) - old):
+        time.sleep(0.05)  # the new workers, forked once the new configuration is read
+    while time.monotonic() < deadline and _children(master) & old:
+        time.sleep(0.05)  # the old ones, each once its requests are answered
+    left = _children(master) & old
+    say("shmserve: nginx reloaded its configuration" + (
+        f"; {len(left)} old nginx worker(s) still finishing requests" if left else "") +
+        ": nginx closed its idle keep-alive connections, so a client that sent a request on one "
+        "at that moment got a connection error and must send it again (the openai client and "
+        "shmserve.client do; aiohttp, httpx and requests do not for a POST)")
     return 0
+
+
+def _children(pid: int) -> set[int]:
+    """Pids of a process's children (nginx's master: its workers); empty when it is gone."""
+    import psutil
+
+    try:
+        return {child.pid for child in psutil.Process(pid).children()}
+    except (psutil.Error, ValueError):
+        return set()
 
 
 def restart_target(name: str) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import time
 
+import psutil
 import pytest
 import yaml
 
@@ -128,10 +129,16 @@ def test_apply_restarts_only_what_reads_a_changed_key_and_goes_on_after_a_failur
     edit(stack, nginx={"rate_limit_per_s": 50})  # nginx's alone: a reload, no restart
     dry = stack.cli("apply", "--dry-run")
     assert "reload its configuration: nginx" in dry.stdout, dry.stdout
+    old_workers = nginx_workers(nginx)
     done = stack.cli("apply", timeout=300)
     assert "reload its configuration: nginx" in done.stdout and "restart one" not in done.stdout
     assert programs(stack) == last
     assert stack.pid("nginx") == nginx  # reloaded, not restarted
+    # ... and it returned once the new nginx workers ran and the old ones had gone (it returned
+    # at the signal: a request right after could still meet the old configuration)
+    new_workers = nginx_workers(nginx)
+    assert old_workers and new_workers and not old_workers & new_workers, (old_workers,
+                                                                           new_workers)
     assert "limit_req_zone" in render.nginx_conf(load_resolved(
         stack.run_dir / "config.json")).read_text()
 
@@ -176,6 +183,10 @@ def test_apply_restarts_only_what_reads_a_changed_key_and_goes_on_after_a_failur
         assert done.returncode == 2 and "nginx rejects the file" in done.stderr, done.stderr
         assert "reloaded" not in done.stdout
     assert stack.get("/health")[0] == 200
+
+
+def nginx_workers(master: int) -> set[int]:
+    return {child.pid for child in psutil.Process(master).children()}
 
 
 def test_from_one_frontend_and_one_worker_to_two_of_each_without_a_failed_request(

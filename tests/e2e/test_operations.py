@@ -99,6 +99,33 @@ def test_restart_of_one_program_waits_until_it_is_ready(stack):
     assert unknown.returncode == 2, unknown.stdout + unknown.stderr
     assert unknown.stderr.count("foo") == 1 and "no group or program 'foo'" in unknown.stderr
     assert "frontend-0" in unknown.stderr and not unknown.stdout
+    _restart_nginx_returns_once_its_old_workers_are_done(stack)
+
+
+def _restart_nginx_returns_once_its_old_workers_are_done(stack: Stack) -> None:
+    """`restart nginx` returns once nginx's old workers have finished their requests and
+    exited, so what follows meets the new configuration only (it returned at the signal: an
+    outside check saw the old gzip setting, and the old port, answer after it returned). A
+    request whose body arrives slowly holds an old worker through the reload; it is answered."""
+    body = json.dumps({"input": ["held through a reload"]}).encode()
+    with socket.create_connection(("127.0.0.1", stack.port), timeout=30) as conn:
+        conn.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                     b"application/json\r\nContent-Length: %d\r\n\r\n" % len(body)
+                     + body[:10])
+        time.sleep(0.3)  # nginx has it
+        returned = []
+        reload = threading.Thread(target=lambda: returned.append(
+            (stack.cli("restart", "nginx"), time.monotonic())))
+        reload.start()
+        time.sleep(2.0)
+        assert not returned, returned[0][0].stdout  # still waiting for the held request
+        sent = time.monotonic()
+        conn.sendall(body[10:])
+        answer = conn.recv(65536)
+        reload.join(30)
+    assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+    done, at = returned[0]
+    assert at > sent and "nginx reloaded its configuration" in done.stdout, done.stdout
 
 
 def test_commands_use_the_config_the_deployment_started_with(stack):
