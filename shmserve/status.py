@@ -129,7 +129,9 @@ def snapshot(cur: Sample, prev: Sample | None, about: dict | None = None) -> dic
 def _state_word(cur: Sample) -> str:
     word = cur.ready.get("status")
     if cur.ready_code == 200:
-        return "degraded" if word == "degraded" else "ready"
+        # /ready is one frontend's view of the workers: a frontend stopped is seen here only
+        # (status said ready with one of two stopped: an outside check)
+        return "degraded" if word == "degraded" or _frontends_down(cur) else "ready"
     if cur.ready_code == 503:
         return word if word in ("loading", "unavailable", "failing") else "not_ready"
     return "no_answer" if cur.ready_code is None else "nginx_only"
@@ -149,8 +151,17 @@ _STATE_TEXT = {
 }
 
 
+def _frontends_down(cur: Sample) -> list[str]:
+    """Frontends supervisord does not run, or that are stopped (SIGSTOP) while it says so."""
+    return sorted(p["name"] for p in cur.processes if p["name"].startswith("frontend-") and (
+        p["statename"] != "RUNNING" or (p.get("pid") and _stopped(p["pid"]))))
+
+
 def _state(cur: Sample) -> str:
-    text = _STATE_TEXT[_state_word(cur)].format(code=cur.ready_code)
+    word = _state_word(cur)
+    down = _frontends_down(cur) if word == "degraded" else []
+    text = (f"degraded (every model is served; not serving: {', '.join(down)})" if down
+            else _STATE_TEXT[word].format(code=cur.ready_code))
     return text + "; the figures below are a frontend's, read from its socket" if cur.direct \
         else text
 

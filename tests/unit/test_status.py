@@ -293,3 +293,16 @@ def test_with_no_frontend_answering_memory_is_read_here():
         proc.kill()
         proc.wait()
         proc.stdout.close()
+
+
+def test_a_stopped_frontend_makes_the_state_degraded():
+    """/ready is one frontend's view of the workers, so a frontend supervisord stopped never
+    showed: status said ready with one of two frontends stopped (an outside check)."""
+    cur = sample(102.0, texts=1400, batches=120, real=14_000, padded=17_000)
+    stopped = [*cur.processes, {"name": "frontend-1", "statename": "STOPPED", "pid": 0,
+                                "start": 0, "now": 1065}]
+    odd = status.Sample(cur.at, stopped, 200, READY, cur.metrics)
+    snap = status.snapshot(odd, None)
+    assert snap["state"] == "degraded", snap["state"]
+    assert snap["state_text"] == "degraded (every model is served; not serving: frontend-1)"
+    assert status.snapshot(cur, None)["state"] == "ready"  # both frontends of it running
