@@ -109,6 +109,19 @@ def files_dropped(running: Config, reading: list[Path]) -> list[str]:
     return [path for path in topology.config_files(running) or {} if path not in now]
 
 
+def _how_given(dropped: list[str]) -> str:
+    """How each dropped file is given: an env's (configs/<env>.yaml) with --env, any other with
+    --config (the hint named --config for `up --env prod`'s file: an outside check)."""
+    ways = []
+    for path in dropped:
+        name = Path(path)
+        env = name.stem if (name.parent == layers.CONFIG_DIR.resolve() and name.suffix == ".yaml"
+                            and name.stem not in ("base", *layers.OVERLAYS)) else ""
+        ways.append(f"give --env {env} or SHMSERVE_ENV={env}" if env
+                    else f"give {name.name} with --config or SHMSERVE_CONFIG")
+    return "; ".join(dict.fromkeys(ways))
+
+
 def _apply(args: argparse.Namespace, new: Config) -> int:
     running = processes.running_config(new)
     marker = topology.apply_marker_path(running)
@@ -135,8 +148,8 @@ def _apply(args: argparse.Namespace, new: Config) -> int:
     if dropped := files_dropped(running, layers.file_layers(args.env, args.config,
                                                             os.environ)):
         say(f"shmserve: warning: the running config was read from {', '.join(dropped)}, "
-            "which this apply does not read (give it with --config or SHMSERVE_CONFIG, as "
-            "`up` was given it): the keys only it set go back to the other layers' values")
+            f"which this apply does not read ({_how_given(dropped)}, as `up` was given it): "
+            "the keys only it set go back to the other layers' values")
     say(f"shmserve: {'would apply' if args.dry_run else 'applying'}:\n"
         + "\n".join(f"  {line}" for line in (changes and itemized(old, new)) or
                      ["the config from before the earlier apply"]))

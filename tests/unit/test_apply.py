@@ -247,3 +247,10 @@ def test_an_apply_without_ups_config_file_is_told_so(base, tmp_path):
     assert apply.files_dropped(base, [given]) == []
     topology.config_files_path(base).unlink()  # an older deployment's `up` kept none
     assert apply.files_dropped(base, []) == []
+    # how to give each back: an env's file with --env (it said --config for `up --env prod`)
+    from shmserve.layers import CONFIG_DIR
+
+    assert apply._how_given([str((CONFIG_DIR / "prod.yaml").resolve()), str(given)]) == (
+        "give --env prod or SHMSERVE_ENV=prod; give overlay.yaml with --config or "
+        "SHMSERVE_CONFIG")
+    assert "--config" in apply._how_given([str((CONFIG_DIR / "gpu.yaml").resolve())])
