@@ -180,13 +180,33 @@ def _as_started(args) -> Config | None:
     try:
         run_dir = layers.merged(args.env, args.config)["server"]["run_dir"]
     except (config.ConfigError, KeyError, TypeError):
-        pass  # the variable, else base.yaml's default
+        # the variable, else the last --config file that names one (an env misspelled since
+        # `up` hid the files after it: an outside check), else base.yaml's default
+        run_dir = run_dir or _run_dir_of(args.config)
     path = Path(run_dir or config.ServerConfig().run_dir)
     path = (path if path.is_absolute() else config.REPO_ROOT / path) / "config.json"
     try:
         return config.load_resolved(path)
     except (OSError, ValueError, config.ConfigError):
         return None
+
+
+def _run_dir_of(extra) -> str | None:
+    """server.run_dir as the --config files (or SHMSERVE_CONFIG's) set it, the last that does;
+    None where none does or none reads."""
+    from shmserve import layers
+
+    found = None
+    try:
+        paths = layers.extra_files(extra, os.environ)
+    except config.ConfigError:
+        return None
+    for path in paths:
+        try:
+            found = layers._read_yaml(path).get("server", {}).get("run_dir") or found
+        except (config.ConfigError, AttributeError):
+            continue
+    return found
 
 
 def alive(pid: int) -> bool:

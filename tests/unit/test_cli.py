@@ -335,6 +335,15 @@ def test_a_config_that_no_longer_loads_still_names_the_deployment(tmp_path, monk
     monkeypatch.setenv("SHMSERVE__SERVER__RUN_DIR", str(tmp_path / "elsewhere"))
     with pytest.raises(config.ConfigError, match="frontends.count"):  # none there: refused
         processes.deployment(argparse.Namespace(env=None, config=None))
+    # An env misspelled since: the run directory from the --config file that names it (it was
+    # looked for in `run` only, since the env's error hid the files: an outside check)
+    monkeypatch.delenv("SHMSERVE__SERVER__RUN_DIR")
+    monkeypatch.delenv("SHMSERVE__FRONTENDS__COUNT")
+    overlay = tmp_path / "overlay.yaml"
+    overlay.write_text(f"server: {{run_dir: {run_dir}}}\n")
+    monkeypatch.setenv("SHMSERVE_ENV", "prd")
+    found = processes.deployment(argparse.Namespace(env=None, config=str(overlay)))
+    assert found.run_dir == run_dir and "SHMSERVE_ENV prd" in capsys.readouterr().err
 
 
 
