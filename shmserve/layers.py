@@ -71,7 +71,10 @@ def overridden(tree: Mapping[str, Any], extra: str | Path | None,
         tree = deep_merge(tree, _read_yaml(path))
     if base is None:
         base = _read_yaml(CONFIG_DIR / "base.yaml")
-    return without_nulls(apply_env_overrides(dict(tree), environ), base)
+    # The files' nulls take their defaults before the variables apply, so a variable can set a
+    # key inside a default a file restored (`models: ~`, then SHMSERVE__MODELS__0__NAME: "models
+    # is not a section", an outside check); the variables' own nulls after.
+    return without_nulls(apply_env_overrides(without_nulls(dict(tree), base), environ), base)
 
 
 def without_nulls(tree: Any, base: Any) -> Any:

