@@ -255,7 +255,7 @@ def warn_gaps(old: Config, new: Config, steps: Plan) -> None:
     """What the restarts leave unserved meanwhile (a single frontend, a model on one worker),
     as `restart` says it. While they restart, the programs to be stopped still serve and those
     added already do."""
-    from shmserve.restarts import lone_models, restart_gap
+    from shmserve.restarts import gap_of, lone_models, restart_gap
 
     if steps.reshaped:
         say(f"shmserve: warning: {', '.join(steps.reshaped)} change what the workers load under "
@@ -272,6 +272,14 @@ def warn_gaps(old: Config, new: Config, steps: Plan) -> None:
         lone = lone_models(most, rolled) if group == "workers" else {}
         if warning := restart_gap(group, "*", programs, False, lone):
             say(f"shmserve: warning: {warning}", sys.stderr)
+    # Down to one: this apply is served throughout, the next restart of it is not (the README's
+    # condition for restarts without a gap, which apply did not say: an outside check)
+    for group, before, after in (
+            ("frontends", old.frontends.count, new.frontends.count),
+            ("workers", len(topology.worker_devices(old)), len(topology.worker_devices(new)))):
+        if after == 1 < before:
+            say(f"shmserve: warning: one program in {group} from now on: while it restarts (a "
+                f"`restart`, or an apply that restarts it), {gap_of(group)}", sys.stderr)
 
 
 def run(new: Config, old: Config, steps: Plan, timeout: float) -> None:

@@ -40,7 +40,7 @@ CHECKS: dict[str, Check] = {
     "nginx.large_client_header_buffers": (
         lambda v: re.fullmatch(r"[1-9][0-9]{0,3} [0-9]{1,9}[kKmM]?", v) is not None
         and _bytes(v.split()[1]) >= 1024,
-        "a count of at least 1 and a size of at least 1k, such as 4 16k"),
+        "a count of at least 1 and a size of at least 1k (digits, then k or m), such as 4 16k"),
     # Bounded where nginx takes them: a billion worker_connections passed `nginx -t` (a
     # warning only), and then every nginx worker failed its allocation and served nothing (an
     # outside check); values past nginx's own limits were refused by `nginx -t` alone.

@@ -84,8 +84,9 @@ def admin_call(cfg: Config, method: str, path: str, body: dict | None = None,
     if processes.supervisord_pid(cfg) is None:  # not "no token": nothing to ask at all
         raise RemoteError(processes.not_running(cfg))
     if not cfg.admin.token:
-        raise RemoteError("admin routes are off in this deployment: start it with admin.token "
-                          "set (SHMSERVE__ADMIN__TOKEN=... shmserve up, or in a config file)")
+        raise RemoteError("admin routes are off in this deployment: set admin.token (in a "
+                          "config file, or SHMSERVE__ADMIN__TOKEN=...), then `shmserve apply` "
+                          "(the frontends restart one at a time) or `shmserve up`")
     data = json.dumps(body).encode() if body is not None else None
     code, raw = http(base_url(cfg) + path, method, data, timeout=timeout, headers={
         "Authorization": f"Bearer {cfg.admin.token}", "Content-Type": "application/json"})

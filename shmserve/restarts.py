@@ -170,17 +170,20 @@ def lone_models(cfg: Config, restarted: list[str]) -> dict[str, list[str]]:
     return lone
 
 
+def gap_of(group: str) -> str | None:
+    """What clients see while no program of `group` serves (None: nginx, reloaded in place)."""
+    return {"workers": "requests wait for a worker (frontends.no_worker_wait_s) and are "
+                       "answered 503 after that, until one is ready again",
+            "frontends": "nginx answers 502 until one is ready again"}.get(group)
+
+
 def restart_gap(group: str, name: str, programs: list[str], all_at_once: bool,
                 lone: dict[str, list[str]] | None = None) -> str | None:
     """What a restart of `name` ('*': all) in `group` (whose programs are `programs`) leaves
     unserved, or None when the others serve meanwhile. `lone`: lone_models of the restarted
     workers."""
-    if group == "workers":
-        gap = ("requests wait for a worker (frontends.no_worker_wait_s) and are answered 503 "
-               "after that, until one is ready again")
-    elif group == "frontends":
-        gap = "nginx answers 502 until one is ready again"
-    else:
+    gap = gap_of(group)
+    if gap is None:
         return None
     if all_at_once and (name == "*" or len(programs) == 1):
         return f"{group} restart all at once: {gap} (without --all-at-once, one at a time)"

@@ -254,3 +254,19 @@ def test_an_apply_without_ups_config_file_is_told_so(base, tmp_path):
         "give --env prod or SHMSERVE_ENV=prod; give overlay.yaml with --config or "
         "SHMSERVE_CONFIG")
     assert "--config" in apply._how_given([str((CONFIG_DIR / "gpu.yaml").resolve())])
+
+
+def test_an_apply_down_to_one_frontend_or_worker_warns_of_the_next_restarts_gap(base, capsys):
+    """Down to one frontend or worker, the apply itself is served throughout, but the next
+    restart of that program is not: said, as `restart` says it (an outside check found apply
+    silent where the README names two or more as the condition)."""
+    from shmserve.apply_plan import Plan
+
+    one = with_(base, frontends={"count": 1}, workers={"cpu_workers": 1})
+    apply.warn_gaps(base, one, Plan(remove_frontends=["frontend-1"],
+                                    remove_workers=["worker-1"]))
+    said = capsys.readouterr().err
+    assert "one program in frontends from now on" in said and "nginx answers 502" in said
+    assert "one program in workers from now on" in said and "answered 503" in said
+    apply.warn_gaps(one, base, Plan(add_frontends=["frontend-1"], add_workers=["worker-1"]))
+    assert "one program" not in capsys.readouterr().err  # growing: nothing to say

