@@ -109,6 +109,17 @@ def files_dropped(running: Config, reading: list[Path]) -> list[str]:
     return [path for path in topology.config_files(running) or {} if path not in now]
 
 
+def nginx_differs(old: Config, attempted: list[Config], new: Config, on_disk: str) -> bool:
+    """Whether nginx must reload for `new`: its file as rendered now (`on_disk`, before this
+    apply rendered) differs, or, resumed, nginx may run what the apply before or an attempt
+    rendered. A resumed apply reloaded nginx always, and a reload costs requests on idle
+    keep-alive connections (README: restart nginx), for a change of the workers' alone (an
+    outside check)."""
+    wanted = render.render_nginx(new)
+    return wanted != on_disk or any(render.render_nginx(was) != wanted
+                                    for was in ((old, *attempted) if attempted else ()))
+
+
 def _how_given(dropped: list[str]) -> str:
     """How each dropped file is given: an env's (configs/<env>.yaml) with --env, any other with
     --config (the hint named --config for `up --env prod`'s file: an outside check)."""
@@ -169,7 +180,7 @@ def _apply(args: argparse.Namespace, new: Config) -> int:
                            "without `apply`: `shmserve down`, then `shmserve up`") from None
     if args.dry_run:
         steps = plan(old, new, by_counts(old, new), attempted)
-        steps.nginx = resumed or render.render_nginx(new) != render.nginx_conf(new).read_text()
+        steps.nginx = nginx_differs(old, attempted, new, render.nginx_conf(new).read_text())
         say("shmserve: steps (and any program whose environment or logs change restarts "
             "too):\n" + "\n".join(steps.lines()))
         say("shmserve: --dry-run: nothing changed")
@@ -189,8 +200,7 @@ def _apply(args: argparse.Namespace, new: Config) -> int:
     forget_overridden(old, new)
     with processes.supervisor(new) as proxy:
         steps = plan(old, new, proxy.shmserve.pending(["workers", "frontends"]), attempted)
-    # Resumed, the file may already have been the new one: reload nginx anyway.
-    steps.nginx = resumed or render.nginx_conf(new).read_text() != nginx_before
+    steps.nginx = nginx_differs(old, attempted, new, nginx_before)
     warn_gaps(old, new, steps)
     say("shmserve: steps:\n" + "\n".join(steps.lines()))
     run(new, old, steps, args.timeout if args.timeout is not None

@@ -95,8 +95,13 @@ def plan(old: Config, new: Config, pending: dict[str, list[str]],
     out.add_frontends, out.remove_frontends = of("frontend-", "added"), of("frontend-", "removed")
     workers_changed = any(touches(k, FRONTEND_SIDE, READ_BY_WORKERS) for k in keys
                           if k not in COUNT_KEYS)
+    # A worker an earlier apply moved (another device) runs that config still: the dry run
+    # knows it from the attempts, as the run knows it from supervisord (the dry run left
+    # out worker-0 when undoing an apply that stopped after moving it: an outside check)
     out.roll_workers = [w for i, w in enumerate(kept_workers)
-                        if workers_changed or w in names["changed"] or moved(old, new, i)]
+                        if workers_changed or w in names["changed"] or any(
+                            moved(was, new, i) for was in (old, *attempted)
+                            if i < len(topology.worker_devices(was)))]
     frontends_changed = (any(frontend_reads(k) for k in keys)
                          or out.add_workers or out.remove_workers)
     out.roll_frontends = [f for f in kept_frontends

@@ -54,6 +54,20 @@ def test_a_config_put_back_after_a_failed_apply_restarts_what_that_apply_restart
     tried = with_(base, batching={"max_wait_ms": 9.0})
     steps = apply_plan.plan(base, base, NONE, attempted=[tried])
     assert steps.roll_workers == ["worker-0", "worker-1"] and steps.roll_frontends == []
+    # A worker the failed apply moved to another device: the dry run (pending from the counts
+    # alone) restarts it too, as the run does from supervisord (it left it out)
+    moved = with_(base, workers={"devices": [0, 1]})  # two GPUs, as an outside check tried
+    steps = apply_plan.plan(base, base, apply_plan.by_counts(base, base), attempted=[moved])
+    assert "worker-0" in steps.roll_workers, steps
+    # nginx reloads when resumed only if what it may run differs (it always did: a reload for
+    # the workers' change alone, and reloads cost requests on idle keep-alive connections)
+    from shmserve import render
+
+    on_disk = render.render_nginx(tried)
+    assert not apply.nginx_differs(base, [tried], base, on_disk)
+    assert apply.nginx_differs(base, [with_(base, frontends={"count": 3})], base,
+                               render.render_nginx(with_(base, frontends={"count": 3})))
+    assert apply.nginx_differs(with_(base, nginx={"gzip": True}), [tried], base, on_disk)
 
 
 def test_the_order_follows_what_the_change_needs_served_meanwhile(base):
