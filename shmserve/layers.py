@@ -48,7 +48,7 @@ def merged(env: str | None = None, extra: str | Path | None = None,
     environ = os.environ if environ is None else environ
     source = "--env" if env else "SHMSERVE_ENV"
     env = env or environ.get("SHMSERVE_ENV", "dev")
-    tree = _read_yaml(CONFIG_DIR / "base.yaml")
+    tree = read_yaml(CONFIG_DIR / "base.yaml")
     env_file = CONFIG_DIR / f"{env}.yaml"
     if not env_file.is_file():
         known = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")
@@ -57,7 +57,7 @@ def merged(env: str | None = None, extra: str | Path | None = None,
                           f"{', '.join(known)} (configs/gpu.yaml is an overlay: --config)")
     warn_misspelled(environ)
     base = tree
-    tree = deep_merge(tree, _read_yaml(env_file))
+    tree = deep_merge(tree, read_yaml(env_file))
     return overridden(tree, extra, environ, base)
 
 
@@ -68,9 +68,9 @@ def overridden(tree: Mapping[str, Any], extra: str | Path | None,
     environment's overrides. `base`: configs/base.yaml's tree, if already read (the defaults
     a null takes)."""
     for path in extra_files(extra, environ):  # several files: "a.yaml:b.yaml", in order
-        tree = deep_merge(tree, _read_yaml(path))
+        tree = deep_merge(tree, read_yaml(path))
     if base is None:
-        base = _read_yaml(CONFIG_DIR / "base.yaml")
+        base = read_yaml(CONFIG_DIR / "base.yaml")
     # The files' nulls take their defaults before the variables apply, so a variable can set a
     # key inside a default a file restored (`models: ~`, then SHMSERVE__MODELS__0__NAME: "models
     # is not a section", an outside check); the variables' own nulls after.
@@ -162,7 +162,7 @@ def _source(key: str, env: str | None, extra: str | Path | None,
     if where is None:
         for path in reversed(file_layers(env, extra, environ)):
             try:
-                if _sets(_read_yaml(path), parts):
+                if _sets(read_yaml(path), parts):
                     return str(path)
             except ConfigError:
                 continue
@@ -260,7 +260,7 @@ def _meant(name: str) -> str:
 def _base_tree() -> dict[str, Any]:
     """configs/base.yaml's tree (every section and key), for suggestions."""
     try:
-        return _read_yaml(CONFIG_DIR / "base.yaml")
+        return read_yaml(CONFIG_DIR / "base.yaml")
     except ConfigError:
         return {}
 
@@ -427,7 +427,7 @@ _FileLoader.yaml_implicit_resolvers = {
 _EnvLoader.yaml_implicit_resolvers = _FileLoader.yaml_implicit_resolvers  # a list's dates too
 
 
-def _read_yaml(path: Path) -> dict[str, Any]:
+def read_yaml(path: Path) -> dict[str, Any]:
     try:
         data = yaml.load(path.read_text(encoding="utf-8"), _FileLoader) or {}
         json.dumps(data)  # only what JSON holds (run/config.json): no !!binary, no !!set

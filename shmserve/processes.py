@@ -203,7 +203,7 @@ def _run_dir_of(extra) -> str | None:
         return None
     for path in paths:
         try:
-            found = layers._read_yaml(path).get("server", {}).get("run_dir") or found
+            found = layers.read_yaml(path).get("server", {}).get("run_dir") or found
         except (config.ConfigError, AttributeError):
             continue
     return found
