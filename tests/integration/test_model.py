@@ -137,8 +137,10 @@ def test_auto_serves_fp32_where_the_probe_disagrees(models, native_bf16, caplog)
     # The very fp32 weights it loaded, not a round trip through bf16.
     got = run(model, TextEncoder(s, truncate=True).encode(TEXTS))
     np.testing.assert_allclose(got, reference_embeddings(models["emb"], TEXTS, 64), atol=1e-5)
-    assert any("serving fp32" in r.getMessage() for r in caplog.records
-               if r.levelname == "WARNING")
+    # one message, its fields saying what was kept (a warning: the candidate was not)
+    (said,) = [r for r in caplog.records if r.getMessage() == "model.dtype_auto"]
+    assert said.levelname == "WARNING" and said.fields["dtype"] == "fp32", said.fields
+    assert said.fields["candidate"] == "bf16" and said.fields["agreement"] < 1.0
 
 
 def test_auto_without_native_bf16_is_fp32_without_a_probe(models, monkeypatch):
