@@ -111,3 +111,33 @@ def test_a_scrape_is_answered_while_every_tokenizing_thread_is_busy(tmp_path, ti
 
     status, body = asyncio.run(scenario())
     assert status == 200 and b"shmserve_requests_total" in body
+
+
+def test_an_unexpected_error_in_a_frontend_is_a_500_naming_the_request_not_a_traceback(
+        tmp_path, tiny_model, caplog):
+    """The global handler: whatever a route raises is a 500 internal_error, in the API's
+    shape, quoting the request id and none of the exception, with the traceback in the log
+    line, and an access line at level error (no input from outside reached it in an outside
+    check; here a route that fails)."""
+    cfg = run_config(tmp_path, tiny_overrides(tiny_model, frontends={"count": 1}))
+    caplog.set_level(logging.INFO)
+    app = create_app(cfg, 0)
+
+    async def boom(request):
+        raise RuntimeError("a secret detail")
+
+    app.router.add_post("/boom", boom)
+
+    async def scenario():
+        async with TestClient(TestServer(app)) as client:
+            async with client.post("/boom", headers={"X-Request-ID": "boom-fe"}) as resp:
+                return resp.status, await resp.json()
+
+    status, body = asyncio.run(scenario())
+    assert status == 500 and body["error"]["type"] == "internal_error", body
+    assert "boom-fe" in body["error"]["message"] and "secret" not in str(body), body
+    (logged,) = [r for r in caplog.records if r.getMessage() == "unhandled error"]
+    assert logged.fields["request_id"] == "boom-fe" and "a secret detail" in logged.exc_text
+    (access,) = [r for r in caplog.records if r.name == "shmserve.access"
+                 and r.fields["request_id"] == "boom-fe"]
+    assert access.levelname == "ERROR" and access.fields["status"] == 500
