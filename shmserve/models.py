@@ -137,7 +137,8 @@ def check(cfg: Config, devices: list[str]) -> None:
             # with one tokenizer and describe one output, so they are held to a reload's rules.
             if first is None:
                 first = unit, spec
-            elif why := incompatible(first[1], spec):
+            elif why := incompatible(first[1], spec, (f"in {first[0].variant}",
+                                                      f"in {unit.variant}:")):
                 raise ModelSourceError(f"{unit.name} cannot be a variant beside "
                                        f"{first[0].name}: {why}")
         on_gpu = [d for i, d in enumerate(devices)
@@ -247,9 +248,11 @@ def inspect(cfg: ModelConfig, with_revision: bool = True,
     )
 
 
-def incompatible(active: ModelSpec, new: ModelSpec) -> str:
+def incompatible(active: ModelSpec, new: ModelSpec, sides: tuple[str, str] = ("now", "in")
+                 ) -> str:
     """Why `new` cannot replace `active` under a running frontend ("" when it can): frontends
-    tokenize with the active model's tokenizer and shape replies by its outputs."""
+    tokenize with the active model's tokenizer and shape replies by its outputs. `sides`
+    words each value of a difference: (the served one's, `new`'s before its directory)."""
     # The kind of checkpoint first: a classifier's offered for an encoder differs in its
     # normalization too, and that would be named instead of what the user got wrong.
     for what, old, now in (("task", active.task, new.task),
@@ -275,7 +278,7 @@ def incompatible(active: ModelSpec, new: ModelSpec) -> str:
                            ("pair prompt", active.pair_format, new.pair_format)):
         if old != now:
             verb = "differ" if what in ("prompts", "Dense projections") else "differs"
-            return f"its {what} {verb} ({old!r} now, {now!r} in {new.directory})"
+            return f"its {what} {verb} ({old!r} {sides[0]}, {now!r} {sides[1]} {new.directory})"
     if file_digest(tokenizer_path(active.directory)) != \
             file_digest(tokenizer_path(new.directory)):
         return f"its tokenizer.json differs from the served one ({active.directory})"

@@ -112,8 +112,9 @@ def test_a_split_refuses_variants_that_would_answer_differently(model_dir):
         return config.from_tree({"model_roots": [root], "models": [{"name": "s", "variants": [
             {"name": "a", "source": str(model_dir)}, {"name": "b", "source": str(b)}]}]})
     check(split(same), ["cpu"])
+    # each arm's value named by its arm (it said "now" of an arm at `up`: an outside check)
     with pytest.raises(ModelSourceError, match=r"s@b cannot be a variant beside s@a: its "
-                       r"output width differs \(32 now, 64 in"):
+                       r"output width differs \(32 in a, 64 in b: "):
         check(split(wide), ["cpu"])
 
 
