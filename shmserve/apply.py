@@ -181,6 +181,7 @@ def _apply(args: argparse.Namespace, new: Config) -> int:
     if args.dry_run:
         steps = plan(old, new, by_counts(old, new), attempted)
         steps.nginx = nginx_differs(old, attempted, new, render.nginx_conf(new).read_text())
+        warn_gaps(old, new, steps)  # as the run will (a dry run said nothing of them)
         say("shmserve: steps (and any program whose environment or logs change restarts "
             "too):\n" + "\n".join(steps.lines()))
         say("shmserve: --dry-run: nothing changed")
@@ -242,23 +243,29 @@ def forget_overridden(old: Config, new: Config) -> list[str]:
         return {m.name: m for m in cfg.models}
 
     before, after = by_unit(old), by_unit(new)
-    units = sorted(u for u in before.keys() | after.keys() if before.get(u) != after.get(u))
     old_models, new_models = by_model(old), by_model(new)
     splits = sorted(m for m in old_models.keys() | new_models.keys()
                     if old_models.get(m) != new_models.get(m))
+    # Every unit of a model whose config changed (any key: its dtype, its input limit), as
+    # the README says; a reloaded source was kept unless its own source or revision changed,
+    # while the message said it was dropped (an outside check)
+    units = sorted(u for u in before.keys() | after.keys() if before.get(u) != after.get(u)
+                   or u.partition("@")[0] in splits)
     current = state.read(new)
-    dropped = ([u for u in units if u in current.sources]
-               + [m for m in splits if m in current.splits])
-    if dropped:
+    reloads = [u for u in units if u in current.sources]
+    weights = [m for m in splits if m in current.splits]
+    if reloads or weights:
         def change(tree: dict) -> None:
             for unit in units:
                 tree["sources"].pop(unit, None)
             for model in splits:
                 tree["splits"].pop(model, None)
         state.update(new, change)
-        say(f"shmserve: the config of {', '.join(sorted(set(dropped)))} changed: what "
-            "`reload` or `split` set for it is dropped, the config serves")
-    return dropped
+        said = ([f"the reloaded weights of {', '.join(reloads)}"] if reloads else []) + (
+            [f"the split weights of {', '.join(weights)}"] if weights else [])
+        say(f"shmserve: their models' config changed, so {' and '.join(said)} are dropped: the "
+            "config serves")
+    return sorted({*reloads, *weights})
 
 
 def warn_gaps(old: Config, new: Config, steps: Plan) -> None:
@@ -268,8 +275,10 @@ def warn_gaps(old: Config, new: Config, steps: Plan) -> None:
     from shmserve.restarts import gap_of, lone_models, restart_gap
 
     if steps.reshaped:
-        say(f"shmserve: warning: {', '.join(steps.reshaped)} change what the workers load under "
-            "them (a model to A/B variants, or back): requests for them fail from the first "
+        many = len(steps.reshaped) > 1
+        say(f"shmserve: warning: what the workers load under {', '.join(steps.reshaped)} "
+            f"changes (a model to A/B variants, or back): requests for {'them' if many else 'it'}"
+            " fail from the first "
             "worker's restart until every frontend has restarted; to change without a gap, "
             "serve the new form under a new name, or use `shmserve split`", sys.stderr)
     most = max(old, new, key=lambda c: len(topology.worker_devices(c)))

@@ -187,6 +187,13 @@ def test_a_changed_model_config_drops_what_reload_and_split_set_for_it(tmp_path)
     kept = state.read(new)
     assert set(kept.sources) == {"n"} and set(kept.splits) == {"n"}
     assert apply.forget_overridden(new, new) == []
+    # Any key of a model's config, not only its source: its reloaded weights go too (they
+    # were kept while the message said dropped: an outside check), and its split
+    limited = make_config(tmp_path / "run", models=[models[0], {**models[1],
+                                                               "max_input_tokens": 64}])
+    assert apply.forget_overridden(new, limited) == ["n"]
+    kept = state.read(limited)
+    assert kept.sources == {} and kept.splits == {}
 
 
 def test_one_apply_at_a_time(tmp_path):
@@ -284,3 +291,14 @@ def test_an_apply_down_to_one_frontend_or_worker_warns_of_the_next_restarts_gap(
     assert "one program in workers from now on" in said and "answered 503" in said
     apply.warn_gaps(one, base, Plan(add_frontends=["frontend-1"], add_workers=["worker-1"]))
     assert "one program" not in capsys.readouterr().err  # growing: nothing to say
+
+
+def test_a_model_changing_to_variants_is_warned_of(base, capsys):
+    """A model turned into A/B variants (or back) fails its requests meanwhile: said (the dry
+    run now says it too; only the run did, once the change was under way: an outside
+    check)."""
+    from shmserve.apply_plan import Plan
+
+    apply.warn_gaps(base, base, Plan(reshaped=["m"]))
+    said = capsys.readouterr().err
+    assert "what the workers load under m changes" in said and "requests for it fail" in said
