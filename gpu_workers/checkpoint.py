@@ -11,7 +11,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from shmserve.models import weights_file
+from shmserve.models import ModelSourceError, check_weights, weights_file
 
 
 def read(directory: Path, net: nn.Module, dtype: torch.dtype, name_of: Callable[[str], str],
@@ -21,12 +21,16 @@ def read(directory: Path, net: nn.Module, dtype: torch.dtype, name_of: Callable[
     task's head, a pooler never read, a leftover buffer such as embeddings.position_ids) are
     left out, as transformers leaves them. None when a tensor is saved twice (with and
     without a prefix), of another shape, or not of floats, when one is missing (but those
-    named `optional`), or when the file cannot be read."""
-    from safetensors import safe_open
+    named `optional`). A weights file that is missing, pickle-only, damaged or truncated is
+    refused here (ModelSourceError), not handed to transformers, which refused it all the
+    same after importing itself: seconds, and ~145 MB a worker kept (an outside check)."""
+    from safetensors import SafetensorError, safe_open
 
+    path = weights_file(Path(directory))
+    check_weights(path)  # its header, and that its tensors cover the file
     shapes = {name: tuple(t.shape) for name, t in net.state_dict().items()}
     try:
-        with safe_open(str(weights_file(Path(directory))), framework="pt") as f:
+        with safe_open(str(path), framework="pt") as f:
             names = {}
             for key in f.keys():
                 name = name_of(key)
@@ -40,8 +44,10 @@ def read(directory: Path, net: nn.Module, dtype: torch.dtype, name_of: Callable[
             if shapes.keys() - optional - names.keys():
                 return None  # weights missing: transformers says which
             return {name: f.get_tensor(key).to(dtype) for name, key in names.items()}
-    except Exception:  # noqa: BLE001 - unreadable here (no model.safetensors, a damaged
-        return None  # header): transformers reads it, or says why
+    except (SafetensorError, OSError) as exc:  # changed since the check, say
+        raise ModelSourceError(f"{path} does not load ({exc})") from None
+    except Exception:  # noqa: BLE001 - read otherwise than expected: transformers reads
+        return None  # it, or says why
 
 
 def assign(net: nn.Module, weights: dict[str, torch.Tensor]) -> nn.Module:

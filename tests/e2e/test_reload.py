@@ -163,7 +163,8 @@ def test_reload_under_load_switches_every_worker_without_a_failure(stack, models
 
 
 @pytest.mark.parametrize("damage,needle", [
-    ("corrupt", "cannot load"),
+    # refused before transformers is imported (it was its "cannot load", after seconds)
+    ("corrupt", "not a readable safetensors file"),
     ("missing", "no model.safetensors"),
     # a wider model's weights: transformers' message pointed to a table in the worker's log
     ("wider", "does not fit its config.json (bert, hidden_size 32): tensors of other shapes"),

@@ -8,6 +8,7 @@ import torch
 
 from frontend.tokenizer import TextEncoder
 from gpu_workers.model import Model
+from shmserve.config import REPO_ROOT
 from shmserve.models import ModelSourceError, incompatible
 from tests.integration.modelkit import TEXTS, run, spec
 from tests.tinymodel import build_tiny_bert, build_tiny_classifier, reference_embeddings
@@ -34,6 +35,40 @@ def test_weights_holding_nan_are_refused_at_load(tmp_path):
     with pytest.raises(ModelSourceError, match="weight encoder.layer.0.output.dense.weight holds "
                                                "NaN or infinity"):
         Model(spec(directory, "embedding"), torch.device("cpu"))
+
+
+@pytest.mark.parametrize("damage, said", [
+    ("truncated", "not a readable safetensors file"),
+    ("garbled", "not a readable safetensors file")])
+def test_a_damaged_weights_file_is_refused_without_importing_transformers(tmp_path, damage,
+                                                                          said):
+    """A truncated or garbled weights file of a model the worker builds itself
+    went to transformers, which refused it too, after importing itself: 4-16 s of a reload and
+    ~145 MB a worker kept (an outside check). Refused before that now, in a fresh interpreter
+    as a worker runs."""
+    import subprocess
+    import sys
+
+    directory = build_tiny_bert(tmp_path / damage)
+    weights = directory / "model.safetensors"
+    if damage == "truncated":
+        weights.write_bytes(weights.read_bytes()[:-100])
+    else:
+        weights.write_bytes(b"\xff" * 8 + weights.read_bytes()[8:])
+    code = ("import sys, torch\n"
+            "from gpu_workers import networks\n"
+            "from shmserve.models import ModelSourceError\n"
+            "from tests.integration.modelkit import spec\n"
+            f"s = spec({str(directory)!r}, 'embedding')\n"
+            "try:\n"
+            "    networks.load(s, torch.float32)\n"
+            "except ModelSourceError as exc:\n"
+            "    print('refused:', exc)\n"
+            "print('transformers' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, cwd=str(REPO_ROOT)).stdout.splitlines()
+    assert out[0].startswith("refused:") and said in out[0], out
+    assert out[-1] == "False", out
 
 
 def test_reload_compatibility(models, tmp_path):
