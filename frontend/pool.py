@@ -159,12 +159,14 @@ class WorkerPool:
         return link
 
     def model_info(self, model: str):
-        for link in self.links:
-            if link.beat is not None:
-                for info in link.beat.models:
-                    if info.name == model:
-                        return info
-        return None
+        """What the workers last said of `model`: a ready worker's report first, one that
+        names a revision next (a worker restarting reports none while it loads: /info said
+        revision null for ~6 s of a rolling restart while the other served, an outside
+        check), else any; None when none hosts it."""
+        found = [(link.ready, bool(info.revision), -i, info)
+                 for i, link in enumerate(self.links) if link.beat is not None
+                 for info in link.beat.models if info.name == model]
+        return max(found, key=lambda each: each[:3])[3] if found else None
 
     # ---- requests ---------------------------------------------------------------------------
 

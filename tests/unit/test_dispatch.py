@@ -280,3 +280,22 @@ def test_a_full_dev_shm_is_a_503_that_says_so(arena, monkeypatch):
     assert err.value.status == 503 and err.value.retry_after == 5 and pool.sent == []
     assert "no shared memory for this request: /dev/shm is full" in err.value.message
     assert metrics.REFUSED.labels("shm_full")._value.get() == before + 1
+
+
+def test_a_models_revision_is_a_ready_workers_while_another_restarts():
+    """A restarting worker reports the model with no revision while it loads: /info said
+    revision null for ~6 s of a rolling restart though the other worker served (an outside
+    check). A ready worker's report wins, then one that names a revision."""
+    from dataclasses import replace
+
+    from frontend.pool import WorkerPool
+
+    pool = FakePool({0: None, 1: None})
+    loading = replace(MODEL, revision="", state="loading")
+    pool.links[0].beat = replace(pool.links[0].beat, ready=False, models=(loading,))
+    assert WorkerPool.model_info(pool, "m").revision == "r1"  # worker 1's, ready
+    pool.links[1].alive = False  # lost too: the one that names a revision
+    assert WorkerPool.model_info(pool, "m").revision == "r1"
+    pool.links[1].beat = replace(pool.links[1].beat, models=())
+    assert WorkerPool.model_info(pool, "m") is loading
+    assert WorkerPool.model_info(pool, "other") is None
