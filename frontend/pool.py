@@ -45,7 +45,7 @@ log = logging.getLogger("shmserve.frontend")
 
 DROP_GRACE_S = 0.1  # after a dropped connection, for the replies already on the socket
 DROP_GRACE_ROUNDS = 20  # graces at most while replies wait unread on the socket (2 s)
-LOST_IDS_LOGGED = 100  # request ids on a frontend.worker_lost line, at most
+LOST_IDS_LOGGED = 100  # ids of its requests on a frontend.worker_lost line, at most
 FIRST_HEARD_WINDOW_S = 5.0  # a new frontend's /ready waits for first heartbeats this long
 
 
@@ -159,10 +159,8 @@ class WorkerPool:
         return link
 
     def model_info(self, model: str):
-        """What the workers last said of `model`: a ready worker's report first, one that
-        names a revision next (a worker restarting reports none while it loads: /info said
-        revision null for ~6 s of a rolling restart while the other served, an outside
-        check), else any; None when none hosts it."""
+        """What the workers last said of `model`: a ready worker's first, then one naming a
+        revision (a restarting one names none: /info said null, an outside check)."""
         found = [(link.ready, bool(info.revision), -i, info)
                  for i, link in enumerate(self.links) if link.beat is not None
                  for info in link.beat.models if info.name == model]
@@ -389,7 +387,6 @@ class WorkerPool:
         link.alive = False
         log.warning("frontend.worker_lost", extra={"fields": {
             "worker": link.index, "reason": reason, "pending": len(link.pending),
-            # which requests it had (they are retried elsewhere or answered 503), the first 100
             "request_ids": [p.request_id for p in itertools.islice(
                 link.pending.values(), LOST_IDS_LOGGED) if p.request_id]}})
         message = f"worker {link.index} lost: {reason}"

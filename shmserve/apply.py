@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Iterator
 
 from shmserve import config, layers, models, processes, render, state, topology, versions
-from shmserve.apply_plan import FIXED, Plan, by_counts, index_of, plan
+from shmserve.apply_plan import FIXED, Plan, by_counts, index_of, nginx_differs, plan
 from shmserve.prechecks import CliError, check_fds, check_port, check_shm, seconds
 from shmserve.config import Config
 from shmserve.restarts import ctl, reload_nginx, say, wait_until_ready
@@ -107,17 +107,6 @@ def files_dropped(running: Config, reading: list[Path]) -> list[str]:
     outside check moved a deployment to port 8080 so)."""
     now = {str(path.resolve()) for path in reading}
     return [path for path in topology.config_files(running) or {} if path not in now]
-
-
-def nginx_differs(old: Config, attempted: list[Config], new: Config, on_disk: str) -> bool:
-    """Whether nginx must reload for `new`: its file as rendered now (`on_disk`, before this
-    apply rendered) differs, or, resumed, nginx may run what the apply before or an attempt
-    rendered. A resumed apply reloaded nginx always, and a reload costs requests on idle
-    keep-alive connections (README: restart nginx), for a change of the workers' alone (an
-    outside check)."""
-    wanted = render.render_nginx(new)
-    return wanted != on_disk or any(render.render_nginx(was) != wanted
-                                    for was in ((old, *attempted) if attempted else ()))
 
 
 def _how_given(dropped: list[str]) -> str:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shmserve import config, models, topology
+from shmserve import config, models, render, topology
 from shmserve.config import Config
 
 # Keys no worker process reads (gpu_workers/, and the shmserve modules it runs): a change of
@@ -161,3 +161,14 @@ def moved(old: Config, new: Config, index: int) -> bool:
 
 def index_of(name: str) -> int:
     return int(name.rpartition("-")[2])
+
+
+def nginx_differs(old: Config, attempted: list[Config], new: Config, on_disk: str) -> bool:
+    """Whether nginx must reload for `new`: its file as rendered now (`on_disk`, before this
+    apply rendered) differs, or, resumed, nginx may run what the apply before or an attempt
+    rendered. A resumed apply reloaded nginx always, and a reload costs requests on idle
+    keep-alive connections (README: restart nginx), for a change of the workers' alone (an
+    outside check)."""
+    wanted = render.render_nginx(new)
+    return wanted != on_disk or any(render.render_nginx(was) != wanted
+                                    for was in ((old, *attempted) if attempted else ()))

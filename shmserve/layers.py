@@ -71,9 +71,7 @@ def overridden(tree: Mapping[str, Any], extra: str | Path | None,
         tree = deep_merge(tree, read_yaml(path))
     if base is None:
         base = read_yaml(CONFIG_DIR / "base.yaml")
-    # The files' nulls take their defaults before the variables apply, so a variable can set a
-    # key inside a default a file restored (`models: ~`, then SHMSERVE__MODELS__0__NAME: "models
-    # is not a section", an outside check); the variables' own nulls after.
+    # Files' nulls become defaults before the variables apply (`models: ~` then MODELS__0__...)
     return without_nulls(apply_env_overrides(without_nulls(dict(tree), base), environ), base)
 
 

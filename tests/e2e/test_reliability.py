@@ -350,43 +350,6 @@ def test_a_burst_past_the_deadline_is_refused_at_once_not_timed_out(tmp_path, sl
         stack.down()
 
 
-def test_a_lost_workers_requests_are_named_in_the_logs(tmp_path, tiny_model):
-    """A worker killed with requests in it, and no other to take them: the frontend's
-    frontend.worker_lost line names them, and each access line says worker_lost at level
-    warning (an outside check could not tell them from a cold start's 503s by their lines, nor
-    find them by request id: the lost line gave a count, the access lines no_worker_ready)."""
-    stack = Stack(tmp_path / "s", tiny_overrides(
-        tiny_model, frontends={"count": 1, "no_worker_wait_s": 0.2},
-        workers={"heartbeat_timeout_s": 60, "hung_kill_s": 120}))
-    stack.up()
-    try:
-        worker = stack.pid("workers:worker-0")
-        os.kill(worker, signal.SIGSTOP)  # the requests wait in it
-        ids = [f"lost-{i}" for i in range(3)]
-        with concurrent.futures.ThreadPoolExecutor(3) as pool:
-            waiting = [pool.submit(stack.post_json, "/v1/embeddings", {"input": ["w"]},
-                                   {"X-Request-ID": rid}) for rid in ids]
-            stack.wait_until(lambda: inflight(stack) == 3, 30, "the requests to wait")
-            os.kill(worker, signal.SIGKILL)
-            answers = [future.result(timeout=30) for future in waiting]
-        assert [status for status, _, _ in answers] == [503] * 3, answers
-        assert all(body["error"]["message"].startswith("its worker was lost")
-                   for _, _, body in answers), answers
-
-        def lines(message):
-            return [line for line in stack.log_lines("frontend-0")
-                    if line.get("message") == message]
-        stack.wait_until(lambda: len([x for x in lines("request")
-                                      if x["request_id"] in ids]) == 3, 10, "the access lines")
-        (lost,) = lines("frontend.worker_lost")
-        assert sorted(lost["request_ids"]) == ids and lost["pending"] == 3, lost
-        for line in (x for x in lines("request") if x["request_id"] in ids):
-            assert (line["level"], line["status"], line["error_reason"]) == (
-                "warning", 503, "worker_lost"), line
-    finally:
-        stack.down()
-
-
 def test_a_stopping_frontend_answers_503_when_its_drain_ends_before_the_worker(tmp_path,
                                                                             tiny_model):
     """A frontend stopped (a restart) while its requests wait on a worker that has not answered

@@ -64,10 +64,10 @@ def test_a_config_put_back_after_a_failed_apply_restarts_what_that_apply_restart
     from shmserve import render
 
     on_disk = render.render_nginx(tried)
-    assert not apply.nginx_differs(base, [tried], base, on_disk)
-    assert apply.nginx_differs(base, [with_(base, frontends={"count": 3})], base,
+    assert not apply_plan.nginx_differs(base, [tried], base, on_disk)
+    assert apply_plan.nginx_differs(base, [with_(base, frontends={"count": 3})], base,
                                render.render_nginx(with_(base, frontends={"count": 3})))
-    assert apply.nginx_differs(with_(base, nginx={"gzip": True}), [tried], base, on_disk)
+    assert apply_plan.nginx_differs(with_(base, nginx={"gzip": True}), [tried], base, on_disk)
 
 
 def test_the_order_follows_what_the_change_needs_served_meanwhile(base):
