@@ -11,7 +11,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from shmserve.models import ModelSourceError, check_weights, weights_file
+from shmserve.model_files import unreadable
+from shmserve.models import weights_file
 
 
 def read(directory: Path, net: nn.Module, dtype: torch.dtype, name_of: Callable[[str], str],
@@ -27,7 +28,6 @@ def read(directory: Path, net: nn.Module, dtype: torch.dtype, name_of: Callable[
     from safetensors import SafetensorError, safe_open
 
     path = weights_file(Path(directory))
-    check_weights(path)  # its header, and that its tensors cover the file
     shapes = {name: tuple(t.shape) for name, t in net.state_dict().items()}
     try:
         with safe_open(str(path), framework="pt") as f:
@@ -44,8 +44,8 @@ def read(directory: Path, net: nn.Module, dtype: torch.dtype, name_of: Callable[
             if shapes.keys() - optional - names.keys():
                 return None  # weights missing: transformers says which
             return {name: f.get_tensor(key).to(dtype) for name, key in names.items()}
-    except (SafetensorError, OSError) as exc:  # changed since the check, say
-        raise ModelSourceError(f"{path} does not load ({exc})") from None
+    except (SafetensorError, OSError) as exc:  # damaged, truncated (safetensors checks it)
+        raise unreadable(path, exc) from None
     except Exception:  # noqa: BLE001 - read otherwise than expected: transformers reads
         return None  # it, or says why
 

@@ -163,28 +163,39 @@ def static_directory(directory: Path) -> Path | None:
     return None
 
 
+def header(path: Path) -> dict[str, tuple[tuple[int, ...], str]]:
+    """A safetensors file's tensors from its header alone: name -> (shape, safetensors' dtype
+    name). ModelSourceError when it does not read, or its tensors do not cover the file
+    exactly (a truncated copy: safetensors checks it)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="numpy") as f:
+            return {name: (tuple(f.get_slice(name).get_shape()), f.get_slice(name).get_dtype())
+                    for name in f.keys()}
+    except (SafetensorError, OSError) as exc:
+        raise unreadable(path, exc) from None
+
+
+def unreadable(path: Path, exc: Exception) -> ModelSourceError:
+    return ModelSourceError(f"{path} is not a readable safetensors file ({exc})")
+
+
 def static_table(directory: Path) -> tuple[str, tuple[int, int]]:
     """A static model's embedding table: (its tensor's name, [vocabulary, width]) from the
     safetensors header: sentence-transformers' `embedding.weight`, or model2vec's
     `embeddings` (without a vocabulary mapping or per-token weights, which are refused)."""
-    from safetensors import SafetensorError, safe_open
-
     path = static_directory(directory) / "model.safetensors"
-    name, shape, kind = None, (), ""
-    try:
-        with safe_open(str(path), framework="numpy") as f:
-            names = set(f.keys())
-            name = next((n for n in ("embedding.weight", "embeddings") if n in names), None)
-            if name is not None:
-                shape, kind = tuple(f.get_slice(name).get_shape()), f.get_slice(name).get_dtype()
-    except (SafetensorError, OSError) as exc:
-        raise ModelSourceError(f"{path} is not a readable safetensors file ({exc})") from None
+    tensors = header(path)
+    names = set(tensors)
+    name = next((n for n in ("embedding.weight", "embeddings") if n in names), None)
     if name is None or names - {name}:
         raise ModelSourceError(
             f"{path}: a static embedding table is one tensor, embedding.weight or embeddings; "
             f"it holds {', '.join(sorted(names)) or 'none'} (model2vec's vocabulary mapping "
             "and token weights are not read: save it with sentence-transformers' "
             "StaticEmbedding)")
+    shape, kind = tensors[name]
     if len(shape) != 2 or kind not in FLOATS:
         raise ModelSourceError(f"{path}: {name} is {kind} {list(shape)}; a static embedding "
                                "table is a float matrix [vocabulary, width]")
@@ -274,16 +285,8 @@ def _dense(where: Path, cfg: dict) -> Dense:
 def _check_dense_weights(layer: Dense) -> None:
     """The tensors a Dense module's config says it has, of the shapes it says, from the
     safetensors header (the worker loads them; a mismatch found there cost three restarts)."""
-    from safetensors import SafetensorError, safe_open
-
-    path = layer.directory / "model.safetensors"
-    try:
-        with safe_open(str(path), framework="numpy") as f:
-            names = set(f.keys())
-            have = {n: tuple(f.get_slice(n).get_shape()) for n in layer.tensors() if n in names}
-    except (SafetensorError, OSError) as exc:
-        raise ModelSourceError(f"{path} is not a readable safetensors file ({exc})") from None
-    dense_shapes_match(layer, have)
+    dense_shapes_match(layer, {name: shape for name, (shape, _) in
+                               header(layer.directory / "model.safetensors").items()})
 
 
 def dense_shapes_match(layer: Dense, have: dict) -> None:

@@ -22,7 +22,7 @@ from shmserve.config import Config, ModelConfig
 from shmserve.model_files import (Dense, ModelSourceError, dense_directories, dense_of,
                                   lowercases, max_seq_length, normalize_of, pooling_of,
                                   pooling_config, read_json, STATIC_ARCHITECTURE, static_config,
-                                  static_directory, tokenizer, tokenizer_path)
+                                  static_directory, header, tokenizer, tokenizer_path)
 from shmserve.sources import resolve_source  # noqa: F401 - imported from here too
 
 # A cross-encoder's score, as sentence-transformers' CrossEncoder computes it: the activation it
@@ -174,14 +174,7 @@ def weights_file(directory: Path) -> Path:
 def check_weights(path: Path) -> None:
     """Refuse a weights file whose safetensors header does not read, or whose tensors do not
     cover the file exactly (a truncated copy): the header alone is read, not the weights."""
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        with safe_open(str(path), framework="numpy") as f:
-            empty = not list(f.keys())
-    except (SafetensorError, OSError) as exc:
-        raise ModelSourceError(f"{path} is not a readable safetensors file ({exc})") from None
-    if empty:
+    if not header(path):
         raise ModelSourceError(f"{path} holds no tensors")
 
 
