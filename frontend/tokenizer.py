@@ -98,8 +98,7 @@ class TextEncoder:
         truncate = self.truncate if truncate is None else truncate
         tok = self._variant(truncate, direction)
         prompt = self.prompt(prompt_name)
-        texts, long = self._pieces([prompt + text for text in texts] if prompt else texts,
-                                   direction)
+        texts, long = self._pieces(_after(prompt, texts), direction)
         # _fast: without the character offsets, which nothing here reads.
         enc = self._flatten(tok.encode_batch_fast(texts, add_special_tokens=True), param,
                             truncate, hint=hint, long=long)
@@ -125,8 +124,7 @@ class TextEncoder:
 
     def prompted(self, texts: list[str], name: str | None) -> list[str]:
         """`texts` as the model reads them: after prompt `name` (see `prompt`)."""
-        prompt = self.prompt(name)
-        return [prompt + text for text in texts] if prompt else texts
+        return _after(self.prompt(name), texts)
 
     def prompt(self, name: str | None) -> str:
         """The text of prompt `name` (None: the default prompt, "" when there is none; "": no
@@ -429,3 +427,8 @@ def _which(param: str, i: int, pairs: bool) -> str:
     """The input a too-long error names: a cross-encoder reads the query and a document as
     one input, so either may be the long part."""
     return f"the query with '{param}[{i}]'" if pairs else f"'{param}[{i}]'"
+
+
+def _after(prompt: str, texts: list[str]) -> list[str]:
+    """Each text with `prompt` before it."""
+    return [prompt + text for text in texts] if prompt else texts

@@ -116,7 +116,7 @@ def _how_given(dropped: list[str]) -> str:
     for path in dropped:
         name = Path(path)
         env = name.stem if (name.parent == layers.CONFIG_DIR.resolve() and name.suffix == ".yaml"
-                            and name.stem not in ("base", *layers.OVERLAYS)) else ""
+                            and name.stem in layers.env_names()) else ""
         ways.append(f"give --env {env} or SHMSERVE_ENV={env}" if env
                     else f"give {name.name} with --config or SHMSERVE_CONFIG")
     return "; ".join(dict.fromkeys(ways))

@@ -51,14 +51,16 @@ def merged(env: str | None = None, extra: str | Path | None = None,
     tree = read_yaml(CONFIG_DIR / "base.yaml")
     env_file = CONFIG_DIR / f"{env}.yaml"
     if not env_file.is_file():
-        known = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")
-                       if p.stem not in ("base", *OVERLAYS))
         raise ConfigError(f"{source} {env}: no config file {env_file}; one of "
-                          f"{', '.join(known)} (configs/gpu.yaml is an overlay: --config)")
+                          f"{', '.join(env_names())} (configs/gpu.yaml is an overlay: --config)")
     warn_misspelled(environ)
     base = tree
     tree = deep_merge(tree, read_yaml(env_file))
     return overridden(tree, extra, environ, base)
+
+
+def env_names() -> list[str]:  # what --env takes: configs/*.yaml but base and overlays
+    return sorted(p.stem for p in CONFIG_DIR.glob("*.yaml") if p.stem not in ("base", *OVERLAYS))
 
 
 def overridden(tree: Mapping[str, Any], extra: str | Path | None,
