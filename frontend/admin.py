@@ -18,7 +18,8 @@ import math
 from aiohttp import web
 
 from frontend import codec, reload
-from frontend.app import CONFIG, MODEL_NAME, MODELS, POOL, SPLITS, ServedModel, bearer_matches
+from frontend.app import (CONFIG, MODEL_NAME, MODELS, POOL, SPLITS, ServedModel, bearer_matches,
+                          bearer_refusal)
 from frontend.errors import ApiError
 from frontend.variants import Variant
 from shmserve import state
@@ -50,7 +51,9 @@ def authorize(request: web.Request) -> None:
     if not token:
         raise ApiError("not_found", "admin routes are off (set admin.token)")
     if not bearer_matches(request, (token.encode(),)):
-        raise ApiError("unauthorized", "admin routes need 'Authorization: Bearer <admin.token>'")
+        raise ApiError("unauthorized", bearer_refusal(
+            request, "admin routes need 'Authorization: Bearer <admin.token>'",
+            "the bearer token sent is not this server's admin.token"))
 
 
 async def list_models(request: web.Request) -> web.Response:

@@ -243,10 +243,25 @@ def bearer_matches(request: web.Request, keys: tuple[bytes, ...]) -> bool:
     return scheme.lower() == "bearer" and matched
 
 
+def bearer_refusal(request: web.Request, needs: str, wrong: str) -> str:
+    """Why a request's bearer check failed, for its 401: `needs` when it sent no bearer token,
+    `wrong` when it sent one that matched none (the same words for both told a client with a
+    typo in its key to send the key it had sent: an outside check)."""
+    header = request.headers.get("Authorization")
+    if header is None:
+        return f"{needs}; the request has no Authorization header"
+    scheme, _, sent = header.partition(" ")
+    if scheme.lower() != "bearer" or not sent.strip():
+        return f"{needs}; the request's Authorization header is not 'Bearer <token>'"
+    return wrong
+
+
 def authenticate(request: web.Request, keys: tuple[bytes, ...]) -> None:
     if not bearer_matches(request, keys):
-        raise ApiError("unauthorized", "this server needs 'Authorization: Bearer <API key>' "
-                       "(one of auth.api_keys or auth.api_keys_file)")
+        raise ApiError("unauthorized", bearer_refusal(
+            request, "this server needs 'Authorization: Bearer <API key>' (one of "
+            "auth.api_keys or auth.api_keys_file)", "the bearer token sent is not one of this "
+            "server's API keys (auth.api_keys, auth.api_keys_file)"))
 
 
 def error_response(request: web.Request, exc: ApiError) -> web.Response:

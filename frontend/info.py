@@ -142,5 +142,5 @@ def _device(index: int, device: str, pool: WorkerPool) -> dict[str, Any]:
         actual = name if name == topology.CPU else None  # None: not reported yet ("loading")
     return {"worker": index, "device": actual,
             "name": name if actual is not None else None,
-            "configured": device if device == topology.CPU else f"cuda:{device}",
+            "configured": topology.device_label(device),
             "ready": bool(link is not None and link.ready)}

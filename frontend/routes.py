@@ -20,6 +20,7 @@ from frontend.dispatch import Outcome
 from frontend.errors import ApiError
 from frontend.pool import WorkerPool
 from frontend.tokenizer import Encoded
+from shmserve import topology
 from shmserve.protocol import PROTOCOL_VERSION
 
 
@@ -168,9 +169,14 @@ async def ready(request: web.Request) -> web.Response:
     pool = request.app[POOL]
     await pool.first_heard()  # a new frontend: not "loading" before it has heard anyone
     now = time.monotonic()
+    configured = topology.worker_devices(request.app[CONFIG])
     workers = [{"worker": link.index, "alive": link.alive, "ready": link.ready,
                 "pid": link.beat.pid if link.beat else None,
                 "device": link.beat.device if link.beat else None,
+                # what the config asks for (device: what the worker reports once loaded; a
+                # failing worker's read "loading", an outside check)
+                "configured_device": topology.device_label(configured[link.index])
+                if link.index < len(configured) else None,
                 "queued_texts": link.beat.queued_texts if link.beat else None,
                 # the forward pass running now, seconds; stalled: past workers.stalled_pass_s
                 "pass_s": round(link.beat.pass_s, 3) if link.beat else None,

@@ -184,6 +184,8 @@ def up(args: argparse.Namespace) -> int:
                        "--foreground (a container's command), or logging.stdout: false")
     if cfg.logging.stdout:
         check_stdout()
+    if note := topology.unplaced_gpus(cfg):
+        print(f"shmserve: note: {note}", file=sys.stderr)
     try:
         models.check(cfg, topology.worker_devices(cfg))  # before any process starts
     except models.ModelSourceError as exc:

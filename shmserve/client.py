@@ -137,7 +137,14 @@ class _Base:
 
 
 class Client(_Base):
-    """Blocking client; not thread-safe (one connection). Use as a context manager or close()."""
+    """Blocking client; not thread-safe (one connection). Use as a context manager or close().
+
+    Keyword options (both clients): ``timeout`` (seconds, default 30), ``format`` (msgpack or
+    json), ``model`` (the default model of every call), ``api_key`` (a bearer token; default
+    the ``SHMSERVE_API_KEY`` environment variable), ``priority`` (low, normal, high or -10 to
+    10: the X-Priority header), ``max_retries`` (429/502/503 sent again after Retry-After;
+    default 2).
+    """
 
     def __init__(self, url: str = "http://127.0.0.1:8080", **kwargs: Any) -> None:
         super().__init__(url, **kwargs)
@@ -254,7 +261,10 @@ class Client(_Base):
 
 
 class AsyncClient(_Base):
-    """asyncio client over one aiohttp session; use ``async with`` or ``await close()``."""
+    """asyncio client over one aiohttp session; use ``async with`` or ``await close()``.
+
+    Keyword options: as ``Client``'s (``api_key``, ``timeout``, ``priority``, ...).
+    """
 
     def __init__(self, url: str = "http://127.0.0.1:8080", **kwargs: Any) -> None:
         super().__init__(url, **kwargs)

@@ -157,8 +157,25 @@ def render_nginx(cfg: Config) -> str:
     })
 
 
+def interpreter(executable: str | None = None) -> str:
+    """This Python as the programs' commands name it: its directory's `python` or `python3`
+    where that is the same file. pip writes into the `shmserve` script whichever name ran it
+    (scripts/install's `python -m pip`, the README's `.venv/bin/pip`: python3.11), and a program
+    whose command changed was replaced by the next `apply`, which its dry run had not said (an
+    outside check)."""
+    exe = Path(executable or sys.executable)
+    for name in ("python", "python3"):
+        alias = exe.parent / name
+        try:
+            if os.path.samefile(alias, exe):
+                return str(alias)
+        except OSError:  # no such name there
+            continue
+    return str(exe)
+
+
 def render_supervisord(cfg: Config, nginx: str) -> str:
-    python = sys.executable
+    python = interpreter()
     config_json = str(topology.resolved_config_path(cfg))
     devices = topology.worker_devices(cfg)
     common = {

@@ -87,7 +87,8 @@ def render(cur: Sample, prev: Sample | None, title: str) -> str:
     lines.append("")
     lines += _table(["WORKER", "DEVICE", "READY", "QUEUE", "TEXTS/S", "BATCHES/S", "TEXTS/BATCH",
                      "PADDING", "DEV ALLOC", "DEV RESERVED", "FRAG", "RSS"], [
-        [str(w["worker"]), str(w["device"] or "-"),
+        [str(w["worker"]), str(w["device"] if w["device"] not in (None, "loading")
+                               else w["configured_device"] or w["device"] or "-"),
          "yes" if w["ready"] else ("failing" if w["load_error"] else
                                    "loading" if w["alive"] else "no"),
          _num(w["queued_texts"], 0),
@@ -237,6 +238,7 @@ def workers_of(cur: Sample, prev: Sample | None) -> list[dict]:
         padded = _delta(cur, prev, "shmserve_batch_padded_tokens_total", worker=i)
         rows.append({
             "worker": w.get("worker"), "device": w.get("device"),
+            "configured_device": w.get("configured_device"),
             "ready": bool(w.get("ready")), "alive": bool(w.get("alive")),
             "failed_loads": int(w.get("failed_loads") or 0), "load_error": w.get("load_error"),
             "queued_texts": _int(queue if queue is not None else w.get("queued_texts")),

@@ -47,8 +47,28 @@ def visible_gpus() -> list[int]:
                 f"by UUID ({named[0]}...): list their indices (nvidia-smi's) in "
                 "workers.devices, or give CUDA_VISIBLE_DEVICES as indices")
         ids = [int(x) for x in entries if x.isdigit()]
+        # An index the driver does not show was dropped, and `auto` ran fewer workers, or CPU
+        # workers in a container given GPUs that CUDA numbers from 0, without a word (an
+        # outside check). None shown at all: CPU workers, which `up` notes.
+        if count and (missing := [i for i in ids if i >= count]):
+            raise ConfigError(
+                f"workers.devices: auto: CUDA_VISIBLE_DEVICES={visible} names GPU "
+                f"{', '.join(map(str, missing))}, which this machine does not show (it shows "
+                f"{count}: 0-{count - 1}); name GPUs that are here, or list workers.devices")
         return [i for i in ids if i < count]
     return list(range(count))
+
+
+def unplaced_gpus(cfg: Config) -> str | None:
+    """What `up` notes when `workers.devices: auto` found no GPU although CUDA_VISIBLE_DEVICES
+    names some (CPU workers serve), else None."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    if cfg.workers.devices != "auto" or not any(x.strip().isdigit() for x in visible.split(",")):
+        return None
+    if visible_gpus():
+        return None
+    return (f"CUDA_VISIBLE_DEVICES={visible} names GPUs, but this machine shows none: "
+            f"workers.devices auto runs {cfg.workers.cpu_workers} CPU worker(s)")
 
 
 def worker_devices(cfg: Config) -> list[str]:
@@ -62,6 +82,11 @@ def worker_devices(cfg: Config) -> list[str]:
     if devices == CPU:
         return [CPU] * cfg.workers.cpu_workers
     return [str(d) for d in devices for _ in range(cfg.workers.per_gpu)]
+
+
+def device_label(device: str) -> str:
+    """A worker_devices entry as torch names it: cpu, or cuda:N (N: the machine's index)."""
+    return device if device == CPU else f"cuda:{device}"
 
 
 def socket_dir(cfg: Config) -> Path:

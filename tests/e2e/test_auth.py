@@ -104,6 +104,9 @@ def test_a_wrong_key_is_refused(stack, key):
             client.embeddings.create(model="tiny", input=["hello"])
     assert info.value.status_code == 401
     assert info.value.body["type"] == "unauthorized"
+    # a key was sent: the message says it matched none, not that one is needed
+    assert info.value.body["message"].startswith("the bearer token sent is not one of"), \
+        info.value.body
 
 
 def test_no_key_gets_401_with_the_scheme_to_use(stack):
@@ -112,14 +115,16 @@ def test_no_key_gets_401_with_the_scheme_to_use(stack):
                  "/v2/models/tiny/infer"):
         status, headers, body = stack.post_json(path, {"input": ["hello"], "texts": ["hello"]})
         assert status == 401, (path, status, body)
-        if path.startswith("/v2"):  # KServe v2's error shape: the message alone
-            assert body["error"].startswith("this server needs 'Authorization: Bearer")
-        else:
+        message = body["error"] if path.startswith("/v2") else body["error"]["message"]
+        if not path.startswith("/v2"):  # KServe v2's error shape: the message alone
             assert body["error"]["type"] == "unauthorized"
+        assert message.startswith("this server needs 'Authorization: Bearer"), message
+        assert message.endswith("the request has no Authorization header"), message
         assert headers["WWW-Authenticate"] == 'Bearer realm="shmserve"'
-    status, _, _ = stack.post_json("/v1/embeddings", {"input": ["hello"]},
-                                   {"Authorization": f"Basic {INLINE}"})
+    status, _, body = stack.post_json("/v1/embeddings", {"input": ["hello"]},
+                                      {"Authorization": f"Basic {INLINE}"})
     assert status == 401  # the key, but not as a bearer token
+    assert body["error"]["message"].endswith("is not 'Bearer <token>'"), body
 
 
 def test_probes_scrapes_and_the_description_stay_open(stack):

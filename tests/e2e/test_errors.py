@@ -245,10 +245,14 @@ def test_admin_routes_are_off_without_a_token(tiny_stack):
 
 def test_admin_routes_need_the_token(strict_stack):
     stack = strict_stack
-    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": ADMIN_TOKEN},
-                    {"Authorization": f"Basic {ADMIN_TOKEN}"}):
+    for headers, why in (({}, "no Authorization header"),
+                         ({"Authorization": "Bearer wrong"}, "not this server's admin.token"),
+                         ({"Authorization": ADMIN_TOKEN}, "not 'Bearer <token>'"),
+                         ({"Authorization": f"Basic {ADMIN_TOKEN}"}, "not 'Bearer <token>'")):
         status, _, raw = stack.get("/admin/models", headers)
-        assert status == 401 and json.loads(raw)["error"]["type"] == "unauthorized"
+        error = json.loads(raw)["error"]
+        assert status == 401 and error["type"] == "unauthorized"
+        assert error["message"].endswith(why), (headers, error)
     status, _, raw = stack.get("/admin/models", {"Authorization": f"Bearer {ADMIN_TOKEN}"})
     assert status == 200
     models = {m["name"]: m for m in json.loads(raw)["models"]}

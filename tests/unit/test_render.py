@@ -113,7 +113,7 @@ def test_every_program_is_supervised_the_same_way(tmp_path):
         assert p.stopwaitsecs >= math.ceil(cfg.server.drain_timeout_s) + 5, name
         assert p.stdout_logfile == f"{cfg.run_dir}/logs/{name}.log", name
         assert p.directory == str(REPO_ROOT), name
-        assert p.command.startswith(sys.executable + " -m "), name
+        assert p.command.startswith(render.interpreter() + " -m "), name
         assert p.environment["PROMETHEUS_MULTIPROC_DIR"] == str(cfg.run_dir / "metrics"), name
         assert p.environment["SHMSERVE_RUN_DIR"] == str(cfg.run_dir), name
         assert p.environment["HF_HUB_OFFLINE"] == p.environment["TRANSFORMERS_OFFLINE"] == "1"
@@ -364,3 +364,32 @@ def test_nginx_has_room_for_every_request_the_frontends_admit(tmp_path):
     assert split == room(2 * (8 * 2048 + render.CLIENT_MARGIN) // 4 + slack)
     assert rendered("set", nginx={"worker_connections": 50000, "listen_backlog": 128})[0] == 50000
 
+
+
+def test_programs_name_one_interpreter_whichever_of_its_names_ran_shmserve(tmp_path,
+                                                                          monkeypatch):
+    """pip writes into the `shmserve` script the name that ran it (`python -m pip`: python;
+    the README's `.venv/bin/pip`: python3.11): every program's command changed with it, and the
+    next `apply` replaced every worker and frontend while its dry run said nothing (an outside
+    check). The directory's `python` names the same file: commands stay as they were."""
+    venv = tmp_path / "venv" / "bin"
+    venv.mkdir(parents=True)
+    (venv / "python3.11").write_text("")
+    (venv / "python").symlink_to("python3.11")
+    (venv / "python3").symlink_to("python3.11")
+    assert render.interpreter(str(venv / "python3.11")) == str(venv / "python")
+    assert render.interpreter(str(venv / "python3")) == str(venv / "python")
+    assert render.interpreter(str(venv / "python")) == str(venv / "python")
+    other = tmp_path / "other" / "bin"  # a `python` that is another file: this one's own name
+    other.mkdir(parents=True)
+    (other / "python3.11").write_text("")
+    (other / "python").write_text("")
+    assert render.interpreter(str(other / "python3.11")) == str(other / "python3.11")
+    cfg = make_config(tmp_path / "run")
+    here = Path(sys.executable).parent
+    commands = []
+    for name in ("python", f"python{sys.version_info.major}.{sys.version_info.minor}"):
+        assert (here / name).exists(), here  # a venv (or a system) has both names
+        monkeypatch.setattr(sys, "executable", str(here / name))
+        commands.append(render.render_supervisord(cfg, "/usr/sbin/nginx"))
+    assert commands[0] == commands[1]

@@ -258,11 +258,13 @@ def test_a_worker_whose_load_fails_shows_as_failing_with_its_error():
     says failing for that worker, and a line gives the error, which `--json` holds too."""
     cur = sample(1.0, 10, 1, 10, 10)
     workers = [READY["workers"][0], {**READY["workers"][1], "alive": False, "failed_loads": 3,
-                                     "load_error": "ModelSourceError: lacks 16 weights"}]
+                                     "load_error": "ModelSourceError: lacks 16 weights",
+                                     "device": "loading", "configured_device": "cuda:1"}]
     cur = status.Sample(cur.at, cur.processes, 503, {"status": "failing", "workers": workers},
                         cur.metrics)
     text = status.render(cur, None, "t")
-    assert rows(text)["1"][2] == "failing"
+    # the device it is configured for, not its heartbeats' "loading" (an outside check)
+    assert rows(text)["1"][1:3] == ["cuda:1", "failing"]
     assert "worker 1: its load failed 3 time(s) in a row (it starts again): ModelSourceError: " \
         "lacks 16 weights" in text.splitlines()
     shown = status.snapshot(cur, None)

@@ -33,3 +33,35 @@ def test_gpus_are_counted_from_the_device_nodes_when_the_driver_tree_is_missing(
     monkeypatch.setattr(topology, "DRIVER_GPUS", driver)  # the driver's tree, when there, wins
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     assert topology.visible_gpus() == [0]
+
+
+def test_auto_devices_refuse_an_index_the_machine_does_not_show(tmp_path, monkeypatch):
+    """CUDA_VISIBLE_DEVICES=0,5 on a machine of two GPUs ran one GPU's workers, and 2,3 in a
+    container given two GPUs (which CUDA numbers 0 and 1 there) ran CPU workers, without a word
+    (an outside check): refused, naming the index. With no GPU at all, CPU workers, noted."""
+    driver = tmp_path / "driver"
+    for bus in ("0000:01:00.0", "0000:02:00.0"):
+        (driver / bus).mkdir(parents=True)
+    monkeypatch.setattr(topology, "DRIVER_GPUS", driver)
+    cfg = config.from_tree({"models": [{"name": "m", "source": "/nonexistent/m"}],
+                            "workers": {"devices": "auto", "cpu_workers": 2}})
+    for visible, missing in (("0,5", "5"), ("2,3", "2, 3")):
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+        with pytest.raises(config.ConfigError, match=rf"CUDA_VISIBLE_DEVICES={visible} names "
+                           rf"GPU {missing}, which this machine does not show \(it shows 2: "):
+            topology.worker_devices(cfg)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,0")
+    assert topology.worker_devices(cfg) == ["1", "0"]
+    assert topology.unplaced_gpus(cfg) is None
+    monkeypatch.setattr(topology, "DRIVER_GPUS", tmp_path / "none")
+    monkeypatch.setattr(topology, "DEVICE_NODES", tmp_path / "none")
+    assert topology.worker_devices(cfg) == ["cpu", "cpu"]
+    assert topology.unplaced_gpus(cfg) == ("CUDA_VISIBLE_DEVICES=1,0 names GPUs, but this "
+                                           "machine shows none: workers.devices auto runs 2 "
+                                           "CPU worker(s)")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert topology.unplaced_gpus(cfg) is None  # GPUs hidden on purpose: nothing to note
+    cpu = config.from_tree({"models": [{"name": "m", "source": "/nonexistent/m"}],
+                            "workers": {"devices": "cpu"}})
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    assert topology.unplaced_gpus(cpu) is None
