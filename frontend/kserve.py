@@ -251,6 +251,14 @@ async def infer(request: web.Request) -> web.Response:
     if request_id is not None and not isinstance(request_id, str):
         raise ApiError("invalid_request", "'id' must be a string", param="id")
     results, outcome = await spec.run(request, model, inputs, priority)
+    version = request.match_info.get("version")
+    if version is not None and request.get(REVISION) != version:
+        # The variant switched revision between the check above and the worker's pass (a
+        # reload): its rows are another version's, which the path ruled out (2 of ~380
+        # requests pinned across a reload were answered by the new one, an outside check).
+        raise ApiError("not_found", f"model {model.spec.name!r} has no version {version!r} "
+                       f"any more: a reload replaced it with {request.get(REVISION)!r} while "
+                       "this request ran", param="model_version", code="model_not_found")
     datatypes = {t.name: t.datatype for t in spec.outputs}
     outputs = [(Tensor(name, datatypes[name], results[name].shape, results[name]), binary)
                for name, binary in wanted]

@@ -8,6 +8,10 @@ every worker that hosts the model (or the A/B variant):
      loads it too), then Commit(keep): each switches between two batches and answers. Else
      Commit(drop) to those that staged: nothing changed anywhere, and the call says why.
 
+A worker that misses its commit (it restarted during the reload, or this frontend died between
+the two steps) converges on the run state by itself (gpu_workers.slots: reconcile), and one
+whose reload's frontend is gone drops its standby.
+
 So a model switches on every worker or on none. Each phase waits at most
 admin.reload_timeout_s; a worker that does not answer in time counts as failed. Every frontend
 learns the new revision from the replies it gets (Result.revision) and from heartbeats.
@@ -142,9 +146,14 @@ async def _reload(app: web.Application, hosts: list[WorkerLink], model: str, var
         done = await _ask(pool, hosts, lambda seq: Commit(seq, ticket, variant.unit, True),
                           timeout)
         revisions = sorted({r.revision for r in done.values() if isinstance(r, ReloadDone)})
+        workers = _workers(done)
+        for worker in workers:
+            if not worker["ok"]:  # restarted meanwhile, say: it converges on the run state
+                worker["message"] += ("; the run state records the new weights, which this "
+                                      "worker loads and switches to by itself once it serves")
         return {"model": model, **({"variant": variant.name} if variant.name else {}),
                 "revision": revisions[0] if len(revisions) == 1 else revisions,
-                "workers": _workers(done)}
+                "workers": workers}
     # Drop everywhere: a worker that staged frees its standby, one still loading (it did not
     # answer in time) cancels, one that failed has nothing and says so.
     await _ask(pool, hosts, lambda seq: Commit(seq, ticket, variant.unit, False), timeout)

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from gpu_workers.metrics import WorkerMetrics
 from gpu_workers.requests import Request, read_request
+from gpu_workers.slots import Orphaned
 from gpu_workers.watch import FrontendWatch
 from shmserve.admission import Backlog
 from shmserve.arena import Attachments
@@ -62,7 +63,8 @@ class Intake:
         self.metrics = metrics
         self.stopping = stopping
         self.status = status
-        self.inbox: queue.Queue = queue.Queue()  # Requests, (peer, Reload | Commit), Built
+        # Requests, (peer, Reload | Commit), Built, Orphaned
+        self.inbox: queue.Queue = queue.Queue()
         self.backlog = Backlog()  # admitted tokens and their speed: admission by deadline
         self.attachments = Attachments()
         self.watch = FrontendWatch(cfg, index, metrics)
@@ -127,6 +129,7 @@ class Intake:
         and finished() squares the two. A killed
         frontend's queued work kept a worker busy for seconds (an outside check: 256 texts,
         ~10 s), and the retries were refused 429 meanwhile."""
+        self.inbox.put(Orphaned(peer))  # its reloads, too (gpu_workers.slots)
         dropped = 0
         with self._lock:  # as finished(): a request is released once
             for (sender, _), request in list(self._requests.items()):

@@ -11,8 +11,16 @@ One reload at one worker:
                                compatible with the active one, loaded, warmed up
     (built)       -> staged    answered ReloadDone(OK); waits for the frontend's commit
     Commit(keep)  -> active    the old slot retires
-    Commit(drop), or staged for longer than admin.reload_timeout_s: the staged slot is freed
+    Commit(drop), or staged for longer than admin.reload_timeout_s, or its frontend gone: the
+                               staged slot is freed (a load under way is cancelled)
 A failed load answers ReloadDone(INVALID | FAILED) and leaves the active slot as it was.
+
+The run state (shmserve.state: the source each reloaded unit serves) is the truth a worker
+converges to (`reconcile`): a unit serving another source than the state records switches to a
+standby holding it, else loads it itself and switches once loaded. A worker that restarted while
+a reload was under way had loaded the sources from before it, and one whose reload's frontend
+died between recording the state and committing held the new weights staged: a model answered
+from two revisions until someone restarted a worker (an outside check).
 
 Threads: every method runs on the model thread, except `build`, which runs on the loader thread
 and hands its outcome back through `post` (the worker's inbox): the table has one writer.
@@ -25,6 +33,8 @@ import itertools
 import logging
 import threading
 import time
+import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -47,10 +57,12 @@ class Slot:
 @dataclass(eq=False)
 class Job:
     ticket: str
-    peer: bytes
+    peer: bytes  # the frontend that asked; b"": the run state's (reconcile), switched when built
     seq: int
     revision: str
     cancelled: bool = False
+    since: float = field(default_factory=time.monotonic)
+    wanted: tuple[str, str] | None = None  # the run state's (source, revision), reconcile's
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +72,7 @@ class Staged:
     slot: Slot
     ticket: str
     since: float  # monotonic
+    peer: bytes  # the frontend whose commit it waits for
 
 
 @dataclass(eq=False)
@@ -69,6 +82,15 @@ class Unit:
     loading: Job | None = None
     standby: Staged | None = None
     retiring: list[Slot] = field(default_factory=list)
+    switched: str = ""  # the ticket of the last switch (a Commit of it that comes late: OK)
+    unreachable: tuple[str, str] | None = None  # the run state's, which failed to load here
+
+
+@dataclass(frozen=True, slots=True)
+class Orphaned:
+    """A frontend gone (gpu_workers.intake): its reloads are answered to no one."""
+
+    peer: bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,10 +145,10 @@ class Slots:
         if unit is None:
             return [_reply(peer, msg.seq, ReloadStatus.INVALID, "",
                            f"model {msg.model!r} is not loaded on this worker")]
-        if (unit.loading is not None and not unit.loading.cancelled) or \
-                unit.standby is not None:
+        if busy := _under_way(unit, self._stage_timeout):
             return [_reply(peer, msg.seq, ReloadStatus.BUSY, "",
-                           f"another reload of {msg.model!r} is in progress on this worker")]
+                           f"another reload of {msg.model!r} is in progress on this worker "
+                           f"({busy})")]
         source = msg.source or unit.active.source
         config = dataclasses.replace(unit.config, source=source, revision=msg.revision)
         unit.loading = Job(msg.ticket, peer, msg.seq, msg.revision)
@@ -155,6 +177,16 @@ class Slots:
         if job.cancelled:
             self._free(item.slot)
             return []
+        if not job.peer:  # the run state's: nobody to commit it
+            if item.error is not None:
+                unit.unreachable = job.wanted
+                log.error("worker.reconcile_failed", extra={"fields": {
+                    "model": item.unit, "source": job.wanted[0], "revision": job.revision,
+                    "serving": unit.active.spec.revision,
+                    "error": f"{type(item.error).__name__}: {item.error}"}})
+            else:
+                self._switch(item.unit, unit, item.slot, job.ticket, "run_state")
+            return []
         if item.error is not None:
             status = (ReloadStatus.INVALID if isinstance(item.error, ModelSourceError)
                       else ReloadStatus.FAILED)
@@ -162,7 +194,7 @@ class Slots:
             log.warning("worker.reload_failed", extra={"fields": {
                 "model": item.unit, "ticket": job.ticket, "error": message}})
             return [_reply(job.peer, job.seq, status, "", message)]
-        unit.standby = Staged(item.slot, job.ticket, time.monotonic())
+        unit.standby = Staged(item.slot, job.ticket, time.monotonic(), job.peer)
         log.info("worker.reload_staged", extra={"fields": {
             "model": item.unit, "revision": item.slot.spec.revision, "ticket": job.ticket,
             "dtype": item.slot.spec.dtype, "loader": getattr(item.slot.model, "loader", "")}})
@@ -178,11 +210,12 @@ class Slots:
                 self._free(slot)
                 return [_reply(peer, msg.seq, ReloadStatus.OK, unit.active.spec.revision,
                                "dropped")]
-            unit.retiring.append(unit.active)
-            unit.active = slot
-            log.info("worker.switched", extra={"fields": {
-                "model": msg.model, "revision": slot.spec.revision, "ticket": msg.ticket}})
+            self._switch(msg.model, unit, slot, msg.ticket, "commit")
             return [_reply(peer, msg.seq, ReloadStatus.OK, slot.spec.revision, "switched")]
+        if unit is not None and msg.ticket == unit.switched and msg.keep:
+            # switched here already, the run state recording it (reconcile)
+            return [_reply(peer, msg.seq, ReloadStatus.OK, unit.active.spec.revision,
+                           "switched")]
         if unit is not None and unit.loading is not None and unit.loading.ticket == msg.ticket \
                 and not msg.keep:
             unit.loading.cancelled = True  # its slot is freed when the loader thread is done
@@ -194,7 +227,14 @@ class Slots:
                        f"no staged reload {msg.ticket} of {msg.model!r} here (it expired, or "
                        "was never staged)")]
 
-    def expire(self, now: float) -> None:
+    def _switch(self, name: str, unit: Unit, slot: Slot, ticket: str, by: str) -> None:
+        unit.retiring.append(unit.active)
+        unit.active = slot
+        unit.switched = ticket
+        log.info("worker.switched", extra={"fields": {
+            "model": name, "revision": slot.spec.revision, "ticket": ticket, "by": by}})
+
+    def expire(self, now: float) -> list[Reply]:
         """Free standby slots staged and never committed (their frontend went away)."""
         for name, unit in self.units.items():
             if unit.standby is not None and now - unit.standby.since > self._stage_timeout:
@@ -202,6 +242,50 @@ class Slots:
                     "model": name, "ticket": unit.standby.ticket}})
                 slot, unit.standby = unit.standby.slot, None
                 self._free(slot)
+        return []
+
+    def orphaned(self, peer: bytes) -> list[Reply]:
+        """Cancel the reloads frontend `peer` asked for: it is gone, and its commit will never
+        come (they held a standby, and refused other reloads 409, for admin.reload_timeout_s:
+        an outside check). Reconcile first: a standby the run state records switches."""
+        for name, unit in self.units.items():
+            if unit.loading is not None and unit.loading.peer == peer and \
+                    not unit.loading.cancelled:
+                unit.loading.cancelled = True  # its slot is freed when the loader is done
+                log.info("worker.reload_cancelled", extra={"fields": {
+                    "model": name, "ticket": unit.loading.ticket, "reason": "frontend_gone"}})
+            if unit.standby is not None and unit.standby.peer == peer:
+                log.info("worker.reload_dropped", extra={"fields": {
+                    "model": name, "ticket": unit.standby.ticket, "reason": "frontend_gone"}})
+                slot, unit.standby = unit.standby.slot, None
+                self._free(slot)
+        return []
+
+    def reconcile(self, sources: Mapping[str, Mapping[str, str]]) -> list[Reply]:
+        """Each unit to the source the run state records for it (the module's docstring).
+        A reload under way is left to its commit or drop; a recorded source that failed to
+        load here is not tried again until the state records another."""
+        for name, unit in self.units.items():
+            wanted = sources.get(name)
+            if not wanted or _holds(unit.active, wanted):
+                unit.unreachable = None
+                continue
+            if unit.standby is not None and _holds(unit.standby.slot, wanted):
+                slot, ticket, unit.standby = unit.standby.slot, unit.standby.ticket, None
+                self._switch(name, unit, slot, ticket, "run_state")
+                continue
+            key = (wanted["source"], wanted.get("revision", ""))
+            if _under_way(unit, self._stage_timeout) or unit.unreachable == key:
+                continue
+            ticket = f"state-{uuid.uuid4().hex}"
+            unit.loading = Job(ticket, b"", 0, key[1], wanted=key)
+            config = dataclasses.replace(unit.config, source=key[0], revision=key[1])
+            threading.Thread(target=self._load, args=(name, ticket, config, unit.active.spec),
+                             name=f"load-{name}", daemon=True).start()
+            log.warning("worker.reconciling", extra={"fields": {
+                "model": name, "source": key[0], "revision": key[1], "ticket": ticket,
+                "serving": unit.active.spec.revision, "serving_source": unit.active.source}})
+        return []
 
     def collect(self, pinned: set[str]) -> None:
         """Free retired slots that no queued text is pinned to (`pinned`: their slot keys)."""
@@ -240,6 +324,28 @@ def hosted_configs(cfg: Config, index: int) -> dict[str, ModelConfig]:
                     "model": unit.name, "source": over["source"], "error": str(exc)}})
         configs[unit.name] = config
     return configs
+
+
+def _holds(slot: Slot, wanted: Mapping[str, str]) -> bool:
+    """Whether `slot` holds what the run state records: its source, and its revision where
+    one was given (none: the weights' digest, whatever it is)."""
+    return slot.source == wanted["source"] and (
+        not wanted.get("revision") or slot.spec.revision == wanted["revision"])
+
+
+def _under_way(unit: Unit, stage_timeout: float) -> str:
+    """What reload of `unit` is under way here, in words; "" if none."""
+    now = time.monotonic()
+    if unit.loading is not None and not unit.loading.cancelled:
+        job = unit.loading
+        whose = "the run state's" if not job.peer else "an admin call's"
+        return (f"{whose}, loading revision {job.revision or '(its digest)'} for "
+                f"{now - job.since:.0f} s")
+    if unit.standby is not None:
+        return (f"revision {unit.standby.slot.spec.revision} staged {now - unit.standby.since:.0f}"
+                f" s ago, waiting for its commit; dropped at {stage_timeout:g} s "
+                "(admin.reload_timeout_s) if none comes")
+    return ""
 
 
 def _reply(peer: bytes, seq: int, status: ReloadStatus, revision: str,

@@ -21,7 +21,7 @@ import queue
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import zmq
@@ -33,7 +33,7 @@ from gpu_workers.loading import load_replacement, load_warm
 from gpu_workers.memory import MemoryCare, Policy, TorchAllocator, forward_in_halves
 from gpu_workers.metrics import WorkerMetrics
 from gpu_workers.requests import QueuedText, Request, model_inputs, pass_rows
-from gpu_workers.slots import Built, Slots, hosted_configs
+from gpu_workers.slots import Built, Orphaned, Slots, hosted_configs
 from gpu_workers.sockets import ANNOUNCE, REPLIES, SocketThread
 from shmserve import state, topology, wire
 from shmserve.config import Config, ModelConfig
@@ -43,6 +43,7 @@ from shmserve.protocol import Commit, Error, ErrorCode, ModelInfo, Reload, Resul
 log = logging.getLogger("shmserve.worker")
 
 LOAD_BACKOFF_MAX_S = 30.0  # the longest a worker whose load failed waits before it exits
+RECONCILE_S = 1.0  # how often the model loop compares its units with the run state
 FAILURE_CHARS = 1000  # of a failed load's error, in heartbeats
 
 
@@ -73,6 +74,8 @@ class Worker:
         # Replies not yet sent, by frontend: a batch's go out as one message each (wire).
         self._outbox: dict[bytes, list[bytes]] = {}
         self._batches = 0
+        self._state = state.Watch(cfg)  # the run state, reconciled every RECONCILE_S
+        self._reconciled = 0.0
         self.metrics.set_ready(False)
         self.memory: MemoryCare | None = None  # once the device is known
 
@@ -211,7 +214,10 @@ class Worker:
             self._take_inbox(block=not self._queue)
             now = time.time()
             self._drop_expired(now)
-            self.slots.expire(time.monotonic())
+            if drain_deadline is None and time.monotonic() - self._reconciled >= RECONCILE_S:
+                self._reconciled = time.monotonic()
+                self._slots_do(lambda: self.slots.expire(self._reconciled)
+                               + self.slots.reconcile(self._state.current().sources))
             if drain_deadline is not None and (not self._queue or now > drain_deadline):
                 break
             if not self._queue:
@@ -245,20 +251,33 @@ class Worker:
             except queue.Empty:
                 return
 
-    def _control(self, item: tuple[bytes, Reload | Commit] | Built) -> None:
-        """Reload, Commit and loader outcomes: between two batches, on the model thread."""
+    def _control(self, item: tuple[bytes, Reload | Commit] | Built | Orphaned) -> None:
+        """Reload, Commit, loader outcomes and gone frontends: between two batches, on the
+        model thread."""
+        slots = self.slots
         if isinstance(item, Built):
-            replies = self.slots.built(item)
+            self._slots_do(lambda: slots.built(item))
+        elif isinstance(item, Orphaned):
+            self._slots_do(lambda: slots.reconcile(self._state.current().sources)
+                           + slots.orphaned(item.peer))
         elif isinstance(item[1], Reload):
-            replies = self.slots.reload(*item)
+            self._slots_do(lambda: slots.reload(*item))
         else:
-            peer, msg = item
-            before = self.slots.units.get(msg.model)
-            before = before.active.spec if before is not None else None
-            replies = self.slots.commit(peer, msg)
-            after = self.slots.active(msg.model).spec if before is not None else None
-            if after is not None and after is not before:
-                self.metrics.model_switched(msg.model, before, after, str(self.device))
+            self._slots_do(lambda: slots.commit(*item))
+
+    def _slots_do(self, change: Callable[[], list[tuple[bytes, Any]]]) -> None:
+        """A change of the slots' table, then what it takes: a switch's metrics and the
+        retired slots freed, the frontends told of any change (heartbeats' model infos; also
+        a standby expired: /admin/models said staged for ever, an outside check), replies."""
+        before = {name: unit.active.spec for name, unit in self.slots.units.items()}
+        replies = change()
+        switched = False
+        for name, unit in self.slots.units.items():
+            if unit.active.spec is not before[name]:
+                self.metrics.model_switched(name, before[name], unit.active.spec,
+                                            str(self.device))
+                switched = True
+        if switched:
             self._collect()
         infos, self.status.infos = self.status.infos, self.slots.infos()
         if infos != self.status.infos:  # before the replies: the frontend that asked hears it

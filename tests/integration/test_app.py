@@ -141,3 +141,42 @@ def test_an_unexpected_error_in_a_frontend_is_a_500_naming_the_request_not_a_tra
     (access,) = [r for r in caplog.records if r.name == "shmserve.access"
                  and r.fields["request_id"] == "boom-fe"]
     assert access.levelname == "ERROR" and access.fields["status"] == 500
+
+
+def test_a_kserve_request_pinned_to_a_version_a_reload_replaced_meanwhile_is_refused(
+        tmp_path, tiny_model, monkeypatch):
+    """A version in the path pins the request (docs/protocols.md): checked against what the
+    frontend last heard, then run; a reload between the two answered the new version's rows
+    (2 of ~380 pinned requests across a reload, an outside check). Here the frontend's view is
+    made stale (it believes the worker serves tiny-r0; the worker serves tiny-r1): 404 naming
+    both, not another version's rows."""
+    from frontend import kserve
+
+    cfg = run_config(tmp_path, tiny_overrides(tiny_model, frontends={"count": 1}))
+    worker = start_worker(cfg)
+    body = {"inputs": [{"name": "text", "datatype": "BYTES", "shape": [1], "data": ["hi"]}]}
+
+    async def scenario():
+        async with TestClient(TestServer(create_app(cfg, 0))) as client:
+            for _ in range(600):  # the worker loads the model: up to 60 s
+                async with client.get("/ready") as resp:
+                    if resp.status == 200:
+                        break
+                await asyncio.sleep(0.1)
+            answers = []
+            for version in ("tiny-r1", "tiny-r0"):
+                monkeypatch.setattr(kserve, "revision", lambda variant, pool: version)
+                async with client.post(f"/v2/models/tiny/versions/{version}/infer",
+                                       json=body) as resp:
+                    answers.append((resp.status, await resp.json()))
+            return answers
+
+    try:
+        (ok, ok_body), (stale, stale_body) = asyncio.run(scenario())
+    finally:
+        worker.kill()
+        worker.wait()
+    assert ok == 200 and ok_body["model_version"] == "tiny-r1", ok_body
+    assert stale == 404, stale_body
+    assert stale_body["error"] == ("model 'tiny' has no version 'tiny-r0' any more: a reload "
+                                   "replaced it with 'tiny-r1' while this request ran")

@@ -162,3 +162,88 @@ def test_every_outcome_of_a_reload_is_logged_by_the_worker(caplog):
     assert events == ["worker.reload_started", "worker.reload_staged", "worker.switched",
                       "worker.reload_started", "worker.reload_staged", "worker.reload_dropped",
                       "worker.reload_started", "worker.reload_cancelled"], events
+
+
+# The run state (state.json's sources) is what every worker converges to: an outside check
+# found a model served from two revisions until a restart, in two ways (below).
+
+def test_a_worker_that_loaded_before_the_state_changed_loads_what_it_records():
+    """A worker restarted during a reload loads the sources from before it; the reload then
+    records the new one and the commit finds nothing staged there. It loads it itself, and
+    switches once loaded (nobody to commit it)."""
+    h = Harness()
+    old = h.slots.active("m")
+    wanted = {"m": {"source": "/models/b", "revision": "r2"}}
+    assert h.slots.reconcile({}) == [] and h.inbox.empty()  # nothing recorded: the config's
+    assert h.slots.reconcile({"m": {"source": "/models/a", "revision": ""}}) == []
+    assert h.inbox.empty()  # what it serves (the digest, whatever it is, when none is given)
+    h.gate.clear()
+    assert h.slots.reconcile(wanted) == []
+    assert [(i.state, i.standby) for i in h.slots.infos()] == [("loading", "r2")]
+    assert h.slots.reconcile(wanted) == []  # under way: not started twice
+    [(_, busy)] = h.slots.reload(b"fe", Reload(1, "t1", "m", "/models/c", ""))
+    assert busy.status == ReloadStatus.BUSY and "the run state's, loading revision r2" in \
+        busy.message
+    h.gate.set()
+    assert h.built() == []  # no reply: nobody asked
+    new = h.slots.active("m")
+    assert (new.source, new.spec.revision, new.key != old.key) == ("/models/b", "r2", True)
+    assert [(i.revision, i.state) for i in h.slots.infos()] == [("r2", "ready")]
+    h.slots.collect(set())
+    assert h.released == ["model-r1"]
+    assert h.slots.reconcile(wanted) == [] and h.inbox.empty()  # converged
+
+
+def test_a_recorded_source_that_fails_here_is_not_tried_in_a_loop(caplog):
+    caplog.set_level("INFO", logger="shmserve.worker")
+    h = Harness()
+    broken = {"m": {"source": "/models/corrupt", "revision": ""}}
+    h.slots.reconcile(broken)
+    assert h.built() == [] and h.slots.active("m").spec.revision == "r1"
+    failed = [r for r in caplog.records if r.getMessage() == "worker.reconcile_failed"]
+    assert len(failed) == 1 and "header too large" in failed[0].fields["error"]
+    h.slots.reconcile(broken)
+    assert h.inbox.empty()  # not again, until the state records another source
+    h.slots.reconcile({"m": {"source": "/models/b", "revision": ""}})
+    h.built()
+    assert h.slots.active("m").source == "/models/b"
+
+
+def test_a_standby_the_state_records_switches_and_its_late_commit_is_answered():
+    """The reload's frontend recorded the state and died before committing: the workers held
+    the new weights staged (and served the old) until a restart loaded the recorded ones on
+    one of them. The standby the state records switches; a commit that does come is OK."""
+    h = Harness()
+    h.slots.reload(b"fe", Reload(1, "t1", "m", "/models/b", "r2"))
+    h.built()
+    h.slots.reconcile({"m": {"source": "/models/a", "revision": "r1"}})
+    assert h.slots.infos()[0].state == "staged"  # not what the state records: left staged
+    h.slots.reconcile({"m": {"source": "/models/b", "revision": "r2"}})
+    assert [(i.revision, i.state) for i in h.slots.infos()] == [("r2", "ready")]
+    assert h.inbox.empty()  # switched to the standby, nothing loaded
+    [(peer, late)] = h.slots.commit(b"fe", Commit(2, "t1", "m", True))
+    assert (peer, late.status, late.revision, late.message) == (
+        b"fe", ReloadStatus.OK, "r2", "switched")
+    [(_, other)] = h.slots.commit(b"fe", Commit(3, "t9", "m", True))
+    assert other.status == ReloadStatus.INVALID
+
+
+def test_a_gone_frontends_reloads_are_cancelled_and_a_busy_refusal_says_what_holds_it():
+    h = Harness(stage_timeout_s=100.0)
+    h.slots.reload(b"fe", Reload(1, "t1", "m", "/models/b", "r2"))
+    h.built()
+    [(_, busy)] = h.slots.reload(b"fe2", Reload(2, "t2", "m", "/models/c", ""))
+    assert busy.status == ReloadStatus.BUSY
+    assert "(revision r2 staged 0 s ago, waiting for its commit; dropped at 100 s " \
+        "(admin.reload_timeout_s) if none comes)" in busy.message, busy.message
+    h.slots.orphaned(b"other")  # another frontend's going: not this reload's
+    assert h.slots.infos()[0].state == "staged"
+    h.slots.orphaned(b"fe")
+    assert h.slots.infos()[0].state == "ready" and h.released == ["model-r2"]
+    h.gate.clear()
+    h.slots.reload(b"fe2", Reload(3, "t3", "m", "/models/c", "r3"))
+    h.slots.orphaned(b"fe2")
+    assert h.slots.infos()[0].state == "ready"
+    h.gate.set()
+    assert h.built() == [] and "model-r3" in h.released
+    assert h.slots.active("m").spec.revision == "r1"
