@@ -66,6 +66,12 @@ REFUSED = Counter("shmserve_worker_refused_total",
                   "(workers.queue_texts), deadline (the queue ahead would not let it finish in "
                   "time: workers.refuse_past_deadline)", ["worker", "reason"])
 REFUSED_REASONS = ("queue_full", "deadline")
+RECONCILES = Counter("shmserve_worker_reconciles_total",
+                     "Models a worker switched to what the run state (state.json) records "
+                     "without a reload's commit, by outcome: standby (to the weights a reload "
+                     "had staged), loaded (loaded them itself), failed (they did not load)",
+                     ["worker", "model", "outcome"])
+RECONCILE_OUTCOMES = ("standby", "loaded", "failed")
 
 # Written only by workers on a GPU: a CPU deployment does not expose them.
 DEVICE_ONLY = ("shmserve_worker_device_allocated_bytes", "shmserve_worker_device_reserved_bytes",
@@ -94,6 +100,11 @@ class WorkerMetrics:
     def model_loaded(self, model: str, revision: str, dtype: str, device: str) -> None:
         MODEL_INFO.labels(self.worker, model, revision, dtype, device).set(1)
         self._children(model)  # its batch series exist, at zero, before the first batch
+        for outcome in RECONCILE_OUTCOMES:  # and these (an alert on increase() sees the first)
+            RECONCILES.labels(self.worker, model, outcome)
+
+    def reconciled(self, model: str, outcome: str) -> None:
+        RECONCILES.labels(self.worker, model, outcome).inc()
 
     def model_switched(self, model: str, old: ModelSpec, new: ModelSpec, device: str) -> None:
         """A hot reload replaced the weights: the old revision's info series drops to 0. Each

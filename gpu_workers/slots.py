@@ -110,10 +110,13 @@ Build = Callable[[ModelConfig, ModelSpec], tuple[ModelSpec, Any]]
 
 class Slots:
     def __init__(self, build: Build, release: Callable[[], None],
-                 post: Callable[[Built], None], stage_timeout_s: float) -> None:
-        """`release` returns freed memory to the device once a slot dropped its model."""
+                 post: Callable[[Built], None], stage_timeout_s: float,
+                 reconciled: Callable[[str, str], None] = lambda unit, outcome: None) -> None:
+        """`release` returns freed memory to the device once a slot dropped its model;
+        `reconciled(unit, outcome)` counts what `reconcile` did: standby, loaded or failed."""
         self._build = build
         self._release = release
+        self._reconciled = reconciled
         self._post = post
         self._stage_timeout = stage_timeout_s
         self._ids = itertools.count()
@@ -180,12 +183,14 @@ class Slots:
         if not job.peer:  # the run state's: nobody to commit it
             if item.error is not None:
                 unit.unreachable = job.wanted
+                self._reconciled(item.unit, "failed")
                 log.error("worker.reconcile_failed", extra={"fields": {
                     "model": item.unit, "source": job.wanted[0], "revision": job.revision,
                     "serving": unit.active.spec.revision,
                     "error": f"{type(item.error).__name__}: {item.error}"}})
             else:
                 self._switch(item.unit, unit, item.slot, job.ticket, "run_state")
+                self._reconciled(item.unit, "loaded")
             return []
         if item.error is not None:
             status = (ReloadStatus.INVALID if isinstance(item.error, ModelSourceError)
@@ -273,6 +278,7 @@ class Slots:
             if unit.standby is not None and _holds(unit.standby.slot, wanted):
                 slot, ticket, unit.standby = unit.standby.slot, unit.standby.ticket, None
                 self._switch(name, unit, slot, ticket, "run_state")
+                self._reconciled(name, "standby")
                 continue
             key = (wanted["source"], wanted.get("revision", ""))
             if _under_way(unit, self._stage_timeout) or unit.unreachable == key:

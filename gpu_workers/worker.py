@@ -90,7 +90,7 @@ class Worker:
                                   gpu="" if device == topology.CPU else device,
                                   fallback=w.cpu_fallback)
         self.slots = Slots(self._build, self._release, self.intake.inbox.put,
-                           self.cfg.admin.reload_timeout_s)
+                           self.cfg.admin.reload_timeout_s, self.metrics.reconciled)
         for name, spec in self.specs.items():
             started = time.monotonic()
             spec, model = self._load_model(spec, seed=True)

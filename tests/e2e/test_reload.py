@@ -404,3 +404,21 @@ def test_workers_serve_what_the_run_state_records_even_without_a_commit(stack, m
     switches = [line for worker in ("worker-0", "worker-1") for line in stack.log_lines(worker)
                 if line.get("message") == "worker.switched" and line.get("by") == "run_state"]
     assert [line["revision"] for line in switches] == ["tiny-r4"] * 2, switches
+    assert reconciles(stack) == {("0", "loaded"): 1, ("1", "loaded"): 1}  # and nothing else
+
+
+def reconciles(stack: Stack) -> dict[tuple[str, str], float]:
+    """shmserve_worker_reconciles_total of tiny by worker and outcome, the nonzero ones (each
+    outcome's series exists at zero from the worker's start)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    found, outcomes = {}, set()
+    for family in text_string_to_metric_families(stack.get("/metrics")[2].decode()):
+        for sample in family.samples:
+            if sample.name == "shmserve_worker_reconciles_total" and \
+                    sample.labels["model"] == "tiny":
+                outcomes.add(sample.labels["outcome"])
+                if sample.value:
+                    found[(sample.labels["worker"], sample.labels["outcome"])] = sample.value
+    assert outcomes == {"standby", "loaded", "failed"}, outcomes
+    return found

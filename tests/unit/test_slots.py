@@ -33,7 +33,9 @@ class Harness:
         self.released: list[str] = []
         self.gate = threading.Event()
         self.gate.set()
-        self.slots = Slots(self.build, gc.collect, self.inbox.put, stage_timeout_s)
+        self.counted: list[tuple[str, str]] = []  # what reconcile did (the worker's metric)
+        self.slots = Slots(self.build, gc.collect, self.inbox.put, stage_timeout_s,
+                           lambda unit, outcome: self.counted.append((unit, outcome)))
         self.slots.add(CONFIG, SPEC, FakeModel("model-r1", self.released))
 
     def build(self, config: ModelConfig, active: ModelSpec):
@@ -192,6 +194,7 @@ def test_a_worker_that_loaded_before_the_state_changed_loads_what_it_records():
     h.slots.collect(set())
     assert h.released == ["model-r1"]
     assert h.slots.reconcile(wanted) == [] and h.inbox.empty()  # converged
+    assert h.counted == [("m", "loaded")]
 
 
 def test_a_recorded_source_that_fails_here_is_not_tried_in_a_loop(caplog):
@@ -207,6 +210,7 @@ def test_a_recorded_source_that_fails_here_is_not_tried_in_a_loop(caplog):
     h.slots.reconcile({"m": {"source": "/models/b", "revision": ""}})
     h.built()
     assert h.slots.active("m").source == "/models/b"
+    assert h.counted == [("m", "failed"), ("m", "loaded")]
 
 
 def test_a_standby_the_state_records_switches_and_its_late_commit_is_answered():
@@ -220,7 +224,7 @@ def test_a_standby_the_state_records_switches_and_its_late_commit_is_answered():
     assert h.slots.infos()[0].state == "staged"  # not what the state records: left staged
     h.slots.reconcile({"m": {"source": "/models/b", "revision": "r2"}})
     assert [(i.revision, i.state) for i in h.slots.infos()] == [("r2", "ready")]
-    assert h.inbox.empty()  # switched to the standby, nothing loaded
+    assert h.inbox.empty() and h.counted == [("m", "standby")]  # switched, nothing loaded
     [(peer, late)] = h.slots.commit(b"fe", Commit(2, "t1", "m", True))
     assert (peer, late.status, late.revision, late.message) == (
         b"fe", ReloadStatus.OK, "r2", "switched")
