@@ -14,6 +14,15 @@ from tests.integration.conftest import run_config
 from tests.integration.test_pool import start_worker
 
 
+async def until_ready(client: TestClient) -> None:
+    for _ in range(600):  # the worker loads the model: up to 60 s
+        async with client.get("/ready") as resp:
+            if resp.status == 200:
+                return
+        await asyncio.sleep(0.1)
+    raise AssertionError("the worker was not ready within 60 s")
+
+
 def test_access_line_has_every_stage_and_the_inputs_when_asked(tmp_path, tiny_model, caplog):
     cfg = run_config(tmp_path, tiny_overrides(tiny_model, frontends={"count": 1},
                                               logging={"log_inputs": True}))
@@ -22,11 +31,7 @@ def test_access_line_has_every_stage_and_the_inputs_when_asked(tmp_path, tiny_mo
 
     async def scenario():
         async with TestClient(TestServer(create_app(cfg, 0))) as client:
-            for _ in range(600):  # the worker loads the model: up to 60 s
-                async with client.get("/ready") as resp:
-                    if resp.status == 200:
-                        break
-                await asyncio.sleep(0.1)
+            await until_ready(client)
             async with client.post("/predict", json={"texts": ["keep me", "and me"]},
                                    headers={"X-Request-ID": "inputs-1"}) as resp:
                 assert resp.status == 200, await resp.text()
@@ -158,11 +163,7 @@ def test_a_kserve_request_pinned_to_a_version_a_reload_replaced_meanwhile_is_ref
 
     async def scenario():
         async with TestClient(TestServer(create_app(cfg, 0))) as client:
-            for _ in range(600):  # the worker loads the model: up to 60 s
-                async with client.get("/ready") as resp:
-                    if resp.status == 200:
-                        break
-                await asyncio.sleep(0.1)
+            await until_ready(client)
             answers = []
             for version in ("tiny-r1", "tiny-r0"):
                 monkeypatch.setattr(kserve, "revision", lambda variant, pool: version)
