@@ -7,8 +7,9 @@
 Owners: a frontend writes it, only after the change took effect (a reload committed on every
 worker) or to make it take effect (a split), under an exclusive lock on ``state.lock``
 (read-modify-write), and replaces it atomically (write, then rename), so a reader never sees half
-a file. Workers read it when they start, before loading; frontends read it whenever it changed
-(`Watch`, one stat per look). ``shmserve up`` removes it: at start the config is the truth.
+a file. Workers read it when they start, before loading, and then every second, converging on
+its sources (gpu_workers.slots, `reconcile`); frontends read it whenever it changed (`Watch`,
+one stat per look). ``shmserve up`` removes it: at start the config is the truth.
 """
 
 from __future__ import annotations
