@@ -115,10 +115,13 @@ async def embed(request: web.Request, parsed: schemas.EmbedRequest, param: str,
         model = tasks.resolve(request, parsed.model, "embedding")
     vectors.check_dimensions(parsed.dimensions, model.spec.dim)
     if parsed.token_ids is not None:  # tokenized by the client
+        # (the ids' count as the characters: a large request's range check and copy run off
+        # the event loop, as a long text's tokenizing does)
         ran = await tasks.run(
             request, model, lambda enc: enc.from_ids(parsed.token_ids, param, parsed.truncate,
                                                      parsed.truncation_direction, ids_hint),
-            0, priority=parsed.priority, user=parsed.user, per_token=per_token, raw=raw)
+            sum(map(len, parsed.token_ids)), priority=parsed.priority, user=parsed.user,
+            per_token=per_token, raw=raw)
     else:
         ran = await tasks.run(
             request, model, lambda enc: enc.encode(parsed.texts, param, parsed.truncate,

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-from frontend.codec import json_detail
+from frontend.codec import loads_json
 from frontend.errors import ApiError
 from frontend.schemas import is_int, whole
 
@@ -72,13 +72,9 @@ def split_body(raw: bytes, header_length: str | None) -> tuple[dict[str, Any], b
                            f"it must be a byte count in [1, {len(raw)}] (the body's length)")
         head, tail = raw[:n], raw[n:]
     # The JSON every other route reads (frontend.codec): strict, so NaN, 1e999 and integers
-    # past 64 bits are malformed here too, and its messages say so without Python's internals.
-    try:
-        header = orjson.loads(head)
-    except orjson.JSONDecodeError as exc:
-        raise ApiError("bad_request", "malformed inference request header: "
-                       f"{json_detail(exc, head)}") from None
-    return object_of(header, "the inference request"), tail
+    # past 64 bits are malformed here too, its messages say so without Python's internals, and
+    # its arrays are counted first.
+    return object_of(loads_json(head, "inference request header"), "the inference request"), tail
 
 
 def object_of(value: Any, what: str) -> dict[str, Any]:

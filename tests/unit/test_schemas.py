@@ -180,3 +180,22 @@ def test_tei_predict_inputs_refused(value, status, needle):
     with pytest.raises(ApiError) as info:
         predict_inputs(value, LIMITS)
     assert info.value.status == status and needle in info.value.message, info.value.message
+
+
+def test_a_row_of_token_ids_is_bounded_as_a_texts_characters_are():
+    """1.6M ids in a body (12 KB of gzip) were checked id by id on the event loop, ~1 s a
+    request: fifty at once starved a frontend's pings until the workers killed it (an outside
+    check). A row over limits.max_text_chars is 413 before any pass over its ids."""
+    assert parse_openai_embeddings({"input": [7] * 20}, LIMITS).token_ids == [[7] * 20]
+    for body, name in (({"input": [7] * 21}, "input"), ({"input": [[1], [7] * 21]}, "input[1]"),
+                       ({"input": [7.0] * 21}, "input"), ({"input": [7] * 20 + [True]}, "input")):
+        with pytest.raises(ApiError) as info:
+            parse_openai_embeddings(body, LIMITS)
+        assert info.value.status == 413 and info.value.message == (
+            f"{name} has 21 token ids; the limit is 20 (limits.max_text_chars, which bounds a "
+            "row of ids as it does a text's characters)"), info.value.message
+    # the fast check keeps is_int's rule: a bool is not a token id, a whole float is one
+    with pytest.raises(ApiError) as info:
+        parse_openai_embeddings({"input": [1, True]}, LIMITS)
+    assert info.value.status == 422 and "is a boolean" in info.value.message, info.value.message
+    assert parse_openai_embeddings({"input": [1, 2.0]}, LIMITS).token_ids == [[1, 2]]
