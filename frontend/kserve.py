@@ -318,12 +318,13 @@ async def _read(request: web.Request) -> tuple[dict, bytes]:
         raise ApiError("bad_request", "empty request body")
     media = codec.media_type(request)
     if media in codec.MSGPACK_TYPES:
-        return tensors.object_of(codec.decode_body(raw, media), "the inference request"), b""
+        body = await codec.decoded(raw, codec.decode_body, raw, media)
+        return tensors.object_of(body, "the inference request"), b""
     if request.headers.get("Content-Type", "").strip() and media not in JSON_TYPES:
         raise ApiError("unsupported_media_type", f"Content-Type {media[:100]!r} is "
                        f"not supported; send {codec.JSON} (or {JSON_TYPES[1]} with Triton's "
                        f"binary data) or {codec.MSGPACK}")
-    return tensors.split_body(raw, request.headers.get(HEADER_LENGTH))
+    return await codec.decoded(raw, tensors.split_body, raw, request.headers.get(HEADER_LENGTH))
 
 
 def _inputs(spec: Tensors, given: list[Tensor]) -> dict[str, Tensor]:

@@ -247,3 +247,22 @@ def test_a_body_ending_inside_open_arrays_says_so_not_out_of_memory(raw):
     assert caught.value.status == 400
     assert "unclosed arrays or objects" in str(caught.value.message)
     assert "memory" not in str(caught.value.message)
+
+
+def test_large_bodies_are_decoded_and_inflated_off_the_event_loop():
+    """Fifty 8 MB bodies (12 KB of gzip each) sent at once were inflated and decoded one after
+    another on the event loop before any timer ran: probes and the frontend's pings waited
+    (an outside check). A body of OFF_LOOP_BYTES or more decodes on a thread, a small one
+    inline (a thread hop costs more than it)."""
+    import asyncio
+    import threading
+
+    from frontend import codec
+
+    async def threads():
+        small = await codec.decoded(b"x" * (codec.OFF_LOOP_BYTES - 1), threading.get_ident)
+        large = await codec.decoded(b"x" * codec.OFF_LOOP_BYTES, threading.get_ident)
+        return threading.get_ident(), small, large
+
+    loop_thread, small, large = asyncio.run(threads())
+    assert small == loop_thread != large
