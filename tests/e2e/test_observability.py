@@ -245,12 +245,19 @@ def test_what_nginx_answers_itself_is_in_metrics_by_status(stack):
     assert stack.post_json("/predict", {"texts": []})[0] == 422  # the frontends'
     assert stack.post_json("/predict", {"texts": ["x"]})[0] == 200
     assert stack.get("/no-such-route")[0] == 404
+    # An upload cut off mid-body: nginx's 400 with nothing sent, counted as a client gone
+    # (499), not as a malformed request (an outside check).
+    import socket
+    with socket.create_connection(("127.0.0.1", stack.port)) as sock:
+        sock.sendall(b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                     b"\r\nContent-Length: 1000\r\n\r\n{\"texts\": [")
+        time.sleep(0.3)
 
     def delta() -> dict[str, float]:
         after = scrape(stack)
         return {l["status"]: v - total(before, name, status=l["status"])
                 for l, v in after[name] if v != total(before, name, status=l["status"])}
-    stack.wait_until(lambda: delta() == {"415": 1, "405": 1, "431": 1}, 10,
+    stack.wait_until(lambda: delta() == {"415": 1, "405": 1, "431": 1, "499": 1}, 10,
                      f"nginx's own answers counted: {delta()}")
     # A frontend's 405 is counted under the route whose path it is, not "unmatched" with the
     # unknown paths (an outside check); a made-up path stays unmatched.
