@@ -137,6 +137,8 @@ class Slots:
                 state, standby = "loading", unit.loading.revision
             elif unit.standby is not None:
                 state, standby = "staged", unit.standby.slot.spec.revision
+            elif unit.unreachable is not None:  # serving apart from the run state
+                state = "diverged"
             out.append(ModelInfo(s.name, s.task, s.dim, s.max_tokens, s.dtype, s.revision,
                                  state, standby, getattr(unit.active.model, "loader", "")))
         return tuple(out)
@@ -236,6 +238,7 @@ class Slots:
         unit.retiring.append(unit.active)
         unit.active = slot
         unit.switched = ticket
+        unit.unreachable = None  # whatever it serves now, the next reconcile compares
         log.info("worker.switched", extra={"fields": {
             "model": name, "revision": slot.spec.revision, "ticket": ticket, "by": by}})
 
@@ -311,11 +314,11 @@ class Slots:
             self._release()
 
 
-def hosted_configs(cfg: Config, index: int) -> dict[str, ModelConfig]:
+def hosted_configs(cfg: Config, index: int, reloaded: bool = True) -> dict[str, ModelConfig]:
     """The units worker `index` hosts, with the sources a reload left in the run state (so a
     restarted worker serves what the others serve); a recorded source that is gone is logged and
-    the configured one loaded instead."""
-    overrides = state.read(cfg).sources
+    the configured one loaded instead. `reloaded` False: as the config gives them."""
+    overrides = state.read(cfg).sources if reloaded else {}
     configs = {}
     for unit in hosted(cfg, topology.worker_devices(cfg), index):
         config, over = unit.config, overrides.get(unit.name)

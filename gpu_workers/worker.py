@@ -91,9 +91,25 @@ class Worker:
                                   fallback=w.cpu_fallback)
         self.slots = Slots(self._build, self._release, self.intake.inbox.put,
                            self.cfg.admin.reload_timeout_s, self.metrics.reconciled)
+        configured = hosted_configs(self.cfg, self.index, reloaded=False)
         for name, spec in self.specs.items():
             started = time.monotonic()
-            spec, model = self._load_model(spec, seed=True)
+            try:
+                spec, model = self._load_model(spec, seed=True)
+            except Exception as exc:
+                # A reload's source that no longer loads (damaged since): the config's, as
+                # for one that is gone (slots.hosted_configs). The worker failed its load in a
+                # loop, and a reload that would mend it was refused: a worker not ready (an
+                # outside check). It serves apart from the run state, which /admin/models says.
+                if self.configs[name] == configured[name]:
+                    raise
+                log.error("worker.reloaded_source_failed", extra={"fields": {
+                    "model": name, "source": self.configs[name].source,
+                    "error": f"{type(exc).__name__}: {exc}"}})
+                self.configs[name] = configured[name]
+                spec, model = self._load_model(inspect(configured[name],
+                                                       roots=self.cfg.model_root_paths),
+                                               seed=True)
             self.slots.add(self.configs[name], spec, model)
             log.info("worker.loaded", extra={"fields": {
                 "model": name, "revision": spec.revision, "dtype": spec.dtype,

@@ -175,19 +175,20 @@ def _apply(args: argparse.Namespace, new: Config) -> int:
             "too):\n" + "\n".join(steps.lines()))
         say("shmserve: --dry-run: nothing changed")
         return 0
-    earlier = marker.read_text() if resumed else None
-    marker.write_text(json.dumps({"from": json.loads(old.to_json()), "attempts": [
-        *(json.loads(a.to_json()) for a in attempted), json.loads(new.to_json())]}) + "\n")
-    nginx_before = render.nginx_conf(new).read_text()
-    try:
-        render.render(new)
-    except render.RenderError:  # nothing was replaced: no apply is under way, or the earlier
-        if earlier is None:    # one's record stands as it was
-            marker.unlink(missing_ok=True)
-        else:
-            marker.write_text(earlier)
-        raise
-    forget_overridden(old, new)
+    with reloads_held(old, new):
+        earlier = marker.read_text() if resumed else None
+        marker.write_text(json.dumps({"from": json.loads(old.to_json()), "attempts": [
+            *(json.loads(a.to_json()) for a in attempted), json.loads(new.to_json())]}) + "\n")
+        nginx_before = render.nginx_conf(new).read_text()
+        try:
+            render.render(new)
+        except render.RenderError:  # nothing was replaced: no apply is under way, or the
+            if earlier is None:     # earlier one's record stands as it was
+                marker.unlink(missing_ok=True)
+            else:
+                marker.write_text(earlier)
+            raise
+        forget_overridden(old, new)
     with processes.supervisor(new) as proxy:
         steps = plan(old, new, proxy.shmserve.pending(["workers", "frontends"]), attempted)
     steps.nginx = nginx_differs(old, attempted, new, nginx_before)
@@ -218,6 +219,26 @@ def check_address(old: Config, new: Config) -> None:
                            "change it (or was the host an override or --env of `up`'s that "
                            "this command left out?)") from None
         raise
+
+
+@contextlib.contextmanager
+def reloads_held(old: Config, new: Config):
+    """The reload locks of the models whose config changes, while apply records and renders
+    the new config and drops their reloaded weights: a reload under way when apply dropped
+    them wrote its source back after, and the restarted workers served it, not the config
+    apply said served (an outside check). One under way now: refused, nothing changed."""
+    changed = sorted({m.name for m in old.models} ^ {m.name for m in new.models} | {
+        m.name for m in new.models
+        if any(o.name == m.name and o != m for o in old.models)})
+    with contextlib.ExitStack() as stack:
+        for name in changed:
+            try:
+                stack.enter_context(state.reloading(new, name))
+            except state.Busy:
+                raise CliError(f"a reload of {name} is under way (an admin call), and this "
+                               "apply changes its config; nothing was changed: apply again "
+                               "once the reload has answered") from None
+        yield
 
 
 def forget_overridden(old: Config, new: Config) -> list[str]:

@@ -71,6 +71,11 @@ class ModelSpec:
     # 1_Pooling include_prompt: false, INSTRUCTOR-style): the frontends count them
     # (Submit.skip) and the worker's pooling skips them
     skips_prompt: bool = False
+    # What `incompatible` compares from the directory's files (architecture, lowercasing, the
+    # tokenizer's digest), read when the spec was: a reload compares with the served model as
+    # it was loaded, whose directory may be gone since (it read "architecture differs (('',)
+    # now ...)", and refused every reload, once a reloaded source was deleted: an outside check)
+    files: tuple = ()
 
     def width(self, per_token: bool = False) -> int:
         """A row's width: every token's (TEI's /embed_all) or the text's."""
@@ -238,7 +243,15 @@ def inspect(cfg: ModelConfig, with_revision: bool = True,
         hidden=hidden if hidden != dim else 0,
         skips_prompt=cfg.task == "embedding" and pooling_config(directory).get(
             "include_prompt") is False,
+        files=files_compared(directory),
     )
+
+
+def files_compared(directory: Path) -> tuple:
+    """The facts of a model's files a reload must keep (`incompatible`): its architecture, its
+    lowercasing, its tokenizer.json's digest."""
+    return (architecture(directory), lowercases(directory),
+            file_digest(tokenizer_path(directory)))
 
 
 def incompatible(active: ModelSpec, new: ModelSpec, sides: tuple[str, str] = ("now", "in")
@@ -248,9 +261,10 @@ def incompatible(active: ModelSpec, new: ModelSpec, sides: tuple[str, str] = ("n
     words each value of a difference: (the served one's, `new`'s before its directory)."""
     # The kind of checkpoint first: a classifier's offered for an encoder differs in its
     # normalization too, and that would be named instead of what the user got wrong.
+    served = active.files or files_compared(active.directory)
+    offered = new.files or files_compared(new.directory)
     for what, old, now in (("task", active.task, new.task),
-                           ("architecture", architecture(active.directory),
-                            architecture(new.directory)),
+                           ("architecture", served[0], offered[0]),
                            ("output width", active.dim, new.dim),
                            ("label set", active.labels, new.labels),
                            ("input limit", active.max_tokens, new.max_tokens),
@@ -265,15 +279,14 @@ def incompatible(active: ModelSpec, new: ModelSpec, sides: tuple[str, str] = ("n
                            ("Dense projections", [d.shape for d in active.dense],
                             [d.shape for d in new.dense]),
                            ("lowercasing (sentence_bert_config.json do_lower_case)",
-                            lowercases(active.directory), lowercases(new.directory)),
+                            served[1], offered[1]),
                            ("prompts", dict(active.prompts), dict(new.prompts)),
                            ("default prompt", active.default_prompt, new.default_prompt),
                            ("pair prompt", active.pair_format, new.pair_format)):
         if old != now:
             verb = "differ" if what in ("prompts", "Dense projections") else "differs"
             return f"its {what} {verb} ({old!r} {sides[0]}, {now!r} {sides[1]} {new.directory})"
-    if file_digest(tokenizer_path(active.directory)) != \
-            file_digest(tokenizer_path(new.directory)):
+    if served[2] != offered[2]:
         return f"its tokenizer.json differs from the served one ({active.directory})"
     return ""
 

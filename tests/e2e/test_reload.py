@@ -422,3 +422,41 @@ def reconciles(stack: Stack) -> dict[tuple[str, str], float]:
                     found[(sample.labels["worker"], sample.labels["outcome"])] = sample.value
     assert outcomes == {"standby", "loaded", "failed"}, outcomes
     return found
+
+
+@pytest.mark.parametrize("harm", ["deleted", "damaged"])
+def test_a_worker_whose_recorded_source_broke_serves_the_config_and_a_reload_mends_it(
+        stack, models, harm):
+    """Served before: b (tiny-r4). After: b again, as tiny-r6 (damaged: tiny-r8). A reload's
+    source deleted or damaged after the reload, then a worker restarted: it failed its start in
+    a loop (damaged), or served the config's weights beside the other's reloaded ones, and a
+    reload to a good source was refused, the deleted one read as another architecture, or
+    because a worker was not ready (an outside check). Now it serves the config's weights,
+    /admin/models says diverged, and a reload to a good source mends the model."""
+    revision = {"deleted": "tiny-r5", "damaged": "tiny-r7"}[harm]
+    mended = {"deleted": "tiny-r6", "damaged": "tiny-r8"}[harm]
+    copy = models["root"] / harm
+    shutil.copytree(models["b"], copy)
+    stack.wait_until(lambda: every_frontend_ready(stack), 60, "both frontends ready")
+    status, answer = reload(stack, "tiny", source=str(copy), revision=revision)
+    assert status == 200, answer
+    if harm == "deleted":
+        shutil.rmtree(copy)
+    else:  # every tensor byte 0xff (NaN), the header kept
+        weights = copy / "model.safetensors"
+        raw = bytearray(weights.read_bytes())
+        start = 8 + int.from_bytes(raw[:8], "little")
+        raw[start:] = b"\xff" * (len(raw) - start)
+        weights.write_bytes(bytes(raw))
+    old = stack.pid("workers:worker-1")
+    os.kill(old, signal.SIGKILL)
+    stack.wait_until(lambda: revisions(stack) == [("ready", revision, None),
+                                                  ("diverged", "tiny-r1", None)], 90,
+                     "worker-1 back on the config's weights, marked diverged")
+    message = {"deleted": "worker.reloaded_source_gone",
+               "damaged": "worker.reloaded_source_failed"}[harm]
+    assert [line for line in stack.log_lines("worker-1") if line.get("message") == message]
+    stack.wait_until(lambda: every_frontend_ready(stack), 60, "both frontends ready")
+    status, answer = reload(stack, "tiny", source=str(models["b"]), revision=mended)
+    assert status == 200 and answer["revision"] == mended, answer
+    settles_on(stack, mended)

@@ -196,6 +196,29 @@ def test_a_changed_model_config_drops_what_reload_and_split_set_for_it(tmp_path)
     assert kept.sources == {} and kept.splits == {}
 
 
+def test_apply_refuses_while_a_reload_of_a_model_it_changes_is_under_way(tmp_path):
+    """A reload under way when apply dropped its model's reloaded weights wrote them back
+    after, and the restarted workers served them, not the config apply said served (an
+    outside check): apply holds the changed models' reload locks, and refuses at once when a
+    reload holds one."""
+    from shmserve import state
+    from shmserve.cli import CliError
+
+    models = [{"name": "m", "source": "/cfg/m"}, {"name": "n", "source": "/cfg/n"}]
+    old = make_config(tmp_path / "run", models=models)
+    new = make_config(tmp_path / "run", models=[{**models[0], "dtype": "fp32"}, models[1]])
+    old.run_dir.mkdir(parents=True)
+    with state.reloading(old, "n"):  # another model's reload: apply goes ahead
+        with apply.reloads_held(old, new):
+            with pytest.raises(state.Busy):  # and a reload of m waits for it
+                with state.reloading(old, "m"):
+                    pass
+    with state.reloading(old, "m"):
+        with pytest.raises(CliError, match="a reload of m is under way .* nothing was changed"):
+            with apply.reloads_held(old, new):
+                pass
+
+
 def test_one_apply_at_a_time(tmp_path):
     from shmserve.cli import CliError
 

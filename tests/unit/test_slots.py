@@ -205,12 +205,14 @@ def test_a_recorded_source_that_fails_here_is_not_tried_in_a_loop(caplog):
     assert h.built() == [] and h.slots.active("m").spec.revision == "r1"
     failed = [r for r in caplog.records if r.getMessage() == "worker.reconcile_failed"]
     assert len(failed) == 1 and "header too large" in failed[0].fields["error"]
+    assert [i.state for i in h.slots.infos()] == ["diverged"]  # /admin/models says so
     h.slots.reconcile(broken)
     assert h.inbox.empty()  # not again, until the state records another source
     h.slots.reconcile({"m": {"source": "/models/b", "revision": ""}})
     h.built()
     assert h.slots.active("m").source == "/models/b"
     assert h.counted == [("m", "failed"), ("m", "loaded")]
+    assert [i.state for i in h.slots.infos()] == ["ready"]
 
 
 def test_a_standby_the_state_records_switches_and_its_late_commit_is_answered():
