@@ -145,7 +145,9 @@ async def _reload(app: web.Application, hosts: list[WorkerLink], model: str, var
             "source": source or current, "revision": revision}))
         done = await _ask(pool, hosts, lambda seq: Commit(seq, ticket, variant.unit, True),
                           timeout)
-        revisions = sorted({r.revision for r in done.values() if isinstance(r, ReloadDone)})
+        # (a worker whose commit failed answers no revision: not "" among them)
+        revisions = sorted({r.revision for r in done.values()
+                            if isinstance(r, ReloadDone) and r.revision})
         workers = _workers(done)
         for worker in workers:
             if not worker["ok"]:  # restarted meanwhile, say: it converges on the run state
