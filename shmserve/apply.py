@@ -41,7 +41,8 @@ from pathlib import Path
 from typing import Iterator
 
 from shmserve import config, layers, models, processes, render, state, topology, versions
-from shmserve.apply_plan import FIXED, Plan, by_counts, index_of, nginx_differs, plan
+from shmserve.apply_plan import (FIXED, Plan, by_counts, forget_overridden, index_of, nginx_differs,
+                                 plan, reloads_held)
 from shmserve.prechecks import CliError, check_fds, check_port, check_shm, seconds
 from shmserve.config import Config
 from shmserve.restarts import ctl, reload_nginx, say, wait_until_ready
@@ -219,63 +220,6 @@ def check_address(old: Config, new: Config) -> None:
                            "change it (or was the host an override or --env of `up`'s that "
                            "this command left out?)") from None
         raise
-
-
-@contextlib.contextmanager
-def reloads_held(old: Config, new: Config):
-    """The reload locks of the models whose config changes, while apply records and renders
-    the new config and drops their reloaded weights: a reload under way when apply dropped
-    them wrote its source back after, and the restarted workers served it, not the config
-    apply said served (an outside check). One under way now: refused, nothing changed."""
-    changed = sorted({m.name for m in old.models} ^ {m.name for m in new.models} | {
-        m.name for m in new.models
-        if any(o.name == m.name and o != m for o in old.models)})
-    with contextlib.ExitStack() as stack:
-        for name in changed:
-            try:
-                stack.enter_context(state.reloading(new, name))
-            except state.Busy:
-                raise CliError(f"a reload of {name} is under way (an admin call), and this "
-                               "apply changes its config; nothing was changed: apply again "
-                               "once the reload has answered") from None
-        yield
-
-
-def forget_overridden(old: Config, new: Config) -> list[str]:
-    """Drop what the admin API changed (run/state.json: a reloaded source, A/B weights) for
-    the models whose config changed, so the restarted workers and frontends serve the config;
-    what it changed for the others stays, as across restarts. The units and models dropped."""
-    def by_unit(cfg: Config) -> dict[str, tuple]:
-        return {u.name: (u.config.source, u.config.revision) for m in cfg.models
-                for u in models.units(m)}
-
-    def by_model(cfg: Config) -> dict[str, object]:
-        return {m.name: m for m in cfg.models}
-
-    before, after = by_unit(old), by_unit(new)
-    old_models, new_models = by_model(old), by_model(new)
-    splits = sorted(m for m in old_models.keys() | new_models.keys()
-                    if old_models.get(m) != new_models.get(m))
-    # Every unit of a model whose config changed (any key: its dtype, its input limit), as
-    # the README says; a reloaded source was kept unless its own source or revision changed,
-    # while the message said it was dropped (an outside check)
-    units = sorted(u for u in before.keys() | after.keys() if before.get(u) != after.get(u)
-                   or u.partition("@")[0] in splits)
-    current = state.read(new)
-    reloads = [u for u in units if u in current.sources]
-    weights = [m for m in splits if m in current.splits]
-    if reloads or weights:
-        def change(tree: dict) -> None:
-            for unit in units:
-                tree["sources"].pop(unit, None)
-            for model in splits:
-                tree["splits"].pop(model, None)
-        state.update(new, change)
-        said = ([f"the reloaded weights of {', '.join(reloads)}"] if reloads else []) + (
-            [f"the split weights of {', '.join(weights)}"] if weights else [])
-        say(f"shmserve: their models' config changed, so {' and '.join(said)} are dropped: the "
-            "config serves")
-    return sorted({*reloads, *weights})
 
 
 def warn_gaps(old: Config, new: Config, steps: Plan) -> None:
