@@ -191,7 +191,9 @@ async def ready(request: web.Request) -> web.Response:
                 "protocol": link.protocol,
                 # its loads failed in a row since it was last ready, and the last one's error
                 # (it exits after each, and supervisord starts it again)
-                "failed_loads": link.failed_loads, "load_error": link.load_error}
+                "failed_loads": link.failed_loads, "load_error": link.load_error,
+                # models it serves apart from the run state (/admin/models: diverged)
+                "diverged": diverged(link)}
                for link in pool.links]
     status = readiness(pool, request.app[MODELS])
     # Retry-After on the 503, as every 503 of this server carries it (an outside check)
@@ -203,6 +205,11 @@ async def ready(request: web.Request) -> web.Response:
 SERVING = ("ready", "degraded")  # readiness() statuses under which every model is served
 
 
+def diverged(link) -> list[str]:
+    """The models worker `link` serves apart from the run state, as its heartbeats say."""
+    return [i.name for i in link.beat.models if i.state == "diverged"] if link.beat else []
+
+
 def readiness(pool: WorkerPool, models: Models) -> str:
     """GET /ready's status. ready: every worker is. loading: not every configured worker has
     been ready once since the deployment started. degraded (200): some worker is lost or
@@ -210,9 +217,10 @@ def readiness(pool: WorkerPool, models: Models) -> str:
     requests succeed; a rolling restart does not take the pod out of a readiness probe.
     unavailable (503): some model has no ready worker. failing (503): as loading or
     unavailable, where a worker not ready has failed to load its models (the worker entries
-    name the error)."""
+    name the error). Also degraded: every worker ready, but one serves a model apart from the
+    run state (`diverged`: its reloaded source gone or damaged since; docs/models.md)."""
     if pool.all_ready:
-        return "ready"
+        return "degraded" if any(diverged(link) for link in pool.links) else "ready"
     failing = any(link.load_error and not link.ready for link in pool.links)
     if not pool.started:
         return "failing" if failing else "loading"

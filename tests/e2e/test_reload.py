@@ -97,7 +97,8 @@ def every_frontend_ready(stack: Stack) -> bool:
 
     answers = [get_unix(str(stack.run_dir / "sockets" / f"frontend-{i}.sock"), "/ready")
                for i in (0, 1)]
-    return all(code == 200 and json.loads(body)["status"] == "ready" for code, body in answers)
+    return all(code == 200 and all(w["ready"] for w in json.loads(body)["workers"])
+               for code, body in answers)
 
 
 def info_revision(stack: Stack, frontend: int) -> str:
@@ -456,7 +457,17 @@ def test_a_worker_whose_recorded_source_broke_serves_the_config_and_a_reload_men
     message = {"deleted": "worker.reloaded_source_gone",
                "damaged": "worker.reloaded_source_failed"}[harm]
     assert [line for line in stack.log_lines("worker-1") if line.get("message") == message]
+
+    def ready() -> tuple[int, str, list]:
+        code, _, raw = stack.get("/ready")
+        body = json.loads(raw)
+        return code, body["status"], [w["diverged"] for w in body["workers"]]
+    # a probe keeps passing (every model is served), but says degraded, and which
+    stack.wait_until(lambda: ready() == (200, "degraded", [[], ["tiny"]]), 10,
+                     f"/ready degraded, naming the diverged model: {ready()}")
+    # (a frontend's /ready says degraded until it is mended: every worker ready is enough)
     stack.wait_until(lambda: every_frontend_ready(stack), 60, "both frontends ready")
     status, answer = reload(stack, "tiny", source=str(models["b"]), revision=mended)
     assert status == 200 and answer["revision"] == mended, answer
     settles_on(stack, mended)
+    stack.wait_until(lambda: ready() == (200, "ready", [[], []]), 10, "/ready ready again")
