@@ -82,9 +82,10 @@ def media_type(request: web.BaseRequest) -> str:
 OFF_LOOP_BYTES = 1 << 18
 
 
-async def decoded(raw: bytes, decode: Callable[..., Any], *args: Any) -> Any:
-    """`decode(*args)`, for a body of `raw`: on a thread when it is OFF_LOOP_BYTES or more."""
-    if len(raw) < OFF_LOOP_BYTES:
+async def decoded(raw: bytes, decode: Callable[..., Any], *args: Any,
+                  off_loop_bytes: int = OFF_LOOP_BYTES) -> Any:
+    """`decode(*args)`, for a body of `raw`: on a thread when it is `off_loop_bytes` or more."""
+    if len(raw) < off_loop_bytes:
         return decode(*args)
     return await asyncio.get_running_loop().run_in_executor(None, decode, *args)
 
@@ -113,12 +114,9 @@ async def read_raw(request: web.Request) -> bytes:
         raise ApiError("unsupported_media_type", "Content-Encoding must be gzip, deflate, br or "
                        "identity")
     limit = request.client_max_size
-    try:  # on a thread past a few KB, which may inflate to megabytes (OFF_LOOP_BYTES)
-        if len(raw) < INFLATE_OFF_LOOP_BYTES:
-            body = inflate(encoding, raw, limit)
-        else:
-            body = await asyncio.get_running_loop().run_in_executor(None, inflate, encoding,
-                                                                    raw, limit)
+    try:  # on a thread past a few KB, which may inflate to megabytes
+        body = await decoded(raw, inflate, encoding, raw, limit,
+                             off_loop_bytes=INFLATE_OFF_LOOP_BYTES)
     except ValueError as exc:
         raise ApiError("bad_request", f"the body does not decode as its Content-Encoding "
                        f"({encoding}): {exc}") from None

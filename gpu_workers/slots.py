@@ -155,14 +155,17 @@ class Slots:
                            f"another reload of {msg.model!r} is in progress on this worker "
                            f"({busy})")]
         source = msg.source or unit.active.source
-        config = dataclasses.replace(unit.config, source=source, revision=msg.revision)
-        unit.loading = Job(msg.ticket, peer, msg.seq, msg.revision)
-        active = unit.active.spec
-        threading.Thread(target=self._load, args=(msg.model, msg.ticket, config, active),
-                         name=f"load-{msg.model}", daemon=True).start()
+        self._start(msg.model, unit, Job(msg.ticket, peer, msg.seq, msg.revision), source)
         log.info("worker.reload_started", extra={"fields": {
             "model": msg.model, "source": source, "revision": msg.revision, "ticket": msg.ticket}})
         return []
+
+    def _start(self, name: str, unit: Unit, job: Job, source: str) -> None:
+        """`job`'s load of `source` (its revision) on a loader thread of its own."""
+        unit.loading = job
+        config = dataclasses.replace(unit.config, source=source, revision=job.revision)
+        threading.Thread(target=self._load, args=(name, job.ticket, config, unit.active.spec),
+                         name=f"load-{name}", daemon=True).start()
 
     def _load(self, name: str, ticket: str, config: ModelConfig, active: ModelSpec) -> None:
         """The loader thread: build, then hand the outcome to the model thread."""
@@ -287,10 +290,7 @@ class Slots:
             if _under_way(unit, self._stage_timeout) or unit.unreachable == key:
                 continue
             ticket = f"state-{uuid.uuid4().hex}"
-            unit.loading = Job(ticket, b"", 0, key[1], wanted=key)
-            config = dataclasses.replace(unit.config, source=key[0], revision=key[1])
-            threading.Thread(target=self._load, args=(name, ticket, config, unit.active.spec),
-                             name=f"load-{name}", daemon=True).start()
+            self._start(name, unit, Job(ticket, b"", 0, key[1], wanted=key), key[0])
             log.warning("worker.reconciling", extra={"fields": {
                 "model": name, "source": key[0], "revision": key[1], "ticket": ticket,
                 "serving": unit.active.spec.revision, "serving_source": unit.active.source}})
