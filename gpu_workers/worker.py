@@ -29,7 +29,7 @@ import zmq
 from gpu_workers.batcher import Batch, Limits, form_pass, wait_time
 from gpu_workers.device import DeviceLost, device_lost
 from gpu_workers.intake import Intake, Status
-from gpu_workers.loading import load_replacement, load_warm
+from gpu_workers.loading import back_off, load_hosted, load_replacement
 from gpu_workers.memory import MemoryCare, Policy, TorchAllocator, forward_in_halves
 from gpu_workers.metrics import WorkerMetrics
 from gpu_workers.requests import QueuedText, Request, model_inputs, pass_rows
@@ -42,9 +42,7 @@ from shmserve.protocol import Commit, Error, ErrorCode, ModelInfo, Reload, Resul
 
 log = logging.getLogger("shmserve.worker")
 
-LOAD_BACKOFF_MAX_S = 30.0  # the longest a worker whose load failed waits before it exits
 RECONCILE_S = 1.0  # how often the model loop compares its units with the run state
-FAILURE_CHARS = 1000  # of a failed load's error, in heartbeats
 
 
 class Worker:
@@ -91,29 +89,15 @@ class Worker:
                                   fallback=w.cpu_fallback)
         self.slots = Slots(self._build, self._release, self.intake.inbox.put,
                            self.cfg.admin.reload_timeout_s, self.metrics.reconciled)
-        configured = hosted_configs(self.cfg, self.index, reloaded=False)
-        for name, spec in self.specs.items():
-            started = time.monotonic()
-            try:
-                spec, model = self._load_model(spec, seed=True)
-            except Exception as exc:
-                # A reload's source that no longer loads (damaged since): the config's, as
-                # for one that is gone (slots.hosted_configs). The worker failed its load in a
-                # loop, and a reload that would mend it was refused: a worker not ready (an
-                # outside check). It serves apart from the run state, which /admin/models says.
-                if self.configs[name] == configured[name]:
-                    raise
-                log.error("worker.reloaded_source_failed", extra={"fields": {
-                    "model": name, "source": self.configs[name].source,
-                    "error": f"{type(exc).__name__}: {exc}"}})
-                self.configs[name] = configured[name]
-                spec, model = self._load_model(inspect(configured[name],
-                                                       roots=self.cfg.model_root_paths),
-                                               seed=True)
-            self.slots.add(self.configs[name], spec, model)
+        for config, spec, model, seconds in load_hosted(
+                self.cfg, self.index, self.specs, self.configs, self.device, self.limits,
+                self.intake.backlog.seed):
+            name = spec.name
+            self.configs[name] = config
+            self.slots.add(config, spec, model)
             log.info("worker.loaded", extra={"fields": {
                 "model": name, "revision": spec.revision, "dtype": spec.dtype,
-                "device": str(self.device), "seconds": round(time.monotonic() - started, 2),
+                "device": str(self.device), "seconds": round(seconds, 2),
                 "torch_threads": torch.get_num_threads(),
                 "prepacked_linears": getattr(model, "prepacked", 0),
                 "attention": getattr(model, "attention", ""),
@@ -151,37 +135,6 @@ class Worker:
         if failure:
             raise failure[0]
 
-    def _back_off(self, exc: Exception) -> None:
-        """A failed load: its error in the heartbeats (GET /ready names it, and says "failing"
-        where no other worker serves the model), for a while before the process exits, longer
-        after each failure in a row (1, 2, 4, ... up to LOAD_BACKOFF_MAX_S). supervisord starts
-        a worker again at once when it lived past `startsecs`, as a load does: a model that
-        cannot load took a core in a loop of imports and loads, beside the workers serving,
-        and /ready said "loading" for ever (an outside check). A stop ends the wait at once."""
-        error = " ".join(str(exc).split())
-        self.status.failure = (f"{type(exc).__name__}: {error}" if error
-                               else type(exc).__name__)[:FAILURE_CHARS]
-        try:
-            failures = state.count_load_failure(self.cfg, self.index)
-        except OSError:
-            failures = 1
-        wait = max(2 * self.cfg.workers.heartbeat_interval_s,
-                   min(2.0 ** (failures - 1), LOAD_BACKOFF_MAX_S))
-        log.warning("worker.load_failed", extra={"fields": {
-            "worker": self.index, "failures": failures, "exit_in_s": wait,
-            "error": self.status.failure}})
-        self.stopping.wait(wait)
-
-    def _load_model(self, spec: ModelSpec, seed: bool = False) -> tuple[ModelSpec, Any]:
-        """`seed`: at start, before serving: the warm-up's timed pass is the admission
-        estimate's first speed, so a burst that meets a fresh worker is judged too (a reload's
-        warm-up runs beside serving, and its time says nothing of the speed)."""
-        model, tokens, seconds = load_warm(spec, self.device, self.cfg.workers.cuda_graphs,
-                                           self.limits)
-        if seed:
-            self.intake.backlog.seed(tokens, seconds)
-        return model.spec, model
-
     def _release(self) -> None:
         """After a reload or an unload dropped a model: its memory back to the device."""
         from gpu_workers.device import release
@@ -212,7 +165,7 @@ class Worker:
         try:
             self._load_yielding()
         except Exception as exc:
-            self._back_off(exc)
+            back_off(self.cfg, self.index, exc, self.status, self.stopping)
             raise  # the process exits (worker.failed); supervisord starts it again
         state.clear_load_failures(self.cfg, self.index)
         self.status.ready = True
