@@ -51,7 +51,7 @@ def _coerce(hint: Any, value: Any, key: str,
             checks: Mapping[str, Check]) -> Any:
     origin = typing.get_origin(hint)
     if hasattr(value, "parsed") and origin not in (typing.Union, types.UnionType):
-        # An environment variable's value (layers.EnvText): a string key takes it as written,
+        # An environment variable's value (envvalues.EnvText): a string key takes it as written,
         # any other what YAML reads in it.
         if hint is str:
             return str(value)
@@ -83,7 +83,7 @@ def _coerce(hint: Any, value: Any, key: str,
         raise ConfigError(f"{key}: expected {_describe(hint)}, got {_show(value)}")
     if origin is Literal:
         allowed = typing.get_args(hint)
-        # An environment word as written, then as YAML reads it (layers.EnvWord: yes -> true)
+        # An environment word as written, then as YAML reads it (envvalues.EnvWord: yes -> true)
         for each in (value, getattr(value, "as_yaml", value)):
             text = str(each).lower() if isinstance(each, bool) else each
             if text in allowed:
@@ -103,7 +103,7 @@ def _coerce(hint: Any, value: Any, key: str,
                                                                         checks)
                 for k, v in value.items()}
     if hint is bool:
-        value = getattr(value, "as_yaml", value)  # an environment word (layers.EnvWord)
+        value = getattr(value, "as_yaml", value)  # an environment word (envvalues.EnvWord)
         if not isinstance(value, bool):
             raise ConfigError(f"{key}: expected true or false, got {_show(value)}")
         return value
@@ -119,7 +119,7 @@ def _coerce(hint: Any, value: Any, key: str,
     if hint is str:
         if not isinstance(value, (str, int, float)) or isinstance(value, bool):
             raise ConfigError(f"{key}: expected a string, got {_show(value)}")
-        # A number from the environment as it was written (layers.EnvInt: 01 stays "01").
+        # A number from the environment as it was written (envvalues.EnvInt: 01 stays "01").
         return getattr(value, "text", None) or str(value)
     raise ConfigError(f"{key}: unsupported type {hint}")  # a bug in the schema, not the input
 
