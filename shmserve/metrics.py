@@ -9,6 +9,9 @@ program and `shmserve up` empties it. Each process writes its values into files 
 pid; a scrape (any frontend's GET /metrics) sums them:
   * counters and histograms of exited processes stay: what they counted happened, so totals
     survive restarts and nothing is counted twice (a restarted process has a new pid, new files);
+    `mark_dead` merges them into one file of each kind (`counter_archive.db`,
+    `histogram_archive.db`): every scrape read every file any process ever wrote, and a crash
+    loop's thousands of them took a scrape past nginx's timeout (an outside check);
   * gauges are "live" and their files are removed when their process exits (`mark_dead`, run by
     `shmserve.reaper` on supervisord's process events), so a killed worker's queue depth or
     in-flight count never lingers nor adds to its successor's.
@@ -19,9 +22,12 @@ supervisord runs (`shmserve.processes`), so it covers nginx and supervisord too.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import logging
 import os
 import re
+import signal
 from pathlib import Path
 from typing import Callable, Iterable, Mapping
 
@@ -46,6 +52,7 @@ RATIO_BUCKETS = (1.0, 1.05, 1.1, 1.2, 1.3, 1.5, 1.75, 2.0, 3.0, 5.0, 10.0)
 _FEW = 4  # observe_many: up to this many values, one observe each (1.6 us against 8 us)
 
 _LIVE_GAUGE_FILE = re.compile(r"^gauge_live[a-z]*_(\d+)\.db$")
+_KEPT_FILE = re.compile(r"^(counter|histogram)_(\d+)\.db$")  # a process's counts (merged)
 
 
 def observe_many(histogram, values: np.ndarray | list[float]) -> None:
@@ -251,7 +258,7 @@ def registry(extra: Iterable[Collector] = (), workers: Iterable[str] = ()) -> Co
 
         source = REGISTRY
     reg = CollectorRegistry()
-    reg.register(_Delegate(source, tuple(workers)))
+    reg.register(_Delegate(source, tuple(workers), directory))
     for collector in extra:
         reg.register(collector)
     return reg
@@ -286,13 +293,20 @@ class _Delegate(Collector):
     reaper), and its series then vanished: a panel's line ended, and an alert on
     `shmserve_worker_ready == 0` never fired (an outside check)."""
 
-    def __init__(self, source, workers: tuple[str, ...] = ()) -> None:
+    def __init__(self, source, workers: tuple[str, ...] = (),
+                 directory: Path | None = None) -> None:
         self._source = source
         self._workers = workers
+        self._directory = directory  # multiprocess mode's: read under its lock (compact)
 
     def collect(self):
         ready = None
-        for family in self._source.collect():
+        if self._directory is not None:
+            with scrape_lock(self._directory):
+                families = list(self._source.collect())
+        else:
+            families = self._source.collect()
+        for family in families:
             if family.name == READY:
                 ready = family
             else:
@@ -310,15 +324,80 @@ READY = "shmserve_worker_ready"  # gpu_workers.metrics'
 
 
 def mark_dead(directory: Path, pids: Iterable[int] = ()) -> list[int]:
-    """Remove the live-gauge files of `pids` and of every other process that no longer runs.
-
-    Returns the dead pids. Counter and histogram files are kept (see the module docstring)."""
+    """Forget the processes of `pids` and every other process of `directory` that no longer
+    runs: their live-gauge files removed, their counter and histogram files merged into the
+    archive files (`compact`). Returns the dead pids."""
     candidates = set(pids)
-    for path in directory.glob("gauge_live*_*.db"):
-        match = _LIVE_GAUGE_FILE.match(path.name)
+    for path in directory.glob("*.db"):
+        match = _LIVE_GAUGE_FILE.match(path.name) or _KEPT_FILE.match(path.name)
         if match:
-            candidates.add(int(match.group(1)))
+            candidates.add(int(match.groups()[-1]))
     dead = sorted(pid for pid in candidates if not processes.alive(pid))
     for pid in dead:
         multiprocess.mark_process_dead(pid, str(directory))
+    compact(directory, dead)
     return dead
+
+
+ARCHIVE = "{kind}_archive.db"  # the merged counts of exited processes, one file of each kind
+_LOCK = ".scrape.lock"  # a scrape's shared lock, a merge's exclusive one
+
+
+def compact(directory: Path, dead: Iterable[int]) -> int:
+    """Add the counter and histogram files of the `dead` processes into the archive files and
+    remove them; returns how many files it merged. The sums stay as they were (a counter
+    sample, a histogram bucket's, each key's values added), and a scrape never sees a file
+    both merged and still there, nor a file gone that it listed: the merge holds the
+    directory's lock exclusively (`scrape_lock`), and the signals that stop this process wait
+    until it is done (only SIGKILL in between counts the merged files twice)."""
+    merged, dead = 0, list(dead)
+    kept = [directory / f"{kind}_{pid}.db" for kind in ("counter", "histogram") for pid in dead]
+    if not any(path.exists() for path in kept):
+        return 0
+    with scrape_lock(directory, exclusive=True), _signals_held():
+        for kind in ("counter", "histogram"):
+            files = [path for pid in dead
+                     if (path := directory / f"{kind}_{pid}.db").exists()]
+            if not files:
+                continue
+            archive = directory / ARCHIVE.format(kind=kind)
+            totals: dict[str, float] = {}
+            for path in ([archive] if archive.exists() else []) + files:
+                for key, value, _, _ in mmap_dict.MmapedDict.read_all_values_from_file(
+                        str(path)):
+                    totals[key] = totals.get(key, 0.0) + value
+            fresh = directory / f"{kind}_archive.new"  # not *.db: no scrape reads it
+            fresh.unlink(missing_ok=True)
+            out = ReservedMmapedDict(str(fresh))
+            try:
+                for key, value in totals.items():
+                    out.write_value(key, value, 0.0)
+            finally:
+                out.close()
+            os.replace(fresh, archive)
+            for path in files:
+                path.unlink()
+            merged += len(files)
+    return merged
+
+
+@contextlib.contextmanager
+def scrape_lock(directory: Path, exclusive: bool = False):
+    """The metrics directory's lock: shared by scrapes (they read every file), exclusive for a
+    merge of files (`compact`). flock: released when its holder exits, however it exits."""
+    fd = os.open(directory / _LOCK, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        yield
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def _signals_held():
+    held = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)

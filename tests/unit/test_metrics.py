@@ -48,18 +48,76 @@ def test_buckets_suit_milliseconds():
     assert metrics.RATIO_BUCKETS[0] == 1.0  # padded / real is never below one
 
 
-def test_mark_dead_removes_only_dead_processes_live_gauges(tmp_path):
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True, check=True)
-    dead_pid, live_pid = int(dead.stdout), os.getpid()
-    names = [f"gauge_livesum_{dead_pid}.db", f"gauge_livemostrecent_{dead_pid}.db",
-             f"gauge_max_{dead_pid}.db", f"counter_{dead_pid}.db", f"histogram_{dead_pid}.db",
-             f"gauge_livesum_{live_pid}.db", "gauge_livesum_notapid.db"]
-    for name in names:
-        (tmp_path / name).write_bytes(b"")
-    assert metrics.mark_dead(tmp_path) == [dead_pid]
-    left = sorted(p.name for p in tmp_path.iterdir())
-    assert left == sorted(names[2:])  # counts stay; the live process's gauges stay
+WRITER = ("import os, sys\n"
+          "from prometheus_client import Counter, Gauge, Histogram\n"
+          "n = int(sys.argv[1])\n"
+          "c = Counter('t_requests', 'r', ['route'])\n"
+          "c.labels('/a').inc(n)\n"
+          "c.labels(f'/r{n}').inc()\n"
+          "h = Histogram('t_seconds', 's', buckets=(0.1, 1.0))\n"
+          "for v in (0.05, 0.5, 5.0)[:n]: h.observe(v)\n"
+          "Gauge('t_inflight', 'i', multiprocess_mode='livesum').set(n)\n"
+          "print(os.getpid())\n")
+
+
+def dead_writers(directory, *counts) -> list[int]:
+    """Processes that wrote counts into `directory` and exited: their pids."""
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(directory)}
+    return [int(subprocess.run([sys.executable, "-c", WRITER, str(n)], env=env,
+                               capture_output=True, text=True, check=True).stdout)
+            for n in counts]
+
+
+def scraped(directory, monkeypatch) -> dict[tuple[str, tuple], float]:
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(directory))
+    return samples(metrics.registry())
+
+
+def test_mark_dead_removes_dead_live_gauges_and_merges_their_counts(tmp_path, monkeypatch):
+    """A dead process's live gauges go; its counters and histograms are merged into the
+    archive files, and a scrape reads the same sums from them as from the files before."""
+    pids = dead_writers(tmp_path, 1, 2)
+    gauge = (tmp_path / f"gauge_livesum_{pids[0]}.db").read_bytes()
+    (tmp_path / f"gauge_livesum_{os.getpid()}.db").write_bytes(gauge)  # a live process's
+    (tmp_path / "gauge_livesum_notapid.db").write_bytes(gauge)
+    before = scraped(tmp_path, monkeypatch)
+    assert before[("t_requests_total", (("route", "/a"),))] == 3.0
+    assert sorted(metrics.mark_dead(tmp_path)) == sorted(pids)
+    left = sorted(p.name for p in tmp_path.glob("*.db"))
+    assert left == ["counter_archive.db", f"gauge_livesum_{os.getpid()}.db",
+                    "gauge_livesum_notapid.db", "histogram_archive.db"]
+    after = scraped(tmp_path, monkeypatch)
+    assert after.pop(("t_inflight", ())) == 2.0  # the two copies of the live gauge
+    assert after == {k: v for k, v in before.items() if k[0] != "t_inflight"}
+    assert after[("t_seconds_bucket", (("le", "1.0"),))] == 3.0  # cumulative
+    assert after[("t_seconds_count", ())] == 3.0
+
+    # a later death adds to the archive; a sweep with nothing dead changes nothing
+    dead_writers(tmp_path, 3)
+    assert metrics.mark_dead(tmp_path) and metrics.mark_dead(tmp_path) == []
+    again = scraped(tmp_path, monkeypatch)
+    assert again[("t_requests_total", (("route", "/a"),))] == 6.0
+    assert again[("t_requests_total", (("route", "/r3"),))] == 1.0
+    assert again[("t_seconds_bucket", (("le", "+Inf"),))] == 6.0
+    assert again[("t_seconds_bucket", (("le", "0.1"),))] == 3.0
+    assert sorted(p.name for p in tmp_path.glob("*.db")) == left
+
+
+def test_a_merge_waits_for_the_scrape_reading(tmp_path, monkeypatch):
+    """A scrape holds the directory's lock shared: a merge waits for it, so no scrape sees a
+    file both merged and still there (counted twice) or listed and then gone (an error)."""
+    import threading
+
+    pid, = dead_writers(tmp_path, 2)
+    done = threading.Event()
+    with metrics.scrape_lock(tmp_path):
+        merging = threading.Thread(target=lambda: (metrics.mark_dead(tmp_path), done.set()))
+        merging.start()
+        merging.join(0.5)
+        assert not done.is_set() and (tmp_path / f"counter_{pid}.db").exists()
+    merging.join(10)
+    assert done.is_set() and not (tmp_path / f"counter_{pid}.db").exists()
+    assert scraped(tmp_path, monkeypatch)[("t_requests_total", (("route", "/a"),))] == 2.0
 
 
 def test_mark_dead_takes_named_pids_that_left_no_file(tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 import subprocess
 import sys
 
@@ -20,15 +21,25 @@ def event(name: str, payload: str, serial: int = 1) -> str:
             f"eventname:{name} len:{len(payload)}\n{payload}")
 
 
-def test_an_exited_process_loses_its_live_gauges(tmp_path, monkeypatch):
+def test_an_exited_process_loses_its_live_gauges_and_its_counts_are_merged(tmp_path,
+                                                                          monkeypatch):
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
-    pid = dead_pid()
-    for name in (f"gauge_livemostrecent_{pid}.db", f"gauge_livesum_{pid}.db",
-                 f"counter_{pid}.db"):
-        (tmp_path / name).write_bytes(b"")
+    code = ("import os\nfrom prometheus_client import Counter, Gauge\n"
+            "Counter('t_exits', 'e').inc(2)\n"
+            "Gauge('t_depth', 'd', multiprocess_mode='livemostrecent').set(1)\n"
+            "print(os.getpid())\n")
+    pid = int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             check=True, env={**os.environ,
+                                              "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}).stdout)
+    (tmp_path / f"gauge_livesum_{pid}.db").write_bytes(b"")
     payload = f"processname:worker-0 groupname:workers from_state:RUNNING expected:0 pid:{pid}"
     assert reaper.handle("PROCESS_STATE_EXITED", payload) == [pid]
-    assert [p.name for p in tmp_path.iterdir()] == [f"counter_{pid}.db"]
+    assert sorted(p.name for p in tmp_path.glob("*.db")) == ["counter_archive.db"]
+    from prometheus_client import mmap_dict
+    values = mmap_dict.MmapedDict.read_all_values_from_file(str(tmp_path /
+                                                                "counter_archive.db"))
+    assert [(key, value) for key, value, _, _ in values] == [
+        ('["t_exits", "t_exits_total", {}, "e"]', 2.0)]
 
 
 def test_exits_are_counted_by_program_and_whether_expected(tmp_path, monkeypatch):
