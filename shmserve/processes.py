@@ -130,10 +130,21 @@ def supervisord_pid(cfg: Config) -> int | None:
     except (OSError, ValueError):
         return None
     try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except OSError:
         return None
-    return pid if alive(pid) and b"supervisord" in cmdline else None
+    # This deployment's supervisord, not any: a pid file left by a killed one whose pid another
+    # deployment's supervisord has since (a reboot, a kill -9) made `up` refuse ("already
+    # running"), `down` wait on the other, and `status` show nothing (an outside check).
+    if not alive(pid) or not any(b"supervisord" in arg for arg in args[:2]):
+        return None
+    conf = args[args.index(b"-c") + 1].decode(errors="replace") if b"-c" in args[:-1] else ""
+    try:
+        ours = conf and os.path.samefile(Path(f"/proc/{pid}/cwd") / conf,
+                                         render.supervisord_conf(cfg))
+    except OSError:
+        return None
+    return pid if ours else None
 
 
 def running_config(cfg: Config) -> Config:

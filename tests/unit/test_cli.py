@@ -148,14 +148,23 @@ def test_down_when_not_running_still_removes_stale_state(deployment, capsys, mon
         live.close()
 
 
+def standin(conf: Path) -> subprocess.Popen:
+    """A live process whose command line is a supervisord's started with `conf`."""
+    fake = subprocess.Popen(["supervisord-standin", "-", "-c", str(conf)],
+                            executable=sys.executable, stdin=subprocess.PIPE)
+    fake.stdin.write(b"import time; time.sleep(300)\n")
+    fake.stdin.close()
+    # The kernel sets a new command line a moment after Popen has returned.
+    wait_until(lambda: b"supervisord" in Path(f"/proc/{fake.pid}/cmdline").read_bytes())
+    return fake
+
+
 def test_up_refuses_while_this_deployments_supervisord_runs(deployment, capsys):
     pidfile = render.supervisord_pidfile(deployment)
     pidfile.parent.mkdir(parents=True)
-    # Any live process whose command line names supervisord passes for one.
-    fake = subprocess.Popen(["supervisord-standin", "300"], executable=shutil.which("sleep"))
+    render.supervisord_conf(deployment).write_text("")
+    fake = standin(render.supervisord_conf(deployment))
     try:
-        # The kernel sets a new command line a moment after Popen has returned.
-        wait_until(lambda: b"supervisord" in Path(f"/proc/{fake.pid}/cmdline").read_bytes())
         pidfile.write_text(f"{fake.pid}\n")
         assert cli.supervisord_pid(deployment) == fake.pid
         assert cli.main(["up"]) == 2
@@ -164,6 +173,25 @@ def test_up_refuses_while_this_deployments_supervisord_runs(deployment, capsys):
         fake.kill()
         fake.wait()
     assert cli.supervisord_pid(deployment) is None  # a stale pid file is not a running stack
+
+
+def test_a_pid_file_naming_another_deployments_supervisord_is_stale(deployment, tmp_path):
+    """A killed supervisord's pid taken by another deployment's (a reboot, a kill -9): `up`
+    refused ("already running"), `down` waited on the other one, `status` showed nothing (an
+    outside check)."""
+    pidfile = render.supervisord_pidfile(deployment)
+    pidfile.parent.mkdir(parents=True)
+    render.supervisord_conf(deployment).write_text("")
+    other = tmp_path / "other-run" / "supervisord.conf"
+    other.parent.mkdir()
+    other.write_text("")
+    fake = standin(other)
+    try:
+        pidfile.write_text(f"{fake.pid}\n")
+        assert cli.supervisord_pid(deployment) is None
+    finally:
+        fake.kill()
+        fake.wait()
 
 
 def test_clean_stale_empties_metrics_only_when_asked(deployment):
