@@ -96,6 +96,12 @@ def render(cur: Sample, prev: Sample | None, title: str) -> str:
          _num(w["padding"], 2), _bytes(w["device_allocated_bytes"]),
          _bytes(w["device_reserved_bytes"]), _num(w["fragmentation"], 2), _bytes(w["rss_bytes"])]
         for w in workers_of(cur, prev)])
+    apart = [w for w in workers_of(cur, prev) if w["diverged"]]
+    if apart:
+        lines.append("")
+        lines += [f"worker {w['worker']}: serves {', '.join(w['diverged'])} apart from the run "
+                  "state (its reloaded source is gone or no longer loads: `shmserve models` "
+                  "says which revision; a reload mends it)" for w in apart]
     failing = [w for w in workers_of(cur, prev) if w["load_error"] and not w["ready"]]
     if failing:
         lines.append("")
@@ -161,7 +167,14 @@ def _frontends_down(cur: Sample) -> list[str]:
 def _state(cur: Sample) -> str:
     word = _state_word(cur)
     down = _frontends_down(cur) if word == "degraded" else []
+    apart = sorted({f"worker {w.get('worker')}" for w in cur.ready.get("workers", [])
+                    if w.get("diverged")}) if word == "degraded" else []
     text = (f"degraded (every model is served; not serving: {', '.join(down)})" if down
+            # every worker ready, one serving apart from the run state: "not every worker is
+            # ready" was wrong, and nothing named it (an outside check)
+            else f"degraded (every model is served; {', '.join(apart)} serving apart from the "
+                 "run state)" if apart and all(w.get("ready") for w in
+                                               cur.ready.get("workers", []))
             else _STATE_TEXT[word].format(code=cur.ready_code))
     return text + "; the figures below are a frontend's, read from its socket" if cur.direct \
         else text
@@ -241,6 +254,8 @@ def workers_of(cur: Sample, prev: Sample | None) -> list[dict]:
             "configured_device": w.get("configured_device"),
             "ready": bool(w.get("ready")), "alive": bool(w.get("alive")),
             "failed_loads": int(w.get("failed_loads") or 0), "load_error": w.get("load_error"),
+            # the models it serves apart from the run state (GET /ready's, /admin/models)
+            "diverged": list(w.get("diverged") or []),
             "queued_texts": _int(queue if queue is not None else w.get("queued_texts")),
             "texts_per_s": texts, "batches_per_s": batches,
             "texts_per_batch": texts / batches if texts is not None and batches else None,

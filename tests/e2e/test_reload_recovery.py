@@ -156,6 +156,14 @@ def test_a_worker_whose_recorded_source_broke_serves_the_config_and_a_reload_men
     # a probe keeps passing (every model is served), but says degraded, and which
     stack.wait_until(lambda: ready() == (200, "degraded", [[], ["tiny"]]), 10,
                      f"/ready degraded, naming the diverged model: {ready()}")
+    if harm == "deleted":  # `shmserve status` names it too (it said "not every worker ready")
+        def status() -> dict:  # through nginx: either frontend's view (exit 1: degraded)
+            return json.loads(stack.cli("status", "--json", check=False).stdout)
+        stack.wait_until(lambda: "worker 1 serving apart from the run state" in status()[
+            "state_text"], 30, "status naming the worker")
+        snapshot = status()
+        assert snapshot["state"] == "degraded", snapshot
+        assert [w["diverged"] for w in snapshot["workers"]] == [[], ["tiny"]]
     # (a frontend's /ready says degraded until it is mended: every worker ready is enough)
     stack.wait_until(lambda: every_frontend_ready(stack), 60, "both frontends ready")
     status, answer = reload(stack, "tiny", source=str(models["b"]), revision=mended)

@@ -188,6 +188,23 @@ def test_a_degraded_deployment_says_so():
         "t: degraded (every model is served, not every worker is ready)"
 
 
+def test_a_worker_serving_apart_from_the_run_state_is_named():
+    """Every worker ready, worker 1 serving a model apart from the run state (its reloaded
+    source deleted, then it restarted): status said "not every worker is ready" and named
+    nothing (an outside check)."""
+    cur = sample(1.0, 10, 1, 10, 10)
+    workers = [{**w, "ready": True, "device": "cpu", "diverged": ["minilm"] if w["worker"]
+                else []} for w in READY["workers"]]
+    cur = status.Sample(cur.at, cur.processes, 200, {"status": "degraded", "workers": workers},
+                        cur.metrics)
+    text = status.render(cur, None, "t").splitlines()
+    assert text[0] == "t: degraded (every model is served; worker 1 serving apart from the " \
+        "run state)"
+    assert any(line.startswith("worker 1: serves minilm apart from the run state") for line in text)
+    snap = status.snapshot(cur, None)
+    assert [w["diverged"] for w in snap["workers"]] == [[], ["minilm"]]
+
+
 @pytest.mark.parametrize("word,why", [
     ("loading", "loading (not every worker has loaded its models yet)"),
     ("unavailable", "unavailable (some model has no ready worker)"),
