@@ -66,3 +66,40 @@ def test_no_ready_worker_for_the_model_is_not_an_early_refusal(pool):
         beat(pool, index, Queued(0, 10**6), served="b")
     assert pool.behind("a", 0, due(1.0)) is None  # the dispatcher answers 503 for that
     assert pool.behind("b", 0, due(1.0)) is not None
+
+
+def test_requests_answered_since_the_heartbeat_are_not_ahead_any_more(pool):
+    """A client sending one request after another to a slow worker was refused 429 ("every
+    worker's queue needs ~20.1 s") with nothing queued (the suite, under load): the last
+    heartbeat still held its previous request. What this frontend sent before the heartbeat
+    came and has had answered since comes off what the heartbeat said; what it sent after,
+    and a refusal, do not (the worker never counted them, or they may still be ahead)."""
+    import asyncio
+
+    from frontend.links import Pending
+    from shmserve.protocol import Error, ErrorCode, Result
+
+    loop = asyncio.new_event_loop()
+
+    def answered(link, seq: int, tokens: int, reply, sent: float, priority: int = 0) -> None:
+        link.pending[seq] = Pending(loop.create_future(), tokens, lambda: None, "", priority,
+                                    sent)
+        pool._settle(link, reply)
+    try:
+        for index in (0, 1):
+            beat(pool, index, Queued(0, 5000), Queued(2, 1000))
+        assert pool.behind("a", 0, due(6.0)) is not None
+        link = pool.links[0]
+        before, after = link.last_beat - 0.5, link.last_beat + 0.5
+        answered(link, 1, 4000, Error(1, ErrorCode.OVERLOADED, "full"), before)
+        answered(link, 2, 4000, Result(2, 0.0, 1.0, 1, 4000, "r"), after)
+        assert pool.behind("a", 0, due(6.0)) is not None  # neither was in the heartbeat
+        answered(link, 3, 4000, Result(3, 0.0, 1.0, 1, 4000, "r"), before)
+        assert pool.behind("a", 0, due(6.0)) is None  # 2,000 tokens left: 2.1 s
+        assert pool.behind("a", 2, due(0.5)) is not None  # the high work is still ahead
+        answered(link, 4, 1000, Result(4, 0.0, 1.0, 1, 1000, "r"), before, priority=2)
+        assert pool.behind("a", 2, due(0.5)) is None
+        beat(pool, 0, Queued(0, 5000))  # a new heartbeat: what it says, again
+        assert link.drained == {} and pool.behind("a", 0, due(6.0)) is not None
+    finally:
+        loop.close()
