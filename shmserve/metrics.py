@@ -41,7 +41,7 @@ from prometheus_client.samples import Sample
 
 from shmserve import processes
 
-# Seconds, as Prometheus prefers, from 0.1 ms (tokenizing a short text) to 30 s.
+# Seconds, as Prometheus prefers, from 0.1 ms (tokenizing a short text) to 120 s.
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02,
                    0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0, 30.0,
                    60.0, 120.0)  # (deadlines run to nginx's 120 s)
