@@ -175,14 +175,20 @@ async def _ask(pool, links: list[WorkerLink], make, timeout: float
     futures = {}
     for link in links:
         futures[link.index] = pool.submit(link, make(pool.next_seq()), 0, lambda: None)
+    began = time.monotonic()
     if futures:
         await asyncio.wait(futures.values(), timeout=timeout)
+    # This frontend stopped meanwhile (SIGSTOP, a loop busy for seconds): the answers may have
+    # come and not been read; "no answer" alone blamed the worker (an outside check).
+    late = time.monotonic() - began - timeout
+    stalled = (f"; this frontend's event loop ran {late:.0f} s late, so an answer may have "
+               "come unread" if late >= 1.0 else "")
     answers: dict[int, ReloadDone | BaseException] = {}
     for index, future in futures.items():
         if not future.done():
             future.add_done_callback(consume)
             answers[index] = TimeoutError(f"no answer within {timeout:g} s "
-                                          "(admin.reload_timeout_s)")
+                                          f"(admin.reload_timeout_s){stalled}")
         else:
             answers[index] = future.exception() or future.result()
     return answers

@@ -75,3 +75,24 @@ def test_another_arms_revision_given_is_refused_and_others_pass(tmp_path):
         refuse(cfg, served, b, "", "a-r1", pool)
     assert "variant 'a' of 'm' serves revision 'a-r1'; give this one another" in err.value.message
     assert refuse(cfg, served, b, PACKAGE, "", pool)  # other weights than arm a's labelled ones
+
+
+def test_a_worker_unheard_while_this_frontend_stalled_is_not_blamed_alone():
+    """A reload whose frontend was stopped (SIGSTOP) past the timeout answered "worker 0: no
+    answer within ... s" though the worker had answered (an outside check): the wait that came
+    back late says that this frontend ran late, and a wait on time says nothing of it."""
+    import time
+
+    from frontend.reload import _ask
+
+    async def ask(stall_s: float) -> str:
+        loop = asyncio.get_running_loop()
+        pool = SimpleNamespace(next_seq=lambda: 1,
+                               submit=lambda link, msg, tokens, done: loop.create_future())
+        loop.call_soon(time.sleep, stall_s)  # the event loop blocked, as a stopped process's
+        answers = await _ask(pool, [SimpleNamespace(index=0)], lambda seq: None, 0.1)
+        return str(answers[0])
+    stalled = asyncio.run(ask(1.6))
+    assert stalled.startswith("no answer within 0.1 s (admin.reload_timeout_s); this "
+                              "frontend's event loop ran ") and "may have come unread" in stalled
+    assert asyncio.run(ask(0.0)) == "no answer within 0.1 s (admin.reload_timeout_s)"
