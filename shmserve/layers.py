@@ -14,8 +14,8 @@ Layers, later wins:
      "a #b", ``query: `` stays "query: "; a quoted YAML string is unquoted), a list's string
      item the item as written (``[01234567]``). ``null`` or ``~`` alone is a null.
 
-Mappings are deep-merged (a variable's mapping into its section too); lists and scalars are
-replaced. A key set to ``null`` or ``~`` (in a
+Mappings are deep-merged (a variable's mapping into its section or list item too); lists and
+scalars are replaced. A key set to ``null`` or ``~`` (in a
 file or a variable) takes its default once every layer is merged: its value in
 ``configs/base.yaml``, which lists every key's default (``models: ~`` is the default model),
 else the config's own default (a model's keys base.yaml leaves out).
@@ -297,12 +297,13 @@ def apply_env_overrides(tree: dict[str, Any], environ: Mapping[str, str]) -> dic
                 raise ConfigError(f"{name}: {'.'.join(parts[:i])} is not a section")
             if last:
                 parsed = getattr(value, "parsed", None)
-                if isinstance(parsed, dict) and isinstance(node, dict) and \
-                        isinstance(node.get(key), dict):
+                here = node[key] if isinstance(node, list) else node.get(key)
+                if isinstance(parsed, dict) and isinstance(here, dict):
                     # a section's mapping merges into it, as a file's does (it replaced the
                     # section whole, and prod's frontends.count went back to base's, an
-                    # outside check)
-                    node[key] = deep_merge(node[key], parsed)
+                    # outside check); a list item's too (SHMSERVE__MODELS__0='{dtype: fp32}'
+                    # dropped the model's name: an outside check)
+                    node[key] = deep_merge(here, parsed)
                 else:
                     node[key] = value
             else:

@@ -1,6 +1,7 @@
 """Environment overrides of the config (SHMSERVE__SECTION__KEY): how a variable's text becomes
 a value, a whole section in one variable, and a misspelled name pointed at what was meant."""
 
+import dataclasses
 import json
 
 import pytest
@@ -87,6 +88,21 @@ def test_a_sections_mapping_in_a_variable_merges_into_the_files():
     with pytest.raises(ConfigError, match=r"^_admin: unknown key \(did you mean admin\?\) "
                                           r"\(set in SHMSERVE___ADMIN__TOKEN\)$"):
         config.load(environ={"SHMSERVE___ADMIN__TOKEN": "x"})
+
+
+def test_a_list_items_mapping_in_a_variable_merges_into_the_item():
+    """It replaced the item whole: SHMSERVE__MODELS__0='{dtype: fp32}' dropped the model's name
+    and source, and the error named base.yaml (an outside check)."""
+    cfg = config.load(environ={"SHMSERVE__MODELS__0": "{dtype: fp32}"})
+    base = config.load(environ={})
+    assert cfg.models[0].dtype == "fp32"
+    assert dataclasses.replace(cfg.models[0], dtype=base.models[0].dtype) == base.models[0]
+    with pytest.raises(ConfigError, match=r"^models\[0\]\.dtype: expected one of .* "
+                                          r"\(set in SHMSERVE__MODELS__0\)$"):
+        config.load(environ={"SHMSERVE__MODELS__0": "{dtype: fp33}"})
+    with pytest.raises(ConfigError, match=r"^models\[0\]\.name: required "
+                                          r"\(set in SHMSERVE__MODELS__0\)$"):
+        config.load(environ={"SHMSERVE__MODELS__0": "{name: ~}"})  # the default: none
 
 
 def test_a_string_key_from_the_environment_takes_the_whole_value(tmp_path):
