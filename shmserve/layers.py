@@ -278,6 +278,17 @@ def deep_merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, An
 
 def apply_env_overrides(tree: dict[str, Any], environ: Mapping[str, str]) -> dict[str, Any]:
     tree = json.loads(json.dumps(tree))  # a private deep copy we may mutate
+    # Names differing in case name one key: which one won was their sort order's
+    # (SHMSERVE__frontends__count=4 over SHMSERVE__FRONTENDS__COUNT=3, silently: an outside
+    # check)
+    by_key: dict[str, list[str]] = {}
+    for name in sorted(environ):
+        if name.startswith(ENV_PREFIX):
+            by_key.setdefault(name[len(ENV_PREFIX):].lower(), []).append(name)
+    for key, names in by_key.items():
+        if len(names) > 1:
+            raise ConfigError(f"{' and '.join(names)}: {len(names)} variables set one key "
+                              f"({key.replace('__', '.')}); keep one")
     for name in sorted(environ):
         if not name.startswith(ENV_PREFIX):
             continue

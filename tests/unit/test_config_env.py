@@ -105,6 +105,16 @@ def test_a_list_items_mapping_in_a_variable_merges_into_the_item():
         config.load(environ={"SHMSERVE__MODELS__0": "{name: ~}"})  # the default: none
 
 
+def test_two_variables_naming_one_key_are_refused():
+    """SHMSERVE__frontends__count=4 beside SHMSERVE__FRONTENDS__COUNT=3 gave 4, the later in
+    sort order, without a word (an outside check)."""
+    with pytest.raises(ConfigError, match=r"^SHMSERVE__FRONTENDS__COUNT and "
+                                          r"SHMSERVE__frontends__count: 2 variables set one "
+                                          r"key \(frontends\.count\); keep one$"):
+        config.load(environ={"SHMSERVE__FRONTENDS__COUNT": "3",
+                             "SHMSERVE__frontends__count": "4"})
+
+
 def test_a_string_key_from_the_environment_takes_the_whole_value(tmp_path):
     """YAML read the variables whole: a token's `#...` was a comment (SHMSERVE__ADMIN__TOKEN=
     'ab #cd' was "ab", '#abcdefgh' was "", admin off), '#key' in auth.api_keys was no key (an
