@@ -47,21 +47,37 @@ def merged(env: str | None = None, extra: str | Path | None = None,
            environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     """The four layers above, merged: a plain tree, not yet validated."""
     environ = os.environ if environ is None else environ
-    source = "--env" if env else "SHMSERVE_ENV"
-    env = env or environ.get("SHMSERVE_ENV", "dev")
     tree = read_yaml(CONFIG_DIR / "base.yaml")
-    env_file = CONFIG_DIR / f"{env}.yaml"
-    if not env_file.is_file():
-        raise ConfigError(f"{source} {env}: no config file {env_file}; one of "
-                          f"{', '.join(env_names())} (configs/gpu.yaml is an overlay: --config)")
+    chosen = env_file(env, environ)
     warn_misspelled(environ)
     base = tree
-    tree = deep_merge(tree, read_yaml(env_file))
+    tree = deep_merge(tree, read_yaml(chosen))
     return overridden(tree, extra, environ, base)
 
 
 def env_names() -> list[str]:  # what --env takes: configs/*.yaml but base and overlays
     return sorted(p.stem for p in CONFIG_DIR.glob("*.yaml") if p.stem not in ("base", *OVERLAYS))
+
+
+def env_file(env: str | None, environ: Mapping[str, str]) -> Path:
+    """The file of the env `env` names, else SHMSERVE_ENV, else dev. base and an overlay are
+    files under configs/ too, but no env: `--env gpu` read gpu.yaml in place of an env's file
+    (dev's keys dropped) and `--env base` base.yaml twice, without a word (an outside check)."""
+    source = "--env" if env else "SHMSERVE_ENV"
+    env = env or environ.get("SHMSERVE_ENV", "dev")
+    names = ", ".join(env_names())
+    if env in OVERLAYS:
+        raise ConfigError(f"{source} {env}: configs/{env}.yaml is an overlay, given with --config "
+                          f"over an env (--config configs/{env}.yaml); {source} takes one of "
+                          f"{names}")
+    if env == "base":
+        raise ConfigError(f"{source} base: configs/base.yaml is read under every env; {source} "
+                          f"takes one of {names}")
+    path = CONFIG_DIR / f"{env}.yaml"
+    if env not in env_names():
+        raise ConfigError(f"{source} {env}: no config file {path}; one of {names} "
+                          "(configs/gpu.yaml is an overlay: --config)")
+    return path
 
 
 def overridden(tree: Mapping[str, Any], extra: str | Path | None,
@@ -120,8 +136,7 @@ def extra_files(extra: str | Path | None, environ: Mapping[str, str]) -> list[Pa
 def file_layers(env: str | None, extra: str | Path | None,
                 environ: Mapping[str, str]) -> list[Path]:
     """The files layers 1-3 read, in order."""
-    env = env or environ.get("SHMSERVE_ENV", "dev")
-    return [CONFIG_DIR / "base.yaml", CONFIG_DIR / f"{env}.yaml", *extra_files(extra, environ)]
+    return [CONFIG_DIR / "base.yaml", env_file(env, environ), *extra_files(extra, environ)]
 
 
 _KEY_PATH = re.compile(r"([A-Za-z0-9_-]+(?:\[[0-9]+\]|\.[A-Za-z0-9_-]+)*): ")

@@ -158,6 +158,20 @@ def test_unknown_env_and_bad_yaml(tmp_path):
         config.load(env="nope", environ={})
     with pytest.raises(ConfigError, match="^SHMSERVE_ENV nope: no config file"):
         config.load(environ={"SHMSERVE_ENV": "nope"})
+    # files under configs/ that are no env: they were read as one without a word (an outside
+    # check)
+    with pytest.raises(ConfigError, match=r"^--env gpu: configs/gpu.yaml is an overlay, given "
+                                          r"with --config over an env \(--config "
+                                          r"configs/gpu.yaml\); --env takes one of dev, prod, "
+                                          r"test$"):
+        config.load(env="gpu", environ={})
+    with pytest.raises(ConfigError, match=r"^SHMSERVE_ENV gpu: configs/gpu.yaml is an overlay"):
+        config.load(environ={"SHMSERVE_ENV": "gpu"})
+    with pytest.raises(ConfigError, match=r"^--env base: configs/base.yaml is read under every "
+                                          r"env; --env takes one of dev, prod, test$"):
+        config.load(env="base", environ={})
+    with pytest.raises(ConfigError, match=r"^SHMSERVE_ENV base: "):
+        config.load(environ={"SHMSERVE_ENV": "base"})
     bad = tmp_path / "bad.yaml"
     bad.write_text("server: [unclosed\n")
     with pytest.raises(ConfigError) as exc:
