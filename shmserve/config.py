@@ -82,9 +82,11 @@ class FrontendConfig:
     # (5 s), whose users met a ReadTimeout where the 503 would have said why (an outside
     # check).
     no_worker_wait_s: float = 4.0
-    # X-Priority / "priority" when a request names none: low, normal, high (-1, 0, 1) or an
-    # integer from -10 to 10; higher runs first
-    default_priority: int | Literal["low", "normal", "high"] = 0
+    # X-Priority / "priority" when a request names none: low, normal, high (-1, 0, 1), in any
+    # case as the header takes them (a choice of lower-case names refused HIGH: an outside
+    # check), or an integer from -10 to 10; higher runs first. Checked by the rule of
+    # frontends.default_priority (shmserve.checks), and made its level by from_tree.
+    default_priority: int | str = 0
     listen_backlog: int = 4096  # unix-socket accept queue; a full one makes nginx answer 502
     # A frontend whose pings every worker stopped hearing this long (its whole process stuck)
     # is SIGKILLed by the workers, and supervisord restarts it (shmserve.hung). 0: never.

@@ -322,15 +322,21 @@ def test_a_rate_limit_takes_fractions_down_to_one_a_minute(tmp_path):
         config.from_tree({**tree, "nginx": {"rate_limit_per_s": 0.01}})
 
 
-def test_the_default_priority_takes_the_names_requests_take():
-    # X-Priority takes low, normal and high; the setting refused them ("expected an integer").
-    assert config.load(environ={"SHMSERVE__FRONTENDS__DEFAULT_PRIORITY": "high"}
-                       ).frontends.default_priority == 1
-    assert config.load(environ={"SHMSERVE__FRONTENDS__DEFAULT_PRIORITY": "-3"}
-                       ).frontends.default_priority == -3
-    with pytest.raises(ConfigError, match="expected an integer or low, normal, high, "
-                                          "got 'urgent'"):
-        config.load(environ={"SHMSERVE__FRONTENDS__DEFAULT_PRIORITY": "urgent"})
+def test_the_default_priority_takes_the_names_requests_take(tmp_path):
+    # X-Priority takes low, normal and high; the setting refused them ("expected an integer"),
+    # then took them in lower case only (HIGH refused: an outside check)
+    for name, level in (("high", 1), ("HIGH", 1), ("Low", -1), ("-3", -3)):
+        assert config.load(environ={"SHMSERVE__FRONTENDS__DEFAULT_PRIORITY": name}
+                           ).frontends.default_priority == level, name
+    given = tmp_path / "my.yaml"
+    given.write_text("frontends: {default_priority: Normal}\n")
+    assert config.load(extra=given, environ={"SHMSERVE__FRONTENDS__COUNT": "1"}
+                       ).frontends.default_priority == 0
+    for bad in ("urgent", "1.5", "11"):
+        with pytest.raises(ConfigError, match=r"^frontends.default_priority: expected low, "
+                                              r"normal, high or an integer from -10 to 10, "
+                                              r"got "):
+            config.load(environ={"SHMSERVE__FRONTENDS__DEFAULT_PRIORITY": bad})
 
 
 @pytest.mark.parametrize("content,message", [
