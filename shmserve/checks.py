@@ -22,11 +22,19 @@ def _bytes(size: str) -> int:
 
 # Range checks beyond the types: key path -> (predicate, what is expected).
 _POSITIVE_INT: Check = (lambda v: v >= 1, "an integer >= 1")
-_SECONDS_A_DAY: Check = (lambda v: 1 <= v <= 86400, "whole seconds from 1 to 86400")
+DAY_S = 86400
+_SECONDS_A_DAY: Check = (lambda v: 1 <= v <= DAY_S, f"whole seconds from 1 to {DAY_S}")
+# Every other duration is at most a day too: one is rendered (server.drain_timeout_s into
+# supervisord's stopwaitsecs: 1.0e+12 passed as 1000000000005, an outside check) or waited on,
+# where a timer past what the OS or asyncio takes fails at its first wait, not at `up`.
+_UP_TO_A_DAY: Check = (lambda v: 0 <= v <= DAY_S, f"a number from 0 to {DAY_S}")
+_NEVER_OR_UP_TO_A_DAY: Check = (lambda v: 0 <= v <= DAY_S,
+                                f"a number from 0 (never) to {DAY_S}")
+_OVER_0_UP_TO_A_DAY: Check = (lambda v: 0 < v <= DAY_S, f"a number over 0, up to {DAY_S}")
 MAX_CONNECTIONS = 1 << 20  # an nginx worker's, as Linux's default nr_open allows descriptors
 CHECKS: dict[str, Check] = {
     "server.port": (lambda v: 1 <= v <= 65535, "a port from 1 to 65535"),
-    "server.drain_timeout_s": (lambda v: v >= 0, "a number >= 0"),
+    "server.drain_timeout_s": _UP_TO_A_DAY,
     # Pasted into nginx.conf: nothing but a value may pass (no `;`, no second directive).
     "server.host": (lambda v: re.fullmatch(r"[A-Za-z0-9.-]{1,253}|[0-9A-Fa-f:.]{2,45}", v)
                     is not None, "an IPv4 or IPv6 address or a host name"),
@@ -67,10 +75,11 @@ CHECKS: dict[str, Check] = {
     "frontends.count": (lambda v: 1 <= v <= 64, "an integer from 1 to 64"),
     # nginx's worker_connections are made from it: a number past nginx's was named as theirs
     "frontends.max_inflight": (lambda v: 1 <= v <= 1_000_000, "an integer from 1 to 1000000"),
-    "frontends.request_timeout_s": (lambda v: v > 0, "a number > 0"),
+    "frontends.request_timeout_s": _OVER_0_UP_TO_A_DAY,
     "frontends.retry_on_worker_loss": (lambda v: v >= 0, "an integer >= 0"),
-    "frontends.no_worker_wait_s": (lambda v: v >= 0, "a number >= 0"),
-    "frontends.listen_backlog": _POSITIVE_INT,
+    "frontends.no_worker_wait_s": _UP_TO_A_DAY,
+    # a socket's listen(): past a C int it failed every frontend's start
+    "frontends.listen_backlog": (lambda v: 1 <= v <= 65535, "an integer from 1 to 65535"),
     "frontends.default_priority": (lambda v: priority_level(v) is not None,
                                    "low, normal, high or an integer from -10 to 10"),
     "workers.low_priority_queue_share": (lambda v: 0 < v <= 1, "a number in (0, 1]"),
@@ -86,16 +95,16 @@ CHECKS: dict[str, Check] = {
     "workers.torch_threads": (lambda v: v == "auto" or (isinstance(v, int) and v >= 1),
                               "auto or an integer >= 1"),
     "workers.queue_texts": _POSITIVE_INT,
-    "workers.heartbeat_interval_s": (lambda v: v > 0, "a number > 0"),
-    "workers.heartbeat_timeout_s": (lambda v: v > 0, "a number > 0"),
-    "workers.hung_kill_s": (lambda v: v >= 0, "a number >= 0 (0: never)"),
-    "workers.start_timeout_s": (lambda v: v >= 0, "a number >= 0 (0: never)"),
-    "frontends.hung_kill_s": (lambda v: v >= 0, "a number >= 0 (0: never)"),
-    "workers.stalled_pass_s": (lambda v: v >= 0, "a number >= 0 (0: never)"),
-    "workers.ready_timeout_s": (lambda v: v > 0, "a number > 0"),
+    "workers.heartbeat_interval_s": _OVER_0_UP_TO_A_DAY,
+    "workers.heartbeat_timeout_s": _OVER_0_UP_TO_A_DAY,
+    "workers.hung_kill_s": _NEVER_OR_UP_TO_A_DAY,
+    "workers.start_timeout_s": _NEVER_OR_UP_TO_A_DAY,
+    "frontends.hung_kill_s": _NEVER_OR_UP_TO_A_DAY,
+    "workers.stalled_pass_s": _NEVER_OR_UP_TO_A_DAY,
+    "workers.ready_timeout_s": _OVER_0_UP_TO_A_DAY,
     "workers.memory_check_batches": _POSITIVE_INT,
     "workers.empty_cache_free_below": (lambda v: 0 <= v <= 1, "a number from 0 to 1 (0: never)"),
-    "workers.empty_cache_idle_s": (lambda v: v >= 0, "a number >= 0 (0: never)"),
+    "workers.empty_cache_idle_s": _NEVER_OR_UP_TO_A_DAY,
     "workers.switch_interval_ms": (lambda v: 0.01 <= v <= 100, "a number from 0.01 to 100"),
     "batching.max_batch_size": _POSITIVE_INT,
     "batching.max_batch_tokens": _POSITIVE_INT,
@@ -103,13 +112,16 @@ CHECKS: dict[str, Check] = {
     "batching.max_pad_ratio": (lambda v: v >= 1, "a number >= 1"),
     "batching.fair_share_every": _POSITIVE_INT,
     "batching.pass_window": (lambda v: v >= 0, "an integer >= 0 (0: the whole queue)"),
-    "logging.flush_interval_ms": (lambda v: v >= 0, "a number >= 0"),
-    "logging.max_bytes": (lambda v: v >= 1024, "an integer >= 1024 (bytes)"),
+    "logging.flush_interval_ms": (lambda v: 0 <= v <= 1000 * DAY_S,
+                                  f"a number from 0 to {1000 * DAY_S} (a day)"),
+    # rendered into supervisord.conf as each log's size
+    "logging.max_bytes": (lambda v: 1024 <= v <= 1 << 40,
+                          f"an integer from 1024 to {1 << 40} (bytes: 1 TiB)"),
     "logging.backups": (lambda v: 0 <= v <= 1000, "an integer from 0 to 1000"),
     "limits.max_texts_per_request": _POSITIVE_INT,
     "limits.max_text_chars": _POSITIVE_INT,
     "shm.arena_mb": (lambda v: 1 <= v <= 65536, "an integer from 1 to 65536"),
-    "admin.reload_timeout_s": (lambda v: v > 0, "a number > 0"),
+    "admin.reload_timeout_s": _OVER_0_UP_TO_A_DAY,
     "tracing.otlp_endpoint": (lambda v: v == "" or re.match(r"^https?://[^\s]+$", v) is not None,
                               "empty or an http(s):// URL"),
     "tracing.service_name": (lambda v: 1 <= len(v) <= 128, "1 to 128 characters"),

@@ -138,6 +138,32 @@ def test_bad_values_name_the_key(name, value, key):
         config.load(environ={name: value})
 
 
+@pytest.mark.parametrize("key", [
+    "server.drain_timeout_s", "frontends.no_worker_wait_s", "frontends.hung_kill_s",
+    "workers.heartbeat_interval_s", "workers.heartbeat_timeout_s", "workers.hung_kill_s",
+    "workers.start_timeout_s", "workers.stalled_pass_s", "workers.ready_timeout_s",
+    "workers.empty_cache_idle_s", "frontends.request_timeout_s", "admin.reload_timeout_s"])
+def test_a_duration_is_at_most_a_day(key):
+    """server.drain_timeout_s: 1.0e+12 rendered stopwaitsecs=1000000000005 (an outside check);
+    every duration is rendered or waited on."""
+    name = "SHMSERVE__" + key.upper().replace(".", "__")
+    with pytest.raises(ConfigError, match=rf"^{re.escape(key)}: expected a number .*to 86400, "):
+        config.load(environ={name: "1.0e+12"})
+
+
+def test_sizes_rendered_or_given_to_the_os_are_bounded():
+    """A backlog past a C int failed every frontend's listen(); a log size is rendered."""
+    for name, value in (("FRONTENDS__LISTEN_BACKLOG", "65536"),
+                        ("LOGGING__MAX_BYTES", str((1 << 40) + 1)),
+                        ("LOGGING__FLUSH_INTERVAL_MS", "1.0e+12")):
+        key = name.lower().replace("__", ".")
+        with pytest.raises(ConfigError, match=rf"^{key}: expected "):
+            config.load(environ={f"SHMSERVE__{name}": value})
+    cfg = config.load(environ={"SHMSERVE__SERVER__DRAIN_TIMEOUT_S": "86400",
+                               "SHMSERVE__FRONTENDS__LISTEN_BACKLOG": "65535"})
+    assert (cfg.server.drain_timeout_s, cfg.frontends.listen_backlog) == (86400, 65535)
+
+
 def test_a_worker_queue_too_small_for_the_largest_request_is_refused():
     # Such a request got 429 "retry later" on an empty queue, for ever (an outside check).
     with pytest.raises(ConfigError, match=r"^workers.queue_texts: 100 is under "
