@@ -38,6 +38,10 @@ CHECKS: dict[str, Check] = {
     # Pasted into nginx.conf: nothing but a value may pass (no `;`, no second directive).
     "server.host": (lambda v: re.fullmatch(r"[A-Za-z0-9.-]{1,253}|[0-9A-Fa-f:.]{2,45}", v)
                     is not None, "an IPv4 or IPv6 address or a host name"),
+    # Written into supervisord.conf (nginx's command line, quoted for a shell, not for ini)
+    "nginx.binary": (lambda v: re.fullmatch(r"[^\x00-\x1f\x7f;#]+", v) is not None,
+                     "a program name or path without control characters, ; or # (it is "
+                     "written into supervisord.conf)"),
     "nginx.client_max_body_size": (lambda v: re.fullmatch(r"[0-9]{1,9}[kKmMgG]?", v)
                                    is not None, "a size such as 8m (digits, then k, m or g)"),
     # At least 1k: nginx takes 0 (and `nginx -t` passes it), then resets every connection
@@ -87,6 +91,14 @@ CHECKS: dict[str, Check] = {
                         and all(d >= 0 for d in v) and len(set(v)) == len(v)),
                         "auto, cpu or a list of distinct GPU indices (several workers on one "
                         "GPU: workers.per_gpu)"),
+    # Written into supervisord.conf (a worker's environment=), which reads a newline as the
+    # value's end ("supervisord did not start: No closing quotation" named no key), a double
+    # quote as its quote's, a space then ; or # as a comment: PyTorch's option:value pairs'
+    # characters only (an outside check)
+    "workers.cuda_alloc_conf": (
+        lambda v: re.fullmatch(r"[A-Za-z0-9_.:,+<>\[\] -]{0,512}", v) is not None,
+        "PyTorch's option:value pairs, such as expandable_segments:True (letters, digits, "
+        "spaces and _ . : , + - < > [ ]: it is written into supervisord.conf)"),
     "workers.cuda_graphs": (lambda v: 0 <= v <= 4096, "an integer from 0 to 4096"),
     "workers.reload_nice": (lambda v: 0 <= v <= 19, "an integer from 0 to 19"),
     "workers.per_gpu": (lambda v: 1 <= v <= 16, "an integer from 1 to 16"),

@@ -359,10 +359,18 @@ def api_keys(cfg: Config) -> tuple[str, ...]:
     return tuple(keys)
 
 
+# A path written unquoted into nginx.conf and supervisord.conf: nothing either would parse
+_SAFE_PATH = re.compile(r"[A-Za-z0-9._/+-]+")
+
+
 def _check_run_dir(cfg: Config) -> None:
     """The run directory is rendered into and made private (0700): never the repository root
     (its templates, supervisord.conf and nginx/nginx.conf, would be overwritten) nor a folder
-    above it."""
+    above it. Its path is written into both files: checked with the config, before anything is
+    rendered (at rendering, a match's $ let a path ending in a newline by)."""
+    if not _SAFE_PATH.fullmatch(str(cfg.run_dir)):
+        raise ConfigError(f"server.run_dir: {str(cfg.run_dir)!r} may hold only letters, digits "
+                          "and . _ / + - (it is written unquoted into nginx's config)")
     run_dir, root = cfg.run_dir.resolve(), REPO_ROOT.resolve()
     if run_dir == root or run_dir in root.parents:
         raise ConfigError(f"server.run_dir: {cfg.server.run_dir!r} is {run_dir}, the repository "

@@ -41,7 +41,6 @@ SUPERVISORD_TEMPLATE = REPO_ROOT / "supervisord.conf"
 NGINX_TEMPLATE = REPO_ROOT / "nginx" / "nginx.conf"
 SBIN_DIRS = ("/usr/sbin", "/usr/local/sbin", "/usr/local/nginx/sbin")
 MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes, the last one a NUL
-_SAFE_PATH = re.compile(r"^[A-Za-z0-9._/+-]+$")  # nothing nginx or supervisord would parse
 _PLACEHOLDER = re.compile(r"@([a-z_]+)@")
 _REPEATED = re.compile(r"^\[program:([a-z]+)-@index@\]")
 
@@ -288,11 +287,20 @@ def fill_sections(template: str, common: Mapping[str, str],
     return "".join(out)
 
 
+# What supervisord would not read back as written in an environment= value: a double quote
+# ends it, a control character (a newline) ends the line, a space then ; or # starts a
+# comment, and a ' at either end is stripped. The config's values are checked at load
+# (workers.cuda_alloc_conf): this is for those from the environment `up` runs in.
+_UNREADABLE = re.compile(r"[\x00-\x1f\x7f\"]|\s[;#]|^'|'$")
+
+
 def environment(values: Mapping[str, str]) -> str:
     """A supervisord ``environment=`` value: quoted pairs, ``%`` doubled for its expansion."""
     for key, value in values.items():
-        if '"' in value:
-            raise RenderError(f"environment {key}: a double quote cannot be passed: {value!r}")
+        if _UNREADABLE.search(value):
+            raise RenderError(f"environment {key}: {value!r} cannot be passed through "
+                              "supervisord.conf (a double quote, a control character, ' at "
+                              "either end, or ; or # after a space)")
     return ",".join(f'{key}="{value.replace("%", "%%")}"' for key, value in values.items())
 
 
@@ -362,9 +370,7 @@ def _minfds(cfg: Config) -> int:
 
 
 def _check_paths(cfg: Config) -> None:
-    if not _SAFE_PATH.match(str(cfg.run_dir)):
-        raise RenderError(f"server.run_dir: {str(cfg.run_dir)!r} may hold only letters, digits "
-                          "and . _ / + - (it is written unquoted into nginx's config)")
+    # the run directory's characters: config._check_run_dir
     last_worker = len(topology.worker_devices(cfg)) - 1
     sockets = [supervisor_socket(cfg), topology.frontend_socket(cfg, cfg.frontends.count - 1),
                Path(topology.worker_endpoint(cfg, last_worker).removeprefix("ipc://"))]

@@ -226,8 +226,12 @@ def test_placeholders_and_quoting():
         render.fill("a @nope@ b", {})
     assert render.environment({"A": "50%", "B": ""}) == 'A="50%%",B=""'
     assert render.command("/a b/python", "-m", "x") == "'/a b/python' -m x"
-    with pytest.raises(render.RenderError, match="double quote"):
-        render.environment({"A": 'say "hi"'})
+    # what supervisord would not read back as written (a value from the environment `up`
+    # runs in: TORCHINDUCTOR_CACHE_DIR, CUDA_DEVICE_ORDER; the config's are checked at load)
+    for value in ('say "hi"', "a\nb=c", "a ;b", "a #b", "'a", "a'"):
+        with pytest.raises(render.RenderError, match=r"^environment A: .* cannot be passed"):
+            render.environment({"A": value})
+    assert render.environment({"A": "it's;a#b"}) == 'A="it\'s;a#b"'
 
 
 def port_answers(port: int) -> bool:
