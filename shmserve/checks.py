@@ -159,12 +159,16 @@ def check_models(cfg: Any) -> None:
     seen: set[str] = set()
     for i, model in enumerate(cfg.models):
         key = f"models[{i}]"
-        for name in (model.name, *model.aliases):
+        # each name by its own key (models[0] for an alias's fault was no help: an outside
+        # check)
+        named = ((f"{key}.name", model.name),
+                 *((f"{key}.aliases[{j}]", alias) for j, alias in enumerate(model.aliases)))
+        for where, name in named:
             if not _MODEL_NAME.fullmatch(name):
-                raise ConfigError(f"{key}: model names and aliases are 1 to 256 characters "
+                raise ConfigError(f"{where}: model names and aliases are 1 to 256 characters "
                                   f"without spaces or control characters, got {name!r}")
             if name in seen:
-                raise ConfigError(f"{key}: the name {name!r} is used twice")
+                raise ConfigError(f"{where}: the name {name!r} is used twice")
             seen.add(name)
         for where, revision in ((f"{key}.revision", model.revision), *(
                 (f"{key}.variants[{j}].revision", v.revision)
@@ -177,8 +181,7 @@ def check_models(cfg: Any) -> None:
         if model.task != "embedding" and (model.pooling, model.normalize) != ("auto", "auto"):
             raise ConfigError(f"{key}: pooling and normalize apply to embedding models, not "
                               f"task {model.task}")
-        for where, name in ((f"{key}.name", model.name), *(
-                (f"{key}.aliases[{j}]", alias) for j, alias in enumerate(model.aliases))):
+        for where, name in named:
             if "@" in name:  # an alias "ab@a" took requests meant for model ab's variant a
                 raise ConfigError(f"{where}: '@' is reserved (it joins a model and its "
                                   "variant)")
