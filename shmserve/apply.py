@@ -151,9 +151,10 @@ def _apply(args: argparse.Namespace, new: Config) -> int:
         say(f"shmserve: warning: the running config was read from {', '.join(dropped)}, "
             f"which this apply does not read ({_how_given(dropped)}, as `up` was given it): "
             "the keys only it set go back to the other layers' values")
-    say(f"shmserve: {'would apply' if args.dry_run else 'applying'}:\n"
-        + "\n".join(f"  {line}" for line in (changes and itemized(old, new)) or
-                     ["the config from before the earlier apply"]))
+    finishing = " (finishing the earlier apply)" if resumed else ""
+    say(f"shmserve: {'would apply' if args.dry_run else 'applying'}{finishing}:\n"
+        + "\n".join(f"  {line}" for line in changed(old, new, attempted) or
+                     ["no key: the earlier apply's programs started or stopped"]))
     try:
         models.check(new, topology.worker_devices(new))
     except models.ModelSourceError as exc:
@@ -379,6 +380,21 @@ def add_parser(command) -> None:
     cmd.add_argument("--dry-run", action="store_true", help="print the changes and do nothing")
     cmd.add_argument("--timeout", type=seconds, help="seconds to wait for each started program "
                      "to be ready (default: workers.ready_timeout_s)")
+
+
+def changed(old: Config, new: Config, attempted: list[Config]) -> list[str]:
+    """The keys an apply changes, as `itemized` shows them: from `old`, and, where an earlier
+    apply stopped part way, from each config it was applying (programs it restarted run that):
+    a config put back named no key, only "the config from before the earlier apply", where a
+    dry run lists every changed key (an outside check)."""
+    out = itemized(old, new)
+    seen = set(out)
+    for tried in attempted:
+        for line in itemized(tried, new):
+            if line not in seen:
+                seen.add(line)
+                out.append(f"{line} (the earlier apply's, on the programs it restarted)")
+    return out
 
 
 def itemized(old: Config, new: Config) -> list[str]:

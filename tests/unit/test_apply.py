@@ -276,6 +276,45 @@ def test_an_apply_nginx_refuses_leaves_no_apply_under_way(base, monkeypatch):
     assert marker.read_text() == earlier
 
 
+def test_a_dry_run_after_an_apply_that_stopped_part_way_lists_the_keys(base, monkeypatch,
+                                                                        capsys):
+    """It printed "the config from before the earlier apply" where the README says a dry run
+    lists every changed key (an outside check): the keys from the config before it, and those
+    the earlier apply's restarted programs run, put back."""
+    import argparse
+    import contextlib
+    import json
+
+    from shmserve import render
+
+    base.run_dir.mkdir(parents=True)
+    proxy = type("Proxy", (), {"shmserve": type("Api", (), {"getAPIVersion": lambda: 1})})
+    monkeypatch.setattr(apply.processes, "running_config", lambda cfg: base)
+    monkeypatch.setattr(apply.processes, "supervisor", lambda cfg: contextlib.nullcontext(proxy))
+    monkeypatch.setattr(apply.models, "check", lambda *a: None)
+    monkeypatch.setattr(apply, "check_shm", lambda cfg: None)
+    monkeypatch.setattr(apply.versions, "protocol_change", lambda cfg: None)
+    (base.run_dir / "nginx").mkdir()
+    render.nginx_conf(base).write_text(render.render_nginx(base))
+    tried = with_(base, batching={"max_wait_ms": 9.0})
+    apply.topology.apply_marker_path(base).write_text(json.dumps(
+        {"from": json.loads(base.to_json()), "attempts": [json.loads(tried.to_json())]}))
+    args = argparse.Namespace(dry_run=True, timeout=None, env=None, config=None)
+    for new, keys in (
+            (base, ["batching.max_wait_ms: 9.0 -> 2.0 (the earlier apply's, on the programs "
+                    "it restarted)"]),  # the config put back
+            (with_(base, limits={"max_texts_per_request": 8}),
+             ["limits.max_texts_per_request: 256 -> 8",
+              "batching.max_wait_ms: 9.0 -> 2.0 (the earlier apply's, on the programs it "
+              "restarted)"]),
+            (tried, ["batching.max_wait_ms: 2.0 -> 9.0"])):  # applied again
+        assert apply._apply(args, new) == 0
+        out = capsys.readouterr().out
+        listed = out.split("would apply (finishing the earlier apply):\n")[1].split(
+            "\nshmserve:")[0]
+        assert listed.splitlines() == [f"  {key}" for key in keys], out
+
+
 def test_an_apply_without_ups_config_file_is_told_so(base, tmp_path):
     """An apply that leaves out the --config file `up` read puts back every key it set (the
     port too); the differences alone did not say why (an outside check moved to port 8080)."""
