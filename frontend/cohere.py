@@ -82,11 +82,11 @@ async def embed(request: web.Request) -> web.Response:
                           prompt_name=_prompt(body.get("input_type"), model.spec.prompts))
     try:
         model, outcome, enc = await routes.embed(request, parsed, "texts", model)
-    except ApiError as exc:  # the other routes' way to have a text cut is not this route's
-        if "send truncate: true" not in exc.message:
+    except ApiError as exc:
+        named = _in_cohere_terms(exc)
+        if named is exc:
             raise
-        raise ApiError(exc.kind, exc.message.replace("send truncate: true", "send truncate: "
-                                                     "END or START"), param=exc.param) from None
+        raise named from None
     as_msgpack = codec.wants_msgpack(request)
     answer: dict[str, Any] = {"id": request[REQUEST_ID], "texts": texts}
     if v2 or types is not None:
@@ -100,6 +100,24 @@ async def embed(request: web.Request) -> web.Response:
                       "billed_units": {"input_tokens": enc.tokens}}
     answer["model"], answer["revision"] = model.spec.name, outcome.revision
     return codec.render(request, answer, headers=tasks.stage_headers(request, outcome))
+
+
+# The tokenizer's errors name TEI's truncation fields, the other routes' way to have a text cut;
+# Cohere's truncate is both of them, with values of its own (a left cut that would lose a
+# prompt's tokens named truncation_direction here: an outside check).
+COHERE_TERMS = (("send truncate: true", "send truncate: END or START"),
+                ("truncation_direction right", "truncate END"))
+
+
+def _in_cohere_terms(exc: ApiError) -> ApiError:
+    """`exc` naming Cohere's truncate where it names TEI's fields; `exc` itself otherwise."""
+    message = exc.message
+    for tei, cohere in COHERE_TERMS:
+        message = message.replace(tei, cohere)
+    if message == exc.message:
+        return exc
+    param = "truncate" if exc.param == "truncation_direction" else exc.param
+    return ApiError(exc.kind, message, param=param)
 
 
 def quantized(rows: np.ndarray, kind: str, as_msgpack: bool = False) -> list:

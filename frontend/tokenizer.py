@@ -104,6 +104,8 @@ class TextEncoder:
                             truncate, hint=hint, long=long)
         if prompt and self._skips is not None:
             if enc.truncated and truncate and direction == "left":
+                # named as TEI names it (frontend.cohere renames it on Cohere's routes, the
+                # other one that cuts from the left)
                 raise ApiError("invalid_request", f"model {self.name!r} pools without its "
                                "prompt's tokens, and a text cut from the left loses them "
                                "first: send it shorter, or truncation_direction right",

@@ -151,6 +151,27 @@ def test_a_pooling_that_leaves_the_prompt_out_equals_sentence_transformers(defau
     assert described["prompted"]["pooling_includes_prompt"] is True
 
 
+def test_a_cut_from_the_left_that_would_lose_the_prompt_names_each_routes_field(default_stack):
+    """A model whose pooling leaves its prompt out refuses a text cut from the left (it would
+    lose the prompt's tokens first), naming the field to change as the route names it: TEI's
+    truncation_direction, Cohere's truncate (which was named truncation_direction there too:
+    an outside check)."""
+    long = "word " * 600  # past the model's limit (512 tokens as saved here)
+    status, _, body = default_stack.post_json("/embed", {
+        "model": "skipping", "inputs": long, "truncate": True, "truncation_direction": "Left"})
+    assert status == 422 and body["error"]["param"] == "truncation_direction", body
+    assert body["error"]["message"].endswith("or truncation_direction right"), body
+    for path in ("/v1/embed", "/v2/embed"):
+        status, _, body = default_stack.post_json(path, {
+            "model": "skipping", "texts": [long], "truncate": "START"})
+        assert status == 400 and body["error"]["param"] == "truncate", (path, body)
+        message = body["error"]["message"]
+        assert message.endswith("or truncate END") and "truncation_direction" not in message
+        status, _, _ = default_stack.post_json(path, {
+            "model": "skipping", "texts": [long], "truncate": "END"})
+        assert status == 200
+
+
 def test_the_default_dtype_stays_within_its_parity_bound(default_stack, reference):
     from gpu_workers.device import cpu_has_bf16
 
