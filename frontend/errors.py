@@ -81,8 +81,15 @@ class ApiError(Exception):
 
     @classmethod
     def deadline_passed(cls) -> "ApiError":
-        return cls("timeout", "request deadline passed (X-Request-Timeout or "
-                   "frontends.request_timeout_s)")
+        """A request's deadline passed; its route names what set it (`set_by`)."""
+        return cls("timeout", "request deadline passed")
+
+    def set_by(self, by: str) -> "ApiError":
+        """This deadline's 504 naming what set the deadline, the one to raise (frontend.tasks.
+        timeout: the header, the protocol's parameter or the config): the dispatcher and the
+        workers keep to a deadline without knowing where it came from."""
+        return ApiError(self.kind, f"{self.message} ({by})", self.param, self.retry_after,
+                        self.code, self.attempts, self.reason)
 
     @classmethod
     def from_worker(cls, code: ErrorCode, message: str, retry_after_s: int = 0) -> "ApiError":

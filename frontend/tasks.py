@@ -170,7 +170,8 @@ async def run(request: web.Request, served: ServedModel,
     request[MODEL_NAME] = served.spec.name
     variant = request.get(PINNED) or request.app[SPLITS].choose(
         served.spec.name, served.variants, sticky_key(request, served, user))
-    deadline = time.time() + timeout(request, cfg.frontends.request_timeout_s)
+    seconds, deadline_by = timeout(request, cfg.frontends.request_timeout_s)
+    deadline = time.time() + seconds
     priority = request_priority(request, priority, cfg.frontends.default_priority)
     request[CHOSEN] = (variant.name, priority)
     inflight = request.app[INFLIGHT]
@@ -210,6 +211,10 @@ async def run(request: web.Request, served: ServedModel,
         outcome = await request.app[DISPATCHER].run(
             variant.unit, variant.spec.width(per_token), enc, request[REQUEST_ID], deadline,
             priority, per_token, raw)
+    except ApiError as exc:
+        if exc.kind != "timeout":
+            raise
+        raise exc.set_by(deadline_by) from None
     finally:
         inflight[0] -= 1
         gauge.dec()
@@ -308,21 +313,25 @@ def once(request: web.Request, name: str) -> str | None:
     return values[0] if values else None
 
 
-def timeout(request: web.Request, default: float) -> float:
-    """The request's deadline in seconds from now: X-Request-Timeout (at most 3600), else
-    `default`; a longer one than nginx waits for (nginx.proxy_read_timeout_s) is cut to a second
-    under it, so the frontend's 504 reaches the client before nginx gives up on the request."""
+def timeout(request: web.Request, default: float) -> tuple[float, str]:
+    """The request's deadline in seconds from now, and what set it (its 504 names it: a 504
+    from KServe's parameters.timeout named X-Request-Timeout, an outside check): the shorter
+    of X-Request-Timeout (at most 3600) and the protocol's own, else `default`; a longer one
+    than nginx waits for (nginx.proxy_read_timeout_s) is cut to a second under it, so the
+    frontend's 504 reaches the client before nginx gives up on the request."""
     raw = once(request, "X-Request-Timeout")
-    given = request.get(TIMEOUT_S)  # a protocol's own; the shorter of it and the header's
+    given = request.get(TIMEOUT_S)  # the protocol's own: KServe's parameters.timeout
     if raw is None:
         if given is None:
-            return default
-        value = given
+            return default, "frontends.request_timeout_s"
+        value, by = given, "parameters.timeout"
     else:
         value = float(raw) if _SECONDS.fullmatch(raw.strip()) else float("nan")
         if not 0 < value <= 3600:
             raise ApiError("invalid_request", "X-Request-Timeout must be seconds in (0, 3600]",
                            param="X-Request-Timeout")
-        value = value if given is None else min(value, given)
+        value, by = ((value, "X-Request-Timeout") if given is None or value <= given
+                     else (given, "parameters.timeout"))
     proxy = request.app[CONFIG].nginx.proxy_read_timeout_s
-    return min(value, proxy - 1 if proxy > 2 else proxy / 2)
+    cap = proxy - 1 if proxy > 2 else proxy / 2
+    return (value, by) if value <= cap else (cap, "nginx.proxy_read_timeout_s")

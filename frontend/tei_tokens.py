@@ -64,9 +64,10 @@ async def decode(request: web.Request) -> web.Response:
                                    4 * ids, deadline, started)
 
 
-def _tokenizer_request(request: web.Request) -> tuple[Any, float, float]:
+def _tokenizer_request(request: web.Request) -> tuple[Any, tuple[float, str], float]:
     """/tokenize's and /decode's start: the headers every route takes, checked as everywhere
-    (the deadline is kept to at the end); the config, the deadline and the start."""
+    (the deadline is kept to at the end); the config, the deadline (seconds, what set it:
+    tasks.timeout) and the start."""
     cfg = request.app[CONFIG]
     deadline = tasks.timeout(request, cfg.frontends.request_timeout_s)
     tasks.request_priority(request, None, cfg.frontends.default_priority)
@@ -87,15 +88,16 @@ def _over_budget(param: str, what: str, route: str, budget: int) -> ApiError:
 
 
 async def _tokenizer_answer(request: web.Request, work: Callable[[], Any], chars: int,
-                            deadline: float, started: float) -> web.Response:
+                            deadline: tuple[float, str], started: float) -> web.Response:
     """`work`'s result, computed off the event loop for a large request (as /predict
     tokenizes), unless the deadline passed meanwhile."""
     if chars > tasks.THREAD_TOKENIZE_CHARS:
         out = await asyncio.get_running_loop().run_in_executor(None, work)
     else:
         out = work()
-    if time.monotonic() - started > deadline:
-        raise ApiError.deadline_passed()
+    seconds, by = deadline
+    if time.monotonic() - started > seconds:
+        raise ApiError.deadline_passed().set_by(by)
     return codec.render(request, out)
 
 

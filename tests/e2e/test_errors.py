@@ -159,6 +159,7 @@ def test_deadline_passed_is_504(tiny_stack):
     status, _, err = tiny_stack.post_json("/predict", {"texts": ["late"] * 8},
                                           {"X-Request-Timeout": "0.000001"})
     assert status == 504 and err["error"]["type"] == "timeout"
+    assert err["error"]["message"].startswith("request deadline passed (X-Request-Timeout) (")
 
 
 @pytest.mark.parametrize("count,chars", [(8, 4), (60, 200)])  # tokenized inline; in a thread

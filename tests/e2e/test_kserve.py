@@ -86,6 +86,12 @@ def test_tritons_priority_and_timeout_are_honoured(client, tiny_stack, native):
     with pytest.raises(InferenceServerException) as info:
         client.infer("tiny", [text_input(TEXTS, True)], timeout=1)
     assert info.value.status() == "504"
+    # named as what set it: this parameter, not X-Request-Timeout (an outside check)
+    assert info.value.message().startswith("request deadline passed (parameters.timeout) (")
+    with pytest.raises(InferenceServerException) as info:
+        client.infer("tiny", [text_input(TEXTS, True)], timeout=30_000_000,
+                     headers={"X-Request-Timeout": "0.000001"})
+    assert info.value.message().startswith("request deadline passed (X-Request-Timeout) (")
     status, _, raw = tiny_stack.request("POST", "/v2/models/tiny/infer", json.dumps({
         "inputs": [{"name": "text", "shape": [1], "datatype": "BYTES", "data": ["x"]}],
         "parameters": {"priority": "bogus"}}).encode(), {"Content-Type": "application/json"})

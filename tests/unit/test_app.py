@@ -46,13 +46,18 @@ def test_a_5xx_names_the_request_id_in_either_shape():
         assert message == "no worker (request id rid-1)"
 
 
+HEADER, CONFIGURED, CUT = "X-Request-Timeout", "frontends.request_timeout_s", \
+    "nginx.proxy_read_timeout_s"
+
+
 @pytest.mark.parametrize("header,proxy,deadline", [
-    (None, 120, 30.0), ("2.5", 120, 2.5), ("119", 120, 119.0), ("600", 120, 119.0),
-    ("3600", 4000, 3600.0), ("600", 2, 1.0),
+    (None, 120, (30.0, CONFIGURED)), ("2.5", 120, (2.5, HEADER)), ("119", 120, (119.0, HEADER)),
+    ("600", 120, (119.0, CUT)), ("3600", 4000, (3600.0, HEADER)), ("600", 2, (1.0, CUT)),
 ])
 def test_a_deadline_stays_under_nginxs_read_timeout(header, proxy, deadline):
     # nginx gives up on a request after proxy_read_timeout_s: a longer deadline would never
-    # reach the client as the frontend's 504, so it is cut a second under it.
+    # reach the client as the frontend's 504, so it is cut a second under it (and its 504
+    # names nginx's setting).
     import dataclasses
 
     from frontend.app import CONFIG
@@ -99,7 +104,28 @@ def test_a_deadline_header_in_seconds_as_clients_write_them(header, seconds):
     app[CONFIG] = config.load(environ={})
     request = make_mocked_request("POST", "/predict", app=app,
                                   headers={"X-Request-Timeout": header})
-    assert timeout(request, 30.0) == pytest.approx(min(seconds, 119.0))
+    assert timeout(request, 30.0) == (pytest.approx(min(seconds, 119.0)),
+                                      HEADER if seconds <= 119 else CUT)
+
+
+@pytest.mark.parametrize("header,deadline", [
+    (None, (5.0, "parameters.timeout")), ("10", (5.0, "parameters.timeout")),
+    ("2", (2.0, HEADER)), ("5", (5.0, HEADER))])
+def test_a_deadline_names_what_set_it(header, deadline):
+    """KServe's parameters.timeout and X-Request-Timeout: the shorter sets the deadline, and
+    its 504 names that one (a parameter's named the header or the config: an outside check)."""
+    from frontend.app import CONFIG, TIMEOUT_S
+    from frontend.tasks import timeout
+    from shmserve import config
+
+    app = web.Application()
+    app[CONFIG] = config.load(environ={})
+    request = make_mocked_request("POST", "/v2/models/tiny/infer", app=app,
+                                  headers={HEADER: header} if header else {})
+    request[TIMEOUT_S] = 5.0
+    assert timeout(request, 30.0) == deadline
+    assert ApiError.deadline_passed().set_by(deadline[1]).message == (
+        f"request deadline passed ({deadline[1]})")
 
 
 @pytest.mark.parametrize("value,level", [("3", 3), ("-10", -10), ("+1", 1), (" high ", 1),
