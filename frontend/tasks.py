@@ -282,12 +282,14 @@ def stage_headers(request: web.Request, outcome: Outcome) -> dict[str, str]:
 
 
 def sticky_key(request: web.Request, served: ServedModel, user: str | None) -> str | None:
-    """The client key that pins a split model's requests to one variant, when configured."""
+    """The client key that pins a split model's requests to one variant, when configured. An
+    empty one (or only whitespace) is none: every request that sent the header empty was one
+    client to the split, all on one arm (an outside check)."""
     if not served.sticky_key:
         return None
-    if served.sticky_key == "user":
-        return user
-    return request.headers.get(served.sticky_key.removeprefix("header:"))
+    key = user if served.sticky_key == "user" else request.headers.get(
+        served.sticky_key.removeprefix("header:"))
+    return key if key and not key.isspace() else None
 
 
 def request_priority(request: web.Request, body: int | None, default: int) -> int:

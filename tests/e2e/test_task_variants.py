@@ -144,6 +144,22 @@ def test_a_sticky_key_never_flips(task_stack):
         assert {next(iter(v)) for (f, _), v in seen.items() if f == field} == {"a", "b"}
 
 
+def test_an_empty_sticky_key_is_no_key(task_stack):
+    """A sticky key's header sent empty (or a body's user empty, or whitespace) splits by the
+    weights as a request without one: it was the key "", so all such requests went to one arm
+    (an outside check)."""
+    n = 400
+    for model, field, share in (("ab", "header", AB_WEIGHT_B), ("ab-user", "user", 0.5)):
+        blanks = ["", "  "]
+        bodies = [{"model": model, "input": f"blank {i % 7}",
+                   **({"user": blanks[i % 2]} if field == "user" else {})} for i in range(n)]
+        results = asyncio.run(_embed_many(
+            task_stack, bodies, headers=(lambda i: {"X-User": blanks[i % 2]})
+            if field == "header" else None))
+        counts = Counter(r[0] for r in results)
+        assert abs(counts["b"] / n - share) <= 0.1, (model, counts)
+
+
 def test_new_weights_apply_on_every_frontend(task_stack):
     status, _, body = task_stack.request("PUT", "/admin/models/ab/split",
                                     json.dumps({"weights": {"a": 0, "b": 1}}).encode(), ADMIN)
