@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import logging
 import re
+import uuid
 
 from aiohttp import web
 
+from frontend import metrics
 from frontend.errors import ApiError
 from shmserve.config import Config
 
@@ -50,8 +52,18 @@ def malformed_request(self: web.RequestHandler, request: web.BaseRequest, status
     # given twice, which read as "a control character ..., or a line too long?" (an outside
     # check).
     twice = _TWICE.fullmatch(str(getattr(exc, "message", "")))
-    log.warning("http.malformed_request", extra={"fields": {
-        "status": status, "reason": reason, **({"header_twice": twice[1]} if twice else {})}})
+    fields = {"status": status, "reason": reason, **({"header_twice": twice[1]} if twice else {})}
+    headers = {}
+    if status < 500:
+        # The parser's refusal (aiohttp's only 4xx here) reaches no middleware, and its request
+        # is a stand-in without the headers, the X-Request-ID nginx sent among them: it gets an
+        # id of its own, which the client gets back, nginx's access line and this line name, and
+        # it is counted as the frontends' answer to a path no route serves. With no X-Request-ID
+        # on it nginx counted it as its own 400 (shmserve_nginx_responses_total), and the warning
+        # named no request (an outside check). No latency: its time was the parser's alone.
+        fields["request_id"] = headers["X-Request-ID"] = uuid.uuid4().hex
+        metrics.requests("unmatched", "", str(status), "").inc()
+    log.warning("http.malformed_request", extra={"fields": fields})
     if status >= 500:
         error = ApiError("internal_error", "internal error")
     elif twice:
@@ -60,7 +72,7 @@ def malformed_request(self: web.RequestHandler, request: web.BaseRequest, status
     else:
         error = ApiError("bad_request", f"malformed HTTP request ({reason}: a control "
                          "character in a header, or a line too long?)")
-    response = web.json_response(error.body(), status=status)
+    response = web.json_response(error.body(), status=status, headers=headers)
     response.force_close()
     return response
 

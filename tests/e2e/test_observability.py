@@ -238,6 +238,9 @@ def test_what_nginx_answers_itself_is_in_metrics_by_status(stack):
     before: dict = {}
     stack.wait_until(lambda: before.update(settled()) or before, 20, "nginx's counts settled")
     assert {l["status"] for l, _ in before[name]} >= {"413", "429", "499", "502", "504"}
+    # A control character in a header value: nginx passes it, the frontend's HTTP parser
+    # answers 400, counted as the frontends' (below), not nginx's (an outside check).
+    malformed = malformed_request(stack)
     assert stack.request("POST", "/predict", b"{}", {"Content-Type": "application/json",
                                                      "Content-Encoding": "zstd"})[0] == 415
     assert stack.request("TRACE", "/ready", None)[0] == 405
@@ -266,11 +269,37 @@ def test_what_nginx_answers_itself_is_in_metrics_by_status(stack):
     assert stack.get("/predict")[0] == 405
     assert stack.request("DELETE", "/v1/models/tiny", None)[0] == 405
     assert stack.request("DELETE", "/no/such/route", None)[0] == 404
+    assert malformed_request(stack)
     after = scrape(stack)
     for route, status in (("/predict", "405"), ("/v1/models/{model}", "405"),
-                          ("unmatched", "404")):
+                          ("unmatched", "404"), ("unmatched", "400")):
         assert total(after, requests, route=route, status=status) == total(
             counted, requests, route=route, status=status) + 1, (route, status)
+    # Its request id: the one the client got, on the frontend's line and nginx's access line.
+    def lines() -> list[tuple[str, object]]:
+        return [(program[:5], line.get("message", line.get("status")))
+                for program in ("frontend-0", "frontend-1", "nginx")
+                for line in log_lines(stack, program) if line.get("request_id") == malformed]
+    stack.wait_until(lambda: sorted(lines()) == [("front", "http.malformed_request"),
+                                                 ("nginx", 400)], 10,
+                     f"the 400's lines: {lines()}")
+
+
+def malformed_request(stack) -> str:
+    """A request aiohttp's HTTP parser refuses, through nginx; the X-Request-ID it got."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", stack.port)) as sock:
+        sock.sendall(b"GET /ready HTTP/1.1\r\nHost: x\r\nX-Junk: a\x01b\r\n"
+                     b"Connection: close\r\n\r\n")
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    head = answer.partition(b"\r\n\r\n")[0].decode("latin-1").split("\r\n")
+    assert head[0].startswith("HTTP/1.1 400"), answer[:300]
+    (request_id,) = [h.split(":", 1)[1].strip() for h in head if h.lower().startswith(
+        "x-request-id:")]
+    return request_id
 
 
 def test_metrics_expose_gauges_info_and_memory(stack):
