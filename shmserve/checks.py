@@ -134,13 +134,13 @@ CHECKS: dict[str, Check] = {
     "limits.max_text_chars": _POSITIVE_INT,
     "shm.arena_mb": (lambda v: 1 <= v <= 65536, "an integer from 1 to 65536"),
     "admin.reload_timeout_s": _OVER_0_UP_TO_A_DAY,
-    "tracing.otlp_endpoint": (lambda v: v == "" or re.match(r"^https?://[^\s]+$", v) is not None,
+    "tracing.otlp_endpoint": (lambda v: v == "" or re.fullmatch(r"https?://[^\s]+", v) is not None,
                               "empty or an http(s):// URL"),
     "tracing.service_name": (lambda v: 1 <= len(v) <= 128, "1 to 128 characters"),
     "tracing.sample_ratio": (lambda v: 0 <= v <= 1, "a number from 0 to 1"),
 }
 
-_NAME = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")  # fullmatch: "$" lets a final newline by
 # A model's name or alias: what requests send as `model`, and a label in logs and metrics.
 _MODEL_NAME = re.compile(r"[^\s\x00-\x1f\x7f]{1,256}")
 # A revision label goes into the X-Model-Revision header: visible ASCII, no spaces.
@@ -148,7 +148,7 @@ REVISION = re.compile(r"[\x21-\x7e]{1,128}")
 REVISION_RULE = "1 to 128 visible ASCII characters (no spaces; it is sent as a header)"
 # A/B weights are relative; bounded so that their sum stays a finite number.
 MAX_WEIGHT = 1e9
-_STICKY = re.compile(r"^(user|header:[A-Za-z0-9-]{1,64})?$")
+_STICKY = re.compile(r"(user|header:[A-Za-z0-9-]{1,64})?")
 
 
 def check_models(cfg: Any) -> None:
@@ -193,7 +193,7 @@ def check_models(cfg: Any) -> None:
         if len(set(model.devices)) != len(model.devices) or any(d < 0 for d in model.devices):
             raise ConfigError(f"{key}.devices: expected distinct indices >= 0, "
                               f"got {model.devices}")
-        if not _STICKY.match(model.sticky_key):
+        if not _STICKY.fullmatch(model.sticky_key):
             raise ConfigError(f"{key}.sticky_key: expected 'user' or 'header:NAME', "
                               f"got {model.sticky_key!r}")
         if model.sticky_key and not model.variants:
@@ -209,7 +209,7 @@ def check_models(cfg: Any) -> None:
                               "got an empty string")
         names = [v.name for v in model.variants]
         for j, variant in enumerate(model.variants):
-            if not _NAME.match(variant.name):
+            if not _NAME.fullmatch(variant.name):
                 raise ConfigError(f"{key}.variants[{j}].name: letters, digits and . _ - only, "
                                   f"got {variant.name!r}")
             if not 0 <= variant.weight <= MAX_WEIGHT:

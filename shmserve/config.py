@@ -316,7 +316,7 @@ def from_tree(tree: Mapping[str, Any], read_keys: bool = True) -> Config:
     check_models(cfg)
     # a key file that cannot be read, or a malformed key, stops start-up
     keys = api_keys(cfg) if read_keys else cfg.auth.api_keys_file or cfg.auth.api_keys
-    if cfg.admin.token and not _TOKEN.match(cfg.admin.token):  # "a" was taken (a review)
+    if cfg.admin.token and not _TOKEN.fullmatch(cfg.admin.token):  # "a" was taken (a review)
         raise ConfigError("admin.token: expected 8 to 512 printable ASCII characters (it travels "
                           "as a bearer token), neither starting nor ending with a space")
     if cfg.nginx.rate_limit_per_s and cfg.nginx.rate_limit_key == "api_key" and not keys:
@@ -327,8 +327,8 @@ def from_tree(tree: Mapping[str, Any], read_keys: bool = True) -> Config:
     return cfg
 
 
-_KEY = re.compile(r"^[\x21-\x7e]{8,512}$")  # printable, no spaces: it travels in a header
-_TOKEN = re.compile(r"^[\x21-\x7e][\x20-\x7e]{6,510}[\x21-\x7e]$")  # admin.token
+_KEY = re.compile(r"[\x21-\x7e]{8,512}")  # printable, no spaces: it travels in a header
+_TOKEN = re.compile(r"[\x21-\x7e][\x20-\x7e]{6,510}[\x21-\x7e]")  # admin.token (fullmatch)
 
 
 def api_keys(cfg: Config) -> tuple[str, ...]:
@@ -337,7 +337,7 @@ def api_keys(cfg: Config) -> tuple[str, ...]:
     keys = list(cfg.auth.api_keys)
     source = "auth.api_keys"
     for i, key in enumerate(keys):
-        if not isinstance(key, str) or not _KEY.match(key):
+        if not isinstance(key, str) or not _KEY.fullmatch(key):
             raise ConfigError(f"{source}[{i}]: expected 8 to 512 printable characters without "
                               "spaces")
     if cfg.auth.api_keys_file:
@@ -352,7 +352,7 @@ def api_keys(cfg: Config) -> tuple[str, ...]:
         if not found:
             raise ConfigError(f"auth.api_keys_file: {path} holds no key")
         for n, key in enumerate(found, 1):
-            if not _KEY.match(key):
+            if not _KEY.fullmatch(key):
                 raise ConfigError(f"auth.api_keys_file: key {n} of {path}: expected 8 to 512 "
                                   "printable characters without spaces")
         keys += found

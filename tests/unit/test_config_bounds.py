@@ -59,3 +59,27 @@ def test_a_value_written_into_supervisord_conf_is_checked_with_the_config(tmp_pa
         given.write_text(f"server: {{run_dir: {json.dumps(value)}}}\n")
         with pytest.raises(ConfigError, match=r"^server.run_dir: .* may hold only letters"):
             config.load(extra=given, environ={})
+
+
+def test_a_final_newline_is_no_part_of_a_checked_value(tmp_path):
+    """A pattern's "$" matches before a final newline: an API key or admin token ending in one
+    (a file's `key: |` block, a variable from `$(cat key)` kept whole) was taken, and no header
+    can carry it, so the key never worked, silently; a variant's name, a sticky key and the
+    OTLP endpoint likewise."""
+    given = tmp_path / "my.yaml"
+    for tree, key in (({"auth": {"api_keys": ["abcdefgh12\n"]}}, "auth.api_keys"),
+                      ({"admin": {"token": "abcdefgh12\n"}}, "admin.token"),
+                      ({"tracing": {"otlp_endpoint": "http://collector:4318\n"}},
+                       "tracing.otlp_endpoint"),
+                      ({"models": [{"name": "m", "sticky_key": "user\n", "variants": [
+                          {"name": "a", "source": "/m/a", "weight": 1}]}]}, "sticky_key"),
+                      ({"models": [{"name": "m", "variants": [
+                          {"name": "a\n", "source": "/m/a", "weight": 1}]}]}, "variants")):
+        given.write_text(json.dumps(tree))
+        with pytest.raises(ConfigError, match=re.escape(key)):
+            config.load(extra=given, environ={})
+        given.write_text(json.dumps(tree).replace("\\n", ""))
+        try:
+            config.load(extra=given, environ={})
+        except ConfigError as exc:  # the same value without the newline is not what is refused
+            assert key not in str(exc).split(":")[0], exc
