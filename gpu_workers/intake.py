@@ -150,10 +150,16 @@ class Intake:
         workers.heartbeat_interval_s old), and one sent a short request behind another's bulk
         one, to wait seconds while the other worker was idle (an outside check)."""
         tokens, self._admitted = self._admitted, 0
+        return self.announcement() if self.newsworthy(tokens) else None
+
+    def newsworthy(self, tokens: int) -> bool:
+        """Whether a request of `tokens` is work of NEWS_S or more here: its admission is news
+        to every frontend, and so is its end (gpu_workers.worker: a client sending one such
+        request after another, through nginx to each frontend in turn, was refused 429 by the
+        frontend that had heard of the previous one at admission and not since, an outside
+        check)."""
         rate = self.backlog.rate
-        if tokens == 0 or rate <= 0.0 or tokens / rate < NEWS_S:
-            return None
-        return self.announcement()
+        return tokens > 0 and rate > 0.0 and tokens / rate >= NEWS_S
 
     def announcement(self) -> Heartbeat:
         """A heartbeat for every frontend, answering no ping (gpu_workers.sockets.ANNOUNCE)."""

@@ -364,6 +364,7 @@ class Worker:
             touched[id(request)] = request
         for priority, tokens in computed.items():
             self.intake.backlog.done(priority, tokens)
+        news = False
         for request in touched.values():
             request.inference_ms += forward_ms
             request.batch_size = max(request.batch_size, len(texts))
@@ -375,6 +376,9 @@ class Worker:
                 self._finish(request, Result(
                     msg.seq, waited, request.inference_ms, request.batch_size,
                     int(request.offsets[-1]), slot.spec.revision))
+                news = news or self.intake.newsworthy(int(request.offsets[-1]))
+        if news:  # before the replies: every frontend hears it before a client can send again
+            self._push.send(ANNOUNCE)
         self._send_replies()
         # After the replies, so observing never delays them.
         real = sum(batch.real_tokens for batch in batches)

@@ -60,7 +60,12 @@ def test_a_long_request_is_news_to_the_other_frontends(tmp_path, cfg):
                 "tiny", 256, encoded(16, 500), "long", time.time() + 30))
             assert await next_beat(link, seen, 1.0), "no news of the long request"
             assert link.beat.queued > 0 and link.beat.ping_sent_at == 0.0
+            seen = link.last_beat
             await run
+            # Its end is news too: a serial client whose next request went to the other
+            # frontend was refused 429 there, its queue still holding the previous one.
+            assert await next_beat(link, seen, 0.5), "no news of the long request's end"
+            assert link.beat.queued == 0 and link.beat.ping_sent_at == 0.0
         finally:
             await other.close()
             await sender.close()
