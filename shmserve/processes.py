@@ -124,27 +124,34 @@ def kill_orphans(cfg: Config, timeout_s: float = 10.0) -> list[int]:
 
 
 def supervisord_pid(cfg: Config) -> int | None:
-    """The pid of this deployment's running supervisord, from its pid file."""
+    """The pid of this deployment's running supervisord: the one its pid file names, if that
+    process was started with this run directory's supervisord.conf, else one found so. A pid
+    file naming another deployment's supervisord (a killed one's pid taken since) made `up`
+    refuse, `down` wait on the other one and `status` show nothing; one deleted (a tmp
+    cleaner) or naming another while this one runs made `up` and `down` kill the programs of
+    a supervisord they took for dead, which started them again, and `down` removed its control
+    socket (outside checks)."""
+    conf = render.supervisord_conf(cfg)
     try:
-        pid = int(render.supervisord_pidfile(cfg).read_text().strip())
+        named = int(render.supervisord_pidfile(cfg).read_text().strip())
     except (OSError, ValueError):
-        return None
+        named = None
+    if named is not None and _started_with(named, conf):
+        return named
+    return next((p.pid for p in psutil.process_iter() if p.pid != named
+                 and _started_with(p.pid, conf)), None)
+
+
+def _started_with(pid: int, conf: Path) -> bool:
+    """Whether `pid` is a live supervisord started with `conf` (`-c`, as `up` starts it)."""
     try:
         args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        if not any(b"supervisord" in arg for arg in args[:2]) or b"-c" not in args[:-1]:
+            return False
+        given = args[args.index(b"-c") + 1].decode(errors="replace")
+        return alive(pid) and os.path.samefile(Path(f"/proc/{pid}/cwd") / given, conf)
     except OSError:
-        return None
-    # This deployment's supervisord, not any: a pid file left by a killed one whose pid another
-    # deployment's supervisord has since (a reboot, a kill -9) made `up` refuse ("already
-    # running"), `down` wait on the other, and `status` show nothing (an outside check).
-    if not alive(pid) or not any(b"supervisord" in arg for arg in args[:2]):
-        return None
-    conf = args[args.index(b"-c") + 1].decode(errors="replace") if b"-c" in args[:-1] else ""
-    try:
-        ours = conf and os.path.samefile(Path(f"/proc/{pid}/cwd") / conf,
-                                         render.supervisord_conf(cfg))
-    except OSError:
-        return None
-    return pid if ours else None
+        return False
 
 
 def running_config(cfg: Config) -> Config:

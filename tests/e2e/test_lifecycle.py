@@ -134,6 +134,31 @@ def test_a_sigterm_to_supervisord_leaves_no_socket_file_or_arena(tmp_path, tiny_
         stack.down()
 
 
+def test_a_running_deployment_without_its_pid_file_is_still_found(tmp_path, tiny_model):
+    """The pid file deleted (a tmp cleaner) while the deployment runs: `up` killed its programs
+    as a dead supervisord's leftovers, which supervisord started again, and `down` did so and
+    removed the control socket, leaving supervisord serving and unreachable (an outside
+    check). supervisord is found by its command line."""
+    from shmserve import processes
+
+    stack = Stack(tmp_path / "t", tiny_overrides(tiny_model, frontends={"count": 1}))
+    stack.up()
+    try:
+        cfg = config.load_resolved(stack.run_dir / "config.json")
+        supervisord = int((stack.run_dir / "supervisord.pid").read_text())
+        worker = stack.pid("workers:worker-0")
+        (stack.run_dir / "supervisord.pid").unlink()
+        status = json.loads(stack.cli("status", "--json").stdout)
+        assert status["state"] == "ready", status
+        again = stack.cli("up", check=False)
+        assert again.returncode == 2 and "already running" in again.stderr, again.stderr
+        assert stack.pid("workers:worker-0") == worker  # nothing killed
+        stack.cli("down")
+        assert not processes.alive(supervisord) and processes.orphans(cfg) == []
+    finally:
+        stack.down()
+
+
 def test_down_lets_every_frontend_exit_0(tmp_path, tiny_model):
     """The reaper's SIGTERM starts a frontend's drain and supervisord sends another once nginx
     is gone: the second killed frontends in their exit, after the loop had put the signal's

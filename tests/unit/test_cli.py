@@ -189,6 +189,19 @@ def test_a_pid_file_naming_another_deployments_supervisord_is_stale(deployment, 
     try:
         pidfile.write_text(f"{fake.pid}\n")
         assert cli.supervisord_pid(deployment) is None
+        # ... and this deployment's, running, is found by its command line, the pid file
+        # naming another or gone (a tmp cleaner): `up` and `down` took it for dead and killed
+        # its programs, which it started again, and `down` removed its control socket (an
+        # outside check)
+        ours = standin(render.supervisord_conf(deployment))
+        try:
+            assert cli.supervisord_pid(deployment) == ours.pid
+            pidfile.unlink()
+            assert cli.supervisord_pid(deployment) == ours.pid
+        finally:
+            ours.kill()
+            ours.wait()
+        assert cli.supervisord_pid(deployment) is None
     finally:
         fake.kill()
         fake.wait()
