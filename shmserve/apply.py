@@ -169,8 +169,9 @@ def _apply(args: argparse.Namespace, new: Config) -> int:
         except xmlrpc.client.Fault:
             raise CliError("this deployment's supervisord was started by an older shmserve, "
                            "without `apply`: `shmserve down`, then `shmserve up`") from None
+        running_now = [f"{p['group']}:{p['name']}" for p in proxy.supervisor.getAllProcessInfo()]
     if args.dry_run:
-        steps = plan(old, new, by_counts(old, new), attempted)
+        steps = plan(old, new, by_counts(old, new, running_now), attempted)
         steps.nginx = nginx_differs(old, attempted, new, render.nginx_conf(new).read_text())
         warn_gaps(old, new, steps)  # as the run will (a dry run said nothing of them)
         say("shmserve: steps (and any program whose environment or logs change restarts "

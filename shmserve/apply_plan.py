@@ -123,15 +123,22 @@ def plan(old: Config, new: Config, pending: dict[str, list[str]],
     return out
 
 
-def by_counts(old: Config, new: Config) -> dict[str, list[str]]:
-    """`pending` as the counts alone tell it, before anything is rendered (--dry-run)."""
+def by_counts(old: Config, new: Config, running: list[str] | None = None
+              ) -> dict[str, list[str]]:
+    """`pending` as the counts tell it, before anything is rendered (--dry-run): `new`'s
+    programs against `running` (GROUP:NAME, as supervisord runs them), else `old`'s. After an
+    apply that stopped part way they differ: its dry run listed the counts' steps, not what the
+    apply then did (an outside check)."""
     out: dict[str, list[str]] = {"added": [], "removed": [], "changed": []}
     for group, before, after in (
             ("workers", len(topology.worker_devices(old)), len(topology.worker_devices(new))),
             ("frontends", old.frontends.count, new.frontends.count)):
         name = group[:-1]
-        out["added"] += [f"{group}:{name}-{i}" for i in range(before, after)]
-        out["removed"] += [f"{group}:{name}-{i}" for i in range(after, before)]
+        wanted = {f"{group}:{name}-{i}" for i in range(after)}
+        have = ({p for p in running if p.startswith(f"{group}:")} if running is not None
+                else {f"{group}:{name}-{i}" for i in range(before)})
+        out["added"] += sorted(wanted - have, key=index_of)
+        out["removed"] += sorted(have - wanted, key=index_of)
     return out
 
 

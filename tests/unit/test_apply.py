@@ -237,6 +237,26 @@ def test_a_dry_run_tells_the_programs_started_and_stopped_from_the_counts(base):
     grown = with_(base, frontends={"count": 3}, workers={"cpu_workers": 1})
     assert apply_plan.by_counts(base, grown) == {"added": ["frontends:frontend-2"],
                                             "removed": ["workers:worker-1"], "changed": []}
+    # An apply to three frontends stopped part way, then the count put back: supervisord runs
+    # frontend-2, which the counts alone (2 -> 2) did not list (an outside check)
+    running = ["workers:worker-0", "workers:worker-1", "frontends:frontend-0",
+               "frontends:frontend-1", "frontends:frontend-2", "nginx:nginx"]
+    assert apply_plan.by_counts(base, base, running) == {
+        "added": [], "removed": ["frontends:frontend-2"], "changed": []}
+    assert apply_plan.by_counts(base, grown, running[:3]) == {
+        "added": ["frontends:frontend-1", "frontends:frontend-2"], "removed": ["workers:worker-1"],
+        "changed": []}
+
+
+def fake_supervisor(cfg, frontends: int | None = None):
+    """What `apply` asks supervisord over XML-RPC: its API, and the programs it runs."""
+    names = [("workers", f"worker-{i}") for i in range(cfg.workers.cpu_workers)] + [
+        ("frontends", f"frontend-{i}") for i in range(frontends or cfg.frontends.count)] + [
+        ("nginx", "nginx")]
+    programs = [{"group": group, "name": name} for group, name in names]
+    return type("Proxy", (), {"shmserve": type("Api", (), {"getAPIVersion": lambda: 1}),
+                              "supervisor": type("Sup", (), {
+                                  "getAllProcessInfo": lambda: programs})})
 
 
 def test_an_apply_nginx_refuses_leaves_no_apply_under_way(base, monkeypatch):
@@ -250,7 +270,7 @@ def test_an_apply_nginx_refuses_leaves_no_apply_under_way(base, monkeypatch):
     from shmserve import render
 
     base.run_dir.mkdir(parents=True)
-    proxy = type("Proxy", (), {"shmserve": type("Api", (), {"getAPIVersion": lambda: 1})})
+    proxy = fake_supervisor(base)
     monkeypatch.setattr(apply.processes, "running_config", lambda cfg: base)
     monkeypatch.setattr(apply.processes, "supervisor", lambda cfg: contextlib.nullcontext(proxy))
     monkeypatch.setattr(apply.models, "check", lambda *a: None)
@@ -288,7 +308,7 @@ def test_a_dry_run_after_an_apply_that_stopped_part_way_lists_the_keys(base, mon
     from shmserve import render
 
     base.run_dir.mkdir(parents=True)
-    proxy = type("Proxy", (), {"shmserve": type("Api", (), {"getAPIVersion": lambda: 1})})
+    proxy = fake_supervisor(base)
     monkeypatch.setattr(apply.processes, "running_config", lambda cfg: base)
     monkeypatch.setattr(apply.processes, "supervisor", lambda cfg: contextlib.nullcontext(proxy))
     monkeypatch.setattr(apply.models, "check", lambda *a: None)
@@ -313,6 +333,13 @@ def test_a_dry_run_after_an_apply_that_stopped_part_way_lists_the_keys(base, mon
         listed = out.split("would apply (finishing the earlier apply):\n")[1].split(
             "\nshmserve:")[0]
         assert listed.splitlines() == [f"  {key}" for key in keys], out
+    # The earlier apply had started a third frontend: its dry run listed no stop of it, which
+    # the apply then did, alone (an outside check)
+    proxy = fake_supervisor(base, frontends=3)
+    monkeypatch.setattr(apply.processes, "supervisor", lambda cfg: contextlib.nullcontext(proxy))
+    assert apply._apply(args, base) == 0
+    steps = capsys.readouterr().out.split("shmserve: steps")[1]
+    assert "frontend-2" in steps and "stop" in steps, steps
 
 
 def test_an_apply_without_ups_config_file_is_told_so(base, tmp_path):
