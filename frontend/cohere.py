@@ -105,7 +105,7 @@ async def embed(request: web.Request) -> web.Response:
 # The tokenizer's errors name TEI's truncation fields, the other routes' way to have a text cut;
 # Cohere's truncate is both of them, with values of its own (a left cut that would lose a
 # prompt's tokens named truncation_direction here: an outside check).
-COHERE_TERMS = (("send truncate: true", "send truncate: END or START"),
+COHERE_TERMS = (("send truncate: true", "send truncate: END"),  # (START: not with every model)
                 ("truncation_direction right", "truncate END"))
 
 
