@@ -349,12 +349,15 @@ def compact(directory: Path, dead: Iterable[int]) -> int:
     sample, a histogram bucket's, each key's values added), and a scrape never sees a file
     both merged and still there, nor a file gone that it listed: the merge holds the
     directory's lock exclusively (`scrape_lock`), and the signals that stop this process wait
-    until it is done (only SIGKILL in between counts the merged files twice)."""
+    until it is done. A merge killed part way (SIGKILL) is finished or undone by the next one
+    (`_recover`); scrapes in between miss the files it had set aside."""
     merged, dead = 0, list(dead)
     kept = [directory / f"{kind}_{pid}.db" for kind in ("counter", "histogram") for pid in dead]
-    if not any(path.exists() for path in kept):
+    if not any(path.exists() for path in kept) and not any(directory.glob("*_archive.new")) \
+            and not any(directory.glob("*.merging")):
         return 0
     with scrape_lock(directory, exclusive=True), _signals_held():
+        _recover(directory)
         for kind in ("counter", "histogram"):
             files = [path for pid in dead
                      if (path := directory / f"{kind}_{pid}.db").exists()]
@@ -367,18 +370,37 @@ def compact(directory: Path, dead: Iterable[int]) -> int:
                         str(path)):
                     totals[key] = totals.get(key, 0.0) + value
             fresh = directory / f"{kind}_archive.new"  # not *.db: no scrape reads it
-            fresh.unlink(missing_ok=True)
             out = ReservedMmapedDict(str(fresh))
             try:
                 for key, value in totals.items():
                     out.write_value(key, value, 0.0)
             finally:
                 out.close()
+            # Set aside, then the archive that holds them replaced (the one step that
+            # commits), then removed: killed anywhere, `_recover` tells which side it was on.
+            aside = [path.with_suffix(".merging") for path in files]
+            for path, moved in zip(files, aside):
+                os.replace(path, moved)
             os.replace(fresh, archive)
-            for path in files:
-                path.unlink()
+            for moved in aside:
+                moved.unlink()
             merged += len(files)
     return merged
+
+
+def _recover(directory: Path) -> None:
+    """After a merge killed part way: its new archive still there means the archive does not
+    hold the files set aside (put back); gone, that it does (removed)."""
+    for kind in ("counter", "histogram"):
+        fresh = directory / f"{kind}_archive.new"
+        aside = list(directory.glob(f"{kind}_*.merging"))
+        if fresh.exists():
+            for moved in aside:
+                os.replace(moved, moved.with_suffix(".db"))
+            fresh.unlink()
+        else:
+            for moved in aside:
+                moved.unlink()
 
 
 @contextlib.contextmanager

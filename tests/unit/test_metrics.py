@@ -103,6 +103,39 @@ def test_mark_dead_removes_dead_live_gauges_and_merges_their_counts(tmp_path, mo
     assert sorted(p.name for p in tmp_path.glob("*.db")) == left
 
 
+@pytest.mark.parametrize("step,nth", [("replace", n) for n in range(1, 7)]
+                         + [("unlink", 1), ("unlink", 3)])
+def test_a_merge_killed_part_way_is_finished_or_undone_by_the_next(tmp_path, monkeypatch,
+                                                                   step, nth):
+    """SIGKILLed between two of its steps (here: at its `nth` rename, of a file set aside or an
+    archive replaced, or its `nth` removal of a file set aside), the next sweep's merge leaves
+    every sum as it was: nothing counted twice, nothing lost."""
+    import pathlib
+
+    pids = dead_writers(tmp_path, 1, 2)
+    before = {k: v for k, v in scraped(tmp_path, monkeypatch).items() if k[0] != "t_inflight"}
+    calls = []
+
+    def dying(real):
+        def call(*args, **kwargs):
+            calls.append(args)
+            if len(calls) == nth:
+                raise KeyboardInterrupt("killed")  # what SIGKILL leaves: the steps done so far
+            return real(*args, **kwargs)
+        return call
+    with monkeypatch.context() as patched:
+        if step == "replace":
+            patched.setattr(metrics.os, "replace", dying(os.replace))
+        else:
+            patched.setattr(pathlib.Path, "unlink", dying(pathlib.Path.unlink))
+        with pytest.raises(KeyboardInterrupt):
+            metrics.compact(tmp_path, pids)
+    metrics.mark_dead(tmp_path)  # the next sweep (the reaper, started again)
+    assert scraped(tmp_path, monkeypatch) == before
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == [
+        "counter_archive.db", "histogram_archive.db"]
+
+
 def test_a_merge_waits_for_the_scrape_reading(tmp_path, monkeypatch):
     """A scrape holds the directory's lock shared: a merge waits for it, so no scrape sees a
     file both merged and still there (counted twice) or listed and then gone (an error)."""
