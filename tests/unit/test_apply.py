@@ -259,24 +259,31 @@ def fake_supervisor(cfg, frontends: int | None = None):
                                   "getAllProcessInfo": lambda: programs})})
 
 
-def test_an_apply_nginx_refuses_leaves_no_apply_under_way(base, monkeypatch):
-    """render refuses the new config (nginx -t) before it replaces a file: the apply marker
-    written just before goes too, or an earlier apply's is put back as it was, so `status`
-    does not report an apply stopped part way and the next apply does not resume one."""
-    import argparse
+def running(base, monkeypatch, frontends: int | None = None) -> None:
+    """`base` as if a deployment ran it, for `apply._apply`: supervisord's answers faked
+    (`frontends` running), the checks that read the machine passed."""
     import contextlib
-    import json
 
-    from shmserve import render
-
-    base.run_dir.mkdir(parents=True)
-    proxy = fake_supervisor(base)
+    base.run_dir.mkdir(parents=True, exist_ok=True)
+    (base.run_dir / "nginx").mkdir(exist_ok=True)
+    proxy = fake_supervisor(base, frontends)
     monkeypatch.setattr(apply.processes, "running_config", lambda cfg: base)
     monkeypatch.setattr(apply.processes, "supervisor", lambda cfg: contextlib.nullcontext(proxy))
     monkeypatch.setattr(apply.models, "check", lambda *a: None)
     monkeypatch.setattr(apply, "check_shm", lambda cfg: None)
     monkeypatch.setattr(apply.versions, "protocol_change", lambda cfg: None)
-    (base.run_dir / "nginx").mkdir()
+
+
+def test_an_apply_nginx_refuses_leaves_no_apply_under_way(base, monkeypatch):
+    """render refuses the new config (nginx -t) before it replaces a file: the apply marker
+    written just before goes too, or an earlier apply's is put back as it was, so `status`
+    does not report an apply stopped part way and the next apply does not resume one."""
+    import argparse
+    import json
+
+    from shmserve import render
+
+    running(base, monkeypatch)
     render.nginx_conf(base).write_text("# the running one\n")
 
     def refused(cfg):
@@ -302,19 +309,11 @@ def test_a_dry_run_after_an_apply_that_stopped_part_way_lists_the_keys(base, mon
     lists every changed key (an outside check): the keys from the config before it, and those
     the earlier apply's restarted programs run, put back."""
     import argparse
-    import contextlib
     import json
 
     from shmserve import render
 
-    base.run_dir.mkdir(parents=True)
-    proxy = fake_supervisor(base)
-    monkeypatch.setattr(apply.processes, "running_config", lambda cfg: base)
-    monkeypatch.setattr(apply.processes, "supervisor", lambda cfg: contextlib.nullcontext(proxy))
-    monkeypatch.setattr(apply.models, "check", lambda *a: None)
-    monkeypatch.setattr(apply, "check_shm", lambda cfg: None)
-    monkeypatch.setattr(apply.versions, "protocol_change", lambda cfg: None)
-    (base.run_dir / "nginx").mkdir()
+    running(base, monkeypatch)
     render.nginx_conf(base).write_text(render.render_nginx(base))
     tried = with_(base, batching={"max_wait_ms": 9.0})
     apply.topology.apply_marker_path(base).write_text(json.dumps(
@@ -335,8 +334,7 @@ def test_a_dry_run_after_an_apply_that_stopped_part_way_lists_the_keys(base, mon
         assert listed.splitlines() == [f"  {key}" for key in keys], out
     # The earlier apply had started a third frontend: its dry run listed no stop of it, which
     # the apply then did, alone (an outside check)
-    proxy = fake_supervisor(base, frontends=3)
-    monkeypatch.setattr(apply.processes, "supervisor", lambda cfg: contextlib.nullcontext(proxy))
+    running(base, monkeypatch, frontends=3)
     assert apply._apply(args, base) == 0
     steps = capsys.readouterr().out.split("shmserve: steps")[1]
     assert "frontend-2" in steps and "stop" in steps, steps
