@@ -104,8 +104,10 @@ CHECKS: dict[str, Check] = {
     "workers.per_gpu": (lambda v: 1 <= v <= 16, "an integer from 1 to 16"),
     "workers.cpu_workers": (lambda v: v == "auto" or (isinstance(v, int) and 1 <= v <= 64),
                             "auto or an integer from 1 to 64"),
-    "workers.torch_threads": (lambda v: v == "auto" or (isinstance(v, int) and v >= 1),
-                              "auto or an integer >= 1"),
+    # written into the workers' OMP_NUM_THREADS: a count past any machine's cores only
+    # oversubscribes them, and a huge one failed the workers' start, not the config's check
+    "workers.torch_threads": (lambda v: v == "auto" or (isinstance(v, int) and 1 <= v <= 1024),
+                              "auto or an integer from 1 to 1024"),
     "workers.queue_texts": _POSITIVE_INT,
     "workers.heartbeat_interval_s": _OVER_0_UP_TO_A_DAY,
     "workers.heartbeat_timeout_s": _OVER_0_UP_TO_A_DAY,

@@ -28,7 +28,8 @@ def test_sizes_rendered_or_given_to_the_os_are_bounded():
     """A backlog past a C int failed every frontend's listen(); a log size is rendered."""
     for name, value in (("FRONTENDS__LISTEN_BACKLOG", "65536"),
                         ("LOGGING__MAX_BYTES", str((1 << 40) + 1)),
-                        ("LOGGING__FLUSH_INTERVAL_MS", "1.0e+12")):
+                        ("LOGGING__FLUSH_INTERVAL_MS", "1.0e+12"),
+                        ("WORKERS__TORCH_THREADS", "1000000000")):
         key = name.lower().replace("__", ".")
         with pytest.raises(ConfigError, match=rf"^{key}: expected "):
             config.load(environ={f"SHMSERVE__{name}": value})
