@@ -5,14 +5,13 @@ touch), a `Pending` entry per request, and the exceptions a request's future fai
 from __future__ import annotations
 
 import asyncio
-import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 import zmq
 import zmq.asyncio
 
-from shmserve.protocol import Heartbeat, Result
+from shmserve.protocol import Heartbeat
 
 
 class WorkerGone(Exception):
@@ -34,14 +33,6 @@ class Pending:
     tokens: int
     on_settled: Callable[[], None]
     request_id: str = ""  # a Submit's (the log line of a lost worker names them)
-    priority: int = 0  # a Submit's
-    sent: float = field(default_factory=time.monotonic)
-
-    @classmethod
-    def of(cls, msg: object, future: asyncio.Future, tokens: int,
-           on_settled: Callable[[], None]) -> Pending:
-        return cls(future, tokens, on_settled, getattr(msg, "request_id", ""),
-                   getattr(msg, "priority", 0))
 
 
 @dataclass(slots=True, eq=False)
@@ -70,23 +61,9 @@ class WorkerLink:
     # their slots stay held until it answers them or is gone, since it may still read the
     # token ids and write the output rows
 
-    # Tokens by priority of the requests sent before the last heartbeat came and computed since
-    # (its queue counted them): the early refusal takes them off what it heard (admission.
-    # heard_refusal). A client sending one request after another to a slow worker was refused
-    # 429 "needs ~20.1 s" with nothing queued: the heartbeat still held its previous request.
-    drained: dict[int, int] = field(default_factory=dict)
-
     @property
     def ready(self) -> bool:
         return self.alive and self.beat is not None and self.beat.ready
-
-    def hear(self, beat: Heartbeat) -> None:
-        self.beat, self.last_beat, self.alive, self.drained = beat, time.monotonic(), True, {}
-
-    def answered(self, pending: Pending, reply: object) -> None:
-        if pending.tokens and isinstance(reply, Result) and pending.sent <= self.last_beat:
-            self.drained[pending.priority] = self.drained.get(pending.priority, 0) + \
-                pending.tokens
 
 
 

@@ -175,7 +175,7 @@ class WorkerPool:
                ) -> admission.Refusal | None:
         """Why every ready worker of `model` would refuse the request by its admission rule,
         judged from its last heartbeat (shmserve.admission.heard_refusal); None: send it."""
-        return admission.heard_refusal(((link.beat, link.last_beat, link.drained)
+        return admission.heard_refusal(((link.beat, link.last_beat)
                                         for link in self.ready_links(model)),
                                        priority, tokens, deadline)
 
@@ -184,7 +184,8 @@ class WorkerPool:
         """Send `msg`; the future resolves to its reply (Result or Error for a Submit,
         ReloadDone for a Reload or Commit), or fails with WorkerGone."""
         future = asyncio.get_running_loop().create_future()
-        link.pending[msg.seq] = Pending.of(msg, future, tokens, on_settled)
+        link.pending[msg.seq] = Pending(future, tokens, on_settled,
+                                        getattr(msg, "request_id", ""))
         link.outstanding += tokens
         self._post(link, msg)
         return future
@@ -306,7 +307,6 @@ class WorkerPool:
                 held[1].on_settled()
             return
         link.outstanding -= pending.tokens
-        link.answered(pending, msg)
         pending.on_settled()
         if not pending.future.done():
             pending.future.set_result(msg)
@@ -340,7 +340,7 @@ class WorkerPool:
             log.warning("frontend.worker_load_failed", extra={"fields": {
                 "worker": link.index, "worker_pid": beat.pid, "failed_loads": link.failed_loads,
                 "error": beat.failure}})
-        link.hear(beat)
+        link.beat, link.last_beat, link.alive = beat, time.monotonic(), True
         if not self._heard_all.is_set() and all(x.beat is not None for x in self.links):
             self._heard_all.set()
         if link.ready and not was_ready:

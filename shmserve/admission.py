@@ -69,7 +69,7 @@ import random
 import threading
 import time
 from dataclasses import dataclass
-from typing import Iterable, Mapping
+from typing import Iterable
 
 from shmserve.protocol import Heartbeat, Queued
 
@@ -135,15 +135,13 @@ def refuse(finish: float, now: float, deadline: float, whose: str = "the worker'
                    f"close to its deadline in {left:.1f} s", retry_after_s(finish - share * left))
 
 
-def heard_refusal(beats: Iterable[tuple[Heartbeat, float, Mapping[int, int]]], priority: int,
-                  tokens: int, deadline: float) -> Refusal | None:
-    """Why every worker heard from in `beats` (each ready worker's last heartbeat, when it
-    came, time.monotonic(), and the tokens by priority of this frontend's requests it has
-    answered since that were sent before it came) would refuse a request of `tokens` (0: not
-    yet tokenized) at `priority` due at `deadline` (time.time()); None: send it (its worker
-    decides). What a worker has queued ahead is its last heartbeat's, less what it has drained
-    since: the requests answered, else at its speed if more. Work sent since is not counted,
-    so the estimate errs towards admitting. (Counting
+def heard_refusal(beats: Iterable[tuple[Heartbeat, float]], priority: int, tokens: int,
+                  deadline: float) -> Refusal | None:
+    """Why every worker heard from in `beats` (each ready worker's last heartbeat, and when it
+    came, time.monotonic()) would refuse a request of `tokens` (0: not yet tokenized) at
+    `priority` due at `deadline` (time.time()); None: send it (its worker decides). What a
+    worker has queued ahead is its last heartbeat's, less what it has drained since at its
+    speed: work sent since is not counted, so the estimate errs towards admitting. (Counting
     what a frontend has sent and not had answered made it refuse far more than the workers
     would: a frontend busy refusing reads its replies late, and those stay counted. With
     clients that retry a 429 at once, 40 of them x 64 texts at low priority against the
@@ -153,10 +151,9 @@ def heard_refusal(beats: Iterable[tuple[Heartbeat, float, Mapping[int, int]]], p
     ~16:35-16:45, the AVX512-BF16 EPYC.)"""
     now, monotonic = time.time(), time.monotonic()
     soonest = None
-    for beat, heard_at, answered in beats:
+    for beat, heard_at in beats:
         heard = ahead(((q.priority, q.tokens) for q in beat.queued_tokens), priority)
-        queued = heard - max(ahead(answered.items(), priority),
-                             beat.drain_rate * (monotonic - heard_at))
+        queued = heard - beat.drain_rate * (monotonic - heard_at)
         finish = finish_s(queued, tokens, beat.drain_rate, beat.drain_pass_s)
         if not too_late(finish, now, deadline):
             return None
