@@ -62,6 +62,9 @@ def test_a_long_request_is_news_to_the_other_frontends(tmp_path, cfg):
             assert link.beat.queued > 0 and link.beat.ping_sent_at == 0.0
             seen = link.last_beat
             await run
+            # the sender heard it before the reply: a serial client's next request is judged
+            # on a queue without the request just answered (it was refused 429, the suite)
+            assert sender.links[0].beat.queued == 0
             # Its end is news too: a serial client whose next request went to the other
             # frontend was refused 429 there, its queue still holding the previous one.
             assert await next_beat(link, seen, 0.5), "no news of the long request's end"
