@@ -169,7 +169,8 @@ def _apply(args: argparse.Namespace, new: Config) -> int:
         except xmlrpc.client.Fault:
             raise CliError("this deployment's supervisord was started by an older shmserve, "
                            "without `apply`: `shmserve down`, then `shmserve up`") from None
-        running_now = [f"{p['group']}:{p['name']}" for p in proxy.supervisor.getAllProcessInfo()]
+        running_now = [f"{p['group']}:{p['name']}" for p in
+                       proxy.supervisor.getAllProcessInfo()] if args.dry_run else []
     if args.dry_run:
         steps = plan(old, new, by_counts(old, new, running_now), attempted)
         steps.nginx = nginx_differs(old, attempted, new, render.nginx_conf(new).read_text())

@@ -184,17 +184,20 @@ def nginx_differs(old: Config, attempted: list[Config], new: Config, on_disk: st
                                     for was in ((old, *attempted) if attempted else ()))
 
 
+def changed_models(old: Config, new: Config) -> list[str]:
+    """The models added, removed, or whose config differs in any key."""
+    before, after = {m.name: m for m in old.models}, {m.name: m for m in new.models}
+    return sorted(m for m in before.keys() | after.keys() if before.get(m) != after.get(m))
+
+
 @contextlib.contextmanager
 def reloads_held(old: Config, new: Config):
     """The reload locks of the models whose config changes, while apply records and renders
     the new config and drops their reloaded weights: a reload under way when apply dropped
     them wrote its source back after, and the restarted workers served it, not the config
     apply said served (an outside check). One under way now: refused, nothing changed."""
-    changed = sorted({m.name for m in old.models} ^ {m.name for m in new.models} | {
-        m.name for m in new.models
-        if any(o.name == m.name and o != m for o in old.models)})
     with contextlib.ExitStack() as stack:
-        for name in changed:
+        for name in changed_models(old, new):
             try:
                 stack.enter_context(state.reloading(new, name))
             except state.Busy:
@@ -212,13 +215,8 @@ def forget_overridden(old: Config, new: Config) -> list[str]:
         return {u.name: (u.config.source, u.config.revision) for m in cfg.models
                 for u in models.units(m)}
 
-    def by_model(cfg: Config) -> dict[str, object]:
-        return {m.name: m for m in cfg.models}
-
     before, after = by_unit(old), by_unit(new)
-    old_models, new_models = by_model(old), by_model(new)
-    splits = sorted(m for m in old_models.keys() | new_models.keys()
-                    if old_models.get(m) != new_models.get(m))
+    splits = changed_models(old, new)
     # Every unit of a model whose config changed (any key: its dtype, its input limit), as
     # the README says; a reloaded source was kept unless its own source or revision changed,
     # while the message said it was dropped (an outside check)
