@@ -35,7 +35,7 @@ from shmserve.config import Config, ConfigError
 from shmserve.prechecks import (CliError, check_fds, check_port, check_shm, check_stdout,  # noqa: F401
                                 seconds)
 from shmserve.startwait import wait_ready
-from shmserve.status_cli import leftovers, status
+from shmserve.status_cli import leftovers, status, unsupervised
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = _parser()
@@ -262,6 +262,9 @@ def ctl(args: argparse.Namespace) -> int:
                        "container's: `kubectl logs`, `docker logs`), not to files to tail; "
                        "`ctl maintail` tails supervisord's own log")
     if rest[:1] != ["help"] and supervisord_pid(cfg) is None:  # (supervisorctl: its socket URL)
+        if message := unsupervised(cfg):  # a killed supervisord's programs serve on
+            print(f"shmserve: {message}", file=sys.stderr)
+            return 1  # as `status`
         print(f"shmserve: {processes.not_running(cfg)}", file=sys.stderr)
         return 3  # as `status`
     return subprocess.run(ctl_argv(cfg, *rest), check=False).returncode

@@ -38,16 +38,8 @@ def status(args: argparse.Namespace) -> int:
               else f"shmserve: {message}", flush=True)
 
     if supervisord_pid(cfg) is None:
-        left = leftovers(cfg)
-        if left:
-            try:  # the address they were started with, not this shell's
-                served = config.load_resolved(topology.resolved_config_path(cfg)).server
-            except (OSError, ValueError):
-                served = cfg.server
-            say("unsupervised", f"supervisord is not running (run_dir {cfg.run_dir}; "
-                f"killed?), but processes it started live on, unsupervised and maybe still "
-                f"serving on {served.host}:{served.port}: pids {', '.join(map(str, left))}; "
-                "`shmserve down` stops them, `shmserve up` replaces them")
+        if message := unsupervised(cfg):
+            say("unsupervised", message)
             return 1
         say("not_running", processes.not_running(cfg))
         return 3
@@ -107,6 +99,21 @@ def from_a_frontend(cfg: Config, target: str, timeout: float) -> tuple[int | Non
         if code == 200:
             return code, body
     return None, b""
+
+
+def unsupervised(cfg: Config) -> str | None:
+    """With supervisord not running: what it left running, if anything (`status`, `ctl`)."""
+    left = leftovers(cfg)
+    if not left:
+        return None
+    try:  # the address they were started with, not this shell's
+        served = config.load_resolved(topology.resolved_config_path(cfg)).server
+    except (OSError, ValueError):
+        served = cfg.server
+    return (f"supervisord is not running (run_dir {cfg.run_dir}; killed?), but processes it "
+            f"started live on, unsupervised and maybe still serving on {served.host}:"
+            f"{served.port}: pids {', '.join(map(str, left))}; `shmserve down` stops them, "
+            "`shmserve up` replaces them")
 
 
 def leftovers(cfg: Config) -> list[int]:

@@ -91,6 +91,8 @@ def test_a_sigkilled_supervisord_leaves_nothing_running_after_the_next_up(tmp_pa
         done = stack.cli("status", check=False)
         assert done.returncode == 1 and "supervisord is not running" in done.stdout, done.stdout
         assert str(old_worker) in done.stdout and f":{stack.port}" in done.stdout
+        done = stack.cli("ctl", "status", check=False)  # not supervisorctl's "no such file"
+        assert done.returncode == 1 and str(old_worker) in done.stderr, done.stderr
         # `up` sweeps them, then starts afresh, with the config as it loads now: it says how
         # that differs from what the killed deployment ran
         stack.env["SHMSERVE__BATCHING__MAX_WAIT_MS"] = "3"

@@ -118,7 +118,12 @@ def test_status_names_what_a_dead_supervisord_left_running(deployment, capsys, m
         assert "supervisord is not running" in out and str(left.pid) in out
         assert f"serving on 127.0.0.1:{started.server.port}:" in out
         assert "`shmserve down` stops them" in out
+        # supervisorctl's own answer would be "unix://... no such file": `ctl` says the same
+        assert cli.main(["ctl", "status"]) == 1
+        err = capsys.readouterr().err
+        assert "supervisord is not running" in err and str(left.pid) in err, err
     finally:
         left.kill()
         left.wait()
     assert cli.main(["status"]) == 3
+    assert cli.main(["ctl", "status"]) == 3 and "not running" in capsys.readouterr().err
