@@ -4,25 +4,16 @@ fast tokenizer."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import numpy as np
 from tokenizers import Encoding, Tokenizer
 
 from frontend.errors import ApiError
+from frontend.pieces import CHARS_PER_TOKEN, LONG_MARGIN, counted, cut_piece
 from shmserve.model_files import tokenizer
 from shmserve.models import ModelSourceError, ModelSpec
-
-
-# A text much longer than the model reads is tokenized from a piece of it: about this many
-# characters a token of the model's limit (a suffix when the cut is from the left), cut at a
-# whitespace, and grown x4 until it holds LONG_MARGIN tokens past the limit. The tokenizer's
-# time and memory then follow the model's limit, not the text's length (a request of 80 texts
-# of 100,000 characters took 6 s of a frontend's CPU and 200 MB it kept), and what the model
-# reads is the same: tokens are made word by word, and the words past the piece are cut anyway.
-CHARS_PER_TOKEN = 8
-LONG_MARGIN = 16
-_WHITESPACE_WINDOW = 128  # how far back (forward, from the left) a cut looks for whitespace
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,11 +203,11 @@ class TextEncoder:
         counter = self._variant(False, "right")
         cap = max(room, 1) * CHARS_PER_TOKEN  # (a longer query counted from a piece of it)
         for query in dict.fromkeys(q for q, _ in pairs):
-            piece = query if len(query) <= cap else _piece(query, cap, "right")
+            piece = query if len(query) <= cap else cut_piece(query, cap, "right")
             asked = len(counter.encode(before + piece + between, add_special_tokens=False).ids)
             if asked >= room:
                 raise ApiError("too_large", f"the instruction and the query take "
-                               f"{_count(asked, piece is not query)} of the {room} tokens "
+                               f"{counted(asked, piece is not query)} of the {room} tokens "
                                f"model {self.name!r}'s prompt leaves them and a document: no "
                                "document would be read; send a shorter query", param=param)
         left = direction == "left"
@@ -235,7 +226,7 @@ class TextEncoder:
             ids = e.ids
             if len(ids) > room:
                 if not truncate:
-                    total = _count(len(ids) + len(head) + len(tail), i in long)
+                    total = counted(len(ids) + len(head) + len(tail), i in long)
                     raise ApiError("too_large", f"{_which(param, i, True)} has {total} tokens "
                                    f"in the model's prompt; the model's limit is "
                                    f"{self.max_tokens} (or {hint})", param=param)
@@ -284,7 +275,7 @@ class TextEncoder:
         out, long = list(texts), set()
         pending = [i for i, t in enumerate(texts) if len(t) > cap]
         while pending:
-            pieces = [_piece(texts[i], cap, direction) for i in pending]
+            pieces = [cut_piece(texts[i], cap, direction) for i in pending]
             retry = []
             for i, piece, n in zip(pending, pieces, self._count(pieces)):
                 if n >= need:
@@ -304,7 +295,7 @@ class TextEncoder:
                 self._no_tokens(param, 0, pairs)
             if not truncate and ids.shape[0] > self.max_tokens:
                 raise ApiError("too_large", f"{_which(param, 0, pairs)} has "
-                               f"{_count(ids.shape[0], 0 in long)} tokens; the model's limit "
+                               f"{counted(ids.shape[0], 0 in long)} tokens; the model's limit "
                                f"is {self.max_tokens} (or {hint})", param=param)
             truncated = 1 if truncate and encodings[0].overflowing else 0
             return Encoded(ids, np.array([0, ids.shape[0]], np.int32), truncated)
@@ -316,7 +307,7 @@ class TextEncoder:
             if over.size:
                 i = int(over[0])
                 raise ApiError("too_large", f"{_which(param, i, pairs)} has "
-                               f"{_count(int(lengths[i]), i in long)} tokens; the model's "
+                               f"{counted(int(lengths[i]), i in long)} tokens; the model's "
                                f"limit is {self.max_tokens} (or {hint})", param=param)
         offsets = np.zeros(len(encodings) + 1, np.int32)
         np.cumsum(lengths, out=offsets[1:])
@@ -351,27 +342,51 @@ class TextEncoder:
     def from_ids(self, rows: list[list[int]], param: str = "input",
                  truncate: bool | None = None, direction: str = "right",
                  hint: str = "") -> Encoded:
-        """Token ids a client tokenized itself, used as given: no special tokens are added.
+        """Token ids a client tokenized itself, as the model's tokenizer gives them for a text:
+        framed by the special tokens it puts around every text ([CLS] ... [SEP]), which are
+        not added here. A row without them is refused: its vector would be no text's, and
+        OpenAI's tiktoken ids that fall inside the vocabulary (langchain-openai's default,
+        "hello world") were embedded as other tokens, silently (an outside check).
 
-        Each id must be in [0, vocab size); a row longer than the model's limit is cut to it
-        or refused with 413, as texts are (`truncate` None: limits.truncate; `direction`:
-        the end the cut takes ids from). The cut is of the ids as given: a [CLS] or [SEP] the
-        client put at that end goes with it. `hint`: check_ids'."""
+        Each id must be in [0, vocab size); a row longer than the model's limit is cut to it,
+        between its frame as a text's tokens are, or refused with 413 (`truncate` None:
+        limits.truncate; `direction`: the end the cut takes ids from). `hint`: check_ids'."""
         self.check_ids(rows, param, hint)
-        hint = _hint(truncate)
+        head, tail = self._frame
+        cut = _hint(truncate)
         truncate = self.truncate if truncate is None else truncate
+        room = self.max_tokens - len(head) - len(tail)
         truncated = 0
         kept = []
         for i, row in enumerate(rows):
+            if len(row) < len(head) + len(tail) or row[:len(head)] != head or (
+                    tail and row[-len(tail):] != tail):
+                raise ApiError("invalid_request", f"'{param}[{i}]' does not begin with {head} "
+                               f"and end with {tail}, the special token ids model "
+                               f"{self.name!r}'s tokenizer puts around every text: send ids "
+                               "as it gives them for a text (POST /tokenize), else the vector "
+                               f"is no text's{hint}", param=param)
             if len(row) > self.max_tokens:
                 if not truncate:
                     raise ApiError("too_large", f"'{param}[{i}]' has {len(row)} tokens; the "
-                                   f"model's limit is {self.max_tokens} (or {hint})",
+                                   f"model's limit is {self.max_tokens} (or {cut})",
                                    param=param)
-                row = row[-self.max_tokens:] if direction == "left" else row[:self.max_tokens]
+                body = row[len(head):len(row) - len(tail)]
+                row = head + (body[len(body) - room:] if direction == "left" else body[:room]) \
+                    + tail
                 truncated += 1
             kept.append(row)
         return _flat(kept, truncated)
+
+    @functools.cached_property
+    def _frame(self) -> tuple[list[int], list[int]]:
+        """The special token ids the tokenizer puts before and after a text."""
+        framed = self._tok.encode("a", add_special_tokens=True).ids
+        bare = self._tok.encode("a", add_special_tokens=False).ids
+        for k in range(len(framed) - len(bare) + 1):
+            if framed[k:k + len(bare)] == bare:
+                return framed[:k], framed[k + len(bare):]
+        return [], []  # a tokenizer that changes the text's own ids: nothing to check
 
     def tokenize(self, texts: list[str], add_special_tokens: bool = True) -> list[Encoding]:
         """Full encodings (tokens, offsets, special-token masks), never truncated."""
@@ -398,26 +413,6 @@ def _cut_document(encoding: Encoding, room: int, start: int) -> list[int]:
     if kept >= room:
         return ids[:room]
     return ids[:kept] + ids[len(ids) - (room - kept):]
-
-
-def _piece(text: str, cap: int, direction: str) -> str:
-    """About `cap` characters of `text` from the end the model reads (the start, or with a
-    left cut the end), cut at a whitespace when one is near."""
-    if direction == "left":
-        start = len(text) - cap
-        for k in range(start, min(start + _WHITESPACE_WINDOW, len(text))):
-            if text[k].isspace():
-                return text[k:]
-        return text[start:]
-    for k in range(cap, max(cap - _WHITESPACE_WINDOW, 0), -1):
-        if text[k].isspace():
-            return text[:k]
-    return text[:cap]
-
-
-def _count(n: int, lower_bound: bool) -> str:
-    """A long text is counted only as far as it passes the limit (Encoder._pieces)."""
-    return f"at least {n}" if lower_bound else str(n)
 
 
 def _hint(asked: bool | None) -> str:

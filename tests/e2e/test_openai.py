@@ -62,9 +62,13 @@ def test_token_ids_are_used_as_given(client, native, tokenizer):
     assert resp.usage.prompt_tokens == sum(map(len, ids))
     one = client.embeddings.create(model="tiny", input=ids[2])
     np.testing.assert_allclose(rows(one), native[2:3], rtol=0, atol=1e-6)
-    # Without them it is another input: nothing is added on the server's side.
-    bare = client.embeddings.create(model="tiny", input=ids[2][1:-1])
-    assert not np.allclose(rows(bare), native[2:3], atol=1e-3)
+    # Without them the vector would be no text's: refused, naming the frame (tiktoken's ids,
+    # which langchain-openai sends by default, were embedded as other tokens, silently).
+    with pytest.raises(openai.BadRequestError) as info:
+        client.embeddings.create(model="tiny", input=ids[2][1:-1])
+    said = str(info.value)
+    assert "'input[0]' does not begin with [101] and end with [102]" in said, said
+    assert "langchain-openai sends those" in said
 
 
 def test_dimensions_keeps_a_renormalised_prefix(client, native):
@@ -93,7 +97,7 @@ def test_msgpack_vectors_are_raw_float32(tiny_stack, native):
     ({"input": [[]]}, openai.BadRequestError, "input", None),
     # Over a limit (truncate is off; 64 texts a request): 413 elsewhere, 400 here, where
     # the client raised a bare APIStatusError that code catching BadRequestError missed.
-    ({"input": [[5] * 65]}, openai.BadRequestError, "input", None),
+    ({"input": [[101] + [5] * 63 + [102]]}, openai.BadRequestError, "input", None),
     ({"input": ["x"] * 65}, openai.BadRequestError, "input", None),
     ({"model": "gpt-9"}, openai.NotFoundError, "model", "model_not_found"),
 ])
@@ -103,7 +107,7 @@ def test_errors_in_openais_shape(client, kwargs, error, param, code):
     exc = info.value
     assert exc.param == param and exc.code == code and exc.type
     assert set(exc.body) == {"message", "type", "param", "code"}
-    if kwargs.get("input") in ([[5] * 65], ["x"] * 65):
+    if kwargs.get("input") in ([[101] + [5] * 63 + [102]], ["x"] * 65):
         assert exc.status_code == 400 and exc.type == "too_large"
 
 

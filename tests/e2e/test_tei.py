@@ -293,8 +293,8 @@ def test_token_ids_follow_the_requests_truncate_and_direction_as_texts(tiny_stac
     assert status == 413 and err["error"]["message"].endswith("(or send truncate: true)")
     status, _, err = tiny_stack.post_json("/embed", {"inputs": [ids]})  # limits.truncate false
     assert status == 413 and err["error"]["message"].endswith("(or set limits.truncate)")
-    rows = {}
-    for cut, kept in (("Right", ids[:64]), ("Left", ids[-64:])):
+    rows = {}  # cut between [CLS] and [SEP], as a text is
+    for cut, kept in (("Right", [101] + ids[1:63] + [102]), ("Left", [101] + ids[-63:])):
         status, _, rows[cut] = tiny_stack.post_json("/embed", {
             "inputs": [ids], "truncate": True, "truncation_direction": cut})
         assert status == 200, rows[cut]

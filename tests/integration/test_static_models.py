@@ -42,6 +42,8 @@ def test_a_static_embedding_model_serves_its_vectors(tmp_path, dense, normalize)
     # no special tokens: the ids are the text's own, as StaticEmbedding tokenizes
     assert encoder.encode(["hello world"]).ids.tolist() == reference[0].tokenizer.encode(
         "hello world", add_special_tokens=False).ids
+    # so a client's ids need no frame either (a BERT's need [CLS] ... [SEP])
+    assert encoder.from_ids([[7592, 2088]]).ids.tolist() == [7592, 2088]
     # every token's row (/embed_all): the table's rows
     rows = model.forward_groups([(np.array([[7592, 2088]]), np.array([2]), None)],
                                 tokens=True)

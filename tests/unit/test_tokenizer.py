@@ -51,17 +51,31 @@ def test_a_pair_over_the_limit_names_the_query_and_the_document(spec, documents)
 
 def test_token_ids_are_used_as_given(spec):
     encoder = TextEncoder(spec, truncate=False)
-    enc = encoder.from_ids([[7592, 2088], [101, 7592, 102]])
-    assert enc.ids.tolist() == [7592, 2088, 101, 7592, 102]  # no [CLS]/[SEP] added
-    assert enc.offsets.tolist() == [0, 2, 5] and enc.count == 2 and enc.truncated == 0
+    enc = encoder.from_ids([[101, 7592, 2088, 102], [101, 102]])
+    assert enc.ids.tolist() == [101, 7592, 2088, 102, 101, 102]  # nothing added
+    assert enc.offsets.tolist() == [0, 4, 6] and enc.count == 2 and enc.truncated == 0
     assert encoder.vocab_size == 30522
+
+
+@pytest.mark.parametrize("row", [[7592, 2088], [101, 7592, 2088], [7592, 2088, 102], [101],
+                                 [15339, 1917]])  # the last: tiktoken's "hello world"
+def test_token_ids_without_the_models_special_tokens_are_refused(spec, row):
+    """Their vector is no text's: langchain-openai's tiktoken ids that fell inside the
+    vocabulary were embedded as other tokens, silently (an outside check)."""
+    with pytest.raises(ApiError) as info:
+        TextEncoder(spec, truncate=True).from_ids([[101, 102], row], hint="; a hint")
+    assert info.value.status == 422 and info.value.param == "input"
+    assert info.value.message == (
+        "'input[1]' does not begin with [101] and end with [102], the special token ids model "
+        f"{spec.name!r}'s tokenizer puts around every text: send ids as it gives them for a "
+        "text (POST /tokenize), else the vector is no text's; a hint")
 
 
 @pytest.mark.parametrize("rows,status,where", [
     ([[1, 30522]], 422, "30522"),
     ([[5], [-1]], 422, "input[1]"),
     ([[10**30]], 422, "30522"),  # never reaches numpy: no overflow
-    ([[1] * 257], 413, "257 tokens"),
+    ([[101] + [1] * 255 + [102]], 413, "257 tokens"),
 ])
 def test_bad_token_ids(spec, rows, status, where):
     with pytest.raises(ApiError) as info:
@@ -77,15 +91,17 @@ def test_ids_past_the_embedding_table_are_refused_though_the_tokenizer_has_them(
     assert spec.vocab_size == 30522
     encoder = TextEncoder(smaller, truncate=False)
     assert encoder.vocab_size == 30000
-    encoder.from_ids([[29999]])
+    encoder.from_ids([[101, 29999, 102]])
     with pytest.raises(ApiError) as info:
         encoder.from_ids([[101, 30000]])
     assert info.value.status == 422 and "[0, 30000)" in info.value.message
 
 
 def test_over_long_token_ids_are_cut_when_truncating(spec):
-    enc = TextEncoder(spec, truncate=True).from_ids([[5] * 300, [6]])
-    assert enc.offsets.tolist() == [0, 256, 257] and enc.truncated == 1
+    enc = TextEncoder(spec, truncate=True).from_ids([[101] + [5] * 300 + [102], [101, 6, 102]])
+    assert enc.offsets.tolist() == [0, 256, 259] and enc.truncated == 1
+    # cut between [CLS] and [SEP], as the tokenizer cuts a text
+    assert enc.ids[:256].tolist() == [101] + [5] * 254 + [102]
 
 
 def test_per_request_truncation_overrides_the_config(spec):
@@ -101,14 +117,16 @@ def test_per_request_truncation_overrides_the_config(spec):
 
 
 def test_token_ids_take_the_per_request_truncation_as_texts_do(spec):
-    row = list(range(1000, 1300))  # 300 ids, over the 256 limit
+    body = list(range(1000, 1300))
+    row = [101] + body + [102]  # 302 ids, over the 256 limit
     with pytest.raises(ApiError) as info:  # the server would cut; the request says not to
         TextEncoder(spec, truncate=True).from_ids([row], truncate=False)
     assert info.value.status == 413 and info.value.message.endswith("(or send truncate: true)")
     encoder = TextEncoder(spec, truncate=False)
     right = encoder.from_ids([row], truncate=True)  # the server would refuse; the request cuts
     left = encoder.from_ids([row], truncate=True, direction="left")
-    assert right.ids.tolist() == row[:256] and left.ids.tolist() == row[-256:]
+    assert right.ids.tolist() == [101] + body[:254] + [102]  # the frame kept, as a text's
+    assert left.ids.tolist() == [101] + body[-254:] + [102]
     assert right.truncated == left.truncated == 1
     with pytest.raises(ApiError) as info:
         encoder.from_ids([row])  # the encoder's own setting decides without one
