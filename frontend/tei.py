@@ -163,6 +163,9 @@ def _sequence(value: Any, name: str, limits: LimitsConfig, listed: bool = False
     return value[0] if len(value) == 1 else (value[0], value[1])
 
 
+CLASSIFY_PARAMETERS = ("function_to_apply", "top_k")
+
+
 async def _classify(request: web.Request, body: dict) -> web.Response:
     """huggingface_hub's `text_classification`: every label of each input, best first, cut to
     `parameters.top_k`; scored by `parameters.function_to_apply` (softmax, the default;
@@ -170,6 +173,12 @@ async def _classify(request: web.Request, body: dict) -> web.Response:
     parameters = body["parameters"] if body["parameters"] is not None else {}
     if not isinstance(parameters, dict):
         raise ApiError("invalid_request", "'parameters' must be an object", param="parameters")
+    for key, value in parameters.items():  # zero-shot's candidate_labels were ignored: the
+        if key not in CLASSIFY_PARAMETERS and value is not None:  # model's labels came back
+            raise ApiError("invalid_request", f"'parameters.{key}' is not a text-classification "
+                           f"parameter (one of {', '.join(CLASSIFY_PARAMETERS)}); zero-shot "
+                           "classification, fill-mask and the Inference API's other tasks are "
+                           "not served", param="parameters")
     applied = parameters.get("function_to_apply")
     if applied not in (None, "softmax", "sigmoid", "none"):
         raise ApiError("invalid_request", f"'parameters.function_to_apply' {applied!r}: one of "

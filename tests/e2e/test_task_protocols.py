@@ -125,6 +125,12 @@ def test_huggingface_hubs_text_classification_at_the_servers_url(task_stack, tas
         assert info.value.response.status_code == 422
         # The same client's feature_extraction still embeds (no `parameters` in its body).
         assert hub.feature_extraction("x").shape[-1] == 32
+        # zero-shot posts its labels to / too: refused, not answered with the model's labels
+        with pytest.raises(HfHubHTTPError) as info:
+            hub.zero_shot_classification(TEXTS[0], ["pos", "neg"])
+        assert info.value.response.status_code == 422
+        assert "'parameters.candidate_labels' is not a text-classification parameter" in \
+            info.value.response.text, info.value.response.text
     status, _, body = task_stack.post_json("/", {"inputs": "x", "parameters": {"top_k": 0}})
     assert status == 422 and body["error"]["param"] == "parameters", body
     assert body["error"]["message"].startswith("'parameters.top_k' must be"), body
