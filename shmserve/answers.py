@@ -114,8 +114,12 @@ def _sparse(body: list, single: bool) -> list[SparseVector] | SparseVector:
 def _matrix(body: dict[str, Any], single: bool) -> np.ndarray:
     rows = body["results"]
     if rows and isinstance(rows[0], list) and rows[0] and isinstance(rows[0][0], dict):
-        raise ShmserveError(f"model {body.get('model')!r} is a classification model: /predict "
-                            "answered its labels, not vectors; use classify()")
+        message = (f"model {body.get('model')!r} is a classification model: /predict "
+                   "answered its labels, not vectors; use classify()")
+        # an answer came (200): said with its status, typed as /v1/embeddings refuses it
+        raise ShmserveError(message, 200, {"error": {
+            "message": message, "type": "invalid_request", "param": "model",
+            "code": "unsupported_task"}})
     if rows and isinstance(rows[0], bytes):  # msgpack: raw little-endian float32
         matrix = np.stack([np.frombuffer(r, "<f4") for r in rows])
     else:

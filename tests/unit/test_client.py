@@ -93,8 +93,10 @@ async def test_async_nothing_listening():
 def test_what_the_answer_is_not_says_so():
     """/predict answers a classification model's labels: embed() says to use classify()."""
     labels = {"results": [[{"label": "a", "score": 0.9}]], "model": "clf"}
-    with pytest.raises(ShmserveError, match="'clf' is a classification model.*classify"):
+    with pytest.raises(ShmserveError, match="'clf' is a classification model.*classify") as info:
         _matrix(labels, False)
+    assert (info.value.status, info.value.type, info.value.param, info.value.code) == (
+        200, "invalid_request", "model", "unsupported_task")  # an answer came: not None
     with pytest.raises(TypeError, match="not one string"):
         Client("http://h")._rerank_request("q", "one document", None, None)
 
