@@ -201,8 +201,9 @@ class Intake:
                 # Until the texts over the bound have drained, at the queue's mean length
                 over = (queued + n - limit) * self.backlog.queued() / max(queued, 1)
                 return Error(msg.seq, ErrorCode.OVERLOADED,
-                             f"worker queue full ({self.queued_texts} texts queued, {limit} "
-                             f"texts: {share}workers.queue_texts); raise it or add workers",
+                             f"worker queue full: {queued} texts queued, and this request's "
+                             f"{n} would pass the {limit} of {share}workers.queue_texts; raise "
+                             "it or add workers",
                              self.backlog.retry_after_s(int(over)))
             self.queued_texts += n
         request.tokens_left = tokens

@@ -3,6 +3,7 @@
 import concurrent.futures
 import json
 import os
+import re
 import signal
 import socket
 
@@ -208,6 +209,9 @@ def test_worker_queue_full_is_429_with_retry_after(strict_stack):
     assert full, statuses
     for headers, err in full:
         assert err["error"]["type"] == "overloaded" and int(headers["Retry-After"]) >= 1
+        # what passes the bound: the queued texts and this request's together
+        assert re.match(r"worker queue full: \d+ texts queued, and this request's 16 would "
+                        r"pass the 24 of workers\.queue_texts", err["error"]["message"]), err
     assert strict_stack.post_json("/predict", body)[0] == 200
 
 
