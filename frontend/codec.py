@@ -107,7 +107,9 @@ async def read_raw(request: web.Request) -> bytes:
     400 before any handler, others with a 500). Not inflatable: 400; inflating past the body
     limit: 413; a coding other than gzip, deflate or br: 415 (nginx refuses those first)."""
     raw = await request.read()
-    encoding = request.headers.get("Content-Encoding", "").strip().lower()
+    # Lines given twice are one list (RFC 9110), as nginx's 415 takes "gzip, gzip": the first
+    # line alone was read, so a second coding went unapplied, or unseen (an outside check).
+    encoding = ", ".join(request.headers.getall("Content-Encoding", ())).strip().lower()
     if encoding in ("", "identity"):
         return raw
     if encoding not in CODINGS:

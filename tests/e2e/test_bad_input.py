@@ -91,6 +91,22 @@ def test_a_body_that_does_not_decode_as_its_content_encoding(tiny_stack, pids_be
             assert got == 413 and "inflates to more than" in json.loads(raw)["error"]["message"]
 
 
+def test_content_encoding_given_on_two_lines_is_one_list(tiny_stack):
+    """Two Content-Encoding lines are the list of both (RFC 9110), refused as nginx refuses
+    "gzip, gzip" on one line: the frontend read the first line alone, so a second coding
+    went unapplied and a body served (an outside check)."""
+    from tests.e2e.test_errors import raw_request
+
+    body = gzip.compress(b'{"texts": ["x"]}')
+    for second in ("zstd", "gzip"):
+        answer = raw_request(tiny_stack, (
+            f"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Encoding: gzip\r\nContent-Encoding: {second}\r\nConnection: close\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode() + body)
+        assert answer.startswith(b"HTTP/1.1 415 "), answer[:300]
+        assert b"Content-Encoding must be gzip" in answer, answer[-300:]
+
+
 @pytest.mark.parametrize("body", [
     {"texts": ["a\u0000b"]},  # an escaped NUL is an ordinary character in a text
     {"texts": ["ok"], "unknown_field": {"nested": [1, 2]}},  # extra fields are ignored

@@ -224,6 +224,33 @@ def test_nginx_logs_the_method_of_a_request_it_answers_itself(stack):
     assert abs(line()[0]["msec"] - time.time()) < 60  # the time to the millisecond too
 
 
+def test_nginx_says_whether_an_answer_reached_the_client_whole(stack):
+    """A client that closes mid-answer (or reads too slowly for nginx.send_timeout_s) cut a
+    200 whose access line read as a success (an outside check): `completed` says so."""
+    import socket
+    import struct
+
+    body = json.dumps({"inputs": ["word " * 60] * 64}).encode()  # ~1.3 MB of JSON rows
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # nginx cannot run ahead
+        sock.connect(("127.0.0.1", stack.port))
+        sock.sendall(b"POST /embed_all HTTP/1.1\r\nHost: x\r\nX-Request-ID: cut-short\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+                     % len(body) + body)
+        assert sock.recv(1024).startswith(b"HTTP/1.1 200 ")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # RST
+    assert stack.post_json("/predict", {"texts": ["whole"]}, {"X-Request-ID": "whole"})[0] == 200
+
+    def lines():
+        found = {l["request_id"]: l for l in log_lines(stack, "nginx")
+                 if l.get("request_id") in ("cut-short", "whole")}
+        return found if len(found) == 2 else None
+    stack.wait_until(lines, 30, "both access lines")
+    cut, whole = lines()["cut-short"], lines()["whole"]
+    assert cut["status"] == 200 and cut["completed"] is False, cut
+    assert whole["status"] == 200 and whole["completed"] is True, whole
+
+
 def test_what_nginx_answers_itself_is_in_metrics_by_status(stack):
     """nginx's own answers (here 415, 405, 431; a rate limit's 429 and 413 alike, see
     tests/unit/test_nginx_pages.py) reach no frontend, and were in no metric: the reaper counts
