@@ -8,6 +8,7 @@ import logging
 import re
 import uuid
 
+import orjson
 from aiohttp import web
 
 from frontend import metrics
@@ -72,7 +73,9 @@ def malformed_request(self: web.RequestHandler, request: web.BaseRequest, status
     else:
         error = ApiError("bad_request", f"malformed HTTP request ({reason}: a control "
                          "character in a header, or a line too long?)")
-    response = web.json_response(error.body(), status=status, headers=headers)
+    # written as every other error (compact, no charset); its Accept is not known here
+    response = web.Response(body=orjson.dumps(error.body()), status=status,
+                            content_type="application/json", headers=headers)
     response.force_close()
     return response
 

@@ -192,6 +192,8 @@ def test_a_header_given_twice_is_named_in_the_400(tiny_stack, pids_before):
                       b"15\r\nConnection: close\r\n\r\n{\"texts\": [\"x\"]}")
     head, _, body = answer.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 400"), answer[:300]
+    assert b"\r\nContent-Type: application/json\r\n" in head + b"\r\n", head  # as any error's
+    assert body.startswith(b'{"error":{"message":'), body  # compact, as any error's
     error = json.loads(body)["error"]
     assert error["type"] == "bad_request"
     assert error["message"] == ("malformed HTTP request: the Content-Type header is given "
