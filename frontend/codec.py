@@ -213,6 +213,7 @@ def decode_body(raw: bytes, ctype: str, has_type: bool = True, sent: str = "") -
 # 600 MB before the request was refused for its size (an outside check). A request at the limits
 # holds a few hundred (256 texts' token ids, or KServe's nested data).
 MAX_CONTAINERS = 1 << 17
+UTF8_BOM = b"\xef\xbb\xbf"
 
 
 def loads_json(raw: bytes, what: str) -> Any:
@@ -225,6 +226,8 @@ def loads_json(raw: bytes, what: str) -> Any:
     if json_containers(raw) > MAX_CONTAINERS:
         raise ApiError("bad_request", f"the {what} holds more than {MAX_CONTAINERS:,} arrays "
                        "and objects; no request needs as many")
+    if raw.startswith(UTF8_BOM):  # which RFC 8259 lets a parser ignore, and orjson refused:
+        raw = raw[len(UTF8_BOM):]  # files saved by Windows editors begin with one
     try:
         return orjson.loads(raw)
     except orjson.JSONDecodeError as exc:

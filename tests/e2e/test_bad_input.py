@@ -117,6 +117,18 @@ def test_odd_but_valid_input_is_served(tiny_stack, pids_before, body):
     assert status == 200 and len(resp["results"]) == 1
 
 
+def test_a_json_body_after_a_utf8_byte_order_mark_is_served(tiny_stack):
+    """RFC 8259 lets a parser ignore a BOM; a file a Windows editor saved, sent with curl
+    --data-binary @file, begins with one and was refused 400 (an outside check)."""
+    body = b'{"texts": ["x"], "input": "x"}'
+    for path in ("/predict", "/v1/embeddings"):
+        status, _, plain = tiny_stack.request("POST", path, body, JSON)
+        assert status == 200, plain
+        status, _, marked = tiny_stack.request("POST", path, b"\xef\xbb\xbf" + body, JSON)
+        assert status == 200, marked
+        assert json.loads(marked).keys() == json.loads(plain).keys()
+
+
 def test_header_abuse_is_refused_by_nginx(tiny_stack, pids_before):
     status, _, raw = tiny_stack.request("POST", "/predict", b'{"texts": ["x"]}',
                                         {**JSON, "X-Junk": "j" * 40_000})
