@@ -236,7 +236,10 @@ def bearer_matches(request: web.Request, keys: tuple[bytes, ...]) -> bool:
     # A byte that is not UTF-8 reaches here as a lone surrogate (aiohttp's surrogateescape):
     # encoded back to the bytes sent, it simply matches no key (a plain encode raised, a 500
     # and a traceback for any client, a security review).
-    sent_bytes = sent.strip().encode("utf-8", "surrogateescape")
+    # Spaces and tabs around it only, as nginx's rate limit reads a key (nginx.rate_limit_key
+    # api_key): str.strip took Unicode spaces too, so one key spelled with U+00A0 around it was
+    # one more client to nginx, each with the key's whole rate (an outside check).
+    sent_bytes = sent.strip(" \t").encode("utf-8", "surrogateescape")
     matched = False
     for key in keys:
         matched |= hmac.compare_digest(sent_bytes, key)

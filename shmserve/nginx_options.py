@@ -84,7 +84,10 @@ def rate_limit(n) -> dict[str, str]:
         ("$shmserve_rate_key", _TOKEN_KEY)
     # nginx takes whole requests a second or a minute
     spelled = f"{int(rate)}r/s" if rate == int(rate) else f"{max(1, round(rate * 60))}r/m"
-    return {"rate_limit_zone": f"{zone}    limit_req_zone {key} zone=shmserve_clients:10m "
+    # A zone per key: nginx keeps a zone across a reload and refuses one whose key changed, so
+    # a reload switching ip and api_key left the old limit running (an outside check)
+    name = f"shmserve_clients_{n.rate_limit_key}"
+    return {"rate_limit_zone": f"{zone}    limit_req_zone {key} zone={name}:10m "
                                f"rate={spelled};\n    limit_req_status 429;\n"
                                # a client over its rate is not the server's fault: nginx logs
                                # each refusal at error by default (alerts on error fired), and
@@ -92,7 +95,7 @@ def rate_limit(n) -> dict[str, str]:
                                # none is written: they are counted in /metrics instead
                                "    limit_req_log_level info;",
             # nginx refuses burst=0 (it is its default: written only when above)
-            "rate_limit": "            limit_req zone=shmserve_clients"
+            "rate_limit": f"            limit_req zone={name}"
                           + (f" burst={n.rate_limit_burst} nodelay;" if n.rate_limit_burst
                              else ";"),
             "rate_limit_retry_after": str(max(1, math.ceil(1 / rate)))}

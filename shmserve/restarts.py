@@ -337,10 +337,22 @@ def reload_nginx(cfg: Config, settle_s: float = NGINX_SETTLE_S) -> int:
         return subprocess.run(ctl_argv(cfg, "restart", "nginx"), check=False).returncode
     master = int(info["nginx"].get("pid") or 0)
     old = _children(master)
+    log = topology.log_dir(cfg) / "nginx.log"  # its error lines (not with logging.stdout)
+    seen = log.stat().st_size if log.exists() else 0
     ctl(cfg, "signal", "HUP", "nginx")
     deadline = time.monotonic() + settle_s
+    refused = None
     while time.monotonic() < deadline and not (_children(master) - old):
         time.sleep(0.05)  # the new workers, forked once the new configuration is read
+        if refused := _emerg_since(log, seen):
+            break
+    if refused or not _children(master) - old:
+        # nginx kept its old configuration: what `nginx -t` cannot see, such as a rate limit's
+        # zone whose key changed (an outside check: apply said "applied", the old limit ran)
+        say(f"shmserve: warning: nginx refused to reload its configuration "
+            f"({refused or f'no new worker within {settle_s:g} s'}); restarting it instead "
+            "(connections are refused for a moment)", sys.stderr)
+        return subprocess.run(ctl_argv(cfg, "restart", "nginx"), check=False).returncode
     while time.monotonic() < deadline and _children(master) & old:
         time.sleep(0.05)  # the old ones, each once its requests are answered
     left = _children(master) & old
@@ -350,6 +362,20 @@ def reload_nginx(cfg: Config, settle_s: float = NGINX_SETTLE_S) -> int:
         "at that moment got a connection error and must send it again (the openai client and "
         "shmserve.client do; aiohttp, httpx and requests do not for a POST)")
     return 0
+
+
+def _emerg_since(log: Path, offset: int) -> str | None:
+    """nginx's first [emerg] line written to its log past `offset`: a reload it refused."""
+    try:
+        with log.open("rb") as f:
+            f.seek(offset)
+            tail = f.read(1 << 20)
+    except OSError:
+        return None
+    for line in tail.decode(errors="replace").splitlines():
+        if "[emerg]" in line:
+            return line.split("[emerg]", 1)[1].strip()
+    return None
 
 
 def _children(pid: int) -> set[int]:

@@ -139,8 +139,20 @@ def test_apply_restarts_only_what_reads_a_changed_key_and_goes_on_after_a_failur
     new_workers = nginx_workers(nginx)
     assert old_workers and new_workers and not old_workers & new_workers, (old_workers,
                                                                            new_workers)
-    assert "limit_req_zone" in render.nginx_conf(load_resolved(
-        stack.run_dir / "config.json")).read_text()
+    conf = render.nginx_conf(load_resolved(stack.run_dir / "config.json"))
+    assert "limit_req_zone $binary_remote_addr zone=shmserve_clients_ip:" in conf.read_text()
+    # A configuration nginx -t passes and a reload refuses (a zone kept across reloads whose key
+    # changed, as switching nginx.rate_limit_key did before each key had its zone): nginx is
+    # restarted instead, and says why (apply and restart said "reloaded"; the old ran on).
+    rendered = conf.read_text()
+    conf.write_text(rendered.replace("limit_req_zone $binary_remote_addr",
+                                     "limit_req_zone $http_x_client"))
+    done = stack.cli("restart", "nginx")
+    assert 'nginx refused to reload its configuration (' in done.stderr, done.stderr
+    assert 'uses the "$http_x_client" key while previously' in done.stderr, done.stderr
+    assert stack.pid("nginx") != nginx and stack.post_json("/predict", {"texts": ["x"]})[0] == 200
+    conf.write_text(rendered)  # as rendered again, for the steps below
+    stack.cli("ctl", "restart", "nginx")
 
     # The same stack goes on (one stack less to start in the suite):
     # A step that fails (here a frontend not ready within --timeout) stops the apply with the

@@ -109,6 +109,21 @@ def test_a_wrong_key_is_refused(stack, key):
         info.value.body
 
 
+@pytest.mark.parametrize("space", ["\u00a0", "\u2003", "\u3000", "\u0085"])
+def test_a_key_with_unicode_spaces_around_it_is_not_the_key(stack, space):
+    """Spaces and tabs around a key are the header's; other spaces are the token's, as nginx's
+    per-key rate limit reads it: the key with U+00A0 around it was served, and each such
+    spelling was a client of its own to nginx, with the key's whole rate (an outside check)."""
+    for token in (INLINE + space, space + INLINE):
+        status, _, body = stack.request(
+            "POST", "/predict", b'{"texts": ["x"]}',
+            {"Content-Type": "application/json",
+             "Authorization": ("Bearer " + token).encode().decode("latin-1")})
+        assert status == 401, (space, body)
+    assert stack.request("POST", "/predict", b'{"texts": ["x"]}', {
+        "Content-Type": "application/json", "Authorization": f"Bearer \t {INLINE} \t"})[0] == 200
+
+
 def test_no_key_gets_401_with_the_scheme_to_use(stack):
     assert stack.get("/v1/models")[0] == 401
     for path in ("/v1/embeddings", "/predict", "/embed", "/v1/rerank",
