@@ -203,8 +203,9 @@ def _as_started(args) -> Config | None:
         run_dir = run_dir or _run_dir_of(args.config)
     path = Path(run_dir or config.ServerConfig().run_dir)
     path = (path if path.is_absolute() else config.REPO_ROOT / path) / "config.json"
-    try:
-        return config.load_resolved(path)
+    try:  # without the key file, which the command line's config may have failed on: an
+        # emptied auth.api_keys_file made even `down` refuse (an outside check)
+        return config.load_resolved(path, read_keys=False)
     except (OSError, ValueError, config.ConfigError):
         return None
 

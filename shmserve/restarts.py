@@ -51,6 +51,11 @@ def restart(args: argparse.Namespace) -> int:
         if not args.all_at_once:
             return reload_nginx(cfg)
     group, _, name = target.partition(":")
+    if group == "frontends":  # they read auth.api_keys_file as they start: one that does not
+        try:  # load would stop each restarted frontend (deployment() reads the config without)
+            config.api_keys(cfg)
+        except ConfigError as exc:
+            raise CliError(f"{exc}: a frontend restarted now would not start; mend it first")
     infos = process_info(cfg)
     programs = [p["name"] for p in infos if p["group"] == group]
     if group in ("frontends", "workers") and name != "*" and name not in programs:

@@ -220,3 +220,24 @@ def test_the_benchmarks_send_the_key_from_the_environment(stack, monkeypatch, ap
     window = benchkit.locust_window(stack.url, scenario, 2, corpus)
     assert window["failures"] == 0 and window["requests"] > 10
     assert benchkit.fetch_vectors(stack.url, ["hello"]).shape == (1, 32)
+
+
+def test_an_emptied_key_file_leaves_the_cli_working_and_refuses_a_frontend_restart(stack):
+    """The file emptied while the deployment runs: status, ctl (and down) act on the running
+    deployment, which needs no key to be found (all refused, exit 2, an outside check); a
+    restart of the frontends, which read it as they start, is refused naming it."""
+    keys = stack.root.parent / "keys.txt"  # beside the stack's directory (the fixture's)
+    kept = keys.read_text()
+    keys.write_text("")
+    try:
+        shown = stack.cli("status", check=False)
+        assert shown.returncode == 0, shown.stdout + shown.stderr
+        assert "holds no key" in shown.stderr and "as `up` started it" in shown.stderr
+        assert stack.cli("ctl", "status", check=False).returncode == 0
+        refused = stack.cli("restart", "frontends", check=False)
+        assert refused.returncode == 2 and "a frontend restarted now would not start" in \
+            refused.stderr, refused.stderr
+        assert stack.post_json("/predict", {"texts": ["x"]}, {
+            "Authorization": f"Bearer {FROM_FILE}"})[0] == 200  # nothing was restarted
+    finally:
+        keys.write_text(kept)
