@@ -24,7 +24,7 @@ def build(cls: type, tree: Any, checks: Mapping[str, Check], prefix: str = "") -
     """`tree` (parsed YAML) as an instance of dataclass `cls`, every value checked against
     its type hint, then against `checks[key path]` when there is one."""
     if not isinstance(tree, Mapping):
-        raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {_show(tree)}")
+        raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {_show(tree, prefix)}")
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(tree) - names)
@@ -42,7 +42,7 @@ def build(cls: type, tree: Any, checks: Mapping[str, Check], prefix: str = "") -
         value = _coerce(hints[f.name], tree[f.name], key, checks)
         check = checks.get(key)
         if check and not check[0](value):
-            raise ConfigError(f"{key}: expected {check[1]}, got {_show(tree[f.name])}")
+            raise ConfigError(f"{key}: expected {check[1]}, got {_show(tree[f.name], key)}")
         kwargs[f.name] = value
     return cls(**kwargs)
 
@@ -56,7 +56,9 @@ def _coerce(hint: Any, value: Any, key: str,
         if hint is str:
             return str(value)
         if value.error:
-            raise ConfigError(f"{key}: {value.error}")
+            error = value.error if not _SECRET.fullmatch(key) else \
+                value.error.replace(repr(str(value)), "its value (not shown: a secret)")
+            raise ConfigError(f"{key}: {error}")
         value = value.parsed
     if dataclasses.is_dataclass(hint):
         return build(hint, value, checks, key)
@@ -80,7 +82,7 @@ def _coerce(hint: Any, value: Any, key: str,
                       and isinstance(plain, Mapping))]
         if len(shaped) == 1:
             raise ConfigError(shaped[0])
-        raise ConfigError(f"{key}: expected {_describe(hint)}, got {_show(value)}")
+        raise ConfigError(f"{key}: expected {_describe(hint)}, got {_show(value, key)}")
     if origin is Literal:
         allowed = typing.get_args(hint)
         # An environment word as written, then as YAML reads it (envvalues.EnvWord: yes -> true)
@@ -89,15 +91,15 @@ def _coerce(hint: Any, value: Any, key: str,
             if text in allowed:
                 return str(text) if isinstance(text, str) else text
         raise ConfigError(f"{key}: expected one of {', '.join(map(str, allowed))}, "
-                          f"got {_show(value)}")
+                          f"got {_show(value, key)}")
     if origin is list:
         if not isinstance(value, list):
-            raise ConfigError(f"{key}: expected a list, got {_show(value)}")
+            raise ConfigError(f"{key}: expected a list, got {_show(value, key)}")
         (item,) = typing.get_args(hint)
         return [_coerce(item, v, f"{key}[{i}]", checks) for i, v in enumerate(value)]
     if origin is dict:
         if not isinstance(value, Mapping):
-            raise ConfigError(f"{key}: expected a mapping, got {_show(value)}")
+            raise ConfigError(f"{key}: expected a mapping, got {_show(value, key)}")
         key_hint, item = typing.get_args(hint)
         return {_coerce(key_hint, k, f"{key} (a key)", checks): _coerce(item, v, f"{key}.{k}",
                                                                         checks)
@@ -105,20 +107,20 @@ def _coerce(hint: Any, value: Any, key: str,
     if hint is bool:
         value = getattr(value, "as_yaml", value)  # an environment word (envvalues.EnvWord)
         if not isinstance(value, bool):
-            raise ConfigError(f"{key}: expected true or false, got {_show(value)}")
+            raise ConfigError(f"{key}: expected true or false, got {_show(value, key)}")
         return value
     if hint is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{key}: expected an integer, got {_show(value)}")
+            raise ConfigError(f"{key}: expected an integer, got {_show(value, key)}")
         return int(value)
     if hint is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or \
                 not math.isfinite(value):  # .inf passed, and crashed the rendering of `up`
-            raise ConfigError(f"{key}: expected a finite number, got {_show(value)}")
+            raise ConfigError(f"{key}: expected a finite number, got {_show(value, key)}")
         return float(value)
     if hint is str:
         if not isinstance(value, (str, int, float)) or isinstance(value, bool):
-            raise ConfigError(f"{key}: expected a string, got {_show(value)}")
+            raise ConfigError(f"{key}: expected a string, got {_show(value, key)}")
         # A number from the environment as it was written (envvalues.EnvInt: 01 stays "01").
         return getattr(value, "text", None) or str(value)
     raise ConfigError(f"{key}: unsupported type {hint}")  # a bug in the schema, not the input
@@ -147,7 +149,15 @@ def _join(prefix: str, name: str) -> str:
 _NUMBER_TEXT = re.compile(r"[-+]?((0|[1-9][0-9]*)(\.[0-9]*)?|\.[0-9]+)([eE][-+]?[0-9]+)?")
 
 
-def _show(value: Any) -> str:
+# Keys whose values are never shown in an error: an error's text goes to up's stderr, so to CI
+# and container logs (SHMSERVE__AUTH__API_KEYS=sk-... said "expected a list, got 'sk-...'")
+_SECRET = re.compile(r"(auth\.api_keys|admin\.token)(\[\d+\])?")
+
+
+def _show(value: Any, key: str) -> str:
+    if _SECRET.fullmatch(key):
+        kind = "a string" if isinstance(value, str) else f"a {type(value).__name__}"
+        return f"{kind} (not shown: a secret)"
     if not isinstance(getattr(value, "parsed", ""), (str, type(None))):
         # An environment variable YAML reads as a number (or a list...): shown as that, not as
         # "the text '70000' (a quoted number...)" for SHMSERVE__SHM__ARENA_MB=70000 past its

@@ -92,6 +92,28 @@ def test_api_keys_from_the_config_and_a_file(tmp_path):
     keys.write_text("good-key-1234\nbad key\n")
     with pytest.raises(ConfigError, match="key 2 of"):
         config.load(environ={"SHMSERVE__AUTH__API_KEYS_FILE": str(keys)})
+    # a Windows editor's BOM is no part of the first key; UTF-16 (PowerShell's >) is named
+    keys.write_bytes(b"\xef\xbb\xbfbom-key-1234\r\n")
+    cfg = config.load(environ={"SHMSERVE__AUTH__API_KEYS_FILE": str(keys)})
+    assert config.api_keys(cfg) == ("bom-key-1234",)
+    keys.write_bytes("utf16-key-1234\n".encode("utf-16"))
+    with pytest.raises(ConfigError, match="is not UTF-8 text"):
+        config.load(environ={"SHMSERVE__AUTH__API_KEYS_FILE": str(keys)})
+
+
+@pytest.mark.parametrize("name,value,said", [
+    ("SHMSERVE__AUTH__API_KEYS", "sk-secret-1234", "expected a list, got a string"),
+    ("SHMSERVE__AUTH__API_KEYS", "[*sk-secret-1234]", "its value (not shown: a secret) is not"),
+    ("SHMSERVE__AUTH__API_KEYS", "[? sk-secret-1234]", "expected a string, got a dict"),
+    ("SHMSERVE__ADMIN", "{token: [sk-secret-1234]}", "got a list"),
+])
+def test_a_secrets_value_is_never_in_an_error(name, value, said):
+    """An error goes to up's stderr, so to CI and container logs: the value of auth.api_keys
+    or admin.token is described, not shown (an outside check saw keys printed)."""
+    with pytest.raises(ConfigError) as info:
+        config.load(environ={name: value})
+    assert said in str(info.value) and "(not shown: a secret)" in str(info.value), info.value
+    assert "sk-secret" not in str(info.value)
 
 
 def test_deep_merge_keeps_siblings():
