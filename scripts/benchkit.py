@@ -4,10 +4,12 @@ open loop and the scripts' argparse types. The stacks they measure are scripts/b
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import tempfile
@@ -26,8 +28,14 @@ if str(REPO) not in sys.path:
 from shmserve.prechecks import seconds  # noqa: E402,F401  (an argparse type: a duration)
 from tests.stack import corpus_path  # noqa: E402  (the test harness's, shared)
 
+# A ceiling child: Ctrl-C, sent to the group, ends it silently, unless ignored (an outside check)
+if __name__ == "__main__" and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
 CORPUS = corpus_path()
 PYTHON = sys.executable
+# locust spawns the users in a window's first second, which --reset-stats drops: a window of 1 s
+MIN_WINDOW_S = 3  # measured nothing (an outside check), one of 2 once nothing on two busy cores
 
 
 def cpu_description() -> str:
@@ -98,14 +106,14 @@ def locust_window(url: str, scenario: Scenario, seconds: int, corpus: Path,
             agg = next(r for r in csv.DictReader(f) if r["Name"] == "Aggregated")
         requests, failures = int(agg["Request Count"]), int(agg["Failure Count"])
         if requests == 0:
-            raise SystemExit("locust sent no request")
-        rps = float(agg["Requests/s"])
+            raise SystemExit(f"locust sent no request in {seconds} s (its spawn not counted)")
+        rps = float(agg["Requests/s"])  # locust's: requests over the time it measured
         counts = [json.loads(f.read_text()) for f in Path(tmp).glob("texts.*")]
         sent = {k: sum(c[k] for c in counts) for k in ("texts", "requests")}
         per_request = sent["texts"] / sent["requests"] if sent["requests"] else 0.0
         ok_rps = rps * (requests - failures) / requests
         return {"requests": requests, "failures": failures, "requests_per_s": ok_rps,
-                "texts_per_s": ok_rps * per_request,
+                "texts_per_s": ok_rps * per_request, "measured_s": requests / rps if rps else 0.0,
                 "p50_ms": float(agg["50%"]), "p99_ms": float(agg["99%"])}
 
 
@@ -184,7 +192,8 @@ class InProcess:
                 self.model.forward_groups(groups)
         if self.model.device.type == "cuda":
             torch.cuda.synchronize()  # the outputs are copied back, but count every kernel
-        return {"texts_per_s": done / (time.perf_counter() - started)}
+        return {"texts_per_s": done / (elapsed := time.perf_counter() - started),
+                "measured_s": elapsed}
 
 
 def ceiling(cfg, corpus: Path, env: str | None, extra: str | None):
@@ -218,15 +227,21 @@ class _Ceilings:
 
     def window(self, seconds: float, chunk: int) -> dict:
         share = max(1, round(chunk / len(self.procs)))
-        for proc in self.procs:  # all start together
-            proc.stdin.write(f"{seconds} {share}\n")
-            proc.stdin.flush()
-        results = [json.loads(proc.stdout.readline()) for proc in self.procs]
-        return {"texts_per_s": sum(r["texts_per_s"] for r in results)}
+        try:
+            for proc in self.procs:  # all start together
+                proc.stdin.write(f"{seconds} {share}\n")
+                proc.stdin.flush()
+            results = [json.loads(proc.stdout.readline()) for proc in self.procs]
+        except (OSError, ValueError):  # one died (a BrokenPipeError's traceback said it)
+            raise SystemExit("an in-process ceiling child exited, status "
+                             f"{[proc.poll() for proc in self.procs]}") from None
+        return {"texts_per_s": sum(r["texts_per_s"] for r in results),
+                "measured_s": max(r["measured_s"] for r in results)}
 
     def close(self) -> None:
         for proc in self.procs:
-            proc.stdin.close()
+            with contextlib.suppress(OSError):  # one that died
+                proc.stdin.close()
             proc.wait(30)
 
 
@@ -244,8 +259,7 @@ def _ceiling_child(argv: list[str]) -> None:
         print(json.dumps(inproc.window(float(seconds), int(chunk))), flush=True)
 
 
-def positive(text: str) -> int:
-    """An argparse type: an integer >= 1 (rounds, windows, counts)."""
+def positive(text: str) -> int:  # an argparse type (rounds, windows, counts)
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: an integer >= 1")
     return int(text)
@@ -253,8 +267,8 @@ def positive(text: str) -> int:
 
 def rate(text: str) -> float:
     """An argparse type: requests/s, a finite number >= 0 (0: off). A negative rate drew
-    negative gaps, and the arrivals loop never ended (memory without bound: an outside check
-    saw the kernel kill it at 20 GB, its stacks left running)."""
+    negative gaps: the arrivals loop never ended (the kernel killed it at 20 GB, its stacks
+    left running: an outside check)."""
     if text.strip() in ("0", "0.0"):
         return 0.0
     try:
@@ -271,13 +285,24 @@ def text_range(text: str) -> str:
     return text
 
 
+def closed_window(text: str) -> int:  # an argparse type: a closed-loop window's seconds
+    if not text.isdigit() or int(text) < MIN_WINDOW_S:
+        raise argparse.ArgumentTypeError(f"{text!r}: an integer >= {MIN_WINDOW_S} (locust "
+                                         "spawns the users in the first second, not counted)")
+    return int(text)
+
+
 def corpus_file(text: str) -> Path:
-    """An argparse type: a JSON file holding a list of strings (the texts to send)."""
+    """An argparse type: a JSON file holding a list of strings (the texts to send); a string
+    default too (a missing default failed once a stack was up: an outside check)."""
     path = Path(text)
     try:
         texts = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
-        raise argparse.ArgumentTypeError(f"{text}: not a readable JSON file ({exc})") from None
+        default = (" (the default, ../shared/bench/corpus.json beside the checkout: give "
+                   "another with --corpus PATH)" if text == str(CORPUS) else "")
+        raise argparse.ArgumentTypeError(f"{text}: not a readable JSON file ({exc})"
+                                         f"{default}") from None
     if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
         raise argparse.ArgumentTypeError(f"{text}: expected a JSON list of strings, not empty")
     return path
@@ -306,14 +331,22 @@ def probe(url: str, what: str) -> None:
     try:
         fetch_vectors(url, ["a probe before the windows"])
     except urllib.error.HTTPError as exc:
-        body = exc.read()[:300].decode(errors="replace")
+        body = exc.read(4096).decode(errors="replace")
         hint = (" (a key: SHMSERVE_API_KEY)" if exc.code == 401 else
                 f" (the URL is the server's root: {url}/v1/embeddings is asked)"
-                if exc.code == 404 else "")
+                if exc.code == 404 and not _about_the_model(body) else "")
         raise SystemExit(f"{what} {url}: POST /v1/embeddings answered {exc.code}{hint}: "
-                         f"{body}") from None
+                         f"{body[:300]}") from None
     except (urllib.error.URLError, OSError, ValueError, KeyError) as exc:
         raise SystemExit(f"{what} {url}: POST /v1/embeddings failed: {exc}") from None
+
+
+def _about_the_model(body: str) -> bool:
+    """An error answer about the model, not the route (its hint showed: an outside check)."""
+    with contextlib.suppress(ValueError, KeyError, TypeError, AttributeError):  # not JSON's
+        error = json.loads(body)["error"]
+        return error.get("code") == "model_not_found" or error.get("param") == "model"
+    return False
 
 
 def fetch_vectors(url: str, texts: list[str]) -> np.ndarray:
@@ -402,10 +435,13 @@ def open_loop_window(url: str, per_s: float, seconds: float, corpus: Path) -> di
                       if latencies else float("nan"))
     # sent_per_s: the arrivals drawn over the window (a short window's draw falls short of
     # the rate asked: 96 in 4 s at 29.3/s, an outside check); requests_per_s: the answers of
-    # 200 over the time to the last answer, draining included
+    # 200 over the window, or the time to the last answer if longer (over that time alone, it
+    # exceeded sent_per_s, the last arrival falling before the window's end: an outside check)
+    span = max(seconds, elapsed)
     return {"requests": len(latencies) + failures, "failures": failures,
             "sent_per_s": (len(latencies) + failures) / seconds,
-            "requests_per_s": len(latencies) / elapsed, "texts_per_s": len(latencies) / elapsed,
+            "requests_per_s": len(latencies) / span, "texts_per_s": len(latencies) / span,
+            "window_s": seconds, "measured_s": span,
             "p50_ms": pick(0.5), "p99_ms": pick(0.99)}
 
 

@@ -1,13 +1,16 @@
 """The stacks and servers the benchmark scripts start, and their care: each is stopped
 whatever ends the script (an error, Ctrl-C, SIGTERM), a server that dies is not waited for,
-and a missing module of the bench extra is named before anything starts."""
+and what would stop a run (a missing module of the bench extra, SHMSERVE_PORTS, an overlay's
+mistake, a revision that is not one) is named before anything starts."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -57,6 +60,86 @@ def require(*modules: str) -> None:
                          f".venv/bin/pip install -c constraints.txt -e '.[bench]'")
 
 
+def refuse(message: str):
+    """Exit 2 with one line, as argparse does for a wrong argument (no usage: the mistake is in
+    the environment or in what an argument names)."""
+    print(f"{Path(sys.argv[0]).name}: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def check_ports(needed: int) -> None:
+    """Refuse a malformed SHMSERVE_PORTS, or a range without `needed` free ports (one a server
+    the run starts): found by tests.stack.free_port once side A was up, as a traceback (an
+    outside check)."""
+    wanted = os.environ.get("SHMSERVE_PORTS")
+    if not wanted or needed < 1:
+        return
+    low, _, high = wanted.partition("-")
+    if not (low.isdigit() and high.isdigit() and 0 < int(low) <= int(high) < 65536):
+        refuse(f"SHMSERVE_PORTS={wanted!r}: expected LO-HI, e.g. 18200-18299")
+    free = 0
+    for port in range(int(low), int(high) + 1):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        free += 1
+        if free == needed:
+            return
+    refuse(f"SHMSERVE_PORTS={wanted}: {free} free port(s) in the range, and this run starts "
+           f"{needed} server(s), each on a port of its own")
+
+
+def revision(text: str) -> str:
+    """An argparse type: a git revision of this repository (a CalledProcessError once a stack
+    was up, or a worktree made: an outside check)."""
+    done = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--verify", "--quiet",
+                           f"{text}^{{commit}}"], capture_output=True, text=True)
+    if done.returncode != 0 or text.startswith("-"):
+        raise argparse.ArgumentTypeError(f"{text!r}: not a git revision of {REPO}")
+    return text
+
+
+def stack_environ(env: str | None) -> dict[str, str]:
+    """The environment a stack's CLI runs in: not the caller's own deployment's settings
+    (environment overrides win over the config file, and SHMSERVE__SERVER__PORT exported for the
+    stack being measured made this one try that port, and fail after a minute of work)."""
+    out = {k: v for k, v in os.environ.items()
+           if k != "SHMSERVE_CONFIG" and not k.startswith("SHMSERVE__SERVER__")}
+    out["SHMSERVE_ENV"] = env or os.environ.get("SHMSERVE_ENV", "dev")
+    return out
+
+
+def config_problem(env: str | None, overrides: dict, label: str) -> str | None:
+    """What this checkout's config loader finds wrong in a stack's config (`overrides` over the
+    env), named by `label` (say --a 'YAML'), before any stack starts; None: nothing. Found by
+    `shmserve up`, it named the stack's temporary file, deleted by then, and not which overlay
+    it was (an outside check)."""
+    from shmserve import config as config_mod
+    from shmserve.layers import deep_merge
+
+    with tempfile.TemporaryDirectory(prefix="shmserve-bench-check-") as tmp:
+        path = Path(tmp) / "bench.yaml"  # the run directory as OwnStack's, a fresh one
+        path.write_text(yaml.safe_dump(deep_merge(overrides,
+                                                  {"server": {"run_dir": f"{tmp}/run"}})))
+        try:
+            config_mod.load(env=env, extra=path, environ=stack_environ(env))
+        except config_mod.ConfigError as exc:
+            message = str(exc)
+            return message.replace(str(path), label) if str(path) in message else \
+                f"{label}: {message}"
+    return None
+
+
+def _port() -> int:
+    """tests.stack.free_port, its errors one line (a range used up since check_ports)."""
+    try:
+        return free_port()
+    except (ValueError, RuntimeError) as exc:
+        raise SystemExit(f"{Path(sys.argv[0]).name}: {exc}") from None
+
+
 def wait_http(url: str, timeout: float, proc: subprocess.Popen | None = None) -> None:
     """Until `url` answers 200; `proc`: the server's process, whose exit ends the wait."""
     deadline = time.monotonic() + timeout
@@ -79,14 +162,15 @@ class OwnStack:
     """A shmserve stack in a temporary run directory on a free port, driven by the CLI."""
 
     def __init__(self, env: str | None, extra: str | None, overrides: dict,
-                 repo: Path = REPO, keep_logs: Path | None = None) -> None:
+                 repo: Path = REPO, keep_logs: Path | None = None, label: str = "") -> None:
         from shmserve.layers import deep_merge
 
         self.repo = repo  # the checkout whose code runs (scripts/ab.py's --a-rev: a worktree)
         self.keep_logs = keep_logs  # where its logs go once it is down (a failed start's too)
+        self.label = label  # which stack, in a failed start's line (say "side A, --a '{}'")
 
         self.tmp = tempfile.TemporaryDirectory(prefix="shmserve-bench-")
-        self.port = free_port()
+        self.port = _port()
         tree = yaml.safe_load(Path(extra).read_text()) or {} if extra else {}
         # The overrides go over the file; this stack's own port and run directory over both
         # (a `server:` overlay, say drain_timeout_s, must not drop them).
@@ -94,12 +178,7 @@ class OwnStack:
                           {"server": {"port": self.port, "run_dir": f"{self.tmp.name}/run"}})
         self.config = Path(self.tmp.name) / "bench.yaml"
         self.config.write_text(yaml.safe_dump(tree))
-        # Not the caller's own deployment's settings: environment overrides win over the
-        # config file, and SHMSERVE__SERVER__PORT exported for the stack being measured made
-        # this one try that port (and fail after a minute of work).
-        self.env = {k: v for k, v in os.environ.items()
-                    if k != "SHMSERVE_CONFIG" and not k.startswith("SHMSERVE__SERVER__")}
-        self.env["SHMSERVE_ENV"] = env or os.environ.get("SHMSERVE_ENV", "dev")
+        self.env = stack_environ(env)
         self.url = f"http://127.0.0.1:{self.port}"
 
     def cli(self, *args: str, quiet: bool = False) -> None:
@@ -122,7 +201,8 @@ class OwnStack:
                 # `shmserve up` said why on stderr already: one line more, not a traceback
                 # (an overlay's mistake printed its message, then a CalledProcessError's
                 # traceback: an outside check)
-                raise SystemExit(f"{Path(sys.argv[0]).name}: a stack did not start "
+                which = f" ({self.label})" if self.label else ""
+                raise SystemExit(f"{Path(sys.argv[0]).name}: a stack{which} did not start "
                                  f"(`shmserve up` exited {exc.returncode}, above)") from None
             raise
         return self
@@ -147,7 +227,7 @@ class Baseline:
     """scripts/baseline_server.py on a free port."""
 
     def __init__(self, threads: int) -> None:
-        self.port = free_port()
+        self.port = _port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.threads = threads
 
