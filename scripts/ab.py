@@ -37,9 +37,11 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
-from benchkit import (CORPUS, NULL_SCENARIO, NULL_STACK, SCENARIOS,  # noqa: E402
-                      failed, locust_window, open_loop_window, positive, rate)
-from benchstacks import OwnStack, require, stop_on_term, run_main  # noqa: E402
+from benchkit import (CORPUS, MIN_WINDOW_S, NULL_SCENARIO, NULL_STACK,  # noqa: E402
+                      SCENARIOS, corpus_file, failed, locust_window, open_loop_window,
+                      positive, rate)
+from benchstacks import (OwnStack, check_ports, config_problem, refuse,  # noqa: E402
+                         require, revision, stop_on_term, run_main)
 
 from shmserve.layers import deep_merge  # noqa: E402
 
@@ -47,13 +49,37 @@ SCENARIOS = {**SCENARIOS, "null": NULL_SCENARIO}
 
 
 def overlay(text: str) -> dict:
+    """An overlay, a YAML file or inline YAML; ArgumentTypeError: what is wrong with it."""
     path = Path(text)
     if not path.is_file() and text.endswith((".yaml", ".yml")):  # said "not a YAML mapping"
-        raise SystemExit(f"{text}: no such file (an overlay is a YAML file or inline YAML)")
-    tree = yaml.safe_load(path.read_text() if path.is_file() else text)
+        raise argparse.ArgumentTypeError(f"{text}: no such file (an overlay is a YAML file or "
+                                         "inline YAML)")
+    try:
+        tree = yaml.safe_load(path.read_text() if path.is_file() else text)
+    except (OSError, yaml.YAMLError) as exc:  # a traceback (an outside check)
+        raise argparse.ArgumentTypeError(f"{text!r}: not YAML: {' '.join(str(exc).split())}"
+                                         ) from None
     if not isinstance(tree, dict):
-        raise SystemExit(f"not a YAML mapping: {text!r}")
+        raise argparse.ArgumentTypeError(f"{text!r}: not a YAML mapping")
     return tree
+
+
+def sides(parser: argparse.ArgumentParser, args, base: dict) -> tuple[dict, dict]:
+    """Sides A's and B's configs (`base` under --a's and --b's overlays), refused with the
+    overlay named as given, before any stack starts (shared with scripts/burst.py). A side run
+    from a revision is checked by that revision's `shmserve up`."""
+    trees = {}
+    for side in ("a", "b"):
+        text = getattr(args, side)
+        try:
+            trees[side] = deep_merge(base, overlay(text))
+        except argparse.ArgumentTypeError as exc:
+            parser.error(f"--{side}: {exc}")
+        if getattr(args, f"{side}_rev") is None and (
+                why := config_problem(args.env, trees[side], f"--{side} {text!r}")):
+            refuse(why)
+    check_ports(2)  # both stacks run at once
+    return trees["a"], trees["b"]
 
 
 @contextlib.contextmanager
@@ -64,8 +90,12 @@ def checkout(rev: str | None):
         return
     with tempfile.TemporaryDirectory(prefix="shmserve-ab-") as tmp:
         tree = Path(tmp) / "tree"
-        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(tree), rev],
-                       check=True, stdout=subprocess.DEVNULL)
+        made = subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach",
+                               str(tree), rev], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True)
+        if made.returncode != 0:
+            raise SystemExit(f"{Path(sys.argv[0]).name}: no worktree of {rev}: "
+                             f"{made.stderr.strip()}")
         try:
             yield tree
         finally:
@@ -84,32 +114,44 @@ def main() -> int:
                         help="the scenario's texts per request, changed (or mixed)")
     parser.add_argument("--rounds", type=positive, default=4,
                         help="rounds of 2 windows (A B, then B A: ABBA over two rounds)")
-    parser.add_argument("--window", type=positive, default=10, help="seconds per window")
+    parser.add_argument("--window", type=positive, default=10,
+                        help=f"seconds per window (default 10; closed loop: {MIN_WINDOW_S} "
+                             "or more)")
     parser.add_argument("--rate", type=rate, default=0.0,
                         help="open loop instead: Poisson arrivals at this many requests/s of "
                              "one text each (the figure is then p99 / p50 and its ratio)")
     parser.add_argument("--env", help="config env (as SHMSERVE_ENV)")
-    parser.add_argument("--a-rev", help="run side A's code from this git revision (a worktree)")
-    parser.add_argument("--b-rev", help="run side B's code from this git revision")
+    parser.add_argument("--a-rev", type=revision,
+                        help="run side A's code from this git revision (a worktree)")
+    parser.add_argument("--b-rev", type=revision,
+                        help="run side B's code from this git revision")
+    parser.add_argument("--corpus", type=corpus_file, default=str(CORPUS),
+                        help="JSON list of texts (default the shared corpus)")
     args = parser.parse_args()
+    if not args.rate and args.window < MIN_WINDOW_S:
+        parser.error(f"argument --window: {args.window}: a closed-loop window takes "
+                     f"{MIN_WINDOW_S} s or more (locust spawns the users in the first second, "
+                     "not counted)")
     stop_on_term()
     require("locust")
 
     scenario = SCENARIOS[args.scenario]
     scenario = dataclasses.replace(scenario, users=args.users or scenario.users,
                                    texts=args.texts or scenario.texts)
-    base = NULL_STACK if args.scenario == "null" else {}  # the sides' overlays go over it
+    # the sides' overlays go over the null model's stack
+    tree_a, tree_b = sides(parser, args, NULL_STACK if args.scenario == "null" else {})
     metric = "requests_per_s" if args.scenario == "null" else "texts_per_s"
     with checkout(args.a_rev) as repo_a, checkout(args.b_rev) as repo_b, \
-            OwnStack(args.env, None, deep_merge(base, overlay(args.a)), repo_a) as a, \
-            OwnStack(args.env, None, deep_merge(base, overlay(args.b)), repo_b) as b:
+            OwnStack(args.env, None, tree_a, repo_a, label=f"side A, --a {args.a!r}") as a, \
+            OwnStack(args.env, None, tree_b, repo_b, label=f"side B, --b {args.b!r}") as b:
         for stack in (a, b):  # warm both: first requests load lazily initialised paths
-            locust_window(stack.url, scenario, 3, CORPUS)
+            locust_window(stack.url, scenario, MIN_WINDOW_S, args.corpus)
         ratios = []
         for r in range(args.rounds):
             order = (a, b) if r % 2 == 0 else (b, a)
-            got = {id(s): open_loop_window(s.url, args.rate, args.window, CORPUS) if args.rate
-                   else locust_window(s.url, scenario, args.window, CORPUS) for s in order}
+            got = {id(s): open_loop_window(s.url, args.rate, args.window, args.corpus)
+                   if args.rate else locust_window(s.url, scenario, args.window, args.corpus)
+                   for s in order}
             ra, rb = got[id(a)], got[id(b)]
             # Open loop: both sides get the offered rate, so the figure is the tail, p99/p50.
             value = (lambda w: w["p99_ms"] / w["p50_ms"]) if args.rate else \

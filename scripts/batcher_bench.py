@@ -27,6 +27,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
 from benchkit import positive  # noqa: E402
+from benchstacks import revision  # noqa: E402
 
 
 @dataclass(eq=False)
@@ -74,13 +75,17 @@ def main() -> int:
     parser.add_argument("--sizes", type=sizes, default="64,512,4096", help="queue sizes, in texts")
     parser.add_argument("--passes", type=positive, default=40)
     parser.add_argument("--rounds", type=positive, default=8)
-    parser.add_argument("--against", help="a git revision to A/B this checkout with")
+    parser.add_argument("--against", type=revision,
+                        help="a git revision to A/B this checkout with")
     args = parser.parse_args()
     sides = {"this": load(REPO / "gpu_workers" / "batcher.py", "batcher_this")}
     with tempfile.TemporaryDirectory() as tmp:
         if args.against:
-            source = subprocess.run(["git", "show", f"{args.against}:gpu_workers/batcher.py"],
-                                    cwd=REPO, check=True, capture_output=True, text=True).stdout
+            shown = subprocess.run(["git", "show", f"{args.against}:gpu_workers/batcher.py"],
+                                   cwd=REPO, capture_output=True, text=True)
+            if shown.returncode != 0:  # a revision without the file
+                parser.error(f"--against {args.against}: {shown.stderr.strip()}")
+            source = shown.stdout
             (Path(tmp) / "batcher_other.py").write_text(source)
             sides["other"] = load(Path(tmp) / "batcher_other.py", "batcher_other")
         for size in map(int, args.sizes.split(",")):

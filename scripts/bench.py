@@ -45,9 +45,10 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
 from benchkit import (CORPUS, NULL_STACK, SCENARIOS, Scenario, auth_headers,  # noqa: E402
-                      ceiling, corpus_file, cpu_description, failed, locust_window,
-                      min_cosine_to_fp32, open_loop_window, positive, probe)
-from benchstacks import Baseline, OwnStack, require, stop_on_term, run_main  # noqa: E402
+                      ceiling, closed_window, corpus_file, cpu_description, failed,
+                      locust_window, min_cosine_to_fp32, open_loop_window, positive, probe)
+from benchstacks import (Baseline, OwnStack, check_ports, require, stop_on_term,  # noqa: E402
+                         run_main)
 
 from shmserve import config as config_mod  # noqa: E402
 from shmserve.cores import usable_cores  # noqa: E402
@@ -100,15 +101,15 @@ def sweep(args, url: str) -> list[dict]:
     it (a closed-loop window), not minutes earlier: the machine's speed drifts in between."""
     points = []
     for fraction in (0.25, 0.5, 0.75, 1.0):
-        saturation = locust_window(url, SCENARIOS["short"], args.window,
-                                   args.corpus)["requests_per_s"]
+        closed = locust_window(url, SCENARIOS["short"], args.window, args.corpus)
+        saturation = closed["requests_per_s"]
         rate = max(1.0, saturation * fraction)
         window = open_loop_window(url, rate, args.window, args.corpus)
         points.append({"fraction": fraction, "saturation_rps": saturation, "offered_rps": rate,
-                       **window})
+                       "saturation_measured_s": closed["measured_s"], **window})
         print(f"open loop {fraction:.0%} of {saturation:.0f} ({rate:.0f} req/s offered, "
               f"{window['sent_per_s']:.1f} sent): "
-              f"{window['requests_per_s']:.1f} req/s, p50 {window['p50_ms']:.0f} ms, "
+              f"{window['requests_per_s']:.1f} req/s answered, p50 {window['p50_ms']:.0f} ms, "
               f"p99 {window['p99_ms']:.0f} ms{failed(window)}", flush=True)
     return points
 
@@ -187,8 +188,11 @@ def markdown(summary: dict) -> str:
         lines += ["", "Some requests failed: texts/s counts the answers of 200 only; p50 and "
                       "p99 are locust's over every request, the failed ones included."]
     if summary.get("sweep"):
-        lines += ["", "| open loop (1 text) | saturation req/s | offered req/s | sent req/s | "
-                  "achieved req/s | p50 ms | p99 ms | p99 / p50 | failed requests |",
+        # both over the window (answered: over the time to the last answer where longer);
+        # answered over that time alone exceeded sent (an outside check)
+        lines += ["", "| open loop (1 text) | saturation req/s | offered req/s | sent req/s, "
+                  "over the window | answered req/s, over the window or to the last answer | "
+                  "p50 ms | p99 ms | p99 / p50 | failed requests |",
                   "|---|---|---|---|---|---|---|---|---|"]
         for p in summary["sweep"]:
             sent = p.get("sent_per_s")
@@ -214,14 +218,50 @@ def markdown(summary: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def server_url(text: str) -> str:
+    """An argparse type: an http(s) URL, its root (an OpenAI client's base URL, ending in /v1,
+    names the same server; --url took neither that nor a URL without its scheme: a traceback,
+    an outside check)."""
+    parsed = urllib.parse.urlsplit(text)
+    if not (parsed.scheme in ("http", "https") and parsed.netloc):
+        raise argparse.ArgumentTypeError(f"{text!r}: an http(s)://HOST:PORT URL")
+    return text.rstrip("/").removesuffix("/v1")
+
+
 def compared(text: str) -> str:
     """An argparse type: 'baseline', or an http(s) URL (found out only at the end, as a
-    ZeroDivisionError, after every window had run); an OpenAI client's base URL (ending in
-    /v1) names the same server."""
-    parsed = urllib.parse.urlsplit(text)
-    if text != "baseline" and not (parsed.scheme in ("http", "https") and parsed.netloc):
-        raise argparse.ArgumentTypeError(f"{text!r}: 'baseline' or an http(s)://HOST:PORT URL")
-    return text.rstrip("/").removesuffix("/v1")
+    ZeroDivisionError, after every window had run), as server_url takes it."""
+    if text == "baseline":
+        return text
+    try:
+        return server_url(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: 'baseline' or an http(s)://HOST:PORT URL") from None
+
+
+def stack_info(url: str, what: str) -> dict:
+    """A shmserve stack's GET /info; SystemExit, one line, where `url` answers none (nothing
+    there, or not shmserve: a traceback after the ceiling's ~10 s, an outside check)."""
+    req = urllib.request.Request(url + "/info", headers=auth_headers())
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            info = json.loads(resp.read())
+        if not ({"frontends", "workers", "limits"} <= set(info)
+                and {"name", "dtype"} <= set(info["models"][0])):  # what the report reads
+            raise KeyError("frontends, workers, limits, models[0].name and .dtype")
+        return info
+    except urllib.error.HTTPError as exc:
+        hint = (" (a key: SHMSERVE_API_KEY)" if exc.code == 401 else
+                ": not a shmserve stack (--url measures one; any OpenAI-compatible server "
+                "goes in --compare)" if exc.code == 404 else "")
+        raise SystemExit(f"{what} {url}: GET /info answered {exc.code}{hint}") from None
+    except (urllib.error.URLError, OSError) as exc:
+        raise SystemExit(f"{what} {url}: GET /info failed: "
+                         f"{getattr(exc, 'reason', None) or exc}") from None
+    except (ValueError, KeyError, IndexError, TypeError) as exc:
+        raise SystemExit(f"{what} {url}: GET /info did not describe a shmserve stack "
+                         f"({type(exc).__name__}: {exc})") from None
 
 
 def scenario_names(text: str) -> list[str]:
@@ -236,9 +276,10 @@ def scenario_names(text: str) -> list[str]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--url", help="a running stack to measure (default: start one per the "
-                        "config); the in-process ceiling still runs here, and the null "
-                        "pipeline is not measured")
+    parser.add_argument("--url", type=server_url,
+                        help="a running shmserve stack to measure (default: start one per the "
+                             "config); the in-process ceiling still runs here, and the null "
+                             "pipeline is not measured")
     parser.add_argument("--env", help="config env (as SHMSERVE_ENV)")
     parser.add_argument("--config", help="extra config file for the stack and the ceiling")
     parser.add_argument("--compare", type=compared,
@@ -250,8 +291,9 @@ def main() -> int:
                         help=f"scenarios, comma-separated, of {', '.join(SCENARIOS)}")
     parser.add_argument("--rounds", type=positive, default=3,
                         help="interleaved rounds per scenario (default 3)")
-    parser.add_argument("--window", type=positive, default=15,
-                        help="seconds per window (default 15)")
+    parser.add_argument("--window", type=closed_window, default=15,
+                        help="seconds per window (default 15; 3 or more: locust spawns the "
+                             "users in the first second, which is not counted)")
     parser.add_argument("--no-sweep", action="store_true",
                         help="skip the open-loop sweep at 25-100%% of saturation (and its plot)")
     parser.add_argument("--no-null", action="store_true",
@@ -261,7 +303,7 @@ def main() -> int:
                         help="locust users for the null pipeline (default 64)")
     parser.add_argument("--null-api", choices=("openai", "msgpack"), default="msgpack",
                         help="the null pipeline's API (default msgpack)")
-    parser.add_argument("--corpus", type=corpus_file, default=CORPUS,
+    parser.add_argument("--corpus", type=corpus_file, default=str(CORPUS),
                         help="JSON list of texts (default the shared corpus)")
     parser.add_argument("--out", type=Path, default=REPO / "bench-results",
                         help="results go to OUT/<time>/ (default bench-results)")
@@ -290,6 +332,17 @@ def main() -> int:
         cfg = config_mod.load(env=args.env, extra=args.config)
     except config_mod.ConfigError as exc:  # a traceback of 21 lines said it (an outside check)
         raise SystemExit(f"bench: config: {exc}") from None
+    # Before the ceiling is built and any stack starts: what the run needs, and the servers it
+    # is given (found after both, as tracebacks: an outside check)
+    check_ports((not args.url) + (args.compare == "baseline") + (not args.no_null))
+    try:
+        described = stack_info(args.url, "--url's stack") if args.url else None
+        if args.url:
+            probe(args.url, "--url's stack")
+        if args.compare and args.compare != "baseline":
+            probe(args.compare, "--compare's server")
+    except SystemExit as exc:  # a wrong argument: exit 2, as argparse's
+        parser.error(str(exc))
     corpus = json.loads(args.corpus.read_text())
     out = args.out / time.strftime("%Y%m%d-%H%M%S")  # made once there is something to write
     summary = {"machine": f"{os.cpu_count()} cores, {platform.machine()}, "
@@ -315,9 +368,7 @@ def main() -> int:
             other = args.compare
         if args.compare:
             summary["compared"] = "baseline" if args.compare == "baseline" else "other"
-        info = urllib.request.Request(url + "/info", headers=auth_headers())
-        with urllib.request.urlopen(info, timeout=10) as resp:
-            described = json.loads(resp.read())
+        described = described or stack_info(url, "the served stack")
         served = described["models"][0]
         if args.url:  # measured there, as it runs; the ceiling runs the local config
             limits = described["limits"]

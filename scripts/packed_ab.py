@@ -24,9 +24,11 @@ trained classifier of that shape ships offline.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import resource
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -97,7 +99,7 @@ def main() -> int:
                         help="texts the batch policy sees at a time (a worker's share)")
     parser.add_argument("--rounds", type=positive, default=6)
     parser.add_argument("--window", type=seconds, default=3.0, help="seconds per window")
-    parser.add_argument("--corpus", type=corpus_file, default=CORPUS)
+    parser.add_argument("--corpus", type=corpus_file, default=str(CORPUS))
     parser.add_argument("--compare", choices=("packed", "rounding", "packed-rounding",
                                               "prepack", "prepack-grouped"),
                         default="packed",
@@ -111,7 +113,9 @@ def main() -> int:
                         help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.child:
+    if args.child:  # Ctrl-C, sent to the process group, ends it silently (unless ignored)
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
         child(args)
         return 0
 
@@ -136,8 +140,17 @@ def main() -> int:
         sides = {name: subprocess.Popen(argv + ["--child", name], stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, text=True, cwd=REPO)
                  for name in (a, b)}
+        def answer(name: str) -> dict:
+            """A side's next line; a side that died says why on stderr (read as a
+            JSONDecodeError: an outside check), and this one line more."""
+            line = sides[name].stdout.readline()
+            if not line:
+                raise SystemExit(f"packed_ab.py: side {label[name]!r} exited with status "
+                                 f"{sides[name].wait()} (its error is above)")
+            return json.loads(line)
+
         try:
-            about = {name: json.loads(proc.stdout.readline()) for name, proc in sides.items()}
+            about = {name: answer(name) for name in sides}
             info = about[a]
             print(f"{info['model']} ({info['task']}, {info['dtype']}) on {args.device}, "
                   f"{info['threads']} threads, chunks of {args.chunk} corpus texts, each side "
@@ -145,9 +158,12 @@ def main() -> int:
                       f"{label[n]} {about[n]['prepacked']}" for n in (a, b)))
 
             def window(name: str, cursor: int) -> dict:
-                sides[name].stdin.write(f"{cursor} {args.window} {args.chunk}\n")
-                sides[name].stdin.flush()
-                return json.loads(sides[name].stdout.readline())
+                try:
+                    sides[name].stdin.write(f"{cursor} {args.window} {args.chunk}\n")
+                    sides[name].stdin.flush()
+                except BrokenPipeError:  # it died: answer() says so
+                    pass
+                return answer(name)
 
             ratios = []
             for i in range(args.rounds):
@@ -160,7 +176,8 @@ def main() -> int:
                     + f", ratio {ratios[-1]:.3f}", flush=True)
         finally:
             for proc in sides.values():
-                proc.stdin.close()
+                with contextlib.suppress(BrokenPipeError):  # one that died
+                    proc.stdin.close()
                 proc.wait(60)
     print(f"{label[a]} / {label[b]}: median {statistics.median(ratios):.3f} "
           f"(range {min(ratios):.3f}-{max(ratios):.3f}, {len(ratios)} rounds)")

@@ -36,7 +36,8 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 from benchkit import (CORPUS, SCENARIOS, InProcess, corpus_file,  # noqa: E402
                       cpu_description, locust_window, open_loop_window, positive)
-from benchstacks import OwnStack, require, stop_on_term, run_main  # noqa: E402
+from benchstacks import (OwnStack, check_ports, require, stop_on_term,  # noqa: E402
+                         run_main)
 
 from shmserve import config as config_mod  # noqa: E402
 
@@ -88,11 +89,12 @@ def main() -> None:
     parser.add_argument("--texts", type=positive, default=1500,
                         help="the first N corpus texts through the model alone, each twice "
                              "(default 1500; the corpus has ~4,700)")
-    parser.add_argument("--corpus", type=corpus_file, default=CORPUS,
+    parser.add_argument("--corpus", type=corpus_file, default=str(CORPUS),
                         help="JSON list of texts (default the shared corpus)")
     args = parser.parse_args()
     stop_on_term()
     require("locust")
+    check_ports(1)
     lo, hi = args.band
 
     cfg = config_mod.load()
