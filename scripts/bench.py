@@ -417,7 +417,9 @@ def stage(summary: dict, name: str):
     (`errors`), said on stderr, and the run goes on to write its report."""
     try:
         yield
-    except Exception as exc:  # noqa: BLE001 - reported, and the report written
+    # SystemExit too: a stage's one-line error (locust failed; no free port left for the null
+    # model's stack) is the stage's, and the windows' figures are still written
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - reported, and the report written
         summary.setdefault("errors", {})[name] = f"{type(exc).__name__}: {exc}"
         print(f"bench: the {name} failed: {type(exc).__name__}: {exc}", file=sys.stderr,
               flush=True)

@@ -235,3 +235,13 @@ def test_a_ceiling_child_ends_quietly_on_ctrl_c(tmp_path):
         proc.kill()
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
     assert proc.returncode == -signal.SIGINT
+
+
+def test_a_stage_ended_by_a_one_line_error_is_recorded_and_the_report_written():
+    """Such as the null model's stack finding no free port left in SHMSERVE_PORTS (one line
+    now, where a RuntimeError was recorded as the stage's error)."""
+    summary = {}
+    with bench.stage(summary, "null pipeline"):
+        raise SystemExit("bench.py: SHMSERVE_PORTS=1-2: no free port in the range")
+    assert summary["errors"] == {"null pipeline": "SystemExit: bench.py: SHMSERVE_PORTS=1-2: "
+                                                  "no free port in the range"}
