@@ -89,14 +89,21 @@ class BufferedHandler(logging.Handler):
     a chunk's worth is waiting, on warnings and above, and at exit). One log line per request
     would otherwise be one write to the pipe and one wake-up of supervisord, which reads it: at
     a thousand requests a second that cost a fifth of a core. A SIGKILL loses at most
-    `interval` seconds of lines. A chunk of at most PIPE_BUF (4 KiB, `configure` with
-    logging.stdout) reaches supervisord whole, so when it writes every program's output to its
-    one stdout no line is cut by another program's (a longer single line may be)."""
+    `interval` seconds of lines. A chunk of at most PIPE_BUF (4 KiB) reaches supervisord
+    whole, so when it writes every program's output to its one stdout (logging.stdout) no line
+    is cut by another program's (a longer single line may be), and when it writes a program's
+    own log file no line is cut by a rotation: a 64 KiB write into a pipe that still held data
+    was read in parts, and supervisord rotates between the reads it writes out (an outside
+    check: 16 of 144 rotations left a line half in each file, a lagging supervisord)."""
 
-    def __init__(self, interval: float, fd: int | None = None, chunk: int = 1 << 16) -> None:
+    def __init__(self, interval: float, fd: int | None = None, chunk: int = PIPE_BUF,
+                 wake: int = 1 << 16) -> None:
+        """`wake`: this many bytes waiting are written at once, before the interval ends, in
+        chunks as always (a chunk's size as the threshold woke supervisord 16x as often)."""
         super().__init__()
         self._fd = os.dup(sys.stdout.fileno() if fd is None else fd)
         self._chunk = chunk
+        self._wake = wake
         self._lines: list[bytes] = []
         self._size = 0
         self._interval = interval
@@ -118,7 +125,7 @@ class BufferedHandler(logging.Handler):
             return
         self._lines.append(line)
         self._size += len(line)
-        if record.levelno >= logging.WARNING or self._size >= self._chunk:
+        if record.levelno >= logging.WARNING or self._size >= self._wake:
             self._write()
 
     def flush(self) -> None:
@@ -162,8 +169,7 @@ class BufferedHandler(logging.Handler):
 def configure(cfg: LoggingConfig, process: str, stream: TextIO | None = None) -> None:
     handler: logging.Handler
     if stream is None and cfg.flush_interval_ms > 0:
-        handler = BufferedHandler(cfg.flush_interval_ms / 1000,
-                                  chunk=PIPE_BUF if cfg.stdout else 1 << 16)
+        handler = BufferedHandler(cfg.flush_interval_ms / 1000)
     else:
         handler = logging.StreamHandler(stream or sys.stdout)
     handler.setFormatter(JsonFormatter(process) if cfg.format == "json" else TextFormatter(process))

@@ -113,15 +113,16 @@ def test_a_field_never_replaces_the_lines_own_keys():
 
 
 def test_lines_are_written_in_chunks_of_whole_lines(pipe, monkeypatch):
-    """With logging.stdout every program's output meets in supervisord's one stdout: a write
-    of at most PIPE_BUF reaches it whole, so each chunk is whole lines within it (a 64 KiB
-    buffer was written in one piece, which the pipe may split mid-line)."""
+    """A write of at most PIPE_BUF reaches supervisord whole, so each chunk is whole lines
+    within it: with logging.stdout every program's output meets in its one stdout, and a log
+    file is rotated between its reads (a 64 KiB buffer was written in one piece, which the
+    pipe may split mid-line: a line half in each file). The default, as `configure` makes it."""
     read_fd, write_fd = pipe
     writes = []
     real = os.write
     monkeypatch.setattr(logs.os, "write", lambda fd, data: (writes.append(bytes(data)),
                                                            real(fd, data))[1])
-    handler = logs.BufferedHandler(interval=3600, fd=write_fd, chunk=logs.PIPE_BUF)
+    handler = logs.BufferedHandler(interval=3600, fd=write_fd)
     log = _logger(handler)
     for i in range(60):
         log.info("line %d %s", i, "x" * (100 + 37 * i % 400))
