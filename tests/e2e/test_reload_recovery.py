@@ -93,9 +93,13 @@ def test_workers_serve_what_the_run_state_records_even_without_a_commit(stack, m
     assert {o[1] for o in outcomes} == {"200"}, outcomes
     assert {o[3] for o in outcomes if o[0] > switched} == {"b"}
     assert {o[2] for o in outcomes if o[3] == "b"} == {"tiny-r4"}
-    switches = [line for worker in ("worker-0", "worker-1") for line in stack.log_lines(worker)
+    def switches() -> list[dict]:
+        return [line for worker in ("worker-0", "worker-1") for line in stack.log_lines(worker)
                 if line.get("message") == "worker.switched" and line.get("by") == "run_state"]
-    assert [line["revision"] for line in switches] == ["tiny-r4"] * 2, switches
+    # a worker's info lines reach its log within logging.flush_interval_ms (CI read one
+    # worker's 0.1 s after it switched, before its flush)
+    stack.wait_until(lambda: len(switches()) >= 2, 5, "both workers' switched lines")
+    assert [line["revision"] for line in switches()] == ["tiny-r4"] * 2, switches()
     assert reconciles(stack) == {("0", "loaded"): 1, ("1", "loaded"): 1}  # and nothing else
 
 

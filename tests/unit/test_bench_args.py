@@ -224,9 +224,12 @@ def test_an_open_loop_window_answers_no_faster_than_it_sent(server, tmp_path):
 def test_a_ceiling_child_ends_quietly_on_ctrl_c(tmp_path):
     corpus = tmp_path / "corpus.json"
     corpus.write_text('["a text"]')
+    # SIGINT as a shell leaves it: pytest-xdist's workers ignore it, and a child inherits that
+    # (it then exits 0 when its stdin closes, which failed this test in CI only)
     proc = subprocess.Popen([sys.executable, str(REPO / "scripts" / "benchkit.py"),
                              "ceiling-child", "0", str(corpus)], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         time.sleep(2)  # past its imports: building the model, or waiting for a window
         proc.send_signal(signal.SIGINT)
