@@ -49,7 +49,7 @@ def main() -> int:
     from shmserve import config, logs
     from shmserve.models import ModelSourceError
 
-    cfg = config.load_resolved(args.config)
+    cfg = config.load_resolved(args.config, read_keys=True)
     logs.configure(cfg.logging, f"frontend-{args.index}")
     log = logging.getLogger("shmserve.frontend")
     try:

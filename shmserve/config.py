@@ -432,7 +432,9 @@ def from_args(args) -> Config:
     return load(env=args.env, extra=args.config)
 
 
-def load_resolved(path: str | Path, read_keys: bool = True) -> Config:
-    """Read the validated config that ``shmserve up`` wrote into the run directory
-    (`read_keys`: as from_tree's)."""
+def load_resolved(path: str | Path, read_keys: bool = False) -> Config:
+    """Read the validated config that ``shmserve up`` wrote into the run directory. Without
+    the key file (`read_keys`: as from_tree's) but where asked: only a frontend needs the keys,
+    and a worker or the reaper restarted while the file was emptied (a secret's rotation) failed
+    to start on it, every worker down (an outside check)."""
     return from_tree(json.loads(Path(path).read_text()), read_keys)

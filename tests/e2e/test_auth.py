@@ -3,6 +3,8 @@ the clients users have: openai's, huggingface_hub's (TEI), and plain HTTP for ms
 
 import asyncio
 import json
+import os
+import signal
 import urllib.request
 
 import huggingface_hub
@@ -239,5 +241,14 @@ def test_an_emptied_key_file_leaves_the_cli_working_and_refuses_a_frontend_resta
             refused.stderr, refused.stderr
         assert stack.post_json("/predict", {"texts": ["x"]}, {
             "Authorization": f"Bearer {FROM_FILE}"})[0] == 200  # nothing was restarted
+        # A worker, which needs no key, starts again meanwhile (it failed on the file: every
+        # worker restarted then stayed down, 503, an outside check); the reaper too.
+        for program in ("workers:worker-0", "reaper"):
+            old = stack.pid(program)
+            os.kill(old, signal.SIGKILL)
+            stack.wait_until(lambda: stack.pid(program) not in (0, old), 60, f"{program} back")
+        stack.wait_until(stack.all_ready, 120, "the restarted worker ready")
+        assert stack.post_json("/predict", {"texts": ["x"]}, {
+            "Authorization": f"Bearer {FROM_FILE}"})[0] == 200
     finally:
         keys.write_text(kept)
