@@ -362,10 +362,10 @@ class TextEncoder:
             if len(row) < len(head) + len(tail) or row[:len(head)] != head or (
                     tail and row[-len(tail):] != tail):
                 raise ApiError("invalid_request", f"'{param}[{i}]' does not begin with {head} "
-                               f"and end with {tail}, the special token ids model "
-                               f"{self.name!r}'s tokenizer puts around every text: send ids "
-                               "as it gives them for a text (POST /tokenize), else the vector "
-                               f"is no text's{hint}", param=param)
+                               f"and end with {tail}, the special token ids the tokenizer of "
+                               f"model {self.name!r} puts around every text: send ids as it "
+                               "gives them for a text (POST /tokenize), else the vector is no "
+                               f"text's{hint}", param=param)
             if len(row) > self.max_tokens:
                 if not truncate:
                     raise ApiError("too_large", f"'{param}[{i}]' has {len(row)} tokens; the "

@@ -47,8 +47,8 @@ sys.path.insert(0, str(REPO / "scripts"))
 from benchkit import (CORPUS, NULL_STACK, SCENARIOS, Scenario, auth_headers,  # noqa: E402
                       ceiling, closed_window, corpus_file, cpu_description, failed,
                       locust_window, min_cosine_to_fp32, open_loop_window, positive, probe)
-from benchstacks import (Baseline, OwnStack, check_ports, require, stop_on_term,  # noqa: E402
-                         run_main)
+from benchstacks import (Baseline, OwnStack, check_ports, refuse, require,  # noqa: E402
+                         run_main, stop_on_term)
 
 from shmserve import config as config_mod  # noqa: E402
 from shmserve.cores import usable_cores  # noqa: E402
@@ -331,7 +331,7 @@ def main() -> int:
     try:
         cfg = config_mod.load(env=args.env, extra=args.config)
     except config_mod.ConfigError as exc:  # a traceback of 21 lines said it (an outside check)
-        raise SystemExit(f"bench: config: {exc}") from None
+        refuse(f"config: {exc}")  # exit 2, as every wrong argument (it was 1)
     # Before the ceiling is built and any stack starts: what the run needs, and the servers it
     # is given (found after both, as tracebacks: an outside check)
     check_ports((not args.url) + (args.compare == "baseline") + (not args.no_null))

@@ -197,6 +197,15 @@ def test_a_closed_loop_window_shorter_than_the_users_spawn_is_refused(capsys, mo
         ab.main()
 
 
+def test_a_config_bench_cannot_load_is_refused_with_status_2(capsys, monkeypatch,
+                                                            nothing_starts, tmp_path):
+    """As every wrong argument (it exited 1: an outside check)."""
+    overlay = tmp_path / "typo.yaml"
+    overlay.write_text("workers: {cpu_workerz: 1}\n")
+    err = refused(capsys, bench.main, ["--config", str(overlay)], monkeypatch)
+    assert "config: workers.cpu_workerz: unknown key" in err
+
+
 def test_the_route_hint_is_not_given_for_a_model_not_served(server):
     server.answers[("POST", "/v1/embeddings")] = (404, {"error": {
         "message": "model nosuch is not served", "type": "not_found", "param": "model",

@@ -118,6 +118,9 @@ def test_status_names_what_a_dead_supervisord_left_running(deployment, capsys, m
         assert "supervisord is not running" in out and str(left.pid) in out
         assert f"serving on 127.0.0.1:{started.server.port}:" in out
         assert "`shmserve down` stops them" in out
+        assert cli.main(["status", "--json"]) == 1  # its url: where they serve, not this shell's
+        said = json.loads(capsys.readouterr().out)
+        assert said["url"] == f"http://127.0.0.1:{started.server.port}", said
         # supervisorctl's own answer would be "unix://... no such file": `ctl` says the same
         assert cli.main(["ctl", "status"]) == 1
         err = capsys.readouterr().err

@@ -66,9 +66,9 @@ def test_token_ids_without_the_models_special_tokens_are_refused(spec, row):
         TextEncoder(spec, truncate=True).from_ids([[101, 102], row], hint="; a hint")
     assert info.value.status == 422 and info.value.param == "input"
     assert info.value.message == (
-        "'input[1]' does not begin with [101] and end with [102], the special token ids model "
-        f"{spec.name!r}'s tokenizer puts around every text: send ids as it gives them for a "
-        "text (POST /tokenize), else the vector is no text's; a hint")
+        "'input[1]' does not begin with [101] and end with [102], the special token ids the "
+        f"tokenizer of model {spec.name!r} puts around every text: send ids as it gives them "
+        "for a text (POST /tokenize), else the vector is no text's; a hint")
 
 
 @pytest.mark.parametrize("rows,status,where", [
