@@ -422,7 +422,8 @@ def test_the_cli_reads_a_running_deployment_whose_key_file_broke_since(tmp_path,
     monkeypatch.setattr(processes, "supervisord_pid", lambda cfg: 4242)
     keys.write_text("short\n")
     with pytest.raises(ConfigError, match="api_keys_file"):
-        config.load_resolved(resolved)
+        config.load_resolved(resolved, read_keys=True)  # as a frontend reads it
+    assert config.load_resolved(resolved).server.port == 20999  # a worker, the reaper, the CLI
     default = config.from_tree({"models": [{"name": "a", "source": "/x"}],
                                 "server": {"run_dir": str(tmp_path / "run")}})
     running = processes.running_config(default)
