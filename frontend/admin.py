@@ -1,5 +1,6 @@
-"""Admin routes under /admin/: a bearer token (admin.token) compared in constant time; with no
-token configured the routes answer 404, as if they did not exist.
+"""Admin routes under /admin/: a bearer token (admin.token, checked by its digest as the API
+keys are: frontend.app.bearer_matches); with no token configured the routes answer 404, as if
+they did not exist.
 
     GET  /admin/models                   each model's variants and weights, and per worker its
                                          active revision, loading state and standby revision
@@ -19,7 +20,7 @@ from aiohttp import web
 
 from frontend import codec, reload
 from frontend.app import (CONFIG, MODEL_NAME, MODELS, POOL, SPLITS, ServedModel, bearer_matches,
-                          bearer_refusal)
+                          bearer_refusal, key_digests)
 from frontend.errors import ApiError
 from frontend.variants import Variant
 from shmserve import state
@@ -50,7 +51,7 @@ def authorize(request: web.Request) -> None:
     token = cfg.admin.token
     if not token:
         raise ApiError("not_found", "admin routes are off (set admin.token)")
-    if not bearer_matches(request, (token.encode(),)):
+    if not bearer_matches(request, key_digests((token,))):
         raise ApiError("unauthorized", bearer_refusal(
             request, "admin routes need 'Authorization: Bearer <admin.token>'",
             "the bearer token sent is not this server's admin.token"))

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hmac
+import hashlib
 import logging
 import re
 import time
 import uuid
 import weakref
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import AsyncIterator, Iterable
 
 from aiohttp import web
 
@@ -89,7 +89,7 @@ DISPATCHER = web.AppKey("dispatcher", Dispatcher)
 INFLIGHT = web.AppKey("inflight", list)  # [count]: a mutable cell
 UNBUFFERED = web.AppKey("unbuffered", object)  # an Unbuffered: answers held for slow readers
 SPLITS = web.AppKey("splits", Splits)
-API_KEYS = web.AppKey("api_keys", tuple)  # bytes; empty: the inference routes are open
+API_KEYS = web.AppKey("api_keys", frozenset)  # key_digests; empty: the inference routes are open
 TRACING = web.AppKey("tracing", object)  # a frontend.tracing.Tracing, or None
 DRAIN_END = web.AppKey("drain_end", list)  # [the task of `_drain`], once stopping
 # Probes and scrapes: no access line, no trace.
@@ -228,9 +228,17 @@ def _open(request: web.Request) -> bool:
     return path in OPEN_PATHS or path.startswith("/admin/")
 
 
-def bearer_matches(request: web.Request, keys: tuple[bytes, ...]) -> bool:
-    """Whether the request carries `Authorization: Bearer <one of keys>`, compared in constant
-    time against every key (which one matched does not show in the time taken). The API keys
+def key_digests(keys: Iterable[str]) -> frozenset[bytes]:
+    """What bearer_matches looks a token up in: each key's SHA-256 digest."""
+    return frozenset(hashlib.sha256(key.encode()).digest() for key in keys)
+
+
+def bearer_matches(request: web.Request, digests: frozenset[bytes]) -> bool:
+    """Whether the request carries `Authorization: Bearer <a key>`: the token's SHA-256 digest
+    looked up among the keys' (key_digests). The time taken shows neither which key matched
+    nor how much of a key a guess shares (a digest shares nothing with its key), and does not
+    grow with the keys: a constant-time comparison with every key took ~0.06 us a key a
+    request, 0.6 ms of a frontend's CPU with 10,000 keys (an outside check). The API keys
     (auth.api_keys) and the admin token (frontend.admin) both check with it."""
     scheme, _, sent = request.headers.get("Authorization", "").partition(" ")
     # A byte that is not UTF-8 reaches here as a lone surrogate (aiohttp's surrogateescape):
@@ -240,10 +248,7 @@ def bearer_matches(request: web.Request, keys: tuple[bytes, ...]) -> bool:
     # api_key): str.strip took Unicode spaces too, so one key spelled with U+00A0 around it was
     # one more client to nginx, each with the key's whole rate (an outside check).
     sent_bytes = sent.strip(" \t").encode("utf-8", "surrogateescape")
-    matched = False
-    for key in keys:
-        matched |= hmac.compare_digest(sent_bytes, key)
-    return scheme.lower() == "bearer" and matched
+    return scheme.lower() == "bearer" and hashlib.sha256(sent_bytes).digest() in digests
 
 
 def bearer_refusal(request: web.Request, needs: str, wrong: str) -> str:
@@ -416,7 +421,7 @@ def create_app(cfg: Config, index: int = 0) -> web.Application:
     app[INFLIGHT] = [0]
     app[UNBUFFERED] = Unbuffered(UNBUFFERED_BUDGET)
     app[DRAIN_END] = []
-    app[API_KEYS] = tuple(key.encode() for key in api_keys(cfg))
+    app[API_KEYS] = key_digests(api_keys(cfg))
     if cfg.tracing.otlp_endpoint:
         from frontend.tracing import Tracing
 
