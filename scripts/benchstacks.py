@@ -10,7 +10,6 @@ import importlib.util
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,7 +23,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from tests.stack import free_port  # noqa: E402  (the test harness's, shared)
+from tests.stack import bindable, free_port, port_range  # noqa: E402  (the harness's)
 
 PYTHON = sys.executable
 
@@ -71,24 +70,21 @@ def check_ports(needed: int) -> None:
     """Refuse a malformed SHMSERVE_PORTS, or a range without `needed` free ports (one a server
     the run starts): found by tests.stack.free_port once side A was up, as a traceback (an
     outside check)."""
-    wanted = os.environ.get("SHMSERVE_PORTS")
-    if not wanted or needed < 1:
+    if needed < 1:
         return
-    low, _, high = wanted.partition("-")
-    if not (low.isdigit() and high.isdigit() and 0 < int(low) <= int(high) < 65536):
-        refuse(f"SHMSERVE_PORTS={wanted!r}: expected LO-HI, e.g. 18200-18299")
+    try:
+        ports = port_range()
+    except ValueError as exc:
+        refuse(str(exc))
+    if ports is None:
+        return
     free = 0
-    for port in range(int(low), int(high) + 1):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        free += 1
+    for port in ports:
+        free += bindable(port)
         if free == needed:
             return
-    refuse(f"SHMSERVE_PORTS={wanted}: {free} free port(s) in the range, and this run starts "
-           f"{needed} server(s), each on a port of its own")
+    refuse(f"SHMSERVE_PORTS={os.environ['SHMSERVE_PORTS']}: {free} free port(s) in the range, "
+           f"and this run starts {needed} server(s), each on a port of its own")
 
 
 def revision(text: str) -> str:

@@ -36,29 +36,43 @@ def corpus_path() -> Path:
     return Path(common).parent.parent / "shared" / "bench" / "corpus.json" if common else beside
 
 
+def port_range() -> list[int] | None:
+    """The ports SHMSERVE_PORTS=LO-HI names, None without it; ValueError: not LO-HI (the
+    benchmark scripts check it before any stack starts, scripts/benchstacks.check_ports)."""
+    wanted = os.environ.get("SHMSERVE_PORTS")
+    if not wanted:
+        return None
+    low, _, high = wanted.partition("-")
+    if not (low.isdigit() and high.isdigit() and 0 < int(low) <= int(high) < 65536):
+        raise ValueError(f"SHMSERVE_PORTS={wanted!r}: expected LO-HI, e.g. 18200-18299")
+    return list(range(int(low), int(high) + 1))
+
+
+def bindable(port: int) -> bool:
+    """Whether nothing holds `port` on 127.0.0.1 now."""
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 def free_port() -> int:
     """A free port on 127.0.0.1: the kernel's choice, or with SHMSERVE_PORTS=LO-HI the first
     free one in that range from a random point in it (a host where only some ports may be
     used; the benchmark scripts' stacks take theirs here too)."""
-    wanted = os.environ.get("SHMSERVE_PORTS")
-    if not wanted:
+    ports = port_range()
+    if ports is None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             return s.getsockname()[1]
-    low, _, high = wanted.partition("-")
-    if not (low.isdigit() and high.isdigit() and 0 < int(low) <= int(high) < 65536):
-        raise ValueError(f"SHMSERVE_PORTS={wanted!r}: expected LO-HI, e.g. 18200-18299")
-    ports = list(range(int(low), int(high) + 1))
     start = random.randrange(len(ports))
     for port in ports[start:] + ports[:start]:
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        if _claim(port):
+        if bindable(port) and _claim(port):
             return port
-    raise RuntimeError(f"SHMSERVE_PORTS={wanted}: no free port in the range")
+    raise RuntimeError(f"SHMSERVE_PORTS={os.environ['SHMSERVE_PORTS']}: no free port in the "
+                       "range")
 
 
 CLAIMS = Path("/tmp/shmserve-test-ports")  # one file a port: when a process last took it
