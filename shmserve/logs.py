@@ -82,11 +82,14 @@ class TextFormatter(logging.Formatter):
 
 
 PIPE_BUF = 4096  # a pipe write of at most this many bytes is never split (Linux, POSIX minimum 512)
+# Lines waiting that are written at once, before the interval ends, in chunks as always (a
+# chunk's size as the threshold woke supervisord 16x as often)
+WAKE_BYTES = 1 << 16
 
 
 class BufferedHandler(logging.Handler):
-    """Writes whole lines in chunks of at most `chunk` bytes, every `interval` seconds (and when
-    a chunk's worth is waiting, on warnings and above, and at exit). One log line per request
+    """Writes whole lines in chunks of at most PIPE_BUF bytes, every `interval` seconds (and when
+    WAKE_BYTES are waiting, on warnings and above, and at exit). One log line per request
     would otherwise be one write to the pipe and one wake-up of supervisord, which reads it: at
     a thousand requests a second that cost a fifth of a core. A SIGKILL loses at most
     `interval` seconds of lines. A chunk of at most PIPE_BUF (4 KiB) reaches supervisord
@@ -96,14 +99,9 @@ class BufferedHandler(logging.Handler):
     was read in parts, and supervisord rotates between the reads it writes out (an outside
     check: 16 of 144 rotations left a line half in each file, a lagging supervisord)."""
 
-    def __init__(self, interval: float, fd: int | None = None, chunk: int = PIPE_BUF,
-                 wake: int = 1 << 16) -> None:
-        """`wake`: this many bytes waiting are written at once, before the interval ends, in
-        chunks as always (a chunk's size as the threshold woke supervisord 16x as often)."""
+    def __init__(self, interval: float, fd: int | None = None) -> None:
         super().__init__()
         self._fd = os.dup(sys.stdout.fileno() if fd is None else fd)
-        self._chunk = chunk
-        self._wake = wake
         self._lines: list[bytes] = []
         self._size = 0
         self._interval = interval
@@ -125,7 +123,7 @@ class BufferedHandler(logging.Handler):
             return
         self._lines.append(line)
         self._size += len(line)
-        if record.levelno >= logging.WARNING or self._size >= self._wake:
+        if record.levelno >= logging.WARNING or self._size >= WAKE_BYTES:
             self._write()
 
     def flush(self) -> None:
@@ -138,7 +136,7 @@ class BufferedHandler(logging.Handler):
         chunk: list[bytes] = []
         size = 0
         for line in lines:
-            if chunk and size + len(line) > self._chunk:
+            if chunk and size + len(line) > PIPE_BUF:
                 self._write_all(b"".join(chunk))
                 chunk, size = [], 0
             chunk.append(line)

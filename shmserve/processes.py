@@ -164,7 +164,7 @@ def running_config(cfg: Config) -> Config:
     if supervisord_pid(cfg) is None or not path.is_file():
         return cfg
     try:
-        return config.load_resolved(path, read_keys=False)  # no command here needs the keys
+        return config.load_resolved(path)  # without the key file: no command here needs it
     except (OSError, ValueError, config.ConfigError) as exc:
         # written by another version, say: the caller's own reading is the best left, said so
         print(f"shmserve: warning: the running deployment's config ({path}) does not load "
@@ -203,9 +203,9 @@ def _as_started(args) -> Config | None:
         run_dir = run_dir or _run_dir_of(args.config)
     path = Path(run_dir or config.ServerConfig().run_dir)
     path = (path if path.is_absolute() else config.REPO_ROOT / path) / "config.json"
-    try:  # without the key file, which the command line's config may have failed on: an
-        # emptied auth.api_keys_file made even `down` refuse (an outside check)
-        return config.load_resolved(path, read_keys=False)
+    try:  # without the key file (load_resolved's way), which the command line's config may
+        # have failed on: an emptied auth.api_keys_file made even `down` refuse (an outside check)
+        return config.load_resolved(path)
     except (OSError, ValueError, config.ConfigError):
         return None
 
