@@ -160,15 +160,22 @@ def running_config(cfg: Config) -> Config:
     later command (status, restart, reload) must not re-read an environment that may have
     changed since: ``SHMSERVE__SERVER__PORT=9000 shmserve up`` then plain ``shmserve status``
     still finds port 9000."""
+    return cfg if supervisord_pid(cfg) is None else as_started(cfg, say_why=True)
+
+
+def as_started(cfg: Config, say_why: bool = False) -> Config:
+    """The config `up` wrote into `cfg`'s run directory (what its processes run, supervised or
+    left by a killed supervisord), else `cfg`; `say_why`: a warning where it does not load."""
     path = topology.resolved_config_path(cfg)
-    if supervisord_pid(cfg) is None or not path.is_file():
+    if not path.is_file():
         return cfg
     try:
         return config.load_resolved(path)  # without the key file: no command here needs it
     except (OSError, ValueError, config.ConfigError) as exc:
         # written by another version, say: the caller's own reading is the best left, said so
-        print(f"shmserve: warning: the running deployment's config ({path}) does not load "
-              f"({exc}); using the config named now", file=sys.stderr, flush=True)
+        if say_why:
+            print(f"shmserve: warning: the running deployment's config ({path}) does not load "
+                  f"({exc}); using the config named now", file=sys.stderr, flush=True)
         return cfg
 
 

@@ -9,7 +9,7 @@ import json
 import os
 import sys
 
-from shmserve import __version__, config, nginxrun, processes, remote, render, topology
+from shmserve import __version__, nginxrun, processes, remote, render, topology
 from shmserve import status as statusview
 from shmserve.config import Config
 from shmserve.prechecks import CliError
@@ -41,7 +41,7 @@ def status(args: argparse.Namespace) -> int:
         if message := unsupervised(cfg):
             # where they serve: the config they were started with, not this shell's (its
             # default port was named beside the message's right one, an outside check)
-            about["url"] = remote.base_url(as_started(cfg))
+            about["url"] = remote.base_url(processes.as_started(cfg))
             say("unsupervised", message)
             return 1
         say("not_running", processes.not_running(cfg))
@@ -109,19 +109,11 @@ def unsupervised(cfg: Config) -> str | None:
     left = leftovers(cfg)
     if not left:
         return None
-    served = as_started(cfg).server  # the address they were started with, not this shell's
+    served = processes.as_started(cfg).server  # where they were started, not this shell's
     return (f"supervisord is not running (run_dir {cfg.run_dir}; killed?), but processes it "
             f"started live on, unsupervised and maybe still serving on {served.host}:"
             f"{served.port}: pids {', '.join(map(str, left))}; `shmserve down` stops them, "
             "`shmserve up` replaces them")
-
-
-def as_started(cfg: Config) -> Config:
-    """The config `up` wrote into `cfg`'s run directory, else `cfg` itself."""
-    try:
-        return config.load_resolved(topology.resolved_config_path(cfg))
-    except (OSError, ValueError):
-        return cfg
 
 
 def leftovers(cfg: Config) -> list[int]:
