@@ -70,12 +70,15 @@ async def list_models(request: web.Request) -> web.Response:
             for link in pool.links:
                 info = next((m for m in link.beat.models if m.name == variant.unit), None) \
                     if link.beat else None
-                if link.beat is not None and info is None:
+                unloaded = next((u for u in link.unloaded if u.model == variant.unit), None)
+                if link.beat is not None and info is None and unloaded is None:
                     continue  # this worker does not host it (models.devices)
                 workers.append({
                     "worker": link.index, "alive": link.alive,
-                    "state": "down" if not link.alive else
+                    "state": "down" if not link.alive else "failed" if unloaded else
                              info.state if link.ready and info else "loading",
+                    # failed: it serves its other models, and tries this one again
+                    "load_error": unloaded.error if unloaded else None,
                     "device": link.beat.device if link.beat else None,
                     "revision": (info.revision or None) if info else None,
                     "standby": (info.standby or None) if info else None,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from dataclasses import dataclass
 
@@ -22,7 +23,7 @@ import numpy as np
 
 from frontend import metrics
 from frontend.errors import ApiError
-from frontend.links import Stopped, WorkerClosed, WorkerGone, consume
+from frontend.links import Stopped, WorkerClosed, WorkerGone, consume, did_not_load
 from frontend.pool import WorkerPool
 from frontend.tokenizer import Encoded
 from shmserve.arena import Arena, ArenaFull, ShmFull
@@ -82,6 +83,13 @@ class Dispatcher:
         """`per_token`: a row for every token (Submit.per_token), not one a text. `raw`: an
         embedding model's rows without its own normalisation (Submit.raw)."""
         n = int(enc.offsets[-1]) if per_token else enc.offsets.shape[0] - 1
+        if not self.pool.ready_links(model):
+            why, retry_in = did_not_load(self.pool.links, model)
+            if why:  # answered at once, not after frontends.no_worker_wait_s
+                raise ApiError("unavailable", f"model {model!r} did not load ({why}); its "
+                               "workers serve their other models, and try it again",
+                               retry_after=max(1, math.ceil(retry_in)), code="model_not_loaded",
+                               reason="model_not_loaded")
         if n * dim * 4 > (most := self.arena.size // OUTPUT_SHARE):
             rows = "tokens" if per_token else "texts"
             raise ApiError("too_large", f"{n} {rows} x {dim} floats of output take "

@@ -11,7 +11,7 @@ from typing import Callable
 import zmq
 import zmq.asyncio
 
-from shmserve.protocol import Heartbeat
+from shmserve.protocol import Heartbeat, Unloaded
 
 
 class WorkerGone(Exception):
@@ -64,6 +64,21 @@ class WorkerLink:
     @property
     def ready(self) -> bool:
         return self.alive and self.beat is not None and self.beat.ready
+
+    @property
+    def unloaded(self) -> tuple[Unloaded, ...]:
+        """Its models that did not load while others did (it serves those and tries these
+        again: gpu_workers.loading.Retries), as its last heartbeat said while it lives."""
+        return self.beat.unloaded if self.alive and self.beat is not None else ()
+
+
+def did_not_load(links: list[WorkerLink], model: str) -> tuple[str, float]:
+    """Why `model` is not served by workers that serve their other models (one clause per
+    worker that failed it, "" where none did), and the seconds until the first tries again."""
+    failed = [(link.index, u) for link in links for u in link.unloaded if u.model == model]
+    why = "; ".join(f"worker {i}: {u.error} ({u.failures} failed load(s) in a row)"
+                    for i, u in failed)
+    return why, min((u.retry_in_s for _, u in failed), default=0.0)
 
 
 

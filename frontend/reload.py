@@ -28,7 +28,7 @@ from aiohttp import web
 from frontend import metrics, variants
 from frontend.app import CONFIG, POOL
 from frontend.errors import ApiError
-from frontend.links import WorkerGone, WorkerLink, consume
+from frontend.links import WorkerGone, WorkerLink, consume, did_not_load
 from frontend.variants import Variant
 from shmserve import state, topology
 from shmserve.models import ModelSourceError, hosted, resolve_source, units, weights_revision
@@ -64,6 +64,11 @@ async def _reload_hosts(app: web.Application, served, variant: Variant, source: 
     devices = topology.worker_devices(cfg)
     hosts = [link for link in pool.links
              if any(u.name == variant.unit for u in hosted(cfg, devices, link.index))]
+    why, _ = did_not_load(hosts, variant.unit)
+    if why:  # a reload switches on every worker or none: these have nothing to switch from
+        raise ApiError("unavailable", f"{variant.unit} did not load ({why}); its workers try "
+                       "it again by themselves: mend its source in place, or change it in the "
+                       "config and restart them", retry_after=1)
     down = [link.index for link in hosts if not link.ready]
     if down:
         raise ApiError("unavailable", f"workers {down} host {variant.unit} and are not ready; "

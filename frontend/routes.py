@@ -192,6 +192,10 @@ async def ready(request: web.Request) -> web.Response:
                 # its loads failed in a row since it was last ready, and the last one's error
                 # (it exits after each, and supervisord starts it again)
                 "failed_loads": link.failed_loads, "load_error": link.load_error,
+                # its models that did not load while others did: it serves those, not these,
+                # and tries each again in retry_in_s
+                "unloaded": [{"model": u.model, "error": u.error, "failures": u.failures,
+                              "retry_in_s": u.retry_in_s} for u in link.unloaded],
                 # models it serves apart from the run state (/admin/models: diverged)
                 "diverged": diverged(link)}
                for link in pool.links]
@@ -211,17 +215,19 @@ def diverged(link) -> list[str]:
 
 
 def readiness(pool: WorkerPool, models: Models) -> str:
-    """GET /ready's status. ready: every worker is. loading: not every configured worker has
-    been ready once since the deployment started. degraded (200): some worker is lost or
-    restarting, but every served model (each arm of an A/B split) has a ready worker, so
-    requests succeed; a rolling restart does not take the pod out of a readiness probe.
-    unavailable (503): some model has no ready worker. failing (503): as loading or
-    unavailable, where a worker not ready has failed to load its models (the worker entries
-    name the error). Also degraded: every worker ready, but one serves a model apart from the
-    run state (`diverged`: its reloaded source gone or damaged since; docs/models.md)."""
-    if pool.all_ready:
+    """GET /ready's status. ready: every worker is, with every model it hosts. loading: not
+    every configured worker has been ready once since the deployment started. degraded (200):
+    some worker is lost or restarting, but every served model (each arm of an A/B split) has a
+    ready worker, so requests succeed; a rolling restart does not take the pod out of a
+    readiness probe. unavailable (503): some model has no ready worker. failing (503): as
+    loading or unavailable, where a worker not ready has failed to load its models, or a ready
+    one some of them (the worker entries name the error). Also degraded: every worker ready,
+    but one serves a model apart from the run state (`diverged`: its reloaded source gone or
+    damaged since; docs/models.md), or without one it could not load that another serves."""
+    unloaded = any(link.unloaded for link in pool.links)
+    if pool.all_ready and not unloaded:
         return "degraded" if any(diverged(link) for link in pool.links) else "ready"
-    failing = any(link.load_error and not link.ready for link in pool.links)
+    failing = unloaded or any(link.load_error and not link.ready for link in pool.links)
     if not pool.started:
         return "failing" if failing else "loading"
     if all(pool.ready_links(v.unit) for model in models.by_name.values()

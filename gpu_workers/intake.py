@@ -27,7 +27,7 @@ from shmserve.arena import Attachments
 from shmserve.config import Config
 from shmserve.models import ModelSpec
 from shmserve.protocol import (PROTOCOL_VERSION, Abort, Commit, Error, ErrorCode, Heartbeat,
-                               ModelInfo, Ping, Reload, Submit)
+                               ModelInfo, Ping, Reload, Submit, Unloaded)
 
 log = logging.getLogger("shmserve.worker")
 
@@ -51,6 +51,7 @@ class Status:
     device_label: str = "loading"
     pass_began: float = 0.0  # monotonic start of the forward pass running now; 0: none
     failure: str = ""  # the load failed: its error (Heartbeat.failure)
+    unloaded: tuple[Unloaded, ...] = ()  # its models that did not load while others did
 
 
 class Intake:
@@ -97,7 +98,7 @@ class Intake:
                          status.infos, self.queued_texts, self.cfg.workers.queue_texts,
                          ping_sent_at, time.monotonic() - began if began else 0.0,
                          self.backlog.rate, self.backlog.pass_s,
-                         self.backlog.queued_by_priority(), status.failure)
+                         self.backlog.queued_by_priority(), status.failure, status.unloaded)
 
     def tick(self) -> None:
         """Every round of the socket thread's loop (at most POLL_MS apart): the watch on hung
@@ -171,6 +172,10 @@ class Intake:
             return Error(msg.seq, ErrorCode.UNAVAILABLE, "worker is loading or draining")
         if msg.model not in self.units:
             return Error(msg.seq, ErrorCode.UNKNOWN_MODEL, f"model {msg.model!r} is not served")
+        for unloaded in self.status.unloaded:  # (a frontend routes none here: a late one)
+            if unloaded.model == msg.model:
+                return Error(msg.seq, ErrorCode.UNAVAILABLE, f"model {msg.model!r} did not "
+                             f"load on this worker: {unloaded.error}")
         if (msg.per_token or msg.raw) and self.specs[msg.model].task not in ("embedding", "null"):
             return Error(msg.seq, ErrorCode.INVALID, f"model {msg.model!r} is a "
                          f"{self.specs[msg.model].task} model: no "

@@ -1,15 +1,17 @@
 """Loading a model into a worker: its weights on the worker's device, warmed up on the largest
 pass the batching limits allow (the first request pays no warm-up; out of memory there says
 which limits to lower), a worker's models at its start (a reload's recorded source that no
-longer loads falls back to the config's), a failed start's wait, and a reload's replacement
-checked against the model it replaces."""
+longer loads falls back to the config's), a failed start's wait, the models that failed while
+others loaded tried again, and a reload's replacement checked against the model it replaces."""
 
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from gpu_workers.batcher import Limits
@@ -18,10 +20,11 @@ from gpu_workers.slots import hosted_configs
 from shmserve import state
 from shmserve.config import Config, ModelConfig
 from shmserve.models import ModelSourceError, ModelSpec, incompatible, inspect
+from shmserve.protocol import Unloaded
 
 log = logging.getLogger("shmserve.worker")
 
-LOAD_BACKOFF_MAX_S = 30.0  # the longest a worker whose load failed waits before it exits
+LOAD_BACKOFF_MAX_S = 30.0  # the longest wait after failed loads: to exit, or to try one again
 FAILURE_CHARS = 1000  # of a failed load's error, in heartbeats
 
 
@@ -66,48 +69,172 @@ def load_replacement(config: ModelConfig, active: ModelSpec, roots: list, device
     return model
 
 
+def load_unit(cfg: Config, name: str, spec: ModelSpec, config: ModelConfig,
+              configured: ModelConfig, device: Any, limits: Limits
+              ) -> tuple[ModelConfig, Any, int, float]:
+    """One of a worker's models: the config it was loaded from, the model, and its warm-up's
+    timed pass (real tokens, seconds). A reload's source that no longer loads (damaged since)
+    falls back to the config's (`configured`), as one that is gone does (slots.hosted_configs):
+    the worker failed its load in a loop, and a reload that would mend it was refused (an
+    outside check). It serves apart from the run state then, which /admin/models says."""
+    try:
+        model, tokens, seconds = load_warm(spec, device, cfg.workers.cuda_graphs, limits)
+    except Exception as exc:
+        if config == configured:
+            raise
+        log.error("worker.reloaded_source_failed", extra={"fields": {
+            "model": name, "source": config.source, "error": f"{type(exc).__name__}: {exc}"}})
+        config = configured
+        model, tokens, seconds = load_warm(inspect(config, roots=cfg.model_root_paths),
+                                           device, cfg.workers.cuda_graphs, limits)
+    return config, model, tokens, seconds
+
+
 def load_hosted(cfg: Config, index: int, specs: Mapping[str, ModelSpec],
                 configs: Mapping[str, ModelConfig], device: Any, limits: Limits,
                 seed: Callable[[int, float], None]
-                ) -> Iterator[tuple[ModelConfig, ModelSpec, Any, float]]:
-    """Worker `index`'s models at its start, one by one: the config each was loaded from, its
-    spec as loaded, the model, and the seconds it took. `seed` takes each warm-up's timed pass
-    (real tokens, seconds): the admission estimate's first speed, so a burst that meets a fresh
-    worker is judged too (a reload's warm-up runs beside serving and says nothing of it)."""
+                ) -> Iterator[tuple[str, tuple[ModelConfig, Any, float] | Exception]]:
+    """Worker `index`'s models at its start, one by one: each name with the config it was
+    loaded from, the model and the seconds it took, or with the error that stopped it (the
+    worker serves the others: Retries). `seed` takes each warm-up's timed pass (real tokens,
+    seconds): the admission estimate's first speed, so a burst that meets a fresh worker is
+    judged too (a reload's warm-up runs beside serving and says nothing of it)."""
     configured = hosted_configs(cfg, index, reloaded=False)
     for name, spec in specs.items():
         started = time.monotonic()
-        config = configs[name]
         try:
-            model, tokens, seconds = load_warm(spec, device, cfg.workers.cuda_graphs, limits)
-        except Exception as exc:
-            # A reload's source that no longer loads (damaged since): the config's, as for
-            # one that is gone (slots.hosted_configs). The worker failed its load in a loop,
-            # and a reload that would mend it was refused: a worker not ready (an outside
-            # check). It serves apart from the run state, which /admin/models says.
-            if config == configured[name]:
-                raise
-            log.error("worker.reloaded_source_failed", extra={"fields": {
-                "model": name, "source": config.source,
-                "error": f"{type(exc).__name__}: {exc}"}})
-            config = configured[name]
-            model, tokens, seconds = load_warm(inspect(config, roots=cfg.model_root_paths),
-                                               device, cfg.workers.cuda_graphs, limits)
+            config, model, tokens, seconds = load_unit(cfg, name, spec, configs[name],
+                                                       configured[name], device, limits)
+        except Exception as exc:  # noqa: BLE001 - the worker serves its other models
+            yield name, exc
+            continue
         seed(tokens, seconds)
-        yield config, model.spec, model, time.monotonic() - started
+        yield name, (config, model, time.monotonic() - started)
+
+
+def load_again(cfg: Config, index: int, name: str, device: Any, limits: Limits
+               ) -> tuple[ModelConfig, Any, float]:
+    """A model that failed to load, tried again (Retries), on its loader thread at the
+    priority a reload's has: from its files as they are now, at the source the run state
+    records for it (a reload the other workers took meanwhile) or else the config's. The
+    config it loaded from, the model, the seconds it took."""
+    from gpu_workers.device import yield_cores
+
+    log.info("worker.loading", extra={"fields": {
+        "model": name, "nice": yield_cores(cfg.workers.reload_nice)}})
+    started = time.monotonic()
+    config = hosted_configs(cfg, index)[name]
+    configured = hosted_configs(cfg, index, reloaded=False)[name]
+    spec = inspect(config, roots=cfg.model_root_paths)
+    config, model, _, _ = load_unit(cfg, name, spec, config, configured, device, limits)
+    return config, model, time.monotonic() - started
+
+
+def log_loaded(name: str, model: Any, device: Any, seconds: float) -> None:
+    import torch
+
+    spec = model.spec
+    log.info("worker.loaded", extra={"fields": {
+        "model": name, "revision": spec.revision, "dtype": spec.dtype, "device": str(device),
+        "seconds": round(seconds, 2), "torch_threads": torch.get_num_threads(),
+        "prepacked_linears": getattr(model, "prepacked", 0),
+        "attention": getattr(model, "attention", ""), "loader": getattr(model, "loader", ""),
+        "switch_interval_ms": round(sys.getswitchinterval() * 1000, 3)}})
+
+
+def describe(exc: BaseException) -> str:
+    """An error on one line, for heartbeats (GET /ready) and logs."""
+    error = " ".join(str(exc).split())
+    return (f"{type(exc).__name__}: {error}" if error else type(exc).__name__)[:FAILURE_CHARS]
+
+
+@dataclass(frozen=True, slots=True)
+class Retried:
+    """A retry's outcome, posted to the model thread: the config it loaded, the model and its
+    seconds, or the error."""
+
+    name: str
+    loaded: tuple[ModelConfig, Any, float] | None
+    error: BaseException | None
+
+
+@dataclass
+class _Missing:
+    error: str
+    failures: int
+    retry_at: float  # monotonic
+    trying: bool = False
+
+
+class Retries:
+    """The models a serving worker failed to load (at its start: the others loaded, so it
+    serves them; before, one model that did not load took down every worker hosting it with
+    the models beside it). Each is tried again on a loader thread of its own, 1 s after a
+    failure and twice as long after each failure in a row, at most LOAD_BACKOFF_MAX_S: weights
+    copied into place, or memory freed, are picked up without an operator. The model thread
+    calls every method; `load` runs on the loader thread and its outcome comes back through
+    `post` (the worker's inbox) as a Retried."""
+
+    def __init__(self, load: Callable[[str], tuple[ModelConfig, Any, float]],
+                 post: Callable[[Retried], None],
+                 counted: Callable[[str], None] = lambda model: None) -> None:
+        """`counted(model)`: each failure (its metric)."""
+        self._load = load
+        self._post = post
+        self._counted = counted
+        self._missing: dict[str, _Missing] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self._missing)
+
+    def failed(self, name: str, exc: BaseException) -> _Missing:
+        old = self._missing.get(name)
+        failures = old.failures + 1 if old else 1
+        wait = min(2.0 ** (failures - 1), LOAD_BACKOFF_MAX_S)
+        missing = self._missing[name] = _Missing(describe(exc), failures,
+                                                 time.monotonic() + wait)
+        log.warning("worker.load_failed", extra={"fields": {
+            "model": name, "failures": failures, "retry_in_s": wait, "error": missing.error}})
+        self._counted(name)
+        return missing
+
+    def start_due(self) -> None:
+        now = time.monotonic()
+        for name, missing in self._missing.items():
+            if not missing.trying and now >= missing.retry_at:
+                missing.trying = True
+                threading.Thread(target=self._try, args=(name,), name=f"retry-{name}",
+                                 daemon=True).start()
+
+    def _try(self, name: str) -> None:
+        try:
+            self._post(Retried(name, self._load(name), None))
+        except Exception as exc:  # noqa: BLE001 - counted, and tried again later
+            self._post(Retried(name, None, exc))
+
+    def done(self, item: Retried) -> None:
+        if item.error is not None:
+            self.failed(item.name, item.error)
+        else:
+            del self._missing[item.name]
+
+    def unloaded(self) -> tuple[Unloaded, ...]:
+        now = time.monotonic()
+        return tuple(Unloaded(name, m.error, m.failures,
+                              0.0 if m.trying else round(max(0.0, m.retry_at - now), 1))
+                     for name, m in self._missing.items())
 
 
 def back_off(cfg: Config, index: int, exc: Exception, status: Any,
              stopping: threading.Event) -> None:
     """A failed start: its error in the heartbeats (`status.failure`: GET /ready names it, and
     says "failing" where no other worker serves the model), for a while before the process
-    exits, longer after each failure in a row (1, 2, 4, ... up to LOAD_BACKOFF_MAX_S).
+    exits, longer after each failure in a row (1, 2, 4, ... up to LOAD_BACKOFF_MAX_S): where none of
+    its models loaded (where some did, it serves them: Retries).
     supervisord starts a worker again at once when it lived past `startsecs`, as a load does:
     a model that cannot load took a core in a loop of imports and loads, beside the workers
     serving, and /ready said "loading" for ever (an outside check). A stop ends the wait."""
-    error = " ".join(str(exc).split())
-    status.failure = (f"{type(exc).__name__}: {error}" if error
-                      else type(exc).__name__)[:FAILURE_CHARS]
+    status.failure = describe(exc)
     try:
         failures = state.count_load_failure(cfg, index)
     except OSError:

@@ -72,6 +72,10 @@ RECONCILES = Counter("shmserve_worker_reconciles_total",
                      "had staged), loaded (loaded them itself), failed (they did not load)",
                      ["worker", "model", "outcome"])
 RECONCILE_OUTCOMES = ("standby", "loaded", "failed")
+LOAD_FAILURES = Counter("shmserve_worker_model_load_failures_total",
+                        "Loads of a model that failed on a worker serving its other models "
+                        "(it tries again: README, Reliability, \"A model that fails to load\")",
+                        ["worker", "model"])
 
 # Written only by workers on a GPU: a CPU deployment does not expose them.
 DEVICE_ONLY = ("shmserve_worker_device_allocated_bytes", "shmserve_worker_device_reserved_bytes",
@@ -102,6 +106,9 @@ class WorkerMetrics:
         self._children(model)  # its batch series exist, at zero, before the first batch
         for outcome in RECONCILE_OUTCOMES:  # and these (an alert on increase() sees the first)
             RECONCILES.labels(self.worker, model, outcome)
+
+    def load_failed(self, model: str) -> None:
+        LOAD_FAILURES.labels(self.worker, model).inc()
 
     def reconciled(self, model: str, outcome: str) -> None:
         RECONCILES.labels(self.worker, model, outcome).inc()

@@ -18,7 +18,6 @@ import faulthandler
 import functools
 import logging
 import queue
-import sys
 import threading
 import time
 from typing import Any, Callable
@@ -29,7 +28,8 @@ import zmq
 from gpu_workers.batcher import Batch, Limits, form_pass, wait_time
 from gpu_workers.device import DeviceLost, device_lost
 from gpu_workers.intake import Intake, Status
-from gpu_workers.loading import back_off, load_hosted, load_replacement
+from gpu_workers.loading import (Retried, Retries, back_off, load_again, load_hosted,
+                                 load_replacement, log_loaded)
 from gpu_workers.memory import MemoryCare, Policy, TorchAllocator, forward_in_halves
 from gpu_workers.metrics import WorkerMetrics
 from gpu_workers.requests import QueuedText, Request, model_inputs, pass_rows
@@ -76,10 +76,9 @@ class Worker:
         self._reconciled = 0.0
         self.metrics.set_ready(False)
         self.memory: MemoryCare | None = None  # once the device is known
+        self.retries: Retries | None = None  # models that did not load, once loaded
 
     def load(self) -> None:
-        import torch
-
         from gpu_workers.device import device_name, pick_device
 
         w = self.cfg.workers
@@ -89,26 +88,43 @@ class Worker:
                                   fallback=w.cpu_fallback)
         self.slots = Slots(self._build, self._release, self.intake.inbox.put,
                            self.cfg.admin.reload_timeout_s, self.metrics.reconciled)
-        for config, spec, model, seconds in load_hosted(
-                self.cfg, self.index, self.specs, self.configs, self.device, self.limits,
-                self.intake.backlog.seed):
-            name = spec.name
-            self.configs[name] = config
-            self.slots.add(config, spec, model)
-            log.info("worker.loaded", extra={"fields": {
-                "model": name, "revision": spec.revision, "dtype": spec.dtype,
-                "device": str(self.device), "seconds": round(seconds, 2),
-                "torch_threads": torch.get_num_threads(),
-                "prepacked_linears": getattr(model, "prepacked", 0),
-                "attention": getattr(model, "attention", ""),
-                "loader": getattr(model, "loader", ""),
-                "switch_interval_ms": round(sys.getswitchinterval() * 1000, 3)}})
-            self.metrics.model_loaded(name, spec.revision, spec.dtype, str(self.device))
+        failures: list[tuple[str, Exception]] = []
+        for name, outcome in load_hosted(self.cfg, self.index, self.specs, self.configs,
+                                         self.device, self.limits, self.intake.backlog.seed):
+            if isinstance(outcome, Exception):
+                failures.append((name, outcome))
+            else:
+                self._add(name, *outcome)
+        if failures and not self.slots.units:  # none loaded: the worker exits (back_off)
+            raise failures[0][1]
+        self.retries = Retries(functools.partial(load_again, self.cfg, self.index,
+                                                 device=self.device, limits=self.limits),
+                               self.intake.inbox.put, self.metrics.load_failed)
+        for name, exc in failures:  # some did: it serves them, and tries these again
+            self.retries.failed(name, exc)
+        self.status.unloaded = self.retries.unloaded()
         self.status.device_label = device_name(self.device)
         self.status.infos = self.slots.infos()
         self.memory = MemoryCare(TorchAllocator(self.device), self.metrics,
                                  w.memory_check_batches, w.heartbeat_interval_s,
                                  Policy.of(w))
+
+    def _add(self, name: str, config: ModelConfig, model: Any, seconds: float) -> None:
+        """A model loaded (at the start, or tried again: Retries) into its slot, and said."""
+        spec = model.spec
+        self.configs[name], self.specs[name] = config, spec
+        self.slots.add(config, spec, model)
+        log_loaded(name, model, self.device, seconds)
+        self.metrics.model_loaded(name, spec.revision, spec.dtype, str(self.device))
+
+    def _retried(self, item: Retried) -> None:
+        """A retry's outcome (model thread): the model served from now on, or its wait again."""
+        if item.loaded is not None:
+            self._slots_do(lambda: self._add(item.name, *item.loaded) or [])
+        else:
+            self._release()  # what the failed load held
+        self.retries.done(item)
+        self.status.unloaded = self.retries.unloaded()
 
     def _load_yielding(self) -> None:
         """The load at start (torch's import, the weights, the warm-up: seconds of CPU) on a
@@ -187,6 +203,9 @@ class Worker:
                 self._reconciled = time.monotonic()
                 self._slots_do(lambda: self.slots.expire(self._reconciled)
                                + self.slots.reconcile(self._state.current().sources))
+                if self.retries:
+                    self.retries.start_due()
+                    self.status.unloaded = self.retries.unloaded()
             if drain_deadline is not None and (not self._queue or now > drain_deadline):
                 break
             if not self._queue:
@@ -220,12 +239,15 @@ class Worker:
             except queue.Empty:
                 return
 
-    def _control(self, item: tuple[bytes, Reload | Commit] | Built | Orphaned) -> None:
+    def _control(self, item: tuple[bytes, Reload | Commit] | Built | Retried | Orphaned
+                 ) -> None:
         """Reload, Commit, loader outcomes and gone frontends: between two batches, on the
         model thread."""
         slots = self.slots
         if isinstance(item, Built):
             self._slots_do(lambda: slots.built(item))
+        elif isinstance(item, Retried):
+            self._retried(item)
         elif isinstance(item, Orphaned):
             self._slots_do(lambda: slots.reconcile(self._state.current().sources)
                            + slots.orphaned(item.peer))
@@ -242,7 +264,7 @@ class Worker:
         replies = change()
         switched = False
         for name, unit in self.slots.units.items():
-            if unit.active.spec is not before[name]:
+            if name in before and unit.active.spec is not before[name]:
                 self.metrics.model_switched(name, before[name], unit.active.spec,
                                             str(self.device))
                 switched = True

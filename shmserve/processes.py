@@ -37,13 +37,16 @@ def info(cfg: Config) -> list[dict]:
         return []
 
 
+STARTS = 3  # a program's starts, or a model's loads, that failed before a wait gives up
+
+
 class StartWatch:
     """The pids each program had while a command waits for it to be ready. A program that
     exits after supervisord counted it started (startsecs: 1 s, less than a worker's import and
     model load) is restarted for ever and never goes FATAL; a third pid means it exited twice
     on its way up, and waiting longer only repeats that."""
 
-    def __init__(self, starts: int = 3) -> None:
+    def __init__(self, starts: int = STARTS) -> None:
         self.starts = starts
         self.pids: dict[str, list[int]] = {}
 

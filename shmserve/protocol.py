@@ -24,12 +24,12 @@ import re
 from dataclasses import dataclass
 from enum import IntEnum
 
-PROTOCOL_VERSION = 12  # 3: a worker sends a batch's replies to a frontend as one message;
+PROTOCOL_VERSION = 13  # 3: a worker sends a batch's replies to a frontend as one message;
 # 4: ErrorCode.OUT_OF_MEMORY; 5: Heartbeat.pass_s, and a rerank row is the raw logit (the
 # frontend applies the activation), not the score; 6: Heartbeat's admission estimate (drain_rate,
 # drain_pass_s, queued_tokens), a classification row is the raw logits (the frontend applies
 # the softmax), and Ping names its frontend and pid; 8: Submit.raw; 9: Closing and ClosingSeen;
-# 10: ModelInfo.loader; 11: Heartbeat.failure; 12: Submit.skip
+# 10: ModelInfo.loader; 11: Heartbeat.failure; 12: Submit.skip; 13: Heartbeat.unloaded
 
 
 class Kind(IntEnum):
@@ -120,6 +120,17 @@ class ModelInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class Unloaded:
+    """A model a serving worker hosts and could not load: it serves its others meanwhile, and
+    tries this one again after `retry_in_s` (gpu_workers.loading.Retries)."""
+
+    model: str
+    error: str
+    failures: int  # in a row, in this process
+    retry_in_s: float  # from the heartbeat; 0: being tried now
+
+
+@dataclass(frozen=True, slots=True)
 class Ping:
     sent_at: float
     frontend: int = -1  # who pings, for the workers' watch on frontends (shmserve.hung)
@@ -155,6 +166,8 @@ class Heartbeat:
     # Its load failed ("ModelSourceError: ..."): sent while it waits before exiting, so that
     # /ready names the error (gpu_workers.worker); "" otherwise
     failure: str = ""
+    # Its models that failed to load while others did: it serves those (ready), not these
+    unloaded: tuple[Unloaded, ...] = ()
 
     @property
     def queued(self) -> int:

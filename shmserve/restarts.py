@@ -253,6 +253,11 @@ def wait_until_ready(cfg: Config, group: str, program: str, pid: int, timeout: f
             raise CliError(f"{program} not ready ({states.get(program)}) after restarting"
                            f"{rest}; logs in {topology.log_dir(cfg)}")
         time.sleep(0.2)
+    without = [f"{u['model']} ({u['error']})" for path in frontends[:1]
+               for u in ((seen_workers(path) or {}).get(index) or {}).get("unloaded") or []]
+    if without:  # the next worker would fail them too: its other models alone are served
+        raise CliError(f"{program} is ready without {'; '.join(without)}: its load failed; "
+                       f"the worker tries again by itself{rest}")
     say(f"shmserve: {program} ready")
 
 

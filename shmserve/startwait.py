@@ -23,7 +23,7 @@ def wait_ready(cfg: Config, timeout: float, nginx_log_start: int = 0) -> int:
     url = ready_url(cfg)
     frontends = [str(topology.frontend_socket(cfg, i)) for i in range(cfg.frontends.count)]
     deadline = time.monotonic() + timeout
-    bind_error = None
+    bind_error = unloaded = None
     watch = processes.StartWatch()
     while True:
         infos = process_info(cfg)
@@ -32,16 +32,21 @@ def wait_ready(cfg: Config, timeout: float, nginx_log_start: int = 0) -> int:
         bind_error = nginx_bind_error(cfg, nginx_log_start)
         if bind_error is not None:
             break
-        code, _ = remote.http(url)
+        code, body = remote.http(url)
         if code == 200 and all(remote.http_unix(path, "/ready") == 200 for path in frontends):
             print(f"shmserve: ready at {remote.base_url(cfg)}")
             return 0
-        if fatal or looping or time.monotonic() > deadline:
+        unloaded = not_loading(body)
+        if fatal or looping or unloaded or time.monotonic() > deadline:
             break
         time.sleep(0.2)  # cheap polls (an RPC and local probes); up returns sooner
     if looping and not fatal and bind_error is None:
         print(f"shmserve: {restart_loop(cfg, looping, watch.pids[looping])}; "
               "then `shmserve down` and `shmserve up`", file=sys.stderr)
+        return 1
+    if unloaded and not fatal and bind_error is None:
+        print(f"shmserve: {unloaded}; the rest is served. Mend it (the worker tries it again "
+              "by itself), or `shmserve down`", file=sys.stderr)
         return 1
     print_log_tails(cfg)
     if bind_error is not None:
@@ -54,6 +59,20 @@ def wait_ready(cfg: Config, timeout: float, nginx_log_start: int = 0) -> int:
     print(f"shmserve: {why}; logs in {topology.log_dir(cfg)}; what started keeps running "
           "(`shmserve status`; `shmserve down` stops it)", file=sys.stderr)
     return 1
+
+
+def not_loading(body: bytes) -> str:
+    """What GET /ready's body says of models that failed to load processes.STARTS times in a
+    row on a worker that serves its others ("" if none): waiting longer would not change it."""
+    try:
+        workers = json.loads(body).get("workers") or []
+        return "; ".join(
+            f"worker {w['worker']} serves without {u['model']}, whose load failed "
+            f"{u['failures']} times in a row: {u['error']}"
+            for w in workers for u in w.get("unloaded") or []
+            if u["failures"] >= processes.STARTS)
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return ""
 
 
 def nginx_bind_error(cfg: Config, start: int) -> str | None:

@@ -107,6 +107,12 @@ def render(cur: Sample, prev: Sample | None, title: str) -> str:
         lines.append("")
         lines += [f"worker {w['worker']}: its load failed {w['failed_loads']} time(s) in a row "
                   f"(it starts again): {w['load_error']}" for w in failing]
+    without = [(w, u) for w in workers_of(cur, prev) for u in w["unloaded"]]
+    if without:
+        lines.append("")
+        lines += [f"worker {w['worker']}: serves without {u['model']}, whose load failed "
+                  f"{u['failures']} time(s) in a row (tried again in {u['retry_in_s']:g} s): "
+                  f"{u['error']}" for w, u in without]
     if prev is not None:
         rates = _request_rates(cur, prev)
         each = ", ".join(f"{m} {_num(r)}" for m, r in rates["by_model"].items()) + "; " \
@@ -256,6 +262,8 @@ def workers_of(cur: Sample, prev: Sample | None) -> list[dict]:
             "failed_loads": int(w.get("failed_loads") or 0), "load_error": w.get("load_error"),
             # the models it serves apart from the run state (GET /ready's, /admin/models)
             "diverged": list(w.get("diverged") or []),
+            # the models it could not load while it serves its others (GET /ready's)
+            "unloaded": list(w.get("unloaded") or []),
             "queued_texts": _int(queue if queue is not None else w.get("queued_texts")),
             "texts_per_s": texts, "batches_per_s": batches,
             "texts_per_batch": texts / batches if texts is not None and batches else None,

@@ -4,11 +4,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from frontend.links import Pending
+from frontend.links import Pending, did_not_load
 from frontend.pool import WorkerPool
 from frontend.routes import readiness
 from shmserve import state
-from shmserve.protocol import PROTOCOL_VERSION, Heartbeat, ModelInfo
+from shmserve.protocol import PROTOCOL_VERSION, Heartbeat, ModelInfo, Unloaded
 
 
 def models(*names: str):
@@ -17,11 +17,11 @@ def models(*names: str):
 
 
 def beat(pool: WorkerPool, index: int, ready: bool, *served: str, pid: int = 0,
-         failure: str = "") -> None:
+         failure: str = "", unloaded: tuple[Unloaded, ...] = ()) -> None:
     infos = tuple(ModelInfo(m, "embedding", 4, 8, "fp32", "r", "ready", "") for m in served)
     pool._on_heartbeat(pool.links[index], Heartbeat(
         PROTOCOL_VERSION, index, pid or 1_000_000 + index, ready, "cpu", infos, 0, 10, 0.0, 0.0,
-        failure=failure))
+        failure=failure, unloaded=unloaded))
 
 
 @pytest.fixture
@@ -333,3 +333,22 @@ def test_past_the_start_a_failing_worker_degrades_or_fails_by_what_it_served(res
     beat(pool, 1, False, "b", failure="ModelSourceError: gone")
     assert readiness(pool, models("a")) == "degraded"  # every model still served
     assert readiness(pool, models("a", "b")) == "failing"  # b by no ready worker
+
+
+def test_a_worker_serving_without_a_model_it_could_not_load(pool):
+    """A worker whose one model failed to load while its others loaded serves those
+    (Heartbeat.unloaded): /ready fails while no other worker serves that model, degrades
+    while one does, and is ready once it loads; did_not_load says why, for the requests."""
+    b = Unloaded("b", "ModelSourceError: lacks 16 weights", 2, 3.5)
+    beat(pool, 0, True, "a", unloaded=(b,))
+    beat(pool, 1, True, "a")
+    assert readiness(pool, models("a", "b")) == "failing"
+    assert pool.links[0].load_error is None  # it is ready: no failed start
+    assert did_not_load(pool.links, "b") == (
+        "worker 0: ModelSourceError: lacks 16 weights (2 failed load(s) in a row)", 3.5)
+    assert did_not_load(pool.links, "a") == ("", 0.0)
+    beat(pool, 1, True, "a", "b")
+    assert readiness(pool, models("a", "b")) == "degraded"  # b served by worker 1
+    beat(pool, 0, True, "a", "b")
+    assert readiness(pool, models("a", "b")) == "ready"
+    assert did_not_load(pool.links, "b") == ("", 0.0)

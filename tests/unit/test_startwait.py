@@ -114,3 +114,17 @@ def test_log_tails_are_this_deployments_programs_only(deployment, capsys):
     err = capsys.readouterr().err
     assert "line of frontend-0" in err and "line of worker-0" in err and "line of nginx" in err
     assert "worker-7" not in err and "frontend-9" not in err
+
+
+def test_a_model_that_failed_its_third_load_ends_the_wait():
+    """`up --wait` stops at a worker that serves without a model whose load failed three
+    times in a row (waiting longer would not change it), naming it and its error."""
+    def body(failures):
+        return json.dumps({"status": "failing", "workers": [
+            {"worker": 0, "unloaded": []},
+            {"worker": 1, "unloaded": [{"model": "b", "error": "OSError: gone",
+                                        "failures": failures, "retry_in_s": 2.0}]}]}).encode()
+    assert startwait.not_loading(body(2)) == ""
+    assert startwait.not_loading(body(3)) == (
+        "worker 1 serves without b, whose load failed 3 times in a row: OSError: gone")
+    assert startwait.not_loading(b"<html>") == startwait.not_loading(b"") == ""

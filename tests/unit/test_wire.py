@@ -4,7 +4,7 @@ import pytest
 from shmserve import wire
 from shmserve.protocol import (KIND_OF, Abort, Closing, ClosingSeen, Commit, Error, ErrorCode,
                                Heartbeat, Queued, Kind, ModelInfo, Ping, Reload, ReloadDone,
-                               ReloadStatus, Result, ShmHandle, Submit)
+                               ReloadStatus, Result, ShmHandle, Submit, Unloaded)
 
 HANDLE = ShmHandle("shmserve-abc-fe0-1", 128, 4 * 6, "int32", (6,))
 EMPTY = ShmHandle("shmserve-abc-fe0-1", 128, 0, "int32", (0,))  # a single-segment request
@@ -15,6 +15,8 @@ MESSAGES = [
         ModelInfo("m@b", "classification", 3, 512, "int8", "r1", "loading", "r2")), 3, 4096, 1.5,
         0.25, 1234.5, 0.05, (Queued(0, 300), Queued(-2, 7))),
     Heartbeat(1, 3, 1, False, "loading", (), 0, 1, 0.0, 0.0),
+    Heartbeat(1, 2, 5, True, "cpu", (), 0, 1, 0.0, 0.0,
+              unloaded=(Unloaded("b", "OSError: gone", 2, 3.5),)),
     Submit(7, "req-1", "m", HANDLE, ShmHandle("a", 0, 0, "int32", (0,)),
            ShmHandle("a", 64, 4 * 2 * 384, "float32", (2, 384)), 1e9, -1, EMPTY),
     Submit(8, "req-2", "ce", HANDLE, HANDLE, ShmHandle("a", 64, 4 * 6, "float32", (6, 1)), 1e9,
@@ -42,13 +44,15 @@ def test_round_trip_is_two_frames_with_the_kind_first(msg):
 
 
 def test_enums_and_tuples_come_back_typed():
-    back = wire.decode(wire.encode(MESSAGES[6]))
+    back = wire.decode(wire.encode(MESSAGES[7]))
     assert back.code is ErrorCode.OVERLOADED
     done = wire.decode(wire.encode(MESSAGES[-1]))
     assert done.status is ReloadStatus.BUSY
     assert wire.decode(wire.encode(MESSAGES[-2])).keep is False
-    submit = wire.decode(wire.encode(MESSAGES[3]))
+    submit = wire.decode(wire.encode(MESSAGES[4]))
     assert submit.output.shape == (2, 384) and isinstance(submit.output.shape, tuple)
+    [unloaded] = wire.decode(wire.encode(MESSAGES[3])).unloaded
+    assert unloaded == Unloaded("b", "OSError: gone", 2, 3.5)
 
 
 def test_large_message_round_trips():

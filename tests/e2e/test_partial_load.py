@@ -1,0 +1,128 @@
+"""A worker one of whose models fails to load serves its others, and loads that one once it
+can (README: Reliability, "A model that fails to load"). Before, it exited, and every model it
+hosted went unserved while supervisord restarted it."""
+
+import json
+import shutil
+import time
+
+import numpy as np
+from safetensors.numpy import load_file, save_file
+
+from tests.conftest import tiny_overrides
+from tests.stack import Stack
+
+TOKEN = "partial-admin-token"
+ADMIN = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
+
+
+def widen(weights) -> bytes:
+    """Make `weights` unloadable by its config (its header still reads, so `up`'s check
+    passes): the embedding matrix one column too wide. Returns the file as it was."""
+    before = weights.read_bytes()
+    tensors = load_file(str(weights))
+    key = "embeddings.word_embeddings.weight"
+    tensors[key] = np.zeros((tensors[key].shape[0], tensors[key].shape[1] + 1), np.float32)
+    save_file(tensors, str(weights))
+    return before
+
+
+def test_a_model_that_does_not_load_leaves_the_others_served(tmp_path, tiny_model):
+    roots = tmp_path / "models"
+    good, bad = roots / "tiny", roots / "second"
+    shutil.copytree(tiny_model, good)
+    shutil.copytree(tiny_model, bad)
+    overrides = tiny_overrides(tiny_model, frontends={"count": 1}, workers={"cpu_workers": 1},
+                               admin={"token": TOKEN})
+    overrides["model_roots"] = [str(roots)]
+    first = {**overrides["models"][0], "source": str(good)}
+    overrides["models"] = [first, {**first, "name": "second", "aliases": [], "source": str(bad),
+                                   "revision": "second-r1"}]
+    stack = Stack(tmp_path / "s", overrides)
+    stack.up()
+    try:
+        def embed(model: str):
+            return stack.post_json("/v1/embeddings", {"model": model, "input": ["a b c"]})
+
+        status, _, body = embed("second")
+        assert status == 200, body
+        vector = body["data"][0]["embedding"]
+
+        saved = widen(bad / "model.safetensors")
+        pid = stack.pid("workers:worker-0")
+        done = stack.cli("restart", "worker-0", check=False, timeout=200)
+        # The restart says so and stops there (a rolling restart would have taken the model
+        # from the next worker too, its files being the same).
+        assert done.returncode == 2, done.stdout + done.stderr
+        assert "worker-0 is ready without second" in done.stderr, done.stderr
+        assert "[30522, 33]" in done.stderr, done.stderr
+        assert stack.pid("workers:worker-0") != pid
+        pid = stack.pid("workers:worker-0")
+
+        # The other model is served; this one is answered 503 at once (not after
+        # frontends.no_worker_wait_s), saying why.
+        status, _, body = embed("tiny")
+        assert status == 200, body
+        started = time.monotonic()
+        status, headers, body = embed("second")
+        took = time.monotonic() - started
+        error = body["error"]
+        assert status == 503 and error["code"] == "model_not_loaded", (status, body)
+        assert "did not load" in error["message"] and "[30522, 33]" in error["message"], error
+        assert int(headers["Retry-After"]) >= 1
+        assert took < 2.0, took
+
+        status, _, body = stack.get("/ready")
+        ready = json.loads(body)
+        assert (status, ready["status"]) == (503, "failing"), ready
+        worker = ready["workers"][0]
+        assert worker["ready"] and worker["load_error"] is None, worker
+        [unloaded] = worker["unloaded"]
+        assert unloaded["model"] == "second" and unloaded["failures"] >= 1, unloaded
+        assert "[30522, 33]" in unloaded["error"]
+
+        status, _, body = stack.get("/admin/models", ADMIN)
+        models = {m["name"]: m for m in json.loads(body)["models"]}
+        assert models["tiny"]["workers"][0]["state"] == "ready", models
+        assert models["second"]["workers"][0]["state"] == "failed", models
+        assert "[30522, 33]" in models["second"]["workers"][0]["load_error"]
+
+        _, _, raw = stack.get("/metrics")
+        counted = [line for line in raw.decode().splitlines()
+                   if line.startswith("shmserve_worker_model_load_failures_total{")
+                   and 'model="second"' in line]
+        assert counted and float(counted[0].rsplit(" ", 1)[1]) >= 1, counted
+
+        shown = stack.cli("status", check=False).stdout
+        assert "worker 0: serves without second, whose load failed" in shown, shown
+
+        # A reload cannot switch every worker of it: refused, saying why.
+        status, _, body = stack.post_json("/admin/models/second/reload", {}, ADMIN)
+        assert status == 503 and "did not load" in body["error"]["message"], body
+
+        # Mended in place: loaded by the same process, at its next try (1, 2, 4 ... s apart).
+        (bad / "model.safetensors").write_bytes(saved)
+        stack.wait_until(lambda: embed("second")[0] == 200, 60, "second served again")
+        status, _, body = embed("second")
+        assert np.allclose(body["data"][0]["embedding"], vector, atol=1e-6)
+        stack.wait_until(lambda: stack.get("/ready")[0] == 200, 10, "ready")
+        assert stack.pid("workers:worker-0") == pid
+        failed = [line for line in stack.log_lines("worker-0")
+                  if line.get("message") == "worker.load_failed"]
+        assert failed and all(line["model"] == "second" for line in failed), failed
+        waits = [line["retry_in_s"] for line in failed]
+        assert waits[:3] == [1.0, 2.0, 4.0][:len(waits)], waits
+
+        # `up --wait` stops at its third failed load, saying so; what loaded is served.
+        stack.down()
+        widen(bad / "model.safetensors")
+        started = time.monotonic()
+        done = stack.cli("up", "--wait", "--timeout", "200", check=False, timeout=250)
+        assert done.returncode == 1, done.stdout + done.stderr
+        last = done.stderr.splitlines()[-1]
+        assert "worker 0 serves without second, whose load failed 3 times in a row" in last
+        assert "[30522, 33]" in last and "the rest is served" in last, last
+        assert time.monotonic() - started < 60
+        assert embed("tiny")[0] == 200
+    finally:
+        stack.down()

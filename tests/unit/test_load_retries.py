@@ -1,0 +1,58 @@
+"""A serving worker's models that failed to load, tried again (gpu_workers.loading.Retries)."""
+
+import queue
+import time
+
+from gpu_workers import loading
+from gpu_workers.loading import Retries
+
+
+def test_a_model_that_failed_is_tried_again_later_each_time_until_it_loads(monkeypatch):
+    posted: queue.Queue = queue.Queue()
+    outcomes = [OSError("disk\n  gone"), "model"]
+
+    def load(name):
+        outcome = outcomes.pop(0)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return ("config", outcome, 0.5)
+
+    retries = Retries(load, posted.put)
+    assert not retries
+    now = [100.0]
+    monkeypatch.setattr(loading.time, "monotonic", lambda: now[0])
+    retries.failed("b", ValueError("bad weights"))
+    [one] = retries.unloaded()
+    assert (one.model, one.error, one.failures, one.retry_in_s) == (
+        "b", "ValueError: bad weights", 1, 1.0)
+    retries.start_due()  # not yet: 1 s after the failure
+    assert posted.empty()
+    now[0] += 1.0
+    retries.start_due()
+    failed = posted.get(timeout=5)
+    assert failed.name == "b" and failed.loaded is None and isinstance(failed.error, OSError)
+    assert retries.unloaded()[0].retry_in_s == 0.0  # being tried
+    retries.start_due()  # one try at a time
+    time.sleep(0.05)
+    assert posted.empty()
+    retries.done(failed)
+    [two] = retries.unloaded()
+    assert (two.error, two.failures, two.retry_in_s) == ("OSError: disk gone", 2, 2.0)
+    now[0] += 1.9
+    retries.start_due()
+    assert posted.empty()
+    now[0] += 0.1
+    retries.start_due()
+    loaded = posted.get(timeout=5)
+    assert loaded.loaded == ("config", "model", 0.5) and loaded.error is None
+    retries.done(loaded)
+    assert not retries and retries.unloaded() == ()
+
+
+def test_the_wait_doubles_up_to_its_cap():
+    retries = Retries(lambda name: None, lambda item: None)
+    waits = []
+    for _ in range(8):
+        missing = retries.failed("b", RuntimeError("x"))
+        waits.append(missing.retry_at - time.monotonic())
+    assert [round(w) for w in waits] == [1, 2, 4, 8, 16, 30, 30, 30]
