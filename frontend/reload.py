@@ -20,6 +20,7 @@ learns the new revision from the replies it gets (Result.revision) and from hear
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 
@@ -31,7 +32,8 @@ from frontend.errors import ApiError
 from frontend.links import WorkerGone, WorkerLink, consume, did_not_load
 from frontend.variants import Variant
 from shmserve import state, topology
-from shmserve.models import ModelSourceError, hosted, resolve_source, units, weights_revision
+from shmserve.models import (ModelSourceError, hosted, incompatible, inspect, resolve_source,
+                             units, weights_revision)
 from shmserve.protocol import Commit, Reload, ReloadDone, ReloadStatus
 
 # The call's error is the first of these kinds among the workers' answers: a bad source first
@@ -64,12 +66,11 @@ async def _reload_hosts(app: web.Application, served, variant: Variant, source: 
     devices = topology.worker_devices(cfg)
     hosts = [link for link in pool.links
              if any(u.name == variant.unit for u in hosted(cfg, devices, link.index))]
-    why, _ = did_not_load(hosts, variant.unit)
-    if why:  # a reload switches on every worker or none: these have nothing to switch from
-        raise ApiError("unavailable", f"{variant.unit} did not load ({why}); its workers try "
-                       "it again by themselves: mend its source in place, or change it in the "
-                       "config and restart them", retry_after=1)
-    down = [link.index for link in hosts if not link.ready]
+    # Workers that did not load it (they serve their other models and try it again) have no
+    # revision to switch from: they take the new source at their next try, from the run state.
+    failed = [link for link in hosts if any(u.model == variant.unit for u in link.unloaded)]
+    serving = [link for link in hosts if link not in failed]
+    down = [link.index for link in serving if not link.ready]
     if down:
         raise ApiError("unavailable", f"workers {down} host {variant.unit} and are not ready; "
                        "reload once GET /ready answers 200", retry_after=1)
@@ -79,10 +80,44 @@ async def _reload_hosts(app: web.Application, served, variant: Variant, source: 
     try:
         with state.reloading(cfg, locked):
             digest = await refuse_a_taken_revision(served, variant, source, revision, pool, cfg)
-            return await _reload(app, hosts, model, variant, source, revision, digest)
+            if failed:
+                await asyncio.get_running_loop().run_in_executor(
+                    None, refuse_an_unservable, cfg, variant, source)
+            if serving:
+                answer = await _reload(app, serving, model, variant, source, revision, digest)
+            else:
+                state.update(cfg, lambda tree: tree["sources"].__setitem__(variant.unit, {
+                    "source": source or current_source(cfg, variant.unit),
+                    "revision": revision}))
+                answer = {"model": model, **({"variant": variant.name} if variant.name else {}),
+                          "revision": revision or digest or None, "workers": []}
     except state.Busy:
         raise ApiError("conflict", f"a reload of {locked} is already in progress (another "
                        "admin call); the served revision is unchanged by this one") from None
+    why, retry_in = did_not_load(failed, variant.unit)
+    answer["workers"] = sorted(answer["workers"] + [
+        {"worker": link.index, "ok": True, "revision": None,
+         "message": f"did not load {variant.unit} ({why}): it loads the source the run state "
+                    "now records at once (GET /ready says when it serves it), else tries again "
+                    f"in {retry_in:g} s"}
+        for link in failed], key=lambda w: w["worker"])
+    return answer
+
+
+def refuse_an_unservable(cfg, variant: Variant, source: str) -> None:
+    """For workers that take a reload's source at their next load (they did not load the
+    model): a source they could not serve, or one that cannot replace what the frontends serve,
+    refused here (422), as a worker's Reload would."""
+    config = next(u.config for m in cfg.models for u in units(m) if u.name == variant.unit)
+    try:
+        spec = inspect(dataclasses.replace(config, source=source or config.source),
+                       with_revision=False, roots=cfg.model_root_paths)
+    except ModelSourceError as exc:
+        raise ApiError("invalid_request", str(exc), param="source") from None
+    why = incompatible(variant.spec, spec)
+    if why:
+        raise ApiError("invalid_request", f"{spec.directory} cannot replace the served "
+                       f"{variant.unit}: {why}", param="source")
 
 
 def current_source(cfg, unit: str) -> str:

@@ -164,6 +164,7 @@ class _Missing:
     failures: int
     retry_at: float  # monotonic
     trying: bool = False
+    tried: Any = None  # the run state's entry for it when last tried (a reload changes it)
 
 
 class Retries:
@@ -192,17 +193,21 @@ class Retries:
         failures = old.failures + 1 if old else 1
         wait = min(2.0 ** (failures - 1), LOAD_BACKOFF_MAX_S)
         missing = self._missing[name] = _Missing(describe(exc), failures,
-                                                 time.monotonic() + wait)
+                                                 time.monotonic() + wait,
+                                                 tried=old.tried if old else None)
         log.warning("worker.load_failed", extra={"fields": {
             "model": name, "failures": failures, "retry_in_s": wait, "error": missing.error}})
         self._counted(name)
         return missing
 
-    def start_due(self) -> None:
+    def start_due(self, sources: Mapping[str, Any]) -> None:
+        """Try those whose wait is over, or whose source in the run state (`sources`) changed
+        since they were last tried: a reload's, which they load without waiting."""
         now = time.monotonic()
         for name, missing in self._missing.items():
-            if not missing.trying and now >= missing.retry_at:
-                missing.trying = True
+            if not missing.trying and (now >= missing.retry_at
+                                       or sources.get(name) != missing.tried):
+                missing.trying, missing.tried = True, sources.get(name)
                 threading.Thread(target=self._try, args=(name,), name=f"retry-{name}",
                                  daemon=True).start()
 

@@ -204,7 +204,7 @@ class Worker:
                 self._slots_do(lambda: self.slots.expire(self._reconciled)
                                + self.slots.reconcile(self._state.current().sources))
                 if self.retries:
-                    self.retries.start_due()
+                    self.retries.start_due(self._state.current().sources)
                     self.status.unloaded = self.retries.unloaded()
             if drain_deadline is not None and (not self._queue or now > drain_deadline):
                 break

@@ -29,9 +29,9 @@ def widen(weights) -> bytes:
 
 def test_a_model_that_does_not_load_leaves_the_others_served(tmp_path, tiny_model):
     roots = tmp_path / "models"
-    good, bad = roots / "tiny", roots / "second"
-    shutil.copytree(tiny_model, good)
-    shutil.copytree(tiny_model, bad)
+    good, bad, mended = roots / "tiny", roots / "second", roots / "second-v2"
+    for each in (good, bad, mended):
+        shutil.copytree(tiny_model, each)
     overrides = tiny_overrides(tiny_model, frontends={"count": 1}, workers={"cpu_workers": 1},
                                admin={"token": TOKEN})
     overrides["model_roots"] = [str(roots)]
@@ -43,6 +43,9 @@ def test_a_model_that_does_not_load_leaves_the_others_served(tmp_path, tiny_mode
     try:
         def embed(model: str):
             return stack.post_json("/v1/embeddings", {"model": model, "input": ["a b c"]})
+
+        def reload(**body):
+            return stack.post_json("/admin/models/second/reload", body, ADMIN)
 
         status, _, body = embed("second")
         assert status == 200, body
@@ -96,26 +99,23 @@ def test_a_model_that_does_not_load_leaves_the_others_served(tmp_path, tiny_mode
         shown = stack.cli("status", check=False).stdout
         assert "worker 0: serves without second, whose load failed" in shown, shown
 
-        # A reload cannot switch every worker of it: refused, saying why.
-        status, _, body = stack.post_json("/admin/models/second/reload", {}, ADMIN)
-        assert status == 503 and "did not load" in body["error"]["message"], body
-
-        # Mended in place: loaded by the same process, at its next try (1, 2, 4 ... s apart).
-        (bad / "model.safetensors").write_bytes(saved)
-        stack.wait_until(lambda: embed("second")[0] == 200, 60, "second served again")
-        status, _, body = embed("second")
-        assert np.allclose(body["data"][0]["embedding"], vector, atol=1e-6)
+        # A reload gives it a source to load at once; one it could not serve is refused.
+        status, _, body = reload(source=str(tmp_path))
+        assert status == 422 and body["error"]["param"] == "source", body
+        started = time.monotonic()
+        status, _, body = reload(source=str(mended))
+        assert status == 200, body
+        [entry] = body["workers"]
+        assert entry["ok"] and "loads the source the run state now records" in \
+            entry["message"], entry
+        stack.wait_until(lambda: embed("second")[0] == 200, 30, "second served from v2")
+        assert time.monotonic() - started < 15  # not the 30 s of a long wait
+        assert np.allclose(embed("second")[2]["data"][0]["embedding"], vector, atol=1e-6)
         stack.wait_until(lambda: stack.get("/ready")[0] == 200, 10, "ready")
         assert stack.pid("workers:worker-0") == pid
-        failed = [line for line in stack.log_lines("worker-0")
-                  if line.get("message") == "worker.load_failed"]
-        assert failed and all(line["model"] == "second" for line in failed), failed
-        waits = [line["retry_in_s"] for line in failed]
-        assert waits[:3] == [1.0, 2.0, 4.0][:len(waits)], waits
 
         # `up --wait` stops at its third failed load, saying so; what loaded is served.
         stack.down()
-        widen(bad / "model.safetensors")
         started = time.monotonic()
         done = stack.cli("up", "--wait", "--timeout", "200", check=False, timeout=250)
         assert done.returncode == 1, done.stdout + done.stderr
@@ -124,5 +124,17 @@ def test_a_model_that_does_not_load_leaves_the_others_served(tmp_path, tiny_mode
         assert "[30522, 33]" in last and "the rest is served" in last, last
         assert time.monotonic() - started < 60
         assert embed("tiny")[0] == 200
+
+        # Mended in place: loaded by the same process at its next try (1, 2, 4 ... s apart).
+        pid = stack.pid("workers:worker-0")
+        (bad / "model.safetensors").write_bytes(saved)
+        stack.wait_until(lambda: embed("second")[0] == 200, 60, "second served again")
+        assert np.allclose(embed("second")[2]["data"][0]["embedding"], vector, atol=1e-6)
+        stack.wait_until(lambda: stack.get("/ready")[0] == 200, 10, "ready")
+        assert stack.pid("workers:worker-0") == pid
+        failed = [line for line in stack.log_lines("worker-0")
+                  if line.get("message") == "worker.load_failed"]
+        assert failed and all(line["model"] == "second" for line in failed), failed
+        assert [line["retry_in_s"] for line in failed[-3:]] == [1.0, 2.0, 4.0], failed
     finally:
         stack.down()
