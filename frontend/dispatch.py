@@ -72,6 +72,10 @@ def _align(n: int) -> int:
     return -(-n // 64) * 64
 
 
+# A worker's refusals at admission: another worker may take the request (once).
+REFUSALS = (ErrorCode.OVERLOADED, ErrorCode.PAST_DEADLINE)
+
+
 class Dispatcher:
     def __init__(self, cfg: Config, pool: WorkerPool, arena: Arena) -> None:
         self.cfg = cfg
@@ -191,7 +195,7 @@ class Dispatcher:
                     unready += 1
                     again = "unavailable"
                     continue
-                if (isinstance(reply, Error) and reply.code is ErrorCode.OVERLOADED
+                if (isinstance(reply, Error) and reply.code in REFUSALS
                         and refused is None and any(
                             other is not link for other in self.pool.ready_links(model))):
                     # Its queue, or the work in it, is too much for this request: another

@@ -35,6 +35,7 @@ STATUS: dict[str, int] = {
 _FROM_WORKER: dict[ErrorCode, str] = {
     ErrorCode.INVALID: "internal_error",  # the frontend built the buffers: a bug, not bad input
     ErrorCode.OVERLOADED: "overloaded",
+    ErrorCode.PAST_DEADLINE: "overloaded",
     ErrorCode.DEADLINE: "timeout",
     ErrorCode.UNKNOWN_MODEL: "not_found",
     ErrorCode.ABORTED: "timeout",

@@ -82,6 +82,21 @@ def did_not_load(links: list[WorkerLink], model: str) -> tuple[str, float]:
 
 
 
+def dealer(ctx: zmq.asyncio.Context, endpoint: str) -> zmq.asyncio.Socket:
+    """A frontend's socket to one worker, connected to `endpoint`."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue messages for a worker not connected
+    # A restarted worker is found within 250 ms of binding (1 s: a small model's worker was
+    # ready, and announced it to no frontend, before they had connected)
+    sock.setsockopt(zmq.RECONNECT_IVL, 100)
+    sock.setsockopt(zmq.RECONNECT_IVL_MAX, 250)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.connect(endpoint)
+    return sock
+
+
 def send_now(sock: zmq.asyncio.Socket, frames: list[bytes]) -> bool:
     """Send without waiting; False when the peer is not connected (zmq.Again).
 

@@ -32,7 +32,8 @@ import zmq.asyncio
 from zmq.utils import monitor as zmq_monitor
 
 from frontend import metrics
-from frontend.links import Pending, Stopped, WorkerClosed, WorkerGone, WorkerLink, send_now
+from frontend.links import (Pending, Stopped, WorkerClosed, WorkerGone, WorkerLink, dealer,
+                            send_now)
 from frontend.watchdog import Watchdog
 from shmserve import admission, processes, state, topology, wire
 from shmserve.config import Config
@@ -69,16 +70,8 @@ class WorkerPool:
         self.watchdog = Watchdog(cfg, frontend)
 
     def _link(self, index: int) -> WorkerLink:
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue messages for a worker not connected
-        sock.setsockopt(zmq.RECONNECT_IVL, 100)
-        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
-        sock.setsockopt(zmq.SNDHWM, 0)
-        sock.setsockopt(zmq.RCVHWM, 0)
         endpoint = topology.worker_endpoint(self.cfg, index)
-        sock.connect(endpoint)
-        return WorkerLink(index, endpoint, sock)
+        return WorkerLink(index, endpoint, dealer(self._ctx, endpoint))
 
     async def start(self) -> None:
         for link in self.links:
@@ -264,12 +257,15 @@ class WorkerPool:
     async def _monitor(self, link: WorkerLink) -> None:
         """Connection events of `link`'s socket: a drop means the worker's process is gone (its
         heartbeats would say so only after `workers.heartbeat_timeout_s`)."""
-        events = link.socket.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        events = link.socket.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+                                                | zmq.EVENT_HANDSHAKE_SUCCEEDED)
         try:
             while True:
                 event = zmq_monitor.parse_monitor_message(await events.recv_multipart())
                 if event["event"] == zmq.EVENT_CONNECTED:
                     link.dropped_pid = None  # whoever answers now is alive
+                elif event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    self._ping(link)  # so it knows this frontend before its next round
                 elif link.alive:
                     # A worker that stops says so first (Closing: it is not alive by now);
                     # one that crashed or was killed may have answered just before: what it
@@ -371,14 +367,16 @@ class WorkerPool:
         awake_since = self.watchdog.hung.awake_since
         timeout = self.cfg.workers.heartbeat_timeout_s
         for link in self.links:
-            # silence decides below
-            send_now(link.socket, wire.encode(Ping(time.time(), self.frontend, os.getpid())))
+            self._ping(link)  # silence decides below
             silent = now - max(link.last_beat, awake_since)
             if link.alive and silent > timeout:
                 self._declare_dead(link, f"silent for {silent:.1f}s")
             self.watchdog.check(link, now)  # silent much longer: SIGKILL (hung_kill_s)
             if link.held:
                 self._release_held(link, only_gone=True)
+
+    def _ping(self, link: WorkerLink) -> None:
+        send_now(link.socket, wire.encode(Ping(time.time(), self.frontend, os.getpid())))
 
     def _declare_dead(self, link: WorkerLink, reason: str, grace: float = 0.0) -> None:
         """Route nothing more to `link`; its pending requests fail now, or after `grace`

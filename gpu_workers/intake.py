@@ -195,7 +195,7 @@ class Intake:
             refusal = self.backlog.refusal(msg.priority, tokens, request.arrived, msg.deadline)
             if refusal is not None:
                 self.metrics.refused("deadline")
-                return Error(msg.seq, ErrorCode.OVERLOADED, f"{refusal.why}; retry later "
+                return Error(msg.seq, ErrorCode.PAST_DEADLINE, f"{refusal.why}; retry later "
                              "(workers.refuse_past_deadline)", refusal.retry_after_s)
         with self._lock:
             queued = self.queued_texts - self.orphaned_texts

@@ -26,7 +26,7 @@ log = logging.getLogger("shmserve.worker")
 
 REPLIES = "inproc://replies"
 # What the model thread pushes, one frame, where its models changed (a reload staged or
-# committed): a heartbeat goes to every frontend at once
+# committed) or it became ready or began to drain: a heartbeat goes to every frontend at once
 ANNOUNCE = b"announce"
 POLL_MS = 100
 FAREWELL_S = 1.0  # at most, for the frontends to say they read this worker's last message

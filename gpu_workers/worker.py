@@ -185,6 +185,10 @@ class Worker:
             raise  # the process exits (worker.failed); supervisord starts it again
         state.clear_load_failures(self.cfg, self.index)
         self.status.ready = True
+        # Every frontend hears it at once, not at its next ping: /ready, judged by each from its
+        # own heartbeats, said ready from one and loading from the other for up to a ping
+        # interval, and nginx alternates probes between them (an outside check).
+        self._push.send(ANNOUNCE)
         self.metrics.set_ready(True)
         log.info("worker.ready", extra={"fields": {"worker": self.index,
                                                     "device": self.status.device_label}})
@@ -194,6 +198,7 @@ class Worker:
                 raise RuntimeError("socket thread failed") from self._sockets.failure
             if self.stopping.is_set() and drain_deadline is None:
                 drain_deadline = time.time() + self.cfg.server.drain_timeout_s
+                self._push.send(ANNOUNCE)  # not ready from now on, to every frontend at once
                 self.metrics.set_ready(False)
                 log.info("worker.draining", extra={"fields": {"queued": len(self._queue)}})
             self._take_inbox(block=not self._queue)

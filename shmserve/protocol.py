@@ -29,7 +29,8 @@ PROTOCOL_VERSION = 13  # 3: a worker sends a batch's replies to a frontend as on
 # frontend applies the activation), not the score; 6: Heartbeat's admission estimate (drain_rate,
 # drain_pass_s, queued_tokens), a classification row is the raw logits (the frontend applies
 # the softmax), and Ping names its frontend and pid; 8: Submit.raw; 9: Closing and ClosingSeen;
-# 10: ModelInfo.loader; 11: Heartbeat.failure; 12: Submit.skip; 13: Heartbeat.unloaded
+# 10: ModelInfo.loader; 11: Heartbeat.failure; 12: Submit.skip; 13: Heartbeat.unloaded and
+# ErrorCode.PAST_DEADLINE
 
 
 class Kind(IntEnum):
@@ -59,6 +60,8 @@ class ErrorCode(IntEnum):
     UNAVAILABLE = 6  # loading or draining: try another worker
     INTERNAL = 7
     OUT_OF_MEMORY = 8  # one text alone was too large for the device's free memory
+    PAST_DEADLINE = 9  # refused at admission: the work queued ahead would not let it finish in
+                       # time (workers.refuse_past_deadline); OVERLOADED: its queue was full
 
 
 class ReloadStatus(IntEnum):

@@ -48,7 +48,14 @@ class RenderError(RuntimeError):
     """The config cannot be rendered into a working deployment; the message names the key."""
 
 
+def metrics_timeout_s(nginx) -> float:
+    """How long nginx waits for a frontend's /metrics before it asks the next (`nginx`: the
+    config's nginx section): a scrape collects every process's series, so twice a probe's."""
+    return 2 * nginx.probe_timeout_s
+
+
 # Paths of the rendered files, shared with the CLI.
+
 def supervisord_conf(cfg: Config) -> Path:
     return cfg.run_dir / "supervisord.conf"
 
@@ -140,7 +147,7 @@ def render_nginx(cfg: Config) -> str:
         "send_timeout": f"{n.send_timeout_s}s",
         "proxy_read_timeout": f"{n.proxy_read_timeout_s}s",
         "probe_timeout": f"{n.probe_timeout_s}s",
-        "metrics_timeout": f"{2 * n.probe_timeout_s}s",  # a scrape collects every process's
+        "metrics_timeout": f"{metrics_timeout_s(n)}s",
         **nginx_options.rate_limit(n),
         "upstream_servers": "\n".join(servers),
         "upstream_keepalive": str(n.upstream_keepalive),

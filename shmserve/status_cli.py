@@ -67,12 +67,14 @@ def status(args: argparse.Namespace) -> int:
         nonlocal silent
         if supervisord_pid(cfg) is None:  # stopped while watched (`down` in another shell)
             raise _Stopped
-        # Longer than nginx takes to move a probe off a frozen frontend (nginx.probe_timeout_s),
-        # so one frozen frontend is not reported as nginx not answering; after a sample nginx
-        # did not answer in that time, short (every sample, a rate's two included, cost the
-        # whole wait with nginx stuck: ~18 s for one status, an outside check), still long
+        # Longer than nginx takes to move a scrape off a frozen frontend (twice
+        # nginx.probe_timeout_s: /ready's wait alone was, and a status read nginx's /metrics as
+        # not answering, then waited on the frozen frontend's socket: ~10 s, an outside
+        # check), so one frozen frontend is not reported as nginx not answering; after a sample
+        # nginx did not answer in that time, short (every sample, a rate's two included, cost
+        # the whole wait with nginx stuck: ~18 s for one status, an outside check), still long
         # enough to see it answer again.
-        wait = cfg.nginx.probe_timeout_s + 2.0
+        wait = render.metrics_timeout_s(cfg.nginx) + 2.0
         sample = statusview.take(
             remote.base_url(cfg), lambda url: remote.http(url, timeout=0.5 if silent else wait),
             lambda: process_info(cfg), lambda: supervisord_pid(cfg),

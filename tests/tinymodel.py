@@ -46,6 +46,21 @@ def build_tiny_bert(target: Path, *, seed: int = 0, max_positions: int = 64,
     return target
 
 
+def widen(weights: Path) -> bytes:
+    """Make a tiny BERT's `weights` unloadable by its config while their header still reads
+    (so `shmserve up`'s check passes): the embedding matrix one column too wide. Returns the
+    file as it was."""
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    before = weights.read_bytes()
+    tensors = load_file(str(weights))
+    key = "embeddings.word_embeddings.weight"
+    tensors[key] = np.zeros((tensors[key].shape[0], tensors[key].shape[1] + 1), np.float32)
+    save_file(tensors, str(weights))
+    return before
+
+
 def build_tiny_static(target: Path, *dense, normalize: bool = True, width: int = 32) -> Path:
     """A static embedding model (sentence-transformers' StaticEmbedding over the default
     model's tokenizer, a random table) saved by sentence-transformers, with Dense modules made

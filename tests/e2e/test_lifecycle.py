@@ -7,11 +7,11 @@ import signal
 import socket
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from shmserve import config, topology
 from tests.conftest import tiny_overrides
+from tests.tinymodel import widen
 from tests.stack import Stack
 
 SHM = Path("/dev/shm")
@@ -250,14 +250,9 @@ def test_a_worker_that_cannot_load_its_model_fails_up_and_restart_fast(tmp_path,
     stack.up()
     try:
         # Weights whose header reads (so `up`'s check passes) and that no BERT of this config
-        # can load: an embedding matrix one column too wide.
-        from safetensors.numpy import load_file, save_file
-
+        # can load.
         weights = model / "model.safetensors"
-        tensors = load_file(str(weights))
-        key = "embeddings.word_embeddings.weight"
-        tensors[key] = np.zeros((tensors[key].shape[0], tensors[key].shape[1] + 1), np.float32)
-        save_file(tensors, str(weights))
+        widen(weights)
         started = time.monotonic()
         done = stack.cli("restart", "worker-0", check=False, timeout=200)
         assert done.returncode == 2, done.stdout + done.stderr

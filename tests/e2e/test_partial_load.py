@@ -7,24 +7,13 @@ import shutil
 import time
 
 import numpy as np
-from safetensors.numpy import load_file, save_file
 
 from tests.conftest import tiny_overrides
 from tests.stack import Stack
+from tests.tinymodel import widen
 
 TOKEN = "partial-admin-token"
 ADMIN = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
-
-
-def widen(weights) -> bytes:
-    """Make `weights` unloadable by its config (its header still reads, so `up`'s check
-    passes): the embedding matrix one column too wide. Returns the file as it was."""
-    before = weights.read_bytes()
-    tensors = load_file(str(weights))
-    key = "embeddings.word_embeddings.weight"
-    tensors[key] = np.zeros((tensors[key].shape[0], tensors[key].shape[1] + 1), np.float32)
-    save_file(tensors, str(weights))
-    return before
 
 
 def test_a_model_that_does_not_load_leaves_the_others_served(tmp_path, tiny_model):

@@ -149,7 +149,8 @@ def test_flood_gets_only_200_or_429_and_memory_stays_bounded(tmp_path, tiny_mode
                 for line in stack.log_lines(f"frontend-{i}") if line.get("status") == 429)
         stack.wait_until(lambda: sum(reasons().values()) == counts[429], 10,
                          "every 429's access line")
-        assert set(reasons()) <= {"inflight", "deadline", "arena", "worker_overloaded"}, reasons()
+        assert set(reasons()) <= {"inflight", "deadline", "arena", "worker_overloaded",
+                                  "worker_past_deadline"}, reasons()
         assert reasons()["inflight"] > 0, reasons()
         for name, rss in peak.items():
             limit = RSS_LIMITS_MB[name.split("-")[0]]
@@ -245,7 +246,13 @@ def _burst_past_the_deadline(stack: Stack) -> tuple[collections.Counter, float]:
                     return resp.status, time.perf_counter() - started
             return await asyncio.gather(*(one(i) for i in range(60)))
 
+    def reasons() -> collections.Counter:  # of the 429s' access lines (one frontend)
+        return collections.Counter(line.get("error_reason")
+                                   for line in stack.log_lines("frontend-0")
+                                   if line.get("status") == 429)
+
     before, before_frontend = _refused(stack), _refused(stack, "frontend")
+    seen = reasons()
     computed = _computed(stack)
     answers = asyncio.run(burst())
     speed = _speed(computed, _computed(stack))
@@ -262,6 +269,12 @@ def _burst_past_the_deadline(stack: Stack) -> tuple[collections.Counter, float]:
     # these texts are long, tokenized in a thread); every 429 is one of the two.
     assert early["inflight"] == 0 and by_reason["queue_full"] == 0, (early, by_reason)
     assert by_reason["deadline"] + early["deadline"] == counts[429], (by_reason, early, counts)
+    # ... and each access line says which (the worker's read worker_overloaded, as a full
+    # queue's does: an outside check)
+    stack.wait_until(lambda: sum((reasons() - seen).values()) == counts[429], 10,
+                     "every 429's access line")
+    assert reasons() - seen == +collections.Counter(
+        {"worker_past_deadline": by_reason["deadline"], "deadline": early["deadline"]})
     return counts, speed
 
 

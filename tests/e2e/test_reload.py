@@ -101,6 +101,15 @@ def every_frontend_ready(stack: Stack) -> bool:
                for code, body in answers)
 
 
+def heard(stack: Stack, program: str, message: str, worker: int | None = None) -> list[float]:
+    """When `program` logged `message` (about `worker`), in seconds of the day."""
+    def seconds(stamp: str) -> float:
+        h, m, sec = stamp.rstrip("Z").partition("T")[2].split(":")
+        return int(h) * 3600 + int(m) * 60 + float(sec)
+    return [seconds(line["time"]) for line in stack.log_lines(program)
+            if line.get("message") == message and worker in (None, line.get("worker"))]
+
+
 def info_revision(stack: Stack, frontend: int) -> str:
     """The model's revision in GET /info, from one frontend (its socket, not nginx)."""
     from shmserve.remote import get_unix
@@ -286,6 +295,13 @@ def test_cli_reload_and_a_restarted_worker_loads_the_reloaded_model(stack, model
                      60, "supervisord to restart worker-1")
     stack.wait_until(lambda: every_frontend_ready(stack), 90,
                      "every worker ready again, to both frontends")
+    # Each frontend heard it ready at once (the worker announces it), not at its next ping:
+    # /ready, judged by each frontend, said ready from one and not from the other for up to a
+    # heartbeat interval (2 s here), as nginx alternated probes (an outside check).
+    ready_at = heard(stack, "worker-1", "worker.ready")[-1]
+    lags = [round(heard(stack, f"frontend-{i}", "frontend.worker_ready", 1)[-1] - ready_at, 3)
+            for i in (0, 1)]
+    assert all(lag < 0.5 for lag in lags), lags
     settles_on(stack, "tiny-r3")
     for _ in range(6):  # whichever worker serves, it serves a as tiny-r3
         status, _, body = stack.post_json("/predict", {"texts": TEXTS})

@@ -83,8 +83,13 @@ def test_status_watch_waits_long_again_once_nginx_answers(deployment, capsys, mo
     monkeypatch.setattr(remote, "http", http)
     monkeypatch.setattr(time, "sleep", lambda s: None)
     cli.main(["status", "--watch", "0.1", "--count", "3"])
-    long = deployment.nginx.probe_timeout_s + 2.0
+    long = waits[0][1]
     assert waits[:4] == [("ready", long), ("ready", 0.5), ("metrics", 0.5), ("ready", long)]
+    # past nginx's wait for a frozen frontend's /metrics (twice nginx.probe_timeout_s: a
+    # status read nginx as not answering, then waited on that frontend itself, an outside check)
+    rendered = f"proxy_read_timeout {render.metrics_timeout_s(deployment.nginx)}s"
+    assert rendered in render.render_nginx(deployment) and \
+        long > 2 * deployment.nginx.probe_timeout_s
 
 
 def test_status_says_an_apply_stopped_part_way(deployment, capsys, monkeypatch):

@@ -109,6 +109,14 @@ def test_a_worker_that_refuses_for_its_load_hands_the_request_to_another_once(ar
     metrics.turn.flush()
     assert metrics.RETRIES.labels("overloaded")._value.get() == before + 1
     assert pool.links[0].ready  # busy, not unready
+    # ... as one refused for the work queued ahead of its deadline, which its access line
+    # names apart from a full queue (an outside check read worker_overloaded for both)
+    pool = FakePool({0: ErrorCode.PAST_DEADLINE, 1: None})
+    assert run(pool, arena).worker == 1 and pool.sent == [0, 1]
+    pool = FakePool({0: ErrorCode.PAST_DEADLINE, 1: ErrorCode.PAST_DEADLINE})
+    with pytest.raises(ApiError) as err:
+        run(pool, arena)
+    assert err.value.status == 429 and err.value.reason == "worker_past_deadline"
     # Both refuse: the 429 after one more try, not a round of every worker
     pool = FakePool({0: ErrorCode.OVERLOADED, 1: ErrorCode.OVERLOADED})
     with pytest.raises(ApiError) as err:
