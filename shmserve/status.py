@@ -125,8 +125,8 @@ def render(cur: Sample, prev: Sample | None, title: str) -> str:
 def snapshot(cur: Sample, prev: Sample | None, about: dict | None = None) -> dict:
     """What `render` shows, as numbers (`shmserve status --json`): bytes and counts as
     integers, seconds and rates unformatted, null where unknown; the rates need `prev`.
-    `state` is a word (ready, degraded, loading, unavailable, failing, not_ready, no_answer,
-    nginx_only), `state_text` the table's line; `ready` is GET /ready's body; `about` (the
+    `state` is a word (ready, degraded, loading, unavailable, failing, not_ready, starting,
+    no_answer, nginx_only), `state_text` the table's line; `ready` is GET /ready's body; `about` (the
     version, URL and run directory) goes first."""
     out = {**(about or {}), "state": _state_word(cur), "state_text": _state(cur),
            "ready_code": cur.ready_code, "ready": cur.ready,
@@ -147,6 +147,9 @@ def _state_word(cur: Sample) -> str:
         return "degraded" if word == "degraded" or _frontends_down(cur) else "ready"
     if cur.ready_code == 503:
         return word if word in ("loading", "unavailable", "failing") else "not_ready"
+    if any(p["statename"] == "STARTING" for p in cur.processes
+           if p["name"] == "nginx" or p["name"].startswith("frontend-")):
+        return "starting"  # just after `up`: "stuck or gone" misled (an outside check)
     return "no_answer" if cur.ready_code is None else "nginx_only"
 
 
@@ -158,6 +161,7 @@ _STATE_TEXT = {
     "unavailable": "unavailable (some model has no ready worker)",
     "failing": "failing (a worker's models fail to load: see below, and its log)",
     "not_ready": "not ready",
+    "starting": "starting (nginx or a frontend is starting: `shmserve up --wait` waits for it)",
     "no_answer": "no answer through nginx (nginx, or every frontend, is stuck or gone: see the "
                  "table)",
     "nginx_only": "nginx answers {code}: no frontend answered it",

@@ -129,6 +129,13 @@ def test_json_holds_the_tables_figures_unformatted():
                              (None, None, "no_answer"), (502, None, "nginx_only")):
         odd = status.Sample(cur.at, cur.processes, code, {**READY, "status": word}, cur.metrics)
         assert status.snapshot(odd, None)["state"] == want
+    # Just after `up`: nginx or a frontend still starting, not "stuck or gone" (an outside check)
+    starting = [{**p, "statename": "STARTING"} if p["name"] == "frontend-0" else p
+                for p in cur.processes]
+    for code in (None, 502):
+        early = status.Sample(cur.at, starting, code, {}, cur.metrics)
+        assert status.snapshot(early, None)["state"] == "starting"
+        assert status.render(early, None, "t").startswith("t: starting (nginx or a frontend")
     assert snap["inference_requests_per_s"] == {"total": 20.0, "by_model": {"m": 20.0}}
     assert "inference_requests_per_s" not in status.snapshot(cur, None)
     out = io.StringIO()
