@@ -23,7 +23,8 @@ import numpy as np
 
 from frontend import metrics
 from frontend.errors import ApiError
-from frontend.links import Stopped, WorkerClosed, WorkerGone, consume, did_not_load
+from frontend.links import (Stopped, WorkerClosed, WorkerGone, WorkerLink, consume,
+                            did_not_load)
 from frontend.pool import WorkerPool
 from frontend.tokenizer import Encoded
 from shmserve.arena import Arena, ArenaFull, ShmFull
@@ -87,13 +88,6 @@ class Dispatcher:
         """`per_token`: a row for every token (Submit.per_token), not one a text. `raw`: an
         embedding model's rows without its own normalisation (Submit.raw)."""
         n = int(enc.offsets[-1]) if per_token else enc.offsets.shape[0] - 1
-        if not self.pool.ready_links(model):
-            why, retry_in = did_not_load(self.pool.links, model)
-            if why:  # answered at once, not after frontends.no_worker_wait_s
-                raise ApiError("unavailable", f"model {model!r} did not load ({why}); its "
-                               "workers serve their other models, and try it again",
-                               retry_after=max(1, math.ceil(retry_in)), code="model_not_loaded",
-                               reason="model_not_loaded")
         if n * dim * 4 > (most := self.arena.size // OUTPUT_SHARE):
             rows = "tokens" if per_token else "texts"
             raise ApiError("too_large", f"{n} {rows} x {dim} floats of output take "
@@ -126,9 +120,8 @@ class Dispatcher:
             lost = unready = 0
             attempt = 0
             while True:
-                link = await self.pool.wait_for_worker(
-                    model, min(self.cfg.frontends.no_worker_wait_s, deadline - time.time()),
-                    avoid=refused)
+                link = self.pool.pick(model, refused) or await self._wait_for_worker(
+                    model, deadline, refused)
                 if link is None:
                     if time.time() >= deadline:
                         raise ApiError("timeout", "deadline passed waiting for a worker")
@@ -212,6 +205,20 @@ class Dispatcher:
                 return Outcome(vectors, reply, link.index, received, attempt)
         finally:
             _release(leases)
+
+    async def _wait_for_worker(self, model: str, deadline: float,
+                               refused: WorkerLink | None) -> WorkerLink | None:
+        """No worker ready for `model` now: wait for one (frontends.no_worker_wait_s), unless
+        it did not load on the workers that host it (answered at once, saying why)."""
+        why, retry_in = did_not_load(self.pool.links, model)
+        if why:
+            raise ApiError("unavailable", f"model {model!r} did not load ({why}); its workers "
+                           "serve their other models, and try it again",
+                           retry_after=max(1, math.ceil(retry_in)), code="model_not_loaded",
+                           reason="model_not_loaded")
+        return await self.pool.wait_for_worker(
+            model, min(self.cfg.frontends.no_worker_wait_s, deadline - time.time()),
+            avoid=refused)
 
     def _alloc(self, nbytes: int) -> tuple[Lease, int]:
         try:

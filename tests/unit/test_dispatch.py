@@ -36,10 +36,13 @@ class FakePool:
         self.held = []  # the on_settled of requests a silent worker still holds
         self._seq = 0
 
-    async def wait_for_worker(self, model: str, timeout: float, avoid=None):
+    def pick(self, model: str, avoid=None):
         # the lowest index first, as idle workers go round; `avoid` last
         ready = sorted(self.ready_links(model), key=lambda link: link is avoid)
         return ready[0] if ready else None
+
+    async def wait_for_worker(self, model: str, timeout: float, avoid=None):
+        return self.pick(model, avoid)
 
     def ready_links(self, model: str):
         return [link for link in self.links if link.ready]
