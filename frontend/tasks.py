@@ -301,8 +301,9 @@ def request_priority(request: web.Request, body: int | None, default: int) -> in
 
 
 # A decimal number in ASCII, with an exponent if any (shmserve.client sends 1e-06 for a
-# microsecond): float() alone also reads "1_0" and other scripts' digits.
-_SECONDS = re.compile(r"([0-9]{1,9}(\.[0-9]{0,9})?|\.[0-9]{1,9})([eE][+-]?[0-9]{1,3})?")
+# microsecond): float() alone also reads "1_0" and other scripts' digits. A leading "+" is
+# taken, as X-Priority takes it (an outside check found "+1" taken there, "+5" refused here).
+_SECONDS = re.compile(r"\+?([0-9]{1,9}(\.[0-9]{0,9})?|\.[0-9]{1,9})([eE][+-]?[0-9]{1,3})?")
 
 
 def once(request: web.Request, name: str) -> str | None:

@@ -74,7 +74,7 @@ def test_a_deadline_stays_under_nginxs_read_timeout(header, proxy, deadline):
 
 
 @pytest.mark.parametrize("header", ["١٠", "1_0", "0x10", "nan", "inf", "-1", "0", "3601", "",
-                                    "10s", "1e4", "1e"])
+                                    "10s", "1e4", "1e", "++5", "+-5", "+"])
 def test_a_deadline_header_is_ascii_decimal_seconds(header):
     """float() reads other scripts' digits and underscores (an outside check: "١٠" and "1_0"
     were taken as 10 s)."""
@@ -93,7 +93,8 @@ def test_a_deadline_header_is_ascii_decimal_seconds(header):
 
 
 @pytest.mark.parametrize("header,seconds", [("10", 10.0), ("2.5", 2.5), (".5", 0.5), ("1e1", 10.0),
-                                            ("1e-06", 1e-06), (" 3 ", 3.0), ("3600", 3600.0)])
+                                            ("1e-06", 1e-06), (" 3 ", 3.0), ("3600", 3600.0),
+                                            ("+5", 5.0)])
 def test_a_deadline_header_in_seconds_as_clients_write_them(header, seconds):
     """shmserve.client writes a microsecond as 1e-06 (str of a float)."""
     from frontend.app import CONFIG
