@@ -366,6 +366,10 @@ class TextEncoder:
                                f"model {self.name!r} puts around every text: send ids as it "
                                "gives them for a text (POST /tokenize), else the vector is no "
                                f"text's{hint}", param=param)
+            if len(row) == len(head) + len(tail):  # an empty text's ids: refused as "" is
+                raise ApiError("invalid_request", f"'{param}[{i}]' holds no token between "
+                               f"{head} and {tail}: an empty text, which is refused",
+                               param=param)
             if len(row) > self.max_tokens:
                 if not truncate:
                     raise ApiError("too_large", f"'{param}[{i}]' has {len(row)} tokens; the "

@@ -185,7 +185,7 @@ def test_embed_all_refusals(tiny_stack, body, status, param):
     ({"inputs": TEXTS, "normalize": "no"}, "normalize"),
     ({"inputs": TEXTS, "prompt_name": "passage"}, "prompt_name"),  # tiny has only "query"
     ({"inputs": TEXTS, "prompt_name": 3}, "prompt_name"),
-    ({"inputs": [[101, 102]], "prompt_name": "query"}, "prompt_name"),  # ids are as given
+    ({"inputs": [[101, 2088, 102]], "prompt_name": "query"}, "prompt_name"),  # ids as given
     ({"inputs": TEXTS, "truncation_direction": "up"}, "truncation_direction"),
     ({"inputs": TEXTS, "dimensions": 64}, "dimensions"),
     ({"inputs": []}, "inputs"),
