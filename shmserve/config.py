@@ -344,12 +344,15 @@ def api_keys(cfg: Config) -> tuple[str, ...]:
         path = Path(cfg.auth.api_keys_file)
         path = path if path.is_absolute() else REPO_ROOT / path
         try:
-            lines = path.read_bytes().removeprefix(b"\xef\xbb\xbf").decode().splitlines()
+            raw = path.read_bytes()
+            lines = raw.removeprefix(b"\xef\xbb\xbf").decode().splitlines()
         except OSError as exc:
             raise ConfigError(f"auth.api_keys_file: cannot read {path}: {exc.strerror}") from None
         except UnicodeDecodeError:  # PowerShell's `>` writes UTF-16: a traceback, before
-            raise ConfigError(f"auth.api_keys_file: {path} is not UTF-8 text (UTF-16, as "
-                              "PowerShell writes?); save it as UTF-8") from None
+            utf16 = raw[:2] in (b"\xff\xfe", b"\xfe\xff") or b"\x00" in raw[:64]
+            raise ConfigError(f"auth.api_keys_file: {path} is not UTF-8 text"
+                              + (" (UTF-16, as PowerShell writes?)" if utf16 else "")
+                              + "; save it as UTF-8") from None
         found = [line.strip() for line in lines
                  if line.strip() and not line.strip().startswith("#")]
         if not found:

@@ -97,7 +97,10 @@ def test_api_keys_from_the_config_and_a_file(tmp_path):
     cfg = config.load(environ={"SHMSERVE__AUTH__API_KEYS_FILE": str(keys)})
     assert config.api_keys(cfg) == ("bom-key-1234",)
     keys.write_bytes("utf16-key-1234\n".encode("utf-16"))
-    with pytest.raises(ConfigError, match="is not UTF-8 text"):
+    with pytest.raises(ConfigError, match=r"is not UTF-8 text \(UTF-16, as PowerShell"):
+        config.load(environ={"SHMSERVE__AUTH__API_KEYS_FILE": str(keys)})
+    keys.write_bytes("clé-1234-latin\n".encode("latin-1"))  # not UTF-16: not said to be
+    with pytest.raises(ConfigError, match=r"is not UTF-8 text; save it as UTF-8"):
         config.load(environ={"SHMSERVE__AUTH__API_KEYS_FILE": str(keys)})
 
 
