@@ -172,10 +172,13 @@ async def observe(request: web.Request, handler) -> web.StreamResponse:
 def no_route(request: web.Request) -> str:
     """A 404's message: the path, the route it likely meant (a base URL with or without /v1:
     the openai client given one without it, or a TEI client given one with it, got a bare
-    "Not Found"), and where the routes are listed."""
+    "Not Found"; or with a slash doubled by a base URL's trailing one), and where the routes
+    are listed."""
     path = request.rel_url.raw_path  # as sent: "/v1%2Fembeddings" is not /v1/embeddings
     known = {resource.canonical for resource in request.app.router.resources()}
-    guesses = ("/v1" + path, path[3:] if path.startswith("/v1/") else "", path.rstrip("/"))
+    merged = re.sub("/{2,}", "/", path)  # a base URL ending in "/" ("//v1/embeddings")
+    guesses = ("/v1" + path, path[3:] if path.startswith("/v1/") else "", path.rstrip("/"),
+               merged, merged.rstrip("/"), "/v1" + merged)
     guess = next((g for g in guesses if g and g != path and g in known), None)
     shown = path if len(path) <= 200 else path[:200] + "..."
     return (f"no route {shown}" + (f"; did you mean {guess}?" if guess else "")

@@ -132,7 +132,10 @@ def test_unknown_route_and_method(tiny_stack):
     assert error_of(raw)["message"] == "no route /nope (GET /openapi.json lists the routes)"
     # A base URL without /v1 (or with one too many): the route it likely meant.
     for path, meant in (("/embeddings", "/v1/embeddings"), ("/v1/v1/embeddings", "/v1/embeddings"),
-                        ("/v1/predict", "/predict")):
+                        ("/v1/predict", "/predict"),
+                        # a base URL ending in "/": nginx routes it, the frontend does not
+                        ("//v1/embeddings", "/v1/embeddings"), ("/v1//embeddings",
+                                                                "/v1/embeddings")):
         status, _, err = tiny_stack.post_json(path, {"input": "x"})
         assert status == 404 and f"did you mean {meant}?" in err["error"]["message"], err
     # An encoded slash is not a slash (no route matched): the message says the path as sent,
