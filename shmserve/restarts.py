@@ -145,7 +145,8 @@ def config_drift(args: argparse.Namespace, running: Config,
         said.append(f"config files `up` did not read (new to this deployment): "
                     f"{', '.join(new)}")
     return (f"{'. '.join(s[0].upper() + s[1:] for s in said)}. `restart` keeps the running "
-            "config; to apply the new one: `shmserve apply` (with the same overrides)")
+            "config; to apply the new one: `shmserve apply` (with the same overrides; "
+            "`apply --dry-run` lists the keys that differ)")
 
 
 def files_since_up(running: Config, given: list[Path]) -> tuple[list[str], list[str]]:

@@ -101,6 +101,7 @@ def test_restart_names_the_files_up_read_that_were_edited_since(tmp_path):
     mine.write_text("batching:\n  max_wait_ms: 3\nfrontends: {count: 3}\n")
     said = restarts.config_drift(args, running, later)
     assert f"Config files edited or removed since `up` read them: {mine.resolve()}" in said
+    assert said.endswith("`apply --dry-run` lists the keys that differ)"), said
     other = tmp_path / "other.yaml"
     other.write_text("{}\n")
     said = restarts.config_drift(argparse.Namespace(env=None, config=str(other)), running,
