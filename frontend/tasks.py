@@ -27,7 +27,7 @@ from aiohttp import web
 
 from frontend import codec, metrics, schemas
 from frontend.app import (CHOSEN, CONFIG, DISPATCHER, INDEX, INFLIGHT, LOG_FIELDS, MODEL_NAME,
-                          MODELS, PINNED, REPLIED_AT, REQUEST_ID, REVISION, SPLITS, STAGES,
+                          MODELS, PINNED, POOL, REPLIED_AT, REQUEST_ID, REVISION, SPLITS, STAGES,
                           TIMEOUT_S, TOKENIZE_AT, TOKENIZE_MS, VARIANT, ServedModel)
 from frontend.dispatch import Outcome
 from frontend.errors import ApiError
@@ -169,7 +169,8 @@ async def run(request: web.Request, served: ServedModel,
     cfg = request.app[CONFIG]
     request[MODEL_NAME] = served.spec.name
     variant = request.get(PINNED) or request.app[SPLITS].choose(
-        served.spec.name, served.variants, sticky_key(request, served, user))
+        served.spec.name, served.variants, sticky_key(request, served, user),
+        request.app[POOL].ready_links)
     seconds, deadline_by = timeout(request, cfg.frontends.request_timeout_s)
     deadline = time.time() + seconds
     priority = request_priority(request, priority, cfg.frontends.default_priority)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import random
 from dataclasses import dataclass
+from typing import Callable
 
 from shmserve.models import ModelSpec
 from shmserve.state import Watch
@@ -76,7 +77,12 @@ class Splits:
             return [chosen[v.name] for v in variants]
         return [v.weight for v in variants]
 
-    def choose(self, model: str, variants: tuple[Variant, ...], key: str | None) -> Variant:
+    def choose(self, model: str, variants: tuple[Variant, ...], key: str | None,
+               serving: Callable[[str], object] = lambda unit: True) -> Variant:
+        """The arm a request goes to: by the weights, sticky on `key` where one is given. An
+        arm no worker serves now (`serving(unit)` falsy: its workers restarting, or its model
+        not loaded) gives its share to the arms that are served, so its requests are answered
+        by another arm (X-Model-Variant names it) rather than refused 503."""
         if len(variants) == 1:
             return variants[0]
         if key is not None:
@@ -85,4 +91,9 @@ class Splits:
             u = self._points.get(model)
             u = random.random() if u is None else (u + _STEP) % 1.0
             self._points[model] = u
-        return variants[bucket(self.weights(model, variants), u)]
+        weights = self.weights(model, variants)
+        chosen = variants[bucket(weights, u)]
+        if serving(chosen.unit):
+            return chosen
+        served = [w if w > 0 and serving(v.unit) else 0.0 for v, w in zip(variants, weights)]
+        return variants[bucket(served, u)] if any(served) else chosen

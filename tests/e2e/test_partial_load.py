@@ -18,15 +18,19 @@ ADMIN = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
 
 def test_a_model_that_does_not_load_leaves_the_others_served(tmp_path, tiny_model):
     roots = tmp_path / "models"
-    good, bad, mended = roots / "tiny", roots / "second", roots / "second-v2"
-    for each in (good, bad, mended):
+    good, bad, mended, arm = (roots / "tiny", roots / "second", roots / "second-v2",
+                              roots / "split-b")
+    for each in (good, bad, mended, arm):
         shutil.copytree(tiny_model, each)
     overrides = tiny_overrides(tiny_model, frontends={"count": 1}, workers={"cpu_workers": 1},
                                admin={"token": TOKEN})
     overrides["model_roots"] = [str(roots)]
     first = {**overrides["models"][0], "source": str(good)}
     overrides["models"] = [first, {**first, "name": "second", "aliases": [], "source": str(bad),
-                                   "revision": "second-r1"}]
+                                   "revision": "second-r1"},
+                           {"name": "split", "variants": [
+                               {"name": "a", "source": str(good), "revision": "a1"},
+                               {"name": "b", "source": str(arm), "revision": "b1"}]}]
     stack = Stack(tmp_path / "s", overrides)
     stack.up()
     try:
@@ -41,6 +45,7 @@ def test_a_model_that_does_not_load_leaves_the_others_served(tmp_path, tiny_mode
         vector = body["data"][0]["embedding"]
 
         saved = widen(bad / "model.safetensors")
+        arm_saved = widen(arm / "model.safetensors")
         pid = stack.pid("workers:worker-0")
         done = stack.cli("restart", "worker-0", check=False, timeout=200)
         # The restart says so and stops there (a rolling restart would have taken the model
@@ -63,14 +68,18 @@ def test_a_model_that_does_not_load_leaves_the_others_served(tmp_path, tiny_mode
         assert "did not load" in error["message"] and "[30522, 33]" in error["message"], error
         assert int(headers["Retry-After"]) >= 1
         assert took < 2.0, took
+        # A split whose arm did not load: the other arm answers its share meanwhile.
+        variants = {embed("split")[1]["X-Model-Variant"] for _ in range(10)}
+        assert variants == {"a"}, variants
+        (arm / "model.safetensors").write_bytes(arm_saved)  # mended: loaded at its next try
 
         status, _, body = stack.get("/ready")
         ready = json.loads(body)
         assert (status, ready["status"]) == (503, "failing"), ready
         worker = ready["workers"][0]
         assert worker["ready"] and worker["load_error"] is None, worker
-        [unloaded] = worker["unloaded"]
-        assert unloaded["model"] == "second" and unloaded["failures"] >= 1, unloaded
+        [unloaded] = [u for u in worker["unloaded"] if u["model"] == "second"]
+        assert unloaded["failures"] >= 1, unloaded
         assert "[30522, 33]" in unloaded["error"]
 
         status, _, body = stack.get("/admin/models", ADMIN)
@@ -100,8 +109,9 @@ def test_a_model_that_does_not_load_leaves_the_others_served(tmp_path, tiny_mode
         stack.wait_until(lambda: embed("second")[0] == 200, 30, "second served from v2")
         assert time.monotonic() - started < 15  # not the 30 s of a long wait
         assert np.allclose(embed("second")[2]["data"][0]["embedding"], vector, atol=1e-6)
-        stack.wait_until(lambda: stack.get("/ready")[0] == 200, 10, "ready")
+        stack.wait_until(lambda: stack.get("/ready")[0] == 200, 40, "ready")
         assert stack.pid("workers:worker-0") == pid
+        assert {embed("split")[1]["X-Model-Variant"] for _ in range(10)} == {"a", "b"}
 
         # `up --wait` stops at its third failed load, saying so; what loaded is served.
         stack.down()
@@ -122,7 +132,7 @@ def test_a_model_that_does_not_load_leaves_the_others_served(tmp_path, tiny_mode
         stack.wait_until(lambda: stack.get("/ready")[0] == 200, 10, "ready")
         assert stack.pid("workers:worker-0") == pid
         failed = [line for line in stack.log_lines("worker-0")
-                  if line.get("message") == "worker.load_failed"]
+                  if line.get("message") == "worker.load_failed" and line["pid"] == pid]
         assert failed and all(line["model"] == "second" for line in failed), failed
         assert [line["retry_in_s"] for line in failed[-3:]] == [1.0, 2.0, 4.0], failed
     finally:

@@ -47,6 +47,26 @@ def test_sticky_keys_are_stable_and_spread(cfg):
     assert sticky_point("m", "x") == sticky_point("m", "x") != sticky_point("other", "x")
 
 
+def test_an_arm_no_worker_serves_gives_its_share_to_the_served_ones(cfg):
+    """Its workers restarting, or its model not loaded (gpu_workers.loading.Retries): its
+    requests go to an arm that is served (X-Model-Variant names it), not to a 503; sticky keys
+    of the served arms keep theirs, and come back once it is served again."""
+    splits = Splits(state.Watch(cfg))
+    down = {"m@b"}
+    serving = lambda unit: unit not in down  # noqa: E731
+    assert Counter(splits.choose("m", VARIANTS, None, serving).name
+                   for _ in range(200)) == {"a": 200}
+    keys = [f"user-{i}" for i in range(200)]
+    before = {key: splits.choose("m", VARIANTS, key).name for key in keys}
+    during = {key: splits.choose("m", VARIANTS, key, serving).name for key in keys}
+    assert set(during.values()) == {"a"}
+    assert all(during[k] == "a" for k in keys if before[k] == "a")
+    down.add("m@a")  # none served: the weights' choice (the dispatcher says why it fails)
+    assert {splits.choose("m", VARIANTS, key, serving).name for key in keys} == {"a", "b"}
+    down.clear()
+    assert {key: splits.choose("m", VARIANTS, key, serving).name for key in keys} == before
+
+
 def test_admin_weights_in_the_state_file_win_and_are_reread(cfg):
     watch = state.Watch(cfg)
     splits = Splits(watch)
