@@ -231,23 +231,37 @@ def test_nginx_says_whether_an_answer_reached_the_client_whole(stack):
     import struct
 
     body = json.dumps({"inputs": ["word " * 60] * 64}).encode()  # ~1.3 MB of JSON rows
-    with socket.socket() as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # nginx cannot run ahead
-        sock.connect(("127.0.0.1", stack.port))
-        sock.sendall(b"POST /embed_all HTTP/1.1\r\nHost: x\r\nX-Request-ID: cut-short\r\n"
-                     b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n"
-                     % len(body) + body)
-        assert sock.recv(1024).startswith(b"HTTP/1.1 200 ")
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # RST
-    assert stack.post_json("/predict", {"texts": ["whole"]}, {"X-Request-ID": "whole"})[0] == 200
 
-    def lines():
-        found = {l["request_id"]: l for l in log_lines(stack, "nginx")
-                 if l.get("request_id") in ("cut-short", "whole")}
-        return found if len(found) == 2 else None
-    stack.wait_until(lines, 30, "both access lines")
-    cut, whole = lines()["cut-short"], lines()["whole"]
-    assert cut["status"] == 200 and cut["completed"] is False, cut
+    def cut_short(request_id: str) -> dict:
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # nginx cannot run ahead
+            sock.connect(("127.0.0.1", stack.port))
+            sock.sendall(b"POST /embed_all HTTP/1.1\r\nHost: x\r\nX-Request-ID: %s\r\n"
+                         b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+                         % (request_id.encode(), len(body)) + body)
+            assert sock.recv(1024).startswith(b"HTTP/1.1 200 ")
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # RST
+        return access_line(request_id)
+
+    def access_line(request_id: str) -> dict:
+        found: list = []
+        stack.wait_until(lambda: found.extend(l for l in log_lines(stack, "nginx")
+                                              if l.get("request_id") == request_id) or found,
+                         30, f"{request_id}'s access line")
+        return found[0]
+
+    # The answer (~1.3 MB) fits nginx's socket send buffer (up to 4 MB on loopback): where
+    # nginx had written it all there before the reset, it rightly counts it completed (seen
+    # once in a loaded suite). So up to three tries for a cut one.
+    tried = []
+    for n in range(3):
+        tried.append(cut_short(f"cut-short-{n}"))
+        if tried[-1]["completed"] is False:
+            break
+    assert all(line["status"] == 200 for line in tried), tried
+    assert any(line["completed"] is False for line in tried), tried
+    assert stack.post_json("/predict", {"texts": ["whole"]}, {"X-Request-ID": "whole"})[0] == 200
+    whole = access_line("whole")
     assert whole["status"] == 200 and whole["completed"] is True, whole
 
 
