@@ -83,14 +83,10 @@ async def _reload_hosts(app: web.Application, served, variant: Variant, source: 
             if failed:
                 await asyncio.get_running_loop().run_in_executor(
                     None, refuse_an_unservable, cfg, variant, source)
-            if serving:
-                answer = await _reload(app, serving, model, variant, source, revision, digest)
-            else:
-                state.update(cfg, lambda tree: tree["sources"].__setitem__(variant.unit, {
-                    "source": source or current_source(cfg, variant.unit),
-                    "revision": revision}))
-                answer = {"model": model, **({"variant": variant.name} if variant.name else {}),
-                          "revision": revision or digest or None, "workers": []}
+            if not serving:
+                return await _load_where_failed(app, failed, model, variant, source, revision,
+                                                digest)
+            answer = await _reload(app, serving, model, variant, source, revision, digest)
     except state.Busy:
         raise ApiError("conflict", f"a reload of {locked} is already in progress (another "
                        "admin call); the served revision is unchanged by this one") from None
@@ -102,6 +98,60 @@ async def _reload_hosts(app: web.Application, served, variant: Variant, source: 
                     f"in {retry_in:g} s"}
         for link in failed], key=lambda w: w["worker"])
     return answer
+
+
+async def _load_where_failed(app: web.Application, failed: list[WorkerLink], model: str,
+                             variant: Variant, source: str, revision: str,
+                             digest: str | None) -> dict:
+    """Every worker hosting `variant` failed to load it, so none can stage the new weights and
+    check them: the run state records the source, which they load at once (Retries), and the
+    call waits (admin.reload_timeout_s) until each serves it or fails it. A source one of them
+    could not load is taken out of the run state again (422, its error), as a staged reload's
+    would be dropped (it was recorded unchecked, an outside check)."""
+    cfg, unit = app[CONFIG], variant.unit
+    new = source or current_source(cfg, unit)
+    label = revision or digest or await asyncio.get_running_loop().run_in_executor(
+        None, weights_label, new, cfg.model_root_paths) or ""
+    before = state.read(cfg).sources.get(unit)
+    state.update(cfg, lambda tree: tree["sources"].__setitem__(unit, {
+        "source": new, "revision": revision}))
+    deadline = time.monotonic() + cfg.admin.reload_timeout_s
+    while True:
+        outcomes = {link.index: _outcome(link, unit, new, label) for link in failed}
+        if all(outcomes.values()) or time.monotonic() >= deadline:
+            break
+        await asyncio.sleep(0.1)
+    bad = {i: o for i, o in outcomes.items() if o not in ("ok", "")}
+    if bad:
+        def restore(tree: dict) -> None:
+            if before is None:
+                tree["sources"].pop(unit, None)
+            else:
+                tree["sources"][unit] = before
+        state.update(cfg, restore)
+        raise ApiError("invalid_request", f"reload of {unit} failed, nothing changed: "
+                       + "; ".join(f"worker {i}: {o}" for i, o in sorted(bad.items())),
+                       param="source")
+    return {"model": model, **({"variant": variant.name} if variant.name else {}),
+            "revision": label or None,
+            "workers": [{"worker": i, "ok": o == "ok", "revision": label or None,
+                         "message": "loaded" if o == "ok" else
+                         f"still loading after {cfg.admin.reload_timeout_s:g} s "
+                         "(admin.reload_timeout_s); the run state records it, which this worker "
+                         "serves once loaded (GET /ready says when)"}
+                        for i, o in sorted(outcomes.items())]}
+
+
+def _outcome(link: WorkerLink, unit: str, source: str, label: str) -> str:
+    """What worker `link` made of `unit`'s new source, by its heartbeats: "ok" once it serves
+    it (at `label`, where known), its error once a try of `source` failed, "" until either."""
+    beat = link.beat
+    if beat is None or not link.alive:
+        return ""
+    if any(i.name == unit and (not label or i.revision == label) for i in beat.models):
+        return "ok"
+    return next((u.error for u in beat.unloaded if u.model == unit and u.source == source
+                 and u.retry_in_s > 0), "")
 
 
 def refuse_an_unservable(cfg, variant: Variant, source: str) -> None:

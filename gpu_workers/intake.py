@@ -59,8 +59,7 @@ class Intake:
                  metrics: WorkerMetrics, stopping: threading.Event, status: Status) -> None:
         self.cfg = cfg
         self.index = index
-        self.specs = specs
-        self.units = frozenset(specs)
+        self.specs = specs  # the worker's, which a model loaded later joins
         self.metrics = metrics
         self.stopping = stopping
         self.status = status
@@ -170,12 +169,12 @@ class Intake:
         self._look()  # a retry of a killed frontend's request: its queue is let go first
         if not self.status.ready or self.stopping.is_set():
             return Error(msg.seq, ErrorCode.UNAVAILABLE, "worker is loading or draining")
-        if msg.model not in self.units:
-            return Error(msg.seq, ErrorCode.UNKNOWN_MODEL, f"model {msg.model!r} is not served")
         for unloaded in self.status.unloaded:  # (a frontend routes none here: a late one)
             if unloaded.model == msg.model:
                 return Error(msg.seq, ErrorCode.UNAVAILABLE, f"model {msg.model!r} did not "
                              f"load on this worker: {unloaded.error}")
+        if msg.model not in self.specs:  # (a model loaded since its start is: the worker's)
+            return Error(msg.seq, ErrorCode.UNKNOWN_MODEL, f"model {msg.model!r} is not served")
         if (msg.per_token or msg.raw) and self.specs[msg.model].task not in ("embedding", "null"):
             return Error(msg.seq, ErrorCode.INVALID, f"model {msg.model!r} is a "
                          f"{self.specs[msg.model].task} model: no "

@@ -82,11 +82,16 @@ def load_unit(cfg: Config, name: str, spec: ModelSpec, config: ModelConfig,
     except Exception as exc:
         if config == configured:
             raise
+        first = f"{config.source}: {describe(exc)}"
         log.error("worker.reloaded_source_failed", extra={"fields": {
-            "model": name, "source": config.source, "error": f"{type(exc).__name__}: {exc}"}})
+            "model": name, "source": config.source, "error": describe(exc)}})
         config = configured
-        model, tokens, seconds = load_warm(inspect(config, roots=cfg.model_root_paths),
-                                           device, cfg.workers.cuda_graphs, limits)
+        try:
+            model, tokens, seconds = load_warm(inspect(config, roots=cfg.model_root_paths),
+                                               device, cfg.workers.cuda_graphs, limits)
+        except Exception as second:  # both said: a reload's error is the one the caller needs
+            raise ModelSourceError(f"{first}; the config's {config.source} did not load either: "
+                                   f"{describe(second)}") from None
     return config, model, tokens, seconds
 
 
@@ -142,6 +147,31 @@ def log_loaded(name: str, model: Any, device: Any, seconds: float) -> None:
         "switch_interval_ms": round(sys.getswitchinterval() * 1000, 3)}})
 
 
+def on_a_nicer_thread(load: Callable[[], None], nice: int) -> None:
+    """A worker's load at its start (torch's import, the weights, the warm-up: seconds of CPU)
+    on a thread of lower priority (workers.reload_nice), as a reload's is: in a rolling restart
+    or an apply, the workers serving meanwhile share the cores with it. The model thread
+    serves afterwards at its own priority, which a thread cannot get back once lowered. It
+    waits in short joins, so a stop while loading still reaches it (its signal handler)."""
+    from gpu_workers.device import yield_cores
+
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        log.info("worker.loading", extra={"fields": {"nice": yield_cores(nice)}})
+        try:
+            load()
+        except BaseException as exc:  # noqa: BLE001 - raised again on the model thread
+            failure.append(exc)
+
+    loader = threading.Thread(target=run, name="loader", daemon=True)
+    loader.start()
+    while loader.is_alive():
+        loader.join(0.1)
+    if failure:
+        raise failure[0]
+
+
 def describe(exc: BaseException) -> str:
     """An error on one line, for heartbeats (GET /ready) and logs."""
     error = " ".join(str(exc).split())
@@ -155,7 +185,7 @@ class Retried:
 
     name: str
     loaded: tuple[ModelConfig, Any, float] | None
-    error: BaseException | None
+    error: str  # (describe's: not the exception, whose traceback holds what the load built)
 
 
 @dataclass
@@ -188,11 +218,12 @@ class Retries:
     def __bool__(self) -> bool:
         return bool(self._missing)
 
-    def failed(self, name: str, exc: BaseException) -> _Missing:
+    def failed(self, name: str, error: str) -> _Missing:
+        """`error`: describe()'s."""
         old = self._missing.get(name)
         failures = old.failures + 1 if old else 1
         wait = min(2.0 ** (failures - 1), LOAD_BACKOFF_MAX_S)
-        missing = self._missing[name] = _Missing(describe(exc), failures,
+        missing = self._missing[name] = _Missing(error, failures,
                                                  time.monotonic() + wait,
                                                  tried=old.tried if old else None)
         log.warning("worker.load_failed", extra={"fields": {
@@ -213,12 +244,14 @@ class Retries:
 
     def _try(self, name: str) -> None:
         try:
-            self._post(Retried(name, self._load(name), None))
+            loaded = self._load(name)
         except Exception as exc:  # noqa: BLE001 - counted, and tried again later
-            self._post(Retried(name, None, exc))
+            self._post(Retried(name, None, describe(exc)))
+            return
+        self._post(Retried(name, loaded, ""))
 
     def done(self, item: Retried) -> None:
-        if item.error is not None:
+        if item.loaded is None:
             self.failed(item.name, item.error)
         else:
             del self._missing[item.name]
@@ -226,7 +259,8 @@ class Retries:
     def unloaded(self) -> tuple[Unloaded, ...]:
         now = time.monotonic()
         return tuple(Unloaded(name, m.error, m.failures,
-                              0.0 if m.trying else round(max(0.0, m.retry_at - now), 1))
+                              0.0 if m.trying else round(max(0.0, m.retry_at - now), 1),
+                              (m.tried or {}).get("source", ""))
                      for name, m in self._missing.items())
 
 

@@ -5,7 +5,7 @@ Threads:
               model slots and their switches);
   * sockets : `SocketThread`, all ZeroMQ I/O, with `Intake` deciding what arrives (admission,
               aborts, heartbeats and news);
-  * load-*  : one per hot reload, loading and warming new weights (gpu_workers.slots).
+  * load-*, retry-* : a hot reload's new weights, a failed model's (slots, loading.Retries).
 The socket thread hands requests, reloads and commits over through `Intake.inbox` (a
 thread-safe queue), and so do loader threads their outcome; the model thread pushes replies
 back through its own PUSH socket. Every Submit gets exactly one reply, and so does every Reload
@@ -28,8 +28,8 @@ import zmq
 from gpu_workers.batcher import Batch, Limits, form_pass, wait_time
 from gpu_workers.device import DeviceLost, device_lost
 from gpu_workers.intake import Intake, Status
-from gpu_workers.loading import (Retried, Retries, back_off, load_again, load_hosted,
-                                 load_replacement, log_loaded)
+from gpu_workers.loading import (Retried, Retries, back_off, describe, load_again,
+                                 load_hosted, load_replacement, log_loaded, on_a_nicer_thread)
 from gpu_workers.memory import MemoryCare, Policy, TorchAllocator, forward_in_halves
 from gpu_workers.metrics import WorkerMetrics
 from gpu_workers.requests import QueuedText, Request, model_inputs, pass_rows
@@ -37,7 +37,7 @@ from gpu_workers.slots import Built, Orphaned, Slots, hosted_configs
 from gpu_workers.sockets import ANNOUNCE, REPLIES, SocketThread
 from shmserve import state, topology, wire
 from shmserve.config import Config, ModelConfig
-from shmserve.models import ModelSpec, inspect
+from shmserve.models import ModelSourceError, ModelSpec, inspect
 from shmserve.protocol import Commit, Error, ErrorCode, ModelInfo, Reload, Result
 
 log = logging.getLogger("shmserve.worker")
@@ -51,8 +51,16 @@ class Worker:
         self.index = index
         self.limits = Limits.of(cfg.batching)
         self.configs = hosted_configs(cfg, index)
-        self.specs = {name: inspect(c, roots=cfg.model_root_paths)
-                      for name, c in self.configs.items()}
+        # A model whose files do not read (weights deleted, config.json broken) fails its load
+        # as one whose weights do not fit does: the worker serves the others, or waits and
+        # exits (back_off). It exited here at once, before any heartbeat (an outside check).
+        self.specs: dict[str, ModelSpec] = {}
+        self._unreadable: list[tuple[str, Exception]] = []
+        for name, config in self.configs.items():
+            try:
+                self.specs[name] = inspect(config, roots=cfg.model_root_paths)
+            except ModelSourceError as exc:
+                self._unreadable.append((name, exc))
         self.slots: Slots | None = None  # once the device is known
         self.device: Any = None
         self.status = Status(tuple(ModelInfo(s.name, s.task, s.dim, s.max_tokens, s.dtype, "",
@@ -88,7 +96,7 @@ class Worker:
                                   fallback=w.cpu_fallback)
         self.slots = Slots(self._build, self._release, self.intake.inbox.put,
                            self.cfg.admin.reload_timeout_s, self.metrics.reconciled)
-        failures: list[tuple[str, Exception]] = []
+        failures, self._unreadable = self._unreadable, []
         for name, outcome in load_hosted(self.cfg, self.index, self.specs, self.configs,
                                          self.device, self.limits, self.intake.backlog.seed):
             if isinstance(outcome, Exception):
@@ -101,7 +109,10 @@ class Worker:
                                                  device=self.device, limits=self.limits),
                                self.intake.inbox.put, self.metrics.load_failed)
         for name, exc in failures:  # some did: it serves them, and tries these again
-            self.retries.failed(name, exc)
+            self.retries.failed(name, describe(exc))
+        if failures:
+            failures.clear()  # (their tracebacks held what those loads had built)
+            self._release()
         self.status.unloaded = self.retries.unloaded()
         self.status.device_label = device_name(self.device)
         self.status.infos = self.slots.infos()
@@ -118,38 +129,18 @@ class Worker:
         self.metrics.model_loaded(name, spec.revision, spec.dtype, str(self.device))
 
     def _retried(self, item: Retried) -> None:
-        """A retry's outcome (model thread): the model served from now on, or its wait again."""
-        if item.loaded is not None:
-            self._slots_do(lambda: self._add(item.name, *item.loaded) or [])
-        else:
+        """A retry's outcome (model thread): the model served from now on (off the unloaded
+        before _slots_do announces it: a heartbeat with it in both read as "degraded" until
+        the next, an outside check), or its wait again."""
+        def done() -> list:
+            if item.loaded is not None:
+                self._add(item.name, *item.loaded)
+            self.retries.done(item)
+            self.status.unloaded = self.retries.unloaded()
+            return []
+        self._slots_do(done)
+        if item.loaded is None:
             self._release()  # what the failed load held
-        self.retries.done(item)
-        self.status.unloaded = self.retries.unloaded()
-
-    def _load_yielding(self) -> None:
-        """The load at start (torch's import, the weights, the warm-up: seconds of CPU) on a
-        thread of lower priority (workers.reload_nice), as a reload's is: in a rolling restart
-        or an apply, the workers serving meanwhile share the cores with it. The model thread
-        serves afterwards at its own priority, which a thread cannot get back once lowered. It
-        waits in short joins, so a stop while loading still reaches it (its signal handler)."""
-        from gpu_workers.device import yield_cores
-
-        failure: list[BaseException] = []
-
-        def load() -> None:
-            log.info("worker.loading", extra={"fields": {
-                "nice": yield_cores(self.cfg.workers.reload_nice)}})
-            try:
-                self.load()
-            except BaseException as exc:  # noqa: BLE001 - raised again on the model thread
-                failure.append(exc)
-
-        loader = threading.Thread(target=load, name="loader", daemon=True)
-        loader.start()
-        while loader.is_alive():
-            loader.join(0.1)
-        if failure:
-            raise failure[0]
 
     def _release(self) -> None:
         """After a reload or an unload dropped a model: its memory back to the device."""
@@ -179,7 +170,7 @@ class Worker:
         # Heartbeats answer from now on: a hang is the frontends' to see (workers.hung_kill_s)
         faulthandler.cancel_dump_traceback_later()  # workers.start_timeout_s (gpu_workers.__main__)
         try:
-            self._load_yielding()
+            on_a_nicer_thread(self.load, self.cfg.workers.reload_nice)
         except Exception as exc:
             back_off(self.cfg, self.index, exc, self.status, self.stopping)
             raise  # the process exits (worker.failed); supervisord starts it again

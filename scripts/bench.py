@@ -252,6 +252,7 @@ def stack_info(url: str, what: str) -> dict:
             raise KeyError("frontends, workers, limits, models[0].name and .dtype")
         return info
     except urllib.error.HTTPError as exc:
+        exc.close()  # (its unread answer held a socket: a ResourceWarning when collected)
         hint = (" (a key: SHMSERVE_API_KEY)" if exc.code == 401 else
                 ": not a shmserve stack (--url measures one; any OpenAI-compatible server "
                 "goes in --compare)" if exc.code == 404 else "")

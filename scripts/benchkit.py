@@ -331,7 +331,8 @@ def probe(url: str, what: str) -> None:
     try:
         fetch_vectors(url, ["a probe before the windows"])
     except urllib.error.HTTPError as exc:
-        body = exc.read(4096).decode(errors="replace")
+        with exc:  # (an answer not read to its end held a socket until collected)
+            body = exc.read(4096).decode(errors="replace")
         hint = (" (a key: SHMSERVE_API_KEY)" if exc.code == 401 else
                 f" (the URL is the server's root: {url}/v1/embeddings is asked)"
                 if exc.code == 404 and not _about_the_model(body) else "")

@@ -131,6 +131,7 @@ class Unloaded:
     error: str
     failures: int  # in a row, in this process
     retry_in_s: float  # from the heartbeat; 0: being tried now
+    source: str = ""  # the run state's source it last tried (a reload's); "": the config's
 
 
 @dataclass(frozen=True, slots=True)

@@ -126,8 +126,8 @@ def snapshot(cur: Sample, prev: Sample | None, about: dict | None = None) -> dic
     """What `render` shows, as numbers (`shmserve status --json`): bytes and counts as
     integers, seconds and rates unformatted, null where unknown; the rates need `prev`.
     `state` is a word (ready, degraded, loading, unavailable, failing, not_ready, starting,
-    no_answer, nginx_only), `state_text` the table's line; `ready` is GET /ready's body; `about` (the
-    version, URL and run directory) goes first."""
+    no_answer, nginx_only), `state_text` the table's line; `ready` is GET /ready's body;
+    `about` (the version, URL and run directory) goes first."""
     out = {**(about or {}), "state": _state_word(cur), "state_text": _state(cur),
            "ready_code": cur.ready_code, "ready": cur.ready,
            "processes": processes_of(cur), "workers": workers_of(cur, prev)}
@@ -147,11 +147,16 @@ def _state_word(cur: Sample) -> str:
         return "degraded" if word == "degraded" or _frontends_down(cur) else "ready"
     if cur.ready_code == 503:
         return word if word in ("loading", "unavailable", "failing") else "not_ready"
-    if any(p["statename"] == "STARTING" for p in cur.processes
-           if p["name"] == "nginx" or p["name"].startswith("frontend-")):
-        return "starting"  # just after `up`: "stuck or gone" misled (an outside check)
+    if any(p["statename"] == "STARTING" or (p["statename"] == "RUNNING" and p.get("start")
+                                              and p["now"] - p["start"] < STARTING_S)
+           for p in cur.processes if p["name"] == "nginx" or p["name"].startswith("frontend-")):
+        # just after `up`: "stuck or gone" misled (an outside check); nginx's program is
+        # RUNNING while it waits for a frontend's socket before it starts nginx itself
+        return "starting"
     return "no_answer" if cur.ready_code is None else "nginx_only"
 
+
+STARTING_S = 10  # nginx or a frontend up this long and not answering is not just starting
 
 # Each state word's line in the table's title.
 _STATE_TEXT = {

@@ -56,6 +56,7 @@ class Load:
                 with urllib.request.urlopen(req, timeout=30) as resp:
                     outcome = self.outcome(resp, started)
             except urllib.error.HTTPError as exc:
+                exc.close()
                 outcome = self.failure(str(exc.code), started)
             except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:
                 outcome = self.failure(f"conn:{type(getattr(exc, 'reason', exc)).__name__}",

@@ -136,6 +136,13 @@ def test_json_holds_the_tables_figures_unformatted():
         early = status.Sample(cur.at, starting, code, {}, cur.metrics)
         assert status.snapshot(early, None)["state"] == "starting"
         assert status.render(early, None, "t").startswith("t: starting (nginx or a frontend")
+    # ... or RUNNING for under STARTING_S (nginx's program waits for a frontend's socket)
+    for started, want in ((5, "starting"), (60, "no_answer")):
+        young = [{**p, "start": p["now"] - started, "statename": "RUNNING"}
+                 if p["name"] == "nginx" else
+                 {**p, "start": p["now"] - 3600} for p in cur.processes]
+        early = status.Sample(cur.at, young, None, {}, cur.metrics)
+        assert status.snapshot(early, None)["state"] == want, (started, young)
     assert snap["inference_requests_per_s"] == {"total": 20.0, "by_model": {"m": 20.0}}
     assert "inference_requests_per_s" not in status.snapshot(cur, None)
     out = io.StringIO()
