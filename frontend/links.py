@@ -81,7 +81,6 @@ def did_not_load(links: list[WorkerLink], model: str) -> tuple[str, float]:
     return why, min((u.retry_in_s for _, u in failed), default=0.0)
 
 
-
 def dealer(ctx: zmq.asyncio.Context, endpoint: str) -> zmq.asyncio.Socket:
     """A frontend's socket to one worker, connected to `endpoint`."""
     sock = ctx.socket(zmq.DEALER)

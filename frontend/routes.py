@@ -217,8 +217,8 @@ def diverged(link) -> list[str]:
 def readiness(pool: WorkerPool, models: Models) -> str:
     """GET /ready's status. ready: every worker is, with every model it hosts. loading: not
     every configured worker has been ready once since the deployment started. degraded (200):
-    some worker is lost or restarting, but every served model (each arm of an A/B split) has a
-    ready worker, so requests succeed; a rolling restart does not take the pod out of a
+    some worker is lost or restarting, but every served model (an A/B split: one of its arms)
+    has a ready worker, so requests succeed; a rolling restart does not take the pod out of a
     readiness probe. unavailable (503): some model has no ready worker. failing (503): as
     loading or unavailable, where a worker not ready has failed to load its models, or a ready
     one some of them (the worker entries name the error). Also degraded: every worker ready,
@@ -230,8 +230,9 @@ def readiness(pool: WorkerPool, models: Models) -> str:
     failing = unloaded or any(link.load_error and not link.ready for link in pool.links)
     if not pool.started:
         return "failing" if failing else "loading"
-    if all(pool.ready_links(v.unit) for model in models.by_name.values()
-           for v in model.variants):
+    # (a split's arm without one gives its share to the others: frontend.variants)
+    if all(any(pool.ready_links(v.unit) for v in model.variants)
+           for model in models.by_name.values()):
         return "degraded"
     return "failing" if failing else "unavailable"
 

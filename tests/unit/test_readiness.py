@@ -352,3 +352,16 @@ def test_a_worker_serving_without_a_model_it_could_not_load(pool):
     beat(pool, 0, True, "a", "b")
     assert readiness(pool, models("a", "b")) == "ready"
     assert did_not_load(pool.links, "b") == ("", 0.0)
+
+
+def test_a_split_is_served_while_one_of_its_arms_is(pool):
+    """An arm without a ready worker gives its share to the others (frontend.variants), so
+    the split's requests succeed: degraded (200), not a 503 that takes the pod out."""
+    split = SimpleNamespace(by_name={"s": SimpleNamespace(variants=[
+        SimpleNamespace(unit="s@a"), SimpleNamespace(unit="s@b")])})
+    beat(pool, 0, True, "s@a", unloaded=(Unloaded("s@b", "OSError: gone", 1, 1.0),))
+    beat(pool, 1, True, "s@a")
+    assert readiness(pool, split) == "degraded"
+    beat(pool, 0, True, unloaded=(Unloaded("s@a", "x", 1, 1.0), Unloaded("s@b", "x", 1, 1.0)))
+    beat(pool, 1, True)
+    assert readiness(pool, split) == "failing"  # neither arm
