@@ -213,7 +213,7 @@ class Dispatcher:
         why, retry_in = did_not_load(self.pool.links, model)
         if why:
             raise ApiError("unavailable", f"model {model!r} did not load ({why}); its workers "
-                           "serve their other models, and try it again",
+                           "try it again",
                            retry_after=max(1, math.ceil(retry_in)), code="model_not_loaded",
                            reason="model_not_loaded")
         return await self.pool.wait_for_worker(

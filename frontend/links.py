@@ -73,12 +73,18 @@ class WorkerLink:
 
 
 def did_not_load(links: list[WorkerLink], model: str) -> tuple[str, float]:
-    """Why `model` is not served by workers that serve their other models (one clause per
-    worker that failed it, "" where none did), and the seconds until the first tries again."""
-    failed = [(link.index, u) for link in links for u in link.unloaded if u.model == model]
-    why = "; ".join(f"worker {i}: {u.error} ({u.failures} failed load(s) in a row)"
-                    for i, u in failed)
-    return why, min((u.retry_in_s for _, u in failed), default=0.0)
+    """Why `model` is not served by the workers that failed to load it (one clause per
+    worker, "" where none did): those serving their other models, and those none of whose
+    models loaded, backing off or restarting; and the seconds until the first tries again."""
+    failed = [(link.index, u.error, u.failures, u.retry_in_s)
+              for link in links for u in link.unloaded if u.model == model]
+    seen = {each[0] for each in failed}
+    failed += [(link.index, link.load_error, link.failed_loads, 1.0) for link in links
+               if link.index not in seen and link.load_error and not link.ready
+               and link.beat is not None and any(i.name == model for i in link.beat.models)]
+    why = "; ".join(f"worker {i}: {error} ({n} failed load(s) in a row)"
+                    for i, error, n, _ in failed)
+    return why, min((each[3] for each in failed), default=0.0)
 
 
 def dealer(ctx: zmq.asyncio.Context, endpoint: str) -> zmq.asyncio.Socket:

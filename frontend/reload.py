@@ -68,7 +68,8 @@ async def _reload_hosts(app: web.Application, served, variant: Variant, source: 
              if any(u.name == variant.unit for u in hosted(cfg, devices, link.index))]
     # Workers that did not load it (they serve their other models and try it again) have no
     # revision to switch from: they take the new source at their next try, from the run state.
-    failed = [link for link in hosts if any(u.model == variant.unit for u in link.unloaded)]
+    failed = [link for link in hosts if any(u.model == variant.unit for u in link.unloaded)
+              or (link.load_error and not link.ready)]  # (none of its models loaded)
     serving = [link for link in hosts if link not in failed]
     down = [link.index for link in serving if not link.ready]
     if down:
@@ -148,7 +149,8 @@ def _outcome(link: WorkerLink, unit: str, source: str, label: str) -> str:
     beat = link.beat
     if beat is None or not link.alive:
         return ""
-    if any(i.name == unit and (not label or i.revision == label) for i in beat.models):
+    if link.ready and any(i.name == unit and (not label or i.revision == label)
+                          for i in beat.models):
         return "ok"
     return next((u.error for u in beat.unloaded if u.model == unit and u.source == source
                  and u.retry_in_s > 0), "")

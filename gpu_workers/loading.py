@@ -6,6 +6,7 @@ others loaded tried again, and a reload's replacement checked against the model 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 import threading
@@ -268,8 +269,8 @@ def back_off(cfg: Config, index: int, exc: Exception, status: Any,
              stopping: threading.Event) -> None:
     """A failed start: its error in the heartbeats (`status.failure`: GET /ready names it, and
     says "failing" where no other worker serves the model), for a while before the process
-    exits, longer after each failure in a row (1, 2, 4, ... up to LOAD_BACKOFF_MAX_S): where none of
-    its models loaded (where some did, it serves them: Retries).
+    exits, longer after each failure in a row (1, 2, 4, ... up to LOAD_BACKOFF_MAX_S): where none
+    of its models loaded (where some did, it serves them: Retries).
     supervisord starts a worker again at once when it lived past `startsecs`, as a load does:
     a model that cannot load took a core in a loop of imports and loads, beside the workers
     serving, and /ready said "loading" for ever (an outside check). A stop ends the wait."""
@@ -280,6 +281,34 @@ def back_off(cfg: Config, index: int, exc: Exception, status: Any,
         failures = 1
     wait = max(2 * cfg.workers.heartbeat_interval_s,
                min(2.0 ** (failures - 1), LOAD_BACKOFF_MAX_S))
+    status.unloaded = tuple(dataclasses.replace(u, failures=failures, retry_in_s=wait)
+                            for u in status.unloaded)
     log.warning("worker.load_failed", extra={"fields": {
         "worker": index, "failures": failures, "exit_in_s": wait, "error": status.failure}})
-    stopping.wait(wait)
+    # A reload recorded meanwhile (frontend.reload, where every host failed the model) ends
+    # the wait: the next start loads its source.
+    tried, ends = _recorded(cfg, status.unloaded), time.monotonic() + wait
+    while not stopping.wait(min(0.5, max(0.0, ends - time.monotonic()))):
+        if time.monotonic() >= ends or _recorded(cfg, status.unloaded) != tried:
+            return
+
+
+def unloaded_at_start(cfg: Config, index: int, configs: Mapping[str, ModelConfig],
+                      failures: list[tuple[str, Exception]]) -> tuple[Unloaded, ...]:
+    """A worker none of whose models loaded: each with its error and the source it tried (the
+    run state's as `configs` took it at the start, "" for the config's), for its heartbeats
+    while it backs off (back_off): the frontends answer requests for them at once,
+    /admin/models names them, and a reload of them is recorded for the next start."""
+    configured = hosted_configs(cfg, index, reloaded=False)
+    return tuple(Unloaded(name, describe(exc), 1, 0.0,
+                          "" if configs[name].source == configured[name].source
+                          else configs[name].source) for name, exc in failures)
+
+
+def _recorded(cfg: Config, unloaded: tuple[Unloaded, ...]) -> dict:
+    """The run state's sources of the models in `unloaded`."""
+    try:
+        sources = state.read(cfg).sources
+    except (OSError, ValueError):
+        return {}
+    return {u.model: sources.get(u.model) for u in unloaded}

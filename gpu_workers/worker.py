@@ -29,7 +29,8 @@ from gpu_workers.batcher import Batch, Limits, form_pass, wait_time
 from gpu_workers.device import DeviceLost, device_lost
 from gpu_workers.intake import Intake, Status
 from gpu_workers.loading import (Retried, Retries, back_off, describe, load_again,
-                                 load_hosted, load_replacement, log_loaded, on_a_nicer_thread)
+                                 load_hosted, load_replacement, log_loaded, on_a_nicer_thread,
+                                 unloaded_at_start)
 from gpu_workers.memory import MemoryCare, Policy, TorchAllocator, forward_in_halves
 from gpu_workers.metrics import WorkerMetrics
 from gpu_workers.requests import QueuedText, Request, model_inputs, pass_rows
@@ -51,11 +52,10 @@ class Worker:
         self.index = index
         self.limits = Limits.of(cfg.batching)
         self.configs = hosted_configs(cfg, index)
-        # A model whose files do not read (weights deleted, config.json broken) fails its load
-        # as one whose weights do not fit does: the worker serves the others, or waits and
-        # exits (back_off). It exited here at once, before any heartbeat (an outside check).
+        # Files that do not read (weights deleted) fail a load as weights that do not fit do
+        # (load): the worker exited here, before any heartbeat (an outside check).
         self.specs: dict[str, ModelSpec] = {}
-        self._unreadable: list[tuple[str, Exception]] = []
+        self._unreadable: list[tuple[str, Exception]] = []  # (model, error)
         for name, config in self.configs.items():
             try:
                 self.specs[name] = inspect(config, roots=cfg.model_root_paths)
@@ -84,7 +84,7 @@ class Worker:
         self._reconciled = 0.0
         self.metrics.set_ready(False)
         self.memory: MemoryCare | None = None  # once the device is known
-        self.retries: Retries | None = None  # models that did not load, once loaded
+        self.retries: Retries | None = None  # models that did not load, once some did
 
     def load(self) -> None:
         from gpu_workers.device import device_name, pick_device
@@ -104,6 +104,7 @@ class Worker:
             else:
                 self._add(name, *outcome)
         if failures and not self.slots.units:  # none loaded: the worker exits (back_off)
+            self.status.unloaded = unloaded_at_start(self.cfg, self.index, self.configs, failures)
             raise failures[0][1]
         self.retries = Retries(functools.partial(load_again, self.cfg, self.index,
                                                  device=self.device, limits=self.limits),
@@ -117,8 +118,7 @@ class Worker:
         self.status.device_label = device_name(self.device)
         self.status.infos = self.slots.infos()
         self.memory = MemoryCare(TorchAllocator(self.device), self.metrics,
-                                 w.memory_check_batches, w.heartbeat_interval_s,
-                                 Policy.of(w))
+                                 w.memory_check_batches, w.heartbeat_interval_s, Policy.of(w))
 
     def _add(self, name: str, config: ModelConfig, model: Any, seconds: float) -> None:
         """A model loaded (at the start, or tried again: Retries) into its slot, and said."""

@@ -69,7 +69,7 @@ def not_loading(body: bytes) -> str:
         return "; ".join(
             f"worker {w['worker']} serves without {u['model']}, whose load failed "
             f"{u['failures']} times in a row: {u['error']}"
-            for w in workers for u in w.get("unloaded") or []
+            for w in workers if w.get("ready") for u in w.get("unloaded") or []
             if u["failures"] >= processes.STARTS)
     except (ValueError, TypeError, KeyError, AttributeError):
         return ""

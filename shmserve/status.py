@@ -107,7 +107,7 @@ def render(cur: Sample, prev: Sample | None, title: str) -> str:
         lines.append("")
         lines += [f"worker {w['worker']}: its load failed {w['failed_loads']} time(s) in a row "
                   f"(it starts again): {w['load_error']}" for w in failing]
-    without = [(w, u) for w in workers_of(cur, prev) for u in w["unloaded"]]
+    without = [(w, u) for w in workers_of(cur, prev) if w["ready"] for u in w["unloaded"]]
     if without:
         lines.append("")
         lines += [f"worker {w['worker']}: serves without {u['model']}, whose load failed "
@@ -147,7 +147,8 @@ def _state_word(cur: Sample) -> str:
         return "degraded" if word == "degraded" or _frontends_down(cur) else "ready"
     if cur.ready_code == 503:
         return word if word in ("loading", "unavailable", "failing") else "not_ready"
-    if any(p["statename"] == "STARTING" or (p["statename"] == "RUNNING" and p.get("start")
+    if any(p["statename"] == "STARTING" or (p["name"] == "nginx" and p["statename"] == "RUNNING"
+                                              and p.get("start")
                                               and p["now"] - p["start"] < STARTING_S)
            for p in cur.processes if p["name"] == "nginx" or p["name"].startswith("frontend-")):
         # just after `up`: "stuck or gone" misled (an outside check); nginx's program is
@@ -156,7 +157,7 @@ def _state_word(cur: Sample) -> str:
     return "no_answer" if cur.ready_code is None else "nginx_only"
 
 
-STARTING_S = 10  # nginx or a frontend up this long and not answering is not just starting
+STARTING_S = 10  # nginx's program up this long and not answering is not just starting
 
 # Each state word's line in the table's title.
 _STATE_TEXT = {

@@ -243,11 +243,14 @@ def test_a_worker_that_cannot_load_its_model_fails_up_and_restart_fast(tmp_path,
 
     model = tmp_path / "models" / "tiny"
     shutil.copytree(tiny_model, model)
-    overrides = tiny_overrides(tiny_model, frontends={"count": 1}, workers={"cpu_workers": 1})
+    overrides = tiny_overrides(tiny_model, frontends={"count": 1}, workers={"cpu_workers": 1},
+                               admin={"token": "lifecycle-admin-token"})
     overrides["model_roots"] = [str(model.parent)]
     overrides["models"][0]["source"] = str(model)
     stack = Stack(tmp_path / "s", overrides)
     stack.up()
+    good = model.parent / "tiny-good"
+    shutil.copytree(tiny_model, good)
     try:
         # Weights whose header reads (so `up`'s check passes) and that no BERT of this config
         # can load.
@@ -293,6 +296,19 @@ def test_a_worker_that_cannot_load_its_model_fails_up_and_restart_fast(tmp_path,
         waits = [line["exit_in_s"] for line in stack.log_lines("worker-0")
                  if line.get("message") == "worker.load_failed"]
         assert waits[:2] == [1.0, 2.0], waits
+        # A request for its model is answered at once, saying why (it waited
+        # frontends.no_worker_wait_s for a generic 503: an outside check) ...
+        started = time.monotonic()
+        status, _, body = stack.post_json("/v1/embeddings", {"input": ["x"]})
+        assert status == 503 and body["error"]["code"] == "model_not_loaded", body
+        assert "[30522, 33]" in body["error"]["message"] and time.monotonic() - started < 2
+        # ... and a reload to good weights mends it: recorded, the worker's next start loads
+        # it (its back-off ends when the run state changes), the call answers once it has.
+        admin = {"Authorization": "Bearer lifecycle-admin-token"}
+        status, _, body = stack.post_json("/admin/models/tiny/reload", {"source": str(good)},
+                                          admin)
+        assert status == 200 and [w["message"] for w in body["workers"]] == ["loaded"], body
+        assert stack.post_json("/v1/embeddings", {"input": ["x"]})[0] == 200
         stack.down()
         assert not failures.exists()
 

@@ -122,8 +122,9 @@ def test_a_model_that_failed_its_third_load_ends_the_wait():
     def body(failures):
         return json.dumps({"status": "failing", "workers": [
             {"worker": 0, "unloaded": []},
-            {"worker": 1, "unloaded": [{"model": "b", "error": "OSError: gone",
-                                        "failures": failures, "retry_in_s": 2.0}]}]}).encode()
+            {"worker": 1, "ready": True, "unloaded": [{"model": "b", "error": "OSError: gone",
+                                                       "failures": failures,
+                                                       "retry_in_s": 2.0}]}]}).encode()
     assert startwait.not_loading(body(2)) == ""
     assert startwait.not_loading(body(3)) == (
         "worker 1 serves without b, whose load failed 3 times in a row: OSError: gone")
