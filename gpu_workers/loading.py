@@ -83,7 +83,9 @@ def load_unit(cfg: Config, name: str, spec: ModelSpec, config: ModelConfig,
     except Exception as exc:
         if config == configured:
             raise
-        first = f"{config.source}: {describe(exc)}"
+        # (a ModelSourceError names its directory already)
+        first = " ".join(str(exc).split()) if isinstance(exc, ModelSourceError) else \
+            f"{config.source}: {describe(exc)}"
         log.error("worker.reloaded_source_failed", extra={"fields": {
             "model": name, "source": config.source, "error": describe(exc)}})
         config = configured

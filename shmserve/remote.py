@@ -41,8 +41,9 @@ def reload(args: argparse.Namespace) -> int:
     if cfg.admin.token and args.name in arms and (not args.variant
                                                   or args.variant in arms[args.name]):
         # (else nothing waits: the stack's 404 or 422, or admin routes off, says why at once)
-        print(f"shmserve: reloading {unit}: every worker that serves it loads and warms the "
-              "new weights beside serving, then switches; waiting for all of them (at most "
+        print(f"shmserve: reloading {unit}: every worker hosting it loads and warms the new "
+              "weights (beside serving, where it serves it), then switches; waiting for all "
+              "of them (at most "
               f"admin.reload_timeout_s, {cfg.admin.reload_timeout_s:g} s; `shmserve models` "
               "shows each worker's state)", file=sys.stderr, flush=True)
     status_code, answer = admin_call(cfg, "POST", f"/admin/models/{quote(args.name)}/reload",

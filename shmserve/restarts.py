@@ -224,7 +224,7 @@ def restart_one(cfg: Config, group: str, program: str, timeout: float) -> None:
     ctl(cfg, "restart", f"{group}:{program}")
     pid = next((p["pid"] for p in process_info(cfg) if p["name"] == program), 0)
     wait_until_ready(cfg, group, program, pid, timeout,
-                     rest=f"; the rest of {group} was left as it is")
+                     rest=f"; the rest of the {group} were left as they are")
 
 
 def wait_until_ready(cfg: Config, group: str, program: str, pid: int, timeout: float,

@@ -269,7 +269,7 @@ def test_a_worker_that_cannot_load_its_model_fails_up_and_restart_fast(tmp_path,
         done = stack.cli("restart", "workers", "--all-at-once", check=False, timeout=200)
         assert done.returncode == 2, done.stdout + done.stderr
         assert "worker-0 exits before it is ready" in done.stderr
-        assert "the rest of workers" not in done.stderr
+        assert "the rest of the workers" not in done.stderr
         assert time.monotonic() - started < 60
         stack.down()
 
