@@ -298,7 +298,13 @@ def test_cli_reload_and_a_restarted_worker_loads_the_reloaded_model(stack, model
     # Each frontend heard it ready at once (the worker announces it), not at its next ping:
     # /ready, judged by each frontend, said ready from one and not from the other for up to a
     # heartbeat interval (2 s here), as nginx alternated probes (an outside check).
+    # (Lines reach the files up to logging's flush interval late: wait for this start's.)
+    new = int(stack.ctl("pid", "workers:worker-1").strip())
+    stack.wait_until(lambda: any(line.get("message") == "worker.ready" and line["pid"] == new
+                                 for line in stack.log_lines("worker-1")), 10, "its ready line")
     ready_at = heard(stack, "worker-1", "worker.ready")[-1]
+    stack.wait_until(lambda: all(heard(stack, f"frontend-{i}", "frontend.worker_ready", 1)[-1]
+                                 > ready_at - 1 for i in (0, 1)), 10, "both frontends' lines")
     lags = [round(heard(stack, f"frontend-{i}", "frontend.worker_ready", 1)[-1] - ready_at, 3)
             for i in (0, 1)]
     assert all(lag < 0.5 for lag in lags), lags
