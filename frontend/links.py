@@ -76,15 +76,23 @@ def did_not_load(links: list[WorkerLink], model: str) -> tuple[str, float]:
     """Why `model` is not served by the workers that failed to load it (one clause per
     worker, "" where none did): those serving their other models, and those none of whose
     models loaded, backing off or restarting; and the seconds until the first tries again."""
-    failed = [(link.index, u.error, u.failures, u.retry_in_s)
-              for link in links for u in link.unloaded if u.model == model]
-    seen = {each[0] for each in failed}
-    failed += [(link.index, link.load_error, link.failed_loads, 1.0) for link in links
-               if link.index not in seen and link.load_error and not link.ready
-               and link.beat is not None and any(i.name == model for i in link.beat.models)]
+    failed = [each for link in links if (each := failure(link, model))]
     why = "; ".join(f"worker {i}: {error} ({n} failed load(s) in a row)"
                     for i, error, n, _ in failed)
     return why, min((each[3] for each in failed), default=0.0)
+
+
+def failure(link: WorkerLink, model: str) -> tuple[int, str, int, float] | None:
+    """How worker `link` failed to load `model`, if it did: (worker, error, failures in a row,
+    seconds to its next try): from its heartbeats' unloaded models, or, none of its models
+    loaded, its start's error (also between its starts)."""
+    for u in link.unloaded:
+        if u.model == model:
+            return link.index, u.error, u.failures, u.retry_in_s
+    if link.load_error and not link.ready and link.beat is not None and any(
+            i.name == model for i in link.beat.models):
+        return link.index, link.load_error, link.failed_loads, 1.0
+    return None
 
 
 def dealer(ctx: zmq.asyncio.Context, endpoint: str) -> zmq.asyncio.Socket:

@@ -29,11 +29,11 @@ from aiohttp import web
 from frontend import metrics, variants
 from frontend.app import CONFIG, POOL
 from frontend.errors import ApiError
-from frontend.links import WorkerGone, WorkerLink, consume, did_not_load
+from frontend.links import WorkerGone, WorkerLink, consume, did_not_load, failure
 from frontend.variants import Variant
 from shmserve import state, topology
-from shmserve.models import (ModelSourceError, hosted, incompatible, inspect, resolve_source,
-                             units, weights_revision)
+from shmserve.models import (ModelSourceError, hosted, replacement, resolve_source, units,
+                             weights_revision)
 from shmserve.protocol import Commit, Reload, ReloadDone, ReloadStatus
 
 # The call's error is the first of these kinds among the workers' answers: a bad source first
@@ -68,8 +68,7 @@ async def _reload_hosts(app: web.Application, served, variant: Variant, source: 
              if any(u.name == variant.unit for u in hosted(cfg, devices, link.index))]
     # Workers that did not load it (they serve their other models and try it again) have no
     # revision to switch from: they take the new source at their next try, from the run state.
-    failed = [link for link in hosts if any(u.model == variant.unit for u in link.unloaded)
-              or (link.load_error and not link.ready)]  # (none of its models loaded)
+    failed = [link for link in hosts if failure(link, variant.unit)]
     serving = [link for link in hosts if link not in failed]
     down = [link.index for link in serving if not link.ready]
     if down:
@@ -162,14 +161,10 @@ def refuse_an_unservable(cfg, variant: Variant, source: str) -> None:
     refused here (422), as a worker's Reload would."""
     config = next(u.config for m in cfg.models for u in units(m) if u.name == variant.unit)
     try:
-        spec = inspect(dataclasses.replace(config, source=source or config.source),
-                       with_revision=False, roots=cfg.model_root_paths)
+        replacement(dataclasses.replace(config, source=source or config.source), variant.spec,
+                    cfg.model_root_paths, with_revision=False)
     except ModelSourceError as exc:
         raise ApiError("invalid_request", str(exc), param="source") from None
-    why = incompatible(variant.spec, spec)
-    if why:
-        raise ApiError("invalid_request", f"{spec.directory} cannot replace the served "
-                       f"{variant.unit}: {why}", param="source")
 
 
 def current_source(cfg, unit: str) -> str:

@@ -20,7 +20,7 @@ from gpu_workers.memory import out_of_memory
 from gpu_workers.slots import hosted_configs
 from shmserve import state
 from shmserve.config import Config, ModelConfig
-from shmserve.models import ModelSourceError, ModelSpec, incompatible, inspect
+from shmserve.models import ModelSourceError, ModelSpec, inspect, replacement
 from shmserve.protocol import Unloaded
 
 log = logging.getLogger("shmserve.worker")
@@ -54,12 +54,7 @@ def load_replacement(config: ModelConfig, active: ModelSpec, roots: list, device
     served (answered INVALID); anything else (out of memory) is answered FAILED."""
     import torch
 
-    spec = inspect(config, roots=roots)
-    why = incompatible(active, spec)
-    if why:
-        raise ModelSourceError(f"{spec.directory} cannot replace the served {active.name}: "
-                               f"{why}; serving a different one needs a config change and "
-                               "a restart")
+    spec = replacement(config, active, roots)
     try:
         model, _, _ = load_warm(spec, device, cuda_graphs, limits)
     except (ModelSourceError, torch.OutOfMemoryError, MemoryError):

@@ -254,6 +254,20 @@ def files_compared(directory: Path) -> tuple:
             file_digest(tokenizer_path(directory)))
 
 
+def replacement(config: ModelConfig, active: ModelSpec, roots: list[Path] | None,
+                with_revision: bool = True) -> ModelSpec:
+    """The spec of `config`'s source as a reload's new weights for the served `active`, or a
+    ModelSourceError saying why it cannot replace it (a worker's Reload; a frontend's check for
+    workers that take a reload's source at their next load)."""
+    spec = inspect(config, with_revision=with_revision, roots=roots)
+    why = incompatible(active, spec)
+    if why:
+        raise ModelSourceError(f"{spec.directory} cannot replace the served {active.name}: "
+                               f"{why}; serving a different one needs a config change and "
+                               "a restart")
+    return spec
+
+
 def incompatible(active: ModelSpec, new: ModelSpec, sides: tuple[str, str] = ("now", "in")
                  ) -> str:
     """Why `new` cannot replace `active` under a running frontend ("" when it can): frontends
