@@ -44,6 +44,13 @@ def slow_stack(root, slow_model, **extra) -> Stack:
     return Stack(root, overrides)
 
 
+def refusal_reasons(stack: Stack, frontends: int) -> collections.Counter:
+    """The error_reason of every 429 in the frontends' access lines."""
+    return collections.Counter(line.get("error_reason") for i in range(frontends)
+                               for line in stack.log_lines(f"frontend-{i}")
+                               if line.get("status") == 429)
+
+
 def inflight(stack: Stack) -> float:
     _, _, raw = stack.get("/metrics")
     return sum(s.value for f in text_string_to_metric_families(raw.decode())
@@ -141,17 +148,13 @@ def test_flood_gets_only_200_or_429_and_memory_stays_bounded(tmp_path, tiny_mode
         counts = {s: statuses.count(s) for s in set(statuses)}
         assert set(counts) <= {200, 429}, counts
         assert counts.get(200, 0) > 0 and counts.get(429, 0) > 0, counts
-        # Each 429's access line says what refused it (an outside check: every one read
-        # `error: overloaded` alone, whatever limit refused it).
-        def reasons() -> collections.Counter:
-            return collections.Counter(
-                line.get("error_reason") for i in (0, 1)
-                for line in stack.log_lines(f"frontend-{i}") if line.get("status") == 429)
-        stack.wait_until(lambda: sum(reasons().values()) == counts[429], 10,
+        # Each 429's access line says what refused it (all read `error: overloaded`: outside check)
+        stack.wait_until(lambda: sum(refusal_reasons(stack, 2).values()) == counts[429], 10,
                          "every 429's access line")
-        assert set(reasons()) <= {"inflight", "deadline", "arena", "worker_overloaded",
-                                  "worker_past_deadline"}, reasons()
-        assert reasons()["inflight"] > 0, reasons()
+        reasons = refusal_reasons(stack, 2)
+        assert set(reasons) <= {"inflight", "deadline", "arena", "worker_overloaded",
+                                "worker_past_deadline"}, reasons
+        assert reasons["inflight"] > 0, reasons
         for name, rss in peak.items():
             limit = RSS_LIMITS_MB[name.split("-")[0]]
             assert rss < limit << 20, f"{name} peaked at {rss >> 20} MB (limit {limit})"
@@ -246,13 +249,8 @@ def _burst_past_the_deadline(stack: Stack) -> tuple[collections.Counter, float]:
                     return resp.status, time.perf_counter() - started
             return await asyncio.gather(*(one(i) for i in range(60)))
 
-    def reasons() -> collections.Counter:  # of the 429s' access lines (one frontend)
-        return collections.Counter(line.get("error_reason")
-                                   for line in stack.log_lines("frontend-0")
-                                   if line.get("status") == 429)
-
     before, before_frontend = _refused(stack), _refused(stack, "frontend")
-    seen = reasons()
+    seen = refusal_reasons(stack, 1)
     computed = _computed(stack)
     answers = asyncio.run(burst())
     speed = _speed(computed, _computed(stack))
@@ -269,11 +267,10 @@ def _burst_past_the_deadline(stack: Stack) -> tuple[collections.Counter, float]:
     # these texts are long, tokenized in a thread); every 429 is one of the two.
     assert early["inflight"] == 0 and by_reason["queue_full"] == 0, (early, by_reason)
     assert by_reason["deadline"] + early["deadline"] == counts[429], (by_reason, early, counts)
-    # ... and each access line says which (the worker's read worker_overloaded, as a full
-    # queue's does: an outside check)
-    stack.wait_until(lambda: sum((reasons() - seen).values()) == counts[429], 10,
-                     "every 429's access line")
-    assert reasons() - seen == +collections.Counter(
+    # ... and each access line says which (the worker's read worker_overloaded: outside check)
+    stack.wait_until(lambda: sum((refusal_reasons(stack, 1) - seen).values()) == counts[429],
+                     10, "every 429's access line")
+    assert refusal_reasons(stack, 1) - seen == +collections.Counter(
         {"worker_past_deadline": by_reason["deadline"], "deadline": early["deadline"]})
     return counts, speed
 
