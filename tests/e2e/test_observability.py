@@ -183,7 +183,8 @@ def test_request_id_is_in_nginx_frontend_and_worker_logs_and_inputs_are_not(stac
 
 
 def test_failed_request_logs_its_error_type(stack):
-    status, _, _ = stack.post_json("/predict", {"texts": ["x"] * (MAX_TEXTS + 1)}, {"X-Request-ID": "too-many"})
+    status, _, _ = stack.post_json("/predict", {"texts": ["x"] * (MAX_TEXTS + 1)},
+                                   {"X-Request-ID": "too-many"})
     assert status == 413
 
     def line():
