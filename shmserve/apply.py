@@ -270,6 +270,12 @@ def run(new: Config, old: Config, steps: Plan, timeout: float) -> None:
             wait_loaded(new, program, timeout, rest)
         frontends(new, old, steps, timeout, rest)
         workers(new, new, steps, timeout)
+    elif first := steps.workers_before_frontends:
+        # Models both added and removed: the workers that serve the new ones while the others
+        # still serve the old ones, then the frontends, then the rest (apply_plan.unit_order)
+        workers(new, old, steps, timeout, first)
+        frontends(new, old, steps, timeout, rest)
+        workers(new, new, steps, timeout, [w for w in steps.roll_workers if w not in first])
     else:
         workers(new, old, steps, timeout)
         frontends(new, old, steps, timeout, rest)
@@ -290,11 +296,12 @@ def run(new: Config, old: Config, steps: Plan, timeout: float) -> None:
         ctl(new, "restart", "reaper")
 
 
-def workers(new: Config, frontends_of: Config, steps: Plan, timeout: float) -> None:
-    """The kept workers, one at a time, each ready in every frontend of `frontends_of` (the
-    frontends running meanwhile)."""
+def workers(new: Config, frontends_of: Config, steps: Plan, timeout: float,
+            programs: list[str] | None = None) -> None:
+    """The kept workers (or `programs` of them), one at a time, each ready in every frontend
+    of `frontends_of` (the frontends running meanwhile)."""
     during = dataclasses.replace(new, frontends=frontends_of.frontends)
-    for program in steps.roll_workers:
+    for program in steps.roll_workers if programs is None else programs:
         replace(during, "workers", program, timeout)
 
 

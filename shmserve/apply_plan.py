@@ -51,6 +51,9 @@ class Plan:
     remove_frontends: list[str] = field(default_factory=list)
     remove_workers: list[str] = field(default_factory=list)
     frontends_first: bool = False  # the frontends restart before the kept workers
+    # Models both added and removed (one renamed, the default replaced): these of roll_workers
+    # restart before the frontends, the others after (unit_order)
+    workers_before_frontends: list[str] = field(default_factory=list)
     reaper: bool = False  # restarted at the end: it names every program, and logs
     reshaped: list[str] = field(default_factory=list)  # models whose units change names
 
@@ -61,8 +64,13 @@ class Plan:
                      ("restart one at a time", self.roll_frontends)]
         if not self.add_frontends:  # nginx reloads once the frontends are as they will be
             frontends = [frontends[0], frontends[2], frontends[1]]
-        steps = ([workers[0], *frontends, workers[1]] if self.frontends_first
-                 else [*workers, *frontends])
+        if self.frontends_first:
+            steps = [workers[0], *frontends, workers[1]]
+        elif first := self.workers_before_frontends:
+            steps = [workers[0], ("restart one at a time", first), *frontends,
+                     ("restart one at a time", [w for w in self.roll_workers if w not in first])]
+        else:
+            steps = [*workers, *frontends]
         steps += [("stop", self.remove_frontends), ("stop", self.remove_workers),
                   ("restart", ["reaper"] if self.reaper else [])]
         return ([f"  {what}: {', '.join(names)}" for what, names in steps if names]
@@ -118,9 +126,44 @@ def plan(old: Config, new: Config, pending: dict[str, list[str]],
     # Models added: the workers first, so the frontends find them served.
     out.frontends_first = not added and bool(
         removed or (out.add_workers and out.roll_workers))
+    if added and removed:
+        # Neither order serves both sides' models throughout (the old frontends' default
+        # model went unserved from the last of its workers' restarts: an outside check)
+        first = unit_order(old, new, out.roll_workers)
+        if first is not None:
+            out.reshaped = []  # served throughout, by the frontends of either side
+            out.workers_before_frontends, out.frontends_first = first, not first
     out.reaper = bool(out.add_workers or out.remove_workers or out.add_frontends
                       or out.remove_frontends or any(k.startswith("logging.") for k in keys))
     return out
+
+
+def unit_order(old: Config, new: Config, rolled: list[str]) -> list[str] | None:
+    """Those of the `rolled` workers to restart before the frontends, so that while the
+    frontends restart, every model of `new` has a restarted worker that serves it and every
+    model of `old` still has one that serves it (each side's frontends route to the workers of
+    its own count); None where no choice does (one worker), [] where none is needed."""
+    old_devices, new_devices = topology.worker_devices(old), topology.worker_devices(new)
+    kept = min(len(old_devices), len(new_devices))  # added workers may not have loaded yet
+
+    def serving(first: set[int], count: int) -> set[str]:
+        return {u.name for i in range(count) for u in (
+            models.hosted(new, new_devices, i) if i in first
+            else models.hosted(old, old_devices, i))}
+
+    old_units, new_units = unit_names(old), unit_names(new)
+    first: list[int] = []
+    candidates = [index_of(w) for w in rolled]
+    while not new_units <= serving(set(first), kept):
+        missing = new_units - serving(set(first), kept)
+        for i in candidates:
+            if i not in first and missing & {u.name for u in models.hosted(new, new_devices, i)} \
+                    and old_units <= serving({*first, i}, len(old_devices)):
+                first.append(i)
+                break
+        else:
+            return None
+    return [f"worker-{i}" for i in first]
 
 
 def by_counts(old: Config, new: Config, running: list[str] | None = None

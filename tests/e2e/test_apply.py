@@ -224,3 +224,34 @@ def test_from_one_frontend_and_one_worker_to_two_of_each_without_a_failed_reques
         assert len(traffic.outcomes) > 50 and not failed, (len(traffic.outcomes), failed[:5])
     finally:
         stack.down()
+
+
+def test_a_renamed_default_model_is_served_throughout(stack):
+    """Models both added and removed: the workers used to restart first, so the old
+    frontends' default model (the one a request naming none gets) went unserved from the
+    last of its workers' restarts until the frontends restarted: 503s (an outside check).
+    Now one worker loads the new model while the other still serves the old one, then the
+    frontends restart, then the other worker; then the same for the model split into A/B
+    arms under its name (which was warned of as a gap)."""
+    tree = yaml.safe_load(stack.config_file.read_text())
+    renamed = {**tree["models"][0], "name": "tiny2", "aliases": []}
+    with Traffic(stack) as traffic:  # requests naming no model
+        traffic.wait_for(20)
+        stack.config_file.write_text(yaml.safe_dump({**tree, "models": [renamed]}))
+        done = stack.cli("apply", timeout=400)
+        assert "shmserve: applied" in done.stdout, done.stdout + done.stderr
+        assert ("restart one at a time: worker-0\n  restart one at a time: frontend-0, "
+                "frontend-1\n  restart one at a time: worker-1") in done.stdout, done.stdout
+        traffic.wait_for(20)
+        arms = {k: v for k, v in renamed.items() if k not in ("source", "revision")}
+        arms["variants"] = [{"name": arm, "source": renamed["source"], "revision": arm}
+                            for arm in ("a", "b")]
+        stack.config_file.write_text(yaml.safe_dump({**tree, "models": [arms]}))
+        done = stack.cli("apply", timeout=400)
+        assert "shmserve: applied" in done.stdout and "warning" not in done.stderr, \
+            done.stdout + done.stderr
+        traffic.wait_for(20)
+    failed = [s for s in traffic.outcomes if s != "200"]
+    assert len(traffic.outcomes) > 100 and not failed, (len(traffic.outcomes), failed[:5])
+    assert stack.post_json("/predict", {"texts": ["x"], "model": "tiny2"})[0] == 200
+    assert stack.post_json("/predict", {"texts": ["x"], "model": "tiny"})[0] == 404

@@ -84,11 +84,43 @@ def test_the_order_follows_what_the_change_needs_served_meanwhile(base):
     assert grown.frontends_first and grown.roll_workers == ["worker-0", "worker-1"]
     assert grown.lines()[:3] == ["  start: worker-2", "  restart one at a time: frontend-0, "
                                  "frontend-1", "  restart one at a time: worker-0, worker-1"]
-    # A model to A/B variants under the same name: warned of (no order serves it throughout).
+    # Models both added and removed (one renamed, the default replaced): the workers that
+    # serve the new ones restart first while the others still serve the old ones, then the
+    # frontends, then the rest; with three workers, the old model's last host restarts last
+    # (the old order restarted every worker first: the old frontends' default model went
+    # unserved, 503s to requests naming none, in an outside check).
+    three = with_(base, workers={"cpu_workers": 3})
+    placed = dataclasses.replace(three, models=[
+        dataclasses.replace(base.models[0], name="a", devices=[0, 1]),
+        dataclasses.replace(base.models[0], name="b", devices=[2])])
+    renamed = dataclasses.replace(three, models=[dataclasses.replace(base.models[0], name="c")])
+    steps = apply_plan.plan(placed, renamed, NONE)
+    assert steps.workers_before_frontends == ["worker-0"] and not steps.frontends_first
+    assert steps.lines() == ["  restart one at a time: worker-0",
+                             "  restart one at a time: frontend-0, frontend-1",
+                             "  restart one at a time: worker-1, worker-2"]
+    # Back: a (workers 0, 1) and b (worker 2) must each have a restarted host, and c one left.
+    steps = apply_plan.plan(renamed, placed, NONE)
+    assert steps.workers_before_frontends == ["worker-0", "worker-2"], steps
+    assert steps.lines()[-1] == "  restart one at a time: worker-1"
+    # One worker: no order serves both sides; the workers first as before (a gap).
+    one = with_(base, workers={"cpu_workers": 1})
+    swap = apply_plan.plan(one, dataclasses.replace(one, models=[dataclasses.replace(
+        base.models[0], name="c")]), NONE)
+    assert swap.workers_before_frontends == [] and not swap.frontends_first
+    assert swap.lines()[0] == "  restart one at a time: worker-0"
+    # A model to A/B variants under the same name with two workers: one worker loads the arms
+    # while the other still serves the model, then the frontends (no warning needed).
+    ab2 = dataclasses.replace(base.models[0], source="", variants=[
+        config.VariantConfig(name="a", source="/x/a"), config.VariantConfig(name="b",
+                                                                            source="/x/b")])
+    steps = apply_plan.plan(base, dataclasses.replace(base, models=[ab2]), NONE)
+    assert steps.workers_before_frontends == ["worker-0"] and steps.reshaped == []
+    # A model to A/B variants under the same name, one worker: warned of (no order serves it).
     ab = dataclasses.replace(base.models[0], source="", variants=[
         config.VariantConfig(name="a", source="/x/a"), config.VariantConfig(name="b",
                                                                             source="/x/b")])
-    assert apply_plan.plan(base, dataclasses.replace(base, models=[ab]), NONE).reshaped == ["m"]
+    assert apply_plan.plan(one, dataclasses.replace(one, models=[ab]), NONE).reshaped == ["m"]
 
 
 def test_a_key_both_read_restarts_both(base):
