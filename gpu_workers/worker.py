@@ -8,9 +8,8 @@ Threads:
   * load-*, retry-* : a hot reload's new weights, a failed model's (slots, loading.Retries).
 The socket thread hands requests, reloads and commits over through `Intake.inbox` (a
 thread-safe queue), and so do loader threads their outcome; the model thread pushes replies
-back through its own PUSH socket. Every Submit gets exactly one reply, and so does every Reload
-and Commit.
-"""
+back through its own PUSH socket. Every Submit gets exactly one reply, as does every Reload and
+Commit."""
 
 from __future__ import annotations
 
@@ -214,7 +213,8 @@ class Worker:
             fair_turn = self._batches % self.cfg.batching.fair_share_every == 0
             batches, self._queue = form_pass(self._queue, self.limits, fair_turn, _packs)
             self._run(batches, backlogged=bool(self._queue))
-            self._collect()
+            del batches  # their requests' views: a gone frontend's arena unmaps now, not at
+            self._collect()  # the next pass (an outside check: 241 MB held at idle)
         self._fail_all(ErrorCode.UNAVAILABLE, "worker stopped before running this request")
 
     def _take_inbox(self, block: bool, timeout: float = 0.1) -> None:
