@@ -182,8 +182,15 @@ class Intake:
         try:
             request = read_request(self.attachments, peer, msg, time.time(),
                                    self.specs[msg.model].width(msg.per_token))
-        except (OSError, ValueError) as exc:
+        except ValueError as exc:  # handles that do not fit their arena: the frontend's fault
             return Error(msg.seq, ErrorCode.INVALID, f"bad buffers: {exc}")
+        except OSError as exc:  # this worker's trouble (no file descriptor left to map the
+            # arena with, ...), not the request's: another worker takes it (it was a 500
+            # "bad buffers", not retried and not logged: an outside check)
+            log.warning("worker.arena_unreadable", extra={"fields": {
+                "frontend": peer.decode(errors="replace"), "error": str(exc)}})
+            return Error(msg.seq, ErrorCode.UNAVAILABLE, f"worker {self.index} cannot map the "
+                         f"request's shared memory: {exc}")
         n = request.remaining
         limit = self.cfg.workers.queue_texts
         if msg.priority < 0:  # keep headroom for interactive work under a bulk flood

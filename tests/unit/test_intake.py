@@ -109,3 +109,28 @@ def test_a_killed_frontends_arena_is_unmapped_once_unlinked(tmp_path):
     intake._looked = intake._dropped = 0.0
     intake._look()
     assert dead.name not in intake.attachments._maps
+
+
+def test_an_arena_the_worker_cannot_map_hands_the_request_to_another_worker(monkeypatch):
+    """A worker out of file descriptors (or memory) to map a request's arena with answered
+    INVALID, a 500 "bad buffers" that no other worker was asked to take and no line logged
+    (an outside check): its own trouble is UNAVAILABLE, which the frontend sends elsewhere.
+    Handles that do not fit their arena stay the frontend's fault (INVALID)."""
+    import errno
+    from types import SimpleNamespace
+
+    from gpu_workers import intake as module
+    from shmserve.protocol import ErrorCode
+
+    intake = _intake()
+    intake.status.ready = True
+    intake.specs = {"m": SimpleNamespace(task="embedding", width=lambda per_token: 4)}
+    msg = SimpleNamespace(seq=7, model="m", per_token=False, raw=False, priority=0)
+    for raised, code in ((OSError(errno.EMFILE, "Too many open files"), ErrorCode.UNAVAILABLE),
+                         (ValueError("handle outside arena"), ErrorCode.INVALID)):
+        def read_request(*args, raised=raised):
+            raise raised
+        monkeypatch.setattr(module, "read_request", read_request)
+        error = intake.on_submit(b"fe0", msg)
+        assert (error.seq, error.code) == (7, code), error
+        assert str(raised) in error.message
