@@ -61,14 +61,17 @@ def visible_gpus() -> list[int]:
 
 def unplaced_gpus(cfg: Config) -> str | None:
     """What `up` notes when `workers.devices: auto` found no GPU although CUDA_VISIBLE_DEVICES
-    names some (CPU workers serve), else None."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
-    if cfg.workers.devices != "auto" or not any(x.strip().isdigit() for x in visible.split(",")):
+    or NVIDIA_VISIBLE_DEVICES (the NVIDIA container runtime's: a container given GPUs that
+    its runtime did not expose) names some (CPU workers serve), else None."""
+    if cfg.workers.devices != "auto" or visible_gpus():
         return None
-    if visible_gpus():
-        return None
-    return (f"CUDA_VISIBLE_DEVICES={visible} names GPUs, but this machine shows none: "
-            f"workers.devices auto runs {cfg.workers.cpu_workers} CPU worker(s)")
+    for name in ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES"):
+        visible = os.environ.get(name, "")
+        named = [x.strip() for x in visible.split(",")]
+        if any(x.isdigit() or x.startswith(("GPU-", "MIG-")) or x == "all" for x in named):
+            return (f"{name}={visible} names GPUs, but this machine shows none: "
+                    f"workers.devices auto runs {cfg.workers.cpu_workers} CPU worker(s)")
+    return None
 
 
 def worker_devices(cfg: Config) -> list[str]:

@@ -61,6 +61,17 @@ def test_auto_devices_refuse_an_index_the_machine_does_not_show(tmp_path, monkey
                                            "CPU worker(s)")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     assert topology.unplaced_gpus(cfg) is None  # GPUs hidden on purpose: nothing to note
+    # A container given a GPU its runtime did not expose (a missing runtime class) says so in
+    # NVIDIA_VISIBLE_DEVICES alone (an outside check: auto served on CPU without a word)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    for given in ("GPU-6f1c2b3a-1d2e-4f5a-9b8c-7d6e5f4a3b2c", "0", "all"):
+        monkeypatch.setenv("NVIDIA_VISIBLE_DEVICES", given)
+        assert topology.unplaced_gpus(cfg) == (f"NVIDIA_VISIBLE_DEVICES={given} names GPUs, "
+                                               "but this machine shows none: workers.devices "
+                                               "auto runs 2 CPU worker(s)")
+    for none in ("void", "none", ""):
+        monkeypatch.setenv("NVIDIA_VISIBLE_DEVICES", none)
+        assert topology.unplaced_gpus(cfg) is None
     cpu = config.from_tree({"models": [{"name": "m", "source": "/nonexistent/m"}],
                             "workers": {"devices": "cpu"}})
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
