@@ -34,7 +34,7 @@ from shmserve import config, layers, models, nginxrun, processes, remote, render
 from shmserve.config import Config, ConfigError
 from shmserve.prechecks import (CliError, check_fds, check_port, check_shm, check_stdout,  # noqa: F401
                                 seconds)
-from shmserve.startwait import wait_ready
+from shmserve.startwait import log_sizes, wait_ready
 from shmserve.status_cli import leftovers, status, unsupervised
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -210,8 +210,7 @@ def up(args: argparse.Namespace) -> int:
     state.remove(cfg)  # reloads and splits of an earlier run: at start the config is the truth
     state.remove_marks(cfg)  # an earlier run's start and failed loads
     argv = [tool("supervisord"), "-c", str(render.supervisord_conf(cfg))]
-    nginx_log = topology.log_dir(cfg) / "nginx.log"
-    log_start = nginx_log.stat().st_size if nginx_log.exists() else 0
+    log_starts = log_sizes(cfg)
     if args.foreground:
         os.execv(argv[0], [*argv, "--nodaemon"])
     done = subprocess.run(argv, capture_output=True, text=True, check=False)
@@ -223,7 +222,7 @@ def up(args: argparse.Namespace) -> int:
     if not args.wait:
         return 0
     timeout = args.timeout if args.timeout is not None else cfg.workers.ready_timeout_s
-    return wait_ready(cfg, timeout, log_start)
+    return wait_ready(cfg, timeout, log_starts)
 
 
 def down(args: argparse.Namespace) -> int:

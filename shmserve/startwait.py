@@ -14,12 +14,21 @@ from shmserve.config import Config
 LOG_TAIL_LINES = 20
 
 
-def wait_ready(cfg: Config, timeout: float, nginx_log_start: int = 0) -> int:
+def log_sizes(cfg: Config) -> dict[str, int]:
+    """Where each program's log ends now, by program: a start's lines begin there (`down`
+    keeps the logs, and an `up --wait` that failed showed an earlier deployment's lines
+    above its own error: an outside check)."""
+    return {log.stem: log.stat().st_size for log in topology.log_dir(cfg).glob("*.log")}
+
+
+def wait_ready(cfg: Config, timeout: float, starts: dict[str, int] | None = None) -> int:
     """Poll GET /ready until 200 through nginx and from every frontend (each sees the workers
     through its own heartbeats, so one may be ready a heartbeat before another); on timeout,
-    a program that gave up or nginx failing to listen, show the logs. `nginx_log_start`: where
-    this start's lines begin in nginx.log (a 200 through the port means nothing if our nginx
-    could not bind it: another server answered)."""
+    a program that gave up or nginx failing to listen, show the logs. `starts`: where this
+    start's lines begin in each log (log_sizes; a 200 through the port means nothing if our
+    nginx could not bind it: another server answered)."""
+    starts = starts or {}
+    nginx_log_start = starts.get("nginx", 0)
     url = ready_url(cfg)
     frontends = [str(topology.frontend_socket(cfg, i)) for i in range(cfg.frontends.count)]
     deadline = time.monotonic() + timeout
@@ -41,14 +50,14 @@ def wait_ready(cfg: Config, timeout: float, nginx_log_start: int = 0) -> int:
             break
         time.sleep(0.2)  # cheap polls (an RPC and local probes); up returns sooner
     if looping and not fatal and bind_error is None:
-        print(f"shmserve: {restart_loop(cfg, looping, watch.pids[looping])}; "
+        print(f"shmserve: {restart_loop(cfg, looping, watch.pids[looping], starts)}; "
               "then `shmserve down` and `shmserve up`", file=sys.stderr)
         return 1
     if unloaded and not fatal and bind_error is None:
         print(f"shmserve: {unloaded}; the rest is served. Mend it (the worker tries it again "
               "by itself), or `shmserve down`", file=sys.stderr)
         return 1
-    print_log_tails(cfg)
+    print_log_tails(cfg, starts)
     if bind_error is not None:
         why = (f"nginx cannot listen on {cfg.server.host}:{cfg.server.port} ({bind_error}); "
                "`shmserve down`, then choose a free server.port (SHMSERVE__SERVER__PORT)")
@@ -94,29 +103,38 @@ def process_info(cfg: Config) -> list[dict]:
     return processes.info(cfg)
 
 
-def print_log_tails(cfg: Config) -> None:
+def tail(log, start: int = 0) -> list[str]:
+    """The last lines of `log` from byte `start` on (this start's), at most LOG_TAIL_LINES."""
+    try:
+        with open(log, "rb") as file:
+            file.seek(start if start <= log.stat().st_size else 0)  # rotated: all of it
+            text = file.read().decode(errors="replace")
+    except OSError:
+        return []
+    return text.splitlines()[-LOG_TAIL_LINES:]
+
+
+def print_log_tails(cfg: Config, starts: dict[str, int] | None = None) -> None:
     """The end of each log of this deployment's programs (not the logs an earlier deployment
-    with more frontends or workers left in the directory)."""
+    with more frontends or workers left in the directory), from `starts` on (log_sizes)."""
     names = {"supervisord", "nginx", "reaper",
              *(f"frontend-{i}" for i in range(cfg.frontends.count)),
              *(f"worker-{i}" for i in range(len(topology.worker_devices(cfg))))}
     for log in sorted(topology.log_dir(cfg).glob("*.log")):
         if log.stem not in names:
             continue
-        lines = log.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
+        lines = tail(log, (starts or {}).get(log.stem, 0))
         print(f"--- {log} (last {len(lines)} lines)", file=sys.stderr)
         for line in lines:
             print(line, file=sys.stderr)
 
 
-def restart_loop(cfg: Config, program: str, pids: list[int]) -> str:
+def restart_loop(cfg: Config, program: str, pids: list[int],
+                 starts: dict[str, int] | None = None) -> str:
     """Show the end of the log of a program that keeps exiting while it starts (its error:
     a model that cannot load, a device it cannot use); return what to say about it."""
     log = topology.log_dir(cfg) / f"{program}.log"
-    try:
-        lines = log.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
-    except OSError:
-        lines = []
+    lines = tail(log, (starts or {}).get(program, 0))
     print(f"--- {log} (last {len(lines)} lines)", file=sys.stderr)
     for line in lines:
         print(line, file=sys.stderr)

@@ -16,6 +16,17 @@ def test_wait_ready_gives_up_naming_the_key(deployment, capsys):
     assert startwait.wait_ready(deployment, timeout=0.3) == 1
     err = capsys.readouterr().err
     assert "workers.ready_timeout_s" in err and "boom" in err
+    # `down` keeps the logs: a start shows its own lines only, not an earlier deployment's
+    # above them (an outside check read the old batch lines as this start's).
+    log = topology.log_dir(deployment) / "worker-0.log"
+    log.write_text('{"message": "batch", "model": "an earlier one"}\n' * 30)
+    starts = startwait.log_sizes(deployment)
+    with log.open("a") as file:
+        file.write("Traceback ...\nRuntimeError: this start's error\n")
+    assert startwait.wait_ready(deployment, timeout=0.3, starts=starts) == 1
+    err = capsys.readouterr().err
+    assert "this start's error" in err and "an earlier one" not in err, err
+    assert "worker-0.log (last 2 lines)" in err
 
 
 def test_wait_ready_waits_for_every_frontend_not_just_the_one_nginx_asked(deployment,
