@@ -28,6 +28,9 @@ log = logging.getLogger("shmserve.nginx_stats")
 
 RESPONSES = Counter("shmserve_nginx_responses", "Responses nginx made itself, with no "
                     "frontend's answer behind them, by status", ["status"])
+INCOMPLETE = Counter("shmserve_nginx_incomplete_responses", "Frontends' answers nginx did "
+                     "not pass on whole (the client gone or too slow mid-answer, or nginx "
+                     "unable to buffer it), by status", ["status"])
 # Created at zero when the reader starts, so an alert on increase() sees the first one.
 KNOWN = ("400", "408", "413", "414", "415", "429", "431", "499", "502", "504")
 ROTATE_BYTES = 1 << 20  # ~260,000 answers ("429\n")
@@ -41,6 +44,7 @@ class Reader:
         self.path = path
         self.offset_path = path.with_name(path.name + ".offset")
         self.children = {status: RESPONSES.labels(status) for status in KNOWN}
+        self.cut = {"200": INCOMPLETE.labels("200")}  # "cut STATUS" lines (nginx.conf)
         self.unreadable = 0
         self.offset = self._saved_offset()
         self._stop = threading.Event()
@@ -91,21 +95,26 @@ class Reader:
         whole = data[:data.rfind(b"\n") + 1]  # a line still being written waits
         self.offset += len(whole)
         tally: collections.Counter[str] = collections.Counter()
+        cut: collections.Counter[str] = collections.Counter()
         for line in whole.splitlines():
             status = line.strip().decode("ascii", "replace")
             if len(status) == 3 and status.isdigit():
                 tally[status] += 1
+            elif status.startswith("cut ") and len(status) == 7 and status[4:].isdigit():
+                cut[status[4:]] += 1
             else:
                 self.unreadable += 1
                 if self.unreadable == 1:  # once: a format changed, not per line
                     log.warning("nginx_stats.unreadable", extra={"fields": {
                         "line": status[:80]}})
-        for status, count in tally.items():
-            child = self.children.get(status)
-            if child is None:
-                child = self.children[status] = RESPONSES.labels(status)
-            child.inc(count)
-        return sum(tally.values())
+        for counts, children, counter in ((tally, self.children, RESPONSES),
+                                          (cut, self.cut, INCOMPLETE)):
+            for status, count in counts.items():
+                child = children.get(status)
+                if child is None:
+                    child = children[status] = counter.labels(status)
+                child.inc(count)
+        return sum(tally.values()) + sum(cut.values())
 
     def _save(self) -> None:
         tmp = self.offset_path.with_name(self.offset_path.name + ".tmp")

@@ -73,3 +73,24 @@ def test_the_answers_file_is_emptied_past_its_limit_without_losing_a_count(tmp_p
         assert reader.poll() == 1
     assert nginx_stats.RESPONSES.labels("429")._value.get() - before == 14
     assert nginx_stats.Reader(path).offset == 8  # saved for the next reader
+
+
+def test_answers_nginx_cut_are_counted_apart_from_its_own(tmp_path):
+    """nginx writes "cut STATUS" for a frontend's answer it did not pass on whole (nginx.conf):
+    shmserve_nginx_incomplete_responses_total, not one of nginx's own answers."""
+    from shmserve import nginx_stats
+
+    path = tmp_path / "answers.log"
+    path.write_bytes(b"")
+    reader = nginx_stats.Reader(path)
+
+    def counts():
+        return (nginx_stats.RESPONSES.labels("200")._value.get(),
+                nginx_stats.INCOMPLETE.labels("200")._value.get(),
+                nginx_stats.INCOMPLETE.labels("503")._value.get(),
+                nginx_stats.RESPONSES.labels("499")._value.get())
+    before = counts()
+    path.write_bytes(b"cut 200\n499\ncut 200\ncut 503\ncut x\n")
+    assert reader.poll() == 4
+    assert [a - b for a, b in zip(counts(), before)] == [0, 2, 1, 1]
+    assert reader.unreadable == 1  # "cut x"
