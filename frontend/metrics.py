@@ -147,5 +147,6 @@ def exposition(cfg: Config, workers: int) -> tuple[bytes, str]:
     """The whole deployment's metrics; blocking (files, supervisord's socket): run it off the
     event loop. `workers`: how many the deployment has (each shows shmserve_worker_ready,
     0 while it does not run)."""
-    return shared.exposition([shared.ResidentMemory(lambda: processes.resident(cfg))],
+    return shared.exposition([shared.ResidentMemory(lambda: processes.resident(cfg)),
+                              shared.OpenFiles(lambda: processes.open_files(cfg))],
                              [str(i) for i in range(workers)])

@@ -245,6 +245,10 @@ _EXPOSITION = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="expos
 
 async def metrics_route(request: web.Request) -> web.Response:
     metrics.turn.flush()  # this turn's updates, so a scrape right after a request counts it
-    body, content_type = await asyncio.get_running_loop().run_in_executor(
-        _EXPOSITION, metrics.exposition, request.app[CONFIG], len(request.app[POOL].links))
+    try:
+        body, content_type = await asyncio.get_running_loop().run_in_executor(
+            _EXPOSITION, metrics.exposition, request.app[CONFIG], len(request.app[POOL].links))
+    except OSError as exc:  # this frontend out of file descriptors, ...: nothing half read
+        raise ApiError("unavailable", f"this frontend cannot read the metrics files: {exc}",
+                       retry_after=1) from None
     return web.Response(body=body, headers={"Content-Type": content_type})

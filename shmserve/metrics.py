@@ -286,6 +286,27 @@ class ResidentMemory(Collector):
         yield family
 
 
+class OpenFiles(Collector):
+    """``shmserve_process_open_fds{program}`` and ``shmserve_process_max_fds{program}``, read
+    when scraped: per program, its process nearest its open-files limit (`read` returns
+    program -> (open, soft limit): shmserve.processes.open_files)."""
+
+    def __init__(self, read: Callable[[], Mapping[str, tuple[int, int]]]) -> None:
+        self._read = read
+
+    def collect(self):
+        used = GaugeMetricFamily("shmserve_process_open_fds", "Open file descriptors of each "
+                                 "program's process nearest its limit, read at scrape time",
+                                 labels=["program"])
+        most = GaugeMetricFamily("shmserve_process_max_fds", "That process's open-files limit "
+                                 "(soft): at it, connections fail quietly", labels=["program"])
+        for program, (n, limit) in sorted(self._read().items()):
+            used.add_metric([program], float(n))
+            most.add_metric([program], float(limit))
+        yield used
+        yield most
+
+
 class _Delegate(Collector):
     """Lets a fresh registry serve `source`'s metrics (the default registry's, or every
     process's files) without re-registering them; with shmserve_worker_ready at 0 for each of
@@ -303,6 +324,9 @@ class _Delegate(Collector):
         ready = None
         if self._directory is not None:
             with scrape_lock(self._directory):
+                # prometheus_client's glob reads an unlistable directory (no file descriptor
+                # left) as empty: every worker then read as not ready (an outside check)
+                os.listdir(self._directory)
                 families = list(self._source.collect())
         else:
             families = self._source.collect()

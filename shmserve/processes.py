@@ -78,6 +78,30 @@ def resident(cfg: Config, infos: list[dict] | None = None) -> dict[str, int]:
     return out
 
 
+def open_files(cfg: Config, infos: list[dict] | None = None) -> dict[str, tuple[int, int]]:
+    """Per program, (open file descriptors, their soft limit) of its process or child
+    (nginx's workers) nearest its limit; programs not running or without a limit are left
+    out. A process at its limit fails quietly: a frontend closes the connections it cannot
+    take (nginx tries another, then answers 502), nginx answers bare 500s, and nothing said
+    so (an outside check)."""
+    out: dict[str, tuple[int, int]] = {}
+    for proc in info(cfg) if infos is None else infos:
+        try:
+            root = psutil.Process(proc["pid"]) if proc.get("pid") else None
+            tree = [root, *root.children(recursive=True)] if root else []
+        except psutil.Error:
+            continue
+        for member in tree:
+            try:
+                used, limit = member.num_fds(), member.rlimit(psutil.RLIMIT_NOFILE)[0]
+            except psutil.Error:
+                continue  # exited meanwhile
+            worst = out.get(proc["name"])
+            if limit > 0 and (worst is None or used / limit > worst[0] / worst[1]):
+                out[proc["name"]] = (used, limit)
+    return out
+
+
 def tree_rss(pid: int) -> int | None:
     """Resident bytes of a process and all its descendants; None when it is gone."""
     try:

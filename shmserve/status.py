@@ -113,6 +113,13 @@ def render(cur: Sample, prev: Sample | None, title: str) -> str:
         lines += [f"worker {w['worker']}: serves without {u['model']}, whose load failed "
                   f"{u['failures']} time(s) in a row (tried again in {u['retry_in_s']:g} s): "
                   f"{u['error']}" for w, u in without]
+    crowded = [p for p in processes_of(cur)
+               if p.get("max_fds") and p["open_fds"] >= FDS_NEAR * p["max_fds"]]
+    if crowded:
+        lines.append("")
+        lines += [f"{p['name']}: {p['open_fds']} of its {p['max_fds']} file descriptors open "
+                  "(its open-files limit: at it, connections fail quietly; raise `ulimit -n` "
+                  "where `shmserve up` runs, then restart it)" for p in crowded]
     if prev is not None:
         rates = _request_rates(cur, prev)
         each = ", ".join(f"{m} {_num(r)}" for m, r in rates["by_model"].items()) + "; " \
@@ -214,6 +221,9 @@ def _stopped(pid: int) -> bool:
         return False
 
 
+FDS_NEAR = 0.9  # of a process's open-files limit: `status` says so
+
+
 def processes_of(cur: Sample) -> list[dict]:
     rows = []
     for p in sorted(cur.processes, key=lambda p: p["name"]):
@@ -224,7 +234,9 @@ def processes_of(cur: Sample) -> list[dict]:
         rss = cur.total("shmserve_process_resident_memory_bytes", program=p["name"])
         rows.append({"name": p["name"], "state": state, "pid": p.get("pid") or None,
                      "uptime_s": up, "rss_bytes": _int(rss if rss is not None else
-                                                       _resident(p.get("pid")))})
+                                                       _resident(p.get("pid"))),
+                     "open_fds": _int(cur.total("shmserve_process_open_fds", program=p["name"])),
+                     "max_fds": _int(cur.total("shmserve_process_max_fds", program=p["name"]))})
     rss = cur.total("shmserve_process_resident_memory_bytes", program="supervisord")
     if rss is not None or cur.supervisord_pid:
         rows.append({"name": "supervisord", "state": "RUNNING", "pid": cur.supervisord_pid,

@@ -49,6 +49,45 @@ def test_status_shows_processes_and_workers(stack):
     assert frames[-1]["workers"][0]["ready"] is True and frames[-1]["url"] == stack.url
 
 
+def test_a_frontend_at_its_open_files_limit_is_named_and_scrapes_go_on(stack):
+    """A frontend out of file descriptors closed the connections it could not take, and
+    nothing said so: `status` ready, scrapes through it a 500 or a partial exposition with
+    every worker not ready (an outside check). Now each program's open descriptors and limit
+    are metrics, `status` names a program near its limit, and a scrape the frontend cannot
+    read is a 503 that nginx sends on to another frontend."""
+    import socket
+    import time
+
+    import psutil
+
+    proc = psutil.Process(stack.pid("frontends:frontend-0"))
+    soft, hard = proc.rlimit(psutil.RLIMIT_NOFILE)
+    limit = proc.num_fds() + 2
+    proc.rlimit(psutil.RLIMIT_NOFILE, (limit, hard))
+    held = []
+    try:
+        for _ in range(20):  # connections straight to it take its last descriptors
+            held.append(socket.socket(socket.AF_UNIX))
+            held[-1].connect(str(stack.run_dir / "sockets" / "frontend-0.sock"))
+        deadline = time.monotonic() + 10
+        while proc.num_fds() < limit:
+            assert time.monotonic() < deadline, (proc.num_fds(), limit)
+            time.sleep(0.1)
+        assert [stack.get("/metrics")[0] for _ in range(6)] == [200] * 6
+        samples = scrape(stack)
+        assert total(samples, "shmserve_process_max_fds", program="frontend-0") == limit
+        assert total(samples, "shmserve_process_open_fds", program="frontend-0") >= limit - 1
+        assert total(samples, "shmserve_process_max_fds", program="frontend-1") == soft
+        done = status_cli(stack)
+        assert re.search(rf"^frontend-0: \d+ of its {limit} file descriptors open", done.stdout,
+                         re.M), done.stdout
+        assert "frontend-1:" not in done.stdout
+    finally:
+        for sock in held:
+            sock.close()
+        proc.rlimit(psutil.RLIMIT_NOFILE, (soft, hard))
+
+
 def test_status_with_nginx_stopped_still_shows_memory_and_workers(stack):
     """It read /metrics and /ready through nginx only: with nginx stopped, no RSS and no worker
     rows (an outside check)."""

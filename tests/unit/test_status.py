@@ -58,6 +58,8 @@ shmserve_worker_device_fragmentation_ratio{{worker="0"}} 0.3333
 shmserve_process_resident_memory_bytes{{program="worker-0"}} 1610612736.0
 shmserve_process_resident_memory_bytes{{program="frontend-0"}} 104857600.0
 shmserve_process_resident_memory_bytes{{program="supervisord"}} 20971520.0
+shmserve_process_open_fds{{program="worker-0"}} 41.0
+shmserve_process_max_fds{{program="worker-0"}} 1024.0
 # HELP shmserve_stage_duration_seconds Stages
 # TYPE shmserve_stage_duration_seconds histogram
 shmserve_stage_duration_seconds_count{{model="m",stage="total"}} {batches * 2}
@@ -105,7 +107,8 @@ def test_json_holds_the_tables_figures_unformatted():
     assert snap["ready_code"] == 200 and snap["over_s"] == 2.0
     procs = {p["name"]: p for p in snap["processes"]}
     assert procs["worker-0"] == {"name": "worker-0", "state": "RUNNING", "pid": 101,
-                                 "uptime_s": 3723, "rss_bytes": 3 * 2**29}
+                                 "uptime_s": 3723, "rss_bytes": 3 * 2**29,
+                                 "open_fds": 41, "max_fds": 1024}
     assert isinstance(procs["worker-0"]["rss_bytes"], int)
     assert procs["nginx"]["pid"] is None and procs["nginx"]["uptime_s"] is None
     # supervisord is not among its own programs: its pid from its pid file, uptime from /proc
