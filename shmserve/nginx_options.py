@@ -25,7 +25,8 @@ NGINX_ERRORS: dict[int, tuple[str, str]] = {
     429: ("overloaded", "more requests from this client than nginx.rate_limit_per_s allows; "
           "retry later"),
     494: ("headers_too_large", "request headers too large (nginx.large_client_header_buffers)"),
-    500: ("internal_error", "internal error in nginx"),
+    500: ("internal_error", "internal error in nginx; its log says why (`shmserve ctl tail "
+          "nginx`: a full run directory, which holds its temp files, or its open-files limit)"),
     502: ("unavailable", "no frontend answered; see `shmserve status`"),
     503: ("unavailable", "no frontend answered; see `shmserve status`"),
     504: ("timeout", "no frontend answered within nginx.proxy_read_timeout_s"),
