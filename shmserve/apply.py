@@ -238,6 +238,13 @@ def warn_gaps(old: Config, new: Config, steps: Plan) -> None:
             " fail from the first "
             "worker's restart until every frontend has restarted; to change without a gap, "
             "serve the new form under a new name, or use `shmserve split`", sys.stderr)
+    if steps.unserved:
+        default = (" and those naming no model" if old.models[0].name != new.models[0].name
+                   else "")
+        say(f"shmserve: warning: no order of restarts serves both configs' models throughout "
+            f"(one worker, or each old model on a worker a new one needs): requests for "
+            f"{', '.join(steps.unserved)}{default} fail from the restart of the last worker "
+            "serving them until every frontend has restarted", sys.stderr)
     most = max(old, new, key=lambda c: len(topology.worker_devices(c)))
     for group, rolled, count in (
             ("workers", steps.roll_workers, len(topology.worker_devices(most))),
@@ -274,6 +281,8 @@ def run(new: Config, old: Config, steps: Plan, timeout: float) -> None:
         # Models both added and removed: the workers that serve the new ones while the others
         # still serve the old ones, then the frontends, then the rest (apply_plan.unit_order)
         workers(new, old, steps, timeout, first)
+        for program in steps.add_workers:  # which unit_order counted on
+            wait_loaded(new, program, timeout, rest)
         frontends(new, old, steps, timeout, rest)
         workers(new, new, steps, timeout, [w for w in steps.roll_workers if w not in first])
     else:

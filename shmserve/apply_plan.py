@@ -54,6 +54,8 @@ class Plan:
     # Models both added and removed (one renamed, the default replaced): these of roll_workers
     # restart before the frontends, the others after (unit_order)
     workers_before_frontends: list[str] = field(default_factory=list)
+    # ... and where no order serves both sides: the old models that go unserved meanwhile
+    unserved: list[str] = field(default_factory=list)
     reaper: bool = False  # restarted at the end: it names every program, and logs
     reshaped: list[str] = field(default_factory=list)  # models whose units change names
 
@@ -133,6 +135,8 @@ def plan(old: Config, new: Config, pending: dict[str, list[str]],
         if first is not None:
             out.reshaped = []  # served throughout, by the frontends of either side
             out.workers_before_frontends, out.frontends_first = first, not first
+        elif not out.reshaped:  # (a reshaped model's warning says it, with what to do)
+            out.unserved = sorted(removed)
     out.reaper = bool(out.add_workers or out.remove_workers or out.add_frontends
                       or out.remove_frontends or any(k.startswith("logging.") for k in keys))
     return out
@@ -140,22 +144,23 @@ def plan(old: Config, new: Config, pending: dict[str, list[str]],
 
 def unit_order(old: Config, new: Config, rolled: list[str]) -> list[str] | None:
     """Those of the `rolled` workers to restart before the frontends, so that while the
-    frontends restart, every model of `new` has a restarted worker that serves it and every
-    model of `old` still has one that serves it (each side's frontends route to the workers of
-    its own count); None where no choice does (one worker), [] where none is needed."""
+    frontends restart, every model of `new` has a restarted (or added) worker that serves it
+    and every model of `old` still has one that serves it (each side's frontends route to the
+    workers of its own count); None where no choice does (one worker), [] where none is
+    needed."""
     old_devices, new_devices = topology.worker_devices(old), topology.worker_devices(new)
-    kept = min(len(old_devices), len(new_devices))  # added workers may not have loaded yet
 
     def serving(first: set[int], count: int) -> set[str]:
+        # added workers serve the new config: apply waits until they have loaded
         return {u.name for i in range(count) for u in (
-            models.hosted(new, new_devices, i) if i in first
+            models.hosted(new, new_devices, i) if i in first or i >= len(old_devices)
             else models.hosted(old, old_devices, i))}
 
     old_units, new_units = unit_names(old), unit_names(new)
     first: list[int] = []
     candidates = [index_of(w) for w in rolled]
-    while not new_units <= serving(set(first), kept):
-        missing = new_units - serving(set(first), kept)
+    while not new_units <= serving(set(first), len(new_devices)):
+        missing = new_units - serving(set(first), len(new_devices))
         for i in candidates:
             if i not in first and missing & {u.name for u in models.hosted(new, new_devices, i)} \
                     and old_units <= serving({*first, i}, len(old_devices)):

@@ -70,7 +70,7 @@ def test_a_config_put_back_after_a_failed_apply_restarts_what_that_apply_restart
     assert apply_plan.nginx_differs(with_(base, nginx={"gzip": True}), [tried], base, on_disk)
 
 
-def test_the_order_follows_what_the_change_needs_served_meanwhile(base):
+def test_the_order_follows_what_the_change_needs_served_meanwhile(base, capsys):
     dropped = dataclasses.replace(base, models=[*base.models, dataclasses.replace(
         base.models[0], name="other")])
     # A model removed: the frontends stop routing to it before the workers unload it.
@@ -109,6 +109,27 @@ def test_the_order_follows_what_the_change_needs_served_meanwhile(base):
         base.models[0], name="c")]), NONE)
     assert swap.workers_before_frontends == [] and not swap.frontends_first
     assert swap.lines()[0] == "  restart one at a time: worker-0"
+    # No order serves both: each old model on a worker a new one needs. Warned of, naming
+    # them (an outside check saw the default's 503s with no warning).
+    split_up = dataclasses.replace(base, models=[
+        dataclasses.replace(base.models[0], name="c", devices=[0]),
+        dataclasses.replace(base.models[0], name="d", devices=[1])])
+    steps = apply_plan.plan(base, split_up, NONE)
+    assert steps.unserved == ["m"] and steps.workers_before_frontends == []
+    apply.warn_gaps(base, split_up, steps)
+    assert ("requests for m and those naming no model fail from the restart of the last "
+            "worker serving them until every frontend has restarted") in capsys.readouterr().err
+    # A new model only on an added worker: it loads, the frontends restart, then the kept
+    # workers (they restarted first, and the old default went unserved: an outside check).
+    x = dataclasses.replace(base.models[0], name="x")
+    grown = apply_plan.plan(
+        dataclasses.replace(base, models=[x, base.models[0]]),
+        dataclasses.replace(with_(base, workers={"cpu_workers": 3}), models=[
+            base.models[0], dataclasses.replace(base.models[0], name="b", devices=[2])]),
+        {**NONE, "added": ["workers:worker-2"]})
+    assert grown.frontends_first and not grown.unserved, grown
+    assert grown.lines()[:2] == ["  start: worker-2",
+                                 "  restart one at a time: frontend-0, frontend-1"]
     # A model to A/B variants under the same name with two workers: one worker loads the arms
     # while the other still serves the model, then the frontends (no warning needed).
     ab2 = dataclasses.replace(base.models[0], source="", variants=[
