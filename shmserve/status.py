@@ -120,6 +120,11 @@ def render(cur: Sample, prev: Sample | None, title: str) -> str:
         lines += [f"{p['name']}: {p['open_fds']} of its {p['max_fds']} file descriptors open "
                   "(its open-files limit: at it, connections fail quietly; raise `ulimit -n` "
                   "where `shmserve up` runs, then restart it)" for p in crowded]
+    full = _delta(cur, prev, "shmserve_frontend_refused_total", reason="shm_full")
+    if full:  # others filled /dev/shm: 503s, said only in the frontends' logs (an outside check)
+        lines += ["", f"frontends refused {full:g} request(s) over the last "
+                      f"{cur.at - prev.at:.1f} s: /dev/shm is full (`df /dev/shm`; others filled "
+                      "it: free it, or give it more room)"]
     if prev is not None:
         rates = _request_rates(cur, prev)
         each = ", ".join(f"{m} {_num(r)}" for m, r in rates["by_model"].items()) + "; " \

@@ -94,6 +94,19 @@ def test_tables_show_processes_and_workers_with_rates():
     w1 = [l.split() for l in text.splitlines() if l.startswith("1 ")][0]
     assert w1[:4] == ["1", "loading", "loading", "0"]  # alive, not ready; queue from /ready
     assert "inference requests/s: 20.0 (over the last 2.0 s)" in text
+    assert "/dev/shm is full" not in text and "file descriptors" not in text
+    # A full /dev/shm's refusals (503s a frontend's log alone named: an outside check), and a
+    # program near its open-files limit, are said below the tables.
+    refused = ("# TYPE shmserve_frontend_refused_total counter\n"
+               'shmserve_frontend_refused_total{reason="shm_full"} %d\n'
+               'shmserve_process_open_fds{program="worker-0"} 1000.0\n')
+    cur = status.Sample(cur.at, PROCESSES, 200, READY, status.parse_metrics(
+        exposition(1400, 120, 14_000, 17_000) + refused % 7))
+    prev = status.Sample(prev.at, PROCESSES, 200, READY, status.parse_metrics(
+        exposition(1000, 100, 10_000, 12_000) + refused % 4))
+    text = status.render(cur, prev, "shmserve test")
+    assert ("frontends refused 3 request(s) over the last 2.0 s: /dev/shm is full") in text
+    assert "worker-0: 1000 of its 1024 file descriptors open" in text
 
 
 def test_json_holds_the_tables_figures_unformatted():
