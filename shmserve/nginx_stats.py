@@ -17,6 +17,7 @@ and the truncation.
 from __future__ import annotations
 
 import collections
+import ctypes
 import logging
 import os
 import threading
@@ -35,6 +36,19 @@ INCOMPLETE = Counter("shmserve_nginx_incomplete_responses", "Frontends' answers 
 KNOWN = ("400", "408", "413", "414", "415", "429", "431", "499", "502", "504")
 ROTATE_BYTES = 1 << 20  # ~260,000 answers ("429\n")
 POLL_S = 0.5
+# Pages held for nginx's next lines (reserve): a full run directory lost them, the very cut
+# answers it made among them (an outside check)
+RESERVED_BYTES = 2 * ROTATE_BYTES
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong]
+FALLOC_FL_KEEP_SIZE = 1
+
+
+def reserve(fd: int, size: int = RESERVED_BYTES) -> bool:
+    """Allocate the file's pages up to `size`, past its end, without changing its size
+    (fallocate with KEEP_SIZE): nginx's appends (O_APPEND, at the end) then need no page a full
+    filesystem cannot give. False where the filesystem refuses (full, or no fallocate)."""
+    return _libc.fallocate(fd, FALLOC_FL_KEEP_SIZE, 0, size) == 0
 
 
 class Reader:
@@ -80,6 +94,7 @@ class Reader:
                     counted += self._count(file)  # what came meanwhile, then empty it
                     file.truncate(0)
                     self.offset = 0
+                reserve(file.fileno())  # again after a truncation, which let the pages go
         except FileNotFoundError:
             return 0  # nginx creates it when it starts
         if counted:

@@ -4,6 +4,8 @@ appends each such status to, read by the reaper's reader, here run alone beside 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from shmserve import topology
 from tests.unit.test_nginx_pages import nginx_of, request
 from tests.unit.test_render import make_config, wait_until
@@ -94,3 +96,27 @@ def test_answers_nginx_cut_are_counted_apart_from_its_own(tmp_path):
     assert reader.poll() == 4
     assert [a - b for a, b in zip(counts(), before)] == [0, 2, 1, 1]
     assert reader.unreadable == 1  # "cut x"
+
+
+def test_the_answers_file_keeps_pages_for_nginx_s_next_lines():
+    """With the run directory full, nginx's "cut 200" lines were lost (no page for them), the
+    answers a full directory cut among them (an outside check): each poll holds the file's
+    next pages (fallocate, the size unchanged), again after the file was emptied. On tmpfs,
+    as a Kubernetes memory-backed volume is."""
+    import tempfile
+
+    from shmserve import nginx_stats
+
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as directory:
+        path = Path(directory) / "answers.log"
+        path.write_bytes(b"200\n")
+        reader = nginx_stats.Reader(path)
+        assert path.stat().st_blocks * 512 < nginx_stats.RESERVED_BYTES
+        reader.poll()
+        held = path.stat()
+        assert held.st_size == 4 and held.st_blocks * 512 >= nginx_stats.RESERVED_BYTES
+        with path.open("ab") as nginx:
+            nginx.write(b"cut 200\n" * (nginx_stats.ROTATE_BYTES // 8 + 1))
+        reader.poll()  # past ROTATE_BYTES: emptied, and held again
+        assert path.stat().st_size == 0
+        assert path.stat().st_blocks * 512 >= nginx_stats.RESERVED_BYTES
