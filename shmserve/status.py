@@ -19,6 +19,8 @@ from typing import Callable, TextIO
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
+from shmserve import processes
+
 Fetch = Callable[[str], tuple[int | None, bytes]]
 Labels = frozenset[tuple[str, str]]
 
@@ -237,11 +239,14 @@ def processes_of(cur: Sample) -> list[dict]:
         if state == "RUNNING" and p.get("pid") and _stopped(p["pid"]):
             state = "RUNNING:stopped"  # supervisord cannot tell; a hung kill is coming
         rss = cur.total("shmserve_process_resident_memory_bytes", program=p["name"])
+        fds = (cur.total("shmserve_process_open_fds", program=p["name"]),
+               cur.total("shmserve_process_max_fds", program=p["name"]))
+        if None in fds:  # no scrape (every frontend out of descriptors, say): read here, as
+            fds = processes.open_files(None, [p]).get(p["name"], fds)  # RSS is (a re-check)
         rows.append({"name": p["name"], "state": state, "pid": p.get("pid") or None,
                      "uptime_s": up, "rss_bytes": _int(rss if rss is not None else
                                                        _resident(p.get("pid"))),
-                     "open_fds": _int(cur.total("shmserve_process_open_fds", program=p["name"])),
-                     "max_fds": _int(cur.total("shmserve_process_max_fds", program=p["name"]))})
+                     "open_fds": _int(fds[0]), "max_fds": _int(fds[1])})
     rss = cur.total("shmserve_process_resident_memory_bytes", program="supervisord")
     if rss is not None or cur.supervisord_pid:
         rows.append({"name": "supervisord", "state": "RUNNING", "pid": cur.supervisord_pid,

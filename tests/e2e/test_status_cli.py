@@ -60,19 +60,24 @@ def test_a_frontend_at_its_open_files_limit_is_named_and_scrapes_go_on(stack):
 
     import psutil
 
-    proc = psutil.Process(stack.pid("frontends:frontend-0"))
-    soft, hard = proc.rlimit(psutil.RLIMIT_NOFILE)
-    limit = proc.num_fds() + 2
-    proc.rlimit(psutil.RLIMIT_NOFILE, (limit, hard))
+    procs = [psutil.Process(stack.pid(f"frontends:frontend-{i}")) for i in range(2)]
+    soft, hard = procs[0].rlimit(psutil.RLIMIT_NOFILE)
     held = []
-    try:
+
+    def crowd(index: int) -> int:
+        proc = procs[index]
+        limit = proc.num_fds() + 2
+        proc.rlimit(psutil.RLIMIT_NOFILE, (limit, hard))
         for _ in range(20):  # connections straight to it take its last descriptors
             held.append(socket.socket(socket.AF_UNIX))
-            held[-1].connect(str(stack.run_dir / "sockets" / "frontend-0.sock"))
+            held[-1].connect(str(stack.run_dir / "sockets" / f"frontend-{index}.sock"))
         deadline = time.monotonic() + 10
         while proc.num_fds() < limit:
             assert time.monotonic() < deadline, (proc.num_fds(), limit)
             time.sleep(0.1)
+        return limit
+    try:
+        limit = crowd(0)
         assert [stack.get("/metrics")[0] for _ in range(6)] == [200] * 6
         samples = scrape(stack)
         assert total(samples, "shmserve_process_max_fds", program="frontend-0") == limit
@@ -82,10 +87,18 @@ def test_a_frontend_at_its_open_files_limit_is_named_and_scrapes_go_on(stack):
         assert re.search(rf"^frontend-0: \d+ of its {limit} file descriptors open", done.stdout,
                          re.M), done.stdout
         assert "frontend-1:" not in done.stdout
+        # Both: no scrape answers (503 each), and status reads the figures itself, as it
+        # reads memory (a re-check: it said nothing)
+        limit1 = crowd(1)
+        done = status_cli(stack)
+        for index, most in enumerate((limit, limit1)):
+            assert re.search(rf"^frontend-{index}: \d+ of its {most} file descriptors open",
+                             done.stdout, re.M), done.stdout
     finally:
         for sock in held:
             sock.close()
-        proc.rlimit(psutil.RLIMIT_NOFILE, (soft, hard))
+        for proc in procs:
+            proc.rlimit(psutil.RLIMIT_NOFILE, (soft, hard))
 
 
 def test_status_with_nginx_stopped_still_shows_memory_and_workers(stack):
