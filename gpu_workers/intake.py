@@ -77,6 +77,7 @@ class Intake:
         self._frontends: dict[int, tuple[bytes, int]] = {}
         self._looked = 0.0  # monotonic time of the last look for frontends gone
         self._dropped = 0.0  # ... and for arenas unlinked (Attachments.drop_vanished)
+        self._unreadable_logged = 0.0  # worker.arena_unreadable's last line
 
     def heartbeat(self, ping: Ping, peer: bytes = b"") -> Heartbeat:
         if ping.frontend >= 0 and peer:
@@ -187,8 +188,11 @@ class Intake:
         except OSError as exc:  # this worker's trouble (no file descriptor left to map the
             # arena with, ...), not the request's: another worker takes it (it was a 500
             # "bad buffers", not retried and not logged: an outside check)
-            log.warning("worker.arena_unreadable", extra={"fields": {
-                "frontend": peer.decode(errors="replace"), "error": str(exc)}})
+            if time.monotonic() - self._unreadable_logged >= 1.0:  # a line a second at most
+                self._unreadable_logged = time.monotonic()
+                log.warning("worker.arena_unreadable", extra={"fields": {"frontend": next(
+                    (i for i, (p, _) in self._frontends.items() if p == peer), None),
+                    "error": str(exc)}})
             return Error(msg.seq, ErrorCode.UNAVAILABLE, f"worker {self.index} cannot map the "
                          f"request's shared memory: {exc}")
         n = request.remaining

@@ -111,7 +111,8 @@ def test_a_killed_frontends_arena_is_unmapped_once_unlinked(tmp_path):
     assert dead.name not in intake.attachments._maps
 
 
-def test_an_arena_the_worker_cannot_map_hands_the_request_to_another_worker(monkeypatch):
+def test_an_arena_the_worker_cannot_map_hands_the_request_to_another_worker(monkeypatch,
+                                                                            caplog):
     """A worker out of file descriptors (or memory) to map a request's arena with answered
     INVALID, a 500 "bad buffers" that no other worker was asked to take and no line logged
     (an outside check): its own trouble is UNAVAILABLE, which the frontend sends elsewhere.
@@ -134,3 +135,14 @@ def test_an_arena_the_worker_cannot_map_hands_the_request_to_another_worker(monk
         error = intake.on_submit(b"fe0", msg)
         assert (error.seq, error.code) == (7, code), error
         assert str(raised) in error.message
+    # Logged naming the frontend by its index (not its ZeroMQ identity), a line a second at
+    # most: one a request (and attempt) flooded the log (a re-check)
+    intake._frontends, intake._unreadable_logged = {1: (b"fe0", 0)}, 0.0
+    caplog.clear()
+    monkeypatch.setattr(module, "read_request", lambda *args: (_ for _ in ()).throw(
+        OSError(errno.EMFILE, "Too many open files")))
+    with caplog.at_level("WARNING", logger="shmserve.worker"):
+        for _ in range(3):
+            assert intake.on_submit(b"fe0", msg).code is ErrorCode.UNAVAILABLE
+    lines = [r for r in caplog.records if r.getMessage() == "worker.arena_unreadable"]
+    assert len(lines) == 1 and lines[0].fields["frontend"] == 1, lines
