@@ -65,7 +65,10 @@ def unplaced_gpus(cfg: Config) -> str | None:
     its runtime did not expose) names some (CPU workers serve), else None."""
     if cfg.workers.devices != "auto" or visible_gpus():
         return None
-    for name in ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES"):
+    # CUDA_VISIBLE_DEVICES set (empty or -1 hides the GPUs on purpose) is what CUDA obeys
+    names = ("CUDA_VISIBLE_DEVICES",) if "CUDA_VISIBLE_DEVICES" in os.environ else (
+        "NVIDIA_VISIBLE_DEVICES",)
+    for name in names:
         visible = os.environ.get(name, "")
         named = [x.strip() for x in visible.split(",")]
         if any(x.isdigit() or x.startswith(("GPU-", "MIG-")) or x == "all" for x in named):

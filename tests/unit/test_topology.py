@@ -72,6 +72,12 @@ def test_auto_devices_refuse_an_index_the_machine_does_not_show(tmp_path, monkey
     for none in ("void", "none", ""):
         monkeypatch.setenv("NVIDIA_VISIBLE_DEVICES", none)
         assert topology.unplaced_gpus(cfg) is None
+    # GPUs hidden from CUDA on purpose (CUDA base images set NVIDIA_VISIBLE_DEVICES=all)
+    monkeypatch.setenv("NVIDIA_VISIBLE_DEVICES", "all")
+    for hidden in ("", "-1"):
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", hidden)
+        assert topology.unplaced_gpus(cfg) is None
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     cpu = config.from_tree({"models": [{"name": "m", "source": "/nonexistent/m"}],
                             "workers": {"devices": "cpu"}})
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
