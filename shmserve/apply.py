@@ -40,7 +40,8 @@ import xmlrpc.client
 from pathlib import Path
 from typing import Iterator
 
-from shmserve import config, layers, models, processes, render, state, topology, versions
+from shmserve import (apply_plan, config, layers, models, processes, render, state, topology,
+                      versions)
 from shmserve.apply_plan import (FIXED, Plan, by_counts, forget_overridden, index_of, nginx_differs,
                                  plan, reloads_held)
 from shmserve.prechecks import CliError, check_fds, check_port, check_shm, seconds
@@ -229,7 +230,7 @@ def warn_gaps(old: Config, new: Config, steps: Plan) -> None:
     """What the restarts leave unserved meanwhile (a single frontend, a model on one worker),
     as `restart` says it. While they restart, the programs to be stopped still serve and those
     added already do."""
-    from shmserve.restarts import gap_of, lone_models, restart_gap
+    from shmserve.restarts import gap_of, restart_gap
 
     if steps.reshaped:
         many = len(steps.reshaped) > 1
@@ -252,7 +253,7 @@ def warn_gaps(old: Config, new: Config, steps: Plan) -> None:
         if not rolled:
             continue
         programs = [f"{group[:-1]}-{i}" for i in range(count)]
-        lone = lone_models(most, rolled) if group == "workers" else {}
+        lone = apply_plan.lone_during(old, new, steps) if group == "workers" else {}
         if warning := restart_gap(group, "*", programs, False, lone):
             say(f"shmserve: warning: {warning}", sys.stderr)
     # Down to one: this apply is served throughout, the next restart of it is not (the README's

@@ -171,6 +171,33 @@ def unit_order(old: Config, new: Config, rolled: list[str]) -> list[str] | None:
     return [f"worker-{i}" for i in first]
 
 
+def lone_during(old: Config, new: Config, steps: Plan) -> dict[str, list[str]]:
+    """Per worker this apply restarts, the models (A/B arms as MODEL@VARIANT) that the
+    frontends running then route to and no other worker serves while it restarts, in the
+    order `steps` restarts them: what each restart leaves unserved. Read from either config
+    alone, the warning named models no frontend still routed to, and missed those whose other
+    hosts had already moved (an outside check)."""
+    old_devices, new_devices = topology.worker_devices(old), topology.worker_devices(new)
+    restarted: set[int] = set()
+
+    def hosts(i: int) -> set[str]:
+        moved_on = i in restarted or i >= len(old_devices)
+        return {u.name for u in (models.hosted(new, new_devices, i) if moved_on
+                                 else models.hosted(old, old_devices, i))}
+
+    first = (steps.workers_before_frontends if steps.workers_before_frontends
+             else [] if steps.frontends_first else steps.roll_workers)
+    order = [(w, old) for w in first] + [(w, new) for w in steps.roll_workers if w not in first]
+    lone: dict[str, list[str]] = {}
+    for program, routing in order:
+        i, count = index_of(program), len(topology.worker_devices(routing))
+        others = set().union(*(hosts(j) for j in range(count) if j != i))
+        if only := sorted(hosts(i) & unit_names(routing) - others - set(steps.unserved)):
+            lone[program] = only
+        restarted.add(i)
+    return lone
+
+
 def by_counts(old: Config, new: Config, running: list[str] | None = None
               ) -> dict[str, list[str]]:
     """`pending` as the counts tell it, before anything is rendered (--dry-run): `new`'s

@@ -99,6 +99,21 @@ def test_the_order_follows_what_the_change_needs_served_meanwhile(base, capsys):
     assert steps.lines() == ["  restart one at a time: worker-0",
                              "  restart one at a time: frontend-0, frontend-1",
                              "  restart one at a time: worker-1, worker-2"]
+    # No warning of b "only on worker-2": by its restart the frontends no longer route to it
+    # (an outside check's warning named it; nothing failed)
+    assert apply_plan.lone_during(placed, renamed, steps) == {}
+    # Where a model's other host has already moved, its last one's restart is a gap: said
+    # (a on 0, 1 and e on 2 -> e on 0, 1 and a on 1, 2: worker-1 is a's last host by then;
+    # e, "only on worker-2" by the config alone, is on worker-0 by worker-2's restart)
+    moved = dataclasses.replace(three, models=[
+        dataclasses.replace(base.models[0], name="e", devices=[0, 1]),
+        dataclasses.replace(base.models[0], name="a", devices=[1, 2])])
+    before = dataclasses.replace(three, models=[
+        dataclasses.replace(base.models[0], name="a", devices=[0, 1]),
+        dataclasses.replace(base.models[0], name="e", devices=[2])])
+    steps_moved = apply_plan.plan(before, moved, NONE)
+    assert steps_moved.roll_workers == ["worker-0", "worker-1", "worker-2"]
+    assert apply_plan.lone_during(before, moved, steps_moved) == {"worker-1": ["a"]}
     # Back: a (workers 0, 1) and b (worker 2) must each have a restarted host, and c one left.
     steps = apply_plan.plan(renamed, placed, NONE)
     assert steps.workers_before_frontends == ["worker-0", "worker-2"], steps
