@@ -15,10 +15,15 @@ Spans leave through the SDK's batch processor, on its own thread: the request pa
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from typing import Mapping
 
 from shmserve.config import Config
+
+log = logging.getLogger("shmserve.frontend")
+CLOSE_S = 2.0  # what a stopping frontend gives the collector (its stop wait: drain + 5 s)
 
 
 class Tracing:
@@ -80,6 +85,14 @@ class Tracing:
         span.end(end_time=ns(ended))
         return format(span.get_span_context().trace_id, "032x")
 
-    def close(self) -> None:
-        """Send what is buffered (at most the exporter's timeout), then stop."""
-        self.provider.shutdown()
+    def close(self, timeout_s: float = CLOSE_S) -> None:
+        """Send what is buffered for at most `timeout_s`, then stop: the SDK's own shutdown
+        waits up to 30 s and then exports its whole queue, 5 s a batch, and a collector that
+        accepts and never answers held stopping frontends past supervisord's stop wait
+        (SIGKILLed, their last log lines lost: an outside check). What is left is dropped."""
+        closing = threading.Thread(target=self.provider.shutdown, name="trace-close",
+                                   daemon=True)
+        closing.start()
+        closing.join(timeout_s)
+        if closing.is_alive():
+            log.warning("tracing.close_cut", extra={"fields": {"after_s": timeout_s}})

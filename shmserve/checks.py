@@ -5,6 +5,7 @@ rules of the models list as a whole (`check_models`)."""
 from __future__ import annotations
 
 import re
+import urllib.parse
 from typing import Any
 
 from shmserve.protocol import priority_level
@@ -136,11 +137,28 @@ CHECKS: dict[str, Check] = {
     "limits.max_text_chars": _POSITIVE_INT,
     "shm.arena_mb": (lambda v: 1 <= v <= 65536, "an integer from 1 to 65536"),
     "admin.reload_timeout_s": _OVER_0_UP_TO_A_DAY,
-    "tracing.otlp_endpoint": (lambda v: v == "" or re.fullmatch(r"https?://[^\s]+", v) is not None,
-                              "empty or an http(s):// URL"),
+    "tracing.otlp_endpoint": (lambda v: v == "" or _otlp_url(v),
+                              "empty, or the collector's OTLP/HTTP traces URL, path included: "
+                              "http(s)://HOST[:PORT]/v1/traces"),
     "tracing.service_name": (lambda v: 1 <= len(v) <= 128, "1 to 128 characters"),
     "tracing.sample_ratio": (lambda v: 0 <= v <= 1, "a number from 0 to 1"),
 }
+
+def _otlp_url(value: str) -> bool:
+    """A URL the exporter can post to: http(s), a host, a port in range, a path (it posts to
+    the URL as given: a collector answers a base URL's / with 404). An outside check's
+    `http:///v1/traces`, a port 99999 or `abc`, and `http://[::1/v1/traces` passed `up` with
+    tracing dead (and the last made `shmserve config` fail with a traceback)."""
+    if re.search(r"\s", value):
+        return False
+    try:
+        parts = urllib.parse.urlsplit(value)
+        parts.port  # noqa: B018 - raises ValueError out of range or not a number
+    except ValueError:
+        return False
+    return (parts.scheme.lower() in ("http", "https") and bool(parts.hostname)
+            and parts.path not in ("", "/"))
+
 
 _NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")  # fullmatch: "$" lets a final newline by
 # A model's name or alias: what requests send as `model`, and a label in logs and metrics.

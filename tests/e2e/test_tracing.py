@@ -175,3 +175,41 @@ def test_a_malformed_traceparent_starts_a_new_trace(stack, collector):
     (root,) = collector.wait_for(
         lambda r, s: attrs(s).get("shmserve.request_id") == headers["X-Request-ID"])
     assert not root.parent_span_id
+
+
+def test_a_collector_that_never_answers_does_not_hold_a_stopping_frontend(stack):
+    """The SDK's shutdown exported its whole queue, 5 s a batch, to a collector that accepts
+    and never answers: stopping frontends outlived supervisord's stop wait and were SIGKILLed,
+    their last log lines lost (an outside check: a restart of two frontends took 24 s). Now a
+    frontend gives the collector 2 s (tracing.CLOSE_S). Last in the module: it moves the
+    stack's endpoint."""
+    import json
+    import socket
+    from concurrent.futures import ThreadPoolExecutor
+
+    import yaml
+
+    silent = socket.create_server(("127.0.0.1", 0), backlog=512)  # listens, never accepts
+    try:
+        tree = yaml.safe_load(stack.config_file.read_text())
+        tree["tracing"]["otlp_endpoint"] = \
+            f"http://127.0.0.1:{silent.getsockname()[1]}/v1/traces"
+        stack.config_file.write_text(yaml.safe_dump(tree))
+        assert "shmserve: applied" in stack.cli("apply", timeout=300).stdout
+        body = json.dumps({"texts": ["trace me"]}).encode()
+        with ThreadPoolExecutor(8) as pool:  # ~5 spans each: past the SDK's 2,048-span queue
+            statuses = list(pool.map(lambda _: stack.request(
+                "POST", "/predict", body, {"Content-Type": "application/json"})[0],
+                range(600)))
+        assert set(statuses) == {200}
+        started = time.monotonic()
+        done = stack.cli("restart", "frontends", timeout=300)
+        took = time.monotonic() - started
+        assert done.returncode == 0, done.stderr
+        killed = [line for line in (stack.run_dir / "logs" / "supervisord.log").read_text()
+                  .splitlines() if "SIGKILL" in line and "frontend" in line]
+        assert not killed and took < 15, (took, killed)
+        assert any(line.get("message") == "tracing.close_cut"
+                   for line in stack.log_lines("frontend-0"))
+    finally:
+        silent.close()

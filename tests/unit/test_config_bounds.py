@@ -70,7 +70,7 @@ def test_a_final_newline_is_no_part_of_a_checked_value(tmp_path):
     given = tmp_path / "my.yaml"
     for tree, key in (({"auth": {"api_keys": ["abcdefgh12\n"]}}, "auth.api_keys"),
                       ({"admin": {"token": "abcdefgh12\n"}}, "admin.token"),
-                      ({"tracing": {"otlp_endpoint": "http://collector:4318\n"}},
+                      ({"tracing": {"otlp_endpoint": "http://collector:4318/v1/traces\n"}},
                        "tracing.otlp_endpoint"),
                       ({"models": [{"name": "m", "sticky_key": "user\n", "variants": [
                           {"name": "a", "source": "/m/a", "weight": 1}]}]}, "sticky_key"),
@@ -84,3 +84,21 @@ def test_a_final_newline_is_no_part_of_a_checked_value(tmp_path):
             config.load(extra=given, environ={})
         except ConfigError as exc:  # the same value without the newline is not what is refused
             assert key not in str(exc).split(":")[0], exc
+
+
+def test_an_otlp_endpoint_the_exporter_cannot_post_to_is_refused():
+    """`up` took endpoints that can never work (no host, a port out of range or not a
+    number, an unclosed IPv6 bracket, which also made `shmserve config` fail with a
+    traceback), and a base URL without the path (the exporter posts to the URL as given; a
+    collector answers its / with 404): tracing dead, a line per batch in the frontends' logs
+    (an outside check)."""
+    for bad in ("http:///v1/traces", "http://127.0.0.1:99999/v1/traces",
+                "http://127.0.0.1:abc/v1/traces", "http://[::1/v1/traces",
+                "http://127.0.0.1:4318", "http://127.0.0.1:4318/", "ftp://c/v1/traces",
+                "collector:4318/v1/traces", "http://c /v1/traces"):
+        with pytest.raises(ConfigError, match=r"^tracing.otlp_endpoint: .*/v1/traces"):
+            config.load(environ={"SHMSERVE__TRACING__OTLP_ENDPOINT": bad})
+    for good in ("", "http://c:4318/v1/traces", "HTTPS://otel.example.com/v1/traces",
+                 "http://u:p@[::1]:4318/v1/traces"):
+        assert config.load(environ={"SHMSERVE__TRACING__OTLP_ENDPOINT": good}
+                           ).tracing.otlp_endpoint == good
