@@ -63,9 +63,9 @@ def running_now(cfg: Config) -> bool:
     if not _lock_path(cfg).exists():
         return False
     try:
-        with exclusive(cfg):
+        with state.held(_lock_path(cfg), "apply"):
             return False
-    except CliError:
+    except state.Busy:
         return True
 
 
@@ -98,6 +98,11 @@ def exclusive(cfg: Config) -> Iterator[None]:
             stack.enter_context(state.held(_lock_path(cfg), "apply"))
         except state.Busy:
             raise CliError("another `shmserve apply` runs on this deployment; wait for it "
+                           "to end") from None
+        try:
+            stack.enter_context(state.operating(cfg, "apply"))
+        except state.Busy as busy:
+            raise CliError(f"{busy} is restarting programs of this deployment; wait for it "
                            "to end") from None
         yield
 

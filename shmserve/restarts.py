@@ -12,7 +12,8 @@ import time
 from pathlib import Path
 from typing import Mapping
 
-from shmserve import config, layers, models, processes, remote, render, topology, versions
+from shmserve import (config, layers, models, processes, remote, render, state, topology,
+                      versions)
 from shmserve.cli import CliError, ctl_argv
 from shmserve.startwait import print_log_tails, process_info, restart_loop
 from shmserve.config import Config, ConfigError
@@ -21,6 +22,18 @@ GROUPS = {"frontends": "frontends:*", "workers": "workers:*", "nginx": "nginx"}
 
 
 def restart(args: argparse.Namespace) -> int:
+    cfg = processes.deployment(args)
+    if processes.supervisord_pid(cfg) is None:
+        raise CliError(processes.not_running(cfg))
+    try:
+        with state.operating(cfg, f"restart {args.target}"):
+            return _restart(args, cfg)
+    except state.Busy as busy:
+        raise CliError(f"{busy} is restarting programs of this deployment; wait for it to "
+                       "end") from None
+
+
+def _restart(args: argparse.Namespace, cfg: Config) -> int:
     """A group one program at a time, each ready again before the next goes, so the others
     serve meanwhile (nginx moves a refused request to the next frontend; a frontend routes
     around a stopped worker); nginx itself reloads its configuration in place (SIGHUP: new
@@ -28,16 +41,10 @@ def restart(args: argparse.Namespace) -> int:
     waited for. `--all-at-once`: supervisorctl's restart of the whole group, then each program
     waited for as above (it returned once supervisord had started them, and exited 0 while
     workers that could not load crash-looped)."""
-    cfg = processes.deployment(args)
-    if processes.supervisord_pid(cfg) is None:
-        raise CliError(processes.not_running(cfg))
     from shmserve.apply import apply_state
 
-    applying = apply_state(cfg)
-    if applying == "running":
-        say("shmserve: warning: `shmserve apply` is running on this deployment: the programs "
-            "restarted now start on the config it applies", sys.stderr)
-    elif applying == "stopped_part_way":
+    applying = apply_state(cfg)  # (one running holds the operation lock: refused above)
+    if applying == "stopped_part_way":
         say("shmserve: warning: an apply stopped part way (run/apply.json): the programs "
             "restarted now start on the config it was applying (run/config.json); "
             "`shmserve apply` finishes it, or, with the config put back, undoes it",

@@ -124,6 +124,30 @@ def held(lock: Path, what: str) -> Iterator[None]:
 
 
 @contextmanager
+def operating(cfg: Config, command: str) -> Iterator[None]:
+    """One command that restarts programs (`restart`, `apply`) at a time on a deployment:
+    two rolling restarts at once took both frontends down together (502s, both commands
+    exiting 0), and a command whose program another restarted waited out its whole timeout
+    (an outside check). Busy names the command that holds it (written in the lock file)."""
+    lock = cfg.run_dir / "operation.lock"
+    if not cfg.run_dir.is_dir():  # no deployment there to restart programs of
+        yield
+        return
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = lock.read_text(errors="replace").strip() or "another command"
+            raise Busy(holder) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"`shmserve {command}` (pid {os.getpid()})".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
+@contextmanager
 def _locked(cfg: Config) -> Iterator[None]:
     fd = os.open(cfg.run_dir / "state.lock", os.O_RDWR | os.O_CREAT, 0o600)
     try:

@@ -203,3 +203,31 @@ def test_restarted_frontends_arenas_are_unmapped_by_idle_workers(stack):
     assert stack.cli("restart", "frontends", timeout=300).returncode == 0
     stack.wait_until(lambda: not gone_arenas(), 5, f"the old arenas unmapped: {gone_arenas()}")
     assert [stack.pid(f"workers:worker-{i}") for i in range(2)] == workers  # same processes
+
+
+def test_a_second_restart_or_apply_meanwhile_is_refused_naming_the_first(stack):
+    """Two rolling restarts at once took both frontends down together (502s, both commands
+    exiting 0), and a restart beside an apply both workers (an outside check): one command
+    that restarts programs at a time, the others refused at once naming it."""
+    first: dict = {}
+    rolling = threading.Thread(target=lambda: first.update(
+        done=stack.cli("restart", "frontends", timeout=300, check=False)))
+    with Traffic(stack) as traffic:
+        rolling.start()
+        deadline = time.monotonic() + 10
+        while not (stack.run_dir / "operation.lock").exists() or not (
+                stack.run_dir / "operation.lock").read_text():
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        for args in (("restart", "frontends"), ("restart", "worker-0"), ("apply",)):
+            second = stack.cli(*args, check=False)
+            assert second.returncode == 2, (args, second.stdout, second.stderr)
+            assert "`shmserve restart frontends` (pid" in second.stderr and \
+                "is restarting programs of this deployment; wait for it to end" in \
+                second.stderr, (args, second.stderr)
+        rolling.join(300)
+        time.sleep(1)
+    assert first["done"].returncode == 0, first["done"].stderr
+    failed = [s for s in traffic.outcomes if s != "200"]
+    assert len(traffic.outcomes) > 50 and not failed, (len(traffic.outcomes), failed[:5])
+    assert stack.cli("restart", "worker-0").returncode == 0  # free again
