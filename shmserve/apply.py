@@ -54,7 +54,15 @@ def apply(args: argparse.Namespace) -> int:
     if processes.supervisord_pid(new) is None:
         raise CliError(processes.not_running(new) + "; `shmserve up` starts it")
     with exclusive(new):
-        return _apply(args, new)
+        try:
+            return _apply(args, new)
+        except (CliError, OSError, xmlrpc.client.Fault) as exc:
+            shutdown = "SHUTDOWN_STATE" in str(exc)  # supervisord stopping its programs
+            if processes.stopping(new, 5.0 if shutdown else 0.0):  # `down` meanwhile: its
+                raise CliError("the deployment stopped (`shmserve down`?) during the apply; "
+                               "nothing of it runs now, and `shmserve up` starts the config "
+                               "files as they are") from None  # traceback (an outside check)
+            raise
 
 
 def running_now(cfg: Config) -> bool:

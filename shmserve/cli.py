@@ -209,6 +209,10 @@ def up(args: argparse.Namespace) -> int:
     clean_stale(cfg, metrics=True)
     state.remove(cfg)  # reloads and splits of an earlier run: at start the config is the truth
     state.remove_marks(cfg)  # an earlier run's start and failed loads
+    # ... and an apply it stopped part way: this start runs the config files as they are (its
+    # marker made status say "stopped part way" and the next apply plan to finish it, after
+    # `down` and `up`: an outside check)
+    topology.apply_marker_path(cfg).unlink(missing_ok=True)
     argv = [tool("supervisord"), "-c", str(render.supervisord_conf(cfg))]
     log_starts = log_sizes(cfg)
     if args.foreground:

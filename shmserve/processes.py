@@ -78,6 +78,17 @@ def resident(cfg: Config, infos: list[dict] | None = None) -> dict[str, int]:
     return out
 
 
+def stopping(cfg: Config, within_s: float = 5.0) -> bool:
+    """Whether this deployment's supervisord is gone, or goes within `within_s` (a `down`
+    under way: its RPC answers SHUTDOWN_STATE while it stops its programs)."""
+    deadline = time.monotonic() + within_s
+    while supervisord_pid(cfg) is not None:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
+
+
 def open_files(cfg: Config, infos: list[dict] | None = None) -> dict[str, tuple[int, int]]:
     """Per program, (open file descriptors, their soft limit) of its process or child
     (nginx's workers) nearest its limit; programs not running or without a limit are left

@@ -31,6 +31,11 @@ def restart(args: argparse.Namespace) -> int:
     except state.Busy as busy:
         raise CliError(f"{busy} is restarting programs of this deployment; wait for it to "
                        "end") from None
+    except CliError:
+        if processes.stopping(cfg, 1.0):  # `down` meanwhile: not supervisorctl's
+            raise CliError("the deployment stopped (`shmserve down`?) during the restart; "
+                           "nothing of it runs now") from None  # "abnormal termination"
+        raise
 
 
 def _restart(args: argparse.Namespace, cfg: Config) -> int:
@@ -249,6 +254,10 @@ def wait_until_ready(cfg: Config, group: str, program: str, pid: int, timeout: f
     deadline = time.monotonic() + timeout
     watch = processes.StartWatch()
     while not ready():
+        if processes.supervisord_pid(cfg) is None:  # `down` meanwhile: it waited out its
+            # timeout, then blamed the program (an outside check)
+            raise CliError(f"the deployment stopped (`shmserve down`?) while {program} "
+                           "started; nothing of it runs now")
         infos = process_info(cfg)
         if watch.see([p for p in infos if p["name"] == program]):
             raise CliError(f"{restart_loop(cfg, program, watch.pids[program])}{rest}")

@@ -35,6 +35,10 @@ def wait_ready(cfg: Config, timeout: float, starts: dict[str, int] | None = None
     bind_error = unloaded = None
     watch = processes.StartWatch()
     while True:
+        if processes.supervisord_pid(cfg) is None:  # `down` meanwhile: it waited its timeout
+            print("shmserve: the deployment stopped (`shmserve down`?) before it was ready; "
+                  "nothing of it runs now", file=sys.stderr)
+            return 1
         infos = process_info(cfg)
         fatal = [p["name"] for p in infos if p["statename"] == "FATAL"]
         looping = watch.see(infos)

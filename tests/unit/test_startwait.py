@@ -5,9 +5,32 @@ program that keeps exiting as it starts, its last error."""
 from __future__ import annotations
 
 import json
+import os
+import time
+
+import pytest
 
 from shmserve import processes, remote, render, startwait, topology
 from tests.unit.test_render import free_port, make_config
+
+
+@pytest.fixture(autouse=True)
+def supervised(monkeypatch):
+    """supervisord runs (as `up` leaves it) unless a test says otherwise."""
+    monkeypatch.setattr(processes, "supervisord_pid", lambda cfg: os.getpid())
+
+
+def test_wait_ready_stops_when_the_deployment_is_stopped_meanwhile(deployment, capsys,
+                                                                   monkeypatch):
+    """`down` during `up --wait`: it waited its whole timeout, then said that what started
+    keeps running (an outside check)."""
+    render.render(deployment)
+    monkeypatch.setattr(processes, "supervisord_pid", lambda cfg: None)
+    started = time.monotonic()
+    assert startwait.wait_ready(deployment, timeout=30) == 1
+    assert time.monotonic() - started < 5
+    assert "the deployment stopped (`shmserve down`?) before it was ready" in \
+        capsys.readouterr().err
 
 
 def test_wait_ready_gives_up_naming_the_key(deployment, capsys):
