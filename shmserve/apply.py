@@ -34,16 +34,14 @@ import contextlib
 import dataclasses
 import json
 import os
-import sys
 import time
 import xmlrpc.client
 from pathlib import Path
 from typing import Iterator
 
-from shmserve import (apply_plan, config, layers, models, processes, render, state, topology,
-                      versions)
+from shmserve import config, layers, models, processes, render, state, topology, versions
 from shmserve.apply_plan import (FIXED, Plan, by_counts, forget_overridden, index_of, nginx_differs,
-                                 plan, reloads_held)
+                                 plan, reloads_held, warn_gaps)
 from shmserve.prechecks import CliError, check_fds, check_port, check_shm, seconds
 from shmserve.config import Config
 from shmserve.restarts import ctl, reload_nginx, say, wait_until_ready
@@ -237,46 +235,6 @@ def check_address(old: Config, new: Config) -> None:
                            "change it (or was the host an override or --env of `up`'s that "
                            "this command left out?)") from None
         raise
-
-
-def warn_gaps(old: Config, new: Config, steps: Plan) -> None:
-    """What the restarts leave unserved meanwhile (a single frontend, a model on one worker),
-    as `restart` says it. While they restart, the programs to be stopped still serve and those
-    added already do."""
-    from shmserve.restarts import gap_of, restart_gap
-
-    if steps.reshaped:
-        many = len(steps.reshaped) > 1
-        say(f"shmserve: warning: what the workers load under {', '.join(steps.reshaped)} "
-            f"changes (a model to A/B variants, or back): requests for {'them' if many else 'it'}"
-            " fail from the first "
-            "worker's restart until every frontend has restarted; to change without a gap, "
-            "serve the new form under a new name, or use `shmserve split`", sys.stderr)
-    if steps.unserved:
-        default = (" and those naming no model" if old.models[0].name != new.models[0].name
-                   else "")
-        say(f"shmserve: warning: no order of restarts serves both configs' models throughout "
-            f"(one worker, or each old model on a worker a new one needs): requests for "
-            f"{', '.join(steps.unserved)}{default} fail from the restart of the last worker "
-            "serving them until every frontend has restarted", sys.stderr)
-    most = max(old, new, key=lambda c: len(topology.worker_devices(c)))
-    for group, rolled, count in (
-            ("workers", steps.roll_workers, len(topology.worker_devices(most))),
-            ("frontends", steps.roll_frontends, max(old.frontends.count, new.frontends.count))):
-        if not rolled:
-            continue
-        programs = [f"{group[:-1]}-{i}" for i in range(count)]
-        lone = apply_plan.lone_during(old, new, steps) if group == "workers" else {}
-        if warning := restart_gap(group, "*", programs, False, lone):
-            say(f"shmserve: warning: {warning}", sys.stderr)
-    # Down to one: this apply is served throughout, the next restart of it is not (the README's
-    # condition for restarts without a gap, which apply did not say: an outside check)
-    for group, before, after in (
-            ("frontends", old.frontends.count, new.frontends.count),
-            ("workers", len(topology.worker_devices(old)), len(topology.worker_devices(new)))):
-        if after == 1 < before:
-            say(f"shmserve: warning: one program in {group} from now on: while it restarts (a "
-                f"`restart`, or an apply that restarts it), {gap_of(group)}", sys.stderr)
 
 
 def run(new: Config, old: Config, steps: Plan, timeout: float) -> None:

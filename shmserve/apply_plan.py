@@ -7,6 +7,7 @@ what supervisord runs otherwise than the rendered file says (shmserve.supervisor
 from __future__ import annotations
 
 import contextlib
+import sys
 from dataclasses import dataclass, field
 
 from shmserve import config, models, render, state, topology
@@ -77,6 +78,46 @@ class Plan:
                   ("restart", ["reaper"] if self.reaper else [])]
         return ([f"  {what}: {', '.join(names)}" for what, names in steps if names]
                 or ["  no process restarts"])
+
+
+def warn_gaps(old: Config, new: Config, steps: Plan) -> None:
+    """What the restarts leave unserved meanwhile (a single frontend, a model on one worker),
+    as `restart` says it. While they restart, the programs to be stopped still serve and those
+    added already do."""
+    from shmserve.restarts import gap_of, restart_gap  # (it imports this module's say)
+
+    if steps.reshaped:
+        many = len(steps.reshaped) > 1
+        say(f"shmserve: warning: what the workers load under {', '.join(steps.reshaped)} "
+            f"changes (a model to A/B variants, or back): requests for {'them' if many else 'it'}"
+            " fail from the first "
+            "worker's restart until every frontend has restarted; to change without a gap, "
+            "serve the new form under a new name, or use `shmserve split`", sys.stderr)
+    if steps.unserved:
+        default = (" and those naming no model" if old.models[0].name != new.models[0].name
+                   else "")
+        say(f"shmserve: warning: no order of restarts serves both configs' models throughout "
+            f"(one worker, or each old model on a worker a new one needs): requests for "
+            f"{', '.join(steps.unserved)}{default} fail from the restart of the last worker "
+            "serving them until every frontend has restarted", sys.stderr)
+    most = max(old, new, key=lambda c: len(topology.worker_devices(c)))
+    for group, rolled, count in (
+            ("workers", steps.roll_workers, len(topology.worker_devices(most))),
+            ("frontends", steps.roll_frontends, max(old.frontends.count, new.frontends.count))):
+        if not rolled:
+            continue
+        programs = [f"{group[:-1]}-{i}" for i in range(count)]
+        lone = lone_during(old, new, steps) if group == "workers" else {}
+        if warning := restart_gap(group, "*", programs, False, lone):
+            say(f"shmserve: warning: {warning}", sys.stderr)
+    # Down to one: this apply is served throughout, the next restart of it is not (the README's
+    # condition for restarts without a gap, which apply did not say: an outside check)
+    for group, before, after in (
+            ("frontends", old.frontends.count, new.frontends.count),
+            ("workers", len(topology.worker_devices(old)), len(topology.worker_devices(new)))):
+        if after == 1 < before:
+            say(f"shmserve: warning: one program in {group} from now on: while it restarts (a "
+                f"`restart`, or an apply that restarts it), {gap_of(group)}", sys.stderr)
 
 
 def touches(key: str, side: tuple[str, ...], read_anyway: tuple[str, ...]) -> bool:
