@@ -80,6 +80,12 @@ def status(args: argparse.Namespace) -> int:
             lambda: process_info(cfg), lambda: supervisord_pid(cfg),
             lambda target: from_a_frontend(cfg, target, wait))
         silent = sample.ready_code is None
+        # each frame's own: a watch started during an apply said "running" to its end, and
+        # one started before never said it (an outside check)
+        if (now := apply_state(cfg)) is None:
+            about.pop("apply", None)
+        else:
+            about["apply"] = now
         return sample
 
     try:

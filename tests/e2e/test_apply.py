@@ -255,3 +255,22 @@ def test_a_renamed_default_model_is_served_throughout(stack):
     assert len(traffic.outcomes) > 100 and not failed, (len(traffic.outcomes), failed[:5])
     assert stack.post_json("/predict", {"texts": ["x"], "model": "tiny2"})[0] == 200
     assert stack.post_json("/predict", {"texts": ["x"], "model": "tiny"})[0] == 404
+
+
+def test_status_watch_says_an_apply_runs_while_it_runs(stack):
+    """`status --watch` read the apply's state once, at its start: a watch begun during an
+    apply said "running" to its end, one begun before never said it (an outside check)."""
+    import threading
+
+    frames: list = []
+    watching = threading.Thread(target=lambda: frames.extend(
+        json.loads(line) for line in stack.cli(
+            "status", "--json", "--watch", "0.5", "--count", "50", timeout=120,
+            check=False).stdout.splitlines()))
+    watching.start()
+    time.sleep(2)
+    edit(stack, batching={"max_wait_ms": 4})
+    assert "shmserve: applied" in stack.cli("apply", timeout=300).stdout
+    watching.join(120)
+    said = [f.get("apply") for f in frames]
+    assert said[0] is None and "running" in said and said[-1] is None, said
