@@ -241,25 +241,18 @@ def run(new: Config, old: Config, steps: Plan, timeout: float) -> None:
     rest = f"; {STOPPED}"
     for program in steps.add_workers:
         sync(new, "workers", program)  # supervisord starts it: it loads meanwhile
-    if steps.frontends_first:
-        # Workers added while the kept ones restart: the frontends, restarted first, route
-        # to the new workers once they have loaded, so the kept ones restart with a worker
-        # serving beside them (the old frontends knew only the kept ones).
+    before, after = steps.worker_phases()
+    # The kept workers the order puts first (all of them, unless the frontends go first:
+    # workers added beside kept ones that restart, or models removed; or only those that will
+    # serve the new models where models are both added and removed: apply_plan.unit_order),
+    # each ready in the frontends running then; workers added, loaded, before the frontends
+    # restart where any kept one waits for them (the old frontends knew only the kept ones).
+    workers(new, old, before, timeout)
+    if after:
         for program in steps.add_workers:
             wait_loaded(new, program, timeout, rest)
-        frontends(new, old, steps, timeout, rest)
-        workers(new, new, steps, timeout)
-    elif first := steps.workers_before_frontends:
-        # Models both added and removed: the workers that serve the new ones while the others
-        # still serve the old ones, then the frontends, then the rest (apply_plan.unit_order)
-        workers(new, old, steps, timeout, first)
-        for program in steps.add_workers:  # which unit_order counted on
-            wait_loaded(new, program, timeout, rest)
-        frontends(new, old, steps, timeout, rest)
-        workers(new, new, steps, timeout, [w for w in steps.roll_workers if w not in first])
-    else:
-        workers(new, old, steps, timeout)
-        frontends(new, old, steps, timeout, rest)
+    frontends(new, old, steps, timeout, rest)
+    workers(new, new, after, timeout)
     sync(new, "nginx", "nginx", running=True)  # its stop timeout and logs: next start
     if steps.nginx and not steps.add_frontends:  # with frontends added: reloaded already
         reload_nginx(new)
@@ -277,12 +270,11 @@ def run(new: Config, old: Config, steps: Plan, timeout: float) -> None:
         ctl(new, "restart", "reaper")
 
 
-def workers(new: Config, frontends_of: Config, steps: Plan, timeout: float,
-            programs: list[str] | None = None) -> None:
-    """The kept workers (or `programs` of them), one at a time, each ready in every frontend
-    of `frontends_of` (the frontends running meanwhile)."""
+def workers(new: Config, frontends_of: Config, programs: list[str], timeout: float) -> None:
+    """Kept workers, one at a time, each ready in every frontend of `frontends_of` (the
+    frontends running meanwhile)."""
     during = dataclasses.replace(new, frontends=frontends_of.frontends)
-    for program in steps.roll_workers if programs is None else programs:
+    for program in programs:
         replace(during, "workers", program, timeout)
 
 

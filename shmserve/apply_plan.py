@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from dataclasses import dataclass, field
+from typing import Callable
 
 from shmserve import config, models, render, state, topology
 from shmserve.config import Config
@@ -60,6 +61,12 @@ class Plan:
     reaper: bool = False  # restarted at the end: it names every program, and logs
     reshaped: list[str] = field(default_factory=list)  # models whose units change names
 
+    def worker_phases(self) -> tuple[list[str], list[str]]:
+        """The kept workers restarted before the frontends, and those after them."""
+        before = (self.workers_before_frontends if self.workers_before_frontends
+                  else [] if self.frontends_first else self.roll_workers)
+        return before, [w for w in self.roll_workers if w not in before]
+
     def lines(self) -> list[str]:
         workers = [("start", self.add_workers), ("restart one at a time", self.roll_workers)]
         frontends = [("start", self.add_frontends),
@@ -67,13 +74,9 @@ class Plan:
                      ("restart one at a time", self.roll_frontends)]
         if not self.add_frontends:  # nginx reloads once the frontends are as they will be
             frontends = [frontends[0], frontends[2], frontends[1]]
-        if self.frontends_first:
-            steps = [workers[0], *frontends, workers[1]]
-        elif first := self.workers_before_frontends:
-            steps = [workers[0], ("restart one at a time", first), *frontends,
-                     ("restart one at a time", [w for w in self.roll_workers if w not in first])]
-        else:
-            steps = [*workers, *frontends]
+        before, after = self.worker_phases()
+        steps = [workers[0], ("restart one at a time", before), *frontends,
+                 ("restart one at a time", after)]
         steps += [("stop", self.remove_frontends), ("stop", self.remove_workers),
                   ("restart", ["reaper"] if self.reaper else [])]
         return ([f"  {what}: {', '.join(names)}" for what, names in steps if names]
@@ -183,28 +186,37 @@ def plan(old: Config, new: Config, pending: dict[str, list[str]],
     return out
 
 
+def _serving(old: Config, new: Config, moved_on: set[int]) -> Callable[[int], set[str]]:
+    """What worker i serves part way through an apply: `new`'s models once it restarted (in
+    `moved_on`) or where it was added (apply waits until those have loaded), `old`'s else."""
+    old_devices, new_devices = topology.worker_devices(old), topology.worker_devices(new)
+
+    def hosts(i: int) -> set[str]:
+        moved = i in moved_on or i >= len(old_devices)
+        return {u.name for u in (models.hosted(new, new_devices, i) if moved
+                                 else models.hosted(old, old_devices, i))}
+    return hosts
+
+
 def unit_order(old: Config, new: Config, rolled: list[str]) -> list[str] | None:
     """Those of the `rolled` workers to restart before the frontends, so that while the
     frontends restart, every model of `new` has a restarted (or added) worker that serves it
     and every model of `old` still has one that serves it (each side's frontends route to the
     workers of its own count); None where no choice does (one worker), [] where none is
     needed."""
-    old_devices, new_devices = topology.worker_devices(old), topology.worker_devices(new)
+    old_count, new_count = len(topology.worker_devices(old)), len(topology.worker_devices(new))
 
     def serving(first: set[int], count: int) -> set[str]:
-        # added workers serve the new config: apply waits until they have loaded
-        return {u.name for i in range(count) for u in (
-            models.hosted(new, new_devices, i) if i in first or i >= len(old_devices)
-            else models.hosted(old, old_devices, i))}
+        return set().union(*map(_serving(old, new, first), range(count)))
 
     old_units, new_units = unit_names(old), unit_names(new)
     first: list[int] = []
     candidates = [index_of(w) for w in rolled]
-    while not new_units <= serving(set(first), len(new_devices)):
-        missing = new_units - serving(set(first), len(new_devices))
+    while not new_units <= serving(set(first), new_count):
+        missing = new_units - serving(set(first), new_count)
         for i in candidates:
-            if i not in first and missing & {u.name for u in models.hosted(new, new_devices, i)} \
-                    and old_units <= serving({*first, i}, len(old_devices)):
+            if i not in first and missing & _serving(old, new, {i})(i) \
+                    and old_units <= serving({*first, i}, old_count):
                 first.append(i)
                 break
         else:
@@ -218,17 +230,10 @@ def lone_during(old: Config, new: Config, steps: Plan) -> dict[str, list[str]]:
     order `steps` restarts them: what each restart leaves unserved. Read from either config
     alone, the warning named models no frontend still routed to, and missed those whose other
     hosts had already moved (an outside check)."""
-    old_devices, new_devices = topology.worker_devices(old), topology.worker_devices(new)
     restarted: set[int] = set()
-
-    def hosts(i: int) -> set[str]:
-        moved_on = i in restarted or i >= len(old_devices)
-        return {u.name for u in (models.hosted(new, new_devices, i) if moved_on
-                                 else models.hosted(old, old_devices, i))}
-
-    first = (steps.workers_before_frontends if steps.workers_before_frontends
-             else [] if steps.frontends_first else steps.roll_workers)
-    order = [(w, old) for w in first] + [(w, new) for w in steps.roll_workers if w not in first]
+    hosts = _serving(old, new, restarted)  # (reads `restarted` as it grows)
+    before, after = steps.worker_phases()
+    order = [(w, old) for w in before] + [(w, new) for w in after]
     lone: dict[str, list[str]] = {}
     for program, routing in order:
         i, count = index_of(program), len(topology.worker_devices(routing))
