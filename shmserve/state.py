@@ -109,15 +109,20 @@ def remove_reload_locks(cfg: Config) -> None:
 
 
 @contextmanager
-def held(lock: Path, what: str) -> Iterator[None]:
+def held(lock: Path, what: str, holder: str = "") -> Iterator[None]:
     """An exclusive lock on the file `lock` for the block, or Busy(what) at once when another
-    process (or another open of it) holds it (reloads of a unit, `shmserve apply`)."""
+    process (or another open of it) holds it (reloads of a unit, `shmserve apply`). With
+    `holder`, written into the file while held, Busy carries the holder's instead."""
     fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise Busy(what) from None
+            raise Busy((lock.read_text(errors="replace").strip() or what) if holder
+                       else what) from None
+        if holder:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, holder.encode(), 0)
         yield
     finally:
         os.close(fd)  # closing releases the lock
@@ -129,22 +134,12 @@ def operating(cfg: Config, command: str) -> Iterator[None]:
     two rolling restarts at once took both frontends down together (502s, both commands
     exiting 0), and a command whose program another restarted waited out its whole timeout
     (an outside check). Busy names the command that holds it (written in the lock file)."""
-    lock = cfg.run_dir / "operation.lock"
     if not cfg.run_dir.is_dir():  # no deployment there to restart programs of
         yield
         return
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = lock.read_text(errors="replace").strip() or "another command"
-            raise Busy(holder) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"`shmserve {command}` (pid {os.getpid()})".encode(), 0)
+    with held(cfg.run_dir / "operation.lock", "another command",
+              holder=f"`shmserve {command}` (pid {os.getpid()})"):
         yield
-    finally:
-        os.close(fd)  # closing releases the lock
 
 
 @contextmanager
