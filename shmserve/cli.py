@@ -172,6 +172,11 @@ def _at_least_one(text: str) -> int:
 def up(args: argparse.Namespace) -> int:
     cfg = config.from_args(args)
     pid = supervisord_pid(cfg)
+    if pid is not None and processes.shutting_down(cfg):
+        # Not waited for: `down` cleans up after supervisord exits (nginx, pid file, socket),
+        # which would take a new deployment's with it.
+        raise CliError(f"a `down` is stopping this deployment (supervisord pid {pid}, run_dir "
+                       f"{cfg.run_dir}); run `up` again once it has finished")
     if pid is not None:
         raise CliError(f"already running (supervisord pid {pid}, run_dir {cfg.run_dir}); "
                        "`shmserve apply` takes the config as it loads now into it, one "

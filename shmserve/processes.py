@@ -78,6 +78,17 @@ def resident(cfg: Config, infos: list[dict] | None = None) -> dict[str, int]:
     return out
 
 
+def shutting_down(cfg: Config) -> bool:
+    """Whether this deployment's supervisord is stopping its programs (a `down` under way)."""
+    try:
+        with supervisor(cfg) as proxy:
+            return proxy.supervisor.getState()["statename"] == "SHUTDOWN"
+    except xmlrpc.client.Fault as exc:
+        return exc.faultCode == 6  # SHUTDOWN_STATE, from calls other than getState
+    except (OSError, xmlrpc.client.Error, KeyError, TypeError):
+        return False
+
+
 def stopping(cfg: Config, within_s: float = 5.0) -> bool:
     """Whether this deployment's supervisord is gone, or goes within `within_s` (a `down`
     under way: its RPC answers SHUTDOWN_STATE while it stops its programs)."""
