@@ -92,6 +92,11 @@ INFERENCE_LATENCY = Histogram("shmserve_inference_request_duration_seconds",
                               ["model", "variant", "priority"],
                               buckets=shared.LATENCY_BUCKETS)
 
+TRACE_SPANS = Counter("shmserve_trace_spans_total",
+                      "Spans the frontends' tracing handed on (tracing.otlp_endpoint), by "
+                      "result: exported (the collector took them), failed (its batch failed "
+                      "after the exporter's retries), dropped (the queue was full, or still "
+                      "held them when a stopping frontend's 2 s were up)", ["result"])
 
 # The request path's children, cached (shmserve.metrics.Children): call as `texts(model)`.
 # Their updates are written once per event-loop turn (shmserve.metrics.Turn): a frontend answers

@@ -177,6 +177,29 @@ def test_a_malformed_traceparent_starts_a_new_trace(stack, collector):
     assert not root.parent_span_id
 
 
+def spans_counted(stack) -> dict[str, float]:
+    """shmserve_trace_spans_total by result, over every frontend (exited ones too)."""
+    from tests.e2e.test_observability import scrape, total
+
+    samples = scrape(stack)
+    return {result: total(samples, "shmserve_trace_spans_total", result=result)
+            for result in ("exported", "failed", "dropped")}
+
+
+def test_every_span_the_collector_took_is_counted_exported(stack, collector):
+    """What became of spans was in no metric (an outside check): a collector's outage or a full
+    queue was seen only in a frontend's log."""
+    for _ in range(20):
+        assert stack.post_json("/v1/embeddings", {"input": ["count me"]})[0] == 200
+
+    def settled() -> bool:
+        return spans_counted(stack)["exported"] == len(collector.spans)
+
+    stack.wait_until(settled, 20, "the exported spans counted")
+    counted = spans_counted(stack)
+    assert counted["exported"] >= 100 and counted["failed"] == counted["dropped"] == 0
+
+
 def test_a_collector_that_never_answers_does_not_hold_a_stopping_frontend(stack):
     """The SDK's shutdown exported its whole queue, 5 s a batch, to a collector that accepts
     and never answers: stopping frontends outlived supervisord's stop wait and were SIGKILLed,
@@ -202,6 +225,10 @@ def test_a_collector_that_never_answers_does_not_hold_a_stopping_frontend(stack)
                 "POST", "/predict", body, {"Content-Type": "application/json"})[0],
                 range(600)))
         assert set(statuses) == {200}
+        # ~1,500 spans a frontend whose batches never leave: each batch fails after the
+        # exporter's 5 s, and at the stop what is still queued is dropped; all counted but
+        # a batch in flight a frontend
+        stack.wait_until(lambda: spans_counted(stack)["failed"] > 0, 30, "failures counted")
         started = time.monotonic()
         done = stack.cli("restart", "frontends", timeout=300)
         took = time.monotonic() - started
@@ -211,5 +238,7 @@ def test_a_collector_that_never_answers_does_not_hold_a_stopping_frontend(stack)
         assert not killed and took < 15, (took, killed)
         assert any(line.get("message") == "tracing.close_cut"
                    for line in stack.log_lines("frontend-0"))
+        counted = spans_counted(stack)  # the queue's rest dropped at the cut
+        assert counted["dropped"] + counted["failed"] >= 600 * 5 - 2 * 512, counted
     finally:
         silent.close()
