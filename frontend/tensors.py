@@ -164,6 +164,9 @@ def requested_outputs(header: dict[str, Any], names: list[str]) -> list[tuple[st
         if name not in names:
             raise ApiError("invalid_request", f"no output {name!r}; this model has "
                            f"{', '.join(names)}", param="outputs")
+        if any(name == seen for seen, _ in wanted):  # Triton: "already exists in request"
+            raise ApiError("invalid_request", f"output {name!r} is asked for twice",
+                           param="outputs")
         out_params = object_of(_params(entry), f"output {name!r}'s parameters")
         if out_params.get("classification"):
             raise ApiError("invalid_request", "the classification extension is not supported",

@@ -429,3 +429,8 @@ def test_values_a_route_cannot_use_are_refused_by_what_they_are(tiny_stack, pids
         "inputs": [{"name": "text", "datatype": "BYTES", "shape": [1], "data": ["x"]}],
         "outputs": [{"a": 1}]})
     assert 400 <= status < 500 and "needs a 'name'" in error, error
+    # an output asked for twice was answered twice (Triton refuses it: an outside check)
+    status, error = post("/v2/models/tiny/infer", {
+        "inputs": [{"name": "text", "datatype": "BYTES", "shape": [1], "data": ["x"]}],
+        "outputs": [{"name": "embedding"}, {"name": "embedding"}]})
+    assert status == 422 and "asked for twice" in error, error
