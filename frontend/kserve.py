@@ -197,8 +197,9 @@ async def model_metadata(request: web.Request) -> web.Response:
     body = {"name": model.spec.name, "versions": _versions(request, model),
             "platform": "shmserve", "inputs": [t.metadata() for t in spec.inputs],
             "outputs": [t.metadata() for t in spec.outputs]}
-    if model.spec.task == "classification":  # what each column of "probabilities" means
-        body["parameters"] = {"labels": list(model.spec.labels)}
+    if model.spec.task == "classification":  # what each column of "probabilities" means,
+        # as a JSON string: the protocol's parameter values are strings, numbers or booleans
+        body["parameters"] = {"labels": json.dumps(list(model.spec.labels))}
     return codec.render(request, body)
 
 

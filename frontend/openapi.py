@@ -272,7 +272,7 @@ def _kserve_paths(model: dict, version: dict) -> dict[str, dict]:
         paths[prefix + "/ready"] = {"get": _op("kserve", "Model ready", {
             **_ok(ref("ModelReady")),
             "400": {"description": "not ready", "content": _json(ref("ModelReady"))},
-            **_errors(404, schema="KServeError")}, parameters=params)}
+            **_errors(404, 422, schema="KServeError")}, parameters=params)}
         paths[prefix + "/config"] = {"get": _op(
             "kserve", "Triton's model configuration (its JSON form)",
             {**_ok({"type": "object"}), **_errors(404, 422, schema="KServeError")},

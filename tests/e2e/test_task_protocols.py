@@ -251,7 +251,9 @@ def test_kserve_classification_and_rerank_tensors(task_stack, task_dirs):
         == [("query", [1]), ("text", [-1])] and config["output"][0]["dims"] == [-1]
     meta = client.get_model_metadata("clf")
     assert meta["outputs"] == [{"name": "probabilities", "datatype": "FP32", "shape": [-1, 3]}]
-    assert meta["parameters"]["labels"] == LABELS
+    # a JSON string: the protocol's parameter values are strings, numbers or booleans (a
+    # list was there: an outside check against KServe's spec)
+    assert json.loads(meta["parameters"]["labels"]) == LABELS
     for binary in (True, False):
         text = triton.InferInput("text", [len(TEXTS)], "BYTES")
         text.set_data_from_numpy(np.array([t.encode() for t in TEXTS], dtype=object),
