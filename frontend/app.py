@@ -109,6 +109,7 @@ LOG_FIELDS = web.RequestKey("log", dict)  # extra fields for the access log line
 MODEL_NAME = web.RequestKey("model", str)
 TOKENIZE_MS = web.RequestKey("tokenize_ms", float)
 TOKENIZE_AT = web.RequestKey("tokenize_at", float)  # perf_counter when tokenizing began
+CHARS = web.RequestKey("chars", int)  # characters of the inputs it ran (X-Compute-Characters)
 STAGES = web.RequestKey("stages", dict)  # seconds per stage, set by the embedding pipeline
 REPLIED_AT = web.RequestKey("replied_at", float)  # when the worker's reply arrived
 REVISION = web.RequestKey("revision", str)  # of the weights that served the request
@@ -323,6 +324,7 @@ def _record(request: web.Request, response: web.StreamResponse, elapsed: float,
         stages["transfer"] = max(0.0, ended - request[REPLIED_AT])
         stages["total"] = elapsed
         response.headers["X-Total-Time"] = f"{elapsed * 1000:.3f}"
+        response.headers["X-Compute-Time"] = str(int(elapsed * 1000))  # TEI's: whole ms
         for stage, seconds in stages.items():
             metrics.stage(stage, model).observe(seconds)
         request[LOG_FIELDS]["transfer_ms"] = round(stages["transfer"] * 1000, 3)

@@ -40,6 +40,7 @@ class WorkerLink:
     index: int
     endpoint: str
     socket: zmq.asyncio.Socket
+    compute_type: str = "cpu"  # cpu or gpu: TEI's X-Compute-Type of what it answers
     beat: Heartbeat | None = None
     last_beat: float = 0.0  # monotonic
     alive: bool = False

@@ -56,7 +56,7 @@ class WorkerPool:
         self.frontend = frontend  # this frontend's index, for its metrics
         self._ctx = zmq.asyncio.Context()
         self._seq = itertools.count(1)
-        self.links = [self._link(i) for i in range(len(topology.worker_devices(cfg)))]
+        self.links = [self._link(i, d) for i, d in enumerate(topology.worker_devices(cfg))]
         self._turn = 0  # pick's tie-break
         self._tasks: list[asyncio.Task] = []
         self._changed = asyncio.Event()  # set whenever a worker becomes ready
@@ -69,9 +69,10 @@ class WorkerPool:
         self._born = time.monotonic()
         self.watchdog = Watchdog(cfg, frontend)
 
-    def _link(self, index: int) -> WorkerLink:
+    def _link(self, index: int, device: str) -> WorkerLink:
         endpoint = topology.worker_endpoint(self.cfg, index)
-        return WorkerLink(index, endpoint, dealer(self._ctx, endpoint))
+        return WorkerLink(index, endpoint, dealer(self._ctx, endpoint),
+                          "cpu" if device == topology.CPU else "gpu")
 
     async def start(self) -> None:
         for link in self.links:

@@ -26,9 +26,10 @@ import numpy as np
 from aiohttp import web
 
 from frontend import codec, metrics, schemas
-from frontend.app import (CHOSEN, CONFIG, DISPATCHER, INDEX, INFLIGHT, LOG_FIELDS, MODEL_NAME,
-                          MODELS, PINNED, POOL, REPLIED_AT, REQUEST_ID, REVISION, SPLITS, STAGES,
-                          TIMEOUT_S, TOKENIZE_AT, TOKENIZE_MS, VARIANT, ServedModel)
+from frontend.app import (CHARS, CHOSEN, CONFIG, DISPATCHER, INDEX, INFLIGHT, LOG_FIELDS,
+                          MODEL_NAME, MODELS, PINNED, POOL, REPLIED_AT, REQUEST_ID, REVISION,
+                          SPLITS, STAGES, TIMEOUT_S, TOKENIZE_AT, TOKENIZE_MS, VARIANT,
+                          ServedModel)
 from frontend.dispatch import Outcome
 from frontend.errors import ApiError
 from frontend.tokenizer import Encoded, TextEncoder
@@ -202,6 +203,7 @@ async def run(request: web.Request, served: ServedModel,
             # Again with its tokens, and the heartbeats heard while it was tokenized.
             refuse_early(request, variant, priority, deadline, enc.tokens)
         request[TOKENIZE_MS] = (time.perf_counter() - started) * 1000
+        request[CHARS] = chars
         fields = request[LOG_FIELDS]
         fields.update(texts=enc.count, tokens=enc.tokens,
                       tokenize_ms=round(request[TOKENIZE_MS], 3))
@@ -269,10 +271,14 @@ def refuse_early(request: web.Request, variant: Variant, priority: int, deadline
 
 
 def stage_headers(request: web.Request, outcome: Outcome) -> dict[str, str]:
-    """The headers of a successful inference response: revision, batch, stage timings."""
+    """The headers of a successful inference response: revision, batch, stage timings, and
+    TEI's X-Compute-* (the middleware adds X-Total-Time and X-Compute-Time)."""
     headers = {
         "X-Model-Revision": outcome.revision,
         "X-Batch-Size": str(outcome.result.batch_size),
+        "X-Compute-Type": request.app[POOL].links[outcome.worker].compute_type,
+        "X-Compute-Characters": str(request[CHARS]),
+        "X-Compute-Tokens": str(outcome.result.tokens),
         "X-Tokenization-Time": f"{request[TOKENIZE_MS]:.3f}",
         "X-Queue-Time": f"{outcome.result.queue_ms:.3f}",
         "X-Inference-Time": f"{outcome.result.inference_ms:.3f}",

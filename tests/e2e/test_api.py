@@ -44,6 +44,11 @@ def test_predict_json_matches_transformers(tiny_stack, tiny_model):
     assert body["usage"]["prompt_tokens"] == body["usage"]["total_tokens"] > 4
     assert headers["X-Model-Revision"] == "tiny-r1"
     assert 1 <= int(headers["X-Batch-Size"]) <= 4
+    # TEI's usage headers (an outside check against its server: none were sent)
+    assert headers["X-Compute-Type"] == "cpu"
+    assert int(headers["X-Compute-Characters"]) == sum(map(len, TEXTS))
+    assert int(headers["X-Compute-Tokens"]) == body["usage"]["total_tokens"]
+    assert int(headers["X-Compute-Time"]) == int(float(headers["X-Total-Time"]))
 
 
 def test_predict_msgpack_both_ways(tiny_stack, tiny_model):
