@@ -26,6 +26,7 @@ def main() -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", cfg.workers.cuda_alloc_conf)
     logs.configure(cfg.logging, f"worker-{args.index}")
+    pin(cfg, args.index)  # before torch starts its threads, which inherit the affinity
     if cfg.workers.start_timeout_s:
         # Until its sockets are bound (gpu_workers.worker cancels it): a hang in the imports or
         # in the device's initialisation, before any heartbeat, was never killed. faulthandler's
@@ -48,6 +49,19 @@ def main() -> int:
     except Exception as exc:
         logs.failed(log, "worker.failed", exc)
         return 1
+
+
+def pin(cfg, index: int) -> None:
+    """A CPU worker's own cores, where workers.cpu_affinity auto finds them (shmserve.cores)."""
+    from shmserve import cores, topology
+
+    if cfg.workers.cpu_affinity != "auto" or topology.worker_devices(cfg)[index] != topology.CPU:
+        return
+    mine = cores.worker_cores(index, cfg.workers.cpu_workers, cfg.workers.torch_threads)
+    if mine:
+        os.sched_setaffinity(0, mine)
+        logging.getLogger("shmserve.worker").info("worker.pinned", extra={"fields": {
+            "cores": mine}})
 
 
 def serve(cfg, index: int) -> int:

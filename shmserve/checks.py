@@ -109,6 +109,8 @@ CHECKS: dict[str, Check] = {
     # oversubscribes them, and a huge one failed the workers' start, not the config's check
     "workers.torch_threads": (lambda v: v == "auto" or (isinstance(v, int) and 1 <= v <= 1024),
                               "auto or an integer from 1 to 1024"),
+    # YAML reads a bare off as false
+    "workers.cpu_affinity": (lambda v: v in ("auto", "off") or v is False, "auto or off"),
     "workers.queue_texts": _POSITIVE_INT,
     "workers.heartbeat_interval_s": _OVER_0_UP_TO_A_DAY,
     "workers.heartbeat_timeout_s": _OVER_0_UP_TO_A_DAY,

@@ -103,6 +103,9 @@ class WorkerConfig:
     # one worker per usable core up to 8, the cores shared out as threads (`cpu_layout`).
     cpu_workers: int | str = "auto"
     torch_threads: int | str = "auto"
+    # auto: where the CPU workers' threads fill exactly the cores this process may use, each
+    # worker is pinned to its own (shmserve.cores.worker_cores); off: the scheduler places them
+    cpu_affinity: str | bool = "auto"  # off (YAML's bare off: false)
     queue_texts: int = 4096  # bounded queue per worker, in texts
     low_priority_queue_share: float = 0.75  # below-normal priority may fill this share of it
     # Refuse at once (429) a request the worker cannot finish before its deadline at its recent

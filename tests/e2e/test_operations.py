@@ -231,3 +231,25 @@ def test_a_second_restart_or_apply_meanwhile_is_refused_naming_the_first(stack):
     failed = [s for s in traffic.outcomes if s != "200"]
     assert len(traffic.outcomes) > 50 and not failed, (len(traffic.outcomes), failed[:5])
     assert stack.cli("restart", "worker-0").returncode == 0  # free again
+
+
+def test_cpu_workers_that_fill_the_cores_are_pinned_one_a_core(two_of_each):
+    """workers.cpu_affinity auto: two single-thread workers on this 2-core machine each run on
+    their own core (a scheduler moving them served 0.7x the texts/s: docs/performance.md);
+    where the layout does not fill the cores, no worker is pinned."""
+    import os
+
+    from shmserve import cores
+
+    allowed = sorted(os.sched_getaffinity(0))
+    for index in range(2):
+        pid = two_of_each.pid(f"workers:worker-{index}")
+        want = cores.worker_cores(index, 2, 1) or allowed
+        # the process's and the threads it started after (torch's, ZeroMQ's, its own)
+        threads = [sorted(os.sched_getaffinity(int(t.name)))
+                   for t in Path(f"/proc/{pid}/task").iterdir()]
+        assert sorted(os.sched_getaffinity(pid)) == want
+        assert threads.count(want) >= len(threads) - 1, threads  # the log writer's before it
+        pinned = [x["cores"] for x in two_of_each.log_lines(f"worker-{index}")
+                  if x.get("message") == "worker.pinned"]
+        assert pinned == ([want] if want != allowed else [])

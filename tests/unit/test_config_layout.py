@@ -70,3 +70,43 @@ def test_the_gpu_overlay_loads_with_gpu_sized_passes():
                       environ={})
     assert (cfg.batching.max_batch_size, cfg.batching.max_batch_tokens) == (256, 32768)
     assert cfg.workers.devices == "auto" and cfg.frontends.count == 8
+
+
+@pytest.mark.parametrize("affinity,quota,workers,threads,want", [
+    ({0, 1}, "max", 2, 1, [[0], [1]]),                 # this machine: one core each
+    ({0, 1, 2, 3}, "max", 2, 2, [[0, 1], [2, 3]]),
+    ({4, 5}, "max", 2, 1, [[4], [5]]),                 # a cpuset (Kubernetes' static policy)
+    ({0, 1, 2, 3}, "max", 2, 1, [None, None]),         # cores to spare: the scheduler's
+    ({0, 1}, "max", 4, 1, [None] * 4),                 # more threads than cores
+    ({0, 1, 2, 3}, "200000 100000", 2, 1, [None, None]),  # a quota over a wider affinity
+])
+def test_worker_cores_only_where_the_workers_fill_the_cores(monkeypatch, tmp_path, affinity,
+                                                            quota, workers, threads, want):
+    from shmserve.cores import worker_cores
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(affinity))
+    cpu_max = tmp_path / "cpu.max"
+    cpu_max.write_text(f"{quota}\n")
+    assert [worker_cores(i, workers, threads, cpu_max) for i in range(workers)] == want
+
+
+@pytest.mark.parametrize("affinity,devices,pinned", [
+    ("auto", "cpu", [[0]]), ("off", "cpu", []), (False, "cpu", []),  # YAML's bare off
+    ("auto", [0], [])])                                              # a GPU worker: never
+def test_a_worker_pins_itself_only_as_configured(monkeypatch, affinity, devices, pinned):
+    import gpu_workers.__main__ as worker_main
+    from shmserve import cores
+
+    calls = []
+    monkeypatch.setattr(cores, "worker_cores", lambda i, w, t: [i])
+    monkeypatch.setattr("os.sched_setaffinity", lambda pid, mine: calls.append(mine))
+    cfg = config.from_tree({"models": [{"name": "m", "source": "x"}], "workers": {
+        "devices": devices, "cpu_affinity": affinity, "cpu_workers": 2, "torch_threads": 1}})
+    worker_main.pin(cfg, 0)
+    assert calls == pinned
+
+
+def test_a_cpu_affinity_other_than_auto_or_off_is_refused():
+    with pytest.raises(ConfigError, match="workers.cpu_affinity: expected auto or off"):
+        config.from_tree({"models": [{"name": "m", "source": "x"}],
+                          "workers": {"cpu_affinity": "cores"}})
