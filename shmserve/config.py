@@ -368,8 +368,10 @@ def api_keys(cfg: Config) -> tuple[str, ...]:
     return tuple(keys)
 
 
-# A path written unquoted into nginx.conf and supervisord.conf: nothing either would parse
-_SAFE_PATH = re.compile(r"[A-Za-z0-9._/+-]+")
+# A path written into nginx.conf (quoted: there a backslash escapes, $ names a variable) and
+# supervisord.conf (unquoted: % expands, " ;" and " #" start a comment, quotes are stripped):
+# spaces and any letter are fine (a checkout in "my models" or "modèles": an outside check)
+_SAFE_PATH = re.compile(r"[^\x00-\x1f\x7f\"'\\$%;#{}`]+")
 
 
 def _check_run_dir(cfg: Config) -> None:
@@ -378,8 +380,11 @@ def _check_run_dir(cfg: Config) -> None:
     above it. Its path is written into both files: checked with the config, before anything is
     rendered (at rendering, a match's $ let a path ending in a newline by)."""
     if not _SAFE_PATH.fullmatch(str(cfg.run_dir)):
-        raise ConfigError(f"server.run_dir: {str(cfg.run_dir)!r} may hold only letters, digits "
-                          "and . _ / + - (it is written unquoted into nginx's config)")
+        raise ConfigError(f"server.run_dir: {str(cfg.run_dir)!r} may not hold control "
+                          "characters nor any of \" ' \\ $ % ; # { } ` (it is written into "
+                          "nginx's and supervisord's configs); a relative run_dir is under the "
+                          "checkout: set server.run_dir (SHMSERVE__SERVER__RUN_DIR) to a path "
+                          "without them")
     run_dir, root = cfg.run_dir.resolve(), REPO_ROOT.resolve()
     if run_dir == root or run_dir in root.parents:
         raise ConfigError(f"server.run_dir: {cfg.server.run_dir!r} is {run_dir}, the repository "

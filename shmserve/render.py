@@ -129,7 +129,7 @@ def nginx_binary(cfg: Config) -> str:
 def render_nginx(cfg: Config) -> str:
     n = cfg.nginx
     host = f"[{cfg.server.host}]" if ":" in cfg.server.host else cfg.server.host
-    servers = [f"        server unix:{topology.frontend_socket(cfg, i)} max_fails=0;"
+    servers = [f'        server "unix:{topology.frontend_socket(cfg, i)}" max_fails=0;'
                for i in range(cfg.frontends.count)]
     admin = ("            allow 127.0.0.1;\n            allow ::1;\n            deny all;"
              if n.admin_loopback_only else

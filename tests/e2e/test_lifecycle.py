@@ -161,40 +161,6 @@ def test_a_running_deployment_without_its_pid_file_is_still_found(tmp_path, tiny
         stack.down()
 
 
-def test_up_during_a_down_says_so_and_harms_nothing(tmp_path, tiny_model):
-    """`up` while a `down` stopped the programs said "already running ... `shmserve apply`
-    takes the config" (an outside check). A stopped worker holds the `down` for its stop wait."""
-    import subprocess
-    import sys
-
-    from shmserve import processes
-
-    stack = Stack(tmp_path / "t", tiny_overrides(tiny_model, frontends={"count": 1},
-                                                 server={"drain_timeout_s": 1}))
-    stack.up()
-    cfg = config.load_resolved(stack.run_dir / "config.json")
-    worker = stack.pid("workers:worker-0")
-    os.kill(worker, signal.SIGSTOP)  # supervisord's SIGTERM waits; its SIGKILL ends it
-    down = subprocess.Popen([sys.executable, "-m", "shmserve.cli", "down", "--config",
-                             str(stack.config_file)], env=stack.env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    try:
-        stack.wait_until(lambda: processes.shutting_down(cfg), 30, "supervisord shutting down")
-        again = stack.cli("up", check=False)
-        assert again.returncode == 2, again.stderr
-        assert "a `down` is stopping this deployment" in again.stderr, again.stderr
-        assert "apply" not in again.stderr
-        out, err = down.communicate(timeout=120)
-        assert down.returncode == 0, err
-        assert processes.orphans(cfg) == [] and not processes.alive(worker)
-        stack.up()  # once it has finished
-        assert stack.post_json("/v1/embeddings", {"input": ["x"]})[0] == 200
-    finally:
-        if down.poll() is None:
-            down.kill()
-        stack.down()
-
-
 def test_down_lets_every_frontend_exit_0(tmp_path, tiny_model):
     """The reaper's SIGTERM starts a frontend's drain and supervisord sends another once nginx
     is gone: the second killed frontends in their exit, after the loop had put the signal's
@@ -442,3 +408,4 @@ def test_a_large_answer_in_transfer_survives_a_graceful_stop(tmp_path, tiny_mode
     assert got.get("status") == 200, got
     assert "error" not in got and got["rows"] == [64] * 4096, got.get("error")
     assert "X-Accel-Buffering" not in got["headers"]  # nginx's, not the client's
+

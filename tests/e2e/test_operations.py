@@ -3,6 +3,8 @@ that is taken, commands that find the deployment as it was started."""
 
 import collections
 import json
+import os
+import signal
 import socket
 import threading
 import time
@@ -11,6 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from shmserve import config
 from tests.conftest import tiny_overrides
 from tests.load import Load
 from tests.stack import Stack, free_port
@@ -253,3 +256,51 @@ def test_cpu_workers_that_fill_the_cores_are_pinned_one_a_core(two_of_each):
         pinned = [x["cores"] for x in two_of_each.log_lines(f"worker-{index}")
                   if x.get("message") == "worker.pinned"]
         assert pinned == ([want] if want != allowed else [])
+
+
+def test_up_during_a_down_says_so_and_harms_nothing(tmp_path, tiny_model):
+    """`up` while a `down` stopped the programs said "already running ... `shmserve apply`
+    takes the config" (an outside check). A stopped worker holds the `down` for its stop wait."""
+    import subprocess
+    import sys
+
+    from shmserve import processes
+
+    stack = Stack(tmp_path / "t", tiny_overrides(tiny_model, frontends={"count": 1},
+                                                 server={"drain_timeout_s": 1}))
+    stack.up()
+    cfg = config.load_resolved(stack.run_dir / "config.json")
+    worker = stack.pid("workers:worker-0")
+    os.kill(worker, signal.SIGSTOP)  # supervisord's SIGTERM waits; its SIGKILL ends it
+    down = subprocess.Popen([sys.executable, "-m", "shmserve.cli", "down", "--config",
+                             str(stack.config_file)], env=stack.env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        stack.wait_until(lambda: processes.shutting_down(cfg), 30, "supervisord shutting down")
+        again = stack.cli("up", check=False)
+        assert again.returncode == 2, again.stderr
+        assert "a `down` is stopping this deployment" in again.stderr, again.stderr
+        assert "apply" not in again.stderr
+        out, err = down.communicate(timeout=120)
+        assert down.returncode == 0, err
+        assert processes.orphans(cfg) == [] and not processes.alive(worker)
+        stack.up()  # once it has finished
+        assert stack.post_json("/v1/embeddings", {"input": ["x"]})[0] == 200
+    finally:
+        if down.poll() is None:
+            down.kill()
+        stack.down()
+
+def test_a_run_directory_with_a_space_and_a_letter_beyond_ascii_serves(tmp_path, tiny_model):
+    """A checkout in "my models" or "modèles" could not start with the default config (its
+    run directory inside it was refused, written unquoted into nginx.conf: an outside check)."""
+    stack = Stack(tmp_path / "my models é", tiny_overrides(tiny_model, frontends={"count": 1}))
+    stack.up()
+    try:
+        assert stack.post_json("/v1/embeddings", {"input": ["x"]})[0] == 200
+        assert json.loads(stack.cli("status", "--json").stdout)["state"] == "ready"
+        assert "reloaded its configuration" in stack.cli("restart", "nginx").stdout
+        assert stack.post_json("/v1/embeddings", {"input": ["y"]})[0] == 200
+    finally:
+        stack.down()
+    assert not (stack.run_dir / "supervisord.pid").exists()

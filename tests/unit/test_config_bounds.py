@@ -56,10 +56,14 @@ def test_a_value_written_into_supervisord_conf_is_checked_with_the_config(tmp_pa
     for value in ("/usr/sbin/nginx\nx", "nginx;x", "nginx #x"):
         refused("NGINX__BINARY", value, "nginx.binary")
     given = tmp_path / "my.yaml"
-    for value in (f"{tmp_path}/run\n", f"{tmp_path}/a\nb", f"{tmp_path}/a b"):
+    for value in (f"{tmp_path}/run\n", f"{tmp_path}/a\nb", f"{tmp_path}/a$b", f"{tmp_path}/a%b",
+                  f"{tmp_path}/a ;b", f"{tmp_path}/a\"b", f"{tmp_path}/a\\b"):
         given.write_text(f"server: {{run_dir: {json.dumps(value)}}}\n")
-        with pytest.raises(ConfigError, match=r"^server.run_dir: .* may hold only letters"):
+        with pytest.raises(ConfigError, match=r"^server.run_dir: .* may not hold control"):
             config.load(extra=given, environ={})
+    for value in (f"{tmp_path}/my models/run", f"{tmp_path}/modèles/run"):  # quoted in both
+        given.write_text(f"server: {{run_dir: {json.dumps(value)}}}\n")
+        assert str(config.load(extra=given, environ={}).run_dir) == value
 
 
 def test_a_final_newline_is_no_part_of_a_checked_value(tmp_path):

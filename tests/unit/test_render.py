@@ -140,7 +140,7 @@ def test_nginx_config_names_every_frontend_and_passes_nginx_t(tmp_path):
     render.render(cfg)
     text = render.nginx_conf(cfg).read_text()
     for i in range(3):
-        assert f"server unix:{cfg.run_dir}/sockets/frontend-{i}.sock" in text
+        assert f'server "unix:{cfg.run_dir}/sockets/frontend-{i}.sock"' in text
     assert "proxy_next_upstream_tries 2;" in text and "keepalive 7;" in text
     assert "client_max_body_size 3m;" in text
     assert f"listen 127.0.0.1:{cfg.server.port} " in text
