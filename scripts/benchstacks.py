@@ -23,7 +23,8 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from tests.stack import bindable, free_port, port_range  # noqa: E402  (the harness's)
+from tests.stack import (bindable, free_port, port_range,  # noqa: E402  (the harness's)
+                         raise_open_files)
 
 PYTHON = sys.executable
 
@@ -41,6 +42,7 @@ def run_main(main) -> None:
     """Exit with main()'s status; an interrupt (Ctrl-C, or the signals stop_on_term routes
     there) exits 130 with one line once the context managers have stopped the stacks, not with
     a traceback that reads as a crash."""
+    raise_open_files()  # a burst's or a window's clients hold a socket each
     try:
         sys.exit(main())
     except KeyboardInterrupt:

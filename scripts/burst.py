@@ -36,8 +36,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import errno
 import json
 import random
+import resource
 import sys
 import time
 from pathlib import Path
@@ -76,8 +78,10 @@ async def fire(url: str, bodies: list[list[str]], deadline: float, arrivals: lis
                         "input": texts, "encoding_format": "float"}) as resp:
                     await resp.read()
                     status = resp.status
-            except (aiohttp.ClientError, asyncio.TimeoutError):
-                status = 0  # no answer: the one outcome a server must never give
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                # no answer (0): the one outcome a server must never give; -1: this process
+                # could not open a socket, no fault of the server's
+                status = -1 if out_of_files(exc) else 0
             now = time.perf_counter()
             results.append((status, now - sent, now - begin, len(texts)))
 
@@ -125,8 +129,8 @@ async def storm(url: str, bodies: list[list[str]], deadline: float, clients: int
                                 headers={"X-Request-Timeout": f"{max(left, 0.001):.3f}"}) as resp:
                             await resp.read()
                             status, wait = resp.status, resp.headers.get("Retry-After")
-                    except (aiohttp.ClientError, asyncio.TimeoutError):
-                        status, wait = 0, None
+                    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                        status, wait = (-1 if out_of_files(exc) else 0), None
                     answers[status] += 1
                     if status != 429:
                         outcome = str(status)
@@ -146,11 +150,26 @@ async def storm(url: str, bodies: list[list[str]], deadline: float, clients: int
             "elapsed_s": elapsed}
 
 
+def out_of_files(exc: BaseException) -> bool:
+    """Whether `exc` came from this process's open-files limit (EMFILE, ENFILE)."""
+    while exc is not None:
+        if isinstance(exc, OSError) and exc.errno in (errno.EMFILE, errno.ENFILE):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def client_side(count: int) -> str:
+    return (f"; {count} not sent: this process ran out of open files (ulimit -n "
+            f"{resource.getrlimit(resource.RLIMIT_NOFILE)[0]})" if count else "")
+
+
 def describe_storm(r: dict) -> str:
     cell = lambda v: "-" if v is None else f"{v * 1000:.0f}"  # noqa: E731  (milliseconds)
     return (f"requests by outcome {r['outcomes']}, answers {r['answers']}, "
             f"200s p50 {cell(r['ok_p50_s'])} ms max {cell(r['ok_max_s'])} ms, "
-            f"goodput {r['goodput_texts_per_s']:.1f} texts/s")
+            f"goodput {r['goodput_texts_per_s']:.1f} texts/s"
+            f"{client_side(int(r['answers'].get('-1', 0)))}")
 
 
 def describe(r: dict) -> str:
@@ -159,10 +178,10 @@ def describe(r: dict) -> str:
     # "no answer" (status 0: the one outcome a server must never give) apart from the other
     # statuses, where it was lumped in (an outside check)
     return (f"200/504/429/other/no answer {s.get(200, 0)}/{s.get(504, 0)}/{s.get(429, 0)}/"
-            f"{sum(v for k, v in s.items() if k not in (200, 504, 429, 0))}/{s.get(0, 0)}, "
+            f"{sum(v for k, v in s.items() if k not in (200, 504, 429, 0, -1))}/{s.get(0, 0)}, "
             f"200s p50 {cell(r['ok_p50_s'])} ms max {cell(r['ok_max_s'])} ms, "
             f"429s at p50 {cell(r['p50_429_s'])} ms last {cell(r['last_429_s'])} ms, "
-            f"goodput {r['goodput_texts_per_s']:.1f} texts/s")
+            f"goodput {r['goodput_texts_per_s']:.1f} texts/s{client_side(s.get(-1, 0))}")
 
 
 def main() -> int:

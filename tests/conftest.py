@@ -5,10 +5,12 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from tests.stack import Stack  # noqa: E402
+from tests.stack import Stack, raise_open_files  # noqa: E402
 from tests.tinymodel import build_tiny_bert  # noqa: E402
 
 TINY_MAX_TOKENS = 64
+
+raise_open_files()  # the flood tests' clients hold ~1,500 sockets
 
 
 @pytest.fixture(scope="session")

@@ -46,6 +46,43 @@ def test_burst_prints_latencies_in_milliseconds():
                            "ok_max_s": None, "p50_429_s": None, "last_429_s": None,
                            "goodput_texts_per_s": 1.0})
     assert line.startswith("200/504/429/other/no answer 3/0/0/2/1,"), line
+    # sockets this process could not open are not the server's missing answers (an outside
+    # check as an ordinary user, whose soft limit of 1,024 open files cut a 1,100 burst)
+    line = burst.describe({"statuses": {200: 3, -1: 4}, "ok_p50_s": None, "ok_max_s": None,
+                           "p50_429_s": None, "last_429_s": None, "goodput_texts_per_s": 1.0})
+    assert line.startswith("200/504/429/other/no answer 3/0/0/0/0,"), line
+    assert "4 not sent: this process ran out of open files (ulimit -n" in line, line
+
+
+def test_burst_tells_this_process_running_out_of_files_from_no_answer():
+    import errno
+
+    import aiohttp
+
+    cause = OSError(errno.EMFILE, "Too many open files")
+    err = aiohttp.ClientOSError(*cause.args)
+    assert burst.out_of_files(err)
+    wrapped = aiohttp.ClientConnectionError("cannot connect")
+    wrapped.__cause__ = cause
+    assert burst.out_of_files(wrapped)
+    assert not burst.out_of_files(aiohttp.ServerDisconnectedError())
+    assert not burst.out_of_files(OSError(errno.ECONNREFUSED, "refused"))
+
+
+def test_the_harness_raises_its_soft_open_files_limit_to_the_hard_one():
+    import resource
+
+    from tests.stack import raise_open_files
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(256, hard), hard))
+        got = raise_open_files()
+        assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] == got
+        if hard != resource.RLIM_INFINITY:
+            assert got == hard
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 def test_shmserve_ports_keeps_the_stacks_in_a_range_and_skips_a_taken_port(monkeypatch):
