@@ -183,6 +183,8 @@ def supervisord_pid(cfg: Config) -> int | None:
     conf = render.supervisord_conf(cfg)
     try:
         named = int(render.supervisord_pidfile(cfg).read_text().strip())
+    except PermissionError:
+        raise  # another user's run directory: said so (cli.main), not "not running"
     except (OSError, ValueError):
         named = None
     if named is not None and _started_with(named, conf):

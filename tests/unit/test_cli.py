@@ -426,3 +426,25 @@ def test_a_stdout_this_user_cannot_reopen_is_named_before_supervisord_starts(tmp
     locked.mkdir()
     with pytest.raises(cli.CliError, match="logging.stdout: supervisord cannot open"):
         cli.check_stdout(str(locked))  # a directory: no user can open it for writing
+
+
+@pytest.mark.parametrize("argv", [["restart", "workers"], ["apply", "--dry-run"],
+                                  ["config", "--running"], ["up"], ["down"]])
+def test_another_users_deployment_is_said_to_be_so_not_stopped(deployment, capsys, monkeypatch,
+                                                                argv):
+    """Another user's run directory (0700): `restart`, `apply`, `config --running` said "not
+    running", `status` permission denied (an outside check). Root reads any file: made here."""
+    pidfile = render.supervisord_pidfile(deployment)
+    pidfile.parent.mkdir(parents=True)
+    pidfile.write_text("1\n")
+    read = Path.read_text
+
+    def refused(self, *args, **kwargs):
+        if self == pidfile:
+            raise PermissionError(13, "Permission denied", str(self))
+        return read(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", refused)
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"{pidfile}: permission denied (is this deployment" in err and "not running" not in err
