@@ -18,7 +18,7 @@ BIN = Path(sys.executable).parent
 
 def conf(tmp: Path, programs: dict[str, str]) -> str:
     sections = "".join(f"[program:{name}]\ncommand={command}\nstartsecs=0\n"
-                       f"stdout_logfile={tmp}/{name}.log\n\n"
+                       f"stdout_logfile={tmp}/{name}.log\nredirect_stderr=true\n\n"
                        for name, command in programs.items())
     return (f"[unix_http_server]\nfile={tmp}/s.sock\n\n"
             f"[supervisord]\nlogfile={tmp}/supervisord.log\npidfile={tmp}/s.pid\n\n"
