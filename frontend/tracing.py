@@ -104,9 +104,9 @@ class Tracing:
 
 
 def _counted(exporter):
-    """The SDK's batch processor over `exporter`, counting what becomes
-    of each span in shmserve_trace_spans_total: the SDK reports its drops only in its own log
-    (at most once in 20 s) and an OpenTelemetry meter, which nothing here reads."""
+    """The SDK's batch processor over `exporter`, counting what becomes of each span in
+    shmserve_trace_spans_total: the SDK reports its drops only in its own log (at most once in
+    20 s) and an OpenTelemetry meter, which nothing here reads."""
     from opentelemetry.sdk.trace.export import (BatchSpanProcessor, SpanExporter,
                                                 SpanExportResult)
 
