@@ -429,7 +429,7 @@ def test_a_stdout_this_user_cannot_reopen_is_named_before_supervisord_starts(tmp
 
 
 @pytest.mark.parametrize("argv", [["restart", "workers"], ["apply", "--dry-run"],
-                                  ["config", "--running"], ["up"], ["down"]])
+                                  ["config", "--running"], ["down"]])
 def test_another_users_deployment_is_said_to_be_so_not_stopped(deployment, capsys, monkeypatch,
                                                                 argv):
     """Another user's run directory (0700): `restart`, `apply`, `config --running` said "not
