@@ -45,10 +45,10 @@ def worker_cores(index: int, workers: int, threads: int,
     """The cores CPU worker `index` is pinned to (workers.cpu_affinity auto), or None: only
     where the workers' threads fill exactly the cores this process may use, with no cgroup
     quota below them. There, a worker the scheduler moves between cores (to make room for a
-    frontend, nginx or the load) loses its caches, and pinned workers served 1.3-1.4x the texts/s
-    (docs/performance.md). A machine or pod with cores to spare, or a quota over a wider
-    affinity (a shared node, where every pod would pin to the same first cores), is left to the
-    scheduler."""
+    frontend, nginx or the load) loses its caches: pinned workers served about the same on an
+    idle machine and 1.45x the texts/s beside a busy process (docs/performance.md, Changes). A
+    machine or pod with cores to spare, or a quota over a wider affinity (a shared node, where
+    every pod would pin to the same first cores), is left to the scheduler."""
     affinity = getattr(os, "sched_getaffinity", None)
     if affinity is None:
         return None

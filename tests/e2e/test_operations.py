@@ -238,7 +238,8 @@ def test_a_second_restart_or_apply_meanwhile_is_refused_naming_the_first(stack):
 
 def test_cpu_workers_that_fill_the_cores_are_pinned_one_a_core(two_of_each):
     """workers.cpu_affinity auto: two single-thread workers on this 2-core machine each run on
-    their own core (a scheduler moving them served 0.7x the texts/s: docs/performance.md);
+    their own core (beside a busy process, a scheduler moving them served 0.7x the texts/s:
+    docs/performance.md);
     where the layout does not fill the cores, no worker is pinned."""
     import os
 
