@@ -4,8 +4,10 @@ that is taken, commands that find the deployment as it was started."""
 import collections
 import json
 import os
+import shutil
 import signal
 import socket
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -292,16 +294,21 @@ def test_up_during_a_down_says_so_and_harms_nothing(tmp_path, tiny_model):
             down.kill()
         stack.down()
 
-def test_a_run_directory_with_a_space_and_a_letter_beyond_ascii_serves(tmp_path, tiny_model):
+def test_a_run_directory_with_a_space_and_a_letter_beyond_ascii_serves(tiny_model):
     """A checkout in "my models" or "modèles" could not start with the default config (its
-    run directory inside it was refused, written unquoted into nginx.conf: an outside check)."""
-    stack = Stack(tmp_path / "my models é", tiny_overrides(tiny_model, frontends={"count": 1}))
-    stack.up()
+    run directory inside it was refused, written unquoted into nginx.conf: an outside check).
+    Under /tmp, not tmp_path: a fresh CI's tmp_path left no room for the socket paths."""
+    base = Path(tempfile.mkdtemp(prefix="shm "))
+    stack = Stack(base / "my models é", tiny_overrides(tiny_model, frontends={"count": 1}))
     try:
-        assert stack.post_json("/v1/embeddings", {"input": ["x"]})[0] == 200
-        assert json.loads(stack.cli("status", "--json").stdout)["state"] == "ready"
-        assert "reloaded its configuration" in stack.cli("restart", "nginx").stdout
-        assert stack.post_json("/v1/embeddings", {"input": ["y"]})[0] == 200
+        stack.up()
+        try:
+            assert stack.post_json("/v1/embeddings", {"input": ["x"]})[0] == 200
+            assert json.loads(stack.cli("status", "--json").stdout)["state"] == "ready"
+            assert "reloaded its configuration" in stack.cli("restart", "nginx").stdout
+            assert stack.post_json("/v1/embeddings", {"input": ["y"]})[0] == 200
+        finally:
+            stack.down()
+        assert not (stack.run_dir / "supervisord.pid").exists()
     finally:
-        stack.down()
-    assert not (stack.run_dir / "supervisord.pid").exists()
+        shutil.rmtree(base, ignore_errors=True)
