@@ -238,15 +238,11 @@ class WorkerPool:
                 except WireError as exc:
                     messages = [exc]
                 for msg in messages:
-                    if isinstance(msg, WireError):
-                        log.warning("dropped a malformed reply from worker %d: %s",
-                                    link.index, msg)
-                    elif isinstance(msg, Heartbeat):
-                        self._on_heartbeat(link, msg)
-                    elif isinstance(msg, (Result, Error, ReloadDone)):
-                        self._settle(link, msg)
-                    elif isinstance(msg, Closing):
-                        self._on_closing(link, msg)
+                    try:
+                        self._on_message(link, msg)
+                    except Exception:  # one message's failure must not end the task, which
+                        # left the worker unseen until this frontend restarted (outside check)
+                        log.exception("frontend: a message from worker %d failed", link.index)
         except asyncio.CancelledError:
             raise
         except BaseException:
@@ -254,6 +250,16 @@ class WorkerPool:
             link.alive = False
             self._fail_pending(link, "frontend receive task failed")
             raise
+
+    def _on_message(self, link: WorkerLink, msg) -> None:
+        if isinstance(msg, WireError):
+            log.warning("dropped a malformed reply from worker %d: %s", link.index, msg)
+        elif isinstance(msg, Heartbeat):
+            self._on_heartbeat(link, msg)
+        elif isinstance(msg, (Result, Error, ReloadDone)):
+            self._settle(link, msg)
+        elif isinstance(msg, Closing):
+            self._on_closing(link, msg)
 
     async def _monitor(self, link: WorkerLink) -> None:
         """Connection events of `link`'s socket: a drop means the worker's process is gone (its
@@ -355,7 +361,11 @@ class WorkerPool:
 
     async def _heartbeats(self) -> None:
         while True:
-            self._round(time.monotonic())
+            try:
+                self._round(time.monotonic())
+            except Exception:  # a round that fails must not end the pings: the workers would
+                # SIGKILL this frontend after frontends.hung_kill_s of silence
+                log.exception("frontend: heartbeat round failed")
             await asyncio.sleep(self.cfg.workers.heartbeat_interval_s)
 
     def _round(self, now: float) -> None:

@@ -10,6 +10,7 @@ lock here, and the backlog, under its own.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import queue
@@ -254,9 +255,11 @@ class Intake:
 def running(pid: int) -> bool:
     """Whether process `pid` runs (not gone, not a zombie waiting for supervisord to reap
     it), as /proc shows it; False also where this worker cannot see it (another pid
-    namespace, no /proc), and such a frontend is then judged by its pings alone."""
+    namespace, no /proc), and such a frontend is then judged by its pings alone. True where
+    this worker is out of descriptors: it cannot tell, and False would drop a live frontend's
+    queued requests (an outside check)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
+    except OSError as exc:
+        return exc.errno in (errno.EMFILE, errno.ENFILE)
     return stat.rpartition(")")[2].split()[:1] not in (["Z"], ["X"], [])

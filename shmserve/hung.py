@@ -54,7 +54,9 @@ class HungKiller:
     def heard(self, index: int, pid: int) -> None:
         """Every message from `index`: remember when a new process started."""
         if self._starts.get(index, (None,))[0] != pid:
-            self._starts[index] = (pid, start_time(pid))
+            started = start_time(pid)
+            if started is not None:  # else read again at its next message (out of descriptors)
+                self._starts[index] = (pid, started)
 
     def check(self, index: int, pid: int, last_heard: float, now: float) -> Verdict | None:
         """SIGKILL `pid`, process `index`, if it has been silent since `last_heard` for
@@ -65,8 +67,11 @@ class HungKiller:
         silent = now - max(last_heard, self.awake_since)
         if silent <= self.kill_after or self._tried.get(index) == pid:
             return None
+        try:
+            why = self.not_ours(index, pid)
+        except OSError:  # this process's own want (out of descriptors, EMFILE): next round
+            return None
         self._tried[index] = pid  # judged once per process
-        why = self.not_ours(index, pid)
         if why == "gone":
             return None
         if why:
@@ -124,7 +129,9 @@ def running_frontends(config_path: str, count: int) -> dict[int, int]:
 
 
 def start_time(pid: int) -> float | None:
+    """None where it cannot be read: the process gone, or this one out of descriptors (psutil
+    lets an EMFILE through as a plain OSError, which killed a frontend's heartbeat task)."""
     try:
         return psutil.Process(pid).create_time()
-    except psutil.Error:
+    except (psutil.Error, OSError):
         return None

@@ -292,8 +292,8 @@ def alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
-    except psutil.AccessDenied:
-        return True
+    except (psutil.AccessDenied, OSError):  # OSError: this process out of descriptors (EMFILE),
+        return True  # which psutil lets through: cannot tell, so the safe side (slots held)
 
 
 def not_running(cfg: Config) -> str:
