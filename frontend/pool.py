@@ -428,11 +428,11 @@ class WorkerPool:
         (stopped, swapped out) and may still read its token ids and write its rows, so the slot
         is held until it answers or its process ends (`_release_held`), not given to another
         request."""
-        pending, link.pending, link.outstanding, link.outbox = link.pending, {}, 0, []
-        unsent, link.unsent = link.unsent, set()
         pid = link.beat.pid if link.beat is not None else None
         may_live = hold and pid is not None and pid != link.dropped_pid and \
-            processes.alive(pid)
+            processes.alive(pid)  # before the swap: a raise here left the requests unfailed
+        pending, link.pending, link.outstanding, link.outbox = link.pending, {}, 0, []
+        unsent, link.unsent = link.unsent, set()
         for seq, entry in pending.items():
             if may_live and seq not in unsent:
                 link.held[seq] = (pid, entry)
