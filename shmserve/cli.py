@@ -171,6 +171,23 @@ def _at_least_one(text: str) -> int:
 
 def up(args: argparse.Namespace) -> int:
     cfg = config.from_args(args)
+    try:
+        with state.starting_or_stopping(cfg, "up", wait=False):
+            code, log_starts = _start(args, cfg)
+    except state.Busy as busy:
+        if "down" in str(busy):
+            raise CliError(f"a `down` is stopping this deployment ({busy}, run_dir "
+                           f"{cfg.run_dir}); run `up` again once it has finished") from None
+        raise CliError(f"{busy} is starting this deployment (run_dir {cfg.run_dir})") from None
+    if code is not None:
+        return code
+    timeout = args.timeout if args.timeout is not None else cfg.workers.ready_timeout_s
+    return wait_ready(cfg, timeout, log_starts)
+
+
+def _start(args: argparse.Namespace, cfg: Config) -> tuple[int | None, dict[str, int]]:
+    """`up` until its supervisord runs: (its exit status, or None for `--wait` to wait, and
+    where each program's log ended before the start)."""
     pid = supervisord_pid(cfg)
     if pid is not None and processes.shutting_down(cfg):
         # Not waited for: `down` cleans up after supervisord exits (nginx, pid file, socket),
@@ -228,14 +245,16 @@ def up(args: argparse.Namespace) -> int:
     _wait_for(lambda: supervisord_pid(cfg) is not None and render.supervisor_socket(cfg).exists(),
               10.0, f"supervisord did not come up; see {topology.log_dir(cfg)}/supervisord.log")
     print(f"shmserve: started (run_dir {cfg.run_dir})")
-    if not args.wait:
-        return 0
-    timeout = args.timeout if args.timeout is not None else cfg.workers.ready_timeout_s
-    return wait_ready(cfg, timeout, log_starts)
+    return (None if args.wait else 0), log_starts
 
 
 def down(args: argparse.Namespace) -> int:
     cfg = processes.deployment(args)
+    with state.starting_or_stopping(cfg, "down", wait=True):
+        return _down(cfg)
+
+
+def _down(cfg: Config) -> int:
     pid = supervisord_pid(cfg)
     left = leftovers(cfg) if pid is None else []  # a killed supervisord's, stopped below
     if pid is not None:

@@ -143,6 +143,32 @@ def operating(cfg: Config, command: str) -> Iterator[None]:
 
 
 @contextmanager
+def starting_or_stopping(cfg: Config, command: str, wait: bool) -> Iterator[None]:
+    """`up` (until its supervisord has started) and `down` (to the end of its clean-up) one at a
+    time on a run directory. Without it an `up` between a `down`'s supervisord exiting and the
+    end of that `down` started a deployment whose programs the `down` then SIGKILLed (as orphans
+    of this run directory) and whose pid file and control socket it removed: a supervisord
+    that `status` and `down` no longer reached (an outside check). `down` waits for the lock
+    (an `up` holds it a second or two); `up` raises Busy at once, naming the holder."""
+    if not cfg.run_dir.is_dir():  # nothing there yet for a `down` to stop or clean
+        yield
+        return
+    lock = cfg.run_dir / "updown.lock"
+    if not wait:
+        with held(lock, "another command", holder=f"`shmserve {command}` (pid {os.getpid()})"):
+            yield
+        return
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"`shmserve {command}` (pid {os.getpid()})".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
+@contextmanager
 def _locked(cfg: Config) -> Iterator[None]:
     fd = os.open(cfg.run_dir / "state.lock", os.O_RDWR | os.O_CREAT, 0o600)
     try:

@@ -1,0 +1,47 @@
+"""`up` and `down` one at a time on a run directory (shmserve.state.starting_or_stopping)."""
+
+import threading
+import time
+
+from shmserve import cli, render, state
+
+
+def test_up_while_a_down_cleans_up_is_refused_and_says_so(deployment, capsys):
+    """Once a `down`'s supervisord had exited, an `up` went ahead while that `down` still
+    cleaned up: the `down` then SIGKILLed the new deployment's programs as orphans and removed
+    its supervisord's pid file and control socket, leaving a supervisord no command reached
+    (an outside check). `down` holds the run directory's up/down lock to its end."""
+    deployment.run_dir.mkdir(parents=True)
+    with state.starting_or_stopping(deployment, "down", wait=True):
+        assert cli.main(["up"]) == 2
+        err = capsys.readouterr().err
+        assert "a `down` is stopping this deployment" in err and "run `up` again" in err
+        assert not render.supervisord_conf(deployment).exists()  # nothing started, rendered
+    with state.starting_or_stopping(deployment, "up", wait=False):
+        assert cli.main(["up"]) == 2
+        assert "`shmserve up` (pid" in capsys.readouterr().err
+
+
+def test_a_down_waits_for_an_up_that_is_starting(deployment):
+    deployment.run_dir.mkdir(parents=True)
+    order = []
+
+    def down_side():
+        with state.starting_or_stopping(deployment, "down", wait=True):
+            order.append("down")
+
+    with state.starting_or_stopping(deployment, "up", wait=False):
+        waiting = threading.Thread(target=down_side)
+        waiting.start()
+        time.sleep(0.3)
+        order.append("up ends")
+    waiting.join(10)
+    assert order == ["up ends", "down"]
+
+
+def test_no_run_directory_no_lock(deployment):
+    """(nothing there for a `down` to clean; `up` creates it)"""
+    with state.starting_or_stopping(deployment, "up", wait=False):
+        with state.starting_or_stopping(deployment, "down", wait=True):
+            pass
+    assert not deployment.run_dir.exists()
