@@ -387,9 +387,10 @@ def main() -> int:
         # sweep's window with no answer): said in the report, which is written still (a
         # failed parity request lost every window's figures: an outside check).
         with stage(summary, "parity check"):
-            summary["parity"] = {"shmserve": min_cosine_to_fp32(url, corpus[:128])}
+            reference = parity_reference(cfg, served["name"])
+            summary["parity"] = {"shmserve": min_cosine_to_fp32(url, corpus[:128], reference)}
             if other:
-                summary["parity"]["other"] = min_cosine_to_fp32(other, corpus[:128])
+                summary["parity"]["other"] = min_cosine_to_fp32(other, corpus[:128], reference)
         if args.no_sweep:
             pass
         elif "short" not in summary["closed_loop"]:
@@ -410,6 +411,21 @@ def main() -> int:
     (out / "results.md").write_text(markdown(summary))
     print("\n" + markdown(summary) + f"\nwritten to {out}")
     return 1 if summary.get("errors") else 0
+
+
+def parity_reference(cfg, served: str) -> Path | None:
+    """The folder of the served model's own weights, for parity: the local config's first
+    model where it is the one served (it was always all-MiniLM-L6-v2's, whose 384-wide rows
+    another model's could not be compared with: an outside check)."""
+    from shmserve.models import inspect
+
+    first = cfg.models[0]
+    if first.name == served or served in first.aliases:
+        return inspect(first, with_revision=False).directory
+    if served == "all-MiniLM-L6-v2":
+        return None
+    raise ValueError(f"the served model {served!r} is not the local config's first model "
+                     f"({first.name!r}): no fp32 reference for it here")
 
 
 @contextlib.contextmanager
