@@ -2,15 +2,13 @@
 
 One DEALER socket per worker. What a turn of the event loop sends to a worker goes as one
 ZeroMQ message, and a worker answers a batch's requests the same way (`shmserve.wire`). One
-receive task per socket resolves a map of pending futures;
-one heartbeat task pings every worker and declares a worker dead after
-`workers.heartbeat_timeout_s` of silence, or when its heartbeat shows a new pid (and, after
-`workers.hung_kill_s`, kills it: frontend.watchdog); and one monitor
-task per socket declares it dead the moment ZeroMQ reports the connection dropped (a killed
-worker's socket closes with it), so `/ready` and routing stop counting it at once, not a
-heartbeat timeout later. A dead worker's
-pending requests all fail with `WorkerGone` at once, and so do they if a receive task dies:
-nothing waits forever.
+receive task per socket resolves a map of pending futures (a message whose handling fails is
+logged, and the task goes on); one heartbeat task pings every worker and declares a worker dead
+after `workers.heartbeat_timeout_s` of silence, or when its heartbeat shows a new pid (and, after
+`workers.hung_kill_s`, kills it: frontend.watchdog); one monitor task per socket declares it
+dead the moment ZeroMQ reports the connection dropped, so `/ready` and routing stop counting it
+at once. A dead worker's pending requests all fail with `WorkerGone` at once, and so do they if
+a receive task dies: nothing waits forever.
 
 Each pending entry carries `on_settled`, called exactly once when the worker can no longer touch
 the request's shared-memory slot (its terminal reply arrived, or it was declared dead).
