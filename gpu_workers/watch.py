@@ -23,6 +23,8 @@ import logging
 import os
 import time
 
+import psutil
+
 from shmserve import topology
 from shmserve.config import Config
 from shmserve.hung import HungKiller, running_frontends, start_time
@@ -46,6 +48,14 @@ class FrontendWatch:
                                cfg.frontends.hung_kill_s, cfg.workers.heartbeat_timeout_s, now)
         self._heard: dict[int, tuple[int, float]] = {}  # frontend -> (pid, monotonic last ping)
         self._checked = now
+        # Frontends found at start and not heard since: frontend -> (pid, its CPU seconds when
+        # last judged). One whose CPU time moves while it stays silent to this worker runs
+        # (pinging the workers it reaches) but cannot reach this one: out of descriptors, it
+        # has none for the connection (an outside check: a worker restarted under load
+        # SIGKILLed a frontend at its open-files limit 30 s later). A frozen or deadlocked
+        # one uses no CPU. (One whose loop spins, CPU moving, is left to the workers that
+        # heard it before and hear it no more: with a single worker, restarted, it is spared.)
+        self._unheard: dict[int, tuple[int, float | None]] = {}
         for frontend in range(cfg.frontends.count):
             metrics.watching(frontend)
         if self.hung.kill_after:
@@ -57,6 +67,7 @@ class FrontendWatch:
                         and started < written - CLOCK_SLACK_S:
                     continue  # on an older config: judged from its first ping
                 self._heard[frontend] = (pid, now)  # silent from now, until its first ping
+                self._unheard[frontend] = (pid, cpu_seconds(pid))
                 self.hung.heard(frontend, pid)
 
     def pinged(self, ping: Ping) -> None:
@@ -64,6 +75,7 @@ class FrontendWatch:
             if ping.frontend not in self._heard:  # one `shmserve apply` added
                 self.metrics.watching(ping.frontend)
             self._heard[ping.frontend] = (ping.pid, time.monotonic())
+            self._unheard.pop(ping.frontend, None)
             self.hung.heard(ping.frontend, ping.pid)
 
     def tick(self) -> None:
@@ -74,6 +86,18 @@ class FrontendWatch:
         self._checked = now
         self.hung.tick(now)
         for frontend, (pid, last) in list(self._heard.items()):
+            if frontend in self._unheard and \
+                    now - max(last, self.hung.awake_since) > self.hung.kill_after > 0:
+                seen_pid, seen_cpu = self._unheard[frontend]
+                cpu = cpu_seconds(pid)
+                if seen_pid == pid and cpu is not None and seen_cpu is not None \
+                        and cpu > seen_cpu:  # it runs, but has not reached this worker
+                    log.warning("worker.frontend_unreached", extra={"fields": {
+                        "frontend": frontend, "frontend_pid": pid,
+                        "silent_s": round(now - last, 1), "cpu_s": round(cpu - seen_cpu, 2)}})
+                    self._heard[frontend] = (pid, now)  # judged again a hung_kill_s on
+                    self._unheard[frontend] = (pid, cpu)
+                    continue
             verdict = self.hung.check(frontend, pid, last, now)
             if verdict is None:
                 continue
@@ -86,6 +110,15 @@ class FrontendWatch:
             else:
                 log.warning("worker.frontend_hung_not_killed",
                             extra={"fields": {**fields, "reason": verdict.reason}})
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """The CPU time `pid` has used (user and system), or None where it cannot be read."""
+    try:
+        times = psutil.Process(pid).cpu_times()
+    except (psutil.Error, OSError):
+        return None
+    return times.user + times.system
 
 
 def _written(path: str) -> float | None:

@@ -18,6 +18,7 @@ import fcntl
 import json
 import logging
 import os
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -118,14 +119,27 @@ def held(lock: Path, what: str, holder: str = "") -> Iterator[None]:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise Busy((lock.read_text(errors="replace").strip() or what) if holder
-                       else what) from None
+            raise Busy(_holder(lock) or what if holder else what) from None
         if holder:
             os.ftruncate(fd, 0)
             os.pwrite(fd, holder.encode(), 0)
-        yield
+        try:
+            yield
+        finally:
+            if holder:  # no stale name for the next holder's contenders to read
+                os.ftruncate(fd, 0)
     finally:
         os.close(fd)  # closing releases the lock
+
+
+def _holder(lock: Path) -> str:
+    """The name the lock's holder wrote, waiting a moment for it: a holder writes it just
+    after it took the lock (two `up`s at once: the refused one said "another command")."""
+    for _ in range(20):
+        if text := lock.read_text(errors="replace").strip():
+            return text
+        time.sleep(0.01)
+    return ""
 
 
 @contextmanager
@@ -150,20 +164,41 @@ def starting_or_stopping(cfg: Config, command: str, wait: bool) -> Iterator[None
     of this run directory) and whose pid file and control socket it removed: a supervisord
     that `status` and `down` no longer reached (an outside check). `down` waits for the lock
     (an `up` holds it a second or two); `up` raises Busy at once, naming the holder."""
-    if not cfg.run_dir.is_dir():  # nothing there yet for a `down` to stop or clean
-        yield
-        return
+    created = False
+    if not cfg.run_dir.is_dir():
+        if wait:  # nothing there yet for a `down` to stop or clean
+            yield
+            return
+        # A first `up`: the directory is made for the lock, else two `up`s at once both went
+        # ahead and one failed part way (a traceback from render, or supervisord's port taken).
+        try:
+            cfg.run_dir.mkdir(mode=0o700, parents=True)
+            created = True
+        except FileExistsError:
+            pass
     lock = cfg.run_dir / "updown.lock"
     if not wait:
-        with held(lock, "another command", holder=f"`shmserve {command}` (pid {os.getpid()})"):
-            yield
+        try:
+            with held(lock, "another command",
+                      holder=f"`shmserve {command}` (pid {os.getpid()})"):
+                yield
+        finally:
+            if created and [p.name for p in cfg.run_dir.iterdir()] == ["updown.lock"]:
+                lock.unlink(missing_ok=True)  # a refused first `up` leaves no run directory
+                try:
+                    cfg.run_dir.rmdir()
+                except OSError:
+                    pass
         return
     fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"`shmserve {command}` (pid {os.getpid()})".encode(), 0)
-        yield
+        try:
+            yield
+        finally:
+            os.ftruncate(fd, 0)  # no stale name for a later holder's contenders to read
     finally:
         os.close(fd)  # closing releases the lock
 

@@ -39,9 +39,16 @@ def test_a_down_waits_for_an_up_that_is_starting(deployment):
     assert order == ["up ends", "down"]
 
 
-def test_no_run_directory_no_lock(deployment):
-    """(nothing there for a `down` to clean; `up` creates it)"""
-    with state.starting_or_stopping(deployment, "up", wait=False):
-        with state.starting_or_stopping(deployment, "down", wait=True):
-            pass
+def test_no_run_directory_a_down_takes_no_lock_and_a_first_up_does(deployment):
+    """(nothing there for a `down` to clean; two first `up`s at once: one is refused)"""
+    with state.starting_or_stopping(deployment, "down", wait=True):
+        pass
     assert not deployment.run_dir.exists()
+    with state.starting_or_stopping(deployment, "up", wait=False):
+        assert deployment.run_dir.is_dir()
+        try:
+            with state.starting_or_stopping(deployment, "up", wait=False):
+                raise AssertionError("a second up went ahead")
+        except state.Busy as busy:
+            assert "`shmserve up` (pid" in str(busy)
+    assert not deployment.run_dir.exists()  # a refused first up leaves none

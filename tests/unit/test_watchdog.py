@@ -216,3 +216,29 @@ def test_a_new_worker_judges_a_frontend_on_an_older_config_from_its_first_ping(
         clock[0] += 0.5
         frontends.tick()
     assert killed(older) and kills == [0]
+
+
+def test_a_new_worker_spares_a_running_frontend_that_cannot_reach_it(cfg, spawn, monkeypatch):
+    """A frontend at its open-files limit has no descriptor for a restarted worker's
+    connection: silent to it, it still runs (its CPU time moves, it pings the other workers).
+    The new worker SIGKILLed it 30 s on (an outside check); now its silence counts again,
+    and a frontend whose CPU time stands still (frozen) is still killed."""
+    from gpu_workers import watch
+    from shmserve import topology
+
+    cfg = dataclasses.replace(cfg, frontends=dataclasses.replace(cfg.frontends, hung_kill_s=3))
+    path = str(topology.resolved_config_path(cfg))
+    busy = spawn(path, index=0, module="frontend")
+    frozen = spawn(path, index=1, module="frontend")
+    clock = [time.monotonic()]
+    monkeypatch.setattr(watch.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(watch, "cpu_seconds",
+                        lambda pid: clock[0] if pid == busy.pid else 1.0)
+    kills = []
+    frontends = watch.FrontendWatch(cfg, 0, SimpleNamespace(frontend_killed=kills.append,
+                                                            watching=lambda frontend: None))
+    for _ in range(20):  # 10 s: three hung_kill_s
+        clock[0] += 0.5
+        frontends.tick()
+    assert busy.poll() is None
+    assert killed(frozen) and kills == [1]
