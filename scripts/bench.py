@@ -379,6 +379,9 @@ def main() -> int:
                 f"max_batch_tokens {limits['max_batch_tokens']} (GET /info); the in-process "
                 f"ceiling runs the local config: {summary['setup']}")
         summary["setup"] += f"; serving {served['name']} in {served['dtype']}"
+        if differs := other_model(cfg, served["name"]):
+            print(f"bench: {differs}", file=sys.stderr)
+            summary["setup"] += f"; NOTE: {differs}"
         probe(url, "the served stack")
         if other:
             probe(other, "--compare's server")
@@ -411,6 +414,17 @@ def main() -> int:
     (out / "results.md").write_text(markdown(summary))
     print("\n" + markdown(summary) + f"\nwritten to {out}")
     return 1 if summary.get("errors") else 0
+
+
+def other_model(cfg, served: str) -> str | None:
+    """What to say where the stack (--url's) serves another model than the local config's
+    first, which the in-process ceiling runs (an outside check read a ratio of two models)."""
+    first = cfg.models[0]
+    if served == first.name or served in first.aliases:
+        return None
+    return (f"the stack serves {served!r}, the in-process ceiling runs the local config's "
+            f"{first.name!r}: served / in-process compares two models (--config names the "
+            "served one)")
 
 
 def parity_reference(cfg, served: str) -> Path | None:

@@ -271,3 +271,13 @@ def test_the_model_named_for_the_bench_goes_with_every_parity_request(monkeypatc
     monkeypatch.delenv("SHMSERVE_BENCH_MODEL")
     benchkit.fetch_vectors("http://127.0.0.1:9", ["x"])
     assert [body.get("model") for body in sent] == ["e5", None]
+
+
+def test_a_stack_serving_another_model_than_the_ceiling_is_said_so():
+    from shmserve import config
+
+    cfg = config.load(env="test")
+    first = cfg.models[0].name
+    assert bench.other_model(cfg, first) is None
+    said = bench.other_model(cfg, "tiny")
+    assert "'tiny'" in said and repr(first) in said and "compares two models" in said
