@@ -258,6 +258,7 @@ def _down(cfg: Config) -> int:
     pid = supervisord_pid(cfg)
     left = leftovers(cfg) if pid is None else []  # a killed supervisord's, stopped below
     if pid is not None:
+        processes.settle_spawns(cfg)  # a signal before a program's exec is lost
         subprocess.run(ctl_argv(cfg, "shutdown"), check=False, stdout=subprocess.DEVNULL)
         # supervisord stops its three groups one after another, each within stopwaitsecs.
         limit = 3 * render.stopwaitsecs(cfg) + 10

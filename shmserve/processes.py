@@ -78,6 +78,23 @@ def resident(cfg: Config, infos: list[dict] | None = None) -> dict[str, int]:
     return out
 
 
+# supervisord's process info gives whole seconds: 2 means at least 1 s since a spawn
+SPAWN_SETTLE_S = 2
+
+
+def settle_spawns(cfg: Config, limit_s: float = 3.0) -> None:
+    """Wait (up to `limit_s`) until every program was spawned a moment ago at least. A stop
+    signal supervisord sends a child that has not exec'd yet runs supervisord's own handler in
+    the child and is lost: a `down` right after an `up` waited out nginx's stopwaitsecs before
+    its SIGKILL (17 s against 2; an outside check)."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        infos = info(cfg)
+        if all(i.get("start") and i["now"] - i["start"] >= SPAWN_SETTLE_S for i in infos):
+            return  # (none: unreachable, nothing to wait for)
+        time.sleep(0.1)
+
+
 def shutting_down(cfg: Config) -> bool:
     """Whether this deployment's supervisord is stopping its programs (a `down` under way)."""
     try:

@@ -312,3 +312,17 @@ def test_a_run_directory_with_a_space_and_a_letter_beyond_ascii_serves(tiny_mode
         assert not (stack.run_dir / "supervisord.pid").exists()
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+def test_a_down_right_after_an_up_stops_every_program_by_its_signal(tmp_path, tiny_model):
+    """A stop signal supervisord sent a program not yet exec'd was lost: nginx, spawned 2 ms
+    before a `down`, was SIGKILLed after its stop wait (17 s; an outside check). `down` now
+    lets the spawns settle first."""
+    stack = Stack(tmp_path / "t", tiny_overrides(tiny_model, frontends={"count": 1}))
+    try:
+        stack.cli("up")  # no --wait: the programs are spawning as it returns
+    finally:
+        stack.down()
+    log = (stack.run_dir / "logs" / "supervisord.log").read_text()
+    assert "spawned: 'nginx'" in log and "stopped: nginx (exit status 0)" in log, log
+    assert "SIGKILL" not in log, log
