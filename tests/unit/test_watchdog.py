@@ -160,27 +160,37 @@ def test_config_keeps_frontends_hung_kill_s_over_two_ping_intervals(tmp_path):
         config.from_tree({**tree, "frontends": {"hung_kill_s": 2}})
 
 
+def clocked_watch(cfg, monkeypatch):
+    """A worker's FrontendWatch on a test clock: (the watch, the frontends it killed, a
+    function advancing the clock by some seconds, ticking every half second)."""
+    from gpu_workers import watch
+
+    clock = [time.monotonic()]
+    monkeypatch.setattr(watch.time, "monotonic", lambda: clock[0])
+    kills = []
+    frontends = watch.FrontendWatch(cfg, 0, SimpleNamespace(frontend_killed=kills.append,
+                                                            watching=lambda frontend: None))
+
+    def advance(seconds: float) -> None:
+        for _ in range(round(seconds / 0.5)):
+            clock[0] += 0.5
+            frontends.tick()
+    return frontends, kills, advance
+
+
 def test_a_worker_kills_a_frontend_frozen_before_it_started(cfg, spawn, monkeypatch):
     """A worker (re)started while a frontend was frozen never hears its pings: it finds the
     frontends' processes at start and counts their silence from then (gpu_workers.watch)."""
-    from gpu_workers import watch
     from shmserve import topology
 
     cfg = dataclasses.replace(cfg, frontends=dataclasses.replace(cfg.frontends, hung_kill_s=3))
     path = str(topology.resolved_config_path(cfg))
     frozen = spawn(path, index=0, module="frontend")
     stranger = spawn("/elsewhere/config.json", index=1, module="frontend")  # not ours
-    clock = [time.monotonic()]
-    monkeypatch.setattr(watch.time, "monotonic", lambda: clock[0])
-    kills = []
-    frontends = watch.FrontendWatch(cfg, 0, SimpleNamespace(frontend_killed=kills.append,
-                                                            watching=lambda frontend: None))
-    for _ in range(6):  # 3 s: not yet
-        clock[0] += 0.5
-        frontends.tick()
+    frontends, kills, advance = clocked_watch(cfg, monkeypatch)
+    advance(3.0)  # not yet
     assert frozen.poll() is None and not kills
-    clock[0] += 0.5
-    frontends.tick()
+    advance(0.5)
     assert killed(frozen) and kills == [0]
     assert stranger.poll() is None
 
@@ -191,7 +201,6 @@ def test_a_new_worker_judges_a_frontend_on_an_older_config_from_its_first_ping(
     frontends last: a frontend started before that write may not know the new worker and never
     pings it, so the new worker must not kill it for its silence (an outside check: every
     frontend SIGKILLed at once, 502s). Once it pings, its silence counts."""
-    from gpu_workers import watch
     from shmserve import topology
     from shmserve.protocol import Ping
 
@@ -202,19 +211,11 @@ def test_a_new_worker_judges_a_frontend_on_an_older_config_from_its_first_ping(
     older = spawn(str(path), index=0, module="frontend")
     written = time.time() + 10  # the apply's write, after the frontend started
     os.utime(path, (written, written))
-    clock = [time.monotonic()]
-    monkeypatch.setattr(watch.time, "monotonic", lambda: clock[0])
-    kills = []
-    frontends = watch.FrontendWatch(cfg, 0, SimpleNamespace(frontend_killed=kills.append,
-                                                            watching=lambda frontend: None))
-    for _ in range(20):  # 10 s of its silence: it never knew this worker
-        clock[0] += 0.5
-        frontends.tick()
+    frontends, kills, advance = clocked_watch(cfg, monkeypatch)
+    advance(10.0)  # of its silence: it never knew this worker
     assert older.poll() is None and not kills
     frontends.pinged(Ping(time.time(), 0, older.pid))  # restarted frontends ping; so may it
-    for _ in range(8):
-        clock[0] += 0.5
-        frontends.tick()
+    advance(4.0)
     assert killed(older) and kills == [0]
 
 
@@ -230,15 +231,9 @@ def test_a_new_worker_spares_a_running_frontend_that_cannot_reach_it(cfg, spawn,
     path = str(topology.resolved_config_path(cfg))
     busy = spawn(path, index=0, module="frontend")
     frozen = spawn(path, index=1, module="frontend")
-    clock = [time.monotonic()]
-    monkeypatch.setattr(watch.time, "monotonic", lambda: clock[0])
-    monkeypatch.setattr(watch, "cpu_seconds",
-                        lambda pid: clock[0] if pid == busy.pid else 1.0)
-    kills = []
-    frontends = watch.FrontendWatch(cfg, 0, SimpleNamespace(frontend_killed=kills.append,
-                                                            watching=lambda frontend: None))
-    for _ in range(20):  # 10 s: three hung_kill_s
-        clock[0] += 0.5
-        frontends.tick()
+    monkeypatch.setattr(watch, "cpu_seconds",  # the busy one's moves with the (test's) clock
+                        lambda pid: watch.time.monotonic() if pid == busy.pid else 1.0)
+    frontends, kills, advance = clocked_watch(cfg, monkeypatch)
+    advance(10.0)  # three hung_kill_s
     assert busy.poll() is None
     assert killed(frozen) and kills == [1]
