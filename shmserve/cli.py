@@ -175,7 +175,7 @@ def up(args: argparse.Namespace) -> int:
         with state.starting_or_stopping(cfg, "up", wait=False):
             code, log_starts = _start(args, cfg)
     except state.Busy as busy:
-        if "down" in str(busy):
+        if str(busy).startswith("`shmserve down`"):  # the holder's name (state.held)
             raise CliError(f"a `down` is stopping this deployment ({busy}, run_dir "
                            f"{cfg.run_dir}); run `up` again once it has finished") from None
         raise CliError(f"{busy} is starting this deployment (run_dir {cfg.run_dir})") from None
@@ -190,10 +190,10 @@ def _start(args: argparse.Namespace, cfg: Config) -> tuple[int | None, dict[str,
     where each program's log ended before the start)."""
     pid = supervisord_pid(cfg)
     if pid is not None and processes.shutting_down(cfg):
-        # Not waited for: `down` cleans up after supervisord exits (nginx, pid file, socket),
-        # which would take a new deployment's with it.
-        raise CliError(f"a `down` is stopping this deployment (supervisord pid {pid}, run_dir "
-                       f"{cfg.run_dir}); run `up` again once it has finished")
+        # A shutdown `down` did not start (`ctl shutdown`, supervisord's SIGTERM); a `down`'s
+        # own holds the up/down lock above
+        raise CliError(f"supervisord (pid {pid}, run_dir {cfg.run_dir}) is shutting down; run "
+                       "`up` again once it has exited")
     if pid is not None:
         raise CliError(f"already running (supervisord pid {pid}, run_dir {cfg.run_dir}); "
                        "`shmserve apply` takes the config as it loads now into it, one "

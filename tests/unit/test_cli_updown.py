@@ -52,3 +52,16 @@ def test_no_run_directory_a_down_takes_no_lock_and_a_first_up_does(deployment):
         except state.Busy as busy:
             assert "`shmserve up` (pid" in str(busy)
     assert not deployment.run_dir.exists()  # a refused first up leaves none
+
+
+def test_up_while_supervisord_shuts_down_by_other_hands_says_so(deployment, capsys,
+                                                                 monkeypatch):
+    """(`ctl shutdown`, a SIGTERM to supervisord: no `down` holds the lock) It said "already
+    running ... `shmserve apply`" (an outside check)."""
+    from shmserve import processes
+
+    monkeypatch.setattr(cli, "supervisord_pid", lambda cfg: 4321)
+    monkeypatch.setattr(processes, "shutting_down", lambda cfg: True)
+    assert cli.main(["up"]) == 2
+    err = capsys.readouterr().err
+    assert "supervisord (pid 4321" in err and "is shutting down" in err and "apply" not in err
