@@ -46,7 +46,8 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 from benchkit import (CORPUS, NULL_STACK, SCENARIOS, Scenario, auth_headers,  # noqa: E402
                       ceiling, closed_window, corpus_file, cpu_description, failed,
-                      locust_window, min_cosine_to_fp32, open_loop_window, positive, probe)
+                      locust_window, open_loop_window, positive, probe)
+from benchparity import min_cosine_to_fp32, other_model, parity_reference  # noqa: E402
 from benchstacks import (Baseline, OwnStack, check_ports, refuse, require,  # noqa: E402
                          run_main, stop_on_term)
 
@@ -414,32 +415,6 @@ def main() -> int:
     (out / "results.md").write_text(markdown(summary))
     print("\n" + markdown(summary) + f"\nwritten to {out}")
     return 1 if summary.get("errors") else 0
-
-
-def other_model(cfg, served: str) -> str | None:
-    """What to say where the stack (--url's) serves another model than the local config's
-    first, which the in-process ceiling runs (an outside check read a ratio of two models)."""
-    first = cfg.models[0]
-    if served == first.name or served in first.aliases:
-        return None
-    return (f"the stack serves {served!r}, the in-process ceiling runs the local config's "
-            f"{first.name!r}: served / in-process compares two models (--config names the "
-            "served one)")
-
-
-def parity_reference(cfg, served: str) -> Path | None:
-    """The folder of the served model's own weights, for parity: the local config's first
-    model where it is the one served (it was always all-MiniLM-L6-v2's, whose 384-wide rows
-    another model's could not be compared with: an outside check)."""
-    from shmserve.models import inspect
-
-    first = cfg.models[0]
-    if first.name == served or served in first.aliases:
-        return inspect(first, with_revision=False).directory
-    if served == "all-MiniLM-L6-v2":
-        return None
-    raise ValueError(f"the served model {served!r} is not the local config's first model "
-                     f"({first.name!r}): no fp32 reference for it here")
 
 
 @contextlib.contextmanager

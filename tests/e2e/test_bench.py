@@ -51,16 +51,16 @@ def test_parity_compares_the_served_model_with_its_own_weights(tiny_stack, tiny_
                                                                 short_corpus):
     """bench.py's parity check took all-MiniLM-L6-v2 as the reference whatever was served:
     another model's rows (32 wide here) failed it with a shape error (an outside check)."""
-    import bench
+    import benchparity
     from shmserve import config
 
     cfg = config.load(env="test", extra=tiny_stack.config_file)
-    reference = bench.parity_reference(cfg, cfg.models[0].name)
+    reference = benchparity.parity_reference(cfg, cfg.models[0].name)
     assert reference == tiny_model
     texts = json.loads(short_corpus.read_text())[:40]
-    assert benchkit.min_cosine_to_fp32(tiny_stack.url, texts, reference) > 0.999
+    assert benchparity.min_cosine_to_fp32(tiny_stack.url, texts, reference) > 0.999
     with pytest.raises(ValueError, match="not the local config's first model"):
-        bench.parity_reference(cfg, "some-other-model")
-    assert bench.parity_reference(cfg, "all-MiniLM-L6-v2") is None  # the default's package
+        benchparity.parity_reference(cfg, "some-other-model")
+    assert benchparity.parity_reference(cfg, "all-MiniLM-L6-v2") is None  # the default's package
     with pytest.raises(ValueError, match="no modules.json"):
-        benchkit.min_cosine_to_fp32(tiny_stack.url, texts, tiny_model.parent)
+        benchparity.min_cosine_to_fp32(tiny_stack.url, texts, tiny_model.parent)

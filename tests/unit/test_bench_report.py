@@ -11,6 +11,7 @@ from tests.stack import REPO, free_port
 sys.path.insert(0, str(REPO / "scripts"))
 
 import bench  # noqa: E402
+import benchparity  # noqa: E402
 import burst  # noqa: E402
 
 
@@ -278,6 +279,6 @@ def test_a_stack_serving_another_model_than_the_ceiling_is_said_so():
 
     cfg = config.load(env="test")
     first = cfg.models[0].name
-    assert bench.other_model(cfg, first) is None
-    said = bench.other_model(cfg, "tiny")
+    assert benchparity.other_model(cfg, first) is None
+    said = benchparity.other_model(cfg, "tiny")
     assert "'tiny'" in said and repr(first) in said and "compares two models" in said
