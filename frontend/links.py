@@ -11,6 +11,7 @@ from typing import Callable
 import zmq
 import zmq.asyncio
 
+from shmserve import processes
 from shmserve.protocol import Heartbeat, Unloaded
 
 
@@ -71,6 +72,19 @@ class WorkerLink:
         """Its models that did not load while others did (it serves those and tries these
         again: gpu_workers.loading.Retries), as its last heartbeat said while it lives."""
         return self.beat.unloaded if self.alive and self.beat is not None else ()
+
+    def release_held(self, only_gone: bool = False, of: int | None = None) -> None:
+        """Release the slots held for worker processes that are gone (`only_gone`), for
+        process `of` (it said it reads none any more: Closing), or all. Each pid is looked up
+        once: up to frontends.max_inflight entries share one, and a lookup each held the event
+        loop ~46 ms a heartbeat round (1,024; a review)."""
+        pids = {pid for pid, _ in self.held.values()}
+        gone = ({of} & pids if of is not None
+                else {pid for pid in pids if not processes.alive(pid)} if only_gone else pids)
+        for seq, (pid, entry) in list(self.held.items()):
+            if pid in gone:
+                del self.held[seq]
+                entry.on_settled()
 
 
 def did_not_load(links: list[WorkerLink], model: str) -> tuple[str, float]:

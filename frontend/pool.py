@@ -296,7 +296,7 @@ class WorkerPool:
                                       "pending": len(link.pending), "answered": msg.answered}})
         self._fail_pending(link, f"worker {link.index} {'stopped' if msg.answered else 'failed'}",
                            hold=False, error=WorkerClosed if msg.answered else WorkerGone)
-        self._release_held(link, of=msg.pid)  # failed over earlier, while it was silent
+        link.release_held(of=msg.pid)  # failed over earlier, while it was silent
 
     def _settle(self, link: WorkerLink, msg: Result | Error | ReloadDone) -> None:
         pending = link.pending.pop(msg.seq, None)
@@ -327,7 +327,7 @@ class WorkerPool:
             return  # sent before its process died, read after the drop
         self.watchdog.heard(link.index, beat)
         if link.held and (link.beat is None or link.beat.pid != beat.pid):
-            self._release_held(link)  # a new process: the one that held them is gone
+            link.release_held()  # a new process: the one that held them is gone
         if link.beat is not None and link.beat.pid != beat.pid:
             self.restarts_seen += 1
             metrics.WORKER_RESTARTS.labels(str(self.frontend), str(link.index)).inc()
@@ -382,7 +382,7 @@ class WorkerPool:
                 self._declare_dead(link, f"silent for {silent:.1f}s")
             self.watchdog.check(link, now)  # silent much longer: SIGKILL (hung_kill_s)
             if link.held:
-                self._release_held(link, only_gone=True)
+                link.release_held(only_gone=True)
 
     def _ping(self, link: WorkerLink) -> None:
         send_now(link.socket, wire.encode(Ping(time.time(), self.frontend, os.getpid())))
@@ -424,8 +424,8 @@ class WorkerPool:
         A slot is released now only where no worker process can touch it: its Submit was never
         sent, or the worker's process is gone; otherwise the worker may just have been silent
         (stopped, swapped out) and may still read its token ids and write its rows, so the slot
-        is held until it answers or its process ends (`_release_held`), not given to another
-        request."""
+        is held until it answers or its process ends (`WorkerLink.release_held`), not given
+        to another request."""
         pid = link.beat.pid if link.beat is not None else None
         may_live = hold and pid is not None and pid != link.dropped_pid and \
             processes.alive(pid)  # before the swap: a raise here left the requests unfailed
@@ -441,17 +441,3 @@ class WorkerPool:
                 entry.on_settled()
             if not entry.future.done():
                 entry.future.set_exception(error(reason))
-
-    def _release_held(self, link: WorkerLink, only_gone: bool = False,
-                      of: int | None = None) -> None:
-        """Release the slots held for worker processes that are gone (`only_gone`), for
-        process `of` (it said it reads none any more: Closing), or all. Each pid is looked up
-        once: up to frontends.max_inflight entries share one, and a lookup each held the event
-        loop ~46 ms a heartbeat round (1,024; a review)."""
-        pids = {pid for pid, _ in link.held.values()}
-        gone = ({of} & pids if of is not None
-                else {pid for pid in pids if not processes.alive(pid)} if only_gone else pids)
-        for seq, (pid, entry) in list(link.held.items()):
-            if pid in gone:
-                del link.held[seq]
-                entry.on_settled()

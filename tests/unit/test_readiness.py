@@ -223,7 +223,7 @@ def test_held_slots_are_judged_once_a_worker_process_each_round(pool, monkeypatc
     alive = pool_module.processes.alive
     monkeypatch.setattr(pool_module.processes, "alive", lambda pid: asked.append(pid) or
                         alive(pid))
-    pool._release_held(link, only_gone=True)
+    link.release_held(only_gone=True)
     assert sorted(asked) == sorted([dead, live])
     assert len(released) == 1024 and 2000 not in released and list(link.held) == [2000]
 
