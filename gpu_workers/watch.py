@@ -48,14 +48,15 @@ class FrontendWatch:
                                cfg.frontends.hung_kill_s, cfg.workers.heartbeat_timeout_s, now)
         self._heard: dict[int, tuple[int, float]] = {}  # frontend -> (pid, monotonic last ping)
         self._checked = now
-        # Frontends found at start and not heard since: frontend -> (pid, its CPU seconds when
-        # last judged). One whose CPU time moves while it stays silent to this worker runs
-        # (pinging the workers it reaches) but cannot reach this one: out of descriptors, it
-        # has none for the connection (an outside check: a worker restarted under load
-        # SIGKILLed a frontend at its open-files limit 30 s later). A frozen or deadlocked
-        # one uses no CPU. (One whose loop spins, CPU moving, is left to the workers that
-        # heard it before and hear it no more: with a single worker, restarted, it is spared.)
-        self._unheard: dict[int, tuple[int, float | None]] = {}
+        # Frontends found at start and not heard since: frontend -> its CPU seconds when last
+        # judged (its pid is the one in _heard until a ping takes it off this map). One whose
+        # CPU time moves while it stays silent to this worker runs (pinging the workers it
+        # reaches) but cannot reach this one: out of descriptors, it has none for the
+        # connection (an outside check: a worker restarted under load SIGKILLed a frontend at
+        # its open-files limit 30 s later). A frozen or deadlocked one uses no CPU. (One whose
+        # loop spins, CPU moving, is left to the workers that heard it before and hear it no
+        # more: with a single worker, restarted, it is spared.)
+        self._unheard: dict[int, float | None] = {}
         for frontend in range(cfg.frontends.count):
             metrics.watching(frontend)
         if self.hung.kill_after:
@@ -67,7 +68,7 @@ class FrontendWatch:
                         and started < written - CLOCK_SLACK_S:
                     continue  # on an older config: judged from its first ping
                 self._heard[frontend] = (pid, now)  # silent from now, until its first ping
-                self._unheard[frontend] = (pid, cpu_seconds(pid))
+                self._unheard[frontend] = cpu_seconds(pid)
                 self.hung.heard(frontend, pid)
 
     def pinged(self, ping: Ping) -> None:
@@ -88,15 +89,14 @@ class FrontendWatch:
         for frontend, (pid, last) in list(self._heard.items()):
             if frontend in self._unheard and \
                     now - max(last, self.hung.awake_since) > self.hung.kill_after > 0:
-                seen_pid, seen_cpu = self._unheard[frontend]
-                cpu = cpu_seconds(pid)
-                if seen_pid == pid and cpu is not None and seen_cpu is not None \
-                        and cpu > seen_cpu:  # it runs, but has not reached this worker
+                seen_cpu, cpu = self._unheard[frontend], cpu_seconds(pid)
+                if cpu is not None and seen_cpu is not None and cpu > seen_cpu:
+                    # it runs, but has not reached this worker
                     log.warning("worker.frontend_unreached", extra={"fields": {
                         "frontend": frontend, "frontend_pid": pid,
                         "silent_s": round(now - last, 1), "cpu_s": round(cpu - seen_cpu, 2)}})
                     self._heard[frontend] = (pid, now)  # judged again a hung_kill_s on
-                    self._unheard[frontend] = (pid, cpu)
+                    self._unheard[frontend] = cpu
                     continue
             verdict = self.hung.check(frontend, pid, last, now)
             if verdict is None:
