@@ -110,14 +110,15 @@ def remove_reload_locks(cfg: Config) -> None:
 
 
 @contextmanager
-def held(lock: Path, what: str, holder: str = "") -> Iterator[None]:
+def held(lock: Path, what: str, holder: str = "", wait: bool = False) -> Iterator[None]:
     """An exclusive lock on the file `lock` for the block, or Busy(what) at once when another
-    process (or another open of it) holds it (reloads of a unit, `shmserve apply`). With
-    `holder`, written into the file while held, Busy carries the holder's instead."""
+    process (or another open of it) holds it (reloads of a unit, `shmserve apply`); `wait`:
+    until it is free. With `holder`, written into the file while held, Busy carries the
+    holder's instead."""
     fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
         except BlockingIOError:
             raise Busy(_holder(lock) or what if holder else what) from None
         if holder:
@@ -177,30 +178,17 @@ def starting_or_stopping(cfg: Config, command: str, wait: bool) -> Iterator[None
         except FileExistsError:
             pass
     lock = cfg.run_dir / "updown.lock"
-    if not wait:
-        try:
-            with held(lock, "another command",
-                      holder=f"`shmserve {command}` (pid {os.getpid()})"):
-                yield
-        finally:
-            if created and [p.name for p in cfg.run_dir.iterdir()] == ["updown.lock"]:
-                lock.unlink(missing_ok=True)  # a refused first `up` leaves no run directory
-                try:
-                    cfg.run_dir.rmdir()
-                except OSError:
-                    pass
-        return
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"`shmserve {command}` (pid {os.getpid()})".encode(), 0)
-        try:
+        with held(lock, "another command", holder=f"`shmserve {command}` (pid {os.getpid()})",
+                  wait=wait):
             yield
-        finally:
-            os.ftruncate(fd, 0)  # no stale name for a later holder's contenders to read
     finally:
-        os.close(fd)  # closing releases the lock
+        if created and [p.name for p in cfg.run_dir.iterdir()] == ["updown.lock"]:
+            lock.unlink(missing_ok=True)  # a refused first `up` leaves no run directory
+            try:
+                cfg.run_dir.rmdir()
+            except OSError:
+                pass
 
 
 @contextmanager
