@@ -15,11 +15,13 @@ from shmserve.metrics import Children, Turn
 from shmserve import processes
 from shmserve.config import Config
 
-# Stages of one request, in order; each is a disjoint interval of the total, so they never add
-# up to more than it: tokenize (frontend), queue (worker: arrival to its first batch), inference
-# (worker: the forwards its texts ran in), transfer (frontend: reply arrival to the response
-# rendered), total (the frontend's whole handling, as X-Total-Time).
-STAGES = ("tokenize", "queue", "inference", "transfer", "total")
+# Stages of one request; each is a disjoint part of the total, so they never add up to more than
+# it: tokenize (frontend), handoff (tokens ready to the reply back in the handler, less the
+# worker's queue and inference: the trips over ZeroMQ both ways and the waits for either
+# process's loop), queue (worker: arrival to its first batch, and between its batches),
+# inference (worker: the forwards its texts ran in), transfer (frontend: reply arrival to the
+# response rendered), total (the frontend's whole handling, as X-Total-Time).
+STAGES = ("tokenize", "handoff", "queue", "inference", "transfer", "total")
 
 REQUESTS = Counter("shmserve_requests_total", "HTTP requests answered by the frontends",
                    ["route", "model", "status", "revision"])  # revision: of the weights that

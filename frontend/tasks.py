@@ -231,6 +231,13 @@ async def run(request: web.Request, served: ServedModel,
     request[STAGES] = {"tokenize": request[TOKENIZE_MS] / 1000,
                        "queue": outcome.result.queue_ms / 1000,
                        "inference": outcome.result.inference_ms / 1000}
+    if outcome.attempts == 1:  # tokens ready to the reply back in the handler, less the worker's
+        # time (a request sent again spent some on the lost worker: in no stage)
+        tokenized_at = request[TOKENIZE_AT] + request[TOKENIZE_MS] / 1000
+        worker_s = (outcome.result.queue_ms + outcome.result.inference_ms) / 1000
+        handoff = request[STAGES]["handoff"] = max(
+            0.0, outcome.received_at - tokenized_at - worker_s)
+        request[LOG_FIELDS]["handoff_ms"] = round(handoff * 1000, 3)
     request[REPLIED_AT] = outcome.received_at
     request[REVISION] = outcome.revision
     request[VARIANT] = variant.name

@@ -4,11 +4,13 @@ no endpoint is set, and then nothing here is imported.
 
 A request joins its caller's trace when it carries W3C Trace Context (`traceparent`), else it
 starts one; sampling follows the caller's decision, else `tracing.sample_ratio`. The stage spans
-(tokenize, queue, inference, transfer) are laid out from the timings the frontend already keeps
-(the worker reports its queue and forward time with its reply), not measured twice: tokenize
-from its start, inference ending when the reply arrived, queue just before it, transfer from the
-reply to the response. A sampled request's access line carries its `trace_id`, and so does one
-that its caller's `traceparent` flagged not sampled (the caller's id).
+(tokenize, handoff, queue, inference, transfer) are laid out from the timings the frontend
+already keeps (the worker reports its queue and forward time with its reply), not measured
+twice: tokenize from its start, inference ending when the reply arrived, queue just before it,
+handoff from the tokens ready to the queue's start (both trips between the processes: the way
+back shown on the way there), transfer from the reply to the response. A sampled request's
+access line carries its `trace_id`, and so does one that its caller's `traceparent` flagged not
+sampled (the caller's id).
 
 Spans leave through the SDK's batch processor, on its own thread: the request path only records.
 """
@@ -73,9 +75,13 @@ class Tracing:
         if stages and replied_at is not None:
             inner = self._in_context(span)
             inference_at = replied_at - stages["inference"]
+            tokenized_at = None if tokenize_at is None else tokenize_at + stages["tokenize"]
+            # no handoff for a request sent again after its worker was lost
+            handoff_at = tokenized_at if "handoff" in stages else None
             for stage, start, end in (
-                    ("tokenize", tokenize_at, None if tokenize_at is None
-                     else tokenize_at + stages["tokenize"]),
+                    ("tokenize", tokenize_at, tokenized_at),
+                    ("handoff", handoff_at,
+                     None if handoff_at is None else handoff_at + stages["handoff"]),
                     ("queue", inference_at - stages["queue"], inference_at),
                     ("inference", inference_at, replied_at),
                     ("transfer", replied_at, ended)):

@@ -162,7 +162,7 @@ def pipeline_means(metrics: str) -> dict:
         return round(total / count * scale, 2) if total is not None and count else None
 
     means = {f"{stage}_ms": mean("shmserve_stage_duration_seconds", 1000, stage=stage)
-             for stage in ("tokenize", "queue", "inference", "transfer", "total")}
+             for stage in ("tokenize", "handoff", "queue", "inference", "transfer", "total")}
     means["texts_per_pass"] = mean("shmserve_batch_texts", 1)
     means["forward_ms_per_pass"] = mean("shmserve_batch_forward_seconds", 1000)
     return {key: value for key, value in means.items() if value is not None}

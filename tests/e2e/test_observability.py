@@ -20,7 +20,7 @@ from shmserve.config import REPO_ROOT
 from tests.conftest import tiny_overrides
 from tests.stack import Stack
 
-STAGES = ("tokenize", "queue", "inference", "transfer", "total")
+STAGES = ("tokenize", "handoff", "queue", "inference", "transfer", "total")
 SECRET = "never-log-this-sentence-7f3a"
 # Above the tests' 64: a cut answer (test_nginx_says_whether...) must be larger than nginx's
 # socket send buffer can hold, or nginx may have written it all before the client's reset.
@@ -169,8 +169,10 @@ def test_request_id_is_in_nginx_frontend_and_worker_logs_and_inputs_are_not(stac
     assert access["level"] == "info" and access["route"] == "/predict"
     assert access["model"] == "tiny" and access["status"] == 200
     assert access["texts"] == 2 and access["tokens"] > 2 and access["batch_size"] >= 1
-    for key in ("tokenize_ms", "queue_ms", "inference_ms", "transfer_ms", "total_ms"):
+    parts = ("tokenize_ms", "handoff_ms", "queue_ms", "inference_ms", "transfer_ms")
+    for key in parts:
         assert 0 <= access[key] <= access["total_ms"], key
+    assert sum(access[key] for key in parts) <= access["total_ms"] + 0.005  # disjoint
     assert "error" not in access
     batch = batches[0]
     assert batch["level"] == "info" and batch["process"] == "worker-0"

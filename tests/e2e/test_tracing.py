@@ -97,13 +97,16 @@ def test_a_request_joins_its_callers_trace_with_a_span_per_stage(stack, collecto
     assert resource["service.instance.id"].startswith("frontend-")
     children = collector.wait_for(lambda r, s: s.parent_span_id == root.span_id)
     by_name = {s.name: s for s in children}
-    assert set(by_name) == {"tokenize", "queue", "inference", "transfer"}
+    assert set(by_name) == {"tokenize", "handoff", "queue", "inference", "transfer"}
     for child in children:
         assert child.trace_id == root.trace_id
         assert root.start_time_unix_nano <= child.start_time_unix_nano
         assert child.start_time_unix_nano <= child.end_time_unix_nano
         assert child.end_time_unix_nano <= root.end_time_unix_nano + 1_000_000  # 1 ms rounding
-    # Laid out in order: the worker's queue and forward, then the reply's way back.
+    # Laid out in order: tokens, both trips between the processes (handoff, shown before the
+    # worker's part), the worker's queue and forward, then the reply's way back.
+    assert by_name["tokenize"].end_time_unix_nano <= by_name["handoff"].start_time_unix_nano + 1
+    assert by_name["handoff"].end_time_unix_nano <= by_name["queue"].start_time_unix_nano + 1_000
     assert by_name["queue"].end_time_unix_nano <= by_name["inference"].start_time_unix_nano + 1
     assert by_name["inference"].end_time_unix_nano <= by_name["transfer"].start_time_unix_nano + 1
     inference_ms = float(headers["X-Inference-Time"])

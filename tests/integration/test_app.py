@@ -52,8 +52,10 @@ def test_access_line_has_every_stage_and_the_inputs_when_asked(tmp_path, tiny_mo
                if r.name == "shmserve.access" and r.fields["request_id"] == "inputs-1"]
     assert line["inputs"] == ["keep me", "and me"]
     assert line["texts"] == 2 and line["status"] == 200 and line["route"] == "/predict"
-    for key in ("tokenize_ms", "queue_ms", "inference_ms", "transfer_ms"):
+    parts = ("tokenize_ms", "handoff_ms", "queue_ms", "inference_ms", "transfer_ms")
+    for key in parts:
         assert 0 <= line[key] <= line["total_ms"], key
+    assert sum(line[key] for key in parts) <= line["total_ms"] + 0.005  # disjoint (rounding)
     assert info["model_id"] == "tiny" and info["frontends"] == 1
     assert info["devices"][0]["ready"] is True
 
