@@ -34,6 +34,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import sys
 import time
 import xmlrpc.client
 from pathlib import Path
@@ -173,6 +174,12 @@ def _apply(args: argparse.Namespace, new: Config) -> int:
         raise CliError(f"models: {exc}") from None
     if new.server.port != old.server.port or new.server.host != old.server.host:
         check_address(old, new)
+        # listed above among the keys, but easy to miss (an outside check's apply left out
+        # `up`'s SHMSERVE__SERVER__PORT and moved the deployment to the default port)
+        say(f"shmserve: warning: nginx moves from {old.server.host}:{old.server.port} to "
+            f"{new.server.host}:{new.server.port}: clients of the old address lose it (was "
+            "the address an override of `up`'s, that this command must be given again?)",
+            sys.stderr)
     check_shm(new)
     check_fds(new)  # as `up` warns
     with processes.supervisor(new) as proxy:

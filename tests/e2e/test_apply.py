@@ -14,7 +14,7 @@ from shmserve import render, topology
 from shmserve.config import load_resolved
 from tests.conftest import tiny_overrides
 from tests.e2e.test_operations import Traffic
-from tests.stack import Stack, deep_merge
+from tests.stack import Stack, deep_merge, free_port
 
 
 @pytest.fixture
@@ -125,6 +125,13 @@ def test_apply_restarts_only_what_reads_a_changed_key_and_goes_on_after_a_failur
     assert f"server.host: 127.0.0.1 -> 0.0.0.0 on the same port {stack.port}: this " \
         "deployment's nginx holds the old address" in moved.stderr, moved.stderr
     assert "another process" not in moved.stderr
+    # A new port: warned of, as an `up` override left out would change it
+    edit(stack, server={"port": (port := free_port())})
+    moved = stack.cli("apply", "--dry-run", check=False)
+    edit(stack, server={"port": stack.port})
+    assert moved.returncode == 0, moved.stdout + moved.stderr
+    assert f"warning: nginx moves from 127.0.0.1:{stack.port} to 127.0.0.1:{port}: clients " \
+        "of the old address lose it" in moved.stderr, moved.stderr
 
     edit(stack, nginx={"rate_limit_per_s": 50})  # nginx's alone: a reload, no restart
     dry = stack.cli("apply", "--dry-run")
