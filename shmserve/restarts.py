@@ -270,7 +270,9 @@ def wait_until_ready(cfg: Config, group: str, program: str, pid: int, timeout: f
             raise CliError(f"{program} not ready ({states.get(program)}) after restarting"
                            f"{rest}; logs in {topology.log_dir(cfg)}")
         time.sleep(0.2)
-    without = [f"{u['model']} ({u['error']})" for path in frontends[:1]
+    # A worker's models only: a frontend's index names no worker (frontend-1 was blamed for
+    # worker-1's unloaded models, so an apply removing a model that fails there stopped).
+    without = [f"{u['model']} ({u['error']})" for path in frontends[:1] if group == "workers"
                for u in ((seen_workers(path) or {}).get(index) or {}).get("unloaded") or []]
     if without:  # the next worker would fail them too: its other models alone are served
         raise CliError(f"{program} is ready without {'; '.join(without)}: its load failed; "

@@ -151,3 +151,32 @@ def test_a_model_that_does_not_load_leaves_the_others_served(tmp_path, tiny_mode
         assert [line["retry_in_s"] for line in failed[-3:]] == [1.0, 2.0, 4.0], failed
     finally:
         stack.down()
+
+
+def test_frontends_restart_past_a_workers_unloaded_arm(tmp_path, tiny_model):
+    """A frontend's restart (restart frontends, and apply's) waits for that frontend alone: a
+    worker's unloaded model (a split's arm, the other arm serving) is not the frontend's. It
+    read the unloaded models of the worker of the frontend's index, so `restart frontends`
+    stopped at frontend-0, and an apply removing the broken arm stopped at every rerun (an
+    outside check)."""
+    roots = tmp_path / "models"
+    good, arm = roots / "tiny", roots / "split-b"
+    for each in (good, arm):
+        shutil.copytree(tiny_model, each)
+    widen(arm / "model.safetensors")
+    overrides = tiny_overrides(tiny_model, workers={"cpu_workers": 2})
+    overrides["model_roots"] = [str(roots)]
+    overrides["models"] = [{**overrides["models"][0], "source": str(good)},
+                           {"name": "split", "variants": [
+                               {"name": "a", "source": str(good), "revision": "a1"},
+                               {"name": "b", "source": str(arm), "revision": "b1"}]}]
+    stack = Stack(tmp_path / "s", overrides)
+    stack.up()
+    try:
+        status, _, body = stack.get("/ready")
+        assert status == 200 and json.loads(body)["status"] == "degraded", body
+        done = stack.cli("restart", "frontends", check=False, timeout=200)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert "frontend-1 ready" in done.stdout, done.stdout + done.stderr
+    finally:
+        stack.down()
