@@ -246,8 +246,8 @@ def wait_until_ready(cfg: Config, group: str, program: str, pid: int, timeout: f
     `timeout`."""
     frontends = [str(topology.frontend_socket(cfg, i)) for i in range(cfg.frontends.count)]
     index = int(program.rpartition("-")[2])
-    if group == "frontends":
-        ready = lambda: remote.http_unix(frontends[index], "/ready") == 200  # noqa: E731
+    if group == "frontends":  # also one whose 503 no wait mends (a model loads nowhere)
+        ready = lambda: frontend_ready(frontends[index]) is not None  # noqa: E731
     else:
         ready = lambda: all(worker_ready(path, index, pid) for path in frontends)  # noqa: E731
     say(f"shmserve: {done} {program} (pid {pid}); waiting until it is ready")
@@ -277,7 +277,29 @@ def wait_until_ready(cfg: Config, group: str, program: str, pid: int, timeout: f
     if without:  # the next worker would fail them too: its other models alone are served
         raise CliError(f"{program} is ready without {'; '.join(without)}: its load failed; "
                        f"the worker tries again by itself{rest}")
+    if group == "frontends" and frontend_ready(frontends[index]) == "failing":
+        say(f"shmserve: warning: {program} serves, and its GET /ready says failing: a model "
+            "loads on no worker (`shmserve status` says which and why)", sys.stderr)
     say(f"shmserve: {program} ready")
+
+
+def frontend_ready(socket_path: str) -> str | None:
+    """A frontend's GET /ready status where its restart has nothing more to wait for: "ready"
+    or "degraded" (200), or "failing" (503) where every worker it sees is ready or failed its
+    loads, which no wait mends (an outside check's `restart frontends` waited out
+    workers.ready_timeout_s for a model pinned to a worker that could not load it); else
+    None."""
+    code, body = remote.get_unix(socket_path, "/ready")
+    if code == 200:
+        return "ready"
+    try:
+        answer = json.loads(body) if code == 503 else {}
+        if answer.get("status") == "failing" and all(
+                w["ready"] or w["load_error"] or w["unloaded"] for w in answer["workers"]):
+            return "failing"
+    except (ValueError, KeyError, TypeError, AttributeError):
+        pass
+    return None
 
 
 def loading_workers(cfg: Config, index: int) -> list[int]:

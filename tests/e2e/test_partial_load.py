@@ -180,3 +180,34 @@ def test_frontends_restart_past_a_workers_unloaded_arm(tmp_path, tiny_model):
         assert "frontend-1 ready" in done.stdout, done.stdout + done.stderr
     finally:
         stack.down()
+
+
+def test_frontends_restart_where_a_model_loads_on_no_worker(tmp_path, tiny_model):
+    """GET /ready is 503 "failing" while a model loads nowhere (pinned to a worker that cannot
+    load it): a frontend's restart has nothing to wait for once it sees every worker ready or
+    failed, and says so, where it waited out its whole timeout (an outside check: ~300 s, then
+    "frontend-0 not ready")."""
+    roots = tmp_path / "models"
+    good, bad = roots / "tiny", roots / "broken"
+    for each in (good, bad):
+        shutil.copytree(tiny_model, each)
+    widen(bad / "model.safetensors")
+    overrides = tiny_overrides(tiny_model, workers={"cpu_workers": 2})
+    overrides["model_roots"] = [str(roots)]
+    overrides["models"] = [{**overrides["models"][0], "source": str(good)},
+                           {"name": "broken", "source": str(bad), "devices": [1]}]
+    stack = Stack(tmp_path / "s", overrides)
+    stack.cli("up", "--wait", "--timeout", "120", check=False, timeout=180)
+    try:
+        stack.wait_until(lambda: stack.get("/ready")[0] == 503 and json.loads(
+            stack.get("/ready")[2])["status"] == "failing", 60, "/ready failing")
+        started = time.monotonic()
+        done = stack.cli("restart", "frontends", "--timeout", "40", check=False, timeout=200)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert "frontend-1 ready" in done.stdout, done.stdout + done.stderr
+        assert "frontend-0 serves, and its GET /ready says failing" in done.stderr, done.stderr
+        assert time.monotonic() - started < 35
+        status, _, body = stack.post_json("/v1/embeddings", {"model": "tiny", "input": "x"})
+        assert status == 200, body
+    finally:
+        stack.down()
