@@ -25,7 +25,9 @@ Rules:
     not fair, the batches of the top priority first (grown among those texts alone), then the
     lower ones, so a request of the top priority runs in as few passes as its texts fit.
   * The batch waits for company at most `max_wait_ms` after its oldest text arrived, and not at all
-    once a full batch is queued.
+    once a full batch is queued, nor where none is expected: while requests have been arriving
+    further apart than `max_wait_ms` (`Arrivals`), a lone request waited out the whole of it for
+    nothing (Triton's dynamic batcher and text-embeddings-inference do not wait at all).
 """
 
 from __future__ import annotations
@@ -95,9 +97,31 @@ def anchor_index(queue: Sequence[Text], fair_turn: bool = False) -> int:
     raise AssertionError("unreachable: the queue holds a text of its highest priority")
 
 
-def wait_time(queue: Sequence[Text], now: float, limits: Limits) -> float:
+class Arrivals:
+    """The recent time between requests' arrivals at a worker (any model's): a weighted mean
+    of the gaps, each counted as at most GAP_CAP x max_wait, so that after an idle minute a
+    burst's requests wait for each other again from its eighth or so."""
+
+    WEIGHT = 0.2  # of the newest gap
+    GAP_CAP = 4
+
+    def __init__(self, max_wait_s: float) -> None:
+        self.cap = self.GAP_CAP * max_wait_s
+        self.gap_s = self.cap  # none seen yet: no company expected
+        self._last: float | None = None
+
+    def arrived(self, at: float) -> None:
+        if self._last is not None:
+            gap = min(max(0.0, at - self._last), self.cap)
+            self.gap_s += self.WEIGHT * (gap - self.gap_s)
+        self._last = at
+
+
+def wait_time(queue: Sequence[Text], now: float, limits: Limits, gap_s: float = 0.0) -> float:
     """Seconds to wait before forming a batch; 0 means form it now. The queue is not empty,
-    and in arrival order."""
+    and in arrival order; `gap_s`: the recent time between arrivals (Arrivals.gap_s)."""
+    if gap_s >= limits.max_wait_s:  # no company expected within the wait
+        return 0.0
     if len(queue) >= limits.max_batch_size:
         return 0.0
     if sum(t.length for t in queue) >= limits.max_batch_tokens:

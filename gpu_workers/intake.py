@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpu_workers.batcher import Arrivals
 from gpu_workers.metrics import WorkerMetrics
 from gpu_workers.requests import Request, read_request
 from gpu_workers.slots import Orphaned
@@ -67,6 +68,7 @@ class Intake:
         # Requests, (peer, Reload | Commit), Built, Orphaned
         self.inbox: queue.Queue = queue.Queue()
         self.backlog = Backlog()  # admitted tokens and their speed: admission by deadline
+        self.arrivals = Arrivals(cfg.batching.max_wait_ms / 1000)  # read by the model thread
         self.attachments = Attachments()
         self.watch = FrontendWatch(cfg, index, metrics)
         self.queued_texts = 0  # admitted, not yet answered; guarded by _lock
@@ -223,6 +225,7 @@ class Intake:
                              self.backlog.retry_after_s(int(over)))
             self.queued_texts += n
         request.tokens_left = tokens
+        self.arrivals.arrived(request.arrived)
         self._admitted = tokens  # for news(), which the socket thread calls next
         self.backlog.add(msg.priority, tokens)
         self._requests[(peer, msg.seq)] = request

@@ -206,7 +206,7 @@ class Worker:
             if not self._queue:
                 self.memory.idle(now)
                 continue
-            delay = wait_time(self._queue, now, self.limits)
+            delay = wait_time(self._queue, now, self.limits, self.intake.arrivals.gap_s)
             if delay > 0 and not self.stopping.is_set():
                 self._take_inbox(block=True, timeout=delay)
                 continue

@@ -2,7 +2,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from gpu_workers.batcher import Limits, anchor_index, form_batch, form_pass, wait_time
+from gpu_workers.batcher import (Arrivals, Limits, anchor_index, form_batch, form_pass,
+                                 wait_time)
 
 
 @dataclass(eq=False)
@@ -87,6 +88,21 @@ def test_equal_lengths_fill_up_to_batch_size():
 ])
 def test_wait_time(queue, now, expected):
     assert wait_time(queue, now, LIMITS) == pytest.approx(expected)
+
+
+def test_no_wait_where_requests_arrive_further_apart_than_the_wait():
+    alone = [T(10, arrived=1.0)]
+    arrivals = Arrivals(LIMITS.max_wait_s)
+    assert arrivals.gap_s == 4 * LIMITS.max_wait_s  # none seen: no company expected
+    assert wait_time(alone, 1.0, LIMITS, arrivals.gap_s) == 0.0
+    for i in range(8):  # a burst: 1 ms apart, under the 5 ms wait
+        arrivals.arrived(10.0 + i / 1000)
+    assert arrivals.gap_s < LIMITS.max_wait_s
+    assert wait_time(alone, 1.0, LIMITS, arrivals.gap_s) == pytest.approx(0.005)
+    for i in range(8):  # a serial client: 12 ms apart, a gap of hours counted as 20 ms
+        arrivals.arrived(3600.0 + i * 0.012)
+    assert LIMITS.max_wait_s <= arrivals.gap_s <= 4 * LIMITS.max_wait_s
+    assert wait_time(alone, 1.0, LIMITS, arrivals.gap_s) == 0.0
 
 
 def test_a_fair_turn_starts_from_the_oldest_text_of_any_priority():
