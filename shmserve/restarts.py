@@ -285,7 +285,7 @@ def wait_until_ready(cfg: Config, group: str, program: str, pid: int, timeout: f
 
 def frontend_ready(socket_path: str) -> str | None:
     """A frontend's GET /ready status where its restart has nothing more to wait for: "ready"
-    or "degraded" (200), or "failing" (503) where every worker it sees is ready or failed its
+    (a 200: ready or degraded), or "failing" (503) where every worker it sees is ready or failed its
     loads, which no wait mends (an outside check's `restart frontends` waited out
     workers.ready_timeout_s for a model pinned to a worker that could not load it); else
     None."""

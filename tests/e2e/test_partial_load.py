@@ -153,24 +153,30 @@ def test_a_model_that_does_not_load_leaves_the_others_served(tmp_path, tiny_mode
         stack.down()
 
 
+def with_broken(tmp_path, tiny_model, second) -> Stack:
+    """A stack of two workers serving the tiny model and `second(good, broken)`, a model entry
+    given the tiny model's folder and a copy of it whose weights do not fit its config."""
+    roots = tmp_path / "models"
+    good, broken = roots / "tiny", roots / "broken"
+    for each in (good, broken):
+        shutil.copytree(tiny_model, each)
+    widen(broken / "model.safetensors")
+    overrides = tiny_overrides(tiny_model, workers={"cpu_workers": 2})
+    overrides["model_roots"] = [str(roots)]
+    overrides["models"] = [{**overrides["models"][0], "source": str(good)},
+                           second(str(good), str(broken))]
+    return Stack(tmp_path / "s", overrides)
+
+
 def test_frontends_restart_past_a_workers_unloaded_arm(tmp_path, tiny_model):
     """A frontend's restart (restart frontends, and apply's) waits for that frontend alone: a
     worker's unloaded model (a split's arm, the other arm serving) is not the frontend's. It
     read the unloaded models of the worker of the frontend's index, so `restart frontends`
     stopped at frontend-0, and an apply removing the broken arm stopped at every rerun (an
     outside check)."""
-    roots = tmp_path / "models"
-    good, arm = roots / "tiny", roots / "split-b"
-    for each in (good, arm):
-        shutil.copytree(tiny_model, each)
-    widen(arm / "model.safetensors")
-    overrides = tiny_overrides(tiny_model, workers={"cpu_workers": 2})
-    overrides["model_roots"] = [str(roots)]
-    overrides["models"] = [{**overrides["models"][0], "source": str(good)},
-                           {"name": "split", "variants": [
-                               {"name": "a", "source": str(good), "revision": "a1"},
-                               {"name": "b", "source": str(arm), "revision": "b1"}]}]
-    stack = Stack(tmp_path / "s", overrides)
+    stack = with_broken(tmp_path, tiny_model, lambda good, broken: {"name": "split", "variants": [
+        {"name": "a", "source": good, "revision": "a1"},
+        {"name": "b", "source": broken, "revision": "b1"}]})
     stack.up()
     try:
         status, _, body = stack.get("/ready")
@@ -187,16 +193,8 @@ def test_frontends_restart_where_a_model_loads_on_no_worker(tmp_path, tiny_model
     load it): a frontend's restart has nothing to wait for once it sees every worker ready or
     failed, and says so, where it waited out its whole timeout (an outside check: ~300 s, then
     "frontend-0 not ready")."""
-    roots = tmp_path / "models"
-    good, bad = roots / "tiny", roots / "broken"
-    for each in (good, bad):
-        shutil.copytree(tiny_model, each)
-    widen(bad / "model.safetensors")
-    overrides = tiny_overrides(tiny_model, workers={"cpu_workers": 2})
-    overrides["model_roots"] = [str(roots)]
-    overrides["models"] = [{**overrides["models"][0], "source": str(good)},
-                           {"name": "broken", "source": str(bad), "devices": [1]}]
-    stack = Stack(tmp_path / "s", overrides)
+    stack = with_broken(tmp_path, tiny_model, lambda good, broken: {
+        "name": "broken", "source": broken, "devices": [1]})
     stack.cli("up", "--wait", "--timeout", "120", check=False, timeout=180)
     try:
         stack.wait_until(lambda: stack.get("/ready")[0] == 503 and json.loads(
