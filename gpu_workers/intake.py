@@ -225,7 +225,7 @@ class Intake:
                              self.backlog.retry_after_s(int(over)))
             self.queued_texts += n
         request.tokens_left = tokens
-        self.arrivals.arrived(request.arrived)
+        self.arrivals.arrived(request.arrived, alone=queued == 0)
         self._admitted = tokens  # for news(), which the socket thread calls next
         self.backlog.add(msg.priority, tokens)
         self._requests[(peer, msg.seq)] = request

@@ -105,6 +105,19 @@ def test_no_wait_where_requests_arrive_further_apart_than_the_wait():
     assert wait_time(alone, 1.0, LIMITS, arrivals.gap_s) == 0.0
 
 
+def test_no_wait_for_a_serial_client_faster_than_the_wait():
+    """Each request arrives after the last was answered (nothing else queued): 1 ms apart,
+    under the 5 ms wait, yet no company can come, since the client waits for its answer."""
+    alone = [T(10, arrived=1.0)]
+    arrivals = Arrivals(LIMITS.max_wait_s)
+    for i in range(50):
+        arrivals.arrived(10.0 + i / 1000, alone=True)
+    assert wait_time(alone, 1.0, LIMITS, arrivals.gap_s) == 0.0
+    for i in range(8):  # concurrent clients: each finds others' work queued
+        arrivals.arrived(20.0 + i / 1000, alone=i == 0)
+    assert wait_time(alone, 1.0, LIMITS, arrivals.gap_s) == pytest.approx(0.005)
+
+
 def test_a_fair_turn_starts_from_the_oldest_text_of_any_priority():
     low = T(10, arrived=0.0, priority=0)
     highs = [T(10, arrived=0.1 + i / 100, priority=5) for i in range(20)]
