@@ -4,6 +4,7 @@ that is taken, commands that find the deployment as it was started."""
 import collections
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -317,12 +318,17 @@ def test_a_run_directory_with_a_space_and_a_letter_beyond_ascii_serves(tiny_mode
 def test_a_down_right_after_an_up_stops_every_program_by_its_signal(tmp_path, tiny_model):
     """A stop signal supervisord sent a program not yet exec'd was lost: nginx, spawned 2 ms
     before a `down`, was SIGKILLed after its stop wait (17 s; an outside check). `down` now
-    lets the spawns settle first."""
+    lets the spawns settle first. Delivered, the signal stops nginx gracefully, or, where its
+    launcher has not exec'd nginx yet (a loaded machine), by the signal's default action."""
     stack = Stack(tmp_path / "t", tiny_overrides(tiny_model, frontends={"count": 1}))
     try:
         stack.cli("up")  # no --wait: the programs are spawning as it returns
     finally:
+        started = time.monotonic()
         stack.down()
+        took = time.monotonic() - started
     log = (stack.run_dir / "logs" / "supervisord.log").read_text()
-    assert "spawned: 'nginx'" in log and "stopped: nginx (exit status 0)" in log, log
+    assert "spawned: 'nginx'" in log, log
+    assert re.search(r"stopped: nginx \((exit status 0|terminated by SIGQUIT)\)", log), log
     assert "SIGKILL" not in log, log
+    assert took < 12, f"down took {took:.1f} s (nginx's stop wait is 15 s)\n{log}"
