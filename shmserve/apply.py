@@ -38,7 +38,7 @@ import sys
 import time
 import xmlrpc.client
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Mapping
 
 from shmserve import config, layers, models, processes, render, state, topology, versions
 from shmserve.apply_plan import (FIXED, Plan, by_counts, forget_overridden, index_of, nginx_differs,
@@ -123,6 +123,17 @@ def files_dropped(running: Config, reading: list[Path]) -> list[str]:
     return [path for path in topology.config_files(running) or {} if path not in now]
 
 
+def variables_dropped(running: Config, environ: Mapping[str, str]) -> list[str]:
+    """The SHMSERVE__ variables the running config was read with that `environ` lacks (an
+    outside check's apply left out `up`'s SHMSERVE__SERVER__PORT: the port went back to the
+    file's, said among the differences only); none where `up` kept no record (an older one)."""
+    try:
+        given = json.loads(topology.config_variables_path(running).read_text())
+    except (OSError, ValueError):
+        return []
+    return [name for name in given if isinstance(name, str) and name not in environ]
+
+
 def _how_given(dropped: list[str]) -> str:
     """How each dropped file is given: an env's (configs/<env>.yaml) with --env, any other with
     --config (the hint named --config for `up --env prod`'s file: an outside check)."""
@@ -164,6 +175,10 @@ def _apply(args: argparse.Namespace, new: Config) -> int:
         say(f"shmserve: warning: the running config was read from {', '.join(dropped)}, "
             f"which this apply does not read ({_how_given(dropped)}, as `up` was given it): "
             "the keys only it set go back to the other layers' values")
+    if gone := variables_dropped(running, os.environ):
+        say(f"shmserve: warning: the running config was given {', '.join(gone)}, which this "
+            "apply's environment does not set (give them again, as `up` was given them): the "
+            "keys they set go back to the files' values")
     finishing = " (finishing the earlier apply)" if resumed else ""
     say(f"shmserve: {'would apply' if args.dry_run else 'applying'}{finishing}:\n"
         + "\n".join(f"  {line}" for line in changed(old, new, attempted) or
@@ -222,6 +237,8 @@ def _apply(args: argparse.Namespace, new: Config) -> int:
     # The files this config came from, as `up` keeps them: `restart` compares with them.
     topology.config_files_path(new).write_text(json.dumps(layers.digests(
         layers.file_layers(args.env, args.config, os.environ)), indent=1) + "\n")
+    topology.config_variables_path(new).write_text(
+        json.dumps(layers.override_names(os.environ)) + "\n")
     marker.unlink()
     say("shmserve: applied")
     return 0

@@ -228,6 +228,8 @@ def _start(args: argparse.Namespace, cfg: Config) -> tuple[int | None, dict[str,
     render.render(cfg)  # only now: a refused `up` leaves the run directory as it was
     topology.config_files_path(cfg).write_text(json.dumps(layers.digests(
         layers.file_layers(args.env, args.config, os.environ)), indent=1) + "\n")
+    topology.config_variables_path(cfg).write_text(
+        json.dumps(layers.override_names(os.environ)) + "\n")
     clean_stale(cfg, metrics=True)
     state.remove(cfg)  # reloads and splits of an earlier run: at start the config is the truth
     state.remove_marks(cfg)  # an earlier run's start and failed loads

@@ -229,6 +229,11 @@ KNOWN_VARIABLES = frozenset({
     "SHMSERVE_BENCH_API"})
 
 
+def override_names(environ: Mapping[str, str]) -> list[str]:
+    """The SHMSERVE__ variables in `environ` (each overrides a key), sorted."""
+    return sorted(name for name in environ if name.startswith(ENV_PREFIX))
+
+
 def warn_misspelled(environ: Mapping[str, str]) -> None:
     """Say once (on stderr) which variables look like shmserve's but are not read: a key path
     with `__` after a single-underscore prefix (SHMSERVE_FRONTENDS__COUNT), a prefix in lower

@@ -135,6 +135,11 @@ def config_files_path(cfg: Config) -> Path:
     return cfg.run_dir / "config_files.json"
 
 
+def config_variables_path(cfg: Config) -> Path:
+    """The SHMSERVE__ variables `up` (or the last apply) read: their names, not their values."""
+    return cfg.run_dir / "config_variables.json"
+
+
 def config_files(cfg: Config) -> dict[str, str] | None:
     """What config_files_path holds: each file's absolute path and digest; None where `up`
     kept none (an older version's) or the file does not read."""

@@ -217,12 +217,18 @@ def test_from_one_frontend_and_one_worker_to_two_of_each_without_a_failed_reques
     stack = Stack(tmp_path / "one", tiny_overrides(
         tiny_model, frontends={"count": 1}, workers={"devices": "cpu", "cpu_workers": 1,
                                                      "torch_threads": 1}))
+    stack.env["SHMSERVE__LIMITS__MAX_TEXTS_PER_REQUEST"] = "64"  # the file's value, again
     stack.up()
     try:
         with Traffic(stack) as traffic:
             traffic.wait_for(20)
             edit(stack, frontends={"count": 2}, workers={"cpu_workers": 2},
                  batching={"max_wait_ms": 3})
+            # An apply without a variable `up` was given says so (here it changes nothing)
+            del stack.env["SHMSERVE__LIMITS__MAX_TEXTS_PER_REQUEST"]
+            dry = stack.cli("apply", "--dry-run")
+            assert "the running config was given SHMSERVE__LIMITS__MAX_TEXTS_PER_REQUEST, " \
+                "which this apply's environment does not set" in dry.stdout, dry.stdout
             done = stack.cli("apply", timeout=400)
             assert "shmserve: applied" in done.stdout, done.stdout + done.stderr
             traffic.wait_for(20)

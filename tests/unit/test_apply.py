@@ -343,6 +343,23 @@ def test_an_apply_without_ups_config_file_is_told_so(base, tmp_path):
     assert "--config" in apply._how_given([str((CONFIG_DIR / "gpu.yaml").resolve())])
 
 
+def test_an_apply_without_ups_variables_is_told_so(base):
+    """As with a file: the SHMSERVE__ variables `up` read that this apply's environment
+    lacks (names only: their values may be secrets)."""
+    import json
+
+    from shmserve import topology
+
+    base.run_dir.mkdir(parents=True)
+    assert apply.variables_dropped(base, {}) == []  # an older `up` kept no record
+    topology.config_variables_path(base).write_text(json.dumps(
+        ["SHMSERVE__ADMIN__TOKEN", "SHMSERVE__SERVER__PORT"]))
+    assert apply.variables_dropped(base, {"SHMSERVE__ADMIN__TOKEN": "x"}) == [
+        "SHMSERVE__SERVER__PORT"]
+    assert apply.variables_dropped(base, {"SHMSERVE__ADMIN__TOKEN": "x",
+                                          "SHMSERVE__SERVER__PORT": "1"}) == []
+
+
 def test_an_apply_down_to_one_frontend_or_worker_warns_of_the_next_restarts_gap(base, capsys):
     """Down to one frontend or worker, the apply itself is served throughout, but the next
     restart of that program is not: said, as `restart` says it (an outside check found apply
