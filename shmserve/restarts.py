@@ -12,8 +12,9 @@ import time
 from pathlib import Path
 from typing import Mapping
 
-from shmserve import (config, layers, models, processes, remote, render, state, topology,
+from shmserve import (config, layers, models, processes, render, state, topology,
                       versions)
+from shmserve.probes import frontend_ready, ready_in, seen_workers, worker_ready
 from shmserve.cli import CliError, ctl_argv
 from shmserve.startwait import print_log_tails, process_info, restart_loop
 from shmserve.config import Config, ConfigError
@@ -246,10 +247,13 @@ def wait_until_ready(cfg: Config, group: str, program: str, pid: int, timeout: f
     `timeout`."""
     frontends = [str(topology.frontend_socket(cfg, i)) for i in range(cfg.frontends.count)]
     index = int(program.rpartition("-")[2])
-    if group == "frontends":  # also one whose 503 no wait mends (a model loads nowhere)
-        ready = lambda: frontend_ready(frontends[index]) is not None  # noqa: E731
-    else:
-        ready = lambda: all(worker_ready(path, index, pid) for path in frontends)  # noqa: E731
+    status: list[str | None] = [None]  # a frontend's, as last read
+
+    def ready() -> bool:
+        if group == "frontends":  # also one whose 503 no wait mends (a model loads nowhere)
+            status[0] = frontend_ready(frontends[index])
+            return status[0] is not None
+        return all(worker_ready(path, index, pid) for path in frontends)
     say(f"shmserve: {done} {program} (pid {pid}); waiting until it is ready")
     deadline = time.monotonic() + timeout
     watch = processes.StartWatch()
@@ -277,29 +281,10 @@ def wait_until_ready(cfg: Config, group: str, program: str, pid: int, timeout: f
     if without:  # the next worker would fail them too: its other models alone are served
         raise CliError(f"{program} is ready without {'; '.join(without)}: its load failed; "
                        f"the worker tries again by itself{rest}")
-    if group == "frontends" and frontend_ready(frontends[index]) == "failing":
+    if status[0] == "failing":
         say(f"shmserve: warning: {program} serves, and its GET /ready says failing: a model "
             "loads on no worker (`shmserve status` says which and why)", sys.stderr)
     say(f"shmserve: {program} ready")
-
-
-def frontend_ready(socket_path: str) -> str | None:
-    """A frontend's GET /ready status where its restart has nothing more to wait for: "ready"
-    (a 200: ready or degraded), or "failing" (503) where every worker it sees is ready or failed its
-    loads, which no wait mends (an outside check's `restart frontends` waited out
-    workers.ready_timeout_s for a model pinned to a worker that could not load it); else
-    None."""
-    code, body = remote.get_unix(socket_path, "/ready")
-    if code == 200:
-        return "ready"
-    try:
-        answer = json.loads(body) if code == 503 else {}
-        if answer.get("status") == "failing" and all(
-                w["ready"] or w["load_error"] or w["unloaded"] for w in answer["workers"]):
-            return "failing"
-    except (ValueError, KeyError, TypeError, AttributeError):
-        pass
-    return None
 
 
 def loading_workers(cfg: Config, index: int) -> list[int]:
@@ -334,30 +319,6 @@ def wait_for_others(cfg: Config, index: int, timeout: float) -> None:
                 f"worker-{index} anyway", sys.stderr)
             return
         time.sleep(0.2)
-
-
-def seen_workers(frontend_socket: str) -> dict[int, dict] | None:
-    """The workers as the frontend on `frontend_socket` sees them (its GET /ready's entries,
-    by index), or None when it does not answer."""
-    code, body = remote.get_unix(frontend_socket, "/ready")
-    if code is None:
-        return None
-    try:
-        return {w["worker"]: w for w in json.loads(body)["workers"] if isinstance(w, dict)}
-    except (ValueError, KeyError, TypeError):
-        return None
-
-
-def ready_in(seen: dict[int, dict], index: int, pid: int) -> bool:
-    """Whether worker `index` is ready, as process `pid`, in a frontend's `seen_workers`."""
-    worker = seen.get(index, {})
-    return bool(worker.get("ready")) and worker.get("pid") == pid
-
-
-def worker_ready(frontend_socket: str, index: int, pid: int) -> bool:
-    """Whether the frontend on `frontend_socket` sees worker `index`, as process `pid`, ready."""
-    seen = seen_workers(frontend_socket)
-    return seen is not None and ready_in(seen, index, pid)
 
 
 def check_nginx_conf(cfg: Config) -> None:

@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from shmserve import config, layers, render, restarts, topology
+from shmserve import config, layers, remote, render, restarts, topology
 from tests.unit.test_render import free_port
 
 
@@ -174,7 +174,7 @@ def test_a_worker_restart_waits_for_another_worker_still_loading(monkeypatch, ca
         return 200, json.dumps({"workers": [
             {"worker": 0, "alive": True, "ready": True, "pid": 10},
             {"worker": 1, "alive": True, "ready": ready, "pid": 11}]}).encode()
-    monkeypatch.setattr(restarts.remote, "get_unix", get_unix)
+    monkeypatch.setattr(remote, "get_unix", get_unix)
     monkeypatch.setattr(restarts.time, "sleep", lambda s: None)
     states = {"worker-1": "RUNNING"}
     monkeypatch.setattr(restarts, "process_info", lambda cfg: [
@@ -187,7 +187,7 @@ def test_a_worker_restart_waits_for_another_worker_still_loading(monkeypatch, ca
     with pytest.raises(StopIteration):
         next(answers)  # looked until it was ready
     # Still importing (its first heartbeat not yet heard: the frontends name the old pid)
-    monkeypatch.setattr(restarts.remote, "get_unix", lambda *a, **k: (200, json.dumps(
+    monkeypatch.setattr(remote, "get_unix", lambda *a, **k: (200, json.dumps(
         {"workers": [{"worker": 0, "alive": True, "ready": False, "pid": 10},
                      {"worker": 1, "alive": False, "ready": True, "pid": 9}]}).encode()))
     assert restarts.loading_workers(cfg, 0) == [1]

@@ -1,0 +1,59 @@
+"""What a frontend's GET /ready says, read over its unix socket, not through nginx: `restart`
+and `apply` wait on it for each program they restart."""
+
+from __future__ import annotations
+
+import json
+
+from shmserve import remote
+
+
+def frontend_ready(socket_path: str) -> str | None:
+    """A frontend's GET /ready status where its restart has nothing more to wait for: "ready"
+    (a 200: ready or degraded), or "failing" (503) where every worker it sees is ready or
+    failed its loads, which no wait mends (an outside check's `restart frontends` waited out
+    workers.ready_timeout_s for a model pinned to a worker that could not load it); else
+    None."""
+    code, answer = ready_answer(socket_path)
+    if code == 200:
+        return "ready"
+    try:
+        if code == 503 and answer["status"] == "failing" and all(
+                w["ready"] or w["load_error"] or w["unloaded"] for w in answer["workers"]):
+            return "failing"
+    except (KeyError, TypeError):
+        pass
+    return None
+
+
+def seen_workers(frontend_socket: str) -> dict[int, dict] | None:
+    """The workers as the frontend on `frontend_socket` sees them (its GET /ready's entries,
+    by index), or None when it does not answer."""
+    _, answer = ready_answer(frontend_socket)
+    try:
+        return {w["worker"]: w for w in answer["workers"] if isinstance(w, dict)}
+    except (KeyError, TypeError):
+        return None
+
+
+def ready_answer(frontend_socket: str) -> tuple[int | None, dict | None]:
+    """A frontend's GET /ready: its status code and JSON object (None for either where it did
+    not answer, or not with an object)."""
+    code, body = remote.get_unix(frontend_socket, "/ready")
+    try:
+        answer = json.loads(body) if code is not None else None
+    except ValueError:
+        answer = None
+    return code, answer if isinstance(answer, dict) else None
+
+
+def ready_in(seen: dict[int, dict], index: int, pid: int) -> bool:
+    """Whether worker `index` is ready, as process `pid`, in a frontend's `seen_workers`."""
+    worker = seen.get(index, {})
+    return bool(worker.get("ready")) and worker.get("pid") == pid
+
+
+def worker_ready(frontend_socket: str, index: int, pid: int) -> bool:
+    """Whether the frontend on `frontend_socket` sees worker `index`, as process `pid`, ready."""
+    seen = seen_workers(frontend_socket)
+    return seen is not None and ready_in(seen, index, pid)
