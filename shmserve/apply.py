@@ -126,12 +126,8 @@ def files_dropped(running: Config, reading: list[Path]) -> list[str]:
 def variables_dropped(running: Config, environ: Mapping[str, str]) -> list[str]:
     """The SHMSERVE__ variables the running config was read with that `environ` lacks (an
     outside check's apply left out `up`'s SHMSERVE__SERVER__PORT: the port went back to the
-    file's, said among the differences only); none where `up` kept no record (an older one)."""
-    try:
-        given = json.loads(topology.config_variables_path(running).read_text())
-    except (OSError, ValueError):
-        return []
-    return [name for name in given if isinstance(name, str) and name not in environ]
+    file's, said among the differences only)."""
+    return [name for name in topology.config_variables(running) if name not in environ]
 
 
 def _how_given(dropped: list[str]) -> str:
@@ -234,11 +230,7 @@ def _apply(args: argparse.Namespace, new: Config) -> int:
     say("shmserve: steps:\n" + "\n".join(steps.lines()))
     run(new, old, steps, args.timeout if args.timeout is not None
         else new.workers.ready_timeout_s)
-    # The files this config came from, as `up` keeps them: `restart` compares with them.
-    topology.config_files_path(new).write_text(json.dumps(layers.digests(
-        layers.file_layers(args.env, args.config, os.environ)), indent=1) + "\n")
-    topology.config_variables_path(new).write_text(
-        json.dumps(layers.override_names(os.environ)) + "\n")
+    topology.record_sources(new, args.env, args.config)  # as `up` keeps them
     marker.unlink()
     say("shmserve: applied")
     return 0

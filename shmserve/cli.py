@@ -21,7 +21,6 @@ environment they are run in, so an override given to `up` need not be repeated.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import subprocess
@@ -30,7 +29,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from shmserve import config, layers, models, nginxrun, processes, remote, render, state, topology
+from shmserve import config, models, nginxrun, processes, remote, render, state, topology
 from shmserve.config import Config, ConfigError
 from shmserve.prechecks import (CliError, check_fds, check_port, check_shm, check_stdout,  # noqa: F401
                                 seconds)
@@ -226,10 +225,7 @@ def _start(args: argparse.Namespace, cfg: Config) -> tuple[int | None, dict[str,
     check_shm(cfg)
     check_fds(cfg)
     render.render(cfg)  # only now: a refused `up` leaves the run directory as it was
-    topology.config_files_path(cfg).write_text(json.dumps(layers.digests(
-        layers.file_layers(args.env, args.config, os.environ)), indent=1) + "\n")
-    topology.config_variables_path(cfg).write_text(
-        json.dumps(layers.override_names(os.environ)) + "\n")
+    topology.record_sources(cfg, args.env, args.config)
     clean_stale(cfg, metrics=True)
     state.remove(cfg)  # reloads and splits of an earlier run: at start the config is the truth
     state.remove_marks(cfg)  # an earlier run's start and failed loads

@@ -10,6 +10,7 @@ import json
 import os
 from pathlib import Path
 
+from shmserve import layers
 from shmserve.config import Config, ConfigError
 
 CPU = "cpu"
@@ -140,6 +141,14 @@ def config_variables_path(cfg: Config) -> Path:
     return cfg.run_dir / "config_variables.json"
 
 
+def record_sources(cfg: Config, env: str | None, extra: str | Path | None) -> None:
+    """What the running config was read from (at `up`, and at each `apply`), for `restart`
+    and `apply` to compare with: the files, with digests, and the SHMSERVE__ variables."""
+    config_files_path(cfg).write_text(json.dumps(layers.digests(
+        layers.file_layers(env, extra, os.environ)), indent=1) + "\n")
+    config_variables_path(cfg).write_text(json.dumps(layers.override_names(os.environ)) + "\n")
+
+
 def config_files(cfg: Config) -> dict[str, str] | None:
     """What config_files_path holds: each file's absolute path and digest; None where `up`
     kept none (an older version's) or the file does not read."""
@@ -147,3 +156,12 @@ def config_files(cfg: Config) -> dict[str, str] | None:
         return json.loads(config_files_path(cfg).read_text())
     except (OSError, ValueError):
         return None
+
+
+def config_variables(cfg: Config) -> list[str]:
+    """What config_variables_path holds; none where `up` kept no record (an older one's)."""
+    try:
+        names = json.loads(config_variables_path(cfg).read_text())
+    except (OSError, ValueError):
+        return []
+    return [name for name in names if isinstance(name, str)] if isinstance(names, list) else []
