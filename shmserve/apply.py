@@ -40,7 +40,8 @@ import xmlrpc.client
 from pathlib import Path
 from typing import Iterator, Mapping
 
-from shmserve import config, layers, models, processes, render, state, topology, versions
+from shmserve import (config, configview, layers, models, processes, render, state, topology,
+                      versions)
 from shmserve.apply_plan import (FIXED, Plan, by_counts, forget_overridden, index_of, nginx_differs,
                                  plan, reloads_held, warn_gaps)
 from shmserve.prechecks import CliError, check_fds, check_port, check_shm, seconds
@@ -153,11 +154,11 @@ def _apply(args: argparse.Namespace, new: Config) -> int:
         attempted = [render.resolved(config.from_tree(tree)) for tree in saved["attempts"]]
         say("shmserve: an earlier apply stopped part way; applying from the config before it")
     old = render.resolved(old)
-    fixed = [line for line in config.differences(old, new) if line.startswith(FIXED)]
+    fixed = [line for line in configview.differences(old, new) if line.startswith(FIXED)]
     if fixed:
         raise CliError(f"{'; '.join(fixed)}: set when supervisord starts; `shmserve down`, then "
                        "`shmserve up` to change it")
-    changes = config.differences(old, new)
+    changes = configview.differences(old, new)
     resumed = marker.exists()
     if not changes and not resumed:  # resumed: programs it added may run still, say
         say("shmserve: nothing to apply: the running deployment has this config")
@@ -396,16 +397,16 @@ def changed(old: Config, new: Config, attempted: list[Config]) -> list[str]:
 
 
 def itemized(old: Config, new: Config) -> list[str]:
-    """config.differences for reading: a list of named mappings (models) is shown model by model,
-    each changed field (`models[m].source: "a" -> "b"`), and those added or removed by name,
-    not as the whole list before and after (an outside check); secrets as there. Only `apply`
-    prints it."""
+    """configview.differences for reading: a list of named mappings (models) is shown model by
+    model, each changed field (`models[m].source: "a" -> "b"`), and those added or removed by
+    name, not as the whole list before and after (an outside check); secrets as there. Only
+    `apply` prints it."""
     out = []
-    before, after = (config.flat(config.redacted(c)) for c in (old, new))
-    for line in config.differences(old, new):
+    before, after = (configview.flat(configview.redacted(c)) for c in (old, new))
+    for line in configview.differences(old, new):
         key = line.partition(":")[0]
         a, b = before.get(key), after.get(key)
-        if (key in config.SECRET_KEYS or not isinstance(a, list) or not isinstance(b, list)
+        if (key in configview.SECRET_KEYS or not isinstance(a, list) or not isinstance(b, list)
                 or not all(isinstance(x, dict) and "name" in x for x in a + b)):
             out.append(line)
             continue

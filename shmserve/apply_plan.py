@@ -11,7 +11,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Callable
 
-from shmserve import config, models, render, state, topology
+from shmserve import configview, models, render, state, topology
 from shmserve.config import Config
 from shmserve.prechecks import CliError
 from shmserve.restarts import say
@@ -134,9 +134,9 @@ def plan(old: Config, new: Config, pending: dict[str, list[str]],
     groups after the run directory was rendered for `new`; `attempted`: the configs earlier
     applies stopped part way to (the processes they restarted run them, so what differs from
     them restarts too, even when `new` is `old` again)."""
-    lines = config.differences(old, new)
+    lines = configview.differences(old, new)
     for earlier in attempted:
-        lines += config.differences(earlier, new)
+        lines += configview.differences(earlier, new)
     keys = sorted({line.partition(":")[0] for line in lines})
     out = Plan()
     names = {kind: [p.partition(":")[2] for p in pending[kind]] for kind in pending}

@@ -29,7 +29,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from shmserve import config, models, nginxrun, processes, remote, render, state, topology
+from shmserve import (config, configview, models, nginxrun, processes, remote, render, state,
+                      topology)
 from shmserve.config import Config, ConfigError
 from shmserve.prechecks import (CliError, check_fds, check_port, check_shm, check_stdout,  # noqa: F401
                                 seconds)
@@ -327,7 +328,7 @@ def show_config(args: argparse.Namespace) -> int:
             print("shmserve: note: a deployment runs from this run_dir with another config; this "
                   "is the config as the files and environment give it now (`shmserve config "
                   "--running` for the running one)", file=sys.stderr)
-    print((cfg if args.show_secrets else config.redacted(cfg)).to_json(), flush=True)
+    print((cfg if args.show_secrets else configview.redacted(cfg)).to_json(), flush=True)
     try:
         models.check(cfg, topology.worker_devices(cfg))
     except models.ModelSourceError as exc:
@@ -342,7 +343,7 @@ def replaced_drift(cfg: Config) -> str | None:
         old = config.load_resolved(topology.resolved_config_path(cfg))
     except (OSError, ValueError):  # none, or another version's
         return None
-    return "; ".join(config.differences(render.resolved(old), render.resolved(cfg))) or None
+    return "; ".join(configview.differences(render.resolved(old), render.resolved(cfg))) or None
 
 
 def clean_stale(cfg: Config, metrics: bool) -> None:

@@ -13,7 +13,6 @@ import dataclasses
 import json
 import os
 import re
-import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Mapping
@@ -391,51 +390,6 @@ def _check_run_dir(cfg: Config) -> None:
                           "root or a folder above it, where rendering would overwrite the "
                           "templates (supervisord.conf, nginx/nginx.conf) and make it private "
                           "(0700); choose a directory of its own, such as run")
-
-
-# Keys whose values are credentials: `shmserve config` and config differences hide them.
-SECRET_KEYS = ("admin.token", "auth.api_keys")
-
-
-def redacted(cfg: Config) -> Config:
-    """The config with its credentials (SECRET_KEYS) shown as *** (an empty one stays empty:
-    whether it is set is worth seeing), for printing."""
-    return dataclasses.replace(
-        cfg, admin=dataclasses.replace(cfg.admin, token="***" if cfg.admin.token else ""),
-        auth=dataclasses.replace(cfg.auth, api_keys=["***"] * len(cfg.auth.api_keys)),
-        tracing=dataclasses.replace(cfg.tracing,
-                                    otlp_endpoint=without_userinfo(cfg.tracing.otlp_endpoint)))
-
-
-def without_userinfo(url: str) -> str:
-    """A URL with the user and password it may carry (http://user:pass@host/) shown as ***."""
-    parts = urllib.parse.urlsplit(url)
-    if "@" not in parts.netloc:
-        return url
-    return parts._replace(netloc="***@" + parts.netloc.rpartition("@")[2]).geturl()
-
-
-def flat(cfg: Config) -> dict[str, Any]:
-    """Every key of a config by its dotted path (lists are single values: models, devices)."""
-    out: dict[str, Any] = {}
-
-    def walk(node: Any, path: str) -> None:
-        if isinstance(node, dict):
-            for key, value in node.items():
-                walk(value, f"{path}.{key}" if path else key)
-        else:
-            out[path] = node
-    walk(dataclasses.asdict(cfg), "")
-    return out
-
-
-def differences(old: Config, new: Config) -> list[str]:
-    """The keys whose values differ, as `key: old -> new` (secrets: `key: changed`)."""
-    a, b = flat(old), flat(new)
-    shown = flat(redacted(old)), flat(redacted(new))  # an endpoint's password too
-    return [f"{key}: changed" if key in SECRET_KEYS else
-            f"{key}: {json.dumps(shown[0].get(key))} -> {json.dumps(shown[1].get(key))}"
-            for key in sorted(a.keys() | b.keys()) if a.get(key) != b.get(key)]
 
 
 def from_args(args) -> Config:

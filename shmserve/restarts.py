@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Mapping
 
-from shmserve import (config, layers, models, processes, render, state, topology,
+from shmserve import (config, configview, layers, models, processes, render, state, topology,
                       versions)
 from shmserve.probes import frontend_ready, ready_in, seen_workers, worker_ready
 from shmserve.cli import CliError, ctl_argv
@@ -139,7 +139,7 @@ def config_drift(args: argparse.Namespace, running: Config,
         now = render.resolved(config.from_tree(layers.overridden(tree, args.config, environ)))
     except ConfigError as exc:
         return f"the overrides given now are invalid ({exc}); restarting with the running config"
-    changed = config.differences(render.resolved(running), now)
+    changed = configview.differences(render.resolved(running), now)
     # Files this command names: --config or SHMSERVE_CONFIG's, and an env's file when --env or
     # SHMSERVE_ENV names one (without, `dev` is no choice of this command: `up --env prod`
     # followed by a bare restart changes nothing).

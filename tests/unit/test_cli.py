@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from shmserve import arena, cli, config, processes, render, topology
+from shmserve import arena, cli, config, configview, processes, render, topology
 from shmserve.config import REPO_ROOT
 from tests.unit.test_render import free_port, wait_until
 
@@ -41,7 +41,7 @@ def test_config_hides_credentials_unless_asked(deployment, monkeypatch, capsys):
     assert printed["tracing"]["otlp_endpoint"] == "http://***@c:4318/v1/traces"
     old, new = config.load(), config.load(environ={**os.environ,
                                                    "SHMSERVE__ADMIN__TOKEN": "other-1234"})
-    assert config.differences(old, new) == ["admin.token: changed"]
+    assert configview.differences(old, new) == ["admin.token: changed"]
     assert cli.main(["config", "--show-secrets"]) == 0
     printed = json.loads(capsys.readouterr().out)
     assert printed["admin"]["token"] == "admin-secret-1234"

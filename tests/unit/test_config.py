@@ -3,7 +3,7 @@ import re
 
 import pytest
 
-from shmserve import config, layers
+from shmserve import config, configview, layers
 from shmserve.config import ConfigError
 
 
@@ -236,8 +236,8 @@ def test_differences_name_the_keys_and_hide_secrets():
     old = config.load(environ={"SHMSERVE_ENV": "test"})
     new = config.load(environ={"SHMSERVE_ENV": "test", "SHMSERVE__FRONTENDS__COUNT": "5",
                                "SHMSERVE__ADMIN__TOKEN": "s3cret-token-value"})
-    assert config.differences(old, old) == []
-    changed = config.differences(old, new)
+    assert configview.differences(old, old) == []
+    changed = configview.differences(old, new)
     assert changed == ["admin.token: changed", f"frontends.count: {old.frontends.count} -> 5"]
 
 
@@ -399,7 +399,7 @@ def test_apply_shows_a_models_change_model_by_model():
     swapped = config.from_tree({"models": [{"name": "b", "source": "/y"},
                                            {"name": "a", "source": "/x"}]})
     assert itemized(old, swapped) == ["models: the same, in another order"]
-    assert [line.partition(":")[0] for line in config.differences(old, new)] == [
+    assert [line.partition(":")[0] for line in configview.differences(old, new)] == [
         "batching.max_wait_ms", "models"]  # what apply's plan reads is unchanged
 
 
