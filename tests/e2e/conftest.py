@@ -15,6 +15,14 @@ QWEN3_INSTRUCTION = "Given a question, find the passage that answers it"
 
 
 @pytest.fixture(scope="session")
+def slow_model(tmp_path_factory):
+    """A tiny BERT wide and deep enough for a forward of 512 tokens to take ~25 ms on one
+    thread: queues that last (tests/e2e/test_reliability.py, test_stopping.py)."""
+    return build_tiny_bert(tmp_path_factory.mktemp("models") / "slow", hidden=256, layers=4,
+                           heads=4, max_positions=512)
+
+
+@pytest.fixture(scope="session")
 def native(tiny_stack):
     """TEXTS through the native /predict: what every other protocol must return."""
     status, _, body = tiny_stack.post_json("/predict", {"texts": TEXTS})
