@@ -19,7 +19,12 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
+# A ceiling child: Ctrl-C, sent to the group, ends it silently, unless ignored (an outside
+# check); before the imports below, which a Ctrl-C would otherwise end with a traceback
+if __name__ == "__main__" and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+import numpy as np  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
@@ -27,10 +32,6 @@ if str(REPO) not in sys.path:
 
 from shmserve.prechecks import seconds  # noqa: E402,F401  (an argparse type: a duration)
 from tests.stack import corpus_path  # noqa: E402  (the test harness's, shared)
-
-# A ceiling child: Ctrl-C, sent to the group, ends it silently, unless ignored (an outside check)
-if __name__ == "__main__" and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 CORPUS = corpus_path()
 PYTHON = sys.executable
