@@ -22,6 +22,7 @@ from frontend import codec, reload
 from frontend.app import (CONFIG, MODEL_NAME, MODELS, POOL, SPLITS, ServedModel, bearer_matches,
                           bearer_refusal, key_digests)
 from frontend.errors import ApiError
+from frontend.links import unit_state
 from frontend.variants import Variant
 from shmserve import state
 from shmserve.checks import MAX_WEIGHT, REVISION, REVISION_RULE
@@ -75,9 +76,7 @@ async def list_models(request: web.Request) -> web.Response:
                     continue  # this worker does not host it (models.devices)
                 workers.append({
                     "worker": link.index, "alive": link.alive,
-                    "state": "down" if not link.alive else "failed" if unloaded else
-                             info.state if link.ready and info else "loading",
-                    # failed: it serves its other models, and tries this one again
+                    "state": unit_state(link, variant.unit),
                     "load_error": unloaded.error if unloaded else None,
                     "device": link.beat.device if link.beat else None,
                     "revision": (info.revision or None) if info else None,

@@ -14,10 +14,12 @@ from aiohttp import web
 import shmserve
 from frontend import codec
 from frontend.app import CONFIG, MODELS, POOL, SPLITS, Models
+from frontend.links import unit_state
 from frontend.pool import WorkerPool
 from frontend.variants import Splits, revision
 from shmserve import topology, yes_no
 from shmserve.config import Config
+from shmserve.models import hosted
 
 # shmserve's names -> TEI's.
 TEI_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
@@ -101,7 +103,10 @@ def _model(cfg: Config, served, pool: WorkerPool, splits: Splits | None) -> dict
             "max_input_tokens": spec.max_tokens,
             # what built the network a worker runs: shmserve (gpu_workers.bert, .modernbert)
             # or transformers; None until a worker has reported it
-            "loader": (reported.loader or None) if reported is not None else None}
+            "loader": (reported.loader or None) if reported is not None else None,
+            # the workers that load it (models.devices) and what each says of it: the devices
+            # are in "devices" by worker (an outside check: GET /admin/models alone had them)
+            "workers": _hosts(cfg, served.variants[0].unit, pool)}
     if spec.task in EMBEDS:  # by name (prompt_name), and the one applied when none is named
         info["prompts"] = dict(spec.prompts)
         info["default_prompt"] = spec.default_prompt or None
@@ -125,9 +130,19 @@ def _model(cfg: Config, served, pool: WorkerPool, splits: Splits | None) -> dict
         weights = (splits.weights(spec.name, served.variants) if splits is not None
                    else [v.weight for v in served.variants])
         info["variants"] = [{"name": v.name, "revision": revision(v, pool) or None,
-                             "weight": weight} for v, weight in zip(served.variants, weights)]
+                             "weight": weight, "workers": _hosts(cfg, v.unit, pool)}
+                            for v, weight in zip(served.variants, weights)]
         info["sticky_key"] = served.sticky_key or None
     return info
+
+
+def _hosts(cfg: Config, unit: str, pool: WorkerPool) -> list[dict[str, Any]]:
+    """The workers that load `unit` by the config, each with its state of it: ready, loading,
+    staged (a reload awaits its commit), failed (it serves its other models and tries this one
+    again) or down."""
+    devices = topology.worker_devices(cfg)
+    return [{"worker": link.index, "state": unit_state(link, unit)} for link in pool.links
+            if any(u.name == unit for u in hosted(cfg, devices, link.index))]
 
 
 def _device(index: int, device: str, pool: WorkerPool) -> dict[str, Any]:

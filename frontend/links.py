@@ -110,6 +110,18 @@ def failure(link: WorkerLink, model: str) -> tuple[int, str, int, float] | None:
     return None
 
 
+def unit_state(link: WorkerLink, unit: str) -> str:
+    """What worker `link` says of model `unit` (a model, or an A/B arm MODEL@VARIANT): down,
+    failed (it serves its other models and tries this one again), the heartbeat's state of it
+    (ready, loading into standby, staged) once the worker is ready, else loading."""
+    if not link.alive:
+        return "down"
+    if any(u.model == unit for u in link.unloaded):
+        return "failed"
+    info = next((m for m in link.beat.models if m.name == unit), None) if link.beat else None
+    return info.state if link.ready and info is not None else "loading"
+
+
 def dealer(ctx: zmq.asyncio.Context, endpoint: str) -> zmq.asyncio.Socket:
     """A frontend's socket to one worker, connected to `endpoint`."""
     sock = ctx.socket(zmq.DEALER)

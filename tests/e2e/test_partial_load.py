@@ -181,6 +181,12 @@ def test_frontends_restart_past_a_workers_unloaded_arm(tmp_path, tiny_model):
     try:
         status, _, body = stack.get("/ready")
         assert status == 200 and json.loads(body)["status"] == "degraded", body
+        # /info gives each arm's workers and their state of it
+        split = next(m for m in json.loads(stack.get("/info")[2])["models"]
+                     if m["name"] == "split")
+        assert [v["workers"] for v in split["variants"]] == [
+            [{"worker": 0, "state": "ready"}, {"worker": 1, "state": "ready"}],
+            [{"worker": 0, "state": "failed"}, {"worker": 1, "state": "failed"}]], split
         done = stack.cli("restart", "frontends", check=False, timeout=200)
         assert done.returncode == 0, done.stdout + done.stderr
         assert "frontend-1 ready" in done.stdout, done.stdout + done.stderr
@@ -199,6 +205,9 @@ def test_frontends_restart_where_a_model_loads_on_no_worker(tmp_path, tiny_model
     try:
         stack.wait_until(lambda: stack.get("/ready")[0] == 503 and json.loads(
             stack.get("/ready")[2])["status"] == "failing", 60, "/ready failing")
+        # /info says where: the worker it is pinned to failed it
+        described = {m["name"]: m for m in json.loads(stack.get("/info")[2])["models"]}
+        assert described["broken"]["workers"] == [{"worker": 1, "state": "failed"}], described
         started = time.monotonic()
         done = stack.cli("restart", "frontends", "--timeout", "40", check=False, timeout=200)
         assert done.returncode == 0, done.stdout + done.stderr

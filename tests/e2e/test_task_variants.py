@@ -46,6 +46,11 @@ def test_pinned_models_load_only_on_their_workers_and_dtypes_resolve(task_stack,
     # A scoring model has no pooling; a classifier names its labels.
     assert described["clf"]["pooling"] is None and described["clf"]["labels"]
     assert described["tiny"]["pooling"] == "mean"
+    # Each model names the workers that load it (models.devices) and their state of it.
+    assert described["clf"]["workers"] == [{"worker": 1, "state": "ready"}]
+    assert described["ce-id"]["workers"] == [{"worker": 0, "state": "ready"}]
+    assert described["tiny"]["workers"] == [{"worker": 0, "state": "ready"},
+                                            {"worker": 1, "state": "ready"}]
     want = reference_embeddings(task_dirs["tiny"], TEXTS, TINY_MAX_TOKENS)
     for model, floor in (("q8", 0.99), ("auto", 0.99), ("strict", 0.99999)):
         status, _, body = task_stack.post_json("/predict", {"model": model, "texts": TEXTS})
@@ -235,9 +240,12 @@ def test_ab_models_are_ready_and_versioned_on_kserve_and_info(task_stack):
     status, _, raw = task_stack.get("/info")
     models = {m["name"]: m for m in json.loads(raw)["models"]}
     assert status == 200 and models["ab"]["revision"] == "ab-r1"
+    both = [{"worker": 0, "state": "ready"}, {"worker": 1, "state": "ready"}]
     assert models["ab"]["variants"] == [
-        {"name": "a", "revision": "ab-r1", "weight": pytest.approx(1 - AB_WEIGHT_B)},
-        {"name": "b", "revision": "ab-r2", "weight": pytest.approx(AB_WEIGHT_B)}]
+        {"name": "a", "revision": "ab-r1", "weight": pytest.approx(1 - AB_WEIGHT_B),
+         "workers": both},
+        {"name": "b", "revision": "ab-r2", "weight": pytest.approx(AB_WEIGHT_B),
+         "workers": both}]
     assert "variants" not in models["tiny"]
 
 

@@ -38,3 +38,39 @@ def test_tei_model_type_and_scoring_models_say_what_they_are():
         "id2label": {"0": "neg", "1": "pos"}, "label2id": {"neg": 0, "pos": 1}}}
     assert _tei_model_type({"task": "rerank", "pooling": None}) == {"reranker": {
         "id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0}}}
+
+
+def test_each_model_names_the_workers_that_load_it_and_their_state_of_it():
+    """GET /info names a model's workers (models.devices) and what each says of it; it had no
+    placement at all (GET /admin/models alone had it, behind the admin token)."""
+    from frontend.info import _hosts
+    from frontend.links import WorkerLink
+    from shmserve.config import from_tree
+    from shmserve.protocol import ModelInfo, Unloaded
+
+    cfg = from_tree({
+        "workers": {"devices": "cpu", "cpu_workers": 3},
+        "models": [{"name": "a", "source": "/m/a", "devices": [0, 2]},
+                   {"name": "b", "source": "/m/b"}]})
+
+    def link(index, alive=True, ready=True, states=(), unloaded=()):
+        beat = Heartbeat(PROTOCOL_VERSION, index, 100 + index, ready, "cpu",
+                         tuple(ModelInfo(name, "embedding", 8, 32, "fp32", "r1", state, "")
+                               for name, state in states), 0, 10, 0.0, 0.0,
+                         unloaded=tuple(Unloaded(name, "OSError: no file", 2, 5.0)
+                                        for name in unloaded))
+        return WorkerLink(index, f"ipc://w{index}", None, beat=beat, alive=alive)
+
+    pool = SimpleNamespace(links=[
+        link(0, states=[("a", "ready"), ("b", "loading")]),
+        link(1, states=[("b", "ready")]),
+        link(2, states=[("b", "ready")], unloaded=["a"])])
+    assert _hosts(cfg, "a", pool) == [{"worker": 0, "state": "ready"},
+                                      {"worker": 2, "state": "failed"}]
+    assert _hosts(cfg, "b", pool) == [{"worker": 0, "state": "loading"},
+                                      {"worker": 1, "state": "ready"},
+                                      {"worker": 2, "state": "ready"}]
+    pool.links[2].alive = False
+    pool.links[0] = link(0, ready=False, states=[("a", "ready")])
+    assert _hosts(cfg, "a", pool) == [{"worker": 0, "state": "loading"},
+                                      {"worker": 2, "state": "down"}]
