@@ -23,15 +23,22 @@ def redacted(cfg: Config) -> Config:
         cfg, admin=dataclasses.replace(cfg.admin, token="***" if cfg.admin.token else ""),
         auth=dataclasses.replace(cfg.auth, api_keys=["***"] * len(cfg.auth.api_keys)),
         tracing=dataclasses.replace(cfg.tracing,
-                                    otlp_endpoint=without_userinfo(cfg.tracing.otlp_endpoint)))
+                                    otlp_endpoint=without_userinfo(cfg.tracing.otlp_endpoint)),
+        models=[dataclasses.replace(
+            model, source=without_userinfo(model.source),
+            variants=[dataclasses.replace(v, source=without_userinfo(v.source))
+                      for v in model.variants]) for model in cfg.models])
 
 
 def without_userinfo(url: str) -> str:
-    """A URL with the user and password it may carry (http://user:pass@host/) shown as ***."""
+    """A URL with the user and password it may carry (http://user:pass@host/) shown as ***,
+    and its query string too (a collector's ?token=...)."""
     parts = urllib.parse.urlsplit(url)
-    if "@" not in parts.netloc:
-        return url
-    return parts._replace(netloc="***@" + parts.netloc.rpartition("@")[2]).geturl()
+    if "@" in parts.netloc:
+        parts = parts._replace(netloc="***@" + parts.netloc.rpartition("@")[2])
+    if parts.query:
+        parts = parts._replace(query="***")
+    return parts.geturl()
 
 
 def flat(cfg: Config) -> dict[str, Any]:
@@ -52,6 +59,8 @@ def differences(old: Config, new: Config) -> list[str]:
     """The keys whose values differ, as `key: old -> new` (secrets: `key: changed`)."""
     a, b = flat(old), flat(new)
     shown = flat(redacted(old)), flat(redacted(new))  # an endpoint's password too
-    return [f"{key}: changed" if key in SECRET_KEYS else
-            f"{key}: {json.dumps(shown[0].get(key))} -> {json.dumps(shown[1].get(key))}"
+    # changed: a secret, or a value whose hidden part alone differs (an endpoint's password:
+    # "http://***@…" -> "http://***@…" read as no change, an outside check)
+    return [f"{key}: changed" if key in SECRET_KEYS or shown[0].get(key) == shown[1].get(key)
+            else f"{key}: {json.dumps(shown[0].get(key))} -> {json.dumps(shown[1].get(key))}"
             for key in sorted(a.keys() | b.keys()) if a.get(key) != b.get(key)]

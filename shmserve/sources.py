@@ -13,6 +13,12 @@ from shmserve.model_files import ModelSourceError
 def resolve_source(source: str, roots: list[Path] | None = None) -> Path:
     """The model directory of `source`; a directory must lie under one of `roots` (None: no
     confinement, for tools that read a model the user points them at)."""
+    if _URL.match(source):  # it was looked for as a path, quoted with its password
+        from shmserve.configview import without_userinfo
+
+        raise ModelSourceError(f"model source {without_userinfo(source)!r} is a URL: shmserve "
+                               "downloads nothing; give a directory (under model_roots) or "
+                               "package:NAME")
     if source.startswith("package:"):
         package = source.removeprefix("package:")
         if not _MODULE_NAME.fullmatch(package.replace("-", "_")):
@@ -58,6 +64,7 @@ def _relative(path: Path, roots: list[Path]) -> Path:
 
 
 _MODULE_NAME = re.compile(r"[A-Za-z_]\w*")
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")  # http://, https://, s3://, hf://
 
 
 def _not_installed(package: str) -> str:

@@ -152,6 +152,7 @@ _NUMBER_TEXT = re.compile(r"[-+]?((0|[1-9][0-9]*)(\.[0-9]*)?|\.[0-9]+)([eE][-+]?
 # Keys whose values are never shown in an error: an error's text goes to up's stderr, so to CI
 # and container logs (SHMSERVE__AUTH__API_KEYS=sk-... said "expected a list, got 'sk-...'")
 _SECRET = re.compile(r"(auth\.api_keys|admin\.token)(\[\d+\])?")
+_USERINFO = re.compile(r"(^|//)[^/@\s]+@")
 
 
 def _show(value: Any, key: str) -> str:
@@ -163,7 +164,9 @@ def _show(value: Any, key: str) -> str:
         # "the text '70000' (a quoted number...)" for SHMSERVE__SHM__ARENA_MB=70000 past its
         # range (an outside check); one quoted in the variable stays text.
         value = value.parsed
-    text = repr(str(value) if isinstance(value, str) else value)  # an EnvText as the text
+    # a URL's user and password (a tracing endpoint's, a model source's), with or without
+    # its scheme: a refused value was quoted whole (an outside check)
+    text = repr(_USERINFO.sub(r"\1***@", str(value)) if isinstance(value, str) else value)
     text = text if len(text) <= 60 else text[:57] + "..."
     if isinstance(value, str):
         if not _NUMBER_TEXT.fullmatch(str(value).strip()):
