@@ -10,20 +10,30 @@ from shmserve import remote
 
 def frontend_ready(socket_path: str) -> str | None:
     """A frontend's GET /ready status where its restart has nothing more to wait for: "ready"
-    (a 200: ready or degraded), or "failing" (503) where every worker it sees is ready or
-    failed its loads, which no wait mends (an outside check's `restart frontends` waited out
-    workers.ready_timeout_s for a model pinned to a worker that could not load it); else
-    None."""
+    (a 200: ready or degraded), or "failing: WHAT" (503; WHAT: failing_models) where every
+    worker it sees is ready or failed its loads, which no wait mends (an outside check's
+    `restart frontends` waited out workers.ready_timeout_s for a model pinned to a worker that
+    could not load it); else None."""
     code, answer = ready_answer(socket_path)
     if code == 200:
         return "ready"
     try:
         if code == 503 and answer["status"] == "failing" and all(
                 w["ready"] or w["load_error"] or w["unloaded"] for w in answer["workers"]):
-            return "failing"
+            return "failing: " + failing_models(answer)
     except (KeyError, TypeError):
         pass
     return None
+
+
+def failing_models(answer: dict) -> str:
+    """What a failing GET /ready names: each model a worker could not load, with the worker,
+    or a worker's load error where it loaded nothing."""
+    named = [f"{u['model']} (worker {w['worker']})" for w in answer["workers"]
+             for u in w.get("unloaded") or []]
+    named += [f"worker {w['worker']}: {w['load_error']}" for w in answer["workers"]
+              if w.get("load_error") and not w.get("ready")]
+    return "; ".join(named) or "no worker named"
 
 
 def seen_workers(frontend_socket: str) -> dict[int, dict] | None:

@@ -281,9 +281,10 @@ def wait_until_ready(cfg: Config, group: str, program: str, pid: int, timeout: f
     if without:  # the next worker would fail them too: its other models alone are served
         raise CliError(f"{program} is ready without {'; '.join(without)}: its load failed; "
                        f"the worker tries again by itself{rest}")
-    if status[0] == "failing":
+    if (status[0] or "").startswith("failing"):
         say(f"shmserve: warning: {program} serves, and its GET /ready says failing: a model "
-            "loads on no worker (`shmserve status` says which and why)", sys.stderr)
+            f"loads on no worker (not loaded: {status[0].partition(': ')[2]}; `shmserve "
+            "status` says why)", sys.stderr)
     say(f"shmserve: {program} ready")
 
 

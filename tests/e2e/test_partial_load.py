@@ -213,6 +213,7 @@ def test_frontends_restart_where_a_model_loads_on_no_worker(tmp_path, tiny_model
         assert done.returncode == 0, done.stdout + done.stderr
         assert "frontend-1 ready" in done.stdout, done.stdout + done.stderr
         assert "frontend-0 serves, and its GET /ready says failing" in done.stderr, done.stderr
+        assert "loads on no worker (not loaded: broken (worker 1);" in done.stderr, done.stderr
         assert time.monotonic() - started < 35
         status, _, body = stack.post_json("/v1/embeddings", {"model": "tiny", "input": "x"})
         assert status == 200, body

@@ -193,3 +193,17 @@ def test_a_worker_restart_waits_for_another_worker_still_loading(monkeypatch, ca
     assert restarts.loading_workers(cfg, 0) == [1]
     states["worker-1"] = "BACKOFF"  # exited: not waited for; nor is the one restarted
     assert restarts.loading_workers(cfg, 0) == []
+
+
+def test_a_failing_ready_is_told_by_the_models_and_workers_it_names():
+    """restart's warning names what loads nowhere (it said "a model", an outside check)."""
+    from shmserve.probes import failing_models
+
+    answer = {"status": "failing", "workers": [
+        {"worker": 0, "ready": True, "load_error": None, "unloaded": []},
+        {"worker": 1, "ready": True, "load_error": None,
+         "unloaded": [{"model": "broken", "error": "ValueError: shape"}]},
+        {"worker": 2, "ready": False, "load_error": "OSError: no model.safetensors",
+         "unloaded": []}]}
+    assert failing_models(answer) == ("broken (worker 1); worker 2: OSError: no "
+                                      "model.safetensors")
