@@ -32,6 +32,9 @@ _UP_TO_A_DAY: Check = (lambda v: 0 <= v <= DAY_S, f"a number from 0 to {DAY_S}")
 _NEVER_OR_UP_TO_A_DAY: Check = (lambda v: 0 <= v <= DAY_S,
                                 f"a number from 0 (never) to {DAY_S}")
 _OVER_0_UP_TO_A_DAY: Check = (lambda v: 0 < v <= DAY_S, f"a number over 0, up to {DAY_S}")
+_TLS_FILE: Check = (lambda v: re.fullmatch(r'[^\x00-\x1f\x7f"\\$]*', v) is not None,
+                    "a file path without control characters, double quotes, backslashes or $, "
+                    "or empty (no TLS)")
 MAX_CONNECTIONS = 1 << 20  # an nginx worker's, as Linux's default nr_open allows descriptors
 CHECKS: dict[str, Check] = {
     "server.port": (lambda v: 1 <= v <= 65535, "a port from 1 to 65535"),
@@ -76,6 +79,9 @@ CHECKS: dict[str, Check] = {
                                  'empty, ["*"] alone, or origins such as '
                                  'https://app.example.com[:port] (no path)'),
     "nginx.gzip_level": (lambda v: 1 <= v <= 9, "an integer from 1 to 9"),
+    # written into nginx.conf between double quotes, where $ starts a variable
+    "nginx.tls_certificate": _TLS_FILE,
+    "nginx.tls_key": _TLS_FILE,
     "nginx.gzip_min_bytes": (lambda v: 0 <= v <= 1 << 30, "an integer >= 0"),
     "frontends.count": (lambda v: 1 <= v <= 64, "an integer from 1 to 64"),
     # nginx's worker_connections are made from it: a number past nginx's was named as theirs
@@ -278,6 +284,11 @@ def check_relations(cfg: Any) -> None:
         raise ConfigError(f"workers.queue_texts: {cfg.workers.queue_texts}{low} is under "
                           f"limits.max_texts_per_request ({cfg.limits.max_texts_per_request}): "
                           "a request that large could never be queued")
+    if bool(cfg.nginx.tls_certificate) != bool(cfg.nginx.tls_key):
+        given, missing = (("nginx.tls_certificate", "nginx.tls_key") if cfg.nginx.tls_certificate
+                          else ("nginx.tls_key", "nginx.tls_certificate"))
+        raise ConfigError(f"{missing}: TLS needs both files; {given} is set and {missing} "
+                          "is not (or set neither: plain HTTP)")
     for key, value in (("admin.reload_timeout_s", cfg.admin.reload_timeout_s),
                        ("frontends.request_timeout_s", cfg.frontends.request_timeout_s)):
         if value >= cfg.nginx.proxy_read_timeout_s:

@@ -18,7 +18,9 @@ number; ``format="json"`` sends and reads JSON. ``timeout`` (seconds) is sent as
 ``X-Request-Timeout``, the server's deadline for the request, and the client waits
 ``ANSWER_MARGIN_S`` longer for the answer, so a deadline that passes comes back as the server's
 504. ``api_key`` (default: the ``SHMSERVE_API_KEY`` environment variable) is sent as a bearer
-token, for a server with ``auth.api_keys``.
+token, for a server with ``auth.api_keys``. An ``https://`` URL (a server with
+``nginx.tls_certificate``) is checked against the system's CAs, or ``verify="ca.pem"`` (a
+file of the CA, or of a self-signed server's own certificate); ``verify=False`` checks nothing.
 
 `Client` uses only the standard library: one keep-alive connection (``http.client``), so one
 thread per client; a connection the server closed while idle is reopened once (`AsyncClient`
@@ -36,6 +38,7 @@ import asyncio
 import http.client
 import json
 import os
+import ssl
 import time
 import urllib.parse
 from typing import Any, Sequence
@@ -61,7 +64,7 @@ class _Base:
     def __init__(self, url: str = "http://127.0.0.1:8080", *, timeout: float = 30.0,
                  format: str = "msgpack", model: str | None = None,
                  api_key: str | None = None, priority: str | int | None = None,
-                 max_retries: int = 2) -> None:
+                 max_retries: int = 2, verify: bool | str = True) -> None:
         if not isinstance(max_retries, int) or max_retries < 0:
             raise ValueError(f"max_retries must be an integer >= 0, not {max_retries!r}")
         if format not in FORMATS:
@@ -82,6 +85,7 @@ class _Base:
         self.priority = priority  # X-Priority on every request; None: the server's default
         self.max_retries = max_retries
         self._parts = parts
+        self._ssl = _ssl_context(verify) if parts.scheme == "https" else None
 
     def _embed_request(self, texts: str | Sequence[str], model: str | None,
                        request_id: str | None, prompt_name: str | None = None
@@ -222,7 +226,8 @@ class Client(_Base):
             kind = (http.client.HTTPSConnection if self._parts.scheme == "https"
                     else http.client.HTTPConnection)
             self._conn = kind(self._parts.hostname, self._parts.port,
-                              timeout=self.timeout + ANSWER_MARGIN_S)
+                              timeout=self.timeout + ANSWER_MARGIN_S,
+                              **({"context": self._ssl} if self._ssl is not None else {}))
         return self._conn
 
     def _call(self, method: str, path: str, body: bytes | None,
@@ -351,8 +356,9 @@ class AsyncClient(_Base):
                 timeout=aiohttp.ClientTimeout(total=self.timeout + ANSWER_MARGIN_S))
         for attempt in range(2):
             try:
-                async with self._session.request(method, self.url + path, data=body,
-                                                 headers=headers) as response:
+                async with self._session.request(
+                        method, self.url + path, data=body, headers=headers,
+                        ssl=self._ssl if self._ssl is not None else True) as response:
                     raw = await response.read()
                     return (response.status, response.headers.get("Content-Type", ""), raw,
                             response.headers.get("Retry-After"))
@@ -366,3 +372,21 @@ class AsyncClient(_Base):
             except aiohttp.ClientError as exc:
                 raise ShmserveError(f"{self.url}: {type(exc).__name__}: {exc}") from exc
         raise AssertionError("unreachable")
+
+
+def _ssl_context(verify: bool | str) -> ssl.SSLContext:
+    """What an https server's certificate is checked against: the system's CAs (True), a
+    PEM file's (a CA, or a self-signed server's own certificate: trusted as it is), or nothing
+    (False)."""
+    if verify is False:
+        context = ssl.create_default_context()
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+        return context
+    if verify is True:
+        return ssl.create_default_context()
+    if not isinstance(verify, str) or not os.path.isfile(verify):
+        raise ValueError(f"verify must be True, False or a PEM file's path, not {verify!r}")
+    context = ssl.create_default_context(cafile=verify)
+    context.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN
+    return context

@@ -69,6 +69,12 @@ class NginxConfig:
     gzip: bool = False
     gzip_level: int = 1
     gzip_min_bytes: int = 1024
+    # TLS on server.port, nginx terminating it (shmserve.tls): the certificate (with its chain)
+    # and its private key, PEM files; relative paths from the repository root. Empty: plain
+    # HTTP. http2: HTTP/2 offered beside HTTP/1.1 (ALPN) on the TLS port.
+    tls_certificate: str = ""
+    tls_key: str = ""
+    http2: bool = True
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,6 +32,9 @@ NGINX_ERRORS: dict[int, tuple[str, str]] = {
     504: ("timeout", "no frontend answered within nginx.proxy_read_timeout_s"),
     501: ("not_implemented", "Transfer-Encoding must be chunked (or none, with Content-Length)"),
     505: ("http_version_not_supported", "HTTP/1.1 or HTTP/1.0 only"),
+    # plain HTTP sent to the TLS port (nginx's 497, answered as a 400)
+    497: ("bad_request", "this port speaks HTTPS (nginx.tls_certificate): send the request "
+          "to https://"),
 }
 
 

@@ -7,6 +7,7 @@ import argparse
 import json
 import math
 import socket
+import ssl
 import sys
 import urllib.error
 import urllib.request
@@ -14,7 +15,7 @@ from http.client import HTTPConnection, HTTPException
 from pathlib import Path
 from urllib.parse import quote
 
-from shmserve import processes
+from shmserve import processes, tls
 from shmserve.config import Config
 
 
@@ -90,7 +91,8 @@ def admin_call(cfg: Config, method: str, path: str, body: dict | None = None,
                           "(the frontends restart one at a time) or `shmserve up`")
     data = json.dumps(body).encode() if body is not None else None
     code, raw = http(base_url(cfg) + path, method, data, timeout=timeout, headers={
-        "Authorization": f"Bearer {cfg.admin.token}", "Content-Type": "application/json"})
+        "Authorization": f"Bearer {cfg.admin.token}", "Content-Type": "application/json"},
+        context=tls.client_context(cfg))
     if code is None:
         raise RemoteError(f"{base_url(cfg)} did not answer; is the stack up?")
     try:
@@ -103,14 +105,18 @@ def base_url(cfg: Config) -> str:
     """Where the deployment answers on this machine (a wildcard listen address: loopback)."""
     host = cfg.server.host
     host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
-    return f"http://[{host}]:{cfg.server.port}" if ":" in host else \
-        f"http://{host}:{cfg.server.port}"
+    scheme = "https" if tls.enabled(cfg) else "http"
+    return f"{scheme}://[{host}]:{cfg.server.port}" if ":" in host else \
+        f"{scheme}://{host}:{cfg.server.port}"
 
 
 def http(url: str, method: str = "GET", data: bytes | None = None, timeout: float = 2.0,
-         headers: dict[str, str] | None = None) -> tuple[int | None, bytes]:
-    """(status, body), or (None, b"") when nothing answered. Ignores *_proxy variables."""
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+         headers: dict[str, str] | None = None,
+         context: ssl.SSLContext | None = None) -> tuple[int | None, bytes]:
+    """(status, body), or (None, b"") when nothing answered. Ignores *_proxy variables.
+    `context`: what an https URL's certificate is checked against (tls.client_context)."""
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}),
+                                         urllib.request.HTTPSHandler(context=context))
     request = urllib.request.Request(url, data=data, method=method, headers=headers or {})
     try:
         with opener.open(request, timeout=timeout) as response:

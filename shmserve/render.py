@@ -33,7 +33,7 @@ from pathlib import Path
 
 import msgpack
 
-from shmserve import nginx_options, topology
+from shmserve import nginx_options, tls, topology
 from shmserve.checks import MAX_CONNECTIONS
 from shmserve.config import REPO_ROOT, Config
 
@@ -85,6 +85,10 @@ def render(cfg: Config) -> None:
                           f"{cfg.frontends.max_inflight}) requests in flight, over "
                           f"{MAX_CONNECTIONS}: lower frontends.max_inflight")
     binary = nginx_binary(cfg)
+    try:
+        tls.check(cfg)
+    except tls.TlsError as exc:
+        raise RenderError(str(exc)) from None
     _make_dirs(cfg)
     # nginx checks the new file before anything is replaced: a config it rejects leaves the
     # run directory as it was. It was written in place first, and a refused `apply` left it
@@ -152,6 +156,7 @@ def render_nginx(cfg: Config) -> str:
         "upstream_servers": "\n".join(servers),
         "upstream_keepalive": str(n.upstream_keepalive),
         "listen": f"{host}:{cfg.server.port}",
+        **tls.nginx_values(cfg, nginx_binary(cfg)),
         "listen_backlog": str(n.listen_backlog),
         "frontend_count": str(cfg.frontends.count),
         "next_upstream_tries": str(min(2, cfg.frontends.count)),  # the first, one other

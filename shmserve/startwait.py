@@ -8,7 +8,7 @@ import json
 import sys
 import time
 
-from shmserve import processes, remote, topology
+from shmserve import processes, remote, tls, topology
 from shmserve.config import Config
 
 LOG_TAIL_LINES = 20
@@ -29,7 +29,7 @@ def wait_ready(cfg: Config, timeout: float, starts: dict[str, int] | None = None
     nginx could not bind it: another server answered)."""
     starts = starts or {}
     nginx_log_start = starts.get("nginx", 0)
-    url = ready_url(cfg)
+    url, context = ready_url(cfg), tls.client_context(cfg)
     frontends = [str(topology.frontend_socket(cfg, i)) for i in range(cfg.frontends.count)]
     deadline = time.monotonic() + timeout
     bind_error = unloaded = None
@@ -45,7 +45,7 @@ def wait_ready(cfg: Config, timeout: float, starts: dict[str, int] | None = None
         bind_error = nginx_bind_error(cfg, nginx_log_start)
         if bind_error is not None:
             break
-        code, body = remote.http(url)
+        code, body = remote.http(url, context=context)
         if code == 200 and all(remote.http_unix(path, "/ready") == 200 for path in frontends):
             print(f"shmserve: ready at {remote.base_url(cfg)}")
             return 0

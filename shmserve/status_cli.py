@@ -9,7 +9,7 @@ import json
 import os
 import sys
 
-from shmserve import __version__, nginxrun, processes, remote, render, topology
+from shmserve import __version__, nginxrun, processes, remote, render, tls, topology
 from shmserve import status as statusview
 from shmserve.config import Config
 from shmserve.prechecks import CliError
@@ -76,7 +76,8 @@ def status(args: argparse.Namespace) -> int:
         # enough to see it answer again.
         wait = render.metrics_timeout_s(cfg.nginx) + 2.0
         sample = statusview.take(
-            remote.base_url(cfg), lambda url: remote.http(url, timeout=0.5 if silent else wait),
+            remote.base_url(cfg), lambda url: remote.http(url, timeout=0.5 if silent else wait,
+                                                          context=tls.client_context(cfg)),
             lambda: process_info(cfg), lambda: supervisord_pid(cfg),
             lambda target: from_a_frontend(cfg, target, wait))
         silent = sample.ready_code is None

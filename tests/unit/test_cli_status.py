@@ -57,7 +57,7 @@ def test_status_waits_longer_than_nginx_takes_to_pass_over_a_frozen_frontend(
     nginx.probe_timeout_s; status gave up at the same 2 s and said nginx did not answer."""
     waits = []
 
-    def http(url, method="GET", data=None, timeout=2.0, headers=None):
+    def http(url, method="GET", data=None, timeout=2.0, headers=None, context=None):
         waits.append(timeout)
         return None, b""
     monkeypatch.setattr(status_cli, "supervisord_pid", lambda cfg: 4242)
@@ -75,7 +75,7 @@ def test_status_watch_waits_long_again_once_nginx_answers(deployment, capsys, mo
     answers = iter([(None, b""), (200, b"{}"), (200, b""), (None, b"")])
     waits = []
 
-    def http(url, method="GET", data=None, timeout=2.0, headers=None):
+    def http(url, method="GET", data=None, timeout=2.0, headers=None, context=None):
         waits.append((url.rpartition("/")[2], timeout))
         return next(answers, (None, b""))
     monkeypatch.setattr(status_cli, "supervisord_pid", lambda cfg: 4242)

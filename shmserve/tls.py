@@ -1,0 +1,90 @@
+"""TLS on the deployment's port: nginx terminates it (nginx.tls_certificate, nginx.tls_key),
+offering HTTP/2 beside HTTP/1.1 (nginx.http2); the frontends behind it speak plain HTTP on
+their unix sockets, as without TLS. The CLI's own calls through nginx (`up --wait`, `status`,
+the admin commands) trust the configured certificate itself."""
+
+from __future__ import annotations
+
+import functools
+import re
+import ssl
+import subprocess
+from pathlib import Path
+
+from shmserve.config import Config
+from shmserve.layers import REPO_ROOT
+
+# Mozilla's "intermediate" protocols; nginx's default ciphers for them
+PROTOCOLS = "TLSv1.2 TLSv1.3"
+# nginx 1.25.1 made HTTP/2 a directive of its own (`http2 on;`); `listen ... http2`, the only
+# form before it, is deprecated there with a warning at every start
+HTTP2_DIRECTIVE = (1, 25, 1)
+
+
+class TlsError(Exception):
+    """A certificate or key nginx could not serve; the message names the key and the file."""
+
+
+def enabled(cfg: Config) -> bool:
+    return bool(cfg.nginx.tls_certificate)
+
+
+def path(value: str) -> Path:
+    """A configured file: relative paths are taken from the repository root (as run_dir)."""
+    found = Path(value).expanduser()
+    return found if found.is_absolute() else REPO_ROOT / found
+
+
+def check(cfg: Config) -> None:
+    """Refuse, before nginx starts, a certificate or key this user cannot read or that holds
+    no PEM block of its kind (nginx's own words for it come later, from `nginx -t`)."""
+    if not enabled(cfg):
+        return
+    for key, marker in (("nginx.tls_certificate", "-----BEGIN CERTIFICATE-----"),
+                        ("nginx.tls_key", "PRIVATE KEY-----")):
+        file = path(getattr(cfg.nginx, key.partition(".")[2]))
+        try:
+            text = file.read_text(errors="replace")
+        except OSError as exc:
+            raise TlsError(f"{key}: cannot read {file}: {exc.strerror}") from None
+        if marker not in text:
+            raise TlsError(f"{key}: {file} holds no PEM {marker.strip('-').lower()}")
+
+
+def nginx_values(cfg: Config, binary: str) -> dict[str, str]:
+    """nginx.conf's TLS placeholders: the listen parameters and the server's directives
+    (none without TLS)."""
+    if not enabled(cfg):
+        return {"listen_tls": "", "tls": "        # no TLS: nginx.tls_certificate is not set"}
+    http2 = cfg.nginx.http2
+    directive = http2 and nginx_version(binary) >= HTTP2_DIRECTIVE
+    lines = [f'ssl_certificate "{path(cfg.nginx.tls_certificate)}";',
+             f'ssl_certificate_key "{path(cfg.nginx.tls_key)}";',
+             f"ssl_protocols {PROTOCOLS};",
+             "ssl_session_cache shared:shmserve_tls:10m;",
+             "ssl_session_timeout 1d;",
+             "ssl_session_tickets off;",
+             *(["http2 on;"] if directive else [])]
+    return {"listen_tls": " ssl" + (" http2" if http2 and not directive else ""),
+            "tls": "\n".join(f"        {line}" for line in lines)}
+
+
+@functools.lru_cache(maxsize=4)
+def nginx_version(binary: str) -> tuple[int, ...]:
+    """`binary`'s version, from `nginx -v` (0, 0, 0 where it says none)."""
+    done = subprocess.run([binary, "-v"], capture_output=True, text=True, timeout=30,
+                          check=False)
+    found = re.search(r"nginx/(\d+)\.(\d+)\.(\d+)", done.stderr + done.stdout)
+    return tuple(int(part) for part in found.groups()) if found else (0, 0, 0)
+
+
+def client_context(cfg: Config) -> ssl.SSLContext | None:
+    """What the CLI's calls through nginx trust: the configured certificate itself (a
+    self-signed one, or a leaf issued by any CA), whatever names it holds, as they reach it at
+    the listen address (loopback for a wildcard one); None without TLS."""
+    if not enabled(cfg):
+        return None
+    context = ssl.create_default_context(cafile=str(path(cfg.nginx.tls_certificate)))
+    context.check_hostname = False
+    context.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN  # the leaf alone is trusted
+    return context

@@ -1,0 +1,106 @@
+"""TLS on the deployment's port (nginx.tls_certificate, nginx.tls_key): HTTPS and HTTP/2
+through nginx with the clients users have, the CLI's own calls through the port, and plain
+HTTP on it answered in the error shape."""
+
+from __future__ import annotations
+
+import json
+import socket
+import ssl
+
+import httpx
+import msgpack
+import numpy as np
+import pytest
+import requests
+import trustme
+from openai import OpenAI
+
+from shmserve.client import Client, ShmserveError
+from tests.conftest import tiny_overrides
+from tests.stack import Stack
+
+
+@pytest.fixture(scope="module")
+def tls(tmp_path_factory, tiny_model):
+    """A stack serving HTTPS with a certificate for 127.0.0.1 issued by a test CA (trustme),
+    and the CA's file, which clients trust."""
+    files = tmp_path_factory.mktemp("tls")
+    ca = trustme.CA()
+    issued = ca.issue_cert("127.0.0.1", "localhost")
+    for blob in issued.cert_chain_pems:  # the leaf, then its chain: as nginx wants it
+        blob.write_to_path(str(files / "chain.pem"), append=True)
+    issued.private_key_pem.write_to_path(str(files / "key.pem"))
+    ca.cert_pem.write_to_path(str(files / "ca.pem"))
+    stack = Stack(files / "stack", tiny_overrides(tiny_model, nginx={
+        "tls_certificate": str(files / "chain.pem"), "tls_key": str(files / "key.pem")}))
+    stack.up()  # `up --wait` polls /ready through the port: over TLS now
+    try:
+        yield stack, str(files / "ca.pem")
+    finally:
+        stack.down()
+
+
+def https(stack: Stack) -> str:
+    return f"https://127.0.0.1:{stack.port}"
+
+
+def test_requests_and_the_openai_client_embed_over_https(tls):
+    stack, ca = tls
+    answer = requests.post(f"{https(stack)}/v1/embeddings", json={"input": ["a", "b"]},
+                           verify=ca, timeout=30)
+    assert answer.status_code == 200, answer.text
+    assert len(answer.json()["data"]) == 2 and answer.headers["X-Request-ID"]
+    with httpx.Client(verify=ssl.create_default_context(cafile=ca)) as http_client:
+        client = OpenAI(base_url=f"{https(stack)}/v1", api_key="unused", http_client=http_client)
+        vectors = client.embeddings.create(model="tiny", input=["a", "b"]).data
+    assert np.allclose(vectors[0].embedding, answer.json()["data"][0]["embedding"], atol=1e-6)
+    # a client that does not trust the test CA is refused at the handshake
+    with pytest.raises(requests.exceptions.SSLError):
+        requests.get(f"{https(stack)}/health", timeout=30)
+
+
+def test_http2_is_offered_and_serves_every_format(tls):
+    stack, ca = tls
+    with httpx.Client(http2=True, verify=ssl.create_default_context(cafile=ca),
+                      base_url=https(stack), timeout=30) as client:
+        answer = client.post("/v1/embeddings", json={"input": "over h2"})
+        assert answer.http_version == "HTTP/2" and answer.status_code == 200, answer.text
+        packed = client.post("/predict", content=msgpack.packb({"texts": ["x", "y"]}),
+                             headers={"Content-Type": "application/msgpack",
+                                      "Accept": "application/msgpack"})
+        assert packed.status_code == 200 and packed.http_version == "HTTP/2"
+        # nginx's own error pages too: an unknown route, a body over the limit
+        missing = client.get("/no/such/route")
+        assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found"
+
+
+def test_plain_http_on_the_tls_port_is_told_to_use_https(tls):
+    stack, _ = tls
+    with socket.create_connection(("127.0.0.1", stack.port), timeout=30) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nAccept: application/json\r\n"
+                     b"Connection: close\r\n\r\n")
+        raw = b""
+        while chunk := sock.recv(65536):
+            raw += chunk
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400"), raw
+    error = json.loads(body)["error"]
+    assert error["type"] == "bad_request" and "https://" in error["message"], error
+
+
+def test_the_native_client_checks_the_servers_certificate(tls):
+    stack, ca = tls
+    with Client(https(stack), verify=ca, format="msgpack") as client:
+        assert client.embed(["a", "b"]).shape[0] == 2
+    with Client(https(stack), max_retries=0) as untrusting:  # the system's CAs only
+        with pytest.raises(ShmserveError, match="CERTIFICATE_VERIFY_FAILED"):
+            untrusting.embed("a")
+
+
+def test_the_cli_reaches_its_deployment_over_tls(tls):
+    stack, _ = tls
+    status = stack.cli("status", "--json")
+    about = json.loads(status.stdout)
+    assert about["url"] == https(stack), about
+    assert status.returncode == 0
