@@ -40,8 +40,8 @@ import xmlrpc.client
 from pathlib import Path
 from typing import Iterator, Mapping
 
-from shmserve import (config, configview, layers, models, processes, render, state, topology,
-                      versions)
+from shmserve import (config, configview, layers, models, processes, remote, render, state, tls,
+                      topology, versions)
 from shmserve.apply_plan import (FIXED, Plan, by_counts, forget_overridden, index_of, nginx_differs,
                                  plan, reloads_held, warn_gaps)
 from shmserve.prechecks import CliError, check_fds, check_port, check_shm, seconds
@@ -192,6 +192,11 @@ def _apply(args: argparse.Namespace, new: Config) -> int:
             f"{new.server.host}:{new.server.port}: clients of the old address lose it (was "
             "the address an override of `up`'s, that this command must be given again?)",
             sys.stderr)
+    if tls.enabled(new) != tls.enabled(old):  # the same address, another scheme
+        say(f"shmserve: warning: nginx moves from {remote.base_url(old)} to "
+            f"{remote.base_url(new)}: clients of the old scheme get "
+            + ("a 400 (plain HTTP on the TLS port)" if tls.enabled(new) else
+               "a failed TLS handshake"), sys.stderr)
     check_shm(new)
     check_fds(new)  # as `up` warns
     with processes.supervisor(new) as proxy:

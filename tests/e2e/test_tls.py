@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import socket
 import ssl
+from pathlib import Path
 
 import httpx
 import msgpack
@@ -18,22 +19,27 @@ from openai import OpenAI
 
 from shmserve.client import Client, ShmserveError
 from tests.conftest import tiny_overrides
+from tests.e2e.test_apply import edit
 from tests.stack import Stack
 
 
-@pytest.fixture(scope="module")
-def tls(tmp_path_factory, tiny_model):
-    """A stack serving HTTPS with a certificate for 127.0.0.1 issued by a test CA (trustme),
-    and the CA's file, which clients trust."""
-    files = tmp_path_factory.mktemp("tls")
+def issue(files: Path) -> dict[str, str]:
+    """A certificate for 127.0.0.1 issued by a test CA (trustme), its key and the CA's file,
+    which clients trust; the nginx keys that serve it."""
     ca = trustme.CA()
     issued = ca.issue_cert("127.0.0.1", "localhost")
     for blob in issued.cert_chain_pems:  # the leaf, then its chain: as nginx wants it
         blob.write_to_path(str(files / "chain.pem"), append=True)
     issued.private_key_pem.write_to_path(str(files / "key.pem"))
     ca.cert_pem.write_to_path(str(files / "ca.pem"))
-    stack = Stack(files / "stack", tiny_overrides(tiny_model, nginx={
-        "tls_certificate": str(files / "chain.pem"), "tls_key": str(files / "key.pem")}))
+    return {"tls_certificate": str(files / "chain.pem"), "tls_key": str(files / "key.pem")}
+
+
+@pytest.fixture(scope="module")
+def tls(tmp_path_factory, tiny_model):
+    """A stack serving HTTPS, and the CA's file."""
+    files = tmp_path_factory.mktemp("tls")
+    stack = Stack(files / "stack", tiny_overrides(tiny_model, nginx=issue(files)))
     stack.up()  # `up --wait` polls /ready through the port: over TLS now
     try:
         yield stack, str(files / "ca.pem")
@@ -104,3 +110,29 @@ def test_the_cli_reaches_its_deployment_over_tls(tls):
     about = json.loads(status.stdout)
     assert about["url"] == https(stack), about
     assert status.returncode == 0
+
+
+def test_an_apply_turns_tls_on_and_off_and_says_the_scheme_changed(tmp_path, tiny_model):
+    """nginx reloads into HTTPS on the same port, and back; the apply warns that clients of the
+    old scheme lose it, as it warns of a new address."""
+    stack = Stack(tmp_path / "stack", tiny_overrides(tiny_model))
+    stack.up()
+    try:
+        plain, secure = stack.url, https(stack)
+        edit(stack, nginx=issue(tmp_path))
+        done = stack.cli("apply", timeout=300)
+        assert "reload its configuration: nginx" in done.stdout, done.stdout
+        assert f"warning: nginx moves from {plain} to {secure}: clients of the old scheme get " \
+            "a 400 (plain HTTP on the TLS port)" in done.stderr, done.stderr
+        answer = requests.post(f"{secure}/v1/embeddings", json={"input": "x"},
+                               verify=str(tmp_path / "ca.pem"), timeout=30)
+        assert answer.status_code == 200, answer.text
+        assert requests.get(f"{plain}/health", timeout=30).status_code == 400
+        assert stack.cli("status").returncode == 0  # over TLS now
+        edit(stack, nginx={"tls_certificate": "", "tls_key": ""})
+        done = stack.cli("apply", timeout=300)
+        assert f"warning: nginx moves from {secure} to {plain}: clients of the old scheme get " \
+            "a failed TLS handshake" in done.stderr, done.stderr
+        assert requests.get(f"{plain}/health", timeout=30).status_code == 200
+    finally:
+        stack.down()
