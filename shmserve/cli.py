@@ -30,7 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from shmserve import (config, configview, models, nginxrun, processes, remote, render, state,
-                      topology)
+                      tls, topology)
 from shmserve.config import Config, ConfigError
 from shmserve.prechecks import (CliError, check_fds, check_port, check_shm, check_stdout,  # noqa: F401
                                 seconds)
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     try:
         return args.run(args)
-    except (ConfigError, render.RenderError, CliError, remote.RemoteError) as exc:
+    except (ConfigError, render.RenderError, CliError, remote.RemoteError, tls.TlsError) as exc:
         print(f"shmserve: {exc}", file=sys.stderr)
         return 2
     except PermissionError as exc:  # another user's deployment, or a file not ours

@@ -84,7 +84,12 @@ def client_context(cfg: Config) -> ssl.SSLContext | None:
     the listen address (loopback for a wildcard one); None without TLS."""
     if not enabled(cfg):
         return None
-    context = ssl.create_default_context(cafile=str(path(cfg.nginx.tls_certificate)))
+    file = path(cfg.nginx.tls_certificate)
+    try:
+        context = ssl.create_default_context(cafile=str(file))
+    except (OSError, ssl.SSLError) as exc:  # gone, or replaced by something else, since `up`
+        raise TlsError(f"nginx.tls_certificate: cannot read {file} to check the server's "
+                       f"certificate against: {getattr(exc, 'strerror', None) or exc}") from None
     context.check_hostname = False
     context.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN  # the leaf alone is trusted
     return context

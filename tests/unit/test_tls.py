@@ -72,3 +72,20 @@ def test_the_clis_calls_trust_the_configured_certificate_alone(tmp_path, pem):
     context = tls.client_context(cfg)
     assert context.check_hostname is False and context.cert_store_stats()["x509"] == 1
     assert tls.path("c.pem") == config.REPO_ROOT / "c.pem"  # relative: from the repository
+
+
+def test_a_certificate_gone_since_up_is_a_clear_cli_error(tmp_path, pem, capsys, monkeypatch):
+    cert, key = pem
+    gone = tmp_path / "gone.pem"
+    gone.write_bytes(cert.read_bytes())
+    cfg = make_config(tmp_path, nginx={"tls_certificate": str(gone), "tls_key": str(key)})
+    gone.unlink()
+    with pytest.raises(tls.TlsError, match=r"nginx.tls_certificate: cannot read .*gone.pem"):
+        tls.client_context(cfg)
+    from shmserve import cli
+
+    # what main makes of it where a command meets it (status, admin commands): one line, exit 2
+    monkeypatch.setattr(cli, "parse", lambda argv: type("Args", (), {
+        "run": staticmethod(lambda args: tls.client_context(cfg))})())
+    assert cli.main([]) == 2
+    assert "shmserve: nginx.tls_certificate: cannot read" in capsys.readouterr().err
