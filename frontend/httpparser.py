@@ -21,8 +21,12 @@ log = logging.getLogger("shmserve.frontend")
 def header_limit(cfg: Config) -> int:
     """The longest request line or header line nginx passes (one of its large header
     buffers), so the frontend's parser takes what nginx took: aiohttp's own limit is 8,190
-    bytes, and a longer bearer token (a JWT) got aiohttp's plain-text 400 quoting it."""
-    return nginx_size(cfg.nginx.large_client_header_buffers.split()[1])
+    bytes, and a longer bearer token (a JWT) got aiohttp's plain-text 400 quoting it.
+    Over HTTP/2 (nginx.tls_certificate) nginx measures a field as HPACK encoded it, and Huffman
+    codes take 5 bits a byte at the least: a field it passes is up to 8/5 of the buffer once
+    decoded (a 20,000-byte path got this parser's 400, not nginx's 414). Over HTTP/1.1 nginx
+    refuses at the buffer's size first, as before."""
+    return nginx_size(cfg.nginx.large_client_header_buffers.split()[1]) * 8 // 5 + 64
 
 
 def header_count_limit(cfg: Config) -> int:

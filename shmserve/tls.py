@@ -40,15 +40,23 @@ def check(cfg: Config) -> None:
     no PEM block of its kind (nginx's own words for it come later, from `nginx -t`)."""
     if not enabled(cfg):
         return
-    for key, marker in (("nginx.tls_certificate", "-----BEGIN CERTIFICATE-----"),
-                        ("nginx.tls_key", "PRIVATE KEY-----")):
+    for key, marker, kind in (("nginx.tls_certificate", "-----BEGIN CERTIFICATE-----",
+                               "certificate"),
+                              ("nginx.tls_key", "PRIVATE KEY-----", "private key")):
         file = path(getattr(cfg.nginx, key.partition(".")[2]))
         try:
             text = file.read_text(errors="replace")
         except OSError as exc:
             raise TlsError(f"{key}: cannot read {file}: {exc.strerror}") from None
         if marker not in text:
-            raise TlsError(f"{key}: {file} holds no PEM {marker.strip('-').lower()}")
+            raise TlsError(f"{key}: {file} holds no PEM {kind}")
+        # PKCS#8's "BEGIN ENCRYPTED PRIVATE KEY", or a traditional key's "Proc-Type: 4,ENCRYPTED":
+        # nginx asks for the pass phrase on the terminal (`nginx -t` in up and apply waited
+        # there), and under supervisord it waited forever without listening
+        if kind == "private key" and "ENCRYPTED" in text:
+            raise TlsError(f"{key}: {file} is encrypted (a pass phrase), which nginx would ask "
+                           "for on a terminal: give it unencrypted (`openssl pkey -in KEY -out "
+                           "PLAIN.key`, mode 0600)")
 
 
 def nginx_values(cfg: Config, binary: str) -> dict[str, str]:

@@ -9,6 +9,9 @@ import socket
 import ssl
 from pathlib import Path
 
+import h2.config
+import h2.connection
+import h2.events
 import httpx
 import msgpack
 import numpy as np
@@ -79,6 +82,47 @@ def test_http2_is_offered_and_serves_every_format(tls):
         # nginx's own error pages too: an unknown route, a body over the limit
         missing = client.get("/no/such/route")
         assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found"
+    # a body over nginx.client_max_body_size over HTTP/2 (h2 itself: httpx waits for the flow
+    # window of a body nginx no longer reads): nginx's HTML page was answered, not this one
+    status, headers, body = h2_request(stack, ca, [("content-type", "application/json"), (
+        "content-length", str(9 << 20))])
+    assert status == 413 and headers["content-type"] == "application/json", body
+    assert json.loads(body)["error"]["type"] == "too_large"
+    # nginx measures an HTTP/2 field HPACK-encoded: 20,000 'a's (5 bits each) pass it, and the
+    # frontend's parser answered them 400 "malformed HTTP request" (HTTP/1.1: nginx's 431/414)
+    with httpx.Client(http2=True, verify=ssl.create_default_context(cafile=ca),
+                      base_url=https(stack), timeout=30) as client:
+        long_header = client.get("/health", headers={"X-Long": "a" * 20000})
+        long_path = client.get("/health?" + "a" * 20000)
+    assert long_header.status_code == 200 and long_path.status_code == 200, long_path.text
+
+
+def h2_request(stack: Stack, ca: str, headers: list[tuple[str, str]]
+               ) -> tuple[int, dict[str, str], bytes]:
+    """A POST /v1/embeddings over HTTP/2 whose headers alone go: (status, headers, body)."""
+    context = ssl.create_default_context(cafile=ca)
+    context.set_alpn_protocols(["h2"])
+    with context.wrap_socket(socket.create_connection(("127.0.0.1", stack.port), timeout=30),
+                             server_hostname="127.0.0.1") as sock:
+        assert sock.selected_alpn_protocol() == "h2"
+        conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+        conn.initiate_connection()
+        conn.send_headers(1, [(":method", "POST"), (":path", "/v1/embeddings"),
+                              (":scheme", "https"), (":authority", "127.0.0.1"), *headers])
+        sock.sendall(conn.data_to_send())
+        status, got, body = 0, {}, b""
+        while True:
+            data = sock.recv(65536)
+            assert data, "the connection closed before the answer ended"
+            for event in conn.receive_data(data):
+                if isinstance(event, h2.events.ResponseReceived):
+                    got = {k.decode(): v.decode() for k, v in event.headers}
+                    status = int(got[":status"])
+                elif isinstance(event, h2.events.DataReceived):
+                    body += event.data
+                elif isinstance(event, (h2.events.StreamEnded, h2.events.StreamReset)):
+                    return status, got, body
+            sock.sendall(conn.data_to_send())
 
 
 def test_plain_http_on_the_tls_port_is_told_to_use_https(tls):

@@ -40,8 +40,18 @@ def test_up_refuses_a_file_it_cannot_read_or_that_holds_no_pem(tmp_path, pem):
     swapped = make_config(tmp_path / "run", nginx={"tls_certificate": str(key),
                                                    "tls_key": str(cert)})
     with pytest.raises(render.RenderError, match="nginx.tls_certificate: .* holds no PEM "
-                                                 "begin certificate"):
+                                                 "certificate$"):
         render.render(swapped)
+    # an encrypted key: nginx -t asked for its pass phrase on the terminal (up and apply waited
+    # there), and nginx under supervisord waited for it without ever listening
+    for header in ("-----BEGIN ENCRYPTED PRIVATE KEY-----\n",
+                   "-----BEGIN RSA PRIVATE KEY-----\nProc-Type: 4,ENCRYPTED\n"):
+        locked = tmp_path / "locked.pem"
+        locked.write_text(header + "MIIB\n-----END PRIVATE KEY-----\n")
+        encrypted = make_config(tmp_path / "run", nginx={"tls_certificate": str(cert),
+                                                         "tls_key": str(locked)})
+        with pytest.raises(render.RenderError, match="nginx.tls_key: .*locked.pem is encrypted"):
+            render.render(encrypted)
 
 
 def test_nginx_listens_with_tls_and_http2_as_its_version_takes_it(tmp_path, pem):
