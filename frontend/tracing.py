@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import urllib.parse
 from typing import Mapping
 
 from frontend import metrics
@@ -27,6 +28,39 @@ from shmserve.config import Config
 
 log = logging.getLogger("shmserve.frontend")
 CLOSE_S = 2.0  # what a stopping frontend gives the collector (its stop wait: drain + 5 s)
+
+
+class HideEndpointSecrets(logging.Filter):
+    """Replace the user information and the query string of `url` with *** in the records of
+    the exporter and the HTTP library under it (the others, a line per request among them, are
+    passed as they are, unread)."""
+
+    LOGGERS = ("opentelemetry", "urllib3", "requests")
+
+    def __init__(self, url: str) -> None:
+        super().__init__()
+        parts = urllib.parse.urlsplit(url)
+        userinfo = parts.netloc.rpartition("@")[0]
+        found = {parts.query, userinfo, parts.password or ""}
+        self.secrets = sorted((s for s in found if s), key=len, reverse=True)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not self.secrets or not record.name.startswith(self.LOGGERS):
+            return True
+        message = record.getMessage()
+        hidden = message
+        for secret in self.secrets:
+            hidden = hidden.replace(secret, "***")
+        if hidden != message:
+            record.msg, record.args = hidden, None
+        if record.exc_info and record.exc_info[1] is not None:
+            text = record.exc_text or logging.Formatter().formatException(record.exc_info)
+            shown = text
+            for secret in self.secrets:
+                shown = shown.replace(secret, "***")
+            if shown != text:
+                record.exc_text = shown
+        return True
 
 
 class Tracing:
@@ -45,6 +79,12 @@ class Tracing:
                                       "service.instance.id": f"frontend-{index}"}),
             sampler=ParentBased(TraceIdRatioBased(t.sample_ratio)))
         self.processor = _counted(OTLPSpanExporter(endpoint=t.otlp_endpoint, timeout=5))
+        # The exporter's own warnings quote the URL it failed ("... url: /v1/traces?token=..."):
+        # keep the endpoint's secrets (user:password, query) out of every log line, as
+        # `shmserve config` keeps them out of its output.
+        hide = HideEndpointSecrets(t.otlp_endpoint)
+        for handler in logging.getLogger().handlers:
+            handler.addFilter(hide)
         self.provider.add_span_processor(self.processor)
         for result in ("exported", "failed", "dropped"):
             metrics.TRACE_SPANS.labels(result)
