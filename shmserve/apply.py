@@ -184,7 +184,8 @@ def _apply(args: argparse.Namespace, new: Config) -> int:
         models.check(new, topology.worker_devices(new))
     except models.ModelSourceError as exc:
         raise CliError(f"models: {exc}") from None
-    if new.server.port != old.server.port or new.server.host != old.server.host:
+    moved = new.server.port != old.server.port or new.server.host != old.server.host
+    if moved:
         check_address(old, new)
         # listed above among the keys, but easy to miss (an outside check's apply left out
         # `up`'s SHMSERVE__SERVER__PORT and moved the deployment to the default port)
@@ -193,10 +194,19 @@ def _apply(args: argparse.Namespace, new: Config) -> int:
             "the address an override of `up`'s, that this command must be given again?)",
             sys.stderr)
     if tls.enabled(new) != tls.enabled(old):  # the same address, another scheme
+        moved = True
         say(f"shmserve: warning: nginx moves from {remote.base_url(old)} to "
             f"{remote.base_url(new)}: clients of the old scheme get "
             + ("a 400 (plain HTTP on the TLS port)" if tls.enabled(new) else
                "a failed TLS handshake"), sys.stderr)
+    # Asked for, not only warned of: an outside check's `apply --env prod` in a new shell,
+    # without up's overrides, moved a loopback deployment to 0.0.0.0:8080
+    if moved and not args.move:
+        if args.dry_run:
+            say("shmserve: (an apply of this needs --move)", sys.stderr)
+        else:
+            raise CliError("this apply moves where clients reach the deployment (above): give "
+                           "--move to apply it, or the settings `up` was given, again")
     check_shm(new)
     check_fds(new)  # as `up` warns
     with processes.supervisor(new) as proxy:
@@ -382,6 +392,9 @@ def add_parser(command) -> None:
                   "to the running deployment, one process at a time (counts, batching, limits, "
                   "nginx, models)")
     cmd.add_argument("--dry-run", action="store_true", help="print the changes and do nothing")
+    cmd.add_argument("--move", action="store_true", help="apply a change of where clients "
+                     "reach the deployment (server.host, server.port, TLS on or off); refused "
+                     "without it")
     cmd.add_argument("--timeout", type=seconds, help="seconds to wait for each started program "
                      "to be ready (default: workers.ready_timeout_s)")
 

@@ -14,7 +14,7 @@ from shmserve import render, topology
 from shmserve.config import load_resolved
 from tests.conftest import tiny_overrides
 from tests.e2e.test_operations import Traffic
-from tests.stack import Stack, deep_merge, free_port
+from tests.stack import Stack, bindable, deep_merge, free_port
 
 
 @pytest.fixture
@@ -128,10 +128,18 @@ def test_apply_restarts_only_what_reads_a_changed_key_and_goes_on_after_a_failur
     # A new port: warned of, as an `up` override left out would change it
     edit(stack, server={"port": (port := free_port())})
     moved = stack.cli("apply", "--dry-run", check=False)
-    edit(stack, server={"port": stack.port})
     assert moved.returncode == 0, moved.stdout + moved.stderr
     assert f"warning: nginx moves from 127.0.0.1:{stack.port} to 127.0.0.1:{port}: clients " \
         "of the old address lose it" in moved.stderr, moved.stderr
+    assert "(an apply of this needs --move)" in moved.stderr
+    # and a real one is refused without --move, before anything changes (an outside check's
+    # `apply --env prod` without up's overrides moved a loopback deployment to 0.0.0.0:8080)
+    refused = stack.cli("apply", check=False)
+    edit(stack, server={"port": stack.port})
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert "this apply moves where clients reach the deployment (above): give --move" in \
+        refused.stderr, refused.stderr
+    assert stack.get("/health")[0] == 200 and bindable(port)  # nginx did not move
 
     edit(stack, nginx={"rate_limit_per_s": 50})  # nginx's alone: a reload, no restart
     dry = stack.cli("apply", "--dry-run")

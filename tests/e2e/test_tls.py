@@ -164,7 +164,7 @@ def test_an_apply_turns_tls_on_and_off_and_says_the_scheme_changed(tmp_path, tin
     try:
         plain, secure = stack.url, https(stack)
         edit(stack, nginx=issue(tmp_path))
-        done = stack.cli("apply", timeout=300)
+        done = stack.cli("apply", "--move", timeout=300)
         assert "reload its configuration: nginx" in done.stdout, done.stdout
         assert f"warning: nginx moves from {plain} to {secure}: clients of the old scheme get " \
             "a 400 (plain HTTP on the TLS port)" in done.stderr, done.stderr
@@ -174,7 +174,7 @@ def test_an_apply_turns_tls_on_and_off_and_says_the_scheme_changed(tmp_path, tin
         assert requests.get(f"{plain}/health", timeout=30).status_code == 400
         assert stack.cli("status").returncode == 0  # over TLS now
         edit(stack, nginx={"tls_certificate": "", "tls_key": ""})
-        done = stack.cli("apply", timeout=300)
+        done = stack.cli("apply", "--move", timeout=300)
         assert f"warning: nginx moves from {secure} to {plain}: clients of the old scheme get " \
             "a failed TLS handshake" in done.stderr, done.stderr
         assert requests.get(f"{plain}/health", timeout=30).status_code == 200

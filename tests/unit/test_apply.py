@@ -270,7 +270,7 @@ def test_an_apply_nginx_refuses_leaves_no_apply_under_way(base, monkeypatch):
 
     monkeypatch.setattr(apply.render, "render", refused)
     new = with_(base, batching={"max_wait_ms": 3})
-    args = argparse.Namespace(dry_run=False, timeout=None, env=None, config=None)
+    args = argparse.Namespace(dry_run=False, timeout=None, env=None, config=None, move=False)
     marker = apply.topology.apply_marker_path(base)
     with pytest.raises(render.RenderError):
         apply._apply(args, new)
@@ -297,7 +297,7 @@ def test_a_dry_run_after_an_apply_that_stopped_part_way_lists_the_keys(base, mon
     tried = with_(base, batching={"max_wait_ms": 9.0})
     apply.topology.apply_marker_path(base).write_text(json.dumps(
         {"from": json.loads(base.to_json()), "attempts": [json.loads(tried.to_json())]}))
-    args = argparse.Namespace(dry_run=True, timeout=None, env=None, config=None)
+    args = argparse.Namespace(dry_run=True, timeout=None, env=None, config=None, move=False)
     for new, keys in (
             (base, ["batching.max_wait_ms: 9.0 -> 2.0 (the earlier apply's, on the programs "
                     "it restarted)"]),  # the config put back
