@@ -34,6 +34,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import socket
 import sys
 import time
 import xmlrpc.client
@@ -184,16 +185,20 @@ def _apply(args: argparse.Namespace, new: Config) -> int:
         models.check(new, topology.worker_devices(new))
     except models.ModelSourceError as exc:
         raise CliError(f"models: {exc}") from None
-    moved = new.server.port != old.server.port or new.server.host != old.server.host
+    tls.check(new)  # a dry run too: an encrypted key was refused by the real apply alone
+    moved = new.server.port != old.server.port or not same_listen(old, new)
     if moved:
         check_address(old, new)
         # listed above among the keys, but easy to miss (an outside check's apply left out
         # `up`'s SHMSERVE__SERVER__PORT and moved the deployment to the default port)
+        scheme = (f" (and from {remote.base_url(old).partition(':')[0]}:// to "
+                  f"{remote.base_url(new).partition(':')[0]}://)"
+                  if tls.enabled(new) != tls.enabled(old) else "")
         say(f"shmserve: warning: nginx moves from {old.server.host}:{old.server.port} to "
-            f"{new.server.host}:{new.server.port}: clients of the old address lose it (was "
-            "the address an override of `up`'s, that this command must be given again?)",
+            f"{new.server.host}:{new.server.port}{scheme}: clients of the old address lose it "
+            "(was the address an override of `up`'s, that this command must be given again?)",
             sys.stderr)
-    if tls.enabled(new) != tls.enabled(old):  # the same address, another scheme
+    if tls.enabled(new) != tls.enabled(old) and not moved:  # the same address, another scheme
         moved = True
         say(f"shmserve: warning: nginx moves from {remote.base_url(old)} to "
             f"{remote.base_url(new)}: clients of the old scheme get "
@@ -250,6 +255,25 @@ def _apply(args: argparse.Namespace, new: Config) -> int:
     marker.unlink()
     say("shmserve: applied")
     return 0
+
+
+def listen_addresses(cfg: Config) -> frozenset:
+    """The socket addresses nginx binds for server.host (a name resolved as nginx resolves it;
+    empty where it does not resolve)."""
+    try:
+        found = socket.getaddrinfo(cfg.server.host, cfg.server.port, type=socket.SOCK_STREAM)
+    except OSError:
+        return frozenset()
+    return frozenset((family, address[:2]) for family, _, _, _, address in found)
+
+
+def same_listen(old: Config, new: Config) -> bool:
+    """The same host, or another spelling of it (localhost for 127.0.0.1) that binds the same
+    sockets: nginx keeps its listening socket over the reload and no client moves."""
+    if new.server.host == old.server.host:
+        return True
+    addresses = listen_addresses(new)
+    return bool(addresses) and addresses == listen_addresses(old)
 
 
 def check_address(old: Config, new: Config) -> None:

@@ -163,7 +163,15 @@ def test_an_apply_turns_tls_on_and_off_and_says_the_scheme_changed(tmp_path, tin
     stack.up()
     try:
         plain, secure = stack.url, https(stack)
-        edit(stack, nginx=issue(tmp_path))
+        # an encrypted key is refused by the dry run too (only the real apply refused it)
+        locked = tmp_path / "locked.pem"
+        locked.write_text("-----BEGIN ENCRYPTED PRIVATE KEY-----\nMIIB\n"
+                          "-----END ENCRYPTED PRIVATE KEY-----\n")
+        files = issue(tmp_path)
+        edit(stack, nginx={**files, "tls_key": str(locked)})
+        dry = stack.cli("apply", "--dry-run", "--move", check=False)
+        assert dry.returncode == 2 and "locked.pem is encrypted" in dry.stderr, dry.stderr
+        edit(stack, nginx=files)
         done = stack.cli("apply", "--move", timeout=300)
         assert "reload its configuration: nginx" in done.stdout, done.stdout
         assert f"warning: nginx moves from {plain} to {secure}: clients of the old scheme get " \

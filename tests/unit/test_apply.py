@@ -385,3 +385,27 @@ def test_a_model_changing_to_variants_is_warned_of(base, capsys):
     apply_plan.warn_gaps(base, base, Plan(reshaped=["m"]))
     said = capsys.readouterr().err
     assert "what the workers load under m changes" in said and "requests for it fail" in said
+
+
+def test_another_spelling_of_the_same_host_is_no_move(monkeypatch):
+    """localhost for 127.0.0.1 (as this machine resolves it) binds the same socket: no --move
+    asked for, and no "in use by another process" from the port check (recheck43b)."""
+    import socket
+
+    resolved = {"localhost": ["127.0.0.1"], "127.0.0.1": ["127.0.0.1"], "::1": ["::1"],
+                "dual": ["127.0.0.1", "::1"]}
+
+    def getaddrinfo(host, port, type=0):
+        if host not in resolved:
+            raise socket.gaierror(host)
+        return [(socket.AF_INET6 if ":" in a else socket.AF_INET, type, 6, "", (a, port))
+                for a in resolved[host]]
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+
+    def at(host):
+        return config.from_tree({"models": [{"name": "m", "source": "/m"}],
+                                 "server": {"host": host, "port": 8080}})
+    assert apply.same_listen(at("127.0.0.1"), at("localhost"))
+    assert not apply.same_listen(at("127.0.0.1"), at("::1"))
+    assert not apply.same_listen(at("127.0.0.1"), at("dual"))
+    assert not apply.same_listen(at("127.0.0.1"), at("nowhere"))  # does not resolve
