@@ -34,18 +34,16 @@ import contextlib
 import dataclasses
 import json
 import os
-import socket
-import sys
 import time
 import xmlrpc.client
 from pathlib import Path
 from typing import Iterator, Mapping
 
-from shmserve import (config, configview, layers, models, processes, remote, render, state, tls,
+from shmserve import (config, configview, layers, models, moves, processes, render, state, tls,
                       topology, versions)
 from shmserve.apply_plan import (FIXED, Plan, by_counts, forget_overridden, index_of, nginx_differs,
                                  plan, reloads_held, warn_gaps)
-from shmserve.prechecks import CliError, check_fds, check_port, check_shm, seconds
+from shmserve.prechecks import CliError, check_fds, check_shm, seconds
 from shmserve.config import Config
 from shmserve.restarts import ctl, reload_nginx, say, wait_until_ready
 from shmserve.startwait import process_info
@@ -186,32 +184,7 @@ def _apply(args: argparse.Namespace, new: Config) -> int:
     except models.ModelSourceError as exc:
         raise CliError(f"models: {exc}") from None
     tls.check(new)  # a dry run too: an encrypted key was refused by the real apply alone
-    moved = new.server.port != old.server.port or not same_listen(old, new)
-    if moved:
-        check_address(old, new)
-        # listed above among the keys, but easy to miss (an outside check's apply left out
-        # `up`'s SHMSERVE__SERVER__PORT and moved the deployment to the default port)
-        scheme = (f" (and from {remote.base_url(old).partition(':')[0]}:// to "
-                  f"{remote.base_url(new).partition(':')[0]}://)"
-                  if tls.enabled(new) != tls.enabled(old) else "")
-        say(f"shmserve: warning: nginx moves from {old.server.host}:{old.server.port} to "
-            f"{new.server.host}:{new.server.port}{scheme}: clients of the old address lose it "
-            "(was the address an override of `up`'s, that this command must be given again?)",
-            sys.stderr)
-    if tls.enabled(new) != tls.enabled(old) and not moved:  # the same address, another scheme
-        moved = True
-        say(f"shmserve: warning: nginx moves from {remote.base_url(old)} to "
-            f"{remote.base_url(new)}: clients of the old scheme get "
-            + ("a 400 (plain HTTP on the TLS port)" if tls.enabled(new) else
-               "a failed TLS handshake"), sys.stderr)
-    # Asked for, not only warned of: an outside check's `apply --env prod` in a new shell,
-    # without up's overrides, moved a loopback deployment to 0.0.0.0:8080
-    if moved and not args.move:
-        if args.dry_run:
-            say("shmserve: (an apply of this needs --move)", sys.stderr)
-        else:
-            raise CliError("this apply moves where clients reach the deployment (above): give "
-                           "--move to apply it, or the settings `up` was given, again")
+    moves.check(old, new, args.move, args.dry_run, say)
     check_shm(new)
     check_fds(new)  # as `up` warns
     with processes.supervisor(new) as proxy:
@@ -255,42 +228,6 @@ def _apply(args: argparse.Namespace, new: Config) -> int:
     marker.unlink()
     say("shmserve: applied")
     return 0
-
-
-def listen_addresses(cfg: Config) -> frozenset:
-    """The socket addresses nginx binds for server.host (a name resolved as nginx resolves it;
-    empty where it does not resolve)."""
-    try:
-        found = socket.getaddrinfo(cfg.server.host, cfg.server.port, type=socket.SOCK_STREAM)
-    except OSError:
-        return frozenset()
-    return frozenset((family, address[:2]) for family, _, _, _, address in found)
-
-
-def same_listen(old: Config, new: Config) -> bool:
-    """The same host, or another spelling of it (localhost for 127.0.0.1) that binds the same
-    sockets: nginx keeps its listening socket over the reload and no client moves."""
-    if new.server.host == old.server.host:
-        return True
-    addresses = listen_addresses(new)
-    return bool(addresses) and addresses == listen_addresses(old)
-
-
-def check_address(old: Config, new: Config) -> None:
-    """The new address must be free; on the same port, the one that holds it may be this
-    deployment's own nginx (a wildcard address overlaps every other): nginx cannot take the
-    new one while it holds the old, so that change needs a new start."""
-    try:
-        check_port(new)
-    except CliError:
-        if new.server.port == old.server.port and \
-                {old.server.host, new.server.host} & {"0.0.0.0", "::"}:
-            raise CliError(f"server.host: {old.server.host} -> {new.server.host} on the same port "
-                           f"{new.server.port}: this deployment's nginx holds the old address, "
-                           "which overlaps the new; `shmserve down`, then `shmserve up` to "
-                           "change it (or was the host an override or --env of `up`'s that "
-                           "this command left out?)") from None
-        raise
 
 
 def run(new: Config, old: Config, steps: Plan, timeout: float) -> None:

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from shmserve import apply, apply_plan, config
+from shmserve import apply, apply_plan, config, moves
 from shmserve.config import REPO_ROOT
 from tests.unit.test_render import make_config
 
@@ -405,7 +405,7 @@ def test_another_spelling_of_the_same_host_is_no_move(monkeypatch):
     def at(host):
         return config.from_tree({"models": [{"name": "m", "source": "/m"}],
                                  "server": {"host": host, "port": 8080}})
-    assert apply.same_listen(at("127.0.0.1"), at("localhost"))
-    assert not apply.same_listen(at("127.0.0.1"), at("::1"))
-    assert not apply.same_listen(at("127.0.0.1"), at("dual"))
-    assert not apply.same_listen(at("127.0.0.1"), at("nowhere"))  # does not resolve
+    assert moves.same_listen(at("127.0.0.1"), at("localhost"))
+    assert not moves.same_listen(at("127.0.0.1"), at("::1"))
+    assert not moves.same_listen(at("127.0.0.1"), at("dual"))
+    assert not moves.same_listen(at("127.0.0.1"), at("nowhere"))  # does not resolve
