@@ -42,6 +42,17 @@ def spawn():
         deadline = time.monotonic() + 10
         while not psutil.Process(proc.pid).cmdline() and time.monotonic() < deadline:
             time.sleep(0.001)
+        # and until its interpreter has started and sleeps: a frontend whose CPU time moves is
+        # taken to run (gpu_workers.watch: unreached, not hung), and a start still under way
+        # when a watch took its CPU time spared it (the fresh-clone CI of e5d8196, loaded)
+        before = None
+        while time.monotonic() < deadline:
+            child = psutil.Process(proc.pid)
+            now = sum(child.cpu_times()[:2])
+            if now == before and child.status() == psutil.STATUS_SLEEPING:
+                break
+            before = now
+            time.sleep(0.1)
         return proc
 
     yield start
