@@ -65,13 +65,15 @@ def same_listen(old: Config, new: Config) -> bool:
 
 def check_address(old: Config, new: Config) -> None:
     """The new address must be free; on the same port, the one that holds it may be this
-    deployment's own nginx (a wildcard address overlaps every other): nginx cannot take the
-    new one while it holds the old, so that change needs a new start."""
+    deployment's own nginx (a wildcard address overlaps every other, and a name may resolve to
+    the old address among others: localhost to 127.0.0.1 and ::1): nginx cannot take the new
+    one while it holds the old, so that change needs a new start."""
     try:
         check_port(new)
     except CliError:
-        if new.server.port == old.server.port and \
-                {old.server.host, new.server.host} & {"0.0.0.0", "::"}:
+        if new.server.port == old.server.port and (
+                {old.server.host, new.server.host} & {"0.0.0.0", "::"}
+                or listen_addresses(old) & listen_addresses(new)):
             raise CliError(f"server.host: {old.server.host} -> {new.server.host} on the same port "
                            f"{new.server.port}: this deployment's nginx holds the old address, "
                            "which overlaps the new; `shmserve down`, then `shmserve up` to "

@@ -409,3 +409,27 @@ def test_another_spelling_of_the_same_host_is_no_move(monkeypatch):
     assert not moves.same_listen(at("127.0.0.1"), at("::1"))
     assert not moves.same_listen(at("127.0.0.1"), at("dual"))
     assert not moves.same_listen(at("127.0.0.1"), at("nowhere"))  # does not resolve
+
+
+def test_a_name_resolving_to_the_old_address_among_others_is_said_to_overlap(monkeypatch):
+    """localhost resolving to 127.0.0.1 and ::1 is a move from 127.0.0.1, and its port check
+    failed on this deployment's own nginx: it said "in use by another process" (recheck43b)."""
+    import socket
+
+    from shmserve.prechecks import CliError
+
+    def getaddrinfo(host, port, type=0):
+        found = {"127.0.0.1": ["127.0.0.1"], "dual": ["127.0.0.1", "::1"]}[host]
+        return [(socket.AF_INET6 if ":" in a else socket.AF_INET, type, 6, "", (a, port))
+                for a in found]
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+
+    def held(cfg):
+        raise CliError(f"{cfg.server.host}:{cfg.server.port} is in use by another process")
+    monkeypatch.setattr(moves, "check_port", held)
+
+    def at(host):
+        return config.from_tree({"models": [{"name": "m", "source": "/m"}],
+                                 "server": {"host": host, "port": 8080}})
+    with pytest.raises(CliError, match="this deployment's nginx holds the old address"):
+        moves.check_address(at("127.0.0.1"), at("dual"))
