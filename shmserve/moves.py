@@ -21,8 +21,7 @@ def check(old: Config, new: Config, move: bool, dry_run: bool,
         check_address(old, new)
         # listed above among the keys, but easy to miss (an outside check's apply left out
         # `up`'s SHMSERVE__SERVER__PORT and moved the deployment to the default port)
-        scheme = (f" (and from {remote.base_url(old).partition(':')[0]}:// to "
-                  f"{remote.base_url(new).partition(':')[0]}://)"
+        scheme = (f" (and from {tls.scheme(old)}:// to {tls.scheme(new)}://)"
                   if tls.enabled(new) != tls.enabled(old) else "")
         say(f"shmserve: warning: nginx moves from {old.server.host}:{old.server.port} to "
             f"{new.server.host}:{new.server.port}{scheme}: clients of the old address lose it "

@@ -105,7 +105,7 @@ def base_url(cfg: Config) -> str:
     """Where the deployment answers on this machine (a wildcard listen address: loopback)."""
     host = cfg.server.host
     host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
-    scheme = "https" if tls.enabled(cfg) else "http"
+    scheme = tls.scheme(cfg)
     return f"{scheme}://[{host}]:{cfg.server.port}" if ":" in host else \
         f"{scheme}://{host}:{cfg.server.port}"
 

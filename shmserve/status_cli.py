@@ -62,6 +62,7 @@ def status(args: argparse.Namespace) -> int:
     title = f"shmserve {__version__} at {remote.base_url(cfg)} (run_dir {cfg.run_dir})"
 
     silent = False  # nginx did not answer the last sample
+    context = tls.client_context(cfg)  # once: the certificate file was read at every request
 
     def take() -> statusview.Sample:
         nonlocal silent
@@ -77,7 +78,7 @@ def status(args: argparse.Namespace) -> int:
         wait = render.metrics_timeout_s(cfg.nginx) + 2.0
         sample = statusview.take(
             remote.base_url(cfg), lambda url: remote.http(url, timeout=0.5 if silent else wait,
-                                                          context=tls.client_context(cfg)),
+                                                          context=context),
             lambda: process_info(cfg), lambda: supervisord_pid(cfg),
             lambda target: from_a_frontend(cfg, target, wait))
         silent = sample.ready_code is None

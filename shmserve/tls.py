@@ -29,6 +29,11 @@ def enabled(cfg: Config) -> bool:
     return bool(cfg.nginx.tls_certificate)
 
 
+def scheme(cfg: Config) -> str:
+    """How clients reach nginx: https with TLS, else http."""
+    return "https" if enabled(cfg) else "http"
+
+
 def path(value: str) -> Path:
     """A configured file: relative paths are taken from the repository root (as run_dir)."""
     found = Path(value).expanduser()
