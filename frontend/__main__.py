@@ -91,12 +91,22 @@ def serve(cfg: Config, index: int) -> int:
         for signum in STOP_SIGNALS:
             loop.remove_signal_handler(signum)
             signal.signal(signum, signal.SIG_IGN)
+        if cfg.server.grpc_port:
+            # The gRPC calls drain first, while the HTTP socket they call still listens
+            from frontend import grpc_api
+
+            grpc_api.stop_calls_then(app, lambda: loop.call_soon(graceful_exit))
+            return
         raise web.GracefulExit()
+
+    def graceful_exit() -> None:
+        raise web.GracefulExit()  # out of run_app's loop, as a signal handler's would
 
     for signum in STOP_SIGNALS:
         loop.add_signal_handler(signum, stop)
     sock = bind_in_place(path, cfg.frontends.listen_backlog)
-    web.run_app(create_app(cfg, index), sock=sock, print=None, loop=loop,
+    app = create_app(cfg, index)
+    web.run_app(app, sock=sock, print=None, loop=loop,
                 shutdown_timeout=cfg.server.drain_timeout_s, access_log=None,
                 handle_signals=False, backlog=cfg.frontends.listen_backlog,
                 # A client that goes away cancels its handler, which aborts its queued work

@@ -20,7 +20,7 @@ from shmserve.restarts import say
 # only these leaves the workers running. tests/unit/test_apply.py reads the workers' code for
 # each of them. frontends.count: a worker learns the frontends from their pings.
 FRONTEND_SIDE = ("nginx.", "limits.", "auth.", "tracing.", "shm.", "server.host",
-                 "server.port", "admin.token", "frontends.")
+                 "server.port", "server.grpc_port", "admin.token", "frontends.")
 READ_BY_WORKERS = ("frontends.hung_kill_s",)
 # Keys no frontend reads (frontend/ and the shmserve modules it runs): a change of only these
 # leaves the frontends running (the worker count changing restarts them anyway).

@@ -38,6 +38,7 @@ _TLS_FILE: Check = (lambda v: re.fullmatch(r'[^\x00-\x1f\x7f"\\$]*', v) is not N
 MAX_CONNECTIONS = 1 << 20  # an nginx worker's, as Linux's default nr_open allows descriptors
 CHECKS: dict[str, Check] = {
     "server.port": (lambda v: 1 <= v <= 65535, "a port from 1 to 65535"),
+    "server.grpc_port": (lambda v: 0 <= v <= 65535, "a port from 1 to 65535, or 0 (no gRPC)"),
     "server.drain_timeout_s": _UP_TO_A_DAY,
     # Pasted into nginx.conf: nothing but a value may pass (no `;`, no second directive).
     "server.host": (lambda v: re.fullmatch(r"[A-Za-z0-9.-]{1,253}|[0-9A-Fa-f:.]{2,45}", v)
@@ -284,6 +285,9 @@ def check_relations(cfg: Any) -> None:
         raise ConfigError(f"workers.queue_texts: {cfg.workers.queue_texts}{low} is under "
                           f"limits.max_texts_per_request ({cfg.limits.max_texts_per_request}): "
                           "a request that large could never be queued")
+    if cfg.server.grpc_port == cfg.server.port:
+        raise ConfigError(f"server.grpc_port: {cfg.server.grpc_port} is server.port too; gRPC "
+                          "needs a port of its own (or 0: no gRPC)")
     if bool(cfg.nginx.tls_certificate) != bool(cfg.nginx.tls_key):
         given, missing = (("nginx.tls_certificate", "nginx.tls_key") if cfg.nginx.tls_certificate
                           else ("nginx.tls_key", "nginx.tls_certificate"))

@@ -29,6 +29,9 @@ from shmserve.typedtree import ConfigError, build
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8080
+    # KServe v2's gRPC service (and gRPC health checking) on this port of server.host, through
+    # nginx to the frontends (frontend.grpc_api); 0: off.
+    grpc_port: int = 0
     run_dir: str = "run"  # relative paths are taken from the repository root
     drain_timeout_s: float = 10.0
 

@@ -35,12 +35,27 @@ def check(old: Config, new: Config, move: bool, dry_run: bool,
                "a failed TLS handshake"), sys.stderr)
     # Asked for, not only warned of: an outside check's `apply --env prod` in a new shell,
     # without up's overrides, moved a loopback deployment to 0.0.0.0:8080
+    moved = _grpc(old, new, say) or moved
     if moved and not move:
         if dry_run:
             say("shmserve: (an apply of this needs --move)", sys.stderr)
         else:
             raise CliError("this apply moves where clients reach the deployment (above): give "
                            "--move to apply it, or the settings `up` was given, again")
+
+
+def _grpc(old: Config, new: Config, say: Callable[..., None]) -> bool:
+    """Check a gRPC port turned on or changed free (on a new host, check_address checks it);
+    whether gRPC's clients lose their port (a move)."""
+    before, after = old.server.grpc_port, new.server.grpc_port
+    if after and after != before and same_listen(old, new):
+        check_port(new, ("server.grpc_port",))
+    if not before or after == before:
+        return False
+    where = f"port {after}" if after else "nowhere (server.grpc_port 0)"
+    say(f"shmserve: warning: gRPC moves from port {before} to {where}: its clients lose the "
+        "old port", sys.stderr)
+    return True
 
 
 def listen_addresses(cfg: Config) -> frozenset:
@@ -68,7 +83,9 @@ def check_address(old: Config, new: Config) -> None:
     the old address among others: localhost to 127.0.0.1 and ::1): nginx cannot take the new
     one while it holds the old, so that change needs a new start."""
     try:
-        check_port(new)
+        # the gRPC port too on a new host; on the same one this deployment's nginx holds it
+        check_port(new, ("server.port",) if same_listen(old, new) else
+                   ("server.port", "server.grpc_port"))
     except CliError:
         if new.server.port == old.server.port and (
                 {old.server.host, new.server.host} & {"0.0.0.0", "::"}

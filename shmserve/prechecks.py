@@ -87,17 +87,23 @@ def check_fds(cfg: Config) -> None:
               "or lower nginx.worker_connections and frontends.max_inflight", file=sys.stderr)
 
 
-def check_port(cfg: Config) -> None:
-    """Fail before starting anything when server.port is taken (nginx would retry for ever,
-    and a ready check through the port would be answered by whoever holds it)."""
+def check_port(cfg: Config, keys: tuple[str, ...] = ("server.port", "server.grpc_port")) -> None:
+    """Fail before starting anything when server.port (or server.grpc_port, where set) is taken
+    (nginx would retry for ever, and a ready check through the port would be answered by
+    whoever holds it)."""
     host = cfg.server.host
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as nginx binds
-        try:
-            probe.bind((host, cfg.server.port))
-        except OSError as exc:
-            if exc.errno == errno.EADDRINUSE:
-                raise CliError(f"{host}:{cfg.server.port} is in use by another process; choose "
-                               "another server.port (SHMSERVE__SERVER__PORT) or stop it") from None
-            raise CliError(f"cannot listen on {host}:{cfg.server.port}: {exc.strerror}") from None
+    ports = [(key, getattr(cfg.server, key.split(".")[1])) for key in keys]
+    for key, port in ports:
+        if not port:  # server.grpc_port 0: no gRPC
+            continue
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as nginx binds
+            try:
+                probe.bind((host, port))
+            except OSError as exc:
+                env = "SHMSERVE__SERVER__" + key.split(".")[1].upper()
+                if exc.errno == errno.EADDRINUSE:
+                    raise CliError(f"{host}:{port} is in use by another process; choose "
+                                   f"another {key} ({env}) or stop it") from None
+                raise CliError(f"cannot listen on {host}:{port}: {exc.strerror}") from None

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import msgpack
 
-from shmserve import nginx_options, tls, topology
+from shmserve import grpc_nginx, nginx_options, tls, topology
 from shmserve.checks import MAX_CONNECTIONS
 from shmserve.config import REPO_ROOT, Config
 
@@ -138,7 +138,8 @@ def render_nginx(cfg: Config) -> str:
     admin = ("            allow 127.0.0.1;\n            allow ::1;\n            deny all;"
              if n.admin_loopback_only else
              "            # nginx.admin_loopback_only is false: open to every client")
-    return fill(NGINX_TEMPLATE.read_text(), {
+    binary = nginx_binary(cfg)
+    values = {
         "user_directive": _user_directive(),
         "worker_processes": str(n.worker_processes),
         "worker_connections": str(worker_connections(cfg)),
@@ -156,7 +157,7 @@ def render_nginx(cfg: Config) -> str:
         "upstream_servers": "\n".join(servers),
         "upstream_keepalive": str(n.upstream_keepalive),
         "listen": f"{host}:{cfg.server.port}",
-        **tls.nginx_values(cfg, nginx_binary(cfg)),
+        **tls.nginx_values(cfg, binary),
         "listen_backlog": str(n.listen_backlog),
         "frontend_count": str(cfg.frontends.count),
         "next_upstream_tries": str(min(2, cfg.frontends.count)),  # the first, one other
@@ -165,7 +166,9 @@ def render_nginx(cfg: Config) -> str:
         "nginx_answers_log": str(topology.nginx_answers_log(cfg)),
         **nginx_options.cors(n.cors_allow_origins),
         "gzip": nginx_options.gzip(n),
-    })
+    }
+    values["grpc"] = grpc_nginx.block(cfg, binary, values, fill)
+    return fill(NGINX_TEMPLATE.read_text(), values)
 
 
 def interpreter(executable: str | None = None) -> str:
@@ -245,8 +248,9 @@ def program_log(cfg: Config, program: str) -> str:
 
 
 def stopwaitsecs(cfg: Config) -> int:
-    """How long supervisord waits for a stopping process before SIGKILL: the drain, and some."""
-    return math.ceil(cfg.server.drain_timeout_s) + 5
+    """How long supervisord waits for a stopping process before SIGKILL: the drain, and some
+    (with gRPC, a frontend's calls drain before its HTTP requests: frontend.grpc_api)."""
+    return math.ceil(cfg.server.drain_timeout_s) * (2 if cfg.server.grpc_port else 1) + 5
 
 
 def worker_environment(cfg: Config, device: str) -> dict[str, str]:
@@ -384,7 +388,9 @@ def _minfds(cfg: Config) -> int:
 def _check_paths(cfg: Config) -> None:
     # the run directory's characters: config._check_run_dir
     last_worker = len(topology.worker_devices(cfg)) - 1
-    sockets = [supervisor_socket(cfg), topology.frontend_socket(cfg, cfg.frontends.count - 1),
+    last_frontend = (topology.frontend_grpc_socket if cfg.server.grpc_port else
+                     topology.frontend_socket)(cfg, cfg.frontends.count - 1)
+    sockets = [supervisor_socket(cfg), last_frontend,
                Path(topology.worker_endpoint(cfg, last_worker).removeprefix("ipc://"))]
     for path in sockets:
         if len(str(path).encode()) > MAX_SOCKET_PATH:

@@ -64,13 +64,17 @@ def check(cfg: Config) -> None:
                            "PLAIN.key`, mode 0600)")
 
 
-def nginx_values(cfg: Config, binary: str) -> dict[str, str]:
+def nginx_values(cfg: Config, binary: str, grpc: bool = False) -> dict[str, str]:
     """nginx.conf's TLS placeholders: the listen parameters and the server's directives
-    (none without TLS)."""
-    if not enabled(cfg):
-        return {"listen_tls": "", "tls": "        # no TLS: nginx.tls_certificate is not set"}
-    http2 = cfg.nginx.http2
+    (none without TLS). `grpc`: the gRPC port's server, HTTP/2 always, cleartext (h2c) without
+    TLS."""
+    http2 = grpc or cfg.nginx.http2
     directive = http2 and nginx_version(binary) >= HTTP2_DIRECTIVE
+    if not enabled(cfg):
+        if grpc:
+            return {"listen_tls": "" if directive else " http2",
+                    "tls": "        http2 on;" if directive else "        # no TLS: h2c"}
+        return {"listen_tls": "", "tls": "        # no TLS: nginx.tls_certificate is not set"}
     lines = [f'ssl_certificate "{path(cfg.nginx.tls_certificate)}";',
              f'ssl_certificate_key "{path(cfg.nginx.tls_key)}";',
              f"ssl_protocols {PROTOCOLS};",

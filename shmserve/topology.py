@@ -104,6 +104,11 @@ def frontend_socket(cfg: Config, index: int) -> Path:
     return socket_dir(cfg) / f"frontend-{index}.sock"
 
 
+def frontend_grpc_socket(cfg: Config, index: int) -> Path:
+    """Where frontend `index` serves gRPC (server.grpc_port; frontend.grpc_api)."""
+    return socket_dir(cfg) / f"frontend-{index}.grpc.sock"
+
+
 def apply_marker_path(cfg: Config) -> Path:
     """The config before an `shmserve apply` that has not finished (shmserve.apply)."""
     return cfg.run_dir / "apply.json"

@@ -424,7 +424,7 @@ def test_a_name_resolving_to_the_old_address_among_others_is_said_to_overlap(mon
                 for a in found]
     monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
 
-    def held(cfg):
+    def held(cfg, keys=()):
         raise CliError(f"{cfg.server.host}:{cfg.server.port} is in use by another process")
     monkeypatch.setattr(moves, "check_port", held)
 

@@ -1,0 +1,448 @@
+"""KServe v2 / Open Inference Protocol over gRPC (`server.grpc_port`): what tritonclient.grpc
+and KServe's gRPC clients speak, and gRPC health checking for Kubernetes' gRPC probes.
+
+    client ──gRPC (HTTP/2)──▶ nginx :grpc_port ──grpc_pass──▶ frontend-N.grpc.sock (this module)
+                                                                │ one HTTP request per call
+                                                                ▼
+                                              frontend-N.sock: the /v2 routes (frontend.kserve)
+
+Each frontend runs a grpc.aio server beside its aiohttp one, on the same event loop, and turns
+every call into the matching KServe v2 HTTP request on its own unix socket (ModelInfer into a
+POST .../infer with Triton's binary tensor extension, both ways). So a gRPC call gets what an
+HTTP one does, from one implementation: API keys, admission, priorities, A/B arms and pinned
+versions, metrics, the access line, request ids, traces. The price is one HTTP request over a
+unix socket inside the process (docs/protocols.md measures it).
+
+Services: inference.GRPCInferenceService's ServerLive, ServerReady, ModelReady,
+ServerMetadata, ModelMetadata, ModelConfig, ModelInfer and ModelStreamInfer (frontend/protos/
+kserve.proto); grpc.health.v1.Health's Check. Any other method is gRPC's UNIMPLEMENTED.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import struct
+from typing import Any, AsyncIterator, Awaitable, Callable
+from urllib.parse import quote
+
+import aiohttp
+import grpc
+import orjson
+from aiohttp import web
+
+from frontend import protos
+from frontend.app import CONFIG, INDEX
+from frontend.kserve import HEADER_LENGTH
+from frontend.httpparser import nginx_size
+from shmserve import topology
+from shmserve.config import Config
+
+log = logging.getLogger("shmserve.frontend")
+
+GRPC_SERVER = web.AppKey("grpc_server", object)  # a GrpcServer, or None (server.grpc_port 0)
+
+# An HTTP answer's status as the gRPC status a client gets (Triton's server maps its errors the
+# same way): one table, read by `_check`.
+STATUS_CODES = {
+    400: grpc.StatusCode.INVALID_ARGUMENT,
+    401: grpc.StatusCode.UNAUTHENTICATED,
+    403: grpc.StatusCode.PERMISSION_DENIED,
+    404: grpc.StatusCode.NOT_FOUND,
+    405: grpc.StatusCode.UNIMPLEMENTED,
+    408: grpc.StatusCode.DEADLINE_EXCEEDED,
+    409: grpc.StatusCode.FAILED_PRECONDITION,
+    413: grpc.StatusCode.INVALID_ARGUMENT,  # more texts, or longer ones, than the limits take
+    415: grpc.StatusCode.INVALID_ARGUMENT,
+    422: grpc.StatusCode.INVALID_ARGUMENT,
+    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    499: grpc.StatusCode.CANCELLED,
+    501: grpc.StatusCode.UNIMPLEMENTED,
+    502: grpc.StatusCode.UNAVAILABLE,
+    503: grpc.StatusCode.UNAVAILABLE,
+    504: grpc.StatusCode.DEADLINE_EXCEEDED,
+    507: grpc.StatusCode.RESOURCE_EXHAUSTED,  # the device out of memory for this batch
+}
+# gRPC metadata a call carries on to its HTTP request: nginx's request id and the client's
+# address (grpc_set_header), the API key, the client's name, a trace's context.
+FORWARDED = ("x-request-id", "x-real-ip", "x-forwarded-for", "x-forwarded-proto",
+             "authorization", "user-agent", "traceparent", "tracestate")
+# The answer's headers a call returns as metadata (lower case, as gRPC wants it): the request id
+# and the stage times, the revision and A/B arm that answered, Retry-After of a 429 or 503.
+RETURNED_PREFIXES = ("x-", "retry-after")
+HEALTHY_SERVICES = ("", protos.KSERVE_SERVICE)
+
+
+class CallFailed(Exception):
+    """An HTTP answer that is an error, as the gRPC status the call ends with."""
+
+    def __init__(self, code: grpc.StatusCode, message: str,
+                 metadata: tuple[tuple[str, str], ...] = ()) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.metadata = metadata
+
+
+def socket_path(cfg: Config, index: int) -> str:
+    return str(topology.frontend_grpc_socket(cfg, index))
+
+
+class Gateway:
+    """The gRPC methods, each one HTTP request to this frontend's own socket."""
+
+    def __init__(self, cfg: Config, index: int) -> None:
+        # No connection limit: each call in flight holds one connection, as nginx's would; the
+        # frontend's admission (frontends.max_inflight) is what bounds them, with its 429s.
+        connector = aiohttp.UnixConnector(path=str(topology.frontend_socket(cfg, index)),
+                                          limit=0)
+        self._session = aiohttp.ClientSession(
+            "http://frontend", connector=connector, auto_decompress=False,
+            # The frontend ends every request itself (its deadlines, nginx.proxy_read_timeout's
+            # 504 before nginx's own): no second clock here.
+            timeout=aiohttp.ClientTimeout(total=None))
+
+    async def close(self) -> None:
+        await self._session.close()
+
+    async def _call(self, context: grpc.aio.ServicerContext, method: str, path: str,
+                    body: bytes | None = None, headers: dict[str, str] | None = None,
+                    ok: tuple[int, ...] = (200,)) -> tuple[int, dict[str, str], bytes]:
+        """One HTTP request for `context`'s call: (status, headers, body) of an answer whose
+        status is in `ok`, else CallFailed."""
+        sent = {key: value for key, value in context.invocation_metadata() or ()
+                if key in FORWARDED and isinstance(value, str)}
+        sent.update(headers or {})
+        try:
+            async with self._session.request(method, path, data=body, headers=sent) as answer:
+                raw = await answer.read()
+                status, got = answer.status, answer.headers
+        except aiohttp.ClientError as exc:
+            # The frontend stopping under this call (its socket closed): retrying reaches
+            # another frontend.
+            raise CallFailed(grpc.StatusCode.UNAVAILABLE,
+                             f"the frontend serving this call is stopping ({exc}); retry") from None
+        metadata = tuple((key.lower(), value) for key, value in got.items()
+                         if key.lower().startswith(RETURNED_PREFIXES))
+        if status not in ok:
+            raise CallFailed(STATUS_CODES.get(status, grpc.StatusCode.INTERNAL),
+                             _error_text(raw, status), metadata)
+        await context.send_initial_metadata(metadata)
+        return status, dict(got), raw
+
+    async def _json(self, context, path: str, ok: tuple[int, ...] = (200,)
+                    ) -> tuple[int, dict[str, Any]]:
+        status, _, raw = await self._call(context, "GET", path, ok=ok)
+        return status, orjson.loads(raw)
+
+    # --- inference.GRPCInferenceService ---
+
+    async def server_live(self, request, context):
+        _, body = await self._json(context, "/v2/health/live")
+        return protos.ServerLiveResponse(live=bool(body.get("live")))
+
+    async def server_ready(self, request, context):
+        status, _ = await self._json(context, "/v2/health/ready", ok=(200, 400))
+        return protos.ServerReadyResponse(ready=status == 200)
+
+    async def model_ready(self, request, context):
+        # An unknown model is not ready, as Triton answers it, not NOT_FOUND.
+        status, _ = await self._json(context, _model_path(request, "/ready"), ok=(200, 400, 404))
+        return protos.ModelReadyResponse(ready=status == 200)
+
+    async def server_metadata(self, request, context):
+        _, body = await self._json(context, "/v2")
+        return protos.ServerMetadataResponse(name=body["name"], version=body["version"],
+                                             extensions=body["extensions"])
+
+    async def model_metadata(self, request, context):
+        _, body = await self._json(context, _model_path(request))
+        tensor = protos.ModelMetadataResponse.TensorMetadata
+        return protos.ModelMetadataResponse(
+            name=body["name"], versions=body["versions"], platform=body["platform"],
+            inputs=[tensor(**t) for t in body["inputs"]],
+            outputs=[tensor(**t) for t in body["outputs"]])
+
+    async def model_config(self, request, context):
+        from google.protobuf import json_format
+
+        _, body = await self._json(context, _model_path(request, "/config"))
+        config = json_format.ParseDict(body, protos.ModelConfig(), ignore_unknown_fields=True)
+        return protos.ModelConfigResponse(config=config)
+
+    async def model_infer(self, request, context):
+        header, tail = infer_body(request, context.time_remaining())
+        _, got, raw = await self._call(
+            context, "POST", _model_path(request, "/infer", name=request.model_name,
+                                         version=request.model_version),
+            body=header + tail,
+            headers={"Content-Type": "application/octet-stream",
+                     HEADER_LENGTH: str(len(header))})
+        return infer_response(got, raw)
+
+    async def model_stream_infer(self, requests, context):
+        """Each request of the stream runs as it arrives, several at once; its answer (or its
+        error, as error_message, the stream going on) is written when it is done, in that
+        order, as Triton's stream does: a response's id says which request it answers."""
+        lock = asyncio.Lock()
+        running: set[asyncio.Task] = set()
+
+        async def one(request) -> None:
+            try:
+                reply = protos.ModelStreamInferResponse(
+                    infer_response=await self.model_infer(request, _StreamCall(context)))
+            except CallFailed as exc:
+                reply = protos.ModelStreamInferResponse(error_message=exc.message)
+            async with lock:
+                await context.write(reply)
+
+        async for request in requests:
+            task = asyncio.create_task(one(request))
+            running.add(task)
+            task.add_done_callback(running.discard)
+        if running:
+            await asyncio.gather(*running)
+
+    # --- grpc.health.v1.Health ---
+
+    async def health_check(self, request, context):
+        if request.service not in HEALTHY_SERVICES:
+            raise CallFailed(grpc.StatusCode.NOT_FOUND,
+                             f"unknown service {request.service!r}: this server's are "
+                             f"{HEALTHY_SERVICES[1]!r} and '' (the whole server)")
+        status, _ = await self._json(context, "/v2/health/ready", ok=(200, 400))
+        serving = protos.HealthCheckResponse.SERVING if status == 200 else \
+            protos.HealthCheckResponse.NOT_SERVING
+        return protos.HealthCheckResponse(status=serving)
+
+    def handlers(self) -> list[grpc.GenericRpcHandler]:
+        unary = {"ServerLive": (self.server_live, "ServerLiveRequest", "ServerLiveResponse"),
+                 "ServerReady": (self.server_ready, "ServerReadyRequest", "ServerReadyResponse"),
+                 "ModelReady": (self.model_ready, "ModelReadyRequest", "ModelReadyResponse"),
+                 "ServerMetadata": (self.server_metadata, "ServerMetadataRequest",
+                                    "ServerMetadataResponse"),
+                 "ModelMetadata": (self.model_metadata, "ModelMetadataRequest",
+                                   "ModelMetadataResponse"),
+                 "ModelConfig": (self.model_config, "ModelConfigRequest", "ModelConfigResponse"),
+                 "ModelInfer": (self.model_infer, "ModelInferRequest", "ModelInferResponse")}
+        kserve = {name: grpc.unary_unary_rpc_method_handler(
+            _ends(method), request_deserializer=getattr(protos, into).FromString,
+            response_serializer=getattr(protos, out).SerializeToString)
+            for name, (method, into, out) in unary.items()}
+        kserve["ModelStreamInfer"] = grpc.stream_stream_rpc_method_handler(
+            _ends(self.model_stream_infer),
+            request_deserializer=protos.ModelInferRequest.FromString,
+            response_serializer=protos.ModelStreamInferResponse.SerializeToString)
+        health = {"Check": grpc.unary_unary_rpc_method_handler(
+            _ends(self.health_check), request_deserializer=protos.HealthCheckRequest.FromString,
+            response_serializer=protos.HealthCheckResponse.SerializeToString)}
+        return [grpc.method_handlers_generic_handler(protos.KSERVE_SERVICE, kserve),
+                grpc.method_handlers_generic_handler(protos.HEALTH_SERVICE, health)]
+
+
+class _StreamCall:
+    """A stream's context for one of its requests: the stream's metadata and deadline; initial
+    metadata is the stream's, sent once (not per response)."""
+
+    def __init__(self, context: grpc.aio.ServicerContext) -> None:
+        self._context = context
+
+    def invocation_metadata(self):
+        return self._context.invocation_metadata()
+
+    def time_remaining(self) -> float | None:
+        return self._context.time_remaining()
+
+    async def send_initial_metadata(self, metadata) -> None:
+        pass
+
+
+def _ends(method: Callable[..., Awaitable]) -> Callable[..., Awaitable]:
+    """`method` with its CallFailed as the call's status, and any other error as INTERNAL with
+    a line in the log: a call always ends with a status, never a hung stream."""
+
+    async def handler(request, context):
+        try:
+            return await method(request, context)
+        except CallFailed as exc:
+            if exc.metadata:
+                context.set_trailing_metadata(exc.metadata)
+            await context.abort(exc.code, exc.message)
+        except asyncio.CancelledError:
+            raise
+        except grpc.aio.AbortError:
+            raise
+        except Exception:
+            log.exception("frontend.grpc_error", extra={"fields": {"method": method.__name__}})
+            await context.abort(grpc.StatusCode.INTERNAL, "internal error (logged by the frontend)")
+
+    return handler
+
+
+def _model_path(request, sub: str = "", name: str | None = None, version: str | None = None
+                ) -> str:
+    """/v2/models/NAME[/versions/VERSION]SUB for a request naming a model (its `name` and
+    `version` fields, or ModelInfer's model_name and model_version)."""
+    name = request.name if name is None else name
+    version = request.version if version is None else version
+    if not name:
+        raise CallFailed(grpc.StatusCode.INVALID_ARGUMENT, "the model's name is required")
+    # '/' stays: a model's alias may hold one, as the HTTP routes take it (frontend.kserve)
+    path = "/v2/models/" + quote(name, safe="/")
+    if version:
+        path += "/versions/" + quote(version, safe="")
+    return path + sub
+
+
+def _parameter(value) -> Any:
+    kind = value.WhichOneof("parameter_choice")
+    return None if kind is None else getattr(value, kind)
+
+
+# InferTensorContents' field for each datatype (BYTES is sent as binary data instead).
+CONTENTS = {"BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_contents",
+            "INT32": "int_contents", "INT64": "int64_contents", "UINT8": "uint_contents",
+            "UINT16": "uint_contents", "UINT32": "uint_contents", "UINT64": "uint64_contents",
+            "FP32": "fp32_contents", "FP64": "fp64_contents"}
+
+
+def infer_body(request, time_remaining: float | None) -> tuple[bytes, bytes]:
+    """A ModelInferRequest as the HTTP /infer body: (JSON header, binary tail). Inputs in
+    raw_input_contents, and BYTES inputs in contents, go as binary tensor data; other contents
+    as JSON data. Every output comes back binary. The call's deadline is the request's
+    `timeout` parameter (microseconds), or lowers the one it gives."""
+    parameters = {key: _parameter(value) for key, value in request.parameters.items()}
+    given = parameters.get("timeout")
+    if time_remaining is not None and (given is None or given == 0 or (
+            isinstance(given, int) and not isinstance(given, bool) and given > 0)):
+        left_us = max(1, int(time_remaining * 1e6))
+        parameters["timeout"] = min(given, left_us) if given else left_us
+    parameters["binary_data_output"] = True
+    raw = request.raw_input_contents
+    if raw and len(raw) != len(request.inputs):
+        raise CallFailed(grpc.StatusCode.INVALID_ARGUMENT,
+                         f"raw_input_contents holds {len(raw)} tensors for "
+                         f"{len(request.inputs)} inputs: give every input's data there, or each "
+                         "in its contents")
+    inputs, tail = [], []
+    for i, tensor in enumerate(request.inputs):
+        entry: dict[str, Any] = {"name": tensor.name, "datatype": tensor.datatype,
+                                 "shape": list(tensor.shape)}
+        entry_params = {key: _parameter(value) for key, value in tensor.parameters.items()}
+        if raw:
+            data = raw[i]
+        elif tensor.datatype == "BYTES":
+            data = b"".join(struct.pack("<I", len(b)) + b for b in tensor.contents.bytes_contents)
+        else:
+            data = None
+            entry["data"] = list(getattr(tensor.contents, CONTENTS.get(tensor.datatype,
+                                                                          "bytes_contents")))
+        if data is not None:
+            entry_params["binary_data_size"] = len(data)
+            tail.append(data)
+        if entry_params:
+            entry["parameters"] = entry_params
+        inputs.append(entry)
+    header: dict[str, Any] = {"parameters": parameters, "inputs": inputs}
+    if request.id:
+        header["id"] = request.id
+    if request.outputs:
+        header["outputs"] = [{"name": o.name, "parameters": {"binary_data": True}}
+                             for o in request.outputs]
+    return orjson.dumps(header), b"".join(tail)
+
+
+def infer_response(headers: dict[str, str], raw: bytes):
+    """The HTTP /infer answer (JSON header and binary outputs) as a ModelInferResponse."""
+    length = int(headers.get(HEADER_LENGTH, len(raw)))
+    head = orjson.loads(raw[:length])
+    at = length
+    outputs, contents = [], []
+    for output in head.get("outputs", ()):
+        size = output.get("parameters", {}).get("binary_data_size", 0)
+        contents.append(raw[at:at + size])
+        at += size
+        outputs.append(protos.ModelInferResponse.InferOutputTensor(
+            name=output["name"], datatype=output["datatype"], shape=output["shape"]))
+    return protos.ModelInferResponse(
+        model_name=head.get("model_name", ""), model_version=head.get("model_version", ""),
+        id=head.get("id", ""), outputs=outputs, raw_output_contents=contents)
+
+
+def _error_text(raw: bytes, status: int) -> str:
+    """The message of an HTTP error answer: KServe's {"error": ...} (every /v2 route's), or the
+    body as text."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return raw.decode("utf-8", "replace")[:500] or f"HTTP {status}"
+    if isinstance(body, dict):
+        found = body.get("error")
+        if isinstance(found, dict):  # the other routes' shape
+            found = found.get("message")
+        if isinstance(found, str):
+            return found
+    return raw.decode("utf-8", "replace")[:500]
+
+
+class GrpcServer:
+    """A frontend's gRPC server. At a stop signal its calls drain first (new ones refused, so
+    nginx passes them to another frontend; those running finish within server.drain_timeout_s)
+    while the HTTP socket they call still listens; aiohttp's own drain follows (so a stop may
+    take twice server.drain_timeout_s: shmserve.render.stopwaitsecs allows it)."""
+
+    def __init__(self, cfg: Config, index: int) -> None:
+        self._cfg = cfg
+        self._gateway = Gateway(cfg, index)
+        # Messages up to the body nginx takes (nginx.client_max_body_size; 0: no limit);
+        # answers of any size.
+        limit = nginx_size(cfg.nginx.client_max_body_size) or -1
+        self._server = grpc.aio.server(options=[
+            ("grpc.max_receive_message_length", limit),
+            ("grpc.max_send_message_length", -1)])
+        self._server.add_generic_rpc_handlers(self._gateway.handlers())
+        self._server.add_insecure_port("unix:" + socket_path(cfg, index))
+        self._stopping: asyncio.Future | None = None
+
+    async def start(self) -> None:
+        await self._server.start()
+
+    async def stop_calls(self) -> None:
+        if self._stopping is None:
+            self._stopping = asyncio.ensure_future(
+                self._server.stop(self._cfg.server.drain_timeout_s))
+        await asyncio.shield(self._stopping)
+
+    async def stop(self) -> None:
+        await self.stop_calls()
+        await self._gateway.close()
+
+
+async def serve(app: web.Application) -> AsyncIterator[None]:
+    """cleanup_ctx: the gRPC server of a frontend, with server.grpc_port set."""
+    cfg = app[CONFIG]
+    server = GrpcServer(cfg, app[INDEX])
+    await server.start()
+    app[GRPC_SERVER] = server
+    log.info("frontend.grpc_started", extra={"fields": {"socket": socket_path(cfg, app[INDEX])}})
+    try:
+        yield
+    finally:
+        await server.stop()
+
+
+def stop_calls_then(app: web.Application, then: Callable[[], object]) -> None:
+    """At a stop signal: drain the gRPC calls, then `then` (which starts aiohttp's drain); at
+    once where the server has not started."""
+    server = app.get(GRPC_SERVER)
+    if server is None:
+        then()
+        return
+
+    async def drain() -> None:
+        try:
+            await server.stop_calls()
+        finally:
+            then()
+
+    asyncio.ensure_future(drain())

@@ -1,0 +1,211 @@
+"""The gRPC gateway's pure parts (frontend/grpc_api.py, frontend/protos): the messages against
+Triton's own descriptors, a ModelInferRequest as the HTTP /infer body and the answer back, the
+nginx block (shmserve/grpc_nginx.py), the config's checks. Through the real stack:
+tests/e2e/test_grpc.py."""
+
+from __future__ import annotations
+
+import struct
+
+import grpc
+import numpy as np
+import orjson
+import pytest
+from tritonclient.grpc import model_config_pb2, service_pb2
+
+from frontend import grpc_api, protos
+from frontend.kserve import HEADER_LENGTH
+from frontend.tensors import Tensor, encode_response, read_inputs, split_body
+from shmserve import grpc_nginx, render, tls
+from shmserve.config import ConfigError
+from tests.unit.test_render import make_config
+
+
+def _triton(full_name: str):
+    """Triton's descriptor of a message, from tritonclient's generated modules."""
+    for module in (service_pb2, model_config_pb2):
+        try:
+            return module.DESCRIPTOR.pool.FindMessageTypeByName(full_name)
+        except KeyError:
+            continue
+    raise KeyError(full_name)
+
+
+def _messages(descriptor):
+    yield descriptor
+    for nested in descriptor.nested_types:
+        if not nested.GetOptions().map_entry:
+            yield from _messages(nested)
+
+
+def test_every_message_field_has_tritons_number_type_and_label():
+    """The wire is the field numbers: one that differs from Triton's is a value a Triton client
+    reads in the wrong field, or not at all."""
+    checked = 0
+    kserve = protos.POOL.FindFileByName("kserve.proto")
+    for top in kserve.message_types_by_name.values():
+        for ours in _messages(top):
+            theirs = _triton(ours.full_name)
+            for field in ours.fields:
+                other = theirs.fields_by_name[field.name]
+                assert (field.number, field.type, field.is_repeated) == (
+                    other.number, other.type, other.is_repeated), f"{ours.full_name}.{field.name}"
+                if field.message_type is not None:
+                    assert field.message_type.full_name == other.message_type.full_name
+                checked += 1
+    assert checked > 60
+    ours = kserve.enum_types_by_name["DataType"]
+    theirs = model_config_pb2.DESCRIPTOR.enum_types_by_name["DataType"]
+    assert {v.name: v.number for v in ours.values} == {v.name: v.number for v in theirs.values}
+
+
+def test_every_method_is_tritons_with_its_types():
+    ours = protos.POOL.FindServiceByName(protos.KSERVE_SERVICE)
+    theirs = service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"]
+    for method in ours.methods:
+        other = theirs.methods_by_name[method.name]
+        assert (method.input_type.full_name, method.output_type.full_name,
+                method.client_streaming, method.server_streaming) == (
+            other.input_type.full_name, other.output_type.full_name,
+            other.client_streaming, other.server_streaming)
+    assert {m.name for m in ours.methods} >= {"ModelInfer", "ModelStreamInfer", "ModelReady",
+                                              "ServerReady", "ModelMetadata", "ModelConfig"}
+
+
+def test_a_triton_request_reads_back_field_for_field():
+    request = service_pb2.ModelInferRequest(model_name="m", model_version="v", id="7")
+    tensor = request.inputs.add(name="text", datatype="BYTES", shape=[2])
+    tensor.parameters["p"].int64_param = 3
+    request.parameters["priority"].uint64_param = 1
+    request.outputs.add(name="embedding")
+    request.raw_input_contents.append(b"\x01\x00\x00\x00a")
+    ours = protos.ModelInferRequest.FromString(request.SerializeToString())
+    assert (ours.model_name, ours.model_version, ours.id) == ("m", "v", "7")
+    assert ours.inputs[0].parameters["p"].int64_param == 3
+    assert ours.parameters["priority"].uint64_param == 1
+    assert [o.name for o in ours.outputs] == ["embedding"]
+    assert list(ours.raw_input_contents) == [b"\x01\x00\x00\x00a"]
+
+
+def _bytes_tensor(*texts: bytes) -> bytes:
+    return b"".join(struct.pack("<I", len(t)) + t for t in texts)
+
+
+def _http_inputs(header: bytes, tail: bytes) -> tuple[dict, list[Tensor]]:
+    """What the HTTP route reads from the body `infer_body` makes (frontend.tensors)."""
+    parsed, rest = split_body(header + tail, str(len(header)))
+    return parsed, read_inputs(parsed, rest)
+
+
+def test_raw_input_contents_go_as_binary_tensor_data():
+    request = protos.ModelInferRequest(model_name="m", id="req-1")
+    request.inputs.add(name="text", datatype="BYTES", shape=[2])
+    request.raw_input_contents.append(_bytes_tensor(b"hello", "wörld".encode()))
+    request.outputs.add(name="embedding")
+    header, tail = grpc_api.infer_body(request, None)
+    parsed, inputs = _http_inputs(header, tail)
+    assert inputs[0].data == [b"hello", "wörld".encode()]
+    assert parsed["id"] == "req-1"
+    assert parsed["outputs"] == [{"name": "embedding", "parameters": {"binary_data": True}}]
+    assert parsed["parameters"] == {"binary_data_output": True}  # no deadline: no timeout
+
+
+def test_bytes_contents_and_numeric_contents():
+    request = protos.ModelInferRequest(model_name="m")
+    text = request.inputs.add(name="text", datatype="BYTES", shape=[2])
+    text.contents.bytes_contents.extend([b"a", b"bc"])
+    number = request.inputs.add(name="n", datatype="INT64", shape=[3])
+    number.contents.int64_contents.extend([1, 2, 3])
+    header, tail = grpc_api.infer_body(request, None)
+    _, inputs = _http_inputs(header, tail)
+    assert inputs[0].data == [b"a", b"bc"]
+    assert inputs[1].data.tolist() == [1, 2, 3]
+
+
+def test_raw_contents_for_some_inputs_only_is_invalid():
+    request = protos.ModelInferRequest(model_name="m")
+    request.inputs.add(name="query", datatype="BYTES", shape=[1])
+    request.inputs.add(name="text", datatype="BYTES", shape=[1])
+    request.raw_input_contents.append(_bytes_tensor(b"q"))
+    with pytest.raises(grpc_api.CallFailed) as caught:
+        grpc_api.infer_body(request, None)
+    assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "raw_input_contents holds 1 tensors for 2 inputs" in caught.value.message
+
+
+@pytest.mark.parametrize("given, left_s, sent", [
+    (None, 2.5, 2_500_000),  # the call's deadline becomes the request's timeout
+    (1_000_000, 2.5, 1_000_000),  # a shorter timeout of the request's own stays
+    (9_000_000, 2.5, 2_500_000),  # a longer one is cut to the deadline
+    (9_000_000, None, 9_000_000),  # no deadline: the request's
+    (0, 0.5, 500_000),  # 0: none given
+    (-5, 2.5, -5),  # not a timeout: sent as it is, for the route to refuse
+])
+def test_the_calls_deadline_is_the_timeout(given, left_s, sent):
+    request = protos.ModelInferRequest(model_name="m")
+    if given is not None:
+        request.parameters["timeout"].int64_param = given
+    header, _ = grpc_api.infer_body(request, left_s)
+    assert orjson.loads(header)["parameters"]["timeout"] == sent
+
+
+def test_the_http_answer_becomes_raw_output_contents():
+    vectors = np.arange(6, dtype=np.float32).reshape(2, 3)
+    body, length = encode_response({"model_name": "m", "model_version": "r1", "id": "x"},
+                                   [(Tensor("embedding", "FP32", (2, 3), vectors), True)])
+    reply = grpc_api.infer_response({HEADER_LENGTH: str(length)}, body)
+    assert (reply.model_name, reply.model_version, reply.id) == ("m", "r1", "x")
+    assert reply.outputs[0].name == "embedding" and list(reply.outputs[0].shape) == [2, 3]
+    got = np.frombuffer(reply.raw_output_contents[0], dtype="<f4").reshape(2, 3)
+    np.testing.assert_array_equal(got, vectors)
+
+
+@pytest.mark.parametrize("raw, status, text", [
+    (b'{"error": "model \'x\' is not served"}', 404, "model 'x' is not served"),
+    (b'{"error": {"message": "too many", "type": "too_large"}}', 413, "too many"),
+    (b"<html>bad gateway</html>", 502, "<html>bad gateway</html>"),
+    (b"", 503, "HTTP 503"),
+])
+def test_error_text(raw, status, text):
+    assert grpc_api._error_text(raw, status) == text
+
+
+def test_status_codes_cover_the_errors_the_routes_answer():
+    from frontend.errors import STATUS
+
+    for status in set(STATUS.values()) - {500}:
+        assert status in grpc_api.STATUS_CODES, status
+
+
+def test_a_model_path_keeps_the_slash_of_an_alias_and_quotes_the_rest():
+    request = protos.ModelReadyRequest(name="org/my model", version="r 1")
+    assert grpc_api._model_path(request, "/ready") == \
+        "/v2/models/org/my%20model/versions/r%201/ready"
+    with pytest.raises(grpc_api.CallFailed):
+        grpc_api._model_path(protos.ModelReadyRequest(), "/ready")
+
+
+def test_no_grpc_block_without_a_port(tmp_path):
+    cfg = make_config(tmp_path)
+    assert grpc_nginx.block(cfg, "nginx", {}, render.fill) == "    # no gRPC: server.grpc_port is 0"
+
+
+def test_the_grpc_server_listens_http2_on_its_port(tmp_path):
+    cfg = make_config(tmp_path, server={"grpc_port": 9001})
+    text = render.render_nginx(cfg)
+    assert "listen 127.0.0.1:9001" in text
+    if tls.nginx_version(render.nginx_binary(cfg)) >= tls.HTTP2_DIRECTIVE:
+        assert "http2 on;" in text
+    else:
+        assert "listen 127.0.0.1:9001 http2 " in text
+    assert f'server "unix:{tmp_path}/sockets/frontend-0.grpc.sock"' in text
+    assert "grpc_pass grpc://frontends_grpc;" in text
+    assert "error_page 502 = /_shmserve_grpc_error/502;" in text
+    assert "add_header grpc-status 14 always;" in text
+
+
+def test_grpc_port_must_differ_from_the_http_port(tmp_path):
+    with pytest.raises(ConfigError, match="server.grpc_port: 8080 is server.port too"):
+        make_config(tmp_path, server={"grpc_port": 8080, "port": 8080})
+    with pytest.raises(ConfigError, match="server.grpc_port"):
+        make_config(tmp_path, server={"grpc_port": 70000})
