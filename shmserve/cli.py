@@ -260,7 +260,7 @@ def _down(cfg: Config) -> int:
         processes.settle_spawns(cfg)  # a signal before a program's exec is lost
         subprocess.run(ctl_argv(cfg, "shutdown"), check=False, stdout=subprocess.DEVNULL)
         # supervisord stops its three groups one after another, each within stopwaitsecs.
-        limit = 3 * render.stopwaitsecs(cfg) + 10
+        limit = 2 * render.stopwaitsecs(cfg) + render.frontend_stopwaitsecs(cfg) + 10
         _wait_for(lambda: not processes.alive(pid), limit,
                   f"supervisord (pid {pid}) still runs after {limit} s")
         print("shmserve: stopped")

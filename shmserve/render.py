@@ -230,7 +230,8 @@ def render_supervisord(cfg: Config, nginx: str) -> str:
     }
     frontends = [{"index": str(i), "frontend_command": command(
         python, "-m", "frontend", "--config", config_json, "--index", str(i)),
-        "frontend_log": program_log(cfg, f"frontend-{i}")}
+        "frontend_log": program_log(cfg, f"frontend-{i}"),
+        "frontend_stopwaitsecs": str(frontend_stopwaitsecs(cfg))}
         for i in range(cfg.frontends.count)]
     workers = [{"index": str(i), "worker_command": command(
         python, "-m", "gpu_workers", "--config", config_json, "--index", str(i)),
@@ -248,9 +249,14 @@ def program_log(cfg: Config, program: str) -> str:
 
 
 def stopwaitsecs(cfg: Config) -> int:
-    """How long supervisord waits for a stopping process before SIGKILL: the drain, and some
-    (with gRPC, a frontend's calls drain before its HTTP requests: frontend.grpc_api)."""
-    return math.ceil(cfg.server.drain_timeout_s) * (2 if cfg.server.grpc_port else 1) + 5
+    """How long supervisord waits for a stopping process before SIGKILL: the drain, and some."""
+    return math.ceil(cfg.server.drain_timeout_s) + 5
+
+
+def frontend_stopwaitsecs(cfg: Config) -> int:
+    """A frontend's: with gRPC, its calls drain before its HTTP requests (frontend.grpc_api)."""
+    return stopwaitsecs(cfg) + (math.ceil(cfg.server.drain_timeout_s)
+                                if cfg.server.grpc_port else 0)
 
 
 def worker_environment(cfg: Config, device: str) -> dict[str, str]:

@@ -23,7 +23,7 @@ from openai import OpenAI
 from shmserve.client import Client, ShmserveError
 from tests.conftest import tiny_overrides
 from tests.e2e.test_apply import edit
-from tests.stack import Stack
+from tests.stack import Stack, free_port
 
 
 def issue(files: Path) -> dict[str, str]:
@@ -42,7 +42,10 @@ def issue(files: Path) -> dict[str, str]:
 def tls(tmp_path_factory, tiny_model):
     """A stack serving HTTPS, and the CA's file."""
     files = tmp_path_factory.mktemp("tls")
-    stack = Stack(files / "stack", tiny_overrides(tiny_model, nginx=issue(files)))
+    grpc_port = free_port()
+    stack = Stack(files / "stack", tiny_overrides(tiny_model, nginx=issue(files),
+                                                  server={"grpc_port": grpc_port}))
+    stack.grpc_port = grpc_port
     stack.up()  # `up --wait` polls /ready through the port: over TLS now
     try:
         yield stack, str(files / "ca.pem")
@@ -52,6 +55,23 @@ def tls(tmp_path_factory, tiny_model):
 
 def https(stack: Stack) -> str:
     return f"https://127.0.0.1:{stack.port}"
+
+
+def test_tritonclient_grpc_over_tls_on_the_grpc_port(tls):
+    """gRPC (server.grpc_port) takes the same certificate: TLS with HTTP/2 by ALPN."""
+    import tritonclient.grpc as triton_grpc
+
+    stack, ca = tls
+    with triton_grpc.InferenceServerClient(f"127.0.0.1:{stack.grpc_port}", ssl=True,
+                                           root_certificates=ca) as client:
+        assert client.is_server_ready()
+        tensor = triton_grpc.InferInput("text", [2], "BYTES")
+        tensor.set_data_from_numpy(np.array([b"a", b"b"], dtype=object))
+        got = client.infer("tiny", [tensor]).as_numpy("embedding")
+    assert got.shape == (2, 32)
+    with triton_grpc.InferenceServerClient(f"127.0.0.1:{stack.grpc_port}") as plain:
+        with pytest.raises(Exception, match="UNAVAILABLE"):  # cleartext h2 on the TLS port
+            plain.is_server_ready(client_timeout=10)
 
 
 def test_requests_and_the_openai_client_embed_over_https(tls):

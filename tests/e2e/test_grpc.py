@@ -1,0 +1,243 @@
+"""KServe v2 over gRPC (server.grpc_port) through nginx and supervisord, with Triton's own
+client (tritonclient.grpc) and a raw grpc channel: inference equal to HTTP's, each error as
+its gRPC status (the frontend's and nginx's own), streams, health checking, request ids in
+the logs, a rolling restart of the frontends under gRPC load, no frontend at all."""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+import tritonclient.grpc as triton_grpc
+import tritonclient.http as triton_http
+from tritonclient.utils import InferenceServerException
+
+from frontend import protos
+from tests.conftest import tiny_overrides
+from tests.stack import Stack, free_port
+
+KEY = "grpc-key-0123"
+AUTH = {"authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, tiny_model):
+    port = free_port()
+    s = Stack(tmp_path_factory.mktemp("grpc") / "stack", tiny_overrides(
+        tiny_model, server={"grpc_port": port}, auth={"api_keys": [KEY]},
+        nginx={"client_max_body_size": "64k"}))
+    s.grpc_port = port
+    s.up()
+    yield s
+    s.down()
+
+
+@pytest.fixture
+def client(stack):
+    with triton_grpc.InferenceServerClient(f"127.0.0.1:{stack.grpc_port}") as c:
+        yield c
+
+
+def texts(*values: bytes, name: str = "text") -> triton_grpc.InferInput:
+    tensor = triton_grpc.InferInput(name, [len(values)], "BYTES")
+    tensor.set_data_from_numpy(np.array(values, dtype=object))
+    return tensor
+
+
+def status_of(call) -> tuple[str, str]:
+    with pytest.raises(InferenceServerException) as caught:
+        call()
+    return caught.value.status(), caught.value.message()
+
+
+def test_tritonclient_grpc_embeds_as_http_does(stack, client):
+    assert client.is_server_live() and client.is_server_ready()
+    assert client.is_model_ready("tiny") and client.is_model_ready("test-org/tiny")
+    assert not client.is_model_ready("no-such-model")  # Triton's answer: not ready, no error
+    meta = client.get_model_metadata("tiny", headers=AUTH)
+    assert meta.versions == ["tiny-r1"] and meta.outputs[0].shape == [-1, 32]
+    config = client.get_model_config("tiny", headers=AUTH).config
+    assert config.max_batch_size == 64 and config.output[0].dims == [32]
+    assert client.get_server_metadata(headers=AUTH).name == "shmserve"
+
+    words = (b"hello", "w\u00f6rld".encode(), b"shared memory")
+    result = client.infer("tiny", [texts(*words)], headers=AUTH,
+                          outputs=[triton_grpc.InferRequestedOutput("embedding")],
+                          request_id="mine-1")
+    got = result.as_numpy("embedding")
+    response = result.get_response()
+    assert (response.model_version, response.id) == ("tiny-r1", "mine-1")
+    http = triton_http.InferenceServerClient(f"127.0.0.1:{stack.port}")
+    tensor = triton_http.InferInput("text", [3], "BYTES")
+    tensor.set_data_from_numpy(np.array(words, dtype=object))
+    # (a copy: tritonclient.http adds its Inference-Header-Content-Length to the dict)
+    want = http.infer("tiny", [tensor], headers=dict(AUTH)).as_numpy("embedding")
+    assert got.shape == (3, 32) and got.dtype == np.float32
+    np.testing.assert_array_equal(got, want)
+    # a version pins the arm serving it, as over HTTP
+    pinned = client.infer("tiny", [texts(b"a")], model_version="tiny-r1", headers=AUTH)
+    assert pinned.get_response().model_version == "tiny-r1"
+
+
+def test_each_error_is_its_grpc_status(client):
+    unauth = status_of(lambda: client.infer("tiny", [texts(b"a")]))
+    assert unauth[0] == "StatusCode.UNAUTHENTICATED" and "Bearer" in unauth[1]
+    assert status_of(lambda: client.infer("nope", [texts(b"a")], headers=AUTH)) == (
+        "StatusCode.NOT_FOUND", "model 'nope' is not served; see GET /v1/models")
+    code, message = status_of(lambda: client.infer("tiny", [texts(*[b"a"] * 65)], headers=AUTH))
+    assert code == "StatusCode.INVALID_ARGUMENT" and "limits.max_texts_per_request" in message
+    code, message = status_of(lambda: client.infer("tiny", [texts(b"\xff")], headers=AUTH))
+    assert (code, message) == ("StatusCode.INVALID_ARGUMENT", "'text[0]' is not valid UTF-8")
+    code, message = status_of(lambda: client.infer("tiny", [texts(b"a", name="txt")],
+                                                   headers=AUTH))
+    assert code == "StatusCode.INVALID_ARGUMENT" and "['text']" in message
+    # nginx's own: a body past nginx.client_max_body_size (64k)
+    code, message = status_of(lambda: client.infer("tiny", [texts(b"x" * 100_000)],
+                                                   headers=AUTH))
+    assert code == "StatusCode.RESOURCE_EXHAUSTED"
+    assert message == "request body larger than nginx.client_max_body_size (64k)"
+    assert status_of(lambda: client.get_inference_statistics("tiny", headers=AUTH))[0] == \
+        "StatusCode.UNIMPLEMENTED"
+
+
+def test_a_stream_answers_every_request_each_with_its_id(client):
+    answers: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: answers.put((result, error)),
+                        headers=AUTH)
+    try:
+        for i in range(6):
+            body = b"\xff" if i == 2 else b"word " * (i + 1)
+            client.async_stream_infer("tiny", [texts(body)], request_id=str(i))
+        got = [answers.get(timeout=30) for _ in range(6)]
+    finally:
+        client.stop_stream()
+    ids = sorted(r.get_response().id for r, e in got if e is None)
+    errors = [str(e) for r, e in got if e is not None]
+    assert ids == ["0", "1", "3", "4", "5"]
+    assert len(errors) == 1 and "'text[0]' is not valid UTF-8" in errors[0]
+
+
+def test_health_checking_and_the_request_id_in_every_log(stack):
+    with grpc.insecure_channel(f"127.0.0.1:{stack.grpc_port}") as channel:
+        check = channel.unary_unary(
+            "/grpc.health.v1.Health/Check",
+            request_serializer=protos.HealthCheckRequest.SerializeToString,
+            response_deserializer=protos.HealthCheckResponse.FromString)
+        for service in ("", "inference.GRPCInferenceService"):
+            assert check(protos.HealthCheckRequest(service=service)).status == \
+                protos.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.RpcError) as caught:
+            check(protos.HealthCheckRequest(service="other"))
+        assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+
+        infer = channel.unary_unary(
+            "/inference.GRPCInferenceService/ModelInfer",
+            request_serializer=protos.ModelInferRequest.SerializeToString,
+            response_deserializer=protos.ModelInferResponse.FromString)
+        request = protos.ModelInferRequest(model_name="tiny")
+        tensor = request.inputs.add(name="text", datatype="BYTES", shape=[1])
+        tensor.contents.bytes_contents.append(b"hello")  # contents, not raw_input_contents
+        reply, call = infer.with_call(request, metadata=[
+            *AUTH.items(), ("x-request-id", "grpc-trace-42")])
+    metadata = dict(call.initial_metadata())
+    assert metadata["x-request-id"] == "grpc-trace-42"
+    assert float(metadata["x-inference-time"]) >= 0 and metadata["x-model-revision"] == "tiny-r1"
+    assert np.frombuffer(reply.raw_output_contents[0], "<f4").shape == (32,)
+
+    def lines(name: str) -> list[dict]:
+        path = stack.run_dir / "logs" / name
+        return [json.loads(line) for line in path.read_text().splitlines()
+                if line.startswith("{") and "grpc-trace-42" in line]
+
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        nginx = lines("nginx.log")
+        frontends = lines("frontend-0.log") + lines("frontend-1.log")
+        if nginx and frontends:
+            break
+        time.sleep(0.2)
+    assert [(n["uri"], n["grpc_status"]) for n in nginx] == [
+        ("/inference.GRPCInferenceService/ModelInfer", "0")]
+    assert [(f["route"], f["status"]) for f in frontends] == [
+        ("/v2/models/{model}/infer", 200)], frontends
+
+
+def test_a_rolling_restart_of_the_frontends_fails_no_call(stack):
+    stop = threading.Event()
+    done, failed = [0], []
+
+    def load() -> None:
+        with triton_grpc.InferenceServerClient(f"127.0.0.1:{stack.grpc_port}") as c:
+            while not stop.is_set():
+                try:
+                    c.infer("tiny", [texts(b"hello there")], headers=AUTH)
+                    done[0] += 1
+                except InferenceServerException as exc:
+                    failed.append((exc.status(), exc.message()))
+
+    threads = [threading.Thread(target=load) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    try:
+        time.sleep(1)
+        stack.cli("restart", "frontends")
+        time.sleep(1)
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
+    assert failed == [] and done[0] > 100
+
+
+def test_no_frontend_is_unavailable_from_nginx(stack, client):
+    stack.ctl("stop", "frontends:*")
+    try:
+        for call in (lambda: client.infer("tiny", [texts(b"a")], headers=AUTH),
+                     client.is_server_ready):
+            assert status_of(call) == ("StatusCode.UNAVAILABLE",
+                                       "no frontend answered; see `shmserve status`")
+    finally:
+        stack.ctl("start", "frontends:*")
+    deadline = time.monotonic() + 60
+    while not client.is_server_ready():
+        assert time.monotonic() < deadline
+        time.sleep(0.5)
+
+
+def test_apply_turns_grpc_off_and_on_and_moves_it_only_when_asked(stack, client):
+    """Last in the module: it moves the stack's gRPC port."""
+    from tests.e2e.test_apply import edit
+
+    old, new = stack.grpc_port, free_port()
+    edit(stack, server={"grpc_port": new})
+    refused = stack.cli("apply", check=False)
+    assert refused.returncode != 0
+    assert f"gRPC moves from port {old} to port {new}" in refused.stderr
+    assert "give --move" in refused.stderr
+    assert client.is_server_ready()  # nothing changed
+
+    stack.cli("apply", "--move", timeout=400)
+    with triton_grpc.InferenceServerClient(f"127.0.0.1:{new}") as moved:
+        assert moved.infer("tiny", [texts(b"a")], headers=AUTH).as_numpy("embedding").shape \
+            == (1, 32)
+    assert status_of(lambda: client.is_server_ready(client_timeout=10))[0] == \
+        "StatusCode.UNAVAILABLE"
+
+    edit(stack, server={"grpc_port": 0})
+    stack.cli("apply", "--move", timeout=400)
+    assert not (stack.run_dir / "sockets" / "frontend-0.grpc.sock").exists()
+    assert stack.get("/ready")[0] == 200  # HTTP serves on
+
+    edit(stack, server={"grpc_port": old})  # on again: no client loses anything, no --move
+    stack.cli("apply", timeout=400)
+    # a channel of its own: grpc's shared one to this port is in its reconnect backoff since
+    # the port closed
+    with triton_grpc.InferenceServerClient(
+            f"127.0.0.1:{old}", channel_args=[("grpc.use_local_subchannel_pool", 1)]) as again:
+        assert again.infer("tiny", [texts(b"b")], headers=AUTH).as_numpy("embedding").shape \
+            == (1, 32)
