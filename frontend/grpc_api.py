@@ -92,6 +92,7 @@ class Gateway:
     """The gRPC methods, each one HTTP request to this frontend's own socket."""
 
     def __init__(self, cfg: Config, index: int) -> None:
+        self._inflight = cfg.frontends.max_inflight
         # No connection limit: each call in flight holds one connection, as nginx's would; the
         # frontend's admission (frontends.max_inflight) is what bounds them, with its 429s.
         connector = aiohttp.UnixConnector(path=str(topology.frontend_socket(cfg, index)),
@@ -160,8 +161,10 @@ class Gateway:
         tensor = protos.ModelMetadataResponse.TensorMetadata
         return protos.ModelMetadataResponse(
             name=body["name"], versions=body["versions"], platform=body["platform"],
-            inputs=[tensor(**t) for t in body["inputs"]],
-            outputs=[tensor(**t) for t in body["outputs"]])
+            inputs=[tensor(name=t["name"], datatype=t["datatype"], shape=t["shape"])
+                    for t in body["inputs"]],
+            outputs=[tensor(name=t["name"], datatype=t["datatype"], shape=t["shape"])
+                     for t in body["outputs"]])
 
     async def model_config(self, request, context):
         from google.protobuf import json_format
@@ -181,10 +184,13 @@ class Gateway:
         return infer_response(got, raw)
 
     async def model_stream_infer(self, requests, context):
-        """Each request of the stream runs as it arrives, several at once; its answer (or its
-        error, as error_message, the stream going on) is written when it is done, in that
-        order, as Triton's stream does: a response's id says which request it answers."""
+        """Each request of the stream runs as it arrives, up to frontends.max_inflight at once
+        (past that the stream is not read: HTTP/2's flow control holds the client back); its
+        answer (or its error, as error_message, the stream going on) is written when it is
+        done, in that order, as Triton's stream does: a response's id says which request it
+        answers. A stream that ends (the client gone, cancelled) cancels its requests."""
         lock = asyncio.Lock()
+        slots = asyncio.Semaphore(self._inflight)
         running: set[asyncio.Task] = set()
 
         async def one(request) -> None:
@@ -193,15 +199,27 @@ class Gateway:
                     infer_response=await self.model_infer(request, _StreamCall(context)))
             except CallFailed as exc:
                 reply = protos.ModelStreamInferResponse(error_message=exc.message)
+            except Exception:
+                log.exception("frontend.grpc_error", extra={"fields": {
+                    "method": "model_stream_infer"}})
+                reply = protos.ModelStreamInferResponse(
+                    error_message="internal error (logged by the frontend)")
+            finally:
+                slots.release()
             async with lock:
                 await context.write(reply)
 
-        async for request in requests:
-            task = asyncio.create_task(one(request))
-            running.add(task)
-            task.add_done_callback(running.discard)
-        if running:
-            await asyncio.gather(*running)
+        try:
+            async for request in requests:
+                await slots.acquire()
+                task = asyncio.create_task(one(request))
+                running.add(task)
+                task.add_done_callback(running.discard)
+            if running:
+                await asyncio.gather(*running)
+        finally:
+            for task in running:
+                task.cancel()
 
     # --- grpc.health.v1.Health ---
 

@@ -110,6 +110,15 @@ def base_url(cfg: Config) -> str:
         f"{scheme}://{host}:{cfg.server.port}"
 
 
+def where(cfg: Config) -> str:
+    """base_url, and the gRPC port's address beside it where server.grpc_port is set."""
+    if not cfg.server.grpc_port:
+        return base_url(cfg)
+    host = base_url(cfg).split("://", 1)[1].rsplit(":", 1)[0]
+    secure = ", TLS" if tls.enabled(cfg) else ""
+    return f"{base_url(cfg)} (gRPC {host}:{cfg.server.grpc_port}{secure})"
+
+
 def http(url: str, method: str = "GET", data: bytes | None = None, timeout: float = 2.0,
          headers: dict[str, str] | None = None,
          context: ssl.SSLContext | None = None) -> tuple[int | None, bytes]:

@@ -47,7 +47,7 @@ def wait_ready(cfg: Config, timeout: float, starts: dict[str, int] | None = None
             break
         code, body = remote.http(url, context=context)
         if code == 200 and all(remote.http_unix(path, "/ready") == 200 for path in frontends):
-            print(f"shmserve: ready at {remote.base_url(cfg)}")
+            print(f"shmserve: ready at {remote.where(cfg)}")
             return 0
         unloaded = not_loading(body)
         if fatal or looping or unloaded or time.monotonic() > deadline:

@@ -31,6 +31,8 @@ def status(args: argparse.Namespace) -> int:
     if args.count is not None and args.watch is None:
         raise CliError("--count counts --watch's refreshes; add --watch")
     about = {"version": __version__, "url": remote.base_url(cfg), "run_dir": str(cfg.run_dir)}
+    if cfg.server.grpc_port:
+        about["grpc_port"] = cfg.server.grpc_port
 
     def say(state: str, message: str) -> None:
         """Not running: the message, or with --json one line of JSON saying so."""
@@ -59,7 +61,7 @@ def status(args: argparse.Namespace) -> int:
         about["protocol_change"] = change
         if not args.json:
             print(f"shmserve: warning: {change}", file=sys.stderr, flush=True)
-    title = f"shmserve {__version__} at {remote.base_url(cfg)} (run_dir {cfg.run_dir})"
+    title = f"shmserve {__version__} at {remote.where(cfg)} (run_dir {cfg.run_dir})"
 
     silent = False  # nginx did not answer the last sample
     context = tls.client_context(cfg)  # once: the certificate file was read at every request

@@ -84,6 +84,12 @@ def test_tritonclient_grpc_embeds_as_http_does(stack, client):
     assert pinned.get_response().model_version == "tiny-r1"
 
 
+def test_status_names_the_grpc_address(stack):
+    where = f"gRPC 127.0.0.1:{stack.grpc_port}"
+    assert where in stack.cli("status").stdout.splitlines()[0]
+    assert json.loads(stack.cli("status", "--json").stdout)["grpc_port"] == stack.grpc_port
+
+
 def test_each_error_is_its_grpc_status(client):
     unauth = status_of(lambda: client.infer("tiny", [texts(b"a")]))
     assert unauth[0] == "StatusCode.UNAUTHENTICATED" and "Bearer" in unauth[1]
