@@ -40,7 +40,7 @@ class ServerConfig:
 class NginxConfig:
     binary: str = "nginx"
     worker_processes: int | str = 1  # or auto: one per core, nginx's own rule
-    worker_connections: int = 16384  # per process; render.worker_connections: at least what
+    worker_connections: int = 16384  # per process; nginx_options.worker_connections: at least
     # the frontends admit, twice, and a margin
     listen_backlog: int = 4096  # the public port's accept queue
     client_max_body_size: str = "8m"

@@ -1,11 +1,13 @@
 """The parts of nginx.conf that options switch on or shape (nginx.gzip, nginx.rate_limit_*,
-nginx.cors_allow_origins, logging.flush_interval_ms), and the error pages nginx answers itself,
+nginx.cors_allow_origins, logging.flush_interval_ms, the connections each worker may hold), and
+the error pages nginx answers itself,
 in the frontends' error shapes. shmserve.render fills them into nginx/nginx.conf.
 """
 
 from __future__ import annotations
 
 import math
+import os
 
 from shmserve.config import Config
 
@@ -124,3 +126,37 @@ def access_log_buffer(cfg: Config) -> str:
     4 KiB, a pipe's atomic write (PIPE_BUF), so nginx workers never interleave partial lines."""
     ms = cfg.logging.flush_interval_ms
     return f" buffer=4k flush={max(1, round(ms))}ms" if ms > 0 else ""
+
+
+# Requests past the frontends' admission that nginx keeps room for, until their 429s come.
+CLIENT_MARGIN = 4096
+# Connections an nginx worker holds beyond its requests' and idle keep-alive ones: listening
+# sockets and the like.
+CONNECTION_SLACK = 64
+
+
+def nginx_workers(cfg: Config) -> int:
+    workers = cfg.nginx.worker_processes
+    return (os.cpu_count() or 1) if workers == "auto" else workers
+
+
+def worker_connections(cfg: Config) -> int:
+    """nginx's worker_connections: the configured value, or more where it leaves too little
+    room. Each request in flight holds a client and an upstream connection, admitted or not (a
+    frontend parses a request before it can refuse it with a 429), so room for twice every
+    request the frontends admit and CLIENT_MARGIN more, plus each worker's idle upstream
+    keep-alive connections. With too few, a burst got connection resets from nginx
+    ("worker_connections are not enough") instead of 429s: ~2,000 clients against 4,096
+    connections, and 8,000 against 4 x 1,024 admitted when requests past admission were
+    counted once (~315 resets; an outside check). And nginx starts closing connections that
+    wait for their request once no more than 1/16 of its connections are free (its
+    ngx_drain_connections), so the room is 16/15 of what they hold."""
+    in_flight = 2 * (cfg.frontends.count * cfg.frontends.max_inflight + CLIENT_MARGIN)
+    held = (-(-in_flight // nginx_workers(cfg)) + cfg.nginx.upstream_keepalive
+            + CONNECTION_SLACK)
+    return max(cfg.nginx.worker_connections, -(-held * 16 // 15) + 1)
+
+
+def nginx_connections(cfg: Config) -> int:
+    """The connections (client or upstream; a descriptor each) nginx's workers may hold."""
+    return worker_connections(cfg) * nginx_workers(cfg)

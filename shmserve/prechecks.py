@@ -75,15 +75,15 @@ def check_fds(cfg: Config) -> None:
     under `ulimit -n 256`: 198 of 3,000 requests)."""
     import resource
 
-    from shmserve import render
+    from shmserve import nginx_options
 
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
-    want = render.nginx_connections(cfg) + 1024  # and some for files
+    want = nginx_options.nginx_connections(cfg) + 1024  # and some for files
     if hard != resource.RLIM_INFINITY and hard < want:
         print(f"shmserve: warning: the open-files limit is {hard} (ulimit -Hn), under the "
               f"{want} nginx's connections may need (nginx.worker_connections "
-              f"{render.worker_connections(cfg)}): under that many connections nginx answers "
-              "bare 500s; raise it (ulimit -n, systemd's LimitNOFILE, the container's nofile) "
+              f"{nginx_options.worker_connections(cfg)}): under that many connections nginx "
+              "answers bare 500s; raise it (ulimit -n, systemd's LimitNOFILE, the container's nofile) "
               "or lower nginx.worker_connections and frontends.max_inflight", file=sys.stderr)
 
 

@@ -79,7 +79,7 @@ def nginx_conf(cfg: Config) -> Path:
 def render(cfg: Config) -> None:
     cfg = resolved(cfg)
     _check_paths(cfg)
-    if (connections := worker_connections(cfg)) > MAX_CONNECTIONS:
+    if (connections := nginx_options.worker_connections(cfg)) > MAX_CONNECTIONS:
         raise RenderError(f"nginx would need {connections} worker_connections for "
                           f"frontends.count x frontends.max_inflight ({cfg.frontends.count} x "
                           f"{cfg.frontends.max_inflight}) requests in flight, over "
@@ -142,7 +142,7 @@ def render_nginx(cfg: Config) -> str:
     values = {
         "user_directive": _user_directive(),
         "worker_processes": str(n.worker_processes),
-        "worker_connections": str(worker_connections(cfg)),
+        "worker_connections": str(nginx_options.worker_connections(cfg)),
         "nginx_dir": str(nginx_dir(cfg)),
         "client_max_body_size": n.client_max_body_size,
         "client_header_buffer_size": n.client_header_buffer_size,
@@ -348,45 +348,11 @@ def _user_directive() -> str:
     return f"user {pwd.getpwuid(os.geteuid()).pw_name} {grp.getgrgid(os.getegid()).gr_name};"
 
 
-# Requests past the frontends' admission that nginx keeps room for, until their 429s come.
-CLIENT_MARGIN = 4096
-# Connections an nginx worker holds beyond its requests' and idle keep-alive ones: listening
-# sockets and the like.
-CONNECTION_SLACK = 64
-
-
-def nginx_workers(cfg: Config) -> int:
-    workers = cfg.nginx.worker_processes
-    return (os.cpu_count() or 1) if workers == "auto" else workers
-
-
-def worker_connections(cfg: Config) -> int:
-    """nginx's worker_connections: the configured value, or more where it leaves too little
-    room. Each request in flight holds a client and an upstream connection, admitted or not (a
-    frontend parses a request before it can refuse it with a 429), so room for twice every
-    request the frontends admit and CLIENT_MARGIN more, plus each worker's idle upstream
-    keep-alive connections. With too few, a burst got connection resets from nginx
-    ("worker_connections are not enough") instead of 429s: ~2,000 clients against 4,096
-    connections, and 8,000 against 4 x 1,024 admitted when requests past admission were
-    counted once (~315 resets; an outside check). And nginx starts closing connections that
-    wait for their request once no more than 1/16 of its connections are free (its
-    ngx_drain_connections), so the room is 16/15 of what they hold."""
-    in_flight = 2 * (cfg.frontends.count * cfg.frontends.max_inflight + CLIENT_MARGIN)
-    held = (-(-in_flight // nginx_workers(cfg)) + cfg.nginx.upstream_keepalive
-            + CONNECTION_SLACK)
-    return max(cfg.nginx.worker_connections, -(-held * 16 // 15) + 1)
-
-
-def nginx_connections(cfg: Config) -> int:
-    """The connections (client or upstream; a descriptor each) nginx's workers may hold."""
-    return worker_connections(cfg) * nginx_workers(cfg)
-
-
 def _minfds(cfg: Config) -> int:
     # a descriptor per connection, and as many again for files and the rest; supervisord raises
     # every child's soft limit to this, but never past the hard limit (it refuses to start if
     # asked to; `up` warns when that is under what nginx's connections need: prechecks).
-    want = max(4096, 2 * nginx_connections(cfg) + 1024)
+    want = max(4096, 2 * nginx_options.nginx_connections(cfg) + 1024)
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     return want if hard == resource.RLIM_INFINITY else min(want, hard)
 

@@ -98,7 +98,7 @@ def test_client_disconnect_aborts_queued_work(tmp_path, slow_model):
 
 def test_flood_gets_only_200_or_429_and_memory_stays_bounded(tmp_path, tiny_model):
     # nginx.worker_connections set below the flood: nginx is given room for what the frontends
-    # admit and a margin of clients past it (render.worker_connections), where 1,024 dropped
+    # admit and a margin of clients past it (nginx_options.worker_connections), where 1,024 dropped
     # connections unanswered ("worker_connections are not enough") and no 429 came.
     stack = Stack(tmp_path / "s", tiny_overrides(
         tiny_model, frontends={"count": 2, "max_inflight": 16}, workers={"queue_texts": 96},

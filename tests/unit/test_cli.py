@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from shmserve import arena, cli, config, configview, processes, render, topology
+from shmserve import arena, cli, config, configview, nginx_options, processes, render, topology
 from shmserve.config import REPO_ROOT
 from tests.unit.test_render import free_port, wait_until
 
@@ -271,8 +271,8 @@ def test_up_warns_of_an_open_files_limit_under_nginxs_connections(deployment, mo
     prechecks.check_fds(deployment)
     err = capsys.readouterr().err
     assert "warning: the open-files limit is 256 (ulimit -Hn)" in err
-    assert f"nginx.worker_connections {render.worker_connections(deployment)}" in err
-    enough = render.nginx_connections(deployment) + 1024
+    assert f"nginx.worker_connections {nginx_options.worker_connections(deployment)}" in err
+    enough = nginx_options.nginx_connections(deployment) + 1024
     monkeypatch.setattr(resource, "getrlimit", lambda what: (256, enough)
                         if what == resource.RLIMIT_NOFILE else real(what))
     prechecks.check_fds(deployment)  # the soft limit: supervisord raises it

@@ -348,24 +348,24 @@ def test_nginx_has_room_for_every_request_the_frontends_admit(tmp_path):
         conf = render.nginx_conf(cfg).read_text()
         return int(re.search(r"worker_connections (\d+);", conf).group(1)), conf
 
-    slack = 64 + render.CONNECTION_SLACK  # idle upstream keep-alive connections, listeners
+    slack = 64 + nginx_options.CONNECTION_SLACK  # idle upstream keep-alive connections, listeners
 
     def room(held: int) -> int:  # nginx drains waiting connections at 1/16 free
         return math.ceil(held * 16 / 15) + 1
 
     connections, conf = rendered("default")
-    assert connections == 16384 >= room(2 * (2 * 1024 + render.CLIENT_MARGIN) + slack)
+    assert connections == 16384 >= room(2 * (2 * 1024 + nginx_options.CLIENT_MARGIN) + slack)
     assert re.search(r"listen 127\.0\.0\.1:\d+ default_server backlog=4096;", conf)
     # 4 x 1,024 admitted, as --env prod: requests past admission hold two connections too (a
     # burst of 8,000 got ~315 resets with 16,384, and ~260 with 16,512: an outside check)
     prod = rendered("prod", frontends={"count": 4, "max_inflight": 1024})[0]
-    assert prod == room(2 * (4 * 1024 + render.CLIENT_MARGIN) + slack) == 17614
+    assert prod == room(2 * (4 * 1024 + nginx_options.CLIENT_MARGIN) + slack) == 17614
     many = {"count": 8, "max_inflight": 2048}
-    assert rendered("many", frontends=many)[0] == room(2 * (8 * 2048 + render.CLIENT_MARGIN)
+    assert rendered("many", frontends=many)[0] == room(2 * (8 * 2048 + nginx_options.CLIENT_MARGIN)
                                                        + slack)
     split = rendered("split", frontends=many,
                      nginx={"worker_processes": 4, "worker_connections": 1000})[0]
-    assert split == room(2 * (8 * 2048 + render.CLIENT_MARGIN) // 4 + slack)
+    assert split == room(2 * (8 * 2048 + nginx_options.CLIENT_MARGIN) // 4 + slack)
     assert rendered("set", nginx={"worker_connections": 50000, "listen_backlog": 128})[0] == 50000
 
 
