@@ -305,6 +305,11 @@ def _model_path(request, sub: str = "", name: str | None = None, version: str | 
     version = request.version if version is None else version
     if not name:
         raise CallFailed(grpc.StatusCode.INVALID_ARGUMENT, "the model's name is required")
+    if {".", ".."} & set(name.split("/")):
+        # a URL path would resolve it: "../../admin/models" reached GET /admin/models from
+        # the frontend itself, past nginx.admin_loopback_only
+        raise CallFailed(grpc.StatusCode.INVALID_ARGUMENT,
+                         f"no model is named {name[:200]!r}: a '.' or '..' between slashes")
     # '/' stays: a model's alias may hold one, as the HTTP routes take it (frontend.kserve)
     path = "/v2/models/" + quote(name, safe="/")
     if version:

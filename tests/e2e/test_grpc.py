@@ -109,6 +109,9 @@ def test_each_error_is_its_grpc_status(client):
     assert message == "request body larger than nginx.client_max_body_size (64k)"
     assert status_of(lambda: client.get_inference_statistics("tiny", headers=AUTH))[0] == \
         "StatusCode.UNIMPLEMENTED"
+    # a name that a URL path would resolve reaches no other route (GET /admin/models here)
+    assert status_of(lambda: client.get_model_metadata("../../admin/models", headers=AUTH))[0] \
+        == "StatusCode.INVALID_ARGUMENT"
 
 
 def test_a_stream_answers_every_request_each_with_its_id(client):

@@ -185,6 +185,15 @@ def test_a_model_path_keeps_the_slash_of_an_alias_and_quotes_the_rest():
         grpc_api._model_path(protos.ModelReadyRequest(), "/ready")
 
 
+@pytest.mark.parametrize("name", ["..", "../../admin/models", "a/./b", "org/.."])
+def test_a_model_name_with_a_dot_segment_reaches_no_other_route(name):
+    with pytest.raises(grpc_api.CallFailed, match="a '.' or '..' between slashes") as caught:
+        grpc_api._model_path(protos.ModelMetadataRequest(name=name))
+    assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert grpc_api._model_path(protos.ModelMetadataRequest(name="v1.5/..x")) == \
+        "/v2/models/v1.5/..x"
+
+
 def test_no_grpc_block_without_a_port(tmp_path):
     cfg = make_config(tmp_path)
     assert grpc_nginx.block(cfg, "nginx", {}, render.fill) == "    # no gRPC: server.grpc_port is 0"
