@@ -15,24 +15,25 @@ unix socket inside the process (docs/protocols.md measures it).
 
 Services: inference.GRPCInferenceService's ServerLive, ServerReady, ModelReady,
 ServerMetadata, ModelMetadata, ModelConfig, ModelInfer and ModelStreamInfer (frontend/protos/
-kserve.proto); grpc.health.v1.Health's Check. Any other method is gRPC's UNIMPLEMENTED.
+kserve.proto); grpc.health.v1.Health's Check; server reflection (frontend.grpc_reflection).
+Any other method is gRPC's UNIMPLEMENTED.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import struct
 from typing import Any, AsyncIterator, Awaitable, Callable
-from urllib.parse import quote
 
 import aiohttp
 import grpc
 import orjson
 from aiohttp import web
 
-from frontend import protos
+from frontend import grpc_reflection, protos
 from frontend.app import CONFIG, INDEX
+from frontend.grpc_messages import (STATUS_CODES, CallFailed, error_text, infer_body,
+                                    infer_response, model_path)
 from frontend.kserve import HEADER_LENGTH
 from frontend.httpparser import nginx_size
 from shmserve import topology
@@ -42,27 +43,6 @@ log = logging.getLogger("shmserve.frontend")
 
 GRPC_SERVER = web.AppKey("grpc_server", object)  # a GrpcServer, or None (server.grpc_port 0)
 
-# An HTTP answer's status as the gRPC status a client gets (Triton's server maps its errors the
-# same way): one table, read by `_check`.
-STATUS_CODES = {
-    400: grpc.StatusCode.INVALID_ARGUMENT,
-    401: grpc.StatusCode.UNAUTHENTICATED,
-    403: grpc.StatusCode.PERMISSION_DENIED,
-    404: grpc.StatusCode.NOT_FOUND,
-    405: grpc.StatusCode.UNIMPLEMENTED,
-    408: grpc.StatusCode.DEADLINE_EXCEEDED,
-    409: grpc.StatusCode.FAILED_PRECONDITION,
-    413: grpc.StatusCode.INVALID_ARGUMENT,  # more texts, or longer ones, than the limits take
-    415: grpc.StatusCode.INVALID_ARGUMENT,
-    422: grpc.StatusCode.INVALID_ARGUMENT,
-    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    499: grpc.StatusCode.CANCELLED,
-    501: grpc.StatusCode.UNIMPLEMENTED,
-    502: grpc.StatusCode.UNAVAILABLE,
-    503: grpc.StatusCode.UNAVAILABLE,
-    504: grpc.StatusCode.DEADLINE_EXCEEDED,
-    507: grpc.StatusCode.RESOURCE_EXHAUSTED,  # the device out of memory for this batch
-}
 # gRPC metadata a call carries on to its HTTP request: nginx's request id and the client's
 # address (grpc_set_header), the API key, the client's name, a trace's context.
 FORWARDED = ("x-request-id", "x-real-ip", "x-forwarded-for", "x-forwarded-proto",
@@ -71,17 +51,6 @@ FORWARDED = ("x-request-id", "x-real-ip", "x-forwarded-for", "x-forwarded-proto"
 # and the stage times, the revision and A/B arm that answered, Retry-After of a 429 or 503.
 RETURNED_PREFIXES = ("x-", "retry-after")
 HEALTHY_SERVICES = ("", protos.KSERVE_SERVICE)
-
-
-class CallFailed(Exception):
-    """An HTTP answer that is an error, as the gRPC status the call ends with."""
-
-    def __init__(self, code: grpc.StatusCode, message: str,
-                 metadata: tuple[tuple[str, str], ...] = ()) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.metadata = metadata
 
 
 def socket_path(cfg: Config, index: int) -> str:
@@ -127,7 +96,7 @@ class Gateway:
                          if key.lower().startswith(RETURNED_PREFIXES))
         if status not in ok:
             raise CallFailed(STATUS_CODES.get(status, grpc.StatusCode.INTERNAL),
-                             _error_text(raw, status), metadata)
+                             error_text(raw, status), metadata)
         await context.send_initial_metadata(metadata)
         return status, dict(got), raw
 
@@ -148,7 +117,7 @@ class Gateway:
 
     async def model_ready(self, request, context):
         # An unknown model is not ready, as Triton answers it, not NOT_FOUND.
-        status, _ = await self._json(context, _model_path(request, "/ready"), ok=(200, 400, 404))
+        status, _ = await self._json(context, model_path(request, "/ready"), ok=(200, 400, 404))
         return protos.ModelReadyResponse(ready=status == 200)
 
     async def server_metadata(self, request, context):
@@ -157,7 +126,7 @@ class Gateway:
                                              extensions=body["extensions"])
 
     async def model_metadata(self, request, context):
-        _, body = await self._json(context, _model_path(request))
+        _, body = await self._json(context, model_path(request))
         tensor = protos.ModelMetadataResponse.TensorMetadata
         return protos.ModelMetadataResponse(
             name=body["name"], versions=body["versions"], platform=body["platform"],
@@ -169,14 +138,14 @@ class Gateway:
     async def model_config(self, request, context):
         from google.protobuf import json_format
 
-        _, body = await self._json(context, _model_path(request, "/config"))
+        _, body = await self._json(context, model_path(request, "/config"))
         config = json_format.ParseDict(body, protos.ModelConfig(), ignore_unknown_fields=True)
         return protos.ModelConfigResponse(config=config)
 
     async def model_infer(self, request, context):
         header, tail = infer_body(request, context.time_remaining())
         _, got, raw = await self._call(
-            context, "POST", _model_path(request, "/infer", name=request.model_name,
+            context, "POST", model_path(request, "/infer", name=request.model_name,
                                          version=request.model_version),
             body=header + tail,
             headers={"Content-Type": "application/octet-stream",
@@ -297,117 +266,6 @@ def _ends(method: Callable[..., Awaitable]) -> Callable[..., Awaitable]:
     return handler
 
 
-def _model_path(request, sub: str = "", name: str | None = None, version: str | None = None
-                ) -> str:
-    """/v2/models/NAME[/versions/VERSION]SUB for a request naming a model (its `name` and
-    `version` fields, or ModelInfer's model_name and model_version)."""
-    name = request.name if name is None else name
-    version = request.version if version is None else version
-    if not name:
-        raise CallFailed(grpc.StatusCode.INVALID_ARGUMENT, "the model's name is required")
-    if {".", ".."} & set(name.split("/")):
-        # a URL path would resolve it: "../../admin/models" reached GET /admin/models from
-        # the frontend itself, past nginx.admin_loopback_only
-        raise CallFailed(grpc.StatusCode.INVALID_ARGUMENT,
-                         f"no model is named {name[:200]!r}: a '.' or '..' between slashes")
-    # '/' stays: a model's alias may hold one, as the HTTP routes take it (frontend.kserve)
-    path = "/v2/models/" + quote(name, safe="/")
-    if version:
-        path += "/versions/" + quote(version, safe="")
-    return path + sub
-
-
-def _parameter(value) -> Any:
-    kind = value.WhichOneof("parameter_choice")
-    return None if kind is None else getattr(value, kind)
-
-
-# InferTensorContents' field for each datatype (BYTES is sent as binary data instead).
-CONTENTS = {"BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_contents",
-            "INT32": "int_contents", "INT64": "int64_contents", "UINT8": "uint_contents",
-            "UINT16": "uint_contents", "UINT32": "uint_contents", "UINT64": "uint64_contents",
-            "FP32": "fp32_contents", "FP64": "fp64_contents"}
-
-
-def infer_body(request, time_remaining: float | None) -> tuple[bytes, bytes]:
-    """A ModelInferRequest as the HTTP /infer body: (JSON header, binary tail). Inputs in
-    raw_input_contents, and BYTES inputs in contents, go as binary tensor data; other contents
-    as JSON data. Every output comes back binary. The call's deadline is the request's
-    `timeout` parameter (microseconds), or lowers the one it gives."""
-    parameters = {key: _parameter(value) for key, value in request.parameters.items()}
-    given = parameters.get("timeout")
-    if time_remaining is not None and (given is None or given == 0 or (
-            isinstance(given, int) and not isinstance(given, bool) and given > 0)):
-        left_us = max(1, int(time_remaining * 1e6))
-        parameters["timeout"] = min(given, left_us) if given else left_us
-    parameters["binary_data_output"] = True
-    raw = request.raw_input_contents
-    if raw and len(raw) != len(request.inputs):
-        raise CallFailed(grpc.StatusCode.INVALID_ARGUMENT,
-                         f"raw_input_contents holds {len(raw)} tensors for "
-                         f"{len(request.inputs)} inputs: give every input's data there, or each "
-                         "in its contents")
-    inputs, tail = [], []
-    for i, tensor in enumerate(request.inputs):
-        entry: dict[str, Any] = {"name": tensor.name, "datatype": tensor.datatype,
-                                 "shape": list(tensor.shape)}
-        entry_params = {key: _parameter(value) for key, value in tensor.parameters.items()}
-        if raw:
-            data = raw[i]
-        elif tensor.datatype == "BYTES":
-            data = b"".join(struct.pack("<I", len(b)) + b for b in tensor.contents.bytes_contents)
-        else:
-            data = None
-            entry["data"] = list(getattr(tensor.contents, CONTENTS.get(tensor.datatype,
-                                                                          "bytes_contents")))
-        if data is not None:
-            entry_params["binary_data_size"] = len(data)
-            tail.append(data)
-        if entry_params:
-            entry["parameters"] = entry_params
-        inputs.append(entry)
-    header: dict[str, Any] = {"parameters": parameters, "inputs": inputs}
-    if request.id:
-        header["id"] = request.id
-    if request.outputs:
-        header["outputs"] = [{"name": o.name, "parameters": {"binary_data": True}}
-                             for o in request.outputs]
-    return orjson.dumps(header), b"".join(tail)
-
-
-def infer_response(headers: dict[str, str], raw: bytes):
-    """The HTTP /infer answer (JSON header and binary outputs) as a ModelInferResponse."""
-    length = int(headers.get(HEADER_LENGTH, len(raw)))
-    head = orjson.loads(raw[:length])
-    at = length
-    outputs, contents = [], []
-    for output in head.get("outputs", ()):
-        size = output.get("parameters", {}).get("binary_data_size", 0)
-        contents.append(raw[at:at + size])
-        at += size
-        outputs.append(protos.ModelInferResponse.InferOutputTensor(
-            name=output["name"], datatype=output["datatype"], shape=output["shape"]))
-    return protos.ModelInferResponse(
-        model_name=head.get("model_name", ""), model_version=head.get("model_version", ""),
-        id=head.get("id", ""), outputs=outputs, raw_output_contents=contents)
-
-
-def _error_text(raw: bytes, status: int) -> str:
-    """The message of an HTTP error answer: KServe's {"error": ...} (every /v2 route's), or the
-    body as text."""
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        return raw.decode("utf-8", "replace")[:500] or f"HTTP {status}"
-    if isinstance(body, dict):
-        found = body.get("error")
-        if isinstance(found, dict):  # the other routes' shape
-            found = found.get("message")
-        if isinstance(found, str):
-            return found
-    return raw.decode("utf-8", "replace")[:500]
-
-
 class GrpcServer:
     """A frontend's gRPC server. At a stop signal its calls drain first (new ones refused, so
     nginx passes them to another frontend; those running finish within server.drain_timeout_s)
@@ -423,7 +281,8 @@ class GrpcServer:
         self._server = grpc.aio.server(options=[
             ("grpc.max_receive_message_length", limit),
             ("grpc.max_send_message_length", -1)])
-        self._server.add_generic_rpc_handlers(self._gateway.handlers())
+        self._server.add_generic_rpc_handlers(
+            [*self._gateway.handlers(), *grpc_reflection.handlers()])
         self._server.add_insecure_port("unix:" + socket_path(cfg, index))
         self._stopping: asyncio.Future | None = None
 

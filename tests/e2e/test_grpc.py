@@ -176,6 +176,36 @@ def test_health_checking_and_the_request_id_in_every_log(stack):
         ("/v2/models/{model}/infer", 200)], frontends
 
 
+def test_a_client_without_the_protos_calls_through_reflection(stack):
+    """As grpcurl does: list the services over reflection (v1), fetch the KServe service's file,
+    build its messages from it alone (a pool of the test's own), call ServerReady with them."""
+    from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+
+    from frontend import grpc_reflection as reflection
+
+    with grpc.insecure_channel(f"127.0.0.1:{stack.grpc_port}") as channel:
+        info = channel.stream_stream(
+            "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+            request_serializer=reflection.Request.SerializeToString,
+            response_deserializer=reflection.Response.FromString)
+        listed, described = list(info(iter([
+            reflection.Request(list_services="*"),
+            reflection.Request(file_containing_symbol="inference.GRPCInferenceService")])))
+        assert "inference.GRPCInferenceService" in [
+            s.name for s in listed.list_services_response.service]
+        pool = descriptor_pool.DescriptorPool()
+        for raw in described.file_descriptor_response.file_descriptor_proto:
+            pool.Add(descriptor_pb2.FileDescriptorProto.FromString(raw))
+        method = pool.FindServiceByName("inference.GRPCInferenceService").methods_by_name[
+            "ServerReady"]
+        request_type = message_factory.GetMessageClass(method.input_type)
+        reply_type = message_factory.GetMessageClass(method.output_type)
+        ready = channel.unary_unary("/inference.GRPCInferenceService/ServerReady",
+                                    request_serializer=request_type.SerializeToString,
+                                    response_deserializer=reply_type.FromString)
+        assert ready(request_type()).ready is True
+
+
 def test_a_rolling_restart_of_the_frontends_fails_no_call(stack):
     stop = threading.Event()
     done, failed = [0], []

@@ -1,4 +1,4 @@
-"""The gRPC gateway's pure parts (frontend/grpc_api.py, frontend/protos): the messages against
+"""The gRPC gateway's pure parts (frontend/grpc_messages.py, frontend/protos): the messages against
 Triton's own descriptors, a ModelInferRequest as the HTTP /infer body and the answer back, the
 nginx block (shmserve/grpc_nginx.py), the config's checks. Through the real stack:
 tests/e2e/test_grpc.py."""
@@ -13,7 +13,7 @@ import orjson
 import pytest
 from tritonclient.grpc import model_config_pb2, service_pb2
 
-from frontend import grpc_api, protos
+from frontend import grpc_messages, protos
 from frontend.kserve import HEADER_LENGTH
 from frontend.tensors import Tensor, encode_response, read_inputs, split_body
 from shmserve import grpc_nginx, render, tls
@@ -102,7 +102,7 @@ def test_raw_input_contents_go_as_binary_tensor_data():
     request.inputs.add(name="text", datatype="BYTES", shape=[2])
     request.raw_input_contents.append(_bytes_tensor(b"hello", "wörld".encode()))
     request.outputs.add(name="embedding")
-    header, tail = grpc_api.infer_body(request, None)
+    header, tail = grpc_messages.infer_body(request, None)
     parsed, inputs = _http_inputs(header, tail)
     assert inputs[0].data == [b"hello", "wörld".encode()]
     assert parsed["id"] == "req-1"
@@ -116,7 +116,7 @@ def test_bytes_contents_and_numeric_contents():
     text.contents.bytes_contents.extend([b"a", b"bc"])
     number = request.inputs.add(name="n", datatype="INT64", shape=[3])
     number.contents.int64_contents.extend([1, 2, 3])
-    header, tail = grpc_api.infer_body(request, None)
+    header, tail = grpc_messages.infer_body(request, None)
     _, inputs = _http_inputs(header, tail)
     assert inputs[0].data == [b"a", b"bc"]
     assert inputs[1].data.tolist() == [1, 2, 3]
@@ -127,8 +127,8 @@ def test_raw_contents_for_some_inputs_only_is_invalid():
     request.inputs.add(name="query", datatype="BYTES", shape=[1])
     request.inputs.add(name="text", datatype="BYTES", shape=[1])
     request.raw_input_contents.append(_bytes_tensor(b"q"))
-    with pytest.raises(grpc_api.CallFailed) as caught:
-        grpc_api.infer_body(request, None)
+    with pytest.raises(grpc_messages.CallFailed) as caught:
+        grpc_messages.infer_body(request, None)
     assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert "raw_input_contents holds 1 tensors for 2 inputs" in caught.value.message
 
@@ -145,7 +145,7 @@ def test_the_calls_deadline_is_the_timeout(given, left_s, sent):
     request = protos.ModelInferRequest(model_name="m")
     if given is not None:
         request.parameters["timeout"].int64_param = given
-    header, _ = grpc_api.infer_body(request, left_s)
+    header, _ = grpc_messages.infer_body(request, left_s)
     assert orjson.loads(header)["parameters"]["timeout"] == sent
 
 
@@ -153,7 +153,7 @@ def test_the_http_answer_becomes_raw_output_contents():
     vectors = np.arange(6, dtype=np.float32).reshape(2, 3)
     body, length = encode_response({"model_name": "m", "model_version": "r1", "id": "x"},
                                    [(Tensor("embedding", "FP32", (2, 3), vectors), True)])
-    reply = grpc_api.infer_response({HEADER_LENGTH: str(length)}, body)
+    reply = grpc_messages.infer_response({HEADER_LENGTH: str(length)}, body)
     assert (reply.model_name, reply.model_version, reply.id) == ("m", "r1", "x")
     assert reply.outputs[0].name == "embedding" and list(reply.outputs[0].shape) == [2, 3]
     got = np.frombuffer(reply.raw_output_contents[0], dtype="<f4").reshape(2, 3)
@@ -167,30 +167,30 @@ def test_the_http_answer_becomes_raw_output_contents():
     (b"", 503, "HTTP 503"),
 ])
 def test_error_text(raw, status, text):
-    assert grpc_api._error_text(raw, status) == text
+    assert grpc_messages.error_text(raw, status) == text
 
 
 def test_status_codes_cover_the_errors_the_routes_answer():
     from frontend.errors import STATUS
 
     for status in set(STATUS.values()) - {500}:
-        assert status in grpc_api.STATUS_CODES, status
+        assert status in grpc_messages.STATUS_CODES, status
 
 
 def test_a_model_path_keeps_the_slash_of_an_alias_and_quotes_the_rest():
     request = protos.ModelReadyRequest(name="org/my model", version="r 1")
-    assert grpc_api._model_path(request, "/ready") == \
+    assert grpc_messages.model_path(request, "/ready") == \
         "/v2/models/org/my%20model/versions/r%201/ready"
-    with pytest.raises(grpc_api.CallFailed):
-        grpc_api._model_path(protos.ModelReadyRequest(), "/ready")
+    with pytest.raises(grpc_messages.CallFailed):
+        grpc_messages.model_path(protos.ModelReadyRequest(), "/ready")
 
 
 @pytest.mark.parametrize("name", ["..", "../../admin/models", "a/./b", "org/.."])
 def test_a_model_name_with_a_dot_segment_reaches_no_other_route(name):
-    with pytest.raises(grpc_api.CallFailed, match="a '.' or '..' between slashes") as caught:
-        grpc_api._model_path(protos.ModelMetadataRequest(name=name))
+    with pytest.raises(grpc_messages.CallFailed, match="a '.' or '..' between slashes") as caught:
+        grpc_messages.model_path(protos.ModelMetadataRequest(name=name))
     assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
-    assert grpc_api._model_path(protos.ModelMetadataRequest(name="v1.5/..x")) == \
+    assert grpc_messages.model_path(protos.ModelMetadataRequest(name="v1.5/..x")) == \
         "/v2/models/v1.5/..x"
 
 
@@ -218,3 +218,35 @@ def test_grpc_port_must_differ_from_the_http_port(tmp_path):
         make_config(tmp_path, server={"grpc_port": 8080, "port": 8080})
     with pytest.raises(ConfigError, match="server.grpc_port"):
         make_config(tmp_path, server={"grpc_port": 70000})
+
+
+def test_reflection_lists_the_services_and_gives_their_files():
+    from google.protobuf import descriptor_pb2
+
+    from frontend import grpc_reflection as reflection
+
+    listed = reflection.answer(reflection.Request(list_services="*"))
+    names = [s.name for s in listed.list_services_response.service]
+    assert names == ["inference.GRPCInferenceService", "grpc.health.v1.Health",
+                     "grpc.reflection.v1alpha.ServerReflection"]
+    for symbol, file in (("inference.GRPCInferenceService", "kserve.proto"),
+                         (".inference.ModelInferRequest", "kserve.proto"),
+                         ("inference.GRPCInferenceService.ModelInfer", "kserve.proto"),
+                         ("grpc.health.v1.Health", "health.proto"),
+                         ("grpc.reflection.v1.ServerReflection", "reflection.proto")):
+        got = reflection.answer(reflection.Request(file_containing_symbol=symbol))
+        (raw,) = got.file_descriptor_response.file_descriptor_proto
+        assert descriptor_pb2.FileDescriptorProto.FromString(raw).name == file, symbol
+    by_name = reflection.answer(reflection.Request(file_by_filename="health.proto"))
+    assert by_name.file_descriptor_response.file_descriptor_proto[0] == \
+        reflection.FILES["health.proto"]
+    for request in (reflection.Request(file_containing_symbol="no.Such"),
+                    reflection.Request(file_by_filename="other.proto"),
+                    reflection.Request(all_extension_numbers_of_type="no.Such")):
+        assert reflection.answer(request).error_response.error_code == \
+            grpc.StatusCode.NOT_FOUND.value[0]
+    assert reflection.answer(reflection.Request()).error_response.error_code == \
+        grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert reflection.answer(reflection.Request(
+        all_extension_numbers_of_type="inference.ModelInferRequest")
+    ).all_extension_numbers_response.base_type_name == "inference.ModelInferRequest"

@@ -1,0 +1,160 @@
+"""A gRPC call's messages as the frontend's HTTP /v2 request, and its answer back
+(frontend.grpc_api sends them): pure functions, no sockets. A ModelInferRequest becomes the
+/infer body with Triton's binary tensor extension (frontend.tensors reads it), the answer's
+binary outputs become raw_output_contents, and an HTTP error its gRPC status."""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+from urllib.parse import quote
+
+import grpc
+import orjson
+
+from frontend import protos
+from frontend.kserve import HEADER_LENGTH
+
+# An HTTP answer's status as the gRPC status a client gets (Triton's server maps its errors the
+# same way): one table.
+STATUS_CODES = {
+    400: grpc.StatusCode.INVALID_ARGUMENT,
+    401: grpc.StatusCode.UNAUTHENTICATED,
+    403: grpc.StatusCode.PERMISSION_DENIED,
+    404: grpc.StatusCode.NOT_FOUND,
+    405: grpc.StatusCode.UNIMPLEMENTED,
+    408: grpc.StatusCode.DEADLINE_EXCEEDED,
+    409: grpc.StatusCode.FAILED_PRECONDITION,
+    413: grpc.StatusCode.INVALID_ARGUMENT,  # more texts, or longer ones, than the limits take
+    415: grpc.StatusCode.INVALID_ARGUMENT,
+    422: grpc.StatusCode.INVALID_ARGUMENT,
+    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    499: grpc.StatusCode.CANCELLED,
+    501: grpc.StatusCode.UNIMPLEMENTED,
+    502: grpc.StatusCode.UNAVAILABLE,
+    503: grpc.StatusCode.UNAVAILABLE,
+    504: grpc.StatusCode.DEADLINE_EXCEEDED,
+    507: grpc.StatusCode.RESOURCE_EXHAUSTED,  # the device out of memory for this batch
+}
+
+
+class CallFailed(Exception):
+    """An HTTP answer that is an error, as the gRPC status the call ends with."""
+
+    def __init__(self, code: grpc.StatusCode, message: str,
+                 metadata: tuple[tuple[str, str], ...] = ()) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.metadata = metadata
+
+
+def model_path(request, sub: str = "", name: str | None = None, version: str | None = None
+                ) -> str:
+    """/v2/models/NAME[/versions/VERSION]SUB for a request naming a model (its `name` and
+    `version` fields, or ModelInfer's model_name and model_version)."""
+    name = request.name if name is None else name
+    version = request.version if version is None else version
+    if not name:
+        raise CallFailed(grpc.StatusCode.INVALID_ARGUMENT, "the model's name is required")
+    if {".", ".."} & set(name.split("/")):
+        # a URL path would resolve it: "../../admin/models" reached GET /admin/models from
+        # the frontend itself, past nginx.admin_loopback_only
+        raise CallFailed(grpc.StatusCode.INVALID_ARGUMENT,
+                         f"no model is named {name[:200]!r}: a '.' or '..' between slashes")
+    # '/' stays: a model's alias may hold one, as the HTTP routes take it (frontend.kserve)
+    path = "/v2/models/" + quote(name, safe="/")
+    if version:
+        path += "/versions/" + quote(version, safe="")
+    return path + sub
+
+
+def _parameter(value) -> Any:
+    kind = value.WhichOneof("parameter_choice")
+    return None if kind is None else getattr(value, kind)
+
+
+# InferTensorContents' field for each datatype (BYTES is sent as binary data instead).
+CONTENTS = {"BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_contents",
+            "INT32": "int_contents", "INT64": "int64_contents", "UINT8": "uint_contents",
+            "UINT16": "uint_contents", "UINT32": "uint_contents", "UINT64": "uint64_contents",
+            "FP32": "fp32_contents", "FP64": "fp64_contents"}
+
+
+def infer_body(request, time_remaining: float | None) -> tuple[bytes, bytes]:
+    """A ModelInferRequest as the HTTP /infer body: (JSON header, binary tail). Inputs in
+    raw_input_contents, and BYTES inputs in contents, go as binary tensor data; other contents
+    as JSON data. Every output comes back binary. The call's deadline is the request's
+    `timeout` parameter (microseconds), or lowers the one it gives."""
+    parameters = {key: _parameter(value) for key, value in request.parameters.items()}
+    given = parameters.get("timeout")
+    if time_remaining is not None and (given is None or given == 0 or (
+            isinstance(given, int) and not isinstance(given, bool) and given > 0)):
+        left_us = max(1, int(time_remaining * 1e6))
+        parameters["timeout"] = min(given, left_us) if given else left_us
+    parameters["binary_data_output"] = True
+    raw = request.raw_input_contents
+    if raw and len(raw) != len(request.inputs):
+        raise CallFailed(grpc.StatusCode.INVALID_ARGUMENT,
+                         f"raw_input_contents holds {len(raw)} tensors for "
+                         f"{len(request.inputs)} inputs: give every input's data there, or each "
+                         "in its contents")
+    inputs, tail = [], []
+    for i, tensor in enumerate(request.inputs):
+        entry: dict[str, Any] = {"name": tensor.name, "datatype": tensor.datatype,
+                                 "shape": list(tensor.shape)}
+        entry_params = {key: _parameter(value) for key, value in tensor.parameters.items()}
+        if raw:
+            data = raw[i]
+        elif tensor.datatype == "BYTES":
+            data = b"".join(struct.pack("<I", len(b)) + b for b in tensor.contents.bytes_contents)
+        else:
+            data = None
+            entry["data"] = list(getattr(tensor.contents, CONTENTS.get(tensor.datatype,
+                                                                          "bytes_contents")))
+        if data is not None:
+            entry_params["binary_data_size"] = len(data)
+            tail.append(data)
+        if entry_params:
+            entry["parameters"] = entry_params
+        inputs.append(entry)
+    header: dict[str, Any] = {"parameters": parameters, "inputs": inputs}
+    if request.id:
+        header["id"] = request.id
+    if request.outputs:
+        header["outputs"] = [{"name": o.name, "parameters": {"binary_data": True}}
+                             for o in request.outputs]
+    return orjson.dumps(header), b"".join(tail)
+
+
+def infer_response(headers: dict[str, str], raw: bytes):
+    """The HTTP /infer answer (JSON header and binary outputs) as a ModelInferResponse."""
+    length = int(headers.get(HEADER_LENGTH, len(raw)))
+    head = orjson.loads(raw[:length])
+    at = length
+    outputs, contents = [], []
+    for output in head.get("outputs", ()):
+        size = output.get("parameters", {}).get("binary_data_size", 0)
+        contents.append(raw[at:at + size])
+        at += size
+        outputs.append(protos.ModelInferResponse.InferOutputTensor(
+            name=output["name"], datatype=output["datatype"], shape=output["shape"]))
+    return protos.ModelInferResponse(
+        model_name=head.get("model_name", ""), model_version=head.get("model_version", ""),
+        id=head.get("id", ""), outputs=outputs, raw_output_contents=contents)
+
+
+def error_text(raw: bytes, status: int) -> str:
+    """The message of an HTTP error answer: KServe's {"error": ...} (every /v2 route's), or the
+    body as text."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return raw.decode("utf-8", "replace")[:500] or f"HTTP {status}"
+    if isinstance(body, dict):
+        found = body.get("error")
+        if isinstance(found, dict):  # the other routes' shape
+            found = found.get("message")
+        if isinstance(found, str):
+            return found
+    return raw.decode("utf-8", "replace")[:500]
