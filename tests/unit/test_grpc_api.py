@@ -250,3 +250,20 @@ def test_reflection_lists_the_services_and_gives_their_files():
     assert reflection.answer(reflection.Request(
         all_extension_numbers_of_type="inference.ModelInferRequest")
     ).all_extension_numbers_response.base_type_name == "inference.ModelInferRequest"
+
+
+def test_up_refuses_a_grpc_port_another_process_holds(tmp_path):
+    import socket
+
+    from shmserve.prechecks import CliError, check_port
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        cfg = make_config(tmp_path, server={"grpc_port": port})
+        with pytest.raises(CliError, match=f"127.0.0.1:{port} is in use by another process; "
+                                           r"choose another server.grpc_port \(SHMSERVE__SERVER"
+                                           "__GRPC_PORT\\)"):
+            check_port(cfg)
+        check_port(cfg, ("server.port",))  # the HTTP port alone is free
