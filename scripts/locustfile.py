@@ -3,12 +3,18 @@
 Environment:
   SHMSERVE_BENCH_CORPUS   path to a JSON list of strings (default ../shared/bench/corpus.json)
   SHMSERVE_BENCH_TEXTS    texts per request (default 1), or "mixed": 1 to 16, at random
-  SHMSERVE_BENCH_API      openai (JSON /v1/embeddings, float) | msgpack (/predict, msgpack)
+  SHMSERVE_BENCH_API      openai (JSON /v1/embeddings, float) | msgpack (/predict, msgpack) |
+                          grpc (KServe v2's ModelInfer on server.grpc_port, tritonclient.grpc)
+  SHMSERVE_BENCH_GRPC     host:port of the gRPC port, with SHMSERVE_BENCH_API=grpc (-H is not
+                          read then: locust needs one, any URL)
   SHMSERVE_BENCH_MODEL    model name sent with each request (default: the server's default)
+                          (grpc: all-MiniLM-L6-v2, KServe names its model)
   SHMSERVE_API_KEY        sent as `Authorization: Bearer` (a server with auth.api_keys set)
 
 Run by scripts/bench.py; also usable directly:
   locust -f scripts/locustfile.py --headless -u 32 -r 32 -t 30s -H http://127.0.0.1:8080
+  SHMSERVE_BENCH_API=grpc SHMSERVE_BENCH_GRPC=127.0.0.1:8001 locust -f scripts/locustfile.py \
+      --headless -u 32 -r 32 -t 30s -H http://unused
 """
 
 from __future__ import annotations
@@ -95,6 +101,7 @@ class EmbeddingUser(FastHttpUser):
     # A closed loop: each user sends its next request at once. (The open loop, Poisson
     # arrivals at a rate, is benchkit.open_loop_window: locust's users pace, they do not arrive.)
     wait_time = constant(0)
+    abstract = API == "grpc"  # GrpcEmbeddingUser (below) runs instead
 
     def on_start(self) -> None:
         # Every status is an answer the task judges itself (below: anything but 200 is a
@@ -121,3 +128,43 @@ class EmbeddingUser(FastHttpUser):
                                   catch_response=True, context={"texts": len(texts)}) as resp:
                 if resp.status_code != 200:
                     resp.failure(f"status {resp.status_code}")
+
+
+if API == "grpc":
+    import time
+
+    import gevent
+    import numpy as np
+    import tritonclient.grpc as triton_grpc
+    from locust import User
+    from tritonclient.utils import InferenceServerException
+
+    # grpcio's blocking calls run on gevent's pool of real threads, one a user at most (grpcio's
+    # own gevent mode, grpc.experimental.gevent, hung under locust), so the users' calls overlap.
+    gevent.get_hub().threadpool.maxsize = 1024
+
+    class GrpcEmbeddingUser(User):
+        """KServe v2's ModelInfer over gRPC, one call a task, as EmbeddingUser's requests."""
+
+        wait_time = constant(0)
+
+        def on_start(self) -> None:
+            self.grpc = triton_grpc.InferenceServerClient(os.environ["SHMSERVE_BENCH_GRPC"])
+            self.headers = {k.lower(): v for k, v in AUTH.items()}
+
+        @task
+        def embed(self) -> None:
+            texts = next_texts()
+            tensor = triton_grpc.InferInput("text", [len(texts)], "BYTES")
+            tensor.set_data_from_numpy(np.array([t.encode() for t in texts], dtype=object))
+            started, error = time.perf_counter(), None
+            try:
+                gevent.get_hub().threadpool.apply(
+                    self.grpc.infer, (MODEL or "all-MiniLM-L6-v2", [tensor]),
+                    {"headers": self.headers})
+            except InferenceServerException as exc:
+                error = exc
+            self.environment.events.request.fire(
+                request_type="grpc", name="ModelInfer", exception=error,
+                response_time=(time.perf_counter() - started) * 1000, response_length=0,
+                context={"texts": len(texts)})
