@@ -206,6 +206,23 @@ def test_a_client_without_the_protos_calls_through_reflection(stack):
         assert ready(request_type()).ready is True
 
 
+def test_a_locust_load_over_grpc(stack, tmp_path, monkeypatch):
+    """scripts/locustfile.py's gRPC user (SHMSERVE_BENCH_API=grpc), as bench's windows run it."""
+    from tests.e2e.test_bench import benchkit
+    from tests.stack import corpus_path
+
+    corpus = tmp_path / "short.json"  # sentences within the tiny model's 64 tokens
+    corpus.write_text(json.dumps([t for t in json.loads(corpus_path().read_text())
+                                  if len(t) <= 80]))
+    monkeypatch.setenv("SHMSERVE_BENCH_GRPC", f"127.0.0.1:{stack.grpc_port}")
+    monkeypatch.setenv("SHMSERVE_BENCH_MODEL", "tiny")
+    monkeypatch.setenv("SHMSERVE_API_KEY", KEY)
+    window = benchkit.locust_window("http://unused", benchkit.Scenario("g", 8, "4", api="grpc"),
+                                    3, corpus)
+    assert window["failures"] == 0 and window["requests"] > 20
+    assert window["texts_per_s"] == pytest.approx(window["requests_per_s"] * 4, rel=1e-9)
+
+
 def test_a_rolling_restart_of_the_frontends_fails_no_call(stack):
     stop = threading.Event()
     done, failed = [0], []
