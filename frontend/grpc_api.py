@@ -30,7 +30,7 @@ import grpc
 import orjson
 from aiohttp import web
 
-from frontend import grpc_reflection, protos
+from frontend import grpc_reflection, metrics, protos
 from frontend.app import CONFIG, INDEX
 from frontend.grpc_messages import (STATUS_CODES, CallFailed, error_text, infer_body,
                                     infer_response, model_path)
@@ -213,15 +213,16 @@ class Gateway:
                  "ModelConfig": (self.model_config, "ModelConfigRequest", "ModelConfigResponse"),
                  "ModelInfer": (self.model_infer, "ModelInferRequest", "ModelInferResponse")}
         kserve = {name: grpc.unary_unary_rpc_method_handler(
-            _ends(method), request_deserializer=getattr(protos, into).FromString,
+            _ends(method, name), request_deserializer=getattr(protos, into).FromString,
             response_serializer=getattr(protos, out).SerializeToString)
             for name, (method, into, out) in unary.items()}
         kserve["ModelStreamInfer"] = grpc.stream_stream_rpc_method_handler(
-            _ends(self.model_stream_infer),
+            _ends(self.model_stream_infer, "ModelStreamInfer"),
             request_deserializer=protos.ModelInferRequest.FromString,
             response_serializer=protos.ModelStreamInferResponse.SerializeToString)
         health = {"Check": grpc.unary_unary_rpc_method_handler(
-            _ends(self.health_check), request_deserializer=protos.HealthCheckRequest.FromString,
+            _ends(self.health_check, "Check"),
+            request_deserializer=protos.HealthCheckRequest.FromString,
             response_serializer=protos.HealthCheckResponse.SerializeToString)}
         return [grpc.method_handlers_generic_handler(protos.KSERVE_SERVICE, kserve),
                 grpc.method_handlers_generic_handler(protos.HEALTH_SERVICE, health)]
@@ -244,24 +245,31 @@ class _StreamCall:
         pass
 
 
-def _ends(method: Callable[..., Awaitable]) -> Callable[..., Awaitable]:
-    """`method` with its CallFailed as the call's status, and any other error as INTERNAL with
-    a line in the log: a call always ends with a status, never a hung stream."""
-
+def _ends(method: Callable[..., Awaitable], name: str) -> Callable[..., Awaitable]:
+    """`method` (the gRPC method `name`) with its CallFailed as the call's status, and any
+    other error as INTERNAL with a line in the log: a call always ends with a status, never a
+    hung stream. Each call counts in shmserve_grpc_calls_total by its status."""
     async def handler(request, context):
+        code = grpc.StatusCode.INTERNAL
         try:
-            return await method(request, context)
+            reply = await method(request, context)
+            code = grpc.StatusCode.OK
+            return reply
         except CallFailed as exc:
+            code = exc.code
             if exc.metadata:
                 context.set_trailing_metadata(exc.metadata)
             await context.abort(exc.code, exc.message)
         except asyncio.CancelledError:
+            code = grpc.StatusCode.CANCELLED
             raise
         except grpc.aio.AbortError:
             raise
         except Exception:
-            log.exception("frontend.grpc_error", extra={"fields": {"method": method.__name__}})
+            log.exception("frontend.grpc_error", extra={"fields": {"method": name}})
             await context.abort(grpc.StatusCode.INTERNAL, "internal error (logged by the frontend)")
+        finally:
+            metrics.GRPC_CALLS.labels(name, code.name).inc()
 
     return handler
 

@@ -32,6 +32,10 @@ LATENCY = Histogram("shmserve_request_duration_seconds",
 STAGE = Histogram("shmserve_stage_duration_seconds",
                   "Time of each stage of successful inference requests (every task)",
                   ["stage", "model"], buckets=shared.LATENCY_BUCKETS)
+GRPC_CALLS = Counter("shmserve_grpc_calls_total",
+                     "gRPC calls answered by the frontends (server.grpc_port), by method and "
+                     "gRPC status code; each call's HTTP request counts in "
+                     "shmserve_requests_total too", ["method", "code"])
 INFLIGHT = Gauge("shmserve_frontend_inflight_requests", "Requests being served per frontend",
                  ["frontend"], multiprocess_mode="livesum")
 ARENA_USED = Gauge("shmserve_frontend_arena_used_bytes",

@@ -90,7 +90,7 @@ def test_status_names_the_grpc_address(stack):
     assert json.loads(stack.cli("status", "--json").stdout)["grpc_port"] == stack.grpc_port
 
 
-def test_each_error_is_its_grpc_status(client):
+def test_each_error_is_its_grpc_status(stack, client):
     unauth = status_of(lambda: client.infer("tiny", [texts(b"a")]))
     assert unauth[0] == "StatusCode.UNAUTHENTICATED" and "Bearer" in unauth[1]
     assert status_of(lambda: client.infer("nope", [texts(b"a")], headers=AUTH)) == (
@@ -109,9 +109,25 @@ def test_each_error_is_its_grpc_status(client):
     assert message == "request body larger than nginx.client_max_body_size (64k)"
     assert status_of(lambda: client.get_inference_statistics("tiny", headers=AUTH))[0] == \
         "StatusCode.UNIMPLEMENTED"
+    counted = calls_by_status(stack)
+    for key in (("ModelInfer", "UNAUTHENTICATED"), ("ModelInfer", "NOT_FOUND"),
+                ("ModelInfer", "INVALID_ARGUMENT")):
+        assert counted.get(key, 0) >= 1, (key, counted)
     # a name that a URL path would resolve reaches no other route (GET /admin/models here)
     assert status_of(lambda: client.get_model_metadata("../../admin/models", headers=AUTH))[0] \
         == "StatusCode.INVALID_ARGUMENT"
+
+
+def calls_by_status(stack: Stack) -> dict[tuple[str, str], float]:
+    """shmserve_grpc_calls_total from GET /metrics, by (method, code)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    status, _, raw = stack.get("/metrics")
+    assert status == 200
+    family = next(f for f in text_string_to_metric_families(raw.decode())
+                  if f.name == "shmserve_grpc_calls")
+    return {(s.labels["method"], s.labels["code"]): s.value for s in family.samples
+            if s.name.endswith("_total")}
 
 
 def test_a_stream_answers_every_request_each_with_its_id(client):
