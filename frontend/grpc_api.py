@@ -22,7 +22,10 @@ Any other method is gRPC's UNIMPLEMENTED.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
+import time
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 import aiohttp
@@ -32,8 +35,8 @@ from aiohttp import web
 
 from frontend import grpc_reflection, metrics, protos
 from frontend.app import CONFIG, INDEX
-from frontend.grpc_messages import (STATUS_CODES, CallFailed, error_text, infer_body,
-                                    infer_response, model_path)
+from frontend.grpc_messages import (STATUS_CODES, CallFailed, Undecodable, error_text,
+                                    infer_body, infer_response, model_path, parser)
 from frontend.kserve import HEADER_LENGTH
 from frontend.httpparser import nginx_size
 from shmserve import topology
@@ -46,7 +49,9 @@ GRPC_SERVER = web.AppKey("grpc_server", object)  # a GrpcServer, or None (server
 # gRPC metadata a call carries on to its HTTP request: nginx's request id and the client's
 # address (grpc_set_header), the API key, the client's name, a trace's context.
 FORWARDED = ("x-request-id", "x-real-ip", "x-forwarded-for", "x-forwarded-proto",
-             "authorization", "user-agent", "traceparent", "tracestate")
+             "authorization", "user-agent", "traceparent", "tracestate",
+             # the HTTP routes' own deadline and priority headers, as metadata
+             "x-request-timeout", "x-priority")
 # The answer's headers a call returns as metadata (lower case, as gRPC wants it): the request id
 # and the stage times, the revision and A/B arm that answered, Retry-After of a 429 or 503.
 RETURNED_PREFIXES = ("x-", "retry-after")
@@ -62,6 +67,7 @@ class Gateway:
 
     def __init__(self, cfg: Config, index: int) -> None:
         self._inflight = cfg.frontends.max_inflight
+        self.last_call = 0.0  # time.monotonic() of the latest call's start (GrpcServer's stop)
         # No connection limit: each call in flight holds one connection, as nginx's would; the
         # frontend's admission (frontends.max_inflight) is what bounds them, with its 429s.
         connector = aiohttp.UnixConnector(path=str(topology.frontend_socket(cfg, index)),
@@ -80,6 +86,7 @@ class Gateway:
                     ok: tuple[int, ...] = (200,)) -> tuple[int, dict[str, str], bytes]:
         """One HTTP request for `context`'s call: (status, headers, body) of an answer whose
         status is in `ok`, else CallFailed."""
+        self.last_call = time.monotonic()
         sent = {key: value for key, value in context.invocation_metadata() or ()
                 if key in FORWARDED and isinstance(value, str)}
         sent.update(headers or {})
@@ -163,16 +170,24 @@ class Gateway:
         running: set[asyncio.Task] = set()
 
         async def one(request) -> None:
+            # An error's answer names its request too (infer_response's id and model), so a
+            # client that sent many can tell which failed (tritonclient reads error_message).
+            failed = protos.ModelInferResponse() if isinstance(request, Undecodable) else \
+                protos.ModelInferResponse(id=request.id, model_name=request.model_name)
             try:
+                if isinstance(request, Undecodable):
+                    raise CallFailed(grpc.StatusCode.INVALID_ARGUMENT, request.message)
                 reply = protos.ModelStreamInferResponse(
                     infer_response=await self.model_infer(request, _StreamCall(context)))
             except CallFailed as exc:
-                reply = protos.ModelStreamInferResponse(error_message=exc.message)
+                reply = protos.ModelStreamInferResponse(error_message=exc.message,
+                                                        infer_response=failed)
             except Exception:
                 log.exception("frontend.grpc_error", extra={"fields": {
                     "method": "model_stream_infer"}})
                 reply = protos.ModelStreamInferResponse(
-                    error_message="internal error (logged by the frontend)")
+                    error_message="internal error (logged by the frontend)",
+                    infer_response=failed)
             finally:
                 slots.release()
             async with lock:
@@ -213,16 +228,16 @@ class Gateway:
                  "ModelConfig": (self.model_config, "ModelConfigRequest", "ModelConfigResponse"),
                  "ModelInfer": (self.model_infer, "ModelInferRequest", "ModelInferResponse")}
         kserve = {name: grpc.unary_unary_rpc_method_handler(
-            _ends(method, name), request_deserializer=getattr(protos, into).FromString,
+            _ends(method, name), request_deserializer=parser(getattr(protos, into)),
             response_serializer=getattr(protos, out).SerializeToString)
             for name, (method, into, out) in unary.items()}
         kserve["ModelStreamInfer"] = grpc.stream_stream_rpc_method_handler(
             _ends(self.model_stream_infer, "ModelStreamInfer"),
-            request_deserializer=protos.ModelInferRequest.FromString,
+            request_deserializer=parser(protos.ModelInferRequest),
             response_serializer=protos.ModelStreamInferResponse.SerializeToString)
         health = {"Check": grpc.unary_unary_rpc_method_handler(
             _ends(self.health_check, "Check"),
-            request_deserializer=protos.HealthCheckRequest.FromString,
+            request_deserializer=parser(protos.HealthCheckRequest),
             response_serializer=protos.HealthCheckResponse.SerializeToString)}
         return [grpc.method_handlers_generic_handler(protos.KSERVE_SERVICE, kserve),
                 grpc.method_handlers_generic_handler(protos.HEALTH_SERVICE, health)]
@@ -252,6 +267,8 @@ def _ends(method: Callable[..., Awaitable], name: str) -> Callable[..., Awaitabl
     async def handler(request, context):
         code = grpc.StatusCode.INTERNAL
         try:
+            if isinstance(request, Undecodable):
+                raise CallFailed(grpc.StatusCode.INVALID_ARGUMENT, request.message)
             reply = await method(request, context)
             code = grpc.StatusCode.OK
             return reply
@@ -274,14 +291,26 @@ def _ends(method: Callable[..., Awaitable], name: str) -> Callable[..., Awaitabl
     return handler
 
 
+# At a stop, after the socket file is gone: the calls on connections nginx opened before still
+# arrive; the server stops once none has for QUIET_S (at most SETTLE_S).
+QUIET_S = 0.1
+SETTLE_S = 1.0
+
+
 class GrpcServer:
-    """A frontend's gRPC server. At a stop signal its calls drain first (new ones refused, so
-    nginx passes them to another frontend; those running finish within server.drain_timeout_s)
-    while the HTTP socket they call still listens; aiohttp's own drain follows (so a stop may
-    take twice server.drain_timeout_s: shmserve.render.stopwaitsecs allows it)."""
+    """A frontend's gRPC server. At a stop signal its calls drain first, while the HTTP socket
+    they call still listens: its socket file goes (nginx's next connects fail and it passes
+    those calls to another frontend), the calls on connections already open arrive, then the
+    server stops (any later call refused; those running finish within
+    server.drain_timeout_s). aiohttp's own drain follows, so a stop may take twice
+    server.drain_timeout_s (shmserve.render.frontend_stopwaitsecs allows it). A stop that
+    went straight to grpc's own (no unlink, no settling) answered CANCELLED to a call nginx
+    had sent on a connection the server accepted just before: 1 of ~3,000 in a rolling
+    restart under load."""
 
     def __init__(self, cfg: Config, index: int) -> None:
         self._cfg = cfg
+        self._path = socket_path(cfg, index)
         self._gateway = Gateway(cfg, index)
         # Messages up to the body nginx takes (nginx.client_max_body_size; 0: no limit);
         # answers of any size.
@@ -291,7 +320,7 @@ class GrpcServer:
             ("grpc.max_send_message_length", -1)])
         self._server.add_generic_rpc_handlers(
             [*self._gateway.handlers(), *grpc_reflection.handlers()])
-        self._server.add_insecure_port("unix:" + socket_path(cfg, index))
+        self._server.add_insecure_port("unix:" + self._path)
         self._stopping: asyncio.Future | None = None
 
     async def start(self) -> None:
@@ -299,9 +328,16 @@ class GrpcServer:
 
     async def stop_calls(self) -> None:
         if self._stopping is None:
-            self._stopping = asyncio.ensure_future(
-                self._server.stop(self._cfg.server.drain_timeout_s))
+            self._stopping = asyncio.ensure_future(self._stop_calls())
         await asyncio.shield(self._stopping)
+
+    async def _stop_calls(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._path)
+        settled = time.monotonic() + SETTLE_S
+        while time.monotonic() < settled and time.monotonic() - self._gateway.last_call < QUIET_S:
+            await asyncio.sleep(QUIET_S / 2)
+        await self._server.stop(self._cfg.server.drain_timeout_s)
 
     async def stop(self) -> None:
         await self.stop_calls()

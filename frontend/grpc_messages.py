@@ -6,7 +6,7 @@ binary outputs become raw_output_contents, and an HTTP error its gRPC status."""
 from __future__ import annotations
 
 import struct
-from typing import Any
+from typing import Any, Callable
 from urllib.parse import quote
 
 import grpc
@@ -57,11 +57,13 @@ def model_path(request, sub: str = "", name: str | None = None, version: str | N
     version = request.version if version is None else version
     if not name:
         raise CallFailed(grpc.StatusCode.INVALID_ARGUMENT, "the model's name is required")
-    if {".", ".."} & set(name.split("/")):
+    if {".", ".."} & set(name.split("/")) or version in (".", ".."):
         # a URL path would resolve it: "../../admin/models" reached GET /admin/models from
         # the frontend itself, past nginx.admin_loopback_only
         raise CallFailed(grpc.StatusCode.INVALID_ARGUMENT,
-                         f"no model is named {name[:200]!r}: a '.' or '..' between slashes")
+                         f"no model is named {name[:200]!r}" + (
+                             f" with version {version[:200]!r}" if version else "")
+                         + ": a '.' or '..' between slashes")
     # '/' stays: a model's alias may hold one, as the HTTP routes take it (frontend.kserve)
     path = "/v2/models/" + quote(name, safe="/")
     if version:
@@ -108,10 +110,13 @@ def infer_body(request, time_remaining: float | None) -> tuple[bytes, bytes]:
             data = raw[i]
         elif tensor.datatype == "BYTES":
             data = b"".join(struct.pack("<I", len(b)) + b for b in tensor.contents.bytes_contents)
+        elif tensor.datatype not in CONTENTS:
+            # no contents field of its own (FP16, BF16, a name no datatype has): its
+            # bytes_contents as binary data, for the route to judge (JSON holds no bytes)
+            data = b"".join(tensor.contents.bytes_contents)
         else:
             data = None
-            entry["data"] = list(getattr(tensor.contents, CONTENTS.get(tensor.datatype,
-                                                                          "bytes_contents")))
+            entry["data"] = list(getattr(tensor.contents, CONTENTS[tensor.datatype]))
         if data is not None:
             entry_params["binary_data_size"] = len(data)
             tail.append(data)
@@ -158,3 +163,23 @@ def error_text(raw: bytes, status: int) -> str:
         if isinstance(found, str):
             return found
     return raw.decode("utf-8", "replace")[:500]
+
+
+class Undecodable:
+    """A request message that did not parse (grpc's own answer to a deserializer's error is
+    UNKNOWN, with a traceback in the log): the call's INVALID_ARGUMENT."""
+
+    def __init__(self, kind: str, error: Exception) -> None:
+        self.message = f"the request is not a valid {kind} message ({error})"
+
+
+def parser(message_type) -> Callable[[bytes], Any]:
+    """`message_type`'s deserializer for grpc: an Undecodable where the bytes do not parse."""
+
+    def parse(data: bytes):
+        try:
+            return message_type.FromString(data)
+        except Exception as exc:  # DecodeError, and what else protobuf's parser raises
+            return Undecodable(message_type.DESCRIPTOR.full_name, exc)
+
+    return parse

@@ -192,6 +192,42 @@ def test_health_checking_and_the_request_id_in_every_log(stack):
         ("/v2/models/{model}/infer", 200)], frontends
 
 
+def test_raw_calls_bad_bytes_a_streams_error_and_the_http_headers_as_metadata(stack):
+    """A message that does not parse is INVALID_ARGUMENT (grpc's default was UNKNOWN, with a
+    traceback); a stream's error answer names its request; X-Request-Timeout as metadata is the
+    HTTP header's deadline."""
+    with grpc.insecure_channel(f"127.0.0.1:{stack.grpc_port}") as channel:
+        raw = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+        with pytest.raises(grpc.RpcError) as caught:
+            raw(b"\xff\xff\xff\xff not a message", metadata=list(AUTH.items()))
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "not a valid inference.ModelInferRequest" in caught.value.details()
+
+        stream = channel.stream_stream(
+            "/inference.GRPCInferenceService/ModelStreamInfer",
+            request_serializer=protos.ModelInferRequest.SerializeToString,
+            response_deserializer=protos.ModelStreamInferResponse.FromString)
+        bad = protos.ModelInferRequest(model_name="no-such-model", id="bad-7")
+        bad.inputs.add(name="text", datatype="BYTES", shape=[1]).contents.bytes_contents.append(
+            b"a")
+        (answer,) = list(stream(iter([bad]), metadata=list(AUTH.items())))
+        assert "not served" in answer.error_message
+        assert (answer.infer_response.id, answer.infer_response.model_name) == (
+            "bad-7", "no-such-model")
+
+        infer = channel.unary_unary(
+            "/inference.GRPCInferenceService/ModelInfer",
+            request_serializer=protos.ModelInferRequest.SerializeToString,
+            response_deserializer=protos.ModelInferResponse.FromString)
+        request = protos.ModelInferRequest(model_name="tiny")
+        request.inputs.add(name="text", datatype="BYTES", shape=[1]).contents.bytes_contents \
+            .append(b"a")
+        with pytest.raises(grpc.RpcError) as caught:
+            infer(request, metadata=[*AUTH.items(), ("x-request-timeout", "-1")])
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "X-Request-Timeout" in caught.value.details()
+
+
 def test_a_client_without_the_protos_calls_through_reflection(stack):
     """As grpcurl does: list the services over reflection (v1), fetch the KServe service's file,
     build its messages from it alone (a pool of the test's own), call ServerReady with them."""

@@ -267,3 +267,39 @@ def test_up_refuses_a_grpc_port_another_process_holds(tmp_path):
                                            "__GRPC_PORT\\)"):
             check_port(cfg)
         check_port(cfg, ("server.port",))  # the HTTP port alone is free
+
+
+def test_a_message_that_does_not_parse_is_undecodable_not_an_exception():
+    parse = grpc_messages.parser(protos.ModelInferRequest)
+    got = parse(b"\xff\xff\xff\xff garbage")
+    assert isinstance(got, grpc_messages.Undecodable)
+    assert got.message.startswith("the request is not a valid inference.ModelInferRequest")
+    assert parse(protos.ModelInferRequest(model_name="m").SerializeToString()).model_name == "m"
+
+
+def test_a_datatype_without_a_contents_field_goes_as_binary_for_the_route_to_judge():
+    request = protos.ModelInferRequest(model_name="m")
+    tensor = request.inputs.add(name="text", datatype="FP16", shape=[1])
+    tensor.contents.bytes_contents.append(b"\x00\x3c")
+    header, tail = grpc_messages.infer_body(request, None)  # JSON could not hold the bytes
+    assert orjson.loads(header)["inputs"][0]["parameters"] == {"binary_data_size": 2}
+    assert tail == b"\x00\x3c"
+
+
+def test_a_version_of_dots_is_refused():
+    for version in (".", ".."):
+        with pytest.raises(grpc_messages.CallFailed, match="between slashes"):
+            grpc_messages.model_path(protos.ModelReadyRequest(name="m", version=version),
+                                     "/ready")
+
+
+def test_the_grpc_probes_are_never_rate_limited(tmp_path):
+    cfg = make_config(tmp_path, server={"grpc_port": 9001},
+                      nginx={"rate_limit_per_s": 5, "rate_limit_burst": 2})
+    text = render.render_nginx(cfg)
+    grpc_part = text[text.index("upstream frontends_grpc"):]
+    root = grpc_part[grpc_part.index("location / {"):]
+    probes = grpc_part[grpc_part.index("location ~ ^/(grpc\\.health"):]
+    assert "limit_req zone=" in root[:root.index("}")]
+    assert "limit_req" not in probes[:probes.index("}")]
+    assert "ServerLive|ServerReady|ModelReady" in probes[:probes.index("{")]
