@@ -174,6 +174,8 @@ async def run(request: web.Request, served: ServedModel,
         request.app[POOL].ready_links)
     seconds, deadline_by = timeout(request, cfg.frontends.request_timeout_s)
     deadline = time.time() + seconds
+    if deadline_by != "frontends.request_timeout_s":  # the client's own deadline, or its cap
+        request[LOG_FIELDS].update(timeout_s=round(seconds, 3), timeout_by=deadline_by)
     priority = request_priority(request, priority, cfg.frontends.default_priority)
     request[CHOSEN] = (variant.name, priority)
     inflight = request.app[INFLIGHT]

@@ -167,7 +167,7 @@ def test_health_checking_and_the_request_id_in_every_log(stack):
         request = protos.ModelInferRequest(model_name="tiny")
         tensor = request.inputs.add(name="text", datatype="BYTES", shape=[1])
         tensor.contents.bytes_contents.append(b"hello")  # contents, not raw_input_contents
-        reply, call = infer.with_call(request, metadata=[
+        reply, call = infer.with_call(request, timeout=30, metadata=[
             *AUTH.items(), ("x-request-id", "grpc-trace-42")])
     metadata = dict(call.initial_metadata())
     assert metadata["x-request-id"] == "grpc-trace-42"
@@ -188,8 +188,9 @@ def test_health_checking_and_the_request_id_in_every_log(stack):
         time.sleep(0.2)
     assert [(n["uri"], n["grpc_status"]) for n in nginx] == [
         ("/inference.GRPCInferenceService/ModelInfer", "0")]
-    assert [(f["route"], f["status"]) for f in frontends] == [
-        ("/v2/models/{model}/infer", 200)], frontends
+    assert [(f["route"], f["status"], f["timeout_by"]) for f in frontends] == [
+        ("/v2/models/{model}/infer", 200, "parameters.timeout")], frontends
+    assert 25 < frontends[0]["timeout_s"] <= 31  # the call's deadline (grpc rounds it up)
 
 
 def test_raw_calls_bad_bytes_a_streams_error_and_the_http_headers_as_metadata(stack):
