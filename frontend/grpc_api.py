@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import socket
 import time
 from typing import Any, AsyncIterator, Awaitable, Callable
 
@@ -297,16 +298,30 @@ QUIET_S = 0.1
 SETTLE_S = 1.0
 
 
+def refuse_at(path: str) -> None:
+    """Put a socket file nobody listens on at `path`, in one rename: nginx's connects there are
+    refused, which it logs as an error and passes the call to another frontend, where a missing
+    file is logged at crit (alerts on crit fired at every rolling restart, as for the HTTP
+    sockets: frontend.__main__.bind_in_place). grpc removes the file at its stop and binds over
+    one at its start."""
+    staging = os.path.join(os.path.dirname(path), f".{os.getpid()}.grpc")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(staging)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as placeholder:
+        placeholder.bind(staging)
+    os.replace(staging, path)
+
+
 class GrpcServer:
     """A frontend's gRPC server. At a stop signal its calls drain first, while the HTTP socket
-    they call still listens: its socket file goes (nginx's next connects fail and it passes
-    those calls to another frontend), the calls on connections already open arrive, then the
-    server stops (any later call refused; those running finish within
-    server.drain_timeout_s). aiohttp's own drain follows, so a stop may take twice
-    server.drain_timeout_s (shmserve.render.frontend_stopwaitsecs allows it). A stop that
-    went straight to grpc's own (no unlink, no settling) answered CANCELLED to a call nginx
-    had sent on a connection the server accepted just before: 1 of ~3,000 in a rolling
-    restart under load."""
+    they call still listens: its socket file is replaced by one nobody listens on (nginx's
+    next connects are refused, and it passes those calls to another frontend), the calls on
+    connections already open arrive, then the server stops (any later call refused; those
+    running finish within server.drain_timeout_s). aiohttp's own drain follows, so a stop may
+    take twice server.drain_timeout_s (shmserve.render.frontend_stopwaitsecs allows it). A
+    stop that went straight to grpc's own (the socket file in place, no settling) answered
+    CANCELLED to a call nginx had sent on a connection the server accepted just before: 1 of
+    ~3,000 in a rolling restart under load."""
 
     def __init__(self, cfg: Config, index: int) -> None:
         self._cfg = cfg
@@ -332,12 +347,12 @@ class GrpcServer:
         await asyncio.shield(self._stopping)
 
     async def _stop_calls(self) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self._path)
+        refuse_at(self._path)
         settled = time.monotonic() + SETTLE_S
         while time.monotonic() < settled and time.monotonic() - self._gateway.last_call < QUIET_S:
             await asyncio.sleep(QUIET_S / 2)
         await self._server.stop(self._cfg.server.drain_timeout_s)
+        refuse_at(self._path)  # grpc removed its socket file; the next start binds over this
 
     async def stop(self) -> None:
         await self.stop_calls()
