@@ -105,6 +105,8 @@ def serve(cfg: Config, index: int) -> int:
     for signum in STOP_SIGNALS:
         loop.add_signal_handler(signum, stop)
     sock = bind_in_place(path, cfg.frontends.listen_backlog)
+    if not cfg.server.grpc_port:  # gRPC turned off by an apply: its stopped socket file goes
+        topology.frontend_grpc_socket(cfg, index).unlink(missing_ok=True)
     app = create_app(cfg, index)
     web.run_app(app, sock=sock, print=None, loop=loop,
                 shutdown_timeout=cfg.server.drain_timeout_s, access_log=None,
