@@ -69,6 +69,7 @@ class Gateway:
     def __init__(self, cfg: Config, index: int) -> None:
         self._inflight = cfg.frontends.max_inflight
         self.last_call = 0.0  # time.monotonic() of the latest call's start (GrpcServer's stop)
+        self.stopping = asyncio.Event()  # set at a stop: open streams end (model_stream_infer)
         # No connection limit: each call in flight holds one connection, as nginx's would; the
         # frontend's admission (frontends.max_inflight) is what bounds them, with its 429s.
         connector = aiohttp.UnixConnector(path=str(topology.frontend_socket(cfg, index)),
@@ -165,7 +166,9 @@ class Gateway:
         (past that the stream is not read: HTTP/2's flow control holds the client back); its
         answer (or its error, as error_message, the stream going on) is written when it is
         done, in that order, as Triton's stream does: a response's id says which request it
-        answers. A stream that ends (the client gone, cancelled) cancels its requests."""
+        answers. A stream that ends (the client gone, cancelled) cancels its requests. When the
+        frontend stops, a stream reads no more requests, answers those it read, and ends
+        UNAVAILABLE (gRPC's status to retry: a new stream reaches another frontend)."""
         lock = asyncio.Lock()
         slots = asyncio.Semaphore(self._inflight)
         running: set[asyncio.Task] = set()
@@ -194,15 +197,34 @@ class Gateway:
             async with lock:
                 await context.write(reply)
 
+        reader = requests.__aiter__()
+        stopping = asyncio.ensure_future(self.stopping.wait())
         try:
-            async for request in requests:
+            while True:
+                following = asyncio.ensure_future(reader.__anext__())
+                await asyncio.wait((following, stopping), return_when=asyncio.FIRST_COMPLETED)
+                if not following.done():  # the frontend stopping: no more requests read
+                    following.cancel()
+                    break
+                try:
+                    request = following.result()
+                except StopAsyncIteration:
+                    break
                 await slots.acquire()
                 task = asyncio.create_task(one(request))
                 running.add(task)
                 task.add_done_callback(running.discard)
             if running:
                 await asyncio.gather(*running)
+            if self.stopping.is_set():
+                # A stream would hold the stop for the whole drain, then be cut (an outside
+                # check: a rolling restart took 23 s instead of 6 with two streams open).
+                raise CallFailed(grpc.StatusCode.UNAVAILABLE,
+                                 "the frontend serving this stream is stopping (a restart or "
+                                 "shutdown); every request it read is answered: open a new "
+                                 "stream for the rest")
         finally:
+            stopping.cancel()
             for task in running:
                 task.cancel()
 
@@ -242,6 +264,24 @@ class Gateway:
             response_serializer=protos.HealthCheckResponse.SerializeToString)}
         return [grpc.method_handlers_generic_handler(protos.KSERVE_SERVICE, kserve),
                 grpc.method_handlers_generic_handler(protos.HEALTH_SERVICE, health)]
+
+
+class Unimplemented(grpc.GenericRpcHandler):
+    """Last of the handlers: a method no service here has (Triton's statistics, repository,
+    shared memory, ...) is UNIMPLEMENTED, as grpc answers it, and counted in
+    shmserve_grpc_calls_total as method "other" (an outside check's 91 RepositoryIndex calls
+    counted nowhere)."""
+
+    def service(self, handler_call_details):
+        method = handler_call_details.method
+
+        async def refuse(requests, context):
+            metrics.GRPC_CALLS.labels("other", grpc.StatusCode.UNIMPLEMENTED.name).inc()
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED,
+                                f"this server has no method {method[:200]!r} (docs/protocols.md "
+                                "lists the ones it has; reflection too)")
+
+        return grpc.stream_stream_rpc_method_handler(refuse)
 
 
 class _StreamCall:
@@ -334,7 +374,7 @@ class GrpcServer:
             ("grpc.max_receive_message_length", limit),
             ("grpc.max_send_message_length", -1)])
         self._server.add_generic_rpc_handlers(
-            [*self._gateway.handlers(), *grpc_reflection.handlers()])
+            [*self._gateway.handlers(), *grpc_reflection.handlers(), Unimplemented()])
         self._server.add_insecure_port("unix:" + self._path)
         self._stopping: asyncio.Future | None = None
 
@@ -351,6 +391,7 @@ class GrpcServer:
         settled = time.monotonic() + SETTLE_S
         while time.monotonic() < settled and time.monotonic() - self._gateway.last_call < QUIET_S:
             await asyncio.sleep(QUIET_S / 2)
+        self._gateway.stopping.set()
         await self._server.stop(self._cfg.server.drain_timeout_s)
         refuse_at(self._path)  # grpc removed its socket file; the next start binds over this
 

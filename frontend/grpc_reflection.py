@@ -7,7 +7,7 @@ calls it describes, not the description)."""
 
 from __future__ import annotations
 
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 import grpc
 from google.protobuf import descriptor_pb2
@@ -65,12 +65,17 @@ def answer(request) -> object:
 def _file_of(symbol: str) -> str | None:
     """The file defining `symbol`: a message, enum, service, or a service's method (which the
     pool does not look up by itself: grpcurl's `describe SERVICE.METHOD` asks for one)."""
-    for name in (symbol, symbol.rpartition(".")[0]):
-        try:
-            return protos.POOL.FindFileContainingSymbol(name).name
-        except KeyError:
-            continue
-    return None
+    try:
+        return protos.POOL.FindFileContainingSymbol(symbol).name
+    except KeyError:
+        pass
+    service, _, method = symbol.rpartition(".")
+    try:
+        found = protos.POOL.FindServiceByName(service)
+    except KeyError:
+        return None
+    # a method the service has, not any name under it (an outside check's "Service.Nope")
+    return found.file.name if method in found.methods_by_name else None
 
 
 def _error(response, message: str, code: grpc.StatusCode = grpc.StatusCode.NOT_FOUND):

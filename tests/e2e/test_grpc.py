@@ -113,6 +113,7 @@ def test_each_error_is_its_grpc_status(stack, client):
     for key in (("ModelInfer", "UNAUTHENTICATED"), ("ModelInfer", "NOT_FOUND"),
                 ("ModelInfer", "INVALID_ARGUMENT")):
         assert counted.get(key, 0) >= 1, (key, counted)
+    assert calls_by_status(stack).get(("other", "UNIMPLEMENTED"), 0) >= 1  # the statistics
     # a name that a URL path would resolve reaches no other route (GET /admin/models here)
     assert status_of(lambda: client.get_model_metadata("../../admin/models", headers=AUTH))[0] \
         == "StatusCode.INVALID_ARGUMENT"
@@ -301,6 +302,42 @@ def test_a_rolling_restart_of_the_frontends_fails_no_call(stack):
         for thread in threads:
             thread.join()
     assert failed == [] and done[0] > 100
+
+
+def test_an_open_stream_ends_unavailable_when_its_frontend_stops(stack):
+    """Not held open to the end of the drain and cut: every request it read is answered, then
+    it ends UNAVAILABLE saying to open a new one."""
+    pending: queue.Queue = queue.Queue()
+
+    def requests():
+        while (item := pending.get()) is not None:
+            yield item
+
+    def request(i: int):
+        one = protos.ModelInferRequest(model_name="tiny", id=str(i))
+        one.inputs.add(name="text", datatype="BYTES", shape=[1]).contents.bytes_contents.append(
+            b"hello")
+        return one
+
+    with grpc.insecure_channel(f"127.0.0.1:{stack.grpc_port}") as channel:
+        stream = channel.stream_stream(
+            "/inference.GRPCInferenceService/ModelStreamInfer",
+            request_serializer=protos.ModelInferRequest.SerializeToString,
+            response_deserializer=protos.ModelStreamInferResponse.FromString)
+        answers = stream(requests(), metadata=list(AUTH.items()))
+        pending.put(request(0))
+        assert next(answers).infer_response.id == "0"
+        restart = threading.Thread(target=stack.cli, args=("restart", "frontends"))
+        restart.start()
+        try:
+            with pytest.raises(grpc.RpcError) as caught:
+                for answer in answers:
+                    assert not answer.error_message
+        finally:
+            pending.put(None)
+            restart.join()
+    assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "is stopping" in caught.value.details() and "new stream" in caught.value.details()
 
 
 def test_no_frontend_is_unavailable_from_nginx(stack, client):

@@ -241,6 +241,9 @@ def test_reflection_lists_the_services_and_gives_their_files():
     assert by_name.file_descriptor_response.file_descriptor_proto[0] == \
         reflection.FILES["health.proto"]
     for request in (reflection.Request(file_containing_symbol="no.Such"),
+                    reflection.Request(
+                        file_containing_symbol="inference.GRPCInferenceService.Nope"),
+                    reflection.Request(file_containing_symbol="grpc.health.v1.Health.Nope"),
                     reflection.Request(file_by_filename="other.proto"),
                     reflection.Request(all_extension_numbers_of_type="no.Such")):
         assert reflection.answer(request).error_response.error_code == \
