@@ -104,9 +104,11 @@ def test_manifests_agree_with_the_config_the_pods_load(overlay, tmp_path):
     assert "emptyDir" in {v["name"]: v for v in pod["volumes"]}["run"]
     assert Path(cfg.server.run_dir).parent == mounts["run"]
     # The stop: the preStop sleep, then supervisord's three groups one after another, each
-    # within stopwaitsecs (as `shmserve down` waits for them).
+    # within its stopwaitsecs (as `shmserve down` waits for them; the frontends' is longer
+    # with server.grpc_port set).
     pre_stop = int(main["lifecycle"]["preStop"]["exec"]["command"][1])
-    assert pod["terminationGracePeriodSeconds"] >= pre_stop + 3 * render.stopwaitsecs(cfg)
+    assert pod["terminationGracePeriodSeconds"] >= (
+        pre_stop + 2 * render.stopwaitsecs(cfg) + render.frontend_stopwaitsecs(cfg))
     # ... and a request admitted just before SIGTERM may take its whole default deadline: at a
     # 10 s drain one still computing was answered 503 9.5 s into a stop (an outside check).
     assert cfg.server.drain_timeout_s >= cfg.frontends.request_timeout_s
