@@ -241,29 +241,28 @@ class Gateway:
         return protos.HealthCheckResponse(status=serving)
 
     def handlers(self) -> list[grpc.GenericRpcHandler]:
-        unary = {"ServerLive": (self.server_live, "ServerLiveRequest", "ServerLiveResponse"),
-                 "ServerReady": (self.server_ready, "ServerReadyRequest", "ServerReadyResponse"),
-                 "ModelReady": (self.model_ready, "ModelReadyRequest", "ModelReadyResponse"),
-                 "ServerMetadata": (self.server_metadata, "ServerMetadataRequest",
-                                    "ServerMetadataResponse"),
-                 "ModelMetadata": (self.model_metadata, "ModelMetadataRequest",
-                                   "ModelMetadataResponse"),
-                 "ModelConfig": (self.model_config, "ModelConfigRequest", "ModelConfigResponse"),
-                 "ModelInfer": (self.model_infer, "ModelInferRequest", "ModelInferResponse")}
-        kserve = {name: grpc.unary_unary_rpc_method_handler(
-            _ends(method, name), request_deserializer=parser(getattr(protos, into)),
-            response_serializer=getattr(protos, out).SerializeToString)
-            for name, (method, into, out) in unary.items()}
-        kserve["ModelStreamInfer"] = grpc.stream_stream_rpc_method_handler(
-            _ends(self.model_stream_infer, "ModelStreamInfer"),
-            request_deserializer=parser(protos.ModelInferRequest),
-            response_serializer=protos.ModelStreamInferResponse.SerializeToString)
-        health = {"Check": grpc.unary_unary_rpc_method_handler(
-            _ends(self.health_check, "Check"),
-            request_deserializer=parser(protos.HealthCheckRequest),
-            response_serializer=protos.HealthCheckResponse.SerializeToString)}
-        return [grpc.method_handlers_generic_handler(protos.KSERVE_SERVICE, kserve),
-                grpc.method_handlers_generic_handler(protos.HEALTH_SERVICE, health)]
+        """Each method's handler, its message types and streaming read from the service's
+        descriptor (frontend/protos), not written again here."""
+        methods = {protos.KSERVE_SERVICE: {
+            "ServerLive": self.server_live, "ServerReady": self.server_ready,
+            "ModelReady": self.model_ready, "ServerMetadata": self.server_metadata,
+            "ModelMetadata": self.model_metadata, "ModelConfig": self.model_config,
+            "ModelInfer": self.model_infer, "ModelStreamInfer": self.model_stream_infer},
+            protos.HEALTH_SERVICE: {"Check": self.health_check}}
+        return [grpc.method_handlers_generic_handler(service, {
+            name: _handler(protos.POOL.FindServiceByName(service).methods_by_name[name],
+                           _ends(behavior, name))
+            for name, behavior in behaviors.items()}) for service, behaviors in methods.items()]
+
+
+def _handler(method, behavior: Callable[..., Awaitable]) -> grpc.RpcMethodHandler:
+    """grpc's handler of a unary or bidirectional-stream `method` (a MethodDescriptor)."""
+    make = (grpc.stream_stream_rpc_method_handler if method.client_streaming else
+            grpc.unary_unary_rpc_method_handler)
+    return make(behavior,
+                request_deserializer=parser(protos.message(method.input_type.full_name)),
+                response_serializer=protos.message(method.output_type.full_name)
+                .SerializeToString)
 
 
 class Unimplemented(grpc.GenericRpcHandler):

@@ -5,14 +5,13 @@ binary outputs become raw_output_contents, and an HTTP error its gRPC status."""
 
 from __future__ import annotations
 
-import struct
 from typing import Any, Callable
 from urllib.parse import quote
 
 import grpc
 import orjson
 
-from frontend import protos
+from frontend import protos, tensors
 from frontend.kserve import HEADER_LENGTH
 
 # An HTTP answer's status as the gRPC status a client gets (Triton's server maps its errors the
@@ -109,7 +108,7 @@ def infer_body(request, time_remaining: float | None) -> tuple[bytes, bytes]:
         if raw:
             data = raw[i]
         elif tensor.datatype == "BYTES":
-            data = b"".join(struct.pack("<I", len(b)) + b for b in tensor.contents.bytes_contents)
+            data = tensors.bytes_elements(tensor.contents.bytes_contents)
         elif tensor.datatype not in CONTENTS:
             # no contents field of its own (FP16, BF16, a name no datatype has): its
             # bytes_contents as binary data, for the route to judge (JSON holds no bytes)
@@ -134,13 +133,12 @@ def infer_body(request, time_remaining: float | None) -> tuple[bytes, bytes]:
 
 def infer_response(headers: dict[str, str], raw: bytes):
     """The HTTP /infer answer (JSON header and binary outputs) as a ModelInferResponse."""
-    length = int(headers.get(HEADER_LENGTH, len(raw)))
-    head = orjson.loads(raw[:length])
-    at = length
+    head, tail = tensors.split_body(raw, headers.get(HEADER_LENGTH))
+    at = 0
     outputs, contents = [], []
     for output in head.get("outputs", ()):
         size = output.get("parameters", {}).get("binary_data_size", 0)
-        contents.append(raw[at:at + size])
+        contents.append(tail[at:at + size])
         at += size
         outputs.append(protos.ModelInferResponse.InferOutputTensor(
             name=output["name"], datatype=output["datatype"], shape=output["shape"]))

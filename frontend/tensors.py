@@ -203,10 +203,16 @@ def encode_response(head: dict[str, Any], outputs: list[tuple[Tensor, bool]]
     return header + b"".join(tails), len(header)
 
 
+def bytes_elements(items) -> bytes:
+    """BYTES elements in the binary extension's layout: each a uint32 little-endian length,
+    then its bytes."""
+    return b"".join(struct.pack("<I", len(b)) + b for b in items)
+
+
 def raw_bytes(tensor: Tensor) -> bytes:
     """A tensor's data in the binary extension's layout."""
     if tensor.datatype == BYTES:
-        return b"".join(struct.pack("<I", len(b)) + b for b in tensor.data)
+        return bytes_elements(tensor.data)
     return np.ascontiguousarray(tensor.data, DTYPES[tensor.datatype]).tobytes()
 
 

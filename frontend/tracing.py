@@ -48,19 +48,18 @@ class HideEndpointSecrets(logging.Filter):
         if not self.secrets or not record.name.startswith(self.LOGGERS):
             return True
         message = record.getMessage()
-        hidden = message
-        for secret in self.secrets:
-            hidden = hidden.replace(secret, "***")
-        if hidden != message:
+        if (hidden := self._hide(message)) != message:
             record.msg, record.args = hidden, None
         if record.exc_info and record.exc_info[1] is not None:
             text = record.exc_text or logging.Formatter().formatException(record.exc_info)
-            shown = text
-            for secret in self.secrets:
-                shown = shown.replace(secret, "***")
-            if shown != text:
+            if (shown := self._hide(text)) != text:
                 record.exc_text = shown
         return True
+
+    def _hide(self, text: str) -> str:
+        for secret in self.secrets:
+            text = text.replace(secret, "***")
+        return text
 
 
 class Tracing:

@@ -14,7 +14,10 @@ TEMPLATE = Path(__file__).resolve().parent.parent / "nginx" / "grpc.conf"
 
 # nginx's own errors as gRPC status codes (grpc/grpc doc/statuscodes.md): a malformed request
 # INVALID_ARGUMENT (3), a body past nginx.client_max_body_size or a client past its rate limit
-# RESOURCE_EXHAUSTED (8), no frontend UNAVAILABLE (14), a timeout DEADLINE_EXCEEDED (4).
+# RESOURCE_EXHAUSTED (8), no frontend UNAVAILABLE (14), a timeout DEADLINE_EXCEEDED (4). The
+# frontends' answers have their own table (frontend.grpc_messages.STATUS_CODES), the same codes
+# but 413: there it is a request past the limits (INVALID_ARGUMENT), here a message's bytes
+# (gRPC's RESOURCE_EXHAUSTED for a message too large).
 GRPC_STATUS = {400: 3, 408: 4, 413: 8, 429: 8, 494: 3, 500: 13, 502: 14, 503: 14, 504: 4}
 
 

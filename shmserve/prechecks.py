@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from shmserve.config import Config
+from shmserve.layers import ENV_PREFIX
 
 
 class CliError(RuntimeError):
@@ -83,8 +84,9 @@ def check_fds(cfg: Config) -> None:
         print(f"shmserve: warning: the open-files limit is {hard} (ulimit -Hn), under the "
               f"{want} nginx's connections may need (nginx.worker_connections "
               f"{nginx_options.worker_connections(cfg)}): under that many connections nginx "
-              "answers bare 500s; raise it (ulimit -n, systemd's LimitNOFILE, the container's nofile) "
-              "or lower nginx.worker_connections and frontends.max_inflight", file=sys.stderr)
+              "answers bare 500s; raise it (ulimit -n, systemd's LimitNOFILE, the container's "
+              "nofile) or lower nginx.worker_connections and frontends.max_inflight",
+              file=sys.stderr)
 
 
 def check_port(cfg: Config, keys: tuple[str, ...] = ("server.port", "server.grpc_port")) -> None:
@@ -102,7 +104,7 @@ def check_port(cfg: Config, keys: tuple[str, ...] = ("server.port", "server.grpc
             try:
                 probe.bind((host, port))
             except OSError as exc:
-                env = "SHMSERVE__SERVER__" + key.split(".")[1].upper()
+                env = ENV_PREFIX + key.replace(".", "__").upper()
                 if exc.errno == errno.EADDRINUSE:
                     raise CliError(f"{host}:{port} is in use by another process; choose "
                                    f"another {key} ({env}) or stop it") from None

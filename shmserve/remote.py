@@ -101,22 +101,25 @@ def admin_call(cfg: Config, method: str, path: str, body: dict | None = None,
         return code, raw.decode(errors="replace")
 
 
-def base_url(cfg: Config) -> str:
-    """Where the deployment answers on this machine (a wildcard listen address: loopback)."""
+def _local_host(cfg: Config) -> str:
+    """server.host as this machine reaches it (a wildcard listen address: loopback), bracketed
+    where it is IPv6."""
     host = cfg.server.host
     host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
-    scheme = tls.scheme(cfg)
-    return f"{scheme}://[{host}]:{cfg.server.port}" if ":" in host else \
-        f"{scheme}://{host}:{cfg.server.port}"
+    return f"[{host}]" if ":" in host else host
+
+
+def base_url(cfg: Config) -> str:
+    """Where the deployment answers on this machine."""
+    return f"{tls.scheme(cfg)}://{_local_host(cfg)}:{cfg.server.port}"
 
 
 def where(cfg: Config) -> str:
     """base_url, and the gRPC port's address beside it where server.grpc_port is set."""
     if not cfg.server.grpc_port:
         return base_url(cfg)
-    host = base_url(cfg).split("://", 1)[1].rsplit(":", 1)[0]
     secure = ", TLS" if tls.enabled(cfg) else ""
-    return f"{base_url(cfg)} (gRPC {host}:{cfg.server.grpc_port}{secure})"
+    return f"{base_url(cfg)} (gRPC {_local_host(cfg)}:{cfg.server.grpc_port}{secure})"
 
 
 def http(url: str, method: str = "GET", data: bytes | None = None, timeout: float = 2.0,
