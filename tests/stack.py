@@ -181,6 +181,22 @@ class Stack:
                 continue
         return [line for line in lines if isinstance(line, dict)]
 
+    def logged(self, programs: tuple[str, ...], message: str, count: int,
+               timeout: float = 10) -> list[dict]:
+        """The lines saying `message` in `programs`' logs, in that order, once there are
+        `count`: a process writes its lines out every logging.flush_interval_ms and supervisord
+        copies them a moment later, so a line logged just before an answer may not be in the
+        file yet (a reload's last worker staged ~0.1 s before the call was answered; CI read
+        its log before the line came)."""
+        found: list[dict] = []
+
+        def enough() -> bool:
+            found[:] = [line for program in programs for line in self.log_lines(program)
+                        if line.get("message") == message]
+            return len(found) >= count
+        self.wait_until(enough, timeout, f"{count} {message} lines in {', '.join(programs)}")
+        return found
+
     def all_logs(self, tail: int = 40) -> str:
         out = []
         for path in sorted((self.run_dir / "logs").glob("*.log")):

@@ -148,15 +148,13 @@ def test_reload_under_load_switches_every_worker_without_a_failure(stack, models
     assert {o[3] for o in outcomes if o[0] > switched} == {"b"}  # after the switch: only b
     settles_on(stack, "tiny-r2")
     # Each worker loaded on a thread nicer than its serving one (workers.reload_nice)
-    loads = [line for worker in ("worker-0", "worker-1") for line in stack.log_lines(worker)
-             if line.get("message") == "worker.reload_loading"]
+    loads = stack.logged(("worker-0", "worker-1"), "worker.reload_loading", 2)
     assert [line["nice"] for line in loads] == [10, 10], loads
     _, _, raw = stack.get("/admin/models", ADMIN)
     [model] = json.loads(raw)["models"]
     assert [w["loader"] for w in model["workers"]] == ["shmserve"] * 2, model
     # ... and each says what loaded the new weights, as a start's worker.loaded does.
-    staged = [line for worker in ("worker-0", "worker-1") for line in stack.log_lines(worker)
-              if line.get("message") == "worker.reload_staged"]
+    staged = stack.logged(("worker-0", "worker-1"), "worker.reload_staged", 2)
     assert [(line["loader"], line["revision"]) for line in staged] == [
         ("shmserve", "tiny-r2")] * 2, staged
     for worker in ("worker-0", "worker-1"):
