@@ -178,13 +178,23 @@ def test_tei_client_and_msgpack_with_a_key(stack, monkeypatch):
 
 
 def test_keys_never_reach_the_logs(stack):
-    stack.post_json("/v1/embeddings", {"input": ["hello"]},
-                    {"Authorization": f"Bearer {INLINE}"})
-    stack.post_json("/v1/embeddings", {"input": ["hello"]},
-                    {"Authorization": "Bearer wrong-key-0000"})
+    served = stack.post_json("/v1/embeddings", {"input": ["hello"]},
+                             {"Authorization": f"Bearer {INLINE}"})
+    refused = stack.post_json("/v1/embeddings", {"input": ["hello"]},
+                              {"Authorization": "Bearer wrong-key-0000"})
+    ids = [served[1]["X-Request-ID"], refused[1]["X-Request-ID"]]
+
+    def both_lines_in(programs: tuple[str, ...]) -> bool:
+        logged = {line.get("request_id") for name in programs for line in stack.log_lines(name)}
+        return all(rid in logged for rid in ids)
+    # Both requests' lines, the frontends' and nginx's, before looking for what must not be in
+    # them: a process writes its lines out every logging.flush_interval_ms, and earlier tests'
+    # 401 lines let a wait for "a 401 line" pass before this test's lines were written.
     stack.wait_until(lambda: "wrong-key" not in stack.log("frontend-0") and any(
-        line.get("status") == 401 for name in ("frontend-0", "frontend-1")
-        for line in stack.log_lines(name)), 10, "the access lines")
+        line.get("status") == 401 and line.get("request_id") == ids[1]
+        for name in ("frontend-0", "frontend-1") for line in stack.log_lines(name))
+        and both_lines_in(("frontend-0", "frontend-1")) and both_lines_in(("nginx",)), 10,
+        "the access lines")
     for program in ("frontend-0", "frontend-1", "nginx"):
         text = stack.log(program)
         assert INLINE not in text and FROM_FILE not in text and "wrong-key" not in text
