@@ -83,6 +83,9 @@ CHECKS: dict[str, Check] = {
     # written into nginx.conf between double quotes, where $ starts a variable
     "nginx.tls_certificate": _TLS_FILE,
     "nginx.tls_key": _TLS_FILE,
+    "nginx.tls_client_ca": _TLS_FILE,
+    "nginx.tls_client_certificate": _TLS_FILE,
+    "nginx.tls_client_key": _TLS_FILE,
     "nginx.gzip_min_bytes": (lambda v: 0 <= v <= 1 << 30, "an integer >= 0"),
     "frontends.count": (lambda v: 1 <= v <= 64, "an integer from 1 to 64"),
     # nginx's worker_connections are made from it: a number past nginx's was named as theirs
@@ -293,6 +296,16 @@ def check_relations(cfg: Any) -> None:
                           else ("nginx.tls_key", "nginx.tls_certificate"))
         raise ConfigError(f"{missing}: TLS needs both files; {given} is set and {missing} "
                           "is not (or set neither: plain HTTP)")
+    if cfg.nginx.tls_client_ca and not cfg.nginx.tls_certificate:
+        raise ConfigError("nginx.tls_client_ca: client certificates are asked for in the TLS "
+                          "handshake; set nginx.tls_certificate and nginx.tls_key too (or "
+                          "leave nginx.tls_client_ca empty)")
+    if bool(cfg.nginx.tls_client_certificate) != bool(cfg.nginx.tls_client_key):
+        given, missing = (("nginx.tls_client_certificate", "nginx.tls_client_key")
+                          if cfg.nginx.tls_client_certificate
+                          else ("nginx.tls_client_key", "nginx.tls_client_certificate"))
+        raise ConfigError(f"{missing}: the CLI's client certificate needs both files; {given} "
+                          f"is set and {missing} is not (or set neither)")
     for key, value in (("admin.reload_timeout_s", cfg.admin.reload_timeout_s),
                        ("frontends.request_timeout_s", cfg.frontends.request_timeout_s)):
         if value >= cfg.nginx.proxy_read_timeout_s:

@@ -21,6 +21,9 @@ number; ``format="json"`` sends and reads JSON. ``timeout`` (seconds) is sent as
 token, for a server with ``auth.api_keys``. An ``https://`` URL (a server with
 ``nginx.tls_certificate``) is checked against the system's CAs, or ``verify="ca.pem"`` (a
 file of the CA, or of a self-signed server's own certificate); ``verify=False`` checks nothing.
+``cert`` is the client certificate a server with ``nginx.tls_client_ca`` asks for (mutual
+TLS), as requests takes it: a PEM file holding the certificate and its key, or a (certificate,
+key) pair of files.
 
 `Client` uses only the standard library: one keep-alive connection (``http.client``), so one
 thread per client; a connection the server closed while idle is reopened once (`AsyncClient`
@@ -64,7 +67,8 @@ class _Base:
     def __init__(self, url: str = "http://127.0.0.1:8080", *, timeout: float = 30.0,
                  format: str = "msgpack", model: str | None = None,
                  api_key: str | None = None, priority: str | int | None = None,
-                 max_retries: int = 2, verify: bool | str = True) -> None:
+                 max_retries: int = 2, verify: bool | str = True,
+                 cert: str | tuple[str, str] | None = None) -> None:
         if not isinstance(max_retries, int) or max_retries < 0:
             raise ValueError(f"max_retries must be an integer >= 0, not {max_retries!r}")
         if format not in FORMATS:
@@ -85,7 +89,7 @@ class _Base:
         self.priority = priority  # X-Priority on every request; None: the server's default
         self.max_retries = max_retries
         self._parts = parts
-        self._ssl = _ssl_context(verify) if parts.scheme == "https" else None
+        self._ssl = _ssl_context(verify, cert) if parts.scheme == "https" else None
 
     def _embed_request(self, texts: str | Sequence[str], model: str | None,
                        request_id: str | None, prompt_name: str | None = None
@@ -374,19 +378,30 @@ class AsyncClient(_Base):
         raise AssertionError("unreachable")
 
 
-def _ssl_context(verify: bool | str) -> ssl.SSLContext:
+def _ssl_context(verify: bool | str, cert: str | tuple[str, str] | None = None
+                 ) -> ssl.SSLContext:
     """What an https server's certificate is checked against: the system's CAs (True), a
     PEM file's (a CA, or a self-signed server's own certificate: trusted as it is), or nothing
-    (False)."""
+    (False); and the client certificate presented, if any (`cert`)."""
     if verify is False:
         context = ssl.create_default_context()
         context.check_hostname = False
         context.verify_mode = ssl.CERT_NONE
-        return context
-    if verify is True:
-        return ssl.create_default_context()
-    if not isinstance(verify, str) or not os.path.isfile(verify):
+    elif verify is True:
+        context = ssl.create_default_context()
+    elif not isinstance(verify, str) or not os.path.isfile(verify):
         raise ValueError(f"verify must be True, False or a PEM file's path, not {verify!r}")
-    context = ssl.create_default_context(cafile=verify)
-    context.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN
+    else:
+        context = ssl.create_default_context(cafile=verify)
+        context.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN
+    if cert is not None:
+        files = (cert, None) if isinstance(cert, str) else tuple(cert)
+        if len(files) != 2 or not all(isinstance(f, str) for f in files[:1]):
+            raise ValueError(f"cert must be a PEM file's path or a (certificate, key) pair, "
+                             f"not {cert!r}")
+        try:
+            context.load_cert_chain(*files)
+        except (OSError, ssl.SSLError) as exc:
+            raise ValueError(f"cert {cert!r}: cannot present it: "
+                             f"{getattr(exc, 'strerror', None) or exc}") from None
     return context

@@ -78,6 +78,12 @@ class NginxConfig:
     tls_certificate: str = ""
     tls_key: str = ""
     http2: bool = True
+    # Client certificates (mutual TLS): the CAs whose certificates clients must present on
+    # both ports (probes exempt); empty: none asked for. What shmserve's own calls through nginx
+    # (the admin commands, status) present: tls_client_certificate and its key.
+    tls_client_ca: str = ""
+    tls_client_certificate: str = ""
+    tls_client_key: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,8 +17,13 @@ TEMPLATE = Path(__file__).resolve().parent.parent / "nginx" / "grpc.conf"
 # RESOURCE_EXHAUSTED (8), no frontend UNAVAILABLE (14), a timeout DEADLINE_EXCEEDED (4). The
 # frontends' answers have their own table (frontend.grpc_messages.STATUS_CODES), the same codes
 # but 413: there it is a request past the limits (INVALID_ARGUMENT), here a message's bytes
-# (gRPC's RESOURCE_EXHAUSTED for a message too large).
-GRPC_STATUS = {400: 3, 408: 4, 413: 8, 429: 8, 494: 3, 500: 13, 502: 14, 503: 14, 504: 4}
+# (gRPC's RESOURCE_EXHAUSTED for a message too large). A client certificate missing or not
+# verifying (nginx.tls_client_ca) UNAUTHENTICATED (16).
+GRPC_STATUS = {400: 3, 408: 4, 413: 8, 429: 8, 494: 3, 495: 16, 496: 16, 500: 13, 502: 14,
+               503: 14, 504: 4}
+# nginx's internal codes as the HTTP port answers them (nginx.conf's error_page ... =STATUS),
+# the status the answers log counts (shmserve_nginx_responses_total) on both ports
+ANSWERED_AS = {494: 431, 495: 403, 496: 403}
 
 
 def block(cfg: Config, binary: str, common: Mapping[str, str],
@@ -36,8 +41,10 @@ def block(cfg: Config, binary: str, common: Mapping[str, str],
     retry_after = {429: common["rate_limit_retry_after"], 502: "1", 503: "1"}
     for status, code in GRPC_STATUS.items():
         message = NGINX_ERRORS[status][1].format(max_body=max_body)
-        pages.append(f"        error_page {status} = /_shmserve_grpc_error/{status};")
-        locations.append(f"""        location = /_shmserve_grpc_error/{status} {{
+        # named by the HTTP status it counts as, then nginx's own where they differ
+        name = "/".join(dict.fromkeys((str(ANSWERED_AS.get(status, status)), str(status))))
+        pages.append(f"        error_page {status} = /_shmserve_grpc_error/{name};")
+        locations.append(f"""        location = /_shmserve_grpc_error/{name} {{
             internal;
             default_type application/grpc;
             add_header grpc-status {code} always;
@@ -55,4 +62,7 @@ def block(cfg: Config, binary: str, common: Mapping[str, str],
         "grpc_listen": f"{host}:{cfg.server.grpc_port}",
         "grpc_listen_params": tls_values["listen_tls"],
         "grpc_tls": tls_values["tls"],
+        "grpc_probe_paths": tls_values["probe_paths"],
+        "grpc_client_cert_map": tls_values["client_cert_map"],
+        "grpc_client_cert_check": tls_values["client_cert_check"],
     })

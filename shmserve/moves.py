@@ -33,6 +33,11 @@ def check(old: Config, new: Config, move: bool, dry_run: bool,
             f"{remote.base_url(new)}: clients of the old scheme get "
             + ("a 400 (plain HTTP on the TLS port)" if tls.enabled(new) else
                "a failed TLS handshake"), sys.stderr)
+    if new.nginx.tls_client_ca and new.nginx.tls_client_ca != old.nginx.tls_client_ca \
+            and tls.enabled(old):
+        say(f"shmserve: warning: nginx asks clients for a certificate {new.nginx.tls_client_ca} "
+            "issued (nginx.tls_client_ca) from now on: one without is refused 403 (gRPC "
+            "UNAUTHENTICATED) but on the probes", sys.stderr)
     # Asked for, not only warned of: an outside check's `apply --env prod` in a new shell,
     # without up's overrides, moved a loopback deployment to 0.0.0.0:8080
     moved = _grpc(old, new, say) or moved

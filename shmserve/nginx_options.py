@@ -37,6 +37,11 @@ NGINX_ERRORS: dict[int, tuple[str, str]] = {
     # plain HTTP sent to the TLS port (nginx's 497, answered as a 400)
     497: ("bad_request", "this port speaks HTTPS (nginx.tls_certificate): send the request "
           "to https://"),
+    # mutual TLS (nginx.tls_client_ca), both answered as 403s
+    495: ("forbidden", "the client certificate did not verify against nginx.tls_client_ca "
+          "(not issued by one of its CAs, expired, or not yet valid)"),
+    496: ("forbidden", "this server asks for a client certificate (mutual TLS, "
+          "nginx.tls_client_ca): send the request with one"),
 }
 
 

@@ -95,6 +95,10 @@ def admin_call(cfg: Config, method: str, path: str, body: dict | None = None,
         context=tls.client_context(cfg))
     if code is None:
         raise RemoteError(f"{base_url(cfg)} did not answer; is the stack up?")
+    if code == 403 and cfg.nginx.tls_client_ca and not cfg.nginx.tls_client_certificate:
+        raise RemoteError("nginx asks for a client certificate (nginx.tls_client_ca) and this "
+                          "command has none to present: set nginx.tls_client_certificate and "
+                          "nginx.tls_client_key to one those CAs issued, then `shmserve apply`")
     try:
         return code, json.loads(raw)
     except ValueError:

@@ -1,7 +1,12 @@
 """TLS on the deployment's port: nginx terminates it (nginx.tls_certificate, nginx.tls_key),
 offering HTTP/2 beside HTTP/1.1 (nginx.http2); the frontends behind it speak plain HTTP on
 their unix sockets, as without TLS. The CLI's own calls through nginx (`up --wait`, `status`,
-the admin commands) trust the configured certificate itself."""
+the admin commands) trust the configured certificate itself.
+
+Mutual TLS (nginx.tls_client_ca): nginx asks every client for a certificate and checks one
+sent against those CAs; a request without one is refused (403) on every route but the probes,
+which Kubernetes' kubelet sends without one; a certificate that does not verify is refused
+everywhere. The CLI presents nginx.tls_client_certificate."""
 
 from __future__ import annotations
 
@@ -19,6 +24,9 @@ PROTOCOLS = "TLSv1.2 TLSv1.3"
 # nginx 1.25.1 made HTTP/2 a directive of its own (`http2 on;`); `listen ... http2`, the only
 # form before it, is deprecated there with a warning at every start
 HTTP2_DIRECTIVE = (1, 25, 1)
+
+
+CERTIFICATE = "-----BEGIN CERTIFICATE-----"
 
 
 class TlsError(Exception):
@@ -45,10 +53,15 @@ def check(cfg: Config) -> None:
     no PEM block of its kind (nginx's own words for it come later, from `nginx -t`)."""
     if not enabled(cfg):
         return
-    for key, marker, kind in (("nginx.tls_certificate", "-----BEGIN CERTIFICATE-----",
-                               "certificate"),
-                              ("nginx.tls_key", "PRIVATE KEY-----", "private key")):
-        file = path(getattr(cfg.nginx, key.partition(".")[2]))
+    for key, marker, kind in (("nginx.tls_certificate", CERTIFICATE, "certificate"),
+                              ("nginx.tls_key", "PRIVATE KEY-----", "private key"),
+                              ("nginx.tls_client_ca", CERTIFICATE, "certificate"),
+                              ("nginx.tls_client_certificate", CERTIFICATE, "certificate"),
+                              ("nginx.tls_client_key", "PRIVATE KEY-----", "private key")):
+        value = getattr(cfg.nginx, key.partition(".")[2])
+        if not value:  # the client's files are optional
+            continue
+        file = path(value)
         try:
             text = file.read_text(errors="replace")
         except OSError as exc:
@@ -66,8 +79,17 @@ def check(cfg: Config) -> None:
 
 def nginx_values(cfg: Config, binary: str, grpc: bool = False) -> dict[str, str]:
     """nginx.conf's TLS placeholders: the listen parameters and the server's directives
-    (none without TLS). `grpc`: the gRPC port's server, HTTP/2 always, cleartext (h2c) without
-    TLS."""
+    (none without TLS), the probes' paths, and the refusal of a request without a client
+    certificate (client_refusal). `grpc`: the gRPC port's server, HTTP/2 always, cleartext
+    (h2c) without TLS."""
+    probes = GRPC_OPEN_PROBES if grpc else OPEN_PROBES
+    refusal = client_refusal(cfg, "shmserve_grpc_no_client_cert" if grpc
+                             else "shmserve_no_client_cert", probes)
+    return {**_server_values(cfg, binary, grpc), "probe_paths": probes,
+            "client_cert_map": refusal[0], "client_cert_check": refusal[1]}
+
+
+def _server_values(cfg: Config, binary: str, grpc: bool) -> dict[str, str]:
     http2 = grpc or cfg.nginx.http2
     directive = http2 and nginx_version(binary) >= HTTP2_DIRECTIVE
     if not enabled(cfg):
@@ -81,9 +103,52 @@ def nginx_values(cfg: Config, binary: str, grpc: bool = False) -> dict[str, str]
              "ssl_session_cache shared:shmserve_tls:10m;",
              "ssl_session_timeout 1d;",
              "ssl_session_tickets off;",
-             *(["http2 on;"] if directive else [])]
+             *(["http2 on;"] if directive else []),
+             *client_lines(cfg)]
     return {"listen_tls": " ssl" + (" http2" if http2 and not directive else ""),
             "tls": "\n".join(f"        {line}" for line in lines)}
+
+
+def client_lines(cfg: Config) -> list[str]:
+    """nginx's directives asking for client certificates (nginx.tls_client_ca). `optional`:
+    a client may send none, so the probes answer a kubelet; a request without one is refused
+    by client_refusal's check; one that does not verify is nginx's 495 everywhere."""
+    if not cfg.nginx.tls_client_ca:
+        return []
+    return [f'ssl_client_certificate "{path(cfg.nginx.tls_client_ca)}";',
+            "ssl_verify_client optional;",
+            f"ssl_verify_depth {VERIFY_DEPTH};"]
+
+
+# A client certificate's chain, up to a root the CA file holds: leaf, intermediates, root
+VERIFY_DEPTH = 3
+# The probes a request without a client certificate may still reach, as the HTTP and gRPC
+# servers' probe locations name them (a kubelet sends none). Not /metrics nor /openapi.json,
+# which are open without an API key (frontend.app.OPEN_PATHS): Prometheus presents one.
+OPEN_PROBES = r"/(health|ready|v2/health/live|v2/health/ready|v2/models/.+/ready)"
+GRPC_OPEN_PROBES = (r"/(grpc\.health\.v1\.Health/Check|"
+                    r"inference\.GRPCInferenceService/(ServerLive|ServerReady|ModelReady))")
+
+
+def client_refusal(cfg: Config, variable: str, probes: str) -> tuple[str, str]:
+    """(a map at nginx's http level, the check in a server) refusing a request that sent no
+    client certificate (nginx's 496) but on `probes` (a regex of paths) and the error pages'
+    internal redirects; comments without nginx.tls_client_ca."""
+    if not cfg.nginx.tls_client_ca:
+        return ("    # no client certificates asked for: nginx.tls_client_ca is not set",
+                "        # no client certificates asked for (nginx.tls_client_ca)")
+    # The path first: $ssl_client_verify ends the key, as "FAILED:<reason>" holds spaces (and
+    # the 495 page nginx answers for it was refused again: its own HTML 400 came back).
+    return (f"""    map "$uri $ssl_client_verify" ${variable} {{
+        volatile;  # read again on an error page's internal redirect
+        "~ SUCCESS$" "";
+        "~^/_shmserve_(grpc_)?error" "";
+        "~^{probes} NONE$" "";
+        default 1;
+    }}""", f"""        # no client certificate (nginx.tls_client_ca), and not a probe: 403
+        if (${variable}) {{
+            return 496;
+        }}""")
 
 
 @functools.lru_cache(maxsize=4)
@@ -109,4 +174,11 @@ def client_context(cfg: Config) -> ssl.SSLContext | None:
                        f"certificate against: {getattr(exc, 'strerror', None) or exc}") from None
     context.check_hostname = False
     context.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN  # the leaf alone is trusted
+    if cfg.nginx.tls_client_certificate:
+        cert, key = path(cfg.nginx.tls_client_certificate), path(cfg.nginx.tls_client_key)
+        try:
+            context.load_cert_chain(str(cert), str(key))
+        except (OSError, ssl.SSLError) as exc:
+            raise TlsError(f"nginx.tls_client_certificate: cannot present {cert} with "
+                           f"{key}: {getattr(exc, 'strerror', None) or exc}") from None
     return context

@@ -38,6 +38,14 @@ def issue(files: Path) -> dict[str, str]:
     return {"tls_certificate": str(files / "chain.pem"), "tls_key": str(files / "key.pem")}
 
 
+def client_certificate(ca: trustme.CA, files: Path, name: str) -> tuple[str, str]:
+    """A client certificate `ca` issued to `name`, and its key: (certificate file, key file)."""
+    issued = ca.issue_cert(f"{name}@example.com", common_name=name)
+    issued.cert_chain_pems[0].write_to_path(str(files / f"{name}.pem"))
+    issued.private_key_pem.write_to_path(str(files / f"{name}.key"))
+    return str(files / f"{name}.pem"), str(files / f"{name}.key")
+
+
 @pytest.fixture(scope="module")
 def tls(tmp_path_factory, tiny_model):
     """A stack serving HTTPS, and the CA's file."""
@@ -179,7 +187,7 @@ def test_the_cli_reaches_its_deployment_over_tls(tls):
 def test_an_apply_turns_tls_on_and_off_and_says_the_scheme_changed(tmp_path, tiny_model):
     """nginx reloads into HTTPS on the same port, and back; the apply warns that clients of the
     old scheme lose it, as it warns of a new address."""
-    stack = Stack(tmp_path / "stack", tiny_overrides(tiny_model))
+    stack = Stack(tmp_path / "stack", tiny_overrides(tiny_model, admin={"token": "tls-admin"}))
     stack.up()
     try:
         plain, secure = stack.url, https(stack)
@@ -201,7 +209,23 @@ def test_an_apply_turns_tls_on_and_off_and_says_the_scheme_changed(tmp_path, tin
         assert answer.status_code == 200, answer.text
         assert requests.get(f"{plain}/health", timeout=30).status_code == 400
         assert stack.cli("status").returncode == 0  # over TLS now
-        edit(stack, nginx={"tls_certificate": "", "tls_key": ""})
+        # mutual TLS on: nginx reloads, nothing restarts, the apply says who is refused now
+        clients = trustme.CA()
+        clients.cert_pem.write_to_path(str(tmp_path / "clients.pem"))
+        alice = client_certificate(clients, tmp_path, "alice")
+        edit(stack, nginx={**files, "tls_client_ca": str(tmp_path / "clients.pem")})
+        done = stack.cli("apply", timeout=300)
+        assert "reload its configuration: nginx" in done.stdout, done.stdout
+        assert "restart" not in done.stdout.replace("restarts nothing", ""), done.stdout
+        assert "nginx asks clients for a certificate" in done.stderr, done.stderr
+        for cert, status in ((None, 403), (alice, 200)):
+            answer = requests.post(f"{secure}/v1/embeddings", json={"input": "x"}, cert=cert,
+                                   verify=str(tmp_path / "ca.pem"), timeout=30)
+            assert answer.status_code == status, answer.text
+        # the CLI, given no certificate to present, says what to set
+        models = stack.cli("models", check=False)
+        assert models.returncode == 2 and "set nginx.tls_client_certificate" in models.stderr
+        edit(stack, nginx={"tls_certificate": "", "tls_key": "", "tls_client_ca": ""})
         done = stack.cli("apply", "--move", timeout=300)
         assert f"warning: nginx moves from {secure} to {plain}: clients of the old scheme get " \
             "a failed TLS handshake" in done.stderr, done.stderr

@@ -99,3 +99,82 @@ def test_a_certificate_gone_since_up_is_a_clear_cli_error(tmp_path, pem, capsys,
         "run": staticmethod(lambda args: tls.client_context(cfg))})())
     assert cli.main([]) == 2
     assert "shmserve: nginx.tls_certificate: cannot read" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def client_pki(tmp_path_factory):
+    """A CA for clients, and a certificate it issued with its key (mutual TLS)."""
+    files = tmp_path_factory.mktemp("client")
+    ca = trustme.CA()
+    ca.cert_pem.write_to_path(str(files / "client-ca.pem"))
+    issued = ca.issue_cert("client@example.com")
+    issued.cert_chain_pems[0].write_to_path(str(files / "client.pem"))
+    issued.private_key_pem.write_to_path(str(files / "client.key"))
+    return files
+
+
+def test_client_certificates_need_tls_and_the_clis_pair(tmp_path, pem, client_pki):
+    cert, key = pem
+    with pytest.raises(ConfigError, match="nginx.tls_client_ca: client certificates are asked "
+                                          "for in the TLS handshake; set nginx.tls_certificate"):
+        make_config(tmp_path, nginx={"tls_client_ca": str(client_pki / "client-ca.pem")})
+    with pytest.raises(ConfigError, match="nginx.tls_client_key: the CLI's client certificate "
+                                          "needs both files"):
+        make_config(tmp_path, nginx={"tls_certificate": str(cert), "tls_key": str(key),
+                                     "tls_client_certificate": str(client_pki / "client.pem")})
+    with pytest.raises(ConfigError, match="nginx.tls_client_ca: expected a file path"):
+        make_config(tmp_path, nginx={"tls_certificate": str(cert), "tls_key": str(key),
+                                     "tls_client_ca": "/etc/$ca.pem"})
+    # a CA file that is a key: refused before nginx starts, naming the key
+    swapped = make_config(tmp_path / "run", nginx={
+        "tls_certificate": str(cert), "tls_key": str(key),
+        "tls_client_ca": str(client_pki / "client.key")})
+    with pytest.raises(render.RenderError, match="nginx.tls_client_ca: .* holds no PEM "
+                                                 "certificate$"):
+        render.render(swapped)
+
+
+def test_client_certificates_are_asked_for_on_both_ports_and_probes_stay_open(
+        tmp_path, pem, client_pki):
+    from tests.stack import free_port
+
+    cert, key = pem
+    ca = client_pki / "client-ca.pem"
+    cfg = make_config(tmp_path / "run", nginx={"tls_certificate": str(cert), "tls_key": str(key),
+                                               "tls_client_ca": str(ca)},
+                      server={"grpc_port": free_port()})
+    render.render(cfg)  # and nginx -t takes it
+    conf = render.nginx_conf(cfg).read_text()
+    http, grpc = conf.split("upstream frontends_grpc")
+    for server, variable in ((http, "$shmserve_no_client_cert"),
+                             (grpc, "$shmserve_grpc_no_client_cert")):
+        assert f'ssl_client_certificate "{ca}";' in server
+        assert "ssl_verify_client optional;" in server  # so a kubelet's probe gets through
+        assert f"if ({variable}) {{\n            return 496;" in server
+    # the probes the refusal leaves open are the probe locations' own paths
+    assert f"location ~ ^{tls.OPEN_PROBES}$ {{" in http
+    assert f'"~^{tls.OPEN_PROBES} NONE$" "";' in http
+    assert f"location ~ ^{tls.GRPC_OPEN_PROBES}$ {{" in grpc
+    assert "error_page 496 =403 /_shmserve_errors/${shmserve_error_set}496." in http
+    # on the gRPC port UNAUTHENTICATED, counted as the HTTP port's 403
+    assert "error_page 496 = /_shmserve_grpc_error/403/496;" in grpc
+    assert "add_header grpc-status 16 always;" in grpc.split("/_shmserve_grpc_error/403/496 {")[1]
+    without = render.render_nginx(make_config(tmp_path / "run", nginx={
+        "tls_certificate": str(cert), "tls_key": str(key)}))
+    assert "ssl_verify_client" not in without and "return 496" not in without
+
+
+def test_the_clis_calls_present_the_configured_client_certificate(tmp_path, pem, client_pki):
+    cert, key = pem
+    nginx = {"tls_certificate": str(cert), "tls_key": str(key),
+             "tls_client_ca": str(client_pki / "client-ca.pem")}
+    context = tls.client_context(make_config(tmp_path, nginx={
+        **nginx, "tls_client_certificate": str(client_pki / "client.pem"),
+        "tls_client_key": str(client_pki / "client.key")}))
+    assert context.cert_store_stats()["x509"] == 1  # still trusting the server's alone
+    mismatched = make_config(tmp_path, nginx={
+        **nginx, "tls_client_certificate": str(client_pki / "client.pem"),
+        "tls_client_key": str(key)})  # the server's key
+    with pytest.raises(tls.TlsError, match=r"nginx.tls_client_certificate: cannot present "
+                                           r".*client.pem with .*key.pem"):
+        tls.client_context(mismatched)

@@ -1,0 +1,153 @@
+"""Mutual TLS (nginx.tls_client_ca): nginx asks every client for a certificate on both ports;
+a request without one is a 403 (gRPC: UNAUTHENTICATED) but on the probes, one whose certificate
+another CA issued is refused everywhere; the CLI presents nginx.tls_client_certificate. Through
+nginx and supervisord, with requests, the native client, tritonclient.grpc and the CLI."""
+
+from __future__ import annotations
+
+import json
+
+import msgpack
+import numpy as np
+import pytest
+import requests
+import trustme
+from prometheus_client.parser import text_string_to_metric_families
+
+from shmserve.client import Client, ShmserveError
+from tests.conftest import tiny_overrides
+from tests.e2e.test_tls import client_certificate, issue
+from tests.stack import Stack, free_port
+
+TOKEN = "mtls-admin-token"
+
+
+@pytest.fixture(scope="module")
+def mtls(tmp_path_factory, tiny_model):
+    """A stack asking for client certificates; the server's CA file, a certificate the
+    clients' CA issued (alice) and one another CA issued (mallory)."""
+    files = tmp_path_factory.mktemp("mtls")
+    clients = trustme.CA()
+    clients.cert_pem.write_to_path(str(files / "clients-ca.pem"))
+    alice = client_certificate(clients, files, "alice")
+    cli = client_certificate(clients, files, "shmserve-cli")
+    mallory = client_certificate(trustme.CA(), files, "mallory")
+    grpc_port = free_port()
+    nginx = {**issue(files), "tls_client_ca": str(files / "clients-ca.pem"),
+             "tls_client_certificate": cli[0], "tls_client_key": cli[1]}
+    stack = Stack(files / "stack", tiny_overrides(tiny_model, nginx=nginx,
+                                                  admin={"token": TOKEN},
+                                                  server={"grpc_port": grpc_port}))
+    stack.grpc_port = grpc_port
+    stack.up()  # `up --wait` polls /ready, which asks for no certificate
+    try:
+        yield stack, str(files / "ca.pem"), alice, mallory
+    finally:
+        stack.down()
+
+
+def url(stack: Stack, path: str) -> str:
+    return f"https://127.0.0.1:{stack.port}{path}"
+
+
+def test_a_client_certificate_is_needed_everywhere_but_the_probes(mtls):
+    stack, ca, alice, mallory = mtls
+    body = {"input": ["a", "b"]}
+    ok = requests.post(url(stack, "/v1/embeddings"), json=body, verify=ca, cert=alice,
+                       headers={"X-Request-ID": "mtls-alice"}, timeout=30)
+    assert ok.status_code == 200 and len(ok.json()["data"]) == 2, ok.text
+    refused = requests.post(url(stack, "/v1/embeddings"), json=body, verify=ca, timeout=30,
+                            headers={"X-Request-ID": "mtls-none"})
+    assert refused.status_code == 403, refused.text
+    assert refused.json()["error"]["type"] == "forbidden"
+    assert "asks for a client certificate" in refused.json()["error"]["message"]
+    assert refused.headers["X-Request-ID"] == "mtls-none"
+    # in the format the client asked for, and KServe's shape on its routes
+    packed = requests.post(url(stack, "/predict"), data=msgpack.packb({"texts": ["a"]}),
+                           verify=ca, timeout=30, headers={
+                               "Content-Type": "application/msgpack",
+                               "Accept": "application/msgpack"})
+    assert packed.status_code == 403 and "client certificate" in msgpack.unpackb(
+        packed.content)["error"]["message"]
+    kserve = requests.post(url(stack, "/v2/models/tiny/infer"), json={"inputs": []}, verify=ca,
+                           timeout=30)
+    assert kserve.status_code == 403 and "client certificate" in kserve.json()["error"]
+    for path in ("/metrics", "/admin/models", "/v1/models", "/openapi.json", "/info"):
+        assert requests.get(url(stack, path), verify=ca, timeout=30).status_code == 403, path
+    assert requests.get(url(stack, "/metrics"), verify=ca, cert=alice,
+                        timeout=30).status_code == 200
+    # the probes a kubelet sends without a certificate
+    for path in ("/health", "/ready", "/v2/health/live", "/v2/health/ready",
+                 "/v2/models/tiny/ready"):
+        assert requests.get(url(stack, path), verify=ca, timeout=30).status_code == 200, path
+    # a certificate another CA issued: refused, the probes too
+    for path in ("/v1/embeddings", "/health"):
+        forged = requests.post(url(stack, path), json=body, verify=ca, cert=mallory, timeout=30)
+        assert forged.status_code == 403, (path, forged.text)
+        assert "did not verify against nginx.tls_client_ca" in forged.json()["error"]["message"]
+
+
+def test_the_access_line_names_the_certificate_and_refusals_are_counted(mtls):
+    stack, ca, alice, _ = mtls
+    for rid, cert in (("mtls-line-alice", alice), ("mtls-line-none", None)):
+        requests.post(url(stack, "/v1/embeddings"), json={"input": "x"}, verify=ca, cert=cert,
+                      headers={"X-Request-ID": rid}, timeout=30)
+    lines = {}
+
+    def both() -> bool:
+        lines.update({line["request_id"]: line for line in stack.log_lines("nginx")
+                      if str(line.get("request_id", "")).startswith("mtls-line-")})
+        return len(lines) == 2
+    stack.wait_until(both, 10, "both access lines")
+    assert lines["mtls-line-alice"]["status"] == 200
+    assert "CN=alice" in lines["mtls-line-alice"]["client_subject"], lines
+    assert lines["mtls-line-none"]["status"] == 403
+    assert lines["mtls-line-none"]["client_subject"] == ""
+    assert lines["mtls-line-none"]["upstream_addr"] == ""  # no frontend saw it
+
+    def refused() -> float:
+        text = requests.get(url(stack, "/metrics"), verify=ca, cert=alice, timeout=30).text
+        return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                   if s.name == "shmserve_nginx_responses_total"
+                   and s.labels.get("status") == "403")
+    stack.wait_until(lambda: refused() >= 1, 10, "nginx's 403s in /metrics")
+
+
+def test_clients_present_their_certificate(mtls):
+    stack, ca, alice, _ = mtls
+    with Client(url(stack, ""), verify=ca, cert=alice) as client:
+        assert client.embed(["a", "b"]).shape == (2, 32)
+    with pytest.raises(ValueError, match="cannot present it"):
+        Client(url(stack, ""), verify=ca, cert=(alice[0] + ".missing", alice[1]))
+    with Client(url(stack, ""), verify=ca, max_retries=0) as anonymous:
+        with pytest.raises(ShmserveError) as refused:
+            anonymous.embed("a")
+    assert refused.value.status == 403
+
+
+def test_the_cli_presents_its_configured_certificate(mtls):
+    stack, *_ = mtls
+    about = json.loads(stack.cli("status", "--json").stdout)  # /metrics and /ready
+    assert about["url"] == url(stack, ""), about
+    models = stack.cli("models")  # an admin route, with admin.token
+    assert json.loads(models.stdout)["models"][0]["name"] == "tiny"
+
+
+def test_grpc_asks_for_the_certificate_too(mtls):
+    import tritonclient.grpc as triton_grpc
+    from tritonclient.utils import InferenceServerException
+
+    stack, ca, alice, _ = mtls
+    address = f"127.0.0.1:{stack.grpc_port}"
+    tensor = triton_grpc.InferInput("text", [2], "BYTES")
+    tensor.set_data_from_numpy(np.array([b"a", b"b"], dtype=object))
+    with triton_grpc.InferenceServerClient(address, ssl=True, root_certificates=ca,
+                                           certificate_chain=alice[0],
+                                           private_key=alice[1]) as client:
+        assert client.infer("tiny", [tensor]).as_numpy("embedding").shape == (2, 32)
+    with triton_grpc.InferenceServerClient(address, ssl=True, root_certificates=ca) as anonymous:
+        assert anonymous.is_server_live() and anonymous.is_model_ready("tiny")  # probes
+        with pytest.raises(InferenceServerException) as refused:
+            anonymous.infer("tiny", [tensor])
+    assert refused.value.status() == "StatusCode.UNAUTHENTICATED", refused.value
+    assert "asks for a client certificate" in refused.value.message()
