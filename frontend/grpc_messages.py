@@ -56,9 +56,10 @@ def model_path(request, sub: str = "", name: str | None = None, version: str | N
     version = request.version if version is None else version
     if not name:
         raise CallFailed(grpc.StatusCode.INVALID_ARGUMENT, "the model's name is required")
-    if {".", ".."} & set(name.split("/")) or version in (".", ".."):
+    if {".", ".."} & (set(name.split("/")) | set(version.split("/"))):
         # a URL path would resolve it: "../../admin/models" reached GET /admin/models from
-        # the frontend itself, past nginx.admin_loopback_only
+        # the frontend itself, past nginx.admin_loopback_only (a version's '/' is escaped, so
+        # '../..' there would only be NOT_FOUND: refused alike, one answer for one mistake)
         raise CallFailed(grpc.StatusCode.INVALID_ARGUMENT,
                          f"no model is named {name[:200]!r}" + (
                              f" with version {version[:200]!r}" if version else "")
