@@ -84,6 +84,7 @@ CHECKS: dict[str, Check] = {
     "nginx.tls_certificate": _TLS_FILE,
     "nginx.tls_key": _TLS_FILE,
     "nginx.tls_client_ca": _TLS_FILE,
+    "nginx.tls_client_crl": _TLS_FILE,
     "nginx.tls_client_certificate": _TLS_FILE,
     "nginx.tls_client_key": _TLS_FILE,
     "nginx.gzip_min_bytes": (lambda v: 0 <= v <= 1 << 30, "an integer >= 0"),
@@ -300,6 +301,9 @@ def check_relations(cfg: Any) -> None:
         raise ConfigError("nginx.tls_client_ca: client certificates are asked for in the TLS "
                           "handshake; set nginx.tls_certificate and nginx.tls_key too (or "
                           "leave nginx.tls_client_ca empty)")
+    if cfg.nginx.tls_client_crl and not cfg.nginx.tls_client_ca:
+        raise ConfigError("nginx.tls_client_crl: revokes client certificates, which only "
+                          "nginx.tls_client_ca asks for; set it too (or leave both empty)")
     if bool(cfg.nginx.tls_client_certificate) != bool(cfg.nginx.tls_client_key):
         given, missing = (("nginx.tls_client_certificate", "nginx.tls_client_key")
                           if cfg.nginx.tls_client_certificate

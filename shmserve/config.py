@@ -82,6 +82,7 @@ class NginxConfig:
     # both ports (probes exempt); empty: none asked for. What shmserve's own calls through nginx
     # (the admin commands, status) present: tls_client_certificate and its key.
     tls_client_ca: str = ""
+    tls_client_crl: str = ""  # revoked client certificates (PEM CRLs); read at each reload
     tls_client_certificate: str = ""
     tls_client_key: str = ""
 

@@ -39,7 +39,8 @@ NGINX_ERRORS: dict[int, tuple[str, str]] = {
           "to https://"),
     # mutual TLS (nginx.tls_client_ca), both answered as 403s
     495: ("forbidden", "the client certificate did not verify against nginx.tls_client_ca "
-          "(not issued by one of its CAs, expired, or not yet valid)"),
+          "(not issued by one of its CAs, expired, not yet valid, or revoked: "
+          "nginx.tls_client_crl)"),
     496: ("forbidden", "this server asks for a client certificate (mutual TLS, "
           "nginx.tls_client_ca): send the request with one"),
 }

@@ -56,6 +56,7 @@ def check(cfg: Config) -> None:
     for key, marker, kind in (("nginx.tls_certificate", CERTIFICATE, "certificate"),
                               ("nginx.tls_key", "PRIVATE KEY-----", "private key"),
                               ("nginx.tls_client_ca", CERTIFICATE, "certificate"),
+                              ("nginx.tls_client_crl", "-----BEGIN X509 CRL-----", "CRL"),
                               ("nginx.tls_client_certificate", CERTIFICATE, "certificate"),
                               ("nginx.tls_client_key", "PRIVATE KEY-----", "private key")):
         value = getattr(cfg.nginx, key.partition(".")[2])
@@ -115,9 +116,12 @@ def client_lines(cfg: Config) -> list[str]:
     by client_refusal's check; one that does not verify is nginx's 495 everywhere."""
     if not cfg.nginx.tls_client_ca:
         return []
+    # with a CRL, OpenSSL asks one of every CA in a chain (nginx: CRL_CHECK_ALL): the file
+    # holds each issuing CA's
+    crl = [f'ssl_crl "{path(cfg.nginx.tls_client_crl)}";'] if cfg.nginx.tls_client_crl else []
     return [f'ssl_client_certificate "{path(cfg.nginx.tls_client_ca)}";',
             "ssl_verify_client optional;",
-            f"ssl_verify_depth {VERIFY_DEPTH};"]
+            f"ssl_verify_depth {VERIFY_DEPTH};", *crl]
 
 
 # A client certificate's chain, up to a root the CA file holds: leaf, intermediates, root

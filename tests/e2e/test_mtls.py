@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from shmserve.client import Client, ShmserveError
 from tests.conftest import tiny_overrides
-from tests.e2e.test_tls import client_certificate, issue
+from tests.pki import client_certificate, issue, revocations
 from tests.stack import Stack, free_port
 
 TOKEN = "mtls-admin-token"
@@ -32,8 +32,11 @@ def mtls(tmp_path_factory, tiny_model):
     alice = client_certificate(clients, files, "alice")
     cli = client_certificate(clients, files, "shmserve-cli")
     mallory = client_certificate(trustme.CA(), files, "mallory")
+    revoked = client_certificate(clients, files, "revoked")
+    (files / "clients.crl").write_bytes(revocations(clients, [revoked[0]]))
     grpc_port = free_port()
     nginx = {**issue(files), "tls_client_ca": str(files / "clients-ca.pem"),
+             "tls_client_crl": str(files / "clients.crl"),
              "tls_client_certificate": cli[0], "tls_client_key": cli[1]}
     stack = Stack(files / "stack", tiny_overrides(tiny_model, nginx=nginx,
                                                   admin={"token": TOKEN},
@@ -41,6 +44,7 @@ def mtls(tmp_path_factory, tiny_model):
     stack.grpc_port = grpc_port
     stack.up()  # `up --wait` polls /ready, which asks for no certificate
     try:
+        stack.revoked = revoked
         yield stack, str(files / "ca.pem"), alice, mallory
     finally:
         stack.down()
@@ -80,11 +84,14 @@ def test_a_client_certificate_is_needed_everywhere_but_the_probes(mtls):
     for path in ("/health", "/ready", "/v2/health/live", "/v2/health/ready",
                  "/v2/models/tiny/ready"):
         assert requests.get(url(stack, path), verify=ca, timeout=30).status_code == 200, path
-    # a certificate another CA issued: refused, the probes too
+    # a certificate another CA issued, or one the CA revoked (nginx.tls_client_crl): refused,
+    # the probes too
     for path in ("/v1/embeddings", "/health"):
-        forged = requests.post(url(stack, path), json=body, verify=ca, cert=mallory, timeout=30)
-        assert forged.status_code == 403, (path, forged.text)
-        assert "did not verify against nginx.tls_client_ca" in forged.json()["error"]["message"]
+        for cert in (mallory, stack.revoked):
+            forged = requests.post(url(stack, path), json=body, verify=ca, cert=cert, timeout=30)
+            assert forged.status_code == 403, (path, cert, forged.text)
+            assert "did not verify against nginx.tls_client_ca" in forged.json()[
+                "error"]["message"]
 
 
 def test_the_access_line_names_the_certificate_and_refusals_are_counted(mtls):

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import socket
 import ssl
-from pathlib import Path
 
 import h2.config
 import h2.connection
@@ -23,27 +22,8 @@ from openai import OpenAI
 from shmserve.client import Client, ShmserveError
 from tests.conftest import tiny_overrides
 from tests.e2e.test_apply import edit
+from tests.pki import client_certificate, issue
 from tests.stack import Stack, free_port
-
-
-def issue(files: Path) -> dict[str, str]:
-    """A certificate for 127.0.0.1 issued by a test CA (trustme), its key and the CA's file,
-    which clients trust; the nginx keys that serve it."""
-    ca = trustme.CA()
-    issued = ca.issue_cert("127.0.0.1", "localhost")
-    for blob in issued.cert_chain_pems:  # the leaf, then its chain: as nginx wants it
-        blob.write_to_path(str(files / "chain.pem"), append=True)
-    issued.private_key_pem.write_to_path(str(files / "key.pem"))
-    ca.cert_pem.write_to_path(str(files / "ca.pem"))
-    return {"tls_certificate": str(files / "chain.pem"), "tls_key": str(files / "key.pem")}
-
-
-def client_certificate(ca: trustme.CA, files: Path, name: str) -> tuple[str, str]:
-    """A client certificate `ca` issued to `name`, and its key: (certificate file, key file)."""
-    issued = ca.issue_cert(f"{name}@example.com", common_name=name)
-    issued.cert_chain_pems[0].write_to_path(str(files / f"{name}.pem"))
-    issued.private_key_pem.write_to_path(str(files / f"{name}.key"))
-    return str(files / f"{name}.pem"), str(files / f"{name}.key")
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ import trustme
 
 from shmserve import config, render, tls
 from shmserve.config import ConfigError
+from tests.pki import revocations
 from tests.unit.test_render import make_config
 
 
@@ -103,10 +104,11 @@ def test_a_certificate_gone_since_up_is_a_clear_cli_error(tmp_path, pem, capsys,
 
 @pytest.fixture(scope="module")
 def client_pki(tmp_path_factory):
-    """A CA for clients, and a certificate it issued with its key (mutual TLS)."""
+    """A CA for clients, a certificate it issued with its key (mutual TLS), and its CRL."""
     files = tmp_path_factory.mktemp("client")
     ca = trustme.CA()
     ca.cert_pem.write_to_path(str(files / "client-ca.pem"))
+    (files / "client.crl").write_bytes(revocations(ca, []))
     issued = ca.issue_cert("client@example.com")
     issued.cert_chain_pems[0].write_to_path(str(files / "client.pem"))
     issued.private_key_pem.write_to_path(str(files / "client.key"))
@@ -122,6 +124,10 @@ def test_client_certificates_need_tls_and_the_clis_pair(tmp_path, pem, client_pk
                                           "needs both files"):
         make_config(tmp_path, nginx={"tls_certificate": str(cert), "tls_key": str(key),
                                      "tls_client_certificate": str(client_pki / "client.pem")})
+    with pytest.raises(ConfigError, match="nginx.tls_client_crl: revokes client certificates, "
+                                          "which only nginx.tls_client_ca asks for"):
+        make_config(tmp_path, nginx={"tls_certificate": str(cert), "tls_key": str(key),
+                                     "tls_client_crl": "/etc/clients.crl"})
     with pytest.raises(ConfigError, match="nginx.tls_client_ca: expected a file path"):
         make_config(tmp_path, nginx={"tls_certificate": str(cert), "tls_key": str(key),
                                      "tls_client_ca": "/etc/$ca.pem"})
@@ -132,6 +138,12 @@ def test_client_certificates_need_tls_and_the_clis_pair(tmp_path, pem, client_pk
     with pytest.raises(render.RenderError, match="nginx.tls_client_ca: .* holds no PEM "
                                                  "certificate$"):
         render.render(swapped)
+    not_a_crl = make_config(tmp_path / "run", nginx={
+        "tls_certificate": str(cert), "tls_key": str(key),
+        "tls_client_ca": str(client_pki / "client-ca.pem"),
+        "tls_client_crl": str(client_pki / "client-ca.pem")})
+    with pytest.raises(render.RenderError, match="nginx.tls_client_crl: .* holds no PEM CRL$"):
+        render.render(not_a_crl)
 
 
 def test_client_certificates_are_asked_for_on_both_ports_and_probes_stay_open(
@@ -140,16 +152,18 @@ def test_client_certificates_are_asked_for_on_both_ports_and_probes_stay_open(
 
     cert, key = pem
     ca = client_pki / "client-ca.pem"
-    cfg = make_config(tmp_path / "run", nginx={"tls_certificate": str(cert), "tls_key": str(key),
-                                               "tls_client_ca": str(ca)},
-                      server={"grpc_port": free_port()})
-    render.render(cfg)  # and nginx -t takes it
+    crl = client_pki / "client.crl"
+    cfg = make_config(tmp_path / "run", nginx={
+        "tls_certificate": str(cert), "tls_key": str(key), "tls_client_ca": str(ca),
+        "tls_client_crl": str(crl)}, server={"grpc_port": free_port()})
+    render.render(cfg)  # and nginx -t takes it (the CRL too)
     conf = render.nginx_conf(cfg).read_text()
     http, grpc = conf.split("upstream frontends_grpc")
     for server, variable in ((http, "$shmserve_no_client_cert"),
                              (grpc, "$shmserve_grpc_no_client_cert")):
         assert f'ssl_client_certificate "{ca}";' in server
         assert "ssl_verify_client optional;" in server  # so a kubelet's probe gets through
+        assert f'ssl_crl "{crl}";' in server
         assert f"if ({variable}) {{\n            return 496;" in server
     # the probes the refusal leaves open are the probe locations' own paths
     assert f"location ~ ^{tls.OPEN_PROBES}$ {{" in http
