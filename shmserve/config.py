@@ -341,6 +341,10 @@ def from_tree(tree: Mapping[str, Any], read_keys: bool = True) -> Config:
         raise ConfigError("nginx.rate_limit_key: api_key needs auth.api_keys (or "
                           "auth.api_keys_file): on an open server any token is served, so a "
                           "client could send a new one with every request; use ip")
+    if cfg.nginx.rate_limit_per_s and cfg.nginx.rate_limit_key == "certificate" \
+            and not cfg.nginx.tls_client_ca:
+        raise ConfigError("nginx.rate_limit_key: certificate needs nginx.tls_client_ca (mutual "
+                          "TLS): without it no client presents one; use ip")
     check_relations(cfg)
     return cfg
 

@@ -82,6 +82,16 @@ _TOKEN_KEY = """    map $http_authorization $shmserve_rate_key {
         default "address $binary_remote_addr";
     }
 """
+# rate_limit_key certificate: the verified client certificate's subject (nginx.tls_client_ca),
+# so one client's certificates, renewed or on several machines, share its rate; a request
+# without one (a probe: the others are refused before the limit) by its address.
+_CERTIFICATE_KEY = """    map $ssl_client_verify $shmserve_rate_key {
+        SUCCESS "certificate $ssl_client_s_dn";
+        default "address $binary_remote_addr";
+    }
+"""
+_KEYS = {"ip": ("$binary_remote_addr", ""), "api_key": ("$shmserve_rate_key", _TOKEN_KEY),
+         "certificate": ("$shmserve_rate_key", _CERTIFICATE_KEY)}
 
 
 def rate_limit(n) -> dict[str, str]:
@@ -92,8 +102,7 @@ def rate_limit(n) -> dict[str, str]:
         return {"rate_limit_zone": "    # nginx.rate_limit_per_s: 0, no per-client rate limit",
                 "rate_limit": "            # no per-client rate limit",
                 "rate_limit_retry_after": "1"}
-    key, zone = ("$binary_remote_addr", "") if n.rate_limit_key == "ip" else \
-        ("$shmserve_rate_key", _TOKEN_KEY)
+    key, zone = _KEYS[n.rate_limit_key]
     # nginx takes whole requests a second or a minute
     spelled = f"{int(rate)}r/s" if rate == int(rate) else f"{max(1, round(rate * 60))}r/m"
     # A zone per key: nginx keeps a zone across a reload and refuses one whose key changed, so

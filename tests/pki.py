@@ -21,7 +21,9 @@ def issue(files: Path) -> dict[str, str]:
 
 def client_certificate(ca: trustme.CA, files: Path, name: str) -> tuple[str, str]:
     """A client certificate `ca` issued to `name`, and its key: (certificate file, key file)."""
-    issued = ca.issue_cert(f"{name}@example.com", common_name=name)
+    # the same subject for the same name (trustme's default unit is new each time)
+    issued = ca.issue_cert(f"{name}@example.com", common_name=name,
+                           organization_name="shmserve tests", organization_unit_name="clients")
     issued.cert_chain_pems[0].write_to_path(str(files / f"{name}.pem"))
     issued.private_key_pem.write_to_path(str(files / f"{name}.key"))
     return str(files / f"{name}.pem"), str(files / f"{name}.key")

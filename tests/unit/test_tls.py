@@ -192,3 +192,37 @@ def test_the_clis_calls_present_the_configured_client_certificate(tmp_path, pem,
     with pytest.raises(tls.TlsError, match=r"nginx.tls_client_certificate: cannot present "
                                            r".*client.pem with .*key.pem"):
         tls.client_context(mismatched)
+
+
+def test_a_rate_limit_by_certificate_counts_each_clients_subject(tmp_path):
+    """nginx.rate_limit_key certificate: the verified certificate's subject is the client, so
+    two certificates from one address are two clients, and one's renewal (a new certificate,
+    the same subject) the same one. No frontend runs here: what passes the limit gets 502."""
+    import requests
+
+    from tests.pki import client_certificate, issue
+    from tests.unit.test_nginx_pages import nginx_of
+
+    server = issue(tmp_path)
+    with pytest.raises(ConfigError, match="rate_limit_key: certificate needs "
+                                          "nginx.tls_client_ca"):
+        make_config(tmp_path / "run", nginx={**server, "rate_limit_per_s": 1,
+                                             "rate_limit_key": "certificate"})
+    ca = trustme.CA()
+    ca.cert_pem.write_to_path(str(tmp_path / "clients.pem"))
+    alice, bob = (client_certificate(ca, tmp_path, name) for name in ("alice", "bob"))
+    (tmp_path / "renewed").mkdir()
+    renewed = client_certificate(ca, tmp_path / "renewed", "alice")
+    cfg = make_config(tmp_path / "run", frontends={"count": 1}, nginx={
+        **server, "tls_client_ca": str(tmp_path / "clients.pem"), "rate_limit_per_s": 1 / 60,
+        "rate_limit_burst": 1, "rate_limit_key": "certificate"})
+    url = f"https://127.0.0.1:{cfg.server.port}"
+
+    def status(path: str, client: tuple[str, str] | None) -> int:
+        return requests.post(url + path, json={}, cert=client, verify=str(tmp_path / "ca.pem"),
+                             timeout=30).status_code
+    with nginx_of(cfg):
+        assert [status("/v1/embeddings", alice) for _ in range(3)] == [502, 502, 429]
+        assert status("/v1/embeddings", renewed) == 429  # the same subject
+        assert [status("/v1/embeddings", bob) for _ in range(3)] == [502, 502, 429]
+        assert status("/v1/embeddings", None) == 403  # refused before any limit
