@@ -38,6 +38,10 @@ def check(old: Config, new: Config, move: bool, dry_run: bool,
         say(f"shmserve: warning: nginx asks clients for a certificate {new.nginx.tls_client_ca} "
             "issued (nginx.tls_client_ca) from now on: one without is refused 403 (gRPC "
             "UNAUTHENTICATED) but on the probes", sys.stderr)
+    elif old.nginx.tls_client_ca and not new.nginx.tls_client_ca and tls.enabled(new):
+        say("shmserve: warning: nginx asks clients for no certificate from now on "
+            "(nginx.tls_client_ca is empty): any client that reaches the port is served",
+            sys.stderr)
     # Asked for, not only warned of: an outside check's `apply --env prod` in a new shell,
     # without up's overrides, moved a loopback deployment to 0.0.0.0:8080
     moved = _grpc(old, new, say) or moved

@@ -85,7 +85,7 @@ def nginx_values(cfg: Config, binary: str, grpc: bool = False) -> dict[str, str]
     (h2c) without TLS."""
     probes = GRPC_OPEN_PROBES if grpc else OPEN_PROBES
     refusal = client_refusal(cfg, "shmserve_grpc_no_client_cert" if grpc
-                             else "shmserve_no_client_cert", probes)
+                             else "shmserve_no_client_cert", probes, preflights=not grpc)
     return {**_server_values(cfg, binary, grpc), "probe_paths": probes,
             "client_cert_map": refusal[0], "client_cert_check": refusal[1]}
 
@@ -134,20 +134,36 @@ GRPC_OPEN_PROBES = (r"/(grpc\.health\.v1\.Health/Check|"
                     r"inference\.GRPCInferenceService/(ServerLive|ServerReady|ModelReady))")
 
 
-def client_refusal(cfg: Config, variable: str, probes: str) -> tuple[str, str]:
-    """(a map at nginx's http level, the check in a server) refusing a request that sent no
-    client certificate (nginx's 496) but on `probes` (a regex of paths) and the error pages'
-    internal redirects; comments without nginx.tls_client_ca."""
+def client_refusal(cfg: Config, variable: str, probes: str,
+                   preflights: bool) -> tuple[str, str]:
+    """(maps at nginx's http level, the check in a server) refusing a request that sent no
+    client certificate (nginx's 496) but on `probes` (a regex of paths), the error pages'
+    internal redirects and (`preflights`) the CORS preflights nginx answers itself; comments
+    without nginx.tls_client_ca."""
     if not cfg.nginx.tls_client_ca:
         return ("    # no client certificates asked for: nginx.tls_client_ca is not set",
                 "        # no client certificates asked for (nginx.tls_client_ca)")
-    # The path first: $ssl_client_verify ends the key, as "FAILED:<reason>" holds spaces (and
-    # the 495 page nginx answers for it was refused again: its own HTML 400 came back).
-    return (f"""    map "$uri $ssl_client_verify" ${variable} {{
+    # A probe as nginx reads it ($uri: decoded, dot segments and // resolved) must be one as
+    # the client sent it too ($request_uri, which proxy_pass hands the frontend as it came):
+    # /v1/models/%2e%2e%2F%2e%2e%2Fhealth was /health to nginx but GET /v1/models/{model} to
+    # aiohttp (an outside check). So the raw path holds no %-escape, no // and no dot segment.
+    # The key ends with $ssl_client_verify, as "FAILED:<reason>" holds spaces (the 495 page
+    # nginx answers for one was refused again, and its own HTML 400 came back).
+    # A browser sends a CORS preflight without its certificate (the Fetch standard counts one
+    # among the credentials a preflight leaves out): every location but /admin/ answers it at
+    # nginx with CORS headers alone (nginx.cors_allow_origins), no frontend seeing it.
+    preflight = "$shmserve_cors_preflight" if preflights else ""
+    answered = '\n        "~^1\\|1?/(?!admin/)" "";' if preflights else ""
+    return (f"""    map $request_uri ${variable}_raw {{
+        volatile;
+        "~^(?![^?]*(%|//|/\\.\\.?(/|\\?|$))){probes}(\\?.*)?$" 1;
+        default "";
+    }}
+    map "{preflight}|${variable}_raw$uri $ssl_client_verify" ${variable} {{
         volatile;  # read again on an error page's internal redirect
-        "~ SUCCESS$" "";
-        "~^/_shmserve_(grpc_)?error" "";
-        "~^{probes} NONE$" "";
+        "~ SUCCESS$" "";{answered}
+        "~^\\|1?/_shmserve_(grpc_)?error" "";
+        "~^\\|1{probes} NONE$" "";
         default 1;
     }}""", f"""        # no client certificate (nginx.tls_client_ca), and not a probe: 403
         if (${variable}) {{

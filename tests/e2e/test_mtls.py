@@ -20,6 +20,7 @@ from tests.pki import client_certificate, issue, revocations
 from tests.stack import Stack, free_port
 
 TOKEN = "mtls-admin-token"
+APP = "https://app.example.com"
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +38,8 @@ def mtls(tmp_path_factory, tiny_model):
     grpc_port = free_port()
     nginx = {**issue(files), "tls_client_ca": str(files / "clients-ca.pem"),
              "tls_client_crl": str(files / "clients.crl"),
-             "tls_client_certificate": cli[0], "tls_client_key": cli[1]}
+             "tls_client_certificate": cli[0], "tls_client_key": cli[1],
+             "cors_allow_origins": [APP]}
     stack = Stack(files / "stack", tiny_overrides(tiny_model, nginx=nginx,
                                                   admin={"token": TOKEN},
                                                   server={"grpc_port": grpc_port}))
@@ -94,9 +96,52 @@ def test_a_client_certificate_is_needed_everywhere_but_the_probes(mtls):
                 "error"]["message"]
 
 
-def test_the_access_line_names_the_certificate_and_refusals_are_counted(mtls):
+@pytest.mark.parametrize("target", [
+    "/v1/models/%2e%2e%2F%2e%2e%2Fhealth",  # nginx: /health; aiohttp: GET /v1/models/{model}
+    "/v1/models/..%2F..%2Fhealth",
+    "/v2/models/tiny/versions/%2e%2e%2F%2e%2e%2F%2e%2e%2F%2e%2e%2Fhealth",
+    "/v2/models/tiny%2F%2e%2e%2F%2e%2e%2F%2e%2e%2Fhealth",
+    "//health", "/./health", "/health/../v1/models"])
+def test_a_target_nginx_reads_as_a_probe_but_the_frontend_does_not_needs_one(mtls, target):
+    """The frontends get the request target as the client sent it: a probe only once nginx
+    decoded it and resolved its dot segments is no probe to them (an outside check reached
+    GET /v1/models/{model} without a certificate)."""
+    import http.client
+    import ssl
+
+    stack, ca, _, _ = mtls
+    connection = http.client.HTTPSConnection(
+        "127.0.0.1", stack.port, timeout=30, context=ssl.create_default_context(cafile=ca))
+    try:
+        connection.request("GET", target)
+        answer = connection.getresponse()
+        body = answer.read()
+    finally:
+        connection.close()
+    assert answer.status == 403 and b"asks for a client certificate" in body, (target, body)
+
+
+def test_a_cors_preflight_needs_no_certificate_its_request_does(mtls):
+    """A browser sends a preflight without its certificate; nginx answers it alone."""
     stack, ca, alice, _ = mtls
-    for rid, cert in (("mtls-line-alice", alice), ("mtls-line-none", None)):
+    asks = {"Origin": APP, "Access-Control-Request-Method": "POST"}
+    preflight = requests.options(url(stack, "/v1/embeddings"), headers=asks, verify=ca,
+                                 timeout=30)
+    assert preflight.status_code == 204, preflight.text
+    assert preflight.headers["Access-Control-Allow-Origin"] == APP
+    assert requests.options(url(stack, "/admin/models"), headers=asks, verify=ca,
+                            timeout=30).status_code == 403  # the frontends' route: refused
+    for cert, status in ((None, 403), (alice, 200)):
+        answer = requests.post(url(stack, "/v1/embeddings"), json={"input": "x"}, cert=cert,
+                               headers={"Origin": APP}, verify=ca, timeout=30)
+        assert answer.status_code == status, answer.text
+        assert answer.headers["Access-Control-Allow-Origin"] == APP
+
+
+def test_the_access_line_names_the_certificate_and_refusals_are_counted(mtls):
+    stack, ca, alice, mallory = mtls
+    for rid, cert in (("mtls-line-alice", alice), ("mtls-line-none", None),
+                      ("mtls-line-mallory", mallory)):
         requests.post(url(stack, "/v1/embeddings"), json={"input": "x"}, verify=ca, cert=cert,
                       headers={"X-Request-ID": rid}, timeout=30)
     lines = {}
@@ -104,13 +149,16 @@ def test_the_access_line_names_the_certificate_and_refusals_are_counted(mtls):
     def both() -> bool:
         lines.update({line["request_id"]: line for line in stack.log_lines("nginx")
                       if str(line.get("request_id", "")).startswith("mtls-line-")})
-        return len(lines) == 2
-    stack.wait_until(both, 10, "both access lines")
+        return len(lines) == 3
+    stack.wait_until(both, 10, "the three access lines")
     assert lines["mtls-line-alice"]["status"] == 200
     assert "CN=alice" in lines["mtls-line-alice"]["client_subject"], lines
     assert lines["mtls-line-none"]["status"] == 403
     assert lines["mtls-line-none"]["client_subject"] == ""
     assert lines["mtls-line-none"]["upstream_addr"] == ""  # no frontend saw it
+    # a certificate that did not verify names no one (a self-signed CN=alice would)
+    assert lines["mtls-line-mallory"]["status"] == 403
+    assert lines["mtls-line-mallory"]["client_subject"] == ""
 
     def refused() -> float:
         text = requests.get(url(stack, "/metrics"), verify=ca, cert=alice, timeout=30).text

@@ -205,7 +205,12 @@ def test_an_apply_turns_tls_on_and_off_and_says_the_scheme_changed(tmp_path, tin
         # the CLI, given no certificate to present, says what to set
         models = stack.cli("models", check=False)
         assert models.returncode == 2 and "set nginx.tls_client_certificate" in models.stderr
-        edit(stack, nginx={"tls_certificate": "", "tls_key": "", "tls_client_ca": ""})
+        edit(stack, nginx={**files, "tls_client_ca": ""})  # off again: said too
+        done = stack.cli("apply", timeout=300)
+        assert "nginx asks clients for no certificate from now on" in done.stderr, done.stderr
+        assert requests.post(f"{secure}/v1/embeddings", json={"input": "x"}, timeout=30,
+                             verify=str(tmp_path / "ca.pem")).status_code == 200
+        edit(stack, nginx={"tls_certificate": "", "tls_key": ""})
         done = stack.cli("apply", "--move", timeout=300)
         assert f"warning: nginx moves from {secure} to {plain}: clients of the old scheme get " \
             "a failed TLS handshake" in done.stderr, done.stderr

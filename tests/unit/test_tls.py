@@ -167,7 +167,7 @@ def test_client_certificates_are_asked_for_on_both_ports_and_probes_stay_open(
         assert f"if ({variable}) {{\n            return 496;" in server
     # the probes the refusal leaves open are the probe locations' own paths
     assert f"location ~ ^{tls.OPEN_PROBES}$ {{" in http
-    assert f'"~^{tls.OPEN_PROBES} NONE$" "";' in http
+    assert f'"~^\\|1{tls.OPEN_PROBES} NONE$" "";' in http
     assert f"location ~ ^{tls.GRPC_OPEN_PROBES}$ {{" in grpc
     assert "error_page 496 =403 /_shmserve_errors/${shmserve_error_set}496." in http
     # on the gRPC port UNAUTHENTICATED, counted as the HTTP port's 403
