@@ -34,6 +34,7 @@ class Sample:
     metrics: dict[str, dict[Labels, float]] = field(default_factory=dict)  # sample name ->
     supervisord_pid: int | None = None  # from its pid file (it is not among its programs)
     direct: bool = False  # /ready's workers and /metrics read from a frontend, not nginx
+    nginx_metrics: int | None = None  # what nginx answered /metrics, where it answered
 
     def total(self, name: str, **labels: str) -> float | None:
         """The sum of the samples of `name` whose labels include `labels`; None if none."""
@@ -53,7 +54,7 @@ def take(base_url: str, fetch: Fetch, processes: Callable[[], list[dict]],
     code, body = fetch(f"{base_url}/ready")
     ready = _object(body)
     mcode, mbody = fetch(f"{base_url}/metrics") if code is not None else (None, b"")
-    direct_used = False
+    direct_used, nginx_metrics = False, mcode
     if mcode != 200 and direct is not None:
         mcode, mbody = direct("/metrics")
         if mcode == 200:
@@ -62,7 +63,7 @@ def take(base_url: str, fetch: Fetch, processes: Callable[[], list[dict]],
                 ready = {**_object(direct("/ready")[1]), **ready}
     return Sample(time.monotonic(), procs, code, ready,
                   parse_metrics(mbody.decode(errors="replace")) if mcode == 200 else {},
-                  supervisord_pid(), direct_used)
+                  supervisord_pid(), direct_used, nginx_metrics)
 
 
 def _object(body: bytes) -> dict:
@@ -206,8 +207,13 @@ def _state(cur: Sample) -> str:
                  "run state)" if apart and all(w.get("ready") for w in
                                                cur.ready.get("workers", []))
             else _STATE_TEXT[word].format(code=cur.ready_code))
-    return text + "; the figures below are a frontend's, read from its socket" if cur.direct \
-        else text
+    if not cur.direct:
+        return text
+    # nginx refused this command's /metrics (mutual TLS without nginx.tls_client_certificate,
+    # an outside check: the line did not say why the figures came from a frontend)
+    refused = (f" (nginx answered /metrics {cur.nginx_metrics})"
+               if cur.nginx_metrics not in (None, 200) else "")
+    return text + f"; the figures below are a frontend's, read from its socket{refused}"
 
 
 def _request_rates(cur: Sample, prev: Sample) -> dict:

@@ -298,6 +298,13 @@ def test_with_nginx_silent_the_figures_come_from_a_frontend_and_the_state_says_s
                                                json.dumps(READY).encode()),
                       lambda: PROCESSES, direct=direct)
     assert asked == [] and not cur.direct and "figures_from" not in status.snapshot(cur, None)
+    # nginx answering /ready but refusing /metrics (mutual TLS, this command presenting no
+    # certificate): the line says what nginx answered
+    cur = status.take("http://x", lambda url: (403, b"{}") if url.endswith("/metrics") else
+                      (200, json.dumps(READY).encode()), lambda: PROCESSES, direct=direct)
+    assert cur.direct and status.render(cur, None, "t").splitlines()[0].endswith(
+        "; the figures below are a frontend's, read from its socket (nginx answered /metrics "
+        "403)")
 
 
 def test_a_worker_whose_load_fails_shows_as_failing_with_its_error():
