@@ -395,8 +395,12 @@ def _ssl_context(verify: bool | str, cert: str | tuple[str, str] | None = None
         context = ssl.create_default_context(cafile=verify)
         context.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN
     if cert is not None:
-        files = (cert, None) if isinstance(cert, str) else tuple(cert)
-        if len(files) != 2 or not all(isinstance(f, str) for f in files[:1]):
+        if isinstance(cert, str):
+            files: tuple[str, str | None] = (cert, None)
+        elif isinstance(cert, (tuple, list)) and len(cert) == 2 and all(
+                isinstance(f, str) for f in cert):
+            files = (cert[0], cert[1])
+        else:
             raise ValueError(f"cert must be a PEM file's path or a (certificate, key) pair, "
                              f"not {cert!r}")
         try:

@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import msgpack
 import numpy as np
@@ -283,3 +284,22 @@ def test_a_refusal_before_any_work_is_sent_again_after_its_retry_after(asynchron
         server.close()
     with pytest.raises(ValueError, match="max_retries"):
         Client("http://h", max_retries=-1)
+
+
+def test_a_client_certificate_is_a_file_or_a_pair_of_files(tmp_path):
+    """cert= (mutual TLS, nginx.tls_client_ca), as requests takes it; anything else, or files
+    that cannot be presented, refused when the client is made."""
+    import trustme
+
+    from tests.pki import client_certificate
+
+    cert, key = client_certificate(trustme.CA(), tmp_path, "alice")
+    both = tmp_path / "both.pem"
+    both.write_text(Path(cert).read_text() + Path(key).read_text())
+    for given in (str(both), (cert, key), [cert, key]):
+        Client("https://127.0.0.1:1", cert=given)  # loaded
+    for bad in (123, (cert,), (cert, key, key), (cert, None)):
+        with pytest.raises(ValueError, match="cert must be a PEM file's path or a"):
+            Client("https://127.0.0.1:1", cert=bad)
+    with pytest.raises(ValueError, match="cannot present it"):
+        Client("https://127.0.0.1:1", cert=cert)  # a certificate without its key
