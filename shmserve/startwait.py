@@ -32,7 +32,7 @@ def wait_ready(cfg: Config, timeout: float, starts: dict[str, int] | None = None
     url, context = ready_url(cfg), tls.client_context(cfg)
     frontends = [str(topology.frontend_socket(cfg, i)) for i in range(cfg.frontends.count)]
     deadline = time.monotonic() + timeout
-    bind_error = unloaded = None
+    bind_error = unloaded = refused = None
     watch = processes.StartWatch()
     while True:
         if processes.supervisord_pid(cfg) is None:  # `down` meanwhile: it waited its timeout
@@ -46,6 +46,9 @@ def wait_ready(cfg: Config, timeout: float, starts: dict[str, int] | None = None
         if bind_error is not None:
             break
         code, body = remote.http(url, context=context)
+        refused = certificate_refused(cfg, code, body)
+        if refused:
+            break
         if code == 200 and all(remote.http_unix(path, "/ready") == 200 for path in frontends):
             print(f"shmserve: ready at {remote.where(cfg)}")
             return 0
@@ -53,6 +56,10 @@ def wait_ready(cfg: Config, timeout: float, starts: dict[str, int] | None = None
         if fatal or looping or unloaded or time.monotonic() > deadline:
             break
         time.sleep(0.2)  # cheap polls (an RPC and local probes); up returns sooner
+    if refused:
+        print(f"shmserve: {refused}; what started keeps running (`shmserve down` stops it)",
+              file=sys.stderr)
+        return 1
     if looping and not fatal and bind_error is None:
         print(f"shmserve: {restart_loop(cfg, looping, watch.pids[looping], starts)}; "
               "then `shmserve down` and `shmserve up`", file=sys.stderr)
@@ -72,6 +79,27 @@ def wait_ready(cfg: Config, timeout: float, starts: dict[str, int] | None = None
     print(f"shmserve: {why}; logs in {topology.log_dir(cfg)}; what started keeps running "
           "(`shmserve status`; `shmserve down` stops it)", file=sys.stderr)
     return 1
+
+
+def certificate_refused(cfg: Config, code: int | None, body: bytes) -> str:
+    """Why nginx refused the client certificate this command presents on GET /ready (""
+    if it did not): /ready needs none, but one sent that does not verify is a 403 on every
+    route, and waiting does not change it (an outside check waited the whole ready timeout,
+    then blamed it, with a CRL past its nextUpdate, which refuses every certificate)."""
+    if code != 403 or not cfg.nginx.tls_client_certificate:
+        return ""
+    try:
+        message = json.loads(body)["error"]
+        message = message["message"] if isinstance(message, dict) else message
+    except (ValueError, TypeError, KeyError):
+        return ""
+    if "did not verify" not in str(message):
+        return ""
+    return (f"nginx refuses the certificate this command presents on {ready_url(cfg)} "
+            f"(nginx.tls_client_certificate {cfg.nginx.tls_client_certificate}): {message}; "
+            "check it against nginx.tls_client_ca, and nginx.tls_client_crl's nextUpdate "
+            "(`openssl crl -in CRL -noout -nextupdate`: a CRL past it refuses every "
+            "certificate)")
 
 
 def not_loading(body: bytes) -> str:

@@ -85,7 +85,8 @@ def nginx_values(cfg: Config, binary: str, grpc: bool = False) -> dict[str, str]
     (h2c) without TLS."""
     probes = GRPC_OPEN_PROBES if grpc else OPEN_PROBES
     refusal = client_refusal(cfg, "shmserve_grpc_no_client_cert" if grpc
-                             else "shmserve_no_client_cert", probes, preflights=not grpc)
+                             else "shmserve_no_client_cert", probes, preflights=not grpc,
+                             errors=GRPC_ERRORS if grpc else HTTP_ERRORS)
     return {**_server_values(cfg, binary, grpc), "probe_paths": probes,
             "client_cert_map": refusal[0], "client_cert_check": refusal[1]}
 
@@ -101,13 +102,24 @@ def _server_values(cfg: Config, binary: str, grpc: bool) -> dict[str, str]:
     lines = [f'ssl_certificate "{path(cfg.nginx.tls_certificate)}";',
              f'ssl_certificate_key "{path(cfg.nginx.tls_key)}";',
              f"ssl_protocols {PROTOCOLS};",
-             "ssl_session_cache shared:shmserve_tls:10m;",
-             "ssl_session_timeout 1d;",
+             *session_lines(cfg),
              "ssl_session_tickets off;",
              *(["http2 on;"] if directive else []),
              *client_lines(cfg)]
     return {"listen_tls": " ssl" + (" http2" if http2 and not directive else ""),
             "tls": "\n".join(f"        {line}" for line in lines)}
+
+
+def session_lines(cfg: Config) -> list[str]:
+    """TLS session resumption: a day's sessions cached, but none under mutual TLS. A resumed
+    session keeps the client certificate's verification from its first handshake, and the
+    cache outlives a reload: a certificate revoked by a new nginx.tls_client_crl (`shmserve
+    restart nginx`) kept its 200s on resumed connections, TLS 1.2 and 1.3 alike (an outside
+    check). Without a cache every connection verifies its certificate against the CRL read
+    last; clients keeping their connections alive pay the full handshake once each."""
+    if cfg.nginx.tls_client_ca:
+        return ["ssl_session_cache off;  # mutual TLS: no resumption (tls.session_lines)"]
+    return ["ssl_session_cache shared:shmserve_tls:10m;", "ssl_session_timeout 1d;"]
 
 
 def client_lines(cfg: Config) -> list[str]:
@@ -130,12 +142,16 @@ VERIFY_DEPTH = 3
 # servers' probe locations name them (a kubelet sends none). Not /metrics nor /openapi.json,
 # which are open without an API key (frontend.app.OPEN_PATHS): Prometheus presents one.
 OPEN_PROBES = r"/(health|ready|v2/health/live|v2/health/ready|v2/models/.+/ready)"
+# The error pages' internal locations (nginx.conf's ^~ /_shmserve_errors/, grpc.conf's
+# /_shmserve_grpc_error/), which an error page's internal redirect reaches and a client cannot
+HTTP_ERRORS = "/_shmserve_errors/"
+GRPC_ERRORS = "/_shmserve_grpc_error/"
 GRPC_OPEN_PROBES = (r"/(grpc\.health\.v1\.Health/Check|"
                     r"inference\.GRPCInferenceService/(ServerLive|ServerReady|ModelReady))")
 
 
 def client_refusal(cfg: Config, variable: str, probes: str,
-                   preflights: bool) -> tuple[str, str]:
+                   preflights: bool, errors: str = HTTP_ERRORS) -> tuple[str, str]:
     """(maps at nginx's http level, the check in a server) refusing a request that sent no
     client certificate (nginx's 496) but on `probes` (a regex of paths), the error pages'
     internal redirects and (`preflights`) the CORS preflights nginx answers itself; comments
@@ -152,6 +168,11 @@ def client_refusal(cfg: Config, variable: str, probes: str,
     # A browser sends a CORS preflight without its certificate (the Fetch standard counts one
     # among the credentials a preflight leaves out): every location but /admin/ answers it at
     # nginx with CORS headers alone (nginx.cors_allow_origins), no frontend seeing it.
+    # The error pages (`errors`, the server's internal location) pass: nginx's 496 page is an
+    # internal redirect that comes here again. Only that location's own prefix, with its '/':
+    # "/_shmserve_error" alone let /v1/models/%2e%2e%2F%2e%2e%2F_shmserve_errorX, which nginx
+    # reads as /_shmserve_errorX (location /), reach GET /v1/models/{model} without a
+    # certificate (an outside check); a client's /_shmserve_errors/... is nginx's own 404.
     preflight = "$shmserve_cors_preflight" if preflights else ""
     answered = '\n        "~^1\\|1?/(?!admin/)" "";' if preflights else ""
     return (f"""    map $request_uri ${variable}_raw {{
@@ -162,7 +183,7 @@ def client_refusal(cfg: Config, variable: str, probes: str,
     map "{preflight}|${variable}_raw$uri $ssl_client_verify" ${variable} {{
         volatile;  # read again on an error page's internal redirect
         "~ SUCCESS$" "";{answered}
-        "~^\\|1?/_shmserve_(grpc_)?error" "";
+        "~^\\|1?{re.escape(errors)}" "";
         "~^\\|1{probes} NONE$" "";
         default 1;
     }}""", f"""        # no client certificate (nginx.tls_client_ca), and not a probe: 403

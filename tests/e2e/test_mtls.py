@@ -101,7 +101,12 @@ def test_a_client_certificate_is_needed_everywhere_but_the_probes(mtls):
     "/v1/models/..%2F..%2Fhealth",
     "/v2/models/tiny/versions/%2e%2e%2F%2e%2e%2F%2e%2e%2F%2e%2e%2Fhealth",
     "/v2/models/tiny%2F%2e%2e%2F%2e%2e%2F%2e%2e%2Fhealth",
-    "//health", "/./health", "/health/../v1/models"])
+    "//health", "/./health", "/health/../v1/models",
+    # nginx: /_shmserve_errorX, location / (the error pages' prefix once passed unchecked);
+    # aiohttp: GET /v1/models/{model}, POST /admin/models/{name}/reload
+    "/v1/models/%2e%2e%2F%2e%2e%2F_shmserve_errorX",
+    "/admin/models/%2e%2e%2F%2e%2e%2F_shmserve_errorX/reload",
+    "/_shmserve_errors", "/_shmserve_grpc_error/x"])
 def test_a_target_nginx_reads_as_a_probe_but_the_frontend_does_not_needs_one(mtls, target):
     """The frontends get the request target as the client sent it: a probe only once nginx
     decoded it and resolved its dot segments is no probe to them (an outside check reached
@@ -113,7 +118,7 @@ def test_a_target_nginx_reads_as_a_probe_but_the_frontend_does_not_needs_one(mtl
     connection = http.client.HTTPSConnection(
         "127.0.0.1", stack.port, timeout=30, context=ssl.create_default_context(cafile=ca))
     try:
-        connection.request("GET", target)
+        connection.request("POST" if target.endswith("/reload") else "GET", target)
         answer = connection.getresponse()
         body = answer.read()
     finally:
@@ -206,3 +211,47 @@ def test_grpc_asks_for_the_certificate_too(mtls):
             anonymous.infer("tiny", [tensor])
     assert refused.value.status() == "StatusCode.UNAUTHENTICATED", refused.value
     assert "asks for a client certificate" in refused.value.message()
+
+
+@pytest.mark.parametrize("method", ["/_shmserve_grpc_errorX", "/_shmserve_grpc_error/x",
+                                    "/_shmserve_errors"])
+def test_grpc_the_error_pages_prefix_needs_a_certificate(mtls, method):
+    """nginx's own error locations pass the certificate check (their internal redirects come
+    back to it), a client's call under a look-alike path does not."""
+    import grpc
+
+    stack, ca, _, _ = mtls
+    with open(ca, "rb") as file:
+        credentials = grpc.ssl_channel_credentials(root_certificates=file.read())
+    with grpc.secure_channel(f"127.0.0.1:{stack.grpc_port}", credentials) as channel:
+        call = channel.unary_unary(method, request_serializer=lambda x: x,
+                                   response_deserializer=lambda x: x)
+        with pytest.raises(grpc.RpcError) as refused:
+            call(b"", timeout=30)
+    assert refused.value.code() in (grpc.StatusCode.UNAUTHENTICATED,
+                                    grpc.StatusCode.UNIMPLEMENTED), refused.value
+    # nginx's 404 for its internal location (UNIMPLEMENTED), or its 403: never a frontend's
+    assert "has no method" not in (refused.value.details() or ""), refused.value.details()
+
+
+def test_no_tls_session_is_resumed_so_a_new_crl_holds_at_once(mtls):
+    """A resumed session keeps its first handshake's verification, and nginx's session cache
+    outlives a reload: a certificate revoked by a new CRL (`shmserve restart nginx`) kept
+    getting 200s on resumed connections (an outside check, TLS 1.2 and 1.3). No cache under
+    mutual TLS: every connection's certificate meets the CRL nginx read last."""
+    import socket
+    import ssl
+
+    stack, ca, alice, _ = mtls
+    for version in (ssl.TLSVersion.TLSv1_2, ssl.TLSVersion.TLSv1_3):
+        context = ssl.create_default_context(cafile=ca)
+        context.load_cert_chain(*alice)
+        context.minimum_version = context.maximum_version = version
+        session = None
+        for _ in range(2):
+            with context.wrap_socket(socket.create_connection(("127.0.0.1", stack.port), 30),
+                                     server_hostname="127.0.0.1", session=session) as conn:
+                conn.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                assert conn.recv(12) == b"HTTP/1.1 200", version
+                assert not conn.session_reused, version
+                session = conn.session

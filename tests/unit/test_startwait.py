@@ -163,3 +163,28 @@ def test_a_model_that_failed_its_third_load_ends_the_wait():
     assert startwait.not_loading(body(3)) == (
         "worker 1 serves without b, whose load failed 3 times in a row: OSError: gone")
     assert startwait.not_loading(b"<html>") == startwait.not_loading(b"") == ""
+
+
+def test_wait_ready_stops_at_once_when_nginx_refuses_the_clis_certificate(tmp_path, capsys,
+                                                                          monkeypatch):
+    """/ready needs no certificate, but the CLI presents nginx.tls_client_certificate and one
+    that does not verify (revoked, or a CRL past its nextUpdate) is a 403 on every route: `up
+    --wait` waited its whole timeout, then said to raise it (an outside check)."""
+    cfg = make_config(tmp_path / "run", nginx={
+        "tls_certificate": "s.pem", "tls_key": "s.key", "tls_client_ca": "ca.pem",
+        "tls_client_certificate": "cli.pem", "tls_client_key": "cli.key"})
+    monkeypatch.setattr(startwait, "process_info", lambda cfg: [])
+    refusal = {"error": {"message": "the client certificate did not verify against "
+                         "nginx.tls_client_ca (not issued by one of its CAs, expired, not yet "
+                         "valid, or revoked: nginx.tls_client_crl)", "type": "forbidden"}}
+    monkeypatch.setattr(startwait.tls, "client_context", lambda cfg: None)
+    monkeypatch.setattr(remote, "http", lambda url, **kw: (403, json.dumps(refusal).encode()))
+    started = time.monotonic()
+    assert startwait.wait_ready(cfg, timeout=30) == 1
+    assert time.monotonic() - started < 5
+    err = capsys.readouterr().err
+    assert "nginx refuses the certificate this command presents" in err, err
+    assert "cli.pem" in err and "nextUpdate" in err and "raise workers" not in err, err
+    # a 403 for another reason (none where one is needed cannot happen on /ready) waits on
+    refusal["error"]["message"] = "forbidden"
+    assert startwait.certificate_refused(cfg, 403, json.dumps(refusal).encode()) == ""

@@ -165,6 +165,12 @@ def test_client_certificates_are_asked_for_on_both_ports_and_probes_stay_open(
         assert "ssl_verify_client optional;" in server  # so a kubelet's probe gets through
         assert f'ssl_crl "{crl}";' in server
         assert f"if ({variable}) {{\n            return 496;" in server
+        # no session resumed past a new CRL (a reload keeps the cache): none cached
+        assert "ssl_session_cache off;" in server and "shared:shmserve_tls" not in server
+        # the error pages pass the check by their internal location's prefix alone: with
+        # "/_shmserve_error", /v1/models/%2e%2e%2F%2e%2e%2F_shmserve_errorX reached a frontend
+        errors = "/_shmserve_grpc_error/" if server is grpc else "/_shmserve_errors/"
+        assert f'"~^\\|1?{errors}" "";' in server, server
     # the probes the refusal leaves open are the probe locations' own paths
     assert f"location ~ ^{tls.OPEN_PROBES}$ {{" in http
     assert f'"~^\\|1{tls.OPEN_PROBES} NONE$" "";' in http
@@ -176,6 +182,7 @@ def test_client_certificates_are_asked_for_on_both_ports_and_probes_stay_open(
     without = render.render_nginx(make_config(tmp_path / "run", nginx={
         "tls_certificate": str(cert), "tls_key": str(key)}))
     assert "ssl_verify_client" not in without and "return 496" not in without
+    assert "ssl_session_cache shared:shmserve_tls:10m;" in without
 
 
 def test_the_clis_calls_present_the_configured_client_certificate(tmp_path, pem, client_pki):
