@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import os
 
+from shmserve import tls
 from shmserve.config import Config
 
 # Errors nginx produces itself: status -> (type, message), with the same types as the frontends
@@ -103,11 +104,20 @@ def rate_limit(n) -> dict[str, str]:
                 "rate_limit": "            # no per-client rate limit",
                 "rate_limit_retry_after": "1"}
     key, zone = _KEYS[n.rate_limit_key]
+    # Probes and scrapes are not limited (an empty key is not counted), as the client wrote
+    # them: their locations match nginx's $uri, which a crafted target reached past the limit
+    # (/v1/models/%2e%2e%2Fhealth: GET /v1/models/{model} at a frontend, unlimited)
+    exempt = tls.as_written(f"({tls.OPEN_PROBES}|/metrics|{tls.GRPC_OPEN_PROBES})")
+    zone += (f'    map $request_uri $shmserve_rate_limit_key {{\n        "~{exempt}" "";\n'
+             f"        default {key};\n    }}\n")
+    key = "$shmserve_rate_limit_key"
     # nginx takes whole requests a second or a minute
     spelled = f"{int(rate)}r/s" if rate == int(rate) else f"{max(1, round(rate * 60))}r/m"
     # A zone per key: nginx keeps a zone across a reload and refuses one whose key changed, so
-    # a reload switching ip and api_key left the old limit running (an outside check)
-    name = f"shmserve_clients_{n.rate_limit_key}"
+    # a reload switching ip and api_key left the old limit running (an outside check). Named
+    # anew since the probes' exemption made the key a map: the zones of a deployment started
+    # before it keep their old key (its first apply after an upgrade reloads, not restarts).
+    name = f"shmserve_rate_{n.rate_limit_key}"
     return {"rate_limit_zone": f"{zone}    limit_req_zone {key} zone={name}:10m "
                                f"rate={spelled};\n    limit_req_status 429;\n"
                                # a client over its rate is not the server's fault: nginx logs

@@ -150,6 +150,16 @@ GRPC_OPEN_PROBES = (r"/(grpc\.health\.v1\.Health/Check|"
                     r"inference\.GRPCInferenceService/(ServerLive|ServerReady|ModelReady))")
 
 
+def as_written(paths: str) -> str:
+    """A regex of request targets ($request_uri) that are `paths` (a regex) as the client wrote
+    them, with any query string: no %-escape, // or dot segment, which nginx decodes and
+    resolves into the $uri its locations match, while proxy_pass hands a frontend the target
+    as sent (/v1/models/%2e%2e%2F%2e%2e%2Fhealth: /health to nginx, GET /v1/models/{model} to
+    aiohttp). What nginx leaves open by path (mutual TLS's probes, the rate limit's probes and
+    scrapes) is open only so."""
+    return rf"^(?![^?]*(%|//|/\.\.?(/|\?|$))){paths}(\?.*)?$"
+
+
 def client_refusal(cfg: Config, variable: str, probes: str,
                    preflights: bool, errors: str = HTTP_ERRORS) -> tuple[str, str]:
     """(maps at nginx's http level, the check in a server) refusing a request that sent no
@@ -159,10 +169,8 @@ def client_refusal(cfg: Config, variable: str, probes: str,
     if not cfg.nginx.tls_client_ca:
         return ("    # no client certificates asked for: nginx.tls_client_ca is not set",
                 "        # no client certificates asked for (nginx.tls_client_ca)")
-    # A probe as nginx reads it ($uri: decoded, dot segments and // resolved) must be one as
-    # the client sent it too ($request_uri, which proxy_pass hands the frontend as it came):
-    # /v1/models/%2e%2e%2F%2e%2e%2Fhealth was /health to nginx but GET /v1/models/{model} to
-    # aiohttp (an outside check). So the raw path holds no %-escape, no // and no dot segment.
+    # A probe as nginx reads it ($uri) must be one as the client wrote it too (as_written: an
+    # outside check reached GET /v1/models/{model} without a certificate).
     # The key ends with $ssl_client_verify, as "FAILED:<reason>" holds spaces (the 495 page
     # nginx answers for one was refused again, and its own HTML 400 came back).
     # A browser sends a CORS preflight without its certificate (the Fetch standard counts one
@@ -177,7 +185,7 @@ def client_refusal(cfg: Config, variable: str, probes: str,
     answered = '\n        "~^1\\|1?/(?!admin/)" "";' if preflights else ""
     return (f"""    map $request_uri ${variable}_raw {{
         volatile;
-        "~^(?![^?]*(%|//|/\\.\\.?(/|\\?|$))){probes}(\\?.*)?$" 1;
+        "~{as_written(probes)}" 1;
         default "";
     }}
     map "{preflight}|${variable}_raw$uri $ssl_client_verify" ${variable} {{

@@ -155,12 +155,13 @@ def test_apply_restarts_only_what_reads_a_changed_key_and_goes_on_after_a_failur
     assert old_workers and new_workers and not old_workers & new_workers, (old_workers,
                                                                            new_workers)
     conf = render.nginx_conf(load_resolved(stack.run_dir / "config.json"))
-    assert "limit_req_zone $binary_remote_addr zone=shmserve_clients_ip:" in conf.read_text()
+    assert "limit_req_zone $shmserve_rate_limit_key zone=shmserve_rate_ip:" in conf.read_text()
+    assert "default $binary_remote_addr;" in conf.read_text()  # the key, but for the probes
     # A configuration nginx -t passes and a reload refuses (a zone kept across reloads whose key
     # changed, as switching nginx.rate_limit_key did before each key had its zone): nginx is
     # restarted instead, and says why (apply and restart said "reloaded"; the old ran on).
     rendered = conf.read_text()
-    conf.write_text(rendered.replace("limit_req_zone $binary_remote_addr",
+    conf.write_text(rendered.replace("limit_req_zone $shmserve_rate_limit_key",
                                      "limit_req_zone $http_x_client"))
     done = stack.cli("restart", "nginx")
     assert 'nginx refused to reload its configuration (' in done.stderr, done.stderr

@@ -286,9 +286,15 @@ def test_a_client_past_the_rate_limit_gets_429_from_nginx(tmp_path, key):
         assert status == 429 and msgpack.unpackb(body)["error"]["type"] == "overloaded"
         status, _, body = request(cfg, "POST", "/v2/models/m/infer", b"{}", one)
         assert status == 429 and isinstance(json.loads(body)["error"], str)  # KServe's shape
-        # Probes and scrapes are not limited.
-        for path in ("/health", "/metrics", "/v2/models/m/ready", "/v2/models/m/versions/1/ready"):
+        # Probes and scrapes are not limited, as written: a target nginx resolves into one is
+        # counted (/v1/models/%2e%2e%2Fhealth is /health to nginx, GET /v1/models/{model} to a
+        # frontend, which it reached past the limit)
+        for path in ("/health", "/metrics", "/v2/models/m/ready", "/v2/models/m/versions/1/ready",
+                     "/health?probe=1"):
             assert [request(cfg, "GET", path, None, one)[0] for _ in range(4)] == [502] * 4
+        for crafted in ("/v1/models/%2e%2e%2F%2e%2e%2Fhealth", "/v1/models/..%2F..%2Fmetrics",
+                        "//health", "/v2/models/m%2Fready"):
+            assert request(cfg, "GET", crafted, None, one)[0] == 429, crafted
         # On 429s, and 502s and 503s (no frontend answered: a restart of them all, say).
         assert request(cfg, "GET", "/ready")[1]["Retry-After"] == "1"
         status, headers, _ = request(cfg, "TRACE", "/ready")
