@@ -42,6 +42,12 @@ def check(old: Config, new: Config, move: bool, dry_run: bool,
         say("shmserve: warning: nginx asks clients for no certificate from now on "
             "(nginx.tls_client_ca is empty): any client that reaches the port is served",
             sys.stderr)
+    if new.nginx.tls_client_ca and old.nginx.tls_client_certificate \
+            and not new.nginx.tls_client_certificate:
+        say("shmserve: warning: this CLI presents no client certificate from now on "
+            "(nginx.tls_client_certificate is empty) while nginx asks for one: `status` reads a "
+            "frontend's figures, the admin commands (models, reload, split) are refused",
+            sys.stderr)
     # Asked for, not only warned of: an outside check's `apply --env prod` in a new shell,
     # without up's overrides, moved a loopback deployment to 0.0.0.0:8080
     moved = _grpc(old, new, say) or moved

@@ -233,3 +233,27 @@ def test_a_rate_limit_by_certificate_counts_each_clients_subject(tmp_path):
         assert status("/v1/embeddings", renewed) == 429  # the same subject
         assert [status("/v1/embeddings", bob) for _ in range(3)] == [502, 502, 429]
         assert status("/v1/embeddings", None) == 403  # refused before any limit
+
+
+def test_apply_says_who_mutual_tls_refuses_or_serves_from_now_on(tmp_path):
+    """An apply turning mTLS on (or to another CA), off, or dropping the CLI's certificate
+    while it stays on, says so (nothing else changes where clients reach the deployment)."""
+    from shmserve import moves
+
+    tls_on = {"tls_certificate": "/etc/s.pem", "tls_key": "/etc/s.key"}
+    mtls = {**tls_on, "tls_client_ca": "/etc/clients.pem"}
+    cli = {"tls_client_certificate": "/etc/cli.pem", "tls_client_key": "/etc/cli.key"}
+
+    def said(old: dict, new: dict) -> str:
+        lines: list[str] = []
+        same = {"port": 18443}  # (make_config picks a free port each time)
+        moves.check(make_config(tmp_path, nginx=old, server=same),
+                    make_config(tmp_path, nginx=new, server=same),
+                    move=False, dry_run=False, say=lambda text, *_: lines.append(text))
+        return "\n".join(lines)
+    assert "nginx asks clients for a certificate /etc/clients.pem issued" in said(tls_on, mtls)
+    assert "nginx asks clients for a certificate /etc/other.pem" in said(
+        mtls, {**mtls, "tls_client_ca": "/etc/other.pem"})
+    assert "nginx asks clients for no certificate from now on" in said(mtls, tls_on)
+    assert "this CLI presents no client certificate from now on" in said({**mtls, **cli}, mtls)
+    assert said(mtls, mtls) == said({**mtls, **cli}, {**mtls, **cli}) == ""
