@@ -159,7 +159,12 @@ def _apply(args: argparse.Namespace, new: Config) -> int:
                        "`shmserve up` to change it")
     changes = configview.differences(old, new)
     resumed = marker.exists()
-    if not changes and not resumed:  # resumed: programs it added may run still, say
+    # The same config, but nginx.conf as this shmserve renders it is not the running one: an
+    # upgrade changed the template (an outside check: after one, apply said "nothing to apply"
+    # and the old rules ran on, `restart nginx` reloading the old file)
+    template = not changes and not resumed and render.render_nginx(new) != \
+        render.nginx_conf(new).read_text()
+    if not changes and not resumed and not template:  # resumed: programs it added may run
         say("shmserve: nothing to apply: the running deployment has this config")
         return 0
     if change := versions.protocol_change(old):  # an upgrade: not one program at a time
@@ -178,7 +183,9 @@ def _apply(args: argparse.Namespace, new: Config) -> int:
     finishing = " (finishing the earlier apply)" if resumed else ""
     say(f"shmserve: {'would apply' if args.dry_run else 'applying'}{finishing}:\n"
         + "\n".join(f"  {line}" for line in changed(old, new, attempted) or
-                     ["no key: the earlier apply's programs started or stopped"]))
+                     ["no key: nginx.conf as this shmserve renders it differs from the running "
+                      "one (an upgrade): nginx reloads" if template else
+                      "no key: the earlier apply's programs started or stopped"]))
     try:
         models.check(new, topology.worker_devices(new))
     except models.ModelSourceError as exc:

@@ -141,7 +141,10 @@ VERIFY_DEPTH = 3
 # The probes a request without a client certificate may still reach, as the HTTP and gRPC
 # servers' probe locations name them (a kubelet sends none). Not /metrics nor /openapi.json,
 # which are open without an API key (frontend.app.OPEN_PATHS): Prometheus presents one.
-OPEN_PROBES = r"/(health|ready|v2/health/live|v2/health/ready|v2/models/.+/ready)"
+# A model's name holds no '?' nor '#': matched against a raw target (as_written), ".+" ran on
+# into the query, so /v2/models/M/infer?/ready was a probe to the rate limit's key while nginx
+# and the frontend served POST /v2/models/M/infer, unlimited (an outside check).
+OPEN_PROBES = r"/(health|ready|v2/health/live|v2/health/ready|v2/models/[^?#]+/ready)"
 # The error pages' internal locations (nginx.conf's ^~ /_shmserve_errors/, grpc.conf's
 # /_shmserve_grpc_error/), which an error page's internal redirect reaches and a client cannot
 HTTP_ERRORS = "/_shmserve_errors/"
@@ -156,7 +159,7 @@ def as_written(paths: str) -> str:
     resolves into the $uri its locations match, while proxy_pass hands a frontend the target
     as sent (/v1/models/%2e%2e%2F%2e%2e%2Fhealth: /health to nginx, GET /v1/models/{model} to
     aiohttp). What nginx leaves open by path (mutual TLS's probes, the rate limit's probes and
-    scrapes) is open only so."""
+    scrapes) is open only so. `paths` must match no '?' nor '#' (OPEN_PROBES)."""
     return rf"^(?![^?]*(%|//|/\.\.?(/|\?|$))){paths}(\?.*)?$"
 
 

@@ -169,6 +169,15 @@ def test_apply_restarts_only_what_reads_a_changed_key_and_goes_on_after_a_failur
     assert stack.pid("nginx") != nginx and stack.post_json("/predict", {"texts": ["x"]})[0] == 200
     conf.write_text(rendered)  # as rendered again, for the steps below
     stack.cli("ctl", "restart", "nginx")
+    # The same config, an nginx.conf an older shmserve rendered (an upgrade changed the
+    # template): apply renders and reloads it (it said "nothing to apply", the old rules ran on)
+    conf.write_text(rendered.replace("limit_req_log_level info;", "limit_req_log_level warn;"))
+    master = stack.pid("nginx")
+    done = stack.cli("apply", timeout=300)
+    assert "nginx.conf as this shmserve renders it differs from the running one" in \
+        done.stdout and "reload its configuration: nginx" in done.stdout, done.stdout
+    assert conf.read_text() == rendered and stack.pid("nginx") == master  # reloaded
+    assert "nothing to apply" in stack.cli("apply").stdout  # and then nothing
 
     # The same stack goes on (one stack less to start in the suite):
     # A step that fails (here a frontend not ready within --timeout) stops the apply with the

@@ -293,7 +293,8 @@ def test_a_client_past_the_rate_limit_gets_429_from_nginx(tmp_path, key):
                      "/health?probe=1"):
             assert [request(cfg, "GET", path, None, one)[0] for _ in range(4)] == [502] * 4
         for crafted in ("/v1/models/%2e%2e%2F%2e%2e%2Fhealth", "/v1/models/..%2F..%2Fmetrics",
-                        "//health", "/v2/models/m%2Fready"):
+                        "//health", "/v2/models/m%2Fready", "/v2/models/m/infer?/ready",
+                        "/v2/models/m?/ready", "/v2/models/m/infer#/ready"):
             assert request(cfg, "GET", crafted, None, one)[0] == 429, crafted
         # On 429s, and 502s and 503s (no frontend answered: a restart of them all, say).
         assert request(cfg, "GET", "/ready")[1]["Retry-After"] == "1"
