@@ -274,3 +274,9 @@ def test_a_stage_ended_by_a_one_line_error_is_recorded_and_the_report_written():
         raise SystemExit("bench.py: SHMSERVE_PORTS=1-2: no free port in the range")
     assert summary["errors"] == {"null pipeline": "SystemExit: bench.py: SHMSERVE_PORTS=1-2: "
                                                   "no free port in the range"}
+
+
+def test_tls_cost_refuses_a_count_below_one_before_starting_anything():
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "tls_cost.py"), "--rounds",
+                           "0"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "'0': an integer >= 1" in done.stderr, done.stderr
