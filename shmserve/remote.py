@@ -39,9 +39,11 @@ def reload(args: argparse.Namespace) -> int:
     # cores, an outside check), and the command said nothing meanwhile.
     unit = f"{args.name}@{args.variant}" if args.variant else args.name
     arms = {m.name: {v.name for v in m.variants} for m in cfg.models}
-    if cfg.admin.token and args.name in arms and (not args.variant
-                                                  or args.variant in arms[args.name]):
-        # (else nothing waits: the stack's 404 or 422, or admin routes off, says why at once)
+    refused = cfg.nginx.tls_client_ca and not cfg.nginx.tls_client_certificate  # admin_call
+    if cfg.admin.token and not refused and args.name in arms and (
+            not args.variant or args.variant in arms[args.name]):
+        # (else nothing waits: the stack's 404 or 422, admin routes off, or nginx's refusal of
+        # a CLI without a client certificate says why at once)
         print(f"shmserve: reloading {unit}: every worker hosting it loads and warms the new "
               "weights (beside serving, where it serves it), then switches; waiting for all "
               "of them (at most "

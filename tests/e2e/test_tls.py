@@ -205,6 +205,9 @@ def test_an_apply_turns_tls_on_and_off_and_says_the_scheme_changed(tmp_path, tin
         # the CLI, given no certificate to present, says what to set
         models = stack.cli("models", check=False)
         assert models.returncode == 2 and "set nginx.tls_client_certificate" in models.stderr
+        reload = stack.cli("reload", "tiny", check=False)  # without "reloading ...; waiting"
+        assert reload.returncode == 2 and "waiting" not in reload.stderr, reload.stderr
+        assert "set nginx.tls_client_certificate" in reload.stderr
         edit(stack, nginx={**files, "tls_client_ca": ""})  # off again: said too
         done = stack.cli("apply", timeout=300)
         assert "nginx asks clients for no certificate from now on" in done.stderr, done.stderr
