@@ -10,6 +10,7 @@ import json
 import os
 import platform
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -258,6 +259,13 @@ def _ceiling_child(argv: list[str]) -> None:
     for line in sys.stdin:
         seconds, chunk = line.split()
         print(json.dumps(inproc.window(float(seconds), int(chunk))), flush=True)
+
+
+def spread(ratios: list[float], unit: str = "") -> str:
+    """Interleaved rounds' ratios as the scripts quote them: the median, then the range and
+    how many rounds ("1.60x (1.29-1.65, 5 rounds)")."""
+    return (f"{statistics.median(ratios):.2f}{unit} ({min(ratios):.2f}-{max(ratios):.2f}, "
+            f"{len(ratios)} rounds)")
 
 
 def positive(text: str) -> int:  # an argparse type (rounds, windows, counts)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import threading
 import time
@@ -28,7 +27,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
-from benchkit import CORPUS, cpu_description, positive  # noqa: E402
+from benchkit import CORPUS, cpu_description, positive, spread  # noqa: E402
 from benchstacks import OwnStack, check_ports, require, run_main, stop_on_term  # noqa: E402
 
 
@@ -127,8 +126,7 @@ def main() -> int:
             print(f"| {index} | {http['server_ms']:.3f} (nginx {http['nginx_ms']:.3f}) | "
                   f"{grpc['server_ms']:.3f} (nginx {grpc['nginx_ms']:.3f}) | "
                   f"{http['calls_s']:.0f} | {grpc['calls_s']:.0f} |", flush=True)
-        print(f"gRPC/HTTP server CPU a call: median {statistics.median(ratios):.2f} "
-              f"({min(ratios):.2f}-{max(ratios):.2f}, {len(ratios)} rounds)")
+        print(f"gRPC/HTTP server CPU a call: median {spread(ratios)}")
     return 0
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import socket
 import ssl
-import statistics
 import sys
 import tempfile
 import time
@@ -30,7 +29,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
-from benchkit import cpu_description, positive  # noqa: E402
+from benchkit import cpu_description, positive, spread  # noqa: E402
 from benchstacks import OwnStack, check_ports, require, run_main, stop_on_term  # noqa: E402
 
 
@@ -98,8 +97,7 @@ def main() -> int:
                 print(f"round {index + 1}: TLS {alone:.2f} ms a connection (resumed "
                       f"{alone_resumed}/{args.connections}), mutual TLS {both:.2f} ms (resumed "
                       f"{both_resumed}/{args.connections}): {both / alone:.2f}x", flush=True)
-            print(f"mutual/TLS a new connection: median {statistics.median(ratios):.2f}x "
-                  f"({min(ratios):.2f}-{max(ratios):.2f}, {args.rounds} rounds)")
+            print(f"mutual/TLS a new connection: median {spread(ratios, 'x')}")
     return 0
 
 

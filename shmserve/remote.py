@@ -39,8 +39,7 @@ def reload(args: argparse.Namespace) -> int:
     # cores, an outside check), and the command said nothing meanwhile.
     unit = f"{args.name}@{args.variant}" if args.variant else args.name
     arms = {m.name: {v.name for v in m.variants} for m in cfg.models}
-    refused = cfg.nginx.tls_client_ca and not cfg.nginx.tls_client_certificate  # admin_call
-    if cfg.admin.token and not refused and args.name in arms and (
+    if cfg.admin.token and not tls.presents_none(cfg) and args.name in arms and (
             not args.variant or args.variant in arms[args.name]):
         # (else nothing waits: the stack's 404 or 422, admin routes off, or nginx's refusal of
         # a CLI without a client certificate says why at once)
@@ -97,7 +96,7 @@ def admin_call(cfg: Config, method: str, path: str, body: dict | None = None,
         context=tls.client_context(cfg))
     if code is None:
         raise RemoteError(f"{base_url(cfg)} did not answer; is the stack up?")
-    if code == 403 and cfg.nginx.tls_client_ca and not cfg.nginx.tls_client_certificate:
+    if code == 403 and tls.presents_none(cfg):
         raise RemoteError("nginx asks for a client certificate (nginx.tls_client_ca) and this "
                           "command has none to present: set nginx.tls_client_certificate and "
                           "nginx.tls_client_key to one those CAs issued, then `shmserve apply`")

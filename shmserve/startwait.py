@@ -8,7 +8,7 @@ import json
 import sys
 import time
 
-from shmserve import processes, remote, tls, topology
+from shmserve import nginx_options, processes, remote, tls, topology
 from shmserve.config import Config
 
 LOG_TAIL_LINES = 20
@@ -89,11 +89,10 @@ def certificate_refused(cfg: Config, code: int | None, body: bytes) -> str:
     if code != 403 or not cfg.nginx.tls_client_certificate:
         return ""
     try:
-        message = json.loads(body)["error"]
-        message = message["message"] if isinstance(message, dict) else message
+        message = json.loads(body)["error"]["message"]
     except (ValueError, TypeError, KeyError):
         return ""
-    if "did not verify" not in str(message):
+    if message != nginx_options.error_body(cfg, 495)["error"]["message"]:  # nginx's 495 page
         return ""
     return (f"nginx refuses the certificate this command presents on {ready_url(cfg)} "
             f"(nginx.tls_client_certificate {cfg.nginx.tls_client_certificate}): {message}; "

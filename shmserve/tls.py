@@ -48,6 +48,12 @@ def path(value: str) -> Path:
     return found if found.is_absolute() else REPO_ROOT / found
 
 
+def presents_none(cfg: Config) -> bool:
+    """Whether nginx asks for a client certificate (nginx.tls_client_ca) and the CLI has none
+    to present (nginx.tls_client_certificate): its calls but /ready are refused."""
+    return bool(cfg.nginx.tls_client_ca) and not cfg.nginx.tls_client_certificate
+
+
 def check(cfg: Config) -> None:
     """Refuse, before nginx starts, a certificate or key this user cannot read or that holds
     no PEM block of its kind (nginx's own words for it come later, from `nginx -t`)."""
@@ -164,7 +170,7 @@ def as_written(paths: str) -> str:
 
 
 def client_refusal(cfg: Config, variable: str, probes: str,
-                   preflights: bool, errors: str = HTTP_ERRORS) -> tuple[str, str]:
+                   preflights: bool, errors: str) -> tuple[str, str]:
     """(maps at nginx's http level, the check in a server) refusing a request that sent no
     client certificate (nginx's 496) but on `probes` (a regex of paths), the error pages'
     internal redirects and (`preflights`) the CORS preflights nginx answers itself; comments
