@@ -235,15 +235,18 @@ def test_a_collector_that_never_answers_does_not_hold_a_stopping_frontend(stack)
         # exporter's 5 s, and at the stop what is still queued is dropped; all counted but
         # a batch in flight a frontend
         stack.wait_until(lambda: spans_counted(stack)["failed"] > 0, 30, "failures counted")
-        started = time.monotonic()
         done = stack.cli("restart", "frontends", timeout=300)
-        took = time.monotonic() - started
         assert done.returncode == 0, done.stderr
+        # The old shutdown outlived the stop wait (drain + 5 s = 10 s here): SIGKILLed, its
+        # last lines lost. Not timed as a whole: a rolling restart's starts took 27 s in a
+        # loaded CI run, which says nothing about the stops.
         killed = [line for line in (stack.run_dir / "logs" / "supervisord.log").read_text()
                   .splitlines() if "SIGKILL" in line and "frontend" in line]
-        assert not killed and took < 15, (took, killed)
-        assert any(line.get("message") == "tracing.close_cut"
-                   for line in stack.log_lines("frontend-0"))
+        assert not killed, killed
+        for program in ("frontend-0", "frontend-1"):
+            said = [line.get("message") for line in stack.log_lines(program)]
+            cut = said.index("tracing.close_cut")  # cut at CLOSE_S, then it exited itself
+            assert "frontend.stopped" in said[cut:], (program, said[cut:])
         counted = spans_counted(stack)  # the queue's rest dropped at the cut
         assert counted["dropped"] + counted["failed"] >= 600 * 5 - 2 * 512, counted
     finally:
