@@ -158,12 +158,16 @@ def test_the_access_line_names_the_certificate_and_refusals_are_counted(mtls):
     stack.wait_until(both, 10, "the three access lines")
     assert lines["mtls-line-alice"]["status"] == 200
     assert "CN=alice" in lines["mtls-line-alice"]["client_subject"], lines
+    assert lines["mtls-line-alice"]["client_verify"] == "SUCCESS"
     assert lines["mtls-line-none"]["status"] == 403
     assert lines["mtls-line-none"]["client_subject"] == ""
+    assert lines["mtls-line-none"]["client_verify"] == "NONE"
     assert lines["mtls-line-none"]["upstream_addr"] == ""  # no frontend saw it
     # a certificate that did not verify names no one (a self-signed CN=alice would)
     assert lines["mtls-line-mallory"]["status"] == 403
     assert lines["mtls-line-mallory"]["client_subject"] == ""
+    # and why, which nginx's error log (warn) does not say: OpenSSL's reason
+    assert lines["mtls-line-mallory"]["client_verify"].startswith("FAILED:"), lines
 
     def refused() -> float:
         text = requests.get(url(stack, "/metrics"), verify=ca, cert=alice, timeout=30).text
