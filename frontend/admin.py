@@ -14,6 +14,7 @@ they did not exist.
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 
 from aiohttp import web
@@ -152,7 +153,8 @@ def _weights_problem(weights: object, names: list[str]) -> str:
     for name, w in weights.items():
         if not (isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w)
                 and 0 <= w <= MAX_WEIGHT):
-            return f"{name}: {w!r} is not a number from 0 to {MAX_WEIGHT:g}"
+            shown = f"{w:g}" if isinstance(w, float) else json.dumps(w, default=repr)
+            return f"{name}: {shown} is not a number from 0 to {MAX_WEIGHT:g}"
     if sum(weights.values()) <= 0:
         return "all are 0"
     return ""

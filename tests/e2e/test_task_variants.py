@@ -183,7 +183,10 @@ def test_new_weights_apply_on_every_frontend(task_stack):
                      ({"weights": {"a": 1, "b": 1, "c": 1}}, "no variant c"),
                      ({"weights": {"a": 1, "c": 1}}, "b missing; no variant c"),  # b misspelt
                      ({"weights": {"a": -1, "b": 2}}, "a: -1 is not a number from 0 to 1e+09"),
-                     ({"weights": {"a": "1", "b": 2}}, "a: '1' is not a number from 0 to 1e+09"),
+                     ({"weights": {"a": "1", "b": 2}}, 'a: "1" is not a number from 0 to 1e+09'),
+                     # as the client wrote them, not Python's reprs (True, 10000000000.0)
+                     ({"weights": {"a": True, "b": 2}}, "a: true is not a number from 0 to 1e+09"),
+                     ({"weights": {"a": 1e10, "b": 2}}, "a: 1e+10 is not a number from 0 to 1e+09"),
                      # Each finite, their sum not: it routed every request to one arm.
                      ({"weights": {"a": 1e308, "b": 1e308}}, "a: 1e+308 is not a number from 0 "
                       "to 1e+09")):
