@@ -361,7 +361,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     arena = shm.Arena(shm.arena_name(topology.instance_id(cfg), f"fe{index}"),
                       cfg.shm.arena_mb << 20)
     pool = WorkerPool(cfg, frontend=index)
-    metrics.start(list(app[MODELS].by_name), index, len(pool.links))
+    metrics.start(app[MODELS].by_name, index, len(pool.links))
     await pool.start()
     app[POOL] = pool
     app[DISPATCHER] = Dispatcher(cfg, pool, arena)

@@ -8,6 +8,8 @@ prometheus_client writes each process's values to files there and `/metrics` sum
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import Counter, Gauge, Histogram
 
 from shmserve import metrics as shared
@@ -116,9 +118,16 @@ rejected, deadlines = Children(REJECTED, turn), Children(DEADLINES, turn)
 refused, retries = Children(REFUSED, turn), Children(RETRIES, turn)
 
 
-def start(models: list[str], frontend: int, workers: int) -> None:
+RELOAD_OUTCOMES = ("ok", "invalid_request", "conflict", "unavailable", "internal_error")
+
+
+def start(models: dict[str, Any], frontend: int, workers: int) -> None:
     """Create this frontend's series at zero, so they are exposed (and rate() works) before
-    their first event."""
+    their first event. `models`: name -> frontend.app.ServedModel (a hot reload names its
+    variants' units, MODEL@VARIANT)."""
+    for unit in (v.unit for served in models.values() for v in served.variants):
+        for outcome in RELOAD_OUTCOMES:
+            RELOADS.labels(unit, outcome)
     for model in models:
         for metric in (TEXTS, TOKENS, TRUNCATED, REJECTED, DEADLINES, INPUT_TOKENS):
             metric.labels(model)

@@ -7,6 +7,8 @@ worker's first value wins at once, and `shmserve.reaper` removes the dead proces
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from prometheus_client import Counter, Gauge, Histogram
 
 from shmserve import metrics as shared
@@ -86,7 +88,7 @@ DEVICE_ONLY = ("shmserve_worker_device_allocated_bytes", "shmserve_worker_device
 class WorkerMetrics:
     """One worker's series, with the labelled children looked up once, not per batch."""
 
-    def __init__(self, worker: int) -> None:
+    def __init__(self, worker: int, hosts: Iterable[str] = ()) -> None:
         self.worker = str(worker)
         self._batch: dict[str, tuple] = {}
         self._queue = QUEUE_DEPTH.labels(self.worker)
@@ -94,6 +96,8 @@ class WorkerMetrics:
         # Exposed at 0 from the start.
         self._empty_cache = {r: EMPTY_CACHE.labels(self.worker, r) for r in EMPTY_CACHE_REASONS}
         self._refused = {r: REFUSED.labels(self.worker, r) for r in REFUSED_REASONS}
+        for model in hosts:  # the units it is to load, even one that never loads here
+            LOAD_FAILURES.labels(self.worker, model)
 
     def set_ready(self, ready: bool) -> None:
         self._ready.set(1 if ready else 0)

@@ -66,7 +66,7 @@ class Worker:
                                              "loading", s.revision)
                                    for s in self.specs.values()))
         self.stopping = threading.Event()
-        self.metrics = WorkerMetrics(index)
+        self.metrics = WorkerMetrics(index, hosts=self.configs)
         self.intake = Intake(cfg, index, self.specs, self.metrics, self.stopping, self.status)
         self._queue: list[QueuedText] = []
         self._ctx = zmq.Context.instance()

@@ -389,6 +389,12 @@ def test_metrics_expose_gauges_info_and_memory(stack):
     assert killed == {("0", "0"), ("0", "1")}  # at zero before a worker kills a frontend
     refused = {l["reason"] for l, v in samples["shmserve_frontend_refused_total"]}
     assert refused >= {"inflight", "deadline", "arena"}, refused
+    failed = {(l["worker"], l["model"]) for l, v in samples[
+        "shmserve_worker_model_load_failures_total"]}
+    assert failed == {("0", "tiny")}, failed  # at zero before its first failed load
+    reloads = {(l["model"], l["outcome"]) for l, v in samples["shmserve_reloads_total"]}
+    assert {("tiny", o) for o in ("ok", "invalid_request", "conflict", "unavailable",
+                                  "internal_error")} <= reloads, reloads
     answered = {l["status"] for l, v in samples["shmserve_nginx_responses_total"]}
     assert answered >= {"400", "408", "413", "414", "415", "429", "431", "499", "502", "504"}
     # Shared memory held by requests in flight: none when idle (a soak test had no way to see).
