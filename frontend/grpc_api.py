@@ -36,7 +36,7 @@ from aiohttp import web
 
 from frontend import grpc_reflection, metrics, protos
 from frontend.app import CONFIG, INDEX
-from frontend.grpc_messages import (STATUS_CODES, CallFailed, Undecodable, error_text,
+from frontend.grpc_messages import (MISSING, STATUS_CODES, CallFailed, Undecodable, error_text,
                                     infer_body, infer_response, model_path, parser)
 from frontend.kserve import HEADER_LENGTH
 from frontend.httpparser import nginx_size
@@ -256,13 +256,27 @@ class Gateway:
 
 
 def _handler(method, behavior: Callable[..., Awaitable]) -> grpc.RpcMethodHandler:
-    """grpc's handler of a unary or bidirectional-stream `method` (a MethodDescriptor)."""
-    make = (grpc.stream_stream_rpc_method_handler if method.client_streaming else
-            grpc.unary_unary_rpc_method_handler)
-    return make(behavior,
-                request_deserializer=parser(protos.message(method.input_type.full_name)),
-                response_serializer=protos.message(method.output_type.full_name)
-                .SerializeToString)
+    """grpc's handler of a unary or bidirectional-stream `method` (a MethodDescriptor). A
+    unary method is served as a client stream of which the first message is the request:
+    grpc.aio's own unary handler never answers a call whose client half-closes without a
+    message (an empty body, or a message cut short), which then held the call until nginx's
+    grpc_read_timeout; here it is INVALID_ARGUMENT at once."""
+    options = dict(
+        request_deserializer=parser(protos.message(method.input_type.full_name)),
+        response_serializer=protos.message(method.output_type.full_name).SerializeToString)
+    if method.client_streaming:
+        return grpc.stream_stream_rpc_method_handler(behavior, **options)
+    return grpc.stream_unary_rpc_method_handler(_first_request(behavior), **options)
+
+
+def _first_request(behavior: Callable[..., Awaitable]) -> Callable[..., Awaitable]:
+    async def handler(requests, context):
+        request = await context.read()
+        if request is grpc.aio.EOF:
+            request = MISSING
+        return await behavior(request, context)
+
+    return handler
 
 
 class Unimplemented(grpc.GenericRpcHandler):

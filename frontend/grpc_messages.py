@@ -127,8 +127,13 @@ def infer_body(request, time_remaining: float | None) -> tuple[bytes, bytes]:
     if request.id:
         header["id"] = request.id
     if request.outputs:
-        header["outputs"] = [{"name": o.name, "parameters": {"binary_data": True}}
-                             for o in request.outputs]
+        # Each output's own parameters go too (Triton's `classification`, the shared-memory
+        # region), for the route to refuse as over HTTP; the data always comes back binary.
+        header["outputs"] = [
+            {"name": o.name,
+             "parameters": {**{key: _parameter(value) for key, value in o.parameters.items()},
+                            "binary_data": True}}
+            for o in request.outputs]
     return orjson.dumps(header), b"".join(tail)
 
 
@@ -168,8 +173,12 @@ class Undecodable:
     """A request message that did not parse (grpc's own answer to a deserializer's error is
     UNKNOWN, with a traceback in the log): the call's INVALID_ARGUMENT."""
 
-    def __init__(self, kind: str, error: Exception) -> None:
-        self.message = f"the request is not a valid {kind} message ({error})"
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+
+# A unary call half-closed without a (whole) request message (frontend.grpc_api._handler).
+MISSING = Undecodable("the call ended without a request message (a unary method takes one)")
 
 
 def parser(message_type) -> Callable[[bytes], Any]:
@@ -179,6 +188,7 @@ def parser(message_type) -> Callable[[bytes], Any]:
         try:
             return message_type.FromString(data)
         except Exception as exc:  # DecodeError, and what else protobuf's parser raises
-            return Undecodable(message_type.DESCRIPTOR.full_name, exc)
+            return Undecodable(f"the request is not a valid "
+                               f"{message_type.DESCRIPTOR.full_name} message ({exc})")
 
     return parse

@@ -168,6 +168,9 @@ def requested_outputs(header: dict[str, Any], names: list[str]) -> list[tuple[st
             raise ApiError("invalid_request", f"output {name!r} is asked for twice",
                            param="outputs")
         out_params = object_of(_params(entry), f"output {name!r}'s parameters")
+        if "shared_memory_region" in out_params:
+            raise ApiError("invalid_request", "the shared-memory extensions are not supported; "
+                           "outputs come back in the body", param="outputs")
         if out_params.get("classification"):
             raise ApiError("invalid_request", "the classification extension is not supported",
                            param="outputs")

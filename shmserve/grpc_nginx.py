@@ -19,8 +19,11 @@ TEMPLATE = Path(__file__).resolve().parent.parent / "nginx" / "grpc.conf"
 # but 413: there it is a request past the limits (INVALID_ARGUMENT), here a message's bytes
 # (gRPC's RESOURCE_EXHAUSTED for a message too large). A client certificate missing or not
 # verifying (nginx.tls_client_ca) UNAUTHENTICATED (16).
-GRPC_STATUS = {400: 3, 408: 4, 413: 8, 429: 8, 494: 3, 495: 16, 496: 16, 500: 13, 502: 14,
-               503: 14, 504: 4}
+GRPC_STATUS = {400: 3, 408: 4, 413: 8, 415: 12, 429: 8, 494: 3, 495: 16, 496: 16, 500: 13,
+               502: 14, 503: 14, 504: 4}
+# Where the gRPC port's message is not the HTTP port's: a grpc-encoding grpc cannot decode.
+GRPC_MESSAGES = {415: "grpc-encoding must be identity, gzip or deflate"}
+GRPC_HEADERS = {415: 'add_header grpc-accept-encoding "identity,deflate,gzip" always;'}
 # nginx's internal codes as the HTTP port answers them (nginx.conf's error_page ... =STATUS),
 # the status the answers log counts (shmserve_nginx_responses_total) on both ports
 ANSWERED_AS = {494: 431, 495: 403, 496: 403}
@@ -40,7 +43,7 @@ def block(cfg: Config, binary: str, common: Mapping[str, str],
     pages, locations = [], []
     retry_after = {429: common["rate_limit_retry_after"], 502: "1", 503: "1"}
     for status, code in GRPC_STATUS.items():
-        message = NGINX_ERRORS[status][1].format(max_body=max_body)
+        message = GRPC_MESSAGES.get(status) or NGINX_ERRORS[status][1].format(max_body=max_body)
         # named by the HTTP status it counts as, then nginx's own where they differ
         name = "/".join(dict.fromkeys((str(ANSWERED_AS.get(status, status)), str(status))))
         pages.append(f"        error_page {status} = /_shmserve_grpc_error/{name};")
@@ -50,6 +53,7 @@ def block(cfg: Config, binary: str, common: Mapping[str, str],
             add_header grpc-status {code} always;
             add_header grpc-message "{message}" always;
             add_header X-Request-ID $shmserve_response_request_id always;
+            {GRPC_HEADERS.get(status, "# no other header")}
             {f"add_header Retry-After {retry_after[status]} always;" if status in retry_after else
              "# no Retry-After"}
             return 200;

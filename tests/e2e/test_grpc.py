@@ -230,6 +230,68 @@ def test_raw_calls_bad_bytes_a_streams_error_and_the_http_headers_as_metadata(st
         assert "X-Request-Timeout" in caught.value.details()
 
 
+def h2_call(port: int, headers: list[tuple[str, str]], body: bytes) -> dict[str, str]:
+    """One raw HTTP/2 call to ModelInfer (what grpcio's client will not send: an encoding it
+    lacks, a grpc-timeout not as gRPC writes it): the answer's gRPC headers and trailers."""
+    import socket
+
+    import h2.config
+    import h2.connection
+    import h2.events
+
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    got: dict[str, str] = {}
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        conn.initiate_connection()
+        conn.send_headers(1, [(":method", "POST"), (":scheme", "http"),
+                              (":authority", "127.0.0.1"),
+                              (":path", "/inference.GRPCInferenceService/ModelInfer"),
+                              ("content-type", "application/grpc"), ("te", "trailers"),
+                              *AUTH.items(), *headers])
+        conn.send_data(1, body, end_stream=True)
+        sock.sendall(conn.data_to_send())
+        while "grpc-status" not in got:
+            data = sock.recv(65536)
+            assert data, got  # nginx closed without a status
+            for event in conn.receive_data(data):
+                if isinstance(event, (h2.events.ResponseReceived, h2.events.TrailersReceived)):
+                    got.update((k.decode(), v.decode()) for k, v in event.headers)
+                assert not isinstance(event, h2.events.StreamReset), got
+            sock.sendall(conn.data_to_send())
+    return got
+
+
+def test_calls_grpc_would_hang_or_reset_are_answered_at_once(stack, client):
+    """An outside check: a unary call with no message hung until nginx's read timeout (120 s:
+    grpc.aio's unary handler never answers it); an unknown grpc-encoding or a malformed
+    grpc-timeout was reset by grpc, which nginx took for a failed frontend (UNAVAILABLE, "no
+    frontend answered", which clients retry); an output's class_count was dropped."""
+    with grpc.insecure_channel(f"127.0.0.1:{stack.grpc_port}") as channel:
+        none = channel.stream_unary("/inference.GRPCInferenceService/ModelInfer")
+        started = time.monotonic()
+        with pytest.raises(grpc.RpcError) as caught:
+            none(iter(()), metadata=list(AUTH.items()), timeout=60)
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, caught.value
+        assert "without a request message" in caught.value.details()
+        assert time.monotonic() - started < 30  # not the 60 s deadline, nor nginx's 120 s
+    request = protos.ModelInferRequest(model_name="tiny")
+    request.inputs.add(name="text", datatype="BYTES", shape=[1]).contents.bytes_contents \
+        .append(b"a")
+    message = request.SerializeToString()
+    frame = bytes([0]) + len(message).to_bytes(4, "big") + message
+    assert h2_call(stack.grpc_port, [], frame)["grpc-status"] == "0"
+    snappy = h2_call(stack.grpc_port, [("grpc-encoding", "snappy")], bytes([1]) + frame[1:])
+    assert snappy["grpc-status"] == "12", snappy  # UNIMPLEMENTED, as gRPC's spec says
+    assert "gzip" in snappy["grpc-accept-encoding"]
+    bad = h2_call(stack.grpc_port, [("grpc-timeout", "abc")], frame)
+    assert bad["grpc-status"] == "3", bad  # INVALID_ARGUMENT
+    assert h2_call(stack.grpc_port, [("grpc-timeout", "10S")], frame)["grpc-status"] == "0"
+    assert status_of(lambda: client.infer(
+        "tiny", [texts(b"a")], headers=AUTH,
+        outputs=[triton_grpc.InferRequestedOutput("embedding", class_count=2)]))[0] == \
+        "StatusCode.INVALID_ARGUMENT"
+
+
 def test_a_client_without_the_protos_calls_through_reflection(stack):
     """As grpcurl does: list the services over reflection (v1), fetch the KServe service's file,
     build its messages from it alone (a pool of the test's own), call ServerReady with them."""

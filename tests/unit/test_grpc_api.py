@@ -5,6 +5,7 @@ tests/e2e/test_grpc.py."""
 
 from __future__ import annotations
 
+import asyncio
 import struct
 
 import grpc
@@ -13,9 +14,10 @@ import orjson
 import pytest
 from tritonclient.grpc import model_config_pb2, service_pb2
 
-from frontend import grpc_messages, protos
+from frontend import grpc_api, grpc_messages, protos
+from frontend.errors import ApiError
 from frontend.kserve import HEADER_LENGTH
-from frontend.tensors import Tensor, encode_response, read_inputs, split_body
+from frontend.tensors import Tensor, encode_response, read_inputs, requested_outputs, split_body
 from shmserve import grpc_nginx, render, tls
 from shmserve.config import ConfigError
 from tests.unit.test_render import make_config
@@ -122,6 +124,50 @@ def test_bytes_contents_and_numeric_contents():
     assert inputs[1].data.tolist() == [1, 2, 3]
 
 
+def test_an_outputs_own_parameters_go_to_the_route_to_judge():
+    # tritonclient's class_count (the classification extension) and an output's shared-memory
+    # region were dropped here, so the call answered the raw tensor where HTTP answers 422.
+    request = protos.ModelInferRequest(model_name="m")
+    request.inputs.add(name="text", datatype="BYTES", shape=[1])
+    request.raw_input_contents.append(_bytes_tensor(b"a"))
+    output = request.outputs.add(name="embedding")
+    output.parameters["classification"].int64_param = 2
+    output.parameters["binary_data"].bool_param = False  # the data comes back binary anyway
+    header, tail = grpc_messages.infer_body(request, None)
+    parsed, _ = _http_inputs(header, tail)
+    assert parsed["outputs"] == [{"name": "embedding",
+                                  "parameters": {"classification": 2, "binary_data": True}}]
+    with pytest.raises(ApiError, match="classification extension"):
+        requested_outputs(parsed, ["embedding"])
+
+
+def test_a_unary_call_without_a_request_message_is_invalid_not_hung():
+    # grpc.aio's unary handler never answered a call half-closed without a message (nginx's
+    # grpc_read_timeout, 120 s, then DEADLINE_EXCEEDED): unary methods read their one message.
+    calls = []
+
+    async def behavior(request, context):
+        calls.append(request)
+        return "answer"
+
+    class Context:
+        def __init__(self, messages):
+            self._messages = list(messages)
+
+        async def read(self):
+            return self._messages.pop(0) if self._messages else grpc.aio.EOF
+
+    method = protos.POOL.FindServiceByName(protos.KSERVE_SERVICE).methods_by_name["ModelInfer"]
+    handler = grpc_api._handler(method, behavior)
+    assert handler.request_streaming and not handler.response_streaming
+    request = protos.ModelInferRequest(model_name="m")
+    assert asyncio.run(handler.stream_unary(None, Context([request]))) == "answer"
+    assert asyncio.run(handler.stream_unary(None, Context([]))) == "answer"
+    assert calls[0] is request
+    assert isinstance(calls[1], grpc_messages.Undecodable)
+    assert "without a request message" in calls[1].message
+
+
 def test_raw_contents_for_some_inputs_only_is_invalid():
     request = protos.ModelInferRequest(model_name="m")
     request.inputs.add(name="query", datatype="BYTES", shape=[1])
@@ -211,6 +257,11 @@ def test_the_grpc_server_listens_http2_on_its_port(tmp_path):
     assert "grpc_pass grpc://frontends_grpc;" in text
     assert "error_page 502 = /_shmserve_grpc_error/502;" in text
     assert "add_header grpc-status 14 always;" in text
+    # a grpc-encoding grpc cannot decode, or a malformed grpc-timeout, is nginx's answer: grpc
+    # reset such a call, which nginx took for a failed frontend (UNAVAILABLE, retried)
+    assert "if ($shmserve_grpc_refused_encoding) { return 415; }" in text
+    assert "if ($shmserve_grpc_refused_timeout) { return 400; }" in text
+    assert "add_header grpc-status 12 always;" in text
 
 
 def test_grpc_port_must_differ_from_the_http_port(tmp_path):

@@ -137,6 +137,8 @@ def test_requested_outputs():
         names) == [("other", False), ("embedding", True)]
     for bad in ({"outputs": [{"name": "nope"}]}, {"outputs": "embedding"},
                 {"outputs": [{"name": "other", "parameters": {"classification": 2}}]},
+                {"outputs": [{"name": "other", "parameters": {"shared_memory_region": "r",
+                                                              "shared_memory_byte_size": 8}}]},
                 {"parameters": {"binary_data_output": "yes"}}):
         with pytest.raises(ApiError):
             tensors.requested_outputs(bad, names)
