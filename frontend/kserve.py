@@ -325,7 +325,9 @@ async def _read(request: web.Request) -> tuple[dict, bytes]:
         raise ApiError("unsupported_media_type", f"Content-Type {media[:100]!r} is "
                        f"not supported; send {codec.JSON} (or {JSON_TYPES[1]} with Triton's "
                        f"binary data) or {codec.MSGPACK}")
-    return await codec.decoded(raw, tensors.split_body, raw, request.headers.get(HEADER_LENGTH))
+    # Sent twice, as one value ("105, 3"): refused, not the first taken (an outside check)
+    lengths = request.headers.getall(HEADER_LENGTH, ())
+    return await codec.decoded(raw, tensors.split_body, raw, ", ".join(lengths) or None)
 
 
 def _inputs(spec: Tensors, given: list[Tensor]) -> dict[str, Tensor]:

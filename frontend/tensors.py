@@ -98,8 +98,13 @@ def read_inputs(header: dict[str, Any], tail: bytes) -> list[Tensor]:
                            "send tensor data in the body", param="inputs")
         size = whole(params.get("binary_data_size"))  # 9.0 is 9, as the schema's integer
         if size is not None:
-            if not is_int(size) or size < 0 or used + size > len(tail):
-                raise ApiError("bad_request", f"input {name!r}: binary_data_size {size!r} does "
+            if not is_int(size) or size < 0:  # "10" read "'10' does not fit the 10 bytes left"
+                shown = orjson.dumps(size, default=repr).decode()
+                raise ApiError("bad_request", f"input {name!r}: binary_data_size must be a "
+                               f"count of bytes (an integer from 0), not {shown}",
+                               param="inputs")
+            if used + size > len(tail):
+                raise ApiError("bad_request", f"input {name!r}: binary_data_size {size} does "
                                f"not fit the {len(tail) - used} bytes left after the header")
             data = _from_binary(name, datatype, shape, tail[used:used + size])
             used += size

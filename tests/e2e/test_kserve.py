@@ -1,5 +1,6 @@
 """KServe v2 through nginx with Triton's own HTTP client, and its bodies by hand."""
 
+import http.client
 import json
 import struct
 
@@ -171,6 +172,18 @@ def test_binary_request_by_hand(tiny_stack, native):
     assert out["parameters"]["binary_data_size"] == len(raw) - n == 4 * 32 * 4
     np.testing.assert_allclose(np.frombuffer(raw[n:], "<f4").reshape(4, 32), native, atol=1e-6)
     assert headers["X-Model-Revision"] == "tiny-r1"
+    # The length sent twice, the second wrong: refused, not the first taken (an outside check)
+    conn = http.client.HTTPConnection("127.0.0.1", tiny_stack.port, timeout=60)
+    conn.putrequest("POST", "/v2/models/tiny/infer")
+    for value in (len(header), 3):
+        conn.putheader("Inference-Header-Content-Length", str(value))
+    conn.putheader("Content-Type", "application/octet-stream")
+    conn.putheader("Content-Length", str(len(header + elements)))
+    conn.endheaders(header + elements)
+    answer = conn.getresponse()
+    error = json.loads(answer.read())["error"]
+    conn.close()
+    assert answer.status == 400 and f"is '{len(header)}, 3'" in error, (answer.status, error)
 
 
 def test_msgpack_both_ways(tiny_stack, native):

@@ -60,6 +60,18 @@ def test_whole_floats_are_the_integers_the_document_declares():
                                          "data": ["a"]}]}, b"")
 
 
+def test_a_binary_data_size_not_a_count_says_so():
+    # "10" was "binary_data_size '10' does not fit the 10 bytes left" (an outside check)
+    for size, shown in (("10", '"10"'), (-1, "-1"), (1.5, "1.5"), (True, "true")):
+        head = json.dumps({"inputs": [{"name": "t", "datatype": "BYTES", "shape": [1],
+                                       "parameters": {"binary_data_size": size}}]}).encode()
+        with pytest.raises(ApiError) as info:
+            tensors.read_inputs(*tensors.split_body(head + bytes_elements(b"abcdef"),
+                                                    str(len(head))))
+        assert info.value.status == 400
+        assert info.value.message.endswith(f"an integer from 0), not {shown}"), info.value.message
+
+
 @pytest.mark.parametrize("header,tail,length,status", [
     ({"inputs": []}, b"", None, 422),
     ({"inputs": [{"name": "t", "datatype": "BYTES", "shape": [2], "data": ["a"]}]},
