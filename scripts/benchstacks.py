@@ -54,7 +54,13 @@ def require(*modules: str) -> None:
     """Exit at once, before a stack starts or a window runs, when a module the run needs is
     missing (the bench extra is not in the base install; a missing one used to show only
     when its step came, minutes in)."""
-    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    def absent(module: str) -> bool:
+        try:
+            return importlib.util.find_spec(module) is None
+        except ModuleNotFoundError:  # a dotted name whose parent is missing (tritonclient.grpc
+            return True  # raised it: a traceback where grpc_cost meant to say which)
+
+    missing = [m for m in modules if absent(m)]
     if missing:
         raise SystemExit(f"missing Python module{'s' * (len(missing) > 1)} "
                          f"{', '.join(missing)}: install the bench extra, "

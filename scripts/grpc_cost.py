@@ -60,28 +60,43 @@ def run(kind: str, port: int, texts: list[bytes], calls: int, clients: int,
     module = triton_grpc if kind == "grpc" else triton_http
     each = calls // clients
     failed: list[str] = []
+    stop = threading.Event()  # set by an interrupt: the clients end, then the stack stops
 
     def work() -> None:
         client = module.InferenceServerClient(f"127.0.0.1:{port}")
-        tensor = module.InferInput("text", [len(texts)], "BYTES")
-        data = np.array(texts, dtype=object)
-        if kind == "grpc":
-            tensor.set_data_from_numpy(data)
-        else:
-            tensor.set_data_from_numpy(data, binary_data=True)
-        for _ in range(each):
-            try:
-                client.infer("all-MiniLM-L6-v2", [tensor])
-            except Exception as exc:  # counted and shown: a failed call is no measurement
-                failed.append(str(exc)[:200])
+        try:
+            tensor = module.InferInput("text", [len(texts)], "BYTES")
+            data = np.array(texts, dtype=object)
+            if kind == "grpc":
+                tensor.set_data_from_numpy(data)
+            else:
+                tensor.set_data_from_numpy(data, binary_data=True)
+            for _ in range(each):
+                if stop.is_set():
+                    break
+                try:
+                    client.infer("all-MiniLM-L6-v2", [tensor])
+                except Exception as exc:  # counted and shown: a failed call is no measurement
+                    failed.append(str(exc)[:200])
+        finally:
+            # closed here: left to interpreter exit, after a Ctrl-C, the HTTP client's
+            # __del__ printed a gevent traceback a thread
+            client.close()
 
     threads = [threading.Thread(target=work) for _ in range(clients)]
     before = {k: cpu_seconds(v) for k, v in processes.items()}
     started = time.perf_counter()
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    except BaseException:  # Ctrl-C: the clients stop calling before the stack goes down
+        stop.set()
+        for thread in threads:
+            if thread.is_alive():
+                thread.join(10)
+        raise
     elapsed = time.perf_counter() - started
     if failed:
         raise SystemExit(f"grpc_cost: {len(failed)} {kind} calls failed, first: {failed[0]}")
@@ -100,6 +115,9 @@ def main() -> int:
     parser.add_argument("--clients", type=positive, default=8)
     parser.add_argument("--rounds", type=positive, default=4)
     args = parser.parse_args()
+    if args.calls < args.clients:  # no call a client: a ZeroDivisionError once the stack was up
+        parser.error(f"--calls {args.calls}: at least --clients ({args.clients}), each client "
+                     "makes calls / clients of them")
     require("tritonclient.grpc", "tritonclient.http", "psutil")
     stop_on_term()
     check_ports(2)

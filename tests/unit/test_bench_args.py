@@ -280,3 +280,11 @@ def test_tls_cost_refuses_a_count_below_one_before_starting_anything():
     done = subprocess.run([sys.executable, str(REPO / "scripts" / "tls_cost.py"), "--rounds",
                            "0"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "'0': an integer >= 1" in done.stderr, done.stderr
+
+
+def test_grpc_cost_refuses_fewer_calls_than_clients_before_starting_anything():
+    """--calls 5 with 8 clients made no call at all: a ZeroDivisionError once the stack was
+    up (an outside check)."""
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "grpc_cost.py"), "--calls",
+                           "5"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "at least --clients (8)" in done.stderr, done.stderr

@@ -92,6 +92,26 @@ def test_a_missing_module_is_named_with_the_install_command():
     assert "pip install -c constraints.txt -e '.[bench]'" in message
 
 
+def test_a_missing_package_of_a_dotted_module_is_named_not_raised():
+    """grpc_cost's tritonclient.grpc without tritonclient: find_spec raised
+    ModuleNotFoundError, a traceback (an outside check)."""
+    with pytest.raises(SystemExit) as exc:
+        benchstacks.require("json", "no_such_package_xyz.grpc")
+    assert "missing Python module no_such_package_xyz.grpc:" in str(exc.value)
+
+
+def test_the_bench_extra_holds_what_the_bench_scripts_require():
+    """tls_cost's trustme and grpc_cost's tritonclient were only in the test extra, while
+    require() told a user to install the bench extra (an outside check)."""
+    import tomllib
+
+    extra = tomllib.loads((benchstacks.REPO / "pyproject.toml").read_text())[
+        "project"]["optional-dependencies"]["bench"]
+    names = {req.split("[")[0].split("=")[0].strip() for req in extra}
+    assert {"locust", "sentence-transformers", "matplotlib", "fastapi", "uvicorn", "trustme",
+            "tritonclient"} <= names
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
 def test_sigterm_and_sighup_unwind_like_ctrl_c(tmp_path, sig):
     """The context managers that stop a script's stacks run on `kill` and `timeout`."""
