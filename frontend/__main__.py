@@ -102,8 +102,25 @@ def serve(cfg: Config, index: int) -> int:
     def graceful_exit() -> None:
         raise web.GracefulExit()  # out of run_app's loop, as a signal handler's would
 
+    # uvloop drops a signal that arrives after add_signal_handler but before the loop runs
+    # (its wakeup fd is set only then): a `down` right after an `up` signalled a frontend
+    # loading its tokenizers, which then served on until SIGKILL (CI). Until the loop runs,
+    # a stop signal is recorded here; the loop's first callback installs its handlers, then
+    # stops at once if one came (nothing started: nothing to drain).
+    early: list[int] = []
     for signum in STOP_SIGNALS:
-        loop.add_signal_handler(signum, stop)
+        signal.signal(signum, lambda signum, frame: early.append(signum))
+
+    def listen() -> None:
+        for signum in STOP_SIGNALS:
+            loop.add_signal_handler(signum, stop)
+        if early:
+            for signum in STOP_SIGNALS:
+                loop.remove_signal_handler(signum)
+                signal.signal(signum, signal.SIG_IGN)
+            raise web.GracefulExit()
+
+    loop.call_soon(listen)  # before run_app's own task: its first step comes after
     sock = bind_in_place(path, cfg.frontends.listen_backlog)
     if not cfg.server.grpc_port:  # gRPC turned off by an apply: its stopped socket file goes
         topology.frontend_grpc_socket(cfg, index).unlink(missing_ok=True)

@@ -306,9 +306,15 @@ async def test_embed_sparse_gives_the_splade_vectors_of_the_masked_lm(task_stack
             async with session.post(task_stack.url + "/embed_sparse",
                                     json={"inputs": texts[i % 5], "model": "sp"}) as resp:
                 return i, resp.status, resp.headers["X-Batch-Size"], await resp.json()
-        answers = await asyncio.gather(*(one(i) for i in range(20)))
-    assert {status for _, status, _, _ in answers} == {200}
-    assert max(int(size) for _, _, size, _ in answers) > 1  # they shared passes
+        # up to three bursts: one whose requests the worker took one by one, as they came
+        # (a loaded CI run: every pass of 1), shows nothing of the batching
+        for _ in range(3):
+            answers = await asyncio.gather(*(one(i) for i in range(20)))
+            assert {status for _, status, _, _ in answers} == {200}
+            if max(int(size) for _, _, size, _ in answers) > 1:  # they shared passes
+                break
+        else:
+            raise AssertionError("three bursts of 20 requests, every pass of 1 text")
     for i, _, _, got in answers:
         np.testing.assert_allclose(_as_dense(got)[0], want[i % 5], rtol=0, atol=1e-5)
     with Client(task_stack.url) as client:
