@@ -258,7 +258,8 @@ def run(new: Config, old: Config, steps: Plan, timeout: float) -> None:
         reload_nginx(new)
     for program in steps.remove_frontends:
         remove(new, "frontends", program)
-        topology.frontend_socket(new, index_of(program)).unlink(missing_ok=True)
+        for path_of in (topology.frontend_socket, topology.frontend_grpc_socket):
+            path_of(new, index_of(program)).unlink(missing_ok=True)  # (gRPC's: its stop's)
     # Workers added: every frontend sees them ready (it was restarted to), before any removed
     # one stops.
     for program in steps.add_workers:

@@ -427,7 +427,7 @@ def test_apply_turns_grpc_off_and_on_and_moves_it_only_when_asked(stack, client)
     from tests.e2e.test_apply import edit
 
     old, new = stack.grpc_port, free_port()
-    edit(stack, server={"grpc_port": new})
+    edit(stack, server={"grpc_port": new}, frontends={"count": 1})
     refused = stack.cli("apply", check=False)
     assert refused.returncode != 0
     assert f"gRPC moves from port {old} to port {new}" in refused.stderr
@@ -440,6 +440,11 @@ def test_apply_turns_grpc_off_and_on_and_moves_it_only_when_asked(stack, client)
             == (1, 32)
     assert status_of(lambda: client.is_server_ready(client_timeout=10))[0] == \
         "StatusCode.UNAVAILABLE"
+    # frontend-1, removed, left no socket file: its gRPC one was its stop's placeholder
+    sockets = stack.run_dir / "sockets"
+    assert not (sockets / "frontend-1.grpc.sock").exists() and not \
+        (sockets / "frontend-1.sock").exists()
+    assert (sockets / "frontend-0.grpc.sock").exists()
 
     edit(stack, server={"grpc_port": 0})
     stack.cli("apply", "--move", timeout=400)
