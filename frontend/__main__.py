@@ -88,9 +88,7 @@ def serve(cfg: Config, index: int) -> int:
         it does not put the default back at its close. SIGHUP (`supervisorctl signal HUP`)
         killed the frontend without a drain: it drains and exits, and supervisord starts it
         again."""
-        for signum in STOP_SIGNALS:
-            loop.remove_signal_handler(signum)
-            signal.signal(signum, signal.SIG_IGN)
+        ignore_stops()
         if cfg.server.grpc_port:
             # The gRPC calls drain first, while the HTTP socket they call still listens
             from frontend import grpc_api
@@ -99,6 +97,11 @@ def serve(cfg: Config, index: int) -> int:
             return
         raise web.GracefulExit()
 
+    def ignore_stops() -> None:
+        for signum in STOP_SIGNALS:
+            loop.remove_signal_handler(signum)
+            signal.signal(signum, signal.SIG_IGN)
+
     def graceful_exit() -> None:
         raise web.GracefulExit()  # out of run_app's loop, as a signal handler's would
 
@@ -106,7 +109,7 @@ def serve(cfg: Config, index: int) -> int:
     # (its wakeup fd is set only then): a `down` right after an `up` signalled a frontend
     # loading its tokenizers, which then served on until SIGKILL (CI). Until the loop runs,
     # a stop signal is recorded here; the loop's first callback installs its handlers, then
-    # stops at once if one came (nothing started: nothing to drain).
+    # stops at once if one came (what of the app's startup ran, run_app cleans up).
     early: list[int] = []
     for signum in STOP_SIGNALS:
         signal.signal(signum, lambda signum, frame: early.append(signum))
@@ -115,10 +118,8 @@ def serve(cfg: Config, index: int) -> int:
         for signum in STOP_SIGNALS:
             loop.add_signal_handler(signum, stop)
         if early:
-            for signum in STOP_SIGNALS:
-                loop.remove_signal_handler(signum)
-                signal.signal(signum, signal.SIG_IGN)
-            raise web.GracefulExit()
+            ignore_stops()
+            graceful_exit()
 
     loop.call_soon(listen)  # before run_app's own task: its first step comes after
     sock = bind_in_place(path, cfg.frontends.listen_backlog)

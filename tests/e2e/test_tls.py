@@ -8,9 +8,6 @@ import json
 import socket
 import ssl
 
-import h2.config
-import h2.connection
-import h2.events
 import httpx
 import msgpack
 import numpy as np
@@ -20,6 +17,7 @@ import trustme
 from openai import OpenAI
 
 from shmserve.client import Client, ShmserveError
+from tests import h2stream
 from tests.conftest import tiny_overrides
 from tests.e2e.test_apply import edit
 from tests.pki import client_certificate, issue
@@ -113,24 +111,10 @@ def h2_request(stack: Stack, ca: str, headers: list[tuple[str, str]]
     with context.wrap_socket(socket.create_connection(("127.0.0.1", stack.port), timeout=30),
                              server_hostname="127.0.0.1") as sock:
         assert sock.selected_alpn_protocol() == "h2"
-        conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
-        conn.initiate_connection()
-        conn.send_headers(1, [(":method", "POST"), (":path", "/v1/embeddings"),
-                              (":scheme", "https"), (":authority", "127.0.0.1"), *headers])
-        sock.sendall(conn.data_to_send())
-        status, got, body = 0, {}, b""
-        while True:
-            data = sock.recv(65536)
-            assert data, "the connection closed before the answer ended"
-            for event in conn.receive_data(data):
-                if isinstance(event, h2.events.ResponseReceived):
-                    got = {k.decode(): v.decode() for k, v in event.headers}
-                    status = int(got[":status"])
-                elif isinstance(event, h2.events.DataReceived):
-                    body += event.data
-                elif isinstance(event, (h2.events.StreamEnded, h2.events.StreamReset)):
-                    return status, got, body
-            sock.sendall(conn.data_to_send())
+        got, body = h2stream.exchange(sock, [(":method", "POST"), (":path", "/v1/embeddings"),
+                                             (":scheme", "https"), (":authority", "127.0.0.1"),
+                                             *headers], None)
+    return int(got[":status"]), got, body
 
 
 def test_plain_http_on_the_tls_port_is_told_to_use_https(tls):
