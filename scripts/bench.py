@@ -21,7 +21,8 @@ sentence-transformers fp32.
   .venv/bin/python scripts/bench.py --compare baseline   # also the FastAPI baseline it starts
   .venv/bin/python scripts/bench.py --compare http://host:port   # any OpenAI-compatible URL
   .venv/bin/python scripts/bench.py --url http://127.0.0.1:8080 --only short   # a running stack
-Writes bench-results/<time>/{results.json, results.md, latency.png}.
+Writes bench-results/<time>/{results.json, results.md, latency.png}: the report after each
+stage, so a run stopped part way keeps what it measured.
 A server with auth.api_keys set: SHMSERVE_API_KEY=<key> (sent as a bearer token with every
 request the bench makes, to --compare's URL too).
 """
@@ -216,6 +217,8 @@ def markdown(summary: dict) -> str:
         lines += ["", f"The {stage} did not complete: {error}"]
     if summary.get("note"):
         lines += ["", summary["note"]]
+    if summary.get("unfinished"):
+        lines += ["", f"Unfinished: {summary['unfinished']}."]
     return "\n".join(lines) + "\n"
 
 
@@ -387,6 +390,7 @@ def main() -> int:
         if other:
             probe(other, "--compare's server")
         summary["closed_loop"] = closed_loop(args, url, other, inproc)
+        save(summary, out, unfinished=True)
         # What follows the windows may fail (a server that answers a parity request 503, a
         # sweep's window with no answer): said in the report, which is written still (a
         # failed parity request lost every window's figures: an outside check).
@@ -405,16 +409,31 @@ def main() -> int:
                 summary["sweep"] = sweep(args, url)
                 out.mkdir(parents=True, exist_ok=True)
                 plot(summary["sweep"], out / "latency.png")
+            save(summary, out, unfinished=not args.no_null)
     if not args.no_null:
         with stage(summary, "null pipeline"):
             summary["null"] = null_capacity(args)
     if few_rounds:
         summary["note"] = few_rounds + "."
+    save(summary, out, unfinished=False)
+    print("\n" + markdown(summary) + f"\nwritten to {out}")
+    return 1 if summary.get("errors") else 0
+
+
+def save(summary: dict, out: Path, *, unfinished: bool) -> None:
+    """Write results.json and results.md as they stand: after each stage that took minutes
+    (an interrupted run kept only the sweep's plot: an outside check), marked unfinished until
+    the last."""
+    if unfinished:
+        summary["unfinished"] = ("written before the run's end (its later stages are missing "
+                                 "if it was stopped)")
+    else:
+        summary.pop("unfinished", None)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(summary, indent=2))
     (out / "results.md").write_text(markdown(summary))
-    print("\n" + markdown(summary) + f"\nwritten to {out}")
-    return 1 if summary.get("errors") else 0
+    if unfinished:
+        print(f"bench: the report so far: {out / 'results.md'}", file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager

@@ -130,4 +130,8 @@ def _run(model, batches) -> np.ndarray:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    try:
+        raise SystemExit(main())
+    except KeyboardInterrupt:  # it starts no stack: nothing to stop, no traceback to read
+        print("dtype_parity.py: interrupted", file=sys.stderr)
+        raise SystemExit(130) from None

@@ -44,11 +44,8 @@ from shmserve import config as config_mod  # noqa: E402
 BANDS = ((0, 16), (16, 32), (32, 64), (64, 128), (128, 100_000))
 
 
-def model_alone(cfg, corpus: list[str], count: int) -> tuple[dict, list[int]]:
-    """Each of the first `count` corpus texts through the model alone, twice; and every corpus
-    text's length in tokens."""
-    inproc = InProcess.from_config(cfg, corpus)
-    lengths = [t.length for t in inproc.texts]
+def model_alone(inproc: InProcess, count: int) -> dict:
+    """Each of the first `count` corpus texts through the model alone, twice."""
     times, seen = [], []
     for _ in range(2):
         for text in inproc.texts[:count]:
@@ -64,7 +61,7 @@ def model_alone(cfg, corpus: list[str], count: int) -> tuple[dict, list[int]]:
              for lo, hi in BANDS if (mask := (tokens >= lo) & (tokens < hi)).any()}
     return {"forwards": len(ms), "p50_ms": p50, "p99_ms": p99, "ratio": p99 / p50,
             "tokens_p50": float(np.percentile(tokens, 50)),
-            "tokens_p99": float(np.percentile(tokens, 99)), "by_tokens": bands}, lengths
+            "tokens_p99": float(np.percentile(tokens, 99)), "by_tokens": bands}
 
 
 def length_band(text: str) -> tuple[int, int]:
@@ -101,7 +98,13 @@ def main() -> None:
     corpus = json.loads(args.corpus.read_text())
     band_name, first = f"{lo}-{hi}", min(args.texts, len(corpus))
     print(f"machine: {cpu_description()}", flush=True)
-    alone, lengths = model_alone(cfg, corpus, args.texts)
+    inproc = InProcess.from_config(cfg, corpus)
+    # before the minutes of the model-alone pass (said only after it: an outside check)
+    band = [text for text, t in zip(corpus, inproc.texts) if lo <= t.length <= hi]
+    if len(band) < 50:
+        raise SystemExit(f"only {len(band)} corpus texts of {band_name} tokens, of "
+                         f"{len(corpus)}: the band needs 50 or more")
+    alone = model_alone(inproc, args.texts)
     print(f"model alone, one text at a time (the first {first} corpus "
           f"texts, {alone['forwards']} forwards; tokens p50 "
           f"{alone['tokens_p50']:.0f}, p99 {alone['tokens_p99']:.0f}): p50 "
@@ -110,9 +113,6 @@ def main() -> None:
     for label, (n, median) in alone["by_tokens"].items():
         print(f"  {label} tokens: {n} forwards, median {median:.2f} ms")
 
-    band = [text for text, n in zip(corpus, lengths) if lo <= n <= hi]
-    if len(band) < 50:
-        raise SystemExit(f"only {len(band)} corpus texts of {band_name} tokens")
     ratios: dict[str, list[float]] = {"corpus": [], "band": []}
     with tempfile.TemporaryDirectory() as tmp, OwnStack(None, None, {}) as stack:
         band_file = Path(tmp) / "band.json"

@@ -1,6 +1,7 @@
 """What the benchmark scripts print and write (scripts/bench.py, scripts/burst.py), and the
 ports their stacks take (tests.stack.free_port, shared with the tests)."""
 
+import json
 import socket
 import sys
 
@@ -282,3 +283,18 @@ def test_a_stack_serving_another_model_than_the_ceiling_is_said_so():
     assert benchparity.other_model(cfg, first) is None
     said = benchparity.other_model(cfg, "tiny")
     assert "'tiny'" in said and repr(first) in said and "compares two models" in said
+
+
+def test_the_report_is_written_after_each_stage_and_marked_unfinished_until_the_last(
+        tmp_path, capsys):
+    s = summary()
+    bench.save(s, tmp_path / "run", unfinished=True)
+    written = (tmp_path / "run" / "results.md").read_text()
+    assert written.splitlines()[-1].startswith("Unfinished: written before the run's end")
+    assert "unfinished" in json.loads((tmp_path / "run" / "results.json").read_text())
+    assert "the report so far" in capsys.readouterr().err
+    s["null"] = {"requests_per_s": 2500.0}
+    bench.save(s, tmp_path / "run", unfinished=False)
+    final = (tmp_path / "run" / "results.md").read_text()
+    assert "Unfinished" not in final and "2500 requests/s" in final
+    assert "unfinished" not in json.loads((tmp_path / "run" / "results.json").read_text())
