@@ -87,7 +87,18 @@ def overridden(tree: Mapping[str, Any], extra: str | Path | None,
     environment's overrides. `base`: configs/base.yaml's tree, if already read (the defaults
     a null takes)."""
     for path in extra_files(extra, environ):  # several files: "a.yaml:b.yaml", in order
-        tree = deep_merge(tree, read_yaml(path))
+        try:
+            layer = read_yaml(path)
+        except ConfigError as exc:
+            if extra or not str(exc).startswith("config file not found"):
+                raise
+            raise ConfigError(f"{exc} (SHMSERVE_CONFIG)") from None  # where the name came from
+        if not layer and str(path) not in _warned:
+            # a truncated file left the defaults in place without a word (an outside check)
+            _warned.add(str(path))
+            print(f"shmserve: warning: config file {path} holds no keys (empty, or comments "
+                  "only): nothing in it applies", file=sys.stderr, flush=True)
+        tree = deep_merge(tree, layer)
     if base is None:
         base = read_yaml(CONFIG_DIR / "base.yaml")
     # Files' nulls become defaults before the variables apply (`models: ~` then MODELS__0__...)

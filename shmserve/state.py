@@ -26,6 +26,7 @@ from typing import Callable, Iterator
 from urllib.parse import quote
 
 from shmserve.config import Config
+from shmserve.typedtree import ConfigError
 
 log = logging.getLogger("shmserve.state")
 
@@ -170,6 +171,8 @@ def starting_or_stopping(cfg: Config, command: str, wait: bool) -> Iterator[None
         if wait:  # nothing there yet for a `down` to stop or clean
             yield
             return
+        if cfg.run_dir.exists() or cfg.run_dir.is_symlink():  # a file, or a dangling link
+            raise ConfigError(f"server.run_dir: {cfg.run_dir} exists and is not a directory")
         # A first `up`: the directory is made for the lock, else two `up`s at once both went
         # ahead and one failed part way (a traceback from render, or supervisord's port taken).
         try:
@@ -177,6 +180,9 @@ def starting_or_stopping(cfg: Config, command: str, wait: bool) -> Iterator[None
             created = True
         except FileExistsError:
             pass
+        except OSError as exc:  # under a file, a read-only or virtual file system, ...
+            raise ConfigError(f"server.run_dir: cannot create {cfg.run_dir}: "
+                              f"{exc.strerror or exc} ({exc.filename or cfg.run_dir})") from None
     lock = cfg.run_dir / "updown.lock"
     try:
         with held(lock, "another command", holder=f"`shmserve {command}` (pid {os.getpid()})",

@@ -65,3 +65,20 @@ def test_up_while_supervisord_shuts_down_by_other_hands_says_so(deployment, caps
     assert cli.main(["up"]) == 2
     err = capsys.readouterr().err
     assert "supervisord (pid 4321" in err and "is shutting down" in err and "apply" not in err
+
+
+def test_a_run_directory_up_cannot_make_is_named_not_a_traceback(deployment, tmp_path,
+                                                                 monkeypatch, capsys):
+    """server.run_dir under a file, on a file system that refuses it (/proc), or a file
+    itself: `up` printed mkdir's or the lock's traceback and exited 1 (an outside check)."""
+    a_file = tmp_path / "not-a-dir"
+    a_file.write_text("")
+    for run_dir, said in ((a_file / "run", "cannot create"), ("/proc/shmserve-test-run",
+                                                               "cannot create"),
+                          (a_file, "is not a directory")):
+        monkeypatch.setenv("SHMSERVE__SERVER__RUN_DIR", str(run_dir))
+        assert cli.main(["up"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("shmserve: server.run_dir: ") and said in err, err
+        assert "Traceback" not in err
+    assert a_file.is_file()

@@ -155,3 +155,21 @@ def test_an_environment_number_is_decimal():
         == "010"
     with pytest.raises(ConfigError, match="workers.devices"):
         config.load(environ={"SHMSERVE__WORKERS__DEVICES": "[010]"})
+
+
+def test_an_empty_config_file_is_warned_of_once_and_a_missing_one_named_by_its_variable(
+        tmp_path, capsys, monkeypatch):
+    # a truncated or emptied file gave the defaults without a word; SHMSERVE_CONFIG's file
+    # not found did not say where its name came from (an outside check)
+    monkeypatch.setattr(layers, "_warned", set())
+    empty = tmp_path / "prod.yaml"
+    empty.write_text("# everything below was lost\n")
+    for _ in range(2):
+        assert config.load(extra=str(empty), environ={}).frontends.count == 2
+    assert capsys.readouterr().err.count(f"config file {empty} holds no keys") == 1
+    missing = str(tmp_path / "gone.yaml")
+    with pytest.raises(ConfigError, match=r"config file not found: .*gone.yaml "
+                                          r"\(SHMSERVE_CONFIG\)$"):
+        config.load(environ={"SHMSERVE_CONFIG": missing})
+    with pytest.raises(ConfigError, match=r"gone.yaml$"):  # --config: the user typed it
+        config.load(extra=missing, environ={})
