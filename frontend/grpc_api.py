@@ -180,7 +180,7 @@ class Gateway:
                 protos.ModelInferResponse(id=request.id, model_name=request.model_name)
             try:
                 if isinstance(request, Undecodable):
-                    raise CallFailed(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+                    raise CallFailed(request.code, request.message)
                 reply = protos.ModelStreamInferResponse(
                     infer_response=await self.model_infer(request, _StreamCall(context)))
             except CallFailed as exc:
@@ -240,9 +240,10 @@ class Gateway:
             protos.HealthCheckResponse.NOT_SERVING
         return protos.HealthCheckResponse(status=serving)
 
-    def handlers(self) -> list[grpc.GenericRpcHandler]:
+    def handlers(self, limit: int) -> list[grpc.GenericRpcHandler]:
         """Each method's handler, its message types and streaming read from the service's
-        descriptor (frontend/protos), not written again here."""
+        descriptor (frontend/protos), not written again here; a request message inflates to
+        `limit` bytes at most (-1: no limit)."""
         methods = {protos.KSERVE_SERVICE: {
             "ServerLive": self.server_live, "ServerReady": self.server_ready,
             "ModelReady": self.model_ready, "ServerMetadata": self.server_metadata,
@@ -251,18 +252,18 @@ class Gateway:
             protos.HEALTH_SERVICE: {"Check": self.health_check}}
         return [grpc.method_handlers_generic_handler(service, {
             name: _handler(protos.POOL.FindServiceByName(service).methods_by_name[name],
-                           _ends(behavior, name))
+                           _ends(behavior, name), limit)
             for name, behavior in behaviors.items()}) for service, behaviors in methods.items()]
 
 
-def _handler(method, behavior: Callable[..., Awaitable]) -> grpc.RpcMethodHandler:
+def _handler(method, behavior: Callable[..., Awaitable], limit: int) -> grpc.RpcMethodHandler:
     """grpc's handler of a unary or bidirectional-stream `method` (a MethodDescriptor). A
     unary method is served as a client stream of which the first message is the request:
     grpc.aio's own unary handler never answers a call whose client half-closes without a
     message (an empty body, or a message cut short), which then held the call until nginx's
     grpc_read_timeout; here it is INVALID_ARGUMENT at once."""
     options = dict(
-        request_deserializer=parser(protos.message(method.input_type.full_name)),
+        request_deserializer=parser(protos.message(method.input_type.full_name), limit),
         response_serializer=protos.message(method.output_type.full_name).SerializeToString)
     if method.client_streaming:
         return grpc.stream_stream_rpc_method_handler(behavior, **options)
@@ -322,7 +323,7 @@ def _ends(method: Callable[..., Awaitable], name: str) -> Callable[..., Awaitabl
         code = grpc.StatusCode.INTERNAL
         try:
             if isinstance(request, Undecodable):
-                raise CallFailed(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+                raise CallFailed(request.code, request.message)
             reply = await method(request, context)
             code = grpc.StatusCode.OK
             return reply
@@ -385,9 +386,12 @@ class GrpcServer:
         limit = nginx_size(cfg.nginx.client_max_body_size) or -1
         self._server = grpc.aio.server(options=[
             ("grpc.max_receive_message_length", limit),
+            # a compressed message is inflated by its deserializer, to `limit` at most
+            # (grpc_messages.parser): grpc's own inflated a bomb whole before its size check
+            ("grpc.per_message_decompression", 0),
             ("grpc.max_send_message_length", -1)])
         self._server.add_generic_rpc_handlers(
-            [*self._gateway.handlers(), *grpc_reflection.handlers(), Unimplemented()])
+            [*self._gateway.handlers(limit), *grpc_reflection.handlers(), Unimplemented()])
         self._server.add_insecure_port("unix:" + self._path)
         self._stopping: asyncio.Future | None = None
 

@@ -12,6 +12,7 @@ import grpc
 import orjson
 
 from frontend import protos, tensors
+from frontend.codec import inflate
 from frontend.kserve import HEADER_LENGTH
 
 # An HTTP answer's status as the gRPC status a client gets (Triton's server maps its errors the
@@ -173,18 +174,32 @@ class Undecodable:
     """A request message that did not parse (grpc's own answer to a deserializer's error is
     UNKNOWN, with a traceback in the log): the call's INVALID_ARGUMENT."""
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str, code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT
+                 ) -> None:
         self.message = message
+        self.code = code
 
 
 # A unary call half-closed without a (whole) request message (frontend.grpc_api._handler).
 MISSING = Undecodable("the call ended without a request message (a unary method takes one)")
 
 
-def parser(message_type) -> Callable[[bytes], Any]:
-    """`message_type`'s deserializer for grpc: an Undecodable where the bytes do not parse."""
+def parser(message_type, limit: int = -1) -> Callable[[bytes], Any]:
+    """`message_type`'s deserializer for grpc: an Undecodable where the bytes do not parse.
+    The server runs without grpc's own per-message decompression (GrpcServer): grpc inflated a
+    compressed message whole before it checked its size, so 1.9 MB of gzip took a frontend to
+    2.2 GB, before any API key was asked for (an outside check). A compressed message reaches
+    here as it was sent and is inflated here, at most `limit` bytes of it (as an HTTP body is:
+    frontend.codec.inflate); -1: no limit."""
 
     def parse(data: bytes):
+        try:
+            data = inflated(data, limit)
+        except ValueError as exc:
+            return Undecodable(f"the request message does not inflate ({exc})")
+        except OverflowError:
+            return Undecodable(f"the request message inflates to more than {limit} bytes "
+                               "(nginx.client_max_body_size)", grpc.StatusCode.RESOURCE_EXHAUSTED)
         try:
             return message_type.FromString(data)
         except Exception as exc:  # DecodeError, and what else protobuf's parser raises
@@ -192,3 +207,24 @@ def parser(message_type) -> Callable[[bytes], Any]:
                                f"{message_type.DESCRIPTOR.full_name} message ({exc})")
 
     return parse
+
+
+def inflated(data: bytes, limit: int) -> bytes:
+    """A message as grpc's per-message compression sent it, inflated: gzip by its magic bytes
+    (0x1f opens no protobuf message: wire type 7 does not exist), deflate (zlib) by a valid zlib
+    header that then inflates; anything else is the message itself. OverflowError past `limit`
+    (-1: none), ValueError for gzip that does not inflate."""
+    bound = limit if limit >= 0 else (1 << 62)
+    if data[:2] == b"\x1f\x8b":
+        out = inflate("gzip", data, bound)
+    elif len(data) >= 2 and data[0] & 0x0F == 8 and data[0] >> 4 <= 7 \
+            and (data[0] << 8 | data[1]) % 31 == 0:
+        try:
+            out = inflate("deflate", data, bound)
+        except ValueError:
+            return data  # a protobuf message that happens to begin like zlib
+    else:
+        return data
+    if len(out) > bound:
+        raise OverflowError
+    return out

@@ -13,6 +13,7 @@ import grpc
 from google.protobuf import descriptor_pb2
 
 from frontend import protos
+from frontend.grpc_messages import Undecodable, parser
 from frontend.protos.descriptors import FILE_DESCRIPTOR_SET
 
 REFLECTION = "grpc.reflection.v1alpha.ServerReflection"
@@ -86,12 +87,15 @@ def _error(response, message: str, code: grpc.StatusCode = grpc.StatusCode.NOT_F
 
 async def reflection_info(requests: AsyncIterator, context) -> AsyncIterator:
     async for request in requests:
+        if isinstance(request, Undecodable):
+            await context.abort(request.code, request.message)
         yield answer(request)
 
 
 def handlers() -> list[grpc.GenericRpcHandler]:
     method = {"ServerReflectionInfo": grpc.stream_stream_rpc_method_handler(
-        reflection_info, request_deserializer=Request.FromString,
+        # a request names a symbol or a file: 1 MiB inflated is plenty
+        reflection_info, request_deserializer=parser(Request, 1 << 20),
         response_serializer=Response.SerializeToString)}
     return [grpc.method_handlers_generic_handler(name, method)
             for name in (REFLECTION, REFLECTION_V1)]

@@ -75,11 +75,13 @@ def gzip(n) -> str:
             f"    gzip_vary on;\n    gzip_types {' '.join(GZIP_TYPES)};")
 
 
-# rate_limit_key api_key: the bearer token as the frontends read it (any case of "Bearer", then
-# spaces, the token, any whitespace after it: app.bearer_matches), so a key is one client however
-# it is written; a request without a token is limited by its address.
+# rate_limit_key api_key: the bearer token as the frontends read it (any case of "Bearer", a
+# space, then spaces and tabs, the token, spaces and tabs after it: app.bearer_matches), so a key
+# is one client however it is written; a request without a token is limited by its address.
+# "Bearer \t<key>" (a tab after the space) was served by the frontends and counted by its
+# address here, a second bucket for the key from every address (an outside check).
 _TOKEN_KEY = """    map $http_authorization $shmserve_rate_key {
-        "~*^bearer +(?<token>\\S+)\\s*$" "key $token";
+        "~*^bearer +[ \\t]*(?<token>\\S+)\\s*$" "key $token";
         default "address $binary_remote_addr";
     }
 """

@@ -5,6 +5,7 @@ the logs, a rolling restart of the frontends under gRPC load, no frontend at all
 
 from __future__ import annotations
 
+import gzip
 import json
 import queue
 import socket
@@ -270,6 +271,18 @@ def test_calls_grpc_would_hang_or_reset_are_answered_at_once(stack, client):
     bad = h2_call(stack.grpc_port, [("grpc-timeout", "abc")], frame)
     assert bad["grpc-status"] == "3", bad  # INVALID_ARGUMENT
     assert h2_call(stack.grpc_port, [("grpc-timeout", "10S")], frame)["grpc-status"] == "0"
+    # A gzip bomb: grpc inflated it whole before its size check (2.2 GB for 1.9 MB of gzip,
+    # before the key was asked for); now at most the body limit (64k here) is inflated.
+    bomb = gzip.compress(b"\0" * (16 << 20))
+    over = h2_call(stack.grpc_port, [("grpc-encoding", "gzip")],
+                   bytes([1]) + len(bomb).to_bytes(4, "big") + bomb)
+    assert over["grpc-status"] == "8", over  # RESOURCE_EXHAUSTED
+    assert "inflates to more than 65536 bytes" in over["grpc-message"], over
+    plain = client.infer("tiny", [texts(b"a", b"b c")], headers=AUTH).as_numpy("embedding")
+    for algorithm in ("gzip", "deflate"):
+        np.testing.assert_array_equal(client.infer(
+            "tiny", [texts(b"a", b"b c")], headers=AUTH,
+            compression_algorithm=algorithm).as_numpy("embedding"), plain)
     assert status_of(lambda: client.infer(
         "tiny", [texts(b"a")], headers=AUTH,
         outputs=[triton_grpc.InferRequestedOutput("embedding", class_count=2)]))[0] == \

@@ -269,7 +269,8 @@ def test_a_client_past_the_rate_limit_gets_429_from_nginx(tmp_path, key):
         # The same key written otherwise (the frontends read "Bearer" in any case, spaces
         # around the token) is the same client; another key from the same address is its own
         # client with api_key, the same with ip, and so is a request without a key.
-        for same in ("bearer client-one", "BEARER   client-one  "):
+        for same in ("bearer client-one", "BEARER   client-one  ", "Bearer \tclient-one",
+                     "Bearer \t \tclient-one\t"):
             assert request(cfg, "POST", "/v1/embeddings", b"{}",
                            {"Authorization": same})[0] == 429
         other = request(cfg, "POST", "/v1/embeddings", b"{}",
