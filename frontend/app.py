@@ -17,7 +17,7 @@ from typing import AsyncIterator, Iterable
 
 from aiohttp import web
 
-from frontend import codec, metrics
+from frontend import codec, metrics, own_files
 from frontend.dispatch import Dispatcher
 from frontend.errors import ApiError, kserve_shaped, status_on
 from frontend.httpparser import nginx_size
@@ -365,7 +365,8 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     await pool.start()
     app[POOL] = pool
     app[DISPATCHER] = Dispatcher(cfg, pool, arena)
-    reporter = asyncio.create_task(_report_arena(arena, index), name="arena-gauge")
+    reporter = asyncio.create_task(
+        own_files.watch(arena, index, topology.frontend_socket(cfg, index)), name="own-files")
     log.info("frontend.started", extra={"fields": {"frontend": index, "arena": arena.name}})
     try:
         yield
@@ -405,14 +406,6 @@ async def _drain(app: web.Application) -> None:
 
 # Before the drain's end, the time the 503s take to be written (a loaded machine's seconds).
 DRAIN_MARGIN_S = 2.0
-
-
-async def _report_arena(arena: shm.Arena, index: int) -> None:
-    """shmserve_frontend_arena_used_bytes, every second: off the request path."""
-    gauge = metrics.ARENA_USED.labels(str(index))
-    while True:
-        gauge.set(arena.bytes_used)
-        await asyncio.sleep(1.0)
 
 
 def create_app(cfg: Config, index: int = 0) -> web.Application:

@@ -56,6 +56,7 @@ class SocketThread(threading.Thread):
         # replaces its old one (a set of every socket ever seen grew with each restart, and
         # news went to all of them; a review).
         self._peers: dict[int, bytes] = {}
+        self._next_look = 0.0  # time.monotonic() of the next look at the ipc file (_keep_file)
         self._halt = threading.Event()
         self._answered = True
         self.bound = threading.Event()
@@ -97,6 +98,7 @@ class SocketThread(threading.Thread):
         poller.register(self._replies, zmq.POLLIN)
         while not self._halt.is_set():
             self._tick()
+            self._keep_file(router)
             for sock, _ in poller.poll(POLL_MS):
                 if sock is self._replies:
                     # Send every reply already queued before reading more requests.
@@ -120,6 +122,24 @@ class SocketThread(threading.Thread):
             except zmq.Again:
                 break
         self._farewell(router)
+
+    def _keep_file(self, router: zmq.Socket) -> None:
+        """Every second: the ipc socket's file, deleted under this worker (by hand, a cleaner
+        of the run directory), is bound again. The frontends connected keep their connections,
+        but one started after it found no worker, for good (an outside check)."""
+        now = time.monotonic()
+        if now < self._next_look or not self._endpoint.startswith("ipc://"):
+            return
+        self._next_look = now + 1.0
+        if os.path.exists(self._endpoint.removeprefix("ipc://")):
+            return
+        log.error("worker.socket_lost", extra={"fields": {
+            "worker": self._worker, "endpoint": self._endpoint, "action": "bound again"}})
+        try:
+            router.unbind(self._endpoint)
+        except zmq.ZMQError:
+            pass
+        router.bind(self._endpoint)
 
     def _farewell(self, router: zmq.Socket) -> None:
         """Tell each frontend that this worker sends nothing more (Closing), and keep the

@@ -148,6 +148,14 @@ class Arena:
     def bytes_used(self) -> int:
         return sum(self._used.values())
 
+    def unlinked(self) -> bool:
+        """Whether this arena's file was removed from its directory while open (by hand, a
+        /dev/shm cleaner, systemd-logind's RemoveIPC): no worker can map it any more."""
+        try:
+            return self._lock_fd >= 0 and os.fstat(self._lock_fd).st_nlink == 0
+        except OSError:
+            return False
+
     def alloc(self, nbytes: int) -> int:
         need = max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
         for start in self._free_starts:

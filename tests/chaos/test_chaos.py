@@ -8,15 +8,18 @@ import os
 import signal
 import time
 from collections import Counter
+from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from shmserve import config, topology
 from tests.conftest import tiny_overrides
 from tests.load import Load as ClosedLoop
 from tests.stack import Stack
 
 pytestmark = pytest.mark.chaos
+SHM = Path("/dev/shm")
 
 
 class Load(ClosedLoop):
@@ -179,3 +182,64 @@ def test_nginx_kill_every_request_completes_and_service_returns(stack):
     # thread finished its loop), nothing else fails, and all requests after recovery succeed.
     assert set(counts) <= {"200"} | {k for k in counts if k.startswith("conn:")}, counts
     assert set(tail) == {"200"}, tail
+
+
+FRONTENDS = ("frontends:frontend-0", "frontends:frontend-1")
+
+
+def served_after(stack: Stack, load: Load, what: str) -> Counter:
+    """Every worker ready, then 20 requests more of `load`: what they were answered."""
+    stack.wait_until(stack.all_ready, 90, f"every worker ready after {what}")
+    after = load.mark()
+    stack.wait_until(lambda: load.mark() >= after + 20, 60, f"requests after {what}")
+    return load.since(after)
+
+
+def test_arenas_deleted_under_load_are_made_again(stack):
+    """/dev/shm emptied under a running stack (a cleaner, systemd-logind's RemoveIPC): the
+    workers dropped the vanished mappings and every request was 503 for good (an outside
+    check). Each frontend sees its arena's file gone, stops (it drains) and supervisord starts
+    it again with a new arena: the service comes back by itself."""
+    cfg = config.load_resolved(stack.run_dir / "config.json")
+    arenas = list(SHM.glob(topology.shm_prefix(cfg) + "*"))
+    assert len(arenas) == 2, arenas  # one per frontend
+    pids = {program: stack.pid(program) for program in FRONTENDS}
+    with Load(stack) as load:
+        for path in arenas:
+            path.unlink()
+        lost = stack.logged(("frontend-0", "frontend-1"), "frontend.file_lost", 2, timeout=30)
+
+        def new_arenas() -> set[Path]:
+            return set(SHM.glob(topology.shm_prefix(cfg) + "*")) - set(arenas)
+        # (an arena is made as its frontend starts: after its new pid, before it serves)
+        stack.wait_until(lambda: len(new_arenas()) == 2, 60, "both frontends' new arenas")
+        assert all(stack.pid(p) not in (0, old) for p, old in pids.items())
+        tail = served_after(stack, load, "the arenas' deletion")
+    assert {line["lost"].split(" /")[0] for line in lost} == {"its shared-memory arena"}, lost
+    assert set(tail) == {"200"}, tail
+
+
+def test_socket_files_deleted_under_load_are_made_again(stack):
+    """The run directory's sockets deleted under a running stack (by hand, a cleaner): nginx
+    no longer reached the frontends, and a frontend started after found no worker, 503 for
+    good (an outside check). The workers bind their files again; each frontend stops (it
+    drains) and starts again on a new socket; a frontend killed after serves."""
+    sockets = stack.run_dir / "sockets"
+    files = sorted(p.name for p in sockets.iterdir())
+    assert {"frontend-0.sock", "frontend-1.sock"} <= set(files), files
+    def lost() -> list[dict]:
+        return [line for program in ("frontend-0", "frontend-1")
+                for line in stack.log_lines(program) if line.get("message") ==
+                "frontend.file_lost" and line["lost"].startswith("its socket")]
+
+    with Load(stack) as load:
+        for name in files:
+            (sockets / name).unlink()
+        stack.wait_until(lambda: len(lost()) >= 2, 30, "both frontends' file_lost lines")
+        stack.logged(("worker-0", "worker-1"), "worker.socket_lost", 2, timeout=30)
+        stack.wait_until(lambda: sorted(p.name for p in sockets.iterdir()) == files, 60,
+                         f"{files} made again")
+        served_after(stack, load, "the sockets' deletion")
+        counts = kill_and_wait(stack, "frontends:frontend-1", load)  # connects to the workers
+    assert sorted(line["frontend"] for line in lost()) == [0, 1], lost()
+    assert set(counts) == {"200"}, counts

@@ -202,10 +202,10 @@ def test_a_worker_maps_only_a_regular_file_of_its_own_user(tmp_path):
 async def test_a_frontends_arena_use_is_reported_every_second(tmp_path):
     import asyncio
 
-    from frontend import app as frontend_app, metrics
+    from frontend import metrics, own_files
 
     arena = Arena(arena_name("0123abcd", "fe7"), 1 << 16, directory=tmp_path)
-    reporter = asyncio.create_task(frontend_app._report_arena(arena, 7))
+    reporter = asyncio.create_task(own_files.watch(arena, 7, tmp_path / "no.sock"))
     try:
         await asyncio.sleep(0.05)
         gauge = metrics.ARENA_USED.labels("7")
@@ -254,3 +254,14 @@ def test_pages_are_reserved_before_an_allocation_hands_them_out(tmp_path, monkey
         a.alloc(100)  # what is reserved still serves
     finally:
         a.close()
+
+
+def test_unlinked_says_when_the_arena_file_was_deleted_under_its_owner(tmp_path):
+    a = Arena("shmserve-t-fe0-1", 1 << 20, directory=tmp_path)
+    try:
+        assert not a.unlinked()
+        (tmp_path / a.name).unlink()
+        assert a.unlinked()
+    finally:
+        a.close()
+    assert not a.unlinked()  # closed: nothing to say
