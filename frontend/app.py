@@ -366,7 +366,8 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     app[POOL] = pool
     app[DISPATCHER] = Dispatcher(cfg, pool, arena)
     reporter = asyncio.create_task(
-        own_files.watch(arena, index, topology.frontend_socket(cfg, index)), name="own-files")
+        own_files.watch(arena, index, topology.frontend_socket(cfg, index),
+                        lambda: own_files.grpc_socket(app, cfg)), name="own-files")
     log.info("frontend.started", extra={"fields": {"frontend": index, "arena": arena.name}})
     try:
         yield

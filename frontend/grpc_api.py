@@ -27,6 +27,7 @@ import logging
 import os
 import socket
 import time
+from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 import aiohttp
@@ -199,6 +200,7 @@ class Gateway:
 
         reader = requests.__aiter__()
         stopping = asyncio.ensure_future(self.stopping.wait())
+        following: asyncio.Future | None = None
         try:
             while True:
                 following = asyncio.ensure_future(reader.__anext__())
@@ -225,6 +227,11 @@ class Gateway:
                                  "stream for the rest")
         finally:
             stopping.cancel()
+            if following is not None:
+                # The call cancelled (the client gone) while the next read was pending: grpc
+                # ends that read later, StopAsyncIteration, which asyncio logged at ERROR as
+                # "Task exception was never retrieved" (an outside check).
+                following.add_done_callback(lambda read: read.cancelled() or read.exception())
             for task in running:
                 task.cancel()
 
@@ -397,6 +404,11 @@ class GrpcServer:
 
     async def start(self) -> None:
         await self._server.start()
+
+    @property
+    def serving_at(self) -> Path | None:
+        """Its socket file until its stop began (which replaces it: frontend.own_files)."""
+        return Path(self._path) if self._stopping is None else None
 
     async def stop_calls(self) -> None:
         if self._stopping is None:

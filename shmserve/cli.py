@@ -268,11 +268,14 @@ def _down(cfg: Config) -> int:
         nginxrun.kill_all(render.nginx_conf(cfg))
     processes.kill_orphans(cfg)
     clean_stale(cfg, metrics=False)
-    state.remove_reload_locks(cfg)  # after the frontends, their holders, are gone
-    state.remove_marks(cfg)
-    # A SIGKILLed supervisord's pid file and control socket (a clean exit removes both)
-    render.supervisord_pidfile(cfg).unlink(missing_ok=True)
-    render.supervisor_socket(cfg).unlink(missing_ok=True)
+    # (server.run_dir a file, or under one: no deployment's files there; unlink's
+    # NotADirectoryError was a traceback, an outside check)
+    if cfg.run_dir.is_dir():
+        state.remove_reload_locks(cfg)  # after the frontends, their holders, are gone
+        state.remove_marks(cfg)
+        # A SIGKILLed supervisord's pid file and control socket (a clean exit removes both)
+        render.supervisord_pidfile(cfg).unlink(missing_ok=True)
+        render.supervisor_socket(cfg).unlink(missing_ok=True)
     if pid is None:
         print(f"shmserve: supervisord was not running (run_dir {cfg.run_dir}); stopped the "
               f"processes it had left running: pids {', '.join(map(str, left))}" if left else

@@ -265,3 +265,46 @@ def test_unlinked_says_when_the_arena_file_was_deleted_under_its_owner(tmp_path)
     finally:
         a.close()
     assert not a.unlinked()  # closed: nothing to say
+
+
+async def test_a_frontends_grpc_socket_deleted_stops_it_but_not_once_its_stop_began(
+        tmp_path, monkeypatch):
+    """The gRPC socket's file deleted left every gRPC call UNAVAILABLE for good, /ready 200
+    (an outside check); the stop's own placeholder in its place is no loss."""
+    import asyncio
+    import signal
+    import socket
+
+    from frontend import own_files
+
+    killed = []
+    monkeypatch.setattr(own_files.os, "kill", lambda pid, sig: killed.append(sig))
+    arena = Arena(arena_name("0123abcd", "fe7"), 1 << 16, directory=tmp_path)
+    http, grpc_path = tmp_path / "fe.sock", tmp_path / "fe.grpc.sock"
+    listeners = []
+    for path in (http, grpc_path):
+        listener = socket.socket(socket.AF_UNIX)
+        listener.bind(str(path))
+        listeners.append(listener)
+    serving = [grpc_path]
+    try:
+        watcher = asyncio.create_task(own_files.watch(arena, 7, http, lambda: serving[0]))
+        await asyncio.sleep(1.2)
+        serving[0] = None  # its stop began: the file is replaced
+        grpc_path.unlink()
+        await asyncio.sleep(1.2)
+        assert killed == [] and not watcher.done()
+        watcher.cancel()
+        serving[0] = grpc_path  # a new server's, deleted under it
+        listeners[1].close()
+        listeners[1] = socket.socket(socket.AF_UNIX)
+        listeners[1].bind(str(grpc_path))
+        watcher = asyncio.create_task(own_files.watch(arena, 7, http, lambda: serving[0]))
+        await asyncio.sleep(0.1)
+        grpc_path.unlink()
+        await asyncio.wait_for(watcher, 3)
+        assert killed == [signal.SIGTERM]
+    finally:
+        for listener in listeners:
+            listener.close()
+        arena.close()

@@ -82,3 +82,8 @@ def test_a_run_directory_up_cannot_make_is_named_not_a_traceback(deployment, tmp
         assert err.startswith("shmserve: server.run_dir: ") and said in err, err
         assert "Traceback" not in err
     assert a_file.is_file()
+    for run_dir in (a_file / "run", a_file):  # `down`: NotADirectoryError's traceback, exit 1
+        monkeypatch.setenv("SHMSERVE__SERVER__RUN_DIR", str(run_dir))
+        assert cli.main(["down"]) == 0
+        assert "not running" in capsys.readouterr().out
+    assert a_file.is_file()

@@ -383,3 +383,35 @@ def test_a_compressed_message_is_inflated_with_a_bound_not_whole():
     assert isinstance(parse(zlib.compress(b"\0" * (50 << 20))), Undecodable)
     broken = parse(gzip.compress(raw)[:-6])
     assert isinstance(broken, Undecodable) and broken.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_a_stream_cancelled_while_it_reads_leaves_no_unretrieved_read(tmp_path):
+    """A client gone mid-stream: grpc ends the pending read later (StopAsyncIteration), which
+    asyncio logged at ERROR, 'Task exception was never retrieved' (an outside check)."""
+    import gc
+
+    gateway = grpc_api.Gateway(make_config(tmp_path), 0)
+    release = asyncio.Event()
+
+    async def requests():
+        await release.wait()
+        return
+        yield
+
+    seen: list[str] = []
+    loop = asyncio.get_running_loop()
+    loop.set_exception_handler(lambda _, context: seen.append(context["message"]))
+    try:
+        call = asyncio.create_task(gateway.model_stream_infer(requests(), None))
+        await asyncio.sleep(0.05)
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        release.set()
+        await asyncio.sleep(0.05)
+        gc.collect()
+        await asyncio.sleep(0)
+        assert not [message for message in seen if "never retrieved" in message]
+    finally:
+        loop.set_exception_handler(None)
+        await gateway.close()
