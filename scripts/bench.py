@@ -390,7 +390,7 @@ def main() -> int:
         if other:
             probe(other, "--compare's server")
         summary["closed_loop"] = closed_loop(args, url, other, inproc)
-        save(summary, out, unfinished=True)
+        save(summary, out, unfinished=True)  # and after each later stage
         # What follows the windows may fail (a server that answers a parity request 503, a
         # sweep's window with no answer): said in the report, which is written still (a
         # failed parity request lost every window's figures: an outside check).
@@ -399,6 +399,7 @@ def main() -> int:
             summary["parity"] = {"shmserve": min_cosine_to_fp32(url, corpus[:128], reference)}
             if other:
                 summary["parity"]["other"] = min_cosine_to_fp32(other, corpus[:128], reference)
+        save(summary, out, unfinished=True)
         if args.no_sweep:
             pass
         elif "short" not in summary["closed_loop"]:
