@@ -12,7 +12,8 @@
             "document"?: {"text"}}], "usage"}   (Cohere's and Jina's shape, best first)
     POST /v2/rerank    the same, as Cohere's v2 client sends it; its answer adds Cohere's
                        "meta" (one search unit); "max_tokens_per_doc" (v2), "max_chunks_per_doc"
-                       and "rank_fields" other than ["text"] (v1) are refused (422)
+                       and "rank_fields" other than ["text"] (v1) are refused (422; 400 here, as
+                       Cohere answers: frontend.errors.status_on)
 
 Every body may also carry "priority" and "user" (an A/B sticky key, see models.sticky_key).
 The running itself is frontend.tasks.

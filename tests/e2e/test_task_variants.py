@@ -132,6 +132,21 @@ def test_inference_metrics_name_each_arm_and_priority(task_stack):
     assert timed == {key[:2]: n for key, n in counted.items()}, grew
 
 
+def test_a_malformed_request_is_not_counted_by_arm(task_stack):
+    """A request refused for its own body once its arm was chosen (dimensions past the model's
+    width, token ids outside the vocabulary, an unknown prompt) is in shmserve_requests_total
+    only: an arm's error ratio counts the server's errors (docs/observability.md). They were
+    counted there with their 400 and 422 (an outside check)."""
+    before = inference_metrics(task_stack, "ab")
+    for path, body in (("/v1/embeddings", {"model": "ab", "input": "x", "dimensions": 99999}),
+                       ("/v1/embeddings", {"model": "ab", "input": [[1, 2, 3]]}),
+                       ("/embed", {"model": "ab", "inputs": "x", "prompt_name": "nope"}),
+                       ("/embed", {"model": "ab", "inputs": "x", "dimensions": 99999})):
+        status, _, answer = task_stack.post_json(path, body)
+        assert status in (400, 422), answer
+    assert inference_metrics(task_stack, "ab") == before
+
+
 def test_a_sticky_key_never_flips(task_stack):
     keys = [f"user-{k}" for k in range(40)]
     seen = defaultdict(set)
