@@ -72,7 +72,7 @@ def arena_name(instance: str, role: str, pid: int | None = None) -> str:
             f"{secrets.token_hex(8)}")
 
 
-_ARENA_FILE = re.compile(r"^shmserve-[0-9a-f]+-[a-z0-9]+-\d+(-[0-9a-f]+)?$")
+_ARENA_FILE = re.compile(r"^shmserve-[0-9a-f]+-[a-z0-9]+-(?P<pid>\d+)(-[0-9a-f]+)?$")
 ORPHAN_MIN_AGE_S = 10.0  # younger segments may be between their creation and their lock
 
 
@@ -262,12 +262,32 @@ class Attachments:
 
     def drop_vanished(self) -> None:
         """Forget mappings whose file was unlinked (a restarted frontend has a new arena): a
-        dead frontend's pages stay allocated in /dev/shm while mapped here."""
+        dead frontend's pages stay allocated in /dev/shm while mapped here. A mapping whose
+        creator (the pid in its name; frontends and workers share supervisord's pid namespace)
+        still runs is kept: its file was deleted under a live frontend (a /dev/shm cleaner,
+        RemoveIPC), which logs frontend.file_lost and drains, and the requests it drains can
+        only be served through the mappings held here (dropped, each was answered 503 until
+        the frontend had stopped: a soak check)."""
         for name in [n for n in self._maps if not (self._dir / n).exists()]:
+            if _creator_runs(name):
+                continue  # dropped at a later look, once its frontend is gone
             del self._maps[name]  # the mmap is closed when the last view goes
 
     def close(self) -> None:
         self._maps.clear()
+
+
+def _creator_runs(name: str) -> bool:
+    """Whether the process that made arena `name` (arena_name: its pid) still runs, as /proc
+    shows it (a zombie is gone)."""
+    found = _ARENA_FILE.match(name)
+    if found is None:
+        return False
+    try:
+        stat = Path(f"/proc/{found['pid']}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[:1] not in (["Z"], ["X"], [])
 
 
 def _view(buf: np.ndarray, handle: ShmHandle) -> np.ndarray:

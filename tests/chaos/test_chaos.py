@@ -243,3 +243,20 @@ def test_socket_files_deleted_under_load_are_made_again(stack):
         counts = kill_and_wait(stack, "frontends:frontend-1", load)  # connects to the workers
     assert sorted(line["frontend"] for line in lost()) == [0, 1], lost()
     assert set(counts) == {"200"}, counts
+
+
+def test_one_frontends_arena_deleted_under_load_fails_no_request(stack):
+    """One frontend's arena file deleted: it drains what it holds through the workers'
+    mappings, kept while it runs (they were dropped, and each of its requests answered 503:
+    a soak check), and nginx sends the rest to the other frontend."""
+    cfg = config.load_resolved(stack.run_dir / "config.json")
+    arenas = list(SHM.glob(topology.shm_prefix(cfg) + "fe0-*"))
+    assert len(arenas) == 1, arenas
+    with Load(stack) as load:
+        start = load.mark()
+        arenas[0].unlink()
+        stack.wait_until(lambda: set(SHM.glob(topology.shm_prefix(cfg) + "fe0-*")) - set(arenas),
+                         60, "frontend-0's new arena")
+        served_after(stack, load, "the arena's deletion")
+        counts = load.since(start)
+    assert set(counts) == {"200"}, counts

@@ -308,3 +308,29 @@ async def test_a_frontends_grpc_socket_deleted_stops_it_but_not_once_its_stop_be
         for listener in listeners:
             listener.close()
         arena.close()
+
+
+def test_a_live_frontends_arena_stays_mapped_after_its_file_is_deleted(tmp_path):
+    """A /dev/shm cleaner deletes a running frontend's arena file: the frontend drains its
+    requests, whose slots the workers must still read and write (drop_vanished forgot them,
+    and each was answered 503); a dead creator's mapping goes, so its pages are freed."""
+    live = Arena(arena_name("0123abcd", "fe0"), 1 << 16, directory=tmp_path)  # this process
+    dead = Arena(arena_name("0123abcd", "fe1", pid=999999999), 1 << 16, directory=tmp_path)
+    try:
+        attached = Attachments(directory=tmp_path)
+        handles = []
+        for a in (live, dead):
+            h = a.handle(a.alloc(64), "int32", (16,))
+            a.view(h)[...] = 7
+            assert (attached.view(h) == 7).all()
+            handles.append(h)
+        for a in (live, dead):
+            (tmp_path / a.name).unlink()
+        attached.drop_vanished()
+        assert (attached.view(handles[0]) == 7).all()  # still mapped: no open by name
+        with pytest.raises(FileNotFoundError):
+            attached.view(handles[1])
+        attached.close()
+    finally:
+        live.close()
+        dead.close()

@@ -101,7 +101,8 @@ def test_a_killed_frontends_arena_is_unmapped_once_unlinked(tmp_path):
 
     intake = _intake()
     intake.attachments = Attachments(directory=tmp_path)
-    dead = Arena(arena_name("test", "fe0"), 1 << 16, directory=tmp_path)
+    dead = Arena(arena_name("test", "fe0", pid=999999999), 1 << 16,  # its creator gone
+                 directory=tmp_path)
     intake.attachments.view(dead.handle(dead.alloc(64), "float32", (16,)))
     intake._look()
     assert dead.name in intake.attachments._maps  # still there: kept
