@@ -307,15 +307,6 @@ def _resource_of(request: web.Request) -> str:
     return "unmatched"
 
 
-def _client_fault(status: int) -> bool:
-    """A refusal of the request itself (400, 413, 422, ...: token ids out of the vocabulary,
-    `dimensions` past the model's width, an unknown prompt, a text over the limit without
-    truncation), found after its arm and priority were chosen: not counted by arm and priority,
-    whose error ratio is the server's (429, 499, 504, 5xx), not malformed requests'
-    (docs/observability.md, shmserve_inference_requests_total; an outside check counted them)."""
-    return 400 <= status < 500 and status not in (429, 499)
-
-
 def _record(request: web.Request, response: web.StreamResponse, elapsed: float,
             ended: float) -> None:
     route = request.match_info.route.resource
@@ -325,7 +316,7 @@ def _record(request: web.Request, response: web.StreamResponse, elapsed: float,
     model = request.get(MODEL_NAME) or request.app[MODELS].canonical(
         request.get(codec.NAMED_MODEL, "")) or ""
     metrics.observe_request(path, model, response.status, elapsed, request.get(REVISION, ""))
-    if (chosen := request.get(CHOSEN)) is not None and not _client_fault(response.status):
+    if (chosen := request.get(CHOSEN)) is not None:
         metrics.observe_inference(model, *chosen, response.status, elapsed)
     stages = request.get(STAGES)  # set by a route that ran the embedding pipeline
     if stages is not None and response.status < 400:

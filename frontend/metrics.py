@@ -158,7 +158,12 @@ def observe_request(route: str, model: str, status: int, seconds: float,
 def observe_inference(model: str, variant: str, priority: int, status: int,
                       seconds: float) -> None:
     """An inference request's counters by A/B arm and priority (the middleware calls this for
-    the requests that chose them)."""
+    the requests that chose them). A refusal of the request itself found after its arm was
+    chosen (400, 413, 422: token ids outside the vocabulary, `dimensions` past the model's
+    width, an unknown prompt) is not counted: an arm's error ratio is the server's (429, 499,
+    504, 5xx; docs/observability.md), and an outside check found them counted."""
+    if 400 <= status < 500 and status not in (429, 499):
+        return
     inference(model, variant, str(priority), str(status)).inc()
     inference_latency(model, variant, str(priority)).observe(seconds)
 
