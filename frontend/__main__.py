@@ -91,9 +91,9 @@ def serve(cfg: Config, index: int) -> int:
         ignore_stops()
         if cfg.server.grpc_port:
             # The gRPC calls drain first, while the HTTP socket they call still listens
-            from frontend import grpc_api
+            from frontend import grpc_server
 
-            grpc_api.stop_calls_then(app, lambda: loop.call_soon(graceful_exit))
+            grpc_server.stop_calls_then(app, lambda: loop.call_soon(graceful_exit))
             return
         raise web.GracefulExit()
 

@@ -430,9 +430,9 @@ def create_app(cfg: Config, index: int = 0) -> web.Application:
     app[SPLITS] = Splits(Watch(cfg))
     app.cleanup_ctx.append(_resources)
     if cfg.server.grpc_port:
-        from frontend import grpc_api
+        from frontend import grpc_server
 
-        app.cleanup_ctx.append(grpc_api.serve)  # after the pool, and stopped before it
+        app.cleanup_ctx.append(grpc_server.serve)  # after the pool, and stopped before it
     app.on_shutdown.append(_drain)
     routes.add_routes(app)
     info.add_routes(app)

@@ -186,11 +186,11 @@ MISSING = Undecodable("the call ended without a request message (a unary method 
 
 def parser(message_type, limit: int = -1) -> Callable[[bytes], Any]:
     """`message_type`'s deserializer for grpc: an Undecodable where the bytes do not parse.
-    The server runs without grpc's own per-message decompression (GrpcServer): grpc inflated a
-    compressed message whole before it checked its size, so 1.9 MB of gzip took a frontend to
-    2.2 GB, before any API key was asked for (an outside check). A compressed message reaches
-    here as it was sent and is inflated here, at most `limit` bytes of it (as an HTTP body is:
-    frontend.codec.inflate); -1: no limit."""
+    The server runs without grpc's own per-message decompression (frontend.grpc_server): grpc
+    inflated a compressed message whole before it checked its size, so 1.9 MB of gzip took a
+    frontend to 2.2 GB, before any API key was asked for (an outside check). A compressed
+    message reaches here as it was sent and is inflated here, at most `limit` bytes of it (as an
+    HTTP body is: frontend.codec.inflate); -1: no limit."""
 
     def parse(data: bytes):
         try:

@@ -61,7 +61,7 @@ def grpc_socket(app, cfg: Config) -> Path | None:
     started, once its stop began (which puts its own placeholder there), or without gRPC."""
     if not cfg.server.grpc_port:
         return None
-    from frontend.grpc_api import GRPC_SERVER  # (grpc is imported only where it is served)
+    from frontend.grpc_server import GRPC_SERVER  # (grpc is imported only where it is served)
 
     server = app.get(GRPC_SERVER)
     return None if server is None else server.serving_at
