@@ -21,6 +21,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 import ab  # noqa: E402
 import bench  # noqa: E402
 import benchkit  # noqa: E402
+import benchreport  # noqa: E402
 import burst  # noqa: E402
 import tail  # noqa: E402
 
@@ -270,7 +271,7 @@ def test_a_stage_ended_by_a_one_line_error_is_recorded_and_the_report_written():
     """Such as the null model's stack finding no free port left in SHMSERVE_PORTS (one line
     now, where a RuntimeError was recorded as the stage's error)."""
     summary = {}
-    with bench.stage(summary, "null pipeline"):
+    with benchreport.stage(summary, "null pipeline"):
         raise SystemExit("bench.py: SHMSERVE_PORTS=1-2: no free port in the range")
     assert summary["errors"] == {"null pipeline": "SystemExit: bench.py: SHMSERVE_PORTS=1-2: "
                                                   "no free port in the range"}

@@ -13,6 +13,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 import bench  # noqa: E402
 import benchparity  # noqa: E402
+import benchreport  # noqa: E402
 import burst  # noqa: E402
 
 
@@ -26,7 +27,7 @@ def summary(**extra):
 
 
 def test_the_parity_lines_are_not_read_as_rows_of_the_table_above():
-    lines = bench.markdown(summary()).splitlines()
+    lines = benchreport.markdown(summary()).splitlines()
     first = next(i for i, line in enumerate(lines) if "Parity" in line)
     assert lines[first - 1] == "" and lines[first - 2].startswith("| short")
     assert [line for line in lines if "Parity" in line] == [
@@ -35,7 +36,8 @@ def test_the_parity_lines_are_not_read_as_rows_of_the_table_above():
 
 
 def test_a_note_of_too_few_rounds_closes_the_report():
-    assert bench.markdown(summary(note="1 round(s): few")).splitlines()[-1] == "1 round(s): few"
+    last = benchreport.markdown(summary(note="1 round(s): few")).splitlines()[-1]
+    assert last == "1 round(s): few"
 
 
 def test_burst_prints_latencies_in_milliseconds():
@@ -121,7 +123,7 @@ def test_a_port_of_the_range_is_not_given_twice_before_its_stack_binds_it(monkey
 
 
 def test_the_parity_line_names_the_comparison_as_the_table_does():
-    lines = bench.markdown(summary(compared="baseline")).splitlines()
+    lines = benchreport.markdown(summary(compared="baseline")).splitlines()
     assert "- Parity, baseline: minimum cosine to sentence-transformers fp32 1.000000." in lines
 
 
@@ -186,7 +188,7 @@ def test_failed_requests_are_in_the_table_and_said_to_be_in_the_latencies():
     s = bench.summarize(rounds)
     assert (s["served_failures"], s["served_requests"]) == (2052, 2113)
     assert s["served_vs_other"] is None  # the other side answered nothing: no ratio
-    report = bench.markdown(summary(closed_loop={"short": s}))
+    report = benchreport.markdown(summary(closed_loop={"short": s}))
     row = next(line for line in report.splitlines() if line.startswith("| short"))
     assert "| 2052 of 2113 (97%) |" in row and "| 500 of 500 (100%) | - |" in row
     assert "p50 and p99 are locust's over every request, the failed ones included" in report
@@ -194,10 +196,10 @@ def test_failed_requests_are_in_the_table_and_said_to_be_in_the_latencies():
 
 def test_a_stage_that_fails_after_the_windows_is_reported_and_the_report_written():
     s = summary()
-    with bench.stage(s, "parity check"):
+    with benchreport.stage(s, "parity check"):
         raise OSError("HTTP Error 503: Service Unavailable")
     assert s["errors"] == {"parity check": "OSError: HTTP Error 503: Service Unavailable"}
-    assert "The parity check did not complete: OSError: HTTP Error 503" in bench.markdown(s)
+    assert "The parity check did not complete: OSError: HTTP Error 503" in benchreport.markdown(s)
 
 
 def test_a_compared_url_is_probed_before_any_window_and_its_v1_form_taken():
@@ -232,7 +234,7 @@ def test_an_open_loop_window_with_no_answer_has_no_latency_and_counts_its_failur
     assert window["sent_per_s"] == window["requests"] / 0.5
     s = summary(sweep=[{"fraction": 0.25, "saturation_rps": 100.0, "offered_rps": 25.0,
                         **window}])
-    row = next(line for line in bench.markdown(s).splitlines() if line.startswith("| 25%"))
+    row = next(line for line in benchreport.markdown(s).splitlines() if line.startswith("| 25%"))
     assert row.startswith(f"| 25% of saturation | 100 | 25 | {window['sent_per_s']:.1f} | "
                           "0.0 | nan | nan |"), row
     assert benchkit.failed(window) == f", {window['requests']} of {window['requests']} " \
@@ -244,7 +246,7 @@ def test_the_latency_plot_draws_its_points_by_throughput():
     on themselves (an outside check)."""
     points = [{"fraction": f, "requests_per_s": r, "p50_ms": 10.0, "p99_ms": 30.0}
               for f, r in ((0.25, 30.0), (0.5, 20.7), (0.75, 60.0), (1.0, 80.0))]
-    assert [p["fraction"] for p in bench.by_throughput(points)] == [0.5, 0.25, 0.75, 1.0]
+    assert [p["fraction"] for p in benchreport.by_throughput(points)] == [0.5, 0.25, 0.75, 1.0]
 
 
 def test_the_model_named_for_the_bench_goes_with_every_parity_request(monkeypatch):
@@ -288,13 +290,13 @@ def test_a_stack_serving_another_model_than_the_ceiling_is_said_so():
 def test_the_report_is_written_after_each_stage_and_marked_unfinished_until_the_last(
         tmp_path, capsys):
     s = summary()
-    bench.save(s, tmp_path / "run", unfinished=True)
+    benchreport.save(s, tmp_path / "run", unfinished=True)
     written = (tmp_path / "run" / "results.md").read_text()
     assert written.splitlines()[-1].startswith("Unfinished: written before the run's end")
     assert "unfinished" in json.loads((tmp_path / "run" / "results.json").read_text())
     assert "the report so far" in capsys.readouterr().err
     s["null"] = {"requests_per_s": 2500.0}
-    bench.save(s, tmp_path / "run", unfinished=False)
+    benchreport.save(s, tmp_path / "run", unfinished=False)
     final = (tmp_path / "run" / "results.md").read_text()
     assert "Unfinished" not in final and "2500 requests/s" in final
     assert "unfinished" not in json.loads((tmp_path / "run" / "results.json").read_text())
