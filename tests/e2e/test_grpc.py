@@ -1,7 +1,7 @@
 """KServe v2 over gRPC (server.grpc_port) through nginx and supervisord, with Triton's own
 client (tritonclient.grpc) and a raw grpc channel: inference equal to HTTP's, each error as
 its gRPC status (the frontend's and nginx's own), streams, health checking, request ids in
-the logs, a rolling restart of the frontends under gRPC load, no frontend at all."""
+the logs, reflection. Operations under gRPC: tests/e2e/test_grpc_operations.py."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import gzip
 import json
 import queue
 import socket
-import threading
 import time
 
 import grpc
@@ -17,25 +16,15 @@ import numpy as np
 import pytest
 import tritonclient.grpc as triton_grpc
 import tritonclient.http as triton_http
-from tritonclient.utils import InferenceServerException
 
 from frontend import protos
 from tests import h2stream
-from tests.conftest import tiny_overrides
-from tests.stack import Stack, free_port
-
-KEY = "grpc-key-0123"
-AUTH = {"authorization": f"Bearer {KEY}"}
-
+from tests.grpcstack import AUTH, grpc_stack, status_of, texts
+from tests.stack import Stack
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, tiny_model):
-    port = free_port()
-    s = Stack(tmp_path_factory.mktemp("grpc") / "stack", tiny_overrides(
-        tiny_model, server={"grpc_port": port}, auth={"api_keys": [KEY]},
-        nginx={"client_max_body_size": "64k"}))
-    s.grpc_port = port
-    s.up()
+    s = grpc_stack(tmp_path_factory.mktemp("grpc") / "stack", tiny_model)
     yield s
     s.down()
 
@@ -44,18 +33,6 @@ def stack(tmp_path_factory, tiny_model):
 def client(stack):
     with triton_grpc.InferenceServerClient(f"127.0.0.1:{stack.grpc_port}") as c:
         yield c
-
-
-def texts(*values: bytes, name: str = "text") -> triton_grpc.InferInput:
-    tensor = triton_grpc.InferInput(name, [len(values)], "BYTES")
-    tensor.set_data_from_numpy(np.array(values, dtype=object))
-    return tensor
-
-
-def status_of(call) -> tuple[str, str]:
-    with pytest.raises(InferenceServerException) as caught:
-        call()
-    return caught.value.status(), caught.value.message()
 
 
 def test_tritonclient_grpc_embeds_as_http_does(stack, client):
@@ -317,150 +294,3 @@ def test_a_client_without_the_protos_calls_through_reflection(stack):
                                     request_serializer=request_type.SerializeToString,
                                     response_deserializer=reply_type.FromString)
         assert ready(request_type()).ready is True
-
-
-def test_a_locust_load_over_grpc(stack, tmp_path, monkeypatch):
-    """scripts/locustfile.py's gRPC user (SHMSERVE_BENCH_API=grpc), as bench's windows run it."""
-    from tests.e2e.test_bench import benchkit
-    from tests.stack import corpus_path
-
-    corpus = tmp_path / "short.json"  # sentences within the tiny model's 64 tokens
-    corpus.write_text(json.dumps([t for t in json.loads(corpus_path().read_text())
-                                  if len(t) <= 80]))
-    monkeypatch.setenv("SHMSERVE_BENCH_GRPC", f"127.0.0.1:{stack.grpc_port}")
-    monkeypatch.setenv("SHMSERVE_BENCH_MODEL", "tiny")
-    monkeypatch.setenv("SHMSERVE_API_KEY", KEY)
-    # 6 s: a run loaded by other stacks once saw no call end in 3 (the spawn not counted)
-    window = benchkit.locust_window("http://unused", benchkit.Scenario("g", 8, "4", api="grpc"),
-                                    6, corpus)
-    assert window["failures"] == 0 and window["requests"] > 20
-    assert window["texts_per_s"] == pytest.approx(window["requests_per_s"] * 4, rel=1e-9)
-
-
-def test_a_rolling_restart_of_the_frontends_fails_no_call(stack):
-    stop = threading.Event()
-    done, failed = [0], []
-
-    def load() -> None:
-        with triton_grpc.InferenceServerClient(f"127.0.0.1:{stack.grpc_port}") as c:
-            while not stop.is_set():
-                try:
-                    c.infer("tiny", [texts(b"hello there")], headers=AUTH)
-                    done[0] += 1
-                except InferenceServerException as exc:
-                    failed.append((exc.status(), exc.message()))
-
-    threads = [threading.Thread(target=load) for _ in range(8)]
-    for thread in threads:
-        thread.start()
-    try:
-        time.sleep(1)
-        stack.cli("restart", "frontends")
-        time.sleep(1)
-    finally:
-        stop.set()
-        for thread in threads:
-            thread.join()
-    assert failed == [] and done[0] > 100
-    # The stopped frontends wrote JSON lines only: grpc's shutdown at their interpreter's exit
-    # wrote "Error in sys.excepthook:" and two more lines of text into each log (a log
-    # shipper's parse error at every stop)
-    for program in ("frontend-0", "frontend-1"):
-        lines = stack.log(program).splitlines()
-        assert any('"frontend.stopped"' in line for line in lines), program
-        assert [line for line in lines if not line.startswith("{")] == [], program
-
-
-def test_an_open_stream_ends_unavailable_when_its_frontend_stops(stack):
-    """Not held open to the end of the drain and cut: every request it read is answered, then
-    it ends UNAVAILABLE saying to open a new one."""
-    pending: queue.Queue = queue.Queue()
-
-    def requests():
-        while (item := pending.get()) is not None:
-            yield item
-
-    def request(i: int):
-        one = protos.ModelInferRequest(model_name="tiny", id=str(i))
-        one.inputs.add(name="text", datatype="BYTES", shape=[1]).contents.bytes_contents.append(
-            b"hello")
-        return one
-
-    with grpc.insecure_channel(f"127.0.0.1:{stack.grpc_port}") as channel:
-        stream = channel.stream_stream(
-            "/inference.GRPCInferenceService/ModelStreamInfer",
-            request_serializer=protos.ModelInferRequest.SerializeToString,
-            response_deserializer=protos.ModelStreamInferResponse.FromString)
-        answers = stream(requests(), metadata=list(AUTH.items()))
-        pending.put(request(0))
-        assert next(answers).infer_response.id == "0"
-        restart = threading.Thread(target=stack.cli, args=("restart", "frontends"))
-        restart.start()
-        try:
-            with pytest.raises(grpc.RpcError) as caught:
-                for answer in answers:
-                    assert not answer.error_message
-        finally:
-            pending.put(None)
-            restart.join()
-    assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
-    assert "is stopping" in caught.value.details() and "new stream" in caught.value.details()
-
-
-def test_no_frontend_is_unavailable_from_nginx(stack, client):
-    stack.ctl("stop", "frontends:*")
-    try:
-        for call in (lambda: client.infer("tiny", [texts(b"a")], headers=AUTH),
-                     client.is_server_ready):
-            assert status_of(call) == ("StatusCode.UNAVAILABLE",
-                                       "no frontend answered; see `shmserve status`")
-    finally:
-        stack.ctl("start", "frontends:*")
-    # supervisord's start returns once each frontend ran startsecs; its gRPC server may bind a
-    # moment later, and until then nginx's UNAVAILABLE is what is_server_ready raises (CI)
-    def ready() -> bool:
-        try:
-            return client.is_server_ready()
-        except InferenceServerException as exc:
-            assert exc.status() == "StatusCode.UNAVAILABLE", exc
-            return False
-    stack.wait_until(ready, 60, "gRPC ready through nginx again")
-
-
-def test_apply_turns_grpc_off_and_on_and_moves_it_only_when_asked(stack, client):
-    """Last in the module: it moves the stack's gRPC port."""
-    from tests.e2e.test_apply import edit
-
-    old, new = stack.grpc_port, free_port()
-    edit(stack, server={"grpc_port": new}, frontends={"count": 1})
-    refused = stack.cli("apply", check=False)
-    assert refused.returncode != 0
-    assert f"gRPC moves from port {old} to port {new}" in refused.stderr
-    assert "give --move" in refused.stderr
-    assert client.is_server_ready()  # nothing changed
-
-    stack.cli("apply", "--move", timeout=400)
-    with triton_grpc.InferenceServerClient(f"127.0.0.1:{new}") as moved:
-        assert moved.infer("tiny", [texts(b"a")], headers=AUTH).as_numpy("embedding").shape \
-            == (1, 32)
-    assert status_of(lambda: client.is_server_ready(client_timeout=10))[0] == \
-        "StatusCode.UNAVAILABLE"
-    # frontend-1, removed, left no socket file: its gRPC one was its stop's placeholder
-    sockets = stack.run_dir / "sockets"
-    assert not (sockets / "frontend-1.grpc.sock").exists() and not \
-        (sockets / "frontend-1.sock").exists()
-    assert (sockets / "frontend-0.grpc.sock").exists()
-
-    edit(stack, server={"grpc_port": 0})
-    stack.cli("apply", "--move", timeout=400)
-    assert not (stack.run_dir / "sockets" / "frontend-0.grpc.sock").exists()
-    assert stack.get("/ready")[0] == 200  # HTTP serves on
-
-    edit(stack, server={"grpc_port": old})  # on again: no client loses anything, no --move
-    stack.cli("apply", timeout=400)
-    # a channel of its own: grpc's shared one to this port is in its reconnect backoff since
-    # the port closed
-    with triton_grpc.InferenceServerClient(
-            f"127.0.0.1:{old}", channel_args=[("grpc.use_local_subchannel_pool", 1)]) as again:
-        assert again.infer("tiny", [texts(b"b")], headers=AUTH).as_numpy("embedding").shape \
-            == (1, 32)

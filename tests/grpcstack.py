@@ -1,0 +1,38 @@
+"""The gRPC tests' stack (server.grpc_port on, one API key) and their tritonclient helpers
+(tests/e2e/test_grpc.py, tests/e2e/test_grpc_operations.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tritonclient.grpc as triton_grpc
+from tritonclient.utils import InferenceServerException
+
+from tests.conftest import tiny_overrides
+from tests.stack import Stack, free_port
+
+KEY = "grpc-key-0123"
+AUTH = {"authorization": f"Bearer {KEY}"}
+
+
+def grpc_stack(root, tiny_model) -> Stack:
+    """Up: gRPC on a free port (its .grpc_port), nginx's body limit 64k, API key KEY."""
+    port = free_port()
+    s = Stack(root, tiny_overrides(tiny_model, server={"grpc_port": port},
+                                   auth={"api_keys": [KEY]},
+                                   nginx={"client_max_body_size": "64k"}))
+    s.grpc_port = port
+    s.up()
+    return s
+
+
+def texts(*values: bytes, name: str = "text") -> triton_grpc.InferInput:
+    tensor = triton_grpc.InferInput(name, [len(values)], "BYTES")
+    tensor.set_data_from_numpy(np.array(values, dtype=object))
+    return tensor
+
+
+def status_of(call) -> tuple[str, str]:
+    with pytest.raises(InferenceServerException) as caught:
+        call()
+    return caught.value.status(), caught.value.message()
