@@ -144,6 +144,23 @@ def test_the_image_runs_the_pods_command():
     assert container(deployment)["securityContext"]["allowPrivilegeEscalation"] is False
 
 
+def test_the_images_dependency_layer_holds_every_package():
+    """The layer that installs the dependencies before `COPY . .` has only the files copied or
+    touched for it: every package pyproject.toml names needs its __init__.py there, or pip's
+    editable install fails ("package directory 'frontend/protos' does not exist")."""
+    import tomllib
+
+    text = (REPO_ROOT / "deploy" / "Dockerfile").read_text()
+    layer = text.split("\nCOPY . .\n")[0]
+    present = set(re.findall(r"^COPY (?:\S+ )*(\S+)$", layer, re.M))
+    for touched in re.findall(r"touch ((?:\S+/__init__\.py ?)+)", layer):
+        present.update(touched.split())
+    pyproject = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
+    packages = pyproject["tool"]["setuptools"]["packages"]
+    missing = [p for p in packages if p.replace(".", "/") + "/__init__.py" not in present]
+    assert not missing, f"deploy/Dockerfile's dependency layer lacks the packages {missing}"
+
+
 def get(url: str) -> int:
     try:
         with urllib.request.urlopen(url, timeout=10) as resp:
