@@ -169,6 +169,9 @@ def _show(value: Any, key: str) -> str:
     text = repr(_USERINFO.sub(r"\1***@", str(value)) if isinstance(value, str) else value)
     text = text if len(text) <= 60 else text[:57] + "..."
     if isinstance(value, str):
+        if re.fullmatch(r"[-+]?0[0-9_]+", value.strip()):  # "expected an integer, got '010'"
+            return f"the text {text} (a leading zero: YAML 1.1 reads 010 as octal 8; write " \
+                   "the number without it)"
         if not _NUMBER_TEXT.fullmatch(str(value).strip()):
             return text
         # A number read as text: YAML 1.1 reads 1e9 (no dot, no exponent sign) as a string,
