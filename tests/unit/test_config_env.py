@@ -146,10 +146,14 @@ def test_an_environment_number_is_decimal():
     """YAML 1.1 read SHMSERVE__WORKERS__DEVICES='[010]' as GPU 8, and 1:00 as 60 (an outside
     check): only decimal integers are numbers; the others are refused for a number key and
     kept as text for a string key."""
-    for value in ("010", "1:00", "0b11", "0x1F"):
+    for value in ("1:00", "0b11", "0x1F"):
         with pytest.raises(ConfigError, match=f"frontends.count: expected an integer, got "
                                               f"'{value}'"):
             config.load(environ={"SHMSERVE__FRONTENDS__COUNT": value})
+    # a leading zero says why ("got '010'" alone did not: an outside check)
+    with pytest.raises(ConfigError, match=r"^frontends.count: expected an integer, got the text "
+                                          r"'010' \(a leading zero: YAML 1.1 reads 010 as octal"):
+        config.load(environ={"SHMSERVE__FRONTENDS__COUNT": "010"})
     assert config.load(environ={"SHMSERVE__FRONTENDS__COUNT": "+4"}).frontends.count == 4
     assert config.load(environ={"SHMSERVE__MODELS__0__REVISION": "010"}).models[0].revision \
         == "010"
