@@ -34,7 +34,8 @@ log = logging.getLogger("shmserve.frontend")
 access = logging.getLogger("shmserve.access")
 
 CLIENT_CLOSED = 499  # nginx's status for a request whose client closed the connection
-_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+REQUEST_ID_MAX = 128  # a longer X-Request-ID is replaced by a made-up one
+_REQUEST_ID = re.compile(rf"^[A-Za-z0-9._:\-]{{1,{REQUEST_ID_MAX}}}$")
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,6 +31,7 @@ import grpc
 import orjson
 
 from frontend import metrics, protos
+from frontend.app import REQUEST_ID_MAX
 from frontend.grpc_messages import (MISSING, STATUS_CODES, CallFailed, Undecodable, error_text,
                                     infer_body, infer_response, model_path, parser)
 from frontend.kserve import HEADER_LENGTH
@@ -160,8 +161,9 @@ class Gateway:
         lock = asyncio.Lock()
         slots = asyncio.Semaphore(self._inflight)
         running: set[asyncio.Task] = set()
+        sequence = 0
 
-        async def one(request) -> None:
+        async def one(request, number: int) -> None:
             # An error's answer names its request too (infer_response's id and model), so a
             # client that sent many can tell which failed (tritonclient reads error_message).
             failed = protos.ModelInferResponse() if isinstance(request, Undecodable) else \
@@ -170,7 +172,7 @@ class Gateway:
                 if isinstance(request, Undecodable):
                     raise CallFailed(request.code, request.message)
                 reply = protos.ModelStreamInferResponse(
-                    infer_response=await self.model_infer(request, _StreamCall(context)))
+                    infer_response=await self.model_infer(request, _StreamCall(context, number)))
             except CallFailed as exc:
                 reply = protos.ModelStreamInferResponse(error_message=exc.message,
                                                         infer_response=failed)
@@ -200,7 +202,8 @@ class Gateway:
                 except StopAsyncIteration:
                     break
                 await slots.acquire()
-                task = asyncio.create_task(one(request))
+                sequence += 1
+                task = asyncio.create_task(one(request, sequence))
                 running.add(task)
                 task.add_done_callback(running.discard)
             if running:
@@ -294,13 +297,24 @@ class Unimplemented(grpc.GenericRpcHandler):
 
 class _StreamCall:
     """A stream's context for one of its requests: the stream's metadata and deadline; initial
-    metadata is the stream's, sent once (not per response)."""
+    metadata is the stream's, sent once (not per response). Its request id is the stream's
+    (nginx's, one access line for the whole stream) and `:N`, the request's place in the
+    stream: every request of a stream had the stream's id on its access and batch lines, so
+    the lines of one could not be told from another's (an outside check: 5 access lines, one
+    id); `grep STREAM_ID` still finds them all."""
 
-    def __init__(self, context: grpc.aio.ServicerContext) -> None:
+    def __init__(self, context: grpc.aio.ServicerContext, number: int = 0) -> None:
         self._context = context
+        self._number = number
 
     def invocation_metadata(self):
-        return self._context.invocation_metadata()
+        metadata = self._context.invocation_metadata() or ()
+        if not self._number:
+            return metadata
+        return tuple((key, f"{value}:{self._number}"
+                      if key == "x-request-id" and isinstance(value, str)
+                      and len(value) + 1 + len(str(self._number)) <= REQUEST_ID_MAX else value)
+                     for key, value in metadata)
 
     def time_remaining(self) -> float | None:
         return self._context.time_remaining()

@@ -415,3 +415,60 @@ async def test_a_stream_cancelled_while_it_reads_leaves_no_unretrieved_read(tmp_
     finally:
         loop.set_exception_handler(None)
         await gateway.close()
+
+
+def test_each_request_of_a_stream_has_its_own_request_id():
+    """A stream's requests had the stream's id (nginx's) on every access and batch line: one
+    could not be told from another (an outside check: 5 access lines with one id). Each is
+    the stream's id and its place in the stream; other metadata is the stream's."""
+    class Context:
+        def invocation_metadata(self):
+            return (("x-request-id", "3c6fb21b"), ("authorization", "Bearer k"))
+
+    assert grpc_api._StreamCall(Context(), 3).invocation_metadata() == (
+        ("x-request-id", "3c6fb21b:3"), ("authorization", "Bearer k"))
+    assert dict(grpc_api._StreamCall(Context(), 12).invocation_metadata())["x-request-id"] == \
+        "3c6fb21b:12"
+    from frontend.app import _REQUEST_ID
+    assert _REQUEST_ID.match("3c6fb21b:12")  # the frontend keeps it, not a made-up one
+
+    class Longest:
+        def invocation_metadata(self):
+            return (("x-request-id", "a" * 127),)
+
+    # one that would pass the frontend's limit stays the stream's id
+    assert grpc_api._StreamCall(Longest(), 5).invocation_metadata() == (
+        ("x-request-id", "a" * 127),)
+
+
+async def test_a_streams_requests_go_with_their_numbers(tmp_path, monkeypatch):
+    """model_stream_infer numbers the requests it reads, 1, 2, 3, in the order read."""
+    gateway = grpc_api.Gateway(make_config(tmp_path), 0)
+    seen: list[str] = []
+
+    async def infer(request, call):
+        seen.append(dict(call.invocation_metadata())["x-request-id"])
+        return protos.ModelInferResponse(id=request.id)
+
+    monkeypatch.setattr(gateway, "model_infer", infer)
+
+    class Context:
+        written: list = []
+
+        def invocation_metadata(self):
+            return (("x-request-id", "s1"),)
+
+        async def write(self, reply):
+            self.written.append(reply.infer_response.id)
+
+    async def requests():
+        for i in range(3):
+            yield protos.ModelInferRequest(model_name="m", id=f"r{i}")
+
+    try:
+        context = Context()
+        await gateway.model_stream_infer(requests(), context)
+        assert sorted(seen) == ["s1:1", "s1:2", "s1:3"]
+        assert sorted(context.written) == ["r0", "r1", "r2"]
+    finally:
+        await gateway.close()

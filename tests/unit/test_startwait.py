@@ -179,6 +179,8 @@ def test_wait_ready_stops_at_once_when_nginx_refuses_the_clis_certificate(tmp_pa
                          "valid, or revoked: nginx.tls_client_crl)", "type": "forbidden"}}
     monkeypatch.setattr(startwait.tls, "client_context", lambda cfg: None)
     monkeypatch.setattr(remote, "http", lambda url, **kw: (403, json.dumps(refusal).encode()))
+    # the frontends listen (loading: 503); nginx is asked once they do
+    monkeypatch.setattr(remote, "http_unix", lambda path, target, timeout=2.0: 503)
     started = time.monotonic()
     assert startwait.wait_ready(cfg, timeout=30) == 1
     assert time.monotonic() - started < 5
@@ -188,3 +190,45 @@ def test_wait_ready_stops_at_once_when_nginx_refuses_the_clis_certificate(tmp_pa
     # a 403 for another reason (none where one is needed cannot happen on /ready) waits on
     refusal["error"]["message"] = "forbidden"
     assert startwait.certificate_refused(cfg, 403, json.dumps(refusal).encode()) == ""
+
+
+def test_wait_ready_asks_nginx_only_once_every_frontend_answers_on_its_socket(deployment,
+                                                                              monkeypatch):
+    """A probe through nginx while a frontend did not listen yet was a [crit] 'connect() ...
+    No such file or directory' (or an 'upstream timed out' error) in nginx's log at every
+    `up --wait` (an outside check)."""
+    import http.server
+    import socketserver
+    import threading
+
+    render.render(deployment)
+    asked: list[str] = []
+    monkeypatch.setattr(remote, "http", lambda url, **kw: asked.append(url) or (200, b""))
+
+    class Ready(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args) -> None:
+            pass
+
+    servers = []
+    try:
+        for index in range(deployment.frontends.count - 1):  # the last one not listening yet
+            path = topology.frontend_socket(deployment, index)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            servers.append(socketserver.UnixStreamServer(str(path), Ready))
+            threading.Thread(target=servers[-1].serve_forever, daemon=True).start()
+        assert startwait.wait_ready(deployment, timeout=0.6) == 1
+        assert asked == []
+        path = topology.frontend_socket(deployment, deployment.frontends.count - 1)
+        servers.append(socketserver.UnixStreamServer(str(path), Ready))
+        threading.Thread(target=servers[-1].serve_forever, daemon=True).start()
+        assert startwait.wait_ready(deployment, timeout=5) == 0
+        assert len(asked) == 1
+    finally:
+        for server in servers:
+            server.shutdown()
+            server.server_close()
