@@ -15,6 +15,11 @@ if TYPE_CHECKING:
     from shmserve.config import Config
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # each drains, then exits
+# Other daemons' "reopen your logs" (nginx's USR1, logrotate's postrotate habit): a program
+# logs to its stdout, which supervisord writes and rotates, so there is nothing to reopen.
+# Their default action killed the frontend on the spot, without a drain (`supervisorctl
+# signal USR1 all`: "terminated by SIGUSR1; not expected", every frontend at once).
+IGNORED_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
 
 
 def bind_in_place(path: Path, backlog: int) -> socket.socket:
@@ -110,6 +115,8 @@ def serve(cfg: Config, index: int) -> int:
     # loading its tokenizers, which then served on until SIGKILL (CI). Until the loop runs,
     # a stop signal is recorded here; the loop's first callback installs its handlers, then
     # stops at once if one came (what of the app's startup ran, run_app cleans up).
+    for signum in IGNORED_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
     early: list[int] = []
     for signum in STOP_SIGNALS:
         signal.signal(signum, lambda signum, frame: early.append(signum))

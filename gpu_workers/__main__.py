@@ -86,6 +86,10 @@ def serve(cfg, index: int) -> int:
     # does, and supervisord starts it again.
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, stop)
+    # USR1 and USR2 (other daemons' "reopen your logs": this one logs to supervisord) killed it
+    # without a drain, as SIGHUP did: ignored, as the frontends do.
+    for sig in (signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, signal.SIG_IGN)
     loading, answered = False, False
     try:
         worker.serve()

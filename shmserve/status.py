@@ -189,6 +189,16 @@ _STATE_TEXT = {
 }
 
 
+def _stopped_by_hand(cur: Sample) -> list[str]:
+    """nginx, or every frontend, in supervisord's STOPPED state (a stop asked for, not a
+    crash): what keeps requests from an answer."""
+    stopped = sorted(p["name"] for p in cur.processes if p["statename"] == "STOPPED"
+                     and (p["name"] == "nginx" or p["name"].startswith("frontend-")))
+    frontends = [p for p in cur.processes if p["name"].startswith("frontend-")]
+    every_frontend = bool(frontends) and all(p["name"] in stopped for p in frontends)
+    return stopped if "nginx" in stopped or every_frontend else []
+
+
 def _frontends_down(cur: Sample) -> list[str]:
     """Frontends supervisord does not run, or that are stopped (SIGSTOP) while it says so."""
     return sorted(p["name"] for p in cur.processes if p["name"].startswith("frontend-") and (
@@ -207,6 +217,13 @@ def _state(cur: Sample) -> str:
                  "run state)" if apart and all(w.get("ready") for w in
                                                cur.ready.get("workers", []))
             else _STATE_TEXT[word].format(code=cur.ready_code))
+    if word in ("no_answer", "nginx_only") and (stopped := _stopped_by_hand(cur)):
+        # `supervisorctl stop nginx` (or `stop all`) read "stuck or gone": they were stopped,
+        # and nothing said how to start them again (an outside check)
+        head = ("no answer through nginx" if word == "no_answer"
+                else f"nginx answers {cur.ready_code}")
+        text = (f"{head}: stopped (supervisorctl stop): {', '.join(stopped)}; "
+                "`shmserve ctl start all` starts them again")
     if not cur.direct:
         return text
     # nginx refused this command's /metrics (mutual TLS without nginx.tls_client_certificate,

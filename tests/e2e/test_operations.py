@@ -340,3 +340,22 @@ def test_a_down_right_after_an_up_stops_every_program_by_its_signal(tmp_path, ti
     assert re.search(r"stopped: nginx \((exit status 0|terminated by SIGQUIT)\)", log), log
     assert "SIGKILL" not in log, log
     assert took < 12, f"down took {took:.1f} s (nginx's stop wait is 15 s)\n{log}"
+
+
+def test_log_reopen_signals_leave_programs_running(stack):
+    """`supervisorctl signal USR1` (nginx's "reopen your logs", sent to all in a logrotate
+    habit) killed a frontend or worker on the spot, without a drain ("terminated by SIGUSR1;
+    not expected", an outside check): they log to supervisord, so there is nothing to reopen,
+    and both signals are ignored."""
+    programs = ["frontends:frontend-1", "workers:worker-1"]
+    before = {p: stack.pid(p) for p in programs}
+    for sig in ("USR1", "USR2"):
+        for program in programs:
+            done = stack.cli("ctl", "signal", sig, program)
+            assert done.returncode == 0, done.stdout + done.stderr
+    time.sleep(2)
+    assert {p: stack.pid(p) for p in programs} == before
+    supervisord = stack.log("supervisord")
+    assert "terminated by SIGUSR" not in supervisord, supervisord[-2000:]
+    status, _, body = stack.get("/ready")
+    assert status == 200 and json.loads(body)["status"] == "ready", body

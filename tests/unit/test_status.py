@@ -159,6 +159,16 @@ def test_json_holds_the_tables_figures_unformatted():
                  {**p, "start": p["now"] - 3600} for p in cur.processes]
         early = status.Sample(cur.at, young, None, {}, cur.metrics)
         assert status.snapshot(early, None)["state"] == want, (started, young)
+    # Stopped by hand (`supervisorctl stop nginx`, `stop all`): said so, not "stuck or gone"
+    # (an outside check)
+    for names in (("nginx",), tuple(p["name"] for p in cur.processes)):
+        held = [{**p, "statename": "STOPPED"} if p["name"] in names else
+                {**p, "start": p["now"] - 3600} for p in cur.processes]
+        quiet = status.Sample(cur.at, held, None, {}, cur.metrics)
+        assert status.snapshot(quiet, None)["state"] == "no_answer"
+        line = status.render(quiet, None, "t").splitlines()[0]
+        assert "stuck or gone" not in line and "stopped (supervisorctl stop): " in line, line
+        assert "nginx" in line and "`shmserve ctl start all`" in line, line
     assert snap["inference_requests_per_s"] == {"total": 20.0, "by_model": {"m": 20.0}}
     assert "inference_requests_per_s" not in status.snapshot(cur, None)
     out = io.StringIO()
