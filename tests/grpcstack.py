@@ -15,15 +15,29 @@ KEY = "grpc-key-0123"
 AUTH = {"authorization": f"Bearer {KEY}"}
 
 
-def grpc_stack(root, tiny_model) -> Stack:
-    """Up: gRPC on a free port (its .grpc_port), nginx's body limit 64k, API key KEY."""
-    port = free_port()
-    s = Stack(root, tiny_overrides(tiny_model, server={"grpc_port": port},
-                                   auth={"api_keys": [KEY]},
-                                   nginx={"client_max_body_size": "64k"}))
-    s.grpc_port = port
-    s.up()
-    return s
+def stack_fixture(name: str):
+    """A module's stack (`stack = grpcstack.stack_fixture(NAME)`): gRPC on a free port (its
+    .grpc_port), nginx's body limit 64k, API key KEY; up once for the module."""
+
+    @pytest.fixture(scope="module")
+    def stack(tmp_path_factory, tiny_model):
+        port = free_port()
+        s = Stack(tmp_path_factory.mktemp(name) / "stack", tiny_overrides(
+            tiny_model, server={"grpc_port": port}, auth={"api_keys": [KEY]},
+            nginx={"client_max_body_size": "64k"}))
+        s.grpc_port = port
+        s.up()
+        yield s
+        s.down()
+
+    return stack
+
+
+@pytest.fixture
+def client(stack):
+    """tritonclient.grpc's client of the module's stack (`client = grpcstack.client`)."""
+    with triton_grpc.InferenceServerClient(f"127.0.0.1:{stack.grpc_port}") as c:
+        yield c
 
 
 def texts(*values: bytes, name: str = "text") -> triton_grpc.InferInput:

@@ -18,21 +18,13 @@ import tritonclient.grpc as triton_grpc
 import tritonclient.http as triton_http
 
 from frontend import protos
-from tests import h2stream
-from tests.grpcstack import AUTH, grpc_stack, status_of, texts
+from tests import grpcstack, h2stream
+from tests.grpcstack import AUTH, status_of, texts
 from tests.stack import Stack
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory, tiny_model):
-    s = grpc_stack(tmp_path_factory.mktemp("grpc") / "stack", tiny_model)
-    yield s
-    s.down()
 
-
-@pytest.fixture
-def client(stack):
-    with triton_grpc.InferenceServerClient(f"127.0.0.1:{stack.grpc_port}") as c:
-        yield c
+stack = grpcstack.stack_fixture("grpc")
+client = grpcstack.client
 
 
 def test_tritonclient_grpc_embeds_as_http_does(stack, client):

@@ -15,21 +15,12 @@ import tritonclient.grpc as triton_grpc
 from tritonclient.utils import InferenceServerException
 
 from frontend import protos
-from tests.grpcstack import AUTH, KEY, grpc_stack, status_of, texts
+from tests import grpcstack
+from tests.grpcstack import AUTH, KEY, status_of, texts
 from tests.stack import free_port
 
-
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory, tiny_model):
-    s = grpc_stack(tmp_path_factory.mktemp("grpc-operations") / "stack", tiny_model)
-    yield s
-    s.down()
-
-
-@pytest.fixture
-def client(stack):
-    with triton_grpc.InferenceServerClient(f"127.0.0.1:{stack.grpc_port}") as c:
-        yield c
+stack = grpcstack.stack_fixture("grpc-operations")
+client = grpcstack.client
 
 
 def test_a_locust_load_over_grpc(stack, tmp_path, monkeypatch):
