@@ -269,6 +269,7 @@ def run(new: Config, old: Config, steps: Plan, timeout: float) -> None:
         remove(new, "workers", program)
     if steps.reaper:
         ctl(new, "restart", "reaper")
+        say("shmserve: reaper restarted")  # the plan lists it; nothing said it was done
 
 
 def workers(new: Config, frontends_of: Config, programs: list[str], timeout: float) -> None:

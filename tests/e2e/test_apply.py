@@ -64,6 +64,8 @@ def test_apply_scales_frontends_and_workers_up_and_down_under_load(stack):
         assert programs(stack) == before
         done = stack.cli("apply", timeout=400)
         assert "shmserve: applied" in done.stdout, done.stdout + done.stderr
+        # the reaper (it names every program) restarts, as the plan said, and says so
+        assert "restart: reaper" in dry.stdout and "shmserve: reaper restarted" in done.stdout
         # what it added was started, not restarted
         assert "started worker-2 (pid" in done.stdout and "restarted worker-2" not in \
             done.stdout, done.stdout
