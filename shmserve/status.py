@@ -189,14 +189,17 @@ _STATE_TEXT = {
 }
 
 
-def _stopped_by_hand(cur: Sample) -> list[str]:
-    """nginx, or every frontend, in supervisord's STOPPED state (a stop asked for, not a
-    crash): what keeps requests from an answer."""
-    stopped = sorted(p["name"] for p in cur.processes if p["statename"] == "STOPPED"
-                     and (p["name"] == "nginx" or p["name"].startswith("frontend-")))
-    frontends = [p for p in cur.processes if p["name"].startswith("frontend-")]
-    every_frontend = bool(frontends) and all(p["name"] in stopped for p in frontends)
-    return stopped if "nginx" in stopped or every_frontend else []
+def _stopped_by_hand(cur: Sample, word: str) -> list[str]:
+    """The programs in supervisord's STOPPED state (a stop asked for, not a crash) that keep
+    requests from an answer in state `word`: nginx, or every frontend (no_answer, nginx_only);
+    workers (unavailable)."""
+    stopped = sorted(p["name"] for p in cur.processes if p["statename"] == "STOPPED")
+    if word == "unavailable":
+        return [name for name in stopped if name.startswith("worker-")]
+    frontends = {p["name"] for p in cur.processes if p["name"].startswith("frontend-")}
+    if "nginx" in stopped or (frontends and frontends <= set(stopped)):
+        return [name for name in stopped if name == "nginx" or name in frontends]
+    return []
 
 
 def _frontends_down(cur: Sample) -> list[str]:
@@ -217,11 +220,13 @@ def _state(cur: Sample) -> str:
                  "run state)" if apart and all(w.get("ready") for w in
                                                cur.ready.get("workers", []))
             else _STATE_TEXT[word].format(code=cur.ready_code))
-    if word in ("no_answer", "nginx_only") and (stopped := _stopped_by_hand(cur)):
-        # `supervisorctl stop nginx` (or `stop all`) read "stuck or gone": they were stopped,
-        # and nothing said how to start them again (an outside check)
-        head = ("no answer through nginx" if word == "no_answer"
-                else f"nginx answers {cur.ready_code}")
+    if word in ("no_answer", "nginx_only", "unavailable") and (
+            stopped := _stopped_by_hand(cur, word)):
+        # `supervisorctl stop nginx` (or `stop all`) read "stuck or gone", every worker
+        # stopped "some model has no ready worker": they were stopped, and nothing said how
+        # to start them again (an outside check)
+        head = {"no_answer": "no answer through nginx", "unavailable": _STATE_TEXT[word]}.get(
+            word, f"nginx answers {cur.ready_code}")
         text = (f"{head}: stopped (supervisorctl stop): {', '.join(stopped)}; "
                 "`shmserve ctl start all` starts them again")
     if not cur.direct:

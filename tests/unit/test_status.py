@@ -169,6 +169,15 @@ def test_json_holds_the_tables_figures_unformatted():
         line = status.render(quiet, None, "t").splitlines()[0]
         assert "stuck or gone" not in line and "stopped (supervisorctl stop): " in line, line
         assert "nginx" in line and "`shmserve ctl start all`" in line, line
+    # every worker stopped by hand: "unavailable (some model has no ready worker)" alone
+    held = [{**p, "statename": "STOPPED"} if p["name"].startswith("worker-") else p
+            for p in cur.processes]
+    quiet = status.Sample(cur.at, held, 503, {**READY, "status": "unavailable"}, cur.metrics)
+    assert status.snapshot(quiet, None)["state"] == "unavailable"
+    line = status.render(quiet, None, "t").splitlines()[0]
+    assert line.startswith("t: unavailable (some model has no ready worker): stopped "
+                           "(supervisorctl stop): worker-0; `shmserve ctl start "
+                           "all`"), line
     assert snap["inference_requests_per_s"] == {"total": 20.0, "by_model": {"m": 20.0}}
     assert "inference_requests_per_s" not in status.snapshot(cur, None)
     out = io.StringIO()
