@@ -198,6 +198,7 @@ def render_supervisord(cfg: Config, nginx: str) -> str:
         "repo_root": str(REPO_ROOT).replace("%", "%%"),
         "supervisor_socket": str(supervisor_socket(cfg)),
         "minfds": str(_minfds(cfg)),
+        "supervisord_user": "user=root" if os.geteuid() == 0 else "; not root: no user",
         "stopwaitsecs": str(stopwaitsecs(cfg)),
         # supervisord's own activity log stays a file (in the foreground it also echoes it to
         # stdout); with logging.stdout, small, so the run volume's size limit holds (the

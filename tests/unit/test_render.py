@@ -270,6 +270,19 @@ def test_a_reaper_listens_for_every_exit_before_the_programs_start(tmp_path):
     assert p.autorestart is RestartUnconditionally
 
 
+def test_supervisord_runs_as_root_only_by_its_user_line(tmp_path, monkeypatch):
+    """user=root as root (supervisord logged a CRIT line at every start without it), no user
+    otherwise (a uid without a passwd entry, as a container may run, would be refused)."""
+    for euid, want in ((0, "root"), (10001, None)):
+        monkeypatch.setattr(render.os, "geteuid", lambda euid=euid: euid)
+        cfg = make_config(tmp_path / f"run-{euid}")
+        render.render(cfg)
+        options = ServerOptions()
+        options.configfile = str(render.supervisord_conf(cfg))
+        options.process_config(do_usage=False)
+        assert options.configroot.supervisord.user == want
+
+
 def test_nginx_logs_go_through_supervisord(tmp_path):
     """So they rotate like every other program's log (nginx.log under the run directory)."""
     cfg = make_config(tmp_path / "run")
