@@ -51,7 +51,7 @@ class Ran:
 @dataclass(frozen=True, slots=True)
 class Classified:
     logits: np.ndarray  # float32 [n, num_labels], as the worker gave them
-    probs: np.ndarray  # float32 [n, num_labels]: their softmax; each row sums to 1
+    probs: np.ndarray  # float32 [n, num_labels]: their softmax (a multi-label model's: sigmoid)
     labels: tuple[str, ...]  # label names by class index, from the model's config.json
     ran: Ran
 
@@ -125,7 +125,10 @@ async def classify(request: web.Request, name: str | None, texts: list[str | tup
                     sum(len(t) if isinstance(t, str) else len(t[0]) + len(t[1]) for t in texts),
                     priority=priority, user=user)
     logits = ran.outcome.vectors
-    return Classified(logits, softmax(logits), ran.variant.spec.labels, ran)
+    spec = ran.variant.spec
+    multi = spec.task == "classification" and spec.activation == "sigmoid"  # multi-label
+    return Classified(logits, activate(logits, "sigmoid") if multi else softmax(logits),
+                      spec.labels, ran)
 
 
 async def rerank(request: web.Request, name: str | None, query: str, documents: list[str], *,

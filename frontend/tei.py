@@ -168,8 +168,8 @@ CLASSIFY_PARAMETERS = ("function_to_apply", "top_k")
 
 async def _classify(request: web.Request, body: dict) -> web.Response:
     """huggingface_hub's `text_classification`: every label of each input, best first, cut to
-    `parameters.top_k`; scored by `parameters.function_to_apply` (softmax, the default;
-    sigmoid; none: the logits)."""
+    `parameters.top_k`; scored by `parameters.function_to_apply` (softmax; sigmoid; none: the
+    logits; by default the model's: a sigmoid for a multi-label model, else the softmax)."""
     parameters = body["parameters"] if body["parameters"] is not None else {}
     if not isinstance(parameters, dict):
         raise ApiError("invalid_request", "'parameters' must be an object", param="parameters")
@@ -188,7 +188,8 @@ async def _classify(request: web.Request, body: dict) -> web.Response:
     out = await tasks.classify(request, model_name(body), given, param="inputs",
                                priority=body_priority(body), user=user(body))
     rows = (out.logits if applied == "none" else
-            tasks.activate(out.logits, "sigmoid") if applied == "sigmoid" else out.probs)
+            tasks.activate(out.logits, "sigmoid") if applied == "sigmoid" else
+            tasks.softmax(out.logits) if applied == "softmax" else out.probs)
     return codec.render(request, [scores.ranked(row, out.labels, top_k) for row in rows],
                         headers=tasks.stage_headers(request, out.ran.outcome))
 

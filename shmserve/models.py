@@ -281,6 +281,9 @@ def incompatible(active: ModelSpec, new: ModelSpec, sides: tuple[str, str] = ("n
                            ("architecture", served[0], offered[0]),
                            ("output width", active.dim, new.dim),
                            ("label set", active.labels, new.labels),
+                           # the frontends score the logits by the served model's (a softmax,
+                           # a multi-label model's or a cross-encoder's sigmoid, identity)
+                           ("scoring", active.activation or "softmax", new.activation or "softmax"),
                            ("input limit", active.max_tokens, new.max_tokens),
                            # the frontends refuse token ids past the table they were told of
                            ("embedding table's rows (config.json vocab_size)",
@@ -348,7 +351,10 @@ def _head(task: str, model_cfg: dict, directory: Path) -> tuple[tuple[str, ...],
         if len(labels) < 2:
             raise ModelSourceError(f"{directory}: a classification model needs >= 2 labels; "
                                    "one label is a cross-encoder (task rerank)")
-        return labels, ""
+        # A multi-label model (toxicity's kind: labels that hold together) is scored label by
+        # label, as transformers' pipeline does; others, a softmax over the labels ("")
+        multi = model_cfg.get("problem_type") == "multi_label_classification"
+        return labels, "sigmoid" if multi else ""
     if len(labels) != 1:
         raise ModelSourceError(f"{directory}: a rerank model (cross-encoder) has one output, "
                                f"this one has {len(labels)} labels (task classification?)")

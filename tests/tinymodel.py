@@ -165,11 +165,12 @@ def reference_embeddings(model_dir: Path, texts: list[str], max_tokens: int,
 def build_tiny_classifier(target: Path, *, num_labels: int = 3, seed: int = 0,
                           max_positions: int = 64, hidden: int = 32,
                           labels: list[str] | None = None, activation: str | None = None,
-                          bias: float = 0.0) -> Path:
+                          bias: float = 0.0, problem_type: str | None = None) -> Path:
     """A sequence-classification head on a small random BERT, saved as safetensors: with
     num_labels=1 it is a cross-encoder (task rerank), with more a classifier. `activation`: a
     cross-encoder's saved activation_fn (sentence-transformers' config.json key); `bias`
-    raises the head's bias (20: logits past where a float32 sigmoid saturates to 1.0)."""
+    raises the head's bias (20: logits past where a float32 sigmoid saturates to 1.0);
+    `problem_type` multi_label_classification: a multi-label classifier."""
     import torch
     from transformers import BertConfig, BertForSequenceClassification
 
@@ -182,6 +183,7 @@ def build_tiny_classifier(target: Path, *, num_labels: int = 3, seed: int = 0,
                         max_position_embeddings=max_positions, num_labels=num_labels,
                         id2label=dict(enumerate(labels)),
                         label2id={name: i for i, name in enumerate(labels)},
+                        problem_type=problem_type,
                         # Large random weights, so scores spread out and tell inputs apart
                         # (with the default 0.02 every input scores about the same).
                         initializer_range=0.5)
@@ -201,8 +203,8 @@ def build_tiny_classifier(target: Path, *, num_labels: int = 3, seed: int = 0,
 
 def reference_scores(model_dir: Path, inputs: list, max_tokens: int, raw: bool = False):
     """The model run directly in transformers, one input (a text or a pair) at a time: a
-    classifier's softmax probabilities, or a cross-encoder's sigmoid score (with `raw`, their
-    logits)."""
+    classifier's softmax probabilities (a multi-label one's sigmoids), or a cross-encoder's
+    sigmoid score (with `raw`, their logits)."""
     import numpy as np
     import torch
     from tokenizers import Tokenizer
@@ -221,6 +223,8 @@ def reference_scores(model_dir: Path, inputs: list, max_tokens: int, raw: bool =
                            token_type_ids=torch.tensor([enc.type_ids])).logits[0]
             if model.config.num_labels == 1:  # a cross-encoder
                 out.append(logits[0] if raw else torch.sigmoid(logits)[0])
+            elif model.config.problem_type == "multi_label_classification":
+                out.append(logits if raw else torch.sigmoid(logits))  # transformers' pipeline's
             else:  # a classifier, of a text or of a pair (an NLI model's)
                 out.append(logits if raw else torch.softmax(logits, -1))
     return np.stack([o.numpy() for o in out])

@@ -37,6 +37,8 @@ def task_dirs(tmp_path_factory, tiny_model):
     return {"tiny": tiny_model,
             "other": build_tiny_bert(root / "other", seed=1, max_positions=TINY_MAX_TOKENS),
             "clf": build_tiny_classifier(root / "clf", labels=LABELS, seed=2),
+            "clf-multi": build_tiny_classifier(root / "clf-multi", labels=LABELS, seed=12,
+                                               problem_type="multi_label_classification"),
             "ce": build_tiny_classifier(root / "ce", num_labels=1, seed=3),
             # A cross-encoder whose score is its logit, and one whose logits (past ~17) make
             # a float32 sigmoid 1.0 for every pair.
@@ -107,6 +109,8 @@ def task_stack(tmp_path_factory, task_dirs):
          "revision": "clf-r1", "devices": [1], "dtype": "fp32"},
         {"name": "ce", "source": str(dirs["ce"]), "task": "rerank", "revision": "ce-r1",
          "dtype": "fp32"},
+        {"name": "clf-multi", "source": str(dirs["clf-multi"]), "task": "classification",
+         "dtype": "fp32", "devices": [0]},
         {"name": "ce-id", "source": str(dirs["ce-id"]), "task": "rerank", "dtype": "fp32",
          "devices": [0]},
         {"name": "ce-hot", "source": str(dirs["ce-hot"]), "task": "rerank", "dtype": "fp32",

@@ -96,6 +96,34 @@ async def test_the_native_client_classifies_and_reranks(task_stack, task_dirs, f
                                    atol=1e-5)
 
 
+def test_a_multi_label_classifier_scores_each_label_by_its_sigmoid(task_stack, task_dirs):
+    """config.json problem_type multi_label_classification (toxicity's kind: labels that hold
+    together): each label's sigmoid, as transformers' pipeline gives it, where a softmax made
+    them sum to 1 (an outside check); the softmax still when asked for by name."""
+    want = reference_scores(task_dirs["clf-multi"], TEXTS, TINY_MAX_TOKENS)
+    logits = reference_scores(task_dirs["clf-multi"], TEXTS, TINY_MAX_TOKENS, raw=True)
+    np.testing.assert_allclose(want, 1 / (1 + np.exp(-logits)), rtol=1e-6)  # not a softmax
+    status, _, body = task_stack.post_json("/v1/classify", {"model": "clf-multi",
+                                                            "input": TEXTS})
+    assert status == 200, body
+    np.testing.assert_allclose([d["probs"] for d in body["data"]], want, atol=1e-5)
+    # TEI's /predict: the model's scores
+    status, _, body = task_stack.post_json("/predict", {"inputs": [[TEXTS[0]]],
+                                                        "model": "clf-multi"})
+    assert status == 200, body
+    order = np.argsort(-want[0], kind="stable")
+    np.testing.assert_allclose([p["score"] for p in body[0]], want[0][order], atol=1e-5)
+    # huggingface_hub's body at /: the model's by default, a softmax when asked for
+    softmax = np.exp(logits[0]) / np.exp(logits[0]).sum()
+    for parameters, scores in (({}, want[0]), ({"function_to_apply": "softmax"}, softmax)):
+        status, _, body = task_stack.post_json("/", {"inputs": TEXTS[0], "model": "clf-multi",
+                                                     "parameters": parameters})
+        assert status == 200, body
+        order = np.argsort(-scores, kind="stable")
+        assert [p["label"] for p in body[0]] == [LABELS[i] for i in order]
+        np.testing.assert_allclose([p["score"] for p in body[0]], scores[order], atol=1e-5)
+
+
 def test_huggingface_hubs_text_classification_at_the_servers_url(task_stack, task_dirs,
                                                                  monkeypatch):
     """InferenceClient(model=URL).text_classification posts {"inputs", "parameters"} to /."""

@@ -285,3 +285,21 @@ def test_prompts_on_a_scoring_model_are_refused(tmp_path):
                             prompts={"query": "q: "}), roots=[tmp_path])
     assert inspect(ModelConfig(name="clf", source=str(directory), task="classification"),
                    roots=[tmp_path]).prompts == ()
+
+
+def test_a_multi_label_classifier_is_scored_by_sigmoids_and_not_reloaded_over_a_softmax_one(
+        tmp_path):
+    """config.json problem_type multi_label_classification: each label's sigmoid (a softmax
+    made labels that hold together sum to 1: an outside check). A reload between the two
+    kinds is refused: the frontends score by the served model's."""
+    from shmserve.models import incompatible
+
+    single = build_tiny_classifier(tmp_path / "single", seed=1)
+    multi = build_tiny_classifier(tmp_path / "multi", seed=1,
+                                  problem_type="multi_label_classification")
+    specs = [inspect(ModelConfig(name="c", source=str(d), task="classification"),
+                     roots=[tmp_path]) for d in (single, multi)]
+    assert [s.activation for s in specs] == ["", "sigmoid"]
+    assert incompatible(specs[0], specs[1]).startswith("its scoring differs ('softmax' now, "
+                                                       "'sigmoid' in ")
+    assert incompatible(specs[1], specs[1]) == ""
