@@ -45,6 +45,11 @@ def bind_in_place(path: Path, backlog: int) -> socket.socket:
 
 
 def main() -> int:
+    # First, before the imports (aiohttp, tokenizers, the app: a second or more on a small
+    # machine): a USR1 or USR2 in them killed the frontend as it started (an outside check:
+    # "terminated by SIGUSR1; not expected" at 1.5 to 4 s of its start).
+    for signum in IGNORED_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
     parser = argparse.ArgumentParser(prog="frontend")
     parser.add_argument("--config", required=True, help="the resolved config.json in the run dir")
     parser.add_argument("--index", type=int, required=True)
@@ -115,8 +120,6 @@ def serve(cfg: Config, index: int) -> int:
     # loading its tokenizers, which then served on until SIGKILL (CI). Until the loop runs,
     # a stop signal is recorded here; the loop's first callback installs its handlers, then
     # stops at once if one came (what of the app's startup ran, run_app cleans up).
-    for signum in IGNORED_SIGNALS:
-        signal.signal(signum, signal.SIG_IGN)
     early: list[int] = []
     for signum in STOP_SIGNALS:
         signal.signal(signum, lambda signum, frame: early.append(signum))

@@ -6,10 +6,20 @@ import argparse
 import faulthandler
 import logging
 import os
+import signal
 import sys
+
+# Other daemons' "reopen your logs" (logrotate's habit: `supervisorctl signal USR1 all`): this
+# one logs to supervisord, and their default action killed it without a drain. Ignored.
+IGNORED_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
 
 
 def main() -> int:
+    # First, before the imports (torch: seconds) and the model's load: a USR1 or USR2 in them
+    # killed the worker as it started (an outside check: "terminated by SIGUSR1; not
+    # expected" at 1.5 to 4 s of its start), where serve()'s own came too late.
+    for sig in IGNORED_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
     parser = argparse.ArgumentParser(prog="gpu_workers")
     parser.add_argument("--config", required=True, help="the resolved config.json in the run dir")
     parser.add_argument("--index", type=int, required=True)
@@ -86,10 +96,6 @@ def serve(cfg, index: int) -> int:
     # does, and supervisord starts it again.
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, stop)
-    # USR1 and USR2 (other daemons' "reopen your logs": this one logs to supervisord) killed it
-    # without a drain, as SIGHUP did: ignored, as the frontends do.
-    for sig in (signal.SIGUSR1, signal.SIGUSR2):
-        signal.signal(sig, signal.SIG_IGN)
     loading, answered = False, False
     try:
         worker.serve()

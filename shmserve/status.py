@@ -162,10 +162,14 @@ def _state_word(cur: Sample) -> str:
         return "degraded" if word == "degraded" or _frontends_down(cur) else "ready"
     if cur.ready_code == 503:
         return word if word in ("loading", "unavailable", "failing") else "not_ready"
-    if any(p["statename"] == "STARTING" or (p["name"] == "nginx" and p["statename"] == "RUNNING"
-                                              and p.get("start")
-                                              and p["now"] - p["start"] < STARTING_S)
-           for p in cur.processes if p["name"] == "nginx" or p["name"].startswith("frontend-")):
+    # nginx or every frontend stopped by hand is not starting, however young the rest is
+    # (`ctl stop frontends:*` within STARTING_S of nginx's start read "starting ... `up
+    # --wait` waits for it", and --json a second later "nginx_only": an outside check)
+    if not _stopped_by_hand(cur, "no_answer") and any(
+            p["statename"] == "STARTING" or (p["name"] == "nginx" and p["statename"] == "RUNNING"
+                                             and p.get("start")
+                                             and p["now"] - p["start"] < STARTING_S)
+            for p in cur.processes if p["name"] == "nginx" or p["name"].startswith("frontend-")):
         # just after `up`: "stuck or gone" misled (an outside check); nginx's program is
         # RUNNING while it waits for a frontend's socket before it starts nginx itself
         return "starting"

@@ -178,6 +178,14 @@ def test_json_holds_the_tables_figures_unformatted():
     assert line.startswith("t: unavailable (some model has no ready worker): stopped "
                            "(supervisorctl stop): worker-0; `shmserve ctl start "
                            "all`"), line
+    # ... even within STARTING_S of nginx's start (`ctl stop frontends:*` just after `up` or
+    # `ctl start nginx`): nothing is starting, "`up --wait` waits for it" misled
+    held = [{**p, "statename": "STOPPED"} if p["name"].startswith("frontend-") else
+            {**p, "start": p["now"] - 3, "statename": "RUNNING"} for p in cur.processes]
+    quiet = status.Sample(cur.at, held, 502, {}, cur.metrics)
+    assert status.snapshot(quiet, None)["state"] == "nginx_only"
+    line = status.render(quiet, None, "t").splitlines()[0]
+    assert "stopped (supervisorctl stop): frontend-" in line and "starting" not in line, line
     assert snap["inference_requests_per_s"] == {"total": 20.0, "by_model": {"m": 20.0}}
     assert "inference_requests_per_s" not in status.snapshot(cur, None)
     out = io.StringIO()
