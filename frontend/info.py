@@ -118,7 +118,7 @@ def _model(cfg: Config, served, pool: WorkerPool, splits: Splits | None) -> dict
                          for d in spec.dense]
     if spec.task == "classification":
         info["labels"] = list(spec.labels)
-        info["activation"] = spec.activation or "softmax"  # sigmoid: a multi-label model
+        info["activation"] = spec.activation  # softmax, or a multi-label model's sigmoid
     if spec.task == "rerank":
         info["activation"] = spec.activation  # of the logit: sigmoid | identity
         # a reranker answering yes or no (shmserve.yes_no): its prompt's instruction

@@ -126,7 +126,9 @@ async def classify(request: web.Request, name: str | None, texts: list[str | tup
                     priority=priority, user=user)
     logits = ran.outcome.vectors
     spec = ran.variant.spec
-    multi = spec.task == "classification" and spec.activation == "sigmoid"  # multi-label
+    # a classifier's activation: softmax, or a multi-label one's sigmoid (a cross-encoder's,
+    # read through TEI's /predict, is a softmax of one logit, 1.0)
+    multi = spec.task == "classification" and spec.activation == "sigmoid"
     return Classified(logits, activate(logits, "sigmoid") if multi else softmax(logits),
                       spec.labels, ran)
 

@@ -47,7 +47,7 @@ class ModelSpec:
     dtype: str
     revision: str
     labels: tuple[str, ...] = ()  # classification: label names by class index
-    activation: str = ""  # rerank: sigmoid | identity, applied to the logit
+    activation: str = ""  # classification: softmax | sigmoid; rerank: sigmoid | identity
     auto_min_cosine: float = 0.999  # dtype auto: the agreement with fp32 bf16 / fp16 must reach
     # Embedding models: texts prepended before tokenizing, by name (sentence-transformers'
     # prompts), and the one for requests that name none ("" for none).
@@ -283,7 +283,7 @@ def incompatible(active: ModelSpec, new: ModelSpec, sides: tuple[str, str] = ("n
                            ("label set", active.labels, new.labels),
                            # the frontends score the logits by the served model's (a softmax,
                            # a multi-label model's or a cross-encoder's sigmoid, identity)
-                           ("scoring", active.activation or "softmax", new.activation or "softmax"),
+                           ("scoring", active.activation, new.activation),
                            ("input limit", active.max_tokens, new.max_tokens),
                            # the frontends refuse token ids past the table they were told of
                            ("embedding table's rows (config.json vocab_size)",
@@ -352,9 +352,9 @@ def _head(task: str, model_cfg: dict, directory: Path) -> tuple[tuple[str, ...],
             raise ModelSourceError(f"{directory}: a classification model needs >= 2 labels; "
                                    "one label is a cross-encoder (task rerank)")
         # A multi-label model (toxicity's kind: labels that hold together) is scored label by
-        # label, as transformers' pipeline does; others, a softmax over the labels ("")
+        # label, as transformers' pipeline does; others, a softmax over the labels
         multi = model_cfg.get("problem_type") == "multi_label_classification"
-        return labels, "sigmoid" if multi else ""
+        return labels, "sigmoid" if multi else "softmax"
     if len(labels) != 1:
         raise ModelSourceError(f"{directory}: a rerank model (cross-encoder) has one output, "
                                f"this one has {len(labels)} labels (task classification?)")

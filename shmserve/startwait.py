@@ -50,19 +50,15 @@ def wait_ready(cfg: Config, timeout: float, starts: dict[str, int] | None = None
         # [crit] "connect() ... failed (2: No such file or directory)" or an [error] "upstream
         # timed out" (an outside check), which alerting on nginx's errors takes for a fault.
         codes = [remote.http_unix(path, "/ready") for path in frontends]
-        if None in codes:
-            if fatal or looping or time.monotonic() > deadline:
+        if None not in codes:
+            code, body = remote.http(url, context=context)
+            refused = certificate_refused(cfg, code, body)
+            if refused:
                 break
-            time.sleep(0.2)
-            continue
-        code, body = remote.http(url, context=context)
-        refused = certificate_refused(cfg, code, body)
-        if refused:
-            break
-        if code == 200 and all(status == 200 for status in codes):
-            print(f"shmserve: ready at {remote.where(cfg)}")
-            return 0
-        unloaded = not_loading(body)
+            if code == 200 and all(status == 200 for status in codes):
+                print(f"shmserve: ready at {remote.where(cfg)}")
+                return 0
+            unloaded = not_loading(body)
         if fatal or looping or unloaded or time.monotonic() > deadline:
             break
         time.sleep(0.2)  # cheap polls (an RPC and local probes); up returns sooner

@@ -165,7 +165,7 @@ def _state_word(cur: Sample) -> str:
     # nginx or every frontend stopped by hand is not starting, however young the rest is
     # (`ctl stop frontends:*` within STARTING_S of nginx's start read "starting ... `up
     # --wait` waits for it", and --json a second later "nginx_only": an outside check)
-    if not _stopped_by_hand(cur, "no_answer") and any(
+    if not _stopped_by_hand(cur) and any(
             p["statename"] == "STARTING" or (p["name"] == "nginx" and p["statename"] == "RUNNING"
                                              and p.get("start")
                                              and p["now"] - p["start"] < STARTING_S)
@@ -193,12 +193,12 @@ _STATE_TEXT = {
 }
 
 
-def _stopped_by_hand(cur: Sample, word: str) -> list[str]:
+def _stopped_by_hand(cur: Sample, workers: bool = False) -> list[str]:
     """The programs in supervisord's STOPPED state (a stop asked for, not a crash) that keep
-    requests from an answer in state `word`: nginx, or every frontend (no_answer, nginx_only);
-    workers (unavailable)."""
+    requests from an answer: nginx, or every frontend; with `workers`, the workers stopped
+    (state unavailable)."""
     stopped = sorted(p["name"] for p in cur.processes if p["statename"] == "STOPPED")
-    if word == "unavailable":
+    if workers:
         return [name for name in stopped if name.startswith("worker-")]
     frontends = {p["name"] for p in cur.processes if p["name"].startswith("frontend-")}
     if "nginx" in stopped or (frontends and frontends <= set(stopped)):
@@ -225,7 +225,7 @@ def _state(cur: Sample) -> str:
                                                cur.ready.get("workers", []))
             else _STATE_TEXT[word].format(code=cur.ready_code))
     if word in ("no_answer", "nginx_only", "unavailable") and (
-            stopped := _stopped_by_hand(cur, word)):
+            stopped := _stopped_by_hand(cur, workers=word == "unavailable")):
         # `supervisorctl stop nginx` (or `stop all`) read "stuck or gone", every worker
         # stopped "some model has no ready worker": they were stopped, and nothing said how
         # to start them again (an outside check)

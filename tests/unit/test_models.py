@@ -299,7 +299,7 @@ def test_a_multi_label_classifier_is_scored_by_sigmoids_and_not_reloaded_over_a_
                                   problem_type="multi_label_classification")
     specs = [inspect(ModelConfig(name="c", source=str(d), task="classification"),
                      roots=[tmp_path]) for d in (single, multi)]
-    assert [s.activation for s in specs] == ["", "sigmoid"]
+    assert [s.activation for s in specs] == ["softmax", "sigmoid"]
     assert incompatible(specs[0], specs[1]).startswith("its scoring differs ('softmax' now, "
                                                        "'sigmoid' in ")
     assert incompatible(specs[1], specs[1]) == ""
