@@ -103,10 +103,10 @@ def calls_by_status(stack: Stack) -> dict[tuple[str, str], float]:
             if s.name.endswith("_total")}
 
 
-def test_a_stream_answers_every_request_each_with_its_id(client):
+def test_a_stream_answers_every_request_each_with_its_id(stack, client):
     answers: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: answers.put((result, error)),
-                        headers=AUTH)
+                        headers={**AUTH, "x-request-id": "stream-e2e"})
     try:
         for i in range(6):
             body = b"\xff" if i == 2 else b"word " * (i + 1)
@@ -118,6 +118,18 @@ def test_a_stream_answers_every_request_each_with_its_id(client):
     errors = [str(e) for r, e in got if e is not None]
     assert ids == ["0", "1", "3", "4", "5"]
     assert len(errors) == 1 and "'text[0]' is not valid UTF-8" in errors[0]
+    # each request of the stream has its own request id in the frontends' access lines, the
+    # stream's and its place (all had the stream's one: an outside check)
+    want = {f"stream-e2e:{n}" for n in range(1, 7)}
+    seen: set[str] = set()
+
+    def logged() -> bool:
+        seen.update(line.get("request_id") for program in ("frontend-0", "frontend-1")
+                    for line in stack.log_lines(program) if line.get("message") == "request"
+                    and str(line.get("request_id", "")).startswith("stream-e2e"))
+        return seen >= want
+    stack.wait_until(logged, 10, "an access line for each request of the stream")
+    assert seen == want
 
 
 def test_health_checking_and_the_request_id_in_every_log(stack):

@@ -170,6 +170,11 @@ def test_down_lets_every_frontend_exit_0(tmp_path, tiny_model):
     stack.up()
     try:
         assert stack.post_json("/v1/embeddings", {"input": ["x"]})[0] == 200
+        # a healthy up leaves nginx's log without errors: up --wait asks nginx only once every
+        # frontend listens (before, a [crit] connect() to a missing socket at many an up)
+        errors = [line for line in stack.log("nginx").splitlines()
+                  if "[crit]" in line or "[error]" in line or "[alert]" in line]
+        assert errors == [], errors
     finally:
         stack.down()
     log = stack.log("supervisord")
