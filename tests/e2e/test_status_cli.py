@@ -116,7 +116,11 @@ def test_status_with_nginx_stopped_still_shows_memory_and_workers(stack):
         assert frame["workers"][0]["ready"] is True
         rss = {p["name"]: p["rss_bytes"] for p in frame["processes"]}
         assert rss["worker-0"] > 0 and rss["frontend-0"] > 0, rss
-        assert "the figures below are a frontend's" in status_cli(stack).stdout
+        shown = status_cli(stack).stdout
+        assert "the figures below are a frontend's" in shown
+        # stopped by hand, said so with how to start it, not "stuck or gone" (an outside check)
+        assert "no answer through nginx: stopped (supervisorctl stop): nginx; `shmserve ctl " \
+            "start all` starts them again" in shown.splitlines()[0], shown
     finally:
         assert ctl("start", "nginx").returncode == 0
     assert status_cli(stack).returncode == 0
