@@ -38,8 +38,16 @@ def resolve_source(source: str, roots: list[Path] | None = None) -> Path:
         roots = None  # installed packages are trusted code already
     else:
         path = Path(source).expanduser()
-        if roots is not None and not path.is_absolute():
-            path = _relative(path, roots)
+    try:
+        return _directory(path, roots)
+    except OSError as exc:  # a name too long for the file system, a loop of links, no access
+        raise ModelSourceError(f"model source {_shown(source)} cannot be read: "
+                               f"{exc.strerror or exc}") from None
+
+
+def _directory(path: Path, roots: list[Path] | None) -> Path:
+    if roots is not None and not path.is_absolute():
+        path = _relative(path, roots)
     if roots is not None:
         real = path.resolve()
         if not any(real.is_relative_to(root.resolve()) for root in roots):
@@ -61,6 +69,14 @@ def _relative(path: Path, roots: list[Path]) -> Path:
         if (base / path).is_dir():
             return base / path
     return REPO_ROOT / path
+
+
+def _shown(source: str, limit: int = 200) -> str:
+    """`source` quoted for an error, cut to `limit` characters: a reload's body may send
+    100 KB of it, which the answer and the logs echoed whole (an outside check)."""
+    if len(source) <= limit:
+        return repr(source)
+    return f"{source[:limit]!r}... ({len(source)} characters)"
 
 
 _MODULE_NAME = re.compile(r"[A-Za-z_]\w*")

@@ -257,6 +257,9 @@ def test_a_worker_that_cannot_load_its_model_fails_up_and_restart_fast(tmp_path,
     overrides["models"][0]["source"] = str(model)
     stack = Stack(tmp_path / "s", overrides)
     stack.up()
+    # "Fast": well before the 200 s the commands are given (they waited it out for a worker
+    # that never becomes ready); not a speed bound (64 s was seen on a loaded machine).
+    fast = 150
     good = model.parent / "tiny-good"
     shutil.copytree(tiny_model, good)
     try:
@@ -270,7 +273,7 @@ def test_a_worker_that_cannot_load_its_model_fails_up_and_restart_fast(tmp_path,
         assert "worker-0 exits before it is ready" in done.stderr
         assert "embeddings.word_embeddings.weight is [30522, 33], the config needs [30522, " \
             "32]" in done.stderr.splitlines()[-1], done.stderr
-        assert time.monotonic() - started < 60
+        assert time.monotonic() - started < fast
         # All at once: it exited 0 once supervisord had started the group, with the workers
         # crash-looping behind it; it waits for each as the rolling restart does.
         started = time.monotonic()
@@ -278,7 +281,7 @@ def test_a_worker_that_cannot_load_its_model_fails_up_and_restart_fast(tmp_path,
         assert done.returncode == 2, done.stdout + done.stderr
         assert "worker-0 exits before it is ready" in done.stderr
         assert "the rest of the workers" not in done.stderr
-        assert time.monotonic() - started < 60
+        assert time.monotonic() - started < fast
         stack.down()
 
         started = time.monotonic()
@@ -287,7 +290,7 @@ def test_a_worker_that_cannot_load_its_model_fails_up_and_restart_fast(tmp_path,
         last = done.stderr.splitlines()[-1]
         assert "worker-0 exits before it is ready" in last
         assert "ready_timeout_s" not in done.stderr
-        assert time.monotonic() - started < 60
+        assert time.monotonic() - started < fast
         # Left running, it says why: /ready and `status` said "loading" for ever (an outside
         # check). The worker waits longer after each failure before it exits again.
         status, _, body = stack.get("/ready")

@@ -303,3 +303,12 @@ def test_a_multi_label_classifier_is_scored_by_sigmoids_and_not_reloaded_over_a_
     assert incompatible(specs[0], specs[1]).startswith("its scoring differs ('softmax' now, "
                                                        "'sigmoid' in ")
     assert incompatible(specs[1], specs[1]) == ""
+
+
+@pytest.mark.parametrize("source", ["a" * 256, "a/" * 3000])
+def test_a_source_the_file_system_cannot_name_is_a_model_source_error(tmp_path, source):
+    """A name too long for the file system raised OSError out of the check: a reload's answer
+    was a 500 echoing the whole source (an outside check); now refused, the source cut."""
+    with pytest.raises(ModelSourceError, match="cannot be read: File name too long") as caught:
+        resolve_source(source, [tmp_path])
+    assert len(str(caught.value)) < 300
