@@ -24,7 +24,9 @@ def supervisor(cfg: Config) -> xmlrpc.client.ServerProxy:
     `supervisor` namespace, and `shmserve` (shmserve.supervisor_rpc)."""
     from supervisor.xmlrpc import SupervisorTransport
 
-    transport = SupervisorTransport(None, None, f"unix://{render.supervisor_socket(cfg)}")
+    password = render.supervisor_password(cfg)
+    transport = SupervisorTransport(render.SUPERVISOR_USER if password else None, password,
+                                    f"unix://{render.supervisor_socket(cfg)}")
     return xmlrpc.client.ServerProxy("http://localhost", transport)
 
 

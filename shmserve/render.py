@@ -24,6 +24,7 @@ import os
 import pwd
 import re
 import resource
+import secrets
 import shlex
 import shutil
 import subprocess
@@ -68,6 +69,32 @@ def supervisor_socket(cfg: Config) -> Path:
     return cfg.run_dir / "supervisor.sock"
 
 
+SUPERVISOR_USER = "shmserve"
+
+
+def supervisor_secret(cfg: Config) -> Path:
+    return cfg.run_dir / "supervisor.secret"
+
+
+def supervisor_password(cfg: Config) -> str | None:
+    """The password of supervisord's socket (None where no render made one: a deployment
+    started before it had one, whose supervisord asks for none)."""
+    try:
+        return supervisor_secret(cfg).read_text().strip() or None
+    except OSError:
+        return None
+
+
+def _make_supervisor_password(cfg: Config) -> str:
+    """The run directory's password, made at its first render and kept: an apply's new
+    supervisord.conf does not change the running supervisord's socket, so a new password
+    there would lock supervisorctl out."""
+    if (password := supervisor_password(cfg)) is None:
+        password = secrets.token_urlsafe(24)
+        _write(supervisor_secret(cfg), password + "\n")
+    return password
+
+
 def nginx_dir(cfg: Config) -> Path:
     return cfg.run_dir / "nginx"
 
@@ -103,7 +130,8 @@ def render(cfg: Config) -> None:
     _write(topology.resolved_config_path(cfg), cfg.to_json() + "\n")
     _write_error_pages(cfg)
     os.replace(candidate, nginx_conf(cfg))
-    _write(supervisord_conf(cfg), render_supervisord(cfg, binary))
+    _write(supervisord_conf(cfg), render_supervisord(cfg, binary,
+                                                     _make_supervisor_password(cfg)))
 
 
 def resolved(cfg: Config) -> Config:
@@ -188,7 +216,7 @@ def interpreter(executable: str | None = None) -> str:
     return str(exe)
 
 
-def render_supervisord(cfg: Config, nginx: str) -> str:
+def render_supervisord(cfg: Config, nginx: str, password: str) -> str:
     python = interpreter()
     config_json = str(topology.resolved_config_path(cfg))
     devices = topology.worker_devices(cfg)
@@ -197,6 +225,7 @@ def render_supervisord(cfg: Config, nginx: str) -> str:
         "log_dir": str(topology.log_dir(cfg)),
         "repo_root": str(REPO_ROOT).replace("%", "%%"),
         "supervisor_socket": str(supervisor_socket(cfg)),
+        "supervisor_password": password,
         "minfds": str(_minfds(cfg)),
         "supervisord_user": "user=root" if os.geteuid() == 0 else "; not root: no user",
         "stopwaitsecs": str(stopwaitsecs(cfg)),

@@ -283,6 +283,25 @@ def test_supervisord_runs_as_root_only_by_its_user_line(tmp_path, monkeypatch):
         assert options.configroot.supervisord.user == want
 
 
+def test_supervisords_socket_has_a_password_kept_across_renders(tmp_path):
+    """Made at the first render (without one supervisord logged a CRIT line at every start),
+    private, the same at every later render: an apply writes a new file, which the running
+    supervisord's socket does not take, so a new password would lock supervisorctl out."""
+    cfg = make_config(tmp_path / "run")
+    render.render(cfg)
+    password = render.supervisor_password(cfg)
+    assert password and len(password) >= 32
+    assert render.supervisor_secret(cfg).stat().st_mode & 0o777 == 0o600
+    render.render(make_config(tmp_path / "run", frontends={"count": 3}))  # an apply's render
+    assert render.supervisor_password(cfg) == password
+    options = ServerOptions()
+    options.configfile = str(render.supervisord_conf(cfg))
+    options.process_config(do_usage=False)
+    server, = options.configroot.supervisord.server_configs
+    assert (server["username"], server["password"]) == ("shmserve", password)
+    assert render.supervisor_password(make_config(tmp_path / "other")) is None  # none made
+
+
 def test_nginx_logs_go_through_supervisord(tmp_path):
     """So they rotate like every other program's log (nginx.log under the run directory)."""
     cfg = make_config(tmp_path / "run")
@@ -408,5 +427,5 @@ def test_programs_name_one_interpreter_whichever_of_its_names_ran_shmserve(tmp_p
     for name in ("python", f"python{sys.version_info.major}.{sys.version_info.minor}"):
         assert (here / name).exists(), here  # a venv (or a system) has both names
         monkeypatch.setattr(sys, "executable", str(here / name))
-        commands.append(render.render_supervisord(cfg, "/usr/sbin/nginx"))
+        commands.append(render.render_supervisord(cfg, "/usr/sbin/nginx", "pw"))
     assert commands[0] == commands[1]
