@@ -14,6 +14,7 @@ import orjson
 from frontend import protos, tensors
 from frontend.codec import inflate
 from frontend.kserve import HEADER_LENGTH
+from shmserve.checks import MODEL_NAME_MAX
 
 # An HTTP answer's status as the gRPC status a client gets (Triton's server maps its errors the
 # same way): one table.
@@ -57,6 +58,15 @@ def model_path(request, sub: str = "", name: str | None = None, version: str | N
     version = request.version if version is None else version
     if not name:
         raise CallFailed(grpc.StatusCode.INVALID_ARGUMENT, "the model's name is required")
+    if len(name) > MODEL_NAME_MAX or len(version) > MODEL_NAME_MAX:
+        # as the HTTP route's answer for a name no model has; the path it made was too long
+        # for the frontend's HTTP parser: "malformed HTTP request (LineTooLong ...)" (an
+        # outside check)
+        raise CallFailed(grpc.StatusCode.NOT_FOUND,
+                         f"model {name[:200]!r}{'...' * (len(name) > 200)}"
+                         + f" version {version[:200]!r}" * bool(version)
+                         + f" is not served (names are at most {MODEL_NAME_MAX} characters); "
+                         "see GET /v1/models")
     if {".", ".."} & (set(name.split("/")) | set(version.split("/"))):
         # a URL path would resolve it: "../../admin/models" reached GET /admin/models from
         # the frontend itself, past nginx.admin_loopback_only (a version's '/' is escaped, so

@@ -176,7 +176,8 @@ def _otlp_url(value: str) -> bool:
 
 _NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")  # fullmatch: "$" lets a final newline by
 # A model's name or alias: what requests send as `model`, and a label in logs and metrics.
-_MODEL_NAME = re.compile(r"[^\s\x00-\x1f\x7f]{1,256}")
+MODEL_NAME_MAX = 256
+_MODEL_NAME = re.compile(rf"[^\s\x00-\x1f\x7f]{{1,{MODEL_NAME_MAX}}}")
 # A revision label goes into the X-Model-Revision header: visible ASCII, no spaces.
 REVISION = re.compile(r"[\x21-\x7e]{1,128}")
 REVISION_RULE = "1 to 128 visible ASCII characters (no spaces; it is sent as a header)"

@@ -67,6 +67,10 @@ def test_each_error_is_its_grpc_status(stack, client):
     assert unauth[0] == "StatusCode.UNAUTHENTICATED" and "Bearer" in unauth[1]
     assert status_of(lambda: client.infer("nope", [texts(b"a")], headers=AUTH)) == (
         "StatusCode.NOT_FOUND", "model 'nope' is not served; see GET /v1/models")
+    # a name longer than any model's, within the body limit (it was "malformed HTTP request
+    # (LineTooLong ...)")
+    code, message = status_of(lambda: client.infer("n" * 20_000, [texts(b"a")], headers=AUTH))
+    assert code == "StatusCode.NOT_FOUND" and "at most 256 characters" in message, message
     code, message = status_of(lambda: client.infer("tiny", [texts(*[b"a"] * 65)], headers=AUTH))
     assert code == "StatusCode.INVALID_ARGUMENT" and "limits.max_texts_per_request" in message
     code, message = status_of(lambda: client.infer("tiny", [texts(b"\xff")], headers=AUTH))

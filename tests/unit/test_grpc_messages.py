@@ -209,6 +209,19 @@ def test_a_model_name_with_a_dot_segment_reaches_no_other_route(name):
         "/v2/models/v1.5/..x"
 
 
+def test_a_name_longer_than_any_models_is_not_found():
+    """Its path was too long for the frontend's HTTP parser: INVALID_ARGUMENT "malformed HTTP
+    request (LineTooLong ...)" (an outside check)."""
+    for request in (protos.ModelMetadataRequest(name="m" * 100_000),
+                    protos.ModelMetadataRequest(name="m", version="1" * 300)):
+        with pytest.raises(grpc_messages.CallFailed, match="at most 256 characters") as caught:
+            grpc_messages.model_path(request)
+        assert caught.value.code == grpc.StatusCode.NOT_FOUND
+        assert len(caught.value.message) < 500
+    assert grpc_messages.model_path(protos.ModelMetadataRequest(name="m" * 256)) == \
+        "/v2/models/" + "m" * 256
+
+
 def test_a_message_that_does_not_parse_is_undecodable_not_an_exception():
     parse = grpc_messages.parser(protos.ModelInferRequest)
     got = parse(b"\xff\xff\xff\xff garbage")
