@@ -51,13 +51,16 @@ CHECKS: dict[str, Check] = {
                                    is not None, "a size such as 8m (digits, then k, m or g)"),
     # At least 1k: nginx takes 0 (and `nginx -t` passes it), then resets every connection
     # unanswered (an outside check); a count of 0 buffers it refuses only at `nginx -t`.
+    # At most 1m: nginx allocates the first buffer for every connection as it opens, so 1500m
+    # passed `nginx -t` and would take 1.5 GB a connection (an outside check).
     "nginx.client_header_buffer_size": (
-        lambda v: re.fullmatch(r"[0-9]{1,9}[kKmM]?", v) is not None and _bytes(v) >= 1024,
-        "a size of at least 1k such as 4k (digits, then k or m)"),
+        lambda v: re.fullmatch(r"[0-9]{1,9}[kKmM]?", v) is not None
+        and 1024 <= _bytes(v) <= 1 << 20,
+        "a size from 1k to 1m such as 4k (digits, then k or m)"),
     "nginx.large_client_header_buffers": (
         lambda v: re.fullmatch(r"[1-9][0-9]{0,3} [0-9]{1,9}[kKmM]?", v) is not None
-        and _bytes(v.split()[1]) >= 1024,
-        "a count of at least 1 and a size of at least 1k (digits, then k or m), such as 4 16k"),
+        and 1024 <= _bytes(v.split()[1]) <= 1 << 20,
+        "a count of at least 1 and a size from 1k to 1m (digits, then k or m), such as 4 16k"),
     # Bounded where nginx takes them: a billion worker_connections passed `nginx -t` (a
     # warning only), and then every nginx worker failed its allocation and served nothing (an
     # outside check); values past nginx's own limits were refused by `nginx -t` alone.

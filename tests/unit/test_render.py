@@ -193,8 +193,14 @@ def test_nginx_t_failure_names_the_problem_and_replaces_nothing(tmp_path):
     assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
     # the config's own checks refuse zero buffers, and a zero header buffer nginx takes
     for nginx in ({"large_client_header_buffers": "0 16k"}, {"client_header_buffer_size": "0"}):
-        with pytest.raises(config.ConfigError, match="at least 1k"):
+        with pytest.raises(config.ConfigError, match="at least 1 |from 1k"):
             make_config(tmp_path / "run", nginx=nginx)
+    # nor buffers a connection cannot afford: the first is allocated as one opens (1500m
+    # passed `nginx -t`: an outside check)
+    for nginx in ({"large_client_header_buffers": "4 2m"}, {"client_header_buffer_size": "1500m"}):
+        with pytest.raises(config.ConfigError, match="from 1k to 1m"):
+            make_config(tmp_path / "run", nginx=nginx)
+    assert make_config(tmp_path / "run", nginx={"client_header_buffer_size": "1m"})
     # and numbers nginx takes at `nginx -t` and then cannot serve with (a billion connections:
     # every nginx worker failed its allocation; an outside check), or refuses
     for key, value in (("worker_connections", 10 ** 9), ("send_timeout_s", 10 ** 20),
