@@ -13,6 +13,24 @@ TINY_MAX_TOKENS = 64
 raise_open_files()  # the flood tests' clients hold ~1,500 sockets
 
 
+# Test files that share a package-scoped stack (tests/e2e/conftest.py's task_stack, ~40 s to
+# build its models and start) run in one xdist process, so it is built once, not in each.
+SHARED_STACK_FILES = {f"tests/e2e/{name}.py": "tests/e2e/task_stack"
+                      for name in ("test_tasks", "test_task_protocols", "test_task_variants")}
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """scripts/test's --dist loadfile, with SHARED_STACK_FILES one unit of work."""
+    from xdist.scheduler import LoadFileScheduling
+
+    class Scheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            scope = super()._split_scope(nodeid)
+            return SHARED_STACK_FILES.get(scope, scope)
+
+    return Scheduling(config, log) if config.getoption("dist") == "loadfile" else None
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
     return build_tiny_bert(tmp_path_factory.mktemp("models") / "tiny", max_positions=TINY_MAX_TOKENS)
