@@ -47,13 +47,14 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 from benchkit import (CORPUS, NULL_STACK, SCENARIOS, Scenario, auth_headers,  # noqa: E402
                       ceiling, closed_window, corpus_file, cpu_description, failed,
-                      locust_window, open_loop_window, positive, probe)
+                      gpu_description, locust_window, open_loop_window, positive, probe)
 from benchparity import min_cosine_to_fp32, other_model, parity_reference  # noqa: E402
 from benchreport import markdown, plot, save, stage  # noqa: E402
 from benchstacks import (Baseline, OwnStack, check_ports, refuse, require,  # noqa: E402
                          run_main, stop_on_term)
 
 from shmserve import config as config_mod  # noqa: E402
+from shmserve import topology  # noqa: E402
 from shmserve.cores import usable_cores  # noqa: E402
 
 def closed_loop(args, url: str, other: str | None, inproc) -> dict:
@@ -123,8 +124,11 @@ def null_capacity(args) -> dict:
                                                      api=args.null_api),
                                  args.window, args.corpus) for _ in range(args.rounds)]
     rps = statistics.median(w["requests_per_s"] for w in windows)
-    print(f"null pipeline: {rps:.0f} requests/s", flush=True)
-    return {"requests_per_s": rps, "windows": windows}
+    requests, failures = (sum(w[k] for w in windows) for k in ("requests", "failures"))
+    print(f"null pipeline: {rps:.0f} requests/s answered"
+          + (f", {failures} of {requests} requests failed" if failures else ""), flush=True)
+    return {"requests_per_s": rps, "api": args.null_api, "users": args.null_users,
+            "requests": requests, "failures": failures, "windows": windows}
 
 
 def server_url(text: str) -> str:
@@ -255,13 +259,15 @@ def main() -> int:
         parser.error(str(exc))
     corpus = json.loads(args.corpus.read_text())
     out = args.out / time.strftime("%Y%m%d-%H%M%S")  # made once there is something to write
+    devices = topology.worker_devices(cfg)
+    gpus = sorted({d for d in devices if d != topology.CPU}, key=int)
+    workers = (f"{len(devices)} GPU worker(s)" if gpus else
+               f"{len(devices)} CPU worker(s) x {cfg.workers.torch_threads} torch threads")
     summary = {"machine": f"{os.cpu_count()} cores, {platform.machine()}, "
-                          f"{cpu_description()}, no GPU",
+                          f"{cpu_description()}, {gpu_description(gpus)}",
                "when": time.strftime("%Y-%m-%d %H:%M"),
                "command": " ".join(["scripts/bench.py", *sys.argv[1:]]),
-               "setup": f"{cfg.frontends.count} frontends, "
-                        f"{cfg.workers.cpu_workers} CPU worker(s) x "
-                        f"{cfg.workers.torch_threads} torch threads, {cfg.models[0].dtype}, "
+               "setup": f"{cfg.frontends.count} frontends, {workers}, {cfg.models[0].dtype}, "
                         f"max_batch_size {cfg.batching.max_batch_size}, max_batch_tokens "
                         f"{cfg.batching.max_batch_tokens}, max_wait_ms "
                         f"{cfg.batching.max_wait_ms}, max_pad_ratio "

@@ -60,6 +60,23 @@ def cpu_description() -> str:
     return f"{name}, {isa}"
 
 
+def gpu_description(gpus: list[str]) -> str:
+    """The model names of the GPUs `gpus` (indices, as workers.devices lists them) from the
+    driver's /proc files, without importing torch; "no GPU" for none (the machine line said
+    "no GPU" whatever the workers ran on: an outside check)."""
+    if not gpus:
+        return "no GPU"
+    from shmserve.topology import DRIVER_GPUS
+
+    names = []
+    for info in sorted(DRIVER_GPUS.glob("*/information")):
+        model = next((line.partition(":")[2].strip() for line in info.read_text().splitlines()
+                      if line.startswith("Model:")), "")
+        names.append(model or "an NVIDIA GPU")
+    picked = [names[int(i)] if int(i) < len(names) else "an NVIDIA GPU" for i in gpus]
+    return ", ".join(f"GPU {i}: {name}" for i, name in zip(gpus, picked))
+
+
 @dataclass(frozen=True)
 class Scenario:
     name: str

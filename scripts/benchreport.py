@@ -90,9 +90,16 @@ def markdown(summary: dict) -> str:
                          f"{p['requests_per_s']:.1f} | {p['p50_ms']:.0f} | {p['p99_ms']:.0f} | "
                          f"{p['p99_ms'] / max(p['p50_ms'], 1e-9):.2f} | "
                          f"{p['failures']} of {p['requests']} |")
-    if summary.get("null"):
-        lines += ["", f"Pipeline capacity, null model, 1 text per request: "
-                      f"{summary['null']['requests_per_s']:.0f} requests/s."]
+    if null := summary.get("null"):
+        # its failures and settings shown (an outside check: a null stack answering 429s read
+        # as a lower capacity alone)
+        how = f" ({null['api']}, {null['users']} users)" if "api" in null else ""
+        failures = null.get("failures", 0)
+        lines += ["", f"Pipeline capacity, null model, 1 text per request{how}: "
+                      f"{null['requests_per_s']:.0f} requests/s answered"
+                      + (f"; {failures} of {null['requests']} requests failed" if failures
+                         else "")
+                      + "."]
     if summary.get("parity"):
         lines.append("")  # a line right after a table's last row renders as one more row
     for key, value in summary.get("parity", {}).items():

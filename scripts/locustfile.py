@@ -31,9 +31,24 @@ from locust import FastHttpUser, constant, events, task
 
 REPO = Path(__file__).resolve().parent.parent
 CORPUS = Path(os.environ.get("SHMSERVE_BENCH_CORPUS", REPO.parent / "shared/bench/corpus.json"))
-MIXED = os.environ.get("SHMSERVE_BENCH_TEXTS", "1") == "mixed"
-TEXTS_PER_REQUEST = 16 if MIXED else int(os.environ.get("SHMSERVE_BENCH_TEXTS", "1"))
-API = os.environ.get("SHMSERVE_BENCH_API", "openai")
+APIS = ("openai", "msgpack", "grpc")
+
+
+def _settings() -> tuple[bool, int, str]:
+    """SHMSERVE_BENCH_TEXTS and SHMSERVE_BENCH_API, refused in one line when wrong: a typo in
+    the API ran the openai profile without a word, one in the texts raised a traceback (an
+    outside check)."""
+    texts = os.environ.get("SHMSERVE_BENCH_TEXTS", "1")
+    api = os.environ.get("SHMSERVE_BENCH_API", "openai")
+    if api not in APIS:
+        raise SystemExit(f"SHMSERVE_BENCH_API={api!r}: one of {', '.join(APIS)}")
+    if texts != "mixed" and not (texts.isdigit() and int(texts) >= 1):
+        raise SystemExit(f"SHMSERVE_BENCH_TEXTS={texts!r}: a count of texts per request "
+                         "(1 or more), or mixed")
+    return texts == "mixed", 16 if texts == "mixed" else int(texts), api
+
+
+MIXED, TEXTS_PER_REQUEST, API = _settings()
 MODEL = os.environ.get("SHMSERVE_BENCH_MODEL")
 AUTH = ({"Authorization": f"Bearer {os.environ['SHMSERVE_API_KEY']}"}
         if os.environ.get("SHMSERVE_API_KEY") else {})

@@ -289,3 +289,20 @@ def test_grpc_cost_refuses_fewer_calls_than_clients_before_starting_anything():
     done = subprocess.run([sys.executable, str(REPO / "scripts" / "grpc_cost.py"), "--calls",
                            "5"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "at least --clients (8)" in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("env, said", [
+    ({"SHMSERVE_BENCH_API": "msgpak"}, "SHMSERVE_BENCH_API='msgpak': one of openai, msgpack, grpc"),
+    ({"SHMSERVE_BENCH_TEXTS": "abc"}, "SHMSERVE_BENCH_TEXTS='abc': a count of texts per request"),
+    ({"SHMSERVE_BENCH_TEXTS": "0"}, "SHMSERVE_BENCH_TEXTS='0': a count of texts per request")])
+def test_the_locustfile_refuses_a_wrong_setting_in_one_line(env, said):
+    """A typo in the API ran the openai profile without a word; one in the texts raised a
+    traceback (an outside check)."""
+    import os
+
+    done = subprocess.run([sys.executable, "-c", "import locustfile"], cwd=REPO / "scripts",
+                          env={**os.environ, **env}, capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert done.returncode == 1 and done.stderr.strip().splitlines()[-1].startswith(said), \
+        done.stderr
+    assert "Traceback" not in done.stderr

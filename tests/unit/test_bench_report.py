@@ -122,6 +122,30 @@ def test_a_port_of_the_range_is_not_given_twice_before_its_stack_binds_it(monkey
     assert free_port() == port
 
 
+def test_the_null_pipelines_line_names_its_settings_and_failed_requests():
+    """A null stack answering 429s read as a lower capacity alone (an outside check)."""
+    null = {"requests_per_s": 12.0, "api": "openai", "users": 8, "requests": 2000,
+            "failures": 1964}
+    text = benchreport.markdown(summary(null=null))
+    assert "null model, 1 text per request (openai, 8 users): 12 requests/s answered; 1964 " \
+           "of 2000 requests failed." in text
+    text = benchreport.markdown(summary(null={**null, "failures": 0}))
+    assert "(openai, 8 users): 12 requests/s answered." in text
+
+
+def test_the_machine_line_names_the_gpus_the_workers_run_on(tmp_path, monkeypatch):
+    import benchkit
+    from shmserve import topology
+
+    assert benchkit.gpu_description([]) == "no GPU"
+    for i, model in enumerate(("NVIDIA H100 80GB HBM3", "NVIDIA H200")):
+        (tmp_path / f"0000:0{i}:00.0").mkdir()
+        (tmp_path / f"0000:0{i}:00.0" / "information").write_text(
+            f"Model: \t\t {model}\nIRQ:   1\n")
+    monkeypatch.setattr(topology, "DRIVER_GPUS", tmp_path)
+    assert benchkit.gpu_description(["1"]) == "GPU 1: NVIDIA H200"
+
+
 def test_the_parity_line_names_the_comparison_as_the_table_does():
     lines = benchreport.markdown(summary(compared="baseline")).splitlines()
     assert "- Parity, baseline: minimum cosine to sentence-transformers fp32 1.000000." in lines
