@@ -47,31 +47,36 @@ def _compared(summary: dict) -> str:
 
 
 def markdown(summary: dict) -> str:
+    # The comparison's columns only in a run with one (they were all "-" without: an outside
+    # check); the failed column counts the requests, so a ratio resting on few shows it.
+    compared = any("other_texts_per_s" in s for s in summary["closed_loop"].values())
+    other = _compared(summary)
     lines = [f"Machine: {summary['machine']}. Run: {summary['when']}, `{summary['command']}`.",
              f"Config: {summary['setup']}.", "",
              "| scenario | served texts/s | p50 ms | p99 ms | failed requests | in-process "
-             f"texts/s | served / in-process | {_compared(summary)} texts/s | "
-             f"{_compared(summary)} failed | served / {_compared(summary)} |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "texts/s | served / in-process |"
+             + (f" {other} texts/s | {other} failed | served / {other} |" * compared),
+             "|---|---|---|---|---|---|---|" + "---|---|---|" * compared]
 
     def ranged(r: dict | None) -> str:
         return f"{r['median']:.2f} ({r['min']:.2f}-{r['max']:.2f})" if r else "-"
 
     def failures(s: dict, side: str) -> str:
         n, of = s.get(f"{side}_failures", 0), s.get(f"{side}_requests", 0)
-        return f"{n} of {of} ({n / of:.0%})" if n else "0"
+        return f"{n} of {of}" + (f" ({n / of:.0%})" if n else "")
 
     any_failed = False
     for name, s in summary["closed_loop"].items():
-        other = "other_texts_per_s" in s
         any_failed = any_failed or bool(s.get("served_failures") or s.get("other_failures"))
         lines.append(
             f"| {name} ({SCENARIOS[name].users} users x {SCENARIOS[name].texts}) | "
             f"{s['served_texts_per_s']:.1f} | {s['served_p50_ms']:.0f} | "
             f"{s['served_p99_ms']:.0f} | {failures(s, 'served')} | "
-            f"{s['in_process_texts_per_s']:.1f} | {ranged(s['served_vs_in_process'])} | "
-            + (f"{s['other_texts_per_s']:.1f} | {failures(s, 'other')} | "
-               f"{ranged(s.get('served_vs_other'))} |" if other else "- | - | - |"))
+            f"{s['in_process_texts_per_s']:.1f} | {ranged(s['served_vs_in_process'])} |"
+            + ("" if not compared else
+               f" {s['other_texts_per_s']:.1f} | {failures(s, 'other')} | "
+               f"{ranged(s.get('served_vs_other'))} |" if "other_texts_per_s" in s else
+               " - | - | - |"))
     if any_failed:
         lines += ["", "Some requests failed: texts/s counts the answers of 200 only; p50 and "
                       "p99 are locust's over every request, the failed ones included."]

@@ -133,6 +133,21 @@ def test_the_null_pipelines_line_names_its_settings_and_failed_requests():
     assert "(openai, 8 users): 12 requests/s answered." in text
 
 
+def test_the_table_has_the_comparisons_columns_only_in_a_run_with_one():
+    s = summary()
+    s["closed_loop"]["short"].update(served_requests=537, served_failures=0)
+    alone = benchreport.markdown(s).splitlines()
+    assert alone[3].endswith("| served / in-process |") and alone[4].count("---") == 7
+    assert alone[5].endswith("| 0 of 537 | 1.0 | 0.90 (0.80-1.00) |"), alone[5]
+    s["closed_loop"]["short"].update(other_texts_per_s=45.3, other_requests=4,
+                                     other_failures=0,
+                                     served_vs_other={"median": 5.6, "min": 5, "max": 6})
+    s["compared"] = "baseline"
+    both = benchreport.markdown(s).splitlines()
+    assert both[3].endswith("| baseline texts/s | baseline failed | served / baseline |")
+    assert both[5].endswith("| 45.3 | 0 of 4 | 5.60 (5.00-6.00) |"), both[5]
+
+
 def test_the_machine_line_names_the_gpus_the_workers_run_on(tmp_path, monkeypatch):
     import benchkit
     from shmserve import topology
