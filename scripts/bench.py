@@ -22,7 +22,8 @@ sentence-transformers fp32.
   .venv/bin/python scripts/bench.py --compare http://host:port   # any OpenAI-compatible URL
   .venv/bin/python scripts/bench.py --url http://127.0.0.1:8080 --only short   # a running stack
 Writes bench-results/<time>/{results.json, results.md, and latency.png with the sweep}: the
-report after each stage, so a run stopped part way keeps what it measured.
+report after each stage (the closed-loop windows, parity, the sweep, the null pipeline), so a
+run stopped part way keeps the stages it finished (not the rounds of one it was in).
 A server with auth.api_keys set: SHMSERVE_API_KEY=<key> (sent as a bearer token with every
 request the bench makes, to --compare's URL too).
 """
