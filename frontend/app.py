@@ -274,7 +274,8 @@ def authenticate(request: web.Request, keys: tuple[bytes, ...]) -> None:
         raise ApiError("unauthorized", bearer_refusal(
             request, "this server needs 'Authorization: Bearer <API key>' (one of "
             "auth.api_keys or auth.api_keys_file)", "the bearer token sent is not one of this "
-            "server's API keys (auth.api_keys, auth.api_keys_file)"))
+            "server's API keys (auth.api_keys, auth.api_keys_file)"),
+            code="invalid_api_key")  # OpenAI's code for it (clients49: it was null)
 
 
 def error_response(request: web.Request, exc: ApiError) -> web.Response:

@@ -109,6 +109,7 @@ def test_a_wrong_key_is_refused(stack, key):
             client.embeddings.create(model="tiny", input=["hello"])
     assert info.value.status_code == 401
     assert info.value.body["type"] == "unauthorized"
+    assert info.value.code == "invalid_api_key"  # OpenAI's code for it
     # a key was sent: the message says it matched none, not that one is needed
     assert info.value.body["message"].startswith("the bearer token sent is not one of"), \
         info.value.body
@@ -138,6 +139,7 @@ def test_no_key_gets_401_with_the_scheme_to_use(stack):
         message = body["error"] if path.startswith("/v2") else body["error"]["message"]
         if not path.startswith("/v2"):  # KServe v2's error shape: the message alone
             assert body["error"]["type"] == "unauthorized"
+            assert body["error"]["code"] == "invalid_api_key"
         assert message.startswith("this server needs 'Authorization: Bearer"), message
         assert message.endswith("the request has no Authorization header"), message
         assert headers["WWW-Authenticate"] == 'Bearer realm="shmserve"'
