@@ -27,6 +27,7 @@ from frontend.links import unit_state
 from frontend.variants import Variant
 from shmserve import state
 from shmserve.checks import MAX_WEIGHT, REVISION, REVISION_RULE
+from shmserve.sources import SOURCE_MAX
 
 
 def add_routes(app: web.Application) -> None:
@@ -108,6 +109,9 @@ async def reload_model(request: web.Request) -> web.Response:
     source, revision = _string(body, "source"), _string(body, "revision")
     if not source.isprintable():  # a NUL reaches no path (500), control characters no log
         raise ApiError("invalid_request", "'source' holds a control character", param="source")
+    if len(source) > SOURCE_MAX:  # before the workers, which logged all 100 KB of one
+        raise ApiError("invalid_request", f"'source' is {len(source)} characters; a model "
+                       f"source is at most {SOURCE_MAX} (a path's limit)", param="source")
     if revision and not REVISION.fullmatch(revision):
         raise ApiError("invalid_request", f"'revision' must be {REVISION_RULE}",
                        param="revision")

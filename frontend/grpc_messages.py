@@ -64,7 +64,8 @@ def model_path(request, sub: str = "", name: str | None = None, version: str | N
         # outside check)
         raise CallFailed(grpc.StatusCode.NOT_FOUND,
                          f"model {name[:200]!r}{'...' * (len(name) > 200)}"
-                         + f" version {version[:200]!r}" * bool(version)
+                         + f" version {version[:200]!r}{'...' * (len(version) > 200)}"
+                         * bool(version)
                          + f" is not served (names are at most {MODEL_NAME_MAX} characters); "
                          "see GET /v1/models")
     if {".", ".."} & (set(name.split("/")) | set(version.split("/"))):

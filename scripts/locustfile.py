@@ -42,7 +42,7 @@ def _settings() -> tuple[bool, int, str]:
     api = os.environ.get("SHMSERVE_BENCH_API", "openai")
     if api not in APIS:
         raise SystemExit(f"SHMSERVE_BENCH_API={api!r}: one of {', '.join(APIS)}")
-    if texts != "mixed" and not (texts.isdigit() and int(texts) >= 1):
+    if texts != "mixed" and not (texts.isascii() and texts.isdecimal() and int(texts) >= 1):
         raise SystemExit(f"SHMSERVE_BENCH_TEXTS={texts!r}: a count of texts per request "
                          "(1 or more), or mixed")
     return texts == "mixed", 16 if texts == "mixed" else int(texts), api

@@ -32,7 +32,10 @@ def reload(args: argparse.Namespace) -> int:
     cfg = processes.deployment(args)
     source = args.source
     if source and not source.startswith("package:"):
-        source = str(Path(source).expanduser().resolve())  # the workers' cwd is not ours
+        try:
+            source = str(Path(source).expanduser().resolve())  # the workers' cwd is not ours
+        except RuntimeError:  # ~user of no user: sent as it is, the reload says why
+            pass
     body = {"source": source, "revision": args.revision, "variant": args.variant}
     # It answers when every worker has switched: under load, with workers.reload_nice, a large
     # model's load takes a while (~33 s for the default model beside 20 connections on 2

@@ -10,9 +10,15 @@ from pathlib import Path
 from shmserve.model_files import ModelSourceError
 
 
+SOURCE_MAX = 4096  # Linux's PATH_MAX: no longer source names a directory
+
+
 def resolve_source(source: str, roots: list[Path] | None = None) -> Path:
     """The model directory of `source`; a directory must lie under one of `roots` (None: no
     confinement, for tools that read a model the user points them at)."""
+    if len(source) > SOURCE_MAX:  # 100 KB of one was echoed whole in answers and logs
+        raise ModelSourceError(f"model source {_shown(source)} is longer than a path can be "
+                               f"({SOURCE_MAX} characters)")
     if _URL.match(source):  # it was looked for as a path, quoted with its password
         from shmserve.configview import without_userinfo
 
@@ -37,12 +43,14 @@ def resolve_source(source: str, roots: list[Path] | None = None) -> Path:
         path = Path(spec.origin).parent / "model"
         roots = None  # installed packages are trusted code already
     else:
-        path = Path(source).expanduser()
+        path = Path(source)
     try:
-        return _directory(path, roots)
-    except OSError as exc:  # a name too long for the file system, a loop of links, no access
-        raise ModelSourceError(f"model source {_shown(source)} cannot be read: "
-                               f"{exc.strerror or exc}") from None
+        return _directory(path.expanduser(), roots)
+    # a name too long for the file system, a loop of links, no access; RuntimeError: a ~user
+    # that is no user (a 500 on reload, a traceback at up: an outside check)
+    except (OSError, RuntimeError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        raise ModelSourceError(f"model source {_shown(source)} cannot be read: {why}") from None
 
 
 def _directory(path: Path, roots: list[Path] | None) -> Path:
@@ -51,11 +59,11 @@ def _directory(path: Path, roots: list[Path] | None) -> Path:
     if roots is not None:
         real = path.resolve()
         if not any(real.is_relative_to(root.resolve()) for root in roots):
-            raise ModelSourceError(f"model directory {real} is outside the model roots "
+            raise ModelSourceError(f"model directory {_cut(str(real))} is outside the model roots "
                                    f"({', '.join(map(str, roots))}); add its parent to "
                                    "model_roots")
     if not path.is_dir():
-        raise ModelSourceError(f"model directory not found: {path}")
+        raise ModelSourceError(f"model directory not found: {_cut(str(path))}")
     return path.resolve()
 
 
@@ -71,12 +79,18 @@ def _relative(path: Path, roots: list[Path]) -> Path:
     return REPO_ROOT / path
 
 
-def _shown(source: str, limit: int = 200) -> str:
-    """`source` quoted for an error, cut to `limit` characters: a reload's body may send
-    100 KB of it, which the answer and the logs echoed whole (an outside check)."""
-    if len(source) <= limit:
-        return repr(source)
-    return f"{source[:limit]!r}... ({len(source)} characters)"
+def _shown(source: str) -> str:
+    """`source` quoted for an error, cut (_cut)."""
+    return repr(source) if len(source) <= _SHOWN else _cut(repr(source))
+
+
+def _cut(text: str) -> str:
+    """`text` cut to _SHOWN characters for an error: a reload's body may send a source of
+    100 KB, which the answer and the logs echoed whole (an outside check)."""
+    return text if len(text) <= _SHOWN else f"{text[:_SHOWN]}... ({len(text)} characters)"
+
+
+_SHOWN = 200
 
 
 _MODULE_NAME = re.compile(r"[A-Za-z_]\w*")

@@ -220,9 +220,13 @@ def test_reload_refuses_what_it_must_not_load(stack, models, tmp_path):
                            ("package:no_such_model_pkg", "not installed"),
                            # a NUL was a 500 (ValueError: embedded null byte), an outside check
                            ("models/ce\u0000", "control character"),
-                           # a name too long for the file system was a 500 echoing it whole
+                           # a name too long for the file system was a 500 echoing it whole,
+                           # a ~user of no user a 500; one longer than a path can be is
+                           # refused before the workers (they logged all 100 KB of it)
                            ("a" * 256, "File name too long"),
-                           ("a/" * 3000, "File name too long")):
+                           ("~no-such-user-49/m", "Could not determine home directory"),
+                           ("/" + "q" * 100_000, "a model source is at most 4096"),
+                           ("a/" * 3000, "a model source is at most 4096")):
         status, answer = reload(stack, "tiny", source=source)
         assert status == 422 and needle in answer["error"]["message"], answer
         assert answer["error"]["param"] == "source" and len(answer["error"]["message"]) < 900

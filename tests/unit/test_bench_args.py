@@ -294,7 +294,8 @@ def test_grpc_cost_refuses_fewer_calls_than_clients_before_starting_anything():
 @pytest.mark.parametrize("env, said", [
     ({"SHMSERVE_BENCH_API": "msgpak"}, "SHMSERVE_BENCH_API='msgpak': one of openai, msgpack, grpc"),
     ({"SHMSERVE_BENCH_TEXTS": "abc"}, "SHMSERVE_BENCH_TEXTS='abc': a count of texts per request"),
-    ({"SHMSERVE_BENCH_TEXTS": "0"}, "SHMSERVE_BENCH_TEXTS='0': a count of texts per request")])
+    ({"SHMSERVE_BENCH_TEXTS": "0"}, "SHMSERVE_BENCH_TEXTS='0': a count of texts per request"),
+    ({"SHMSERVE_BENCH_TEXTS": "\u00b2"}, "SHMSERVE_BENCH_TEXTS='\u00b2': a count of texts")])
 def test_the_locustfile_refuses_a_wrong_setting_in_one_line(env, said):
     """A typo in the API ran the openai profile without a word; one in the texts raised a
     traceback (an outside check)."""

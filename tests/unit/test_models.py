@@ -305,10 +305,21 @@ def test_a_multi_label_classifier_is_scored_by_sigmoids_and_not_reloaded_over_a_
     assert incompatible(specs[1], specs[1]) == ""
 
 
-@pytest.mark.parametrize("source", ["a" * 256, "a/" * 3000])
-def test_a_source_the_file_system_cannot_name_is_a_model_source_error(tmp_path, source):
-    """A name too long for the file system raised OSError out of the check: a reload's answer
-    was a 500 echoing the whole source (an outside check); now refused, the source cut."""
-    with pytest.raises(ModelSourceError, match="cannot be read: File name too long") as caught:
+@pytest.mark.parametrize("source, said", [
+    ("a" * 256, "cannot be read: File name too long"),
+    ("~no-such-user-49/m", "cannot be read: Could not determine home directory"),
+    ("a/" * 3000, "is longer than a path can be"),
+    ("/" + "q" * 100_000, "is longer than a path can be")])
+def test_a_source_the_file_system_cannot_name_is_a_model_source_error(tmp_path, source, said):
+    """A name too long for the file system raised OSError out of the check, a ~user of no user
+    RuntimeError: a reload's answer was a 500 echoing the whole source (outside checks); now
+    refused, the source cut."""
+    with pytest.raises(ModelSourceError, match=said) as caught:
         resolve_source(source, [tmp_path])
-    assert len(str(caught.value)) < 300
+    assert len(str(caught.value)) < 400
+
+
+def test_a_long_path_outside_the_roots_is_cut_in_the_refusal(tmp_path):
+    with pytest.raises(ModelSourceError, match="outside the model roots") as caught:
+        resolve_source("/" + "q/" * 1500, [tmp_path])
+    assert len(str(caught.value)) < 400 and "... (3000 characters)" in str(caught.value)
