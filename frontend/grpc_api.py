@@ -114,8 +114,15 @@ class Gateway:
         return protos.ServerReadyResponse(ready=status == 200)
 
     async def model_ready(self, request, context):
-        # An unknown model is not ready, as Triton answers it, not NOT_FOUND.
-        status, _ = await self._json(context, model_path(request, "/ready"), ok=(200, 400, 404))
+        # An unknown model is not ready, as Triton answers it, not NOT_FOUND (a name longer
+        # than any model's too: recheck49).
+        try:
+            path = model_path(request, "/ready")
+        except CallFailed as exc:
+            if exc.code != grpc.StatusCode.NOT_FOUND:
+                raise
+            return protos.ModelReadyResponse(ready=False)
+        status, _ = await self._json(context, path, ok=(200, 400, 404))
         return protos.ModelReadyResponse(ready=status == 200)
 
     async def server_metadata(self, request, context):

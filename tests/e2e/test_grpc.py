@@ -31,6 +31,7 @@ def test_tritonclient_grpc_embeds_as_http_does(stack, client):
     assert client.is_server_live() and client.is_server_ready()
     assert client.is_model_ready("tiny") and client.is_model_ready("test-org/tiny")
     assert not client.is_model_ready("no-such-model")  # Triton's answer: not ready, no error
+    assert not client.is_model_ready("n" * 300)  # a name longer than any model's as well
     meta = client.get_model_metadata("tiny", headers=AUTH)
     assert meta.versions == ["tiny-r1"] and meta.outputs[0].shape == [-1, 32]
     config = client.get_model_config("tiny", headers=AUTH).config
