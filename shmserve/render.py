@@ -16,6 +16,7 @@ of its kind.
 
 from __future__ import annotations
 
+import configparser
 import dataclasses
 import grp
 import json
@@ -77,20 +78,28 @@ def supervisor_secret(cfg: Config) -> Path:
 
 
 def supervisor_password(cfg: Config) -> str | None:
-    """The password of supervisord's socket (None where no render made one: a deployment
-    started before it had one, whose supervisord asks for none)."""
+    """The password of supervisord's socket: its file's, else the rendered supervisord.conf's
+    (the file removed, the CLI's calls were refused and `status` listed supervisord alone:
+    an outside check); None where no render made one (a deployment started before it had
+    one, whose supervisord asks for none)."""
     try:
         return supervisor_secret(cfg).read_text().strip() or None
     except OSError:
+        pass
+    parser = configparser.RawConfigParser()
+    try:
+        parser.read(supervisord_conf(cfg))
+    except configparser.Error:
         return None
+    return parser.get("supervisorctl", "password", fallback=None) or None
 
 
 def _make_supervisor_password(cfg: Config) -> str:
     """The run directory's password, made at its first render and kept: an apply's new
     supervisord.conf does not change the running supervisord's socket, so a new password
     there would lock supervisorctl out."""
-    if (password := supervisor_password(cfg)) is None:
-        password = secrets.token_urlsafe(24)
+    password = supervisor_password(cfg) or secrets.token_urlsafe(24)
+    if not supervisor_secret(cfg).exists():
         _write(supervisor_secret(cfg), password + "\n")
     return password
 

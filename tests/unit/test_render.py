@@ -306,6 +306,11 @@ def test_supervisords_socket_has_a_password_kept_across_renders(tmp_path):
     server, = options.configroot.supervisord.server_configs
     assert (server["username"], server["password"]) == ("shmserve", password)
     assert render.supervisor_password(make_config(tmp_path / "other")) is None  # none made
+    # its file removed: the rendered file's, and the next render makes the file again with it
+    render.supervisor_secret(cfg).unlink()
+    assert render.supervisor_password(cfg) == password
+    render.render(cfg)
+    assert render.supervisor_secret(cfg).read_text().strip() == password
 
 
 def test_nginx_logs_go_through_supervisord(tmp_path):
