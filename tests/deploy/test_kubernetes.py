@@ -144,6 +144,21 @@ def test_the_image_runs_the_pods_command():
     assert container(deployment)["securityContext"]["allowPrivilegeEscalation"] is False
 
 
+def test_the_image_leaves_out_keys_and_pulls_a_local_build():
+    """`COPY . .` took the README's tls/ keys into the image (an outside check): .dockerignore
+    leaves out what .gitignore calls never committed. The image tag is :latest, which
+    Kubernetes pulls at every start unless told: a locally loaded build ended in
+    ImagePullBackOff."""
+    ignored = (REPO_ROOT / ".dockerignore").read_text().split()
+    assert {"tls", ".venv", ".git", "run", ".hypothesis", ".pytest_cache"} <= set(ignored)
+    never = [line.strip().strip("/") for line in
+             (REPO_ROOT / ".gitignore").read_text().split("never committed")[1].splitlines()
+             if line.strip() and not line.startswith("#")]
+    assert never and set(never) <= set(ignored), never
+    deployment = yaml.safe_load((KUBE / "cpu" / "deployment.yaml").read_text())
+    assert container(deployment)["imagePullPolicy"] == "IfNotPresent"
+
+
 def test_the_images_dependency_layer_holds_every_package():
     """The layer that installs the dependencies before `COPY . .` has only the files copied or
     touched for it: every package pyproject.toml names needs its __init__.py there, or pip's
