@@ -47,8 +47,9 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
 from benchkit import (CORPUS, NULL_STACK, SCENARIOS, Scenario, auth_headers,  # noqa: E402
-                      ceiling, closed_window, corpus_file, cpu_description, failed,
-                      gpu_description, locust_window, open_loop_window, positive, probe)
+                      ceiling, closed_window, corpus_file, failed, locust_window,
+                      open_loop_window, positive, probe)
+from benchmachine import cpu_description, gpu_description  # noqa: E402
 from benchparity import min_cosine_to_fp32, other_model, parity_reference  # noqa: E402
 from benchreport import markdown, plot, save, stage  # noqa: E402
 from benchstacks import (Baseline, OwnStack, check_ports, refuse, require,  # noqa: E402

@@ -27,7 +27,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
-from benchkit import CORPUS, cpu_description, positive, spread  # noqa: E402
+from benchkit import CORPUS, positive, spread  # noqa: E402
+from benchmachine import cpu_description  # noqa: E402
 from benchstacks import OwnStack, check_ports, require, run_main, stop_on_term  # noqa: E402
 
 

@@ -35,7 +35,8 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
 from benchkit import (CORPUS, SCENARIOS, InProcess, corpus_file,  # noqa: E402
-                      cpu_description, locust_window, open_loop_window, positive)
+                      locust_window, open_loop_window, positive)
+from benchmachine import cpu_description  # noqa: E402
 from benchstacks import (OwnStack, check_ports, require, stop_on_term,  # noqa: E402
                          run_main)
 

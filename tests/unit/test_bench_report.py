@@ -149,16 +149,16 @@ def test_the_table_has_the_comparisons_columns_only_in_a_run_with_one():
 
 
 def test_the_machine_line_names_the_gpus_the_workers_run_on(tmp_path, monkeypatch):
-    import benchkit
+    import benchmachine
     from shmserve import topology
 
-    assert benchkit.gpu_description([]) == "no GPU"
+    assert benchmachine.gpu_description([]) == "no GPU"
     for i, model in enumerate(("NVIDIA H100 80GB HBM3", "NVIDIA H200")):
         (tmp_path / f"0000:0{i}:00.0").mkdir()
         (tmp_path / f"0000:0{i}:00.0" / "information").write_text(
             f"Model: \t\t {model}\nIRQ:   1\n")
     monkeypatch.setattr(topology, "DRIVER_GPUS", tmp_path)
-    assert benchkit.gpu_description(["1"]) == "GPU 1: NVIDIA H200"
+    assert benchmachine.gpu_description(["1"]) == "GPU 1: NVIDIA H200"
 
 
 def test_the_parity_line_names_the_comparison_as_the_table_does():
