@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from gpu_workers import bert, deberta, modernbert, packed, qwen3, static, tasks
+from gpu_workers import bert, checkpoint, deberta, modernbert, packed, qwen3, static, tasks
 from shmserve import logs
 from shmserve.models import ModelSourceError, ModelSpec, weights_file
 
@@ -115,11 +115,6 @@ def shape_mismatches(spec: ModelSpec, config: Any) -> str | None:
                          if n in want), None)
             if name is not None and want[name] != have:
                 bad.append((key, have, want[name]))
-    if not bad:
-        return None
-    key, have, need = bad[0]
-    return (f"{spec.directory}: model.safetensors does not fit its config.json "
-            f"({config.model_type}, hidden_size {getattr(config, 'hidden_size', '?')}): tensors "
-            f"of other shapes: {len(bad)}, e.g. {key} is {list(have)}, the config needs "
-            f"{list(need)} (weights of another size of model?)")
-
+    return checkpoint.misfit(spec.directory, {"model_type": config.model_type,
+                                              "hidden_size": getattr(config, "hidden_size", "?")},
+                             bad) if bad else None

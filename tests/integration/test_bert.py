@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from gpu_workers import bert, bert_config, networks
+from shmserve.models import ModelSourceError
 from tests.integration.modelkit import edited, fresh_loads, spec
 from tests.tinymodel import build_tiny_bert, build_tiny_classifier, build_tiny_splade
 
@@ -264,12 +265,10 @@ def test_an_embedding_model_loads_the_encoder_of_any_checkpoint_that_holds_one(
     ("gelu_new", {"hidden_act": "gelu_new"}, None),
     ("relative", {"position_embedding_type": "relative_key"}, None),
     ("decoder", {"is_decoder": True}, None),
-    ("electra-typed", {"model_type": "electra"}, None),
     ("no-padding-id", {"model_type": "roberta", "pad_token_id": None}, None),
     ("string-size", {"hidden_size": "32"}, None),
     ("int-eps", {"layer_norm_eps": 1}, None),  # transformers' strict config refuses it
     ("missing-tensor", None, lambda t: {k: v for k, v in t.items() if ".1.output." not in k}),
-    ("wider-tensor", None, lambda t: {**t, "encoder.layer.0.output.dense.bias": torch.zeros(33)}),
     ("int-tensor", None, lambda t: {**t, "encoder.layer.0.output.dense.bias":
                                     torch.zeros(32, dtype=torch.int64)}),
 ])
@@ -277,6 +276,26 @@ def test_what_only_transformers_reads_goes_to_transformers(bert_models, tmp_path
                                                            config, tensors):
     target = edited(bert_models["embedding"], tmp_path, name, config, tensors)
     assert bert.load(target, "embedding", torch.float32) is None
+
+
+@pytest.mark.parametrize("name, config, tensors, said", [
+    ("wider-tensor", None, lambda t: {**t, "encoder.layer.0.output.dense.bias": torch.zeros(33)},
+     r"\(bert, hidden_size 32\): tensors of other shapes: 1, e\.g\. "
+     r"encoder\.layer\.0\.output\.dense\.bias is \[33\], the config needs \[32\]"),
+    # ELECTRA's embeddings are 128 wide unless its config says otherwise: a BERT's are not
+    ("electra-typed", {"model_type": "electra"}, None,
+     r"\(electra, hidden_size 32\): tensors of other shapes: \d+, e\.g\. \S+ is \[32\], the "
+     r"config needs \[128\]"),
+])
+def test_a_tensor_of_another_shape_is_refused_as_transformers_refuses_it(bert_models, tmp_path,
+                                                                         name, config, tensors,
+                                                                         said):
+    """Without importing transformers (which took a hot reload 28 s under load to say so)."""
+    target = edited(bert_models["embedding"], tmp_path, name, config, tensors)
+    with pytest.raises(ModelSourceError, match=said):
+        bert.load(target, "embedding", torch.float32)
+    with pytest.raises(ModelSourceError, match=said):  # transformers' refusal, said alike
+        transformers_network(target, "embedding", torch.float32)
 
 
 def test_the_config_reads_as_transformers_reads_it(family_models, tmp_path):

@@ -39,7 +39,10 @@ def test_weights_holding_nan_are_refused_at_load(tmp_path):
 
 @pytest.mark.parametrize("damage, said", [
     ("truncated", "not a readable safetensors file"),
-    ("garbled", "not a readable safetensors file")])
+    ("garbled", "not a readable safetensors file"),
+    # a wider model's weights: transformers' import and refusal took a hot reload 28 s under
+    # load (over 60 s, a CI failure, on a loaded machine)
+    ("wider", "does not fit its config.json (bert, hidden_size 32): tensors of other shapes")])
 def test_a_damaged_weights_file_is_refused_without_importing_transformers(tmp_path, damage,
                                                                           said):
     """A truncated or garbled weights file of a model the worker builds itself
@@ -53,6 +56,9 @@ def test_a_damaged_weights_file_is_refused_without_importing_transformers(tmp_pa
     weights = directory / "model.safetensors"
     if damage == "truncated":
         weights.write_bytes(weights.read_bytes()[:-100])
+    elif damage == "wider":
+        weights.write_bytes((build_tiny_bert(tmp_path / "wide", hidden=48)
+                             / "model.safetensors").read_bytes())
     else:
         weights.write_bytes(b"\xff" * 8 + weights.read_bytes()[8:])
     code = ("import sys, torch\n"
@@ -128,13 +134,21 @@ def test_weights_named_otherwise_than_the_config_expects_are_refused(models, tmp
 def test_weights_of_another_size_say_which_tensor_and_shapes(tmp_path, task):
     """A config.json with the weights of a wider model: transformers refused them with "look at
     the above report", a table only in the worker's log, which a reload's caller never sees
-    (an outside check). The message names a tensor and both shapes."""
+    (an outside check). The message names a tensor and both shapes: shmserve's own loader's,
+    and networks.shape_mismatches' for the architectures transformers loads."""
     import shutil
+
+    from transformers import AutoConfig
+
+    from gpu_workers import networks
 
     build = build_tiny_bert if task == "embedding" else build_tiny_classifier
     target, wide = build(tmp_path / "narrow"), build(tmp_path / "wide", hidden=48)
     shutil.copy(wide / "model.safetensors", target / "model.safetensors")
-    with pytest.raises(ModelSourceError, match=r"model.safetensors does not fit its config.json "
-                       r"\(bert, hidden_size 32\): tensors of other shapes: \d+, e\.g\. \S+ is "
-                       r"\[.*48.*\], the config needs \[.*32.*\]"):
+    said = (r"model.safetensors does not fit its config.json \(bert, hidden_size 32\): tensors "
+            r"of other shapes: \d+, e\.g\. \S+ is \[.*48.*\], the config needs \[.*32.*\]")
+    with pytest.raises(ModelSourceError, match=said):
         Model(spec(target, task), torch.device("cpu"))
+    import re
+    assert re.search(said, networks.shape_mismatches(spec(target, task),
+                                                     AutoConfig.from_pretrained(target)))

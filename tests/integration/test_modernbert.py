@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from gpu_workers import modernbert, networks
+from shmserve.models import ModelSourceError
 from tests.integration.modelkit import edited, fresh_loads, padded_batch, spec
 from tests.tinymodel import build_tiny_bert
 
@@ -141,12 +142,23 @@ def test_the_worker_runs_it_packed_to_transformers_results(models, task, pooling
     ("int-eps", {"norm_eps": 1}, None),
     ("odd-kinds", {"layer_types": ["full_attention"] * 3}, None),
     ("missing-tensor", None, lambda t: {k: v for k, v in t.items() if "layers.1.mlp" not in k}),
-    ("wider-tensor", None, lambda t: {**t, "final_norm.weight": torch.ones(33)}),
 ])
 def test_what_only_transformers_reads_goes_to_transformers(models, tmp_path, name, config,
                                                            tensors):
     target = edited(models["embedding", "cls"], tmp_path, name, config, tensors)
     assert modernbert.load(target, "embedding", torch.float32) is None
+
+
+def test_a_tensor_of_another_shape_is_refused_as_transformers_refuses_it(models, tmp_path):
+    """Without importing transformers (which took a hot reload 28 s under load to say so)."""
+    target = edited(models["embedding", "cls"], tmp_path, "wider",
+                    tensors=lambda t: {**t, "final_norm.weight": torch.ones(33)})
+    said = (r"does not fit its config.json \(modernbert, hidden_size 32\): tensors of other "
+            r"shapes: 1, e\.g\. final_norm\.weight is \[33\], the config needs \[32\]")
+    with pytest.raises(ModelSourceError, match=said):
+        modernbert.load(target, "embedding", torch.float32)
+    with pytest.raises(ModelSourceError, match=said):  # transformers' refusal, said alike
+        networks._transformers(spec(target, "embedding"), torch.float32)
 
 
 def test_an_embedding_model_loads_the_encoder_of_a_classifiers_checkpoint(models):
