@@ -30,7 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from shmserve import (config, configview, models, nginxrun, processes, remote, render, state,
-                      tls, topology)
+                      supervisor_files, tls, topology)
 from shmserve.config import Config, ConfigError
 from shmserve.prechecks import (CliError, check_fds, check_port, check_shm, check_stdout,  # noqa: F401
                                 seconds)
@@ -234,14 +234,14 @@ def _start(args: argparse.Namespace, cfg: Config) -> tuple[int | None, dict[str,
     # marker made status say "stopped part way" and the next apply plan to finish it, after
     # `down` and `up`: an outside check)
     topology.apply_marker_path(cfg).unlink(missing_ok=True)
-    argv = [tool("supervisord"), "-c", str(render.supervisord_conf(cfg))]
+    argv = [tool("supervisord"), "-c", str(supervisor_files.supervisord_conf(cfg))]
     log_starts = log_sizes(cfg)
     if args.foreground:
         os.execv(argv[0], [*argv, "--nodaemon"])
     done = subprocess.run(argv, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise CliError(f"supervisord did not start: {(done.stderr or done.stdout).strip()}")
-    _wait_for(lambda: supervisord_pid(cfg) is not None and render.supervisor_socket(cfg).exists(),
+    _wait_for(lambda: supervisord_pid(cfg) is not None and supervisor_files.socket(cfg).exists(),
               10.0, f"supervisord did not come up; see {topology.log_dir(cfg)}/supervisord.log")
     print(f"shmserve: started (run_dir {cfg.run_dir})")
     return (None if args.wait else 0), log_starts
@@ -274,8 +274,8 @@ def _down(cfg: Config) -> int:
         state.remove_reload_locks(cfg)  # after the frontends, their holders, are gone
         state.remove_marks(cfg)
         # A SIGKILLed supervisord's pid file and control socket (a clean exit removes both)
-        render.supervisord_pidfile(cfg).unlink(missing_ok=True)
-        render.supervisor_socket(cfg).unlink(missing_ok=True)
+        supervisor_files.supervisord_pidfile(cfg).unlink(missing_ok=True)
+        supervisor_files.socket(cfg).unlink(missing_ok=True)
     if pid is None:
         print(f"shmserve: supervisord was not running (run_dir {cfg.run_dir}); stopped the "
               f"processes it had left running: pids {', '.join(map(str, left))}" if left else
@@ -378,7 +378,7 @@ def tool(name: str) -> str:
 
 
 def ctl_argv(cfg: Config, *args: str) -> list[str]:
-    return [tool("supervisorctl"), "-c", str(render.supervisord_conf(cfg)), *args]
+    return [tool("supervisorctl"), "-c", str(supervisor_files.supervisord_conf(cfg)), *args]
 
 
 def _wait_for(condition: Callable[[], bool], timeout: float, error: str) -> None:

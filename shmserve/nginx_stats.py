@@ -25,6 +25,8 @@ from pathlib import Path
 
 from prometheus_client import Counter
 
+from shmserve.files import write_private
+
 log = logging.getLogger("shmserve.nginx_stats")
 
 RESPONSES = Counter("shmserve_nginx_responses", "Responses nginx made itself, with no "
@@ -132,9 +134,7 @@ class Reader:
         return sum(tally.values()) + sum(cut.values())
 
     def _save(self) -> None:
-        tmp = self.offset_path.with_name(self.offset_path.name + ".tmp")
-        tmp.write_text(str(self.offset))
-        os.replace(tmp, self.offset_path)
+        write_private(self.offset_path, str(self.offset))
 
     def serve_forever(self) -> None:
         while not self._stop.wait(POLL_S):

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import psutil
 
-from shmserve import config, render, topology
+from shmserve import config, supervisor_files, topology
 from shmserve.config import Config
 
 
@@ -24,9 +24,9 @@ def supervisor(cfg: Config) -> xmlrpc.client.ServerProxy:
     `supervisor` namespace, and `shmserve` (shmserve.supervisor_rpc)."""
     from supervisor.xmlrpc import SupervisorTransport
 
-    password = render.supervisor_password(cfg)
-    transport = SupervisorTransport(render.SUPERVISOR_USER if password else None, password,
-                                    f"unix://{render.supervisor_socket(cfg)}")
+    password = supervisor_files.password(cfg)
+    transport = SupervisorTransport(supervisor_files.USER if password else None, password,
+                                    f"unix://{supervisor_files.socket(cfg)}")
     return xmlrpc.client.ServerProxy("http://localhost", transport)
 
 
@@ -68,7 +68,7 @@ def resident(cfg: Config, infos: list[dict] | None = None) -> dict[str, int]:
     infos = info(cfg) if infos is None else infos
     out: dict[str, int] = {}
     try:
-        supervisord = int(render.supervisord_pidfile(cfg).read_text().strip())
+        supervisord = int(supervisor_files.supervisord_pidfile(cfg).read_text().strip())
         out["supervisord"] = psutil.Process(supervisord).memory_info().rss
     except (OSError, ValueError, psutil.Error):
         pass
@@ -199,9 +199,9 @@ def supervisord_pid(cfg: Config) -> int | None:
     cleaner) or naming another while this one runs made `up` and `down` kill the programs of
     a supervisord they took for dead, which started them again, and `down` removed its control
     socket (outside checks)."""
-    conf = render.supervisord_conf(cfg)
+    conf = supervisor_files.supervisord_conf(cfg)
     try:
-        named = int(render.supervisord_pidfile(cfg).read_text().strip())
+        named = int(supervisor_files.supervisord_pidfile(cfg).read_text().strip())
     except PermissionError:
         raise  # another user's run directory: said so (cli.main), not "not running"
     except (OSError, ValueError):

@@ -16,7 +16,6 @@ of its kind.
 
 from __future__ import annotations
 
-import configparser
 import dataclasses
 import grp
 import json
@@ -25,7 +24,6 @@ import os
 import pwd
 import re
 import resource
-import secrets
 import shlex
 import shutil
 import subprocess
@@ -35,9 +33,10 @@ from pathlib import Path
 
 import msgpack
 
-from shmserve import grpc_nginx, nginx_options, tls, topology
+from shmserve import grpc_nginx, nginx_options, supervisor_files, tls, topology
 from shmserve.checks import MAX_CONNECTIONS
 from shmserve.config import REPO_ROOT, Config
+from shmserve.files import write_private
 
 SUPERVISORD_TEMPLATE = REPO_ROOT / "supervisord.conf"
 NGINX_TEMPLATE = REPO_ROOT / "nginx" / "nginx.conf"
@@ -56,53 +55,7 @@ def metrics_timeout_s(nginx) -> float:
     return 2 * nginx.probe_timeout_s
 
 
-# Paths of the rendered files, shared with the CLI.
-
-def supervisord_conf(cfg: Config) -> Path:
-    return cfg.run_dir / "supervisord.conf"
-
-
-def supervisord_pidfile(cfg: Config) -> Path:
-    return cfg.run_dir / "supervisord.pid"
-
-
-def supervisor_socket(cfg: Config) -> Path:
-    return cfg.run_dir / "supervisor.sock"
-
-
-SUPERVISOR_USER = "shmserve"
-
-
-def supervisor_secret(cfg: Config) -> Path:
-    return cfg.run_dir / "supervisor.secret"
-
-
-def supervisor_password(cfg: Config) -> str | None:
-    """The password of supervisord's socket: its file's, else the rendered supervisord.conf's
-    (the file removed, the CLI's calls were refused and `status` listed supervisord alone:
-    an outside check); None where no render made one (a deployment started before it had
-    one, whose supervisord asks for none)."""
-    try:
-        return supervisor_secret(cfg).read_text().strip() or None
-    except OSError:
-        pass
-    parser = configparser.RawConfigParser()
-    try:
-        parser.read(supervisord_conf(cfg))
-    except configparser.Error:
-        return None
-    return parser.get("supervisorctl", "password", fallback=None) or None
-
-
-def _make_supervisor_password(cfg: Config) -> str:
-    """The run directory's password, made at its first render and kept: an apply's new
-    supervisord.conf does not change the running supervisord's socket, so a new password
-    there would lock supervisorctl out."""
-    password = supervisor_password(cfg) or secrets.token_urlsafe(24)
-    if not supervisor_secret(cfg).exists():
-        _write(supervisor_secret(cfg), password + "\n")
-    return password
-
+# Paths of the rendered files, shared with the CLI (supervisord's: shmserve.supervisor_files).
 
 def nginx_dir(cfg: Config) -> Path:
     return cfg.run_dir / "nginx"
@@ -130,17 +83,17 @@ def render(cfg: Config) -> None:
     # run directory as it was. It was written in place first, and a refused `apply` left it
     # there for the next nginx start, which crash-looped on it (an outside check).
     candidate = nginx_conf(cfg).with_name(".nginx.conf.candidate")
-    _write(candidate, render_nginx(cfg))
+    write_private(candidate, render_nginx(cfg))
     try:
         check_nginx(cfg, binary, candidate)
     except RenderError:
         candidate.unlink(missing_ok=True)
         raise
-    _write(topology.resolved_config_path(cfg), cfg.to_json() + "\n")
+    write_private(topology.resolved_config_path(cfg), cfg.to_json() + "\n")
     _write_error_pages(cfg)
     os.replace(candidate, nginx_conf(cfg))
-    _write(supervisord_conf(cfg), render_supervisord(cfg, binary,
-                                                     _make_supervisor_password(cfg)))
+    write_private(supervisor_files.supervisord_conf(cfg), render_supervisord(cfg, binary,
+                                                     supervisor_files.make_password(cfg)))
 
 
 def resolved(cfg: Config) -> Config:
@@ -233,7 +186,7 @@ def render_supervisord(cfg: Config, nginx: str, password: str) -> str:
         "run_dir": str(cfg.run_dir),
         "log_dir": str(topology.log_dir(cfg)),
         "repo_root": str(REPO_ROOT).replace("%", "%%"),
-        "supervisor_socket": str(supervisor_socket(cfg)),
+        "supervisor_socket": str(supervisor_files.socket(cfg)),
         "supervisor_password": password,
         "minfds": str(_minfds(cfg)),
         "supervisord_user": "user=root" if os.geteuid() == 0 else "; not root: no user",
@@ -375,8 +328,8 @@ def _write_error_pages(cfg: Config) -> None:
                           (errors / "v2", nginx_options.kserve_error_body)):
         for status in nginx_options.NGINX_ERRORS:
             body = shape(cfg, status)
-            _write(folder / f"{status}.json", json.dumps(body, separators=(",", ":")) + "\n")
-            _write(folder / f"{status}.msgpack", msgpack.packb(body))
+            write_private(folder / f"{status}.json", json.dumps(body, separators=(",", ":")) + "\n")
+            write_private(folder / f"{status}.msgpack", msgpack.packb(body))
 
 
 def _user_directive() -> str:
@@ -401,7 +354,7 @@ def _check_paths(cfg: Config) -> None:
     last_worker = len(topology.worker_devices(cfg)) - 1
     last_frontend = (topology.frontend_grpc_socket if cfg.server.grpc_port else
                      topology.frontend_socket)(cfg, cfg.frontends.count - 1)
-    sockets = [supervisor_socket(cfg), last_frontend,
+    sockets = [supervisor_files.socket(cfg), last_frontend,
                Path(topology.worker_endpoint(cfg, last_worker).removeprefix("ipc://"))]
     for path in sockets:
         if len(str(path).encode()) > MAX_SOCKET_PATH:
@@ -452,11 +405,3 @@ def _check_owner(run_dir: Path) -> None:
         raise RenderError(f"server.run_dir: {run_dir} belongs to uid {owner}, not to this user "
                           f"(uid {me}), so it cannot be made private (0700); point "
                           f"server.run_dir at {where}")
-
-
-def _write(path: Path, data: str | bytes) -> None:
-    # Write, then rename: a process reading the file never sees half of it.
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(data.encode() if isinstance(data, str) else data)
-    tmp.chmod(0o600)
-    os.replace(tmp, path)

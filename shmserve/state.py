@@ -26,6 +26,7 @@ from typing import Callable, Iterator
 from urllib.parse import quote
 
 from shmserve.config import Config
+from shmserve.files import write_private
 from shmserve.typedtree import ConfigError
 
 log = logging.getLogger("shmserve.state")
@@ -56,10 +57,7 @@ def update(cfg: Config, change: Callable[[dict], None]) -> State:
         tree.setdefault("sources", {})
         tree.setdefault("splits", {})
         change(tree)
-        tmp = file.with_name(f".{file.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(tree, indent=2, sort_keys=True) + "\n")
-        tmp.chmod(0o600)
-        os.replace(tmp, file)
+        write_private(file, json.dumps(tree, indent=2, sort_keys=True) + "\n")
     return _parse(file)
 
 

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from shmserve import arena, cli, config, configview, nginx_options, processes, render, topology
+from shmserve import (arena, cli, config, configview, nginx_options, processes, render,
+                      supervisor_files, topology)
 from shmserve.config import REPO_ROOT
 from tests.unit.test_render import free_port, wait_until
 
@@ -120,8 +121,8 @@ def test_down_when_not_running_still_removes_stale_state(deployment, capsys, mon
     stale_socket.touch()
     # A SIGKILLed supervisord's pid file and control socket (an outside check found them
     # after `down`; the next `up` ignored them)
-    render.supervisord_pidfile(deployment).write_text(f"{2**22 + 5}\n")
-    render.supervisor_socket(deployment).touch()
+    supervisor_files.supervisord_pidfile(deployment).write_text(f"{2**22 + 5}\n")
+    supervisor_files.socket(deployment).touch()
     # Reload locks (shmserve.state.reloading): one a unit ever reloaded, left by every run
     locks = [deployment.run_dir / name for name in ("reload-tiny.lock", "reload-ab@a.lock")]
     for lock in locks:
@@ -138,8 +139,8 @@ def test_down_when_not_running_still_removes_stale_state(deployment, capsys, mon
         out = capsys.readouterr().out
         assert "not running" in out and orphan.name in out
         assert not stale_socket.exists() and not segment.exists() and not orphan.exists()
-        assert not render.supervisord_pidfile(deployment).exists()
-        assert not render.supervisor_socket(deployment).exists()
+        assert not supervisor_files.supervisord_pidfile(deployment).exists()
+        assert not supervisor_files.socket(deployment).exists()
         assert not any(lock.exists() for lock in locks)
         assert live.path.exists()
     finally:
@@ -160,10 +161,10 @@ def standin(conf: Path) -> subprocess.Popen:
 
 
 def test_up_refuses_while_this_deployments_supervisord_runs(deployment, capsys):
-    pidfile = render.supervisord_pidfile(deployment)
+    pidfile = supervisor_files.supervisord_pidfile(deployment)
     pidfile.parent.mkdir(parents=True)
-    render.supervisord_conf(deployment).write_text("")
-    fake = standin(render.supervisord_conf(deployment))
+    supervisor_files.supervisord_conf(deployment).write_text("")
+    fake = standin(supervisor_files.supervisord_conf(deployment))
     try:
         pidfile.write_text(f"{fake.pid}\n")
         assert cli.supervisord_pid(deployment) == fake.pid
@@ -179,9 +180,9 @@ def test_a_pid_file_naming_another_deployments_supervisord_is_stale(deployment, 
     """A killed supervisord's pid taken by another deployment's (a reboot, a kill -9): `up`
     refused ("already running"), `down` waited on the other one, `status` showed nothing (an
     outside check)."""
-    pidfile = render.supervisord_pidfile(deployment)
+    pidfile = supervisor_files.supervisord_pidfile(deployment)
     pidfile.parent.mkdir(parents=True)
-    render.supervisord_conf(deployment).write_text("")
+    supervisor_files.supervisord_conf(deployment).write_text("")
     other = tmp_path / "other-run" / "supervisord.conf"
     other.parent.mkdir()
     other.write_text("")
@@ -193,7 +194,7 @@ def test_a_pid_file_naming_another_deployments_supervisord_is_stale(deployment, 
         # naming another or gone (a tmp cleaner): `up` and `down` took it for dead and killed
         # its programs, which it started again, and `down` removed its control socket (an
         # outside check)
-        ours = standin(render.supervisord_conf(deployment))
+        ours = standin(supervisor_files.supervisord_conf(deployment))
         try:
             assert cli.supervisord_pid(deployment) == ours.pid
             pidfile.unlink()
@@ -434,7 +435,7 @@ def test_another_users_deployment_is_said_to_be_so_not_stopped(deployment, capsy
                                                                 argv):
     """Another user's run directory (0700): `restart`, `apply`, `config --running` said "not
     running", `status` permission denied (an outside check). Root reads any file: made here."""
-    pidfile = render.supervisord_pidfile(deployment)
+    pidfile = supervisor_files.supervisord_pidfile(deployment)
     pidfile.parent.mkdir(parents=True)
     pidfile.write_text("1\n")
     read = Path.read_text

@@ -3,7 +3,7 @@
 import threading
 import time
 
-from shmserve import cli, render, state
+from shmserve import cli, state, supervisor_files
 
 
 def test_up_while_a_down_cleans_up_is_refused_and_says_so(deployment, capsys):
@@ -16,7 +16,8 @@ def test_up_while_a_down_cleans_up_is_refused_and_says_so(deployment, capsys):
         assert cli.main(["up"]) == 2
         err = capsys.readouterr().err
         assert "a `down` is stopping this deployment" in err and "run `up` again" in err
-        assert not render.supervisord_conf(deployment).exists()  # nothing started, rendered
+        # nothing started, nothing rendered
+        assert not supervisor_files.supervisord_conf(deployment).exists()
     with state.starting_or_stopping(deployment, "up", wait=False):
         assert cli.main(["up"]) == 2
         assert "`shmserve up` (pid" in capsys.readouterr().err

@@ -12,7 +12,7 @@ import threading
 import time
 from pathlib import Path
 
-from shmserve import nginxrun, render
+from shmserve import nginxrun, render, supervisor_files
 from tests.unit.test_render import make_config, wait_until
 
 
@@ -151,7 +151,7 @@ def test_nginx_waits_for_a_frontend_to_listen(tmp_path):
 def test_the_rendered_command_names_every_frontend_socket(tmp_path):
     cfg = make_config(tmp_path / "run", frontends={"count": 2})
     render.render(cfg)
-    text = render.supervisord_conf(cfg).read_text()
+    text = supervisor_files.supervisord_conf(cfg).read_text()
     line = next(line for line in text.splitlines() if "shmserve.nginxrun" in line)
     for i in range(2):
         assert f"--frontend {cfg.run_dir}/sockets/frontend-{i}.sock" in line

@@ -21,7 +21,7 @@ import pytest
 from supervisor.datatypes import RestartUnconditionally
 from supervisor.options import EventListenerPoolConfig, ServerOptions
 
-from shmserve import config, layers, nginx_options, render, topology
+from shmserve import config, layers, nginx_options, render, supervisor_files, topology
 from shmserve.config import REPO_ROOT, Config
 
 
@@ -43,7 +43,7 @@ def make_config(run_dir: Path, **sections: dict[str, Any]) -> Config:
 def programs(cfg: Config) -> dict[str, Any]:
     """supervisord's own reading of the rendered file: program name -> ProcessConfig."""
     options = ServerOptions()
-    options.configfile = str(render.supervisord_conf(cfg))
+    options.configfile = str(supervisor_files.supervisord_conf(cfg))
     options.process_config(do_usage=False)
     return {p.name: (group.name, p) for group in options.process_group_configs
             if not isinstance(group, EventListenerPoolConfig) for p in group.process_configs}
@@ -129,7 +129,7 @@ def test_log_rotation_is_configured(tmp_path):
     for name, (_, p) in programs(cfg).items():
         assert (p.stdout_logfile_maxbytes, p.stdout_logfile_backups) == (1 << 20, 2), name
     options = ServerOptions()
-    options.configfile = str(render.supervisord_conf(cfg))
+    options.configfile = str(supervisor_files.supervisord_conf(cfg))
     options.process_config(do_usage=False)
     assert (options.logfile_maxbytes, options.logfile_backups) == (1 << 20, 2)
 
@@ -259,7 +259,7 @@ def test_a_reaper_listens_for_every_exit_before_the_programs_start(tmp_path):
     cfg = make_config(tmp_path / "run")
     render.render(cfg)
     options = ServerOptions()
-    options.configfile = str(render.supervisord_conf(cfg))
+    options.configfile = str(supervisor_files.supervisord_conf(cfg))
     options.process_config(do_usage=False)
     pools = [g for g in options.process_group_configs if isinstance(g, EventListenerPoolConfig)]
     (pool,) = pools
@@ -284,7 +284,7 @@ def test_supervisord_runs_as_root_only_by_its_user_line(tmp_path, monkeypatch):
         cfg = make_config(tmp_path / f"run-{euid}")
         render.render(cfg)
         options = ServerOptions()
-        options.configfile = str(render.supervisord_conf(cfg))
+        options.configfile = str(supervisor_files.supervisord_conf(cfg))
         options.process_config(do_usage=False)
         assert options.configroot.supervisord.user == want
 
@@ -295,22 +295,22 @@ def test_supervisords_socket_has_a_password_kept_across_renders(tmp_path):
     supervisord's socket does not take, so a new password would lock supervisorctl out."""
     cfg = make_config(tmp_path / "run")
     render.render(cfg)
-    password = render.supervisor_password(cfg)
+    password = supervisor_files.password(cfg)
     assert password and len(password) >= 32
-    assert render.supervisor_secret(cfg).stat().st_mode & 0o777 == 0o600
+    assert supervisor_files.secret(cfg).stat().st_mode & 0o777 == 0o600
     render.render(make_config(tmp_path / "run", frontends={"count": 3}))  # an apply's render
-    assert render.supervisor_password(cfg) == password
+    assert supervisor_files.password(cfg) == password
     options = ServerOptions()
-    options.configfile = str(render.supervisord_conf(cfg))
+    options.configfile = str(supervisor_files.supervisord_conf(cfg))
     options.process_config(do_usage=False)
     server, = options.configroot.supervisord.server_configs
     assert (server["username"], server["password"]) == ("shmserve", password)
-    assert render.supervisor_password(make_config(tmp_path / "other")) is None  # none made
+    assert supervisor_files.password(make_config(tmp_path / "other")) is None  # none made
     # its file removed: the rendered file's, and the next render makes the file again with it
-    render.supervisor_secret(cfg).unlink()
-    assert render.supervisor_password(cfg) == password
+    supervisor_files.secret(cfg).unlink()
+    assert supervisor_files.password(cfg) == password
     render.render(cfg)
-    assert render.supervisor_secret(cfg).read_text().strip() == password
+    assert supervisor_files.secret(cfg).read_text().strip() == password
 
 
 def test_nginx_logs_go_through_supervisord(tmp_path):
@@ -351,7 +351,7 @@ def test_logging_to_stdout_sends_every_programs_lines_to_supervisords_stdout(
         assert p.stdout_logfile == "/dev/stdout", name
         assert (p.stdout_logfile_maxbytes, p.stdout_logfile_backups) == (0, 0), name
     options = ServerOptions()
-    options.configfile = str(render.supervisord_conf(cfg))
+    options.configfile = str(supervisor_files.supervisord_conf(cfg))
     options.process_config(do_usage=False)
     (reaper,) = [p for g in options.process_group_configs if g.name == "reaper"
                  for p in g.process_configs]
