@@ -162,9 +162,37 @@ class Stack:
         return self.cli("ctl", *args, check=False).stdout
 
     def pid(self, program: str) -> int:
-        """A program's pid as supervisord reports it (0 when it is not running)."""
-        out = self.ctl("pid", program).strip()
-        return int(out) if out.isdigit() else 0
+        """A program's pid as supervisord reports it (0 when it is not running), asked over
+        its XML-RPC socket from this process, as `shmserve ctl pid` asks it: that command is
+        two Python processes (the CLI, supervisorctl), ~0.6 s of CPU a call, which the suite
+        made a few hundred times (`ctl` itself is tested through the CLI)."""
+        return int(self.info(program).get("pid", 0))
+
+    def info(self, program: str) -> dict:
+        """supervisord's getProcessInfo of `program` (group:name): pid, statename, ...; {}
+        where supervisord does not answer or has no such program."""
+        import xmlrpc.client
+
+        from shmserve import processes
+
+        try:
+            with processes.supervisor(self.deployed()) as proxy:
+                return proxy.supervisor.getProcessInfo(program)
+        except (OSError, xmlrpc.client.Error):
+            return {}
+
+    def processes(self) -> list[dict]:
+        """supervisord's view of every process (its getAllProcessInfo: name, group,
+        statename, pid, ...), over its socket from this process (`pid`)."""
+        from shmserve import processes
+
+        return processes.info(self.deployed())
+
+    def deployed(self):
+        """The config the deployment runs with (its run directory's config.json)."""
+        from shmserve.config import load_resolved
+
+        return load_resolved(self.run_dir / "config.json")
 
     def log(self, program: str) -> str:
         path = self.run_dir / "logs" / f"{program}.log"

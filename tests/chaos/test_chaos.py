@@ -37,7 +37,7 @@ def kill_and_wait(stack: Stack, program: str, load: Load) -> Counter:
     stack.wait_until(lambda: stack.pid(program) not in (0, old), 60, f"{program} restart")
     # RUNNING comes startsecs after the start: by then nginxrun has killed the workers the dead
     # master left (they keep answering meanwhile) and the new master listens.
-    stack.wait_until(lambda: stack.ctl("status", program).split()[1:2] == ["RUNNING"], 60,
+    stack.wait_until(lambda: stack.info(program).get("statename") == "RUNNING", 60,
                      f"{program} RUNNING")
     stack.wait_until(stack.all_ready, 90, "every worker ready after the restart")
     # Keep the load on a little past readiness, so requests of the recovered state count too.

@@ -33,11 +33,10 @@ def programs(stack: Stack) -> dict[str, int]:
     first second, STARTING, waited for)."""
     deadline = time.monotonic() + 15
     while True:
-        lines = [line.split() for line in stack.ctl("status").splitlines()]
-        ours = [fields for fields in lines if fields[0].startswith(("frontends:", "workers:"))]
-        if all(fields[1] == "RUNNING" for fields in ours):
-            return {fields[0].partition(":")[2]: int(fields[3].rstrip(",")) for fields in ours}
-        assert time.monotonic() < deadline, lines
+        ours = [p for p in stack.processes() if p["group"] in ("frontends", "workers")]
+        if ours and all(p["statename"] == "RUNNING" for p in ours):
+            return {p["name"]: p["pid"] for p in ours}
+        assert time.monotonic() < deadline, ours
         time.sleep(0.2)
 
 

@@ -294,9 +294,9 @@ def test_cli_reload_and_a_restarted_worker_loads_the_reloaded_model(stack, model
     proc = stack.cli("reload", "tiny", str(models["a"]), "--revision", "tiny-r3")
     assert json.loads(proc.stdout)["revision"] == "tiny-r3"
     assert proc.stderr.startswith("shmserve: reloading tiny: every worker"), proc.stderr
-    old = int(stack.ctl("pid", "workers:worker-1").strip())
+    old = stack.pid("workers:worker-1")
     os.kill(old, signal.SIGKILL)
-    stack.wait_until(lambda: stack.ctl("pid", "workers:worker-1").strip() not in ("0", str(old)),
+    stack.wait_until(lambda: stack.pid("workers:worker-1") not in (0, old),
                      60, "supervisord to restart worker-1")
     stack.wait_until(lambda: every_frontend_ready(stack), 90,
                      "every worker ready again, to both frontends")
@@ -304,7 +304,7 @@ def test_cli_reload_and_a_restarted_worker_loads_the_reloaded_model(stack, model
     # /ready, judged by each frontend, said ready from one and not from the other for up to a
     # heartbeat interval (2 s here), as nginx alternated probes (an outside check).
     # (Lines reach the files up to logging's flush interval late: wait for this start's.)
-    new = int(stack.ctl("pid", "workers:worker-1").strip())
+    new = stack.pid("workers:worker-1")
     stack.wait_until(lambda: any(line.get("message") == "worker.ready" and line["pid"] == new
                                  for line in stack.log_lines("worker-1")), 10, "its ready line")
     ready_at = heard(stack, "worker-1", "worker.ready")[-1]

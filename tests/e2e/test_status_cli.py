@@ -155,7 +155,7 @@ def test_killed_processes_leave_no_live_gauges(stack):
         assert stack.post_json("/predict", {"texts": ["before the kill"]})[0] == 200
     before = scrape(stack)
     groups = {"worker": "workers:worker-0", "frontend": "frontends:frontend-1"}
-    old = {p: int(stack.ctl("pid", group).strip()) for p, group in groups.items()}
+    old = {p: stack.pid(group) for p, group in groups.items()}
     for pid in old.values():
         assert list(metrics_dir.glob(f"gauge_live*_{pid}.db"))
         os.kill(pid, signal.SIGKILL)
@@ -163,10 +163,9 @@ def test_killed_processes_leave_no_live_gauges(stack):
 
     def restarted():
         for p, group in groups.items():
-            pid = stack.ctl("pid", group).strip()
-            if not pid.isdigit() or int(pid) in (0, old[p]):
+            if (pid := stack.pid(group)) in (0, old[p]):
                 return False
-            new[p] = int(pid)
+            new[p] = pid
         return True
     stack.wait_until(restarted, 60, "supervisord to restart both")
     stack.wait_until(lambda: not any(list(metrics_dir.glob(f"gauge_live*_{pid}.db"))
