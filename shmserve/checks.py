@@ -266,58 +266,62 @@ def check_models(cfg: Any) -> None:
 
 def check_relations(cfg: Any) -> None:
     """What no key can say alone: timeouts and capacities that must fit one another;
-    ConfigError naming the key."""
+    ConfigError naming the key, every rule broken in one message (one at a time, a fix of the
+    first met the second: an outside check's short nginx.proxy_read_timeout_s)."""
+    errors: list[str] = []
     if 0 < cfg.frontends.hung_kill_s <= 2 * cfg.workers.heartbeat_interval_s:
-        raise ConfigError(f"frontends.hung_kill_s: {cfg.frontends.hung_kill_s:g} must be over "
-                          "twice workers.heartbeat_interval_s "
-                          f"({cfg.workers.heartbeat_interval_s:g}), how often a frontend pings "
-                          "each worker; or 0 (never)")
+        errors.append(f"frontends.hung_kill_s: {cfg.frontends.hung_kill_s:g} must be over "
+                      "twice workers.heartbeat_interval_s "
+                      f"({cfg.workers.heartbeat_interval_s:g}), how often a frontend pings "
+                      "each worker; or 0 (never)")
     if 0 < cfg.workers.hung_kill_s <= cfg.workers.heartbeat_timeout_s:
-        raise ConfigError(f"workers.hung_kill_s: {cfg.workers.hung_kill_s:g} must be over "
-                          f"workers.heartbeat_timeout_s ({cfg.workers.heartbeat_timeout_s:g}), "
-                          "or 0 (never)")
+        errors.append(f"workers.hung_kill_s: {cfg.workers.hung_kill_s:g} must be over "
+                      f"workers.heartbeat_timeout_s ({cfg.workers.heartbeat_timeout_s:g}), "
+                      "or 0 (never)")
     if cfg.workers.heartbeat_timeout_s <= cfg.workers.heartbeat_interval_s:
-        raise ConfigError(f"workers.heartbeat_timeout_s: {cfg.workers.heartbeat_timeout_s:g} "
-                          "must be over workers.heartbeat_interval_s "
-                          f"({cfg.workers.heartbeat_interval_s:g}), or every worker is taken "
-                          "for dead between two heartbeats")
+        errors.append(f"workers.heartbeat_timeout_s: {cfg.workers.heartbeat_timeout_s:g} "
+                      "must be over workers.heartbeat_interval_s "
+                      f"({cfg.workers.heartbeat_interval_s:g}), or every worker is taken "
+                      "for dead between two heartbeats")
     if cfg.batching.max_wait_ms >= 1000 * cfg.frontends.request_timeout_s:
-        raise ConfigError(f"batching.max_wait_ms: {cfg.batching.max_wait_ms:g} must be under "
-                          f"frontends.request_timeout_s ({cfg.frontends.request_timeout_s:g} s): "
-                          "a lone request would wait for company past its deadline (504)")
+        errors.append(f"batching.max_wait_ms: {cfg.batching.max_wait_ms:g} must be under "
+                      f"frontends.request_timeout_s ({cfg.frontends.request_timeout_s:g} s): "
+                      "a lone request would wait for company past its deadline (504)")
     low_share = int(cfg.workers.queue_texts * cfg.workers.low_priority_queue_share)
     if low_share < cfg.limits.max_texts_per_request:
         # A request larger than a worker's whole queue would get a 429 (retry later) forever.
         low = "" if cfg.workers.queue_texts < cfg.limits.max_texts_per_request else (
             f" x workers.low_priority_queue_share ({cfg.workers.low_priority_queue_share:g}) = "
             f"{low_share}, what a low-priority request may queue,")
-        raise ConfigError(f"workers.queue_texts: {cfg.workers.queue_texts}{low} is under "
-                          f"limits.max_texts_per_request ({cfg.limits.max_texts_per_request}): "
-                          "a request that large could never be queued")
+        errors.append(f"workers.queue_texts: {cfg.workers.queue_texts}{low} is under "
+                      f"limits.max_texts_per_request ({cfg.limits.max_texts_per_request}): "
+                      "a request that large could never be queued")
     if cfg.server.grpc_port == cfg.server.port:
-        raise ConfigError(f"server.grpc_port: {cfg.server.grpc_port} is server.port too; gRPC "
-                          "needs a port of its own (or 0: no gRPC)")
+        errors.append(f"server.grpc_port: {cfg.server.grpc_port} is server.port too; gRPC "
+                      "needs a port of its own (or 0: no gRPC)")
     if bool(cfg.nginx.tls_certificate) != bool(cfg.nginx.tls_key):
         given, missing = (("nginx.tls_certificate", "nginx.tls_key") if cfg.nginx.tls_certificate
                           else ("nginx.tls_key", "nginx.tls_certificate"))
-        raise ConfigError(f"{missing}: TLS needs both files; {given} is set and {missing} "
-                          "is not (or set neither: plain HTTP)")
+        errors.append(f"{missing}: TLS needs both files; {given} is set and {missing} "
+                      "is not (or set neither: plain HTTP)")
     if cfg.nginx.tls_client_ca and not cfg.nginx.tls_certificate:
-        raise ConfigError("nginx.tls_client_ca: client certificates are asked for in the TLS "
-                          "handshake; set nginx.tls_certificate and nginx.tls_key too (or "
-                          "leave nginx.tls_client_ca empty)")
+        errors.append("nginx.tls_client_ca: client certificates are asked for in the TLS "
+                      "handshake; set nginx.tls_certificate and nginx.tls_key too (or "
+                      "leave nginx.tls_client_ca empty)")
     if cfg.nginx.tls_client_crl and not cfg.nginx.tls_client_ca:
-        raise ConfigError("nginx.tls_client_crl: revokes client certificates, which only "
-                          "nginx.tls_client_ca asks for; set it too (or leave both empty)")
+        errors.append("nginx.tls_client_crl: revokes client certificates, which only "
+                      "nginx.tls_client_ca asks for; set it too (or leave both empty)")
     if bool(cfg.nginx.tls_client_certificate) != bool(cfg.nginx.tls_client_key):
         given, missing = (("nginx.tls_client_certificate", "nginx.tls_client_key")
                           if cfg.nginx.tls_client_certificate
                           else ("nginx.tls_client_key", "nginx.tls_client_certificate"))
-        raise ConfigError(f"{missing}: the CLI's client certificate needs both files; {given} "
-                          f"is set and {missing} is not (or set neither)")
+        errors.append(f"{missing}: the CLI's client certificate needs both files; {given} "
+                      f"is set and {missing} is not (or set neither)")
     for key, value in (("admin.reload_timeout_s", cfg.admin.reload_timeout_s),
                        ("frontends.request_timeout_s", cfg.frontends.request_timeout_s)):
         if value >= cfg.nginx.proxy_read_timeout_s:
-            raise ConfigError(f"{key}: {value:g} must be under nginx.proxy_read_timeout_s "
-                              f"({cfg.nginx.proxy_read_timeout_s}), or nginx cuts the call "
-                              "before its answer")
+            errors.append(f"{key}: {value:g} must be under nginx.proxy_read_timeout_s "
+                          f"({cfg.nginx.proxy_read_timeout_s}), or nginx cuts the call "
+                          "before its answer")
+    if errors:
+        raise ConfigError(ConfigError.AND.join(errors))

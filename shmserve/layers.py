@@ -160,6 +160,10 @@ def located(exc: ConfigError, env: str | None, extra: str | Path | None,
     with several files and variables a user could not tell which one was wrong, an outside
     check). Unchanged when no layer sets it (a rule between keys, a default)."""
     message = str(exc)
+    if ConfigError.AND in message:  # several rules broken: each names where its keys were set
+        return ConfigError(ConfigError.AND.join(
+            str(located(ConfigError(part), env, extra, environ))
+            for part in message.split(ConfigError.AND)))
     found = _KEY_PATH.match(message)
     if found is None:
         return exc

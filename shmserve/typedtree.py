@@ -17,7 +17,10 @@ Check = tuple[Callable[[Any], bool], str]
 
 
 class ConfigError(ValueError):
-    """A configuration value is missing, malformed or out of range; the message names the key."""
+    """A configuration value is missing, malformed or out of range; the message names the key
+    (several rules broken at once: one message each, joined by ConfigError.AND)."""
+
+    AND = "\n  and "
 
 
 def build(cls: type, tree: Any, checks: Mapping[str, Check], prefix: str = "") -> Any:
