@@ -132,6 +132,8 @@ def render(cur: Sample, prev: Sample | None, title: str) -> str:
         rates = _request_rates(cur, prev)
         each = ", ".join(f"{m} {_num(r)}" for m, r in rates["by_model"].items()) + "; " \
             if len(rates["by_model"]) > 1 else ""
+        if rates["failed"]:
+            each += f"{_num(rates['failed'])} of them not answered 200; "
         lines += ["", f"inference requests/s: {_num(rates['total'])} ({each}over the last "
                       f"{cur.at - prev.at:.1f} s)"]
     return "\n".join(lines)
@@ -243,11 +245,16 @@ def _state(cur: Sample) -> str:
 
 
 def _request_rates(cur: Sample, prev: Sample) -> dict:
-    name = "shmserve_stage_duration_seconds_count"  # every inference request, by model
+    """Inference requests answered a second, whatever their status, by model, and those of
+    them not answered 200 (`failed`). It counted the 200s alone (the stages' "total" series):
+    under a flood of 504s it read 0.0 (an outside check)."""
+    name = "shmserve_inference_requests_total"
     models = sorted({value for labels in cur.metrics.get(name, {})
                      for key, value in labels if key == "model"})
-    return {"total": _rate(cur, prev, name, stage="total"),
-            "by_model": {m: _rate(cur, prev, name, stage="total", model=m) for m in models}}
+    total, ok = _rate(cur, prev, name), _rate(cur, prev, name, status="200")
+    return {"total": total,
+            "by_model": {m: _rate(cur, prev, name, model=m) for m in models},
+            "failed": None if total is None else max(0.0, total - (ok or 0.0))}
 
 
 def _stopped(pid: int) -> bool:

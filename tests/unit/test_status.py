@@ -60,9 +60,13 @@ shmserve_process_resident_memory_bytes{{program="frontend-0"}} 104857600.0
 shmserve_process_resident_memory_bytes{{program="supervisord"}} 20971520.0
 shmserve_process_open_fds{{program="worker-0"}} 41.0
 shmserve_process_max_fds{{program="worker-0"}} 1024.0
-# HELP shmserve_stage_duration_seconds Stages
+# HELP shmserve_stage_duration_seconds Stages (of 200s only)
 # TYPE shmserve_stage_duration_seconds histogram
 shmserve_stage_duration_seconds_count{{model="m",stage="total"}} {batches * 2}
+# HELP shmserve_inference_requests_total Inference requests answered
+# TYPE shmserve_inference_requests_total counter
+shmserve_inference_requests_total{{model="m",priority="0",status="200",variant=""}} {batches * 2}
+shmserve_inference_requests_total{{model="m",priority="0",status="504",variant=""}} {batches / 10}
 """
 
 
@@ -93,7 +97,9 @@ def test_tables_show_processes_and_workers_with_rates():
                   "2.0", "GiB", "3.0", "GiB", "0.33", "1.5", "GiB"]
     w1 = [l.split() for l in text.splitlines() if l.startswith("1 ")][0]
     assert w1[:4] == ["1", "loading", "loading", "0"]  # alive, not ready; queue from /ready
-    assert "inference requests/s: 20.0 (over the last 2.0 s)" in text
+    # every status (the 200s alone read 0.0 under a flood of 504s: an outside check)
+    assert "inference requests/s: 21.0 (1.0 of them not answered 200; over the last 2.0 s)" \
+        in text
     assert "/dev/shm is full" not in text and "file descriptors" not in text
     # A full /dev/shm's refusals (503s a frontend's log alone named: an outside check), and a
     # program near its open-files limit, are said below the tables.
@@ -186,7 +192,8 @@ def test_json_holds_the_tables_figures_unformatted():
     assert status.snapshot(quiet, None)["state"] == "nginx_only"
     line = status.render(quiet, None, "t").splitlines()[0]
     assert "stopped (supervisorctl stop): frontend-" in line and "starting" not in line, line
-    assert snap["inference_requests_per_s"] == {"total": 20.0, "by_model": {"m": 20.0}}
+    assert snap["inference_requests_per_s"] == {"total": 21.0, "by_model": {"m": 21.0},
+                                                "failed": 1.0}
     assert "inference_requests_per_s" not in status.snapshot(cur, None)
     out = io.StringIO()
     status.run(lambda: cur, "t", out, watch=0.001, count=2, first_gap=0, as_json=True)
@@ -198,8 +205,8 @@ def test_the_request_rate_covers_every_model_and_names_each_when_several():
     # It read "embedding requests/s" for the sum over an embedding, a classification and a
     # rerank model (an outside check).
     def at(t: float, counts: dict[str, float]) -> status.Sample:
-        return status.Sample(t, [], 200, {}, {"shmserve_stage_duration_seconds_count": {
-            frozenset({("model", m), ("stage", "total")}): n for m, n in counts.items()}})
+        return status.Sample(t, [], 200, {}, {"shmserve_inference_requests_total": {
+            frozenset({("model", m), ("status", "200")}): n for m, n in counts.items()}})
 
     text = status.render(at(3.0, {"e5": 30, "nli": 10}), at(1.0, {"e5": 10, "nli": 6}), "t")
     assert "inference requests/s: 12.0 (e5 10.0, nli 2.0; over the last 2.0 s)" in text
