@@ -62,10 +62,12 @@ def read(directory: Path, net: nn.Module, dtype: torch.dtype, name_of: Callable[
 def misfit(directory: Path, config: dict, bad: list[tuple[str, tuple, tuple]]) -> str:
     """Weights whose tensors do not have the shapes config.json gives (another size of model
     under this config, say), said in one line. `bad`: (saved key, its shape, the shape the
-    config needs) of each; `config`: config.json's model_type and hidden_size, where given."""
+    config needs) of each; `config`: config.json's model_type and width (hidden_size;
+    DistilBERT's `dim`, which read "hidden_size ?": an outside check), where given."""
     key, have, need = bad[0]
+    width = next((config[k] for k in ("hidden_size", "dim", "d_model") if k in config), "?")
     return (f"{directory}: model.safetensors does not fit its config.json "
-            f"({config.get('model_type', '?')}, hidden_size {config.get('hidden_size', '?')}): "
+            f"({config.get('model_type', '?')}, hidden_size {width}): "
             f"tensors of other shapes: {len(bad)}, e.g. {key} is {list(have)}, the config "
             f"needs {list(need)} (weights of another size of model?)")
 

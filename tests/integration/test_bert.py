@@ -365,3 +365,13 @@ def test_mpnets_position_bias_is_transformers_at_every_distance():
     assert masked.shape == (2, 3, length, length)
     assert torch.equal(masked[0], want[0]) and torch.equal(masked[1, ..., :10], want[0, ..., :10])
     assert bool((masked[1, ..., 10:] == float("-inf")).all())
+
+
+def test_a_distilbert_misfit_names_its_width(family_models, tmp_path):
+    """DistilBERT's config.json has its width as `dim`: the refusal read "hidden_size ?" (an
+    outside check)."""
+    wide = edited(family_models["distilbert", "embedding"], tmp_path, "wide", tensors=lambda t: {
+        k: torch.zeros(48) if k == "embeddings.LayerNorm.bias" else v for k, v in t.items()})
+    with pytest.raises(ModelSourceError, match=r"\(distilbert, hidden_size 32\): tensors of "
+                       r"other shapes: 1, e\.g\. embeddings\.LayerNorm\.bias is \[48\]"):
+        bert.load(wide, "embedding", torch.float32)
