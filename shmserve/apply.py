@@ -174,11 +174,13 @@ def _apply(args: argparse.Namespace, new: Config) -> int:
     if dropped := files_dropped(running, layers.file_layers(args.env, args.config,
                                                             os.environ)):
         say(f"shmserve: warning: the running config was read from {', '.join(dropped)}, "
-            f"which this apply does not read ({_how_given(dropped)}, as `up` was given it): "
+            f"which this apply does not read ({_how_given(dropped)}, as `up` or the last "
+            "apply was given it): "
             "the keys only it set go back to the other layers' values")
     if gone := variables_dropped(running, os.environ):
         say(f"shmserve: warning: the running config was given {', '.join(gone)}, which this "
-            "apply's environment does not set (give them again, as `up` was given them): the "
+            "apply's environment does not set (give them again, as `up` or the last apply "
+            "was given them): the "
             "keys they set go back to the files' values")
     finishing = " (finishing the earlier apply)" if resumed else ""
     say(f"shmserve: {'would apply' if args.dry_run else 'applying'}{finishing}:\n"
