@@ -192,6 +192,8 @@ async def ready(request: web.Request) -> web.Response:
                 # its loads failed in a row since it was last ready, and the last one's error
                 # (it exits after each, and supervisord starts it again)
                 "failed_loads": link.failed_loads, "load_error": link.load_error,
+                # the process that failed last (a command that started it stops waiting)
+                "failed_pid": link.failed_pid,
                 # its models that did not load while others did: it serves those, not these,
                 # and tries each again in retry_in_s
                 "unloaded": [{"model": u.model, "error": u.error, "failures": u.failures,

@@ -14,9 +14,9 @@ from typing import Mapping
 
 from shmserve import (config, configview, layers, models, processes, render, state, topology,
                       versions)
-from shmserve.probes import frontend_ready, ready_in, seen_workers, worker_ready
+from shmserve.probes import frontend_ready, load_failure, ready_in, seen_workers
 from shmserve.cli import CliError, ctl_argv
-from shmserve.startwait import print_log_tails, process_info, restart_loop
+from shmserve.startwait import failed_start, print_log_tails, process_info, restart_loop
 from shmserve.config import Config, ConfigError
 
 GROUPS = {"frontends": "frontends:*", "workers": "workers:*", "nginx": "nginx"}
@@ -248,16 +248,24 @@ def wait_until_ready(cfg: Config, group: str, program: str, pid: int, timeout: f
     frontends = [str(topology.frontend_socket(cfg, i)) for i in range(cfg.frontends.count)]
     index = int(program.rpartition("-")[2])
     status: list[str | None] = [None]  # a frontend's, as last read
+    failed: list[tuple[int, str] | None] = [None]  # (pid, error): a process started failed
 
     def ready() -> bool:
         if group == "frontends":  # also one whose 503 no wait mends (a model loads nowhere)
             status[0] = frontend_ready(frontends[index])
             return status[0] is not None
-        return all(worker_ready(path, index, pid) for path in frontends)
+        seen = [seen_workers(path) for path in frontends]
+        started = {pid, *watch.pids.get(program, [])}
+        failed[0] = next(((workers[index]["failed_pid"], error) for workers in seen
+                          if workers is not None
+                          if (error := load_failure(workers, index, started))), None)
+        return all(workers is not None and ready_in(workers, index, pid) for workers in seen)
     say(f"shmserve: {done} {program} (pid {pid}); waiting until it is ready")
     deadline = time.monotonic() + timeout
     watch = processes.StartWatch()
     while not ready():
+        if failed[0] is not None:  # it exits and starts again, later each time, as it is
+            raise CliError(f"{failed_start(cfg, program, *failed[0])}{rest}")
         if processes.supervisord_pid(cfg) is None:  # `down` meanwhile: it waited out its
             # timeout, then blamed the program (an outside check)
             raise CliError(f"the deployment stopped (`shmserve down`?) while {program} "

@@ -8,7 +8,7 @@ import json
 import sys
 import time
 
-from shmserve import nginx_options, processes, remote, tls, topology
+from shmserve import nginx_options, probes, processes, remote, tls, topology
 from shmserve.config import Config
 
 LOG_TAIL_LINES = 20
@@ -32,7 +32,7 @@ def wait_ready(cfg: Config, timeout: float, starts: dict[str, int] | None = None
     url, context = ready_url(cfg), tls.client_context(cfg)
     frontends = [str(topology.frontend_socket(cfg, i)) for i in range(cfg.frontends.count)]
     deadline = time.monotonic() + timeout
-    bind_error = unloaded = refused = None
+    bind_error = unloaded = refused = failed = None
     watch = processes.StartWatch()
     while True:
         if processes.supervisord_pid(cfg) is None:  # `down` meanwhile: it waited its timeout
@@ -49,7 +49,12 @@ def wait_ready(cfg: Config, timeout: float, starts: dict[str, int] | None = None
         # listens (its imports, its tokenizers) was a line in nginx's log at every `up`, a
         # [crit] "connect() ... failed (2: No such file or directory)" or an [error] "upstream
         # timed out" (an outside check), which alerting on nginx's errors takes for a fault.
-        codes = [remote.http_unix(path, "/ready") for path in frontends]
+        answers = [probes.ready_answer(path) for path in frontends]
+        codes = [code for code, _ in answers]
+        failed = next(((f"worker-{index}", pid, error) for _, answer in answers if answer
+                       for index, pid, error in failed_workers(answer, watch.pids)), None)
+        if failed:
+            break
         if None not in codes:
             code, body = remote.http(url, context=context)
             refused = certificate_refused(cfg, code, body)
@@ -65,6 +70,10 @@ def wait_ready(cfg: Config, timeout: float, starts: dict[str, int] | None = None
     if refused:
         print(f"shmserve: {refused}; what started keeps running (`shmserve down` stops it)",
               file=sys.stderr)
+        return 1
+    if failed:
+        print(f"shmserve: {failed_start(cfg, *failed, starts)}; then `shmserve down` and "
+              "`shmserve up`", file=sys.stderr)
         return 1
     if looping and not fatal and bind_error is None:
         print(f"shmserve: {restart_loop(cfg, looping, watch.pids[looping], starts)}; "
@@ -85,6 +94,15 @@ def wait_ready(cfg: Config, timeout: float, starts: dict[str, int] | None = None
     print(f"shmserve: {why}; logs in {topology.log_dir(cfg)}; what started keeps running "
           "(`shmserve status`; `shmserve down` stops it)", file=sys.stderr)
     return 1
+
+
+def failed_workers(answer: dict, pids: dict[str, list[int]]):
+    """(index, pid, error) of each worker whose process, one of `pids` by program (those a
+    command saw start), a frontend's GET /ready `answer` says failed to start."""
+    seen = {w.get("worker"): w for w in answer.get("workers") or [] if isinstance(w, dict)}
+    for index in seen:
+        if error := probes.load_failure(seen, index, pids.get(f"worker-{index}", [])):
+            yield index, seen[index]["failed_pid"], error
 
 
 def certificate_refused(cfg: Config, code: int | None, body: bytes) -> str:
@@ -170,16 +188,31 @@ def restart_loop(cfg: Config, program: str, pids: list[int],
                  starts: dict[str, int] | None = None) -> str:
     """Show the end of the log of a program that keeps exiting while it starts (its error:
     a model that cannot load, a device it cannot use); return what to say about it."""
-    log = topology.log_dir(cfg) / f"{program}.log"
-    lines = tail(log, (starts or {}).get(program, 0))
-    print(f"--- {log} (last {len(lines)} lines)", file=sys.stderr)
-    for line in lines:
-        print(line, file=sys.stderr)
+    log, lines = show_log_end(cfg, program, starts)
     error = last_error(lines)
     return (f"{program} exits before it is ready (started {len(pids)} "
             f"time{'s' if len(pids) > 1 else ''}, pid{'s' if len(pids) > 1 else ''} "
             f"{', '.join(map(str, pids))}){f': {error}' if error else ''}; fix what the end "
             f"of {log} above says")
+
+
+def show_log_end(cfg: Config, program: str, starts: dict[str, int] | None):
+    """Print the end of `program`'s log (this start's lines: `starts`); (its path, the lines)."""
+    log = topology.log_dir(cfg) / f"{program}.log"
+    lines = tail(log, (starts or {}).get(program, 0))
+    print(f"--- {log} (last {len(lines)} lines)", file=sys.stderr)
+    for line in lines:
+        print(line, file=sys.stderr)
+    return log, lines
+
+
+def failed_start(cfg: Config, program: str, pid: int, error: str,
+                 starts: dict[str, int] | None = None) -> str:
+    """Show the end of the log of a program whose process `pid` failed to start (a model that
+    cannot load, a device it cannot use: its heartbeats said `error`); return what to say."""
+    log, _ = show_log_end(cfg, program, starts)
+    return (f"{program} exits before it is ready (pid {pid} failed; supervisord starts it "
+            f"again, later each time): {error}; fix what the end of {log} above says")
 
 
 def last_error(lines: list[str]) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 
 import pytest
 
@@ -207,3 +208,36 @@ def test_a_failing_ready_is_told_by_the_models_and_workers_it_names():
          "unloaded": []}]}
     assert failing_models(answer) == ("broken (worker 1); worker 2: OSError: no "
                                       "model.safetensors")
+
+
+def test_a_restarted_worker_that_fails_its_start_ends_the_wait_at_once(monkeypatch, capsys,
+                                                                      tmp_path):
+    """`restart worker-0` of a worker whose models cannot load waited for its third start, the
+    back-off growing between them (24 s in an e2e test): the frontends name the failed
+    process, and the restarted one's failure is said at once; the process before it is not."""
+    cfg = config.from_tree({"models": [{"name": "a", "source": "/nonexistent/a"}],
+                            "server": {"run_dir": str(tmp_path / "run")},
+                            "workers": {"devices": "cpu", "cpu_workers": 1}})
+    failed_pid = [7]
+
+    def get_unix(path, target, timeout=2.0):
+        return 503, json.dumps({"status": "failing", "workers": [
+            {"worker": 0, "alive": True, "ready": False, "pid": 8, "failed_loads": 2,
+             "load_error": "ModelSourceError: no model.safetensors",
+             "failed_pid": failed_pid[0]}]}).encode()
+    monkeypatch.setattr(remote, "get_unix", get_unix)
+    monkeypatch.setattr(restarts.processes, "supervisord_pid", lambda cfg: 1)
+    monkeypatch.setattr(restarts, "process_info", lambda cfg: [
+        {"name": "worker-0", "group": "workers", "statename": "RUNNING", "pid": 8}])
+    # the old process's failure (pid 7) is not the restarted one's (pid 8): it waits on
+    with pytest.raises(restarts.CliError, match="worker-0 not ready"):
+        restarts.wait_until_ready(cfg, "workers", "worker-0", 8, timeout=0.5, rest="")
+    failed_pid[0] = 8
+    started = time.monotonic()
+    with pytest.raises(restarts.CliError) as refused:
+        restarts.wait_until_ready(cfg, "workers", "worker-0", 8, timeout=30, rest="; and so on")
+    assert time.monotonic() - started < 5
+    assert str(refused.value).startswith(
+        "worker-0 exits before it is ready (pid 8 failed; supervisord starts it again, later "
+        "each time): ModelSourceError: no model.safetensors; fix what the end of ")
+    assert str(refused.value).endswith("; and so on")

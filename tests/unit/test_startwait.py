@@ -180,7 +180,7 @@ def test_wait_ready_stops_at_once_when_nginx_refuses_the_clis_certificate(tmp_pa
     monkeypatch.setattr(startwait.tls, "client_context", lambda cfg: None)
     monkeypatch.setattr(remote, "http", lambda url, **kw: (403, json.dumps(refusal).encode()))
     # the frontends listen (loading: 503); nginx is asked once they do
-    monkeypatch.setattr(remote, "http_unix", lambda path, target, timeout=2.0: 503)
+    monkeypatch.setattr(remote, "get_unix", lambda path, target, timeout=2.0: (503, b"{}"))
     started = time.monotonic()
     assert startwait.wait_ready(cfg, timeout=30) == 1
     assert time.monotonic() - started < 5
@@ -232,3 +232,35 @@ def test_wait_ready_asks_nginx_only_once_every_frontend_answers_on_its_socket(de
         for server in servers:
             server.shutdown()
             server.server_close()
+
+
+def test_wait_ready_stops_at_the_first_failed_start_of_a_worker_it_saw_start(deployment, capsys,
+                                                                              monkeypatch):
+    """A worker that cannot load its models exits after a wait and is started again, later each
+    time: `up --wait` waited for its third start (25 s for a model whose weights did not fit,
+    an outside check; 63 s in a loaded CI run). The frontends name the process that failed:
+    one this command saw start ends the wait, one from before does not."""
+    render.render(deployment)
+    (topology.log_dir(deployment) / "worker-0.log").write_text(
+        '{"level": "warning", "message": "worker.load_failed"}\n')
+    monkeypatch.setattr(startwait, "process_info", lambda cfg: [
+        {"name": "worker-0", "group": "workers", "statename": "RUNNING", "pid": 42}])
+    failed_pid = [42]
+
+    def get_unix(path, target, timeout=2.0):
+        return 503, json.dumps({"status": "failing", "workers": [
+            {"worker": 0, "ready": False, "pid": 42, "failed_loads": 1,
+             "load_error": "ModelSourceError: weights do not fit", "failed_pid": failed_pid[0]}
+        ]}).encode()
+    monkeypatch.setattr(remote, "get_unix", get_unix)
+    started = time.monotonic()
+    assert startwait.wait_ready(deployment, timeout=30) == 1
+    assert time.monotonic() - started < 5
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1].startswith(
+        "shmserve: worker-0 exits before it is ready (pid 42 failed; supervisord starts it "
+        "again, later each time): ModelSourceError: weights do not fit; fix what the end of "), err
+    assert "worker.load_failed" in err  # its log's end, above
+    failed_pid[0] = 41  # a process before this command's: not this start's failure
+    assert startwait.wait_ready(deployment, timeout=0.5) == 1
+    assert "not ready after 0.5 s" in capsys.readouterr().err
