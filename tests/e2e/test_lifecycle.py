@@ -385,9 +385,9 @@ def test_a_worker_given_a_gpu_this_machine_lacks_fails_up(tmp_path, tiny_model):
         last = done.stderr.splitlines()[-1]
         assert "worker-0 exits before it is ready" in last
         assert "DeviceError: workers.devices: this worker was given GPU 0" in last
-        # an error of configuration: its message, with no traceback at every attempt
-        failed = [line for line in stack.log_lines("worker-0")
-                  if line.get("message") == "worker.failed"]
+        # an error of configuration: its message, with no traceback at every attempt (`up`
+        # said the first failure: the process exits after its wait, 1 s)
+        failed = stack.logged(("worker-0",), "worker.failed", 1, timeout=30)
         assert failed and all(line["exception"].startswith("DeviceError: workers.devices")
                               and "Traceback" not in line["exception"] for line in failed)
         assert "Traceback" not in stack.log("worker-0")
