@@ -63,13 +63,12 @@ def ready_in(seen: dict[int, dict], index: int, pid: int) -> bool:
     return bool(worker.get("ready")) and worker.get("pid") == pid
 
 
-def load_failure(seen: dict[int, dict], index: int, pids) -> str | None:
-    """Worker `index`'s error where a frontend heard that one of `pids` (processes a command
-    started) failed to start, else None. Such a process exits after a wait and is started
-    again, later each time, with the same error: a command that waited for its third start
-    took 25 s for a model that could not load (an outside check), 63 s in a loaded CI run."""
+def load_failure(seen: dict[int, dict], index: int, pids) -> tuple[int, str] | None:
+    """(the process, its error) where a frontend heard that worker `index`'s process, one of
+    `pids` (processes a command started), failed to start, else None. Such a process exits
+    after a wait and is started again, later each time, with the same error: a command that
+    waited for its third start took 25 s for a model that could not load (an outside check), 63 s in a loaded CI run."""
     worker = seen.get(index, {})
     if worker.get("load_error") and not worker.get("ready") and worker.get("failed_pid") in pids:
-        return str(worker["load_error"])
+        return worker["failed_pid"], str(worker["load_error"])
     return None
-

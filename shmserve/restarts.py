@@ -256,9 +256,8 @@ def wait_until_ready(cfg: Config, group: str, program: str, pid: int, timeout: f
             return status[0] is not None
         seen = [seen_workers(path) for path in frontends]
         started = {pid, *watch.pids.get(program, [])}
-        failed[0] = next(((workers[index]["failed_pid"], error) for workers in seen
-                          if workers is not None
-                          if (error := load_failure(workers, index, started))), None)
+        failed[0] = next((failure for workers in seen if workers is not None
+                          if (failure := load_failure(workers, index, started))), None)
         return all(workers is not None and ready_in(workers, index, pid) for workers in seen)
     say(f"shmserve: {done} {program} (pid {pid}); waiting until it is ready")
     deadline = time.monotonic() + timeout

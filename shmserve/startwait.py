@@ -101,8 +101,8 @@ def failed_workers(answer: dict, pids: dict[str, list[int]]):
     command saw start), a frontend's GET /ready `answer` says failed to start."""
     seen = {w.get("worker"): w for w in answer.get("workers") or [] if isinstance(w, dict)}
     for index in seen:
-        if error := probes.load_failure(seen, index, pids.get(f"worker-{index}", [])):
-            yield index, seen[index]["failed_pid"], error
+        if failure := probes.load_failure(seen, index, pids.get(f"worker-{index}", [])):
+            yield index, *failure
 
 
 def certificate_refused(cfg: Config, code: int | None, body: bytes) -> str:
