@@ -67,7 +67,8 @@ def load_failure(seen: dict[int, dict], index: int, pids) -> tuple[int, str] | N
     """(the process, its error) where a frontend heard that worker `index`'s process, one of
     `pids` (processes a command started), failed to start, else None. Such a process exits
     after a wait and is started again, later each time, with the same error: a command that
-    waited for its third start took 25 s for a model that could not load (an outside check), 63 s in a loaded CI run."""
+    waited for its third start took 25 s for a model that could not load (an outside
+    check), 63 s in a loaded CI run."""
     worker = seen.get(index, {})
     if worker.get("load_error") and not worker.get("ready") and worker.get("failed_pid") in pids:
         return worker["failed_pid"], str(worker["load_error"])
