@@ -256,10 +256,21 @@ class Stack:
             return exc.code, dict(exc.headers), exc.read()
 
     def all_ready(self) -> bool:
-        """GET /ready says every worker is ready (200 "degraded" means only every model is
-        served)."""
-        status, _, body = self.get("/ready")
-        return status == 200 and json.loads(body)["status"] == "ready"
+        """GET /ready from each frontend's own socket answers 200 with every worker ready
+        (its status may be "degraded" still: a model served apart from the run state, as a
+        reload's recovery tests make). Not through nginx, which asks one: a
+        frontend restarted a moment ago may not serve yet (supervisord counts it RUNNING after
+        1 s; under CI's load it made its arena and listened 2-3 s after its start, and a chaos
+        test that deleted the other one's arena then had both away: 502s), and with heartbeats
+        2 s apart one frontend may hear a restarted worker well before the other."""
+        from shmserve import probes, topology
+
+        cfg = self.deployed()
+        for index in range(cfg.frontends.count):
+            code, answer = probes.ready_answer(str(topology.frontend_socket(cfg, index)))
+            if code != 200 or not all(w["ready"] for w in answer["workers"]):
+                return False
+        return True
 
     def wait_until(self, predicate, timeout: float, what: str) -> None:
         deadline = time.monotonic() + timeout

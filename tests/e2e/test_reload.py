@@ -89,18 +89,6 @@ def revisions(stack: Stack) -> list[tuple[str, str, str | None]]:
     return [(w["state"], w["revision"], w["standby"]) for w in model["workers"]]
 
 
-def every_frontend_ready(stack: Stack) -> bool:
-    """GET /ready from each frontend's socket (not nginx, which asks one) says every worker is
-    ready: with heartbeats 2 s apart, one frontend may hear a restarted worker well before the
-    other, and a reload through the other is refused until it does."""
-    from shmserve.remote import get_unix
-
-    answers = [get_unix(str(stack.run_dir / "sockets" / f"frontend-{i}.sock"), "/ready")
-               for i in (0, 1)]
-    return all(code == 200 and all(w["ready"] for w in json.loads(body)["workers"])
-               for code, body in answers)
-
-
 def heard(stack: Stack, program: str, message: str, worker: int | None = None) -> list[float]:
     """When `program` logged `message` (about `worker`), in seconds of the day."""
     def seconds(stamp: str) -> float:
@@ -298,7 +286,7 @@ def test_cli_reload_and_a_restarted_worker_loads_the_reloaded_model(stack, model
     os.kill(old, signal.SIGKILL)
     stack.wait_until(lambda: stack.pid("workers:worker-1") not in (0, old),
                      60, "supervisord to restart worker-1")
-    stack.wait_until(lambda: every_frontend_ready(stack), 90,
+    stack.wait_until(stack.all_ready, 90,
                      "every worker ready again, to both frontends")
     # Each frontend heard it ready at once (the worker announces it), not at its next ping:
     # /ready, judged by each frontend, said ready from one and not from the other for up to a
@@ -347,7 +335,7 @@ def test_admin_models_shows_the_revision_a_reload_is_loading(stack, models):
     deep = build_tiny_bert(models["root"] / "deep", seed=11, layers=6, intermediate=4096,
                            max_positions=TINY_MAX_TOKENS)
     digest = weights_digest(deep / "model.safetensors")
-    stack.wait_until(lambda: every_frontend_ready(stack), 30, "both frontends to see both "
+    stack.wait_until(stack.all_ready, 30, "both frontends to see both "
                      "workers ready")
     for body in ({"source": str(deep)}, {}):  # a new source; the current one, read again
         seen, done = [], threading.Event()

@@ -15,7 +15,7 @@ import pytest
 
 from shmserve.models import weights_digest
 from tests.e2e import test_reload as base
-from tests.e2e.test_reload import TOKEN, Load, every_frontend_ready, reload, revisions, settles_on
+from tests.e2e.test_reload import TOKEN, Load, reload, revisions, settles_on
 from tests.stack import Stack
 from tests.tinymodel import build_tiny_bert
 from tests.conftest import TINY_MAX_TOKENS
@@ -38,7 +38,7 @@ def test_a_reload_whose_frontend_is_killed_frees_its_standby_at_once(stack, mode
     digest = weights_digest(deep / "model.safetensors")
     assert reload(stack, "tiny", source=str(deep))[0] == 200
     settles_on(stack, digest)
-    stack.wait_until(lambda: every_frontend_ready(stack), 30, "both frontends ready")
+    stack.wait_until(stack.all_ready, 30, "both frontends ready")
     victim = stack.pid("frontends:frontend-0")
     sock = socket.socket(socket.AF_UNIX)
     sock.connect(str(stack.run_dir / "sockets" / "frontend-0.sock"))
@@ -65,7 +65,7 @@ def test_a_reload_whose_frontend_is_killed_frees_its_standby_at_once(stack, mode
         and line.get("reason") == "frontend_gone"], 5, "a worker's line (through supervisord) "
         "saying it dropped the gone frontend's reload")
     stack.wait_until(lambda: stack.pid("frontends:frontend-0") not in (0, victim)
-                     and every_frontend_ready(stack), 60, "frontend-0 back, workers ready")
+                     and stack.all_ready(), 60, "frontend-0 back, workers ready")
     status, answer = reload(stack, "tiny")
     assert status == 200 and answer["revision"] == digest, answer
 
@@ -80,7 +80,7 @@ def test_workers_serve_what_the_run_state_records_even_without_a_commit(stack, m
 
     from shmserve import state
 
-    stack.wait_until(lambda: every_frontend_ready(stack), 60, "both frontends ready")
+    stack.wait_until(stack.all_ready, 60, "both frontends ready")
     with Load(stack, models["refs"]) as load:
         load.wait_for(10)
         state.update(SimpleNamespace(run_dir=stack.run_dir), lambda tree: tree["sources"].
@@ -133,7 +133,7 @@ def test_a_worker_whose_recorded_source_broke_serves_the_config_and_a_reload_men
     mended = {"deleted": "tiny-r6", "damaged": "tiny-r8"}[harm]
     copy = models["root"] / harm
     shutil.copytree(models["b"], copy)
-    stack.wait_until(lambda: every_frontend_ready(stack), 60, "both frontends ready")
+    stack.wait_until(stack.all_ready, 60, "both frontends ready")
     status, answer = reload(stack, "tiny", source=str(copy), revision=revision)
     assert status == 200, answer
     if harm == "deleted":
@@ -169,7 +169,7 @@ def test_a_worker_whose_recorded_source_broke_serves_the_config_and_a_reload_men
         assert snapshot["state"] == "degraded", snapshot
         assert [w["diverged"] for w in snapshot["workers"]] == [[], ["tiny"]]
     # (a frontend's /ready says degraded until it is mended: every worker ready is enough)
-    stack.wait_until(lambda: every_frontend_ready(stack), 60, "both frontends ready")
+    stack.wait_until(stack.all_ready, 60, "both frontends ready")
     status, answer = reload(stack, "tiny", source=str(models["b"]), revision=mended)
     assert status == 200 and answer["revision"] == mended, answer
     settles_on(stack, mended)
