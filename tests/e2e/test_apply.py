@@ -291,18 +291,31 @@ def test_a_renamed_default_model_is_served_throughout(stack):
 
 def test_status_watch_says_an_apply_runs_while_it_runs(stack):
     """`status --watch` read the apply's state once, at its start: a watch begun during an
-    apply said "running" to its end, one begun before never said it (an outside check)."""
+    apply said "running" to its end, one begun before never said it (an outside check). The
+    watch is stopped (^C) two frames after the apply returned."""
+    import signal
+    import subprocess
+    import sys
     import threading
 
+    from tests.stack import REPO
+
     frames: list = []
-    watching = threading.Thread(target=lambda: frames.extend(
-        json.loads(line) for line in stack.cli(
-            "status", "--json", "--watch", "0.5", "--count", "50", timeout=120,
-            check=False).stdout.splitlines()))
-    watching.start()
-    time.sleep(2)
-    edit(stack, batching={"max_wait_ms": 4})
-    assert "shmserve: applied" in stack.cli("apply", timeout=300).stdout
-    watching.join(120)
+    with subprocess.Popen([sys.executable, "-m", "shmserve.cli", "status", "--json", "--watch",
+                           "0.5", "--config", str(stack.config_file)],
+                          cwd=REPO, env=stack.env, stdout=subprocess.PIPE, text=True) as watch:
+        reading = threading.Thread(target=lambda: frames.extend(map(json.loads, watch.stdout)))
+        reading.start()
+        try:
+            stack.wait_until(lambda: len(frames) >= 2, 60, "two frames before the apply")
+            edit(stack, batching={"max_wait_ms": 4})
+            assert "shmserve: applied" in stack.cli("apply", timeout=300).stdout
+            applied = len(frames)
+            stack.wait_until(lambda: len(frames) >= applied + 2, 60, "two frames after it")
+        finally:
+            watch.send_signal(signal.SIGINT)
+            watch.wait(30)
+            reading.join(30)
+    assert watch.returncode == 0, watch.returncode
     said = [f.get("apply") for f in frames]
     assert said[0] is None and "running" in said and said[-1] is None, said
