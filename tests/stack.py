@@ -138,6 +138,8 @@ class Stack:
         self.env.pop("SHMSERVE_CONFIG", None)
         self.url = f"http://127.0.0.1:{self.port}"
         self._deployed = None  # Stack.deployed
+        self._env_at_start = dict(self.env)
+        self._logs_from: dict[str, int] = {}  # Stack.begin_test
 
     def cli(self, *args: str, timeout: float = 180, check: bool = True):
         proc = subprocess.run([sys.executable, "-m", "shmserve.cli", *args, "--config",
@@ -199,15 +201,32 @@ class Stack:
             self._deployed = load_resolved(self.run_dir / "config.json")
         return self._deployed
 
-    def log(self, program: str) -> str:
-        path = self.run_dir / "logs" / f"{program}.log"
-        return path.read_text(errors="replace") if path.exists() else ""
+    def begin_test(self) -> None:
+        """For a stack that several tests share (a module's: each stack's start and stop cost
+        ~12 s of CPU): from here on `log` and `log_lines` read what was written since, so a
+        test sees its own lines only, and the CLI gets the environment of the stack's start
+        (a test may have set a variable in it)."""
+        self.env = dict(self._env_at_start)
+        self._logs_from = {path.stem: path.stat().st_size
+                           for path in (self.run_dir / "logs").glob("*.log")}
 
-    def log_lines(self, program: str) -> list[dict]:
-        """A program's JSON log lines, parsed (lines that are not JSON objects are skipped:
-        nginx's own, or the last one, half written)."""
+    def log(self, program: str, whole: bool = False) -> str:
+        """A program's log: since `begin_test`, or `whole`."""
+        path = self.run_dir / "logs" / f"{program}.log"
+        try:
+            with open(path, "rb") as file:
+                if (start := 0 if whole else self._logs_from.get(program, 0)) <= \
+                        os.fstat(file.fileno()).st_size:  # (else rotated: all of it)
+                    file.seek(start)
+                return file.read().decode(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def log_lines(self, program: str, whole: bool = False) -> list[dict]:
+        """A program's JSON log lines (`log`), parsed (lines that are not JSON objects are
+        skipped: nginx's own, or the last one, half written)."""
         lines = []
-        for line in self.log(program).splitlines():
+        for line in self.log(program, whole).splitlines():
             try:
                 lines.append(json.loads(line))
             except ValueError:

