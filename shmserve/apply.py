@@ -240,7 +240,7 @@ def _apply(args: argparse.Namespace, new: Config) -> int:
 
 
 def run(new: Config, old: Config, steps: Plan, timeout: float) -> None:
-    rest = f"; {STOPPED}"
+    rest = f"; {stopped(new)}"
     for program in steps.add_workers:
         sync(new, "workers", program)  # supervisord starts it: it loads meanwhile
     before, after = steps.worker_phases()
@@ -317,8 +317,11 @@ def wait_loaded(cfg: Config, program: str, timeout: float, rest: str) -> None:
         time.sleep(0.5)
 
 
-STOPPED = ("the apply stopped there: fix the cause, then `shmserve apply` again goes on "
-           "(run/apply.json keeps the config from before it)")
+def stopped(cfg: Config) -> str:
+    """What an apply that stopped at a step says last: the file that keeps the config from
+    before it named where it is (it said run/apply.json whatever server.run_dir was)."""
+    return ("the apply stopped there: fix the cause, then `shmserve apply` again goes on "
+            f"({topology.apply_marker_path(cfg)} keeps the config from before it)")
 
 
 def sync(cfg: Config, group: str, program: str, running: bool = False) -> str:
@@ -341,7 +344,8 @@ def replace(cfg: Config, group: str, program: str, timeout: float) -> None:
         except xmlrpc.client.Fault as exc:
             if "ALREADY_STARTED" not in exc.faultString:  # supervisord's autostart came first
                 raise CliError(f"supervisord could not start {program}: {exc.faultString}")
-    wait_until_ready(cfg, group, program, pid_of(cfg, program), timeout, rest=f"; {STOPPED}")
+    wait_until_ready(cfg, group, program, pid_of(cfg, program), timeout,
+                     rest=f"; {stopped(cfg)}")
 
 
 def remove(cfg: Config, group: str, program: str) -> None:

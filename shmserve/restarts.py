@@ -51,8 +51,9 @@ def _restart(args: argparse.Namespace, cfg: Config) -> int:
 
     applying = apply_state(cfg)  # (one running holds the operation lock: refused above)
     if applying == "stopped_part_way":
-        say("shmserve: warning: an apply stopped part way (run/apply.json): the programs "
-            "restarted now start on the config it was applying (run/config.json); "
+        say(f"shmserve: warning: an apply stopped part way ({topology.apply_marker_path(cfg)}):"
+            " the programs restarted now start on the config it was applying (config.json "
+            "beside it); "
             "`shmserve apply` finishes it, or, with the config put back, undoes it",
             sys.stderr)
     elif not getattr(args, "unloadable", False) and (drift := config_drift(args, cfg)):

@@ -188,8 +188,11 @@ def test_apply_restarts_only_what_reads_a_changed_key_and_goes_on_after_a_failur
     failed = stack.cli("apply", "--timeout", "0.01", check=False, timeout=300)
     assert failed.returncode == 2 and "`shmserve apply` again" in failed.stderr, failed.stderr
     assert (stack.run_dir / "apply.json").exists()
+    # (the file named where it is: it said run/apply.json whatever the run directory: recheck51)
+    assert f"({stack.run_dir / 'apply.json'} keeps the config" in failed.stderr, failed.stderr
     warned = stack.cli("restart", "nginx", check=False)  # restarted programs: its config
-    assert "an apply stopped part way" in warned.stderr, warned.stderr
+    assert f"an apply stopped part way ({stack.run_dir / 'apply.json'})" in warned.stderr, \
+        warned.stderr
     shown = stack.cli("status", check=False)  # it shows the config being applied: says so
     assert "an apply stopped part way" in shown.stderr, shown.stderr
     done = stack.cli("apply", timeout=300)
