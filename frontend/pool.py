@@ -336,7 +336,11 @@ class WorkerPool:
                                                                     "worker_pid": beat.pid}})
         was_ready = link.ready
         if beat.failure and beat.pid != link.failed_pid:  # a load failed (gpu_workers.worker)
-            link.failed_pid, link.failed_loads = beat.pid, link.failed_loads + 1
+            # the worker's own count where it has more: a frontend started after some of its
+            # failures said fewer than its log (an outside check: 1 against 3)
+            link.failed_pid = beat.pid
+            link.failed_loads = max(link.failed_loads + 1,
+                                    state.load_failures(self.cfg, link.index))
             link.load_error = beat.failure
             log.warning("frontend.worker_load_failed", extra={"fields": {
                 "worker": link.index, "worker_pid": beat.pid, "failed_loads": link.failed_loads,

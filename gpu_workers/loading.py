@@ -271,11 +271,11 @@ def back_off(cfg: Config, index: int, exc: Exception, status: Any,
     supervisord starts a worker again at once when it lived past `startsecs`, as a load does:
     a model that cannot load took a core in a loop of imports and loads, beside the workers
     serving, and /ready said "loading" for ever (an outside check). A stop ends the wait."""
-    status.failure = describe(exc)
-    try:
+    try:  # (counted before a heartbeat says it: the frontends read the count)
         failures = state.count_load_failure(cfg, index)
     except OSError:
         failures = 1
+    status.failure = describe(exc)
     wait = max(2 * cfg.workers.heartbeat_interval_s,
                min(2.0 ** (failures - 1), LOAD_BACKOFF_MAX_S))
     status.unloaded = tuple(dataclasses.replace(u, failures=failures, retry_in_s=wait)

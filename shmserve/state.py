@@ -260,6 +260,14 @@ def count_load_failure(cfg: Config, worker: int) -> int:
     return count
 
 
+def load_failures(cfg: Config, worker: int) -> int:
+    """How many of `worker`'s loads failed in a row (count_load_failure), 0 where none did."""
+    try:
+        return int(_load_failures(cfg, worker).read_text())
+    except (OSError, ValueError):
+        return 0
+
+
 def clear_load_failures(cfg: Config, worker: int) -> None:
     """`worker` loaded its models."""
     _load_failures(cfg, worker).unlink(missing_ok=True)

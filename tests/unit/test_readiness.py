@@ -327,6 +327,16 @@ def test_a_worker_whose_load_fails_is_named_and_the_state_is_failing(pool):
     assert (link.failed_loads, link.load_error) == (0, None)
 
 
+def test_a_frontend_started_after_failed_loads_counts_them_all(restarted):
+    """The failures in a row are the worker's count (its run directory's), not those this
+    frontend heard: one started after two said 1 while the worker's log said 3 (recheck51)."""
+    pool = restarted
+    for _ in range(3):
+        state.count_load_failure(pool.cfg, 1)  # as the worker counts them before it exits
+    beat(pool, 1, False, "a", pid=2_000_001, failure="ModelSourceError: gone")
+    assert pool.links[1].failed_loads == 3
+
+
 def test_past_the_start_a_failing_worker_degrades_or_fails_by_what_it_served(restarted):
     pool = restarted
     beat(pool, 0, True, "a")
