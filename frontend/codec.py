@@ -294,8 +294,13 @@ def json_detail(exc: orjson.JSONDecodeError, raw: bytes) -> str:
         return f"the body is not valid UTF-8 (byte {bad.start}: {bad.reason})"
     # orjson's parser says "failed to allocate memory" for a body that ends inside hundreds of
     # open arrays or objects ('{"input":' and 1,000 '['): no memory ran out (an outside check).
-    return str(exc).replace("failed to allocate memory",
-                            "the body ends inside unclosed arrays or objects", 1)
+    detail = str(exc).replace("failed to allocate memory",
+                              "the body ends inside unclosed arrays or objects", 1)
+    # NaN and Infinity (Python's json.dumps writes them by default) read as "unexpected
+    # character", which does not name them (an outside check)
+    if raw.decode("utf-8")[exc.pos:exc.pos + 8].startswith(("NaN", "Infinity")):
+        detail += " (NaN and Infinity are not JSON: send finite numbers)"
+    return detail
 
 
 def render(request: web.Request, body: dict[str, Any], status: int = 200,

@@ -59,7 +59,9 @@ def strict_stack(tmp_path_factory, tiny_model):
 @pytest.mark.parametrize("body,ctype,kind,says", [
     (b'{"texts": [', "application/json", "bad_request", "unexpected end of data"),
     (b'{"texts": ["a"]} trailing', "application/json", "bad_request", "after document"),
-    (b'{"texts": [NaN]}', "application/json", "bad_request", "malformed JSON body"),
+    (b'{"texts": [NaN]}', "application/json", "bad_request",
+     "malformed JSON body: unexpected character, expected a JSON value: line 1 column 12 "
+     "(char 11) (NaN and Infinity are not JSON: send finite numbers)"),
     (b"\xff\xfe{}", "application/json", "bad_request", "the body is not valid UTF-8"),
     (b'{"texts": ["\xc3("]}', "application/json", "bad_request", "the body is not valid UTF-8"),
     (b"\xc1\xc1", "application/msgpack", "bad_request", "(FormatError)"),

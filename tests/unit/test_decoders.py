@@ -117,6 +117,12 @@ def test_priority_values(value):
      "the body is not valid UTF-8 (byte 12: invalid start byte)"),
     (b'{"texts": ["\xed\xa0\x80"]}', "application/json", "the body is not valid UTF-8 (byte 12"),
     (b'{"texts": [', "application/json", "unexpected end of data"),
+    # Python's json.dumps writes these by default; orjson's message named neither
+    (b'{"texts": ["a"], "x": NaN}', "application/json",
+     "unexpected character, expected a JSON value: line 1 column 23 (char 22) (NaN and "
+     "Infinity are not JSON: send finite numbers)"),
+    (b'{"texts": ["\xc3\xa9"], "x": -Infinity}', "application/json",
+     "no digit after sign: line 1 column 24 (char 23) (NaN and Infinity are not JSON"),
 ])
 def test_malformed_bodies_say_what_is_wrong(raw, ctype, detail):
     with pytest.raises(ApiError) as info:
