@@ -40,6 +40,11 @@ def seen_workers(frontend_socket: str) -> dict[int, dict] | None:
     """The workers as the frontend on `frontend_socket` sees them (its GET /ready's entries,
     by index), or None when it does not answer."""
     _, answer = ready_answer(frontend_socket)
+    return workers_of(answer)
+
+
+def workers_of(answer: dict | None) -> dict[int, dict] | None:
+    """A GET /ready answer's worker entries by index (None where it has none)."""
     try:
         return {w["worker"]: w for w in answer["workers"] if isinstance(w, dict)}
     except (KeyError, TypeError):

@@ -99,7 +99,7 @@ def wait_ready(cfg: Config, timeout: float, starts: dict[str, int] | None = None
 def failed_workers(answer: dict, pids: dict[str, list[int]]):
     """(index, pid, error) of each worker whose process, one of `pids` by program (those a
     command saw start), a frontend's GET /ready `answer` says failed to start."""
-    seen = {w.get("worker"): w for w in answer.get("workers") or [] if isinstance(w, dict)}
+    seen = probes.workers_of(answer) or {}
     for index in seen:
         if failure := probes.load_failure(seen, index, pids.get(f"worker-{index}", [])):
             yield index, *failure

@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -149,14 +151,18 @@ def task_stack(tmp_path_factory, task_dirs):
     s.down()
 
 
+def two_of_each_stack(root: Path, tiny_model: Path) -> Stack:
+    """A stack (not started) of two frontends and two single-thread CPU workers: what rolling
+    restarts and `apply` need to serve throughout (tests/e2e/test_operations.py, whose module
+    shares one, and test_apply.py)."""
+    return Stack(root, tiny_overrides(tiny_model, frontends={"count": 2}, workers={
+        "devices": "cpu", "cpu_workers": 2, "torch_threads": 1}))
+
+
 @pytest.fixture
 def two_of_each(tmp_path, tiny_model):
-    """A stack of two frontends and two single-thread CPU workers, for one test: what rolling
-    restarts and `apply` need to serve throughout (tests/e2e/test_operations.py,
-    test_apply.py)."""
-    s = Stack(tmp_path / "stack", tiny_overrides(
-        tiny_model, frontends={"count": 2}, workers={"devices": "cpu", "cpu_workers": 2,
-                                                     "torch_threads": 1}))
+    """two_of_each_stack, started for one test."""
+    s = two_of_each_stack(tmp_path / "stack", tiny_model)
     s.up()
     yield s
     s.down()

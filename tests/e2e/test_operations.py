@@ -18,6 +18,7 @@ import yaml
 
 from shmserve import config
 from tests.conftest import tiny_overrides
+from tests.e2e.conftest import two_of_each_stack
 from tests.load import Load
 from tests.stack import Stack, free_port
 
@@ -35,11 +36,9 @@ class Traffic(Load):
 
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory, tiny_model):
-    """Two frontends and two single-thread CPU workers, for the tests of this module that
-    leave them so: each restarts or signals programs, and none changes the config."""
-    s = Stack(tmp_path_factory.mktemp("operations"), tiny_overrides(
-        tiny_model, frontends={"count": 2}, workers={"devices": "cpu", "cpu_workers": 2,
-                                                     "torch_threads": 1}))
+    """Two of each (conftest.two_of_each_stack), for the tests of this module that leave them
+    so: each restarts or signals programs, and none changes the config."""
+    s = two_of_each_stack(tmp_path_factory.mktemp("operations"), tiny_model)
     s.up()
     yield s
     s.down()
