@@ -50,6 +50,14 @@ def inflight(stack: Stack) -> float:
                for s in f.samples if s.name == "shmserve_frontend_inflight_requests")
 
 
+def arena_used(stack: Stack) -> float:
+    """The bytes in use in the frontends' arenas (the gauge, set every second): a request's
+    tensors are written there as it is handed to a worker."""
+    _, _, raw = stack.get("/metrics")
+    return sum(s.value for f in text_string_to_metric_families(raw.decode())
+               for s in f.samples if s.name == "shmserve_frontend_arena_used_bytes")
+
+
 def queued_texts(stack: Stack) -> int:
     status, _, raw = stack.get("/ready")
     return sum(w["queued_texts"] or 0 for w in json.loads(raw)["workers"])
@@ -71,13 +79,16 @@ def test_client_disconnect_aborts_queued_work(tmp_path, slow_model):
         # Freeze the worker, so the request below is still queued when its client leaves.
         os.kill(worker, signal.SIGSTOP)
         try:
-            # Short texts are tokenized inline, so once the handler waits it has submitted.
+            # Handed to the worker once its tensors are in the arena: being in flight was not
+            # enough (a loaded CI run saw the client leave before the handoff: no drop line)
+            held = arena_used(stack)
             body = json.dumps({"texts": ["gone"] * 5}).encode()
             client = socket.create_connection(("127.0.0.1", stack.port))
             client.sendall(b"POST /predict HTTP/1.1\r\nHost: x\r\nX-Request-ID: gone-1\r\n"
                            b"Content-Type: application/json\r\nContent-Length: "
                            + str(len(body)).encode() + b"\r\n\r\n" + body)
             stack.wait_until(lambda: inflight(stack) == 2, 30, "both requests in flight")
+            stack.wait_until(lambda: arena_used(stack) > held, 30, "its handoff to the worker")
             client.close()
             stack.wait_until(lambda: inflight(stack) == 1, 30, "the handler to give up")
         finally:
