@@ -2,16 +2,18 @@
 and KServe's gRPC clients speak, and gRPC health checking for Kubernetes' gRPC probes.
 
     client ──gRPC (HTTP/2)──▶ nginx :grpc_port ──grpc_pass──▶ frontend-N.grpc.sock (this module)
-                                                                │ one HTTP request per call
-                                                                ▼
-                                              frontend-N.sock: the /v2 routes (frontend.kserve)
+                                                                │ one HTTP request per call,
+                                                                ▼ in process (frontend.inprocess)
+                                              the frontend's own aiohttp application: the /v2
+                                              routes (frontend.kserve)
 
 Each frontend runs a grpc.aio server beside its aiohttp one, on the same event loop, and turns
-every call into the matching KServe v2 HTTP request on its own unix socket (ModelInfer into a
-POST .../infer with Triton's binary tensor extension, both ways). So a gRPC call gets what an
-HTTP one does, from one implementation: API keys, admission, priorities, A/B arms and pinned
-versions, metrics, the access line, request ids, traces. The price is one HTTP request over a
-unix socket inside the process (docs/protocols.md measures it).
+every call into the matching KServe v2 HTTP request, which its own application answers in
+process (ModelInfer into a POST .../infer with Triton's binary tensor extension, both ways).
+So a gRPC call gets what an HTTP one does, from one implementation: API keys, admission,
+priorities, A/B arms and pinned versions, metrics, the access line, request ids, traces.
+It went over the frontend's unix socket until the fifty-second session (docs/protocols.md
+measures both).
 
 Services: inference.GRPCInferenceService's ServerLive, ServerReady, ModelReady,
 ServerMetadata, ModelMetadata, ModelConfig, ModelInfer and ModelStreamInfer (frontend/protos/
@@ -26,16 +28,15 @@ import logging
 import time
 from typing import Any, Awaitable, Callable
 
-import aiohttp
 import grpc
 import orjson
+from aiohttp import web
 
-from frontend import metrics, protos
+from frontend import inprocess, metrics, protos
 from frontend.app import REQUEST_ID_MAX
 from frontend.grpc_messages import (MISSING, STATUS_CODES, CallFailed, Undecodable, error_text,
                                     infer_body, infer_response, model_path, parser)
 from frontend.kserve import HEADER_LENGTH
-from shmserve import topology
 from shmserve.config import Config
 
 log = logging.getLogger("shmserve.frontend")
@@ -53,43 +54,25 @@ HEALTHY_SERVICES = ("", protos.KSERVE_SERVICE)
 
 
 class Gateway:
-    """The gRPC methods, each one HTTP request to this frontend's own socket."""
+    """The gRPC methods, each one HTTP request answered by `app`, this frontend's application."""
 
-    def __init__(self, cfg: Config, index: int) -> None:
+    def __init__(self, cfg: Config, app: web.Application) -> None:
+        self._app = app
         self._inflight = cfg.frontends.max_inflight
         self.last_call = 0.0  # time.monotonic() of the latest call's start (grpc_server's stop)
         self.stopping = asyncio.Event()  # set at a stop: open streams end (model_stream_infer)
-        # No connection limit: each call in flight holds one connection, as nginx's would; the
-        # frontend's admission (frontends.max_inflight) is what bounds them, with its 429s.
-        connector = aiohttp.UnixConnector(path=str(topology.frontend_socket(cfg, index)),
-                                          limit=0)
-        self._session = aiohttp.ClientSession(
-            "http://frontend", connector=connector, auto_decompress=False,
-            # The frontend ends every request itself (its deadlines, nginx.proxy_read_timeout's
-            # 504 before nginx's own): no second clock here.
-            timeout=aiohttp.ClientTimeout(total=None))
-
-    async def close(self) -> None:
-        await self._session.close()
 
     async def _call(self, context: grpc.aio.ServicerContext, method: str, path: str,
                     body: bytes | None = None, headers: dict[str, str] | None = None,
                     ok: tuple[int, ...] = (200,)) -> tuple[int, dict[str, str], bytes]:
         """One HTTP request for `context`'s call: (status, headers, body) of an answer whose
-        status is in `ok`, else CallFailed."""
+        status is in `ok`, else CallFailed. No limit on calls at once here: the frontend's
+        admission (frontends.max_inflight) bounds them, with its 429s, as it does nginx's."""
         self.last_call = time.monotonic()
         sent = {key: value for key, value in context.invocation_metadata() or ()
                 if key in FORWARDED and isinstance(value, str)}
         sent.update(headers or {})
-        try:
-            async with self._session.request(method, path, data=body, headers=sent) as answer:
-                raw = await answer.read()
-                status, got = answer.status, answer.headers
-        except aiohttp.ClientError as exc:
-            # The frontend stopping under this call (its socket closed): retrying reaches
-            # another frontend.
-            raise CallFailed(grpc.StatusCode.UNAVAILABLE,
-                             f"the frontend serving this call is stopping ({exc}); retry") from None
+        status, got, raw = await inprocess.answer(self._app, method, path, body, sent)
         metadata = tuple((key.lower(), value) for key, value in got.items()
                          if key.lower().startswith(RETURNED_PREFIXES))
         if status not in ok:

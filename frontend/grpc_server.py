@@ -64,10 +64,10 @@ class GrpcServer:
     CANCELLED to a call nginx had sent on a connection the server accepted just before: 1 of
     ~3,000 in a rolling restart under load."""
 
-    def __init__(self, cfg: Config, index: int) -> None:
+    def __init__(self, cfg: Config, index: int, app: web.Application) -> None:
         self._cfg = cfg
         self._path = socket_path(cfg, index)
-        self._gateway = Gateway(cfg, index)
+        self._gateway = Gateway(cfg, app)
         # Messages up to the body nginx takes (nginx.client_max_body_size; 0: no limit);
         # answers of any size.
         limit = nginx_size(cfg.nginx.client_max_body_size) or -1
@@ -104,22 +104,18 @@ class GrpcServer:
         await self._server.stop(self._cfg.server.drain_timeout_s)
         refuse_at(self._path)  # grpc removed its socket file; the next start binds over this
 
-    async def stop(self) -> None:
-        await self.stop_calls()
-        await self._gateway.close()
-
 
 async def serve(app: web.Application) -> AsyncIterator[None]:
     """cleanup_ctx: the gRPC server of a frontend, with server.grpc_port set."""
     cfg = app[CONFIG]
-    server = GrpcServer(cfg, app[INDEX])
+    server = GrpcServer(cfg, app[INDEX], app)
     await server.start()
     app[GRPC_SERVER] = server
     log.info("frontend.grpc_started", extra={"fields": {"socket": socket_path(cfg, app[INDEX])}})
     try:
         yield
     finally:
-        await server.stop()
+        await server.stop_calls()
         # grpc's aio shutdown runs when its last server is freed: left to the interpreter's
         # exit, it failed there and wrote "Error in sys.excepthook:" and two more lines of
         # text into the JSON log at every stop (grpc/grpc#38679). Freed here, while the loop

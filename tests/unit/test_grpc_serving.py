@@ -9,6 +9,7 @@ import asyncio
 
 import grpc
 import pytest
+from aiohttp import web
 
 from frontend import grpc_api, grpc_messages, protos
 from shmserve import grpc_nginx, render, tls
@@ -146,7 +147,7 @@ async def test_a_stream_cancelled_while_it_reads_leaves_no_unretrieved_read(tmp_
     asyncio logged at ERROR, 'Task exception was never retrieved' (an outside check)."""
     import gc
 
-    gateway = grpc_api.Gateway(make_config(tmp_path), 0)
+    gateway = grpc_api.Gateway(make_config(tmp_path), web.Application())
     release = asyncio.Event()
 
     async def requests():
@@ -170,7 +171,6 @@ async def test_a_stream_cancelled_while_it_reads_leaves_no_unretrieved_read(tmp_
         assert not [message for message in seen if "never retrieved" in message]
     finally:
         loop.set_exception_handler(None)
-        await gateway.close()
 
 
 def test_each_request_of_a_stream_has_its_own_request_id():
@@ -199,7 +199,7 @@ def test_each_request_of_a_stream_has_its_own_request_id():
 
 async def test_a_streams_requests_go_with_their_numbers(tmp_path, monkeypatch):
     """model_stream_infer numbers the requests it reads, 1, 2, 3, in the order read."""
-    gateway = grpc_api.Gateway(make_config(tmp_path), 0)
+    gateway = grpc_api.Gateway(make_config(tmp_path), web.Application())
     seen: list[str] = []
 
     async def infer(request, call):
@@ -221,10 +221,7 @@ async def test_a_streams_requests_go_with_their_numbers(tmp_path, monkeypatch):
         for i in range(3):
             yield protos.ModelInferRequest(model_name="m", id=f"r{i}")
 
-    try:
-        context = Context()
-        await gateway.model_stream_infer(requests(), context)
-        assert sorted(seen) == ["s1:1", "s1:2", "s1:3"]
-        assert sorted(context.written) == ["r0", "r1", "r2"]
-    finally:
-        await gateway.close()
+    context = Context()
+    await gateway.model_stream_infer(requests(), context)
+    assert sorted(seen) == ["s1:1", "s1:2", "s1:3"]
+    assert sorted(context.written) == ["r0", "r1", "r2"]
