@@ -121,6 +121,10 @@ def test_manifests_agree_with_the_config_the_pods_load(overlay, tmp_path):
         # served on CPU workers, Ready and slow: an outside check).
         assert cfg.workers.devices == list(range(main["resources"]["limits"]["nvidia.com/gpu"]))
         assert "HorizontalPodAutoscaler" not in objects
+        # its count is the overlay's own, with room to evict one under the budget
+        assert deployment["spec"]["replicas"] == 2
+        assert deployment["spec"]["replicas"] > \
+            objects["PodDisruptionBudget"]["spec"]["minAvailable"]
     else:
         assert "nvidia.com/gpu" not in main["resources"].get("limits", {})
         hpa = objects["HorizontalPodAutoscaler"]["spec"]
@@ -128,6 +132,9 @@ def test_manifests_agree_with_the_config_the_pods_load(overlay, tmp_path):
         assert main["resources"]["requests"]["cpu"]  # utilization is of the request
         # The disruption budget leaves room to evict at the fewest replicas.
         assert hpa["minReplicas"] > objects["PodDisruptionBudget"]["spec"]["minAvailable"]
+        # The autoscaler owns the count: a Deployment's own `replicas` would set it back at
+        # every `kubectl apply` (it said 2, an outside check's note).
+        assert "replicas" not in deployment["spec"]
 
 
 def test_the_image_runs_the_pods_command():
