@@ -128,6 +128,9 @@ def render(cur: Sample, prev: Sample | None, title: str) -> str:
         lines += ["", f"frontends refused {full:g} request(s) over the last "
                       f"{cur.at - prev.at:.1f} s: /dev/shm is full (`df /dev/shm`; others filled "
                       "it: free it, or give it more room)"]
+    # what a drain or a stuck worker holds (status had no such figure: a noted gap)
+    inflight = in_flight(cur)
+    now = "" if inflight is None else f"{inflight} in flight now"
     if prev is not None:
         rates = _request_rates(cur, prev)
         each = ", ".join(f"{m} {_num(r)}" for m, r in rates["by_model"].items()) + "; " \
@@ -135,8 +138,16 @@ def render(cur: Sample, prev: Sample | None, title: str) -> str:
         if rates["failed"]:
             each += f"{_num(rates['failed'])} of them not answered 200; "
         lines += ["", f"inference requests/s: {_num(rates['total'])} ({each}over the last "
-                      f"{cur.at - prev.at:.1f} s)"]
+                      f"{cur.at - prev.at:.1f} s){'; ' * bool(now)}{now}"]
+    elif now:
+        lines += ["", f"inference requests: {now}"]
     return "\n".join(lines)
+
+
+def in_flight(cur: Sample) -> int | None:
+    """Inference requests the frontends hold now (admitted, not yet answered), all together;
+    None without a scrape."""
+    return _int(cur.total("shmserve_frontend_inflight_requests"))
 
 
 def snapshot(cur: Sample, prev: Sample | None, about: dict | None = None) -> dict:
@@ -147,7 +158,8 @@ def snapshot(cur: Sample, prev: Sample | None, about: dict | None = None) -> dic
     `about` (the version, URL and run directory) goes first."""
     out = {**(about or {}), "state": _state_word(cur), "state_text": _state(cur),
            "ready_code": cur.ready_code, "ready": cur.ready,
-           "processes": processes_of(cur), "workers": workers_of(cur, prev)}
+           "processes": processes_of(cur), "workers": workers_of(cur, prev),
+           "inference_requests_in_flight": in_flight(cur)}
     if cur.direct:
         out["figures_from"] = "frontend"
     if prev is not None:

@@ -34,7 +34,8 @@ def test_status_shows_processes_and_workers(stack):
         assert re.search(rf"^{program}\s+RUNNING\s", out, re.M), out
     row = re.search(r"^0\s+cpu\s+yes\s+\d+\s", out, re.M)
     assert row, out
-    assert "inference requests/s" in out
+    # nothing asked of it: the frontends hold no request (their gauge, through nginx)
+    assert re.search(r"^inference requests/s: .*; 0 in flight now$", out, re.M), out
     watched = status_cli(stack, "--watch", "0.2", "--count", "2")
     assert watched.returncode == 0, watched.stderr
     assert watched.stdout.count("PROGRAM") == 2
@@ -47,6 +48,7 @@ def test_status_shows_processes_and_workers(stack):
     assert sup["pid"] == int((stack.run_dir / "supervisord.pid").read_text()), sup
     assert sup["uptime_s"] >= 1 and sup["rss_bytes"] > 0
     assert frames[-1]["workers"][0]["ready"] is True and frames[-1]["url"] == stack.url
+    assert frames[-1]["inference_requests_in_flight"] == 0
 
 
 def test_a_frontend_at_its_open_files_limit_is_named_and_scrapes_go_on(stack):

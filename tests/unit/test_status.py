@@ -212,6 +212,27 @@ def test_the_request_rate_covers_every_model_and_names_each_when_several():
     assert "inference requests/s: 12.0 (e5 10.0, nli 2.0; over the last 2.0 s)" in text
 
 
+def test_the_requests_in_flight_are_summed_over_the_frontends():
+    """What a drain waits for, or a stuck worker leaves waiting: status had no such figure (a
+    noted gap). The frontends' gauge, summed; in the JSON too; none without a scrape."""
+    gauge = ("# TYPE shmserve_frontend_inflight_requests gauge\n"
+             'shmserve_frontend_inflight_requests{frontend="0"} 5.0\n'
+             'shmserve_frontend_inflight_requests{frontend="1"} 7.0\n')
+
+    def at(t: float) -> status.Sample:
+        return status.Sample(t, PROCESSES, 200, READY, status.parse_metrics(
+            exposition(1000 * t, 100 * t, 1000 * t, 1000 * t) + gauge))
+
+    text = status.render(at(2.0), at(1.0), "t")
+    assert "inference requests/s: 210.0 (10.0 of them not answered 200; over the last 1.0 s); " \
+        "12 in flight now" in text
+    assert "inference requests: 12 in flight now" in status.render(at(2.0), None, "t")
+    assert status.snapshot(at(2.0), at(1.0))["inference_requests_in_flight"] == 12
+    bare = sample(1.0, 10, 1, 10, 10)  # a scrape without the gauge
+    assert status.snapshot(bare, None)["inference_requests_in_flight"] is None
+    assert "in flight" not in status.render(bare, None, "t")
+
+
 def test_first_frame_without_a_previous_sample_has_no_rates():
     text = status.render(sample(1.0, 10, 1, 10, 10, ready_code=None), None, "t")
     assert text.splitlines()[0].startswith("t: no answer through nginx (")
