@@ -106,6 +106,9 @@ QUIET_PATHS = PROBES | KSERVE_PROBES  # no access line, no trace
 
 # Per-request storage, typed (aiohttp warns on plain string keys).
 REQUEST_ID = web.RequestKey("request_id", str)
+# time.time() when this frontend began the request (its body not yet read): deadlines count
+# from it (frontend.tasks.run)
+ARRIVED = web.RequestKey("arrived", float)
 LOG_FIELDS = web.RequestKey("log", dict)  # extra fields for the access log line
 MODEL_NAME = web.RequestKey("model", str)
 TOKENIZE_MS = web.RequestKey("tokenize_ms", float)
@@ -127,6 +130,7 @@ PINNED = web.RequestKey("pinned", object)  # a frontend.variants.Variant the req
 @web.middleware
 async def observe(request: web.Request, handler) -> web.StreamResponse:
     started = time.perf_counter()
+    request[ARRIVED] = time.time()
     sent = request.headers.get("X-Request-ID", "")
     request[REQUEST_ID] = sent if _REQUEST_ID.match(sent) else uuid.uuid4().hex
     request[LOG_FIELDS] = {}
