@@ -23,12 +23,9 @@ change a scenario's clients and texts per request (a GPU-like deep queue: --scen
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import statistics
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import yaml
@@ -40,8 +37,8 @@ sys.path.insert(0, str(REPO / "scripts"))
 from benchkit import (CORPUS, MIN_WINDOW_S, NULL_SCENARIO, NULL_STACK,  # noqa: E402
                       SCENARIOS, corpus_file, failed, locust_window, open_loop_window,
                       positive, rate)
-from benchstacks import (OwnStack, check_ports, config_problem, refuse,  # noqa: E402
-                         require, revision, stop_on_term, run_main)
+from benchstacks import (OwnStack, check_ports, checkout, config_problem,  # noqa: E402
+                         refuse, require, revision, stop_on_term, run_main)
 
 from shmserve.layers import deep_merge  # noqa: E402
 
@@ -80,27 +77,6 @@ def sides(parser: argparse.ArgumentParser, args, base: dict) -> tuple[dict, dict
             refuse(why)
     check_ports(2)  # both stacks run at once
     return trees["a"], trees["b"]
-
-
-@contextlib.contextmanager
-def checkout(rev: str | None):
-    """The repository root to run a side from: this one, or a worktree of `rev`."""
-    if rev is None:
-        yield REPO
-        return
-    with tempfile.TemporaryDirectory(prefix="shmserve-ab-") as tmp:
-        tree = Path(tmp) / "tree"
-        made = subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach",
-                               str(tree), rev], stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, text=True)
-        if made.returncode != 0:
-            raise SystemExit(f"{Path(sys.argv[0]).name}: no worktree of {rev}: "
-                             f"{made.stderr.strip()}")
-        try:
-            yield tree
-        finally:
-            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)],
-                           check=False)
 
 
 def main() -> int:

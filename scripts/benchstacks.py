@@ -6,6 +6,7 @@ mistake, a revision that is not one) is named before anything starts."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import os
 import shutil
@@ -249,3 +250,24 @@ class Baseline:
     def __exit__(self, *exc) -> None:
         self.proc.terminate()
         self.proc.wait(30)
+
+
+@contextlib.contextmanager
+def checkout(rev: str | None):
+    """The repository root to run a side from: this one, or a worktree of `rev`."""
+    if rev is None:
+        yield REPO
+        return
+    with tempfile.TemporaryDirectory(prefix="shmserve-ab-") as tmp:
+        tree = Path(tmp) / "tree"
+        made = subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach",
+                               str(tree), rev], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True)
+        if made.returncode != 0:
+            raise SystemExit(f"{Path(sys.argv[0]).name}: no worktree of {rev}: "
+                             f"{made.stderr.strip()}")
+        try:
+            yield tree
+        finally:
+            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)],
+                           check=False)

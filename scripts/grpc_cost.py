@@ -10,6 +10,9 @@ round's figures and the median of the gRPC/HTTP ratios with their range.
 
   .venv/bin/python scripts/grpc_cost.py                     # 1 text a call, 4 rounds
   .venv/bin/python scripts/grpc_cost.py --texts 32 --calls 800
+  .venv/bin/python scripts/grpc_cost.py --rev a15a9b6       # another revision's code (a
+                                                            # worktree): run it and this one
+                                                            # in turn to compare the two
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 from benchkit import CORPUS, positive, spread  # noqa: E402
 from benchmachine import cpu_description  # noqa: E402
-from benchstacks import OwnStack, check_ports, require, run_main, stop_on_term  # noqa: E402
+from benchstacks import (OwnStack, check_ports, checkout, require, revision,  # noqa: E402
+                         run_main, stop_on_term)
 
 
 def server_processes(stack: OwnStack) -> dict[str, list]:
@@ -115,6 +119,8 @@ def main() -> int:
     parser.add_argument("--calls", type=positive, default=2000, help="calls a side a round")
     parser.add_argument("--clients", type=positive, default=8)
     parser.add_argument("--rounds", type=positive, default=4)
+    parser.add_argument("--rev", type=revision,
+                        help="run the stack's code from this git revision (a worktree)")
     args = parser.parse_args()
     if args.calls < args.clients:  # no call a client: a ZeroDivisionError once the stack was up
         parser.error(f"--calls {args.calls}: at least --clients ({args.clients}), each client "
@@ -127,14 +133,15 @@ def main() -> int:
     sentences = json.loads(CORPUS.read_text())
     texts = [s.encode() for s in sentences[:args.texts]]
     grpc_port = free_port()
-    with OwnStack(args.env, None, {"server": {"grpc_port": grpc_port}}) as stack:
+    with checkout(args.rev) as repo, \
+            OwnStack(args.env, None, {"server": {"grpc_port": grpc_port}}, repo) as stack:
         processes = server_processes(stack)
         ports = {"http": stack.port, "grpc": grpc_port}
         for kind in ports:  # warm both paths
             run(kind, ports[kind], texts, args.clients * 10, args.clients, processes)
         ratios = []
         print(f"# {cpu_description()}; {args.texts} text(s) a call, {args.clients} clients, "
-              f"{args.calls} calls a side a round")
+              f"{args.calls} calls a side a round; code of {args.rev or 'this checkout'}")
         print("| round | HTTP server CPU ms/call | gRPC server CPU ms/call | HTTP calls/s "
               "| gRPC calls/s |")
         print("|---|---|---|---|---|")
