@@ -289,6 +289,10 @@ def test_grpc_cost_refuses_fewer_calls_than_clients_before_starting_anything():
     done = subprocess.run([sys.executable, str(REPO / "scripts" / "grpc_cost.py"), "--calls",
                            "5"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "at least --clients (8)" in done.stderr, done.stderr
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "grpc_cost.py"), "--rev",
+                           "nosuchrev"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "argument --rev: 'nosuchrev': not a git revision" in \
+        done.stderr, done.stderr
 
 
 @pytest.mark.parametrize("env, said", [
