@@ -71,6 +71,7 @@ CHECKS: dict[str, Check] = {
     "nginx.client_header_timeout_s": _SECONDS_A_DAY,
     "nginx.send_timeout_s": _SECONDS_A_DAY,
     "nginx.proxy_read_timeout_s": _SECONDS_A_DAY,
+    "nginx.grpc_stream_idle_timeout_s": _SECONDS_A_DAY,
     "nginx.probe_timeout_s": _SECONDS_A_DAY,
     "nginx.rate_limit_per_s": (lambda v: v == 0 or 1 / 60 <= v <= 1_000_000,
                                "0 (off) or requests a second, at least 1/60 (one a minute)"),

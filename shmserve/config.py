@@ -50,6 +50,10 @@ class NginxConfig:
     client_header_timeout_s: int = 15
     send_timeout_s: int = 60
     proxy_read_timeout_s: int = 120
+    # A gRPC ModelStreamInfer stream may wait this long for the client's next request, or the
+    # frontend's next answer, before nginx cuts it (client_body_timeout_s and proxy_read_timeout_s
+    # cut one idle for 30 s: INTERNAL "RST_STREAM" to a client that kept its stream open).
+    grpc_stream_idle_timeout_s: int = 3600
     # GET /health, /ready and KServe's health routes: a frontend that has not answered within
     # this goes to the next one (a frozen frontend must not fail every other probe).
     probe_timeout_s: int = 2

@@ -67,6 +67,7 @@ def block(cfg: Config, binary: str, common: Mapping[str, str],
         "grpc_listen_params": tls_values["listen_tls"],
         "grpc_tls": tls_values["tls"],
         "grpc_probe_paths": tls_values["probe_paths"],
+        "grpc_stream_idle_timeout": f"{cfg.nginx.grpc_stream_idle_timeout_s}s",
         "grpc_client_cert_map": tls_values["client_cert_map"],
         "grpc_client_cert_check": tls_values["client_cert_check"],
     })

@@ -15,16 +15,17 @@ KEY = "grpc-key-0123"
 AUTH = {"authorization": f"Bearer {KEY}"}
 
 
-def stack_fixture(name: str):
+def stack_fixture(name: str, **nginx):
     """A module's stack (`stack = grpcstack.stack_fixture(NAME)`): gRPC on a free port (its
-    .grpc_port), nginx's body limit 64k, API key KEY; up once for the module."""
+    .grpc_port), nginx's body limit 64k (and `nginx`'s other keys), API key KEY; up once for
+    the module."""
 
     @pytest.fixture(scope="module")
     def stack(tmp_path_factory, tiny_model):
         port = free_port()
         s = Stack(tmp_path_factory.mktemp(name) / "stack", tiny_overrides(
             tiny_model, server={"grpc_port": port}, auth={"api_keys": [KEY]},
-            nginx={"client_max_body_size": "64k"}))
+            nginx={"client_max_body_size": "64k", **nginx}))
         s.grpc_port = port
         s.up()
         yield s

@@ -23,7 +23,9 @@ from tests.grpcstack import AUTH, status_of, texts
 from tests.stack import Stack
 
 
-stack = grpcstack.stack_fixture("grpc")
+# A body's wait for its client cut short (30 s by default), so the stream test below sees a
+# stream outlast it
+stack = grpcstack.stack_fixture("grpc", client_body_timeout_s=2)
 client = grpcstack.client
 
 
@@ -135,6 +137,26 @@ def test_a_stream_answers_every_request_each_with_its_id(stack, client):
         return seen >= want
     stack.wait_until(logged, 10, "an access line for each request of the stream")
     assert seen == want
+
+
+def test_a_stream_stays_open_while_idle_past_the_body_timeout(stack, client):
+    """tritonclient's start_stream is meant to be kept open between requests: nginx cut a
+    stream idle for client_body_timeout_s (30 s), INTERNAL "Received RST_STREAM" to the
+    client. A stream has nginx.grpc_stream_idle_timeout_s (an hour) instead; here the stack's
+    body timeout is 2 s and the stream idles 3."""
+    answers: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: answers.put((result, error)),
+                        headers=AUTH)
+    try:
+        client.async_stream_infer("tiny", [texts(b"before")], request_id="before")
+        assert answers.get(timeout=30)[1] is None
+        time.sleep(3)
+        client.async_stream_infer("tiny", [texts(b"after")], request_id="after")
+        result, error = answers.get(timeout=30)
+        assert error is None, error
+        assert result.get_response().id == "after"
+    finally:
+        client.stop_stream()
 
 
 def test_health_checking_and_the_request_id_in_every_log(stack):

@@ -68,6 +68,27 @@ def test_the_grpc_server_listens_http2_on_its_port(tmp_path):
     assert "add_header grpc-status 12 always;" in text
 
 
+def test_a_stream_has_its_own_idle_timeouts(tmp_path):
+    """ModelStreamInfer's location waits nginx.grpc_stream_idle_timeout_s for the client's next
+    request and the next answer; a unary call keeps client_body_timeout_s and
+    proxy_read_timeout_s (e2e: test_grpc's idle stream)."""
+    import re
+
+    cfg = make_config(tmp_path, server={"grpc_port": 9001},
+                      nginx={"grpc_stream_idle_timeout_s": 900})
+    text = render.render_nginx(cfg)
+    stream = re.search(r"location = /inference\.GRPCInferenceService/ModelStreamInfer \{(.*?)\n"
+                       r"        \}", text, re.S)
+    assert stream, text
+    assert "client_body_timeout 900s;" in stream.group(1)
+    assert "grpc_read_timeout 900s;" in stream.group(1)
+    assert "grpc_pass grpc://frontends_grpc;" in stream.group(1)
+    assert "if ($shmserve_grpc_refused_timeout) { return 400; }" in stream.group(1)
+    assert "grpc_read_timeout 120s;" in text and "client_body_timeout 30s;" in text
+    with pytest.raises(ConfigError, match="nginx.grpc_stream_idle_timeout_s"):
+        make_config(tmp_path, nginx={"grpc_stream_idle_timeout_s": 0})
+
+
 def test_grpc_port_must_differ_from_the_http_port(tmp_path):
     with pytest.raises(ConfigError, match="server.grpc_port: 8080 is server.port too"):
         make_config(tmp_path, server={"grpc_port": 8080, "port": 8080})
