@@ -25,7 +25,7 @@ from tests.stack import Stack
 
 # A body's wait for its client cut short (30 s by default), so the stream test below sees a
 # stream outlast it
-stack = grpcstack.stack_fixture("grpc", client_body_timeout_s=2)
+stack = grpcstack.stack_fixture("grpc", client_body_timeout_s=4)
 client = grpcstack.client
 
 
@@ -143,14 +143,15 @@ def test_a_stream_stays_open_while_idle_past_the_body_timeout(stack, client):
     """tritonclient's start_stream is meant to be kept open between requests: nginx cut a
     stream idle for client_body_timeout_s (30 s), INTERNAL "Received RST_STREAM" to the
     client. A stream has nginx.grpc_stream_idle_timeout_s (an hour) instead; here the stack's
-    body timeout is 2 s and the stream idles 3."""
+    body timeout is 4 s (a unary call's body under the suite's load stays well within it) and
+    the stream idles 5."""
     answers: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: answers.put((result, error)),
                         headers=AUTH)
     try:
         client.async_stream_infer("tiny", [texts(b"before")], request_id="before")
         assert answers.get(timeout=30)[1] is None
-        time.sleep(3)
+        time.sleep(5)
         client.async_stream_infer("tiny", [texts(b"after")], request_id="after")
         result, error = answers.get(timeout=30)
         assert error is None, error
