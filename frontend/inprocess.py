@@ -49,6 +49,8 @@ def request(app: web.Application, method: str, path: str, body: bytes | None,
             headers: dict[str, str]) -> web.Request:
     """The request aiohttp would have made of these bytes arriving on the frontend's socket."""
     sent = CIMultiDict(headers)
+    if hdrs.EXPECT in sent:
+        raise ValueError("an in-process request takes no Expect header (it has no writer)")
     sent[hdrs.HOST] = HOST
     connection = _Connection()
     if body:
@@ -66,7 +68,7 @@ def request(app: web.Application, method: str, path: str, body: bytes | None,
         tuple((k.encode(), v.encode()) for k, v in sent.items()), False, None, False, False,
         URL.build(path=route, query_string=query, encoded=True))
     # No writer: every route answers a web.Response that the caller reads (none prepares a
-    # stream), and no Expect header is ever passed on.
+    # stream), and an Expect header is refused above.
     return app._make_request(message, payload, connection, None, asyncio.current_task())
 
 
@@ -75,8 +77,6 @@ async def answer(app: web.Application, method: str, path: str, body: bytes | Non
     """(status, headers, body) of the application's answer to this request. Cancelled (the
     gRPC call gone), the route is cancelled with it, as a client's closed connection cancels
     an HTTP request's (its access line says client_closed)."""
-    if hdrs.EXPECT in CIMultiDict(headers or {}):
-        raise ValueError("an in-process request takes no Expect header (it has no writer)")
     try:
         response = await app._handle(request(app, method, path, body, headers or {}))
     except web.HTTPException as exc:  # past any middleware: aiohttp's connection answers these

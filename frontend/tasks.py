@@ -177,10 +177,7 @@ async def run(request: web.Request, served: ServedModel,
     variant = request.get(PINNED) or request.app[SPLITS].choose(
         served.spec.name, served.variants, sticky_key(request, served, user),
         request.app[POOL].ready_links)
-    seconds, deadline_by = timeout(request, cfg.frontends.request_timeout_s)
-    # From when the frontend began the request: reading and parsing its body count (they did
-    # not: a 0.05 s deadline was answered 504 after ~105 ms under load, a noted gap).
-    deadline = request.get(ARRIVED, time.time()) + seconds
+    deadline, seconds, deadline_by = deadline_of(request, cfg.frontends.request_timeout_s)
     if deadline_by != "frontends.request_timeout_s":  # the client's own deadline, or its cap
         request[LOG_FIELDS].update(timeout_s=round(seconds, 3), timeout_by=deadline_by)
     priority = request_priority(request, priority, cfg.frontends.default_priority)
@@ -337,6 +334,14 @@ def once(request: web.Request, name: str) -> str | None:
         raise ApiError("invalid_request", f"{name} is given {len(values)} times; give it once",
                        param=name)
     return values[0] if values else None
+
+
+def deadline_of(request: web.Request, default: float) -> tuple[float, float, str]:
+    """When the request's deadline passes (a time.time()), counted from when its frontend began
+    it (app.ARRIVED: reading and parsing its body count; they did not, and a 0.05 s deadline
+    was answered 504 after ~105 ms under load), with its seconds and what set it (`timeout`)."""
+    seconds, by = timeout(request, default)
+    return request.get(ARRIVED, time.time()) + seconds, seconds, by
 
 
 def timeout(request: web.Request, default: float) -> tuple[float, str]:

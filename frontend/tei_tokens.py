@@ -19,7 +19,7 @@ from frontend.schemas import (flag, mapping, model_name, one_or_many, prompt_nam
 
 
 async def tokenize(request: web.Request) -> web.Response:
-    cfg, deadline, started = _tokenizer_request(request)
+    cfg, deadline = _tokenizer_request(request)
     body = mapping(await codec.read_body(request))
     given = one_or_many(required(body, "inputs"), "inputs", cfg.limits)
     special = flag(body, "add_special_tokens", True)
@@ -40,11 +40,11 @@ async def tokenize(request: web.Request) -> web.Response:
             encodings += chunk
         return [_tokens(text, enc) for text, enc in zip(given, encodings)]
 
-    return await _tokenizer_answer(request, run, sum(map(len, given)), deadline, started)
+    return await _tokenizer_answer(request, run, sum(map(len, given)), deadline)
 
 
 async def decode(request: web.Request) -> web.Response:
-    cfg, deadline, started = _tokenizer_request(request)
+    cfg, deadline = _tokenizer_request(request)
     body = mapping(await codec.read_body(request))
     given = required(body, "ids")
     # texts_or_ids reads a non-list or strings as texts, and would name texts in its refusal.
@@ -61,17 +61,17 @@ async def decode(request: web.Request) -> web.Response:
         raise _over_budget("ids", "ids", "/decode", budget)
     # ~4 characters a token, for when to leave the event loop
     return await _tokenizer_answer(request, lambda: model.encoder.decode(rows, special),
-                                   4 * ids, deadline, started)
+                                   4 * ids, deadline)
 
 
-def _tokenizer_request(request: web.Request) -> tuple[Any, tuple[float, str], float]:
+def _tokenizer_request(request: web.Request) -> tuple[Any, tuple[float, str]]:
     """/tokenize's and /decode's start: the headers every route takes, checked as everywhere
-    (the deadline is kept to at the end); the config, the deadline (seconds, what set it:
-    tasks.timeout) and the start."""
+    (the deadline is kept to at the end); the config and the deadline (when it passes, what
+    set it: tasks.deadline_of)."""
     cfg = request.app[CONFIG]
-    deadline = tasks.timeout(request, cfg.frontends.request_timeout_s)
+    at, _, by = tasks.deadline_of(request, cfg.frontends.request_timeout_s)
     tasks.request_priority(request, None, cfg.frontends.default_priority)
-    return cfg, deadline, time.monotonic()
+    return cfg, (at, by)
 
 
 def _budget(cfg, model) -> int:
@@ -88,15 +88,15 @@ def _over_budget(param: str, what: str, route: str, budget: int) -> ApiError:
 
 
 async def _tokenizer_answer(request: web.Request, work: Callable[[], Any], chars: int,
-                            deadline: tuple[float, str], started: float) -> web.Response:
+                            deadline: tuple[float, str]) -> web.Response:
     """`work`'s result, computed off the event loop for a large request (as /predict
     tokenizes), unless the deadline passed meanwhile."""
     if chars > tasks.THREAD_TOKENIZE_CHARS:
         out = await asyncio.get_running_loop().run_in_executor(None, work)
     else:
         out = work()
-    seconds, by = deadline
-    if time.monotonic() - started > seconds:
+    at, by = deadline
+    if time.time() > at:
         raise ApiError.deadline_passed().set_by(by)
     return codec.render(request, out)
 
