@@ -87,7 +87,8 @@ def locust_window(url: str, scenario: Scenario, seconds: int, corpus: Path,
             agg = next(r for r in csv.DictReader(f) if r["Name"] == "Aggregated")
         requests, failures = int(agg["Request Count"]), int(agg["Failure Count"])
         if requests == 0:
-            raise SystemExit(f"locust sent no request in {seconds} s (its spawn not counted)")
+            raise SystemExit(f"locust sent no request in {seconds} s (its spawn not counted); "
+                             f"it said:\n{proc.stderr[-3000:]}")
         rps = float(agg["Requests/s"])  # locust's: requests over the time it measured
         counts = [json.loads(f.read_text()) for f in Path(tmp).glob("texts.*")]
         sent = {k: sum(c[k] for c in counts) for k in ("texts", "requests")}
