@@ -24,6 +24,7 @@ from frontend.httpparser import nginx_size
 from frontend.pool import WorkerPool
 from frontend.tokenizer import TextEncoder
 from frontend.variants import Splits, Variant
+from frontend.variants import revision as variant_revision
 from shmserve import arena as shm
 from shmserve import topology
 from shmserve.config import Config, api_keys
@@ -121,6 +122,8 @@ VARIANT = web.RequestKey("variant", str)  # the A/B variant that served it ("" w
 # An inference request's A/B variant ("" without a split) and priority, once chosen: its
 # metrics by arm and priority (metrics.observe_inference)
 CHOSEN = web.RequestKey("chosen", tuple)
+ARM = web.RequestKey("arm", Variant)  # the frontend.variants.Variant chosen (Triton's statistics)
+INPUTS = web.RequestKey("inputs", int)  # inputs the request ran through a model
 TIMEOUT_S = web.RequestKey("timeout_s", float)  # a protocol's own deadline (KServe's
                                                  # parameters.timeout), with X-Request-Timeout's
 PINNED = web.RequestKey("pinned", object)  # a frontend.variants.Variant the request names (a
@@ -299,6 +302,19 @@ def error_response(request: web.Request, exc: ApiError) -> web.Response:
                         headers=exc.headers())
 
 
+def _stats(request: web.Request, model: str, status: int, elapsed: float,
+           stages: dict | None) -> None:
+    """Triton's statistics (frontend.stats) of an inference request: a success that ran (its
+    `stages`), or a failure as observe_inference counts one (a refusal of the request itself
+    is neither). Its version is the revision that answered, else the one its arm serves."""
+    failed = status >= 500 or status in (429, 499)
+    if not failed and (status >= 400 or stages is None):
+        return
+    revision = request.get(REVISION) or variant_revision(request[ARM], request.app[POOL])
+    metrics.stats.add(model, revision, elapsed, None if failed else stages,
+                      request.get(INPUTS, 0), int(time.time() * 1000))
+
+
 def _resource_of(request: web.Request) -> str:
     """The route a request matched no method of (its 405) is named by its path's resource (it
     was counted as "unmatched", with the unknown paths: an outside check); a path no route has
@@ -334,6 +350,8 @@ def _record(request: web.Request, response: web.StreamResponse, elapsed: float,
         for stage, seconds in stages.items():
             metrics.stage(stage, model).observe(seconds)
         request[LOG_FIELDS]["transfer_ms"] = round(stages["transfer"] * 1000, 3)
+    if chosen is not None:
+        _stats(request, model, response.status, elapsed, stages)
     if path in QUIET_PATHS:
         return  # probes and scrapes would drown the access log (and the traces)
     tracing = request.app[TRACING]

@@ -16,9 +16,9 @@ It went over the frontend's unix socket until the fifty-second session (docs/pro
 measures both).
 
 Services: inference.GRPCInferenceService's ServerLive, ServerReady, ModelReady,
-ServerMetadata, ModelMetadata, ModelConfig, ModelInfer and ModelStreamInfer (frontend/protos/
-kserve.proto); grpc.health.v1.Health's Check; server reflection (frontend.grpc_reflection).
-Any other method is gRPC's UNIMPLEMENTED.
+ServerMetadata, ModelMetadata, ModelConfig, ModelStatistics, ModelInfer and ModelStreamInfer
+(frontend/protos/kserve.proto); grpc.health.v1.Health's Check; server reflection
+(frontend.grpc_reflection). Any other method is gRPC's UNIMPLEMENTED.
 """
 
 from __future__ import annotations
@@ -130,6 +130,17 @@ class Gateway:
         config = json_format.ParseDict(body, protos.ModelConfig(), ignore_unknown_fields=True)
         return protos.ModelConfigResponse(config=config)
 
+    async def model_statistics(self, request, context):
+        from google.protobuf import json_format
+
+        if not request.name and request.version:
+            raise CallFailed(grpc.StatusCode.INVALID_ARGUMENT,
+                             "a version needs its model's name")
+        _, body = await self._json(context, model_path(request, "/stats") if request.name
+                                   else "/v2/models/stats")
+        return json_format.ParseDict(body, protos.ModelStatisticsResponse(),
+                                     ignore_unknown_fields=True)
+
     async def model_infer(self, request, context):
         header, tail = infer_body(request, context.time_remaining())
         _, got, raw = await self._call(
@@ -235,7 +246,8 @@ class Gateway:
             "ServerLive": self.server_live, "ServerReady": self.server_ready,
             "ModelReady": self.model_ready, "ServerMetadata": self.server_metadata,
             "ModelMetadata": self.model_metadata, "ModelConfig": self.model_config,
-            "ModelInfer": self.model_infer, "ModelStreamInfer": self.model_stream_infer},
+            "ModelInfer": self.model_infer, "ModelStreamInfer": self.model_stream_infer,
+            "ModelStatistics": self.model_statistics},
             protos.HEALTH_SERVICE: {"Check": self.health_check}}
         return [grpc.method_handlers_generic_handler(service, {
             name: _handler(protos.POOL.FindServiceByName(service).methods_by_name[name],

@@ -6,7 +6,7 @@
     GET  /v2/models/{m}[/versions/{v}]/ready
     GET  /v2/models/{m}[/versions/{v}]/config   Triton's model configuration (its JSON form)
     POST /v2/models/{m}[/versions/{v}]/infer    (GET: 405)
-    GET  /v2/models[/{m}[/versions/{v}]]/stats  404: statistics are Prometheus's (GET /metrics)
+    GET  /v2/models[/{m}[/versions/{v}]]/stats  Triton's statistics (frontend.stats)
 
 A model name may hold '/' (aliases like "org/name" do), as Triton's client sends it unescaped.
 A model's versions are its revisions, one per A/B variant (one without a split); a version in
@@ -22,6 +22,7 @@ routes answer: Triton's client makes its exception's text from that string.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import dataclass
 from typing import Awaitable, Callable
@@ -30,7 +31,7 @@ import numpy as np
 from aiohttp import web
 
 import shmserve
-from frontend import codec, routes, tasks, tensors
+from frontend import codec, metrics, routes, tasks, tensors
 from frontend.app import (CONFIG, MODEL_NAME, MODELS, PINNED, POOL, REVISION, TIMEOUT_S,
                           ServedModel)
 from frontend.dispatch import Outcome
@@ -38,9 +39,11 @@ from frontend.errors import ApiError
 from frontend.variants import revision
 from frontend import schemas
 from frontend.schemas import EmbedRequest
+from frontend.stats import model_stats
 from frontend.tensors import BYTES, Tensor
+from shmserve import metrics as shared_metrics
 
-EXTENSIONS = ["binary_tensor_data", "model_configuration"]
+EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics"]
 HEADER_LENGTH = "Inference-Header-Content-Length"
 SUBROUTES = ("ready", "config", "stats", "infer")
 # Request bodies /infer reads as JSON (with Triton's binary extension): Triton's HTTP client
@@ -232,11 +235,23 @@ async def model_config(request: web.Request) -> web.Response:
 
 
 async def stats(request: web.Request) -> web.Response:
-    if "model" in request.match_info:
-        _model(request)  # an unknown model is its own 404
-    raise ApiError("not_found", "this server keeps no per-model inference statistics in "
-                   "Triton's form; its counters and latencies are Prometheus metrics at "
-                   "GET /metrics")
+    """Triton's statistics (frontend.stats) of every model, of one, or of one version."""
+    models = request.app[MODELS]
+    served = [_model(request)] if "model" in request.match_info else list(
+        models.by_name.values())
+    pinned = request.get(PINNED)
+    versions = {model.spec.name: [revision(pinned, request.app[POOL])] if pinned is not None
+                else _versions(request, model) for model in served}
+    units = {v.unit: model.spec.name for model in models.by_name.values()
+             for v in model.variants}
+    metrics.turn.flush()  # this frontend's updates of this turn, as a scrape does
+    try:
+        samples = await asyncio.get_running_loop().run_in_executor(
+            routes.EXPOSITION, shared_metrics.hidden_samples)
+    except OSError as exc:  # as GET /metrics
+        raise ApiError("unavailable", f"this frontend cannot read the metrics files: {exc}",
+                       retry_after=1) from None
+    return codec.render(request, {"model_stats": model_stats(samples, versions, units)})
 
 
 async def infer(request: web.Request) -> web.Response:

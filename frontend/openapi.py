@@ -278,8 +278,9 @@ def _kserve_paths(model: dict, version: dict) -> dict[str, dict]:
             {**_ok({"type": "object"}), **_errors(404, 422, schema="KServeError")},
             parameters=params)}
         paths[prefix + "/stats"] = {"get": _op(
-            "kserve", "Triton's statistics: not kept (404); see GET /metrics",
-            _errors(404, schema="KServeError"), parameters=params)}
+            "kserve", "Triton's statistics of the model (every version it serves) or version",
+            {**_ok(ref("ModelStatistics")), **_errors(404, schema="KServeError")},
+            parameters=params)}
         paths[prefix + "/infer"] = {"post": _op("kserve", "Inference", {
             "200": {"description": "OK; with binary outputs the body is the JSON header (its "
                     "length in Inference-Header-Content-Length) then the tensor bytes",
@@ -293,8 +294,7 @@ def _kserve_paths(model: dict, version: dict) -> dict[str, dict]:
             **_errors(*_POST_ERRORS, schema="KServeError")},
             _body(ref("InferenceRequest"), "application/octet-stream"), params)}
     paths["/v2/models/stats"] = {"get": _op(
-        "kserve", "Triton's statistics of every model: not kept (404); see GET /metrics",
-        _errors(404, schema="KServeError"))}
+        "kserve", "Triton's statistics of every model", _ok(ref("ModelStatistics")))}
     return paths
 
 

@@ -285,6 +285,8 @@ def _kserve_schemas() -> dict[str, Any]:
         "parameters": {"type": "object", "properties": {
             "binary_data_size": {"type": "integer", "minimum": 0}}},
         "data": {"type": "array", "description": "row-major, flat or nested"}}}
+    duration = {"type": "object", "properties": {"count": {"type": "integer"},
+                                                 "ns": {"type": "integer"}}}
     return {
         "KServeError": {"type": "object", "required": ["error"], "properties": {
             "error": {"type": "string"}}},
@@ -301,6 +303,15 @@ def _kserve_schemas() -> dict[str, Any]:
             "platform": {"type": "string"},
             "inputs": {"type": "array", "items": tensor_meta},
             "outputs": {"type": "array", "items": tensor_meta}}},
+        "ModelStatistics": {"type": "object", "required": ["model_stats"], "properties": {
+            "model_stats": {"type": "array", "items": {"type": "object", "properties": {
+                "name": {"type": "string"}, "version": {"type": "string"},
+                "last_inference": {"type": "integer",
+                                   "description": "ms since the epoch; 0: none yet"},
+                "inference_count": {"type": "integer"}, "execution_count": {"type": "integer"},
+                "inference_stats": {"type": "object", "additionalProperties": duration},
+                "batch_stats": {"type": "array", "items": {"type": "object", "properties": {
+                    "batch_size": {"type": "integer"}, "compute_infer": duration}}}}}}}},
         "InferenceRequest": {"type": "object", "required": ["inputs"], "properties": {
             "id": {"type": "string"},
             "parameters": {"type": "object", "properties": {

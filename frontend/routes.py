@@ -239,17 +239,17 @@ def readiness(pool: WorkerPool, models: Models) -> str:
     return "failing" if failing else "unavailable"
 
 
-# A scrape's exposition runs on a thread of its own: in the default executor it queued behind
-# every tokenization in flight, and under a flood of large requests scrapes took past nginx's
-# timeout (504; an outside check).
-_EXPOSITION = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="exposition")
+# A scrape's exposition (and Triton's statistics, read from the same files) runs on a thread of
+# its own: in the default executor it queued behind every tokenization in flight, and under a
+# flood of large requests scrapes took past nginx's timeout (504; an outside check).
+EXPOSITION = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="exposition")
 
 
 async def metrics_route(request: web.Request) -> web.Response:
     metrics.turn.flush()  # this turn's updates, so a scrape right after a request counts it
     try:
         body, content_type = await asyncio.get_running_loop().run_in_executor(
-            _EXPOSITION, metrics.exposition, request.app[CONFIG], len(request.app[POOL].links))
+            EXPOSITION, metrics.exposition, request.app[CONFIG], len(request.app[POOL].links))
     except OSError as exc:  # this frontend out of file descriptors, ...: nothing half read
         raise ApiError("unavailable", f"this frontend cannot read the metrics files: {exc}",
                        retry_after=1) from None

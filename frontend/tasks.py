@@ -26,10 +26,10 @@ import numpy as np
 from aiohttp import web
 
 from frontend import codec, metrics, schemas
-from frontend.app import (ARRIVED, CHARS, CHOSEN, CONFIG, DISPATCHER, INDEX, INFLIGHT,
-                          LOG_FIELDS, MODEL_NAME, MODELS, PINNED, POOL, REPLIED_AT, REQUEST_ID,
-                          REVISION, SPLITS, STAGES, TIMEOUT_S, TOKENIZE_AT, TOKENIZE_MS,
-                          VARIANT, ServedModel)
+from frontend.app import (ARM, ARRIVED, CHARS, CHOSEN, CONFIG, DISPATCHER, INDEX, INFLIGHT,
+                          INPUTS, LOG_FIELDS, MODEL_NAME, MODELS, PINNED, POOL, REPLIED_AT,
+                          REQUEST_ID, REVISION, SPLITS, STAGES, TIMEOUT_S, TOKENIZE_AT,
+                          TOKENIZE_MS, VARIANT, ServedModel)
 from frontend.dispatch import Outcome
 from frontend.errors import ApiError
 from frontend.tokenizer import Encoded, TextEncoder
@@ -182,6 +182,7 @@ async def run(request: web.Request, served: ServedModel,
         request[LOG_FIELDS].update(timeout_s=round(seconds, 3), timeout_by=deadline_by)
     priority = request_priority(request, priority, cfg.frontends.default_priority)
     request[CHOSEN] = (variant.name, priority)
+    request[ARM] = variant
     inflight = request.app[INFLIGHT]
     if inflight[0] >= cfg.frontends.max_inflight:
         metrics.refused("inflight").inc()
@@ -229,6 +230,7 @@ async def run(request: web.Request, served: ServedModel,
         gauge.dec()
     name = served.spec.name
     metrics.texts(name).inc(enc.count)
+    request[INPUTS] = request.get(INPUTS, 0) + enc.count
     metrics.tokens(name).inc(enc.tokens)
     if enc.truncated:
         metrics.truncated(name).inc(enc.truncated)

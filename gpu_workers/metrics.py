@@ -79,6 +79,14 @@ LOAD_FAILURES = Counter("shmserve_worker_model_load_failures_total",
                         "(it tries again: README, Reliability, \"A model that fails to load\")",
                         ["worker", "model"])
 
+# Triton's statistics extension (frontend.stats), hidden from /metrics (shmserve.metrics.
+# HIDDEN_PREFIX): the passes by unit (MODEL or MODEL@VARIANT), revision and texts in the pass
+# (Triton's batch size), and their forwards' time (outputs on the host).
+STATS_EXECUTIONS = Counter("shmserve_stats_executions_total", "Passes by batch size",
+                           ["model", "revision", "batch_size"])
+STATS_EXECUTION_SECONDS = Counter("shmserve_stats_execution_seconds_total",
+                                  "Passes' time by batch size", ["model", "revision", "batch_size"])
+
 # Written only by workers on a GPU: a CPU deployment does not expose them.
 DEVICE_ONLY = ("shmserve_worker_device_allocated_bytes", "shmserve_worker_device_reserved_bytes",
                "shmserve_worker_device_peak_allocated_bytes", "shmserve_worker_device_free_bytes",
@@ -91,6 +99,7 @@ class WorkerMetrics:
     def __init__(self, worker: int, hosts: Iterable[str] = ()) -> None:
         self.worker = str(worker)
         self._batch: dict[str, tuple] = {}
+        self._executions: dict[tuple[str, str, int], tuple] = {}  # (unit, revision, size)
         self._queue = QUEUE_DEPTH.labels(self.worker)
         self._ready = READY.labels(self.worker)
         # Exposed at 0 from the start.
@@ -131,8 +140,16 @@ class WorkerMetrics:
                                                        BATCH_PADDING, PADDED_TOKENS, FORWARD))
         return children
 
-    def batch(self, model: str, requests: int, texts: int, real_tokens: int, padded_tokens: int,
-              forward_s: float) -> None:
+    def batch(self, model: str, revision: str, requests: int, texts: int, real_tokens: int,
+              padded_tokens: int, forward_s: float) -> None:
+        key = (model, revision, texts)
+        executions = self._executions.get(key)
+        if executions is None:
+            executions = self._executions[key] = (
+                STATS_EXECUTIONS.labels(model, revision, str(texts)),
+                STATS_EXECUTION_SECONDS.labels(model, revision, str(texts)))
+        executions[0].inc()
+        executions[1].inc(forward_s)
         requests_h, texts_h, tokens_h, padding_h, padded_c, forward_h = self._children(model)
         requests_h.observe(requests)
         texts_h.observe(texts)

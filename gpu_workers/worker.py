@@ -403,8 +403,8 @@ class Worker:
         padded = sum(batch.padded_tokens for batch in batches)
         if backlogged:  # the speed a queue drains at (shmserve.admission)
             self.intake.backlog.passed(real, forward_ms / 1000.0)
-        self.metrics.batch(slot.spec.name, len(touched), len(texts), real, padded,
-                           forward_ms / 1000.0)
+        self.metrics.batch(slot.spec.name, slot.spec.revision, len(touched), len(texts), real,
+                           padded, forward_ms / 1000.0)
         self.metrics.set_queue_depth(self.intake.queued_texts)
         if self.cfg.logging.batch_log:
             log.info("batch", extra={"fields": {

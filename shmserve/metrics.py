@@ -9,12 +9,13 @@ program and `shmserve up` empties it. Each process writes its values into files 
 pid; a scrape (any frontend's GET /metrics) sums them:
   * counters and histograms of exited processes stay: what they counted happened, so totals
     survive restarts and nothing is counted twice (a restarted process has a new pid, new files);
-    `mark_dead` merges them into one file of each kind (`counter_archive.db`,
-    `histogram_archive.db`): every scrape read every file any process ever wrote, and a crash
-    loop's thousands of them took a scrape past nginx's timeout (an outside check);
-  * gauges are "live" and their files are removed when their process exits (`mark_dead`, run by
-    `shmserve.reaper` on supervisord's process events), so a killed worker's queue depth or
-    in-flight count never lingers nor adds to its successor's.
+    so do "max" gauges (a last inference's time). `mark_dead` merges them into one file of
+    each kind (`counter_archive.db`, `histogram_archive.db`, `gauge_max_archive.db`): every
+    scrape read every file any process ever wrote, and a crash loop's thousands of them took
+    a scrape past nginx's timeout (an outside check);
+  * other gauges are "live" and their files are removed when their process exits
+    (`mark_dead`, run by `shmserve.reaper` on supervisord's process events), so a killed
+    worker's queue depth or in-flight count never lingers nor adds to its successor's.
 Resident memory is not written by anyone: it is read at scrape time for every process
 supervisord runs (`shmserve.processes`), so it covers nginx and supervisord too.
 """
@@ -52,7 +53,14 @@ RATIO_BUCKETS = (1.0, 1.05, 1.1, 1.2, 1.3, 1.5, 1.75, 2.0, 3.0, 5.0, 10.0)
 _FEW = 4  # observe_many: up to this many values, one observe each (1.6 us against 8 us)
 
 _LIVE_GAUGE_FILE = re.compile(r"^gauge_live[a-z]*_(\d+)\.db$")
-_KEPT_FILE = re.compile(r"^(counter|histogram)_(\d+)\.db$")  # a process's counts (merged)
+# a process's counts, and its highest values (merged: summed, or the greatest kept)
+_KEPT_FILE = re.compile(r"^(counter|histogram|gauge_max)_(\d+)\.db$")
+_KEPT_KINDS = {"counter": sum, "histogram": sum, "gauge_max": max}  # kind -> how it merges
+
+# Families no scrape shows: Triton's statistics extension reads them (frontend.stats). They say
+# what the histograms at /metrics say, by revision and batch size, which there would only add
+# series (a batch size's, up to max_batch_size of them a model).
+HIDDEN_PREFIX = "shmserve_stats_"
 
 
 def observe_many(histogram, values: np.ndarray | list[float]) -> None:
@@ -88,12 +96,20 @@ class Turn:
     and written once, by a callback the loop runs right after the turn. Outside a running
     loop (a script, a test) updates are written at once."""
 
-    __slots__ = ("_added", "_observed", "_pending")
+    __slots__ = ("_added", "_observed", "_pending", "_deferred")
 
     def __init__(self) -> None:
         self._added: dict[object, float] = {}
         self._observed: dict[object, list[float]] = {}
         self._pending = False
+        self._deferred: list[Callable[[], None]] = []
+
+    def defer(self, write: Callable[[], None]) -> None:
+        """Call `write` when the turn's updates are written (once, however often deferred in
+        the turn): a tally of its own (frontend.metrics.StatsTally) writes itself then."""
+        if write not in self._deferred:
+            self._deferred.append(write)
+        self._schedule()
 
     def add(self, child, amount: float) -> None:
         self._added[child] = self._added.get(child, 0.0) + amount
@@ -128,6 +144,9 @@ class Turn:
                 child.inc(amount)
         for child, values in observed.items():
             observe_many(child, values)
+        deferred, self._deferred = self._deferred, []
+        for write in deferred:
+            write()
 
 
 class _Held:
@@ -264,6 +283,22 @@ def registry(extra: Iterable[Collector] = (), workers: Iterable[str] = ()) -> Co
     return reg
 
 
+def hidden_samples() -> list[Sample]:
+    """The samples of the families no scrape shows (HIDDEN_PREFIX), summed over every process
+    as a scrape sums them; blocking (files): run it off the event loop."""
+    directory = multiproc_dir()
+    if directory is None:
+        from prometheus_client import REGISTRY
+
+        families = REGISTRY.collect()
+    else:
+        with scrape_lock(directory):
+            families = list(multiprocess.MultiProcessCollector(None, path=str(directory))
+                            .collect())
+    return [sample for family in families if family.name.startswith(HIDDEN_PREFIX)
+            for sample in family.samples]
+
+
 def exposition(extra: Iterable[Collector] = (),
                workers: Iterable[str] = ()) -> tuple[bytes, str]:
     return generate_latest(registry(extra, workers)), CONTENT_TYPE_LATEST
@@ -331,6 +366,8 @@ class _Delegate(Collector):
         else:
             families = self._source.collect()
         for family in families:
+            if family.name.startswith(HIDDEN_PREFIX):
+                continue
             if family.name == READY:
                 ready = family
             else:
@@ -349,8 +386,8 @@ READY = "shmserve_worker_ready"  # gpu_workers.metrics'
 
 def mark_dead(directory: Path, pids: Iterable[int] = ()) -> list[int]:
     """Forget the processes of `pids` and every other process of `directory` that no longer
-    runs: their live-gauge files removed, their counter and histogram files merged into the
-    archive files (`compact`). Returns the dead pids."""
+    runs: their live-gauge files removed, their counter, histogram and max-gauge files merged
+    into the archive files (`compact`). Returns the dead pids."""
     candidates = set(pids)
     for path in directory.glob("*.db"):
         match = _LIVE_GAUGE_FILE.match(path.name) or _KEPT_FILE.match(path.name)
@@ -368,21 +405,22 @@ _LOCK = ".scrape.lock"  # a scrape's shared lock, a merge's exclusive one
 
 
 def compact(directory: Path, dead: Iterable[int]) -> int:
-    """Add the counter and histogram files of the `dead` processes into the archive files and
-    remove them; returns how many files it merged. The sums stay as they were (a counter
-    sample, a histogram bucket's, each key's values added), and a scrape never sees a file
+    """Merge the counter, histogram and max-gauge files of the `dead` processes into the
+    archive files and remove them; returns how many files it merged. The sums stay as they were
+    (a counter sample, a histogram bucket's, each key's values added; a max gauge's greatest
+    value kept), and a scrape never sees a file
     both merged and still there, nor a file gone that it listed: the merge holds the
     directory's lock exclusively (`scrape_lock`), and the signals that stop this process wait
     until it is done. A merge killed part way (SIGKILL) is finished or undone by the next one
     (`_recover`); scrapes in between miss the files it had set aside."""
     merged, dead = 0, list(dead)
-    kept = [directory / f"{kind}_{pid}.db" for kind in ("counter", "histogram") for pid in dead]
+    kept = [directory / f"{kind}_{pid}.db" for kind in _KEPT_KINDS for pid in dead]
     if not any(path.exists() for path in kept) and not any(directory.glob("*_archive.new")) \
             and not any(directory.glob("*.merging")):
         return 0
     with scrape_lock(directory, exclusive=True), _signals_held():
         _recover(directory)
-        for kind in ("counter", "histogram"):
+        for kind, merge in _KEPT_KINDS.items():
             files = [path for pid in dead
                      if (path := directory / f"{kind}_{pid}.db").exists()]
             if not files:
@@ -392,7 +430,7 @@ def compact(directory: Path, dead: Iterable[int]) -> int:
             for path in ([archive] if archive.exists() else []) + files:
                 for key, value, _, _ in mmap_dict.MmapedDict.read_all_values_from_file(
                         str(path)):
-                    totals[key] = totals.get(key, 0.0) + value
+                    totals[key] = value if key not in totals else merge((totals[key], value))
             fresh = directory / f"{kind}_archive.new"  # not *.db: no scrape reads it
             out = ReservedMmapedDict(str(fresh))
             try:
@@ -415,7 +453,7 @@ def compact(directory: Path, dead: Iterable[int]) -> int:
 def _recover(directory: Path) -> None:
     """After a merge killed part way: its new archive still there means the archive does not
     hold the files set aside (put back); gone, that it does (removed)."""
-    for kind in ("counter", "histogram"):
+    for kind in _KEPT_KINDS:
         fresh = directory / f"{kind}_archive.new"
         aside = list(directory.glob(f"{kind}_*.merging"))
         if fresh.exists():

@@ -86,13 +86,30 @@ def test_each_error_is_its_grpc_status(stack, client):
                                                    headers=AUTH))
     assert code == "StatusCode.RESOURCE_EXHAUSTED"
     assert message == "request body larger than nginx.client_max_body_size (64k)"
-    assert status_of(lambda: client.get_inference_statistics("tiny", headers=AUTH))[0] == \
+    assert status_of(lambda: client.get_model_repository_index(headers=AUTH))[0] == \
         "StatusCode.UNIMPLEMENTED"
+    # Triton's statistics, as HTTP's (no inference between the two), by version; a version
+    # without its model's name is refused
+    client.infer("tiny", [texts(b"counted")], headers=AUTH)
+    http = triton_http.InferenceServerClient(stack.url.removeprefix("http://"))
+    [by_http] = http.get_inference_statistics("tiny", headers=AUTH)["model_stats"]
+    [stat] = client.get_inference_statistics("tiny", "tiny-r1", headers=AUTH,
+                                             as_json=True)["model_stats"]
+    assert stat["name"] == "tiny" and stat["version"] == "tiny-r1" and stat["batch_stats"]
+    assert int(stat["inference_count"]) == by_http["inference_count"] > 0
+    assert int(stat["inference_stats"]["success"]["ns"]) == \
+        by_http["inference_stats"]["success"]["ns"]
+    assert [s.name for s in client.get_inference_statistics(headers=AUTH).model_stats] == \
+        ["tiny"]
+    assert status_of(lambda: client.get_inference_statistics("", "tiny-r1", headers=AUTH)) == \
+        ("StatusCode.INVALID_ARGUMENT", "a version needs its model's name")
+    assert status_of(lambda: client.get_inference_statistics("tiny", "9", headers=AUTH))[0] == \
+        "StatusCode.NOT_FOUND"
     counted = calls_by_status(stack)
     for key in (("ModelInfer", "UNAUTHENTICATED"), ("ModelInfer", "NOT_FOUND"),
                 ("ModelInfer", "INVALID_ARGUMENT")):
         assert counted.get(key, 0) >= 1, (key, counted)
-    assert calls_by_status(stack).get(("other", "UNIMPLEMENTED"), 0) >= 1  # the statistics
+    assert calls_by_status(stack).get(("other", "UNIMPLEMENTED"), 0) >= 1  # the repository
     # a name that a URL path would resolve reaches no other route (GET /admin/models here)
     assert status_of(lambda: client.get_model_metadata("../../admin/models", headers=AUTH))[0] \
         == "StatusCode.INVALID_ARGUMENT"

@@ -3,6 +3,7 @@
 import http.client
 import json
 import struct
+import time
 
 import msgpack
 import numpy as np
@@ -126,10 +127,6 @@ def test_model_config_is_tritons_and_subroutes_are_not_model_names(client, tiny_
         "output": [{"name": "embedding", "data_type": "TYPE_FP32", "dims": [32]}]}
     assert client.get_model_config("tiny", model_version="tiny-r1") == config
     assert "model_configuration" in client.get_server_metadata()["extensions"]
-    for name in ("tiny", ""):  # one model's, and every model's
-        with pytest.raises(InferenceServerException) as info:
-            client.get_inference_statistics(name)
-        assert "[404]" in str(info.value) and "GET /metrics" in str(info.value)
     with pytest.raises(InferenceServerException, match="not served"):
         client.get_model_config("nope")
     # GET on the infer route is its 405, not the metadata of a model named "tiny/infer".
@@ -147,6 +144,64 @@ def test_model_config_is_tritons_and_subroutes_are_not_model_names(client, tiny_
     assert status == 415 and "application/json" in json.loads(raw)["error"]
     assert tiny_stack.request("POST", "/v2/models/tiny/infer", body,
                               {"Content-Type": "application/json"})[0] == 200
+
+
+def test_statistics_count_what_every_protocol_ran(client, tiny_stack):
+    """Triton's statistics (GET /v2/models/stats) as tritonclient reads them: what the
+    frontends and workers counted, the same whichever frontend answers, by version."""
+    assert "statistics" in client.get_server_metadata()["extensions"]
+
+    def tiny() -> dict:
+        [stat] = client.get_inference_statistics("tiny")["model_stats"]
+        return stat
+
+    before, started_ms = tiny(), time.time() * 1000
+    for _ in range(3):  # 3 requests of 2 texts over KServe, 1 of 3 over OpenAI's API
+        client.infer("tiny", [text_input(["one text", "another, longer text"], True)])
+    status, headers, _ = tiny_stack.request("POST", "/v1/embeddings", json.dumps(
+        {"model": "test-org/tiny", "input": ["a", "b c", "d e f"]}).encode(),
+        {"Content-Type": "application/json"})
+    assert status == 200
+    with pytest.raises(InferenceServerException):  # a deadline passed: a failure
+        client.infer("tiny", [text_input(["late"], True)], timeout=1)
+    after = tiny()
+    assert after["name"] == "tiny" and after["version"] == headers["X-Model-Revision"]
+
+    def grew(*path) -> int:
+        new, old = after, before
+        for key in path:
+            new, old = new[key], old[key]
+        return new - old
+
+    assert grew("inference_count") == 9
+    assert grew("inference_stats", "success", "count") == 4
+    assert grew("inference_stats", "fail", "count") == 1 and grew("inference_stats", "fail", "ns")
+    parts = ("queue", "compute_input", "compute_infer", "compute_output")
+    assert [grew("inference_stats", part, "count") for part in parts] == [4] * 4
+    spent = [grew("inference_stats", part, "ns") for part in parts]
+    assert all(ns > 0 for ns in spent) and grew("inference_stats", "success", "ns") > sum(spent)
+    assert after["inference_stats"]["cache_hit"] == {"count": 0, "ns": 0}
+    assert after["last_inference"] >= started_ms
+    # every text ran in one pass: the passes' sizes add up to the texts
+    sizes = {b["batch_size"]: b["compute_infer"] for b in after["batch_stats"]}
+    old_sizes = {b["batch_size"]: b["compute_infer"] for b in before["batch_stats"]}
+    passes = {size: got["count"] - old_sizes.get(size, {"count": 0})["count"]
+              for size, got in sizes.items()}
+    assert sum(size * n for size, n in passes.items()) == 9 and 1 <= sum(passes.values()) <= 4
+    assert grew("execution_count") == sum(passes.values())
+    assert all(got["ns"] > 0 for got in sizes.values())
+    # every model's, one version's, an alias's; the same numbers from any frontend
+    every = client.get_inference_statistics()["model_stats"]
+    assert after in every and {s["name"] for s in every} == {"tiny"}
+    assert client.get_inference_statistics("tiny", "tiny-r1")["model_stats"] == [after]
+    assert client.get_inference_statistics("test-org/tiny")["model_stats"] == [after]
+    for name, version in (("nope", ""), ("tiny", "9")):
+        with pytest.raises(InferenceServerException) as info:
+            client.get_inference_statistics(name, version)
+        assert "[404]" in str(info.value)
+    # kept from /metrics: the histograms there say the same without a series per batch size
+    _, _, scraped = tiny_stack.request("GET", "/metrics", None)
+    assert b"shmserve_stage_duration_seconds" in scraped and b"shmserve_stats_" not in scraped
 
 
 def test_wrong_version_is_404(client):

@@ -57,6 +57,8 @@ WRITER = ("import os, sys\n"
           "h = Histogram('t_seconds', 's', buckets=(0.1, 1.0))\n"
           "for v in (0.05, 0.5, 5.0)[:n]: h.observe(v)\n"
           "Gauge('t_inflight', 'i', multiprocess_mode='livesum').set(n)\n"
+          "Gauge('t_last', 'l', multiprocess_mode='max').set(10 * n)\n"
+          "Counter('shmserve_stats_t', 'hidden').inc(n)\n"
           "print(os.getpid())\n")
 
 
@@ -85,7 +87,7 @@ def test_mark_dead_removes_dead_live_gauges_and_merges_their_counts(tmp_path, mo
     assert sorted(metrics.mark_dead(tmp_path)) == sorted(pids)
     left = sorted(p.name for p in tmp_path.glob("*.db"))
     assert left == ["counter_archive.db", f"gauge_livesum_{os.getpid()}.db",
-                    "gauge_livesum_notapid.db", "histogram_archive.db"]
+                    "gauge_livesum_notapid.db", "gauge_max_archive.db", "histogram_archive.db"]
     after = scraped(tmp_path, monkeypatch)
     assert after.pop(("t_inflight", ())) == 2.0  # the two copies of the live gauge
     assert after == {k: v for k, v in before.items() if k[0] != "t_inflight"}
@@ -100,10 +102,11 @@ def test_mark_dead_removes_dead_live_gauges_and_merges_their_counts(tmp_path, mo
     assert again[("t_requests_total", (("route", "/r3"),))] == 1.0
     assert again[("t_seconds_bucket", (("le", "+Inf"),))] == 6.0
     assert again[("t_seconds_bucket", (("le", "0.1"),))] == 3.0
+    assert before[("t_last", ())] == 20.0 and again[("t_last", ())] == 30.0  # the greatest
     assert sorted(p.name for p in tmp_path.glob("*.db")) == left
 
 
-@pytest.mark.parametrize("step,nth", [("replace", n) for n in range(1, 7)]
+@pytest.mark.parametrize("step,nth", [("replace", n) for n in range(1, 10)]
                          + [("unlink", 1), ("unlink", 3)])
 def test_a_merge_killed_part_way_is_finished_or_undone_by_the_next(tmp_path, monkeypatch,
                                                                    step, nth):
@@ -133,7 +136,23 @@ def test_a_merge_killed_part_way_is_finished_or_undone_by_the_next(tmp_path, mon
     metrics.mark_dead(tmp_path)  # the next sweep (the reaper, started again)
     assert scraped(tmp_path, monkeypatch) == before
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == [
-        "counter_archive.db", "histogram_archive.db"]
+        "counter_archive.db", "gauge_max_archive.db", "histogram_archive.db"]
+
+
+def test_hidden_families_are_not_scraped_but_summed_for_the_statistics(tmp_path, monkeypatch):
+    """shmserve_stats_* (Triton's statistics, frontend.stats) never reach a scrape; read for
+    the statistics, they are summed over processes, dead ones merged included."""
+    pids = dead_writers(tmp_path, 1, 2)
+    assert not any(name.startswith("shmserve_stats_")
+                   for name, _ in scraped(tmp_path, monkeypatch))
+
+    def hidden() -> dict[str, float]:
+        return {s.name: s.value for s in metrics.hidden_samples()}
+
+    assert hidden() == {"shmserve_stats_t_total": 3.0}
+    metrics.compact(tmp_path, pids)
+    dead_writers(tmp_path, 4)
+    assert hidden() == {"shmserve_stats_t_total": 7.0}
 
 
 def test_a_merge_waits_for_the_scrape_reading(tmp_path, monkeypatch):
