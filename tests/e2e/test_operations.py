@@ -53,11 +53,20 @@ def stack(shared):
     return shared
 
 
+def triton_stats(stack: Stack) -> dict:
+    """The tiny model's statistics in Triton's form (GET /v2/models/stats)."""
+    status, _, body = stack.get("/v2/models/tiny/stats")
+    assert status == 200, body
+    [stat] = json.loads(body)["model_stats"]
+    return stat
+
+
 def test_rolling_restarts_answer_every_request(stack):
     programs = ["workers:worker-0", "workers:worker-1", "frontends:frontend-0",
                 "frontends:frontend-1"]
     before = {p: stack.pid(p) for p in programs}
     nginx_before = stack.pid("nginx")
+    counted = triton_stats(stack)
     probes, probing = [], threading.Event()
 
     def probe() -> None:  # a readiness probe, as a load balancer's, all along
@@ -84,6 +93,12 @@ def test_rolling_restarts_answer_every_request(stack):
     assert stack.pid("nginx") == nginx_before  # reloaded in place, not restarted
     failed = [s for s in traffic.outcomes if s != "200"]
     assert len(traffic.outcomes) > 50 and not failed, (len(traffic.outcomes), failed[:5])
+    # Triton's statistics kept every restarted process's counts: each answer counted once
+    now = triton_stats(stack)
+    assert now["inference_count"] - counted["inference_count"] == len(traffic.outcomes)
+    assert now["inference_stats"]["success"]["count"] - counted["inference_stats"]["success"][
+        "count"] == len(traffic.outcomes)
+    assert now["last_inference"] > counted["last_inference"]
     # A restarting frontend refuses nginx's connects (an error line); a missing socket file
     # was logged at crit, which alerting on nginx's crit lines would page for at every restart.
     crit = [line for line in stack.log("nginx").splitlines() if "[crit]" in line]
