@@ -94,6 +94,16 @@ def test_ab_split_follows_the_weights_and_says_who_served(task_stack, task_dirs)
               for s in f.samples if s.name == "shmserve_requests_total"
               and s.labels.get("model") == "ab" and s.labels["status"] == "200"}
     assert served["ab-r1"] >= counts["a"] and served["ab-r2"] >= counts["b"]
+    # Triton's statistics: a version per arm, each with its own requests and passes (the
+    # workers name an arm ab@a, ab@b)
+    _, _, raw = task_stack.get("/v2/models/ab/stats")
+    stats = {s["version"]: s for s in json.loads(raw)["model_stats"]}
+    assert sorted(stats) == ["ab-r1", "ab-r2"]
+    for variant, version in revision.items():
+        assert stats[version]["inference_stats"]["success"]["count"] >= counts[variant]
+        assert stats[version]["inference_count"] >= counts[variant]
+        assert sum(b["batch_size"] * b["compute_infer"]["count"]
+                   for b in stats[version]["batch_stats"]) >= counts[variant]
 
 
 def inference_metrics(task_stack, model: str) -> dict:
