@@ -16,7 +16,8 @@ It went over the frontend's unix socket until the fifty-second session (docs/pro
 measures both).
 
 Services: inference.GRPCInferenceService's ServerLive, ServerReady, ModelReady,
-ServerMetadata, ModelMetadata, ModelConfig, ModelStatistics, ModelInfer and ModelStreamInfer
+ServerMetadata, ModelMetadata, ModelConfig, ModelStatistics, RepositoryIndex,
+RepositoryModelLoad, RepositoryModelUnload (refused), ModelInfer and ModelStreamInfer
 (frontend/protos/kserve.proto); grpc.health.v1.Health's Check; server reflection
 (frontend.grpc_reflection). Any other method is gRPC's UNIMPLEMENTED.
 """
@@ -141,6 +142,24 @@ class Gateway:
         return json_format.ParseDict(body, protos.ModelStatisticsResponse(),
                                      ignore_unknown_fields=True)
 
+    async def repository_index(self, request, context):
+        _, _, raw = await self._call(context, "POST", "/v2/repository/index",
+                                     body=orjson.dumps({"ready": request.ready}),
+                                     headers={"Content-Type": "application/json"})
+        index = protos.RepositoryIndexResponse.ModelIndex
+        return protos.RepositoryIndexResponse(models=[index(**entry)
+                                                      for entry in orjson.loads(raw)])
+
+    async def repository_model_load(self, request, context):
+        await self._call(context, "POST", model_path(
+            request, "/load", name=request.model_name, version="", under="/v2/repository"))
+        return protos.RepositoryModelLoadResponse()
+
+    async def repository_model_unload(self, request, context):
+        await self._call(context, "POST", model_path(
+            request, "/unload", name=request.model_name, version="", under="/v2/repository"))
+        return protos.RepositoryModelUnloadResponse()
+
     async def model_infer(self, request, context):
         header, tail = infer_body(request, context.time_remaining())
         _, got, raw = await self._call(
@@ -247,7 +266,9 @@ class Gateway:
             "ModelReady": self.model_ready, "ServerMetadata": self.server_metadata,
             "ModelMetadata": self.model_metadata, "ModelConfig": self.model_config,
             "ModelInfer": self.model_infer, "ModelStreamInfer": self.model_stream_infer,
-            "ModelStatistics": self.model_statistics},
+            "ModelStatistics": self.model_statistics, "RepositoryIndex": self.repository_index,
+            "RepositoryModelLoad": self.repository_model_load,
+            "RepositoryModelUnload": self.repository_model_unload},
             protos.HEALTH_SERVICE: {"Check": self.health_check}}
         return [grpc.method_handlers_generic_handler(service, {
             name: _handler(protos.POOL.FindServiceByName(service).methods_by_name[name],

@@ -50,10 +50,11 @@ class CallFailed(Exception):
         self.metadata = metadata
 
 
-def model_path(request, sub: str = "", name: str | None = None, version: str | None = None
-                ) -> str:
+def model_path(request, sub: str = "", name: str | None = None, version: str | None = None,
+               under: str = "/v2") -> str:
     """/v2/models/NAME[/versions/VERSION]SUB for a request naming a model (its `name` and
-    `version` fields, or ModelInfer's model_name and model_version)."""
+    `version` fields, or ModelInfer's model_name and model_version); `under` another root
+    (/v2/repository)."""
     name = request.name if name is None else name
     version = request.version if version is None else version
     if not name:
@@ -77,7 +78,7 @@ def model_path(request, sub: str = "", name: str | None = None, version: str | N
                              f" with version {version[:200]!r}" if version else "")
                          + ": a '.' or '..' between slashes")
     # '/' stays: a model's alias may hold one, as the HTTP routes take it (frontend.kserve)
-    path = "/v2/models/" + quote(name, safe="/")
+    path = f"{under}/models/" + quote(name, safe="/")
     if version:
         path += "/versions/" + quote(version, safe="")
     return path + sub

@@ -7,6 +7,9 @@
     GET  /v2/models/{m}[/versions/{v}]/config   Triton's model configuration (its JSON form)
     POST /v2/models/{m}[/versions/{v}]/infer    (GET: 405)
     GET  /v2/models[/{m}[/versions/{v}]]/stats  Triton's statistics (frontend.stats)
+    POST /v2/repository/index                   Triton's model repository index: each model's
+                                                versions and their state
+    POST /v2/repository/models/{m}/load|unload  400: the config says what is served
 
 A model name may hold '/' (aliases like "org/name" do), as Triton's client sends it unescaped.
 A model's versions are its revisions, one per A/B variant (one without a split); a version in
@@ -36,6 +39,7 @@ from frontend.app import (CONFIG, MODEL_NAME, MODELS, PINNED, POOL, REVISION, TI
                           ServedModel)
 from frontend.dispatch import Outcome
 from frontend.errors import ApiError
+from frontend.links import did_not_load
 from frontend.variants import revision
 from frontend import schemas
 from frontend.schemas import EmbedRequest
@@ -43,7 +47,7 @@ from frontend.stats import model_stats
 from frontend.tensors import BYTES, Tensor
 from shmserve import metrics as shared_metrics
 
-EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics"]
+EXTENSIONS = ["binary_tensor_data", "model_configuration", "model_repository", "statistics"]
 HEADER_LENGTH = "Inference-Header-Content-Length"
 SUBROUTES = ("ready", "config", "stats", "infer")
 # Request bodies /infer reads as JSON (with Triton's binary extension): Triton's HTTP client
@@ -160,6 +164,9 @@ def add_routes(app: web.Application) -> None:
         router.add_get(base + "/config", model_config)
         router.add_get(base + "/stats", stats)
         router.add_post(base + "/infer", infer)
+    router.add_post("/v2/repository/index", repository_index)
+    router.add_post("/v2/repository/models/{model:.+}/load", repository_change)
+    router.add_post("/v2/repository/models/{model:.+}/unload", repository_change)
     router.add_get(versioned, model_metadata)
     # Metadata of any other path, except one ending in a sub-route's word: GET .../infer is
     # that route's 405 (with Allow: POST), not the metadata of a model named "M/infer".
@@ -252,6 +259,48 @@ async def stats(request: web.Request) -> web.Response:
         raise ApiError("unavailable", f"this frontend cannot read the metrics files: {exc}",
                        retry_after=1) from None
     return codec.render(request, {"model_stats": model_stats(samples, versions, units)})
+
+
+async def repository_index(request: web.Request) -> web.Response:
+    """Triton's model repository index: every configured model's versions with their state
+    (READY: a worker serves it; UNAVAILABLE: it did not load, `reason` says why; LOADING);
+    `{"ready": true}` keeps the ready ones. An empty body is `{}` (tritonclient sends none)."""
+    raw = await codec.read_raw(request)
+    sent = request.headers.get("Content-Type", "").strip()
+    body = await codec.decoded(raw, codec.decode_body, raw, codec.media_type(request),
+                               bool(sent), sent) if raw.strip() else {}
+    if not isinstance(body, dict):
+        raise ApiError("invalid_request", "the body must be an object: {\"ready\": bool}")
+    ready_only = body.get("ready", False)
+    if not isinstance(ready_only, bool):
+        raise ApiError("invalid_request", "'ready' must be a boolean", param="ready")
+    pool = request.app[POOL]
+    entries = []
+    for model in request.app[MODELS].by_name.values():
+        arms: dict[str, list[str]] = {}  # version -> the units serving it
+        for variant in model.variants:
+            arms.setdefault(revision(variant, pool), []).append(variant.unit)
+        for version, units in arms.items():
+            entry = {"name": model.spec.name, "version": version}
+            if any(pool.ready_links(unit) for unit in units):
+                entry["state"] = "READY"
+            elif why := "; ".join(w for unit in units if (w := did_not_load(pool.links,
+                                                                             unit)[0])):
+                entry.update(state="UNAVAILABLE", reason=why)
+            else:
+                entry["state"] = "LOADING"
+            if entry["state"] == "READY" or not ready_only:
+                entries.append(entry)
+    return codec.render(request, entries)
+
+
+async def repository_change(request: web.Request) -> web.Response:
+    """Triton's explicit load and unload: refused, as Triton refuses them outside its explicit
+    mode. The config says what is served; a model's new weights are a hot reload."""
+    model = request.app[MODELS].resolve(request.match_info["model"])
+    raise ApiError("bad_request", f"models are served as this server's config says: change "
+                   "`models` and run `shmserve apply` to add or remove one; new weights for "
+                   f"{model.spec.name!r}: POST /admin/models/{model.spec.name}/reload")
 
 
 async def infer(request: web.Request) -> web.Response:

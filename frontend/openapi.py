@@ -295,6 +295,17 @@ def _kserve_paths(model: dict, version: dict) -> dict[str, dict]:
             _body(ref("InferenceRequest"), "application/octet-stream"), params)}
     paths["/v2/models/stats"] = {"get": _op(
         "kserve", "Triton's statistics of every model", _ok(ref("ModelStatistics")))}
+    index_body = _body({"type": "object", "properties": {"ready": {"type": "boolean"}}})
+    paths["/v2/repository/index"] = {"post": _op(
+        "kserve", "Triton's model repository index: every model's versions and their state "
+        "(READY, LOADING, UNAVAILABLE with its reason); the body is optional",
+        {**_ok({"type": "array", "items": ref("RepositoryModel")}),
+         **_errors(400, 415, 422, schema="KServeError")}, {**index_body, "required": False})}
+    for change in ("load", "unload"):
+        paths[f"/v2/repository/models/{{model}}/{change}"] = {"post": _op(
+            "kserve", f"Triton's explicit {change}: refused (400), the config says what is "
+            "served (`shmserve apply`; new weights: POST /admin/models/{model}/reload)",
+            _errors(400, 404, schema="KServeError"), parameters=[model])}
     return paths
 
 

@@ -303,6 +303,11 @@ def _kserve_schemas() -> dict[str, Any]:
             "platform": {"type": "string"},
             "inputs": {"type": "array", "items": tensor_meta},
             "outputs": {"type": "array", "items": tensor_meta}}},
+        "RepositoryModel": {"type": "object", "required": ["name", "version", "state"],
+                            "properties": {
+                                "name": {"type": "string"}, "version": {"type": "string"},
+                                "state": {"enum": ["READY", "LOADING", "UNAVAILABLE"]},
+                                "reason": {"type": "string"}}},
         "ModelStatistics": {"type": "object", "required": ["model_stats"], "properties": {
             "model_stats": {"type": "array", "items": {"type": "object", "properties": {
                 "name": {"type": "string"}, "version": {"type": "string"},

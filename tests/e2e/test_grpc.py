@@ -86,8 +86,15 @@ def test_each_error_is_its_grpc_status(stack, client):
                                                    headers=AUTH))
     assert code == "StatusCode.RESOURCE_EXHAUSTED"
     assert message == "request body larger than nginx.client_max_body_size (64k)"
-    assert status_of(lambda: client.get_model_repository_index(headers=AUTH))[0] == \
+    assert status_of(lambda: client.get_system_shared_memory_status(headers=AUTH))[0] == \
         "StatusCode.UNIMPLEMENTED"
+    # Triton's repository index, as HTTP's; load and unload refused with what to do instead
+    index = client.get_model_repository_index(headers=AUTH, as_json=True)["models"]
+    assert index == [{"name": "tiny", "version": "tiny-r1", "state": "READY"}]
+    code, message = status_of(lambda: client.unload_model("tiny", headers=AUTH))
+    assert code == "StatusCode.INVALID_ARGUMENT" and "shmserve apply" in message, message
+    assert status_of(lambda: client.load_model("nope", headers=AUTH))[0] == \
+        "StatusCode.NOT_FOUND"
     # Triton's statistics, as HTTP's (no inference between the two), by version; a version
     # without its model's name is refused
     client.infer("tiny", [texts(b"counted")], headers=AUTH)

@@ -204,6 +204,30 @@ def test_statistics_count_what_every_protocol_ran(client, tiny_stack):
     assert b"shmserve_stage_duration_seconds" in scraped and b"shmserve_stats_" not in scraped
 
 
+def test_the_repository_index_lists_every_model_and_load_and_unload_are_refused(client,
+                                                                                tiny_stack):
+    """Triton's model repository extension: the index as tritonclient reads it; load and
+    unload refused with what to do instead (the config says what is served)."""
+    assert "model_repository" in client.get_server_metadata()["extensions"]
+    assert client.get_model_repository_index() == [
+        {"name": "tiny", "version": "tiny-r1", "state": "READY"}]
+    status, _, raw = tiny_stack.request("POST", "/v2/repository/index", b'{"ready": true}',
+                                        {"Content-Type": "application/json"})
+    assert status == 200 and json.loads(raw) == client.get_model_repository_index()
+    for body in (b'{"ready": 1}', b"[1]", b"{"):
+        status, _, raw = tiny_stack.request("POST", "/v2/repository/index", body,
+                                            {"Content-Type": "application/json"})
+        assert status in (400, 422) and isinstance(json.loads(raw)["error"], str), raw
+    for change in (client.load_model, client.unload_model):
+        with pytest.raises(InferenceServerException) as info:
+            change("test-org/tiny")
+        assert info.value.status() == "400" and "shmserve apply" in info.value.message()
+        assert "POST /admin/models/tiny/reload" in info.value.message()
+        with pytest.raises(InferenceServerException) as info:
+            change("nope")
+        assert info.value.status() == "404"
+
+
 def test_wrong_version_is_404(client):
     with pytest.raises(InferenceServerException) as info:
         client.infer("tiny", [text_input(["x"], True)], model_version="7")

@@ -92,6 +92,18 @@ def test_a_model_that_does_not_load_leaves_the_others_served(tmp_path, tiny_mode
         assert models["tiny"]["workers"][0]["state"] == "ready", models
         assert models["second"]["workers"][0]["state"] == "failed", models
         assert "[30522, 33]" in models["second"]["workers"][0]["load_error"]
+        # Triton's repository index says the same: UNAVAILABLE with why, the others READY
+        # (a split: a version per arm; b's weights are back, so it may be loading again)
+        status, _, raw = stack.request("POST", "/v2/repository/index", b"", {})
+        index = {(m["name"], m["version"]): m for m in json.loads(raw)}
+        assert status == 200 and index[("second", "second-r1")]["state"] == "UNAVAILABLE"
+        assert "[30522, 33]" in index[("second", "second-r1")]["reason"], index
+        assert index[("split", "a1")]["state"] == "READY" and ("split", "b1") in index
+        assert [m["state"] for m in index.values() if m["name"] == "tiny"] == ["READY"]
+        status, _, raw = stack.request("POST", "/v2/repository/index", b'{"ready": true}',
+                                       {"Content-Type": "application/json"})
+        assert ("second", "second-r1") not in {(m["name"], m["version"])
+                                               for m in json.loads(raw)}
 
         _, _, raw = stack.get("/metrics")
         counted = [line for line in raw.decode().splitlines()
