@@ -434,7 +434,7 @@ DRAIN_MARGIN_S = 2.0
 
 
 def create_app(cfg: Config, index: int = 0) -> web.Application:
-    from frontend import cohere, info, kserve, openapi, routes, tei
+    from frontend import cohere, infinity, info, kserve, openapi, routes, tei
 
     app = web.Application(middlewares=[observe],
                           client_max_size=nginx_size(cfg.nginx.client_max_body_size))
@@ -462,6 +462,7 @@ def create_app(cfg: Config, index: int = 0) -> web.Application:
     info.add_routes(app)
     tei.add_routes(app)
     cohere.add_routes(app)
+    infinity.add_routes(app)
     kserve.add_routes(app)
     openapi.add_routes(app)
     return app

@@ -102,7 +102,8 @@ class ApiError(Exception):
                    reason=f"worker_{code.name.lower()}")
 
 
-OPENAI_PATHS = frozenset({"/v1/embeddings"})  # OpenAI's own routes answer with its statuses
+# OpenAI's own routes answer with its statuses (/embeddings: the same, at infinity's path)
+OPENAI_PATHS = frozenset({"/v1/embeddings", "/embeddings"})
 # Cohere's own routes (its /v1/rerank is shared with Jina's and the native clients: not here)
 COHERE_PATHS = frozenset({"/v1/embed", "/v2/embed", "/v2/rerank"})
 BAD_REQUEST_PATHS = OPENAI_PATHS | COHERE_PATHS

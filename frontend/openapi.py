@@ -29,7 +29,8 @@ Embeddings, classification and reranking over shared memory. Protocols: the nati
 `/v1/classify` and `/v1/rerank` (also Cohere's `/v2/rerank`), Cohere's `/v1/embed` and
 `/v2/embed`, OpenAI's `/v1/embeddings`, Hugging Face TEI's `/embed`, `/embed_all`,
 `/embed_sparse`, `/similarity`, `/` (as TEI's, for huggingface_hub), `/rerank`, `/tokenize`,
-`/decode` and `/info`, and KServe v2 (`/v2/...`, with Triton's binary tensor data
+`/decode` and `/info`, infinity's `/embeddings`, `/rerank` (with `documents`) and `/classify`,
+and KServe v2 (`/v2/...`, with Triton's binary tensor data
 extension).
 Inference responses carry `X-Model-Revision` (and `X-Model-Variant` for an A/B split).
 
@@ -241,9 +242,19 @@ def _routes(model: dict) -> dict[str, dict]:
             _body({"oneOf": [ref("TeiEmbedRequest"), ref("TeiSimilarityRequest"),
                              ref("HubClassifyRequest"), ref("TeiRerankRequest")]}))},
         "/rerank": {"post": _op(
-            "tei", "TEI rerank (a cross-encoder)",
-            {**_ok({"type": "array", "items": ref("Rank")}), **_errors(*_POST_ERRORS)},
-            _body(ref("TeiRerankRequest")))},
+            "tei", "TEI rerank (a cross-encoder); a body with `documents` instead of `texts` "
+            "is infinity's (its answer's shape too)",
+            {**_ok({"oneOf": [{"type": "array", "items": ref("Rank")},
+                              ref("InfinityRerankResponse")]}), **_errors(*_POST_ERRORS)},
+            _body({"oneOf": [ref("TeiRerankRequest"), ref("InfinityRerankRequest")]}))},
+        "/embeddings": {"post": _op(
+            "infinity", "OpenAI embeddings at infinity's path (as /v1/embeddings)",
+            {**_ok(ref("EmbeddingsResponse")), **_errors(*_OPENAI_ERRORS)},
+            _body(ref("EmbeddingsRequest")))},
+        "/classify": {"post": _op(
+            "infinity", "Classify texts, as infinity answers (every label, best first)",
+            {**_ok(ref("InfinityClassifyResponse")), **_errors(*_POST_ERRORS)},
+            _body(ref("InfinityClassifyRequest")))},
         "/tokenize": {"post": _op(
             "tei", "TEI tokenize", {**_ok({"type": "array", "items": {
                 "type": "array", "items": ref("SimpleToken")}}), **_errors(*_POST_ERRORS)},
@@ -316,7 +327,8 @@ def document(cfg: Config) -> dict[str, Any]:
         "info": {"title": "shmserve", "version": shmserve.__version__,
                  "description": _DESCRIPTION},
         "servers": [{"url": "/"}],
-        "tags": [{"name": n} for n in ("native", "openai", "tei", "kserve", "ops", "admin")],
+        "tags": [{"name": n} for n in ("native", "openai", "tei", "infinity", "kserve", "ops",
+                                       "admin")],
         "paths": _paths(models),
         "components": {"schemas": components.schemas(cfg, models), "responses": {
             "MethodNotAllowed": _method_not_allowed("Error"),

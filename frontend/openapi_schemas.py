@@ -41,7 +41,37 @@ def schemas(cfg: Config, models: list[str]) -> dict[str, Any]:
                         "any; \"\": no prompt. Not with token ids"},
     }
     return {**_native_schemas(parts), **_task_schemas(parts), **_tei_schemas(parts),
-            **_kserve_schemas()}
+            **_infinity_schemas(parts), **_kserve_schemas()}
+
+
+def _infinity_schemas(parts: dict[str, Any]) -> dict[str, Any]:
+    """infinity's /rerank (with `documents`) and /classify (frontend.infinity)."""
+    flag = {"type": ["boolean", "null"]}
+    scheduling = {"priority": parts["priority"], "user": parts["user"]}
+    usage = {"type": "object", "properties": {"prompt_tokens": {"type": "integer"},
+                                              "total_tokens": {"type": "integer"}}}
+    answer = {"model": {"type": "string"}, "usage": usage, "id": {"type": "string"},
+              "created": {"type": "integer"}}
+    return {
+        "InfinityRerankRequest": {"type": "object", "required": ["query", "documents"],
+                                  "properties": {
+            **scheduling, "query": parts["text"], "documents": parts["texts"],
+            "model": parts["model"]("rerank"), "top_n": {"type": ["integer", "null"],
+                                                         "minimum": 1},
+            "return_documents": flag, "raw_scores": flag}},
+        "InfinityRerankResponse": {"type": "object", "properties": {
+            "object": {"const": "rerank"}, **answer, "results": {"type": "array", "items": {
+                "type": "object", "properties": {
+                    "relevance_score": {"type": "number"}, "index": {"type": "integer"},
+                    "document": {"type": ["string", "null"]}}}}}},
+        "InfinityClassifyRequest": {"type": "object", "required": ["input"], "properties": {
+            **scheduling, "input": parts["texts"], "model": parts["model"]("classification"),
+            "raw_scores": flag}},
+        "InfinityClassifyResponse": {"type": "object", "properties": {
+            "object": {"const": "classify"}, **answer, "data": {"type": "array", "items": {
+                "type": "array", "items": {"type": "object", "properties": {
+                    "score": {"type": "number"}, "label": {"type": "string"}}}}}}},
+    }
 
 
 def _model_names(cfg: Config, tasks: tuple[str, ...]) -> dict[str, Any]:

@@ -38,9 +38,13 @@ def add_routes(app: web.Application) -> None:
 
 
 async def embeddings(request: web.Request) -> web.Response:
-    cfg = request.app[CONFIG]
-    body = await codec.read_body(request)
-    parsed = schemas.parse_openai_embeddings(body, cfg.limits)
+    return await openai_embeddings(request, await codec.read_body(request))
+
+
+async def openai_embeddings(request: web.Request, body: Any) -> web.Response:
+    """OpenAI's embeddings answer to `body`, as read (infinity's /embeddings adapts it first:
+    frontend.infinity)."""
+    parsed = schemas.parse_openai_embeddings(body, request.app[CONFIG].limits)
     model, outcome, enc = await embed(request, parsed, "input", ids_hint=OPENAI_IDS_HINT)
     as_msgpack = codec.wants_msgpack(request)
     if parsed.encoding_format == "base64":

@@ -95,7 +95,7 @@ async def rerank(request: web.Request) -> web.Response:
     body = schemas.mapping(await codec.read_body(request))
     limits = request.app[CONFIG].limits
     query = schemas.query(body, limits)
-    documents = schemas.texts(_document_texts(schemas.required(body, "documents")),
+    documents = schemas.texts(document_texts(schemas.required(body, "documents")),
                               "documents", limits)
     top_n = schemas.count(body, "top_n")
     back = schemas.flag(body, "return_documents", False)
@@ -133,7 +133,7 @@ def ranked(probs: np.ndarray, labels: tuple[str, ...], top_k: int | None
     return [{"label": labels[i], "score": float(probs[i])} for i in order.tolist()]
 
 
-def _document_texts(value: Any) -> Any:
+def document_texts(value: Any) -> Any:
     """Documents as strings; {"text": str} objects (as Cohere and Jina accept) are unwrapped."""
     if not isinstance(value, list):
         raise ApiError("invalid_request", "'documents' must be a list of strings or "

@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 from aiohttp import web
 
-from frontend import codec, routes, scores, tasks, tei_tokens, vectors
+from frontend import codec, infinity, routes, scores, tasks, tei_tokens, vectors
 from frontend.app import CONFIG, MODELS
 from frontend.errors import ApiError
 from frontend.schemas import (EmbedRequest, body_priority, check_count, check_text, count,
@@ -330,7 +330,10 @@ def parse_embed(body: dict, limits: LimitsConfig) -> tuple[EmbedRequest, bool]:
 
 
 async def rerank(request: web.Request) -> web.Response:
-    return await _rerank(request, mapping(await codec.read_body(request)))
+    body = mapping(await codec.read_body(request))
+    if "documents" in body and "texts" not in body:  # infinity's (and Cohere's) body
+        return await infinity.rerank(request, body)
+    return await _rerank(request, body)
 
 
 async def _rerank(request: web.Request, body: dict) -> web.Response:

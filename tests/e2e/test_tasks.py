@@ -344,3 +344,69 @@ async def test_embed_sparse_gives_the_splade_vectors_of_the_masked_lm(task_stack
     info = {m["name"]: m for m in json.loads(task_stack.get("/info")[2])["models"]}
     assert (info["sp"]["task"], info["sp"]["dim"], info["sp"]["pooling"],
             info["sp"]["normalize"]) == ("sparse", 30522, "splade", None)
+
+
+def test_infinitys_routes_answer_as_infinity_does(task_stack, task_dirs):
+    """infinity's /embeddings, /rerank (a body with `documents`) and /classify at its paths, in
+    its answers' shapes: its clients, and an OpenAI client whose base URL is the server's root
+    (as infinity's docs write it), work unchanged."""
+    import openai
+
+    client = openai.OpenAI(base_url=task_stack.url, api_key="unused", max_retries=0)
+    got = client.embeddings.create(model="tiny", input=TEXTS[:2])
+    _, _, direct = task_stack.post_json("/v1/embeddings", {"model": "tiny", "input": TEXTS[:2]})
+    np.testing.assert_array_equal(  # (the client asks for base64: float32 both ways)
+        np.array([d.embedding for d in got.data], dtype=np.float32),
+        np.array([d["embedding"] for d in direct["data"]], dtype=np.float32))
+    with pytest.raises(openai.BadRequestError):  # OpenAI's status, as on /v1/embeddings
+        client.embeddings.create(model="tiny", input=[])
+    # infinity_client's body: dimensions 0 (the model's width) and a modality (0.0.78, checked
+    # by hand: its pins, httpx < 0.28, keep it out of the test extra)
+    status, _, body = task_stack.post_json("/embeddings", {
+        "model": "tiny", "input": TEXTS[:2], "dimensions": 0, "modality": "text"})
+    assert status == 200 and body["data"][0]["embedding"] == direct["data"][0]["embedding"]
+    status, _, body = task_stack.post_json("/embeddings", {
+        "model": "tiny", "input": TEXTS[:2], "modality": "image"})
+    assert status == 400 and body["error"]["param"] == "modality", body
+    status, _, body = task_stack.post_json("/v1/embeddings", {
+        "model": "tiny", "input": TEXTS[:2], "dimensions": 0})  # OpenAI's own: refused
+    assert status == 400 and body["error"]["param"] == "dimensions", body
+
+    query = "what moves token ids between processes?"
+    want = reference_scores(task_dirs["ce"], [(query, d) for d in TEXTS], TINY_MAX_TOKENS)
+    raw = reference_scores(task_dirs["ce"], [(query, d) for d in TEXTS], TINY_MAX_TOKENS,
+                           raw=True)
+    best = np.argsort(-want, kind="stable").tolist()
+    status, headers, body = task_stack.post_json("/rerank", {
+        "model": "ce", "query": query, "documents": TEXTS, "return_documents": True,
+        "top_n": 3})
+    assert status == 200, body
+    assert (body["object"], body["model"], body["id"]) == ("rerank", "ce",
+                                                           headers["X-Request-ID"])
+    assert isinstance(body["created"], int) and body["usage"]["total_tokens"] > 0
+    assert [r["index"] for r in body["results"]] == best[:3]
+    np.testing.assert_allclose([r["relevance_score"] for r in body["results"]],
+                               want[best[:3]], atol=1e-5)
+    assert [r["document"] for r in body["results"]] == [TEXTS[i] for i in best[:3]]
+    status, _, body = task_stack.post_json("/rerank", {
+        "model": "ce", "query": query, "documents": TEXTS, "raw_scores": True})
+    assert status == 200 and [r["document"] for r in body["results"]] == [None] * len(TEXTS)
+    np.testing.assert_allclose([r["relevance_score"] for r in body["results"]], raw[best],
+                               atol=1e-4)
+    # a body with texts is TEI's, as before
+    status, _, body = task_stack.post_json("/rerank", {"model": "ce", "query": query,
+                                                       "texts": TEXTS})
+    assert status == 200 and [r["index"] for r in body] == best
+
+    want = reference_scores(task_dirs["clf"], TEXTS, TINY_MAX_TOKENS)
+    logits = reference_scores(task_dirs["clf"], TEXTS, TINY_MAX_TOKENS, raw=True)
+    for flag, expected in ((False, want), (True, logits)):
+        status, _, body = task_stack.post_json("/classify", {"model": "clf", "input": TEXTS,
+                                                             "raw_scores": flag})
+        assert status == 200 and body["object"] == "classify" and body["model"] == "clf", body
+        for row, ranked in zip(expected, body["data"]):
+            order = np.argsort(-row, kind="stable")
+            assert [x["label"] for x in ranked] == [LABELS[i] for i in order]
+            np.testing.assert_allclose([x["score"] for x in ranked], row[order], atol=1e-4)
+    status, _, body = task_stack.post_json("/classify", {"model": "clf"})
+    assert status == 422 and "'input' is required" in body["error"]["message"], body
