@@ -9,6 +9,9 @@ is the server's root, as infinity's own docs write it) work unchanged:
         -> {"object": "rerank", "results": [{"relevance_score", "index", "document"}],
             "model", "usage", "id", "created"}, best first; "document" is null unless asked
            (a body with "texts" is TEI's /rerank: frontend.tei sends only "documents" here)
+    GET  /models      OpenAI's model list (GET /v1/models, without "owned_by": infinity_client
+                      takes only "infinity" there) with each one's "capabilities"
+                      (embed, rerank, classify) and "stats" (ready workers, queued texts)
     POST /classify    {"input": [str], "model"?, "raw_scores"?}
         -> {"object": "classify", "data": [[{"score", "label"}]], "model", "usage", "id",
             "created"}: every label of each input, best first
@@ -26,13 +29,34 @@ import numpy as np
 from aiohttp import web
 
 from frontend import codec, routes, schemas, scores, tasks
-from frontend.app import CONFIG, REQUEST_ID
+from frontend.app import CONFIG, MODELS, POOL, REQUEST_ID
 from frontend.errors import ApiError
 
 
 def add_routes(app: web.Application) -> None:
     app.router.add_post("/embeddings", embeddings)
     app.router.add_post("/classify", classify)
+    app.router.add_get("/models", list_models)
+
+
+CAPABILITIES = {"embedding": ["embed"], "null": ["embed"], "rerank": ["rerank"],
+                "classification": ["classify"]}
+
+
+async def list_models(request: web.Request) -> web.Response:
+    """infinity's model list: OpenAI's (GET /v1/models) with each model's capabilities and
+    `stats`: the workers serving it now, and the texts queued on them (their last heartbeats)."""
+    pool = request.app[POOL]
+    data = []
+    for model in request.app[MODELS].by_name.values():
+        ready = {link.index: link for v in model.variants for link in pool.ready_links(v.unit)}
+        entry = routes.model_object(model)
+        del entry["owned_by"]  # infinity_client reads only its own name there ("infinity")
+        data.append({**entry, "backend": "torch",
+                     "capabilities": CAPABILITIES.get(model.spec.task, []),
+                     "stats": {"ready_workers": len(ready), "queued_texts": sum(
+                         link.beat.queued_texts for link in ready.values())}})
+    return codec.render(request, {"object": "list", "data": data})
 
 
 async def embeddings(request: web.Request) -> web.Response:

@@ -251,6 +251,10 @@ def _routes(model: dict) -> dict[str, dict]:
             "infinity", "OpenAI embeddings at infinity's path (as /v1/embeddings)",
             {**_ok(ref("EmbeddingsResponse")), **_errors(*_OPENAI_ERRORS)},
             _body(ref("EmbeddingsRequest")))},
+        "/models": {"get": _op(
+            "infinity", "Served models, as infinity lists them (capabilities, stats)",
+            _ok({"type": "object", "properties": {"data": {"type": "array", "items": {
+                "type": "object"}}}}))},
         "/classify": {"post": _op(
             "infinity", "Classify texts, as infinity answers (every label, best first)",
             {**_ok(ref("InfinityClassifyResponse")), **_errors(*_POST_ERRORS)},

@@ -143,16 +143,16 @@ async def embed(request: web.Request, parsed: schemas.EmbedRequest, param: str,
 async def list_models(request: web.Request) -> web.Response:
     models = request.app[MODELS]
     return codec.render(request, {"object": "list", "data": [
-        _model_object(model) for model in models.by_name.values()]})
+        model_object(model) for model in models.by_name.values()]})
 
 
 async def get_model(request: web.Request) -> web.Response:
     """OpenAI's model retrieval (`client.models.retrieve`): a served name or alias, else 404."""
-    return codec.render(request, _model_object(
+    return codec.render(request, model_object(
         request.app[MODELS].resolve(request.match_info["model"])))
 
 
-def _model_object(model: ServedModel) -> dict:
+def model_object(model: ServedModel) -> dict:
     return {"id": model.spec.name, "object": "model", "created": _created(model.spec.directory),
             "owned_by": "shmserve"}
 

@@ -410,3 +410,11 @@ def test_infinitys_routes_answer_as_infinity_does(task_stack, task_dirs):
             np.testing.assert_allclose([x["score"] for x in ranked], row[order], atol=1e-4)
     status, _, body = task_stack.post_json("/classify", {"model": "clf"})
     assert status == 422 and "'input' is required" in body["error"]["message"], body
+
+    status, _, raw = task_stack.get("/models")
+    models = {m["id"]: m for m in json.loads(raw)["data"]}
+    assert status == 200 and "owned_by" not in models["tiny"]  # infinity_client's enum
+    assert [models[name]["capabilities"] for name in ("tiny", "ce", "clf")] == [
+        ["embed"], ["rerank"], ["classify"]]
+    assert models["clf"]["stats"]["ready_workers"] == 1  # clf: on worker 1 alone
+    assert models["tiny"]["stats"]["ready_workers"] == 2
