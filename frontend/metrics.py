@@ -188,7 +188,8 @@ def observe_inference(model: str, variant: str, priority: int, status: int,
 class StatsTally:
     """Triton's statistics (STATS_*) of a turn's inference requests, summed per model and
     revision and written once the turn ends (`turn`): a request adds to one row, not to eight
-    children (~10 us a request through `Children`, ~2 us here)."""
+    children (20,000 requests in a loop, 32 a turn: 9.7 us a request through `Children`, 3.6 us
+    here, as much as `observe_request`)."""
 
     # a row: successes, failures, their seconds, each STATS_PARTS stage's seconds, inputs,
     # the latest end (ms)
