@@ -133,9 +133,11 @@ def test_unknown_route_and_method(tiny_stack):
     status, _, raw = tiny_stack.get("/nope")
     assert status == 404 and error_of(raw)["type"] == "not_found"
     assert error_of(raw)["message"] == "no route /nope (GET /openapi.json lists the routes)"
-    # A base URL without /v1 (or with one too many): the route it likely meant.
-    for path, meant in (("/embeddings", "/v1/embeddings"), ("/v1/v1/embeddings", "/v1/embeddings"),
-                        ("/v1/predict", "/predict"),
+    # A base URL with /v1 too many (or without it: but /embeddings serves, as infinity's
+    # route, frontend.infinity): the route it likely meant.
+    assert tiny_stack.post_json("/embeddings", {"input": "x"})[0] == 200
+    for path, meant in (("/v1/v1/embeddings", "/v1/embeddings"), ("/v1/predict", "/predict"),
+                        ("/v1/tokenize", "/tokenize"),
                         # a base URL ending in "/": nginx routes it, the frontend does not
                         ("//v1/embeddings", "/v1/embeddings"), ("/v1//embeddings",
                                                                 "/v1/embeddings")):
