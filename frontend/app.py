@@ -22,6 +22,7 @@ from frontend.dispatch import Dispatcher
 from frontend.errors import ApiError, kserve_shaped, status_on
 from frontend.httpparser import nginx_size
 from frontend.pool import WorkerPool
+from frontend.respcache import ResponseCache
 from frontend.tokenizer import TextEncoder
 from frontend.variants import Splits, Variant
 from frontend.variants import revision as variant_revision
@@ -88,6 +89,7 @@ INDEX = web.AppKey("index", int)
 MODELS = web.AppKey("models", Models)
 POOL = web.AppKey("pool", WorkerPool)
 DISPATCHER = web.AppKey("dispatcher", Dispatcher)
+CACHE = web.AppKey("cache", object)  # a frontend.respcache.ResponseCache, or None (none)
 INFLIGHT = web.AppKey("inflight", list)  # [count]: a mutable cell
 UNBUFFERED = web.AppKey("unbuffered", object)  # an Unbuffered: answers held for slow readers
 SPLITS = web.AppKey("splits", Splits)
@@ -124,6 +126,9 @@ VARIANT = web.RequestKey("variant", str)  # the A/B variant that served it ("" w
 CHOSEN = web.RequestKey("chosen", tuple)
 ARM = web.RequestKey("arm", Variant)  # the frontend.variants.Variant chosen (Triton's statistics)
 INPUTS = web.RequestKey("inputs", int)  # inputs the request ran through a model
+# The response cache's part in a request (frontends.response_cache_mb): hit or miss, the
+# seconds it took (looking up; and, a miss, keeping the rows), its keys and revision
+CACHED = web.RequestKey("cached", tuple)
 TIMEOUT_S = web.RequestKey("timeout_s", float)  # a protocol's own deadline (KServe's
                                                  # parameters.timeout), with X-Request-Timeout's
 PINNED = web.RequestKey("pinned", object)  # a frontend.variants.Variant the request names (a
@@ -311,8 +316,10 @@ def _stats(request: web.Request, model: str, status: int, elapsed: float,
     if not failed and (status >= 400 or stages is None):
         return
     revision = request.get(REVISION) or variant_revision(request[ARM], request.app[POOL])
+    cached = request.get(CACHED)
     metrics.stats.add(model, revision, elapsed, None if failed else stages,
-                      request.get(INPUTS, 0), int(time.time() * 1000))
+                      request.get(INPUTS, 0), int(time.time() * 1000),
+                      cached[:2] if cached is not None else None)
 
 
 def _resource_of(request: web.Request) -> str:
@@ -389,6 +396,8 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     await pool.start()
     app[POOL] = pool
     app[DISPATCHER] = Dispatcher(cfg, pool, arena)
+    app[CACHE] = ResponseCache(int(cfg.frontends.response_cache_mb * (1 << 20))) \
+        if cfg.frontends.response_cache_mb > 0 else None
     reporter = asyncio.create_task(
         own_files.watch(arena, index, topology.frontend_socket(cfg, index),
                         lambda: own_files.grpc_socket(app, cfg)), name="own-files")

@@ -100,12 +100,21 @@ INFERENCE_LATENCY = Histogram("shmserve_inference_request_duration_seconds",
                               ["model", "variant", "priority"],
                               buckets=shared.LATENCY_BUCKETS)
 
+CACHE = Counter("shmserve_response_cache_requests_total",
+                "Inference requests the frontends' response cache looked up "
+                "(frontends.response_cache_mb), by result: hit (every input's row there: no "
+                "worker ran it) or miss (run, its rows kept)", ["model", "result"])
+CACHE_BYTES = Gauge("shmserve_response_cache_bytes", "Bytes a frontend's response cache holds",
+                    ["frontend"], multiprocess_mode="livesum")
+
 # Triton's statistics extension (GET /v2/models/stats: frontend.stats), by model and revision
 # (the version a KServe client names); hidden from /metrics (shmserve.metrics.HIDDEN_PREFIX),
 # which has the same facts as the histograms above. outcome: success (the request ran and was
-# answered), fail (as observe_inference counts failures: 429, 499, 504, 5xx); part: success,
-# fail (their whole time), queue, compute_input (tokenizing), compute_infer (the worker's
-# forwards), compute_output (the reply to the response rendered), each for successes.
+# answered), fail (as observe_inference counts failures: 429, 499, 504, 5xx), cache_hit and
+# cache_miss (frontends.response_cache_mb); part: those outcomes (their whole time; the cache's:
+# its lookup, and a miss's keeping of the rows), queue, compute_input (tokenizing),
+# compute_infer (the worker's forwards), compute_output (the reply to the response rendered),
+# each for the successes a worker ran.
 STATS_REQUESTS = Counter("shmserve_stats_requests_total", "Inference requests by outcome",
                          ["model", "revision", "outcome"])
 STATS_SECONDS = Counter("shmserve_stats_seconds_total", "Inference requests' time by part",
@@ -133,6 +142,7 @@ inflight, texts, tokens = (Children(m, turn) for m in (INFLIGHT, TEXTS, TOKENS))
 input_tokens, truncated = Children(INPUT_TOKENS, turn), Children(TRUNCATED, turn)
 rejected, deadlines = Children(REJECTED, turn), Children(DEADLINES, turn)
 refused, retries = Children(REFUSED, turn), Children(RETRIES, turn)
+cache, cache_bytes = Children(CACHE, turn), Children(CACHE_BYTES)
 
 
 RELOAD_OUTCOMES = ("ok", "invalid_request", "conflict", "unavailable", "internal_error")
@@ -185,15 +195,25 @@ def observe_inference(model: str, variant: str, priority: int, status: int,
     inference_latency(model, variant, str(priority)).observe(seconds)
 
 
+stats_requests, stats_seconds = Children(STATS_REQUESTS), Children(STATS_SECONDS)
+stats_inferences, stats_last = Children(STATS_INFERENCES), Children(STATS_LAST)
+
+
 class StatsTally:
     """Triton's statistics (STATS_*) of a turn's inference requests, summed per model and
     revision and written once the turn ends (`turn`): a request adds to one row, not to eight
     children (20,000 requests in a loop, 32 a turn: 9.7 us a request through `Children`, 3.6 us
     here, as much as `observe_request`)."""
 
-    # a row: successes, failures, their seconds, each STATS_PARTS stage's seconds, inputs,
-    # the latest end (ms)
+    # A row: per outcome (success, fail, cache_hit, cache_miss) its requests then its seconds,
+    # then each STATS_PARTS stage's seconds, the inputs, and the latest end (ms).
+    _OUTCOMES = ("success", "fail", "cache_hit", "cache_miss")
     _PARTS = tuple(STATS_PARTS)
+    _FIRST_PART = 2 * len(_OUTCOMES)
+    _INPUTS = _FIRST_PART + len(_PARTS)
+    # each of a row's numbers' series: (children, labels after model and revision)
+    _SERIES = (*((c, outcome) for outcome in _OUTCOMES for c in (stats_requests, stats_seconds)),
+               *((stats_seconds, STATS_PARTS[stage]) for stage in _PARTS), (stats_inferences,))
 
     def __init__(self, turn: Turn) -> None:
         self._turn = turn
@@ -201,22 +221,29 @@ class StatsTally:
         self._last: dict[tuple[str, str], float] = {}  # STATS_LAST as this process set it
 
     def add(self, model: str, revision: str, seconds: float, stages: dict[str, float] | None,
-            inputs: int, now_ms: int) -> None:
+            inputs: int, now_ms: int, cache: tuple | None = None) -> None:
         """A success with its `stages` (frontend.app.STAGES) and `inputs`, or a failure
-        (`stages` None)."""
+        (`stages` None); `cache`: the response cache's (hit or miss, seconds), if it looked.
+        A success answered from the cache counts as a success and a cache hit, and in no stage
+        and no input (as Triton counts them)."""
         row = self._rows.get((model, revision))
         new = row is None
         if new:
-            row = self._rows[(model, revision)] = [0.0] * (6 + len(self._PARTS))
+            row = self._rows[(model, revision)] = [0.0] * (self._INPUTS + 2)
         if stages is None:
-            row[1] += 1
+            row[2] += 1
             row[3] += seconds
         else:
             row[0] += 1
-            row[2] += seconds
-            for i, stage in enumerate(self._PARTS):
-                row[4 + i] += stages.get(stage, 0.0)
-            row[-2] += inputs
+            row[1] += seconds
+            if cache is not None:
+                at = 4 if cache[0] == "hit" else 6
+                row[at] += 1
+                row[at + 1] += cache[1]
+            if cache is None or cache[0] != "hit":
+                for i, stage in enumerate(self._PARTS):
+                    row[self._FIRST_PART + i] += stages.get(stage, 0.0)
+                row[self._INPUTS] += inputs
         row[-1] = max(row[-1], now_ms)
         if new:  # written as the turn ends (outside an event loop: at once)
             self._turn.defer(self.write)
@@ -224,23 +251,14 @@ class StatsTally:
     def write(self) -> None:
         rows, self._rows = self._rows, {}
         for (model, revision), row in rows.items():
-            children = (stats_requests(model, revision, "success"),
-                        stats_requests(model, revision, "fail"),
-                        stats_seconds(model, revision, "success"),
-                        stats_seconds(model, revision, "fail"),
-                        *(stats_seconds(model, revision, STATS_PARTS[stage])
-                          for stage in self._PARTS),
-                        stats_inferences(model, revision))
-            for child, amount in zip(children, row):
-                if amount:
-                    child.inc(amount)
+            for (children, *label), amount in zip(self._SERIES, row):
+                if amount:  # (a series only once it counts something: no cache, no cache_hit)
+                    children(model, revision, *label).inc(amount)
             if row[-1] > self._last.get((model, revision), 0.0):  # (a clock set back)
                 self._last[(model, revision)] = row[-1]
                 stats_last(model, revision).set(row[-1])
 
 
-stats_requests, stats_seconds = Children(STATS_REQUESTS), Children(STATS_SECONDS)
-stats_inferences, stats_last = Children(STATS_INFERENCES), Children(STATS_LAST)
 stats = StatsTally(turn)
 
 

@@ -12,7 +12,8 @@ ModelStatistics over gRPC), which tritonclient's get_inference_statistics() read
                        compute_output (the worker's reply to the response rendered). The rest
                        of a request's time (ZeroMQ both ways, the event loops' waits) is in
                        none of them: perf_analyzer shows it as overhead. cache_hit and
-                       cache_miss: zero (no response cache).
+                       cache_miss: the response cache's (frontends.response_cache_mb; zero
+                       without one): a hit is a success too, and in no other part nor input.
     batch_stats        per batch size (texts in a pass): passes and their forwards' time
                        (compute_infer; copies to and from the device included)
 
@@ -80,8 +81,11 @@ def model_stats(samples: Iterable[Sample], versions: dict[str, list[str]],
                 "inference_stats": {
                     "success": duration("success", successes),
                     "fail": duration("fail", int(requests[(*key, "fail")])),
-                    **{part: duration(part, successes) for part in STATS_PARTS.values()},
-                    "cache_hit": {"count": 0, "ns": 0}, "cache_miss": {"count": 0, "ns": 0}},
+                    # (a success the response cache answered ran in none of them)
+                    **{part: duration(part, successes - int(requests[(*key, "cache_hit")]))
+                       for part in STATS_PARTS.values()},
+                    **{part: duration(part, int(requests[(*key, part)]))
+                       for part in ("cache_hit", "cache_miss")}},
                 "batch_stats": [
                     {"batch_size": size, "compute_infer": {
                         "count": int(count), "ns": int(round(spent * NS))}}

@@ -26,14 +26,15 @@ import numpy as np
 from aiohttp import web
 
 from frontend import codec, metrics, schemas
-from frontend.app import (ARM, ARRIVED, CHARS, CHOSEN, CONFIG, DISPATCHER, INDEX, INFLIGHT,
-                          INPUTS, LOG_FIELDS, MODEL_NAME, MODELS, PINNED, POOL, REPLIED_AT,
-                          REQUEST_ID, REVISION, SPLITS, STAGES, TIMEOUT_S, TOKENIZE_AT,
-                          TOKENIZE_MS, VARIANT, ServedModel)
+from frontend.app import (ARM, ARRIVED, CACHE, CACHED, CHARS, CHOSEN, CONFIG, DISPATCHER,
+                          INDEX, INFLIGHT, INPUTS, LOG_FIELDS, MODEL_NAME, MODELS, PINNED, POOL,
+                          REPLIED_AT, REQUEST_ID, REVISION, SPLITS, STAGES, TIMEOUT_S,
+                          TOKENIZE_AT, TOKENIZE_MS, VARIANT, ServedModel)
 from frontend.dispatch import Outcome
 from frontend.errors import ApiError
 from frontend.tokenizer import Encoded, TextEncoder
 from frontend.variants import Variant
+from frontend.variants import revision as variant_revision
 
 # Tokenize off the event loop when a request is this large (characters); small ones are faster
 # inline than a thread hop.
@@ -218,9 +219,12 @@ async def run(request: web.Request, served: ServedModel,
             fields["variant"] = variant.name
         if cfg.logging.log_inputs and inputs is not None:
             fields["inputs"] = inputs
-        outcome = await request.app[DISPATCHER].run(
-            variant.unit, variant.spec.width(per_token), enc, request[REQUEST_ID], deadline,
-            priority, per_token, raw)
+        outcome = cached(request, variant, enc, raw) if not per_token else None
+        if outcome is None:
+            outcome = await request.app[DISPATCHER].run(
+                variant.unit, variant.spec.width(per_token), enc, request[REQUEST_ID], deadline,
+                priority, per_token, raw)
+            kept(request, outcome)
     except ApiError as exc:
         if exc.kind != "timeout":
             raise
@@ -229,9 +233,10 @@ async def run(request: web.Request, served: ServedModel,
         inflight[0] -= 1
         gauge.dec()
     name = served.spec.name
-    metrics.texts(name).inc(enc.count)
-    request[INPUTS] = request.get(INPUTS, 0) + enc.count
-    metrics.tokens(name).inc(enc.tokens)
+    if request.get(CACHED, ("",))[0] != "hit":  # (a cached answer ran through no model)
+        metrics.texts(name).inc(enc.count)
+        request[INPUTS] = request.get(INPUTS, 0) + enc.count
+        metrics.tokens(name).inc(enc.tokens)
     if enc.truncated:
         metrics.truncated(name).inc(enc.truncated)
     metrics.input_tokens(name).observe_many(np.diff(enc.offsets).tolist())
@@ -255,6 +260,38 @@ async def run(request: web.Request, served: ServedModel,
     if outcome.attempts > 1:  # the time lost to a worker that went away is in no stage
         request[LOG_FIELDS]["attempts"] = outcome.attempts
     return Ran(served, variant, outcome, enc)
+
+
+def cached(request: web.Request, variant: Variant, enc: Encoded, raw: bool) -> Outcome | None:
+    """The response cache's answer (frontends.response_cache_mb), when it holds every input's
+    row from the weights the arm serves now; else None, the lookup kept for `kept`."""
+    cache = request.app[CACHE]
+    if cache is None:
+        return None
+    started = time.perf_counter()
+    revision = variant_revision(variant, request.app[POOL])
+    if not revision:  # not heard yet: nothing to key by
+        return None
+    keys = cache.keys(variant.unit, revision, enc, raw)
+    outcome = cache.answer(keys, revision, variant.spec.width())
+    request[CACHED] = ("hit" if outcome is not None else "miss", time.perf_counter() - started,
+                       keys, revision)
+    metrics.cache(request[MODEL_NAME], request[CACHED][0]).inc()
+    if outcome is not None:
+        request[LOG_FIELDS]["cache"] = "hit"
+    return outcome
+
+
+def kept(request: web.Request, outcome: Outcome) -> None:
+    """A computed outcome's rows into the response cache, where `cached` missed."""
+    looked = request.get(CACHED)
+    if looked is None:
+        return
+    started = time.perf_counter()
+    cache = request.app[CACHE]
+    cache.keep(looked[2], outcome, looked[3])
+    request[CACHED] = ("miss", looked[1] + time.perf_counter() - started, None, looked[3])
+    metrics.cache_bytes(str(request.app[INDEX])).set(cache.bytes)
 
 
 async def off_loop(encode: Callable[[TextEncoder], Encoded], encoder: TextEncoder,

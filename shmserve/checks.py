@@ -99,6 +99,8 @@ CHECKS: dict[str, Check] = {
     "frontends.request_timeout_s": _OVER_0_UP_TO_A_DAY,
     "frontends.retry_on_worker_loss": (lambda v: v >= 0, "an integer >= 0"),
     "frontends.no_worker_wait_s": _UP_TO_A_DAY,
+    "frontends.response_cache_mb": (lambda v: 0 <= v <= 1 << 20, "a number of MiB from 0 to "
+                                    "1048576 (0: no cache)"),
     # a socket's listen(): past a C int it failed every frontend's start
     "frontends.listen_backlog": (lambda v: 1 <= v <= 65535, "an integer from 1 to 65535"),
     "frontends.default_priority": (lambda v: priority_level(v) is not None,

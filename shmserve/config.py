@@ -110,6 +110,9 @@ class FrontendConfig:
     # A frontend whose pings every worker stopped hearing this long (its whole process stuck)
     # is SIGKILLed by the workers, and supervisord restarts it (shmserve.hung). 0: never.
     hung_kill_s: float = 30.0
+    # Each frontend's response cache (frontend.respcache), MiB; 0: none. A request whose every
+    # input it answered before, with the same weights, is answered without a worker.
+    response_cache_mb: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
