@@ -46,8 +46,9 @@ def test_openapi_json_is_served_and_valid(tiny_stack):
 
 
 # Bounds: operations x modes x MAX_EXAMPLES requests, each a few milliseconds on the tiny
-# model; derandomized, so every run sends the same cases.
-MAX_EXAMPLES = 20
+# model; derandomized, so every run sends the same cases. 16 since the fifty-fourth session's
+# six new operations (about the requests 20 sent before them: the suite's time).
+MAX_EXAMPLES = 16
 
 
 def test_fuzz_every_operation_no_5xx(tiny_stack):
