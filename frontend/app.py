@@ -312,7 +312,7 @@ def _stats(request: web.Request, model: str, status: int, elapsed: float,
     """Triton's statistics (frontend.stats) of an inference request: a success that ran (its
     `stages`), or a failure as observe_inference counts one (a refusal of the request itself
     is neither). Its version is the revision that answered, else the one its arm serves."""
-    failed = status >= 500 or status in (429, 499)
+    failed = metrics.failed(status)
     if not failed and (status >= 400 or stages is None):
         return
     revision = request.get(REVISION) or variant_revision(request[ARM], request.app[POOL])

@@ -25,7 +25,6 @@ routes answer: Triton's client makes its exception's text from that string.
 
 from __future__ import annotations
 
-import asyncio
 import json
 from dataclasses import dataclass
 from typing import Awaitable, Callable
@@ -34,7 +33,7 @@ import numpy as np
 from aiohttp import web
 
 import shmserve
-from frontend import codec, metrics, routes, tasks, tensors
+from frontend import codec, routes, tasks, tensors
 from frontend.app import (CONFIG, MODEL_NAME, MODELS, PINNED, POOL, REVISION, TIMEOUT_S,
                           ServedModel)
 from frontend.dispatch import Outcome
@@ -251,13 +250,7 @@ async def stats(request: web.Request) -> web.Response:
                 else _versions(request, model) for model in served}
     units = {v.unit: model.spec.name for model in models.by_name.values()
              for v in model.variants}
-    metrics.turn.flush()  # this frontend's updates of this turn, as a scrape does
-    try:
-        samples = await asyncio.get_running_loop().run_in_executor(
-            routes.EXPOSITION, shared_metrics.hidden_samples)
-    except OSError as exc:  # as GET /metrics
-        raise ApiError("unavailable", f"this frontend cannot read the metrics files: {exc}",
-                       retry_after=1) from None
+    samples = await routes.read_metrics(shared_metrics.hidden_samples)
     return codec.render(request, {"model_stats": model_stats(samples, versions, units)})
 
 
@@ -265,10 +258,7 @@ async def repository_index(request: web.Request) -> web.Response:
     """Triton's model repository index: every configured model's versions with their state
     (READY: a worker serves it; UNAVAILABLE: it did not load, `reason` says why; LOADING);
     `{"ready": true}` keeps the ready ones. An empty body is `{}` (tritonclient sends none)."""
-    raw = await codec.read_raw(request)
-    sent = request.headers.get("Content-Type", "").strip()
-    body = await codec.decoded(raw, codec.decode_body, raw, codec.media_type(request),
-                               bool(sent), sent) if raw.strip() else {}
+    body = await codec.read_body(request) if request.body_exists else {}
     if not isinstance(body, dict):
         raise ApiError("invalid_request", "the body must be an object: {\"ready\": bool}")
     ready_only = body.get("ready", False)

@@ -182,6 +182,12 @@ def observe_request(route: str, model: str, status: int, seconds: float,
         deadlines(model).inc()
 
 
+def failed(status: int) -> bool:
+    """An inference request's status that is the server's failure, not the request's own
+    refusal: 429, 499, 504, 5xx (an A/B arm's error ratio; Triton's statistics' `fail`)."""
+    return status >= 500 or status in (429, 499)
+
+
 def observe_inference(model: str, variant: str, priority: int, status: int,
                       seconds: float) -> None:
     """An inference request's counters by A/B arm and priority (the middleware calls this for
@@ -189,7 +195,7 @@ def observe_inference(model: str, variant: str, priority: int, status: int,
     chosen (400, 413, 422: token ids outside the vocabulary, `dimensions` past the model's
     width, an unknown prompt) is not counted: an arm's error ratio is the server's (429, 499,
     504, 5xx; docs/observability.md), and an outside check found them counted."""
-    if 400 <= status < 500 and status not in (429, 499):
+    if 400 <= status < 500 and not failed(status):
         return
     inference(model, variant, str(priority), str(status)).inc()
     inference_latency(model, variant, str(priority)).observe(seconds)

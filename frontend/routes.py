@@ -249,12 +249,19 @@ def readiness(pool: WorkerPool, models: Models) -> str:
 EXPOSITION = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="exposition")
 
 
-async def metrics_route(request: web.Request) -> web.Response:
-    metrics.turn.flush()  # this turn's updates, so a scrape right after a request counts it
+async def read_metrics(read, *args):
+    """`read(*args)` over the metrics files, on EXPOSITION's thread, after this turn's updates
+    are written (so a read right after a request counts it); 503 where the files cannot be read
+    (this frontend out of file descriptors, ...: nothing half read)."""
+    metrics.turn.flush()
     try:
-        body, content_type = await asyncio.get_running_loop().run_in_executor(
-            EXPOSITION, metrics.exposition, request.app[CONFIG], len(request.app[POOL].links))
-    except OSError as exc:  # this frontend out of file descriptors, ...: nothing half read
+        return await asyncio.get_running_loop().run_in_executor(EXPOSITION, read, *args)
+    except OSError as exc:
         raise ApiError("unavailable", f"this frontend cannot read the metrics files: {exc}",
                        retry_after=1) from None
+
+
+async def metrics_route(request: web.Request) -> web.Response:
+    body, content_type = await read_metrics(metrics.exposition, request.app[CONFIG],
+                                            len(request.app[POOL].links))
     return web.Response(body=body, headers={"Content-Type": content_type})
