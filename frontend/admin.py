@@ -1,5 +1,5 @@
 """Admin routes under /admin/: a bearer token (admin.token, checked by its digest as the API
-keys are: frontend.app.bearer_matches); with no token configured the routes answer 404, as if
+keys are: frontend.auth.bearer_matches); with no token configured the routes answer 404, as if
 they did not exist.
 
     GET  /admin/models                   each model's variants and weights, and per worker its
@@ -20,8 +20,8 @@ import math
 from aiohttp import web
 
 from frontend import codec, reload
-from frontend.app import (CONFIG, MODEL_NAME, MODELS, POOL, SPLITS, ServedModel, bearer_matches,
-                          bearer_refusal, key_digests)
+from frontend.app import CONFIG, MODEL_NAME, MODELS, POOL, SPLITS, ServedModel
+from frontend.auth import bearer_matches, bearer_refusal, key_digests
 from frontend.errors import ApiError
 from frontend.links import unit_state
 from frontend.variants import Variant
@@ -102,8 +102,9 @@ async def reload_model(request: web.Request) -> web.Response:
     authorize(request)
     served = request.app[MODELS].resolve(request.match_info["name"])
     body = await codec.read_raw(request)
-    body = codec.decode_body(body, codec.media_type(request),
-                             "Content-Type" in request.headers) if body else {}
+    body = codec.decode_body(body, codec.media_type(request), "Content-Type" in
+                             request.headers, request.headers.get("Content-Type", "")
+                             ) if body else {}
     if not isinstance(body, dict):
         raise ApiError("invalid_request", "the request body must be an object")
     source, revision = _string(body, "source"), _string(body, "revision")
@@ -129,7 +130,8 @@ async def set_split(request: web.Request) -> web.Response:
     authorize(request)
     served = request.app[MODELS].resolve(request.match_info["name"])
     body = codec.decode_body(await codec.read_raw(request), codec.media_type(request),
-                             "Content-Type" in request.headers)  # malformed: 400 first
+                             "Content-Type" in request.headers,  # malformed: 400 first
+                             request.headers.get("Content-Type", ""))
     names = [v.name for v in served.variants]
     if not names[0]:
         raise ApiError("invalid_request", f"model {served.spec.name!r} has no variants to split "

@@ -80,6 +80,29 @@ def test_malformed_bodies(tiny_stack, body, ctype, kind, says):
     assert headers["X-Request-ID"]
 
 
+def test_a_json_body_in_the_charset_its_content_type_names_embeds_as_in_utf_8(tiny_stack):
+    """`application/json; charset=latin-1` (some clients still send it): read as UTF-8, its
+    accented letters were refused as invalid UTF-8. Now the same vector as the UTF-8 body; a
+    charset the server does not read is a 415 through nginx."""
+    text = "crème brûlée à la française"
+
+    def embed(raw: bytes, ctype: str):
+        status, _, body = tiny_stack.request("POST", "/v1/embeddings", raw,
+                                             {"Content-Type": ctype})
+        return status, json.loads(body)
+
+    doc = {"model": "tiny", "input": [text]}
+    status, utf8 = embed(json.dumps(doc, ensure_ascii=False).encode(), "application/json")
+    assert status == 200, utf8
+    for charset in ("latin-1", "utf-16"):
+        status, other = embed(json.dumps(doc, ensure_ascii=False).encode(charset),
+                              f"application/json; charset={charset}")
+        assert status == 200, other
+        assert other["data"][0]["embedding"] == utf8["data"][0]["embedding"]
+    status, refused = embed(json.dumps(doc).encode(), "application/json; charset=klingon")
+    assert status == 415 and "charset 'klingon'" in refused["error"]["message"], refused
+
+
 def test_malformed_msgpack_answers_in_msgpack(tiny_stack):
     status, headers, raw = tiny_stack.request(
         "POST", "/predict", b"\xc1", {"Content-Type": "application/msgpack",

@@ -246,6 +246,35 @@ def test_a_415_names_the_content_type_as_sent():
     assert len(info.value.message) < 300
 
 
+@pytest.mark.parametrize("charset", ["latin-1", "ISO-8859-1", '"windows-1252"', "utf-16",
+                                     "UTF-8", "utf8"])
+def test_a_json_body_is_read_in_the_charset_its_content_type_names(charset):
+    text = "café naïve Å"
+    name = charset.strip('"')
+    raw = json.dumps({"texts": [text]}, ensure_ascii=False).encode(name)
+    sent = f"application/json; charset={charset}"
+    assert decode_body(raw, "application/json", True, sent) == {"texts": [text]}
+    # and with its parameters in any order, spaced any way
+    assert decode_body(raw, "application/json", True,
+                       f"application/json ;foo=bar;  charset = {charset} ") == {"texts": [text]}
+
+
+def test_a_charset_not_read_is_415_and_bytes_not_of_it_are_400():
+    for charset, status, says in (("x-no-such", 415, "charset 'x-no-such' is not one"),
+                                  ("base64", 415, "charset 'base64' is not one"),
+                                  ("ascii", 400, "not valid ascii (its Content-Type's charset) "
+                                                 "at byte 12")):
+        with pytest.raises(ApiError) as info:
+            decode_body('{"texts": ["é"]}'.encode("latin-1"), "application/json", True,
+                        f"application/json; charset={charset}")
+        assert info.value.status == status and says in info.value.message, info.value.message
+    # No charset, or UTF-8's: the bytes as sent (invalid UTF-8 still says so)
+    with pytest.raises(ApiError) as info:
+        decode_body('{"texts": ["é"]}'.encode("latin-1"), "application/json", True,
+                    "application/json")
+    assert "not valid UTF-8" in info.value.message
+
+
 @pytest.mark.parametrize("raw", [b'{"input":' + b"[" * 1000, b"[" * 1000])
 def test_a_body_ending_inside_open_arrays_says_so_not_out_of_memory(raw):
     with pytest.raises(ApiError) as caught:
