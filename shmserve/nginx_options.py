@@ -76,8 +76,9 @@ def gzip(n) -> str:
 
 
 # rate_limit_key api_key: the bearer token as the frontends read it (any case of "Bearer", a
-# space, then spaces and tabs, the token, spaces and tabs after it: app.bearer_matches), so a key
-# is one client however it is written; a request without a token is limited by its address.
+# space, then spaces and tabs, the token, spaces and tabs after it:
+# frontend.auth.bearer_matches), so a key is one client however it is written; a request
+# without a token is limited by its address.
 # "Bearer \t<key>" (a tab after the space) was served by the frontends and counted by its
 # address here, a second bucket for the key from every address (an outside check).
 _TOKEN_KEY = """    map $http_authorization $shmserve_rate_key {

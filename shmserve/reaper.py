@@ -5,7 +5,7 @@ killed frontend's in-flight count never lingers in GET /metrics.
 supervisord runs it as ``[eventlistener:reaper]`` for the PROCESS_STATE_EXITED, _STOPPED,
 _BACKOFF and _FATAL events. EXITED and STOPPED name the pid; BACKOFF (a process that died while
 starting) does not, so every event also sweeps the metrics directory for files of processes that
-no longer run (`shmserve.metrics.mark_dead`); it sweeps once when it starts too, for what died
+no longer run (`shmserve.metrics_files.mark_dead`); it sweeps once when it starts too, for what died
 while it was not listening.
 
 At supervisord's stop it is the last program stopped: on its SIGTERM it removes the socket
@@ -28,7 +28,7 @@ from typing import Callable, TextIO
 
 from prometheus_client import Counter
 
-from shmserve import config, logs, metrics
+from shmserve import config, logs, metrics, metrics_files
 
 log = logging.getLogger("shmserve.reaper")
 
@@ -65,7 +65,7 @@ def handle(event: str, payload: str) -> list[int]:
         EXITS.labels(fields["processname"],
                      "true" if fields.get("expected") == "1" else "false").inc()
     pids = [int(fields["pid"])] if fields.get("pid", "").isdigit() else []
-    dead = metrics.mark_dead(directory, pids)
+    dead = metrics_files.mark_dead(directory, pids)
     if dead:
         log.info("reaper.marked_dead", extra={"fields": {
             "event": event, "program": fields.get("processname"), "pids": dead}})

@@ -17,7 +17,7 @@ from prometheus_client import (
 )
 from prometheus_client.parser import text_string_to_metric_families
 
-from shmserve import metrics
+from shmserve import metrics, metrics_files
 
 
 def samples(registry) -> dict[tuple[str, tuple], float]:
@@ -84,7 +84,7 @@ def test_mark_dead_removes_dead_live_gauges_and_merges_their_counts(tmp_path, mo
     (tmp_path / "gauge_livesum_notapid.db").write_bytes(gauge)
     before = scraped(tmp_path, monkeypatch)
     assert before[("t_requests_total", (("route", "/a"),))] == 3.0
-    assert sorted(metrics.mark_dead(tmp_path)) == sorted(pids)
+    assert sorted(metrics_files.mark_dead(tmp_path)) == sorted(pids)
     left = sorted(p.name for p in tmp_path.glob("*.db"))
     assert left == ["counter_archive.db", f"gauge_livesum_{os.getpid()}.db",
                     "gauge_livesum_notapid.db", "gauge_max_archive.db", "histogram_archive.db"]
@@ -96,7 +96,7 @@ def test_mark_dead_removes_dead_live_gauges_and_merges_their_counts(tmp_path, mo
 
     # a later death adds to the archive; a sweep with nothing dead changes nothing
     dead_writers(tmp_path, 3)
-    assert metrics.mark_dead(tmp_path) and metrics.mark_dead(tmp_path) == []
+    assert metrics_files.mark_dead(tmp_path) and metrics_files.mark_dead(tmp_path) == []
     again = scraped(tmp_path, monkeypatch)
     assert again[("t_requests_total", (("route", "/a"),))] == 6.0
     assert again[("t_requests_total", (("route", "/r3"),))] == 1.0
@@ -132,8 +132,8 @@ def test_a_merge_killed_part_way_is_finished_or_undone_by_the_next(tmp_path, mon
         else:
             patched.setattr(pathlib.Path, "unlink", dying(pathlib.Path.unlink))
         with pytest.raises(KeyboardInterrupt):
-            metrics.compact(tmp_path, pids)
-    metrics.mark_dead(tmp_path)  # the next sweep (the reaper, started again)
+            metrics_files.compact(tmp_path, pids)
+    metrics_files.mark_dead(tmp_path)  # the next sweep (the reaper, started again)
     assert scraped(tmp_path, monkeypatch) == before
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == [
         "counter_archive.db", "gauge_max_archive.db", "histogram_archive.db"]
@@ -150,7 +150,7 @@ def test_hidden_families_are_not_scraped_but_summed_for_the_statistics(tmp_path,
         return {s.name: s.value for s in metrics.hidden_samples()}
 
     assert hidden() == {"shmserve_stats_t_total": 3.0}
-    metrics.compact(tmp_path, pids)
+    metrics_files.compact(tmp_path, pids)
     dead_writers(tmp_path, 4)
     assert hidden() == {"shmserve_stats_t_total": 7.0}
 
@@ -162,8 +162,8 @@ def test_a_merge_waits_for_the_scrape_reading(tmp_path, monkeypatch):
 
     pid, = dead_writers(tmp_path, 2)
     done = threading.Event()
-    with metrics.scrape_lock(tmp_path):
-        merging = threading.Thread(target=lambda: (metrics.mark_dead(tmp_path), done.set()))
+    with metrics_files.scrape_lock(tmp_path):
+        merging = threading.Thread(target=lambda: (metrics_files.mark_dead(tmp_path), done.set()))
         merging.start()
         merging.join(0.5)
         assert not done.is_set() and (tmp_path / f"counter_{pid}.db").exists()
@@ -173,8 +173,8 @@ def test_a_merge_waits_for_the_scrape_reading(tmp_path, monkeypatch):
 
 
 def test_mark_dead_takes_named_pids_that_left_no_file(tmp_path):
-    assert metrics.mark_dead(tmp_path, [2**22 + 12345]) == [2**22 + 12345]
-    assert metrics.mark_dead(tmp_path, [os.getpid()]) == []
+    assert metrics_files.mark_dead(tmp_path, [2**22 + 12345]) == [2**22 + 12345]
+    assert metrics_files.mark_dead(tmp_path, [os.getpid()]) == []
 
 
 def test_resident_memory_collector_and_registry_without_multiproc_dir(monkeypatch):
@@ -205,7 +205,7 @@ def test_registry_reads_every_process_file(tmp_path, monkeypatch):
         return {s.name: s.value for f in text_string_to_metric_families(body.decode())
                 for s in f.samples}
     assert read() == {"t_requests_total": 6.0, "t_inflight": 4.0}
-    assert sorted(metrics.mark_dead(tmp_path)) == sorted(pids)
+    assert sorted(metrics_files.mark_dead(tmp_path)) == sorted(pids)
     assert read() == {"t_requests_total": 6.0}
 
 
@@ -360,14 +360,14 @@ def test_metrics_files_have_their_pages_reserved_as_they_grow(tmp_path, monkeypa
     # all allocated, from 64 KiB doubled as the library doubles it: 12,000 entries of ~88 bytes
     assert stat.st_size == 2 << 20 and stat.st_blocks * 512 >= stat.st_size
     small = tmp_path / "small.db"
-    metrics.ReservedMmapedDict(str(small)).close()
-    assert small.stat().st_size == metrics.RESERVED_START <= small.stat().st_blocks * 512
+    metrics_files.ReservedMmapedDict(str(small)).close()
+    assert small.stat().st_size == metrics_files.RESERVED_START <= small.stat().st_blocks * 512
 
     def full(fd, offset, length):
         raise OSError(errno.ENOSPC, "No space left on device")
     monkeypatch.setattr(metrics.os, "posix_fallocate", full)
     with pytest.raises(OSError, match="No space left"):
-        metrics.ReservedMmapedDict(str(tmp_path / "new.db"))
+        metrics_files.ReservedMmapedDict(str(tmp_path / "new.db"))
 
 
 def test_a_metrics_file_that_cannot_grow_loses_the_update_not_the_request(tmp_path,
@@ -383,7 +383,7 @@ def test_a_metrics_file_that_cannot_grow_loses_the_update_not_the_request(tmp_pa
         raise OSError(errno.ENOSPC, "No space left on device")
     monkeypatch.setattr(metrics.os, "posix_fallocate", full)
     with pytest.raises(OSError):
-        metrics.ReservedMmapedDict(str(tmp_path / "counter_1.db"))
+        metrics_files.ReservedMmapedDict(str(tmp_path / "counter_1.db"))
     assert not (tmp_path / "counter_1.db").exists()  # no empty file for a scrape to choke on
     counter = Counter("t_lost", "l", ["k"], registry=None)
     cache = metrics.Children(counter)
