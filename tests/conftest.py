@@ -1,4 +1,5 @@
 import os
+from pathlib import Path
 
 import pytest
 
@@ -19,14 +20,40 @@ SHARED_STACK_FILES = {f"tests/e2e/{name}.py": "tests/e2e/task_stack"
                       for name in ("test_tasks", "test_task_protocols", "test_task_variants")}
 
 
+# Seconds each unit of work took in a whole run (scripts/test_durations.py writes it). A unit it
+# does not name (a new file) counts as UNKNOWN_S.
+DURATIONS = Path(__file__).parent / "durations.json"
+UNKNOWN_S = 10
+
+
 def pytest_xdist_make_scheduler(config, log):
-    """scripts/test's --dist loadfile, with SHARED_STACK_FILES one unit of work."""
+    """scripts/test's --dist loadfile, with SHARED_STACK_FILES one unit of work, and the longest
+    units handed out first (xdist's own order is by test count: the e2e files of a few slow
+    tests came last, and one process ran the last of them alone for minutes)."""
+    import json
+
     from xdist.scheduler import LoadFileScheduling
 
+    try:
+        durations = json.loads(DURATIONS.read_text())
+    except (OSError, ValueError):
+        durations = {}
+
     class Scheduling(LoadFileScheduling):
+        ordered = False
+
         def _split_scope(self, nodeid: str) -> str:
             scope = super()._split_scope(nodeid)
             return SHARED_STACK_FILES.get(scope, scope)
+
+        def _assign_work_unit(self, node) -> None:
+            if not self.ordered:  # the queue is whole at the first hand-out
+                self.ordered = True
+                units = sorted(self.workqueue.items(),
+                               key=lambda unit: -durations.get(unit[0], UNKNOWN_S))
+                self.workqueue.clear()
+                self.workqueue.update(units)
+            super()._assign_work_unit(node)
 
     return Scheduling(config, log) if config.getoption("dist") == "loadfile" else None
 
