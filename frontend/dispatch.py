@@ -29,7 +29,7 @@ from frontend.pool import WorkerPool
 from frontend.tokenizer import Encoded
 from shmserve.arena import Arena, ArenaFull, ShmFull
 from shmserve.config import Config
-from shmserve.protocol import Error, ErrorCode, Result, Submit
+from shmserve.protocol import RUNNING_MARK, Error, ErrorCode, Result, Submit
 
 log = logging.getLogger("shmserve.frontend")
 
@@ -67,6 +67,19 @@ class Lease:
 # hold most of it, and other requests would be refused as if the frontend were busy. Per-token
 # rows (/embed_all) and a sparse model's vocabulary-wide rows (122 KB a text) reach it.
 OUTPUT_SHARE = 4
+
+
+def _clear_marks(rows: np.ndarray, first_rows) -> None:
+    """Zero the first 32 bits of each text's first row (`first_rows` of `rows`), where a
+    worker writes protocol.RUNNING_MARK as the text's pass begins: the arena's bytes may hold
+    an earlier request's mark."""
+    rows.view(np.uint32)[first_rows, 0] = 0
+
+
+def _marked(rows: np.ndarray, first_rows) -> bool:
+    """Whether any text's first row holds protocol.RUNNING_MARK: it was in the pass that ran
+    when its worker was lost (a row it answered replaces the mark)."""
+    return bool((rows.view(np.uint32)[first_rows, 0] == RUNNING_MARK).any())
 
 
 def _align(n: int) -> int:
@@ -109,6 +122,8 @@ class Dispatcher:
                                        (n, dim))
             self.arena.view(offsets)[:] = enc.offsets
             self.arena.view(ids)[:] = enc.ids
+            first_rows = enc.offsets[:-1] if per_token else slice(None)  # a text's first row
+            _clear_marks(self.arena.view(output), first_rows)
             if enc.segments is not None:
                 self.arena.view(segments)[:] = enc.segments
             refused = None  # the worker that turned it away for its load (429), if one did
@@ -119,6 +134,7 @@ class Dispatcher:
             # exhausted" (with no retries configured, every overload did; a review found it).
             lost = unready = 0
             attempt = 0
+            alone = False  # sent to run in a pass of its own (Submit.alone)
             while True:
                 link = self.pool.pick(model, refused) or await self._wait_for_worker(
                     model, deadline, refused)
@@ -138,13 +154,14 @@ class Dispatcher:
                     out_lease, out_base = self._alloc(n * dim * 4)
                     leases.append(out_lease)
                     output = self.arena.handle(out_base, "float32", (n, dim))
+                    _clear_marks(self.arena.view(output), first_rows)
                 held = (lease, leases[-1]) if attempt else (lease,)
                 for each in held:
                     each.hold()
                 attempt += 1
                 seq = self.pool.next_seq()
                 msg = Submit(seq, request_id, model, ids, offsets, output, deadline, priority,
-                             segments, per_token, raw, enc.skip)
+                             segments, per_token, raw, enc.skip, alone)
                 future = self.pool.submit(link, msg, len(enc.ids),
                                         lambda held=held: _release(held))
                 try:  # (not wait_for, which loses a cancel that comes as the reply does)
@@ -161,10 +178,28 @@ class Dispatcher:
                     continue
                 except WorkerGone:
                     lost += 1
+                    # In the pass that was running when its worker died (the worker's mark in
+                    # its rows), the request may be what killed it: a poison input would take
+                    # down a worker with every try, and the requests batched with it each time.
+                    # So it goes again alone; lost again alone, it is not sent a third time.
+                    running = _marked(self.arena.view(output), first_rows)
+                    if running and alone:
+                        metrics.suspects("failed").inc()
+                        log.error("frontend.request_lost_its_worker_twice", extra={"fields": {
+                            "request_id": request_id, "model": model, "worker": link.index,
+                            "attempts": attempt}})
+                        raise ApiError("internal_error", "the worker running this request was "
+                                       "lost twice, the second time running it alone: its "
+                                       "inputs may crash the model, and it is not sent "
+                                       "again", attempts=attempt, code="worker_crashed",
+                                       reason="worker_crashed") from None
                     if lost > self.cfg.frontends.retry_on_worker_loss:
                         raise ApiError("unavailable", "workers kept failing; retries exhausted "
                                        "(frontends.retry_on_worker_loss)", retry_after=1,
                                        attempts=attempt, reason="worker_lost") from None
+                    if running:
+                        metrics.suspects("isolated").inc()
+                        alone = True
                     again = "worker_lost"
                     continue
                 except Stopped as exc:

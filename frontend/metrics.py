@@ -66,6 +66,11 @@ RETRIES = Counter("shmserve_frontend_retries_total",
                   "answered that it was loading or draining (unavailable; it did nothing), or "
                   "refused it for its load while another was ready (overloaded; once)",
                   ["reason"])
+SUSPECTS = Counter("shmserve_frontend_suspect_requests_total",
+                   "Requests in the pass that was running when their worker was lost, which may "
+                   "be what killed it: sent again to run alone (isolated), or lost again running "
+                   "alone and answered 500 (failed: their inputs likely crash the model; never "
+                   "sent again)", ["outcome"])
 DEADLINES = Counter("shmserve_deadline_exceeded_total",
                     "Requests whose deadline passed (504)", ["model"])
 WORKER_RESTARTS = Counter("shmserve_worker_restarts_seen_total",
@@ -142,6 +147,7 @@ inflight, texts, tokens = (Children(m, turn) for m in (INFLIGHT, TEXTS, TOKENS))
 input_tokens, truncated = Children(INPUT_TOKENS, turn), Children(TRUNCATED, turn)
 rejected, deadlines = Children(REJECTED, turn), Children(DEADLINES, turn)
 refused, retries = Children(REFUSED, turn), Children(RETRIES, turn)
+suspects = Children(SUSPECTS, turn)
 cache, cache_bytes = Children(CACHE, turn), Children(CACHE_BYTES)
 
 
@@ -167,6 +173,8 @@ def start(models: dict[str, Any], frontend: int, workers: int) -> None:
         REFUSED.labels(reason)
     for reason in ("worker_lost", "unavailable", "overloaded"):
         RETRIES.labels(reason)
+    for outcome in ("isolated", "failed"):
+        SUSPECTS.labels(outcome)
     INFLIGHT.labels(str(frontend)).set(0)
     ARENA_USED.labels(str(frontend)).set(0)
 

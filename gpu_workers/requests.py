@@ -9,7 +9,7 @@ import numpy as np
 
 from gpu_workers.slots import Slot
 from shmserve.arena import Attachments
-from shmserve.protocol import Submit
+from shmserve.protocol import RUNNING_MARK, Submit
 
 
 @dataclass(slots=True, eq=False)
@@ -32,6 +32,7 @@ class Request:
     orphaned: bool = False  # its frontend is gone: off the queue bound (Intake.orphan)
     released_tokens: int = 0  # its tokens_left when orphaned, taken off the backlog then
     tokens_left: int = 0  # admitted and not yet computed (shmserve.admission)
+    marks: np.ndarray | None = None  # the first 32 bits of every output row (mark_running)
 
     def rows(self, index: int) -> np.ndarray:
         """Where text `index`'s output goes in shared memory: its row, or (per_token) its
@@ -39,6 +40,19 @@ class Request:
         if self.msg.per_token:
             return self.out[self.offsets[index]:self.offsets[index + 1]]
         return self.out[index]
+
+
+def mark_running(texts: list[QueuedText]) -> None:
+    """Write protocol.RUNNING_MARK into each text's first output row, as its pass begins: the
+    rows its pass answers overwrite it; a frontend that finds it after this worker died knows
+    the text was in the pass that was running (frontend.dispatch: a request that may have
+    killed the worker is sent again alone, and not a third time)."""
+    for text in texts:
+        request = text.request
+        if request.marks is None:
+            request.marks = request.out.view(np.uint32)[:, 0]
+        request.marks[request.offsets[text.index] if request.msg.per_token
+                      else text.index] = RUNNING_MARK
 
 
 def pass_rows(out: np.ndarray, texts: list[QueuedText], per_token: bool):
@@ -62,11 +76,13 @@ class QueuedText:
         # Batches group by slot (one revision each), and per-token requests apart (their pass
         # gives every token's row, not one pooled row per text), and so raw ones (their pass
         # skips the model's normalisation) and those whose pooling skips another number of
-        # leading tokens (a prompt's: Submit.skip).
+        # leading tokens (a prompt's: Submit.skip); a request sent alone (Submit.alone) apart
+        # from every other.
         msg = self.request.msg
         self.model = self.request.slot.key + ("+tokens" if msg.per_token else
                                                "+raw" if msg.raw else "") + (
-            f"+skip{msg.skip}" if msg.skip and not msg.per_token else "")
+            f"+skip{msg.skip}" if msg.skip and not msg.per_token else "") + (
+            f"+alone{id(self.request)}" if msg.alone else "")  # batched with no other
         self.priority = self.request.msg.priority
         self.arrived = self.request.arrived
 

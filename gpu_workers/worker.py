@@ -32,7 +32,7 @@ from gpu_workers.loading import (Retried, Retries, back_off, describe, load_agai
                                  unloaded_at_start)
 from gpu_workers.memory import MemoryCare, Policy, TorchAllocator, forward_in_halves
 from gpu_workers.metrics import WorkerMetrics
-from gpu_workers.requests import QueuedText, Request, model_inputs, pass_rows
+from gpu_workers.requests import QueuedText, Request, mark_running, model_inputs, pass_rows
 from gpu_workers.slots import Built, Orphaned, Slots, hosted_configs
 from gpu_workers.sockets import ANNOUNCE, REPLIES, SocketThread
 from shmserve import state, topology, wire
@@ -315,6 +315,7 @@ class Worker:
                    else functools.partial(slot.model.forward_groups, normalize=not msg.raw,
                                           skip=msg.skip) if msg.raw or msg.skip
                    else slot.model.forward_groups)
+        mark_running(texts)
         self.status.pass_began = time.monotonic()
         try:
             out, ok = forward_in_halves(forward, groups, self.memory.after_oom, per_token)

@@ -24,13 +24,13 @@ import re
 from dataclasses import dataclass
 from enum import IntEnum
 
-PROTOCOL_VERSION = 13  # 3: a worker sends a batch's replies to a frontend as one message;
+PROTOCOL_VERSION = 14  # 3: a worker sends a batch's replies to a frontend as one message;
 # 4: ErrorCode.OUT_OF_MEMORY; 5: Heartbeat.pass_s, and a rerank row is the raw logit (the
 # frontend applies the activation), not the score; 6: Heartbeat's admission estimate (drain_rate,
 # drain_pass_s, queued_tokens), a classification row is the raw logits (the frontend applies
 # the softmax), and Ping names its frontend and pid; 8: Submit.raw; 9: Closing and ClosingSeen;
 # 10: ModelInfo.loader; 11: Heartbeat.failure; 12: Submit.skip; 13: Heartbeat.unloaded and
-# ErrorCode.PAST_DEADLINE
+# ErrorCode.PAST_DEADLINE; 14: Submit.alone and RUNNING_MARK
 
 
 class Kind(IntEnum):
@@ -203,6 +203,16 @@ class Submit:
     # token before it, for a model whose pooling excludes the prompt (ModelSpec.skips_prompt).
     # A pass never mixes requests of different skips.
     skip: int = 0
+    # Run in a pass of its own (its own texts only): it was in the pass of a worker that died
+    # (frontend.dispatch), and may be what killed it.
+    alone: bool = False
+
+
+# What a worker writes into the first 32 bits of each text's first output row as the pass that
+# runs the text begins (a NaN's bits, which no row it answers holds: those are checked finite),
+# and the frontend clears before it sends the request: found there once the worker is gone,
+# the text was in the pass that was running when it died.
+RUNNING_MARK = 0x7FC5EED5
 
 
 @dataclass(frozen=True, slots=True)
