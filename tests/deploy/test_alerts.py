@@ -1,0 +1,114 @@
+"""deploy/grafana/alerts.yml, Prometheus's alerting rules: each parses as PromQL (the grammar
+Prometheus's own parser implements, through promql-parser), and names only metrics the server
+declares, with only their labels: a rule on a misspelt metric or label selects nothing and never
+fires, and nothing says so. Against a live exposition: tests/e2e/test_observability.py."""
+
+from __future__ import annotations
+
+import promql_parser as promql
+import pytest
+import yaml
+
+from frontend import metrics as frontend_metrics
+from gpu_workers import metrics as worker_metrics
+from shmserve import nginx_stats, reaper
+from shmserve.config import REPO_ROOT
+
+ALERTS = REPO_ROOT / "deploy" / "grafana" / "alerts.yml"
+# Labels every scraped series has (Prometheus's target labels), and Prometheus's own `up`
+TARGET_LABELS = {"instance", "job"}
+PROMETHEUS_SERIES = {"up": {"instance", "job"}}
+
+
+def rules() -> list[dict]:
+    return [rule for group in yaml.safe_load(ALERTS.read_text())["groups"]
+            for rule in group["rules"]]
+
+
+def declared_labels() -> dict[str, set[str]]:
+    """Every sample name the code declares, with its labels (TARGET_LABELS added)."""
+    names = {name: {"program"} for name in ("shmserve_process_resident_memory_bytes",
+                                            "shmserve_process_open_fds",
+                                            "shmserve_process_max_fds")}  # read at scrape time
+    for module in (frontend_metrics, worker_metrics, reaper, nginx_stats):
+        for value in vars(module).values():
+            if hasattr(value, "_type") and hasattr(value, "_name"):
+                base, labels = value._name, set(value._labelnames)
+                samples = {"counter": {f"{base}_total": labels}, "gauge": {base: labels},
+                           "histogram": {f"{base}_bucket": labels | {"le"},
+                                         f"{base}_sum": labels, f"{base}_count": labels}}
+                names.update(samples[value._type])
+    names.update(PROMETHEUS_SERIES)
+    return {name: labels | TARGET_LABELS for name, labels in names.items()}
+
+
+def selectors(expr) -> list[tuple[promql.VectorSelector, set[str]]]:
+    """Each series selector in `expr` (its metric `.name`, its `.matchers.matchers`), with the
+    labels of the innermost aggregation around it (`by (...)`)."""
+    found = []
+
+    def walk(node, grouping: set[str]) -> None:
+        if isinstance(node, promql.VectorSelector):
+            found.append((node, grouping))
+        elif isinstance(node, promql.MatrixSelector):
+            walk(node.vector_selector, grouping)
+        elif isinstance(node, promql.AggregateExpr):
+            labels = set(node.modifier.labels) if node.modifier is not None else set()
+            walk(node.expr, labels)
+        elif isinstance(node, promql.BinaryExpr):
+            walk(node.lhs, grouping)
+            walk(node.rhs, grouping)
+        elif isinstance(node, promql.Call):
+            for arg in node.args:
+                walk(arg, grouping)
+        elif isinstance(node, (promql.ParenExpr, promql.UnaryExpr, promql.SubqueryExpr)):
+            walk(node.expr, grouping)
+
+    walk(expr, set())
+    return found
+
+
+@pytest.mark.parametrize("rule", rules(), ids=lambda rule: rule["alert"])
+def test_each_rule_parses_and_names_only_declared_metrics_and_labels(rule):
+    assert set(rule) <= {"alert", "expr", "for", "labels", "annotations"}, rule
+    assert rule["alert"].startswith("Shmserve") and rule["labels"]["severity"] in (
+        "critical", "warning")
+    assert rule["annotations"]["summary"] and rule["annotations"]["description"]
+    expr = promql.parse(rule["expr"])  # ValueError where it does not parse
+    declared = declared_labels()
+    found = selectors(expr)
+    assert found, rule["expr"]
+    for node, grouping in found:
+        name, matched = node.name, {m.name for m in node.matchers.matchers}
+        assert name in declared, f"{rule['alert']}: no metric {name}"
+        unknown = (matched | grouping) - declared[name]
+        assert not unknown, f"{rule['alert']}: {name} has no label {sorted(unknown)}"
+        # every host's series apart (each has a worker 0): the instance is kept
+        assert not grouping or "instance" in grouping, f"{rule['alert']}: by {grouping}"
+
+
+def test_the_rules_cover_what_takes_a_deployment_down():
+    names = {rule["alert"] for rule in rules()}
+    assert {"ShmserveDown", "ShmserveNoWorkerReady", "ShmserveWorkerCrashLooping",
+            "ShmserveCrashingInput", "ShmserveServerErrors", "ShmserveSharedMemoryFull"} <= names
+    assert len(names) == len(rules())  # one rule a name
+
+
+def test_a_rule_on_a_misspelt_metric_or_label_is_caught():
+    declared = declared_labels()
+    for expr, wrong in (('sum by (instance) (rate(shmserve_request_total[5m]))',
+                         "shmserve_request_total"),
+                        ('max by (instance, wroker) (shmserve_worker_ready)', "wroker"),
+                        ('shmserve_frontend_refused_total{reson="shm_full"}', "reson")):
+        (node, grouping), = selectors(promql.parse(expr))
+        matched = {m.name for m in node.matchers.matchers}
+        assert node.name not in declared or wrong in (matched | grouping) - declared[node.name]
+    with pytest.raises(ValueError):
+        promql.parse("sum(rate(shmserve_requests_total[5m])")
+
+
+def test_the_scrape_config_loads_the_rules_beside_it():
+    cfg = yaml.safe_load((ALERTS.parent / "prometheus.yml").read_text())
+    assert cfg["rule_files"] == ["alerts.yml"]
+    assert {job["job_name"] for job in cfg["scrape_configs"]} == {"shmserve"}
+    assert all('job="shmserve"' in rule["expr"] for rule in rules() if "up{" in rule["expr"])
