@@ -335,7 +335,13 @@ def sync(cfg: Config, group: str, program: str, running: bool = False) -> str:
 
 def replace(cfg: Config, group: str, program: str, timeout: float) -> None:
     """Stop `program` (it drains), make it as the rendered config says, start it and wait until
-    it serves again."""
+    it serves again. One stopped by a command (`shmserve ctl stop`) is made as the config says
+    and left stopped: an apply started it again."""
+    if state_of(cfg, program) == "STOPPED":
+        sync(cfg, group, program)
+        say(f"shmserve: {program} is stopped (a stop command): left stopped, on the new config "
+            f"when it starts (`shmserve ctl start {group}:{program}`)")
+        return
     ctl(cfg, "stop", f"{group}:{program}")
     sync(cfg, group, program)
     with processes.supervisor(cfg) as proxy:
@@ -351,6 +357,11 @@ def replace(cfg: Config, group: str, program: str, timeout: float) -> None:
 def remove(cfg: Config, group: str, program: str) -> None:
     ctl(cfg, "stop", f"{group}:{program}")
     sync(cfg, group, program)
+
+
+def state_of(cfg: Config, program: str) -> str:
+    """`program`'s state as supervisord says it (RUNNING, STOPPED, ...); "" where it has none."""
+    return next((p["statename"] for p in process_info(cfg) if p["name"] == program), "")
 
 
 def pid_of(cfg: Config, program: str, wait_s: float = 10.0) -> int:

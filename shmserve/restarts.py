@@ -92,6 +92,16 @@ def _restart(args: argparse.Namespace, cfg: Config) -> int:
                            "finishes it")
         if change := versions.protocol_change(cfg):  # an upgrade: restart all together
             raise CliError(change)
+    # A group's programs stopped by a command (`shmserve ctl stop`) stay stopped: restarting
+    # the group started them again. Named alone, a program is restarted whatever its state.
+    kept = sorted(p["name"] for p in infos if p["group"] == group and name == "*"
+                  and p["statename"] == "STOPPED") if group in ("frontends", "workers") else []
+    if kept:
+        programs = [p for p in programs if p not in kept]
+        say(f"shmserve: {', '.join(kept)} {'is' if len(kept) == 1 else 'are'} stopped (a stop "
+            f"command): left stopped (`shmserve ctl start {group}:NAME` starts one)")
+        if not programs:
+            return 0
     lone = lone_models(cfg, programs if name == "*" else [name]) if group == "workers" else {}
     if warning := restart_gap(group, name, programs, args.all_at_once, lone):
         say(f"shmserve: warning: {warning}", sys.stderr)
@@ -100,7 +110,8 @@ def _restart(args: argparse.Namespace, cfg: Config) -> int:
     if name != "*":
         programs = [name]
     if args.all_at_once:  # together, then each waited for as a rolling restart waits
-        done = subprocess.run(ctl_argv(cfg, "restart", target), check=False)
+        named = [f"{group}:{p}" for p in programs] if kept else [target]
+        done = subprocess.run(ctl_argv(cfg, "restart", *named), check=False)
         if done.returncode != 0:
             return done.returncode
         pids = {p["name"]: p["pid"] for p in process_info(cfg)}

@@ -6,8 +6,9 @@ group whose section changed (a frontend added to ``[group:frontends]`` restarted
 its API adds and removes groups, not processes. ``syncProcess(group, name)`` re-reads the config
 file, as ``reloadConfig`` does, and makes the live group's process ``name`` match it: added
 (started by supervisord as any autostart process is), removed or replaced (both only once
-stopped), in the file's order, so that once every process is synced the group's config equals
-the file's and a later `update` sees nothing to change. supervisor_twiddler's
+stopped; one replaced while stopped by a command stays stopped), in the file's order, so that
+once every process is synced the group's config equals the file's and a later `update` sees
+nothing to change. supervisor_twiddler's
 ``addProgramToGroup`` / ``removeProcessFromGroup`` do the first two from options sent over RPC,
 but append at the group's end and cannot replace one in place.
 
@@ -19,7 +20,7 @@ supervisord.
 
 from __future__ import annotations
 
-from supervisor.states import STOPPED_STATES, SupervisorStates
+from supervisor.states import STOPPED_STATES, ProcessStates, SupervisorStates
 from supervisor.xmlrpc import Faults, RPCError
 
 API_VERSION = "1"
@@ -91,7 +92,13 @@ class ShmserveNamespace:
             self._place(group, wanted_group, None, process_name)
             return "removed"
         wanted.create_autochildlogs()
-        group.processes[process_name] = wanted.make_process(group)
+        made = wanted.make_process(group)
+        if process is not None and process.get_state() == ProcessStates.STOPPED:
+            # Stopped by a command (an operator's `shmserve ctl stop`, or the apply that starts
+            # it next): it stays stopped. supervisord autostarts a process it never started
+            # (laststart 0): a stopped worker was started again by an apply.
+            made.laststart = process.laststart
+        group.processes[process_name] = made
         self._place(group, wanted_group, wanted, process_name)
         return "added" if process is None else "replaced"
 

@@ -319,3 +319,30 @@ def test_status_watch_says_an_apply_runs_while_it_runs(stack):
             reading.join(30)
     said = [f.get("apply") for f in frames]
     assert said[0] is None and "running" in said and said[-1] is None, said
+
+
+def test_a_program_stopped_by_a_command_stays_stopped_through_restarts_and_applies(stack):
+    """An operator's `shmserve ctl stop workers:worker-1` (a device under repair) was undone
+    by the next rolling restart of the group, and by an apply that restarted the workers
+    (supervisord autostarted the program it made anew). Both now leave it stopped, say so, and
+    restart the others; started again, it runs as the file says (nothing left to apply)."""
+    stack.ctl("stop", "workers:worker-1")
+    assert stack.info("workers:worker-1")["statename"] == "STOPPED"
+    kept = stack.pid("workers:worker-0")
+    done = stack.cli("restart", "workers", timeout=300)
+    assert "worker-1 is stopped (a stop command): left stopped" in done.stdout, done.stdout
+    assert stack.info("workers:worker-1")["statename"] == "STOPPED"
+    assert stack.pid("workers:worker-0") not in (0, kept)
+
+    kept = stack.pid("workers:worker-0")
+    edit(stack, batching={"max_wait_ms": 3})  # a key the workers read: they restart
+    done = stack.cli("apply", timeout=300)
+    assert "worker-1 is stopped (a stop command): left stopped, on the new config" in \
+        done.stdout and "shmserve: applied" in done.stdout, done.stdout
+    assert stack.info("workers:worker-1")["statename"] == "STOPPED"
+    assert stack.pid("workers:worker-0") not in (0, kept)
+    assert stack.post_json("/predict", {"texts": ["one worker serves"]})[0] == 200
+
+    stack.ctl("start", "workers:worker-1")
+    stack.wait_until(lambda: ready_workers(stack) == [0, 1], 90, "worker-1 ready again")
+    assert "nothing to apply" in stack.cli("apply").stdout

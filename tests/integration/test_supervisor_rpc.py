@@ -91,6 +91,11 @@ def test_a_process_is_added_replaced_and_removed_while_the_others_run(supervisor
         proxy.shmserve.syncProcess("g", "a", False)  # a running process is not replaced
     proxy.supervisor.stopProcess("g:a")
     assert proxy.shmserve.syncProcess("g", "a", False) == "replaced"
+    # Stopped by a command, it stays stopped (supervisord autostarted the replacement: an
+    # apply started a worker an operator had stopped), until started
+    time.sleep(1)  # supervisord's loop ran its transitions meanwhile
+    assert states(proxy)["a"] == ("STOPPED", 0)
+    proxy.supervisor.startProcess("g:a")
     new_a = wait_running(proxy, "a")
     assert new_a != pids["a"] and states(proxy)["b"] == ("RUNNING", pids["b"])
     assert command_of(new_a) == [b"sleep", b"400"]
