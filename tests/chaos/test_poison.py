@@ -64,7 +64,10 @@ def test_a_request_that_crashes_its_worker_takes_down_two_and_no_other_request(
     (hook / "sitecustomize.py").write_text(HOOK % ABORT_AT)
     stack = Stack(tmp_path / "stack", tiny_overrides(
         tiny_model, frontends={"count": 1, "no_worker_wait_s": 30, "request_timeout_s": 60},
-        workers={"devices": "cpu", "cpu_workers": 2, "torch_threads": 1}))
+        workers={"devices": "cpu", "cpu_workers": 2, "torch_threads": 1},
+        # a pass waits for the clients' next requests (they resend within milliseconds of
+        # their answers): the poison never runs in a pass of its own by chance
+        batching={"max_wait_ms": 100}))
     stack.env["PYTHONPATH"] = str(hook)
     stack._env_at_start = dict(stack.env)
     stack.up()
