@@ -15,6 +15,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from shmserve import metrics as shared
 from shmserve.metrics import Children, Turn
 from shmserve import processes
+from shmserve.arena import SHM_DIR
 from shmserve.config import Config
 
 # Stages of one request; each is a disjoint part of the total, so they never add up to more than
@@ -281,5 +282,7 @@ def exposition(cfg: Config, workers: int) -> tuple[bytes, str]:
     event loop. `workers`: how many the deployment has (each shows shmserve_worker_ready,
     0 while it does not run)."""
     return shared.exposition([shared.ResidentMemory(lambda: processes.resident(cfg)),
-                              shared.OpenFiles(lambda: processes.open_files(cfg))],
+                              shared.OpenFiles(lambda: processes.open_files(cfg)),
+                              shared.Filesystems({"run_dir": str(cfg.run_dir),
+                                                  "shm": str(SHM_DIR)})],
                              [str(i) for i in range(workers)])

@@ -294,6 +294,32 @@ class OpenFiles(Collector):
         yield most
 
 
+class Filesystems(Collector):
+    """``shmserve_filesystem_avail_bytes{volume}`` and ``shmserve_filesystem_size_bytes{volume}``,
+    read when scraped (statvfs) for each of `volumes` (name -> path): the run directory, whose
+    filling loses log lines and metrics updates, and /dev/shm, whose filling refuses requests
+    (503 shm_full). A path it cannot read is left out."""
+
+    def __init__(self, volumes: Mapping[str, str]) -> None:
+        self._volumes = volumes
+
+    def collect(self):
+        avail = GaugeMetricFamily("shmserve_filesystem_avail_bytes", "Bytes an unprivileged "
+                                  "process may still write on the filesystem of each volume "
+                                  "(run_dir, shm), read at scrape time", labels=["volume"])
+        size = GaugeMetricFamily("shmserve_filesystem_size_bytes", "Size of that filesystem",
+                                 labels=["volume"])
+        for volume, path in sorted(self._volumes.items()):
+            try:
+                stat = os.statvfs(path)
+            except OSError:
+                continue
+            avail.add_metric([volume], float(stat.f_bavail * stat.f_frsize))
+            size.add_metric([volume], float(stat.f_blocks * stat.f_frsize))
+        yield avail
+        yield size
+
+
 class _Delegate(Collector):
     """Lets a fresh registry serve `source`'s metrics (the default registry's, or every
     process's files) without re-registering them; with shmserve_worker_ready at 0 for each of

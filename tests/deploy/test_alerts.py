@@ -30,6 +30,8 @@ def declared_labels() -> dict[str, set[str]]:
     names = {name: {"program"} for name in ("shmserve_process_resident_memory_bytes",
                                             "shmserve_process_open_fds",
                                             "shmserve_process_max_fds")}  # read at scrape time
+    names.update({name: {"volume"} for name in ("shmserve_filesystem_avail_bytes",
+                                                "shmserve_filesystem_size_bytes")})
     for module in (frontend_metrics, worker_metrics, reaper, nginx_stats):
         for value in vars(module).values():
             if hasattr(value, "_type") and hasattr(value, "_name"):

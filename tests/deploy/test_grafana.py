@@ -25,7 +25,8 @@ def dashboard() -> dict:
 def declared_samples() -> set[str]:
     """Every sample name the code declares (what a scrape can show)."""
     names = {"shmserve_process_resident_memory_bytes",  # read at scrape time
-             "shmserve_process_open_fds", "shmserve_process_max_fds"}
+             "shmserve_process_open_fds", "shmserve_process_max_fds",
+             "shmserve_filesystem_avail_bytes", "shmserve_filesystem_size_bytes"}
     for module in (frontend_metrics, worker_metrics, reaper, nginx_stats):
         for value in vars(module).values():
             if hasattr(value, "_type") and hasattr(value, "_name"):

@@ -455,7 +455,24 @@ def test_alert_rules_select_exposed_series(stack):
                 continue
             assert node.name in exposed, (rule["alert"], node.name)
             for matcher in node.matchers.matchers:
-                if matcher.op == promql.MatchOp.Equal and matcher.name in ("reason", "outcome"):
+                if matcher.op == promql.MatchOp.Equal and matcher.name in ("reason", "outcome",
+                                                                          "volume"):
                     assert any(labels.get(matcher.name) == matcher.value
                                for labels, _ in exposed[node.name]), (rule["alert"], matcher)
 
+
+
+def test_the_run_directorys_and_dev_shms_room_are_read_at_scrape_time(stack):
+    """A full run directory loses log lines and metric updates, a full /dev/shm refuses
+    requests: their room is in every scrape (deploy/grafana/alerts.yml alerts on it)."""
+    import os
+
+    samples = scrape(stack)
+    for volume, path in (("run_dir", stack.run_dir), ("shm", "/dev/shm")):
+        fs = os.statvfs(path)
+        size = total(samples, "shmserve_filesystem_size_bytes", volume=volume)
+        avail = total(samples, "shmserve_filesystem_avail_bytes", volume=volume)
+        assert size == fs.f_blocks * fs.f_frsize, (volume, size)
+        # what the suite writes beside it moves the free bytes a little between the reads
+        assert 0 < avail <= size and abs(avail - fs.f_bavail * fs.f_frsize) < 256 << 20, (
+            volume, avail, fs.f_bavail * fs.f_frsize)
