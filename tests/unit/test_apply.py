@@ -282,6 +282,59 @@ def test_an_apply_nginx_refuses_leaves_no_apply_under_way(base, monkeypatch):
     assert marker.read_text() == earlier
 
 
+def test_a_stopped_program_is_left_so_unless_the_apply_it_goes_on_from_stopped_it(
+        base, monkeypatch):
+    """A program stopped by a command stays stopped through an apply (made as the new config
+    says, not started); one that an apply killed between its stop and its start left stopped
+    (run/apply.json's "replacing") is started by the apply that goes on, which carries the
+    record over."""
+    import contextlib
+    import json
+
+    from shmserve import render
+
+    running(base, monkeypatch)
+    did = []
+    proxy = type("Proxy", (), {"supervisor": type("Sup", (), {
+        "startProcess": staticmethod(lambda name, wait: did.append(("start", name)))})})
+    monkeypatch.setattr(apply.processes, "supervisor", lambda cfg: contextlib.nullcontext(proxy))
+    monkeypatch.setattr(apply, "state_of", lambda cfg, program: "STOPPED")
+    monkeypatch.setattr(apply, "ctl", lambda cfg, *args: did.append(("stop", args[1])))
+    monkeypatch.setattr(apply, "sync", lambda cfg, group, program: did.append(("sync", program)))
+    monkeypatch.setattr(apply, "pid_of", lambda cfg, program: 1)
+    monkeypatch.setattr(apply, "wait_until_ready",
+                        lambda cfg, group, program, *a, **k: did.append(("ready", program)))
+    marker = apply.topology.apply_marker_path(base)
+    marker.write_text(json.dumps({"from": json.loads(base.to_json()), "attempts": [],
+                                  "replacing": "worker-1"}))
+    apply.replace(base, "workers", "worker-0", 5)  # an operator's stop: left stopped
+    assert did == [("sync", "worker-0")]
+    did.clear()
+    apply.replace(base, "workers", "worker-1", 5)  # the killed apply's own
+    assert did == [("stop", "workers:worker-1"), ("sync", "worker-1"),
+                   ("start", "workers:worker-1"), ("ready", "worker-1")]
+    assert json.loads(marker.read_text())["replacing"] == ""
+
+    # The apply that goes on keeps the record in the one it writes (read at render, here
+    # refused so that nothing runs)
+    running(base, monkeypatch)
+    render.nginx_conf(base).write_text("# the running one\n")
+    marker.write_text(json.dumps({"from": json.loads(base.to_json()), "attempts": [],
+                                  "replacing": "worker-1"}))
+    seen = []
+
+    def refused(cfg):
+        seen.append(json.loads(marker.read_text()).get("replacing"))
+        raise render.RenderError("stop here")
+
+    monkeypatch.setattr(apply.render, "render", refused)
+    args = type("Args", (), {"dry_run": False, "timeout": None, "env": None, "config": None,
+                             "move": False})
+    with pytest.raises(render.RenderError):
+        apply._apply(args, with_(base, batching={"max_wait_ms": 3}))
+    assert seen == ["worker-1"]
+
+
 def test_a_dry_run_after_an_apply_that_stopped_part_way_lists_the_keys(base, monkeypatch,
                                                                         capsys):
     """It printed "the config from before the earlier apply" where the README says a dry run
