@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Mapping
+from typing import Mapping, Sequence
 
 from shmserve import (config, configview, layers, models, processes, render, state, topology,
                       versions)
@@ -103,7 +103,7 @@ def _restart(args: argparse.Namespace, cfg: Config) -> int:
         if not programs:
             return 0
     lone = lone_models(cfg, programs if name == "*" else [name]) if group == "workers" else {}
-    if warning := restart_gap(group, name, programs, args.all_at_once, lone):
+    if warning := restart_gap(group, name, programs, args.all_at_once, lone, kept):
         say(f"shmserve: warning: {warning}", sys.stderr)
     if group not in ("frontends", "workers"):
         return subprocess.run(ctl_argv(cfg, "restart", target), check=False).returncode
@@ -209,15 +209,19 @@ def gap_of(group: str) -> str | None:
 
 
 def restart_gap(group: str, name: str, programs: list[str], all_at_once: bool,
-                lone: dict[str, list[str]] | None = None) -> str | None:
-    """What a restart of `name` ('*': all) in `group` (whose programs are `programs`) leaves
-    unserved, or None when the others serve meanwhile. `lone`: lone_models of the restarted
-    workers."""
+                lone: dict[str, list[str]] | None = None,
+                stopped: Sequence[str] = ()) -> str | None:
+    """What a restart of `name` ('*': all) in `group` (whose programs are `programs`, besides
+    those `stopped` by a command) leaves unserved, or None when the others serve meanwhile.
+    `lone`: lone_models of the restarted workers."""
     gap = gap_of(group)
     if gap is None:
         return None
     if all_at_once and (name == "*" or len(programs) == 1):
         return f"{group} restart all at once: {gap} (without --all-at-once, one at a time)"
+    if len(programs) == 1 and stopped:
+        return (f"{programs[0]} is the only program of {group} running ({', '.join(stopped)} "
+                f"stopped): {gap}")
     if len(programs) == 1:
         return (f"{programs[0]} is the only program in {group}: {gap}; with two or more, "
                 f"{group} restart without a gap")

@@ -39,6 +39,13 @@ def test_a_restart_that_leaves_a_gap_says_so(group, name, programs, all_at_once,
     assert (warning is None) if gap is None else warning.startswith(gap)
 
 
+def test_a_gap_left_by_a_stopped_sibling_is_said_as_such():
+    """It said "worker-1 is the only program in workers" with worker-0 stopped by a command."""
+    warning = restarts.restart_gap("workers", "*", ["worker-1"], False, stopped=["worker-0"])
+    assert warning.startswith("worker-1 is the only program of workers running (worker-0 "
+                              "stopped): requests wait for a worker"), warning
+
+
 def test_a_rolling_worker_restart_names_the_models_only_one_worker_loads():
     cfg = config.from_tree({
         "workers": {"devices": "cpu", "cpu_workers": 3},
