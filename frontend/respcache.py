@@ -25,6 +25,11 @@ from shmserve.protocol import Result
 ENTRY_BYTES = 120  # an entry's own overhead, roughly (the dict's, the key tuple's, the array's)
 
 
+def _entry_bytes(key: tuple, row: np.ndarray) -> int:
+    """What an entry counts against the cache's size: its row, its token ids, its overhead."""
+    return row.nbytes + len(key[-1]) + ENTRY_BYTES
+
+
 class ResponseCache:
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
@@ -61,14 +66,13 @@ class ResponseCache:
             return
         rows = self._rows
         for key, row in zip(keys, outcome.vectors):
-            size = row.nbytes + len(key[-1]) + ENTRY_BYTES
+            size = _entry_bytes(key, row)
             if size > self.max_bytes:
                 continue
             old = rows.pop(key, None)
             if old is not None:
-                self.bytes -= old.nbytes + len(key[-1]) + ENTRY_BYTES
+                self.bytes -= _entry_bytes(key, old)
             rows[key] = row.copy()
             self.bytes += size
             while self.bytes > self.max_bytes:
-                gone_key, gone = rows.popitem(last=False)
-                self.bytes -= gone.nbytes + len(gone_key[-1]) + ENTRY_BYTES
+                self.bytes -= _entry_bytes(*rows.popitem(last=False))

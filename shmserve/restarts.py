@@ -94,23 +94,26 @@ def _restart(args: argparse.Namespace, cfg: Config) -> int:
             raise CliError(change)
     # A group's programs stopped by a command (`shmserve ctl stop`) stay stopped: restarting
     # the group started them again. Named alone, a program is restarted whatever its state.
-    kept = sorted(p["name"] for p in infos if p["group"] == group and name == "*"
-                  and p["statename"] == "STOPPED") if group in ("frontends", "workers") else []
-    if kept:
-        programs = [p for p in programs if p not in kept]
-        say(f"shmserve: {', '.join(kept)} {'is' if len(kept) == 1 else 'are'} stopped (a stop "
-            f"command): left stopped (`shmserve ctl start {group}:NAME` starts one)")
+    left_stopped = []
+    if name == "*" and group in ("frontends", "workers"):
+        left_stopped = sorted(p["name"] for p in infos
+                              if p["group"] == group and p["statename"] == "STOPPED")
+    if left_stopped:
+        programs = [p for p in programs if p not in left_stopped]
+        say(f"shmserve: {', '.join(left_stopped)} {'is' if len(left_stopped) == 1 else 'are'} "
+            f"stopped (a stop command): left stopped (`shmserve ctl start {group}:NAME` starts "
+            "one)")
         if not programs:
             return 0
     lone = lone_models(cfg, programs if name == "*" else [name]) if group == "workers" else {}
-    if warning := restart_gap(group, name, programs, args.all_at_once, lone, kept):
+    if warning := restart_gap(group, name, programs, args.all_at_once, lone, left_stopped):
         say(f"shmserve: warning: {warning}", sys.stderr)
     if group not in ("frontends", "workers"):
         return subprocess.run(ctl_argv(cfg, "restart", target), check=False).returncode
     if name != "*":
         programs = [name]
     if args.all_at_once:  # together, then each waited for as a rolling restart waits
-        named = [f"{group}:{p}" for p in programs] if kept else [target]
+        named = [f"{group}:{p}" for p in programs] if left_stopped else [target]
         done = subprocess.run(ctl_argv(cfg, "restart", *named), check=False)
         if done.returncode != 0:
             return done.returncode

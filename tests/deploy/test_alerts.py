@@ -1,7 +1,7 @@
 """deploy/grafana/alerts.yml, Prometheus's alerting rules: each parses as PromQL (the grammar
 Prometheus's own parser implements, through promql-parser), and names only metrics the server
 declares, with only their labels: a rule on a misspelt metric or label selects nothing and never
-fires, and nothing says so. Against a live exposition: tests/e2e/test_observability.py."""
+fires, and nothing says so; and against a live exposition, the suite's tiny stack."""
 
 from __future__ import annotations
 
@@ -9,10 +9,8 @@ import promql_parser as promql
 import pytest
 import yaml
 
-from frontend import metrics as frontend_metrics
-from gpu_workers import metrics as worker_metrics
-from shmserve import nginx_stats, reaper
 from shmserve.config import REPO_ROOT
+from tests.deploy.test_grafana import declared_metrics
 
 ALERTS = REPO_ROOT / "deploy" / "grafana" / "alerts.yml"
 # Labels every scraped series has (Prometheus's target labels), and Prometheus's own `up`
@@ -26,21 +24,9 @@ def rules() -> list[dict]:
 
 
 def declared_labels() -> dict[str, set[str]]:
-    """Every sample name the code declares, with its labels (TARGET_LABELS added)."""
-    names = {name: {"program"} for name in ("shmserve_process_resident_memory_bytes",
-                                            "shmserve_process_open_fds",
-                                            "shmserve_process_max_fds")}  # read at scrape time
-    names.update({name: {"volume"} for name in ("shmserve_filesystem_avail_bytes",
-                                                "shmserve_filesystem_size_bytes")})
-    for module in (frontend_metrics, worker_metrics, reaper, nginx_stats):
-        for value in vars(module).values():
-            if hasattr(value, "_type") and hasattr(value, "_name"):
-                base, labels = value._name, set(value._labelnames)
-                samples = {"counter": {f"{base}_total": labels}, "gauge": {base: labels},
-                           "histogram": {f"{base}_bucket": labels | {"le"},
-                                         f"{base}_sum": labels, f"{base}_count": labels}}
-                names.update(samples[value._type])
-    names.update(PROMETHEUS_SERIES)
+    """Every sample name the code declares, with its labels, and Prometheus's `up`; the target
+    labels added to each."""
+    names = {**declared_metrics(), **PROMETHEUS_SERIES}
     return {name: labels | TARGET_LABELS for name, labels in names.items()}
 
 
@@ -114,3 +100,23 @@ def test_the_scrape_config_loads_the_rules_beside_it():
     assert cfg["rule_files"] == ["alerts.yml"]
     assert {job["job_name"] for job in cfg["scrape_configs"]} == {"shmserve"}
     assert all('job="shmserve"' in rule["expr"] for rule in rules() if "up{" in rule["expr"])
+
+
+def test_the_rules_select_series_a_live_stack_exposes(tiny_stack):
+    """Every metric a rule names is in a live scrape, and so is every series a rule picks by
+    an enumerated label (a reason, an outcome, a volume), with its zero before anything
+    happened (a rule's `increase` needs the series to exist before its first count)."""
+    from tests.e2e.test_observability import scrape
+
+    assert tiny_stack.post_json("/predict", {"texts": ["for the alerts"]})[0] == 200
+    exposed = scrape(tiny_stack)
+    for rule in rules():
+        for node, _ in selectors(promql.parse(rule["expr"])):
+            if node.name in PROMETHEUS_SERIES:  # Prometheus's own
+                continue
+            assert node.name in exposed, (rule["alert"], node.name)
+            for matcher in node.matchers.matchers:
+                if matcher.op == promql.MatchOp.Equal and matcher.name in ("reason", "outcome",
+                                                                          "volume"):
+                    assert any(labels.get(matcher.name) == matcher.value
+                               for labels, _ in exposed[node.name]), (rule["alert"], matcher)

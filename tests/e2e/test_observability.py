@@ -438,30 +438,6 @@ def test_dashboard_refers_only_to_exposed_metrics(stack):
     assert used and used <= exposed, sorted(used - exposed)
 
 
-def test_alert_rules_select_exposed_series(stack):
-    """deploy/grafana/alerts.yml against the live exposition: every metric a rule names is
-    there, and so is every series a rule picks by an enumerated label (a reason, an outcome),
-    with its zero before anything happened (a rule's `increase` needs the series to exist
-    before its first count)."""
-    import promql_parser as promql
-
-    from tests.deploy.test_alerts import rules, selectors
-
-    assert stack.post_json("/predict", {"texts": ["for the alerts"]})[0] == 200
-    exposed = scrape(stack)
-    for rule in rules():
-        for node, _ in selectors(promql.parse(rule["expr"])):
-            if node.name == "up":  # Prometheus's own
-                continue
-            assert node.name in exposed, (rule["alert"], node.name)
-            for matcher in node.matchers.matchers:
-                if matcher.op == promql.MatchOp.Equal and matcher.name in ("reason", "outcome",
-                                                                          "volume"):
-                    assert any(labels.get(matcher.name) == matcher.value
-                               for labels, _ in exposed[node.name]), (rule["alert"], matcher)
-
-
-
 def test_the_run_directorys_and_dev_shms_room_are_read_at_scrape_time(stack):
     """A full run directory loses log lines and metric updates, a full /dev/shm refuses
     requests: their room is in every scrape (deploy/grafana/alerts.yml alerts on it)."""

@@ -32,3 +32,10 @@ def deployment(tmp_path, monkeypatch):
     monkeypatch.setenv("SHMSERVE__WORKERS__DEVICES", "cpu")
     monkeypatch.setenv("SHMSERVE__WORKERS__CPU_WORKERS", "2")
     return make_config(run_dir)
+
+
+@pytest.fixture
+def base(tmp_path):
+    """A rendered deployment's config of two frontends and two CPU workers (tests of apply)."""
+    return make_config(tmp_path / "run", frontends={"count": 2},
+                       workers={"devices": "cpu", "cpu_workers": 2, "torch_threads": 1})

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from shmserve import apply_plan, config
-from tests.unit.test_apply import NONE, base, with_  # noqa: F401 - base: the fixture
+from tests.unit.test_apply import NONE, with_
 
 
 def test_the_order_follows_what_the_change_needs_served_meanwhile(base, capsys):  # noqa: F811

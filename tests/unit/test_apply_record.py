@@ -1,0 +1,154 @@
+"""`shmserve apply` run against a faked supervisord (apply._apply, apply.replace): the record it
+keeps while it runs (run/apply.json), and an apply that goes on from one stopped part way."""
+
+from __future__ import annotations
+
+import pytest
+
+from shmserve import apply
+from tests.unit.test_apply import with_
+
+
+def fake_supervisor(cfg, frontends: int | None = None):
+    """What `apply` asks supervisord over XML-RPC: its API, and the programs it runs."""
+    names = [("workers", f"worker-{i}") for i in range(cfg.workers.cpu_workers)] + [
+        ("frontends", f"frontend-{i}") for i in range(frontends or cfg.frontends.count)] + [
+        ("nginx", "nginx")]
+    programs = [{"group": group, "name": name} for group, name in names]
+    return type("Proxy", (), {"shmserve": type("Api", (), {"getAPIVersion": lambda: 1}),
+                              "supervisor": type("Sup", (), {
+                                  "getAllProcessInfo": lambda: programs})})
+
+
+def running(base, monkeypatch, frontends: int | None = None) -> None:
+    """`base` as if a deployment ran it, for `apply._apply`: supervisord's answers faked
+    (`frontends` running), the checks that read the machine passed."""
+    import contextlib
+
+    base.run_dir.mkdir(parents=True, exist_ok=True)
+    (base.run_dir / "nginx").mkdir(exist_ok=True)
+    proxy = fake_supervisor(base, frontends)
+    monkeypatch.setattr(apply.processes, "running_config", lambda cfg: base)
+    monkeypatch.setattr(apply.processes, "supervisor", lambda cfg: contextlib.nullcontext(proxy))
+    monkeypatch.setattr(apply.models, "check", lambda *a: None)
+    monkeypatch.setattr(apply, "check_shm", lambda cfg: None)
+    monkeypatch.setattr(apply.versions, "protocol_change", lambda cfg: None)
+
+
+def test_an_apply_nginx_refuses_leaves_no_apply_under_way(base, monkeypatch):
+    """render refuses the new config (nginx -t) before it replaces a file: the apply marker
+    written just before goes too, or an earlier apply's is put back as it was, so `status`
+    does not report an apply stopped part way and the next apply does not resume one."""
+    import argparse
+    import json
+
+    from shmserve import render
+
+    running(base, monkeypatch)
+    render.nginx_conf(base).write_text("# the running one\n")
+
+    def refused(cfg):
+        raise render.RenderError("nginx rejects the config rendered for it")
+
+    monkeypatch.setattr(apply.render, "render", refused)
+    new = with_(base, batching={"max_wait_ms": 3})
+    args = argparse.Namespace(dry_run=False, timeout=None, env=None, config=None, move=False)
+    marker = apply.topology.apply_marker_path(base)
+    with pytest.raises(render.RenderError):
+        apply._apply(args, new)
+    assert not marker.exists()
+    earlier = json.dumps({"from": json.loads(base.to_json()), "attempts": []}) + "\n"
+    marker.write_text(earlier)
+    with pytest.raises(render.RenderError):
+        apply._apply(args, new)
+    assert marker.read_text() == earlier
+
+
+def test_a_stopped_program_is_left_so_unless_the_apply_it_goes_on_from_stopped_it(
+        base, monkeypatch):
+    """A program stopped by a command stays stopped through an apply (made as the new config
+    says, not started); one that an apply killed between its stop and its start left stopped
+    (run/apply.json's "replacing") is started by the apply that goes on, which carries the
+    record over."""
+    import contextlib
+    import json
+
+    from shmserve import render
+
+    running(base, monkeypatch)
+    did = []
+    proxy = type("Proxy", (), {"supervisor": type("Sup", (), {
+        "startProcess": staticmethod(lambda name, wait: did.append(("start", name)))})})
+    monkeypatch.setattr(apply.processes, "supervisor", lambda cfg: contextlib.nullcontext(proxy))
+    monkeypatch.setattr(apply, "state_of", lambda cfg, program: "STOPPED")
+    monkeypatch.setattr(apply, "ctl", lambda cfg, *args: did.append(("stop", args[1])))
+    monkeypatch.setattr(apply, "sync", lambda cfg, group, program: did.append(("sync", program)))
+    monkeypatch.setattr(apply, "pid_of", lambda cfg, program: 1)
+    monkeypatch.setattr(apply, "wait_until_ready",
+                        lambda cfg, group, program, *a, **k: did.append(("ready", program)))
+    marker = apply.topology.apply_marker_path(base)
+    marker.write_text(json.dumps({"from": json.loads(base.to_json()), "attempts": [],
+                                  "replacing": "worker-1"}))
+    apply.replace(base, "workers", "worker-0", 5)  # an operator's stop: left stopped
+    assert did == [("sync", "worker-0")]
+    did.clear()
+    apply.replace(base, "workers", "worker-1", 5)  # the killed apply's own
+    assert did == [("stop", "workers:worker-1"), ("sync", "worker-1"),
+                   ("start", "workers:worker-1"), ("ready", "worker-1")]
+    assert json.loads(marker.read_text())["replacing"] == ""
+
+    # The apply that goes on keeps the record in the one it writes (read at render, here
+    # refused so that nothing runs)
+    running(base, monkeypatch)
+    render.nginx_conf(base).write_text("# the running one\n")
+    marker.write_text(json.dumps({"from": json.loads(base.to_json()), "attempts": [],
+                                  "replacing": "worker-1"}))
+    seen = []
+
+    def refused(cfg):
+        seen.append(json.loads(marker.read_text()).get("replacing"))
+        raise render.RenderError("stop here")
+
+    monkeypatch.setattr(apply.render, "render", refused)
+    args = type("Args", (), {"dry_run": False, "timeout": None, "env": None, "config": None,
+                             "move": False})
+    with pytest.raises(render.RenderError):
+        apply._apply(args, with_(base, batching={"max_wait_ms": 3}))
+    assert seen == ["worker-1"]
+
+
+def test_a_dry_run_after_an_apply_that_stopped_part_way_lists_the_keys(base, monkeypatch,
+                                                                        capsys):
+    """It printed "the config from before the earlier apply" where the README says a dry run
+    lists every changed key (an outside check): the keys from the config before it, and those
+    the earlier apply's restarted programs run, put back."""
+    import argparse
+    import json
+
+    from shmserve import render
+
+    running(base, monkeypatch)
+    render.nginx_conf(base).write_text(render.render_nginx(base))
+    tried = with_(base, batching={"max_wait_ms": 9.0})
+    apply.topology.apply_marker_path(base).write_text(json.dumps(
+        {"from": json.loads(base.to_json()), "attempts": [json.loads(tried.to_json())]}))
+    args = argparse.Namespace(dry_run=True, timeout=None, env=None, config=None, move=False)
+    for new, keys in (
+            (base, ["batching.max_wait_ms: 9.0 -> 2.0 (the earlier apply's, on the programs "
+                    "it restarted)"]),  # the config put back
+            (with_(base, limits={"max_texts_per_request": 8}),
+             ["limits.max_texts_per_request: 256 -> 8",
+              "batching.max_wait_ms: 9.0 -> 2.0 (the earlier apply's, on the programs it "
+              "restarted)"]),
+            (tried, ["batching.max_wait_ms: 2.0 -> 9.0"])):  # applied again
+        assert apply._apply(args, new) == 0
+        out = capsys.readouterr().out
+        listed = out.split("would apply (finishing the earlier apply):\n")[1].split(
+            "\nshmserve:")[0]
+        assert listed.splitlines() == [f"  {key}" for key in keys], out
+    # The earlier apply had started a third frontend: its dry run listed no stop of it, which
+    # the apply then did, alone (an outside check)
+    running(base, monkeypatch, frontends=3)
+    assert apply._apply(args, base) == 0
+    steps = capsys.readouterr().out.split("shmserve: steps")[1]
+    assert "frontend-2" in steps and "stop" in steps, steps
