@@ -80,7 +80,11 @@ def test_client_disconnect_aborts_queued_work(tmp_path, slow_model):
         os.kill(worker, signal.SIGSTOP)
         try:
             # Handed to the worker once its tensors are in the arena: being in flight was not
-            # enough (a loaded CI run saw the client leave before the handoff: no drop line)
+            # enough (a loaded CI run saw the client leave before the handoff: no drop line).
+            # The gauge is set every second: read once it holds the busy request's bytes (a
+            # reading from before them let that request's own bytes pass for the handoff below;
+            # CI saw it: a 499 without handoff_ms, no drop line).
+            stack.wait_until(lambda: arena_used(stack) > 0, 30, "the busy request's arena bytes")
             held = arena_used(stack)
             body = json.dumps({"texts": ["gone"] * 5}).encode()
             client = socket.create_connection(("127.0.0.1", stack.port))
