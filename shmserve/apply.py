@@ -39,8 +39,8 @@ import xmlrpc.client
 from pathlib import Path
 from typing import Iterator, Mapping
 
-from shmserve import (config, configview, layers, models, moves, processes, render, state, tls,
-                      topology, versions)
+from shmserve import (config, configview, layers, models, moves, processes, render,
+                      restart_record, state, tls, topology, versions)
 from shmserve.apply_plan import (FIXED, Plan, by_counts, forget_overridden, index_of, nginx_differs,
                                  plan, reloads_held, warn_gaps)
 from shmserve.prechecks import CliError, check_fds, check_shm, seconds
@@ -338,12 +338,16 @@ def sync(cfg: Config, group: str, program: str, running: bool = False) -> str:
 def replace(cfg: Config, group: str, program: str, timeout: float) -> None:
     """Stop `program` (it drains), make it as the rendered config says, start it and wait until
     it serves again. One stopped by a command (`shmserve ctl stop`) is made as the config says
-    and left stopped: an apply started it again."""
+    and left stopped: an apply started it again. One a restart killed part way left stopped
+    (shmserve.restart_record) is started, as the restart would have."""
     if state_of(cfg, program) == "STOPPED" and replacing(cfg) != program:
-        sync(cfg, group, program)
-        say(f"shmserve: {program} is stopped (a stop command): left stopped, on the new config "
-            f"when it starts (`shmserve ctl start {group}:{program}`)")
-        return
+        if program in restart_record.stopped_by_restart(cfg, process_info(cfg)):
+            say(f"shmserve: {restart_record.said(cfg, [program])} on the new config")
+        else:
+            sync(cfg, group, program)
+            say(f"shmserve: {program} is stopped (a stop command): left stopped, on the new "
+                f"config when it starts (`shmserve ctl start {group}:{program}`)")
+            return
     replacing(cfg, program)  # an apply killed before the start below starts it when it goes on
     ctl(cfg, "stop", f"{group}:{program}")
     sync(cfg, group, program)

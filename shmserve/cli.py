@@ -234,6 +234,7 @@ def _start(args: argparse.Namespace, cfg: Config) -> tuple[int | None, dict[str,
     # marker made status say "stopped part way" and the next apply plan to finish it, after
     # `down` and `up`: an outside check)
     topology.apply_marker_path(cfg).unlink(missing_ok=True)
+    topology.restart_marker_path(cfg).unlink(missing_ok=True)  # (the same for a restart's)
     argv = [tool("supervisord"), "-c", str(supervisor_files.supervisord_conf(cfg))]
     log_starts = log_sizes(cfg)
     if args.foreground:

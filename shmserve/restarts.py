@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from shmserve import (config, configview, layers, models, processes, render, state, topology,
-                      versions)
+from shmserve import (config, configview, layers, models, processes, render, restart_record,
+                      state, topology, versions)
 from shmserve.probes import frontend_ready, load_failure, ready_in, seen_workers
 from shmserve.cli import CliError, ctl_argv
 from shmserve.startwait import failed_start, print_log_tails, process_info, restart_loop
@@ -94,10 +94,16 @@ def _restart(args: argparse.Namespace, cfg: Config) -> int:
             raise CliError(change)
     # A group's programs stopped by a command (`shmserve ctl stop`) stay stopped: restarting
     # the group started them again. Named alone, a program is restarted whatever its state.
+    # One stopped by a restart killed part way (between its stop and its start) is not an
+    # operator's: restarted with the others (restart_record).
     left_stopped = []
     if name == "*" and group in ("frontends", "workers"):
-        left_stopped = sorted(p["name"] for p in infos
-                              if p["group"] == group and p["statename"] == "STOPPED")
+        resumed = restart_record.stopped_by_restart(
+            cfg, [p for p in infos if p["group"] == group])
+        if resumed:
+            say(f"shmserve: {restart_record.said(cfg, resumed)} with the rest")
+        left_stopped = sorted(p["name"] for p in infos if p["group"] == group
+                              and p["statename"] == "STOPPED" and p["name"] not in resumed)
     if left_stopped:
         programs = [p for p in programs if p not in left_stopped]
         say(f"shmserve: {', '.join(left_stopped)} {'is' if len(left_stopped) == 1 else 'are'} "
@@ -114,9 +120,11 @@ def _restart(args: argparse.Namespace, cfg: Config) -> int:
         programs = [name]
     if args.all_at_once:  # together, then each waited for as a rolling restart waits
         named = [f"{group}:{p}" for p in programs] if left_stopped else [target]
+        restart_record.begin(cfg, [f"{group}:{p}" for p in programs])
         done = subprocess.run(ctl_argv(cfg, "restart", *named), check=False)
         if done.returncode != 0:
             return done.returncode
+        restart_record.end(cfg)
         pids = {p["name"]: p["pid"] for p in process_info(cfg)}
         for program in sorted(programs):
             wait_until_ready(cfg, group, program, pids.get(program, 0), timeout, rest="")
@@ -253,7 +261,9 @@ def restart_one(cfg: Config, group: str, program: str, timeout: float) -> None:
     stopped beside one still loading, requests found no ready worker (an outside check)."""
     if group == "workers":
         wait_for_others(cfg, int(program.rpartition("-")[2]), timeout)
+    restart_record.begin(cfg, [f"{group}:{program}"])
     ctl(cfg, "restart", f"{group}:{program}")
+    restart_record.end(cfg)
     pid = next((p["pid"] for p in process_info(cfg) if p["name"] == program), 0)
     wait_until_ready(cfg, group, program, pid, timeout,
                      rest=f"; the rest of the {group} were left as they are")

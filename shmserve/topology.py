@@ -114,6 +114,11 @@ def apply_marker_path(cfg: Config) -> Path:
     return cfg.run_dir / "apply.json"
 
 
+def restart_marker_path(cfg: Config) -> Path:
+    """The programs an `shmserve restart` is restarting, while it does (shmserve.restart_record)."""
+    return cfg.run_dir / "restart.json"
+
+
 def nginx_answers_log(cfg: Config) -> Path:
     """Where nginx appends the statuses it answers itself, and the reaper counts them
     (shmserve.nginx_stats)."""

@@ -277,6 +277,44 @@ def test_a_second_restart_or_apply_meanwhile_is_refused_naming_the_first(stack):
     assert stack.cli("restart", "worker-0").returncode == 0  # free again
 
 
+def test_a_restart_killed_between_stop_and_start_leaves_nothing_stopped_for_good(stack):
+    """supervisorctl's restart is a stop, then a start: a `shmserve restart workers
+    --all-at-once` killed between the two (Ctrl-C, a lost terminal) left every worker STOPPED,
+    which the next `shmserve restart workers` took for an operator's stop and left so (exit 0,
+    nothing serving). The restart's record (run/restart.json) names them: started again."""
+    import subprocess
+    import sys
+
+    from tests.stack import REPO
+
+    killed = subprocess.Popen(
+        [sys.executable, "-m", "shmserve.cli", "restart", "workers", "--all-at-once",
+         "--config", str(stack.config_file)], cwd=REPO, env=stack.env, start_new_session=True,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        seen = set()
+        deadline = time.monotonic() + 60
+        while not seen & {"STOPPING", "STOPPED"}:  # the workers' drain: the stop under way
+            assert time.monotonic() < deadline and killed.poll() is None, seen
+            seen = {p["statename"] for p in stack.processes() if p["group"] == "workers"}
+            assert "STARTING" not in seen, "the restart got to its start: no window caught"
+        os.killpg(killed.pid, signal.SIGKILL)  # the command and its supervisorctl
+    finally:
+        killed.wait(10)
+    stack.wait_until(lambda: {p["statename"] for p in stack.processes()
+                              if p["group"] == "workers"} == {"STOPPED"}, 60,
+                     "the stop it began to end")
+    assert json.loads((stack.run_dir / "restart.json").read_text())["programs"] == [
+        "workers:worker-0", "workers:worker-1"]
+    done = stack.cli("restart", "workers", timeout=300)
+    assert "worker-0, worker-1 were stopped by a restart that did not finish" in done.stdout, \
+        done.stdout
+    assert "left stopped" not in done.stdout, done.stdout
+    assert not (stack.run_dir / "restart.json").exists()
+    stack.wait_until(stack.all_ready, 90, "both workers ready again")
+    assert stack.post_json("/predict", {"texts": ["served again"]})[0] == 200
+
+
 def test_cpu_workers_that_fill_the_cores_are_pinned_one_a_core(stack):
     """workers.cpu_affinity auto: two single-thread workers on this 2-core machine each run on
     their own core (beside a busy process, a scheduler moving them served 0.7x the texts/s:

@@ -81,6 +81,7 @@ def test_a_stopped_program_is_left_so_unless_the_apply_it_goes_on_from_stopped_i
         "startProcess": staticmethod(lambda name, wait: did.append(("start", name)))})})
     monkeypatch.setattr(apply.processes, "supervisor", lambda cfg: contextlib.nullcontext(proxy))
     monkeypatch.setattr(apply, "state_of", lambda cfg, program: "STOPPED")
+    monkeypatch.setattr(apply, "process_info", lambda cfg: [])  # (no restart's record: unread)
     monkeypatch.setattr(apply, "ctl", lambda cfg, *args: did.append(("stop", args[1])))
     monkeypatch.setattr(apply, "sync", lambda cfg, group, program: did.append(("sync", program)))
     monkeypatch.setattr(apply, "pid_of", lambda cfg, program: 1)
@@ -115,6 +116,39 @@ def test_a_stopped_program_is_left_so_unless_the_apply_it_goes_on_from_stopped_i
     with pytest.raises(render.RenderError):
         apply._apply(args, with_(base, batching={"max_wait_ms": 3}))
     assert seen == ["worker-1"]
+
+
+def test_a_program_a_killed_restart_left_stopped_is_started_by_an_apply(base, monkeypatch):
+    """A `shmserve restart` killed between its stop and its start (shmserve.restart_record)
+    left its program stopped: an apply that restarts the group starts it, as the restart would
+    have (it was taken for an operator's stop and left so); an operator's stop is still kept."""
+    import contextlib
+    import time
+
+    from shmserve import restart_record
+
+    running(base, monkeypatch)
+    did = []
+    proxy = type("Proxy", (), {"supervisor": type("Sup", (), {
+        "startProcess": staticmethod(lambda name, wait: did.append(("start", name)))})})
+    monkeypatch.setattr(apply.processes, "supervisor", lambda cfg: contextlib.nullcontext(proxy))
+    monkeypatch.setattr(apply, "state_of", lambda cfg, program: "STOPPED")
+    earlier = int(time.time()) - 60
+    monkeypatch.setattr(apply, "process_info", lambda cfg: [
+        {"group": "workers", "name": f"worker-{i}", "statename": "STOPPED", "start": earlier}
+        for i in (0, 1)])
+    monkeypatch.setattr(apply, "ctl", lambda cfg, *args: did.append(("stop", args[1])))
+    monkeypatch.setattr(apply, "sync", lambda cfg, group, program: did.append(("sync", program)))
+    monkeypatch.setattr(apply, "pid_of", lambda cfg, program: 1)
+    monkeypatch.setattr(apply, "wait_until_ready",
+                        lambda cfg, group, program, *a, **k: did.append(("ready", program)))
+    restart_record.begin(base, ["workers:worker-1"])
+    apply.replace(base, "workers", "worker-0", 5)  # an operator's stop: left stopped
+    assert did == [("sync", "worker-0")]
+    did.clear()
+    apply.replace(base, "workers", "worker-1", 5)
+    assert did == [("stop", "workers:worker-1"), ("sync", "worker-1"),
+                   ("start", "workers:worker-1"), ("ready", "worker-1")]
 
 
 def test_a_dry_run_after_an_apply_that_stopped_part_way_lists_the_keys(base, monkeypatch,
