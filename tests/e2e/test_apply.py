@@ -333,6 +333,11 @@ def test_a_program_stopped_by_a_command_stays_stopped_through_restarts_and_appli
     assert "worker-1 is stopped (a stop command): left stopped" in done.stdout, done.stdout
     assert stack.info("workers:worker-1")["statename"] == "STOPPED"
     assert stack.pid("workers:worker-0") not in (0, kept)
+    kept = stack.pid("workers:worker-0")  # all at once: the running ones, by name
+    done = stack.cli("restart", "workers", "--all-at-once", timeout=300)
+    assert "worker-1 is stopped (a stop command): left stopped" in done.stdout, done.stdout
+    assert stack.info("workers:worker-1")["statename"] == "STOPPED"
+    assert stack.pid("workers:worker-0") not in (0, kept)
 
     kept = stack.pid("workers:worker-0")
     edit(stack, batching={"max_wait_ms": 3})  # a key the workers read: they restart
