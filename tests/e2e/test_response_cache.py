@@ -106,6 +106,38 @@ def test_a_repeated_request_is_answered_from_the_cache(stack, tiny_model):
     assert 0 < held <= 1 << 20
 
 
+def test_an_apply_of_the_dtype_is_not_answered_with_the_old_dtypes_rows(stack):
+    """An apply of a model's dtype keeps its revision (the same weights): its rows are not
+    answered from the caches, which it empties (it restarts the frontends too: they read the
+    models' config); and back."""
+    import yaml
+
+    def serve_in(dtype: str) -> None:
+        tree = yaml.safe_load(stack.config_file.read_text())
+        tree["models"][0]["dtype"] = dtype
+        stack.config_file.write_text(yaml.safe_dump(tree))
+        stack.cli("apply", timeout=300)
+        stack.wait_until(stack.all_ready, 90, f"the worker ready in {dtype}")
+        _, _, raw = stack.get("/info")
+        [info] = [m for m in json.loads(raw)["models"] if m["name"] == "tiny"]
+        assert info["dtype"] == dtype, info
+
+    first, headers, _ = embed(stack, TEXTS)
+    embed(stack, TEXTS)  # held
+    revision = headers["X-Model-Revision"]
+    for dtype in ("bf16", "fp32"):
+        serve_in(dtype)
+        hits = cache_count(stack, "hit")  # (counted on across restarts)
+        rows, headers, _ = embed(stack, TEXTS)
+        assert headers["X-Model-Revision"] == revision and cache_count(stack, "hit") == hits
+        if dtype == "bf16":
+            assert not np.array_equal(rows, first)  # bf16's rows, not the fp32 ones held
+        np.testing.assert_allclose(rows, first, atol=0.05 if dtype == "bf16" else 1e-6)
+        again, _, _ = embed(stack, TEXTS)  # and held in their turn
+        np.testing.assert_array_equal(again, rows)
+        assert cache_count(stack, "hit") == hits + 1
+
+
 def test_a_reload_is_never_answered_with_the_old_weights_rows(stack, tiny_model):
     first, _, _ = embed(stack, TEXTS)
     embed(stack, TEXTS)  # held
@@ -120,3 +152,4 @@ def test_a_reload_is_never_answered_with_the_old_weights_rows(stack, tiny_model)
     again, headers, _ = embed(stack, TEXTS)  # the new weights' rows, held in their turn
     np.testing.assert_array_equal(again, after)
     assert cache_count(stack, "hit") == hits + 1 and headers["X-Model-Revision"] == "tiny-r2"
+
