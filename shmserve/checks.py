@@ -78,6 +78,8 @@ CHECKS: dict[str, Check] = {
     "nginx.rate_limit_burst": (lambda v: 0 <= v <= 1_000_000, "an integer >= 0"),
     "nginx.rate_limit_key": (lambda v: v in ("ip", "api_key", "certificate"),
                              "ip, api_key or certificate"),
+    "nginx.max_requests_per_client": (lambda v: 0 <= v <= 1_000_000,
+                                      "0 (off) or an integer from 1 to 1000000"),
     "nginx.upstream_keepalive": (lambda v: 1 <= v <= 65536, "an integer from 1 to 65536"),
     "nginx.worker_processes": (lambda v: v == "auto" or (isinstance(v, int) and 1 <= v <= 1024),
                                "auto or an integer from 1 to 1024"),

@@ -64,7 +64,12 @@ class NginxConfig:
     # request every 2 s), kept to the nearest request a minute (nginx's r/m).
     rate_limit_per_s: float = 0
     rate_limit_burst: int = 0
+    # The client of both limits (this and max_requests_per_client)
     rate_limit_key: str = "ip"
+    # Per-client requests in flight at once, on the same routes (nginx's limit_conn; over
+    # HTTP/2 each stream counts): past it a client gets 429 from nginx at once, so one client's
+    # many slow requests cannot hold every frontend and worker slot. 0: off.
+    max_requests_per_client: int = 0
     upstream_keepalive: int = 64
     admin_loopback_only: bool = True
     # Browser origins allowed to call the API (CORS, answered by nginx): ["*"] for any, or
@@ -344,11 +349,12 @@ def from_tree(tree: Mapping[str, Any], read_keys: bool = True) -> Config:
     if cfg.admin.token and not _TOKEN.fullmatch(cfg.admin.token):  # "a" was taken (a review)
         raise ConfigError("admin.token: expected 8 to 512 printable ASCII characters (it travels "
                           "as a bearer token), neither starting nor ending with a space")
-    if cfg.nginx.rate_limit_per_s and cfg.nginx.rate_limit_key == "api_key" and not keys:
+    limited = cfg.nginx.rate_limit_per_s or cfg.nginx.max_requests_per_client
+    if limited and cfg.nginx.rate_limit_key == "api_key" and not keys:
         raise ConfigError("nginx.rate_limit_key: api_key needs auth.api_keys (or "
                           "auth.api_keys_file): on an open server any token is served, so a "
                           "client could send a new one with every request; use ip")
-    if cfg.nginx.rate_limit_per_s and cfg.nginx.rate_limit_key == "certificate" \
+    if limited and cfg.nginx.rate_limit_key == "certificate" \
             and not cfg.nginx.tls_client_ca:
         raise ConfigError("nginx.rate_limit_key: certificate needs nginx.tls_client_ca (mutual "
                           "TLS): without it no client presents one; use ip")

@@ -14,19 +14,19 @@ TEMPLATE = Path(__file__).resolve().parent.parent / "nginx" / "grpc.conf"
 
 # nginx's own errors as gRPC status codes (grpc/grpc doc/statuscodes.md): a malformed request
 # INVALID_ARGUMENT (3), a body past nginx.client_max_body_size or a client past its rate limit
-# RESOURCE_EXHAUSTED (8), no frontend UNAVAILABLE (14), a timeout DEADLINE_EXCEEDED (4). The
+# or its requests in flight RESOURCE_EXHAUSTED (8), no frontend UNAVAILABLE (14), a timeout DEADLINE_EXCEEDED (4). The
 # frontends' answers have their own table (frontend.grpc_messages.STATUS_CODES), the same codes
 # but 413: there it is a request past the limits (INVALID_ARGUMENT), here a message's bytes
 # (gRPC's RESOURCE_EXHAUSTED for a message too large). A client certificate missing or not
 # verifying (nginx.tls_client_ca) UNAUTHENTICATED (16).
-GRPC_STATUS = {400: 3, 408: 4, 413: 8, 415: 12, 429: 8, 494: 3, 495: 16, 496: 16, 500: 13,
-               502: 14, 503: 14, 504: 4}
+GRPC_STATUS = {400: 3, 408: 4, 413: 8, 415: 12, 429: 8, 460: 8, 494: 3, 495: 16, 496: 16,
+               500: 13, 502: 14, 503: 14, 504: 4}
 # Where the gRPC port's message is not the HTTP port's: a grpc-encoding grpc cannot decode.
 GRPC_MESSAGES = {415: "grpc-encoding must be identity, gzip or deflate"}
 GRPC_HEADERS = {415: 'add_header grpc-accept-encoding "identity,deflate,gzip" always;'}
 # nginx's internal codes as the HTTP port answers them (nginx.conf's error_page ... =STATUS),
 # the status the answers log counts (shmserve_nginx_responses_total) on both ports
-ANSWERED_AS = {494: 431, 495: 403, 496: 403}
+ANSWERED_AS = {460: 429, 494: 431, 495: 403, 496: 403}
 
 
 def block(cfg: Config, binary: str, common: Mapping[str, str],
@@ -41,7 +41,7 @@ def block(cfg: Config, binary: str, common: Mapping[str, str],
     tls_values = tls.nginx_values(cfg, binary, grpc=True)
     max_body = cfg.nginx.client_max_body_size
     pages, locations = [], []
-    retry_after = {429: common["rate_limit_retry_after"], 502: "1", 503: "1"}
+    retry_after = {429: common["rate_limit_retry_after"], 460: "1", 502: "1", 503: "1"}
     for status, code in GRPC_STATUS.items():
         message = GRPC_MESSAGES.get(status) or NGINX_ERRORS[status][1].format(max_body=max_body)
         # named by the HTTP status it counts as, then nginx's own where they differ

@@ -27,6 +27,10 @@ NGINX_ERRORS: dict[int, tuple[str, str]] = {
     415: ("unsupported_media_type", "Content-Encoding must be gzip, deflate, br or identity"),
     429: ("overloaded", "more requests from this client than nginx.rate_limit_per_s allows; "
           "retry later"),
+    # nginx.max_requests_per_client's refusal (limit_conn_status), answered as a 429: a code of
+    # its own so that its message says which limit it was
+    460: ("overloaded", "more requests in flight at once from this client than "
+          "nginx.max_requests_per_client allows; retry once one is answered"),
     494: ("headers_too_large", "request headers too large (nginx.large_client_header_buffers)"),
     500: ("internal_error", "internal error in nginx; its log says why (`shmserve ctl tail "
           "nginx`: a full run directory, which holds its temp files, or its open-files limit)"),
@@ -99,12 +103,15 @@ _KEYS = {"ip": ("$binary_remote_addr", ""), "api_key": ("$shmserve_rate_key", _T
 
 
 def rate_limit(n) -> dict[str, str]:
-    """nginx's limit_req zone (http level) and its use (a location), or comments when off; and
-    the Retry-After of its 429: the seconds until the client's next request is allowed."""
-    rate = n.rate_limit_per_s
-    if not rate:
-        return {"rate_limit_zone": "    # nginx.rate_limit_per_s: 0, no per-client rate limit",
-                "rate_limit": "            # no per-client rate limit",
+    """nginx's per-client limits: limit_req's zone (nginx.rate_limit_per_s) and limit_conn's
+    (nginx.max_requests_per_client) at http level, their use (in a location), or comments where
+    both are off; and the Retry-After of a 429: the seconds until the client's next request is
+    allowed (1 for requests in flight: one may end any moment)."""
+    rate, most = n.rate_limit_per_s, n.max_requests_per_client
+    if not rate and not most:
+        return {"rate_limit_zone": "    # nginx.rate_limit_per_s and max_requests_per_client: "
+                                   "0, no per-client limit",
+                "rate_limit": "            # no per-client limit",
                 "rate_limit_retry_after": "1"}
     key, zone = _KEYS[n.rate_limit_key]
     # Probes and scrapes are not limited (an empty key is not counted), as the client wrote
@@ -114,25 +121,35 @@ def rate_limit(n) -> dict[str, str]:
     zone += (f'    map $request_uri $shmserve_rate_limit_key {{\n        "~{exempt}" "";\n'
              f"        default {key};\n    }}\n")
     key = "$shmserve_rate_limit_key"
-    # nginx takes whole requests a second or a minute
-    spelled = f"{int(rate)}r/s" if rate == int(rate) else f"{max(1, round(rate * 60))}r/m"
-    # A zone per key: nginx keeps a zone across a reload and refuses one whose key changed, so
-    # a reload switching ip and api_key left the old limit running (an outside check). Named
-    # anew since the probes' exemption made the key a map: the zones of a deployment started
-    # before it keep their old key (its first apply after an upgrade reloads, not restarts).
-    name = f"shmserve_rate_{n.rate_limit_key}"
-    return {"rate_limit_zone": f"{zone}    limit_req_zone {key} zone={name}:10m "
-                               f"rate={spelled};\n    limit_req_status 429;\n"
-                               # a client over its rate is not the server's fault: nginx logs
-                               # each refusal at error by default (alerts on error fired), and
-                               # a flood is a line per 429; at info (under error_log's warn)
-                               # none is written: they are counted in /metrics instead
-                               "    limit_req_log_level info;",
-            # nginx refuses burst=0 (it is its default: written only when above)
-            "rate_limit": f"            limit_req zone={name}"
-                          + (f" burst={n.rate_limit_burst} nodelay;" if n.rate_limit_burst
-                             else ";"),
-            "rate_limit_retry_after": str(max(1, math.ceil(1 / rate)))}
+    zones, uses = [], []
+    if rate:
+        # nginx takes whole requests a second or a minute
+        spelled = f"{int(rate)}r/s" if rate == int(rate) else f"{max(1, round(rate * 60))}r/m"
+        # A zone per key: nginx keeps a zone across a reload and refuses one whose key changed,
+        # so a reload switching ip and api_key left the old limit running (an outside check).
+        # Named anew since the probes' exemption made the key a map: the zones of a deployment
+        # started before it keep their old key (its first apply after an upgrade reloads, not
+        # restarts).
+        name = f"shmserve_rate_{n.rate_limit_key}"
+        zones.append(f"    limit_req_zone {key} zone={name}:10m rate={spelled};\n"
+                     "    limit_req_status 429;\n"
+                     # a client over its rate is not the server's fault: nginx logs each
+                     # refusal at error by default (alerts on error fired), and a flood is a
+                     # line per 429; at info (under error_log's warn) none is written: they
+                     # are counted in /metrics instead
+                     "    limit_req_log_level info;")
+        # nginx refuses burst=0 (it is its default: written only when above)
+        uses.append(f"            limit_req zone={name}"
+                    + (f" burst={n.rate_limit_burst} nodelay;" if n.rate_limit_burst else ";"))
+    if most:
+        name = f"shmserve_inflight_{n.rate_limit_key}"  # (a zone per key, as above)
+        zones.append(f"    limit_conn_zone {key} zone={name}:10m;\n"
+                     "    limit_conn_status 460;  # answered as a 429 (error_page 460 =429)\n"
+                     "    limit_conn_log_level info;  # (as limit_req's)")
+        uses.append(f"            limit_conn {name} {most};")
+    return {"rate_limit_zone": zone + "\n".join(zones),
+            "rate_limit": "\n".join(uses),
+            "rate_limit_retry_after": str(max(1, math.ceil(1 / rate))) if rate else "1"}
 
 
 def cors(origins: list[str]) -> dict[str, str]:

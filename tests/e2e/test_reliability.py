@@ -111,6 +111,47 @@ def test_client_disconnect_aborts_queued_work(tmp_path, slow_model):
         stack.down()
 
 
+def test_a_client_past_its_requests_in_flight_is_refused_by_nginx(tmp_path, slow_model):
+    """nginx.max_requests_per_client: one client's 4 requests at once, 2 allowed in flight:
+    two served, two refused at once with 429 (its own message, Retry-After 1), counted in
+    /metrics as nginx's own answers; the frontends never saw them."""
+    stack = slow_stack(tmp_path / "s", slow_model, frontends={"count": 1},
+                       nginx={"max_requests_per_client": 2})
+    stack.up()
+    try:
+        start = threading.Barrier(4)
+        answers: list = []
+
+        def client(n: int) -> None:
+            start.wait()
+            answers.append(stack.post_json("/predict", {"texts": [LONG] * 20},
+                                           {"X-Request-ID": f"inflight-{n}"}))
+
+        threads = [threading.Thread(target=client, args=(n,)) for n in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        assert sorted(status for status, _, _ in answers) == [200, 200, 429, 429], \
+            [(status, body) for status, _, body in answers]
+        for status, headers, body in answers:
+            if status == 429:
+                assert headers["Retry-After"] == "1", headers
+                assert "nginx.max_requests_per_client" in body["error"]["message"], body
+        refused = {headers["X-Request-ID"] for status, headers, _ in answers if status == 429}
+        seen = stack.log("frontend-0")
+        assert not [rid for rid in refused if rid in seen], refused  # nginx's own answers
+
+        def counted() -> float:
+            _, _, raw = stack.get("/metrics")
+            return sum(s.value for f in text_string_to_metric_families(raw.decode())
+                       for s in f.samples if s.name == "shmserve_nginx_responses_total"
+                       and s.labels.get("status") == "429")
+        stack.wait_until(lambda: counted() == 2, 10, "nginx's two 429s in /metrics")
+    finally:
+        stack.down()
+
+
 def test_flood_gets_only_200_or_429_and_memory_stays_bounded(tmp_path, tiny_model):
     # nginx.worker_connections set below the flood: nginx is given room for what the frontends
     # admit and a margin of clients past it (nginx_options.worker_connections), where 1,024 dropped

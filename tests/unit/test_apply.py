@@ -36,7 +36,8 @@ def test_a_frontend_side_key_restarts_the_frontends_only(base):
 def test_a_key_only_nginx_reads_restarts_nothing(base):
     """Rate limits, gzip, CORS: nginx reloads its configuration; no frontend restarts (an
     outside check saw both frontends restart for a rate limit)."""
-    for change in ({"rate_limit_per_s": 5.0}, {"gzip": True}, {"probe_timeout_s": 3.0}):
+    for change in ({"rate_limit_per_s": 5.0}, {"max_requests_per_client": 8}, {"gzip": True},
+                   {"probe_timeout_s": 3.0}):
         steps = apply_plan.plan(base, with_(base, nginx=change), NONE)
         assert steps.roll_workers == [] == steps.roll_frontends, change
         assert steps.lines() == ["  no process restarts"]

@@ -325,6 +325,15 @@ def test_a_rate_limit_per_api_key_needs_api_keys(tmp_path):
         config.from_tree(tree)
     config.from_tree({**tree, "auth": {"api_keys": ["k" * 8]}})
     config.from_tree({**tree, "nginx": {**tree["nginx"], "rate_limit_key": "ip"}})
+    # the same key counts the requests in flight (nginx.max_requests_per_client)
+    inflight = {"max_requests_per_client": 4, "rate_limit_key": "api_key"}
+    with pytest.raises(config.ConfigError, match="rate_limit_key: api_key needs auth.api_keys"):
+        config.from_tree({**tree, "nginx": inflight})
+    with pytest.raises(config.ConfigError, match="rate_limit_key: certificate needs nginx."
+                                                 "tls_client_ca"):
+        config.from_tree({**tree, "nginx": {**inflight, "rate_limit_key": "certificate"}})
+    with pytest.raises(config.ConfigError, match="max_requests_per_client"):
+        config.from_tree({**tree, "nginx": {"max_requests_per_client": -1}})
 
 
 def test_a_rate_limit_takes_fractions_down_to_one_a_minute(tmp_path):

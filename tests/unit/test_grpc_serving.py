@@ -150,12 +150,18 @@ def test_up_refuses_a_grpc_port_another_process_holds(tmp_path):
 
 def test_the_grpc_probes_are_never_rate_limited(tmp_path):
     cfg = make_config(tmp_path, server={"grpc_port": 9001},
-                      nginx={"rate_limit_per_s": 5, "rate_limit_burst": 2})
+                      nginx={"rate_limit_per_s": 5, "rate_limit_burst": 2,
+                             "max_requests_per_client": 3})
     text = render.render_nginx(cfg)
     grpc_part = text[text.index("upstream frontends_grpc"):]
     root = grpc_part[grpc_part.index("location / {"):]
     probes = grpc_part[grpc_part.index("location ~ ^/(grpc\\.health"):]
     assert "limit_req zone=" in root[:root.index("}")]
+    assert "limit_conn shmserve_inflight_ip 3;" in root[:root.index("}")]
+    # past the requests in flight: RESOURCE_EXHAUSTED, saying which limit, counted as a 429
+    refusal = grpc_part[grpc_part.index("location = /_shmserve_grpc_error/429/460 {"):]
+    refusal = refusal[:refusal.index("}")]
+    assert "grpc-status 8" in refusal and "max_requests_per_client" in refusal, refusal
     assert "ServerLive|ServerReady|ModelReady" in probes[:probes.index("{")]
     # the probes' location counts what only nginx reads as a probe; the key is empty for the
     # probes as written (tests/unit/test_nginx_pages.py sends both)

@@ -321,6 +321,67 @@ def test_a_rate_under_one_a_second_is_kept_per_minute_and_its_429_says_when_to_r
     assert "rate=30r/m;" in render.nginx_conf(cfg).read_text()
 
 
+def test_a_client_past_its_requests_in_flight_gets_429_from_nginx(tmp_path):
+    """nginx.max_requests_per_client: with that many of a client's requests in flight (here
+    held by a frontend that never answers), its next one is refused at once, 429 in the error
+    shape with its own message and Retry-After 1; another client (its API key) and the probes
+    are not held back by it. Not logged (a flood of refusals was a line each)."""
+    import socket
+    import time
+
+    cfg = make_config(tmp_path / "run", frontends={"count": 1},
+                      nginx={"max_requests_per_client": 2, "rate_limit_key": "api_key",
+                             "probe_timeout_s": 1}, auth={"api_keys": ["client-one"]})
+    frozen = socket.socket(socket.AF_UNIX)
+
+    def listen():  # the kernel accepts for it; nobody reads
+        frozen.bind(str(topology.frontend_socket(cfg, 0)))
+        frozen.listen(64)
+
+    def sent(token: str) -> socket.socket:
+        held = socket.create_connection(("127.0.0.1", cfg.server.port), timeout=10)
+        held.sendall(f"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                     f"{token}\r\nContent-Length: 2\r\n\r\n{{}}".encode())
+        return held
+
+    one = {"Authorization": "Bearer client-one"}
+    held = []
+    with nginx_of(cfg, listen):
+        try:
+            held += [sent("client-one"), sent("client-one")]
+            time.sleep(0.5)  # both proxied (nginx counts a request once it has its headers)
+            began = time.monotonic()
+            status, headers, body = request(cfg, "POST", "/v1/embeddings", b"{}", one)
+            assert time.monotonic() - began < 0.5  # refused at once, not held
+            assert status == 429 and headers["Retry-After"] == "1", (status, body)
+            error = json.loads(body)["error"]
+            assert error["type"] == "overloaded" and "nginx.max_requests_per_client" in \
+                error["message"], error
+            status, _, body = request(cfg, "POST", "/predict", b"{}",
+                                      {"Accept": "application/msgpack", **one})
+            assert status == 429 and "max_requests_per_client" in \
+                msgpack.unpackb(body)["error"]["message"]
+            status, _, body = request(cfg, "POST", "/v2/models/m/infer", b"{}", one)
+            assert status == 429 and "max_requests_per_client" in json.loads(body)["error"]
+            # another client's requests, and a probe, go on to the (frozen) frontend
+            held += [sent("client-two"), sent("client-two")]
+            time.sleep(0.5)
+            for each in held[2:]:
+                each.settimeout(0.3)
+                with pytest.raises(socket.timeout):  # held, not refused
+                    each.recv(1)
+            assert request(cfg, "GET", "/health", None, one)[0] in (502, 504)  # not 429
+        finally:  # before nginx's graceful stop, which waits for the requests it holds
+            frozen.close()  # (its queued connections reset: nginx answers them 502)
+            for each in held:
+                each.close()
+    conf = render.nginx_conf(cfg).read_text()
+    assert "limit_conn shmserve_inflight_api_key 2;" in conf and "limit_req " not in conf
+    refusals = [line for line in (topology.log_dir(cfg) / "nginx.log").read_text().splitlines()
+                if "limiting connections" in line]
+    assert not refusals, refusals[:3]
+
+
 def raw(cfg: Config, data: bytes) -> bytes:
     """Bytes as sent (what http.client would not send), and the whole answer."""
     import socket
