@@ -14,11 +14,12 @@ TEMPLATE = Path(__file__).resolve().parent.parent / "nginx" / "grpc.conf"
 
 # nginx's own errors as gRPC status codes (grpc/grpc doc/statuscodes.md): a malformed request
 # INVALID_ARGUMENT (3), a body past nginx.client_max_body_size or a client past its rate limit
-# or its requests in flight RESOURCE_EXHAUSTED (8), no frontend UNAVAILABLE (14), a timeout DEADLINE_EXCEEDED (4). The
-# frontends' answers have their own table (frontend.grpc_messages.STATUS_CODES), the same codes
-# but 413: there it is a request past the limits (INVALID_ARGUMENT), here a message's bytes
-# (gRPC's RESOURCE_EXHAUSTED for a message too large). A client certificate missing or not
-# verifying (nginx.tls_client_ca) UNAUTHENTICATED (16).
+# or its requests in flight RESOURCE_EXHAUSTED (8), no frontend UNAVAILABLE (14), a timeout
+# DEADLINE_EXCEEDED (4). The frontends' answers have their own table
+# (frontend.grpc_messages.STATUS_CODES), the same codes but 413: there it is a request past the
+# limits (INVALID_ARGUMENT), here a message's bytes (gRPC's RESOURCE_EXHAUSTED for a message too
+# large). A client certificate missing or not verifying (nginx.tls_client_ca) UNAUTHENTICATED
+# (16).
 GRPC_STATUS = {400: 3, 408: 4, 413: 8, 415: 12, 429: 8, 460: 8, 494: 3, 495: 16, 496: 16,
                500: 13, 502: 14, 503: 14, 504: 4}
 # Where the gRPC port's message is not the HTTP port's: a grpc-encoding grpc cannot decode.
