@@ -106,6 +106,37 @@ def check_port(cfg: Config, keys: tuple[str, ...] = ("server.port", "server.grpc
             except OSError as exc:
                 env = ENV_PREFIX + key.replace(".", "__").upper()
                 if exc.errno == errno.EADDRINUSE:
-                    raise CliError(f"{host}:{port} is in use by another process; choose "
+                    raise CliError(f"{host}:{port} is in use by {port_holder(port)}; choose "
                                    f"another {key} ({env}) or stop it") from None
                 raise CliError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+
+
+def port_holder(port: int) -> str:
+    """Who listens on TCP `port`, as far as this user can see: the nginx of a shmserve
+    deployment, named by its run directory (another checkout's, or this one's started with
+    another server.run_dir: "another process" alone left a user looking), another process by
+    its pid and name, or "another process" where the owner cannot be read."""
+    import psutil
+
+    try:
+        pids = {c.pid for c in psutil.net_connections("tcp")
+                if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port and c.pid}
+    except (psutil.Error, OSError):
+        return "another process"
+    for pid in sorted(pids):
+        try:
+            proc = psutil.Process(pid)
+            master = proc.parent() if proc.name() == "nginx" and proc.ppid() != 1 else None
+            argv = (master if master is not None and master.name() == "nginx" else proc).cmdline()
+            name = proc.name()
+        except psutil.Error:
+            continue
+        # nginx as shmserve runs it (shmserve.nginxrun): -p RUN_DIR/nginx/ -c RUN_DIR/nginx/...
+        if name == "nginx" and "-p" in argv[:-1]:
+            prefix = Path(argv[argv.index("-p") + 1])
+            if (prefix.parent / "supervisord.conf").exists():
+                return (f"the nginx of another shmserve deployment (run_dir {prefix.parent}: "
+                        "`shmserve down` with that server.run_dir stops it)")
+        return f"another process (pid {pid}, {name})"
+    return "another process"
+

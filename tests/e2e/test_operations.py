@@ -191,10 +191,26 @@ def test_up_fails_fast_when_the_port_is_taken(tmp_path, tiny_model):
         started = time.monotonic()
         done = s.cli("up", "--wait", "--timeout", "60", check=False, timeout=90)
         assert done.returncode == 2, done.stdout + done.stderr
-        assert f"127.0.0.1:{s.port} is in use" in done.stderr
+        assert f"127.0.0.1:{s.port} is in use by another process (pid {os.getpid()}, " \
+            in done.stderr, done.stderr  # who holds it, named
         assert time.monotonic() - started < 30
         assert not s.run_dir.exists()  # refused before it wrote anything
         assert s.cli("status", check=False).returncode == 3  # nothing was started
+
+
+def test_up_on_the_port_another_deployment_holds_names_that_deployment(stack, tmp_path,
+                                                                      tiny_model):
+    """Another deployment (another checkout's, or this one's under another server.run_dir) on
+    the port: "in use by another process" left a user looking for which (an outside check)."""
+    other = Stack(tmp_path / "other", tiny_overrides(tiny_model))
+    tree = yaml.safe_load(other.config_file.read_text())
+    tree["server"]["port"] = stack.port
+    other.config_file.write_text(yaml.safe_dump(tree))
+    done = other.cli("up", check=False, timeout=90)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert f"127.0.0.1:{stack.port} is in use by the nginx of another shmserve deployment " \
+        f"(run_dir {stack.run_dir}: " in done.stderr, done.stderr
+    assert not other.run_dir.exists()
 
 
 def test_a_hangup_drains_a_program_and_supervisord_starts_it_again(stack):
