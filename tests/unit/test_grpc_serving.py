@@ -132,6 +132,7 @@ def test_reflection_lists_the_services_and_gives_their_files():
 
 
 def test_up_refuses_a_grpc_port_another_process_holds(tmp_path):
+    import os
     import socket
 
     from shmserve.prechecks import CliError, check_port
@@ -141,7 +142,8 @@ def test_up_refuses_a_grpc_port_another_process_holds(tmp_path):
         held.listen()
         port = held.getsockname()[1]
         cfg = make_config(tmp_path, server={"grpc_port": port})
-        with pytest.raises(CliError, match=f"127.0.0.1:{port} is in use by another process; "
+        with pytest.raises(CliError, match=f"127.0.0.1:{port} is in use by another process "
+                                           rf"\(pid {os.getpid()}, [^)]*\); "
                                            r"choose another server.grpc_port \(SHMSERVE__SERVER"
                                            "__GRPC_PORT\\)"):
             check_port(cfg)
