@@ -35,6 +35,26 @@ def running(base, monkeypatch, frontends: int | None = None) -> None:
     monkeypatch.setattr(apply.versions, "protocol_change", lambda cfg: None)
 
 
+def replacing_steps(base, monkeypatch, infos: list[dict]) -> list[tuple[str, str]]:
+    """`apply.replace`'s steps against a faked supervisord where every program is STOPPED
+    (`infos`: its getAllProcessInfo), recorded into the list returned as they happen."""
+    import contextlib
+
+    running(base, monkeypatch)
+    did: list[tuple[str, str]] = []
+    proxy = type("Proxy", (), {"supervisor": type("Sup", (), {
+        "startProcess": staticmethod(lambda name, wait: did.append(("start", name)))})})
+    monkeypatch.setattr(apply.processes, "supervisor", lambda cfg: contextlib.nullcontext(proxy))
+    monkeypatch.setattr(apply, "state_of", lambda cfg, program: "STOPPED")
+    monkeypatch.setattr(apply, "process_info", lambda cfg: infos)
+    monkeypatch.setattr(apply, "ctl", lambda cfg, *args: did.append(("stop", args[1])))
+    monkeypatch.setattr(apply, "sync", lambda cfg, group, program: did.append(("sync", program)))
+    monkeypatch.setattr(apply, "pid_of", lambda cfg, program: 1)
+    monkeypatch.setattr(apply, "wait_until_ready",
+                        lambda cfg, group, program, *a, **k: did.append(("ready", program)))
+    return did
+
+
 def test_an_apply_nginx_refuses_leaves_no_apply_under_way(base, monkeypatch):
     """render refuses the new config (nginx -t) before it replaces a file: the apply marker
     written just before goes too, or an earlier apply's is put back as it was, so `status`
@@ -70,23 +90,11 @@ def test_a_stopped_program_is_left_so_unless_the_apply_it_goes_on_from_stopped_i
     says, not started); one that an apply killed between its stop and its start left stopped
     (run/apply.json's "replacing") is started by the apply that goes on, which carries the
     record over."""
-    import contextlib
     import json
 
     from shmserve import render
 
-    running(base, monkeypatch)
-    did = []
-    proxy = type("Proxy", (), {"supervisor": type("Sup", (), {
-        "startProcess": staticmethod(lambda name, wait: did.append(("start", name)))})})
-    monkeypatch.setattr(apply.processes, "supervisor", lambda cfg: contextlib.nullcontext(proxy))
-    monkeypatch.setattr(apply, "state_of", lambda cfg, program: "STOPPED")
-    monkeypatch.setattr(apply, "process_info", lambda cfg: [])  # (no restart's record: unread)
-    monkeypatch.setattr(apply, "ctl", lambda cfg, *args: did.append(("stop", args[1])))
-    monkeypatch.setattr(apply, "sync", lambda cfg, group, program: did.append(("sync", program)))
-    monkeypatch.setattr(apply, "pid_of", lambda cfg, program: 1)
-    monkeypatch.setattr(apply, "wait_until_ready",
-                        lambda cfg, group, program, *a, **k: did.append(("ready", program)))
+    did = replacing_steps(base, monkeypatch, [])  # (no restart's record: its infos unread)
     marker = apply.topology.apply_marker_path(base)
     marker.write_text(json.dumps({"from": json.loads(base.to_json()), "attempts": [],
                                   "replacing": "worker-1"}))
@@ -122,26 +130,14 @@ def test_a_program_a_killed_restart_left_stopped_is_started_by_an_apply(base, mo
     """A `shmserve restart` killed between its stop and its start (shmserve.restart_record)
     left its program stopped: an apply that restarts the group starts it, as the restart would
     have (it was taken for an operator's stop and left so); an operator's stop is still kept."""
-    import contextlib
     import time
 
     from shmserve import restart_record
 
-    running(base, monkeypatch)
-    did = []
-    proxy = type("Proxy", (), {"supervisor": type("Sup", (), {
-        "startProcess": staticmethod(lambda name, wait: did.append(("start", name)))})})
-    monkeypatch.setattr(apply.processes, "supervisor", lambda cfg: contextlib.nullcontext(proxy))
-    monkeypatch.setattr(apply, "state_of", lambda cfg, program: "STOPPED")
     earlier = int(time.time()) - 60
-    monkeypatch.setattr(apply, "process_info", lambda cfg: [
+    did = replacing_steps(base, monkeypatch, [
         {"group": "workers", "name": f"worker-{i}", "statename": "STOPPED", "start": earlier}
         for i in (0, 1)])
-    monkeypatch.setattr(apply, "ctl", lambda cfg, *args: did.append(("stop", args[1])))
-    monkeypatch.setattr(apply, "sync", lambda cfg, group, program: did.append(("sync", program)))
-    monkeypatch.setattr(apply, "pid_of", lambda cfg, program: 1)
-    monkeypatch.setattr(apply, "wait_until_ready",
-                        lambda cfg, group, program, *a, **k: did.append(("ready", program)))
     restart_record.begin(base, ["workers:worker-1"])
     apply.replace(base, "workers", "worker-0", 5)  # an operator's stop: left stopped
     assert did == [("sync", "worker-0")]
