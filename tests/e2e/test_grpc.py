@@ -128,10 +128,10 @@ def calls_by_status(stack: Stack) -> dict[tuple[str, str], float]:
 
     status, _, raw = stack.get("/metrics")
     assert status == 200
-    family = next(f for f in text_string_to_metric_families(raw.decode())
-                  if f.name == "shmserve_grpc_calls")
+    family = next((f for f in text_string_to_metric_families(raw.decode())
+                   if f.name == "shmserve_grpc_calls"), None)  # (none before the first call)
     return {(s.labels["method"], s.labels["code"]): s.value for s in family.samples
-            if s.name.endswith("_total")}
+            if s.name.endswith("_total")} if family is not None else {}
 
 
 def test_a_stream_answers_every_request_each_with_its_id(stack, client):
@@ -161,6 +161,39 @@ def test_a_stream_answers_every_request_each_with_its_id(stack, client):
         return seen >= want
     stack.wait_until(logged, 10, "an access line for each request of the stream")
     assert seen == want
+
+
+def test_a_stream_cut_short_is_counted_cancelled_not_ok(stack):
+    """A stream its client cancels after an answer counts in shmserve_grpc_calls_total as
+    CANCELLED, not OK. (A stream nginx cuts, a timeout of its own, may still count OK: the
+    frontend sees the request stream end as a client's finishing would.)"""
+    import threading
+
+    before = calls_by_status(stack)
+    request = protos.ModelInferRequest(model_name="tiny", id="cut-1")
+    request.inputs.add(name="text", datatype="BYTES", shape=[1]).contents.bytes_contents.append(
+        b"a stream cut short")
+    gate = threading.Event()
+
+    def requests():
+        yield request
+        gate.wait(30)  # the stream stays open until the client cancels it
+
+    with grpc.insecure_channel(f"127.0.0.1:{stack.grpc_port}") as channel:
+        stream = channel.stream_stream(
+            "/inference.GRPCInferenceService/ModelStreamInfer",
+            request_serializer=protos.ModelInferRequest.SerializeToString,
+            response_deserializer=protos.ModelStreamInferResponse.FromString)
+        answers = stream(requests(), metadata=list(AUTH.items()))
+        assert next(answers).infer_response.id == "cut-1"
+        answers.cancel()
+        gate.set()
+
+    def grew(code: str) -> float:
+        key = ("ModelStreamInfer", code)
+        return calls_by_status(stack).get(key, 0.0) - before.get(key, 0.0)
+    stack.wait_until(lambda: grew("CANCELLED") == 1, 10, "the cut stream counted CANCELLED")
+    assert grew("OK") == 0
 
 
 def test_a_stream_stays_open_while_idle_past_the_body_timeout(stack, client):
