@@ -59,7 +59,9 @@ INTERRUPTED = {
              "start on; `shmserve apply` again goes on from there (run/apply.json keeps the "
              "config from before)",
     "restart": ": the programs restarted so far run on the rendered config, the others were "
-               "not restarted (`shmserve status`)",
+               "not restarted (`shmserve status`); one it had stopped and not started yet is "
+               "left stopped, and the next restart of its group (or `shmserve apply`) starts "
+               "it (run/restart.json names it)",
     "reload": ": the reload may go on in the workers (`shmserve models` shows each revision)",
 }
 

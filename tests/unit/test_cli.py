@@ -308,6 +308,7 @@ def test_a_config_that_no_longer_loads_still_names_the_deployment(tmp_path, monk
 
 @pytest.mark.parametrize("name, said", [("apply", "`shmserve apply` again goes on from there"),
                                         ("up", "`shmserve down` stops it"),
+                                        ("restart", "the next restart of its group"),
                                         ("status", "")])
 def test_ctrl_c_says_what_was_left_not_a_traceback(monkeypatch, capsys, name, said):
     def interrupted(args):
