@@ -136,7 +136,7 @@ def port_holder(port: int) -> str:
             prefix = Path(argv[argv.index("-p") + 1])
             if (prefix.parent / "supervisord.conf").exists():
                 return (f"the nginx of another shmserve deployment (run_dir {prefix.parent}: "
-                        "`shmserve down` with that server.run_dir stops it)")
+                        "`shmserve down` there)")
         return f"another process (pid {pid}, {name})"
     return "another process"
 
