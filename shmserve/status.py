@@ -35,6 +35,8 @@ class Sample:
     supervisord_pid: int | None = None  # from its pid file (it is not among its programs)
     direct: bool = False  # /ready's workers and /metrics read from a frontend, not nginx
     nginx_metrics: int | None = None  # what nginx answered /metrics, where it answered
+    # STOPPED by a restart killed between its stop and its start (shmserve.restart_record)
+    stopped_by_restart: list[str] = field(default_factory=list)
 
     def total(self, name: str, **labels: str) -> float | None:
         """The sum of the samples of `name` whose labels include `labels`; None if none."""
@@ -44,7 +46,8 @@ class Sample:
 
 def take(base_url: str, fetch: Fetch, processes: Callable[[], list[dict]],
          supervisord_pid: Callable[[], int | None] = lambda: None,
-         direct: Fetch | None = None) -> Sample:
+         direct: Fetch | None = None,
+         by_restart: Callable[[list[dict]], list[str]] = lambda procs: []) -> Sample:
     """`direct(target)` GETs a path from a frontend, not through nginx: the figures still come
     when nginx is stopped or stuck (they showed no memory and no worker rows, an outside
     check); the state stays what nginx answered. When nginx did not answer /ready, /metrics is
@@ -63,7 +66,7 @@ def take(base_url: str, fetch: Fetch, processes: Callable[[], list[dict]],
                 ready = {**_object(direct("/ready")[1]), **ready}
     return Sample(time.monotonic(), procs, code, ready,
                   parse_metrics(mbody.decode(errors="replace")) if mcode == 200 else {},
-                  supervisord_pid(), direct_used, nginx_metrics)
+                  supervisord_pid(), direct_used, nginx_metrics, by_restart(procs))
 
 
 def _object(body: bytes) -> dict:
@@ -245,8 +248,16 @@ def _state(cur: Sample) -> str:
         # to start them again (an outside check)
         head = {"no_answer": "no answer through nginx", "unavailable": _STATE_TEXT[word]}.get(
             word, f"nginx answers {cur.ready_code}")
-        text = (f"{head}: stopped (supervisorctl stop): {', '.join(stopped)}; "
-                "`shmserve ctl start all` starts them again")
+        # one a restart killed part way left stopped: the next restart of its group starts it
+        left = [name for name in stopped if name in cur.stopped_by_restart]
+        by_hand = [name for name in stopped if name not in left]
+        text = f"{head}: " + "; ".join(
+            ([f"stopped (supervisorctl stop): {', '.join(by_hand)}"] if by_hand else [])
+            + ([f"stopped by a restart that did not finish: {', '.join(left)}"] if left
+               else []))
+        group = "workers" if left and left[0].startswith("worker-") else "frontends"
+        text += ("; `shmserve ctl start all` starts them again" if by_hand else
+                 f"; `shmserve restart {group}` starts them again")
     if not cur.direct:
         return text
     # nginx refused this command's /metrics (mutual TLS without nginx.tls_client_certificate,

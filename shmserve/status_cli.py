@@ -9,7 +9,8 @@ import json
 import os
 import sys
 
-from shmserve import __version__, nginxrun, processes, remote, render, tls, topology
+from shmserve import (__version__, nginxrun, processes, remote, render, restart_record, tls,
+                      topology)
 from shmserve import status as statusview
 from shmserve.config import Config
 from shmserve.prechecks import CliError
@@ -82,7 +83,8 @@ def status(args: argparse.Namespace) -> int:
             remote.base_url(cfg), lambda url: remote.http(url, timeout=0.5 if silent else wait,
                                                           context=context),
             lambda: process_info(cfg), lambda: supervisord_pid(cfg),
-            lambda target: from_a_frontend(cfg, target, wait))
+            lambda target: from_a_frontend(cfg, target, wait),
+            lambda procs: restart_record.stopped_by_restart(cfg, procs))
         silent = sample.ready_code is None
         # each frame's own: a watch started during an apply said "running" to its end, and
         # one started before never said it (an outside check)

@@ -322,6 +322,9 @@ def test_a_restart_killed_between_stop_and_start_leaves_nothing_stopped_for_good
                      "the stop it began to end")
     assert json.loads((stack.run_dir / "restart.json").read_text())["programs"] == [
         "workers:worker-0", "workers:worker-1"]
+    shown = stack.cli("status", check=False).stdout  # says so, and what starts them
+    assert "stopped by a restart that did not finish: worker-0, worker-1; `shmserve restart " \
+        "workers` starts them again" in shown, shown
     done = stack.cli("restart", "workers", timeout=300)
     assert "worker-0, worker-1 were stopped by a restart that did not finish" in done.stdout, \
         done.stdout

@@ -184,6 +184,14 @@ def test_json_holds_the_tables_figures_unformatted():
     assert line.startswith("t: unavailable (some model has no ready worker): stopped "
                            "(supervisorctl stop): worker-0; `shmserve ctl start "
                            "all`"), line
+    # ... stopped by a restart killed between its stop and its start (run/restart.json): said
+    # so, with the command that starts it
+    quiet = status.Sample(cur.at, held, 503, {**READY, "status": "unavailable"}, cur.metrics,
+                          stopped_by_restart=["worker-0"])
+    line = status.render(quiet, None, "t").splitlines()[0]
+    assert line.startswith("t: unavailable (some model has no ready worker): stopped by a "
+                           "restart that did not finish: worker-0; `shmserve restart workers` "
+                           "starts them again"), line
     # ... even within STARTING_S of nginx's start (`ctl stop frontends:*` just after `up` or
     # `ctl start nginx`): nothing is starting, "`up --wait` waits for it" misled
     held = [{**p, "statename": "STOPPED"} if p["name"].startswith("frontend-") else
