@@ -42,7 +42,7 @@ def test_status_watch_says_not_running_when_the_deployment_stops(deployment, cap
     alive = iter([4242, 4242, 4242, None])
     monkeypatch.setattr(status_cli, "supervisord_pid", lambda cfg: next(alive))
     monkeypatch.setattr(status_cli, "process_info", lambda cfg: [])
-    monkeypatch.setattr(statusview, "take", lambda url, http, infos, pid, direct: statusview.Sample(
+    monkeypatch.setattr(statusview, "take", lambda url, http, infos, *more: statusview.Sample(
         time.monotonic(), infos(), None, {}))
     monkeypatch.setattr(time, "sleep", lambda s: None)
     assert cli.main(["status", "--watch", "0.1", "--count", "5"]) == 3
