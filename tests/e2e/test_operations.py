@@ -303,20 +303,23 @@ def test_a_restart_killed_between_stop_and_start_leaves_nothing_stopped_for_good
 
     from tests.stack import REPO
 
+    # The workers frozen, so their stop lasts until the command is killed: the SIGTERM waits
+    frozen = [stack.pid(f"workers:worker-{i}") for i in (0, 1)]
+    for pid in frozen:
+        os.kill(pid, signal.SIGSTOP)
     killed = subprocess.Popen(
         [sys.executable, "-m", "shmserve.cli", "restart", "workers", "--all-at-once",
          "--config", str(stack.config_file)], cwd=REPO, env=stack.env, start_new_session=True,
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        seen = set()
-        deadline = time.monotonic() + 60
-        while not seen & {"STOPPING", "STOPPED"}:  # the workers' drain: the stop under way
-            assert time.monotonic() < deadline and killed.poll() is None, seen
-            seen = {p["statename"] for p in stack.processes() if p["group"] == "workers"}
-            assert "STARTING" not in seen, "the restart got to its start: no window caught"
+        stack.wait_until(lambda: {p["statename"] for p in stack.processes()
+                                  if p["group"] == "workers"} == {"STOPPING"}, 60,
+                         "the restart's stop under way")
         os.killpg(killed.pid, signal.SIGKILL)  # the command and its supervisorctl
     finally:
         killed.wait(10)
+        for pid in frozen:
+            os.kill(pid, signal.SIGCONT)  # they take the SIGTERM now, and drain
     stack.wait_until(lambda: {p["statename"] for p in stack.processes()
                               if p["group"] == "workers"} == {"STOPPED"}, 60,
                      "the stop it began to end")
