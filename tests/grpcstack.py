@@ -51,3 +51,14 @@ def status_of(call) -> tuple[str, str]:
     with pytest.raises(InferenceServerException) as caught:
         call()
     return caught.value.status(), caught.value.message()
+
+
+def model_stream(channel):
+    """KServe v2's ModelStreamInfer on a raw grpc `channel`, as a stream of requests to a stream
+    of answers (protos' messages)."""
+    from frontend import protos
+
+    return channel.stream_stream(
+        "/inference.GRPCInferenceService/ModelStreamInfer",
+        request_serializer=protos.ModelInferRequest.SerializeToString,
+        response_deserializer=protos.ModelStreamInferResponse.FromString)

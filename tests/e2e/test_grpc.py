@@ -180,10 +180,7 @@ def test_a_stream_cut_short_is_counted_cancelled_not_ok(stack):
         gate.wait(30)  # the stream stays open until the client cancels it
 
     with grpc.insecure_channel(f"127.0.0.1:{stack.grpc_port}") as channel:
-        stream = channel.stream_stream(
-            "/inference.GRPCInferenceService/ModelStreamInfer",
-            request_serializer=protos.ModelInferRequest.SerializeToString,
-            response_deserializer=protos.ModelStreamInferResponse.FromString)
+        stream = grpcstack.model_stream(channel)
         answers = stream(requests(), metadata=list(AUTH.items()))
         assert next(answers).infer_response.id == "cut-1"
         answers.cancel()
@@ -274,10 +271,7 @@ def test_raw_calls_bad_bytes_a_streams_error_and_the_http_headers_as_metadata(st
         assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "not a valid inference.ModelInferRequest" in caught.value.details()
 
-        stream = channel.stream_stream(
-            "/inference.GRPCInferenceService/ModelStreamInfer",
-            request_serializer=protos.ModelInferRequest.SerializeToString,
-            response_deserializer=protos.ModelStreamInferResponse.FromString)
+        stream = grpcstack.model_stream(channel)
         bad = protos.ModelInferRequest(model_name="no-such-model", id="bad-7")
         bad.inputs.add(name="text", datatype="BYTES", shape=[1]).contents.bytes_contents.append(
             b"a")

@@ -91,10 +91,7 @@ def test_an_open_stream_ends_unavailable_when_its_frontend_stops(stack):
         return one
 
     with grpc.insecure_channel(f"127.0.0.1:{stack.grpc_port}") as channel:
-        stream = channel.stream_stream(
-            "/inference.GRPCInferenceService/ModelStreamInfer",
-            request_serializer=protos.ModelInferRequest.SerializeToString,
-            response_deserializer=protos.ModelStreamInferResponse.FromString)
+        stream = grpcstack.model_stream(channel)
         answers = stream(requests(), metadata=list(AUTH.items()))
         pending.put(request(0))
         assert next(answers).infer_response.id == "0"
