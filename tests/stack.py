@@ -291,6 +291,17 @@ class Stack:
                 return False
         return True
 
+    @staticmethod
+    def settled(read, ready, timeout: float = 10.0):
+        """`read()` once `ready` holds of what it returns (after `timeout` s, as it is then): a
+        frontend writes its metrics as its event loop's turn ends, a moment after its answer,
+        so a scrape right after an answer (by the other frontend, say) may precede it (CI saw
+        counts one short)."""
+        deadline = time.monotonic() + timeout
+        while not ready(value := read()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return value
+
     def wait_until(self, predicate, timeout: float, what: str) -> None:
         deadline = time.monotonic() + timeout
         while not predicate():

@@ -164,13 +164,9 @@ def test_statistics_count_what_every_protocol_ran(client, tiny_stack):
     assert status == 200
     with pytest.raises(InferenceServerException):  # a deadline passed: a failure
         client.infer("tiny", [text_input(["late"], True)], timeout=1)
-    # A frontend writes its requests' statistics as its event loop's turn ends, which may come
-    # a moment after the answer went out: read from the other frontend at once, the failure
-    # was not there yet (CI saw it: fail 0)
-    deadline = time.monotonic() + 10
-    while (after := tiny())["inference_stats"]["fail"]["count"] == \
-            before["inference_stats"]["fail"]["count"] and time.monotonic() < deadline:
-        time.sleep(0.05)
+    # once the failure is in them (Stack.settled: CI saw fail 0)
+    after = tiny_stack.settled(tiny, lambda now: now["inference_stats"]["fail"]["count"]
+                               > before["inference_stats"]["fail"]["count"])
     assert after["name"] == "tiny" and after["version"] == headers["X-Model-Revision"]
 
     def grew(*path) -> int:

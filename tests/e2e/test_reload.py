@@ -270,7 +270,9 @@ def test_reloads_are_counted_by_outcome_and_timed(stack, models, tmp_path):
     broken = shutil.copytree(models["b"], tmp_path / "broken")
     (broken / "model.safetensors").unlink()
     assert reload(stack, "tiny", source=str(broken), revision="tiny-x")[0] == 422
-    after, timed_after = reload_counts(stack)
+    after, timed_after = stack.settled(  # (Stack.settled: a scrape may precede the last)
+        lambda: reload_counts(stack),
+        lambda now: now[0].get("invalid_request", 0) > before.get("invalid_request", 0))
     assert after.get("ok", 0) - before.get("ok", 0) == 1, (before, after)
     assert after.get("invalid_request", 0) - before.get("invalid_request", 0) == 1
     assert timed_after - timed_before == 1

@@ -132,7 +132,9 @@ def test_inference_metrics_name_each_arm_and_priority(task_stack):
                 "/v1/embeddings", {"model": "ab", "input": "x"},
                 {"X-User": header, "X-Priority": priority})
             assert status == 200
-    after = inference_metrics(task_stack, "ab")
+    def counted_all(now: dict) -> bool:  # (Stack.settled: a scrape may precede the last)
+        return sum(n - before.get(k, 0) for k, n in now.items() if len(k) == 3) >= 8
+    after = task_stack.settled(lambda: inference_metrics(task_stack, "ab"), counted_all)
     grew = {key: after[key] - before.get(key, 0) for key in after
             if after[key] != before.get(key, 0)}
     counted = {key: n for key, n in grew.items() if len(key) == 3}
