@@ -81,7 +81,11 @@ def test_known_workload_adds_up_exactly_across_frontends(stack):
     replies = send(stack, work)
     assert all(status == 200 for status, _, _ in replies), replies
     n_tokens = sum(body["usage"]["prompt_tokens"] for _, _, body in replies)
-    after = scrape(stack)
+    # once every request is in (Stack.settled: each frontend writes its metrics as its event
+    # loop's turn ends, a moment after the answers it sent in that turn)
+    after = stack.settled(lambda: scrape(stack), lambda now: total(
+        now, "shmserve_requests_total", model="tiny", status="200") - total(
+        before, "shmserve_requests_total", model="tiny", status="200") >= 40)
 
     def delta(name, **labels):
         return total(after, name, **labels) - total(before, name, **labels)
@@ -207,12 +211,12 @@ def test_a_refused_request_is_counted_under_the_served_model_it_names(stack):
     for body, times in sent:
         for _ in range(times):
             assert stack.post_json("/predict", body)[0] in (404, 422), body
-    after = scrape(stack)
 
-    def delta(**labels):
-        return (total(after, "shmserve_requests_total", route="/predict", **labels)
+    def counted(now, **labels):
+        return (total(now, "shmserve_requests_total", route="/predict", **labels)
                 - total(before, "shmserve_requests_total", route="/predict", **labels))
-    assert delta(model="tiny", status="422") == 2
+    after = stack.settled(lambda: scrape(stack), lambda now: counted(now) >= 4)  # all four
+    assert counted(after, model="tiny", status="422") == 2
     assert not any(labels.get("model") == "made-up"
                    for labels, _ in after["shmserve_requests_total"])
 
@@ -335,9 +339,12 @@ def test_what_nginx_answers_itself_is_in_metrics_by_status(stack):
     assert stack.request("DELETE", "/v1/models/tiny", None)[0] == 405
     assert stack.request("DELETE", "/no/such/route", None)[0] == 404
     assert malformed_request(stack)
-    after = scrape(stack)
-    for route, status in (("/predict", "405"), ("/v1/models/{model}", "405"),
-                          ("unmatched", "404"), ("unmatched", "400")):
+    expected = (("/predict", "405"), ("/v1/models/{model}", "405"), ("unmatched", "404"),
+                ("unmatched", "400"))
+    after = stack.settled(lambda: scrape(stack), lambda now: all(  # (Stack.settled)
+        total(now, requests, route=r, status=s) > total(counted, requests, route=r, status=s)
+        for r, s in expected))
+    for route, status in expected:
         assert total(after, requests, route=route, status=status) == total(
             counted, requests, route=route, status=status) + 1, (route, status)
     # Its request id: the one the client got, on the frontend's line and nginx's access line.
