@@ -166,7 +166,7 @@ def test_the_grpc_probes_are_never_rate_limited(tmp_path):
     assert "grpc-status 8" in refusal and "max_requests_per_client" in refusal, refusal
     assert "ServerLive|ServerReady|ModelReady" in probes[:probes.index("{")]
     # the probes' location counts what only nginx reads as a probe; the key is empty for the
-    # probes as written (tests/unit/test_nginx_pages.py sends both)
+    # probes as written (tests/unit/test_nginx_limits.py sends both)
     exempt = text[text.index("map $request_uri $shmserve_rate_limit_key"):]
     assert "ServerLive|ServerReady|ModelReady" in exempt[:exempt.index("}")]
 
