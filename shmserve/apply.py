@@ -146,10 +146,9 @@ def _how_given(dropped: list[str]) -> str:
 def _apply(args: argparse.Namespace, new: Config) -> int:
     running = processes.running_config(new)
     marker = topology.apply_marker_path(running)
-    old, attempted, stopped_by_it = running, [], ""
+    old, attempted = running, []
     if marker.exists():
         saved = json.loads(marker.read_text())
-        stopped_by_it = saved.get("replacing", "")  # (replace): started as it goes on
         old = config.from_tree(saved["from"])
         attempted = [render.resolved(config.from_tree(tree)) for tree in saved["attempts"]]
         say("shmserve: an earlier apply stopped part way; applying from the config before it")
@@ -216,8 +215,7 @@ def _apply(args: argparse.Namespace, new: Config) -> int:
     with reloads_held(old, new):
         earlier = marker.read_text() if resumed else None
         marker.write_text(json.dumps({"from": json.loads(old.to_json()), "attempts": [
-            *(json.loads(a.to_json()) for a in attempted), json.loads(new.to_json())],
-            "replacing": stopped_by_it}) + "\n")
+            *(json.loads(a.to_json()) for a in attempted), json.loads(new.to_json())]}) + "\n")
         nginx_before = render.nginx_conf(new).read_text()
         try:
             render.render(new)
@@ -338,9 +336,10 @@ def sync(cfg: Config, group: str, program: str, running: bool = False) -> str:
 def replace(cfg: Config, group: str, program: str, timeout: float) -> None:
     """Stop `program` (it drains), make it as the rendered config says, start it and wait until
     it serves again. One stopped by a command (`shmserve ctl stop`) is made as the config says
-    and left stopped: an apply started it again. One a restart killed part way left stopped
-    (shmserve.restart_record) is started, as the restart would have."""
-    if state_of(cfg, program) == "STOPPED" and replacing(cfg) != program:
+    and left stopped: an apply started it again. One an apply or a restart killed between its
+    stop and its start left stopped (shmserve.restart_record, which this stop and start are
+    recorded in as a restart's are) is started, as that command would have."""
+    if state_of(cfg, program) == "STOPPED":
         if program in restart_record.stopped_by_restart(cfg, process_info(cfg)):
             say(f"shmserve: {restart_record.said(cfg, [program])} on the new config")
         else:
@@ -348,7 +347,7 @@ def replace(cfg: Config, group: str, program: str, timeout: float) -> None:
             say(f"shmserve: {program} is stopped (a stop command): left stopped, on the new "
                 f"config when it starts (`shmserve ctl start {group}:{program}`)")
             return
-    replacing(cfg, program)  # an apply killed before the start below starts it when it goes on
+    restart_record.begin(cfg, [f"{group}:{program}"], "apply")
     ctl(cfg, "stop", f"{group}:{program}")
     sync(cfg, group, program)
     with processes.supervisor(cfg) as proxy:
@@ -357,7 +356,7 @@ def replace(cfg: Config, group: str, program: str, timeout: float) -> None:
         except xmlrpc.client.Fault as exc:
             if "ALREADY_STARTED" not in exc.faultString:  # supervisord's autostart came first
                 raise CliError(f"supervisord could not start {program}: {exc.faultString}")
-    replacing(cfg, "")
+    restart_record.end(cfg)
     wait_until_ready(cfg, group, program, pid_of(cfg, program), timeout,
                      rest=f"; {stopped(cfg)}")
 
@@ -365,22 +364,6 @@ def replace(cfg: Config, group: str, program: str, timeout: float) -> None:
 def remove(cfg: Config, group: str, program: str) -> None:
     ctl(cfg, "stop", f"{group}:{program}")
     sync(cfg, group, program)
-
-
-def replacing(cfg: Config, program: str | None = None) -> str:
-    """The program this apply stopped to replace and has not started yet, kept in the apply's
-    record (run/apply.json) so that an apply that goes on after one killed between the two
-    starts it: stopped, it is otherwise taken for one an operator stopped, and left so. Given
-    `program`, records it ("": none) first."""
-    marker = topology.apply_marker_path(cfg)
-    try:
-        record = json.loads(marker.read_text())
-    except (OSError, ValueError):
-        return ""
-    if program is not None:
-        record["replacing"] = program
-        marker.write_text(json.dumps(record) + "\n")
-    return record.get("replacing", "")
 
 
 def state_of(cfg: Config, program: str) -> str:

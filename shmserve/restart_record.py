@@ -1,6 +1,6 @@
-"""The programs an `shmserve restart` is restarting, kept in the run directory while it does
-(run/restart.json), so that a restart killed part way (Ctrl-C, a lost terminal, kill -9) does
-not leave programs stopped for good.
+"""The programs an `shmserve restart` (or an apply's replacement of one) is stopping and
+starting, kept in the run directory while it does (run/restart.json), so that a command killed
+part way (Ctrl-C, a lost terminal, kill -9) does not leave programs stopped for good.
 
 supervisorctl's restart is a stop, then a start. Killed between the two, its program was left
 STOPPED, which the next group restart and `apply` take for an operator's stop (`shmserve ctl
@@ -20,12 +20,13 @@ from shmserve.config import Config
 from shmserve.files import write_private
 
 
-def begin(cfg: Config, programs: Sequence[str]) -> None:
+def begin(cfg: Config, programs: Sequence[str], command: str = "restart") -> None:
     """Record `programs` (GROUP:NAME) as a restart of them begins. `end` removes the record once
     the restart has started them; a restart that fails or is interrupted before leaves it for
     the next restart or apply to read."""
     write_private(topology.restart_marker_path(cfg),
-                  json.dumps({"programs": list(programs), "at": time.time()}) + "\n")
+                  json.dumps({"programs": list(programs), "at": time.time(),
+                              "command": command}) + "\n")
 
 
 def end(cfg: Config) -> None:
@@ -46,6 +47,11 @@ def stopped_by_restart(cfg: Config, infos: list[dict]) -> list[str]:
 
 def said(cfg: Config, names: list[str]) -> str:
     """What a command that starts them again says of `names` (stopped_by_restart)."""
+    try:
+        command = json.loads(topology.restart_marker_path(cfg).read_text()).get("command")
+    except (OSError, ValueError, AttributeError):
+        command = None
     verb = "was" if len(names) == 1 else "were"
-    return (f"{', '.join(names)} {verb} stopped by a restart that did not finish "
+    return (f"{', '.join(names)} {verb} stopped by {'an' if command == 'apply' else 'a'} "
+            f"{command or 'restart'} that did not finish "
             f"({topology.restart_marker_path(cfg)}): started again")

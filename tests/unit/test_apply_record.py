@@ -88,34 +88,40 @@ def test_a_stopped_program_is_left_so_unless_the_apply_it_goes_on_from_stopped_i
         base, monkeypatch):
     """A program stopped by a command stays stopped through an apply (made as the new config
     says, not started); one that an apply killed between its stop and its start left stopped
-    (run/apply.json's "replacing") is started by the apply that goes on, which carries the
-    record over."""
+    (its record, run/restart.json, as a restart's) is started by the apply that goes on, which
+    leaves the record where the command killed left it."""
     import json
+    import time
 
-    from shmserve import render
+    from shmserve import render, restart_record
 
-    did = replacing_steps(base, monkeypatch, [])  # (no restart's record: its infos unread)
-    marker = apply.topology.apply_marker_path(base)
-    marker.write_text(json.dumps({"from": json.loads(base.to_json()), "attempts": [],
-                                  "replacing": "worker-1"}))
+    earlier = int(time.time()) - 60
+    did = replacing_steps(base, monkeypatch, [
+        {"group": "workers", "name": f"worker-{i}", "statename": "STOPPED", "start": earlier}
+        for i in (0, 1)])
+    record = apply.topology.restart_marker_path(base)
+    restart_record.begin(base, ["workers:worker-1"], "apply")  # the killed apply's
     apply.replace(base, "workers", "worker-0", 5)  # an operator's stop: left stopped
     assert did == [("sync", "worker-0")]
     did.clear()
     apply.replace(base, "workers", "worker-1", 5)  # the killed apply's own
     assert did == [("stop", "workers:worker-1"), ("sync", "worker-1"),
                    ("start", "workers:worker-1"), ("ready", "worker-1")]
-    assert json.loads(marker.read_text())["replacing"] == ""
+    assert not record.exists()  # started: no longer stopped by anyone's command
+    assert restart_record.said(base, ["worker-1"]).startswith("worker-1 was stopped by a ")
 
-    # The apply that goes on keeps the record in the one it writes (read at render, here
-    # refused so that nothing runs)
+    # The apply that goes on leaves the record as it found it (read at render, here refused
+    # so that nothing runs): the program is started when its step comes
     running(base, monkeypatch)
     render.nginx_conf(base).write_text("# the running one\n")
-    marker.write_text(json.dumps({"from": json.loads(base.to_json()), "attempts": [],
-                                  "replacing": "worker-1"}))
+    marker = apply.topology.apply_marker_path(base)
+    marker.write_text(json.dumps({"from": json.loads(base.to_json()), "attempts": []}))
+    restart_record.begin(base, ["workers:worker-1"], "apply")
+    assert "stopped by an apply that did not finish" in restart_record.said(base, ["worker-1"])
     seen = []
 
     def refused(cfg):
-        seen.append(json.loads(marker.read_text()).get("replacing"))
+        seen.append(json.loads(record.read_text()).get("programs"))
         raise render.RenderError("stop here")
 
     monkeypatch.setattr(apply.render, "render", refused)
@@ -123,7 +129,7 @@ def test_a_stopped_program_is_left_so_unless_the_apply_it_goes_on_from_stopped_i
                              "move": False})
     with pytest.raises(render.RenderError):
         apply._apply(args, with_(base, batching={"max_wait_ms": 3}))
-    assert seen == ["worker-1"]
+    assert seen == [["workers:worker-1"]]
 
 
 def test_a_program_a_killed_restart_left_stopped_is_started_by_an_apply(base, monkeypatch):
