@@ -3,13 +3,17 @@ arrives, and its texts as the batcher queues them."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
 from gpu_workers.slots import Slot
 from shmserve.arena import Attachments
-from shmserve.protocol import RUNNING_MARK, Submit
+from shmserve.protocol import RUNNING_MARK, Error, ErrorCode, Submit
+
+log = logging.getLogger("shmserve.worker")
 
 
 @dataclass(slots=True, eq=False)
@@ -61,6 +65,55 @@ def pass_rows(out: np.ndarray, texts: list[QueuedText], per_token: bool):
     if not per_token:
         return out
     return np.split(out, np.cumsum([t.length for t in texts[:-1]]))
+
+
+def write_rows(out: np.ndarray | None, ok: list[bool], texts: list[QueuedText],
+               per_token: bool, dtype: str,
+               finish: Callable[[Request, Error], None]) -> tuple[dict[int, Request],
+                                                                  dict[int, int]]:
+    """A pass's output `out` (None: every text ran out of memory, see
+    gpu_workers.memory.forward_in_halves; `ok[j]`: text j's row is there) into its requests'
+    shared memory. A text that ran out of memory on its own, or whose row holds NaN or infinity,
+    fails its request through `finish` (the rest of that request's texts are skipped). Returns
+    the requests written to, by id, and the tokens computed, by priority (the backlog's)."""
+    # One reduction, no temporary array, in the usual case (a NaN or infinity anywhere makes
+    # the sum so; finite rows whose sum overflows only cost the row check).
+    finite = None
+    rows = pass_rows(out, texts, per_token) if out is not None else None
+    if out is not None and not np.isfinite(out.sum()):
+        finite = [bool(np.isfinite(r).all()) for r in rows]
+    touched: dict[int, Request] = {}
+    computed: dict[int, int] = {}
+    for j, text in enumerate(texts):
+        request = text.request
+        if request.done:
+            continue
+        request.tokens_left -= text.length
+        priority = request.msg.priority
+        computed[priority] = computed.get(priority, 0) + text.length
+        if not ok[j]:
+            log.warning("forward.out_of_memory", extra={"fields": {
+                "request_id": request.msg.request_id, "tokens": text.length}})
+            finish(request, Error(
+                request.msg.seq, ErrorCode.OUT_OF_MEMORY,
+                f"the device ran out of memory running a text of {text.length} tokens "
+                "on its own"))
+            touched.pop(id(request), None)
+            continue
+        if finite is not None and not finite[j]:  # JSON would answer it as nulls
+            log.error("forward.non_finite", extra={"fields": {
+                "request_id": request.msg.request_id, "tokens": text.length,
+                "dtype": dtype}})
+            finish(request, Error(
+                request.msg.seq, ErrorCode.INTERNAL,
+                f"the model's output for a text of {text.length} tokens holds NaN or "
+                f"infinity (in {dtype})"))
+            touched.pop(id(request), None)
+            continue
+        request.rows(text.index)[...] = rows[j]
+        request.remaining -= 1
+        touched[id(request)] = request
+    return touched, computed
 
 
 @dataclass(slots=True, eq=False)

@@ -21,7 +21,6 @@ import threading
 import time
 from typing import Any, Callable
 
-import numpy as np
 import zmq
 
 from gpu_workers.batcher import Batch, Limits, form_pass, wait_time
@@ -32,7 +31,7 @@ from gpu_workers.loading import (Retried, Retries, back_off, describe, load_agai
                                  unloaded_at_start)
 from gpu_workers.memory import MemoryCare, Policy, TorchAllocator, forward_in_halves
 from gpu_workers.metrics import WorkerMetrics
-from gpu_workers.requests import QueuedText, Request, mark_running, model_inputs, pass_rows
+from gpu_workers.requests import QueuedText, Request, mark_running, model_inputs, write_rows
 from gpu_workers.slots import Built, Orphaned, Slots, hosted_configs
 from gpu_workers.sockets import ANNOUNCE, REPLIES, SocketThread
 from shmserve import state, topology, wire
@@ -344,43 +343,7 @@ class Worker:
             self.status.pass_began = 0.0
         forward_ms = (time.time() - began) * 1000.0
         self._batches += 1
-        # One reduction, no temporary array, in the usual case (a NaN or infinity anywhere
-        # makes the sum so; finite rows whose sum overflows only cost the row check).
-        finite = None
-        rows = pass_rows(out, texts, per_token) if out is not None else None
-        if out is not None and not np.isfinite(out.sum()):
-            finite = [bool(np.isfinite(r).all()) for r in rows]
-        touched = {}
-        computed: dict[int, int] = {}  # tokens by priority, for the backlog: one update a pass
-        for j, text in enumerate(texts):
-            request = text.request
-            if request.done:
-                continue
-            request.tokens_left -= text.length
-            priority = request.msg.priority
-            computed[priority] = computed.get(priority, 0) + text.length
-            if not ok[j]:
-                log.warning("forward.out_of_memory", extra={"fields": {
-                    "request_id": request.msg.request_id, "tokens": text.length}})
-                self._finish(request, Error(
-                    request.msg.seq, ErrorCode.OUT_OF_MEMORY,
-                    f"the device ran out of memory running a text of {text.length} tokens "
-                    "on its own"))
-                touched.pop(id(request), None)
-                continue
-            if finite is not None and not finite[j]:  # JSON would answer it as nulls
-                log.error("forward.non_finite", extra={"fields": {
-                    "request_id": request.msg.request_id, "tokens": text.length,
-                    "dtype": slot.spec.dtype}})
-                self._finish(request, Error(
-                    request.msg.seq, ErrorCode.INTERNAL,
-                    f"the model's output for a text of {text.length} tokens holds NaN or "
-                    f"infinity (in {slot.spec.dtype})"))
-                touched.pop(id(request), None)
-                continue
-            request.rows(text.index)[...] = rows[j]
-            request.remaining -= 1
-            touched[id(request)] = request
+        touched, computed = write_rows(out, ok, texts, per_token, slot.spec.dtype, self._finish)
         for priority, tokens in computed.items():
             self.intake.backlog.done(priority, tokens)
         news = False

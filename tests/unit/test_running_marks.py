@@ -1,6 +1,6 @@
 """The mark a worker writes into each text's first output row as its pass begins, which the
 frontend reads once the worker is gone (frontend.dispatch), and the pass of its own a request
-sent alone runs in (gpu_workers.requests)."""
+sent alone runs in, and a pass's rows written into its requests (gpu_workers.requests)."""
 
 from types import SimpleNamespace
 
@@ -8,8 +8,8 @@ import numpy as np
 
 from frontend.dispatch import _clear_marks, _marked
 from gpu_workers.batcher import Limits, form_pass
-from gpu_workers.requests import QueuedText, Request, mark_running
-from shmserve.protocol import RUNNING_MARK, Submit
+from gpu_workers.requests import QueuedText, Request, mark_running, write_rows
+from shmserve.protocol import RUNNING_MARK, Error, ErrorCode, Submit
 
 SLOT = SimpleNamespace(key="tiny")
 
@@ -61,3 +61,27 @@ def test_a_request_sent_alone_shares_a_pass_with_no_other():
         passes.append({id(t.request) for b in batches for t in b.texts})
     # its two texts together, every other request's texts in another pass
     assert {id(alone)} in passes and len(passes) == 2, passes
+
+
+def test_a_pass_writes_its_rows_and_fails_a_request_whose_row_is_not_finite_or_did_not_fit():
+    good, nan, oom = request([2, 3]), request([2, 3, 4]), request([5, 1])
+    texts = [text(good, 0), text(nan, 0), text(oom, 0), text(nan, 1), text(good, 1),
+             text(nan, 2), text(oom, 1)]
+    out = np.arange(len(texts) * 4, dtype=np.float32).reshape(len(texts), 4)
+    out[3, 2] = np.nan  # nan's second text
+    ok = [True, True, False, True, True, True, True]  # oom's first text did not fit alone
+    finished: list[tuple[Request, Error]] = []
+
+    def finish(r: Request, reply: Error) -> None:
+        r.done = True  # as the worker's _finish
+        finished.append((r, reply))
+
+    touched, computed = write_rows(out, ok, texts, False, "float32", finish)
+    assert list(touched.values()) == [good]
+    assert good.remaining == 0 and good.out.tolist() == [out[0].tolist(), out[4].tolist()]
+    assert [(r, e.code) for r, e in finished] == [(oom, ErrorCode.OUT_OF_MEMORY),
+                                                  (nan, ErrorCode.INTERNAL)]
+    assert "5 tokens" in finished[0][1].message and "NaN or infinity" in finished[1][1].message
+    # a failed request's later texts are skipped: neither written nor counted as computed
+    assert nan.out[2].tolist() == [0.5] * 4 and oom.out[1].tolist() == [0.5] * 4
+    assert computed == {0: 2 + 2 + 5 + 3 + 3}
