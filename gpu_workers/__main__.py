@@ -79,6 +79,7 @@ def serve(cfg, index: int) -> int:
     import signal
 
     from gpu_workers.device import DeviceLost
+    from gpu_workers.intake import Unwell
     from gpu_workers.worker import Worker
 
     log = logging.getLogger("shmserve.worker")
@@ -102,8 +103,8 @@ def serve(cfg, index: int) -> int:
         answered = True
     except SystemExit:
         loading = answered = True
-    except DeviceLost:
-        answered = True  # its pass answered 500, what waited UNAVAILABLE (_run)
+    except (DeviceLost, Unwell):
+        answered = True  # what it held answered (DeviceLost: its pass 500) UNAVAILABLE
         raise
     finally:
         worker.close(answered)

@@ -43,6 +43,18 @@ DROP_S = 1.0  # how often unlinked arenas are unmapped
 # frontends that did not send it (Intake.news): a short request waits that long behind it.
 NEWS_S = 0.05
 
+# A worker that has mapped no request's shared memory of a frontend for this long, every try
+# failing (no file descriptor left: a leak, or a limit too low), exits for supervisord to start
+# it afresh: it answered that frontend's every request 503 for good (an arena mapped before the
+# descriptors ran out still served the other's) while its heartbeats, and /ready, said it
+# served.
+UNMAPPABLE_EXIT_S = 10.0
+
+
+class Unwell(RuntimeError):
+    """The worker cannot serve for a reason a fresh process may not have (Intake.unwell): it
+    answers what it holds UNAVAILABLE, for the frontends to send elsewhere, and exits."""
+
 
 @dataclass
 class Status:
@@ -81,6 +93,10 @@ class Intake:
         self._looked = 0.0  # monotonic time of the last look for frontends gone
         self._dropped = 0.0  # ... and for arenas unlinked (Attachments.drop_vanished)
         self._unreadable_logged = 0.0  # worker.arena_unreadable's last line
+        # by frontend (its socket): monotonic time of the first failed map since one worked
+        self._unmappable_since: dict[bytes, float] = {}
+        self.unwell = ""  # why this worker should exit (UNMAPPABLE_EXIT_S); read by the model
+        # thread, which does; heartbeats say not ready from when it is set
 
     def heartbeat(self, ping: Ping, peer: bytes = b"") -> Heartbeat:
         if ping.frontend >= 0 and peer:
@@ -97,7 +113,8 @@ class Intake:
         status = self.status
         began = status.pass_began  # one read: the model thread may clear it meanwhile
         return Heartbeat(PROTOCOL_VERSION, self.index, os.getpid(),
-                         status.ready and not self.stopping.is_set(), status.device_label,
+                         status.ready and not self.stopping.is_set() and not self.unwell,
+                         status.device_label,
                          status.infos, self.queued_texts, self.cfg.workers.queue_texts,
                          ping_sent_at, time.monotonic() - began if began else 0.0,
                          self.backlog.rate, self.backlog.pass_s,
@@ -134,6 +151,7 @@ class Intake:
         frontend's queued work kept a worker busy for seconds (an outside check: 256 texts,
         ~10 s), and the retries were refused 429 meanwhile."""
         self.inbox.put(Orphaned(peer))  # its reloads, too (gpu_workers.slots)
+        self._unmappable_since.pop(peer, None)  # its arena's failures with it
         dropped = 0
         with self._lock:  # as finished(): a request is released once
             for (sender, _), request in list(self._requests.items()):
@@ -196,8 +214,10 @@ class Intake:
                 log.warning("worker.arena_unreadable", extra={"fields": {"frontend": next(
                     (i for i, (p, _) in self._frontends.items() if p == peer), None),
                     "error": str(exc)}})
+            self._unmappable(peer, exc)
             return Error(msg.seq, ErrorCode.UNAVAILABLE, f"worker {self.index} cannot map the "
                          f"request's shared memory: {exc}")
+        self._unmappable_since.pop(peer, None)
         n = request.remaining
         limit = self.cfg.workers.queue_texts
         if msg.priority < 0:  # keep headroom for interactive work under a bulk flood
@@ -231,6 +251,15 @@ class Intake:
         self._requests[(peer, msg.seq)] = request
         self.inbox.put(request)
         return None
+
+    def _unmappable(self, peer: bytes, exc: OSError) -> None:
+        now = time.monotonic()
+        since = self._unmappable_since.setdefault(peer, now)
+        if now - since >= UNMAPPABLE_EXIT_S and not self.unwell:
+            self.unwell = (f"no request's shared memory from a frontend could be mapped for "
+                           f"{UNMAPPABLE_EXIT_S:g} s: {exc}")
+            log.error("worker.unwell", extra={"fields": {"worker": self.index,
+                                                         "error": self.unwell}})
 
     def on_abort(self, peer: bytes, msg: Abort) -> None:
         request = self._requests.get((peer, msg.seq))

@@ -25,7 +25,7 @@ import zmq
 
 from gpu_workers.batcher import Batch, Limits, form_pass, wait_time
 from gpu_workers.device import DeviceLost, device_lost
-from gpu_workers.intake import Intake, Status
+from gpu_workers.intake import Intake, Status, Unwell
 from gpu_workers.loading import (Retried, Retries, back_off, describe, load_again,
                                  load_hosted, load_replacement, log_loaded, on_a_nicer_thread,
                                  unloaded_at_start)
@@ -185,6 +185,13 @@ class Worker:
         while True:
             if self._sockets.failure is not None:
                 raise RuntimeError("socket thread failed") from self._sockets.failure
+            if self.intake.unwell:  # what it holds goes to the other workers; supervisord
+                self.status.ready = False  # starts this one again
+                self.metrics.set_ready(False)
+                self._push.send(ANNOUNCE)
+                self._fail_all(ErrorCode.UNAVAILABLE, f"worker {self.index} restarting: "
+                               f"{self.intake.unwell}")
+                raise Unwell(self.intake.unwell)
             if self.stopping.is_set() and drain_deadline is None:
                 drain_deadline = time.time() + self.cfg.server.drain_timeout_s
                 self._push.send(ANNOUNCE)  # not ready from now on, to every frontend at once

@@ -137,6 +137,68 @@ def test_a_device_error_answers_every_request_and_the_worker_exits_to_be_restart
         failed_lines[0])
 
 
+
+# A worker that cannot map requests' shared memory (no file descriptor left): the real worker
+# process, its reading of requests made to fail for request ids starting "emfile", and the
+# time it gives that up after made 1 s.
+UNMAPPABLE = """
+import errno, runpy, sys
+from gpu_workers import intake
+
+real_read_request = intake.read_request
+
+def read_request(attachments, peer, msg, *args):
+    if msg.request_id.startswith("emfile"):
+        raise OSError(errno.EMFILE, "Too many open files (test)")
+    return real_read_request(attachments, peer, msg, *args)
+
+intake.read_request, intake.UNMAPPABLE_EXIT_S = read_request, 1.0
+sys.argv = ["gpu_workers", *sys.argv[1:]]
+runpy.run_module("gpu_workers", run_name="__main__")
+"""
+
+
+def test_a_worker_that_maps_no_request_for_a_while_exits_to_be_restarted(cfg):
+    """A worker out of file descriptors answered every request 503 for good while its
+    heartbeats, and /ready, said it served. A failure between successes is the request's or
+    the moment's: the worker stays; failures alone for intake.UNMAPPABLE_EXIT_S: it exits 1,
+    saying why, for supervisord to start it afresh."""
+    worker = start_patched_worker(cfg, UNMAPPABLE)
+    arena = frontend_arena(cfg)
+
+    async def unmappable(request_id: str) -> None:
+        with pytest.raises(ApiError) as refused:
+            await dispatcher.run("tiny", 32, encoded(1, 5), request_id, time.time() + 20)
+        assert refused.value.status == 503 and "Too many open files" in refused.value.message
+
+    async def scenario():
+        nonlocal dispatcher
+        async with dispatching(cfg, arena) as dispatcher:
+            await unmappable("emfile-1")
+            await asyncio.sleep(0.7)
+            fine = await dispatcher.run("tiny", 32, encoded(2, 5), "fine", time.time() + 20)
+            assert fine.vectors.shape == (2, 32)
+            await asyncio.sleep(0.5)
+            await unmappable("emfile-2")  # 1.2 s after the first failure, one success between
+            await asyncio.sleep(0.3)
+            assert worker.poll() is None
+            began = time.monotonic()
+            while worker.poll() is None and time.monotonic() - began < 20:
+                await unmappable(f"emfile-{time.monotonic()}")
+                await asyncio.sleep(0.2)
+            assert worker.wait(10) == 1
+            assert time.monotonic() - began >= 1.0 - 0.3  # not before its time
+
+    dispatcher = None
+    run(scenario, worker, arena)
+    lines = [json.loads(line) for line in (cfg.run_dir / "worker.log").read_text().splitlines()
+             if line.startswith("{")]
+    unwell = [line for line in lines if line["message"] == "worker.unwell"]
+    assert len(unwell) == 1 and "Too many open files" in unwell[0]["error"], lines[-5:]
+    failed = [line for line in lines if line["message"] == "worker.failed"]
+    assert len(failed) == 1 and "Unwell" in json.dumps(failed[0]), lines[-5:]
+
+
 # A pass whose rows do not fit the requests' buffers (a model's output of another width than its
 # spec says: the real worker process, its forward patched for texts of 30 tokens).
 WIDER_ON_30 = """

@@ -147,3 +147,45 @@ def test_an_arena_the_worker_cannot_map_hands_the_request_to_another_worker(monk
             assert intake.on_submit(b"fe0", msg).code is ErrorCode.UNAVAILABLE
     lines = [r for r in caplog.records if r.getMessage() == "worker.arena_unreadable"]
     assert len(lines) == 1 and lines[0].fields["frontend"] == 1, lines
+
+
+def test_a_worker_that_maps_no_request_of_a_frontend_for_a_while_is_unwell(monkeypatch,
+                                                                           caplog):
+    """Descriptors gone after one frontend's arena was mapped and before the other's: the
+    other's every request was 503 for good while the first's served. Failures of one
+    frontend's requests for UNMAPPABLE_EXIT_S, whatever another's do, make the worker unwell
+    (the model thread exits on it): heartbeats say not ready from then on."""
+    import errno
+    import time
+    from types import SimpleNamespace
+
+    from gpu_workers import intake as module
+    from shmserve.protocol import ErrorCode
+
+    intake = _intake()
+    intake.status.ready = True
+    intake.specs = {"m": SimpleNamespace(task="embedding", width=lambda per_token: 4)}
+    monkeypatch.setattr(module, "UNMAPPABLE_EXIT_S", 0.05)
+
+    def read_request(attachments, peer, msg, *args):
+        if peer == b"fe0":
+            raise OSError(errno.EMFILE, "Too many open files")
+        # mapped; too many texts for the queue (refused after the reading, which is all here)
+        return SimpleNamespace(remaining=10 ** 9, offsets=[0, 3], arrived=time.time())
+
+    monkeypatch.setattr(module, "read_request", read_request)
+    msg = SimpleNamespace(seq=7, model="m", per_token=False, raw=False, priority=0,
+                          deadline=time.time() + 60)
+    assert intake.on_submit(b"fe0", msg).code is ErrorCode.UNAVAILABLE
+    time.sleep(0.06)
+    assert intake.on_submit(b"fe1", msg).code is ErrorCode.OVERLOADED  # fe1's map works
+    assert not intake.unwell and intake._beat(0.0).ready
+    with caplog.at_level("ERROR", logger="shmserve.worker"):
+        assert intake.on_submit(b"fe0", msg).code is ErrorCode.UNAVAILABLE
+    assert "0.05 s: [Errno 24] Too many open files" in intake.unwell
+    assert not intake._beat(0.0).ready
+    assert [r.getMessage() for r in caplog.records].count("worker.unwell") == 1
+    # A frontend gone takes its failures with it: its replacement's count from its own
+    intake.unwell = ""
+    intake.orphan(b"fe0", 0)
+    assert intake.on_submit(b"fe0", msg).code is ErrorCode.UNAVAILABLE and not intake.unwell
