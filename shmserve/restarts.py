@@ -115,15 +115,14 @@ def _restart(args: argparse.Namespace, cfg: Config) -> int:
     if warning := restart_gap(group, name, programs, args.all_at_once, lone, left_stopped):
         say(f"shmserve: warning: {warning}", sys.stderr)
     if group not in ("frontends", "workers"):
-        return subprocess.run(ctl_argv(cfg, "restart", target), check=False).returncode
+        return run_ctl(cfg, "restart", target)
     if name != "*":
         programs = [name]
     if args.all_at_once:  # together, then each waited for as a rolling restart waits
         named = [f"{group}:{p}" for p in programs] if left_stopped else [target]
         restart_record.begin(cfg, [f"{group}:{p}" for p in programs])
-        done = subprocess.run(ctl_argv(cfg, "restart", *named), check=False)
-        if done.returncode != 0:
-            return done.returncode
+        if code := run_ctl(cfg, "restart", *named):
+            return code
         restart_record.end(cfg)
         pids = {p["name"]: p["pid"] for p in process_info(cfg)}
         for program in sorted(programs):
@@ -243,6 +242,14 @@ def restart_gap(group: str, name: str, programs: list[str], all_at_once: bool,
                 f"{gap.replace('requests', 'requests for them', 1)}, and GET /ready is 503; "
                 "pin them to two or more workers (models[].devices) to restart without a gap")
     return None
+
+
+def run_ctl(cfg: Config, *args: str) -> int:
+    """A supervisorctl command whose output is the user's; its exit status. In a process group
+    of its own: a Ctrl-C reaches this process alone, whose subprocess.run then ends it (a
+    restart interrupted, as before), not supervisorctl too, whose own KeyboardInterrupt
+    traceback showed under `shmserve: interrupted`."""
+    return subprocess.run(ctl_argv(cfg, *args), check=False, process_group=0).returncode
 
 
 def ctl(cfg: Config, *args: str) -> None:
@@ -383,7 +390,7 @@ def reload_nginx(cfg: Config, settle_s: float = NGINX_SETTLE_S) -> int:
     check_nginx_conf(cfg)
     info = {p["name"]: p for p in process_info(cfg)}
     if info.get("nginx", {}).get("statename") != "RUNNING":
-        return subprocess.run(ctl_argv(cfg, "restart", "nginx"), check=False).returncode
+        return run_ctl(cfg, "restart", "nginx")
     master = int(info["nginx"].get("pid") or 0)
     old = _children(master)
     log = topology.log_dir(cfg) / "nginx.log"  # its error lines (not with logging.stdout)
@@ -401,7 +408,7 @@ def reload_nginx(cfg: Config, settle_s: float = NGINX_SETTLE_S) -> int:
         say(f"shmserve: warning: nginx refused to reload its configuration "
             f"({refused or f'no new worker within {settle_s:g} s'}); restarting it instead "
             "(connections are refused for a moment)", sys.stderr)
-        return subprocess.run(ctl_argv(cfg, "restart", "nginx"), check=False).returncode
+        return run_ctl(cfg, "restart", "nginx")
     while time.monotonic() < deadline and _children(master) & old:
         time.sleep(0.05)  # the old ones, each once its requests are answered
     left = _children(master) & old

@@ -298,7 +298,9 @@ def test_a_restart_killed_between_stop_and_start_leaves_nothing_stopped_for_good
     """supervisorctl's restart is a stop, then a start: a `shmserve restart workers
     --all-at-once` killed between the two (Ctrl-C, a lost terminal) left every worker STOPPED,
     which the next `shmserve restart workers` took for an operator's stop and left so (exit 0,
-    nothing serving). The restart's record (run/restart.json) names them: started again."""
+    nothing serving). The restart's record (run/restart.json) names them: started again. The
+    Ctrl-C (SIGINT to the terminal's process group) shows the command's own message, not
+    supervisorctl's KeyboardInterrupt traceback too."""
     import subprocess
     import sys
 
@@ -311,16 +313,20 @@ def test_a_restart_killed_between_stop_and_start_leaves_nothing_stopped_for_good
     killed = subprocess.Popen(
         [sys.executable, "-m", "shmserve.cli", "restart", "workers", "--all-at-once",
          "--config", str(stack.config_file)], cwd=REPO, env=stack.env, start_new_session=True,
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         stack.wait_until(lambda: {p["statename"] for p in stack.processes()
                                   if p["group"] == "workers"} == {"STOPPING"}, 60,
                          "the restart's stop under way")
-        os.killpg(killed.pid, signal.SIGKILL)  # the command and its supervisorctl
+        os.killpg(killed.pid, signal.SIGINT)  # Ctrl-C
+        said = killed.communicate(timeout=10)[1]
     finally:
+        killed.kill()
         killed.wait(10)
         for pid in frozen:
             os.kill(pid, signal.SIGCONT)  # they take the SIGTERM now, and drain
+    assert killed.returncode == 130 and "shmserve: interrupted" in said, said
+    assert "Traceback" not in said and "KeyboardInterrupt" not in said, said
     stack.wait_until(lambda: {p["statename"] for p in stack.processes()
                               if p["group"] == "workers"} == {"STOPPED"}, 60,
                      "the stop it began to end")
