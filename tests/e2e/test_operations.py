@@ -313,7 +313,10 @@ def test_a_restart_killed_between_stop_and_start_leaves_nothing_stopped_for_good
     killed = subprocess.Popen(
         [sys.executable, "-m", "shmserve.cli", "restart", "workers", "--all-at-once",
          "--config", str(stack.config_file)], cwd=REPO, env=stack.env, start_new_session=True,
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        # SIGINT as a terminal leaves it: a suite started in the background by a shell without
+        # job control runs with it ignored, and so would the command (CI saw that)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         stack.wait_until(lambda: {p["statename"] for p in stack.processes()
                                   if p["group"] == "workers"} == {"STOPPING"}, 60,
@@ -323,6 +326,7 @@ def test_a_restart_killed_between_stop_and_start_leaves_nothing_stopped_for_good
     finally:
         killed.kill()
         killed.wait(10)
+        killed.stderr.close()
         for pid in frozen:
             os.kill(pid, signal.SIGCONT)  # they take the SIGTERM now, and drain
     assert killed.returncode == 130 and "shmserve: interrupted" in said, said
