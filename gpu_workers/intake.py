@@ -49,6 +49,7 @@ NEWS_S = 0.05
 # descriptors ran out still served the other's) while its heartbeats, and /ready, said it
 # served.
 UNMAPPABLE_EXIT_S = 10.0
+EXHAUSTED = (errno.EMFILE, errno.ENFILE, errno.ENOMEM)  # what a fresh process may not meet
 
 
 class Unwell(RuntimeError):
@@ -253,6 +254,8 @@ class Intake:
         return None
 
     def _unmappable(self, peer: bytes, exc: OSError) -> None:
+        if exc.errno not in EXHAUSTED:  # a file gone or not ours: not this process's state
+            return  # (the frontend stops itself when its arena is deleted: own_files)
         now = time.monotonic()
         since = self._unmappable_since.setdefault(peer, now)
         if now - since >= UNMAPPABLE_EXIT_S and not self.unwell:

@@ -154,7 +154,8 @@ def test_a_worker_that_maps_no_request_of_a_frontend_for_a_while_is_unwell(monke
     """Descriptors gone after one frontend's arena was mapped and before the other's: the
     other's every request was 503 for good while the first's served. Failures of one
     frontend's requests for UNMAPPABLE_EXIT_S, whatever another's do, make the worker unwell
-    (the model thread exits on it): heartbeats say not ready from then on."""
+    (the model thread exits on it): heartbeats say not ready from then on. Only failures a
+    fresh process may not meet (descriptors, memory), not a file gone."""
     import errno
     import time
     from types import SimpleNamespace
@@ -170,6 +171,8 @@ def test_a_worker_that_maps_no_request_of_a_frontend_for_a_while_is_unwell(monke
     def read_request(attachments, peer, msg, *args):
         if peer == b"fe0":
             raise OSError(errno.EMFILE, "Too many open files")
+        if peer == b"fe2":  # its arena deleted: a fresh worker would not map it either
+            raise FileNotFoundError(errno.ENOENT, "No such file or directory")
         # mapped; too many texts for the queue (refused after the reading, which is all here)
         return SimpleNamespace(remaining=10 ** 9, offsets=[0, 3], arrived=time.time())
 
@@ -177,7 +180,9 @@ def test_a_worker_that_maps_no_request_of_a_frontend_for_a_while_is_unwell(monke
     msg = SimpleNamespace(seq=7, model="m", per_token=False, raw=False, priority=0,
                           deadline=time.time() + 60)
     assert intake.on_submit(b"fe0", msg).code is ErrorCode.UNAVAILABLE
+    assert intake.on_submit(b"fe2", msg).code is ErrorCode.UNAVAILABLE
     time.sleep(0.06)
+    assert intake.on_submit(b"fe2", msg).code is ErrorCode.UNAVAILABLE and not intake.unwell
     assert intake.on_submit(b"fe1", msg).code is ErrorCode.OVERLOADED  # fe1's map works
     assert not intake.unwell and intake._beat(0.0).ready
     with caplog.at_level("ERROR", logger="shmserve.worker"):
