@@ -85,7 +85,7 @@ def compact(directory: Path, dead: Iterable[int]) -> int:
     """Merge the counter, histogram and max-gauge files of the `dead` processes into the
     archive files and remove them; returns how many files it merged. The sums stay as they were
     (a counter sample, a histogram bucket's, each key's values added; a max gauge's greatest
-    value kept), and a scrape never sees a file
+    value kept; a counter at 0 left out), and a scrape never sees a file
     both merged and still there, nor a file gone that it listed: the merge holds the
     directory's lock exclusively (`scrape_lock`), and the signals that stop this process wait
     until it is done. A merge killed part way (SIGKILL) is finished or undone by the next one
@@ -108,6 +108,11 @@ def compact(directory: Path, dead: Iterable[int]) -> int:
                 for key, value, _, _ in mmap_dict.MmapedDict.read_all_values_from_file(
                         str(path)):
                     totals[key] = value if key not in totals else merge((totals[key], value))
+            if kind == "counter":
+                # A series only dead processes held and none ever counted: a program or model
+                # since removed (an apply from 3 frontends to 2 kept frontend-2's exits at 0
+                # in /metrics for good, an outside check). A live process that has it keeps it.
+                totals = {key: value for key, value in totals.items() if value}
             fresh = directory / f"{kind}_archive.new"  # not *.db: no scrape reads it
             out = ReservedMmapedDict(str(fresh))
             try:

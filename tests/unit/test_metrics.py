@@ -62,10 +62,10 @@ WRITER = ("import os, sys\n"
           "print(os.getpid())\n")
 
 
-def dead_writers(directory, *counts) -> list[int]:
+def dead_writers(directory, *counts, writer: str = WRITER) -> list[int]:
     """Processes that wrote counts into `directory` and exited: their pids."""
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(directory)}
-    return [int(subprocess.run([sys.executable, "-c", WRITER, str(n)], env=env,
+    return [int(subprocess.run([sys.executable, "-c", writer, str(n)], env=env,
                                capture_output=True, text=True, check=True).stdout)
             for n in counts]
 
@@ -78,7 +78,9 @@ def scraped(directory, monkeypatch) -> dict[tuple[str, tuple], float]:
 def test_mark_dead_removes_dead_live_gauges_and_merges_their_counts(tmp_path, monkeypatch):
     """A dead process's live gauges go; its counters and histograms are merged into the
     archive files, and a scrape reads the same sums from them as from the files before."""
-    pids = dead_writers(tmp_path, 1, 2)
+    # and one that only created a counter's series, as a removed program's exits are
+    never = WRITER.split("c.labels")[0] + "c.labels('/never')\nprint(os.getpid())\n"
+    pids = dead_writers(tmp_path, 1, 2) + dead_writers(tmp_path, 0, writer=never)
     gauge = (tmp_path / f"gauge_livesum_{pids[0]}.db").read_bytes()
     (tmp_path / f"gauge_livesum_{os.getpid()}.db").write_bytes(gauge)  # a live process's
     (tmp_path / "gauge_livesum_notapid.db").write_bytes(gauge)
@@ -90,6 +92,9 @@ def test_mark_dead_removes_dead_live_gauges_and_merges_their_counts(tmp_path, mo
                     "gauge_livesum_notapid.db", "gauge_max_archive.db", "histogram_archive.db"]
     after = scraped(tmp_path, monkeypatch)
     assert after.pop(("t_inflight", ())) == 2.0  # the two copies of the live gauge
+    # a counter no process counted, held by dead processes alone, goes (a program removed)
+    never = ("t_requests_total", (("route", "/never"),))
+    assert before.pop(never) == 0.0 and never not in after
     assert after == {k: v for k, v in before.items() if k[0] != "t_inflight"}
     assert after[("t_seconds_bucket", (("le", "1.0"),))] == 3.0  # cumulative
     assert after[("t_seconds_count", ())] == 3.0
