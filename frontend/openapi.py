@@ -250,7 +250,7 @@ def _routes(model: dict) -> dict[str, dict]:
         "/embeddings": {"post": _op(
             "infinity", "OpenAI embeddings at infinity's path (as /v1/embeddings)",
             {**_ok(ref("EmbeddingsResponse")), **_errors(*_OPENAI_ERRORS)},
-            _body(ref("EmbeddingsRequest")))},
+            _body(ref("InfinityEmbeddingsRequest")))},
         "/models": {"get": _op(
             "infinity", "Served models, as infinity lists them (capabilities, stats)",
             _ok({"type": "object", "properties": {"data": {"type": "array", "items": {

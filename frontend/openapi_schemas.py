@@ -76,7 +76,8 @@ def _infinity_schemas(parts: dict[str, Any]) -> dict[str, Any]:
 
 def _model_names(cfg: Config, tasks: tuple[str, ...]) -> dict[str, Any]:
     names = [n for m in cfg.models if m.task in tasks for n in (m.name, *m.aliases)]
-    schema: dict[str, Any] = {"type": ["string", "null"], "description": "a served model's "
+    schema: dict[str, Any] = {"type": ["string", "null"], "minLength": 1,
+                              "description": "a served model's "
                               f"name or alias, of task {' or '.join(tasks)}; the first model of "
                               "the route's task when absent or null"}
     if names:  # else any name is 404 or 422 (unsupported_task)
@@ -89,6 +90,12 @@ def _native_schemas(parts: dict[str, Any]) -> dict[str, Any]:
     priority = parts["priority"]
     usage = {"type": "object", "properties": {"prompt_tokens": {"type": "integer"},
                                                "total_tokens": {"type": "integer"}}}
+    embeddings = {  # OpenAI's body, and infinity's (dimensions 0 and modality besides)
+        "input": parts["inputs"], "model": parts["model"]("embedding", "null"),
+        "encoding_format": {"type": ["string", "null"], "enum": ["float", "base64", None]},
+        "user": parts["user"], "priority": priority, "prompt_name": parts["prompt_name"]}
+    dimensions = {"type": ["integer", "null"], "description": "keep this many leading "
+                  "components, re-normalised (Matryoshka); at most the model's dimension"}
     return {
         "Error": {"type": "object", "required": ["error"], "properties": {"error": {
             "type": "object", "required": ["message", "type", "param", "code"], "properties": {
@@ -117,13 +124,11 @@ def _native_schemas(parts: dict[str, Any]) -> dict[str, Any]:
             "model": {"type": "string"},
             "revision": {"type": "string"}, "usage": usage}},
         "EmbeddingsRequest": {"type": "object", "required": ["input"], "properties": {
-            "input": parts["inputs"], "model": parts["model"]("embedding", "null"),
-            "encoding_format": {"type": ["string", "null"], "enum": ["float", "base64", None]},
-            "dimensions": {"type": ["integer", "null"], "minimum": 1,
-                           "description": "keep this many leading components, re-normalised "
-                                          "(Matryoshka); at most the model's dimension"},
-            "user": parts["user"], "priority": priority,
-            "prompt_name": parts["prompt_name"]}},
+            **embeddings, "dimensions": {**dimensions, "minimum": 1}}},
+        "InfinityEmbeddingsRequest": {"type": "object", "required": ["input"], "properties": {
+            **embeddings, "dimensions": {**dimensions, "minimum": 0, "description": (
+                dimensions["description"] + "; 0: the model's whole vector (infinity's "
+                "default)")}, "modality": {"type": ["string", "null"], "enum": ["text", None]}}},
         "EmbeddingsResponse": {"type": "object", "properties": {
             "object": {"const": "list"}, "model": {"type": "string"}, "usage": usage,
             "data": {"type": "array", "items": {"type": "object", "properties": {
@@ -200,7 +205,7 @@ def _task_schemas(parts: dict[str, Any]) -> dict[str, Any]:
             "id": {"type": "string"}, "texts": {"type": "array", "items": {"type": "string"}},
             "response_type": {"enum": ["embeddings_floats", "embeddings_by_type"]},
             "embeddings": {"oneOf": [
-                {"type": "array", "items": {"type": "array", "items": {"type": "number"}}},
+                {"type": "array", "items": ref("Vector")},
                 {"type": "object", "additionalProperties": {"type": "array"}}]},
             "meta": {"type": "object"}, "model": {"type": "string"},
             "revision": {"type": "string"}}},
@@ -310,7 +315,8 @@ def _kserve_schemas() -> dict[str, Any]:
         "name": {"type": "string"}, "datatype": {"type": "string"},
         "shape": {"type": "array", "items": {"type": "integer"}}}}
     tensor = {"type": "object", "required": ["name", "datatype", "shape"], "properties": {
-        "name": {"type": "string"}, "datatype": {"type": "string", "example": "BYTES"},
+        "name": {"type": "string", "minLength": 1},
+        "datatype": {"type": "string", "example": "BYTES"},
         "shape": {"type": "array", "items": {"type": "integer", "minimum": 0}},
         "parameters": {"type": "object", "properties": {
             "binary_data_size": {"type": "integer", "minimum": 0}}},

@@ -1,33 +1,27 @@
 """GET /openapi.json through nginx: a valid document, and a bounded schemathesis fuzz of every
-operation in it against the live stack: no answer may be a 5xx."""
+operation in it against the live stack: no answer may be a 5xx, and every answer is as the
+document says (its status declared, its content type and its body's schema)."""
 
 import json
 
-import msgpack
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
+from schemathesis.config._checks import NegativeDataRejectionConfig
+from schemathesis.specs.openapi.checks import (content_type_conformance,
+                                               negative_data_rejection,
+                                               response_schema_conformance,
+                                               status_code_conformance)
 from openapi_spec_validator import validate
 
+from tests import schemathesis_hooks  # noqa: F401 - msgpack bodies and answers
 
-@schemathesis.serializer("application/msgpack")
-def _msgpack(ctx, value):
-    # Every POST route takes msgpack too: fuzz it like JSON. msgpack has no integers past 64
-    # bits, so a msgpack client can only send those as floats.
-    return {"data": msgpack.packb(_floats(value), use_bin_type=True)}
-
-
-def _floats(value):
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, int) and not -(1 << 63) <= value < (1 << 64):
-        return float(value)
-    if isinstance(value, list):
-        return [_floats(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _floats(v) for k, v in value.items()}
-    return value
+# What an answer must hold to the document (an outside fuzz, schemathesis' `--checks all`,
+# found infinity's `dimensions: 0` answered 200 where the document said at least 1, and
+# Cohere's msgpack vectors as bytes where it said arrays of numbers)
+CONFORMANCE = [status_code_conformance, content_type_conformance, response_schema_conformance,
+               negative_data_rejection]
 
 
 def test_openapi_json_is_served_and_valid(tiny_stack):
@@ -54,6 +48,10 @@ MAX_EXAMPLES = 16
 def test_fuzz_every_operation_no_5xx(tiny_stack):
     schema = schemathesis.openapi.from_url(tiny_stack.url + "/openapi.json")
     schema.config.update(base_url=tiny_stack.url)
+    # A body the document calls invalid is refused: 413 too (too many texts, too long a text)
+    rejection = schema.config.checks.negative_data_rejection
+    schema.config.checks.negative_data_rejection = NegativeDataRejectionConfig(
+        expected_statuses=[*rejection.expected_statuses, "413"])
     failures, sent = [], {}
     for result in schema.get_all_operations():
         operation = result.ok()
@@ -65,9 +63,13 @@ def test_fuzz_every_operation_no_5xx(tiny_stack):
             def no_5xx(case):
                 response = case.call(timeout=30)
                 sent.setdefault(operation.label, []).append(response.status_code)
-                assert response.status_code < 500, (
-                    f"{case.method} {case.formatted_path} {response.status_code}: "
-                    f"{response.text[:300]!r}; body {case.body!r:.300}")
+                said = (f"{case.method} {case.formatted_path} {response.status_code}: "
+                        f"{response.text[:300]!r}; body {case.body!r:.300}")
+                assert response.status_code < 500, said
+                try:
+                    case.validate_response(response, checks=CONFORMANCE)
+                except Exception as exc:  # schemathesis' Failure or FailureGroup
+                    raise AssertionError(f"{said}\n{exc}") from None
 
             try:
                 no_5xx()
@@ -83,3 +85,42 @@ def test_fuzz_every_operation_no_5xx(tiny_stack):
     assert sum(map(len, sent.values())) >= 10 * 2 * MAX_EXAMPLES
     for label in ("POST /predict", "POST /v1/embeddings", "POST /embed", "POST /tokenize"):
         assert 200 in sent[label], (label, sent[label])
+
+
+def test_the_document_holds_at_its_edges(tiny_stack, tmp_path):
+    """schemathesis' coverage phase, deterministic: each schema's edges (a value just past a
+    minimum, a key left out, a wrong type, ...) on every operation, answered in JSON and in
+    msgpack. Every answer is as the document says, and what it calls invalid is refused (413
+    too: too many texts, too long a text). The random fuzz above missed two places an outside
+    run of schemathesis' every phase found: the document's `dimensions` minimum of 1 on
+    infinity's /embeddings, where 0 is the model's width and answered 200, and Cohere's
+    msgpack vectors, bytes where the document said arrays of numbers."""
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.stack import REPO
+
+    config = tmp_path / "schemathesis.toml"
+    config.write_text("[checks.negative_data_rejection]\nexpected-statuses = "
+                      "[400, 401, 403, 404, 405, 406, 409, 413, 415, 422, 428, 429]\n")
+    document = tmp_path / "openapi.json"  # read as JSON: asked for msgpack, it is msgpack
+    document.write_bytes(tiny_stack.get("/openapi.json")[2])
+    checks = ",".join([check.__name__ for check in CONFORMANCE] + ["not_a_server_error"])
+    for accept in ("application/json", "application/msgpack"):
+        done = subprocess.run(
+            [str(Path(sys.executable).parent / "schemathesis"), "--config-file", str(config),
+             "--no-color", "run", str(document), "--url", tiny_stack.url, "--phases",
+             "coverage", "--checks", checks, "--header", f"Accept: {accept}", "--workers", "1",
+             "--generation-database", "none", "--request-timeout", "30",
+             "--continue-on-failure"],
+            cwd=REPO, env={**os.environ, "SCHEMATHESIS_HOOKS": "tests.schemathesis_hooks"},
+            capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, (accept, done.stdout[-8000:])
+        # every operation, each answer's body read (msgpack too, through the hooks)
+        selected = re.search(r"Selected: (\d+)/(\d+)", done.stdout)
+        assert selected and selected[1] == selected[2] and int(selected[1]) > 40 and \
+            f"Tested: {selected[1]}" in done.stdout, (accept, done.stdout[-3000:])
+        assert "cannot validate" not in done.stdout, (accept, done.stdout[-3000:])
