@@ -185,8 +185,9 @@ class Worker:
         while True:
             if self._sockets.failure is not None:
                 raise RuntimeError("socket thread failed") from self._sockets.failure
-            if self.intake.unwell:  # what it holds goes to the other workers; supervisord
-                self.status.ready = False  # starts this one again
+            if self.intake.unwell:
+                # What it holds goes to the other workers; supervisord starts this one again.
+                self.status.ready = False
                 self.metrics.set_ready(False)
                 self._push.send(ANNOUNCE)
                 self._fail_all(ErrorCode.UNAVAILABLE, f"worker {self.index} restarting: "
