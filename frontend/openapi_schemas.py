@@ -131,6 +131,7 @@ def _native_schemas(parts: dict[str, Any]) -> dict[str, Any]:
                 "default)")}, "modality": {"type": ["string", "null"], "enum": ["text", None]}}},
         "EmbeddingsResponse": {"type": "object", "properties": {
             "object": {"const": "list"}, "model": {"type": "string"}, "usage": usage,
+            "revision": {"type": "string", "description": "the served weights' revision"},
             "data": {"type": "array", "items": {"type": "object", "properties": {
                 "object": {"const": "embedding"}, "index": {"type": "integer"},
                 "embedding": ref("Vector")}}}}},
@@ -206,7 +207,7 @@ def _task_schemas(parts: dict[str, Any]) -> dict[str, Any]:
             "response_type": {"enum": ["embeddings_floats", "embeddings_by_type"]},
             "embeddings": {"oneOf": [
                 {"type": "array", "items": ref("Vector")},
-                {"type": "object", "additionalProperties": {"type": "array"}}]},
+                {"type": "object", "additionalProperties": {"type": "array", "items": {}}}]},
             "meta": {"type": "object"}, "model": {"type": "string"},
             "revision": {"type": "string"}}},
         "ReloadRequest": {"type": "object", "properties": {
@@ -223,7 +224,10 @@ def _task_schemas(parts: dict[str, Any]) -> dict[str, Any]:
 def _tei_schemas(parts: dict[str, Any]) -> dict[str, Any]:
     nullable_bool = {"type": ["boolean", "null"]}
     sequence = {"type": "array", "items": parts["text"], "minItems": 1, "maxItems": 2}
-    direction = {"type": ["string", "null"], "enum": ["Right", "Left", "right", "left", None]}
+    # A pattern, not an enum of both cases: openapi-python-client names enum values in upper
+    # case, and "Right" and "right" collided (its generation failed, an outside check)
+    direction = {"type": ["string", "null"], "pattern": "^([Rr]ight|[Ll]eft)$",
+                 "description": "Right (the default) or Left, or the same in lower case"}
     scheduling = {"priority": parts["priority"], "user": parts["user"]}
     return {
         "Info": {"type": "object", "properties": {
@@ -233,7 +237,13 @@ def _tei_schemas(parts: dict[str, Any]) -> dict[str, Any]:
             "max_input_length": {"type": "integer"}, "max_batch_tokens": {"type": "integer"},
             "max_batch_requests": {"type": ["integer", "null"]},
             "max_client_batch_size": {"type": "integer"}, "auto_truncate": {"type": "boolean"},
-            "tokenization_workers": {"type": "integer"}, "version": {"type": "string"}}},
+            "tokenization_workers": {"type": "integer"}, "version": {"type": "string"},
+            "sha": {"type": ["string", "null"]}, "docker_label": {"type": ["string", "null"]},
+            # shmserve's own, besides TEI's
+            "models": {"type": "array", "items": {"type": "object"}},
+            "devices": {"type": "array", "items": {"type": "object"}},
+            "limits": {"type": "object"}, "frontends": {"type": "integer"},
+            "workers": {"type": "integer"}}},
         "TeiEmbedRequest": {"type": "object", "required": ["inputs"], "properties": {
             **scheduling,
             "inputs": parts["inputs"], "model": parts["model"]("embedding", "null"),
@@ -320,7 +330,7 @@ def _kserve_schemas() -> dict[str, Any]:
         "shape": {"type": "array", "items": {"type": "integer", "minimum": 0}},
         "parameters": {"type": "object", "properties": {
             "binary_data_size": {"type": "integer", "minimum": 0}}},
-        "data": {"type": "array", "description": "row-major, flat or nested"}}}
+        "data": {"type": "array", "items": {}, "description": "row-major, flat or nested"}}}
     duration = {"type": "object", "properties": {"count": {"type": "integer"},
                                                  "ns": {"type": "integer"}}}
     return {

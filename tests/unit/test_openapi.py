@@ -15,6 +15,31 @@ def test_document_is_valid_openapi():
     validate(document(config.load(environ={})))
 
 
+def test_common_client_generators_take_the_document():
+    """openapi-python-client (an outside check, 0.29.1) failed on the whole document at an enum
+    whose values differ only in case ("Right", "right": one Python name) and dropped three
+    schemas for an array without `items` (valid JSON Schema, which it refuses): none of
+    either."""
+    def walk(node, where=""):
+        if isinstance(node, dict):
+            yield where, node
+            for key, value in node.items():
+                yield from walk(value, f"{where}/{key}")
+        elif isinstance(node, list):
+            for i, value in enumerate(node):
+                yield from walk(value, f"{where}/{i}")
+
+    doc = document(config.load(environ={}))
+    schemas = list(walk(doc))
+    arrays = [where for where, node in schemas if node.get("type") == "array"
+              or isinstance(node.get("type"), list) and "array" in node["type"]]
+    assert len(arrays) > 50  # the walk reaches them
+    assert [where for where in arrays if "items" not in dict(schemas)[where]] == []
+    for where, node in schemas:
+        names = [v.upper() for v in node.get("enum", []) if isinstance(v, str)]
+        assert len(names) == len(set(names)), (where, node["enum"])
+
+
 def test_every_route_is_documented_with_its_methods():
     cfg = config.load(environ={})
     app = create_app(cfg)
