@@ -116,7 +116,9 @@ def test_the_document_holds_at_its_edges(tiny_stack, tmp_path):
              "coverage", "--checks", checks, "--header", f"Accept: {accept}", "--workers", "1",
              "--generation-database", "none", "--request-timeout", "30",
              "--continue-on-failure"],
-            cwd=REPO, env={**os.environ, "SCHEMATHESIS_HOOKS": "tests.schemathesis_hooks"},
+            # its cache (.schemathesis/) in the test's directory, the hooks from the repository
+            cwd=tmp_path, env={**os.environ, "SCHEMATHESIS_HOOKS": "tests.schemathesis_hooks",
+                               "PYTHONPATH": str(REPO)},
             capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, (accept, done.stdout[-8000:])
         # every operation, each answer's body read (msgpack too, through the hooks)
