@@ -45,7 +45,8 @@ from shmserve.apply_plan import (FIXED, Plan, by_counts, forget_overridden, inde
                                  plan, reloads_held, warn_gaps)
 from shmserve.prechecks import CliError, check_fds, check_shm, seconds
 from shmserve.config import Config
-from shmserve.restarts import ctl, reload_nginx, say, wait_until_ready
+from shmserve.nginx_reload import reload_nginx
+from shmserve.restarts import ctl, say, wait_until_ready
 from shmserve.startwait import process_info
 
 def apply(args: argparse.Namespace) -> int:
