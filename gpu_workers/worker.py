@@ -186,12 +186,7 @@ class Worker:
             if self._sockets.failure is not None:
                 raise RuntimeError("socket thread failed") from self._sockets.failure
             if self.intake.unwell:
-                # What it holds goes to the other workers; supervisord starts this one again.
-                self.status.ready = False
-                self.metrics.set_ready(False)
-                self._push.send(ANNOUNCE)
-                self._fail_all(ErrorCode.UNAVAILABLE, f"worker {self.index} restarting: "
-                               f"{self.intake.unwell}")
+                self._leave(f"worker {self.index} restarting: {self.intake.unwell}")
                 raise Unwell(self.intake.unwell)
             if self.stopping.is_set() and drain_deadline is None:
                 drain_deadline = time.time() + self.cfg.server.drain_timeout_s
@@ -342,9 +337,7 @@ class Worker:
                 # The batch that met it is answered (it may be what caused it: not sent to
                 # another worker); what waits goes to the other workers, and this one exits
                 # for supervisord to start again.
-                self.status.ready = False
-                self.metrics.set_ready(False)
-                self._fail_all(ErrorCode.UNAVAILABLE, "worker restarting after a device error")
+                self._leave("worker restarting after a device error")
                 raise DeviceLost(f"{type(exc).__name__}: {exc}") from exc
             return
         finally:
@@ -397,6 +390,15 @@ class Worker:
         outbox, self._outbox = self._outbox, {}
         for peer, frames in outbox.items():
             self._push.send_multipart([peer, *frames])
+
+    def _leave(self, message: str) -> None:
+        """Before an exit for supervisord to start this worker afresh (DeviceLost, Unwell): not
+        ready, said to every frontend at once, and what it holds handed back UNAVAILABLE, which
+        the frontends send to another worker."""
+        self.status.ready = False
+        self.metrics.set_ready(False)
+        self._push.send(ANNOUNCE)
+        self._fail_all(ErrorCode.UNAVAILABLE, message)
 
     def _fail_all(self, code: ErrorCode, message: str) -> None:
         self._take_inbox(block=False)
