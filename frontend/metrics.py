@@ -8,7 +8,7 @@ prometheus_client writes each process's values to files there and `/metrics` sum
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable
 
 from prometheus_client import Counter, Gauge, Histogram
 
@@ -30,8 +30,10 @@ REQUESTS = Counter("shmserve_requests_total", "HTTP requests answered by the fro
                    ["route", "model", "status", "revision"])  # revision: of the weights that
                                                              # served it ("" without inference)
 LATENCY = Histogram("shmserve_request_duration_seconds",
-                    "Time from the frontend receiving a request to its response",
-                    ["route", "model"], buckets=shared.LATENCY_BUCKETS)
+                    "Time from the frontend receiving a request to its response, by its "
+                    "status (status=~\"2..\": the answered requests'; under overload the fast "
+                    "429s are most of the count)",
+                    ["route", "model", "status"], buckets=shared.LATENCY_BUCKETS)
 STAGE = Histogram("shmserve_stage_duration_seconds",
                   "Time of each stage of successful inference requests (every task)",
                   ["stage", "model"], buckets=shared.LATENCY_BUCKETS)
@@ -102,8 +104,8 @@ INFERENCE = Counter("shmserve_inference_requests_total",
                     ["model", "variant", "priority", "status"])
 INFERENCE_LATENCY = Histogram("shmserve_inference_request_duration_seconds",
                               "Time from the frontend receiving an inference request to its "
-                              "response (any status), by model, A/B variant and priority",
-                              ["model", "variant", "priority"],
+                              "response, by model, A/B variant, priority and status",
+                              ["model", "variant", "priority", "status"],
                               buckets=shared.LATENCY_BUCKETS)
 
 CACHE = Counter("shmserve_response_cache_requests_total",
@@ -184,7 +186,7 @@ def observe_request(route: str, model: str, status: int, seconds: float,
                     revision: str = "") -> None:
     """The per-request counters every route gets (the middleware calls this)."""
     requests(route, model, str(status), revision).inc()
-    latency(route, model).observe(seconds)
+    latency(route, model, str(status)).observe(seconds)
     if status == 429:
         rejected(model).inc()
     elif status == 504:
@@ -207,7 +209,7 @@ def observe_inference(model: str, variant: str, priority: int, status: int,
     if 400 <= status < 500 and not failed(status):
         return
     inference(model, variant, str(priority), str(status)).inc()
-    inference_latency(model, variant, str(priority)).observe(seconds)
+    inference_latency(model, variant, str(priority), str(status)).observe(seconds)
 
 
 stats_requests, stats_seconds = Children(STATS_REQUESTS), Children(STATS_SECONDS)
@@ -277,12 +279,12 @@ class StatsTally:
 stats = StatsTally(turn)
 
 
-def exposition(cfg: Config, workers: int) -> tuple[bytes, str]:
+def exposition(cfg: Config, workers: int, lost: Iterable[int] = ()) -> tuple[bytes, str]:
     """The whole deployment's metrics; blocking (files, supervisord's socket): run it off the
     event loop. `workers`: how many the deployment has (each shows shmserve_worker_ready,
-    0 while it does not run)."""
+    0 while it does not run, and while this frontend has `lost` it: silent, hung)."""
     return shared.exposition([shared.ResidentMemory(lambda: processes.resident(cfg)),
                               shared.OpenFiles(lambda: processes.open_files(cfg)),
                               shared.Filesystems({"run_dir": str(cfg.run_dir),
                                                   "shm": str(SHM_DIR)})],
-                             [str(i) for i in range(workers)])
+                             [str(i) for i in range(workers)], [str(i) for i in lost])

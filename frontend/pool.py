@@ -116,6 +116,13 @@ class WorkerPool:
         (200) while another worker still loaded (an outside check)."""
         return self._past_start
 
+    def lost_workers(self) -> list[int]:
+        """The workers this frontend heard from and has since lost (silent past
+        `workers.heartbeat_timeout_s`, its connection dropped, stopped): what /ready says of
+        them, for the scrape's shmserve_worker_ready, which a hung worker's own gauge left at
+        1 until the watchdog killed it."""
+        return [link.index for link in self.links if link.beat is not None and not link.alive]
+
     def ready_links(self, model: str) -> list[WorkerLink]:
         return [link for link in self.links
                 if link.ready and any(m.name == model for m in link.beat.models)]

@@ -262,6 +262,7 @@ async def read_metrics(read, *args):
 
 
 async def metrics_route(request: web.Request) -> web.Response:
+    pool = request.app[POOL]
     body, content_type = await read_metrics(metrics.exposition, request.app[CONFIG],
-                                            len(request.app[POOL].links))
+                                            len(pool.links), pool.lost_workers())
     return web.Response(body=body, headers={"Content-Type": content_type})

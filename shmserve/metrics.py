@@ -217,10 +217,13 @@ def multiproc_dir() -> Path | None:
     return Path(path) if path else None
 
 
-def registry(extra: Iterable[Collector] = (), workers: Iterable[str] = ()) -> CollectorRegistry:
+def registry(extra: Iterable[Collector] = (), workers: Iterable[str] = (),
+             lost: Iterable[str] = ()) -> CollectorRegistry:
     """What a scrape reads: every process's files (multiprocess mode), else this process's own
     metrics (a frontend run by hand, a test), plus `extra` collectors. `workers`: the
-    configured workers' indexes, each with a shmserve_worker_ready series (0 where none runs)."""
+    configured workers' indexes, each with a shmserve_worker_ready series (0 where none runs);
+    `lost`: those the scraped frontend has lost (silent, hung: ready 0, whatever their own
+    gauge last said)."""
     directory = multiproc_dir()
     if directory is not None:
         source = multiprocess.MultiProcessCollector(None, path=str(directory))
@@ -229,7 +232,7 @@ def registry(extra: Iterable[Collector] = (), workers: Iterable[str] = ()) -> Co
 
         source = REGISTRY
     reg = CollectorRegistry()
-    reg.register(_Delegate(source, tuple(workers), directory))
+    reg.register(_Delegate(source, tuple(workers), directory, frozenset(lost)))
     for collector in extra:
         reg.register(collector)
     return reg
@@ -251,9 +254,9 @@ def hidden_samples() -> list[Sample]:
             for sample in family.samples]
 
 
-def exposition(extra: Iterable[Collector] = (),
-               workers: Iterable[str] = ()) -> tuple[bytes, str]:
-    return generate_latest(registry(extra, workers)), CONTENT_TYPE_LATEST
+def exposition(extra: Iterable[Collector] = (), workers: Iterable[str] = (),
+               lost: Iterable[str] = ()) -> tuple[bytes, str]:
+    return generate_latest(registry(extra, workers, lost)), CONTENT_TYPE_LATEST
 
 
 class ResidentMemory(Collector):
@@ -325,13 +328,16 @@ class _Delegate(Collector):
     process's files) without re-registering them; with shmserve_worker_ready at 0 for each of
     `workers` no live process wrote it. A stopped worker's live gauge file goes with it (the
     reaper), and its series then vanished: a panel's line ended, and an alert on
-    `shmserve_worker_ready == 0` never fired (an outside check)."""
+    `shmserve_worker_ready == 0` never fired (an outside check). And at 0 for each of `lost`:
+    a hung (or SIGSTOPped) worker's process lives, and so does its last word, 1, until it is
+    killed (an outside check: 1 for ~30 s while /ready said the worker was lost)."""
 
     def __init__(self, source, workers: tuple[str, ...] = (),
-                 directory: Path | None = None) -> None:
+                 directory: Path | None = None, lost: frozenset[str] = frozenset()) -> None:
         self._source = source
         self._workers = workers
         self._directory = directory  # multiprocess mode's: read under its lock (compact)
+        self._lost = lost
 
     def collect(self):
         ready = None
@@ -356,6 +362,9 @@ class _Delegate(Collector):
             ready.samples += [Sample(READY, {"worker": w}, 0.0)
                               for w in self._workers if w not in have]
         if ready is not None:
+            if self._lost:
+                ready.samples = [s._replace(value=0.0) if s.labels.get("worker") in self._lost
+                                 else s for s in ready.samples]
             yield ready
 
 

@@ -118,6 +118,12 @@ def stop_for_good(stack: Stack, program: str, on_stopped=lambda: None) -> Counte
             pass
 
 
+def ready_gauges(stack: Stack) -> dict[str, float]:
+    _, _, raw = stack.get("/metrics")
+    return {s.labels["worker"]: s.value for f in text_string_to_metric_families(raw.decode())
+            for s in f.samples if s.name == "shmserve_worker_ready"}
+
+
 def kills(stack: Stack, logs: list[str], message: str, metric: str) -> tuple[list, float]:
     """The kill log lines in `logs` and the kills counted in /metrics."""
     lines = [line for name in logs for line in stack.log_lines(name)
@@ -141,6 +147,10 @@ def test_a_worker_stopped_for_good_is_killed_and_restarted(stack):
         stopped = next(w for w in json.loads(stack.get("/ready")[2])["workers"]
                        if w["worker"] == 0)
         assert stopped["pid"] == pid and stopped["silent_s"] >= 1.0, stopped
+        # and so does /metrics, from either frontend (four scrapes in a row), though the
+        # stopped worker's own gauge still says 1 (it read 1 until the kill: an outside check)
+        stack.wait_until(lambda: all(ready_gauges(stack) == {"0": 0.0, "1": 1.0}
+                                     for _ in range(4)), 5, "worker 0 scraped not ready")
 
     counts = stop_for_good(stack, "workers:worker-0", degraded)
     assert set(counts) == {"200"}, counts

@@ -108,7 +108,7 @@ def test_ab_split_follows_the_weights_and_says_who_served(task_stack, task_dirs)
 
 def inference_metrics(task_stack, model: str) -> dict:
     """shmserve_inference_requests_total of `model` by (variant, priority, status), and its
-    latency histogram's counts by (variant, priority)."""
+    latency histogram's counts by ("seconds", variant, priority, status)."""
     out = {}
     _, _, raw = task_stack.get("/metrics")
     for family in text_string_to_metric_families(raw.decode()):
@@ -118,7 +118,8 @@ def inference_metrics(task_stack, model: str) -> dict:
             if s.name == "shmserve_inference_requests_total":
                 out[s.labels["variant"], s.labels["priority"], s.labels["status"]] = s.value
             elif s.name == "shmserve_inference_request_duration_seconds_count":
-                out[s.labels["variant"], s.labels["priority"]] = s.value
+                out["seconds", s.labels["variant"], s.labels["priority"],
+                    s.labels["status"]] = s.value
     return out
 
 
@@ -140,8 +141,8 @@ def test_inference_metrics_name_each_arm_and_priority(task_stack):
     counted = {key: n for key, n in grew.items() if len(key) == 3}
     assert sum(counted.values()) == 8 and {k[2] for k in counted} == {"200"}, grew
     assert {k[1] for k in counted} == {"1", "-1"} and {k[0] for k in counted} <= {"a", "b"}
-    timed = {key: n for key, n in grew.items() if len(key) == 2}
-    assert timed == {key[:2]: n for key, n in counted.items()}, grew
+    timed = {key[1:]: n for key, n in grew.items() if len(key) == 4}
+    assert timed == counted, grew
 
 
 def test_a_malformed_request_is_not_counted_by_arm(task_stack):

@@ -214,6 +214,28 @@ def test_registry_reads_every_process_file(tmp_path, monkeypatch):
     assert read() == {"t_requests_total": 6.0}
 
 
+def test_a_lost_worker_scrapes_not_ready_whatever_its_own_gauge_says(tmp_path, monkeypatch):
+    """A hung worker's process lives, and its live gauge with it: its last word, 1, was scraped
+    until the watchdog killed it. The frontend answering the scrape names the workers it has
+    lost; those read 0, the others as they wrote, and a worker no process wrote 0."""
+    code = ("from prometheus_client import Gauge\n"
+            "g = Gauge('shmserve_worker_ready', 'r', ['worker'], "
+            "multiprocess_mode='livemostrecent')\n"
+            "g.labels('0').set(1); g.labels('1').set(1)\n")
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
+    subprocess.run([sys.executable, "-c", code], env=env, check=True)
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+
+    def ready(lost):
+        body, _ = metrics.exposition(workers=["0", "1", "2"], lost=lost)
+        return {s.labels["worker"]: s.value
+                for f in text_string_to_metric_families(body.decode()) for s in f.samples
+                if s.name == "shmserve_worker_ready"}
+    assert ready([]) == {"0": 1.0, "1": 1.0, "2": 0.0}
+    assert ready(["1"]) == {"0": 1.0, "1": 0.0, "2": 0.0}
+    assert ready(["2"]) == {"0": 1.0, "1": 1.0, "2": 0.0}
+
+
 def test_a_switch_retires_the_old_series_under_its_own_dtype():
     """dtype auto may resolve differently for the old and the new weights (bf16, then fp32 when
     the new ones miss the probe's bound): each series keeps its own labels."""
