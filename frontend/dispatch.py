@@ -244,16 +244,22 @@ class Dispatcher:
     async def _wait_for_worker(self, model: str, deadline: float,
                                refused: WorkerLink | None) -> WorkerLink | None:
         """No worker ready for `model` now: wait for one (frontends.no_worker_wait_s), unless
-        it did not load on the workers that host it (answered at once, saying why)."""
+        it did not load on the workers that host it (answered at once, saying why). A wait
+        its own deadline cut short ends in a 504: the server had no time to find a worker,
+        which a 503 "no live worker" misstated (an outside check: a frontend just started,
+        not yet told of the workers, said so of two live ones to a request of 20 ms; the
+        timer that ends the wait may fire a moment before the deadline it was set for)."""
         why, retry_in = did_not_load(self.pool.links, model)
         if why:
             raise ApiError("unavailable", f"model {model!r} did not load ({why}); its workers "
                            "try it again",
                            retry_after=max(1, math.ceil(retry_in)), code="model_not_loaded",
                            reason="model_not_loaded")
-        return await self.pool.wait_for_worker(
-            model, min(self.cfg.frontends.no_worker_wait_s, deadline - time.time()),
-            avoid=refused)
+        wait, left = self.cfg.frontends.no_worker_wait_s, deadline - time.time()
+        link = await self.pool.wait_for_worker(model, min(wait, left), avoid=refused)
+        if link is None and left < wait:
+            raise ApiError("timeout", "deadline passed waiting for a worker")
+        return link
 
     def _alloc(self, nbytes: int) -> tuple[Lease, int]:
         try:

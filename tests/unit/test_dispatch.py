@@ -199,6 +199,36 @@ def test_with_no_ready_worker_the_503_says_whether_they_are_loading_or_gone(aren
     assert err.value.status == 503 and err.value.message == "no live worker for this model"
 
 
+def test_a_wait_for_a_worker_that_the_deadline_cuts_short_is_a_504_not_a_503(arena):
+    """A request whose deadline is shorter than frontends.no_worker_wait_s, with no worker
+    ready (a frontend just started, not yet told of its workers): its deadline ends the wait,
+    a 504; "no live worker" (503) was said of live workers (an outside check). The wait's timer
+    may end a moment before the deadline itself (here: at once, as a timer that fires early)."""
+    class NotYetTold(FakePool):
+        waited: list[float] = []
+
+        async def wait_for_worker(self, model, timeout, avoid=None):
+            self.waited.append(timeout)
+            return None
+    pool = NotYetTold({0: None, 1: None})
+    for link in pool.links:
+        pool.mark_unready(link)
+    cfg = config.load(environ={})
+    enc = Encoded(np.array([101, 7, 102], np.int32), np.array([0, 3], np.int32), 0)
+
+    def run_until(seconds):
+        return asyncio.run(Dispatcher(cfg, pool, arena).run("m", 4, enc, "req",
+                                                           time.time() + seconds))
+    with pytest.raises(ApiError) as err:
+        run_until(0.02)
+    assert err.value.status == 504 and err.value.message == "deadline passed waiting for a worker"
+    assert pool.waited[-1] <= 0.02
+    with pytest.raises(ApiError) as err:  # the server's own wait ran out first: a 503
+        run_until(cfg.frontends.no_worker_wait_s + 5)
+    assert err.value.status == 503 and pool.waited[-1] == cfg.frontends.no_worker_wait_s
+    assert arena.bytes_used == 0
+
+
 def test_a_resubmission_writes_rows_of_its_own_while_the_silent_worker_holds_the_first(arena):
     # A worker failed over for silence may resume and write the rows it was given: the next
     # worker's answer must be read from other rows, and the first stay allocated until the
