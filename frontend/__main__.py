@@ -56,12 +56,16 @@ def main() -> int:
     args = parser.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-    from shmserve import config, logs
+    from shmserve import logs, program_config
     from shmserve.models import ModelSourceError
 
-    cfg = config.load_resolved(args.config, read_keys=True)
+    # config.json, or the config it ran before an apply that has not reached it yet
+    cfg, before_apply = program_config.load(args.config, f"frontend-{args.index}",
+                                            read_keys=True)
     logs.configure(cfg.logging, f"frontend-{args.index}")
     log = logging.getLogger("shmserve.frontend")
+    if before_apply:
+        log.warning("frontend.config_before_apply", extra={"fields": {"config": before_apply}})
     try:
         return serve(cfg, args.index)
     except ModelSourceError as exc:

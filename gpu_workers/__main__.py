@@ -25,9 +25,10 @@ def main() -> int:
     parser.add_argument("--index", type=int, required=True)
     args = parser.parse_args()
 
-    from shmserve import config, logs
+    from shmserve import logs, program_config
 
-    cfg = config.load_resolved(args.config)
+    # config.json, or the config it ran before an apply that has not reached it yet
+    cfg, before_apply = program_config.load(args.config, f"worker-{args.index}")
     # Thread counts must be set before torch does any work: nginx, the frontends and the
     # workers share few cores.
     threads = str(cfg.workers.torch_threads)
@@ -48,6 +49,8 @@ def main() -> int:
     from shmserve.models import ModelSourceError
 
     log = logging.getLogger("shmserve.worker")
+    if before_apply:
+        log.warning("worker.config_before_apply", extra={"fields": {"config": before_apply}})
     try:
         return serve(cfg, args.index)
     except (DeviceError, ModelSourceError) as exc:

@@ -24,7 +24,9 @@ replaced and removed one by one through shmserve.supervisor_rpc, after the run d
 rendered again. An apply that stops part way (a worker that cannot load the
 new model) leaves `run/apply.json`, the config from before it: `apply` again (after fixing the
 config) goes on from there, so no step is skipped because run/config.json already says the new
-config.
+config. The record names the programs the apply has reached (`reached`): one that crashes
+before the apply reaches it starts again on the config it ran (shmserve.program_config), not on
+the new config.json out of the order above.
 """
 
 from __future__ import annotations
@@ -39,8 +41,8 @@ import xmlrpc.client
 from pathlib import Path
 from typing import Iterator, Mapping
 
-from shmserve import (config, configview, layers, models, moves, processes, render,
-                      restart_record, state, tls, topology, versions)
+from shmserve import (config, configview, layers, models, moves, processes, program_config,
+                      render, restart_record, state, tls, topology, versions)
 from shmserve.apply_plan import (FIXED, Plan, by_counts, forget_overridden, index_of, nginx_differs,
                                  plan, reloads_held, warn_gaps)
 from shmserve.prechecks import CliError, check_fds, check_shm, seconds
@@ -147,9 +149,10 @@ def _how_given(dropped: list[str]) -> str:
 def _apply(args: argparse.Namespace, new: Config) -> int:
     running = processes.running_config(new)
     marker = topology.apply_marker_path(running)
-    old, attempted = running, []
+    old, attempted, reached = running, [], {}
     if marker.exists():
         saved = json.loads(marker.read_text())
+        reached = saved.get("reached", {})  # program -> the attempt it started on
         old = config.from_tree(saved["from"])
         attempted = [render.resolved(config.from_tree(tree)) for tree in saved["attempts"]]
         say("shmserve: an earlier apply stopped part way; applying from the config before it")
@@ -216,7 +219,8 @@ def _apply(args: argparse.Namespace, new: Config) -> int:
     with reloads_held(old, new):
         earlier = marker.read_text() if resumed else None
         marker.write_text(json.dumps({"from": json.loads(old.to_json()), "attempts": [
-            *(json.loads(a.to_json()) for a in attempted), json.loads(new.to_json())]}) + "\n")
+            *(json.loads(a.to_json()) for a in attempted), json.loads(new.to_json())],
+            "reached": reached}) + "\n")
         nginx_before = render.nginx_conf(new).read_text()
         try:
             render.render(new)
@@ -242,6 +246,7 @@ def _apply(args: argparse.Namespace, new: Config) -> int:
 
 def run(new: Config, old: Config, steps: Plan, timeout: float) -> None:
     rest = f"; {stopped(new)}"
+    program_config.mark_reached(new, steps.add_workers)
     for program in steps.add_workers:
         sync(new, "workers", program)  # supervisord starts it: it loads meanwhile
     before, after = steps.worker_phases()
@@ -287,6 +292,7 @@ def frontends(new: Config, old: Config, steps: Plan, timeout: float, rest: str) 
     """Frontends added, each ready, then nginx reloaded to send them requests before any kept
     one restarts (one frontend growing to two got 502s: nginx knew only the one restarting),
     then the kept ones one at a time."""
+    program_config.mark_reached(new, steps.add_frontends)
     for program in steps.add_frontends:
         sync(new, "frontends", program)
         wait_until_ready(new, "frontends", program, pid_of(new, program), timeout, rest,
@@ -344,6 +350,7 @@ def replace(cfg: Config, group: str, program: str, timeout: float) -> None:
         if program in restart_record.stopped_by_restart(cfg, process_info(cfg)):
             say(f"shmserve: {restart_record.said(cfg, [program])} on the new config")
         else:
+            program_config.mark_reached(cfg, [program])
             sync(cfg, group, program)
             say(f"shmserve: {program} is stopped (a stop command): left stopped, on the new "
                 f"config when it starts (`shmserve ctl start {group}:{program}`)")

@@ -15,7 +15,7 @@ import json
 import time
 from typing import Sequence
 
-from shmserve import topology
+from shmserve import program_config, topology
 from shmserve.config import Config
 from shmserve.files import write_private
 
@@ -23,7 +23,9 @@ from shmserve.files import write_private
 def begin(cfg: Config, programs: Sequence[str], command: str = "restart") -> None:
     """Record `programs` (GROUP:NAME) as a restart of them begins. `end` removes the record once
     the restart has started them; a restart that fails or is interrupted before leaves it for
-    the next restart or apply to read."""
+    the next restart or apply to read. Where an apply is under way or stopped part way, they
+    start on the config it applies (shmserve.program_config)."""
+    program_config.mark_reached(cfg, programs)
     write_private(topology.restart_marker_path(cfg),
                   json.dumps({"programs": list(programs), "at": time.time(),
                               "command": command}) + "\n")

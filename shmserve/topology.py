@@ -109,9 +109,12 @@ def frontend_grpc_socket(cfg: Config, index: int) -> Path:
     return socket_dir(cfg) / f"frontend-{index}.grpc.sock"
 
 
+APPLY_MARKER = "apply.json"  # beside config.json (shmserve.program_config reads it there)
+
+
 def apply_marker_path(cfg: Config) -> Path:
     """The config before an `shmserve apply` that has not finished (shmserve.apply)."""
-    return cfg.run_dir / "apply.json"
+    return cfg.run_dir / APPLY_MARKER
 
 
 def restart_marker_path(cfg: Config) -> Path:

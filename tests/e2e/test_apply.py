@@ -4,6 +4,8 @@ counts of frontends and workers included, under load, without a failed request."
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 
 import psutil
@@ -190,6 +192,19 @@ def test_apply_restarts_only_what_reads_a_changed_key_and_goes_on_after_a_failur
     assert (stack.run_dir / "apply.json").exists()
     # (the file named where it is: it said run/apply.json whatever the run directory: recheck51)
     assert f"({stack.run_dir / 'apply.json'} keeps the config" in failed.stderr, failed.stderr
+    # A frontend the apply had not reached, crashed: it starts again on the config it ran
+    # (2 frontends, not 3: supervisord started it on the new config, out of the apply's order,
+    # and a crash during an apply changing a model's units so served that model 503s: an
+    # outside check); frontend-2, which the apply added, runs the new one.
+    before_pid = stack.pid("frontends:frontend-0")
+    os.kill(before_pid, signal.SIGKILL)
+    stack.wait_until(lambda: stack.pid("frontends:frontend-0") not in (0, before_pid), 30,
+                     "frontend-0 started again")
+    stack.wait_until(lambda: None not in (frontend_info(stack, 0), frontend_info(stack, 2)),
+                     30, "frontend-0 and frontend-2 answering")
+    assert frontend_info(stack, 0)["frontends"] == 2 and frontend_info(stack, 2)["frontends"] == 3
+    assert any(line.get("message") == "frontend.config_before_apply"
+               for line in stack.log_lines("frontend-0"))
     warned = stack.cli("restart", "nginx", check=False)  # restarted programs: its config
     assert f"an apply stopped part way ({stack.run_dir / 'apply.json'})" in warned.stderr, \
         warned.stderr
@@ -201,6 +216,7 @@ def test_apply_restarts_only_what_reads_a_changed_key_and_goes_on_after_a_failur
     assert not (stack.run_dir / "apply.json").exists()
     assert set(programs(stack)) == {"frontend-0", "frontend-1", "frontend-2", "worker-0",
                                     "worker-1"}
+    assert frontend_info(stack, 0)["frontends"] == 3  # reached by the apply: the new config
     assert "nothing to apply" in stack.cli("apply").stdout
     # Given up instead: the config put back as it was, the next apply stops what the failed
     # one started (here frontend-3), although the config no longer differs from the one before.
@@ -224,6 +240,14 @@ def test_apply_restarts_only_what_reads_a_changed_key_and_goes_on_after_a_failur
         assert done.returncode == 2 and "nginx rejects the file" in done.stderr, done.stderr
         assert "reloaded" not in done.stdout
     assert stack.get("/health")[0] == 200
+
+
+def frontend_info(stack: Stack, index: int) -> dict | None:
+    """GET /info of one frontend, on its own socket (None while it does not answer)."""
+    from shmserve.remote import get_unix
+
+    code, raw = get_unix(str(stack.run_dir / "sockets" / f"frontend-{index}.sock"), "/info")
+    return json.loads(raw) if code == 200 else None
 
 
 def nginx_workers(master: int) -> set[int]:

@@ -188,3 +188,41 @@ def test_a_dry_run_after_an_apply_that_stopped_part_way_lists_the_keys(base, mon
     assert apply._apply(args, base) == 0
     steps = capsys.readouterr().out.split("shmserve: steps")[1]
     assert "frontend-2" in steps and "stop" in steps, steps
+
+
+def test_a_program_an_apply_has_not_reached_starts_on_the_config_it_ran(base):
+    """supervisord starts a crashed program at once, on run/config.json: during an apply that
+    is the new config, out of the apply's order (an outside check: a frontend killed while the
+    workers still served a model's old units answered it 503). A program the apply (or an
+    earlier one it goes on from) has reached starts on that apply's config; one it has not, on
+    the config from before; one it adds (not in that config) on config.json."""
+    import json
+
+    from shmserve import program_config, restart_record, topology
+
+    first, new = with_(base, frontends={"count": 3}), with_(base, frontends={"count": 4})
+    path = topology.resolved_config_path(base)
+    base.run_dir.mkdir(parents=True, exist_ok=True)
+    path.write_text(new.to_json())
+    marker = topology.apply_marker_path(base)
+
+    def count(program):
+        cfg, why = program_config.load(path, program)
+        return cfg.frontends.count, bool(why)
+    assert count("frontend-0") == (4, False)  # no apply under way
+    marker.write_text(json.dumps({"from": json.loads(base.to_json()), "attempts": [
+        json.loads(first.to_json()), json.loads(new.to_json())], "reached": {"frontend-1": 0}}))
+    assert count("frontend-0") == (2, True)  # not reached: the config from before
+    assert count("worker-1") == (2, True)
+    assert count("frontend-1") == (3, True)  # reached by the earlier apply: its config
+    assert count("frontend-3") == (4, False)  # added: only the new config has it
+    program_config.mark_reached(base, ["frontends:frontend-0"])  # as apply and restart do
+    restart_record.begin(base, ["workers:worker-1"])
+    assert count("frontend-0") == (4, False) and count("worker-1") == (4, False)
+    assert json.loads(marker.read_text())["reached"] == {
+        "frontend-1": 0, "frontend-0": 1, "worker-1": 1}
+    marker.write_text("{not json")  # a record this cannot read: config.json, as before
+    assert count("frontend-0") == (4, False)
+    marker.unlink()
+    program_config.mark_reached(base, ["frontend-0"])  # no apply: nothing written
+    assert not marker.exists()
