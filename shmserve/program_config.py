@@ -34,13 +34,12 @@ def load(path: str | Path, program: str, read_keys: bool = False) -> tuple[Confi
     try:
         saved = json.loads((path.parent / topology.APPLY_MARKER).read_text())
         tree, why = _chosen(saved, program)
-    except FileNotFoundError:
-        tree = None
-    except (OSError, ValueError, KeyError, TypeError, IndexError, config.ConfigError):
-        tree = None  # a record this cannot read: the run directory's config, as before
-    if tree is None:
-        return config.load_resolved(path, read_keys), ""
-    return config.from_tree(tree, read_keys), why
+        if tree is not None:
+            return config.from_tree(tree, read_keys), why
+    except (OSError, ValueError, LookupError, TypeError, AttributeError, config.ConfigError):
+        pass  # no apply's record (the usual case), or one this cannot read or start on (a key
+        # file the config before named, gone since): the run directory's config, as before
+    return config.load_resolved(path, read_keys), ""
 
 
 def _chosen(saved: dict[str, Any], program: str) -> tuple[dict | None, str]:
@@ -67,9 +66,9 @@ def mark_reached(cfg: Config, programs: Iterable[str]) -> None:
     try:
         saved = json.loads(marker.read_text())
         latest = len(saved["attempts"]) - 1
-    except (OSError, ValueError, KeyError, TypeError):
+        reached = saved.setdefault("reached", {})
+        for program in programs:
+            reached[program.rpartition(":")[2]] = latest
+    except (OSError, ValueError, LookupError, TypeError, AttributeError):
         return
-    reached = saved.setdefault("reached", {})
-    for program in programs:
-        reached[program.rpartition(":")[2]] = latest
     write_private(marker, json.dumps(saved) + "\n")

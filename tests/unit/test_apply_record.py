@@ -223,6 +223,12 @@ def test_a_program_an_apply_has_not_reached_starts_on_the_config_it_ran(base):
         "frontend-1": 0, "frontend-0": 1, "worker-1": 1}
     marker.write_text("{not json")  # a record this cannot read: config.json, as before
     assert count("frontend-0") == (4, False)
+    # ... or a config before it that cannot start now (its key file gone since): config.json
+    keyed = with_(base, auth={"api_keys_file": str(base.run_dir / "gone-keys")})
+    marker.write_text(json.dumps({"from": json.loads(keyed.to_json()),
+                                  "attempts": [json.loads(new.to_json())]}))
+    assert program_config.load(path, "frontend-0", read_keys=True)[0].frontends.count == 4
+    assert count("frontend-0") == (2, True)  # a worker does not read the keys
     marker.unlink()
     program_config.mark_reached(base, ["frontend-0"])  # no apply: nothing written
     assert not marker.exists()
