@@ -127,9 +127,14 @@ def certificate_refused(cfg: Config, code: int | None, body: bytes) -> str:
 
 def not_loading(body: bytes) -> str:
     """What GET /ready's body says of models that failed to load processes.STARTS times in a
-    row on a worker that serves its others ("" if none): waiting longer would not change it."""
+    row on a worker that serves its others ("" if none), once every worker serves: waiting
+    longer would not change it. While another worker still loads, it may serve them (an A/B
+    arm's share goes to the arms served: /ready 200 "degraded"), and `up --wait` gave up on a
+    loaded machine where the other worker took longer than the three tries (a CI run)."""
     try:
         workers = json.loads(body).get("workers") or []
+        if not all(w.get("ready") for w in workers):
+            return ""  # one still loading (a worker that fails outright is failed_workers')
         return "; ".join(
             f"worker {w['worker']} serves without {u['model']}, whose load failed "
             f"{u['failures']} times in a row: {u['error']}"
