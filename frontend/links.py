@@ -68,6 +68,16 @@ class WorkerLink:
         return self.alive and self.beat is not None and self.beat.ready
 
     @property
+    def hung(self) -> bool:
+        """Lost (silent past `workers.heartbeat_timeout_s`) while its process lives: hung or
+        SIGSTOPped. The scrape's shmserve_worker_ready reads 0 for it, which its own gauge left
+        at 1 until the watchdog killed it; not for a process gone, whose gauge went with it
+        and whose successor's own (0 while loading) is the truth, though this frontend may
+        not have heard it yet (a scrape a heartbeat after a restart read 0: a CI run)."""
+        return (self.beat is not None and not self.alive and self.beat.pid != self.dropped_pid
+                and processes.alive(self.beat.pid))
+
+    @property
     def unloaded(self) -> tuple[Unloaded, ...]:
         """Its models that did not load while others did (it serves those and tries these
         again: gpu_workers.loading.Retries), as its last heartbeat said while it lives."""

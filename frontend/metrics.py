@@ -185,8 +185,9 @@ def start(models: dict[str, Any], frontend: int, workers: int) -> None:
 def observe_request(route: str, model: str, status: int, seconds: float,
                     revision: str = "") -> None:
     """The per-request counters every route gets (the middleware calls this)."""
-    requests(route, model, str(status), revision).inc()
-    latency(route, model, str(status)).observe(seconds)
+    code = str(status)
+    requests(route, model, code, revision).inc()
+    latency(route, model, code).observe(seconds)
     if status == 429:
         rejected(model).inc()
     elif status == 504:
@@ -208,8 +209,9 @@ def observe_inference(model: str, variant: str, priority: int, status: int,
     504, 5xx; docs/observability.md), and an outside check found them counted."""
     if 400 <= status < 500 and not failed(status):
         return
-    inference(model, variant, str(priority), str(status)).inc()
-    inference_latency(model, variant, str(priority), str(status)).observe(seconds)
+    labels = (model, variant, str(priority), str(status))
+    inference(*labels).inc()
+    inference_latency(*labels).observe(seconds)
 
 
 stats_requests, stats_seconds = Children(STATS_REQUESTS), Children(STATS_SECONDS)

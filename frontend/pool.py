@@ -116,16 +116,6 @@ class WorkerPool:
         (200) while another worker still loaded (an outside check)."""
         return self._past_start
 
-    def lost_workers(self) -> list[int]:
-        """The workers this frontend has lost while their process lives (silent past
-        `workers.heartbeat_timeout_s`: hung, SIGSTOPped), for the scrape's
-        shmserve_worker_ready, which a hung worker's own gauge left at 1 until the watchdog
-        killed it. Not one whose process is gone: its gauge went with it, and the new
-        process's own (0 while loading) is the truth, where this frontend may not have heard
-        it yet (a scrape a heartbeat after a restart read 0 for a ready worker: a CI run)."""
-        return [link.index for link in self.links if link.beat is not None and not link.alive
-                and link.beat.pid != link.dropped_pid and processes.alive(link.beat.pid)]
-
     def ready_links(self, model: str) -> list[WorkerLink]:
         return [link for link in self.links
                 if link.ready and any(m.name == model for m in link.beat.models)]

@@ -264,5 +264,6 @@ async def read_metrics(read, *args):
 async def metrics_route(request: web.Request) -> web.Response:
     pool = request.app[POOL]
     body, content_type = await read_metrics(metrics.exposition, request.app[CONFIG],
-                                            len(pool.links), pool.lost_workers())
+                                            len(pool.links),
+                                            [link.index for link in pool.links if link.hung])
     return web.Response(body=body, headers={"Content-Type": content_type})
