@@ -17,7 +17,7 @@ from typing import AsyncIterator
 from aiohttp import web
 
 from frontend import codec, metrics, own_files
-from frontend.auth import authenticate, key_digests
+from frontend.auth import ApiKeys, authenticate
 from frontend.dispatch import Dispatcher
 from frontend.errors import ApiError, kserve_shaped, status_on
 from frontend.httpparser import nginx_size
@@ -28,7 +28,7 @@ from frontend.variants import Splits, Variant
 from frontend.variants import revision as variant_revision
 from shmserve import arena as shm
 from shmserve import topology
-from shmserve.config import Config, api_keys
+from shmserve.config import Config
 from shmserve.models import ModelSpec, inspect, units
 from shmserve.state import Watch
 
@@ -93,7 +93,7 @@ CACHE = web.AppKey("cache", object)  # a frontend.respcache.ResponseCache, or No
 INFLIGHT = web.AppKey("inflight", list)  # [count]: a mutable cell
 UNBUFFERED = web.AppKey("unbuffered", object)  # an Unbuffered: answers held for slow readers
 SPLITS = web.AppKey("splits", Splits)
-API_KEYS = web.AppKey("api_keys", frozenset)  # key_digests; empty: the inference routes are open
+API_KEYS = web.AppKey("api_keys", ApiKeys)  # no key: the inference routes are open
 TRACING = web.AppKey("tracing", object)  # a frontend.tracing.Tracing, or None
 DRAIN_END = web.AppKey("drain_end", list)  # [the task of `_drain`], once stopping
 # Probes and scrapes: no access line, no trace.
@@ -143,7 +143,7 @@ async def observe(request: web.Request, handler) -> web.StreamResponse:
     request[REQUEST_ID] = sent if _REQUEST_ID.match(sent) else uuid.uuid4().hex
     request[LOG_FIELDS] = {}
     try:
-        keys = request.app[API_KEYS]
+        keys = request.app[API_KEYS].current()
         if keys and not _open(request):
             authenticate(request, keys)
         response = await handler(request)
@@ -408,7 +408,7 @@ def create_app(cfg: Config, index: int = 0) -> web.Application:
     app[INFLIGHT] = [0]
     app[UNBUFFERED] = Unbuffered(UNBUFFERED_BUDGET)
     app[DRAIN_END] = []
-    app[API_KEYS] = key_digests(api_keys(cfg))
+    app[API_KEYS] = ApiKeys(cfg)
     if cfg.tracing.otlp_endpoint:
         from frontend.tracing import Tracing
 

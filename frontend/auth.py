@@ -4,16 +4,82 @@ needs where any is configured, and the admin token (frontend.admin), both looked
 from __future__ import annotations
 
 import hashlib
-from typing import Iterable
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Callable, Iterable
 
 from aiohttp import web
 
 from frontend.errors import ApiError
+from shmserve.config import Config, api_keys
+from shmserve.layers import REPO_ROOT
+from shmserve.typedtree import ConfigError
+
+log = logging.getLogger("shmserve.frontend")
+
+# How often a frontend looks at auth.api_keys_file (one stat, at a request's check).
+KEYS_LOOK_S = 1.0
 
 
 def key_digests(keys: Iterable[str]) -> frozenset[bytes]:
     """What bearer_matches looks a token up in: each key's SHA-256 digest."""
     return frozenset(hashlib.sha256(key.encode()).digest() for key in keys)
+
+
+class ApiKeys:
+    """The inference routes' keys as digests (key_digests), auth.api_keys_file read again
+    when it changed (its inode, size or modification time, looked at every KEYS_LOOK_S at
+    most, as a request is checked): a rotated secret takes effect within a second, without
+    restarting the frontends (it needed `shmserve restart frontends`, and `apply` said
+    "nothing to apply" with the old keys in force: an outside check). A file that does not
+    load now (empty, a malformed key, unreadable) leaves the keys in force and is logged
+    (frontend.api_keys_file_refused), never an open server."""
+
+    def __init__(self, cfg: Config, clock: Callable[[], float] = time.monotonic) -> None:
+        self._cfg, self._clock = cfg, clock
+        name = cfg.auth.api_keys_file
+        self._file = (Path(name) if Path(name).is_absolute() else REPO_ROOT / name) \
+            if name else None
+        self._stamp = _stamp(self._file)  # before the read: a change during it is read again
+        self.digests = key_digests(api_keys(cfg))  # a file that does not load stops start-up
+        self._next = clock() + KEYS_LOOK_S
+
+    def current(self) -> frozenset[bytes]:
+        if self._file is None or (now := self._clock()) < self._next:
+            return self.digests
+        self._next = now + KEYS_LOOK_S
+        if (stamp := _stamp(self._file)) != self._stamp:
+            self._read(stamp)
+        return self.digests
+
+    def _read(self, stamp: tuple[int, int, int] | None) -> None:
+        # The stamp from before the read: a file written on while read (not renamed into
+        # place) has another at the next look, which reads it whole.
+        self._stamp = stamp
+        try:
+            keys = api_keys(self._cfg)
+        except ConfigError as exc:  # said once a change
+            log.error("frontend.api_keys_file_refused", extra={"fields": {
+                "reason": str(exc), "kept_keys": len(self.digests)}})
+            return
+        digests = key_digests(keys)
+        if digests != self.digests:
+            log.info("frontend.api_keys_reloaded", extra={"fields": {
+                "keys": len(digests), "added": len(digests - self.digests),
+                "removed": len(self.digests - digests)}})
+        self.digests = digests
+
+
+def _stamp(file: Path | None) -> tuple[int, int, int] | None:
+    if file is None:
+        return None
+    try:
+        st = os.stat(file)
+    except OSError:  # gone (read, and refused, as such)
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def bearer_matches(request: web.Request, digests: frozenset[bytes]) -> bool:

@@ -5,6 +5,7 @@ import asyncio
 import json
 import os
 import signal
+import time
 import urllib.request
 
 import huggingface_hub
@@ -239,6 +240,48 @@ def test_the_benchmarks_send_the_key_from_the_environment(stack, monkeypatch, ap
     window = benchkit.locust_window(stack.url, scenario, 3, corpus)
     assert window["failures"] == 0 and window["requests"] > 10
     assert benchkit.fetch_vectors(stack.url, ["hello"]).shape == (1, 32)
+
+
+def test_keys_rotated_in_the_file_take_effect_without_a_restart(stack):
+    """auth.api_keys_file changed under a running deployment (a mounted secret rotated): each
+    frontend reads it again within a second, no restart; a file that does not load then keeps
+    the keys in force (it needed `restart frontends`, apply saying "nothing to apply" with the
+    old keys in force: an outside check)."""
+    keys = stack.root.parent / "keys.txt"  # beside the stack's directory (the fixture's)
+    kept = keys.read_text()
+    rotated = "rotated-key-8901"
+    frontends = [stack.pid(f"frontends:frontend-{i}") for i in (0, 1)]
+
+    def statuses(key: str) -> set[int]:  # nginx alternates idle frontends: both are asked
+        return {stack.post_json("/predict", {"texts": ["x"]},
+                                {"Authorization": f"Bearer {key}"})[0] for _ in range(8)}
+
+    def rewrite(text: str) -> None:  # into place, as a secret's mount or `mv` does
+        (keys.parent / "keys.new").write_text(text)
+        os.replace(keys.parent / "keys.new", keys)
+
+    def logged(event: str) -> bool:
+        return all(any(line.get("message") == event for line in stack.log_lines(f"frontend-{i}"))
+                   for i in (0, 1))
+    try:
+        assert statuses(rotated) == {401}
+        rewrite(f"{kept}{rotated}\n")  # added beside the old key
+        stack.wait_until(lambda: statuses(rotated) == {200}, 15, "the added key served")
+        assert statuses(FROM_FILE) == {200}
+        rewrite(f"{rotated}\n")  # the old key removed
+        stack.wait_until(lambda: statuses(FROM_FILE) == {401}, 15, "the removed key refused")
+        assert statuses(rotated) == statuses(INLINE) == {200}
+        stack.wait_until(lambda: logged("frontend.api_keys_reloaded"), 10, "both read it")
+        keys.write_text("")  # emptied: the keys in force stay, never an open server
+        time.sleep(2.5)  # more than two looks
+        assert statuses(rotated) == {200} and statuses(FROM_FILE) == {401}
+        assert stack.post_json("/predict", {"texts": ["x"]})[0] == 401
+        stack.wait_until(lambda: logged("frontend.api_keys_file_refused"), 10, "the refusal")
+        assert [stack.pid(f"frontends:frontend-{i}") for i in (0, 1)] == frontends
+        assert all(rotated not in stack.log(f"frontend-{i}") for i in (0, 1))
+    finally:
+        rewrite(kept)
+        stack.wait_until(lambda: statuses(FROM_FILE) == {200}, 15, "the fixture's key again")
 
 
 def test_an_emptied_key_file_leaves_the_cli_working_and_refuses_a_frontend_restart(stack):
