@@ -277,8 +277,13 @@ def check_nginx(cfg: Config, binary: str, conf: Path | None = None) -> None:
     if done.returncode != 0:
         problem = (done.stderr or done.stdout).strip()
         what = "the config rendered for" if conf != nginx_conf(cfg) else "the file"
-        raise RenderError(f"nginx rejects {what} {nginx_conf(cfg)} (check the nginx.* keys, or "
-                          f"an edit of the file): {problem}")
+        # A file a TLS key names, quoted by nginx: that key's file to mend, not nginx.conf (a
+        # broken CRL was blamed on "the nginx.* keys, or an edit of the file": an outside check)
+        named = [f"{key} ({tls.path(value)})" for key, value in tls.files(cfg)
+                 if str(tls.path(value)) in problem]
+        check = (f"check {', '.join(named)}" if named
+                 else "check the nginx.* keys, or an edit of the file")
+        raise RenderError(f"nginx rejects {what} {nginx_conf(cfg)} ({check}): {problem}")
 
 
 def fill(template: str, values: Mapping[str, str]) -> str:

@@ -7,7 +7,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
+import time
 
 from shmserve import (__version__, nginxrun, processes, remote, render, restart_record, tls,
                       topology)
@@ -21,6 +23,21 @@ supervisord_pid = processes.supervisord_pid
 
 class _Stopped(Exception):
     """The deployment's supervisord went away while `status` watched it."""
+
+
+def nginx_file_warnings(cfg: Config) -> list[str]:
+    """What nginx would meet in its files now, restarted (`restart nginx --all-at-once`, or by
+    supervisord after a crash), though it runs on what it read last: `nginx -t` of its config
+    (a CRL or certificate file broken since, which a reload refuses and a start cannot pass:
+    an outside check's nginx, killed, stayed down, status having said nothing), and the TLS
+    files' certificates and CRLs past or near their dates (tls.expiry_warnings)."""
+    warnings = []
+    try:
+        render.check_nginx(cfg, render.nginx_binary(cfg))
+    except (render.RenderError, OSError, subprocess.SubprocessError) as exc:
+        warnings.append(f"nginx runs on the files it read last, but would not start on them now "
+                        f"(a restart, or supervisord's after a crash): {exc}")
+    return warnings + tls.expiry_warnings(cfg, time.time())
 
 
 def status(args: argparse.Namespace) -> int:
@@ -62,6 +79,11 @@ def status(args: argparse.Namespace) -> int:
         about["protocol_change"] = change
         if not args.json:
             print(f"shmserve: warning: {change}", file=sys.stderr, flush=True)
+    if warnings := nginx_file_warnings(cfg):  # once, as the protocol's
+        about["warnings"] = warnings
+        if not args.json:
+            for warning in warnings:
+                print(f"shmserve: warning: {warning}", file=sys.stderr, flush=True)
     title = f"shmserve {__version__} at {remote.where(cfg)} (run_dir {cfg.run_dir})"
 
     silent = False  # nginx did not answer the last sample

@@ -14,6 +14,7 @@ import functools
 import re
 import ssl
 import subprocess
+import time
 from pathlib import Path
 
 from shmserve.config import Config
@@ -52,6 +53,16 @@ def presents_none(cfg: Config) -> bool:
     """Whether nginx asks for a client certificate (nginx.tls_client_ca) and the CLI has none
     to present (nginx.tls_client_certificate): its calls but /ready are refused."""
     return bool(cfg.nginx.tls_client_ca) and not cfg.nginx.tls_client_certificate
+
+
+FILE_KEYS = ("nginx.tls_certificate", "nginx.tls_key", "nginx.tls_client_ca",
+             "nginx.tls_client_crl", "nginx.tls_client_certificate", "nginx.tls_client_key")
+
+
+def files(cfg: Config) -> list[tuple[str, str]]:
+    """(key, value) of each TLS file the config names."""
+    return [(key, value) for key in FILE_KEYS
+            if (value := getattr(cfg.nginx, key.partition(".")[2]))]
 
 
 def check(cfg: Config) -> None:
@@ -240,3 +251,70 @@ def client_context(cfg: Config) -> ssl.SSLContext | None:
             raise TlsError(f"nginx.tls_client_certificate: cannot present {cert} with "
                            f"{key}: {getattr(exc, 'strerror', None) or exc}") from None
     return context
+
+
+# Warned of this long before a date: renewing a certificate or a CRL takes an operator.
+EXPIRY_WARNING_DAYS = {"certificate": 14, "CRL": 7}
+_BLOCK = re.compile(r"-----BEGIN (CERTIFICATE|X509 CRL)-----.+?-----END \1-----", re.DOTALL)
+
+
+def expiry_warnings(cfg: Config, now: float) -> list[str]:
+    """What `shmserve status` warns of in the TLS files nginx reads (and the CLI presents): a
+    certificate past its notAfter or within EXPIRY_WARNING_DAYS of it (the server's: clients
+    refuse it; a client CA's: nginx refuses every client it issued), a CRL past its nextUpdate
+    or near it (nginx then refuses every client certificate at its next handshake: an outside
+    check met that outage as kept-alive connections ended). Each PEM block of a file is read
+    (a chain, several CAs or CRLs), the first to pass named, by the openssl command; nothing
+    where it is missing."""
+    reload = "then `shmserve restart nginx`"
+    warnings = []
+    for key, kind, then, action in (
+            ("nginx.tls_certificate", "certificate", "clients refuse the server", reload),
+            ("nginx.tls_client_ca", "certificate",
+             "nginx refuses every client certificate it issued", reload),
+            ("nginx.tls_client_crl", "CRL",
+             "nginx refuses every client certificate at its next handshake", reload),
+            ("nginx.tls_client_certificate", "certificate",
+             "nginx refuses the CLI's calls but /ready", "the CLI reads it at each command")):
+        value = getattr(cfg.nginx, key.partition(".")[2])
+        if not value or (key == "nginx.tls_certificate" and not enabled(cfg)):
+            continue
+        dates = sorted(_dates(path(value), kind))
+        if not dates:
+            continue
+        days = (dates[0] - now) / 86400
+        date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(dates[0]))
+        field = "nextUpdate" if kind == "CRL" else "notAfter"
+        if days < 0:
+            warnings.append(f"{key}: {path(value)} holds a {kind} past its {field} ({date}): "
+                            f"{then}; renew it ({action})")
+        elif days < EXPIRY_WARNING_DAYS[kind]:
+            warnings.append(f"{key}: {path(value)} holds a {kind} whose {field} is {date}, in "
+                            f"{days:.1f} days, when {then}: renew it before ({action})")
+    return warnings
+
+
+def _dates(file: Path, kind: str) -> list[float]:
+    """notAfter of each certificate, or nextUpdate of each CRL, in a PEM file (epoch
+    seconds); none where the file or the openssl command cannot be read."""
+    try:
+        blocks = [m.group(0) for m in _BLOCK.finditer(file.read_text(errors="replace"))
+                  if (m.group(1) == "X509 CRL") == (kind == "CRL")]
+    except OSError:
+        return []
+    argv, field = (["openssl", "crl", "-noout", "-nextupdate"], "nextUpdate=") if kind == "CRL" \
+        else (["openssl", "x509", "-noout", "-enddate"], "notAfter=")
+    dates = []
+    for block in blocks:
+        try:
+            done = subprocess.run(argv, input=block, capture_output=True, text=True, timeout=10,
+                                  check=False)
+        except (OSError, subprocess.TimeoutExpired):
+            return dates
+        line = done.stdout.strip()
+        if done.returncode == 0 and line.startswith(field):
+            try:
+                dates.append(float(ssl.cert_time_to_seconds(line[len(field):])))
+            except ValueError:  # "NONE": a CRL without a next update
+                pass
+    return dates

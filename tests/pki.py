@@ -29,8 +29,10 @@ def client_certificate(ca: trustme.CA, files: Path, name: str) -> tuple[str, str
     return str(files / f"{name}.pem"), str(files / f"{name}.key")
 
 
-def revocations(ca: trustme.CA, certificates: list[str]) -> bytes:
-    """A CRL (PEM) `ca` signed, revoking `certificates` (their files)."""
+def revocations(ca: trustme.CA, certificates: list[str], next_update_days: float = 30
+                ) -> bytes:
+    """A CRL (PEM) `ca` signed, revoking `certificates` (their files), its nextUpdate
+    `next_update_days` from now."""
     import datetime
 
     from cryptography import x509
@@ -40,7 +42,8 @@ def revocations(ca: trustme.CA, certificates: list[str]) -> bytes:
     issuer = x509.load_pem_x509_certificate(ca.cert_pem.bytes())
     now = datetime.datetime.now(datetime.timezone.utc)
     builder = x509.CertificateRevocationListBuilder().issuer_name(issuer.subject).last_update(
-        now - datetime.timedelta(days=1)).next_update(now + datetime.timedelta(days=30))
+        now - datetime.timedelta(days=1)).next_update(
+        now + datetime.timedelta(days=next_update_days))
     for file in certificates:
         serial = x509.load_pem_x509_certificate(Path(file).read_bytes()).serial_number
         builder = builder.add_revoked_certificate(x509.RevokedCertificateBuilder().serial_number(

@@ -6,6 +6,7 @@ nginx and supervisord, with requests, the native client, tritonclient.grpc and t
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import msgpack
 import numpy as np
@@ -259,3 +260,26 @@ def test_no_tls_session_is_resumed_so_a_new_crl_holds_at_once(mtls):
                 assert conn.recv(12) == b"HTTP/1.1 200", version
                 assert not conn.session_reused, version
                 session = conn.session
+
+
+def test_a_crl_broken_under_the_running_nginx_is_named_and_warned_of(mtls):
+    """The CRL file broken since nginx read it: `restart nginx` refuses, naming the key and
+    the file (it named nginx.conf), nginx serving on; `status` warns that a restarted nginx
+    would not start (an outside check's nginx, killed then, stayed down, status saying
+    nothing). Put right, both are quiet again."""
+    stack, ca, alice, _ = mtls
+    crl = Path(json.loads((stack.run_dir / "config.json").read_text())["nginx"]["tls_client_crl"])
+    kept = crl.read_bytes()
+    crl.write_text("-----BEGIN X509 CRL-----\nnot a CRL\n-----END X509 CRL-----\n")
+    try:
+        refused = stack.cli("restart", "nginx", check=False)
+        assert refused.returncode == 2 and f"(check nginx.tls_client_crl ({crl}))" in \
+            refused.stderr and "nginx was left as it runs" in refused.stderr, refused.stderr
+        assert requests.get(url(stack, "/v1/models"), verify=ca, cert=alice,
+                            timeout=30).status_code == 200
+        shown = stack.cli("status", check=False)
+        assert "would not start on them now" in shown.stderr and \
+            f"nginx.tls_client_crl ({crl})" in shown.stderr, shown.stderr
+    finally:
+        crl.write_bytes(kept)
+    assert "warning" not in stack.cli("status", check=False).stderr

@@ -257,3 +257,70 @@ def test_apply_says_who_mutual_tls_refuses_or_serves_from_now_on(tmp_path):
     assert "nginx asks clients for no certificate from now on" in said(mtls, tls_on)
     assert "this CLI presents no client certificate from now on" in said({**mtls, **cli}, mtls)
     assert said(mtls, mtls) == said({**mtls, **cli}, {**mtls, **cli}) == ""
+
+
+def test_status_warns_of_certificates_and_crls_past_or_near_their_dates(tmp_path, pem,
+                                                                         client_pki):
+    """tls.expiry_warnings, what `shmserve status` says: a CRL past its nextUpdate refuses
+    every client certificate at its next handshake (an outside check met it as an outage)."""
+    import time
+
+    from cryptography import x509
+
+    cert, key = pem
+    cfg = make_config(tmp_path / "run", nginx={
+        "tls_certificate": str(cert), "tls_key": str(key),
+        "tls_client_ca": str(client_pki / "client-ca.pem"),
+        "tls_client_crl": str(client_pki / "client.crl")})
+    now = time.time()
+    assert tls.expiry_warnings(cfg, now) == []  # a CRL of 30 days, certificates of years
+    day = 86400
+    warned = tls.expiry_warnings(cfg, now + 25 * day)  # the CRL's nextUpdate in ~5 days
+    assert len(warned) == 1 and warned[0].startswith(
+        f"nginx.tls_client_crl: {client_pki / 'client.crl'} holds a CRL whose nextUpdate is ")
+    assert "in 5.0 days, when nginx refuses every client certificate at its next handshake" \
+        in warned[0] and "`shmserve restart nginx`" in warned[0]
+    warned = tls.expiry_warnings(cfg, now + 31 * day)
+    assert len(warned) == 1 and "holds a CRL past its nextUpdate" in warned[0]
+    ends = x509.load_pem_x509_certificate(cert.read_bytes()).not_valid_after_utc.timestamp()
+    warned = tls.expiry_warnings(cfg, ends - 3 * day)
+    assert any(w.startswith(f"nginx.tls_certificate: {cert} holds a certificate whose "
+                            "notAfter is ") and "in 3.0 days, when clients refuse the server"
+               in w for w in warned), warned
+    past = tls.expiry_warnings(cfg, ends + day)
+    assert any(w.startswith("nginx.tls_certificate:") and "past its notAfter" in w
+               for w in past), past
+    # the earliest of a file's blocks: a CRL file of two, the second ending first
+    from tests.pki import revocations
+
+    both = tmp_path / "two.crl"
+    both.write_bytes((client_pki / "client.crl").read_bytes()
+                     + revocations(trustme.CA(), [], next_update_days=2))
+    two = make_config(tmp_path / "run", nginx={
+        "tls_certificate": str(cert), "tls_key": str(key),
+        "tls_client_ca": str(client_pki / "client-ca.pem"), "tls_client_crl": str(both)})
+    assert ["in 2.0 days" in w for w in tls.expiry_warnings(two, now)] == [True]
+
+
+def test_a_tls_file_broken_since_nginx_read_it_is_named_by_restart_and_status(
+        tmp_path, pem, client_pki):
+    """A CRL file broken under a running nginx: `restart nginx` refuses it naming the key and
+    the file (it named nginx.conf), and status warns that a restarted nginx would not start
+    (an outside check's nginx, killed, stayed down with status saying nothing)."""
+    from shmserve.status_cli import nginx_file_warnings
+
+    cert, key = pem
+    crl = tmp_path / "clients.crl"
+    crl.write_bytes((client_pki / "client.crl").read_bytes())
+    cfg = make_config(tmp_path / "run", nginx={
+        "tls_certificate": str(cert), "tls_key": str(key),
+        "tls_client_ca": str(client_pki / "client-ca.pem"), "tls_client_crl": str(crl)})
+    render.render(cfg)
+    assert nginx_file_warnings(cfg) == []
+    crl.write_text("-----BEGIN X509 CRL-----\nnot base64 at all\n-----END X509 CRL-----\n")
+    with pytest.raises(render.RenderError, match=rf"\(check nginx.tls_client_crl \({crl}\)\): "):
+        render.check_nginx(cfg, render.nginx_binary(cfg))
+    warned = nginx_file_warnings(cfg)
+    assert len(warned) == 1 and warned[0].startswith(
+        "nginx runs on the files it read last, but would not start on them now"), warned
+    assert f"nginx.tls_client_crl ({crl})" in warned[0]
