@@ -12,8 +12,9 @@ At supervisord's stop it is the last program stopped: on its SIGTERM it removes 
 files the frontends left (they keep them while they restart, so that nginx's connects are
 refused rather than finding no file, which nginx logs at level crit) that no process listens on.
 
-It also counts what nginx answers itself (shmserve.nginx_stats), on a thread: the one
-program of a deployment that always runs.
+It also counts what nginx answers itself (shmserve.nginx_stats), and reads the TLS files'
+dates every minute (shmserve_tls_expiry_timestamp_seconds), on threads: the one program of a
+deployment that always runs.
 
 The listener protocol owns stdout; this process logs to stderr (its supervisord log file).
 """
@@ -24,11 +25,12 @@ import argparse
 import logging
 import signal
 import sys
+import threading
 from typing import Callable, TextIO
 
-from prometheus_client import Counter
+from prometheus_client import Counter, Gauge
 
-from shmserve import config, logs, metrics, metrics_files
+from shmserve import config, logs, metrics, metrics_files, tls
 
 log = logging.getLogger("shmserve.reaper")
 
@@ -41,6 +43,28 @@ log = logging.getLogger("shmserve.reaper")
 # loses none.
 EXITS = Counter("shmserve_process_exits", "Program exits seen by supervisord, by program; "
                 "expected=false: a crash or a kill", ["program", "expected"])
+
+
+# The TLS files' dates, as on disk (what nginx reads at its next reload or start): an alert's
+# (ShmserveTlsExpiring), where `shmserve status` warns only when asked. A restarted reaper's
+# replace its predecessor's (live: the dead process's file is swept).
+TLS_EXPIRY = Gauge("shmserve_tls_expiry_timestamp_seconds", "The earliest notAfter (a "
+                   "certificate) or nextUpdate (a CRL) in the TLS file a config key names, "
+                   "seconds since the epoch", ["key", "kind"], multiprocess_mode="livemax")
+TLS_LOOK_S = 60.0
+
+
+def watch_tls_dates(cfg: config.Config, stopped: threading.Event,
+                    every_s: float = TLS_LOOK_S) -> None:
+    """Set TLS_EXPIRY from the files now, then every `every_s` until `stopped`."""
+    while True:
+        try:
+            for key, kind, when in tls.expiries(cfg):
+                TLS_EXPIRY.labels(key, kind.lower()).set(when)
+        except Exception:  # noqa: BLE001 (a thread's loop: logged, tried again next time)
+            log.exception("reaper.tls_dates_failed")
+        if stopped.wait(every_s):
+            return
 
 
 def start(cfg: config.Config) -> None:
@@ -149,9 +173,11 @@ def main() -> int:
     cfg = config.load_resolved(args.config)
 
     reader = None
+    stopped = threading.Event()
 
     def stop(*_) -> None:
         sweep_sockets(cfg)  # the last program stopped: the frontends are gone
+        stopped.set()
         if reader is not None:
             reader.stop()
         sys.exit(0)
@@ -161,6 +187,9 @@ def main() -> int:
     log.info("reaper.started", extra={"fields": {"dir": str(metrics.multiproc_dir())}})
     start(cfg)
     reader = count_nginx_answers(cfg)
+    if tls.enabled(cfg):
+        threading.Thread(target=watch_tls_dates, args=(cfg, stopped), name="tls-dates",
+                         daemon=True).start()
     handle("STARTED", "")  # what died while no reaper listened (its own restart)
     serve(sys.stdin, sys.stdout, lambda: drain_frontends(cfg, args.config))
     return 0

@@ -258,38 +258,50 @@ EXPIRY_WARNING_DAYS = {"certificate": 14, "CRL": 7}
 _BLOCK = re.compile(r"-----BEGIN (CERTIFICATE|X509 CRL)-----.+?-----END \1-----", re.DOTALL)
 
 
+# Each TLS file whose dates matter: its kind, what follows its end, and what puts it right.
+_RELOAD = "then `shmserve restart nginx`"
+DATED = (("nginx.tls_certificate", "certificate", "clients refuse the server", _RELOAD),
+         ("nginx.tls_client_ca", "certificate",
+          "nginx refuses every client certificate it issued", _RELOAD),
+         ("nginx.tls_client_crl", "CRL",
+          "nginx refuses every client certificate at its next handshake", _RELOAD),
+         ("nginx.tls_client_certificate", "certificate",
+          "nginx refuses the CLI's calls but /ready", "the CLI reads it at each command"))
+
+
+def expiries(cfg: Config) -> list[tuple[str, str, float]]:
+    """(key, kind, epoch seconds) of each dated TLS file the config names: the earliest
+    notAfter of its certificates, or nextUpdate of its CRLs (a chain, several CAs or CRLs:
+    every PEM block read, by the openssl command; nothing where it is missing)."""
+    found = []
+    for key, kind, _, _ in DATED:
+        value = getattr(cfg.nginx, key.partition(".")[2])
+        if value and (key != "nginx.tls_certificate" or enabled(cfg)):
+            if dates := _dates(path(value), kind):
+                found.append((key, kind, min(dates)))
+    return found
+
+
 def expiry_warnings(cfg: Config, now: float) -> list[str]:
     """What `shmserve status` warns of in the TLS files nginx reads (and the CLI presents): a
     certificate past its notAfter or within EXPIRY_WARNING_DAYS of it (the server's: clients
     refuse it; a client CA's: nginx refuses every client it issued), a CRL past its nextUpdate
     or near it (nginx then refuses every client certificate at its next handshake: an outside
-    check met that outage as kept-alive connections ended). Each PEM block of a file is read
-    (a chain, several CAs or CRLs), the first to pass named, by the openssl command; nothing
-    where it is missing."""
-    reload = "then `shmserve restart nginx`"
+    check met that outage as kept-alive connections ended). Alerts: the reaper's gauge
+    shmserve_tls_expiry_timestamp_seconds."""
+    said = {key: (then, action) for key, _, then, action in DATED}
     warnings = []
-    for key, kind, then, action in (
-            ("nginx.tls_certificate", "certificate", "clients refuse the server", reload),
-            ("nginx.tls_client_ca", "certificate",
-             "nginx refuses every client certificate it issued", reload),
-            ("nginx.tls_client_crl", "CRL",
-             "nginx refuses every client certificate at its next handshake", reload),
-            ("nginx.tls_client_certificate", "certificate",
-             "nginx refuses the CLI's calls but /ready", "the CLI reads it at each command")):
-        value = getattr(cfg.nginx, key.partition(".")[2])
-        if not value or (key == "nginx.tls_certificate" and not enabled(cfg)):
-            continue
-        dates = sorted(_dates(path(value), kind))
-        if not dates:
-            continue
-        days = (dates[0] - now) / 86400
-        date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(dates[0]))
+    for key, kind, when in expiries(cfg):
+        then, action = said[key]
+        file = path(getattr(cfg.nginx, key.partition(".")[2]))
+        days = (when - now) / 86400
+        date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(when))
         field = "nextUpdate" if kind == "CRL" else "notAfter"
         if days < 0:
-            warnings.append(f"{key}: {path(value)} holds a {kind} past its {field} ({date}): "
+            warnings.append(f"{key}: {file} holds a {kind} past its {field} ({date}): "
                             f"{then}; renew it ({action})")
         elif days < EXPIRY_WARNING_DAYS[kind]:
-            warnings.append(f"{key}: {path(value)} holds a {kind} whose {field} is {date}, in "
+            warnings.append(f"{key}: {file} holds a {kind} whose {field} is {date}, in "
                             f"{days:.1f} days, when {then}: renew it before ({action})")
     return warnings
 

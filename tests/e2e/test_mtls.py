@@ -283,3 +283,26 @@ def test_a_crl_broken_under_the_running_nginx_is_named_and_warned_of(mtls):
     finally:
         crl.write_bytes(kept)
     assert "warning" not in stack.cli("status", check=False).stderr
+
+
+def test_the_tls_files_dates_are_scraped_for_alerts(mtls):
+    """shmserve_tls_expiry_timestamp_seconds (the reaper's, every minute): each TLS file's
+    earliest end, what ShmserveTlsExpiring and ShmserveTlsExpired alert on."""
+    from cryptography import x509
+
+    stack, ca, alice, _ = mtls
+    cfg = json.loads((stack.run_dir / "config.json").read_text())["nginx"]
+    text = requests.get(url(stack, "/metrics"), verify=ca, cert=alice, timeout=30).text
+    dates = {(s.labels["key"], s.labels["kind"]): s.value
+             for f in text_string_to_metric_families(text) for s in f.samples
+             if s.name == "shmserve_tls_expiry_timestamp_seconds"}
+    crl = x509.load_pem_x509_crl(Path(cfg["tls_client_crl"]).read_bytes())
+    server = x509.load_pem_x509_certificates(Path(cfg["tls_certificate"]).read_bytes())
+    assert dates == {
+        ("nginx.tls_certificate", "certificate"):
+            min(c.not_valid_after_utc.timestamp() for c in server),  # the chain's first end
+        ("nginx.tls_client_ca", "certificate"): x509.load_pem_x509_certificate(Path(
+            cfg["tls_client_ca"]).read_bytes()).not_valid_after_utc.timestamp(),
+        ("nginx.tls_client_crl", "crl"): crl.next_update_utc.timestamp(),
+        ("nginx.tls_client_certificate", "certificate"): x509.load_pem_x509_certificate(Path(
+            cfg["tls_client_certificate"]).read_bytes()).not_valid_after_utc.timestamp()}
