@@ -33,7 +33,8 @@ def nginx_file_warnings(cfg: Config) -> list[str]:
     files' certificates and CRLs past or near their dates (tls.expiry_warnings)."""
     warnings = []
     try:
-        render.check_nginx(cfg, render.nginx_binary(cfg))
+        if render.nginx_conf(cfg).exists():  # (gone, nginx's own state says more)
+            render.check_nginx(cfg, render.nginx_binary(cfg))
     except (render.RenderError, OSError, subprocess.SubprocessError) as exc:
         warnings.append(f"nginx runs on the files it read last, but would not start on them now "
                         f"(a restart, or supervisord's after a crash): {exc}")
