@@ -13,8 +13,7 @@ from typing import Callable, Iterable
 from aiohttp import web
 
 from frontend.errors import ApiError
-from shmserve.config import Config, api_keys
-from shmserve.layers import REPO_ROOT
+from shmserve.config import Config, api_keys, api_keys_file
 from shmserve.typedtree import ConfigError
 
 log = logging.getLogger("shmserve.frontend")
@@ -39,9 +38,7 @@ class ApiKeys:
 
     def __init__(self, cfg: Config, clock: Callable[[], float] = time.monotonic) -> None:
         self._cfg, self._clock = cfg, clock
-        name = cfg.auth.api_keys_file
-        self._file = (Path(name) if Path(name).is_absolute() else REPO_ROOT / name) \
-            if name else None
+        self._file = api_keys_file(cfg)
         self._stamp = _stamp(self._file)  # before the read: a change during it is read again
         self.digests = key_digests(api_keys(cfg))  # a file that does not load stops start-up
         self._next = clock() + KEYS_LOOK_S

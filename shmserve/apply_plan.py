@@ -11,7 +11,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Callable
 
-from shmserve import configview, models, render, state, topology
+from shmserve import configview, models, render, state, tls, topology
 from shmserve.config import Config
 from shmserve.prechecks import CliError
 from shmserve.restarts import say
@@ -181,8 +181,10 @@ def plan(old: Config, new: Config, pending: dict[str, list[str]],
             out.workers_before_frontends, out.frontends_first = first, not first
         elif not out.reshaped:  # (a reshaped model's warning says it, with what to do)
             out.unserved = sorted(removed)
+    # the TLS files too: it reads their dates (shmserve_tls_expiry_timestamp_seconds)
     out.reaper = bool(out.add_workers or out.remove_workers or out.add_frontends
-                      or out.remove_frontends or any(k.startswith("logging.") for k in keys))
+                      or out.remove_frontends or any(k.startswith("logging.") for k in keys)
+                      or any(k in tls.FILE_KEYS for k in keys))
     return out
 
 

@@ -366,6 +366,14 @@ _KEY = re.compile(r"[\x21-\x7e]{8,512}")  # printable, no spaces: it travels in 
 _TOKEN = re.compile(r"[\x21-\x7e][\x20-\x7e]{6,510}[\x21-\x7e]")  # admin.token (fullmatch)
 
 
+def api_keys_file(cfg: Config) -> Path | None:
+    """auth.api_keys_file's path (relative: to the repository root), or None."""
+    if not cfg.auth.api_keys_file:
+        return None
+    path = Path(cfg.auth.api_keys_file)
+    return path if path.is_absolute() else REPO_ROOT / path
+
+
 def api_keys(cfg: Config) -> tuple[str, ...]:
     """The inference routes' keys: auth.api_keys, then one a line of auth.api_keys_file (blank
     lines and lines starting with # skipped). Empty: no key is asked for."""
@@ -375,9 +383,7 @@ def api_keys(cfg: Config) -> tuple[str, ...]:
         if not isinstance(key, str) or not _KEY.fullmatch(key):
             raise ConfigError(f"{source}[{i}]: expected 8 to 512 printable characters without "
                               "spaces")
-    if cfg.auth.api_keys_file:
-        path = Path(cfg.auth.api_keys_file)
-        path = path if path.is_absolute() else REPO_ROOT / path
+    if (path := api_keys_file(cfg)) is not None:
         try:
             raw = path.read_bytes()
             lines = raw.removeprefix(b"\xef\xbb\xbf").decode().splitlines()

@@ -43,6 +43,14 @@ def test_a_key_only_nginx_reads_restarts_nothing(base):
         assert steps.lines() == ["  no process restarts"]
 
 
+def test_a_tls_file_changed_restarts_the_reaper_which_reads_its_dates(base):
+    """The reaper reads the TLS files' dates for the alerts (its gauge kept the old file's)."""
+    tls_on = with_(base, nginx={"tls_certificate": "/etc/a.pem", "tls_key": "/etc/a.key"})
+    steps = apply_plan.plan(tls_on, with_(tls_on, nginx={"tls_certificate": "/etc/b.pem"}), NONE)
+    assert steps.reaper and steps.roll_workers == [] == steps.roll_frontends
+    assert not apply_plan.plan(base, with_(base, nginx={"gzip": True}), NONE).reaper
+
+
 def test_a_config_put_back_after_a_failed_apply_restarts_what_that_apply_restarted(base):
     """The failed apply's restarted workers run its config: the same keys back are no
     difference from the config before it, but one from what they run."""
