@@ -1,7 +1,7 @@
 """The two error families, and the one place that maps them to HTTP.
 
 * `ApiError`: one request fails (bad input, overload, deadline...). Its `kind` decides the
-  status through `STATUS`; the body is ``{"error": {"message", "type", "param", "code"}}``,
+  status through `STATUS`; the body is ``{"error": {"message", "type", "param", "code"}, "message"}``,
   OpenAI's error shape (its `type` values are ours, `param` and `code` are null when unset), on
   every route but KServe v2's: under /v2 the protocol's ``{"error": "<message>"}``
   (`kserve_body`; frontend.app.error_response picks by path).
@@ -67,8 +67,11 @@ class ApiError(Exception):
         return STATUS[self.kind]
 
     def body(self) -> dict[str, Any]:
+        # The message once more at the top level, where TEI's OpenAI-compatible route and
+        # Cohere's API put it: pymilvus' TEI client read body["message"] (a KeyError, the
+        # server's words lost: an outside check); OpenAI's clients read body["error"].
         return {"error": {"message": self.message, "type": self.kind, "param": self.param,
-                          "code": self.code}}
+                          "code": self.code}, "message": self.message}
 
     def kserve_body(self) -> dict[str, str]:
         """KServe v2's error shape: Triton's client joins the value into its exception's text, so

@@ -97,13 +97,15 @@ def _native_schemas(parts: dict[str, Any]) -> dict[str, Any]:
     dimensions = {"type": ["integer", "null"], "description": "keep this many leading "
                   "components, re-normalised (Matryoshka); at most the model's dimension"}
     return {
-        "Error": {"type": "object", "required": ["error"], "properties": {"error": {
+        "Error": {"type": "object", "required": ["error", "message"], "properties": {"error": {
             "type": "object", "required": ["message", "type", "param", "code"], "properties": {
                 "message": {"type": "string"},
                 "type": {"type": "string", "description": "bad_request, invalid_request, "
                          "not_found, too_large, overloaded, timeout, unavailable, ..."},
                 "param": {"type": ["string", "null"]},
-                "code": {"type": ["string", "null"]}}}}},
+                "code": {"type": ["string", "null"]}}},
+            "message": {"type": "string", "description": "error.message again, where TEI's "
+                        "OpenAI-compatible route and Cohere's API put it"}}},
         "Vector": {"oneOf": [{"type": "array", "items": {"type": "number"}},
                              {"type": "string", "description": "base64 (encoding_format) or, in "
                               "msgpack, raw little-endian float32 bytes"}]},
@@ -181,6 +183,8 @@ def _task_schemas(parts: dict[str, Any]) -> dict[str, Any]:
             "documents": {"type": "array", "items": document, "minItems": 1,
                           "maxItems": parts["texts"]["maxItems"]},
             "top_n": count, "return_documents": {"type": ["boolean", "null"]},
+            "max_tokens_per_doc": {**count, "description": "Cohere v2's: each document cut "
+                                   "to its first so many of the model's tokens"},
             "user": parts["user"], "priority": parts["priority"]}},
         "RerankResponse": {"type": "object", "properties": {
             "id": {"type": "string"}, "model": {"type": "string"},

@@ -11,9 +11,10 @@
         -> {"id", "model", "revision", "results": [{"index", "relevance_score",
             "document"?: {"text"}}], "usage"}   (Cohere's and Jina's shape, best first)
     POST /v2/rerank    the same, as Cohere's v2 client sends it; its answer adds Cohere's
-                       "meta" (one search unit); "max_tokens_per_doc" (v2), "max_chunks_per_doc"
-                       and "rank_fields" other than ["text"] (v1) are refused (422; 400 here, as
-                       Cohere answers: frontend.errors.status_on)
+                       "meta" (one search unit); "max_tokens_per_doc" (v2) cuts each document
+                       to so many tokens; "max_chunks_per_doc" and "rank_fields" other than
+                       ["text"] (v1) are refused (422; 400 here, as Cohere answers:
+                       frontend.errors.status_on)
 
 Every body may also carry "priority" and "user" (an A/B sticky key, see models.sticky_key).
 The running itself is frontend.tasks.
@@ -99,17 +100,20 @@ async def rerank(request: web.Request) -> web.Response:
                               "documents", limits)
     top_n = schemas.count(body, "top_n")
     back = schemas.flag(body, "return_documents", False)
-    for key in ("max_tokens_per_doc", "max_chunks_per_doc"):  # Cohere's v2 and v1
-        if body.get(key) is not None:
-            raise ApiError("invalid_request", f"'{key}' is not supported: each query and "
-                           "document pair is cut to the model's limit (limits.truncate)",
-                           param=key)
+    # Cohere v2's: each document cut to so many of the model's tokens before its pair is
+    # (refused before: cohere-haystack's CohereRanker sends 4096 by default, an outside check)
+    doc_tokens = schemas.count(body, "max_tokens_per_doc")
+    if body.get("max_chunks_per_doc") is not None:  # Cohere v1's
+        raise ApiError("invalid_request", "'max_chunks_per_doc' is not supported: each query "
+                       "and document pair is cut to the model's limit (limits.truncate)",
+                       param="max_chunks_per_doc")
     if body.get("rank_fields") not in (None, ["text"]):  # Cohere v1's, for object documents
         raise ApiError("invalid_request", "'rank_fields' is not supported: documents are "
                        "ranked by their text (a string, or an object's 'text')",
                        param="rank_fields")
     out = await tasks.rerank(request, schemas.model_name(body), query, documents,
-                             priority=schemas.body_priority(body), user=schemas.user(body))
+                             priority=schemas.body_priority(body), user=schemas.user(body),
+                             doc_tokens=doc_tokens)
     order = out.order()[:top_n]
     results = []
     for i in order.tolist():

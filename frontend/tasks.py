@@ -137,10 +137,11 @@ async def classify(request: web.Request, name: str | None, texts: list[str | tup
 async def rerank(request: web.Request, name: str | None, query: str, documents: list[str], *,
                  param: str = "documents", priority: int | None = None,
                  user: str | None = None, truncate: bool | None = None,
-                 direction: str = "right") -> Reranked:
+                 direction: str = "right", doc_tokens: int | None = None) -> Reranked:
     served = resolve(request, name, "rerank")
     ran = await run(request, served,
-                    lambda enc: enc.encode_pairs(query, documents, param, truncate, direction),
+                    lambda enc: enc.encode_pairs(query, documents, param, truncate, direction,
+                                                 doc_tokens),
                     len(query) * len(documents) + sum(map(len, documents)),
                     priority=priority, user=user)
     logits = np.ascontiguousarray(ran.outcome.vectors[:, 0])

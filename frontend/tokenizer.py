@@ -136,12 +136,16 @@ class TextEncoder:
         return text
 
     def encode_pairs(self, query: str, documents: list[str], param: str = "documents",
-                     truncate: bool | None = None, direction: str = "right") -> Encoded:
+                     truncate: bool | None = None, direction: str = "right",
+                     doc_tokens: int | None = None) -> Encoded:
         """(query, document) pairs as a cross-encoder reads them: [CLS] q [SEP] d [SEP], with
         the pair cut longest-first to the model's limit (as transformers' tokenizers do).
-        `truncate` None: limits.truncate."""
+        `truncate` None: limits.truncate. `doc_tokens`: each document cut to as many tokens
+        first (Cohere's max_tokens_per_doc)."""
         hint = _hint(truncate)
         truncate = self.truncate if truncate is None else truncate
+        if doc_tokens is not None and doc_tokens < self.max_tokens:  # (else the pair's cut is)
+            documents = self.cut_documents(documents, doc_tokens)
         if self._asks:
             return self._asked([(query, d) for d in documents], param, truncate, direction,
                                hint)
@@ -154,6 +158,20 @@ class TextEncoder:
                                 for e in encodings), np.int32, len(encodings))
         flat = self._flatten(encodings, param, truncate, pairs=True, hint=hint, long=long)
         return Encoded(flat.ids, flat.offsets, flat.truncated, segments)
+
+    def cut_documents(self, documents: list[str], tokens: int) -> list[str]:
+        """Each document cut after its first `tokens` tokens, tokenized alone without the
+        special tokens (only its head: CHARS_PER_TOKEN a token, at most); shorter ones as they
+        are."""
+        counter = self._variant(False, "right")
+        cap = (tokens + 1) * CHARS_PER_TOKEN
+        cut = []
+        for document in documents:
+            offsets = counter.encode(document[:cap], add_special_tokens=False).offsets
+            if len(offsets) <= tokens < len(offsets) + len(document) - cap:  # long tokens
+                offsets = counter.encode(document, add_special_tokens=False).offsets
+            cut.append(document[:offsets[tokens - 1][1]] if len(offsets) > tokens else document)
+        return cut
 
     def encode_mixed(self, items: list[str | tuple[str, str]], param: str = "inputs",
                      truncate: bool | None = None, direction: str = "right") -> Encoded:

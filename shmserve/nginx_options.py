@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+from typing import Any
 
 from shmserve import tls
 from shmserve.config import Config
@@ -51,11 +52,12 @@ NGINX_ERRORS: dict[int, tuple[str, str]] = {
 }
 
 
-def error_body(cfg: Config, status: int) -> dict[str, dict[str, str | None]]:
+def error_body(cfg: Config, status: int) -> dict[str, Any]:
     """The frontends' error shape (frontend.errors.ApiError.body): OpenAI's, with our types."""
     kind, message = NGINX_ERRORS[status]
-    return {"error": {"message": message.format(max_body=cfg.nginx.client_max_body_size),
-                      "type": kind, "param": None, "code": None}}
+    message = message.format(max_body=cfg.nginx.client_max_body_size)
+    return {"error": {"message": message, "type": kind, "param": None, "code": None},
+            "message": message}
 
 
 def kserve_error_body(cfg: Config, status: int) -> dict[str, str]:

@@ -19,8 +19,9 @@ from tests.tinymodel import build_tiny_bert
 
 def error_of(raw: bytes, as_msgpack: bool = False) -> dict:
     body = msgpack.unpackb(raw) if as_msgpack else json.loads(raw)
-    assert set(body) == {"error"}, body
+    assert set(body) == {"error", "message"}, body
     assert isinstance(body["error"]["type"], str) and body["error"]["message"]
+    assert body["message"] == body["error"]["message"]  # where TEI's and Cohere's clients read
     assert set(body["error"]) == {"message", "type", "param", "code"}  # OpenAI's shape
     return body["error"]
 

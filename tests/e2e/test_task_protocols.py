@@ -197,8 +197,24 @@ def test_coheres_clients_rerank_on_v1_and_v2(task_stack, task_dirs):
         with pytest.raises(cohere.NotFoundError) as info:
             v2.rerank(model="nope", query=query, documents=TEXTS)
         assert info.value.body["error"]["param"] == "model"  # our error shape, not KServe's
+        # max_tokens_per_doc: each document cut to its first 3 tokens (of the model's
+        # tokenizer), then paired (it was refused: cohere-haystack's CohereRanker always sends
+        # it, an outside check); 4096, its default there, changes nothing here
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(task_dirs["ce"] / "tokenizer.json"))
+        tok.no_padding()  # (the saved tokenizer pads)
+        spans = [tok.encode(d, add_special_tokens=False).offsets for d in TEXTS]
+        cut = [d[:o[2][1]] if len(o) > 3 else d for d, o in zip(TEXTS, spans)]
+        short = reference_scores(task_dirs["ce"], [(query, d) for d in cut], TINY_MAX_TOKENS)
+        got = v2.rerank(model="ce", query=query, documents=TEXTS, max_tokens_per_doc=3)
+        np.testing.assert_allclose([r.relevance_score for r in got.results],
+                                   short[[r.index for r in got.results]], atol=1e-5)
+        assert not np.allclose(short, want, atol=1e-3)  # the cut made a difference
+        got = v2.rerank(model="ce", query=query, documents=TEXTS, max_tokens_per_doc=4096)
+        assert [r.index for r in got.results][:3] == best
         with pytest.raises(cohere.BadRequestError) as info:  # as Cohere answers a bad body
-            v2.rerank(model="ce", query=query, documents=TEXTS, max_tokens_per_doc=8)
+            v2.rerank(model="ce", query=query, documents=TEXTS, max_tokens_per_doc=0)
         assert info.value.body["error"]["param"] == "max_tokens_per_doc"
 
 

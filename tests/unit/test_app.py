@@ -35,7 +35,8 @@ def test_every_v2_error_is_kserves_string_shape(path):
 def test_other_routes_keep_the_openai_error_object(path):
     response = render(path, ApiError("unauthorized", "key?"))
     assert json.loads(response.body) == {"error": {"message": "key?", "type": "unauthorized",
-                                                   "param": None, "code": None}}
+                                                   "param": None, "code": None},
+                                         "message": "key?"}  # TEI's and Cohere's place
     assert response.status == 401 and "WWW-Authenticate" in response.headers
 
 

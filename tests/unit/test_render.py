@@ -165,8 +165,9 @@ def test_error_pages_exist_in_both_formats_with_the_error_shape(tmp_path):
         as_json = json.loads((errors / f"{status}.json").read_text())
         as_msgpack = msgpack.unpackb((errors / f"{status}.msgpack").read_bytes())
         assert as_json == as_msgpack
-        assert set(as_json) == {"error"} and set(as_json["error"]) == {"type", "message", "param",
-                                                                   "code"}
+        assert set(as_json) == {"error", "message"} and set(as_json["error"]) == {
+            "type", "message", "param", "code"}
+        assert as_json["message"] == as_json["error"]["message"]
         assert f"error_page {status} " in render.nginx_conf(cfg).read_text()
     too_large = json.loads((errors / "413.json").read_text())["error"]
     assert too_large["type"] == "too_large"

@@ -49,6 +49,28 @@ def test_a_pair_over_the_limit_names_the_query_and_the_document(spec, documents)
     assert info.value.message.startswith("the query with 'documents[0]' has 304 tokens")
 
 
+def test_documents_cut_to_max_tokens_per_doc_before_their_pair(spec):
+    """Cohere v2's max_tokens_per_doc: each document cut to so many tokens, the query whole;
+    a value the model's own limit covers changes nothing."""
+    enc = TextEncoder(spec, truncate=True)
+    long, short = "Shared memory lets two processes read the same pages. " * 3, "tiny doc"
+    cut = enc.encode_pairs("what is shared memory?", [long, short], doc_tokens=4)
+    query = enc.encode_pairs("what is shared memory?", ["x"])
+    q = int(query.segments[0])  # [CLS] query [SEP]
+    lengths = np.diff(cut.offsets)
+    assert list(lengths) == [q + 4 + 1, q + 2 + 1]  # 4 tokens of the long one, "tiny doc" whole
+    assert list(cut.ids[q:q + 4]) == list(enc.encode_pairs("q", [long]).ids[3:7])
+    assert enc.cut_documents([long, short, ""], 4) == ["Shared memory lets two", short, ""]
+    whole = enc.encode_pairs("what is shared memory?", [long, short])
+    for covered in (spec.max_tokens, 4096):
+        same = enc.encode_pairs("what is shared memory?", [long, short], doc_tokens=covered)
+        assert list(same.ids) == list(whole.ids)
+    # tokens of more than CHARS_PER_TOKEN characters (a word over 100 characters is one
+    # [UNK]): the head read holds too few, so the whole document is read
+    words = ("x" * 150 + " ") * 20
+    assert len(enc.cut_documents([words], 12)[0].split()) == 12
+
+
 def test_token_ids_are_used_as_given(spec):
     encoder = TextEncoder(spec, truncate=False)
     enc = encoder.from_ids([[101, 7592, 2088, 102], [101, 2088, 102]])
