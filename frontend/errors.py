@@ -1,8 +1,9 @@
 """The two error families, and the one place that maps them to HTTP.
 
 * `ApiError`: one request fails (bad input, overload, deadline...). Its `kind` decides the
-  status through `STATUS`; the body is ``{"error": {"message", "type", "param", "code"}, "message"}``,
-  OpenAI's error shape (its `type` values are ours, `param` and `code` are null when unset), on
+  status through `STATUS`; the body is OpenAI's error shape,
+  ``{"error": {"message", "type", "param", "code"}}`` (its `type` values are ours, `param` and
+  `code` are null when unset), with the message again at the top level (`body`), on
   every route but KServe v2's: under /v2 the protocol's ``{"error": "<message>"}``
   (`kserve_body`; frontend.app.error_response picks by path).
 * `WorkerGone` (in `frontend.links`): a worker died with requests pending; the dispatcher retries
