@@ -104,10 +104,12 @@ def test_every_worker_error_code_maps_to_a_status():
 def test_error_body_shape():
     err = ApiError("invalid_request", "bad", param="input")
     assert err.body() == {"error": {"type": "invalid_request", "message": "bad",
-                                    "param": "input", "code": None}}
-    # OpenAI's shape: every key is always there, null when unset.
+                                    "param": "input", "code": None}, "message": "bad"}
+    # OpenAI's shape: every key is always there, null when unset; the message again at the
+    # top, where TEI's OpenAI-compatible route and Cohere's API put it
     assert ApiError("not_found", "x", code="model_not_found").body() == {"error": {
-        "type": "not_found", "message": "x", "param": None, "code": "model_not_found"}}
+        "type": "not_found", "message": "x", "param": None, "code": "model_not_found"},
+        "message": "x"}
     with pytest.raises(ValueError):
         ApiError("no_such_kind", "x")
 
