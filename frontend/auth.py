@@ -18,8 +18,10 @@ from shmserve.typedtree import ConfigError
 
 log = logging.getLogger("shmserve.frontend")
 
-# How often a frontend looks at auth.api_keys_file (one stat, at a request's check).
+# How often a frontend looks at auth.api_keys_file (one stat, at a request's check), and how
+# long a file modified since must stay so before it is read (ApiKeys).
 KEYS_LOOK_S = 1.0
+KEYS_SETTLE_S = 1.0
 
 
 def key_digests(keys: Iterable[str]) -> frozenset[bytes]:
@@ -30,16 +32,21 @@ def key_digests(keys: Iterable[str]) -> frozenset[bytes]:
 class ApiKeys:
     """The inference routes' keys as digests (key_digests), auth.api_keys_file read again
     when it changed (its inode, size or modification time, looked at every KEYS_LOOK_S at
-    most, as a request is checked): a rotated secret takes effect within a second, without
-    restarting the frontends (it needed `shmserve restart frontends`, and `apply` said
-    "nothing to apply" with the old keys in force: an outside check). A file that does not
-    load now (empty, a malformed key, unreadable) leaves the keys in force and is logged
-    (frontend.api_keys_file_refused), never an open server."""
+    most, as a request is checked): a rotated secret takes effect within a second or two,
+    without restarting the frontends (it needed `shmserve restart frontends`, and `apply` said
+    "nothing to apply" with the old keys in force: an outside check). A file modified in the
+    last KEYS_SETTLE_S is taken only once a later look finds it unchanged: one written in
+    place was read half-written, the head of a key taken as a key and the keys after it
+    refused (an outside check). A file that does not load (empty, a malformed key,
+    unreadable) leaves the keys in force and is logged (frontend.api_keys_file_refused), never
+    an open server."""
 
-    def __init__(self, cfg: Config, clock: Callable[[], float] = time.monotonic) -> None:
-        self._cfg, self._clock = cfg, clock
+    def __init__(self, cfg: Config, clock: Callable[[], float] = time.monotonic,
+                 wall: Callable[[], float] = time.time) -> None:
+        self._cfg, self._clock, self._wall = cfg, clock, wall
         self._file = api_keys_file(cfg)
         self._stamp = _stamp(self._file)  # before the read: a change during it is read again
+        self._seen = self._stamp  # at the last look
         self.digests = key_digests(api_keys(cfg))  # a file that does not load stops start-up
         self._next = clock() + KEYS_LOOK_S
 
@@ -47,8 +54,11 @@ class ApiKeys:
         if self._file is None or (now := self._clock()) < self._next:
             return self.digests
         self._next = now + KEYS_LOOK_S
-        if (stamp := _stamp(self._file)) != self._stamp:
+        stamp = _stamp(self._file)
+        if stamp != self._stamp and (stamp == self._seen or stamp is None or
+                                     self._wall() - stamp[2] / 1e9 >= KEYS_SETTLE_S):
             self._read(stamp)
+        self._seen = stamp
         return self.digests
 
     def _read(self, stamp: tuple[int, int, int] | None) -> None:

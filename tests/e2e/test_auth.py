@@ -244,7 +244,7 @@ def test_the_benchmarks_send_the_key_from_the_environment(stack, monkeypatch, ap
 
 def test_keys_rotated_in_the_file_take_effect_without_a_restart(stack):
     """auth.api_keys_file changed under a running deployment (a mounted secret rotated): each
-    frontend reads it again within a second, no restart; a file that does not load then keeps
+    frontend reads it again a second or two after, no restart; a file that does not load then keeps
     the keys in force (it needed `restart frontends`, apply saying "nothing to apply" with the
     old keys in force: an outside check)."""
     keys = stack.root.parent / "keys.txt"  # beside the stack's directory (the fixture's)

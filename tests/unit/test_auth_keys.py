@@ -4,6 +4,7 @@ keys in force."""
 
 import hashlib
 import os
+import time
 
 import pytest
 
@@ -18,6 +19,11 @@ class Clock:
 
     def __call__(self) -> float:
         return self.now
+
+
+def settled() -> float:
+    """A wall clock past every file's settling (KEYS_SETTLE_S): each change read at its look."""
+    return time.time() + 10 * auth.KEYS_SETTLE_S
 
 
 def digest(key: str) -> bytes:
@@ -44,7 +50,7 @@ def rewrite(path, text: str) -> None:
 
 def test_a_changed_file_is_read_at_the_next_look_and_not_before(keys_file, caplog):
     clock = Clock()
-    keys = auth.ApiKeys(keyed(keys_file), clock)
+    keys = auth.ApiKeys(keyed(keys_file), clock, settled)
     assert keys.current() == {digest("inline-key-00"), digest("old-key-0001")}
     rewrite(keys_file, "# rotated\nnew-key-0002\n")
     clock.now += auth.KEYS_LOOK_S / 2
@@ -60,18 +66,50 @@ def test_a_changed_file_is_read_at_the_next_look_and_not_before(keys_file, caplo
 def test_a_file_edited_in_place_is_read_again(keys_file):
     """Not renamed: the same inode, its size or modification time changed."""
     clock = Clock()
-    keys = auth.ApiKeys(keyed(keys_file), clock)
+    keys = auth.ApiKeys(keyed(keys_file), clock, settled)
     with open(keys_file, "a") as file:
         file.write("added-key-0003\n")
     clock.now += auth.KEYS_LOOK_S
     assert digest("added-key-0003") in keys.current() and digest("old-key-0001") in keys.digests
 
 
+def test_a_file_just_written_is_taken_only_once_a_look_finds_it_unchanged(keys_file):
+    """Written in place, the file may be read half-way: its head of a key was a key, the keys
+    after it refused (an outside check). Modified within KEYS_SETTLE_S, it waits a look."""
+    clock = Clock()
+    keys = auth.ApiKeys(keyed(keys_file), clock)  # the real wall clock: just written
+    with open(keys_file, "w") as file:
+        file.write("old-key-0001\nnew-key-00")  # the writer not done yet
+        file.flush()
+        clock.now += auth.KEYS_LOOK_S
+        assert keys.current() == {digest("inline-key-00"), digest("old-key-0001")}
+        file.write("02\n")  # and a look later it has written on: it waits again
+        file.flush()
+        clock.now += auth.KEYS_LOOK_S
+        assert digest("new-key-00") not in keys.current()
+    clock.now += auth.KEYS_LOOK_S
+    assert digest("new-key-00") not in keys.current()  # changed since the last look
+    clock.now += auth.KEYS_LOOK_S
+    assert keys.current() == {digest("inline-key-00"), digest("old-key-0001"),
+                              digest("new-key-0002")}
+
+
+def test_a_file_that_settled_before_the_first_look_is_read_at_it(keys_file):
+    """An idle frontend's first request after a change does not wait for a second look."""
+    clock = Clock()
+    keys = auth.ApiKeys(keyed(keys_file), clock)
+    rewrite(keys_file, "new-key-0002\n")
+    past = time.time() - 2 * auth.KEYS_SETTLE_S
+    os.utime(keys_file, (past, past))
+    clock.now += 60
+    assert keys.current() == {digest("inline-key-00"), digest("new-key-0002")}
+
+
 @pytest.mark.parametrize("broken", ["", "# no key\n", "bad key\n", None])
 def test_a_file_that_does_not_load_keeps_the_keys_in_force(keys_file, caplog, broken):
     """Never an open server, nor one whose keys are gone: the keys stay, said once."""
     clock = Clock()
-    keys = auth.ApiKeys(keyed(keys_file), clock)
+    keys = auth.ApiKeys(keyed(keys_file), clock, settled)
     before = keys.current()
     if broken is None:
         keys_file.unlink()
@@ -91,7 +129,7 @@ def test_a_file_that_does_not_load_keeps_the_keys_in_force(keys_file, caplog, br
 
 def test_a_file_changing_while_read_is_read_again_at_the_next_look(keys_file, monkeypatch):
     clock = Clock()
-    keys = auth.ApiKeys(keyed(keys_file), clock)
+    keys = auth.ApiKeys(keyed(keys_file), clock, settled)
     read = config.api_keys
 
     def half_written(cfg):  # the writer goes on while the frontend reads
