@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from shmserve import render, topology
+from shmserve import render, tls, topology
 from shmserve.cli import CliError
 from shmserve.config import Config
 from shmserve.restarts import ctl, run_ctl, say
@@ -20,7 +20,8 @@ def check_nginx_conf(cfg: Config) -> None:
     be refused by a reload (nginx goes on with the old one) and, restarted, crash-loop."""
     try:
         render.check_nginx(cfg, render.nginx_binary(cfg))
-    except render.RenderError as exc:
+        tls.check(cfg)  # what nginx -t takes but serves no client with (a CRL of no CA here)
+    except (render.RenderError, tls.TlsError) as exc:
         raise CliError(f"{exc}; nginx was left as it runs") from None
 
 

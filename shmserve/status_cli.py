@@ -38,7 +38,12 @@ def nginx_file_warnings(cfg: Config) -> list[str]:
     except (render.RenderError, OSError, subprocess.SubprocessError) as exc:
         warnings.append(f"nginx runs on the files it read last, but would not start on them now "
                         f"(a restart, or supervisord's after a crash): {exc}")
-    return warnings + tls.expiry_warnings(cfg, time.time())
+    try:
+        if not warnings:  # (a file nginx -t refuses is said once, above)
+            tls.check(cfg)
+    except tls.TlsError as exc:  # a CRL of no CA here: nginx -t takes it, no client is served
+        warnings.append(f"{exc} (`restart nginx` refuses it)")
+    return warnings + tls.crl_warnings(cfg) + tls.expiry_warnings(cfg, time.time())
 
 
 def status(args: argparse.Namespace) -> int:

@@ -93,6 +93,13 @@ def check(cfg: Config) -> None:
             raise TlsError(f"{key}: {file} is encrypted (a pass phrase), which nginx would ask "
                            "for on a terminal: give it unencrypted (`openssl pkey -in KEY -out "
                            "PLAIN.key`, mode 0600)")
+    cas, missing = crl_gaps(cfg)
+    if cas and len(missing) == len(cas):
+        raise TlsError(f"nginx.tls_client_crl: {path(cfg.nginx.tls_client_crl)} holds no CRL "
+                       f"(that openssl reads) of a CA of nginx.tls_client_ca ({'; '.join(cas)})"
+                       ": nginx would refuse "
+                       "every client certificate (it checks a CRL of each CA in a client's "
+                       "chain); give each CA's CRL")
 
 
 def nginx_values(cfg: Config, binary: str, grpc: bool = False) -> dict[str, str]:
@@ -309,24 +316,64 @@ def expiry_warnings(cfg: Config, now: float) -> list[str]:
 def _dates(file: Path, kind: str) -> list[float]:
     """notAfter of each certificate, or nextUpdate of each CRL, in a PEM file (epoch
     seconds); none where the file or the openssl command cannot be read."""
+    dates = []
+    for value in _each(file, kind, "-nextupdate" if kind == "CRL" else "-enddate"):
+        try:
+            dates.append(float(ssl.cert_time_to_seconds(value)))
+        except ValueError:  # "NONE": a CRL without a next update
+            pass
+    return dates
+
+
+def _names(file: Path, kind: str) -> list[str]:
+    """The issuer of each CRL, or the subject of each certificate, in a PEM file (RFC 2253)."""
+    return _each(file, kind, "-issuer" if kind == "CRL" else "-subject",
+                 "-nameopt", "RFC2253")
+
+
+def _each(file: Path, kind: str, *option: str) -> list[str]:
+    """One field (`option`, as `openssl x509` or `openssl crl` prints it: NAME=value) of each
+    certificate or CRL (`kind`) in a PEM file; none where the file or the openssl command
+    cannot be read, or a block does not parse."""
     try:
         blocks = [m.group(0) for m in _BLOCK.finditer(file.read_text(errors="replace"))
                   if (m.group(1) == "X509 CRL") == (kind == "CRL")]
     except OSError:
         return []
-    argv, field = (["openssl", "crl", "-noout", "-nextupdate"], "nextUpdate=") if kind == "CRL" \
-        else (["openssl", "x509", "-noout", "-enddate"], "notAfter=")
-    dates = []
+    values = []
     for block in blocks:
         try:
-            done = subprocess.run(argv, input=block, capture_output=True, text=True, timeout=10,
-                                  check=False)
+            done = subprocess.run(["openssl", "crl" if kind == "CRL" else "x509", "-noout",
+                                   *option], input=block, capture_output=True, text=True,
+                                  timeout=10, check=False)
         except (OSError, subprocess.TimeoutExpired):
-            return dates
-        line = done.stdout.strip()
-        if done.returncode == 0 and line.startswith(field):
-            try:
-                dates.append(float(ssl.cert_time_to_seconds(line[len(field):])))
-            except ValueError:  # "NONE": a CRL without a next update
-                pass
-    return dates
+            return values
+        name, sep, value = done.stdout.strip().partition("=")
+        if done.returncode == 0 and sep:
+            values.append(value.strip())
+    return values
+
+
+def crl_gaps(cfg: Config) -> tuple[list[str], list[str]]:
+    """(the CAs of nginx.tls_client_ca, those of them nginx.tls_client_crl holds no CRL of),
+    by subject and issuer names: nginx checks a CRL for every CA in a client's chain
+    (OpenSSL's CRL_CHECK_ALL), so each certificate such a CA issued is refused, and with
+    none of them every client is ("FAILED:unable to get certificate CRL": an outside check
+    put a certificate, then another CA's CRL, where the CRL goes: nginx -t took both).
+    Nothing where the openssl command cannot read them."""
+    if not (cfg.nginx.tls_client_ca and cfg.nginx.tls_client_crl):
+        return [], []
+    cas = _names(path(cfg.nginx.tls_client_ca), "certificate")
+    issuers = set(_names(path(cfg.nginx.tls_client_crl), "CRL"))
+    return cas, [ca for ca in cas if ca not in issuers]
+
+
+def crl_warnings(cfg: Config) -> list[str]:
+    """`shmserve status`'s: CAs of nginx.tls_client_ca the CRL file has no CRL of (crl_gaps;
+    none of them is refused by `check`)."""
+    cas, missing = crl_gaps(cfg)
+    if not missing or len(missing) == len(cas):
+        return []
+    return [f"nginx.tls_client_crl: {path(cfg.nginx.tls_client_crl)} holds no CRL of "
+            f"{', '.join(missing)} (a CA of nginx.tls_client_ca): nginx refuses every "
+            "certificate it issued (nginx checks a CRL of each CA in a client's chain)"]

@@ -280,6 +280,15 @@ def test_a_crl_broken_under_the_running_nginx_is_named_and_warned_of(mtls):
         shown = stack.cli("status", check=False)
         assert "would not start on them now" in shown.stderr and \
             f"nginx.tls_client_crl ({crl})" in shown.stderr, shown.stderr
+        # another CA's CRL: nginx -t takes it, then refuses every client (an outside check)
+        crl.write_bytes(revocations(trustme.CA(), []))
+        refused = stack.cli("restart", "nginx", check=False)
+        assert refused.returncode == 2 and "holds no CRL (that openssl reads) of a CA" in \
+            refused.stderr, refused.stderr
+        assert requests.get(url(stack, "/v1/models"), verify=ca, cert=alice,
+                            timeout=30).status_code == 200
+        shown = stack.cli("status", check=False)
+        assert "holds no CRL (that openssl reads) of a CA" in shown.stderr, shown.stderr
     finally:
         crl.write_bytes(kept)
     assert "warning" not in stack.cli("status", check=False).stderr

@@ -324,3 +324,46 @@ def test_a_tls_file_broken_since_nginx_read_it_is_named_by_restart_and_status(
     assert len(warned) == 1 and warned[0].startswith(
         "nginx runs on the files it read last, but would not start on them now"), warned
     assert f"nginx.tls_client_crl ({crl})" in warned[0]
+
+
+def test_a_crl_of_no_ca_of_the_clients_is_refused_and_one_missing_is_warned_of(
+        tmp_path, pem, client_pki):
+    """nginx checks a CRL of each CA in a client's chain: a certificate, or another CA's CRL,
+    where the CRL goes passes nginx -t and refuses every client (an outside check); refused
+    before nginx takes it (up, apply, restart nginx), and a CA of several without its CRL is
+    warned of by status."""
+    from shmserve.status_cli import nginx_file_warnings
+    from tests.pki import revocations
+
+    cert, key = pem
+    other = tmp_path / "other.crl"
+    other.write_bytes(revocations(trustme.CA(), []))
+    nginx = {"tls_certificate": str(cert), "tls_key": str(key),
+             "tls_client_ca": str(client_pki / "client-ca.pem")}
+    wrong = make_config(tmp_path / "run", nginx={**nginx, "tls_client_crl": str(other)})
+    with pytest.raises(render.RenderError, match=r"nginx.tls_client_crl: .*other.crl holds no "
+                       r"CRL \(that openssl reads\) of a CA of nginx.tls_client_ca \(OU=.+\): "
+                       "nginx would refuse every client certificate"):
+        render.render(wrong)
+    good = make_config(tmp_path / "run", nginx={**nginx,
+                                                "tls_client_crl": str(client_pki / "client.crl")})
+    render.render(good)
+    assert tls.crl_gaps(good)[1] == [] and nginx_file_warnings(good) == []
+    # the CRL file changed under the running nginx: status says so
+    crl = tmp_path / "moving.crl"
+    crl.write_bytes((client_pki / "client.crl").read_bytes())
+    moving = make_config(tmp_path / "run2", nginx={**nginx, "tls_client_crl": str(crl)})
+    render.render(moving)
+    crl.write_bytes(other.read_bytes())
+    warned = nginx_file_warnings(moving)
+    assert len(warned) == 1 and "holds no CRL (that openssl reads) of a CA" in warned[0] and \
+        warned[0].endswith("(`restart nginx` refuses it)"), warned
+    # two CAs, the CRL of one: warned of, naming the other; not refused
+    cas = tmp_path / "two-cas.pem"
+    cas.write_bytes((client_pki / "client-ca.pem").read_bytes() + trustme.CA().cert_pem.bytes())
+    two = make_config(tmp_path / "run3", nginx={**nginx, "tls_client_ca": str(cas),
+                                                 "tls_client_crl": str(client_pki / "client.crl")})
+    render.render(two)
+    (warning,) = tls.crl_warnings(two)
+    second = tls.crl_gaps(two)[0][1]
+    assert f"holds no CRL of {second} (a CA of nginx.tls_client_ca)" in warning
