@@ -408,7 +408,7 @@ def create_app(cfg: Config, index: int = 0) -> web.Application:
     app[INFLIGHT] = [0]
     app[UNBUFFERED] = Unbuffered(UNBUFFERED_BUDGET)
     app[DRAIN_END] = []
-    app[API_KEYS] = ApiKeys(cfg)
+    app[API_KEYS] = ApiKeys(cfg, frontend=index)
     if cfg.tracing.otlp_endpoint:
         from frontend.tracing import Tracing
 

@@ -12,6 +12,7 @@ from typing import Callable, Iterable
 
 from aiohttp import web
 
+from frontend import metrics
 from frontend.errors import ApiError
 from shmserve.config import Config, api_keys, api_keys_file
 from shmserve.typedtree import ConfigError
@@ -42,8 +43,13 @@ class ApiKeys:
     an open server."""
 
     def __init__(self, cfg: Config, clock: Callable[[], float] = time.monotonic,
-                 wall: Callable[[], float] = time.time) -> None:
+                 wall: Callable[[], float] = time.time, frontend: int = 0) -> None:
         self._cfg, self._clock, self._wall = cfg, clock, wall
+        # 1 while the file on disk does not load: an alert's (ShmserveApiKeysFileRefused),
+        # where only `status` said so; the series at 0 from the start
+        self._gauge = metrics.KEYS_FILE_REFUSED.labels(str(frontend))
+        self._gauge.set(0)
+        self._refused = False
         self._file = api_keys_file(cfg)
         self._stamp = _stamp(self._file)  # before the read: a change during it is read again
         self._seen = self._stamp  # at the last look
@@ -70,12 +76,18 @@ class ApiKeys:
         except ConfigError as exc:  # said once a change
             log.error("frontend.api_keys_file_refused", extra={"fields": {
                 "reason": str(exc), "kept_keys": len(self.digests)}})
+            self._refused = True
+            self._gauge.set(1)
             return
         digests = key_digests(keys)
-        if digests != self.digests:
+        # said when the keys changed, or the file loads again (put back as it was: the
+        # refusal stayed the last line, an outside check)
+        if digests != self.digests or self._refused:
             log.info("frontend.api_keys_reloaded", extra={"fields": {
                 "keys": len(digests), "added": len(digests - self.digests),
                 "removed": len(self.digests - digests)}})
+        self._refused = False
+        self._gauge.set(0)
         self.digests = digests
 
 

@@ -43,6 +43,9 @@ GRPC_CALLS = Counter("shmserve_grpc_calls_total",
                      "shmserve_requests_total too", ["method", "code"])
 INFLIGHT = Gauge("shmserve_frontend_inflight_requests", "Requests being served per frontend",
                  ["frontend"], multiprocess_mode="livesum")
+KEYS_FILE_REFUSED = Gauge("shmserve_api_keys_file_refused", "1 while auth.api_keys_file, "
+                          "changed on disk, does not load (the keys read before stay in force), "
+                          "per frontend", ["frontend"], multiprocess_mode="livemax")
 ARENA_USED = Gauge("shmserve_frontend_arena_used_bytes",
                    "Bytes of a frontend's shared memory (shm.arena_mb) held by requests in "
                    "flight, read every second", ["frontend"], multiprocess_mode="livesum")

@@ -309,8 +309,16 @@ def expiry_warnings(cfg: Config, now: float) -> list[str]:
                             f"{then}; renew it ({action})")
         elif days < EXPIRY_WARNING_DAYS[kind]:
             warnings.append(f"{key}: {file} holds a {kind} whose {field} is {date}, in "
-                            f"{days:.1f} days, when {then}: renew it before ({action})")
+                            f"{_left(when - now)}, when {then}: renew it before ({action})")
     return warnings
+
+
+def _left(seconds: float) -> str:
+    """A time left as days, or hours and minutes under a day ("in 0.0 days" said 6 minutes)."""
+    if seconds >= 86400:
+        return f"{seconds / 86400:.1f} days"
+    hours, minutes = divmod(int(seconds // 60), 60)
+    return f"{hours} h {minutes} min" if hours else f"{minutes} min"
 
 
 def _dates(file: Path, kind: str) -> list[float]:

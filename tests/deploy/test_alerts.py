@@ -155,5 +155,6 @@ def test_each_alert_fires_when_it_should_in_promtools_rule_tests():
               for case in test["alert_rule_test"]}
     assert {"ShmserveCrashLooping", "ShmserveNginxErrors", "ShmserveDown",
             "ShmserveServerErrors", "ShmserveDeadlinesExceeded", "ShmserveLatencyHigh",
-            "ShmserveNoWorkerReady", "ShmserveTlsExpiring", "ShmserveTlsExpired"} <= tested
+            "ShmserveNoWorkerReady", "ShmserveTlsExpiring", "ShmserveTlsExpired",
+            "ShmserveApiKeysFileRefused"} <= tested
     assert tested <= {rule["alert"] for rule in rules()}

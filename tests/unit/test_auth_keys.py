@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from frontend import auth
+from frontend import auth, metrics
 from shmserve import config
 from shmserve.typedtree import ConfigError
 
@@ -122,7 +122,14 @@ def test_a_file_that_does_not_load_keeps_the_keys_in_force(keys_file, caplog, br
     refused = [r for r in caplog.records if r.msg == "frontend.api_keys_file_refused"]
     assert len(refused) == 1 and refused[0].fields["kept_keys"] == 2
     assert "api_keys_file" in refused[0].fields["reason"]
-    rewrite(keys_file, "mended-key-0004\n")  # put right: read at the next look
+    gauge = metrics.KEYS_FILE_REFUSED.labels("0")._value
+    assert gauge.get() == 1  # shmserve_api_keys_file_refused: the alert's
+    rewrite(keys_file, "old-key-0001\n")  # put back as it was: said, though no key changed
+    clock.now += auth.KEYS_LOOK_S
+    with caplog.at_level("INFO", logger="shmserve.frontend"):
+        assert keys.current() == before
+    assert caplog.records[-1].msg == "frontend.api_keys_reloaded" and gauge.get() == 0
+    rewrite(keys_file, "mended-key-0004\n")  # a new key: read at the next look
     clock.now += auth.KEYS_LOOK_S
     assert keys.current() == {digest("inline-key-00"), digest("mended-key-0004")}
 

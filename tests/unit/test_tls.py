@@ -280,6 +280,10 @@ def test_status_warns_of_certificates_and_crls_past_or_near_their_dates(tmp_path
         f"nginx.tls_client_crl: {client_pki / 'client.crl'} holds a CRL whose nextUpdate is ")
     assert "in 5.0 days, when nginx refuses every client certificate at its next handshake" \
         in warned[0] and "`shmserve restart nginx`" in warned[0]
+    ends = x509.load_pem_x509_crl((client_pki / "client.crl").read_bytes()
+                                  ).next_update_utc.timestamp()
+    assert ", in 5 h 5" in tls.expiry_warnings(cfg, ends - 5 * 3600 - 330)[0]
+    assert ", in 3 min, when" in tls.expiry_warnings(cfg, ends - 200)[0]  # not "0.0 days"
     warned = tls.expiry_warnings(cfg, now + 31 * day)
     assert len(warned) == 1 and "holds a CRL past its nextUpdate" in warned[0]
     ends = x509.load_pem_x509_certificate(cert.read_bytes()).not_valid_after_utc.timestamp()
