@@ -55,8 +55,14 @@ def presents_none(cfg: Config) -> bool:
     return bool(cfg.nginx.tls_client_ca) and not cfg.nginx.tls_client_certificate
 
 
-FILE_KEYS = ("nginx.tls_certificate", "nginx.tls_key", "nginx.tls_client_ca",
-             "nginx.tls_client_crl", "nginx.tls_client_certificate", "nginx.tls_client_key")
+# Each TLS file key, the PEM block its file must hold, and what that block is
+_FILES = (("nginx.tls_certificate", CERTIFICATE, "certificate"),
+          ("nginx.tls_key", "PRIVATE KEY-----", "private key"),
+          ("nginx.tls_client_ca", CERTIFICATE, "certificate"),
+          ("nginx.tls_client_crl", "-----BEGIN X509 CRL-----", "CRL"),
+          ("nginx.tls_client_certificate", CERTIFICATE, "certificate"),
+          ("nginx.tls_client_key", "PRIVATE KEY-----", "private key"))
+FILE_KEYS = tuple(key for key, _, _ in _FILES)
 
 
 def files(cfg: Config) -> list[tuple[str, str]]:
@@ -70,12 +76,7 @@ def check(cfg: Config) -> None:
     no PEM block of its kind (nginx's own words for it come later, from `nginx -t`)."""
     if not enabled(cfg):
         return
-    for key, marker, kind in (("nginx.tls_certificate", CERTIFICATE, "certificate"),
-                              ("nginx.tls_key", "PRIVATE KEY-----", "private key"),
-                              ("nginx.tls_client_ca", CERTIFICATE, "certificate"),
-                              ("nginx.tls_client_crl", "-----BEGIN X509 CRL-----", "CRL"),
-                              ("nginx.tls_client_certificate", CERTIFICATE, "certificate"),
-                              ("nginx.tls_client_key", "PRIVATE KEY-----", "private key")):
+    for key, marker, kind in _FILES:
         value = getattr(cfg.nginx, key.partition(".")[2])
         if not value:  # the client's files are optional
             continue
@@ -96,10 +97,9 @@ def check(cfg: Config) -> None:
     cas, missing = crl_gaps(cfg)
     if cas and len(missing) == len(cas):
         raise TlsError(f"nginx.tls_client_crl: {path(cfg.nginx.tls_client_crl)} holds no CRL "
-                       f"(that openssl reads) of a CA of nginx.tls_client_ca ({'; '.join(cas)})"
-                       ": nginx would refuse "
-                       "every client certificate (it checks a CRL of each CA in a client's "
-                       "chain); give each CA's CRL")
+                       f"(that openssl reads) of a CA of nginx.tls_client_ca ({'; '.join(cas)}):"
+                       " nginx would refuse every client certificate (it checks a CRL of each "
+                       "CA in a client's chain); give each CA's CRL")
 
 
 def nginx_values(cfg: Config, binary: str, grpc: bool = False) -> dict[str, str]:
