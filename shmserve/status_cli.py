@@ -11,8 +11,8 @@ import subprocess
 import sys
 import time
 
-from shmserve import (__version__, nginxrun, processes, remote, render, restart_record, tls,
-                      topology)
+from shmserve import (__version__, config, nginxrun, processes, remote, render, restart_record,
+                      tls, topology)
 from shmserve import status as statusview
 from shmserve.config import Config
 from shmserve.prechecks import CliError
@@ -23,6 +23,17 @@ supervisord_pid = processes.supervisord_pid
 
 class _Stopped(Exception):
     """The deployment's supervisord went away while `status` watched it."""
+
+
+def keys_file_warnings(cfg: Config) -> list[str]:
+    """auth.api_keys_file as it is now, where it does not load: in --json's warnings too (an
+    outside check's monitoring read `ready` and no warning)."""
+    try:
+        config.api_keys(cfg)
+    except config.ConfigError as exc:
+        return [f"{exc}: the frontends keep the keys they read; one that starts now exits "
+                "until it is put right"]
+    return []
 
 
 def nginx_file_warnings(cfg: Config) -> list[str]:
@@ -85,10 +96,11 @@ def status(args: argparse.Namespace) -> int:
         about["protocol_change"] = change
         if not args.json:
             print(f"shmserve: warning: {change}", file=sys.stderr, flush=True)
-    if warnings := nginx_file_warnings(cfg):  # once, as the protocol's
+    keys = keys_file_warnings(cfg)  # (said on stderr already where the config did not load)
+    if warnings := keys + nginx_file_warnings(cfg):  # once, as the protocol's
         about["warnings"] = warnings
         if not args.json:
-            for warning in warnings:
+            for warning in warnings[len(keys) if getattr(args, "unloadable", False) else 0:]:
                 print(f"shmserve: warning: {warning}", file=sys.stderr, flush=True)
     title = f"shmserve {__version__} at {remote.where(cfg)} (run_dir {cfg.run_dir})"
 

@@ -295,6 +295,10 @@ def test_an_emptied_key_file_leaves_the_cli_working_and_refuses_a_frontend_resta
         shown = stack.cli("status", check=False)
         assert shown.returncode == 0, shown.stdout + shown.stderr
         assert "holds no key" in shown.stderr and "as `up` started it" in shown.stderr
+        assert shown.stderr.count("holds no key") == 1  # said once
+        # and to monitoring: --json's warnings (it read `ready` and nothing else)
+        (line,) = stack.cli("status", "--json", check=False).stdout.splitlines()
+        assert any("holds no key" in w for w in json.loads(line)["warnings"]), line
         assert stack.cli("ctl", "status", check=False).returncode == 0
         refused = stack.cli("restart", "frontends", check=False)
         assert refused.returncode == 2 and "a frontend restarted now would not start" in \
