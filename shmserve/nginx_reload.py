@@ -39,6 +39,8 @@ def reload_nginx(cfg: Config, settle_s: float = NGINX_SETTLE_S) -> int:
     check: the old gzip setting, the old port answering). A stopped or failed nginx is started
     instead."""
     check_nginx_conf(cfg)
+    for warning in tls.crl_warnings(cfg):  # the reload starts those refusals (an outside check)
+        say(f"shmserve: warning: {warning}", sys.stderr)
     info = {p["name"]: p for p in process_info(cfg)}
     if info.get("nginx", {}).get("statename") != "RUNNING":
         return run_ctl(cfg, "restart", "nginx")

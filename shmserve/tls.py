@@ -271,7 +271,8 @@ DATED = (("nginx.tls_certificate", "certificate", "clients refuse the server", _
          ("nginx.tls_client_ca", "certificate",
           "nginx refuses every client certificate it issued", _RELOAD),
          ("nginx.tls_client_crl", "CRL",
-          "nginx refuses every client certificate at its next handshake", _RELOAD),
+          "nginx refuses every client certificate its CA issued, at its next handshake",
+          _RELOAD),
          ("nginx.tls_client_certificate", "certificate",
           "nginx refuses the CLI's calls but /ready", "the CLI reads it at each command"))
 

@@ -278,8 +278,8 @@ def test_status_warns_of_certificates_and_crls_past_or_near_their_dates(tmp_path
     warned = tls.expiry_warnings(cfg, now + 25 * day)  # the CRL's nextUpdate in ~5 days
     assert len(warned) == 1 and warned[0].startswith(
         f"nginx.tls_client_crl: {client_pki / 'client.crl'} holds a CRL whose nextUpdate is ")
-    assert "in 5.0 days, when nginx refuses every client certificate at its next handshake" \
-        in warned[0] and "`shmserve restart nginx`" in warned[0]
+    assert ("in 5.0 days, when nginx refuses every client certificate its CA issued, at its "
+            "next handshake") in warned[0] and "`shmserve restart nginx`" in warned[0]
     ends = x509.load_pem_x509_crl((client_pki / "client.crl").read_bytes()
                                   ).next_update_utc.timestamp()
     assert ", in 5 h 5" in tls.expiry_warnings(cfg, ends - 5 * 3600 - 330)[0]
@@ -371,3 +371,25 @@ def test_a_crl_of_no_ca_of_the_clients_is_refused_and_one_missing_is_warned_of(
     (warning,) = tls.crl_warnings(two)
     second = tls.crl_gaps(two)[0][1]
     assert f"holds no CRL of {second} (a CA of nginx.tls_client_ca)" in warning
+
+
+def test_restart_nginx_warns_of_a_ca_without_its_crl(tmp_path, pem, client_pki, monkeypatch,
+                                                     capsys):
+    """The reload is what starts refusing the clients of a CA the CRL file has no CRL of:
+    `restart nginx` says so (only status did: an outside check)."""
+    from shmserve import nginx_reload
+
+    cert, key = pem
+    cas = tmp_path / "two-cas.pem"
+    cas.write_bytes((client_pki / "client-ca.pem").read_bytes() + trustme.CA().cert_pem.bytes())
+    cfg = make_config(tmp_path / "run", nginx={
+        "tls_certificate": str(cert), "tls_key": str(key), "tls_client_ca": str(cas),
+        "tls_client_crl": str(client_pki / "client.crl")})
+    monkeypatch.setattr(nginx_reload, "check_nginx_conf", lambda cfg: None)
+    monkeypatch.setattr(nginx_reload, "process_info",
+                        lambda cfg: [{"name": "nginx", "statename": "STOPPED"}])
+    monkeypatch.setattr(nginx_reload, "run_ctl", lambda cfg, *args: 0)
+    assert nginx_reload.reload_nginx(cfg) == 0
+    err = capsys.readouterr().err
+    assert "shmserve: warning: nginx.tls_client_crl: " in err and \
+        "nginx refuses every certificate it issued" in err, err
