@@ -60,7 +60,8 @@ def test_the_dashboard_covers_what_operators_ask():
                   "memory"):
         assert topic in titles, topic
     for name in ("shmserve_worker_device_fragmentation_ratio", "shmserve_worker_ready",
-                 "shmserve_stage_duration_seconds_bucket"):
+                 "shmserve_stage_duration_seconds_bucket",
+                 "shmserve_tls_expiry_timestamp_seconds", "shmserve_api_keys_file_refused"):
         assert name in text
 
 
