@@ -52,6 +52,7 @@ TLS_EXPIRY = Gauge("shmserve_tls_expiry_timestamp_seconds", "The earliest notAft
                    "certificate) or nextUpdate (a CRL) in the TLS file a config key names, "
                    "seconds since the epoch", ["key", "kind"], multiprocess_mode="livemax")
 TLS_LOOK_S = 60.0
+TLS_ONLY = ("shmserve_tls_expiry_timestamp_seconds",)  # exposed with TLS on only
 
 
 def watch_tls_dates(cfg: config.Config, stopped: threading.Event,

@@ -14,6 +14,7 @@ import promql_parser as promql
 import pytest
 import yaml
 
+from shmserve import reaper
 from shmserve.config import REPO_ROOT
 from tests.deploy.test_grafana import declared_metrics
 
@@ -24,7 +25,7 @@ TARGET_LABELS = {"instance", "job"}
 PROMETHEUS_SERIES = {"up": {"instance", "job"}}
 # Series a deployment exposes only with a feature on, checked live where it is (the suite's
 # tiny stack has no TLS: tests/e2e/test_mtls.py scrapes the TLS files' dates)
-FEATURE_SERIES = {"shmserve_tls_expiry_timestamp_seconds"}
+FEATURE_SERIES = set(reaper.TLS_ONLY)
 
 
 def rules() -> list[dict]:
