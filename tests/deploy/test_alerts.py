@@ -7,6 +7,7 @@ series written as a deployment's scrapes write them."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 
@@ -14,9 +15,10 @@ import promql_parser as promql
 import pytest
 import yaml
 
+from gpu_workers.metrics import DEVICE_ONLY
 from shmserve import reaper
 from shmserve.config import REPO_ROOT
-from tests.deploy.test_grafana import declared_metrics
+from tests.deploy.test_grafana import dashboard, declared_metrics
 
 ALERTS = REPO_ROOT / "deploy" / "grafana" / "alerts.yml"
 RULE_TESTS = ALERTS.parent / "alerts_test.yml"
@@ -130,6 +132,19 @@ def test_the_rules_select_series_a_live_stack_exposes(tiny_stack):
                         "reason", "outcome", "volume", "expected"):
                     assert any(labels.get(matcher.name) == matcher.value
                                for labels, _ in exposed[node.name]), (rule["alert"], matcher)
+
+
+def test_dashboard_refers_only_to_exposed_metrics(tiny_stack):
+    """Every metric the Grafana dashboard names is in a live scrape (but the GPU workers'
+    gauges and the TLS files' dates, which a plain CPU stack has not)."""
+    from tests.e2e.test_observability import scrape
+
+    assert tiny_stack.post_json("/predict", {"texts": ["for the dashboard"]})[0] == 200
+    # device gauges: GPU workers only; the TLS files' dates: with TLS on (tests/e2e/test_mtls)
+    exposed = set(scrape(tiny_stack)) | set(DEVICE_ONLY) | set(reaper.TLS_ONLY)
+    exprs = [t["expr"] for p in dashboard()["panels"] for t in p.get("targets", [])]
+    used = {name for e in exprs for name in re.findall(r"\bshmserve_[a-z0-9_]+", e)}
+    assert used and used <= exposed, sorted(used - exposed)
 
 
 def promtool(*args: str, cwd=None) -> subprocess.CompletedProcess:

@@ -1,7 +1,7 @@
 """deploy/grafana: the dashboard's shape and the example scrape config, without a stack.
 
 That every metric name it uses is one the server exposes is checked against a live stack in
-tests/e2e/test_observability.py."""
+tests/deploy/test_alerts.py, beside the rules' own check."""
 
 from __future__ import annotations
 
