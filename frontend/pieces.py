@@ -28,6 +28,18 @@ def cut_piece(text: str, cap: int, direction: str) -> str:
     return text[:cap]
 
 
+def head_tokens(tokenizer, text: str, tokens: int) -> str:
+    """`text` cut after its first `tokens` tokens, tokenized alone without the special tokens
+    by `tokenizer` (one that does not truncate), from its head only (CHARS_PER_TOKEN a token,
+    at most; the whole text where the head holds too few: tokens of more characters); a
+    shorter text as it is. Cohere's max_tokens_per_doc (frontend.scores.rerank)."""
+    cap = (tokens + 1) * CHARS_PER_TOKEN
+    offsets = tokenizer.encode(text[:cap], add_special_tokens=False).offsets
+    if len(offsets) <= tokens < len(offsets) + len(text) - cap:
+        offsets = tokenizer.encode(text, add_special_tokens=False).offsets
+    return text[:offsets[tokens - 1][1]] if len(offsets) > tokens else text
+
+
 def counted(n: int, lower_bound: bool) -> str:
     """A long text is counted only as far as it passes the limit (Encoder._pieces)."""
     return f"at least {n}" if lower_bound else str(n)

@@ -11,7 +11,7 @@ import numpy as np
 from tokenizers import Encoding, Tokenizer
 
 from frontend.errors import ApiError
-from frontend.pieces import CHARS_PER_TOKEN, LONG_MARGIN, counted, cut_piece
+from frontend.pieces import CHARS_PER_TOKEN, LONG_MARGIN, counted, cut_piece, head_tokens
 from shmserve.model_files import tokenizer
 from shmserve.models import ModelSourceError, ModelSpec
 
@@ -160,18 +160,8 @@ class TextEncoder:
         return Encoded(flat.ids, flat.offsets, flat.truncated, segments)
 
     def cut_documents(self, documents: list[str], tokens: int) -> list[str]:
-        """Each document cut after its first `tokens` tokens, tokenized alone without the
-        special tokens (only its head: CHARS_PER_TOKEN a token, at most); shorter ones as they
-        are."""
-        counter = self._variant(False, "right")
-        cap = (tokens + 1) * CHARS_PER_TOKEN
-        cut = []
-        for document in documents:
-            offsets = counter.encode(document[:cap], add_special_tokens=False).offsets
-            if len(offsets) <= tokens < len(offsets) + len(document) - cap:  # long tokens
-                offsets = counter.encode(document, add_special_tokens=False).offsets
-            cut.append(document[:offsets[tokens - 1][1]] if len(offsets) > tokens else document)
-        return cut
+        """Each document cut after its first `tokens` tokens (frontend.pieces.head_tokens)."""
+        return [head_tokens(self._variant(False, "right"), d, tokens) for d in documents]
 
     def encode_mixed(self, items: list[str | tuple[str, str]], param: str = "inputs",
                      truncate: bool | None = None, direction: str = "right") -> Encoded:
