@@ -17,7 +17,7 @@ import asyncio
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -41,6 +41,7 @@ class Outcome:
     worker: int
     received_at: float  # perf_counter when the reply was back in the handler
     attempts: int = 1  # 2 or more: sent again after a lost or unavailable worker
+    workers: tuple[int, ...] = ()  # a spread request's: each part's worker, in order
 
     @property
     def revision(self) -> str:
@@ -99,7 +100,14 @@ class Dispatcher:
     async def run(self, model: str, dim: int, enc: Encoded, request_id: str, deadline: float,
                   priority: int = 0, per_token: bool = False, raw: bool = False) -> Outcome:
         """`per_token`: a row for every token (Submit.per_token), not one a text. `raw`: an
-        embedding model's rows without its own normalisation (Submit.raw)."""
+        embedding model's rows without its own normalisation (Submit.raw).
+
+        A large request at light load runs spread: cut into contiguous parts of about as many
+        tokens, one for each idle worker of its model (`spread_cuts`), each sent as a request
+        of its own (its own retries and refusals; one part's failure cancels the others and is
+        the request's). The parts' rows are joined in order; parts that different weights
+        answered (a reload committed on one worker before another) are not mixed: the whole
+        request runs again on one worker."""
         n = int(enc.offsets[-1]) if per_token else enc.offsets.shape[0] - 1
         if n * dim * 4 > (most := self.arena.size // OUTPUT_SHARE):
             rows = "tokens" if per_token else "texts"
@@ -108,6 +116,30 @@ class Dispatcher:
                            f"of this frontend's shared memory, shm.arena_mb: at most "
                            f"{most // (dim * 4):,} {rows}); send fewer"
                            f"{' or shorter' * per_token} texts", param="inputs")
+        args = (request_id, deadline, priority, per_token, raw)
+        idle = sum(1 for link in self.pool.ready_links(model)
+                   if link.outstanding == 0 and not link.beat.queued)
+        cuts = spread_cuts(enc.offsets, idle, self.cfg.frontends.spread_part_texts)
+        if not cuts:
+            return await self._run_one(model, dim, enc, *args)
+        try:
+            async with asyncio.TaskGroup() as group:
+                # Each part's task picks its worker and submits before the next one runs, so
+                # the least loaded worker (WorkerPool.pick) is another idle one each time.
+                tasks = [group.create_task(self._run_one(model, dim, part, *args))
+                         for part in split(enc, cuts)]
+        except BaseExceptionGroup as failed:
+            raise failed.exceptions[0] from None
+        outcomes = [task.result() for task in tasks]
+        if len({outcome.revision for outcome in outcomes}) > 1:
+            metrics.spread("mixed_revisions").inc()
+            return await self._run_one(model, dim, enc, *args)
+        metrics.spread("spread").inc()
+        return joined(outcomes)
+
+    async def _run_one(self, model: str, dim: int, enc: Encoded, request_id: str,
+                       deadline: float, priority: int, per_token: bool, raw: bool) -> Outcome:
+        n = int(enc.offsets[-1]) if per_token else enc.offsets.shape[0] - 1
         off_bytes = _align(enc.offsets.nbytes)
         ids_bytes = _align(enc.ids.nbytes)
         seg_bytes = _align(enc.segments.nbytes) if enc.segments is not None else 0
@@ -285,3 +317,42 @@ class Dispatcher:
 def _release(leases) -> None:
     for lease in leases:
         lease.release()
+
+
+def spread_cuts(offsets: np.ndarray, idle: int, least: int) -> list[int]:
+    """Where to cut a request of texts at `offsets` (int32 [n + 1]) into parts for `idle`
+    workers: the indices of the texts that begin the second part onwards, so that each part
+    holds about as many tokens and at least `least` texts; [] when it is not to be spread (under
+    two parts, or `least` 0)."""
+    n = offsets.shape[0] - 1
+    parts = min(idle, n // least) if least > 0 else 0
+    if parts < 2:
+        return []
+    goals = int(offsets[-1]) * np.arange(1, parts) / parts
+    cuts = np.searchsorted(offsets, goals)  # the first text whose start reaches each goal
+    return [int(min(max(cut, least * i), n - least * (parts - i)))
+            for i, cut in enumerate(cuts, 1)]
+
+
+def split(enc: Encoded, cuts: list[int]) -> list[Encoded]:
+    """`enc` as the parts `cuts` begin (spread_cuts), each with offsets of its own."""
+    bounds = [0, *cuts, enc.count]
+    parts = []
+    for first, end in zip(bounds, bounds[1:]):
+        lo, hi = int(enc.offsets[first]), int(enc.offsets[end])
+        parts.append(Encoded(enc.ids[lo:hi], enc.offsets[first:end + 1] - lo, 0,
+                             None if enc.segments is None else enc.segments[first:end],
+                             enc.skip))
+    return parts
+
+
+def joined(outcomes: list[Outcome]) -> Outcome:
+    """A spread request's outcome from its parts': the rows in order; the timings of the part
+    answered last (the stages of the request's critical path), its largest batch, every
+    token."""
+    last = max(outcomes, key=lambda outcome: outcome.received_at)
+    result = replace(last.result, batch_size=max(o.result.batch_size for o in outcomes),
+                     tokens=sum(o.result.tokens for o in outcomes))
+    return Outcome(np.concatenate([o.vectors for o in outcomes]), result, last.worker,
+                   last.received_at, max(o.attempts for o in outcomes),
+                   tuple(o.worker for o in outcomes))

@@ -77,6 +77,10 @@ SUSPECTS = Counter("shmserve_frontend_suspect_requests_total",
                    "be what killed it: sent again to run alone (isolated), or lost again running "
                    "alone and answered 500 (failed: their inputs likely crash the model; never "
                    "sent again)", ["outcome"])
+SPREAD = Counter("shmserve_frontend_spread_requests_total",
+                 "Large requests cut into parts run at once on idle workers "
+                 "(frontends.spread_part_texts): spread, or mixed_revisions (a reload committed "
+                 "between its parts: run again whole on one worker)", ["outcome"])
 DEADLINES = Counter("shmserve_deadline_exceeded_total",
                     "Requests whose deadline passed (504)", ["model"])
 WORKER_RESTARTS = Counter("shmserve_worker_restarts_seen_total",
@@ -153,7 +157,7 @@ inflight, texts, tokens = (Children(m, turn) for m in (INFLIGHT, TEXTS, TOKENS))
 input_tokens, truncated = Children(INPUT_TOKENS, turn), Children(TRUNCATED, turn)
 rejected, deadlines = Children(REJECTED, turn), Children(DEADLINES, turn)
 refused, retries = Children(REFUSED, turn), Children(RETRIES, turn)
-suspects = Children(SUSPECTS, turn)
+suspects, spread = Children(SUSPECTS, turn), Children(SPREAD, turn)
 cache, cache_bytes = Children(CACHE, turn), Children(CACHE_BYTES)
 
 
@@ -181,6 +185,8 @@ def start(models: dict[str, Any], frontend: int, workers: int) -> None:
         RETRIES.labels(reason)
     for outcome in ("isolated", "failed"):
         SUSPECTS.labels(outcome)
+    for outcome in ("spread", "mixed_revisions"):
+        SPREAD.labels(outcome)
     INFLIGHT.labels(str(frontend)).set(0)
     ARENA_USED.labels(str(frontend)).set(0)
 

@@ -260,6 +260,8 @@ async def run(request: web.Request, served: ServedModel,
                                inference_ms=round(outcome.result.inference_ms, 3))
     if outcome.attempts > 1:  # the time lost to a worker that went away is in no stage
         request[LOG_FIELDS]["attempts"] = outcome.attempts
+    if outcome.workers:  # spread over several (frontend.dispatch): `worker` answered last
+        request[LOG_FIELDS]["workers"] = list(outcome.workers)
     return Ran(served, variant, outcome, enc)
 
 

@@ -118,6 +118,10 @@ class FrontendConfig:
     # Each frontend's response cache (frontend.respcache), MiB; 0: none. A request whose every
     # input it answered before, with the same weights, is answered without a worker.
     response_cache_mb: float = 0.0
+    # A request of at least twice this many texts is cut into parts of as many tokens, at
+    # least this many texts each, one for each ready worker of its model with nothing queued,
+    # run at once (frontend.dispatch.Dispatcher.run); 0: never.
+    spread_part_texts: int = 16
 
 
 @dataclass(frozen=True, slots=True)
