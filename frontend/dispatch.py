@@ -117,9 +117,11 @@ class Dispatcher:
                            f"{most // (dim * 4):,} {rows}); send fewer"
                            f"{' or shorter' * per_token} texts", param="inputs")
         args = (request_id, deadline, priority, per_token, raw)
-        idle = sum(1 for link in self.pool.ready_links(model)
-                   if link.outstanding == 0 and not link.beat.queued)
-        cuts = spread_cuts(enc.offsets, idle, self.cfg.frontends.spread_part_texts)
+        least, cuts = self.cfg.frontends.spread_part_texts, []
+        if 0 < 2 * least <= enc.count:  # (the one-text request's path looks at no worker)
+            idle = sum(1 for link in self.pool.ready_links(model)
+                       if link.outstanding == 0 and not link.beat.queued)
+            cuts = spread_cuts(enc.offsets, idle, least)
         if not cuts:
             return await self._run_one(model, dim, enc, *args)
         try:
