@@ -190,7 +190,7 @@ class BatchingConfig:
 
 @dataclass(frozen=True, slots=True)
 class LimitsConfig:
-    max_texts_per_request: int = 256
+    max_texts_per_request: int = 2048  # OpenAI's limit of inputs a request
     max_text_chars: int = 100_000
     truncate: bool = True  # False: over-long texts are refused with 413
 

@@ -1,23 +1,33 @@
 """A large request at light load runs spread over the idle workers of its model
-(frontends.spread_part_texts; frontend.dispatch), through nginx, on two CPU workers."""
+(frontends.spread_part_texts; frontend.dispatch), through nginx, on two CPU workers; and the
+default limit of texts a request, OpenAI's 2,048, through the official clients."""
 
 import time
 
+import httpx
 import numpy as np
+import openai
 import pytest
+from langchain_openai import OpenAIEmbeddings
 
-from tests.e2e.conftest import two_of_each_stack
+from shmserve.config import LimitsConfig
+from tests.conftest import tiny_overrides
 from tests.e2e.test_observability import scrape, total
+from tests.stack import Stack
 
-# 64 texts (the stack's limits.max_texts_per_request), of different lengths: four times the
-# default frontends.spread_part_texts (16), so a part for each of the two workers.
+# 64 texts of different lengths: four times the default frontends.spread_part_texts (16), so a
+# part for each of the two workers.
 TEXTS = [f"spread {i}: " + " ".join(["word", "other", "more"][: i % 4] * (1 + i % 5))
          for i in range(64)]
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, tiny_model):
-    s = two_of_each_stack(tmp_path_factory.mktemp("spread"), tiny_model)
+    """Two frontends and two single-thread CPU workers, with the default limits.max_texts_per_
+    request (the suite's other stacks take 64)."""
+    s = Stack(tmp_path_factory.mktemp("spread"), tiny_overrides(
+        tiny_model, workers={"devices": "cpu", "cpu_workers": 2, "torch_threads": 1},
+        limits={"max_texts_per_request": LimitsConfig().max_texts_per_request}))
     s.up()
     yield s
     s.down()
@@ -67,3 +77,28 @@ def test_under_twice_the_part_size_a_request_runs_on_one_worker(stack):
     embed(stack, TEXTS[:31], "whole-31")
     line = access_line(stack, "whole-31")
     assert "workers" not in line and line["worker"] in (0, 1)
+
+
+def test_openais_limit_of_inputs_a_request_is_the_default(stack):
+    # OpenAI takes 2,048 inputs a request: clients that send a call's texts in one request
+    # (chroma's and semantic-kernel's OpenAI functions; langchain's default chunk_size, 1000)
+    # were refused at 256 (an outside check of the integrations).
+    texts = [f"input {i} " + "more " * (i % 9) for i in range(2049)]
+    with httpx.Client() as http:
+        client = openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0,
+                               http_client=http)
+        answer = client.embeddings.create(model="tiny", input=texts[:2048])
+        assert [row.index for row in answer.data] == list(range(2048))
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.embeddings.create(model="tiny", input=texts)
+        assert "limits.max_texts_per_request" in refused.value.message
+        assert "2049" in refused.value.message and "2048" in refused.value.message
+        # langchain-openai with its default chunk_size (1000): 1,500 documents in two requests
+        docs = texts[:1500]
+        got = np.array(OpenAIEmbeddings(model="tiny", base_url=stack.url + "/v1",
+                                        api_key="unused", check_embedding_ctx_length=False,
+                                        max_retries=0, http_client=http).embed_documents(docs))
+    some = [0, 999, 1000, 1499]  # each side of langchain's cut
+    alone = np.concatenate([embed(stack, [docs[i]], f"doc-{i}") for i in some])
+    np.testing.assert_allclose(got[some], alone, atol=1e-5)
+    np.testing.assert_allclose(np.array(answer.data[1499].embedding), alone[3], atol=1e-5)

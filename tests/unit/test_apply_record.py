@@ -173,7 +173,7 @@ def test_a_dry_run_after_an_apply_that_stopped_part_way_lists_the_keys(base, mon
             (base, ["batching.max_wait_ms: 9.0 -> 2.0 (the earlier apply's, on the programs "
                     "it restarted)"]),  # the config put back
             (with_(base, limits={"max_texts_per_request": 8}),
-             ["limits.max_texts_per_request: 256 -> 8",
+             ["limits.max_texts_per_request: 2048 -> 8",
               "batching.max_wait_ms: 9.0 -> 2.0 (the earlier apply's, on the programs it "
               "restarted)"]),
             (tried, ["batching.max_wait_ms: 2.0 -> 9.0"])):  # applied again

@@ -166,14 +166,17 @@ def test_bad_values_name_the_key(name, value, key):
 def test_a_worker_queue_too_small_for_the_largest_request_is_refused():
     # Such a request got 429 "retry later" on an empty queue, for ever (an outside check).
     with pytest.raises(ConfigError, match=r"^workers.queue_texts: 100 is under "
-                                          r"limits.max_texts_per_request \(256\)"):
+                                          r"limits.max_texts_per_request \(2048\)"):
         config.load(environ={"SHMSERVE__WORKERS__QUEUE_TEXTS": "100"})
+    limit = {"SHMSERVE__LIMITS__MAX_TEXTS_PER_REQUEST": "256"}
     with pytest.raises(ConfigError, match=r"300 x workers.low_priority_queue_share \(0.75\) = "
                                           r"225, what a low-priority request may queue, is under"):
-        config.load(environ={"SHMSERVE__WORKERS__QUEUE_TEXTS": "300"})
+        config.load(environ={"SHMSERVE__WORKERS__QUEUE_TEXTS": "300", **limit})
     taken = config.load(environ={"SHMSERVE__WORKERS__QUEUE_TEXTS": "300",
-                                 "SHMSERVE__WORKERS__LOW_PRIORITY_QUEUE_SHARE": "1"})
+                                 "SHMSERVE__WORKERS__LOW_PRIORITY_QUEUE_SHARE": "1", **limit})
     assert taken.workers.queue_texts == 300
+    # The defaults hold OpenAI's 2,048 inputs at low priority: 4096 x 0.75 = 3072
+    assert config.load(environ={}).limits.max_texts_per_request == 2048
 
 
 def test_unknown_env_and_bad_yaml(tmp_path):
