@@ -1,4 +1,5 @@
-"""One request's trip to a worker and back: shared-memory slot, worker choice, retries, deadline.
+"""One request's trip to a worker and back: shared-memory slot, worker choice, retries, deadline
+(a large one at light load: its parts' trips to the idle workers at once, `Dispatcher.run`).
 
 The slot (token ids, offsets, output rows) is allocated once per request and freed when nobody
 can touch it any more: the handler is done with it and no worker holds it (see `Lease`). A
