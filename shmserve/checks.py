@@ -104,6 +104,7 @@ CHECKS: dict[str, Check] = {
     "frontends.response_cache_mb": (lambda v: 0 <= v <= 1 << 20, "a number of MiB from 0 to "
                                     "1048576 (0: no cache)"),
     "frontends.spread_part_texts": (lambda v: v >= 0, "an integer >= 0 (0: never spread)"),
+    "frontends.spread_quiet_s": _UP_TO_A_DAY,
     # a socket's listen(): past a C int it failed every frontend's start
     "frontends.listen_backlog": (lambda v: 1 <= v <= 65535, "an integer from 1 to 65535"),
     "frontends.default_priority": (lambda v: priority_level(v) is not None,

@@ -41,10 +41,15 @@ def embed(stack, texts: list[str], request_id: str) -> np.ndarray:
 
 
 def access_line(stack, request_id: str) -> dict:
-    found: list[dict] = []
+    return logged_by(stack, request_id)[1]
+
+
+def logged_by(stack, request_id: str) -> tuple[str, dict]:
+    """The frontend that answered a request, and its access line."""
+    found: list[tuple[str, dict]] = []
 
     def logged() -> bool:
-        found[:] = [line for program in ("frontend-0", "frontend-1")
+        found[:] = [(program, line) for program in ("frontend-0", "frontend-1")
                     for line in stack.log_lines(program, whole=True)
                     if line.get("message") == "request" and line["request_id"] == request_id]
         return bool(found)
@@ -54,9 +59,10 @@ def access_line(stack, request_id: str) -> dict:
 
 def idle(stack) -> None:
     """Both workers idle, as each frontend heard: a heartbeat (every 0.5 s) after the last
-    request's end."""
+    request's end; and frontends.spread_quiet_s (2) since the last request too small to
+    spread."""
     stack.wait_until(stack.all_ready, 60, "every frontend and worker ready")
-    time.sleep(1.5)
+    time.sleep(2.5)
 
 
 def test_a_large_request_runs_on_both_idle_workers_and_answers_each_text_in_order(stack):
@@ -77,6 +83,17 @@ def test_under_twice_the_part_size_a_request_runs_on_one_worker(stack):
     embed(stack, TEXTS[:31], "whole-31")
     line = access_line(stack, "whole-31")
     assert "workers" not in line and line["worker"] in (0, 1)
+    # Nor a large one right after a smaller one on the same frontend: interactive traffic keeps
+    # a worker to itself (frontends.spread_quiet_s, 2 s)
+    small_on = logged_by(stack, "whole-31")[0]
+    for i in range(6):  # until nginx sends one to that frontend
+        embed(stack, TEXTS, f"after-small-{i}")
+        program, line = logged_by(stack, f"after-small-{i}")
+        if program == small_on:
+            assert "workers" not in line, line
+            break
+    else:
+        pytest.fail(f"no large request went to {small_on}")
 
 
 def test_openais_limit_of_inputs_a_request_is_the_default(stack):

@@ -178,6 +178,28 @@ def test_busy_workers_are_left_out_and_a_small_request_is_not_spread(arena):
     assert np.array_equal(outcome.vectors[:, :3], expected_rows(enc))
 
 
+def test_a_smaller_request_lately_keeps_spreading_off_for_the_quiet_time(arena):
+    # Interactive traffic beside a bulk client: with a part on every worker, a query waited for
+    # a part's pass (an outside check), so spreading waits for spread_quiet_s without one.
+    pool = Pool(2)
+    pool.arena = arena
+    cfg = config.load(environ={"SHMSERVE__FRONTENDS__SPREAD_PART_TEXTS": "4",
+                               "SHMSERVE__FRONTENDS__SPREAD_QUIET_S": "0.3"})
+    large, query = encoded([5] * 12), encoded([3])
+
+    async def scenario() -> list[tuple[int, ...]]:
+        dispatcher = Dispatcher(cfg, pool, arena)
+        spread = [(await dispatcher.run("m", DIM, large, "a", time.time() + 5)).workers]
+        await dispatcher.run("m", DIM, query, "q", time.time() + 5)
+        spread.append((await dispatcher.run("m", DIM, large, "b", time.time() + 5)).workers)
+        await asyncio.sleep(0.35)
+        spread.append((await dispatcher.run("m", DIM, large, "c", time.time() + 5)).workers)
+        return spread
+
+    assert asyncio.run(scenario()) == [(0, 1), (), (0, 1)]
+    # ... and a larger one does not: a bulk client's own requests keep it spreading (above)
+
+
 def test_parts_that_different_weights_answered_run_again_whole_on_one_worker(arena):
     # A reload committed on one worker before the other: a request never mixes weights
     before = metrics.SPREAD.labels("mixed_revisions")._value.get()
