@@ -97,7 +97,7 @@ class Dispatcher:
         self.cfg = cfg
         self.pool = pool
         self.arena = arena
-        self._small_at = -math.inf  # when a request too small to spread last came (monotonic)
+        self._small_at = 0.0  # when a request of under spread_part_texts texts came (time())
 
     async def run(self, model: str, dim: int, enc: Encoded, request_id: str, deadline: float,
                   priority: int = 0, per_token: bool = False, raw: bool = False) -> Outcome:
@@ -109,10 +109,11 @@ class Dispatcher:
         of its own (its own retries and refusals; one part's failure cancels the others and is
         the request's). The parts' rows are joined in order; parts that different weights
         answered (a reload committed on one worker before another) are not mixed: the whole
-        request runs again on one worker. Only while no request too small to spread came for
-        `frontends.spread_quiet_s`: with every worker running a part's pass, a query waited for
-        one (on a CPU, 0.7-1.3 s at p50 beside a 1,000-text request, against 12-24 ms with an
-        idle worker to go to: an outside check), so interactive traffic keeps spreading off."""
+        request runs again on one worker. Only while no request of fewer than
+        `spread_part_texts` texts came for `frontends.spread_quiet_s` (`_quiet`): with every
+        worker running a part's pass, a query waited for one (on a CPU, 0.7-1.3 s at p50 beside
+        a 1,000-text request, against 12-24 ms with an idle worker to go to: an outside check),
+        so interactive traffic keeps spreading off."""
         n = int(enc.offsets[-1]) if per_token else enc.offsets.shape[0] - 1
         if n * dim * 4 > (most := self.arena.size // OUTPUT_SHARE):
             rows = "tokens" if per_token else "texts"
@@ -123,10 +124,9 @@ class Dispatcher:
                            f"{' or shorter' * per_token} texts", param="inputs")
         args = (request_id, deadline, priority, per_token, raw)
         least, cuts = self.cfg.frontends.spread_part_texts, []
-        if enc.count < 2 * least:  # (the one-text request's path looks at no worker)
-            self._small_at = time.monotonic()
-        elif least > 0 and (time.monotonic() - self._small_at
-                            >= self.cfg.frontends.spread_quiet_s):
+        if enc.count < least:  # (the one-text request's path looks at no worker)
+            self._small_at = time.time()
+        elif 2 * least <= enc.count and self._quiet():
             idle = sum(1 for link in self.pool.ready_links(model)
                        if link.outstanding == 0 and not link.beat.queued)
             cuts = spread_cuts(enc.offsets, idle, least)
@@ -146,6 +146,16 @@ class Dispatcher:
             return await self._run_one(model, dim, enc, *args)
         metrics.spread("spread").inc()
         return joined(outcomes)
+
+    def _quiet(self) -> bool:
+        """No request of fewer than spread_part_texts texts for spread_quiet_s: to this
+        frontend, nor (their heartbeats' `small_at`) to any worker from another. This
+        frontend's own would not do: nginx (least_conn) sends the queries to the frontends
+        not busy with the bulk client's requests, and the frontend that was kept spreading
+        them (a second outside check)."""
+        last = max([self._small_at, *(link.beat.small_at for link in self.pool.links
+                                      if link.beat is not None)])
+        return time.time() - last >= self.cfg.frontends.spread_quiet_s
 
     async def _run_one(self, model: str, dim: int, enc: Encoded, request_id: str,
                        deadline: float, priority: int, per_token: bool, raw: bool) -> Outcome:

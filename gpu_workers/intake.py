@@ -89,6 +89,7 @@ class Intake:
         self._lock = threading.Lock()
         self._requests: dict[tuple[bytes, int], Request] = {}
         self._admitted = 0  # tokens of the request on_submit just admitted
+        self.small_at = 0.0  # Heartbeat.small_at
         # frontend index -> (its socket, its pid if this worker can see that process, else 0)
         self._frontends: dict[int, tuple[bytes, int]] = {}
         self._looked = 0.0  # monotonic time of the last look for frontends gone
@@ -119,7 +120,8 @@ class Intake:
                          status.infos, self.queued_texts, self.cfg.workers.queue_texts,
                          ping_sent_at, time.monotonic() - began if began else 0.0,
                          self.backlog.rate, self.backlog.pass_s,
-                         self.backlog.queued_by_priority(), status.failure, status.unloaded)
+                         self.backlog.queued_by_priority(), status.failure, status.unloaded,
+                         self.small_at)
 
     def tick(self) -> None:
         """Every round of the socket thread's loop (at most POLL_MS apart): the watch on hung
@@ -220,6 +222,8 @@ class Intake:
                          f"request's shared memory: {exc}")
         self._unmappable_since.pop(peer, None)
         n = request.remaining
+        if n < self.cfg.frontends.spread_part_texts:
+            self.small_at = time.time()
         limit = self.cfg.workers.queue_texts
         if msg.priority < 0:  # keep headroom for interactive work under a bulk flood
             limit = int(limit * self.cfg.workers.low_priority_queue_share)

@@ -21,7 +21,7 @@ from shmserve.restarts import say
 # each of them. frontends.count: a worker learns the frontends from their pings.
 FRONTEND_SIDE = ("nginx.", "limits.", "auth.", "tracing.", "shm.", "server.host",
                  "server.port", "server.grpc_port", "admin.token", "frontends.")
-READ_BY_WORKERS = ("frontends.hung_kill_s",)
+READ_BY_WORKERS = ("frontends.hung_kill_s", "frontends.spread_part_texts")
 # Keys no frontend reads (frontend/ and the shmserve modules it runs): a change of only these
 # leaves the frontends running (the worker count changing restarts them anyway).
 WORKER_SIDE = ("batching.", "logging.batch_log", "workers.torch_threads",

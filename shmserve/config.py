@@ -120,8 +120,8 @@ class FrontendConfig:
     response_cache_mb: float = 0.0
     # A request of at least twice this many texts is cut into parts of as many tokens, at
     # least this many texts each, one for each ready worker of its model with nothing queued,
-    # run at once (frontend.dispatch.Dispatcher.run); 0: never. Only while no smaller request
-    # came to the frontend for spread_quiet_s: interactive traffic keeps a worker to itself.
+    # run at once (frontend.dispatch.Dispatcher.run); 0: never. Only while no request of fewer
+    # texts came to any frontend for spread_quiet_s: interactive traffic keeps a worker free.
     spread_part_texts: int = 16
     spread_quiet_s: float = 2.0
 

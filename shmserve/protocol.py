@@ -24,13 +24,13 @@ import re
 from dataclasses import dataclass
 from enum import IntEnum
 
-PROTOCOL_VERSION = 14  # 3: a worker sends a batch's replies to a frontend as one message;
+PROTOCOL_VERSION = 15  # 3: a worker sends a batch's replies to a frontend as one message;
 # 4: ErrorCode.OUT_OF_MEMORY; 5: Heartbeat.pass_s, and a rerank row is the raw logit (the
 # frontend applies the activation), not the score; 6: Heartbeat's admission estimate (drain_rate,
 # drain_pass_s, queued_tokens), a classification row is the raw logits (the frontend applies
 # the softmax), and Ping names its frontend and pid; 8: Submit.raw; 9: Closing and ClosingSeen;
 # 10: ModelInfo.loader; 11: Heartbeat.failure; 12: Submit.skip; 13: Heartbeat.unloaded and
-# ErrorCode.PAST_DEADLINE; 14: Submit.alone and RUNNING_MARK
+# ErrorCode.PAST_DEADLINE; 14: Submit.alone and RUNNING_MARK; 15: Heartbeat.small_at
 
 
 class Kind(IntEnum):
@@ -172,6 +172,10 @@ class Heartbeat:
     failure: str = ""
     # Its models that failed to load while others did: it serves those (ready), not these
     unloaded: tuple[Unloaded, ...] = ()
+    # When (time.time()) it was last sent a request of fewer than frontends.spread_part_texts
+    # texts, from any frontend: interactive traffic, beside which no frontend spreads a large
+    # request (frontend.dispatch.Dispatcher.run); 0.0: none yet
+    small_at: float = 0.0
 
     @property
     def queued(self) -> int:

@@ -194,3 +194,35 @@ def test_a_worker_that_maps_no_request_of_a_frontend_for_a_while_is_unwell(monke
     intake.unwell = ""
     intake.orphan(b"fe0", 0)
     assert intake.on_submit(b"fe0", msg).code is ErrorCode.UNAVAILABLE and not intake.unwell
+
+
+def test_a_request_under_spread_part_texts_is_told_to_every_frontend(monkeypatch):
+    """Heartbeat.small_at: when the worker was last sent a request of fewer than
+    frontends.spread_part_texts (16) texts, from any frontend; no frontend spreads a large
+    request within frontends.spread_quiet_s of one (frontend.dispatch)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from gpu_workers import intake as module
+
+    intake = _intake()
+    intake.status.ready = True
+    intake.specs = {"m": SimpleNamespace(task="embedding", width=lambda per_token: 4)}
+
+    def read_request(attachments, peer, msg, now, width):
+        texts = msg.seq  # (the test's requests have as many texts as their seq)
+        return SimpleNamespace(remaining=texts, offsets=np.arange(texts + 1) * 3, arrived=now)
+    monkeypatch.setattr(module, "read_request", read_request)
+    monkeypatch.setattr(intake.arrivals, "arrived", lambda *args, **kwargs: None)
+    def submit(peer: bytes, texts: int):
+        return intake.on_submit(peer, SimpleNamespace(seq=texts, model="m", per_token=False,
+                                                      raw=False, priority=0,
+                                                      deadline=time.time() + 30))
+
+    for texts in (16, 40):  # a spread request's part has at least 16
+        assert submit(b"fe0", texts) is None
+    assert intake._beat(0.0).small_at == 0.0
+    before = time.time()
+    assert submit(b"fe1", 15) is None
+    assert before <= intake._beat(0.0).small_at <= time.time()

@@ -200,6 +200,19 @@ def test_a_smaller_request_lately_keeps_spreading_off_for_the_quiet_time(arena):
     # ... and a larger one does not: a bulk client's own requests keep it spreading (above)
 
 
+def test_a_query_another_frontend_sent_keeps_spreading_off_too(arena):
+    # nginx's least_conn sends queries to the frontends not busy with the bulk client: the one
+    # running its requests heard of them only from the workers' heartbeats (an outside check).
+    from dataclasses import replace
+
+    pool = Pool(2)
+    pool.links[1].beat = replace(pool.links[1].beat, small_at=time.time() - 0.5)
+    assert dispatch(pool, arena, encoded([5] * 12)).workers == ()
+    pool = Pool(2)
+    pool.links[1].beat = replace(pool.links[1].beat, small_at=time.time() - 2.5)
+    assert dispatch(pool, arena, encoded([5] * 12)).workers == (0, 1)
+
+
 def test_parts_that_different_weights_answered_run_again_whole_on_one_worker(arena):
     # A reload committed on one worker before the other: a request never mixes weights
     before = metrics.SPREAD.labels("mixed_revisions")._value.get()
