@@ -79,3 +79,22 @@ def test_a_worker_to_avoid_is_picked_only_when_no_other_is_ready(pool):
     assert all(pool.pick("a", avoid=pool.links[0]) is pool.links[1] for _ in range(4))
     pool.links[1].beat = None  # not ready
     assert pool.pick("a", avoid=pool.links[0]) is pool.links[0]
+
+
+def test_another_frontends_backlog_counts_beside_this_ones_few_tokens(pool):
+    # Worker 1 holds another frontend's 56,000 tokens; worker 0 this frontend's one query of
+    # 10: a query went to worker 1 and waited 7-9 s behind it (an outside check).
+    async def run() -> None:
+        beat(pool, 0)
+        beat(pool, 1, Queued(0, 56_000))
+        submit(pool, 0, 10)
+        assert pool.pick("a") is pool.links[0]
+        # ... less what the worker has drained since its heartbeat, at its speed (1,000
+        # tokens/s here): 56 s later worker 1's backlog is gone
+        pool.links[1].last_beat -= 56.0
+        assert pool.pick("a") is pool.links[1]
+        for link in pool.links:
+            link.outbox.clear()
+            link.pending.clear()
+
+    asyncio.run(run())
