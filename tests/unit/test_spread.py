@@ -47,6 +47,7 @@ class Pool:
         self.arena: Arena | None = None
         self.sent: list[tuple[int, int]] = []  # (worker, texts) of each Submit
         self.aborted: list[int] = []
+        self.priorities: list[int] = []  # each Submit's
         self._seq = 0
 
     def ready_links(self, model: str):
@@ -63,6 +64,7 @@ class Pool:
     def submit(self, link, msg, tokens, on_settled):
         offsets = self.arena.view(msg.offsets).copy()
         self.sent.append((link.index, len(offsets) - 1))
+        self.priorities.append(msg.priority)
         link.outstanding += tokens
         future = asyncio.get_running_loop().create_future()
 
@@ -159,6 +161,21 @@ def test_a_large_request_runs_on_every_idle_worker_and_its_rows_come_back_in_ord
         texts for _, texts in pool.sent)
     metrics.turn.flush()
     assert metrics.SPREAD.labels("spread")._value.get() == before + 1
+    # The parts run a step below the request's priority (0): a query that comes meanwhile, with
+    # a part on every worker, runs in the next pass, not after the part's every text
+    assert pool.priorities == [-1, -1, -1]
+
+
+def test_parts_of_the_lowest_priority_stay_at_it(arena):
+    pool = Pool(2)
+    pool.arena = arena
+    cfg = config.load(environ={"SHMSERVE__FRONTENDS__SPREAD_PART_TEXTS": "4"})
+    asyncio.run(Dispatcher(cfg, pool, arena).run("m", DIM, encoded([5] * 12), "req",
+                                                 time.time() + 5, priority=-10))
+    assert pool.priorities == [-10, -10]
+    pool = Pool(2)
+    outcome = dispatch(pool, arena, encoded([5] * 7))  # not spread: its own priority
+    assert outcome.workers == () and pool.priorities == [0]
 
 
 def test_busy_workers_are_left_out_and_a_small_request_is_not_spread(arena):
