@@ -121,16 +121,13 @@ class WorkerPool:
                 if link.ready and any(m.name == model for m in link.beat.models)]
 
     def pick(self, model: str, avoid: WorkerLink | None = None) -> WorkerLink | None:
-        """The ready worker with the least outstanding work, in tokens: the larger of what this
-        frontend sent it and has not had answered, and what it last reported queued (every
-        frontend's, this one's included) less what it has drained since at its speed. A pass's
-        time grows with its tokens far more than with its texts (on a CPU ~0.15 ms a token
-        against ~3 ms a pass), so a worker running one long text is busier than one running
-        two short ones. (Ordered by this frontend's own work first, a query went to a worker
-        holding another frontend's 56,000 tokens over one holding its own 10, and waited 7-9 s:
-        an outside check.) Ties (idle workers, at light load) go round: each would otherwise go
-        to the lowest index, and a deployment's other workers would sit idle and cold. `avoid`
-        (one that turned the request away) only when no other is ready."""
+        """The ready worker with the least work, in tokens: the larger of what this frontend
+        sent it unanswered and what it last reported queued (every frontend's) less what it
+        drained since (this frontend's own first sent a query to a worker holding another's
+        56,000 tokens over one holding its own 10: 7-9 s, an outside check). A pass's time
+        grows with its tokens far more than with its texts (CPU: ~0.15 ms a token, ~3 ms a
+        pass). Ties (idle workers) go round, or the lowest index took all and the others sat
+        cold. `avoid` (one that turned the request away) only when no other is ready."""
         links = self.ready_links(model)
         if not links:
             return None
