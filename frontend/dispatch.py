@@ -127,9 +127,7 @@ class Dispatcher:
         if enc.count < least:  # (the one-text request's path looks at no worker)
             self._small_at = time.time()
         elif 2 * least <= enc.count and self._quiet():
-            idle = sum(1 for link in self.pool.ready_links(model)
-                       if link.outstanding == 0 and not link.beat.queued)
-            cuts = spread_cuts(enc.offsets, idle, least)
+            cuts = spread_cuts(enc.offsets, self.pool.idle(model), least)
         if not cuts:
             return await self._run_one(model, dim, enc, *args)
         # Its parts a step below its priority: a query that comes meanwhile finds every worker

@@ -67,6 +67,15 @@ class WorkerLink:
     def ready(self) -> bool:
         return self.alive and self.beat is not None and self.beat.ready
 
+    def load(self, now: float) -> float:
+        """A ready worker's work in tokens at `now` (time.monotonic()), as a frontend routes by
+        it (WorkerPool.pick): the larger of what this frontend sent it unanswered and what it
+        last reported queued (every frontend's) less what it drained since at its speed.
+        (This frontend's own first sent a query to a worker holding another frontend's 56,000
+        tokens over one holding its own 10: it waited 7-9 s, an outside check.)"""
+        return max(self.outstanding,
+                   self.beat.queued - self.beat.drain_rate * (now - self.last_beat))
+
     @property
     def hung(self) -> bool:
         """Lost (silent past `workers.heartbeat_timeout_s`) while its process lives: hung or

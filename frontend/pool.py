@@ -121,22 +121,21 @@ class WorkerPool:
                 if link.ready and any(m.name == model for m in link.beat.models)]
 
     def pick(self, model: str, avoid: WorkerLink | None = None) -> WorkerLink | None:
-        """The ready worker with the least work, in tokens: the larger of what this frontend
-        sent it unanswered and what it last reported queued (every frontend's) less what it
-        drained since (this frontend's own first sent a query to a worker holding another's
-        56,000 tokens over one holding its own 10: 7-9 s, an outside check). A pass's time
-        grows with its tokens far more than with its texts (CPU: ~0.15 ms a token, ~3 ms a
-        pass). Ties (idle workers) go round, or the lowest index took all and the others sat
-        cold. `avoid` (one that turned the request away) only when no other is ready."""
+        """The ready worker with the least work in tokens (WorkerLink.load; a pass's time grows
+        with its tokens far more than its texts: CPU ~0.15 ms a token, ~3 ms a pass). Ties
+        (idle workers) go round, or the lowest index took all and the others sat cold.
+        `avoid` (one that turned the request away) only when no other is ready."""
         links = self.ready_links(model)
         if not links:
             return None
         self._turn, n, now = self._turn + 1, len(self.links), time.monotonic()
-        return min(links, key=lambda link: (
-            link is avoid,
-            max(link.outstanding,
-                link.beat.queued - link.beat.drain_rate * (now - link.last_beat)),
-            (link.index - self._turn) % n))
+        return min(links, key=lambda link: (link is avoid, link.load(now),
+                                            (link.index - self._turn) % n))
+
+    def idle(self, model: str) -> int:
+        """Ready workers of `model` with no work as `pick` counts it (frontend.dispatch)."""
+        now = time.monotonic()
+        return sum(1 for link in self.ready_links(model) if link.load(now) <= 0)
 
     async def wait_for_worker(self, model: str, timeout: float,
                               avoid: WorkerLink | None = None) -> WorkerLink | None:

@@ -223,7 +223,7 @@ class Intake:
         self._unmappable_since.pop(peer, None)
         n = request.remaining
         if n < self.cfg.frontends.spread_part_texts:
-            self.small_at = time.time()
+            self.small_at = request.arrived  # (time.time(), read for it above)
         limit = self.cfg.workers.queue_texts
         if msg.priority < 0:  # keep headroom for interactive work under a bulk flood
             limit = int(limit * self.cfg.workers.low_priority_queue_share)

@@ -53,6 +53,10 @@ class Pool:
     def ready_links(self, model: str):
         return [link for link in self.links if link.ready]
 
+    def idle(self, model: str) -> int:  # as WorkerPool.idle counts them
+        now = time.monotonic()
+        return sum(1 for link in self.ready_links(model) if link.load(now) <= 0)
+
     def pick(self, model: str, avoid=None):
         return min(self.ready_links(model),
                    key=lambda link: (link is avoid, link.outstanding, link.index))
