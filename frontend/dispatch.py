@@ -30,7 +30,7 @@ from frontend.pool import WorkerPool
 from frontend.tokenizer import Encoded
 from shmserve.arena import Arena, ArenaFull, ShmFull
 from shmserve.config import Config
-from shmserve.protocol import PRIORITY_RANGE, RUNNING_MARK, Error, ErrorCode, Result, Submit
+from shmserve.protocol import RUNNING_MARK, Error, ErrorCode, Result, Submit
 
 log = logging.getLogger("shmserve.frontend")
 
@@ -130,15 +130,11 @@ class Dispatcher:
             cuts = spread_cuts(enc.offsets, self.pool.idle(model), least)
         if not cuts:
             return await self._run_one(model, dim, enc, *args)
-        # Its parts a step below its priority: a query that comes meanwhile finds every worker
-        # running a part, and at the same priority it waited behind the part's every text
-        # (arrival order), seconds for a large one; a step below, for the pass running.
-        below = (request_id, deadline, max(priority - 1, PRIORITY_RANGE[0]), per_token, raw)
         try:
             async with asyncio.TaskGroup() as group:
                 # Each part's task picks its worker and submits before the next one runs, so
                 # the least loaded worker (WorkerPool.pick) is another idle one each time.
-                tasks = [group.create_task(self._run_one(model, dim, part, *below))
+                tasks = [group.create_task(self._run_one(model, dim, part, *args))
                          for part in split(enc, cuts)]
         except BaseExceptionGroup as failed:
             raise failed.exceptions[0] from None

@@ -35,6 +35,7 @@ from frontend.errors import ApiError
 from frontend.tokenizer import Encoded, TextEncoder
 from frontend.variants import Variant
 from frontend.variants import revision as variant_revision
+from shmserve.protocol import PRIORITY_RANGE
 
 # Tokenize off the event loop when a request is this large (characters); small ones are faster
 # inline than a thread hop.
@@ -182,7 +183,8 @@ async def run(request: web.Request, served: ServedModel,
     deadline, seconds, deadline_by = deadline_of(request, cfg.frontends.request_timeout_s)
     if deadline_by != "frontends.request_timeout_s":  # the client's own deadline, or its cap
         request[LOG_FIELDS].update(timeout_s=round(seconds, 3), timeout_by=deadline_by)
-    priority = request_priority(request, priority, cfg.frontends.default_priority)
+    given = request_priority(request, priority, None)
+    priority = cfg.frontends.default_priority if given is None else given
     request[CHOSEN] = (variant.name, priority)
     request[ARM] = variant
     inflight = request.app[INFLIGHT]
@@ -214,6 +216,12 @@ async def run(request: web.Request, served: ServedModel,
         request[TOKENIZE_MS] = (time.perf_counter() - started) * 1000
         request[CHARS] = chars
         fields = request[LOG_FIELDS]
+        if given is None and 0 < cfg.frontends.bulk_texts <= enc.count:
+            # A bulk request that names no priority: a step below, behind the queries
+            priority = max(priority - 1, PRIORITY_RANGE[0])
+            request[CHOSEN] = (variant.name, priority)
+        if priority != cfg.frontends.default_priority:
+            fields["priority"] = priority
         fields.update(texts=enc.count, tokens=enc.tokens,
                       tokenize_ms=round(request[TOKENIZE_MS], 3))
         if variant.name:
@@ -354,8 +362,9 @@ def sticky_key(request: web.Request, served: ServedModel, user: str | None) -> s
     return key if key and not key.isspace() else None
 
 
-def request_priority(request: web.Request, body: int | None, default: int) -> int:
-    """The body's `priority` field, else the X-Priority header, else the configured default."""
+def request_priority(request: web.Request, body: int | None, default: int | None
+                     ) -> int | None:
+    """The body's `priority` field, else the X-Priority header, else `default`."""
     if body is not None:
         return body
     header = once(request, "X-Priority")

@@ -5,11 +5,13 @@ unit-tested directly.
 
 Rules:
   * The anchor is always in the next batch. Normally it is the oldest text of the highest
-    priority present; on a fair turn (the worker makes every Nth batch one, N being
-    `batching.fair_share_every`) it is the oldest text of all. So higher priorities go first,
-    and lower ones still get at least one batch in N while higher ones saturate the worker:
-    nothing starves, and a higher-priority text waits at most for the running batch and one
-    fair-turn batch.
+    priority present; on a fair turn (the worker's pass after N - 1 in a row that went before
+    an older text, `FairTurns`; N being `batching.fair_share_every`) it is the oldest text of
+    all. So higher priorities go first, and lower ones still get at least one batch in N while
+    higher ones saturate the worker: nothing starves, and a higher-priority text waits at most
+    for the running batch and one fair-turn batch.
+    (Every Nth pass whatever went before, a query that came at one beside a flood of one
+    priority waited a second pass for nothing.)
   * Only texts of the anchor's model join it, and only from the pass's window: the oldest
     `window` texts of that model in the order the anchors are taken (highest priority first,
     then arrival; on a fair turn arrival alone). So under a backlog a pass takes the texts of the
@@ -23,7 +25,10 @@ Rules:
     (`form_pass`): after the first batch, further batches of the same model join the pass while
     its texts fit `max_batch_size` and its padded tokens `max_batch_tokens`; on a turn that is
     not fair, the batches of the top priority first (grown among those texts alone), then the
-    lower ones, so a request of the top priority runs in as few passes as its texts fit.
+    lower ones, so a request of the top priority runs in as few passes as its texts fit; the
+    lower ones add at most `top_up` times the top priority's padded tokens, so its pass takes
+    at most about twice its own work, not a full pass (a query beside a bulk flood on a CPU:
+    ~20 ms, not ~300).
   * The batch waits for company at most `max_wait_ms` after its oldest text arrived, and not at all
     once a full batch is queued, nor where none is expected: while requests have been arriving
     further apart than `max_wait_ms` (`Arrivals`), a lone request waited out the whole of it for
@@ -63,13 +68,14 @@ class Limits:
     max_wait_s: float
     max_pad_ratio: float = 1.5
     window: int = 0  # texts a pass chooses from; 0: the whole queue
+    top_up: float = 1.0  # lower-priority padded tokens a pass may add, per top-priority one
 
     @classmethod
     def of(cls, batching) -> "Limits":
         """From the config's `batching` section (shmserve.config.BatchingConfig)."""
         return cls(batching.max_batch_size, batching.max_batch_tokens,
                    batching.max_wait_ms / 1000.0, batching.max_pad_ratio,
-                   batching.pass_window * batching.max_batch_size)
+                   batching.pass_window * batching.max_batch_size, batching.top_up_ratio)
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +101,23 @@ def anchor_index(queue: Sequence[Text], fair_turn: bool = False) -> int:
         if text.priority == top:
             return i
     raise AssertionError("unreachable: the queue holds a text of its highest priority")
+
+
+class FairTurns:
+    """Which passes are fair turns: the pass after `every` - 1 in a row that went before an
+    older text (of a lower priority than one queued after it); `every` 1: every pass."""
+
+    def __init__(self, every: int) -> None:
+        self.every = every
+        self._jumps = 0  # passes in a row that went before an older text
+
+    def next(self, queue: Sequence[Text]) -> bool:
+        """Whether the pass formed now from `queue` (not empty, arrival order) is fair."""
+        fair = self._jumps >= self.every - 1
+        oldest = queue[0].priority
+        jumps = not fair and any(p > oldest for p in map(_priority, queue))
+        self._jumps = self._jumps + 1 if jumps else 0
+        return fair
 
 
 class Arrivals:
@@ -161,10 +184,12 @@ def form_pass(queue: Sequence[T], limits: Limits, fair_turn: bool = False,
         return _merged(queue, limits, False, merges)
     batches, _ = _merged(top, limits, False, merges)
     rest = _without(queue, {id(t) for batch in batches for t in batch.texts})
-    # The rest of the pass, grown within the room the top priority left
+    # The rest of the pass, grown within the room the top priority left, and to at most
+    # `top_up` times its padded tokens: the top priority's pass is not a full one
+    padded = sum(b.padded_tokens for b in batches)
     room = replace(
         limits, max_batch_size=limits.max_batch_size - sum(len(b.texts) for b in batches),
-        max_batch_tokens=limits.max_batch_tokens - sum(b.padded_tokens for b in batches))
+        max_batch_tokens=min(limits.max_batch_tokens - padded, int(limits.top_up * padded)))
     if not rest or room.max_batch_size <= 0 or room.max_batch_tokens <= 0:
         return batches, rest
     more, rest = _merged(rest, room, False, merges, anchor.model, strict=True)

@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import zmq
 
-from gpu_workers.batcher import Batch, Limits, form_pass, wait_time
+from gpu_workers.batcher import Batch, FairTurns, Limits, form_pass, wait_time
 from gpu_workers.device import DeviceLost, device_lost
 from gpu_workers.intake import Intake, Status, Unwell
 from gpu_workers.loading import (Retried, Retries, back_off, describe, load_again,
@@ -78,6 +78,7 @@ class Worker:
         # Replies not yet sent, by frontend: a batch's go out as one message each (wire).
         self._outbox: dict[bytes, list[bytes]] = {}
         self._batches = 0
+        self._turns = FairTurns(cfg.batching.fair_share_every)
         self._state = state.Watch(cfg)  # the run state, reconciled every RECONCILE_S
         self._reconciled = 0.0
         self.metrics.set_ready(False)
@@ -212,8 +213,8 @@ class Worker:
             if delay > 0 and not self.stopping.is_set():
                 self._take_inbox(block=True, timeout=delay)
                 continue
-            fair_turn = self._batches % self.cfg.batching.fair_share_every == 0
-            batches, self._queue = form_pass(self._queue, self.limits, fair_turn, _packs)
+            batches, self._queue = form_pass(self._queue, self.limits,
+                                             self._turns.next(self._queue), _packs)
             self._run(batches, backlogged=bool(self._queue))
             del batches  # their requests' views: a gone frontend's arena unmaps now, not at
             self._collect()  # the next pass (an outside check: 241 MB held at idle)

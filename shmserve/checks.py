@@ -105,6 +105,7 @@ CHECKS: dict[str, Check] = {
                                     "1048576 (0: no cache)"),
     "frontends.spread_part_texts": (lambda v: v >= 0, "an integer >= 0 (0: never spread)"),
     "frontends.spread_quiet_s": _UP_TO_A_DAY,
+    "frontends.bulk_texts": (lambda v: v >= 0, "an integer >= 0 (0: never)"),
     # a socket's listen(): past a C int it failed every frontend's start
     "frontends.listen_backlog": (lambda v: 1 <= v <= 65535, "an integer from 1 to 65535"),
     "frontends.default_priority": (lambda v: priority_level(v) is not None,
@@ -151,6 +152,7 @@ CHECKS: dict[str, Check] = {
     "batching.max_pad_ratio": (lambda v: v >= 1, "a number >= 1"),
     "batching.fair_share_every": _POSITIVE_INT,
     "batching.pass_window": (lambda v: v >= 0, "an integer >= 0 (0: the whole queue)"),
+    "batching.top_up_ratio": (lambda v: v >= 0, "a number >= 0 (0: none)"),
     "logging.flush_interval_ms": (lambda v: 0 <= v <= 1000 * DAY_S,
                                   f"a number from 0 to {1000 * DAY_S} (a day)"),
     # rendered into supervisord.conf as each log's size

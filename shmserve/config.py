@@ -111,6 +111,9 @@ class FrontendConfig:
     # check), or an integer from -10 to 10; higher runs first. Checked by the rule of
     # frontends.default_priority (shmserve.checks), and made its level by from_tree.
     default_priority: int | str = 0
+    # A request of at least this many texts that names no priority runs a step below
+    # default_priority: a query (fewer texts) goes before a bulk request's texts; 0: never
+    bulk_texts: int = 16
     listen_backlog: int = 4096  # unix-socket accept queue; a full one makes nginx answer 502
     # A frontend whose pings every worker stopped hearing this long (its whole process stuck)
     # is SIGKILLed by the workers, and supervisord restarts it (shmserve.hung). 0: never.
@@ -183,11 +186,14 @@ class WorkerConfig:
 @dataclass(frozen=True, slots=True)
 class BatchingConfig:
     max_batch_size: int = 32  # texts per forward
-    max_batch_tokens: int = 8192  # padded tokens per forward (batch size x longest)
+    max_batch_tokens: int = 2048  # padded tokens per forward (batch size x longest)
     max_wait_ms: float = 2.0  # how long the oldest text may wait for company
     max_pad_ratio: float = 1.5  # padded / real tokens a batch may reach (length grouping)
     fair_share_every: int = 4  # every Nth batch starts from the oldest text, any priority
     pass_window: int = 8  # a pass chooses among the oldest N x max_batch_size texts; 0: all
+    # A pass run for higher-priority texts takes lower ones up to this many times its higher
+    # ones' padded tokens (gpu_workers.batcher.form_pass): their pass stays short
+    top_up_ratio: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,9 +1,9 @@
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 
-from gpu_workers.batcher import (Arrivals, Limits, anchor_index, form_batch, form_pass,
-                                 wait_time)
+from gpu_workers.batcher import (Arrivals, FairTurns, Limits, anchor_index, form_batch,
+                                 form_pass, wait_time)
 
 
 @dataclass(eq=False)
@@ -130,16 +130,32 @@ def test_a_fair_turn_starts_from_the_oldest_text_of_any_priority():
 
 def test_lower_priority_never_starves_under_a_steady_stream():
     """High-priority texts (of another length, so they never share a batch with it) keep
-    arriving faster than batches drain; with fair turns every 4th batch, the low one runs
-    within 4 batches."""
+    arriving faster than batches drain; with a fair turn after 3 batches in a row that went
+    before it, the low one runs in the 4th batch."""
     low = T(200, arrived=0.0, priority=0)
-    queue, every = [low], 4
+    queue, turns = [low], FairTurns(4)
     for count in range(40):
         queue += [T(10, arrived=1.0 + count, priority=1) for _ in range(9)]
-        batch, queue = form_batch(queue, LIMITS, fair_turn=count % every == 0 and count > 0)
+        batch, queue = form_batch(queue, LIMITS, fair_turn=turns.next(queue))
         if low in batch.texts:
             break
-    assert low in batch.texts and count == every
+    assert low in batch.texts and count == 3
+
+
+def test_a_fair_turn_comes_only_after_passes_that_went_before_an_older_text():
+    """Passes of one priority alone are not counted: a query that comes after any number of
+    them runs in the next pass (a fair turn every 4th pass whatever went before made a query
+    that came at one wait a second pass behind a bulk flood)."""
+    turns = FairTurns(4)
+    bulk = [T(20, arrived=i, priority=-1) for i in range(200)]
+    for _ in range(7):  # the bulk alone: never a fair turn
+        assert not turns.next(bulk)
+        bulk = bulk[8:]
+    query = T(20, arrived=300.0, priority=0)
+    assert not turns.next(bulk + [query])  # the query's pass
+    # A stream of queries: the 4th pass in a row that goes before the bulk is a fair turn
+    assert [turns.next(bulk + [query]) for _ in range(4)] == [False, False, True, False]
+    assert FairTurns(1).next(bulk + [query])  # 1: every pass fair
 
 
 def test_a_pass_merges_length_groups_only_for_a_model_that_packs_them():
@@ -195,7 +211,7 @@ def test_a_pass_is_the_batches_form_batch_would_form_one_after_another():
                    model=rng.choice("aab"), priority=rng.choice([0, 0, 0, 1, -1]))
                  for i in range(rng.randint(1, 60))]
         limits = Limits(rng.randint(1, 64), rng.randint(1, 4000), 0.005,
-                        rng.choice([1.0, 1.2, 1.5, 3.0]))
+                        rng.choice([1.0, 1.2, 1.5, 3.0]), top_up=rng.choice([0, 0.5, 1, 1e6]))
         fair = rng.random() < 0.3
         batches, rest = form_pass(queue, limits, fair, merges=lambda text: True)
         top = max(t.priority for t in queue)
@@ -207,7 +223,8 @@ def test_a_pass_is_the_batches_form_batch_would_form_one_after_another():
             taken = {id(t) for b in want for t in b.texts}
             want_rest = [t for t in queue if id(t) not in taken]
             # then the rest, grown within the room the top priority left
-            room = Limits(limits.max_batch_size - texts, limits.max_batch_tokens - padded,
+            room = Limits(limits.max_batch_size - texts,
+                          min(limits.max_batch_tokens - padded, int(limits.top_up * padded)),
                           limits.max_wait_s, limits.max_pad_ratio)
             if want_rest and room.max_batch_size > 0 and room.max_batch_tokens > 0:
                 more, want_rest, _, _ = _one_after_another(
@@ -231,7 +248,14 @@ def test_a_top_priority_request_runs_in_one_pass_among_a_flood_of_lower_ones():
     batches, rest = form_pass(low + high, limits, merges=lambda text: True)
     ran = [t for b in batches for t in b.texts]
     assert all(t in ran for t in high) and not any(t in rest for t in high)
-    assert len(ran) == 32  # the pass is then filled with low texts, as before
+    # The pass is then topped up with low texts to at most as many padded tokens as the high
+    # ones' (top_up 1)...
+    high_padded = sum(b.padded_tokens for b in batches if b.texts[0].priority == 1)
+    assert high_padded < sum(b.padded_tokens for b in batches) <= 2 * high_padded
+    assert len(ran) < 32
+    # ... or filled, with no bound on the top-up
+    full, _ = form_pass(low + high, replace(limits, top_up=1e6), merges=lambda text: True)
+    assert sum(len(b.texts) for b in full) == 32
     # A model that runs one group a pass: the anchor's group, grown among all, as before
     (batch,), _ = form_pass(low + high, limits)
     assert high[0] in batch.texts and high[3] not in batch.texts

@@ -165,18 +165,19 @@ def test_a_large_request_runs_on_every_idle_worker_and_its_rows_come_back_in_ord
         texts for _, texts in pool.sent)
     metrics.turn.flush()
     assert metrics.SPREAD.labels("spread")._value.get() == before + 1
-    # The parts run a step below the request's priority (0): a query that comes meanwhile, with
-    # a part on every worker, runs in the next pass, not after the part's every text
-    assert pool.priorities == [-1, -1, -1]
+    # The parts run at the request's priority (a request that named none is a bulk one, a
+    # step below the default already: frontend.tasks.run)
+    assert pool.priorities == [0, 0, 0]
 
 
-def test_parts_of_the_lowest_priority_stay_at_it(arena):
-    pool = Pool(2)
-    pool.arena = arena
-    cfg = config.load(environ={"SHMSERVE__FRONTENDS__SPREAD_PART_TEXTS": "4"})
-    asyncio.run(Dispatcher(cfg, pool, arena).run("m", DIM, encoded([5] * 12), "req",
-                                                 time.time() + 5, priority=-10))
-    assert pool.priorities == [-10, -10]
+def test_parts_run_at_the_requests_priority(arena):
+    for priority in (-10, 3):
+        pool = Pool(2)
+        pool.arena = arena
+        cfg = config.load(environ={"SHMSERVE__FRONTENDS__SPREAD_PART_TEXTS": "4"})
+        asyncio.run(Dispatcher(cfg, pool, arena).run("m", DIM, encoded([5] * 12), "req",
+                                                     time.time() + 5, priority=priority))
+        assert pool.priorities == [priority, priority]
     pool = Pool(2)
     outcome = dispatch(pool, arena, encoded([5] * 7))  # not spread: its own priority
     assert outcome.workers == () and pool.priorities == [0]
