@@ -189,7 +189,8 @@ class BatchingConfig:
     max_batch_tokens: int = 2048  # padded tokens per forward (batch size x longest)
     max_wait_ms: float = 2.0  # how long the oldest text may wait for company
     max_pad_ratio: float = 1.5  # padded / real tokens a batch may reach (length grouping)
-    fair_share_every: int = 4  # every Nth batch starts from the oldest text, any priority
+    fair_share_every: int = 4  # a batch after N - 1 that went before an older text starts
+    # from the oldest text, any priority (gpu_workers.batcher.FairTurns)
     pass_window: int = 8  # a pass chooses among the oldest N x max_batch_size texts; 0: all
     # A pass run for higher-priority texts takes lower ones up to this many times its higher
     # ones' padded tokens (gpu_workers.batcher.form_pass): their pass stays short

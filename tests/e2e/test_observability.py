@@ -421,13 +421,13 @@ def test_info_serves_shmserve_and_tei_fields(stack):
     assert model["task"] == "embedding" and model["dtype"] == "fp32" and model["dim"] == 32
     assert info["devices"] == [{"worker": 0, "device": "cpu", "name": "cpu", "configured": "cpu",
                                 "ready": True}]
-    assert info["limits"]["max_batch_tokens"] == 8192
+    assert info["limits"]["max_batch_tokens"] == 2048
     assert info["limits"]["max_texts_per_request"] == MAX_TEXTS
     assert info["limits"]["max_input_tokens"] == 64
     assert info["frontends"] == 2 and info["workers"] == 1 and info["version"]
     tei = {"model_id": "tiny", "model_sha": "tiny-r1", "model_dtype": "float32",
            "model_type": {"embedding": {"pooling": "mean"}}, "max_input_length": 64,
-           "max_batch_tokens": 8192, "max_batch_requests": 16, "max_client_batch_size": MAX_TEXTS,
+           "max_batch_tokens": 2048, "max_batch_requests": 16, "max_client_batch_size": MAX_TEXTS,
            "auto_truncate": False, "tokenization_workers": 2,
            "max_concurrent_requests": 2 * 1024}
     assert {k: info[k] for k in tei} == tei
