@@ -206,6 +206,12 @@ async def run(request: web.Request, served: ServedModel,
             enc = await off_loop(encode, variant.encoder, deadline)
         else:
             enc = encode(variant.encoder)
+        if given is None and 0 < cfg.frontends.bulk_texts <= enc.count:
+            # A bulk request that names no priority: a step below, behind the queries
+            priority = max(priority - 1, PRIORITY_RANGE[0])
+            request[CHOSEN] = (variant.name, priority)
+        if priority != cfg.frontends.default_priority:
+            request[LOG_FIELDS]["priority"] = priority
         if time.time() > deadline:  # no work goes to a worker past its deadline
             raise ApiError.deadline_passed()
         if per_token:
@@ -216,12 +222,6 @@ async def run(request: web.Request, served: ServedModel,
         request[TOKENIZE_MS] = (time.perf_counter() - started) * 1000
         request[CHARS] = chars
         fields = request[LOG_FIELDS]
-        if given is None and 0 < cfg.frontends.bulk_texts <= enc.count:
-            # A bulk request that names no priority: a step below, behind the queries
-            priority = max(priority - 1, PRIORITY_RANGE[0])
-            request[CHOSEN] = (variant.name, priority)
-        if priority != cfg.frontends.default_priority:
-            fields["priority"] = priority
         fields.update(texts=enc.count, tokens=enc.tokens,
                       tokenize_ms=round(request[TOKENIZE_MS], 3))
         if variant.name:

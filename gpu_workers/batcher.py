@@ -114,8 +114,7 @@ class FairTurns:
     def next(self, queue: Sequence[Text]) -> bool:
         """Whether the pass formed now from `queue` (not empty, arrival order) is fair."""
         fair = self._jumps >= self.every - 1
-        oldest = queue[0].priority
-        jumps = not fair and any(p > oldest for p in map(_priority, queue))
+        jumps = not fair and any(map(queue[0].priority.__lt__, map(_priority, queue)))
         self._jumps = self._jumps + 1 if jumps else 0
         return fair
 
