@@ -151,6 +151,8 @@ async def observe(request: web.Request, handler) -> web.StreamResponse:
         response = error_response(request, exc)
         if exc.attempts > 1:  # sent again to a worker, and failed all the same
             request[LOG_FIELDS]["attempts"] = exc.attempts
+        if exc.worker is not None:  # the worker that failed it
+            request[LOG_FIELDS]["worker"] = exc.worker
     except web.HTTPException as exc:  # routing: unknown path, wrong method
         kind = {404: "not_found", 405: "method_not_allowed", 413: "too_large"}.get(
             exc.status, "bad_request")

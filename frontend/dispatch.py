@@ -84,6 +84,12 @@ def _marked(rows: np.ndarray, first_rows) -> bool:
     return bool((rows.view(np.uint32)[first_rows, 0] == RUNNING_MARK).any())
 
 
+def _on(link: WorkerLink, error: ApiError) -> ApiError:
+    """`error`, naming the worker that failed the request (its access line's `worker`)."""
+    error.worker = link.index
+    return error
+
+
 def _align(n: int) -> int:
     return -(-n // 64) * 64
 
@@ -185,6 +191,7 @@ class Dispatcher:
             lost = unready = 0
             attempt = 0
             alone = False  # sent to run in a pass of its own (Submit.alone)
+            sent_to: WorkerLink | None = None  # the worker of the last attempt
             while True:
                 link = self.pool.pick(model, refused) or await self._wait_for_worker(
                     model, deadline, refused)
@@ -193,12 +200,13 @@ class Dispatcher:
                         raise ApiError("timeout", "deadline passed waiting for a worker")
                     loading = any(link.alive and not link.ready for link in self.pool.links)
                     lost_it = again == "worker_lost"  # its worker died with it in it
-                    raise ApiError("unavailable", ("its worker was lost and " if lost_it else "")
-                                   + ("no worker is ready for this model yet (loading or "
-                                      "restarting)" if loading else
-                                      "no live worker for this model"), retry_after=1,
-                                   attempts=attempt,
-                                   reason="worker_lost" if lost_it else "no_worker_ready")
+                    error = ApiError("unavailable", ("its worker was lost and " if lost_it else "")
+                                     + ("no worker is ready for this model yet (loading or "
+                                        "restarting)" if loading else
+                                        "no live worker for this model"), retry_after=1,
+                                     attempts=attempt,
+                                     reason="worker_lost" if lost_it else "no_worker_ready")
+                    raise _on(sent_to, error) if lost_it and sent_to else error
                 if attempt:  # sent again, with rows of its own (see the module's docstring)
                     metrics.retries(again).inc()
                     out_lease, out_base = self._alloc(n * dim * 4)
@@ -214,6 +222,7 @@ class Dispatcher:
                              segments, per_token, raw, enc.skip, alone)
                 future = self.pool.submit(link, msg, len(enc.ids),
                                         lambda held=held: _release(held))
+                sent_to = link
                 try:  # (not wait_for, which loses a cancel that comes as the reply does)
                     async with asyncio.timeout(max(0.0, deadline - time.time())):
                         reply = await asyncio.shield(future)
@@ -238,15 +247,16 @@ class Dispatcher:
                         log.error("frontend.request_lost_its_worker_twice", extra={"fields": {
                             "request_id": request_id, "model": model, "worker": link.index,
                             "attempts": attempt}})
-                        raise ApiError("internal_error", "the worker running this request was "
-                                       "lost twice, the second time running it alone: its "
-                                       "inputs may crash the model, and it is not sent "
-                                       "again", attempts=attempt, code="worker_crashed",
-                                       reason="worker_crashed") from None
+                        raise _on(link, ApiError(
+                            "internal_error", "the worker running this request was lost "
+                            "twice, the second time running it alone: its inputs may crash "
+                            "the model, and it is not sent again", attempts=attempt,
+                            code="worker_crashed", reason="worker_crashed")) from None
                     if lost > self.cfg.frontends.retry_on_worker_loss:
-                        raise ApiError("unavailable", "workers kept failing; retries exhausted "
-                                       "(frontends.retry_on_worker_loss)", retry_after=1,
-                                       attempts=attempt, reason="worker_lost") from None
+                        raise _on(link, ApiError(
+                            "unavailable", "workers kept failing; retries exhausted "
+                            "(frontends.retry_on_worker_loss)", retry_after=1,
+                            attempts=attempt, reason="worker_lost")) from None
                     if running:
                         metrics.suspects("isolated").inc()
                         alone = True
@@ -262,7 +272,7 @@ class Dispatcher:
                     self._abandon(link, seq, future)
                     error = ApiError.deadline_passed()
                     error.attempts = attempt
-                    raise error from None
+                    raise _on(link, error) from None
                 received = time.perf_counter()
                 if (isinstance(reply, Error) and reply.code is ErrorCode.UNAVAILABLE
                         and unready < len(self.pool.links)):
@@ -285,7 +295,7 @@ class Dispatcher:
                 if isinstance(reply, Error):
                     error = ApiError.from_worker(reply.code, reply.message, reply.retry_after_s)
                     error.attempts = attempt
-                    raise error
+                    raise _on(link, error)
                 vectors = self.arena.view(output).copy()
                 return Outcome(vectors, reply, link.index, received, attempt)
         finally:

@@ -62,6 +62,7 @@ class ApiError(Exception):
         # why a refusal (429, 503) was made, for the access line only: the reason
         # shmserve_frontend_refused_total counts it under, or the worker's error code
         self.reason = reason
+        self.worker: int | None = None  # the worker that failed it, if one did (access line)
 
     @property
     def status(self) -> int:
@@ -93,8 +94,10 @@ class ApiError(Exception):
         """This deadline's 504 naming what set the deadline, the one to raise (frontend.tasks.
         timeout: the header, the protocol's parameter or the config): the dispatcher and the
         workers keep to a deadline without knowing where it came from."""
-        return ApiError(self.kind, f"{self.message} ({by})", self.param, self.retry_after,
-                        self.code, self.attempts, self.reason)
+        error = ApiError(self.kind, f"{self.message} ({by})", self.param, self.retry_after,
+                         self.code, self.attempts, self.reason)
+        error.worker = self.worker
+        return error
 
     @classmethod
     def from_worker(cls, code: ErrorCode, message: str, retry_after_s: int = 0) -> "ApiError":

@@ -388,7 +388,7 @@ def test_a_lost_workers_requests_are_named_in_the_logs(tmp_path, tiny_model):
         (lost,) = lines("frontend.worker_lost")
         assert sorted(lost["request_ids"]) == ids and lost["pending"] == 3, lost
         for line in (x for x in lines("request") if x["request_id"] in ids):
-            assert (line["level"], line["status"], line["error_reason"]) == (
-                "warning", 503, "worker_lost"), line
+            assert (line["level"], line["status"], line["error_reason"], line["worker"]) == (
+                "warning", 503, "worker_lost", 0), line  # the worker it was lost with
     finally:
         stack.down()

@@ -253,6 +253,7 @@ def test_a_parts_failure_is_the_requests_answer(arena):
     with pytest.raises(ApiError) as err:
         dispatch(pool, arena, encoded([5] * 12))
     assert err.value.status == 507 and len(pool.sent) == 2
+    assert err.value.worker == 1  # the access line names the worker that failed it
 
 
 def test_a_failed_part_stops_waiting_for_the_others(arena):
@@ -261,7 +262,7 @@ def test_a_failed_part_stops_waiting_for_the_others(arena):
     pool = Pool(2, fail={0: ErrorCode.DEADLINE})
     with pytest.raises(ApiError) as err:
         dispatch(pool, arena, encoded([5] * 12))
-    assert err.value.status == 504 and pool.aborted == [1]
+    assert err.value.status == 504 and pool.aborted == [1] and err.value.worker == 0
 
 
 def test_joined_outcomes_keep_the_slowest_parts_stages():
