@@ -57,7 +57,7 @@ def test_the_dashboard_covers_what_operators_ask():
     text = json.dumps(dashboard())
     titles = " ".join(p["title"].lower() for p in dashboard()["panels"])
     for topic in ("throughput", "p50", "p99", "stage", "batch size", "padding", "queue depth",
-                  "memory"):
+                  "memory", "by priority"):
         assert topic in titles, topic
     for name in ("shmserve_worker_device_fragmentation_ratio", "shmserve_worker_ready",
                  "shmserve_stage_duration_seconds_bucket",
