@@ -124,14 +124,16 @@ async def embed(request: web.Request, parsed: schemas.EmbedRequest, param: str,
         ran = await tasks.run(
             request, model, lambda enc: enc.from_ids(parsed.token_ids, param, parsed.truncate,
                                                      parsed.truncation_direction, ids_hint),
-            sum(map(len, parsed.token_ids)), priority=parsed.priority, user=parsed.user,
+            sum(map(len, parsed.token_ids)), texts=len(parsed.token_ids),
+            priority=parsed.priority, user=parsed.user,
             per_token=per_token, raw=raw)
     else:
         ran = await tasks.run(
             request, model, lambda enc: enc.encode(parsed.texts, param, parsed.truncate,
                                                    parsed.truncation_direction,
                                                    parsed.prompt_name),
-            sum(map(len, parsed.texts)), priority=parsed.priority, user=parsed.user,
+            sum(map(len, parsed.texts)), texts=len(parsed.texts),
+            priority=parsed.priority, user=parsed.user,
             inputs=parsed.texts, per_token=per_token, raw=raw)
     outcome = ran.outcome
     if parsed.dimensions is not None:

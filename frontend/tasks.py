@@ -125,7 +125,7 @@ async def classify(request: web.Request, name: str | None, texts: list[str | tup
     ran = await run(request, served,
                     lambda enc: enc.encode_mixed(texts, param, truncate, direction),
                     sum(len(t) if isinstance(t, str) else len(t[0]) + len(t[1]) for t in texts),
-                    priority=priority, user=user)
+                    texts=len(texts), priority=priority, user=user)
     logits = ran.outcome.vectors
     spec = ran.variant.spec
     # a classifier's activation: softmax, or a multi-label one's sigmoid (a cross-encoder's,
@@ -144,7 +144,7 @@ async def rerank(request: web.Request, name: str | None, query: str, documents: 
                     lambda enc: enc.encode_pairs(query, documents, param, truncate, direction,
                                                  doc_tokens),
                     len(query) * len(documents) + sum(map(len, documents)),
-                    priority=priority, user=user)
+                    texts=1, priority=priority, user=user)  # one query's candidates: never bulk
     logits = np.ascontiguousarray(ran.outcome.vectors[:, 0])
     return Reranked(logits, activate(logits, ran.variant.spec.activation), ran)
 
@@ -168,13 +168,15 @@ def activate(logits: np.ndarray, activation: str) -> np.ndarray:
 
 async def run(request: web.Request, served: ServedModel,
               encode: Callable[[TextEncoder], Encoded], chars: int, *,
-              priority: int | None = None, user: str | None = None,
+              texts: int, priority: int | None = None, user: str | None = None,
               inputs: list[str] | None = None, per_token: bool = False,
               raw: bool = False) -> Ran:
     """Choose the variant, tokenize with `encode` (in a thread past THREAD_TOKENIZE_CHARS
-    characters), run on a worker, count and log; `inputs` go to the access line when
-    logging.log_inputs is on. `per_token`: every token's row (Submit.per_token); `raw`: the
-    rows without the model's own normalisation (Submit.raw)."""
+    characters), run on a worker, count and log. `texts`: the inputs, for the bulk rule (a
+    request of frontends.bulk_texts or more that names no priority runs a step below the
+    default); `inputs` go to the access line when logging.log_inputs is on. `per_token`: every
+    token's row (Submit.per_token); `raw`: the rows without the model's own normalisation
+    (Submit.raw)."""
     cfg = request.app[CONFIG]
     request[MODEL_NAME] = served.spec.name
     variant = request.get(PINNED) or request.app[SPLITS].choose(
@@ -185,6 +187,11 @@ async def run(request: web.Request, served: ServedModel,
         request[LOG_FIELDS].update(timeout_s=round(seconds, 3), timeout_by=deadline_by)
     given = request_priority(request, priority, None)
     priority = cfg.frontends.default_priority if given is None else given
+    if given is None and 0 < cfg.frontends.bulk_texts <= texts:
+        # A bulk request that names no priority: a step below, behind the queries
+        priority = max(priority - 1, PRIORITY_RANGE[0])
+    if priority != cfg.frontends.default_priority:
+        request[LOG_FIELDS]["priority"] = priority
     request[CHOSEN] = (variant.name, priority)
     request[ARM] = variant
     inflight = request.app[INFLIGHT]
@@ -206,12 +213,6 @@ async def run(request: web.Request, served: ServedModel,
             enc = await off_loop(encode, variant.encoder, deadline)
         else:
             enc = encode(variant.encoder)
-        if given is None and 0 < cfg.frontends.bulk_texts <= enc.count:
-            # A bulk request that names no priority: a step below, behind the queries
-            priority = max(priority - 1, PRIORITY_RANGE[0])
-            request[CHOSEN] = (variant.name, priority)
-        if priority != cfg.frontends.default_priority:
-            request[LOG_FIELDS]["priority"] = priority
         if time.time() > deadline:  # no work goes to a worker past its deadline
             raise ApiError.deadline_passed()
         if per_token:

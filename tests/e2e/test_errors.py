@@ -262,7 +262,9 @@ def test_bad_timeout_header_is_422(tiny_stack):
 def test_worker_queue_full_is_429_with_retry_after(strict_stack):
     # The worker's queue holds 24 texts: one request of 16 at a time. (A request larger than
     # the queue could never be queued: the config refuses that, tests/unit/test_config.py.)
-    body = {"texts": [f"queue full {i} " * 8 for i in range(16)]}
+    # At normal priority, named: one of 16 naming none would be a bulk one, a step below,
+    # which may fill only workers.low_priority_queue_share of the queue.
+    body = {"texts": [f"queue full {i} " * 8 for i in range(16)], "priority": "normal"}
     with concurrent.futures.ThreadPoolExecutor(30) as pool:
         answers = list(pool.map(lambda _: strict_stack.post_json("/predict", body), range(60)))
     statuses = [status for status, _, _ in answers]

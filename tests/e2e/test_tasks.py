@@ -418,3 +418,24 @@ def test_infinitys_routes_answer_as_infinity_does(task_stack, task_dirs):
         ["embed"], ["rerank"], ["classify"]]
     assert models["clf"]["stats"]["ready_workers"] == 1  # clf: on worker 1 alone
     assert models["tiny"]["stats"]["ready_workers"] == 2
+
+
+def test_a_rerank_is_never_bulk_and_a_large_classification_is(task_stack):
+    """frontends.bulk_texts (16): a request of that many inputs or more that names no priority
+    runs a step below the default, but a rerank's documents are one query's candidates (a
+    RAG query reranks 20-100 of them): it keeps the default."""
+    sent = {"rerank-20": ("/v1/rerank", {"model": "ce", "query": "q",
+                                         "documents": [f"doc {i}" for i in range(20)]}),
+            "classify-16": ("/v1/classify", {"model": "clf", "input": ["x"] * 16}),
+            "classify-15": ("/v1/classify", {"model": "clf", "input": ["x"] * 15})}
+    for rid, (path, body) in sent.items():
+        status, _, answer = task_stack.post_json(path, body, {"X-Request-ID": rid})
+        assert status == 200, answer
+
+    def lines():
+        return {line["request_id"]: line for i in range(2)
+                for line in task_stack.log_lines(f"frontend-{i}")
+                if line.get("request_id") in sent and line.get("message") == "request"}
+    task_stack.wait_until(lambda: len(lines()) == 3, 10, "the access lines")
+    assert {rid: line.get("priority") for rid, line in lines().items()} == {
+        "rerank-20": None, "classify-16": -1, "classify-15": None}
