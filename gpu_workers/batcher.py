@@ -104,19 +104,22 @@ def anchor_index(queue: Sequence[Text], fair_turn: bool = False) -> int:
 
 
 class FairTurns:
-    """Which passes are fair turns: the pass after `every` - 1 in a row that went before an
-    older text (of a lower priority than one queued after it); `every` 1: every pass."""
+    """Which passes are fair turns: the pass after `every` - 1 in a row that left the oldest
+    text queued (a higher priority went before it); `every` 1: every pass. Counted from each
+    pass's rest, so the batch loop scans no queue for it."""
 
     def __init__(self, every: int) -> None:
         self.every = every
-        self._jumps = 0  # passes in a row that went before an older text
+        self._left = 0  # passes in a row that left the oldest text queued
 
-    def next(self, queue: Sequence[Text]) -> bool:
-        """Whether the pass formed now from `queue` (not empty, arrival order) is fair."""
-        fair = self._jumps >= self.every - 1
-        jumps = not fair and any(map(queue[0].priority.__lt__, map(_priority, queue)))
-        self._jumps = self._jumps + 1 if jumps else 0
-        return fair
+    def next(self) -> bool:
+        """Whether the next pass is a fair turn."""
+        return self._left >= self.every - 1
+
+    def ran(self, oldest: Text, rest: Sequence[Text]) -> None:
+        """A pass ran from a queue whose oldest text was `oldest`, leaving `rest` (arrival
+        order): the oldest is its first text if the pass left it."""
+        self._left = self._left + 1 if rest and rest[0] is oldest else 0
 
 
 class Arrivals:

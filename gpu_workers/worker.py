@@ -213,8 +213,10 @@ class Worker:
             if delay > 0 and not self.stopping.is_set():
                 self._take_inbox(block=True, timeout=delay)
                 continue
-            batches, self._queue = form_pass(self._queue, self.limits,
-                                             self._turns.next(self._queue), _packs)
+            oldest = self._queue[0]
+            batches, self._queue = form_pass(self._queue, self.limits, self._turns.next(),
+                                             _packs)
+            self._turns.ran(oldest, self._queue)
             self._run(batches, backlogged=bool(self._queue))
             del batches  # their requests' views: a gone frontend's arena unmaps now, not at
             self._collect()  # the next pass (an outside check: 241 MB held at idle)

@@ -136,7 +136,9 @@ def test_lower_priority_never_starves_under_a_steady_stream():
     queue, turns = [low], FairTurns(4)
     for count in range(40):
         queue += [T(10, arrived=1.0 + count, priority=1) for _ in range(9)]
-        batch, queue = form_batch(queue, LIMITS, fair_turn=turns.next(queue))
+        oldest = queue[0]
+        batch, queue = form_batch(queue, LIMITS, fair_turn=turns.next())
+        turns.ran(oldest, queue)
         if low in batch.texts:
             break
     assert low in batch.texts and count == 3
@@ -147,15 +149,29 @@ def test_a_fair_turn_comes_only_after_passes_that_went_before_an_older_text():
     them runs in the next pass (a fair turn every 4th pass whatever went before made a query
     that came at one wait a second pass behind a bulk flood)."""
     turns = FairTurns(4)
-    bulk = [T(20, arrived=i, priority=-1) for i in range(200)]
+    bulk = [T(200, arrived=i, priority=-1) for i in range(200)]
+
+    def run(queue):  # one pass, as the worker runs it: whether it was fair, and the rest
+        fair, oldest = turns.next(), queue[0]
+        _, rest = form_batch(queue, LIMITS, fair_turn=fair)
+        turns.ran(oldest, rest)
+        return fair, rest
+
+    def query(k):  # of another length than the bulk's: never in its batches
+        return T(5, arrived=300.0 + k, priority=0)
+
     for _ in range(7):  # the bulk alone: never a fair turn
-        assert not turns.next(bulk)
-        bulk = bulk[8:]
-    query = T(20, arrived=300.0, priority=0)
-    assert not turns.next(bulk + [query])  # the query's pass
+        fair, bulk = run(bulk)
+        assert not fair
+    fair, rest = run(bulk + [query(0)])
+    assert not fair  # the query's pass
     # A stream of queries: the 4th pass in a row that goes before the bulk is a fair turn
-    assert [turns.next(bulk + [query]) for _ in range(4)] == [False, False, True, False]
-    assert FairTurns(1).next(bulk + [query])  # 1: every pass fair
+    fairs = []
+    for k in range(1, 5):
+        fair, rest = run(rest + [query(k)])
+        fairs.append(fair)
+    assert fairs == [False, False, True, False]
+    assert FairTurns(1).next()  # 1: every pass fair
 
 
 def test_a_pass_merges_length_groups_only_for_a_model_that_packs_them():
