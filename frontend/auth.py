@@ -14,7 +14,8 @@ from aiohttp import web
 
 from frontend import metrics
 from frontend.errors import ApiError
-from shmserve.config import Config, api_keys, api_keys_file
+from shmserve.apikeys import api_keys, api_keys_file
+from shmserve.config import Config
 from shmserve.typedtree import ConfigError
 
 log = logging.getLogger("shmserve.frontend")

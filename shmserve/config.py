@@ -1,5 +1,5 @@
 """Configuration, loaded once into a frozen typed object: its schema, its checks, and what is
-derived from it (the CPU layout, the API keys).
+derived from it (the CPU layout; the API keys: shmserve.apikeys).
 
 The layers it is merged from (configs/base.yaml, configs/<env>.yaml, extra files, environment
 variables) are `shmserve.layers`. The merged tree is validated into :class:`Config`; any bad
@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Literal, Mapping
 
 from shmserve import layers
+from shmserve.apikeys import api_keys
 from shmserve.checks import CHECKS, check_models, check_relations
 from shmserve.cores import cpu_layout
 from shmserve.layers import REPO_ROOT
@@ -375,48 +376,7 @@ def from_tree(tree: Mapping[str, Any], read_keys: bool = True) -> Config:
     return cfg
 
 
-_KEY = re.compile(r"[\x21-\x7e]{8,512}")  # printable, no spaces: it travels in a header
 _TOKEN = re.compile(r"[\x21-\x7e][\x20-\x7e]{6,510}[\x21-\x7e]")  # admin.token (fullmatch)
-
-
-def api_keys_file(cfg: Config) -> Path | None:
-    """auth.api_keys_file's path (relative: to the repository root), or None."""
-    if not cfg.auth.api_keys_file:
-        return None
-    path = Path(cfg.auth.api_keys_file)
-    return path if path.is_absolute() else REPO_ROOT / path
-
-
-def api_keys(cfg: Config) -> tuple[str, ...]:
-    """The inference routes' keys: auth.api_keys, then one a line of auth.api_keys_file (blank
-    lines and lines starting with # skipped). Empty: no key is asked for."""
-    keys = list(cfg.auth.api_keys)
-    source = "auth.api_keys"
-    for i, key in enumerate(keys):
-        if not isinstance(key, str) or not _KEY.fullmatch(key):
-            raise ConfigError(f"{source}[{i}]: expected 8 to 512 printable characters without "
-                              "spaces")
-    if (path := api_keys_file(cfg)) is not None:
-        try:
-            raw = path.read_bytes()
-            lines = raw.removeprefix(b"\xef\xbb\xbf").decode().splitlines()
-        except OSError as exc:
-            raise ConfigError(f"auth.api_keys_file: cannot read {path}: {exc.strerror}") from None
-        except UnicodeDecodeError:  # PowerShell's `>` writes UTF-16: a traceback, before
-            utf16 = raw[:2] in (b"\xff\xfe", b"\xfe\xff") or b"\x00" in raw[:64]
-            raise ConfigError(f"auth.api_keys_file: {path} is not UTF-8 text"
-                              + (" (UTF-16, as PowerShell writes?)" if utf16 else "")
-                              + "; save it as UTF-8") from None
-        found = [line.strip() for line in lines
-                 if line.strip() and not line.strip().startswith("#")]
-        if not found:
-            raise ConfigError(f"auth.api_keys_file: {path} holds no key")
-        for n, key in enumerate(found, 1):
-            if not _KEY.fullmatch(key):
-                raise ConfigError(f"auth.api_keys_file: key {n} of {path}: expected 8 to 512 "
-                                  "printable characters without spaces")
-        keys += found
-    return tuple(keys)
 
 
 # A path written into nginx.conf (quoted: there a backslash escapes, $ names a variable) and

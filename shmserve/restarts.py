@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from shmserve import (config, configview, layers, models, processes, render, restart_record,
-                      state, topology, versions)
+from shmserve import (apikeys, config, configview, layers, models, processes, render,
+                      restart_record, state, topology, versions)
 from shmserve.probes import frontend_ready, load_failure, ready_in, seen_workers
 from shmserve.cli import CliError, ctl_argv
 from shmserve.startwait import failed_start, print_log_tails, process_info, restart_loop
@@ -69,7 +69,7 @@ def _restart(args: argparse.Namespace, cfg: Config) -> int:
     group, _, name = target.partition(":")
     if group == "frontends":  # they read auth.api_keys_file as they start: one that does not
         try:  # load would stop each restarted frontend (deployment() reads the config without)
-            config.api_keys(cfg)
+            apikeys.api_keys(cfg)
         except ConfigError as exc:
             raise CliError(f"{exc}: a frontend restarted now would not start; mend it first")
     infos = process_info(cfg)

@@ -11,8 +11,8 @@ import subprocess
 import sys
 import time
 
-from shmserve import (__version__, config, nginxrun, processes, remote, render, restart_record,
-                      tls, topology)
+from shmserve import (__version__, apikeys, config, nginxrun, processes, remote, render,
+                      restart_record, tls, topology)
 from shmserve import status as statusview
 from shmserve.config import Config
 from shmserve.prechecks import CliError
@@ -29,7 +29,7 @@ def keys_file_warnings(cfg: Config) -> list[str]:
     """auth.api_keys_file as it is now, where it does not load: in --json's warnings too (an
     outside check's monitoring read `ready` and no warning)."""
     try:
-        config.api_keys(cfg)
+        apikeys.api_keys(cfg)
     except config.ConfigError as exc:
         return [f"{exc}: the frontends keep the keys they read; one that starts now exits "
                 "until it is put right"]

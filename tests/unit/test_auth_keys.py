@@ -9,7 +9,7 @@ import time
 import pytest
 
 from frontend import auth, metrics
-from shmserve import config
+from shmserve import apikeys, config
 from shmserve.typedtree import ConfigError
 
 
@@ -137,7 +137,7 @@ def test_a_file_that_does_not_load_keeps_the_keys_in_force(keys_file, caplog, br
 def test_a_file_changing_while_read_is_read_again_at_the_next_look(keys_file, monkeypatch):
     clock = Clock()
     keys = auth.ApiKeys(keyed(keys_file), clock, settled)
-    read = config.api_keys
+    read = apikeys.api_keys
 
     def half_written(cfg):  # the writer goes on while the frontend reads
         got = read(cfg)

@@ -3,7 +3,7 @@ import re
 
 import pytest
 
-from shmserve import config, configview, layers
+from shmserve import apikeys, config, configview, layers
 from shmserve.config import ConfigError
 
 
@@ -84,8 +84,8 @@ def test_api_keys_from_the_config_and_a_file(tmp_path):
     keys.write_text("# comment\n\n  file-key-1234  \nfile-key-5678\n")
     cfg = config.load(environ={"SHMSERVE__AUTH__API_KEYS": '["inline-key-00"]',
                                "SHMSERVE__AUTH__API_KEYS_FILE": str(keys)})
-    assert config.api_keys(cfg) == ("inline-key-00", "file-key-1234", "file-key-5678")
-    assert config.api_keys(config.load(environ={})) == ()  # open by default
+    assert apikeys.api_keys(cfg) == ("inline-key-00", "file-key-1234", "file-key-5678")
+    assert apikeys.api_keys(config.load(environ={})) == ()  # open by default
     keys.write_text("# only a comment\n")
     with pytest.raises(ConfigError, match="holds no key"):
         config.load(environ={"SHMSERVE__AUTH__API_KEYS_FILE": str(keys)})
@@ -95,7 +95,7 @@ def test_api_keys_from_the_config_and_a_file(tmp_path):
     # a Windows editor's BOM is no part of the first key; UTF-16 (PowerShell's >) is named
     keys.write_bytes(b"\xef\xbb\xbfbom-key-1234\r\n")
     cfg = config.load(environ={"SHMSERVE__AUTH__API_KEYS_FILE": str(keys)})
-    assert config.api_keys(cfg) == ("bom-key-1234",)
+    assert apikeys.api_keys(cfg) == ("bom-key-1234",)
     keys.write_bytes("utf16-key-1234\n".encode("utf-16"))
     with pytest.raises(ConfigError, match=r"is not UTF-8 text \(UTF-16, as PowerShell"):
         config.load(environ={"SHMSERVE__AUTH__API_KEYS_FILE": str(keys)})
