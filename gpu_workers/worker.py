@@ -217,6 +217,7 @@ class Worker:
             batches, self._queue = form_pass(self._queue, self.limits, self._turns.next(),
                                              _packs)
             self._turns.ran(oldest, self._queue)
+            del oldest  # a request's text, held past the pass as `batches` is (below)
             self._run(batches, backlogged=bool(self._queue))
             del batches  # their requests' views: a gone frontend's arena unmaps now, not at
             self._collect()  # the next pass (an outside check: 241 MB held at idle)
