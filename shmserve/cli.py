@@ -40,6 +40,10 @@ from shmserve.status_cli import leftovers, status, unsupervised
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
+    # --config before the command, then after it: all merge in order (`--config A --config B`
+    # kept B alone, silently: an outside check lost configs/gpu.yaml so)
+    args.config = _joined(args.config_before, getattr(args, "config", None))
+    del args.config_before
     if extra:
         # `reload NAME --revision R SOURCE`: argparse gives the optional positional SOURCE
         # nothing when an option comes between it and NAME, and leaves it over.
@@ -87,18 +91,33 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
+def _joined(*files: str | None) -> str | None:
+    """Config file lists (each one or several joined by ':') as one, in order; None: none."""
+    return os.pathsep.join(f for f in files if f) or None
+
+
+class _JoinFiles(argparse.Action):
+    """--config given again adds its file after the others, as a ':' list does."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, _joined(getattr(namespace, self.dest, None), values))
+
+
 def _parser() -> argparse.ArgumentParser:
     env_help = "configs/ENV.yaml over base.yaml (default: SHMSERVE_ENV or dev)"
-    config_help = "an extra YAML file over those (or SHMSERVE_CONFIG)"
+    config_help = ("an extra YAML file over those (or SHMSERVE_CONFIG); several, given again "
+                   "or joined by ':', merge in order")
     # Before the command (`shmserve --config F up`, as users type it: an outside check found it
-    # refused) or after it; after it wins. SUPPRESS: a command without them keeps the first's.
+    # refused) or after it; --env after it wins, every --config merges in order (`parse`).
+    # SUPPRESS: a command without them keeps the first's.
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--env", default=argparse.SUPPRESS, help=env_help)
-    common.add_argument("--config", default=argparse.SUPPRESS, help=config_help)
+    common.add_argument("--config", default=argparse.SUPPRESS, action=_JoinFiles,
+                        help=config_help)
     parser = argparse.ArgumentParser(
         prog="shmserve", description="Render a deployment and drive its supervisord.")
     parser.add_argument("--env", help=env_help)
-    parser.add_argument("--config", help=config_help)
+    parser.add_argument("--config", dest="config_before", action=_JoinFiles, help=config_help)
     sub = parser.add_subparsers(required=True, metavar="COMMAND", dest="command")
     parser.commands = sub.choices  # each command's parser, by name (`parse`)
 
@@ -311,9 +330,10 @@ def deployment_flags(args: argparse.Namespace, argv: list[str]) -> list[str]:
     for arg in it:
         name, eq, value = arg.partition("=")
         if name in ("--env", "--config"):
-            setattr(args, name[2:], value if eq else next(it, None))
-            if getattr(args, name[2:]) is None:
+            value = value if eq else next(it, None)
+            if value is None:
                 raise CliError(f"{name} needs a value")
+            setattr(args, name[2:], _joined(args.config, value) if name == "--config" else value)
         else:
             rest.append(arg)
     return rest

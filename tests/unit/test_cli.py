@@ -27,6 +27,8 @@ def test_ctl_takes_deployment_flags_from_anywhere():
     rest = cli.deployment_flags(args, ["tail", "-f", "nginx", "--config", "x.yaml", "--env=prod"])
     assert rest == ["tail", "-f", "nginx"]
     assert (args.config, args.env) == ("x.yaml", "prod")
+    rest = cli.deployment_flags(args, ["status", "--config=y.yaml"])  # after the others
+    assert (rest, args.config) == (["status"], "x.yaml:y.yaml")
 
 
 def test_down_when_not_running_still_removes_stale_state(deployment, capsys, monkeypatch):
@@ -239,7 +241,12 @@ def test_reload_takes_its_source_before_or_after_the_options(argv):
     (["up"], (None, None)),
     (["up", "--config", "a.yaml", "--env", "prod"], ("a.yaml", "prod")),
     (["--config", "a.yaml", "--env", "prod", "up"], ("a.yaml", "prod")),  # before the command
-    (["--config", "a.yaml", "up", "--config", "b.yaml"], ("b.yaml", None)),  # after it wins
+    # every --config merges in order, before and after the command (`--config a --config b`
+    # kept b alone, silently: an outside check lost its configs/gpu.yaml so)
+    (["--config", "a.yaml", "up", "--config", "b.yaml"], ("a.yaml:b.yaml", None)),
+    (["up", "--config", "a.yaml", "--config", "b.yaml:c.yaml"], ("a.yaml:b.yaml:c.yaml", None)),
+    (["--config", "a.yaml", "--config", "b.yaml", "status"], ("a.yaml:b.yaml", None)),
+    (["--env", "test", "up", "--env", "prod"], (None, "prod")),  # an env: after it wins
     (["--env", "prod", "reload", "m", "models/x"], (None, "prod")),
 ])
 def test_config_and_env_go_before_or_after_the_command(argv, want):

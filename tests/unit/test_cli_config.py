@@ -20,6 +20,19 @@ def test_config_prints_the_resolved_config(deployment, capsys):
     assert printed["workers"]["devices"] == "cpu" and printed["workers"]["cpu_workers"] == 2
 
 
+def test_config_files_given_twice_merge_as_a_list_does(deployment, tmp_path, capsys):
+    """What `shmserve config` prints of two --config files is what `a:b` gives."""
+    a, b = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    a.write_text("limits: {max_texts_per_request: 4}\nnginx: {gzip: true}\n")
+    b.write_text("batching: {max_wait_ms: 3}\n")
+    assert cli.main(["config", "--config", str(a), "--config", str(b)]) == 0
+    twice = json.loads(capsys.readouterr().out)
+    assert cli.main(["config", "--config", f"{a}:{b}"]) == 0
+    assert json.loads(capsys.readouterr().out) == twice
+    assert (twice["limits"]["max_texts_per_request"], twice["nginx"]["gzip"],
+            twice["batching"]["max_wait_ms"]) == (4, True, 3.0)
+
+
 def test_config_hides_credentials_unless_asked(deployment, monkeypatch, capsys):
     monkeypatch.setenv("SHMSERVE__ADMIN__TOKEN", "admin-secret-1234")
     monkeypatch.setenv("SHMSERVE__AUTH__API_KEYS", '["key-secret-1234", "key-secret-5678"]')
