@@ -43,15 +43,20 @@ def without_userinfo(url: str) -> str:
 
 def flat(cfg: Config) -> dict[str, Any]:
     """Every key of a config by its dotted path (lists are single values: models, devices)."""
+    return flat_tree(dataclasses.asdict(cfg))
+
+
+def flat_tree(tree: Any) -> dict[str, Any]:
+    """Every leaf of a config's tree (a file's too) by its dotted path, lists single values."""
     out: dict[str, Any] = {}
 
     def walk(node: Any, path: str) -> None:
         if isinstance(node, dict):
             for key, value in node.items():
-                walk(value, f"{path}.{key}" if path else key)
+                walk(value, f"{path}.{key}" if path else str(key))
         else:
             out[path] = node
-    walk(dataclasses.asdict(cfg), "")
+    walk(tree, "")
     return out
 
 

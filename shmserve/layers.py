@@ -244,6 +244,14 @@ KNOWN_VARIABLES = frozenset({
     "SHMSERVE_BENCH_API"})
 
 
+def variable_key(name: str) -> str:
+    """The dotted key a SHMSERVE__ variable sets, a list's item as the list (as
+    shmserve.configview.flat has it): SHMSERVE__MODELS__0__SOURCE sets `models`."""
+    parts = name[len(ENV_PREFIX):].lower().split("__")
+    index = next((i for i, part in enumerate(parts) if part.isdigit()), len(parts))
+    return ".".join(parts[:index])
+
+
 def override_names(environ: Mapping[str, str]) -> list[str]:
     """The SHMSERVE__ variables in `environ` (each overrides a key), sorted."""
     return sorted(name for name in environ if name.startswith(ENV_PREFIX))

@@ -142,6 +142,10 @@ def test_apply_restarts_only_what_reads_a_changed_key_and_goes_on_after_a_failur
     assert refused.returncode == 2, refused.stdout + refused.stderr
     assert "this apply moves where clients reach the deployment (above): give --move" in \
         refused.stderr, refused.stderr
+    # said as refused before anything changed: its listed changes read "applying:" above the
+    # refusal, as if done (an outside check)
+    assert "(nothing was applied)" in refused.stderr and "applying" not in refused.stdout
+    assert f"server.port: {stack.port} -> {port}" in refused.stdout, refused.stdout
     assert stack.get("/health")[0] == 200 and bindable(port)  # nginx did not move
 
     edit(stack, nginx={"rate_limit_per_s": 50})  # nginx's alone: a reload, no restart
@@ -263,18 +267,24 @@ def test_from_one_frontend_and_one_worker_to_two_of_each_without_a_failed_reques
     stack = Stack(tmp_path / "one", tiny_overrides(
         tiny_model, frontends={"count": 1}, workers={"devices": "cpu", "cpu_workers": 1,
                                                      "torch_threads": 1}))
-    stack.env["SHMSERVE__LIMITS__MAX_TEXTS_PER_REQUEST"] = "64"  # the file's value, again
+    stack.env["SHMSERVE__LIMITS__MAX_TEXTS_PER_REQUEST"] = "48"  # the file says 64
+    stack.env["SHMSERVE__LIMITS__MAX_TEXT_CHARS"] = "100000"  # the files' value, again
     stack.up()
     try:
         with Traffic(stack) as traffic:
             traffic.wait_for(20)
             edit(stack, frontends={"count": 2}, workers={"cpu_workers": 2},
                  batching={"max_wait_ms": 3})
-            # An apply without a variable `up` was given says so (here it changes nothing)
+            # An apply without a variable `up` was given says so where the key it set
+            # changes; not for one the files give the same value (an outside check was told
+            # its port would go back, and nothing changed)
             del stack.env["SHMSERVE__LIMITS__MAX_TEXTS_PER_REQUEST"]
+            del stack.env["SHMSERVE__LIMITS__MAX_TEXT_CHARS"]
             dry = stack.cli("apply", "--dry-run")
             assert "the running config was given SHMSERVE__LIMITS__MAX_TEXTS_PER_REQUEST, " \
                 "which this apply's environment does not set" in dry.stdout, dry.stdout
+            assert "limits.max_texts_per_request: 48 -> 64" in dry.stdout
+            assert "MAX_TEXT_CHARS" not in dry.stdout, dry.stdout
             done = stack.cli("apply", timeout=400)
             assert "shmserve: applied" in done.stdout, done.stdout + done.stderr
             traffic.wait_for(20)
