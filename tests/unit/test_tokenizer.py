@@ -332,3 +332,56 @@ def test_a_tokenizer_that_does_not_load_names_the_model_and_the_file(spec, tmp_p
             rf"^model 'm': {re.escape(str(directory / 'tokenizer.json'))} does not load as a "
             r"tokenizer \(EOF while parsing a string at line 1 column 1000\)$")):
         TextEncoder(dataclasses.replace(spec, directory=directory), truncate=True)
+
+
+def test_a_large_request_is_tokenized_in_chunks_as_it_is_whole(spec, monkeypatch):
+    """Inputs go through the tokenizer TOKENIZE_CHUNK at a time (a request of 2,040 long texts
+    made ~1 GB of Encoding objects at once, kept by the frontend after: an outside check):
+    the ids, lengths, truncation counts, pairs' segments and the input an error names are
+    what one call over them all gives."""
+    from frontend import tokenizer as module
+
+    corpus = [("word " * (i % 300)) + f"text {i}" for i in range(300)]
+    pairs = [("a query", text) for text in corpus]
+    mixed = [text if i % 3 else ("a query", text) for i, text in enumerate(corpus)]
+    encoder = TextEncoder(spec, truncate=True)
+
+    def each(chunk: int) -> list:
+        monkeypatch.setattr(module, "TOKENIZE_CHUNK", chunk)
+        got = [encoder.encode(corpus), encoder.encode_pairs("a query", corpus),
+               encoder.encode_mixed(mixed)]
+        refused = []
+        short = [("word " * (i % 200)) + f"text {i}" for i in range(300)]  # none too long
+        for at in (250, 3):  # one past the limit, uncut: in the 36th chunk, and the first
+            bad = short[:at] + ["word " * 400] + short[at:]
+            try:
+                TextEncoder(spec, truncate=False).encode(bad)
+            except ApiError as exc:
+                refused.append((exc.status, exc.message))
+        return got, refused
+
+    whole = each(10_000)
+    sizes = []  # what each tokenizer call took, chunked
+
+    class Counting:
+        def __init__(self, tok):
+            self.tok = tok
+
+        def __getattr__(self, name):
+            call = getattr(self.tok, name)
+            return lambda items, **kw: (sizes.append(len(items)), call(items, **kw))[1]
+
+    real = TextEncoder._variant
+    monkeypatch.setattr(TextEncoder, "_variant", lambda self, *a: Counting(real(self, *a)))
+    chunked = each(7)
+    assert max(sizes) == 7 and sum(sizes) >= 3 * 300, sizes[:50]
+    for one, other in zip(whole[0], chunked[0]):
+        assert np.array_equal(one.ids, other.ids) and np.array_equal(one.offsets, other.offsets)
+        assert one.truncated == other.truncated and one.count == 300
+        assert (one.segments is None) == (other.segments is None)
+        if one.segments is not None:
+            assert np.array_equal(one.segments, other.segments)
+    assert 40 < whole[0][0].truncated < 60  # texts of over ~250 words: cut
+    assert len(pairs) == whole[0][1].count and whole[0][1].segments[0] == 4  # [CLS] a query [SEP]
+    assert whole[1] == chunked[1] and len(whole[1]) == 2
+    assert "input[250]" in whole[1][0][1] and "input[3]" in whole[1][1][1], whole[1]
