@@ -20,6 +20,7 @@ from frontend import codec, metrics, own_files
 from frontend.auth import ApiKeys, authenticate
 from frontend.dispatch import Dispatcher
 from frontend.errors import ApiError, kserve_shaped, status_on
+from frontend.heap import HeapTrim
 from frontend.httpparser import nginx_size
 from frontend.pool import WorkerPool
 from frontend.respcache import ResponseCache
@@ -91,6 +92,7 @@ POOL = web.AppKey("pool", WorkerPool)
 DISPATCHER = web.AppKey("dispatcher", Dispatcher)
 CACHE = web.AppKey("cache", object)  # a frontend.respcache.ResponseCache, or None (none)
 INFLIGHT = web.AppKey("inflight", list)  # [count]: a mutable cell
+HEAP = web.AppKey("heap", HeapTrim)  # the heap a large request grew, given back when idle
 UNBUFFERED = web.AppKey("unbuffered", object)  # an Unbuffered: answers held for slow readers
 SPLITS = web.AppKey("splits", Splits)
 API_KEYS = web.AppKey("api_keys", ApiKeys)  # no key: the inference routes are open
@@ -358,11 +360,13 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     reporter = asyncio.create_task(
         own_files.watch(arena, index, topology.frontend_socket(cfg, index),
                         lambda: own_files.grpc_socket(app, cfg)), name="own-files")
+    trimmer = asyncio.create_task(app[HEAP].watch(app[INFLIGHT]), name="heap-trim")
     log.info("frontend.started", extra={"fields": {"frontend": index, "arena": arena.name}})
     try:
         yield
     finally:
         reporter.cancel()
+        trimmer.cancel()
         for task in app[DRAIN_END]:
             task.cancel()
         await pool.close()
@@ -408,6 +412,7 @@ def create_app(cfg: Config, index: int = 0) -> web.Application:
     app[INDEX] = index
     app[MODELS] = Models(cfg)
     app[INFLIGHT] = [0]
+    app[HEAP] = HeapTrim()
     app[UNBUFFERED] = Unbuffered(UNBUFFERED_BUDGET)
     app[DRAIN_END] = []
     app[API_KEYS] = ApiKeys(cfg, frontend=index)

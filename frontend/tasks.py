@@ -27,8 +27,8 @@ from aiohttp import web
 
 from frontend import codec, metrics, schemas
 from frontend.app import (ARM, ARRIVED, CACHE, CACHED, CHARS, CHOSEN, CONFIG, DISPATCHER,
-                          INDEX, INFLIGHT, INPUTS, LOG_FIELDS, MODEL_NAME, MODELS, PINNED, POOL,
-                          REPLIED_AT, REQUEST_ID, REVISION, SPLITS, STAGES, TIMEOUT_S,
+                          HEAP, INDEX, INFLIGHT, INPUTS, LOG_FIELDS, MODEL_NAME, MODELS, PINNED,
+                          POOL, REPLIED_AT, REQUEST_ID, REVISION, SPLITS, STAGES, TIMEOUT_S,
                           TOKENIZE_AT, TOKENIZE_MS, VARIANT, ServedModel)
 from frontend.dispatch import Outcome
 from frontend.errors import ApiError
@@ -205,6 +205,7 @@ async def run(request: web.Request, served: ServedModel,
     # admitted (shmserve.admission).
     refuse_early(request, variant, priority, deadline)
     inflight[0] += 1
+    request.app[HEAP].note(chars)
     gauge = metrics.inflight(str(request.app[INDEX]))
     gauge.inc()
     try:
