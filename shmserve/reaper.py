@@ -51,8 +51,15 @@ EXITS = Counter("shmserve_process_exits", "Program exits seen by supervisord, by
 TLS_EXPIRY = Gauge("shmserve_tls_expiry_timestamp_seconds", "The earliest notAfter (a "
                    "certificate) or nextUpdate (a CRL) in the TLS file a config key names, "
                    "seconds since the epoch", ["key", "kind"], multiprocess_mode="livemax")
+# A TLS file the config names that holds no date openssl reads (gone, unreadable, not PEM):
+# nginx refuses it at its next reload or start. Its expiry series is dropped meanwhile (NaN),
+# not kept at the last date read (which said all was well: a review).
+TLS_UNREAD = Gauge("shmserve_tls_file_unread", "1 while the TLS file a config key names holds "
+                   "no certificate or CRL the openssl command reads (gone, unreadable, not "
+                   "PEM): nginx refuses it at its next reload or start", ["key"],
+                   multiprocess_mode="livemax")
 TLS_LOOK_S = 60.0
-TLS_ONLY = ("shmserve_tls_expiry_timestamp_seconds",)  # exposed with TLS on only
+TLS_ONLY = ("shmserve_tls_expiry_timestamp_seconds", "shmserve_tls_file_unread")  # TLS on only
 
 
 def watch_tls_dates(cfg: config.Config, stopped: threading.Event,
@@ -60,8 +67,9 @@ def watch_tls_dates(cfg: config.Config, stopped: threading.Event,
     """Set TLS_EXPIRY from the files now, then every `every_s` until `stopped`."""
     while True:
         try:
-            for key, kind, when in tls.expiries(cfg):
-                TLS_EXPIRY.labels(key, kind.lower()).set(when)
+            for key, kind, when in tls.dated_files(cfg):
+                TLS_EXPIRY.labels(key, kind.lower()).set(float("nan") if when is None else when)
+                TLS_UNREAD.labels(key).set(when is None)
         except Exception:  # noqa: BLE001 (a thread's loop: logged, tried again next time)
             log.exception("reaper.tls_dates_failed")
         if stopped.wait(every_s):

@@ -281,12 +281,19 @@ def expiries(cfg: Config) -> list[tuple[str, str, float]]:
     """(key, kind, epoch seconds) of each dated TLS file the config names: the earliest
     notAfter of its certificates, or nextUpdate of its CRLs (a chain, several CAs or CRLs:
     every PEM block read, by the openssl command; nothing where it is missing)."""
+    return [(key, kind, when) for key, kind, when in dated_files(cfg) if when is not None]
+
+
+def dated_files(cfg: Config) -> list[tuple[str, str, float | None]]:
+    """As `expiries`, with each file named that holds no date the openssl command reads
+    (gone, unreadable, no PEM block of its kind, a block that does not parse) as None: nginx
+    refuses such a file at its next reload or start."""
     found = []
     for key, kind, _, _ in DATED:
         value = getattr(cfg.nginx, key.partition(".")[2])
         if value and (key != "nginx.tls_certificate" or enabled(cfg)):
-            if dates := _dates(path(value), kind):
-                found.append((key, kind, min(dates)))
+            dates = _dates(path(value), kind)
+            found.append((key, kind, min(dates) if dates else None))
     return found
 
 

@@ -393,3 +393,44 @@ def test_restart_nginx_warns_of_a_ca_without_its_crl(tmp_path, pem, client_pki, 
     err = capsys.readouterr().err
     assert "shmserve: warning: nginx.tls_client_crl: " in err and \
         "nginx refuses every certificate it issued" in err, err
+
+
+def test_a_tls_file_that_no_longer_reads_is_scraped_as_such(tmp_path, pem, client_pki):
+    """The reaper's gauges (what ShmserveTlsFileUnread and the expiry alerts read): a file
+    gone bad on disk, which nginx refuses at its next reload or start, is 1 in
+    shmserve_tls_file_unread and NaN in the expiry series; it kept its last date, which said
+    all was well (a review)."""
+    import math
+    import shutil
+    import threading
+
+    from shmserve import reaper
+
+    cert, key = pem
+    crl = tmp_path / "client.crl"
+    shutil.copy(client_pki / "client.crl", crl)
+    cfg = make_config(tmp_path / "run", nginx={
+        "tls_certificate": str(cert), "tls_key": str(key),
+        "tls_client_ca": str(client_pki / "client-ca.pem"), "tls_client_crl": str(crl)})
+    done = threading.Event()
+    done.set()  # one look, then return
+
+    def scraped() -> dict:
+        return {key: (reaper.TLS_UNREAD.labels(key)._value.get(),
+                      reaper.TLS_EXPIRY.labels(key, kind)._value.get())
+                for key, kind in (("nginx.tls_certificate", "certificate"),
+                                  ("nginx.tls_client_crl", "crl"))}
+
+    reaper.watch_tls_dates(cfg, done)
+    assert {key: unread for key, (unread, _) in scraped().items()} == {
+        "nginx.tls_certificate": 0, "nginx.tls_client_crl": 0}
+    assert all(when > 1e9 for _, when in scraped().values())
+    crl.write_text("-----BEGIN X509 CRL-----\nnot a CRL\n-----END X509 CRL-----\n")
+    reaper.watch_tls_dates(cfg, done)
+    (cert_unread, cert_when), (crl_unread, crl_when) = scraped().values()
+    assert (cert_unread, crl_unread) == (0, 1) and cert_when > 1e9 and math.isnan(crl_when)
+    crl.unlink()  # gone
+    reaper.watch_tls_dates(cfg, done)
+    assert scraped()["nginx.tls_client_crl"][0] == 1
+    assert [key for key, _, when in tls.dated_files(cfg) if when is None] == [
+        "nginx.tls_client_crl"]
