@@ -400,6 +400,8 @@ def _inputs(spec: Tensors, given: list[Tensor]) -> dict[str, Tensor]:
             continue
         if len(tensor.shape) != len(want.shape) or any(
                 w != -1 and g != w for g, w in zip(tensor.shape, want.shape)):
+            takes = f"{list(want.shape)} (-1: any size)" + (
+                f" or {[*want.shape, 1]}" if len(want.shape) == 1 else "")
             raise ApiError("invalid_request", f"input {name!r} has shape {list(tensor.shape)}; "
-                           f"expected {list(want.shape)} (-1: any size)", param="inputs")
+                           f"expected {takes}", param="inputs")
     return by_name

@@ -331,7 +331,10 @@ def parse_embed(body: dict, limits: LimitsConfig) -> tuple[EmbedRequest, bool]:
 
 async def rerank(request: web.Request) -> web.Response:
     body = mapping(await codec.read_body(request))
-    if "documents" in body and "texts" not in body:  # infinity's (and Cohere's) body
+    if "documents" in body and "texts" in body:  # (answered as TEI's, silently: an outside
+        raise ApiError("invalid_request", "send 'texts' (TEI's /rerank) or 'documents' "
+                       "(infinity's and Cohere's), not both", param="documents")  # check)
+    if "documents" in body:  # infinity's (and Cohere's) body
         return await infinity.rerank(request, body)
     return await _rerank(request, body)
 

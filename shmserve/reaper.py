@@ -150,12 +150,16 @@ def drain_frontends(cfg: config.Config, config_path: str) -> list[int]:
 
 
 def sweep_sockets(cfg: config.Config) -> list[str]:
-    """Remove the frontends' socket files no process listens on; the paths removed."""
+    """Remove the frontends' socket files (HTTP, and gRPC's with server.grpc_port) no process
+    listens on; the paths removed. (gRPC's were left after a foreground stop: an outside
+    check.)"""
     from shmserve import nginxrun, topology
 
     removed = []
-    for i in range(cfg.frontends.count):
-        path = topology.frontend_socket(cfg, i)
+    paths = [topology.frontend_socket(cfg, i) for i in range(cfg.frontends.count)]
+    if cfg.server.grpc_port:
+        paths += [topology.frontend_grpc_socket(cfg, i) for i in range(cfg.frontends.count)]
+    for path in paths:
         if path.exists() and not nginxrun.listening(path):  # a live frontend's is kept
             path.unlink(missing_ok=True)
             removed.append(str(path))

@@ -63,6 +63,10 @@ def test_infer_without_outputs_gets_binary_and_batch_dimension_is_accepted(clien
     result = client.infer("tiny", [text_input(TEXTS, True, shape=[4, 1])],
                           model_version="tiny-r1")
     np.testing.assert_allclose(result.as_numpy("embedding"), native, rtol=0, atol=1e-6)
+    # a shape neither takes names both (it named [-1] alone: an outside check)
+    with pytest.raises(InferenceServerException) as info:
+        client.infer("tiny", [text_input(TEXTS, True, shape=[2, 2])])
+    assert "has shape [2, 2]; expected [-1] (-1: any size) or [-1, 1]" in str(info.value)
 
 
 @pytest.mark.parametrize("name,datatype,model,status,needle", [

@@ -262,6 +262,11 @@ def test_rerank_validates_then_explains_it_needs_a_cross_encoder(tiny_stack):
                                                       "model": "tiny"})
     assert status == 422 and err["error"]["code"] == "unsupported_task"
     assert "this route needs a rerank model" in err["error"]["message"]
+    # TEI's texts and infinity's documents both: neither read silently (an outside check)
+    status, _, err = tiny_stack.post_json("/rerank", {"query": "q", "texts": TEXTS,
+                                                      "documents": TEXTS})
+    assert status == 422 and err["error"]["param"] == "documents", err
+    assert "not both" in err["error"]["message"]
 
 
 def test_tokenize_in_teis_shape(tiny_stack, tiny_model):

@@ -107,21 +107,24 @@ def test_a_sigterm_stops_it_with_exit_status_0(tmp_path):
     import socket
 
     from shmserve import render, topology
-    from tests.unit.test_render import make_config
+    from tests.unit.test_render import free_port, make_config
 
-    cfg = make_config(tmp_path / "run", frontends={"count": 2})
+    cfg = make_config(tmp_path / "run", frontends={"count": 2},
+                      server={"grpc_port": free_port()})
     render.render(cfg)  # writes run/config.json, which the reaper reads
-    # What frontends leave when they stop (their socket file, refusing connections), and a
-    # live one's, which stays.
+    # What frontends leave when they stop (their socket files, refusing connections: gRPC's
+    # too, left after a foreground stop: an outside check), and a live one's, which stays.
     stopped, live = (topology.frontend_socket(cfg, i) for i in (0, 1))
+    stopped_grpc = topology.frontend_grpc_socket(cfg, 0)
     for path in (stopped, live):
         path.parent.mkdir(parents=True, exist_ok=True)
     listener = socket.socket(socket.AF_UNIX)
     listener.bind(str(live))
     listener.listen()
-    closed = socket.socket(socket.AF_UNIX)
-    closed.bind(str(stopped))
-    closed.close()
+    for path in (stopped, stopped_grpc):
+        closed = socket.socket(socket.AF_UNIX)
+        closed.bind(str(path))
+        closed.close()
     with listener, subprocess.Popen([sys.executable, "-m", "shmserve.reaper", "--config",
                            str(tmp_path / "run" / "config.json")],
                           stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -130,7 +133,7 @@ def test_a_sigterm_stops_it_with_exit_status_0(tmp_path):
             assert proc.stdout.readline() == b"READY\n"  # listening, as under supervisord
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(timeout=10) == 0, proc.stderr.read()
-            assert not stopped.exists() and live.exists()
+            assert not stopped.exists() and not stopped_grpc.exists() and live.exists()
         finally:
             proc.kill()
 
