@@ -126,13 +126,16 @@ def too_late(finish: float, now: float, deadline: float, share: float = SHARE) -
 
 
 def refuse(finish: float, now: float, deadline: float, whose: str = "the worker's queue",
-           share: float = SHARE) -> Refusal:
+           share: float = SHARE, drained: float = math.inf) -> Refusal:
     """The refusal of a request `finish` seconds from done (too_late said so). It could be
     admitted once the work ahead has drained by the excess: the same request sent again that
-    much later, with the same time to its deadline, is within `share` of it."""
+    much later, with the same time to its deadline, is within `share` of it; or once all of
+    it has (`drained` seconds: nothing ahead is always admitted). A request too large for its
+    deadline alone was told 60 s where the queue ahead drained in 0.3 s (an outside check)."""
     left = max(deadline - now, 0.0)
     return Refusal(f"{whose} needs ~{finish:.1f} s for this request at its recent speed, too "
-                   f"close to its deadline in {left:.1f} s", retry_after_s(finish - share * left))
+                   f"close to its deadline in {left:.1f} s",
+                   retry_after_s(min(finish - share * left, drained)))
 
 
 def heard_refusal(beats: Iterable[tuple[Heartbeat, float]], priority: int, tokens: int,
@@ -150,7 +153,7 @@ def heard_refusal(beats: Iterable[tuple[Heartbeat, float]], priority: int, token
     alone, 0-296 x 429 and 135-144 x 200. A /tmp script, interleaved, 2026-12-01
     ~16:35-16:45, the AVX512-BF16 EPYC.)"""
     now, monotonic = time.time(), time.monotonic()
-    soonest = None
+    soonest, drained = None, math.inf
     for beat, heard_at in beats:
         heard = ahead(((q.priority, q.tokens) for q in beat.queued_tokens), priority)
         queued = heard - beat.drain_rate * (monotonic - heard_at)
@@ -158,9 +161,10 @@ def heard_refusal(beats: Iterable[tuple[Heartbeat, float]], priority: int, token
         if not too_late(finish, now, deadline):
             return None
         soonest = finish if soonest is None else min(soonest, finish)
+        drained = min(drained, queued / beat.drain_rate)  # (too late: rate > 0, queued > 0)
     if soonest is None:
         return None  # no ready worker: the dispatcher waits for one, or answers 503
-    return refuse(soonest, now, deadline, "every worker's queue")
+    return refuse(soonest, now, deadline, "every worker's queue", drained=drained)
 
 
 class Backlog:
@@ -189,7 +193,7 @@ class Backlog:
         finish = finish_s(queued, tokens, self.rate, self.pass_s)
         if not too_late(finish, now, deadline, self._share):
             return None
-        return refuse(finish, now, deadline, share=self._share)
+        return refuse(finish, now, deadline, share=self._share, drained=queued / self.rate)
 
     def retry_after_s(self, tokens: int) -> int:
         """Retry-After for a request refused because the queue is full: the time to drain

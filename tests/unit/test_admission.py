@@ -99,6 +99,11 @@ def test_retry_after_is_when_the_same_request_would_be_admitted_spread_over_twic
     assert retry_after_s(0.01, draw=0.0) == 1  # at least a second (a header's unit)
     assert retry_after_s(1e6, draw=0.0) == MAX_RETRY_AFTER_S  # at most a client's own limit
     assert retry_after_s(float("inf")) == MAX_RETRY_AFTER_S
+    # a request too large for its deadline alone: admitted once nothing is ahead (it was told
+    # 60 s, the most, where the queue ahead drained in 0.3 s: an outside check)
+    small = measured()
+    small.add(0, 300)  # 0.3 s ahead; the request alone needs 40 s, due in 4 s
+    assert {small.refusal(0, 40_000, NOW, NOW + 4).retry_after_s for _ in range(50)} == {1}
     # a full queue: the time to drain the tokens over the bound
     assert backlog.retry_after_s(3000) in range(3, 7)
     assert Backlog().retry_after_s(3000) in (1, 2)  # no speed measured yet: 1 s, spread

@@ -34,6 +34,12 @@ def test_refused_only_when_every_ready_worker_is_too_far_behind(pool):
     assert pool.behind("a", 0, due(5.2 / SHARE), tokens=1000) is not None
     beat(pool, 1)  # worker 1 drained its queue: always admitted there
     assert pool.behind("a", 0, due(1.0)) is None
+    # a request too large for its deadline alone is admitted once a queue has drained: its
+    # Retry-After is that, not the most (60 s: an outside check)
+    beat(pool, 0, Queued(0, 300))
+    beat(pool, 1, Queued(0, 2000))
+    why = pool.behind("a", 0, due(4.0), tokens=40_000)
+    assert why is not None and why.retry_after_s == 1, why
 
 
 def test_work_below_the_request_priority_is_not_ahead_of_it(pool):
