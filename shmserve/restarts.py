@@ -177,10 +177,11 @@ def config_drift(args: argparse.Namespace, running: Config,
         said.append(f"the overrides given now differ from the config this deployment runs "
                     f"({path}): {'; '.join(changed)}")
     if edited:
-        said.append(f"config files edited or removed since `up` read them: {', '.join(edited)}")
+        said.append(f"config files edited or removed since `up` (or the last apply) read them: "
+                    f"{', '.join(edited)}")
     if new:
-        said.append(f"config files `up` did not read (new to this deployment): "
-                    f"{', '.join(new)}")
+        said.append(f"config files the running config was not read from (at `up`, or the "
+                    f"last apply): {', '.join(new)}")
     return (f"{'. '.join(s[0].upper() + s[1:] for s in said)}. `restart` keeps the running "
             "config; to apply the new one: `shmserve apply` (with the same overrides; "
             "`apply --dry-run` lists the keys that differ)")

@@ -85,7 +85,8 @@ def test_restart_names_what_the_overrides_given_now_would_change(tmp_path):
     extra.write_text("batching:\n  max_wait_ms: 9\n")
     said = restarts.config_drift(argparse.Namespace(env=None, config=str(extra)), running, later)
     assert "batching.max_wait_ms" in said
-    assert f"Config files `up` did not read (new to this deployment): {extra.resolve()}" in said
+    assert ("Config files the running config was not read from (at `up`, or the last apply): "
+            f"{extra.resolve()}") in said
     assert "invalid" in restarts.config_drift(
         args, running, {**later, "SHMSERVE__FRONTENDS__COUNT": "0"})
 
@@ -108,13 +109,15 @@ def test_restart_names_the_files_up_read_that_were_edited_since(tmp_path):
     assert restarts.config_drift(args, running, later) is None
     mine.write_text("batching:\n  max_wait_ms: 3\nfrontends: {count: 3}\n")
     said = restarts.config_drift(args, running, later)
-    assert f"Config files edited or removed since `up` read them: {mine.resolve()}" in said
+    assert ("Config files edited or removed since `up` (or the last apply) read them: "
+            f"{mine.resolve()}") in said
     assert said.endswith("`apply --dry-run` lists the keys that differ)"), said
     other = tmp_path / "other.yaml"
     other.write_text("{}\n")
     said = restarts.config_drift(argparse.Namespace(env=None, config=str(other)), running,
                                  later)
-    assert f"Config files `up` did not read (new to this deployment): {other.resolve()}" in said
+    assert ("Config files the running config was not read from (at `up`, or the last apply): "
+            f"{other.resolve()}") in said
 
 
 def test_a_bare_restart_after_up_with_another_env_is_no_change(tmp_path):
@@ -131,7 +134,7 @@ def test_a_bare_restart_after_up_with_another_env_is_no_change(tmp_path):
     assert restarts.config_drift(argparse.Namespace(env="prod", config=None), running,
                                  {}) is None
     said = restarts.config_drift(argparse.Namespace(env="dev", config=None), running, {})
-    assert "new to this deployment" in said and "dev.yaml" in said
+    assert "was not read from (at `up`, or the last apply)" in said and "dev.yaml" in said
 
 
 def test_restart_progress_to_a_reader_that_left_does_not_stop_the_restart(tmp_path):
