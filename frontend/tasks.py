@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -32,7 +33,7 @@ from frontend.app import (ARM, ARRIVED, CACHE, CACHED, CHARS, CHOSEN, CONFIG, DI
                           TOKENIZE_AT, TOKENIZE_MS, VARIANT, ServedModel)
 from frontend.dispatch import Outcome
 from frontend.errors import ApiError
-from frontend.tokenizer import Encoded, TextEncoder
+from frontend.tokenizer import Encoded, TextEncoder, abandonable
 from frontend.variants import Variant
 from frontend.variants import revision as variant_revision
 from shmserve.protocol import PRIORITY_RANGE
@@ -309,16 +310,27 @@ def kept(request: web.Request, outcome: Outcome) -> None:
 
 async def off_loop(encode: Callable[[TextEncoder], Encoded], encoder: TextEncoder,
                    deadline: float) -> Encoded:
-    """`encode(encoder)` in a thread, until the deadline (then 504; the thread finishes on its
-    own and its result is dropped). A client that goes away cancels the wait even when the
-    thread has just finished: asyncio.wait_for (Python 3.11) returned the result then and
-    swallowed the cancellation, so the request ran to the end for no one."""
-    tokenizing = asyncio.get_running_loop().run_in_executor(None, encode, encoder)
+    """`encode(encoder)` in a thread, until the deadline (then 504). A client that goes away
+    cancels the wait even when the thread has just finished: asyncio.wait_for (Python 3.11)
+    returned the result then and swallowed the cancellation, so the request ran to the end for
+    no one. Either way the thread stops at its next chunk of inputs (tokenizer.abandonable):
+    left to finish, it held one of the executor's few threads for seconds for no one."""
+    stop = threading.Event()
+
+    def work(encoder: TextEncoder) -> Encoded:
+        with abandonable(stop):
+            return encode(encoder)
+
+    tokenizing = asyncio.get_running_loop().run_in_executor(None, work, encoder)
     try:
         async with asyncio.timeout(deadline - time.time()):
             return await tokenizing
     except TimeoutError:
+        stop.set()
         raise ApiError.deadline_passed() from None
+    except asyncio.CancelledError:
+        stop.set()
+        raise
 
 
 def refuse_early(request: web.Request, variant: Variant, priority: int, deadline: float,

@@ -3,8 +3,11 @@ fast tokenizer."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -406,6 +409,26 @@ class TextEncoder:
 TOKENIZE_CHUNK = 128
 
 
+class Abandoned(Exception):
+    """A tokenization stopped between two chunks: the request it was for was answered without
+    it (its deadline passed, or its client went away)."""
+
+
+_abandon = threading.local()  # .event: the thread's tokenization stops once it is set
+
+
+@contextlib.contextmanager
+def abandonable(event: threading.Event) -> Iterator[None]:
+    """Tokenizations on this thread stop (Abandoned) at their next chunk once `event` is set:
+    one left running after its request's 504 held a frontend's executor threads, and the
+    next requests waited behind it, 15-25 s past their own deadlines (an outside check)."""
+    _abandon.event = event
+    try:
+        yield
+    finally:
+        _abandon.event = None
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Tokenized:
     ids: np.ndarray  # int32 [total tokens], every input's after the other
@@ -428,7 +451,10 @@ def _tokenized(tok: Tokenizer, items: list, special: bool = True,
                          _segments([e]) if pairs else None)
     ids, lengths, segments, truncated = [np.zeros(0, np.int32)], [np.zeros(0, np.int32)], \
         [np.zeros(0, np.int32)], 0  # (none: empty arrays)
+    stop = getattr(_abandon, "event", None)
     for start in range(0, len(items), TOKENIZE_CHUNK):
+        if stop is not None and stop.is_set():
+            raise Abandoned
         chunk = encode(items[start:start + TOKENIZE_CHUNK], add_special_tokens=special)
         rows = [e.ids for e in chunk]
         counts = np.fromiter(map(len, rows), np.int32, len(rows))

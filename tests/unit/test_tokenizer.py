@@ -385,3 +385,47 @@ def test_a_large_request_is_tokenized_in_chunks_as_it_is_whole(spec, monkeypatch
     assert len(pairs) == whole[0][1].count and whole[0][1].segments[0] == 4  # [CLS] a query [SEP]
     assert whole[1] == chunked[1] and len(whole[1]) == 2
     assert "input[250]" in whole[1][0][1] and "input[3]" in whole[1][1][1], whole[1]
+
+
+def test_a_tokenization_whose_request_was_answered_stops_at_its_next_chunk(spec, monkeypatch):
+    """frontend.tasks.off_loop: past the deadline (504) the thread stops between two chunks,
+    Abandoned, instead of running on for no one: such threads held a frontend's executor and
+    the next requests waited behind them 15-25 s past their deadlines (an outside check)."""
+    import asyncio
+    import threading
+    import time
+
+    from frontend import tasks
+    from frontend import tokenizer as module
+
+    monkeypatch.setattr(module, "TOKENIZE_CHUNK", 4)
+    texts = ["word " * 200] * 40_000  # seconds of work, in 10,000 chunks
+    encoder = TextEncoder(spec, truncate=True)
+    ended: list[tuple[float, str]] = []
+
+    def encode(enc):
+        try:
+            enc.encode(texts)
+            ended.append((time.monotonic(), "finished"))
+        except module.Abandoned:
+            ended.append((time.monotonic(), "abandoned"))
+            raise
+
+    async def answered() -> float:
+        with pytest.raises(ApiError) as info:
+            await tasks.off_loop(encode, encoder, time.time() + 0.3)
+        assert info.value.status == 504
+        return time.monotonic()
+
+    at = asyncio.run(answered())
+    deadline = time.monotonic() + 10
+    while not ended and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert ended and ended[0][1] == "abandoned" and ended[0][0] - at < 1.0, (ended, at)
+    # on a thread not told to stop (the worker's own, or inline), it runs whole
+    stop = threading.Event()
+    with module.abandonable(stop):
+        assert encoder.encode(texts[:100]).count == 100
+        stop.set()
+        with pytest.raises(module.Abandoned):
+            encoder.encode(texts[:100])
