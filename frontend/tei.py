@@ -331,10 +331,13 @@ def parse_embed(body: dict, limits: LimitsConfig) -> tuple[EmbedRequest, bool]:
 
 async def rerank(request: web.Request) -> web.Response:
     body = mapping(await codec.read_body(request))
-    if "documents" in body and "texts" in body:  # (answered as TEI's, silently: an outside
+    # both sent (null is not sent, as every optional field's null here): refused, not read as
+    # TEI's silently (an outside check)
+    texts_sent, documents_sent = (body.get(k) is not None for k in ("texts", "documents"))
+    if texts_sent and documents_sent:
         raise ApiError("invalid_request", "send 'texts' (TEI's /rerank) or 'documents' "
-                       "(infinity's and Cohere's), not both", param="documents")  # check)
-    if "documents" in body:  # infinity's (and Cohere's) body
+                       "(infinity's and Cohere's), not both", param="documents")
+    if documents_sent:  # infinity's (and Cohere's) body
         return await infinity.rerank(request, body)
     return await _rerank(request, body)
 

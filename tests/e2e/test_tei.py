@@ -267,6 +267,13 @@ def test_rerank_validates_then_explains_it_needs_a_cross_encoder(tiny_stack):
                                                       "documents": TEXTS})
     assert status == 422 and err["error"]["param"] == "documents", err
     assert "not both" in err["error"]["message"]
+    # a field sent null is not sent (clients that write unset fields so): TEI's, as before
+    status, _, err = tiny_stack.post_json("/rerank", {"query": "q", "texts": TEXTS,
+                                                      "documents": None, "model": "tiny"})
+    assert status == 422 and err["error"]["code"] == "unsupported_task", err
+    status, _, err = tiny_stack.post_json("/rerank", {"query": "q", "texts": None,
+                                                      "documents": TEXTS, "model": "tiny"})
+    assert status == 422 and err["error"]["code"] == "unsupported_task", err
 
 
 def test_tokenize_in_teis_shape(tiny_stack, tiny_model):
