@@ -51,15 +51,17 @@ EXITS = Counter("shmserve_process_exits", "Program exits seen by supervisord, by
 TLS_EXPIRY = Gauge("shmserve_tls_expiry_timestamp_seconds", "The earliest notAfter (a "
                    "certificate) or nextUpdate (a CRL) in the TLS file a config key names, "
                    "seconds since the epoch", ["key", "kind"], multiprocess_mode="livemax")
-# A TLS file the config names that holds no date openssl reads (gone, unreadable, not PEM):
-# nginx refuses it at its next reload or start. Its expiry series is dropped meanwhile (NaN),
-# not kept at the last date read (which said all was well: a review).
-TLS_UNREAD = Gauge("shmserve_tls_file_unread", "1 while the TLS file a config key names holds "
-                   "no certificate or CRL the openssl command reads (gone, unreadable, not "
-                   "PEM): nginx refuses it at its next reload or start", ["key"],
-                   multiprocess_mode="livemax")
 TLS_LOOK_S = 60.0
-TLS_ONLY = ("shmserve_tls_expiry_timestamp_seconds", "shmserve_tls_file_unread")  # TLS on only
+TLS_ONLY = ("shmserve_tls_expiry_timestamp_seconds",)  # exposed with TLS on only
+# Whether nginx, which runs on the files it read last, would start on them as they are now
+# (render.nginx_start_refusal: `nginx -t`, and a CRL of no CA): a TLS file renewed wrong, or
+# part way, or a key that does not match leaves nginx serving until its next restart, then
+# down. `shmserve status` says why; this is for the alert (ShmserveNginxWouldNotStart).
+NGINX_REFUSED = Gauge("shmserve_nginx_start_refused", "1 while nginx would not start on its "
+                      "config and the files it names as they are now (nginx -t refuses them, "
+                      "or a CRL of no CA of the clients): it serves on with what it read at "
+                      "its last reload", multiprocess_mode="livemax")
+NGINX_LOOK_S = 60.0
 
 
 def watch_tls_dates(cfg: config.Config, stopped: threading.Event,
@@ -68,10 +70,34 @@ def watch_tls_dates(cfg: config.Config, stopped: threading.Event,
     while True:
         try:
             for key, kind, when in tls.dated_files(cfg):
+                # NaN while the file reads no date: it kept the last date read, which said all
+                # was well (a review); shmserve_nginx_start_refused says the file is wrong
                 TLS_EXPIRY.labels(key, kind.lower()).set(float("nan") if when is None else when)
-                TLS_UNREAD.labels(key).set(when is None)
         except Exception:  # noqa: BLE001 (a thread's loop: logged, tried again next time)
             log.exception("reaper.tls_dates_failed")
+        if stopped.wait(every_s):
+            return
+
+
+def watch_nginx_files(cfg: config.Config, stopped: threading.Event,
+                      every_s: float = NGINX_LOOK_S) -> None:
+    """Set NGINX_REFUSED now, then every `every_s` until `stopped`; log each change."""
+    from shmserve import render
+
+    said = None
+    while True:
+        try:
+            refusal = render.nginx_start_refusal(cfg)
+            NGINX_REFUSED.set(refusal is not None)
+            if refusal != said:
+                if refusal is not None:
+                    log.error("reaper.nginx_would_not_start", extra={"fields": {
+                        "reason": refusal}})
+                elif said is not None:
+                    log.info("reaper.nginx_would_start")
+                said = refusal
+        except Exception:  # noqa: BLE001 (a thread's loop: logged, tried again next time)
+            log.exception("reaper.nginx_check_failed")
         if stopped.wait(every_s):
             return
 
@@ -203,6 +229,8 @@ def main() -> int:
     if tls.enabled(cfg):
         threading.Thread(target=watch_tls_dates, args=(cfg, stopped), name="tls-dates",
                          daemon=True).start()
+    threading.Thread(target=watch_nginx_files, args=(cfg, stopped), name="nginx-files",
+                     daemon=True).start()
     handle("STARTED", "")  # what died while no reaper listened (its own restart)
     serve(sys.stdin, sys.stdout, lambda: drain_frontends(cfg, args.config))
     return 0

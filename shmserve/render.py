@@ -286,6 +286,28 @@ def check_nginx(cfg: Config, binary: str, conf: Path | None = None) -> None:
         raise RenderError(f"nginx rejects {what} {nginx_conf(cfg)} ({check}): {problem}")
 
 
+def nginx_start_refusal(cfg: Config) -> str | None:
+    """Why nginx, which runs on the files it read last, would not start on them as they are
+    now (a restart, or supervisord's after a crash), or would serve no client: `nginx -t` of the
+    deployment's nginx.conf (a TLS certificate, key or CRL written wrong or part way, a key
+    that does not match the certificate: an outside check's nginx, killed, stayed down,
+    `status` having said nothing), then a CRL of no CA of the clients (tls.check: nginx -t
+    takes it, and refuses every client). None: it would start. `shmserve status` says it; the
+    reaper scrapes it (shmserve_nginx_start_refused)."""
+    try:
+        if not nginx_conf(cfg).exists():  # (gone, nginx's own state says more)
+            return None
+        check_nginx(cfg, nginx_binary(cfg))
+    except (RenderError, OSError, subprocess.SubprocessError) as exc:
+        return (f"nginx runs on the files it read last, but would not start on them now (a "
+                f"restart, or supervisord's after a crash): {exc}")
+    try:
+        tls.check(cfg)
+    except tls.TlsError as exc:
+        return f"{exc} (`restart nginx` refuses it)"
+    return None
+
+
 def fill(template: str, values: Mapping[str, str]) -> str:
     def one(match: re.Match[str]) -> str:
         try:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -42,19 +41,9 @@ def nginx_file_warnings(cfg: Config) -> list[str]:
     (a CRL or certificate file broken since, which a reload refuses and a start cannot pass:
     an outside check's nginx, killed, stayed down, status having said nothing), and the TLS
     files' certificates and CRLs past or near their dates (tls.expiry_warnings)."""
-    warnings = []
-    try:
-        if render.nginx_conf(cfg).exists():  # (gone, nginx's own state says more)
-            render.check_nginx(cfg, render.nginx_binary(cfg))
-    except (render.RenderError, OSError, subprocess.SubprocessError) as exc:
-        warnings.append(f"nginx runs on the files it read last, but would not start on them now "
-                        f"(a restart, or supervisord's after a crash): {exc}")
-    try:
-        if not warnings:  # (a file nginx -t refuses is said once, above)
-            tls.check(cfg)
-    except tls.TlsError as exc:  # a CRL of no CA here: nginx -t takes it, no client is served
-        warnings.append(f"{exc} (`restart nginx` refuses it)")
-    return warnings + tls.crl_warnings(cfg) + tls.expiry_warnings(cfg, time.time())
+    refused = render.nginx_start_refusal(cfg)
+    return (([refused] if refused else []) + tls.crl_warnings(cfg)
+            + tls.expiry_warnings(cfg, time.time()))
 
 
 def status(args: argparse.Namespace) -> int:

@@ -315,6 +315,6 @@ def test_the_tls_files_dates_are_scraped_for_alerts(mtls):
         ("nginx.tls_client_crl", "crl"): crl.next_update_utc.timestamp(),
         ("nginx.tls_client_certificate", "certificate"): x509.load_pem_x509_certificate(Path(
             cfg["tls_client_certificate"]).read_bytes()).not_valid_after_utc.timestamp()}
-    unread = {s.labels["key"]: s.value for f in text_string_to_metric_families(text)
-              for s in f.samples if s.name == "shmserve_tls_file_unread"}
-    assert unread == {key: 0 for key, _ in dates}  # every file reads (ShmserveTlsFileUnread)
+    refused = [s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == "shmserve_nginx_start_refused"]
+    assert refused == [0]  # nginx would start on them (ShmserveNginxWouldNotStart)

@@ -395,42 +395,48 @@ def test_restart_nginx_warns_of_a_ca_without_its_crl(tmp_path, pem, client_pki, 
         "nginx refuses every certificate it issued" in err, err
 
 
-def test_a_tls_file_that_no_longer_reads_is_scraped_as_such(tmp_path, pem, client_pki):
-    """The reaper's gauges (what ShmserveTlsFileUnread and the expiry alerts read): a file
-    gone bad on disk, which nginx refuses at its next reload or start, is 1 in
-    shmserve_tls_file_unread and NaN in the expiry series; it kept its last date, which said
-    all was well (a review)."""
+
+def test_nginx_would_not_start_on_a_tls_file_gone_bad_is_scraped(tmp_path, pem, client_pki):
+    """The reaper's gauges: shmserve_nginx_start_refused (ShmserveNginxWouldNotStart) is 1
+    while `nginx -t` refuses the files as on disk (a CRL garbled, a chain cut part way, a key
+    that is no key: an outside check found a per-file date reading blind to the last two), and
+    the expiry series of a file that reads no date is NaN (it kept its last date, which said
+    all was well: a review)."""
     import math
     import shutil
     import threading
 
-    from shmserve import reaper
+    from shmserve import reaper, render
 
-    cert, key = pem
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    shutil.copy(pem[0], cert)
+    shutil.copy(pem[1], key)
     crl = tmp_path / "client.crl"
     shutil.copy(client_pki / "client.crl", crl)
     cfg = make_config(tmp_path / "run", nginx={
         "tls_certificate": str(cert), "tls_key": str(key),
         "tls_client_ca": str(client_pki / "client-ca.pem"), "tls_client_crl": str(crl)})
+    render.render(cfg)
     done = threading.Event()
     done.set()  # one look, then return
 
-    def scraped() -> dict:
-        return {key: (reaper.TLS_UNREAD.labels(key)._value.get(),
-                      reaper.TLS_EXPIRY.labels(key, kind)._value.get())
-                for key, kind in (("nginx.tls_certificate", "certificate"),
-                                  ("nginx.tls_client_crl", "crl"))}
+    def scraped() -> tuple[float, float]:
+        reaper.watch_nginx_files(cfg, done)
+        reaper.watch_tls_dates(cfg, done)
+        return (reaper.NGINX_REFUSED._value.get(),
+                reaper.TLS_EXPIRY.labels("nginx.tls_client_crl", "crl")._value.get())
 
-    reaper.watch_tls_dates(cfg, done)
-    assert {key: unread for key, (unread, _) in scraped().items()} == {
-        "nginx.tls_certificate": 0, "nginx.tls_client_crl": 0}
-    assert all(when > 1e9 for _, when in scraped().values())
+    refused, when = scraped()
+    assert refused == 0 and when > 1e9
+    good_crl, good_cert = crl.read_bytes(), cert.read_bytes()
     crl.write_text("-----BEGIN X509 CRL-----\nnot a CRL\n-----END X509 CRL-----\n")
-    reaper.watch_tls_dates(cfg, done)
-    (cert_unread, cert_when), (crl_unread, crl_when) = scraped().values()
-    assert (cert_unread, crl_unread) == (0, 1) and cert_when > 1e9 and math.isnan(crl_when)
-    crl.unlink()  # gone
-    reaper.watch_tls_dates(cfg, done)
-    assert scraped()["nginx.tls_client_crl"][0] == 1
-    assert [key for key, _, when in tls.dated_files(cfg) if when is None] == [
-        "nginx.tls_client_crl"]
+    refused, when = scraped()
+    assert refused == 1 and math.isnan(when)
+    crl.write_bytes(good_crl)
+    assert scraped()[0] == 0
+    # the leaf whole, a second block cut part way: its date reads, nginx refuses it
+    cert.write_bytes(good_cert + good_cert[:300])
+    assert scraped()[0] == 1
+    cert.write_bytes(good_cert)
+    key.write_text("garbage key\n")
+    assert scraped()[0] == 1 and "tls_key" in render.nginx_start_refusal(cfg)
