@@ -16,8 +16,9 @@ import asyncio
 import ctypes
 import ctypes.util
 import logging
-import os
 from collections.abc import Callable
+
+import psutil
 
 log = logging.getLogger("shmserve.frontend")
 
@@ -34,12 +35,8 @@ def _malloc_trim() -> Callable[[int], int] | None:
 
 
 def resident_mb() -> float:
-    """This process's resident memory, MiB (0 where /proc cannot be read)."""
-    try:
-        with open("/proc/self/statm") as statm:
-            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / (1 << 20)
-    except (OSError, ValueError, IndexError):
-        return 0.0
+    """This process's resident memory, MiB."""
+    return psutil.Process().memory_info().rss / (1 << 20)
 
 
 class HeapTrim:

@@ -33,7 +33,8 @@ from frontend.app import (ARM, ARRIVED, CACHE, CACHED, CHARS, CHOSEN, CONFIG, DI
                           TOKENIZE_AT, TOKENIZE_MS, VARIANT, ServedModel)
 from frontend.dispatch import Outcome
 from frontend.errors import ApiError
-from frontend.tokenizer import Encoded, TextEncoder, abandonable
+from frontend.chunked import abandonable
+from frontend.tokenizer import Encoded, TextEncoder
 from frontend.variants import Variant
 from frontend.variants import revision as variant_revision
 from shmserve.protocol import PRIORITY_RANGE
@@ -206,12 +207,12 @@ async def run(request: web.Request, served: ServedModel,
     # admitted (shmserve.admission).
     refuse_early(request, variant, priority, deadline)
     inflight[0] += 1
-    request.app[HEAP].note(chars)
     gauge = metrics.inflight(str(request.app[INDEX]))
     gauge.inc()
     try:
         started = request[TOKENIZE_AT] = time.perf_counter()
         if chars > THREAD_TOKENIZE_CHARS:
+            request.app[HEAP].note(chars)  # (its TRIM_CHARS are past THREAD_TOKENIZE_CHARS)
             enc = await off_loop(encode, variant.encoder, deadline)
         else:
             enc = encode(variant.encoder)
@@ -313,7 +314,7 @@ async def off_loop(encode: Callable[[TextEncoder], Encoded], encoder: TextEncode
     """`encode(encoder)` in a thread, until the deadline (then 504). A client that goes away
     cancels the wait even when the thread has just finished: asyncio.wait_for (Python 3.11)
     returned the result then and swallowed the cancellation, so the request ran to the end for
-    no one. Either way the thread stops at its next chunk of inputs (tokenizer.abandonable):
+    no one. Either way the thread stops at its next chunk of inputs (chunked.abandonable):
     left to finish, it held one of the executor's few threads for seconds for no one."""
     stop = threading.Event()
 
@@ -326,11 +327,9 @@ async def off_loop(encode: Callable[[TextEncoder], Encoded], encoder: TextEncode
         async with asyncio.timeout(deadline - time.time()):
             return await tokenizing
     except TimeoutError:
-        stop.set()
         raise ApiError.deadline_passed() from None
-    except asyncio.CancelledError:
-        stop.set()
-        raise
+    finally:
+        stop.set()  # (a thread that finished is not told anything it reads)
 
 
 def refuse_early(request: web.Request, variant: Variant, priority: int, deadline: float,
