@@ -67,14 +67,23 @@ NGINX_LOOK_S = 60.0
 def watch_tls_dates(cfg: config.Config, stopped: threading.Event,
                     every_s: float = TLS_LOOK_S) -> None:
     """Set TLS_EXPIRY from the files now, then every `every_s` until `stopped`."""
+    def look() -> None:
+        for key, kind, when in tls.dated_files(cfg):
+            # NaN while the file reads no date: it kept the last date read, which said all was
+            # well (a review); shmserve_nginx_start_refused says the file is wrong
+            TLS_EXPIRY.labels(key, kind.lower()).set(float("nan") if when is None else when)
+    _every(look, stopped, every_s, "reaper.tls_dates_failed")
+
+
+def _every(look: Callable[[], None], stopped: threading.Event, every_s: float,
+           failed: str) -> None:
+    """`look()` now, then every `every_s` until `stopped`; a failure is logged as `failed` and
+    tried again next time (a thread's loop)."""
     while True:
         try:
-            for key, kind, when in tls.dated_files(cfg):
-                # NaN while the file reads no date: it kept the last date read, which said all
-                # was well (a review); shmserve_nginx_start_refused says the file is wrong
-                TLS_EXPIRY.labels(key, kind.lower()).set(float("nan") if when is None else when)
-        except Exception:  # noqa: BLE001 (a thread's loop: logged, tried again next time)
-            log.exception("reaper.tls_dates_failed")
+            look()
+        except Exception:  # noqa: BLE001
+            log.exception(failed)
         if stopped.wait(every_s):
             return
 
@@ -84,22 +93,18 @@ def watch_nginx_files(cfg: config.Config, stopped: threading.Event,
     """Set NGINX_REFUSED now, then every `every_s` until `stopped`; log each change."""
     from shmserve import render
 
-    said = None
-    while True:
-        try:
-            refusal = render.nginx_start_refusal(cfg)
-            NGINX_REFUSED.set(refusal is not None)
-            if refusal != said:
-                if refusal is not None:
-                    log.error("reaper.nginx_would_not_start", extra={"fields": {
-                        "reason": refusal}})
-                elif said is not None:
-                    log.info("reaper.nginx_would_start")
-                said = refusal
-        except Exception:  # noqa: BLE001 (a thread's loop: logged, tried again next time)
-            log.exception("reaper.nginx_check_failed")
-        if stopped.wait(every_s):
-            return
+    said: list[str | None] = [None]
+
+    def look() -> None:
+        refusal = render.nginx_start_refusal(cfg)
+        NGINX_REFUSED.set(refusal is not None)
+        if refusal != said[0]:
+            if refusal is not None:
+                log.error("reaper.nginx_would_not_start", extra={"fields": {"reason": refusal}})
+            elif said[0] is not None:
+                log.info("reaper.nginx_would_start")
+            said[0] = refusal
+    _every(look, stopped, every_s, "reaper.nginx_check_failed")
 
 
 def start(cfg: config.Config) -> None:
