@@ -60,12 +60,17 @@ def flat_tree(tree: Any) -> dict[str, Any]:
     return out
 
 
+def changed_keys(old: Config, new: Config) -> list[str]:
+    """The dotted keys whose values differ (flat's), sorted."""
+    a, b = flat(old), flat(new)
+    return [key for key in sorted(a.keys() | b.keys()) if a.get(key) != b.get(key)]
+
+
 def differences(old: Config, new: Config) -> list[str]:
     """The keys whose values differ, as `key: old -> new` (secrets: `key: changed`)."""
-    a, b = flat(old), flat(new)
     shown = flat(redacted(old)), flat(redacted(new))  # an endpoint's password too
     # changed: a secret, or a value whose hidden part alone differs (an endpoint's password:
     # "http://***@…" -> "http://***@…" read as no change, an outside check)
     return [f"{key}: changed" if key in SECRET_KEYS or shown[0].get(key) == shown[1].get(key)
             else f"{key}: {json.dumps(shown[0].get(key))} -> {json.dumps(shown[1].get(key))}"
-            for key in sorted(a.keys() | b.keys()) if a.get(key) != b.get(key)]
+            for key in changed_keys(old, new)]

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from shmserve import apply, apply_plan, config, moves
+from shmserve import apply, apply_plan, apply_sources, config, moves
 from shmserve.config import REPO_ROOT
 from tests.unit.test_render import make_config
 
@@ -242,25 +242,25 @@ def test_an_apply_without_ups_config_file_is_told_so(base, tmp_path):
     base.run_dir.mkdir(parents=True)
     topology.config_files_path(base).write_text(json.dumps({str(given.resolve()): "digest"}))
     port = ["server.port"]  # the keys the apply changes
-    assert apply.files_dropped(base, [], port) == [str(given.resolve())]
-    assert apply.files_dropped(base, [given], port) == []
+    assert apply_sources.files_dropped(base, [], port) == [str(given.resolve())]
+    assert apply_sources.files_dropped(base, [given], port) == []
     # said only where a key the file set changes: one whose port the other layers give too
     # was told its port went back (an outside check)
-    assert apply.files_dropped(base, [], ["batching.max_wait_ms"]) == []
-    assert apply.files_dropped(base, [], ["server"]) == [str(given.resolve())]
+    assert apply_sources.files_dropped(base, [], ["batching.max_wait_ms"]) == []
+    assert apply_sources.files_dropped(base, [], ["server"]) == [str(given.resolve())]
     given.write_text("models:\n  - {name: a, source: b}\n")
-    assert apply.files_dropped(base, [], ["models"]) == [str(given.resolve())]
+    assert apply_sources.files_dropped(base, [], ["models"]) == [str(given.resolve())]
     given.unlink()  # gone since: what it set cannot be told, so it is said
-    assert apply.files_dropped(base, [], ["batching.max_wait_ms"]) == [str(given.resolve())]
+    assert apply_sources.files_dropped(base, [], ["batching.max_wait_ms"]) == [str(given.resolve())]
     topology.config_files_path(base).unlink()  # an older deployment's `up` kept none
-    assert apply.files_dropped(base, [], port) == []
+    assert apply_sources.files_dropped(base, [], port) == []
     # how to give each back: an env's file with --env (it said --config for `up --env prod`)
     from shmserve.layers import CONFIG_DIR
 
-    assert apply._how_given([str((CONFIG_DIR / "prod.yaml").resolve()), str(given)]) == (
+    assert apply_sources._how_given([str((CONFIG_DIR / "prod.yaml").resolve()), str(given)]) == (
         "give --env prod or SHMSERVE_ENV=prod; give overlay.yaml with --config or "
         "SHMSERVE_CONFIG")
-    assert "--config" in apply._how_given([str((CONFIG_DIR / "gpu.yaml").resolve())])
+    assert "--config" in apply_sources._how_given([str((CONFIG_DIR / "gpu.yaml").resolve())])
 
 
 def test_an_apply_without_ups_variables_is_told_so(base):
@@ -272,18 +272,18 @@ def test_an_apply_without_ups_variables_is_told_so(base):
 
     base.run_dir.mkdir(parents=True)
     changed = ["admin.token", "server.port", "models"]  # the keys the apply changes
-    assert apply.variables_dropped(base, {}, changed) == []  # an older `up` kept no record
+    assert apply_sources.variables_dropped(base, {}, changed) == []  # an older `up` kept no record
     topology.config_variables_path(base).write_text(json.dumps(
         ["SHMSERVE__ADMIN__TOKEN", "SHMSERVE__SERVER__PORT", "SHMSERVE__MODELS__0__SOURCE"]))
-    assert apply.variables_dropped(base, {"SHMSERVE__ADMIN__TOKEN": "x"}, changed) == [
+    assert apply_sources.variables_dropped(base, {"SHMSERVE__ADMIN__TOKEN": "x"}, changed) == [
         "SHMSERVE__SERVER__PORT", "SHMSERVE__MODELS__0__SOURCE"]
-    assert apply.variables_dropped(base, {"SHMSERVE__ADMIN__TOKEN": "x",
+    assert apply_sources.variables_dropped(base, {"SHMSERVE__ADMIN__TOKEN": "x",
                                           "SHMSERVE__SERVER__PORT": "1"}, changed) == [
         "SHMSERVE__MODELS__0__SOURCE"]
     # only where the key it set changes: the files gave the same port (an outside check was
     # told its port would go back, and nothing changed)
-    assert apply.variables_dropped(base, {}, ["admin.token"]) == ["SHMSERVE__ADMIN__TOKEN"]
-    assert apply.variables_dropped(base, {}, ["batching.max_wait_ms"]) == []
+    assert apply_sources.variables_dropped(base, {}, ["admin.token"]) == ["SHMSERVE__ADMIN__TOKEN"]
+    assert apply_sources.variables_dropped(base, {}, ["batching.max_wait_ms"]) == []
 
 
 def test_an_apply_down_to_one_frontend_or_worker_warns_of_the_next_restarts_gap(base, capsys):
