@@ -339,7 +339,7 @@ def test_a_large_request_is_tokenized_in_chunks_as_it_is_whole(spec, monkeypatch
     made ~1 GB of Encoding objects at once, kept by the frontend after: an outside check):
     the ids, lengths, truncation counts, pairs' segments and the input an error names are
     what one call over them all gives."""
-    from frontend import tokenizer as module
+    from frontend import chunked as module
 
     corpus = [("word " * (i % 300)) + f"text {i}" for i in range(300)]
     pairs = [("a query", text) for text in corpus]
@@ -396,7 +396,7 @@ def test_a_tokenization_whose_request_was_answered_stops_at_its_next_chunk(spec,
     import time
 
     from frontend import tasks
-    from frontend import tokenizer as module
+    from frontend import chunked as module
 
     monkeypatch.setattr(module, "TOKENIZE_CHUNK", 4)
     texts = ["word " * 200] * 40_000  # seconds of work, in 10,000 chunks
