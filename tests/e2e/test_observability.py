@@ -14,7 +14,6 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from frontend import heap
 from gpu_workers.metrics import DEVICE_ONLY
 from tests.conftest import tiny_overrides
 from tests.stack import Stack
@@ -434,35 +433,3 @@ def test_info_serves_shmserve_and_tei_fields(stack):
     assert {k: info[k] for k in tei} == tei
     assert info["version"] == info["version"].strip() and "sha" in info
 
-
-def test_the_run_directorys_and_dev_shms_room_are_read_at_scrape_time(stack):
-    """A full run directory loses log lines and metric updates, a full /dev/shm refuses
-    requests: their room is in every scrape (deploy/grafana/alerts.yml alerts on it)."""
-    import os
-
-    samples = scrape(stack)
-    for volume, path in (("run_dir", stack.run_dir), ("shm", "/dev/shm")):
-        fs = os.statvfs(path)
-        size = total(samples, "shmserve_filesystem_size_bytes", volume=volume)
-        avail = total(samples, "shmserve_filesystem_avail_bytes", volume=volume)
-        assert size == fs.f_blocks * fs.f_frsize, (volume, size)
-        # what the suite writes beside it moves the free bytes a little between the reads
-        assert 0 < avail <= size and abs(avail - fs.f_bavail * fs.f_frsize) < 256 << 20, (
-            volume, avail, fs.f_bavail * fs.f_frsize)
-
-
-def test_a_frontend_gives_back_the_heap_of_a_large_request_once_idle(stack):
-    """A request of ~280,000 characters (frontend.heap.TRIM_CHARS and over) is followed, once
-    nothing is in flight, by glibc's malloc_trim on that frontend, logged with its resident
-    memory before and after (a frontend kept 1.6-1.9 GB after large requests: an outside
-    check)."""
-    stack.begin_test()
-    long_word = "a" * 1100  # one [UNK]: past the wordpiece limit of 100 characters a word
-    status, _, body = stack.post_json("/v1/embeddings", {"input": [long_word] * MAX_TEXTS})
-    assert status == 200, body
-    trimmed, = stack.logged(("frontend-0", "frontend-1"), "frontend.heap_trimmed", 1)
-    assert 0 < trimmed["resident_mb_after"] <= trimmed["resident_mb_before"], trimmed
-    status, _, body = stack.post_json("/v1/embeddings", {"input": ["short"] * MAX_TEXTS})
-    assert status == 200, body
-    time.sleep(2 * heap.IDLE_CHECK_S + 1)  # a small request: no other trim
-    assert len(stack.logged(("frontend-0", "frontend-1"), "frontend.heap_trimmed", 1)) == 1
