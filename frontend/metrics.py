@@ -277,14 +277,18 @@ class StatsTally:
             self._turn.defer(self.write)
 
     def write(self) -> None:
+        """The turn's rows into the metric files, the latest end first and each outcome's
+        count last: another frontend reads them while they are written, and one that sees a
+        count grow (Stack.settled waits on it) sees that request's seconds, stages and end
+        too (a CI run read a failure counted with the end before it)."""
         rows, self._rows = self._rows, {}
         for (model, revision), row in rows.items():
-            for (children, *label), amount in zip(self._SERIES, row):
-                if amount:  # (a series only once it counts something: no cache, no cache_hit)
-                    children(model, revision, *label).inc(amount)
             if row[-1] > self._last.get((model, revision), 0.0):  # (a clock set back)
                 self._last[(model, revision)] = row[-1]
                 stats_last(model, revision).set(row[-1])
+            for (children, *label), amount in reversed(tuple(zip(self._SERIES, row))):
+                if amount:  # (a series only once it counts something: no cache, no cache_hit)
+                    children(model, revision, *label).inc(amount)
 
 
 stats = StatsTally(turn)

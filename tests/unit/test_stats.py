@@ -102,3 +102,43 @@ def test_a_turns_requests_are_summed_and_written_once_the_turn_ends():
     now = mine()
     assert now[("shmserve_stats_requests_total", "success")] == 3.0
     assert now[("shmserve_stats_last_inference_ms", "")] == 30.0
+
+
+def test_a_rows_counts_are_written_after_its_seconds_and_its_end(monkeypatch):
+    """Another frontend reads the files while a turn's rows are written: one that sees a
+    request counted sees its seconds, stages, inputs and end as well (Stack.settled waits on
+    the counts; a CI run read a failure counted with the previous request's end)."""
+    from frontend import metrics
+    from shmserve.metrics import hidden_samples
+
+    def mine() -> dict:
+        return {(s.name, s.labels.get("outcome") or s.labels.get("part", "")): s.value
+                for s in hidden_samples() if s.labels.get("model") == "order-m"
+                and not s.name.endswith("_created")}
+
+    seen = []
+
+    def counting(*labels):
+        child = metrics.stats_requests(*labels)
+
+        class Seen:
+            def inc(self, amount):
+                seen.append((labels[-1], mine()))
+                child.inc(amount)
+        return Seen()
+
+    monkeypatch.setattr(metrics.StatsTally, "_SERIES", tuple(
+        (counting if children is metrics.stats_requests else children, *label)
+        for children, *label in metrics.StatsTally._SERIES))
+    stages = {"tokenize": 0.25, "queue": 0.5, "inference": 1.0, "transfer": 0.125}
+    metrics.stats.add("order-m", "r", 2.0, stages, 3, 40)  # no loop: written at once
+    metrics.stats.add("order-m", "r", 4.0, None, 0, 50)
+    assert [outcome for outcome, _ in seen] == ["success", "fail"]
+    [(_, before_success), (_, before_fail)] = seen
+    assert before_success[("shmserve_stats_last_inference_ms", "")] == 40.0
+    assert before_success[("shmserve_stats_seconds_total", "success")] == 2.0
+    assert before_success[("shmserve_stats_seconds_total", "compute_infer")] == 1.0
+    assert before_success[("shmserve_stats_inferences_total", "")] == 3.0
+    assert before_fail[("shmserve_stats_last_inference_ms", "")] == 50.0
+    assert before_fail[("shmserve_stats_seconds_total", "fail")] == 4.0
+    assert before_fail.get(("shmserve_stats_requests_total", "fail"), 0.0) == 0.0
