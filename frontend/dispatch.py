@@ -132,8 +132,11 @@ class Dispatcher:
         least, cuts = self.cfg.frontends.spread_part_texts, []
         if enc.count < least:  # (the one-text request's path looks at no worker)
             self._small_at = time.time()
-        elif 2 * least <= enc.count and self._quiet():
-            cuts = spread_cuts(enc.offsets, self.pool.idle(model), least)
+        elif 0 < least and 2 * least <= enc.count:  # large enough to spread: is it, or why not
+            if not self._quiet():
+                metrics.spread("whole_for_queries").inc()
+            elif not (cuts := spread_cuts(enc.offsets, self.pool.idle(model), least)):
+                metrics.spread("whole_for_busy_workers").inc()
         if not cuts:
             return await self._run_one(model, dim, enc, *args)
         try:

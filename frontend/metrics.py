@@ -80,7 +80,10 @@ SUSPECTS = Counter("shmserve_frontend_suspect_requests_total",
 SPREAD = Counter("shmserve_frontend_spread_requests_total",
                  "Large requests cut into parts run at once on idle workers "
                  "(frontends.spread_part_texts): spread, or mixed_revisions (a reload committed "
-                 "between its parts: run again whole on one worker)", ["outcome"])
+                 "between its parts: run again whole on one worker); and those large enough "
+                 "that ran whole: whole_for_queries (a smaller request came within "
+                 "frontends.spread_quiet_s), whole_for_busy_workers (fewer than two of its "
+                 "model's workers idle)", ["outcome"])
 DEADLINES = Counter("shmserve_deadline_exceeded_total",
                     "Requests whose deadline passed (504)", ["model"])
 WORKER_RESTARTS = Counter("shmserve_worker_restarts_seen_total",
@@ -185,7 +188,7 @@ def start(models: dict[str, Any], frontend: int, workers: int) -> None:
         RETRIES.labels(reason)
     for outcome in ("isolated", "failed"):
         SUSPECTS.labels(outcome)
-    for outcome in ("spread", "mixed_revisions"):
+    for outcome in ("spread", "mixed_revisions", "whole_for_queries", "whole_for_busy_workers"):
         SPREAD.labels(outcome)
     INFLIGHT.labels(str(frontend)).set(0)
     ARENA_USED.labels(str(frontend)).set(0)

@@ -91,7 +91,12 @@ def test_a_query_to_either_frontend_keeps_large_requests_whole_on_both(stack):
     # (least_conn) sends queries to the frontend not busy with a bulk client: the other hears
     # of them from the workers' heartbeats (Heartbeat.small_at; an outside check found the
     # bulk client's frontend spreading while queries flowed)
+    def held() -> float:
+        return total(scrape(stack), "shmserve_frontend_spread_requests_total",
+                     outcome="whole_for_queries")
+
     idle(stack)
+    before = held()
     embed(stack, TEXTS[:1], "query")
     time.sleep(1.0)  # a heartbeat (0.5 s apart) from each worker to each frontend
     for i in range(4):
@@ -99,6 +104,8 @@ def test_a_query_to_either_frontend_keeps_large_requests_whole_on_both(stack):
     answered = [logged_by(stack, f"after-query-{i}") for i in range(4)]
     assert {program for program, _ in answered} == {"frontend-0", "frontend-1"}
     assert [line.get("workers") for _, line in answered] == [None] * 4
+    # counted, so an operator sees why nothing was spread
+    assert stack.settled(held, lambda value: value >= before + 4) == before + 4
     # ... until it has been quiet that long
     idle(stack)
     embed(stack, TEXTS, "quiet-again")

@@ -183,14 +183,25 @@ def test_parts_run_at_the_requests_priority(arena):
     assert outcome.workers == () and pool.priorities == [0]
 
 
+def whole(why: str) -> float:
+    """shmserve_frontend_spread_requests_total's count of large requests run whole for `why`."""
+    metrics.turn.flush()
+    return metrics.SPREAD.labels(f"whole_for_{why}")._value.get()
+
+
 def test_busy_workers_are_left_out_and_a_small_request_is_not_spread(arena):
     enc = encoded([5] * 12)
+    busy, queries = whole("busy_workers"), whole("queries")
+    pool = Pool(2)
+    pool.links[1].outstanding = 7  # one idle worker of two: run whole, counted so
+    assert dispatch(pool, arena, enc).workers == () and whole("busy_workers") == busy + 1
     pool = Pool(3)
     pool.links[1].outstanding = 7  # this frontend's request in it
     pool.links[2].beat = Heartbeat(3, 2, 102, True, "cpu", (MODEL,), 1, 64, 0.0, 0.0,
                                    queued_tokens=(Queued(0, 40),))  # another frontend's
     outcome = dispatch(pool, arena, enc)
     assert pool.sent == [(0, 12)] and outcome.workers == ()
+    assert whole("busy_workers") == busy + 2  # two of three busy
     pool = Pool(3)
     outcome = dispatch(pool, arena, encoded([5] * 7))  # under twice 4 texts
     assert len(pool.sent) == 1 and outcome.workers == ()
@@ -198,6 +209,8 @@ def test_busy_workers_are_left_out_and_a_small_request_is_not_spread(arena):
     outcome = dispatch(pool, arena, enc, part_texts=0)  # off
     assert len(pool.sent) == 1
     assert np.array_equal(outcome.vectors[:, :3], expected_rows(enc))
+    # neither is a large request held back
+    assert whole("busy_workers") == busy + 2 and whole("queries") == queries
 
 
 def test_a_smaller_request_lately_keeps_spreading_off_for_the_quiet_time(arena):
@@ -218,7 +231,9 @@ def test_a_smaller_request_lately_keeps_spreading_off_for_the_quiet_time(arena):
         spread.append((await dispatcher.run("m", DIM, large, "c", time.time() + 5)).workers)
         return spread
 
+    held = whole("queries")
     assert asyncio.run(scenario()) == [(0, 1), (), (0, 1)]
+    assert whole("queries") == held + 1  # b, counted as run whole for the query
     # ... and a larger one does not: a bulk client's own requests keep it spreading (above)
 
 
