@@ -19,6 +19,9 @@ def test_env_file_is_merged_over_base():
     prod = config.load(env="prod", environ={})
     assert prod.server.host == "0.0.0.0" and prod.frontends.count == 4
     assert prod.batching.max_batch_size == 32  # untouched keys keep base values
+    # a stop (the image's, a pod's) lets a request admitted before it take its whole default
+    # deadline: at base's 10 s one still computing was answered 503 in a `docker stop`
+    assert prod.server.drain_timeout_s >= prod.frontends.request_timeout_s
 
 
 def test_extra_file_then_environment_win(tmp_path):
