@@ -120,6 +120,19 @@ def sweep(args, url: str) -> list[dict]:
     return points
 
 
+def saturations_disagree(points: list[dict], most: float = 1.5) -> str | None:
+    """What to say when the saturations a sweep measured before its points differ by more than
+    `most` times: its rates are fractions of different speeds, and the curve doubles back (an
+    outside check's run on a loaded machine: 189, 80, 55 and 115 requests/s, so its "75%"
+    offered less than its "25%")."""
+    rates = [p["saturation_rps"] for p in points]
+    if not rates or min(rates) <= 0 or max(rates) / min(rates) <= most:
+        return None
+    return (f"the open-loop sweep's saturations differ {max(rates) / min(rates):.1f}x "
+            f"({', '.join(f'{r:.0f}' for r in rates)} requests/s): the machine's speed moved "
+            "during it, so its points are not fractions of one saturation; run it again")
+
+
 def null_capacity(args) -> dict:
     with OwnStack(args.env, args.config, NULL_STACK) as stack:
         windows = [locust_window(stack.url, Scenario("null", args.null_users, "1",
@@ -236,6 +249,7 @@ def main() -> int:
                   else None)
     if few_rounds:
         print(f"bench: {few_rounds}", file=sys.stderr)
+    notes = [few_rounds] if few_rounds else []  # said on stderr, and at the report's end
     if args.url and not args.no_null:
         # The null model's capacity needs a stack serving it, which is one this script starts
         # on this machine: beside a report of the stack at --url it would read as that one's.
@@ -321,14 +335,17 @@ def main() -> int:
         else:
             with stage(summary, "open-loop sweep"):
                 summary["sweep"] = sweep(args, url)
+                if moved := saturations_disagree(summary["sweep"]):
+                    print(f"bench: {moved}", file=sys.stderr)
+                    notes.append(moved)
                 out.mkdir(parents=True, exist_ok=True)
                 plot(summary["sweep"], out / "latency.png")
             save(summary, out, unfinished=not args.no_null)
     if not args.no_null:
         with stage(summary, "null pipeline"):
             summary["null"] = null_capacity(args)
-    if few_rounds:
-        summary["note"] = few_rounds + "."
+    if notes:
+        summary["note"] = " ".join(f"{note[0].upper()}{note[1:]}." for note in notes)
     save(summary, out, unfinished=False)
     print("\n" + markdown(summary) + f"\nwritten to {out}")
     return 1 if summary.get("errors") else 0

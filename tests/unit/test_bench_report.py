@@ -40,6 +40,16 @@ def test_a_note_of_too_few_rounds_closes_the_report():
     assert last == "1 round(s): few"
 
 
+def test_a_sweep_whose_saturations_moved_says_so():
+    """An outside check's sweep on a loaded machine measured saturations of 189, 80, 55 and
+    115 requests/s before its four points, so its 75% offered less than its 25%, unsaid."""
+    points = [{"saturation_rps": rate} for rate in (189.0, 80.0, 55.0, 115.0)]
+    said = bench.saturations_disagree(points)
+    assert said and "3.4x" in said and "189, 80, 55, 115" in said
+    assert bench.saturations_disagree([{"saturation_rps": r} for r in (300, 280, 250, 310)]) \
+        is None  # within 1.5x: the drift a sweep is made to live with
+
+
 def test_burst_prints_latencies_in_milliseconds():
     line = burst.describe({"statuses": {200: 3, 429: 1}, "ok_p50_s": 0.0123, "ok_max_s": 0.0456,
                            "p50_429_s": 0.002, "last_429_s": None,
