@@ -101,6 +101,9 @@ async def list_models(request: web.Request) -> web.Response:
 async def reload_model(request: web.Request) -> web.Response:
     authorize(request)
     served = request.app[MODELS].resolve(request.match_info["name"])
+    # its access line and metrics name the model, refused or not (a refused variant's said
+    # model "": an outside check)
+    request[MODEL_NAME] = served.spec.name
     body = await codec.read_raw(request)
     body = codec.decode_body(body, codec.media_type(request), "Content-Type" in
                              request.headers, request.headers.get("Content-Type", "")
@@ -117,7 +120,6 @@ async def reload_model(request: web.Request) -> web.Response:
         raise ApiError("invalid_request", f"'revision' must be {REVISION_RULE}",
                        param="revision")
     variant = _variant(served, _string(body, "variant"))
-    request[MODEL_NAME] = served.spec.name
     # Shielded: a caller that goes away must not stop a reload between its two phases (the run
     # state written, the commits not sent); it finishes, and only the answer is lost.
     task = asyncio.ensure_future(reload.reload(request.app, served, variant, source, revision))
@@ -129,6 +131,7 @@ async def reload_model(request: web.Request) -> web.Response:
 async def set_split(request: web.Request) -> web.Response:
     authorize(request)
     served = request.app[MODELS].resolve(request.match_info["name"])
+    request[MODEL_NAME] = served.spec.name  # (it said model "", set or refused)
     body = codec.decode_body(await codec.read_raw(request), codec.media_type(request),
                              "Content-Type" in request.headers,  # malformed: 400 first
                              request.headers.get("Content-Type", ""))
@@ -144,7 +147,16 @@ async def set_split(request: web.Request) -> web.Response:
     new = {k: float(w) for k, w in weights.items()}
     state.update(request.app[CONFIG],
                  lambda tree: tree["splits"].__setitem__(served.spec.name, new))
-    return codec.render(request, {"model": served.spec.name, "weights": new})
+    answer = {"model": served.spec.name, "weights": new}
+    pool = request.app[POOL]
+    unserved = [v.name for v in served.variants if new[v.name] > 0 and not pool.ready_links(v.unit)]
+    if unserved and len(unserved) == sum(w > 0 for w in new.values()):
+        # A share of 0 stays 0: an arm of weight 0 answers nothing, even when the others have
+        # no worker (an outside check set a=0 b=1 with b not loaded: every request 503)
+        answer["warning"] = (f"no worker serves {', '.join(unserved)} now, and the other "
+                             "variants have weight 0: this model's requests are answered 503 "
+                             "until one does")
+    return codec.render(request, answer)
 
 
 def _weights_problem(weights: object, names: list[str]) -> str:

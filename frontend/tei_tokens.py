@@ -11,7 +11,7 @@ from typing import Any, Callable
 import numpy as np
 from aiohttp import web
 
-from frontend import codec, tasks
+from frontend import codec, request_headers, tasks
 from frontend.app import CONFIG, MODEL_NAME, MODELS
 from frontend.errors import ApiError
 from frontend.schemas import (flag, mapping, model_name, one_or_many, prompt_name, required,
@@ -67,10 +67,10 @@ async def decode(request: web.Request) -> web.Response:
 def _tokenizer_request(request: web.Request) -> tuple[Any, tuple[float, str]]:
     """/tokenize's and /decode's start: the headers every route takes, checked as everywhere
     (the deadline is kept to at the end); the config and the deadline (when it passes, what
-    set it: tasks.deadline_of)."""
+    set it: request_headers.deadline_of)."""
     cfg = request.app[CONFIG]
-    at, _, by = tasks.deadline_of(request, cfg.frontends.request_timeout_s)
-    tasks.request_priority(request, None, cfg.frontends.default_priority)
+    at, _, by = request_headers.deadline_of(request, cfg.frontends.request_timeout_s)
+    request_headers.request_priority(request, None, cfg.frontends.default_priority)
     return cfg, (at, by)
 
 

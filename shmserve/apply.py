@@ -187,6 +187,7 @@ def _apply(args: argparse.Namespace, new: Config) -> int:
         steps = plan(old, new, by_counts(old, new, running_now), attempted)
         steps.nginx = nginx_differs(old, attempted, new, render.nginx_conf(new).read_text())
         warn_gaps(old, new, steps)  # as the run will (a dry run said nothing of them)
+        forget_overridden(old, new, dry_run=True)
         say("shmserve: steps (and any program whose environment or logs change restarts "
             "too):\n" + "\n".join(steps.lines()))
         say("shmserve: --dry-run: nothing changed")

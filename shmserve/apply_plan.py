@@ -330,10 +330,11 @@ def reloads_held(old: Config, new: Config):
         yield
 
 
-def forget_overridden(old: Config, new: Config) -> list[str]:
+def forget_overridden(old: Config, new: Config, dry_run: bool = False) -> list[str]:
     """Drop what the admin API changed (run/state.json: a reloaded source, A/B weights) for
     the models whose config changed, so the restarted workers and frontends serve the config;
-    what it changed for the others stays, as across restarts. The units and models dropped."""
+    what it changed for the others stays, as across restarts. The units and models dropped.
+    `dry_run`: only say what would be (a dry run said nothing of it: an outside check)."""
     def by_unit(cfg: Config) -> dict[str, tuple]:
         return {u.name: (u.config.source, u.config.revision) for m in cfg.models
                 for u in models.units(m)}
@@ -354,9 +355,13 @@ def forget_overridden(old: Config, new: Config) -> list[str]:
                 tree["sources"].pop(unit, None)
             for model in splits:
                 tree["splits"].pop(model, None)
-        state.update(new, change)
+        if not dry_run:
+            state.update(new, change)
         said = ([f"the reloaded weights of {', '.join(reloads)}"] if reloads else []) + (
             [f"the split weights of {', '.join(weights)}"] if weights else [])
-        say(f"shmserve: their models' config changed, so {' and '.join(said)} are dropped: the "
-            "config serves")
+        say(f"shmserve: their models' config changed, so {' and '.join(said)} "
+            f"{'would be' if dry_run else 'are'} dropped: the config serves"
+            # (a reload switches every worker at once; a restart one worker at a time)
+            + (" once every worker has restarted; until then the workers not yet restarted "
+               "answer with the reloaded weights, the others with the config's" * bool(reloads)))
     return sorted({*reloads, *weights})

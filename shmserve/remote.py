@@ -73,6 +73,8 @@ def split(args: argparse.Namespace) -> int:
     status_code, answer = admin_call(processes.deployment(args), "PUT",
                                      f"/admin/models/{quote(args.name)}/split",
                                      {"weights": weights})
+    if isinstance(answer, dict) and answer.get("warning"):
+        print(f"shmserve: warning: {answer['warning']}", file=sys.stderr)
     return _said(status_code, answer)
 
 

@@ -275,8 +275,11 @@ def _request_rates(cur: Sample, prev: Sample) -> dict:
     models = sorted({value for labels in cur.metrics.get(name, {})
                      for key, value in labels if key == "model"})
     total, ok = _rate(cur, prev, name), _rate(cur, prev, name, status="200")
+    rates = {m: _rate(cur, prev, name, model=m) for m in models}
     return {"total": total,
-            "by_model": {m: _rate(cur, prev, name, model=m) for m in models},
+            # those asked in the window: a model apply removed kept its series, listed at 0.0
+            # (an outside check)
+            "by_model": {m: rate for m, rate in rates.items() if rate},
             "failed": None if total is None else max(0.0, total - (ok or 0.0))}
 
 

@@ -224,8 +224,20 @@ def test_new_weights_apply_on_every_frontend(task_stack):
         assert status == 422 and error["param"] == "weights", raw
         assert error["message"].endswith(why), raw
     status, _, raw = task_stack.request("POST", "/admin/models/ab/reload",
-                                   json.dumps({"variant": "zz"}).encode(), ADMIN)
+                                   json.dumps({"variant": "zz"}).encode(),
+                                   {**ADMIN, "X-Request-ID": "reload-zz"})
     assert status == 422 and "has no variant 'zz'; its variants are a, b" in raw.decode()
+    # the access lines name the model, a split set or a reload refused (they said "")
+    status, _, _ = task_stack.request("PUT", "/admin/models/ab/split", json.dumps(
+        {"weights": {"a": 0, "b": 1}}).encode(), {**ADMIN, "X-Request-ID": "split-set"})
+    assert status == 200
+    for request_id in ("reload-zz", "split-set"):
+        [line] = task_stack.settled(
+            lambda: [line for program in ("frontend-0", "frontend-1")
+                     for line in task_stack.log_lines(program, whole=True)
+                     if line.get("request_id") == request_id],
+            lambda found: len(found) == 1)
+        assert line["model"] == "ab", line
     status, _, raw = task_stack.request("POST", "/admin/models/ab/reload", b"{}", ADMIN)
     assert status == 422 and "one of a, b ('variant' in the body, `shmserve reload " \
         "--variant`)" in json.loads(raw)["error"]["message"], raw

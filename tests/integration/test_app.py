@@ -183,3 +183,62 @@ def test_a_kserve_request_pinned_to_a_version_a_reload_replaced_meanwhile_is_ref
     assert stale == 404, stale_body
     assert stale_body["error"] == ("model 'tiny' has no version 'tiny-r0' any more: a reload "
                                    "replaced it with 'tiny-r1' while this request ran")
+
+
+def test_a_request_whose_arm_lost_its_last_worker_after_the_choice_goes_to_a_served_arm(
+        tmp_path, tiny_model):
+    """A split's arm is chosen among those served; its last worker may stop between the choice
+    and the request's dispatch, the others not having loaded it (model_not_loaded): an arm
+    still served answers it, as the choice would have given it (an outside check saw a 503 at
+    a worker's drain). Here the dispatcher's answer for arm b is that one. And weights that
+    give every share to an arm not served are taken with a warning."""
+    from frontend.app import DISPATCHER, POOL
+    from frontend.errors import ApiError
+
+    overrides = tiny_overrides(tiny_model, frontends={"count": 1},
+                               admin={"token": "arm-test-token"})
+    overrides["models"] = [{"name": "ab", "variants": [
+        {"name": "a", "source": str(tiny_model), "revision": "a1"},
+        {"name": "b", "source": str(tiny_model), "revision": "b1"}]}]
+    cfg = run_config(tmp_path, overrides)
+    worker = start_worker(cfg)
+    app = create_app(cfg, 0)
+
+    async def scenario() -> tuple[list[tuple[int, str]], list[str]]:
+        async with TestClient(TestServer(app)) as client:
+            await until_ready(client)
+            dispatcher, pool = app[DISPATCHER], app[POOL]
+            real_run, real_ready = dispatcher.run, pool.ready_links
+            lost: list[str] = []
+
+            async def run(unit, *args):
+                if unit == "ab@b":  # its worker stopping, the other never loaded it
+                    lost.append(unit)
+                    raise ApiError("unavailable", "model 'ab@b' did not load (worker 1: ...)",
+                                   code="model_not_loaded")
+                return await real_run(unit, *args)
+            dispatcher.run = run
+            pool.ready_links = lambda unit: [] if unit in lost else real_ready(unit)
+            answers = []
+            for i in range(6):  # arm b has half the share: one of the first three takes it
+                async with client.post("/v1/embeddings", json={"model": "ab", "input": ["x"]},
+                                       headers={"X-Request-ID": f"arm-{i}"}) as resp:
+                    answers.append((resp.status, resp.headers.get("X-Model-Variant", "")))
+            # Weights that leave the served arm no share: said in the answer (an outside
+            # check set them so, b not loaded, and got 503s for every request unwarned)
+            said = []
+            for weights in ({"a": 0, "b": 1}, {"a": 1, "b": 1}):
+                async with client.put("/admin/models/ab/split", json={"weights": weights},
+                                      headers={"Authorization": "Bearer arm-test-token"}) as resp:
+                    said.append((resp.status, (await resp.json()).get("warning", "")))
+            return answers, lost, said
+
+    try:
+        answers, lost, said = asyncio.run(scenario())
+    finally:
+        worker.kill()
+        worker.wait()
+    assert lost == ["ab@b"]  # sent there once, then served by arm a
+    assert answers == [(200, "a")] * 6, answers
+    assert said[0][0] == 200 and said[0][1].startswith("no worker serves b now"), said
+    assert said[1] == (200, ""), said

@@ -62,7 +62,7 @@ def test_a_deadline_stays_under_nginxs_read_timeout(header, proxy, deadline):
     import dataclasses
 
     from frontend.app import CONFIG
-    from frontend.tasks import timeout
+    from frontend.request_headers import timeout
     from shmserve import config
 
     cfg = config.load(environ={})
@@ -81,7 +81,7 @@ def test_a_deadline_header_is_ascii_decimal_seconds(header):
     were taken as 10 s)."""
     from frontend.app import CONFIG
     from frontend.errors import ApiError
-    from frontend.tasks import timeout
+    from frontend.request_headers import timeout
     from shmserve import config
 
     app = web.Application()
@@ -99,7 +99,7 @@ def test_a_deadline_header_is_ascii_decimal_seconds(header):
 def test_a_deadline_header_in_seconds_as_clients_write_them(header, seconds):
     """shmserve.client writes a microsecond as 1e-06 (str of a float)."""
     from frontend.app import CONFIG
-    from frontend.tasks import timeout
+    from frontend.request_headers import timeout
     from shmserve import config
 
     app = web.Application()
@@ -117,7 +117,7 @@ def test_a_deadline_names_what_set_it(header, deadline):
     """KServe's parameters.timeout and X-Request-Timeout: the shorter sets the deadline, and
     its 504 names that one (a parameter's named the header or the config: an outside check)."""
     from frontend.app import CONFIG, TIMEOUT_S
-    from frontend.tasks import timeout
+    from frontend.request_headers import timeout
     from shmserve import config
 
     app = web.Application()

@@ -151,7 +151,7 @@ def test_no_frontend_code_reads_a_key_apply_spares_the_frontends_for():
     assert not any(whole[:-1].startswith(apply_plan.WORKER_SIDE) for whole in wholes), wholes
 
 
-def test_a_changed_model_config_drops_what_reload_and_split_set_for_it(tmp_path):
+def test_a_changed_model_config_drops_what_reload_and_split_set_for_it(tmp_path, monkeypatch):
     """A reloaded source kept in run/state.json would win over the model's new config in every
     restarted worker (gpu_workers.slots.hosted_configs): apply drops it for the models whose
     config changed, and keeps it for the others."""
@@ -165,7 +165,15 @@ def test_a_changed_model_config_drops_what_reload_and_split_set_for_it(tmp_path)
                  "n": {"source": "/reloaded/n", "revision": "r3"}},
         splits={"n": {"a": 1.0}}))
     new = make_config(tmp_path / "run", models=[{**models[0], "source": "/new/m"}, models[1]])
+    # a dry run says what it would drop, and drops nothing (it said nothing: an outside check)
+    said = []
+    monkeypatch.setattr(apply_plan, "say", said.append)
+    assert apply.forget_overridden(old, new, dry_run=True) == ["m"]
+    assert set(state.read(new).sources) == {"m", "n"}
+    assert said and "the reloaded weights of m would be dropped" in said[0], said
+    assert "until then the workers not yet restarted answer with the reloaded" in said[0]
     assert apply.forget_overridden(old, new) == ["m"]
+    assert "the reloaded weights of m are dropped" in said[1], said
     kept = state.read(new)
     assert set(kept.sources) == {"n"} and set(kept.splits) == {"n"}
     assert apply.forget_overridden(new, new) == []

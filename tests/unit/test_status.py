@@ -216,7 +216,9 @@ def test_the_request_rate_covers_every_model_and_names_each_when_several():
         return status.Sample(t, [], 200, {}, {"shmserve_inference_requests_total": {
             frozenset({("model", m), ("status", "200")}): n for m, n in counts.items()}})
 
-    text = status.render(at(3.0, {"e5": 30, "nli": 10}), at(1.0, {"e5": 10, "nli": 6}), "t")
+    text = status.render(at(3.0, {"e5": 30, "nli": 10, "gone": 4}),
+                         at(1.0, {"e5": 10, "nli": 6, "gone": 4}), "t")
+    # (a model asked nothing in the window, one apply removed say, is not listed at 0.0)
     assert "inference requests/s: 12.0 (e5 10.0, nli 2.0; over the last 2.0 s)" in text
 
 
