@@ -168,6 +168,21 @@ def compared(text: str) -> str:
             f"{text!r}: 'baseline' or an http(s)://HOST:PORT URL") from None
 
 
+def named_model(info: dict, name: str | None, url: str) -> dict:
+    """The model of a stack's GET /info the run measures: the one `--model` names (by name or
+    alias), else its first, which requests that name none get. It was always the first: a run
+    of a stack's second model reported the first, read its ratio against the first's ceiling
+    and failed in parity (an outside check)."""
+    models = info["models"]
+    if not name:
+        return models[0]
+    for model in models:
+        if name == model["name"] or name in model.get("aliases", ()):
+            return model
+    raise SystemExit(f"--model {name!r}: the stack at {url} serves no such model (it serves "
+                     f"{', '.join(m['name'] for m in models)})")
+
+
 def stack_info(url: str, what: str) -> dict:
     """A shmserve stack's GET /info; SystemExit, one line, where `url` answers none (nothing
     there, or not shmserve: a traceback after the ceiling's ~10 s, an outside check)."""
@@ -269,6 +284,11 @@ def main() -> int:
         described = stack_info(args.url, "--url's stack") if args.url else None
         if args.url:
             probe(args.url, "--url's stack")
+            named_model(described, args.model, args.url)
+        elif args.model and not any(args.model == m.name or args.model in m.aliases
+                                    for m in cfg.models):
+            raise SystemExit(f"--model {args.model!r}: the config serves no such model (it "
+                             f"serves {', '.join(m.name for m in cfg.models)})")
         if args.compare and args.compare != "baseline":
             probe(args.compare, "--compare's server")
     except SystemExit as exc:  # a wrong argument: exit 2, as argparse's
@@ -301,7 +321,7 @@ def main() -> int:
         if args.compare:
             summary["compared"] = "baseline" if args.compare == "baseline" else "other"
         described = described or stack_info(url, "the served stack")
-        served = described["models"][0]
+        served = named_model(described, args.model, url)
         if args.url:  # measured there, as it runs; the ceiling runs the local config
             limits = described["limits"]
             summary["setup"] = (

@@ -194,6 +194,7 @@ class _Ceilings:
     def __init__(self, count: int, corpus: Path, env: str | None, extra: str | None) -> None:
         self.procs = []
         for i in range(count):
+            # (the offset into the corpus, i * 1000, names the worker too: _ceiling_child)
             argv = [PYTHON, str(Path(__file__).resolve()), "ceiling-child", str(i * 1000),
                     str(corpus)]
             if extra:
@@ -231,8 +232,14 @@ def _ceiling_child(argv: list[str]) -> None:
     """One worker's share of the ceiling: windows on request (stdin), results on stdout."""
     from shmserve import config as config_mod
 
+    from gpu_workers.__main__ import pin
+
     extra = argv[argv.index("--config") + 1] if "--config" in argv else None
     cfg = config_mod.load(extra=extra)
+    # On the cores its worker is pinned to (workers.cpu_affinity auto), as the served worker
+    # runs: unpinned, the ceiling ran in another layout than the README says, and a loaded
+    # machine's served / in-process read above 1 (an outside check)
+    pin(cfg, int(argv[0]) // 1000)
     inproc = InProcess.from_config(cfg, json.loads(Path(argv[1]).read_text()),
                                     offset=int(argv[0]))
     print("ready", flush=True)
@@ -294,6 +301,10 @@ def corpus_file(text: str) -> Path:
                                          f"{default}") from None
     if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
         raise argparse.ArgumentTypeError(f"{text}: expected a JSON list of strings, not empty")
+    if empty := [i for i, t in enumerate(texts) if not t]:  # every request with one got a 400
+        raise argparse.ArgumentTypeError(
+            f"{text}: {len(empty)} empty string(s), the first at index {empty[0]}: the server "
+            "refuses an empty text (400); leave them out")
     return path
 
 

@@ -215,6 +215,8 @@ def main() -> int:
     parser.add_argument("--corpus", type=corpus_file, default=str(CORPUS),
                         help="JSON list of texts (default the shared corpus)")
     args = parser.parse_args()
+    if args.json is not None and not args.json.parent.is_dir():  # (found after the whole run,
+        parser.error(f"--json {args.json}: no directory {args.json.parent}")  # its results lost)
     stop_on_term()
 
     corpus = json.loads(args.corpus.read_text())

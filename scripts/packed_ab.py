@@ -113,6 +113,13 @@ def main() -> int:
                         help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.device != "cpu" and not args.child:
+        import torch
+
+        try:
+            torch.empty(1, device=args.device)
+        except (RuntimeError, AssertionError) as exc:  # (a 69-line traceback: an outside check)
+            parser.error(f"--device {args.device}: {str(exc).splitlines()[0]}")
     if args.child:  # Ctrl-C, sent to the process group, ends it silently (unless ignored)
         if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
             signal.signal(signal.SIGINT, signal.SIG_DFL)

@@ -37,7 +37,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 from benchkit import (CORPUS, SCENARIOS, InProcess, corpus_file,  # noqa: E402
                       locust_window, open_loop_window, positive)
 from benchmachine import cpu_description  # noqa: E402
-from benchstacks import (OwnStack, check_ports, require, stop_on_term,  # noqa: E402
+from benchstacks import (OwnStack, check_ports, refuse, require, stop_on_term,  # noqa: E402
                          run_main)
 
 from shmserve import config as config_mod  # noqa: E402
@@ -102,9 +102,9 @@ def main() -> None:
     inproc = InProcess.from_config(cfg, corpus)
     # before the minutes of the model-alone pass (said only after it: an outside check)
     band = [text for text, t in zip(corpus, inproc.texts) if lo <= t.length <= hi]
-    if len(band) < 50:
-        raise SystemExit(f"only {len(band)} corpus texts of {band_name} tokens, of "
-                         f"{len(corpus)}: the band needs 50 or more")
+    if len(band) < 50:  # a wrong argument: exit 2, as the others (it was 1)
+        refuse(f"--band {band_name}: only {len(band)} corpus texts of {band_name} tokens, of "
+               f"{len(corpus)}: the band needs 50 or more")
     alone = model_alone(inproc, args.texts)
     print(f"model alone, one text at a time (the first {first} corpus "
           f"texts, {alone['forwards']} forwards; tokens p50 "

@@ -123,6 +123,27 @@ def test_bench_url_with_nothing_there_or_not_shmserve_is_refused_before_the_ceil
     assert "--compare" in err
 
 
+def test_bench_measures_the_model_model_names_and_refuses_one_not_served(
+        capsys, monkeypatch, nothing_starts, server):
+    """A run of a stack's second model reported its first, read its ratio against the first's
+    ceiling and failed in parity (an outside check): the model --model names is the one."""
+    monkeypatch.setenv("SHMSERVE_BENCH_MODEL", "")  # main() sets it: undone after the test
+    info = {"frontends": 1, "workers": 1, "limits": {}, "models": [
+        {"name": "m1", "dtype": "bf16", "aliases": ["first"]},
+        {"name": "m2", "dtype": "fp32", "aliases": ["second"]}]}
+    assert bench.named_model(info, None, "u")["name"] == "m1"
+    assert bench.named_model(info, "second", "u")["name"] == "m2"
+    assert bench.named_model(info, "m2", "u")["dtype"] == "fp32"
+    server.answers[("GET", "/info")] = (200, info)
+    server.answers[("POST", "/v1/embeddings")] = (200, EMBEDDING)
+    err = refused(capsys, bench.main, ["--url", server.url, "--model", "m3", "--no-sweep"],
+                  monkeypatch)
+    assert f"--model 'm3': the stack at {server.url} serves no such model (it serves m1, m2)" \
+        in err
+    err = refused(capsys, bench.main, ["--model", "m3", "--no-sweep"], monkeypatch)
+    assert "--model 'm3': the config serves no such model (it serves all-MiniLM-L6-v2)" in err
+
+
 def test_bench_compare_url_is_probed_before_the_ceiling(capsys, monkeypatch, nothing_starts):
     port = unused_port()
     err = refused(capsys, bench.main, ["--compare", f"http://127.0.0.1:{port}/v1",
@@ -144,6 +165,24 @@ def test_a_missing_default_corpus_is_named_with_corpus_before_anything_starts(
         err = refused(capsys, module.main, argv, monkeypatch)
         assert f"argument --corpus: {missing}: not a readable JSON file" in err, module
         assert "give another with --corpus PATH" in err
+
+
+def test_what_would_fail_later_is_refused_before_anything_starts(capsys, monkeypatch,
+                                                                   nothing_starts, tmp_path):
+    """Each of these failed later, or said so in a traceback (an outside check): a corpus
+    with an empty text (every request answered 400), burst's --json into no directory (after
+    the whole run, its results lost), packed_ab on a device this torch has not."""
+    import packed_ab
+
+    corpus = tmp_path / "corpus.json"
+    corpus.write_text('["a", "", "b", ""]')
+    err = refused(capsys, bench.main, ["--corpus", str(corpus), "--no-sweep"], monkeypatch)
+    assert "2 empty string(s), the first at index 1: the server refuses an empty text" in err
+    err = refused(capsys, burst.main, ["--a", "{}", "--b", "{}", "--json",
+                                       str(tmp_path / "none" / "x.json")], monkeypatch)
+    assert f"--json {tmp_path / 'none' / 'x.json'}: no directory {tmp_path / 'none'}" in err
+    err = refused(capsys, packed_ab.main, ["--device", "nosuch"], monkeypatch)
+    assert "packed_ab.py: error: --device nosuch: " in err, err
 
 
 @pytest.mark.parametrize("wanted, needed", [("abc", "expected LO-HI"), ("9-1", "expected LO-HI"),
@@ -311,3 +350,27 @@ def test_the_locustfile_refuses_a_wrong_setting_in_one_line(env, said):
     assert done.returncode == 1 and done.stderr.strip().splitlines()[-1].startswith(said), \
         done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_a_ceiling_child_runs_on_its_workers_cores(tmp_path):
+    """Each of the ceiling's processes on the cores its worker is pinned to (workers.
+    cpu_affinity auto), the layout the served workers run in: unpinned, a loaded machine's
+    served / in-process read above 1 (an outside check)."""
+    import os
+
+    from shmserve import config, cores
+
+    cfg = config.load(env="dev")
+    corpus = tmp_path / "corpus.json"
+    corpus.write_text('["a text"]')
+    proc = subprocess.Popen([sys.executable, str(REPO / "scripts" / "benchkit.py"),
+                             "ceiling-child", "1000", str(corpus)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, cwd=REPO,
+                            env={**os.environ, "SHMSERVE_ENV": "dev"})
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        pinned = os.sched_getaffinity(proc.pid)
+    finally:
+        proc.communicate(timeout=30)  # its stdin closed: it exits
+    mine = cores.worker_cores(1, cfg.workers.cpu_workers, cfg.workers.torch_threads)
+    assert pinned == (set(mine) if mine else os.sched_getaffinity(0)), (pinned, mine)
