@@ -189,8 +189,8 @@ async def run(request: web.Request, served: ServedModel,
         request[LOG_FIELDS].update(timeout_s=round(seconds, 3), timeout_by=deadline_by)
     given = request_priority(request, priority, None)
     priority = cfg.frontends.default_priority if given is None else given
-    if given is None and 0 < cfg.frontends.bulk_texts <= texts:
-        # A bulk request that names no priority: a step below, behind the queries
+    stepped = given is None and 0 < cfg.frontends.bulk_texts <= texts
+    if stepped:  # A bulk request that names no priority: a step below, behind the queries
         priority = max(priority - 1, PRIORITY_RANGE[0])
     if priority != cfg.frontends.default_priority:
         request[LOG_FIELDS]["priority"] = priority
@@ -205,7 +205,10 @@ async def run(request: web.Request, served: ServedModel,
     # What the worker would refuse, refused here before tokenizing: in a burst the 429 comes
     # before the frontend has tokenized the requests ahead of it, and the cores go to the work
     # admitted (shmserve.admission).
-    refuse_early(request, variant, priority, deadline)
+    try:
+        refuse_early(request, variant, priority, deadline)
+    except ApiError as exc:
+        raise stepped_down(exc, stepped, texts) from None
     inflight[0] += 1
     gauge = metrics.inflight(str(request.app[INDEX]))
     gauge.inc()
@@ -259,7 +262,7 @@ async def run(request: web.Request, served: ServedModel,
             kept(request, outcome)
     except ApiError as exc:
         if exc.kind != "timeout":
-            raise
+            raise stepped_down(exc, stepped, texts) from None
         raise exc.set_by(deadline_by) from None
     finally:
         inflight[0] -= 1
@@ -294,6 +297,17 @@ async def run(request: web.Request, served: ServedModel,
     if outcome.workers:  # spread over several (frontend.dispatch): `worker` answered last
         request[LOG_FIELDS]["workers"] = list(outcome.workers)
     return Ran(served, variant, outcome, enc)
+
+
+def stepped_down(error: ApiError, stepped: bool, texts: int) -> ApiError:
+    """A 429 of a request the bulk rule ran a step below the default says so: its words (a
+    queue's share for below-normal priority, the work ahead of it) were of a priority the
+    client never named (a noted gap)."""
+    if stepped and error.kind == "overloaded":
+        error.message += (f" (a request of {texts} texts that names no priority runs a step "
+                          "below the default, behind smaller ones: frontends.bulk_texts; "
+                          "X-Priority, or the body's priority, sets its own)")
+    return error
 
 
 def cached(request: web.Request, variant: Variant, enc: Encoded, raw: bool) -> Outcome | None:

@@ -278,6 +278,16 @@ def test_worker_queue_full_is_429_with_retry_after(strict_stack):
         assert re.match(r"worker queue full: \d+ texts queued, and this request's 16 would "
                         r"pass the 24 of workers\.queue_texts", err["error"]["message"]), err
     assert strict_stack.post_json("/predict", body)[0] == 200
+    # Naming none, a step below: its 429 says why it met below-normal priority's share
+    bulk = {"texts": body["texts"]}
+    with concurrent.futures.ThreadPoolExecutor(30) as pool:
+        answers = list(pool.map(lambda _: strict_stack.post_json("/predict", bulk), range(60)))
+    full = [err["error"]["message"] for status, _, err in answers if status == 429]
+    assert full, [status for status, _, _ in answers]
+    for message in full:
+        assert message.endswith("(a request of 16 texts that names no priority runs a step "
+                                "below the default, behind smaller ones: frontends.bulk_texts; "
+                                "X-Priority, or the body's priority, sets its own)"), message
 
 
 def test_unexpected_failure_is_500_with_request_id_and_worker_survives(strict_stack):
