@@ -256,6 +256,7 @@ async def run(request: web.Request, served: ServedModel,
                     enc = (await off_loop(encode, other.encoder, deadline)
                            if chars > THREAD_TOKENIZE_CHARS else encode(other.encoder))
                 variant = request[ARM] = other
+                request.pop(CACHED, None)  # (its lookup was the other arm's: nothing kept)
                 request[CHOSEN] = (variant.name, priority)
                 fields["variant"] = variant.name
                 outcome = await dispatch(variant, enc)

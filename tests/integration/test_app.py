@@ -186,17 +186,19 @@ def test_a_kserve_request_pinned_to_a_version_a_reload_replaced_meanwhile_is_ref
 
 
 def test_a_request_whose_arm_lost_its_last_worker_after_the_choice_goes_to_a_served_arm(
-        tmp_path, tiny_model):
+        tmp_path, tiny_model, caplog):
     """A split's arm is chosen among those served; its last worker may stop between the choice
     and the request's dispatch, the others not having loaded it (model_not_loaded): an arm
     still served answers it, as the choice would have given it (an outside check saw a 503 at
-    a worker's drain). Here the dispatcher's answer for arm b is that one. And weights that
-    give every share to an arm not served are taken with a warning."""
+    a worker's drain). Here the dispatcher's answer for arm b is that one. Its rows are not
+    kept in the response cache as arm b's. And weights that give every share to an arm not
+    served are taken with a warning."""
     from frontend.app import DISPATCHER, POOL
     from frontend.errors import ApiError
 
-    overrides = tiny_overrides(tiny_model, frontends={"count": 1},
+    overrides = tiny_overrides(tiny_model, frontends={"count": 1, "response_cache_mb": 8},
                                admin={"token": "arm-test-token"})
+    caplog.set_level(logging.INFO, logger="shmserve.access")
     overrides["models"] = [{"name": "ab", "variants": [
         {"name": "a", "source": str(tiny_model), "revision": "a1"},
         {"name": "b", "source": str(tiny_model), "revision": "b1"}]}]
@@ -210,9 +212,10 @@ def test_a_request_whose_arm_lost_its_last_worker_after_the_choice_goes_to_a_ser
             dispatcher, pool = app[DISPATCHER], app[POOL]
             real_run, real_ready = dispatcher.run, pool.ready_links
             lost: list[str] = []
+            back: list[bool] = []
 
             async def run(unit, *args):
-                if unit == "ab@b":  # its worker stopping, the other never loaded it
+                if unit == "ab@b" and not back:  # its worker stopping, the other never loaded it
                     lost.append(unit)
                     raise ApiError("unavailable", "model 'ab@b' did not load (worker 1: ...)",
                                    code="model_not_loaded")
@@ -231,6 +234,12 @@ def test_a_request_whose_arm_lost_its_last_worker_after_the_choice_goes_to_a_ser
                 async with client.put("/admin/models/ab/split", json={"weights": weights},
                                       headers={"Authorization": "Bearer arm-test-token"}) as resp:
                     said.append((resp.status, (await resp.json()).get("warning", "")))
+            back.append(True)  # arm b served again: its first answer of "x" is computed
+            pool.ready_links = real_ready
+            for i in range(4):
+                async with client.post("/v1/embeddings", json={"model": "ab", "input": ["x"]},
+                                       headers={"X-Request-ID": f"back-{i}"}) as resp:
+                    assert resp.status == 200
             return answers, lost, said
 
     try:
@@ -240,5 +249,8 @@ def test_a_request_whose_arm_lost_its_last_worker_after_the_choice_goes_to_a_ser
         worker.wait()
     assert lost == ["ab@b"]  # sent there once, then served by arm a
     assert answers == [(200, "a")] * 6, answers
+    lines = [r.fields for r in caplog.records if r.name == "shmserve.access"
+             and r.fields["request_id"].startswith("back-") and r.fields.get("variant") == "b"]
+    assert lines and lines[0].get("cache") != "hit", lines
     assert said[0][0] == 200 and said[0][1].startswith("no worker serves b now"), said
     assert said[1] == (200, ""), said
