@@ -91,9 +91,10 @@ class ApiError(Exception):
         return cls("timeout", "request deadline passed")
 
     def set_by(self, by: str) -> "ApiError":
-        """This deadline's 504 naming what set the deadline, the one to raise (frontend.
-        request_headers.timeout: the header, the protocol's parameter or the config): the dispatcher and the
-        workers keep to a deadline without knowing where it came from."""
+        """This deadline's 504 naming what set the deadline, the one to raise
+        (frontend.request_headers.timeout: the header, the protocol's parameter or the
+        config): the dispatcher and the workers keep to a deadline without knowing where it
+        came from."""
         error = ApiError(self.kind, f"{self.message} ({by})", self.param, self.retry_after,
                          self.code, self.attempts, self.reason)
         error.worker = self.worker
