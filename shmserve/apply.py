@@ -45,7 +45,7 @@ from shmserve import (config, configview, models, moves, processes, program_conf
 from shmserve.apply_sources import left_out
 from shmserve.apply_plan import (FIXED, Plan, by_counts, forget_overridden, index_of, nginx_differs,
                                  plan, reloads_held, warn_gaps)
-from shmserve.prechecks import CliError, check_fds, check_shm, seconds
+from shmserve.prechecks import CliError, check_fds, check_reachable, check_shm, seconds
 from shmserve.config import Config
 from shmserve.nginx_reload import reload_nginx
 from shmserve.restarts import ctl, say, wait_until_ready
@@ -175,6 +175,7 @@ def _apply(args: argparse.Namespace, new: Config) -> int:
         moves.check(old, new, args.move, args.dry_run, say)
         check_shm(new)
         check_fds(new)  # as `up` warns
+        check_reachable(new)
     with processes.supervisor(new) as proxy:
         try:
             proxy.shmserve.getAPIVersion()

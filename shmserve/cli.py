@@ -32,8 +32,8 @@ from pathlib import Path
 from shmserve import (config, configview, models, nginxrun, processes, remote, render, state,
                       supervisor_files, tls, topology)
 from shmserve.config import Config, ConfigError
-from shmserve.prechecks import (CliError, check_fds, check_port, check_shm, check_stdout,  # noqa: F401
-                                seconds)
+from shmserve.prechecks import (CliError, check_fds, check_port, check_reachable,  # noqa: F401
+                                check_shm, check_stdout, seconds)
 from shmserve.startwait import log_sizes, wait_ready
 from shmserve.status_cli import leftovers, status, unsupervised
 
@@ -246,6 +246,7 @@ def _start(args: argparse.Namespace, cfg: Config) -> tuple[int | None, dict[str,
     check_port(cfg)  # after those: this deployment's own leftovers may have held it
     check_shm(cfg)
     check_fds(cfg)
+    check_reachable(cfg)
     render.render(cfg)  # only now: a refused `up` leaves the run directory as it was
     topology.record_sources(cfg, args.env, args.config)
     clean_stale(cfg, metrics=True)

@@ -197,6 +197,29 @@ def test_up_warns_of_an_open_files_limit_under_nginxs_connections(deployment, mo
     assert capsys.readouterr().err == ""
 
 
+def test_a_size_no_request_reaches_is_warned_of(capsys):
+    """frontends.bulk_texts over limits.max_texts_per_request was taken without a word: the
+    bulk rule then never applies (a noted gap); so for spreading, which needs twice its part."""
+    from shmserve import config, prechecks
+
+    prechecks.check_reachable(config.load(environ={}))  # the defaults: 2,048 a request
+    assert capsys.readouterr().err == ""
+    prechecks.check_reachable(config.load(environ={
+        "SHMSERVE__LIMITS__MAX_TEXTS_PER_REQUEST": "24"}))
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["shmserve: warning: frontends.spread_part_texts 16 needs requests of 32 texts "
+                   "or more, over limits.max_texts_per_request (24): no request is spread over "
+                   "idle workers (it needs twice this many texts); lower it, or set 0 where the "
+                   "rule is meant to be off"], err
+    prechecks.check_reachable(config.load(environ={
+        "SHMSERVE__LIMITS__MAX_TEXTS_PER_REQUEST": "8",
+        "SHMSERVE__FRONTENDS__SPREAD_PART_TEXTS": "0"}))
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(
+        "shmserve: warning: frontends.bulk_texts 16 needs requests of 16 texts or more, over "
+        "limits.max_texts_per_request (8): no request runs a step below as bulk"), err
+
+
 def test_up_refuses_a_dev_shm_smaller_than_the_arenas_and_warns_when_it_is_nearly_full(
         deployment, monkeypatch, capsys):
     # Docker's default /dev/shm is 64 MiB: the arenas could not fit. Said before anything starts.
