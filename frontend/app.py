@@ -259,8 +259,7 @@ def error_response(request: web.Request, exc: ApiError) -> web.Response:
         if value:
             fields[f"error_{key}"] = value
     if exc.status >= 500 and request[REQUEST_ID] not in exc.message:
-        exc = ApiError(exc.kind, f"{exc.message} (request id {request[REQUEST_ID]})",
-                       exc.param, exc.retry_after, exc.code)
+        exc = exc.told(f"{exc.message} (request id {request[REQUEST_ID]})")
     body = exc.kserve_body() if kserve_shaped(request.path) else exc.body()
     return codec.render(request, body, status=status_on(request.path, exc),
                         headers=exc.headers())

@@ -46,6 +46,10 @@ _FROM_WORKER: dict[ErrorCode, str] = {
 }
 
 
+# What set a deadline that is the client's own (frontend.request_headers.timeout)
+CLIENT_DEADLINES = ("X-Request-Timeout", "parameters.timeout")
+
+
 class ApiError(Exception):
     def __init__(self, kind: str, message: str, param: str | None = None,
                  retry_after: int | None = None, code: str | None = None,
@@ -63,6 +67,7 @@ class ApiError(Exception):
         # shmserve_frontend_refused_total counts it under, or the worker's error code
         self.reason = reason
         self.worker: int | None = None  # the worker that failed it, if one did (access line)
+        self.final = False  # not to be sent again as it is (X-Should-Retry: false)
 
     @property
     def status(self) -> int:
@@ -83,6 +88,8 @@ class ApiError(Exception):
     def headers(self) -> dict[str, str]:
         if self.kind == "unauthorized":  # RFC 6750: say which scheme to use
             return {"WWW-Authenticate": 'Bearer realm="shmserve"'}
+        if self.final:
+            return {"X-Should-Retry": "false"}
         return {"Retry-After": str(self.retry_after)} if self.retry_after is not None else {}
 
     @classmethod
@@ -90,14 +97,24 @@ class ApiError(Exception):
         """A request's deadline passed; its route names what set it (`set_by`)."""
         return cls("timeout", "request deadline passed")
 
+    def told(self, message: str) -> "ApiError":
+        """This error with another message, all else kept (a 504's X-Should-Retry was lost
+        where the request id was added)."""
+        error = ApiError(self.kind, message, self.param, self.retry_after, self.code,
+                         self.attempts, self.reason)
+        error.worker, error.final = self.worker, self.final
+        return error
+
     def set_by(self, by: str) -> "ApiError":
         """This deadline's 504 naming what set the deadline, the one to raise
         (frontend.request_headers.timeout: the header, the protocol's parameter or the
         config): the dispatcher and the workers keep to a deadline without knowing where it
         came from."""
-        error = ApiError(self.kind, f"{self.message} ({by})", self.param, self.retry_after,
-                         self.code, self.attempts, self.reason)
-        error.worker = self.worker
+        error = self.told(f"{self.message} ({by})")
+        # The client's own deadline: sent again, it passes again. openai-python's and its kin's
+        # retries of every 5xx sent a 1 s request three times (an outside check); they obey
+        # X-Should-Retry (OpenAI's API sends it). The server's own default stays retryable.
+        error.final = by in CLIENT_DEADLINES
         return error
 
     @classmethod

@@ -189,10 +189,27 @@ def test_body_over_the_nginx_limit_is_413_from_nginx(tiny_stack, accept, as_msgp
 
 
 def test_deadline_passed_is_504(tiny_stack):
-    status, _, err = tiny_stack.post_json("/predict", {"texts": ["late"] * 8},
-                                          {"X-Request-Timeout": "0.000001"})
+    status, headers, err = tiny_stack.post_json("/predict", {"texts": ["late"] * 8},
+                                                {"X-Request-Timeout": "0.000001"})
     assert status == 504 and err["error"]["type"] == "timeout"
     assert err["error"]["message"].startswith("request deadline passed (X-Request-Timeout) (")
+    # The client's own deadline: sent again, it passes again. openai's client re-sent every
+    # 5xx twice (three attempts, three times the work: an outside check); it obeys
+    # X-Should-Retry, which OpenAI's API sends.
+    assert headers.get("X-Should-Retry") == "false" and "Retry-After" not in headers
+    import openai
+
+    client = openai.OpenAI(base_url=tiny_stack.url + "/v1", api_key="unused")  # 2 retries
+    with pytest.raises(openai.APIStatusError) as info:
+        client.embeddings.create(model="tiny", input=["late"] * 8, extra_headers={
+            "X-Request-Timeout": "0.000001", "X-Request-ID": "late-once"})
+    assert info.value.status_code == 504
+    frontends = [f"frontend-{i}" for i in range(tiny_stack.deployed().frontends.count)]
+    time.sleep(0.5)  # (a retry would come at once: openai waits ~0.5-1 s without Retry-After)
+    attempts = tiny_stack.settled(
+        lambda: [line for name in frontends for line in tiny_stack.log_lines(name, whole=True)
+                 if line.get("request_id") == "late-once"], lambda found: len(found) >= 1)
+    assert [line["status"] for line in attempts] == [504], attempts
 
 
 @pytest.mark.parametrize("count,chars", [(8, 4), (60, 200)])  # tokenized inline; in a thread
