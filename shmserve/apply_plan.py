@@ -359,9 +359,10 @@ def forget_overridden(old: Config, new: Config, dry_run: bool = False) -> list[s
             state.update(new, change)
         said = ([f"the reloaded weights of {', '.join(reloads)}"] if reloads else []) + (
             [f"the split weights of {', '.join(weights)}"] if weights else [])
+        # (a reload switches every worker at once; a restart one worker at a time)
+        meanwhile = (" once every worker has restarted; until then the workers not yet "
+                     "restarted answer with the reloaded weights, the others with the config's"
+                     if reloads else "")
         say(f"shmserve: their models' config changed, so {' and '.join(said)} "
-            f"{'would be' if dry_run else 'are'} dropped: the config serves"
-            # (a reload switches every worker at once; a restart one worker at a time)
-            + (" once every worker has restarted; until then the workers not yet restarted "
-               "answer with the reloaded weights, the others with the config's" * bool(reloads)))
+            f"{'would be' if dry_run else 'are'} dropped: the config serves{meanwhile}")
     return sorted({*reloads, *weights})

@@ -93,13 +93,12 @@ def check_reachable(cfg: Config) -> None:
     """Warn of a size no request can reach, so a rule set never applies (frontends.bulk_texts
     over limits.max_texts_per_request was taken without a word: a noted gap)."""
     most = cfg.limits.max_texts_per_request
-    for key, size, rule in (
-            ("frontends.bulk_texts", cfg.frontends.bulk_texts,
-             "no request runs a step below as bulk"),
-            ("frontends.spread_part_texts", 2 * cfg.frontends.spread_part_texts,
+    bulk, part = cfg.frontends.bulk_texts, cfg.frontends.spread_part_texts
+    for key, value, size, rule in (
+            ("frontends.bulk_texts", bulk, bulk, "no request runs a step below as bulk"),
+            ("frontends.spread_part_texts", part, 2 * part,
              "no request is spread over idle workers (it needs twice this many texts)")):
         if size > most:
-            value = size // 2 if key.endswith("part_texts") else size
             print(f"shmserve: warning: {key} {value} needs requests of {size} texts or more, "
                   f"over limits.max_texts_per_request ({most}): {rule}; lower it, or set 0 "
                   "where the rule is meant to be off", file=sys.stderr)
