@@ -108,13 +108,14 @@ def rate_limit(n) -> dict[str, str]:
     """nginx's per-client limits: limit_req's zone (nginx.rate_limit_per_s) and limit_conn's
     (nginx.max_requests_per_client) at http level, their use (in a location), or comments where
     both are off; and the Retry-After of a 429: the seconds until the client's next request is
-    allowed (1 for requests in flight: one may end any moment)."""
+    allowed (1 for requests in flight: one may end any moment), and a second more, which half
+    the refusals say (nginx.conf), so a refused burst does not come back all at once."""
     rate, most = n.rate_limit_per_s, n.max_requests_per_client
     if not rate and not most:
         return {"rate_limit_zone": "    # nginx.rate_limit_per_s and max_requests_per_client: "
                                    "0, no per-client limit",
                 "rate_limit": "            # no per-client limit",
-                "rate_limit_retry_after": "1"}
+                "rate_limit_retry_after": "1", "rate_limit_retry_later": "2"}
     key, zone = _KEYS[n.rate_limit_key]
     # Probes and scrapes are not limited (an empty key is not counted), as the client wrote
     # them: their locations match nginx's $uri, which a crafted target reached past the limit
@@ -149,9 +150,10 @@ def rate_limit(n) -> dict[str, str]:
                      "    limit_conn_status 460;  # answered as a 429 (error_page 460 =429)\n"
                      "    limit_conn_log_level info;  # (as limit_req's)")
         uses.append(f"            limit_conn {name} {most};")
+    after = max(1, math.ceil(1 / rate)) if rate else 1
     return {"rate_limit_zone": zone + "\n".join(zones),
             "rate_limit": "\n".join(uses),
-            "rate_limit_retry_after": str(max(1, math.ceil(1 / rate))) if rate else "1"}
+            "rate_limit_retry_after": str(after), "rate_limit_retry_later": str(after + 1)}
 
 
 def cors(origins: list[str]) -> dict[str, str]:
