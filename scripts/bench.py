@@ -168,18 +168,18 @@ def compared(text: str) -> str:
             f"{text!r}: 'baseline' or an http(s)://HOST:PORT URL") from None
 
 
-def named_model(info: dict, name: str | None, url: str) -> dict:
-    """The model of a stack's GET /info the run measures: the one `--model` names (by name or
-    alias), else its first, which requests that name none get. It was always the first: a run
-    of a stack's second model reported the first, read its ratio against the first's ceiling
-    and failed in parity (an outside check)."""
-    models = info["models"]
+def named_model(models: list[dict], name: str | None, where: str) -> dict:
+    """The model the run measures, of `models` (GET /info's, or the config's as {name,
+    aliases}): the one `--model` names (by name or alias), else the first, which requests that
+    name none get. It was always the first: a run of a stack's second model reported the
+    first, read its ratio against the first's ceiling and failed in parity (an outside
+    check)."""
     if not name:
         return models[0]
     for model in models:
         if name == model["name"] or name in model.get("aliases", ()):
             return model
-    raise SystemExit(f"--model {name!r}: the stack at {url} serves no such model (it serves "
+    raise SystemExit(f"--model {name!r}: {where} serves no such model (it serves "
                      f"{', '.join(m['name'] for m in models)})")
 
 
@@ -284,11 +284,10 @@ def main() -> int:
         described = stack_info(args.url, "--url's stack") if args.url else None
         if args.url:
             probe(args.url, "--url's stack")
-            named_model(described, args.model, args.url)
-        elif args.model and not any(args.model == m.name or args.model in m.aliases
-                                    for m in cfg.models):
-            raise SystemExit(f"--model {args.model!r}: the config serves no such model (it "
-                             f"serves {', '.join(m.name for m in cfg.models)})")
+            named_model(described["models"], args.model, f"the stack at {args.url}")
+        else:
+            named_model([{"name": m.name, "aliases": m.aliases} for m in cfg.models],
+                        args.model, "the config")
         if args.compare and args.compare != "baseline":
             probe(args.compare, "--compare's server")
     except SystemExit as exc:  # a wrong argument: exit 2, as argparse's
@@ -321,7 +320,7 @@ def main() -> int:
         if args.compare:
             summary["compared"] = "baseline" if args.compare == "baseline" else "other"
         described = described or stack_info(url, "the served stack")
-        served = named_model(described, args.model, url)
+        served = named_model(described["models"], args.model, f"the stack at {url}")
         if args.url:  # measured there, as it runs; the ceiling runs the local config
             limits = described["limits"]
             summary["setup"] = (

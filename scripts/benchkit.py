@@ -194,9 +194,7 @@ class _Ceilings:
     def __init__(self, count: int, corpus: Path, env: str | None, extra: str | None) -> None:
         self.procs = []
         for i in range(count):
-            # (the offset into the corpus, i * 1000, names the worker too: _ceiling_child)
-            argv = [PYTHON, str(Path(__file__).resolve()), "ceiling-child", str(i * 1000),
-                    str(corpus)]
+            argv = [PYTHON, str(Path(__file__).resolve()), "ceiling-child", str(i), str(corpus)]
             if extra:
                 argv += ["--config", extra]
             child_env = {**os.environ, "SHMSERVE_ENV": env or os.environ.get("SHMSERVE_ENV",
@@ -229,7 +227,8 @@ class _Ceilings:
 
 
 def _ceiling_child(argv: list[str]) -> None:
-    """One worker's share of the ceiling: windows on request (stdin), results on stdout."""
+    """Worker `argv[0]`'s share of the ceiling (its texts from 1,000 corpus texts on per
+    worker): windows on request (stdin), results on stdout."""
     from shmserve import config as config_mod
 
     from gpu_workers.__main__ import pin
@@ -239,9 +238,10 @@ def _ceiling_child(argv: list[str]) -> None:
     # On the cores its worker is pinned to (workers.cpu_affinity auto), as the served worker
     # runs: unpinned, the ceiling ran in another layout than the README says, and a loaded
     # machine's served / in-process read above 1 (an outside check)
-    pin(cfg, int(argv[0]) // 1000)
+    index = int(argv[0])
+    pin(cfg, index)
     inproc = InProcess.from_config(cfg, json.loads(Path(argv[1]).read_text()),
-                                    offset=int(argv[0]))
+                                    offset=index * 1000)
     print("ready", flush=True)
     for line in sys.stdin:
         seconds, chunk = line.split()

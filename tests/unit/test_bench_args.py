@@ -131,9 +131,9 @@ def test_bench_measures_the_model_model_names_and_refuses_one_not_served(
     info = {"frontends": 1, "workers": 1, "limits": {}, "models": [
         {"name": "m1", "dtype": "bf16", "aliases": ["first"]},
         {"name": "m2", "dtype": "fp32", "aliases": ["second"]}]}
-    assert bench.named_model(info, None, "u")["name"] == "m1"
-    assert bench.named_model(info, "second", "u")["name"] == "m2"
-    assert bench.named_model(info, "m2", "u")["dtype"] == "fp32"
+    assert bench.named_model(info["models"], None, "u")["name"] == "m1"
+    assert bench.named_model(info["models"], "second", "u")["name"] == "m2"
+    assert bench.named_model(info["models"], "m2", "u")["dtype"] == "fp32"
     server.answers[("GET", "/info")] = (200, info)
     server.answers[("POST", "/v1/embeddings")] = (200, EMBEDDING)
     err = refused(capsys, bench.main, ["--url", server.url, "--model", "m3", "--no-sweep"],
@@ -364,7 +364,7 @@ def test_a_ceiling_child_runs_on_its_workers_cores(tmp_path):
     corpus = tmp_path / "corpus.json"
     corpus.write_text('["a text"]')
     proc = subprocess.Popen([sys.executable, str(REPO / "scripts" / "benchkit.py"),
-                             "ceiling-child", "1000", str(corpus)], stdin=subprocess.PIPE,
+                             "ceiling-child", "1", str(corpus)], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True, cwd=REPO,
                             env={**os.environ, "SHMSERVE_ENV": "dev"})
     try:
