@@ -148,14 +148,13 @@ async def set_split(request: web.Request) -> web.Response:
     state.update(request.app[CONFIG],
                  lambda tree: tree["splits"].__setitem__(served.spec.name, new))
     answer = {"model": served.spec.name, "weights": new}
-    pool = request.app[POOL]
-    unserved = [v.name for v in served.variants if new[v.name] > 0 and not pool.ready_links(v.unit)]
-    if unserved and len(unserved) == sum(w > 0 for w in new.values()):
+    weighted = [v for v in served.variants if new[v.name] > 0]
+    if not any(request.app[POOL].ready_links(v.unit) for v in weighted):
         # A share of 0 stays 0: an arm of weight 0 answers nothing, even when the others have
         # no worker (an outside check set a=0 b=1 with b not loaded: every request 503)
-        answer["warning"] = (f"no worker serves {', '.join(unserved)} now, and the other "
-                             "variants have weight 0: this model's requests are answered 503 "
-                             "until one does")
+        answer["warning"] = (f"no worker serves {', '.join(v.name for v in weighted)} now, "
+                             "and the other variants have weight 0: this model's requests "
+                             "are answered 503 until one does")
     return codec.render(request, answer)
 
 
